@@ -1,0 +1,9 @@
+"""gptlib: train GPT-style language models from scratch, on a laptop CPU or a Colab GPU.
+
+Importing gptlib has no side effects: no Drive mounts, no seeds, no prints.
+"""
+
+__version__ = "0.1.0"
+
+from .config import ModelConfig, RunConfig, TrainConfig, get_preset  # noqa: F401
+from .model import GPT  # noqa: F401

@@ -1,0 +1,141 @@
+"""Command line: python -m gptlib {tokenize, train, sample, ...} --help."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+class CLIError(Exception):
+    pass
+
+
+def _add_tokenize(sub) -> None:
+    p = sub.add_parser("tokenize", help="pre-tokenize text into token shards + meta.json",
+                       description="Pre-tokenize text files into a gptlib data directory (token shards + meta.json).")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text files, directories or globs")
+    p.add_argument("--tokenizer", default="char", choices=["char", "bpe"], help="tokenizer kind (default: char)")
+    p.add_argument("--out", required=True, metavar="DATA_DIR", help="output data directory")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="fraction held out for validation (default 0.1)")
+    p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in --out")
+    p.set_defaults(func=cmd_tokenize)
+
+
+def cmd_tokenize(args) -> int:
+    from .prepare import prepare_text
+
+    if args.tokenizer != "char":
+        raise CLIError(f"--tokenizer {args.tokenizer}: not available in this build")
+    prepare_text(args.input, args.out, tokenizer="char", val_fraction=args.val_fraction, overwrite=args.overwrite)
+    return 0
+
+
+def _add_train(sub) -> None:
+    from .config import PRESETS
+
+    p = sub.add_parser("train", help="train or resume a GPT on a data directory",
+                       description="Train a GPT; re-running the same command resumes from the run directory's "
+                                   "newest valid checkpoint.")
+    p.add_argument("--data", required=True, metavar="DATA_DIR", help="data directory from `tokenize`")
+    p.add_argument("--preset", default="phase1", choices=list(PRESETS), help="model/training preset")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR", help="where checkpoints, metrics, plots go")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (the LR schedule ends here)")
+    p.add_argument("--max-minutes", type=float, help="stop gracefully with a checkpoint after this many minutes")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N | mps")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    p.add_argument("--save-every-steps", type=int, help="checkpoint every N steps (default: at each validation)")
+    p.add_argument("--save-every-minutes", type=float, help="also checkpoint every M minutes")
+    p.add_argument("--keep-last", type=int, help="checkpoints kept besides the best (at least 2)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any config field, e.g. --set n_layer=6 --set learning_rate=3e-4 (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from .train import train
+
+    overrides = list(args.set)
+    for flag, field in (("save_every_steps", "save_every_steps"), ("save_every_minutes", "save_every_minutes"),
+                        ("keep_last", "keep_last")):
+        v = getattr(args, flag)
+        if v is not None:
+            overrides.append(f"{field}={v}")
+    compile_flag = None if args.compile is None else ("on" if args.compile else "off")
+    r = train(args.data, args.run_dir, preset=args.preset, overrides=overrides, max_steps=args.max_steps,
+              max_minutes=args.max_minutes, seed=args.seed, device=args.device, compile=compile_flag,
+              progress=not args.quiet)
+    val = f"{r.val_loss:.4f}" if r.val_loss is not None else "n/a"
+    print(f"done: step {r.step:,}, val loss {val}, {r.tokens_per_s:,.0f} tokens/s, "
+          f"{r.elapsed_s:.1f}s ({r.stopped_by}) -> {r.run_dir}")
+    return 0
+
+
+def _add_sample(sub) -> None:
+    p = sub.add_parser("sample", help="generate text from a run's checkpoint",
+                       description="Generate text from the newest valid checkpoint of a run directory.")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy decoding")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_sample)
+
+
+def cmd_sample(args) -> int:
+    import torch
+
+    from .checkpoint import find_latest_valid, load_model_weights
+    from .config import RunConfig
+    from .generate import generate_ids
+    from .model import GPT
+    from .tokenizer import check_identity, load_tokenizer
+    import json
+
+    if args.temperature < 0:
+        raise CLIError(f"--temperature {args.temperature} must be >= 0")
+    ck = find_latest_valid(args.run_dir)
+    if ck is None:
+        raise CLIError(f"no valid checkpoint in {args.run_dir}")
+    state = json.loads((ck.path / "state.json").read_text())
+    cfg = RunConfig.from_dict(state["config"])
+    model = GPT(cfg.model)
+    model.load_state_dict(load_model_weights(ck.path))
+    model.to(args.device).eval()
+    tok = load_tokenizer(Path(args.run_dir) / "tokenizer.json")
+    check_identity(tok, state.get("tokenizer", {}), str(args.run_dir))
+    g = torch.Generator().manual_seed(args.seed)
+    out = generate_ids(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k, g)
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_tokenize(sub)
+    _add_train(sub)
+    _add_sample(sub)
+    args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .download import DownloadError
+    from .prepare import PrepareError
+    from .shards import DataFormatError
+    from .tokenizer import TokenizerError
+
+    try:
+        return args.func(args)
+    except (CLIError, ConfigError, CheckpointError, DataFormatError, PrepareError, TokenizerError,
+            DownloadError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

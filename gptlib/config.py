@@ -1,0 +1,255 @@
+"""Configuration: dataclasses with one comment per field, presets, and validated overrides.
+
+A run is described by a `RunConfig` holding a `ModelConfig` (what the network is) and a
+`TrainConfig` (how it is trained). Field names are unique across the two, so `--set n_layer=6`
+and `--set learning_rate=1e-3` need no prefix. Unknown keys are errors; keys missing from an
+older saved config take today's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the field and the value."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 65  # tokens the tokenizer can produce; train() takes it from the data's metadata
+    block_size: int = 256  # context length in tokens (learned position embeddings up to this)
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block; must divide n_embd
+    n_embd: int = 128  # residual stream width
+    dropout: float = 0.0  # dropout on attention/MLP outputs; 0 is best for short single-epoch runs
+    bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them; without is slightly faster)
+    vocab_multiple: int = 64  # embedding rows padded to a multiple of this for fast matmuls; logits are cut back to vocab_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = max(1, self.vocab_multiple)
+        return ((self.vocab_size + m - 1) // m) * m
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "vocab_multiple")
+        if self.n_embd % self.n_head != 0:
+            raise ConfigError(
+                f"n_head={self.n_head} does not divide n_embd={self.n_embd}: "
+                f"each head needs n_embd/n_head dimensions (try n_head in "
+                f"{[h for h in range(1, 33) if self.n_embd % h == 0]})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 32  # sequences per micro-batch (per process under DDP)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; tokens/step = batch_size * block_size * grad_accum_steps
+    max_steps: int = 2000  # optimizer steps in the whole run (the cosine schedule ends here)
+    learning_rate: float = 1e-3  # peak learning rate after warmup
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    warmup_steps: int = 100  # linear warmup from 0 to the peak
+    weight_decay: float = 0.1  # AdamW decay, applied to 2-D weights only (not norms, biases)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables
+    eval_interval: int = 250  # validate (and sample, and checkpoint) every this many steps
+    eval_batches: int = 20  # micro-batches averaged for each validation loss
+    log_interval: int = 10  # read the loss back to the host every this many steps (a device sync)
+    sample_prompts: list[str] = field(default_factory=lambda: ["\n"])  # fixed prompts sampled at each validation
+    sample_tokens: int = 200  # new tokens per logged sample
+    seed: int = 1337  # seeds model init and the batch sampler; the run is reproducible from it
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU) | float32 | bfloat16 | float16
+    compile: str = "auto"  # auto (on for CUDA, off for CPU) | on | off
+    max_minutes: float = 0.0  # stop gracefully (with a checkpoint) after this much training time; 0 = no limit
+    save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
+    save_every_minutes: float = 10.0  # also checkpoint when this much time passed since the last one; 0 disables
+    keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
+
+    def validate(self) -> None:
+        _positive(self, "batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
+                  "log_interval", "keep_last")
+        if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
+            raise ConfigError(f"learning_rate={self.learning_rate} must be a positive number")
+        _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "max_minutes", "save_every_steps",
+                      "save_every_minutes", "sample_tokens")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.keep_last < 2:
+            raise ConfigError(f"keep_last={self.keep_last}: at least 2 checkpoints are kept so one always survives a bad save")
+        _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
+        _choice(self, "compile", ("auto", "on", "off"))
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    preset: str = "custom"  # the preset this config started from (informational)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.train.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
+        """Strict: unknown keys are errors; keys missing from older configs take defaults."""
+        unknown = set(d) - {"model", "train", "preset"}
+        if unknown:
+            raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}")
+        return cls(
+            model=_dataclass_from_dict(ModelConfig, d.get("model", {}), f"{source}: model"),
+            train=_dataclass_from_dict(TrainConfig, d.get("train", {}), f"{source}: train"),
+            preset=d.get("preset", "custom"),
+        )
+
+    def set(self, name: str, value: Any) -> None:
+        """Set one field by name (`n_layer`, or `model.n_layer`); strings are parsed to the field's type."""
+        section_name, _, key = name.rpartition(".")
+        sections = {"model": self.model, "train": self.train}
+        if section_name:
+            if section_name not in sections:
+                raise ConfigError(f"unknown config section {section_name!r} in {name!r} (use model. or train.)")
+            candidates = [sections[section_name]]
+        else:
+            candidates = list(sections.values())
+        for section in candidates:
+            types = {f.name: f.type for f in fields(section)}
+            if key in types:
+                setattr(section, key, _parse_value(key, value, getattr(section, key)))
+                return
+        raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(all_field_names()))}")
+
+    def apply_overrides(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
+        if not overrides:
+            return self
+        if isinstance(overrides, list):
+            parsed = {}
+            for item in overrides:
+                if "=" not in item:
+                    raise ConfigError(f"override {item!r} is not FIELD=VALUE")
+                k, v = item.split("=", 1)
+                parsed[k.strip()] = v
+            overrides = parsed
+        for k, v in overrides.items():
+            self.set(k, v)
+        return self
+
+
+def all_field_names() -> list[str]:
+    return [f.name for f in fields(ModelConfig)] + [f.name for f in fields(TrainConfig)]
+
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # Tiny char-level model for Tiny Shakespeare on a laptop CPU (~0.8M parameters).
+    # Tuned to reach val loss <= 1.70 in 90 s on 2 CPU cores; see benchmarks/phase1_quality.py.
+    "phase1": {
+        "model": dict(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0, vocab_multiple=1),
+        "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=4e-3, min_lr_ratio=0.05,
+                      warmup_steps=60, weight_decay=0.1, beta2=0.99, eval_interval=250, eval_batches=20,
+                      sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0),
+    },
+    # Medium model: a few hours on a T4/L4, minutes per 1k steps on an A100.
+    "phase2": {
+        "model": dict(vocab_size=32768, block_size=512, n_layer=6, n_head=6, n_embd=384, dropout=0.0),
+        "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, min_lr_ratio=0.1,
+                      warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
+                      sample_tokens=100, save_every_minutes=10.0),
+    },
+    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
+    "gpt2-small": {
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
+        "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
+                      warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
+                      sample_tokens=100, save_every_minutes=10.0),
+    },
+}
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    p = PRESETS[name]
+    return RunConfig(model=ModelConfig(**p["model"]), train=TrainConfig(**p["train"]), preset=name)
+
+
+def save_config(cfg: RunConfig, path) -> None:
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _dataclass_from_dict(cls, d: dict[str, Any], source: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**d)
+
+
+def _parse_value(name: str, value: Any, current: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        if isinstance(current, bool):
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if isinstance(current, int):
+            try:
+                return int(value)
+            except ValueError:
+                f = float(value)  # accept 1e3 or 2000.0 for an integer field, not 2.5
+                if not f.is_integer():
+                    raise
+                return int(f)
+        if isinstance(current, float):
+            return float(value)
+        if isinstance(current, list):
+            parsed = json.loads(value) if value.strip().startswith("[") else [value]
+            if not isinstance(parsed, list):
+                raise ValueError(value)
+            return [str(x) for x in parsed]
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected a {type(current).__name__}") from None
+    return value
+
+
+def _positive(obj, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise ConfigError(f"{n}={v!r} must be a positive number")
+
+
+def _non_negative(obj, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"{n}={v!r} must be >= 0")
+
+
+def _choice(obj, name: str, choices: tuple[str, ...]) -> None:
+    v = getattr(obj, name)
+    if v not in choices:
+        raise ConfigError(f"{name}={v!r}: choose one of {', '.join(choices)}")

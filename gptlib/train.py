@@ -1,0 +1,467 @@
+"""The training loop: one `train()` for notebooks, the CLI and torchrun.
+
+Re-running the same call on the same run directory resumes from its newest valid checkpoint:
+model, optimizer, scaler, step (so the LR schedule), tokens seen, every RNG, the sampler, best
+validation loss and the metrics history all continue where they stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .checkpoint import (CheckpointWriter, find_latest_valid, load_checkpoint, unwrap_model)
+from .config import ConfigError, RunConfig, get_preset
+from .data import BatchSampler, load_dataset
+from .fsutil import atomic_write_bytes, atomic_write_json
+from .generate import generate_ids
+from .model import GPT
+from .tokenizer import TOKENIZER_FILE, check_identity, load_tokenizer
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+CONFIG_FILE = "config.json"
+PLOT_FILE = "loss.png"
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    train_loss: float | None  # last logged training loss
+    val_loss: float | None  # last validation loss
+    best_val_loss: float | None
+    elapsed_s: float  # training wall time of this call (excluding start-up)
+    tokens_per_s: float
+    resumed_from: int | None  # step of the checkpoint this call resumed from
+    stopped_by: str  # "max_steps" | "max_minutes" | "interrupt"
+    history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
+
+
+# --- device, precision, schedule ------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here (use --device cpu)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bf16 on GPUs that support it, fp16 (+ GradScaler) on older GPUs, fp32 on CPU."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at max_steps."""
+    peak = cfg.learning_rate
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    min_lr = peak * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
+
+
+# --- RNG state ------------------------------------------------------------------------------
+
+
+def capture_rng() -> tuple[dict, dict]:
+    """-> (tensors for train_state.pt, JSON-able python/numpy state for state.json)."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["torch_cuda"] = torch.cuda.get_rng_state_all()
+    py = random.getstate()
+    np_state = np.random.get_state()
+    plain = {"python": [py[0], list(py[1]), py[2]],
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return tensors, plain
+
+
+def restore_rng(tensors: dict, plain: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(tensors["torch_cuda"])
+    v, state, gauss = plain["python"]
+    random.setstate((v, tuple(state), gauss))
+    n = plain["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+# --- run directory ---------------------------------------------------------------------------
+
+
+def build_config(preset: str | RunConfig, overrides: dict | list | None = None, **explicit) -> RunConfig:
+    """Preset (or a RunConfig) + `--set` overrides + explicit keyword values (None = not given)."""
+    cfg = get_preset(preset) if isinstance(preset, str) else RunConfig.from_dict(preset.to_dict())
+    cfg.apply_overrides(overrides)
+    for k, v in explicit.items():
+        if v is not None:
+            cfg.set(k, v)
+    return cfg.validate()
+
+
+MODEL_FIELDS_THAT_MUST_MATCH = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple")
+
+
+def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log) -> RunConfig:
+    """On resume the model must be the same; training fields asked for now win, and are reported."""
+    for name in MODEL_FIELDS_THAT_MUST_MATCH:
+        a, b = getattr(saved.model, name), getattr(asked.model, name)
+        if a != b:
+            raise ConfigError(
+                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
+                f"use a new run directory, or drop the change to resume"
+            )
+    for name in saved.train.__dataclass_fields__:
+        a, b = getattr(saved.train, name), getattr(asked.train, name)
+        if a != b:
+            log(f"resume: {name} changed {a!r} -> {b!r}")
+    asked.model.dropout = saved.model.dropout if asked.model.dropout == saved.model.dropout else asked.model.dropout
+    return asked
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    p = Path(run_dir) / METRICS_FILE
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a kill mid-write
+    return rows
+
+
+def _truncate_metrics(run_dir: Path, upto_step: int) -> list[dict]:
+    """Keep metrics rows up to the resumed step: later rows are re-logged by the resumed run."""
+    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
+    p = run_dir / METRICS_FILE
+    if p.exists() or rows:
+        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        atomic_write_bytes(p, data)
+    for name in (SAMPLES_FILE,):
+        sp = run_dir / name
+        if sp.exists():
+            keep = [ln for ln in sp.read_text().splitlines() if ln.strip() and _row_step(ln) <= upto_step]
+            atomic_write_bytes(sp, "".join(ln + "\n" for ln in keep).encode())
+    return rows
+
+
+def _row_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (json.JSONDecodeError, AttributeError):
+        return 1 << 62
+
+
+def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
+    """Loss curve PNG (train and val vs step) without touching pyplot's global state."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+    va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if tr:
+        ax.plot(*zip(*tr), label="train", lw=1)
+    if va:
+        ax.plot(*zip(*va), "o-", label="val", lw=1.5, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    os.replace(tmp, path)
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(model, split_data, cfg: RunConfig, device, autocast_ctx, seed: int) -> float:
+    """Mean loss over eval_batches fixed batches (same batches at every evaluation)."""
+    sampler = BatchSampler(split_data, cfg.train.batch_size, cfg.model.block_size, seed, device)
+    was_training = model.training
+    model.eval()
+    losses = torch.zeros(cfg.train.eval_batches, device=device)
+    for i in range(cfg.train.eval_batches):
+        x, y = sampler.next_batch()
+        with autocast_ctx:
+            _, loss = model(x, y)
+        losses[i] = loss.float()
+    model.train(was_training)
+    return float(losses.mean())
+
+
+def train(
+    data_dir: str | Path,
+    run_dir: str | Path,
+    preset: str | RunConfig = "phase1",
+    overrides: dict | list | None = None,
+    *,
+    max_steps: int | None = None,
+    max_minutes: float | None = None,
+    seed: int | None = None,
+    device: str | None = None,
+    compile: bool | str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    on_log: Callable[[dict], None] | None = None,
+) -> TrainResult:
+    """Train (or resume) a GPT on a pre-tokenized data directory; everything lands in run_dir."""
+    run_dir = Path(run_dir)
+    if isinstance(compile, bool):
+        compile = "on" if compile else "off"
+    cfg = build_config(preset, overrides, max_steps=max_steps, max_minutes=max_minutes, seed=seed,
+                       device=device, compile=compile)
+
+    meta, splits = None, None
+    dev = resolve_device(cfg.train.device)
+    meta, splits = load_dataset(data_dir, device=dev, verbose=progress)
+    if meta.vocab_size != cfg.model.vocab_size:
+        log(f"vocab_size {cfg.model.vocab_size} (preset) -> {meta.vocab_size} (from {meta.data_dir}/meta.json)")
+        cfg.model.vocab_size = meta.vocab_size
+    tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", "tokenizer.json"))
+    check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
+
+    # Resume: the newest valid checkpoint in the run dir decides the model config.
+    ckpt = find_latest_valid(run_dir, log=log)
+    resume_state = None
+    if ckpt is not None:
+        model_sd, train_state, state = load_checkpoint(ckpt.path)
+        saved_cfg = RunConfig.from_dict(state["config"], source=str(ckpt.path / "state.json"))
+        cfg = reconcile_resume_config(saved_cfg, cfg, run_dir, log)
+        saved_data = state.get("data", {})
+        for key, now in meta.identity().items():
+            if saved_data.get(key) is not None and saved_data[key] != now:
+                raise ConfigError(
+                    f"{ckpt.path} was trained on data with {key}={saved_data[key]!r}, but {meta.data_dir} has "
+                    f"{key}={now!r}; resume with the same data or use a new run directory"
+                )
+        resume_state = (model_sd, train_state, state)
+    cfg.validate()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / CONFIG_FILE, cfg.to_dict())
+    # The run carries its own tokenizer copy, so sampling/export never depends on the data dir staying put.
+    atomic_write_bytes(run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
+
+    tc, mc = cfg.train, cfg.model
+    dtype = resolve_dtype(tc.dtype, dev)
+    use_compile = tc.compile == "on" or (tc.compile == "auto" and dev.type == "cuda")
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    np.random.seed(tc.seed % (2**32))
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    model = GPT(mc).to(dev)
+    optimizer = unwrap_model(model).configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), dev.type)
+    scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
+    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed, dev)
+    autocast_ctx = (torch.autocast(device_type=dev.type, dtype=dtype) if dtype != torch.float32
+                    else contextlib.nullcontext())
+
+    step, tokens_seen, best_val, best_step, elapsed_before = 0, 0, None, None, 0.0
+    resumed_from = None
+    history: list[dict] = []
+    if resume_state is not None:
+        model_sd, train_state, state = resume_state
+        model.load_state_dict(model_sd)
+        optimizer.load_state_dict(train_state["optimizer"])
+        if train_state.get("scaler"):
+            scaler.load_state_dict(train_state["scaler"])
+        sampler.load_state_dict(train_state["sampler"])
+        restore_rng(train_state["rng"], state["rng"])
+        step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        best_val, best_step = state.get("best_val_loss"), state.get("best_step")
+        elapsed_before = float(state.get("elapsed_s", 0.0))
+        resumed_from = step
+        history = _truncate_metrics(run_dir, step)
+        log(f"resumed from {ckpt.path} (step {step:,}, saved {ckpt.saved_at}, {tokens_seen:,} tokens seen)")
+    else:
+        history = _truncate_metrics(run_dir, 0)
+
+    n_params = unwrap_model(model).num_params()
+    train_model = torch.compile(model) if use_compile else model
+    tokens_per_step = tc.batch_size * mc.block_size * tc.grad_accum_steps
+    log(f"model: {n_params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
+        f"{mc.block_size}, vocab {mc.vocab_size}); device {dev}, {str(dtype).replace('torch.', '')}, "
+        f"compile {'on' if use_compile else 'off'}; {tokens_per_step:,} tokens/step")
+
+    writer = CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log)
+    save_every = tc.save_every_steps or tc.eval_interval
+    sample_gen = torch.Generator(device="cpu")
+
+    def checkpoint_now(s: int, val: float | None, step_begin: tuple[dict, torch.Tensor] | None = None) -> None:
+        rng_tensors, rng_plain = capture_rng()
+        sampler_state = sampler.state_dict()
+        if step_begin is not None:  # interrupted mid-step: save the state from before the unfinished step
+            sampler_state, rng_tensors["torch_cpu"] = step_begin
+        train_state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else {},
+                       "sampler": sampler_state, "rng": rng_tensors}
+        state = {"step": s, "tokens_seen": tokens_seen, "best_val_loss": best_val, "best_step": best_step,
+                 "val_loss": val, "elapsed_s": elapsed_before + (time.time() - t_start), "config": cfg.to_dict(),
+                 "data": meta.identity(), "data_dir": str(meta.data_dir), "tokenizer": meta.tokenizer,
+                 "rng": rng_plain}
+        writer.save(s, unwrap_model(model).state_dict(), train_state, state, best_step)
+
+    def log_samples(s: int) -> list[dict]:
+        rows = []
+        base = unwrap_model(model)
+        base.eval()
+        for i, prompt in enumerate(tc.sample_prompts):
+            sample_gen.manual_seed(tc.seed + i)  # fixed per prompt: samples differ only by the weights
+            try:
+                prompt_ids = tokenizer.encode(prompt)
+            except ValueError as e:
+                log(f"sample prompt {prompt!r} skipped: {e}")
+                continue
+            with autocast_ctx:
+                out = generate_ids(base, prompt_ids, tc.sample_tokens, temperature=0.8, top_k=None,
+                                   generator=sample_gen)
+            rows.append({"step": s, "prompt": prompt, "text": prompt + tokenizer.decode(out)})
+        base.train()
+        with open(run_dir / SAMPLES_FILE, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        return rows
+
+    pbar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        pbar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+
+    model.train()
+    t_start = time.time()
+    t_last_log, tokens_at_last_log = t_start, tokens_seen
+    last_save_time = t_start
+    pending_losses: list[torch.Tensor] = []
+    train_loss = history[-1].get("train_loss") if history else None
+    val_loss = None
+    stopped_by = "max_steps"
+    metrics_f = open(run_dir / METRICS_FILE, "a")
+    step_begin = None
+    try:
+        while step < tc.max_steps:
+            step_begin = (sampler.state_dict(), torch.get_rng_state())
+            lr = lr_at(step, tc)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_accum = torch.zeros((), device=dev)
+            for _ in range(tc.grad_accum_steps):
+                x, y = sampler.next_batch()
+                with autocast_ctx:
+                    _, loss = train_model(x, y)
+                loss = loss / tc.grad_accum_steps
+                loss_accum += loss.detach()
+                scaler.scale(loss).backward()
+            if tc.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            step_begin = None  # the step finished: an interrupt from here on saves the current state
+            tokens_seen += tokens_per_step
+            pending_losses.append(loss_accum)
+
+            is_last = step == tc.max_steps
+            over_time = tc.max_minutes > 0 and (time.time() - t_start) / 60.0 >= tc.max_minutes
+            do_eval = step % tc.eval_interval == 0 or is_last or over_time
+            if step % tc.log_interval == 0 or do_eval:
+                losses = torch.stack(pending_losses).tolist()  # the only host sync: once per log_interval
+                pending_losses.clear()
+                now = time.time()
+                tps = (tokens_seen - tokens_at_last_log) / max(1e-9, now - t_last_log)
+                t_last_log, tokens_at_last_log = now, tokens_seen
+                train_loss = losses[-1]
+                for k, l in enumerate(losses):
+                    s_k = step - len(losses) + 1 + k
+                    row = {"step": s_k, "train_loss": round(l, 6), "lr": lr_at(s_k - 1, tc),
+                           "tokens_seen": tokens_seen - (len(losses) - 1 - k) * tokens_per_step}
+                    if s_k == step:
+                        row.update(tokens_per_s=round(tps, 1), elapsed_s=round(elapsed_before + now - t_start, 3))
+                    if s_k == step and do_eval:
+                        continue  # written below with the val loss
+                    metrics_f.write(json.dumps(row) + "\n")
+                    history.append(row)
+                metrics_f.flush()
+                if pbar is not None:
+                    pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
+            if do_eval:
+                val_loss = evaluate(model, splits["val"], cfg, dev, autocast_ctx, seed=tc.seed + 10_000)
+                if best_val is None or val_loss < best_val:
+                    best_val, best_step = val_loss, step
+                row = {"step": step, "train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
+                       "lr": lr_at(step - 1, tc), "tokens_seen": tokens_seen, "tokens_per_s": round(tps, 1),
+                       "elapsed_s": round(elapsed_before + time.time() - t_start, 3)}
+                metrics_f.write(json.dumps(row) + "\n")
+                metrics_f.flush()
+                history.append(row)
+                samples = log_samples(step) if tc.sample_prompts and tc.sample_tokens else []
+                plot_losses(history, run_dir / PLOT_FILE, title=f"{cfg.preset}: {run_dir.name}")
+                msg = f"step {step:,}: train {train_loss:.4f}, val {val_loss:.4f}"
+                if pbar is not None:
+                    pbar.write(msg)
+                else:
+                    log(msg)
+                if on_log is not None:
+                    on_log({**row, "samples": samples})
+            if do_eval or step % save_every == 0 or (
+                tc.save_every_minutes > 0 and time.time() - last_save_time >= 60 * tc.save_every_minutes
+            ):
+                checkpoint_now(step, val_loss if do_eval else None)
+                last_save_time = time.time()
+            if pbar is not None:
+                pbar.update(1)
+            if over_time and not is_last:
+                stopped_by = "max_minutes"
+                log(f"max_minutes={tc.max_minutes} reached at step {step:,}; checkpoint saved, re-run to continue")
+                break
+    except KeyboardInterrupt:
+        stopped_by = "interrupt"
+        log(f"interrupted at step {step:,}; saving a checkpoint")
+        optimizer.zero_grad(set_to_none=True)
+        checkpoint_now(step, None, step_begin)
+    finally:
+        metrics_f.close()
+        if pbar is not None:
+            pbar.close()
+        writer.wait()
+    elapsed = time.time() - t_start
+    done_tokens = tokens_seen - (resumed_from or 0) * tokens_per_step
+    return TrainResult(run_dir=run_dir, step=step, tokens_seen=tokens_seen, train_loss=train_loss, val_loss=val_loss,
+                       best_val_loss=best_val, elapsed_s=elapsed, tokens_per_s=done_tokens / max(elapsed, 1e-9),
+                       resumed_from=resumed_from, stopped_by=stopped_by, history=history)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the local Tiny Shakespeare copy, a small char dataset, tiny configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = Path(os.environ.get("GPTLIB_SHAKESPEARE", REPO.parent / "shared" / "data" / "tinyshakespeare.txt"))
+
+# Tiny model/training settings for tests: seconds on 2 CPU cores.
+TINY = ["block_size=32", "n_layer=2", "n_head=2", "n_embd=32", "batch_size=8", "eval_interval=10",
+        "eval_batches=2", "log_interval=1", "sample_tokens=8", "warmup_steps=2", "save_every_minutes=0"]
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path() -> Path:
+    if not SHAKESPEARE.is_file():
+        pytest.fail(f"Tiny Shakespeare not found at {SHAKESPEARE} (set GPTLIB_SHAKESPEARE)")
+    return SHAKESPEARE
+
+
+@pytest.fixture(scope="session")
+def small_text(tmp_path_factory, shakespeare_path) -> Path:
+    """The first 100k characters of Tiny Shakespeare as its own file."""
+    p = tmp_path_factory.mktemp("text") / "small.txt"
+    p.write_text(shakespeare_path.read_text()[:100_000])
+    return p
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory, small_text) -> Path:
+    """A char-level data directory built from small_text (shared, read-only for tests)."""
+    from gptlib.prepare import prepare_text
+
+    out = tmp_path_factory.mktemp("data") / "char"
+    prepare_text([small_text], out, tokenizer="char", verbose=False)
+    return out

@@ -1,0 +1,39 @@
+"""Run a notebook headless, top to bottom, with smoke-test parameters injected.
+
+The parameters cell is the first code cell containing `# @param`; `params` are appended to it as
+plain assignments, so the notebook runs exactly as a user would run it, only smaller.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "# @param" in cell.source:
+            cell.source += "\n# --- test overrides ---\n" + "".join(f"{k} = {v!r}\n" for k, v in params.items())
+            break
+    else:
+        raise AssertionError(f"{name}: no parameters cell (a code cell with '# @param')")
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    client.execute()
+    return nb
+
+
+def outputs_text(nb) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                parts.append(out["text"])
+            for key in ("text/plain", "text/html", "text/markdown"):
+                if key in out.get("data", {}):
+                    parts.append(out["data"][key])
+    return "\n".join(parts)

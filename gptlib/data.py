@@ -1,9 +1,18 @@
-"""Token shards -> training batches: preloaded tokens and seeded, vectorised sampling.
+"""Token shards -> training batches: preloaded tokens (GPU or RAM) or a chunked memmap, seeded sampling.
 
-Each batch is one `randint` for the B start offsets and one gather of B x (T+1) tokens: no
-Python loop per sample, no small random file reads. The sampler's RNG is a private
-`torch.Generator` whose state goes into every checkpoint, so a resumed run draws exactly the
-batches the uninterrupted run would have drawn.
+Where the tokens live is chosen once per split and printed with the reason:
+
+    gpu     the split plus the model's training memory fit in free GPU memory: batches are gathered on
+            the GPU, nothing crosses PCIe in the hot loop.
+    ram     the split fits in available RAM with a margin: one flat tensor; each batch is gathered on
+            the host, pinned, and copied with non_blocking=True.
+    memmap  it does not fit: large contiguous chunks (chunk_tokens) are read from the shards one at a
+            time (bounded memory, sequential reads, never many small random reads) and batches are
+            sampled from the current chunk.
+
+Each batch is one `randint` for the B start offsets and one gather of B x (T+1) tokens: no Python
+loop per sample. The samplers' RNG is a private `torch.Generator` whose state goes into every
+checkpoint, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -14,17 +23,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import DatasetMeta, DataFormatError, load_split, read_meta
+from .shards import DatasetMeta, DataFormatError, read_meta
+
+GiB = 1 << 30
+RAM_FRACTION = 0.75  # preload into RAM only if the data takes at most this share of available RAM ...
+RAM_RESERVE = 1 * GiB  # ... and still leaves this much for Python, the model and the OS
+GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training memory fit in this share of free memory
+DEFAULT_CHUNK_TOKENS = 1 << 24  # memmap path: 16M tokens per chunk (32 MB of uint16) held in RAM at a time
+_COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
+
+
+def _signed(dtype: np.dtype) -> np.dtype:
+    """uint16/uint32 -> same-size signed type (torch indexes signed types best)."""
+    return {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32)}[
+        np.dtype(dtype).newbyteorder("=")]
 
 
 def _as_signed_view(arr: np.ndarray) -> torch.Tensor:
-    """uint16/uint32 tokens as a same-size signed torch tensor (torch indexes signed types best)."""
-    signed = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}[arr.dtype.newbyteorder("=")]
-    return torch.from_numpy(np.ascontiguousarray(arr).view(signed))
+    """uint16/uint32 tokens as a same-size signed torch tensor (no copy when already contiguous)."""
+    return torch.from_numpy(np.ascontiguousarray(arr).view(_signed(arr.dtype)))
 
 
 def _unsigned_mask(t: torch.Tensor) -> int:
     return 0xFFFF if t.dtype == torch.int16 else 0xFFFFFFFF
+
+
+def _to_ids(raw: torch.Tensor) -> torch.Tensor:
+    """Signed-view tokens -> int64 ids (undoes the signed view of uint16/uint32)."""
+    return raw.long() & _unsigned_mask(raw)
 
 
 @dataclass
@@ -37,22 +63,66 @@ class SplitData:
     def __len__(self) -> int:
         return self.tokens.numel()
 
-    def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """starts (B,) -> (B, length) int64 token ids."""
+    def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """starts (B,) -> (B, length) tokens in the storage dtype (int16/int32): 4x less to copy than int64."""
         offsets = torch.arange(length, device=self.tokens.device)
         idx = starts.to(self.tokens.device).unsqueeze(1) + offsets  # (B, length)
-        return self.tokens[idx].long() & _unsigned_mask(self.tokens)
+        return self.tokens[idx]
+
+    def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """starts (B,) -> (B, length) int64 token ids."""
+        return _to_ids(self.gather_raw(starts, length))
+
+
+class MemmapSplit:
+    """One split left on disk: its shards memory-mapped, read only in large contiguous pieces."""
+
+    def __init__(self, meta: DatasetMeta, split: str):
+        self.name = split
+        self.dtype = np.dtype(meta.dtype).newbyteorder("<")
+        self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in meta.shard_paths(split)]
+        self.bounds = np.cumsum([0] + [len(m) for m in self.maps])  # shard i holds [bounds[i], bounds[i+1])
+
+    def __len__(self) -> int:
+        return int(self.bounds[-1])
+
+    def read(self, start: int, n: int) -> torch.Tensor:
+        """Tokens [start, start + n) as a signed (n,) tensor in RAM: one sequential read per shard touched."""
+        if start < 0 or start + n > len(self):
+            raise IndexError(f"{self.name}: read [{start}, {start + n}) outside 0..{len(self)}")
+        out = np.empty(n, dtype=self.dtype)
+        pos = start
+        while pos < start + n:
+            i = int(np.searchsorted(self.bounds, pos, side="right")) - 1
+            lo = pos - int(self.bounds[i])
+            take = min(start + n - pos, int(self.bounds[i + 1]) - pos)
+            out[pos - start: pos - start + take] = self.maps[i][lo: lo + take]
+            pos += take
+        return _as_signed_view(out)
+
+
+def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy; pinned + non_blocking for CUDA so the copy overlaps the previous step's kernels."""
+    if chunk.device == device:
+        return chunk
+    if device.type == "cuda" and chunk.device.type == "cpu":
+        return chunk.pin_memory().to(device, non_blocking=True)  # pinned blocks come from torch's caching host allocator
+    return chunk.to(device)
+
+
+def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
+    return DataFormatError(
+        f"the {name} split has {n:,} tokens, fewer than one block of block_size + 1 = "
+        f"{block_size + 1}; use more text, a smaller block_size (--set block_size=N), or a larger val_fraction"
+    )
 
 
 class BatchSampler:
-    """Random (x, y) batches from one split, reproducible from a seed and resumable from its state."""
+    """Random (x, y) batches from one preloaded split, reproducible from a seed and resumable from its state."""
 
     def __init__(self, data: SplitData, batch_size: int, block_size: int, seed: int, device: str | torch.device):
         if len(data) < block_size + 1:
-            raise DataFormatError(
-                f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size + 1 = "
-                f"{block_size + 1}; use more text, a smaller block_size (--set block_size=N), or a larger val_fraction"
-            )
+            raise _too_small(data.name, len(data), block_size)
         self.data = data
         self.batch_size = batch_size
         self.block_size = block_size
@@ -60,17 +130,12 @@ class BatchSampler:
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
         self.batches_drawn = 0
-        self._pin = self.device.type == "cuda" and data.tokens.device.type == "cpu"
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
         high = len(self.data) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        chunk = self.data.gather(starts, self.block_size + 1)  # (B, T+1)
-        if self._pin:
-            chunk = chunk.pin_memory().to(self.device, non_blocking=True)
-        elif chunk.device != self.device:
-            chunk = chunk.to(self.device)
+        chunk = _to_ids(_move(self.data.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
         self.batches_drawn += 1
         return chunk[:, :-1], chunk[:, 1:]
 
@@ -82,29 +147,177 @@ class BatchSampler:
         self.batches_drawn = int(state["batches_drawn"])
 
 
-def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu",
-                 verbose: bool = True) -> tuple[DatasetMeta, dict[str, SplitData]]:
-    """Validate meta.json against the shards, then preload both splits into RAM (or onto the GPU)."""
+class ChunkedSampler:
+    """Random (x, y) batches from a split on disk, reading one large contiguous chunk at a time.
+
+    A chunk of `chunk_tokens` tokens starts at a random offset; `batches_per_chunk` batches (by default
+    enough to cover the chunk's tokens about once) are sampled from it before the next chunk is read.
+    Memory: one chunk. Disk: one sequential read per chunk. Same interface and seeding as BatchSampler;
+    its state also records the current chunk, so a resume re-reads it and continues the same stream.
+    """
+
+    def __init__(self, data: MemmapSplit, batch_size: int, block_size: int, seed: int, device: str | torch.device,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batches_per_chunk: int | None = None):
+        if len(data) < block_size + 1:
+            raise _too_small(data.name, len(data), block_size)
+        self.data = data
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.chunk_tokens = max(min(int(chunk_tokens), len(data)), block_size + 1)
+        self.batches_per_chunk = batches_per_chunk or max(1, self.chunk_tokens // (batch_size * block_size))
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+        self.batches_drawn = 0
+        self.chunk_start = -1  # no chunk read yet
+        self.chunk_batches = 0  # batches already drawn from the current chunk
+        self._chunk: SplitData | None = None
+
+    def _read_chunk(self) -> None:
+        self._chunk = SplitData(tokens=self.data.read(self.chunk_start, self.chunk_tokens), name=self.data.name)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
+        if self.chunk_start < 0 or self.chunk_batches >= self.batches_per_chunk:
+            high = len(self.data) - self.chunk_tokens + 1
+            self.chunk_start = int(torch.randint(0, high, (1,), generator=self.generator))
+            self.chunk_batches = 0
+            self._read_chunk()
+        elif self._chunk is None:  # after load_state_dict: re-read the chunk the saved run was using
+            self._read_chunk()
+        high = self.chunk_tokens - self.block_size
+        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
+        chunk = _to_ids(_move(self._chunk.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
+        self.chunk_batches += 1
+        self.batches_drawn += 1
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn,
+                "chunk_start": self.chunk_start, "chunk_batches": self.chunk_batches,
+                "chunk_tokens": self.chunk_tokens, "batches_per_chunk": self.batches_per_chunk}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["rng_state"])
+        self.batches_drawn = int(state["batches_drawn"])
+        same_chunking = (state.get("chunk_tokens") == self.chunk_tokens
+                         and state.get("batches_per_chunk") == self.batches_per_chunk)
+        if "chunk_start" in state and same_chunking:
+            self.chunk_start, self.chunk_batches = int(state["chunk_start"]), int(state["chunk_batches"])
+        else:  # saved by the preloaded path or with other chunking: continue the RNG stream with a fresh chunk
+            self.chunk_start, self.chunk_batches = -1, 0
+        self._chunk = None
+
+
+def make_sampler(data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
+                 device: str | torch.device, **chunk_kw) -> BatchSampler | ChunkedSampler:
+    """The sampler that fits where the split lives."""
+    if isinstance(data, MemmapSplit):
+        return ChunkedSampler(data, batch_size, block_size, seed, device, **chunk_kw)
+    return BatchSampler(data, batch_size, block_size, seed, device)
+
+
+# --- choosing where the data lives ------------------------------------------------------------
+
+
+@dataclass
+class DataPlan:
+    where: str  # "gpu" | "ram" | "memmap"
+    reason: str  # one line for the log: why this path
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:,.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / (1 << 20):,.1f} MiB"
+
+
+def available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def plan_data(nbytes: int, device: str | torch.device, mode: str = "auto", reserve_gpu_bytes: int = 0,
+              ram_available: int | None = None, gpu_free: int | None = None) -> DataPlan:
+    """Decide where `nbytes` of tokens go. mode: auto | gpu | ram | memmap (forced, still explained)."""
+    device = torch.device(device)
+    if mode not in ("auto", "gpu", "ram", "memmap"):
+        raise ValueError(f"data mode {mode!r}: choose one of auto, gpu, ram, memmap")
+    if mode == "memmap":
+        return DataPlan("memmap", f"memmap chunks requested (data {_fmt(nbytes)})")
+    if mode == "gpu" and device.type != "cuda":
+        raise ValueError(f"data mode 'gpu' needs a CUDA device, the training device is {device}")
+    if mode == "gpu":
+        return DataPlan("gpu", f"GPU preload requested (data {_fmt(nbytes)})")
+    if mode == "auto" and device.type == "cuda":
+        if gpu_free is None:
+            gpu_free, _ = torch.cuda.mem_get_info(device)
+        budget = GPU_FRACTION * gpu_free
+        if nbytes + reserve_gpu_bytes <= budget:
+            return DataPlan("gpu", f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} fit in "
+                                   f"{GPU_FRACTION:.0%} of {_fmt(gpu_free)} free GPU memory")
+        gpu_note = (f"data {_fmt(nbytes)} + model ~{_fmt(reserve_gpu_bytes)} exceed {GPU_FRACTION:.0%} of "
+                    f"{_fmt(gpu_free)} free GPU memory; ")
+    else:
+        gpu_note = "" if device.type != "cuda" else "RAM preload requested; "
+    if ram_available is None:
+        ram_available = available_ram()
+    ram_budget = RAM_FRACTION * ram_available - RAM_RESERVE
+    if nbytes <= ram_budget:
+        return DataPlan("ram", f"{gpu_note}data {_fmt(nbytes)} fits in RAM ({_fmt(ram_available)} available, "
+                               f"keeping {1 - RAM_FRACTION:.0%} + {_fmt(RAM_RESERVE)} free)")
+    if mode == "ram":
+        raise MemoryError(f"data mode 'ram': data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} "
+                          f"available, budget {_fmt(max(0, ram_budget))}); use data mode memmap or auto")
+    return DataPlan("memmap", f"{gpu_note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} available, "
+                              f"budget {_fmt(max(0, ram_budget))}): reading contiguous chunks from disk")
+
+
+def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tensor:
+    """All of a split in one preallocated signed tensor on `device`, filled piece by piece from the shards.
+
+    No full-size temporary: host memory stays at one piece (for the GPU, a pinned staging buffer).
+    """
+    src = MemmapSplit(meta, split)
+    n = len(src)
+    sdt = torch.int16 if _signed(src.dtype) == np.dtype(np.int16) else torch.int32
+    if device.type == "cuda":
+        out = torch.empty(n, dtype=sdt, device=device)
+        for pos in range(0, n, _COPY_PIECE):
+            piece = src.read(pos, min(_COPY_PIECE, n - pos))
+            out[pos: pos + piece.numel()].copy_(piece.pin_memory(), non_blocking=True)
+        torch.cuda.synchronize(device)
+        return out
+    out = torch.empty(n, dtype=sdt)
+    view = out.numpy().view(src.dtype)  # write the unsigned tokens straight into the tensor's memory
+    for pos in range(0, n, _COPY_PIECE):
+        take = min(_COPY_PIECE, n - pos)
+        view[pos: pos + take] = src.read(pos, take).numpy().view(src.dtype)
+    return out
+
+
+def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", verbose: bool = True, *,
+                 mode: str = "auto", reserve_gpu_bytes: int = 0, log=print,
+                 ) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
+    """Validate meta.json against the shards, then put each split where `plan_data` says (and print why).
+
+    Returns SplitData (preloaded, GPU or RAM) or MemmapSplit (chunked from disk) per split; build
+    samplers with `make_sampler`.
+    """
     meta = read_meta(data_dir)
     device = torch.device(device)
-    splits = {}
+    itemsize = np.dtype(meta.dtype).itemsize
+    splits: dict[str, SplitData | MemmapSplit] = {}
     for split in ("train", "val"):
-        tokens = _as_signed_view(load_split(meta, split))
-        if device.type == "cuda":
-            tokens = _maybe_to_gpu(tokens, device)
-        splits[split] = SplitData(tokens=tokens, name=split)
+        nbytes = meta.tokens(split) * itemsize
+        plan = plan_data(nbytes, device, mode=mode, reserve_gpu_bytes=reserve_gpu_bytes)  # free memory is re-read per split
+        if plan.where == "memmap":
+            splits[split] = MemmapSplit(meta, split)
+        else:
+            splits[split] = SplitData(tokens=_preload(meta, split, device if plan.where == "gpu" else torch.device("cpu")),
+                                      name=split)
+        if verbose:
+            log(f"data: {split} {meta.tokens(split):,} tokens -> {plan.where.upper()}: {plan.reason}")
     if verbose:
-        where = splits["train"].tokens.device
-        mb = sum(s.tokens.numel() * s.tokens.element_size() for s in splits.values()) / 1e6
-        print(f"data: {meta.data_dir} train {len(splits['train']):,} / val {len(splits['val']):,} tokens "
-              f"({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')}) "
-              f"preloaded in {'GPU' if where.type == 'cuda' else 'RAM'} ({mb:,.1f} MB)")
+        log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer "
+            f"{meta.tokenizer.get('kind')})")
     return meta, splits
-
-
-def _maybe_to_gpu(tokens: torch.Tensor, device: torch.device, margin: float = 0.5) -> torch.Tensor:
-    """Put tokens on the GPU when they take under `margin` of its free memory (the rest is the model's)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    if tokens.numel() * tokens.element_size() < margin * free:
-        return tokens.to(device)
-    return tokens.pin_memory()

@@ -121,6 +121,80 @@ class CharTokenizer(Tokenizer):
                           ensure_ascii=False, sort_keys=True).encode()
 
 
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style) from the Rust `tokenizers` library; no unknown tokens.
+
+    `<|endoftext|>` is a special token (`eot_id`) that only the pipeline inserts, between
+    documents: a literal "<|endoftext|>" inside the text is encoded as ordinary text
+    (`encode_special_tokens = True`), so a document can never forge a document boundary.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tk, json_bytes: bytes | None = None):
+        self._tk = tk
+        # Special tokens found in the text are split like any other text, never matched.
+        self._tk.encode_special_tokens = True
+        # The exact bytes saved beside the data: identity() hashes them, so a reloaded tokenizer
+        # has the same identity as the one that made the data.
+        self._json = json_bytes if json_bytes is not None else tk.to_str().encode()
+        self.vocab_size = int(tk.get_vocab_size(with_added_tokens=True))
+        self.eot_id = tk.token_to_id(EOT)
+        if self.eot_id is None:
+            raise TokenizerError(f"BPE tokenizer has no {EOT!r} special token")
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 32768, min_frequency: int = 2,
+              length: int | None = None, show_progress: bool = False) -> "BPETokenizer":
+        """Train on a stream of texts (bounded memory: the trainer keeps word counts, not text).
+
+        The vocabulary holds the 256 byte symbols, `<|endoftext|>` (id 0) and the merges, up to
+        `vocab_size` ids in all; a small corpus may stop short of it (fewer merges exist).
+        """
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257 + 1:
+            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= 258: 256 bytes, "
+                                 f"{EOT}, and at least one merge)")
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=int(min_frequency),
+                                      special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=show_progress)
+        tk.train_from_iterator(texts, trainer=trainer, length=length)
+        return cls(tk)
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, where: str = "tokenizer.json") -> "BPETokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            tk = HFTokenizer.from_str(raw.decode())
+        except Exception as e:  # the library raises plain Exception on a bad file
+            raise TokenizerError(f"tokenizer file {where} is not a valid tokenizers file: {e}") from None
+        return cls(tk, json_bytes=raw)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.array(self.encode(text), dtype=np.int64)
+
+    def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of many texts, encoded in parallel on all cores inside the library."""
+        return [e.ids for e in self._tk.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.array(ids, dtype=np.int64) for ids in self.encode_batch_ids(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_json_bytes(self) -> bytes:
+        return self._json
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load `tokenizer.json` (or the one inside a data directory): char or byte-level BPE."""
     path = Path(path)
@@ -136,9 +210,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if isinstance(obj, dict) and obj.get("kind") == "char":
         return CharTokenizer(list(obj["chars"]), unknown=obj.get("unknown", "error"))
     if isinstance(obj, dict) and "model" in obj:  # a Hugging Face tokenizers file
-        from .bpe import BPETokenizer
-
-        return BPETokenizer.from_json_bytes(raw)
+        return BPETokenizer.from_json_bytes(raw, where=str(path))
     raise TokenizerError(f"tokenizer file {path}: neither a gptlib char tokenizer nor a tokenizers BPE file")
 
 

@@ -13,21 +13,37 @@ class CLIError(Exception):
 
 def _add_tokenize(sub) -> None:
     p = sub.add_parser("tokenize", help="pre-tokenize text into token shards + meta.json",
-                       description="Pre-tokenize text files into a gptlib data directory (token shards + meta.json).")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="text files, directories or globs")
+                       description="Pre-tokenize .txt / .jsonl / parquet files into a gptlib data directory "
+                                   "(token shards + tokenizer.json + meta.json). Re-running the same command "
+                                   "resumes an interrupted run or reuses the finished dataset.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="text/jsonl/parquet files, directories or globs")
     p.add_argument("--tokenizer", default="char", choices=["char", "bpe"], help="tokenizer kind (default: char)")
+    p.add_argument("--vocab-size", type=int, default=32768, help="BPE vocabulary size (default 32768)")
+    p.add_argument("--tokenizer-file", metavar="PATH", help="reuse this trained tokenizer.json instead of training")
+    p.add_argument("--text-column", metavar="NAME", help="jsonl field / parquet column holding the text "
+                   "(default: text)")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="output data directory")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction held out for validation (default 0.1)")
+    p.add_argument("--split", default="auto", choices=["auto", "document", "tail"],
+                   help="validation split: per document (hash) or the tail of each text file (default: auto)")
+    p.add_argument("--train-mb", type=float, default=1000.0,
+                   help="train the BPE on about this many MB of the corpus; 0 = all of it (default 1000)")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_tokenize)
 
 
 def cmd_tokenize(args) -> int:
-    from .prepare import prepare_text
+    from .prepare import prepare
 
-    if args.tokenizer != "char":
-        raise CLIError(f"--tokenizer {args.tokenizer}: not available in this build")
-    prepare_text(args.input, args.out, tokenizer="char", val_fraction=args.val_fraction, overwrite=args.overwrite)
+    # With --tokenizer-file the file decides the kind (char or BPE); --tokenizer is then ignored.
+    prepare(args.input, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+            tokenizer_file=args.tokenizer_file, text_column=args.text_column, val_fraction=args.val_fraction,
+            split=args.split, shard_tokens=args.shard_tokens,
+            train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
+            overwrite=args.overwrite, verbose=not args.quiet)
     return 0
 
 

@@ -1,0 +1,151 @@
+"""bench: the ladder's rungs on CPU, the MFU table, ETA/units, the OOM-safe micro-batch probe."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gptlib import bench
+from gptlib.config import ModelConfig
+from gptlib.model import GPT
+
+LADDER_CFG = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def test_every_ladder_rung_runs_on_cpu():
+    lines = []
+    rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=4, device="cpu", steps=2, warmup=1,
+                            compile_backend="eager", log=lines.append)
+    assert [r.name for r in rows] == [r[0] for r in bench.RUNGS]
+    for r in rows:
+        assert r.step_s > 0 and math.isfinite(r.step_s) and r.tokens_per_s > 0
+        assert r.mfu is None  # CPU: no peak, no made-up MFU
+    text = "\n".join(lines)
+    assert "MFU unknown" in text and "speedup" in text and "ladder speedup, first -> last rung" in text
+    bf16_row = next(l for l in lines if l.startswith("+ bf16 autocast"))
+    assert "bf16" in bf16_row.split("unknown", 1)[1]  # the row says what bf16 means on this CPU
+
+
+def test_ladder_on_a_data_dir_subset(char_data):
+    rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=2, device="cpu", steps=1, warmup=0,
+                            data_dir=char_data, rungs=[0, 2], log=lambda s: None)
+    assert [r.name for r in rows] == [bench.RUNGS[0][0], bench.RUNGS[2][0]]
+
+
+def test_per_sample_loader_matches_shift():
+    import numpy as np
+
+    toks = np.arange(1000, dtype=np.uint16)
+    x, y = bench.PerSampleLoader(toks, 3, 8, 0, torch.device("cpu")).next_batch()
+    assert x.shape == (3, 8) and torch.equal(y, x + 1)
+
+
+@pytest.mark.parametrize("name,family,tflops", [
+    ("NVIDIA A100-SXM4-40GB", "A100", 312), ("NVIDIA A100 80GB PCIe", "A100", 312),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989), ("NVIDIA H100 PCIe", "H100 PCIe", 756),
+    ("NVIDIA H200", "H200", 989), ("NVIDIA L4", "L4", 121), ("Tesla T4", "T4 (fp16)", 65),
+    ("Tesla V100-SXM2-16GB", "V100 (fp16)", 125),
+])
+def test_peak_table(name, family, tflops):
+    f, peak = bench.lookup_peak(name)
+    assert f == family and peak == tflops * 1e12
+
+
+@pytest.mark.parametrize("name", ["NVIDIA L40S", "NVIDIA GeForce RTX 4090", "Tesla P100-PCIE-16GB", ""])
+def test_unknown_gpu_has_no_mfu(name):
+    assert bench.lookup_peak(name) == (None, None)
+    assert bench.mfu(1e9, 1e5, None) is None and bench.fmt_mfu(None) == "unknown"
+
+
+def test_cpu_peak_is_unknown():
+    p = bench.device_peak("cpu")
+    assert p.peak_flops is None and "MFU unknown" in p.note
+
+
+def test_mfu_eta_units():
+    assert bench.mfu(6e8, 1e5, 312e12) == pytest.approx(6e13 / 312e12)
+    assert bench.mfu(6e8, 1e5, 312e12, n_devices=2) == pytest.approx(6e13 / 624e12)
+    assert bench.eta_seconds(100, 1100, 10.0) == 100.0
+    assert bench.eta_seconds(0, 10, 0.0) == math.inf
+    assert bench.colab_units(3600, "A100") == pytest.approx(bench.COLAB_UNITS_PER_HOUR["A100"])
+    assert bench.colab_units(1800, "T4 (fp16)", rates={"T4": 2.0}) == pytest.approx(1.0)  # user-edited table
+    assert bench.colab_units(3600, None) is None
+    assert bench.fmt_duration(3725) == "1h02m" and bench.fmt_duration(65) == "1m05s"
+
+
+def test_step_timer_cpu():
+    t = bench.StepTimer("cpu")
+    t.start()
+    sum(range(10000))
+    t.mark("data")
+    sum(range(100000))
+    t.mark("fwd_bwd")
+    split = t.split()
+    assert set(split) == {"data", "fwd_bwd"} and split["fwd_bwd"] > 0
+    assert "data" in bench.fmt_split(split) and t.split() == {}
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return GPT(ModelConfig(**LADDER_CFG))
+
+
+def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
+    model = _tiny_model()
+    real_forward = model.forward
+    tried, freed = [], []
+
+    def fake_forward(idx, targets=None, cache=None):
+        tried.append(idx.shape[0])
+        if idx.shape[0] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_forward(idx, targets, cache)
+
+    monkeypatch.setattr(model, "forward", fake_forward)
+    monkeypatch.setattr(bench, "free_memory", lambda: freed.append(1))
+    logs = []
+    micro, accum = bench.probe_micro_batch(model, 32, 48, "cpu", log=logs.append)
+    assert (micro, accum) == (8, 6) and micro * accum == 48  # tokens per step kept
+    assert tried == [48, 24, 16, 12, 8]  # divisors of 48, largest first
+    assert len(freed) >= len(tried)  # memory released after every try
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind
+    assert any("does not fit (out of memory)" in l for l in logs)
+
+
+def test_probe_respects_cap_and_reraises_other_errors(monkeypatch):
+    model = _tiny_model()
+    assert bench.probe_micro_batch(model, 32, 16, "cpu", max_micro=4, log=lambda s: None) == (4, 4)
+
+    def broken(idx, targets=None, cache=None):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(model, "forward", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        bench.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
+
+
+def test_probe_nothing_fits_gives_advice(monkeypatch):
+    model = _tiny_model()
+
+    def oom(idx, targets=None, cache=None):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(model, "forward", oom)
+    with pytest.raises(bench.MicroBatchOOM, match="even at micro-batch 1"):
+        bench.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
+
+
+def test_oom_advice_keeps_tokens_per_step():
+    msg = bench.oom_advice(16, 32, 1024)
+    assert "batch_size=8" in msg and "grad_accum_steps=64" in msg and "524,288 tokens per step" in msg
+
+
+def test_bench_train_cpu():
+    logs = []
+    r = bench.bench_train("phase1", ["n_layer=1", "n_embd=32", "n_head=2", "block_size=32", "batch_size=4",
+                                     "grad_accum_steps=2"], device="cpu", steps=2, warmup=1, log=logs.append)
+    assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["micro_batch"] == 4
+    assert set(r["split"]) == {"data", "fwd_bwd", "optim"}
+    assert any(l.startswith("ETA for the preset") for l in logs)

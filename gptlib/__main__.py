@@ -47,6 +47,23 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+def _add_fetch(sub) -> None:
+    p = sub.add_parser("fetch-shakespeare", help="download (or verify a local copy of) Tiny Shakespeare",
+                       description="Print the path of a checksum-verified Tiny Shakespeare file, downloading it "
+                                   "into the cache if needed.")
+    p.add_argument("--local", metavar="PATH", help="use this local copy (verified) instead of downloading")
+    p.add_argument("--cache-dir", metavar="DIR", help="download cache (default ~/.cache/gptlib or $GPTLIB_CACHE)")
+    p.add_argument("--url", help="download from this URL instead of the canonical one")
+    p.set_defaults(func=cmd_fetch)
+
+
+def cmd_fetch(args) -> int:
+    from .download import TINYSHAKESPEARE_URL, fetch_tinyshakespeare
+
+    print(fetch_tinyshakespeare(cache_dir=args.cache_dir, url=args.url or TINYSHAKESPEARE_URL, local_path=args.local))
+    return 0
+
+
 def _add_train(sub) -> None:
     from .config import PRESETS
 
@@ -56,6 +73,8 @@ def _add_train(sub) -> None:
     p.add_argument("--data", required=True, metavar="DATA_DIR", help="data directory from `tokenize`")
     p.add_argument("--preset", default="phase1", choices=list(PRESETS), help="model/training preset")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR", help="where checkpoints, metrics, plots go")
+    p.add_argument("--mirror-dir", metavar="DIR", help="also copy each verified checkpoint here in the background "
+                   "(e.g. a Google Drive folder); resume takes the newest valid one of both")
     p.add_argument("--max-steps", type=int, help="optimizer steps (the LR schedule ends here)")
     p.add_argument("--max-minutes", type=float, help="stop gracefully with a checkpoint after this many minutes")
     p.add_argument("--seed", type=int)
@@ -83,7 +102,7 @@ def cmd_train(args) -> int:
     compile_flag = None if args.compile is None else ("on" if args.compile else "off")
     r = train(args.data, args.run_dir, preset=args.preset, overrides=overrides, max_steps=args.max_steps,
               max_minutes=args.max_minutes, seed=args.seed, device=args.device, compile=compile_flag,
-              progress=not args.quiet)
+              progress=not args.quiet, mirror_dir=args.mirror_dir)
     val = f"{r.val_loss:.4f}" if r.val_loss is not None else "n/a"
     print(f"done: step {r.step:,}, val loss {val}, {r.tokens_per_s:,.0f} tokens/s, "
           f"{r.elapsed_s:.1f}s ({r.stopped_by}) -> {r.run_dir}")
@@ -134,6 +153,7 @@ def cmd_sample(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_fetch(sub)
     _add_tokenize(sub)
     _add_train(sub)
     _add_sample(sub)

@@ -20,9 +20,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .checkpoint import (CheckpointWriter, find_latest_valid, load_checkpoint, unwrap_model)
+from .checkpoint import (CheckpointWriter, GracefulStop, clean_orphans, fault_point, load_latest, load_weights_into,
+                         unwrap_model)
 from .config import ConfigError, RunConfig, get_preset
-from .data import BatchSampler, load_dataset
+from .data import load_dataset, make_sampler
 from .fsutil import atomic_write_bytes, atomic_write_json
 from .generate import generate_ids
 from .model import GPT
@@ -45,7 +46,7 @@ class TrainResult:
     elapsed_s: float  # training wall time of this call (excluding start-up)
     tokens_per_s: float
     resumed_from: int | None  # step of the checkpoint this call resumed from
-    stopped_by: str  # "max_steps" | "max_minutes" | "interrupt"
+    stopped_by: str  # "max_steps" | "max_minutes" | "interrupt" | "sigterm"
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
 
 
@@ -171,11 +172,52 @@ def _truncate_metrics(run_dir: Path, upto_step: int) -> list[dict]:
     return rows
 
 
+def _restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> None:
+    """A fresh VM has no local logs: take the checkpoint's snapshot when it has more rows up to `step`."""
+    for name in (METRICS_FILE, SAMPLES_FILE):
+        src, dst = ckpt_dir / name, run_dir / name
+
+        def rows(p: Path) -> int:
+            return sum(1 for ln in p.read_text().splitlines() if ln.strip() and _row_step(ln) <= step) if p.is_file() else 0
+
+        if src.is_file() and rows(src) > rows(dst):
+            atomic_write_bytes(dst, src.read_bytes())
+
+
 def _row_step(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
     except (json.JSONDecodeError, AttributeError):
         return 1 << 62
+
+
+def read_samples(run_dir: str | Path) -> list[dict]:
+    p = Path(run_dir) / SAMPLES_FILE
+    rows = []
+    if p.is_file():
+        for line in p.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
+
+
+def write_samples_table(run_dir: Path) -> None:
+    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+    rows = read_samples(run_dir)
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    steps = sorted({r["step"] for r in rows})
+    cell = {(r["step"], r["prompt"]): r["text"] for r in rows}
+
+    def esc(t: str) -> str:
+        return t.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |",
+             "|---:|" + "---|" * len(prompts)]
+    for st in steps:
+        lines.append(f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |")
+    atomic_write_bytes(run_dir / "samples.md", ("\n".join(lines) + "\n").encode())
 
 
 def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
@@ -209,7 +251,7 @@ def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
 @torch.no_grad()
 def evaluate(model, split_data, cfg: RunConfig, device, autocast_ctx, seed: int) -> float:
     """Mean loss over eval_batches fixed batches (same batches at every evaluation)."""
-    sampler = BatchSampler(split_data, cfg.train.batch_size, cfg.model.block_size, seed, device)
+    sampler = make_sampler(split_data, cfg.train.batch_size, cfg.model.block_size, seed, device)
     was_training = model.training
     model.eval()
     losses = torch.zeros(cfg.train.eval_batches, device=device)
@@ -236,6 +278,7 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] = print,
     on_log: Callable[[dict], None] | None = None,
+    mirror_dir: str | Path | None = None,
 ) -> TrainResult:
     """Train (or resume) a GPT on a pre-tokenized data directory; everything lands in run_dir."""
     run_dir = Path(run_dir)
@@ -253,11 +296,14 @@ def train(
     tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", "tokenizer.json"))
     check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
 
-    # Resume: the newest valid checkpoint in the run dir decides the model config.
-    ckpt = find_latest_valid(run_dir, log=log)
+    # Resume: the newest checkpoint that verifies and loads safely, in run_dir or on the mirror (Drive),
+    # decides the model config; corrupt or refused ones are reported and skipped.
+    mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+    found = load_latest([run_dir, mirror_dir], log=log)
+    ckpt = found[0] if found else None
     resume_state = None
     if ckpt is not None:
-        model_sd, train_state, state = load_checkpoint(ckpt.path)
+        model_sd, train_state, state = found[1:]
         saved_cfg = RunConfig.from_dict(state["config"], source=str(ckpt.path / "state.json"))
         cfg = reconcile_resume_config(saved_cfg, cfg, run_dir, log)
         saved_data = state.get("data", {})
@@ -287,7 +333,7 @@ def train(
     model = GPT(mc).to(dev)
     optimizer = unwrap_model(model).configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), dev.type)
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
-    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed, dev)
+    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed, dev)
     autocast_ctx = (torch.autocast(device_type=dev.type, dtype=dtype) if dtype != torch.float32
                     else contextlib.nullcontext())
 
@@ -296,7 +342,7 @@ def train(
     history: list[dict] = []
     if resume_state is not None:
         model_sd, train_state, state = resume_state
-        model.load_state_dict(model_sd)
+        load_weights_into(model, model_sd, ckpt.path)
         optimizer.load_state_dict(train_state["optimizer"])
         if train_state.get("scaler"):
             scaler.load_state_dict(train_state["scaler"])
@@ -306,8 +352,10 @@ def train(
         best_val, best_step = state.get("best_val_loss"), state.get("best_step")
         elapsed_before = float(state.get("elapsed_s", 0.0))
         resumed_from = step
+        _restore_logs_from_checkpoint(run_dir, ckpt.path, step)
         history = _truncate_metrics(run_dir, step)
-        log(f"resumed from {ckpt.path} (step {step:,}, saved {ckpt.saved_at}, {tokens_seen:,} tokens seen)")
+        where = "Drive mirror" if mirror_dir is not None and ckpt.path.is_relative_to(mirror_dir) else "local disk"
+        log(f"resumed from step {step:,} (saved {ckpt.saved_at}, {tokens_seen:,} tokens seen) on the {where}: {ckpt.path}")
     else:
         history = _truncate_metrics(run_dir, 0)
 
@@ -318,7 +366,11 @@ def train(
         f"{mc.block_size}, vocab {mc.vocab_size}); device {dev}, {str(dtype).replace('torch.', '')}, "
         f"compile {'on' if use_compile else 'off'}; {tokens_per_step:,} tokens/step")
 
-    writer = CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log)
+    clean_orphans(run_dir)  # leftovers of a save killed mid-way (the mirror is cleaned by its own thread)
+    writer = CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log, mirror_dir=mirror_dir,
+                              snapshot_files=(METRICS_FILE, SAMPLES_FILE))
+    if ckpt is not None and mirror_dir is not None and not ckpt.path.is_relative_to(mirror_dir):
+        writer.mirror_existing(ckpt.path, best_step)  # resumed locally: make sure Drive has it too
     save_every = tc.save_every_steps or tc.eval_interval
     sample_gen = torch.Generator(device="cpu")
 
@@ -332,7 +384,9 @@ def train(
         state = {"step": s, "tokens_seen": tokens_seen, "best_val_loss": best_val, "best_step": best_step,
                  "val_loss": val, "elapsed_s": elapsed_before + (time.time() - t_start), "config": cfg.to_dict(),
                  "data": meta.identity(), "data_dir": str(meta.data_dir), "tokenizer": meta.tokenizer,
-                 "rng": rng_plain}
+                 "rng": rng_plain,
+                 # losses of steps not yet logged: the resumed run logs them as the uninterrupted one would
+                 "pending_losses": torch.stack(pending_losses).tolist() if pending_losses else []}
         writer.save(s, unwrap_model(model).state_dict(), train_state, state, best_step)
 
     def log_samples(s: int) -> list[dict]:
@@ -354,6 +408,7 @@ def train(
         with open(run_dir / SAMPLES_FILE, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+        write_samples_table(run_dir)
         return rows
 
     pbar = None
@@ -366,12 +421,14 @@ def train(
     t_start = time.time()
     t_last_log, tokens_at_last_log = t_start, tokens_seen
     last_save_time = t_start
-    pending_losses: list[torch.Tensor] = []
+    pending_losses: list[torch.Tensor] = [torch.tensor(v, device=dev) for v in
+                                          (resume_state[2].get("pending_losses", []) if resume_state else [])]
     train_loss = history[-1].get("train_loss") if history else None
     val_loss = None
     stopped_by = "max_steps"
     metrics_f = open(run_dir / METRICS_FILE, "a")
     step_begin = None
+    stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while step < tc.max_steps:
             step_begin = (sampler.state_dict(), torch.get_rng_state())
@@ -386,6 +443,7 @@ def train(
                 loss = loss / tc.grad_accum_steps
                 loss_accum += loss.detach()
                 scaler.scale(loss).backward()
+            fault_point("mid_step", step + 1)  # tests only (GPTLIB_FAULT); a no-op otherwise
             if tc.grad_clip > 0:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
@@ -433,13 +491,15 @@ def train(
                 samples = log_samples(step) if tc.sample_prompts and tc.sample_tokens else []
                 plot_losses(history, run_dir / PLOT_FILE, title=f"{cfg.preset}: {run_dir.name}")
                 msg = f"step {step:,}: train {train_loss:.4f}, val {val_loss:.4f}"
+                if writer.status_line():
+                    msg += f" | {writer.status_line()}"
                 if pbar is not None:
                     pbar.write(msg)
                 else:
                     log(msg)
                 if on_log is not None:
                     on_log({**row, "samples": samples})
-            if do_eval or step % save_every == 0 or (
+            if stop.reason or do_eval or step % save_every == 0 or (
                 tc.save_every_minutes > 0 and time.time() - last_save_time >= 60 * tc.save_every_minutes
             ):
                 checkpoint_now(step, val_loss if do_eval else None)
@@ -450,6 +510,10 @@ def train(
                 stopped_by = "max_minutes"
                 log(f"max_minutes={tc.max_minutes} reached at step {step:,}; checkpoint saved, re-run to continue")
                 break
+            if stop.reason and not is_last:
+                stopped_by = stop.reason
+                log(f"stopped ({stop.reason}) at step {step:,}; checkpoint saved, re-run to continue")
+                break
     except KeyboardInterrupt:
         stopped_by = "interrupt"
         log(f"interrupted at step {step:,}; saving a checkpoint")
@@ -459,7 +523,8 @@ def train(
         metrics_f.close()
         if pbar is not None:
             pbar.close()
-        writer.wait()
+        stop.restore()
+        writer.close()  # local save errors raise; Drive problems are reported, never raised
     elapsed = time.time() - t_start
     done_tokens = tokens_seen - (resumed_from or 0) * tokens_per_step
     return TrainResult(run_dir=run_dir, step=step, tokens_seen=tokens_seen, train_loss=train_loss, val_loss=val_loss,

@@ -1,0 +1,72 @@
+import math
+
+import pytest
+
+from gptlib.config import PRESETS, ConfigError, RunConfig, get_preset
+from gptlib.model import GPT
+
+
+def test_presets_have_the_promised_shapes():
+    p1 = get_preset("phase1").validate()
+    assert GPT(p1.model).num_params() <= 1_050_000  # "at most ~1M parameters"
+    p2 = get_preset("phase2").validate()
+    assert 4 <= p2.model.n_layer <= 6 and 256 <= p2.model.n_embd <= 384 and p2.model.block_size == 512
+    g = get_preset("gpt2-small").validate()
+    m = g.model
+    assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size) == (12, 768, 12, 1024, 32768)
+
+
+def test_gpt2_small_is_124m_class():
+    n = GPT(get_preset("gpt2-small").model).num_params()
+    assert 100e6 < n < 130e6, n
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ConfigError, match="unknown preset 'tiny'.*phase1"):
+        get_preset("tiny")
+
+
+def test_set_parses_types_and_rejects_unknown_fields():
+    cfg = get_preset("phase1")
+    cfg.apply_overrides(["n_layer=6", "learning_rate=3e-4", "model.dropout=0.1", "max_steps=1e3",
+                         "sample_prompts=[\"a\", \"b\"]", "bias=true"])
+    assert cfg.model.n_layer == 6 and cfg.train.learning_rate == 3e-4 and cfg.model.dropout == 0.1
+    assert cfg.train.max_steps == 1000 and cfg.train.sample_prompts == ["a", "b"] and cfg.model.bias is True
+    with pytest.raises(ConfigError, match="unknown config field 'n_layers'"):
+        cfg.set("n_layers", "3")
+    with pytest.raises(ConfigError, match="n_layer='three': expected a int"):
+        cfg.set("n_layer", "three")
+    with pytest.raises(ConfigError, match="not FIELD=VALUE"):
+        cfg.apply_overrides(["n_layer"])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("n_layer", "0", "n_layer=0 must be a positive number"),
+    ("n_head", "3", "n_head=3 does not divide n_embd=128"),
+    ("learning_rate", "-1e-3", "learning_rate=-0.001 must be a positive number"),
+    ("keep_last", "1", "keep_last=1"),
+    ("dtype", "int8", "dtype='int8': choose one of"),
+])
+def test_invalid_values_are_named(field, value, message):
+    cfg = get_preset("phase1")
+    cfg.set(field, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        cfg.validate()
+
+
+def test_from_dict_is_strict_on_unknown_keys_and_lenient_on_missing_ones():
+    d = get_preset("phase1").to_dict()
+    del d["train"]["keep_last"]  # an older config without a newer field
+    cfg = RunConfig.from_dict(d)
+    assert cfg.train.keep_last == 2
+    d["model"]["n_layerz"] = 3
+    with pytest.raises(ConfigError, match=r"model: unknown key\(s\) \['n_layerz'\]"):
+        RunConfig.from_dict(d, source="x.json")
+
+
+def test_padded_vocab():
+    cfg = get_preset("gpt2-small").model
+    cfg.vocab_size = 50257
+    assert cfg.padded_vocab_size == 50304 and cfg.padded_vocab_size % 64 == 0
+    assert all(isinstance(PRESETS[p]["model"]["n_layer"], int) for p in PRESETS)
+    assert math.isclose(get_preset("phase1").train.learning_rate, PRESETS["phase1"]["train"]["learning_rate"])

@@ -1,0 +1,126 @@
+import json
+
+import numpy as np
+import pytest
+
+from gptlib.prepare import PrepareError, prepare_text
+from gptlib.shards import DataFormatError, ShardWriter, dtype_for_vocab, load_split, read_meta, write_meta
+from gptlib.tokenizer import load_tokenizer
+
+
+def test_dtype_from_vocab():
+    assert dtype_for_vocab(65) == np.uint16
+    assert dtype_for_vocab(65536) == np.uint16
+    assert dtype_for_vocab(65537) == np.uint32
+
+
+def test_char_dataset_round_trip(tmp_path, small_text):
+    meta = prepare_text([small_text], tmp_path / "d", verbose=False)
+    text = small_text.read_text()
+    assert meta.vocab_size == len(set(text)) and meta.dtype == np.uint16
+    assert meta.tokens("train") + meta.tokens("val") == len(text)
+    assert meta.tokenizer["kind"] == "char" and len(meta.tokenizer["hash"]) == 64
+    raw = json.loads((tmp_path / "d" / "meta.json").read_text())
+    assert raw["format_version"] == 1 and raw["sources"][0]["size"] == small_text.stat().st_size
+    tok = load_tokenizer(tmp_path / "d")
+    decoded = tok.decode(load_split(meta, "train")) + tok.decode(load_split(meta, "val"))
+    assert decoded == text  # tail split: train is the first 90%, val the last 10%
+    assert abs(meta.tokens("val") / len(text) - 0.1) < 0.001
+
+
+def test_shard_writer_splits_into_fixed_size_shards(tmp_path):
+    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=1000)
+    data = np.arange(2500) % 300
+    w.write(data[:700])
+    w.write(data[700:])
+    shards = w.close()
+    assert [s["tokens"] for s in shards] == [1000, 1000, 500]
+    wv = ShardWriter(tmp_path, "val", np.dtype(np.uint16), shard_tokens=1000)
+    wv.write(np.arange(10))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    write_meta(tmp_path, vocab_size=300, tokenizer={"kind": "x", "hash": None, "file": "tokenizer.json"},
+               splits={"train": shards, "val": wv.close()}, sources=[])
+    meta = read_meta(tmp_path, verify_hashes=True)
+    assert np.array_equal(load_split(meta, "train"), data)
+
+
+@pytest.fixture()
+def dataset(tmp_path, small_text):
+    prepare_text([small_text], tmp_path / "d", verbose=False)
+    return tmp_path / "d"
+
+
+def _edit_meta(d, fn):
+    p = d / "meta.json"
+    m = json.loads(p.read_text())
+    fn(m)
+    p.write_text(json.dumps(m))
+
+
+def test_missing_meta_means_incomplete(dataset):
+    (dataset / "meta.json").unlink()
+    with pytest.raises(DataFormatError, match="meta.json is missing.*not a finished gptlib dataset"):
+        read_meta(dataset)
+
+
+def test_truncated_shard_names_file_and_both_sizes(dataset):
+    shard = dataset / "train_000000.bin"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 2)
+    with pytest.raises(DataFormatError, match=rf"train_000000.bin: file size is {size - 2} bytes but .* = {size} bytes"):
+        read_meta(dataset)
+
+
+def test_dtype_that_disagrees_with_vocab(dataset):
+    _edit_meta(dataset, lambda m: m.update(dtype="uint32"))
+    with pytest.raises(DataFormatError, match="dtype is 'uint32' but vocab_size=.* needs 'uint16'"):
+        read_meta(dataset)
+
+
+def test_token_count_mismatch(dataset):
+    _edit_meta(dataset, lambda m: m["splits"]["val"].update(tokens=5))
+    with pytest.raises(DataFormatError, match="val tokens is 5 but its shards hold"):
+        read_meta(dataset)
+
+
+def test_replaced_tokenizer_is_refused(dataset):
+    (dataset / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abc", "unknown": "error"}))
+    with pytest.raises(DataFormatError, match="tokenizer was replaced"):
+        read_meta(dataset)
+
+
+def test_modified_shard_caught_by_hash_check(dataset):
+    shard = dataset / "val_000000.bin"
+    b = bytearray(shard.read_bytes())
+    b[0] ^= 1
+    shard.write_bytes(bytes(b))
+    read_meta(dataset)  # sizes still agree
+    with pytest.raises(DataFormatError, match="sha256 differs"):
+        read_meta(dataset, verify_hashes=True)
+
+
+def test_unsupported_format_version(dataset):
+    _edit_meta(dataset, lambda m: m.update(format_version=99))
+    with pytest.raises(DataFormatError, match="format_version is 99"):
+        read_meta(dataset)
+
+
+def test_missing_and_empty_inputs(tmp_path):
+    with pytest.raises(PrepareError, match="input file .*nope.txt does not exist"):
+        prepare_text([tmp_path / "nope.txt"], tmp_path / "d", verbose=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(PrepareError, match="empty.txt is empty"):
+        prepare_text([empty], tmp_path / "d", verbose=False)
+    assert not (tmp_path / "d" / "meta.json").exists()
+
+
+def test_rerun_is_a_noop_and_a_different_dataset_is_refused(tmp_path, small_text, dataset):
+    before = {p.name: p.read_bytes() for p in dataset.iterdir()}
+    prepare_text([small_text], dataset, verbose=False)  # same inputs: reused
+    other = tmp_path / "other.txt"
+    other.write_text("something else entirely\n" * 100)
+    with pytest.raises(PrepareError, match="already holds a different dataset"):
+        prepare_text([other], dataset, verbose=False)
+    assert {p.name: p.read_bytes() for p in dataset.iterdir()} == before

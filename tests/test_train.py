@@ -1,0 +1,102 @@
+import json
+
+import pytest
+import torch
+
+from gptlib.checkpoint import list_checkpoints, load_model_weights
+from gptlib.config import ConfigError
+from gptlib.train import lr_at, read_metrics, train
+from gptlib.config import TrainConfig
+from tests.conftest import TINY
+
+
+def quiet(_msg):
+    pass
+
+
+def test_short_run_lowers_the_loss_and_writes_the_run_dir(tmp_path, char_data):
+    r = train(char_data, tmp_path / "run", "phase1", TINY + ["learning_rate=3e-3"], max_steps=30,
+              progress=False, log=quiet)
+    rows = read_metrics(tmp_path / "run")
+    assert r.step == 30 and [row["step"] for row in rows] == list(range(1, 31))
+    first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
+    assert last < first - 0.5, (first, last)
+    assert r.val_loss is not None and r.val_loss < first
+    for key in ("step", "train_loss", "lr", "tokens_seen"):
+        assert key in rows[-1]
+    assert "val_loss" in rows[-1] and "tokens_per_s" in rows[-1] and "elapsed_s" in rows[-1]
+    run = tmp_path / "run"
+    assert (run / "loss.png").stat().st_size > 1000
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {10, 20, 30} and all(s["text"].startswith(s["prompt"]) for s in samples)
+    assert "| step |" in (run / "samples.md").read_text()
+    assert (run / "tokenizer.json").is_file() and (run / "config.json").is_file()
+    # weights are saved from the original module: no torch.compile / DDP prefixes
+    sd = torch.load(list_checkpoints(run)[0] / "model.pt", weights_only=True)
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in sd)
+
+
+def test_rerunning_a_finished_run_is_a_noop(tmp_path, char_data):
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    assert r.resumed_from == 10 and r.step == 10
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+class StopAt(Exception):
+    pass
+
+
+def test_stopped_and_resumed_equals_uninterrupted(tmp_path, char_data):
+    """The Colab stop button (KeyboardInterrupt) at step 10, then the same call again."""
+    args = dict(preset="phase1", overrides=TINY + ["dropout=0.1"], max_steps=20, progress=False, log=quiet)
+    full = train(char_data, tmp_path / "full", **args)
+
+    def interrupt(row):
+        if row["step"] == 10:
+            raise KeyboardInterrupt
+
+    first = train(char_data, tmp_path / "resumed", on_log=interrupt, **args)
+    assert first.stopped_by == "interrupt" and first.step == 10
+    second = train(char_data, tmp_path / "resumed", **args)
+    assert second.resumed_from == 10 and second.step == 20
+
+    a = [(r["step"], r["train_loss"]) for r in read_metrics(tmp_path / "full")]
+    b = [(r["step"], r["train_loss"]) for r in read_metrics(tmp_path / "resumed")]
+    assert a == b  # same per-step losses, and no duplicated rows around the resume point
+    wa = load_model_weights(list_checkpoints(tmp_path / "full")[0])
+    wb = load_model_weights(list_checkpoints(tmp_path / "resumed")[0])
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert full.val_loss == second.val_loss
+
+
+def test_resume_with_a_different_model_is_refused_and_leaves_the_run_intact(tmp_path, char_data):
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="holds a run with n_layer=2 but this call asks for n_layer=3"):
+        train(char_data, run, "phase1", TINY + ["n_layer=3"], max_steps=10, progress=False, log=quiet)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_text_shorter_than_one_block_is_a_clear_error(tmp_path):
+    from gptlib.prepare import prepare_text
+    from gptlib.shards import DataFormatError
+
+    f = tmp_path / "short.txt"
+    f.write_text("To be, or not to be: that is the question.\n" * 3)
+    prepare_text([f], tmp_path / "d", verbose=False)
+    with pytest.raises(DataFormatError, match="val split has .* tokens, fewer than one block"):
+        train(tmp_path / "d", tmp_path / "run", "phase1", TINY, max_steps=5, progress=False, log=quiet)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = TrainConfig(learning_rate=1e-3, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(0.55e-3)
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    lrs = [lr_at(s, cfg) for s in range(10, 110)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))

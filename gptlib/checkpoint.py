@@ -1,45 +1,73 @@
-"""Checkpoints: atomic, verified saves; newest-valid discovery; rotation; safe loading.
+"""Checkpoints: atomic, verified saves; a background copy to Drive; newest-valid discovery; rotation.
 
-Layout inside a run directory:
+Layout inside a run directory (the same on the local disk and on the Drive mirror):
 
     checkpoints/step_0001000/
         model.pt        state_dict of the original (uncompiled, unwrapped) module
         train_state.pt  optimizer, grad scaler, torch RNGs, sampler state (tensors and numbers only)
         state.json      step, tokens seen, best val loss, config, data identity, python/numpy RNG
+        metrics.jsonl   the run's metrics up to this step (so a fresh VM resumes the loss curve too)
         manifest.json   written last: format version, step, size and sha256 of each file above
 
 A checkpoint is written into `step_XXXXXXX.partial-*`, every file fsynced, the manifest last,
 then the directory is renamed. A directory without a manifest that verifies is ignored, so a kill
 at any moment leaves the previous checkpoint as the newest valid one. Everything loads with
 `torch.load(weights_only=True)`: a checkpoint cannot run code.
+
+With a mirror directory (Google Drive), each checkpoint is first written to the fast local disk,
+then copied by a background thread to the mirror under a temp name, verified (size and sha256),
+and renamed. Drive errors (Errno 107 "Transport endpoint is not connected", Errno 5, hangs) are
+retried with backoff and reported loudly on stderr and in `CheckpointWriter.status()`; they never
+stop training, and local checkpoints keep being written meanwhile.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+import signal
+import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .fsutil import atomic_write, atomic_write_json, fsync_dir, sha256_file
+from .fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, sha256_file
 
 CKPT_FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{7,})$")
-PARTIAL_MARKER = ".partial-"
+PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)
+OLD_MARKER = ".old-"  # a same-step checkpoint being replaced
+DELETING_MARKER = ".deleting-"  # a rotated-out checkpoint being deleted
+_ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
 _STRIP_PREFIXES = ("_orig_mod.", "module.")
+# Run-level files copied next to the mirror's checkpoints, so the Drive copy is a complete run dir
+# (sampling and export need tokenizer.json and config.json; people look at the loss plot).
+RUN_FILES = ("config.json", "tokenizer.json", "metrics.jsonl", "samples.jsonl", "samples.md", "loss.png")
+
+# Drive copy policy; module-level so tests (and impatient users) can shorten them.
+MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
+MIRROR_STALL_TIMEOUT_S = 180.0  # an attempt with no progress for this long is a hung Drive: abandoned
+MIRROR_LIST_TIMEOUT_S = 60.0  # listing the mirror at resume; a hung Drive falls back to local only
+_COPY_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the run's config."""
+
+
+class MirrorStalled(OSError):
+    """A Drive operation made no progress for MIRROR_STALL_TIMEOUT_S seconds."""
 
 
 @dataclass
@@ -55,6 +83,48 @@ class CheckpointInfo:
 
 def ckpt_name(step: int) -> str:
     return f"step_{step:07d}"
+
+
+def _loud(msg: str) -> None:
+    """Problems that must not scroll by unnoticed: stderr (red in notebooks), flushed at once."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- fault injection (tests) -------------------------------------------------------------------
+
+
+def fault_point(name: str, step: int | None = None) -> None:
+    """Test hook. GPTLIB_FAULT="ACTION:POINT[@STEP],..." acts when execution reaches POINT (at STEP).
+
+    ACTION: kill (SIGKILL this process), term (SIGTERM), interrupt (raise KeyboardInterrupt),
+    enospc / eio / enotconn (raise that OSError), hang (block for an hour). Points: mid_step (train
+    loop, between backward and optimizer step), save_mid (model.pt written, no manifest yet),
+    after_rename (checkpoint renamed, rotation not yet run), rotate_mid (one file of an old
+    checkpoint deleted; STEP is the deleted checkpoint's), mirror_mid (Drive copy half done). Unset in normal use: costs one lookup.
+    """
+    spec = os.environ.get("GPTLIB_FAULT")
+    if not spec:
+        return
+    for item in spec.split(","):
+        action, _, rest = item.strip().partition(":")
+        point, _, at = rest.partition("@")
+        if point != name or (at and step is not None and int(at) != step):
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(10)  # the signal arrives asynchronously; never run past the fault point
+        elif action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif action == "interrupt":
+            raise KeyboardInterrupt(f"GPTLIB_FAULT {item}")
+        elif action in ("enospc", "eio", "enotconn"):
+            code = {"enospc": errno.ENOSPC, "eio": errno.EIO, "enotconn": errno.ENOTCONN}[action]
+            raise OSError(code, os.strerror(code))
+        elif action == "hang":
+            time.sleep(3600)
+
+
+# --- state dict helpers ------------------------------------------------------------------------
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,6 +153,21 @@ def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path) -> None:
+    """load_state_dict with an error that names the tensor and both shapes instead of a torch dump."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: weights do not fit this model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]} (a different architecture?)")
+    for k, v in own.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
+                                  f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)")
+    model.load_state_dict(sd)
+
+
 def _to_cpu(obj: Any) -> Any:
     """Deep copy of tensors to host memory, so training can go on while they are written."""
     if isinstance(obj, torch.Tensor):
@@ -94,36 +179,55 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+# --- writing, verifying, finding, loading ---------------------------------------------------------
+
+
 def _torch_save_atomic(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: dict, state: dict) -> Path:
-    """Write one checkpoint directory atomically (see the module docstring); returns its final path."""
+def _manifest_entry(p: Path) -> dict:
+    return {"size": p.stat().st_size, "sha256": sha256_file(p)}
+
+
+def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: dict, state: dict,
+                     extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write one checkpoint directory atomically (see the module docstring); returns its final path.
+
+    On any error the partial directory is removed (a full disk gets its space back) and the error
+    is raised; an existing checkpoint is never touched until the new one is complete.
+    """
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / ckpt_name(step)
-    partial = ckpt_root / f"{ckpt_name(step)}{PARTIAL_MARKER}{os.getpid()}-{threading.get_ident()}"
-    if partial.exists():
-        shutil.rmtree(partial)
+    partial = ckpt_root / f"{ckpt_name(step)}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
-    _torch_save_atomic(model_sd, partial / "model.pt")
-    _torch_save_atomic(train_state, partial / "train_state.pt")
-    atomic_write_json(partial / "state.json", state)
-    files = {}
-    for name in ("model.pt", "train_state.pt", "state.json"):
-        p = partial / name
-        files[name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
-    manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
-    atomic_write_json(partial / MANIFEST, manifest)
-    if final.exists():  # a same-step checkpoint (e.g. re-saved after resume) is replaced whole
-        old = ckpt_root / f"{ckpt_name(step)}.old-{os.getpid()}"
+    try:
+        _torch_save_atomic(model_sd, partial / "model.pt")
+        fault_point("save_mid", step)
+        _torch_save_atomic(train_state, partial / "train_state.pt")
+        atomic_write_json(partial / "state.json", state)
+        for name, data in (extra_files or {}).items():
+            atomic_write(partial / name, lambda f, d=data: f.write(d))
+        files = {p.name: _manifest_entry(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
+        atomic_write_json(partial / MANIFEST, manifest)
+        _install(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def _install(partial: Path, final: Path, truncate: bool = False) -> None:
+    """Rename a complete partial dir to its final name; a same-step one is replaced whole."""
+    if final.exists():  # e.g. re-saved after resume, or a corrupt copy being replaced
+        old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
         os.replace(final, old)
         os.replace(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_tree(old, truncate)
     else:
         os.replace(partial, final)
-    fsync_dir(ckpt_root)
-    return final
+    fsync_dir(final.parent)
 
 
 def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
@@ -135,19 +239,27 @@ def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
-    if manifest.get("format_version") != CKPT_FORMAT_VERSION:
-        raise CheckpointError(f"{mpath}: format_version {manifest.get('format_version')} is not "
-                              f"{CKPT_FORMAT_VERSION}")
-    for name, rec in manifest.get("files", {}).items():
-        p = path / name
-        if not p.is_file():
-            raise CheckpointError(f"{p}: listed in the manifest but missing")
-        size = p.stat().st_size
-        if size != rec["size"]:
-            raise CheckpointError(f"{p}: size {size} bytes, manifest says {rec['size']} (truncated or incomplete)")
-        if deep and sha256_file(p) != rec["sha256"]:
-            raise CheckpointError(f"{p}: sha256 differs from the manifest (corrupted)")
-    return CheckpointInfo(path=path, step=int(manifest["step"]), manifest=manifest)
+    if not isinstance(manifest, dict) or manifest.get("format_version") != CKPT_FORMAT_VERSION:
+        got = manifest.get("format_version") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{mpath}: format_version {got!r} is not {CKPT_FORMAT_VERSION}")
+    try:
+        files = manifest["files"]
+        step = int(manifest["step"])
+        for required in ("model.pt", "train_state.pt", "state.json"):
+            if required not in files:
+                raise CheckpointError(f"{mpath}: does not list {required}")
+        for name, rec in files.items():
+            p = path / name
+            if not p.is_file():
+                raise CheckpointError(f"{p}: listed in the manifest but missing")
+            size = p.stat().st_size
+            if size != rec["size"]:
+                raise CheckpointError(f"{p}: size {size:,} bytes, manifest says {rec['size']:,} (truncated or incomplete)")
+            if deep and sha256_file(p) != rec["sha256"]:
+                raise CheckpointError(f"{p}: sha256 differs from the manifest (corrupted)")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+    return CheckpointInfo(path=path, step=step, manifest=manifest)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -159,21 +271,42 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def _step_of(p: Path) -> int:
+    return int(_STEP_RE.match(p.name).group(1))
+
+
+def _name_step(p: Path) -> int | None:
+    """Step in a checkpoint-like name, also for `step_0000020.partial-...` and friends."""
+    m = re.match(r"^step_(\d{7,})", p.name)
+    return int(m.group(1)) if m else None
+
+
+def _candidates(run_dirs, log) -> list[Path]:
+    """Checkpoints of all run dirs, newest first; at equal steps the earlier-listed dir (local) first."""
+    if isinstance(run_dirs, (str, Path)):
+        run_dirs = [run_dirs]
+    found = []
+    for i, d in enumerate(run_dirs):
+        if d is None:
+            continue
+        try:
+            paths = call_with_timeout(lambda d=d: list_checkpoints(d), MIRROR_LIST_TIMEOUT_S) if i else list_checkpoints(d)
+        except OSError as e:
+            _loud(f"!! cannot list checkpoints in {d}: {e}; resuming from the other location(s) only")
+            continue
+        found += [(_step_of(p), i, p) for p in paths]
+    return [p for _, _, p in sorted(found, key=lambda x: (-x[0], x[1]))]
+
+
 def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> CheckpointInfo | None:
-    """The newest checkpoint that verifies, across one or more run directories (e.g. Drive and local).
+    """The newest checkpoint that verifies, across one or more run directories (e.g. local and Drive).
 
     Corrupt or incomplete ones are reported and skipped, so a bad newest falls back to the previous.
     """
-    if isinstance(run_dirs, (str, Path)):
-        run_dirs = [run_dirs]
-    candidates = []
-    for d in run_dirs:
-        for p in list_checkpoints(d):
-            candidates.append((int(_STEP_RE.match(p.name).group(1)), p))
-    for _, p in sorted(candidates, key=lambda x: x[0], reverse=True):
+    for p in _candidates(run_dirs, log):
         try:
             return verify_checkpoint(p)
-        except CheckpointError as e:
+        except (CheckpointError, OSError) as e:
             log(f"skipping checkpoint: {e}")
     return None
 
@@ -183,10 +316,27 @@ def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
     try:
         model_sd = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
         train_state = torch.load(path / "train_state.pt", map_location=map_location, weights_only=True)
+        state = json.loads((path / "state.json").read_text())
     except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
         raise CheckpointError(f"{path}: cannot load safely ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    state = json.loads((path / "state.json").read_text())
+    if not isinstance(model_sd, dict) or not isinstance(train_state, dict) or not isinstance(state, dict):
+        raise CheckpointError(f"{path}: model.pt / train_state.pt / state.json do not hold dicts")
     return clean_state_dict(model_sd), train_state, state
+
+
+def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo, dict, dict, dict] | None:
+    """Newest checkpoint that verifies AND loads safely, falling back past bad ones; None if none.
+
+    A checkpoint whose manifest matches but whose content is refused (e.g. a pickle that would run
+    code) is skipped like a corrupt one, with the reason printed.
+    """
+    for p in _candidates(run_dirs, log):
+        try:
+            info = verify_checkpoint(p)
+            return (info, *load_checkpoint(p, map_location))
+        except (CheckpointError, OSError) as e:
+            log(f"skipping checkpoint: {e}")
+    return None
 
 
 def load_model_weights(path: Path, map_location="cpu") -> dict[str, torch.Tensor]:
@@ -199,71 +349,489 @@ def load_model_weights(path: Path, map_location="cpu") -> dict[str, torch.Tensor
     return clean_state_dict(sd)
 
 
-def rotate(run_dir: str | Path, keep_last: int, best_step: int | None) -> list[Path]:
+# --- deleting, rotating, cleaning ------------------------------------------------------------------
+
+
+def _remove_tree(path: Path, truncate: bool = False) -> None:
+    """Delete a checkpoint dir: rename it away first (atomic: it stops looking like a checkpoint),
+    then (on Drive) truncate each file to 0 bytes before unlinking it, because Drive keeps deleted
+    files in its trash for 30 days and they count against the quota; an empty file costs nothing."""
+    if not path.exists():
+        return
+    if DELETING_MARKER not in path.name:
+        target = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, target)
+            path = target
+        except OSError:
+            pass
+    for i, f in enumerate(sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST)):
+        if f.is_file():
+            try:
+                if truncate:
+                    os.truncate(f, 0)
+                f.unlink()
+            except OSError:
+                pass
+            if i == 0:
+                fault_point("rotate_mid", _name_step(path))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_orphans(run_dir: str | Path, truncate: bool = False) -> list[Path]:
+    """Remove leftovers of interrupted saves, copies and deletions (`*.partial-*`, `*.tmp-*`, ...)."""
+    removed = []
+    root = Path(run_dir) / CKPT_DIR
+    for p in list(root.iterdir()) if root.is_dir() else []:
+        if any(m in p.name for m in _ORPHAN_MARKERS):
+            if p.is_dir():
+                _remove_tree(p, truncate)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+        elif p.is_dir():  # temp files inside a finished checkpoint (a kill during a same-step re-save)
+            for q in p.iterdir():
+                if TMP_MARKER in q.name:
+                    q.unlink(missing_ok=True)
+                    removed.append(q)
+    rd = Path(run_dir)
+    for p in list(rd.iterdir()) if rd.is_dir() else []:
+        if TMP_MARKER in p.name and p.is_file():
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
+           truncate: bool = False) -> list[Path]:
     """Delete all but the newest `keep_last` valid checkpoints and the best one; returns what was deleted.
 
     Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
+    Checkpoints that do not verify (cheap size check) do not count towards `keep_last`. `protect`
+    holds paths still in use (e.g. being copied to Drive). `truncate` empties files before deleting
+    them (Drive: see _remove_tree).
     """
     keep_last = max(2, keep_last)
     ckpts = list_checkpoints(run_dir)
-    keep = set(ckpts[:keep_last])
+    keep = {Path(p) for p in protect}
     if best_step is not None:
         keep.add(Path(run_dir) / CKPT_DIR / ckpt_name(best_step))
+    n_valid = 0
+    for p in ckpts:
+        if n_valid >= keep_last:
+            break
+        try:
+            verify_checkpoint(p, deep=False)
+            keep.add(p)
+            n_valid += 1
+        except (CheckpointError, OSError):
+            pass
     deleted = []
-    for p in ckpts[keep_last:]:
+    if n_valid == 0:
+        return deleted  # nothing verified: delete nothing
+    for p in ckpts:
         if p not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_tree(p, truncate)
             deleted.append(p)
-    # Leftovers of interrupted saves.
-    root = Path(run_dir) / CKPT_DIR
-    for p in root.iterdir() if root.is_dir() else []:
-        if PARTIAL_MARKER in p.name or ".old-" in p.name:
-            shutil.rmtree(p, ignore_errors=True)
+    clean_orphans(run_dir, truncate)
     return deleted
 
 
-class CheckpointWriter:
-    """Saves in a background thread: the loop only waits for the host copy of the state.
+# --- copying to the mirror (Drive) ----------------------------------------------------------------
 
-    One save is in flight at a time; `save` waits for the previous one first. Errors from the
-    background are kept and raised at the next `save` or `wait`, never swallowed.
+
+def call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
+    """Run fn in a daemon thread; MirrorStalled if it has not returned after `timeout` seconds.
+
+    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned: it is left to finish
+    (or not) on its own, and only ever touches temp names.
+    """
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise MirrorStalled(errno.ETIMEDOUT, f"no answer after {timeout:.0f} s (Drive hung?)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _Progress:
+    """Shared between a copy attempt and its watchdog: last progress time and a cancel flag."""
+
+    def __init__(self):
+        self.t = time.monotonic()
+        self.cancel = threading.Event()
+
+    def tick(self) -> None:
+        if self.cancel.is_set():
+            raise _Cancelled()
+        self.t = time.monotonic()
+
+
+def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: str | None = None,
+                       progress: _Progress | None = None) -> None:
+    """Copy src to dst (fsynced) hashing as it goes; OSError if the bytes read are not what the
+    manifest says (the local copy changed) — the destination is then left for cleanup."""
+    h = hashlib.sha256()
+    n = 0
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while True:
+            if progress is not None:
+                progress.tick()
+            b = fi.read(_COPY_CHUNK)
+            if not b:
+                break
+            h.update(b)
+            fo.write(b)
+            n += len(b)
+        fo.flush()
+        os.fsync(fo.fileno())
+    if progress is not None:
+        progress.tick()
+    if size is not None and n != size:
+        raise OSError(errno.EIO, f"{src}: read {n:,} bytes, manifest says {size:,}")
+    if sha256 is not None and h.hexdigest() != sha256:
+        raise OSError(errno.EIO, f"{src}: sha256 differs from the manifest while copying")
+
+
+def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: _Progress | None = None) -> Path:
+    """Copy a verified local checkpoint dir into mirror_run_dir/checkpoints: temp name, every file
+    hashed while read and fsynced, manifest last, read back and verified (size + sha256), renamed."""
+    manifest = json.loads((src / MANIFEST).read_text())
+    dst_root = mirror_run_dir / CKPT_DIR
+    dst_root.mkdir(parents=True, exist_ok=True)
+    final = dst_root / src.name
+    if final.is_dir():
+        try:
+            have = verify_checkpoint(final, deep=False)
+            if have.manifest.get("files") == manifest["files"]:
+                return final  # already there (e.g. the checkpoint we resumed from)
+        except (CheckpointError, OSError):
+            pass  # a corrupt copy: replaced below
+    partial = dst_root / f"{src.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    try:
+        for i, (name, rec) in enumerate(manifest["files"].items()):
+            copy_file_verified(src / name, partial / name, rec["size"], rec["sha256"], progress)
+            if i == 0:
+                fault_point("mirror_mid", manifest["step"])
+        copy_file_verified(src / MANIFEST, partial / MANIFEST, progress=progress)
+        fsync_dir(partial)
+        verify_checkpoint(partial, deep=True)  # read back from the mirror: catches truncated writes
+        if progress is not None:
+            progress.tick()
+    except BaseException:
+        try:  # best effort (Drive may be gone); leftovers are removed by the next rotation
+            _remove_tree(partial, truncate=True)
+        except OSError:
+            pass
+        raise
+    _install(partial, final, truncate=True)
+    verify_checkpoint(final, deep=False)
+    return final
+
+
+def _copy_run_file(src: Path, dst_dir: Path, nbytes: int | None, progress: _Progress | None) -> None:
+    """One run-level file to the mirror via a temp name (fsutil's marker, so orphans get cleaned)."""
+    if not src.is_file():
+        return
+    tmp = dst_dir / f"{src.name}{TMP_MARKER}{uuid.uuid4().hex[:8]}"
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        fo.write(fi.read() if nbytes is None else fi.read(nbytes))
+        fo.flush()
+        os.fsync(fo.fileno())
+    if progress is not None:
+        progress.tick()
+    os.replace(tmp, dst_dir / src.name)
+
+
+# --- the writer ----------------------------------------------------------------------------------
+
+
+class CheckpointWriter:
+    """Saves in background threads: the training loop only waits for the host copy of the state.
+
+    Local: one save in flight at a time; `save` waits for the previous one first. Local errors
+    (e.g. a full disk) are kept and raised at the next `save` or `wait` as CheckpointError: a run
+    that cannot save must not go on as if it could.
+
+    Mirror (optional, e.g. Drive): a second thread copies the newest verified local checkpoint,
+    then rotates the mirror. If copies fall behind, only the newest is copied. Failures are retried
+    with backoff (MIRROR_RETRY_DELAYS_S), a copy making no progress for MIRROR_STALL_TIMEOUT_S is
+    abandoned as hung, and every failure is printed to stderr and kept in `status()`. They never
+    raise into the training loop.
     """
 
-    def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print):
+    def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print,
+                 mirror_dir: str | Path | None = None, snapshot_files: tuple[str, ...] = ()):
         self.run_dir = Path(run_dir)
-        self.keep_last = keep_last
+        self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+        self.keep_last = max(2, keep_last)
         self.background = background
         self.log = log
+        self.snapshot_files = snapshot_files  # run-dir files (metrics.jsonl) snapshotted into each checkpoint
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_saved: Path | None = None
+        # mirror state, guarded by _cv
+        self._cv = threading.Condition()
+        self._pending: tuple[Path, int | None] | None = None  # newest local checkpoint not yet copied
+        self._busy: Path | None = None  # being copied now
+        self._closing = False
+        self._mirror_thread: threading.Thread | None = None
+        self.mirror_last_step: int | None = None  # newest step verified on the mirror
+        self.mirror_error: str | None = None  # last failure; None once a copy succeeds
+        self.mirror_failures = 0  # failed attempts so far
+        self._run_file_sizes: dict[str, int] = {}
+
+    # -- local --
 
     def save(self, step: int, model_sd: dict, train_state: dict, state: dict, best_step: int | None) -> None:
         self.wait()
         snapshot = (_to_cpu(model_sd), _to_cpu(train_state), json.loads(json.dumps(state)))
+        # Byte counts now (the loop flushed its logs): the background copies exactly this prefix.
+        sizes = {}
+        for name in self.snapshot_files:
+            p = self.run_dir / name
+            sizes[name] = p.stat().st_size if p.is_file() else None
         if self.background:
-            self._thread = threading.Thread(target=self._write, args=(step, *snapshot, best_step), daemon=True)
+            self._thread = threading.Thread(target=self._write, args=(step, *snapshot, best_step, sizes),
+                                            daemon=True, name="gptlib-checkpoint")
             self._thread.start()
         else:
-            self._write(step, *snapshot, best_step)
+            self._write(step, *snapshot, best_step, sizes)
             self._raise_pending()
 
-    def _write(self, step, model_sd, train_state, state, best_step) -> None:
+    def _write(self, step, model_sd, train_state, state, best_step, sizes) -> None:
         try:
-            path = write_checkpoint(self.run_dir / CKPT_DIR, step, model_sd, train_state, state)
+            extra = {}
+            for name, n in sizes.items():
+                if n is not None:
+                    with open(self.run_dir / name, "rb") as f:
+                        extra[name] = f.read(n)
+            path = write_checkpoint(self.run_dir / CKPT_DIR, step, model_sd, train_state, state, extra)
             verify_checkpoint(path)
-            rotate(self.run_dir, self.keep_last, best_step)
+            fault_point("after_rename", step)
             self.last_saved = path
+            self._run_file_sizes = {k: v for k, v in sizes.items() if v is not None}
+            with self._cv:
+                if self.mirror_dir is not None:
+                    self._pending = (path, best_step)
+                    self._ensure_mirror_thread()
+                    self._cv.notify_all()
+                protect = {p for p in (self._busy, self._pending and self._pending[0]) if p is not None}
+            rotate(self.run_dir, self.keep_last, best_step, protect=protect)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             e, self._error = self._error, None
-            raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}") from e
+            prev = self._newest_local_step()
+            where = f"; the newest intact checkpoint is step {prev:,}" if prev is not None else ""
+            hint = " (disk full: free space or lower --keep-last)" if getattr(e, "errno", None) == errno.ENOSPC else ""
+            raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
+
+    def _newest_local_step(self) -> int | None:
+        for p in list_checkpoints(self.run_dir):
+            try:
+                return verify_checkpoint(p, deep=False).step
+            except (CheckpointError, OSError):
+                continue
+        return None
 
     def wait(self) -> None:
+        """Wait for the local save in flight (not for the mirror); raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self._raise_pending()
+
+    # -- mirror --
+
+    def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
+        """Queue an existing local checkpoint for the mirror (e.g. resumed locally, newer than Drive)."""
+        if self.mirror_dir is None:
+            return
+        with self._cv:
+            if self._pending is None or _step_of(self._pending[0]) < _step_of(path):
+                self._pending = (path, best_step)
+            self._ensure_mirror_thread()
+            self._cv.notify_all()
+
+    def _ensure_mirror_thread(self) -> None:
+        if self._mirror_thread is None or not self._mirror_thread.is_alive():
+            self._mirror_thread = threading.Thread(target=self._mirror_loop, daemon=True, name="gptlib-mirror")
+            self._mirror_thread.start()
+
+    def _mirror_loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._pending is None and not self._closing:
+                    self._cv.wait()
+                if self._pending is None:
+                    return
+                (path, best_step), self._pending = self._pending, None
+                self._busy = path
+            try:
+                self._mirror_with_retries(path, best_step)
+            finally:
+                with self._cv:
+                    self._busy = None
+                    self._cv.notify_all()
+
+    def _mirror_with_retries(self, path: Path, best_step: int | None) -> None:
+        step = _step_of(path)
+        attempts = len(MIRROR_RETRY_DELAYS_S) + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._mirror_attempt(path, best_step)
+                if self.mirror_error is not None:
+                    _loud(f"Drive copy OK again: {ckpt_name(step)} verified in {self.mirror_dir}")
+                self.mirror_error = None
+                self.mirror_last_step = step
+                return
+            except Exception as e:  # noqa: BLE001 - reported, retried, never raised into training
+                self.mirror_failures += 1
+                self.mirror_error = f"{type(e).__name__}: {e}"
+                if attempt == attempts:
+                    _loud(f"!! DRIVE COPY FAILED for {ckpt_name(step)} after {attempts} attempts: {self.mirror_error}. "
+                          f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
+                          f"Drive is step {self.mirror_last_step}. The next checkpoint will be tried again.")
+                    return
+                delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
+                _loud(f"!! Drive copy of {ckpt_name(step)} failed (attempt {attempt}/{attempts}): {self.mirror_error}; "
+                      f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})")
+                with self._cv:
+                    # A newer checkpoint arriving meanwhile replaces this one: copy only the newest.
+                    self._cv.wait_for(lambda: self._pending is not None, timeout=delay)
+                    if self._pending is not None and _step_of(self._pending[0]) > step:
+                        return
+
+    def _mirror_attempt(self, path: Path, best_step: int | None) -> None:
+        progress = _Progress()
+        sizes = dict(self._run_file_sizes)
+
+        def attempt():
+            mirror_checkpoint(path, self.mirror_dir, progress)
+            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True)
+            for name in RUN_FILES:
+                _copy_run_file(self.run_dir / name, self.mirror_dir, sizes.get(name), progress)
+
+        box: dict[str, Any] = {}
+
+        def run():
+            try:
+                attempt()
+            except BaseException as e:  # noqa: BLE001
+                box["error"] = e
+
+        t = threading.Thread(target=run, daemon=True, name="gptlib-mirror-copy")
+        t.start()
+        while True:
+            t.join(0.1)
+            if not t.is_alive():
+                break
+            if time.monotonic() - progress.t > MIRROR_STALL_TIMEOUT_S:
+                progress.cancel.set()  # the copy stops at its next chunk; a thread stuck in FUSE is abandoned
+                raise MirrorStalled(errno.ETIMEDOUT, f"Drive made no progress for {MIRROR_STALL_TIMEOUT_S:g} s "
+                                                     f"while copying {path.name} (hung mount?)")
+        if "error" in box:
+            raise box["error"]
+
+    def status(self) -> dict:
+        """For the loop to show: newest local and mirror steps, and the last mirror error (None if fine)."""
+        with self._cv:
+            lagging = self._pending is not None or self._busy is not None
+        return {"local_step": _step_of(self.last_saved) if self.last_saved else None,
+                "mirror_dir": str(self.mirror_dir) if self.mirror_dir else None,
+                "mirror_step": self.mirror_last_step, "mirror_copying": lagging,
+                "mirror_error": self.mirror_error, "mirror_failures": self.mirror_failures}
+
+    def status_line(self) -> str:
+        """'' without a mirror; 'drive: step N' when fine; a loud line when the last copy failed."""
+        if self.mirror_dir is None:
+            return ""
+        s = self.status()
+        if s["mirror_error"]:
+            return f"DRIVE COPY FAILING (newest on Drive: step {s['mirror_step']}): {s['mirror_error']}"
+        return f"drive: step {s['mirror_step']}" + (" (copying newer)" if s["mirror_copying"] else "")
+
+    def close(self, timeout: float | None = None) -> dict:
+        """Wait for the local save (raising its error), then for the mirror to copy the newest
+        checkpoint (with its retries; never raises for the mirror). Returns status()."""
+        self.wait()
+        if self._mirror_thread is not None:
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+            self._mirror_thread.join(timeout)
+            if self._mirror_thread.is_alive():
+                _loud(f"!! Drive copy still running after {timeout} s; the newest checkpoint may exist only in {self.run_dir}")
+            self._mirror_thread = None
+            local = self.status()["local_step"]
+            if local is not None and self.mirror_last_step != local:
+                _loud(f"!! the newest checkpoint (step {local}) is NOT on Drive ({self.mirror_dir}), only in "
+                      f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.mirror_error}. "
+                      f"Re-run training (it resumes from the local checkpoint and copies it) once Drive works.")
+            with self._cv:
+                self._closing = False
+        return self.status()
+
+
+# --- stopping cleanly -------------------------------------------------------------------------
+
+
+class GracefulStop:
+    """SIGINT (Colab's stop button, Ctrl-C) and SIGTERM (runtime shutdown) ask the loop to stop.
+
+    The first signal only sets `reason`; the loop finishes the current optimizer step, saves a
+    checkpoint and returns, so the saved state is exactly a step boundary. A second SIGINT raises
+    KeyboardInterrupt at once (for a loop stuck elsewhere). Handlers can only be installed from the
+    main thread; elsewhere this does nothing and KeyboardInterrupt behaves as usual.
+    """
+
+    def __init__(self):
+        self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> "GracefulStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except (ValueError, OSError):
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
+        _loud(f"{signal.Signals(signum).name}: finishing this step, saving a checkpoint, then stopping"
+              + (" (press stop again to abort without saving)" if signum == signal.SIGINT else ""))
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            if old is not None:
+                try:
+                    signal.signal(sig, old)
+                except (ValueError, OSError):
+                    pass
+        self._old.clear()

@@ -1,0 +1,143 @@
+"""Where things live: Colab detection, an idempotent Drive mount, persistent vs fast local dirs.
+
+On Colab, anything on the VM's disk is lost at a disconnect; Google Drive survives but is slow and
+flaky. So a run trains into a fast local dir and its checkpoints are mirrored to Drive:
+
+    Drive   /content/drive/MyDrive/gptlib/      persistent root (survives disconnects)
+              data/<name>/                      token shards + meta.json + tokenizer (notebook 01)
+              runs/<name>/                      mirror: checkpoints/, metrics.jsonl, loss.png, ...
+    VM      /content/gptlib_local/              fast scratch (lost at disconnect)
+              runs/<name>/                      where training writes first
+
+Outside Colab there is one location, `./` (or $GPTLIB_ROOT): data in ./data/<name>, runs in
+./runs/<name>, no mirror. Nothing here runs at import time (no mounts, no prints).
+
+Environment overrides (mostly for tests): GPTLIB_ROOT (persistent root), GPTLIB_LOCAL_ROOT
+(local scratch root on Colab), GPTLIB_DRIVE_MOUNT (mount point, default /content/drive).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DRIVE_MOUNT = "/content/drive"
+DRIVE_SUBDIR = "MyDrive/gptlib"  # persistent root inside the mounted Drive
+COLAB_LOCAL_ROOT = "/content/gptlib_local"
+
+
+class ColabError(RuntimeError):
+    """Drive could not be mounted or used; the message says what to do."""
+
+
+def in_colab() -> bool:
+    """True inside a Colab runtime (its kernel has google.colab imported; tests inject a fake)."""
+    return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
+
+
+def drive_mountpoint() -> Path:
+    return Path(os.environ.get("GPTLIB_DRIVE_MOUNT", DRIVE_MOUNT))
+
+
+def _drive_usable(mountpoint: Path) -> bool:
+    """Mounted and answering. A dead FUSE mount raises Errno 107 (ENOTCONN) on any access."""
+    try:
+        return (mountpoint / "MyDrive").is_dir()
+    except OSError as e:
+        if e.errno in (errno.ENOTCONN, errno.EIO):
+            return False
+        raise
+
+
+def mount_drive(mountpoint: str | Path | None = None, timeout_s: float = 120.0) -> Path:
+    """Mount Google Drive once; already mounted is a no-op. Returns the mount point.
+
+    A mount that died (Errno 107 "Transport endpoint is not connected") is remounted with
+    force_remount. A mount that does not finish (authorization not given in time) raises
+    ColabError with what to do, instead of a bare traceback.
+    """
+    mp = Path(mountpoint) if mountpoint is not None else drive_mountpoint()
+    if not in_colab():
+        raise ColabError("mount_drive() needs Google Colab; outside Colab use a local directory "
+                         "(gptlib.colab.setup() does this for you)")
+    if _drive_usable(mp):
+        return mp
+    try:
+        dead = mp.exists() and any(True for _ in os.scandir(mp))
+    except OSError:
+        dead = True  # listing a dead FUSE mount fails: it must be remounted
+    from google.colab import drive  # noqa: PLC0415 - only exists on Colab
+
+    try:
+        drive.mount(str(mp), force_remount=dead, timeout_ms=int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - Colab raises ValueError/TimeoutError/others for a failed mount
+        raise ColabError(
+            f"Google Drive did not mount at {mp} ({type(e).__name__}: {e}). Re-run this cell and complete "
+            f"the authorization prompt within {timeout_s:.0f} s; if it keeps failing, use Runtime > Restart "
+            f"session, or set use_drive=False to train on the VM's disk only (lost at a disconnect)."
+        ) from None
+    if not _drive_usable(mp):
+        raise ColabError(f"Google Drive mount at {mp} finished but {mp / 'MyDrive'} is not there; "
+                         f"re-run this cell (drive.mount(..., force_remount=True))")
+    return mp
+
+
+@dataclass
+class Roots:
+    persistent: Path  # survives a disconnect (Drive on Colab; the working dir elsewhere)
+    local: Path  # fast scratch (VM disk on Colab; the same as persistent elsewhere)
+    on_drive: bool  # persistent is on Google Drive
+
+    @property
+    def mirrored(self) -> bool:
+        """Training writes locally and mirrors to persistent (only when they differ)."""
+        return self.persistent != self.local
+
+
+@dataclass
+class RunPaths:
+    run_dir: Path  # where train() writes (fast local disk)
+    mirror_dir: Path | None  # where checkpoints are copied (Drive), or None when run_dir persists itself
+
+
+def setup(use_drive: bool = True, mount: bool = True, timeout_s: float = 120.0) -> Roots:
+    """Decide (and create) the roots. On Colab with use_drive, mounts Drive (idempotent)."""
+    env_root = os.environ.get("GPTLIB_ROOT")
+    if in_colab():
+        local = Path(os.environ.get("GPTLIB_LOCAL_ROOT", COLAB_LOCAL_ROOT))
+        if use_drive:
+            mp = mount_drive(timeout_s=timeout_s) if mount else drive_mountpoint()
+            persistent = Path(env_root) if env_root else mp / DRIVE_SUBDIR
+            roots = Roots(persistent=persistent, local=local, on_drive=True)
+        else:
+            roots = Roots(persistent=Path(env_root) if env_root else local, local=local, on_drive=False)
+    else:
+        root = Path(env_root) if env_root else Path(".")
+        roots = Roots(persistent=root, local=root, on_drive=False)
+    for d in {roots.persistent, roots.local}:
+        d.mkdir(parents=True, exist_ok=True)
+    return roots
+
+
+def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
+    """The local run dir and its Drive mirror (None outside Colab) for run `name`."""
+    _check_name(name)
+    roots = roots or setup()
+    run_dir = roots.local / "runs" / name
+    mirror = roots.persistent / "runs" / name if roots.mirrored else None
+    return RunPaths(run_dir=run_dir, mirror_dir=mirror)
+
+
+def data_dir(name: str, roots: Roots | None = None) -> Path:
+    """Where a tokenized dataset lives: persistent (Drive on Colab), so tokenizing is done once."""
+    _check_name(name)
+    roots = roots or setup()
+    return roots.persistent / "data" / name
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"name {name!r}: use a plain directory name like 'shakespeare-char'")

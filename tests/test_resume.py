@@ -1,0 +1,204 @@
+"""Exact resume on CPU: a run killed at any moment, then resumed, matches an uninterrupted run.
+
+"Matches" means the same per-step train/val losses and learning rates in metrics.jsonl and the
+same final weights (torch.equal). The kills are real: `python -m gptlib train` runs in a
+subprocess and SIGKILLs itself at a named point (GPTLIB_FAULT, see checkpoint.fault_point), or
+gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
+skipping the RNG or sampler restore makes the comparison fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gptlib import data as gdata
+from gptlib import train as gtrain
+from gptlib.checkpoint import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
+from gptlib.train import read_metrics, train
+
+from tests.conftest import REPO, TINY
+
+MAX_STEPS = 20
+# Saves at 5, 10, 15, 20 (validation at 10, 20); dropout makes the torch RNG part of the state.
+SETTINGS = TINY + ["dropout=0.1", "save_every_steps=5", "keep_last=2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Same thread count in-process as in the subprocesses (OMP_NUM_THREADS=1): same float sums, and
+    much faster on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_inproc(data, run_dir, mirror_dir=None, log=None, **kw):
+    return train(data, run_dir, "phase1", SETTINGS, max_steps=MAX_STEPS, device="cpu", progress=False,
+                 mirror_dir=mirror_dir, log=log or print, **kw)
+
+
+def run_cli(data, run_dir, fault: str | None = None, mirror_dir=None, timeout=120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir),
+           "--preset", "phase1", "--max-steps", str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    for s in SETTINGS:
+        cmd += ["--set", s]
+    if mirror_dir is not None:
+        cmd += ["--mirror-dir", str(mirror_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("GPTLIB_FAULT", None)
+    if fault:
+        env["GPTLIB_FAULT"] = fault
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def curve(run_dir) -> dict[int, tuple]:
+    """step -> (train loss, val loss, lr): what must continue unchanged across a resume."""
+    rows = read_metrics(run_dir)
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"duplicate steps in {run_dir}/metrics.jsonl: {steps}"
+    return {r["step"]: (r["train_loss"], r.get("val_loss"), r["lr"]) for r in rows}
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    ck = find_latest_valid(run_dir, log=lambda m: None)
+    assert ck is not None and ck.step == MAX_STEPS, f"{run_dir}: newest valid checkpoint is {ck}"
+    return load_model_weights(ck.path)
+
+
+def assert_same_run(ref_dir, run_dir) -> None:
+    a, b = curve(ref_dir), curve(run_dir)
+    assert sorted(b) == list(range(1, MAX_STEPS + 1)), f"steps logged: {sorted(b)}"
+    diff = [s for s in a if a[s] != b.get(s)]
+    assert not diff, f"losses differ from the uninterrupted run at steps {diff}: {[(a[s], b.get(s)) for s in diff[:3]]}"
+    wa, wb = final_weights(ref_dir), final_weights(run_dir)
+    assert wa.keys() == wb.keys()
+    bad = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not bad, f"final weights differ: {bad}"
+
+
+@pytest.fixture(scope="module")
+def reference(char_data, tmp_path_factory):
+    """The uninterrupted run."""
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("ref") / "run"
+    r = run_inproc(char_data, d, log=lambda m: None)
+    assert r.step == MAX_STEPS and r.resumed_from is None
+    return d
+
+
+def _resume_and_check(char_data, reference, run_dir, capsys, expect_step, mirror_dir=None, where="local disk"):
+    capsys.readouterr()
+    r = run_inproc(char_data, run_dir, mirror_dir=mirror_dir)
+    out = capsys.readouterr().out
+    assert r.resumed_from == expect_step, out
+    assert f"resumed from step {expect_step}" in out and where in out, out
+    assert_same_run(reference, run_dir)
+
+
+# (fault, the checkpoint step the resumed run must start from)
+KILLS = {
+    "during a step": ("kill:mid_step@13", 10),
+    "during a save (model.pt written, no manifest)": ("kill:save_mid@15", 10),
+    "between rename and rotation": ("kill:after_rename@15", 15),
+    "during rotation (deleting step 5 at the step-15 save)": ("kill:rotate_mid@5", 15),
+}
+
+
+@pytest.mark.parametrize("when", list(KILLS))
+def test_sigkill_then_resume_is_exact(char_data, reference, tmp_path, capsys, when):
+    fault, expect = KILLS[when]
+    run_dir = tmp_path / "run"
+    p = run_cli(char_data, run_dir, fault=fault)
+    assert p.returncode == -signal.SIGKILL, f"rc={p.returncode}\n{p.stdout}\n{p.stderr}"
+    # The previous checkpoints are intact (full sha256 check), whatever the kill interrupted.
+    for ck in list_checkpoints(run_dir):
+        if ck.name == f"step_{expect:07d}" or int(ck.name[5:]) < expect:
+            verify_checkpoint(ck)
+    _resume_and_check(char_data, reference, run_dir, capsys, expect)
+    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("step_") or "." in p.name]
+    assert not leftovers, f"orphans not cleaned: {leftovers}"
+
+
+def test_sigterm_saves_at_step_boundary_and_exits_cleanly(char_data, reference, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    p = run_cli(char_data, run_dir, fault="term:mid_step@13")
+    assert p.returncode == 0, p.stderr
+    assert "SIGTERM" in p.stderr and "stopped (sigterm) at step 13" in p.stdout, p.stdout + p.stderr
+    assert verify_checkpoint(run_dir / "checkpoints" / "step_0000013").step == 13
+    _resume_and_check(char_data, reference, run_dir, capsys, 13)
+
+
+def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys):
+    """Killed while copying to the mirror, then the local disk is gone (a new Colab VM): resume from
+    the mirror's newest valid checkpoint, metrics history included, still exact."""
+    run_dir, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
+    p = run_cli(char_data, run_dir, fault="kill:mirror_mid@15", mirror_dir=mirror)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    shutil.rmtree(tmp_path / "local")
+    ck = find_latest_valid(mirror, log=lambda m: None)
+    assert ck is not None and ck.step in (5, 10), ck
+    _resume_and_check(char_data, reference, run_dir, capsys, ck.step, mirror_dir=mirror, where="Drive mirror")
+    # The mirror caught up: the final checkpoint is there and verifies; no partial copies remain.
+    assert verify_checkpoint(mirror / "checkpoints" / f"step_{MAX_STEPS:07d}").step == MAX_STEPS
+    assert not [p for p in (mirror / "checkpoints").iterdir() if "." in p.name]
+
+
+def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("GPTLIB_FAULT", "interrupt:mid_step@13")
+    r = run_inproc(char_data, run_dir, log=lambda m: None)
+    assert r.stopped_by == "interrupt" and r.step == 12
+    monkeypatch.delenv("GPTLIB_FAULT")
+    _resume_and_check(char_data, reference, run_dir, capsys, 12)
+
+
+# --- negative controls: the comparison above does catch a resume that forgets state ----------------
+
+
+@pytest.fixture(scope="module")
+def interrupted(char_data, tmp_path_factory):
+    d = tmp_path_factory.mktemp("interrupted") / "run"
+    os.environ["GPTLIB_FAULT"] = "interrupt:mid_step@13"
+    try:
+        torch.set_num_threads(1)
+        r = run_inproc(char_data, d, log=lambda m: None)
+    finally:
+        del os.environ["GPTLIB_FAULT"]
+    assert r.step == 12
+    return d
+
+
+def test_negative_control_without_rng_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    shutil.copytree(interrupted, run_dir)
+    monkeypatch.setattr(gtrain, "restore_rng", lambda tensors, plain: None)
+    run_inproc(char_data, run_dir, log=lambda m: None)
+    with pytest.raises(AssertionError, match="losses differ"):
+        assert_same_run(reference, run_dir)
+
+
+def test_negative_control_without_sampler_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    shutil.copytree(interrupted, run_dir)
+    for cls in (gdata.BatchSampler, gdata.ChunkedSampler):
+        monkeypatch.setattr(cls, "load_state_dict", lambda self, state: None)
+    run_inproc(char_data, run_dir, log=lambda m: None)
+    with pytest.raises(AssertionError, match="losses differ"):
+        assert_same_run(reference, run_dir)
+
+
+def test_positive_control_same_copy_resumes_exactly(char_data, reference, interrupted, tmp_path):
+    """The same copied interrupted run, resumed without tampering, matches (so the controls above
+    fail because of the skipped restore, not because of the copy)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(interrupted, run_dir)
+    run_inproc(char_data, run_dir, log=lambda m: None)
+    assert_same_run(reference, run_dir)

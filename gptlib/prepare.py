@@ -544,7 +544,8 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         s.hash = file_hash(s.path, s.size)
     empty = [str(s.path) for s in sources if s.size == 0]
     if len(empty) == len(sources):
-        raise PrepareError(f"every input file is empty: {', '.join(empty)}")
+        more = f" (and so are the other {len(empty) - 1})" if len(empty) > 1 else ""
+        raise PrepareError(f"nothing to tokenize: input file {empty[0]} is empty{more}")
     # Fail fast on a missing column/field (before training a tokenizer for an hour).
     pre_skipped: list[dict] = []
     for s in sources:
@@ -804,3 +805,36 @@ def prepare_text(inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: s
     """Phase 1 entry point: `prepare` with the char tokenizer by default (same pipeline)."""
     return prepare(inputs, out_dir, tokenizer=tokenizer, val_fraction=val_fraction, shard_tokens=shard_tokens,
                    overwrite=overwrite, verbose=verbose)
+
+
+def summarize(data_dir: str | Path) -> dict[str, Any]:
+    """The statistics of a finished dataset, for notebooks and logs."""
+    meta = read_meta(data_dir)
+    m = meta.raw
+    tokens = meta.tokens("train") + meta.tokens("val")
+    return {
+        "data_dir": str(meta.data_dir),
+        "source files": len(m.get("sources", [])),
+        "source MB": round(sum(s.get("size", 0) for s in m.get("sources", [])) / 1e6, 3),
+        "documents": m.get("documents"),
+        "train tokens": meta.tokens("train"),
+        "val tokens": meta.tokens("val"),
+        "characters per token": round(m.get("characters", 0) / max(1, tokens), 3),
+        "tokenizer": meta.tokenizer.get("kind"),
+        "vocab size": meta.vocab_size,
+        "dtype": meta.dtype.name,
+        "shards (train + val)": f"{len(meta.splits['train']['shards'])} + {len(meta.splits['val']['shards'])}",
+        "validation split": m.get("split"),
+        "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
+        "skipped files": len(m.get("skipped_files", [])),
+        "seconds": m.get("elapsed_s"),
+    }
+
+
+def decoded_sample(data_dir: str | Path, n_tokens: int = 200, split: str = "val") -> str:
+    """The first n_tokens of a split, decoded: a quick look that the data is what it should be."""
+    meta = read_meta(data_dir)
+    tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
+    first = meta.shard_paths(split)[0]
+    ids = np.fromfile(first, dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
+    return tok.decode(ids.tolist())

@@ -185,7 +185,7 @@ class Engine:
                 raise GenerationError(f"prompt {i} is empty: give at least one token (e.g. a newline)")
         B, dev = len(prompts), self.device
         lens = [len(p) for p in prompts]
-        min_len, total = min(lens), max(l + cfg.max_new_tokens for l in lens)
+        min_len, max_len, total = min(lens), max(lens), max(l + cfg.max_new_tokens for l in lens)
         if cfg.max_new_tokens == 0:
             return [[] for _ in prompts], ["length"] * B
         if generator is None and cfg.temperature > 0:
@@ -208,6 +208,7 @@ class Engine:
             seen.scatter_(1, buf[:, :min_len], True)
         stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
         done = torch.zeros(B, dtype=torch.bool, device=dev)  # finished rows (their further tokens are dropped)
+        no_rows = torch.zeros(B, dtype=torch.bool, device=dev)
         reasons = ["length"] * B
         stop_at: list[int | None] = [None] * B  # position of the token that completed a stop string
         need_host = on_step is not None  # read tokens back every step only when someone needs them
@@ -218,16 +219,19 @@ class Engine:
 
         for cur in range(min_len, total):
             nxt = sample_next(process_logits(logits, cfg, seen), cfg, generator)  # (B,)
-            forced = is_prompt[:, cur]
-            nxt = torch.where(forced, buf[:, cur], nxt)
+            if cur < max_len:  # some rows are still reading their prompt: keep their prompt token
+                forced = is_prompt[:, cur]
+                nxt = torch.where(forced, buf[:, cur], nxt)
+            else:
+                forced = no_rows
             buf[:, cur] = nxt
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
-            generated = ~forced & ~done & (cur < ends)  # rows whose token at cur is a real new token
-            if stop_t is not None:
-                hit = generated & torch.isin(nxt, stop_t)
-                done |= hit
-            done |= ~forced & (cur + 1 >= ends)
+            if need_host or stop_t is not None:
+                generated = ~forced & ~done & (cur < ends)  # rows whose token at cur is a real new token
+                if stop_t is not None:
+                    done |= generated & torch.isin(nxt, stop_t)
+                done |= ~forced & (cur + 1 >= ends)
             if need_host:
                 gen_rows = generated.nonzero().flatten().tolist()
                 if gen_rows:

@@ -1,0 +1,262 @@
+"""Generation engine, checkpoint loading and the `sample` CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from gptlib.checkpoint import CheckpointError
+from gptlib.config import ModelConfig
+from gptlib.generate import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
+from gptlib.loading import checkpoint_table, load_for_inference, load_run_tokenizer, resolve_checkpoint
+from gptlib.model import GPT
+from gptlib.tokenizer import CharTokenizer, TokenizerError
+
+from .conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, vocab_multiple=64))
+    # Larger weights than the init so the greedy path is not a flat distribution with near-ties.
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(5.0)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, char_data):
+    """A tiny trained char-level run with checkpoints at steps 5 and 10."""
+    from gptlib.train import train
+
+    rd = tmp_path_factory.mktemp("gen") / "run"
+    train(char_data, rd, overrides=TINY + ["eval_interval=5", "keep_last=5"], max_steps=10, progress=False,
+          log=lambda s: None)
+    return rd
+
+
+def naive_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """Reference: a full forward of the last block_size tokens for every new token (nanoGPT)."""
+    ids = list(prompt)
+    bs = model.config.block_size
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(torch.tensor([ids[-bs:]]))
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_greedy_cache_equals_no_cache_past_the_window(model):
+    prompt = [3, 1, 4, 1, 5]
+    n = 40  # well past block_size=16: the window slides
+    eng = Engine(model)
+    greedy = SamplingConfig(max_new_tokens=n, temperature=0)
+    cached, reasons = eng.generate_ids([prompt], greedy)
+    uncached, _ = eng.generate_ids([prompt], greedy, use_cache=False)
+    ref = naive_greedy(model, prompt, n)
+    assert cached[0] == ref
+    assert uncached[0] == ref
+    assert reasons == ["length"]
+    # A prompt longer than the context is cropped to its last block_size tokens.
+    long_prompt = list(range(1, 30))
+    assert eng.generate_ids([long_prompt], SamplingConfig(max_new_tokens=5, temperature=0))[0][0] == \
+        naive_greedy(model, long_prompt, 5)
+
+
+def test_window_slide_trades_context_for_speed(model):
+    eng = Engine(model)
+    prompt = [7, 8, 9]
+    greedy = SamplingConfig(max_new_tokens=30, temperature=0)
+    exact = eng.generate_ids([prompt], greedy)[0][0]
+    slid = eng.generate_ids([prompt], greedy, window_slide=8)[0][0]
+    assert len(slid) == 30
+    n_inside = model.config.block_size - len(prompt) + 1  # tokens predicted before the window is full
+    assert slid[:n_inside] == exact[:n_inside]
+    with pytest.raises(GenerationError, match="window_slide"):
+        eng.generate_ids([prompt], greedy, window_slide=0)
+
+
+def test_batch_of_prompts_of_different_lengths_equals_one_by_one(model):
+    eng = Engine(model)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [4, 4, 4]]
+    greedy = SamplingConfig(max_new_tokens=20, temperature=0, repetition_penalty=1.3)
+    batch, _ = eng.generate_ids(prompts, greedy)
+    for p, out in zip(prompts, batch):
+        assert len(out) == 20
+        assert out == eng.generate_ids([p], greedy)[0][0]
+
+
+def test_seeded_sampling_is_reproducible(model):
+    eng = Engine(model)
+    cfg = SamplingConfig(max_new_tokens=30, temperature=1.0, top_k=20, top_p=0.95, seed=123)
+    a = eng.generate_ids([[1, 2], [3]], cfg)[0]
+    b = eng.generate_ids([[1, 2], [3]], cfg)[0]
+    assert a == b
+    cfg.seed = 124
+    assert eng.generate_ids([[1, 2], [3]], cfg)[0] != a
+    # top_k=1 is greedy whatever the temperature
+    one = eng.generate_ids([[1, 2]], SamplingConfig(max_new_tokens=10, temperature=1.5, top_k=1, seed=5))[0][0]
+    assert one == eng.generate_ids([[1, 2]], SamplingConfig(max_new_tokens=10, temperature=0))[0][0]
+
+
+def test_logits_processing():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seen = torch.tensor([[True, True, False, False]])
+    # Repetition penalty: positive logits divided, negative ones multiplied (both become less likely).
+    out = process_logits(logits, SamplingConfig(temperature=0, repetition_penalty=2.0), seen)
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5]]
+    out = process_logits(logits, SamplingConfig(temperature=2.0, top_k=2))
+    assert torch.isinf(out).tolist() == [[False, True, False, True]]
+    assert out[0, 0].item() == 1.0  # divided by the temperature
+    probs = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    keep = lambda p: (~torch.isinf(process_logits(probs, SamplingConfig(temperature=1.0, top_p=p)))).tolist()[0]
+    assert keep(0.7) == [True, True, False]
+    assert keep(0.5) == [True, False, False]
+    assert keep(0.81) == [True, True, True]
+    assert keep(1.0) == [True, True, True]
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(process_logits(probs.expand(2000, 3), SamplingConfig(temperature=1.0)),
+                        SamplingConfig(temperature=1.0), g)
+    freq = torch.bincount(draws, minlength=3).float() / 2000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.05)
+
+
+def test_bad_settings_are_clear_errors(model):
+    eng = Engine(model)
+    for kw, name in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"),
+                     ({"repetition_penalty": 0}, "repetition_penalty"), ({"max_new_tokens": -1}, "max_new_tokens"),
+                     ({"stop": [""]}, "stop")]:
+        with pytest.raises(GenerationError, match=name):
+            eng.generate_ids([[1]], SamplingConfig(**kw))
+    with pytest.raises(GenerationError, match="prompt 1 is empty"):
+        eng.generate_ids([[1], []], SamplingConfig())
+    with pytest.raises(GenerationError, match="no tokenizer"):
+        eng.generate("hi")
+
+
+def test_stop_token_ends_a_row(model):
+    eng = Engine(model)
+    greedy = SamplingConfig(max_new_tokens=20, temperature=0)
+    full = eng.generate_ids([[2, 3]], greedy)[0][0]
+    stop_tok = full[6]
+    first = full.index(stop_tok)
+    out, reasons = eng.generate_ids([[2, 3], [2, 3]], greedy, stop_ids=[stop_tok])
+    assert out[0] == full[: first + 1] and reasons[0] == "eot"
+
+
+def test_generate_ids_compat(model):
+    """The training-time function keeps its signature and behaviour (greedy = the reference)."""
+    assert generate_ids(model, [5, 6], 20, temperature=0) == naive_greedy(model, [5, 6], 20)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = generate_ids(model, [5, 6], 12, temperature=0.8, top_k=10, generator=g1)
+    assert a == generate_ids(model, [5, 6], 12, temperature=0.8, top_k=10, generator=g2)
+    assert len(generate_ids(model, [], 4, temperature=0)) == 4  # empty prompt starts from token 0
+
+
+# --- text level: stop strings and streaming, on a trained char model ---------------------------
+
+
+def test_stop_strings_and_streaming(run_dir):
+    eng = Engine.from_run(run_dir)
+    greedy = SamplingConfig(max_new_tokens=60, temperature=0)
+    full = eng.generate("ROMEO:", greedy)[0].text
+    assert len(full) == 60
+    stop = full[20:22]
+    cut = full.index(stop)
+    pieces = []
+    res = eng.generate("ROMEO:", SamplingConfig(max_new_tokens=60, temperature=0, stop=[stop, "\x00never"]),
+                       stream=lambda i, p: pieces.append((i, p)))[0]
+    assert res.text == full[:cut]
+    assert res.finish_reason == "stop"
+    assert "".join(p for _, p in pieces) == res.text  # the stop string never reaches the stream
+    assert len(res.token_ids) == cut + len(stop)  # the char model: one token per character
+
+    # A batch streams each row separately, and the streamed text equals the returned text.
+    streamed = {0: [], 1: []}
+    cfg = SamplingConfig(max_new_tokens=25, temperature=0.9, top_p=0.9, seed=7)
+    outs = eng.generate(["ROMEO:", "KING"], cfg, stream=lambda i, p: streamed[i].append(p))
+    for i, c in enumerate(outs):
+        assert "".join(streamed[i]) == c.text and len(c.text) == 25 and c.finish_reason == "length"
+    assert [c.text for c in eng.generate(["ROMEO:", "KING"], cfg)] == [c.text for c in outs]
+
+
+def test_unknown_character_in_prompt_is_a_clear_error(run_dir):
+    eng = Engine.from_run(run_dir)
+    with pytest.raises(GenerationError, match="prompt 0 .*not in the char vocabulary"):
+        eng.generate("\u2603 snowman")
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def test_load_latest_best_and_step(run_dir):
+    table = checkpoint_table(run_dir)
+    assert [r["step"] for r in table] == [10, 5]
+    assert resolve_checkpoint(run_dir, "latest").step == 10
+    best = table[0]["best_step"]
+    assert resolve_checkpoint(run_dir, "best").step == best
+    assert resolve_checkpoint(run_dir, 5).step == 5
+    assert resolve_checkpoint(run_dir, "step_0000005").step == 5
+    ld = load_for_inference(run_dir, "5")
+    assert ld.step == 5 and not ld.model.training and ld.tokenizer.kind == "char"
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 7; available steps: \[10, 5\]"):
+        resolve_checkpoint(run_dir, 7)
+    with pytest.raises(CheckpointError, match="use 'latest', 'best' or a step"):
+        resolve_checkpoint(run_dir, "newest")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_checkpoint(run_dir / "nope")
+
+
+def test_missing_or_mismatched_tokenizer(run_dir, tmp_path):
+    rd = tmp_path / "run"
+    shutil.copytree(run_dir, rd)
+    state = json.loads((rd / "checkpoints" / "step_0000010" / "state.json").read_text())
+    # Missing: neither the run's copy nor the recorded data directory's.
+    (rd / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError, match="no tokenizer for .*tokenizer.json"):
+        load_run_tokenizer(rd, {**state, "data_dir": str(tmp_path / "gone")}, "ckpt")
+    # Falls back to the data directory recorded in the checkpoint (it still exists here).
+    assert load_for_inference(rd).tokenizer.identity()["hash"] == state["tokenizer"]["hash"]
+    # Mismatched: a different vocabulary in the run's tokenizer.json.
+    CharTokenizer.from_text("abc\n ").save(rd)
+    with pytest.raises(TokenizerError, match="tokenizer mismatch"):
+        load_for_inference(rd)
+
+
+def test_corrupt_weights_are_refused(run_dir, tmp_path):
+    rd = tmp_path / "run"
+    shutil.copytree(run_dir, rd)
+    f = rd / "checkpoints" / "step_0000010" / "model.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_for_inference(rd, "latest")
+    assert load_for_inference(rd, 5).step == 5  # the other checkpoint is untouched
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+
+def test_cli_sample(run_dir, capsys):
+    from gptlib.__main__ import main
+
+    rc = main(["sample", "--run-dir", str(run_dir), "--checkpoint", "best", "--prompt", "ROMEO:", "--prompt", "KING",
+               "--num-samples", "2", "--max-new-tokens", "12", "--top-p", "0.9", "--top-k", "20",
+               "--repetition-penalty", "1.2", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("--- sample") == 4 and out.count("ROMEO:") == 2
+    rc = main(["sample", "--run-dir", str(run_dir), "--prompt", "ROMEO:", "--temperature", "0", "--stream",
+               "--max-new-tokens", "15"])
+    streamed = capsys.readouterr().out
+    eng = Engine.from_run(run_dir)
+    assert streamed.strip("\n") == ("ROMEO:" + eng.generate("ROMEO:", SamplingConfig(15, temperature=0))[0].text).strip("\n")
+    rc = main(["sample", "--run-dir", str(run_dir), "--top-p", "1.5"])
+    assert rc == 2 and "top_p=1.5" in capsys.readouterr().err
+    rc = main(["sample", "--run-dir", str(run_dir), "--checkpoint", "999"])
+    assert rc == 2 and "available steps" in capsys.readouterr().err

@@ -111,42 +111,78 @@ def cmd_train(args) -> int:
 
 def _add_sample(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a run's checkpoint",
-                       description="Generate text from the newest valid checkpoint of a run directory.")
+                       description="Generate text from a checkpoint of a run directory (KV-cached engine).")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
-    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
+                   help="which checkpoint: the newest, the best validation loss, or a step number (default latest)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (repeatable: several prompts run as one batch; default a newline)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy decoding")
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1 = off)")
+    p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable)")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--stream", action="store_true", help="print text as it is generated (samples run one by one)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=cmd_sample)
 
 
 def cmd_sample(args) -> int:
-    import torch
+    from .generate import Engine, GenerationError, SamplingConfig
 
-    from .checkpoint import find_latest_valid, load_model_weights
-    from .config import RunConfig
-    from .generate import generate_ids
-    from .model import GPT
-    from .tokenizer import check_identity, load_tokenizer
-    import json
+    if args.num_samples < 1:
+        raise CLIError(f"--num-samples {args.num_samples} must be >= 1")
+    # A literal backslash-n typed in a shell means a newline.
+    prompts = [pr.replace("\\n", "\n") for pr in (args.prompt or ["\n"])]
+    jobs = [pr for pr in prompts for _ in range(args.num_samples)]
+    try:
+        cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                             stop=[st.replace("\\n", "\n") for st in args.stop],
+                             seed=args.seed).validate()
+        eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device)
+        print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
+        many = len(jobs) > 1
+        if args.stream:
+            for i, pr in enumerate(jobs):
+                if many:
+                    print(f"\n--- sample {i + 1}/{len(jobs)} ---")
+                print(pr, end="", flush=True)
+                cfg.seed = args.seed + i
+                eng.generate(pr, cfg, stream=lambda _, piece: print(piece, end="", flush=True))
+                print()
+        else:
+            for i, c in enumerate(eng.generate(jobs, cfg)):
+                if many:
+                    print(f"\n--- sample {i + 1}/{len(jobs)} ---")
+                print(c.prompt + c.text)
+    except GenerationError as e:
+        raise CLIError(str(e)) from None
+    return 0
 
-    if args.temperature < 0:
-        raise CLIError(f"--temperature {args.temperature} must be >= 0")
-    ck = find_latest_valid(args.run_dir)
-    if ck is None:
-        raise CLIError(f"no valid checkpoint in {args.run_dir}")
-    state = json.loads((ck.path / "state.json").read_text())
-    cfg = RunConfig.from_dict(state["config"])
-    model = GPT(cfg.model)
-    model.load_state_dict(load_model_weights(ck.path))
-    model.to(args.device).eval()
-    tok = load_tokenizer(Path(args.run_dir) / "tokenizer.json")
-    check_identity(tok, state.get("tokenizer", {}), str(args.run_dir))
-    g = torch.Generator().manual_seed(args.seed)
-    out = generate_ids(model, tok.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k, g)
-    print(args.prompt + tok.decode(out))
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export-hf", help="export a checkpoint as a Hugging Face GPT2LMHeadModel folder",
+                       description="Write config.json, model.safetensors and tokenizer files that transformers "
+                                   "loads with GPT2LMHeadModel.from_pretrained / AutoTokenizer.from_pretrained.")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from .export import ExportError, export_hf
+
+    try:
+        out = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
+    except ExportError as e:
+        raise CLIError(str(e)) from None
+    print(f"exported to {out}: " + ", ".join(sorted(f.name for f in out.iterdir())))
     return 0
 
 
@@ -157,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_tokenize(sub)
     _add_train(sub)
     _add_sample(sub)
+    _add_export(sub)
     args = parser.parse_args(argv)
     from .checkpoint import CheckpointError
     from .config import ConfigError

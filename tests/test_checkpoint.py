@@ -1,0 +1,252 @@
+"""Unit tests of gptlib.checkpoint: atomic writes, verification, discovery, rotation, mirror copy."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import signal
+import time
+
+import pytest
+import torch
+
+from gptlib import checkpoint as ck
+from gptlib.fsutil import sha256_file
+from gptlib.checkpoint import (CheckpointError, CheckpointWriter, GracefulStop, call_with_timeout, clean_orphans,
+                               clean_state_dict, find_latest_valid, list_checkpoints, load_checkpoint, load_latest,
+                               load_weights_into, mirror_checkpoint, rotate, verify_checkpoint, write_checkpoint)
+
+
+def sd(v: float = 1.0) -> dict:
+    return {"w": torch.full((4, 4), v), "b": torch.arange(3.0)}
+
+
+def save(run_dir, step, v=1.0, extra=None):
+    return write_checkpoint(run_dir / "checkpoints", step, sd(v), {"opt": {"m": torch.ones(2) * v}},
+                            {"step": step, "v": v}, extra)
+
+
+def test_write_verify_load_roundtrip(tmp_path):
+    p = save(tmp_path, 7, 2.0, extra={"metrics.jsonl": b'{"step": 1}\n'})
+    assert p.name == "step_0000007"
+    info = verify_checkpoint(p)
+    assert info.step == 7 and set(info.manifest["files"]) == {"model.pt", "train_state.pt", "state.json", "metrics.jsonl"}
+    m, t, s = load_checkpoint(p)
+    assert torch.equal(m["w"], sd(2.0)["w"]) and torch.equal(t["opt"]["m"], torch.ones(2) * 2) and s["v"] == 2.0
+    assert not [q for q in p.parent.iterdir() if q != p], "no temp or partial leftovers"
+
+
+def test_same_step_resave_replaces_whole(tmp_path):
+    save(tmp_path, 5, 1.0)
+    p = save(tmp_path, 5, 3.0)
+    assert torch.equal(load_checkpoint(p)[0]["w"], sd(3.0)["w"])
+    assert [q.name for q in p.parent.iterdir()] == ["step_0000005"]
+
+
+def test_failed_write_removes_partial_and_keeps_previous(tmp_path, monkeypatch):
+    save(tmp_path, 5)
+    monkeypatch.setenv("GPTLIB_FAULT", "enospc:save_mid@10")
+    with pytest.raises(OSError) as ei:
+        save(tmp_path, 10)
+    assert ei.value.errno == errno.ENOSPC
+    assert [q.name for q in (tmp_path / "checkpoints").iterdir()] == ["step_0000005"]
+    verify_checkpoint(tmp_path / "checkpoints" / "step_0000005")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "bad_json", "missing_file", "old_format"])
+def test_verify_detects_damage(tmp_path, damage):
+    p = save(tmp_path, 3)
+    f = p / "model.pt"
+    if damage == "truncate":
+        os.truncate(f, f.stat().st_size - 1)
+    elif damage == "flip":
+        b = bytearray(f.read_bytes())
+        b[-10] ^= 0xFF
+        f.write_bytes(bytes(b))
+    elif damage == "no_manifest":
+        (p / "manifest.json").unlink()
+    elif damage == "bad_json":
+        (p / "manifest.json").write_text("{not json")
+    elif damage == "missing_file":
+        f.unlink()
+    elif damage == "old_format":
+        (p / "manifest.json").write_text('{"format_version": 0, "step": 3, "files": {}}')
+    with pytest.raises(CheckpointError, match=str(p)):
+        verify_checkpoint(p)
+
+
+def test_find_latest_valid_falls_back_and_spans_dirs(tmp_path):
+    local, drive = tmp_path / "local", tmp_path / "drive"
+    save(local, 10)
+    save(drive, 20)
+    save(drive, 30)
+    os.truncate(drive / "checkpoints" / "step_0000030" / "model.pt", 5)
+    logs = []
+    info = find_latest_valid([local, drive], log=logs.append)
+    assert info.step == 20 and info.path.parent.parent == drive
+    assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
+    save(local, 20, 9.0)  # same step in both: the first listed (local, fast) wins
+    assert find_latest_valid([local, drive]).path.parent.parent == local
+
+
+def test_malicious_pickle_refused_and_load_latest_falls_back(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    save(tmp_path, 1)
+    p = save(tmp_path, 2)
+    (p / "model.pt").write_bytes(pickle.dumps(Evil()))
+    m = json.loads((p / "manifest.json").read_text())
+    m["files"]["model.pt"] = {"size": (p / "model.pt").stat().st_size, "sha256": sha256_file(p / "model.pt")}
+    (p / "manifest.json").write_text(json.dumps(m))
+    verify_checkpoint(p)  # consistent manifest: only weights_only loading stops it
+    with pytest.raises(CheckpointError, match="cannot load safely"):
+        load_checkpoint(p)
+    logs = []
+    info, *_ = load_latest(tmp_path, log=logs.append)
+    assert info.step == 1 and "cannot load safely" in logs[0] and not marker.exists()
+
+
+def test_clean_state_dict_and_checked_load():
+    m = torch.nn.Linear(3, 2)
+    wrapped = {f"module._orig_mod.{k}": v.clone() for k, v in m.state_dict().items()}
+    clean = clean_state_dict(wrapped)
+    assert set(clean) == {"weight", "bias"}
+    load_weights_into(m, clean, "x")
+    bad = dict(clean, weight=torch.zeros(5, 3))
+    with pytest.raises(CheckpointError, match=r"weight has shape \(5, 3\) in the checkpoint but \(2, 3\)"):
+        load_weights_into(m, bad, "ckpt")
+    with pytest.raises(CheckpointError, match="missing"):
+        load_weights_into(m, {"weight": clean["weight"]}, "ckpt")
+
+
+def test_rotate_keeps_last_and_best_and_truncates(tmp_path):
+    for s in (1, 2, 3, 4, 5):
+        save(tmp_path, s)
+    root = tmp_path / "checkpoints"
+    # A hard link outside: after a truncating delete it must be empty (Drive's trash keeps no bytes).
+    os.link(root / "step_0000001" / "model.pt", tmp_path / "trash_model.pt")
+    deleted = rotate(tmp_path, keep_last=1, best_step=2, truncate=True)  # keep_last < 2 means 2
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000004", "step_0000002"]
+    assert sorted(p.name for p in deleted) == ["step_0000001", "step_0000003"]
+    assert (tmp_path / "trash_model.pt").stat().st_size == 0
+
+
+def test_rotate_skips_invalid_and_protected(tmp_path):
+    for s in (1, 2, 3, 4):
+        save(tmp_path, s)
+    root = tmp_path / "checkpoints"
+    (root / "step_0000004" / "manifest.json").unlink()  # invalid: does not count as kept
+    rotate(tmp_path, keep_last=2, best_step=None, protect={root / "step_0000001"})
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003", "step_0000002", "step_0000001"]
+
+
+def test_rotate_deletes_nothing_when_nothing_verifies(tmp_path):
+    for s in (1, 2, 3):
+        p = save(tmp_path, s)
+        (p / "manifest.json").unlink()
+    assert rotate(tmp_path, 2, None) == [] and len(list_checkpoints(tmp_path)) == 3
+
+
+def test_clean_orphans(tmp_path):
+    save(tmp_path, 1)
+    root = tmp_path / "checkpoints"
+    for name in ("step_0000002.partial-1-ab", "step_0000001.old-cd", "step_0000000.deleting-ef"):
+        (root / name).mkdir()
+        (root / name / "model.pt").write_bytes(b"x")
+    (root / "step_0000001" / "model.pt.tmp-zz").write_bytes(b"x")
+    (tmp_path / "metrics.jsonl.tmp-yy").write_bytes(b"x")
+    removed = clean_orphans(tmp_path)
+    assert len(removed) == 5
+    assert [p.name for p in root.iterdir()] == ["step_0000001"]
+    verify_checkpoint(root / "step_0000001")
+
+
+def test_mirror_copy_verifies_and_refuses_changed_source(tmp_path):
+    src = save(tmp_path / "local", 4)
+    dst = mirror_checkpoint(src, tmp_path / "drive")
+    assert verify_checkpoint(dst).step == 4
+    assert mirror_checkpoint(src, tmp_path / "drive") == dst  # already there: no copy
+    src2 = save(tmp_path / "local", 6)
+    with open(src2 / "model.pt", "r+b") as f:  # the local file changed after its manifest was written
+        f.seek(100)
+        f.write(b"\x00\x01")
+    with pytest.raises(OSError, match="sha256 differs"):
+        mirror_checkpoint(src2, tmp_path / "drive")
+    assert [p.name for p in list_checkpoints(tmp_path / "drive")] == ["step_0000004"]
+    assert not list((tmp_path / "drive" / "checkpoints").glob("*.partial-*"))
+
+
+def test_writer_mirrors_in_background_and_rotates_both(tmp_path):
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive")
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "config.json").write_text("{}")
+    for s in (1, 2, 3):
+        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=1)
+    st = w.close()
+    assert st["local_step"] == 3 and st["mirror_step"] == 3 and st["mirror_error"] is None
+    for d in ("local", "drive"):
+        names = [p.name for p in list_checkpoints(tmp_path / d)]
+        assert names[0] == "step_0000003" and "step_0000001" in names  # newest + best kept
+    assert (tmp_path / "drive" / "config.json").read_text() == "{}"
+    assert w.status_line() == "drive: step 3"
+
+
+def test_writer_mirror_failure_is_loud_not_fatal(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", (0.01,))
+
+    def broken(*a, **k):
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    monkeypatch.setattr(ck, "copy_file_verified", broken)
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(1, sd(), {}, {"step": 1}, None)
+    st = w.close()  # does not raise
+    assert st["local_step"] == 1 and st["mirror_step"] is None and "Errno 107" in st["mirror_error"]
+    assert st["mirror_failures"] == 2 and w.status_line().startswith("DRIVE COPY FAILING")
+    err = capsys.readouterr().err
+    assert "attempt 1/2" in err and "DRIVE COPY FAILED" in err and "NOT on Drive" in err
+
+
+def test_writer_local_error_raises_at_next_save(tmp_path, monkeypatch):
+    w = CheckpointWriter(tmp_path)
+    w.save(1, sd(), {}, {"step": 1}, None)
+    w.wait()
+    monkeypatch.setenv("GPTLIB_FAULT", "eio:save_mid@2")
+    w.save(2, sd(), {}, {"step": 2}, None)
+    with pytest.raises(CheckpointError, match=r"Errno 5.*newest intact checkpoint is step 1"):
+        w.save(3, sd(), {}, {"step": 3}, None)
+
+
+def test_call_with_timeout():
+    assert call_with_timeout(lambda: 5, 1.0) == 5
+    t = time.monotonic()
+    with pytest.raises(ck.MirrorStalled):
+        call_with_timeout(lambda: time.sleep(2), 0.2)
+    assert time.monotonic() - t < 1.5
+
+
+def test_graceful_stop_handles_sigterm_and_restores():
+    old = signal.getsignal(signal.SIGTERM)
+    stop = GracefulStop().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.reason == "sigterm"
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == old
+
+
+def test_importing_gptlib_checkpoint_and_colab_has_no_side_effects(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import gptlib.checkpoint, gptlib.colab, sys; print(sorted(m for m in sys.modules if m.startswith('google')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]" and not list(tmp_path.iterdir())

@@ -1,0 +1,258 @@
+"""Fault injection: each fault ends with the previous checkpoint intact and the newest valid one
+resumed with a clear message.
+
+SIGKILL during a step / mid-save / between rename and rotation / during rotation / during the Drive
+copy, and SIGTERM, run as real subprocess kills in test_resume.py (which also checks exactness).
+Here: corrupted checkpoints, a full disk, Drive errors and hangs, config mismatches, a malicious
+pickle and KeyboardInterrupt, mostly in-process with the tiny config.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import threading
+
+import pytest
+
+from gptlib import checkpoint as ck
+from gptlib.__main__ import main as cli_main
+from gptlib.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
+from gptlib.config import ConfigError
+from gptlib.fsutil import sha256_file
+from tests.test_resume import MAX_STEPS, SETTINGS, curve, one_thread, run_inproc  # noqa: F401 (fixture)
+
+CKPT = "checkpoints"
+
+
+def ckpt_dir(run_dir, step):
+    return run_dir / CKPT / f"step_{step:07d}"
+
+
+def tree_hashes(d):
+    return {str(p.relative_to(d)): sha256_file(p) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(char_data, tmp_path_factory):
+    """A finished 20-step run: checkpoints at 15 and 20 (keep_last=2; 20 is also the best)."""
+    import torch
+
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("trained") / "run"
+    run_inproc(char_data, d, log=lambda m: None)
+    assert [p.name for p in list_checkpoints(d)] == ["step_0000020", "step_0000015"]
+    return d
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(trained, d)
+    return d
+
+
+def resume(char_data, run_dir, capsys, mirror_dir=None):
+    capsys.readouterr()
+    r = run_inproc(char_data, run_dir, mirror_dir=mirror_dir)
+    cap = capsys.readouterr()
+    return r, cap.out, cap.err
+
+
+def assert_fell_back(char_data, run, capsys, reason):
+    """The damaged step 20 is skipped with `reason`; step 15 (intact) is resumed; the run re-saves 20."""
+    prev = tree_hashes(ckpt_dir(run, 15))
+    r, out, _ = resume(char_data, run, capsys)
+    assert "skipping checkpoint" in out and reason in out, out
+    assert r.resumed_from == 15 and "resumed from step 15" in out, out
+    assert r.step == MAX_STEPS
+    assert verify_checkpoint(ckpt_dir(run, 20)).step == 20  # replaced by a good one
+    assert sorted(curve(run)) == list(range(1, MAX_STEPS + 1))
+    # step 15 was never written to (it may have been rotated out afterwards, but not damaged before)
+    if ckpt_dir(run, 15).exists():
+        assert tree_hashes(ckpt_dir(run, 15)) == prev
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 0.99])
+def test_truncated_checkpoint_falls_back(char_data, run, capsys, fraction):
+    f = ckpt_dir(run, 20) / "model.pt"
+    size = f.stat().st_size
+    os.truncate(f, int(size * fraction))
+    assert_fell_back(char_data, run, capsys, "truncated or incomplete")
+
+
+def test_one_flipped_byte_falls_back(char_data, run, capsys):
+    f = ckpt_dir(run, 20) / "train_state.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert_fell_back(char_data, run, capsys, "sha256 differs")
+
+
+def test_missing_manifest_falls_back(char_data, run, capsys):
+    (ckpt_dir(run, 20) / "manifest.json").unlink()
+    assert_fell_back(char_data, run, capsys, "no manifest.json")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['GPTLIB_EVIL_MARKER']}",))
+
+
+def test_malicious_pickle_is_refused_and_previous_resumed(char_data, run, capsys, tmp_path, monkeypatch):
+    """A newer checkpoint whose manifest is consistent but whose model.pt would run code on load."""
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("GPTLIB_EVIL_MARKER", str(marker))
+    evil = ckpt_dir(run, 25)
+    shutil.copytree(ckpt_dir(run, 20), evil)
+    (evil / "model.pt").write_bytes(pickle.dumps({"w": _Evil()}))
+    m = json.loads((evil / "manifest.json").read_text())
+    m["step"] = 25
+    m["files"]["model.pt"] = {"size": (evil / "model.pt").stat().st_size, "sha256": sha256_file(evil / "model.pt")}
+    (evil / "manifest.json").write_text(json.dumps(m))
+    verify_checkpoint(evil)  # it passes the integrity check: only safe loading stops it
+    r, out, _ = resume(char_data, run, capsys)
+    assert not marker.exists(), "the pickle ran code"
+    assert "cannot load safely" in out and "step_0000025" in out, out
+    assert r.resumed_from == 20 and "resumed from step 20" in out
+
+
+def test_enospc_during_save_is_loud_and_keeps_previous(char_data, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("GPTLIB_FAULT", "enospc:save_mid@15")
+    with pytest.raises(CheckpointError) as ei:
+        run_inproc(char_data, run, log=lambda m: None)
+    msg = str(ei.value)
+    assert "No space left" in msg and "disk full" in msg and "newest intact checkpoint is step 10" in msg, msg
+    assert sorted(p.name for p in (run / CKPT).iterdir()) == ["step_0000005", "step_0000010"]
+    verify_checkpoint(ckpt_dir(run, 10))  # previous intact; the partial step-15 dir was removed
+    monkeypatch.delenv("GPTLIB_FAULT")
+    r, out, _ = resume(char_data, run, capsys)
+    assert r.resumed_from == 10 and "resumed from step 10" in out and r.step == MAX_STEPS
+
+
+def test_keyboard_interrupt_mid_step_saves_pre_step_state(char_data, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    monkeypatch.setenv("GPTLIB_FAULT", "interrupt:mid_step@13")
+    r = run_inproc(char_data, run, log=lambda m: None)
+    assert r.stopped_by == "interrupt" and r.step == 12
+    assert verify_checkpoint(ckpt_dir(run, 12)).step == 12 and verify_checkpoint(ckpt_dir(run, 10)).step == 10
+    monkeypatch.delenv("GPTLIB_FAULT")
+    r, out, _ = resume(char_data, run, capsys)
+    assert r.resumed_from == 12 and "resumed from step 12" in out
+
+
+# --- config mismatch -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [("n_layer", 3), ("block_size", 64), ("n_embd", 48)])
+def test_config_mismatch_names_field_and_both_values(char_data, run, field, value, capsys):
+    before = tree_hashes(run / CKPT)
+    old = {"n_layer": 2, "block_size": 32, "n_embd": 32}[field]
+    with pytest.raises(ConfigError) as ei:
+        ck_train(char_data, run, SETTINGS + [f"{field}={value}"])
+    msg = str(ei.value)
+    assert f"{field}={old}" in msg and f"{field}={value}" in msg, msg
+    assert tree_hashes(run / CKPT) == before  # nothing touched
+    # The CLI says the same in one line, without a traceback.
+    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--preset", "phase1", "--max-steps",
+            str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    for s in SETTINGS + [f"{field}={value}"]:
+        args += ["--set", s]
+    capsys.readouterr()
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{field}={old}" in err and "Traceback" not in err
+    r, out, _ = resume(char_data, run, capsys)  # the original config resumes fine
+    assert r.resumed_from == 20 and "resumed from step 20" in out
+
+
+def ck_train(data, run_dir, settings):
+    from gptlib.train import train
+
+    return train(data, run_dir, "phase1", settings, max_steps=MAX_STEPS, device="cpu", progress=False,
+                 log=lambda m: None)
+
+
+def test_tokenizer_mismatch_names_field(run, tmp_path, small_text):
+    """Resuming on data with a different tokenizer (here: a different character set)."""
+    from gptlib.prepare import prepare_text
+
+    other_text = tmp_path / "upper.txt"
+    other_text.write_text(small_text.read_text()[:50_000].upper())
+    other = tmp_path / "other_data"
+    prepare_text([other_text], other, tokenizer="char", verbose=False)
+    with pytest.raises(ConfigError) as ei:
+        ck_train(other, run, SETTINGS)
+    msg = str(ei.value)
+    assert "vocab_size=61" in msg and "vocab_size=" in msg.replace("vocab_size=61", ""), msg
+
+
+# --- Drive (mirror) failures ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", (0.05, 0.05))
+    monkeypatch.setattr(ck, "MIRROR_STALL_TIMEOUT_S", 0.5)
+
+
+@pytest.mark.parametrize("code", [errno.ENOTCONN, errno.EIO])
+def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monkeypatch, fast_retries, code):
+    run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
+
+    def broken(*a, **k):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(ck, "copy_file_verified", broken)
+    r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
+    assert r.step == MAX_STEPS and r.stopped_by == "max_steps"  # training went on
+    assert f"[Errno {code}]" in err and "DRIVE COPY FAILED" in err, err
+    assert "is NOT on Drive" in err  # the end-of-run summary says where the newest checkpoint is
+    assert "DRIVE COPY FAILING" in out  # shown in the loop's validation line too
+    assert verify_checkpoint(ckpt_dir(run, 20)).step == 20  # local saving never stopped
+    assert find_latest_valid(mirror, log=lambda m: None) is None
+    assert not list((mirror / CKPT).glob("*.partial-*")), "failed copies left partial dirs"
+    # Drive is back: re-running resumes from the local newest and copies it to Drive.
+    monkeypatch.undo()
+    r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
+    assert r.resumed_from == 20 and "resumed from step 20" in out and "local disk" in out
+    assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
+
+
+def test_drive_copy_transient_error_is_retried(char_data, tmp_path, capsys, monkeypatch, fast_retries):
+    run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
+    real, calls = ck.copy_file_verified, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN))
+        return real(*a, **k)
+
+    monkeypatch.setattr(ck, "copy_file_verified", flaky)
+    r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
+    assert "attempt 1/3" in err and "retrying" in err, err
+    assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
+    assert "NOT on Drive" not in err
+
+
+def test_drive_copy_hang_is_abandoned(char_data, tmp_path, capsys, monkeypatch, fast_retries):
+    run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
+    released = threading.Event()
+
+    def hang(*a, **k):
+        released.wait(5)  # a FUSE call that does not come back (released at the end of the test)
+        raise OSError(errno.EIO, "released")
+
+    monkeypatch.setattr(ck, "copy_file_verified", hang)
+    try:
+        r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
+    finally:
+        released.set()
+    assert r.step == MAX_STEPS
+    assert "made no progress" in err and "hung" in err, err
+    assert verify_checkpoint(ckpt_dir(run, 20)).step == 20

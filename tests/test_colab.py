@@ -1,0 +1,131 @@
+"""The Colab code path, in CI: a fake `google.colab` whose drive.mount maps to a temp dir."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+
+from gptlib import colab
+from gptlib.checkpoint import verify_checkpoint
+from gptlib.train import read_metrics, train
+from tests.conftest import TINY
+
+
+class FakeDrive:
+    def __init__(self, fail: Exception | None = None):
+        self.calls: list[dict] = []
+        self.fail = fail
+
+    def mount(self, mountpoint, force_remount=False, timeout_ms=120000, readonly=False):
+        self.calls.append({"mountpoint": mountpoint, "force_remount": force_remount, "timeout_ms": timeout_ms})
+        if self.fail is not None:
+            raise self.fail
+        from pathlib import Path
+
+        (Path(mountpoint) / "MyDrive").mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture
+def fake_colab(monkeypatch, tmp_path):
+    drive = FakeDrive()
+    google = types.ModuleType("google")
+    gcolab = types.ModuleType("google.colab")
+    gcolab.drive = drive
+    google.colab = gcolab
+    monkeypatch.setitem(sys.modules, "google", google)
+    monkeypatch.setitem(sys.modules, "google.colab", gcolab)
+    monkeypatch.setenv("GPTLIB_DRIVE_MOUNT", str(tmp_path / "content" / "drive"))
+    monkeypatch.setenv("GPTLIB_LOCAL_ROOT", str(tmp_path / "content" / "gptlib_local"))
+    monkeypatch.delenv("GPTLIB_ROOT", raising=False)
+    return drive
+
+
+def test_outside_colab_uses_local_root(monkeypatch, tmp_path):
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    assert not colab.in_colab()
+    roots = colab.setup()
+    assert roots.persistent == roots.local == tmp_path / "root" and not roots.on_drive and not roots.mirrored
+    rp = colab.run_paths("shakespeare", roots)
+    assert rp.run_dir == tmp_path / "root" / "runs" / "shakespeare" and rp.mirror_dir is None
+    assert colab.data_dir("shakespeare", roots) == tmp_path / "root" / "data" / "shakespeare"
+    with pytest.raises(colab.ColabError, match="needs Google Colab"):
+        colab.mount_drive()
+
+
+def test_outside_colab_default_is_cwd(monkeypatch, tmp_path):
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    monkeypatch.delenv("GPTLIB_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert colab.run_paths("r").run_dir.resolve() == (tmp_path / "runs" / "r").resolve()
+
+
+def test_colab_mounts_drive_once(fake_colab, tmp_path):
+    assert colab.in_colab()
+    roots = colab.setup()
+    roots2 = colab.setup()  # re-running the cell: already mounted, no second mount
+    assert len(fake_colab.calls) == 1 and fake_colab.calls[0]["force_remount"] is False
+    assert roots == roots2 and roots.on_drive and roots.mirrored
+    assert roots.persistent == tmp_path / "content" / "drive" / "MyDrive" / "gptlib"
+    assert roots.local == tmp_path / "content" / "gptlib_local"
+    rp = colab.run_paths("gpt2", roots)
+    assert rp.run_dir == roots.local / "runs" / "gpt2" and rp.mirror_dir == roots.persistent / "runs" / "gpt2"
+    assert colab.data_dir("owt", roots) == roots.persistent / "data" / "owt"
+
+
+def test_colab_stale_mount_is_forced(fake_colab, tmp_path):
+    mp = tmp_path / "content" / "drive"
+    mp.mkdir(parents=True)
+    (mp / "leftover").write_text("x")  # something there, but no MyDrive: a dead or partial mount
+    colab.mount_drive()
+    assert fake_colab.calls[-1]["force_remount"] is True
+
+
+def test_colab_mount_timeout_has_clear_message(fake_colab):
+    fake_colab.fail = TimeoutError("Timed out waiting for authorization")
+    with pytest.raises(colab.ColabError) as ei:
+        colab.setup(timeout_s=5)
+    msg = str(ei.value)
+    assert "did not mount" in msg and "authorization" in msg and "use_drive=False" in msg
+
+
+def test_colab_without_drive_keeps_everything_local(fake_colab, tmp_path):
+    roots = colab.setup(use_drive=False)
+    assert not fake_colab.calls and roots.persistent == roots.local and colab.run_paths("x", roots).mirror_dir is None
+
+
+def test_bad_run_name():
+    with pytest.raises(ValueError, match="plain directory name"):
+        colab.run_paths("../escape", colab.Roots(persistent=colab.Path("."), local=colab.Path("."), on_drive=False))
+
+
+def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, capsys):
+    """Train on 'Colab', lose the VM's local disk, re-run the same cell: it resumes from Drive."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        settings = TINY + ["save_every_steps=5"]
+        rp = colab.run_paths("tiny", colab.setup())
+        r = train(char_data, rp.run_dir, "phase1", settings, max_steps=10, device="cpu", progress=False,
+                  mirror_dir=rp.mirror_dir)
+        assert r.step == 10
+        assert verify_checkpoint(rp.mirror_dir / "checkpoints" / "step_0000010").step == 10
+        for name in ("config.json", "tokenizer.json", "metrics.jsonl", "loss.png"):
+            assert (rp.mirror_dir / name).is_file(), name
+        shutil.rmtree(colab.setup().local)  # disconnect: a new VM, same Drive
+        rp2 = colab.run_paths("tiny", colab.setup())
+        capsys.readouterr()
+        r2 = train(char_data, rp2.run_dir, "phase1", settings, max_steps=15, device="cpu", progress=False,
+                   mirror_dir=rp2.mirror_dir)
+        out = capsys.readouterr().out
+        assert r2.resumed_from == 10 and "on the Drive mirror" in out, out
+        assert [row["step"] for row in read_metrics(rp2.run_dir)] == list(range(1, 16))  # the curve continues
+        assert verify_checkpoint(rp2.mirror_dir / "checkpoints" / "step_0000015").step == 15
+    finally:
+        torch.set_num_threads(n)

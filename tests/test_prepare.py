@@ -1,0 +1,357 @@
+"""Streaming pre-tokenization: every input format, the document split, bad inputs, resume after
+a kill, uint32 shards, refusal of a different dataset, bounded memory on a 100 MB line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gptlib.prepare as prep
+from gptlib.prepare import PrepareError, prepare, prepare_text
+from gptlib.shards import DataFormatError, load_split, read_meta
+from gptlib.tokenizer import EOT, BPETokenizer, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+BPE = dict(tokenizer="bpe", vocab_size=300, verbose=False)  # tiny vocab: trains in a fraction of a second
+
+
+@pytest.fixture(scope="module")
+def docs(shakespeare_path) -> list[str]:
+    """~1,800 short documents (speeches of Tiny Shakespeare)."""
+    return [d for d in shakespeare_path.read_text()[:300_000].split("\n\n") if d.strip()]
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory, docs) -> Path:
+    d = tmp_path_factory.mktemp("tok")
+    return BPETokenizer.train(iter(docs), vocab_size=300).save(d)
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    with open(path, "w") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, field: d}) + "\n")
+    return path
+
+
+def write_parquet(path: Path, docs: list[str], column: str = "text", row_group_size: int = 200) -> Path:
+    pq.write_table(pa.table({column: docs, "n": list(range(len(docs)))}), path, row_group_size=row_group_size)
+    return path
+
+
+def decoded_documents(out: Path) -> dict[str, list[str]]:
+    """Each split decoded and cut at the end-of-text ids: the documents it holds."""
+    meta = read_meta(out, verify_hashes=True)
+    tok = load_tokenizer(out)
+    result = {}
+    for split in ("train", "val"):
+        ids = load_split(meta, split).astype(np.int64)
+        ends = np.flatnonzero(ids == tok.eot_id)
+        assert ends.size == 0 or ends[-1] == ids.size - 1, "a split ends with a whole document"
+        result[split] = [tok.decode(part[:-1].tolist()) for part in np.split(ids, ends + 1)[:-1]]
+    return result
+
+
+def files_of(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+# ------------------------------------------------------------------------------------------ formats
+
+def test_char_single_document_uses_the_tail_split(small_text, tmp_path):
+    meta = prepare_text([small_text], tmp_path / "d", verbose=False)
+    text = small_text.read_text()
+    tok = load_tokenizer(tmp_path / "d")
+    assert meta.raw["split"] == "tail" and meta.raw["documents"] == 1
+    assert meta.tokens("train") == int(len(text) * 0.9)  # ASCII: bytes == characters
+    assert tok.decode(load_split(meta, "train")) + tok.decode(load_split(meta, "val")) == text
+
+
+def test_jsonl_documents_are_separated_by_eot_and_split_per_document(tmp_path, docs):
+    src = write_jsonl(tmp_path / "a.jsonl", docs)
+    meta = prepare([src], tmp_path / "out", **BPE)
+    got = decoded_documents(tmp_path / "out")
+    assert meta.raw["documents"] == len(docs) and meta.raw["split"] == "document"
+    assert sorted(got["train"] + got["val"]) == sorted(docs)  # every document whole, exactly once
+    assert 0.05 < len(got["val"]) / len(docs) < 0.15  # val_fraction=0.1 of the documents
+    assert meta.raw["sources"][0]["hash"].startswith("sha256:") and meta.raw["sources"][0]["size"] > 0
+
+
+def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):
+    src = write_parquet(tmp_path / "a.parquet", docs, column="code", row_group_size=97)
+    meta = prepare([src], tmp_path / "out", tokenizer_file=bpe_file, text_column="code", verbose=False)
+    got = decoded_documents(tmp_path / "out")
+    assert sorted(got["train"] + got["val"]) == sorted(docs)
+    assert meta.tokenizer["hash"] == hashlib.sha256(bpe_file.read_bytes()).hexdigest()  # reused as-is
+
+
+def test_split_is_deterministic_and_by_document(tmp_path, docs, bpe_file):
+    a = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "o1", tokenizer_file=bpe_file, verbose=False)
+    b = prepare([write_jsonl(tmp_path / "b.jsonl", docs)], tmp_path / "o2", tokenizer_file=bpe_file, verbose=False)
+    assert a.splits == b.splits  # same content -> same split, same shards (renamed file included)
+    # a document at another position in the file is another document: the split is not the tail
+    got = decoded_documents(tmp_path / "o1")
+    val_positions = [docs.index(d) for d in got["val"]]
+    assert min(val_positions) < len(docs) // 2
+
+
+def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    for i, doc in enumerate(docs[:150]):
+        (d / "sub" / f"{i:04d}.txt").write_text(doc)
+    (d / ".hidden.txt").write_text("never read")
+    write_jsonl(tmp_path / "x.jsonl", docs[150:300])
+    meta = prepare([d, str(tmp_path / "*.jsonl")], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    got = decoded_documents(tmp_path / "out")
+    assert meta.raw["split"] == "document"  # 150 text files + jsonl: per document
+    assert sorted(got["train"] + got["val"]) == sorted(docs[:300])
+    assert len(meta.raw["sources"]) == 151
+
+
+def test_literal_endoftext_stays_text(tmp_path, bpe_file):
+    docs = [f"doc {i} says {EOT} twice {EOT}." for i in range(200)]
+    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    got = decoded_documents(tmp_path / "out")
+    assert sorted(got["train"] + got["val"]) == sorted(docs)  # 200 documents, not 600
+
+
+def test_long_line_is_cut_into_pieces_and_round_trips(tmp_path, monkeypatch, bpe_file):
+    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 5000)
+    words = " ".join(f"w{i}é" for i in range(20000))  # one 130 kB line, non-ASCII, no newline
+    line = tmp_path / "line.txt"
+    line.write_text(words)
+    meta = prepare([line], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    tok = load_tokenizer(tmp_path / "out")
+    text = tok.decode(np.concatenate([load_split(meta, "train"), load_split(meta, "val")]).tolist())
+    assert text == words + EOT and meta.raw["replaced_invalid_utf8"] == 0
+
+
+def test_uint32_shards_when_the_vocab_exceeds_65536(tmp_path):
+    chars = "".join(chr(0x20000 + i) for i in range(70_000))  # 70,000 distinct characters
+    src = tmp_path / "wide.txt"
+    src.write_text(chars + chars[::-1])
+    meta = prepare_text([src], tmp_path / "out", verbose=False)
+    assert meta.vocab_size == 70_000 and meta.dtype == np.uint32 and meta.raw["dtype"] == "uint32"
+    ids = np.concatenate([load_split(meta, "train"), load_split(meta, "val")])
+    assert ids.max() == 69_999 and (tmp_path / "out" / "train_000000.bin").stat().st_size == 4 * meta.tokens("train")
+    assert load_tokenizer(tmp_path / "out").decode(ids) == chars + chars[::-1]
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path, bpe_file, capsys):
+    src = tmp_path / "bad.txt"
+    # 4 invalid sequences per line (\xff, \xfe, a lone lead byte, a truncated 3-byte sequence) and one
+    # genuine U+FFFD (\xef\xbf\xbd), which is text and must not be counted.
+    src.write_bytes(b"good text \xff\xfe more \xc3 text \xe2\x82 end \xef\xbf\xbd real replacement char\n" * 3)
+    meta = prepare([src], tmp_path / "out", tokenizer_file=bpe_file, verbose=True)
+    assert meta.raw["replaced_invalid_utf8"] == 4 * 3
+    tok = load_tokenizer(tmp_path / "out")
+    text = tok.decode(np.concatenate([load_split(meta, "train"), load_split(meta, "val")]).tolist())
+    assert text == src.read_bytes().decode("utf-8", "replace") + EOT
+    assert "invalid UTF-8 sequences were replaced" in capsys.readouterr().out
+
+
+def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
+    (tmp_path / "empty.txt").write_text("")
+    write_jsonl(tmp_path / "a.jsonl", docs[:300] + [""])
+    with open(tmp_path / "a.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"text": None}) + "\n")
+    meta = prepare([tmp_path / "empty.txt", tmp_path / "a.jsonl"], tmp_path / "out", tokenizer_file=bpe_file,
+                   verbose=False)
+    assert meta.raw["empty_files"] == [str(tmp_path / "empty.txt")]
+    assert meta.raw["documents"] == 300 and meta.raw["empty_documents"] == 3
+    with pytest.raises(PrepareError, match="empty.txt is empty"):
+        prepare([tmp_path / "empty.txt"], tmp_path / "out2", tokenizer_file=bpe_file, verbose=False)
+
+
+def test_missing_column_or_field_is_a_clear_error(tmp_path, docs, bpe_file):
+    pqf = write_parquet(tmp_path / "a.parquet", docs[:50], column="content")
+    with pytest.raises(PrepareError, match=r"a.parquet has no column 'text' \(columns: content, n\)"):
+        prepare([pqf], tmp_path / "o1", tokenizer_file=bpe_file, verbose=False)
+    with pytest.raises(PrepareError, match="column 'n' has type int64, not text"):
+        prepare([pqf], tmp_path / "o1", tokenizer_file=bpe_file, text_column="n", verbose=False)
+    js = write_jsonl(tmp_path / "a.jsonl", docs[:50], field="body")
+    with pytest.raises(PrepareError, match=r"a.jsonl:1: field 'text' is missing \(fields: id, body\)"):
+        prepare([js], tmp_path / "o2", tokenizer_file=bpe_file, verbose=False)
+    with open(js, "a") as f:
+        f.write('{"id": 50}\n')
+    with pytest.raises(PrepareError, match=r"a.jsonl:51: field 'body' is missing"):
+        prepare([js], tmp_path / "o3", tokenizer_file=bpe_file, text_column="body", verbose=False)
+    assert not (tmp_path / "o3" / "meta.json").exists()
+    with pytest.raises(DataFormatError, match="not a finished gptlib dataset"):
+        read_meta(tmp_path / "o3")
+
+
+def test_truncated_parquet_is_skipped_with_a_report_or_fails_clearly(tmp_path, docs, bpe_file):
+    good = write_parquet(tmp_path / "a.parquet", docs[:900])
+    data = write_parquet(tmp_path / "b.parquet", docs[900:]).read_bytes()
+    (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # cut in the middle: no footer
+    meta = prepare([good, tmp_path / "b.parquet"], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    assert [s["path"] for s in meta.raw["skipped_files"]] == [str(tmp_path / "b.parquet")]
+    assert meta.raw["documents"] == 900
+    with pytest.raises(PrepareError, match="parquet file .*b.parquet cannot be opened"):
+        prepare([good, tmp_path / "b.parquet"], tmp_path / "out2", tokenizer_file=bpe_file, on_bad_file="error",
+                verbose=False)
+
+
+def test_bad_options(tmp_path, small_text):
+    with pytest.raises(PrepareError, match="val_fraction=0 must be between 0 and 1"):
+        prepare_text([small_text], tmp_path / "o", val_fraction=0)
+    with pytest.raises(PrepareError, match="input pattern .*nomatch.* matches no files"):
+        prepare([str(tmp_path / "nomatch*.txt")], tmp_path / "o", **BPE)
+    with pytest.raises(PrepareError, match="split='tail' works on plain text files only"):
+        prepare([write_jsonl(tmp_path / "a.jsonl", ["x"])], tmp_path / "o", split="tail", **BPE)
+
+
+# ------------------------------------------------------------------------------ refusal and resume
+
+def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file):
+    out = tmp_path / "out"
+    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], out, tokenizer_file=bpe_file, verbose=False)
+    before = files_of(out)
+    for kwargs in (dict(tokenizer_file=bpe_file, val_fraction=0.2), dict(tokenizer="char")):
+        with pytest.raises(PrepareError, match="already holds a different dataset"):
+            prepare([tmp_path / "a.jsonl"], out, verbose=False, **kwargs)
+        assert files_of(out) == before
+    again = prepare([tmp_path / "a.jsonl"], out, tokenizer_file=bpe_file, verbose=False)  # same: reused
+    assert files_of(out) == before and again.tokens("train") > 0
+    prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True, verbose=False)
+    assert read_meta(out).tokenizer["kind"] == "char"
+    assert not any(p.name.startswith("prepare_state") for p in out.iterdir())
+
+
+class Killed(BaseException):
+    """Stands for a kill: not an Exception, so nothing in the pipeline can catch it."""
+
+
+@pytest.mark.parametrize("kill_at", ["after_shard_before_state", "mid_batch"])
+def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, monkeypatch, kill_at):
+    src = write_jsonl(tmp_path / "a.jsonl", docs)
+    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)  # many batches, several shards per split
+    clean = prepare([src], tmp_path / "clean", **opts)
+    assert len(clean.splits["train"]["shards"]) > 5
+
+    out = tmp_path / "out"
+    real_write_json, real_encode = prep.atomic_write_json, BPETokenizer.encode_batch_ids
+    calls = {"n": 0}
+    if kill_at == "after_shard_before_state":  # the 4th shard is on disk, the state does not list it yet
+        def write_json(path, obj):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise Killed()
+            real_write_json(path, obj)
+        monkeypatch.setattr(prep, "atomic_write_json", write_json)
+    else:  # killed while encoding a batch, after a few shards
+        def encode(self, texts):
+            calls["n"] += 1
+            if calls["n"] == 12:
+                raise Killed()
+            return real_encode(self, texts)
+        monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+    with pytest.raises(Killed):
+        prepare([src], out, **opts)
+    monkeypatch.setattr(prep, "atomic_write_json", real_write_json)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real_encode)
+
+    state = json.loads((out / prep.STATE_FILE).read_text())
+    assert len(state["shards"]["train"]) >= 2
+    assert not (out / "meta.json").exists()
+    with pytest.raises(DataFormatError, match="not a finished gptlib dataset"):
+        read_meta(out)  # a half-written dataset never looks complete
+    resumed = prepare([src], out, **opts)
+    assert resumed.splits == clean.splits  # same shards, same hashes
+    assert resumed.raw["documents"] == clean.raw["documents"]
+    assert not (out / prep.STATE_FILE).exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
+
+
+_SLOW_CHILD = """
+import sys, time
+import gptlib.prepare as prep
+prep.BATCH_CHARS = 20_000
+flush = prep._SplitWriter.flush
+def slow_flush(self):
+    flush(self)
+    time.sleep(0.15)
+prep._SplitWriter.flush = slow_flush
+prep.prepare([sys.argv[1]], sys.argv[2], tokenizer_file=sys.argv[3], shard_tokens=5000, verbose=False)
+"""
+
+
+def test_resume_after_sigkill_of_a_real_process(tmp_path, docs, bpe_file, monkeypatch):
+    src = write_jsonl(tmp_path / "a.jsonl", docs)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, str(src), str(out), str(bpe_file)], cwd=REPO)
+    state = out / prep.STATE_FILE
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if state.is_file() and len(json.loads(state.read_text())["shards"]["train"]) >= 3:
+            break
+        assert proc.poll() is None, "the child finished before it could be killed"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "meta.json").exists()
+    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    resumed = prepare([src], out, **opts)
+    clean = prepare([src], tmp_path / "clean", **opts)
+    assert resumed.splits == clean.splits
+
+
+def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, monkeypatch):
+    src = write_jsonl(tmp_path / "a.jsonl", docs)
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+
+    def encode(self, texts):
+        raise Killed()
+    real = BPETokenizer.encode_batch_ids
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+    with pytest.raises(Killed):
+        prepare([src], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real)
+    before = files_of(tmp_path / "out")
+    with pytest.raises(PrepareError, match="holds an unfinished tokenize run of different inputs"):
+        prepare([src], tmp_path / "out", tokenizer_file=bpe_file, val_fraction=0.3, verbose=False)
+    assert files_of(tmp_path / "out") == before
+
+
+# --------------------------------------------------------------------------------------- memory
+
+_RSS_CHILD = """
+import resource, sys
+from gptlib.prepare import prepare_text
+prepare_text([sys.argv[1]], sys.argv[2], shard_tokens=2_000_000, verbose=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_100_mb_single_line_is_tokenized_in_bounded_memory(tmp_path):
+    line = tmp_path / "line.txt"
+    block = ("abcdefghij klmnopqrst uvwxyz0123 " * 32_000).encode()  # ~1 MB, no newline
+    with open(line, "wb") as f:
+        for _ in range(100):
+            f.write(block)
+    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(line), str(tmp_path / "out")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    peak_mb = int(r.stdout.split()[-1])
+    meta = read_meta(tmp_path / "out")
+    assert meta.tokens("train") + meta.tokens("val") == line.stat().st_size
+    # The file is 100 MB (400 MB as one UTF-32 array): reading it whole would show here.
+    assert peak_mb < 250, f"peak RSS {peak_mb} MB"

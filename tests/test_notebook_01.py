@@ -1,0 +1,30 @@
+"""Notebook 01 executed headless in a smoke setting (demo corpus, tiny vocab); a re-run reuses the dataset."""
+
+import shutil
+
+from gptlib.shards import read_meta
+from tests.nbrun import outputs_text, run_notebook
+
+
+def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch, shakespeare_path):
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(shakespeare_path, cache / "tinyshakespeare.txt")  # the demo corpus, without a network
+    monkeypatch.setenv("GPTLIB_CACHE", str(cache))
+    params = {"VOCAB_SIZE": 512, "TRAIN_MB": 0}
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
+    text = outputs_text(nb)
+    data = tmp_path / "root" / "data" / "bpe"  # where notebook 03 looks for DATASET_NAME="bpe"
+    meta = read_meta(data, verify_hashes=True)
+    assert meta.tokenizer["kind"] == "bpe" and meta.vocab_size == 512 and meta.dtype.name == "uint16"
+    for label in ("documents", "train tokens", "characters per token", "dtype", "shards (train + val)", "seconds"):
+        assert label in text
+    source = shakespeare_path.read_text()
+    val_start = source[int(len(source) * 0.9):][:300]  # a one-document corpus: validation is its tail
+    assert val_start in text  # the decoded sample is the text, back
+    before = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
+
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)  # "Colab disconnected": run it all again
+    assert "already holds this dataset; reusing it" in outputs_text(nb)
+    assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == before

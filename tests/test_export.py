@@ -1,0 +1,111 @@
+"""Export to Hugging Face: transformers loads the folder as GPT2LMHeadModel with our logits and tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptlib.config import ModelConfig
+from gptlib.export import ExportError, export_hf, export_model
+from gptlib.generate import Engine, SamplingConfig
+from gptlib.model import GPT
+from gptlib.tokenizer import BPETokenizer, CharTokenizer
+
+from .conftest import TINY
+
+transformers = pytest.importorskip("transformers")  # a test-only dependency (the `test` extra)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, char_data):
+    from gptlib.train import train
+
+    rd = tmp_path_factory.mktemp("export") / "run"
+    train(char_data, rd, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    return rd
+
+
+def load_hf(path):
+    m = transformers.GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    return m, transformers.AutoTokenizer.from_pretrained(path)
+
+
+def assert_same_model(ours: GPT, hf, ids: list[int]) -> None:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = hf(x).logits
+        mine, _ = ours(x)
+    assert theirs.shape == mine.shape  # (1, T, vocab_size): the padding rows were not exported
+    torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-5)
+    n = ours.config.block_size - len(ids)  # transformers cannot go past its n_positions
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=0)
+    mine_ids, _ = Engine(ours).generate_ids([ids], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False))
+    assert out[0, len(ids):].tolist() == mine_ids[0]
+
+
+def test_export_char_run_loads_in_transformers(run_dir, tmp_path):
+    out = export_hf(run_dir, tmp_path / "hf", checkpoint="latest")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {f.name for f in out.iterdir()}
+    hf, hf_tok = load_hf(out)
+    eng = Engine.from_run(run_dir)
+    text = "ROMEO:\nWhat, art thou mad?"
+    ids = hf_tok(text).input_ids
+    assert ids == eng.tokenizer.encode(text)
+    assert hf_tok.decode(ids) == text
+    assert_same_model(eng.model, hf, ids[:10])
+
+
+def test_export_with_biases_and_padding(tmp_path):
+    torch.manual_seed(1)
+    m = GPT(ModelConfig(vocab_size=70, block_size=24, n_layer=2, n_head=4, n_embd=32, bias=True, vocab_multiple=64))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # non-zero biases must land in the right place too
+    m.eval()
+    tok = CharTokenizer([chr(40 + i) for i in range(69)], unknown="map")  # 69 chars + <unk> = 70
+    out = export_model(m, tmp_path / "hf", tok)
+    hf, hf_tok = load_hf(out)
+    assert_same_model(m, hf, [1, 5, 9, 69, 2])
+    # The unknown-character policy survives: a character outside the vocabulary maps to <unk>.
+    assert hf_tok("(\u2603)").input_ids == tok.encode("(\u2603)") == [0, 69, 1]
+
+
+def test_export_bpe_tokenizer(tmp_path, small_text):
+    tok = BPETokenizer.train([small_text.read_text()], vocab_size=300)
+    torch.manual_seed(2)
+    m = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
+    out = export_model(m, tmp_path / "hf", tok)
+    hf, hf_tok = load_hf(out)
+    text = "First Citizen:\nBefore we proceed any further, hear me speak."
+    assert hf_tok(text).input_ids == tok.encode(text)
+    assert hf_tok.decode(tok.encode(text)) == text
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tok.eot_id == hf.config.eos_token_id
+    assert_same_model(m, hf, tok.encode("First Citizen:")[:8])
+
+
+def test_export_never_overwrites_by_accident(run_dir, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty.*--overwrite"):
+        export_hf(run_dir, out)
+    assert (out / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
+    export_hf(run_dir, out, checkpoint=5, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_cli_export_hf(run_dir, tmp_path, capsys):
+    from gptlib.__main__ import main
+
+    rc = main(["export-hf", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf"), "--checkpoint", "best"])
+    assert rc == 0 and "model.safetensors" in capsys.readouterr().out
+    hf, _ = load_hf(tmp_path / "hf")
+    assert hf.config.n_positions == 32 and hf.config.activation_function == "gelu_new"
+    rc = main(["export-hf", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf")])
+    assert rc == 2 and "--overwrite" in capsys.readouterr().err
+    rc = main(["export-hf", "--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "x")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err

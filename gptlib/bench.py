@@ -125,6 +125,30 @@ def colab_units(seconds: float, gpu_family: str | None, rates: dict[str, float] 
     return None if key is None else rates[key] * seconds / 3600
 
 
+def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
+                n_devices: int, tokens_seen: int, tokens_target: int) -> dict:
+    """What train() adds to a metrics row: MFU (None if unknown), ETA, Colab units, the time split (fractions)."""
+    total = sum(split.values())
+    eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s)
+    m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
+    units = colab_units(eta, peak.family)
+    return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
+            "colab_units_left": None if units is None else round(units * n_devices, 2),
+            "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
+
+
+def postfix_fields(perf: dict) -> dict[str, str]:
+    """Short progress-bar fields from perf_fields(): only what is known."""
+    out = {}
+    if perf.get("mfu") is not None:
+        out["mfu"] = f"{100 * perf['mfu']:.1f}%"
+    if perf.get("eta_s") is not None:
+        out["eta"] = fmt_duration(perf["eta_s"])
+    if perf.get("time_split"):
+        out["split"] = "/".join(f"{k[0]}{100 * v:.0f}" for k, v in perf["time_split"].items())  # d3/f90/o7 (%)
+    return out
+
+
 # --- time split -------------------------------------------------------------------------------
 
 
@@ -210,6 +234,25 @@ def oom_advice(micro_batch: int, grad_accum: int, block_size: int, world_size: i
     return (f"out of GPU memory even at micro-batch 1 x {block_size} tokens: use a smaller model or context "
             f"(a new run dir with --set block_size={max(1, block_size // 2)}), bf16 (--set dtype=bfloat16) or "
             f"compile (--compile), or a GPU with more memory.")
+
+
+def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
+    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32) + bf16 activations
+    (~34 B per token per layer per channel) + fp32 logits/grad. Used to decide whether the data fits beside it."""
+    c = model_cfg
+    n_params = 12 * c.n_layer * c.n_embd ** 2 + (c.padded_vocab_size + c.block_size) * c.n_embd
+    tokens = micro_batch * c.block_size
+    return int(16 * n_params + 34 * tokens * c.n_layer * c.n_embd + 10 * tokens * c.padded_vocab_size)
+
+
+def auto_micro_batch(model, cfg, device, dtype, log=print) -> tuple[int, int]:
+    """train()'s auto_batch: probe on CUDA; elsewhere keep the configured sizes (no OOM to find there)."""
+    tc = cfg.train
+    if torch.device(device).type != "cuda":
+        log(f"auto micro-batch: no memory probe on {torch.device(device).type}; keeping batch_size={tc.batch_size}, "
+            f"grad_accum_steps={tc.grad_accum_steps}")
+        return tc.batch_size, tc.grad_accum_steps
+    return probe_micro_batch(model, cfg.model.block_size, tc.batch_size * tc.grad_accum_steps, device, dtype, log=log)
 
 
 class MicroBatchOOM(RuntimeError):

@@ -72,6 +72,7 @@ class TrainConfig:
     save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
     save_every_minutes: float = 10.0  # also checkpoint when this much time passed since the last one; 0 disables
     keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
+    auto_batch: bool = False  # CUDA: probe the largest micro-batch that fits and set grad_accum_steps so batch_size * grad_accum_steps sequences per step are kept
 
     def validate(self) -> None:
         _positive(self, "batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",

@@ -23,6 +23,9 @@ import torch
 from .checkpoint import (CheckpointWriter, GracefulStop, clean_orphans, fault_point, load_latest, load_weights_into,
                          unwrap_model)
 from .config import ConfigError, RunConfig, get_preset
+from . import distributed
+from .bench import (MicroBatchOOM, StepTimer, auto_micro_batch, device_peak, estimate_train_bytes, free_memory,
+                    oom_advice, perf_fields, postfix_fields)
 from .data import load_dataset, make_sampler
 from .fsutil import atomic_write_bytes, atomic_write_json
 from .generate import generate_ids
@@ -288,8 +291,12 @@ def train(
                        device=device, compile=compile)
 
     meta, splits = None, None
-    dev = resolve_device(cfg.train.device)
-    meta, splits = load_dataset(data_dir, device=dev, verbose=progress)
+    ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
+    if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
+        progress, log, on_log = False, (lambda *a, **k: None), None
+    dev = ddp.device(resolve_device(cfg.train.device))
+    meta, splits = load_dataset(data_dir, device=dev, verbose=progress, log=log,
+                                reserve_gpu_bytes=estimate_train_bytes(cfg.model, cfg.train.batch_size))
     if meta.vocab_size != cfg.model.vocab_size:
         log(f"vocab_size {cfg.model.vocab_size} (preset) -> {meta.vocab_size} (from {meta.data_dir}/meta.json)")
         cfg.model.vocab_size = meta.vocab_size
@@ -316,9 +323,10 @@ def train(
         resume_state = (model_sd, train_state, state)
     cfg.validate()
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(run_dir / CONFIG_FILE, cfg.to_dict())
-    # The run carries its own tokenizer copy, so sampling/export never depends on the data dir staying put.
-    atomic_write_bytes(run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
+    if ddp.is_main:
+        atomic_write_json(run_dir / CONFIG_FILE, cfg.to_dict())
+        # The run carries its own tokenizer copy, so sampling/export never depends on the data dir staying put.
+        atomic_write_bytes(run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
 
     tc, mc = cfg.train, cfg.model
     dtype = resolve_dtype(tc.dtype, dev)
@@ -331,9 +339,13 @@ def train(
         torch.backends.cudnn.allow_tf32 = True
 
     model = GPT(mc).to(dev)
+    if tc.auto_batch:  # the largest micro-batch that fits; batch_size * grad_accum_steps sequences per step kept
+        per_step = tc.batch_size * tc.grad_accum_steps
+        tc.batch_size = ddp.min_int(auto_micro_batch(model, cfg, dev, dtype, log=log)[0])
+        tc.grad_accum_steps = per_step // tc.batch_size
     optimizer = unwrap_model(model).configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), dev.type)
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
-    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed, dev)
+    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, dev)
     autocast_ctx = (torch.autocast(device_type=dev.type, dtype=dtype) if dtype != torch.float32
                     else contextlib.nullcontext())
 
@@ -346,28 +358,31 @@ def train(
         optimizer.load_state_dict(train_state["optimizer"])
         if train_state.get("scaler"):
             scaler.load_state_dict(train_state["scaler"])
-        sampler.load_state_dict(train_state["sampler"])
+        ddp.load_sampler_state(sampler, train_state, tc.seed, log)  # = sampler.load_state_dict(...) on one process
         restore_rng(train_state["rng"], state["rng"])
         step, tokens_seen = int(state["step"]), int(state["tokens_seen"])
         best_val, best_step = state.get("best_val_loss"), state.get("best_step")
         elapsed_before = float(state.get("elapsed_s", 0.0))
         resumed_from = step
-        _restore_logs_from_checkpoint(run_dir, ckpt.path, step)
-        history = _truncate_metrics(run_dir, step)
+        if ddp.is_main:
+            _restore_logs_from_checkpoint(run_dir, ckpt.path, step)
+        history = _truncate_metrics(run_dir, step) if ddp.is_main else []
         where = "Drive mirror" if mirror_dir is not None and ckpt.path.is_relative_to(mirror_dir) else "local disk"
         log(f"resumed from step {step:,} (saved {ckpt.saved_at}, {tokens_seen:,} tokens seen) on the {where}: {ckpt.path}")
     else:
-        history = _truncate_metrics(run_dir, 0)
+        history = _truncate_metrics(run_dir, 0) if ddp.is_main else []
 
     n_params = unwrap_model(model).num_params()
-    train_model = torch.compile(model) if use_compile else model
-    tokens_per_step = tc.batch_size * mc.block_size * tc.grad_accum_steps
+    train_model = ddp.wrap(torch.compile(model) if use_compile else model, dev)  # DDP outermost, for no_sync()
+    tokens_per_step = tc.batch_size * mc.block_size * tc.grad_accum_steps * ddp.world_size
+    timer, peak, flops_per_token = StepTimer(dev), device_peak(dev), unwrap_model(model).flops_per_token()
     log(f"model: {n_params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {dev}, {str(dtype).replace('torch.', '')}, "
         f"compile {'on' if use_compile else 'off'}; {tokens_per_step:,} tokens/step")
 
-    clean_orphans(run_dir)  # leftovers of a save killed mid-way (the mirror is cleaned by its own thread)
-    writer = CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log, mirror_dir=mirror_dir,
+    if ddp.is_main:
+        clean_orphans(run_dir)  # leftovers of a save killed mid-way (the mirror is cleaned by its own thread)
+    writer = distributed.NullWriter() if not ddp.is_main else CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log, mirror_dir=mirror_dir,
                               snapshot_files=(METRICS_FILE, SAMPLES_FILE))
     if ckpt is not None and mirror_dir is not None and not ckpt.path.is_relative_to(mirror_dir):
         writer.mirror_existing(ckpt.path, best_step)  # resumed locally: make sure Drive has it too
@@ -380,7 +395,8 @@ def train(
         if step_begin is not None:  # interrupted mid-step: save the state from before the unfinished step
             sampler_state, rng_tensors["torch_cpu"] = step_begin
         train_state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else {},
-                       "sampler": sampler_state, "rng": rng_tensors}
+                       "sampler": sampler_state, "rng": rng_tensors,
+                       **(ddp.sampler_states(sampler_state) if step_begin is None else {})}  # DDP: every rank's
         state = {"step": s, "tokens_seen": tokens_seen, "best_val_loss": best_val, "best_step": best_step,
                  "val_loss": val, "elapsed_s": elapsed_before + (time.time() - t_start), "config": cfg.to_dict(),
                  "data": meta.identity(), "data_dir": str(meta.data_dir), "tokenizer": meta.tokenizer,
@@ -426,8 +442,9 @@ def train(
     train_loss = history[-1].get("train_loss") if history else None
     val_loss = None
     stopped_by = "max_steps"
-    metrics_f = open(run_dir / METRICS_FILE, "a")
+    metrics_f = open(run_dir / METRICS_FILE if ddp.is_main else os.devnull, "a")
     step_begin = None
+    oom_hint = None  # set when the loop runs out of GPU memory
     stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while step < tc.max_steps:
@@ -436,13 +453,17 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_accum = torch.zeros((), device=dev)
-            for _ in range(tc.grad_accum_steps):
+            timer.start()
+            for micro in range(tc.grad_accum_steps):
                 x, y = sampler.next_batch()
-                with autocast_ctx:
-                    _, loss = train_model(x, y)
-                loss = loss / tc.grad_accum_steps
-                loss_accum += loss.detach()
-                scaler.scale(loss).backward()
+                timer.mark("data")
+                with ddp.no_sync(train_model, last_micro_step=micro == tc.grad_accum_steps - 1):
+                    with autocast_ctx:
+                        _, loss = train_model(x, y)
+                    loss = loss / tc.grad_accum_steps
+                    loss_accum += loss.detach()
+                    scaler.scale(loss).backward()
+                timer.mark("fwd_bwd")
             fault_point("mid_step", step + 1)  # tests only (GPTLIB_FAULT); a no-op otherwise
             if tc.grad_clip > 0:
                 scaler.unscale_(optimizer)
@@ -450,6 +471,7 @@ def train(
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            timer.mark("optim")
             step += 1
             step_begin = None  # the step finished: an interrupt from here on saves the current state
             tokens_seen += tokens_per_step
@@ -457,39 +479,45 @@ def train(
 
             is_last = step == tc.max_steps
             over_time = tc.max_minutes > 0 and (time.time() - t_start) / 60.0 >= tc.max_minutes
+            time_to_save = tc.save_every_minutes > 0 and time.time() - last_save_time >= 60 * tc.save_every_minutes
+            over_time, time_to_save, stop_now = ddp.agree(step, tc.log_interval, over_time, time_to_save,
+                                                          bool(stop.reason))  # the same on every rank under DDP
             do_eval = step % tc.eval_interval == 0 or is_last or over_time
             if step % tc.log_interval == 0 or do_eval:
-                losses = torch.stack(pending_losses).tolist()  # the only host sync: once per log_interval
+                losses = ddp.mean(torch.stack(pending_losses)).tolist()  # the only host sync: once per log_interval
                 pending_losses.clear()
                 now = time.time()
                 tps = (tokens_seen - tokens_at_last_log) / max(1e-9, now - t_last_log)
                 t_last_log, tokens_at_last_log = now, tokens_seen
+                perf = perf_fields(timer.split(), flops_per_token, tps, peak, ddp.world_size, tokens_seen,
+                                   tc.max_steps * tokens_per_step)  # MFU (None = unknown), ETA, time split
                 train_loss = losses[-1]
                 for k, l in enumerate(losses):
                     s_k = step - len(losses) + 1 + k
                     row = {"step": s_k, "train_loss": round(l, 6), "lr": lr_at(s_k - 1, tc),
                            "tokens_seen": tokens_seen - (len(losses) - 1 - k) * tokens_per_step}
                     if s_k == step:
-                        row.update(tokens_per_s=round(tps, 1), elapsed_s=round(elapsed_before + now - t_start, 3))
+                        row.update(tokens_per_s=round(tps, 1), elapsed_s=round(elapsed_before + now - t_start, 3), **perf)
                     if s_k == step and do_eval:
                         continue  # written below with the val loss
                     metrics_f.write(json.dumps(row) + "\n")
                     history.append(row)
                 metrics_f.flush()
                 if pbar is not None:
-                    pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}")
+                    pbar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", **postfix_fields(perf))
             if do_eval:
                 val_loss = evaluate(model, splits["val"], cfg, dev, autocast_ctx, seed=tc.seed + 10_000)
                 if best_val is None or val_loss < best_val:
                     best_val, best_step = val_loss, step
                 row = {"step": step, "train_loss": round(train_loss, 6), "val_loss": round(val_loss, 6),
                        "lr": lr_at(step - 1, tc), "tokens_seen": tokens_seen, "tokens_per_s": round(tps, 1),
-                       "elapsed_s": round(elapsed_before + time.time() - t_start, 3)}
+                       "elapsed_s": round(elapsed_before + time.time() - t_start, 3), **perf}
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
                 history.append(row)
-                samples = log_samples(step) if tc.sample_prompts and tc.sample_tokens else []
-                plot_losses(history, run_dir / PLOT_FILE, title=f"{cfg.preset}: {run_dir.name}")
+                samples = log_samples(step) if tc.sample_prompts and tc.sample_tokens and ddp.is_main else []
+                if ddp.is_main:
+                    plot_losses(history, run_dir / PLOT_FILE, title=f"{cfg.preset}: {run_dir.name}")
                 msg = f"step {step:,}: train {train_loss:.4f}, val {val_loss:.4f}"
                 if writer.status_line():
                     msg += f" | {writer.status_line()}"
@@ -499,9 +527,7 @@ def train(
                     log(msg)
                 if on_log is not None:
                     on_log({**row, "samples": samples})
-            if stop.reason or do_eval or step % save_every == 0 or (
-                tc.save_every_minutes > 0 and time.time() - last_save_time >= 60 * tc.save_every_minutes
-            ):
+            if stop_now or do_eval or step % save_every == 0 or time_to_save:
                 checkpoint_now(step, val_loss if do_eval else None)
                 last_save_time = time.time()
             if pbar is not None:
@@ -510,10 +536,12 @@ def train(
                 stopped_by = "max_minutes"
                 log(f"max_minutes={tc.max_minutes} reached at step {step:,}; checkpoint saved, re-run to continue")
                 break
-            if stop.reason and not is_last:
-                stopped_by = stop.reason
-                log(f"stopped ({stop.reason}) at step {step:,}; checkpoint saved, re-run to continue")
+            if stop_now and not is_last:
+                stopped_by = stop.reason or "stop"  # under DDP another rank may have received the signal
+                log(f"stopped ({stopped_by}) at step {step:,}; checkpoint saved, re-run to continue")
                 break
+    except torch.OutOfMemoryError:
+        oom_hint = oom_advice(tc.batch_size, tc.grad_accum_steps, mc.block_size, ddp.world_size)
     except KeyboardInterrupt:
         stopped_by = "interrupt"
         log(f"interrupted at step {step:,}; saving a checkpoint")
@@ -525,6 +553,12 @@ def train(
             pbar.close()
         stop.restore()
         writer.close()  # local save errors raise; Drive problems are reported, never raised
+        ddp.teardown()
+    if oom_hint is not None:  # drop this frame's GPU tensors first, so the notebook's runtime stays usable
+        model = train_model = optimizer = scaler = sampler = splits = x = y = loss = loss_accum = None
+        pending_losses.clear()
+        free_memory()
+        raise MicroBatchOOM(oom_hint)
     elapsed = time.time() - t_start
     done_tokens = tokens_seen - (resumed_from or 0) * tokens_per_step
     return TrainResult(run_dir=run_dir, step=step, tokens_seen=tokens_seen, train_loss=train_loss, val_loss=val_loss,

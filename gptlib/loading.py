@@ -51,6 +51,16 @@ def checkpoint_table(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def checkpoint_label(row: dict) -> str:
+    """A checkpoint_table row for menus and table headers: "step 1,000 · val 1.523 · best"."""
+    label = f"step {row['step']:,}"
+    if row.get("val_loss") is not None:
+        label += f" · val {row['val_loss']:.3f}"
+    if row.get("is_best"):
+        label += " · best"
+    return label
+
+
 def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest") -> CheckpointInfo:
     """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number."""
     run_dir = Path(run_dir)
@@ -125,3 +135,24 @@ def load_for_inference(run_dir: str | Path, which: str | int = "latest", device:
         raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the saved config ({str(e)[:300]})") from None
     model.to(device=device, dtype=dtype).eval()
     return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
+
+
+def pick_run_dir(candidates) -> Path:
+    """Of several copies of one run (local disk, Drive mirror), the one with the newest complete checkpoint.
+
+    On Colab a fresh session's local disk is empty while Drive holds the checkpoints; after a long
+    session the local copy may be newer than the mirror.
+    """
+    best, best_step = None, -1
+    looked = []
+    for c in candidates:
+        if c is None:
+            continue
+        looked.append(str(c))
+        table = checkpoint_table(c) if Path(c).is_dir() else []
+        if table and table[0]["step"] > best_step:
+            best, best_step = Path(c), table[0]["step"]
+    if best is None:
+        raise CheckpointError(f"no complete checkpoint in {' or '.join(looked) or 'no directory'}; train first "
+                              f"(notebook 02 or 03) or point RUN_DIR at a run directory")
+    return best

@@ -149,6 +149,12 @@ def postfix_fields(perf: dict) -> dict[str, str]:
     return out
 
 
+def steps_for_tokens(cfg, tokens: float, world_size: int = 1) -> int:
+    """Optimizer steps that train on `tokens` tokens with this config's tokens per step (at least 1)."""
+    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
+    return max(1, math.ceil(tokens / per_step))
+
+
 # --- time split -------------------------------------------------------------------------------
 
 
@@ -481,6 +487,11 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
         header = f"{'rung':<28} {'step ms':>9} {'data ms':>8} {'speedup':>8} {'tokens/s':>10} {'MFU':>8}  note"
         log(header)
         log("-" * len(header))
+        # Process-wide one-time costs (kernel selection, allocator growth) must not land on the first rung.
+        _time_steps(GPT(model_cfg).to(dev), torch.optim.AdamW(GPT(model_cfg).parameters()), torch.amp.GradScaler(
+            dev.type, enabled=False), BatchSampler(preloaded, B, T, seed, dev), dev, torch.float32, 1, 1,
+            _attention_ctx(False, dev))
+        free_memory()
         results: list[RungResult] = []
         base = None
         for i, (name, data_kind, use_compile, half, flash) in enumerate(RUNGS):

@@ -65,8 +65,11 @@ class SplitData:
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
         """starts (B,) -> (B, length) tokens in the storage dtype (int16/int32): 4x less to copy than int64."""
-        offsets = torch.arange(length, device=self.tokens.device)
-        idx = starts.to(self.tokens.device).unsqueeze(1) + offsets  # (B, length)
+        dev = self.tokens.device
+        if dev.type == "cuda" and starts.device.type == "cpu":
+            starts = starts.pin_memory().to(dev, non_blocking=True)  # a pageable copy would sync the host every batch
+        offsets = torch.arange(length, device=dev)
+        idx = starts.to(dev).unsqueeze(1) + offsets  # (B, length)
         return self.tokens[idx]
 
     def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:

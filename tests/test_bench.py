@@ -149,3 +149,53 @@ def test_bench_train_cpu():
     assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["micro_batch"] == 4
     assert set(r["split"]) == {"data", "fwd_bwd", "optim"}
     assert any(l.startswith("ETA for the preset") for l in logs)
+
+
+def test_oom_in_training_gives_next_setting_and_frees_the_model(char_data, tmp_path, monkeypatch):
+    """An OOM mid-run: a clear message with the next setting, no GPT left referenced, the run resumes."""
+    import gc
+
+    from gptlib.model import GPT as Model
+    from gptlib.train import train
+    from tests.conftest import TINY
+
+    real_forward = Model.forward
+    calls = {"n": 0}
+
+    def flaky_forward(self, idx, targets=None, cache=None):
+        if self.training and targets is not None:
+            calls["n"] += 1
+            if calls["n"] == 14:  # step 14: after the step-10 checkpoint
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_forward(self, idx, targets, cache)
+
+    monkeypatch.setattr(Model, "forward", flaky_forward)
+    run_dir = tmp_path / "run"
+    with pytest.raises(bench.MicroBatchOOM) as info:
+        train(char_data, run_dir, "phase1", overrides=TINY + ["max_steps=20"], device="cpu", progress=False,
+              log=lambda m: None)
+    msg = str(info.value)
+    assert "micro-batch 8 x 32" in msg and "--set batch_size=4 --set grad_accum_steps=2" in msg
+    assert "2,048 tokens per step" not in msg and "256 tokens per step" in msg and "re-run to resume" in msg
+    assert info.value.__context__ is None  # not chained to the OOM (whose frames would pin GPU memory)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, Model)]  # the traceback pins no model
+
+    monkeypatch.setattr(Model, "forward", real_forward)
+    r = train(char_data, run_dir, "phase1", overrides=TINY + ["max_steps=20", "batch_size=4", "grad_accum_steps=2"],
+              device="cpu", progress=False, log=lambda m: None)
+    assert r.resumed_from == 10 and r.step == 20
+
+
+def test_cli_bench_ladder_and_train(capsys):
+    from gptlib.__main__ import main
+
+    assert main(["bench", "ladder", "--device", "cpu", "--preset", "phase1", "--set", "n_layer=1",
+                 "--set", "block_size=32", "--steps", "1", "--warmup", "0", "--rungs", "1,2", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("torch ") and "RAM preload" in out and "vectorised batches" in out
+    assert "memmap + per-sample loop" not in out.split("----")[-1]  # only the rungs asked for
+    assert main(["bench", "train", "--preset", "phase1", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                 "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "MFU unknown" in out and "time split: data" in out and "ETA for the preset" in out

@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per cached setting (median reported)")
     ap.add_argument("--nocache-repeats", type=int, default=1,
                     help="timed runs without cache (slow: a full forward of the context per token)")
+    ap.add_argument("--nocache-tokens", type=int, nargs="*", default=None,
+                    help="new-token counts measured without cache (default: all of --new-tokens)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -111,7 +113,7 @@ def main() -> int:
             if r == 0:
                 print(f"  greedy tokens identical (gptlib vs transformers, {n}): "
                       f"{toks['gptlib cache'] == toks['transformers']}", flush=True)
-        for r in range(args.nocache_repeats):
+        for r in range(args.nocache_repeats if args.nocache_tokens is None or n in args.nocache_tokens else 0):
             dt, _ = ours(n, False)
             results.setdefault(("gptlib no cache", n), []).append(dt)
             print(f"  {'gptlib no cache':<16} {n:>5} new tokens: {dt:8.2f} s  {n / dt:7.1f} tokens/s", flush=True)

@@ -351,6 +351,9 @@ class _TextStream:
         self.stopped = False
 
     def push(self, token: int, final: bool = False) -> str:
+        """Add one token; returns the text that may be shown now ("" while held back or after a stop)."""
+        if self.stopped:
+            return ""
         self.ids.append(token)
         if final:  # end-of-text: not part of the text
             self.stopped = True

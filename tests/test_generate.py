@@ -260,3 +260,19 @@ def test_cli_sample(run_dir, capsys):
     assert rc == 2 and "top_p=1.5" in capsys.readouterr().err
     rc = main(["sample", "--run-dir", str(run_dir), "--checkpoint", "999"])
     assert rc == 2 and "available steps" in capsys.readouterr().err
+
+
+def test_text_stream_waits_for_whole_utf8_characters():
+    """Byte-level tokens can split a character: the stream holds bytes until they decode cleanly."""
+    from gptlib.generate import _TextStream
+
+    class ByteTok:  # one token per byte, like the 256 base symbols of byte-level BPE
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "héllo ☃ wörld\n\nnext"
+    st = _TextStream(ByteTok(), stop=["\n\n"])
+    pieces = [st.push(b) for b in text.encode()]
+    pieces.append(st.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == st.text == "héllo ☃ wörld" and st.stopped

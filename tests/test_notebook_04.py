@@ -31,3 +31,23 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     assert 'class="gptlib-compare"' in text and text.count("<td") >= 4
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["GPT2LMHeadModel"] and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_playground_headless(tmp_path, char_data):
+    """The widgets build without a browser; Generate streams into the output; errors show in the status."""
+    from gptlib.train import train
+    from gptlib.widgets import Playground, parse_list
+
+    run = tmp_path / "run"
+    train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    pg = Playground(run, prompt="KING")
+    assert [v for _, v in pg.checkpoint.options] == [10, 5]
+    pg.checkpoint.value, pg.max_tokens.value, pg.temperature.value = 5, 15, 0.0
+    res = pg.generate()
+    assert res is not None and len(res.text) == 15 and "tokens/s" in pg.status.value
+    assert "<b>KING</b>" in pg.output.value and not pg.button.disabled
+    pg.button.click()  # the real button runs the same path
+    assert "step 5" in pg.status.value
+    pg.prompt.value = "\u2603"  # not in the char vocabulary: shown as an error, not raised
+    assert pg.generate() is None and "not in the char vocabulary" in pg.status.value
+    assert parse_list(r"ROMEO:|\n|") == ["ROMEO:", "\n"]

@@ -301,6 +301,8 @@ class Engine:
             except ValueError as e:
                 raise GenerationError(f"prompt {i} ({p[:40]!r}) cannot be encoded: {e}") from None
         eot = getattr(tok, "eot_id", None)
+        if eot is not None:  # an empty prompt starts a new document (BPE); a char model needs some text
+            ids = [x if x else [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []
         streams = [_TextStream(tok, cfg.stop) for _ in prompts]
 

@@ -276,3 +276,23 @@ def test_text_stream_waits_for_whole_utf8_characters():
     pieces.append(st.flush())
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == st.text == "héllo ☃ wörld" and st.stopped
+
+
+def test_bpe_text_generation_with_end_of_text(small_text):
+    from gptlib.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train([small_text.read_text()], vocab_size=300)
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
+    eng = Engine(m, tok)
+    greedy = SamplingConfig(max_new_tokens=20, temperature=0)
+    pieces = []
+    res = eng.generate("", greedy, stream=lambda i, p: pieces.append(p))[0]  # empty prompt: starts at <|endoftext|>
+    assert "".join(pieces) == res.text and len(res.token_ids) == 20
+    # The end-of-text token ends a sequence and is not part of the text.
+    full = eng.generate("First", greedy)[0]
+    tok.eot_id = full.token_ids[5]
+    cut = full.token_ids.index(tok.eot_id)
+    res = eng.generate("First", greedy)[0]
+    assert res.finish_reason == "eot" and res.token_ids == full.token_ids[: cut + 1]
+    assert res.text == tok.decode(full.token_ids[:cut])

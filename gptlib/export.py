@@ -133,6 +133,10 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[st
         "add_prefix_space": False,
         **special,
     }
+    if eot is not None:
+        # gptlib encodes a literal "<|endoftext|>" in text as text (documents cannot forge a boundary);
+        # this makes transformers do the same (the special token is then only added by id).
+        tcfg["split_special_tokens"] = True
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

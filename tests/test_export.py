@@ -82,6 +82,8 @@ def test_export_bpe_tokenizer(tmp_path, small_text):
     text = "First Citizen:\nBefore we proceed any further, hear me speak."
     assert hf_tok(text).input_ids == tok.encode(text)
     assert hf_tok.decode(tok.encode(text)) == text
+    literal = "a <|endoftext|> inside the text stays text"
+    assert hf_tok(literal).input_ids == tok.encode(literal) and tok.eot_id not in tok.encode(literal)
     assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tok.eot_id == hf.config.eos_token_id
     assert_same_model(m, hf, tok.encode("First Citizen:")[:8])
 

@@ -346,11 +346,15 @@ RUNGS = [
 class PerSampleLoader:
     """The baseline's data path: one Python-level read per sample (from a memmap or an in-RAM array)."""
 
-    def __init__(self, tokens, batch_size: int, block_size: int, seed: int, device: torch.device):
+    def __init__(self, tokens, batch_size: int, block_size: int, seed: int, device: torch.device,
+                 evict: list[Path] | None = None):
         self.tokens, self.B, self.T, self.device = tokens, batch_size, block_size, device
         self.rng = random.Random(seed)
+        self.evict = evict or []  # files dropped from the page cache before each batch: reads hit the disk
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for path in self.evict:
+            drop_page_cache(path)
         xs, ys = [], []
         for _ in range(self.B):
             i = self.rng.randrange(0, len(self.tokens) - self.T - 1)
@@ -363,6 +367,20 @@ class PerSampleLoader:
             ys.append(torch.from_numpy(np.asarray(self.tokens[i + 1: i + 1 + self.T]).astype(np.int64)))
         x, y = torch.stack(xs), torch.stack(ys)
         return x.to(self.device), y.to(self.device)
+
+
+def drop_page_cache(path: str | Path) -> bool:
+    """Ask the OS to forget a file's cached pages (Linux posix_fadvise; no root needed). False if unsupported."""
+    import os
+
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    finally:
+        os.close(fd)
 
 
 def half_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -510,9 +528,11 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
                 notes.append(hnote)
             scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
             if data_kind == "memmap-loop":
-                loader = PerSampleLoader(mm, B, T, seed, dev)
-                if data_dir is None:
-                    notes.append("file is in the page cache: disk/Drive latency not included")
+                files = [Path(m.filename) for m in (mm.maps if hasattr(mm, "maps") else [mm])]
+                cold = drop_page_cache(files[0])
+                loader = PerSampleLoader(mm, B, T, seed, dev, evict=files if cold else None)
+                notes.append("page cache dropped before each batch: reads hit this disk (Drive is slower)" if cold
+                             else "file may be in the page cache: disk latency not included")
             elif data_kind == "ram-loop":
                 loader = PerSampleLoader(ram, B, T, seed, dev)
             else:

@@ -126,7 +126,7 @@ def _add_sample(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--stream", action="store_true", help="print text as it is generated (samples run one by one)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
     p.set_defaults(func=cmd_sample)
 
 

@@ -17,6 +17,7 @@ How decoding works:
 - Logits processing runs on the device, vectorised over the batch; the host reads tokens back only
   when something needs them (a streaming callback, stop strings, an end-of-text token).
 
+`compare_checkpoints` continues the same prompts with several checkpoints (a table for notebook 04);
 `generate_ids` is the small single-prompt function used for training-time samples.
 """
 

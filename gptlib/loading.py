@@ -133,6 +133,10 @@ def load_for_inference(run_dir: str | Path, which: str | int = "latest", device:
         model.load_state_dict(load_model_weights(path))
     except RuntimeError as e:
         raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the saved config ({str(e)[:300]})") from None
+    if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
+        from .train import resolve_device
+
+        device = resolve_device(device)
     model.to(device=device, dtype=dtype).eval()
     return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
 

@@ -292,8 +292,7 @@ class Engine:
         if self.tokenizer is None:
             raise GenerationError("this engine has no tokenizer: use generate_ids, or load it with Engine.from_run")
         cfg = (cfg or SamplingConfig()).validate()
-        single = isinstance(prompts, str)
-        prompts = [prompts] if single else list(prompts)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         tok = self.tokenizer
         ids = []
         for i, p in enumerate(prompts):

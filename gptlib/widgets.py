@@ -61,7 +61,7 @@ class Playground:
         self.repetition_penalty = W.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty",
                                                 style=style, layout=wide)
         self.max_tokens = W.IntSlider(value=200, min=1, max=2000, description="Max tokens", style=style, layout=wide)
-        self.seed = W.IntText(value=1337, description="Seed", style=style)
+        self.seed = W.IntText(value=1337, description="Seed (-1 random)", style=style)
         self.stop = W.Text(value="", description="Stop at", placeholder=r"e.g. \n\n (| separates several)",
                            style=style)
         self.button = W.Button(description="Generate", button_style="primary", icon="play")
@@ -96,7 +96,7 @@ class Playground:
             max_new_tokens=int(self.max_tokens.value), temperature=float(self.temperature.value),
             top_k=int(self.top_k.value) or None, top_p=float(self.top_p.value),
             repetition_penalty=float(self.repetition_penalty.value), stop=parse_list(self.stop.value),
-            seed=int(self.seed.value),
+            seed=int(self.seed.value) if int(self.seed.value) >= 0 else None,  # same seed -> same text
         ).validate()
 
     def engine(self, step: int) -> Engine:

@@ -382,8 +382,9 @@ def train(
 
     if ddp.is_main:
         clean_orphans(run_dir)  # leftovers of a save killed mid-way (the mirror is cleaned by its own thread)
-    writer = distributed.NullWriter() if not ddp.is_main else CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log, mirror_dir=mirror_dir,
-                              snapshot_files=(METRICS_FILE, SAMPLES_FILE))
+    writer = (CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log, mirror_dir=mirror_dir,
+                               snapshot_files=(METRICS_FILE, SAMPLES_FILE))
+              if ddp.is_main else distributed.NullWriter())  # rank 0 alone writes checkpoints
     if ckpt is not None and mirror_dir is not None and not ckpt.path.is_relative_to(mirror_dir):
         writer.mirror_existing(ckpt.path, best_step)  # resumed locally: make sure Drive has it too
     save_every = tc.save_every_steps or tc.eval_interval

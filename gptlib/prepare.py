@@ -50,6 +50,7 @@ FULL_HASH_LIMIT = 256 << 20  # files above this get a sampled hash (head, middle
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
 PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".ndjson")
+COMPRESSED_EXT = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z", ".tar")
 DEFAULT_TEXT_COLUMN = "text"
 _ERRORS = "gptlib.count_replace"  # codec error handler: replace with U+FFFD and count
 
@@ -539,6 +540,10 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     t0 = time.time()
     out_dir = Path(out_dir)
     files = resolve_inputs(inputs, exclude=out_dir)
+    compressed = [f for f in files if f.name.lower().endswith(COMPRESSED_EXT)]
+    if compressed:
+        raise PrepareError(f"input file {compressed[0]} is compressed; decompress it first (tokenize reads .txt, "
+                           f".jsonl and .parquet; parquet's own compression is fine)")
     sources = [Source(f, source_kind(f), f.stat().st_size, "") for f in files]
     for s in sources:
         s.hash = file_hash(s.path, s.size)

@@ -333,11 +333,12 @@ def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, mon
 
 # --------------------------------------------------------------------------------------- memory
 
+# VmHWM: the peak RSS of the child's own address space (ru_maxrss would include pytest's at fork time).
 _RSS_CHILD = """
-import resource, sys
+import re, sys
 from gptlib.prepare import prepare_text
 prepare_text([sys.argv[1]], sys.argv[2], shard_tokens=2_000_000, verbose=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) // 1024)
 """
 
 
@@ -355,3 +356,30 @@ def test_a_100_mb_single_line_is_tokenized_in_bounded_memory(tmp_path):
     assert meta.tokens("train") + meta.tokens("val") == line.stat().st_size
     # The file is 100 MB (400 MB as one UTF-32 array): reading it whole would show here.
     assert peak_mb < 250, f"peak RSS {peak_mb} MB"
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+def gptlib_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptlib", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_tokenize_bpe_then_reuse_the_tokenizer_file(tmp_path, docs):
+    src = write_parquet(tmp_path / "a.parquet", docs, column="code")
+    r = gptlib_cli("tokenize", "--input", src, "--tokenizer", "bpe", "--vocab-size", 300, "--text-column", "code",
+                   "--out", tmp_path / "d1")
+    assert r.returncode == 0, r.stderr
+    assert "documents" in r.stdout and "uint16, vocab 300" in r.stdout
+    r = gptlib_cli("tokenize", "--input", src, "--tokenizer-file", tmp_path / "d1" / "tokenizer.json",
+                   "--text-column", "code", "--out", tmp_path / "d2", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert read_meta(tmp_path / "d1").splits == read_meta(tmp_path / "d2").splits
+    r = gptlib_cli("tokenize", "--input", src, "--tokenizer", "bpe", "--vocab-size", 300, "--out", tmp_path / "d3")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: parquet file {src} has no column 'text' (columns: code, n); choose one with --text-column / "
+        f"text_column="]
+    gz = tmp_path / "x.txt.gz"
+    gz.write_bytes(b"\x1f\x8b")
+    r = gptlib_cli("tokenize", "--input", gz, "--out", tmp_path / "d4")
+    assert r.returncode == 2 and "is compressed; decompress it first" in r.stderr

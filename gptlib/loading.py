@@ -65,10 +65,10 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest") -> Chec
     """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist")
+        raise CheckpointError(f"no valid checkpoint in {run_dir}: the run directory does not exist")
     table = checkpoint_table(run_dir)
     if not table:
-        raise CheckpointError(f"no complete checkpoint in {run_dir}/checkpoints (has training saved one yet?)")
+        raise CheckpointError(f"no valid checkpoint in {run_dir}/checkpoints (has training saved one yet?)")
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
     if which_s == "latest":

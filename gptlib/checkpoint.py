@@ -627,7 +627,12 @@ class CheckpointWriter:
 
     def save(self, step: int, model_sd: dict, train_state: dict, state: dict, best_step: int | None) -> None:
         self.wait()  # also frees the host buffers for reuse
-        model_cpu, train_cpu = self._snapshot((model_sd, train_state))
+        n_threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a memory copy: as fast on one thread, and ~10x faster on a busy CPU
+        try:
+            model_cpu, train_cpu = self._snapshot((model_sd, train_state))
+        finally:
+            torch.set_num_threads(n_threads)
         snapshot = (model_cpu, train_cpu, json.loads(json.dumps(state)))
         # Byte counts now (the loop flushed its logs): the background copies exactly this prefix.
         sizes = {}

@@ -1,0 +1,120 @@
+"""How long a checkpoint save blocks the training loop, and how long the background work takes.
+
+State: the `gpt2-small` preset's model + AdamW moments (exp_avg, exp_avg_sq) + sampler/RNG state,
+about 1.5 GB. The loop calls CheckpointWriter.save(), which copies the tensors to host memory
+(here: CPU -> CPU clone) and hands them to a thread; the thread writes + fsyncs + hashes +
+verifies locally, and a second thread copies to the mirror (a second local directory standing in
+for Google Drive: temp name, hash while copying, fsync, read back and verify, rename, rotate).
+
+    python benchmarks/save_bench.py [--saves 5] [--dir /tmp]
+
+Prints the median over the saves of: blocking time (the loop waits), local background time
+(save call -> local checkpoint verified), mirror time (local verified -> mirror verified).
+Target: blocking < 2 s. Note: the mirror here is the same local disk and its read-back hits the
+page cache, so real Drive copies are slower (tens of MB/s); training does not wait for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gptlib import checkpoint as ck
+from gptlib.config import get_preset
+from gptlib.model import GPT
+
+
+def machine_info(d: Path) -> str:
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 1e6:.1f} GB RAM"
+    except OSError:
+        pass
+    du = shutil.disk_usage(d)
+    return (f"machine: {cpu}, {os.cpu_count()} CPUs, {mem}; python {platform.python_version()}, torch {torch.__version__}, "
+            f"torch threads {torch.get_num_threads()}; disk at {d}: {du.free / 1e9:.0f} GB free; load avg "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the local and mirror run dirs go")
+    ap.add_argument("--preset", default="gpt2-small")
+    args = ap.parse_args()
+
+    print("$ python " + " ".join(sys.argv))
+    print(time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    print(machine_info(Path(args.dir)))
+
+    cfg = get_preset(args.preset)
+    model = GPT(cfg.model)
+    opt = model.configure_optimizer(cfg.train.weight_decay, cfg.train.learning_rate,
+                                    (cfg.train.beta1, cfg.train.beta2), "cpu")
+    for p in model.parameters():  # one step with small gradients: creates the AdamW moments
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gen = torch.Generator().manual_seed(0)
+    n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    n_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    print(f"state: {args.preset}, {model.num_params() / 1e6:.1f}M parameters, weights + AdamW moments = "
+          f"{n_bytes / 1e9:.2f} GB (fp32)")
+
+    root = Path(tempfile.mkdtemp(prefix="gptlib_save_bench_", dir=args.dir))
+    local, mirror = root / "local", root / "mirror"
+    block, local_t, mirror_t, sizes = [], [], [], []
+    try:
+        w = ck.CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
+        for i in range(1, args.saves + 1):
+            train_state = {"optimizer": opt.state_dict(), "scaler": {},
+                           "sampler": {"rng_state": gen.get_state(), "batches_drawn": i}, "rng": {"torch_cpu": torch.get_rng_state()}}
+            state = {"step": i, "config": cfg.to_dict()}
+            t0 = time.perf_counter()
+            w.save(i, model.state_dict(), train_state, state, best_step=None)
+            t1 = time.perf_counter()
+            w.wait()  # the loop would be training meanwhile; here we only time the background thread
+            t2 = time.perf_counter()
+            w.close()  # waits for the mirror copy
+            t3 = time.perf_counter()
+            st = w.status()
+            assert st["mirror_step"] == i and st["mirror_error"] is None, st
+            size = sum(f.stat().st_size for f in (local / "checkpoints" / ck.ckpt_name(i)).iterdir())
+            block.append(t1 - t0)
+            local_t.append(t2 - t0)
+            mirror_t.append(t3 - t2)
+            sizes.append(size)
+            print(f"save {i}: blocking {t1 - t0:6.3f} s | local write+fsync+hash+verify+rotate {t2 - t0:6.2f} s | "
+                  f"mirror copy+hash+fsync+readback verify+rotate {t3 - t2:6.2f} s | {size / 1e9:.2f} GB on disk")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    gb = statistics.median(sizes) / 1e9
+    print(f"\nmedian over {args.saves} saves of {gb:.2f} GB checkpoints:")
+    print(f"  blocking the training loop:  {statistics.median(block):.3f} s   (target < 2 s: "
+          f"{'MET' if statistics.median(block) < 2 else 'NOT MET'})")
+    print(f"  local background save:       {statistics.median(local_t):.2f} s   ({gb / statistics.median(local_t):.2f} GB/s)")
+    print(f"  mirror (Drive stand-in):     {statistics.median(mirror_t):.2f} s   ({gb / statistics.median(mirror_t):.2f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -206,3 +206,27 @@ def test_positive_control_same_copy_resumes_exactly(char_data, reference, interr
     shutil.copytree(interrupted, run_dir)
     run_inproc(char_data, run_dir, log=lambda m: None)
     assert_same_run(reference, run_dir)
+
+
+# --- time-based saving and the time budget ------------------------------------------------------------
+
+
+def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys):
+    """save_every_minutes saves between step-based saves; max_minutes stops with a checkpoint, and
+    the same call resumes from it."""
+    from gptlib.checkpoint import list_checkpoints
+
+    run_dir = tmp_path / "run"
+    settings = TINY + ["eval_interval=1000", "save_every_steps=1000", "save_every_minutes=0.0001"]
+    r = train(char_data, run_dir, "phase1", settings, max_steps=8, device="cpu", progress=False, log=lambda m: None)
+    steps = sorted(int(p.name[5:]) for p in list_checkpoints(run_dir))
+    assert r.step == 8 and steps == [7, 8], steps  # the time-based save at 7 (keep_last=2), final at 8
+
+    run2 = tmp_path / "run2"
+    r = train(char_data, run2, "phase1", TINY, max_steps=50, max_minutes=1e-6, device="cpu", progress=False,
+              log=lambda m: None)
+    assert r.stopped_by == "max_minutes" and r.step == 1
+    assert verify_checkpoint(run2 / "checkpoints" / "step_0000001").step == 1
+    capsys.readouterr()
+    r = train(char_data, run2, "phase1", TINY, max_steps=50, max_minutes=1e-6, device="cpu", progress=False)
+    assert r.resumed_from == 1 and r.step == 2 and "resumed from step 1" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -166,6 +166,7 @@ def main() -> None:
 
     # --- 3. the pipeline, in a child process
     out = work / "data"
+    shutil.rmtree(out, ignore_errors=True)  # a finished identical dataset would be reused, not redone
     cmd = ["tokenize", "--input", *map(str, paths), "--tokenizer-file", str(tok_file),
            "--text-column", "code", "--out", str(out), "--overwrite", "--quiet"]
     wall, rss, log = run_child(cmd)
@@ -204,6 +205,7 @@ def main() -> None:
                     if written >= 100e6:
                         break
         out1 = work / "data_single_line"
+        shutil.rmtree(out1, ignore_errors=True)
         cmd = ["tokenize", "--input", str(line), "--tokenizer-file", str(tok_file), "--out", str(out1),
                "--overwrite", "--quiet"]
         wall1, rss1, _ = run_child(cmd)

@@ -59,6 +59,7 @@ RUN_FILES = ("config.json", "tokenizer.json", "metrics.jsonl", "samples.jsonl", 
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
 MIRROR_STALL_TIMEOUT_S = 180.0  # an attempt with no progress for this long is a hung Drive: abandoned
 MIRROR_LIST_TIMEOUT_S = 60.0  # listing the mirror at resume; a hung Drive falls back to local only
+MIRROR_CLOSE_TIMEOUT_S = 600.0  # at the end of training, wait at most this long for the last Drive copy
 _COPY_CHUNK = 8 << 20
 
 
@@ -804,24 +805,27 @@ class CheckpointWriter:
         return f"drive: step {s['mirror_step']}" + (" (copying newer)" if s["mirror_copying"] else "")
 
     def close(self, timeout: float | None = None) -> dict:
-        """Wait for the local save (raising its error), then for the mirror to copy the newest
-        checkpoint (with its retries; never raises for the mirror). Returns status()."""
+        """Wait for the local save (raising its error), then up to `timeout` (MIRROR_CLOSE_TIMEOUT_S)
+        for the mirror to copy the newest checkpoint (never raises for the mirror). Returns status()."""
         self.wait()
+        timeout = MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout
         if self._mirror_thread is not None:
             with self._cv:
                 self._closing = True
                 self._cv.notify_all()
             self._mirror_thread.join(timeout)
             if self._mirror_thread.is_alive():
-                _loud(f"!! Drive copy still running after {timeout} s; the newest checkpoint may exist only in {self.run_dir}")
-            self._mirror_thread = None
+                _loud(f"!! Drive copy still running after {timeout:g} s; it goes on in the background while this "
+                      f"process lives, but the newest checkpoint may exist only in {self.run_dir}")
+            else:
+                self._mirror_thread = None
+                with self._cv:
+                    self._closing = False
             local = self.status()["local_step"]
             if local is not None and self.mirror_last_step != local:
                 _loud(f"!! the newest checkpoint (step {local}) is NOT on Drive ({self.mirror_dir}), only in "
                       f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.mirror_error}. "
                       f"Re-run training (it resumes from the local checkpoint and copies it) once Drive works.")
-            with self._cv:
-                self._closing = False
         return self.status()
 
 

@@ -250,3 +250,20 @@ def test_importing_gptlib_checkpoint_and_colab_has_no_side_effects(tmp_path):
     code = "import gptlib.checkpoint, gptlib.colab, sys; print(sorted(m for m in sys.modules if m.startswith('google')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]" and not list(tmp_path.iterdir())
+
+
+def test_writer_close_is_bounded_when_drive_hangs(tmp_path, monkeypatch, capsys):
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", ())  # one attempt, so the thread ends after release
+    monkeypatch.setattr(ck, "copy_file_verified", lambda *a, **k: release.wait(10))
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(1, sd(), {}, {"step": 1}, None)
+    t = time.monotonic()
+    st = w.close(timeout=0.5)  # stall timeout (180 s) not reached: close gives up waiting instead
+    release.set()
+    assert time.monotonic() - t < 3 and st["local_step"] == 1 and st["mirror_step"] is None
+    w._mirror_thread.join(5)
+    err = capsys.readouterr().err
+    assert "still running after 0.5 s" in err and "NOT on Drive" in err

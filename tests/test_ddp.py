@@ -30,10 +30,21 @@ def recording(self):
     return x, y
 
 D.BatchSampler.next_batch = recording
+from gptlib.model import GPT
+optimizers = []
+orig_opt = GPT.configure_optimizer
+
+def capture(self, *a, **k):
+    optimizers.append(orig_opt(self, *a, **k))
+    return optimizers[-1]
+
+GPT.configure_optimizer = capture
 r = train(sys.argv[1], sys.argv[2], "phase1", overrides=json.loads(sys.argv[4]), device="cpu", progress=False)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"step": r.step, "resumed_from": r.resumed_from, "tokens_seen": r.tokens_seen,
-               "train_loss": r.train_loss, "batches": seen, "world": int(os.environ["WORLD_SIZE"])}, f)
+               "train_loss": r.train_loss, "batches": seen, "world": int(os.environ["WORLD_SIZE"]),
+               "weights": [p.detach().double().sum().item() for g in optimizers[-1].param_groups for p in g["params"]]},
+              f)
 '''
 
 
@@ -63,6 +74,8 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     train1 = [b for s, b in r1["batches"] if s == 1338]
     assert len(train0) == len(train1) == 8
     assert train0 != train1
+    # Gradients are all-reduced (on the last micro-step of each accumulation): both ranks hold the same weights.
+    assert r0["weights"] == r1["weights"]
     # The logged loss is the mean over ranks, identical on both.
     assert r0["train_loss"] == pytest.approx(r1["train_loss"])
 
@@ -99,3 +112,39 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     r = train(char_data, run_dir, "phase1", overrides=ov + ["max_steps=7"], device="cpu", progress=False,
               log=lambda m: None)
     assert r.resumed_from == 6 and r.step == 7
+
+
+def test_dist_single_process_is_a_no_op():
+    import contextlib
+
+    import torch
+
+    from gptlib import distributed
+
+    d = distributed.setup("cpu")  # no WORLD_SIZE in the environment
+    assert not d.enabled and d.is_main and d.rank == 0
+    m = torch.nn.Linear(2, 2)
+    assert d.wrap(m, torch.device("cpu")) is m
+    assert isinstance(d.no_sync(m, last_micro_step=False), contextlib.nullcontext)
+    assert d.agree(3, 10, True, False) == (True, False)  # decided every step when alone
+    t = torch.tensor([1.0, 3.0])
+    assert d.mean(t) is t and d.min_int(5) == 5 and d.sampler_states({"x": 1}) == {}
+
+
+def test_dist_no_sync_only_before_the_last_micro_step():
+    from gptlib.distributed import Dist
+
+    class FakeDDP:
+        def __init__(self):
+            self.calls = 0
+
+        def no_sync(self):
+            self.calls += 1
+            import contextlib
+            return contextlib.nullcontext()
+
+    d, m = Dist(rank=0, world_size=2), FakeDDP()
+    for micro in range(4):
+        with d.no_sync(m, last_micro_step=micro == 3):
+            pass
+    assert m.calls == 3  # the all-reduce happens once per optimizer step

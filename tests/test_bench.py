@@ -16,7 +16,7 @@ LADDER_CFG = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 def test_every_ladder_rung_runs_on_cpu():
     lines = []
-    rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=4, device="cpu", steps=2, warmup=1,
+    rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=4, device="cpu", steps=1, warmup=1,
                             compile_backend="eager", log=lines.append)
     assert [r.name for r in rows] == [r[0] for r in bench.RUNGS]
     for r in rows:

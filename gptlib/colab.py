@@ -66,7 +66,10 @@ def mount_drive(mountpoint: str | Path | None = None, timeout_s: float = 120.0) 
     if _drive_usable(mp):
         return mp
     try:
-        dead = mp.exists() and any(True for _ in os.scandir(mp))
+        with os.scandir(mp) as entries:  # something there but no MyDrive: a stale mount point
+            dead = any(True for _ in entries)
+    except FileNotFoundError:
+        dead = False
     except OSError:
         dead = True  # listing a dead FUSE mount fails: it must be remounted
     from google.colab import drive  # noqa: PLC0415 - only exists on Colab

@@ -539,6 +539,7 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
                 loader = BatchSampler(preloaded, B, T, seed, dev)
             fwd = model
             if use_compile:
+                torch._dynamo.reset()  # a fresh graph per rung, traced under this rung's precision and attention kernel
                 fwd = torch.compile(model, backend=compile_backend)
                 if compile_backend != "inductor":
                     notes.append(f"compile backend {compile_backend}")

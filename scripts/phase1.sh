@@ -7,10 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-TEXT_ARG=()
-if [ "${1:-}" != "" ]; then TEXT_ARG=(--local "$1"); fi
 RUN_DIR="${2:-runs/phase1}"
-TEXT="$(python -m gptlib fetch-shakespeare "${TEXT_ARG[@]}")"
+if [ "${1:-}" != "" ]; then
+    TEXT="$1"  # any local text file (the shared Tiny Shakespeare copy, or your own)
+else
+    TEXT="$(python -m gptlib fetch-shakespeare)"  # download once, verify sha256, cache
+fi
 python -m gptlib tokenize --input "$TEXT" --tokenizer char --out "$RUN_DIR/data"
 python -m gptlib train --data "$RUN_DIR/data" --preset phase1 --run-dir "$RUN_DIR"
 python -m gptlib sample --run-dir "$RUN_DIR" --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8

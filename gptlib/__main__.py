@@ -242,20 +242,28 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
-    from .bench import MicroBatchOOM
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .download import DownloadError
-    from .prepare import PrepareError
-    from .shards import DataFormatError
-    from .tokenizer import TokenizerError
-
     try:
         return args.func(args)
-    except (CLIError, ConfigError, CheckpointError, DataFormatError, PrepareError, TokenizerError,
-            DownloadError, MicroBatchOOM) as e:
+    except _user_errors() as e:  # evaluated only when an exception is being handled
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+# Errors that are the user's to fix: printed as one line, exit status 2.
+_USER_ERRORS = (("bench", "MicroBatchOOM"), ("checkpoint", "CheckpointError"), ("config", "ConfigError"),
+                ("download", "DownloadError"), ("prepare", "PrepareError"), ("shards", "DataFormatError"),
+                ("tokenizer", "TokenizerError"))
+
+
+def _user_errors() -> tuple:
+    """The user-error classes of the gptlib modules the command imported (a module it did not import
+    cannot have raised): so `tokenize` never imports torch, via bench/checkpoint, just to name errors."""
+    found = [CLIError]
+    for mod, name in _USER_ERRORS:
+        m = sys.modules.get(f"gptlib.{mod}")
+        if m is not None and hasattr(m, name):
+            found.append(getattr(m, name))
+    return tuple(found)
 
 
 if __name__ == "__main__":

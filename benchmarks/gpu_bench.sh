@@ -31,7 +31,8 @@ run "gpt2_small_mfu_autobatch_${GPU}.txt" \
   python -m gptlib bench train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 20 --warmup 5 \
   --auto-batch
 
-# 2. the optimization ladder at the seed's shape (gpt2-small, 64 x 512 tokens per step): memmap + per-sample loop
+# 2. the optimization ladder at the seed's shape (gpt2-small, 64 x 512 tokens per step as 16 x 4 micro-batches, so
+#    the fp32 rungs fit): memmap + per-sample loop
 #    (page cache dropped before each batch) -> RAM preload -> vectorised batches -> compile -> bf16 -> flash.
 run "ladder_${GPU}.txt" \
   python -m gptlib bench ladder --device cuda --steps 10 --warmup 3

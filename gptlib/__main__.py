@@ -201,7 +201,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--steps", type=int, default=None, help="timed steps (ladder 10, train 20)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warmup steps, compile included (ladder 3, train 5)")
-    p.add_argument("--batch-size", type=int, default=None, help="ladder: sequences per step")
+    p.add_argument("--batch-size", type=int, default=None, help="ladder: sequences per micro-batch")
+    p.add_argument("--accum", type=int, default=None, help="ladder: micro-batches per step (default 4 on CUDA, 1 on CPU)")
     p.add_argument("--data", metavar="DATA_DIR", default=None, help="real token shards instead of synthetic tokens")
     p.add_argument("--compile-backend", default="inductor", help="ladder: torch.compile backend (default inductor)")
     p.add_argument("--rungs", default=None, help="ladder: comma-separated rung numbers to run (default all)")
@@ -224,7 +225,7 @@ def cmd_bench(args) -> int:
         rungs = [int(r) for r in args.rungs.split(",")] if args.rungs else None
         bench.run_ladder(model_cfg, batch_size=args.batch_size, device=args.device, steps=args.steps or 10,
                          warmup=3 if args.warmup is None else args.warmup, data_dir=args.data,
-                         compile_backend=args.compile_backend, rungs=rungs)
+                         compile_backend=args.compile_backend, rungs=rungs, accum=args.accum)
     else:
         bench.bench_train(args.preset or "gpt2-small", args.set, device=args.device, steps=args.steps or 20,
                           warmup=5 if args.warmup is None else args.warmup, compile=args.compile,

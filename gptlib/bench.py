@@ -424,8 +424,11 @@ class RungResult:
 
 
 def _time_steps(model, optimizer, scaler, loader, device, dtype, steps: int, warmup: int, attention_ctx,
-                ) -> tuple[float, float]:
-    """-> (median step seconds, median data seconds) over `steps` steps after `warmup` untimed ones."""
+                accum: int = 1) -> tuple[float, float]:
+    """-> (median step seconds, median data seconds) over `steps` optimizer steps after `warmup` untimed ones.
+
+    A step is `accum` micro-batches; the data time is measured with a sync around each batch fetch.
+    """
     autocast = (torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32
                 else contextlib.nullcontext())
     step_times, data_times = [], []
@@ -433,12 +436,15 @@ def _time_steps(model, optimizer, scaler, loader, device, dtype, steps: int, war
         for i in range(warmup + steps):
             _sync(device)
             t0 = time.perf_counter()
-            x, y = loader.next_batch()
-            _sync(device)
-            t1 = time.perf_counter()
-            with autocast:
-                _, loss = model(x, y)
-            scaler.scale(loss).backward()
+            data_s = 0.0
+            for _ in range(accum):
+                d0 = time.perf_counter()
+                x, y = loader.next_batch()
+                _sync(device)
+                data_s += time.perf_counter() - d0
+                with autocast:
+                    _, loss = model(x, y)
+                scaler.scale(loss / accum).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -446,32 +452,34 @@ def _time_steps(model, optimizer, scaler, loader, device, dtype, steps: int, war
             t2 = time.perf_counter()
             if i >= warmup:
                 step_times.append(t2 - t0)
-                data_times.append(t1 - t0)
+                data_times.append(data_s)
     return statistics.median(step_times), statistics.median(data_times)
 
 
 def default_ladder_config(device: torch.device):
-    """gpt2-small at the seed's 64 x 512 tokens/step shape on a GPU; a small model on CPU so it runs in minutes."""
+    """-> (model config, micro-batch, accumulation). gpt2-small at the seed's 64 x 512 tokens/step on a GPU
+    (16 x 4 micro-batches, so the fp32 rungs fit too); a small model on CPU so the ladder runs in minutes."""
     from .config import ModelConfig, get_preset
 
     if device.type == "cuda":
         m = get_preset("gpt2-small").model
         m.block_size = 512
-        return m, 64
-    return ModelConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=128, vocab_multiple=64), 8
+        return m, 16, 4
+    return ModelConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=128, vocab_multiple=64), 8, 1
 
 
 def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "auto", steps: int = 10, warmup: int = 3,
                data_dir: str | Path | None = None, compile_backend: str = "inductor", rungs: list[int] | None = None,
-               seed: int = 1337, log: Callable[[str], None] = print) -> list[RungResult]:
+               seed: int = 1337, accum: int | None = None, log: Callable[[str], None] = print) -> list[RungResult]:
     """Run the ladder rung by rung; prints a table and returns its rows."""
     from .model import GPT
     from .train import resolve_device
 
     dev = resolve_device(device)
-    dflt_cfg, dflt_b = default_ladder_config(dev)
+    dflt_cfg, dflt_b, dflt_a = default_ladder_config(dev)
     model_cfg = model_cfg or dflt_cfg
     B, T = batch_size or dflt_b, model_cfg.block_size
+    A = accum or (dflt_a if batch_size is None else 1)  # micro-batches per optimizer step
     peak = device_peak(dev)
     hdt, hnote = half_dtype(dev)
 
@@ -501,14 +509,16 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
         fpt = None
         log(f"ladder on {peak.name} ({peak.note}); torch {torch.__version__}; model {model_cfg.n_layer}L "
             f"{model_cfg.n_embd}d {model_cfg.n_head}h, vocab {model_cfg.vocab_size}, context {T}, micro-batch {B} "
-            f"({B * T:,} tokens/step); data: {source}; {steps} timed steps after {warmup} warmup")
+            f"x {A} accumulation ({A * B * T:,} tokens/step); data: {source}; {steps} timed steps after {warmup} warmup")
         header = f"{'rung':<28} {'step ms':>9} {'data ms':>8} {'speedup':>8} {'tokens/s':>10} {'MFU':>8}  note"
         log(header)
         log("-" * len(header))
         # Process-wide one-time costs (kernel selection, allocator growth) must not land on the first rung.
-        _time_steps(GPT(model_cfg).to(dev), torch.optim.AdamW(GPT(model_cfg).parameters()), torch.amp.GradScaler(
-            dev.type, enabled=False), BatchSampler(preloaded, B, T, seed, dev), dev, torch.float32, 1, 1,
-            _attention_ctx(False, dev))
+        warm = GPT(model_cfg).to(dev)
+        _time_steps(warm, warm.configure_optimizer(0.1, 1e-4, (0.9, 0.95), dev.type),
+                    torch.amp.GradScaler(dev.type, enabled=False), BatchSampler(preloaded, B, T, seed, dev), dev,
+                    torch.float32, 1, 1, _attention_ctx(False, dev))
+        warm = None
         free_memory()
         results: list[RungResult] = []
         base = None
@@ -547,7 +557,7 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
                 notes.append("CPU flash SDPA kernel")
             try:
                 step_s, data_s = _time_steps(fwd, optimizer, scaler, loader, dev, dtype, steps, warmup,
-                                             _attention_ctx(flash, dev))
+                                             _attention_ctx(flash, dev), accum=A)
             except RuntimeError as e:
                 if not is_oom(e):
                     raise
@@ -558,7 +568,7 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
                 free_memory()
             if base is None and math.isfinite(step_s):
                 base = step_s
-            tps = B * T / step_s if step_s > 0 else math.nan
+            tps = A * B * T / step_s if step_s > 0 else math.nan
             r = RungResult(name, step_s, data_s, tps, mfu(fpt, tps, peak.peak_flops) if math.isfinite(tps) else None,
                            "; ".join(notes))
             results.append(r)

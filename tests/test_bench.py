@@ -29,9 +29,12 @@ def test_every_ladder_rung_runs_on_cpu():
 
 
 def test_ladder_on_a_data_dir_subset(char_data):
+    lines = []
     rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=2, device="cpu", steps=1, warmup=0,
-                            data_dir=char_data, rungs=[0, 2], log=lambda s: None)
+                            data_dir=char_data, rungs=[0, 2], accum=3, log=lines.append)
     assert [r.name for r in rows] == [bench.RUNGS[0][0], bench.RUNGS[2][0]]
+    assert "x 3 accumulation (192 tokens/step)" in lines[0]
+    assert rows[1].tokens_per_s == pytest.approx(192 / rows[1].step_s)
 
 
 def test_per_sample_loader_matches_shift():

@@ -390,14 +390,15 @@ def train(
     save_every = tc.save_every_steps or tc.eval_interval
     sample_gen = torch.Generator(device="cpu")
 
-    def checkpoint_now(s: int, val: float | None, step_begin: tuple[dict, torch.Tensor] | None = None) -> None:
+    def checkpoint_now(s: int, val: float | None, step_begin: tuple[dict, torch.Tensor] | None = None,
+                       gather: bool = True) -> None:
         rng_tensors, rng_plain = capture_rng()
         sampler_state = sampler.state_dict()
         if step_begin is not None:  # interrupted mid-step: save the state from before the unfinished step
             sampler_state, rng_tensors["torch_cpu"] = step_begin
         train_state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else {},
                        "sampler": sampler_state, "rng": rng_tensors,
-                       **(ddp.sampler_states(sampler_state) if step_begin is None else {})}  # DDP: every rank's
+                       **(ddp.sampler_states(sampler_state) if gather else {})}  # DDP: every rank's (a collective)
         state = {"step": s, "tokens_seen": tokens_seen, "best_val_loss": best_val, "best_step": best_step,
                  "val_loss": val, "elapsed_s": elapsed_before + (time.time() - t_start), "config": cfg.to_dict(),
                  "data": meta.identity(), "data_dir": str(meta.data_dir), "tokenizer": meta.tokenizer,
@@ -547,7 +548,7 @@ def train(
         stopped_by = "interrupt"
         log(f"interrupted at step {step:,}; saving a checkpoint")
         optimizer.zero_grad(set_to_none=True)
-        checkpoint_now(step, None, step_begin)
+        checkpoint_now(step, None, step_begin, gather=False)  # ranks may be anywhere: no collective
     finally:
         metrics_f.close()
         if pbar is not None:

@@ -20,7 +20,7 @@ The pipeline, in one pass over the corpus and with bounded memory whatever its s
   restarts from there, drops the few tokens that the completed shards already hold, and goes
   on. `meta.json` is written last, so a half-written dataset never looks complete.
 - Bad input: invalid UTF-8 is replaced by U+FFFD and counted; empty files and empty documents
-  are skipped and counted; an unreadable parquet file is skipped with a report
+  are skipped and counted; an unreadable parquet file (or row group) is skipped with a report
   (on_bad_file="skip") or is an error (on_bad_file="error"); a missing column/field is an error
   naming the file and the available names.
 """
@@ -312,7 +312,10 @@ class _BadParquet(Exception):
     pass
 
 
-def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None) -> Iterator[Piece]:
+def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None,
+                      on_bad_row_group=None) -> Iterator[Piece]:
+    """One document per row, read row group by row group: a corrupt row group is reported through
+    on_bad_row_group(message) (which may raise) and skipped; the rows around it are kept."""
     import pyarrow as pa
 
     try:
@@ -334,26 +337,32 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None
     if g >= meta.num_row_groups:
         return
     skip = row - first
-    try:
-        for batch in pf.iter_batches(batch_size=1024, row_groups=range(g, meta.num_row_groups), columns=[col]):
-            values = batch.column(0).to_pylist()
-            if skip:
-                values = values[skip:]
-                skip = 0
-            for v in values:
-                if isinstance(v, bytes):
-                    v = v.decode("utf-8", _ERRORS)
-                if not v:
-                    yield Piece("", row, True, None, {"file": fi, "doc": row + 1, "byte": 0, "char": 0}, per_row)
-                else:
-                    for piece, end in split_text(v, char):
-                        done = end >= len(v)
-                        nxt = {"file": fi, "doc": row + 1 if done else row, "byte": 0, "char": 0 if done else end}
-                        yield Piece(piece, row, done, None, nxt, per_row * len(piece) / len(v))
-                row += 1
-                char = 0
-    except (OSError, pa.ArrowException) as e:
-        raise _BadParquet(f"unreadable at row {row}: {e}") from None
+    for g in range(g, meta.num_row_groups):
+        end_row = first + meta.row_group(g).num_rows
+        try:
+            for batch in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[col], use_threads=False):
+                values = batch.column(0).to_pylist()
+                if skip:
+                    values = values[skip:]
+                    skip = 0
+                for v in values:
+                    if isinstance(v, bytes):
+                        v = v.decode("utf-8", _ERRORS)
+                    if not v:
+                        yield Piece("", row, True, None, {"file": fi, "doc": row + 1, "byte": 0, "char": 0}, per_row)
+                    else:
+                        for piece, end in split_text(v, char):
+                            done = end >= len(v)
+                            nxt = {"file": fi, "doc": row + 1 if done else row, "byte": 0,
+                                   "char": 0 if done else end}
+                            yield Piece(piece, row, done, None, nxt, per_row * len(piece) / len(v))
+                    row += 1
+                    char = 0
+        except (OSError, pa.ArrowException) as e:
+            if on_bad_row_group is not None:
+                on_bad_row_group(f"row group {g} (rows {row}-{end_row - 1}) is unreadable: {e}".replace("\n", " ").strip())
+            row, char, skip = end_row, 0, 0
+        first = end_row
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,29 +469,40 @@ def _tokenizer_spec(tokenizer, tokenizer_file, vocab_size, train_max_bytes) -> d
 
 
 def _iter_source(src: Source, fi: int, pos: dict | None, split_mode: str, val_fraction: float,
-                 text_column: str | None) -> Iterator[Piece]:
+                 text_column: str | None, on_bad_row_group=None) -> Iterator[Piece]:
     if src.kind == "text":
         cut = int(src.size * (1.0 - val_fraction)) if split_mode == "tail" else None
         return iter_text_file(src, fi, pos, cut)
     if src.kind == "jsonl":
         return iter_jsonl_file(src, fi, pos, text_column or DEFAULT_TEXT_COLUMN)
-    return iter_parquet_file(src, fi, pos, text_column)
+    return iter_parquet_file(src, fi, pos, text_column, on_bad_row_group)
 
 
 def _iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: str, val_fraction: float,
                  text_column: str | None, on_bad_file: str) -> Iterator[Piece]:
-    """All pieces of all sources from `start` on; unreadable parquet files are skipped or fatal."""
+    """All pieces of all sources from `start` on; unreadable parquet files and row groups are
+    skipped and recorded in `skipped`, or fatal (on_bad_file="error")."""
     for fi in range(int(start["file"]), len(sources)):
         src = sources[fi]
         pos = start if fi == int(start["file"]) else None
-        if src.size == 0 or any(s["path"] == str(src.path) for s in skipped):
+        if src.size == 0 or _whole_file_skipped(src, skipped):
             continue
+
+        def bad_row_group(msg: str, src: Source = src) -> None:
+            if on_bad_file == "error":
+                raise PrepareError(f"parquet file {src.path}: {msg}")
+            skipped.append({"path": str(src.path), "error": msg, "partial": True})
+
         try:
-            yield from _iter_source(src, fi, pos, split_mode, val_fraction, text_column)
+            yield from _iter_source(src, fi, pos, split_mode, val_fraction, text_column, bad_row_group)
         except _BadParquet as e:
             if on_bad_file == "error":
                 raise PrepareError(f"parquet file {src.path} {e}") from None
             skipped.append({"path": str(src.path), "error": str(e)})
+
+
+def _whole_file_skipped(src: Source, skipped: list) -> bool:
+    return any(s["path"] == str(src.path) and not s.get("partial") for s in skipped)
 
 
 def _train_texts(sources: list[Source], text_column: str | None, max_bytes: int | None,
@@ -491,7 +511,7 @@ def _train_texts(sources: list[Source], text_column: str | None, max_bytes: int 
     in proportion to their size (each file from its start)."""
     total = sum(s.size for s in sources) or 1
     for fi, src in enumerate(sources):
-        if src.size == 0 or any(s["path"] == str(src.path) for s in skipped):
+        if src.size == 0 or _whole_file_skipped(src, skipped):
             continue
         budget = None if max_bytes is None else max(PIECE_CHARS, int(max_bytes * src.size / total))
         used = 0
@@ -762,8 +782,9 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     # A parquet file skipped mid-way: its earlier rows stay (deterministic on resume).
     stats["skipped_files"] = skipped
     if emitted["train"] == 0:
+        why = "".join(f"; skipped {s['path']}: {s['error']}" for s in skipped[:3])
         raise PrepareError(f"the corpus produced no training tokens ({stats['documents']} documents); "
-                           f"check the inputs and the text column")
+                           f"check the inputs and the text column{why}")
     if emitted["val"] == 0:
         raise PrepareError(
             f"no document fell into the validation split ({stats['documents']:,} documents, "
@@ -831,7 +852,7 @@ def summarize(data_dir: str | Path) -> dict[str, Any]:
         "shards (train + val)": f"{len(meta.splits['train']['shards'])} + {len(meta.splits['val']['shards'])}",
         "validation split": m.get("split"),
         "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
-        "skipped files": len(m.get("skipped_files", [])),
+        "skipped files/row groups": len(m.get("skipped_files", [])),
         "seconds": m.get("elapsed_s"),
     }
 

@@ -208,6 +208,23 @@ def test_truncated_parquet_is_skipped_with_a_report_or_fails_clearly(tmp_path, d
                 verbose=False)
 
 
+def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
+    docs = [f"document number {i} " * 20 for i in range(2000)]
+    src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=500)
+    off = pq.ParquetFile(src).metadata.row_group(2).column(0).data_page_offset
+    data = bytearray(src.read_bytes())
+    data[off + 20: off + 400] = b"\xab" * 380  # garbage in the pages of row group 2; the footer is intact
+    src.write_bytes(bytes(data))
+    meta = prepare([src], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    assert meta.raw["documents"] == 1500
+    [rec] = meta.raw["skipped_files"]
+    assert rec["path"] == str(src) and rec["error"].startswith("row group 2 (rows 1000-1499) is unreadable")
+    got = decoded_documents(tmp_path / "out")
+    assert sorted(got["train"] + got["val"]) == sorted(docs[:1000] + docs[1500:])
+    with pytest.raises(PrepareError, match=r"a.parquet: row group 2 \(rows 1000-1499\) is unreadable"):
+        prepare([src], tmp_path / "out2", tokenizer_file=bpe_file, on_bad_file="error", verbose=False)
+
+
 def test_bad_options(tmp_path, small_text):
     with pytest.raises(PrepareError, match="val_fraction=0 must be between 0 and 1"):
         prepare_text([small_text], tmp_path / "o", val_fraction=0)

@@ -38,7 +38,7 @@ def test_tokenize_train_sample_end_to_end(tmp_path, small_text):
     (["train", "--data", "{tmp}/nodata", "--run-dir", "{tmp}/r"], "data directory .*nodata does not exist"),
     (["train", "--data", "{data}", "--run-dir", "{tmp}/r", "--set", "n_layerz=2"], "unknown config field 'n_layerz'"),
     (["train", "--data", "{data}", "--run-dir", "{tmp}/r", "--set", "n_layer=0"], "n_layer=0 must be a positive"),
-    (["train", "--data", "{data}", "--run-dir", "{tmp}/r", "--set", "n_head=3"], "n_head=3 does not divide n_embd"),
+    (["train", "--data", "{data}", "--run-dir", "{tmp}/r", "--set", "n_head=5"], "n_head=5 does not divide n_embd"),
     (["train", "--data", "{data}", "--run-dir", "{tmp}/r", "--set", "learning_rate=-1"], "learning_rate=-1.0 must be"),
     (["sample", "--run-dir", "{tmp}/empty"], "no valid checkpoint in"),
 ])

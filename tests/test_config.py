@@ -42,7 +42,7 @@ def test_set_parses_types_and_rejects_unknown_fields():
 
 @pytest.mark.parametrize("field,value,message", [
     ("n_layer", "0", "n_layer=0 must be a positive number"),
-    ("n_head", "3", "n_head=3 does not divide n_embd=128"),
+    ("n_head", "5", "n_head=5 does not divide n_embd=96"),
     ("learning_rate", "-1e-3", "learning_rate=-0.001 must be a positive number"),
     ("keep_last", "1", "keep_last=1"),
     ("dtype", "int8", "dtype='int8': choose one of"),

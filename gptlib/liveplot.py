@@ -18,27 +18,10 @@ class LivePlot:
         self.updates = 0
 
     def figure(self, last: dict | None = None):
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
         from .bench import fmt_duration, fmt_mfu
-        from .train import read_metrics
+        from .train import loss_figure, read_metrics
 
         rows = read_metrics(self.run_dir)
-        fig = Figure(figsize=(8, 3.6), dpi=90)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
-        va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-        if tr:
-            ax.plot(*zip(*tr), lw=1, label="train")
-        if va:
-            ax.plot(*zip(*va), "o-", ms=3, lw=1.5, label="val")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
-        ax.grid(alpha=0.3)
-        if tr or va:
-            ax.legend()
         last = last or (rows[-1] if rows else {})
         parts = [self.title] if self.title else []
         if last.get("tokens_per_s"):
@@ -47,9 +30,7 @@ class LivePlot:
             parts.append(f"MFU {fmt_mfu(last['mfu'])}")
         if last.get("eta_s") is not None:
             parts.append(f"ETA {fmt_duration(last['eta_s'])}")
-        ax.set_title(" · ".join(parts), fontsize=10)
-        fig.tight_layout()
-        return fig
+        return loss_figure(rows, " · ".join(parts), figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
         """on_log callback: redraw with everything logged so far."""

@@ -223,12 +223,12 @@ def write_samples_table(run_dir: Path) -> None:
     atomic_write_bytes(run_dir / "samples.md", ("\n".join(lines) + "\n").encode())
 
 
-def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
-    """Loss curve PNG (train and val vs step) without touching pyplot's global state."""
+def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
+    """Train and val loss vs step as a matplotlib Figure, without touching pyplot's global state."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=figsize, dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
@@ -239,10 +239,17 @@ def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
         ax.plot(*zip(*va), "o-", label="val", lw=1.5, ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if tr or va:
+        ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
+    """loss.png in the run dir, replaced atomically so a viewer never reads half a file."""
+    fig = loss_figure(rows, title)
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp)
     os.replace(tmp, path)

@@ -31,7 +31,6 @@ import codecs
 import glob
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +38,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .fsutil import TMP_MARKER, atomic_write_json, clean_temp_files, fsync_dir, sha256_file
-from .shards import META_FILE, DatasetMeta, dtype_for_vocab, read_meta, shard_name, write_meta
+from .fsutil import TMP_MARKER, atomic_write_json, clean_temp_files, sha256_file
+from .shards import META_FILE, DatasetMeta, ShardWriter, dtype_for_vocab, read_meta, write_meta
 from .tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
 STATE_FILE = "prepare_state.json"  # present only while a tokenize run is unfinished
@@ -366,61 +365,7 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None
 
 
 # --------------------------------------------------------------------------------------------
-# Writing: fixed-size shards, written atomically; resumable
-
-
-class _SplitWriter:
-    """Token ids of one split -> `{split}_NNNNNN.bin` shards of exactly shard_tokens tokens (but
-    the last ones, see `prepare`); memory is one shard buffer. `skip` drops the first tokens
-    a resumed run produces again (the completed shards already hold them)."""
-
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int,
-                 shards: list[dict] | None = None, skip: int = 0):
-        self.out_dir = out_dir
-        self.split = split
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.shard_tokens = int(shard_tokens)
-        self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
-        self.filled = 0
-        self.shards: list[dict] = list(shards or [])
-        self.skip = int(skip)
-        self.on_full = None  # callback after a full shard is written
-
-    @property
-    def completed_tokens(self) -> int:
-        return sum(int(s["tokens"]) for s in self.shards)
-
-    def write(self, ids: np.ndarray) -> None:
-        if self.skip:
-            k = min(self.skip, ids.size)
-            ids = ids[k:]
-            self.skip -= k
-        pos = 0
-        while pos < ids.size:
-            take = min(self.shard_tokens - self.filled, ids.size - pos)
-            self.buffer[self.filled:self.filled + take] = ids[pos:pos + take]
-            self.filled += take
-            pos += take
-            if self.filled == self.shard_tokens:
-                self.flush()
-                if self.on_full:
-                    self.on_full(self)
-
-    def flush(self) -> None:
-        if self.filled == 0:
-            return
-        name = shard_name(self.split, len(self.shards))
-        path = self.out_dir / name
-        data = self.buffer[:self.filled]
-        tmp = path.with_name(name + TMP_MARKER + str(os.getpid()))
-        with open(tmp, "wb") as f:
-            data.tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # the final name only ever holds a complete shard
-        fsync_dir(self.out_dir)
-        self.shards.append({"file": name, "tokens": int(self.filled), "sha256": hashlib.sha256(data).hexdigest()})
-        self.filled = 0
+# Writing (shards.ShardWriter): token arrays of the shard dtype; the files tokenize owns
 
 
 def _to_array(parts: list, dtype: np.dtype) -> np.ndarray:
@@ -690,7 +635,7 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
             print(f"resuming the unfinished run in {out_dir}: {len(shards['train'])} train / "
                   f"{len(shards['val'])} val shards done")
     # skip: tokens between the resume position and the end of the last completed shard.
-    writers = {s: _SplitWriter(out_dir, s, dtype, shard_tokens, shards[s],
+    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, shards[s],
                                skip=sum(x["tokens"] for x in shards[s]) - emitted[s]) for s in ("train", "val")}
     _replaced[0] = int(stats["replaced_invalid_utf8"])
     batch_start = {"pos": dict(start), "emitted": dict(emitted), "stats": json.loads(json.dumps(stats))}
@@ -700,7 +645,7 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
                                        "emitted": batch_start["emitted"], "stats": batch_start["stats"],
                                        "shards": {s: w.shards for s, w in writers.items()}})
 
-    def on_full(w: _SplitWriter) -> None:
+    def on_full(w: ShardWriter) -> None:
         # Cut the other split too, so that everything before this batch is in completed shards
         # and a resume restarts here (at most one batch of work is redone).
         for other in writers.values():

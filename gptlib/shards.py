@@ -44,27 +44,34 @@ def shard_name(split: str, index: int) -> str:
 
 
 class ShardWriter:
-    """Appends token arrays to fixed-size shards; each shard is written atomically when full.
+    """Appends token arrays to `{split}_NNNNNN.bin` shards of exactly shard_tokens tokens (but the
+    last); each shard is written atomically when full. Memory is one shard's buffer.
 
-    Memory is bounded by one shard's buffer (shard_tokens * itemsize bytes).
+    For a resumed tokenize run: `shards` are the records of the shards already on disk (new ones are
+    numbered after them), `skip` drops the first tokens written (those shards already hold them),
+    and `on_full(writer)` is called after every full shard.
     """
 
     def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, shard_tokens: int = 100_000_000,
-                 start_index: int = 0):
+                 shards: list[dict[str, Any]] | None = None, skip: int = 0, on_full=None):
         self.out_dir = Path(out_dir)
         self.split = split
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(dtype).newbyteorder("<")  # the files are little-endian
         self.shard_tokens = int(shard_tokens)
-        self.index = start_index
         self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
         self.filled = 0
-        self.shards: list[dict[str, Any]] = []  # records of completed shards
-        self.total_tokens = 0
+        self.shards: list[dict[str, Any]] = list(shards or [])  # records of completed shards
+        self.skip = int(skip)
+        self.on_full = on_full
 
     def write(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids)
-        if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:
+        if ids.dtype != self.dtype and ids.size and int(ids.max()) > np.iinfo(self.dtype).max:
             raise DataFormatError(f"token id {int(ids.max())} does not fit in {self.dtype.name} shards")
+        if self.skip:
+            k = min(self.skip, ids.size)
+            ids = ids[k:]
+            self.skip -= k
         pos = 0
         while pos < ids.size:
             take = min(self.shard_tokens - self.filled, ids.size - pos)
@@ -72,29 +79,29 @@ class ShardWriter:
             self.filled += take
             pos += take
             if self.filled == self.shard_tokens:
-                self._flush()
+                self.flush()
+                if self.on_full is not None:
+                    self.on_full(self)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the buffered tokens (if any) as the next shard."""
         if self.filled == 0:
             return
-        name = shard_name(self.split, self.index)
+        name = shard_name(self.split, len(self.shards))
         path = self.out_dir / name
-        data = self.buffer[: self.filled].astype(self.dtype.newbyteorder("<"), copy=False)
+        data = self.buffer[: self.filled]
         tmp = path.with_name(name + TMP_MARKER + str(os.getpid()))
         with open(tmp, "wb") as f:
             data.tofile(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # the final name only ever holds a complete shard
         fsync_dir(self.out_dir)
-        self.shards.append({"file": name, "tokens": int(self.filled),
-                            "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
-        self.total_tokens += int(self.filled)
-        self.index += 1
+        self.shards.append({"file": name, "tokens": int(self.filled), "sha256": hashlib.sha256(data).hexdigest()})
         self.filled = 0
 
     def close(self) -> list[dict[str, Any]]:
-        self._flush()
+        self.flush()
         return self.shards
 
 

@@ -301,11 +301,11 @@ _SLOW_CHILD = """
 import sys, time
 import gptlib.prepare as prep
 prep.BATCH_CHARS = 20_000
-flush = prep._SplitWriter.flush
+flush = prep.ShardWriter.flush
 def slow_flush(self):
     flush(self)
     time.sleep(0.15)
-prep._SplitWriter.flush = slow_flush
+prep.ShardWriter.flush = slow_flush
 prep.prepare([sys.argv[1]], sys.argv[2], tokenizer_file=sys.argv[3], shard_tokens=5000, verbose=False)
 """
 

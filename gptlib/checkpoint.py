@@ -143,13 +143,8 @@ def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Accept weights saved by other tools from compiled or DDP-wrapped models."""
     out = {}
     for k, v in sd.items():
-        changed = True
-        while changed:
-            changed = False
-            for p in _STRIP_PREFIXES:
-                if k.startswith(p):
-                    k = k[len(p):]
-                    changed = True
+        while k.startswith(_STRIP_PREFIXES):  # nested wrappers: "module._orig_mod.x"
+            k = k.partition(".")[2]
         out[k] = v
     return out
 
@@ -301,14 +296,23 @@ def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> Che
     return None
 
 
+def _safe_load(f: Path, map_location) -> Any:
+    """torch.load with weights_only=True: a pickle that would run code is refused (CheckpointError)."""
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{f}: cannot load safely ({type(e).__name__}: {first})") from None
+
+
 def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
     """-> (model state_dict, train_state, state). Safe: weights_only=True refuses pickled code."""
+    model_sd = _safe_load(path / "model.pt", map_location)
+    train_state = _safe_load(path / "train_state.pt", map_location)
     try:
-        model_sd = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
-        train_state = torch.load(path / "train_state.pt", map_location=map_location, weights_only=True)
         state = json.loads((path / "state.json").read_text())
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
-        raise CheckpointError(f"{path}: cannot load safely ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+        raise CheckpointError(f"{path / 'state.json'}: unreadable ({e})") from None
     if not isinstance(model_sd, dict) or not isinstance(train_state, dict) or not isinstance(state, dict):
         raise CheckpointError(f"{path}: model.pt / train_state.pt / state.json do not hold dicts")
     return clean_state_dict(model_sd), train_state, state
@@ -331,12 +335,7 @@ def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo
 
 def load_model_weights(path: Path, map_location="cpu") -> dict[str, torch.Tensor]:
     """Only the weights (for generation and export); accepts a checkpoint dir or a .pt file."""
-    f = path / "model.pt" if path.is_dir() else path
-    try:
-        sd = torch.load(f, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{f}: cannot load safely ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    return clean_state_dict(sd)
+    return clean_state_dict(_safe_load(path / "model.pt" if path.is_dir() else path, map_location))
 
 
 # --- deleting, rotating, cleaning ------------------------------------------------------------------

@@ -267,3 +267,10 @@ def test_writer_close_is_bounded_when_drive_hangs(tmp_path, monkeypatch, capsys)
     w._mirror_thread.join(5)
     err = capsys.readouterr().err
     assert "still running after 0.5 s" in err and "NOT on Drive" in err
+
+
+def test_load_model_weights_refuses_an_empty_file_clearly(tmp_path):
+    f = tmp_path / "model.pt"
+    f.write_bytes(b"")  # torch raises EOFError with an empty message here
+    with pytest.raises(CheckpointError, match=f"{f}: cannot load safely \\(EOFError"):
+        ck.load_model_weights(f)

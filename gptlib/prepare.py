@@ -491,8 +491,75 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     unfinished one; `out_dir` holding a different dataset is refused unless overwrite=True (which
     deletes only the files tokenize writes there).
     """
-    from tqdm.auto import tqdm
+    _check_options(val_fraction, split, on_bad_file, shard_tokens)
+    _register_error_handler()
+    t0 = time.time()
+    out_dir = Path(out_dir)
+    sources, empty, pre_skipped = _scan_inputs(inputs, out_dir, text_column, on_bad_file)
+    split = _choose_split(split, sources)
+    spec = {"sources": [[s.size, s.hash] for s in sources], "tokenizer": _tokenizer_spec(
+        tokenizer, tokenizer_file, vocab_size, train_max_bytes), "val_fraction": val_fraction, "split": split,
+        "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": on_bad_file}
 
+    finished, state = _previous_run(out_dir, spec, overwrite, verbose)
+    if finished is not None:
+        return finished
+    if state is None or not (out_dir / TOKENIZER_FILE).is_file():
+        state = None
+        _delete_our_files(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clean_temp_files(out_dir)
+
+    # The tokenizer is saved into out_dir before any shard, and reused on resume.
+    if state is not None:
+        tok = _resumed_tokenizer(out_dir, state)
+        progress = _resumed_progress(out_dir, state, dtype_for_vocab(tok.vocab_size), verbose)
+    else:
+        tok = _new_tokenizer(tokenizer, tokenizer_file, vocab_size, train_max_bytes, sources, text_column,
+                             pre_skipped, verbose)
+        tok.save(out_dir)
+        progress = {"resume": {"file": 0, "doc": 0, "byte": 0, "char": 0}, "emitted": {"train": 0, "val": 0},
+                    "stats": {"documents": 0, "characters": 0, "bytes": 0.0, "empty_documents": 0,
+                              "replaced_invalid_utf8": 0, "skipped_files": list(pre_skipped)},
+                    "shards": {"train": [], "val": []}}
+    identity = dict(tok.identity(), file=TOKENIZER_FILE)
+    writers = _encode_corpus(out_dir, spec, tok, identity, sources, progress, split, val_fraction, text_column,
+                             on_bad_file, shard_tokens, verbose)
+
+    stats, emitted, skipped = progress["stats"], progress["emitted"], progress["stats"]["skipped_files"]
+    if emitted["train"] == 0:
+        why = "".join(f"; skipped {s['path']}: {s['error']}" for s in skipped[:3])
+        raise PrepareError(f"the corpus produced no training tokens ({stats['documents']} documents); "
+                           f"check the inputs and the text column{why}")
+    if emitted["val"] == 0:
+        raise PrepareError(
+            f"no document fell into the validation split ({stats['documents']:,} documents, "
+            f"val_fraction={val_fraction}); use more documents, a larger val_fraction, or split='tail'")
+    for w in writers.values():
+        w.flush()
+    elapsed = time.time() - t0
+    write_meta(out_dir, vocab_size=tok.vocab_size, tokenizer=identity,
+               splits={s: w.shards for s, w in writers.items()}, sources=[s.record() for s in sources],
+               extra={"documents": stats["documents"], "characters": stats["characters"],
+                      "empty_documents": stats["empty_documents"], "empty_files": empty,
+                      "replaced_invalid_utf8": stats["replaced_invalid_utf8"], "skipped_files": skipped,
+                      "split": split, "val_fraction": val_fraction, "text_column": text_column,
+                      "eot_id": tok.eot_id, "shard_tokens": int(shard_tokens), "prepare_spec": spec,
+                      "elapsed_s": round(elapsed, 3)})
+    (out_dir / STATE_FILE).unlink()
+    meta = read_meta(out_dir)
+    if verbose:
+        n = meta.tokens("train") + meta.tokens("val")
+        print(f"tokenized {len(sources)} file(s), {stats['documents']:,} documents, {stats['characters']:,} "
+              f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
+              f"({stats['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
+              f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
+              f"{elapsed:.1f}s -> {out_dir}")
+        report_problems(meta.raw)
+    return meta
+
+
+def _check_options(val_fraction: float, split: str, on_bad_file: str, shard_tokens: int) -> None:
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
     if split not in ("auto", "document", "tail"):
@@ -501,23 +568,26 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         raise PrepareError(f"on_bad_file={on_bad_file!r}: choose 'skip' or 'error'")
     if int(shard_tokens) < 1:
         raise PrepareError(f"shard_tokens={shard_tokens} must be >= 1")
-    _register_error_handler()
-    t0 = time.time()
-    out_dir = Path(out_dir)
+
+
+def _scan_inputs(inputs, out_dir: Path, text_column: str | None,
+                 on_bad_file: str) -> tuple[list[Source], list[str], list[dict]]:
+    """The input files as Sources (hashed), the empty ones, and the unopenable parquet files (skipped).
+    Fails fast on a missing column/field, before training a tokenizer for an hour."""
     files = resolve_inputs(inputs, exclude=out_dir)
     compressed = [f for f in files if f.name.lower().endswith(COMPRESSED_EXT)]
     if compressed:
         raise PrepareError(f"input file {compressed[0]} is compressed; decompress it first (tokenize reads .txt, "
                            f".jsonl and .parquet; parquet's own compression is fine)")
-    sources = [Source(f, source_kind(f), f.stat().st_size, "") for f in files]
-    for s in sources:
-        s.hash = file_hash(s.path, s.size)
+    sources = []
+    for f in files:
+        size = f.stat().st_size
+        sources.append(Source(f, source_kind(f), size, file_hash(f, size)))
     empty = [str(s.path) for s in sources if s.size == 0]
     if len(empty) == len(sources):
         more = f" (and so are the other {len(empty) - 1})" if len(empty) > 1 else ""
         raise PrepareError(f"nothing to tokenize: input file {empty[0]} is empty{more}")
-    # Fail fast on a missing column/field (before training a tokenizer for an hour).
-    pre_skipped: list[dict] = []
+    skipped: list[dict] = []
     for s in sources:
         if s.kind == "jsonl" and s.size:
             _check_jsonl_field(s.path, text_column or DEFAULT_TEXT_COLUMN)
@@ -527,118 +597,131 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
             except Exception as e:  # truncated/corrupt: no footer
                 if on_bad_file == "error":
                     raise PrepareError(f"parquet file {s.path} cannot be opened: {e}") from None
-                pre_skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
+                skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
                 continue
             _parquet_column(pf, s.path, text_column)
+    return sources, empty, skipped
+
+
+def _choose_split(split: str, sources: list[Source]) -> str:
     if split == "auto":
         split = "tail" if all(s.kind == "text" for s in sources) and len(sources) < TAIL_SPLIT_MAX_FILES else "document"
     if split == "tail" and any(s.kind != "text" for s in sources):
         raise PrepareError("split='tail' works on plain text files only; jsonl/parquet documents are split "
                            "per document (split='document')")
+    return split
 
-    spec = {"sources": [[s.size, s.hash] for s in sources], "tokenizer": _tokenizer_spec(
-        tokenizer, tokenizer_file, vocab_size, train_max_bytes), "val_fraction": val_fraction, "split": split,
-        "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": on_bad_file}
 
-    # --- what is already in out_dir: the same dataset (done or unfinished), or another one
-    state = None
+def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> tuple[DatasetMeta | None, dict | None]:
+    """What out_dir already holds: (the finished dataset of this spec, None), (None, the state of an
+    unfinished run of this spec), or (None, None) for nothing of ours / another dataset with overwrite."""
     meta_path, state_path = out_dir / META_FILE, out_dir / STATE_FILE
     if meta_path.is_file():
         try:
             old = json.loads(meta_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             old = {}
-        if old.get("prepare_spec") == spec and not state_path.is_file():
-            if verbose:
+        if old.get("prepare_spec") == spec:
+            if state_path.is_file():  # killed between meta.json and removing the state file
+                state_path.unlink()
+            elif verbose:
                 print(f"{out_dir} already holds this dataset; reusing it")
-            return read_meta(out_dir)
-        if old.get("prepare_spec") == spec:  # killed between meta.json and removing the state file
-            state_path.unlink()
-            return read_meta(out_dir)
+            return read_meta(out_dir), None
         if not overwrite:
             raise PrepareError(
                 f"{out_dir} already holds a different dataset (sources "
                 f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
                 f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
                 f"choose another output directory or pass --overwrite / overwrite=True")
-    elif state_path.is_file():
-        try:
-            state = json.loads(state_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            state = None  # a state file is written atomically; an unreadable one is not ours to trust
-        if state is not None and state.get("spec") != spec:
-            if not overwrite:
-                raise PrepareError(
-                    f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
-                    f"command as before to finish it, choose another output directory, or pass --overwrite")
-            state = None
+        return None, None
+    if not state_path.is_file():
+        return None, None
+    try:
+        state = json.loads(state_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, None  # a state file is written atomically; an unreadable one is not ours to trust
+    if state.get("spec") != spec:
+        if not overwrite:
+            raise PrepareError(
+                f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
+                f"command as before to finish it, choose another output directory, or pass --overwrite")
+        return None, None
+    return None, state
+
+
+def _delete_our_files(out_dir: Path) -> None:
+    """An older dataset (overwrite) or leftovers of a run that never began. meta.json goes first:
+    a kill half-way through never leaves a meta.json naming deleted shards."""
+    for p in sorted(_our_files(out_dir), key=lambda p: p.name != META_FILE):
+        p.unlink()
+
+
+def _resumed_tokenizer(out_dir: Path, state: dict) -> Tokenizer:
     tok_path = out_dir / TOKENIZER_FILE
-    if state is None or not tok_path.is_file():
-        state = None
-        # An older dataset (overwrite) or leftovers of a run that never began. meta.json goes
-        # first: a kill half-way through never leaves a meta.json naming deleted shards.
-        for p in sorted(_our_files(out_dir), key=lambda p: p.name != META_FILE):
+    tok = load_tokenizer(tok_path)
+    if tok.identity()["hash"] != state["tokenizer"]["hash"]:
+        raise PrepareError(f"{tok_path} differs from the tokenizer of the unfinished run in {out_dir}; "
+                           f"pass --overwrite to start again")
+    return tok
+
+
+def _new_tokenizer(tokenizer, tokenizer_file, vocab_size: int, train_max_bytes: int | None, sources: list[Source],
+                   text_column: str | None, skipped: list, verbose: bool) -> Tokenizer:
+    if tokenizer_file is not None:
+        return load_tokenizer(tokenizer_file)
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if tokenizer == "char":
+        chars: set[str] = set()
+        for text in _train_texts(sources, text_column, None, skipped):
+            chars.update(text)
+        if not chars:
+            raise PrepareError("the corpus has no text to build a char vocabulary from")
+        return CharTokenizer.from_chars(chars)
+    t_tok = time.time()
+    if verbose:
+        lim = "all of it" if train_max_bytes is None else f"up to {train_max_bytes / 1e6:,.0f} MB"
+        print(f"training a {vocab_size:,}-id byte-level BPE on {lim} ...")
+    tok = BPETokenizer.train(_train_texts(sources, text_column, train_max_bytes, skipped),
+                             vocab_size=vocab_size, show_progress=False)
+    if verbose:
+        print(f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {time.time() - t_tok:.1f}s")
+    return tok
+
+
+def _resumed_progress(out_dir: Path, state: dict, dtype: np.dtype, verbose: bool) -> dict:
+    """The unfinished run's position, counts and completed shards, after checking the shards on disk.
+    Shards written after the last state save are redone (identically): they are deleted."""
+    shards = state["shards"]
+    listed = {s["file"] for v in shards.values() for s in v}
+    for p in _our_files(out_dir):
+        if p.suffix == ".bin" and p.name not in listed:
             p.unlink()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clean_temp_files(out_dir)
+    for v in shards.values():
+        for s in v:
+            p = out_dir / s["file"]
+            if not p.is_file() or p.stat().st_size != s["tokens"] * dtype.itemsize:
+                raise PrepareError(f"shard {p} of the unfinished run is missing or damaged; pass --overwrite "
+                                   f"to start again")
+    if verbose:
+        print(f"resuming the unfinished run in {out_dir}: {len(shards['train'])} train / "
+              f"{len(shards['val'])} val shards done")
+    return {k: state[k] for k in ("resume", "emitted", "stats", "shards")}
 
-    # --- the tokenizer: saved into out_dir before any shard, reused on resume
-    if state is not None:
-        tok = load_tokenizer(tok_path)
-        if tok.identity()["hash"] != state["tokenizer"]["hash"]:
-            raise PrepareError(f"{tok_path} differs from the tokenizer of the unfinished run in {out_dir}; "
-                               f"pass --overwrite to start again")
-    else:
-        t_tok = time.time()
-        if tokenizer_file is not None:
-            tok = load_tokenizer(tokenizer_file)
-        elif isinstance(tokenizer, Tokenizer):
-            tok = tokenizer
-        elif tokenizer == "char":
-            chars: set[str] = set()
-            for text in _train_texts(sources, text_column, None, pre_skipped):
-                chars.update(text)
-            if not chars:
-                raise PrepareError("the corpus has no text to build a char vocabulary from")
-            tok = CharTokenizer.from_chars(chars)
-        else:
-            if verbose:
-                lim = "all of it" if train_max_bytes is None else f"up to {train_max_bytes / 1e6:,.0f} MB"
-                print(f"training a {vocab_size:,}-id byte-level BPE on {lim} ...")
-            tok = BPETokenizer.train(_train_texts(sources, text_column, train_max_bytes, pre_skipped),
-                                     vocab_size=vocab_size, show_progress=False)
-        if verbose and not isinstance(tokenizer, Tokenizer) and tokenizer_file is None and tokenizer != "char":
-            print(f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {time.time() - t_tok:.1f}s")
-        tok.save(out_dir)
 
+def _encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
+                   progress: dict, split_mode: str, val_fraction: float, text_column: str | None,
+                   on_bad_file: str, shard_tokens: int, verbose: bool) -> dict[str, ShardWriter]:
+    """The pass over the corpus from progress["resume"] on: pieces -> encode batches -> split writers,
+    with the state saved at every full shard. Updates progress["emitted"] and progress["stats"];
+    returns the writers (their last shards not yet flushed)."""
+    from tqdm.auto import tqdm
+
+    emitted, stats, shards = progress["emitted"], progress["stats"], progress["shards"]
+    state_path = out_dir / STATE_FILE
     dtype = dtype_for_vocab(tok.vocab_size)
-    identity = dict(tok.identity(), file=TOKENIZER_FILE)
-    start = {"file": 0, "doc": 0, "byte": 0, "char": 0}
-    emitted = {"train": 0, "val": 0}
-    stats = {"documents": 0, "characters": 0, "bytes": 0.0, "empty_documents": 0,
-             "replaced_invalid_utf8": 0, "skipped_files": list(pre_skipped)}
-    shards: dict[str, list] = {"train": [], "val": []}
-    if state is not None:
-        start, emitted, stats, shards = state["resume"], state["emitted"], state["stats"], state["shards"]
-        # Shards written after the last state save are redone (identically): drop them.
-        listed = {s["file"] for v in shards.values() for s in v}
-        for p in _our_files(out_dir):
-            if p.suffix == ".bin" and p.name not in listed:
-                p.unlink()
-        for v in shards.values():
-            for s in v:
-                p = out_dir / s["file"]
-                if not p.is_file() or p.stat().st_size != s["tokens"] * dtype.itemsize:
-                    raise PrepareError(f"shard {p} of the unfinished run is missing or damaged; pass --overwrite "
-                                       f"to start again")
-        if verbose:
-            print(f"resuming the unfinished run in {out_dir}: {len(shards['train'])} train / "
-                  f"{len(shards['val'])} val shards done")
-    # skip: tokens between the resume position and the end of the last completed shard.
-    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, shards[s],
-                               skip=sum(x["tokens"] for x in shards[s]) - emitted[s]) for s in ("train", "val")}
     _replaced[0] = int(stats["replaced_invalid_utf8"])
-    batch_start = {"pos": dict(start), "emitted": dict(emitted), "stats": json.loads(json.dumps(stats))}
+    batch_start = {"pos": dict(progress["resume"]), "emitted": dict(emitted), "stats": json.loads(json.dumps(stats))}
 
     def save_state() -> None:
         atomic_write_json(state_path, {"spec": spec, "tokenizer": identity, "resume": batch_start["pos"],
@@ -653,35 +736,28 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
                 other.flush()
         save_state()
 
-    for w in writers.values():
-        w.on_full = on_full
+    # skip: tokens between the resume position and the end of the last completed shard.
+    writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, shards[s], on_full=on_full,
+                              skip=sum(x["tokens"] for x in shards[s]) - emitted[s]) for s in ("train", "val")}
     save_state()  # marks out_dir as this run's, before the first shard
 
     eot = tok.eot_id
     is_bpe = isinstance(tok, BPETokenizer)
-    skipped = stats["skipped_files"]
     threshold = int(val_fraction * 2**64)
-    val_cache: dict[tuple[int, int], bool] = {}
+    last_doc: list = [None, "train"]  # (file, doc) -> split of the last document: a long one comes in many pieces
 
     def doc_split(fi: int, doc: int) -> str:
-        key = (fi, doc)
-        v = val_cache.get(key)
-        if v is None:
+        if last_doc[0] != (fi, doc):
             h = hashlib.blake2b(f"{sources[fi].key}:{doc}".encode(), digest_size=8).digest()
-            v = int.from_bytes(h, "little") < threshold
-            val_cache.clear()
-            val_cache[key] = v
-        return "val" if v else "train"
+            last_doc[:] = [(fi, doc), "val" if int.from_bytes(h, "little") < threshold else "train"]
+        return last_doc[1]
 
-    total_bytes = sum(s.size for s in sources)
-    bar = tqdm(total=total_bytes, initial=int(stats["bytes"]), unit="B", unit_scale=True, unit_divisor=1000,
-               desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
+    bar = tqdm(total=sum(s.size for s in sources), initial=int(stats["bytes"]), unit="B", unit_scale=True,
+               unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
     t_run = time.time()
     tokens_run = 0
-    pieces: list[Piece] = []
-    n_chars = 0
 
-    def run_batch() -> None:
+    def run_batch(pieces: list[Piece]) -> None:
         nonlocal tokens_run
         texts = [p.text for p in pieces]
         ids = tok.encode_batch_ids(texts) if is_bpe else tok.encode_batch(texts)
@@ -713,49 +789,22 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         batch_start["pos"] = dict(pieces[-1].pos)
         batch_start["emitted"] = dict(emitted)
         batch_start["stats"] = json.loads(json.dumps(stats))
-        pieces.clear()
 
-    for piece in _iter_corpus(sources, start, skipped, split, val_fraction, text_column, on_bad_file):
+    # A parquet file skipped mid-way is appended to stats["skipped_files"]; its earlier rows stay
+    # (deterministic on resume).
+    pieces: list[Piece] = []
+    n_chars = 0
+    for piece in _iter_corpus(sources, progress["resume"], stats["skipped_files"], split_mode, val_fraction,
+                              text_column, on_bad_file):
         pieces.append(piece)
         n_chars += len(piece.text)
         if n_chars >= BATCH_CHARS:
-            run_batch()
-            n_chars = 0
+            run_batch(pieces)
+            pieces, n_chars = [], 0
     if pieces:
-        run_batch()
+        run_batch(pieces)
     bar.close()
-    # A parquet file skipped mid-way: its earlier rows stay (deterministic on resume).
-    stats["skipped_files"] = skipped
-    if emitted["train"] == 0:
-        why = "".join(f"; skipped {s['path']}: {s['error']}" for s in skipped[:3])
-        raise PrepareError(f"the corpus produced no training tokens ({stats['documents']} documents); "
-                           f"check the inputs and the text column{why}")
-    if emitted["val"] == 0:
-        raise PrepareError(
-            f"no document fell into the validation split ({stats['documents']:,} documents, "
-            f"val_fraction={val_fraction}); use more documents, a larger val_fraction, or split='tail'")
-    for w in writers.values():
-        w.flush()
-    elapsed = time.time() - t0
-    write_meta(out_dir, vocab_size=tok.vocab_size, tokenizer=identity,
-               splits={s: w.shards for s, w in writers.items()}, sources=[s.record() for s in sources],
-               extra={"documents": stats["documents"], "characters": stats["characters"],
-                      "empty_documents": stats["empty_documents"], "empty_files": empty,
-                      "replaced_invalid_utf8": stats["replaced_invalid_utf8"], "skipped_files": skipped,
-                      "split": split, "val_fraction": val_fraction, "text_column": text_column,
-                      "eot_id": eot, "shard_tokens": int(shard_tokens), "prepare_spec": spec,
-                      "elapsed_s": round(elapsed, 3)})
-    state_path.unlink()
-    meta = read_meta(out_dir)
-    if verbose:
-        n = meta.tokens("train") + meta.tokens("val")
-        print(f"tokenized {len(sources)} file(s), {stats['documents']:,} documents, {stats['characters']:,} "
-              f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
-              f"({stats['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
-              f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
-              f"{elapsed:.1f}s -> {out_dir}")
-        report_problems(meta.raw)
-    return meta
+    return writers
 
 
 def report_problems(m: dict) -> None:

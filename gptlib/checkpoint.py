@@ -433,30 +433,6 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
 # --- copying to the mirror (Drive) ----------------------------------------------------------------
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout: float) -> Any:
-    """Run fn in a daemon thread; MirrorStalled if it has not returned after `timeout` seconds.
-
-    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned: it is left to finish
-    (or not) on its own, and only ever touches temp names.
-    """
-    box: dict[str, Any] = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise MirrorStalled(errno.ETIMEDOUT, f"no answer after {timeout:.0f} s (Drive hung?)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
 class _Cancelled(Exception):
     pass
 
@@ -472,6 +448,36 @@ class _Progress:
         if self.cancel.is_set():
             raise _Cancelled()
         self.t = time.monotonic()
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout: float, progress: _Progress | None = None) -> Any:
+    """Run fn in a daemon thread; MirrorStalled once it has gone `timeout` seconds without returning
+    (or, given `progress`, without a progress.tick(); fn is then asked to stop at its next tick).
+
+    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned: it is left to finish
+    (or not) on its own, and only ever touches temp names.
+    """
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    progress = progress or _Progress()
+    t = threading.Thread(target=run, daemon=True, name="gptlib-drive-io")
+    t.start()
+    while True:
+        t.join(max(0.0, progress.t + timeout - time.monotonic()))
+        if not t.is_alive():
+            break
+        if time.monotonic() - progress.t >= timeout:
+            progress.cancel.set()
+            raise MirrorStalled(errno.ETIMEDOUT, f"Drive made no progress for {timeout:g} s (hung mount?)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: str | None = None,
@@ -747,10 +753,9 @@ class CheckpointWriter:
                 delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
                 _loud(f"!! Drive copy of {ckpt_name(step)} failed (attempt {attempt}/{attempts}): {self.mirror_error}; "
                       f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})")
-                with self._cv:
-                    # A newer checkpoint arriving meanwhile replaces this one: copy only the newest.
-                    self._cv.wait_for(lambda: self._pending is not None, timeout=delay)
-                    if self._pending is not None and _step_of(self._pending[0]) > step:
+                with self._cv:  # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
+                    if self._cv.wait_for(lambda: self._pending is not None and _step_of(self._pending[0]) > step,
+                                         timeout=delay):
                         return
 
     def _mirror_attempt(self, path: Path, best_step: int | None) -> None:
@@ -764,26 +769,7 @@ class CheckpointWriter:
             for name in RUN_FILES:
                 _copy_run_file(self.run_dir / name, self.mirror_dir, sizes.get(name), progress)
 
-        box: dict[str, Any] = {}
-
-        def run():
-            try:
-                attempt()
-            except BaseException as e:  # noqa: BLE001
-                box["error"] = e
-
-        t = threading.Thread(target=run, daemon=True, name="gptlib-mirror-copy")
-        t.start()
-        while True:
-            t.join(0.1)
-            if not t.is_alive():
-                break
-            if time.monotonic() - progress.t > MIRROR_STALL_TIMEOUT_S:
-                progress.cancel.set()  # the copy stops at its next chunk; a thread stuck in FUSE is abandoned
-                raise MirrorStalled(errno.ETIMEDOUT, f"Drive made no progress for {MIRROR_STALL_TIMEOUT_S:g} s "
-                                                     f"while copying {path.name} (hung mount?)")
-        if "error" in box:
-            raise box["error"]
+        call_with_timeout(attempt, MIRROR_STALL_TIMEOUT_S, progress)
 
     def status(self) -> dict:
         """For the loop to show: newest local and mirror steps, and the last mirror error (None if fine)."""

@@ -274,3 +274,24 @@ def test_load_model_weights_refuses_an_empty_file_clearly(tmp_path):
     f.write_bytes(b"")  # torch raises EOFError with an empty message here
     with pytest.raises(CheckpointError, match=f"{f}: cannot load safely \\(EOFError"):
         ck.load_model_weights(f)
+
+
+def test_mirror_backoff_is_not_cut_short_by_a_same_step_resave(tmp_path, monkeypatch):
+    """Only a newer checkpoint ends a retry wait; a re-save of the same step once made the retries go at once."""
+    monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", (0.2, 0.2))
+    times = []
+
+    def broken(*a, **k):
+        times.append(time.monotonic())
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(ck, "copy_file_verified", broken)
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(5, sd(), {}, {"step": 5}, None)
+    deadline = time.monotonic() + 5
+    while not times and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.save(5, sd(2.0), {}, {"step": 5}, None)  # the same step again (e.g. resumed, then stopped at once)
+    w.close()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(times) == 6 and gaps[0] >= 0.15 and gaps[1] >= 0.15, gaps

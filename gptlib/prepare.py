@@ -284,6 +284,21 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
             yield Piece(text, 0, off >= src.size, split, {"file": fi, "doc": 0, "byte": off, "char": 0}, k)
 
 
+def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, byte_after: int,
+                     nbytes: float) -> Iterator[Piece]:
+    """One document of a jsonl/parquet file (a line, a row) as pieces from character `char` on.
+    A resume inside it restarts at (byte, char), after it at byte_after; nbytes is its input size.
+    An empty document (blank line, null or "") is one empty piece, so that it is counted."""
+    if not text:
+        yield Piece("", doc, True, None, {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}, nbytes)
+        return
+    for piece, end in split_text(text, char):
+        done = end >= len(text)
+        nxt = ({"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0} if done
+               else {"file": fi, "doc": doc, "byte": byte, "char": end})
+        yield Piece(piece, doc, done, None, nxt, nbytes * len(piece) / len(text))
+
+
 def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str) -> Iterator[Piece]:
     doc = int(pos["doc"]) if pos else 0
     byte = int(pos["byte"]) if pos else 0
@@ -294,15 +309,7 @@ def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str) -> Itera
             start = byte
             byte += len(line)
             text = _jsonl_text(line, src.path, doc + 1, field) if line.strip() else None
-            if not text:  # blank line, null or "" -> nothing to encode; an empty piece counts it
-                yield Piece("", doc, True, None, {"file": fi, "doc": doc + 1, "byte": byte, "char": 0}, len(line))
-            else:
-                per_char = len(line) / len(text)
-                for piece, end in split_text(text, char):
-                    done = end >= len(text)
-                    nxt = ({"file": fi, "doc": doc + 1, "byte": byte, "char": 0} if done
-                           else {"file": fi, "doc": doc, "byte": start, "char": end})
-                    yield Piece(piece, doc, done, None, nxt, len(piece) * per_char)
+            yield from _document_pieces(text, fi, doc, char, start, byte, len(line))
             doc += 1
             char = 0
 
@@ -347,14 +354,7 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None
                 for v in values:
                     if isinstance(v, bytes):
                         v = v.decode("utf-8", _ERRORS)
-                    if not v:
-                        yield Piece("", row, True, None, {"file": fi, "doc": row + 1, "byte": 0, "char": 0}, per_row)
-                    else:
-                        for piece, end in split_text(v, char):
-                            done = end >= len(v)
-                            nxt = {"file": fi, "doc": row + 1 if done else row, "byte": 0,
-                                   "char": 0 if done else end}
-                            yield Piece(piece, row, done, None, nxt, per_row * len(piece) / len(v))
+                    yield from _document_pieces(v, fi, row, char, 0, 0, per_row)
                     row += 1
                     char = 0
         except (OSError, pa.ArrowException) as e:

@@ -543,18 +543,15 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: _Progress | Non
     return final
 
 
-def _copy_run_file(src: Path, dst_dir: Path, nbytes: int | None, progress: _Progress | None) -> None:
-    """One run-level file to the mirror via a temp name (fsutil's marker, so orphans get cleaned)."""
+def _copy_run_file(src: Path, dst_dir: Path, nbytes: int | None, progress: _Progress) -> None:
+    """The first `nbytes` (None: all) of a run-level file to the mirror, atomically (fsutil's temp
+    marker, so a copy killed mid-way is cleaned up as an orphan)."""
     if not src.is_file():
         return
-    tmp = dst_dir / f"{src.name}{TMP_MARKER}{uuid.uuid4().hex[:8]}"
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        fo.write(fi.read() if nbytes is None else fi.read(nbytes))
-        fo.flush()
-        os.fsync(fo.fileno())
-    if progress is not None:
-        progress.tick()
-    os.replace(tmp, dst_dir / src.name)
+    with open(src, "rb") as f:
+        data = f.read(nbytes)
+    atomic_write(dst_dir / src.name, lambda f: f.write(data))
+    progress.tick()
 
 
 # --- the writer ----------------------------------------------------------------------------------

@@ -142,7 +142,6 @@ def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log
         a, b = getattr(saved.train, name), getattr(asked.train, name)
         if a != b:
             log(f"resume: {name} changed {a!r} -> {b!r}")
-    asked.model.dropout = saved.model.dropout if asked.model.dropout == saved.model.dropout else asked.model.dropout
     return asked
 
 
@@ -297,7 +296,6 @@ def train(
     cfg = build_config(preset, overrides, max_steps=max_steps, max_minutes=max_minutes, seed=seed,
                        device=device, compile=compile)
 
-    meta, splits = None, None
     ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, (lambda *a, **k: None), None
@@ -444,6 +442,7 @@ def train(
 
     model.train()
     t_start = time.time()
+    tokens_at_start = tokens_seen  # tokens/s of this call: tokens_per_step may differ from the resumed run's
     t_last_log, tokens_at_last_log = t_start, tokens_seen
     last_save_time = t_start
     pending_losses: list[torch.Tensor] = [torch.tensor(v, device=dev) for v in
@@ -569,7 +568,7 @@ def train(
         free_memory()
         raise MicroBatchOOM(oom_hint)
     elapsed = time.time() - t_start
-    done_tokens = tokens_seen - (resumed_from or 0) * tokens_per_step
     return TrainResult(run_dir=run_dir, step=step, tokens_seen=tokens_seen, train_loss=train_loss, val_loss=val_loss,
-                       best_val_loss=best_val, elapsed_s=elapsed, tokens_per_s=done_tokens / max(elapsed, 1e-9),
+                       best_val_loss=best_val, elapsed_s=elapsed,
+                       tokens_per_s=(tokens_seen - tokens_at_start) / max(elapsed, 1e-9),
                        resumed_from=resumed_from, stopped_by=stopped_by, history=history)

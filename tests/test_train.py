@@ -44,6 +44,14 @@ def test_rerunning_a_finished_run_is_a_noop(tmp_path, char_data):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
+def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_data):
+    """Resuming with another batch size: tokens/s covers the tokens this call trained on, at the new size."""
+    first = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    r = train(char_data, tmp_path / "run", "phase1", TINY + ["batch_size=4"], max_steps=14, progress=False, log=quiet)
+    assert r.resumed_from == 10 and r.tokens_seen == first.tokens_seen + 4 * 4 * 32
+    assert r.tokens_per_s * r.elapsed_s == pytest.approx(4 * 4 * 32)
+
+
 class StopAt(Exception):
     pass
 

@@ -347,10 +347,11 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None
         end_row = first + meta.row_group(g).num_rows
         try:
             for batch in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[col], use_threads=False):
-                values = batch.column(0).to_pylist()
-                if skip:
-                    values = values[skip:]
-                    skip = 0
+                if skip >= batch.num_rows:  # rows a resumed run has done already may span several batches
+                    skip -= batch.num_rows
+                    continue
+                values = batch.column(0).to_pylist()[skip:]
+                skip = 0
                 for v in values:
                     if isinstance(v, bytes):
                         v = v.decode("utf-8", _ERRORS)

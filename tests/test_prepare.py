@@ -96,6 +96,17 @@ def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):
     assert meta.tokenizer["hash"] == hashlib.sha256(bpe_file.read_bytes()).hexdigest()  # reused as-is
 
 
+def test_parquet_restart_deep_inside_a_big_row_group(tmp_path):
+    # A resume position 2,500 rows into one 3,000-row group: the rows before it span several
+    # read batches of 1,024 rows, and every one of them must be skipped.
+    docs = [f"document number {i}" for i in range(3000)]
+    src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=3000)
+    s = prep.Source(src, "parquet", src.stat().st_size, prep.file_hash(src, src.stat().st_size))
+    pieces = list(prep.iter_parquet_file(s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, None))
+    assert [p.doc for p in pieces] == list(range(2500, 3000))
+    assert [p.text for p in pieces] == docs[2500:]
+
+
 def test_split_is_deterministic_and_by_document(tmp_path, docs, bpe_file):
     a = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "o1", tokenizer_file=bpe_file, verbose=False)
     b = prepare([write_jsonl(tmp_path / "b.jsonl", docs)], tmp_path / "o2", tokenizer_file=bpe_file, verbose=False)

@@ -206,17 +206,19 @@ def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
     tok_file = data_dir / tokenizer.get("file", "tokenizer.json")
     if not tok_file.is_file():
         raise DataFormatError(f"tokenizer file {tok_file} named in {meta_path} does not exist")
-    if tokenizer.get("hash") and hashlib.sha256(tok_file.read_bytes()).hexdigest() != tokenizer["hash"]:
-        raise DataFormatError(
-            f"{tok_file}: sha256 {hashlib.sha256(tok_file.read_bytes()).hexdigest()[:16]}... differs from "
-            f"meta.json tokenizer.hash {tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing"
-        )
+    if tokenizer.get("hash"):
+        got = sha256_file(tok_file)
+        if got != tokenizer["hash"]:
+            raise DataFormatError(
+                f"{tok_file}: sha256 {got[:16]}... differs from meta.json tokenizer.hash "
+                f"{tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing"
+            )
     return DatasetMeta(data_dir=data_dir, vocab_size=vocab_size, dtype=expected_dtype, tokenizer=tokenizer,
                        splits=splits, raw=m)
 
 
 def load_split(meta: DatasetMeta, split: str) -> np.ndarray:
-    """All tokens of a split as one read-only memmap'd or in-RAM array (small data)."""
+    """All tokens of a split as one in-RAM array (for small data and tests; training reads shards itself)."""
     paths = meta.shard_paths(split)
     if len(paths) == 1:
         return np.fromfile(paths[0], dtype=meta.dtype.newbyteorder("<"))

@@ -208,7 +208,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"tokenizer file {path} is not valid JSON: {e}") from None
     if isinstance(obj, dict) and obj.get("kind") == "char":
-        return CharTokenizer(list(obj["chars"]), unknown=obj.get("unknown", "error"))
+        if not isinstance(obj.get("chars"), str):
+            raise TokenizerError(f"tokenizer file {path}: field 'chars' of a char tokenizer is missing or not a string")
+        try:
+            return CharTokenizer(list(obj["chars"]), unknown=obj.get("unknown", "error"))
+        except TokenizerError as e:
+            raise TokenizerError(f"tokenizer file {path}: {e}") from None
     if isinstance(obj, dict) and "model" in obj:  # a Hugging Face tokenizers file
         return BPETokenizer.from_json_bytes(raw, where=str(path))
     raise TokenizerError(f"tokenizer file {path}: neither a gptlib char tokenizer nor a tokenizers BPE file")

@@ -93,3 +93,13 @@ def test_bpe_bad_inputs(tmp_path):
     bad.write_text("not json")
     with pytest.raises(TokenizerError, match="not valid JSON"):
         load_tokenizer(bad)
+
+
+def test_bad_char_tokenizer_file_names_the_file(tmp_path):
+    f = tmp_path / "tokenizer.json"
+    f.write_text('{"kind": "char"}')
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: field 'chars' of a char tokenizer is missing"):
+        load_tokenizer(f)
+    f.write_text('{"kind": "char", "chars": "aba"}')
+    with pytest.raises(TokenizerError, match=r"tokenizer.json: char vocabulary must be distinct"):
+        load_tokenizer(f)

@@ -591,7 +591,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     from .config import get_preset
     from .data import BatchSampler, SplitData, _as_signed_view, load_dataset, make_sampler
     from .model import GPT
-    from .train import resolve_device, resolve_dtype
+    from .train import optimizer_step, resolve_device, resolve_dtype
 
     cfg = get_preset(preset).apply_overrides(overrides or [])
     dev = resolve_device(device if device != "auto" else cfg.train.device)
@@ -638,12 +638,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
                 _, loss = fwd(x, y)
             scaler.scale(loss / accum).backward()
             timer.mark("fwd_bwd")
-        if tc.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(model, optimizer, scaler, tc.grad_clip)  # as train() does
         timer.mark("optim")
 
     t0 = time.perf_counter()

@@ -88,6 +88,16 @@ def lr_at(step: int, cfg) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
 
 
+def optimizer_step(model, optimizer, scaler, grad_clip: float) -> None:
+    """One optimizer step after backward: clip (fp16 grads unscaled first), step, update the loss scale, drop grads."""
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
 # --- RNG state ------------------------------------------------------------------------------
 
 
@@ -473,12 +483,7 @@ def train(
                     scaler.scale(loss).backward()
                 timer.mark("fwd_bwd")
             fault_point("mid_step", step + 1)  # tests only (GPTLIB_FAULT); a no-op otherwise
-            if tc.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(model, optimizer, scaler, tc.grad_clip)
             timer.mark("optim")
             step += 1
             step_begin = None  # the step finished: an interrupt from here on saves the current state

@@ -123,7 +123,8 @@ def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
 class BatchSampler:
     """Random (x, y) batches from one preloaded split, reproducible from a seed and resumable from its state."""
 
-    def __init__(self, data: SplitData, batch_size: int, block_size: int, seed: int, device: str | torch.device):
+    def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
+                 device: str | torch.device):
         if len(data) < block_size + 1:
             raise _too_small(data.name, len(data), block_size)
         self.data = data
@@ -134,13 +135,17 @@ class BatchSampler:
         self.generator.manual_seed(seed)
         self.batches_drawn = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
-        high = len(self.data) - self.block_size  # last valid start so that start + T + 1 <= N
+    def _batch_from(self, tokens: SplitData) -> tuple[torch.Tensor, torch.Tensor]:
+        """One randint for the B start offsets, one gather of B x (T+1) tokens, one copy to the device."""
+        high = len(tokens) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        chunk = _to_ids(_move(self.data.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
+        chunk = _to_ids(_move(tokens.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
         self.batches_drawn += 1
         return chunk[:, :-1], chunk[:, 1:]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
+        return self._batch_from(self.data)
 
     def state_dict(self) -> dict:
         return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn}
@@ -150,7 +155,7 @@ class BatchSampler:
         self.batches_drawn = int(state["batches_drawn"])
 
 
-class ChunkedSampler:
+class ChunkedSampler(BatchSampler):
     """Random (x, y) batches from a split on disk, reading one large contiguous chunk at a time.
 
     A chunk of `chunk_tokens` tokens starts at a random offset; `batches_per_chunk` batches (by default
@@ -161,17 +166,9 @@ class ChunkedSampler:
 
     def __init__(self, data: MemmapSplit, batch_size: int, block_size: int, seed: int, device: str | torch.device,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batches_per_chunk: int | None = None):
-        if len(data) < block_size + 1:
-            raise _too_small(data.name, len(data), block_size)
-        self.data = data
-        self.batch_size = batch_size
-        self.block_size = block_size
-        self.device = torch.device(device)
+        super().__init__(data, batch_size, block_size, seed, device)
         self.chunk_tokens = max(min(int(chunk_tokens), len(data)), block_size + 1)
         self.batches_per_chunk = batches_per_chunk or max(1, self.chunk_tokens // (batch_size * block_size))
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
-        self.batches_drawn = 0
         self.chunk_start = -1  # no chunk read yet
         self.chunk_batches = 0  # batches already drawn from the current chunk
         self._chunk: SplitData | None = None
@@ -188,21 +185,15 @@ class ChunkedSampler:
             self._read_chunk()
         elif self._chunk is None:  # after load_state_dict: re-read the chunk the saved run was using
             self._read_chunk()
-        high = self.chunk_tokens - self.block_size
-        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        chunk = _to_ids(_move(self._chunk.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
         self.chunk_batches += 1
-        self.batches_drawn += 1
-        return chunk[:, :-1], chunk[:, 1:]
+        return self._batch_from(self._chunk)
 
     def state_dict(self) -> dict:
-        return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn,
-                "chunk_start": self.chunk_start, "chunk_batches": self.chunk_batches,
+        return {**super().state_dict(), "chunk_start": self.chunk_start, "chunk_batches": self.chunk_batches,
                 "chunk_tokens": self.chunk_tokens, "batches_per_chunk": self.batches_per_chunk}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["rng_state"])
-        self.batches_drawn = int(state["batches_drawn"])
+        super().load_state_dict(state)
         same_chunking = (state.get("chunk_tokens") == self.chunk_tokens
                          and state.get("batches_per_chunk") == self.batches_per_chunk)
         if "chunk_start" in state and same_chunking:

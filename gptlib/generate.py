@@ -121,16 +121,7 @@ def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch
     positions onto a 32K vocabulary would cost as much as several transformer blocks.
     (B, T) -> (B, vocab_size) logits.
     """
-    B, T = idx.shape
-    start = cache.pos if cache is not None else 0
-    pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-    tr = model.transformer
-    x = tr.drop(tr.wte(idx) + tr.wpe(pos))  # (B, T, C)
-    for i, block in enumerate(tr.h):
-        x = block(x, cache, i)
-    if cache is not None:
-        cache.pos += T
-    x = tr.ln_f(x[:, -1, :])  # (B, C)
+    x = model.transformer.ln_f(model.hidden_states(idx, cache)[:, -1, :])  # (B, C)
     return model.lm_head(x)[:, : model.config.vocab_size]  # (B, V)
 
 

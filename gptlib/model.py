@@ -132,15 +132,10 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy if targets given.
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) token ids -> the last block's output (B, T, C), before ln_f.
 
-        With a cache, idx holds only the new tokens; their positions continue from cache.pos.
+        With a cache, idx holds only the new tokens; their positions continue from cache.pos, which advances by T.
         """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
@@ -153,19 +148,28 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cache, i)
-        x = self.transformer.ln_f(x)
         if cache is not None:
             cache.pos += T
+        return x
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy if targets given.
+
+        With a cache, idx holds only the new tokens; their positions continue from cache.pos.
+        """
+        logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V padded)
+        loss = None
         if targets is not None:
-            logits = self.lm_head(x)  # (B, T, V)
             loss = F.cross_entropy(
                 logits.view(-1, logits.size(-1)).float()[:, : self.config.vocab_size],
                 targets.reshape(-1),
                 ignore_index=-1,
             )
-        else:
-            logits = self.lm_head(x)
-            loss = None
         if logits.size(-1) != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # padding rows never produce a token
         return logits, loss

@@ -45,7 +45,7 @@ from .fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, sha2
 CKPT_FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
-_STEP_RE = re.compile(r"^step_(\d{7,})$")
+_STEP_RE = re.compile(r"step_(\d{7,})")  # fullmatch: a finished checkpoint
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)
 OLD_MARKER = ".old-"  # a same-step checkpoint being replaced
 DELETING_MARKER = ".deleting-"  # a rotated-out checkpoint being deleted
@@ -252,22 +252,23 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_RE.fullmatch(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def _step_of(p: Path) -> int:
-    return int(_STEP_RE.match(p.name).group(1))
-
-
-def _name_step(p: Path) -> int | None:
-    """Step in a checkpoint-like name, also for `step_0000020.partial-...` and friends."""
-    m = re.match(r"^step_(\d{7,})", p.name)
+def _step_of(p: Path) -> int | None:
+    """Step in a checkpoint's name, also for `step_0000020.partial-...` and friends."""
+    m = _STEP_RE.match(p.name)
     return int(m.group(1)) if m else None
 
 
-def _candidates(run_dirs, log) -> list[Path]:
-    """Checkpoints of all run dirs, newest first; at equal steps the earlier-listed dir (local) first."""
+def _first_valid(run_dirs, log, load: Callable[[Path], Any]) -> Any:
+    """load(p) of the newest checkpoint p across run_dirs for which it succeeds; None if none does.
+
+    Newest step first; at equal steps the earlier-listed dir (local, fast) first. Checkpoints that
+    fail (CheckpointError, OSError) are reported with `log` and skipped. Listing a mirror (every dir
+    after the first) gives up after MIRROR_LIST_TIMEOUT_S: a hung Drive falls back to local only.
+    """
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
     found = []
@@ -280,7 +281,12 @@ def _candidates(run_dirs, log) -> list[Path]:
             _loud(f"!! cannot list checkpoints in {d}: {e}; resuming from the other location(s) only")
             continue
         found += [(_step_of(p), i, p) for p in paths]
-    return [p for _, _, p in sorted(found, key=lambda x: (-x[0], x[1]))]
+    for _, _, p in sorted(found, key=lambda x: (-x[0], x[1])):
+        try:
+            return load(p)
+        except (CheckpointError, OSError) as e:
+            log(f"skipping checkpoint: {e}")
+    return None
 
 
 def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> CheckpointInfo | None:
@@ -288,12 +294,7 @@ def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> Che
 
     Corrupt or incomplete ones are reported and skipped, so a bad newest falls back to the previous.
     """
-    for p in _candidates(run_dirs, log):
-        try:
-            return verify_checkpoint(p)
-        except (CheckpointError, OSError) as e:
-            log(f"skipping checkpoint: {e}")
-    return None
+    return _first_valid(run_dirs, log, verify_checkpoint)
 
 
 def _safe_load(f: Path, map_location) -> Any:
@@ -324,13 +325,7 @@ def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo
     A checkpoint whose manifest matches but whose content is refused (e.g. a pickle that would run
     code) is skipped like a corrupt one, with the reason printed.
     """
-    for p in _candidates(run_dirs, log):
-        try:
-            info = verify_checkpoint(p)
-            return (info, *load_checkpoint(p, map_location))
-        except (CheckpointError, OSError) as e:
-            log(f"skipping checkpoint: {e}")
-    return None
+    return _first_valid(run_dirs, log, lambda p: (verify_checkpoint(p), *load_checkpoint(p, map_location)))
 
 
 def load_model_weights(path: Path, map_location="cpu") -> dict[str, torch.Tensor]:
@@ -363,7 +358,7 @@ def _remove_tree(path: Path, truncate: bool = False) -> None:
             except OSError:
                 pass
             if i == 0:
-                fault_point("rotate_mid", _name_step(path))
+                fault_point("rotate_mid", _step_of(path))
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -211,11 +211,16 @@ def test_positive_control_same_copy_resumes_exactly(char_data, reference, interr
 # --- time-based saving and the time budget ------------------------------------------------------------
 
 
-def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys):
+def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys, monkeypatch):
     """save_every_minutes saves between step-based saves; max_minutes stops with a checkpoint, and
     the same call resumes from it."""
+    import time
+
     from gptlib.checkpoint import list_checkpoints
 
+    # Every step lasts longer than save_every_minutes (6 ms): a tiny step on an idle CPU can be faster,
+    # and then step 7 was not saved (flaky [6, 8]). The loop calls fault_point once per step.
+    monkeypatch.setattr(gtrain, "fault_point", lambda *a: time.sleep(0.01))
     run_dir = tmp_path / "run"
     settings = TINY + ["eval_interval=1000", "save_every_steps=1000", "save_every_minutes=0.0001"]
     r = train(char_data, run_dir, "phase1", settings, max_steps=8, device="cpu", progress=False, log=lambda m: None)

@@ -155,64 +155,51 @@ def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log
     return asked
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    p = Path(run_dir) / METRICS_FILE
-    if not p.is_file():
-        return []
+def _read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines log (metrics, samples); reading stops at a torn last line from a kill mid-write."""
     rows = []
-    for line in p.read_text().splitlines():
-        if line.strip():
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                break  # a torn last line from a kill mid-write
+                break
+            if not isinstance(row, dict):
+                break
+            rows.append(row)
     return rows
 
 
-def _truncate_metrics(run_dir: Path, upto_step: int) -> list[dict]:
-    """Keep metrics rows up to the resumed step: later rows are re-logged by the resumed run."""
-    rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= upto_step]
-    p = run_dir / METRICS_FILE
-    if p.exists() or rows:
-        data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-        atomic_write_bytes(p, data)
-    for name in (SAMPLES_FILE,):
-        sp = run_dir / name
-        if sp.exists():
-            keep = [ln for ln in sp.read_text().splitlines() if ln.strip() and _row_step(ln) <= upto_step]
-            atomic_write_bytes(sp, "".join(ln + "\n" for ln in keep).encode())
-    return rows
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    return _read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def read_samples(run_dir: str | Path) -> list[dict]:
+    return _read_jsonl(Path(run_dir) / SAMPLES_FILE)
+
+
+def _truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
+    """Keep metrics and samples rows up to the resumed step (later rows are re-logged by the resumed run);
+    -> the metrics rows kept."""
+    for name in (METRICS_FILE, SAMPLES_FILE):
+        p = run_dir / name
+        if p.exists():
+            keep = [r for r in _read_jsonl(p) if r.get("step", 0) <= upto_step]
+            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in keep).encode())
+    return read_metrics(run_dir)
 
 
 def _restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> None:
     """A fresh VM has no local logs: take the checkpoint's snapshot when it has more rows up to `step`."""
+    def rows(p: Path) -> int:
+        return sum(1 for r in _read_jsonl(p) if r.get("step", 0) <= step)
+
     for name in (METRICS_FILE, SAMPLES_FILE):
         src, dst = ckpt_dir / name, run_dir / name
-
-        def rows(p: Path) -> int:
-            return sum(1 for ln in p.read_text().splitlines() if ln.strip() and _row_step(ln) <= step) if p.is_file() else 0
-
         if src.is_file() and rows(src) > rows(dst):
             atomic_write_bytes(dst, src.read_bytes())
-
-
-def _row_step(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, AttributeError):
-        return 1 << 62
-
-
-def read_samples(run_dir: str | Path) -> list[dict]:
-    p = Path(run_dir) / SAMPLES_FILE
-    rows = []
-    if p.is_file():
-        for line in p.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return rows
 
 
 def write_samples_table(run_dir: Path) -> None:
@@ -381,11 +368,11 @@ def train(
         resumed_from = step
         if ddp.is_main:
             _restore_logs_from_checkpoint(run_dir, ckpt.path, step)
-        history = _truncate_metrics(run_dir, step) if ddp.is_main else []
+        history = _truncate_logs(run_dir, step) if ddp.is_main else []
         where = "Drive mirror" if mirror_dir is not None and ckpt.path.is_relative_to(mirror_dir) else "local disk"
         log(f"resumed from step {step:,} (saved {ckpt.saved_at}, {tokens_seen:,} tokens seen) on the {where}: {ckpt.path}")
     else:
-        history = _truncate_metrics(run_dir, 0) if ddp.is_main else []
+        history = _truncate_logs(run_dir, 0) if ddp.is_main else []
 
     n_params = unwrap_model(model).num_params()
     train_model = ddp.wrap(torch.compile(model) if use_compile else model, dev)  # DDP outermost, for no_sync()

@@ -670,18 +670,10 @@ class CheckpointWriter:
     def _raise_pending(self) -> None:
         if self._error is not None:
             e, self._error = self._error, None
-            prev = self._newest_local_step()
-            where = f"; the newest intact checkpoint is step {prev:,}" if prev is not None else ""
+            prev = _first_valid(self.run_dir, lambda m: None, lambda p: verify_checkpoint(p, deep=False))
+            where = f"; the newest intact checkpoint is step {prev.step:,}" if prev is not None else ""
             hint = " (disk full: free space or lower --keep-last)" if getattr(e, "errno", None) == errno.ENOSPC else ""
             raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
-
-    def _newest_local_step(self) -> int | None:
-        for p in list_checkpoints(self.run_dir):
-            try:
-                return verify_checkpoint(p, deep=False).step
-            except (CheckpointError, OSError):
-                continue
-        return None
 
     def wait(self) -> None:
         """Wait for the local save in flight (not for the mirror); raise its error if it failed."""

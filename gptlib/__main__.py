@@ -94,9 +94,8 @@ def cmd_train(args) -> int:
     from .train import train
 
     overrides = list(args.set)
-    for flag, field in (("save_every_steps", "save_every_steps"), ("save_every_minutes", "save_every_minutes"),
-                        ("keep_last", "keep_last")):
-        v = getattr(args, flag)
+    for field in ("save_every_steps", "save_every_minutes", "keep_last"):  # flags named as the config fields
+        v = getattr(args, field)
         if v is not None:
             overrides.append(f"{field}={v}")
     compile_flag = None if args.compile is None else ("on" if args.compile else "off")

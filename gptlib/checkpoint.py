@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, sha256_file
+from .fsutil import TMP_MARKER, atomic_write, atomic_write_json, clean_temp_files, fsync_dir, sha256_file
 
 CKPT_FORMAT_VERSION = 1
 CKPT_DIR = "checkpoints"
@@ -378,15 +378,9 @@ def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool =
                 p.unlink(missing_ok=True)
             removed.append(p)
         elif p.is_dir():  # temp files inside a finished checkpoint (a kill during a same-step re-save)
-            for q in p.iterdir():
-                if TMP_MARKER in q.name:
-                    q.unlink(missing_ok=True)
-                    removed.append(q)
-    rd = Path(run_dir)
-    for p in list(rd.iterdir()) if run_level and rd.is_dir() else []:
-        if TMP_MARKER in p.name and p.is_file():
-            p.unlink(missing_ok=True)
-            removed.append(p)
+            removed += clean_temp_files(p)
+    if run_level:
+        removed += clean_temp_files(run_dir)
     return removed
 
 

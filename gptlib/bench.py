@@ -278,13 +278,14 @@ def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_ste
     fragmentation). AdamW's two fp32 moments are held in memory during the probe (reserve_optimizer).
     -> (micro_batch, grad_accum_steps)
     """
+    from .train import autocast_for
+
     device = torch.device(device)
     cap = sequences_per_step if max_micro is None else min(max_micro, sequences_per_step)
     candidates = [b for b in range(cap, 0, -1) if sequences_per_step % b == 0]
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
     cuda = device.type == "cuda"
-    autocast = (torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32
-                else contextlib.nullcontext())
+    autocast = autocast_for(device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     reserve = (torch.empty(2 * n_params, dtype=torch.float32, device=device)
                if reserve_optimizer and cuda else None)  # stand-in for exp_avg + exp_avg_sq
@@ -429,8 +430,9 @@ def _time_steps(model, optimizer, scaler, loader, device, dtype, steps: int, war
 
     A step is `accum` micro-batches; the data time is measured with a sync around each batch fetch.
     """
-    autocast = (torch.autocast(device_type=device.type, dtype=dtype) if dtype != torch.float32
-                else contextlib.nullcontext())
+    from .train import autocast_for
+
+    autocast = autocast_for(device, dtype)
     step_times, data_times = [], []
     with attention_ctx:
         for i in range(warmup + steps):
@@ -591,7 +593,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     from .config import get_preset
     from .data import BatchSampler, SplitData, _as_signed_view, load_dataset, make_sampler
     from .model import GPT
-    from .train import optimizer_step, resolve_device, resolve_dtype
+    from .train import autocast_for, optimizer_step, resolve_device, resolve_dtype
 
     cfg = get_preset(preset).apply_overrides(overrides or [])
     dev = resolve_device(device if device != "auto" else cfg.train.device)
@@ -620,8 +622,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), dev.type)
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
     fwd = torch.compile(model) if use_compile else model
-    autocast = (torch.autocast(device_type=dev.type, dtype=dtype) if dtype != torch.float32
-                else contextlib.nullcontext())
+    autocast = autocast_for(dev, dtype)
     timer = StepTimer(dev)
     peak = device_peak(dev)
     tokens_per_step = micro * accum * mc.block_size

@@ -77,6 +77,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    """Mixed-precision autocast for a half dtype; a no-op context for float32. Reusable across `with` blocks."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
 def lr_at(step: int, cfg) -> float:
     """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at max_steps."""
     peak = cfg.learning_rate
@@ -348,8 +355,7 @@ def train(
     optimizer = unwrap_model(model).configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), dev.type)
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
     sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, dev)
-    autocast_ctx = (torch.autocast(device_type=dev.type, dtype=dtype) if dtype != torch.float32
-                    else contextlib.nullcontext())
+    autocast_ctx = autocast_for(dev, dtype)
 
     step, tokens_seen, best_val, best_step, elapsed_before = 0, 0, None, None, 0.0
     resumed_from = None

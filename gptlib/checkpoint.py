@@ -473,12 +473,12 @@ def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: st
                        progress: _Progress | None = None) -> None:
     """Copy src to dst (fsynced) hashing as it goes; OSError if the bytes read are not what the
     manifest says (the local copy changed) — the destination is then left for cleanup."""
+    progress = progress or _Progress()
     h = hashlib.sha256()
     n = 0
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         while True:
-            if progress is not None:
-                progress.tick()
+            progress.tick()
             b = fi.read(_COPY_CHUNK)
             if not b:
                 break
@@ -487,8 +487,7 @@ def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: st
             n += len(b)
         fo.flush()
         os.fsync(fo.fileno())
-    if progress is not None:
-        progress.tick()
+    progress.tick()
     if size is not None and n != size:
         raise OSError(errno.EIO, f"{src}: read {n:,} bytes, manifest says {size:,}")
     if sha256 is not None and h.hexdigest() != sha256:
@@ -498,6 +497,7 @@ def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: st
 def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: _Progress | None = None) -> Path:
     """Copy a verified local checkpoint dir into mirror_run_dir/checkpoints: temp name, every file
     hashed while read and fsynced, manifest last, read back and verified (size + sha256), renamed."""
+    progress = progress or _Progress()
     manifest = json.loads((src / MANIFEST).read_text())
     dst_root = mirror_run_dir / CKPT_DIR
     dst_root.mkdir(parents=True, exist_ok=True)
@@ -519,8 +519,7 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: _Progress | Non
         copy_file_verified(src / MANIFEST, partial / MANIFEST, progress=progress)
         fsync_dir(partial)
         verify_checkpoint(partial, deep=True)  # read back from the mirror: catches truncated writes
-        if progress is not None:
-            progress.tick()
+        progress.tick()
     except BaseException:
         try:  # best effort (Drive may be gone); leftovers are removed by the next rotation
             _remove_tree(partial, truncate=True)

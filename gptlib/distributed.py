@@ -101,10 +101,6 @@ class Dist:
                 log(f"resume: the checkpoint's sampler states are for {len(ranks) if ranks else 1} process(es), "
                     f"now {self.world_size}: each rank continues with a derived stream")
 
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
     def teardown(self) -> None:
         if self.initialized_here and dist.is_initialized():
             dist.destroy_process_group()

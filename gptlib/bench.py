@@ -356,11 +356,13 @@ class PerSampleLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         for path in self.evict:
             drop_page_cache(path)
+        from .data import _to_ids
+
         xs, ys = [], []
         for _ in range(self.B):
             i = self.rng.randrange(0, len(self.tokens) - self.T - 1)
             if hasattr(self.tokens, "read"):  # a MemmapSplit: one small read per sample, as the seed did
-                w = self.tokens.read(i, self.T + 1).long() & (0xFFFF if self.tokens.dtype.itemsize == 2 else 0xFFFFFFFF)
+                w = _to_ids(self.tokens.read(i, self.T + 1))
                 xs.append(w[:-1])
                 ys.append(w[1:])
                 continue

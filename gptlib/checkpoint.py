@@ -741,8 +741,8 @@ class CheckpointWriter:
 
         def attempt():
             mirror_checkpoint(path, self.mirror_dir, progress)
-            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True)
-            clean_orphans(self.mirror_dir, truncate=True)  # this thread is the mirror's only writer
+            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True)  # also cleans checkpoint orphans
+            clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
             for name in RUN_FILES:
                 _copy_run_file(self.run_dir / name, self.mirror_dir, sizes.get(name), progress)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from .fsutil import atomic_write_bytes
@@ -44,10 +42,12 @@ def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSH
         if hashlib.sha256(data).hexdigest() == TINYSHAKESPEARE_SHA256:
             return target
         target.unlink()  # a corrupt cached copy is replaced, not trusted
+    import urllib.request  # here, not at module level: ~70 ms of http/email/ssl imports few callers need
+
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             data = r.read()
-    except (urllib.error.URLError, OSError) as e:
+    except (OSError, ValueError) as e:  # URLError is an OSError; a malformed URL is a ValueError
         raise DownloadError(
             f"could not download Tiny Shakespeare from {url}: {e}. Without a network, pass a local copy "
             f"(--input PATH / local_path=PATH)"

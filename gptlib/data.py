@@ -72,10 +72,6 @@ class SplitData:
         idx = starts.to(dev).unsqueeze(1) + offsets  # (B, length)
         return self.tokens[idx]
 
-    def gather(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """starts (B,) -> (B, length) int64 token ids."""
-        return _to_ids(self.gather_raw(starts, length))
-
 
 class MemmapSplit:
     """One split left on disk: its shards memory-mapped, read only in large contiguous pieces."""

@@ -593,7 +593,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     """Time optimizer steps of a preset on the fast path (as train() runs it) and report tokens/s, MFU, split, ETA."""
     from .checkpoint import unwrap_model
     from .config import get_preset
-    from .data import BatchSampler, SplitData, _as_signed_view, load_dataset, make_sampler
+    from .data import SplitData, _as_signed_view, load_dataset, make_sampler
     from .model import GPT
     from .train import autocast_for, optimizer_step, resolve_device, resolve_dtype
 
@@ -618,9 +618,9 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
         n = max(8 * micro * (mc.block_size + 1), 1 << 22)
         toks = np.random.default_rng(0).integers(0, mc.vocab_size, n, dtype=np.uint16 if mc.vocab_size <= 65536 else np.uint32)
         data = SplitData(tokens=_as_signed_view(toks).to(dev), name="train")
-        sampler = BatchSampler(data, micro, mc.block_size, tc.seed, dev)
     else:
-        sampler = make_sampler(splits["train"], micro, mc.block_size, tc.seed, dev)
+        data = splits["train"]
+    sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
     optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), dev.type)
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
     fwd = torch.compile(model) if use_compile else model

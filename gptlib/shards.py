@@ -66,8 +66,10 @@ class ShardWriter:
 
     def write(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids)
-        if ids.dtype != self.dtype and ids.size and int(ids.max()) > np.iinfo(self.dtype).max:
-            raise DataFormatError(f"token id {int(ids.max())} does not fit in {self.dtype.name} shards")
+        if ids.dtype != self.dtype and ids.size:  # an unsigned array of the shard's own dtype is in range by type
+            if int(ids.max()) > np.iinfo(self.dtype).max or int(ids.min()) < 0:
+                raise DataFormatError(f"token ids span {int(ids.min())}..{int(ids.max())}, outside the "
+                                      f"{self.dtype.name} shards' range")
         if self.skip:
             k = min(self.skip, ids.size)
             ids = ids[k:]
@@ -149,6 +151,13 @@ def write_meta(out_dir: str | Path, *, vocab_size: int, tokenizer: dict[str, Any
 
 def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
     """Parse and check meta.json against the files; raise DataFormatError naming any mismatch."""
+    try:
+        return _read_meta(Path(data_dir), verify_hashes)
+    except (KeyError, TypeError, AttributeError) as e:  # a hand-edited meta.json with a field of the wrong shape
+        raise DataFormatError(f"{Path(data_dir) / META_FILE}: malformed metadata ({type(e).__name__}: {e})") from None
+
+
+def _read_meta(data_dir: Path, verify_hashes: bool) -> DatasetMeta:
     data_dir = Path(data_dir)
     meta_path = data_dir / META_FILE
     if not data_dir.is_dir():

@@ -124,3 +124,17 @@ def test_rerun_is_a_noop_and_a_different_dataset_is_refused(tmp_path, small_text
     with pytest.raises(PrepareError, match="already holds a different dataset"):
         prepare_text([other], dataset, verbose=False)
     assert {p.name: p.read_bytes() for p in dataset.iterdir()} == before
+
+
+def test_meta_with_a_field_of_the_wrong_shape_is_a_clear_error(dataset):
+    _edit_meta(dataset, lambda m: m.update(tokenizer="char"))
+    with pytest.raises(DataFormatError, match="meta.json: malformed metadata"):
+        read_meta(dataset)
+
+
+def test_shard_writer_refuses_ids_outside_the_dtype(tmp_path):
+    w = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=10)
+    with pytest.raises(DataFormatError, match="token ids span -1..5"):
+        w.write(np.array([5, -1], dtype=np.int64))
+    with pytest.raises(DataFormatError, match="70000"):
+        w.write(np.array([70000], dtype=np.int64))

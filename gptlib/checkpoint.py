@@ -233,6 +233,9 @@ def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
         for required in ("model.pt", "train_state.pt", "state.json"):
             if required not in files:
                 raise CheckpointError(f"{mpath}: does not list {required}")
+        for name in files:  # before touching any file: a crafted manifest must not reach outside
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
         for name, rec in files.items():
             p = path / name
             if not p.is_file():

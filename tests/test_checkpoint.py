@@ -295,3 +295,18 @@ def test_mirror_backoff_is_not_cut_short_by_a_same_step_resave(tmp_path, monkeyp
     w.close()
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert len(times) == 6 and gaps[0] >= 0.15 and gaps[1] >= 0.15, gaps
+
+
+def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    import json
+
+    from gptlib.checkpoint import CheckpointError, verify_checkpoint
+
+    ck = tmp_path / "checkpoints" / "step_0000001"
+    ck.mkdir(parents=True)
+    (tmp_path / "secret").write_text("x")
+    files = {n: {"size": 1, "sha256": "0"} for n in ("model.pt", "train_state.pt", "state.json")}
+    files["../../secret"] = {"size": 1, "sha256": "0"}
+    (ck / "manifest.json").write_text(json.dumps({"format_version": 1, "step": 1, "files": files}))
+    with pytest.raises(CheckpointError, match="is not a plain name inside the checkpoint"):
+        verify_checkpoint(ck)

@@ -103,6 +103,12 @@ class Dist:
 
     def teardown(self) -> None:
         if self.initialized_here and dist.is_initialized():
+            # Every rank waits here first: a rank that destroys the group and exits while another is
+            # still finishing (rank 0 writes the last checkpoint) makes gloo abort the other process.
+            try:
+                dist.barrier()
+            except (RuntimeError, dist.DistBackendError):  # another rank already failed: nothing to wait for
+                pass
             dist.destroy_process_group()
             self.initialized_here = False
 

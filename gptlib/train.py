@@ -155,8 +155,11 @@ def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log
                 f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
                 f"use a new run directory, or drop the change to resume"
             )
-    for name in saved.train.__dataclass_fields__:
-        a, b = getattr(saved.train, name), getattr(asked.train, name)
+    changeable = [(saved.model, asked.model, n) for n in saved.model.__dataclass_fields__
+                  if n not in MODEL_FIELDS_THAT_MUST_MATCH]  # dropout: same weights, different regularisation
+    changeable += [(saved.train, asked.train, n) for n in saved.train.__dataclass_fields__]
+    for old_section, new_section, name in changeable:
+        a, b = getattr(old_section, name), getattr(new_section, name)
         if a != b:
             log(f"resume: {name} changed {a!r} -> {b!r}")
     return asked
@@ -398,12 +401,14 @@ def train(
     save_every = tc.save_every_steps or tc.eval_interval
     sample_gen = torch.Generator(device="cpu")
 
-    def checkpoint_now(s: int, val: float | None, step_begin: tuple[dict, torch.Tensor] | None = None,
+    def checkpoint_now(s: int, val: float | None, step_begin: tuple | None = None,
                        gather: bool = True) -> None:
         rng_tensors, rng_plain = capture_rng()
         sampler_state = sampler.state_dict()
         if step_begin is not None:  # interrupted mid-step: save the state from before the unfinished step
-            sampler_state, rng_tensors["torch_cpu"] = step_begin
+            sampler_state, rng_tensors["torch_cpu"], cuda_rng = step_begin
+            if cuda_rng is not None:
+                rng_tensors["torch_cuda"] = cuda_rng
         train_state = {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else {},
                        "sampler": sampler_state, "rng": rng_tensors,
                        **(ddp.sampler_states(sampler_state) if gather else {})}  # DDP: every rank's (a collective)
@@ -459,7 +464,9 @@ def train(
     stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while step < tc.max_steps:
-            step_begin = (sampler.state_dict(), torch.get_rng_state())
+            # CUDA's RNG state is host-side seed/offset: reading it does not sync the device.
+            step_begin = (sampler.state_dict(), torch.get_rng_state(),
+                          torch.cuda.get_rng_state_all() if dev.type == "cuda" else None)
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr

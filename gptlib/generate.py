@@ -24,6 +24,7 @@ How decoding works:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -114,14 +115,15 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None,
+                  pos: torch.Tensor | None = None) -> torch.Tensor:
     """Like model(idx, cache=cache) but the vocabulary projection runs for the last position only.
 
     During a prefill or a no-cache step only the last position's logits are used; projecting T
     positions onto a 32K vocabulary would cost as much as several transformer blocks.
-    (B, T) -> (B, vocab_size) logits.
+    (B, T) -> (B, vocab_size) logits. pos (T,): the positions, for a static cache.
     """
-    x = model.transformer.ln_f(model.hidden_states(idx, cache)[:, -1, :])  # (B, C)
+    x = model.transformer.ln_f(model.hidden_states(idx, cache, pos)[:, -1, :])  # (B, C)
     return model.lm_head(x)[:, : model.config.vocab_size]  # (B, V)
 
 
@@ -131,21 +133,59 @@ def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None) -> torch
 class Engine:
     """Generation for one model (and optionally its tokenizer, for text in and out)."""
 
-    def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
+    def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = "",
+                 compile: bool = False):
         self.model = model  # used as is: Engine.from_run puts it in eval mode (no dropout)
         self.tokenizer = tokenizer
         self.step = step  # the checkpoint's training step, if loaded from a run
         self.source = source  # where the weights came from (checkpoint path), for display
+        # compile: the one-token decode step runs through torch.compile on a static KV cache, with
+        # CUDA graphs on a GPU (one replay per token instead of ~15 kernel launches per layer from
+        # Python). The first generation pays the compile (tens of seconds); worth it for long outputs.
+        self.compile = compile
+        self._compiled_step = None
+        self._compile_verified = False  # the compiled step has run once (compile errors surface there)
+        self._static_caches: dict[int, KVCache] = {}  # batch size -> cache, reused: the compiled step guards on it
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
     @classmethod
-    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype=None) -> "Engine":
+    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype=None,
+                 compile: bool = False) -> "Engine":
         """Load a checkpoint of a run directory: "latest", "best" or a step (see gptlib.loading)."""
         from .loading import load_for_inference
 
         ld = load_for_inference(run_dir, checkpoint, device=device, dtype=dtype)
-        return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path))
+        return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path), compile=compile)
+
+    def _feed(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Feed idx (B, T) after what the cache holds -> (B, vocab_size) logits of its last position."""
+        if not cache.static:
+            return _forward_last(self.model, idx, cache)
+        T = idx.size(1)
+        pos = torch.arange(cache.pos, cache.pos + T, device=idx.device)  # (T,)
+        step = _forward_last
+        if T == 1:  # prefills vary in length: eager; the per-token step has fixed shapes: compiled
+            if self._compiled_step is None:
+                mode = "reduce-overhead" if self.device.type == "cuda" else "default"  # CUDA graphs need a GPU
+                self._compiled_step = torch.compile(_forward_last, mode=mode, fullgraph=True, dynamic=False)
+                self._compile_verified = False
+            step = self._compiled_step
+            idx = idx.clone()  # its own storage: a view into buf would change address every step
+        try:
+            logits = step(self.model, idx, cache, pos)
+        except Exception as e:  # compiling happens in the first call: a missing compiler or Triton must not end the session
+            if step is _forward_last or self._compile_verified:
+                raise
+            warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {str(e)[:300]}); "
+                          f"decoding without compile", stacklevel=2)
+            self._compiled_step = step = _forward_last
+            logits = step(self.model, idx, cache, pos)
+        if step is not _forward_last:
+            self._compile_verified = True
+            logits = logits.clone()  # a CUDA graph reuses its output buffer on the next replay
+        cache.pos += T
+        return logits
 
     # -- token level ----------------------------------------------------------------------------
 
@@ -206,9 +246,17 @@ class Engine:
         stop_at: list[int | None] = [None] * B  # position of the token that completed a stop string
         need_host = on_step is not None  # read tokens back every step only when someone needs them
 
-        cache = KVCache(model.config, B, dev, self.dtype) if use_cache else None
+        cache = None
+        if use_cache and self.compile:
+            if B not in self._static_caches:
+                self._static_caches[B] = KVCache(model.config, B, dev, self.dtype, static=True)
+            cache = self._static_caches[B]  # old keys stay in it: the mask hides slots past each position
+            cache.reset()
+        elif use_cache:
+            cache = KVCache(model.config, B, dev, self.dtype)
         start = max(0, min_len - bs)
-        logits = _forward_last(model, buf[:, start:min_len], cache)  # (B, V): predicts position min_len
+        prompt_ids = buf[:, start:min_len]
+        logits = self._feed(prompt_ids, cache) if cache is not None else _forward_last(model, prompt_ids, None)
 
         for cur in range(min_len, total):
             nxt = sample_next(process_logits(logits, cfg, seen), cfg, generator)  # (B,)
@@ -242,11 +290,11 @@ class Engine:
             if cache is None:
                 logits = _forward_last(model, buf[:, max(0, cur + 1 - bs) : cur + 1], None)
             elif cache.pos < bs:
-                logits = _forward_last(model, buf[:, cur : cur + 1], cache)
+                logits = self._feed(buf[:, cur : cur + 1], cache)
             else:  # window full: keep the newest block_size + 1 - window_slide tokens (incl. this one)
                 cache.reset()
                 keep = bs + 1 - window_slide
-                logits = _forward_last(model, buf[:, cur + 1 - keep : cur + 1], cache)
+                logits = self._feed(buf[:, cur + 1 - keep : cur + 1], cache)
 
         out, out_reasons = [], []
         buf_h = buf.tolist()

@@ -43,7 +43,7 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) with a faster path for a few rows on the CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.numel() <= SPLIT_ROWS_MAX * self.in_features and not (
+        if x.device.type == "cpu" and not torch.compiler.is_compiling() and x.numel() <= SPLIT_ROWS_MAX * self.in_features and not (
             torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         ):
             blocks = _row_blocks(self.out_features)
@@ -61,15 +61,28 @@ def _row_blocks(n_rows: int) -> int:
 
 
 class KVCache:
-    """Preallocated keys/values for incremental decoding: prefill once, then one token per step."""
+    """Preallocated keys/values for incremental decoding: prefill once, then one token per step.
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype, max_len: int | None = None):
+    static=True is the form a compiled decode step (torch.compile, CUDA graphs) needs: every step
+    has the same shapes. The new tokens' positions come in as a tensor, keys are written at those
+    positions, and attention spans the whole cache under a mask (keys after a query's position are
+    empty or stale). It reads the whole cache every step, so the eager default is dynamic.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype, max_len: int | None = None,
+                 static: bool = False):
         self.max_len = max_len or cfg.block_size
+        self.static = static
         head = cfg.n_embd // cfg.n_head
         shape = (batch_size, cfg.n_head, self.max_len, head)  # (B, H, Tmax, D)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.pos = 0  # tokens already cached (the position of the next token)
+        self.key_pos = torch.arange(self.max_len, device=device)  # (Tmax,) the position of each cache slot
+        if static:
+            # Fixed addresses: CUDA graphs may then update the cache in place instead of skipping the graph.
+            for t in (*self.k, *self.v, self.key_pos):
+                torch._dynamo.mark_static_address(t)
+        self.pos = 0  # tokens already cached (the position of the next token); kept by the caller if static
 
     def reset(self) -> None:
         self.pos = 0
@@ -85,7 +98,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
@@ -96,6 +110,11 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )
+        elif cache.static:
+            cache.k[layer].index_copy_(2, pos, k)  # pos (T,): where the new tokens go
+            cache.v[layer].index_copy_(2, pos, v)
+            visible = pos[:, None] >= cache.key_pos[None, :]  # (T, Tmax): causal, and hides unwritten slots
+            y = F.scaled_dot_product_attention(q, cache.k[layer], cache.v[layer], attn_mask=visible)
         else:
             start = cache.pos
             cache.k[layer][:B, :, start : start + T] = k
@@ -134,8 +153,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, pos)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -178,23 +198,30 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
+                      pos: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) token ids -> the last block's output (B, T, C), before ln_f.
 
         With a cache, idx holds only the new tokens; their positions continue from cache.pos, which advances by T.
+        With a static cache the positions are given instead, as pos (T,) long (and cache.pos is left alone):
+        reading a Python int would make a compiled step specialise on it and recompile every token.
         """
         B, T = idx.shape
-        start = cache.pos if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(
-                f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
-                f"crop the context (generation slides the window for you)"
-            )
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        if cache is not None and cache.static:
+            if pos is None or pos.shape != (T,):
+                raise ValueError(f"a static KVCache needs the positions of the {T} new tokens as pos (T,), got {pos!r}")
+        else:
+            start = cache.pos if cache is not None else 0
+            if start + T > self.config.block_size:
+                raise ValueError(
+                    f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
+                    f"crop the context (generation slides the window for you)"
+                )
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i)
-        if cache is not None:
+            x = block(x, cache, i, pos)
+        if cache is not None and not cache.static:
             cache.pos += T
         return x
 

@@ -39,11 +39,13 @@ def parse_list(text: str, sep: str = "|") -> list[str]:
 class Playground:
     """Prompt box, sampling sliders, checkpoint dropdown, Generate button and streamed output."""
 
-    def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:", max_loaded: int = 2):
+    def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:", max_loaded: int = 2,
+                 compile: bool = False):
         import ipywidgets as W
 
         self.run_dir = Path(run_dir)
         self.device = device
+        self.compile = compile  # Engine(compile=True): compiled decode step (GPU; the first Generate compiles)
         self.max_loaded = max_loaded  # engines kept in memory (switching back is then instant)
         self._engines: OrderedDict[int, Engine] = OrderedDict()
         wide = W.Layout(width="95%")
@@ -105,7 +107,7 @@ class Playground:
             return self._engines[step]
         while len(self._engines) >= self.max_loaded:
             self._engines.popitem(last=False)  # free the least recently used model first
-        eng = Engine.from_run(self.run_dir, step, device=self.device)
+        eng = Engine.from_run(self.run_dir, step, device=self.device, compile=self.compile)
         self._engines[step] = eng
         return eng
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU benchmarks for issue 5 (not tests): gpt2-small MFU and the optimization ladder on a CUDA machine.
+# GPU benchmarks (not tests): gpt2-small MFU and the optimization ladder (issue 5), decoding speed (issue 6).
 # Run from the repository root with gptlib's requirements installed:  bash benchmarks/gpu_bench.sh
 # Raw output (command, device, torch version, date at the top) goes to benchmarks/results/*_<GPU>.txt.
 # MFU = (6N + 12*L*d*T) FLOPs/token x tokens/s / the GPU's dense bf16 peak (gptlib/bench.py PEAK_TFLOPS);
@@ -36,6 +36,13 @@ run "gpt2_small_mfu_autobatch_${GPU}.txt" \
 #    (page cache dropped before each batch) -> RAM preload -> vectorised batches -> compile -> bf16 -> flash.
 run "ladder_${GPU}.txt" \
   python -m gptlib bench ladder --device cuda --steps 10 --warmup 3
+
+# 3. single-stream decoding of gpt2-small (fp32, batch 1, greedy): gptlib eager, gptlib with the compiled decode step
+#    (torch.compile, CUDA graphs; compile time printed, not timed) and transformers' generate on the same weights.
+#    Needs `pip install transformers`.
+run "generate_${GPU}.txt" \
+  python benchmarks/generate_bench.py --device cuda --compile --new-tokens 256 1024 --repeats 3 \
+  --nocache-repeats 1 --nocache-tokens 256
 
 # More than one GPU (not run here): the same train entry under torchrun, e.g.
 #   torchrun --standalone --nproc_per_node=8 -m gptlib train --data DATA_DIR --preset gpt2-small --run-dir RUN_DIR

@@ -17,9 +17,10 @@ from .config import ModelConfig
 # Matrix-vector products on the CPU: MKL runs x @ W.T for a handful of rows (decoding: one token
 # per sequence) on a single thread at about half the memory bandwidth, and decoding is bound by
 # reading the weights. Cut W's rows into one block per thread and let bmm run the blocks in
-# parallel: same fp32 arithmetic (each output is the same dot product), ~2x tokens/s on 2 cores.
-# The threshold is where gemm's own threading takes over (measured, benchmarks/results/generate_cpu.txt).
-SPLIT_ROWS_MAX = 16
+# parallel: same fp32 arithmetic (each output is the same dot product), ~1.9x tokens/s on 2 cores.
+# Measured up to 64 rows, i.e. batched decoding of up to 64 streams (benchmarks/linear_rows_bench.py,
+# raw output in benchmarks/results/linear_rows_cpu.txt); longer prefills stay on MKL's gemm.
+SPLIT_ROWS_MAX = 64
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:

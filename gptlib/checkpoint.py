@@ -387,9 +387,15 @@ def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool =
     return removed
 
 
+def is_milestone(step: int | None, keep_every: int) -> bool:
+    """A checkpoint kept for good (TrainConfig.keep_every), for comparing the model across training."""
+    return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
+
+
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
-           truncate: bool = False) -> list[Path]:
-    """Delete all but the newest `keep_last` valid checkpoints and the best one; returns what was deleted.
+           truncate: bool = False, keep_every: int = 0) -> list[Path]:
+    """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones
+    (steps that are multiples of `keep_every`); returns what was deleted.
 
     Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
     Checkpoints that do not verify (cheap size check) do not count towards `keep_last`. `protect`
@@ -398,7 +404,7 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     """
     keep_last = max(2, keep_last)
     ckpts = list_checkpoints(run_dir)
-    keep = {Path(p) for p in protect}
+    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(_step_of(p), keep_every)}
     if best_step is not None:
         keep.add(Path(run_dir) / CKPT_DIR / ckpt_name(best_step))
     n_valid = 0
@@ -563,10 +569,11 @@ class CheckpointWriter:
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print,
-                 mirror_dir: str | Path | None = None, snapshot_files: tuple[str, ...] = ()):
+                 mirror_dir: str | Path | None = None, snapshot_files: tuple[str, ...] = (), keep_every: int = 0):
         self.run_dir = Path(run_dir)
         self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
         self.keep_last = max(2, keep_last)
+        self.keep_every = keep_every  # milestones: kept by rotation, and each one copied to the mirror
         self.background = background
         self.log = log
         self.snapshot_files = snapshot_files  # run-dir files (metrics.jsonl) snapshotted into each checkpoint
@@ -576,6 +583,10 @@ class CheckpointWriter:
         # mirror state, guarded by _cv
         self._cv = threading.Condition()
         self._pending: tuple[Path, int | None] | None = None  # newest local checkpoint not yet copied
+        # Milestones not yet on the mirror, oldest first. A newer checkpoint replaces _pending (only the
+        # newest matters for resuming) but not these: they are copied after it.
+        self._milestones: list[tuple[Path, int | None]] = []
+        self._milestones_paused = False  # after a failed copy, until the next save
         self._busy: Path | None = None  # being copied now
         self._closing = False
         self._mirror_thread: threading.Thread | None = None
@@ -656,10 +667,13 @@ class CheckpointWriter:
             with self._cv:
                 if self.mirror_dir is not None:
                     self._pending = (path, best_step)
+                    self._milestones_paused = False
+                    if is_milestone(step, self.keep_every):
+                        self._milestones.append((path, best_step))
                     self._ensure_mirror_thread()
                     self._cv.notify_all()
                 protect = {p for p in (self._busy, self._pending and self._pending[0]) if p is not None}
-            rotate(self.run_dir, self.keep_last, best_step, protect=protect)
+            rotate(self.run_dir, self.keep_last, best_step, protect=protect, keep_every=self.keep_every)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
 
@@ -698,20 +712,30 @@ class CheckpointWriter:
     def _mirror_loop(self) -> None:
         while True:
             with self._cv:
-                while self._pending is None and not self._closing:
+                milestones_due = lambda: bool(self._milestones) and not self._milestones_paused  # noqa: E731
+                while self._pending is None and not milestones_due() and not self._closing:
                     self._cv.wait()
-                if self._pending is None:
+                if self._pending is not None:
+                    (path, best_step), self._pending = self._pending, None
+                elif milestones_due():
+                    path, best_step = self._milestones[0]
+                else:
                     return
-                (path, best_step), self._pending = self._pending, None
                 self._busy = path
             try:
-                self._mirror_with_retries(path, best_step)
+                copied = self._mirror_with_retries(path, best_step)
+                with self._cv:
+                    if copied:
+                        self._milestones = [m for m in self._milestones if m[0] != path]
+                    else:  # Drive is failing: milestones wait for the next save instead of retrying in a loop
+                        self._milestones_paused = True
             finally:
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
 
-    def _mirror_with_retries(self, path: Path, best_step: int | None) -> None:
+    def _mirror_with_retries(self, path: Path, best_step: int | None) -> bool:
+        """Copy one checkpoint to the mirror, retrying; True once it is there."""
         step = _step_of(path)
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         for attempt in range(1, attempts + 1):
@@ -720,8 +744,8 @@ class CheckpointWriter:
                 if self.mirror_error is not None:
                     _loud(f"Drive copy OK again: {ckpt_name(step)} verified in {self.mirror_dir}")
                 self.mirror_error = None
-                self.mirror_last_step = step
-                return
+                self.mirror_last_step = max(step, self.mirror_last_step or 0)
+                return True
             except Exception as e:  # noqa: BLE001 - reported, retried, never raised into training
                 self.mirror_failures += 1
                 self.mirror_error = f"{type(e).__name__}: {e}"
@@ -729,14 +753,14 @@ class CheckpointWriter:
                     _loud(f"!! DRIVE COPY FAILED for {ckpt_name(step)} after {attempts} attempts: {self.mirror_error}. "
                           f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
                           f"Drive is step {self.mirror_last_step}. The next checkpoint will be tried again.")
-                    return
+                    return False
                 delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
                 _loud(f"!! Drive copy of {ckpt_name(step)} failed (attempt {attempt}/{attempts}): {self.mirror_error}; "
                       f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})")
                 with self._cv:  # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
                     if self._cv.wait_for(lambda: self._pending is not None and _step_of(self._pending[0]) > step,
                                          timeout=delay):
-                        return
+                        return False
 
     def _mirror_attempt(self, path: Path, best_step: int | None) -> None:
         progress = _Progress()
@@ -744,7 +768,8 @@ class CheckpointWriter:
 
         def attempt():
             mirror_checkpoint(path, self.mirror_dir, progress)
-            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True)  # also cleans checkpoint orphans
+            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True,  # also cleans checkpoint orphans
+                   keep_every=self.keep_every)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
             for name in RUN_FILES:
                 _copy_run_file(self.run_dir / name, self.mirror_dir, sizes.get(name), progress)
@@ -754,7 +779,8 @@ class CheckpointWriter:
     def status(self) -> dict:
         """For the loop to show: newest local and mirror steps, and the last mirror error (None if fine)."""
         with self._cv:
-            lagging = self._pending is not None or self._busy is not None
+            lagging = (self._pending is not None or self._busy is not None
+                       or bool(self._milestones) and not self._milestones_paused)
         return {"local_step": _step_of(self.last_saved) if self.last_saved else None,
                 "mirror_dir": str(self.mirror_dir) if self.mirror_dir else None,
                 "mirror_step": self.mirror_last_step, "mirror_copying": lagging,

@@ -72,6 +72,7 @@ class TrainConfig:
     save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
     save_every_minutes: float = 10.0  # also checkpoint when this much time passed since the last one; 0 disables
     keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
+    keep_every: int = 0  # also save and keep for good every checkpoint at a multiple of this step, so notebook 04 can compare "step 1k vs 10k vs the end"; each is a full checkpoint (gpt2-small: 1.3 GB on Drive); 0 = none
     auto_batch: bool = False  # CUDA: probe the largest micro-batch that fits and set grad_accum_steps so batch_size * grad_accum_steps sequences per step are kept
 
     def validate(self) -> None:
@@ -80,7 +81,7 @@ class TrainConfig:
         if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
             raise ConfigError(f"learning_rate={self.learning_rate} must be a positive number")
         _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "max_minutes", "save_every_steps",
-                      "save_every_minutes", "sample_tokens")
+                      "save_every_minutes", "sample_tokens", "keep_every")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -164,21 +165,21 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, dropout=0.0, vocab_multiple=1),
         "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=1e-2, min_lr_ratio=0.05,
                       warmup_steps=30, weight_decay=0.1, beta2=0.99, eval_interval=500, eval_batches=20,
-                      sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0),
+                      sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0, keep_every=500),
     },
     # Medium model: a few hours on a T4/L4, minutes per 1k steps on an A100.
     "phase2": {
         "model": dict(vocab_size=32768, block_size=512, n_layer=6, n_head=6, n_embd=384, dropout=0.0),
         "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, min_lr_ratio=0.1,
                       warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0),
+                      sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
     },
     # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
     "gpt2-small": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
                       warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0),
+                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000),
     },
 }
 

@@ -20,8 +20,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .checkpoint import (CheckpointWriter, GracefulStop, clean_orphans, fault_point, load_latest, load_weights_into,
-                         unwrap_model)
+from .checkpoint import (CheckpointWriter, GracefulStop, clean_orphans, fault_point, is_milestone, load_latest,
+                         load_weights_into, unwrap_model)
 from .config import ConfigError, RunConfig, get_preset
 from . import distributed
 from .bench import (MicroBatchOOM, StepTimer, auto_micro_batch, device_peak, estimate_train_bytes, free_memory,
@@ -394,7 +394,7 @@ def train(
     if ddp.is_main:
         clean_orphans(run_dir)  # leftovers of a save killed mid-way (the mirror is cleaned by its own thread)
     writer = (CheckpointWriter(run_dir, keep_last=tc.keep_last, background=True, log=log, mirror_dir=mirror_dir,
-                               snapshot_files=(METRICS_FILE, SAMPLES_FILE))
+                               snapshot_files=(METRICS_FILE, SAMPLES_FILE), keep_every=tc.keep_every)
               if ddp.is_main else distributed.NullWriter())  # rank 0 alone writes checkpoints
     if ckpt is not None and mirror_dir is not None and not ckpt.path.is_relative_to(mirror_dir):
         writer.mirror_existing(ckpt.path, best_step)  # resumed locally: make sure Drive has it too
@@ -540,7 +540,7 @@ def train(
                     log(msg)
                 if on_log is not None:
                     on_log({**row, "samples": samples})
-            if stop_now or do_eval or step % save_every == 0 or time_to_save:
+            if stop_now or do_eval or step % save_every == 0 or time_to_save or is_milestone(step, tc.keep_every):
                 checkpoint_now(step, val_loss if do_eval else None)
                 last_save_time = time.time()
             if pbar is not None:

@@ -137,6 +137,16 @@ def test_rotate_keeps_last_and_best_and_truncates(tmp_path):
     assert (tmp_path / "trash_model.pt").stat().st_size == 0
 
 
+def test_rotate_keeps_milestones(tmp_path):
+    for s in (100, 200, 250, 300, 400, 450):
+        save(tmp_path, s)
+    deleted = rotate(tmp_path, keep_last=2, best_step=None, keep_every=200)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000450", "step_0000400", "step_0000200"]
+    assert sorted(p.name for p in deleted) == ["step_0000100", "step_0000250", "step_0000300"]
+    rotate(tmp_path, keep_last=2, best_step=None)  # keep_every=0: no milestones
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000450", "step_0000400"]
+
+
 def test_rotate_skips_invalid_and_protected(tmp_path):
     for s in (1, 2, 3, 4):
         save(tmp_path, s)
@@ -195,6 +205,30 @@ def test_writer_mirrors_in_background_and_rotates_both(tmp_path):
         assert names[0] == "step_0000003" and "step_0000001" in names  # newest + best kept
     assert (tmp_path / "drive" / "config.json").read_text() == "{}"
     assert w.status_line() == "drive: step 3"
+
+
+def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
+    """Only the newest checkpoint is copied while Drive is slow, but milestones are all copied after it."""
+    real, calls = ck.mirror_checkpoint, []
+
+    def slow_first_copy(src, dst, progress=None):
+        calls.append(src.name)
+        if len(calls) == 1:
+            time.sleep(1.0)  # a slow Drive: steps 2..6 are saved meanwhile
+        return real(src, dst, progress)
+
+    monkeypatch.setattr(ck, "mirror_checkpoint", slow_first_copy)
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
+    for s in range(1, 7):
+        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=None)
+        w.wait()
+    st = w.close()
+    assert st["mirror_step"] == 6 and st["mirror_error"] is None
+    assert calls[:2] == ["step_0000001", "step_0000006"]  # the newest first: it is what a resume needs
+    assert "step_0000003" not in calls  # superseded while Drive was busy, and not a milestone
+    assert [p.name for p in list_checkpoints(tmp_path / "drive")] == ["step_0000006", "step_0000004", "step_0000002"]
+    local = [p.name for p in list_checkpoints(tmp_path / "local")]  # step 1 was protected while being copied
+    assert local[:4] == ["step_0000006", "step_0000005", "step_0000004", "step_0000002"]
 
 
 def test_writer_mirror_failure_is_loud_not_fatal(tmp_path, monkeypatch, capsys):

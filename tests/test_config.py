@@ -45,6 +45,7 @@ def test_set_parses_types_and_rejects_unknown_fields():
     ("n_head", "5", "n_head=5 does not divide n_embd=96"),
     ("learning_rate", "-1e-3", "learning_rate=-0.001 must be a positive number"),
     ("keep_last", "1", "keep_last=1"),
+    ("keep_every", "-500", "keep_every=-500"),
     ("dtype", "int8", "dtype='int8': choose one of"),
 ])
 def test_invalid_values_are_named(field, value, message):

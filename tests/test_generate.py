@@ -295,6 +295,24 @@ def test_corrupt_weights_are_refused(run_dir, tmp_path):
 # --- CLI ---------------------------------------------------------------------------------------
 
 
+def test_milestones_let_notebook_04_compare_early_and_late_checkpoints(char_data, tmp_path):
+    """keep_every: checkpoints at its multiples are saved and survive rotation (keep_last=2)."""
+    from gptlib.generate import compare_checkpoints
+    from gptlib.train import train
+
+    rd = tmp_path / "run"
+    r = train(char_data, rd, overrides=TINY + ["keep_last=2", "keep_every=6", "eval_interval=10"], max_steps=20,
+              progress=False, log=lambda s: None)
+    vals = {row["step"]: row["val_loss"] for row in r.history if "val_loss" in row}
+    best = min(vals, key=vals.get)
+    steps = sorted(row["step"] for row in checkpoint_table(rd))
+    # saves at 6, 10 (validation), 12, 18, 20; kept: milestones 6, 12, 18, the newest two, the best
+    assert set(steps) == {6, 12, 18, 20, best}, (steps, vals)
+    cmp = compare_checkpoints(rd, ["ROMEO:"], "6, 12, latest", SamplingConfig(max_new_tokens=10, seed=3))
+    assert cmp.steps == [6, 12, 20] and len(cmp.texts[0]) == 3
+    assert len(set(cmp.texts[0])) > 1  # same seed and settings, different weights
+
+
 def test_cli_sample(run_dir, capsys):
     from gptlib.__main__ import main
 

@@ -392,10 +392,18 @@ def is_milestone(step: int | None, keep_every: int) -> bool:
     return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
 
 
+def _marked_milestone(path: Path) -> bool:
+    """Saved as a milestone (state.json says so): kept even if keep_every changed since."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("milestone") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
            truncate: bool = False, keep_every: int = 0) -> list[Path]:
     """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones
-    (steps that are multiples of `keep_every`); returns what was deleted.
+    (steps that are multiples of `keep_every`, or saved as milestones); returns what was deleted.
 
     Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
     Checkpoints that do not verify (cheap size check) do not count towards `keep_last`. `protect`
@@ -404,7 +412,7 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     """
     keep_last = max(2, keep_last)
     ckpts = list_checkpoints(run_dir)
-    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(_step_of(p), keep_every)}
+    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(_step_of(p), keep_every) or _marked_milestone(p)}
     if best_step is not None:
         keep.add(Path(run_dir) / CKPT_DIR / ckpt_name(best_step))
     n_valid = 0
@@ -582,11 +590,12 @@ class CheckpointWriter:
         self.last_saved: Path | None = None
         # mirror state, guarded by _cv
         self._cv = threading.Condition()
-        self._pending: tuple[Path, int | None] | None = None  # newest local checkpoint not yet copied
+        self._pending: Path | None = None  # newest local checkpoint not yet copied
         # Milestones not yet on the mirror, oldest first. A newer checkpoint replaces _pending (only the
         # newest matters for resuming) but not these: they are copied after it.
-        self._milestones: list[tuple[Path, int | None]] = []
+        self._milestones: list[Path] = []
         self._milestones_paused = False  # after a failed copy, until the next save
+        self._best_step: int | None = None  # the newest best step: what mirror rotation must keep
         self._busy: Path | None = None  # being copied now
         self._closing = False
         self._mirror_thread: threading.Thread | None = None
@@ -659,20 +668,24 @@ class CheckpointWriter:
                 if n is not None:
                     with open(self.run_dir / name, "rb") as f:
                         extra[name] = f.read(n)
+            milestone = is_milestone(step, self.keep_every)
+            if milestone:
+                state["milestone"] = True  # kept for good, even if keep_every changes later
             path = write_checkpoint(self.run_dir / CKPT_DIR, step, model_sd, train_state, state, extra)
             verify_checkpoint(path)
             fault_point("after_rename", step)
             self.last_saved = path
             self._run_file_sizes = {k: v for k, v in sizes.items() if v is not None}
             with self._cv:
+                self._best_step = best_step
                 if self.mirror_dir is not None:
-                    self._pending = (path, best_step)
+                    self._pending = path
                     self._milestones_paused = False
-                    if is_milestone(step, self.keep_every):
-                        self._milestones.append((path, best_step))
+                    if milestone:
+                        self._milestones.append(path)
                     self._ensure_mirror_thread()
                     self._cv.notify_all()
-                protect = {p for p in (self._busy, self._pending and self._pending[0]) if p is not None}
+                protect = {p for p in (self._busy, self._pending) if p is not None}
             rotate(self.run_dir, self.keep_last, best_step, protect=protect, keep_every=self.keep_every)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
@@ -695,12 +708,17 @@ class CheckpointWriter:
     # -- mirror --
 
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
-        """Queue an existing local checkpoint for the mirror (e.g. resumed locally, newer than Drive)."""
+        """Queue an existing local checkpoint for the mirror (e.g. resumed locally, newer than Drive),
+        and the local milestones (those already on the mirror are recognised and not copied again)."""
         if self.mirror_dir is None:
             return
+        milestones = [p for p in reversed(list_checkpoints(self.run_dir)) if _marked_milestone(p)]
         with self._cv:
-            if self._pending is None or _step_of(self._pending[0]) < _step_of(path):
-                self._pending = (path, best_step)
+            if self._best_step is None:
+                self._best_step = best_step
+            if self._pending is None or _step_of(self._pending) < _step_of(path):
+                self._pending = path
+            self._milestones += [p for p in milestones if p not in self._milestones]
             self._ensure_mirror_thread()
             self._cv.notify_all()
 
@@ -716,36 +734,37 @@ class CheckpointWriter:
                 while self._pending is None and not milestones_due() and not self._closing:
                     self._cv.wait()
                 if self._pending is not None:
-                    (path, best_step), self._pending = self._pending, None
+                    path, self._pending = self._pending, None
                 elif milestones_due():
-                    path, best_step = self._milestones[0]
+                    path = self._milestones[0]
                 else:
                     return
                 self._busy = path
             try:
-                copied = self._mirror_with_retries(path, best_step)
+                outcome = self._mirror_with_retries(path)
                 with self._cv:
-                    if copied:
-                        self._milestones = [m for m in self._milestones if m[0] != path]
-                    else:  # Drive is failing: milestones wait for the next save instead of retrying in a loop
+                    if outcome == "copied":
+                        self._milestones = [m for m in self._milestones if m != path]
+                    elif outcome == "failed":  # Drive is failing: milestones wait for the next save, not a loop
                         self._milestones_paused = True
             finally:
                 with self._cv:
                     self._busy = None
                     self._cv.notify_all()
 
-    def _mirror_with_retries(self, path: Path, best_step: int | None) -> bool:
-        """Copy one checkpoint to the mirror, retrying; True once it is there."""
+    def _mirror_with_retries(self, path: Path) -> str:
+        """Copy one checkpoint to the mirror, retrying -> "copied", "failed" (gave up) or "superseded"
+        (a newer checkpoint arrived during a retry wait: that one is copied instead)."""
         step = _step_of(path)
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         for attempt in range(1, attempts + 1):
             try:
-                self._mirror_attempt(path, best_step)
+                self._mirror_attempt(path)
                 if self.mirror_error is not None:
                     _loud(f"Drive copy OK again: {ckpt_name(step)} verified in {self.mirror_dir}")
                 self.mirror_error = None
                 self.mirror_last_step = max(step, self.mirror_last_step or 0)
-                return True
+                return "copied"
             except Exception as e:  # noqa: BLE001 - reported, retried, never raised into training
                 self.mirror_failures += 1
                 self.mirror_error = f"{type(e).__name__}: {e}"
@@ -753,21 +772,23 @@ class CheckpointWriter:
                     _loud(f"!! DRIVE COPY FAILED for {ckpt_name(step)} after {attempts} attempts: {self.mirror_error}. "
                           f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
                           f"Drive is step {self.mirror_last_step}. The next checkpoint will be tried again.")
-                    return False
+                    return "failed"
                 delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
                 _loud(f"!! Drive copy of {ckpt_name(step)} failed (attempt {attempt}/{attempts}): {self.mirror_error}; "
                       f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})")
                 with self._cv:  # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
-                    if self._cv.wait_for(lambda: self._pending is not None and _step_of(self._pending[0]) > step,
+                    if self._cv.wait_for(lambda: self._pending is not None and _step_of(self._pending) > step,
                                          timeout=delay):
-                        return False
+                        return "superseded"
 
-    def _mirror_attempt(self, path: Path, best_step: int | None) -> None:
+    def _mirror_attempt(self, path: Path) -> None:
         progress = _Progress()
         sizes = dict(self._run_file_sizes)
 
         def attempt():
             mirror_checkpoint(path, self.mirror_dir, progress)
+            with self._cv:
+                best_step = self._best_step  # the newest: a milestone copied late must not drop today's best
             rotate(self.mirror_dir, self.keep_last, best_step, truncate=True,  # also cleans checkpoint orphans
                    keep_every=self.keep_every)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
@@ -793,7 +814,7 @@ class CheckpointWriter:
         s = self.status()
         if s["mirror_error"]:
             return f"DRIVE COPY FAILING (newest on Drive: step {s['mirror_step']}): {s['mirror_error']}"
-        return f"drive: step {s['mirror_step']}" + (" (copying newer)" if s["mirror_copying"] else "")
+        return f"drive: step {s['mirror_step']}" + (" (copying)" if s["mirror_copying"] else "")
 
     def close(self, timeout: float | None = None) -> dict:
         """Wait for the local save (raising its error), then up to `timeout` (MIRROR_CLOSE_TIMEOUT_S)
@@ -807,7 +828,7 @@ class CheckpointWriter:
             self._mirror_thread.join(timeout)
             if self._mirror_thread.is_alive():
                 _loud(f"!! Drive copy still running after {timeout:g} s; it goes on in the background while this "
-                      f"process lives, but the newest checkpoint may exist only in {self.run_dir}")
+                      f"process lives, but the newest checkpoint or milestones may exist only in {self.run_dir}")
             else:
                 self._mirror_thread = None
                 with self._cv:
@@ -817,6 +838,11 @@ class CheckpointWriter:
                 _loud(f"!! the newest checkpoint (step {local}) is NOT on Drive ({self.mirror_dir}), only in "
                       f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.mirror_error}. "
                       f"Re-run training (it resumes from the local checkpoint and copies it) once Drive works.")
+            with self._cv:
+                left = [_step_of(p) for p in self._milestones]
+            if left:
+                _loud(f"!! milestone checkpoints {left} are NOT on Drive yet, only in {self.run_dir}; re-running "
+                      f"training copies them once Drive works")
         return self.status()
 
 

@@ -144,8 +144,8 @@ class Engine:
         # Python). The first generation pays the compile (tens of seconds); worth it for long outputs.
         self.compile = compile
         self._compiled_step = None
-        self._compile_verified = False  # the compiled step has run once (compile errors surface there)
-        self._static_caches: dict[int, KVCache] = {}  # batch size -> cache, reused: the compiled step guards on it
+        self._compiled_calls: dict[int, int] = {}  # batch size -> compiled steps run (its first ones compile)
+        self._static_caches: dict[int, KVCache] = {}  # batch size -> cache, reused (a new one re-records the graph)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
@@ -169,20 +169,24 @@ class Engine:
             if self._compiled_step is None:
                 mode = "reduce-overhead" if self.device.type == "cuda" else "default"  # CUDA graphs need a GPU
                 self._compiled_step = torch.compile(_forward_last, mode=mode, fullgraph=True, dynamic=False)
-                self._compile_verified = False
             step = self._compiled_step
             idx = idx.clone()  # its own storage: a view into buf would change address every step
+        B = idx.size(0)
         try:
             logits = step(self.model, idx, cache, pos)
-        except Exception as e:  # compiling happens in the first call: a missing compiler or Triton must not end the session
-            if step is _forward_last or self._compile_verified:
+        except Exception as e:
+            # A batch size's first calls compile and record the CUDA graph: a missing compiler, a Triton
+            # problem or dynamo's recompile limit (one graph per batch size) must not end the session.
+            compile_error = isinstance(e, torch._dynamo.exc.TorchDynamoException) or \
+                type(e).__module__.startswith("torch._dynamo") or self._compiled_calls.get(B, 0) < 3
+            if step is _forward_last or not compile_error:
                 raise
             warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {str(e)[:300]}); "
                           f"decoding without compile", stacklevel=2)
             self._compiled_step = step = _forward_last
             logits = step(self.model, idx, cache, pos)
         if step is not _forward_last:
-            self._compile_verified = True
+            self._compiled_calls[B] = self._compiled_calls.get(B, 0) + 1
             logits = logits.clone()  # a CUDA graph reuses its output buffer on the next replay
         cache.pos += T
         return logits
@@ -249,6 +253,8 @@ class Engine:
         cache = None
         if use_cache and self.compile:
             if B not in self._static_caches:
+                if len(self._static_caches) >= 2:  # bounded memory (gpt2-small fp32: 75 MB per row)
+                    self._static_caches.pop(next(iter(self._static_caches)))
                 self._static_caches[B] = KVCache(model.config, B, dev, self.dtype, static=True)
             cache = self._static_caches[B]  # old keys stay in it: the mask hides slots past each position
             cache.reset()

@@ -231,6 +231,104 @@ def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
     assert local[:4] == ["step_0000006", "step_0000005", "step_0000004", "step_0000002"]
 
 
+def _gated_mirror(monkeypatch, fail_once=()):
+    """mirror_checkpoint that copies only when the test releases it (and fails once for fail_once names)."""
+    import threading
+
+    real, calls, gate, failed = ck.mirror_checkpoint, [], threading.Semaphore(0), set()
+
+    def copy(src, dst, progress=None):
+        calls.append(src.name)
+        if src.name in fail_once and src.name not in failed:
+            failed.add(src.name)
+            raise OSError(errno.EIO, "Input/output error")
+        gate.acquire()
+        return real(src, dst, progress)
+
+    monkeypatch.setattr(ck, "mirror_checkpoint", copy)
+    return calls, gate
+
+
+def _wait_for(calls, n):
+    end = time.time() + 10
+    while len(calls) < n and time.time() < end:
+        time.sleep(0.01)
+    assert len(calls) >= n, calls
+
+
+def _drive(tmp_path):
+    return [p.name for p in list_checkpoints(tmp_path / "drive")]
+
+
+def test_a_milestone_copied_late_keeps_the_current_best_on_the_mirror(tmp_path, monkeypatch):
+    calls, gate = _gated_mirror(monkeypatch)
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=5)
+
+    def save(s, best):
+        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=best)
+        w.wait()
+
+    save(1, None)
+    _wait_for(calls, 1)
+    save(5, None)  # a milestone saved before step 6 became the best
+    save(6, 6)
+    for n, s in ((2, 7), (3, 8)):
+        gate.release()
+        _wait_for(calls, n)
+        save(s, 6)
+    for _ in range(4):
+        gate.release()
+    w.close(timeout=10)
+    assert calls == ["step_0000001", "step_0000006", "step_0000007", "step_0000008", "step_0000005"]
+    assert _drive(tmp_path) == ["step_0000008", "step_0000007", "step_0000006", "step_0000005"]
+
+
+def test_a_superseded_retry_does_not_strand_milestones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", (5.0,))
+    calls, gate = _gated_mirror(monkeypatch, fail_once={"step_0000011"})
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=10)
+
+    def save(s):
+        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=None)
+        w.wait()
+
+    save(1)
+    _wait_for(calls, 1)
+    save(10)
+    save(11)
+    gate.release()
+    _wait_for(calls, 2)  # 11 failed once and waits 5 s to retry
+    time.sleep(0.2)
+    save(12)  # replaces 11 during the wait
+    for _ in range(5):
+        gate.release()
+    st = w.close(timeout=10)
+    assert st["mirror_step"] == 12 and "step_0000010" in _drive(tmp_path), (calls, _drive(tmp_path))
+    assert "NOT on Drive" not in capsys.readouterr().err
+
+
+def test_milestones_survive_a_change_of_keep_every(tmp_path):
+    w = CheckpointWriter(tmp_path, keep_last=2, background=False, keep_every=2)
+    for s in range(1, 6):
+        w.save(s, sd(s), {}, {"step": s}, best_step=None)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000004", "step_0000002"]
+    w = CheckpointWriter(tmp_path, keep_last=2, background=False, keep_every=0)  # resumed with keep_every=0
+    for s in range(6, 9):
+        w.save(s, sd(s), {}, {"step": s}, best_step=None)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000008", "step_0000007", "step_0000004",
+                                                            "step_0000002"]
+
+
+def test_resuming_locally_copies_the_local_milestones(tmp_path):
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, background=False, keep_every=2)  # Drive was away
+    for s in range(1, 6):
+        w.save(s, sd(s), {}, {"step": s}, best_step=None)
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
+    w.mirror_existing(tmp_path / "local" / "checkpoints" / "step_0000005")  # what train() does on a local resume
+    w.close(timeout=10)
+    assert _drive(tmp_path) == ["step_0000005", "step_0000004", "step_0000002"]
+
+
 def test_writer_mirror_failure_is_loud_not_fatal(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", (0.01,))
 

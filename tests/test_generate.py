@@ -106,6 +106,19 @@ def test_compiled_decode_step_gives_the_same_tokens(model):
     assert compiled.generate_ids([[2, 2]], greedy)[0] == eager.generate_ids([[2, 2]], greedy)[0]  # another batch size
 
 
+def test_compiled_decoding_survives_the_recompile_limit(model):
+    """One graph per batch size: past dynamo's recompile limit the engine warns and decodes eagerly."""
+    from gptlib.generate import _forward_last
+
+    eager, compiled = Engine(model), Engine(model, compile=True)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match="decoding without compile"):
+        for B in (1, 2, 3):
+            prompts = [[1 + b, 2] for b in range(B)]
+            assert compiled.generate_ids(prompts, greedy)[0] == eager.generate_ids(prompts, greedy)[0]
+    assert compiled._compiled_step is _forward_last
+
+
 def test_failed_compile_falls_back_to_eager_decoding(model, monkeypatch):
     def broken_compile(fn, **kw):
         def step(*a):

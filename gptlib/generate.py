@@ -177,8 +177,8 @@ class Engine:
         except Exception as e:
             # A batch size's first calls compile and record the CUDA graph: a missing compiler, a Triton
             # problem or dynamo's recompile limit (one graph per batch size) must not end the session.
-            compile_error = isinstance(e, torch._dynamo.exc.TorchDynamoException) or \
-                type(e).__module__.startswith("torch._dynamo") or self._compiled_calls.get(B, 0) < 3
+            compile_error = (type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
+                             or self._compiled_calls.get(B, 0) < 3)
             if step is _forward_last or not compile_error:
                 raise
             warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {str(e)[:300]}); "

@@ -44,9 +44,9 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) with a faster path for a few rows on the CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and not torch.compiler.is_compiling() and x.numel() <= SPLIT_ROWS_MAX * self.in_features and not (
-            torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        ):
+        few_rows_on_cpu = x.device.type == "cpu" and x.numel() <= SPLIT_ROWS_MAX * self.in_features
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if few_rows_on_cpu and not needs_grad and not torch.compiler.is_compiling():
             blocks = _row_blocks(self.out_features)
             if blocks > 1:
                 return split_linear(x, self.weight, self.bias, blocks)

@@ -412,7 +412,7 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     """
     keep_last = max(2, keep_last)
     ckpts = list_checkpoints(run_dir)
-    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(_step_of(p), keep_every) or _marked_milestone(p)}
+    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(_step_of(p), keep_every)}
     if best_step is not None:
         keep.add(Path(run_dir) / CKPT_DIR / ckpt_name(best_step))
     n_valid = 0
@@ -429,7 +429,7 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     if n_valid == 0:
         return deleted  # nothing verified: delete nothing
     for p in ckpts:
-        if p not in keep:
+        if p not in keep and not _marked_milestone(p):  # read only for deletion candidates (Drive is slow)
             _remove_tree(p, truncate)
             deleted.append(p)
     clean_orphans(run_dir, truncate, run_level=False)

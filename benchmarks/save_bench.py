@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from gptlib import checkpoint as ck
+from gptlib.checkpointer import CheckpointWriter
+from gptlib.layout import checkpoint_name
 from gptlib.config import get_preset
 from gptlib.model import GPT
 
@@ -38,17 +39,19 @@ from gptlib.model import GPT
 def machine_info(d: Path) -> str:
     cpu = platform.processor() or ""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
     mem = ""
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) / 1e6:.1f} GB RAM"
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    mem = f"{int(line.split()[1]) / 1e6:.1f} GB RAM"
     except OSError:
         pass
     du = shutil.disk_usage(d)
@@ -99,7 +102,7 @@ def main() -> None:
     local, mirror = root / "local", root / "mirror"
     block, local_t, mirror_t, sizes, rates = [], [], [], [], []
     try:
-        w = ck.CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
+        w = CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
         for i in range(1, args.saves + 1):
             train_state = {"optimizer": opt.state_dict(), "scaler": {},
                            "sampler": {"rng_state": gen.get_state(), "batches_drawn": i}, "rng": {"torch_cpu": torch.get_rng_state()}}
@@ -116,7 +119,7 @@ def main() -> None:
             rates.append(rate / idle_rate)
             st = w.status()
             assert st["mirror_step"] == i and st["mirror_error"] is None, st
-            size = sum(f.stat().st_size for f in (local / "checkpoints" / ck.ckpt_name(i)).iterdir())
+            size = sum(f.stat().st_size for f in (local / "checkpoints" / checkpoint_name(i)).iterdir())
             block.append(t1 - t0)
             local_t.append(t2 - t0)
             mirror_t.append(t3 - t2)

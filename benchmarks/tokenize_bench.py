@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -137,7 +136,10 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    from gptlib.prepare import BATCH_CHARS, Source, _train_texts, file_hash, source_kind, split_text
+    from gptlib.prepare import BATCH_CHARS
+    from gptlib.inputs import Source, file_hash, source_kind
+    from gptlib.pieces import split_text
+    from gptlib.sources import train_texts
     from gptlib.tokenizer import BPETokenizer, load_tokenizer
 
     t = time.perf_counter()
@@ -151,7 +153,7 @@ def main() -> None:
     tok_file = work / f"tokenizer_{args.vocab_size}.json"
     sources = [Source(p, source_kind(p), p.stat().st_size, file_hash(p, p.stat().st_size)) for p in paths]
     t = time.perf_counter()
-    tok = BPETokenizer.train(_train_texts(sources, "code", None, []), vocab_size=args.vocab_size)
+    tok = BPETokenizer.train(train_texts(sources, "code", None, []), vocab_size=args.vocab_size)
     train_s = time.perf_counter() - t
     tok_file.write_bytes(tok.to_json_bytes())
     print(f"tokenizer: trained {tok.vocab_size:,}-id byte-level BPE on {text_bytes / 1e6:.1f} MB in {train_s:.1f}s "

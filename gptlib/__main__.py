@@ -1,27 +1,49 @@
-"""Command line: python -m gptlib {tokenize, train, sample, ...} --help."""
+"""Command line: python -m gptlib {tokenize, train, sample, chat, ...} --help."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import inspect
 import sys
 
+from .errors import GptlibError
 
-class CLIError(Exception):
-    pass
+
+class CLIError(GptlibError):
+    """A bad combination of command-line arguments."""
+
+
+def _command(sub, name: str, func, help: str) -> argparse.ArgumentParser:
+    """A subcommand that runs func(args); its --help description is func's docstring, so what a command
+    does is written once, beside the code that does it (python -OO strips it: no description then)."""
+    p = sub.add_parser(name, help=help, description=inspect.cleandoc(func.__doc__ or ""))
+    p.set_defaults(func=func)
+    return p
 
 
 def _add_tokenize(sub) -> None:
-    p = sub.add_parser("tokenize", help="pre-tokenize text into token shards + meta.json",
-                       description="Pre-tokenize .txt / .jsonl / parquet files into a gptlib data directory "
-                                   "(token shards + tokenizer.json + meta.json). Re-running the same command "
-                                   "resumes an interrupted run or reuses the finished dataset.")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="text/jsonl/parquet files, directories or globs")
-    p.add_argument("--tokenizer", default="char", choices=["char", "bpe"], help="tokenizer kind (default: char)")
+    p = _command(sub, "tokenize", cmd_tokenize, help="pre-tokenize text into token shards + meta.json")
+    p.add_argument("--input", nargs="+", metavar="URL_OR_PATH",
+                   help="text/jsonl/parquet files, directories, globs or fsspec URLs, e.g. "
+                        "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet")
+    p.add_argument("--hf-dataset", metavar="OWNER/NAME", help="a Hugging Face Hub dataset: its parquet files (or "
+                   "the Hub's parquet conversion); a token from HF_TOKEN or Colab's secrets")
+    p.add_argument("--hf-config", metavar="C", help="the Hub dataset's config (default: its default config)")
+    p.add_argument("--hf-split", metavar="S", help="the Hub dataset's split (default: train)")
+    p.add_argument("--format", default="text", choices=["text", "chat"],
+                   help="text: documents; chat: conversations (a messages/conversations list per record), rendered "
+                        "with role tokens, assistant spans stored beside the shards (default: text)")
+    p.add_argument("--max-tokens", type=_count, metavar="N", help="stop after N tokens (train + val) at a document "
+                   "boundary, e.g. 2.8e9 or 2.8B")
+    p.add_argument("--tokenizer", default=None, choices=["char", "bpe"],
+                   help="tokenizer kind (default: char; bpe with --format chat)")
     p.add_argument("--vocab-size", type=int, default=32768, help="BPE vocabulary size (default 32768)")
-    p.add_argument("--tokenizer-file", metavar="PATH", help="reuse this trained tokenizer.json instead of training")
+    p.add_argument("--tokenizer-from", metavar="RUN_DIR", help="reuse the tokenizer of a run directory, a data "
+                   "directory or a tokenizer.json (with --format chat the chat tokens are added if missing)")
+    p.add_argument("--tokenizer-file", metavar="PATH", help="same as --tokenizer-from")
     p.add_argument("--text-column", metavar="NAME", help="jsonl field / parquet column holding the text "
-                   "(default: text)")
+                   "(default: text; with --format chat: messages, else conversations)")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="output data directory")
     p.add_argument("--val-fraction", type=float, default=0.1, help="fraction held out for validation (default 0.1)")
     p.add_argument("--split", default="auto", choices=["auto", "document", "tail"],
@@ -31,32 +53,58 @@ def _add_tokenize(sub) -> None:
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    p.set_defaults(func=cmd_tokenize)
+
+
+def _count(s: str) -> int:
+    """A token count: 2800000000, 2.8e9, 2.8B, 500M, 20K (catalog.parse_count)."""
+    from .catalog import parse_count
+
+    try:
+        n = parse_count(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n is None or n < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be at least 1")
+    return n
 
 
 def cmd_tokenize(args) -> int:
+    """Pre-tokenize .txt / .jsonl / parquet files, local or behind URLs (file://, memory://,
+    hf://datasets/OWNER/NAME[/glob]), into a gptlib data directory (token shards + tokenizer.json + meta.json).
+    Re-running the same command resumes an interrupted run or reuses the finished dataset.
+    """
     from .prepare import prepare
 
-    # With --tokenizer-file the file decides the kind (char or BPE); --tokenizer is then ignored.
-    prepare(args.input, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-            tokenizer_file=args.tokenizer_file, text_column=args.text_column, val_fraction=args.val_fraction,
-            split=args.split, shard_tokens=args.shard_tokens,
+    inputs = list(args.input or [])
+    if args.hf_dataset:
+        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
+    if not inputs:
+        raise CLIError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
+    if (args.hf_config or args.hf_split) and not any(str(i).startswith("hf://") for i in inputs):
+        raise CLIError("--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
+                       "or an hf://datasets/ input")
+    if args.tokenizer_from and args.tokenizer_file and args.tokenizer_from != args.tokenizer_file:
+        raise CLIError("--tokenizer-from and --tokenizer-file are the same option: give one")
+    # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
+    tokenizer = args.tokenizer or ("bpe" if args.format == "chat" else "char")
+    prepare(inputs, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
+            tokenizer_file=args.tokenizer_from or args.tokenizer_file, text_column=args.text_column,
+            val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
             train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
-            overwrite=args.overwrite, verbose=not args.quiet)
+            overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,
+            hf_config=args.hf_config, hf_split=args.hf_split)
     return 0
 
 
 def _add_fetch(sub) -> None:
-    p = sub.add_parser("fetch-shakespeare", help="download (or verify a local copy of) Tiny Shakespeare",
-                       description="Print the path of a checksum-verified Tiny Shakespeare file, downloading it "
-                                   "into the cache if needed.")
+    p = _command(sub, "fetch-shakespeare", cmd_fetch, help="download (or verify a local copy of) Tiny Shakespeare")
     p.add_argument("--local", metavar="PATH", help="use this local copy (verified) instead of downloading")
     p.add_argument("--cache-dir", metavar="DIR", help="download cache (default ~/.cache/gptlib or $GPTLIB_CACHE)")
     p.add_argument("--url", help="download from this URL instead of the canonical one")
-    p.set_defaults(func=cmd_fetch)
 
 
 def cmd_fetch(args) -> int:
+    """Print the path of a checksum-verified Tiny Shakespeare file, downloading it into the cache if needed."""
     from .download import TINYSHAKESPEARE_URL, fetch_tinyshakespeare
 
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, url=args.url or TINYSHAKESPEARE_URL, local_path=args.local))
@@ -66,9 +114,7 @@ def cmd_fetch(args) -> int:
 def _add_train(sub) -> None:
     from .config import PRESETS
 
-    p = sub.add_parser("train", help="train or resume a GPT on a data directory",
-                       description="Train a GPT; re-running the same command resumes from the run directory's "
-                                   "newest valid checkpoint.")
+    p = _command(sub, "train", cmd_train, help="train or resume a GPT on a data directory")
     p.add_argument("--data", required=True, metavar="DATA_DIR", help="data directory from `tokenize`")
     p.add_argument("--preset", default="phase1", choices=list(PRESETS), help="model/training preset")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR", help="where checkpoints, metrics, plots go")
@@ -85,11 +131,16 @@ def _add_train(sub) -> None:
     p.add_argument("--keep-last", type=int, help="checkpoints kept besides the best (at least 2)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override any config field, e.g. --set n_layer=6 --set learning_rate=3e-4 (repeatable)")
+    p.add_argument("--init-from", metavar="RUN_DIR[:latest|best|STEP]",
+                   help="start a new run from these weights (fresh optimizer and schedule), e.g. a run made by "
+                        "import-hf; the model's shape comes from it (use --preset finetune)")
+    p.add_argument("--take-over", action="store_true",
+                   help="take the run over from another training process that holds its lease (see README)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:
+    """Train a GPT; re-running the same command resumes from the run directory's newest valid checkpoint."""
     from .train import train
 
     overrides = list(args.set)
@@ -100,16 +151,15 @@ def cmd_train(args) -> int:
     compile_flag = None if args.compile is None else ("on" if args.compile else "off")
     r = train(args.data, args.run_dir, preset=args.preset, overrides=overrides, max_steps=args.max_steps,
               max_minutes=args.max_minutes, seed=args.seed, device=args.device, compile=compile_flag,
-              progress=not args.quiet, mirror_dir=args.mirror_dir)
-    val = f"{r.val_loss:.4f}" if r.val_loss is not None else "n/a"
-    print(f"done: step {r.step:,}, val loss {val}, {r.tokens_per_s:,.0f} tokens/s, "
-          f"{r.elapsed_s:.1f}s ({r.stopped_by}) -> {r.run_dir}")
+              progress=not args.quiet, mirror_dir=args.mirror_dir, take_over=args.take_over,
+              init_from=args.init_from)
+    if r.stopped_by != "finished":  # train() already said "already finished ..."
+        print(r.summary())
     return 0
 
 
 def _add_sample(sub) -> None:
-    p = sub.add_parser("sample", help="generate text from a run's checkpoint",
-                       description="Generate text from a checkpoint of a run directory (KV-cached engine).")
+    p = _command(sub, "sample", cmd_sample, help="generate text from a run's checkpoint")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
     p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
                    help="which checkpoint: the newest, the best validation loss, or a step number (default latest)")
@@ -127,73 +177,153 @@ def _add_sample(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step (CUDA graphs on a GPU): faster tokens after a one-time compile")
-    p.set_defaults(func=cmd_sample)
 
 
 def cmd_sample(args) -> int:
-    from .generate import Engine, GenerationError, SamplingConfig
+    """Generate text from a checkpoint of a run directory (KV-cached engine)."""
+    from .generate import Engine, SamplingConfig
 
     if args.num_samples < 1:
         raise CLIError(f"--num-samples {args.num_samples} must be >= 1")
     # A literal backslash-n typed in a shell means a newline.
     prompts = [pr.replace("\\n", "\n") for pr in (args.prompt or ["\n"])]
     jobs = [pr for pr in prompts for _ in range(args.num_samples)]
-    try:
-        cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                             stop=[st.replace("\\n", "\n") for st in args.stop],
-                             seed=args.seed).validate()
-        eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device, compile=args.compile)
-        print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
-        many = len(jobs) > 1
-        if args.stream:
-            for i, pr in enumerate(jobs):
-                if many:
-                    print(f"\n--- sample {i + 1}/{len(jobs)} ---")
-                print(pr, end="", flush=True)
-                cfg.seed = args.seed + i
-                eng.generate(pr, cfg, stream=lambda _, piece: print(piece, end="", flush=True))
-                print()
-        else:
-            for i, c in enumerate(eng.generate(jobs, cfg)):
-                if many:
-                    print(f"\n--- sample {i + 1}/{len(jobs)} ---")
-                print(c.prompt + c.text)
-    except GenerationError as e:
-        raise CLIError(str(e)) from None
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                         stop=[st.replace("\\n", "\n") for st in args.stop],
+                         seed=args.seed).validate()
+    eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device, compile=args.compile)
+    print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
+    many = len(jobs) > 1
+    if args.stream:
+        for i, pr in enumerate(jobs):
+            if many:
+                print(f"\n--- sample {i + 1}/{len(jobs)} ---")
+            print(pr, end="", flush=True)
+            cfg.seed = args.seed + i
+            eng.generate(pr, cfg, stream=lambda _, piece: print(piece, end="", flush=True))
+            print()
+    else:
+        for i, c in enumerate(eng.generate(jobs, cfg)):
+            if many:
+                print(f"\n--- sample {i + 1}/{len(jobs)} ---")
+            print(c.prompt + c.text)
+    return 0
+
+
+def _add_chat(sub) -> None:
+    p = _command(sub, "chat", cmd_chat,
+                 help="talk to a chat-tuned run: an interactive chat, or one turn with --message")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
+                   help="which checkpoint: the newest, the best validation loss, or a step number (default latest)")
+    p.add_argument("--message", default=None, metavar="TEXT", help="one user message: print only the reply and exit")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt, kept through the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="longest reply in tokens (at most half the context)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy decoding")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1 = off)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
+
+
+def cmd_chat(args) -> int:
+    """Chat with a run fine-tuned on conversations (tokenize --format chat, then train --init-from). Without
+    --message: an interactive chat in the terminal (/reset clears the history, /quit or Ctrl-D ends). With
+    --message: one turn, and only the reply is printed. The history is kept within the context window: the oldest
+    exchanges are dropped first (see gptlib/dialogue.py).
+    """
+    from .dialogue import ChatSession, chat_loop
+    from .generate import SamplingConfig
+
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
+    session = ChatSession.from_run(args.run_dir, args.checkpoint, device=args.device, system=args.system,
+                                   compile=args.compile)
+    if args.message is None:
+        return chat_loop(session, cfg)
+    print(session.reply(args.message, cfg))  # stdout holds the reply only; notices went to stderr
     return 0
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export-hf", help="export a checkpoint as a Hugging Face GPT2LMHeadModel folder",
-                       description="Write config.json, model.safetensors and tokenizer files that transformers "
-                                   "loads with GPT2LMHeadModel.from_pretrained / AutoTokenizer.from_pretrained.")
+    p = _command(sub, "export-hf", cmd_export, help="export a checkpoint as a Hugging Face GPT2LMHeadModel folder")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args) -> int:
-    from .export import ExportError, export_hf
+    """Write config.json, model.safetensors and tokenizer files that transformers loads with
+    GPT2LMHeadModel.from_pretrained / AutoTokenizer.from_pretrained.
+    """
+    from .export import export_hf
 
-    try:
-        out = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
-    except ExportError as e:
-        raise CLIError(str(e)) from None
+    out = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
     print(f"exported to {out}: " + ", ".join(sorted(f.name for f in out.iterdir())))
+    return 0
+
+
+def _add_eval(sub) -> None:
+    p = _command(sub, "eval", cmd_eval, help="evaluate checkpoints: HellaSwag accuracy or validation bits per byte")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
+    p.add_argument("--task", required=True, metavar="hellaswag|bpb",
+                   help="hellaswag: accuracy on the 10,042 validation items; bpb: bits per byte on the val split")
+    p.add_argument("--data", metavar="FILE|DATA_DIR", default=None,
+                   help="hellaswag: a local hellaswag_val.jsonl (default: the canonical file, downloaded once, "
+                        "sha256-checked, cached); bpb: the data directory (default: the one the checkpoint "
+                        "recorded)")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP|all",
+                   help="which checkpoint(s): the newest, the best validation loss, a step, several separated by "
+                        "commas, or all of them oldest first (default latest)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="hellaswag: N items, evenly spaced over the file; bpb: N windows of block_size tokens, "
+                        "evenly spaced over the split (default: all)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
+                   help="padded tokens per forward (default 65536 on a GPU, 8192 on a CPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_eval(args) -> int:
+    """Score one or all checkpoints of a run on HellaSwag (validation, zero-shot, completion style: acc and
+    acc_norm) or on the run's validation split in bits per byte. Prints a table and appends one row per checkpoint
+    to RUN_DIR/eval.jsonl; nothing else in the run directory changes.
+    """
+    from .evaluate import evaluate_run, format_table
+
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        raise CLIError(f"--batch-tokens {args.batch_tokens} must be >= 1")
+    rows = evaluate_run(args.run_dir, args.task, args.checkpoint, data=args.data, limit=args.limit,
+                        device=args.device, batch_tokens=args.batch_tokens, progress=not args.quiet)
+    print(format_table(rows))
+    print(f"appended {len(rows)} row(s) to {args.run_dir}/eval.jsonl", file=sys.stderr)
+    return 0
+
+
+def _add_import(sub) -> None:
+    p = _command(sub, "import-hf", cmd_import, help="make a gptlib run directory from a Hugging Face GPT-2 model")
+    p.add_argument("--model", required=True, metavar="NAME_OR_DIR", help="a Hub model id (gpt2) or a local folder")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="the new run directory (must not exist or be empty)")
+
+
+def cmd_import(args) -> int:
+    """Turn a GPT2LMHeadModel (gpt2, gpt2-medium from the Hub when online, or any local folder) into a run
+    directory: sample, eval and export-hf work on it, and train --init-from RUN_DIR fine-tunes it.
+    """
+    from .hf_import import import_hf
+
+    import_hf(args.model, args.out)
     return 0
 
 
 def _add_bench(sub) -> None:
     from .config import PRESETS
 
-    p = sub.add_parser("bench", help="measure speed: the optimization ladder, or a preset's tokens/s and MFU",
-                       description="`bench ladder`: the optimization ladder (memmap + per-sample loop -> RAM preload "
-                                   "-> vectorised batches -> compile -> bf16 -> flash attention) with step time, "
-                                   "speedup and MFU per rung. `bench train`: tokens/s, MFU, time split and ETA of a "
-                                   "preset on the fast path, on synthetic tokens or --data.")
+    p = _command(sub, "bench", cmd_bench, help="measure speed: the optimization ladder, or a preset's tokens/s and MFU")
     p.add_argument("what", choices=["ladder", "train"])
     p.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="model preset (ladder default: gpt2-small at 64 x 512 on CUDA, a small model on CPU; "
@@ -209,14 +339,18 @@ def _add_bench(sub) -> None:
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train: torch.compile")
     p.add_argument("--auto-batch", action="store_true", help="train: probe the largest micro-batch that fits")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override config fields")
-    p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> int:
+    """`bench ladder`: the optimization ladder (memmap + per-sample loop -> RAM preload -> vectorised batches ->
+    compile -> bf16 -> flash attention) with step time, speedup and MFU per rung. `bench train`: tokens/s, MFU, time
+    split and ETA of a preset on the fast path, on synthetic tokens or --data.
+    """
     from . import bench
     from .config import get_preset
+    from .measure import machine_info
 
-    print(bench.machine_info())
+    print(machine_info())
     if args.what == "ladder":
         model_cfg = None
         if args.preset or args.set:
@@ -240,31 +374,27 @@ def main(argv: list[str] | None = None) -> int:
     _add_tokenize(sub)
     _add_train(sub)
     _add_sample(sub)
+    _add_chat(sub)
     _add_export(sub)
+    _add_import(sub)
+    _add_eval(sub)
     _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except _user_errors() as e:  # evaluated only when an exception is being handled
+    except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in _DISK_ERRORS:
+            raise
+        # a full, read-only or forbidden disk met outside the places that explain it: still one line
+        print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
+              f"writable directory", file=sys.stderr)
         return 2
 
 
-# Errors that are the user's to fix: printed as one line, exit status 2.
-_USER_ERRORS = (("bench", "MicroBatchOOM"), ("checkpoint", "CheckpointError"), ("config", "ConfigError"),
-                ("download", "DownloadError"), ("prepare", "PrepareError"), ("shards", "DataFormatError"),
-                ("tokenizer", "TokenizerError"))
-
-
-def _user_errors() -> tuple:
-    """The user-error classes of the gptlib modules the command imported (a module it did not import
-    cannot have raised): so `tokenize` never imports torch, via bench/checkpoint, just to name errors."""
-    found = [CLIError]
-    for mod, name in _USER_ERRORS:
-        m = sys.modules.get(f"gptlib.{mod}")
-        if m is not None and hasattr(m, name):
-            found.append(getattr(m, name))
-    return tuple(found)
+_DISK_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ flaky. So a run trains into a fast local dir and its checkpoints are mirrored to
               runs/<name>/                      mirror: checkpoints/, metrics.jsonl, loss.png, ...
     VM      /content/gptlib_local/              fast scratch (lost at disconnect)
               runs/<name>/                      where training writes first
+              data/<name>/                      train()'s verified copy of the Drive data (staging.py)
 
 Outside Colab there is one location, `./` (or $GPTLIB_ROOT): data in ./data/<name>, runs in
 ./runs/<name>, no mirror. Nothing here runs at import time (no mounts, no prints).
@@ -24,13 +25,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ColabError
+
 DRIVE_MOUNT = "/content/drive"
 DRIVE_SUBDIR = "MyDrive/gptlib"  # persistent root inside the mounted Drive
 COLAB_LOCAL_ROOT = "/content/gptlib_local"
-
-
-class ColabError(RuntimeError):
-    """Drive could not be mounted or used; the message says what to do."""
 
 
 def in_colab() -> bool:
@@ -40,6 +39,11 @@ def in_colab() -> bool:
 
 def drive_mountpoint() -> Path:
     return Path(os.environ.get("GPTLIB_DRIVE_MOUNT", DRIVE_MOUNT))
+
+
+def local_root() -> Path:
+    """The VM's fast scratch root on Colab ($GPTLIB_LOCAL_ROOT overrides it): runs, and staged data copies."""
+    return Path(os.environ.get("GPTLIB_LOCAL_ROOT", COLAB_LOCAL_ROOT))
 
 
 def _drive_usable(mountpoint: Path) -> bool:
@@ -110,7 +114,7 @@ def setup(use_drive: bool = True, mount: bool = True, timeout_s: float = 120.0) 
     """Decide (and create) the roots. On Colab with use_drive, mounts Drive (idempotent)."""
     env_root = os.environ.get("GPTLIB_ROOT")
     if in_colab():
-        local = Path(os.environ.get("GPTLIB_LOCAL_ROOT", COLAB_LOCAL_ROOT))
+        local = local_root()
         if use_drive:
             mp = mount_drive(timeout_s=timeout_s) if mount else drive_mountpoint()
             persistent = Path(env_root) if env_root else mp / DRIVE_SUBDIR

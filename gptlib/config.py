@@ -14,9 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value or key is invalid; the message names the field and the value."""
+from .errors import ConfigError
 
 
 @dataclass
@@ -65,14 +63,18 @@ class TrainConfig:
     sample_prompts: list[str] = field(default_factory=lambda: ["\n"])  # fixed prompts sampled at each validation
     sample_tokens: int = 200  # new tokens per logged sample
     seed: int = 1337  # seeds model init and the batch sampler; the run is reproducible from it
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto (bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU) | float32 | bfloat16 | float16
-    compile: str = "auto"  # auto (on for CUDA, off for CPU) | on | off
+    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (becomes the current GPU) | mps; anything else is refused
+    dtype: str = "auto"  # auto (bf16 on GPUs with bf16 hardware, A100/L4/H100; fp16 + GradScaler on T4/V100; fp32 on CPU) | float32 | bfloat16 (refused on a GPU without it) | float16
+    compile: str = "auto"  # auto: on for a CUDA run of at least runtime.COMPILE_MIN_FLOPS (1e16) training FLOPs, where the 0.5-2 min compile pays back (phase1: off; phase2, gpt2-*, finetune: on), off on CPU | on | off
     max_minutes: float = 0.0  # stop gracefully (with a checkpoint) after this much training time; 0 = no limit
     save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
     save_every_minutes: float = 10.0  # also checkpoint when this much time passed since the last one; 0 disables
     keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
     keep_every: int = 0  # also save and keep for good every checkpoint at a multiple of this step, so notebook 04 can compare "step 1k vs 10k vs the end"; each is a full checkpoint (gpt2-small: 1.3 GB on Drive); 0 = none
+    hellaswag_every: int = 0  # score HellaSwag (a fixed subset) every this many steps, and all 10,042 items at the end of the run; logged as hellaswag_acc_norm in metrics.jsonl; 0 = off
+    hellaswag_items: int = 1000  # size of that subset, evenly spaced over the file (1,000 items: +-1.4 points standard error); 0 = all items every time
+    hellaswag_file: str = ""  # a local hellaswag_val.jsonl; empty = download the canonical file once into the cache (training goes on without HellaSwag if it cannot be had)
+    chat_loss: str = "assistant"  # chat data (tokenize --format chat): "assistant" = the loss on the assistants' answers and their <|end|> only (the user's and system's turns are context), "all" = on every token
     auto_batch: bool = False  # CUDA: probe the largest micro-batch that fits and set grad_accum_steps so batch_size * grad_accum_steps sequences per step are kept
 
     def validate(self) -> None:
@@ -81,7 +83,7 @@ class TrainConfig:
         if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
             raise ConfigError(f"learning_rate={self.learning_rate} must be a positive number")
         _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "max_minutes", "save_every_steps",
-                      "save_every_minutes", "sample_tokens", "keep_every")
+                      "save_every_minutes", "sample_tokens", "keep_every", "hellaswag_every", "hellaswag_items")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -91,6 +93,7 @@ class TrainConfig:
             raise ConfigError(f"keep_last={self.keep_last}: at least 2 checkpoints are kept so one always survives a bad save")
         _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _choice(self, "compile", ("auto", "on", "off"))
+        _choice(self, "chat_loss", ("assistant", "all"))
 
 
 @dataclass
@@ -174,12 +177,30 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
     },
-    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
+    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small. HellaSwag
+    # on 1,000 items at each validation (a few seconds on an A100) shows progress against GPT-2 124M's 0.2955.
     "gpt2-small": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
                       warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000),
+                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+    },
+    # GPT-2 Medium (350M-class, 24 layers x 1024): the original author's next step. The same ~0.5M tokens per
+    # step as gpt2-small in micro-batches of 8 (it fits an A100 40 GB with bf16 and compile), a lower peak LR.
+    "gpt2-medium": {
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024, dropout=0.0),
+        "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, min_lr_ratio=0.1,
+                      warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
+                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+    },
+    # Fine-tuning a trained model (train --init-from RUN_DIR, or a GPT-2 from import-hf): the model's shape
+    # comes from that run (the fields below are placeholders), a peak LR ~10x below pre-training, a short
+    # warmup, and frequent validation, since small datasets overfit within a few hundred steps.
+    "finetune": {
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
+        "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
+                      warmup_steps=20, eval_interval=50, eval_batches=20, sample_prompts=["\n"], sample_tokens=100,
+                      save_every_minutes=10.0, keep_every=0),
     },
 }
 
@@ -191,10 +212,14 @@ def get_preset(name: str) -> RunConfig:
     return RunConfig(model=ModelConfig(**p["model"]), train=TrainConfig(**p["train"]), preset=name)
 
 
-def save_config(cfg: RunConfig, path) -> None:
-    from pathlib import Path
-
-    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+def build_config(preset: str | RunConfig, overrides: dict | list | None = None, **explicit) -> RunConfig:
+    """Preset (or a RunConfig) + `--set` overrides + explicit keyword values (None = not given), validated."""
+    cfg = get_preset(preset) if isinstance(preset, str) else RunConfig.from_dict(preset.to_dict())
+    cfg.apply_overrides(overrides)
+    for k, v in explicit.items():
+        if v is not None:
+            cfg.set(k, v)
+    return cfg.validate()
 
 
 # --- helpers -------------------------------------------------------------------------------

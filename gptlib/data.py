@@ -11,7 +11,9 @@ Where the tokens live is chosen once per split and printed with the reason:
             sampled from the current chunk.
 
 Each batch is one `randint` for the B start offsets and one gather of B x (T+1) tokens: no Python
-loop per sample. The samplers' RNG is a private `torch.Generator` whose state goes into every
+loop per sample. Chat data (tokenize --format chat) is packed the same way, windows over the stream of
+conversations, and a `LossMask` built from its assistant spans sets every target outside an assistant's
+answer to -1 (ignored by the loss): the model reads the whole conversation and learns only the answers. The samplers' RNG is a private `torch.Generator` whose state goes into every
 checkpoint, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .shards import DatasetMeta, DataFormatError, read_meta
+from .shards import DatasetMeta, DataFormatError, read_meta, read_spans
 
 GiB = 1 << 30
 RAM_FRACTION = 0.75  # preload into RAM only if the data takes at most this share of available RAM ...
@@ -74,12 +76,18 @@ class SplitData:
 
 
 class MemmapSplit:
-    """One split left on disk: its shards memory-mapped, read only in large contiguous pieces."""
+    """One split left on disk: its shards memory-mapped, read only in large contiguous pieces.
+
+    Every read checks that the ids are inside the vocabulary (one vectorised max per piece): a shard
+    damaged in place keeps its size, and meta.json's size checks cannot see it.
+    """
 
     def __init__(self, meta: DatasetMeta, split: str):
         self.name = split
         self.dtype = np.dtype(meta.dtype).newbyteorder("<")
-        self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in meta.shard_paths(split)]
+        self.vocab_size = meta.vocab_size
+        self.paths = meta.shard_paths(split)
+        self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
         self.bounds = np.cumsum([0] + [len(m) for m in self.maps])  # shard i holds [bounds[i], bounds[i+1])
 
     def __len__(self) -> int:
@@ -95,7 +103,14 @@ class MemmapSplit:
             i = int(np.searchsorted(self.bounds, pos, side="right")) - 1
             lo = pos - int(self.bounds[i])
             take = min(start + n - pos, int(self.bounds[i + 1]) - pos)
-            out[pos - start: pos - start + take] = self.maps[i][lo: lo + take]
+            seg = out[pos - start: pos - start + take]
+            seg[:] = self.maps[i][lo: lo + take]
+            if take and int(seg.max()) >= self.vocab_size:
+                k = int(np.argmax(seg >= self.vocab_size))
+                raise DataFormatError(
+                    f"shard {self.paths[i]}: token id {int(seg[k])} at position {lo + k:,} is outside the vocabulary "
+                    f"(vocab_size {self.vocab_size}); the file was damaged after tokenizing (its size is right). "
+                    f"Tokenize again (--overwrite) or restore the file")
             pos += take
         return _as_signed_view(out)
 
@@ -109,6 +124,35 @@ def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
     return chunk.to(device)
 
 
+class LossMask:
+    """Which targets of a split carry the loss: the [start, end) spans of its token stream that hold an
+    assistant's answer (shards.read_spans). The spans live where the split's tokens live (GPU or host),
+    so a batch's mask is one vectorised searchsorted beside its gather."""
+
+    def __init__(self, spans: np.ndarray, split_tokens: int, device: torch.device | str = "cpu"):
+        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        self.starts = torch.from_numpy(np.ascontiguousarray(spans[:, 0])).to(device)
+        self.ends = torch.from_numpy(np.ascontiguousarray(spans[:, 1])).to(device)
+        self.supervised = int((spans[:, 1] - spans[:, 0]).sum())  # tokens that carry the loss
+        self.fraction = self.supervised / max(1, split_tokens)
+
+    def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+        """starts (B,) window offsets into the stream -> (B, block_size) bool: target t of row b (the token at
+        starts[b] + t + 1) is inside an assistant span."""
+        pos = starts.to(self.starts.device).unsqueeze(1) + torch.arange(1, block_size + 1, device=self.starts.device)
+        k = torch.searchsorted(self.starts, pos, right=True) - 1  # the last span starting at or before pos
+        return (k >= 0) & (pos < self.ends[k.clamp(min=0)])
+
+
+def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, LossMask]:
+    """split -> LossMask for chat data trained on the assistants' answers only; {} otherwise (every target counts)."""
+    if meta.format != "chat" or chat_loss == "all":
+        return {}
+    return {name: LossMask(read_spans(meta, name), len(data),
+                           data.tokens.device if isinstance(data, SplitData) else "cpu")
+            for name, data in splits.items()}
+
+
 def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
     return DataFormatError(
         f"the {name} split has {n:,} tokens, fewer than one block of block_size + 1 = "
@@ -120,10 +164,11 @@ class BatchSampler:
     """Random (x, y) batches from one preloaded split, reproducible from a seed and resumable from its state."""
 
     def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
-                 device: str | torch.device):
+                 device: str | torch.device, loss_mask: LossMask | None = None):
         if len(data) < block_size + 1:
             raise _too_small(data.name, len(data), block_size)
         self.data = data
+        self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
         self.batch_size = batch_size
         self.block_size = block_size
         self.device = torch.device(device)
@@ -131,13 +176,17 @@ class BatchSampler:
         self.generator.manual_seed(seed)
         self.batches_drawn = 0
 
-    def _batch_from(self, tokens: SplitData) -> tuple[torch.Tensor, torch.Tensor]:
-        """One randint for the B start offsets, one gather of B x (T+1) tokens, one copy to the device."""
+    def _batch_from(self, tokens: SplitData, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One randint for the B start offsets, one gather of B x (T+1) tokens, one copy to the device.
+        offset: where `tokens` starts in the split's stream (a memmap chunk), for the loss mask."""
         high = len(tokens) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
         chunk = _to_ids(_move(tokens.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
         self.batches_drawn += 1
-        return chunk[:, :-1], chunk[:, 1:]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        if self.loss_mask is not None:
+            y = y.masked_fill(~_move(self.loss_mask.targets(starts + offset, self.block_size), self.device), -1)
+        return x, y
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
@@ -161,8 +210,9 @@ class ChunkedSampler(BatchSampler):
     """
 
     def __init__(self, data: MemmapSplit, batch_size: int, block_size: int, seed: int, device: str | torch.device,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batches_per_chunk: int | None = None):
-        super().__init__(data, batch_size, block_size, seed, device)
+                 loss_mask: LossMask | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 batches_per_chunk: int | None = None):
+        super().__init__(data, batch_size, block_size, seed, device, loss_mask)
         self.chunk_tokens = max(min(int(chunk_tokens), len(data)), block_size + 1)
         self.batches_per_chunk = batches_per_chunk or max(1, self.chunk_tokens // (batch_size * block_size))
         self.chunk_start = -1  # no chunk read yet
@@ -182,7 +232,7 @@ class ChunkedSampler(BatchSampler):
         elif self._chunk is None:  # after load_state_dict: re-read the chunk the saved run was using
             self._read_chunk()
         self.chunk_batches += 1
-        return self._batch_from(self._chunk)
+        return self._batch_from(self._chunk, self.chunk_start)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "chunk_start": self.chunk_start, "chunk_batches": self.chunk_batches,
@@ -200,11 +250,11 @@ class ChunkedSampler(BatchSampler):
 
 
 def make_sampler(data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
-                 device: str | torch.device, **chunk_kw) -> BatchSampler | ChunkedSampler:
+                 device: str | torch.device, loss_mask: LossMask | None = None, **chunk_kw) -> BatchSampler | ChunkedSampler:
     """The sampler that fits where the split lives."""
     if isinstance(data, MemmapSplit):
-        return ChunkedSampler(data, batch_size, block_size, seed, device, **chunk_kw)
-    return BatchSampler(data, batch_size, block_size, seed, device)
+        return ChunkedSampler(data, batch_size, block_size, seed, device, loss_mask, **chunk_kw)
+    return BatchSampler(data, batch_size, block_size, seed, device, loss_mask)
 
 
 # --- choosing where the data lives ------------------------------------------------------------

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .state import TrainTensors
+
 
 @dataclass
 class Dist:
@@ -79,21 +81,21 @@ class Dist:
         dist.all_gather_object(out, int(value))
         return min(out)
 
-    def sampler_states(self, state: dict) -> dict:
-        """Every rank's sampler state, gathered for rank 0's checkpoint ({} when not distributed)."""
+    def sampler_states(self, state: dict) -> list[dict] | None:
+        """Every rank's sampler state, gathered for rank 0's checkpoint (None when not distributed)."""
         if not self.enabled:
-            return {}
+            return None
         out = [None] * self.world_size
         dist.all_gather_object(out, state)
-        return {"sampler_ranks": out}
+        return out
 
-    def load_sampler_state(self, sampler, train_state: dict, seed: int, log=print) -> None:
+    def load_sampler_state(self, sampler, tensors: TrainTensors, seed: int, log=print) -> None:
         """This rank's saved sampler state; a checkpoint from another world size gets a derived, distinct stream."""
-        ranks = train_state.get("sampler_ranks")
+        ranks = tensors.sampler_ranks
         if ranks is not None and len(ranks) == self.world_size:
             sampler.load_state_dict(ranks[self.rank])
             return
-        sampler.load_state_dict(train_state["sampler"])
+        sampler.load_state_dict(tensors.sampler)
         if self.rank > 0 or (ranks is not None and len(ranks) != self.world_size):
             # Same position in the run, a stream of this rank's own (not a replay of rank 0's batches).
             sampler.generator.manual_seed(seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1))
@@ -127,10 +129,3 @@ def setup(device: str = "auto") -> Dist:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         here = True
     return Dist(rank=rank, local_rank=local_rank, world_size=world, initialized_here=here)
-
-
-class NullWriter:
-    """Checkpoint writer for ranks other than 0: every call is a no-op (rank 0 alone writes)."""
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None

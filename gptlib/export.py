@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .errors import ExportError
+from .layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
+from .loading import load_for_inference
 from .model import GPT
+from .shards import META_FILE, PREPARE_STATE_FILE
 from .tokenizer import EOT, CharTokenizer, Tokenizer
-
-
-class ExportError(ValueError):
-    """The export target is unusable (e.g. a non-empty folder without overwrite)."""
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -158,11 +158,11 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
     """Write config.json, model.safetensors and (with a tokenizer) tokenizer files into out_dir.
 
     Written into a temporary sibling folder and renamed, so a failed export never leaves a half
-    folder; an existing non-empty out_dir is replaced only with overwrite=True.
+    folder. An existing non-empty out_dir is replaced only with overwrite=True, and only if it holds a
+    previous export: a run or data directory, or a folder holding anything else, is refused.
     """
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    check_export_target(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
@@ -188,13 +188,44 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
     return out
 
 
+EXPORT_TITLE = "# gptlib GPT-2 export"  # the first line of every export's README.md: how a previous export is known
+_RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
+
+
+def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
+    """Refuse an output folder that is (or is inside, or holds) the run being exported, a run or data
+    directory, or a non-empty folder that is not a previous gptlib export; overwrite replaces only the latter."""
+    target = out.resolve()
+    if run_dir is not None:
+        run = Path(run_dir).resolve()
+        if target == run or run in target.parents or target in run.parents:
+            raise ExportError(f"--out {out} is the run directory {run_dir}, inside it, or holds it: the export would "
+                              f"replace the run; choose a folder outside the run (e.g. {run.parent / (run.name + '-hf')})")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out} is a file; choose a folder")
+    found = [n for n in _RUN_OR_DATA_FILES if (out / n).exists()]
+    if found:
+        raise ExportError(f"--out {out} is a gptlib run or data directory (it holds {', '.join(found)}); "
+                          f"choose another folder for the export")
+    if not any(out.iterdir()):
+        return
+    readme = out / "README.md"
+    is_export = readme.is_file() and readme.read_text(errors="replace").startswith(EXPORT_TITLE)
+    if not is_export:
+        raise ExportError(f"--out {out} is not empty and is not a previous gptlib export; choose an empty or new "
+                          f"folder (--overwrite replaces only a previous export)")
+    if not overwrite:
+        raise ExportError(f"{out} holds a previous export; choose another --out or pass --overwrite to replace it")
+
+
 def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = "latest",
               overwrite: bool = False) -> Path:
     """Export one checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
-    from .loading import load_for_inference
-
+    check_export_target(Path(out_dir), overwrite, Path(run_dir))  # before reading gigabytes of weights
     ld = load_for_inference(run_dir, checkpoint)
-    info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.get("val_loss"),
+    info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss,
             "tokenizer": ld.tokenizer.kind}
     return export_model(ld.model, out_dir, ld.tokenizer, overwrite=overwrite, info=info)
 
@@ -202,7 +233,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = 
 def _model_card(model: GPT, info: dict) -> str:
     c = model.config
     lines = [
-        "# gptlib GPT-2 export", "",
+        EXPORT_TITLE, "",
         f"A GPT-2 style model trained from scratch with gptlib: {c.n_layer} layers, {c.n_head} heads, "
         f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
     ]

@@ -1,17 +1,29 @@
-"""Crash-safe file writes: temp file in the same directory, flush + fsync, rename.
+"""File operations that survive crashes and hung mounts.
 
-A reader never sees a half-written file under the final name; a crash leaves at most a
-`*.tmp-*` file, which `clean_temp_files` removes on the next run.
+- Crash-safe writes: temp file in the same directory, flush + fsync, rename. A reader never sees a
+  half-written file under the final name; a crash leaves at most a `*.tmp-*` file, which
+  `clean_temp_files` removes on the next run.
+- A write that fails because the disk is full, read-only or not ours (`cannot_write`) is one line naming
+  the directory, its disk (mount point, free space) and the fix.
+- Calls with a time limit: a read or copy on a FUSE mount that stops answering (Google Drive does)
+  blocks forever in the kernel. `call_with_timeout` runs it in a daemon thread and gives up on it
+  (HungIOError) once it has made no progress for a while.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, IO
+
+from .errors import HungIOError, RunDirError
 
 TMP_MARKER = ".tmp-"
 
@@ -82,3 +94,113 @@ def clean_temp_files(directory: str | Path) -> list[Path]:
                 except OSError:
                     pass
     return removed
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path) and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}"
+        n /= 1000
+    return f"{n:.0f} TB"
+
+
+def describe_disk(path: str | Path, timeout: float = 5.0) -> str:
+    """ "the disk mounted at / (12 MB free of 107 GB)" for the disk holding path; "its disk" where that
+    cannot be told in `timeout` seconds (a hung mount is not waited on)."""
+    def look():
+        p = Path(path)
+        while not p.exists() and p.parent != p:
+            p = p.parent
+        return _mount_point(p), shutil.disk_usage(p)
+
+    try:
+        mount, usage = call_with_timeout(look, timeout, what=f"looking at the disk of {path}")
+    except OSError:
+        return "its disk"
+    return f"the disk mounted at {mount} ({_size(usage.free)} free of {_size(usage.total)})"
+
+
+def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
+    """The one-line error for a run directory (or mirror) that a write failed in: what is wrong and the fix."""
+    head = f"cannot write to {directory}: {e.strerror or e}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = "is full" if e.errno == errno.ENOSPC else "holds all your quota allows"
+        return RunDirError(f"{head}: {describe_disk(directory)} {full}; free space there (old runs or "
+                           f"checkpoints, a lower --keep-last) or choose a directory on another disk")
+    if e.errno == errno.EROFS:
+        return RunDirError(f"{head}: {describe_disk(directory)} is read-only; choose a writable directory")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return RunDirError(f"{head}; choose a directory you may write to")
+    return RunDirError(f"{head} (read-only, full or not allowed?); choose a writable directory with free space")
+
+
+class Cancelled(Exception):
+    """Raised at a Progress.tick() after the call's watchdog gave up on it."""
+
+
+class Progress:
+    """Shared between a long I/O call and its watchdog: the last progress time and a cancel flag."""
+
+    def __init__(self):
+        self.t = time.monotonic()
+        self.cancel = threading.Event()
+        self.bytes = 0  # bytes moved so far, for progress messages
+
+    def tick(self, nbytes: int = 0) -> None:
+        if self.cancel.is_set():
+            raise Cancelled()
+        self.t = time.monotonic()
+        self.bytes += nbytes
+
+
+def read_bytes_with_timeout(path: str | Path, stall_s: float, chunk: int = 8 << 20) -> bytes:
+    """A whole file, read in a daemon thread that must make progress every `stall_s` seconds (HungIOError)."""
+    progress = Progress()
+
+    def read() -> bytes:
+        parts = []
+        with open(path, "rb") as f:
+            while b := f.read(chunk):
+                parts.append(b)
+                progress.tick(len(b))
+        return b"".join(parts)
+
+    return call_with_timeout(read, stall_s, progress, what=f"reading {path}")
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout: float, progress: Progress | None = None,
+                      what: str = "Drive") -> Any:
+    """Run fn in a daemon thread; HungIOError once it has gone `timeout` seconds without returning
+    (or, given `progress`, without a progress.tick(); fn is then asked to stop at its next tick).
+
+    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned: it is left to finish
+    (or not) on its own, so fn must only ever touch temp names or read.
+    """
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    progress = progress or Progress()
+    t = threading.Thread(target=run, daemon=True, name="gptlib-io")
+    t.start()
+    while True:
+        t.join(max(0.0, progress.t + timeout - time.monotonic()))
+        if not t.is_alive():
+            break
+        if time.monotonic() - progress.t >= timeout:
+            progress.cancel.set()
+            raise HungIOError(errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")

@@ -17,24 +17,21 @@ How decoding works:
 - Logits processing runs on the device, vectorised over the batch; the host reads tokens back only
   when something needs them (a streaming callback, stop strings, an end-of-text token).
 
-`compare_checkpoints` continues the same prompts with several checkpoints (a table for notebook 04);
-`generate_ids` is the small single-prompt function used for training-time samples.
+`generate_ids` is the small single-prompt function used for training-time samples; gptlib.compare
+continues the same prompts with several checkpoints.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from .errors import GenerationError
+from .loading import load_for_inference
 from .model import GPT, KVCache
-
-
-class GenerationError(ValueError):
-    """Bad sampling settings or prompts; the message names the setting and the value."""
 
 
 @dataclass
@@ -127,6 +124,54 @@ def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None,
     return model.lm_head(x)[:, : model.config.vocab_size]  # (B, V)
 
 
+def _check_prompts(prompts: Sequence[Sequence[int]], window_slide: int, block_size: int) -> None:
+    if not 1 <= window_slide <= block_size:
+        raise GenerationError(f"window_slide={window_slide} must be in [1, block_size={block_size}]")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise GenerationError(f"prompt {i} is empty: give at least one token (e.g. a newline)")
+
+
+def _seeded_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """The sampling RNG: seeded (same seed, weights and settings -> same text), else from OS entropy."""
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator
+
+
+def _prompt_buffer(prompts: Sequence[Sequence[int]], total: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, total) token buffer with the prompts written at their positions, and the mask of prompt slots."""
+    buf = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
+    is_prompt = torch.zeros(len(prompts), total, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        buf[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        is_prompt[b, : len(p)] = True
+    return buf, is_prompt
+
+
+def _generated_rows(buf: list[list[int]], lens: list[int], last: int, max_new: int, stop_at: list[int | None],
+                    reasons: list[str], stop_ids: Sequence[int]) -> tuple[list[list[int]], list[str]]:
+    """Each row's new tokens (up to `last`, the last position written; cut after a stop string or at
+    the first end-of-text id) and why it ended."""
+    out, out_reasons = [], []
+    stop_set = set(stop_ids)
+    for b, row_buf in enumerate(buf):
+        end = min(last + 1, lens[b] + max_new)
+        if stop_at[b] is not None:
+            end = stop_at[b] + 1
+        row, reason = row_buf[lens[b] : end], reasons[b]
+        for j, t in enumerate(row):
+            if t in stop_set:
+                row, reason = row[: j + 1], "eot"
+                break
+        out.append(row)
+        out_reasons.append(reason)
+    return out, out_reasons
+
+
 # --- the engine -------------------------------------------------------------------------------
 
 
@@ -153,8 +198,6 @@ class Engine:
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype=None,
                  compile: bool = False) -> "Engine":
         """Load a checkpoint of a run directory: "latest", "best" or a step (see gptlib.loading)."""
-        from .loading import load_for_inference
-
         ld = load_for_inference(run_dir, checkpoint, device=device, dtype=dtype)
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path), compile=compile)
 
@@ -213,31 +256,17 @@ class Engine:
         """
         cfg.validate()
         model, bs = self.model, self.model.config.block_size
-        if not 1 <= window_slide <= bs:
-            raise GenerationError(f"window_slide={window_slide} must be in [1, block_size={bs}]")
+        _check_prompts(prompts, window_slide, bs)
         if not prompts:
             return [], []
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise GenerationError(f"prompt {i} is empty: give at least one token (e.g. a newline)")
         B, dev = len(prompts), self.device
         lens = [len(p) for p in prompts]
         min_len, max_len, total = min(lens), max(lens), max(l + cfg.max_new_tokens for l in lens)
         if cfg.max_new_tokens == 0:
             return [[] for _ in prompts], ["length"] * B
         if generator is None and cfg.temperature > 0:
-            generator = torch.Generator(device=dev)
-            if cfg.seed is not None:
-                generator.manual_seed(cfg.seed)
-            else:
-                generator.seed()
-
-        # buf[b, t] is row b's token at position t; prompt tokens are known up front.
-        buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # (B, total)
-        is_prompt = torch.zeros(B, total, dtype=torch.bool, device=dev)
-        for b, p in enumerate(prompts):
-            buf[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-            is_prompt[b, : len(p)] = True
+            generator = _seeded_generator(cfg.seed, dev)
+        buf, is_prompt = _prompt_buffer(prompts, total, dev)  # buf[b, t]: row b's token at position t
         ends = torch.tensor([l + cfg.max_new_tokens for l in lens], device=dev)  # (B,) row b stops before this
         seen = None
         if cfg.repetition_penalty != 1.0:
@@ -250,16 +279,7 @@ class Engine:
         stop_at: list[int | None] = [None] * B  # position of the token that completed a stop string
         need_host = on_step is not None  # read tokens back every step only when someone needs them
 
-        cache = None
-        if use_cache and self.compile:
-            if B not in self._static_caches:
-                if len(self._static_caches) >= 2:  # bounded memory (gpt2-small fp32: 75 MB per row)
-                    self._static_caches.pop(next(iter(self._static_caches)))
-                self._static_caches[B] = KVCache(model.config, B, dev, self.dtype, static=True)
-            cache = self._static_caches[B]  # old keys stay in it: the mask hides slots past each position
-            cache.reset()
-        elif use_cache:
-            cache = KVCache(model.config, B, dev, self.dtype)
+        cache = self._cache_for(B) if use_cache else None
         start = max(0, min_len - bs)
         prompt_ids = buf[:, start:min_len]
         logits = self._feed(prompt_ids, cache) if cache is not None else _forward_last(model, prompt_ids, None)
@@ -293,30 +313,34 @@ class Engine:
             # Checking "all rows done" costs a device sync: every step if we sync anyway, else every 16.
             if (need_host or stop_t is not None and cur % 16 == 0) and bool(done.all()):
                 break
-            if cache is None:
-                logits = _forward_last(model, buf[:, max(0, cur + 1 - bs) : cur + 1], None)
-            elif cache.pos < bs:
-                logits = self._feed(buf[:, cur : cur + 1], cache)
-            else:  # window full: keep the newest block_size + 1 - window_slide tokens (incl. this one)
-                cache.reset()
-                keep = bs + 1 - window_slide
-                logits = self._feed(buf[:, cur + 1 - keep : cur + 1], cache)
+            logits = self._next_logits(buf, cur, cache, window_slide)
 
-        out, out_reasons = [], []
-        buf_h = buf.tolist()
-        stop_set = set(stop_ids)
-        for b in range(B):
-            end = min(cur + 1, lens[b] + cfg.max_new_tokens)  # cur: the last position written
-            if stop_at[b] is not None:
-                end = stop_at[b] + 1
-            row, reason = buf_h[b][lens[b] : end], reasons[b]
-            for j, t in enumerate(row):
-                if t in stop_set:
-                    row, reason = row[: j + 1], "eot"
-                    break
-            out.append(row)
-            out_reasons.append(reason)
-        return out, out_reasons
+        return _generated_rows(buf.tolist(), lens, cur, cfg.max_new_tokens, stop_at, reasons, stop_ids)
+
+    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache | None, window_slide: int) -> torch.Tensor:
+        """Logits after the token at position `cur`: one cached step, or past the window a re-prefill of
+        the newest block_size + 1 - window_slide tokens (without a cache: a full forward of the window)."""
+        bs = self.model.config.block_size
+        if cache is None:
+            return _forward_last(self.model, buf[:, max(0, cur + 1 - bs) : cur + 1], None)
+        if cache.pos < bs:
+            return self._feed(buf[:, cur : cur + 1], cache)
+        cache.reset()
+        keep = bs + 1 - window_slide
+        return self._feed(buf[:, cur + 1 - keep : cur + 1], cache)
+
+    def _cache_for(self, B: int) -> KVCache:
+        """A fresh dynamic cache; or, compiled, the static cache of this batch size, reused (a new one
+        would re-record the CUDA graph). Old keys stay in it: the mask hides slots past each position."""
+        if not self.compile:
+            return KVCache(self.model.config, B, self.device, self.dtype)
+        if B not in self._static_caches:
+            if len(self._static_caches) >= 2:  # bounded memory (gpt2-small fp32: 75 MB per row)
+                self._static_caches.pop(next(iter(self._static_caches)))
+            self._static_caches[B] = KVCache(self.model.config, B, self.device, self.dtype, static=True)
+        cache = self._static_caches[B]
+        cache.reset()
+        return cache
 
     # -- text level -----------------------------------------------------------------------------
 
@@ -460,55 +484,3 @@ def generate_ids(model: GPT, prompt_ids: list[int], max_new_tokens: int, tempera
     cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop_at_eot=False)
     ids, _ = Engine(model).generate_ids([list(prompt_ids) or [0]], cfg, generator=generator)
     return ids[0]
-
-
-# --- the same prompts across checkpoints ------------------------------------------------------
-
-
-@dataclass
-class Comparison:
-    prompts: list[str]  # rows
-    columns: list[str]  # one label per checkpoint, e.g. "step 1,000 · val 1.52 · best"
-    steps: list[int]  # the checkpoint step of each column
-    texts: list[list[str]]  # texts[i][j]: prompt i continued by checkpoint j
-
-
-def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[str | int] | str = "all",
-                        cfg: SamplingConfig | None = None, device: str = "cpu", log=None) -> Comparison:
-    """Continue every prompt with every checkpoint, with the same settings and seed for all.
-
-    checkpoints: "all" (every complete checkpoint, oldest first), or "latest" / "best" / steps, as a list
-    or a comma-separated string ("1000, best, latest").
-    With a fixed seed the columns differ only by the weights: how the model learned.
-    """
-    from .loading import checkpoint_label, checkpoint_table, resolve_checkpoint
-
-    cfg = dataclasses.replace(cfg or SamplingConfig(max_new_tokens=100)).validate()
-    if cfg.seed is None:
-        cfg.seed = 1337  # a fixed seed, so the columns differ only by the weights
-    if isinstance(checkpoints, str):  # "all" or "1000, best, latest"
-        checkpoints = [c.strip() for c in checkpoints.split(",") if c.strip()]
-    elif isinstance(checkpoints, int):
-        checkpoints = [checkpoints]
-    if [str(c).lower() for c in checkpoints] == ["all"]:
-        steps = sorted(r["step"] for r in checkpoint_table(run_dir))
-    else:
-        steps = []
-        for c in checkpoints:
-            s = resolve_checkpoint(run_dir, c).step
-            if s not in steps:
-                steps.append(s)
-    if not prompts:
-        raise GenerationError("no prompts to compare")
-    table = {r["step"]: r for r in checkpoint_table(run_dir)}
-    columns, texts = [], [[] for _ in prompts]
-    for s in steps:
-        eng = Engine.from_run(run_dir, s, device=device)
-        label = checkpoint_label(table.get(s, {"step": s}))
-        columns.append(label)
-        if log:
-            log(f"generating with {label}")
-        for i, c in enumerate(eng.generate(list(prompts), cfg)):
-            texts[i].append(c.text)
-        del eng
-    return Comparison(prompts=list(prompts), columns=columns, steps=steps, texts=texts)

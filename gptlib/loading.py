@@ -3,6 +3,11 @@
 The tokenizer comes from the run (its `tokenizer.json`, copied there by training; else the data
 directory recorded in the checkpoint) and must match the identity {kind, hash} the checkpoint
 recorded, so a model is never paired with the wrong vocabulary.
+
+Every read has a time limit (the run may be on a Google Drive mount, which can stop answering: a read
+there then blocks in the kernel for good): listing and checking the checkpoints DRIVE_LIST_TIMEOUT_S,
+the weights DRIVE_READ_STALL_S without progress, state.json and the tokenizer DRIVE_READ_STALL_S. A hung
+read is abandoned with HungIOError (an OSError naming the path), so pick_run_dir passes over that copy.
 """
 
 from __future__ import annotations
@@ -14,11 +19,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, CheckpointInfo, list_checkpoints, load_model_weights, verify_checkpoint
+from .checkpoint import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints, load_model_weights,
+                         verify_checkpoint)
 from .config import RunConfig
-from .fsutil import sha256_file
+from .errors import CheckpointError, TokenizerError, loud
+from .fsutil import call_with_timeout
+from .layout import MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from .model import GPT
-from .tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError, check_identity, load_tokenizer
+from .runtime import resolve_device
+from .state import TrainState
+from .tokenizer import Tokenizer, check_identity, load_tokenizer
 
 
 @dataclass
@@ -28,27 +38,33 @@ class LoadedModel:
     config: RunConfig  # the run's config as saved in the checkpoint
     step: int  # training step of the checkpoint
     path: Path  # the checkpoint directory
-    state: dict  # the checkpoint's state.json (val_loss, best_step, tokens_seen, ...)
+    state: TrainState  # the checkpoint's state.json (val_loss, best_step, tokens_seen, ...)
 
 
-def checkpoint_table(run_dir: str | Path) -> list[dict]:
+def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
     """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, path, is_best}.
 
-    A cheap check (manifest and file sizes, no hashing), for menus; incomplete ones are left out.
+    A cheap check (manifest and file sizes, no hashing), for menus; incomplete ones are left out (and
+    described in `skipped`). On a hung Drive it gives up after DRIVE_LIST_TIMEOUT_S (HungIOError).
     """
-    rows = []
-    for p in list_checkpoints(run_dir):
-        try:
-            info = verify_checkpoint(p, deep=False)
-            state = json.loads((p / "state.json").read_text())
-        except (CheckpointError, OSError, json.JSONDecodeError):
-            continue
-        rows.append({"step": info.step, "val_loss": state.get("val_loss"), "tokens_seen": state.get("tokens_seen"),
-                     "best_step": state.get("best_step"), "path": p})
-    best = rows[0]["best_step"] if rows else None
-    for r in rows:
-        r["is_best"] = r["step"] == best
-    return rows
+    def table() -> list[dict]:
+        rows = []
+        for p in list_checkpoints(run_dir):
+            try:
+                info = verify_checkpoint(p, deep=False)
+                state = json.loads((p / STATE_FILE).read_text())
+            except (CheckpointError, OSError, json.JSONDecodeError) as e:
+                if skipped is not None:
+                    skipped.append(f"{p.name}: {e}")
+                continue
+            rows.append({"step": info.step, "val_loss": state.get("val_loss"), "tokens_seen": state.get("tokens_seen"),
+                         "best_step": state.get("best_step"), "path": p})
+        best = rows[0]["best_step"] if rows else None
+        for r in rows:
+            r["is_best"] = r["step"] == best
+        return rows
+
+    return call_with_timeout(table, DRIVE_LIST_TIMEOUT_S, what=f"listing {run_dir}")
 
 
 def checkpoint_label(row: dict) -> str:
@@ -61,12 +77,18 @@ def checkpoint_label(row: dict) -> str:
     return label
 
 
-def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest") -> CheckpointInfo:
-    """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number."""
+def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
+    """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number.
+    Newer checkpoints passed over because they are incomplete are named, with the reason, through `log`."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if not call_with_timeout(run_dir.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"reading {run_dir}"):
         raise CheckpointError(f"no valid checkpoint in {run_dir}: the run directory does not exist")
-    table = checkpoint_table(run_dir)
+    skipped: list[str] = []
+    table = checkpoint_table(run_dir, skipped)
+    newest = table[0]["step"] if table else -1
+    newer = [s for s in skipped if (step_of(Path(s.split(":")[0])) or 0) > newest]
+    if newer:
+        log(f"newer checkpoints in {run_dir} are incomplete and were passed over: {'; '.join(newer)}")
     if not table:
         raise CheckpointError(f"no valid checkpoint in {run_dir}/checkpoints (has training saved one yet?)")
     steps = [r["step"] for r in table]
@@ -91,15 +113,16 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest") -> Chec
         if not match:
             raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}; available steps: {steps}")
         row = match[0]
-    return verify_checkpoint(row["path"], deep=False)
+    return call_with_timeout(lambda: verify_checkpoint(row["path"], deep=False), DRIVE_LIST_TIMEOUT_S,
+                             what=f"reading {row['path']}")
 
 
-def load_run_tokenizer(run_dir: str | Path, state: dict, where: str) -> Tokenizer:
+def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> Tokenizer:
     """The tokenizer a checkpoint was trained with: the run's copy, else the recorded data dir's."""
-    expected = state.get("tokenizer") or {}
+    expected = state.tokenizer or {}
     candidates = [Path(run_dir) / TOKENIZER_FILE]
-    if state.get("data_dir"):
-        candidates.append(Path(state["data_dir"]) / TOKENIZER_FILE)
+    if state.data_dir:
+        candidates.append(Path(state.data_dir) / TOKENIZER_FILE)
     found = [c for c in candidates if c.is_file()]
     if not found:
         raise TokenizerError(
@@ -115,37 +138,47 @@ def load_run_tokenizer(run_dir: str | Path, state: dict, where: str) -> Tokenize
 
 
 def load_for_inference(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
-                       dtype: torch.dtype | None = None) -> LoadedModel:
-    """Model (eval mode) + verified tokenizer for one checkpoint of a run directory."""
-    info = resolve_checkpoint(run_dir, which)
+                       dtype: torch.dtype | None = None, log=loud) -> LoadedModel:
+    """Model (eval mode) + verified tokenizer for one checkpoint of a run directory (local or on Drive:
+    every read has a time limit, so a hung Drive gives an error instead of a hung notebook)."""
+    info = resolve_checkpoint(run_dir, which, log)
     path = info.path
-    rec = info.manifest.get("files", {}).get("model.pt", {})
-    if rec.get("sha256") and sha256_file(path / "model.pt") != rec["sha256"]:
-        raise CheckpointError(f"{path / 'model.pt'}: sha256 differs from the manifest (corrupted)")
-    state = json.loads((path / "state.json").read_text())
-    cfg = RunConfig.from_dict(state["config"], source=str(path / "state.json"))
-    tok = load_run_tokenizer(run_dir, state, str(path))
+    rec = info.manifest.get("files", {}).get(MODEL_FILE, {})
+    weights = load_model_weights(path, sha256=rec.get("sha256"))  # CheckpointError if corrupt or unsafe
+    state, cfg, tok = read_state_and_tokenizer(run_dir, path)
     if tok.vocab_size != cfg.model.vocab_size:
         raise TokenizerError(f"{path}: the model has vocab_size={cfg.model.vocab_size} but the tokenizer has "
                              f"{tok.vocab_size} tokens")
     model = GPT(cfg.model)
     try:
-        model.load_state_dict(load_model_weights(path))
-    except RuntimeError as e:
-        raise CheckpointError(f"{path / 'model.pt'}: weights do not fit the saved config ({str(e)[:300]})") from None
+        model.load_state_dict(weights)
+    except RuntimeError as e:  # shapes or names that do not fit the config the checkpoint records
+        raise CheckpointError(f"{path / MODEL_FILE}: weights do not fit the saved config ({str(e)[:300]})") from None
     if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
-        from .train import resolve_device
-
         device = resolve_device(device)
     model.to(device=device, dtype=dtype).eval()
     return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
 
 
-def pick_run_dir(candidates) -> Path:
+def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainState, RunConfig, Tokenizer]:
+    """A checkpoint's state.json, the config it records, and the run's tokenizer checked against it; read
+    within DRIVE_READ_STALL_S (HungIOError after it: a hung Drive)."""
+    def read() -> tuple[TrainState, RunConfig, Tokenizer]:
+        source = str(path / STATE_FILE)
+        try:
+            state = TrainState.from_json(json.loads((path / STATE_FILE).read_text()), source)
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+            raise CheckpointError(f"{source}: unreadable ({e})") from None
+        return state, state.run_config(source), load_run_tokenizer(run_dir, state, str(path))
+
+    return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")
+
+
+def pick_run_dir(candidates, log=loud) -> Path:
     """Of several copies of one run (local disk, Drive mirror), the one with the newest complete checkpoint.
 
     On Colab a fresh session's local disk is empty while Drive holds the checkpoints; after a long
-    session the local copy may be newer than the mirror.
+    session the local copy may be newer than the mirror. A copy on a hung Drive is passed over (said so).
     """
     best, best_step = None, -1
     looked = []
@@ -153,7 +186,12 @@ def pick_run_dir(candidates) -> Path:
         if c is None:
             continue
         looked.append(str(c))
-        table = checkpoint_table(c) if Path(c).is_dir() else []
+        try:
+            table = call_with_timeout(lambda c=c: checkpoint_table(c) if Path(c).is_dir() else [],
+                                      DRIVE_LIST_TIMEOUT_S, what=f"listing {c}")
+        except OSError as e:
+            log(f"!! {c} cannot be read ({e}); using the other copies of the run")
+            continue
         if table and table[0]["step"] > best_step:
             best, best_step = Path(c), table[0]["step"]
     if best is None:

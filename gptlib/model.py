@@ -239,11 +239,15 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V padded)
         loss = None
         if targets is not None:
+            # The mean over the targets that count (-1 = ignored: chat data's non-assistant tokens). Summed and
+            # divided here, not reduction="mean", so a window with no answer in it gives 0, not 0/0 = NaN.
+            targets = targets.reshape(-1)
             loss = F.cross_entropy(
                 logits.view(-1, logits.size(-1)).float()[:, : self.config.vocab_size],
-                targets.reshape(-1),
+                targets,
                 ignore_index=-1,
-            )
+                reduction="sum",
+            ) / (targets != -1).sum().clamp(min=1)
         if logits.size(-1) != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # padding rows never produce a token
         return logits, loss

@@ -16,14 +16,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .errors import TokenizerError
 from .fsutil import atomic_write_bytes
+from .layout import TOKENIZER_FILE
 
-TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
-
-
-class TokenizerError(ValueError):
-    """Bad tokenizer file, unknown character, or a tokenizer that does not match the data."""
 
 
 class Tokenizer:
@@ -44,6 +41,10 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token (e.g. a chat role marker), None if the tokenizer has none."""
+        return None
 
     def to_json_bytes(self) -> bytes:
         raise NotImplementedError
@@ -126,7 +127,8 @@ class BPETokenizer(Tokenizer):
 
     `<|endoftext|>` is a special token (`eot_id`) that only the pipeline inserts, between
     documents: a literal "<|endoftext|>" inside the text is encoded as ordinary text
-    (`encode_special_tokens = True`), so a document can never forge a document boundary.
+    (`encode_special_tokens = True`), so a document can never forge a document boundary. The chat
+    role markers (chat.py) are special tokens too, inserted by id in the same way.
     """
 
     kind = "bpe"
@@ -145,28 +147,32 @@ class BPETokenizer(Tokenizer):
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 32768, min_frequency: int = 2,
-              length: int | None = None, show_progress: bool = False) -> "BPETokenizer":
+              length: int | None = None, show_progress: bool = False,
+              extra_special: Sequence[str] = ()) -> "BPETokenizer":
         """Train on a stream of texts (bounded memory: the trainer keeps word counts, not text).
 
-        The vocabulary holds the 256 byte symbols, `<|endoftext|>` (id 0) and the merges, up to
-        `vocab_size` ids in all; a small corpus may stop short of it (fewer merges exist).
+        The vocabulary holds the 256 byte symbols, `<|endoftext|>` (id 0), the `extra_special`
+        tokens (ids 1, 2, ...: the chat tokens for chat data) and the merges, up to `vocab_size` ids
+        in all; a small corpus may stop short of it (fewer merges exist).
         """
         from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-        if vocab_size < 257 + 1:
-            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= 258: 256 bytes, "
-                                 f"{EOT}, and at least one merge)")
+        specials = [EOT, *extra_special]
+        if vocab_size < 256 + len(specials) + 1:
+            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= "
+                                 f"{256 + len(specials) + 1}: 256 bytes, {len(specials)} special token(s), and at "
+                                 f"least one merge)")
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=int(min_frequency),
-                                      special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=show_progress)
         tk.train_from_iterator(texts, trainer=trainer, length=length)
         return cls(tk)
 
     @classmethod
-    def from_json_bytes(cls, raw: bytes, where: str = "tokenizer.json") -> "BPETokenizer":
+    def from_json_bytes(cls, raw: bytes, where: str = TOKENIZER_FILE) -> "BPETokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
@@ -174,6 +180,39 @@ class BPETokenizer(Tokenizer):
         except Exception as e:  # the library raises plain Exception on a bad file
             raise TokenizerError(f"tokenizer file {where} is not a valid tokenizers file: {e}") from None
         return cls(tk, json_bytes=raw)
+
+    def with_special_tokens(self, tokens: Sequence[str]) -> "BPETokenizer":
+        """This tokenizer with `tokens` added as special tokens where missing: new ids after the current
+        vocabulary, every existing id unchanged. A token that exists as an ordinary vocabulary entry
+        is refused (text could then produce its id)."""
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+        added = {t.content for t in self._tk.get_added_tokens_decoder().values() if t.special}
+        missing = []
+        for t in tokens:
+            if t in added:
+                continue
+            if self._tk.token_to_id(t) is not None:
+                raise TokenizerError(f"token {t!r} is an ordinary entry of this tokenizer's vocabulary "
+                                     f"(id {self._tk.token_to_id(t)}), not a special token: it cannot mark turns")
+            missing.append(t)
+        if not missing:
+            return self
+        tk = HFTokenizer.from_str(self._json.decode())
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        out = BPETokenizer(tk)
+        got = [out._tk.token_to_id(t) for t in missing]
+        if got != list(range(self.vocab_size, self.vocab_size + len(missing))):
+            raise TokenizerError(f"adding {missing} gave ids {got}, not the {len(missing)} ids after the vocabulary "
+                                 f"({self.vocab_size}...)")
+        return out
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special (added) token, None if it is not one."""
+        for i, t in self._tk.get_added_tokens_decoder().items():
+            if t.content == token and t.special:
+                return int(i)
+        return None
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids

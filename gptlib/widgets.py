@@ -1,8 +1,12 @@
-"""Notebook views: a generation playground (ipywidgets) and a prompts x checkpoints comparison table.
+"""Notebook views: a generation playground, a chat box (ipywidgets) and a prompts x checkpoints comparison table.
 
     pg = Playground(run_dir)      # builds the widgets; nothing is loaded until Generate is pressed
     display(pg.widget)
     pg.generate()                 # what the Generate button does (usable headless, e.g. in tests)
+
+    box = ChatBox(chat_run_dir)   # a chat-tuned run; loaded at the first message
+    display(box.widget)
+    box.send("Hi!")               # what the Send button does (headless too); box.reset() is the Reset button
 
     display(HTML(comparison_html(compare_checkpoints(run_dir, prompts, "all", cfg))))
 """
@@ -15,14 +19,23 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from .generate import Comparison, Completion, Engine, SamplingConfig
+from .compare import Comparison
+from .dialogue import ChatSession
+from .generate import Completion, Engine, SamplingConfig
+from .loading import checkpoint_label, checkpoint_table
 
 
 def enable_colab_widgets() -> bool:
-    """On Colab, ipywidgets 8 needs the custom widget manager; elsewhere nothing to do."""
+    """On Colab, ipywidgets 8 needs the custom widget manager; elsewhere nothing to do. With Colab's own
+    ipywidgets 7 Colab draws the widgets itself, and the custom manager (loaded from a CDN, taking over every
+    later widget, tqdm bars included) is what broke Colab's tqdm bars in 2022: it is left off."""
     if "google.colab" not in sys.modules:
         return False
     try:
+        import ipywidgets
+
+        if int(ipywidgets.__version__.split(".")[0]) < 8:
+            return False
         from google.colab import output  # type: ignore
 
         output.enable_custom_widget_manager()
@@ -35,6 +48,15 @@ def parse_list(text: str, sep: str = "|") -> list[str]:
     r"""A Colab form string -> items: "ROMEO:|JULIET:|\n" -> ["ROMEO:", "JULIET:", "\n"] (\n means newline)."""
     return [s.replace("\\n", "\n") for s in text.split(sep) if s != ""]
 
+
+
+def playground_error(e: Exception) -> str:
+    """The status line for a failed Generate. The tokenizer's advice for an unknown character (unknown='map')
+    is for code; here the fix is the prompt."""
+    msg = f"{type(e).__name__}: {e}"
+    if "is not in the char vocabulary" in msg:
+        msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the prompt"
+    return msg
 
 class Playground:
     """Prompt box, sampling sliders, checkpoint dropdown, Generate button and streamed output."""
@@ -63,10 +85,14 @@ class Playground:
         self.repetition_penalty = W.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty",
                                                 style=style, layout=wide)
         self.max_tokens = W.IntSlider(value=200, min=1, max=2000, description="Max tokens", style=style, layout=wide)
-        self.seed = W.IntText(value=1337, description="Seed (-1 random)", style=style)
-        self.stop = W.Text(value="", description="Stop at", placeholder=r"e.g. \n\n (| separates several)",
-                           style=style)
-        self.button = W.Button(description="Generate", button_style="primary", icon="play")
+        # "initial": the label takes the width it needs (a fixed 110px cut "Seed (-1 random)"); works in 7.7.1 and 8
+        self.seed = W.IntText(value=1337, description="Seed (-1 random)", style={"description_width": "initial"},
+                              layout=W.Layout(width="260px"))
+        self.stop = W.Text(value="", description="Stop at", placeholder=r"\n\n  (| separates)", style=style,
+                           layout=W.Layout(width="60%"))
+        # never squeezed by a long status message beside it (it read "Gene…")
+        self.button = W.Button(description="Generate", button_style="primary", icon="play",
+                               layout=W.Layout(min_width="120px", flex="0 0 auto"))
         self.status = W.HTML(value="")
         self.output = W.HTML(value="")
         self.button.on_click(lambda _: self.generate())
@@ -76,15 +102,14 @@ class Playground:
             W.HBox([self.checkpoint, self.refresh_button]),
             self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.max_tokens,
             W.HBox([self.seed, self.stop]),
-            W.HBox([self.button, self.status]),
+            self.button,
+            self.status,  # its own row: an error message has the width it needs
             self.output,
         ])
         self.refresh()
 
     def refresh(self) -> None:
         """Fill the checkpoint dropdown from the run directory (training may have saved new ones)."""
-        from .loading import checkpoint_label, checkpoint_table
-
         rows = checkpoint_table(self.run_dir)
         keep = self.checkpoint.value
         self.checkpoint.options = [(checkpoint_label(r), r["step"]) for r in rows]
@@ -152,10 +177,142 @@ class Playground:
                               f"({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s), stopped by {res.finish_reason}")
             return res
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
-            self._show_status(f"{type(e).__name__}: {e}", error=True)
+            self.output.value = ""  # the previous text must not look like this prompt's result
+            self._show_status(playground_error(e), error=True)
             return None
         finally:
             self.button.disabled = False
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+
+class ChatBox:
+    """A chat with a chat-tuned run: transcript, message box, Send and Reset, sampling settings, system prompt.
+
+    Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used. The transcript shows every
+    turn; the model sees those that fit its context (gptlib.dialogue drops the oldest, and says so here).
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, checkpoint: str | int = "latest", device: str = "cpu",
+                 system: str = "", compile: bool = False, session: ChatSession | None = None):
+        import ipywidgets as W
+
+        if run_dir is None and session is None:
+            raise ValueError("ChatBox needs a run_dir (or a ChatSession)")
+        self.run_dir, self.checkpoint, self.device, self.compile = run_dir, checkpoint, device, compile
+        self._session = session
+        self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown
+        self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
+        wide, style = W.Layout(width="95%"), {"description_width": "110px"}
+        self.transcript = W.HTML(value="")
+        self.message = W.Textarea(value="", placeholder="your message", description="You", style=style,
+                                  layout=W.Layout(width="95%", height="60px"))
+        self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
+        self.reset_button = W.Button(description="Reset", tooltip="forget the conversation (the system prompt stays)")
+        self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=style,
+                                 layout=W.Layout(width="95%", height="40px"))
+        self.temperature = W.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature",
+                                         style=style, layout=wide)
+        self.top_k = W.IntSlider(value=0, min=0, max=500, description="Top-k (0 = off)", style=style, layout=wide)
+        self.max_tokens = W.IntSlider(value=200, min=1, max=2000, description="Max new tokens", style=style,
+                                      layout=wide)
+        self.seed = W.IntText(value=1337, description="Seed (-1 random)", style=style)
+        self.status = W.HTML(value="")
+        self.send_button.on_click(lambda _: self.send())
+        self.reset_button.on_click(lambda _: self.reset())
+        settings = W.VBox([self.system, self.temperature, self.top_k, self.max_tokens, self.seed])
+        self.widget = W.VBox([self.transcript, self.message, W.HBox([self.send_button, self.reset_button, self.status]),
+                              settings])
+
+    def session(self) -> ChatSession:
+        """The chat session, loading the checkpoint at the first call (a ChatError for a model without chat tokens)."""
+        if self._session is None:
+            self._session = ChatSession.from_run(self.run_dir, self.checkpoint, device=self.device,
+                                                 compile=self.compile, log=self._notices.append)
+        else:
+            self._session.log = self._notices.append
+        return self._session
+
+    def sampling_config(self) -> SamplingConfig:
+        return SamplingConfig(
+            max_new_tokens=int(self.max_tokens.value), temperature=float(self.temperature.value),
+            top_k=int(self.top_k.value) or None,
+            seed=int(self.seed.value) if int(self.seed.value) >= 0 else None,  # same seed -> same reply
+        ).validate()
+
+    def send(self, text: str | None = None) -> str | None:
+        """What Send does: the message (the box's, or `text`) and the streamed reply; the reply, None on an error."""
+        text = self.message.value if text is None else text
+        if not text.strip():
+            self._show_status("type a message first", error=True)
+            return None
+        self.send_button.disabled = True
+        self._notices.clear()
+        self.turns.append(("user", text))
+        try:
+            cfg = self.sampling_config()
+            self._show_status("loading checkpoint…" if self._session is None else "")
+            session = self.session()
+            session.system = self.system.value.strip() or None
+            self.message.value = ""
+            self._show_transcript(pending="")
+            self._show_status("generating…")
+            t0 = time.perf_counter()
+            reply = session.reply(text, cfg, stream=self._streamer())
+            dt = time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 - a button callback must show the problem, not a traceback in a log
+            self.turns.pop()  # as the session does: a failed or interrupted reply leaves the conversation as it was
+            self.message.value = text  # not lost: fix the settings and send again
+            self._show_transcript()
+            self._show_status(f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted", error=True)
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt (the notebook's stop button) still stops the cell
+            return None
+        finally:
+            self.send_button.disabled = False
+        self.turns.append(("assistant", reply))
+        self._show_transcript()
+        ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
+        self._show_status(" · ".join([f"{session.reply_tokens} tokens in {dt:.1f} s, ended by "
+                                      f"{ended.get(session.finish_reason, session.finish_reason)}", *self._notices]))
+        return reply
+
+    def _streamer(self):
+        """A stream callback that redraws the transcript with the reply so far, at most ~20 times a second."""
+        parts: list[str] = []
+        last = [0.0]
+
+        def on_piece(piece: str) -> None:
+            parts.append(piece)
+            now = time.perf_counter()
+            if now - last[0] > 0.05:
+                last[0] = now
+                self._show_transcript(pending="".join(parts))
+
+        return on_piece
+
+    def reset(self) -> None:
+        """What Reset does: forget the conversation (the model's history and the transcript)."""
+        if self._session is not None:
+            self._session.reset()
+        self.turns = []
+        self._show_transcript()
+        self._show_status("history cleared")
+
+    def _show_transcript(self, pending: str | None = None) -> None:
+        turns = self.turns + ([("assistant", pending + "▌")] if pending is not None else [])
+        colors = {"user": "#1a5fb4", "assistant": "#26a269"}
+        pre = '<pre style="white-space:pre-wrap;margin:0;font-size:13px;line-height:1.35">'
+        rows = [f'<div style="margin:4px 0"><b style="color:{colors.get(r, "#555")}">{r}</b>'
+                f'{pre}{html.escape(c)}</pre></div>' for r, c in turns]
+        self.transcript.value = "".join(rows)
+
+    def _show_status(self, msg: str, error: bool = False) -> None:
+        color = "#b00020" if error else "#555"
+        self.status.value = f'<span style="color:{color}">{html.escape(msg)}</span>'
 
     def _ipython_display_(self):
         from IPython.display import display

@@ -15,6 +15,21 @@ TINY = ["block_size=32", "n_layer=2", "n_head=2", "n_embd=32", "batch_size=8", "
         "eval_batches=2", "log_interval=1", "sample_tokens=8", "warmup_steps=2", "save_every_minutes=0"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped, with the reason, where torch sees no GPU (tests/test_gpu.py)."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); "
+                                   "bash benchmarks/gpu_check.sh runs these on one")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     if not SHAKESPEARE.is_file():

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from gptlib import bench
+from gptlib import bench, measure, memory
+from gptlib.errors import OutOfMemoryAdvice
 from gptlib.config import ModelConfig
 from gptlib.model import GPT
 
@@ -52,34 +53,34 @@ def test_per_sample_loader_matches_shift():
     ("Tesla V100-SXM2-16GB", "V100 (fp16)", 125),
 ])
 def test_peak_table(name, family, tflops):
-    f, peak = bench.lookup_peak(name)
+    f, peak = measure.lookup_peak(name)
     assert f == family and peak == tflops * 1e12
 
 
 @pytest.mark.parametrize("name", ["NVIDIA L40S", "NVIDIA GeForce RTX 4090", "Tesla P100-PCIE-16GB", ""])
 def test_unknown_gpu_has_no_mfu(name):
-    assert bench.lookup_peak(name) == (None, None)
-    assert bench.mfu(1e9, 1e5, None) is None and bench.fmt_mfu(None) == "unknown"
+    assert measure.lookup_peak(name) == (None, None)
+    assert measure.mfu(1e9, 1e5, None) is None and measure.fmt_mfu(None) == "unknown"
 
 
 def test_cpu_peak_is_unknown():
-    p = bench.device_peak("cpu")
+    p = measure.device_peak("cpu")
     assert p.peak_flops is None and "MFU unknown" in p.note
 
 
 def test_mfu_eta_units():
-    assert bench.mfu(6e8, 1e5, 312e12) == pytest.approx(6e13 / 312e12)
-    assert bench.mfu(6e8, 1e5, 312e12, n_devices=2) == pytest.approx(6e13 / 624e12)
-    assert bench.eta_seconds(100, 1100, 10.0) == 100.0
-    assert bench.eta_seconds(0, 10, 0.0) == math.inf
-    assert bench.colab_units(3600, "A100") == pytest.approx(bench.COLAB_UNITS_PER_HOUR["A100"])
-    assert bench.colab_units(1800, "T4 (fp16)", rates={"T4": 2.0}) == pytest.approx(1.0)  # user-edited table
-    assert bench.colab_units(3600, None) is None
-    assert bench.fmt_duration(3725) == "1h02m" and bench.fmt_duration(65) == "1m05s"
+    assert measure.mfu(6e8, 1e5, 312e12) == pytest.approx(6e13 / 312e12)
+    assert measure.mfu(6e8, 1e5, 312e12, n_devices=2) == pytest.approx(6e13 / 624e12)
+    assert measure.eta_seconds(100, 1100, 10.0) == 100.0
+    assert measure.eta_seconds(0, 10, 0.0) == math.inf
+    assert measure.colab_units(3600, "A100") == pytest.approx(measure.COLAB_UNITS_PER_HOUR["A100"])
+    assert measure.colab_units(1800, "T4 (fp16)", rates={"T4": 2.0}) == pytest.approx(1.0)  # user-edited table
+    assert measure.colab_units(3600, None) is None
+    assert measure.fmt_duration(3725) == "1h02m" and measure.fmt_duration(65) == "1m05s"
 
 
 def test_step_timer_cpu():
-    t = bench.StepTimer("cpu")
+    t = measure.StepTimer("cpu")
     t.start()
     sum(range(10000))
     t.mark("data")
@@ -87,7 +88,7 @@ def test_step_timer_cpu():
     t.mark("fwd_bwd")
     split = t.split()
     assert set(split) == {"data", "fwd_bwd"} and split["fwd_bwd"] > 0
-    assert "data" in bench.fmt_split(split) and t.split() == {}
+    assert "data" in measure.fmt_split(split) and t.split() == {}
 
 
 def _tiny_model():
@@ -107,9 +108,9 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
         return real_forward(idx, targets, cache)
 
     monkeypatch.setattr(model, "forward", fake_forward)
-    monkeypatch.setattr(bench, "free_memory", lambda: freed.append(1))
+    monkeypatch.setattr(memory, "free_memory", lambda: freed.append(1))
     logs = []
-    micro, accum = bench.probe_micro_batch(model, 32, 48, "cpu", log=logs.append)
+    micro, accum = memory.probe_micro_batch(model, 32, 48, "cpu", log=logs.append)
     assert (micro, accum) == (8, 6) and micro * accum == 48  # tokens per step kept
     assert tried == [48, 24, 16, 12, 8]  # divisors of 48, largest first
     assert len(freed) >= len(tried)  # memory released after every try
@@ -119,14 +120,14 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
 
 def test_probe_respects_cap_and_reraises_other_errors(monkeypatch):
     model = _tiny_model()
-    assert bench.probe_micro_batch(model, 32, 16, "cpu", max_micro=4, log=lambda s: None) == (4, 4)
+    assert memory.probe_micro_batch(model, 32, 16, "cpu", max_micro=4, log=lambda s: None) == (4, 4)
 
     def broken(idx, targets=None, cache=None):
         raise RuntimeError("shape mismatch")
 
     monkeypatch.setattr(model, "forward", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        bench.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
+        memory.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
 
 
 def test_probe_nothing_fits_gives_advice(monkeypatch):
@@ -136,12 +137,12 @@ def test_probe_nothing_fits_gives_advice(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(model, "forward", oom)
-    with pytest.raises(bench.MicroBatchOOM, match="even at micro-batch 1"):
-        bench.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
+    with pytest.raises(OutOfMemoryAdvice, match="even at micro-batch 1"):
+        memory.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
 
 
 def test_oom_advice_keeps_tokens_per_step():
-    msg = bench.oom_advice(16, 32, 1024)
+    msg = memory.oom_advice(16, 32, 1024)
     assert "batch_size=8" in msg and "grad_accum_steps=64" in msg and "524,288 tokens per step" in msg
 
 
@@ -174,7 +175,7 @@ def test_oom_in_training_gives_next_setting_and_frees_the_model(char_data, tmp_p
 
     monkeypatch.setattr(Model, "forward", flaky_forward)
     run_dir = tmp_path / "run"
-    with pytest.raises(bench.MicroBatchOOM) as info:
+    with pytest.raises(OutOfMemoryAdvice) as info:
         train(char_data, run_dir, "phase1", overrides=TINY + ["max_steps=20"], device="cpu", progress=False,
               log=lambda m: None)
     msg = str(info.value)

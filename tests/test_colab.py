@@ -11,7 +11,8 @@ import torch
 
 from gptlib import colab
 from gptlib.checkpoint import verify_checkpoint
-from gptlib.train import read_metrics, train
+from gptlib.metrics import read_metrics
+from gptlib.train import train
 from tests.conftest import TINY
 
 

@@ -96,8 +96,34 @@ def test_export_never_overwrites_by_accident(run_dir, tmp_path):
         export_hf(run_dir, out)
     assert (out / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
-    export_hf(run_dir, out, checkpoint=5, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    with pytest.raises(ExportError, match="not a previous gptlib export"):  # --overwrite replaces exports only
+        export_hf(run_dir, out, checkpoint=5, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    prev = tmp_path / "prev"
+    export_hf(run_dir, prev, checkpoint=10)
+    export_hf(run_dir, prev, checkpoint=5, overwrite=True)  # a previous export is replaced
+    assert "- step: 5" in (prev / "README.md").read_text() and (prev / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("where", ["run", "run/checkpoints", "parent"])
+def test_export_refuses_the_run_itself_as_output(run_dir, tmp_path, where):
+    """export-hf --out R --overwrite once replaced the whole run with the export."""
+    import shutil
+
+    from gptlib.fsutil import sha256_file
+
+    run = tmp_path / "copy" / "run"
+    shutil.copytree(run_dir, run)
+    out = {"run": run, "run/checkpoints": run / "checkpoints", "parent": tmp_path / "copy"}[where]
+    before = {p: sha256_file(p) for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(ExportError, match="run directory|run or data directory"):
+        export_hf(run, out, overwrite=True)
+    assert {p: sha256_file(p) for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_export_refuses_a_data_directory(run_dir, char_data, tmp_path):
+    with pytest.raises(ExportError, match="run or data directory .*meta.json"):
+        export_hf(run_dir, char_data, overwrite=True)
 
 
 def test_cli_export_hf(run_dir, tmp_path, capsys):

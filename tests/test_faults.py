@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from gptlib import checkpoint as ck
+from gptlib import mirror as gmirror
 from gptlib.__main__ import main as cli_main
 from gptlib.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
@@ -196,8 +196,8 @@ def test_tokenizer_mismatch_names_field(run, tmp_path, small_text):
 
 @pytest.fixture
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(ck, "MIRROR_RETRY_DELAYS_S", (0.05, 0.05))
-    monkeypatch.setattr(ck, "MIRROR_STALL_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(gmirror, "MIRROR_RETRY_DELAYS_S", (0.05, 0.05))
+    monkeypatch.setattr(gmirror, "MIRROR_STALL_TIMEOUT_S", 0.5)
 
 
 @pytest.mark.parametrize("code", [errno.ENOTCONN, errno.EIO])
@@ -207,7 +207,7 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     def broken(*a, **k):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(ck, "copy_file_verified", broken)
+    monkeypatch.setattr(gmirror, "copy_file_verified", broken)
     r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
     assert r.step == MAX_STEPS and r.stopped_by == "max_steps"  # training went on
     assert f"[Errno {code}]" in err and "DRIVE COPY FAILED" in err, err
@@ -225,7 +225,7 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
 
 def test_drive_copy_transient_error_is_retried(char_data, tmp_path, capsys, monkeypatch, fast_retries):
     run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
-    real, calls = ck.copy_file_verified, {"n": 0}
+    real, calls = gmirror.copy_file_verified, {"n": 0}
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -233,7 +233,7 @@ def test_drive_copy_transient_error_is_retried(char_data, tmp_path, capsys, monk
             raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN))
         return real(*a, **k)
 
-    monkeypatch.setattr(ck, "copy_file_verified", flaky)
+    monkeypatch.setattr(gmirror, "copy_file_verified", flaky)
     r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
     assert "attempt 1/3" in err and "retrying" in err, err
     assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
@@ -248,7 +248,7 @@ def test_drive_copy_hang_is_abandoned(char_data, tmp_path, capsys, monkeypatch, 
         released.wait(5)  # a FUSE call that does not come back (released at the end of the test)
         raise OSError(errno.EIO, "released")
 
-    monkeypatch.setattr(ck, "copy_file_verified", hang)
+    monkeypatch.setattr(gmirror, "copy_file_verified", hang)
     try:
         r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
     finally:

@@ -13,6 +13,7 @@ from gptlib.config import ModelConfig
 from gptlib.generate import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
 from gptlib.loading import checkpoint_table, load_for_inference, load_run_tokenizer, resolve_checkpoint
 from gptlib.model import GPT
+from gptlib.state import TrainState
 from gptlib.tokenizer import CharTokenizer, TokenizerError
 
 from .conftest import TINY
@@ -284,7 +285,7 @@ def test_missing_or_mismatched_tokenizer(run_dir, tmp_path):
     # Missing: neither the run's copy nor the recorded data directory's.
     (rd / "tokenizer.json").unlink()
     with pytest.raises(TokenizerError, match="no tokenizer for .*tokenizer.json"):
-        load_run_tokenizer(rd, {**state, "data_dir": str(tmp_path / "gone")}, "ckpt")
+        load_run_tokenizer(rd, TrainState.from_json({**state, "data_dir": str(tmp_path / "gone")}, "ckpt"), "ckpt")
     # Falls back to the data directory recorded in the checkpoint (it still exists here).
     assert load_for_inference(rd).tokenizer.identity()["hash"] == state["tokenizer"]["hash"]
     # Mismatched: a different vocabulary in the run's tokenizer.json.
@@ -310,7 +311,7 @@ def test_corrupt_weights_are_refused(run_dir, tmp_path):
 
 def test_milestones_let_notebook_04_compare_early_and_late_checkpoints(char_data, tmp_path):
     """keep_every: checkpoints at its multiples are saved and survive rotation (keep_last=2)."""
-    from gptlib.generate import compare_checkpoints
+    from gptlib.compare import compare_checkpoints
     from gptlib.train import train
 
     rd = tmp_path / "run"

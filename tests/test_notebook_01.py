@@ -28,3 +28,21 @@ def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch,
     nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)  # "Colab disconnected": run it all again
     assert "already holds this dataset; reusing it" in outputs_text(nb)
     assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == before
+
+
+def test_notebook_01_reads_a_url_source_with_a_budget(tmp_path, monkeypatch, shakespeare_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    docs = [d for d in shakespeare_path.read_text()[:200_000].split("\n\n") if d.strip()]
+    src = tmp_path / "corpus" / "train-00000-of-00001.parquet"
+    src.parent.mkdir()
+    pq.write_table(pa.table({"code": docs}), src, row_group_size=100)
+    params = {"SOURCE": "my files on Drive", "INPUT": src.as_uri(), "TEXT_COLUMN": "code", "MAX_TOKENS": "20K",
+              "VOCAB_SIZE": 512, "TRAIN_MB": 0, "DATASET_NAME": "url"}
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
+    meta = read_meta(tmp_path / "root" / "data" / "url", verify_hashes=True)
+    assert [s["path"] for s in meta.raw["sources"]] == [src.as_uri()]
+    assert meta.raw["stop_reason"] == "max_tokens" and 20_000 <= meta.tokens("train") + meta.tokens("val") < 21_000
+    assert "stopped at --max-tokens 20,000" in outputs_text(nb)

@@ -1,27 +1,57 @@
-"""Notebook 02 executed headless, top to bottom, in a smoke setting; then re-run to check it resumes."""
+"""Notebook 02 executed headless, top to bottom, in a smoke setting; then re-run to check it resumes, and once
+more on the finished run."""
 
 import json
+import re
 
+import nbformat
+
+from gptlib.config import build_config
+from gptlib.model import GPT
 from tests.conftest import TINY
-from tests.nbrun import outputs_text, run_notebook
+from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
+
+NB = "02_phase1_shakespeare.ipynb"
+
+
+def cell_text(nb, marker: str) -> str:
+    cell = next(c for c in nb.cells if c.cell_type == "code" and marker in c.source)
+    return "".join(o.get("text", "") for o in cell.outputs)
 
 
 def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     params = {"RUN_NAME": "nb-smoke", "TEXT_PATH": str(small_text), "MAX_STEPS": 20, "OVERRIDES": TINY}
-    nb = run_notebook("02_phase1_shakespeare.ipynb", params, cwd=tmp_path)
+    nb = run_notebook(NB, params, cwd=tmp_path)
     text = outputs_text(nb)
     run = tmp_path / "root" / "runs" / "nb-smoke"
     assert (run / "loss.png").is_file() and (run / "samples.md").is_file()
-    assert "step 20, val loss" in text
+    # the summary line: val loss rounded, training tokens/s (TrainResult.summary)
+    assert re.search(r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s over", text), text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))  # the loss plot is shown
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20
+    # the generated text starts with its prompt, not mid-line
+    assert cell_text(nb, "engine.generate(").startswith("ROMEO:")
 
     # "Colab disconnected": run every cell again with a larger budget; training continues from step 20.
     params["MAX_STEPS"] = 30
-    nb = run_notebook("02_phase1_shakespeare.ipynb", params, cwd=tmp_path)
+    nb = run_notebook(NB, params, cwd=tmp_path)
     assert "resumed from" in outputs_text(nb)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
+
+    # run all again on the finished run: it says so, with its val loss (not "val loss None, 0 tokens/s")
+    nb = run_notebook(NB, params, cwd=tmp_path)
+    train_out = cell_text(nb, "result = train(")
+    assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), train_out
+    assert "None" not in train_out and " 0 tokens/s" not in train_out
+
+
+def test_notebook_02_states_the_models_size():
+    """The intro's "~0.34M-parameter GPT" is the phase1 preset's model (Tiny Shakespeare has the preset's 65 chars)."""
+    nb = nbformat.read(NOTEBOOKS / NB, as_version=4)
+    m = re.search(r"~([\d.]+)M-parameter", nb.cells[0].source)
+    assert m, nb.cells[0].source
+    assert float(m.group(1)) == round(GPT(build_config("phase1").model).num_params() / 1e6, 2)

@@ -3,8 +3,13 @@
 import json
 import shutil
 
+import nbformat
+
+from gptlib.measure import postfix_fields
+from gptlib.metrics import fmt_tokens
+from gptlib.plots import run_title
 from tests.conftest import TINY
-from tests.nbrun import outputs_text, run_notebook
+from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
 
 
 def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
@@ -16,14 +21,18 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     nb = run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
     run = tmp_path / "root" / "runs" / "nb3"
-    assert "256 tokens/step x 20 steps" in text
+    assert "256 tokens/step x 20 steps = 5.12K tokens" in text  # not "= 0.000B tokens"
     assert "MFU unknown on cpu" in text  # no made-up MFU on a CPU
     assert "-> RAM:" in text and "fits in RAM" in text  # the data path and why
     assert "auto micro-batch: no memory probe on cpu" in text
-    assert "step 20/20" in text and "time split" in text
-    pngs = [o for c in nb.cells for o in c.get("outputs", [])
-            if o.get("output_type") in ("display_data", "update_display_data") and "image/png" in o.get("data", {})]
-    assert pngs  # the live loss plot
+    assert "done: step 20, val loss" in text and "time split data " in text and "fwd_bwd " in text
+    train_cell = next(c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source)
+    kinds = [("png" if "image/png" in o.get("data", {}) else o.get("output_type"), o.get("text", ""))
+             for o in train_cell.outputs]
+    png = [i for i, (k, _) in enumerate(kinds) if k == "png"]
+    assert len(png) == 1  # the live loss plot, one display updated in place
+    steps = [i for i, (k, t) in enumerate(kinds) if k == "stream" and ("step 10: train" in t or "step 20: train" in t)]
+    assert steps and min(steps) > png[0], kinds  # every "step N" line below the plot, none above it
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21))
     assert rows[-1]["mfu"] is None and rows[-1]["eta_s"] == 0 and set(rows[-1]["time_split"]) == {"data", "fwd_bwd", "optim"}
@@ -32,6 +41,23 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     params["TOKEN_BUDGET_M"] = 0.00768
     nb = run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
-    assert "resumed from step 20" in text and "step 30/30" in text
+    assert "resumed from step 20" in text and "done: step 30," in text
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
+
+
+def test_notebook_03_asks_colab_for_an_a100():
+    """Without a GPU type Colab opens a notebook on a T4; and it is committed without outputs."""
+    nb = nbformat.read(NOTEBOOKS / "03_phase3_train.ipynb", as_version=4)
+    assert nb.metadata["accelerator"] == "GPU" and nb.metadata["colab"]["gpuType"] == "A100"
+    for name in sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")):
+        cells = nbformat.read(NOTEBOOKS / name, as_version=4).cells
+        assert all(not c.get("outputs") and c.get("execution_count") is None for c in cells if c.cell_type == "code"), name
+
+
+def test_what_notebook_03_shows():
+    """Token counts in a unit that fits, the bar's time split in words, a title naming the run once."""
+    assert [fmt_tokens(n) for n in (5120, 999_600, 268_435_456, 2.8e9, 7)] == ["5.12K", "1M", "268M", "2.8B", "7"]
+    fields = postfix_fields({"mfu": None, "eta_s": 65.0, "time_split": {"data": 0.004, "fwd_bwd": 0.958, "optim": 0.038}})
+    assert fields == {"eta": "1m05s", "time": "data 0% fwd_bwd 96% optim 4%"}
+    assert run_title("phase1", "phase1") == "phase1" and run_title("gpt2-small", "run2", " · ") == "gpt2-small · run2"

@@ -14,8 +14,13 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     run = tmp_path / "root" / "runs" / "nb04"
     train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    hs_file = tmp_path / "hellaswag_small.jsonl"  # HellaSwag-shaped items the char vocabulary can encode
+    hs_file.write_text("".join(json.dumps({"ctx": "KING RICHARD", "label": i % 4,
+                                           "endings": ["my lord", "the crown", "a horse", "to bed"]}) + "\n"
+                               for i in range(6)))
     params = {"RUN_NAME": "nb04", "DEVICE": "cpu", "PROMPTS": "ROMEO:|KING", "CHECKPOINTS": "all",
-              "MAX_NEW_TOKENS": 12, "EXPORT_DIR": str(tmp_path / "hf")}
+              "MAX_NEW_TOKENS": 12, "EXPORT_DIR": str(tmp_path / "hf"), "EVAL_TASKS": "bpb, hellaswag",
+              "HELLASWAG_FILE": str(hs_file), "BPB_WINDOWS": 20}
     nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
     assert "step 10 · val" in text and "step 5 · val" in text  # the checkpoint list
@@ -29,6 +34,15 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
     # The comparison table: 2 prompts x 2 checkpoints.
     assert 'class="gptlib-compare"' in text and text.count("<td") >= 4
+    # Evaluate: both checkpoints x {bpb, HellaSwag}, the GPT-2 reference row, the acc_norm plot, eval.jsonl.
+    table = text[text.index('class="gptlib-eval"'):]
+    assert "step 5" in table and "step 10" in table and "GPT-2 124M (OpenAI)" in table and "0.2955" in table
+    eval_rows = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
+    assert sorted((r["task"], r["step"]) for r in eval_rows) == [("bpb", 5), ("bpb", 10), ("hellaswag", 5),
+                                                                 ("hellaswag", 10)]
+    assert all(r["n"] == 6 for r in eval_rows if r["task"] == "hellaswag")
+    plot_cell = next(c for c in nb.cells if c.cell_type == "code" and "hellaswag_figure(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in plot_cell.outputs)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["GPT2LMHeadModel"] and (tmp_path / "hf" / "tokenizer.json").is_file()
 
@@ -50,4 +64,27 @@ def test_playground_headless(tmp_path, char_data):
     assert "step 5" in pg.status.value
     pg.prompt.value = "\u2603"  # not in the char vocabulary: shown as an error, not raised
     assert pg.generate() is None and "not in the char vocabulary" in pg.status.value
+    assert "unknown='map'" not in pg.status.value and "prompt" in pg.status.value  # advice the Playground can follow
+    assert pg.output.value == ""  # the previous text does not stay below the error looking like its result
+    assert pg.status not in [w for box in pg.widget.children if hasattr(box, "children") for w in box.children]
+    assert pg.seed.style.description_width == "initial"  # "Seed (-1 random)" is not cut off
     assert parse_list(r"ROMEO:|\n|") == ["ROMEO:", "\n"]
+
+
+def test_export_cell_without_export_dir_says_what_export_is(tmp_path, monkeypatch, capsys):
+    """With EXPORT_DIR empty (a Voila dashboard user cannot see the parameters cell) the cell says what export is
+    and where the files would go; nothing is written."""
+    import nbformat
+
+    from tests.nbrun import NOTEBOOKS
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    nb = nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "export_hf(" in c.source)
+    run_dir = tmp_path / "root" / "runs" / "r"
+    exec(cell.source, {"EXPORT_DIR": "", "EXPORT_CHECKPOINT": "best", "run_dir": run_dir})
+    out = capsys.readouterr().out
+    where = tmp_path / "root" / "exports" / "r"
+    assert "set EXPORT_DIR to export" not in out and "Not exported" in out
+    assert "Hugging Face" in out and "model.safetensors" in out and str(where) in out and "export-hf" in out, out
+    assert not where.exists()

@@ -18,6 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import gptlib.prepare as prep
+import gptlib.inputs as inputs
+import gptlib.pieces as gpieces
+import gptlib.sources as sources
 from gptlib.prepare import PrepareError, prepare, prepare_text
 from gptlib.shards import DataFormatError, load_split, read_meta
 from gptlib.tokenizer import EOT, BPETokenizer, load_tokenizer
@@ -101,8 +104,8 @@ def test_parquet_restart_deep_inside_a_big_row_group(tmp_path):
     # read batches of 1,024 rows, and every one of them must be skipped.
     docs = [f"document number {i}" for i in range(3000)]
     src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=3000)
-    s = prep.Source(src, "parquet", src.stat().st_size, prep.file_hash(src, src.stat().st_size))
-    pieces = list(prep.iter_parquet_file(s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, None))
+    s = inputs.Source(src, "parquet", src.stat().st_size, inputs.file_hash(src, src.stat().st_size))
+    pieces = list(sources.iter_parquet_file(s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, None))
     assert [p.doc for p in pieces] == list(range(2500, 3000))
     assert [p.text for p in pieces] == docs[2500:]
 
@@ -139,7 +142,7 @@ def test_literal_endoftext_stays_text(tmp_path, bpe_file):
 
 
 def test_long_line_is_cut_into_pieces_and_round_trips(tmp_path, monkeypatch, bpe_file):
-    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(gpieces, "PIECE_CHARS", 1000)
     monkeypatch.setattr(prep, "BATCH_CHARS", 5000)
     words = " ".join(f"w{i}é" for i in range(20000))  # one 130 kB line, non-ASCII, no newline
     line = tmp_path / "line.txt"

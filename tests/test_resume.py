@@ -2,7 +2,7 @@
 
 "Matches" means the same per-step train/val losses and learning rates in metrics.jsonl and the
 same final weights (torch.equal). The kills are real: `python -m gptlib train` runs in a
-subprocess and SIGKILLs itself at a named point (GPTLIB_FAULT, see checkpoint.fault_point), or
+subprocess and SIGKILLs itself at a named point (GPTLIB_FAULT, see gptlib.faults), or
 gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
 skipping the RNG or sampler restore makes the comparison fail.
 """
@@ -19,9 +19,11 @@ import pytest
 import torch
 
 from gptlib import data as gdata
+from gptlib import session as gsession
 from gptlib import train as gtrain
 from gptlib.checkpoint import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
-from gptlib.train import read_metrics, train
+from gptlib.metrics import read_metrics
+from gptlib.train import train
 
 from tests.conftest import REPO, TINY
 
@@ -183,7 +185,7 @@ def interrupted(char_data, tmp_path_factory):
 def test_negative_control_without_rng_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
-    monkeypatch.setattr(gtrain, "restore_rng", lambda tensors, plain: None)
+    monkeypatch.setattr(gsession, "restore_rng", lambda tensors, plain: None)
     run_inproc(char_data, run_dir, log=lambda m: None)
     with pytest.raises(AssertionError, match="losses differ"):
         assert_same_run(reference, run_dir)

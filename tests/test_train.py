@@ -5,7 +5,9 @@ import torch
 
 from gptlib.checkpoint import list_checkpoints, load_model_weights
 from gptlib.config import ConfigError
-from gptlib.train import lr_at, read_metrics, train
+from gptlib.metrics import read_metrics
+from gptlib.step import lr_at
+from gptlib.train import train
 from gptlib.config import TrainConfig
 from tests.conftest import TINY
 
@@ -108,3 +110,41 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(110, cfg) == pytest.approx(1e-4)
     lrs = [lr_at(s, cfg) for s in range(10, 110)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, monkeypatch):
+    """auto_batch changes batch_size and grad_accum_steps: config.json says so, as the checkpoints do."""
+    from gptlib import session
+
+    monkeypatch.setattr(session, "auto_micro_batch", lambda model, cfg, device, dtype, log=print: (4, 4))
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"],
+          max_steps=2, progress=False, log=quiet)
+    written = json.loads((run / "config.json").read_text())
+    saved = json.loads((list_checkpoints(run)[0] / "state.json").read_text())["config"]
+    assert written == saved and written["train"]["batch_size"] == 4 and written["train"]["grad_accum_steps"] == 4
+
+
+def test_hellaswag_during_training(tmp_path, char_data):
+    """hellaswag_every: a fixed subset at the validations that cross a multiple, all items at the end (also
+    in eval.jsonl), drawn beside the loss; without the file, training goes on and says why."""
+    from gptlib.evaluate import read_eval_rows
+
+    items = [{"ctx": "ROMEO:", "endings": [" what", " is", " this", " night"], "label": i % 4} for i in range(12)]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    run = tmp_path / "run"
+    settings = TINY + ["eval_interval=5", "hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"]
+    logs = []
+    train(char_data, run, "phase1", settings, max_steps=25, progress=False, log=logs.append)
+    rows = {r["step"]: r for r in read_metrics(run) if "val_loss" in r}
+    assert [s for s in sorted(rows) if "hellaswag_acc_norm" in rows[s]] == [10, 20, 25]
+    assert rows[10]["hellaswag_n"] == 4 and rows[25]["hellaswag_n"] == 12  # the subset, then all items
+    assert 0.0 <= rows[25]["hellaswag_acc_norm"] <= 1.0
+    assert any("HellaSwag acc_norm" in m for m in logs)
+    ev = read_eval_rows(run, "hellaswag")
+    assert len(ev) == 1 and ev[0]["step"] == 25 and ev[0]["source"] == "training" and ev[0]["n"] == 12
+    logs = []
+    missing = settings[:-1] + [f"hellaswag_file={tmp_path / 'nope.jsonl'}"]
+    r = train(char_data, tmp_path / "run2", "phase1", missing, max_steps=5, progress=False, log=logs.append)
+    assert r.step == 5 and any(m.startswith("hellaswag: off for this run") for m in logs), logs

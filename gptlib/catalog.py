@@ -1,0 +1,80 @@
+"""Known corpora for notebook 01's source dropdown: where each lives, its text column and a sensible
+token budget (what `prepare` needs; nothing is fetched here).
+
+The budgets: GPT-2 Small on a Colab A100 sees about 1B tokens an hour, so 2.8B tokens (what the
+original author trained on; also about 10 GB of github-code) is an afternoon. TinyStories and
+UltraChat are smaller than that and are taken whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KnownSource:
+    input: str | None  # a URL, or None: the source needs the user's INPUT (or is the demo corpus)
+    text_column: str | None = None
+    format: str = "text"
+    max_tokens: int | None = None  # the default budget; None = all of it
+    hf_split: str | None = None
+    note: str = ""
+
+
+DEMO = "Tiny Shakespeare (demo)"
+MY_FILES = "my files on Drive"
+SOURCES: dict[str, KnownSource] = {
+    DEMO: KnownSource(None, note="1.1 MB, downloaded and checksum-verified"),
+    "TinyStories": KnownSource("hf://datasets/roneneldan/TinyStories", "text", hf_split="train",
+                               note="~2.1M short stories, ~0.5B tokens: all of it"),
+    "FineWeb-Edu sample-10BT": KnownSource("hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet", "text",
+                                           max_tokens=2_800_000_000,
+                                           note="educational web pages (build-nanogpt's corpus), ~10B tokens"),
+    "OpenWebText": KnownSource("hf://datasets/Skylion007/openwebtext", "text", max_tokens=2_800_000_000,
+                               hf_split="train", note="nanoGPT's GPT-2 reproduction corpus, ~9B tokens"),
+    "github-code (as the original author used it)": KnownSource(
+        "hf://datasets/codeparrot/github-code", "code", max_tokens=2_800_000_000, hf_split="train",
+        note="source files in 30 languages, column `code`: 2.8B tokens is about 10 GB of its parquet"),
+    "UltraChat-200k (chat)": KnownSource("hf://datasets/HuggingFaceH4/ultrachat_200k", "messages", format="chat",
+                                         hf_split="train_sft",
+                                         note="200k multi-turn conversations (train_sft), for fine-tuning"),
+    MY_FILES: KnownSource(None, note="files, folders or globs in INPUT (any fsspec URL works too)"),
+}
+
+
+def parse_count(s: str | int | float | None) -> int | None:
+    """A token count: 2800000000, 2.8e9, "2.8B", "500M", "20K"; None, "" or 0 mean no limit."""
+    if s is None or (isinstance(s, str) and not s.strip()):
+        return None
+    if isinstance(s, (int, float)):
+        n = float(s)
+    else:
+        t = s.strip().upper().replace("_", "").replace(",", "")
+        mult = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
+        try:
+            n = float(t[:-1] if mult != 1 else t) * mult
+        except ValueError:
+            raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)") from None
+    if n < 0:
+        raise ValueError(f"{s!r} must not be negative")
+    return int(round(n)) or None
+
+
+def source_options(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "",
+                   fmt: str = "") -> dict:
+    """prepare() keyword arguments for a dropdown choice. Files in INPUT (comma-separated) are the user's
+    own, whatever the dropdown says, and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and
+    FORMAT, when not empty, win over the source's. inputs None = the demo corpus."""
+    if label not in SOURCES:
+        raise ValueError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
+    inputs = [s.strip() for s in user_input.split(",") if s.strip()]
+    if inputs:
+        base = KnownSource(None)
+    elif label == MY_FILES:
+        raise ValueError(f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)")
+    else:
+        base = SOURCES[label]
+        inputs = [base.input] if base.input else []
+    return {"inputs": inputs or None, "text_column": text_column or base.text_column, "format": fmt or base.format,
+            "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens,
+            "hf_split": base.hf_split}

@@ -1,0 +1,210 @@
+"""The tokenizing pass of prepare.py: pieces -> encode batches -> train/val shard writers.
+
+- Batches of ~BATCH_CHARS text are encoded by one `encode_batch` call (parallel in the Rust library).
+- Each document goes to train or val by a hash of (its source's key, its index); tail mode forces it.
+- Text documents are followed by the end-of-text id; chat pieces are rendered by chat.ChatTemplate
+  (role markers, content, end-of-turn) and their assistant spans go to the writers with the tokens.
+- max_tokens: the pass stops at the first document end at or after that many tokens (train + val);
+  documents are never cut.
+- Resume: the state (prepare_state.json) is saved at every completed shard with the input position of
+  the batch that completed it; a resumed pass redoes that batch and gets the same bytes.
+- Progress: a tqdm bar in input bytes (MB/s, ETA) with the tokens so far and tokens/s; with
+  max_tokens also its share and an ETA by tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .chat import EXAMPLES_KEPT, ChatTemplate
+from .fsutil import atomic_write_json
+from .shards import PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
+from .inputs import Source, invalid_utf8
+from .pieces import Piece
+from .sources import iter_corpus
+from .tokenizer import BPETokenizer, Tokenizer
+
+BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
+STATE_FILE = PREPARE_STATE_FILE  # present only while a tokenize run is unfinished
+
+
+def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
+    """Token id lists (BPE) or arrays (char) -> one array of the shard dtype."""
+    if not parts:
+        return np.zeros(0, dtype=dtype)
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts).astype(dtype, copy=False)
+    n = sum(len(p) for p in parts)
+    out = np.empty(n, dtype=dtype)
+    i = 0
+    for p in parts:  # np.array per list is C-speed; one Python step per piece, not per token
+        out[i:i + len(p)] = p
+        i += len(p)
+    return out
+
+
+class Pass:
+    """One pass over the corpus from progress["resume"] on (see the module docstring). Updates
+    progress["emitted"] and progress["stats"]; `writers` hold the last shards, not yet flushed."""
+
+    def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
+                 progress: dict, val_fraction: float, shard_tokens: int, fmt: str, max_tokens: int | None,
+                 batch_chars: int = BATCH_CHARS, write_json=atomic_write_json):
+        self.state_path = out_dir / STATE_FILE
+        self.batch_chars, self.write_json = batch_chars, write_json
+        self.spec, self.identity, self.sources = spec, identity, sources
+        self.tok, self.is_bpe, self.eot = tok, isinstance(tok, BPETokenizer), tok.eot_id
+        self.template = ChatTemplate(tok) if fmt == "chat" else None
+        self.emitted, self.stats, shards = progress["emitted"], progress["stats"], progress["shards"]
+        self.max_tokens = max_tokens
+        self.stopped: dict | None = None
+        self.threshold = int(val_fraction * 2**64)
+        self.last_doc: list = [None, "train"]  # (file, doc) -> split of the last document: a long one comes in pieces
+        invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
+        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted),
+                            "stats": json.loads(json.dumps(self.stats))}
+        dtype = dtype_for_vocab(tok.vocab_size)
+        # skip: tokens between the resume position and the end of the last completed shard.
+        self.writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, shards[s], on_full=self.on_full,
+                                       skip=sum(x["tokens"] for x in shards[s]) - self.emitted[s],
+                                       with_spans=self.template is not None) for s in ("train", "val")}
+        self.dtype = dtype
+        self.save_state()  # marks out_dir as this run's, before the first shard
+        self.tokens_run, self.t_run = 0, time.time()
+
+    def save_state(self) -> None:
+        b = self.batch_start
+        self.write_json(self.state_path, {"spec": self.spec, "tokenizer": self.identity, "resume": b["pos"],
+                                             "emitted": b["emitted"], "stats": b["stats"],
+                                             "shards": {s: w.shards for s, w in self.writers.items()}})
+
+    def on_full(self, w: ShardWriter) -> None:
+        # Cut the other split too, so that everything before this batch is in completed shards
+        # and a resume restarts here (at most one batch of work is redone).
+        for other in self.writers.values():
+            if other is not w:
+                other.flush()
+        self.save_state()
+
+    def doc_split(self, fi: int, doc: int) -> str:
+        if self.last_doc[0] != (fi, doc):
+            h = hashlib.blake2b(f"{self.sources[fi].key}:{doc}".encode(), digest_size=8).digest()
+            self.last_doc[:] = [(fi, doc), "val" if int.from_bytes(h, "little") < self.threshold else "train"]
+        return self.last_doc[1]
+
+    def run(self, pieces_iter, bar) -> None:
+        pieces: list[Piece] = []
+        n_chars = 0
+        for piece in pieces_iter:
+            pieces.append(piece)
+            n_chars += len(piece.text)
+            if n_chars >= self.batch_chars:
+                self.run_batch(pieces, bar)
+                pieces, n_chars = [], 0
+                if self.stopped:
+                    return
+        if pieces:
+            self.run_batch(pieces, bar)
+
+    def run_batch(self, pieces: list[Piece], bar) -> None:
+        texts = [p.text for p in pieces]
+        ids = self.tok.encode_batch_ids(texts) if self.is_bpe else self.tok.encode_batch(texts)
+        parts: dict[str, list] = {"train": [], "val": []}
+        spans: dict[str, list] = {"train": [], "val": []}
+        count = {"train": 0, "val": 0}  # tokens of this batch per split so far
+        total0 = self.emitted["train"] + self.emitted["val"]
+        stats, nbytes, last = self.stats, 0.0, None
+        for p, x in zip(pieces, ids):
+            last = p
+            nbytes += p.nbytes
+            if p.malformed is not None:
+                self.count_malformed(p)
+                continue
+            s = p.split or self.doc_split(p.pos["file"], p.doc)  # pos["file"] is the piece's own file
+            if self.template is not None and p.role is not None:
+                x, span = self.template.piece_ids(p, x)
+                if span is not None:
+                    spans[s].append((count[s] + span[0], count[s] + span[1]))
+            if len(x):
+                parts[s].append(x)
+                count[s] += len(x)
+            stats["characters"] += len(p.text)
+            if p.doc_end:
+                if p.text:
+                    stats["documents"] += 1
+                    if self.eot is not None:
+                        parts[s].append([self.eot] if self.is_bpe else np.array([self.eot], dtype=np.int64))
+                        count[s] += 1
+                else:  # a blank line, null or "" value
+                    stats["empty_documents"] += 1
+                if self.max_tokens is not None and total0 + count["train"] + count["val"] >= self.max_tokens:
+                    self.stopped = {"file": str(self.sources[p.pos["file"]].path), "document": p.doc}
+                    break
+        self.finish_batch(parts, spans, nbytes, last, bar)
+
+    def count_malformed(self, p: Piece) -> None:
+        st = self.stats
+        st["malformed_conversations"] = st.get("malformed_conversations", 0) + 1
+        examples = st.setdefault("malformed_examples", [])
+        if len(examples) < EXAMPLES_KEPT:
+            examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc, "reason": p.malformed})
+
+    def finish_batch(self, parts: dict, spans: dict, nbytes: float, last: Piece, bar) -> None:
+        for s in ("train", "val"):
+            arr = to_array(parts[s], self.dtype)
+            self.emitted[s] += int(arr.size)
+            self.tokens_run += int(arr.size)
+            sp = np.array(spans[s], dtype=np.int64).reshape(-1, 2) if self.template is not None else None
+            if sp is not None:
+                self.stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
+            self.writers[s].write(arr, sp)
+        self.stats["bytes"] += nbytes
+        self.stats["replaced_invalid_utf8"] = invalid_utf8.count
+        self.show(bar, nbytes)
+        # The next batch starts after the last piece of this one.
+        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
+                            "stats": json.loads(json.dumps(self.stats))}
+
+    def show(self, bar, nbytes: float) -> None:
+        bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot by a hair
+        rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
+        total = self.emitted["train"] + self.emitted["val"]
+        post = f"{total / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
+        if self.max_tokens:
+            left = max(0, self.max_tokens - total) / max(rate, 1e-9)
+            post += f", {min(1.0, total / self.max_tokens):.0%} of max-tokens (ETA {_hms(left)})"
+        bar.set_postfix_str(post, refresh=False)
+
+
+def _hms(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source], progress: dict,
+                  split_mode: str, val_fraction: float, text_column: str | None, on_bad_file: str, shard_tokens: int,
+                  verbose: bool, fmt: str = "text", max_tokens: int | None = None, batch_chars: int = BATCH_CHARS,
+                  write_json=atomic_write_json) -> tuple[dict, dict | None]:
+    """The pass (see Pass); returns the writers (last shards not yet flushed) and where max_tokens
+    stopped it (None: the end of the input). batch_chars, write_json: prepare.py passes its own (tests
+    shrink the batches and simulate a kill while the state is written)."""
+    from tqdm.auto import tqdm
+
+    p = Pass(out_dir, spec, tok, identity, sources, progress, val_fraction, shard_tokens, fmt, max_tokens,
+             batch_chars, write_json)
+    stats = progress["stats"]
+    bar = tqdm(total=sum(s.size for s in sources), initial=int(stats["bytes"]), unit="B", unit_scale=True,
+               unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
+    # A parquet file skipped mid-way is appended to stats["skipped_files"]; its earlier rows stay
+    # (deterministic on resume).
+    try:
+        p.run(iter_corpus(sources, progress["resume"], stats["skipped_files"], split_mode, val_fraction,
+                          text_column, on_bad_file, fmt), bar)
+    finally:
+        bar.close()
+    return p.writers, p.stopped

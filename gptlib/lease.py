@@ -1,0 +1,235 @@
+"""One writer per run: the training process holds a lease on its run directory and on its Drive mirror.
+
+A second `train` on the same run directory or the same mirror (a second notebook tab, a reconnect while
+the old VM still runs) refuses within seconds and names the holder. The lease file, layout.LEASE_FILE:
+
+    {"format": 1, "host": "...", "pid": 1234, "session": "3f2a...", "started": 1732300000.0,
+     "heartbeat": 1732300420.0, "beats": 14}
+
+The holder rewrites it every HEARTBEAT_S seconds ("beats" counts up). A lease is stale, and taken over
+automatically (with a message), when
+- its holder ran on this machine and that process is gone (killed, crashed): at once;
+- its heartbeat is older than STALE_S by this machine's clock AND does not change while it is watched for
+  WATCH_S: another VM's clock may be off, so a heartbeat that moves is what proves the holder alive;
+- its heartbeat is more than SKEW_S ahead of this machine's clock (a VM whose clock ran ahead) AND does not
+  change while watched: its age is unknown, so wall-clock time alone never refuses it (for hours).
+A lease file that is unreadable, or from a newer format, is never taken as free at once: its age is its
+modification time, then the same watch. take_over=True (`--take-over`) takes any lease at once.
+
+A holder whose lease was taken (the file names another session) stops saving at once: `check()` raises
+LeaseLost, and the checkpoint writer and the Drive mirror call it before every write. Readers (sample,
+eval, export, notebook 04) need no lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LeaseLost, RunBusyError, RunDirError, loud  # noqa: F401 - importable from here (errors.py)
+from .fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
+from .layout import LEASE_FILE
+
+LEASE_FORMAT = 1
+HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
+STALE_S = 180.0  # a heartbeat older than this (by our clock) may be a VM that vanished ...
+WATCH_S = 45.0  # ... confirmed by watching it not change for this long
+SKEW_S = 60.0  # a heartbeat up to this far ahead of our clock is a small clock difference (fresh); further: unknown age
+IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
+
+
+def _timing(name: str, default: float) -> float:
+    """GPTLIB_LEASE_<NAME> overrides a timing (tests, and users who know their Drive)."""
+    return float(os.environ.get(f"GPTLIB_LEASE_{name}", default))
+
+
+@dataclass
+class Holder:
+    host: str
+    pid: int
+    session: str
+    started: float
+    heartbeat: float
+    beats: int
+
+    def describe(self, now: float) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        age = now - self.heartbeat
+        when = f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future"
+        return f"host {self.host}, pid {self.pid}, started {started}, last heartbeat {when} by this machine's clock"
+
+
+def _read(path: Path) -> Holder | str | None:
+    """The lease at path: a Holder, None if there is none, or a string saying why it cannot be read."""
+    try:
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        return f"unreadable ({e})"
+    try:
+        d = json.loads(raw)
+        if d.get("format") != LEASE_FORMAT:
+            return f"format {d.get('format')!r}, this gptlib reads {LEASE_FORMAT}"
+        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]),
+                      int(d["beats"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"malformed ({type(e).__name__}: {e})"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLease:
+    """The lease of one training call on its run directory and mirror (see the module docstring)."""
+
+    def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
+        self.dirs = [Path(d) for d in dirs if d is not None]
+        self.take_over = take_over
+        self.log = log
+        self.session = uuid.uuid4().hex[:12]
+        self.host = socket.gethostname()
+        self.started = time.time()
+        self.beats = 0
+        self.lost: str | None = None  # set when another session took over: why
+        self._held: list[Path] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- acquiring ------------------------------------------------------------------------------
+
+    def acquire(self) -> "RunLease":
+        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written)."""
+        for d in self.dirs:
+            self._check_free(d / LEASE_FILE)
+        for d in self.dirs:
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                self._write(d / LEASE_FILE)
+            except HungIOError:
+                raise
+            except OSError as e:  # the first write to the run dir: say what is wrong with it, not a traceback
+                self.release()
+                raise cannot_write(d, e) from None
+            self._held.append(d)
+        time.sleep(0.05)  # two starters that wrote at the same moment: the last write wins, the other sees it
+        for d in self._held:
+            self._check_ours(d / LEASE_FILE, on_lost=RunBusyError)
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
+        self._thread.start()
+        return self
+
+    def _check_free(self, path: Path) -> None:
+        """Return if the lease at path may be taken; raise RunBusyError if its holder may be alive."""
+        found = call_with_timeout(lambda: _read(path), IO_TIMEOUT_S, what=f"reading {path}")
+        if found is None:
+            return
+        now = time.time()
+        how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
+        if self.take_over:
+            self.log(f"lease: taking over {path} ({found.describe(now) if isinstance(found, Holder) else found})")
+            return
+        if isinstance(found, Holder) and found.host == self.host:
+            if not _pid_alive(found.pid):
+                self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
+                return
+            raise RunBusyError(f"{path.parent} is in use by another training process ({found.describe(now)}); {how}")
+        age = now - (found.heartbeat if isinstance(found, Holder) else
+                     call_with_timeout(lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"))
+        what = found.describe(now) if isinstance(found, Holder) else f"a lease file that is {found}"
+        stale_s = _timing("STALE_S", STALE_S)
+        if -_timing("SKEW_S", SKEW_S) <= age < stale_s:
+            raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
+                               f"{stale_s - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
+        # Old, or so far in the future that its age is unknown (the other VM's clock ran ahead): only a
+        # heartbeat that changes while watched shows the holder alive.
+        looks = "looks stale" if age >= 0 else "has a heartbeat ahead of this machine's clock (its age is unknown)"
+        self._watch(path, looks, what, how)
+
+    def _watch(self, path: Path, looks: str, what: str, how: str) -> None:
+        """An old (or future) heartbeat: watch it for WATCH_S; a change means the holder is alive after all."""
+        watch = _timing("WATCH_S", WATCH_S)
+        self.log(f"lease: {path} {looks} ({what}); watching it for {watch:.0f} s before taking over")
+        read = lambda: call_with_timeout(path.read_bytes, IO_TIMEOUT_S, what=f"reading {path}")  # noqa: E731
+        before = read()
+        deadline = time.monotonic() + watch
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, watch / 10))
+            if read() != before:
+                raise RunBusyError(f"{path.parent} is in use: its lease changed while watched ({what}; the other "
+                                   f"machine's clock is off); {how}")
+        self.log(f"lease: {path} did not change for {watch:.0f} s; taking it over")
+
+    # -- holding --------------------------------------------------------------------------------
+
+    def _write(self, path: Path) -> None:
+        now = time.time()
+        body = {"format": LEASE_FORMAT, "host": self.host, "pid": os.getpid(), "session": self.session,
+                "started": self.started, "heartbeat": now, "beats": self.beats}
+        call_with_timeout(lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}")
+
+    def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
+        found = call_with_timeout(lambda: _read(path), IO_TIMEOUT_S, what=f"reading {path}")
+        if isinstance(found, Holder) and found.session == self.session:
+            return
+        who = found.describe(time.time()) if isinstance(found, Holder) else f"a lease file that is {found}"
+        self.lost = f"{path.parent} was taken over by another process ({who})"
+        raise on_lost(self.lost + "; this process stopped without writing to it")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(_timing("HEARTBEAT_S", HEARTBEAT_S)):
+            self.beats += 1
+            for d in self._held:
+                try:
+                    self._check_ours(d / LEASE_FILE)
+                    self._write(d / LEASE_FILE)
+                except LeaseLost:
+                    loud(f"!! {self.lost}: training stops without saving")
+                    return
+                except OSError:  # a hung or failing Drive: skip this beat (the mirror reports Drive trouble)
+                    pass
+
+    def check(self, directory: Path | None = None) -> None:
+        """Raise LeaseLost if the lease was taken over (re-read now for `directory`, else the last heartbeat's
+        verdict). Called before every checkpoint write."""
+        if self.lost is not None:
+            raise LeaseLost(self.lost + "; this process stopped without writing to it")
+        if directory is not None and Path(directory) in self._held:
+            self._check_ours(Path(directory) / LEASE_FILE)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease files that are still ours (never another holder's)."""
+        self._stop.set()
+        for d in self._held:
+            try:
+                found = call_with_timeout(lambda d=d: _read(d / LEASE_FILE), IO_TIMEOUT_S)
+                if isinstance(found, Holder) and found.session == self.session:
+                    (d / LEASE_FILE).unlink(missing_ok=True)
+            except OSError:
+                pass  # a hung Drive: the lease goes stale on its own
+        self._held = []
+
+
+class NoLease:
+    """The lease of DDP ranks other than 0 (rank 0 holds the run's lease), and of callers that need none."""
+
+    lost = None
+
+    def check(self, directory: Path | None = None) -> None:
+        pass
+
+    def release(self) -> None:
+        pass

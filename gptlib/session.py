@@ -1,0 +1,388 @@
+"""Everything train() sets up before its loop, in the order it happens:
+
+1. the data: meta.json checked against the shards, the tokens placed on the GPU, in RAM or left on disk;
+2. the resume point: the newest checkpoint that verifies and loads, on the local disk or the Drive
+   mirror; its model config must match what is asked for, while training settings asked for now win
+   (and are reported);
+3. the model (seeded), the micro-batch that fits (auto_batch), AdamW, the grad scaler, the sampler,
+   and the checkpoint's state restored into them; then torch.compile and DDP wrap the model;
+4. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
+
+A Session also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import distributed
+from .checkpoint import (DRIVE_READ_STALL_S, CheckpointInfo, clean_orphans, first_valid, load_checkpoint,
+                         load_weights_into, verify_checkpoint)
+from .checkpointer import CheckpointWriter, NullCheckpointWriter, Snapshot
+from .config import ModelConfig, RunConfig
+from .data import LossMask, load_dataset, loss_masks, make_sampler
+from .errors import ConfigError, DataFormatError
+from .fsutil import Progress, atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write
+from .lease import NoLease, RunLease
+from .hellaswag import HellaSwagProbe
+from .layout import CONFIG_FILE, LOG_FILES, STATE_FILE, TOKENIZER_FILE, TRAIN_STATE_FILE
+from .memory import auto_micro_batch, estimate_train_bytes
+from .loading import load_for_inference
+from .metrics import restore_logs_from_checkpoint, truncate_logs
+from .mirror import mirror_checkpoint
+from .model import GPT
+from .measure import check_cpu_run, run_flops
+from .runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state, dtype_name,
+                      resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything, use_compile)
+from .shards import META_FILE, DatasetMeta, read_meta
+from .state import TrainState, TrainTensors
+from .tokenizer import Tokenizer, check_identity, load_tokenizer
+
+# The model's shape: a checkpoint only resumes into the same one. Other fields (dropout, all training
+# settings) may change between sessions; the change is reported.
+MODEL_FIELDS_THAT_MUST_MATCH = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple")
+
+
+def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log) -> RunConfig:
+    """On resume the model must be the same; training fields asked for now win, and are reported."""
+    for name in MODEL_FIELDS_THAT_MUST_MATCH:
+        a, b = getattr(saved.model, name), getattr(asked.model, name)
+        if a != b:
+            raise ConfigError(
+                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
+                f"use a new run directory, or drop the change to resume"
+            )
+    changeable = [(saved.model, asked.model, n) for n in saved.model.__dataclass_fields__
+                  if n not in MODEL_FIELDS_THAT_MUST_MATCH]  # dropout: same weights, different regularisation
+    changeable += [(saved.train, asked.train, n) for n in saved.train.__dataclass_fields__]
+    for old_section, new_section, name in changeable:
+        a, b = getattr(old_section, name), getattr(new_section, name)
+        if a != b:
+            log(f"resume: {name} changed {a!r} -> {b!r}")
+    return asked
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from."""
+
+    info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
+    origin: Path  # where it was found: the local run dir or the Drive mirror
+    model_sd: dict[str, torch.Tensor]
+    tensors: TrainTensors
+    state: TrainState
+    skipped: list[Path]  # newer checkpoints that did not verify or load
+
+
+def _load_resume(path: Path, run_dir: Path) -> Resume:
+    """A checkpoint that verifies (sizes and sha256), loads safely and holds a gptlib training state;
+    CheckpointError (or an OSError) otherwise, and first_valid falls back to the next one.
+
+    One on the mirror is first copied to the local run dir, verified, under a watchdog: a Drive read
+    that makes no progress for DRIVE_READ_STALL_S is abandoned (HungIOError), never waited on forever."""
+    origin = path
+    if not path.is_relative_to(run_dir):
+        progress = Progress()
+        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress), DRIVE_READ_STALL_S, progress,
+                                 what=f"reading {origin}")
+    info = verify_checkpoint(path)
+    model_sd, tensors, state = load_checkpoint(path)
+    return Resume(info, origin, model_sd, TrainTensors.from_dict(tensors, str(path / TRAIN_STATE_FILE)),
+                  TrainState.from_json(state, str(path / STATE_FILE)), [])
+
+
+def find_resume(run_dir: Path, mirror_dir: Path | None, cfg: RunConfig, meta: DatasetMeta,
+                log, shape_from_run: bool = False) -> tuple[RunConfig, Resume | None, list[Path]]:
+    """The newest usable checkpoint, local or on the mirror, the config to go on with, and the newer
+    checkpoints that were skipped as damaged. shape_from_run: the model's shape is the run's own (a run
+    started with --init-from took its base's shape, not the preset's), so re-running the same command resumes."""
+    skipped: list[Path] = []
+    resume = first_valid([run_dir, mirror_dir], log, lambda p: _load_resume(p, run_dir), skipped)
+    if resume is None:
+        return cfg, None, skipped
+    saved_cfg = resume.state.run_config(str(resume.info.path / STATE_FILE))
+    if shape_from_run:
+        for name in MODEL_FIELDS_THAT_MUST_MATCH:
+            if name != "vocab_size":  # the data's, checked below with the data's identity
+                setattr(cfg.model, name, getattr(saved_cfg.model, name))
+    cfg = reconcile_resume_config(saved_cfg, cfg, run_dir, log)
+    for key, now in meta.identity().items():
+        was = resume.state.data.get(key)
+        if was is not None and was != now:
+            raise ConfigError(f"{resume.info.path} was trained on data with {key}={was!r}, but {meta.data_dir} has "
+                              f"{key}={now!r}; resume with the same data or use a new run directory")
+    return cfg, resume, skipped
+
+
+def build_model(cfg: RunConfig, device: torch.device, ddp: distributed.Dist, log) -> tuple[GPT, Any, Any, torch.dtype]:
+    """The model (seeded init), the micro-batch that fits (auto_batch: batch_size * grad_accum_steps
+    sequences per step are kept), AdamW and the grad scaler (on only for fp16). -> (model, optimizer,
+    scaler, dtype). Shared by training and the throughput benchmark."""
+    tc, mc = cfg.train, cfg.model
+    dtype = resolve_dtype(tc.dtype, device)
+    seed_everything(tc.seed)
+    configure_matmul(device)
+    model = GPT(mc).to(device)
+    if tc.auto_batch:
+        per_step = tc.batch_size * tc.grad_accum_steps
+        tc.batch_size = ddp.min_int(auto_micro_batch(model, cfg, device, dtype, log=log)[0])
+        tc.grad_accum_steps = per_step // tc.batch_size
+    configure_attention(device, dtype, tc.batch_size, mc.n_head, mc.block_size, mc.n_embd // mc.n_head, log)
+    optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
+    return model, optimizer, scaler, dtype
+
+
+def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: distributed.Dist) -> tuple[Any, bool]:
+    """torch.compile (TrainConfig.compile; "auto": a CUDA run long enough to pay for compiling), then DDP
+    outermost (for no_sync) -> (what the loop runs, compiled)."""
+    compiled = use_compile(cfg.train.compile, device, run_flops(cfg))
+    return ddp.wrap(torch.compile(model) if compiled else model, device), compiled
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    run_dir: Path
+    mirror_dir: Path | None
+    ddp: distributed.Dist
+    device: torch.device
+    dtype: torch.dtype
+    meta: DatasetMeta
+    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
+    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
+    tokenizer: Tokenizer
+    model: GPT  # the original module: state dicts, samples, validation
+    train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
+    compiled: bool
+    optimizer: Any
+    scaler: Any
+    sampler: Any
+    state: TrainState
+    resume: Resume | None
+    lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
+    skipped: list[Path] = field(default_factory=list)  # damaged checkpoints passed over at resume
+    hellaswag: HellaSwagProbe | None = None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
+    hellaswag_last: int = 0  # the step it last scored
+    history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
+
+    @property
+    def autocast(self):
+        return autocast_for(self.device, self.dtype)
+
+    @property
+    def tokens_per_step(self) -> int:
+        tc = self.cfg.train
+        return tc.batch_size * self.cfg.model.block_size * tc.grad_accum_steps * self.ddp.world_size
+
+    @property
+    def no_sync(self):
+        """DDP: no_sync(last_micro_step) -> a context that skips the gradient all-reduce; None alone."""
+        return (lambda last: self.ddp.no_sync(self.train_model, last)) if self.ddp.enabled else None
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.resume.state.step if self.resume is not None else None
+
+    def step_begin(self) -> tuple:
+        """What an interrupt mid-step saves instead of the half-made step: the sampler and RNGs as they
+        were before it. CUDA's RNG state (the training device's) is host-side seed/offset: reading it does not
+        sync the device."""
+        return self.sampler.state_dict(), torch.get_rng_state(), cuda_rng_state(self.device)
+
+    def snapshot(self, val_loss: float | None, pending_losses: list[float], elapsed_s: float,
+                 step_begin: tuple | None = None, gather: bool = True) -> Snapshot:
+        """What a checkpoint saves now. gather=False skips collecting every DDP rank's sampler (a
+        collective), for an interrupt where the ranks may be anywhere."""
+        rng_tensors, rng_plain = capture_rng(self.device)
+        sampler_state = self.sampler.state_dict()
+        if step_begin is not None:  # interrupted mid-step: the state from before the unfinished step
+            sampler_state, rng_tensors["torch_cpu"], cuda_rng = step_begin
+            if cuda_rng is not None:
+                rng_tensors["torch_cuda"] = cuda_rng
+        tensors = TrainTensors(optimizer=self.optimizer.state_dict(),
+                               scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                               sampler=sampler_state, rng=rng_tensors,
+                               sampler_ranks=self.ddp.sampler_states(sampler_state) if gather else None)
+        state = dataclasses.replace(self.state, val_loss=val_loss, pending_losses=pending_losses,
+                                    elapsed_s=elapsed_s, rng=rng_plain)
+        return (self.state.step, self.model.state_dict(), tensors.to_dict(), state.state_dict(), self.state.best_step)
+
+    def open_writer(self, log) -> CheckpointWriter | NullCheckpointWriter:
+        """Rank 0's background writer (leftovers of a save killed mid-way removed first), or a null one."""
+        if not self.ddp.is_main:
+            return NullCheckpointWriter()
+        clean_orphans(self.run_dir)  # the mirror is cleaned by its own thread
+        tc = self.cfg.train
+        writer = CheckpointWriter(self.run_dir, keep_last=tc.keep_last, background=True, log=log,
+                                  mirror_dir=self.mirror_dir, snapshot_files=LOG_FILES, keep_every=tc.keep_every,
+                                  guard=self.lease.check, bad=set(self.skipped))
+        if self.resume is not None and self.mirror_dir is not None and not self._resumed_from_mirror():
+            writer.mirror_existing(self.resume.info.path, self.state.best_step)  # resumed locally: Drive gets it too
+        # (resumed from Drive: the checkpoint was copied here, verified, and is already on Drive)
+        return writer
+
+    def _resumed_from_mirror(self) -> bool:
+        return self.mirror_dir is not None and self.resume.origin.is_relative_to(self.mirror_dir)
+
+    def restore(self, log) -> None:
+        """Load the resume checkpoint's weights, optimizer, scaler, sampler, RNGs, counters and logs."""
+        r, tc = self.resume, self.cfg.train
+        load_weights_into(self.model, r.model_sd, r.info.path)
+        if r.tensors.optimizer:  # a run made by import-hf holds weights only: its training starts fresh
+            self.optimizer.load_state_dict(r.tensors.optimizer)
+            if r.tensors.scaler:
+                self.scaler.load_state_dict(r.tensors.scaler)
+            self.ddp.load_sampler_state(self.sampler, r.tensors, tc.seed, log)  # sampler.load_state_dict alone
+            restore_rng(r.tensors.rng, r.state.rng)
+            restore_cuda_rng(r.tensors.rng, self.device)
+        for name in ("step", "tokens_seen", "best_val_loss", "best_step", "elapsed_s", "pending_losses", "init_from"):
+            setattr(self.state, name, getattr(r.state, name))
+        where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
+        log(f"resumed from step {r.state.step:,} (saved {r.info.saved_at}, {r.state.tokens_seen:,} tokens seen) "
+            f"on the {where}: {r.origin}")
+
+
+@dataclass
+class Base:
+    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP])."""
+
+    spec: str
+    model_sd: dict[str, torch.Tensor]
+    config: ModelConfig
+    step: int
+    path: Path
+    vocab_size: int  # the base's vocabulary: the data's may add tokens after it (chat markers)
+
+
+def load_base(spec: str, meta: DatasetMeta, log) -> Base:
+    """Load a base checkpoint and check that the data's tokenizer is the base's, or the base's with tokens
+    appended (tokenize --tokenizer-from BASE_RUN --format chat adds the chat markers)."""
+    run_dir, which = spec, "latest"
+    if not Path(spec).is_dir() and ":" in spec:
+        run_dir, which = spec.rsplit(":", 1)
+    ld = load_for_inference(run_dir, which, log=log)
+    base, data = ld.tokenizer.identity(), meta.tokenizer
+    grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"] and meta.vocab_size > base["vocab_size"]
+    if data.get("hash") != base["hash"] and not grows:
+        raise ConfigError(f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, tokenizer "
+                          f"{base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
+                          f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data with "
+                          f"--tokenizer-from {run_dir}")
+    log(f"init-from: the weights of {ld.path} (step {ld.step:,}); {ld.config.model.n_layer} layers x "
+        f"{ld.config.model.n_embd}, context {ld.config.model.block_size}"
+        + (f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (rows added for the new tokens)" if grows else ""))
+    return Base(spec, ld.model.state_dict(), ld.config.model, ld.step, ld.path, base["vocab_size"])
+
+
+def start_from_base(model: GPT, base: Base) -> None:
+    """Copy the base's weights into a new model of the same shape; the embedding rows of tokens the base does
+    not have (appended after its vocabulary) start at the mean of its rows, every other weight unchanged."""
+    sd = dict(base.model_sd)
+    key = "transformer.wte.weight"
+    old, new = sd[key], model.state_dict()[key]
+    if old.shape != new.shape:
+        grown = torch.zeros_like(new)
+        grown[: base.vocab_size] = old[: base.vocab_size]
+        grown[base.vocab_size: model.config.vocab_size] = old[: base.vocab_size].mean(dim=0)
+        sd[key] = sd["lm_head.weight"] = grown  # tied
+    load_weights_into(model, sd, base.path)
+
+
+def _load_data(data_dir, cfg: RunConfig, device: torch.device, verbose: bool, log):
+    """The dataset (checked, placed), and the vocabulary size it implies for the model. The tokenizer is
+    checked against meta.json first: a vocabulary smaller than the tokenizer's is named as such, before any
+    shard is read."""
+    meta = read_meta(data_dir)
+    tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
+    check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
+    if tokenizer.vocab_size > meta.vocab_size:  # the model's embedding would be too small for its ids
+        raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
+                              f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
+    if meta.vocab_size != cfg.model.vocab_size:
+        log(f"vocab_size {cfg.model.vocab_size} (preset) -> {meta.vocab_size} (from {meta.data_dir}/meta.json)")
+        cfg.model.vocab_size = meta.vocab_size
+    meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,
+                                reserve_gpu_bytes=estimate_train_bytes(cfg.model, cfg.train.batch_size))
+    return meta, splits, tokenizer
+
+
+def open_session(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
+                 mirror_dir: str | Path | None, verbose: bool, log: Callable[[str], None],
+                 take_over: bool = False, init_from: str | None = None) -> Session:
+    """Set up a training call (see the module docstring). The lease comes first: nothing in run_dir or
+    the mirror changes before this process holds it, and the data and resume point fit the config."""
+    run_dir = Path(run_dir)
+    mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+    device = ddp.device(resolve_device(cfg.train.device))
+    resolve_dtype(cfg.train.dtype, device)  # bf16 asked for on a GPU without it: refused before anything is touched
+    lease = RunLease([run_dir, mirror_dir], take_over, log).acquire() if ddp.is_main else NoLease()
+    try:
+        return _open(data_dir, run_dir, cfg, ddp, mirror_dir, device, lease, verbose, log, init_from)
+    except BaseException:
+        lease.release()
+        raise
+
+
+def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
+          device: torch.device, lease, verbose: bool, log, init_from: str | None) -> Session:
+    # the data, and the vocabulary it implies
+    meta, splits, tokenizer = _load_data(data_dir, cfg, device, verbose, log)
+    # resume: the newest checkpoint that verifies and loads decides the model config; else a base may (init-from)
+    cfg, resume, skipped = find_resume(run_dir, mirror_dir, cfg, meta, log, shape_from_run=bool(init_from))
+    base = None
+    if resume is None and init_from:
+        base = load_base(init_from, meta, log)
+        for name in MODEL_FIELDS_THAT_MUST_MATCH:
+            if name != "vocab_size":  # the data's: the base's, or the base's plus appended tokens
+                setattr(cfg.model, name, getattr(base.config, name))
+    elif init_from:
+        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+    cfg.validate()
+    check_cpu_run(cfg, device, cfg.train.device, resume.state.step if resume else 0, log)  # a GPU preset on a CPU
+    # the model and what trains it; the checkpoint's state restored before compile/DDP wrap the model
+    model, optimizer, scaler, dtype = build_model(cfg, device, ddp, log)
+    if base is not None:
+        start_from_base(model, base)
+    tc, mc = cfg.train, cfg.model
+    masks = loss_masks(meta, splits, tc.chat_loss)
+    if masks and verbose:
+        log(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
+            f"--set chat_loss=all puts it on every token)")
+    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
+    state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
+                       tokenizer=meta.tokenizer,
+                       init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})
+    s = Session(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
+                splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
+                optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
+                skipped=skipped)
+    if resume is not None:
+        s.restore(log)
+    model.train()  # the loop trains; validation and samples switch to eval and back themselves
+    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp)
+    if tc.hellaswag_every and ddp.is_main:  # the file fetched (or found off) and the subset tokenized, once
+        s.hellaswag = HellaSwagProbe(tokenizer, mc.block_size, source=tc.hellaswag_file or None,
+                                     limit=tc.hellaswag_items or None, log=log)
+        s.hellaswag_last = s.state.step
+    # the run directory: the config the checkpoints record (after auto_batch), and the run's own tokenizer
+    # copy, so sampling and export never depend on the data directory staying put
+    if ddp.is_main:
+        try:
+            atomic_write_json(run_dir / CONFIG_FILE, cfg.to_dict())
+            atomic_write_bytes(run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
+        except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
+            raise cannot_write(run_dir, e) from None
+        if resume is not None:
+            restore_logs_from_checkpoint(run_dir, resume.info.path, s.state.step)
+        # rows logged after the checkpoint go (re-logged by this run); so do rows of its pending losses
+        s.history = truncate_logs(run_dir, s.state.step - len(s.state.pending_losses))
+    log(f"model: {model.num_params() / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
+        f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(dtype)}, "
+        f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step")
+    return s

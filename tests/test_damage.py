@@ -1,0 +1,560 @@
+"""The damage an adversarial run found (issue 15), each reproduced and shown fixed.
+
+Real processes where the issue was found with them (SIGKILL, SIGINT); in-process with fakes only for
+what cannot be had here (a hung Google Drive: a FIFO, whose open() blocks in the kernel as a dead
+FUSE mount does).
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from gptlib import checkpoint as ck
+from gptlib import mirror as gmirror
+from gptlib import session as gsession
+from gptlib import train as gtrain
+from gptlib.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+from gptlib.fsutil import sha256_file
+from gptlib.train import train
+from tests.conftest import REPO, TINY
+from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
+
+
+def quiet(_msg):
+    pass
+
+
+def ckpt(run, step):
+    return run / "checkpoints" / f"step_{step:07d}"
+
+
+def cli(data, run_dir, settings, steps, fault=None, extra=()):
+    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir), "--preset",
+           "phase1", "--max-steps", str(steps), "--device", "cpu", "--quiet", *extra]
+    for s in settings:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("GPTLIB_FAULT", None)
+    if fault:
+        env["GPTLIB_FAULT"] = fault
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+
+# --- the logs ------------------------------------------------------------------------------------------
+
+LOG4 = TINY + ["log_interval=4", "save_every_steps=5", "dropout=0.1"]
+
+
+def test_metrics_hold_each_step_once_after_a_kill(char_data, tmp_path):
+    """The save step (15) is not a multiple of log_interval (4): rows 13-15 were logged after the
+    checkpoint and are also among its pending losses. SIGKILL at 18, resume: each step once, as alone."""
+    alone = tmp_path / "alone"
+    train(char_data, alone, "phase1", LOG4, max_steps=20, device="cpu", progress=False, log=quiet)
+    run = tmp_path / "run"
+    p = cli(char_data, run, LOG4, 20, fault="kill:mid_step@18")
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    train(char_data, run, "phase1", LOG4, max_steps=20, device="cpu", progress=False, log=quiet)
+    assert curve(run) == curve(alone)  # curve() also asserts that no step is logged twice
+
+
+def test_a_second_stop_during_validation_keeps_the_steps_loss(char_data, tmp_path, monkeypatch):
+    settings = TINY + ["dropout=0.1"]
+    alone = tmp_path / "alone"
+    train(char_data, alone, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet)
+    real = gtrain.validation_loss
+
+    def interrupted_at_20(model, sampler, n, autocast):
+        if gtrain_state["step"] == 20:
+            raise KeyboardInterrupt  # a second press of stop, while the step-20 validation runs
+        return real(model, sampler, n, autocast)
+
+    gtrain_state = {}
+    monkeypatch.setattr(gtrain, "validation_loss", interrupted_at_20)
+    monkeypatch.setattr(gtrain, "log_samples", lambda *a, **k: gtrain_state.update(step=a[6]) or [])
+    real_validate = gtrain._validate
+
+    def validate(s, metrics, checkpointer, is_last, log):
+        gtrain_state["step"] = s.state.step
+        return real_validate(s, metrics, checkpointer, is_last, log)
+
+    monkeypatch.setattr(gtrain, "_validate", validate)
+    run = tmp_path / "run"
+    r = train(char_data, run, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet)
+    assert r.stopped_by == "interrupt" and r.step == 20
+    assert r.val_step == 10 and "val loss" in r.summary() and "(at step 10)" in r.summary()  # not passed off as 20's
+    monkeypatch.undo()
+    train(char_data, run, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet)
+    a, b = curve(alone), curve(run)
+    assert sorted(b) == list(range(1, 31))
+    assert all(a[s][0] == b[s][0] for s in a)  # every train loss, step 20's included, logged once and equal
+
+
+def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(char_data, tmp_path, monkeypatch):
+    """Two SIGINTs while the optimizer updates step 13: the step completes, then the loop stops and saves
+    step 13; the resumed run matches a lone one exactly (a save of the pre-step sampler with post-step
+    weights would repeat batch 13)."""
+    settings = TINY + ["dropout=0.1", "eval_interval=100"]
+    alone = tmp_path / "alone"
+    train(char_data, alone, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
+    real = gtrain.optimizer_step
+    calls = {"n": 0}
+
+    def update_then_two_stops(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 13:
+            os.kill(os.getpid(), signal.SIGINT)  # the first press asks to stop after this step ...
+            time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGINT)  # ... the second arrives in the middle of the update
+            time.sleep(0.01)
+        return real(*a, **k)
+
+    monkeypatch.setattr(gtrain, "optimizer_step", update_then_two_stops)
+    run = tmp_path / "run"
+    r = train(char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
+    assert r.stopped_by == "interrupt" and r.step == 13
+    monkeypatch.undo()
+    train(char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
+    assert curve(run) == curve(alone)
+    wa, wb = (ck.load_model_weights(list_checkpoints(d)[0]) for d in (alone, run))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
+    from gptlib.__main__ import main
+
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "10", "--quiet"]
+    for s in TINY:
+        args += ["--set", s]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "already finished at step 10 (val " in out and "nothing to do" in out and "0 tokens/s" not in out
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------
+
+
+def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_path, capsys):
+    """The newest checkpoint is damaged in place (same size): resume skips it, and rotation must not
+    count it among the kept ones, or it deletes the good older one."""
+    run = tmp_path / "run"
+    settings = TINY + ["save_every_steps=5", "keep_last=2"]
+    train(char_data, run, "phase1", settings, max_steps=20, progress=False, log=quiet)
+    f = ckpt(run, 20) / "model.pt"
+    data = bytearray(f.read_bytes())
+    data[-64:] = bytes(64)  # same size, other bytes: the cheap size check still passes
+    f.write_bytes(bytes(data))
+    verify_checkpoint(ckpt(run, 20), deep=False)
+    logs = []
+    train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=17, progress=False, log=logs.append)
+    assert any("skipping checkpoint" in m and "step_0000020" in m for m in logs)
+    for p in list_checkpoints(run):
+        verify_checkpoint(p)  # every kept checkpoint is whole (the damaged one is gone, not the good ones)
+        load_checkpoint(p)
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000017", "step_0000016"]
+
+
+def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch):
+    """torch reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"."""
+    real = ck._torch_save_atomic
+    calls = {"n": 0}
+
+    def save(obj, path):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 5248 vs 5142")
+        return real(obj, path)
+
+    monkeypatch.setattr(ck, "_torch_save_atomic", save)
+    monkeypatch.setattr(ck, "_disk_nearly_full", lambda path: True)
+    with pytest.raises(CheckpointError, match="no space left on the device.*disk full.*newest intact checkpoint"):
+        train(char_data, tmp_path / "run", "phase1", TINY + ["save_every_steps=5"], max_steps=20, progress=False,
+              log=quiet)
+
+
+def _disk_full(path, *rest):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+@pytest.mark.parametrize("where", ["lease.json", "config.json", "tokenizer.json"])
+def test_a_full_run_dir_at_set_up_is_one_clear_line(char_data, tmp_path, monkeypatch, capsys, where):
+    """A 100%-full disk (ENOSPC) at training's first writes: one line naming the run dir, its disk and the fix,
+    from train() (a notebook) and the command line alike; nothing left holding the run."""
+    from gptlib import lease as glease
+    from gptlib.__main__ import main
+    from gptlib.errors import RunDirError
+
+    module, name = {"lease.json": (glease, "atomic_write_json"), "config.json": (gsession, "atomic_write_json"),
+                    "tokenizer.json": (gsession, "atomic_write_bytes")}[where]
+    monkeypatch.setattr(module, name, _disk_full)
+    run = tmp_path / "run"
+    with pytest.raises(RunDirError) as e:
+        train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+    assert str(e.value).startswith(f"cannot write to {run}: No space left on device: the disk mounted at "), e.value
+    assert "free of" in str(e.value) and "is full; free space there" in str(e.value)
+    assert not (run / "lease.json").exists()  # released: a re-run after freeing space is not refused
+    capsys.readouterr()
+    rc = main(["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: cannot write to {run}: No space left on device") and "is full" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_a_full_disk_during_a_save_is_one_clear_line(char_data, tmp_path, monkeypatch):
+    """ENOSPC from the write itself (not torch's 'unexpected pos'): the message says disk full and the fix,
+    names the newest intact checkpoint, and the partial checkpoint is gone (its space given back)."""
+    real = ck._torch_save_atomic
+    calls = {"n": 0}
+
+    def save(obj, path):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the second checkpoint's model.pt
+            _disk_full(path)
+        return real(obj, path)
+
+    monkeypatch.setattr(ck, "_torch_save_atomic", save)
+    run = tmp_path / "run"
+    with pytest.raises(CheckpointError, match=r"saving a checkpoint in .*run failed: .*No space left on device.*"
+                                              r"\(disk full: free space or lower --keep-last\); the newest intact "
+                                              r"checkpoint is step 5"):
+        train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=20, progress=False, log=quiet)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000005"]
+
+
+def test_a_state_json_without_config_is_skipped_with_its_reason(char_data, tmp_path, capsys):
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet)
+    p = ckpt(run, 10)
+    state = json.loads((p / "state.json").read_text())
+    del state["config"]
+    (p / "state.json").write_text(json.dumps(state))
+    m = json.loads((p / "manifest.json").read_text())
+    m["files"]["state.json"] = {"size": (p / "state.json").stat().st_size, "sha256": sha256_file(p / "state.json")}
+    (p / "manifest.json").write_text(json.dumps(m))
+    from gptlib.loading import load_for_inference
+
+    with pytest.raises(CheckpointError, match="field 'config' is missing"):
+        load_for_inference(run, 10)
+    logs = []
+    r = train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=12, progress=False, log=logs.append)
+    assert r.resumed_from == 5 and any("field 'config' is missing" in m for m in logs), logs
+
+
+def test_sample_says_why_it_passed_over_the_newest(char_data, tmp_path, capsys):
+    from gptlib.__main__ import main
+
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet)
+    os.truncate(ckpt(run, 10) / "model.pt", 100)
+    assert main(["sample", "--run-dir", str(run), "--max-new-tokens", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "passed over" in err and "step_0000010" in err and "truncated" in err and "(step 5)" in err, err
+
+
+def test_a_malicious_pickle_is_named_as_such_when_sampling(char_data, tmp_path):
+    import pickle
+
+    from gptlib.loading import load_for_inference
+
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    p = ckpt(run, 10)
+    (p / "model.pt").write_bytes(pickle.dumps({"w": _Evil()}))
+    m = json.loads((p / "manifest.json").read_text())
+    m["files"]["model.pt"] = {"size": (p / "model.pt").stat().st_size, "sha256": sha256_file(p / "model.pt")}
+    (p / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="cannot load safely"):
+        load_for_inference(run)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+# --- data ---------------------------------------------------------------------------------------------------
+
+
+def test_a_damaged_shard_of_the_right_size_is_named(char_data, tmp_path):
+    from gptlib.shards import DataFormatError
+
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    shard = data / "train_000000.bin"
+    b = bytearray(shard.read_bytes())
+    b[1000:1002] = (65000).to_bytes(2, "little")  # an id far outside the 65-character vocabulary
+    shard.write_bytes(bytes(b))
+    with pytest.raises(DataFormatError, match=r"train_000000.bin: token id 65000 at position 500 is outside"):
+        train(data, tmp_path / "run", "phase1", TINY, max_steps=2, progress=False, log=quiet)
+
+
+# --- a hung Drive ---------------------------------------------------------------------------------------------
+
+
+def test_resume_skips_a_drive_checkpoint_that_hangs_mid_read(char_data, tmp_path, monkeypatch, capsys):
+    """The mirror's newest checkpoint blocks on read (a FIFO: open() waits in the kernel, as on a dead FUSE
+    mount): resume gives up on it within the limit and goes on from the local checkpoint."""
+    run, mirror = tmp_path / "local", tmp_path / "drive"
+    settings = TINY + ["save_every_steps=5"]
+    train(char_data, run, "phase1", settings, max_steps=20, progress=False, log=quiet, mirror_dir=mirror)
+    hung = ckpt(mirror, 30)
+    shutil.copytree(ckpt(mirror, 20), hung)
+    (hung / "model.pt").unlink()
+    os.mkfifo(hung / "model.pt")
+    monkeypatch.setattr(gsession, "DRIVE_READ_STALL_S", 1.0)
+    t0 = time.time()
+    logs = []
+    try:
+        r = train(char_data, run, "phase1", settings, max_steps=24, progress=False, log=logs.append,
+                  mirror_dir=mirror)
+    finally:
+        threading.Thread(target=_release_fifo, args=(hung / "model.pt",), daemon=True).start()
+    assert r.resumed_from == 20 and r.step == 24
+    assert any("skipping checkpoint" in m and "made no progress" in m for m in logs), logs
+    assert time.time() - t0 < 60
+
+
+def _release_fifo(path):
+    """Open the FIFO for writing, so the abandoned reader blocked on it wakes up (if it is still there)."""
+    try:
+        open(path, "wb").close()
+    except OSError:
+        pass  # rotation already deleted the damaged checkpoint
+
+
+class HungMount:
+    """Reads under `root` block in the kernel until the mount comes back (release()), as on a Google Drive
+    mount that stopped answering. A FIFO cannot stand in here: loading checks that every file is a regular
+    file (is_file) before it reads one, so a FIFO is passed over as missing before any read blocks.
+    stat=True: stat and listing block too (the whole mount is gone); else only opening a file whose name
+    is in `names` (the mount still answers metadata from its cache)."""
+
+    def __init__(self, monkeypatch, root, names=None, stat=False):
+        self.root, self.names, self.back = os.fspath(root), names, threading.Event()
+        real_open, real_stat, real_listdir = io.open, os.stat, os.listdir
+
+        def blocks(path, is_open):
+            if isinstance(path, int) or not os.fspath(path).startswith(self.root):
+                return False
+            return stat or (is_open and (self.names is None or os.path.basename(os.fspath(path)) in self.names))
+
+        def hung_open(file, *a, **k):
+            if blocks(file, True):
+                self.back.wait()
+            return real_open(file, *a, **k)
+
+        def hung_stat(path, *a, **k):
+            if blocks(path, False):
+                self.back.wait()
+            return real_stat(path, *a, **k)
+
+        def hung_listdir(path="."):
+            if blocks(path, False):
+                self.back.wait()
+            return real_listdir(path)
+
+        for module, name, fn in ((io, "open", hung_open), (builtins, "open", hung_open), (os, "stat", hung_stat),
+                                 (os, "listdir", hung_listdir)):
+            monkeypatch.setattr(module, name, fn)
+
+    def release(self):
+        self.back.set()
+
+
+def within(seconds, fn):
+    """fn() in a daemon thread: (its value, its exception); a test failure if it still runs after `seconds`."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still blocked after {seconds} s: a read without a time limit"
+    return box.get("value"), box.get("error")
+
+
+@pytest.fixture()
+def short_drive_limits(monkeypatch):
+    from gptlib import loading as gloading
+
+    for module, name in ((gloading, "DRIVE_LIST_TIMEOUT_S"), (gloading, "DRIVE_READ_STALL_S"),
+                         (ck, "DRIVE_READ_STALL_S")):
+        monkeypatch.setattr(module, name, 0.5)
+
+
+@pytest.mark.parametrize("hang", ["whole mount", "tokenizer.json"])
+def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data, tmp_path, monkeypatch, capsys,
+                                                                       short_drive_limits, hang):
+    """sample / export / eval / notebook 04 read a run on Drive (load_for_inference): a hung read there is
+    abandoned after the limit with one line naming it, not waited on forever."""
+    from gptlib.__main__ import main
+    from gptlib.errors import HungIOError
+    from gptlib.evaluate import evaluate_run
+    from gptlib.loading import load_for_inference
+
+    run = tmp_path / "drive" / "run"
+    train(char_data, run, "phase1", TINY, max_steps=5, progress=False, log=quiet)
+    mount = HungMount(monkeypatch, tmp_path / "drive", **({"stat": True} if hang == "whole mount" else
+                                                          {"names": {"tokenizer.json"}}))
+    try:
+        t0 = time.time()
+        _, error = within(20, lambda: load_for_inference(run))
+        assert isinstance(error, HungIOError) and "made no progress for 0.5 s" in str(error), error
+        assert str(run) in str(error) and time.time() - t0 < 10
+        if hang == "tokenizer.json":
+            assert "state.json and the run's tokenizer.json" in str(error)
+        _, error = within(20, lambda: evaluate_run(run, "bpb", progress=False, write=False))  # eval reads it first
+        assert isinstance(error, HungIOError), error
+        rc, _ = within(20, lambda: main(["sample", "--run-dir", str(run), "--max-new-tokens", "5"]))
+    finally:
+        mount.release()
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "made no progress" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_pick_run_dir_uses_the_local_copy_when_drive_hangs(char_data, tmp_path, monkeypatch, short_drive_limits):
+    """Notebook 04: the Drive copy is newer, but its mount hangs: pick_run_dir passes it over within the
+    limit (said so), and the local copy loads."""
+    from gptlib.generate import Engine
+    from gptlib.loading import pick_run_dir
+
+    local, drive = tmp_path / "local", tmp_path / "drive" / "run"
+    train(char_data, local, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet,
+          mirror_dir=drive)
+    shutil.rmtree(ckpt(local, 10))  # the local disk holds step 5, Drive step 10
+    logs = []
+    mount = HungMount(monkeypatch, tmp_path / "drive", stat=True)
+    try:
+        picked, error = within(20, lambda: pick_run_dir([local, drive], log=logs.append))
+        assert error is None and picked == local, error
+        engine, error = within(20, lambda: Engine.from_run(picked))
+    finally:
+        mount.release()
+    assert error is None and engine.step == 5, error
+    assert any(str(drive) in m and "cannot be read" in m and "made no progress" in m for m in logs), logs
+
+
+def test_the_end_of_run_drive_wait_reports_and_training_time_excludes_it(char_data, tmp_path, monkeypatch, capsys):
+    release = threading.Event()
+    real = gmirror.copy_file_verified
+
+    def slow_drive(src, dst, size=None, sha256=None, progress=None):
+        if src.name == "model.pt" and "step_0000010" in str(src):
+            release.wait(3)  # Drive crawls on the last checkpoint
+        return real(src, dst, size, sha256, progress)
+
+    monkeypatch.setattr(gmirror, "copy_file_verified", slow_drive)
+    monkeypatch.setattr(gmirror, "MIRROR_WAIT_REPORT_S", 0.3)
+    t0 = time.time()
+    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet,
+              mirror_dir=tmp_path / "drive")
+    wall = time.time() - t0
+    err = capsys.readouterr().err
+    assert "waiting for the Drive copy: step_0000010" in err and "Ctrl-C stops waiting" in err, err
+    assert r.elapsed_s < wall - 2  # the wait is not training time ...
+    assert r.tokens_per_s == pytest.approx(r.tokens_seen / r.elapsed_s)  # ... nor in tokens/s
+    assert verify_checkpoint(ckpt(tmp_path / "drive", 10)).step == 10
+
+
+def test_ctrl_c_stops_the_drive_wait(tmp_path, monkeypatch, capsys):
+    from gptlib.checkpointer import CheckpointWriter
+
+    block = threading.Event()
+    monkeypatch.setattr(gmirror, "copy_file_verified", lambda *a, **k: block.wait(30))
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(1, {"w": torch.ones(2)}, {}, {"step": 1}, None)
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.time()
+    w.close(timeout=20)
+    block.set()
+    err = capsys.readouterr().err
+    assert time.time() - t0 < 10 and "stopped waiting for Drive" in err and "safe in" in err, err
+
+
+def test_an_old_file_that_hangs_on_the_mirror_does_not_hold_the_copy(tmp_path, monkeypatch, capsys):
+    """Rotation on the mirror reads an old checkpoint's state.json that hangs: the new checkpoint still
+    counts as on Drive, and closing does not wait the full timeout."""
+    from gptlib.checkpointer import CheckpointWriter
+
+    monkeypatch.setattr(gmirror, "MIRROR_TIDY_TIMEOUT_S", 0.5)
+    release = threading.Event()
+    monkeypatch.setattr(gmirror, "rotate", lambda *a, **k: release.wait(30))
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(1, {"w": torch.ones(2)}, {}, {"step": 1}, None)
+    t0 = time.time()
+    st = w.close(timeout=20)
+    release.set()
+    err = capsys.readouterr().err
+    assert st["mirror_step"] == 1 and time.time() - t0 < 10, (st, err)
+    assert "clean-up after copying step_0000001 failed" in err and "NOT on Drive" not in err
+
+
+# --- tokenize and meta.json ---------------------------------------------------------------------------------
+
+
+def test_tokenize_refuses_a_run_dir_or_a_folder_holding_something_else(char_data, small_text, tmp_path, capsys):
+    from gptlib.__main__ import main
+
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+    before = {p: sha256_file(p) for p in run.rglob("*") if p.is_file()}
+    for overwrite in ([], ["--overwrite"]):
+        assert main(["tokenize", "--input", str(small_text), "--out", str(run), "--quiet", *overwrite]) == 2
+        assert "is a training run directory" in capsys.readouterr().err
+    assert {p: sha256_file(p) for p in run.rglob("*") if p.is_file()} == before  # tokenizer.json untouched
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["tokenize", "--input", str(small_text), "--out", str(mine), "--quiet", "--overwrite"]) == 2
+    assert "holds files tokenize did not write (notes.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", "65k"), ("vocab_size", 64.5), ("train_tokens", "lots")])
+def test_a_meta_json_field_of_the_wrong_kind_is_one_clear_error(char_data, tmp_path, field, value):
+    from gptlib.shards import DataFormatError, read_meta
+
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    if field == "train_tokens":
+        meta["splits"]["train"]["tokens"] = value
+        expect = "train.tokens is 'lots', expected a whole number"
+    else:
+        meta[field] = value
+        expect = f"vocab_size is {value!r}, expected a whole number"
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataFormatError, match=expect.replace("(", r"\(").replace(")", r"\)")):
+        read_meta(data)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizers_is_named(char_data, tmp_path):
+    from gptlib.shards import DataFormatError
+
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["vocab_size"] = meta["tokenizer"]["vocab_size"] = 40  # edited by hand; the tokenizer has 61 characters
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataFormatError, match="vocab_size is 40 but the tokenizer has 61 tokens"):
+        train(data, tmp_path / "run", "phase1", TINY, max_steps=2, progress=False, log=quiet)

@@ -1,0 +1,305 @@
+"""Chat with a chat-tuned run (gptlib/dialogue.py): history kept within the context (oldest pairs first, the
+newest message cut to its tail), the prompt is the template's rendering of what is kept, replies end at <|end|>,
+`chat --message` prints only the reply, the interactive loop (/reset, EOF), the refusal of runs without chat
+tokens, and the notebook ChatBox driven headless."""
+
+from __future__ import annotations
+
+import html
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import gptlib.generate as generate_mod
+from gptlib.chat import CHAT_TOKENS, END, ChatTemplate
+from gptlib.checkpoint import write_checkpoint
+from gptlib.config import ModelConfig, RunConfig
+from gptlib.dialogue import ChatSession
+from gptlib.errors import ChatError
+from gptlib.fsutil import atomic_write_bytes, atomic_write_json
+from gptlib.generate import SamplingConfig
+from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
+from gptlib.model import GPT
+from gptlib.state import TrainState
+from gptlib.tokenizer import BPETokenizer, load_tokenizer
+from tests.conftest import REPO
+
+BLOCK = 64
+SYSTEM = "Be brief."
+GREEDY = SamplingConfig(max_new_tokens=12, temperature=0, seed=1337)  # what the CLI tests pass on the command line
+
+
+def write_run(out: Path, tok, block_size: int = BLOCK, bias: bool = False, edit=None) -> Path:
+    """A run directory with a random-weight model, written as import-hf writes one: a step-0 checkpoint
+    (write_checkpoint), config.json and the tokenizer. edit(model) may set weights first."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32, bias=bias)
+    model = GPT(cfg)
+    if edit is not None:
+        edit(model)
+    run_cfg = RunConfig(model=cfg)
+    state = TrainState(config=run_cfg.to_dict(), tokenizer=dict(tok.identity(), file=TOKENIZER_FILE))
+    empty = {"optimizer": {}, "scaler": {}, "sampler": {}, "rng": {}}
+    write_checkpoint(checkpoints_dir(out), 0, model.state_dict(), empty, state.state_dict())
+    atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
+    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_tok(small_text) -> BPETokenizer:
+    """A BPE trained for chat data: the chat tokens are special tokens (as tokenize --format chat makes it)."""
+    text = small_text.read_text()
+    return BPETokenizer.train([text[i:i + 2000] for i in range(0, len(text), 2000)], vocab_size=300,
+                              extra_special=CHAT_TOKENS)
+
+
+def louder(model) -> None:
+    """Weights 10x their initial size: at init (std 0.02, tied embeddings) greedy decoding only repeats the last
+    prompt token (here <|assistant|>, which ends the reply at once); louder weights say something that depends
+    on the whole prompt."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory, chat_tok) -> Path:
+    return write_run(tmp_path_factory.mktemp("chat") / "run", chat_tok, edit=louder)
+
+
+@pytest.fixture(scope="module")
+def expected_reply(chat_run) -> str:
+    """What a fresh session answers to "Hi there" with SYSTEM, greedy, 12 tokens: the CLI and ChatBox must agree."""
+    reply = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None).reply("Hi there", GREEDY)
+    assert reply.strip(), "the random model should say something (else the comparisons below prove little)"
+    return reply
+
+
+def rendered(tok, system: str | None, turns) -> list[int]:
+    """The template's own rendering of a system prompt and turns, as a generation prompt."""
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": r, "content": c} for r, c in turns]
+    return ChatTemplate(tok).render(msgs, require_assistant=False, generation_prompt=True)[0].tolist()
+
+
+def gptlib_cli(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; bytes out, so a "\\r" in a random reply is not turned into "\\n"."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "gptlib", *map(str, args)], input=stdin, capture_output=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+# --------------------------------------------------------------------------------------- the context
+
+
+def test_the_oldest_pairs_are_dropped_first_and_the_prompt_is_the_template_rendering(chat_run, chat_tok):
+    s = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None)
+    full = []
+    for i in range(12):
+        full += [("user", f"Q{i}?"), ("assistant", f"A{i}.")]
+    full.append(("user", "And?"))
+    s.history = list(full)
+    max_new = 16
+    ids = s.prompt_ids(max_new)
+    kept = s.history
+    dropped = len(full) - len(kept)
+    assert len(ids) + max_new <= BLOCK
+    assert ids == rendered(chat_tok, SYSTEM, kept)  # the system prompt is kept
+    assert kept == full[dropped:] and dropped % 2 == 0 and kept[0][0] == "user"  # whole pairs, from the front
+    assert 0 < dropped < len(full) - 1 and s.dropped_turns == dropped
+    assert len(rendered(chat_tok, SYSTEM, full[dropped - 2:])) + max_new > BLOCK  # no more was dropped than needed
+
+
+def test_a_conversation_never_outgrows_the_context(chat_run, chat_tok, monkeypatch):
+    s = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None)
+    prompts = []
+    real = s.engine.generate_ids
+
+    def recording(ids, cfg, **kw):
+        assert ids[0] == rendered(chat_tok, SYSTEM, s.history)  # the history as it stands when generating
+        prompts.append((list(ids[0]), cfg.max_new_tokens))
+        return real(ids, cfg, **kw)
+
+    monkeypatch.setattr(s.engine, "generate_ids", recording)
+    for i in range(8):
+        s.reply(f"Tell me more, part {i}.", SamplingConfig(max_new_tokens=12, temperature=0))
+        assert [r for r, _ in s.history] == ["user", "assistant"] * (len(s.history) // 2)
+    assert all(len(p) + n <= BLOCK for p, n in prompts), [len(p) for p, _ in prompts]
+    assert s.dropped_turns > 0 and len(prompts) == 8
+
+
+def test_a_message_too_long_for_the_context_keeps_its_tail_and_says_so(chat_run, chat_tok, small_text):
+    notes = []
+    s = ChatSession.from_run(chat_run, system=SYSTEM, log=notes.append)
+    msg = small_text.read_text()[:3000]
+    s.history = [("user", "Hi"), ("assistant", "Hello"), ("user", msg)]
+    ids = s.prompt_ids(16)
+    assert len(ids) + 16 <= BLOCK and s.history == [("user", msg)]  # the older pair went first
+    assert len(notes) == 2 and "2 oldest turns were dropped" in notes[0] and "only its last" in notes[1]
+    n = int(notes[1].split("only its last ")[1].split(" of")[0].replace(",", ""))
+    assert 0 < n < len(msg)
+    assert ids == rendered(chat_tok, SYSTEM, [("user", msg[-n:])])
+    assert len(rendered(chat_tok, SYSTEM, [("user", msg[-n - 1:])])) + 16 > BLOCK  # the longest tail that fits
+    s.system = "Be very brief. " * 40
+    with pytest.raises(ChatError, match="the system prompt leaves no room"):
+        s.prompt_ids(16)
+    assert s.reply_budget(100) == BLOCK // 2 and "replies are cut at 32 tokens" in notes[-1]
+
+
+# --------------------------------------------------------------------------------------- replies
+
+
+def test_a_reply_ends_at_the_end_token(chat_run, chat_tok, monkeypatch):
+    s = ChatSession.from_run(chat_run, log=lambda _: None)
+    end = chat_tok.token_id(END)
+    said = chat_tok.encode("\nHello there")
+    script = said + [end] + chat_tok.encode(" and GARBAGE after the end")
+    calls = []
+
+    def scripted(logits, cfg, generator):  # the model "writes" the script, one token per step
+        calls.append(1)
+        return torch.full((logits.size(0),), script[min(len(calls) - 1, len(script) - 1)], dtype=torch.long,
+                          device=logits.device)
+
+    monkeypatch.setattr(generate_mod, "sample_next", scripted)
+    pieces = []
+    reply = s.reply("Hi", SamplingConfig(max_new_tokens=30, temperature=0), stream=pieces.append)
+    assert reply == "Hello there" and "".join(pieces) == reply  # the template's "\n" is not part of it
+    assert s.history == [("user", "Hi"), ("assistant", "Hello there")]
+    assert s.finish_reason == "eot" and s.reply_tokens == len(said) + 1 == len(calls)  # sampling stopped there
+
+
+def test_a_failed_reply_leaves_the_conversation_as_it_was(chat_run):
+    s = ChatSession.from_run(chat_run, log=lambda _: None)
+    s.history = [("user", f"Q{i}?") if j == 0 else ("assistant", f"A{i}.") for i in range(20) for j in (0, 1)]
+    before = list(s.history)
+
+    def broken(piece):
+        raise RuntimeError("the stream broke")
+
+    with pytest.raises(RuntimeError, match="the stream broke"):
+        s.reply("Hi", SamplingConfig(max_new_tokens=12, temperature=0), stream=broken)
+    assert s.history == before and s.dropped_turns == 0  # not even the pairs dropped to fit are lost
+
+
+def test_a_model_that_always_writes_end_gives_an_empty_reply_at_once(tmp_path, chat_tok):
+    end = chat_tok.token_id(END)
+
+    def always_end(model):  # logits = wte @ ln_f.bias whatever the input: <|end|>'s row points along it
+        with torch.no_grad():
+            model.transformer.ln_f.weight.zero_()
+            model.transformer.ln_f.bias.zero_()
+            model.transformer.ln_f.bias[0] = 1.0
+            model.transformer.wte.weight[end, 0] = 10.0
+
+    run = write_run(tmp_path / "run", chat_tok, bias=True, edit=always_end)
+    s = ChatSession.from_run(run, log=lambda _: None)
+    assert s.reply("Hi", SamplingConfig(max_new_tokens=20, temperature=0)) == ""
+    assert s.reply_tokens == 1 and s.finish_reason == "eot"
+
+
+# --------------------------------------------------------------------------------------- the command line
+
+
+def test_chat_message_prints_only_the_reply(chat_run, expected_reply):
+    r = gptlib_cli("chat", "--run-dir", chat_run, "--message", "Hi there", "--system", SYSTEM, "--temperature", 0,
+                   "--max-new-tokens", 12)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode() == expected_reply + "\n"
+
+
+def test_the_interactive_chat_reads_stdin_resets_and_ends_at_eof(chat_run):
+    def fresh():
+        return ChatSession.from_run(chat_run, log=lambda _: None)
+
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0, seed=1337)
+    s = fresh()
+    r1 = s.reply("hi", cfg)
+    without_reset = s.reply("hello", cfg)
+    r2 = fresh().reply("hello", cfg)
+    assert r2 != without_reset  # so the output below shows whether /reset cleared the history
+    r = gptlib_cli("chat", "--run-dir", chat_run, "--temperature", 0, "--max-new-tokens", 12,
+                   stdin=b"hi\n/reset\nhello\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode() == f"you> assistant> {r1}\nyou> you> assistant> {r2}\nyou> \n"
+    assert "history cleared" in r.stderr.decode()
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe without chat tokens"])
+def test_a_run_without_chat_tokens_is_one_clear_line(tmp_path, char_data, kind, small_text):
+    if kind == "char":
+        tok = load_tokenizer(char_data)
+    else:  # a pretrained base (or an imported GPT-2) never fine-tuned on conversations
+        tok = BPETokenizer.train([small_text.read_text()[:20000]], vocab_size=280)
+    run = write_run(tmp_path / "run", tok)
+    r = gptlib_cli("chat", "--run-dir", run, "--message", "hi")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and r.stdout == b"" and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "has no chat tokens" in err
+    assert "--format chat" in err and "--init-from" in err
+
+
+# --------------------------------------------------------------------------------------- the notebook widget
+
+
+def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path, expected_reply):
+    pytest.importorskip("ipywidgets")
+    from gptlib.widgets import ChatBox
+
+    box = ChatBox(chat_run, system=SYSTEM)
+    box.temperature.value, box.max_tokens.value = 0.0, 12
+    drawn = []
+    box.transcript.observe(lambda ch: drawn.append(ch["new"]), names="value")
+    box.message.value = "Hi there"
+    assert box.send() == expected_reply  # the same reply as the command line's
+    assert box.message.value == "" and not box.send_button.disabled
+    assert html.escape(expected_reply) in box.transcript.value and "Hi there" in box.transcript.value
+    assert any("▌" in d for d in drawn) and "tokens in" in box.status.value  # redrawn while streaming
+    box.send("And then?")
+    s = box.session()
+    assert len(box.turns) == 4 and s.history == box.turns[len(box.turns) - len(s.history):]  # the transcript keeps all
+    assert s.dropped_turns == 2 and "2 oldest turns were dropped" in box.status.value  # the random reply is long
+    box.reset_button.click()  # the real button runs the same path
+    assert box.session().history == [] and box.turns == [] and box.transcript.value == ""
+
+    bad = ChatBox(write_run(tmp_path / "char", load_tokenizer(char_data)))
+    bad.message.value = "hi"
+    assert bad.send() is None  # shown in the widget, not raised
+    assert "ChatError" in bad.status.value and "no chat tokens" in bad.status.value
+    assert bad.message.value == "hi" and bad.turns == []
+
+
+@pytest.mark.parametrize("version, enabled", [("7.7.1", False), ("8.1.9", True)])
+def test_colabs_custom_widget_manager_only_for_ipywidgets_8(monkeypatch, version, enabled):
+    """Colab draws ipywidgets 7 itself; its custom manager is for 8 only (it broke tqdm bars under 7)."""
+    import types
+
+    import ipywidgets
+
+    from gptlib.widgets import enable_colab_widgets
+
+    calls = []
+    colab = types.ModuleType("google.colab")
+    colab.output = types.SimpleNamespace(enable_custom_widget_manager=lambda: calls.append(1))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setattr(ipywidgets, "__version__", version)
+    assert enable_colab_widgets() is enabled and len(calls) == int(enabled)
+
+
+def test_a_notebook_bar_is_recognised_so_plain_lines_are_printed_too():
+    from tqdm import tqdm as text_tqdm
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    from gptlib.metrics import is_notebook_bar
+
+    class AutoBar(notebook_tqdm):  # what tqdm.auto gives in a notebook: a subclass in module tqdm.auto
+        pass
+
+    AutoBar.__module__ = "tqdm.auto"
+    bar = AutoBar(total=3, disable=True)
+    assert is_notebook_bar(bar) and not is_notebook_bar(text_tqdm(total=3, disable=True)) and not is_notebook_bar(None)

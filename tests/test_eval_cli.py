@@ -1,0 +1,209 @@
+"""`python -m gptlib eval` on a trained run: rows in eval.jsonl, one-line errors that leave the run
+directory alone, and HellaSwag choices that transformers reproduces on the exported model."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from gptlib import hellaswag as hs
+from gptlib.__main__ import main
+from gptlib.evaluate import evaluate_run, read_eval_rows
+from gptlib.layout import EVAL_FILE
+
+from .conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, char_data):
+    from gptlib.train import train
+
+    rd = tmp_path_factory.mktemp("eval") / "run"
+    train(char_data, rd, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    return rd
+
+
+def short_items(text: str, n: int, seed: int = 0) -> list[dict]:
+    """HellaSwag-shaped items from Shakespeare: long contexts (cut from the left) and short endings."""
+    lines = [ln for ln in text.split("\n") if len(ln.split()) >= 4]
+    rng = random.Random(seed)
+
+    def ending():
+        return " ".join(rng.choice(lines).split()[: rng.randint(1, 4)])
+
+    def context():  # a few words (fits the window) or whole lines before them (cut from the left)
+        return " ".join([rng.choice(lines) for _ in range(rng.randint(0, 2))]
+                        + rng.choice(lines).split()[: rng.randint(1, 3)])
+
+    return [{"ctx": context(),
+             "endings": [ending() for _ in range(4)], "label": rng.randrange(4), "ind": i} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hs_file(tmp_path_factory, small_text):
+    p = tmp_path_factory.mktemp("hs") / "hellaswag_small.jsonl"
+    items = short_items(small_text.read_text(), 30)
+    items.append({"ctx": "[title] How to build a snowman \u2603", "endings": ["a", "b", "c", "d"], "label": 0})
+    p.write_text("".join(json.dumps(it) + "\n" for it in items))
+    return p
+
+
+def snapshot(run_dir):
+    """Every file of the run directory but eval.jsonl: path -> (size, mtime, sha256)."""
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != EVAL_FILE}
+
+
+def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
+    before = snapshot(run_dir)
+    rc = main(["eval", "--run-dir", str(run_dir), "--task", "hellaswag", "--data", str(hs_file),
+               "--checkpoint", "all", "--device", "cpu", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "acc_norm" in out and "truncated" in out
+    rows = read_eval_rows(run_dir, "hellaswag")
+    assert [r["step"] for r in rows] == [5, 10]  # all = every complete checkpoint, oldest first
+    for r in rows:
+        assert r["n"] == 30 and r["skipped"] == 1 and 0 < r["truncated"] < 30 and r["tokens_seen"] == r["step"] * 256
+        assert 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1 and r["canonical"] is False
+        assert {"time", "checkpoint", "data", "data_sha256", "items_per_s", "seconds"} <= set(r)
+    rc = main(["eval", "--run-dir", str(run_dir), "--task", "bpb", "--checkpoint", "best", "--limit", "50", "--quiet"])
+    assert rc == 0 and "val bpb" in capsys.readouterr().out
+    (b,) = read_eval_rows(run_dir, "bpb")
+    from gptlib.loading import checkpoint_table
+
+    assert b["step"] == checkpoint_table(run_dir)[0]["best_step"] and b["n"] == b["windows"] == 50 and b["tokens"] == 50 * 32
+    assert b["bpb"] == pytest.approx(b["loss"] / np.log(2))  # a char corpus of ASCII: one byte per token
+    assert snapshot(run_dir) == before  # only eval.jsonl was written
+    lines = (run_dir / EVAL_FILE).read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(ln) for ln in lines)
+
+
+def _error(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp_path, capsys, monkeypatch,
+                                                             small_text):
+    from gptlib.prepare import prepare_text
+
+    before = snapshot(run_dir)
+    log_before = (run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None
+    base = ["eval", "--run-dir", str(run_dir), "--quiet"]
+    err = _error(capsys, base + ["--task", "mmlu"])
+    assert "unknown task 'mmlu'" in err and "hellaswag, bpb" in err
+    err = _error(capsys, base + ["--task", "hellaswag", "--data", str(tmp_path / "nope.jsonl")])
+    assert "nope.jsonl does not exist" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(hs_file.read_text().replace('"label": 2', '"label": 9', 1))
+    err = _error(capsys, base + ["--task", "hellaswag", "--data", str(bad)])
+    line = next(i for i, ln in enumerate(bad.read_text().splitlines(), 1) if '"label": 9' in ln)
+    assert f"line {line}: field 'label' is 9" in err and str(bad) in err
+    err = _error(capsys, base + ["--task", "hellaswag", "--data", str(hs_file), "--checkpoint", "7"])
+    assert "no complete checkpoint for step 7" in err and "[10, 5]" in err
+    err = _error(capsys, base + ["--task", "bpb", "--checkpoint", "latest", "--device", "cuda"] if not
+                 torch.cuda.is_available() else base + ["--task", "bpb", "--limit", "-1"])
+    assert "CUDA is not available" in err or "--limit -1" in err
+    other = tmp_path / "other_data"  # a data dir made with a different char vocabulary
+    other_text = tmp_path / "other.txt"
+    other_text.write_text(small_text.read_text()[:20_000] + "0123456789")
+    prepare_text([other_text], other, tokenizer="char", verbose=False)
+    err = _error(capsys, base + ["--task", "bpb", "--data", str(other)])
+    assert str(other) in err and "tokenizer" in err
+    err = _error(capsys, base + ["--task", "bpb", "--data", str(tmp_path / "missing")])
+    assert "missing does not exist" in err
+
+    class Fake(io.BytesIO):  # the canonical download, corrupted in transit
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: Fake(b'{"ctx": "x"}\n'))
+    err = _error(capsys, base + ["--task", "hellaswag"])
+    assert f"expected {hs.HELLASWAG_SHA256}" in err and hashlib.sha256(b'{"ctx": "x"}\n').hexdigest() in err
+    assert snapshot(run_dir) == before
+    assert ((run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None) == log_before
+    assert not (tmp_path / "cache" / "hellaswag" / hs.HELLASWAG_FILE).exists()
+
+
+# --- transformers agrees on the exported model --------------------------------------------------
+
+
+def hf_choices(hf, hf_tok, items: list[dict], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-ending summed log-likelihoods computed independently: transformers' tokenizer and model, one
+    ending at a time, the context cut from the left to n_positions + 1 tokens."""
+    sums, counts = np.zeros((len(items), 4)), np.zeros((len(items), 4))
+    for i, it in enumerate(items):
+        ctx = hf_tok(it["ctx"]).input_ids
+        for e, ending in enumerate(it["endings"]):
+            end = hf_tok(" " + ending).input_ids
+            toks = (ctx + end)[-(block + 1):]
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([toks[:-1]])).logits[0].double(), -1)
+            tgt = torch.tensor(toks[1:])
+            sums[i, e] = float(logp[torch.arange(len(tgt)), tgt][-len(end):].sum())
+            counts[i, e] = len(end)
+    return sums, counts
+
+
+def assert_same_choices(res: dict, sums: np.ndarray, counts: np.ndarray, items: list[dict]) -> None:
+    np.testing.assert_allclose(res["sums"], sums, rtol=1e-4, atol=1e-4)
+    assert (res["preds"] == sums.argmax(1)).all() and (res["preds_norm"] == (sums / counts).argmax(1)).all()
+    labels = np.array([it["label"] for it in items])
+    assert res["acc_norm"] == pytest.approx(float(((sums / counts).argmax(1) == labels).mean()))
+
+
+def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
+    transformers = pytest.importorskip("transformers")  # a test-only dependency
+    from gptlib.export import export_hf
+    from gptlib.loading import load_for_inference
+
+    out = export_hf(run_dir, tmp_path / "hf", checkpoint="latest")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    items = [json.loads(ln) for ln in hs_file.read_text().splitlines()][:30]  # the encodable ones
+    lm = load_for_inference(run_dir, "latest")
+    res = hs.evaluate_hellaswag(lm.model, lm.tokenizer, [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")})
+                                                         for i, it in enumerate(items)], "cpu", batch_tokens=256)
+    assert res["truncated"] > 0  # the left cut is exercised too
+    assert_same_choices(res, *hf_choices(hf, hf_tok, items, lm.config.model.block_size), items)
+
+
+def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
+    transformers = pytest.importorskip("transformers")
+    from gptlib.config import ModelConfig
+    from gptlib.export import export_model
+    from gptlib.model import GPT
+    from gptlib.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train([small_text.read_text()], vocab_size=400)
+    torch.manual_seed(7)
+    m = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=24, n_layer=2, n_head=2, n_embd=32, bias=True)).eval()
+    with torch.no_grad():  # a sharper random model, so the four endings' scores are far apart
+        m.lm_head.weight.mul_(20)
+    out = export_model(m, tmp_path / "hf", tok)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    items = short_items(small_text.read_text(), 25, seed=4)
+    res = hs.evaluate_hellaswag(m, tok, [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")})
+                                         for i, it in enumerate(items)], "cpu")
+    assert res["truncated"] > 0 and res["skipped"] == 0
+    assert_same_choices(res, *hf_choices(hf, hf_tok, items, 24), items)
+
+
+def test_evaluate_run_api_without_writing(run_dir, hs_file):
+    rows = evaluate_run(run_dir, "hellaswag", "5, latest", data=hs_file, limit=10, device="cpu", progress=False,
+                        write=False)
+    assert [r["step"] for r in rows] == [5, 10] and all(r["n"] <= 10 for r in rows)

@@ -1,0 +1,249 @@
+"""Hub datasets as tokenize inputs, offline: a fake Hub (tests/fakes.py) stands for huggingface.co.
+
+Resolution (a glob, the card's configs, the repository's parquet files by split, the Hub's parquet
+conversion), identity without reading, byte-identical shards vs the same files on disk, the errors
+(missing or private dataset, gated dataset, missing revision, config, split or column), the token
+(HF_TOKEN, Colab's secret), and the CLI's --hf-dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gptlib.hub as hub
+import gptlib.remote as remote
+from gptlib.prepare import PrepareError, prepare
+from gptlib.shards import read_meta
+from gptlib.tokenizer import BPETokenizer
+from tests.fakes import add_repo_file, fake_hub_child, install_fake_hub
+
+REPO = Path(__file__).resolve().parents[1]
+CARD = """---
+license: mit
+configs:
+- config_name: small
+  data_files:
+  - split: train
+    path: small/train-*.parquet
+  - split: validation
+    path: small/valid-*.parquet
+- config_name: big
+  default: true
+  data_files:
+  - split: train
+    path: "big/*.parquet"
+---
+# A dataset
+"""
+
+
+def parquet_bytes(docs: list[str], column: str = "text", row_group_size: int = 50) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({column: docs, "n": list(range(len(docs)))}), sink, row_group_size=row_group_size)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.fixture(scope="module")
+def docs(shakespeare_path) -> list[str]:
+    return [d for d in shakespeare_path.read_text()[:200_000].split("\n\n") if d.strip()]
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory, docs) -> Path:
+    return BPETokenizer.train(iter(docs), vocab_size=300).save(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture()
+def hub_root(tmp_path, docs) -> Path:
+    """o/plain: repository parquet files named by split; o/card: a card with two configs; o/script: no
+    parquet files, only the Hub's conversion (one config partial); o/gated: gated."""
+    root = tmp_path / "hub"
+    for i in range(2):
+        add_repo_file(root, "o/plain", f"data/train-{i:05d}-of-00002.parquet", parquet_bytes(docs[i * 300:(i + 1) * 300]))
+    add_repo_file(root, "o/plain", "data/test-00000-of-00001.parquet", parquet_bytes(docs[600:700]))
+    add_repo_file(root, "o/plain", "README.md", b"# no configs here\n")
+    add_repo_file(root, "o/card", "README.md", CARD.encode())
+    add_repo_file(root, "o/card", "small/train-0.parquet", parquet_bytes(docs[:200]))
+    add_repo_file(root, "o/card", "small/valid-0.parquet", parquet_bytes(docs[200:260]))
+    add_repo_file(root, "o/card", "big/a.parquet", parquet_bytes(docs[:400]))
+    add_repo_file(root, "o/script", "script.py", b"# a loading script\n")
+    add_repo_file(root, "o/script", "data/train.jsonl.gz", b"\x1f\x8b")
+    conv = "refs/convert/parquet"
+    add_repo_file(root, "o/script", "default/train/0000.parquet", parquet_bytes(docs[:300]), rev=conv)
+    add_repo_file(root, "o/script", "default/test/0000.parquet", parquet_bytes(docs[300:350]), rev=conv)
+    add_repo_file(root, "o/script", "huge/partial-train/0000.parquet", parquet_bytes(docs[:250]), rev=conv)
+    add_repo_file(root, "o/gated", "data/train-0.parquet", parquet_bytes(docs[:100]))
+    (root / "o" / "gated" / ".gated").write_text("")
+    return root
+
+
+def names(found) -> list[str]:
+    return [f.url for f in found]
+
+
+# ------------------------------------------------------------------------------------------ which files
+
+
+def test_repository_parquet_files_of_the_train_split(hub_root, monkeypatch):
+    install_fake_hub(monkeypatch, hub_root)
+    assert names(hub.resolve_hf("hf://datasets/o/plain")) == [
+        "hf://datasets/o/plain/data/train-00000-of-00002.parquet", "hf://datasets/o/plain/data/train-00001-of-00002.parquet"]
+    assert names(hub.resolve_hf("hf://datasets/o/plain", split="test")) == [
+        "hf://datasets/o/plain/data/test-00000-of-00001.parquet"]
+    assert names(hub.resolve_hf("hf://datasets/o/plain/data/test-*.parquet")) == [  # a glob: exactly those
+        "hf://datasets/o/plain/data/test-00000-of-00001.parquet"]
+    with pytest.raises(PrepareError, match=r"no parquet file is named for split 'dev' \(splits found: test, train\)"):
+        hub.resolve_hf("hf://datasets/o/plain", split="dev")
+
+
+def test_split_names_follow_the_hub_conventions():
+    assert hub.split_matches("data/train-00000-of-00004-2d5a.parquet", "train")
+    assert hub.split_matches("train/0.parquet", "train") and hub.split_matches("en/train_00.jsonl", "train")
+    assert not hub.split_matches("data/train_sft-00000-of-00003.parquet", "train")  # another split
+    assert hub.split_matches("data/train_sft-00000-of-00003.parquet", "train_sft")
+    assert not hub.split_matches("data/latest-0.parquet", "test") and not hub.split_matches("retrain.parquet", "train")
+
+
+def test_the_cards_configs_choose_the_files(hub_root, monkeypatch, capsys):
+    install_fake_hub(monkeypatch, hub_root)
+    assert names(hub.resolve_hf("hf://datasets/o/card")) == ["hf://datasets/o/card/big/a.parquet"]  # default: true
+    assert names(hub.resolve_hf("hf://datasets/o/card", config="small", split="validation")) == [
+        "hf://datasets/o/card/small/valid-0.parquet"]
+    assert "config 'small', split 'validation'" in capsys.readouterr().err
+    with pytest.raises(PrepareError, match=r"has no config 'tiny' \(configs: small, big\); choose one with --hf-config"):
+        hub.resolve_hf("hf://datasets/o/card", config="tiny")
+    with pytest.raises(PrepareError, match=r"config 'small' of dataset o/card has no split 'test' "
+                                           r"\(splits: train, validation\); choose one with --hf-split"):
+        hub.resolve_hf("hf://datasets/o/card", config="small", split="test")
+
+
+def test_the_hubs_parquet_conversion_when_the_repository_has_none(hub_root, monkeypatch, capsys):
+    install_fake_hub(monkeypatch, hub_root)
+    assert names(hub.resolve_hf("hf://datasets/o/script")) == [
+        "hf://datasets/o/script@refs/convert/parquet/default/train/0000.parquet"]
+    assert names(hub.resolve_hf("hf://datasets/o/script", split="test"))[0].endswith("default/test/0000.parquet")
+    assert names(hub.resolve_hf("hf://datasets/o/script", config="huge"))[0].endswith("huge/partial-train/0000.parquet")
+    assert "conversion of o/script huge/train is partial" in capsys.readouterr().err
+    with pytest.raises(PrepareError, match=r"has no config 'nope' \(configs: default, huge\)"):
+        hub.resolve_hf("hf://datasets/o/script", config="nope")
+    with pytest.raises(PrepareError, match=r"config 'default' of dataset o/script has no split 'dev' \(splits: test, train\)"):
+        hub.resolve_hf("hf://datasets/o/script", split="dev")
+
+
+# ------------------------------------------------------------------------------ identity and shards
+
+
+def test_hub_files_are_identified_without_reading_and_match_local_shards(hub_root, monkeypatch, tmp_path, bpe_file):
+    made = install_fake_hub(monkeypatch, hub_root)
+    found = hub.resolve_hf("hf://datasets/o/plain")
+    assert made["fs"].opened == ["datasets/o/plain/README.md"]  # the card; no data file: the listing has sizes
+    local = [hub_root / "o/plain/main" / f.url.split("o/plain/", 1)[1] for f in found]
+    assert [remote.remote_identity(f) for f in found] == [
+        ("sha256:" + hashlib.sha256(p.read_bytes()).hexdigest(), True) for p in local]
+    assert made["fs"].opened == ["datasets/o/plain/README.md"]  # ... and sha256s
+    opts = dict(tokenizer_file=bpe_file, shard_tokens=4000, verbose=False)
+    via_hub = prepare(["hf://datasets/o/plain"], tmp_path / "via_hub", **opts)
+    on_disk = prepare(local, tmp_path / "disk", **opts)
+    assert via_hub.splits == on_disk.splits and len(via_hub.splits["train"]["shards"]) > 2
+    for s in via_hub.shard_paths("train") + via_hub.shard_paths("val"):
+        assert s.read_bytes() == (tmp_path / "disk" / s.name).read_bytes()
+    assert [s["path"] for s in via_hub.raw["sources"]] == names(found)
+
+
+def test_a_big_hub_file_is_sampled_only_when_the_pass_reaches_it(hub_root, monkeypatch, tmp_path, bpe_file):
+    # Above FULL_HASH_LIMIT a local file's identity is a sampled hash; the Hub lists the full sha256.
+    # The shards must still be the same: the split key is the sampled hash, read when needed.
+    monkeypatch.setattr(remote, "FULL_HASH_LIMIT", 5000)
+    monkeypatch.setattr(remote, "SAMPLE_BLOCK", 1000)
+    install_fake_hub(monkeypatch, hub_root)
+    url = "hf://datasets/o/plain/data/train-00000-of-00002.parquet"
+    [f] = hub.resolve_hf(url)
+    ident, canonical = remote.remote_identity(f)
+    assert ident.startswith("sha256:") and not canonical
+    local = hub_root / "o/plain/main/data/train-00000-of-00002.parquet"
+    opts = dict(tokenizer_file=bpe_file, verbose=False)
+    a = prepare([url], tmp_path / "via_hub", **opts)
+    b = prepare([local], tmp_path / "disk", **opts)
+    assert b.raw["sources"][0]["hash"].startswith("sampled-sha256:")
+    assert a.splits == b.splits
+
+
+def test_a_missing_column_names_the_url_and_the_columns(hub_root, monkeypatch, tmp_path, bpe_file):
+    install_fake_hub(monkeypatch, hub_root)
+    with pytest.raises(PrepareError, match=r"parquet file hf://datasets/o/plain/data/train-00000-of-00002.parquet has "
+                                           r"no column 'code' \(columns: text, n\)"):
+        prepare(["hf://datasets/o/plain"], tmp_path / "o", tokenizer_file=bpe_file, text_column="code", verbose=False)
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+
+def test_missing_gated_and_revision_errors_say_what_to_do(hub_root, monkeypatch, tmp_path, bpe_file):
+    install_fake_hub(monkeypatch, hub_root)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(PrepareError) as e:
+        hub.resolve_hf("hf://datasets/o/nope")
+    msg = str(e.value)
+    assert msg.startswith("input hf://datasets/o/nope: dataset o/nope was not found on the Hub (it does not exist, or "
+                          "it is private and needs a login)") and "HF_TOKEN" in msg and "Colab" in msg
+    with pytest.raises(PrepareError, match=r"revision 'v9' of dataset o/plain does not exist"):
+        hub.resolve_hf("hf://datasets/o/plain@v9")
+    # A gated dataset lists, but its files refuse to be read: the first read says so, naming it.
+    with pytest.raises(PrepareError) as e:
+        prepare(["hf://datasets/o/gated"], tmp_path / "g", tokenizer_file=bpe_file, verbose=False)
+    msg = str(e.value)
+    assert msg.startswith("input hf://datasets/o/gated/data/train-0.parquet cannot be read: dataset o/gated is gated: "
+                          "accept its conditions at https://huggingface.co/datasets/o/gated")
+    assert "HF_TOKEN" in msg and "\n" not in msg
+
+
+def test_the_token_comes_from_hf_token_or_colabs_secret(hub_root, monkeypatch):
+    made = install_fake_hub(monkeypatch, hub_root)
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    hub.resolve_hf("hf://datasets/o/plain")
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    hub.resolve_hf("hf://datasets/o/plain")  # no token: huggingface_hub's own login, if any
+    colab = types.ModuleType("google.colab")
+    colab.userdata = types.SimpleNamespace(get=lambda key: {"HF_TOKEN": "hf_colab"}[key])
+    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.userdata", colab.userdata)
+    hub.resolve_hf("hf://datasets/o/plain")
+    colab.userdata.get = lambda key: (_ for _ in ()).throw(RuntimeError("SecretNotFoundError"))
+    assert hub.hf_token() is None  # a missing secret is no token, not a crash
+    assert made["tokens"] == ["hf_env", None, "hf_colab"]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_hf_dataset_with_config_split_and_errors(hub_root, tmp_path, bpe_file):
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", fake_hub_child(hub_root), "tokenize", *map(str, args)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120, env=_env_without_token())
+
+    r = run("--hf-dataset", "o/card", "--hf-config", "small", "--tokenizer-from", bpe_file, "--out", tmp_path / "d")
+    assert r.returncode == 0, r.stderr
+    meta = read_meta(tmp_path / "d")
+    assert [s["path"] for s in meta.raw["sources"]] == ["hf://datasets/o/card/small/train-0.parquet"]
+    r = run("--hf-dataset", "o/nope", "--tokenizer-from", bpe_file, "--out", tmp_path / "e")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "dataset o/nope was not found on the Hub" in r.stderr and "HF_TOKEN" in r.stderr
+    r = run("--input", tmp_path / "x.jsonl", "--hf-split", "train", "--out", tmp_path / "f")
+    assert r.returncode == 2 and "--hf-config / --hf-split choose among a Hub dataset's files" in r.stderr
+
+
+def _env_without_token() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}

@@ -1,0 +1,133 @@
+"""import-hf: a GPT2LMHeadModel folder becomes a gptlib run; every tool works on it; train --init-from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gptlib.errors import ConfigError, HFImportError
+from gptlib.generate import Engine
+from gptlib.hf_import import import_hf
+from gptlib.loading import load_for_inference
+from gptlib.tokenizer import BPETokenizer
+from tests.conftest import TINY
+from tests.test_export import assert_same_model
+
+transformers = pytest.importorskip("transformers")  # a test-only dependency
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, small_text):
+    """A GPT2LMHeadModel folder as transformers writes it: random weights, a byte-level BPE tokenizer."""
+    folder = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    text = small_text.read_text()
+    tok = BPETokenizer.train([text[i:i + 2000] for i in range(0, len(text), 2000)], vocab_size=300)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                  activation_function="gelu_new", bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    (folder / "tokenizer.json").write_bytes(tok.to_json_bytes())
+    return folder
+
+
+def test_import_gives_transformers_logits_and_greedy_tokens(hf_folder, tmp_path):
+    run = import_hf(hf_folder, tmp_path / "run", log=quiet)
+    ld = load_for_inference(run)
+    assert ld.step == 0 and ld.config.model.vocab_size == 300 and ld.tokenizer.kind == "bpe"
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    ids = ld.tokenizer.encode("First Citizen:\nBefore we proceed")[:12]
+    assert_same_model(ld.model, hf, ids)  # the same logits, and the same greedy tokens to the end of the window
+
+
+def test_export_import_export_round_trip(hf_folder, tmp_path):
+    from gptlib.export import export_hf
+
+    a = import_hf(hf_folder, tmp_path / "a", log=quiet)
+    export_hf(a, tmp_path / "exported")
+    b = import_hf(tmp_path / "exported", tmp_path / "b", log=quiet)
+    export_hf(b, tmp_path / "exported2")
+    x = torch.randint(0, 300, (2, 20))
+    la = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "exported").eval()(x).logits
+    lb = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "exported2").eval()(x).logits
+    assert torch.equal(la, lb)
+
+
+def test_a_char_run_comes_back_with_its_char_tokenizer(char_data, tmp_path):
+    from gptlib.export import export_hf
+    from gptlib.train import train
+
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=4, progress=False, log=quiet)
+    export_hf(tmp_path / "run", tmp_path / "hf")
+    back = import_hf(tmp_path / "hf", tmp_path / "back", log=quiet)
+    a, b = Engine.from_run(tmp_path / "run"), Engine.from_run(back)
+    assert b.tokenizer.kind == "char" and b.tokenizer.encode("ROMEO:") == a.tokenizer.encode("ROMEO:")
+    x = torch.tensor([a.tokenizer.encode("ROMEO: what")])
+    torch.testing.assert_close(a.model(x)[0], b.model(x)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("activation_function", "relu", "activation_function is 'relu', gptlib's GPT-2 has 'gelu_new'"),
+    ("model_type", "llama", "model_type is 'llama'"),
+    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx is True"),
+])
+def test_a_model_that_is_not_gpt2_shaped_is_refused(hf_folder, tmp_path, key, value, message, capsys):
+    import shutil
+
+    from gptlib.__main__ import main
+
+    folder = tmp_path / "other"
+    shutil.copytree(hf_folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_never_writes_into_a_folder_holding_something(hf_folder, tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(HFImportError, match="not empty"):
+        import_hf(hf_folder, out, log=quiet)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, small_text):
+    from gptlib.prepare import prepare
+    from gptlib.train import train
+
+    base = import_hf(hf_folder, tmp_path / "base", log=quiet)
+    data = tmp_path / "data"
+    prepare([small_text], data, tokenizer_file=base / "tokenizer.json", verbose=False)
+    before = {p: p.stat().st_mtime_ns for p in base.rglob("*")}
+    settings = ["batch_size=4", "block_size=32", "eval_interval=2", "eval_batches=1", "sample_tokens=4",
+                "learning_rate=1e-12", "warmup_steps=0", "save_every_minutes=0"]
+    logs = []
+    r = train(data, tmp_path / "ft", "finetune", settings, max_steps=2, progress=False, log=logs.append,
+              init_from=f"{base}:latest")
+    assert r.step == 2 and any("init-from: the weights of" in m for m in logs)
+    tuned = load_for_inference(tmp_path / "ft")
+    assert tuned.config.model.n_layer == 2 and tuned.config.model.n_embd == 32  # the base's shape, not the preset's
+    assert tuned.config.model.block_size == 64 and tuned.state.init_from["step"] == 0
+    w0 = load_for_inference(base).model.state_dict()
+    assert all(torch.allclose(w0[k], v, atol=1e-6) for k, v in tuned.model.state_dict().items())  # lr ~0: the base
+    assert {p: p.stat().st_mtime_ns for p in base.rglob("*")} == before  # the base run is never modified
+
+
+def test_init_from_with_another_vocabulary_names_both_sides(hf_folder, tmp_path, char_data):
+    from gptlib.train import train
+
+    base = import_hf(hf_folder, tmp_path / "base", log=quiet)
+    with pytest.raises(ConfigError, match=r"its vocabulary \(bpe, 300 tokens.*is not the data's .*char, 61 tokens"
+                                          r".*--tokenizer-from"):
+        train(char_data, tmp_path / "ft", "finetune", TINY, max_steps=2, progress=False, log=quiet,
+              init_from=str(base))

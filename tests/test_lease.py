@@ -1,0 +1,225 @@
+"""One writer per run (gptlib.lease), with real processes where the issue was found with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gptlib import lease as L
+from gptlib.train import train
+from tests.conftest import REPO, TINY
+from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
+
+SLOW = TINY + ["dropout=0.1", "save_every_steps=5", "keep_last=2"]
+LONG_STEPS = 120  # with the "slow" fault (50 ms a step): ~6 s of training, long enough to start a second process
+
+
+def quiet(_msg):
+    pass
+
+
+def trainer(data, run_dir, mirror=None, steps=LONG_STEPS, env=None, extra=()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir), "--preset",
+           "phase1", "--max-steps", str(steps), "--device", "cpu", "--quiet", *extra]
+    for s in SLOW:
+        cmd += ["--set", s]
+    if mirror is not None:
+        cmd += ["--mirror-dir", str(mirror)]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GPTLIB_FAULT": "slow:mid_step", **(env or {})}
+    return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path, timeout=90):
+    end = time.time() + timeout
+    while not path.exists():
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def write_lease(path, host="other-vm", pid=4242, heartbeat_age=0.0, session="f" * 12):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    path.write_text(json.dumps({"format": 1, "host": host, "pid": pid, "session": session, "started": now - 3600,
+                                "heartbeat": now - heartbeat_age, "beats": 7}))
+
+
+def test_a_second_trainer_refuses_and_the_first_trains_as_if_alone(char_data, tmp_path):
+    run = tmp_path / "run"
+    first = trainer(char_data, run)
+    wait_for(run / "lease.json")
+    t0 = time.time()
+    second = trainer(char_data, run, env={"GPTLIB_FAULT": ""})
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 2, out + err
+    assert "is in use by another training process" in err and f"pid {first.pid}" in err and "--take-over" in err
+    assert time.time() - t0 < 60  # refused within seconds of starting (most of it is importing torch)
+    out1, err1 = first.communicate(timeout=300)
+    assert first.returncode == 0, out1 + err1
+    alone = tmp_path / "alone"
+    train(char_data, alone, "phase1", SLOW, max_steps=LONG_STEPS, device="cpu", progress=False, log=quiet)
+    assert curve(run) == curve(alone)  # the refused trainer changed nothing
+    assert not (run / "lease.json").exists()  # released at the end
+
+
+def test_two_runs_sharing_one_mirror(char_data, tmp_path):
+    """Two Colab tabs with the same RUN_NAME: different local dirs, one Drive mirror."""
+    mirror = tmp_path / "drive" / "run"
+    first = trainer(char_data, tmp_path / "a", mirror=mirror)
+    wait_for(mirror / "lease.json")
+    second = trainer(char_data, tmp_path / "b", mirror=mirror, env={"GPTLIB_FAULT": ""})
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and f"{mirror} is in use" in err, out + err
+    assert first.communicate(timeout=300)[0] is not None and first.returncode == 0
+    assert not (tmp_path / "b" / "checkpoints").exists() and not (tmp_path / "b" / "config.json").exists()
+    steps = sorted(int(p.name[5:]) for p in (mirror / "checkpoints").iterdir())
+    assert steps[-1] == LONG_STEPS  # only the first run's checkpoints
+
+
+def test_a_taken_over_writer_stops_without_writing(char_data, tmp_path):
+    run = tmp_path / "run"
+    proc = trainer(char_data, run, steps=100_000, env={"GPTLIB_LEASE_HEARTBEAT_S": "0.2"})
+    wait_for(run / "checkpoints")  # it trains and saves
+    write_lease(run / "lease.json", session="b" * 12)  # another process takes the run over
+    t0 = time.time()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "taken over by another process" in err and "other-vm" in err, out + err
+    assert time.time() - t0 < 30
+    assert json.loads((run / "lease.json").read_text())["session"] == "b" * 12  # the new holder's lease stands
+
+
+def test_the_lease_of_a_dead_local_process_is_taken_over_at_once(char_data, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "run"
+    write_lease(run / "lease.json", host=socket.gethostname(), pid=dead.pid)
+    logs = []
+    r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append)
+    assert r.step == 2 and any(f"pid {dead.pid} on this machine) is gone; taking over" in m for m in logs)
+
+
+def test_another_machines_lease(char_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "0.6")
+    run = tmp_path / "run"
+    write_lease(run / "lease.json", heartbeat_age=10)  # fresh: that VM is probably alive
+    with pytest.raises(L.RunBusyError, match=r"in use \(host other-vm, pid 4242.*re-run in \d+ s.*--take-over"):
+        train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+    assert sorted(p.name for p in run.iterdir()) == ["lease.json"]  # nothing written
+    # stale by our clock, but its heartbeat moves while watched (the other VM's clock is off): alive
+    write_lease(run / "lease.json", heartbeat_age=1000)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            write_lease(run / "lease.json", heartbeat_age=1000 - time.time() % 100)
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        with pytest.raises(L.RunBusyError, match="changed while watched"):
+            train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+    finally:
+        stop.set()
+        t.join()
+    # stale and still: taken over after the watch, and said so
+    write_lease(run / "lease.json", heartbeat_age=1000)
+    logs = []
+    r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append)
+    assert r.step == 2 and any("did not change for 1 s; taking it over" in m for m in logs), logs
+
+
+def test_a_lease_from_a_vm_whose_clock_ran_ahead_is_watched_not_trusted(tmp_path, monkeypatch):
+    """Clock skew: a dead VM whose clock ran an hour ahead left a heartbeat in our future. Its age is unknown,
+    so it is watched like a stale lease and taken over when it does not change (not refused for an hour)."""
+    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "0.5")
+    run = tmp_path / "run"
+    write_lease(run / "lease.json", heartbeat_age=-3600)
+    logs = []
+    t0 = time.monotonic()
+    lease = L.RunLease([run], log=logs.append).acquire()
+    try:
+        assert time.monotonic() - t0 < 10
+        assert json.loads((run / "lease.json").read_text())["session"] == lease.session
+    finally:
+        lease.release()
+    assert any("ahead of this machine's clock" in m and "3600 s in the future" in m for m in logs), logs
+    assert any("did not change for" in m and "taking it over" in m for m in logs), logs
+
+
+def test_a_future_heartbeat_that_moves_is_a_live_holder(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "1.0")
+    run = tmp_path / "run"
+    write_lease(run / "lease.json", heartbeat_age=-3600)
+    stop = threading.Event()
+
+    def beat():  # alive on a VM whose clock is an hour ahead: its heartbeat moves
+        while not stop.wait(0.1):
+            write_lease(run / "lease.json", heartbeat_age=-3600 - time.time() % 100)
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        with pytest.raises(L.RunBusyError, match=r"changed while watched \(host other-vm.*in the future"):
+            L.RunLease([run], log=quiet).acquire()
+    finally:
+        stop.set()
+        t.join()
+    assert json.loads((run / "lease.json").read_text())["host"] == "other-vm"  # never written over
+    # A clock a few seconds fast is an ordinary difference: a fresh lease, refused at once without a watch.
+    write_lease(run / "lease.json", heartbeat_age=-10)
+    t0 = time.monotonic()
+    with pytest.raises(L.RunBusyError, match=r"10 s in the future.*re-run in 180 s"):
+        L.RunLease([run], log=quiet).acquire()
+    assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 2, "host": "x"})])
+def test_an_unreadable_or_newer_lease_is_never_free_at_once(char_data, tmp_path, monkeypatch, content):
+    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "0.3")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "lease.json").write_text(content)
+    with pytest.raises(L.RunBusyError, match="a lease file that is (malformed|format 2)"):
+        train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+    old = time.time() - 1000
+    os.utime(run / "lease.json", (old, old))  # as old as a vanished VM's: watched, then taken over
+    assert train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet).step == 2
+
+
+def test_take_over_takes_a_live_lease(char_data, tmp_path):
+    run = tmp_path / "run"
+    write_lease(run / "lease.json", heartbeat_age=5)
+    logs = []
+    r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append, take_over=True)
+    assert r.step == 2 and any("lease: taking over" in m and "other-vm" in m for m in logs)
+    assert not (run / "lease.json").exists()
+
+
+def test_readers_need_no_lease(char_data, tmp_path):
+    from gptlib.generate import Engine
+
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    write_lease(run / "lease.json", heartbeat_age=1)  # a trainer is at work
+    assert Engine.from_run(run).step == 10
+
+
+def test_a_run_dir_that_cannot_be_written_is_one_clear_error(char_data, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from gptlib.__main__ import main
+
+    def read_only(path, obj):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(L, "atomic_write_json", read_only)
+    rc = main(["train", "--data", str(char_data), "--run-dir", str(tmp_path / "run"), "--max-steps", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: cannot write to") and "Read-only file system" in err, err
+    assert "Traceback" not in err

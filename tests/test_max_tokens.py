@@ -1,0 +1,109 @@
+"""--max-tokens: stop at the first document end at or after N tokens (train + val), documents never
+cut, recorded in meta.json, the same after a kill and resume; the progress bar shows tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gptlib.prepare as prep
+from gptlib.__main__ import _count
+from gptlib.prepare import PrepareError, prepare
+from gptlib.shards import load_split, read_meta
+from gptlib.tokenizer import BPETokenizer, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def docs(shakespeare_path) -> list[str]:
+    return [d for d in shakespeare_path.read_text()[:300_000].split("\n\n") if d.strip()]
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory, docs) -> Path:
+    return BPETokenizer.train(iter(docs), vocab_size=300).save(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory, docs) -> Path:
+    p = tmp_path_factory.mktemp("src") / "a.jsonl"
+    with open(p, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    return p
+
+
+def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_file, capsys):
+    n = 20_000
+    meta = prepare([src], tmp_path / "d", tokenizer_file=bpe_file, max_tokens=n, shard_tokens=3000)
+    tok = load_tokenizer(tmp_path / "d")
+    total = meta.tokens("train") + meta.tokens("val")
+    k = meta.raw["documents"]
+    last = len(tok.encode(docs[k - 1])) + 1  # the last document and its end-of-text id
+    assert total >= n and total - last < n
+    assert meta.raw["max_tokens"] == n and meta.raw["stop_reason"] == "max_tokens"
+    assert meta.raw["stopped_at"] == {"file": str(src), "document": k - 1}
+    got = []
+    for split in ("train", "val"):
+        ids = load_split(meta, split).astype(np.int64)
+        ends = np.flatnonzero(ids == tok.eot_id)
+        assert ends[-1] == ids.size - 1  # whole documents only
+        got += [tok.decode(p[:-1].tolist()) for p in np.split(ids, ends + 1)[:-1]]
+    assert sorted(got) == sorted(docs[:k])  # the first k documents, each whole
+    out = capsys.readouterr()
+    assert f"stopped at --max-tokens {n:,}: after document {k - 1:,}" in out.out
+    assert "M tokens" in out.err and "tok/s" in out.err and "of max-tokens (ETA" in out.err
+
+
+def test_a_budget_beyond_the_corpus_reads_it_all(tmp_path, src, docs, bpe_file):
+    meta = prepare([src], tmp_path / "d", tokenizer_file=bpe_file, max_tokens=10**12, verbose=False)
+    assert meta.raw["documents"] == len(docs) and meta.raw["stop_reason"] == "end_of_input"
+    assert "stopped_at" not in meta.raw
+    with pytest.raises(PrepareError, match="max_tokens=0 must be >= 1"):
+        prepare([src], tmp_path / "e", tokenizer_file=bpe_file, max_tokens=0, verbose=False)
+
+
+class Killed(BaseException):
+    pass
+
+
+def test_a_killed_budgeted_run_resumes_to_the_same_stop(tmp_path, src, bpe_file, monkeypatch):
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    opts = dict(tokenizer_file=bpe_file, max_tokens=100_000, shard_tokens=5000, verbose=False)
+    clean = prepare([src], tmp_path / "clean", **opts)
+    real = BPETokenizer.encode_batch_ids
+    calls = {"n": 0}
+
+    def encode(self, texts):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed()
+        return real(self, texts)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+    with pytest.raises(Killed):
+        prepare([src], tmp_path / "out", **opts)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real)
+    resumed = prepare([src], tmp_path / "out", **opts)
+    assert resumed.splits == clean.splits and resumed.raw["stopped_at"] == clean.raw["stopped_at"]
+    # another budget is another dataset: refused, not mixed
+    with pytest.raises(PrepareError, match="already holds a different dataset"):
+        prepare([src], tmp_path / "out", **dict(opts, max_tokens=90_000))
+
+
+def test_cli_max_tokens(tmp_path, src, bpe_file):
+    assert _count("2.8B") == _count("2.8e9") == _count("2,800,000,000") == 2_800_000_000 and _count("20K") == 20_000
+    r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--tokenizer-from",
+                        str(bpe_file), "--max-tokens", "10K", "--out", str(tmp_path / "d"), "--quiet"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = read_meta(tmp_path / "d")
+    assert m.raw["max_tokens"] == 10_000 and 10_000 <= m.tokens("train") + m.tokens("val") < 11_000
+    r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--max-tokens", "lots",
+                        "--out", str(tmp_path / "e")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "'lots' is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)" in r.stderr

@@ -1,0 +1,43 @@
+"""Notebook 05 executed headless in a smoke setting: GPT-2 (a tiny GPT2LMHeadModel folder standing in for
+the Hub's) imported as the base, a chat jsonl tokenized with its tokenizer, fine-tuned, a first message
+answered; re-run after a 'disconnect' reuses the import and the data and resumes the fine-tune."""
+
+import json
+
+import pytest
+
+from tests.nbrun import outputs_text, run_notebook
+from tests.test_finetune import NAMES, WORDS, conversation
+from tests.test_import_hf import hf_folder  # noqa: F401 - the fixture
+
+pytest.importorskip("transformers")
+
+
+def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypatch, hf_folder):  # noqa: F811
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(conversation(n, w)) + "\n" for n in NAMES for w in WORDS))
+    params = {"BASE": "OpenAI GPT-2 from the Hub", "HF_MODEL": str(hf_folder), "SOURCE": "my files on Drive",
+              "INPUT": str(chats), "FORMAT": "chat", "MAX_TOKENS": "0", "DATASET_NAME": "qa", "RUN_NAME": "ft",
+              "MAX_STEPS": 12, "DEVICE": "cpu", "FIRST_MESSAGE": "anna asks: what is the opposite of apple?",
+              "OVERRIDES": ["eval_interval=6", "batch_size=8", "eval_batches=2", "sample_tokens=0", "log_interval=1",
+                            "save_every_minutes=0", "warmup_steps=2"]}
+    nb = run_notebook("05_finetune_chat.ipynb", params, cwd=tmp_path)
+    text = outputs_text(nb)
+    root = tmp_path / "root"
+    assert "imported" in text and (root / "runs" / "hf-tiny-gpt2" / "checkpoints").is_dir()
+    assert "vocabulary 300 -> 304" in text  # the chat markers added to GPT-2's tokenizer, rows to its embedding
+    assert "loss: on the assistants' answers only" in text
+    assert "done: step 12" in text
+    assert "you: anna asks" in text and "model: " in text
+    meta = json.loads((root / "data" / "qa" / "meta.json").read_text())
+    assert meta["format"] == "chat"
+
+    # "Colab disconnected": run every cell again with more steps; the import and the data are reused.
+    params["MAX_STEPS"] = 18
+    nb = run_notebook("05_finetune_chat.ipynb", params, cwd=tmp_path)
+    text = outputs_text(nb)
+    assert "imported" not in text
+    assert "resumed from step 12" in text and "done: step 18" in text
+    rows = [json.loads(x) for x in (root / "runs" / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 19))

@@ -1,0 +1,391 @@
+"""The CUDA decisions of gptlib.runtime, memory and measure, tested on a CPU with torch.cuda's device queries faked.
+
+A fake GPU answers what PyTorch's own functions would on that GPU (name, compute capability, memory, bf16
+with and without emulation, device count); the gptlib code behind those answers runs for real.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import gptlib.runtime as rt
+from gptlib import measure, memory
+from gptlib.config import build_config, get_preset
+from gptlib.distributed import Dist
+from gptlib.errors import ConfigError, OutOfMemoryAdvice
+from tests.conftest import REPO, TINY
+
+GIB = 2**30
+CUDA = torch.device("cuda", 0)
+
+
+def quiet(_msg):
+    pass
+
+
+def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 * GIB):
+    """torch.cuda as on a machine with `count` GPUs of this kind. Returns the list set_device() calls land in."""
+    calls = []
+    props = types.SimpleNamespace(name=name, major=capability[0], minor=capability[1], total_memory=total)
+
+    def is_bf16_supported(including_emulation=True):  # PyTorch's rule: sm80+, or anything that can emulate
+        return capability[0] >= 8 or including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(torch.device(device)))
+    return calls
+
+
+# --- 1. dtype: T4/V100 train in fp16 + GradScaler, never in emulated bf16 --------------------------------------
+
+
+@pytest.mark.parametrize("name,cap,want", [("Tesla T4", (7, 5), torch.float16), ("Tesla V100-SXM2-16GB", (7, 0),
+                                           torch.float16), ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
+                                           ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
+def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
+    from gptlib.bench import half_dtype
+    from gptlib.scoring import eval_autocast
+
+    fake_gpu(monkeypatch, name, cap)
+    assert rt.resolve_dtype("auto", CUDA) == want
+    assert half_dtype(CUDA)[0] == want  # the benchmarks' half precision
+    assert eval_autocast(CUDA, None)[1] == want  # scoring (HellaSwag, bpb)
+    family, _ = measure.lookup_peak(name)  # MFU against the peak of the precision it trains in
+    assert ("fp16" in family) == (want == torch.float16)
+
+
+def test_fp16_training_gets_a_grad_scaler_and_bf16_does_not():
+    from gptlib.session import build_model
+
+    for dtype, scaled in (("float16", True), ("bfloat16", False), ("float32", False)):
+        cfg = build_config("phase1", TINY + [f"dtype={dtype}"], device="cpu")
+        _, _, scaler, got = build_model(cfg, torch.device("cpu"), Dist(), quiet)
+        assert got == rt.DTYPES[dtype] and scaler.is_enabled() == scaled, dtype
+
+
+# --- 2. bad input: bf16 without it, a GPU that is not there, a device gptlib does not run on -----------------
+
+
+def test_bf16_asked_on_a_t4_names_the_gpu_and_the_alternative(monkeypatch):
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5))
+    with pytest.raises(ConfigError) as e:
+        rt.resolve_dtype("bfloat16", CUDA)
+    msg = str(e.value)
+    assert "Tesla T4" in msg and "dtype=float16" in msg and "auto" in msg, msg
+    assert rt.resolve_dtype("float16", CUDA) == torch.float16  # what the message proposes works
+
+
+def test_a_cuda_index_past_the_gpus_is_refused_naming_the_count(monkeypatch):
+    fake_gpu(monkeypatch, count=2)
+    with pytest.raises(ConfigError, match=r"cuda:2.*2 GPUs.*cuda:0.*cuda:1"):
+        rt.resolve_device("cuda:2")
+    with pytest.raises(ConfigError, match="cuda:x"):
+        rt.resolve_device("cuda:x")
+
+
+@pytest.mark.parametrize("name", ["tpu", "xla", "garbage", "cuda0", ""])
+def test_devices_gptlib_does_not_run_on_are_config_errors(name):
+    with pytest.raises(ConfigError, match="auto, cpu, cuda, cuda:N or mps"):
+        rt.resolve_device(name)
+
+
+def test_mps_where_there_is_none_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="mps.*not available"):
+        rt.resolve_device("mps")
+
+
+def test_cli_device_tpu_is_one_line_and_exit_2(tmp_path, char_data):
+    run_dir = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(run_dir),
+                        "--device", "tpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: device='tpu'"), p.stderr
+    assert not run_dir.exists()  # refused before the run directory was touched
+
+
+# --- 3. cuda:N becomes the current device ---------------------------------------------------------------------
+
+
+def test_cuda_n_becomes_the_current_device(monkeypatch):
+    calls = fake_gpu(monkeypatch, count=2)
+    assert rt.resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert calls == [torch.device("cuda", 1)]
+
+
+# --- 4. RNG: the training device's CUDA state; a checkpoint from N GPUs resumes on 1 ---------------------------
+
+
+def fake_cuda_rng(monkeypatch, count=1):
+    """Per-device CUDA generator states; setting one on a GPU that is not there fails as CUDA does."""
+    states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(count)}
+
+    def index(device):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        return 0 if device.index is None else device.index
+
+    def get_rng_state(device="cuda"):
+        return states[index(device)].clone()
+
+    def set_rng_state(state, device="cuda"):
+        i = index(device)
+        if i >= count:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        states[i] = state.clone()
+
+    def get_rng_state_all():
+        raise AssertionError("every GPU's state was read: only the training device's belongs in a checkpoint")
+
+    for mod in (torch.cuda, torch.cuda.random):  # set_rng_state_all calls torch.cuda.random.set_rng_state
+        monkeypatch.setattr(mod, "get_rng_state", get_rng_state)
+        monkeypatch.setattr(mod, "set_rng_state", set_rng_state)
+        monkeypatch.setattr(mod, "get_rng_state_all", get_rng_state_all)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return states
+
+
+def test_a_checkpoint_saves_only_the_training_devices_cuda_rng(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2)
+    tensors, _ = rt.capture_rng(torch.device("cuda", 1))
+    assert torch.equal(tensors["torch_cuda"], states[1])
+    assert "torch_cuda" not in rt.capture_rng(torch.device("cpu"))[0]  # a CPU run holds no GPU state
+    from gptlib.session import Session
+
+    fake = types.SimpleNamespace(sampler=types.SimpleNamespace(state_dict=lambda: {}), device=torch.device("cuda", 1))
+    assert torch.equal(Session.step_begin(fake)[2], states[1])  # what an interrupt mid-step saves
+
+
+def test_a_torchrun_checkpoint_from_4_gpus_resumes_on_1(monkeypatch):
+    saved_cpu = torch.get_rng_state()
+    tensors, plain = rt.capture_rng(torch.device("cpu"))
+    states = fake_cuda_rng(monkeypatch, count=1)
+    old = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(4)]  # get_rng_state_all() of 4 GPUs
+    rt.restore_rng({**tensors, "torch_cuda": old}, plain)
+    rt.restore_cuda_rng({**tensors, "torch_cuda": old}, torch.device("cuda", 0))
+    assert torch.equal(states[0], old[0])
+    assert torch.equal(torch.get_rng_state(), saved_cpu)
+    # this device's entry where the list has one; entry 0 past its end; never a GPU that is not there
+    fake_cuda_rng(monkeypatch, count=3)
+    rt.restore_cuda_rng({"torch_cuda": old[:2]}, torch.device("cuda", 2))
+    assert torch.equal(torch.cuda.get_rng_state(2), old[0])
+    rt.restore_cuda_rng({"torch_cuda": old}, torch.device("cuda", 1))
+    assert torch.equal(torch.cuda.get_rng_state(1), old[1])
+    new = torch.tensor([99], dtype=torch.uint8)  # today's form: one tensor, the training device's
+    rt.restore_cuda_rng({"torch_cuda": new}, torch.device("cuda", 2))
+    assert torch.equal(torch.cuda.get_rng_state(2), new)
+    rt.restore_cuda_rng({"torch_cuda": new}, torch.device("cpu"))  # resumed on a CPU: nothing to set
+
+
+# --- 5. OOM: wrapped by the compiler, compiled state reset, the probe's margin --------------------------------
+
+
+def wrapped_oom() -> Exception:
+    """What torch.compile raises when the GPU runs out of memory inside a compiled graph: another
+    exception whose cause is the OOM."""
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as oom:
+            raise RuntimeError("backend='inductor' raised an error while compiling") from oom
+    except RuntimeError as e:
+        return e
+
+
+def test_is_oom_walks_the_cause_chain():
+    assert memory.is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert memory.is_oom(wrapped_oom())
+    try:
+        try:
+            raise torch.OutOfMemoryError("x")
+        except torch.OutOfMemoryError:
+            raise ValueError("while handling it")  # implicit context
+    except ValueError as e:
+        assert memory.is_oom(e)
+    assert not memory.is_oom(RuntimeError("shape mismatch"))
+    loop = RuntimeError("a")
+    loop.__context__ = RuntimeError("b")
+    loop.__context__.__context__ = loop
+    assert not memory.is_oom(loop)  # a cycle ends the walk
+
+
+def test_a_compiler_wrapped_oom_in_training_gives_the_advice(tmp_path, char_data, monkeypatch):
+    import gptlib.train as gtrain
+
+    real = gtrain.forward_backward
+    calls, order = [0], []
+
+    def forward_backward(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise wrapped_oom()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gtrain, "forward_backward", forward_backward)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("dynamo reset"))
+    monkeypatch.setattr(gtrain, "free_memory", lambda: order.append("free"))
+    with pytest.raises(OutOfMemoryAdvice, match="batch_size=4 --set grad_accum_steps=2"):
+        gtrain.train(char_data, tmp_path / "run", "phase1", TINY, max_steps=5, progress=False, log=quiet)
+    assert order[:2] == ["dynamo reset", "free"]
+
+
+class FakeGpuMemory:
+    """Peak memory of a try: a fixed part plus a part per sequence, on a GPU of `total` bytes."""
+
+    def __init__(self, total, fixed, per_seq):
+        self.total, self.fixed, self.per_seq, self.batch = total, fixed, per_seq, 0
+
+    def reset(self, batch):
+        self.batch = batch
+
+    def peak(self):
+        return self.fixed + self.per_seq * self.batch
+
+
+def test_the_probe_keeps_a_margin_for_compiled_training(char_data):
+    from gptlib.model import GPT
+
+    cfg = build_config("phase1", TINY)
+    model = GPT(cfg.model)
+    # 8 sequences: 0.95 of the GPU; 4: 0.55 -> 4 is the largest that leaves the margin
+    mem = FakeGpuMemory(total=100 * GIB, fixed=15 * GIB, per_seq=10 * GIB)
+    logs = []
+    got = memory.probe_micro_batch(model, 32, 8, "cpu", memory_probe=mem, log=logs.append)
+    assert got == (4, 2) and any("8 x 32 does not fit" in m and "92%" in m for m in logs), logs
+    assert memory.PROBE_HEADROOM == 0.92
+
+
+# --- 6. compile=auto only where compiling pays -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset,device,setting,want", [
+    ("phase1", CUDA, "auto", False), ("gpt2-small", CUDA, "auto", True), ("phase2", CUDA, "auto", True),
+    ("gpt2-small", torch.device("cpu"), "auto", False), ("phase1", CUDA, "on", True), ("gpt2-small", CUDA, "off", False)])
+def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want):
+    from gptlib.session import wrap_for_training
+
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled.append(m) or m)
+    cfg = get_preset(preset)
+    cfg.train.compile = setting
+    _, on = wrap_for_training(torch.nn.Linear(2, 2), cfg, device, Dist())
+    assert on == want and len(compiled) == int(want)
+
+
+def test_flops_per_token_of_a_config_is_the_models():
+    from gptlib.model import GPT
+
+    for preset in ("phase1", "phase2"):
+        cfg = get_preset(preset)
+        assert measure.flops_per_token(cfg.model) == GPT(cfg.model).flops_per_token()
+
+
+# --- 7. matmul precision -----------------------------------------------------------------------------------------
+
+
+def test_cuda_fp32_matmuls_use_the_precision_api(monkeypatch):
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
+    calls = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", calls.append)
+    rt.configure_matmul(CUDA)
+    assert calls == ["high"]
+    rt.configure_matmul(torch.device("cpu"))
+    assert calls == ["high"]  # the CPU keeps full fp32
+
+
+# --- 8. Hopper: cuDNN attention when it measures faster than flash ----------------------------------------------
+
+
+def test_attention_choice_is_the_measured_faster_one():
+    pick = rt.pick_attention_backend
+    assert pick({"cudnn": 1.0, "flash": 1.5}) == "cudnn"
+    assert pick({"cudnn": 1.0, "flash": 1.02}) is None  # within the noise: keep PyTorch's default
+    assert pick({"cudnn": 2.0, "flash": 1.0}) is None
+    assert pick({"cudnn": None, "flash": 1.0}) is None  # one failed: the default
+    assert pick({}) is None
+
+
+def test_attention_is_measured_on_hopper_only(monkeypatch):
+    timed = []
+    monkeypatch.setattr(rt, "_ATTENTION_TIMES", {})
+    monkeypatch.setattr(rt, "time_attention", lambda *a: timed.append(a) or {"cudnn": 1.0, "flash": 2.0})
+    order = torch._C._get_sdp_priority_order()
+    try:
+        assert rt.configure_attention(torch.device("cpu"), torch.float32, 8, 4, 64, 32, quiet) is None
+        fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
+        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, quiet) is None and not timed
+        fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, quiet) == "cudnn" and len(timed) == 1
+        assert torch._C._get_sdp_priority_order()[0] == int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, quiet) == "cudnn" and len(timed) == 1
+        monkeypatch.setattr(rt, "time_attention", lambda *a: 1 / 0)  # any failure: the default again
+        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 128, 32, quiet) is None
+        assert torch._C._get_sdp_priority_order() == order
+    finally:
+        rt._ATTENTION_CHOICE.close()
+        torch._C._set_sdp_priority_order(order)
+
+
+# --- 9. a GPU preset on a CPU -------------------------------------------------------------------------------------
+
+
+def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(tmp_path, char_data, monkeypatch):
+    from gptlib.train import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        train(char_data, tmp_path / "run", "phase2", progress=False, log=quiet)  # device auto -> this CPU
+    msg = str(e.value)
+    assert "phase2" in msg and "hours" in msg and "Runtime > Change runtime type > A100 GPU" in msg, msg
+    assert "--device cpu" in msg  # the way to run it here anyway
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_tiny_gpu_shaped_run_on_cpu_trains_with_a_note(tmp_path, char_data):
+    from gptlib.train import train
+
+    logs = []
+    r = train(char_data, tmp_path / "run", "gpt2-small", TINY + ["hellaswag_every=0", "grad_accum_steps=1"],
+              max_steps=2, progress=False, log=logs.append)
+    assert r.step == 2
+    note = [m for m in logs if "meant for a GPU" in m]
+    assert len(note) == 1 and "Runtime > Change runtime type" in note[0], logs
+
+
+def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
+    cfg = get_preset("phase2")
+    logs = []
+    measure.check_cpu_run(cfg, torch.device("cpu"), "cpu", 0, logs.append)  # asked for: a warning, not an error
+    err = capsys.readouterr().err
+    assert "phase2" in err and "hours" in err, err
+
+
+def test_cpu_estimate_is_honest():
+    cfg = get_preset("phase2")
+    secs = measure.estimate_cpu_seconds(cfg, 0, flops_per_s=1e11)
+    tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
+    assert secs == pytest.approx(tokens * measure.flops_per_token(cfg.model) / 1e11)
+    rate = measure.cpu_train_flops()
+    assert 1e8 < rate < 1e14  # a real CPU, measured now
+
+
+# --- 10. the torch floor -----------------------------------------------------------------------------------------
+
+
+def test_the_declared_torch_floor_has_torch_out_of_memory_error():
+    text = (REPO / "pyproject.toml").read_text()
+    assert '"torch>=2.5"' in text  # torch.OutOfMemoryError (caught by train and the probe) arrived in 2.5

@@ -46,8 +46,10 @@ def wait_for(path, timeout=90):
 def write_lease(path, host="other-vm", pid=4242, heartbeat_age=0.0, session="f" * 12):
     path.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    path.write_text(json.dumps({"format": 1, "host": host, "pid": pid, "session": session, "started": now - 3600,
-                                "heartbeat": now - heartbeat_age, "beats": 7}))
+    tmp = path.with_name(f"{path.name}.test-{threading.get_ident()}")
+    tmp.write_text(json.dumps({"format": 1, "host": host, "pid": pid, "session": session, "started": now - 3600,
+                               "heartbeat": now - heartbeat_age, "beats": 7}))
+    os.replace(tmp, path)  # atomic, as gptlib writes it: a reader never sees half a lease
 
 
 def test_a_second_trainer_refuses_and_the_first_trains_as_if_alone(char_data, tmp_path):
@@ -86,9 +88,25 @@ def test_a_taken_over_writer_stops_without_writing(char_data, tmp_path):
     run = tmp_path / "run"
     proc = trainer(char_data, run, steps=100_000, env={"GPTLIB_LEASE_HEARTBEAT_S": "0.2"})
     wait_for(run / "checkpoints")  # it trains and saves
-    write_lease(run / "lease.json", session="b" * 12)  # another process takes the run over
+    # Another process takes the run over and keeps its claim, as a holder's heartbeat does. A single write
+    # can land between the trainer's heartbeat check and its rewrite (files have no compare-and-swap); the
+    # trainer then keeps the lease and a real taker is the one that stops (at its 50 ms re-check or first
+    # beat), so at most one process writes either way. Re-claiming tests the trainer's side of it.
+    stop = threading.Event()
+
+    def claim():
+        while not stop.is_set():
+            write_lease(run / "lease.json", session="b" * 12)
+            stop.wait(0.1)
+
+    t = threading.Thread(target=claim)
     t0 = time.time()
-    out, err = proc.communicate(timeout=60)
+    t.start()
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        stop.set()
+        t.join()
     assert proc.returncode == 2 and "taken over by another process" in err and "other-vm" in err, out + err
     assert time.time() - t0 < 30
     assert json.loads((run / "lease.json").read_text())["session"] == "b" * 12  # the new holder's lease stands

@@ -221,7 +221,8 @@ print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).gr
 
 def test_one_huge_row_group_through_a_url_in_bounded_memory(tmp_path):
     # 66 MB of text in one row group (1 MB pages): read a few MB of rows at a time, never the row group
-    # at once; 1,024 rows of 33 kB per read batch would peak at ~265 MB here.
+    # at once. Measured here: ~200-205 MB peak as it is (168 MB for a tenth of the rows); read batches of
+    # 1,024 rows (33 MB) peak at ~265-283 MB, the whole row group at ~320 MB. The bound sits between.
     row = "abcdefghij klmnopqrst uvwxyz0123\n" * 1000  # 33 kB
     src = tmp_path / "big.parquet"
     pq.write_table(pa.table({"text": [row] * 2000}), src, row_group_size=2000, compression="none",
@@ -232,4 +233,4 @@ def test_one_huge_row_group_through_a_url_in_bounded_memory(tmp_path):
     assert r.returncode == 0, r.stderr
     peak_mb = int(r.stdout.split()[-1])
     assert read_meta(tmp_path / "out").tokens("train") + read_meta(tmp_path / "out").tokens("val") == 2000 * len(row)
-    assert peak_mb < 200, f"peak RSS {peak_mb} MB"
+    assert peak_mb < 240, f"peak RSS {peak_mb} MB"

@@ -117,10 +117,11 @@ def colab_units(seconds: float, gpu_family: str | None, rates: dict[str, float] 
 
 
 def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
-                n_devices: int, tokens_seen: int, tokens_target: int) -> dict:
-    """What train() adds to a metrics row: MFU (None if unknown), ETA, Colab units, the time split (fractions)."""
+                n_devices: int, tokens_seen: int, tokens_target: int, eta_tokens_per_s: float | None = None) -> dict:
+    """What train() adds to a metrics row: MFU (None if unknown), ETA, Colab units, the time split (fractions).
+    eta_tokens_per_s: the rate the ETA assumes, when it differs (validations cost wall time, not MFU)."""
     total = sum(split.values())
-    eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s)
+    eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s if eta_tokens_per_s is None else eta_tokens_per_s)
     m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
     units = colab_units(eta, peak.family)
     return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,

@@ -8,6 +8,7 @@ resumed run writes exactly the rows the uninterrupted run would have written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -175,6 +176,8 @@ class MetricsLog:
         self.t_start = self.t_last = self.t_text = time.time()
         self.tokens_last = state.tokens_seen
         self.tps: float | None = None  # tokens/s of the last log interval (None until measured)
+        self.steady_tokens, self.steady_s = 0, 0.0  # all measured intervals: warm-up and validations left out
+        self.paused_s = 0.0  # ... the validations' time (after warm-up): the ETA counts it, tokens/s and MFU do not
         self.perf: dict = {}
         self.warm = False  # the session's first step (compile, kernel tuning) is behind us
         self.compiled = session.compiled
@@ -218,9 +221,12 @@ class MetricsLog:
         now = time.time()
         if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
             self.tps = (st.tokens_seen - self.tokens_last) / max(1e-9, now - self.t_last)
+            self.steady_tokens += st.tokens_seen - self.tokens_last
+            self.steady_s += now - self.t_last
             self.t_last, self.tokens_last = now, st.tokens_seen
+            wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
             self.perf = perf_fields(timer.split(), self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
-                                    st.tokens_seen, tc.max_steps * self.tokens_per_step)  # MFU, ETA, time split
+                                    st.tokens_seen, tc.max_steps * self.tokens_per_step, wall_rate)  # MFU, ETA, split
         self.train_loss = losses[-1]
         for k, loss in enumerate(losses):
             s_k = st.step - len(losses) + 1 + k
@@ -270,6 +276,22 @@ class MetricsLog:
         self.say(msg + (f" | {status}" if status else ""))
         if self.on_log is not None:
             self.on_log({**row, "samples": samples})
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave a block's time (validation, sampling, plotting) out of tokens/s, MFU and ETA: the throughput
+        clock of the current interval moves forward by it."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            if self.warm:
+                self.t_last += time.time() - t0
+                self.paused_s += time.time() - t0
+
+    def steady_tokens_per_s(self) -> float | None:
+        """Tokens/s of this call while stepping, as the bar counts it (None before any interval was measured)."""
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
 
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""

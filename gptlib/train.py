@@ -47,7 +47,8 @@ class TrainResult:
     val_step: int | None  # ... measured at this step
     best_val_loss: float | None
     elapsed_s: float  # training wall time of this call (start-up and the final wait for Drive excluded)
-    tokens_per_s: float
+    tokens_per_s: float  # over elapsed_s: the first (compile) step, validation and sampling included
+    steady_tokens_per_s: float | None  # while stepping, as the progress bar counts: those left out (None: too short)
     resumed_from: int | None  # step of the checkpoint this call resumed from
     stopped_by: str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
@@ -60,8 +61,9 @@ class TrainResult:
         val = "n/a" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.val_loss is not None and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
+        steady = "" if self.steady_tokens_per_s is None else f"; {self.steady_tokens_per_s:,.0f} tokens/s while stepping"
         return (f"done: step {self.step:,}, val loss {val}, {self.tokens_per_s:,.0f} tokens/s over "
-                f"{self.elapsed_s:.1f} s of training ({self.stopped_by}) -> {self.run_dir}")
+                f"{self.elapsed_s:.1f} s of training{steady} ({self.stopped_by}) -> {self.run_dir}")
 
 
 def _silent(*args, **kwargs) -> None:
@@ -118,11 +120,13 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
             # log the losses: the host sync, once per log_interval
             if metrics.due(state.step, validating):
                 metrics.flush(timer, validating)
-            # validate, sample, plot
-            val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
-            # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
-            checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(), metrics.elapsed()),
-                                    validated=validating, time_due=time_due, stopping=stop_now)
+            with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
+                # validate, sample, plot
+                val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
+                # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
+                checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(),
+                                                                       metrics.elapsed()),
+                                        validated=validating, time_due=time_due, stopping=stop_now)
             metrics.step_done()
             # stop early: out of time, or asked to (under DDP maybe by another rank's signal)
             if (over_time or stop_now) and not is_last:
@@ -144,9 +148,15 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
         train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
         _raise_oom_advice(s)
+    return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
+
+
+def _result(s: Session, metrics: MetricsLog, stopped_by: str, train_s: float, tokens_trained: int) -> TrainResult:
+    state = s.state
     return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
                        val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
-                       elapsed_s=train_s, tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
+                       elapsed_s=train_s, tokens_per_s=tokens_trained / max(train_s, 1e-9),
+                       steady_tokens_per_s=metrics.steady_tokens_per_s(),
                        resumed_from=s.resumed_from, stopped_by=stopped_by, history=metrics.history)
 
 
@@ -178,7 +188,7 @@ def _finished(s: Session, log) -> TrainResult:
     return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen,
                        train_loss=s.history[-1].get("train_loss") if s.history else None, val_loss=val,
                        val_step=state.step if val is not None else None, best_val_loss=state.best_val_loss,
-                       elapsed_s=0.0, tokens_per_s=0.0, resumed_from=s.resumed_from, stopped_by="finished",
+                       elapsed_s=0.0, tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
                        history=s.history)
 
 

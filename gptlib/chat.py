@@ -168,6 +168,23 @@ class ChatTemplate:
                 "eot_id": int(self.eot_id), "newline_ids": [int(i) for i in self.nl_ids]}
 
 
+def first_prompts(ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_len: int) -> list[np.ndarray]:
+    """The prompts of the first answers of the first k conversations in a tokenized chat stream (for the samples
+    shown while fine-tuning): each from its conversation's start (after the previous <|endoftext|>) through the
+    <|assistant|> marker before the answer, its last max_len tokens when longer. ids must reach the k-th span."""
+    out, begins = [], set()
+    for start, _ in spans:
+        start = int(start)  # the answer's first token: the <|assistant|> marker is the one before it
+        if len(out) == k or start > len(ids):
+            break
+        eots = np.flatnonzero(ids[:start] == eot_id)
+        begin = int(eots[-1]) + 1 if len(eots) else 0
+        if begin not in begins:  # a conversation's first answer only
+            begins.add(begin)
+            out.append(ids[max(begin, start - max_len):start])
+    return out
+
+
 def chat_token_ids(tok) -> dict[str, int]:
     """The ids of the 4 chat tokens, which must be special (added) tokens of a BPE tokenizer."""
     ids = {}

@@ -60,7 +60,7 @@ class TrainConfig:
     eval_interval: int = 250  # validate (and sample, and checkpoint) every this many steps
     eval_batches: int = 20  # micro-batches averaged for each validation loss
     log_interval: int = 10  # read the loss back to the host every this many steps (a device sync)
-    sample_prompts: list[str] = field(default_factory=lambda: ["\n"])  # fixed prompts sampled at each validation
+    sample_prompts: list[str] = field(default_factory=lambda: ["\n"])  # fixed prompts sampled at each validation (chat data: the val split's first 2 questions instead; [] = none)
     sample_tokens: int = 200  # new tokens per logged sample
     seed: int = 1337  # seeds model init and the batch sampler; the run is reproducible from it
     device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (becomes the current GPU) | mps; anything else is refused

@@ -153,6 +153,13 @@ def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, Los
             for name, data in splits.items()}
 
 
+def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
+    """The first n token ids of a split (fewer if it is shorter) as int64, from RAM, the GPU or the shards."""
+    n = min(n, len(data))
+    raw = data.tokens[:n] if isinstance(data, SplitData) else data.read(0, n)
+    return _to_ids(raw).cpu().numpy()
+
+
 def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
     return DataFormatError(
         f"the {name} split has {n:,} tokens, fewer than one block of block_size + 1 = "

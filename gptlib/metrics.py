@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -97,24 +97,29 @@ def write_samples_table(run_dir: Path) -> None:
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
 
 
-def log_samples(model, tokenizer, prompts: list[str], n_tokens: int, seed: int, autocast, step: int,
-                run_dir: Path, log: Callable[[str], None]) -> list[dict]:
-    """Continue each fixed prompt with the model (a fixed seed per prompt: samples differ only by the
-    weights); append them to samples.jsonl and redraw samples.md."""
+def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,
+                run_dir: Path, log: Callable[[str], None], stop_ids: Sequence[int] = ()) -> list[dict]:
+    """Continue each fixed prompt (a string, or token ids: a chat prompt) with the model (a fixed seed per
+    prompt: samples differ only by the weights), cut at the first of stop_ids; append them to samples.jsonl
+    and redraw samples.md."""
     rows = []
     gen = torch.Generator(device="cpu")
     was_training = model.training
     model.eval()
     for i, prompt in enumerate(prompts):
         gen.manual_seed(seed + i)
-        try:
-            prompt_ids = tokenizer.encode(prompt)
-        except ValueError as e:
-            log(f"sample prompt {prompt!r} skipped: {e}")
-            continue
+        if isinstance(prompt, str):
+            try:
+                prompt_ids = tokenizer.encode(prompt)
+            except ValueError as e:
+                log(f"sample prompt {prompt!r} skipped: {e}")
+                continue
+        else:
+            prompt_ids, prompt = list(prompt), tokenizer.decode(prompt)
         with autocast:
             out = generate_ids(model, prompt_ids, n_tokens, temperature=0.8, top_k=None, generator=gen)
-        rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out)})
+        cut = next((k for k, t in enumerate(out) if t in stop_ids), len(out))
+        rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out[:cut])})
     model.train(was_training)
     with open(run_dir / SAMPLES_FILE, "a") as f:
         for r in rows:

@@ -25,7 +25,8 @@ from .checkpoint import (DRIVE_READ_STALL_S, CheckpointInfo, clean_orphans, firs
                          load_weights_into, verify_checkpoint)
 from .checkpointer import CheckpointWriter, NullCheckpointWriter, Snapshot
 from .config import ModelConfig, RunConfig
-from .data import LossMask, load_dataset, loss_masks, make_sampler
+from .chat import ChatTemplate, first_prompts
+from .data import LossMask, head_ids, load_dataset, loss_masks, make_sampler
 from .errors import ConfigError, DataFormatError
 from .fsutil import Progress, atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write
 from .lease import NoLease, RunLease
@@ -39,7 +40,7 @@ from .model import GPT
 from .measure import check_cpu_run, run_flops
 from .runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state, dtype_name,
                       resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything, use_compile)
-from .shards import META_FILE, DatasetMeta, read_meta
+from .shards import META_FILE, DatasetMeta, read_meta, read_spans
 from .state import TrainState, TrainTensors
 from .tokenizer import Tokenizer, check_identity, load_tokenizer
 
@@ -145,6 +146,26 @@ def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: dis
     return ddp.wrap(torch.compile(model) if compiled else model, device), compiled
 
 
+CHAT_SAMPLES = 2  # chat data: the val split's first questions sampled at each validation
+
+
+def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: Tokenizer) -> tuple[list, list[int]]:
+    """The fixed prompts sampled at each validation and the ids a sample stops at: the config's strings; on chat
+    data the val split's first CHAT_SAMPLES questions as chat prompts (a plain string asks a chat model nothing),
+    each answer ending at <|end|>."""
+    tc = cfg.train
+    if meta.format != "chat" or not tc.sample_prompts:
+        return list(tc.sample_prompts), []
+    spans = read_spans(meta, "val")
+    if not len(spans):
+        return list(tc.sample_prompts), []
+    reach = int(spans[min(len(spans), 64) - 1][0])  # the first 64 answers: enough to find CHAT_SAMPLES conversations
+    template = ChatTemplate(tokenizer)
+    prompts = first_prompts(head_ids(splits["val"], reach), spans, template.eot_id, CHAT_SAMPLES,
+                            cfg.model.block_size // 2)
+    return [p.tolist() for p in prompts], [template.end_id, template.eot_id]
+
+
 @dataclass
 class Session:
     cfg: RunConfig
@@ -170,6 +191,8 @@ class Session:
     hellaswag: HellaSwagProbe | None = None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
     hellaswag_last: int = 0  # the step it last scored
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
+    sample_prompts: list = field(default_factory=list)  # sampled at validations: strings, or token ids (chat data)
+    sample_stop_ids: list[int] = field(default_factory=list)  # a sample ends at these (chat: <|end|>, <|endoftext|>)
 
     @property
     def autocast(self):
@@ -362,6 +385,7 @@ def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror
                 splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
                 optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
                 skipped=skipped)
+    s.sample_prompts, s.sample_stop_ids = sample_prompts(cfg, meta, splits, tokenizer)
     if resume is not None:
         s.restore(log)
     model.train()  # the loop trains; validation and samples switch to eval and back themselves

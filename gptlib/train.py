@@ -203,9 +203,9 @@ def _validate(s: Session, metrics: MetricsLog, checkpointer: Checkpointer, is_la
     row = metrics.validation_row(val_loss, _hellaswag(s, is_last))
     samples = []
     if s.ddp.is_main:
-        if tc.sample_prompts and tc.sample_tokens:
-            samples = log_samples(s.model, s.tokenizer, tc.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
-                                  state.step, s.run_dir, log)
+        if s.sample_prompts and tc.sample_tokens:
+            samples = log_samples(s.model, s.tokenizer, s.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
+                                  state.step, s.run_dir, log, s.sample_stop_ids)
         plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
     metrics.report_validation(row, samples, checkpointer.status_line())
     return val_loss

@@ -344,3 +344,20 @@ def test_sigkill_of_a_chat_tokenize_then_resume_is_byte_identical(tmp_path, run_
     assert files_of(tmp_path / "out") == files_of(tmp_path / "clean")
     assert read_meta(tmp_path / "out", verify_hashes=True).splits == read_meta(tmp_path / "clean").splits
     assert {n: (tmp_path / "out" / n).stat().st_mtime_ns for n in kept} == kept  # resumed, not redone
+
+
+def test_first_prompts_take_each_conversations_first_question():
+    """The prompts sampled while fine-tuning: from a conversation's start (after <|endoftext|>) through the
+    <|assistant|> before its first answer; a second answer of the same conversation is not a new prompt."""
+    from gptlib.chat import first_prompts
+
+    U, A, E, EOT = 101, 102, 103, 0  # <|user|>, <|assistant|>, <|end|>, <|endoftext|>
+    conv1 = [U, 5, 6, E, A, 7, E, U, 8, E, A, 9, E, EOT]  # two turns: answers at 5 and 11
+    conv2 = [U, 10, 11, 12, E, A, 13, 14, E, EOT]  # answer at 14 + 6 = 20
+    ids = np.array(conv1 + conv2, dtype=np.int64)
+    spans = np.array([[5, 7], [11, 13], [20, 23]])
+    got = first_prompts(ids, spans, EOT, k=2, max_len=100)
+    assert [p.tolist() for p in got] == [[U, 5, 6, E, A], [U, 10, 11, 12, E, A]]
+    assert [p.tolist() for p in first_prompts(ids, spans, EOT, k=2, max_len=3)] == [[6, E, A], [12, E, A]]
+    assert [p.tolist() for p in first_prompts(ids, spans, EOT, k=1, max_len=100)] == [[U, 5, 6, E, A]]
+    assert first_prompts(ids[:15], spans, EOT, k=2, max_len=100)[1:] == []  # ids that stop short: no partial prompt

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import os
 import random
 import signal
@@ -193,8 +194,16 @@ def greedy_answer(ld, template: ChatTemplate, name: str, word: str) -> str:
 def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_path):
     run_dir = tmp_path / "sft"
     base_before = tree_digest(qa["base"])
-    r = finetune(qa, run_dir, steps=300)
+    r = finetune(qa, run_dir, steps=300, sample_tokens=8)
     assert r.val_loss is not None and r.val_loss < 0.15, r.summary()  # near zero: only the answers count
+    # the samples at validation: the val split's first 2 questions as chat prompts, each answer cut at <|end|>
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [300, 300]
+    for s in samples:
+        asked = re.fullmatch(r"<\|user\|>\n(\w+) asks: what is the opposite of (\w+)\?<\|end\|>\n<\|assistant\|>",
+                             s["prompt"])
+        assert asked, s["prompt"]
+        assert s["text"] == s["prompt"] + "\n" + OPPOSITE[asked[2]], s
     assert tree_digest(qa["base"]) == base_before  # the base run is never modified
     ld = load_for_inference(run_dir, log=quiet)
     template = ChatTemplate(ld.tokenizer)

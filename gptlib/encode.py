@@ -17,7 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -46,6 +49,15 @@ def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
         out[i:i + len(p)] = p
         i += len(p)
     return out
+
+
+@dataclass
+class Batch:
+    """The pieces of one encode call, and the reader's counters as they stood right after reading them."""
+
+    pieces: list[Piece]
+    invalid_utf8: int  # inputs.invalid_utf8.count
+    skipped_files: list  # stats["skipped_files"]
 
 
 class Pass:
@@ -98,22 +110,61 @@ class Pass:
         return self.last_doc[1]
 
     def run(self, pieces_iter, bar) -> None:
+        """Batches in input order, each encoded on a worker thread while this thread stores the previous
+        batch's tokens and reads the next batch's text (the library releases the GIL while it encodes, so
+        reading, storing and encoding overlap on all cores). What is stored, and when, is as if one batch
+        were read, encoded and stored at a time: the reader's counters travel with their batch, a read
+        error comes after the batch before it is stored, and a max_tokens stop drops the batch read ahead."""
+        batches = self.batches(pieces_iter)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
+            held = None  # (batch, its ids being encoded)
+            while True:
+                try:
+                    batch = next(batches, None)
+                except BaseException:
+                    if held is not None:
+                        self.run_batch(held[0], held[1].result(), bar)
+                        if self.stopped:  # one batch at a time would have stopped before this read
+                            return
+                    raise
+                ahead = None if batch is None else (batch, pool.submit(self.encode, batch.pieces))
+                if held is not None:
+                    self.run_batch(held[0], held[1].result(), bar)
+                    if self.stopped:
+                        self.reader_state(held[0])  # the batch read ahead never happened
+                        return
+                if ahead is None:
+                    return
+                held = ahead
+
+    def batches(self, pieces_iter) -> Iterator[Batch]:
         pieces: list[Piece] = []
         n_chars = 0
         for piece in pieces_iter:
             pieces.append(piece)
             n_chars += len(piece.text)
             if n_chars >= self.batch_chars:
-                self.run_batch(pieces, bar)
+                yield self.batch(pieces)
                 pieces, n_chars = [], 0
-                if self.stopped:
-                    return
         if pieces:
-            self.run_batch(pieces, bar)
+            yield self.batch(pieces)
 
-    def run_batch(self, pieces: list[Piece], bar) -> None:
+    def batch(self, pieces: list[Piece]) -> Batch:
+        """pieces with the reader's counters as they stand after reading them."""
+        return Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
+
+    def reader_state(self, batch: Batch) -> None:
+        """Set the reader's counters as they were after reading `batch`."""
+        invalid_utf8.count = batch.invalid_utf8
+        self.stats["replaced_invalid_utf8"] = batch.invalid_utf8
+        self.stats["skipped_files"][:] = batch.skipped_files  # the list iter_corpus appends to
+
+    def encode(self, pieces: list[Piece]) -> list:
         texts = [p.text for p in pieces]
-        ids = self.tok.encode_batch_ids(texts) if self.is_bpe else self.tok.encode_batch(texts)
+        return self.tok.encode_batch_ids(texts) if self.is_bpe else self.tok.encode_batch(texts)
+
+    def run_batch(self, batch: Batch, ids: list, bar) -> None:
+        pieces = batch.pieces
         parts: dict[str, list] = {"train": [], "val": []}
         spans: dict[str, list] = {"train": [], "val": []}
         count = {"train": 0, "val": 0}  # tokens of this batch per split so far
@@ -145,7 +196,7 @@ class Pass:
                 if self.max_tokens is not None and total0 + count["train"] + count["val"] >= self.max_tokens:
                     self.stopped = {"file": str(self.sources[p.pos["file"]].path), "document": p.doc}
                     break
-        self.finish_batch(parts, spans, nbytes, last, bar)
+        self.finish_batch(parts, spans, nbytes, last, bar, batch)
 
     def count_malformed(self, p: Piece) -> None:
         st = self.stats
@@ -154,7 +205,7 @@ class Pass:
         if len(examples) < EXAMPLES_KEPT:
             examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc, "reason": p.malformed})
 
-    def finish_batch(self, parts: dict, spans: dict, nbytes: float, last: Piece, bar) -> None:
+    def finish_batch(self, parts: dict, spans: dict, nbytes: float, last: Piece, bar, batch: Batch) -> None:
         for s in ("train", "val"):
             arr = to_array(parts[s], self.dtype)
             self.emitted[s] += int(arr.size)
@@ -164,11 +215,12 @@ class Pass:
                 self.stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
             self.writers[s].write(arr, sp)
         self.stats["bytes"] += nbytes
-        self.stats["replaced_invalid_utf8"] = invalid_utf8.count
+        self.stats["replaced_invalid_utf8"] = batch.invalid_utf8
         self.show(bar, nbytes)
-        # The next batch starts after the last piece of this one.
-        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
-                            "stats": json.loads(json.dumps(self.stats))}
+        # The next batch starts after the last piece of this one, with the reader's counters as they were then.
+        stats = json.loads(json.dumps(self.stats))
+        stats["skipped_files"] = json.loads(json.dumps(batch.skipped_files))
+        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted), "stats": stats}
 
     def show(self, bar, nbytes: float) -> None:
         bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot by a hair

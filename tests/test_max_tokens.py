@@ -107,3 +107,23 @@ def test_cli_max_tokens(tmp_path, src, bpe_file):
     r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--max-tokens", "lots",
                         "--out", str(tmp_path / "e")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "'lots' is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)" in r.stderr
+
+
+def test_a_stop_keeps_nothing_of_the_batch_read_ahead(tmp_path, src, bpe_file, monkeypatch):
+    """The next batch is read while one encodes: a stop must leave out what that read found (here invalid
+    UTF-8), as one batch at a time never read it."""
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    filler = tmp_path / "in" / "b_filler.txt"  # fills the stopping batch, so the next files are read ahead
+    filler.parent.mkdir()
+    filler.write_text("the quick brown fox jumps over the lazy dog\n" * 600)  # 26 K characters
+    bad = tmp_path / "in" / "c_bad.txt"
+    bad.write_bytes(b"caf\xe9 au lait " * 100)
+    whole = prepare([src], tmp_path / "whole", tokenizer_file=bpe_file, shard_tokens=3000, verbose=False)
+    n = whole.tokens("train") + whole.tokens("val") - 2  # stops at src's last document
+    meta = prepare([src, filler, bad], tmp_path / "d", tokenizer_file=bpe_file, max_tokens=n,
+                   shard_tokens=3000, verbose=False)
+    assert meta.raw["stop_reason"] == "max_tokens" and meta.raw["stopped_at"]["file"] == str(src)
+    assert meta.raw["replaced_invalid_utf8"] == 0
+    # without the stop it is read and counted
+    meta = prepare([src, filler, bad], tmp_path / "all", tokenizer_file=bpe_file, shard_tokens=3000, verbose=False)
+    assert meta.raw["replaced_invalid_utf8"] == 100

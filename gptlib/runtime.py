@@ -8,6 +8,7 @@ that trains, loads or measures a model takes these decisions from one place.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 import re
 import time
@@ -159,6 +160,13 @@ def time_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: 
     return out
 
 
+def can_set_attention_priority() -> bool:
+    """sdpa_kernel(..., set_priority=True), which orders the backends, is newer than torch 2.5 (gptlib's floor)."""
+    from torch.nn.attention import sdpa_kernel
+
+    return "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
 def configure_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: int, block: int,
                         head_dim: int, log=print) -> str | None:
     """On Hopper (compute capability 9.x) only: time cuDNN against flash attention once at this shape and put
@@ -168,6 +176,9 @@ def configure_attention(device: torch.device, dtype: torch.dtype, batch: int, he
         return None
     try:
         if torch.cuda.get_device_capability(device)[0] != 9:
+            return None
+        if not can_set_attention_priority():
+            log("attention: this torch cannot put cuDNN first (sdpa_kernel has no set_priority); PyTorch's default")
             return None
         _ATTENTION_CHOICE.close()  # back to the default before measuring (a second run in one notebook)
         key = (str(device), dtype, min(batch, 8), heads, block, head_dim)  # 8 sequences time it well enough

@@ -100,13 +100,20 @@ fsspec.register_implementation("faulty", FaultyFS, clobber=True)
 
 def _hub_error(cls_name: str, url: str, status: int):
     """A real huggingface_hub error (as HfFileSystem raises them), with an HTTP response of `status`."""
+    import huggingface_hub
     import huggingface_hub.errors as errors
 
-    try:
-        import httpx2 as httpx  # what this huggingface_hub uses
-    except ImportError:
-        import httpx
-    resp = httpx.Response(status, request=httpx.Request("GET", url))
+    if int(huggingface_hub.__version__.split(".")[0]) < 1:  # 0.x (beside transformers 4) speaks requests
+        import requests
+
+        resp = requests.Response()
+        resp.status_code, resp.url, resp.request = status, url, requests.Request("GET", url).prepare()
+    else:
+        try:
+            import httpx2 as httpx  # what this huggingface_hub uses
+        except ImportError:
+            import httpx
+        resp = httpx.Response(status, request=httpx.Request("GET", url))
     return getattr(errors, cls_name)(f"{status} Client Error: {cls_name} for url: {url}", response=resp)
 
 

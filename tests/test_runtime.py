@@ -319,6 +319,18 @@ def test_attention_choice_is_the_measured_faster_one():
     assert pick({}) is None
 
 
+def test_a_torch_that_cannot_order_attention_backends_keeps_the_default(monkeypatch):
+    """torch 2.5 (the floor) has no sdpa_kernel(set_priority=...): nothing is measured, the default is kept."""
+    timed, logs = [], []
+    monkeypatch.setattr(rt, "_ATTENTION_TIMES", {})
+    monkeypatch.setattr(rt, "time_attention", lambda *a: timed.append(a) or {"cudnn": 1.0, "flash": 2.0})
+    monkeypatch.setattr(rt, "can_set_attention_priority", lambda: False)
+    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, logs.append) is None and not timed
+    assert logs and "cannot put cuDNN first" in logs[0]
+
+
+@pytest.mark.skipif(not rt.can_set_attention_priority(), reason="this torch cannot order the attention backends")
 def test_attention_is_measured_on_hopper_only(monkeypatch):
     timed = []
     monkeypatch.setattr(rt, "_ATTENTION_TIMES", {})

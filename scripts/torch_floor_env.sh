@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The tests at gptlib's declared torch floor: a venv with the oldest torch pyproject.toml admits
+# (TORCH_FLOOR below, the 2.5 series: torch.OutOfMemoryError arrived in 2.5), gptlib and its test extras
+# installed beside it, then the tests of what the torch version changes. Not run by .ci/run (time): run it
+# when a change touches a torch API, and before raising or lowering the floor.
+#
+#   bash scripts/torch_floor_env.sh                         # the subset below
+#   GPTLIB_FLOOR_TESTS=all bash scripts/torch_floor_env.sh  # every test
+#
+# PyPI has no CPU-only build of torch 2.5.1: its wheel is the CUDA 12.4 build (~2.5 GB with its nvidia-*
+# wheels), which runs on the CPU. The wheels are kept in $GPTLIB_FLOOR_CACHE (default
+# ~/.cache/gptlib-floor), so a second run on the same machine installs without the network.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TORCH_FLOOR=2.5.1  # keep in step with "torch>=2.5" in pyproject.toml
+VENV=.venv-floor  # git-ignored; rebuilt on every run
+WH="${GPTLIB_FLOOR_CACHE:-$HOME/.cache/gptlib-floor}/wheels"
+SUBSET="tests/test_model.py tests/test_train.py tests/test_checkpoint.py tests/test_resume.py tests/test_generate.py
+tests/test_runtime.py tests/test_bench.py tests/test_finetune.py tests/test_export.py tests/test_notebook_02.py"
+TESTS="${GPTLIB_FLOOR_TESTS:-$SUBSET}"
+[ "$TESTS" = all ] && TESTS=tests
+t_start=$SECONDS
+say() { printf '[torch-floor %3ds] %s\n' "$((SECONDS - t_start))" "$*"; }
+
+mkdir -p "$WH"
+rm -rf "$VENV"
+"${PYTHON:-python3}" -m venv "$VENV"
+VPY="$VENV/bin/python"
+if ! "$VPY" -m pip install -q --no-index --find-links "$WH" "torch==$TORCH_FLOOR" 2>/dev/null; then
+    say "downloading torch $TORCH_FLOOR and its wheels into $WH (first run on this machine)"
+    "$VPY" -m pip download -q --only-binary=:all: -d "$WH" "torch==$TORCH_FLOOR"
+    "$VPY" -m pip install -q --no-index --find-links "$WH" "torch==$TORCH_FLOOR"
+fi
+# gptlib as a user on an older torch installs it: the torch there satisfies the range and stays.
+# transformers 5 needs torch >= 2.6 (it disables itself on 2.5), so this env takes the 4.x series, as such a
+# user's would; transformers is a test-only dependency of gptlib (the export/import checks).
+"$VPY" -m pip install -q -e ".[test]" "transformers<5"
+have="$("$VPY" -c 'import torch; print(torch.__version__)')"
+case "$have" in "$TORCH_FLOOR"*) ;; *) echo "FAIL: torch $have in $VENV, expected $TORCH_FLOOR (gptlib's install replaced it)"; exit 1;; esac
+say "$("$VPY" -c 'import sys, torch, numpy, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}, transformers {transformers.__version__}")')"
+say "tests: $(echo $TESTS)"
+# shellcheck disable=SC2086  # TESTS is a list of pytest arguments
+"$VPY" -m pytest -p no:cacheprovider --durations=10 $TESTS && rc=0 || rc=$?
+say "done (pytest exit $rc)"
+exit "$rc"

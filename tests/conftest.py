@@ -37,6 +37,23 @@ def shakespeare_path() -> Path:
     return SHAKESPEARE
 
 
+@pytest.fixture(scope="module")
+def docs(shakespeare_path) -> list[str]:
+    """~1,800 short documents: the speeches of Tiny Shakespeare's first 300,000 characters (a module may
+    define its own `docs`; `bpe_file` is then trained on those)."""
+    from tests.tokenize_kit import speeches
+
+    return speeches(shakespeare_path, 300_000)
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory, docs) -> Path:
+    """A 300-id byte-level BPE trained on `docs` -> its tokenizer.json."""
+    from tests.tokenize_kit import small_bpe
+
+    return small_bpe(docs, tmp_path_factory.mktemp("tok"))
+
+
 @pytest.fixture(scope="session")
 def small_text(tmp_path_factory, shakespeare_path) -> Path:
     """The first 100k characters of Tiny Shakespeare as its own file."""

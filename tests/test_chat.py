@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,19 +21,21 @@ from gptlib.prepare import PrepareError, prepare
 from gptlib.shards import DataFormatError, load_split, read_meta, read_spans
 from gptlib.tokenizer import BPETokenizer, load_tokenizer
 
+from tests.tokenize_kit import SLOW_TOKENIZE, Killed, kill_at_encode_call, sigkill_after_shards, small_bpe, speeches
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def paragraphs(shakespeare_path) -> list[str]:
-    return [d for d in shakespeare_path.read_text()[:250_000].split("\n\n") if d.strip()]
+    return speeches(shakespeare_path, 250_000)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, paragraphs) -> Path:
     """A 'run directory' whose tokenizer.json is a BPE without chat tokens (as a pretraining run has)."""
     d = tmp_path_factory.mktemp("run")
-    BPETokenizer.train(iter(paragraphs), vocab_size=300).save(d)
+    small_bpe(paragraphs, d)
     (d / "config.json").write_text("{}")
     return d
 
@@ -277,24 +276,12 @@ def test_read_meta_checks_the_spans_files(tmp_path, run_dir, paragraphs, small_t
 # ------------------------------------------------------------------------------ kill and resume
 
 
-class Killed(BaseException):
-    pass
-
-
 def test_a_killed_chat_run_resumes_to_the_same_shards_and_spans(tmp_path, run_dir, paragraphs, monkeypatch):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs)])
     monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
     opts = dict(tokenizer_from=run_dir, format="chat", shard_tokens=3000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
-    real = BPETokenizer.encode_batch_ids
-    calls = {"n": 0}
-
-    def encode(self, texts):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise Killed()
-        return real(self, texts)
-    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+    real = kill_at_encode_call(monkeypatch, 4)
     with pytest.raises(Killed):
         prepare([src], tmp_path / "out", **opts)
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real)
@@ -305,40 +292,19 @@ def test_a_killed_chat_run_resumes_to_the_same_shards_and_spans(tmp_path, run_di
     assert any(".spans.bin" in n for n in files_of(tmp_path / "out"))
 
 
-_SLOW_CHILD = """
-import sys, time
-import gptlib.prepare as prep
-prep.BATCH_CHARS = 20_000
-flush = prep.ShardWriter.flush
-def slow_flush(self):
-    flush(self)
-    time.sleep(0.15)
-prep.ShardWriter.flush = slow_flush
-from gptlib.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_sigkill_of_a_chat_tokenize_then_resume_is_byte_identical(tmp_path, run_dir, paragraphs):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs)])
 
     def args(out):
         return ["tokenize", "--input", str(src), "--format", "chat", "--tokenizer-from", str(run_dir),
                 "--shard-tokens", "3000", "--out", str(out), "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, *args(tmp_path / "out")], cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_TOKENIZE, *args(tmp_path / "out")], cwd=REPO)
+    sigkill_after_shards(proc, tmp_path / "out", 4)
     state = tmp_path / "out" / prep.STATE_FILE
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if state.is_file() and len(json.loads(state.read_text())["shards"]["train"]) >= 4:
-            break
-        assert proc.poll() is None, "the child finished before it could be killed"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
     done = json.loads(state.read_text())["shards"]["train"]
     kept = {n: (tmp_path / "out" / n).stat().st_mtime_ns for s in done for n in (s["file"], s["spans"]["file"])}
     for out in (tmp_path / "out", tmp_path / "clean"):  # resume; and an uninterrupted run
-        r = subprocess.run([sys.executable, "-c", _SLOW_CHILD.replace("time.sleep(0.15)", "pass"), *args(out)],
+        r = subprocess.run([sys.executable, "-c", SLOW_TOKENIZE.replace("time.sleep(0.15)", "pass"), *args(out)],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
     assert files_of(tmp_path / "out") == files_of(tmp_path / "clean")

@@ -22,8 +22,8 @@ import gptlib.hub as hub
 import gptlib.remote as remote
 from gptlib.prepare import PrepareError, prepare
 from gptlib.shards import read_meta
-from gptlib.tokenizer import BPETokenizer
 from tests.fakes import add_repo_file, fake_hub_child, install_fake_hub
+from tests.tokenize_kit import speeches
 
 REPO = Path(__file__).resolve().parents[1]
 CARD = """---
@@ -52,13 +52,8 @@ def parquet_bytes(docs: list[str], column: str = "text", row_group_size: int = 5
 
 
 @pytest.fixture(scope="module")
-def docs(shakespeare_path) -> list[str]:
-    return [d for d in shakespeare_path.read_text()[:200_000].split("\n\n") if d.strip()]
-
-
-@pytest.fixture(scope="module")
-def bpe_file(tmp_path_factory, docs) -> Path:
-    return BPETokenizer.train(iter(docs), vocab_size=300).save(tmp_path_factory.mktemp("tok"))
+def docs(shakespeare_path) -> list[str]:  # fewer than conftest's; its bpe_file is trained on these
+    return speeches(shakespeare_path, 200_000)
 
 
 @pytest.fixture()

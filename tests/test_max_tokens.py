@@ -17,17 +17,9 @@ from gptlib.prepare import PrepareError, prepare
 from gptlib.shards import load_split, read_meta
 from gptlib.tokenizer import BPETokenizer, load_tokenizer
 
+from tests.tokenize_kit import Killed, kill_at_encode_call
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def docs(shakespeare_path) -> list[str]:
-    return [d for d in shakespeare_path.read_text()[:300_000].split("\n\n") if d.strip()]
-
-
-@pytest.fixture(scope="module")
-def bpe_file(tmp_path_factory, docs) -> Path:
-    return BPETokenizer.train(iter(docs), vocab_size=300).save(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -69,23 +61,11 @@ def test_a_budget_beyond_the_corpus_reads_it_all(tmp_path, src, docs, bpe_file):
         prepare([src], tmp_path / "e", tokenizer_file=bpe_file, max_tokens=0, verbose=False)
 
 
-class Killed(BaseException):
-    pass
-
-
 def test_a_killed_budgeted_run_resumes_to_the_same_stop(tmp_path, src, bpe_file, monkeypatch):
     monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
     opts = dict(tokenizer_file=bpe_file, max_tokens=100_000, shard_tokens=5000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
-    real = BPETokenizer.encode_batch_ids
-    calls = {"n": 0}
-
-    def encode(self, texts):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise Killed()
-        return real(self, texts)
-    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+    real = kill_at_encode_call(monkeypatch, 5)
     with pytest.raises(Killed):
         prepare([src], tmp_path / "out", **opts)
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real)

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,20 +22,10 @@ from gptlib.prepare import PrepareError, prepare, prepare_text
 from gptlib.shards import DataFormatError, load_split, read_meta
 from gptlib.tokenizer import EOT, BPETokenizer, load_tokenizer
 
+from tests.tokenize_kit import SLOW_PRELUDE, Killed, kill_at_encode_call, sigkill_after_shards
+
 REPO = Path(__file__).resolve().parents[1]
 BPE = dict(tokenizer="bpe", vocab_size=300, verbose=False)  # tiny vocab: trains in a fraction of a second
-
-
-@pytest.fixture(scope="module")
-def docs(shakespeare_path) -> list[str]:
-    """~1,800 short documents (speeches of Tiny Shakespeare)."""
-    return [d for d in shakespeare_path.read_text()[:300_000].split("\n\n") if d.strip()]
-
-
-@pytest.fixture(scope="module")
-def bpe_file(tmp_path_factory, docs) -> Path:
-    d = tmp_path_factory.mktemp("tok")
-    return BPETokenizer.train(iter(docs), vocab_size=300).save(d)
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
@@ -265,10 +252,6 @@ def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe
     assert not any(p.name.startswith("prepare_state") for p in out.iterdir())
 
 
-class Killed(BaseException):
-    """Stands for a kill: not an Exception, so nothing in the pipeline can catch it."""
-
-
 @pytest.mark.parametrize("kill_at", ["after_shard_before_state", "mid_batch"])
 def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, monkeypatch, kill_at):
     src = write_jsonl(tmp_path / "a.jsonl", docs)
@@ -288,12 +271,7 @@ def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, mo
             real_write_json(path, obj)
         monkeypatch.setattr(prep, "atomic_write_json", write_json)
     else:  # killed while encoding a batch, after a few shards
-        def encode(self, texts):
-            calls["n"] += 1
-            if calls["n"] == 12:
-                raise Killed()
-            return real_encode(self, texts)
-        monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+        kill_at_encode_call(monkeypatch, 12)
     with pytest.raises(Killed):
         prepare([src], out, **opts)
     monkeypatch.setattr(prep, "atomic_write_json", real_write_json)
@@ -311,15 +289,7 @@ def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, mo
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
 
 
-_SLOW_CHILD = """
-import sys, time
-import gptlib.prepare as prep
-prep.BATCH_CHARS = 20_000
-flush = prep.ShardWriter.flush
-def slow_flush(self):
-    flush(self)
-    time.sleep(0.15)
-prep.ShardWriter.flush = slow_flush
+_SLOW_CHILD = SLOW_PRELUDE + """
 prep.prepare([sys.argv[1]], sys.argv[2], tokenizer_file=sys.argv[3], shard_tokens=5000, verbose=False)
 """
 
@@ -328,15 +298,7 @@ def test_resume_after_sigkill_of_a_real_process(tmp_path, docs, bpe_file, monkey
     src = write_jsonl(tmp_path / "a.jsonl", docs)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, str(src), str(out), str(bpe_file)], cwd=REPO)
-    state = out / prep.STATE_FILE
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if state.is_file() and len(json.loads(state.read_text())["shards"]["train"]) >= 3:
-            break
-        assert proc.poll() is None, "the child finished before it could be killed"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    sigkill_after_shards(proc, out, 3)
     assert not (out / "meta.json").exists()
     opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
     monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import fsspec
@@ -22,20 +19,10 @@ import gptlib.prepare as prep
 import gptlib.remote as remote
 from gptlib.prepare import PrepareError, prepare
 from gptlib.shards import read_meta
-from gptlib.tokenizer import BPETokenizer
 from tests.fakes import FAULTS
+from tests.tokenize_kit import SLOW_TOKENIZE, sigkill_after_shards
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def docs(shakespeare_path) -> list[str]:
-    return [d for d in shakespeare_path.read_text()[:300_000].split("\n\n") if d.strip()]
-
-
-@pytest.fixture(scope="module")
-def bpe_file(tmp_path_factory, docs) -> Path:
-    return BPETokenizer.train(iter(docs), vocab_size=300).save(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture()
@@ -169,39 +156,17 @@ def test_a_network_that_stays_down_stops_the_run_and_the_same_command_resumes(tm
     assert resumed.splits == clean.splits and shard_bytes(out) == shard_bytes(tmp_path / "clean")
 
 
-_SLOW_URL_CHILD = """
-import sys, time
-import gptlib.prepare as prep
-prep.BATCH_CHARS = 20_000
-flush = prep.ShardWriter.flush
-def slow_flush(self):
-    flush(self)
-    time.sleep(0.15)
-prep.ShardWriter.flush = slow_flush
-from gptlib.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_sigkill_of_a_url_run_then_resume_gives_the_same_shards(tmp_path, docs, bpe_file, monkeypatch):
     src = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": docs}), src, row_group_size=97)
     out = tmp_path / "out"
     args = ["tokenize", "--input", src.as_uri(), "--tokenizer-from", str(bpe_file), "--shard-tokens", "5000",
             "--out", str(out), "--quiet"]
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_URL_CHILD, *args], cwd=REPO)
-    state = out / prep.STATE_FILE
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if state.is_file() and len(json.loads(state.read_text())["shards"]["train"]) >= 3:
-            break
-        assert proc.poll() is None, "the child finished before it could be killed"
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_TOKENIZE, *args], cwd=REPO)
+    sigkill_after_shards(proc, out, 3)
     assert not (out / "meta.json").exists()
     # the same command again (the same small batches: shard cuts depend on where batches end)
-    r = subprocess.run([sys.executable, "-c", _SLOW_URL_CHILD, *args[:-1]], cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", SLOW_TOKENIZE, *args[:-1]], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "resuming the unfinished run" in r.stdout

@@ -1,0 +1,73 @@
+"""What the tokenize tests share (test_prepare, test_chat, test_max_tokens, test_remote, test_hub): a small
+corpus and its BPE, a kill at the n-th encode call, and a child process killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import gptlib.prepare as prep
+from gptlib.tokenizer import BPETokenizer
+
+
+def speeches(shakespeare_path: Path, chars: int) -> list[str]:
+    """The speeches (paragraphs) of Tiny Shakespeare's first `chars` characters: short documents."""
+    return [d for d in shakespeare_path.read_text()[:chars].split("\n\n") if d.strip()]
+
+
+def small_bpe(docs: list[str], directory: Path) -> Path:
+    """A 300-id byte-level BPE trained on docs, saved in directory -> its tokenizer.json."""
+    return BPETokenizer.train(iter(docs), vocab_size=300).save(directory)
+
+
+class Killed(BaseException):
+    """Stands for a kill: not an Exception, so nothing in the pipeline can catch it."""
+
+
+def kill_at_encode_call(monkeypatch, n: int):
+    """BPE encoding raises Killed at its n-th call from now -> the real method, to put back."""
+    real = BPETokenizer.encode_batch_ids
+    calls = {"n": 0}
+
+    def encode(self, texts):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise Killed()
+        return real(self, texts)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
+    return real
+
+
+# A child's prelude: batches of 20,000 characters and 0.15 s after each shard, so that a test can kill it
+# after a few shards. `python -c SLOW_TOKENIZE ARGS...` is `python -m gptlib ARGS...` so slowed.
+SLOW_PRELUDE = """
+import sys, time
+import gptlib.prepare as prep
+prep.BATCH_CHARS = 20_000
+flush = prep.ShardWriter.flush
+def slow_flush(self):
+    flush(self)
+    time.sleep(0.15)
+prep.ShardWriter.flush = slow_flush
+"""
+SLOW_TOKENIZE = SLOW_PRELUDE + """
+from gptlib.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def sigkill_after_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:
+    """SIGKILL proc once the tokenize state in `out` lists n train shards."""
+    state = out / prep.STATE_FILE
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if state.is_file() and len(json.loads(state.read_text())["shards"]["train"]) >= n:
+            break
+        assert proc.poll() is None, "the child finished before it could be killed"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -122,20 +122,25 @@ class Pass:
                 try:
                     batch = next(batches, None)
                 except BaseException:
-                    if held is not None:
-                        self.run_batch(held[0], held[1].result(), bar)
-                        if self.stopped:  # one batch at a time would have stopped before this read
-                            return
+                    if held is not None and self.store(held, bar):
+                        return  # one batch at a time would have stopped before this read
                     raise
                 ahead = None if batch is None else (batch, pool.submit(self.encode, batch.pieces))
-                if held is not None:
-                    self.run_batch(held[0], held[1].result(), bar)
-                    if self.stopped:
-                        self.reader_state(held[0])  # the batch read ahead never happened
-                        return
+                if held is not None and self.store(held, bar):
+                    return
                 if ahead is None:
                     return
                 held = ahead
+
+    def store(self, held: tuple, bar) -> bool:
+        """Store a batch once encoded -> whether max_tokens stopped the pass in it; if so the reader's
+        counters go back to where they stood after this batch (the batch read ahead never happened)."""
+        batch, ids = held
+        self.run_batch(batch, ids.result(), bar)
+        if self.stopped:
+            invalid_utf8.count = batch.invalid_utf8
+            self.stats["skipped_files"][:] = batch.skipped_files  # the list iter_corpus appends to
+        return bool(self.stopped)
 
     def batches(self, pieces_iter) -> Iterator[Batch]:
         pieces: list[Piece] = []
@@ -152,12 +157,6 @@ class Pass:
     def batch(self, pieces: list[Piece]) -> Batch:
         """pieces with the reader's counters as they stand after reading them."""
         return Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
-
-    def reader_state(self, batch: Batch) -> None:
-        """Set the reader's counters as they were after reading `batch`."""
-        invalid_utf8.count = batch.invalid_utf8
-        self.stats["replaced_invalid_utf8"] = batch.invalid_utf8
-        self.stats["skipped_files"][:] = batch.skipped_files  # the list iter_corpus appends to
 
     def encode(self, pieces: list[Piece]) -> list:
         texts = [p.text for p in pieces]

@@ -291,8 +291,9 @@ class MetricsLog:
             yield
         finally:
             if self.warm:
-                self.t_last += time.time() - t0
-                self.paused_s += time.time() - t0
+                spent = time.time() - t0
+                self.t_last += spent
+                self.paused_s += spent
 
     def steady_tokens_per_s(self) -> float | None:
         """Tokens/s of this call while stepping, as the bar counts it (None before any interval was measured)."""

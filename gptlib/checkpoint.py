@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointError, loud
+from .errors import CheckpointError
 from .faults import fault_point
 from .fsutil import (TMP_MARKER, atomic_write, atomic_write_json, call_with_timeout, clean_temp_files, fsync_dir,
                      read_bytes_with_timeout, sha256_file)
@@ -144,11 +144,10 @@ def install(partial: Path, final: Path, truncate: bool = False) -> None:
     fsync_dir(final.parent)
 
 
-def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
-    """Check the manifest and every file's size (and sha256 if deep); raise CheckpointError if bad."""
+def read_manifest(path: Path) -> dict:
+    """A checkpoint's manifest.json, of this format version; CheckpointError if it is not (OSError if it cannot
+    be read: a missing or hung file is not a damaged checkpoint)."""
     mpath = path / MANIFEST_FILE
-    if not mpath.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -156,9 +155,20 @@ def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
     if not isinstance(manifest, dict) or manifest.get("format_version") != CKPT_FORMAT_VERSION:
         got = manifest.get("format_version") if isinstance(manifest, dict) else manifest
         raise CheckpointError(f"{mpath}: format_version {got!r} is not {CKPT_FORMAT_VERSION}")
+    return manifest
+
+
+def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
+    """Check the manifest and every file's size (and sha256 if deep); raise CheckpointError if bad."""
+    mpath = path / MANIFEST_FILE
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
+    manifest = read_manifest(path)
     try:
         files = manifest["files"]
-        step = int(manifest["step"])
+        step = manifest["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step_of(path) not in (None, step):
+            raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
         for required in CHECKPOINT_FILES:
             if required not in files:
                 raise CheckpointError(f"{mpath}: does not list {required}")
@@ -188,13 +198,16 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] | None = None) -> Any:
+def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] | None = None,
+                unreadable: list[tuple[Path, str]] | None = None, listed: dict[Path, list[Path]] | None = None) -> Any:
     """load(p) of the newest checkpoint p across run_dirs for which it succeeds; None if none does.
 
-    Newest step first; at equal steps the earlier-listed dir (local, fast) first. Checkpoints that
-    fail (CheckpointError, OSError) are reported with `log`, appended to `skipped`, and passed over.
-    Listing a mirror (every dir after the first) gives up after DRIVE_LIST_TIMEOUT_S: a hung Drive
-    falls back to local only.
+    Newest step first; at equal steps the earlier-listed dir (local, fast) first. Checkpoints that fail are
+    reported with `log` and passed over: damaged ones (CheckpointError) are appended to `skipped`; those that
+    could not be read (OSError: an I/O error, or no progress in time on a hung Drive) to `unreadable`, as
+    (path, why), and so are locations that could not be listed (listing a mirror, every dir after the first,
+    gives up after DRIVE_LIST_TIMEOUT_S). A caller that must not go on without them (resume) looks there.
+    `listed` receives each location's checkpoints as listed.
     """
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
@@ -205,16 +218,24 @@ def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] 
         try:
             paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
         except OSError as e:
-            loud(f"!! cannot list checkpoints in {d}: {e}; resuming from the other location(s) only")
+            log(f"cannot list the checkpoints in {d}: {e}")
+            if unreadable is not None:
+                unreadable.append((Path(d), str(e)))
             continue
         found += [(step_of(p), i, p) for p in paths]
+        if listed is not None:
+            listed[Path(d)] = paths
     for _, _, p in sorted(found, key=lambda x: (-x[0], x[1])):
         try:
             return load(p)
-        except (CheckpointError, OSError) as e:
+        except CheckpointError as e:
             log(f"skipping checkpoint: {e}")
             if skipped is not None:
                 skipped.append(p)
+        except OSError as e:
+            log(f"skipping checkpoint: {e}")
+            if unreadable is not None:
+                unreadable.append((p, str(e)))
     return None
 
 
@@ -325,26 +346,33 @@ def is_milestone(step: int | None, keep_every: int) -> bool:
 
 
 def marked_milestone(path: Path) -> bool:
-    """Saved as a milestone (state.json says so): kept even if keep_every changed since."""
+    """Saved as a milestone (state.json says so): kept even if keep_every changed since. OSError if state.json
+    cannot be read (a hung Drive): the caller keeps what it cannot read."""
     try:
         return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
-    except (OSError, ValueError, AttributeError):
+    except FileNotFoundError:
+        return False
+    except (ValueError, AttributeError):
         return False
 
 
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
-           truncate: bool = False, keep_every: int = 0, bad: set[Path] = frozenset()) -> list[Path]:
+           truncate: bool = False, keep_every: int = 0, bad: set[Path] = frozenset(),
+           newest: int | None = None) -> list[Path]:
     """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones
     (steps that are multiples of `keep_every`, or saved as milestones); returns what was deleted.
 
     Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
     Checkpoints that do not verify (cheap size check) do not count towards `keep_last`, nor do those in
     `bad` (found unloadable at resume although their sizes match): a damaged newest checkpoint never
-    makes rotation delete a good one. `protect` holds paths still in use (e.g. being copied to Drive).
+    makes rotation delete a good one. `protect` holds paths still in use (e.g. being copied to Drive) or
+    that could not be read at resume. `newest`: the newest step this run has verified here; checkpoints
+    after it are not this run's to judge (a Drive that was slow at resume may hold them) and are left alone.
+    A checkpoint that cannot be read now (an I/O error, not damage) is never deleted either.
     `truncate` empties files before deleting them (Drive: see remove_tree).
     """
     keep_last = max(MIN_KEEP_LAST, keep_last)
-    ckpts = list_checkpoints(run_dir)
+    ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
     keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
     if best_step is not None:
         keep.add(checkpoints_dir(run_dir) / checkpoint_name(best_step))
@@ -358,15 +386,22 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
             verify_checkpoint(p, deep=False)
             keep.add(p)
             n_valid += 1
-        except (CheckpointError, OSError):
+        except CheckpointError:
             pass
+        except OSError:
+            keep.add(p)  # unreadable now, not known to be damaged
     deleted = []
     if n_valid == 0:
         return deleted  # nothing verified: delete nothing
     for p in ckpts:
-        if p not in keep and not marked_milestone(p):  # read only for deletion candidates (Drive is slow)
-            remove_tree(p, truncate)
-            deleted.append(p)
+        if p in keep:
+            continue
+        try:
+            if marked_milestone(p):  # read only for deletion candidates (Drive is slow)
+                continue
+        except OSError:
+            continue
+        remove_tree(p, truncate)
+        deleted.append(p)
     clean_orphans(run_dir, truncate, run_level=False)
     return deleted
-

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint import first_valid, is_milestone, rotate, verify_checkpoint, write_checkpoint
+from .checkpoint import MIN_KEEP_LAST, first_valid, is_milestone, rotate, verify_checkpoint, write_checkpoint
 from .config import TrainConfig
 from .errors import CheckpointError, GptlibError
 from .faults import fault_point
@@ -73,7 +73,8 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print,
                  mirror_dir: str | Path | None = None, snapshot_files: tuple[str, ...] = (), keep_every: int = 0,
-                 guard: Callable[[Path], None] | None = None, bad: set[Path] = frozenset()):
+                 guard: Callable[[Path], None] | None = None, bad: set[Path] = frozenset(),
+                 unreadable: set[Path] = frozenset(), mirror_listed: int | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last  # rotate() keeps at least checkpoint.MIN_KEEP_LAST whatever this says
         self.keep_every = keep_every  # milestones: kept by rotation, and each one copied to the mirror
@@ -82,8 +83,10 @@ class CheckpointWriter:
         self.snapshot_files = snapshot_files  # run-dir logs (layout.LOG_FILES) copied into each checkpoint
         # guard(directory) raises (gptlib.lease.LeaseLost) when this process may no longer write there
         self.guard = guard or (lambda directory: None)
-        self.bad = set(bad)  # checkpoints found unloadable at resume: rotation does not count them as kept
-        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.bad)
+        self.bad = set(bad)  # checkpoints found damaged at resume: rotation does not count them as kept
+        self.unreadable = set(unreadable)  # checkpoints that could not be read at resume: never deleted
+        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.bad,
+                              self.unreadable, mirror_listed)
                        if mirror_dir is not None else NoMirror())
         self.last_saved: Path | None = None
         self._thread: threading.Thread | None = None
@@ -191,8 +194,8 @@ class CheckpointWriter:
             fault_point("after_rename", step)
             self.last_saved = path
             protect = self.mirror.submit(path, best_step, milestone, {k: v for k, v in sizes.items() if v is not None})
-            rotate(self.run_dir, self.keep_last, best_step, protect=protect, keep_every=self.keep_every,
-                   bad=self.bad)
+            rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
+                   keep_every=self.keep_every, bad=self.bad, newest=step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
 
@@ -203,7 +206,8 @@ class CheckpointWriter:
                 raise e
             prev = first_valid(self.run_dir, lambda m: None, lambda p: verify_checkpoint(p, deep=False))
             where = f"; the newest intact checkpoint is step {prev.step:,}" if prev is not None else ""
-            hint = " (disk full: free space or lower --keep-last)" if getattr(e, "errno", None) == errno.ENOSPC else ""
+            fewer = f" or lower --keep-last (now {self.keep_last})" if self.keep_last > MIN_KEEP_LAST else ""
+            hint = f" (disk full: free space{fewer})" if getattr(e, "errno", None) == errno.ENOSPC else ""
             raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
 
     def wait(self) -> None:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -133,12 +134,36 @@ def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         full = "is full" if e.errno == errno.ENOSPC else "holds all your quota allows"
         return RunDirError(f"{head}: {describe_disk(directory)} {full}; free space there (old runs or "
-                           f"checkpoints, a lower --keep-last) or choose a directory on another disk")
+                           f"checkpoints) or choose a directory on another disk")
     if e.errno == errno.EROFS:
         return RunDirError(f"{head}: {describe_disk(directory)} is read-only; choose a writable directory")
     if e.errno in (errno.EACCES, errno.EPERM):
         return RunDirError(f"{head}; choose a directory you may write to")
     return RunDirError(f"{head} (read-only, full or not allowed?); choose a writable directory with free space")
+
+
+def check_dir(path: str | Path, what: str) -> bool:
+    """A directory gptlib will use must be one, or be creatable: a file, a symbolic link loop, a broken link or a
+    path through a file there is one line (RunDirError) naming it, before anything is written. -> whether it
+    exists (False: it will be created)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise RunDirError(f"{what} {path} is a broken symbolic link (to {os.readlink(path)}); remove it or "
+                              f"point it at a directory") from None
+        return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunDirError(f"{what} {path} is a symbolic link loop; remove the link or choose another "
+                              f"directory") from None
+        if e.errno == errno.ENOTDIR:
+            raise RunDirError(f"{what} {path}: a part of its path is a file, not a directory; choose another "
+                              f"directory") from None
+        raise
+    if not stat.S_ISDIR(st.st_mode):
+        raise RunDirError(f"{what} {path} is a file, not a directory; choose another path (or move the file away)")
+    return True
 
 
 class Cancelled(Exception):

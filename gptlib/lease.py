@@ -185,6 +185,10 @@ class RunLease:
         found = call_with_timeout(lambda: _read(path), IO_TIMEOUT_S, what=f"reading {path}")
         if isinstance(found, Holder) and found.session == self.session:
             return
+        if found is None and on_lost is LeaseLost:  # deleted (someone tidying Drive): a taker would have written one
+            loud(f"lease: {path} was deleted while this process holds the run; writing it again")
+            self._write(path)
+            return
         who = found.describe(time.time()) if isinstance(found, Holder) else f"a lease file that is {found}"
         self.lost = f"{path.parent} was taken over by another process ({who})"
         raise on_lost(self.lost + "; this process stopped without writing to it")

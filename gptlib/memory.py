@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .errors import OutOfMemoryAdvice
+from .errors import ConfigError, OutOfMemoryAdvice
 from .runtime import autocast_for
 
 
@@ -47,6 +47,25 @@ def oom_advice(micro_batch: int, grad_accum: int, block_size: int, world_size: i
     return (f"out of GPU memory even at micro-batch 1 x {block_size} tokens: use a smaller model or context "
             f"(a new run dir with --set block_size={max(1, block_size // 2)}), bf16 on a GPU that has it "
             f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory.")
+
+
+def check_fits(cfg, device: torch.device) -> None:
+    """Refuse, before anything is written, a micro-batch whose training memory (estimate_train_bytes) exceeds all
+    the memory of the device it runs on: the GPU's, else the machine's RAM. (auto_batch finds what fits itself;
+    a size near the limit is left to the OOM advice.)"""
+    if cfg.train.auto_batch:
+        return
+    need = estimate_train_bytes(cfg.model, cfg.train.batch_size)
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"the GPU ({device})"
+    else:
+        import psutil
+
+        have, where = psutil.virtual_memory().total, "this machine's RAM"
+    if need > have:
+        raise ConfigError(f"batch_size={cfg.train.batch_size:,} x block_size={cfg.model.block_size:,} needs about "
+                          f"{need / 2**30:,.1f} GiB to train but {where} has {have / 2**30:,.1f} GiB; lower batch_size "
+                          f"(raise grad_accum_steps to keep the tokens per step), or --set auto_batch=true on a GPU")
 
 
 def estimate_train_bytes(model_cfg, micro_batch: int) -> int:

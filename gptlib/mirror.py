@@ -124,9 +124,12 @@ class Mirror:
     """Copies a run's newest verified checkpoint, and every milestone, to `mirror_dir` in one thread."""
 
     def __init__(self, run_dir: Path, mirror_dir: Path, keep_last: int, keep_every: int,
-                 guard: Callable[[Path], None], bad: set[Path] = frozenset()):
+                 guard: Callable[[Path], None], bad: set[Path] = frozenset(), unreadable: set[Path] = frozenset(),
+                 listed_step: int | None = None):
         self.run_dir, self.mirror_dir = Path(run_dir), Path(mirror_dir)
-        self.bad = bad  # checkpoints found unloadable at resume: not counted as kept by rotation
+        self.bad = bad  # checkpoints found damaged at resume: not counted as kept by rotation
+        self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
+        self.listed_step = listed_step  # the newest step listed on the mirror at resume (before any copy)
         self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.last_step: int | None = None  # newest step verified on the mirror
@@ -226,7 +229,7 @@ class Mirror:
                 if attempt == attempts:
                     loud(f"!! DRIVE COPY FAILED for {checkpoint_name(step)} after {attempts} attempts: {self.error}. "
                          f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
-                         f"Drive is step {self.last_step}. The next checkpoint will be tried again.")
+                         f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again.")
                     return "failed"
                 delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
                 loud(f"!! Drive copy of {checkpoint_name(step)} failed (attempt {attempt}/{attempts}): {self.error}; "
@@ -235,6 +238,14 @@ class Mirror:
                     if self._cv.wait_for(lambda: self._pending is not None and step_of(self._pending) > step,
                                          timeout=delay):
                         return "superseded"
+
+    def _newest_on_drive(self) -> str:
+        """ "step N" for messages: the newest this run verified there, else the newest listed there at resume."""
+        if self.last_step is not None:
+            return f"step {self.last_step:,}"
+        if self.listed_step is not None:
+            return f"step {self.listed_step:,} (found there at start)"
+        return "none yet"
 
     def _attempt(self, path: Path) -> None:
         progress = Progress()
@@ -256,8 +267,11 @@ class Mirror:
 
         def tidy():
             rotate(self.mirror_dir, self.keep_last, best_step, truncate=True,  # also cleans checkpoint orphans
-                   keep_every=self.keep_every, bad=self.bad)
+                   keep_every=self.keep_every, bad=self.bad, protect=self.unreadable, newest=self.last_step)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
+            ahead = [p for p in list_checkpoints(self.mirror_dir) if step_of(p) > self.last_step]
+            if ahead:  # the mirror holds newer checkpoints (unreadable at resume): its logs go with them
+                return
             for name in MIRRORED_FILES:
                 copy_run_file(self.run_dir / name, self.mirror_dir, sizes.get(name), Progress())
 
@@ -297,8 +311,8 @@ class Mirror:
         """'drive: step N' when fine; a loud line when the last copy failed."""
         s = self.status()
         if s["mirror_error"]:
-            return f"DRIVE COPY FAILING (newest on Drive: step {s['mirror_step']}): {s['mirror_error']}"
-        return f"drive: step {s['mirror_step']}" + (" (copying)" if s["mirror_copying"] else "")
+            return f"DRIVE COPY FAILING (newest on Drive: {self._newest_on_drive()}): {s['mirror_error']}"
+        return f"drive: {self._newest_on_drive()}" + (" (copying)" if s["mirror_copying"] else "")
 
     def close(self, timeout: float, local_step: int | None) -> None:
         """Wait up to `timeout` for the copies in flight, saying how far they got every MIRROR_WAIT_REPORT_S

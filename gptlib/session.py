@@ -1,8 +1,8 @@
 """Everything train() sets up before its loop, in the order it happens:
 
 1. the data: meta.json checked against the shards, the tokens placed on the GPU, in RAM or left on disk;
-2. the resume point: the newest checkpoint that verifies and loads, on the local disk or the Drive
-   mirror; its model config must match what is asked for, while training settings asked for now win
+2. the resume point (gptlib.resume): the newest checkpoint that verifies and loads, on the local disk or the
+   Drive mirror; its model config must match what is asked for, while training settings asked for now win
    (and are reported);
 3. the model (seeded), the micro-batch that fits (auto_batch), AdamW, the grad scaler, the sampler,
    and the checkpoint's state restored into them; then torch.compile and DDP wrap the model;
@@ -21,103 +21,27 @@ from typing import Any, Callable
 import torch
 
 from . import distributed
-from .checkpoint import (DRIVE_READ_STALL_S, CheckpointInfo, clean_orphans, first_valid, load_checkpoint,
-                         load_weights_into, verify_checkpoint)
+from .checkpoint import clean_orphans, load_weights_into
 from .checkpointer import CheckpointWriter, NullCheckpointWriter, Snapshot
 from .config import ModelConfig, RunConfig
 from .chat import ChatTemplate, first_prompts
 from .data import LossMask, head_ids, load_dataset, loss_masks, make_sampler
-from .errors import ConfigError, DataFormatError
-from .fsutil import Progress, atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write
-from .lease import NoLease, RunLease
+from .errors import ConfigError, DataFormatError, HungIOError
+from .fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
+from .lease import IO_TIMEOUT_S, NoLease, RunLease
 from .hellaswag import HellaSwagProbe
-from .layout import CONFIG_FILE, LOG_FILES, STATE_FILE, TOKENIZER_FILE, TRAIN_STATE_FILE
-from .memory import auto_micro_batch, estimate_train_bytes
+from .layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
+from .memory import auto_micro_batch, check_fits, estimate_train_bytes
 from .loading import load_for_inference
 from .metrics import restore_logs_from_checkpoint, truncate_logs
-from .mirror import mirror_checkpoint
 from .model import GPT
 from .measure import check_cpu_run, run_flops
+from .resume import DRIVE_ADVICE, MODEL_FIELDS_THAT_MUST_MATCH, Passed, Resume, find_resume
 from .runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state, dtype_name,
                       resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything, use_compile)
 from .shards import META_FILE, DatasetMeta, read_meta, read_spans
 from .state import TrainState, TrainTensors
 from .tokenizer import Tokenizer, check_identity, load_tokenizer
-
-# The model's shape: a checkpoint only resumes into the same one. Other fields (dropout, all training
-# settings) may change between sessions; the change is reported.
-MODEL_FIELDS_THAT_MUST_MATCH = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple")
-
-
-def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log) -> RunConfig:
-    """On resume the model must be the same; training fields asked for now win, and are reported."""
-    for name in MODEL_FIELDS_THAT_MUST_MATCH:
-        a, b = getattr(saved.model, name), getattr(asked.model, name)
-        if a != b:
-            raise ConfigError(
-                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
-                f"use a new run directory, or drop the change to resume"
-            )
-    changeable = [(saved.model, asked.model, n) for n in saved.model.__dataclass_fields__
-                  if n not in MODEL_FIELDS_THAT_MUST_MATCH]  # dropout: same weights, different regularisation
-    changeable += [(saved.train, asked.train, n) for n in saved.train.__dataclass_fields__]
-    for old_section, new_section, name in changeable:
-        a, b = getattr(old_section, name), getattr(new_section, name)
-        if a != b:
-            log(f"resume: {name} changed {a!r} -> {b!r}")
-    return asked
-
-
-@dataclass
-class Resume:
-    """The checkpoint a run continues from."""
-
-    info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
-    origin: Path  # where it was found: the local run dir or the Drive mirror
-    model_sd: dict[str, torch.Tensor]
-    tensors: TrainTensors
-    state: TrainState
-    skipped: list[Path]  # newer checkpoints that did not verify or load
-
-
-def _load_resume(path: Path, run_dir: Path) -> Resume:
-    """A checkpoint that verifies (sizes and sha256), loads safely and holds a gptlib training state;
-    CheckpointError (or an OSError) otherwise, and first_valid falls back to the next one.
-
-    One on the mirror is first copied to the local run dir, verified, under a watchdog: a Drive read
-    that makes no progress for DRIVE_READ_STALL_S is abandoned (HungIOError), never waited on forever."""
-    origin = path
-    if not path.is_relative_to(run_dir):
-        progress = Progress()
-        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress), DRIVE_READ_STALL_S, progress,
-                                 what=f"reading {origin}")
-    info = verify_checkpoint(path)
-    model_sd, tensors, state = load_checkpoint(path)
-    return Resume(info, origin, model_sd, TrainTensors.from_dict(tensors, str(path / TRAIN_STATE_FILE)),
-                  TrainState.from_json(state, str(path / STATE_FILE)), [])
-
-
-def find_resume(run_dir: Path, mirror_dir: Path | None, cfg: RunConfig, meta: DatasetMeta,
-                log, shape_from_run: bool = False) -> tuple[RunConfig, Resume | None, list[Path]]:
-    """The newest usable checkpoint, local or on the mirror, the config to go on with, and the newer
-    checkpoints that were skipped as damaged. shape_from_run: the model's shape is the run's own (a run
-    started with --init-from took its base's shape, not the preset's), so re-running the same command resumes."""
-    skipped: list[Path] = []
-    resume = first_valid([run_dir, mirror_dir], log, lambda p: _load_resume(p, run_dir), skipped)
-    if resume is None:
-        return cfg, None, skipped
-    saved_cfg = resume.state.run_config(str(resume.info.path / STATE_FILE))
-    if shape_from_run:
-        for name in MODEL_FIELDS_THAT_MUST_MATCH:
-            if name != "vocab_size":  # the data's, checked below with the data's identity
-                setattr(cfg.model, name, getattr(saved_cfg.model, name))
-    cfg = reconcile_resume_config(saved_cfg, cfg, run_dir, log)
-    for key, now in meta.identity().items():
-        was = resume.state.data.get(key)
-        if was is not None and was != now:
-            raise ConfigError(f"{resume.info.path} was trained on data with {key}={was!r}, but {meta.data_dir} has "
-                              f"{key}={now!r}; resume with the same data or use a new run directory")
-    return cfg, resume, skipped
 
 
 def build_model(cfg: RunConfig, device: torch.device, ddp: distributed.Dist, log) -> tuple[GPT, Any, Any, torch.dtype]:
@@ -187,7 +111,7 @@ class Session:
     state: TrainState
     resume: Resume | None
     lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
-    skipped: list[Path] = field(default_factory=list)  # damaged checkpoints passed over at resume
+    passed: Passed = field(default_factory=Passed)  # checkpoints passed over at resume (damaged, unreadable)
     hellaswag: HellaSwagProbe | None = None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
     hellaswag_last: int = 0  # the step it last scored
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
@@ -244,7 +168,8 @@ class Session:
         tc = self.cfg.train
         writer = CheckpointWriter(self.run_dir, keep_last=tc.keep_last, background=True, log=log,
                                   mirror_dir=self.mirror_dir, snapshot_files=LOG_FILES, keep_every=tc.keep_every,
-                                  guard=self.lease.check, bad=set(self.skipped))
+                                  guard=self.lease.check, bad=set(self.passed.damaged),
+                                  unreadable=set(self.passed.unreadable), mirror_listed=self.passed.mirror_step)
         if self.resume is not None and self.mirror_dir is not None and not self._resumed_from_mirror():
             writer.mirror_existing(self.resume.info.path, self.state.best_step)  # resumed locally: Drive gets it too
         # (resumed from Drive: the checkpoint was copied here, verified, and is already on Drive)
@@ -264,8 +189,11 @@ class Session:
             self.ddp.load_sampler_state(self.sampler, r.tensors, tc.seed, log)  # sampler.load_state_dict alone
             restore_rng(r.tensors.rng, r.state.rng)
             restore_cuda_rng(r.tensors.rng, self.device)
-        for name in ("step", "tokens_seen", "best_val_loss", "best_step", "elapsed_s", "pending_losses", "init_from"):
+        for name in ("step", "tokens_seen", "best_val_loss", "best_step", "elapsed_s", "pending_losses", "init_from",
+                     "data_changes"):
             setattr(self.state, name, getattr(r.state, name))
+        if r.data_change:
+            self.state.data_changes = [*self.state.data_changes, r.data_change]
         where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
         log(f"resumed from step {r.state.step:,} (saved {r.info.saved_at}, {r.state.tokens_seen:,} tokens seen) "
             f"on the {where}: {r.origin}")
@@ -337,27 +265,67 @@ def _load_data(data_dir, cfg: RunConfig, device: torch.device, verbose: bool, lo
 
 def open_session(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
                  mirror_dir: str | Path | None, verbose: bool, log: Callable[[str], None],
-                 take_over: bool = False, init_from: str | None = None) -> Session:
+                 take_over: bool = False, init_from: str | None = None, *, skip_unreadable: bool = False,
+                 allow_data_change: bool = False) -> Session:
     """Set up a training call (see the module docstring). The lease comes first: nothing in run_dir or
-    the mirror changes before this process holds it, and the data and resume point fit the config."""
+    the mirror changes before this process holds it, and the data and resume point fit the config. A call
+    refused during set-up leaves no directory it created behind."""
     run_dir = Path(run_dir)
     mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
     device = ddp.device(resolve_device(cfg.train.device))
     resolve_dtype(cfg.train.dtype, device)  # bf16 asked for on a GPU without it: refused before anything is touched
-    lease = RunLease([run_dir, mirror_dir], take_over, log).acquire() if ddp.is_main else NoLease()
+    created = _check_dirs(run_dir, mirror_dir) if ddp.is_main else []
     try:
-        return _open(data_dir, run_dir, cfg, ddp, mirror_dir, device, lease, verbose, log, init_from)
+        try:
+            lease = RunLease([run_dir, mirror_dir], take_over, log).acquire() if ddp.is_main else NoLease()
+        except HungIOError as e:  # Drive did not answer: its lease may be another process's
+            raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}") from None
+        try:
+            return _open(data_dir, run_dir, cfg, ddp, mirror_dir, device, lease, verbose, log, init_from,
+                         skip_unreadable, allow_data_change)
+        except BaseException:
+            lease.release()
+            raise
     except BaseException:
-        lease.release()
+        for d in created:  # only if still empty (the lease file is gone by now)
+            for empty in (checkpoints_dir(d), d):
+                try:
+                    empty.rmdir()
+                except OSError:
+                    pass
         raise
 
 
+def _check_dirs(run_dir: Path, mirror_dir: Path | None) -> list[Path]:
+    """The run dir, the mirror and their checkpoints/ folders must be directories or creatable: a file or a symlink
+    loop there is one line now, not a traceback at the first save (the mirror looked at with a time limit: Drive).
+    -> those that do not exist yet."""
+    new = []
+    for d, what in ((run_dir, "run directory"), (mirror_dir, "mirror directory")):
+        if d is None:
+            continue
+        def look(d=d, what=what) -> bool:
+            if not check_dir(d, what):
+                return False
+            check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
+            return True
+
+        try:
+            if not call_with_timeout(look, IO_TIMEOUT_S, what=f"looking at {d}"):
+                new.append(d)
+        except HungIOError as e:
+            raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}") from None
+    return new
+
+
 def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
-          device: torch.device, lease, verbose: bool, log, init_from: str | None) -> Session:
+          device: torch.device, lease, verbose: bool, log, init_from: str | None, skip_unreadable: bool,
+          allow_data_change: bool) -> Session:
     # the data, and the vocabulary it implies
     meta, splits, tokenizer = _load_data(data_dir, cfg, device, verbose, log)
     # resume: the newest checkpoint that verifies and loads decides the model config; else a base may (init-from)
-    cfg, resume, skipped = find_resume(run_dir, mirror_dir, cfg, meta, log, shape_from_run=bool(init_from))
+    cfg, resume, passed = find_resume(run_dir, mirror_dir, cfg, meta, log, shape_from_run=bool(init_from),
+                                      skip_unreadable=skip_unreadable, allow_data_change=allow_data_change)
     base = None
     if resume is None and init_from:
         base = load_base(init_from, meta, log)
@@ -368,6 +336,7 @@ def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror
         log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
     cfg.validate()
     check_cpu_run(cfg, device, cfg.train.device, resume.state.step if resume else 0, log)  # a GPU preset on a CPU
+    check_fits(cfg, device)  # a micro-batch larger than the device's memory: refused before anything is written
     # the model and what trains it; the checkpoint's state restored before compile/DDP wrap the model
     model, optimizer, scaler, dtype = build_model(cfg, device, ddp, log)
     if base is not None:
@@ -384,7 +353,7 @@ def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror
     s = Session(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
                 splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
                 optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
-                skipped=skipped)
+                passed=passed)
     s.sample_prompts, s.sample_stop_ids = sample_prompts(cfg, meta, splits, tokenizer)
     if resume is not None:
         s.restore(log)

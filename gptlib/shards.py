@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .errors import DataFormatError
-from .fsutil import TMP_MARKER, atomic_write_json, fsync_dir, sha256_file
+from .fsutil import atomic_write, atomic_write_json, sha256_file
 from .layout import TOKENIZER_FILE
 
 FORMAT_VERSION = 1
@@ -75,12 +74,8 @@ def merge_spans(spans: np.ndarray) -> np.ndarray:
 
 
 def _write_atomic(path: Path, data: np.ndarray) -> None:
-    tmp = path.with_name(path.name + TMP_MARKER + str(os.getpid()))
-    with open(tmp, "wb") as f:
-        data.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # the final name only ever holds a complete file
+    """The final name only ever holds a complete file; an interrupted write (Ctrl-C) leaves no temp file."""
+    atomic_write(path, data.tofile)
 
 
 class ShardWriter:
@@ -155,8 +150,7 @@ class ShardWriter:
             _write_atomic(self.out_dir / sname, sp)
             record["spans"] = {"file": sname, "count": int(len(sp)), "sha256": hashlib.sha256(sp).hexdigest()}
             self.spans = []
-        _write_atomic(self.out_dir / name, data)
-        fsync_dir(self.out_dir)
+        _write_atomic(self.out_dir / name, data)  # the rename made durable too (fsutil.atomic_write)
         self.shards.append(record)
         self.filled = 0
 
@@ -188,9 +182,14 @@ class DatasetMeta:
         return str(self.raw.get("format", "text"))
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint records about its data, to refuse resuming on different data."""
+        """What a checkpoint records about its data, to refuse resuming on different data: the tokenizer, and the
+        tokens themselves (each split's count and a fingerprint of its shards' sha256, so other text or another
+        split under the same tokenizer is seen; the directory's path is not part of it, a moved copy resumes)."""
+        shards = {split: [s.get("sha256") for s in rec.get("shards", [])] for split, rec in sorted(self.splits.items())}
+        fingerprint = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16]
         return {"tokenizer_kind": self.tokenizer.get("kind"), "tokenizer_hash": self.tokenizer.get("hash"),
-                "vocab_size": self.vocab_size, "dtype": self.dtype.name}
+                "vocab_size": self.vocab_size, "dtype": self.dtype.name, "train_tokens": self.tokens("train"),
+                "val_tokens": self.tokens("val"), "tokens_sha256": fingerprint}
 
 
 def write_meta(out_dir: str | Path, *, vocab_size: int, tokenizer: dict[str, Any],

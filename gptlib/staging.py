@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 from .colab import drive_mountpoint, local_root as colab_local_root
 from .errors import loud
-from .fsutil import TMP_MARKER, Progress, atomic_write_json, call_with_timeout, fsync_dir, read_bytes_with_timeout
+from .fsutil import TMP_MARKER, Progress, atomic_write_json, call_with_timeout, check_dir, fsync_dir, read_bytes_with_timeout
 from .layout import TOKENIZER_FILE
 from .shards import META_FILE, read_meta
 
@@ -65,6 +65,7 @@ def on_drive(path: str | Path) -> bool:
 def stage_for_training(data_dir: str | Path, enabled: bool | None = None, log: Callable[[str], None] = print) -> Path:
     """What train() reads: the verified local copy of a data dir on the Drive mount, or data_dir itself (not on
     Drive, staging off, or the copy failed). enabled None: on unless $GPTLIB_STAGE_DATA is 0/off/false/no."""
+    check_dir(data_dir, "data directory")  # a file or a symlink loop: one line, before anything else
     if enabled is None:
         enabled = os.environ.get("GPTLIB_STAGE_DATA", "1").strip().lower() not in ("0", "off", "false", "no")
     if not enabled or not on_drive(data_dir):

@@ -32,6 +32,7 @@ class TrainState:
     tokenizer: dict[str, Any] = field(default_factory=dict)  # tokenizer identity {kind, hash, vocab_size, file}
     rng: dict[str, Any] = field(default_factory=dict)  # Python and numpy RNG states (torch's are in TrainTensors)
     init_from: dict[str, Any] = field(default_factory=dict)  # the weights the run started from (--init-from, import-hf)
+    data_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes on other data (--allow-data-change)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -42,9 +43,11 @@ class TrainState:
                 setattr(self, f.name, d[f.name])
 
     @classmethod
-    def from_json(cls, d: Any, source: str) -> "TrainState":
+    def from_json(cls, d: Any, source: str, step: int | None = None) -> "TrainState":
         """A state.json's contents, checked: the fields resuming and loading rely on must be there, with
-        the right types. Unknown fields are ignored (a newer gptlib may add some)."""
+        the right types, and its step must be the checkpoint's (`step`: its manifest's and directory name's),
+        so a hand-edited or mixed-up state.json is a damaged checkpoint, never a negative or huge step.
+        Unknown fields are ignored (a newer gptlib may add some)."""
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: holds a JSON {type(d).__name__}, not an object")
         for name, types in (("step", int), ("tokens_seen", int), ("config", dict)):
@@ -53,6 +56,12 @@ class TrainState:
                                       f"damaged); resume from another checkpoint or start a new run directory")
             if not isinstance(d[name], types) or isinstance(d[name], bool):
                 raise CheckpointError(f"{source}: field {name!r} is {d[name]!r}, expected {types.__name__}")
+        if d["step"] < 0 or d["tokens_seen"] < 0:
+            raise CheckpointError(f"{source}: step {d['step']} / tokens_seen {d['tokens_seen']} cannot be negative "
+                                  f"(damaged or hand-edited); resume from another checkpoint")
+        if step is not None and d["step"] != step:
+            raise CheckpointError(f"{source}: step {d['step']:,} but its checkpoint is step {step:,} (manifest and "
+                                  f"directory name); damaged or mixed up, so it is passed over")
         for name in ("data", "tokenizer", "rng"):
             if name in d and not isinstance(d[name], dict):
                 raise CheckpointError(f"{source}: field {name!r} is {d[name]!r}, expected an object")

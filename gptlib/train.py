@@ -75,18 +75,19 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
           seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
           log: Callable[[str], None] = print, on_log: Callable[[dict], None] | None = None,
           mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
-          stage_data: bool | None = None) -> TrainResult:
+          stage_data: bool | None = None, skip_unreadable: bool = False, allow_data_change: bool = False) -> TrainResult:
     """Train (or resume) a GPT on a data directory into run_dir. compile: auto|on|off (None: the preset's); on_log(row)
     after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of
-    another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer and
-    schedule); stage_data: Drive data is read from a verified local copy (gptlib.staging; None: $GPTLIB_STAGE_DATA)."""
+    another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule);
+    stage_data: read Drive data from a local copy (gptlib.staging); skip_unreadable, allow_data_change: gptlib.resume."""
     cfg = build_config(preset, overrides, max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device,
                        compile=compile)
     ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, _silent, None
     s = open_session(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
-                     log=log, take_over=take_over, init_from=init_from)
+                     log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
+                     allow_data_change=allow_data_change)
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     tc, state = s.cfg.train, s.state
     if state.step >= tc.max_steps:

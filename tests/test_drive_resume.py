@@ -1,0 +1,161 @@
+"""A Drive that is slow at resume never costs the run (issue 18, part 1).
+
+On a fresh Colab VM the local disk is empty and the Drive mirror is the only copy. Its checkpoints at steps 70
+and 80 block on read here (their model.pt is a FIFO: open() waits in the kernel, as on a stalled Drive mount).
+Before the fix, both were skipped after the read limit, training started again from step 0 without a word,
+and once Drive answered, rotation deleted the valid step 70 and 80 checkpoints and the mirror's metrics went
+from 80 rows to 30. Now resume tries again for a bounded time, then stops with what to do; --skip-unreadable
+goes on knowingly; and rotation never deletes what is newer than the run's own checkpoints or unreadable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from gptlib import resume as gresume
+from gptlib.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from gptlib.metrics import read_metrics
+from gptlib.train import train
+from tests.conftest import TINY
+from tests.test_resume import one_thread  # noqa: F401 (fixture)
+
+SETTINGS = TINY + ["keep_last=2"]  # a checkpoint at every validation (every 10 steps)
+
+
+def quiet(_msg):
+    pass
+
+
+def steps(run_dir):
+    return [int(p.name.split("_")[1]) for p in list_checkpoints(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def drive_at_80(char_data, tmp_path_factory):
+    """A mirror made by a run trained to step 80 (checkpoints 70 and 80 there, metrics 80 rows)."""
+    root = tmp_path_factory.mktemp("drive80")
+    train(char_data, root / "vm1", "phase1", SETTINGS, max_steps=80, progress=False, log=quiet,
+          mirror_dir=root / "drive")
+    assert steps(root / "drive") == [80, 70] and len(read_metrics(root / "drive")) == 80
+    return root / "drive"
+
+
+class StalledDrive:
+    """Each named checkpoint's model.pt on the mirror swapped for a FIFO; `recover()` puts the real files back.
+    The readers a timed-out attempt abandoned stay blocked on the FIFOs until `release()` (hard links keep
+    the FIFOs reachable after recover() replaced them)."""
+
+    def __init__(self, mirror, stalled_steps, tmp_path):
+        self.real, self.fifos = {}, []
+        for step in stalled_steps:
+            f = mirror / "checkpoints" / f"step_{step:07d}" / "model.pt"
+            keep = tmp_path / f"model_{step}.pt"
+            shutil.move(f, keep)
+            os.mkfifo(f)
+            os.link(f, tmp_path / f"fifo_{step}")
+            self.real[f], self.fifos = keep, self.fifos + [tmp_path / f"fifo_{step}"]
+
+    def recover(self):
+        for f, keep in self.real.items():
+            shutil.copy(keep, f.with_name("model.pt.back"))
+            os.replace(f.with_name("model.pt.back"), f)
+
+    def release(self):
+        for fifo in self.fifos:
+            while True:  # one writer open per blocked reader: each then reads end-of-file and gives up
+                try:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:  # ENXIO: no reader is waiting any more
+                    break
+                time.sleep(0.05)
+
+
+@pytest.fixture()
+def drive(drive_at_80, tmp_path, monkeypatch):
+    """A copy of the step-80 mirror whose steps 70 and 80 hang on read; short limits: a read is abandoned after
+    0.5 s without progress, and resume looks again every 1 s for up to 4 s."""
+    mirror = tmp_path / "drive"
+    shutil.copytree(drive_at_80, mirror)
+    monkeypatch.setattr(gresume, "DRIVE_READ_STALL_S", 0.5)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_RETRY_S", 1.0)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 4.0)
+    stalled = StalledDrive(mirror, [70, 80], tmp_path)
+    yield mirror, stalled
+    stalled.release()
+
+
+def test_a_drive_that_stays_unreadable_stops_training_and_changes_nothing(char_data, tmp_path, drive, capsys):
+    mirror, _ = drive
+    before = {p.relative_to(mirror): p.stat().st_mtime_ns for p in mirror.rglob("*")}
+    run = tmp_path / "vm2"
+    t0 = time.time()
+    with pytest.raises(CheckpointError) as e:
+        train(char_data, run, "phase1", SETTINGS, max_steps=100, progress=False, log=quiet, mirror_dir=mirror)
+    msg = str(e.value)
+    assert "step_0000080" in msg and "step_0000070" in msg and "could not read" in msg
+    assert "training did not start and nothing was changed" in msg and "--skip-unreadable" in msg
+    assert "force_remount=True" in msg and "\n" not in msg
+    assert 4 <= time.time() - t0 < 60  # retried for the documented time, then stopped
+    err = capsys.readouterr().err
+    assert err.count("trying again in") >= 2  # it said what it found and that it waits
+    after = {p.relative_to(mirror): p.stat().st_mtime_ns for p in mirror.rglob("*")}
+    assert after == before  # the mirror is untouched (its lease is released and removed)
+    assert not run.exists() or not list_checkpoints(run)
+
+
+def test_a_drive_that_recovers_within_the_retry_time_resumes_from_step_80(char_data, tmp_path, drive,
+                                                                         monkeypatch, capsys):
+    mirror, stalled = drive
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 30.0)
+    threading.Timer(1.5, stalled.recover).start()  # Drive answers again during the retries
+    logs = []
+    r = train(char_data, tmp_path / "vm2", "phase1", SETTINGS, max_steps=90, progress=False, log=logs.append,
+              mirror_dir=mirror)
+    assert r.resumed_from == 80 and r.step == 90, logs
+    assert "trying again in" in capsys.readouterr().err
+    assert [row["step"] for row in read_metrics(tmp_path / "vm2")] == list(range(1, 91))
+    assert steps(mirror) == [90, 80]
+
+
+def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char_data, tmp_path, drive, capsys):
+    """The issue's loss, step by step: go on without the stalled checkpoints (asked for), Drive answers again
+    mid-run, the new run copies steps 10-30 there. Steps 70 and 80 and the mirror's 80 metrics rows survive,
+    and the next resume takes step 80."""
+    mirror, stalled = drive
+    run = tmp_path / "vm2"
+
+    def drive_back_at_first_validation(row):
+        stalled.recover()
+
+    r = train(char_data, run, "phase1", SETTINGS, max_steps=30, progress=False, log=quiet, mirror_dir=mirror,
+              skip_unreadable=True, on_log=drive_back_at_first_validation)
+    assert r.resumed_from is None and r.step == 30
+    err = capsys.readouterr().err
+    assert "--skip-unreadable: training goes on from step 0 (from scratch)" in err and "step_0000080" in err
+    assert steps(mirror) == [80, 70, 30, 20]  # nothing newer than the run's own was deleted
+    for step in (70, 80):
+        verify_checkpoint(mirror / "checkpoints" / f"step_{step:07d}")
+    assert len(read_metrics(mirror)) == 80  # the mirror's logs stay with its newest checkpoint
+    r = train(char_data, tmp_path / "vm3", "phase1", SETTINGS, max_steps=85, progress=False, log=quiet,
+              mirror_dir=mirror)
+    assert r.resumed_from == 80
+
+
+def test_rotation_keeps_what_it_cannot_read(tmp_path):
+    """A checkpoint whose files cannot be read now (an I/O error, not damage) is never deleted by rotation."""
+    from gptlib.checkpoint import rotate, write_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        write_checkpoint(root, step, {}, {}, {"step": step})
+    blocked = root / "step_0000001" / "state.json"
+    blocked.unlink()
+    blocked.mkdir()  # reading it raises IsADirectoryError, an OSError: unreadable, not known to be damaged
+    deleted = rotate(tmp_path, keep_last=2, best_step=None)
+    assert [p.name for p in deleted] == ["step_0000002"]
+    assert steps(tmp_path) == [4, 3, 1]

@@ -110,9 +110,14 @@ class ChatSession:
         self.history.append(("assistant", answer))
         return answer
 
+    @property
+    def reply_cap(self) -> int:
+        """The most tokens a reply may have: half the context (rule 1)."""
+        return max(1, self.block_size // 2)
+
     def reply_budget(self, max_new_tokens: int) -> int:
         """max_new_tokens, capped at half the context (rule 1)."""
-        cap = max(1, self.block_size // 2)
+        cap = self.reply_cap
         if max_new_tokens > cap:
             if not self._capped_said:
                 self.log(f"max_new_tokens={max_new_tokens} would leave too little of the {self.block_size}-token "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -90,8 +91,9 @@ def write_samples_table(run_dir: Path) -> None:
     def esc(t: str) -> str:
         return t.replace("|", "\\|").replace("\n", "<br>")
 
+    # Every column left-aligned, explicitly: without it the classic notebook right-aligns the text.
     lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |",
-             "|---:|" + "---|" * len(prompts)]
+             "|:---|" + ":---|" * len(prompts)]
     for st in steps:
         lines.append(f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |")
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
@@ -128,17 +130,47 @@ def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int,
     return rows
 
 
+# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up.
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
-def is_notebook_bar(bar) -> bool:
-    """A widget bar (tqdm.auto's pick in a notebook, whose class lives in module tqdm.auto): a front end that
-    cannot draw widgets (JupyterLab 4 with ipywidgets 7) shows nothing of it, so plain lines are printed too."""
-    if bar is None:
-        return False
+
+def bar_postfix(train_loss: float, tokens_per_s: float | None, perf: dict) -> str:
+    """The bar's postfix: loss, tokens/s, MFU and ETA, short enough (under 50 characters) to leave the bar a fair
+    share of a 100-column line or a 1,000-px notebook. The details (lr, the time split) are in the periodic
+    progress line and metrics.jsonl."""
+    parts = [f"loss {train_loss:.4f}"]
+    if tokens_per_s is not None:
+        parts.append(f"{fmt_tokens(tokens_per_s)} tok/s")
+    short = postfix_fields(perf)
+    if "mfu" in short:
+        parts.append(f"MFU {short['mfu']}")
+    if "eta" in short:
+        parts.append(f"ETA {short['eta']}")
+    return ", ".join(parts)
+
+
+def plain_progress(stream) -> bool:
+    """Plain progress lines instead of a bar: the bar's stream (stderr) is a file or a pipe, not a terminal, and
+    tqdm.auto would not draw a notebook widget. There a bar's carriage-return redraws make one endless line."""
+    from tqdm.auto import tqdm
+
+    isatty = getattr(stream, "isatty", None)
+    return not is_notebook_bar_class(tqdm) and not (isatty is not None and isatty())
+
+
+def is_notebook_bar_class(cls) -> bool:
+    """Whether tqdm.auto's pick (a class) is the notebook widget bar."""
     try:
         from tqdm.notebook import tqdm as notebook_tqdm
     except ImportError:
         return False
-    return isinstance(bar, notebook_tqdm)
+    return issubclass(cls, notebook_tqdm)
+
+
+def is_notebook_bar(bar) -> bool:
+    """A widget bar (tqdm.auto's pick in a notebook, whose class lives in module tqdm.auto): a front end that
+    cannot draw widgets (JupyterLab 4 with ipywidgets 7) shows nothing of it, so plain lines are printed too."""
+    return bar is not None and is_notebook_bar_class(type(bar))
 
 class MetricsLog:
     """metrics.jsonl, the progress bar and the on_log callback of one training call.
@@ -148,9 +180,10 @@ class MetricsLog:
     other than 0 the file is os.devnull and there is no bar, but `flush` still averages over ranks.
 
     Throughput (tokens/s, MFU, ETA) leaves out the session's first step: it compiles the model (a minute
-    or two on a GPU), tunes kernels and grows the allocator. The loop says so while it happens. In a
-    notebook the bar is a widget; a plain progress line is also printed every TEXT_EVERY_S, for front
-    ends that cannot draw widgets.
+    or two on a GPU), tunes kernels and grows the allocator. The loop says so while it happens. The bar
+    shows loss, tokens/s, MFU and ETA; a progress line with the details too (lr, the time split) is printed
+    every TEXT_EVERY_S: in a notebook for front ends that cannot draw widgets, in a terminal above the bar. Where
+    the bar's stream is a file or a pipe (`train ... > log.txt 2>&1`) there is no bar, only those lines.
     """
 
     TEXT_EVERY_S = 60.0
@@ -169,13 +202,12 @@ class MetricsLog:
         self.held: float | None = None  # this step's loss between flush() and validation_row()
         self.file = open(run_dir / METRICS_FILE if ddp.is_main else os.devnull, "a")
         self.bar = None
-        if progress:
+        self.lines_only = progress and plain_progress(sys.stderr)  # progress lines, no bar (a file, a pipe)
+        if progress and not self.lines_only:
             from tqdm.auto import tqdm
 
-            # no "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up
             self.bar = tqdm(total=self.tc.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-        self.notebook_bar = is_notebook_bar(self.bar)
+                            bar_format=BAR_FORMAT)
         self.timer = timer
         self.elapsed_before = state.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
@@ -252,16 +284,17 @@ class MetricsLog:
         return {**speed, "elapsed_s": round(self._elapsed(now), 3), **self.perf}
 
     def _show_progress(self, now: float) -> None:
-        if self.bar is None:
+        if self.bar is None and not self.lines_only:
             return
-        fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(self.state.step):.2e}"}
-        if self.tps is not None:
-            fields["tok_s"] = f"{self.tps:,.0f}"
-        fields.update(postfix_fields(self.perf))
-        self.bar.set_postfix(**fields)
-        if self.notebook_bar and now - self.t_text >= self.TEXT_EVERY_S:  # for front ends without widgets
+        if self.bar is not None:
+            self.bar.set_postfix_str(bar_postfix(self.train_loss, self.tps, self.perf))
+        if now - self.t_text >= self.TEXT_EVERY_S:  # the details; the only progress where there is no bar
             self.t_text = now
-            self.bar.write(f"step {self.state.step:,}/{self.tc.max_steps:,}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
+            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(self.state.step):.2e}"}
+            if self.tps is not None:
+                fields["tok/s"] = f"{self.tps:,.0f}"
+            self.say(f"step {self.state.step:,}/{self.tc.max_steps:,}: "
+                     + ", ".join(f"{k} {v}" for k, v in {**fields, **postfix_fields(self.perf)}.items()))
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """Write this step's validation row (after `flush`, which skipped it); `extra`: e.g. HellaSwag fields."""

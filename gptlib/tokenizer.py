@@ -103,8 +103,8 @@ class CharTokenizer(Tokenizer):
                 ch = text[i]
                 raise TokenizerError(
                     f"character {ch!r} (U+{ord(ch):04X}) at position {i} is not in the char vocabulary "
-                    f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total. "
-                    f"Rebuild the tokenizer on text that includes it, or use unknown='map'"
+                    f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
+                    f"remove or replace it, or build the tokenizer from text that has it"
                 )
             ids[bad] = self.unk_id
         return ids

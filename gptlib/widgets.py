@@ -3,20 +3,26 @@
     pg = Playground(run_dir)      # builds the widgets; nothing is loaded until Generate is pressed
     display(pg.widget)
     pg.generate()                 # what the Generate button does (usable headless, e.g. in tests)
+    pg.request_stop()             # what the Stop button does: the generation ends at its next token
 
     box = ChatBox(chat_run_dir)   # a chat-tuned run; loaded at the first message
-    display(box.widget)
-    box.send("Hi!")               # what the Send button does (headless too); box.reset() is the Reset button
+    box.send("Hi!")               # what Send (or Enter) does (headless too); box.reset() is the Reset button
+    display(box)                  # the widget; where widgets cannot be drawn, the conversation as text
 
     display(HTML(comparison_html(compare_checkpoints(run_dir, prompts, "all", cfg))))
+
+Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used.
 """
 
 from __future__ import annotations
 
 import html
 import sys
+import threading
 import time
+import warnings
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .compare import Comparison
@@ -50,16 +56,36 @@ def parse_list(text: str, sep: str = "|") -> list[str]:
 
 
 
+def _in_kernel() -> bool:
+    """Whether a Jupyter kernel runs us: a front end can then click a button while we work."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+class _Stopped(Exception):
+    """Raised by the Playground's stream callback after Stop was pressed: ends the generation at that token."""
+
+
 def playground_error(e: Exception) -> str:
-    """The status line for a failed Generate. The tokenizer's advice for an unknown character (unknown='map')
-    is for code; here the fix is the prompt."""
+    """The status line for a failed Generate. A char model cannot take a character its training text lacked (its
+    vocabulary has no row for it, so no option can map it): here the fix is the prompt."""
     msg = f"{type(e).__name__}: {e}"
     if "is not in the char vocabulary" in msg:
         msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the prompt"
     return msg
 
 class Playground:
-    """Prompt box, sampling sliders, checkpoint dropdown, Generate button and streamed output."""
+    """Prompt box, sampling sliders, checkpoint dropdown, Generate and Stop buttons and streamed output.
+
+    Stop sets a flag that the stream callback checks after each token. In a kernel, a widget callback runs on the
+    kernel's main thread and holds back every other message (the Stop click too) until it returns, so there the
+    Generate button hands the work to a thread of the Playground's own (as ipywidgets' documentation updates widgets
+    in the background) and returns at once; a kernel interrupt cannot reach that thread: Stop is the way.
+    `generate()` called from code runs where it is called, and an interrupt there ends it too.
+    """
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:", max_loaded: int = 2,
                  compile: bool = False):
@@ -93,16 +119,23 @@ class Playground:
         # never squeezed by a long status message beside it (it read "Gene…")
         self.button = W.Button(description="Generate", button_style="primary", icon="play",
                                layout=W.Layout(min_width="120px", flex="0 0 auto"))
+        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, tooltip="end it at the next token",
+                                    layout=W.Layout(min_width="90px", flex="0 0 auto"))
         self.status = W.HTML(value="")
         self.output = W.HTML(value="")
-        self.button.on_click(lambda _: self.generate())
+        self._stop = threading.Event()  # set by Stop, read by the stream callback (another thread in a kernel)
+        self._busy = threading.Lock()  # one generation at a time (the button's thread, or a cell's call)
+        self._worker: ThreadPoolExecutor | None = None  # one thread for every click: compiled CUDA graphs live there
+        self._job: Future | None = None  # the button's last generation
+        self.button.on_click(lambda _: self._generate_clicked())
+        self.stop_button.on_click(lambda _: self.request_stop())
         self.refresh_button.on_click(lambda _: self.refresh())
         self.widget = W.VBox([
             self.prompt,
             W.HBox([self.checkpoint, self.refresh_button]),
             self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.max_tokens,
             W.HBox([self.seed, self.stop]),
-            self.button,
+            W.HBox([self.button, self.stop_button]),
             self.status,  # its own row: an error message has the width it needs
             self.output,
         ])
@@ -146,42 +179,75 @@ class Playground:
             f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
         )
 
+    def _generate_clicked(self) -> None:
+        """The Generate button: in a kernel on the Playground's thread (see the class docstring), else right here."""
+        if not _in_kernel():
+            self.generate()
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")
+        self._job = self._worker.submit(self.generate)
+
+    def request_stop(self) -> None:
+        """What the Stop button does: the generation ends at its next token; its text so far stays shown."""
+        self._stop.set()
+
     def generate(self) -> Completion | None:
-        """What the Generate button does: stream the continuation into the output box."""
+        """What the Generate button does: stream the continuation into the output box, until it is done or Stop."""
         if self.checkpoint.value is None:
             self.refresh()
             if self.checkpoint.value is None:
                 return None
-        self.button.disabled = True
+        if not self._busy.acquire(blocking=False):
+            self._show_status("already generating: press Stop first", error=True)
+            return None
+        self._stop.clear()  # a click of an earlier generation does not stop this one
+        self.button.disabled, self.stop_button.disabled = True, False
+        prompt, parts = self.prompt.value, []
         try:
-            cfg = self.sampling_config()
-            self._show_status("loading checkpoint…")
-            eng = self.engine(self.checkpoint.value)
-            prompt = self.prompt.value
-            self._show_status("generating…")
-            parts: list[str] = []
-            last = [0.0]
-
-            def on_piece(_: int, piece: str) -> None:
-                parts.append(piece)
-                now = time.perf_counter()
-                if now - last[0] > 0.05:  # at most ~20 redraws per second
-                    last[0] = now
-                    self._show_text(prompt, "".join(parts))
-
-            t0 = time.perf_counter()
-            res = eng.generate(prompt, cfg, stream=on_piece)[0]
-            dt = time.perf_counter() - t0
-            self._show_text(prompt, res.text)
-            self._show_status(f"step {eng.step:,}: {len(res.token_ids)} tokens in {dt:.1f} s "
-                              f"({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s), stopped by {res.finish_reason}")
-            return res
+            return self._generate(prompt, parts)
+        except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
+            self._show_text(prompt, "".join(parts))
+            self._show_status(f"interrupted after {len(''.join(parts)):,} characters")
+            raise
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
             self.output.value = ""  # the previous text must not look like this prompt's result
             self._show_status(playground_error(e), error=True)
             return None
         finally:
-            self.button.disabled = False
+            self.button.disabled, self.stop_button.disabled = False, True
+            self._busy.release()
+
+    def _generate(self, prompt: str, parts: list[str]) -> Completion:
+        """Load, generate and show; the stream callback collects the text in `parts` and ends it after Stop."""
+        cfg = self.sampling_config()
+        self._show_status("loading checkpoint…")
+        eng = self.engine(self.checkpoint.value)
+        self._show_status("generating… (Stop ends it)")
+        last = [0.0]
+
+        def on_piece(_: int, piece: str) -> None:
+            parts.append(piece)
+            now = time.perf_counter()
+            if now - last[0] > 0.05:  # at most ~20 redraws per second
+                last[0] = now
+                self._show_text(prompt, "".join(parts))
+            if self._stop.is_set():
+                raise _Stopped
+
+        t0 = time.perf_counter()
+        try:
+            res = eng.generate(prompt, cfg, stream=on_piece)[0]
+        except _Stopped:
+            text = "".join(parts)  # what was shown; its tokens are what the model generated (re-encoded)
+            res = Completion(prompt=prompt, text=text, token_ids=eng.tokenizer.encode(text), finish_reason="user")
+        dt = time.perf_counter() - t0
+        n, speed = len(res.token_ids), f"{dt:.1f} s ({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s)"
+        self._show_text(prompt, res.text)
+        self._show_status(f"step {eng.step:,}: " + (f"stopped after {n} tokens in {speed}: Stop pressed"
+                                                    if res.finish_reason == "user" else
+                                                    f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
+        return res
 
     def _ipython_display_(self):
         from IPython.display import display
@@ -193,7 +259,10 @@ class ChatBox:
     """A chat with a chat-tuned run: transcript, message box, Send and Reset, sampling settings, system prompt.
 
     Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used. The transcript shows every
-    turn; the model sees those that fit its context (gptlib.dialogue drops the oldest, and says so here).
+    turn; the model sees those that fit its context (gptlib.dialogue drops the oldest, and says so here). Enter
+    sends (a one-line box). `display(box)` shows the widget, or where a front end cannot draw widgets the
+    conversation as text: a message sent before the box is shown needs no printing of its own (it would then
+    show twice, and stay after Reset).
     """
 
     def __init__(self, run_dir: str | Path | None = None, checkpoint: str | int = "latest", device: str = "cpu",
@@ -208,8 +277,8 @@ class ChatBox:
         self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
         wide, style = W.Layout(width="95%"), {"description_width": "110px"}
         self.transcript = W.HTML(value="")
-        self.message = W.Textarea(value="", placeholder="your message", description="You", style=style,
-                                  layout=W.Layout(width="95%", height="60px"))
+        self.message = W.Text(value="", placeholder="your message (Enter sends)", description="You", style=style,
+                              layout=W.Layout(width="95%"))
         self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
         self.reset_button = W.Button(description="Reset", tooltip="forget the conversation (the system prompt stays)")
         self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=style,
@@ -222,6 +291,9 @@ class ChatBox:
         self.seed = W.IntText(value=1337, description="Seed (-1 random)", style=style)
         self.status = W.HTML(value="")
         self.send_button.on_click(lambda _: self.send())
+        with warnings.catch_warnings():  # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
+            warnings.simplefilter("ignore", DeprecationWarning)  # with continuous_update=False) also fires on blur
+            self.message.on_submit(lambda _: self.send())
         self.reset_button.on_click(lambda _: self.reset())
         settings = W.VBox([self.system, self.temperature, self.top_k, self.max_tokens, self.seed])
         self.widget = W.VBox([self.transcript, self.message, W.HBox([self.send_button, self.reset_button, self.status]),
@@ -234,7 +306,20 @@ class ChatBox:
                                                  compile=self.compile, log=self._notices.append)
         else:
             self._session.log = self._notices.append
+        self._fit_max_tokens(self._session)
         return self._session
+
+    def _fit_max_tokens(self, session: ChatSession) -> None:
+        """The Max new tokens slider ends at the session's cap (half the context): asking for more would silently
+        give less. ipywidgets (7.7.1 and 8) lowers a larger value to the new max; the status says so once."""
+        cap = session.reply_cap
+        if self.max_tokens.max <= cap:
+            return
+        asked = int(self.max_tokens.value)
+        self.max_tokens.max = cap
+        if asked > cap:
+            self._notices.append(f"Max new tokens capped at {cap}: replies get at most half of the model's "
+                                 f"{session.block_size}-token context")
 
     def sampling_config(self) -> SamplingConfig:
         return SamplingConfig(
@@ -253,9 +338,9 @@ class ChatBox:
         self._notices.clear()
         self.turns.append(("user", text))
         try:
-            cfg = self.sampling_config()
             self._show_status("loading checkpoint…" if self._session is None else "")
-            session = self.session()
+            session = self.session()  # first: it caps the Max new tokens slider that sampling_config reads
+            cfg = self.sampling_config()
             session.system = self.system.value.strip() or None
             self.message.value = ""
             self._show_transcript(pending="")
@@ -295,7 +380,7 @@ class ChatBox:
         return on_piece
 
     def reset(self) -> None:
-        """What Reset does: forget the conversation (the model's history and the transcript)."""
+        """What Reset does: forget the conversation (the model's history and everything shown of it)."""
         if self._session is not None:
             self._session.reset()
         self.turns = []
@@ -314,10 +399,13 @@ class ChatBox:
         color = "#b00020" if error else "#555"
         self.status.value = f'<span style="color:{color}">{html.escape(msg)}</span>'
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        """display(box): the widget (the bundle ipywidgets 7.7.1 and 8 give a widget), and for a front end that
+        cannot draw widgets the conversation as text in its place."""
+        names = {"user": "you", "assistant": "model"}
+        text = "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"
+        return {"text/plain": text, "application/vnd.jupyter.widget-view+json": {
+            "version_major": 2, "version_minor": 0, "model_id": self.widget.model_id}}
 
 
 def comparison_html(cmp: Comparison) -> str:

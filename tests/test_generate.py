@@ -385,3 +385,13 @@ def test_bpe_text_generation_with_end_of_text(small_text):
     res = eng.generate("First", greedy)[0]
     assert res.finish_reason == "eot" and res.token_ids == full.token_ids[: cut + 1]
     assert res.text == tok.decode(full.token_ids[:cut])
+
+
+def test_unknown_character_advice_names_what_the_user_can_do(run_dir):
+    """The advice once named unknown='map', which neither `gptlib sample` nor the Playground offers (and a model
+    trained without an <unk> row could not use): it names what works wherever the prompt came from."""
+    eng = Engine.from_run(run_dir)
+    with pytest.raises(GenerationError) as e:
+        eng.generate("KING \u2603")
+    msg = str(e.value)
+    assert "'\u2603' (U+2603) at position 5" in msg and "remove or replace it" in msg and "unknown=" not in msg

@@ -176,3 +176,84 @@ def test_hellaswag_during_training(tmp_path, char_data):
     missing = settings[:-1] + [f"hellaswag_file={tmp_path / 'nope.jsonl'}"]
     r = train(char_data, tmp_path / "run2", "phase1", missing, max_steps=5, progress=False, log=logs.append)
     assert r.step == 5 and any(m.startswith("hellaswag: off for this run") for m in logs), logs
+
+
+# --- what the progress output looks like (issue 18) ------------------------------------------------
+
+
+class FakeTerminal:
+    """A stream that says it is a terminal and keeps what tqdm draws."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("ncols", [100, 120])
+def test_the_bar_keeps_most_of_a_100_column_line(tmp_path, char_data, monkeypatch, ncols):
+    """The postfix once took the whole width (loss, lr, tok_s, mfu, eta and the time split): at 100-120 columns the
+    bar shrank to one character and the line was cut. Now the bar gets a fair share and nothing is cut."""
+    import sys
+
+    term = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    import tqdm.std
+
+    monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", lambda: lambda fp: (ncols, 40))  # the window's width
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=quiet)
+    frames = [f for f in term.text.replace("\n", "\r").split("\r") if "|" in f and "loss" in f]
+    assert frames, term.text
+    frame = frames[-1]
+    bar = frame.split("|")[1]
+    assert len(frame) <= ncols and frame.endswith("]") and "ETA" in frame, frame  # not cut
+    assert len(bar) >= ncols // 3, frame  # the bar itself stays readable
+
+
+def test_the_bar_is_readable_with_a_gpu_runs_longest_fields():
+    """The longest postfix a GPU run shows (MFU known, millions of tokens/s, hours left, 5-digit steps)."""
+    from tqdm import tqdm
+
+    from gptlib.metrics import BAR_FORMAT, bar_postfix
+
+    postfix = bar_postfix(3.2104, 1_234_567.0, {"mfu": 0.4567, "eta_s": 45_296.0,
+                                                 "time_split": {"data": 0.03, "fwd_bwd": 0.9, "optim": 0.07}})
+    assert postfix == "loss 3.2104, 1.23M tok/s, MFU 45.7%, ETA 12h34m"  # details: the periodic line, metrics.jsonl
+    for ncols in (100, 120):
+        line = tqdm.format_meter(12_345, 19_073, 11_565.0, ncols=ncols, prefix="train", bar_format=BAR_FORMAT,
+                                 postfix=postfix)
+        assert line.endswith("ETA 12h34m]") and len(line) <= ncols, line
+        assert len(line.split("|")[1]) >= ncols - 88, line  # 12 columns of bar at 100, 32 at 120 (was 1, and cut)
+
+
+def test_training_into_a_file_or_a_pipe_prints_plain_lines(tmp_path, char_data, monkeypatch, capsys):
+    """`train ... > log.txt 2>&1`: no carriage-return redraws (one endless line in the file), a progress line every
+    MetricsLog.TEXT_EVERY_S instead (0 here: one per log step)."""
+    from gptlib.metrics import MetricsLog, plain_progress
+
+    assert plain_progress(__import__("io").StringIO()) and not plain_progress(FakeTerminal())
+    monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=print)  # progress on, as the CLI has it
+    out = capsys.readouterr()
+    assert "\r" not in out.out + out.err
+    lines = [ln for ln in out.out.splitlines() if ln.startswith("step ") and "/12: loss " in ln]
+    assert [ln.split("/")[0] for ln in lines] == [f"step {s}" for s in range(1, 13)], out.out
+    assert "lr " in lines[-1] and "tok/s" in lines[-1]
+
+
+def test_the_samples_table_is_left_aligned(tmp_path):
+    """samples.md: the classic notebook right-aligns a column without an explicit alignment; text reads left."""
+    from gptlib.metrics import write_samples_table
+
+    rows = [{"step": s, "prompt": p, "text": p + " and more"} for s in (10, 20) for p in ("ROMEO:", "JULIET:")]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_samples_table(tmp_path)
+    lines = (tmp_path / "samples.md").read_text().splitlines()
+    assert lines[1] == "|:---|:---|:---|" and lines[2].startswith("| 10 | ROMEO: and more |")

@@ -52,6 +52,8 @@ def _add_tokenize(sub) -> None:
                    help="train the BPE on about this many MB of the corpus; 0 = all of it (default 1000)")
     p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
     p.add_argument("--overwrite", action="store_true", help="replace a different dataset already in --out")
+    p.add_argument("--take-over", action="store_true",
+                   help="take --out over from another tokenize that holds its lease (one writer per data directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
 
@@ -71,7 +73,8 @@ def _count(s: str) -> int:
 def cmd_tokenize(args) -> int:
     """Pre-tokenize .txt / .jsonl / parquet files, local or behind URLs (file://, memory://,
     hf://datasets/OWNER/NAME[/glob]), into a gptlib data directory (token shards + tokenizer.json + meta.json).
-    Re-running the same command resumes an interrupted run or reuses the finished dataset.
+    Re-running the same command resumes an interrupted run or reuses the finished dataset. One tokenize writes a
+    data directory at a time; Ctrl-C stops it (exit status 130) keeping the completed shards.
     """
     from .prepare import prepare
 
@@ -87,12 +90,15 @@ def cmd_tokenize(args) -> int:
         raise CLIError("--tokenizer-from and --tokenizer-file are the same option: give one")
     # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
     tokenizer = args.tokenizer or ("bpe" if args.format == "chat" else "char")
-    prepare(inputs, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-            tokenizer_file=args.tokenizer_from or args.tokenizer_file, text_column=args.text_column,
-            val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
-            train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
-            overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,
-            hf_config=args.hf_config, hf_split=args.hf_split)
+    try:
+        prepare(inputs, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
+                tokenizer_file=args.tokenizer_from or args.tokenizer_file, text_column=args.text_column,
+                val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
+                train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
+                overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,
+                hf_config=args.hf_config, hf_split=args.hf_split, take_over=args.take_over)
+    except KeyboardInterrupt:  # Ctrl-C: prepare said in one line what is kept and how to go on
+        return 130  # the shell's status for a process stopped by SIGINT
     return 0
 
 
@@ -136,6 +142,11 @@ def _add_train(sub) -> None:
                         "import-hf; the model's shape comes from it (use --preset finetune)")
     p.add_argument("--take-over", action="store_true",
                    help="take the run over from another training process that holds its lease (see README)")
+    p.add_argument("--skip-unreadable", action="store_true",
+                   help="go on although newer checkpoints (on a slow or hung Drive) could not be read in time; they "
+                        "are kept (by default training waits a while, then stops and says so)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="resume on other tokens than the run was trained on (same tokenizer); recorded in the run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -152,7 +163,8 @@ def cmd_train(args) -> int:
     r = train(args.data, args.run_dir, preset=args.preset, overrides=overrides, max_steps=args.max_steps,
               max_minutes=args.max_minutes, seed=args.seed, device=args.device, compile=compile_flag,
               progress=not args.quiet, mirror_dir=args.mirror_dir, take_over=args.take_over,
-              init_from=args.init_from)
+              init_from=args.init_from, skip_unreadable=args.skip_unreadable,
+              allow_data_change=args.allow_data_change)
     if r.stopped_by != "finished":  # train() already said "already finished ..."
         print(r.summary())
     return 0
@@ -285,22 +297,31 @@ def _add_eval(sub) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
                    help="padded tokens per forward (default 65536 on a GPU, 8192 on a CPU)")
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="append the rows to FILE instead of RUN_DIR/eval.jsonl (e.g. for a read-only run directory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def cmd_eval(args) -> int:
     """Score one or all checkpoints of a run on HellaSwag (validation, zero-shot, completion style: acc and
     acc_norm) or on the run's validation split in bits per byte. Prints a table and appends one row per checkpoint
-    to RUN_DIR/eval.jsonl; nothing else in the run directory changes.
+    to RUN_DIR/eval.jsonl (or --out FILE); nothing else in the run directory changes. Rows that cannot be appended
+    (a read-only run directory) lose no score: the table is printed, then a warning line (exit status 0).
     """
     from .evaluate import evaluate_run, format_table
+    from .layout import EVAL_FILE
 
     if args.batch_tokens is not None and args.batch_tokens < 1:
         raise CLIError(f"--batch-tokens {args.batch_tokens} must be >= 1")
+    unsaved: list[str] = []  # said after the table: the scores first
     rows = evaluate_run(args.run_dir, args.task, args.checkpoint, data=args.data, limit=args.limit,
-                        device=args.device, batch_tokens=args.batch_tokens, progress=not args.quiet)
-    print(format_table(rows))
-    print(f"appended {len(rows)} row(s) to {args.run_dir}/eval.jsonl", file=sys.stderr)
+                        device=args.device, batch_tokens=args.batch_tokens, progress=not args.quiet, out=args.out,
+                        warn=unsaved.append)
+    print(format_table(rows), flush=True)  # before the lines on stderr, also when both go to one file
+    for line in unsaved:
+        print(line, file=sys.stderr)
+    if not unsaved:
+        print(f"appended {len(rows)} row(s) to {args.out or f'{args.run_dir}/{EVAL_FILE}'}", file=sys.stderr)
     return 0
 
 

@@ -10,10 +10,15 @@
   the batch that completed it; a resumed pass redoes that batch and gets the same bytes.
 - Progress: a tqdm bar in input bytes (MB/s, ETA) with the tokens so far and tokens/s; with
   max_tokens also its share and an ETA by tokens.
+- The output directory: it holds only what tokenize writes (and lease.json while a tokenize runs), never a
+  training run's files. One tokenize writes it at a time: `one_writer` holds its lease (gptlib.lease, as a
+  training run holds its run directory's), so a second tokenize there (another notebook tab) refuses at once,
+  naming the first; a killed one's lease is taken over. Ctrl-C ends in one line saying what is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -25,12 +30,15 @@ from typing import Iterator
 import numpy as np
 
 from .chat import EXAMPLES_KEPT, ChatTemplate
-from .fsutil import atomic_write_json
-from .shards import PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
+from .errors import PrepareError, RunDirError, loud
+from .fsutil import TMP_MARKER, atomic_write_json, clean_temp_files
+from .layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
+from .lease import NoLease, RunLease
+from .shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from .inputs import Source, invalid_utf8
 from .pieces import Piece
 from .sources import iter_corpus
-from .tokenizer import BPETokenizer, Tokenizer
+from .tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
 STATE_FILE = PREPARE_STATE_FILE  # present only while a tokenize run is unfinished
@@ -240,12 +248,15 @@ def _hms(s: float) -> str:
 def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source], progress: dict,
                   split_mode: str, val_fraction: float, text_column: str | None, on_bad_file: str, shard_tokens: int,
                   verbose: bool, fmt: str = "text", max_tokens: int | None = None, batch_chars: int = BATCH_CHARS,
-                  write_json=atomic_write_json) -> tuple[dict, dict | None]:
+                  write_json=atomic_write_json, lease: RunLease | NoLease | None = None) -> tuple[dict, dict | None]:
     """The pass (see Pass); returns the writers (last shards not yet flushed) and where max_tokens
     stopped it (None: the end of the input). batch_chars, write_json: prepare.py passes its own (tests
-    shrink the batches and simulate a kill while the state is written)."""
+    shrink the batches and simulate a kill while the state is written). lease: out_dir's (one_writer),
+    checked before every state save."""
     from tqdm.auto import tqdm
 
+    if lease is not None:
+        write_json = _guarded(write_json, lease, out_dir)
     p = Pass(out_dir, spec, tok, identity, sources, progress, val_fraction, shard_tokens, fmt, max_tokens,
              batch_chars, write_json)
     stats = progress["stats"]
@@ -259,3 +270,94 @@ def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sou
     finally:
         bar.close()
     return p.writers, p.stopped
+
+
+def _guarded(write_json, lease: RunLease | NoLease, out_dir: Path):
+    """write_json, after checking that out_dir is still this process's: a tokenize whose lease another one took
+    over (--take-over, or a heartbeat that went stale) stops (LeaseLost) before it writes its state again."""
+    def write(path, obj):
+        lease.check(out_dir)
+        write_json(path, obj)
+    return write
+
+
+# --------------------------------------------------------------------------------------------
+# The output directory
+
+
+def our_files(out_dir: Path) -> list[Path]:
+    """Files tokenize writes (the only ones it ever deletes): shards and their spans files too. Not lease.json,
+    which only its holder writes and removes."""
+    if not out_dir.is_dir():
+        return []
+    names = {META_FILE, STATE_FILE, TOKENIZER_FILE}
+    return [p for p in out_dir.iterdir() if p.is_file() and (
+        p.name in names or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val")) or TMP_MARKER in p.name)]
+
+
+# What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
+# lease.json alone does not: a tokenize holds one in its data directory too (one_writer); a training run that
+# holds one is refused by the lease itself, naming it.
+_RUN_MARKERS = (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE)
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse an output directory that is a training run, or that holds files tokenize did not write (even
+    with overwrite, which replaces only a previous dataset's files)."""
+    if not out_dir.is_dir():
+        return
+    run = [n for n in _RUN_MARKERS if (out_dir / n).exists()]
+    if run:
+        raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
+                           f"there would replace the run's tokenizer.json; give the data a directory of its own, "
+                           f"e.g. {out_dir / 'data'}")
+    ours = set(our_files(out_dir))
+    foreign = sorted(p.name for p in out_dir.iterdir() if p not in ours and p.name != LEASE_FILE)
+    if foreign:
+        raise PrepareError(f"--out {out_dir} holds files tokenize did not write ({', '.join(foreign[:5])}"
+                           f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new directory")
+
+
+@contextlib.contextmanager
+def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLease | NoLease]:
+    """Hold out_dir's lease while tokenizing into it: taken before anything there is read or changed, released
+    however the run ends. A second tokenize there raises RunBusyError naming this one. Ctrl-C: one line saying
+    what is kept (the same command continues from prepare_state.json), then the KeyboardInterrupt goes on."""
+    created = not out_dir.exists()
+    lease = None
+    try:
+        lease = _lease(out_dir, take_over, verbose)
+        yield lease
+    except KeyboardInterrupt:
+        # A write cut short removes its own temp file; one cut right after creating it may not have: while the
+        # lease is held, every temp file in out_dir is this run's (lease.py's heartbeat just skips a beat).
+        clean_temp_files(out_dir)
+        loud(stopped_message(out_dir))
+        raise
+    finally:
+        if lease is not None:
+            lease.release()
+        if created:
+            with contextlib.suppress(OSError):  # refused before writing anything: no empty directory is left
+                out_dir.rmdir()
+
+
+def _lease(out_dir: Path, take_over: bool, verbose: bool) -> RunLease | NoLease:
+    try:
+        return RunLease([out_dir], take_over, log=print if verbose else (lambda msg: None), command="tokenize").acquire()
+    except RunDirError:
+        if not (out_dir / META_FILE).is_file():
+            raise
+        return NoLease()  # a finished dataset on a read-only disk: reused as before; no writer to keep out
+
+
+def stopped_message(out_dir: Path) -> str:
+    """What an interrupted tokenize leaves: the completed shards its state lists, which the same command keeps."""
+    try:
+        done = len(json.loads((out_dir / STATE_FILE).read_text())["shards"]["train"])
+    except (OSError, ValueError, KeyError, TypeError):
+        done = 0
+    if done == 0:
+        return "tokenize stopped before its first shard was written; run the same command again to start over"
+    return (f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to "
+            f"continue from there")

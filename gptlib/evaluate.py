@@ -3,9 +3,11 @@
     python -m gptlib eval --run-dir RUN_DIR --task hellaswag|bpb [--data FILE|DATA_DIR]
                           [--checkpoint latest|best|STEP|all] [--limit N] [--device cpu|cuda]
 
-Each result is printed and appended as one JSON line to RUN_DIR/eval.jsonl (nothing else in the
-run directory is written). Every input is checked before the first model runs, so a bad file,
-task or step fails at once with one message.
+Each result is printed and appended as one JSON line to RUN_DIR/eval.jsonl, or to --out FILE (nothing
+else in the run directory is written). Every input is checked before the first model runs, so a bad
+file, task or step fails at once with one message. A row that cannot be appended (a read-only run
+directory) loses no score: the results are still printed (returned), then one warning line names the file
+and the fix (--out FILE).
 
 Bits per byte (bpb): the validation loss in a unit no tokenizer can bend. The val split is cut into
 non-overlapping windows of block_size tokens (each target token predicted once, from the window's
@@ -28,7 +30,7 @@ import torch
 
 from . import hellaswag as hs
 from .data import MemmapSplit, _to_ids
-from .errors import EvalError
+from .errors import EvalError, loud
 from .layout import EVAL_FILE
 from .loading import checkpoint_table, load_for_inference, read_state_and_tokenizer, resolve_checkpoint
 from .runtime import resolve_device, unwrap_model
@@ -136,10 +138,16 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
 
 
 def append_eval_row(run_dir: str | Path, row: dict) -> None:
+    """Append a row to RUN_DIR/eval.jsonl (append_row)."""
+    append_row(Path(run_dir) / EVAL_FILE, row)
+
+
+def append_row(path: str | Path, row: dict) -> None:
     """One line, one write, on a file opened for appending: rows written before (by any process) are never
     rewritten, and a row torn by a kill mid-write is left alone on its own line (readers skip it)."""
     line = (json.dumps(row) + "\n").encode()
-    path = Path(run_dir) / EVAL_FILE
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # --out scores/eval.jsonl: its folder too
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -235,17 +243,22 @@ def _prepare(run_dir: Path, task: str, data, steps: list[int], cache_dir) -> dic
 def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest", *, data: str | Path | None = None,
                  limit: int | None = None, device: str = "auto", dtype: torch.dtype | None = None,
                  batch_tokens: int | None = None, cache_dir: str | Path | None = None, progress: bool = True,
-                 write: bool = True) -> list[dict]:
-    """Evaluate one or more checkpoints of a run; -> the rows (also appended to eval.jsonl if write)."""
+                 write: bool = True, out: str | Path | None = None, warn=loud) -> list[dict]:
+    """Evaluate one or more checkpoints of a run; -> the rows, each also appended (if write) to `out`, default
+    RUN_DIR/eval.jsonl, as it is computed. A row that cannot be appended (a read-only run directory, a full disk)
+    is not an error: the rows are returned all the same and warn() gets one line naming the file and the fix."""
 
     run_dir = Path(run_dir)
     task = check_task(task)
     if limit is not None and limit < 0:
         raise EvalError(f"--limit {limit} must be >= 0 (0 = everything)")
+    target = Path(out) if out is not None else run_dir / EVAL_FILE
+    if out is not None and target.is_dir():
+        raise EvalError(f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}")
     steps = select_checkpoints(run_dir, checkpoint)
     dev = resolve_device(device)
     prep = _prepare(run_dir, task, data, steps, cache_dir)
-    rows, rendered = [], {}
+    rows, rendered, unsaved = [], {}, None
     for step in steps:
         lm = load_for_inference(run_dir, step, device=dev)
         _, dt = eval_autocast(dev, dtype)
@@ -257,23 +270,33 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
                 rendered[block] = hs.render([prep["items"][i] for i in sel], lm.tokenizer, block)
             res = hs.evaluate_rendered(lm.model, rendered[block], dev, dt, batch_tokens, progress,
                                        desc=f"hellaswag step {step}")
-            out = {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")}
-            out.update(data=prep["file"]["path"], data_sha256=prep["file"]["sha256"],
-                       canonical=prep["file"]["canonical"])
+            result = {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")}
+            result.update(data=prep["file"]["path"], data_sha256=prep["file"]["sha256"],
+                          canonical=prep["file"]["canonical"])
         else:
-            out = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
-            out["n"] = out["windows"]
-            out["data"] = str(prep["meta"].data_dir)
+            result = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
+            result["n"] = result["windows"]
+            result["data"] = str(prep["meta"].data_dir)
         secs = time.perf_counter() - t0
         if task == "hellaswag":
-            out["items_per_s"] = round(out["n"] / max(secs, 1e-9), 2)
-        row = make_row(task, step, lm.state.tokens_seen, out, checkpoint=str(lm.path), device=str(dev),
+            result["items_per_s"] = round(result["n"] / max(secs, 1e-9), 2)
+        row = make_row(task, step, lm.state.tokens_seen, result, checkpoint=str(lm.path), device=str(dev),
                        dtype=str(dt).replace("torch.", ""), seconds=round(secs, 3))
-        if write:
-            append_eval_row(run_dir, row)
         rows.append(row)
+        if write and unsaved is None:
+            try:
+                append_row(target, row)
+            except OSError as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
+                unsaved = (len(rows) - 1, e)
         del lm
+    if unsaved is not None:
+        warn(_unsaved(target, len(rows) - unsaved[0], unsaved[1]))
     return rows
+
+
+def _unsaved(target: Path, n: int, e: OSError) -> str:
+    return (f"warning: {n} row{'s' if n > 1 else ''} not saved: cannot append to {target}: {e.strerror or e}; add "
+            f"--out FILE (evaluate_run(..., out=FILE)) to append the rows to another file")
 
 
 # --- presentation ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""One writer per run: the training process holds a lease on its run directory and on its Drive mirror.
+"""One writer per run: the training process holds a lease on its run directory and on its Drive mirror (and
+tokenize on its output directory).
 
 A second `train` on the same run directory or the same mirror (a second notebook tab, a reconnect while
 the old VM still runs) refuses within seconds and names the holder. The lease file, layout.LEASE_FILE:
@@ -96,9 +97,10 @@ def _pid_alive(pid: int) -> bool:
 class RunLease:
     """The lease of one training call on its run directory and mirror (see the module docstring)."""
 
-    def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
+    def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print, command: str = "training"):
         self.dirs = [Path(d) for d in dirs if d is not None]
         self.take_over = take_over
+        self.command = command  # what holds the lease, for messages: "training" (train) or "tokenize" (prepare)
         self.log = log
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
@@ -138,7 +140,8 @@ class RunLease:
         if found is None:
             return
         now = time.time()
-        how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
+        api = {"training": "train", "tokenize": "prepare"}.get(self.command, self.command)
+        how = f"pass --take-over ({api}(..., take_over=True)) to take it anyway, or stop that process first"
         if self.take_over:
             self.log(f"lease: taking over {path} ({found.describe(now) if isinstance(found, Holder) else found})")
             return
@@ -146,7 +149,8 @@ class RunLease:
             if not _pid_alive(found.pid):
                 self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
                 return
-            raise RunBusyError(f"{path.parent} is in use by another training process ({found.describe(now)}); {how}")
+            raise RunBusyError(f"{path.parent} is in use by another {self.command} process ({found.describe(now)}); "
+                               f"{how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else
                      call_with_timeout(lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"))
         what = found.describe(now) if isinstance(found, Holder) else f"a lease file that is {found}"
@@ -217,6 +221,8 @@ class RunLease:
     def release(self) -> None:
         """Stop the heartbeat and remove the lease files that are still ours (never another holder's)."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(IO_TIMEOUT_S)  # a beat being written now must not re-create a file removed below
         for d in self._held:
             try:
                 found = call_with_timeout(lambda d=d: _read(d / LEASE_FILE), IO_TIMEOUT_S)

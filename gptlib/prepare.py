@@ -46,8 +46,8 @@ import numpy as np
 
 from .chat import CHAT_TOKENS, ChatError, ChatTemplate
 from .encode import BATCH_CHARS, STATE_FILE, encode_corpus  # noqa: F401 - BATCH_CHARS: tests shrink it here
-from .fsutil import TMP_MARKER, atomic_write_json, clean_temp_files, sha256_file
-from .layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
+from .encode import check_output_dir, one_writer, our_files
+from .fsutil import atomic_write_json, clean_temp_files, sha256_file
 from .shards import META_FILE, DatasetMeta, ShardWriter, dtype_for_vocab, read_meta, write_meta  # noqa: F401
 from .errors import PrepareError
 from .inputs import Source, register_error_handler, scan_inputs
@@ -56,15 +56,6 @@ from .tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, T
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
 FORMATS = ("text", "chat")
-
-
-def _our_files(out_dir: Path) -> list[Path]:
-    """Files this module writes (the only ones it ever deletes): shards and their spans files too."""
-    if not out_dir.is_dir():
-        return []
-    names = {META_FILE, STATE_FILE, TOKENIZER_FILE}
-    return [p for p in out_dir.iterdir() if p.is_file() and (
-        p.name in names or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val")) or TMP_MARKER in p.name)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +146,8 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
             tokenizer_from: str | Path | None = None, text_column: str | None = None, val_fraction: float = 0.1,
             split: str = "auto", shard_tokens: int = 100_000_000, train_max_bytes: int | None = 1_000_000_000,
             on_bad_file: str = "skip", overwrite: bool = False, verbose: bool = True, format: str = "text",
-            max_tokens: int | None = None, hf_config: str | None = None, hf_split: str | None = None) -> DatasetMeta:
+            max_tokens: int | None = None, hf_config: str | None = None, hf_split: str | None = None,
+            take_over: bool = False) -> DatasetMeta:
     """Tokenize a corpus into `out_dir` (token shards + tokenizer.json + meta.json); returns its meta.
 
     inputs: files, directories, globs and fsspec URLs (file://, memory://, hf://datasets/OWNER/NAME[/glob],
@@ -176,6 +168,8 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     Re-running with the same inputs and options returns the finished dataset, or resumes an
     unfinished one; `out_dir` holding a different dataset is refused unless overwrite=True (which
     deletes only the files tokenize writes there).
+    One tokenize writes `out_dir` at a time (its lease, lease.json): another one there raises RunBusyError naming
+    it; take_over=True (--take-over) takes it over anyway. Ctrl-C says what is kept; re-running continues.
     """
     fmt = format
     if tokenizer_from is not None and tokenizer_file is not None and Path(tokenizer_from) != Path(tokenizer_file):
@@ -187,34 +181,35 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     register_error_handler()
     t0 = time.time()
     out_dir = Path(out_dir)
-    _check_output_dir(out_dir)
-    sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, on_bad_file, fmt, hf_config,
-                                                      hf_split)
-    split = _choose_split(split, sources, fmt)
-    spec = _spec(sources, _tokenizer_spec(tokenizer, tokenizer_file, vocab_size, train_max_bytes), val_fraction,
-                 split, text_column, shard_tokens, on_bad_file, fmt, max_tokens)
-
-    finished, state = _previous_run(out_dir, spec, overwrite, verbose)
-    if finished is not None:
-        return finished
-    tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
-        tokenizer, tokenizer_file, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
-    identity = dict(tok.identity(), file=TOKENIZER_FILE)
-    writers, stopped = encode_corpus(out_dir, spec, tok, identity, sources, progress, split, val_fraction, column,
-                                     on_bad_file, shard_tokens, verbose, fmt, max_tokens, batch_chars=BATCH_CHARS,
-                                     write_json=atomic_write_json)
-    _check_result(progress, val_fraction)
-    for w in writers.values():
-        w.flush()
-    stats = progress["stats"]
-    extra = {"format": fmt, **{k: stats[k] for k in ("documents", "characters", "empty_documents",
-                                                    "replaced_invalid_utf8", "skipped_files")},
-             "empty_files": empty, "split": split, "val_fraction": val_fraction,
-             "text_column": column if fmt == "chat" else text_column, "eot_id": tok.eot_id,
-             "shard_tokens": int(shard_tokens), **_extra_meta(tok, tokenizer, tokenizer_file, fmt, stats, max_tokens,
-                                                               stopped)}
-    extra.update(prepare_spec=spec, elapsed_s=round(time.time() - t0, 3))
-    return _finish(out_dir, tok, identity, writers, sources, extra, verbose)
+    check_output_dir(out_dir)
+    with one_writer(out_dir, take_over, verbose) as lease:  # before anything in out_dir is read or changed
+        sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, on_bad_file, fmt, hf_config,
+                                                          hf_split)
+        split = _choose_split(split, sources, fmt)
+        spec = _spec(sources, _tokenizer_spec(tokenizer, tokenizer_file, vocab_size, train_max_bytes), val_fraction,
+                     split, text_column, shard_tokens, on_bad_file, fmt, max_tokens)
+        finished, state = _previous_run(out_dir, spec, overwrite, verbose)
+        if finished is not None:
+            return finished
+        tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
+            tokenizer, tokenizer_file, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
+        identity = dict(tok.identity(), file=TOKENIZER_FILE)
+        writers, stopped = encode_corpus(out_dir, spec, tok, identity, sources, progress, split, val_fraction, column,
+                                         on_bad_file, shard_tokens, verbose, fmt, max_tokens, batch_chars=BATCH_CHARS,
+                                         write_json=atomic_write_json, lease=lease)
+        _check_result(progress, val_fraction)
+        lease.check(out_dir)  # taken over meanwhile: the last shards and meta.json are the other tokenize's to write
+        for w in writers.values():
+            w.flush()
+        stats = progress["stats"]
+        extra = {"format": fmt, **{k: stats[k] for k in ("documents", "characters", "empty_documents",
+                                                        "replaced_invalid_utf8", "skipped_files")},
+                 "empty_files": empty, "split": split, "val_fraction": val_fraction,
+                 "text_column": column if fmt == "chat" else text_column, "eot_id": tok.eot_id,
+                 "shard_tokens": int(shard_tokens),
+                 **_extra_meta(tok, tokenizer, tokenizer_file, fmt, stats, max_tokens, stopped)}
+        extra.update(prepare_spec=spec, elapsed_s=round(time.time() - t0, 3))
+        return _finish(out_dir, tok, identity, writers, sources, extra, verbose)
 
 
 def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, split: str, text_column: str | None,
@@ -261,27 +256,6 @@ def _fresh_progress(pre_skipped: list) -> dict:
             "stats": {"documents": 0, "characters": 0, "bytes": 0.0, "empty_documents": 0,
                       "replaced_invalid_utf8": 0, "skipped_files": list(pre_skipped)},
             "shards": {"train": [], "val": []}}
-
-
-# What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
-_RUN_MARKERS = (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, LEASE_FILE)
-
-
-def _check_output_dir(out_dir: Path) -> None:
-    """Refuse an output directory that is a training run, or that holds files tokenize did not write (even
-    with overwrite, which replaces only a previous dataset's files)."""
-    if not out_dir.is_dir():
-        return
-    run = [n for n in _RUN_MARKERS if (out_dir / n).exists()]
-    if run:
-        raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
-                           f"there would replace the run's tokenizer.json; give the data a directory of its own, "
-                           f"e.g. {out_dir / 'data'}")
-    ours = set(_our_files(out_dir))
-    foreign = sorted(p.name for p in out_dir.iterdir() if p not in ours)
-    if foreign:
-        raise PrepareError(f"--out {out_dir} holds files tokenize did not write ({', '.join(foreign[:5])}"
-                           f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new directory")
 
 
 def _extra_meta(tok: Tokenizer, tokenizer, tokenizer_file, fmt: str, stats: dict, max_tokens: int | None,
@@ -401,7 +375,7 @@ def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> 
 def _delete_our_files(out_dir: Path) -> None:
     """An older dataset (overwrite) or leftovers of a run that never began. meta.json goes first:
     a kill half-way through never leaves a meta.json naming deleted shards."""
-    for p in sorted(_our_files(out_dir), key=lambda p: p.name != META_FILE):
+    for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
         p.unlink()
 
 
@@ -420,7 +394,7 @@ def _resumed_progress(out_dir: Path, state: dict, dtype: np.dtype, verbose: bool
     shards = state["shards"]
     listed = {s["file"] for v in shards.values() for s in v} | {
         s["spans"]["file"] for v in shards.values() for s in v if "spans" in s}
-    for p in _our_files(out_dir):
+    for p in our_files(out_dir):
         if p.suffix == ".bin" and p.name not in listed:
             p.unlink()
     for v in shards.values():

@@ -8,6 +8,7 @@ import io
 import json
 import random
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -207,3 +208,54 @@ def test_evaluate_run_api_without_writing(run_dir, hs_file):
     rows = evaluate_run(run_dir, "hellaswag", "5, latest", data=hs_file, limit=10, device="cpu", progress=False,
                         write=False)
     assert [r["step"] for r in rows] == [5, 10] and all(r["n"] <= 10 for r in rows)
+
+
+def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_save_it(run_dir, tmp_path, monkeypatch):
+    """The score is shown, then one warning line (exit 0: the user has the score); --out saves the rows elsewhere.
+    chmod does not stop root from writing (these tests may run as root): there the read-only disk is simulated,
+    an os.open for writing in the run directory failing with EROFS."""
+    import errno
+    import os
+    import sys
+
+    before = snapshot(run_dir)
+    log_before = (run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if Path(path).parent == run_dir and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    mode = run_dir.stat().st_mode
+    run_dir.chmod(0o555)
+    try:
+        shown = io.StringIO()  # stdout and stderr together, in the order they were written
+        monkeypatch.setattr(sys, "stdout", shown)
+        monkeypatch.setattr(sys, "stderr", shown)
+        argv = ["eval", "--run-dir", str(run_dir), "--task", "bpb", "--limit", "20", "--quiet"]
+        assert main(argv) == 0
+        table, warning = shown.getvalue().rstrip("\n").rsplit("\n", 1)
+        assert "val bpb" in table and "Traceback" not in shown.getvalue()
+        assert warning == (f"warning: 1 row not saved: cannot append to {run_dir / EVAL_FILE}: Read-only file "
+                           f"system; add --out FILE (evaluate_run(..., out=FILE)) to append the rows to another "
+                           f"file"), warning
+        out = tmp_path / "scores" / "eval.jsonl"
+        shown.seek(0)
+        shown.truncate()
+        assert main(argv + ["--out", str(tmp_path)]) == 2  # refused before any model runs
+        assert shown.getvalue() == f"error: --out {tmp_path} is a directory; give a file to append the rows to, " \
+                                   f"e.g. {tmp_path / EVAL_FILE}\n"
+        shown.seek(0)
+        shown.truncate()
+        assert main(argv + ["--out", str(out)]) == 0
+        assert shown.getvalue().rstrip("\n").endswith(f"appended 1 row(s) to {out}")
+    finally:
+        run_dir.chmod(mode)
+    (row,) = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert row["task"] == "bpb" and f"{row['bpb']:.4f}" in table  # the same score, now saved
+    assert snapshot(run_dir) == before
+    assert ((run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None) == log_before
+    rows = evaluate_run(run_dir, "bpb", limit=20, device="cpu", progress=False, out=out)  # the same from Python
+    assert rows[0]["bpb"] == row["bpb"] and len(out.read_text().splitlines()) == 2

@@ -1,5 +1,5 @@
 """What the tokenize tests share (test_prepare, test_chat, test_max_tokens, test_remote, test_hub): a small
-corpus and its BPE, a kill at the n-th encode call, and a child process killed mid-run."""
+corpus and its BPE, a kill at the n-th encode call, and a child process slowed, then killed or stopped mid-run."""
 
 from __future__ import annotations
 
@@ -60,14 +60,35 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def sigkill_after_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:
-    """SIGKILL proc once the tokenize state in `out` lists n train shards."""
+# Added to a child's prelude: every fsync takes 0.2 s more, so a shard's temp file stays on disk long enough for a
+# test to see it (and to stop the child while it is there).
+SLOW_FSYNC = """
+import os, time
+_fsync = os.fsync
+def slow_fsync(fd):
+    time.sleep(0.2)
+    _fsync(fd)
+os.fsync = slow_fsync
+"""
+
+
+def wait_for_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:
+    """Return once the tokenize state in `out` lists n train shards (proc still running)."""
     state = out / prep.STATE_FILE
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if state.is_file() and len(json.loads(state.read_text())["shards"]["train"]) >= n:
-            break
-        assert proc.poll() is None, "the child finished before it could be killed"
+        try:
+            if len(json.loads(state.read_text())["shards"]["train"]) >= n:
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        assert proc.poll() is None, "the child finished before it listed the shards"
         time.sleep(0.02)
+    raise AssertionError(f"{state} did not list {n} train shards within {timeout} s")
+
+
+def sigkill_after_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:
+    """SIGKILL proc once the tokenize state in `out` lists n train shards."""
+    wait_for_shards(proc, out, n, timeout)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -1,0 +1,148 @@
+"""tokenize with real processes: one writer per data directory (a second tokenize into it refuses, naming the
+first), and Ctrl-C: one line, no temp files left, and the same command finishes the dataset byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gptlib.prepare as prep
+from gptlib.layout import LEASE_FILE
+from gptlib.shards import read_meta
+
+from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, wait_for_shards
+
+REPO = Path(__file__).resolve().parents[1]
+UNSLOWED = SLOW_TOKENIZE.replace("time.sleep(0.15)", "pass")  # the same small batches: the same shard cuts
+
+
+def tokenize_args(src: Path, out: Path, bpe_file: Path) -> list[str]:
+    return ["tokenize", "--input", str(src), "--tokenizer-from", str(bpe_file), "--shard-tokens", "5000",
+            "--out", str(out), "--quiet"]
+
+
+def data_files(d: Path) -> dict[str, bytes]:
+    """Every file of a data directory, meta.json without its elapsed_s (the one field a run's speed changes)."""
+    files = {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    meta = json.loads(files.pop("meta.json"))
+    meta.pop("elapsed_s")
+    return {**files, "meta.json": json.dumps(meta, sort_keys=True).encode()}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, docs, bpe_file) -> tuple[Path, Path]:
+    """(a jsonl corpus, its dataset made by one uninterrupted tokenize with the tests' small batches)."""
+    d = tmp_path_factory.mktemp("corpus")
+    src = d / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    r = subprocess.run([sys.executable, "-c", UNSLOWED, *tokenize_args(src, d / "clean", bpe_file)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return src, d / "clean"
+
+
+def test_a_second_tokenize_into_the_same_dir_refuses_and_the_first_finishes(tmp_path, corpus, bpe_file):
+    src, clean = corpus
+    out = tmp_path / "out"
+    first = subprocess.Popen([sys.executable, "-c", SLOW_TOKENIZE, *tokenize_args(src, out, bpe_file)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_shards(first, out, 2)
+        t0 = time.time()
+        second = subprocess.run([sys.executable, "-m", "gptlib", *tokenize_args(src, out, bpe_file)], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        took = time.time() - t0
+        assert first.poll() is None, "the first tokenize should still be running"
+    finally:
+        stdout, stderr = first.communicate(timeout=120)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+    (line,) = second.stderr.strip().splitlines()
+    assert line.startswith(f"error: {out} is in use by another tokenize process") and f"pid {first.pid}" in line, line
+    assert "prepare(..., take_over=True)" in line, line
+    assert took < 20, f"the second tokenize took {took:.1f} s to refuse"
+    assert first.returncode == 0, stderr
+    assert data_files(out) == data_files(clean)  # the first one's dataset, whole: no lease.json left either
+    read_meta(out, verify_hashes=True)
+
+
+def test_ctrl_c_is_one_line_leaves_no_temp_file_and_the_same_command_finishes(tmp_path, corpus, bpe_file):
+    src, clean = corpus
+    out = tmp_path / "out"
+    child = subprocess.Popen([sys.executable, "-c", SLOW_FSYNC + SLOW_TOKENIZE, *tokenize_args(src, out, bpe_file)],
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_shards(child, out, 2)
+        deadline = time.time() + 60
+        while not any(".bin.tmp-" in p.name for p in out.iterdir()):  # Ctrl-C while a shard is being written
+            assert time.time() < deadline and child.poll() is None, "no shard temp file seen"
+            time.sleep(0.005)
+        os.kill(child.pid, signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "Traceback" not in stderr, stderr
+    state = json.loads((out / prep.STATE_FILE).read_text())
+    done = len(state["shards"]["train"])
+    (line,) = stderr.strip().splitlines()
+    assert line == (f"tokenize stopped: {done} train shard(s) of {out} are kept; run the same command again to "
+                    f"continue from there"), line
+    left = sorted(p.name for p in out.iterdir() if not p.name.endswith(".bin"))
+    assert left == [prep.STATE_FILE, "tokenizer.json"], left  # no temp file, no lease.json
+    kept = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in state["shards"]["train"]}
+    r = subprocess.run([sys.executable, "-c", UNSLOWED, *tokenize_args(src, out, bpe_file)[:-1]], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming the unfinished run in {out}: {done} train" in r.stdout
+    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # continued, not redone
+    assert data_files(out) == data_files(clean)
+    assert LEASE_FILE not in os.listdir(out)
+
+
+def test_a_finished_dataset_on_a_read_only_disk_is_still_reused(tmp_path, corpus, bpe_file, monkeypatch):
+    """Its lease cannot be written there (simulated: these tests may run as root, whom chmod does not stop), and
+    nothing else is written to reuse it; a new dataset there is one line naming the directory, leaving nothing."""
+    import errno
+    import shutil
+
+    import gptlib.lease as glease
+    from gptlib.errors import RunDirError
+
+    src, clean = corpus
+    ro = tmp_path / "ro"
+    shutil.copytree(clean, ro)
+
+    def read_only(path, obj):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(glease, "atomic_write_json", read_only)
+    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    assert prep.prepare([src], ro, **opts).splits == read_meta(clean).splits
+    assert data_files(ro) == data_files(clean)
+    with pytest.raises(RunDirError, match=f"cannot write to {tmp_path / 'new'}: Read-only file system"):
+        prep.prepare([src], tmp_path / "new", **opts)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_live_lease_of_another_machine_is_refused_unless_taken_over(tmp_path, corpus, bpe_file, monkeypatch):
+    from gptlib.errors import RunBusyError
+
+    src, clean = corpus
+    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)  # the corpus fixture's batches: the same shard cuts
+    out = tmp_path / "out"
+    out.mkdir()
+    now = time.time()
+    (out / LEASE_FILE).write_text(json.dumps({"format": 1, "host": "other-vm", "pid": 1, "session": "b" * 12,
+                                              "started": now, "heartbeat": now, "beats": 3}))
+    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    with pytest.raises(RunBusyError, match=f"{out} is in use .host other-vm, pid 1"):
+        prep.prepare([src], out, **opts)
+    assert os.listdir(out) == [LEASE_FILE]  # nothing written, the other lease untouched
+    assert prep.prepare([src], out, take_over=True, **opts).splits == read_meta(clean).splits
+    assert data_files(out) == data_files(clean)

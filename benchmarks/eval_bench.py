@@ -1,4 +1,4 @@
-"""HellaSwag scoring speed: items/s of gptlib.hellaswag on synthetic items of realistic lengths.
+"""HellaSwag scoring speed: items/s of gptlib.evaluation.hellaswag on synthetic items of realistic lengths.
 
 Random weights (speed does not depend on them) in a preset's shape; items are random token ids
 with HellaSwag-like lengths, rendered by the same rule as the real evaluation (context cut from
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from gptlib import hellaswag as hs  # noqa: E402
-from gptlib.measure import machine_info  # noqa: E402
+from gptlib.evaluation import hellaswag as hs  # noqa: E402
+from gptlib.training.throughput import machine_info  # noqa: E402
 from gptlib.config import get_preset  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
 

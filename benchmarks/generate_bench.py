@@ -1,6 +1,6 @@
 """Single-stream generation speed: gptlib's engine (with / without KV cache) vs transformers' generate.
 
-Same weights (our model exported with gptlib.export and loaded as GPT2LMHeadModel), same machine,
+Same weights (our model exported with gptlib.inference.export and loaded as GPT2LMHeadModel), same machine,
 same process, runs interleaved so both see the same machine load. Greedy decoding, a one-token
 prompt (so 1,024 new tokens fit GPT-2's 1,024 positions, which transformers cannot exceed), no
 early stop. Prints every run, then medians and ratios.
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from gptlib.config import get_preset  # noqa: E402
-from gptlib.export import export_model  # noqa: E402
-from gptlib.generate import Engine, SamplingConfig  # noqa: E402
+from gptlib.inference.export import export_model  # noqa: E402
+from gptlib.inference.engine import Engine, SamplingConfig  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
 
 

@@ -125,7 +125,7 @@ def raw_encode_seconds(paths: list[Path], tk, batch_chars: int) -> tuple[float, 
     (wall seconds, CPU seconds of all threads, tokens)."""
     import pyarrow.parquet as pq
 
-    from gptlib.pieces import split_text
+    from gptlib.data.pieces import split_text
 
     spent, cpu, n_tokens, batch, n = 0.0, 0.0, 0, [], 0
 
@@ -204,10 +204,10 @@ def main() -> None:
     log(f"# date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  commit: {commit.strip()}")
     log(f"# machine: {machine()}")
 
-    from gptlib.prepare import BATCH_CHARS
-    from gptlib.inputs import Source, file_hash, source_kind
-    from gptlib.sources import train_texts
-    from gptlib.tokenizer import BPETokenizer, load_tokenizer
+    from gptlib.data.prepare import BATCH_CHARS
+    from gptlib.data.inputs import Source, file_hash, source_kind
+    from gptlib.data.sources import train_texts
+    from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
     t = time.perf_counter()
     paths = build_corpus(work, args.gb, args.file_mb)

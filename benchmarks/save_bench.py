@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from gptlib.checkpointer import CheckpointWriter
+from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.layout import checkpoint_name
 from gptlib.config import get_preset
 from gptlib.model import GPT

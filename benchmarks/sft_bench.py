@@ -5,9 +5,9 @@ per row, padded, with a mask: tokens/s and answer tokens/s of the same train ste
 
 Conversations are synthetic, of chat-dataset-like lengths (1-3 exchanges; questions of 5-60 words,
 answers of 15-150 words, from Tiny Shakespeare's words), tokenized with tokenize --format chat. Both
-layouts run the same model and `gptlib.step.train_step`; only the batches differ:
+layouts run the same model and `gptlib.training.step.train_step`; only the batches differ:
 
-    packed  random windows of block_size over the stream of conversations (gptlib.data.BatchSampler with
+    packed  random windows of block_size over the stream of conversations (gptlib.batches.BatchSampler with
             a LossMask): every position is a real token; targets outside the answers are -1.
     padded  each row is one conversation from its start, cut at block_size, padded with <|endoftext|>;
             targets outside the answers and on the padding are -1.
@@ -34,13 +34,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gptlib.config import ModelConfig  # noqa: E402
-from gptlib.data import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler  # noqa: E402
-from gptlib.measure import StepTimer  # noqa: E402
+from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler  # noqa: E402
+from gptlib.training.throughput import StepTimer  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
-from gptlib.prepare import prepare  # noqa: E402
-from gptlib.shards import read_meta, read_spans  # noqa: E402
-from gptlib.step import train_step  # noqa: E402
-from gptlib.tokenizer import load_tokenizer  # noqa: E402
+from gptlib.data.prepare import prepare  # noqa: E402
+from gptlib.data.shards import read_meta, read_spans  # noqa: E402
+from gptlib.training.step import train_step  # noqa: E402
+from gptlib.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def synthetic_conversations(text: str, n: int, seed: int = 0) -> list[dict]:

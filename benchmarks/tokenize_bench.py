@@ -136,11 +136,11 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    from gptlib.prepare import BATCH_CHARS
-    from gptlib.inputs import Source, file_hash, source_kind
-    from gptlib.pieces import split_text
-    from gptlib.sources import train_texts
-    from gptlib.tokenizer import BPETokenizer, load_tokenizer
+    from gptlib.data.prepare import BATCH_CHARS
+    from gptlib.data.inputs import Source, file_hash, source_kind
+    from gptlib.data.pieces import split_text
+    from gptlib.data.sources import train_texts
+    from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
     t = time.perf_counter()
     paths = build_corpus(work, args.mb)

@@ -7,7 +7,7 @@ import errno
 import inspect
 import sys
 
-from .errors import GptlibError
+from gptlib.errors import GptlibError
 
 
 class CLIError(GptlibError):
@@ -59,7 +59,7 @@ def _add_tokenize(sub) -> None:
 
 def _count(s: str) -> int:
     """A token count: 2800000000, 2.8e9, 2.8B, 500M, 20K (catalog.parse_count)."""
-    from .catalog import parse_count
+    from gptlib.data.catalog import parse_count
 
     try:
         n = parse_count(s)
@@ -76,7 +76,7 @@ def cmd_tokenize(args) -> int:
     Re-running the same command resumes an interrupted run or reuses the finished dataset. One tokenize writes a
     data directory at a time; Ctrl-C stops it (exit status 130) keeping the completed shards.
     """
-    from .prepare import prepare
+    from gptlib.data.prepare import prepare
 
     inputs = list(args.input or [])
     if args.hf_dataset:
@@ -111,14 +111,14 @@ def _add_fetch(sub) -> None:
 
 def cmd_fetch(args) -> int:
     """Print the path of a checksum-verified Tiny Shakespeare file, downloading it into the cache if needed."""
-    from .download import TINYSHAKESPEARE_URL, fetch_tinyshakespeare
+    from gptlib.data.download import TINYSHAKESPEARE_URL, fetch_tinyshakespeare
 
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, url=args.url or TINYSHAKESPEARE_URL, local_path=args.local))
     return 0
 
 
 def _add_train(sub) -> None:
-    from .config import PRESETS
+    from gptlib.config import PRESETS
 
     p = _command(sub, "train", cmd_train, help="train or resume a GPT on a data directory")
     p.add_argument("--data", required=True, metavar="DATA_DIR", help="data directory from `tokenize`")
@@ -152,7 +152,7 @@ def _add_train(sub) -> None:
 
 def cmd_train(args) -> int:
     """Train a GPT; re-running the same command resumes from the run directory's newest valid checkpoint."""
-    from .train import train
+    from gptlib.training.loop import train
 
     overrides = list(args.set)
     for field in ("save_every_steps", "save_every_minutes", "keep_last"):  # flags named as the config fields
@@ -193,7 +193,7 @@ def _add_sample(sub) -> None:
 
 def cmd_sample(args) -> int:
     """Generate text from a checkpoint of a run directory (KV-cached engine)."""
-    from .generate import Engine, SamplingConfig
+    from gptlib.inference.engine import Engine, SamplingConfig
 
     if args.num_samples < 1:
         raise CLIError(f"--num-samples {args.num_samples} must be >= 1")
@@ -245,10 +245,10 @@ def cmd_chat(args) -> int:
     """Chat with a run fine-tuned on conversations (tokenize --format chat, then train --init-from). Without
     --message: an interactive chat in the terminal (/reset clears the history, /quit or Ctrl-D ends). With
     --message: one turn, and only the reply is printed. The history is kept within the context window: the oldest
-    exchanges are dropped first (see gptlib/dialogue.py).
+    exchanges are dropped first (see gptlib/inference/chat.py).
     """
-    from .dialogue import ChatSession, chat_loop
-    from .generate import SamplingConfig
+    from gptlib.inference.chat import ChatSession, chat_loop
+    from gptlib.inference.engine import SamplingConfig
 
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
@@ -272,7 +272,7 @@ def cmd_export(args) -> int:
     """Write config.json, model.safetensors and tokenizer files that transformers loads with
     GPT2LMHeadModel.from_pretrained / AutoTokenizer.from_pretrained.
     """
-    from .export import export_hf
+    from gptlib.inference.export import export_hf
 
     out = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
     print(f"exported to {out}: " + ", ".join(sorted(f.name for f in out.iterdir())))
@@ -308,8 +308,8 @@ def cmd_eval(args) -> int:
     to RUN_DIR/eval.jsonl (or --out FILE); nothing else in the run directory changes. Rows that cannot be appended
     (a read-only run directory) lose no score: the table is printed, then a warning line (exit status 0).
     """
-    from .evaluate import evaluate_run, format_table
-    from .layout import EVAL_FILE
+    from gptlib.evaluation.evaluate import evaluate_run, format_table
+    from gptlib.layout import EVAL_FILE
 
     if args.batch_tokens is not None and args.batch_tokens < 1:
         raise CLIError(f"--batch-tokens {args.batch_tokens} must be >= 1")
@@ -335,14 +335,14 @@ def cmd_import(args) -> int:
     """Turn a GPT2LMHeadModel (gpt2, gpt2-medium from the Hub when online, or any local folder) into a run
     directory: sample, eval and export-hf work on it, and train --init-from RUN_DIR fine-tunes it.
     """
-    from .hf_import import import_hf
+    from gptlib.inference.hf_import import import_hf
 
     import_hf(args.model, args.out)
     return 0
 
 
 def _add_bench(sub) -> None:
-    from .config import PRESETS
+    from gptlib.config import PRESETS
 
     p = _command(sub, "bench", cmd_bench, help="measure speed: the optimization ladder, or a preset's tokens/s and MFU")
     p.add_argument("what", choices=["ladder", "train"])
@@ -367,9 +367,9 @@ def cmd_bench(args) -> int:
     compile -> bf16 -> flash attention) with step time, speedup and MFU per rung. `bench train`: tokens/s, MFU, time
     split and ETA of a preset on the fast path, on synthetic tokens or --data.
     """
-    from . import bench
-    from .config import get_preset
-    from .measure import machine_info
+    from gptlib.training import bench
+    from gptlib.config import get_preset
+    from gptlib.training.throughput import machine_info
 
     print(machine_info())
     if args.what == "ladder":

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ColabError
+from gptlib.errors import ColabError
 
 DRIVE_MOUNT = "/content/drive"
 DRIVE_SUBDIR = "MyDrive/gptlib"  # persistent root inside the mounted Drive

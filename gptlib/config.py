@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .errors import ConfigError
+from gptlib.errors import ConfigError
 
 
 @dataclass

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, IO
 
-from .errors import HungIOError, RunDirError
+from gptlib.errors import HungIOError, RunDirError
 
 TMP_MARKER = ".tmp-"
 

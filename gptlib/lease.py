@@ -33,9 +33,9 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import LeaseLost, RunBusyError, RunDirError, loud  # noqa: F401 - importable from here (errors.py)
-from .fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
-from .layout import LEASE_FILE
+from gptlib.errors import LeaseLost, RunBusyError, RunDirError, loud  # noqa: F401 - importable from here (errors.py)
+from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
+from gptlib.layout import LEASE_FILE
 
 LEASE_FORMAT = 1
 HEARTBEAT_S = 30.0  # the holder rewrites its lease this often

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from gptlib.config import ModelConfig
 
 
 # Matrix-vector products on the CPU: MKL runs x @ W.T for a handful of rows (decoding: one token

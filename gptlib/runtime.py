@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from gptlib.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

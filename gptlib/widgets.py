@@ -25,10 +25,10 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from .compare import Comparison
-from .dialogue import ChatSession
-from .generate import Completion, Engine, SamplingConfig
-from .loading import checkpoint_label, checkpoint_table
+from gptlib.inference.compare import Comparison
+from gptlib.inference.chat import ChatSession
+from gptlib.inference.engine import Completion, Engine, SamplingConfig
+from gptlib.inference.loading import checkpoint_label, checkpoint_table
 
 
 def enable_colab_widgets() -> bool:
@@ -259,7 +259,7 @@ class ChatBox:
     """A chat with a chat-tuned run: transcript, message box, Send and Reset, sampling settings, system prompt.
 
     Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used. The transcript shows every
-    turn; the model sees those that fit its context (gptlib.dialogue drops the oldest, and says so here). Enter
+    turn; the model sees those that fit its context (gptlib.inference.chat drops the oldest, and says so here). Enter
     sends (a one-line box). `display(box)` shows the widget, or where a front end cannot draw widgets the
     conversation as text: a message sent before the box is shown needs no printing of its own (it would then
     show twice, and stay after Reset).

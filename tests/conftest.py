@@ -65,7 +65,7 @@ def small_text(tmp_path_factory, shakespeare_path) -> Path:
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory, small_text) -> Path:
     """A char-level data directory built from small_text (shared, read-only for tests)."""
-    from gptlib.prepare import prepare_text
+    from gptlib.data.prepare import prepare_text
 
     out = tmp_path_factory.mktemp("data") / "char"
     prepare_text([small_text], out, tokenizer="char", verbose=False)

@@ -194,8 +194,8 @@ class FakeHub(AbstractFileSystem):
 
 
 def install_fake_hub(monkeypatch, root: Path, faults: Faults | None = None) -> dict:
-    """Make gptlib.hub use a FakeHub over `root`; returns {"fs": the last one made, "tokens": [...]}."""
-    import gptlib.hub as hub
+    """Make gptlib.data.hub use a FakeHub over `root`; returns {"fs": the last one made, "tokens": [...]}."""
+    import gptlib.data.hub as hub
 
     made: dict = {"fs": None, "tokens": []}
 
@@ -219,7 +219,7 @@ FAKE_HUB_CHILD = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-import gptlib.hub as hub
+import gptlib.data.hub as hub
 from fakes import FakeHub
 hub.hf_filesystem = lambda token: FakeHub(Path({root!r}), token=token)
 from gptlib.__main__ import main

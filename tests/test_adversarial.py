@@ -14,12 +14,12 @@ import os
 
 import pytest
 
-from gptlib import mirror as gmirror
-from gptlib.checkpoint import list_checkpoints
+from gptlib.checkpoint import mirror as gmirror
+from gptlib.checkpoint.format import list_checkpoints
 from gptlib.errors import ConfigError, RunDirError
-from gptlib.metrics import read_metrics
-from gptlib.prepare import prepare_text
-from gptlib.train import train
+from gptlib.training.logs import read_metrics
+from gptlib.data.prepare import prepare_text
+from gptlib.training.loop import train
 from tests.conftest import TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
@@ -93,7 +93,7 @@ def test_a_deleted_lease_file_is_written_again_by_its_live_holder(char_data, tmp
 @pytest.fixture(scope="module")
 def other_split(char_data, small_text, tmp_path_factory):
     """The same text and tokenizer as char_data, another validation split: other tokens."""
-    from gptlib.tokenizer import load_tokenizer
+    from gptlib.data.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("other") / "char20"
     prepare_text([small_text], out, tokenizer=load_tokenizer(char_data / "tokenizer.json"), val_fraction=0.2,

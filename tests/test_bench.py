@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from gptlib import bench, measure, memory
+from gptlib.training import bench
+from gptlib.training import throughput as measure
+from gptlib.training import memory
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.config import ModelConfig
 from gptlib.model import GPT
@@ -160,7 +162,7 @@ def test_oom_in_training_gives_next_setting_and_frees_the_model(char_data, tmp_p
     import gc
 
     from gptlib.model import GPT as Model
-    from gptlib.train import train
+    from gptlib.training.loop import train
     from tests.conftest import TINY
 
     real_forward = Model.forward

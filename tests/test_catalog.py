@@ -3,7 +3,7 @@ budget and split; the user's INPUT wins; counts parse."""
 
 import pytest
 
-from gptlib.catalog import DEMO, MY_FILES, SOURCES, parse_count, source_options
+from gptlib.data.catalog import DEMO, MY_FILES, SOURCES, parse_count, source_options
 
 
 def test_every_known_source_gives_prepare_its_options():

@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import gptlib.prepare as prep
-from gptlib.chat import CHAT_TOKENS, ChatError, ChatTemplate, normalize
-from gptlib.prepare import PrepareError, prepare
-from gptlib.shards import DataFormatError, load_split, read_meta, read_spans
-from gptlib.tokenizer import BPETokenizer, load_tokenizer
+import gptlib.data.prepare as prep
+from gptlib.data.conversations import CHAT_TOKENS, ChatError, ChatTemplate, normalize
+from gptlib.data.prepare import PrepareError, prepare
+from gptlib.data.shards import DataFormatError, load_split, read_meta, read_spans
+from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
 from tests.tokenize_kit import SLOW_TOKENIZE, Killed, kill_at_encode_call, sigkill_after_shards, small_bpe, speeches
 
@@ -315,7 +315,7 @@ def test_sigkill_of_a_chat_tokenize_then_resume_is_byte_identical(tmp_path, run_
 def test_first_prompts_take_each_conversations_first_question():
     """The prompts sampled while fine-tuning: from a conversation's start (after <|endoftext|>) through the
     <|assistant|> before its first answer; a second answer of the same conversation is not a new prompt."""
-    from gptlib.chat import first_prompts
+    from gptlib.data.conversations import first_prompts
 
     U, A, E, EOT = 101, 102, 103, 0  # <|user|>, <|assistant|>, <|end|>, <|endoftext|>
     conv1 = [U, 5, 6, E, A, 7, E, U, 8, E, A, 9, E, EOT]  # two turns: answers at 5 and 11

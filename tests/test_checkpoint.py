@@ -1,4 +1,4 @@
-"""Unit tests of gptlib.checkpoint: atomic writes, verification, discovery, rotation, mirror copy."""
+"""Unit tests of gptlib.checkpoint.format: atomic writes, verification, discovery, rotation, mirror copy."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import time
 import pytest
 import torch
 
-from gptlib import checkpoint as ck
-from gptlib import mirror
-from gptlib.checkpoint import (CheckpointError, clean_orphans, clean_state_dict, find_latest_valid, list_checkpoints,
+from gptlib.checkpoint import format as ck
+from gptlib.checkpoint import mirror
+from gptlib.checkpoint.format import (CheckpointError, clean_orphans, clean_state_dict, find_latest_valid, list_checkpoints,
                                load_checkpoint, load_latest, load_weights_into, rotate, verify_checkpoint,
                                write_checkpoint)
-from gptlib.checkpointer import CheckpointWriter
+from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
-from gptlib.mirror import mirror_checkpoint
-from gptlib.signals import GracefulStop
+from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.training.signals import GracefulStop
 
 
 def sd(v: float = 1.0) -> dict:
@@ -383,7 +383,7 @@ def test_importing_gptlib_checkpoint_and_colab_has_no_side_effects(tmp_path):
     import subprocess
     import sys
 
-    code = "import gptlib.checkpoint, gptlib.colab, sys; print(sorted(m for m in sys.modules if m.startswith('google')))"
+    code = "import gptlib.checkpoint.format, gptlib.colab, sys; print(sorted(m for m in sys.modules if m.startswith('google')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]" and not list(tmp_path.iterdir())
 
@@ -436,7 +436,7 @@ def test_mirror_backoff_is_not_cut_short_by_a_same_step_resave(tmp_path, monkeyp
 def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
     import json
 
-    from gptlib.checkpoint import CheckpointError, verify_checkpoint
+    from gptlib.checkpoint.format import CheckpointError, verify_checkpoint
 
     ck = tmp_path / "checkpoints" / "step_0000001"
     ck.mkdir(parents=True)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gptlib import colab
-from gptlib.checkpoint import verify_checkpoint
-from gptlib.metrics import read_metrics
-from gptlib.train import train
+from gptlib.checkpoint.format import verify_checkpoint
+from gptlib.training.logs import read_metrics
+from gptlib.training.loop import train
 from tests.conftest import TINY
 
 

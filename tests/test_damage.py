@@ -22,14 +22,14 @@ import time
 import pytest
 import torch
 
-from gptlib import checkpoint as ck
-from gptlib import mirror as gmirror
-from gptlib import resume as gresume
-from gptlib import session as gsession
-from gptlib import train as gtrain
-from gptlib.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+from gptlib.checkpoint import format as ck
+from gptlib.checkpoint import mirror as gmirror
+from gptlib.checkpoint import resume as gresume
+from gptlib.training import setup as gsession
+from gptlib.training import loop as gtrain
+from gptlib.checkpoint.format import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 from gptlib.fsutil import sha256_file
-from gptlib.train import train
+from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
 
@@ -254,7 +254,7 @@ def test_a_state_json_without_config_is_skipped_with_its_reason(char_data, tmp_p
     m = json.loads((p / "manifest.json").read_text())
     m["files"]["state.json"] = {"size": (p / "state.json").stat().st_size, "sha256": sha256_file(p / "state.json")}
     (p / "manifest.json").write_text(json.dumps(m))
-    from gptlib.loading import load_for_inference
+    from gptlib.inference.loading import load_for_inference
 
     with pytest.raises(CheckpointError, match="field 'config' is missing"):
         load_for_inference(run, 10)
@@ -277,7 +277,7 @@ def test_sample_says_why_it_passed_over_the_newest(char_data, tmp_path, capsys):
 def test_a_malicious_pickle_is_named_as_such_when_sampling(char_data, tmp_path):
     import pickle
 
-    from gptlib.loading import load_for_inference
+    from gptlib.inference.loading import load_for_inference
 
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
@@ -299,7 +299,7 @@ class _Evil:
 
 
 def test_a_damaged_shard_of_the_right_size_is_named(char_data, tmp_path):
-    from gptlib.shards import DataFormatError
+    from gptlib.data.shards import DataFormatError
 
     data = tmp_path / "data"
     shutil.copytree(char_data, data)
@@ -405,7 +405,7 @@ def within(seconds, fn):
 
 @pytest.fixture()
 def short_drive_limits(monkeypatch):
-    from gptlib import loading as gloading
+    from gptlib.inference import loading as gloading
 
     for module, name in ((gloading, "DRIVE_LIST_TIMEOUT_S"), (gloading, "DRIVE_READ_STALL_S"),
                          (ck, "DRIVE_READ_STALL_S")):
@@ -419,8 +419,8 @@ def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data
     abandoned after the limit with one line naming it, not waited on forever."""
     from gptlib.__main__ import main
     from gptlib.errors import HungIOError
-    from gptlib.evaluate import evaluate_run
-    from gptlib.loading import load_for_inference
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.inference.loading import load_for_inference
 
     run = tmp_path / "drive" / "run"
     train(char_data, run, "phase1", TINY, max_steps=5, progress=False, log=quiet)
@@ -446,8 +446,8 @@ def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data
 def test_pick_run_dir_uses_the_local_copy_when_drive_hangs(char_data, tmp_path, monkeypatch, short_drive_limits):
     """Notebook 04: the Drive copy is newer, but its mount hangs: pick_run_dir passes it over within the
     limit (said so), and the local copy loads."""
-    from gptlib.generate import Engine
-    from gptlib.loading import pick_run_dir
+    from gptlib.inference.engine import Engine
+    from gptlib.inference.loading import pick_run_dir
 
     local, drive = tmp_path / "local", tmp_path / "drive" / "run"
     train(char_data, local, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet,
@@ -488,7 +488,7 @@ def test_the_end_of_run_drive_wait_reports_and_training_time_excludes_it(char_da
 
 
 def test_ctrl_c_stops_the_drive_wait(tmp_path, monkeypatch, capsys):
-    from gptlib.checkpointer import CheckpointWriter
+    from gptlib.checkpoint.writer import CheckpointWriter
 
     block = threading.Event()
     monkeypatch.setattr(gmirror, "copy_file_verified", lambda *a, **k: block.wait(30))
@@ -505,7 +505,7 @@ def test_ctrl_c_stops_the_drive_wait(tmp_path, monkeypatch, capsys):
 def test_an_old_file_that_hangs_on_the_mirror_does_not_hold_the_copy(tmp_path, monkeypatch, capsys):
     """Rotation on the mirror reads an old checkpoint's state.json that hangs: the new checkpoint still
     counts as on Drive, and closing does not wait the full timeout."""
-    from gptlib.checkpointer import CheckpointWriter
+    from gptlib.checkpoint.writer import CheckpointWriter
 
     monkeypatch.setattr(gmirror, "MIRROR_TIDY_TIMEOUT_S", 0.5)
     release = threading.Event()
@@ -543,7 +543,7 @@ def test_tokenize_refuses_a_run_dir_or_a_folder_holding_something_else(char_data
 
 @pytest.mark.parametrize("field,value", [("vocab_size", "65k"), ("vocab_size", 64.5), ("train_tokens", "lots")])
 def test_a_meta_json_field_of_the_wrong_kind_is_one_clear_error(char_data, tmp_path, field, value):
-    from gptlib.shards import DataFormatError, read_meta
+    from gptlib.data.shards import DataFormatError, read_meta
 
     data = tmp_path / "data"
     shutil.copytree(char_data, data)
@@ -560,7 +560,7 @@ def test_a_meta_json_field_of_the_wrong_kind_is_one_clear_error(char_data, tmp_p
 
 
 def test_a_vocabulary_smaller_than_the_tokenizers_is_named(char_data, tmp_path):
-    from gptlib.shards import DataFormatError
+    from gptlib.data.shards import DataFormatError
 
     data = tmp_path / "data"
     shutil.copytree(char_data, data)

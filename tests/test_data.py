@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib import data as D
-from gptlib.shards import read_meta
+from gptlib import batches as D
+from gptlib.data.shards import read_meta
 
 
 def _all_tokens(char_data, split="train") -> np.ndarray:

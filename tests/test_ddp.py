@@ -15,8 +15,8 @@ from tests.conftest import REPO, TINY
 WORKER = r'''
 import hashlib, json, os, sys
 import torch
-from gptlib import data as D
-from gptlib.train import train
+from gptlib import batches as D
+from gptlib.training.loop import train
 
 out = sys.argv[3]
 rank = int(os.environ["RANK"])
@@ -87,7 +87,7 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     assert len(samples) == 1
     import torch
 
-    from gptlib.checkpoint import find_latest_valid, load_checkpoint
+    from gptlib.checkpoint.format import find_latest_valid, load_checkpoint
 
     ck = find_latest_valid(run_dir, log=lambda m: None)
     assert ck is not None and ck.step == 4
@@ -107,7 +107,7 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
     # ... and a single process can take the run over.
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     r = train(char_data, run_dir, "phase1", overrides=ov + ["max_steps=7"], device="cpu", progress=False,
               log=lambda m: None)
@@ -119,7 +119,7 @@ def test_dist_single_process_is_a_no_op():
 
     import torch
 
-    from gptlib import distributed
+    from gptlib.training import distributed
 
     d = distributed.setup("cpu")  # no WORLD_SIZE in the environment
     assert not d.enabled and d.is_main and d.rank == 0
@@ -132,7 +132,7 @@ def test_dist_single_process_is_a_no_op():
 
 
 def test_dist_no_sync_only_before_the_last_micro_step():
-    from gptlib.distributed import Dist
+    from gptlib.training.distributed import Dist
 
     class FakeDDP:
         def __init__(self):

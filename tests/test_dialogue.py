@@ -1,4 +1,4 @@
-"""Chat with a chat-tuned run (gptlib/dialogue.py): history kept within the context (oldest pairs first, the
+"""Chat with a chat-tuned run (gptlib/inference/chat.py): history kept within the context (oldest pairs first, the
 newest message cut to its tail), the prompt is the template's rendering of what is kept, replies end at <|end|>,
 `chat --message` prints only the reply, the interactive loop (/reset, EOF), the refusal of runs without chat
 tokens, and the notebook ChatBox driven headless."""
@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import gptlib.generate as generate_mod
-from gptlib.chat import CHAT_TOKENS, END, ChatTemplate
-from gptlib.checkpoint import write_checkpoint
+import gptlib.inference.engine as generate_mod
+from gptlib.data.conversations import CHAT_TOKENS, END, ChatTemplate
+from gptlib.checkpoint.format import write_checkpoint
 from gptlib.config import ModelConfig, RunConfig
-from gptlib.dialogue import ChatSession
+from gptlib.inference.chat import ChatSession
 from gptlib.errors import ChatError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
-from gptlib.generate import SamplingConfig
+from gptlib.inference.engine import SamplingConfig
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
-from gptlib.state import TrainState
-from gptlib.tokenizer import BPETokenizer, load_tokenizer
+from gptlib.checkpoint.state import TrainState
+from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 from tests.conftest import REPO
 
 BLOCK = 64
@@ -295,7 +295,7 @@ def test_a_notebook_bar_is_recognised_so_plain_lines_are_printed_too():
     from tqdm import tqdm as text_tqdm
     from tqdm.notebook import tqdm as notebook_tqdm
 
-    from gptlib.metrics import is_notebook_bar
+    from gptlib.training.logs import is_notebook_bar
 
     class AutoBar(notebook_tqdm):  # what tqdm.auto gives in a notebook: a subclass in module tqdm.auto
         pass

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from gptlib.download import TINYSHAKESPEARE_SHA256, DownloadError, fetch_tinyshakespeare
+from gptlib.data.download import TINYSHAKESPEARE_SHA256, DownloadError, fetch_tinyshakespeare
 
 
 @pytest.fixture()

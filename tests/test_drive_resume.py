@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from gptlib import resume as gresume
-from gptlib.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
-from gptlib.metrics import read_metrics
-from gptlib.train import train
+from gptlib.checkpoint import resume as gresume
+from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
+from gptlib.training.logs import read_metrics
+from gptlib.training.loop import train
 from tests.conftest import TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
@@ -148,7 +148,7 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char
 
 def test_rotation_keeps_what_it_cannot_read(tmp_path):
     """A checkpoint whose files cannot be read now (an I/O error, not damage) is never deleted by rotation."""
-    from gptlib.checkpoint import rotate, write_checkpoint
+    from gptlib.checkpoint.format import rotate, write_checkpoint
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib import hellaswag as hs
+from gptlib.evaluation import hellaswag as hs
 from gptlib.__main__ import main
-from gptlib.evaluate import evaluate_run, read_eval_rows
+from gptlib.evaluation.evaluate import evaluate_run, read_eval_rows
 from gptlib.layout import EVAL_FILE
 
 from .conftest import TINY
@@ -24,7 +24,7 @@ from .conftest import TINY
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, char_data):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     rd = tmp_path_factory.mktemp("eval") / "run"
     train(char_data, rd, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
@@ -77,7 +77,7 @@ def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
     rc = main(["eval", "--run-dir", str(run_dir), "--task", "bpb", "--checkpoint", "best", "--limit", "50", "--quiet"])
     assert rc == 0 and "val bpb" in capsys.readouterr().out
     (b,) = read_eval_rows(run_dir, "bpb")
-    from gptlib.loading import checkpoint_table
+    from gptlib.inference.loading import checkpoint_table
 
     assert b["step"] == checkpoint_table(run_dir)[0]["best_step"] and b["n"] == b["windows"] == 50 and b["tokens"] == 50 * 32
     assert b["bpb"] == pytest.approx(b["loss"] / np.log(2))  # a char corpus of ASCII: one byte per token
@@ -95,7 +95,7 @@ def _error(capsys, argv) -> str:
 
 def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp_path, capsys, monkeypatch,
                                                              small_text):
-    from gptlib.prepare import prepare_text
+    from gptlib.data.prepare import prepare_text
 
     before = snapshot(run_dir)
     log_before = (run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None
@@ -168,8 +168,8 @@ def assert_same_choices(res: dict, sums: np.ndarray, counts: np.ndarray, items: 
 
 def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
     transformers = pytest.importorskip("transformers")  # a test-only dependency
-    from gptlib.export import export_hf
-    from gptlib.loading import load_for_inference
+    from gptlib.inference.export import export_hf
+    from gptlib.inference.loading import load_for_inference
 
     out = export_hf(run_dir, tmp_path / "hf", checkpoint="latest")
     hf = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
@@ -185,9 +185,9 @@ def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
 def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
     transformers = pytest.importorskip("transformers")
     from gptlib.config import ModelConfig
-    from gptlib.export import export_model
+    from gptlib.inference.export import export_model
     from gptlib.model import GPT
-    from gptlib.tokenizer import BPETokenizer
+    from gptlib.data.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train([small_text.read_text()], vocab_size=400)
     torch.manual_seed(7)

@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlib import hellaswag as hs
+from gptlib.evaluation import hellaswag as hs
 from gptlib.config import ConfigError, ModelConfig, get_preset
-from gptlib.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
-from gptlib.plots import add_hellaswag_axis, hellaswag_figure
+from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
+from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
 from gptlib.model import GPT
 from gptlib.errors import EvalError
-from gptlib.scoring import pack_batches, score_rows
-from gptlib.tokenizer import BPETokenizer, CharTokenizer
+from gptlib.evaluation.likelihood import pack_batches, score_rows
+from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 
 
 def tiny_gpt(vocab=50, block=16, seed=0, bias=False) -> GPT:
@@ -254,7 +254,7 @@ def test_probe_scores_subset_and_full(small_text):
 
 
 def test_eval_rows_append_and_read(tmp_path, small_text):
-    from gptlib.evaluate import append_eval_row, make_row, read_eval_rows
+    from gptlib.evaluation.evaluate import append_eval_row, make_row, read_eval_rows
     from gptlib.layout import EVAL_FILE
 
     tok = CharTokenizer.from_text(small_text.read_text())
@@ -302,7 +302,7 @@ def test_config_fields_and_preset():
 
 
 def test_plot_helpers(tmp_path):
-    from gptlib.plots import loss_figure
+    from gptlib.training.plots import loss_figure
 
     rows = [{"step": s, "train_loss": 3 - s / 100, "val_loss": 3.1 - s / 100} for s in range(0, 300, 50)]
     fig = loss_figure(rows)

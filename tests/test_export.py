@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gptlib.config import ModelConfig
-from gptlib.export import ExportError, export_hf, export_model
-from gptlib.generate import Engine, SamplingConfig
+from gptlib.inference.export import ExportError, export_hf, export_model
+from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.model import GPT
-from gptlib.tokenizer import BPETokenizer, CharTokenizer
+from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 
 from .conftest import TINY
 
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")  # a test-only dependency (th
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, char_data):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     rd = tmp_path_factory.mktemp("export") / "run"
     train(char_data, rd, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)

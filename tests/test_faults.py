@@ -18,9 +18,9 @@ import threading
 
 import pytest
 
-from gptlib import mirror as gmirror
+from gptlib.checkpoint import mirror as gmirror
 from gptlib.__main__ import main as cli_main
-from gptlib.checkpoint import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
+from gptlib.checkpoint.format import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
 from gptlib.fsutil import sha256_file
 from tests.test_resume import MAX_STEPS, SETTINGS, curve, one_thread, run_inproc  # noqa: F401 (fixture)
@@ -171,7 +171,7 @@ def test_config_mismatch_names_field_and_both_values(char_data, run, field, valu
 
 
 def ck_train(data, run_dir, settings):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     return train(data, run_dir, "phase1", settings, max_steps=MAX_STEPS, device="cpu", progress=False,
                  log=lambda m: None)
@@ -179,7 +179,7 @@ def ck_train(data, run_dir, settings):
 
 def test_tokenizer_mismatch_names_field(run, tmp_path, small_text):
     """Resuming on data with a different tokenizer (here: a different character set)."""
-    from gptlib.prepare import prepare_text
+    from gptlib.data.prepare import prepare_text
 
     other_text = tmp_path / "upper.txt"
     other_text.write_text(small_text.read_text()[:50_000].upper())

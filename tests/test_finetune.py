@@ -24,15 +24,15 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib.chat import ChatTemplate
-from gptlib.checkpoint import find_latest_valid, load_model_weights
-from gptlib.data import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler
-from gptlib.loading import load_for_inference
-from gptlib.metrics import read_metrics
+from gptlib.data.conversations import ChatTemplate
+from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler
+from gptlib.inference.loading import load_for_inference
+from gptlib.training.logs import read_metrics
 from gptlib.model import GPT
-from gptlib.prepare import prepare
-from gptlib.shards import load_split, read_meta, read_spans
-from gptlib.train import train
+from gptlib.data.prepare import prepare
+from gptlib.data.shards import load_split, read_meta, read_spans
+from gptlib.training.loop import train
 
 from tests.conftest import REPO
 

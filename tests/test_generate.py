@@ -8,13 +8,13 @@ import shutil
 import pytest
 import torch
 
-from gptlib.checkpoint import CheckpointError
+from gptlib.checkpoint.format import CheckpointError
 from gptlib.config import ModelConfig
-from gptlib.generate import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
-from gptlib.loading import checkpoint_table, load_for_inference, load_run_tokenizer, resolve_checkpoint
+from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
+from gptlib.inference.loading import checkpoint_table, load_for_inference, load_run_tokenizer, resolve_checkpoint
 from gptlib.model import GPT
-from gptlib.state import TrainState
-from gptlib.tokenizer import CharTokenizer, TokenizerError
+from gptlib.checkpoint.state import TrainState
+from gptlib.data.tokenizer import CharTokenizer, TokenizerError
 
 from .conftest import TINY
 
@@ -33,7 +33,7 @@ def model() -> GPT:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, char_data):
     """A tiny trained char-level run with checkpoints at steps 5 and 10."""
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     rd = tmp_path_factory.mktemp("gen") / "run"
     train(char_data, rd, overrides=TINY + ["eval_interval=5", "keep_last=5"], max_steps=10, progress=False,
@@ -109,7 +109,7 @@ def test_compiled_decode_step_gives_the_same_tokens(model):
 
 def test_compiled_decoding_survives_the_recompile_limit(model):
     """One graph per batch size: past dynamo's recompile limit the engine warns and decodes eagerly."""
-    from gptlib.generate import _forward_last
+    from gptlib.inference.engine import _forward_last
 
     eager, compiled = Engine(model), Engine(model, compile=True)
     greedy = SamplingConfig(max_new_tokens=6, temperature=0)
@@ -313,8 +313,8 @@ def test_corrupt_weights_are_refused(run_dir, tmp_path):
 
 def test_milestones_let_notebook_04_compare_early_and_late_checkpoints(char_data, tmp_path):
     """keep_every: checkpoints at its multiples are saved and survive rotation (keep_last=2)."""
-    from gptlib.compare import compare_checkpoints
-    from gptlib.train import train
+    from gptlib.inference.compare import compare_checkpoints
+    from gptlib.training.loop import train
 
     rd = tmp_path / "run"
     r = train(char_data, rd, overrides=TINY + ["keep_last=2", "keep_every=6", "eval_interval=10"], max_steps=20,
@@ -353,7 +353,7 @@ def test_cli_sample(run_dir, capsys):
 
 def test_text_stream_waits_for_whole_utf8_characters():
     """Byte-level tokens can split a character: the stream holds bytes until they decode cleanly."""
-    from gptlib.generate import _TextStream
+    from gptlib.inference.engine import _TextStream
 
     class ByteTok:  # one token per byte, like the 256 base symbols of byte-level BPE
         def decode(self, ids):
@@ -368,7 +368,7 @@ def test_text_stream_waits_for_whole_utf8_characters():
 
 
 def test_bpe_text_generation_with_end_of_text(small_text):
-    from gptlib.tokenizer import BPETokenizer
+    from gptlib.data.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train([small_text.read_text()], vocab_size=300)
     torch.manual_seed(0)

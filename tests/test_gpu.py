@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlib.checkpoint import find_latest_valid, load_checkpoint
+from gptlib.checkpoint.format import find_latest_valid, load_checkpoint
 from gptlib.errors import OutOfMemoryAdvice
-from gptlib.memory import free_memory
-from gptlib.metrics import read_metrics
-from gptlib.train import train
+from gptlib.training.memory import free_memory
+from gptlib.training.logs import read_metrics
+from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
 
 gpu = pytest.mark.gpu
@@ -189,7 +189,7 @@ def _fresh_compile_state(request):
 @pytest.fixture(scope="module")
 def shakespeare_char(tmp_path_factory, shakespeare_path):
     """All of Tiny Shakespeare, char-level (what notebook 02 and the phase1 preset train on)."""
-    from gptlib.prepare import prepare_text
+    from gptlib.data.prepare import prepare_text
 
     out = tmp_path_factory.mktemp("gpu_char") / "data"
     prepare_text([shakespeare_path], out, tokenizer="char", verbose=False)
@@ -199,7 +199,7 @@ def shakespeare_char(tmp_path_factory, shakespeare_path):
 @pytest.fixture(scope="module")
 def bpe_data(tmp_path_factory, shakespeare_path):
     """Tiny Shakespeare in a 4,096-id byte-level BPE trained on it (~0.3M tokens)."""
-    from gptlib.prepare import prepare
+    from gptlib.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("gpu_bpe") / "data"
     prepare([shakespeare_path], out, tokenizer="bpe", vocab_size=BPE_VOCAB, verbose=False)
@@ -311,7 +311,7 @@ def _assert_same(got, want, where: str) -> None:
 def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
     """The pinned host buffer, reused by the second save: each checkpoint holds the weights and AdamW moments as
     they were when save() returned, although the GPU changes them all right after (while the writer writes)."""
-    from gptlib.checkpointer import CheckpointWriter
+    from gptlib.checkpoint.writer import CheckpointWriter
     from gptlib.config import ModelConfig
     from gptlib.model import GPT
 
@@ -413,8 +413,8 @@ NCCL_WORKER = r'''
 import json, os, sys
 import torch
 import torch.distributed as dist
-from gptlib import distributed
-from gptlib.train import train
+from gptlib.training import distributed
+from gptlib.training.loop import train
 
 seen = {}
 
@@ -497,7 +497,7 @@ def test_forced_oom_gives_advice_and_the_process_goes_on(bpe_data, tmp_path, com
 def test_cuda_graph_decoding_gives_the_eager_tokens(char_data, tmp_path):
     """Engine(compile=True) (torch.compile, CUDA graphs, static cache) vs the eager engine: greedy tokens, batch 1
     and 2 (prompts of different lengths), past the 32-token window (window_slide 1: re-prefills; 8: compiled steps)."""
-    from gptlib.generate import Engine, SamplingConfig, _forward_last
+    from gptlib.inference.engine import Engine, SamplingConfig, _forward_last
 
     r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off")
     precision = torch.get_float32_matmul_precision()

@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import gptlib.hub as hub
-import gptlib.remote as remote
-from gptlib.prepare import PrepareError, prepare
-from gptlib.shards import read_meta
+import gptlib.data.hub as hub
+import gptlib.data.remote as remote
+from gptlib.data.prepare import PrepareError, prepare
+from gptlib.data.shards import read_meta
 from tests.fakes import add_repo_file, fake_hub_child, install_fake_hub
 from tests.tokenize_kit import speeches
 

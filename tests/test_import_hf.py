@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gptlib.errors import ConfigError, HFImportError
-from gptlib.generate import Engine
-from gptlib.hf_import import import_hf
-from gptlib.loading import load_for_inference
-from gptlib.tokenizer import BPETokenizer
+from gptlib.inference.engine import Engine
+from gptlib.inference.hf_import import import_hf
+from gptlib.inference.loading import load_for_inference
+from gptlib.data.tokenizer import BPETokenizer
 from tests.conftest import TINY
 from tests.test_export import assert_same_model
 
@@ -46,7 +46,7 @@ def test_import_gives_transformers_logits_and_greedy_tokens(hf_folder, tmp_path)
 
 
 def test_export_import_export_round_trip(hf_folder, tmp_path):
-    from gptlib.export import export_hf
+    from gptlib.inference.export import export_hf
 
     a = import_hf(hf_folder, tmp_path / "a", log=quiet)
     export_hf(a, tmp_path / "exported")
@@ -59,8 +59,8 @@ def test_export_import_export_round_trip(hf_folder, tmp_path):
 
 
 def test_a_char_run_comes_back_with_its_char_tokenizer(char_data, tmp_path):
-    from gptlib.export import export_hf
-    from gptlib.train import train
+    from gptlib.inference.export import export_hf
+    from gptlib.training.loop import train
 
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=4, progress=False, log=quiet)
     export_hf(tmp_path / "run", tmp_path / "hf")
@@ -102,8 +102,8 @@ def test_import_never_writes_into_a_folder_holding_something(hf_folder, tmp_path
 
 
 def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, small_text):
-    from gptlib.prepare import prepare
-    from gptlib.train import train
+    from gptlib.data.prepare import prepare
+    from gptlib.training.loop import train
 
     base = import_hf(hf_folder, tmp_path / "base", log=quiet)
     data = tmp_path / "data"
@@ -124,7 +124,7 @@ def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, 
 
 
 def test_init_from_with_another_vocabulary_names_both_sides(hf_folder, tmp_path, char_data):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     base = import_hf(hf_folder, tmp_path / "base", log=quiet)
     with pytest.raises(ConfigError, match=r"its vocabulary \(bpe, 300 tokens.*is not the data's .*char, 61 tokens"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gptlib import lease as L
-from gptlib.train import train
+from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
 
@@ -220,7 +220,7 @@ def test_take_over_takes_a_live_lease(char_data, tmp_path):
 
 
 def test_readers_need_no_lease(char_data, tmp_path):
-    from gptlib.generate import Engine
+    from gptlib.inference.engine import Engine
 
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)

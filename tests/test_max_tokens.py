@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptlib.prepare as prep
+import gptlib.data.prepare as prep
 from gptlib.__main__ import _count
-from gptlib.prepare import PrepareError, prepare
-from gptlib.shards import load_split, read_meta
-from gptlib.tokenizer import BPETokenizer, load_tokenizer
+from gptlib.data.prepare import PrepareError, prepare
+from gptlib.data.shards import load_split, read_meta
+from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
 from tests.tokenize_kit import Killed, kill_at_encode_call
 

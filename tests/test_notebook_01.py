@@ -2,7 +2,7 @@
 
 import shutil
 
-from gptlib.shards import read_meta
+from gptlib.data.shards import read_meta
 from tests.nbrun import outputs_text, run_notebook
 
 

@@ -9,7 +9,7 @@ from tests.nbrun import outputs_text, run_notebook
 
 
 def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     run = tmp_path / "root" / "runs" / "nb04"
@@ -49,7 +49,7 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
 
 def test_playground_headless(tmp_path, char_data):
     """The widgets build without a browser; Generate streams into the output; errors show in the status."""
-    from gptlib.train import train
+    from gptlib.training.loop import train
     from gptlib.widgets import Playground, parse_list
 
     run = tmp_path / "run"

@@ -14,13 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import gptlib.prepare as prep
-import gptlib.inputs as inputs
-import gptlib.pieces as gpieces
-import gptlib.sources as sources
-from gptlib.prepare import PrepareError, prepare, prepare_text
-from gptlib.shards import DataFormatError, load_split, read_meta
-from gptlib.tokenizer import EOT, BPETokenizer, load_tokenizer
+import gptlib.data.prepare as prep
+import gptlib.data.inputs as inputs
+import gptlib.data.pieces as gpieces
+import gptlib.data.sources as sources
+from gptlib.data.prepare import PrepareError, prepare, prepare_text
+from gptlib.data.shards import DataFormatError, load_split, read_meta
+from gptlib.data.tokenizer import EOT, BPETokenizer, load_tokenizer
 
 from tests.tokenize_kit import SLOW_PRELUDE, Killed, kill_at_encode_call, sigkill_after_shards
 
@@ -331,7 +331,7 @@ def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, mon
 # VmHWM: the peak RSS of the child's own address space (ru_maxrss would include pytest's at fork time).
 _RSS_CHILD = """
 import re, sys
-from gptlib.prepare import prepare_text
+from gptlib.data.prepare import prepare_text
 prepare_text([sys.argv[1]], sys.argv[2], shard_tokens=2_000_000, verbose=False)
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) // 1024)
 """

@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import gptlib.prepare as prep
-import gptlib.remote as remote
-from gptlib.prepare import PrepareError, prepare
-from gptlib.shards import read_meta
+import gptlib.data.prepare as prep
+import gptlib.data.remote as remote
+from gptlib.data.prepare import PrepareError, prepare
+from gptlib.data.shards import read_meta
 from tests.fakes import FAULTS
 from tests.tokenize_kit import SLOW_TOKENIZE, sigkill_after_shards
 
@@ -178,7 +178,7 @@ def test_sigkill_of_a_url_run_then_resume_gives_the_same_shards(tmp_path, docs, 
 # VmHWM: the peak RSS of the child's own address space.
 _RSS_CHILD = """
 import re, sys
-from gptlib.prepare import prepare
+from gptlib.data.prepare import prepare
 prepare([sys.argv[1]], sys.argv[2], tokenizer="char", shard_tokens=2_000_000, verbose=False)
 print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) // 1024)
 """

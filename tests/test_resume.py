@@ -18,12 +18,12 @@ import sys
 import pytest
 import torch
 
-from gptlib import data as gdata
-from gptlib import session as gsession
-from gptlib import train as gtrain
-from gptlib.checkpoint import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
-from gptlib.metrics import read_metrics
-from gptlib.train import train
+from gptlib import batches as gdata
+from gptlib.training import setup as gsession
+from gptlib.training import loop as gtrain
+from gptlib.checkpoint.format import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
+from gptlib.training.logs import read_metrics
+from gptlib.training.loop import train
 
 from tests.conftest import REPO, TINY
 
@@ -218,7 +218,7 @@ def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys, monkeypat
     the same call resumes from it."""
     import time
 
-    from gptlib.checkpoint import list_checkpoints
+    from gptlib.checkpoint.format import list_checkpoints
 
     # Every step lasts longer than save_every_minutes (6 ms): a tiny step on an idle CPU can be faster,
     # and then step 7 was not saved (flaky [6, 8]). The loop calls fault_point once per step.

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import gptlib.runtime as rt
-from gptlib import measure, memory
+from gptlib.training import throughput as measure
+from gptlib.training import memory
 from gptlib.config import build_config, get_preset
-from gptlib.distributed import Dist
+from gptlib.training.distributed import Dist
 from gptlib.errors import ConfigError, OutOfMemoryAdvice
 from tests.conftest import REPO, TINY
 
@@ -54,8 +55,8 @@ def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 
                                            torch.float16), ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
                                            ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
 def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
-    from gptlib.bench import half_dtype
-    from gptlib.scoring import eval_autocast
+    from gptlib.training.bench import half_dtype
+    from gptlib.evaluation.likelihood import eval_autocast
 
     fake_gpu(monkeypatch, name, cap)
     assert rt.resolve_dtype("auto", CUDA) == want
@@ -66,7 +67,7 @@ def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
 
 
 def test_fp16_training_gets_a_grad_scaler_and_bf16_does_not():
-    from gptlib.session import build_model
+    from gptlib.training.setup import build_model
 
     for dtype, scaled in (("float16", True), ("bfloat16", False), ("float32", False)):
         cfg = build_config("phase1", TINY + [f"dtype={dtype}"], device="cpu")
@@ -163,7 +164,7 @@ def test_a_checkpoint_saves_only_the_training_devices_cuda_rng(monkeypatch):
     tensors, _ = rt.capture_rng(torch.device("cuda", 1))
     assert torch.equal(tensors["torch_cuda"], states[1])
     assert "torch_cuda" not in rt.capture_rng(torch.device("cpu"))[0]  # a CPU run holds no GPU state
-    from gptlib.session import Session
+    from gptlib.training.setup import Session
 
     fake = types.SimpleNamespace(sampler=types.SimpleNamespace(state_dict=lambda: {}), device=torch.device("cuda", 1))
     assert torch.equal(Session.step_begin(fake)[2], states[1])  # what an interrupt mid-step saves
@@ -223,7 +224,7 @@ def test_is_oom_walks_the_cause_chain():
 
 
 def test_a_compiler_wrapped_oom_in_training_gives_the_advice(tmp_path, char_data, monkeypatch):
-    import gptlib.train as gtrain
+    import gptlib.training.loop as gtrain
 
     real = gtrain.forward_backward
     calls, order = [0], []
@@ -275,7 +276,7 @@ def test_the_probe_keeps_a_margin_for_compiled_training(char_data):
     ("phase1", CUDA, "auto", False), ("gpt2-small", CUDA, "auto", True), ("phase2", CUDA, "auto", True),
     ("gpt2-small", torch.device("cpu"), "auto", False), ("phase1", CUDA, "on", True), ("gpt2-small", CUDA, "off", False)])
 def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want):
-    from gptlib.session import wrap_for_training
+    from gptlib.training.setup import wrap_for_training
 
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
     compiled = []
@@ -356,7 +357,7 @@ def test_attention_is_measured_on_hopper_only(monkeypatch):
 
 
 def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(tmp_path, char_data, monkeypatch):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as e:
@@ -368,7 +369,7 @@ def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(tmp_path, ch
 
 
 def test_a_tiny_gpu_shaped_run_on_cpu_trains_with_a_note(tmp_path, char_data):
-    from gptlib.train import train
+    from gptlib.training.loop import train
 
     logs = []
     r = train(char_data, tmp_path / "run", "gpt2-small", TINY + ["hellaswag_every=0", "grad_accum_steps=1"],

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from gptlib.prepare import PrepareError, prepare_text
-from gptlib.shards import DataFormatError, ShardWriter, dtype_for_vocab, load_split, read_meta, write_meta
-from gptlib.tokenizer import load_tokenizer
+from gptlib.data.prepare import PrepareError, prepare_text
+from gptlib.data.shards import DataFormatError, ShardWriter, dtype_for_vocab, load_split, read_meta, write_meta
+from gptlib.data.tokenizer import load_tokenizer
 
 
 def test_dtype_from_vocab():

@@ -1,4 +1,4 @@
-"""Training reads a verified local copy of data on the Drive mount (gptlib.staging), with a fake Drive: a temp
+"""Training reads a verified local copy of data on the Drive mount (gptlib.data.staging), with a fake Drive: a temp
 dir set as GPTLIB_DRIVE_MOUNT, and the VM's disk another (GPTLIB_LOCAL_ROOT)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gptlib import staging
+from gptlib.data import staging
 from gptlib.errors import DataFormatError
-from gptlib.shards import ShardWriter, read_meta, read_spans, write_meta
+from gptlib.data.shards import ShardWriter, read_meta, read_spans, write_meta
 from tests.conftest import TINY
 
 
@@ -160,8 +160,8 @@ def test_train_reads_the_local_copy(drive_data, tmp_path, capsys):
     """train() on data under the Drive mount copies it once, reads the copy, and names Drive in the checkpoint."""
     import torch
 
-    from gptlib.checkpoint import verify_checkpoint
-    from gptlib.train import train
+    from gptlib.checkpoint.format import verify_checkpoint
+    from gptlib.training.loop import train
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

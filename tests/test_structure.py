@@ -1,27 +1,56 @@
-"""The package's structure: no import cycles, a bottom layer that imports nothing above it, light commands."""
+"""The package's structure: folders along the data's path as layers no import runs up, no import cycles, light
+commands, and the size yardsticks."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 
 from tests.conftest import REPO
 
 PKG = REPO / "gptlib"
-# The bottom of the import tree: these import only each other (and torch/numpy/stdlib).
-BOTTOM = {"errors", "config", "runtime", "layout", "state", "fsutil", "faults"}
+# The layers, bottom first: a module imports only from its own layer or those below it (a newcomer who changes
+# resume, the sampler or the Drive copy opens one folder, and nothing below depends on it). Entries are module
+# names relative to gptlib/ ("config") or folders ("data/": every module in it).
+LAYERS = [
+    {"config", "errors", "runtime", "layout", "fsutil", "faults", "colab", "lease"},  # the bottom
+    {"data/"},  # text to token shards: never imports torch
+    {"model", "batches"},  # the network and the batches it trains on
+    {"checkpoint/"},  # the format, the writer, the Drive mirror, resume
+    {"inference/"},  # loading a run, the engine, chat, export and import
+    {"evaluation/"},  # log-likelihoods, HellaSwag, bits per byte
+    {"training/"},  # set-up, the step, the loop, its logs and measurements
+    {"widgets", "__main__", "__init__"},  # the notebooks' views, the CLI, the facade
+]
+
+
+def module_name(path, pkg=PKG) -> str:
+    """gptlib/data/prepare.py -> "data.prepare"; a folder's __init__.py -> "data"; gptlib/__init__.py -> "__init__"."""
+    parts = list(path.relative_to(pkg).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if module in layer or f"{module.split('.')[0]}/" in layer:
+            return i
+    raise AssertionError(f"gptlib/{module.replace('.', '/')}.py is in no layer of tests/test_structure.py's LAYERS")
 
 
 def _imported(node: ast.AST, mods: set[str]) -> set[str]:
-    """The gptlib modules one import statement names: relative (`from .x import`, `from . import x`) and
-    absolute (`from gptlib.x import`, `from gptlib import x`, `import gptlib.x`) alike."""
+    """The gptlib modules one import statement names (absolute: `from gptlib.x.y import`, `from gptlib.x import y`,
+    `import gptlib.x.y`); relative imports are refused by test_imports_are_absolute."""
     if isinstance(node, ast.Import):
-        names = [a.name.split(".")[1] for a in node.names if a.name.startswith("gptlib.")]
-    elif isinstance(node, ast.ImportFrom) and (node.level == 1 or (node.level == 0 and node.module is not None and (
-            node.module == "gptlib" or node.module.startswith("gptlib.")))):
-        module = node.module if node.level == 1 else node.module.partition(".")[2] or None
-        names = [module.split(".")[0]] if module else [a.name for a in node.names]
+        names = [a.name.partition(".")[2] for a in node.names if a.name.startswith("gptlib.")]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None and (
+            node.module == "gptlib" or node.module.startswith("gptlib.")):
+        base = node.module.partition(".")[2]
+        names = [f"{base}.{a.name}" if base else a.name for a in node.names]
+        names = [n if n in mods else base for n in names]  # `from gptlib.x import name`: the module x
     else:
         return set()
     return {n for n in names if n in mods}
@@ -29,13 +58,13 @@ def _imported(node: ast.AST, mods: set[str]) -> set[str]:
 
 def gptlib_imports(pkg=PKG) -> dict[str, set[str]]:
     """module -> the gptlib modules it imports, at module level or inside functions."""
-    mods = {p.stem for p in pkg.glob("*.py")}
+    paths = {module_name(p, pkg): p for p in pkg.rglob("*.py")}
     graph = {}
-    for p in pkg.glob("*.py"):
+    for m, p in paths.items():
         deps = set()
         for node in ast.walk(ast.parse(p.read_text())):
-            deps |= _imported(node, mods)
-        graph[p.stem] = deps
+            deps |= _imported(node, set(paths))
+        graph[m] = deps - {m}
     return graph
 
 
@@ -68,25 +97,54 @@ def test_no_import_cycles():
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
 
-def test_cycle_check_sees_absolute_imports(tmp_path):
-    """The check itself: a cycle written with absolute imports (or `import gptlib.x`) is found too."""
+def test_cycle_check_sees_every_import_form(tmp_path):
+    """The check itself: a cycle written with any absolute import form, across folders, is found."""
     pkg = tmp_path / "gptlib"
-    pkg.mkdir()
-    for body in ({"a": "from gptlib.b import f\n", "b": "import gptlib.a\n"},
-                 {"a": "from gptlib import b\n", "b": "def f():\n    from .a import g\n"},
-                 {"a": "import gptlib.b as bb\n", "b": "from gptlib.a import x\n"}):
+    (pkg / "x").mkdir(parents=True)
+    (pkg / "x" / "__init__.py").write_text("")
+    for body in ({"a": "from gptlib.x.b import f\n", "x/b": "import gptlib.a\n"},
+                 {"a": "from gptlib.x import b\n", "x/b": "def f():\n    from gptlib.a import g\n"},
+                 {"a": "import gptlib.x.b as bb\n", "x/b": "from gptlib.a import x\n"}):
         for name, text in body.items():
             (pkg / f"{name}.py").write_text(text)
-        assert find_cycle(gptlib_imports(pkg)) in (["a", "b", "a"], ["b", "a", "b"]), body
-    (pkg / "b.py").write_text("import os\nimport gptlibx.a\n")  # not gptlib: no edge
+        assert find_cycle(gptlib_imports(pkg)) in (["a", "x.b", "a"], ["x.b", "a", "x.b"]), body
+    (pkg / "x" / "b.py").write_text("import os\nimport gptlibx.a\n")  # not gptlib: no edge
     assert find_cycle(gptlib_imports(pkg)) is None
 
 
-def test_bottom_layer_imports_nothing_above_it():
+def test_imports_are_absolute():
+    """One import style across the package (`from gptlib.data.shards import read_meta`): a moved module is
+    found by one search, and the layer check reads every import."""
+    relative = [f"{p.relative_to(PKG)}:{node.lineno}" for p in sorted(PKG.rglob("*.py"))
+                for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, f"relative imports: {relative}"
+
+
+def test_no_import_runs_upward():
     graph = gptlib_imports()
-    for m in BOTTOM:
-        above = graph[m] - BOTTOM
-        assert not above, f"gptlib/{m}.py (bottom layer) imports {sorted(above)}"
+    upward = sorted(f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+                    for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+    assert not upward, "imports that run upward: " + "; ".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    pkg = tmp_path / "gptlib"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "data" / "__init__.py").write_text("")
+    (pkg / "data" / "shards.py").write_text("def f():\n    from gptlib.model import GPT\n")
+    (pkg / "model.py").write_text("")
+    graph = gptlib_imports(pkg)
+    assert graph["data.shards"] == {"model"} and layer_of("model") > layer_of("data.shards")
+
+
+def test_data_never_imports_torch():
+    """Statically, at module level and inside functions: tokenizing needs no torch (a Colab CPU runtime, and the
+    memory a tokenizer process takes)."""
+    found = [f"{p.relative_to(PKG)}:{node.lineno}" for p in sorted((PKG / "data").rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text()))
+             if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names))
+             or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch")]
+    assert not found, f"data/ imports torch: {found}"
 
 
 def test_tokenize_never_imports_torch(tmp_path, small_text):
@@ -95,6 +153,12 @@ def test_tokenize_never_imports_torch(tmp_path, small_text):
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_module_names_never_overlap():
+    """One name, one module, wherever it lives (nanochat's habit): a name in a message or a search finds it."""
+    names = [p.name for p in PKG.rglob("*.py") if p.name != "__init__.py"]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
 
 
 # --- the issue's yardsticks: module and function size ----------------------------------------
@@ -107,15 +171,16 @@ LONG_FUNCTIONS: set[str] = set()
 
 
 def _functions():
-    for p in sorted(PKG.glob("*.py")):
+    for p in sorted(PKG.rglob("*.py")):
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                yield f"{p.name}:{node.name}", node.end_lineno - start + 1
+                yield f"{p.relative_to(PKG)}:{node.name}", node.end_lineno - start + 1
 
 
 def test_no_module_over_500_lines():
-    over = {p.name: n for p in PKG.glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    over = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {over}"
 
 
@@ -129,33 +194,33 @@ def test_no_function_over_80_lines():
 
 # --- one definition of every file name ---------------------------------------------------------
 
-# Run-dir names (gptlib/layout.py) and data-dir names (gptlib/shards.py), as string literals anywhere else.
+# Run-dir names (gptlib/layout.py) and data-dir names (gptlib/data/shards.py), as string literals anywhere else.
 # config.json and tokenizer.json are left out: they are also Hugging Face's names (export, import-hf).
 _OWNED_NAMES = {"layout.py": ("checkpoints", "metrics.jsonl", "samples.jsonl", "samples.md", "loss.png", "eval.jsonl",
                               "lease.json", "model.pt", "train_state.pt", "state.json", "manifest.json"),
-                "shards.py": ("meta.json", "prepare_state.json")}
+                "data/shards.py": ("meta.json", "prepare_state.json")}
 
 
 def test_file_names_are_defined_once():
     found = []
-    for p in sorted(PKG.glob("*.py")):
+    for p in sorted(PKG.rglob("*.py")):
+        rel = str(p.relative_to(PKG))
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 owner = next((o for o, names in _OWNED_NAMES.items() if node.value in names), None)
-                if owner is not None and owner != p.name:
-                    found.append(f"{p.name}:{node.lineno} {node.value!r} (import it from gptlib/{owner})")
+                if owner is not None and owner != rel:
+                    found.append(f"{rel}:{node.lineno} {node.value!r} (import it from gptlib/{owner})")
     assert not found, "file-name literals outside their module: " + "; ".join(found)
 
 
 def test_the_readme_architecture_names_every_module_once():
     """A new reader finds where a change goes from the README's architecture section: every module of
-    gptlib/ is named there exactly once (a new module gets its line)."""
-    import re
-
+    gptlib/ is named there exactly once (a new module gets its line; a folder's __init__.py needs none)."""
     text = (REPO / "README.md").read_text()
     start = text.index("## Architecture: the data's path")
     end = text.find("\n## ", start + 1)
     section = text[start:end if end != -1 else len(text)]
-    counts = {p.name: len(re.findall(rf"(?<![\w.]){re.escape(p.name)}\b", section)) for p in PKG.glob("*.py")}
+    counts = {p.name: len(re.findall(rf"(?<![\w.]){re.escape(p.name)}\b", section)) for p in PKG.rglob("*.py")
+              if p.parent == PKG or p.name != "__init__.py"}
     wrong = {name: n for name, n in counts.items() if n != 1}
     assert not wrong, f"README.md's architecture section names these modules not exactly once: {wrong}"

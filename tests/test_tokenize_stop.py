@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import gptlib.prepare as prep
+import gptlib.data.prepare as prep
 from gptlib.layout import LEASE_FILE
-from gptlib.shards import read_meta
+from gptlib.data.shards import read_meta
 
 from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, wait_for_shards
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gptlib.tokenizer import EOT, BPETokenizer, CharTokenizer, TokenizerError, check_identity, load_tokenizer
+from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, TokenizerError, check_identity, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ import time
 import pytest
 import torch
 
-from gptlib.checkpoint import list_checkpoints, load_model_weights
+from gptlib.checkpoint.format import list_checkpoints, load_model_weights
 from gptlib.config import ConfigError
-from gptlib.metrics import read_metrics
-from gptlib.step import lr_at
-from gptlib.train import train
+from gptlib.training.logs import read_metrics
+from gptlib.training.step import lr_at
+from gptlib.training.loop import train
 from gptlib.config import TrainConfig
 from tests.conftest import TINY
 
@@ -58,7 +58,7 @@ def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_dat
 def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tmp_path, char_data, monkeypatch):
     """A slow validation (0.5 s, far longer than a tiny step): the steady tokens/s and each row's tokens/s leave it
     out, the call's overall tokens/s and the ETA count it, and the closing line gives both rates."""
-    import gptlib.train as T
+    import gptlib.training.loop as T
 
     real = T.validation_loss
 
@@ -119,8 +119,8 @@ def test_resume_with_a_different_model_is_refused_and_leaves_the_run_intact(tmp_
 
 
 def test_text_shorter_than_one_block_is_a_clear_error(tmp_path):
-    from gptlib.prepare import prepare_text
-    from gptlib.shards import DataFormatError
+    from gptlib.data.prepare import prepare_text
+    from gptlib.data.shards import DataFormatError
 
     f = tmp_path / "short.txt"
     f.write_text("To be, or not to be: that is the question.\n" * 3)
@@ -142,7 +142,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, monkeypatch):
     """auto_batch changes batch_size and grad_accum_steps: config.json says so, as the checkpoints do."""
-    from gptlib import session
+    from gptlib.training import setup as session
 
     monkeypatch.setattr(session, "auto_micro_batch", lambda model, cfg, device, dtype, log=print: (4, 4))
     run = tmp_path / "run"
@@ -156,7 +156,7 @@ def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, m
 def test_hellaswag_during_training(tmp_path, char_data):
     """hellaswag_every: a fixed subset at the validations that cross a multiple, all items at the end (also
     in eval.jsonl), drawn beside the loss; without the file, training goes on and says why."""
-    from gptlib.evaluate import read_eval_rows
+    from gptlib.evaluation.evaluate import read_eval_rows
 
     items = [{"ctx": "ROMEO:", "endings": [" what", " is", " this", " night"], "label": i % 4} for i in range(12)]
     hs_file = tmp_path / "hs.jsonl"
@@ -221,7 +221,7 @@ def test_the_bar_is_readable_with_a_gpu_runs_longest_fields():
     """The longest postfix a GPU run shows (MFU known, millions of tokens/s, hours left, 5-digit steps)."""
     from tqdm import tqdm
 
-    from gptlib.metrics import BAR_FORMAT, bar_postfix
+    from gptlib.training.logs import BAR_FORMAT, bar_postfix
 
     postfix = bar_postfix(3.2104, 1_234_567.0, {"mfu": 0.4567, "eta_s": 45_296.0,
                                                  "time_split": {"data": 0.03, "fwd_bwd": 0.9, "optim": 0.07}})
@@ -236,7 +236,7 @@ def test_the_bar_is_readable_with_a_gpu_runs_longest_fields():
 def test_training_into_a_file_or_a_pipe_prints_plain_lines(tmp_path, char_data, monkeypatch, capsys):
     """`train ... > log.txt 2>&1`: no carriage-return redraws (one endless line in the file), a progress line every
     MetricsLog.TEXT_EVERY_S instead (0 here: one per log step)."""
-    from gptlib.metrics import MetricsLog, plain_progress
+    from gptlib.training.logs import MetricsLog, plain_progress
 
     assert plain_progress(__import__("io").StringIO()) and not plain_progress(FakeTerminal())
     monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)
@@ -250,7 +250,7 @@ def test_training_into_a_file_or_a_pipe_prints_plain_lines(tmp_path, char_data, 
 
 def test_the_samples_table_is_left_aligned(tmp_path):
     """samples.md: the classic notebook right-aligns a column without an explicit alignment; text reads left."""
-    from gptlib.metrics import write_samples_table
+    from gptlib.training.logs import write_samples_table
 
     rows = [{"step": s, "prompt": p, "text": p + " and more"} for s in (10, 20) for p in ("ROMEO:", "JULIET:")]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -17,7 +17,7 @@ pytest.importorskip("ipywidgets")
 @pytest.fixture(scope="module")
 def char_run(tmp_path_factory, char_data) -> Path:
     """A random-weight char model (step 0): fast to generate 2,000 tokens from on a CPU."""
-    from gptlib.tokenizer import load_tokenizer
+    from gptlib.data.tokenizer import load_tokenizer
 
     return write_run(tmp_path_factory.mktemp("pg") / "run", load_tokenizer(char_data))
 

@@ -10,8 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import gptlib.prepare as prep
-from gptlib.tokenizer import BPETokenizer
+import gptlib.data.prepare as prep
+from gptlib.data.tokenizer import BPETokenizer
 
 
 def speeches(shakespeare_path: Path, chars: int) -> list[str]:
@@ -46,7 +46,7 @@ def kill_at_encode_call(monkeypatch, n: int):
 # after a few shards. `python -c SLOW_TOKENIZE ARGS...` is `python -m gptlib ARGS...` so slowed.
 SLOW_PRELUDE = """
 import sys, time
-import gptlib.prepare as prep
+import gptlib.data.prepare as prep
 prep.BATCH_CHARS = 20_000
 flush = prep.ShardWriter.flush
 def slow_flush(self):

@@ -1,0 +1,370 @@
+"""Token shards -> training batches: preloaded tokens (GPU or RAM) or a chunked memmap, seeded sampling.
+
+Where the tokens live is chosen once per split and printed with the reason:
+
+    gpu     the split plus the model's training memory fit in free GPU memory: batches are gathered on
+            the GPU, nothing crosses PCIe in the hot loop.
+    ram     the split fits in available RAM with a margin: one flat tensor; each batch is gathered on
+            the host, pinned, and copied with non_blocking=True.
+    memmap  it does not fit: large contiguous chunks (chunk_tokens) are read from the shards one at a
+            time (bounded memory, sequential reads, never many small random reads) and batches are
+            sampled from the current chunk.
+
+Each batch is one `randint` for the B start offsets and one gather of B x (T+1) tokens: no Python
+loop per sample. Chat data (tokenize --format chat) is packed the same way, windows over the stream of
+conversations, and a `LossMask` built from its assistant spans sets every target outside an assistant's
+answer to -1 (ignored by the loss): the model reads the whole conversation and learns only the answers. The samplers' RNG is a private `torch.Generator` whose state goes into every
+checkpoint, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gptlib.data.shards import DatasetMeta, DataFormatError, read_meta, read_spans
+
+GiB = 1 << 30
+RAM_FRACTION = 0.75  # preload into RAM only if the data takes at most this share of available RAM ...
+RAM_RESERVE = 1 * GiB  # ... and still leaves this much for Python, the model and the OS
+GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training memory fit in this share of free memory
+DEFAULT_CHUNK_TOKENS = 1 << 24  # memmap path: 16M tokens per chunk (32 MB of uint16) held in RAM at a time
+_COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
+
+
+def _signed(dtype: np.dtype) -> np.dtype:
+    """uint16/uint32 -> same-size signed type (torch indexes signed types best)."""
+    return {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32)}[
+        np.dtype(dtype).newbyteorder("=")]
+
+
+def _as_signed_view(arr: np.ndarray) -> torch.Tensor:
+    """uint16/uint32 tokens as a same-size signed torch tensor (no copy when already contiguous)."""
+    return torch.from_numpy(np.ascontiguousarray(arr).view(_signed(arr.dtype)))
+
+
+def _unsigned_mask(t: torch.Tensor) -> int:
+    return 0xFFFF if t.dtype == torch.int16 else 0xFFFFFFFF
+
+
+def _to_ids(raw: torch.Tensor) -> torch.Tensor:
+    """Signed-view tokens -> int64 ids (undoes the signed view of uint16/uint32)."""
+    return raw.long() & _unsigned_mask(raw)
+
+
+@dataclass
+class SplitData:
+    """One split's tokens, preloaded in RAM (or on the GPU) as a flat signed tensor."""
+
+    tokens: torch.Tensor  # (N,) int16/int32 view of the unsigned ids
+    name: str
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """starts (B,) -> (B, length) tokens in the storage dtype (int16/int32): 4x less to copy than int64."""
+        dev = self.tokens.device
+        if dev.type == "cuda" and starts.device.type == "cpu":
+            starts = starts.pin_memory().to(dev, non_blocking=True)  # a pageable copy would sync the host every batch
+        offsets = torch.arange(length, device=dev)
+        idx = starts.to(dev).unsqueeze(1) + offsets  # (B, length)
+        return self.tokens[idx]
+
+
+class MemmapSplit:
+    """One split left on disk: its shards memory-mapped, read only in large contiguous pieces.
+
+    Every read checks that the ids are inside the vocabulary (one vectorised max per piece): a shard
+    damaged in place keeps its size, and meta.json's size checks cannot see it.
+    """
+
+    def __init__(self, meta: DatasetMeta, split: str):
+        self.name = split
+        self.dtype = np.dtype(meta.dtype).newbyteorder("<")
+        self.vocab_size = meta.vocab_size
+        self.paths = meta.shard_paths(split)
+        self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
+        self.bounds = np.cumsum([0] + [len(m) for m in self.maps])  # shard i holds [bounds[i], bounds[i+1])
+
+    def __len__(self) -> int:
+        return int(self.bounds[-1])
+
+    def read(self, start: int, n: int) -> torch.Tensor:
+        """Tokens [start, start + n) as a signed (n,) tensor in RAM: one sequential read per shard touched."""
+        if start < 0 or start + n > len(self):
+            raise IndexError(f"{self.name}: read [{start}, {start + n}) outside 0..{len(self)}")
+        out = np.empty(n, dtype=self.dtype)
+        pos = start
+        while pos < start + n:
+            i = int(np.searchsorted(self.bounds, pos, side="right")) - 1
+            lo = pos - int(self.bounds[i])
+            take = min(start + n - pos, int(self.bounds[i + 1]) - pos)
+            seg = out[pos - start: pos - start + take]
+            seg[:] = self.maps[i][lo: lo + take]
+            if take and int(seg.max()) >= self.vocab_size:
+                k = int(np.argmax(seg >= self.vocab_size))
+                raise DataFormatError(
+                    f"shard {self.paths[i]}: token id {int(seg[k])} at position {lo + k:,} is outside the vocabulary "
+                    f"(vocab_size {self.vocab_size}); the file was damaged after tokenizing (its size is right). "
+                    f"Tokenize again (--overwrite) or restore the file")
+            pos += take
+        return _as_signed_view(out)
+
+
+def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy; pinned + non_blocking for CUDA so the copy overlaps the previous step's kernels."""
+    if chunk.device == device:
+        return chunk
+    if device.type == "cuda" and chunk.device.type == "cpu":
+        return chunk.pin_memory().to(device, non_blocking=True)  # pinned blocks come from torch's caching host allocator
+    return chunk.to(device)
+
+
+class LossMask:
+    """Which targets of a split carry the loss: the [start, end) spans of its token stream that hold an
+    assistant's answer (shards.read_spans). The spans live where the split's tokens live (GPU or host),
+    so a batch's mask is one vectorised searchsorted beside its gather."""
+
+    def __init__(self, spans: np.ndarray, split_tokens: int, device: torch.device | str = "cpu"):
+        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        self.starts = torch.from_numpy(np.ascontiguousarray(spans[:, 0])).to(device)
+        self.ends = torch.from_numpy(np.ascontiguousarray(spans[:, 1])).to(device)
+        self.supervised = int((spans[:, 1] - spans[:, 0]).sum())  # tokens that carry the loss
+        self.fraction = self.supervised / max(1, split_tokens)
+
+    def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
+        """starts (B,) window offsets into the stream -> (B, block_size) bool: target t of row b (the token at
+        starts[b] + t + 1) is inside an assistant span."""
+        pos = starts.to(self.starts.device).unsqueeze(1) + torch.arange(1, block_size + 1, device=self.starts.device)
+        k = torch.searchsorted(self.starts, pos, right=True) - 1  # the last span starting at or before pos
+        return (k >= 0) & (pos < self.ends[k.clamp(min=0)])
+
+
+def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, LossMask]:
+    """split -> LossMask for chat data trained on the assistants' answers only; {} otherwise (every target counts)."""
+    if meta.format != "chat" or chat_loss == "all":
+        return {}
+    return {name: LossMask(read_spans(meta, name), len(data),
+                           data.tokens.device if isinstance(data, SplitData) else "cpu")
+            for name, data in splits.items()}
+
+
+def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
+    """The first n token ids of a split (fewer if it is shorter) as int64, from RAM, the GPU or the shards."""
+    n = min(n, len(data))
+    raw = data.tokens[:n] if isinstance(data, SplitData) else data.read(0, n)
+    return _to_ids(raw).cpu().numpy()
+
+
+def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
+    return DataFormatError(
+        f"the {name} split has {n:,} tokens, fewer than one block of block_size + 1 = "
+        f"{block_size + 1}; use more text, a smaller block_size (--set block_size=N), or a larger val_fraction"
+    )
+
+
+class BatchSampler:
+    """Random (x, y) batches from one preloaded split, reproducible from a seed and resumable from its state."""
+
+    def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
+                 device: str | torch.device, loss_mask: LossMask | None = None):
+        if len(data) < block_size + 1:
+            raise _too_small(data.name, len(data), block_size)
+        self.data = data
+        self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
+        self.batch_size = batch_size
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+        self.batches_drawn = 0
+
+    def _batch_from(self, tokens: SplitData, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One randint for the B start offsets, one gather of B x (T+1) tokens, one copy to the device.
+        offset: where `tokens` starts in the split's stream (a memmap chunk), for the loss mask."""
+        high = len(tokens) - self.block_size  # last valid start so that start + T + 1 <= N
+        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
+        chunk = _to_ids(_move(tokens.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
+        self.batches_drawn += 1
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        if self.loss_mask is not None:
+            y = y.masked_fill(~_move(self.loss_mask.targets(starts + offset, self.block_size), self.device), -1)
+        return x, y
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
+        return self._batch_from(self.data)
+
+    def state_dict(self) -> dict:
+        return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["rng_state"])
+        self.batches_drawn = int(state["batches_drawn"])
+
+
+class ChunkedSampler(BatchSampler):
+    """Random (x, y) batches from a split on disk, reading one large contiguous chunk at a time.
+
+    A chunk of `chunk_tokens` tokens starts at a random offset; `batches_per_chunk` batches (by default
+    enough to cover the chunk's tokens about once) are sampled from it before the next chunk is read.
+    Memory: one chunk. Disk: one sequential read per chunk. Same interface and seeding as BatchSampler;
+    its state also records the current chunk, so a resume re-reads it and continues the same stream.
+    """
+
+    def __init__(self, data: MemmapSplit, batch_size: int, block_size: int, seed: int, device: str | torch.device,
+                 loss_mask: LossMask | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 batches_per_chunk: int | None = None):
+        super().__init__(data, batch_size, block_size, seed, device, loss_mask)
+        self.chunk_tokens = max(min(int(chunk_tokens), len(data)), block_size + 1)
+        self.batches_per_chunk = batches_per_chunk or max(1, self.chunk_tokens // (batch_size * block_size))
+        self.chunk_start = -1  # no chunk read yet
+        self.chunk_batches = 0  # batches already drawn from the current chunk
+        self._chunk: SplitData | None = None
+
+    def _read_chunk(self) -> None:
+        self._chunk = SplitData(tokens=self.data.read(self.chunk_start, self.chunk_tokens), name=self.data.name)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
+        if self.chunk_start < 0 or self.chunk_batches >= self.batches_per_chunk:
+            high = len(self.data) - self.chunk_tokens + 1
+            self.chunk_start = int(torch.randint(0, high, (1,), generator=self.generator))
+            self.chunk_batches = 0
+            self._read_chunk()
+        elif self._chunk is None:  # after load_state_dict: re-read the chunk the saved run was using
+            self._read_chunk()
+        self.chunk_batches += 1
+        return self._batch_from(self._chunk, self.chunk_start)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "chunk_start": self.chunk_start, "chunk_batches": self.chunk_batches,
+                "chunk_tokens": self.chunk_tokens, "batches_per_chunk": self.batches_per_chunk}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        same_chunking = (state.get("chunk_tokens") == self.chunk_tokens
+                         and state.get("batches_per_chunk") == self.batches_per_chunk)
+        if "chunk_start" in state and same_chunking:
+            self.chunk_start, self.chunk_batches = int(state["chunk_start"]), int(state["chunk_batches"])
+        else:  # saved by the preloaded path or with other chunking: continue the RNG stream with a fresh chunk
+            self.chunk_start, self.chunk_batches = -1, 0
+        self._chunk = None
+
+
+def make_sampler(data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
+                 device: str | torch.device, loss_mask: LossMask | None = None, **chunk_kw) -> BatchSampler | ChunkedSampler:
+    """The sampler that fits where the split lives."""
+    if isinstance(data, MemmapSplit):
+        return ChunkedSampler(data, batch_size, block_size, seed, device, loss_mask, **chunk_kw)
+    return BatchSampler(data, batch_size, block_size, seed, device, loss_mask)
+
+
+# --- choosing where the data lives ------------------------------------------------------------
+
+
+@dataclass
+class DataPlan:
+    where: str  # "gpu" | "ram" | "memmap"
+    reason: str  # one line for the log: why this path
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GiB:,.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / (1 << 20):,.1f} MiB"
+
+
+def available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def plan_data(nbytes: int, device: str | torch.device, mode: str = "auto", reserve_gpu_bytes: int = 0,
+              ram_available: int | None = None, gpu_free: int | None = None) -> DataPlan:
+    """Decide where `nbytes` of tokens go. mode: auto | gpu | ram | memmap (forced, still explained)."""
+    device = torch.device(device)
+    if mode not in ("auto", "gpu", "ram", "memmap"):
+        raise ValueError(f"data mode {mode!r}: choose one of auto, gpu, ram, memmap")
+    if mode == "memmap":
+        return DataPlan("memmap", f"memmap chunks requested (data {_fmt(nbytes)})")
+    if mode == "gpu" and device.type != "cuda":
+        raise ValueError(f"data mode 'gpu' needs a CUDA device, the training device is {device}")
+    if mode == "gpu":
+        return DataPlan("gpu", f"GPU preload requested (data {_fmt(nbytes)})")
+    if mode == "auto" and device.type == "cuda":
+        if gpu_free is None:
+            gpu_free, _ = torch.cuda.mem_get_info(device)
+        budget = GPU_FRACTION * gpu_free
+        if nbytes + reserve_gpu_bytes <= budget:
+            return DataPlan("gpu", f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} fit in "
+                                   f"{GPU_FRACTION:.0%} of {_fmt(gpu_free)} free GPU memory")
+        gpu_note = (f"data {_fmt(nbytes)} + model ~{_fmt(reserve_gpu_bytes)} exceed {GPU_FRACTION:.0%} of "
+                    f"{_fmt(gpu_free)} free GPU memory; ")
+    else:
+        gpu_note = "" if device.type != "cuda" else "RAM preload requested; "
+    if ram_available is None:
+        ram_available = available_ram()
+    ram_budget = RAM_FRACTION * ram_available - RAM_RESERVE
+    if nbytes <= ram_budget:
+        return DataPlan("ram", f"{gpu_note}data {_fmt(nbytes)} fits in RAM ({_fmt(ram_available)} available, "
+                               f"keeping {1 - RAM_FRACTION:.0%} + {_fmt(RAM_RESERVE)} free)")
+    if mode == "ram":
+        raise MemoryError(f"data mode 'ram': data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} "
+                          f"available, budget {_fmt(max(0, ram_budget))}); use data mode memmap or auto")
+    return DataPlan("memmap", f"{gpu_note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} available, "
+                              f"budget {_fmt(max(0, ram_budget))}): reading contiguous chunks from disk")
+
+
+def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tensor:
+    """All of a split in one preallocated signed tensor on `device`, filled piece by piece from the shards.
+
+    No full-size temporary: host memory stays at one piece (for the GPU, a pinned staging buffer).
+    """
+    src = MemmapSplit(meta, split)
+    n = len(src)
+    sdt = torch.int16 if _signed(src.dtype) == np.dtype(np.int16) else torch.int32
+    if device.type == "cuda":
+        out = torch.empty(n, dtype=sdt, device=device)
+        for pos in range(0, n, _COPY_PIECE):
+            piece = src.read(pos, min(_COPY_PIECE, n - pos))
+            out[pos: pos + piece.numel()].copy_(piece.pin_memory(), non_blocking=True)
+        torch.cuda.synchronize(device)
+        return out
+    out = torch.empty(n, dtype=sdt)
+    view = out.numpy().view(src.dtype)  # write the unsigned tokens straight into the tensor's memory
+    for pos in range(0, n, _COPY_PIECE):
+        take = min(_COPY_PIECE, n - pos)
+        view[pos: pos + take] = src.read(pos, take).numpy().view(src.dtype)
+    return out
+
+
+def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", verbose: bool = True, *,
+                 mode: str = "auto", reserve_gpu_bytes: int = 0, log=print,
+                 ) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
+    """Validate meta.json against the shards, then put each split where `plan_data` says (and print why).
+
+    Returns SplitData (preloaded, GPU or RAM) or MemmapSplit (chunked from disk) per split; build
+    samplers with `make_sampler`.
+    """
+    meta = read_meta(data_dir)
+    device = torch.device(device)
+    itemsize = np.dtype(meta.dtype).itemsize
+    splits: dict[str, SplitData | MemmapSplit] = {}
+    for split in ("train", "val"):
+        nbytes = meta.tokens(split) * itemsize
+        plan = plan_data(nbytes, device, mode=mode, reserve_gpu_bytes=reserve_gpu_bytes)  # free memory is re-read per split
+        if plan.where == "memmap":
+            splits[split] = MemmapSplit(meta, split)
+        else:
+            splits[split] = SplitData(tokens=_preload(meta, split, device if plan.where == "gpu" else torch.device("cpu")),
+                                      name=split)
+        if verbose:
+            log(f"data: {split} {meta.tokens(split):,} tokens -> {plan.where.upper()}: {plan.reason}")
+    if verbose:
+        log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer "
+            f"{meta.tokenizer.get('kind')})")
+    return meta, splits

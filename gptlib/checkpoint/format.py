@@ -1,0 +1,407 @@
+"""Checkpoints on disk: atomic, verified saves; newest-valid discovery; safe loading; rotation.
+
+The public surface is small: `write_checkpoint` (save), `find_latest_valid` / `list_checkpoints`
+(find), `load_checkpoint` / `load_latest` / `load_model_weights` (load), and `rotate`. The file
+layout is in gptlib.layout; the background writer and its save policy are in gptlib.checkpoint.writer,
+the copy to Google Drive in gptlib.checkpoint.mirror.
+
+A checkpoint is written into `step_XXXXXXX.partial-*`, every file fsynced, the manifest (format
+version, step, size and sha256 of every file) last, then the directory is renamed. A directory
+without a manifest that verifies is ignored, so a kill at any moment leaves the previous checkpoint
+as the newest valid one. Everything loads with `torch.load(weights_only=True)`: a checkpoint cannot
+run code.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gptlib.errors import CheckpointError
+from gptlib.faults import fault_point
+from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_json, call_with_timeout, clean_temp_files, fsync_dir,
+                     read_bytes_with_timeout, sha256_file)
+from gptlib.layout import (CHECKPOINT_FILES, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER, PARTIAL_MARKER,
+                     STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir, is_checkpoint_name, step_of)
+
+CKPT_FORMAT_VERSION = 1
+MIN_KEEP_LAST = 2  # checkpoints rotation always keeps, so one survives a bad save (TrainConfig.keep_last's floor)
+DRIVE_LIST_TIMEOUT_S = 60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
+DRIVE_READ_STALL_S = 60.0  # reading a checkpoint from Drive that makes no progress for this long is abandoned
+_ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
+_STRIP_PREFIXES = ("_orig_mod.", "module.")
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    @property
+    def saved_at(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.manifest.get("time", 0)))
+
+
+def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Accept weights saved by other tools from compiled or DDP-wrapped models."""
+    out = {}
+    for k, v in sd.items():
+        while k.startswith(_STRIP_PREFIXES):  # nested wrappers: "module._orig_mod.x"
+            k = k.partition(".")[2]
+        out[k] = v
+    return out
+
+
+def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path) -> None:
+    """load_state_dict with an error that names the tensor and both shapes instead of a torch dump."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: weights do not fit this model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]} (a different architecture?)")
+    for k, v in own.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
+                                  f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)")
+    model.load_state_dict(sd)
+
+
+# --- writing, verifying, finding, loading ---------------------------------------------------------
+
+
+def _torch_save_atomic(obj: Any, path: Path) -> None:
+    atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def _manifest_entry(p: Path) -> dict:
+    return {"size": p.stat().st_size, "sha256": sha256_file(p)}
+
+
+def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: dict, state: dict,
+                     extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write one checkpoint directory atomically (see the module docstring); returns its final path.
+
+    On any error the partial directory is removed (a full disk gets its space back) and the error
+    is raised; an existing checkpoint is never touched until the new one is complete.
+    """
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / checkpoint_name(step)
+    partial = ckpt_root / f"{checkpoint_name(step)}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    try:
+        _torch_save_atomic(model_sd, partial / MODEL_FILE)
+        fault_point("save_mid", step)
+        _torch_save_atomic(train_state, partial / TRAIN_STATE_FILE)
+        atomic_write_json(partial / STATE_FILE, state)
+        for name, data in (extra_files or {}).items():
+            atomic_write(partial / name, lambda f, d=data: f.write(d))
+        files = {p.name: _manifest_entry(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
+        atomic_write_json(partial / MANIFEST_FILE, manifest)
+        install(partial, final)
+    except BaseException as e:
+        full = _disk_nearly_full(ckpt_root)  # measured before the partial files are removed
+        shutil.rmtree(partial, ignore_errors=True)
+        if full and getattr(e, "errno", None) != errno.ENOSPC:
+            # torch reports a full disk as "enforce fail ... unexpected pos": say what it is
+            raise OSError(errno.ENOSPC, f"no space left on the device of {ckpt_root} ({type(e).__name__}: "
+                                        f"{str(e).splitlines()[0][:120] if str(e) else ''})") from e
+        raise
+    return final
+
+
+def _disk_nearly_full(path: Path) -> bool:
+    """Less than 64 MB or 0.5% of the disk left: a write that failed there most likely ran out of space."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return False
+    return usage.free < max(64 << 20, usage.total // 200)
+
+
+def install(partial: Path, final: Path, truncate: bool = False) -> None:
+    """Rename a complete partial dir to its final name; a same-step one is replaced whole."""
+    if final.exists():  # e.g. re-saved after resume, or a corrupt copy being replaced
+        old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(partial, final)
+        remove_tree(old, truncate)
+    else:
+        os.replace(partial, final)
+    fsync_dir(final.parent)
+
+
+def read_manifest(path: Path) -> dict:
+    """A checkpoint's manifest.json, of this format version; CheckpointError if it is not (OSError if it cannot
+    be read: a missing or hung file is not a damaged checkpoint)."""
+    mpath = path / MANIFEST_FILE
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != CKPT_FORMAT_VERSION:
+        got = manifest.get("format_version") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{mpath}: format_version {got!r} is not {CKPT_FORMAT_VERSION}")
+    return manifest
+
+
+def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
+    """Check the manifest and every file's size (and sha256 if deep); raise CheckpointError if bad."""
+    mpath = path / MANIFEST_FILE
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
+    manifest = read_manifest(path)
+    try:
+        files = manifest["files"]
+        step = manifest["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step_of(path) not in (None, step):
+            raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
+        for required in CHECKPOINT_FILES:
+            if required not in files:
+                raise CheckpointError(f"{mpath}: does not list {required}")
+        for name in files:  # before touching any file: a crafted manifest must not reach outside
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
+        for name, rec in files.items():
+            p = path / name
+            if not p.is_file():
+                raise CheckpointError(f"{p}: listed in the manifest but missing")
+            size = p.stat().st_size
+            if size != rec["size"]:
+                raise CheckpointError(f"{p}: size {size:,} bytes, manifest says {rec['size']:,} (truncated or incomplete)")
+            if deep and sha256_file(p) != rec["sha256"]:
+                raise CheckpointError(f"{p}: sha256 differs from the manifest (corrupted)")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+    return CheckpointInfo(path=path, step=step, manifest=manifest)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Finished-looking checkpoint directories (not .partial), newest step first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] | None = None,
+                unreadable: list[tuple[Path, str]] | None = None, listed: dict[Path, list[Path]] | None = None) -> Any:
+    """load(p) of the newest checkpoint p across run_dirs for which it succeeds; None if none does.
+
+    Newest step first; at equal steps the earlier-listed dir (local, fast) first. Checkpoints that fail are
+    reported with `log` and passed over: damaged ones (CheckpointError) are appended to `skipped`; those that
+    could not be read (OSError: an I/O error, or no progress in time on a hung Drive) to `unreadable`, as
+    (path, why), and so are locations that could not be listed (listing a mirror, every dir after the first,
+    gives up after DRIVE_LIST_TIMEOUT_S). A caller that must not go on without them (resume) looks there.
+    `listed` receives each location's checkpoints as listed.
+    """
+    if isinstance(run_dirs, (str, Path)):
+        run_dirs = [run_dirs]
+    found = []
+    for i, d in enumerate(run_dirs):
+        if d is None:
+            continue
+        try:
+            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
+        except OSError as e:
+            log(f"cannot list the checkpoints in {d}: {e}")
+            if unreadable is not None:
+                unreadable.append((Path(d), str(e)))
+            continue
+        found += [(step_of(p), i, p) for p in paths]
+        if listed is not None:
+            listed[Path(d)] = paths
+    for _, _, p in sorted(found, key=lambda x: (-x[0], x[1])):
+        try:
+            return load(p)
+        except CheckpointError as e:
+            log(f"skipping checkpoint: {e}")
+            if skipped is not None:
+                skipped.append(p)
+        except OSError as e:
+            log(f"skipping checkpoint: {e}")
+            if unreadable is not None:
+                unreadable.append((p, str(e)))
+    return None
+
+
+def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> CheckpointInfo | None:
+    """The newest checkpoint that verifies, across one or more run directories (e.g. local and Drive).
+
+    Corrupt or incomplete ones are reported and skipped, so a bad newest falls back to the previous.
+    """
+    return first_valid(run_dirs, log, verify_checkpoint)
+
+
+def _safe_load(f: Path | io.BytesIO, map_location, where: Path | None = None) -> Any:
+    """torch.load with weights_only=True: a pickle that would run code is refused (CheckpointError)."""
+    try:
+        return torch.load(f, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{where or f}: cannot load safely ({type(e).__name__}: {first})") from None
+
+
+def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
+    """-> (model state_dict, train_state, state). Safe: weights_only=True refuses pickled code."""
+    model_sd = _safe_load(path / MODEL_FILE, map_location)
+    train_state = _safe_load(path / TRAIN_STATE_FILE, map_location)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+        raise CheckpointError(f"{path / STATE_FILE}: unreadable ({e})") from None
+    if not isinstance(model_sd, dict) or not isinstance(train_state, dict) or not isinstance(state, dict):
+        raise CheckpointError(f"{path}: model.pt / train_state.pt / state.json do not hold dicts")
+    return clean_state_dict(model_sd), train_state, state
+
+
+def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo, dict, dict, dict] | None:
+    """Newest checkpoint that verifies AND loads safely, falling back past bad ones; None if none.
+
+    A checkpoint whose manifest matches but whose content is refused (e.g. a pickle that would run
+    code) is skipped like a corrupt one, with the reason printed.
+    """
+    return first_valid(run_dirs, log, lambda p: (verify_checkpoint(p), *load_checkpoint(p, map_location)))
+
+
+def load_model_weights(path: Path, map_location="cpu", sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """Only the weights (for generation and export); accepts a checkpoint dir or a .pt file. The file is
+    read once, with a watchdog (a hung Drive read is abandoned after DRIVE_READ_STALL_S), checked against
+    `sha256` if given, and unpickled safely."""
+    f = path / MODEL_FILE if path.is_dir() else path
+    data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+    return clean_state_dict(_safe_load(io.BytesIO(data), map_location, where=f))
+
+
+# --- deleting, rotating, cleaning ------------------------------------------------------------------
+
+
+def remove_tree(path: Path, truncate: bool = False) -> None:
+    """Delete a checkpoint dir: rename it away first (atomic: it stops looking like a checkpoint),
+    then (on Drive) truncate each file to 0 bytes before unlinking it, because Drive keeps deleted
+    files in its trash for 30 days and they count against the quota; an empty file costs nothing."""
+    if not path.exists():
+        return
+    if DELETING_MARKER not in path.name:
+        target = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, target)
+            path = target
+        except OSError:
+            pass
+    for i, f in enumerate(sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE)):
+        if f.is_file():
+            try:
+                if truncate:
+                    os.truncate(f, 0)
+                f.unlink()
+            except OSError:
+                pass
+            if i == 0:
+                fault_point("rotate_mid", step_of(path))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool = True) -> list[Path]:
+    """Remove leftovers of interrupted saves, copies and deletions (`*.partial-*`, `*.tmp-*`, ...).
+
+    run_level: also `*.tmp-*` files directly in run_dir. Only at start-up: during training the loop
+    itself writes such temp files (loss.png, samples.md) and they must not vanish under it.
+    """
+    removed = []
+    root = checkpoints_dir(run_dir)
+    for p in list(root.iterdir()) if root.is_dir() else []:
+        if any(m in p.name for m in _ORPHAN_MARKERS):
+            if p.is_dir():
+                remove_tree(p, truncate)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+        elif p.is_dir():  # temp files inside a finished checkpoint (a kill during a same-step re-save)
+            removed += clean_temp_files(p)
+    if run_level:
+        removed += clean_temp_files(run_dir)
+    return removed
+
+
+def is_milestone(step: int | None, keep_every: int) -> bool:
+    """A checkpoint kept for good (TrainConfig.keep_every), for comparing the model across training."""
+    return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
+
+
+def marked_milestone(path: Path) -> bool:
+    """Saved as a milestone (state.json says so): kept even if keep_every changed since. OSError if state.json
+    cannot be read (a hung Drive): the caller keeps what it cannot read."""
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
+    except FileNotFoundError:
+        return False
+    except (ValueError, AttributeError):
+        return False
+
+
+def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
+           truncate: bool = False, keep_every: int = 0, bad: set[Path] = frozenset(),
+           newest: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones
+    (steps that are multiples of `keep_every`, or saved as milestones); returns what was deleted.
+
+    Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
+    Checkpoints that do not verify (cheap size check) do not count towards `keep_last`, nor do those in
+    `bad` (found unloadable at resume although their sizes match): a damaged newest checkpoint never
+    makes rotation delete a good one. `protect` holds paths still in use (e.g. being copied to Drive) or
+    that could not be read at resume. `newest`: the newest step this run has verified here; checkpoints
+    after it are not this run's to judge (a Drive that was slow at resume may hold them) and are left alone.
+    A checkpoint that cannot be read now (an I/O error, not damage) is never deleted either.
+    `truncate` empties files before deleting them (Drive: see remove_tree).
+    """
+    keep_last = max(MIN_KEEP_LAST, keep_last)
+    ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
+    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
+    if best_step is not None:
+        keep.add(checkpoints_dir(run_dir) / checkpoint_name(best_step))
+    n_valid = 0
+    for p in ckpts:
+        if n_valid >= keep_last:
+            break
+        if p in bad:
+            continue
+        try:
+            verify_checkpoint(p, deep=False)
+            keep.add(p)
+            n_valid += 1
+        except CheckpointError:
+            pass
+        except OSError:
+            keep.add(p)  # unreadable now, not known to be damaged
+    deleted = []
+    if n_valid == 0:
+        return deleted  # nothing verified: delete nothing
+    for p in ckpts:
+        if p in keep:
+            continue
+        try:
+            if marked_milestone(p):  # read only for deletion candidates (Drive is slow)
+                continue
+        except OSError:
+            continue
+        remove_tree(p, truncate)
+        deleted.append(p)
+    clean_orphans(run_dir, truncate, run_level=False)
+    return deleted

@@ -1,0 +1,172 @@
+"""Where a run continues from: the newest checkpoint that verifies and loads, on the local disk or the Drive mirror.
+
+- A checkpoint on the mirror is copied to the local run dir first, verified, under a watchdog (a Drive read that
+  makes no progress for DRIVE_READ_STALL_S is abandoned, never waited on forever).
+- Damaged checkpoints (a manifest, hash or step that does not check out) are passed over for good. Newer ones
+  that could not be read (a slow or hung Drive, where on a fresh Colab VM they are the only copy) are never
+  given up silently: the search is repeated for DRIVE_RESUME_WAIT_S, then training stops and says what to do,
+  unless the user asks to go on without them (--skip-unreadable). Rotation never deletes them (gptlib.checkpoint.format).
+- The model config must match the checkpoint's; training settings asked for now win (and are reported). The
+  data must be the run's own, unless asked otherwise (--allow-data-change, recorded in the run's state).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gptlib.checkpoint.format import DRIVE_READ_STALL_S, CheckpointInfo, first_valid, load_checkpoint, verify_checkpoint
+from gptlib.config import RunConfig
+from gptlib.errors import CheckpointError, ConfigError, loud
+from gptlib.fsutil import Progress, call_with_timeout
+from gptlib.layout import STATE_FILE, TRAIN_STATE_FILE, step_of
+from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.data.shards import DatasetMeta
+from gptlib.checkpoint.state import TrainState, TrainTensors
+
+# The model's shape: a checkpoint only resumes into the same one. Other fields (dropout, all training
+# settings) may change between sessions; the change is reported.
+MODEL_FIELDS_THAT_MUST_MATCH = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple")
+# Checkpoints that could not be read at resume (Drive slow or hung) are looked for again this often, for this
+# long; then training stops and says what to do. Module-level so tests (and users who know their Drive) can change them.
+DRIVE_RESUME_RETRY_S = 30.0
+DRIVE_RESUME_WAIT_S = 300.0
+DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
+                "force_remount=True)) and re-run")
+
+
+def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log) -> RunConfig:
+    """On resume the model must be the same; training fields asked for now win, and are reported."""
+    for name in MODEL_FIELDS_THAT_MUST_MATCH:
+        a, b = getattr(saved.model, name), getattr(asked.model, name)
+        if a != b:
+            raise ConfigError(
+                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
+                f"use a new run directory, or drop the change to resume"
+            )
+    changeable = [(saved.model, asked.model, n) for n in saved.model.__dataclass_fields__
+                  if n not in MODEL_FIELDS_THAT_MUST_MATCH]  # dropout: same weights, different regularisation
+    changeable += [(saved.train, asked.train, n) for n in saved.train.__dataclass_fields__]
+    for old_section, new_section, name in changeable:
+        a, b = getattr(old_section, name), getattr(new_section, name)
+        if a != b:
+            log(f"resume: {name} changed {a!r} -> {b!r}")
+    return asked
+
+
+@dataclass
+class Resume:
+    """The checkpoint a run continues from."""
+
+    info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
+    origin: Path  # where it was found: the local run dir or the Drive mirror
+    model_sd: dict[str, torch.Tensor]
+    tensors: TrainTensors
+    state: TrainState
+    data_change: dict = field(default_factory=dict)  # resumed on other tokens (--allow-data-change): what changed
+
+
+@dataclass
+class Passed:
+    """The checkpoints a resume passed over, which the run's rotation must treat with care."""
+
+    damaged: list[Path] = field(default_factory=list)  # newer ones that failed to verify or load: not counted as kept
+    unreadable: list[Path] = field(default_factory=list)  # newer ones (or a location) that could not be read: kept
+    mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
+
+
+def _load_resume(path: Path, run_dir: Path) -> Resume:
+    """A checkpoint that verifies (sizes and sha256), loads safely and holds a gptlib training state;
+    CheckpointError (damaged) or OSError (could not be read) otherwise, and first_valid falls back.
+
+    One on the mirror is first copied to the local run dir, verified, under a watchdog: a Drive read
+    that makes no progress for DRIVE_READ_STALL_S is abandoned (HungIOError), never waited on forever."""
+    origin = path
+    if not path.is_relative_to(run_dir):
+        progress = Progress()
+        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress), DRIVE_READ_STALL_S, progress,
+                                 what=f"reading {origin}")
+    info = verify_checkpoint(path)
+    model_sd, tensors, state = load_checkpoint(path)
+    return Resume(info, origin, model_sd, TrainTensors.from_dict(tensors, str(path / TRAIN_STATE_FILE)),
+                  TrainState.from_json(state, str(path / STATE_FILE), step=info.step))
+
+
+def _search(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool) -> tuple[Resume | None, Passed]:
+    """The newest checkpoint that loads, local or on the mirror, and what was passed over.
+
+    A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is never
+    given up silently: the search is repeated every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then
+    training stops with what to do. skip_unreadable (--skip-unreadable) goes on without them, said loudly."""
+    deadline = time.monotonic() + DRIVE_RESUME_WAIT_S
+    for attempt in itertools.count(1):
+        damaged, unreadable, listed = [], [], {}
+        resume = first_valid([run_dir, mirror_dir], log, lambda p: _load_resume(p, run_dir), damaged, unreadable,
+                             listed)
+        on_mirror = listed.get(mirror_dir) if mirror_dir is not None else None
+        passed = Passed(damaged, [p for p, _ in unreadable], step_of(on_mirror[0]) if on_mirror else None)
+        if not unreadable:
+            return resume, passed
+        start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
+        what = "; ".join(f"{p} ({why})" for p, why in unreadable)
+        if skip_unreadable:
+            loud(f"!! could not read {what}. --skip-unreadable: training goes on from {start}; those checkpoints "
+                 f"are left where they are (this run never deletes them)")
+            return resume, passed
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CheckpointError(
+                f"could not read {what} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may "
+                f"be there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} "
+                f"anyway, pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
+        loud(f"!! could not read {what}; not going on from {start} while a newer checkpoint may be there: trying "
+             f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)")
+        time.sleep(min(DRIVE_RESUME_RETRY_S, left))
+
+
+def find_resume(run_dir: Path, mirror_dir: Path | None, cfg: RunConfig, meta: DatasetMeta, log,
+                shape_from_run: bool = False, skip_unreadable: bool = False,
+                allow_data_change: bool = False) -> tuple[RunConfig, Resume | None, Passed]:
+    """The newest usable checkpoint, local or on the mirror, the config to go on with, and the newer
+    checkpoints that were passed over. shape_from_run: the model's shape is the run's own (a run
+    started with --init-from took its base's shape, not the preset's), so re-running the same command resumes."""
+    resume, passed = _search(run_dir, mirror_dir, log, skip_unreadable)
+    if resume is None:
+        return cfg, None, passed
+    saved_cfg = resume.state.run_config(str(resume.info.path / STATE_FILE))
+    if shape_from_run:
+        for name in MODEL_FIELDS_THAT_MUST_MATCH:
+            if name != "vocab_size":  # the data's, checked below with the data's identity
+                setattr(cfg.model, name, getattr(saved_cfg.model, name))
+    cfg = reconcile_resume_config(saved_cfg, cfg, run_dir, log)
+    resume.data_change = check_same_data(resume, meta, allow_data_change, log)
+    return cfg, resume, passed
+
+
+# The tokens alone changed (other text or split, same tokenizer): --allow-data-change may go on. A tokenizer,
+# vocabulary or dtype change never can: the model's ids would mean other things.
+TOKEN_FIELDS = ("train_tokens", "val_tokens", "tokens_sha256")
+
+
+def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) -> dict:
+    """Refuse to resume on data other than the run's, naming what changed; with allow_change (tokens only) go on
+    and return the change for the run's state.json ({} when nothing changed). Fields an older checkpoint did not
+    record are not compared."""
+    changed = {k: (resume.state.data[k], now) for k, now in meta.identity().items()
+               if resume.state.data.get(k) not in (None, now)}
+    if not changed:
+        return {}
+    what = ", ".join(f"{k} {was!r} -> {now!r}" for k, (was, now) in changed.items())
+    where = f"{resume.info.path} was trained on other data than {meta.data_dir} ({what})"
+    if any(k not in TOKEN_FIELDS for k in changed):
+        raise ConfigError(f"{where}; resume with the same data or use a new run directory")
+    if not allow_change:
+        raise ConfigError(f"{where}; resume with the same data, use a new run directory, or pass --allow-data-change "
+                          f"(train(..., allow_data_change=True)) to go on with this data (recorded in the run's state)")
+    log(f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "
+        f"state.json's data_changes)")
+    return {"step": resume.state.step, "data_dir": str(meta.data_dir), "was": resume.state.data, "now": meta.identity()}

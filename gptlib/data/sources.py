@@ -1,0 +1,268 @@
+"""Reading a corpus: input files (.txt, .jsonl, parquet), local or behind URLs, as a stream of text
+pieces that can restart anywhere.
+
+- Inputs (inputs.py): local files, directories and globs, and fsspec URLs (file://, memory://,
+  hf://datasets/...: remote.py, hub.py), each a Source whose identity comes from its content.
+- Documents: a .txt file is one document, a .jsonl line is one (its `text_column` field), a
+  parquet row is one (its `text_column` column). With fmt="chat" a document is a conversation: a
+  jsonl record or parquet row whose field (default `messages`, else `conversations`) holds a list of
+  messages; its turns become pieces that carry their role (chat.py renders them).
+- Pieces: text is read in pieces of at most PIECE_CHARS characters (a 100 MB line is never one
+  string unless it is one JSON value); each piece carries the position where the stream goes on
+  after it, so a resumed tokenize run restarts exactly there.
+- Reads: every file is read through remote.open_input; a read error (a network drop, a Drive I/O
+  error) is retried with backoff from the position after the last piece produced (remote.retrying):
+  a parquet file is re-opened at the row group holding that row.
+- Bad input: invalid UTF-8 is replaced by U+FFFD and counted; an unreadable parquet file (or row
+  group) is skipped with a report or is an error; a missing column/field is an error naming the file
+  and the available names; a malformed conversation is skipped and counted (chat.py).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from gptlib.data import pieces
+from gptlib.data.conversations import Malformed, conversation_pieces
+from gptlib.errors import PrepareError
+from gptlib.data.inputs import (CHAT_FIELDS, DEFAULT_TEXT_COLUMN, _ERRORS, Source, _jsonl_object, _jsonl_text, _open_parquet,
+                     _parquet_column)
+from gptlib.data.pieces import Piece, split_text
+from gptlib.data.remote import retrying
+
+ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
+TRAIN_FILES = 64  # a tokenizer-training budget is spread over at most this many files (evenly spaced)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading: every source becomes a stream of pieces; a position restarts the stream exactly there
+
+def _cut_bytes(block: bytes, at_eof: bool) -> int:
+    """Where to end a piece read from a text file: after the block if at EOF, else before its
+    last newline, else its last space, else at a UTF-8 character boundary."""
+    if at_eof:
+        return len(block)
+    k = block.rfind(b"\n")
+    if k <= 0:
+        k = block.rfind(b" ")
+    if k > 0:
+        return k
+    k = len(block)
+    while k > 0 and (block[k - 1] & 0xC0) == 0x80:  # back off continuation bytes
+        k -= 1
+    if k > 0 and block[k - 1] >= 0xC0:  # and the lead byte of the cut character
+        k -= 1
+    return k if k > 0 else len(block)
+
+
+def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None) -> Iterator[Piece]:
+    """A text file is one document, read pieces.PIECE_CHARS bytes at a time from a byte offset."""
+    off = int(pos["byte"]) if pos else 0
+    with src.open() as f:
+        if tail_cut is not None:  # move the cut off a UTF-8 continuation byte
+            f.seek(tail_cut)
+            b = f.read(4)
+            i = 0
+            while i < len(b) and (b[i] & 0xC0) == 0x80:
+                i += 1
+            tail_cut += i
+        f.seek(off)
+        while off < src.size:
+            limit = pieces.PIECE_CHARS
+            split = None
+            if tail_cut is not None:
+                split = "train" if off < tail_cut else "val"
+                if off < tail_cut:
+                    limit = min(limit, tail_cut - off)
+            block = f.read(limit)
+            if not block:
+                break  # the file shrank while reading
+            at_end = off + len(block) >= src.size or (tail_cut is not None and off + len(block) == tail_cut)
+            k = _cut_bytes(block, at_end)
+            if k < len(block):
+                f.seek(off + k)
+            off += k
+            text = block[:k].decode("utf-8", _ERRORS)
+            yield Piece(text, 0, off >= src.size, split, {"file": fi, "doc": 0, "byte": off, "char": 0}, k)
+
+
+def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, byte_after: int,
+                     nbytes: float) -> Iterator[Piece]:
+    """One document of a jsonl/parquet file (a line, a row) as pieces from character `char` on.
+    A resume inside it restarts at (byte, char), after it at byte_after; nbytes is its input size.
+    An empty document (blank line, null or "") is one empty piece, so that it is counted."""
+    if not text:
+        yield Piece("", doc, True, None, {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}, nbytes)
+        return
+    for piece, end in split_text(text, char):
+        done = end >= len(text)
+        nxt = ({"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0} if done
+               else {"file": fi, "doc": doc, "byte": byte, "char": end})
+        yield Piece(piece, doc, done, None, nxt, nbytes * len(piece) / len(text))
+
+
+def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str = "text") -> Iterator[Piece]:
+    doc = int(pos["doc"]) if pos else 0
+    byte = int(pos["byte"]) if pos else 0
+    char = int(pos["char"]) if pos else 0
+    turn = int(pos.get("turn", 0)) if pos else 0
+    with src.open() as f:
+        f.seek(byte)
+        for line in f:
+            start = byte
+            byte += len(line)
+            if fmt == "chat" and line.strip():
+                obj = _jsonl_object(line, src.path, doc + 1, field)
+                value = obj[field] if field in obj else _missing(field, obj)
+                yield from conversation_pieces(value, fi, doc, turn, char, start, byte, len(line))
+            else:
+                text = _jsonl_text(line, src.path, doc + 1, field) if line.strip() else None
+                yield from _document_pieces(text, fi, doc, char, start, byte, len(line))
+            doc += 1
+            char = turn = 0
+
+
+def _missing(field: str, obj: dict):
+    return Malformed(f"field {field!r} is missing (fields: {', '.join(map(str, obj))[:200]})")
+
+
+class _BadParquet(Exception):
+    pass
+
+
+def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None,
+                      on_bad_row_group=None, fmt: str = "text") -> Iterator[Piece]:
+    """One document per row, read row group by row group: a corrupt row group is reported through
+    on_bad_row_group(message) (which may raise) and skipped; the rows around it are kept. A read
+    error (SourceIOError) is not corruption: it goes up to the caller's retries."""
+    import pyarrow as pa
+
+    with src.open() as f:
+        try:
+            pf = _open_parquet(f)
+        except (OSError, pa.ArrowException) as e:
+            raise _BadParquet(f"cannot be opened: {e}") from None
+        col = _parquet_column(pf, src.path, column, fmt)
+        yield from _parquet_rows(pf, col, src, fi, pos, on_bad_row_group, fmt)
+
+
+def _parquet_rows(pf, col: str, src: Source, fi: int, pos: dict | None, on_bad_row_group, fmt: str) -> Iterator[Piece]:
+    import pyarrow as pa
+
+    meta = pf.metadata
+    per_row = src.size / max(1, meta.num_rows)
+    row = int(pos["doc"]) if pos else 0
+    char = int(pos["char"]) if pos else 0
+    turn = int(pos.get("turn", 0)) if pos else 0
+    # Restart inside the file: begin at the row group holding `row`, skip rows before it.
+    first = 0
+    g = 0
+    while g < meta.num_row_groups and first + meta.row_group(g).num_rows <= row:
+        first += meta.row_group(g).num_rows
+        g += 1
+    if g >= meta.num_row_groups:
+        return
+    skip = row - first
+    for g in range(g, meta.num_row_groups):
+        end_row = first + meta.row_group(g).num_rows
+        try:
+            for batch in pf.iter_batches(batch_size=_batch_rows(meta.row_group(g), col), row_groups=[g], columns=[col],
+                                         use_threads=False):
+                if skip >= batch.num_rows:  # rows a resumed run has done already may span several batches
+                    skip -= batch.num_rows
+                    continue
+                values = batch.column(0).to_pylist()[skip:]
+                skip = 0
+                for v in values:
+                    if fmt == "chat":
+                        yield from conversation_pieces(v, fi, row, turn, char, 0, 0, per_row)
+                    else:
+                        if isinstance(v, bytes):
+                            v = v.decode("utf-8", _ERRORS)
+                        yield from _document_pieces(v, fi, row, char, 0, 0, per_row)
+                    row += 1
+                    char = turn = 0
+        except (OSError, pa.ArrowException) as e:
+            if on_bad_row_group is not None:
+                on_bad_row_group(f"row group {g} (rows {row}-{end_row - 1}) is unreadable: {e}".replace("\n", " ").strip())
+            row, char, turn, skip = end_row, 0, 0, 0
+        first = end_row
+
+
+def _batch_rows(rg, col: str) -> int:
+    """Rows per read batch of a row group: about ROW_BATCH_BYTES of the column's (uncompressed) data,
+    at most 1,024 rows: a row group of long documents (books, source files) is read a few MB at a time."""
+    size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
+               if rg.column(i).path_in_schema.split(".")[0] == col)
+    per_row = size / max(1, rg.num_rows)
+    return int(max(1, min(1024, ROW_BATCH_BYTES // max(1.0, per_row))))
+
+
+def iter_source(src: Source, fi: int, pos: dict | None, split_mode: str, val_fraction: float,
+                text_column: str | None, on_bad_row_group=None, fmt: str = "text") -> Iterator[Piece]:
+    if src.kind == "text":
+        cut = int(src.size * (1.0 - val_fraction)) if split_mode == "tail" else None
+        return iter_text_file(src, fi, pos, cut)
+    if src.kind == "jsonl":
+        return iter_jsonl_file(src, fi, pos, text_column or (CHAT_FIELDS[0] if fmt == "chat" else DEFAULT_TEXT_COLUMN),
+                               fmt)
+    return iter_parquet_file(src, fi, pos, text_column, on_bad_row_group, fmt)
+
+
+def iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: str, val_fraction: float,
+                text_column: str | None, on_bad_file: str, fmt: str = "text") -> Iterator[Piece]:
+    """All pieces of all sources from `start` on; unreadable parquet files and row groups are
+    skipped and recorded in `skipped`, or fatal (on_bad_file="error"). Read errors are retried
+    (remote.retrying) from the position after the last piece."""
+    for fi in range(int(start["file"]), len(sources)):
+        src = sources[fi]
+        pos = start if fi == int(start["file"]) else None
+        if src.size == 0 or _whole_file_skipped(src, skipped):
+            continue
+
+        def bad_row_group(msg: str, src: Source = src) -> None:
+            if on_bad_file == "error":
+                raise PrepareError(f"parquet file {src.path}: {msg}")
+            skipped.append({"path": str(src.path), "error": msg, "partial": True})
+
+        def read(p: dict | None, src: Source = src, fi: int = fi, bad=bad_row_group) -> Iterator[Piece]:
+            if split_mode == "document":
+                src.key  # noqa: B018 - a big remote file's sampled hash: read here, inside the retries
+            return iter_source(src, fi, p, split_mode, val_fraction, text_column, bad, fmt)
+
+        try:
+            yield from retrying(read, pos, str(src.path))
+        except _BadParquet as e:
+            if on_bad_file == "error":
+                raise PrepareError(f"parquet file {src.path} {e}") from None
+            skipped.append({"path": str(src.path), "error": str(e)})
+
+
+def _whole_file_skipped(src: Source, skipped: list) -> bool:
+    return any(s["path"] == str(src.path) and not s.get("partial") for s in skipped)
+
+
+def train_texts(sources: list[Source], text_column: str | None, max_bytes: int | None,
+                skipped: list, fmt: str = "text") -> Iterator[str]:
+    """The tokenizer's training stream: the whole corpus, or about max_bytes spread over the files in
+    proportion to their size (each file from its start; at most TRAIN_FILES files, evenly spaced,
+    so that a budget over a 1,000-file Hub dataset does not open every file)."""
+    usable = [(fi, s) for fi, s in enumerate(sources) if s.size and not _whole_file_skipped(s, skipped)]
+    if max_bytes is not None and len(usable) > TRAIN_FILES:
+        usable = [usable[round(i * (len(usable) - 1) / (TRAIN_FILES - 1))] for i in range(TRAIN_FILES)]
+    total = sum(s.size for _, s in usable) or 1
+    for fi, src in usable:
+        budget = None if max_bytes is None else max(pieces.PIECE_CHARS, int(max_bytes * src.size / total))
+        used = 0
+        try:
+            for p in retrying(lambda pos, src=src, fi=fi: iter_source(src, fi, pos, "document", 0.0, text_column,
+                                                                      fmt=fmt), None, str(src.path)):
+                if p.text:
+                    yield p.text
+                used += p.nbytes
+                if budget is not None and used >= budget:
+                    break
+        except _BadParquet:
+            pass  # reported by the tokenizing pass
+
+

@@ -1,0 +1,269 @@
+"""Tokenizers behind one small interface, saved beside the data as `tokenizer.json`.
+
+- `CharTokenizer`: one id per character of the training corpus (Phase 1).
+- `BPETokenizer`: byte-level BPE from the Rust `tokenizers` library (Phase 2/3).
+
+Every tokenizer has an identity `{"kind", "hash"}` (sha256 of its saved file) that is stored in
+the data's metadata and in every checkpoint, so data, model and tokenizer cannot disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from gptlib.errors import TokenizerError
+from gptlib.fsutil import atomic_write_bytes
+from gptlib.layout import TOKENIZER_FILE
+
+EOT = "<|endoftext|>"
+
+
+class Tokenizer:
+    """The interface: encode/decode, a vocabulary size, an end-of-text id, save, identity."""
+
+    kind: str = "base"
+    vocab_size: int
+    eot_id: int | None = None  # document separator id, None if the tokenizer has none
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode_array(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token (e.g. a chat role marker), None if the tokenizer has none."""
+        return None
+
+    def to_json_bytes(self) -> bytes:
+        raise NotImplementedError
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / TOKENIZER_FILE
+        atomic_write_bytes(path, self.to_json_bytes())
+        return path
+
+    def identity(self) -> dict:
+        return {"kind": self.kind, "hash": hashlib.sha256(self.to_json_bytes()).hexdigest(), "vocab_size": self.vocab_size}
+
+
+class CharTokenizer(Tokenizer):
+    """Characters of the corpus, sorted; unknown characters raise (default) or map to an <unk> id."""
+
+    kind = "char"
+
+    def __init__(self, chars: Sequence[str], unknown: str = "error"):
+        if unknown not in ("error", "map"):
+            raise TokenizerError(f"unknown-character policy {unknown!r}: choose 'error' or 'map'")
+        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+            raise TokenizerError("char vocabulary must be distinct single characters")
+        if not chars:
+            raise TokenizerError("char vocabulary is empty: the corpus has no characters")
+        self.chars = list(chars)
+        self.unknown = unknown
+        # With the 'map' policy the last id stands for every character not in the corpus.
+        self.unk_id = len(self.chars) if unknown == "map" else None
+        self.vocab_size = len(self.chars) + (1 if unknown == "map" else 0)
+        self.eot_id = None
+        codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
+        # Dense code-point -> id table: encoding is one vectorised lookup, not a Python loop.
+        self._lut = np.full(int(codes.max()) + 1, -1, dtype=np.int32)
+        self._lut[codes] = np.arange(len(codes), dtype=np.int32)
+
+    @classmethod
+    def from_text(cls, text: str, unknown: str = "error") -> "CharTokenizer":
+        return cls(sorted(set(text)), unknown=unknown)
+
+    @classmethod
+    def from_chars(cls, chars: Iterable[str], unknown: str = "error") -> "CharTokenizer":
+        return cls(sorted(set(chars)), unknown=unknown)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        if not text:
+            return np.zeros(0, dtype=np.int32)
+        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int64)
+        ids = np.full(cps.shape, -1, dtype=np.int32)
+        in_range = cps < len(self._lut)
+        ids[in_range] = self._lut[cps[in_range]]
+        bad = np.flatnonzero(ids < 0)
+        if bad.size:
+            if self.unk_id is None:
+                i = int(bad[0])
+                ch = text[i]
+                raise TokenizerError(
+                    f"character {ch!r} (U+{ord(ch):04X}) at position {i} is not in the char vocabulary "
+                    f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
+                    f"remove or replace it, or build the tokenizer from text that has it"
+                )
+            ids[bad] = self.unk_id
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out = []
+        n = len(self.chars)
+        for i in ids:
+            i = int(i)
+            out.append(self.chars[i] if 0 <= i < n else "\ufffd")
+        return "".join(out)
+
+    def to_json_bytes(self) -> bytes:
+        return json.dumps({"kind": "char", "chars": "".join(self.chars), "unknown": self.unknown},
+                          ensure_ascii=False, sort_keys=True).encode()
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style) from the Rust `tokenizers` library; no unknown tokens.
+
+    `<|endoftext|>` is a special token (`eot_id`) that only the pipeline inserts, between
+    documents: a literal "<|endoftext|>" inside the text is encoded as ordinary text
+    (`encode_special_tokens = True`), so a document can never forge a document boundary. The chat
+    role markers (chat.py) are special tokens too, inserted by id in the same way.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tk, json_bytes: bytes | None = None):
+        self._tk = tk
+        # Special tokens found in the text are split like any other text, never matched.
+        self._tk.encode_special_tokens = True
+        # The exact bytes saved beside the data: identity() hashes them, so a reloaded tokenizer
+        # has the same identity as the one that made the data.
+        self._json = json_bytes if json_bytes is not None else tk.to_str().encode()
+        self.vocab_size = int(tk.get_vocab_size(with_added_tokens=True))
+        self.eot_id = tk.token_to_id(EOT)
+        if self.eot_id is None:
+            raise TokenizerError(f"BPE tokenizer has no {EOT!r} special token")
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 32768, min_frequency: int = 2,
+              length: int | None = None, show_progress: bool = False,
+              extra_special: Sequence[str] = ()) -> "BPETokenizer":
+        """Train on a stream of texts (bounded memory: the trainer keeps word counts, not text).
+
+        The vocabulary holds the 256 byte symbols, `<|endoftext|>` (id 0), the `extra_special`
+        tokens (ids 1, 2, ...: the chat tokens for chat data) and the merges, up to `vocab_size` ids
+        in all; a small corpus may stop short of it (fewer merges exist).
+        """
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        specials = [EOT, *extra_special]
+        if vocab_size < 256 + len(specials) + 1:
+            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= "
+                                 f"{256 + len(specials) + 1}: 256 bytes, {len(specials)} special token(s), and at "
+                                 f"least one merge)")
+        tk = HFTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=int(min_frequency),
+                                      special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=show_progress)
+        tk.train_from_iterator(texts, trainer=trainer, length=length)
+        return cls(tk)
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, where: str = TOKENIZER_FILE) -> "BPETokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            tk = HFTokenizer.from_str(raw.decode())
+        except Exception as e:  # the library raises plain Exception on a bad file
+            raise TokenizerError(f"tokenizer file {where} is not a valid tokenizers file: {e}") from None
+        return cls(tk, json_bytes=raw)
+
+    def with_special_tokens(self, tokens: Sequence[str]) -> "BPETokenizer":
+        """This tokenizer with `tokens` added as special tokens where missing: new ids after the current
+        vocabulary, every existing id unchanged. A token that exists as an ordinary vocabulary entry
+        is refused (text could then produce its id)."""
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer
+
+        added = {t.content for t in self._tk.get_added_tokens_decoder().values() if t.special}
+        missing = []
+        for t in tokens:
+            if t in added:
+                continue
+            if self._tk.token_to_id(t) is not None:
+                raise TokenizerError(f"token {t!r} is an ordinary entry of this tokenizer's vocabulary "
+                                     f"(id {self._tk.token_to_id(t)}), not a special token: it cannot mark turns")
+            missing.append(t)
+        if not missing:
+            return self
+        tk = HFTokenizer.from_str(self._json.decode())
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        out = BPETokenizer(tk)
+        got = [out._tk.token_to_id(t) for t in missing]
+        if got != list(range(self.vocab_size, self.vocab_size + len(missing))):
+            raise TokenizerError(f"adding {missing} gave ids {got}, not the {len(missing)} ids after the vocabulary "
+                                 f"({self.vocab_size}...)")
+        return out
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a special (added) token, None if it is not one."""
+        for i, t in self._tk.get_added_tokens_decoder().items():
+            if t.content == token and t.special:
+                return int(i)
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.array(self.encode(text), dtype=np.int64)
+
+    def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of many texts, encoded in parallel on all cores inside the library."""
+        return [e.ids for e in self._tk.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.array(ids, dtype=np.int64) for ids in self.encode_batch_ids(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_json_bytes(self) -> bytes:
+        return self._json
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` (or the one inside a data directory): char or byte-level BPE."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer file {path} does not exist")
+    raw = path.read_bytes()
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"tokenizer file {path} is not valid JSON: {e}") from None
+    if isinstance(obj, dict) and obj.get("kind") == "char":
+        if not isinstance(obj.get("chars"), str):
+            raise TokenizerError(f"tokenizer file {path}: field 'chars' of a char tokenizer is missing or not a string")
+        try:
+            return CharTokenizer(list(obj["chars"]), unknown=obj.get("unknown", "error"))
+        except TokenizerError as e:
+            raise TokenizerError(f"tokenizer file {path}: {e}") from None
+    if isinstance(obj, dict) and "model" in obj:  # a Hugging Face tokenizers file
+        return BPETokenizer.from_json_bytes(raw, where=str(path))
+    raise TokenizerError(f"tokenizer file {path}: neither a gptlib char tokenizer nor a tokenizers BPE file")
+
+
+def check_identity(tok: Tokenizer, expected: dict, where: str) -> None:
+    """Refuse a tokenizer whose identity differs from what data or checkpoint recorded."""
+    got = tok.identity()
+    for key in ("kind", "hash"):
+        if expected.get(key) is not None and expected[key] != got[key]:
+            raise TokenizerError(
+                f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the tokenizer "
+                f"file gives {got[key]!r}; the data was made with a different tokenizer"
+            )

@@ -1,0 +1,123 @@
+"""Batched log-likelihood scoring: the shared core of HellaSwag and bits-per-byte evaluation.
+
+A *scoring row* is a token sequence `seq` (at most block_size + 1 tokens) whose last `k` tokens are
+scored: the model reads seq[:-1] and the log-probabilities of seq[-k:] are summed. Rows of many
+items are sorted by length and packed into padded batches of about `batch_tokens` tokens: one
+forward per batch. Padding goes on the right, so under causal attention it never changes a real
+position; each row starts at position 0, as it would alone. Only the scored positions go through
+ln_f and the output layer (for HellaSwag about a third of the tokens), which saves most of the
+vocab-sized matmul and keeps the logits small.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gptlib.runtime import autocast_for, resolve_dtype, unwrap_model
+
+
+def default_batch_tokens(device: torch.device) -> int:
+    """Tokens per forward: large on a GPU (throughput), moderate on a CPU (cache-friendly, measured)."""
+    return 65536 if device.type == "cuda" else 8192
+
+
+def eval_autocast(device: torch.device, dtype: torch.dtype | None):
+    """Autocast for scoring: bf16 on GPUs that have it, fp16 on older GPUs, none (fp32) on the CPU."""
+    if dtype is None:
+        dtype = resolve_dtype("auto", device)
+    return autocast_for(device, dtype), dtype
+
+
+def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
+    """Row indices grouped into batches, longest rows first, each batch at most batch_tokens padded
+    tokens (a row longer than that gets a batch to itself). Sorting keeps the padding small."""
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+    batches, cur, cur_len = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        if cur and (len(cur) + 1) * cur_len > batch_tokens:
+            batches.append(np.array(cur))
+            cur = []
+        if not cur:
+            cur_len = n  # the first (longest) row sets the padded length
+        cur.append(int(i))
+    if cur:
+        batches.append(np.array(cur))
+    return batches
+
+
+def _collate(seqs: Sequence[Sequence[int]], ks: Sequence[int], idx: np.ndarray):
+    """Rows idx -> inputs x (B, L-1), targets y (B, L-1), mask of scored targets (B, L-1), numpy."""
+    L = max(len(seqs[i]) for i in idx)
+    B = len(idx)
+    x = np.zeros((B, L - 1), dtype=np.int64)
+    y = np.zeros((B, L - 1), dtype=np.int64)
+    mask = np.zeros((B, L - 1), dtype=bool)
+    for j, i in enumerate(idx):
+        s = np.asarray(seqs[i], dtype=np.int64)
+        n = len(s)
+        x[j, : n - 1] = s[:-1]
+        y[j, : n - 1] = s[1:]
+        mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
+    return x, y, mask
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def masked_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood (nats, float32) of the targets y[mask], in row-major order of mask.
+
+    The transformer runs on all positions (causality needs them); ln_f and the output layer only on
+    the masked ones. Logits are cut to vocab_size: the padding rows of the embedding never count.
+    """
+    m = unwrap_model(model)
+    h = m.hidden_states(x)  # (B, T, C)
+    sel = m.transformer.ln_f(h[mask])  # (N, C): only the scored positions
+    logits = m.lm_head(sel)[:, : m.config.vocab_size]
+    return F.cross_entropy(logits.float(), y[mask], reduction="none")
+
+
+@torch.inference_mode()
+def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequence[int],
+               device: torch.device | str, dtype: torch.dtype | None = None, batch_tokens: int | None = None,
+               progress=None) -> np.ndarray:
+    """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,).
+
+    progress: an optional callable(rows_done) (e.g. a tqdm's update) called after each batch.
+    Results stay on the device until the end, so a GPU never waits for the host between batches.
+    """
+    device = torch.device(device)
+    block = unwrap_model(model).config.block_size
+    for i, s in enumerate(seqs):
+        if not 1 <= ks[i] <= len(s) - 1 or len(s) - 1 > block:
+            raise ValueError(f"scoring row {i}: {len(s)} tokens with k={ks[i]} does not fit block_size={block}")
+    ctx, _ = eval_autocast(device, dtype)
+    out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
+    bt = batch_tokens or default_batch_tokens(device)
+    for idx in pack_batches([len(s) - 1 for s in seqs], bt):
+        x, y, mask = _collate(seqs, ks, idx)
+        row_of = np.broadcast_to(idx[:, None], mask.shape)[mask]  # the row each scored target belongs to
+        with ctx:
+            nll = masked_nll(model, _to_device(x, device), _to_device(y, device), _to_device(mask, device))
+        out.index_add_(0, _to_device(row_of, device), -nll.double())
+        if progress is not None:
+            progress(len(idx))
+    return out.cpu().numpy()
+
+
+@torch.inference_mode()
+def window_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """Per-token NLL (nats, float32) of full windows: x, y (B, T) -> (B, T). For bits per byte."""
+    ctx, _ = eval_autocast(x.device, dtype)
+    with ctx:
+        return masked_nll(model, x, y, torch.ones_like(x, dtype=torch.bool)).view(x.shape)

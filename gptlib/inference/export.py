@@ -1,0 +1,251 @@
+"""Export a checkpoint as a Hugging Face `transformers` GPT-2 folder (GPT2LMHeadModel).
+
+    python -m gptlib export-hf --run-dir runs/shakespeare --out hf/shakespeare
+
+    from transformers import GPT2LMHeadModel, AutoTokenizer
+    model = GPT2LMHeadModel.from_pretrained("hf/shakespeare")
+    tok = AutoTokenizer.from_pretrained("hf/shakespeare")
+
+Our GPT is GPT-2's architecture, so the mapping is direct:
+- nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out): matmul weights are transposed.
+- bias=False models get zero biases (GPT-2 always has them; zeros change nothing).
+- the MLP's tanh GELU is GPT-2's "gelu_new"; LayerNorm eps 1e-5; attention scaled by 1/sqrt(head size).
+- the embedding is padded to a multiple of 64 rows for speed; only the first vocab_size rows are
+  exported (the tied output layer then yields exactly our logits, which are cut to vocab_size too).
+transformers itself is not needed to export: the folder is plain JSON + safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from gptlib.errors import ExportError
+from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
+from gptlib.inference.loading import load_for_inference
+from gptlib.model import GPT
+from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
+from gptlib.data.tokenizer import EOT, CharTokenizer, Tokenizer
+
+
+def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights under GPT2LMHeadModel's names and layouts (fp32, contiguous, lm_head tied to wte)."""
+    cfg = model.config
+    sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    C, V = cfg.n_embd, cfg.vocab_size
+    out = {
+        "transformer.wte.weight": sd["transformer.wte.weight"][:V],  # (V, C): padding rows dropped
+        "transformer.wpe.weight": sd["transformer.wpe.weight"],  # (block_size, C)
+    }
+
+    def bias(name: str, n: int) -> torch.Tensor:
+        return sd[name] if name in sd else torch.zeros(n)
+
+    for i in range(cfg.n_layer):
+        p, q = f"transformer.h.{i}.", f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[q + f"{ln}.weight"] = sd[p + f"{ln}.weight"]
+            out[q + f"{ln}.bias"] = bias(p + f"{ln}.bias", C)
+        for lin, n_out in (("attn.c_attn", 3 * C), ("attn.c_proj", C), ("mlp.c_fc", 4 * C), ("mlp.c_proj", C)):
+            out[q + f"{lin}.weight"] = sd[p + f"{lin}.weight"].t()  # (out, in) -> Conv1D's (in, out)
+            out[q + f"{lin}.bias"] = bias(p + f"{lin}.bias", n_out)
+    out["transformer.ln_f.weight"] = sd["transformer.ln_f.weight"]
+    out["transformer.ln_f.bias"] = bias("transformer.ln_f.bias", C)
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def hf_config(model: GPT, tokenizer: Tokenizer | None = None) -> dict:
+    """GPT2Config as JSON (written by hand so exporting does not need transformers)."""
+    cfg = model.config
+    eot = getattr(tokenizer, "eot_id", None) if tokenizer is not None else None
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,  # 4 * n_embd
+        "activation_function": "gelu_new",  # tanh-approximated GELU, as in our MLP
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def char_tokenizer_json(tok: CharTokenizer) -> str:
+    """A `tokenizers` file mapping each character to our id (WordLevel over single characters)."""
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(tok.chars)}
+    unk = None
+    if tok.unk_id is not None:
+        unk = "<unk>"
+        while unk in vocab:
+            unk = "<" + unk + ">"
+        vocab[unk] = tok.unk_id
+    # WordLevel needs an unknown token name; with the 'error' policy it is not in the vocabulary,
+    # so an unknown character is an error in transformers too, as in gptlib.
+    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=unk or "<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+    hf.decoder = decoders.Fuse()  # join tokens without spaces
+    if unk is not None:
+        hf.add_special_tokens([unk])
+    return hf.to_str()
+
+
+def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[str]:
+    """tokenizer.json + tokenizer_config.json + special_tokens_map.json for PreTrainedTokenizerFast."""
+    if isinstance(tok, CharTokenizer):
+        (out / "tokenizer.json").write_text(char_tokenizer_json(tok), encoding="utf-8")
+    else:  # byte-level BPE: our tokenizer.json already is a `tokenizers` file
+        (out / "tokenizer.json").write_bytes(tok.to_json_bytes())
+    special = {}
+    eot = getattr(tok, "eot_id", None)
+    if eot is not None:
+        name = _token_name(tok, eot)
+        special = {"bos_token": name, "eos_token": name, "unk_token": name}
+    if isinstance(tok, CharTokenizer) and tok.unk_id is not None:
+        special["unk_token"] = json.loads(char_tokenizer_json(tok))["added_tokens"][0]["content"]
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": block_size,
+        "clean_up_tokenization_spaces": False,  # decode must give back exactly the characters
+        "add_prefix_space": False,
+        **special,
+    }
+    if eot is not None:
+        # gptlib encodes a literal "<|endoftext|>" in text as text (documents cannot forge a boundary);
+        # this makes transformers do the same (the special token is then only added by id).
+        tcfg["split_special_tokens"] = True
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def _token_name(tok: Tokenizer, token_id: int) -> str:
+    """The string of a special token, from the `tokenizers` file's added_tokens (else gptlib's EOT)."""
+    try:
+        for t in json.loads(tok.to_json_bytes()).get("added_tokens", []):
+            if t.get("id") == token_id:
+                return t["content"]
+    except (ValueError, AttributeError):
+        pass
+    return EOT
+
+
+def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
+                 info: dict | None = None) -> Path:
+    """Write config.json, model.safetensors and (with a tokenizer) tokenizer files into out_dir.
+
+    Written into a temporary sibling folder and renamed, so a failed export never leaves a half
+    folder. An existing non-empty out_dir is replaced only with overwrite=True, and only if it holds a
+    previous export: a run or data directory, or a folder holding anything else, is refused.
+    """
+    out = Path(out_dir)
+    check_export_target(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config(model, tokenizer), indent=2) + "\n")
+        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files = ["config.json", "model.safetensors"]
+        if tokenizer is not None:
+            files += write_tokenizer_files(tokenizer, tmp, model.config.block_size)
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": hf_config(model, tokenizer)["bos_token_id"],
+             "eos_token_id": hf_config(model, tokenizer)["eos_token_id"]}, indent=2) + "\n")
+        (tmp / "README.md").write_text(_model_card(model, info or {}))
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+EXPORT_TITLE = "# gptlib GPT-2 export"  # the first line of every export's README.md: how a previous export is known
+_RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
+
+
+def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
+    """Refuse an output folder that is (or is inside, or holds) the run being exported, a run or data
+    directory, or a non-empty folder that is not a previous gptlib export; overwrite replaces only the latter."""
+    target = out.resolve()
+    if run_dir is not None:
+        run = Path(run_dir).resolve()
+        if target == run or run in target.parents or target in run.parents:
+            raise ExportError(f"--out {out} is the run directory {run_dir}, inside it, or holds it: the export would "
+                              f"replace the run; choose a folder outside the run (e.g. {run.parent / (run.name + '-hf')})")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"--out {out} is a file; choose a folder")
+    found = [n for n in _RUN_OR_DATA_FILES if (out / n).exists()]
+    if found:
+        raise ExportError(f"--out {out} is a gptlib run or data directory (it holds {', '.join(found)}); "
+                          f"choose another folder for the export")
+    if not any(out.iterdir()):
+        return
+    readme = out / "README.md"
+    is_export = readme.is_file() and readme.read_text(errors="replace").startswith(EXPORT_TITLE)
+    if not is_export:
+        raise ExportError(f"--out {out} is not empty and is not a previous gptlib export; choose an empty or new "
+                          f"folder (--overwrite replaces only a previous export)")
+    if not overwrite:
+        raise ExportError(f"{out} holds a previous export; choose another --out or pass --overwrite to replace it")
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = "latest",
+              overwrite: bool = False) -> Path:
+    """Export one checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
+    check_export_target(Path(out_dir), overwrite, Path(run_dir))  # before reading gigabytes of weights
+    ld = load_for_inference(run_dir, checkpoint)
+    info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss,
+            "tokenizer": ld.tokenizer.kind}
+    return export_model(ld.model, out_dir, ld.tokenizer, overwrite=overwrite, info=info)
+
+
+def _model_card(model: GPT, info: dict) -> str:
+    c = model.config
+    lines = [
+        EXPORT_TITLE, "",
+        f"A GPT-2 style model trained from scratch with gptlib: {c.n_layer} layers, {c.n_head} heads, "
+        f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
+    ]
+    if info:
+        lines += [f"- {k}: {v}" for k, v in info.items()] + [""]
+    lines += [
+        "```python",
+        "from transformers import AutoTokenizer, GPT2LMHeadModel",
+        "tok = AutoTokenizer.from_pretrained(PATH)",
+        "model = GPT2LMHeadModel.from_pretrained(PATH)",
+        "ids = tok(\"ROMEO:\", return_tensors=\"pt\").input_ids",
+        "print(tok.decode(model.generate(ids, max_new_tokens=100, do_sample=True)[0]))",
+        "```", "",
+    ]
+    return "\n".join(lines)

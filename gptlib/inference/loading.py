@@ -1,0 +1,200 @@
+"""Load a trained model for inference: a run directory's "latest", "best" or chosen checkpoint.
+
+The tokenizer comes from the run (its `tokenizer.json`, copied there by training; else the data
+directory recorded in the checkpoint) and must match the identity {kind, hash} the checkpoint
+recorded, so a model is never paired with the wrong vocabulary.
+
+Every read has a time limit (the run may be on a Google Drive mount, which can stop answering: a read
+there then blocks in the kernel for good): listing and checking the checkpoints DRIVE_LIST_TIMEOUT_S,
+the weights DRIVE_READ_STALL_S without progress, state.json and the tokenizer DRIVE_READ_STALL_S. A hung
+read is abandoned with HungIOError (an OSError naming the path), so pick_run_dir passes over that copy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints, load_model_weights,
+                         verify_checkpoint)
+from gptlib.config import RunConfig
+from gptlib.errors import CheckpointError, TokenizerError, loud
+from gptlib.fsutil import call_with_timeout
+from gptlib.layout import MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
+from gptlib.model import GPT
+from gptlib.runtime import resolve_device
+from gptlib.checkpoint.state import TrainState
+from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: GPT  # in eval mode, on the requested device
+    tokenizer: Tokenizer  # verified against the checkpoint's recorded identity
+    config: RunConfig  # the run's config as saved in the checkpoint
+    step: int  # training step of the checkpoint
+    path: Path  # the checkpoint directory
+    state: TrainState  # the checkpoint's state.json (val_loss, best_step, tokens_seen, ...)
+
+
+def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
+    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, path, is_best}.
+
+    A cheap check (manifest and file sizes, no hashing), for menus; incomplete ones are left out (and
+    described in `skipped`). On a hung Drive it gives up after DRIVE_LIST_TIMEOUT_S (HungIOError).
+    """
+    def table() -> list[dict]:
+        rows = []
+        for p in list_checkpoints(run_dir):
+            try:
+                info = verify_checkpoint(p, deep=False)
+                state = json.loads((p / STATE_FILE).read_text())
+            except (CheckpointError, OSError, json.JSONDecodeError) as e:
+                if skipped is not None:
+                    skipped.append(f"{p.name}: {e}")
+                continue
+            rows.append({"step": info.step, "val_loss": state.get("val_loss"), "tokens_seen": state.get("tokens_seen"),
+                         "best_step": state.get("best_step"), "path": p})
+        best = rows[0]["best_step"] if rows else None
+        for r in rows:
+            r["is_best"] = r["step"] == best
+        return rows
+
+    return call_with_timeout(table, DRIVE_LIST_TIMEOUT_S, what=f"listing {run_dir}")
+
+
+def checkpoint_label(row: dict) -> str:
+    """A checkpoint_table row for menus and table headers: "step 1,000 · val 1.523 · best"."""
+    label = f"step {row['step']:,}"
+    if row.get("val_loss") is not None:
+        label += f" · val {row['val_loss']:.3f}"
+    if row.get("is_best"):
+        label += " · best"
+    return label
+
+
+def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
+    """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number.
+    Newer checkpoints passed over because they are incomplete are named, with the reason, through `log`."""
+    run_dir = Path(run_dir)
+    if not call_with_timeout(run_dir.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"reading {run_dir}"):
+        raise CheckpointError(f"no valid checkpoint in {run_dir}: the run directory does not exist")
+    skipped: list[str] = []
+    table = checkpoint_table(run_dir, skipped)
+    newest = table[0]["step"] if table else -1
+    newer = [s for s in skipped if (step_of(Path(s.split(":")[0])) or 0) > newest]
+    if newer:
+        log(f"newer checkpoints in {run_dir} are incomplete and were passed over: {'; '.join(newer)}")
+    if not table:
+        raise CheckpointError(f"no valid checkpoint in {run_dir}/checkpoints (has training saved one yet?)")
+    steps = [r["step"] for r in table]
+    which_s = str(which).strip().lower()
+    if which_s == "latest":
+        row = table[0]
+    elif which_s == "best":
+        best = table[0]["best_step"]
+        if best is None:
+            raise CheckpointError(f"{run_dir}: no best checkpoint recorded yet (no validation has run); "
+                                  f"use 'latest' or a step from {steps}")
+        match = [r for r in table if r["step"] == best]
+        if not match:
+            raise CheckpointError(f"{run_dir}: the best checkpoint (step {best}) is not on disk; available steps: {steps}")
+        row = match[0]
+    else:
+        m = re.fullmatch(r"(?:step_)?0*(\d+)", which_s)
+        if not m:
+            raise CheckpointError(f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})")
+        step = int(m.group(1))
+        match = [r for r in table if r["step"] == step]
+        if not match:
+            raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}; available steps: {steps}")
+        row = match[0]
+    return call_with_timeout(lambda: verify_checkpoint(row["path"], deep=False), DRIVE_LIST_TIMEOUT_S,
+                             what=f"reading {row['path']}")
+
+
+def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> Tokenizer:
+    """The tokenizer a checkpoint was trained with: the run's copy, else the recorded data dir's."""
+    expected = state.tokenizer or {}
+    candidates = [Path(run_dir) / TOKENIZER_FILE]
+    if state.data_dir:
+        candidates.append(Path(state.data_dir) / TOKENIZER_FILE)
+    found = [c for c in candidates if c.is_file()]
+    if not found:
+        raise TokenizerError(
+            f"no tokenizer for {where}: looked for {' and '.join(map(str, candidates))}; copy the data "
+            f"directory's {TOKENIZER_FILE} into the run directory"
+        )
+    tok = load_tokenizer(found[0])
+    if not expected.get("hash"):
+        raise TokenizerError(f"{where}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
+                             f"checked against it")
+    check_identity(tok, expected, f"{where} (tokenizer {found[0]})")
+    return tok
+
+
+def load_for_inference(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
+                       dtype: torch.dtype | None = None, log=loud) -> LoadedModel:
+    """Model (eval mode) + verified tokenizer for one checkpoint of a run directory (local or on Drive:
+    every read has a time limit, so a hung Drive gives an error instead of a hung notebook)."""
+    info = resolve_checkpoint(run_dir, which, log)
+    path = info.path
+    rec = info.manifest.get("files", {}).get(MODEL_FILE, {})
+    weights = load_model_weights(path, sha256=rec.get("sha256"))  # CheckpointError if corrupt or unsafe
+    state, cfg, tok = read_state_and_tokenizer(run_dir, path)
+    if tok.vocab_size != cfg.model.vocab_size:
+        raise TokenizerError(f"{path}: the model has vocab_size={cfg.model.vocab_size} but the tokenizer has "
+                             f"{tok.vocab_size} tokens")
+    model = GPT(cfg.model)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:  # shapes or names that do not fit the config the checkpoint records
+        raise CheckpointError(f"{path / MODEL_FILE}: weights do not fit the saved config ({str(e)[:300]})") from None
+    if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
+        device = resolve_device(device)
+    model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
+
+
+def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainState, RunConfig, Tokenizer]:
+    """A checkpoint's state.json, the config it records, and the run's tokenizer checked against it; read
+    within DRIVE_READ_STALL_S (HungIOError after it: a hung Drive)."""
+    def read() -> tuple[TrainState, RunConfig, Tokenizer]:
+        source = str(path / STATE_FILE)
+        try:
+            state = TrainState.from_json(json.loads((path / STATE_FILE).read_text()), source)
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+            raise CheckpointError(f"{source}: unreadable ({e})") from None
+        return state, state.run_config(source), load_run_tokenizer(run_dir, state, str(path))
+
+    return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")
+
+
+def pick_run_dir(candidates, log=loud) -> Path:
+    """Of several copies of one run (local disk, Drive mirror), the one with the newest complete checkpoint.
+
+    On Colab a fresh session's local disk is empty while Drive holds the checkpoints; after a long
+    session the local copy may be newer than the mirror. A copy on a hung Drive is passed over (said so).
+    """
+    best, best_step = None, -1
+    looked = []
+    for c in candidates:
+        if c is None:
+            continue
+        looked.append(str(c))
+        try:
+            table = call_with_timeout(lambda c=c: checkpoint_table(c) if Path(c).is_dir() else [],
+                                      DRIVE_LIST_TIMEOUT_S, what=f"listing {c}")
+        except OSError as e:
+            log(f"!! {c} cannot be read ({e}); using the other copies of the run")
+            continue
+        if table and table[0]["step"] > best_step:
+            best, best_step = Path(c), table[0]["step"]
+    if best is None:
+        raise CheckpointError(f"no complete checkpoint in {' or '.join(looked) or 'no directory'}; train first "
+                              f"(notebook 02 or 03) or point RUN_DIR at a run directory")
+    return best

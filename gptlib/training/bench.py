@@ -1,0 +1,349 @@
+"""Benchmarks on top of training: the optimization ladder, and the tokens/s and MFU of a preset.
+
+Both run the same train step as train() (gptlib.training.step.train_step), and bench_train the same set-up
+(gptlib.training.setup.build_model / wrap_for_training), so what they measure is what training does.
+
+The ladder (`python -m gptlib bench ladder`) replays one user's path from 1.6 s/step to ~0.1 s/step:
+memmap + per-sample Python loop -> RAM preload -> vectorised batches -> torch.compile -> bf16
+autocast -> flash attention (SDPA). Each rung is the previous one plus one change, timed on the same
+model and batch with a device sync at every phase (gptlib.training.throughput.StepTimer(sync=True)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from gptlib.config import ModelConfig, get_preset
+from gptlib.batches import BatchSampler, MemmapSplit, SplitData, _as_signed_view, _to_ids, load_dataset, make_sampler
+from gptlib.training.distributed import Dist
+from gptlib.training.throughput import StepTimer, colab_units, device_peak, eta_seconds, fmt_duration, fmt_mfu, fmt_split, mfu
+from gptlib.training.memory import free_memory, is_oom
+from gptlib.model import GPT
+from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype
+from gptlib.training.setup import build_model, wrap_for_training
+from gptlib.data.shards import read_meta
+from gptlib.training.step import train_step
+
+RUNGS = [
+    # (name, data, compile, half precision, flash attention)
+    ("memmap + per-sample loop", "memmap-loop", False, False, False),
+    ("RAM preload", "ram-loop", False, False, False),
+    ("vectorised batches", "vectorised", False, False, False),
+    ("+ torch.compile", "vectorised", True, False, False),
+    ("+ bf16 autocast", "vectorised", True, True, False),
+    ("+ flash attention (SDPA)", "vectorised", True, True, True),
+]
+
+
+class PerSampleLoader:
+    """The baseline's data path: one Python-level read per sample (from a memmap or an in-RAM array)."""
+
+    def __init__(self, tokens, batch_size: int, block_size: int, seed: int, device: torch.device,
+                 evict: list[Path] | None = None):
+        self.tokens, self.B, self.T, self.device = tokens, batch_size, block_size, device
+        self.rng = random.Random(seed)
+        self.evict = evict or []  # files dropped from the page cache before each batch: reads hit the disk
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for path in self.evict:
+            drop_page_cache(path)
+        xs, ys = [], []
+        for _ in range(self.B):
+            i = self.rng.randrange(0, len(self.tokens) - self.T - 1)
+            if hasattr(self.tokens, "read"):  # a MemmapSplit: one small read per sample, as the seed did
+                w = _to_ids(self.tokens.read(i, self.T + 1))
+                xs.append(w[:-1])
+                ys.append(w[1:])
+                continue
+            xs.append(torch.from_numpy(np.asarray(self.tokens[i: i + self.T]).astype(np.int64)))
+            ys.append(torch.from_numpy(np.asarray(self.tokens[i + 1: i + 1 + self.T]).astype(np.int64)))
+        x, y = torch.stack(xs), torch.stack(ys)
+        return x.to(self.device), y.to(self.device)
+
+
+def drop_page_cache(path: str | Path) -> bool:
+    """Ask the OS to forget a file's cached pages (Linux posix_fadvise; no root needed). False if unsupported."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    finally:
+        os.close(fd)
+
+
+def half_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The half precision gptlib would train in here, and a note when it is not a fast path."""
+    if device.type == "cuda":
+        dtype = resolve_dtype("auto", device)
+        return dtype, "" if dtype == torch.bfloat16 else "no bf16 on this GPU: fp16 autocast + GradScaler"
+    if device.type == "cpu":
+        fast = False
+        with contextlib.suppress(Exception):
+            fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return torch.bfloat16, ("CPU bf16 via oneDNN (avx512_bf16/AMX): not a GPU tensor-core path" if fast else
+                                "not applicable: this CPU has no fast bf16, autocast runs emulated (slower)")
+    return torch.bfloat16, ""
+
+
+def _attention_ctx(flash: bool, device: torch.device):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not flash:
+        return sdpa_kernel([SDPBackend.MATH])  # materialises the T x T attention matrix, as hand-written attention does
+    if device.type == "cuda":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])  # PyTorch's CPU flash kernel
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class RungResult:
+    name: str
+    step_s: float  # median seconds per optimizer step (after warmup, synced)
+    data_s: float  # median seconds of that spent producing the batch
+    tokens_per_s: float
+    mfu: float | None
+    note: str
+
+
+def _time_steps(model, optimizer, scaler, loader, device, dtype, steps: int, warmup: int, attention_ctx,
+                accum: int = 1) -> tuple[float, float]:
+    """-> (median step seconds, median data seconds) over `steps` train steps after `warmup` untimed ones."""
+    timer = StepTimer(device, sync=True)  # every phase synced: the Python data loader counts in full
+    autocast = autocast_for(device, dtype)
+    step_times, data_times = [], []
+    with attention_ctx:
+        for i in range(warmup + steps):
+            train_step(model, optimizer, scaler, loader, accum=accum, autocast=autocast, grad_clip=1.0, timer=timer)
+            split = timer.split()
+            if i >= warmup:
+                step_times.append(sum(split.values()))
+                data_times.append(split.get("data", 0.0))
+    return statistics.median(step_times), statistics.median(data_times)
+
+
+def default_ladder_config(device: torch.device):
+    """-> (model config, micro-batch, accumulation). gpt2-small at the seed's 64 x 512 tokens/step on a GPU
+    (16 x 4 micro-batches, so the fp32 rungs fit too); a small model on CPU so the ladder runs in minutes."""
+    if device.type == "cuda":
+        m = get_preset("gpt2-small").model
+        m.block_size = 512
+        return m, 16, 4
+    return ModelConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=128, vocab_multiple=64), 8, 1
+
+
+@dataclass
+class _LadderData:
+    disk: object  # np.memmap or MemmapSplit: what the baseline reads per sample
+    ram: np.ndarray  # the RAM-preloaded copy
+    preloaded: SplitData  # the vectorised sampler's tokens (on the GPU when there is one)
+    source: str
+
+
+def _ladder_data(model_cfg: ModelConfig, data_dir, B: int, T: int, seed: int, dev: torch.device,
+                 stack: contextlib.ExitStack) -> _LadderData:
+    if data_dir is None:  # synthetic tokens in a raw file: the memmap rung reads a real file
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gptlib-ladder-")))
+        n_tokens = max(4 * B * (T + 1), 1 << 22)
+        path = tmp / "train.bin"
+        np.random.default_rng(seed).integers(0, model_cfg.vocab_size, n_tokens, dtype=np.uint16).tofile(path)
+        disk = np.memmap(path, dtype=np.uint16, mode="r")
+        source = f"synthetic {n_tokens:,} random tokens in {path.name}"
+    else:
+        meta = read_meta(data_dir)
+        model_cfg.vocab_size = meta.vocab_size
+        disk = MemmapSplit(meta, "train")  # the baseline reads each sample from the shards on disk
+        source = f"{data_dir} train split"
+    ram = np.array(disk) if isinstance(disk, np.ndarray) else disk.read(0, len(disk)).numpy().view(disk.dtype)
+    preloaded = SplitData(tokens=_as_signed_view(ram), name="train")
+    if dev.type == "cuda":
+        preloaded.tokens = preloaded.tokens.to(dev)  # data fits next to the model: gather on the GPU
+    return _LadderData(disk, ram, preloaded, source)
+
+
+def _run_rung(rung: tuple, model_cfg: ModelConfig, data: _LadderData, B: int, T: int, A: int, dev: torch.device,
+              steps: int, warmup: int, seed: int, compile_backend: str) -> tuple[float, float, float, list[str]]:
+    """One rung on a fresh model -> (step seconds, data seconds, FLOPs per token, notes); nan on OOM."""
+    name, data_kind, use_compile, half, flash = rung
+    notes = []
+    torch.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.set_float32_matmul_precision("high" if half else "highest")  # fp32 rungs: true fp32, as the seed
+    model = GPT(model_cfg).to(dev)
+    fpt = model.flops_per_token()
+    optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), dev.type)
+    hdt, hnote = half_dtype(dev)
+    dtype = hdt if half else torch.float32
+    if half and hnote:
+        notes.append(hnote)
+    scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
+    if data_kind == "memmap-loop":
+        files = [Path(m.filename) for m in (data.disk.maps if hasattr(data.disk, "maps") else [data.disk])]
+        cold = drop_page_cache(files[0])
+        loader = PerSampleLoader(data.disk, B, T, seed, dev, evict=files if cold else None)
+        notes.append("page cache dropped before each batch: reads hit this disk (Drive is slower)" if cold
+                     else "file may be in the page cache: disk latency not included")
+    elif data_kind == "ram-loop":
+        loader = PerSampleLoader(data.ram, B, T, seed, dev)
+    else:
+        loader = BatchSampler(data.preloaded, B, T, seed, dev)
+    fwd = model
+    if use_compile:
+        torch._dynamo.reset()  # a fresh graph per rung, traced under this rung's precision and attention kernel
+        fwd = torch.compile(model, backend=compile_backend)
+        if compile_backend != "inductor":
+            notes.append(f"compile backend {compile_backend}")
+    if flash and dev.type == "cpu":
+        notes.append("CPU flash SDPA kernel")
+    try:
+        step_s, data_s = _time_steps(fwd, optimizer, scaler, loader, dev, dtype, steps, warmup,
+                                     _attention_ctx(flash, dev), accum=A)
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
+        step_s, data_s = math.nan, math.nan
+        notes.append("out of memory")
+    finally:
+        fwd = model = optimizer = loader = None
+        free_memory()
+    return step_s, data_s, fpt, notes
+
+
+def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "auto", steps: int = 10, warmup: int = 3,
+               data_dir: str | Path | None = None, compile_backend: str = "inductor", rungs: list[int] | None = None,
+               seed: int = 1337, accum: int | None = None, log: Callable[[str], None] = print) -> list[RungResult]:
+    """Run the ladder rung by rung; prints a table and returns its rows."""
+    dev = resolve_device(device)
+    dflt_cfg, dflt_b, dflt_a = default_ladder_config(dev)
+    model_cfg = model_cfg or dflt_cfg
+    B, T = batch_size or dflt_b, model_cfg.block_size
+    A = accum or (dflt_a if batch_size is None else 1)  # micro-batches per optimizer step
+    peak = device_peak(dev)
+    results: list[RungResult] = []
+    with contextlib.ExitStack() as stack:
+        data = _ladder_data(model_cfg, data_dir, B, T, seed, dev, stack)
+        log(f"ladder on {peak.name} ({peak.note}); torch {torch.__version__}; model {model_cfg.n_layer}L "
+            f"{model_cfg.n_embd}d {model_cfg.n_head}h, vocab {model_cfg.vocab_size}, context {T}, micro-batch {B} "
+            f"x {A} accumulation ({A * B * T:,} tokens/step); data: {data.source}; {steps} timed steps after "
+            f"{warmup} warmup")
+        header = f"{'rung':<28} {'step ms':>9} {'data ms':>8} {'speedup':>8} {'tokens/s':>10} {'MFU':>8}  note"
+        log(header)
+        log("-" * len(header))
+        # Process-wide one-time costs (kernel selection, allocator growth) must not land on the first rung.
+        warm = GPT(model_cfg).to(dev)
+        _time_steps(warm, warm.configure_optimizer(0.1, 1e-4, (0.9, 0.95), dev.type),
+                    torch.amp.GradScaler(dev.type, enabled=False), BatchSampler(data.preloaded, B, T, seed, dev), dev,
+                    torch.float32, 1, 1, _attention_ctx(False, dev))
+        warm = None
+        free_memory()
+        base = None
+        for i, rung in enumerate(RUNGS):
+            if rungs is not None and i not in rungs:
+                continue
+            step_s, data_s, fpt, notes = _run_rung(rung, model_cfg, data, B, T, A, dev, steps, warmup, seed,
+                                                   compile_backend)
+            if base is None and math.isfinite(step_s):
+                base = step_s
+            tps = A * B * T / step_s if step_s > 0 else math.nan
+            r = RungResult(rung[0], step_s, data_s, tps, mfu(fpt, tps, peak.peak_flops) if math.isfinite(tps) else None,
+                           "; ".join(notes))
+            results.append(r)
+            speed = base / step_s if base and math.isfinite(step_s) else math.nan
+            log(f"{r.name:<28} {1000 * step_s:9.1f} {1000 * data_s:8.2f} {speed:7.2f}x {tps:10,.0f} "
+                f"{fmt_mfu(r.mfu):>8}  {r.note}")
+        if len(results) > 1 and base and math.isfinite(results[-1].step_s):
+            log(f"ladder speedup, first -> last rung: {base / results[-1].step_s:.2f}x")
+    return results
+
+
+# --- throughput run of a preset -------------------------------------------------------------
+
+
+def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, device: str = "auto",
+                steps: int = 20, warmup: int = 5, compile: str = "auto", auto_batch: bool = False,
+                data_dir: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
+    """Time optimizer steps of a preset as train() runs them (same set-up, same train step) and report
+    tokens/s, MFU, the time split and the ETA of the preset's whole run."""
+    cfg = get_preset(preset).apply_overrides((overrides or []) + [f"compile={compile}", f"auto_batch={auto_batch}"])
+    dev = resolve_device(device if device != "auto" else cfg.train.device)
+    if data_dir is not None:
+        meta, splits = load_dataset(data_dir, dev, log=log)
+        cfg.model.vocab_size = meta.vocab_size
+    cfg.validate()
+    model, optimizer, scaler, dtype = build_model(cfg, dev, Dist(), log)
+    fwd, compiled = wrap_for_training(model, cfg, dev, Dist())
+    mc, tc = cfg.model, cfg.train
+    micro, accum = tc.batch_size, tc.grad_accum_steps
+    if data_dir is None:
+        n = max(8 * micro * (mc.block_size + 1), 1 << 22)
+        toks = np.random.default_rng(0).integers(0, mc.vocab_size, n, dtype=np.uint16 if mc.vocab_size <= 65536 else np.uint32)
+        data = SplitData(tokens=_as_signed_view(toks).to(dev), name="train")
+    else:
+        data = splits["train"]
+    sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
+    autocast = autocast_for(dev, dtype)
+    timer = StepTimer(dev)
+    peak = device_peak(dev)
+    tokens_per_step = micro * accum * mc.block_size
+    log(f"bench train: preset {preset}, {model.num_params() / 1e6:.1f}M params, {dev} ({peak.name}), "
+        f"{dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x {mc.block_size} x "
+        f"accum {accum} = {tokens_per_step:,} tokens/step")
+
+    def one_step():
+        train_step(fwd, optimizer, scaler, sampler, accum=accum, autocast=autocast, grad_clip=tc.grad_clip, timer=timer)
+
+    warm_s, times = _timed(one_step, warmup, steps, dev, after_warmup=timer.split)  # the split excludes warmup
+    split = timer.split()
+    step_s = statistics.median(times)
+    tps = tokens_per_step / step_s
+    fpt = model.flops_per_token()
+    m = mfu(fpt, tps, peak.peak_flops)
+    target = tc.max_steps * tokens_per_step
+    eta = eta_seconds(0, target, tps)
+    units = colab_units(eta, peak.family)
+    log(f"step {1000 * step_s:.1f} ms (median of {steps}, synced), {tps:,.0f} tokens/s, "
+        f"{fpt * tps / 1e12:.1f} TFLOP/s, MFU {fmt_mfu(m)} ({peak.note}); warmup+compile {warm_s:.1f}s")
+    log(f"time split: {fmt_split(split)}")
+    log(f"ETA for the preset's {tc.max_steps:,} steps ({target / 1e9:.2f}B tokens): {fmt_duration(eta)}"
+        + (f", ~{units:.0f} Colab compute units" if units is not None else ""))
+    fwd = model = optimizer = None
+    free_memory()
+    return {"step_s": step_s, "tokens_per_s": tps, "mfu": m, "split": split, "eta_s": eta, "colab_units": units,
+            "micro_batch": micro, "grad_accum_steps": accum, "device": peak.name}
+
+
+def _timed(one_step: Callable[[], None], warmup: int, steps: int, dev: torch.device,
+           after_warmup: Callable[[], object]) -> tuple[float, list[float]]:
+    """-> (warmup seconds, compile included; the seconds of each timed step, synced before and after)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        one_step()
+    _sync(dev)
+    warm_s = time.perf_counter() - t0
+    after_warmup()
+    times = []
+    for _ in range(steps):
+        _sync(dev)
+        t = time.perf_counter()
+        one_step()
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return warm_s, times

@@ -1,0 +1,131 @@
+"""DistributedDataParallel plumbing for train(): one process per GPU under `torchrun`.
+
+Under torchrun (WORLD_SIZE > 1 in the environment) `setup()` joins the process group (nccl on
+GPUs, gloo on CPU), pins each process to its GPU, and returns a `Dist` that train() asks for the
+few things DDP changes: who writes files (rank 0), the sampler seed (seed + rank, so ranks see
+different batches), the no_sync() context (gradients are all-reduced only on the last micro-step
+of an accumulation), the mean loss across ranks at log time, and agreement on time-based
+decisions (stop, save), which are taken only at log steps so the hot loop has no extra syncs.
+Without torchrun everything here is a no-op and single-process training is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gptlib.checkpoint.state import TrainTensors
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    initialized_here: bool = False  # we called init_process_group, so we destroy it
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, dev: torch.device) -> torch.device:
+        """Each process trains on its own GPU (LOCAL_RANK); CPU stays CPU."""
+        if self.enabled and dev.type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return dev
+
+    def wrap(self, model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
+        if not self.enabled:
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+
+    def no_sync(self, model: torch.nn.Module, last_micro_step: bool):
+        """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
+        if self.enabled and not last_micro_step:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Average a tensor over ranks (the logged loss is the global one)."""
+        if not self.enabled:
+            return t
+        t = t.detach().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t / self.world_size
+
+    def agree(self, step: int, every: int, *flags: bool) -> tuple[bool, ...]:
+        """Time-based decisions, identical on every rank: under DDP taken at log steps only (any rank -> all)."""
+        if not self.enabled:
+            return flags
+        if step % every != 0:
+            return tuple(False for _ in flags)
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        t = torch.tensor([int(f) for f in flags], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return tuple(bool(v) for v in t.tolist())
+
+    def min_int(self, value: int) -> int:
+        if not self.enabled:
+            return value
+        out = [None] * self.world_size
+        dist.all_gather_object(out, int(value))
+        return min(out)
+
+    def sampler_states(self, state: dict) -> list[dict] | None:
+        """Every rank's sampler state, gathered for rank 0's checkpoint (None when not distributed)."""
+        if not self.enabled:
+            return None
+        out = [None] * self.world_size
+        dist.all_gather_object(out, state)
+        return out
+
+    def load_sampler_state(self, sampler, tensors: TrainTensors, seed: int, log=print) -> None:
+        """This rank's saved sampler state; a checkpoint from another world size gets a derived, distinct stream."""
+        ranks = tensors.sampler_ranks
+        if ranks is not None and len(ranks) == self.world_size:
+            sampler.load_state_dict(ranks[self.rank])
+            return
+        sampler.load_state_dict(tensors.sampler)
+        if self.rank > 0 or (ranks is not None and len(ranks) != self.world_size):
+            # Same position in the run, a stream of this rank's own (not a replay of rank 0's batches).
+            sampler.generator.manual_seed(seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1))
+            if self.is_main:
+                log(f"resume: the checkpoint's sampler states are for {len(ranks) if ranks else 1} process(es), "
+                    f"now {self.world_size}: each rank continues with a derived stream")
+
+    def teardown(self) -> None:
+        if self.initialized_here and dist.is_initialized():
+            # Every rank waits here first: a rank that destroys the group and exits while another is
+            # still finishing (rank 0 writes the last checkpoint) makes gloo abort the other process.
+            try:
+                dist.barrier()
+            except (RuntimeError, dist.DistBackendError):  # another rank already failed: nothing to wait for
+                pass
+            dist.destroy_process_group()
+            self.initialized_here = False
+
+
+def setup(device: str = "auto") -> Dist:
+    """Join the process group when launched by torchrun; a plain Dist otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    here = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        here = True
+    return Dist(rank=rank, local_rank=local_rank, world_size=world, initialized_here=here)

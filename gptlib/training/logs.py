@@ -1,0 +1,367 @@
+"""The training logs: metrics.jsonl (a row per step), samples.jsonl and samples.md (the fixed prompts at
+every validation), the progress bar, and the notebook's on_log callback.
+
+Losses stay on the device until a log step; then all pending ones are read back in one host sync
+(`MetricsLog.flush`), once per log_interval. A checkpoint carries the losses not yet logged, so a
+resumed run writes exactly the rows the uninterrupted run would have written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from gptlib.fsutil import atomic_write_bytes
+from gptlib.inference.engine import generate_ids
+from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
+from gptlib.training.throughput import perf_fields, postfix_fields
+from gptlib.training.step import lr_at
+
+
+def fmt_tokens(n: float) -> str:
+    """A token count in the unit that fits, 3 significant digits: 5.12K, 268M, 2.8B (never "0.000B")."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 0.9995 * div:  # 999,600 is "1M", not "1e+03K"
+            v = n / div
+            return f"{v:,.0f}{unit}" if v >= 999.5 else f"{v:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines log; reading stops at a torn last line from a kill mid-write."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not isinstance(row, dict):
+                break
+            rows.append(row)
+    return rows
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
+
+
+def read_samples(run_dir: str | Path) -> list[dict]:
+    return read_jsonl(Path(run_dir) / SAMPLES_FILE)
+
+
+def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
+    """Keep metrics and samples rows up to the resumed step (later rows are re-logged by the resumed run);
+    -> the metrics rows kept."""
+    for name in (METRICS_FILE, SAMPLES_FILE):
+        p = run_dir / name
+        if p.exists():
+            keep = [r for r in read_jsonl(p) if r.get("step", 0) <= upto_step]
+            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in keep).encode())
+    return read_metrics(run_dir)
+
+
+def restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> None:
+    """A fresh VM has no local logs: take the checkpoint's copy when it has more rows up to `step`."""
+    def rows(p: Path) -> int:
+        return sum(1 for r in read_jsonl(p) if r.get("step", 0) <= step)
+
+    for name in (METRICS_FILE, SAMPLES_FILE):
+        src, dst = ckpt_dir / name, run_dir / name
+        if src.is_file() and rows(src) > rows(dst):
+            atomic_write_bytes(dst, src.read_bytes())
+
+
+def write_samples_table(run_dir: Path) -> None:
+    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+    rows = read_samples(run_dir)
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    steps = sorted({r["step"] for r in rows})
+    cell = {(r["step"], r["prompt"]): r["text"] for r in rows}
+
+    def esc(t: str) -> str:
+        return t.replace("|", "\\|").replace("\n", "<br>")
+
+    # Every column left-aligned, explicitly: without it the classic notebook right-aligns the text.
+    lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |",
+             "|:---|" + ":---|" * len(prompts)]
+    for st in steps:
+        lines.append(f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |")
+    atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
+
+
+def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,
+                run_dir: Path, log: Callable[[str], None], stop_ids: Sequence[int] = ()) -> list[dict]:
+    """Continue each fixed prompt (a string, or token ids: a chat prompt) with the model (a fixed seed per
+    prompt: samples differ only by the weights), cut at the first of stop_ids; append them to samples.jsonl
+    and redraw samples.md."""
+    rows = []
+    gen = torch.Generator(device="cpu")
+    was_training = model.training
+    model.eval()
+    for i, prompt in enumerate(prompts):
+        gen.manual_seed(seed + i)
+        if isinstance(prompt, str):
+            try:
+                prompt_ids = tokenizer.encode(prompt)
+            except ValueError as e:
+                log(f"sample prompt {prompt!r} skipped: {e}")
+                continue
+        else:
+            prompt_ids, prompt = list(prompt), tokenizer.decode(prompt)
+        with autocast:
+            out = generate_ids(model, prompt_ids, n_tokens, temperature=0.8, top_k=None, generator=gen)
+        cut = next((k for k, t in enumerate(out) if t in stop_ids), len(out))
+        rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out[:cut])})
+    model.train(was_training)
+    with open(run_dir / SAMPLES_FILE, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    write_samples_table(run_dir)
+    return rows
+
+
+# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up.
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+def bar_postfix(train_loss: float, tokens_per_s: float | None, perf: dict) -> str:
+    """The bar's postfix: loss, tokens/s, MFU and ETA, short enough (under 50 characters) to leave the bar a fair
+    share of a 100-column line or a 1,000-px notebook. The details (lr, the time split) are in the periodic
+    progress line and metrics.jsonl."""
+    parts = [f"loss {train_loss:.4f}"]
+    if tokens_per_s is not None:
+        parts.append(f"{fmt_tokens(tokens_per_s)} tok/s")
+    short = postfix_fields(perf)
+    if "mfu" in short:
+        parts.append(f"MFU {short['mfu']}")
+    if "eta" in short:
+        parts.append(f"ETA {short['eta']}")
+    return ", ".join(parts)
+
+
+def plain_progress(stream) -> bool:
+    """Plain progress lines instead of a bar: the bar's stream (stderr) is a file or a pipe, not a terminal, and
+    tqdm.auto would not draw a notebook widget. There a bar's carriage-return redraws make one endless line."""
+    from tqdm.auto import tqdm
+
+    isatty = getattr(stream, "isatty", None)
+    return not is_notebook_bar_class(tqdm) and not (isatty is not None and isatty())
+
+
+def is_notebook_bar_class(cls) -> bool:
+    """Whether tqdm.auto's pick (a class) is the notebook widget bar."""
+    try:
+        from tqdm.notebook import tqdm as notebook_tqdm
+    except ImportError:
+        return False
+    return issubclass(cls, notebook_tqdm)
+
+
+def is_notebook_bar(bar) -> bool:
+    """A widget bar (tqdm.auto's pick in a notebook, whose class lives in module tqdm.auto): a front end that
+    cannot draw widgets (JupyterLab 4 with ipywidgets 7) shows nothing of it, so plain lines are printed too."""
+    return bar is not None and is_notebook_bar_class(type(bar))
+
+class MetricsLog:
+    """metrics.jsonl, the progress bar and the on_log callback of one training call.
+
+    `add` keeps each step's loss on the device; `flush` (at log steps) reads them all back at once,
+    writes a row per step and refreshes the bar; `validation_row` writes the validation row. On DDP ranks
+    other than 0 the file is os.devnull and there is no bar, but `flush` still averages over ranks.
+
+    Throughput (tokens/s, MFU, ETA) leaves out the session's first step: it compiles the model (a minute
+    or two on a GPU), tunes kernels and grows the allocator. The loop says so while it happens. The bar
+    shows loss, tokens/s, MFU and ETA; a progress line with the details too (lr, the time split) is printed
+    every TEXT_EVERY_S: in a notebook for front ends that cannot draw widgets, in a terminal above the bar. Where
+    the bar's stream is a file or a pipe (`train ... > log.txt 2>&1`) there is no bar, only those lines.
+    """
+
+    TEXT_EVERY_S = 60.0
+
+    def __init__(self, session, *, peak, timer, progress: bool, log: Callable[[str], None],
+                 on_log: Callable[[dict], None] | None):
+        """session: the gptlib.training.setup.Session being trained (its run dir, state, history, config)."""
+        state, run_dir, ddp = session.state, session.run_dir, session.ddp
+        self.state, self.history, self.ddp, self.tc = state, session.history, ddp, session.cfg.train
+        self.tokens_per_step, self.flops_per_token = session.tokens_per_step, session.model.flops_per_token()
+        self.peak, self.log, self.on_log = peak, log, on_log
+        self.pending: list[torch.Tensor] = [torch.tensor(v, device=session.device) for v in state.pending_losses]
+        self.train_loss: float | None = self.history[-1].get("train_loss") if self.history else None  # last logged
+        self.val_loss: float | None = None  # last validation loss of this call ...
+        self.val_step: int | None = None  # ... and its step
+        self.held: float | None = None  # this step's loss between flush() and validation_row()
+        self.file = open(run_dir / METRICS_FILE if ddp.is_main else os.devnull, "a")
+        self.bar = None
+        self.lines_only = progress and plain_progress(sys.stderr)  # progress lines, no bar (a file, a pipe)
+        if progress and not self.lines_only:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.tc.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
+                            bar_format=BAR_FORMAT)
+        self.timer = timer
+        self.elapsed_before = state.elapsed_s  # training time of earlier sessions
+        self.t_start = self.t_last = self.t_text = time.time()
+        self.tokens_last = state.tokens_seen
+        self.tps: float | None = None  # tokens/s of the last log interval (None until measured)
+        self.steady_tokens, self.steady_s = 0, 0.0  # all measured intervals: warm-up and validations left out
+        self.paused_s = 0.0  # ... the validations' time (after warm-up): the ETA counts it, tokens/s and MFU do not
+        self.perf: dict = {}
+        self.warm = False  # the session's first step (compile, kernel tuning) is behind us
+        self.compiled = session.compiled
+        if self.compiled:
+            self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
+            if self.bar is not None:
+                self.bar.set_description("compiling")
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.pending.append(loss)
+        if not self.warm:
+            self._warmed_up(loss)
+
+    def _warmed_up(self, loss: torch.Tensor) -> None:
+        """After the session's first step: wait for it (one host sync, once), then start the throughput clock."""
+        loss.item()
+        self.warm = True
+        now = time.time()
+        if self.compiled:
+            if self.bar is not None:
+                self.bar.set_description("train")
+            self.say(f"compiled and warmed up in {now - self.t_start:.0f} s")
+        self.t_last, self.tokens_last = now, self.state.tokens_seen
+        self.timer.split()  # the time split leaves the first step out too
+
+    def due(self, step: int, validating: bool) -> bool:
+        return step % self.tc.log_interval == 0 or validating
+
+    def pending_losses(self) -> list[float]:
+        """The losses not yet logged, for a checkpoint (a host sync: only when saving). A validation that
+        was interrupted leaves its step's loss unlogged: the resumed run logs it."""
+        held = [self.held] if self.held is not None else []
+        return held + (torch.stack(self.pending).tolist() if self.pending else [])
+
+    def flush(self, timer, validating: bool) -> None:
+        """Read the pending losses back (the loop's host sync) and write a row per step; the last row of a
+        validation step is written by `validation` instead, with its val loss."""
+        st, tc = self.state, self.tc
+        losses = self.ddp.mean(torch.stack(self.pending)).tolist()  # the sync: once per log_interval
+        self.pending.clear()
+        now = time.time()
+        if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
+            self.tps = (st.tokens_seen - self.tokens_last) / max(1e-9, now - self.t_last)
+            self.steady_tokens += st.tokens_seen - self.tokens_last
+            self.steady_s += now - self.t_last
+            self.t_last, self.tokens_last = now, st.tokens_seen
+            wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
+            self.perf = perf_fields(timer.split(), self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
+                                    st.tokens_seen, tc.max_steps * self.tokens_per_step, wall_rate)  # MFU, ETA, split
+        self.train_loss = losses[-1]
+        for k, loss in enumerate(losses):
+            s_k = st.step - len(losses) + 1 + k
+            if s_k == st.step and validating:
+                self.held = loss  # written by validation_row() with the val loss
+                continue
+            row = {"step": s_k, "train_loss": round(loss, 6), "lr": self._lr(s_k),
+                   "tokens_seen": st.tokens_seen - (len(losses) - 1 - k) * self.tokens_per_step}
+            if s_k == st.step:
+                row.update(self._speed(now))
+            self._write(row)
+        self.file.flush()
+        self._show_progress(now)
+
+    def _speed(self, now: float) -> dict:
+        """What the last row of a log step adds: tokens/s (once measured), elapsed time, MFU, ETA, split."""
+        speed = {} if self.tps is None else {"tokens_per_s": round(self.tps, 1)}
+        return {**speed, "elapsed_s": round(self._elapsed(now), 3), **self.perf}
+
+    def _show_progress(self, now: float) -> None:
+        if self.bar is None and not self.lines_only:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(bar_postfix(self.train_loss, self.tps, self.perf))
+        if now - self.t_text >= self.TEXT_EVERY_S:  # the details; the only progress where there is no bar
+            self.t_text = now
+            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(self.state.step):.2e}"}
+            if self.tps is not None:
+                fields["tok/s"] = f"{self.tps:,.0f}"
+            self.say(f"step {self.state.step:,}/{self.tc.max_steps:,}: "
+                     + ", ".join(f"{k} {v}" for k, v in {**fields, **postfix_fields(self.perf)}.items()))
+
+    def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
+        """Write this step's validation row (after `flush`, which skipped it); `extra`: e.g. HellaSwag fields."""
+        st = self.state
+        self.val_loss, self.val_step, self.held = val_loss, st.step, None
+        row = {"step": st.step, "train_loss": round(self.train_loss, 6), "val_loss": round(val_loss, 6),
+               "lr": self._lr(st.step), "tokens_seen": st.tokens_seen, **self._speed(time.time()), **(extra or {})}
+        self._write(row)
+        self.file.flush()
+        return row
+
+    def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
+        """A line for the user (with the Drive status), and the on_log callback (the notebook's live plot)."""
+        msg = f"step {row['step']:,}: train {self.train_loss:.4f}, val {self.val_loss:.4f}"
+        if row.get("hellaswag_acc_norm") is not None:
+            msg += f", HellaSwag acc_norm {row['hellaswag_acc_norm']:.4f} ({row['hellaswag_n']:,} items)"
+        self.say(msg + (f" | {status}" if status else ""))
+        if self.on_log is not None:
+            self.on_log({**row, "samples": samples})
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave a block's time (validation, sampling, plotting) out of tokens/s, MFU and ETA: the throughput
+        clock of the current interval moves forward by it."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            if self.warm:
+                spent = time.time() - t0
+                self.t_last += spent
+                self.paused_s += spent
+
+    def steady_tokens_per_s(self) -> float | None:
+        """Tokens/s of this call while stepping, as the bar counts it (None before any interval was measured)."""
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
+
+    def say(self, msg: str) -> None:
+        """A line for the user that does not break the progress bar."""
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            self.log(msg)
+
+    def step_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+
+    def _write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.history.append(row)
+
+    def _lr(self, step: int) -> float:
+        return lr_at(step - 1, self.tc)  # the rate step `step` trained with
+
+    def _elapsed(self, now: float) -> float:
+        return self.elapsed_before + (now - self.t_start)
+
+    def elapsed(self) -> float:
+        """Training wall time over all sessions, for the checkpoint's TrainState."""
+        return self._elapsed(time.time())
+
+    def session_s(self) -> float:
+        """Training wall time of this call."""
+        return time.time() - self.t_start

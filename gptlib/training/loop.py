@@ -1,0 +1,237 @@
+"""The training loop: one `train()` for notebooks, the CLI and torchrun.
+
+Re-running the same call on the same run directory resumes from its newest valid checkpoint:
+model, optimizer, scaler, step (so the LR schedule), tokens seen, every RNG, the sampler, best
+validation loss and the metrics history all continue where they stopped.
+
+train() only sequences the pieces: the set-up (gptlib.training.setup), one train step (gptlib.training.step), the
+metrics log (gptlib.training.logs), and the checkpointer with its save policy (gptlib.checkpoint.writer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gptlib.training import distributed
+from gptlib.checkpoint.writer import Checkpointer
+from gptlib.config import RunConfig, build_config
+from gptlib.batches import make_sampler
+from gptlib.errors import OutOfMemoryAdvice
+from gptlib.evaluation.evaluate import append_eval_row, make_row
+from gptlib.faults import fault_point
+from gptlib.evaluation.hellaswag import metrics_fields
+from gptlib.layout import LOSS_PLOT
+from gptlib.training.throughput import StepTimer, device_peak
+from gptlib.training.memory import free_memory, is_oom, oom_advice
+from gptlib.training.logs import MetricsLog, log_samples
+from gptlib.training.plots import plot_losses, run_title
+from gptlib.training.setup import Session, open_session
+from gptlib.training.signals import GracefulStop
+from gptlib.data.staging import stage_for_training
+from gptlib.training.step import forward_backward, lr_at, optimizer_step, set_lr, validation_loss
+
+VAL_SEED_OFFSET = 10_000  # validation batches come from their own fixed seed: the same batches every time
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    train_loss: float | None  # last logged training loss
+    val_loss: float | None  # last validation loss (None if no validation ran) ...
+    val_step: int | None  # ... measured at this step
+    best_val_loss: float | None
+    elapsed_s: float  # training wall time of this call (start-up and the final wait for Drive excluded)
+    tokens_per_s: float  # over elapsed_s: the first (compile) step, validation and sampling included
+    steady_tokens_per_s: float | None  # while stepping, as the progress bar counts: those left out (None: too short)
+    resumed_from: int | None  # step of the checkpoint this call resumed from
+    stopped_by: str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
+    history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
+
+    def summary(self) -> str:
+        """One line for the end of a training cell or command."""
+        if self.stopped_by == "finished":
+            val = f" (val {self.val_loss:.4f})" if self.val_loss is not None else ""
+            return f"already finished at step {self.step:,}{val}; nothing to do -> {self.run_dir}"
+        val = "n/a" if self.val_loss is None else f"{self.val_loss:.4f}"
+        if self.val_loss is not None and self.val_step != self.step:
+            val += f" (at step {self.val_step:,})"
+        steady = "" if self.steady_tokens_per_s is None else f"; {self.steady_tokens_per_s:,.0f} tokens/s while stepping"
+        return (f"done: step {self.step:,}, val loss {val}, {self.tokens_per_s:,.0f} tokens/s over "
+                f"{self.elapsed_s:.1f} s of training{steady} ({self.stopped_by}) -> {self.run_dir}")
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",
+          overrides: dict | list | None = None, *, max_steps: int | None = None, max_minutes: float | None = None,
+          seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
+          log: Callable[[str], None] = print, on_log: Callable[[dict], None] | None = None,
+          mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
+          stage_data: bool | None = None, skip_unreadable: bool = False, allow_data_change: bool = False) -> TrainResult:
+    """Train (or resume) a GPT on a data directory into run_dir. compile: auto|on|off (None: the preset's); on_log(row)
+    after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of
+    another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule);
+    stage_data: read Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume."""
+    cfg = build_config(preset, overrides, max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device,
+                       compile=compile)
+    ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
+    if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
+        progress, log, on_log = False, _silent, None
+    s = open_session(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
+                     log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
+                     allow_data_change=allow_data_change)
+    s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
+    tc, state = s.cfg.train, s.state
+    if state.step >= tc.max_steps:
+        return _finished(s, log)
+    checkpointer = Checkpointer(s.open_writer(log), tc)
+    timer = StepTimer(s.device)
+    metrics = MetricsLog(s, peak=device_peak(s.device), timer=timer, progress=progress, log=log, on_log=on_log)
+    tokens_at_start, stopped_by, step_begin = state.tokens_seen, "max_steps", None
+    stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
+    try:
+        while state.step < tc.max_steps:
+            # forward and backward over the micro-batches (no host sync)
+            step_begin = s.step_begin()  # an interrupt before the update saves this, not half a step
+            set_lr(s.optimizer, lr_at(state.step, tc))
+            loss = forward_backward(s.train_model, s.scaler, s.sampler, accum=tc.grad_accum_steps,
+                                    autocast=s.autocast, timer=timer, no_sync=s.no_sync)
+            fault_point("mid_step", state.step + 1)  # tests only (GPTLIB_FAULT)
+            # the update and the step counter as one: a second stop press lands before or after, never inside
+            with stop.deferred():
+                optimizer_step(s.train_model, s.optimizer, s.scaler, tc.grad_clip)
+                state.step, state.tokens_seen, step_begin = state.step + 1, state.tokens_seen + s.tokens_per_step, None
+                metrics.add(loss)
+            timer.mark("optim")
+            s.lease.check()  # another process took the run over: stop, write nothing more
+            # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
+            over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
+            over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time,
+                                                      checkpointer.time_due(), bool(stop.reason))
+            is_last = state.step == tc.max_steps
+            validating = state.step % tc.eval_interval == 0 or is_last or over_time
+            # log the losses: the host sync, once per log_interval
+            if metrics.due(state.step, validating):
+                metrics.flush(timer, validating)
+            with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
+                # validate, sample, plot
+                val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
+                # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
+                checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(),
+                                                                       metrics.elapsed()),
+                                        validated=validating, time_due=time_due, stopping=stop_now)
+            metrics.step_done()
+            # stop early: out of time, or asked to (under DDP maybe by another rank's signal)
+            if (over_time or stop_now) and not is_last:
+                stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
+                why = f"max_minutes={tc.max_minutes} reached" if over_time else f"stopped ({stopped_by})"
+                log(f"{why} at step {state.step:,}; checkpoint saved, re-run to continue")
+                break
+    except Exception as e:  # an OOM, also one torch.compile wrapped in its own exception
+        if not is_oom(e):
+            raise
+        stopped_by = "oom"  # (e goes at the end of this block: its frames would pin GPU memory)
+    except KeyboardInterrupt:  # a second stop press, or an interrupt outside the signal handler
+        stopped_by = "interrupt"
+        log(f"interrupted at step {state.step:,}; saving the last complete step")
+        s.optimizer.zero_grad(set_to_none=True)
+        checkpointer.save(s.snapshot(None, metrics.pending_losses(), metrics.elapsed(), step_begin,
+                                     gather=False))  # ranks may be anywhere: no collective
+    finally:
+        train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
+    if stopped_by == "oom":
+        _raise_oom_advice(s)
+    return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
+
+
+def _result(s: Session, metrics: MetricsLog, stopped_by: str, train_s: float, tokens_trained: int) -> TrainResult:
+    state = s.state
+    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
+                       val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
+                       elapsed_s=train_s, tokens_per_s=tokens_trained / max(train_s, 1e-9),
+                       steady_tokens_per_s=metrics.steady_tokens_per_s(),
+                       resumed_from=s.resumed_from, stopped_by=stopped_by, history=metrics.history)
+
+
+def _close(s: Session, metrics: MetricsLog, stop: GracefulStop, checkpointer: Checkpointer) -> float:
+    """End a training call however it ended: the bar, the signal handlers, the last saves and the Drive wait,
+    the lease, the process group. -> this session's training seconds (read before the Drive wait)."""
+    train_s = metrics.session_s()
+    metrics.close()
+    stop.restore()
+    try:
+        checkpointer.close()  # local save errors raise; Drive problems are reported, never raised
+    finally:
+        s.lease.release()
+        s.ddp.teardown()
+    return train_s
+
+
+def _finished(s: Session, log) -> TrainResult:
+    """A run already at max_steps: say so, change nothing."""
+    r, state = s.resume, s.state
+    val = r.state.val_loss if r is not None else None
+    log(f"already finished at step {state.step:,}" + (f" (val {val:.4f})" if val is not None else "")
+        + "; nothing to do (raise max_steps to train further)")
+    try:
+        s.open_writer(log).close()  # resumed from the local disk: Drive still gets the final checkpoint
+    finally:
+        s.lease.release()
+        s.ddp.teardown()
+    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen,
+                       train_loss=s.history[-1].get("train_loss") if s.history else None, val_loss=val,
+                       val_step=state.step if val is not None else None, best_val_loss=state.best_val_loss,
+                       elapsed_s=0.0, tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
+                       history=s.history)
+
+
+def _validate(s: Session, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
+    """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
+    tc, mc, state = s.cfg.train, s.cfg.model, s.state
+    val_sampler = make_sampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
+                               s.loss_masks.get("val"))
+    val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
+    if state.best_val_loss is None or val_loss < state.best_val_loss:
+        state.best_val_loss, state.best_step = val_loss, state.step
+    row = metrics.validation_row(val_loss, _hellaswag(s, is_last))
+    samples = []
+    if s.ddp.is_main:
+        if s.sample_prompts and tc.sample_tokens:
+            samples = log_samples(s.model, s.tokenizer, s.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
+                                  state.step, s.run_dir, log, s.sample_stop_ids)
+        plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
+    metrics.report_validation(row, samples, checkpointer.status_line())
+    return val_loss
+
+
+def _hellaswag(s: Session, is_last: bool) -> dict:
+    """HellaSwag at a validation that crossed a multiple of hellaswag_every (the fixed subset), and on all items
+    at the end of the run (also appended to eval.jsonl) -> the metrics row's fields; {} when not due or off."""
+    probe, every, st = s.hellaswag, s.cfg.train.hellaswag_every, s.state
+    if probe is None or not (is_last or st.step // every > s.hellaswag_last // every):
+        return {}
+    s.hellaswag_last = st.step
+    res = probe.score(s.model, s.device, s.dtype, full=is_last)
+    if res is not None and is_last:
+        append_eval_row(s.run_dir, make_row("hellaswag", st.step, st.tokens_seen, res, source="training"))
+    return metrics_fields(res)
+
+
+def _raise_oom_advice(s: Session) -> None:
+    """Out of GPU memory: drop this call's GPU tensors, so the notebook's runtime stays usable, then say
+    which setting to try next (not chained to the OOM, whose frames would pin GPU memory)."""
+    tc, mc, world = s.cfg.train, s.cfg.model, s.ddp.world_size
+    hint = oom_advice(tc.batch_size, tc.grad_accum_steps, mc.block_size, world)
+    s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.splits = None
+    s.loss_masks = {}
+    torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) hold GPU memory too: dropped before freeing
+    free_memory()
+    raise OutOfMemoryAdvice(hint)

@@ -1,0 +1,183 @@
+"""GPU memory planning: how much training needs, the largest micro-batch that fits, and what to do after an OOM.
+
+An out-of-memory error must leave the notebook's runtime usable: every probe drops its tensors (no
+reference to the exception or its frames survives), collects garbage and empties the CUDA cache.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import torch
+
+from gptlib.errors import ConfigError, OutOfMemoryAdvice
+from gptlib.runtime import autocast_for
+
+
+def free_memory() -> None:
+    """Return cached blocks after dropping references: gc first (cycles may hold tensors), then the CUDA cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException | None) -> bool:
+    """An out-of-memory error, itself or anywhere in its chain: torch.compile re-raises an OOM met while
+    compiling or running a compiled graph as another exception (__cause__), and an OOM may surface while
+    another error is handled (__context__)."""
+    seen = set()
+    while err is not None and id(err) not in seen:  # a chain can loop back on itself
+        seen.add(id(err))
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def oom_advice(micro_batch: int, grad_accum: int, block_size: int, world_size: int = 1) -> str:
+    """The next setting to try after an out-of-memory error, keeping tokens per step the same."""
+    tokens = micro_batch * grad_accum * block_size * world_size
+    if micro_batch > 1:
+        b, a = max(1, micro_batch // 2), grad_accum * (micro_batch // max(1, micro_batch // 2))
+        return (f"out of GPU memory at micro-batch {micro_batch} x {block_size} tokens. Next setting to try: "
+                f"--set batch_size={b} --set grad_accum_steps={a} (same {tokens:,} tokens per step), or "
+                f"--set auto_batch=true to find the largest micro-batch that fits. The last checkpoint is intact: "
+                f"re-run to resume.")
+    return (f"out of GPU memory even at micro-batch 1 x {block_size} tokens: use a smaller model or context "
+            f"(a new run dir with --set block_size={max(1, block_size // 2)}), bf16 on a GPU that has it "
+            f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory.")
+
+
+def check_fits(cfg, device: torch.device) -> None:
+    """Refuse, before anything is written, a micro-batch whose training memory (estimate_train_bytes) exceeds all
+    the memory of the device it runs on: the GPU's, else the machine's RAM. (auto_batch finds what fits itself;
+    a size near the limit is left to the OOM advice.)"""
+    if cfg.train.auto_batch:
+        return
+    need = estimate_train_bytes(cfg.model, cfg.train.batch_size)
+    if device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"the GPU ({device})"
+    else:
+        import psutil
+
+        have, where = psutil.virtual_memory().total, "this machine's RAM"
+    if need > have:
+        raise ConfigError(f"batch_size={cfg.train.batch_size:,} x block_size={cfg.model.block_size:,} needs about "
+                          f"{need / 2**30:,.1f} GiB to train but {where} has {have / 2**30:,.1f} GiB; lower batch_size "
+                          f"(raise grad_accum_steps to keep the tokens per step), or --set auto_batch=true on a GPU")
+
+
+def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
+    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32) + bf16 activations
+    (~34 B per token per layer per channel) + fp32 logits/grad. Used to decide whether the data fits beside it."""
+    c = model_cfg
+    n_params = 12 * c.n_layer * c.n_embd ** 2 + (c.padded_vocab_size + c.block_size) * c.n_embd
+    tokens = micro_batch * c.block_size
+    return int(16 * n_params + 34 * tokens * c.n_layer * c.n_embd + 10 * tokens * c.padded_vocab_size)
+
+
+# The probe measures the model eagerly, before torch.compile wraps it (compiling each candidate size would
+# cost a compile per size). Eager training is the upper bound: inductor's partitioner recomputes cheap
+# pointwise results (GELU, LayerNorm) in the backward instead of saving them, so a compiled step holds no
+# more activations than an eager one. The margin: a size fits when its eager peak (weights, grads, AdamW's
+# two moments held as a stand-in, activations) stays under PROBE_HEADROOM of the GPU; the rest is room for
+# fragmentation and for what runs beside the step (cuBLAS/cuDNN workspaces, compile's kernel benchmarking).
+PROBE_HEADROOM = 0.92
+
+
+class CudaMemoryProbe:
+    """The probe's view of GPU memory: the peak allocated since reset(), and the GPU's size."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.total = torch.cuda.get_device_properties(device).total_memory
+
+    def reset(self, batch: int) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def auto_micro_batch(model, cfg, device, dtype, log=print) -> tuple[int, int]:
+    """train()'s auto_batch: probe on CUDA (the eager model, before compile: see PROBE_HEADROOM); elsewhere
+    keep the configured sizes (no OOM to find there)."""
+    tc = cfg.train
+    if torch.device(device).type != "cuda":
+        log(f"auto micro-batch: no memory probe on {torch.device(device).type}; keeping batch_size={tc.batch_size}, "
+            f"grad_accum_steps={tc.grad_accum_steps}")
+        return tc.batch_size, tc.grad_accum_steps
+    return probe_micro_batch(model, cfg.model.block_size, tc.batch_size * tc.grad_accum_steps, device, dtype, log=log)
+
+
+def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,
+                      dtype: torch.dtype = torch.float32, max_micro: int | None = None,
+                      reserve_optimizer: bool = True, headroom: float = PROBE_HEADROOM,
+                      log: Callable[[str], None] = print, memory_probe=None) -> tuple[int, int]:
+    """Largest micro-batch whose forward + backward fits, and the accumulation that keeps tokens per step.
+
+    Candidates are the divisors of `sequences_per_step` (so micro * accum is exact), largest first.
+    Each try runs one forward/backward on random tokens; an OOM frees everything (no reference to
+    the exception or its frames survives the except block, then gc + empty_cache) and tries the
+    next. With a memory probe (CudaMemoryProbe on CUDA) a try also fails when its peak exceeds
+    `headroom` of the GPU (see PROBE_HEADROOM). AdamW's two fp32 moments are held in memory during the
+    probe on CUDA (reserve_optimizer). -> (micro_batch, grad_accum_steps)
+    """
+    device = torch.device(device)
+    cap = sequences_per_step if max_micro is None else min(max_micro, sequences_per_step)
+    candidates = [b for b in range(cap, 0, -1) if sequences_per_step % b == 0]
+    cuda = device.type == "cuda"
+    if memory_probe is None and cuda:
+        memory_probe = CudaMemoryProbe(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    reserve = (torch.empty(2 * n_params, dtype=torch.float32, device=device)
+               if reserve_optimizer and cuda else None)  # stand-in for exp_avg + exp_avg_sq
+    was_training = model.training
+    model.train()
+    chosen = None
+    try:
+        for b in candidates:
+            fits, why = _try_micro_batch(model, b, block_size, device, dtype, headroom, memory_probe)
+            if fits:
+                chosen = b
+                break
+            log(f"auto micro-batch: {b} x {block_size} does not fit ({why})")
+    finally:
+        del reserve  # the stand-in for the optimizer moments goes first
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        free_memory()
+    if chosen is None:
+        raise OutOfMemoryAdvice(oom_advice(1, sequences_per_step, block_size))
+    accum = sequences_per_step // chosen
+    log(f"auto micro-batch: {chosen} x {block_size} tokens fits (eager peak within {headroom:.0%} of the GPU); "
+        f"grad_accum_steps={accum} keeps {sequences_per_step * block_size:,} tokens per step")
+    return chosen, accum
+
+
+def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype, headroom: float,
+                     memory_probe) -> tuple[bool, str]:
+    """One forward + backward of b sequences -> (fits, why not). Everything it made is dropped before it returns."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+    fits, why = True, ""
+    if memory_probe is not None:
+        memory_probe.reset(b)
+    x = torch.randint(0, vocab, (b, block_size), device=device)
+    try:
+        with autocast_for(device, dtype):
+            _, loss = model(x, x)
+        loss.backward()
+        if memory_probe is not None:
+            peak, total = memory_probe.peak(), memory_probe.total
+            if peak > headroom * total:
+                fits, why = False, f"peak {peak / 2**30:.1f} GiB > {headroom:.0%} of {total / 2**30:.1f} GiB"
+    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_oom(e):
+            raise
+        fits, why = False, "out of memory"
+    loss = x = None  # drop the graph and activations before trying a smaller size
+    model.zero_grad(set_to_none=True)
+    free_memory()
+    return fits, why

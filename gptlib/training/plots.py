@@ -1,0 +1,170 @@
+"""Plots: loss.png in the run directory, the live plot a notebook shows while training, and HellaSwag
+acc_norm beside the loss or against tokens seen.
+
+Figures are built without pyplot's global state (a Figure with an Agg canvas), so training in a
+thread or a headless process never touches a GUI backend.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+from gptlib.evaluation.hellaswag import GPT2_124M
+from gptlib.training.throughput import fmt_duration, fmt_mfu
+from gptlib.training.logs import read_metrics
+
+
+def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
+    """Train and val loss vs step as a matplotlib Figure, with HellaSwag acc_norm on a second axis when the
+    rows have it (TrainConfig.hellaswag_every)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+    va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if tr:
+        ax.plot(*zip(*tr), label="train", lw=1)
+    if va:
+        ax.plot(*zip(*va), "o-", label="val", lw=1.5, ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if tr or va:
+        ax.legend()
+    add_hellaswag_axis(ax, rows)
+    fig.tight_layout()
+    return fig
+
+
+def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
+    """loss.png in the run dir, replaced atomically so a viewer never reads half a file."""
+    fig = loss_figure(rows, title)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    os.replace(tmp, path)
+
+
+def run_title(preset: str, run_name: str, sep: str = ": ") -> str:
+    """A plot's title naming the preset and the run, once when they are the same ("phase1", not "phase1: phase1")."""
+    return preset if not run_name or run_name == preset else f"{preset}{sep}{run_name}"
+
+
+def _notebook_display():
+    """IPython's display() inside an IPython session (a notebook, Voila, Colab); None in a plain process."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        return None
+    return display if get_ipython() is not None else None
+
+
+class LivePlot:
+    """Pass `LivePlot(run_dir).update` as train()'s on_log callback: at every validation it re-reads the
+    run's metrics.jsonl (earlier sessions of a resumed run included), redraws train/val loss, and shows
+    the step, val loss, tokens/s, MFU and ETA in the title, updating one display in place (outside IPython
+    it only draws).
+
+    In a notebook the display is made when the LivePlot is, before training prints anything: the plot stays
+    above the cell's text, and training's "step N: ..." lines (plain text, shown by every front end) all land
+    below it, in order, rather than the first above it and the rest below.
+    """
+
+    PLACEHOLDER = "loss plot: drawn here at the first validation"
+
+    def __init__(self, run_dir: str | Path, title: str = ""):
+        self.run_dir = Path(run_dir)
+        self.title = title
+        self.updates = 0
+        display = _notebook_display()
+        self.handle = None if display is None else display(
+            {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"}, raw=True, display_id=True)
+
+    def figure(self, last: dict | None = None):
+        rows = read_metrics(self.run_dir)
+        last = last or (rows[-1] if rows else {})
+        parts = [self.title] if self.title else []
+        if last.get("val_loss") is not None:
+            parts.append(f"step {last['step']:,}: val {last['val_loss']:.4f}")
+        if last.get("tokens_per_s"):
+            parts.append(f"{last['tokens_per_s']:,.0f} tok/s")
+        if "mfu" in last:
+            parts.append(f"MFU {fmt_mfu(last['mfu'])}")
+        if last.get("eta_s") is not None:
+            parts.append(f"ETA {fmt_duration(last['eta_s'])}")
+        return loss_figure(rows, " · ".join(parts), figsize=(8, 3.6), dpi=90)
+
+    def update(self, row: dict | None = None) -> None:
+        """on_log callback: redraw with everything logged so far."""
+        fig = self.figure(row)
+        self.updates += 1
+        display = _notebook_display()
+        if display is None:
+            return
+        from IPython.display import Image
+
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")  # a PNG shows the same in Jupyter, Colab and saved notebooks
+        img = Image(data=buf.getvalue(), format="png")
+        if self.handle is None:
+            self.handle = display(img, display_id=True)
+        else:
+            self.handle.update(img)
+
+
+def add_hellaswag_axis(ax, rows: list[dict], x: str = "step", reference: bool = True):
+    """Draw HellaSwag acc_norm (rows with `hellaswag_acc_norm`, i.e. metrics.jsonl) on a second y axis
+    of `ax` (the loss plot). Returns the new Axes, or None when no row has a score (nothing drawn)."""
+    pts = [(r[x], r["hellaswag_acc_norm"], r.get("hellaswag_n")) for r in rows
+           if r.get("hellaswag_acc_norm") is not None and r.get(x) is not None]
+    if not pts:
+        return None
+    ax2 = ax.twinx()
+    n_sub = min(p[2] or 0 for p in pts)  # the subset size; a larger n is the full set at the end
+    sub = [(s, a) for s, a, n in pts if (n or 0) == n_sub]
+    full = [(s, a) for s, a, n in pts if (n or 0) != n_sub]
+    if sub:
+        ax2.plot(*zip(*sub), "s-", color="tab:green", lw=1.2, ms=3,
+                 label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
+    if full:
+        ax2.plot(*zip(*full), "D", color="darkgreen", ms=6, label="HellaSwag acc_norm (all items)")
+    if reference:
+        ax2.axhline(GPT2_124M["acc_norm"], color="tab:green", ls="--", lw=0.8, alpha=0.7,
+                    label="GPT-2 124M (0.2955)")
+        ax2.axhline(0.25, color="gray", ls=":", lw=0.8, alpha=0.7, label="chance (0.25)")
+    ax2.set_ylabel("HellaSwag acc_norm", color="tab:green")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    if ax.get_legend() is not None:
+        ax.get_legend().remove()
+    ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
+    return ax2
+
+
+def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
+    """acc_norm against tokens seen, from eval.jsonl rows (task hellaswag), with GPT-2 124M's figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    pts = sorted((r["tokens_seen"], r["acc_norm"]) for r in rows
+                 if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None)
+    if pts:
+        ax.plot(*zip(*pts), "o-", label="this run")
+    ax.axhline(GPT2_124M["acc_norm"], color="tab:red", ls="--", lw=1, label="GPT-2 124M (OpenAI): 0.2955")
+    ax.axhline(0.25, color="gray", ls=":", lw=1, label="chance: 0.25")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("HellaSwag acc_norm")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

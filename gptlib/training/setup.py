@@ -1,0 +1,381 @@
+"""Everything train() sets up before its loop, in the order it happens:
+
+1. the data: meta.json checked against the shards, the tokens placed on the GPU, in RAM or left on disk;
+2. the resume point (gptlib.checkpoint.resume): the newest checkpoint that verifies and loads, on the local disk or the
+   Drive mirror; its model config must match what is asked for, while training settings asked for now win
+   (and are reported);
+3. the model (seeded), the micro-batch that fits (auto_batch), AdamW, the grad scaler, the sampler,
+   and the checkpoint's state restored into them; then torch.compile and DDP wrap the model;
+4. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
+
+A Session also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from gptlib.training import distributed
+from gptlib.checkpoint.format import clean_orphans, load_weights_into
+from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter, Snapshot
+from gptlib.config import ModelConfig, RunConfig
+from gptlib.data.conversations import ChatTemplate, first_prompts
+from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
+from gptlib.errors import ConfigError, DataFormatError, HungIOError
+from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
+from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
+from gptlib.evaluation.hellaswag import HellaSwagProbe
+from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
+from gptlib.training.memory import auto_micro_batch, check_fits, estimate_train_bytes
+from gptlib.inference.loading import load_for_inference
+from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
+from gptlib.model import GPT
+from gptlib.training.throughput import check_cpu_run, run_flops
+from gptlib.checkpoint.resume import DRIVE_ADVICE, MODEL_FIELDS_THAT_MUST_MATCH, Passed, Resume, find_resume
+from gptlib.runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state, dtype_name,
+                      resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything, use_compile)
+from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
+from gptlib.checkpoint.state import TrainState, TrainTensors
+from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
+
+
+def build_model(cfg: RunConfig, device: torch.device, ddp: distributed.Dist, log) -> tuple[GPT, Any, Any, torch.dtype]:
+    """The model (seeded init), the micro-batch that fits (auto_batch: batch_size * grad_accum_steps
+    sequences per step are kept), AdamW and the grad scaler (on only for fp16). -> (model, optimizer,
+    scaler, dtype). Shared by training and the throughput benchmark."""
+    tc, mc = cfg.train, cfg.model
+    dtype = resolve_dtype(tc.dtype, device)
+    seed_everything(tc.seed)
+    configure_matmul(device)
+    model = GPT(mc).to(device)
+    if tc.auto_batch:
+        per_step = tc.batch_size * tc.grad_accum_steps
+        tc.batch_size = ddp.min_int(auto_micro_batch(model, cfg, device, dtype, log=log)[0])
+        tc.grad_accum_steps = per_step // tc.batch_size
+    configure_attention(device, dtype, tc.batch_size, mc.n_head, mc.block_size, mc.n_embd // mc.n_head, log)
+    optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device.type)
+    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
+    return model, optimizer, scaler, dtype
+
+
+def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: distributed.Dist) -> tuple[Any, bool]:
+    """torch.compile (TrainConfig.compile; "auto": a CUDA run long enough to pay for compiling), then DDP
+    outermost (for no_sync) -> (what the loop runs, compiled)."""
+    compiled = use_compile(cfg.train.compile, device, run_flops(cfg))
+    return ddp.wrap(torch.compile(model) if compiled else model, device), compiled
+
+
+CHAT_SAMPLES = 2  # chat data: the val split's first questions sampled at each validation
+
+
+def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: Tokenizer) -> tuple[list, list[int]]:
+    """The fixed prompts sampled at each validation and the ids a sample stops at: the config's strings; on chat
+    data the val split's first CHAT_SAMPLES questions as chat prompts (a plain string asks a chat model nothing),
+    each answer ending at <|end|>."""
+    tc = cfg.train
+    if meta.format != "chat" or not tc.sample_prompts:
+        return list(tc.sample_prompts), []
+    spans = read_spans(meta, "val")
+    if not len(spans):
+        return list(tc.sample_prompts), []
+    reach = int(spans[min(len(spans), 64) - 1][0])  # the first 64 answers: enough to find CHAT_SAMPLES conversations
+    template = ChatTemplate(tokenizer)
+    prompts = first_prompts(head_ids(splits["val"], reach), spans, template.eot_id, CHAT_SAMPLES,
+                            cfg.model.block_size // 2)
+    return [p.tolist() for p in prompts], [template.end_id, template.eot_id]
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    run_dir: Path
+    mirror_dir: Path | None
+    ddp: distributed.Dist
+    device: torch.device
+    dtype: torch.dtype
+    meta: DatasetMeta
+    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
+    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
+    tokenizer: Tokenizer
+    model: GPT  # the original module: state dicts, samples, validation
+    train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
+    compiled: bool
+    optimizer: Any
+    scaler: Any
+    sampler: Any
+    state: TrainState
+    resume: Resume | None
+    lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
+    passed: Passed = field(default_factory=Passed)  # checkpoints passed over at resume (damaged, unreadable)
+    hellaswag: HellaSwagProbe | None = None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
+    hellaswag_last: int = 0  # the step it last scored
+    history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
+    sample_prompts: list = field(default_factory=list)  # sampled at validations: strings, or token ids (chat data)
+    sample_stop_ids: list[int] = field(default_factory=list)  # a sample ends at these (chat: <|end|>, <|endoftext|>)
+
+    @property
+    def autocast(self):
+        return autocast_for(self.device, self.dtype)
+
+    @property
+    def tokens_per_step(self) -> int:
+        tc = self.cfg.train
+        return tc.batch_size * self.cfg.model.block_size * tc.grad_accum_steps * self.ddp.world_size
+
+    @property
+    def no_sync(self):
+        """DDP: no_sync(last_micro_step) -> a context that skips the gradient all-reduce; None alone."""
+        return (lambda last: self.ddp.no_sync(self.train_model, last)) if self.ddp.enabled else None
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.resume.state.step if self.resume is not None else None
+
+    def step_begin(self) -> tuple:
+        """What an interrupt mid-step saves instead of the half-made step: the sampler and RNGs as they
+        were before it. CUDA's RNG state (the training device's) is host-side seed/offset: reading it does not
+        sync the device."""
+        return self.sampler.state_dict(), torch.get_rng_state(), cuda_rng_state(self.device)
+
+    def snapshot(self, val_loss: float | None, pending_losses: list[float], elapsed_s: float,
+                 step_begin: tuple | None = None, gather: bool = True) -> Snapshot:
+        """What a checkpoint saves now. gather=False skips collecting every DDP rank's sampler (a
+        collective), for an interrupt where the ranks may be anywhere."""
+        rng_tensors, rng_plain = capture_rng(self.device)
+        sampler_state = self.sampler.state_dict()
+        if step_begin is not None:  # interrupted mid-step: the state from before the unfinished step
+            sampler_state, rng_tensors["torch_cpu"], cuda_rng = step_begin
+            if cuda_rng is not None:
+                rng_tensors["torch_cuda"] = cuda_rng
+        tensors = TrainTensors(optimizer=self.optimizer.state_dict(),
+                               scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
+                               sampler=sampler_state, rng=rng_tensors,
+                               sampler_ranks=self.ddp.sampler_states(sampler_state) if gather else None)
+        state = dataclasses.replace(self.state, val_loss=val_loss, pending_losses=pending_losses,
+                                    elapsed_s=elapsed_s, rng=rng_plain)
+        return (self.state.step, self.model.state_dict(), tensors.to_dict(), state.state_dict(), self.state.best_step)
+
+    def open_writer(self, log) -> CheckpointWriter | NullCheckpointWriter:
+        """Rank 0's background writer (leftovers of a save killed mid-way removed first), or a null one."""
+        if not self.ddp.is_main:
+            return NullCheckpointWriter()
+        clean_orphans(self.run_dir)  # the mirror is cleaned by its own thread
+        tc = self.cfg.train
+        writer = CheckpointWriter(self.run_dir, keep_last=tc.keep_last, background=True, log=log,
+                                  mirror_dir=self.mirror_dir, snapshot_files=LOG_FILES, keep_every=tc.keep_every,
+                                  guard=self.lease.check, bad=set(self.passed.damaged),
+                                  unreadable=set(self.passed.unreadable), mirror_listed=self.passed.mirror_step)
+        if self.resume is not None and self.mirror_dir is not None and not self._resumed_from_mirror():
+            writer.mirror_existing(self.resume.info.path, self.state.best_step)  # resumed locally: Drive gets it too
+        # (resumed from Drive: the checkpoint was copied here, verified, and is already on Drive)
+        return writer
+
+    def _resumed_from_mirror(self) -> bool:
+        return self.mirror_dir is not None and self.resume.origin.is_relative_to(self.mirror_dir)
+
+    def restore(self, log) -> None:
+        """Load the resume checkpoint's weights, optimizer, scaler, sampler, RNGs, counters and logs."""
+        r, tc = self.resume, self.cfg.train
+        load_weights_into(self.model, r.model_sd, r.info.path)
+        if r.tensors.optimizer:  # a run made by import-hf holds weights only: its training starts fresh
+            self.optimizer.load_state_dict(r.tensors.optimizer)
+            if r.tensors.scaler:
+                self.scaler.load_state_dict(r.tensors.scaler)
+            self.ddp.load_sampler_state(self.sampler, r.tensors, tc.seed, log)  # sampler.load_state_dict alone
+            restore_rng(r.tensors.rng, r.state.rng)
+            restore_cuda_rng(r.tensors.rng, self.device)
+        for name in ("step", "tokens_seen", "best_val_loss", "best_step", "elapsed_s", "pending_losses", "init_from",
+                     "data_changes"):
+            setattr(self.state, name, getattr(r.state, name))
+        if r.data_change:
+            self.state.data_changes = [*self.state.data_changes, r.data_change]
+        where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
+        log(f"resumed from step {r.state.step:,} (saved {r.info.saved_at}, {r.state.tokens_seen:,} tokens seen) "
+            f"on the {where}: {r.origin}")
+
+
+@dataclass
+class Base:
+    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP])."""
+
+    spec: str
+    model_sd: dict[str, torch.Tensor]
+    config: ModelConfig
+    step: int
+    path: Path
+    vocab_size: int  # the base's vocabulary: the data's may add tokens after it (chat markers)
+
+
+def load_base(spec: str, meta: DatasetMeta, log) -> Base:
+    """Load a base checkpoint and check that the data's tokenizer is the base's, or the base's with tokens
+    appended (tokenize --tokenizer-from BASE_RUN --format chat adds the chat markers)."""
+    run_dir, which = spec, "latest"
+    if not Path(spec).is_dir() and ":" in spec:
+        run_dir, which = spec.rsplit(":", 1)
+    ld = load_for_inference(run_dir, which, log=log)
+    base, data = ld.tokenizer.identity(), meta.tokenizer
+    grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"] and meta.vocab_size > base["vocab_size"]
+    if data.get("hash") != base["hash"] and not grows:
+        raise ConfigError(f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, tokenizer "
+                          f"{base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
+                          f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data with "
+                          f"--tokenizer-from {run_dir}")
+    log(f"init-from: the weights of {ld.path} (step {ld.step:,}); {ld.config.model.n_layer} layers x "
+        f"{ld.config.model.n_embd}, context {ld.config.model.block_size}"
+        + (f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (rows added for the new tokens)" if grows else ""))
+    return Base(spec, ld.model.state_dict(), ld.config.model, ld.step, ld.path, base["vocab_size"])
+
+
+def start_from_base(model: GPT, base: Base) -> None:
+    """Copy the base's weights into a new model of the same shape; the embedding rows of tokens the base does
+    not have (appended after its vocabulary) start at the mean of its rows, every other weight unchanged."""
+    sd = dict(base.model_sd)
+    key = "transformer.wte.weight"
+    old, new = sd[key], model.state_dict()[key]
+    if old.shape != new.shape:
+        grown = torch.zeros_like(new)
+        grown[: base.vocab_size] = old[: base.vocab_size]
+        grown[base.vocab_size: model.config.vocab_size] = old[: base.vocab_size].mean(dim=0)
+        sd[key] = sd["lm_head.weight"] = grown  # tied
+    load_weights_into(model, sd, base.path)
+
+
+def _load_data(data_dir, cfg: RunConfig, device: torch.device, verbose: bool, log):
+    """The dataset (checked, placed), and the vocabulary size it implies for the model. The tokenizer is
+    checked against meta.json first: a vocabulary smaller than the tokenizer's is named as such, before any
+    shard is read."""
+    meta = read_meta(data_dir)
+    tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
+    check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
+    if tokenizer.vocab_size > meta.vocab_size:  # the model's embedding would be too small for its ids
+        raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
+                              f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
+    if meta.vocab_size != cfg.model.vocab_size:
+        log(f"vocab_size {cfg.model.vocab_size} (preset) -> {meta.vocab_size} (from {meta.data_dir}/meta.json)")
+        cfg.model.vocab_size = meta.vocab_size
+    meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,
+                                reserve_gpu_bytes=estimate_train_bytes(cfg.model, cfg.train.batch_size))
+    return meta, splits, tokenizer
+
+
+def open_session(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
+                 mirror_dir: str | Path | None, verbose: bool, log: Callable[[str], None],
+                 take_over: bool = False, init_from: str | None = None, *, skip_unreadable: bool = False,
+                 allow_data_change: bool = False) -> Session:
+    """Set up a training call (see the module docstring). The lease comes first: nothing in run_dir or
+    the mirror changes before this process holds it, and the data and resume point fit the config. A call
+    refused during set-up leaves no directory it created behind."""
+    run_dir = Path(run_dir)
+    mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+    device = ddp.device(resolve_device(cfg.train.device))
+    resolve_dtype(cfg.train.dtype, device)  # bf16 asked for on a GPU without it: refused before anything is touched
+    created = _check_dirs(run_dir, mirror_dir) if ddp.is_main else []
+    try:
+        try:
+            lease = RunLease([run_dir, mirror_dir], take_over, log).acquire() if ddp.is_main else NoLease()
+        except HungIOError as e:  # Drive did not answer: its lease may be another process's
+            raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}") from None
+        try:
+            return _open(data_dir, run_dir, cfg, ddp, mirror_dir, device, lease, verbose, log, init_from,
+                         skip_unreadable, allow_data_change)
+        except BaseException:
+            lease.release()
+            raise
+    except BaseException:
+        for d in created:  # only if still empty (the lease file is gone by now)
+            for empty in (checkpoints_dir(d), d):
+                try:
+                    empty.rmdir()
+                except OSError:
+                    pass
+        raise
+
+
+def _check_dirs(run_dir: Path, mirror_dir: Path | None) -> list[Path]:
+    """The run dir, the mirror and their checkpoints/ folders must be directories or creatable: a file or a symlink
+    loop there is one line now, not a traceback at the first save (the mirror looked at with a time limit: Drive).
+    -> those that do not exist yet."""
+    new = []
+    for d, what in ((run_dir, "run directory"), (mirror_dir, "mirror directory")):
+        if d is None:
+            continue
+        def look(d=d, what=what) -> bool:
+            if not check_dir(d, what):
+                return False
+            check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
+            return True
+
+        try:
+            if not call_with_timeout(look, IO_TIMEOUT_S, what=f"looking at {d}"):
+                new.append(d)
+        except HungIOError as e:
+            raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}") from None
+    return new
+
+
+def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
+          device: torch.device, lease, verbose: bool, log, init_from: str | None, skip_unreadable: bool,
+          allow_data_change: bool) -> Session:
+    # the data, and the vocabulary it implies
+    meta, splits, tokenizer = _load_data(data_dir, cfg, device, verbose, log)
+    # resume: the newest checkpoint that verifies and loads decides the model config; else a base may (init-from)
+    cfg, resume, passed = find_resume(run_dir, mirror_dir, cfg, meta, log, shape_from_run=bool(init_from),
+                                      skip_unreadable=skip_unreadable, allow_data_change=allow_data_change)
+    base = None
+    if resume is None and init_from:
+        base = load_base(init_from, meta, log)
+        for name in MODEL_FIELDS_THAT_MUST_MATCH:
+            if name != "vocab_size":  # the data's: the base's, or the base's plus appended tokens
+                setattr(cfg.model, name, getattr(base.config, name))
+    elif init_from:
+        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+    cfg.validate()
+    check_cpu_run(cfg, device, cfg.train.device, resume.state.step if resume else 0, log)  # a GPU preset on a CPU
+    check_fits(cfg, device)  # a micro-batch larger than the device's memory: refused before anything is written
+    # the model and what trains it; the checkpoint's state restored before compile/DDP wrap the model
+    model, optimizer, scaler, dtype = build_model(cfg, device, ddp, log)
+    if base is not None:
+        start_from_base(model, base)
+    tc, mc = cfg.train, cfg.model
+    masks = loss_masks(meta, splits, tc.chat_loss)
+    if masks and verbose:
+        log(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
+            f"--set chat_loss=all puts it on every token)")
+    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
+    state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
+                       tokenizer=meta.tokenizer,
+                       init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})
+    s = Session(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
+                splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
+                optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
+                passed=passed)
+    s.sample_prompts, s.sample_stop_ids = sample_prompts(cfg, meta, splits, tokenizer)
+    if resume is not None:
+        s.restore(log)
+    model.train()  # the loop trains; validation and samples switch to eval and back themselves
+    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp)
+    if tc.hellaswag_every and ddp.is_main:  # the file fetched (or found off) and the subset tokenized, once
+        s.hellaswag = HellaSwagProbe(tokenizer, mc.block_size, source=tc.hellaswag_file or None,
+                                     limit=tc.hellaswag_items or None, log=log)
+        s.hellaswag_last = s.state.step
+    # the run directory: the config the checkpoints record (after auto_batch), and the run's own tokenizer
+    # copy, so sampling and export never depend on the data directory staying put
+    if ddp.is_main:
+        try:
+            atomic_write_json(run_dir / CONFIG_FILE, cfg.to_dict())
+            atomic_write_bytes(run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
+        except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
+            raise cannot_write(run_dir, e) from None
+        if resume is not None:
+            restore_logs_from_checkpoint(run_dir, resume.info.path, s.state.step)
+        # rows logged after the checkpoint go (re-logged by this run); so do rows of its pending losses
+        s.history = truncate_logs(run_dir, s.state.step - len(s.state.pending_losses))
+    log(f"model: {model.num_params() / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
+        f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(dtype)}, "
+        f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step")
+    return s

@@ -1,0 +1,73 @@
+"""Stopping cleanly: the Colab stop button (SIGINT), Ctrl-C and SIGTERM (runtime shutdown) ask the training loop
+to finish its step, save and return, instead of killing it mid-write."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any
+
+from gptlib.errors import loud
+
+
+class GracefulStop:
+    """SIGINT (Colab's stop button, Ctrl-C) and SIGTERM (runtime shutdown) ask the loop to stop.
+
+    The first signal only sets `reason`; the loop finishes the current optimizer step, saves a
+    checkpoint and returns, so the saved state is exactly a step boundary. A second SIGINT raises
+    KeyboardInterrupt at once (for a loop stuck elsewhere, e.g. in validation); the loop then saves the
+    last complete step. Inside `deferred()` (the optimizer update and the step counter) that second
+    press waits until the block ends, so the saved state is never half an update. Handlers can only be
+    installed from the main thread; elsewhere this does nothing and KeyboardInterrupt behaves as usual.
+    """
+
+    def __init__(self):
+        self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
+        self._old: dict[int, Any] = {}
+        self._deferring = False
+        self._interrupted = False  # a second press arrived inside deferred()
+
+    def install(self) -> "GracefulStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except (ValueError, OSError):
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None:
+            if signum == signal.SIGINT:
+                if self._deferring:
+                    self._interrupted = True
+                    return
+                raise KeyboardInterrupt
+            return
+        self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
+        loud(f"{signal.Signals(signum).name}: finishing this step, saving a checkpoint, then stopping"
+             + (" (press stop again to stop at once: the last complete step is saved)"
+                if signum == signal.SIGINT else ""))
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A block a second stop press must not cut in two: the press takes effect when it ends."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            if old is not None:
+                try:
+                    signal.signal(sig, old)
+                except (ValueError, OSError):
+                    pass
+        self._old.clear()

@@ -1,0 +1,97 @@
+"""One training step and one validation pass: the same code for train(), the throughput benchmark and
+the optimization ladder.
+
+Nothing here reads a tensor back to the host: the step returns its loss as a device tensor, and the
+caller decides when to pay for the sync (train() once per log_interval).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from gptlib.faults import fault_point
+from gptlib.training.throughput import StepTimer
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at max_steps."""
+    peak = cfg.learning_rate
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    min_lr = peak * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
+
+
+def optimizer_step(model, optimizer, scaler, grad_clip: float) -> None:
+    """After backward: clip (fp16 grads unscaled first), step, update the loss scale, drop the grads."""
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def forward_backward(model, scaler, batches, *, accum: int, autocast, timer: StepTimer,
+                     no_sync=None) -> torch.Tensor:
+    """`accum` micro-batches forward and backward; the gradients accumulate.
+
+    model: what runs the forward (compiled and/or DDP-wrapped); batches: anything with next_batch() -> (x, y).
+    no_sync(last_micro_step) -> a context skipping DDP's gradient all-reduce (None: no DDP).
+    -> the mean loss over the micro-batches, on the device (no host sync).
+    """
+    loss_sum = torch.zeros((), device=next(model.parameters()).device)
+    timer.start()
+    for micro in range(accum):
+        x, y = batches.next_batch()
+        timer.mark("data")
+        sync_ctx = no_sync(micro == accum - 1) if no_sync is not None else contextlib.nullcontext()
+        with sync_ctx:
+            with autocast:
+                _, loss = model(x, y)
+            loss = loss / accum
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()
+        timer.mark("fwd_bwd")
+    return loss_sum
+
+
+def train_step(model, optimizer, scaler, batches, *, accum: int, autocast, grad_clip: float, timer: StepTimer,
+               lr: float | None = None, no_sync=None, step: int | None = None) -> torch.Tensor:
+    """One optimizer step: forward_backward, then clip, update and drop the gradients (optimizer_step).
+    What benchmarks time; train() runs the same two halves with its stop handling between them.
+    step: the step being made (1-based), for the test fault hook between backward and update."""
+    if lr is not None:
+        set_lr(optimizer, lr)
+    loss = forward_backward(model, scaler, batches, accum=accum, autocast=autocast, timer=timer, no_sync=no_sync)
+    fault_point("mid_step", step)  # tests only (GPTLIB_FAULT); a no-op otherwise
+    optimizer_step(model, optimizer, scaler, grad_clip)
+    timer.mark("optim")
+    return loss
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+@torch.no_grad()
+def validation_loss(model, sampler, n_batches: int, autocast) -> float:
+    """Mean loss over `n_batches` batches of `sampler` (a fresh, fixed-seed sampler: the same batches at
+    every evaluation). Reads the result back to the host (a sync)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    losses = torch.zeros(n_batches, device=device)
+    for i in range(n_batches):
+        x, y = sampler.next_batch()
+        with autocast:
+            _, loss = model(x, y)
+        losses[i] = loss.float()
+    model.train(was_training)
+    return float(losses.mean())

@@ -1,0 +1,288 @@
+"""Measurement that training shows and benchmarks print: GPU peaks, MFU, ETA, Colab compute units, the step timer.
+
+MFU (model FLOPs utilisation) = achieved training FLOP/s / the GPU's dense peak for the precision gptlib
+trains in, with GPT.flops_per_token() = 6N + 12*L*d*T FLOPs per token. Only GPUs in PEAK_TFLOPS get a
+number; anything else (an unlisted GPU, a CPU) says "MFU unknown" rather than print a wrong one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from gptlib.errors import ConfigError, loud
+
+# --- GPU peaks and MFU ------------------------------------------------------------------------
+
+# Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
+# bf16 where the GPU has it; fp16 on T4/V100, which train in fp16 + GradScaler. First match wins.
+PEAK_TFLOPS: list[tuple[str, str, float]] = [
+    (r"H200", "H200", 989.0),
+    (r"H100.*PCIe", "H100 PCIe", 756.0),
+    (r"H100.*NVL", "H100 NVL", 835.0),
+    (r"H100", "H100 SXM", 989.0),
+    (r"A100", "A100", 312.0),
+    (r"\bL4\b", "L4", 121.0),
+    (r"V100", "V100 (fp16)", 125.0),
+    (r"\bT4\b", "T4 (fp16)", 65.0),
+]
+
+# Approximate Colab compute units consumed per hour of each GPU runtime (user reports, 2024-2025).
+# Colab changes these; edit this table (or pass your own) to get your own estimate.
+COLAB_UNITS_PER_HOUR: dict[str, float] = {
+    "T4": 1.76,
+    "L4": 4.82,
+    "V100": 4.91,
+    "A100": 11.77,
+    "H100": 18.0,
+}
+
+
+@dataclass
+class DevicePeak:
+    name: str  # what the device calls itself
+    family: str | None  # matched table row, e.g. "A100"; None if unknown
+    peak_flops: float | None  # FLOP/s, None if unknown
+    note: str  # why there is no MFU, or which peak is used
+
+
+def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
+    """'NVIDIA A100-SXM4-40GB' -> ('A100', 312e12); an unlisted name -> (None, None)."""
+    for pattern, family, tflops in PEAK_TFLOPS:
+        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
+            return family, tflops * 1e12
+    return None, None
+
+
+def device_peak(device: str | torch.device) -> DevicePeak:
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        family, peak = lookup_peak(name)
+        if peak is None:
+            return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
+        return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)")
+    return DevicePeak(f"{device.type}: {cpu_name()}", None, None, f"MFU unknown on {device.type} (no peak table for it)")
+
+
+def cpu_name() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, n_devices: int = 1) -> float | None:
+    """Fraction of the peak reached (0..1), or None when the peak is unknown."""
+    if not peak_flops:
+        return None
+    return flops_per_token * tokens_per_s / (peak_flops * n_devices)
+
+
+def fmt_mfu(value: float | None) -> str:
+    return "unknown" if value is None else f"{100 * value:.1f}%"
+
+
+def fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def eta_seconds(tokens_done: int, tokens_target: int, tokens_per_s: float) -> float:
+    if tokens_per_s <= 0:
+        return math.inf
+    return max(0, tokens_target - tokens_done) / tokens_per_s
+
+
+def colab_units(seconds: float, gpu_family: str | None, rates: dict[str, float] | None = None) -> float | None:
+    """Estimated Colab compute units for `seconds` on that GPU (None if the GPU has no rate)."""
+    rates = COLAB_UNITS_PER_HOUR if rates is None else rates
+    if gpu_family is None or not math.isfinite(seconds):
+        return None
+    key = next((k for k in rates if gpu_family.upper().startswith(k.upper())), None)
+    return None if key is None else rates[key] * seconds / 3600
+
+
+def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
+                n_devices: int, tokens_seen: int, tokens_target: int, eta_tokens_per_s: float | None = None) -> dict:
+    """What train() adds to a metrics row: MFU (None if unknown), ETA, Colab units, the time split (fractions).
+    eta_tokens_per_s: the rate the ETA assumes, when it differs (validations cost wall time, not MFU)."""
+    total = sum(split.values())
+    eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s if eta_tokens_per_s is None else eta_tokens_per_s)
+    m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
+    units = colab_units(eta, peak.family)
+    return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
+            "colab_units_left": None if units is None else round(units * n_devices, 2),
+            "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
+
+
+def postfix_fields(perf: dict) -> dict[str, str]:
+    """Short progress-bar fields from perf_fields(): only what is known."""
+    out = {}
+    if perf.get("mfu") is not None:
+        out["mfu"] = f"{100 * perf['mfu']:.1f}%"
+    if perf.get("eta_s") is not None:
+        out["eta"] = fmt_duration(perf["eta_s"])
+    if perf.get("time_split"):
+        out["time"] = fmt_split(perf["time_split"])  # where a step's time goes: "data 3% fwd_bwd 90% optim 7%"
+    return out
+
+
+def steps_for_tokens(cfg, tokens: float, world_size: int = 1) -> int:
+    """Optimizer steps that train on `tokens` tokens with this config's tokens per step (at least 1)."""
+    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
+    return max(1, math.ceil(tokens / per_step))
+
+
+def flops_per_token(model_cfg) -> int:
+    """GPT.flops_per_token() from the config alone (no model built): 6N + 12*L*C*T, N the parameters without
+    the position embeddings (the tied embedding counted once)."""
+    c = model_cfg
+    d, L = c.n_embd, c.n_layer
+    per_layer = 12 * d * d + 2 * d + (11 * d if c.bias else 0)  # attn 4d^2 + mlp 8d^2, two LayerNorms, biases
+    n = c.padded_vocab_size * d + L * per_layer + d + (d if c.bias else 0)  # + the final LayerNorm
+    return 6 * n + 12 * L * d * c.block_size
+
+
+def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
+    """Tokens the run still trains on from start_step to max_steps."""
+    tc = cfg.train
+    return max(0, tc.max_steps - start_step) * tc.batch_size * tc.grad_accum_steps * cfg.model.block_size * world_size
+
+
+def run_flops(cfg, start_step: int = 0) -> float:
+    """Training FLOPs of the run from start_step (compile=auto's measure of whether compiling pays)."""
+    return float(flops_per_token(cfg.model)) * run_tokens(cfg, start_step)
+
+
+# --- a GPU preset on a CPU --------------------------------------------------------------------
+
+GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")  # config.PRESETS made for a GPU runtime
+CPU_REFUSE_S = 3600.0  # a GPU preset that device=auto put on a CPU is refused when it would take longer than this
+
+
+def cpu_train_flops(seconds: float = 0.2) -> float:
+    """FLOP/s of one 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`. Training a GPT on a CPU
+    runs at about that rate (gpt2-small-shaped model: 12.8 GFLOP/s against a matmul's 11.9 on this project's
+    2 shared cores); smaller models run slower than it, so an estimate from it is, if anything, optimistic."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b  # the first call pays thread start-up
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or n < 2:
+        a @ b
+        n += 1
+    return 2 * 1024**3 * n / elapsed
+
+
+def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = None) -> float:
+    """Rough seconds the rest of the run takes on this CPU."""
+    return run_flops(cfg, start_step) / (flops_per_s or cpu_train_flops())
+
+
+def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
+    """A GPU preset on a CPU: the estimated time and how to get a GPU. When device=auto landed on the CPU (a
+    Colab notebook opened without a GPU runtime) and it would take over CPU_REFUSE_S, a ConfigError: nobody
+    should start a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning, and a
+    small run (a tiny model in a GPU preset, --set overrides) is a note."""
+    if device.type != "cpu" or cfg.preset not in GPU_PRESETS or run_tokens(cfg, start_step) == 0:
+        return
+    rate = cpu_train_flops()
+    secs = estimate_cpu_seconds(cfg, start_step, rate)
+    took = f"about {secs / 3600:,.0f} hours" if secs >= 3600 else f"about {fmt_duration(secs)}"
+    steps = cfg.train.max_steps - start_step
+    tokens = run_tokens(cfg, start_step)
+    msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) "
+           f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured). On Colab: "
+           f"Runtime > Change runtime type > A100 GPU, then run the notebook again")
+    if secs <= CPU_REFUSE_S:
+        log(msg)
+    elif requested == "auto":
+        raise ConfigError(msg + "; to train on this CPU anyway, ask for it with --device cpu (device='cpu'), or "
+                                "shorten the run (--set max_steps=N)")
+    else:
+        loud(f"warning: {msg}")
+
+
+# --- time split -------------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop.
+
+    On CUDA it records events and reads them only in `split()` (call it where the loop syncs
+    anyway, at log time); the GPU timeline then shows where time goes, including the GPU waiting
+    for the host's data. On CPU it uses perf_counter. With sync=True (benchmarks) every mark waits
+    for the device and times on the host, so host work such as a Python data loader counts in full.
+    """
+
+    def __init__(self, device: str | torch.device, sync: bool = False):
+        self.device = torch.device(device)
+        self.sync = sync and self.device.type == "cuda"
+        self.events = self.device.type == "cuda" and not sync
+        self.totals: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, object, object]] = []
+        self._last = None
+
+    def _now(self):
+        if self.events:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._last = self._now()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous start/mark belongs to `phase`."""
+        if self._last is None:
+            self.start()
+            return
+        now = self._now()
+        if self.events:
+            self._events.append((phase, self._last, now))
+        else:
+            self.totals[phase] += now - self._last
+        self._last = now
+
+    def split(self, reset: bool = True) -> dict[str, float]:
+        """-> {phase: seconds} since the last reset."""
+        if self._events:
+            self._events[-1][2].synchronize()
+            for phase, a, b in self._events:
+                self.totals[phase] += a.elapsed_time(b) / 1000.0
+            self._events.clear()
+        out = dict(self.totals)
+        if reset:
+            self.totals.clear()
+        return out
+
+
+def fmt_split(split: dict[str, float]) -> str:
+    total = sum(split.values())
+    if total <= 0:
+        return ""
+    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
+
+
+def machine_info() -> str:
+    """One line for benchmark files: torch, CPU/GPU, cores."""
+    cpu = cpu_name()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return (f"torch {torch.__version__}; python {platform.python_version()}; CPU {cpu} ({os.cpu_count()} cores); "
+            f"GPU {gpu}")

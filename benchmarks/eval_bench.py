@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from gptlib.evaluation import hellaswag as hs  # noqa: E402
-from gptlib.training.throughput import machine_info  # noqa: E402
 from gptlib.config import get_preset  # noqa: E402
+from gptlib.evaluation import hellaswag as hs  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
+from gptlib.training.throughput import machine_info  # noqa: E402
 
 CTX_TOKENS = (20, 100)
 END_TOKENS = (10, 60)

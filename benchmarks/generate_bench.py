@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from gptlib.config import get_preset  # noqa: E402
-from gptlib.inference.export import export_model  # noqa: E402
 from gptlib.inference.engine import Engine, SamplingConfig  # noqa: E402
+from gptlib.inference.export import export_model  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
 
 

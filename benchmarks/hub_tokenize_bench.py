@@ -204,8 +204,8 @@ def main() -> None:
     log(f"# date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  commit: {commit.strip()}")
     log(f"# machine: {machine()}")
 
-    from gptlib.data.prepare import BATCH_CHARS
     from gptlib.data.inputs import Source, file_hash, source_kind
+    from gptlib.data.prepare import BATCH_CHARS
     from gptlib.data.sources import train_texts
     from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 

@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gptlib.batches import load_dataset  # noqa: E402
 from gptlib.checkpoint.format import find_latest_valid, load_model_weights  # noqa: E402
 from gptlib.config import RunConfig  # noqa: E402
-from gptlib.batches import load_dataset  # noqa: E402
-from gptlib.model import GPT  # noqa: E402
 from gptlib.data.prepare import prepare_text  # noqa: E402
+from gptlib.model import GPT  # noqa: E402
 from gptlib.training.loop import train  # noqa: E402
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from gptlib.checkpoint.writer import CheckpointWriter
-from gptlib.layout import checkpoint_name
 from gptlib.config import get_preset
+from gptlib.layout import checkpoint_name
 from gptlib.model import GPT
 
 

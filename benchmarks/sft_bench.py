@@ -33,14 +33,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gptlib.config import ModelConfig  # noqa: E402
 from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler  # noqa: E402
-from gptlib.training.throughput import StepTimer  # noqa: E402
-from gptlib.model import GPT  # noqa: E402
+from gptlib.config import ModelConfig  # noqa: E402
 from gptlib.data.prepare import prepare  # noqa: E402
 from gptlib.data.shards import read_meta, read_spans  # noqa: E402
-from gptlib.training.step import train_step  # noqa: E402
 from gptlib.data.tokenizer import load_tokenizer  # noqa: E402
+from gptlib.model import GPT  # noqa: E402
+from gptlib.training.step import train_step  # noqa: E402
+from gptlib.training.throughput import StepTimer  # noqa: E402
 
 
 def synthetic_conversations(text: str, n: int, seed: int = 0) -> list[dict]:

@@ -136,9 +136,9 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    from gptlib.data.prepare import BATCH_CHARS
     from gptlib.data.inputs import Source, file_hash, source_kind
     from gptlib.data.pieces import split_text
+    from gptlib.data.prepare import BATCH_CHARS
     from gptlib.data.sources import train_texts
     from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 

@@ -367,8 +367,8 @@ def cmd_bench(args) -> int:
     compile -> bf16 -> flash attention) with step time, speedup and MFU per rung. `bench train`: tokens/s, MFU, time
     split and ETA of a preset on the fast path, on synthetic tokens or --data.
     """
-    from gptlib.training import bench
     from gptlib.config import get_preset
+    from gptlib.training import bench
     from gptlib.training.throughput import machine_info
 
     print(machine_info())

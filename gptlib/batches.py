@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlib.data.shards import DatasetMeta, DataFormatError, read_meta, read_spans
+from gptlib.data.shards import DataFormatError, DatasetMeta, read_meta, read_spans
 
 GiB = 1 << 30
 RAM_FRACTION = 0.75  # preload into RAM only if the data takes at most this share of available RAM ...

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, IO
+from typing import IO, Any, Callable
 
 from gptlib.errors import HungIOError, RunDirError
 

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from gptlib.config import ModelConfig
 
-
 # Matrix-vector products on the CPU: MKL runs x @ W.T for a handful of rows (decoding: one token
 # per sequence) on a single thread at about half the memory bandwidth, and decoding is bound by
 # reading the weights. Cut W's rows into one block per thread and let bmm run the blocks in

@@ -25,8 +25,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from gptlib.inference.compare import Comparison
 from gptlib.inference.chat import ChatSession
+from gptlib.inference.compare import Comparison
 from gptlib.inference.engine import Completion, Engine, SamplingConfig
 from gptlib.inference.loading import checkpoint_label, checkpoint_table
 

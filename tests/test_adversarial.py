@@ -16,9 +16,9 @@ import pytest
 
 from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint.format import list_checkpoints
+from gptlib.data.prepare import prepare_text
 from gptlib.errors import ConfigError, RunDirError
 from gptlib.training.logs import read_metrics
-from gptlib.data.prepare import prepare_text
 from gptlib.training.loop import train
 from tests.conftest import TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture)

@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 
-from gptlib.training import bench
-from gptlib.training import throughput as measure
-from gptlib.training import memory
-from gptlib.errors import OutOfMemoryAdvice
 from gptlib.config import ModelConfig
+from gptlib.errors import OutOfMemoryAdvice
 from gptlib.model import GPT
+from gptlib.training import bench, memory
+from gptlib.training import throughput as measure
 
 LADDER_CFG = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
 

@@ -20,7 +20,6 @@ from gptlib.data.conversations import CHAT_TOKENS, ChatError, ChatTemplate, norm
 from gptlib.data.prepare import PrepareError, prepare
 from gptlib.data.shards import DataFormatError, load_split, read_meta, read_spans
 from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
-
 from tests.tokenize_kit import SLOW_TOKENIZE, Killed, kill_at_encode_call, sigkill_after_shards, small_bpe, speeches
 
 REPO = Path(__file__).resolve().parents[1]

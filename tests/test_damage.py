@@ -25,10 +25,10 @@ import torch
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint import resume as gresume
-from gptlib.training import setup as gsession
-from gptlib.training import loop as gtrain
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 from gptlib.fsutil import sha256_file
+from gptlib.training import loop as gtrain
+from gptlib.training import setup as gsession
 from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)

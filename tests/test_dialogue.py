@@ -15,17 +15,17 @@ import pytest
 import torch
 
 import gptlib.inference.engine as generate_mod
-from gptlib.data.conversations import CHAT_TOKENS, END, ChatTemplate
 from gptlib.checkpoint.format import write_checkpoint
+from gptlib.checkpoint.state import TrainState
 from gptlib.config import ModelConfig, RunConfig
-from gptlib.inference.chat import ChatSession
+from gptlib.data.conversations import CHAT_TOKENS, END, ChatTemplate
+from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 from gptlib.errors import ChatError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
+from gptlib.inference.chat import ChatSession
 from gptlib.inference.engine import SamplingConfig
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
-from gptlib.checkpoint.state import TrainState
-from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 from tests.conftest import REPO
 
 BLOCK = 64

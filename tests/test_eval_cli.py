@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib.evaluation import hellaswag as hs
 from gptlib.__main__ import main
+from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.evaluate import evaluate_run, read_eval_rows
 from gptlib.layout import EVAL_FILE
 
@@ -185,9 +185,9 @@ def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
 def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
     transformers = pytest.importorskip("transformers")
     from gptlib.config import ModelConfig
+    from gptlib.data.tokenizer import BPETokenizer
     from gptlib.inference.export import export_model
     from gptlib.model import GPT
-    from gptlib.data.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train([small_text.read_text()], vocab_size=400)
     torch.manual_seed(7)

@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlib.evaluation import hellaswag as hs
 from gptlib.config import ConfigError, ModelConfig, get_preset
-from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
-from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
-from gptlib.model import GPT
-from gptlib.errors import EvalError
-from gptlib.evaluation.likelihood import pack_batches, score_rows
 from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
+from gptlib.errors import EvalError
+from gptlib.evaluation import hellaswag as hs
+from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
+from gptlib.evaluation.likelihood import pack_batches, score_rows
+from gptlib.model import GPT
+from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
 
 
 def tiny_gpt(vocab=50, block=16, seed=0, bias=False) -> GPT:

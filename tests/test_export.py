@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from gptlib.config import ModelConfig
-from gptlib.inference.export import ExportError, export_hf, export_model
-from gptlib.inference.engine import Engine, SamplingConfig
-from gptlib.model import GPT
 from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
+from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference.export import ExportError, export_hf, export_model
+from gptlib.model import GPT
 
 from .conftest import TINY
 

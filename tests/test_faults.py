@@ -18,8 +18,8 @@ import threading
 
 import pytest
 
-from gptlib.checkpoint import mirror as gmirror
 from gptlib.__main__ import main as cli_main
+from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint.format import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
 from gptlib.fsutil import sha256_file

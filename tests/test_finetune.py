@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,16 +24,15 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib.data.conversations import ChatTemplate
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights
 from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler
-from gptlib.inference.loading import load_for_inference
-from gptlib.training.logs import read_metrics
-from gptlib.model import GPT
+from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.data.conversations import ChatTemplate
 from gptlib.data.prepare import prepare
 from gptlib.data.shards import load_split, read_meta, read_spans
+from gptlib.inference.loading import load_for_inference
+from gptlib.model import GPT
+from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-
 from tests.conftest import REPO
 
 WORDS = "apple river stone cloud tiger lamp green seven music ocean paper silver candle forest window honey".split()

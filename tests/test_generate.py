@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gptlib.checkpoint.format import CheckpointError
+from gptlib.checkpoint.state import TrainState
 from gptlib.config import ModelConfig
+from gptlib.data.tokenizer import CharTokenizer, TokenizerError
 from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
 from gptlib.inference.loading import checkpoint_table, load_for_inference, load_run_tokenizer, resolve_checkpoint
 from gptlib.model import GPT
-from gptlib.checkpoint.state import TrainState
-from gptlib.data.tokenizer import CharTokenizer, TokenizerError
 
 from .conftest import TINY
 

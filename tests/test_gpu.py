@@ -28,9 +28,9 @@ import torch
 
 from gptlib.checkpoint.format import find_latest_valid, load_checkpoint
 from gptlib.errors import OutOfMemoryAdvice
-from gptlib.training.memory import free_memory
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from gptlib.training.memory import free_memory
 from tests.conftest import REPO, TINY
 
 gpu = pytest.mark.gpu

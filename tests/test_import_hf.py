@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from gptlib.data.tokenizer import BPETokenizer
 from gptlib.errors import ConfigError, HFImportError
 from gptlib.inference.engine import Engine
 from gptlib.inference.hf_import import import_hf
 from gptlib.inference.loading import load_for_inference
-from gptlib.data.tokenizer import BPETokenizer
 from tests.conftest import TINY
 from tests.test_export import assert_same_model
 

@@ -16,7 +16,6 @@ from gptlib.__main__ import _count
 from gptlib.data.prepare import PrepareError, prepare
 from gptlib.data.shards import load_split, read_meta
 from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
-
 from tests.tokenize_kit import Killed, kill_at_encode_call
 
 REPO = Path(__file__).resolve().parents[1]

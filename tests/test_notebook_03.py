@@ -5,9 +5,9 @@ import shutil
 
 import nbformat
 
-from gptlib.training.throughput import postfix_fields
 from gptlib.training.logs import fmt_tokens
 from gptlib.training.plots import run_title
+from gptlib.training.throughput import postfix_fields
 from tests.conftest import TINY
 from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
 

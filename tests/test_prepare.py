@@ -14,14 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import gptlib.data.prepare as prep
 import gptlib.data.inputs as inputs
 import gptlib.data.pieces as gpieces
+import gptlib.data.prepare as prep
 import gptlib.data.sources as sources
 from gptlib.data.prepare import PrepareError, prepare, prepare_text
 from gptlib.data.shards import DataFormatError, load_split, read_meta
 from gptlib.data.tokenizer import EOT, BPETokenizer, load_tokenizer
-
 from tests.tokenize_kit import SLOW_PRELUDE, Killed, kill_at_encode_call, sigkill_after_shards
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,12 +19,11 @@ import pytest
 import torch
 
 from gptlib import batches as gdata
-from gptlib.training import setup as gsession
-from gptlib.training import loop as gtrain
 from gptlib.checkpoint.format import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
+from gptlib.training import loop as gtrain
+from gptlib.training import setup as gsession
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-
 from tests.conftest import REPO, TINY
 
 MAX_STEPS = 20

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import gptlib.runtime as rt
-from gptlib.training import throughput as measure
-from gptlib.training import memory
 from gptlib.config import build_config, get_preset
-from gptlib.training.distributed import Dist
 from gptlib.errors import ConfigError, OutOfMemoryAdvice
+from gptlib.training import memory
+from gptlib.training import throughput as measure
+from gptlib.training.distributed import Dist
 from tests.conftest import REPO, TINY
 
 GIB = 2**30
@@ -55,8 +55,8 @@ def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 
                                            torch.float16), ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
                                            ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
 def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
-    from gptlib.training.bench import half_dtype
     from gptlib.evaluation.likelihood import eval_autocast
+    from gptlib.training.bench import half_dtype
 
     fake_gpu(monkeypatch, name, cap)
     assert rt.resolve_dtype("auto", CUDA) == want

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from gptlib.data import staging
-from gptlib.errors import DataFormatError
 from gptlib.data.shards import ShardWriter, read_meta, read_spans, write_meta
+from gptlib.errors import DataFormatError
 from tests.conftest import TINY
 
 

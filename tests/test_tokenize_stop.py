@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 import gptlib.data.prepare as prep
-from gptlib.layout import LEASE_FILE
 from gptlib.data.shards import read_meta
-
+from gptlib.layout import LEASE_FILE
 from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, wait_for_shards
 
 REPO = Path(__file__).resolve().parents[1]

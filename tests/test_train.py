@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from gptlib.checkpoint.format import list_checkpoints, load_model_weights
-from gptlib.config import ConfigError
+from gptlib.config import ConfigError, TrainConfig
 from gptlib.training.logs import read_metrics
-from gptlib.training.step import lr_at
 from gptlib.training.loop import train
-from gptlib.config import TrainConfig
+from gptlib.training.step import lr_at
 from tests.conftest import TINY
 
 

@@ -31,9 +31,9 @@ import torch
 from gptlib.errors import CheckpointError
 from gptlib.faults import fault_point
 from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_json, call_with_timeout, clean_temp_files, fsync_dir,
-                     read_bytes_with_timeout, sha256_file)
+                           read_bytes_with_timeout, sha256_file)
 from gptlib.layout import (CHECKPOINT_FILES, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER, PARTIAL_MARKER,
-                     STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir, is_checkpoint_name, step_of)
+                           STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir, is_checkpoint_name, step_of)
 
 CKPT_FORMAT_VERSION = 1
 MIN_KEEP_LAST = 2  # checkpoints rotation always keeps, so one survives a bad save (TrainConfig.keep_last's floor)

@@ -28,8 +28,8 @@ from gptlib.checkpoint.format import install, list_checkpoints, marked_milestone
 from gptlib.errors import CheckpointError, loud
 from gptlib.faults import fault_point
 from gptlib.fsutil import Progress, atomic_write, call_with_timeout, clean_temp_files, fsync_dir
-from gptlib.lease import LeaseLost
 from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
+from gptlib.lease import LeaseLost
 
 # The copy policy; module-level so tests (and impatient users) can shorten them.
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from gptlib.checkpoint.format import DRIVE_READ_STALL_S, CheckpointInfo, first_valid, load_checkpoint, verify_checkpoint
+from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.checkpoint.state import TrainState, TrainTensors
 from gptlib.config import RunConfig
+from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout
 from gptlib.layout import STATE_FILE, TRAIN_STATE_FILE, step_of
-from gptlib.checkpoint.mirror import mirror_checkpoint
-from gptlib.data.shards import DatasetMeta
-from gptlib.checkpoint.state import TrainState, TrainTensors
 
 # The model's shape: a checkpoint only resumes into the same one. Other fields (dropout, all training
 # settings) may change between sessions; the change is reported.

@@ -16,12 +16,13 @@ from typing import Any, Callable
 
 import torch
 
-from gptlib.checkpoint.format import MIN_KEEP_LAST, first_valid, is_milestone, rotate, verify_checkpoint, write_checkpoint
+from gptlib.checkpoint.format import (MIN_KEEP_LAST, first_valid, is_milestone, rotate, verify_checkpoint,
+                                      write_checkpoint)
+from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, Mirror, NoMirror
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError, GptlibError
 from gptlib.faults import fault_point
 from gptlib.layout import checkpoints_dir, step_of
-from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, Mirror, NoMirror
 
 _ALIGN = 64  # bytes: every tensor in the flat host buffer starts at a multiple of this
 

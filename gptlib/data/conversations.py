@@ -36,8 +36,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from gptlib.errors import ChatError
 from gptlib.data.pieces import Piece, split_text
+from gptlib.errors import ChatError
 
 TEMPLATE_VERSION = 1
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}

@@ -30,15 +30,15 @@ from typing import Iterator
 import numpy as np
 
 from gptlib.data.conversations import EXAMPLES_KEPT, ChatTemplate
+from gptlib.data.inputs import Source, invalid_utf8
+from gptlib.data.pieces import Piece
+from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
+from gptlib.data.sources import iter_corpus
+from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunDirError, loud
 from gptlib.fsutil import TMP_MARKER, atomic_write_json, clean_temp_files
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 from gptlib.lease import NoLease, RunLease
-from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
-from gptlib.data.inputs import Source, invalid_utf8
-from gptlib.data.pieces import Piece
-from gptlib.data.sources import iter_corpus
-from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
 STATE_FILE = PREPARE_STATE_FILE  # present only while a tokenize run is unfinished

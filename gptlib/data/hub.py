@@ -26,9 +26,9 @@ from __future__ import annotations
 import re
 import sys
 
-from gptlib.errors import PrepareError
 from gptlib.data.remote import (Found, describe, error_names, has_glob, hf_token, hub_error_hint, list_files,
-                     parse_dataset_url)
+                                parse_dataset_url)
+from gptlib.errors import PrepareError
 
 CONVERTED = "refs/convert/parquet"
 TEXT_EXT = (".parquet", ".pq", ".jsonl", ".ndjson", ".txt")

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from gptlib.errors import PrepareError
 from gptlib.data.hub import resolve_hf
-from gptlib.data.remote import Found, SourceIOError, content_hash, describe, is_url, list_files, open_input, remote_identity
+from gptlib.data.remote import (Found, SourceIOError, content_hash, describe, is_url, list_files, open_input,
+                                remote_identity)
+from gptlib.errors import PrepareError
 
 PARQUET_EXT = (".parquet", ".pq")
 JSONL_EXT = (".jsonl", ".ndjson")

@@ -45,14 +45,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatError, ChatTemplate
-from gptlib.data.encode import BATCH_CHARS, STATE_FILE, encode_corpus  # noqa: F401 - BATCH_CHARS: tests shrink it here
-from gptlib.data.encode import check_output_dir, one_writer, our_files
-from gptlib.fsutil import atomic_write_json, clean_temp_files, sha256_file
-from gptlib.data.shards import META_FILE, DatasetMeta, ShardWriter, dtype_for_vocab, read_meta, write_meta  # noqa: F401
-from gptlib.errors import PrepareError
+from gptlib.data.encode import (BATCH_CHARS, STATE_FILE,  # noqa: F401 - BATCH_CHARS: tests shrink it here
+                                check_output_dir, encode_corpus, one_writer, our_files)
 from gptlib.data.inputs import Source, register_error_handler, scan_inputs
+from gptlib.data.shards import META_FILE, DatasetMeta, ShardWriter, dtype_for_vocab, read_meta, write_meta  # noqa: F401
 from gptlib.data.sources import train_texts
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, TokenizerError, load_tokenizer
+from gptlib.errors import PrepareError
+from gptlib.fsutil import atomic_write_json, clean_temp_files, sha256_file
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
 FORMATS = ("text", "chat")

@@ -24,11 +24,11 @@ from typing import Iterator
 
 from gptlib.data import pieces
 from gptlib.data.conversations import Malformed, conversation_pieces
-from gptlib.errors import PrepareError
-from gptlib.data.inputs import (CHAT_FIELDS, DEFAULT_TEXT_COLUMN, _ERRORS, Source, _jsonl_object, _jsonl_text, _open_parquet,
-                     _parquet_column)
+from gptlib.data.inputs import (_ERRORS, CHAT_FIELDS, DEFAULT_TEXT_COLUMN, Source, _jsonl_object, _jsonl_text,
+                                _open_parquet, _parquet_column)
 from gptlib.data.pieces import Piece, split_text
 from gptlib.data.remote import retrying
+from gptlib.errors import PrepareError
 
 ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
 TRAIN_FILES = 64  # a tokenizer-training budget is spread over at most this many files (evenly spaced)

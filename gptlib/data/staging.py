@@ -31,11 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from gptlib.colab import drive_mountpoint, local_root as colab_local_root
-from gptlib.errors import loud
-from gptlib.fsutil import TMP_MARKER, Progress, atomic_write_json, call_with_timeout, check_dir, fsync_dir, read_bytes_with_timeout
-from gptlib.layout import TOKENIZER_FILE
+from gptlib.colab import drive_mountpoint
+from gptlib.colab import local_root as colab_local_root
 from gptlib.data.shards import META_FILE, read_meta
+from gptlib.errors import loud
+from gptlib.fsutil import (TMP_MARKER, Progress, atomic_write_json, call_with_timeout, check_dir, fsync_dir,
+                           read_bytes_with_timeout)
+from gptlib.layout import TOKENIZER_FILE
 
 MARKER_FILE = ".gptlib-staged.json"  # written last, after every file of the copy verified
 KEEP_FREE_BYTES = 10 << 30  # left free on the VM's disk after the copy: the run's checkpoints (gpt2-small: 1.33 GB each)

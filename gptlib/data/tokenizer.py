@@ -155,7 +155,8 @@ class BPETokenizer(Tokenizer):
         tokens (ids 1, 2, ...: the chat tokens for chat data) and the merges, up to `vocab_size` ids
         in all; a small corpus may stop short of it (fewer merges exist).
         """
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         specials = [EOT, *extra_special]
         if vocab_size < 256 + len(specials) + 1:
@@ -185,7 +186,8 @@ class BPETokenizer(Tokenizer):
         """This tokenizer with `tokens` added as special tokens where missing: new ids after the current
         vocabulary, every existing id unchanged. A token that exists as an ordinary vocabulary entry
         is refused (text could then produce its id)."""
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
 
         added = {t.content for t in self._tk.get_added_tokens_decoder().values() if t.special}
         missing = []

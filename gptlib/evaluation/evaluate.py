@@ -28,16 +28,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlib.evaluation import hellaswag as hs
 from gptlib.batches import MemmapSplit, _to_ids
-from gptlib.errors import EvalError, loud
-from gptlib.layout import EVAL_FILE
-from gptlib.inference.loading import checkpoint_table, load_for_inference, read_state_and_tokenizer, resolve_checkpoint
-from gptlib.runtime import resolve_device, unwrap_model
-from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, window_nll
-from gptlib.data.shards import read_meta
 from gptlib.checkpoint.state import TrainState
+from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
+from gptlib.errors import EvalError, loud
+from gptlib.evaluation import hellaswag as hs
+from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, window_nll
+from gptlib.inference.loading import checkpoint_table, load_for_inference, read_state_and_tokenizer, resolve_checkpoint
+from gptlib.layout import EVAL_FILE
+from gptlib.runtime import resolve_device, unwrap_model
 
 TASKS = ("hellaswag", "bpb")
 

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 from gptlib.colab import DRIVE_SUBDIR, drive_mountpoint, in_colab
-from gptlib.data.download import default_cache_dir as local_cache, fetch_verified
-from gptlib.errors import EvalError
-from gptlib.runtime import unwrap_model
-from gptlib.evaluation.likelihood import score_rows
+from gptlib.data.download import default_cache_dir as local_cache
+from gptlib.data.download import fetch_verified
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
+from gptlib.errors import EvalError
+from gptlib.evaluation.likelihood import score_rows
+from gptlib.runtime import unwrap_model
 
 # The canonical validation file; sha256 and size as recorded by TensorFlow Datasets for this URL
 # (tensorflow/datasets: tensorflow_datasets/url_checksums/hellaswag.txt) and pinned by other

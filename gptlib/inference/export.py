@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gptlib.errors import ExportError
-from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
-from gptlib.inference.loading import load_for_inference
-from gptlib.model import GPT
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
 from gptlib.data.tokenizer import EOT, CharTokenizer, Tokenizer
+from gptlib.errors import ExportError
+from gptlib.inference.loading import load_for_inference
+from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
+from gptlib.model import GPT
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -94,7 +94,9 @@ def hf_config(model: GPT, tokenizer: Tokenizer | None = None) -> dict:
 
 def char_tokenizer_json(tok: CharTokenizer) -> str:
     """A `tokenizers` file mapping each character to our id (WordLevel over single characters)."""
-    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {c: i for i, c in enumerate(tok.chars)}
     unk = None

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 from gptlib.checkpoint.format import write_checkpoint
+from gptlib.checkpoint.state import TrainState
 from gptlib.config import ModelConfig, RunConfig, get_preset
+from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
-from gptlib.inference.export import check_export_target
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
+from gptlib.inference.export import check_export_target
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
-from gptlib.checkpoint.state import TrainState
-from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 
 # What gptlib's GPT computes; a config saying otherwise describes another model.
 GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
@@ -129,7 +129,8 @@ def hf_tokenizer(folder: Path) -> Tokenizer:
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):
         raise HFImportError(f"{folder}: no tokenizer.json, nor vocab.json + merges.txt")
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
 
     tk = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints, load_model_weights,
-                         verify_checkpoint)
+from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints,
+                                      load_model_weights, verify_checkpoint)
+from gptlib.checkpoint.state import TrainState
 from gptlib.config import RunConfig
+from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import CheckpointError, TokenizerError, loud
 from gptlib.fsutil import call_with_timeout
 from gptlib.layout import MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from gptlib.model import GPT
 from gptlib.runtime import resolve_device
-from gptlib.checkpoint.state import TrainState
-from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 
 
 @dataclass

@@ -25,16 +25,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gptlib.config import ModelConfig, get_preset
 from gptlib.batches import BatchSampler, MemmapSplit, SplitData, _as_signed_view, _to_ids, load_dataset, make_sampler
-from gptlib.training.distributed import Dist
-from gptlib.training.throughput import StepTimer, colab_units, device_peak, eta_seconds, fmt_duration, fmt_mfu, fmt_split, mfu
-from gptlib.training.memory import free_memory, is_oom
+from gptlib.config import ModelConfig, get_preset
+from gptlib.data.shards import read_meta
 from gptlib.model import GPT
 from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype
+from gptlib.training.distributed import Dist
+from gptlib.training.memory import free_memory, is_oom
 from gptlib.training.setup import build_model, wrap_for_training
-from gptlib.data.shards import read_meta
 from gptlib.training.step import train_step
+from gptlib.training.throughput import (StepTimer, colab_units, device_peak, eta_seconds, fmt_duration, fmt_mfu,
+                                        fmt_split, mfu)
 
 RUNGS = [
     # (name, data, compile, half precision, flash attention)

@@ -21,8 +21,8 @@ import torch
 from gptlib.fsutil import atomic_write_bytes
 from gptlib.inference.engine import generate_ids
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
-from gptlib.training.throughput import perf_fields, postfix_fields
 from gptlib.training.step import lr_at
+from gptlib.training.throughput import perf_fields, postfix_fields
 
 
 def fmt_tokens(n: float) -> str:

@@ -16,23 +16,23 @@ from typing import Callable
 
 import torch
 
-from gptlib.training import distributed
+from gptlib.batches import make_sampler
 from gptlib.checkpoint.writer import Checkpointer
 from gptlib.config import RunConfig, build_config
-from gptlib.batches import make_sampler
+from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.evaluation.evaluate import append_eval_row, make_row
-from gptlib.faults import fault_point
 from gptlib.evaluation.hellaswag import metrics_fields
+from gptlib.faults import fault_point
 from gptlib.layout import LOSS_PLOT
-from gptlib.training.throughput import StepTimer, device_peak
-from gptlib.training.memory import free_memory, is_oom, oom_advice
+from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
+from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.plots import plot_losses, run_title
 from gptlib.training.setup import Session, open_session
 from gptlib.training.signals import GracefulStop
-from gptlib.data.staging import stage_for_training
 from gptlib.training.step import forward_backward, lr_at, optimizer_step, set_lr, validation_loss
+from gptlib.training.throughput import StepTimer, device_peak
 
 VAL_SEED_OFFSET = 10_000  # validation batches come from their own fixed seed: the same batches every time
 

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from gptlib.evaluation.hellaswag import GPT2_124M
-from gptlib.training.throughput import fmt_duration, fmt_mfu
 from gptlib.training.logs import read_metrics
+from gptlib.training.throughput import fmt_duration, fmt_mfu
 
 
 def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):

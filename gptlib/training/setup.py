@@ -20,28 +20,29 @@ from typing import Any, Callable
 
 import torch
 
-from gptlib.training import distributed
+from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
 from gptlib.checkpoint.format import clean_orphans, load_weights_into
+from gptlib.checkpoint.resume import DRIVE_ADVICE, MODEL_FIELDS_THAT_MUST_MATCH, Passed, Resume, find_resume
+from gptlib.checkpoint.state import TrainState, TrainTensors
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter, Snapshot
 from gptlib.config import ModelConfig, RunConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
-from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
-from gptlib.errors import ConfigError, DataFormatError, HungIOError
-from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
-from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
-from gptlib.evaluation.hellaswag import HellaSwagProbe
-from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
-from gptlib.training.memory import auto_micro_batch, check_fits, estimate_train_bytes
-from gptlib.inference.loading import load_for_inference
-from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
-from gptlib.model import GPT
-from gptlib.training.throughput import check_cpu_run, run_flops
-from gptlib.checkpoint.resume import DRIVE_ADVICE, MODEL_FIELDS_THAT_MUST_MATCH, Passed, Resume, find_resume
-from gptlib.runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state, dtype_name,
-                      resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything, use_compile)
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
-from gptlib.checkpoint.state import TrainState, TrainTensors
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
+from gptlib.errors import ConfigError, DataFormatError, HungIOError
+from gptlib.evaluation.hellaswag import HellaSwagProbe
+from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
+from gptlib.inference.loading import load_for_inference
+from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
+from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
+from gptlib.model import GPT
+from gptlib.runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state,
+                            dtype_name, resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything,
+                            use_compile)
+from gptlib.training import distributed
+from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
+from gptlib.training.memory import auto_micro_batch, check_fits, estimate_train_bytes
+from gptlib.training.throughput import check_cpu_run, run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, ddp: distributed.Dist, log) -> tuple[GPT, Any, Any, torch.dtype]:

@@ -1,16 +1,55 @@
 """gptlib: train GPT-style language models from scratch, on a laptop CPU or a Colab GPU.
 
-Importing gptlib has no side effects: no Drive mounts, no seeds, no prints.
+The names below are the package's surface: the notebooks and the README's examples import only these
+(`from gptlib import prepare, train, find_run, Engine, Playground, evaluate_tasks, colab`), and a test keeps it
+so. Each is loaded on first use (PEP 562), so `import gptlib` is light and has no side effects (no Drive mounts,
+no seeds, no prints), and `python -m gptlib tokenize` never imports torch.
 """
 
 __version__ = "0.1.0"
 
-from gptlib.config import ModelConfig, RunConfig, TrainConfig, get_preset  # noqa: F401
+# The name -> the module that defines it, along the data's path.
+_WHERE = {
+    # text -> token shards (gptlib/data/)
+    "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.prepare",
+    "summarize": "gptlib.data.prepare", "decoded_sample": "gptlib.data.prepare",
+    "SOURCES": "gptlib.data.catalog", "source_inputs": "gptlib.data.catalog",
+    "fetch_tinyshakespeare": "gptlib.data.download",
+    "find_dataset": "gptlib.data.shards", "read_meta": "gptlib.data.shards",
+    # the model and its config
+    "GPT": "gptlib.model",
+    "ModelConfig": "gptlib.config", "TrainConfig": "gptlib.config", "RunConfig": "gptlib.config",
+    "build_config": "gptlib.config", "get_preset": "gptlib.config",
+    # training (gptlib/training/)
+    "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
+    "read_metrics": "gptlib.training.logs", "throughput_summary": "gptlib.training.logs",
+    "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots", "hellaswag_figure": "gptlib.training.plots",
+    # a trained run at work (gptlib/inference/)
+    "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
+    "pick_run_dir": "gptlib.inference.loading", "checkpoint_table": "gptlib.inference.loading",
+    "checkpoint_label": "gptlib.inference.loading",
+    "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.engine",
+    "ChatSession": "gptlib.inference.chat", "compare_checkpoints": "gptlib.inference.compare",
+    "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
+    "import_hf": "gptlib.inference.hf_import", "import_hf_once": "gptlib.inference.hf_import",
+    # how good a checkpoint is (gptlib/evaluation/)
+    "evaluate_run": "gptlib.evaluation.evaluate", "evaluate_tasks": "gptlib.evaluation.evaluate",
+    "eval_table_html": "gptlib.evaluation.evaluate",
+    # notebook views, Colab, devices, errors
+    "Playground": "gptlib.widgets", "ChatBox": "gptlib.widgets", "comparison_html": "gptlib.widgets",
+    "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",
+    "colab": "gptlib.colab", "resolve_device": "gptlib.runtime", "GptlibError": "gptlib.errors",
+}
 
 
-def __getattr__(name):  # PEP 562: `gptlib.GPT` imports torch only when used (tokenize never needs torch)
-    if name == "GPT":
-        from gptlib.model import GPT
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'gptlib' has no attribute {name!r}")
+    import importlib
 
-        return GPT
-    raise AttributeError(f"module 'gptlib' has no attribute {name!r}")
+    module = importlib.import_module(_WHERE[name])
+    return module if module.__name__ == f"gptlib.{name}" else getattr(module, name)
+
+
+def __dir__():
+    return sorted([*globals(), *_WHERE])

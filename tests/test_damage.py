@@ -254,10 +254,10 @@ def test_a_state_json_without_config_is_skipped_with_its_reason(char_data, tmp_p
     m = json.loads((p / "manifest.json").read_text())
     m["files"]["state.json"] = {"size": (p / "state.json").stat().st_size, "sha256": sha256_file(p / "state.json")}
     (p / "manifest.json").write_text(json.dumps(m))
-    from gptlib.inference.loading import load_for_inference
+    from gptlib.inference.loading import load_run
 
     with pytest.raises(CheckpointError, match="field 'config' is missing"):
-        load_for_inference(run, 10)
+        load_run(run, 10)
     logs = []
     r = train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=12, progress=False, log=logs.append)
     assert r.resumed_from == 5 and any("field 'config' is missing" in m for m in logs), logs
@@ -277,7 +277,7 @@ def test_sample_says_why_it_passed_over_the_newest(char_data, tmp_path, capsys):
 def test_a_malicious_pickle_is_named_as_such_when_sampling(char_data, tmp_path):
     import pickle
 
-    from gptlib.inference.loading import load_for_inference
+    from gptlib.inference.loading import load_run
 
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
@@ -287,7 +287,7 @@ def test_a_malicious_pickle_is_named_as_such_when_sampling(char_data, tmp_path):
     m["files"]["model.pt"] = {"size": (p / "model.pt").stat().st_size, "sha256": sha256_file(p / "model.pt")}
     (p / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="cannot load safely"):
-        load_for_inference(run)
+        load_run(run)
 
 
 class _Evil:
@@ -415,12 +415,12 @@ def short_drive_limits(monkeypatch):
 @pytest.mark.parametrize("hang", ["whole mount", "tokenizer.json"])
 def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data, tmp_path, monkeypatch, capsys,
                                                                        short_drive_limits, hang):
-    """sample / export / eval / notebook 04 read a run on Drive (load_for_inference): a hung read there is
+    """sample / export / eval / notebook 04 read a run on Drive (load_run): a hung read there is
     abandoned after the limit with one line naming it, not waited on forever."""
     from gptlib.__main__ import main
     from gptlib.errors import HungIOError
     from gptlib.evaluation.evaluate import evaluate_run
-    from gptlib.inference.loading import load_for_inference
+    from gptlib.inference.loading import load_run
 
     run = tmp_path / "drive" / "run"
     train(char_data, run, "phase1", TINY, max_steps=5, progress=False, log=quiet)
@@ -428,7 +428,7 @@ def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data
                                                           {"names": {"tokenizer.json"}}))
     try:
         t0 = time.time()
-        _, error = within(20, lambda: load_for_inference(run))
+        _, error = within(20, lambda: load_run(run))
         assert isinstance(error, HungIOError) and "made no progress for 0.5 s" in str(error), error
         assert str(run) in str(error) and time.time() - t0 < 10
         if hang == "tokenizer.json":

@@ -169,13 +169,13 @@ def assert_same_choices(res: dict, sums: np.ndarray, counts: np.ndarray, items: 
 def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
     transformers = pytest.importorskip("transformers")  # a test-only dependency
     from gptlib.inference.export import export_hf
-    from gptlib.inference.loading import load_for_inference
+    from gptlib.inference.loading import load_run
 
     out = export_hf(run_dir, tmp_path / "hf", checkpoint="latest")
     hf = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     items = [json.loads(ln) for ln in hs_file.read_text().splitlines()][:30]  # the encodable ones
-    lm = load_for_inference(run_dir, "latest")
+    lm = load_run(run_dir, "latest")
     res = hs.evaluate_hellaswag(lm.model, lm.tokenizer, [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")})
                                                          for i, it in enumerate(items)], "cpu", batch_tokens=256)
     assert res["truncated"] > 0  # the left cut is exercised too

@@ -322,3 +322,29 @@ def test_plot_helpers(tmp_path):
     table = format_table([{"task": "hellaswag", "step": 5, "tokens_seen": 1280, "n": 3, "acc": 0.5, "acc_norm": 0.25,
                            "truncated": 0, "skipped": 1, "items_per_s": 10.0, "seconds": 0.3}])
     assert "acc_norm" in table and "0.2500" in table and "1,280" in table
+
+
+def test_evaluate_tasks_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(monkeypatch):
+    """Notebook 04's eval cell: -1 items means all on a GPU and 1,000 on a CPU; a failing task is one line and the
+    next task still runs."""
+    import torch
+
+    from gptlib.errors import EvalError
+    from gptlib.evaluation import evaluate as ev
+
+    calls = []
+
+    def fake_run(run_dir, task, checkpoints, device, data, limit):
+        calls.append((task, device, limit))
+        if task == "hellaswag":
+            raise EvalError("hellaswag_val.jsonl: not found")
+        return [{"task": task}]
+
+    monkeypatch.setattr(ev, "evaluate_run", fake_run)
+    logs = []
+    rows = ev.evaluate_tasks("r", "hellaswag, bpb", device="cpu", log=logs.append)
+    assert rows == [{"task": "bpb"}] and logs == ["hellaswag: not evaluated: hellaswag_val.jsonl: not found"]
+    assert calls == [("hellaswag", "cpu", 1000), ("bpb", "cpu", 1000)]
+    calls.clear()
+    ev.evaluate_tasks("r", "hellaswag", device=torch.device("cuda"), log=logs.append, bpb_windows=0)
+    assert calls == [("hellaswag", "cuda", None)]  # all items on a GPU

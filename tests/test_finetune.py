@@ -29,7 +29,7 @@ from gptlib.checkpoint.format import find_latest_valid, load_model_weights
 from gptlib.data.conversations import ChatTemplate
 from gptlib.data.prepare import prepare
 from gptlib.data.shards import load_split, read_meta, read_spans
-from gptlib.inference.loading import load_for_inference
+from gptlib.inference.loading import load_run
 from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -143,7 +143,7 @@ def test_only_the_answers_carry_the_loss_and_gradient(qa):
     plain = make_sampler(data, 4, 64, 0, "cpu", chunk_tokens=5000)
     x, y = sampler.next_batch()
     _, y_all = plain.next_batch()
-    ld = load_for_inference(qa["base"], log=quiet)
+    ld = load_run(qa["base"], log=quiet)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(ld.config.model, vocab_size=meta.vocab_size))
     logits, loss = model(x, y)
@@ -204,7 +204,7 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
         assert asked, s["prompt"]
         assert s["text"] == s["prompt"] + "\n" + OPPOSITE[asked[2]], s
     assert tree_digest(qa["base"]) == base_before  # the base run is never modified
-    ld = load_for_inference(run_dir, log=quiet)
+    ld = load_run(run_dir, log=quiet)
     template = ChatTemplate(ld.tokenizer)
     answers = {(n, w): greedy_answer(ld, template, n, w) for n, w in qa["held_out"]}
     wrong = {k: v for k, v in answers.items() if v != OPPOSITE[k[1]]}

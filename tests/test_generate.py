@@ -13,7 +13,7 @@ from gptlib.checkpoint.state import TrainState
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import CharTokenizer, TokenizerError
 from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
-from gptlib.inference.loading import checkpoint_table, load_for_inference, load_run_tokenizer, resolve_checkpoint
+from gptlib.inference.loading import checkpoint_table, load_run, load_run_tokenizer, resolve_checkpoint
 from gptlib.model import GPT
 
 from .conftest import TINY
@@ -270,7 +270,7 @@ def test_load_latest_best_and_step(run_dir):
     assert resolve_checkpoint(run_dir, "best").step == best
     assert resolve_checkpoint(run_dir, 5).step == 5
     assert resolve_checkpoint(run_dir, "step_0000005").step == 5
-    ld = load_for_inference(run_dir, "5")
+    ld = load_run(run_dir, "5")
     assert ld.step == 5 and not ld.model.training and ld.tokenizer.kind == "char"
     with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 7; available steps: \[10, 5\]"):
         resolve_checkpoint(run_dir, 7)
@@ -289,11 +289,11 @@ def test_missing_or_mismatched_tokenizer(run_dir, tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer for .*tokenizer.json"):
         load_run_tokenizer(rd, TrainState.from_json({**state, "data_dir": str(tmp_path / "gone")}, "ckpt"), "ckpt")
     # Falls back to the data directory recorded in the checkpoint (it still exists here).
-    assert load_for_inference(rd).tokenizer.identity()["hash"] == state["tokenizer"]["hash"]
+    assert load_run(rd).tokenizer.identity()["hash"] == state["tokenizer"]["hash"]
     # Mismatched: a different vocabulary in the run's tokenizer.json.
     CharTokenizer.from_text("abc\n ").save(rd)
     with pytest.raises(TokenizerError, match="tokenizer mismatch"):
-        load_for_inference(rd)
+        load_run(rd)
 
 
 def test_corrupt_weights_are_refused(run_dir, tmp_path):
@@ -304,8 +304,8 @@ def test_corrupt_weights_are_refused(run_dir, tmp_path):
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="sha256"):
-        load_for_inference(rd, "latest")
-    assert load_for_inference(rd, 5).step == 5  # the other checkpoint is untouched
+        load_run(rd, "latest")
+    assert load_run(rd, 5).step == 5  # the other checkpoint is untouched
 
 
 # --- CLI ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from gptlib.data.tokenizer import BPETokenizer
 from gptlib.errors import ConfigError, HFImportError
 from gptlib.inference.engine import Engine
 from gptlib.inference.hf_import import import_hf
-from gptlib.inference.loading import load_for_inference
+from gptlib.inference.loading import load_run
 from tests.conftest import TINY
 from tests.test_export import assert_same_model
 
@@ -38,7 +38,7 @@ def hf_folder(tmp_path_factory, small_text):
 
 def test_import_gives_transformers_logits_and_greedy_tokens(hf_folder, tmp_path):
     run = import_hf(hf_folder, tmp_path / "run", log=quiet)
-    ld = load_for_inference(run)
+    ld = load_run(run)
     assert ld.step == 0 and ld.config.model.vocab_size == 300 and ld.tokenizer.kind == "bpe"
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_folder, dtype=torch.float32).eval()
     ids = ld.tokenizer.encode("First Citizen:\nBefore we proceed")[:12]
@@ -115,10 +115,10 @@ def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, 
     r = train(data, tmp_path / "ft", "finetune", settings, max_steps=2, progress=False, log=logs.append,
               init_from=f"{base}:latest")
     assert r.step == 2 and any("init-from: the weights of" in m for m in logs)
-    tuned = load_for_inference(tmp_path / "ft")
+    tuned = load_run(tmp_path / "ft")
     assert tuned.config.model.n_layer == 2 and tuned.config.model.n_embd == 32  # the base's shape, not the preset's
     assert tuned.config.model.block_size == 64 and tuned.state.init_from["step"] == 0
-    w0 = load_for_inference(base).model.state_dict()
+    w0 = load_run(base).model.state_dict()
     assert all(torch.allclose(w0[k], v, atol=1e-6) for k, v in tuned.model.state_dict().items())  # lr ~0: the base
     assert {p: p.stat().st_mtime_ns for p in base.rglob("*")} == before  # the base run is never modified
 

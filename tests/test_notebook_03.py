@@ -5,7 +5,7 @@ import shutil
 
 import nbformat
 
-from gptlib.training.logs import fmt_tokens
+from gptlib.training.throughput import fmt_tokens
 from gptlib.training.plots import run_title
 from gptlib.training.throughput import postfix_fields
 from tests.conftest import TINY

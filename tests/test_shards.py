@@ -138,3 +138,20 @@ def test_shard_writer_refuses_ids_outside_the_dtype(tmp_path):
         w.write(np.array([5, -1], dtype=np.int64))
     with pytest.raises(DataFormatError, match="70000"):
         w.write(np.array([70000], dtype=np.int64))
+
+
+def test_find_dataset_names_the_datasets_that_are_there(char_data, tmp_path, monkeypatch):
+    """Notebook 03's data cell: a name that is not tokenized yet is one error listing what is there."""
+    import shutil
+
+    from gptlib.data.shards import find_dataset
+    from gptlib.errors import DataFormatError
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path))
+    shutil.copytree(char_data, tmp_path / "data" / "shakespeare")
+    (tmp_path / "data" / "half").mkdir()
+    assert find_dataset("shakespeare") == tmp_path / "data" / "shakespeare"
+    assert find_dataset(data_dir=char_data) == char_data
+    with pytest.raises(DataFormatError, match=r"no tokenized dataset at .*data/half \(run notebook 01 first\); "
+                                              r"datasets in .*data: shakespeare$"):
+        find_dataset("half")

@@ -78,3 +78,18 @@ def source_options(label: str, user_input: str = "", text_column: str = "", max_
     return {"inputs": inputs or None, "text_column": text_column or base.text_column, "format": fmt or base.format,
             "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens,
             "hf_split": base.hf_split}
+
+
+def source_inputs(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "", fmt: str = "",
+                  log=print) -> tuple[list, dict]:
+    """Notebooks 01 and 05: (inputs, the other prepare() options) for a dropdown choice (see source_options);
+    the demo corpus is Tiny Shakespeare, downloaded and checksum-verified. Says what a known source is."""
+    from gptlib.data.download import fetch_tinyshakespeare
+
+    opts = source_options(label, user_input, text_column, max_tokens, fmt)
+    inputs = opts.pop("inputs")
+    if inputs is None:
+        inputs = [fetch_tinyshakespeare()]
+    elif not user_input.strip():
+        log(f"source: {label}: {SOURCES[label].note}")
+    return inputs, opts

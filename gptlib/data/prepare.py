@@ -465,6 +465,14 @@ def summarize(data_dir: str | Path) -> dict[str, Any]:
     }
 
 
+def print_summary(data_dir: str | Path) -> None:
+    """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
+    meta = read_meta(data_dir)
+    for key, value in summarize(data_dir).items():
+        print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
+    report_problems(meta.raw)
+
+
 def decoded_sample(data_dir: str | Path, n_tokens: int = 200, split: str = "val") -> str:
     """The first n_tokens of a split, decoded: a quick look that the data is what it should be."""
     meta = read_meta(data_dir)

@@ -356,3 +356,16 @@ def load_split(meta: DatasetMeta, split: str) -> np.ndarray:
     if len(paths) == 1:
         return np.fromfile(paths[0], dtype=meta.dtype.newbyteorder("<"))
     return np.concatenate([np.fromfile(p, dtype=meta.dtype.newbyteorder("<")) for p in paths])
+
+
+def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:
+    """Notebooks 03 and 05: DATA_DIR if given, else gptlib's data folder for NAME (on Drive on Colab, see
+    colab.data_dir). A folder without a finished dataset is one error naming the datasets that are there."""
+    from gptlib import colab
+
+    d = Path(data_dir) if str(data_dir).strip() else colab.data_dir(name, roots)
+    if not (d / META_FILE).is_file():
+        found = sorted(p.parent.name for p in d.parent.glob(f"*/{META_FILE}"))
+        raise DataFormatError(f"no tokenized dataset at {d} (run notebook 01 first); datasets in {d.parent}: "
+                              f"{', '.join(found) or 'none'}")
+    return d

@@ -32,10 +32,10 @@ from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.checkpoint.state import TrainState
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
-from gptlib.errors import EvalError, loud
+from gptlib.errors import EvalError, GptlibError, loud
 from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, window_nll
-from gptlib.inference.loading import checkpoint_table, load_for_inference, read_state_and_tokenizer, resolve_checkpoint
+from gptlib.inference.loading import checkpoint_table, load_run, read_state_and_tokenizer, resolve_checkpoint
 from gptlib.layout import EVAL_FILE
 from gptlib.runtime import resolve_device, unwrap_model
 
@@ -260,7 +260,7 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
     prep = _prepare(run_dir, task, data, steps, cache_dir)
     rows, rendered, unsaved = [], {}, None
     for step in steps:
-        lm = load_for_inference(run_dir, step, device=dev)
+        lm = load_run(run_dir, step, device=dev)
         _, dt = eval_autocast(dev, dtype)
         t0 = time.perf_counter()
         if task == "hellaswag":
@@ -355,3 +355,23 @@ def eval_table_html(rows: list[dict], reference: bool = True) -> str:
             f"the text, so only rows on the same validation data compare; chance on HellaSwag is 0.25.</p>")
     return (f'<table class="gptlib-eval" style="border-collapse:collapse"><tr>{ths}</tr>'
             + "".join(f"<tr>{b}</tr>" for b in body) + "</table>" + note)
+
+
+def evaluate_tasks(run_dir: str | Path, tasks: str = "bpb, hellaswag", checkpoints: str = "all",
+                   device: str | torch.device = "cpu", hellaswag_file: str = "", hellaswag_items: int = -1,
+                   bpb_windows: int = 1000, log=print) -> list[dict]:
+    """Notebook 04: each task of "bpb, hellaswag" on the checkpoints (evaluate_run). hellaswag_items: evenly spaced
+    items, 0 all, -1 all 10,042 on a GPU and 1,000 on a CPU (~30 s there for phase1); bpb_windows: block_size
+    windows of the val split, 0 all. A task that cannot run (a missing file, no data dir, another tokenizer) is one
+    line through `log`, and the others go on."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    items = hellaswag_items if hellaswag_items >= 0 else (0 if device.type == "cuda" else 1000)
+    rows = []
+    for task in [t.strip() for t in tasks.split(",") if t.strip()]:
+        try:
+            rows += evaluate_run(run_dir, task, checkpoints, device=str(device),
+                                 data=(hellaswag_file or None) if task == "hellaswag" else None,
+                                 limit=(items if task == "hellaswag" else bpb_windows) or None)
+        except GptlibError as e:
+            log(f"{task}: not evaluated: {e}")
+    return rows

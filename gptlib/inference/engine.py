@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.errors import GenerationError
-from gptlib.inference.loading import load_for_inference
+from gptlib.inference.loading import load_run
 from gptlib.model import GPT, KVCache
 
 
@@ -198,7 +198,7 @@ class Engine:
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype=None,
                  compile: bool = False) -> "Engine":
         """Load a checkpoint of a run directory: "latest", "best" or a step (see gptlib.inference.loading)."""
-        ld = load_for_inference(run_dir, checkpoint, device=device, dtype=dtype)
+        ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path), compile=compile)
 
     def _feed(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:

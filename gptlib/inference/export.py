@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
 from gptlib.data.tokenizer import EOT, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError
-from gptlib.inference.loading import load_for_inference
+from gptlib.inference.loading import load_run
 from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
 from gptlib.model import GPT
 
@@ -226,7 +226,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = 
               overwrite: bool = False) -> Path:
     """Export one checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
     check_export_target(Path(out_dir), overwrite, Path(run_dir))  # before reading gigabytes of weights
-    ld = load_for_inference(run_dir, checkpoint)
+    ld = load_run(run_dir, checkpoint)
     info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss,
             "tokenizer": ld.tokenizer.kind}
     return export_model(ld.model, out_dir, ld.tokenizer, overwrite=overwrite, info=info)
@@ -251,3 +251,16 @@ def _model_card(model: GPT, info: dict) -> str:
         "```", "",
     ]
     return "\n".join(lines)
+
+
+def export_hint(run_dir: str | Path, checkpoint: str = "best") -> str:
+    """Notebook 04 without an export folder: what export is and where it would write (a dashboard user sees only
+    this line)."""
+    from gptlib import colab
+
+    where = colab.setup().persistent / "exports" / Path(run_dir).name  # on Colab: on Drive, where it outlives the VM
+    return (f"Not exported: no export folder is set. Export saves the {checkpoint!r} checkpoint as a Hugging Face "
+            f"model folder (config.json, model.safetensors, tokenizer files) that transformers loads with "
+            f"GPT2LMHeadModel.from_pretrained(folder). To export, set EXPORT_DIR in the notebook's parameters to a "
+            f"folder, e.g. {where}, and run this cell again; or run: python -m gptlib export-hf --run-dir {run_dir} "
+            f"--checkpoint {checkpoint} --out {where}")

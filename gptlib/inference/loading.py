@@ -137,7 +137,7 @@ def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> To
     return tok
 
 
-def load_for_inference(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
+def load_run(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
                        dtype: torch.dtype | None = None, log=loud) -> LoadedModel:
     """Model (eval mode) + verified tokenizer for one checkpoint of a run directory (local or on Drive:
     every read has a time limit, so a hung Drive gives an error instead of a hung notebook)."""
@@ -172,6 +172,17 @@ def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainStat
         return state, state.run_config(source), load_run_tokenizer(run_dir, state, str(path))
 
     return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")
+
+
+def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
+    """Notebooks 04 and 05: RUN_DIR if given, else run NAME's copy with the newest complete checkpoint: the VM's
+    or its Drive mirror (colab.run_paths, pick_run_dir)."""
+    from gptlib import colab
+
+    if str(run_dir).strip():
+        return pick_run_dir([run_dir])
+    paths = colab.run_paths(name, roots)
+    return pick_run_dir([paths.run_dir, paths.mirror_dir])
 
 
 def pick_run_dir(candidates, log=loud) -> Path:

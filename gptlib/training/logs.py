@@ -22,16 +22,7 @@ from gptlib.fsutil import atomic_write_bytes
 from gptlib.inference.engine import generate_ids
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import perf_fields, postfix_fields
-
-
-def fmt_tokens(n: float) -> str:
-    """A token count in the unit that fits, 3 significant digits: 5.12K, 268M, 2.8B (never "0.000B")."""
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= 0.9995 * div:  # 999,600 is "1M", not "1e+03K"
-            v = n / div
-            return f"{v:,.0f}{unit}" if v >= 999.5 else f"{v:.3g}{unit}"
-    return f"{n:,.0f}"
+from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -57,6 +48,19 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def read_samples(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / SAMPLES_FILE)
+
+
+def throughput_summary(run_dir: str | Path) -> str:
+    """Notebook 03: the run's last measured throughput (metrics.jsonl): tokens/s, MFU, time split, ETA and the
+    Colab compute units left; "" before the first measurement."""
+    last = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1:]
+    if not last:
+        return ""
+    r = last[0]
+    eta = fmt_duration(r["eta_s"]) if r.get("eta_s") is not None else "?"
+    units = f", ~{r['colab_units_left']} Colab compute units left" if r.get("colab_units_left") is not None else ""
+    return (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {fmt_mfu(r.get('mfu'))}, time split "
+            f"{fmt_split(r.get('time_split') or {}) or '?'}, ETA {eta}{units}")
 
 
 def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:

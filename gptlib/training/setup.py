@@ -32,7 +32,7 @@ from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import ConfigError, DataFormatError, HungIOError
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
-from gptlib.inference.loading import load_for_inference
+from gptlib.inference.loading import load_run
 from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT
@@ -218,7 +218,7 @@ def load_base(spec: str, meta: DatasetMeta, log) -> Base:
     run_dir, which = spec, "latest"
     if not Path(spec).is_dir() and ":" in spec:
         run_dir, which = spec.rsplit(":", 1)
-    ld = load_for_inference(run_dir, which, log=log)
+    ld = load_run(run_dir, which, log=log)
     base, data = ld.tokenizer.identity(), meta.tokenizer
     grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"] and meta.vocab_size > base["vocab_size"]
     if data.get("hash") != base["hash"] and not grows:

@@ -15,6 +15,7 @@ import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -286,3 +287,33 @@ def machine_info() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return (f"torch {torch.__version__}; python {platform.python_version()}; CPU {cpu} ({os.cpu_count()} cores); "
             f"GPU {gpu}")
+
+
+def fmt_tokens(n: float) -> str:
+    """A token count in the unit that fits, 3 significant digits: 5.12K, 268M, 2.8B (never "0.000B")."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 0.9995 * div:  # 999,600 is "1M", not "1e+03K"
+            v = n / div
+            return f"{v:,.0f}{unit}" if v >= 999.5 else f"{v:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+@dataclass
+class RunPlan:
+    cfg: Any  # the RunConfig the preset and overrides give
+    max_steps: int  # from the token budget, else the preset's
+    summary: str  # "gpt2-small: 524,288 tokens/step x 5,341 steps = 2.8B tokens" and the device's peak
+
+
+def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, device: str = "auto") -> RunPlan:
+    """Notebook 03: the run's length in steps from a token budget (0: the preset's max_steps), and what the
+    device can do (its peak FLOP/s, for MFU)."""
+    from gptlib.config import build_config
+    from gptlib.runtime import resolve_device
+
+    cfg = build_config(preset, overrides)
+    max_steps = steps_for_tokens(cfg, tokens) if tokens > 0 else cfg.train.max_steps
+    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
+    summary = (f"{preset}: {per_step:,} tokens/step x {max_steps:,} steps = {fmt_tokens(per_step * max_steps)} tokens\n"
+               f"device: {device_peak(resolve_device(device)).note}")
+    return RunPlan(cfg, max_steps, summary)

@@ -375,7 +375,7 @@ def cmd_bench(args) -> int:
     if args.what == "ladder":
         model_cfg = None
         if args.preset or args.set:
-            cfg = get_preset(args.preset or "gpt2-small").apply_overrides(args.set).validate()
+            cfg = get_preset(args.preset or "gpt2-small").updated(args.set).validate()
             model_cfg = cfg.model
         rungs = [int(r) for r in args.rungs.split(",")] if args.rungs else None
         bench.run_ladder(model_cfg, batch_size=args.batch_size, device=args.device, steps=args.steps or 10,

@@ -4,6 +4,10 @@ A run is described by a `RunConfig` holding a `ModelConfig` (what the network is
 `TrainConfig` (how it is trained). Field names are unique across the two, so `--set n_layer=6`
 and `--set learning_rate=1e-3` need no prefix. Unknown keys are errors; keys missing from an
 older saved config take today's defaults.
+
+Configs are frozen: `build_config` makes one from a preset and overrides, `updated` returns a changed copy, and
+training decides the rest once (gptlib.training.resolve: the data's vocabulary, a resumed or base run's shape,
+the micro-batch that fits) before anything reads it; nothing changes a config afterwards.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 from gptlib.errors import ConfigError
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 65  # tokens the tokenizer can produce; train() takes it from the data's metadata
     block_size: int = 256  # context length in tokens (learned position embeddings up to this)
@@ -45,7 +49,7 @@ class ModelConfig:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 32  # sequences per micro-batch (per process under DDP)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; tokens/step = batch_size * block_size * grad_accum_steps
@@ -96,7 +100,7 @@ class TrainConfig:
         _choice(self, "chat_loss", ("assistant", "all"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -122,26 +126,9 @@ class RunConfig:
             preset=d.get("preset", "custom"),
         )
 
-    def set(self, name: str, value: Any) -> None:
-        """Set one field by name (`n_layer`, or `model.n_layer`); strings are parsed to the field's type."""
-        section_name, _, key = name.rpartition(".")
-        sections = {"model": self.model, "train": self.train}
-        if section_name:
-            if section_name not in sections:
-                raise ConfigError(f"unknown config section {section_name!r} in {name!r} (use model. or train.)")
-            candidates = [sections[section_name]]
-        else:
-            candidates = list(sections.values())
-        for section in candidates:
-            types = {f.name: f.type for f in fields(section)}
-            if key in types:
-                setattr(section, key, _parse_value(key, value, getattr(section, key)))
-                return
-        raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(all_field_names()))}")
-
-    def apply_overrides(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
-        if not overrides:
-            return self
+    def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
+        """A copy with fields changed by name (`n_layer`, or `model.n_layer`), from a dict or `FIELD=VALUE` strings;
+        strings are parsed to each field's type. Not validated (build_config validates)."""
         if isinstance(overrides, list):
             parsed = {}
             for item in overrides:
@@ -150,9 +137,22 @@ class RunConfig:
                 k, v = item.split("=", 1)
                 parsed[k.strip()] = v
             overrides = parsed
-        for k, v in overrides.items():
-            self.set(k, v)
-        return self
+        changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+        for name, value in (overrides or {}).items():
+            section, key = self._field(name)
+            changes[section][key] = _parse_value(key, value, getattr(getattr(self, section), key))
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes["model"]),
+                                   train=dataclasses.replace(self.train, **changes["train"]))
+
+    def _field(self, name: str) -> tuple[str, str]:
+        """"n_layer" or "model.n_layer" -> ("model", "n_layer"); ConfigError naming the known fields."""
+        section_name, _, key = name.rpartition(".")
+        if section_name and section_name not in ("model", "train"):
+            raise ConfigError(f"unknown config section {section_name!r} in {name!r} (use model. or train.)")
+        for section in [section_name] if section_name else ["model", "train"]:
+            if key in {f.name for f in fields(getattr(self, section))}:
+                return section, key
+        raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(all_field_names()))}")
 
 
 def all_field_names() -> list[str]:
@@ -215,11 +215,7 @@ def get_preset(name: str) -> RunConfig:
 def build_config(preset: str | RunConfig, overrides: dict | list | None = None, **explicit) -> RunConfig:
     """Preset (or a RunConfig) + `--set` overrides + explicit keyword values (None = not given), validated."""
     cfg = get_preset(preset) if isinstance(preset, str) else RunConfig.from_dict(preset.to_dict())
-    cfg.apply_overrides(overrides)
-    for k, v in explicit.items():
-        if v is not None:
-            cfg.set(k, v)
-    return cfg.validate()
+    return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
 
 
 # --- helpers -------------------------------------------------------------------------------

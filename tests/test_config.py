@@ -26,18 +26,31 @@ def test_unknown_preset_names_the_choices():
         get_preset("tiny")
 
 
-def test_set_parses_types_and_rejects_unknown_fields():
-    cfg = get_preset("phase1")
-    cfg.apply_overrides(["n_layer=6", "learning_rate=3e-4", "model.dropout=0.1", "max_steps=1e3",
-                         "sample_prompts=[\"a\", \"b\"]", "bias=true"])
+def test_updated_parses_types_and_rejects_unknown_fields():
+    preset = get_preset("phase1")
+    cfg = preset.updated(["n_layer=6", "learning_rate=3e-4", "model.dropout=0.1", "max_steps=1e3",
+                          "sample_prompts=[\"a\", \"b\"]", "bias=true"])
     assert cfg.model.n_layer == 6 and cfg.train.learning_rate == 3e-4 and cfg.model.dropout == 0.1
     assert cfg.train.max_steps == 1000 and cfg.train.sample_prompts == ["a", "b"] and cfg.model.bias is True
+    assert preset.model.n_layer == 3  # a copy: the preset is unchanged
     with pytest.raises(ConfigError, match="unknown config field 'n_layers'"):
-        cfg.set("n_layers", "3")
+        cfg.updated({"n_layers": "3"})
     with pytest.raises(ConfigError, match="n_layer='three': expected a int"):
-        cfg.set("n_layer", "three")
+        cfg.updated({"n_layer": "three"})
     with pytest.raises(ConfigError, match="not FIELD=VALUE"):
-        cfg.apply_overrides(["n_layer"])
+        cfg.updated(["n_layer"])
+    with pytest.raises(ConfigError, match="unknown config section 'optim'"):
+        cfg.updated({"optim.lr": 1})
+
+
+def test_a_config_is_frozen():
+    """Decided once, then only read (torchtitan's habit): an assignment anywhere is an error, not a silent change."""
+    import dataclasses
+
+    cfg = get_preset("phase1")
+    for section, name, value in ((cfg.model, "vocab_size", 50257), (cfg.train, "batch_size", 4), (cfg, "preset", "x")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, name, value)
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -49,8 +62,7 @@ def test_set_parses_types_and_rejects_unknown_fields():
     ("dtype", "int8", "dtype='int8': choose one of"),
 ])
 def test_invalid_values_are_named(field, value, message):
-    cfg = get_preset("phase1")
-    cfg.set(field, value)
+    cfg = get_preset("phase1").updated({field: value})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         cfg.validate()
 
@@ -66,8 +78,7 @@ def test_from_dict_is_strict_on_unknown_keys_and_lenient_on_missing_ones():
 
 
 def test_padded_vocab():
-    cfg = get_preset("gpt2-small").model
-    cfg.vocab_size = 50257
+    cfg = get_preset("gpt2-small").updated({"vocab_size": 50257}).model
     assert cfg.padded_vocab_size == 50304 and cfg.padded_vocab_size % 64 == 0
     assert all(isinstance(PRESETS[p]["model"]["n_layer"], int) for p in PRESETS)
     assert math.isclose(get_preset("phase1").train.learning_rate, PRESETS["phase1"]["train"]["learning_rate"])

@@ -294,11 +294,10 @@ def test_config_fields_and_preset():
     assert get_preset("gpt2-small").train.hellaswag_every == 500
     cfg = get_preset("phase1")
     assert cfg.train.hellaswag_every == 0 and cfg.train.hellaswag_items == 1000
-    cfg.apply_overrides(["hellaswag_every=100", "hellaswag_file=/x/hs.jsonl"]).validate()
+    cfg = cfg.updated(["hellaswag_every=100", "hellaswag_file=/x/hs.jsonl"]).validate()
     assert cfg.train.hellaswag_every == 100 and cfg.train.hellaswag_file == "/x/hs.jsonl"
-    cfg.set("hellaswag_items", -1)
     with pytest.raises(ConfigError, match="hellaswag_items=-1 must be >= 0"):
-        cfg.validate()
+        cfg.updated({"hellaswag_items": -1}).validate()
 
 
 def test_plot_helpers(tmp_path):

@@ -71,7 +71,7 @@ def test_fp16_training_gets_a_grad_scaler_and_bf16_does_not():
 
     for dtype, scaled in (("float16", True), ("bfloat16", False), ("float32", False)):
         cfg = build_config("phase1", TINY + [f"dtype={dtype}"], device="cpu")
-        _, _, scaler, got = build_model(cfg, torch.device("cpu"), Dist(), quiet)
+        _, _, scaler, got = build_model(cfg, torch.device("cpu"), quiet)
         assert got == rt.DTYPES[dtype] and scaler.is_enabled() == scaled, dtype
 
 
@@ -281,8 +281,7 @@ def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled.append(m) or m)
-    cfg = get_preset(preset)
-    cfg.train.compile = setting
+    cfg = get_preset(preset).updated({"compile": setting})
     _, on = wrap_for_training(torch.nn.Linear(2, 2), cfg, device, Dist())
     assert on == want and len(compiled) == int(want)
 

@@ -6,8 +6,8 @@
   that could not be read (a slow or hung Drive, where on a fresh Colab VM they are the only copy) are never
   given up silently: the search is repeated for DRIVE_RESUME_WAIT_S, then training stops and says what to do,
   unless the user asks to go on without them (--skip-unreadable). Rotation never deletes them (gptlib.checkpoint.format).
-- The model config must match the checkpoint's; training settings asked for now win (and are reported). The
-  data must be the run's own, unless asked otherwise (--allow-data-change, recorded in the run's state).
+- The data must be the run's own, unless asked otherwise (--allow-data-change, recorded in the run's state).
+  Whether the model config matches is the training set-up's to check (gptlib.training.resolve).
 """
 
 from __future__ import annotations
@@ -22,40 +22,17 @@ import torch
 from gptlib.checkpoint.format import DRIVE_READ_STALL_S, CheckpointInfo, first_valid, load_checkpoint, verify_checkpoint
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.state import TrainState, TrainTensors
-from gptlib.config import RunConfig
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout
 from gptlib.layout import STATE_FILE, TRAIN_STATE_FILE, step_of
 
-# The model's shape: a checkpoint only resumes into the same one. Other fields (dropout, all training
-# settings) may change between sessions; the change is reported.
-MODEL_FIELDS_THAT_MUST_MATCH = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple")
 # Checkpoints that could not be read at resume (Drive slow or hung) are looked for again this often, for this
 # long; then training stops and says what to do. Module-level so tests (and users who know their Drive) can change them.
 DRIVE_RESUME_RETRY_S = 30.0
 DRIVE_RESUME_WAIT_S = 300.0
 DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
                 "force_remount=True)) and re-run")
-
-
-def reconcile_resume_config(saved: RunConfig, asked: RunConfig, where: Path, log) -> RunConfig:
-    """On resume the model must be the same; training fields asked for now win, and are reported."""
-    for name in MODEL_FIELDS_THAT_MUST_MATCH:
-        a, b = getattr(saved.model, name), getattr(asked.model, name)
-        if a != b:
-            raise ConfigError(
-                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
-                f"use a new run directory, or drop the change to resume"
-            )
-    changeable = [(saved.model, asked.model, n) for n in saved.model.__dataclass_fields__
-                  if n not in MODEL_FIELDS_THAT_MUST_MATCH]  # dropout: same weights, different regularisation
-    changeable += [(saved.train, asked.train, n) for n in saved.train.__dataclass_fields__]
-    for old_section, new_section, name in changeable:
-        a, b = getattr(old_section, name), getattr(new_section, name)
-        if a != b:
-            log(f"resume: {name} changed {a!r} -> {b!r}")
-    return asked
 
 
 @dataclass
@@ -128,23 +105,11 @@ def _search(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool) 
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
 
 
-def find_resume(run_dir: Path, mirror_dir: Path | None, cfg: RunConfig, meta: DatasetMeta, log,
-                shape_from_run: bool = False, skip_unreadable: bool = False,
-                allow_data_change: bool = False) -> tuple[RunConfig, Resume | None, Passed]:
-    """The newest usable checkpoint, local or on the mirror, the config to go on with, and the newer
-    checkpoints that were passed over. shape_from_run: the model's shape is the run's own (a run
-    started with --init-from took its base's shape, not the preset's), so re-running the same command resumes."""
-    resume, passed = _search(run_dir, mirror_dir, log, skip_unreadable)
-    if resume is None:
-        return cfg, None, passed
-    saved_cfg = resume.state.run_config(str(resume.info.path / STATE_FILE))
-    if shape_from_run:
-        for name in MODEL_FIELDS_THAT_MUST_MATCH:
-            if name != "vocab_size":  # the data's, checked below with the data's identity
-                setattr(cfg.model, name, getattr(saved_cfg.model, name))
-    cfg = reconcile_resume_config(saved_cfg, cfg, run_dir, log)
-    resume.data_change = check_same_data(resume, meta, allow_data_change, log)
-    return cfg, resume, passed
+def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False) -> tuple[Resume | None, Passed]:
+    """The newest usable checkpoint, local or on the mirror (None: a new run), and the newer checkpoints that were
+    passed over. Whether its model is the one asked for is the training set-up's to check (gptlib.training.resolve),
+    then whether its data is (check_same_data)."""
+    return _search(run_dir, mirror_dir, log, skip_unreadable)
 
 
 # The tokens alone changed (other text or split, same tokenizer): --allow-data-change may go on. A tokenizer,

@@ -12,6 +12,7 @@ model and batch with a device sync at every phase (gptlib.training.throughput.St
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -32,6 +33,7 @@ from gptlib.model import GPT
 from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype
 from gptlib.training.distributed import Dist
 from gptlib.training.memory import free_memory, is_oom
+from gptlib.training.resolve import fit_micro_batch
 from gptlib.training.setup import build_model, wrap_for_training
 from gptlib.training.step import train_step
 from gptlib.training.throughput import (StepTimer, colab_units, device_peak, eta_seconds, fmt_duration, fmt_mfu,
@@ -169,9 +171,7 @@ def _ladder_data(model_cfg: ModelConfig, data_dir, B: int, T: int, seed: int, de
         disk = np.memmap(path, dtype=np.uint16, mode="r")
         source = f"synthetic {n_tokens:,} random tokens in {path.name}"
     else:
-        meta = read_meta(data_dir)
-        model_cfg.vocab_size = meta.vocab_size
-        disk = MemmapSplit(meta, "train")  # the baseline reads each sample from the shards on disk
+        disk = MemmapSplit(read_meta(data_dir), "train")  # the baseline reads each sample from the shards on disk
         source = f"{data_dir} train split"
     ram = np.array(disk) if isinstance(disk, np.ndarray) else disk.read(0, len(disk)).numpy().view(disk.dtype)
     preloaded = SplitData(tokens=_as_signed_view(ram), name="train")
@@ -235,6 +235,8 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
     dev = resolve_device(device)
     dflt_cfg, dflt_b, dflt_a = default_ladder_config(dev)
     model_cfg = model_cfg or dflt_cfg
+    if data_dir is not None:  # the model's vocabulary is the data's
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=read_meta(data_dir).vocab_size)
     B, T = batch_size or dflt_b, model_cfg.block_size
     A = accum or (dflt_a if batch_size is None else 1)  # micro-batches per optimizer step
     peak = device_peak(dev)
@@ -283,13 +285,15 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
                 data_dir: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
     """Time optimizer steps of a preset as train() runs them (same set-up, same train step) and report
     tokens/s, MFU, the time split and the ETA of the preset's whole run."""
-    cfg = get_preset(preset).apply_overrides((overrides or []) + [f"compile={compile}", f"auto_batch={auto_batch}"])
+    cfg = get_preset(preset).updated((overrides or []) + [f"compile={compile}", f"auto_batch={auto_batch}"])
     dev = resolve_device(device if device != "auto" else cfg.train.device)
     if data_dir is not None:
         meta, splits = load_dataset(data_dir, dev, log=log)
-        cfg.model.vocab_size = meta.vocab_size
+        cfg = cfg.updated({"vocab_size": meta.vocab_size})
     cfg.validate()
-    model, optimizer, scaler, dtype = build_model(cfg, dev, Dist(), log)
+    if cfg.train.auto_batch:
+        cfg = fit_micro_batch(cfg, dev, Dist(), log)
+    model, optimizer, scaler, dtype = build_model(cfg, dev, log)
     fwd, compiled = wrap_for_training(model, cfg, dev, Dist())
     mc, tc = cfg.model, cfg.train
     micro, accum = tc.batch_size, tc.grad_accum_steps

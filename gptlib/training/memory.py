@@ -101,15 +101,16 @@ class CudaMemoryProbe:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def auto_micro_batch(model, cfg, device, dtype, log=print) -> tuple[int, int]:
-    """train()'s auto_batch: probe on CUDA (the eager model, before compile: see PROBE_HEADROOM); elsewhere
-    keep the configured sizes (no OOM to find there)."""
+def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dtype, log=print) -> tuple[int, int]:
+    """train()'s auto_batch: probe on CUDA a model make_model() builds (eager, never compiled: see PROBE_HEADROOM);
+    elsewhere keep the configured sizes (no OOM to find there, and no model is built)."""
     tc = cfg.train
     if torch.device(device).type != "cuda":
         log(f"auto micro-batch: no memory probe on {torch.device(device).type}; keeping batch_size={tc.batch_size}, "
             f"grad_accum_steps={tc.grad_accum_steps}")
         return tc.batch_size, tc.grad_accum_steps
-    return probe_micro_batch(model, cfg.model.block_size, tc.batch_size * tc.grad_accum_steps, device, dtype, log=log)
+    return probe_micro_batch(make_model(), cfg.model.block_size, tc.batch_size * tc.grad_accum_steps, device, dtype,
+                             log=log)
 
 
 def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,

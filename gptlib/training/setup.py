@@ -1,12 +1,14 @@
 """Everything train() sets up before its loop, in the order it happens:
 
-1. the data: meta.json checked against the shards, the tokens placed on the GPU, in RAM or left on disk;
-2. the resume point (gptlib.checkpoint.resume): the newest checkpoint that verifies and loads, on the local disk or the
-   Drive mirror; its model config must match what is asked for, while training settings asked for now win
-   (and are reported);
-3. the model (seeded), the micro-batch that fits (auto_batch), AdamW, the grad scaler, the sampler,
-   and the checkpoint's state restored into them; then torch.compile and DDP wrap the model;
-4. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
+1. the data's meta.json and tokenizer, checked against each other;
+2. the resume point (gptlib.checkpoint.resume): the newest checkpoint that verifies and loads, on the local disk
+   or the Drive mirror; else, with --init-from, the base's weights;
+3. the config, decided once and frozen (gptlib.training.resolve): the data's vocabulary, the resumed or base
+   run's shape, the micro-batch that fits;
+4. the tokens, placed for that config: on the GPU, in RAM or left on disk;
+5. the model (seeded), AdamW, the grad scaler, the sampler, and the checkpoint's state restored into them; then
+   torch.compile and DDP wrap the model;
+6. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
 
 A Session also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
 """
@@ -22,7 +24,7 @@ import torch
 
 from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
 from gptlib.checkpoint.format import clean_orphans, load_weights_into
-from gptlib.checkpoint.resume import DRIVE_ADVICE, MODEL_FIELDS_THAT_MUST_MATCH, Passed, Resume, find_resume
+from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume
 from gptlib.checkpoint.state import TrainState, TrainTensors
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter, Snapshot
 from gptlib.config import ModelConfig, RunConfig
@@ -41,23 +43,19 @@ from gptlib.runtime import (autocast_for, capture_rng, configure_attention, conf
                             use_compile)
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
-from gptlib.training.memory import auto_micro_batch, check_fits, estimate_train_bytes
-from gptlib.training.throughput import check_cpu_run, run_flops
+from gptlib.training.memory import estimate_train_bytes
+from gptlib.training.resolve import resolve_config
+from gptlib.training.throughput import run_flops
 
 
-def build_model(cfg: RunConfig, device: torch.device, ddp: distributed.Dist, log) -> tuple[GPT, Any, Any, torch.dtype]:
-    """The model (seeded init), the micro-batch that fits (auto_batch: batch_size * grad_accum_steps
-    sequences per step are kept), AdamW and the grad scaler (on only for fp16). -> (model, optimizer,
-    scaler, dtype). Shared by training and the throughput benchmark."""
+def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
+    """The model (seeded init), AdamW and the grad scaler (on only for fp16) -> (model, optimizer, scaler,
+    dtype). Shared by training and the throughput benchmark."""
     tc, mc = cfg.train, cfg.model
     dtype = resolve_dtype(tc.dtype, device)
     seed_everything(tc.seed)
     configure_matmul(device)
     model = GPT(mc).to(device)
-    if tc.auto_batch:
-        per_step = tc.batch_size * tc.grad_accum_steps
-        tc.batch_size = ddp.min_int(auto_micro_batch(model, cfg, device, dtype, log=log)[0])
-        tc.grad_accum_steps = per_step // tc.batch_size
     configure_attention(device, dtype, tc.batch_size, mc.n_head, mc.block_size, mc.n_embd // mc.n_head, log)
     optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
@@ -246,22 +244,16 @@ def start_from_base(model: GPT, base: Base) -> None:
     load_weights_into(model, sd, base.path)
 
 
-def _load_data(data_dir, cfg: RunConfig, device: torch.device, verbose: bool, log):
-    """The dataset (checked, placed), and the vocabulary size it implies for the model. The tokenizer is
-    checked against meta.json first: a vocabulary smaller than the tokenizer's is named as such, before any
-    shard is read."""
+def _read_data(data_dir) -> tuple[DatasetMeta, Tokenizer]:
+    """The dataset's meta.json and tokenizer, checked against each other before any shard is read: a vocabulary
+    smaller than the tokenizer's is named as such."""
     meta = read_meta(data_dir)
     tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
     check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
     if tokenizer.vocab_size > meta.vocab_size:  # the model's embedding would be too small for its ids
         raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
                               f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
-    if meta.vocab_size != cfg.model.vocab_size:
-        log(f"vocab_size {cfg.model.vocab_size} (preset) -> {meta.vocab_size} (from {meta.data_dir}/meta.json)")
-        cfg.model.vocab_size = meta.vocab_size
-    meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,
-                                reserve_gpu_bytes=estimate_train_bytes(cfg.model, cfg.train.batch_size))
-    return meta, splits, tokenizer
+    return meta, tokenizer
 
 
 def open_session(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
@@ -319,27 +311,24 @@ def _check_dirs(run_dir: Path, mirror_dir: Path | None) -> list[Path]:
     return new
 
 
-def _open(data_dir, run_dir: Path, cfg: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
+def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
           device: torch.device, lease, verbose: bool, log, init_from: str | None, skip_unreadable: bool,
           allow_data_change: bool) -> Session:
-    # the data, and the vocabulary it implies
-    meta, splits, tokenizer = _load_data(data_dir, cfg, device, verbose, log)
-    # resume: the newest checkpoint that verifies and loads decides the model config; else a base may (init-from)
-    cfg, resume, passed = find_resume(run_dir, mirror_dir, cfg, meta, log, shape_from_run=bool(init_from),
-                                      skip_unreadable=skip_unreadable, allow_data_change=allow_data_change)
-    base = None
-    if resume is None and init_from:
-        base = load_base(init_from, meta, log)
-        for name in MODEL_FIELDS_THAT_MUST_MATCH:
-            if name != "vocab_size":  # the data's: the base's, or the base's plus appended tokens
-                setattr(cfg.model, name, getattr(base.config, name))
-    elif init_from:
+    # the data's description; the resume point, else a base to start from (--init-from)
+    meta, tokenizer = _read_data(data_dir)
+    resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable)
+    base = load_base(init_from, meta, log) if init_from and resume is None else None
+    if init_from and resume is not None:
         log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
-    cfg.validate()
-    check_cpu_run(cfg, device, cfg.train.device, resume.state.step if resume else 0, log)  # a GPU preset on a CPU
-    check_fits(cfg, device)  # a micro-batch larger than the device's memory: refused before anything is written
+    # the config, decided once (frozen from here on); then the tokens, placed for it
+    cfg = resolve_config(asked, meta, resume, base.config if base else None, bool(init_from), device, ddp, run_dir,
+                         log)
+    if resume is not None:  # the same model; now the same data (or a change asked for, recorded)
+        resume.data_change = check_same_data(resume, meta, allow_data_change, log)
+    meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,
+                                reserve_gpu_bytes=estimate_train_bytes(cfg.model, cfg.train.batch_size))
     # the model and what trains it; the checkpoint's state restored before compile/DDP wrap the model
-    model, optimizer, scaler, dtype = build_model(cfg, device, ddp, log)
+    model, optimizer, scaler, dtype = build_model(cfg, device, log)
     if base is not None:
         start_from_base(model, base)
     tc, mc = cfg.train, cfg.model

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import get_preset
 from gptlib.layout import checkpoint_name
@@ -104,11 +105,11 @@ def main() -> None:
     try:
         w = CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
         for i in range(1, args.saves + 1):
-            train_state = {"optimizer": opt.state_dict(), "scaler": {},
-                           "sampler": {"rng_state": gen.get_state(), "batches_drawn": i}, "rng": {"torch_cpu": torch.get_rng_state()}}
-            state = {"step": i, "config": cfg.to_dict()}
+            checkpoint = Checkpoint(model=model.state_dict(), progress=TrainState(step=i, config=cfg.to_dict()),
+                                    optimizer=opt.state_dict(), sampler={"rng_state": gen.get_state(), "batches_drawn": i},
+                                    rng={"torch_cpu": torch.get_rng_state()})
             t0 = time.perf_counter()
-            w.save(i, model.state_dict(), train_state, state, best_step=None)
+            w.save(checkpoint)
             t1 = time.perf_counter()
             # The loop goes on meanwhile: here it issues small ops until the local write is done.
             rate = launch_rate(until=lambda: w._thread is not None and w._thread.is_alive())

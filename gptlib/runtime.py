@@ -212,19 +212,12 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
-def cuda_rng_state(device: torch.device) -> torch.Tensor | None:
-    """The training device's CUDA generator state (host-side seed/offset: reading it does not sync), or None
-    off CUDA. Only this device's: a checkpoint made on N GPUs must resume on fewer."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
 def capture_rng(device: torch.device | None = None) -> tuple[dict, dict]:
     """-> (tensors for train_state.pt, JSON-able python/numpy state for state.json). `device`: the training
     device, whose CUDA state is saved (none for a CPU run)."""
     tensors = {"torch_cpu": torch.get_rng_state()}
-    cuda = cuda_rng_state(device) if device is not None else None
-    if cuda is not None:
-        tensors["torch_cuda"] = cuda
+    if device is not None and device.type == "cuda":  # only the training device's: N GPUs resume on fewer
+        tensors["torch_cuda"] = torch.cuda.get_rng_state(device)  # host-side seed/offset: no device sync
     py = random.getstate()
     np_state = np.random.get_state()
     plain = {"python": [py[0], list(py[1]), py[2]],

@@ -18,9 +18,15 @@ from gptlib.checkpoint.format import (CheckpointError, clean_orphans, clean_stat
                                       list_checkpoints, load_checkpoint, load_latest, load_weights_into, rotate,
                                       verify_checkpoint, write_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
 from gptlib.training.signals import GracefulStop
+
+
+def ckpt(step: int, model: dict, optimizer: dict | None = None, best: int | None = None) -> Checkpoint:
+    """What training hands the writer: the parts' state_dicts and the progress."""
+    return Checkpoint(model=model, progress=TrainState(step=step, best_step=best), optimizer=optimizer or {})
 
 
 def sd(v: float = 1.0) -> dict:
@@ -201,7 +207,7 @@ def test_writer_mirrors_in_background_and_rotates_both(tmp_path):
     (tmp_path / "local").mkdir()
     (tmp_path / "local" / "config.json").write_text("{}")
     for s in (1, 2, 3):
-        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=1)
+        w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=1))
     st = w.close()
     assert st["local_step"] == 3 and st["mirror_step"] == 3 and st["mirror_error"] is None
     for d in ("local", "drive"):
@@ -224,7 +230,7 @@ def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
     monkeypatch.setattr(mirror, "mirror_checkpoint", slow_first_copy)
     w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
     for s in range(1, 7):
-        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=None)
+        w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=None))
         w.wait()
     st = w.close()
     assert st["mirror_step"] == 6 and st["mirror_error"] is None
@@ -269,7 +275,7 @@ def test_a_milestone_copied_late_keeps_the_current_best_on_the_mirror(tmp_path, 
     w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=5)
 
     def save(s, best):
-        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=best)
+        w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=best))
         w.wait()
 
     save(1, None)
@@ -293,7 +299,7 @@ def test_a_superseded_retry_does_not_strand_milestones(tmp_path, monkeypatch, ca
     w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=10)
 
     def save(s):
-        w.save(s, sd(s), {"x": torch.ones(1)}, {"step": s}, best_step=None)
+        w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=None))
         w.wait()
 
     save(1)
@@ -314,11 +320,11 @@ def test_a_superseded_retry_does_not_strand_milestones(tmp_path, monkeypatch, ca
 def test_milestones_survive_a_change_of_keep_every(tmp_path):
     w = CheckpointWriter(tmp_path, keep_last=2, background=False, keep_every=2)
     for s in range(1, 6):
-        w.save(s, sd(s), {}, {"step": s}, best_step=None)
+        w.save(ckpt(s, sd(s), {}, best=None))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000004", "step_0000002"]
     w = CheckpointWriter(tmp_path, keep_last=2, background=False, keep_every=0)  # resumed with keep_every=0
     for s in range(6, 9):
-        w.save(s, sd(s), {}, {"step": s}, best_step=None)
+        w.save(ckpt(s, sd(s), {}, best=None))
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000008", "step_0000007", "step_0000004",
                                                             "step_0000002"]
 
@@ -326,7 +332,7 @@ def test_milestones_survive_a_change_of_keep_every(tmp_path):
 def test_resuming_locally_copies_the_local_milestones(tmp_path):
     w = CheckpointWriter(tmp_path / "local", keep_last=2, background=False, keep_every=2)  # Drive was away
     for s in range(1, 6):
-        w.save(s, sd(s), {}, {"step": s}, best_step=None)
+        w.save(ckpt(s, sd(s), {}, best=None))
     w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
     w.mirror_existing(tmp_path / "local" / "checkpoints" / "step_0000005")  # what train() does on a local resume
     w.close(timeout=10)
@@ -341,7 +347,7 @@ def test_writer_mirror_failure_is_loud_not_fatal(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(mirror, "copy_file_verified", broken)
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
-    w.save(1, sd(), {}, {"step": 1}, None)
+    w.save(ckpt(1, sd(), {}, best=None))
     st = w.close()  # does not raise
     assert st["local_step"] == 1 and st["mirror_step"] is None and "Errno 107" in st["mirror_error"]
     assert st["mirror_failures"] == 2 and w.status_line().startswith("DRIVE COPY FAILING")
@@ -351,12 +357,12 @@ def test_writer_mirror_failure_is_loud_not_fatal(tmp_path, monkeypatch, capsys):
 
 def test_writer_local_error_raises_at_next_save(tmp_path, monkeypatch):
     w = CheckpointWriter(tmp_path)
-    w.save(1, sd(), {}, {"step": 1}, None)
+    w.save(ckpt(1, sd(), {}, best=None))
     w.wait()
     monkeypatch.setenv("GPTLIB_FAULT", "eio:save_mid@2")
-    w.save(2, sd(), {}, {"step": 2}, None)
+    w.save(ckpt(2, sd(), {}, best=None))
     with pytest.raises(CheckpointError, match=r"Errno 5.*newest intact checkpoint is step 1"):
-        w.save(3, sd(), {}, {"step": 3}, None)
+        w.save(ckpt(3, sd(), {}, best=None))
 
 
 def test_call_with_timeout():
@@ -395,7 +401,7 @@ def test_writer_close_is_bounded_when_drive_hangs(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(mirror, "MIRROR_RETRY_DELAYS_S", ())  # one attempt, so the thread ends after release
     monkeypatch.setattr(mirror, "copy_file_verified", lambda *a, **k: release.wait(10))
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
-    w.save(1, sd(), {}, {"step": 1}, None)
+    w.save(ckpt(1, sd(), {}, best=None))
     t = time.monotonic()
     st = w.close(timeout=0.5)  # stall timeout (180 s) not reached: close gives up waiting instead
     release.set()
@@ -423,11 +429,11 @@ def test_mirror_backoff_is_not_cut_short_by_a_same_step_resave(tmp_path, monkeyp
 
     monkeypatch.setattr(mirror, "copy_file_verified", broken)
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
-    w.save(5, sd(), {}, {"step": 5}, None)
+    w.save(ckpt(5, sd(), {}, best=None))
     deadline = time.monotonic() + 5
     while not times and time.monotonic() < deadline:
         time.sleep(0.01)
-    w.save(5, sd(2.0), {}, {"step": 5}, None)  # the same step again (e.g. resumed, then stopped at once)
+    w.save(ckpt(5, sd(2.0), {}, best=None))  # the same step again (e.g. resumed, then stopped at once)
     w.close()
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert len(times) == 6 and gaps[0] >= 0.15 and gaps[1] >= 0.15, gaps
@@ -448,28 +454,25 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
         verify_checkpoint(ck)
 
 
-def test_the_host_copy_is_one_flat_buffer_of_the_exact_size_reused_across_saves(tmp_path):
-    """One buffer, each tensor a 64-byte aligned view into it (pinned on a GPU: the caching host allocator
-    would round separate buffers up to powers of two); a tied tensor is copied once; the next save of the
-    same layout reuses the buffer and saves the new values."""
+def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_path):
+    """A host tensor per state tensor, kept from save to save of the same layout (pinned on a GPU, tests/test_gpu.py);
+    a tied tensor is copied once and stored once; the next save writes the new values, the first keeps its own."""
     w = CheckpointWriter(tmp_path, background=False)
     a, b = torch.randn(3, 5), torch.arange(7)
     opt = {"m": torch.ones(9, dtype=torch.bfloat16), "step": torch.tensor(3.0)}
-    w.save(1, {"a": a, "tied": a, "b": b}, {"opt": opt}, {"step": 1}, None)
-    host = w._host
-    sizes = [60, 56, 18, 4]  # a, b, m, step in bytes, each starting at a multiple of 64
-    assert host.tensor.numel() == 3 * 64 + sizes[-1] and host.tensor.dtype == torch.uint8
-    base = host.tensor.data_ptr()
-    assert [v.data_ptr() - base for v in w._views] == [0, 64, 128, 192]  # views into the one buffer ...
-    assert [v.untyped_storage().nbytes() for v in w._views] == sizes  # ... each saved as exactly its bytes
-    assert (tmp_path / "checkpoints" / "step_0000001" / "model.pt").stat().st_size < 2000  # not the whole buffer
+    w.save(ckpt(1, {"a": a, "tied": a, "b": b}, {"opt": opt}))
+    host = list(w._host)
+    assert [tuple(t.shape) for t in host] == [(3, 5), (7,), (9,), ()]  # the tied tensor once
+    assert (tmp_path / "checkpoints" / "step_0000001" / "model.pt").stat().st_size < 2000  # a and b once each
     a0 = a.clone()
     a.add_(1.0)
     opt["m"].mul_(3)
-    w.save(2, {"a": a, "tied": a, "b": b}, {"opt": opt}, {"step": 2}, None)
-    assert w._host is host  # reused
+    w.save(ckpt(2, {"a": a, "tied": a, "b": b}, {"opt": opt}))
+    assert all(x is y for x, y in zip(w._host, host))  # reused
     m, t, _ = load_checkpoint(tmp_path / "checkpoints" / "step_0000002")
     assert torch.equal(m["a"], a) and torch.equal(m["tied"], a) and torch.equal(m["b"], b)
-    assert torch.equal(t["opt"]["m"], opt["m"]) and t["opt"]["step"] == 3.0
+    assert torch.equal(t["optimizer"]["opt"]["m"], opt["m"]) and t["optimizer"]["opt"]["step"] == 3.0
     m1, _, _ = load_checkpoint(tmp_path / "checkpoints" / "step_0000001")
     assert torch.equal(m1["a"], a0)  # the first save kept its own values
+    w.close()
+    assert w._host == []  # not held after training

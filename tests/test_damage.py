@@ -26,6 +26,7 @@ from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.fsutil import sha256_file
 from gptlib.training import loop as gtrain
 from gptlib.training import setup as gsession
@@ -493,7 +494,7 @@ def test_ctrl_c_stops_the_drive_wait(tmp_path, monkeypatch, capsys):
     block = threading.Event()
     monkeypatch.setattr(gmirror, "copy_file_verified", lambda *a, **k: block.wait(30))
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
-    w.save(1, {"w": torch.ones(2)}, {}, {"step": 1}, None)
+    w.save(Checkpoint(model={"w": torch.ones(2)}, progress=TrainState(step=1)))
     threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     t0 = time.time()
     w.close(timeout=20)
@@ -511,7 +512,7 @@ def test_an_old_file_that_hangs_on_the_mirror_does_not_hold_the_copy(tmp_path, m
     release = threading.Event()
     monkeypatch.setattr(gmirror, "rotate", lambda *a, **k: release.wait(30))
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
-    w.save(1, {"w": torch.ones(2)}, {}, {"step": 1}, None)
+    w.save(Checkpoint(model={"w": torch.ones(2)}, progress=TrainState(step=1)))
     t0 = time.time()
     st = w.close(timeout=20)
     release.set()

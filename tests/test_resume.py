@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from gptlib import batches as gdata
+from gptlib.checkpoint import state as gstate
 from gptlib.checkpoint.format import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
 from gptlib.training import loop as gtrain
-from gptlib.training import setup as gsession
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
@@ -184,7 +184,7 @@ def interrupted(char_data, tmp_path_factory):
 def test_negative_control_without_rng_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
-    monkeypatch.setattr(gsession, "restore_rng", lambda tensors, plain: None)
+    monkeypatch.setattr(gstate.RNG, "load_state_dict", lambda self, state: None)
     run_inproc(char_data, run_dir, log=lambda m: None)
     with pytest.raises(AssertionError, match="losses differ"):
         assert_same_run(reference, run_dir)

@@ -167,7 +167,7 @@ def test_a_checkpoint_saves_only_the_training_devices_cuda_rng(monkeypatch):
     from gptlib.training.setup import Session
 
     fake = types.SimpleNamespace(sampler=types.SimpleNamespace(state_dict=lambda: {}), device=torch.device("cuda", 1))
-    assert torch.equal(Session.step_begin(fake)[2], states[1])  # what an interrupt mid-step saves
+    assert torch.equal(Session.step_begin(fake)["rng"]["torch_cuda"], states[1])  # what an interrupt mid-step saves
 
 
 def test_a_torchrun_checkpoint_from_4_gpus_resumes_on_1(monkeypatch):

@@ -17,15 +17,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from gptlib.checkpoint.format import DRIVE_READ_STALL_S, CheckpointInfo, first_valid, load_checkpoint, verify_checkpoint
 from gptlib.checkpoint.mirror import mirror_checkpoint
-from gptlib.checkpoint.state import TrainState, TrainTensors
+from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout
-from gptlib.layout import STATE_FILE, TRAIN_STATE_FILE, step_of
+from gptlib.layout import step_of
 
 # Checkpoints that could not be read at resume (Drive slow or hung) are looked for again this often, for this
 # long; then training stops and says what to do. Module-level so tests (and users who know their Drive) can change them.
@@ -41,10 +39,12 @@ class Resume:
 
     info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
     origin: Path  # where it was found: the local run dir or the Drive mirror
-    model_sd: dict[str, torch.Tensor]
-    tensors: TrainTensors
-    state: TrainState
+    checkpoint: Checkpoint  # its parts, to load into the run's
     data_change: dict = field(default_factory=dict)  # resumed on other tokens (--allow-data-change): what changed
+
+    @property
+    def state(self) -> TrainState:
+        return self.checkpoint.progress
 
 
 @dataclass
@@ -68,9 +68,7 @@ def _load_resume(path: Path, run_dir: Path) -> Resume:
         path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress), DRIVE_READ_STALL_S, progress,
                                  what=f"reading {origin}")
     info = verify_checkpoint(path)
-    model_sd, tensors, state = load_checkpoint(path)
-    return Resume(info, origin, model_sd, TrainTensors.from_dict(tensors, str(path / TRAIN_STATE_FILE)),
-                  TrainState.from_json(state, str(path / STATE_FILE), step=info.step))
+    return Resume(info, origin, Checkpoint.from_files(*load_checkpoint(path), where=str(path), step=info.step))
 
 
 def _search(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool) -> tuple[Resume | None, Passed]:

@@ -1,9 +1,17 @@
-"""The training state a checkpoint holds, typed: `TrainState` (state.json) and `TrainTensors` (train_state.pt).
+"""What a checkpoint holds, defined once: the parts of a training run that save and load themselves.
 
-One definition, used by training (save, resume), loading and export (which checkpoint, which config and
-tokenizer), and DDP (every rank's sampler). Like torchtitan's train state, the counters live in one
-object with `state_dict` / `load_state_dict`; `from_json` checks what a file holds and names the field
-that is missing or wrong, so a damaged or hand-edited state.json is one clear error, not a KeyError.
+A checkpoint is the dict of its parts' `state_dict()`s (`Checkpoint`): the model, the optimizer, the grad
+scaler, the batch sampler, every RNG (`RNG`), and the run's progress (`TrainState`: counters, the losses not yet
+logged, the config and data it trains with). Training builds one from its parts and loads one back into them
+(gptlib.training.setup); `Checkpoint.files` / `from_files` are the only place that knows how the parts lie in a
+checkpoint's files, which are those of every gptlib checkpoint so far:
+
+    model.pt         the model's state_dict
+    train_state.pt   {"optimizer", "scaler", "sampler", "rng": torch's generators, "sampler_ranks" under DDP}
+    state.json       TrainState's fields and "rng": Python's and numpy's generators
+
+`from_json` / `from_files` check what a file holds and name the field that is missing or wrong, so a damaged or
+hand-edited file is one clear error, not a KeyError.
 """
 
 from __future__ import annotations
@@ -12,8 +20,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from gptlib.config import RunConfig
 from gptlib.errors import CheckpointError
+from gptlib.layout import STATE_FILE, TRAIN_STATE_FILE
+from gptlib.runtime import capture_rng, restore_cuda_rng, restore_rng
 
 
 @dataclass
@@ -30,7 +42,6 @@ class TrainState:
     data: dict[str, Any] = field(default_factory=dict)  # DatasetMeta.identity(): resuming on other data is refused
     data_dir: str = ""  # where the data was (the tokenizer's fallback location)
     tokenizer: dict[str, Any] = field(default_factory=dict)  # tokenizer identity {kind, hash, vocab_size, file}
-    rng: dict[str, Any] = field(default_factory=dict)  # Python and numpy RNG states (torch's are in TrainTensors)
     init_from: dict[str, Any] = field(default_factory=dict)  # the weights the run started from (--init-from, import-hf)
     data_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes on other data (--allow-data-change)
 
@@ -62,7 +73,7 @@ class TrainState:
         if step is not None and d["step"] != step:
             raise CheckpointError(f"{source}: step {d['step']:,} but its checkpoint is step {step:,} (manifest and "
                                   f"directory name); damaged or mixed up, so it is passed over")
-        for name in ("data", "tokenizer", "rng"):
+        for name in ("data", "tokenizer"):
             if name in d and not isinstance(d[name], dict):
                 raise CheckpointError(f"{source}: field {name!r} is {d[name]!r}, expected an object")
         state = cls()
@@ -72,25 +83,68 @@ class TrainState:
     def run_config(self, source: str) -> RunConfig:
         return RunConfig.from_dict(self.config, source=source)
 
+    def continue_from(self, saved: "TrainState") -> None:
+        """A resume: the run's progress is its checkpoint's (every field but those describing this session: the
+        config, data and tokenizer it trains with now, and the checkpoint's own val_loss and milestone flag)."""
+        for f in dataclasses.fields(self):
+            if f.name not in _THIS_SESSION:
+                setattr(self, f.name, getattr(saved, f.name))
+
+
+_THIS_SESSION = ("val_loss", "milestone", "config", "data", "data_dir", "tokenizer")
+
+
+class RNG:
+    """Every random generator training draws from, as one stateful part: torch's CPU one, the training GPU's
+    (only that device's: a checkpoint made on N GPUs resumes on fewer), Python's and numpy's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors, plain = capture_rng(self.device)
+        return {**tensors, **plain}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        restore_rng(d, d)
+        restore_cuda_rng(d, self.device)
+
 
 @dataclass
-class TrainTensors:
-    optimizer: dict[str, Any]  # optimizer.state_dict()
-    scaler: dict[str, Any]  # GradScaler.state_dict(), {} when the scaler is off (bf16, fp32)
-    sampler: dict[str, Any]  # this process's (rank 0's) batch sampler position
-    rng: dict[str, Any]  # {"torch_cpu": ByteTensor, "torch_cuda": the training GPU's ByteTensor (older: a list, one per GPU)}
-    sampler_ranks: list[dict[str, Any]] | None = None  # under DDP: every rank's sampler position
+class Checkpoint:
+    """One checkpoint: each training part's state_dict() by name (see the module docstring)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {"optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler, "rng": self.rng}
+    model: dict[str, Any]
+    progress: TrainState
+    optimizer: dict[str, Any] = field(default_factory=dict)  # {} in a run made by import-hf: weights only
+    scaler: dict[str, Any] = field(default_factory=dict)  # {} when the scaler is off (bf16, fp32)
+    sampler: dict[str, Any] = field(default_factory=dict)  # this process's (rank 0's) batch position
+    rng: dict[str, Any] = field(default_factory=dict)  # RNG.state_dict()
+    sampler_ranks: list[dict[str, Any]] | None = None  # under DDP: every rank's batch position
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    def files(self) -> tuple[dict, dict, dict]:
+        """-> the contents of (model.pt, train_state.pt, state.json)."""
+        torch_rng = {k: v for k, v in self.rng.items() if k.startswith("torch_")}
+        train = {"optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler, "rng": torch_rng}
         if self.sampler_ranks is not None:
-            d["sampler_ranks"] = self.sampler_ranks
-        return d
+            train["sampler_ranks"] = self.sampler_ranks
+        plain_rng = {k: v for k, v in self.rng.items() if not k.startswith("torch_")}
+        return self.model, train, {**self.progress.state_dict(), "rng": plain_rng}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str) -> "TrainTensors":
-        missing = [k for k in ("optimizer", "sampler", "rng") if k not in d]
+    def from_files(cls, model: dict, train: dict, state: Any, where: str, step: int) -> "Checkpoint":
+        """The parts back from the files' contents, checked (`where`: the checkpoint dir; `step`: its manifest's)."""
+        missing = [k for k in ("optimizer", "sampler", "rng") if k not in train]
         if missing:
-            raise CheckpointError(f"{source}: {missing} missing (not a gptlib training checkpoint, or damaged)")
-        return cls(optimizer=d["optimizer"], scaler=d.get("scaler") or {}, sampler=d["sampler"], rng=d["rng"],
-                   sampler_ranks=d.get("sampler_ranks"))
+            raise CheckpointError(f"{where}/{TRAIN_STATE_FILE}: {missing} missing (not a gptlib training checkpoint, "
+                                  f"or damaged)")
+        progress = TrainState.from_json(state, f"{where}/{STATE_FILE}", step=step)
+        plain_rng = state.get("rng", {})
+        if not isinstance(plain_rng, dict):
+            raise CheckpointError(f"{where}/{STATE_FILE}: field 'rng' is {plain_rng!r}, expected an object")
+        return cls(model=model, progress=progress, optimizer=train["optimizer"], scaler=train.get("scaler") or {},
+                   sampler=train["sampler"], rng={**train["rng"], **plain_rng}, sampler_ranks=train.get("sampler_ranks"))

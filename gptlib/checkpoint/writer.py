@@ -19,48 +19,11 @@ import torch
 from gptlib.checkpoint.format import (MIN_KEEP_LAST, first_valid, is_milestone, rotate, verify_checkpoint,
                                       write_checkpoint)
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, Mirror, NoMirror
+from gptlib.checkpoint.state import Checkpoint
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError, GptlibError
 from gptlib.faults import fault_point
 from gptlib.layout import checkpoints_dir, step_of
-
-_ALIGN = 64  # bytes: every tensor in the flat host buffer starts at a multiple of this
-
-# What a save hands the writer: (step, model state_dict, train_state.pt dict, state.json dict, best step).
-Snapshot = tuple[int, dict, dict, dict, "int | None"]
-
-
-class HostBuffer:
-    """One host allocation of exactly `nbytes`, and tensors that view parts of it.
-
-    Pinned (page-locked) with cudaHostRegister when the state is on a GPU, so device-to-host copies run
-    asynchronously: the caching host allocator behind pin_memory=True would round the allocation up to a
-    power of two (2 GiB for a 1.33 GB gpt2-small state, on Colab VMs with 12.7 GB of RAM). PyTorch's own
-    distributed-checkpoint stager pins the same way. Each view has a storage of its own over its bytes
-    (torch.frombuffer), so torch.save writes every tensor once and exactly, never the whole buffer.
-    """
-
-    def __init__(self, nbytes: int, pin: bool, log=print):
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
-        self.array = self.tensor.numpy()  # the buffer protocol object torch.frombuffer views
-        self.pinned = False
-        if pin and nbytes:
-            rc = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
-            self.pinned = rc == 0
-            if not self.pinned:  # e.g. a low locked-memory limit: slower (synchronous) copies, still correct
-                log(f"checkpoint: could not pin {nbytes / 2**30:.2f} GiB of host memory (cudaError {rc}); "
-                    f"saves copy from the GPU synchronously")
-
-    def view(self, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-        count = shape.numel()
-        if count == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self.array, dtype=dtype, count=count, offset=offset).view(shape)
-
-    def release(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
 
 
 class CheckpointWriter:
@@ -92,20 +55,17 @@ class CheckpointWriter:
         self.last_saved: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._host: HostBuffer | None = None  # the host copy of the state, reused by every save (see _snapshot)
-        self._views: list[torch.Tensor] = []
+        self._host: list[torch.Tensor] = []  # the host copy of the state, reused by every save (see _snapshot)
         self._layout: tuple | None = None
 
     def _snapshot(self, obj: Any) -> Any:
-        """Copy the state (nested dicts/lists of tensors) to host memory, into one flat buffer kept from the
-        previous save; returns the same structure with views into it.
+        """Copy the state (nested dicts/lists of tensors) to host tensors kept from the previous save; returns the
+        same structure holding them.
 
-        One buffer of exactly the state's size, every tensor a 64-byte aligned view into it, pinned when the
-        state is on a GPU (so the device-to-host copies run asynchronously). Separate pinned allocations
-        would each be rounded up to a power of two by the caching host allocator: ~2 GiB pinned for a
-        1.33 GB state, on Colab VMs with 12.7 GB of RAM. Reusing the buffer avoids allocating and
-        page-faulting ~1.5 GB per save (most of the cost on CPU). Tensors that share storage (tied embedding
-        and output weights) are copied once. Safe because `save` waits for the previous write first.
+        Reusing them avoids allocating and page-faulting ~1.5 GB per save (most of a save's cost on CPU). On a GPU
+        they are pinned (torch's pin_memory), so the device-to-host copies run asynchronously. Tensors that share
+        storage (tied embedding and output weights) are copied once. Safe because `save` waits for the previous
+        write first.
         """
         unique: dict[tuple, torch.Tensor] = {}
 
@@ -141,30 +101,24 @@ class CheckpointWriter:
         return rebuild(obj)
 
     def _host_views(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors shaped like `sources` in the flat host buffer; a new buffer only when the layout changed."""
-        pin = any(t.is_cuda for t in sources)
-        layout = tuple((t.dtype, tuple(t.shape)) for t in sources) + (pin,)
+        """Host tensors shaped like `sources`; new ones only when the layout changed."""
+        layout = tuple((t.dtype, tuple(t.shape), t.is_cuda) for t in sources)
         if layout != self._layout:
-            offsets, total = [], 0
-            for t in sources:
-                total = -(-total // _ALIGN) * _ALIGN
-                offsets.append(total)
-                total += t.numel() * t.element_size()
-            if self._host is not None:
-                self._host.release()
-            self._host = HostBuffer(total, pin, self.log)
-            self._views = [self._host.view(o, t.dtype, t.shape) for o, t in zip(offsets, sources)]
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
             self._layout = layout
-        return self._views
+        return self._host
 
-    def save(self, step: int, model_sd: dict, train_state: dict, state: dict, best_step: int | None) -> None:
+    def save(self, checkpoint: Checkpoint) -> None:
+        """Copy the checkpoint's tensors to host memory (all the caller waits for), then write it in the background."""
         self.wait()  # also frees the host buffers for reuse
+        model_sd, train_state, state = checkpoint.files()
         n_threads = torch.get_num_threads()
         torch.set_num_threads(1)  # a memory copy: as fast on one thread, and ~10x faster on a busy CPU
         try:
             model_cpu, train_cpu = self._snapshot((model_sd, train_state))
         finally:
             torch.set_num_threads(n_threads)
+        step, best_step = checkpoint.step, checkpoint.progress.best_step
         snapshot = (model_cpu, train_cpu, json.loads(json.dumps(state)))
         # Byte counts now (the loop flushed its logs): the background copies exactly this prefix.
         sizes = {}
@@ -236,9 +190,7 @@ class CheckpointWriter:
         try:
             self.wait()
         finally:
-            if self._host is not None:  # page-locked memory goes back to the OS now, not at exit
-                self._host.release()
-                self._host, self._views, self._layout = None, [], None
+            self._host, self._layout = [], None  # the host copy's memory is not held after training
         self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
         return self.status()
 
@@ -246,7 +198,7 @@ class CheckpointWriter:
 class NullCheckpointWriter:
     """The writer of DDP ranks other than 0: rank 0 alone writes checkpoints, the others save nothing."""
 
-    def save(self, step: int, model_sd: dict, train_state: dict, state: dict, best_step: int | None) -> None:
+    def save(self, checkpoint: Checkpoint) -> None:
         pass
 
     def wait(self) -> None:
@@ -288,8 +240,8 @@ class Checkpointer:
         return (stopping or validated or step % self.every_steps == 0 or time_due
                 or is_milestone(step, self.keep_every))
 
-    def save(self, snapshot: Snapshot) -> None:
-        self.writer.save(*snapshot)
+    def save(self, checkpoint: Checkpoint) -> None:
+        self.writer.save(checkpoint)
         self.last_save = time.time()
 
     def status_line(self) -> str:
@@ -299,7 +251,7 @@ class Checkpointer:
         """Wait for the save in flight (its error raises) and, for a while, the Drive copy."""
         return self.writer.close()
 
-    def maybe_save(self, step: int, snapshot: Callable[[], Snapshot], **reasons: bool) -> bool:
+    def maybe_save(self, step: int, snapshot: Callable[[], Checkpoint], **reasons: bool) -> bool:
         """Save if due (see `due` for the reasons); the snapshot is only built when it is."""
         if not self.due(step, **reasons):
             return False

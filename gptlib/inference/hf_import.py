@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from gptlib.checkpoint.format import write_checkpoint
-from gptlib.checkpoint.state import TrainState
+from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
@@ -157,8 +157,8 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     run_cfg = RunConfig(model=cfg, train=get_preset("finetune").train, preset="imported")
     identity = dict(tok.identity(), file=TOKENIZER_FILE)
     state = TrainState(config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)})
-    empty = {"optimizer": {}, "scaler": {}, "sampler": {}, "rng": {}}  # no training state: resumes start fresh
-    write_checkpoint(checkpoints_dir(out), 0, model.state_dict(), empty, state.state_dict())
+    weights_only = Checkpoint(model=model.state_dict(), progress=state)  # no training state: resumes start fresh
+    write_checkpoint(checkpoints_dir(out), 0, *weights_only.files())
     atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
     log(f"imported {name_or_dir} ({model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "

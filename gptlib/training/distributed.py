@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gptlib.checkpoint.state import TrainTensors
-
 
 @dataclass
 class Dist:
@@ -89,13 +87,13 @@ class Dist:
         dist.all_gather_object(out, state)
         return out
 
-    def load_sampler_state(self, sampler, tensors: TrainTensors, seed: int, log=print) -> None:
-        """This rank's saved sampler state; a checkpoint from another world size gets a derived, distinct stream."""
-        ranks = tensors.sampler_ranks
+    def load_sampler_state(self, sampler, saved: dict, ranks: list[dict] | None, seed: int, log=print) -> None:
+        """This rank's saved sampler state (`ranks`: every rank's, from a DDP run; `saved`: rank 0's); a checkpoint
+        from another world size gets a derived, distinct stream."""
         if ranks is not None and len(ranks) == self.world_size:
             sampler.load_state_dict(ranks[self.rank])
             return
-        sampler.load_state_dict(tensors.sampler)
+        sampler.load_state_dict(saved)
         if self.rank > 0 or (ranks is not None and len(ranks) != self.world_size):
             # Same position in the run, a stream of this rank's own (not a replay of rank 0's batches).
             sampler.generator.manual_seed(seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1))

@@ -25,8 +25,8 @@ import torch
 from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
 from gptlib.checkpoint.format import clean_orphans, load_weights_into
 from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume
-from gptlib.checkpoint.state import TrainState, TrainTensors
-from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter, Snapshot
+from gptlib.checkpoint.state import RNG, Checkpoint, TrainState
+from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from gptlib.config import ModelConfig, RunConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
@@ -38,9 +38,8 @@ from gptlib.inference.loading import load_run
 from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT
-from gptlib.runtime import (autocast_for, capture_rng, configure_attention, configure_matmul, cuda_rng_state,
-                            dtype_name, resolve_device, resolve_dtype, restore_cuda_rng, restore_rng, seed_everything,
-                            use_compile)
+from gptlib.runtime import (autocast_for, configure_attention, configure_matmul, dtype_name, resolve_device,
+                            resolve_dtype, seed_everything, use_compile)
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import estimate_train_bytes
@@ -135,29 +134,27 @@ class Session:
     def resumed_from(self) -> int | None:
         return self.resume.state.step if self.resume is not None else None
 
-    def step_begin(self) -> tuple:
-        """What an interrupt mid-step saves instead of the half-made step: the sampler and RNGs as they
-        were before it. CUDA's RNG state (the training device's) is host-side seed/offset: reading it does not
-        sync the device."""
-        return self.sampler.state_dict(), torch.get_rng_state(), cuda_rng_state(self.device)
+    def parts(self) -> dict[str, Any]:
+        """The stateful parts a checkpoint holds (gptlib.checkpoint.state), each with state_dict/load_state_dict;
+        the run's progress (self.state) is the checkpoint's last part."""
+        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
+                "rng": RNG(self.device)}
+
+    def step_begin(self) -> dict[str, dict]:
+        """What an interrupt mid-step saves instead of the half-made step: the sampler and RNGs as they were
+        before it (CUDA's RNG state is host-side seed/offset: reading it does not sync the device)."""
+        return {"sampler": self.sampler.state_dict(), "rng": RNG(self.device).state_dict()}
 
     def snapshot(self, val_loss: float | None, pending_losses: list[float], elapsed_s: float,
-                 step_begin: tuple | None = None, gather: bool = True) -> Snapshot:
-        """What a checkpoint saves now. gather=False skips collecting every DDP rank's sampler (a
+                 step_begin: dict | None = None, gather: bool = True) -> Checkpoint:
+        """The checkpoint of now: every part's state_dict (the sampler and RNGs from before an unfinished step, if
+        interrupted mid-step) and the progress. gather=False skips collecting every DDP rank's sampler (a
         collective), for an interrupt where the ranks may be anywhere."""
-        rng_tensors, rng_plain = capture_rng(self.device)
-        sampler_state = self.sampler.state_dict()
-        if step_begin is not None:  # interrupted mid-step: the state from before the unfinished step
-            sampler_state, rng_tensors["torch_cpu"], cuda_rng = step_begin
-            if cuda_rng is not None:
-                rng_tensors["torch_cuda"] = cuda_rng
-        tensors = TrainTensors(optimizer=self.optimizer.state_dict(),
-                               scaler=self.scaler.state_dict() if self.scaler.is_enabled() else {},
-                               sampler=sampler_state, rng=rng_tensors,
-                               sampler_ranks=self.ddp.sampler_states(sampler_state) if gather else None)
-        state = dataclasses.replace(self.state, val_loss=val_loss, pending_losses=pending_losses,
-                                    elapsed_s=elapsed_s, rng=rng_plain)
-        return (self.state.step, self.model.state_dict(), tensors.to_dict(), state.state_dict(), self.state.best_step)
+        parts = {name: part.state_dict() for name, part in self.parts().items()} | (step_begin or {})
+        progress = dataclasses.replace(self.state, val_loss=val_loss, pending_losses=pending_losses,
+                                       elapsed_s=elapsed_s)
+        ranks = self.ddp.sampler_states(parts["sampler"]) if gather else None
+        return Checkpoint(**parts, progress=progress, sampler_ranks=ranks)
 
     def open_writer(self, log) -> CheckpointWriter | NullCheckpointWriter:
         """Rank 0's background writer (leftovers of a save killed mid-way removed first), or a null one."""
@@ -178,23 +175,22 @@ class Session:
         return self.mirror_dir is not None and self.resume.origin.is_relative_to(self.mirror_dir)
 
     def restore(self, log) -> None:
-        """Load the resume checkpoint's weights, optimizer, scaler, sampler, RNGs, counters and logs."""
-        r, tc = self.resume, self.cfg.train
-        load_weights_into(self.model, r.model_sd, r.info.path)
-        if r.tensors.optimizer:  # a run made by import-hf holds weights only: its training starts fresh
-            self.optimizer.load_state_dict(r.tensors.optimizer)
-            if r.tensors.scaler:
-                self.scaler.load_state_dict(r.tensors.scaler)
-            self.ddp.load_sampler_state(self.sampler, r.tensors, tc.seed, log)  # sampler.load_state_dict alone
-            restore_rng(r.tensors.rng, r.state.rng)
-            restore_cuda_rng(r.tensors.rng, self.device)
-        for name in ("step", "tokens_seen", "best_val_loss", "best_step", "elapsed_s", "pending_losses", "init_from",
-                     "data_changes"):
-            setattr(self.state, name, getattr(r.state, name))
+        """Load the resume checkpoint into the run's parts (a run made by import-hf holds weights only: its
+        training starts fresh), and continue its progress."""
+        r = self.resume
+        ck, parts = r.checkpoint, self.parts()
+        load_weights_into(self.model, ck.model, r.info.path)
+        if ck.optimizer:
+            parts["optimizer"].load_state_dict(ck.optimizer)
+            if ck.scaler:  # {} when it was off
+                parts["scaler"].load_state_dict(ck.scaler)
+            self.ddp.load_sampler_state(self.sampler, ck.sampler, ck.sampler_ranks, self.cfg.train.seed, log)
+            parts["rng"].load_state_dict(ck.rng)
+        self.state.continue_from(ck.progress)
         if r.data_change:
             self.state.data_changes = [*self.state.data_changes, r.data_change]
         where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
-        log(f"resumed from step {r.state.step:,} (saved {r.info.saved_at}, {r.state.tokens_seen:,} tokens seen) "
+        log(f"resumed from step {ck.step:,} (saved {r.info.saved_at}, {ck.progress.tokens_seen:,} tokens seen) "
             f"on the {where}: {r.origin}")
 
 

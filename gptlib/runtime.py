@@ -8,10 +8,8 @@ that trains, loads or measures a model takes these decisions from one place.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import random
 import re
-import time
 
 import numpy as np
 import torch
@@ -114,92 +112,6 @@ def configure_matmul(device: torch.device) -> None:
     the allow_tf32 flags. The CPU keeps full fp32 ("highest"), its default."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-
-
-# --- attention kernel on Hopper ----------------------------------------------------------------
-
-# PyTorch tries flash attention first and cuDNN's only after the math kernel, i.e. never; on Hopper
-# cuDNN's can be the faster one. Measured once per shape and dtype in this process (seconds per
-# forward + backward); the choice holds for the rest of the process, torch.compile included.
-_ATTENTION_TIMES: dict[tuple, dict[str, float | None]] = {}
-_ATTENTION_CHOICE = contextlib.ExitStack()
-ATTENTION_MARGIN = 0.05  # cuDNN must be this much faster: timing noise must not flip the choice
-
-
-def pick_attention_backend(times: dict[str, float | None], margin: float = ATTENTION_MARGIN) -> str | None:
-    """Measured seconds {"cudnn": s, "flash": s} -> "cudnn" when it is clearly the faster, else None (keep
-    PyTorch's default order, flash first); None also when either could not run."""
-    cudnn, flash = times.get("cudnn"), times.get("flash")
-    if cudnn is None or flash is None:
-        return None
-    return "cudnn" if cudnn < (1 - margin) * flash else None
-
-
-def time_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: int, block: int, head_dim: int,
-                   reps: int = 5) -> dict[str, float | None]:
-    """Seconds per causal SDPA forward + backward at the model's shape with each of cuDNN and flash alone;
-    None for a kernel that cannot run it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q, k, v = (torch.randn(batch, heads, block, head_dim, device=device, dtype=dtype, requires_grad=True)
-               for _ in range(3))
-    grad = torch.randn_like(q)
-    out: dict[str, float | None] = {}
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        try:
-            with sdpa_kernel([backend]):
-                for i in range(reps + 1):  # the first run (kernel selection, workspace) is not timed
-                    if i == 1:
-                        torch.cuda.synchronize(device)
-                        t0 = time.perf_counter()
-                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-                torch.cuda.synchronize(device)
-                out[name] = (time.perf_counter() - t0) / reps
-        except RuntimeError:  # "No available kernel": this backend does not run this shape/dtype here
-            out[name] = None
-    return out
-
-
-def can_set_attention_priority() -> bool:
-    """sdpa_kernel(..., set_priority=True), which orders the backends, is newer than torch 2.5 (gptlib's floor)."""
-    from torch.nn.attention import sdpa_kernel
-
-    return "set_priority" in inspect.signature(sdpa_kernel).parameters
-
-
-def configure_attention(device: torch.device, dtype: torch.dtype, batch: int, heads: int, block: int,
-                        head_dim: int, log=print) -> str | None:
-    """On Hopper (compute capability 9.x) only: time cuDNN against flash attention once at this shape and put
-    cuDNN first when it is the faster. -> "cudnn", or None (PyTorch's default order kept). Any failure
-    keeps the default: this is a speed-up, never a reason to stop."""
-    if device.type != "cuda":
-        return None
-    try:
-        if torch.cuda.get_device_capability(device)[0] != 9:
-            return None
-        if not can_set_attention_priority():
-            log("attention: this torch cannot put cuDNN first (sdpa_kernel has no set_priority); PyTorch's default")
-            return None
-        _ATTENTION_CHOICE.close()  # back to the default before measuring (a second run in one notebook)
-        key = (str(device), dtype, min(batch, 8), heads, block, head_dim)  # 8 sequences time it well enough
-        if key not in _ATTENTION_TIMES:
-            _ATTENTION_TIMES[key] = time_attention(device, *key[1:])
-        times = _ATTENTION_TIMES[key]
-        choice = pick_attention_backend(times)
-        if choice == "cudnn":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                     SDPBackend.MATH]
-            _ATTENTION_CHOICE.enter_context(sdpa_kernel(first, set_priority=True))
-        ms = {k: "n/a" if v is None else f"{1000 * v:.2f} ms" for k, v in times.items()}
-        log(f"attention: cuDNN {ms['cudnn']}, flash {ms['flash']} per forward+backward -> "
-            f"{'cuDNN' if choice else 'PyTorch default (flash)'}")
-        return choice
-    except Exception as e:  # noqa: BLE001 - measuring is optional
-        _ATTENTION_CHOICE.close()
-        log(f"attention: could not compare cuDNN and flash ({type(e).__name__}); keeping PyTorch's default")
-        return None
 
 
 # --- seeding and RNG state ----------------------------------------------------------------------

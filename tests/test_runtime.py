@@ -307,51 +307,6 @@ def test_cuda_fp32_matmuls_use_the_precision_api(monkeypatch):
     assert calls == ["high"]  # the CPU keeps full fp32
 
 
-# --- 8. Hopper: cuDNN attention when it measures faster than flash ----------------------------------------------
-
-
-def test_attention_choice_is_the_measured_faster_one():
-    pick = rt.pick_attention_backend
-    assert pick({"cudnn": 1.0, "flash": 1.5}) == "cudnn"
-    assert pick({"cudnn": 1.0, "flash": 1.02}) is None  # within the noise: keep PyTorch's default
-    assert pick({"cudnn": 2.0, "flash": 1.0}) is None
-    assert pick({"cudnn": None, "flash": 1.0}) is None  # one failed: the default
-    assert pick({}) is None
-
-
-def test_a_torch_that_cannot_order_attention_backends_keeps_the_default(monkeypatch):
-    """torch 2.5 (the floor) has no sdpa_kernel(set_priority=...): nothing is measured, the default is kept."""
-    timed, logs = [], []
-    monkeypatch.setattr(rt, "_ATTENTION_TIMES", {})
-    monkeypatch.setattr(rt, "time_attention", lambda *a: timed.append(a) or {"cudnn": 1.0, "flash": 2.0})
-    monkeypatch.setattr(rt, "can_set_attention_priority", lambda: False)
-    fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
-    assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, logs.append) is None and not timed
-    assert logs and "cannot put cuDNN first" in logs[0]
-
-
-@pytest.mark.skipif(not rt.can_set_attention_priority(), reason="this torch cannot order the attention backends")
-def test_attention_is_measured_on_hopper_only(monkeypatch):
-    timed = []
-    monkeypatch.setattr(rt, "_ATTENTION_TIMES", {})
-    monkeypatch.setattr(rt, "time_attention", lambda *a: timed.append(a) or {"cudnn": 1.0, "flash": 2.0})
-    order = torch._C._get_sdp_priority_order()
-    try:
-        assert rt.configure_attention(torch.device("cpu"), torch.float32, 8, 4, 64, 32, quiet) is None
-        fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
-        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, quiet) is None and not timed
-        fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
-        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, quiet) == "cudnn" and len(timed) == 1
-        assert torch._C._get_sdp_priority_order()[0] == int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
-        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 64, 32, quiet) == "cudnn" and len(timed) == 1
-        monkeypatch.setattr(rt, "time_attention", lambda *a: 1 / 0)  # any failure: the default again
-        assert rt.configure_attention(CUDA, torch.bfloat16, 8, 4, 128, 32, quiet) is None
-        assert torch._C._get_sdp_priority_order() == order
-    finally:
-        rt._ATTENTION_CHOICE.close()
-        torch._C._set_sdp_priority_order(order)
-
-
 # --- 9. a GPU preset on a CPU -------------------------------------------------------------------------------------
 
 

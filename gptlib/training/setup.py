@@ -38,7 +38,7 @@ from gptlib.inference.loading import load_run
 from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT
-from gptlib.runtime import (autocast_for, configure_attention, configure_matmul, dtype_name, resolve_device,
+from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device,
                             resolve_dtype, seed_everything, use_compile)
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
@@ -55,7 +55,6 @@ def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, An
     seed_everything(tc.seed)
     configure_matmul(device)
     model = GPT(mc).to(device)
-    configure_attention(device, dtype, tc.batch_size, mc.n_head, mc.block_size, mc.n_embd // mc.n_head, log)
     optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
     return model, optimizer, scaler, dtype

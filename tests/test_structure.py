@@ -213,14 +213,25 @@ def test_file_names_are_defined_once():
     assert not found, "file-name literals outside their module: " + "; ".join(found)
 
 
-def test_the_readme_architecture_names_every_module_once():
-    """A new reader finds where a change goes from the README's architecture section: every module of
-    gptlib/ is named there exactly once (a new module gets its line; a folder's __init__.py needs none)."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("## Architecture: the data's path")
+def _section(path, heading: str) -> str:
+    text = path.read_text()
+    start = text.index(heading)
     end = text.find("\n## ", start + 1)
-    section = text[start:end if end != -1 else len(text)]
+    return text[start:end if end != -1 else len(text)]
+
+
+def test_the_architecture_doc_names_every_module_once():
+    """A new reader finds where a change goes from docs/architecture.md: every module of gptlib/ is named there
+    exactly once (a new module gets its line; a folder's __init__.py needs none)."""
+    section = (REPO / "docs" / "architecture.md").read_text()
     counts = {p.name: len(re.findall(rf"(?<![\w.]){re.escape(p.name)}\b", section)) for p in PKG.rglob("*.py")
               if p.parent == PKG or p.name != "__init__.py"}
     wrong = {name: n for name, n in counts.items() if n != 1}
-    assert not wrong, f"README.md's architecture section names these modules not exactly once: {wrong}"
+    assert not wrong, f"docs/architecture.md names these modules not exactly once: {wrong}"
+
+
+def test_the_readme_architecture_has_a_line_per_folder():
+    section = _section(REPO / "README.md", "## Architecture")
+    folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    wrong = {f: n for f in folders if (n := section.count(f"gptlib/{f}/")) != 1}
+    assert folders and not wrong, f"README.md's architecture names these folders not exactly once: {wrong}"

@@ -12,7 +12,7 @@ from gptlib.checkpoint.format import CheckpointError
 from gptlib.checkpoint.state import TrainState
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import CharTokenizer, TokenizerError
-from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, generate_ids, process_logits, sample_next
+from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, process_logits, sample_next
 from gptlib.inference.loading import checkpoint_table, load_run, load_run_tokenizer, resolve_checkpoint
 from gptlib.model import GPT
 
@@ -217,13 +217,15 @@ def test_stop_token_ends_a_row(model):
     assert out[0] == full[: first + 1] and reasons[0] == "eot"
 
 
-def test_generate_ids_compat(model):
-    """The training-time function keeps its signature and behaviour (greedy = the reference)."""
-    assert generate_ids(model, [5, 6], 20, temperature=0) == naive_greedy(model, [5, 6], 20)
+def test_greedy_ids_are_the_reference_and_a_seed_repeats_a_sample(model):
+    """What training's samples use (Engine.generate_ids on one prompt; the module-level generate_ids beside it
+    was merged into it): greedy = the reference, and the same seed gives the same sample."""
+    eng = Engine(model)
+    greedy = SamplingConfig(max_new_tokens=20, temperature=0, stop_at_eot=False)
+    assert eng.generate_ids([[5, 6]], greedy)[0][0] == naive_greedy(model, [5, 6], 20)
+    seeded = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=10, stop_at_eot=False)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    a = generate_ids(model, [5, 6], 12, temperature=0.8, top_k=10, generator=g1)
-    assert a == generate_ids(model, [5, 6], 12, temperature=0.8, top_k=10, generator=g2)
-    assert len(generate_ids(model, [], 4, temperature=0)) == 4  # empty prompt starts from token 0
+    assert eng.generate_ids([[5, 6]], seeded, generator=g1)[0] == eng.generate_ids([[5, 6]], seeded, generator=g2)[0]
 
 
 # --- text level: stop strings and streaming, on a trained char model ---------------------------

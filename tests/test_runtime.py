@@ -164,10 +164,10 @@ def test_a_checkpoint_saves_only_the_training_devices_cuda_rng(monkeypatch):
     tensors, _ = rt.capture_rng(torch.device("cuda", 1))
     assert torch.equal(tensors["torch_cuda"], states[1])
     assert "torch_cuda" not in rt.capture_rng(torch.device("cpu"))[0]  # a CPU run holds no GPU state
-    from gptlib.training.setup import Session
+    from gptlib.training.setup import TrainingRun
 
     fake = types.SimpleNamespace(sampler=types.SimpleNamespace(state_dict=lambda: {}), device=torch.device("cuda", 1))
-    assert torch.equal(Session.step_begin(fake)["rng"]["torch_cuda"], states[1])  # what an interrupt mid-step saves
+    assert torch.equal(TrainingRun.step_begin(fake)["rng"]["torch_cuda"], states[1])  # what an interrupt mid-step saves
 
 
 def test_a_torchrun_checkpoint_from_4_gpus_resumes_on_1(monkeypatch):

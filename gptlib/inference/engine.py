@@ -17,8 +17,8 @@ How decoding works:
 - Logits processing runs on the device, vectorised over the batch; the host reads tokens back only
   when something needs them (a streaming callback, stop strings, an end-of-text token).
 
-`generate_ids` is the small single-prompt function used for training-time samples; gptlib.inference.compare
-continues the same prompts with several checkpoints.
+Training's samples use the same engine (gptlib.training.logs); gptlib.inference.compare continues the same
+prompts with several checkpoints.
 """
 
 from __future__ import annotations
@@ -469,18 +469,3 @@ class _TextStream:
             self.text += self.tok.decode(self._pending)
             self._pending = []
         return self._take(len(self.text))
-
-
-# --- compatibility: the single-prompt function used by training-time samples ----------------
-
-
-@torch.no_grad()
-def generate_ids(model: GPT, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> list[int]:
-    """Continue one prompt; temperature 0 is greedy. Past block_size the window slides.
-
-    An empty prompt starts from token 0. The generator may live on the CPU while the model is on a GPU.
-    """
-    cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, stop_at_eot=False)
-    ids, _ = Engine(model).generate_ids([list(prompt_ids) or [0]], cfg, generator=generator)
-    return ids[0]

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.fsutil import atomic_write_bytes
-from gptlib.inference.engine import generate_ids
+from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields
@@ -110,6 +110,7 @@ def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int,
     and redraw samples.md."""
     rows = []
     gen = torch.Generator(device="cpu")
+    engine, cfg = Engine(model), SamplingConfig(max_new_tokens=n_tokens, temperature=0.8, stop_at_eot=False)
     was_training = model.training
     model.eval()
     for i, prompt in enumerate(prompts):
@@ -122,8 +123,8 @@ def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int,
                 continue
         else:
             prompt_ids, prompt = list(prompt), tokenizer.decode(prompt)
-        with autocast:
-            out = generate_ids(model, prompt_ids, n_tokens, temperature=0.8, top_k=None, generator=gen)
+        with autocast:  # an empty prompt starts from token 0
+            out = engine.generate_ids([prompt_ids or [0]], cfg, generator=gen)[0][0]
         cut = next((k for k, t in enumerate(out) if t in stop_ids), len(out))
         rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out[:cut])})
     model.train(was_training)
@@ -194,7 +195,7 @@ class MetricsLog:
 
     def __init__(self, session, *, peak, timer, progress: bool, log: Callable[[str], None],
                  on_log: Callable[[dict], None] | None):
-        """session: the gptlib.training.setup.Session being trained (its run dir, state, history, config)."""
+        """session: the gptlib.training.setup.TrainingRun being trained (its run dir, state, history, config)."""
         state, run_dir, ddp = session.state, session.run_dir, session.ddp
         self.state, self.history, self.ddp, self.tc = state, session.history, ddp, session.cfg.train
         self.tokens_per_step, self.flops_per_token = session.tokens_per_step, session.model.flops_per_token()

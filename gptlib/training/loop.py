@@ -29,7 +29,7 @@ from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
 from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.plots import plot_losses, run_title
-from gptlib.training.setup import Session, open_session
+from gptlib.training.setup import TrainingRun, open_run
 from gptlib.training.signals import GracefulStop
 from gptlib.training.step import forward_backward, lr_at, optimizer_step, set_lr, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
@@ -85,7 +85,7 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, _silent, None
-    s = open_session(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
+    s = open_run(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
                      log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
                      allow_data_change=allow_data_change)
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
@@ -152,7 +152,7 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
 
 
-def _result(s: Session, metrics: MetricsLog, stopped_by: str, train_s: float, tokens_trained: int) -> TrainResult:
+def _result(s: TrainingRun, metrics: MetricsLog, stopped_by: str, train_s: float, tokens_trained: int) -> TrainResult:
     state = s.state
     return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
                        val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
@@ -161,7 +161,7 @@ def _result(s: Session, metrics: MetricsLog, stopped_by: str, train_s: float, to
                        resumed_from=s.resumed_from, stopped_by=stopped_by, history=metrics.history)
 
 
-def _close(s: Session, metrics: MetricsLog, stop: GracefulStop, checkpointer: Checkpointer) -> float:
+def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer: Checkpointer) -> float:
     """End a training call however it ended: the bar, the signal handlers, the last saves and the Drive wait,
     the lease, the process group. -> this session's training seconds (read before the Drive wait)."""
     train_s = metrics.session_s()
@@ -175,7 +175,7 @@ def _close(s: Session, metrics: MetricsLog, stop: GracefulStop, checkpointer: Ch
     return train_s
 
 
-def _finished(s: Session, log) -> TrainResult:
+def _finished(s: TrainingRun, log) -> TrainResult:
     """A run already at max_steps: say so, change nothing."""
     r, state = s.resume, s.state
     val = r.state.val_loss if r is not None else None
@@ -193,7 +193,7 @@ def _finished(s: Session, log) -> TrainResult:
                        history=s.history)
 
 
-def _validate(s: Session, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
+def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
     """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
     tc, mc, state = s.cfg.train, s.cfg.model, s.state
     val_sampler = make_sampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
@@ -212,7 +212,7 @@ def _validate(s: Session, metrics: MetricsLog, checkpointer: Checkpointer, is_la
     return val_loss
 
 
-def _hellaswag(s: Session, is_last: bool) -> dict:
+def _hellaswag(s: TrainingRun, is_last: bool) -> dict:
     """HellaSwag at a validation that crossed a multiple of hellaswag_every (the fixed subset), and on all items
     at the end of the run (also appended to eval.jsonl) -> the metrics row's fields; {} when not due or off."""
     probe, every, st = s.hellaswag, s.cfg.train.hellaswag_every, s.state
@@ -225,7 +225,7 @@ def _hellaswag(s: Session, is_last: bool) -> dict:
     return metrics_fields(res)
 
 
-def _raise_oom_advice(s: Session) -> None:
+def _raise_oom_advice(s: TrainingRun) -> None:
     """Out of GPU memory: drop this call's GPU tensors, so the notebook's runtime stays usable, then say
     which setting to try next (not chained to the OOM, whose frames would pin GPU memory)."""
     tc, mc, world = s.cfg.train, s.cfg.model, s.ddp.world_size

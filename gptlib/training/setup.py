@@ -10,7 +10,7 @@
    torch.compile and DDP wrap the model;
 6. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
 
-A Session also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
+The TrainingRun also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: T
 
 
 @dataclass
-class Session:
+class TrainingRun:
+    """A training call as set up: its frozen config, the data, the model and what trains it, the progress, the
+    lease; the loop (gptlib.training.loop) runs it."""
+
     cfg: RunConfig
     run_dir: Path
     mirror_dir: Path | None
@@ -251,10 +254,10 @@ def _read_data(data_dir) -> tuple[DatasetMeta, Tokenizer]:
     return meta, tokenizer
 
 
-def open_session(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
+def open_run(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
                  mirror_dir: str | Path | None, verbose: bool, log: Callable[[str], None],
                  take_over: bool = False, init_from: str | None = None, *, skip_unreadable: bool = False,
-                 allow_data_change: bool = False) -> Session:
+                 allow_data_change: bool = False) -> TrainingRun:
     """Set up a training call (see the module docstring). The lease comes first: nothing in run_dir or
     the mirror changes before this process holds it, and the data and resume point fit the config. A call
     refused during set-up leaves no directory it created behind."""
@@ -308,7 +311,7 @@ def _check_dirs(run_dir: Path, mirror_dir: Path | None) -> list[Path]:
 
 def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
           device: torch.device, lease, verbose: bool, log, init_from: str | None, skip_unreadable: bool,
-          allow_data_change: bool) -> Session:
+          allow_data_change: bool) -> TrainingRun:
     # the data's description; the resume point, else a base to start from (--init-from)
     meta, tokenizer = _read_data(data_dir)
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable)
@@ -335,7 +338,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})
-    s = Session(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
+    s = TrainingRun(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
                 splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
                 optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
                 passed=passed)

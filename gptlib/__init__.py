@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 # The name -> the module that defines it, along the data's path.
 _WHERE = {
     # text -> token shards (gptlib/data/)
-    "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.prepare",
-    "summarize": "gptlib.data.prepare", "decoded_sample": "gptlib.data.prepare",
+    "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.summary",
+    "summarize": "gptlib.data.summary", "decoded_sample": "gptlib.data.summary",
     "SOURCES": "gptlib.data.catalog", "source_inputs": "gptlib.data.catalog",
     "fetch_tinyshakespeare": "gptlib.data.download",
     "find_dataset": "gptlib.data.shards", "read_meta": "gptlib.data.shards",
@@ -28,7 +28,7 @@ _WHERE = {
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
     "pick_run_dir": "gptlib.inference.loading", "checkpoint_table": "gptlib.inference.loading",
     "checkpoint_label": "gptlib.inference.loading",
-    "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.engine",
+    "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.sampling",
     "ChatSession": "gptlib.inference.chat", "compare_checkpoints": "gptlib.inference.compare",
     "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
     "import_hf": "gptlib.inference.hf_import", "import_hf_once": "gptlib.inference.hf_import",
@@ -36,7 +36,7 @@ _WHERE = {
     "evaluate_run": "gptlib.evaluation.evaluate", "evaluate_tasks": "gptlib.evaluation.evaluate",
     "eval_table_html": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices, errors
-    "Playground": "gptlib.widgets", "ChatBox": "gptlib.widgets", "comparison_html": "gptlib.widgets",
+    "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox", "comparison_html": "gptlib.widgets",
     "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",
     "colab": "gptlib.colab", "resolve_device": "gptlib.runtime", "GptlibError": "gptlib.errors",
 }

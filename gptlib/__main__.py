@@ -193,7 +193,8 @@ def _add_sample(sub) -> None:
 
 def cmd_sample(args) -> int:
     """Generate text from a checkpoint of a run directory (KV-cached engine)."""
-    from gptlib.inference.engine import Engine, SamplingConfig
+    from gptlib.inference.engine import Engine
+    from gptlib.inference.sampling import SamplingConfig
 
     if args.num_samples < 1:
         raise CLIError(f"--num-samples {args.num_samples} must be >= 1")
@@ -248,7 +249,7 @@ def cmd_chat(args) -> int:
     exchanges are dropped first (see gptlib/inference/chat.py).
     """
     from gptlib.inference.chat import ChatSession, chat_loop
-    from gptlib.inference.engine import SamplingConfig
+    from gptlib.inference.sampling import SamplingConfig
 
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed).validate()

@@ -14,10 +14,11 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
-from gptlib.checkpoint.format import (CheckpointError, clean_orphans, clean_state_dict, find_latest_valid,
-                                      list_checkpoints, load_checkpoint, load_latest, load_weights_into, rotate,
-                                      verify_checkpoint, write_checkpoint)
+from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, find_latest_valid, list_checkpoints,
+                                      load_checkpoint, load_latest, load_weights_into, verify_checkpoint,
+                                      write_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file

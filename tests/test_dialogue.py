@@ -23,7 +23,7 @@ from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 from gptlib.errors import ChatError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.chat import ChatSession
-from gptlib.inference.engine import SamplingConfig
+from gptlib.inference.sampling import SamplingConfig
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
 from tests.conftest import REPO
@@ -249,7 +249,7 @@ def test_a_run_without_chat_tokens_is_one_clear_line(tmp_path, char_data, kind, 
 
 def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path, expected_reply):
     pytest.importorskip("ipywidgets")
-    from gptlib.widgets import ChatBox
+    from gptlib.chatbox import ChatBox
 
     box = ChatBox(chat_run, system=SYSTEM)
     box.temperature.value, box.max_tokens.value = 0.0, 12

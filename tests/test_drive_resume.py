@@ -148,7 +148,8 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char
 
 def test_rotation_keeps_what_it_cannot_read(tmp_path):
     """A checkpoint whose files cannot be read now (an I/O error, not damage) is never deleted by rotation."""
-    from gptlib.checkpoint.format import rotate, write_checkpoint
+    from gptlib.checkpoint.format import write_checkpoint
+    from gptlib.checkpoint.rotation import rotate
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):

@@ -499,7 +499,8 @@ def test_forced_oom_gives_advice_and_the_process_goes_on(bpe_data, tmp_path, com
 def test_cuda_graph_decoding_gives_the_eager_tokens(char_data, tmp_path):
     """Engine(compile=True) (torch.compile, CUDA graphs, static cache) vs the eager engine: greedy tokens, batch 1
     and 2 (prompts of different lengths), past the 32-token window (window_slide 1: re-prefills; 8: compiled steps)."""
-    from gptlib.inference.engine import Engine, SamplingConfig, _forward_last
+    from gptlib.inference.engine import Engine, _forward_last
+    from gptlib.inference.sampling import SamplingConfig
 
     r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off")
     precision = torch.get_float32_matmul_precision()

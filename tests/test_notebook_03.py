@@ -5,9 +5,8 @@ import shutil
 
 import nbformat
 
-from gptlib.training.throughput import fmt_tokens
 from gptlib.training.plots import run_title
-from gptlib.training.throughput import postfix_fields
+from gptlib.training.throughput import fmt_tokens, postfix_fields
 from tests.conftest import TINY
 from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
 

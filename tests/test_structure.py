@@ -22,7 +22,7 @@ LAYERS = [
     {"inference/"},  # loading a run, the engine, chat, export and import
     {"evaluation/"},  # log-likelihoods, HellaSwag, bits per byte
     {"training/"},  # set-up, the step, the loop, its logs and measurements
-    {"widgets", "__main__", "__init__"},  # the notebooks' views, the CLI, the facade
+    {"widgets", "chatbox", "__main__", "__init__"},  # the notebooks' views, the CLI, the facade
 ]
 
 
@@ -163,11 +163,17 @@ def test_module_names_never_overlap():
 
 # --- the issue's yardsticks: module and function size ----------------------------------------
 
-MAX_MODULE_LINES = 500
-MAX_FUNCTION_LINES = 80  # the AST span: decorators, signature, docstring and body
-# Functions still over MAX_FUNCTION_LINES, each with why it is allowed for now. Remove an entry once the
-# function is shortened; a new long function belongs in named pieces, not on this list.
-LONG_FUNCTIONS: set[str] = set()
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60  # the AST span: decorators, signature, docstring and body
+# Modules and functions still over those, each with why it is allowed for now. Remove an entry once it is
+# shortened; a new long one belongs in named pieces, not on these lists.
+LONG_MODULES = {
+    "__main__.py": "the command line: a parser and a handler for each of nine commands, read as one page",
+}
+LONG_FUNCTIONS = {
+    "inference/engine.py:generate_ids": "the decode loop: its per-step state (buffer, done rows, stop positions) "
+                                        "is shared by every step; split, eight tensors would travel between pieces",
+}
 
 
 def _functions():
@@ -178,18 +184,20 @@ def _functions():
                 yield f"{p.relative_to(PKG)}:{node.name}", node.end_lineno - start + 1
 
 
-def test_no_module_over_500_lines():
-    over = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+def test_no_module_over_400_lines():
+    sizes = {str(p.relative_to(PKG)): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    over = {k: n for k, n in sizes.items() if n > MAX_MODULE_LINES and k not in LONG_MODULES}
     assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {over}"
+    fine = [k for k in LONG_MODULES if sizes.get(k, 0) <= MAX_MODULE_LINES]
+    assert not fine, f"LONG_MODULES names modules that are short now (or gone): {fine}"
 
 
-def test_no_function_over_80_lines():
+def test_no_function_over_60_lines():
     spans = dict(_functions())
     over = {k: n for k, n in spans.items() if n > MAX_FUNCTION_LINES and k not in LONG_FUNCTIONS}
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them into named pieces): {over}"
-    gone = LONG_FUNCTIONS - set(spans)
-    assert not gone, f"LONG_FUNCTIONS names functions that no longer exist: {sorted(gone)}"
+    fine = [k for k in LONG_FUNCTIONS if spans.get(k, 0) <= MAX_FUNCTION_LINES]
+    assert not fine, f"LONG_FUNCTIONS names functions that are short now (or gone): {fine}"
 
 
 # --- one definition of every file name ---------------------------------------------------------
@@ -235,3 +243,12 @@ def test_the_readme_architecture_has_a_line_per_folder():
     folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     wrong = {f: n for f in folders if (n := section.count(f"gptlib/{f}/")) != 1}
     assert folders and not wrong, f"README.md's architecture names these folders not exactly once: {wrong}"
+
+
+def test_every_folder_of_the_package_is_installed():
+    """pip install (a notebook's first cell) packs what setuptools finds: a folder without __init__.py would import
+    here (a namespace package, from the clone) and be missing on Colab."""
+    from setuptools import find_packages
+
+    folders = {".".join(p.relative_to(REPO).parts) for p in PKG.rglob("*") if p.is_dir() and any(p.glob("*.py"))}
+    assert set(find_packages(str(REPO), include=["gptlib*"])) == folders | {"gptlib"}

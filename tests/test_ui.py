@@ -95,7 +95,7 @@ def test_in_a_kernel_generate_runs_off_the_main_thread_so_a_stop_click_can_arriv
 
 
 def chatbox(run):
-    from gptlib.widgets import ChatBox
+    from gptlib.chatbox import ChatBox
 
     box = ChatBox(run, system=SYSTEM)
     box.temperature.value = 0.0

@@ -24,7 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import install, list_checkpoints, marked_milestone, remove_tree, rotate, verify_checkpoint
+from gptlib.checkpoint.format import install, list_checkpoints, remove_tree, verify_checkpoint
+from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, loud
 from gptlib.faults import fault_point
 from gptlib.fsutil import Progress, atomic_write, call_with_timeout, clean_temp_files, fsync_dir

@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 import torch
 
-from gptlib.checkpoint.format import (MIN_KEEP_LAST, first_valid, is_milestone, rotate, verify_checkpoint,
-                                      write_checkpoint)
+from gptlib.checkpoint.format import MIN_KEEP_LAST, first_valid, verify_checkpoint, write_checkpoint
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, Mirror, NoMirror
+from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.checkpoint.state import Checkpoint
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError, GptlibError

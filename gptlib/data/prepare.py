@@ -1,38 +1,7 @@
 """Streaming pre-tokenization: .txt / .jsonl / parquet, local or behind URLs -> token shards + meta.json.
 
-The pipeline, in one pass over the corpus and with bounded memory whatever its size:
-
-    sources.py: files or URLs --read in pieces of <= PIECE_CHARS--> batches of ~BATCH_CHARS text
-            --tokenizer.encode_batch (parallel, inside the Rust library)--> token ids
-            --> train/val shard buffers --> shards written atomically --> meta.json last
-    (encode.py runs the pass; shards.py is the format)
-
-- Inputs: files, directories and globs, and fsspec URLs: file://, memory://, s3://, and Hub datasets
-  hf://datasets/OWNER/NAME[/glob] (hub.py: the dataset's parquet files, streamed row group by row
-  group, never downloaded whole). A network error is retried with backoff and the file re-read from
-  the last completed row group (remote.py).
-- Documents: a .txt file is one document, a .jsonl line is one (its `text_column` field), a
-  parquet row is one (its `text_column` column). Documents are separated by the tokenizer's
-  end-of-text id (the char tokenizer has none: documents are simply concatenated).
-- format="chat": a document is a conversation (a record whose field holds a list of messages),
-  rendered with chat.py's template (role markers are special tokens); the assistant spans are
-  stored beside each shard, for a fine-tuning loss on assistant tokens only.
-- Validation split: per document by a deterministic hash of (file identity, document index), so
-  the same document always lands in the same split, wherever the file is read from. A corpus of a
-  few plain text files (e.g. Tiny Shakespeare, one document) uses the tail of each file instead
-  (split="tail").
-- max_tokens: stop at the first document end at or after that many tokens (train + val).
-- Memory: text is read in pieces (a 100 MB line is never one string unless it is one JSON
-  value), token ids go straight into one fixed-size buffer per split; peak RSS is about one
-  train shard buffer + one encode batch.
-- Resume: a `prepare_state.json` is written (atomically) after every completed shard; it holds
-  the completed shards and the input position of the batch that completed them. A killed run
-  restarts from there, drops the few tokens that the completed shards already hold, and goes
-  on. `meta.json` is written last, so a half-written dataset never looks complete.
-- Bad input: invalid UTF-8 is replaced by U+FFFD and counted; empty files and empty documents
-  are skipped and counted; an unreadable parquet file (or row group) is skipped with a report
-  (on_bad_file="skip") or is an error (on_bad_file="error"); a missing column/field is an error
-  naming the file and the available names; malformed conversations are skipped, counted and shown.
+The pipeline (one pass, bounded memory, resumable) is described in gptlib/data/__init__.py; this module runs
+a tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json.
 """
 
 from __future__ import annotations
@@ -50,6 +19,7 @@ from gptlib.data.encode import (BATCH_CHARS, STATE_FILE,  # noqa: F401 - BATCH_C
 from gptlib.data.inputs import Source, register_error_handler, scan_inputs
 from gptlib.data.shards import META_FILE, DatasetMeta, ShardWriter, dtype_for_vocab, read_meta, write_meta  # noqa: F401
 from gptlib.data.sources import train_texts
+from gptlib.data.summary import print_tokenize_summary
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, TokenizerError, load_tokenizer
 from gptlib.errors import PrepareError
 from gptlib.fsutil import atomic_write_json, clean_temp_files, sha256_file
@@ -150,10 +120,8 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
             take_over: bool = False) -> DatasetMeta:
     """Tokenize a corpus into `out_dir` (token shards + tokenizer.json + meta.json); returns its meta.
 
-    inputs: files, directories, globs and fsspec URLs (file://, memory://, hf://datasets/OWNER/NAME[/glob],
-        with `hf_config`/`hf_split` choosing a Hub dataset's config and split) of .txt (one document per
-        file), .jsonl (one per line, field `text_column`) and .parquet (one per row, column
-        `text_column`); default column "text".
+    inputs: files, directories, globs and fsspec URLs (hf://datasets/OWNER/NAME[/glob] with `hf_config`/`hf_split`)
+        of .txt (a document per file), .jsonl (per line) and .parquet (per row), field/column `text_column` ("text").
     tokenizer: "bpe" (train a byte-level BPE of `vocab_size` ids on up to `train_max_bytes` of the
         corpus; None = all of it), "char", or a Tokenizer object; `tokenizer_from` (alias
         `tokenizer_file`) reuses a saved tokenizer.json, or the one of a run or data directory.
@@ -163,21 +131,14 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     max_tokens: stop after the document that reaches this many tokens (train + val).
     split: "document" (per-document hash), "tail" (last val_fraction of each plain text file),
         "auto" (tail for fewer than 100 plain text files, else document).
-    shard_tokens: tokens per train shard. A val shard is cut whenever a train shard is, so a resumed
-        run restarts at most one encode batch before the last completed shard.
-    Re-running with the same inputs and options returns the finished dataset, or resumes an
-    unfinished one; `out_dir` holding a different dataset is refused unless overwrite=True (which
-    deletes only the files tokenize writes there).
-    One tokenize writes `out_dir` at a time (its lease, lease.json): another one there raises RunBusyError naming
-    it; take_over=True (--take-over) takes it over anyway. Ctrl-C says what is kept; re-running continues.
+    shard_tokens: tokens per train shard (a val shard is cut with it: a resume redoes at most one encode batch).
+    Re-running with the same inputs and options returns the finished dataset, or resumes an unfinished one;
+    `out_dir` holding a different dataset is refused unless overwrite=True (which deletes only tokenize's files).
+    One tokenize writes `out_dir` at a time (its lease; take_over=True takes it); Ctrl-C says what is kept.
     """
     fmt = format
-    if tokenizer_from is not None and tokenizer_file is not None and Path(tokenizer_from) != Path(tokenizer_file):
-        raise PrepareError("give the tokenizer to reuse once: tokenizer_from (--tokenizer-from) or tokenizer_file")
-    tokenizer_file = tokenizer_from if tokenizer_from is not None else tokenizer_file
-    _check_options(val_fraction, split, on_bad_file, shard_tokens, fmt, max_tokens)
-    if fmt == "chat" and tokenizer == "char" and tokenizer_file is None:
-        raise PrepareError(_CHAR_CHAT)
+    tokenizer_file = _check_options(val_fraction, split, on_bad_file, shard_tokens, fmt, max_tokens, tokenizer,
+                                    tokenizer_file, tokenizer_from)
     register_error_handler()
     t0 = time.time()
     out_dir = Path(out_dir)
@@ -206,9 +167,9 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
                                                         "replaced_invalid_utf8", "skipped_files")},
                  "empty_files": empty, "split": split, "val_fraction": val_fraction,
                  "text_column": column if fmt == "chat" else text_column, "eot_id": tok.eot_id,
-                 "shard_tokens": int(shard_tokens),
-                 **_extra_meta(tok, tokenizer, tokenizer_file, fmt, stats, max_tokens, stopped)}
-        extra.update(prepare_spec=spec, elapsed_s=round(time.time() - t0, 3))
+                 "shard_tokens": int(shard_tokens), **_extra_meta(tok, tokenizer, tokenizer_file, fmt, stats,
+                                                                   max_tokens, stopped),
+                 "prepare_spec": spec, "elapsed_s": round(time.time() - t0, 3)}
         return _finish(out_dir, tok, identity, writers, sources, extra, verbose)
 
 
@@ -246,7 +207,7 @@ def _finish(out_dir: Path, tok: Tokenizer, identity: dict, writers: dict, source
     (out_dir / STATE_FILE).unlink()
     meta = read_meta(out_dir)
     if verbose:
-        _print_summary(meta, len(sources), extra, extra["elapsed_s"], out_dir)  # extra holds the counts
+        print_tokenize_summary(meta, len(sources), extra, extra["elapsed_s"], out_dir)  # extra holds the counts
     return meta
 
 
@@ -296,21 +257,12 @@ def _check_result(progress: dict, val_fraction: float) -> None:
             f"val_fraction={val_fraction}); use more documents, a larger val_fraction, or split='tail'")
 
 
-def _print_summary(meta: DatasetMeta, n_sources: int, stats: dict, elapsed: float, out_dir: Path) -> None:
-    n = meta.tokens("train") + meta.tokens("val")
-    print(f"tokenized {n_sources} file(s), {stats['documents']:,} documents, {stats['characters']:,} "
-          f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
-          f"({stats['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
-          f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
-          f"{elapsed:.1f}s -> {out_dir}")
-    if meta.raw.get("stop_reason") == "max_tokens":
-        at = meta.raw["stopped_at"]
-        print(f"stopped at --max-tokens {meta.raw['max_tokens']:,}: after document {at['document']:,} of {at['file']}")
-    report_problems(meta.raw)
-
-
 def _check_options(val_fraction: float, split: str, on_bad_file: str, shard_tokens: int, fmt: str,
-                   max_tokens: int | None) -> None:
+                   max_tokens: int | None, tokenizer, tokenizer_file, tokenizer_from) -> str | Path | None:
+    """prepare()'s options, each refused in one line naming it; -> the tokenizer file to reuse, if any."""
+    if tokenizer_from is not None and tokenizer_file is not None and Path(tokenizer_from) != Path(tokenizer_file):
+        raise PrepareError("give the tokenizer to reuse once: tokenizer_from (--tokenizer-from) or tokenizer_file")
+    tokenizer_file = tokenizer_from if tokenizer_from is not None else tokenizer_file
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
     if split not in ("auto", "document", "tail"):
@@ -323,6 +275,9 @@ def _check_options(val_fraction: float, split: str, on_bad_file: str, shard_toke
         raise PrepareError(f"format={fmt!r}: choose 'text' or 'chat'")
     if max_tokens is not None and int(max_tokens) < 1:
         raise PrepareError(f"max_tokens={max_tokens} must be >= 1")
+    if fmt == "chat" and tokenizer == "char" and tokenizer_file is None:
+        raise PrepareError(_CHAR_CHAT)
+    return tokenizer_file
 
 
 def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:
@@ -413,70 +368,9 @@ def _resumed_progress(out_dir: Path, state: dict, dtype: np.dtype, verbose: bool
     return {k: state[k] for k in ("resume", "emitted", "stats", "shards")}
 
 
-def report_problems(m: dict) -> None:
-    """Print what tokenize replaced or skipped (also recorded in meta.json)."""
-    if m.get("replaced_invalid_utf8"):
-        print(f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD")
-    if m.get("empty_files"):
-        print(f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}")
-    if m.get("empty_documents"):
-        print(f"note: {m['empty_documents']:,} empty documents skipped")
-    for s in m.get("skipped_files", []):
-        print(f"warning: skipped {s['path']}: {s['error']}")
-    if m.get("malformed_conversations"):
-        print(f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:")
-        for ex in m.get("malformed_examples", []):
-            print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
-
-
 def prepare_text(inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str | Tokenizer = "char",
                  val_fraction: float = 0.1, shard_tokens: int = 100_000_000, overwrite: bool = False,
                  verbose: bool = True) -> DatasetMeta:
     """Phase 1 entry point: `prepare` with the char tokenizer by default (same pipeline)."""
     return prepare(inputs, out_dir, tokenizer=tokenizer, val_fraction=val_fraction, shard_tokens=shard_tokens,
                    overwrite=overwrite, verbose=verbose)
-
-
-def summarize(data_dir: str | Path) -> dict[str, Any]:
-    """The statistics of a finished dataset, for notebooks and logs."""
-    meta = read_meta(data_dir)
-    m = meta.raw
-    tokens = meta.tokens("train") + meta.tokens("val")
-    return {
-        "data_dir": str(meta.data_dir),
-        "source files": len(m.get("sources", [])),
-        "source MB": round(sum(s.get("size", 0) for s in m.get("sources", [])) / 1e6, 3),
-        "documents": m.get("documents"),
-        "train tokens": meta.tokens("train"),
-        "val tokens": meta.tokens("val"),
-        "characters per token": round(m.get("characters", 0) / max(1, tokens), 3),
-        "format": meta.format,
-        "tokenizer": meta.tokenizer.get("kind"),
-        "vocab size": meta.vocab_size,
-        "dtype": meta.dtype.name,
-        "shards (train + val)": f"{len(meta.splits['train']['shards'])} + {len(meta.splits['val']['shards'])}",
-        "validation split": m.get("split"),
-        "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
-        "skipped files/row groups": len(m.get("skipped_files", [])),
-        **({"malformed conversations": m.get("malformed_conversations", 0),
-            "assistant tokens (train)": m.get("assistant_tokens", {}).get("train", 0)} if meta.format == "chat" else {}),
-        **({"stopped by max-tokens": m.get("stop_reason") == "max_tokens"} if "max_tokens" in m else {}),
-        "seconds": m.get("elapsed_s"),
-    }
-
-
-def print_summary(data_dir: str | Path) -> None:
-    """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
-    meta = read_meta(data_dir)
-    for key, value in summarize(data_dir).items():
-        print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
-    report_problems(meta.raw)
-
-
-def decoded_sample(data_dir: str | Path, n_tokens: int = 200, split: str = "val") -> str:
-    """The first n_tokens of a split, decoded: a quick look that the data is what it should be."""
-    meta = read_meta(data_dir)
-    tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    first = meta.shard_paths(split)[0]
-    ids = np.fromfile(first, dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
-    return tok.decode(ids.tolist())

@@ -219,20 +219,38 @@ def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
         raise DataFormatError(f"{Path(data_dir) / META_FILE}: malformed metadata ({type(e).__name__}: {e})") from None
 
 
-def _read_meta(data_dir: Path, verify_hashes: bool) -> DatasetMeta:
-    data_dir = Path(data_dir)
+def _check_shard(data_dir: Path, meta_path: Path, s: dict, dtype: np.dtype, verify_hashes: bool, chat: bool) -> None:
+    """One shard of meta.json: there, of the size its token count says (and sha256), its spans file if chat data."""
+    p, itemsize = data_dir / s["file"], dtype.itemsize
+    if not p.is_file():
+        raise DataFormatError(f"shard {p} listed in {meta_path} does not exist")
+    size = p.stat().st_size
+    if size != int(s["tokens"]) * itemsize:
+        raise DataFormatError(f"shard {p}: file size is {size} bytes but meta.json says {s['tokens']} tokens x "
+                              f"{itemsize} bytes ({dtype.name}) = {int(s['tokens']) * itemsize} bytes")
+    if verify_hashes and s.get("sha256") and sha256_file(p) != s["sha256"]:
+        raise DataFormatError(f"shard {p}: sha256 differs from meta.json (the file was modified or corrupted)")
+    if chat or "spans" in s:
+        _check_spans(data_dir, meta_path, s, verify_hashes)
+
+
+def _meta_json(data_dir: Path) -> tuple[Path, dict]:
+    """(meta.json's path, its contents); one line for a missing directory, an unfinished dataset, bad JSON."""
     meta_path = data_dir / META_FILE
     if not data_dir.is_dir():
         raise DataFormatError(f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)")
     if not meta_path.is_file():
-        raise DataFormatError(
-            f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
-            f"(an interrupted tokenize run leaves no meta.json; run it again to finish)"
-        )
+        raise DataFormatError(f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
+                              f"(an interrupted tokenize run leaves no meta.json; run it again to finish)")
     try:
-        m = json.loads(meta_path.read_text())
+        return meta_path, json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataFormatError(f"{meta_path} is not valid JSON: {e}") from None
+
+
+def _read_meta(data_dir: Path, verify_hashes: bool) -> DatasetMeta:
+    data_dir = Path(data_dir)
+    meta_path, m = _meta_json(data_dir)
 
     def need(key: str):
         if key not in m:
@@ -260,7 +278,6 @@ def _read_meta(data_dir: Path, verify_hashes: bool) -> DatasetMeta:
         raise DataFormatError(f"{meta_path}: vocab_size is {vocab_size} but tokenizer.vocab_size is "
                               f"{tokenizer['vocab_size']}")
     splits = need("splits")
-    itemsize = expected_dtype.itemsize
     for split in SPLITS:
         if split not in splits:
             raise DataFormatError(f"{meta_path}: split {split!r} is missing")
@@ -269,19 +286,7 @@ def _read_meta(data_dir: Path, verify_hashes: bool) -> DatasetMeta:
         if counted != count(info["tokens"], f"{split}.tokens"):
             raise DataFormatError(f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}")
         for s in info["shards"]:
-            p = data_dir / s["file"]
-            if not p.is_file():
-                raise DataFormatError(f"shard {p} listed in {meta_path} does not exist")
-            size = p.stat().st_size
-            if size != int(s["tokens"]) * itemsize:
-                raise DataFormatError(
-                    f"shard {p}: file size is {size} bytes but meta.json says {s['tokens']} tokens x "
-                    f"{itemsize} bytes ({expected_dtype.name}) = {int(s['tokens']) * itemsize} bytes"
-                )
-            if verify_hashes and s.get("sha256") and sha256_file(p) != s["sha256"]:
-                raise DataFormatError(f"shard {p}: sha256 differs from meta.json (the file was modified or corrupted)")
-            if m.get("format") == "chat" or "spans" in s:
-                _check_spans(data_dir, meta_path, s, verify_hashes)
+            _check_shard(data_dir, meta_path, s, expected_dtype, verify_hashes, m.get("format") == "chat")
     tok_file = data_dir / tokenizer.get("file", TOKENIZER_FILE)
     if not tok_file.is_file():
         raise DataFormatError(f"tokenizer file {tok_file} named in {meta_path} does not exist")

@@ -42,7 +42,8 @@ from typing import Callable
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.errors import ChatError, GptlibError, loud
-from gptlib.inference.engine import Engine, SamplingConfig, _TextStream
+from gptlib.inference.engine import Engine, _TextStream
+from gptlib.inference.sampling import SamplingConfig
 
 FINETUNE_HINT = ("fine-tune it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
                  "--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR --init-from "

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from gptlib.errors import GenerationError
-from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference.engine import Engine
 from gptlib.inference.loading import checkpoint_label, checkpoint_table, resolve_checkpoint
+from gptlib.inference.sampling import SamplingConfig
 
 
 @dataclass

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.fsutil import atomic_write_bytes
-from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference.engine import Engine
+from gptlib.inference.sampling import SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields

@@ -86,12 +86,17 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, _silent, None
     s = open_run(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
-                     log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
-                     allow_data_change=allow_data_change)
+                 log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
+                 allow_data_change=allow_data_change)
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
-    tc, state = s.cfg.train, s.state
-    if state.step >= tc.max_steps:
+    if s.state.step >= s.cfg.train.max_steps:
         return _finished(s, log)
+    return _loop(s, progress, log, on_log)
+
+
+def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
+    """The steps until max_steps, max_minutes or a stop; however it ends, the last state is saved and the run closed."""
+    tc, state = s.cfg.train, s.state
     checkpointer = Checkpointer(s.open_writer(log), tc)
     timer = StepTimer(s.device)
     metrics = MetricsLog(s, peak=device_peak(s.device), timer=timer, progress=progress, log=log, on_log=on_log)
@@ -112,28 +117,9 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
                 metrics.add(loss)
             timer.mark("optim")
             s.lease.check()  # another process took the run over: stop, write nothing more
-            # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
-            over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
-            over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time,
-                                                      checkpointer.time_due(), bool(stop.reason))
-            is_last = state.step == tc.max_steps
-            validating = state.step % tc.eval_interval == 0 or is_last or over_time
-            # log the losses: the host sync, once per log_interval
-            if metrics.due(state.step, validating):
-                metrics.flush(timer, validating)
-            with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
-                # validate, sample, plot
-                val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
-                # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
-                checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(),
-                                                                       metrics.elapsed()),
-                                        validated=validating, time_due=time_due, stopping=stop_now)
-            metrics.step_done()
-            # stop early: out of time, or asked to (under DDP maybe by another rank's signal)
-            if (over_time or stop_now) and not is_last:
-                stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
-                why = f"max_minutes={tc.max_minutes} reached" if over_time else f"stopped ({stopped_by})"
-                log(f"{why} at step {state.step:,}; checkpoint saved, re-run to continue")
+            # log, validate, checkpoint; stop early when out of time or asked to
+            stopped_by = _after_step(s, metrics, checkpointer, stop, timer, log) or stopped_by
+            if stopped_by != "max_steps":
                 break
     except Exception as e:  # an OOM, also one torch.compile wrapped in its own exception
         if not is_oom(e):
@@ -150,6 +136,35 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     if stopped_by == "oom":
         _raise_oom_advice(s)
     return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
+
+
+def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, stop: GracefulStop,
+                timer: StepTimer, log) -> str | None:
+    """After an update: agree on time and stop requests, log, validate, checkpoint -> why training stops early
+    ("max_minutes", the stop's reason), or None to go on."""
+    tc, state, ddp = s.cfg.train, s.state, s.ddp
+    # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
+    over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
+    over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time, checkpointer.time_due(),
+                                              bool(stop.reason))
+    is_last = state.step == tc.max_steps
+    validating = state.step % tc.eval_interval == 0 or is_last or over_time
+    # log the losses: the host sync, once per log_interval
+    if metrics.due(state.step, validating):
+        metrics.flush(timer, validating)
+    with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
+        # validate, sample, plot
+        val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
+        # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
+        checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(), metrics.elapsed()),
+                                validated=validating, time_due=time_due, stopping=stop_now)
+    metrics.step_done()
+    if not (over_time or stop_now) or is_last:
+        return None
+    stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
+    why = f"max_minutes={tc.max_minutes} reached" if over_time else f"stopped ({stopped_by})"
+    log(f"{why} at step {state.step:,}; checkpoint saved, re-run to continue")
+    return stopped_by
 
 
 def _result(s: TrainingRun, metrics: MetricsLog, stopped_by: str, train_s: float, tokens_trained: int) -> TrainResult:

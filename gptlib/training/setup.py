@@ -23,8 +23,9 @@ from typing import Any, Callable
 import torch
 
 from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
-from gptlib.checkpoint.format import clean_orphans, load_weights_into
+from gptlib.checkpoint.format import load_weights_into
 from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume
+from gptlib.checkpoint.rotation import clean_orphans
 from gptlib.checkpoint.state import RNG, Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from gptlib.config import ModelConfig, RunConfig
@@ -38,8 +39,8 @@ from gptlib.inference.loading import load_run
 from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT
-from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device,
-                            resolve_dtype, seed_everything, use_compile)
+from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device, resolve_dtype, seed_everything,
+                            use_compile)
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import estimate_train_bytes

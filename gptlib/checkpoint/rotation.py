@@ -1,0 +1,105 @@
+"""Which checkpoints stay: rotation after each verified save, milestones, and the leftovers of interrupted work.
+
+Rotation keeps the newest `keep_last` checkpoints that verify, the best one and the milestones, and deletes the
+rest, always by renaming away first (format.remove_tree). It never judges what it cannot: checkpoints newer than
+the run's own newest (a Drive that was slow at resume may hold them) and ones it cannot read now are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gptlib.checkpoint.format import (MIN_KEEP_LAST, ORPHAN_MARKERS, CheckpointError, list_checkpoints, remove_tree,
+                                      verify_checkpoint)
+from gptlib.fsutil import clean_temp_files
+from gptlib.layout import STATE_FILE, checkpoint_name, checkpoints_dir, step_of
+
+
+def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool = True) -> list[Path]:
+    """Remove leftovers of interrupted saves, copies and deletions (`*.partial-*`, `*.tmp-*`, ...).
+
+    run_level: also `*.tmp-*` files directly in run_dir. Only at start-up: during training the loop
+    itself writes such temp files (loss.png, samples.md) and they must not vanish under it.
+    """
+    removed = []
+    root = checkpoints_dir(run_dir)
+    for p in list(root.iterdir()) if root.is_dir() else []:
+        if any(m in p.name for m in ORPHAN_MARKERS):
+            if p.is_dir():
+                remove_tree(p, truncate)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+        elif p.is_dir():  # temp files inside a finished checkpoint (a kill during a same-step re-save)
+            removed += clean_temp_files(p)
+    if run_level:
+        removed += clean_temp_files(run_dir)
+    return removed
+
+
+def is_milestone(step: int | None, keep_every: int) -> bool:
+    """A checkpoint kept for good (TrainConfig.keep_every), for comparing the model across training."""
+    return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
+
+
+def marked_milestone(path: Path) -> bool:
+    """Saved as a milestone (state.json says so): kept even if keep_every changed since. OSError if state.json
+    cannot be read (a hung Drive): the caller keeps what it cannot read."""
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
+    except FileNotFoundError:
+        return False
+    except (ValueError, AttributeError):
+        return False
+
+
+def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
+           truncate: bool = False, keep_every: int = 0, bad: set[Path] = frozenset(),
+           newest: int | None = None) -> list[Path]:
+    """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones
+    (steps that are multiples of `keep_every`, or saved as milestones); returns what was deleted.
+
+    Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
+    Checkpoints that do not verify (cheap size check) do not count towards `keep_last`, nor do those in
+    `bad` (found unloadable at resume although their sizes match): a damaged newest checkpoint never
+    makes rotation delete a good one. `protect` holds paths still in use (e.g. being copied to Drive) or
+    that could not be read at resume. `newest`: the newest step this run has verified here; checkpoints
+    after it are not this run's to judge (a Drive that was slow at resume may hold them) and are left alone.
+    A checkpoint that cannot be read now (an I/O error, not damage) is never deleted either.
+    `truncate` empties files before deleting them (Drive: see remove_tree).
+    """
+    keep_last = max(MIN_KEEP_LAST, keep_last)
+    ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
+    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
+    if best_step is not None:
+        keep.add(checkpoints_dir(run_dir) / checkpoint_name(best_step))
+    n_valid = 0
+    for p in ckpts:
+        if n_valid >= keep_last:
+            break
+        if p in bad:
+            continue
+        try:
+            verify_checkpoint(p, deep=False)
+            keep.add(p)
+            n_valid += 1
+        except CheckpointError:
+            pass
+        except OSError:
+            keep.add(p)  # unreadable now, not known to be damaged
+    deleted = []
+    if n_valid == 0:
+        return deleted  # nothing verified: delete nothing
+    for p in ckpts:
+        if p in keep:
+            continue
+        try:
+            if marked_milestone(p):  # read only for deletion candidates (Drive is slow)
+                continue
+        except OSError:
+            continue
+        remove_tree(p, truncate)
+        deleted.append(p)
+    clean_orphans(run_dir, truncate, run_level=False)
+    return deleted

@@ -1,0 +1,87 @@
+"""What a dataset holds, for people: the line tokenize ends with, the statistics notebook 01 shows, what
+tokenize replaced or skipped, and a decoded sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptlib.data.shards import DatasetMeta, read_meta
+from gptlib.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+
+
+def print_tokenize_summary(meta: DatasetMeta, n_sources: int, stats: dict, elapsed: float, out_dir: Path) -> None:
+    """The line tokenize ends with, and what it replaced or skipped."""
+    n = meta.tokens("train") + meta.tokens("val")
+    print(f"tokenized {n_sources} file(s), {stats['documents']:,} documents, {stats['characters']:,} "
+          f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
+          f"({stats['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
+          f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
+          f"{elapsed:.1f}s -> {out_dir}")
+    if meta.raw.get("stop_reason") == "max_tokens":
+        at = meta.raw["stopped_at"]
+        print(f"stopped at --max-tokens {meta.raw['max_tokens']:,}: after document {at['document']:,} of {at['file']}")
+    report_problems(meta.raw)
+
+
+def report_problems(m: dict) -> None:
+    """Print what tokenize replaced or skipped (also recorded in meta.json)."""
+    if m.get("replaced_invalid_utf8"):
+        print(f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD")
+    if m.get("empty_files"):
+        print(f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}")
+    if m.get("empty_documents"):
+        print(f"note: {m['empty_documents']:,} empty documents skipped")
+    for s in m.get("skipped_files", []):
+        print(f"warning: skipped {s['path']}: {s['error']}")
+    if m.get("malformed_conversations"):
+        print(f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:")
+        for ex in m.get("malformed_examples", []):
+            print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
+
+
+def summarize(data_dir: str | Path) -> dict[str, Any]:
+    """The statistics of a finished dataset, for notebooks and logs."""
+    meta = read_meta(data_dir)
+    m = meta.raw
+    tokens = meta.tokens("train") + meta.tokens("val")
+    return {
+        "data_dir": str(meta.data_dir),
+        "source files": len(m.get("sources", [])),
+        "source MB": round(sum(s.get("size", 0) for s in m.get("sources", [])) / 1e6, 3),
+        "documents": m.get("documents"),
+        "train tokens": meta.tokens("train"),
+        "val tokens": meta.tokens("val"),
+        "characters per token": round(m.get("characters", 0) / max(1, tokens), 3),
+        "format": meta.format,
+        "tokenizer": meta.tokenizer.get("kind"),
+        "vocab size": meta.vocab_size,
+        "dtype": meta.dtype.name,
+        "shards (train + val)": f"{len(meta.splits['train']['shards'])} + {len(meta.splits['val']['shards'])}",
+        "validation split": m.get("split"),
+        "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
+        "skipped files/row groups": len(m.get("skipped_files", [])),
+        **({"malformed conversations": m.get("malformed_conversations", 0),
+            "assistant tokens (train)": m.get("assistant_tokens", {}).get("train", 0)} if meta.format == "chat" else {}),
+        **({"stopped by max-tokens": m.get("stop_reason") == "max_tokens"} if "max_tokens" in m else {}),
+        "seconds": m.get("elapsed_s"),
+    }
+
+
+def print_summary(data_dir: str | Path) -> None:
+    """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
+    meta = read_meta(data_dir)
+    for key, value in summarize(data_dir).items():
+        print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
+    report_problems(meta.raw)
+
+
+def decoded_sample(data_dir: str | Path, n_tokens: int = 200, split: str = "val") -> str:
+    """The first n_tokens of a split, decoded: a quick look that the data is what it should be."""
+    meta = read_meta(data_dir)
+    tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
+    first = meta.shard_paths(split)[0]
+    ids = np.fromfile(first, dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
+    return tok.decode(ids.tolist())

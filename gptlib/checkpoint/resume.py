@@ -71,8 +71,11 @@ def _load_resume(path: Path, run_dir: Path) -> Resume:
     return Resume(info, origin, Checkpoint.from_files(*load_checkpoint(path), where=str(path), step=info.step))
 
 
-def _search(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool) -> tuple[Resume | None, Passed]:
-    """The newest checkpoint that loads, local or on the mirror, and what was passed over.
+def find_resume(run_dir: Path, mirror_dir: Path | None, log,
+                skip_unreadable: bool = False) -> tuple[Resume | None, Passed]:
+    """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over. Whether
+    its model is the one asked for is the training set-up's to check (gptlib.training.resolve), then whether its
+    data is (check_same_data).
 
     A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is never
     given up silently: the search is repeated every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then
@@ -101,13 +104,6 @@ def _search(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool) 
         loud(f"!! could not read {what}; not going on from {start} while a newer checkpoint may be there: trying "
              f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)")
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
-
-
-def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False) -> tuple[Resume | None, Passed]:
-    """The newest usable checkpoint, local or on the mirror (None: a new run), and the newer checkpoints that were
-    passed over. Whether its model is the one asked for is the training set-up's to check (gptlib.training.resolve),
-    then whether its data is (check_same_data)."""
-    return _search(run_dir, mirror_dir, log, skip_unreadable)
 
 
 # The tokens alone changed (other text or split, same tokenizer): --allow-data-change may go on. A tokenizer,

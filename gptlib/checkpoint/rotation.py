@@ -48,9 +48,7 @@ def marked_milestone(path: Path) -> bool:
     cannot be read (a hung Drive): the caller keeps what it cannot read."""
     try:
         return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
-    except FileNotFoundError:
-        return False
-    except (ValueError, AttributeError):
+    except (FileNotFoundError, ValueError, AttributeError):  # no state.json, or not JSON: not a marked milestone
         return False
 
 

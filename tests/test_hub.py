@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gptlib.data.hub as hub
-import gptlib.data.remote as remote
+import gptlib.data.inputs as inputs
 from gptlib.data.prepare import PrepareError, prepare
 from gptlib.data.shards import read_meta
 from tests.fakes import add_repo_file, fake_hub_child, install_fake_hub
@@ -141,7 +141,7 @@ def test_hub_files_are_identified_without_reading_and_match_local_shards(hub_roo
     found = hub.resolve_hf("hf://datasets/o/plain")
     assert made["fs"].opened == ["datasets/o/plain/README.md"]  # the card; no data file: the listing has sizes
     local = [hub_root / "o/plain/main" / f.url.split("o/plain/", 1)[1] for f in found]
-    assert [remote.remote_identity(f) for f in found] == [
+    assert [inputs.remote_identity(f) for f in found] == [
         ("sha256:" + hashlib.sha256(p.read_bytes()).hexdigest(), True) for p in local]
     assert made["fs"].opened == ["datasets/o/plain/README.md"]  # ... and sha256s
     opts = dict(tokenizer_file=bpe_file, shard_tokens=4000, verbose=False)
@@ -156,12 +156,12 @@ def test_hub_files_are_identified_without_reading_and_match_local_shards(hub_roo
 def test_a_big_hub_file_is_sampled_only_when_the_pass_reaches_it(hub_root, monkeypatch, tmp_path, bpe_file):
     # Above FULL_HASH_LIMIT a local file's identity is a sampled hash; the Hub lists the full sha256.
     # The shards must still be the same: the split key is the sampled hash, read when needed.
-    monkeypatch.setattr(remote, "FULL_HASH_LIMIT", 5000)
-    monkeypatch.setattr(remote, "SAMPLE_BLOCK", 1000)
+    monkeypatch.setattr(inputs, "FULL_HASH_LIMIT", 5000)
+    monkeypatch.setattr(inputs, "SAMPLE_BLOCK", 1000)
     install_fake_hub(monkeypatch, hub_root)
     url = "hf://datasets/o/plain/data/train-00000-of-00002.parquet"
     [f] = hub.resolve_hf(url)
-    ident, canonical = remote.remote_identity(f)
+    ident, canonical = inputs.remote_identity(f)
     assert ident.startswith("sha256:") and not canonical
     local = hub_root / "o/plain/main/data/train-00000-of-00002.parquet"
     opts = dict(tokenizer_file=bpe_file, verbose=False)

@@ -15,8 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import gptlib.data.inputs as inputs
 import gptlib.data.prepare as prep
-import gptlib.data.remote as remote
+import gptlib.data.sources as sources
 from gptlib.data.prepare import PrepareError, prepare
 from gptlib.data.shards import read_meta
 from tests.fakes import FAULTS
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture()
 def no_wait(monkeypatch):
     """Retries without the real backoff; FAULTS cleared before and after."""
-    monkeypatch.setattr(remote, "RETRY_DELAYS", (0.0,) * 8)
+    monkeypatch.setattr(sources, "RETRY_DELAYS", (0.0,) * 8)
     FAULTS.reset()
     yield
     FAULTS.reset()
@@ -98,7 +99,7 @@ def test_a_dropped_connection_is_retried_at_the_last_completed_row_group(tmp_pat
     docs = [d * 3 for d in docs[:1200]]
     src = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": docs}), src, row_group_size=100, data_page_size=4096)
-    monkeypatch.setattr(remote, "READ_BUFFER", 4096)  # many small reads, so the faults land mid-row-group
+    monkeypatch.setattr(inputs, "READ_BUFFER", 4096)  # many small reads, so the faults land mid-row-group
     monkeypatch.setattr(prep, "BATCH_CHARS", 50_000)
     opts = dict(tokenizer_file=bpe_file, shard_tokens=30_000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
@@ -138,7 +139,7 @@ def test_a_network_that_stays_down_stops_the_run_and_the_same_command_resumes(tm
     with open(src, "w") as f:
         for x in docs:
             f.write(json.dumps({"text": x}) + "\n")
-    monkeypatch.setattr(remote, "READ_BUFFER", 8192)
+    monkeypatch.setattr(inputs, "READ_BUFFER", 8192)
     monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
     opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)

@@ -1,9 +1,6 @@
-"""Known corpora for notebook 01's source dropdown: where each lives, its text column and a sensible
-token budget (what `prepare` needs; nothing is fetched here).
-
-The budgets: GPT-2 Small on a Colab A100 sees about 1B tokens an hour, so 2.8B tokens (what the
-original author trained on; also about 10 GB of github-code) is an afternoon. TinyStories and
-UltraChat are smaller than that and are taken whole.
+"""Known corpora for notebook 01's source dropdown: where each lives, its text column and a token budget (nothing
+is fetched here). GPT-2 Small on a Colab A100 sees about 1B tokens an hour: 2.8B tokens (what the original author
+trained on; about 10 GB of github-code) is an afternoon; TinyStories and UltraChat are smaller and taken whole.
 """
 
 from __future__ import annotations
@@ -62,9 +59,8 @@ def parse_count(s: str | int | float | None) -> int | None:
 
 def source_options(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "",
                    fmt: str = "") -> dict:
-    """prepare() keyword arguments for a dropdown choice. Files in INPUT (comma-separated) are the user's
-    own, whatever the dropdown says, and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and
-    FORMAT, when not empty, win over the source's. inputs None = the demo corpus."""
+    """prepare() keyword arguments for a dropdown choice. Files in INPUT (comma-separated) are the user's own and
+    get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT, when set, win. inputs None = the demo corpus."""
     if label not in SOURCES:
         raise ValueError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
     inputs = [s.strip() for s in user_input.split(",") if s.strip()]
@@ -82,8 +78,8 @@ def source_options(label: str, user_input: str = "", text_column: str = "", max_
 
 def source_inputs(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "", fmt: str = "",
                   log=print) -> tuple[list, dict]:
-    """Notebooks 01 and 05: (inputs, the other prepare() options) for a dropdown choice (see source_options);
-    the demo corpus is Tiny Shakespeare, downloaded and checksum-verified. Says what a known source is."""
+    """Notebooks 01 and 05: (inputs, the other prepare() options) for a dropdown choice (source_options); the demo
+    corpus is Tiny Shakespeare, downloaded and checksum-verified. Says what a known source is."""
     from gptlib.data.download import fetch_tinyshakespeare
 
     opts = source_options(label, user_input, text_column, max_tokens, fmt)

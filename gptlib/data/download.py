@@ -12,6 +12,7 @@ from gptlib.fsutil import atomic_write_bytes
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TINYSHAKESPEARE_CHARS = 1_115_394
+_CANONICAL = f"the canonical Tiny Shakespeare, {TINYSHAKESPEARE_CHARS:,} characters"
 
 
 def default_cache_dir() -> Path:
@@ -20,17 +21,13 @@ def default_cache_dir() -> Path:
 
 def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSHAKESPEARE_URL,
                           local_path: str | Path | None = None, timeout: float = 60.0) -> Path:
-    """Return the path of a verified Tiny Shakespeare file.
-
-    Order: `local_path` if given (verified, used in place); the cache if it holds a verified
-    copy; otherwise download `url` into the cache. A checksum mismatch is an error, never a
-    silently different corpus.
-    """
+    """The path of a verified Tiny Shakespeare: `local_path` if given (verified, used in place), else the cache's
+    verified copy, else `url` downloaded into the cache. A checksum mismatch is an error, never another corpus."""
     if local_path is not None:
         p = Path(local_path)
         if not p.is_file():
             raise DownloadError(f"local Tiny Shakespeare file {p} does not exist")
-        _verify(p.read_bytes(), str(p))
+        _check_sha256(p.read_bytes(), str(p), TINYSHAKESPEARE_SHA256, DownloadError, _CANONICAL)
         return p
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return fetch_verified(url, cache / "tinyshakespeare.txt", TINYSHAKESPEARE_SHA256, DownloadError,
@@ -38,15 +35,7 @@ def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSH
                           timeout=timeout)
 
 
-_CANONICAL = f"the canonical Tiny Shakespeare, {TINYSHAKESPEARE_CHARS:,} characters"
-
-
-def _verify(data: bytes, where: str) -> None:
-    check_sha256(data, where, TINYSHAKESPEARE_SHA256, DownloadError, _CANONICAL)
-
-
-def check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exception], canonical: str) -> None:
-    """Raise error_cls naming both digests and what the file should be, unless data has this sha256."""
+def _check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exception], canonical: str) -> None:
     got = hashlib.sha256(data).hexdigest()
     if got != sha256:
         raise error_cls(f"{where}: sha256 is {got}, expected {sha256} ({canonical}); got {len(data):,} bytes")
@@ -54,16 +43,13 @@ def check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exception
 
 def fetch_verified(url: str, target: Path, sha256: str, error_cls: type[Exception], *, name: str, canonical: str,
                    local_hint: str, timeout: float) -> Path:
-    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically.
-
-    A corrupt cached copy is deleted and downloaded again, never trusted; a download that fails or
-    has another checksum raises error_cls (naming the URL, and how to pass a local copy instead) and
-    leaves nothing in the cache. Shared by every fixed file gptlib downloads (Tiny Shakespeare, HellaSwag).
-    """
+    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically
+    (Tiny Shakespeare, HellaSwag). A corrupt cached copy is replaced, never trusted; a failed download or another
+    checksum raises error_cls (naming the URL, and how to pass a local copy) and leaves nothing in the cache."""
     if target.is_file():
         if hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
             return target
-        target.unlink()  # a corrupt cached copy is replaced, not trusted
+        target.unlink()
     import urllib.request  # here, not at module level: ~70 ms of http/email/ssl imports few callers need
 
     try:
@@ -72,6 +58,6 @@ def fetch_verified(url: str, target: Path, sha256: str, error_cls: type[Exceptio
     except (OSError, ValueError) as e:  # URLError is an OSError; a malformed URL is a ValueError
         raise error_cls(f"could not download {name} from {url}: {e}. Without a network, pass a local copy "
                         f"{local_hint}") from None
-    check_sha256(data, url, sha256, error_cls, canonical)
+    _check_sha256(data, url, sha256, error_cls, canonical)
     atomic_write_bytes(target, data)
     return target

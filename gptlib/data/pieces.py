@@ -1,7 +1,5 @@
-"""Text in pieces: what the corpus readers (sources.py, chat.py) hand the encoder.
-
-A piece is at most PIECE_CHARS characters of one document (or one turn of a conversation), and carries
-the position where the stream goes on after it, so a resumed tokenize run restarts exactly there.
+"""Text in pieces, what the corpus readers (sources.py, conversations.py) hand the encoder: at most PIECE_CHARS
+characters of one document (or turn), with the position where the stream goes on after it (a resume restarts there).
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ class Piece:
 
 
 def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
-    """Cut a long string into <= PIECE_CHARS pieces, before a newline or a space where possible,
-    so a word is not cut in two. Memoryless: the pieces from `start` on do not depend on
-    earlier ones, so a resumed run cuts exactly as the first one did."""
+    """(piece, end) for <= PIECE_CHARS pieces of text from `start` on, cut before a newline or a space where possible.
+    Memoryless: the pieces from `start` on do not depend on earlier ones, so a resumed run cuts exactly alike."""
     n = len(text)
     i = start
     while i < n:

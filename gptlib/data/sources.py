@@ -1,41 +1,29 @@
-"""Reading a corpus: input files (.txt, .jsonl, parquet), local or behind URLs, as a stream of text
-pieces that can restart anywhere.
-
-- Inputs (inputs.py): local files, directories and globs, and fsspec URLs (file://, memory://,
-  hf://datasets/...: remote.py, hub.py), each a Source whose identity comes from its content.
-- Documents: a .txt file is one document, a .jsonl line is one (its `text_column` field), a
-  parquet row is one (its `text_column` column). With fmt="chat" a document is a conversation: a
-  jsonl record or parquet row whose field (default `messages`, else `conversations`) holds a list of
-  messages; its turns become pieces that carry their role (chat.py renders them).
-- Pieces: text is read in pieces of at most PIECE_CHARS characters (a 100 MB line is never one
-  string unless it is one JSON value); each piece carries the position where the stream goes on
-  after it, so a resumed tokenize run restarts exactly there.
-- Reads: every file is read through remote.open_input; a read error (a network drop, a Drive I/O
-  error) is retried with backoff from the position after the last piece produced (remote.retrying):
-  a parquet file is re-opened at the row group holding that row.
-- Bad input: invalid UTF-8 is replaced by U+FFFD and counted; an unreadable parquet file (or row
-  group) is skipped with a report or is an error; a missing column/field is an error naming the file
-  and the available names; a malformed conversation is skipped and counted (chat.py).
+"""A corpus (inputs.py's Sources) as a stream of text pieces (pieces.py) that can restart anywhere: a .txt file
+is one document, a .jsonl line or parquet row is one, or with fmt="chat" a conversation (conversations.py). Every
+piece carries the position after it: a resumed run, or a read retried after a network drop, restarts exactly there.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+import sys
+import time
+from bisect import bisect_right
+from itertools import accumulate
+from typing import Any, Callable, Iterator
 
 from gptlib.data import pieces
 from gptlib.data.conversations import Malformed, conversation_pieces
-from gptlib.data.inputs import (_ERRORS, CHAT_FIELDS, DEFAULT_TEXT_COLUMN, Source, _jsonl_object, _jsonl_text,
-                                _open_parquet, _parquet_column)
+from gptlib.data.hub import describe
+from gptlib.data.inputs import (_ERRORS, CHAT_FIELDS, DEFAULT_TEXT_COLUMN, Source, SourceIOError, _jsonl_object,
+                                _jsonl_text, _open_parquet, _parquet_column)
 from gptlib.data.pieces import Piece, split_text
-from gptlib.data.remote import retrying
 from gptlib.errors import PrepareError
 
 ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
+RETRY_DELAYS = (1, 2, 5, 10, 30, 60, 60, 60)  # seconds before each new attempt after a read error (~4 min)
 TRAIN_FILES = 64  # a tokenizer-training budget is spread over at most this many files (evenly spaced)
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
 
-
-# --------------------------------------------------------------------------------------------
-# Reading: every source becomes a stream of pieces; a position restarts the stream exactly there
 
 def _cut_bytes(block: bytes, at_eof: bool) -> int:
     """Where to end a piece read from a text file: after the block if at EOF, else before its
@@ -47,9 +35,7 @@ def _cut_bytes(block: bytes, at_eof: bool) -> int:
         k = block.rfind(b" ")
     if k > 0:
         return k
-    k = len(block)
-    while k > 0 and (block[k - 1] & 0xC0) == 0x80:  # back off continuation bytes
-        k -= 1
+    k = len(block.rstrip(_CONTINUATION))  # back off continuation bytes
     if k > 0 and block[k - 1] >= 0xC0:  # and the lead byte of the cut character
         k -= 1
     return k if k > 0 else len(block)
@@ -59,22 +45,14 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
     """A text file is one document, read pieces.PIECE_CHARS bytes at a time from a byte offset."""
     off = int(pos["byte"]) if pos else 0
     with src.open() as f:
-        if tail_cut is not None:  # move the cut off a UTF-8 continuation byte
+        if tail_cut is not None:  # move the cut off UTF-8 continuation bytes
             f.seek(tail_cut)
             b = f.read(4)
-            i = 0
-            while i < len(b) and (b[i] & 0xC0) == 0x80:
-                i += 1
-            tail_cut += i
+            tail_cut += len(b) - len(b.lstrip(_CONTINUATION))
         f.seek(off)
         while off < src.size:
-            limit = pieces.PIECE_CHARS
-            split = None
-            if tail_cut is not None:
-                split = "train" if off < tail_cut else "val"
-                if off < tail_cut:
-                    limit = min(limit, tail_cut - off)
-            block = f.read(limit)
+            split = None if tail_cut is None else "train" if off < tail_cut else "val"
+            block = f.read(min(pieces.PIECE_CHARS, tail_cut - off) if split == "train" else pieces.PIECE_CHARS)
             if not block:
                 break  # the file shrank while reading
             at_end = off + len(block) >= src.size or (tail_cut is not None and off + len(block) == tail_cut)
@@ -113,17 +91,14 @@ def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str
             byte += len(line)
             if fmt == "chat" and line.strip():
                 obj = _jsonl_object(line, src.path, doc + 1, field)
-                value = obj[field] if field in obj else _missing(field, obj)
+                value = obj[field] if field in obj else \
+                    Malformed(f"field {field!r} is missing (fields: {', '.join(map(str, obj))[:200]})")
                 yield from conversation_pieces(value, fi, doc, turn, char, start, byte, len(line))
             else:
                 text = _jsonl_text(line, src.path, doc + 1, field) if line.strip() else None
                 yield from _document_pieces(text, fi, doc, char, start, byte, len(line))
             doc += 1
             char = turn = 0
-
-
-def _missing(field: str, obj: dict):
-    return Malformed(f"field {field!r} is missing (fields: {', '.join(map(str, obj))[:200]})")
 
 
 class _BadParquet(Exception):
@@ -143,50 +118,38 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None
         except (OSError, pa.ArrowException) as e:
             raise _BadParquet(f"cannot be opened: {e}") from None
         col = _parquet_column(pf, src.path, column, fmt)
-        yield from _parquet_rows(pf, col, src, fi, pos, on_bad_row_group, fmt)
-
-
-def _parquet_rows(pf, col: str, src: Source, fi: int, pos: dict | None, on_bad_row_group, fmt: str) -> Iterator[Piece]:
-    import pyarrow as pa
-
-    meta = pf.metadata
-    per_row = src.size / max(1, meta.num_rows)
-    row = int(pos["doc"]) if pos else 0
-    char = int(pos["char"]) if pos else 0
-    turn = int(pos.get("turn", 0)) if pos else 0
-    # Restart inside the file: begin at the row group holding `row`, skip rows before it.
-    first = 0
-    g = 0
-    while g < meta.num_row_groups and first + meta.row_group(g).num_rows <= row:
-        first += meta.row_group(g).num_rows
-        g += 1
-    if g >= meta.num_row_groups:
-        return
-    skip = row - first
-    for g in range(g, meta.num_row_groups):
-        end_row = first + meta.row_group(g).num_rows
-        try:
-            for batch in pf.iter_batches(batch_size=_batch_rows(meta.row_group(g), col), row_groups=[g], columns=[col],
-                                         use_threads=False):
-                if skip >= batch.num_rows:  # rows a resumed run has done already may span several batches
-                    skip -= batch.num_rows
-                    continue
-                values = batch.column(0).to_pylist()[skip:]
-                skip = 0
-                for v in values:
+        meta = pf.metadata
+        per_row = src.size / max(1, meta.num_rows)
+        row = int(pos["doc"]) if pos else 0
+        char = int(pos["char"]) if pos else 0
+        turn = int(pos.get("turn", 0)) if pos else 0
+        ends = list(accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
+        first = bisect_right(ends, row)  # a restart begins at the row group holding `row`, skipping rows before it
+        skip = row - (ends[first - 1] if first else 0)
+        for g in range(first, meta.num_row_groups):
+            try:
+                for v in _row_values(pf, g, col, skip if g == first else 0):
                     if fmt == "chat":
                         yield from conversation_pieces(v, fi, row, turn, char, 0, 0, per_row)
                     else:
-                        if isinstance(v, bytes):
-                            v = v.decode("utf-8", _ERRORS)
+                        v = v.decode("utf-8", _ERRORS) if isinstance(v, bytes) else v
                         yield from _document_pieces(v, fi, row, char, 0, 0, per_row)
                     row += 1
                     char = turn = 0
-        except (OSError, pa.ArrowException) as e:
-            if on_bad_row_group is not None:
-                on_bad_row_group(f"row group {g} (rows {row}-{end_row - 1}) is unreadable: {e}".replace("\n", " ").strip())
-            row, char, turn, skip = end_row, 0, 0, 0
-        first = end_row
+            except (OSError, pa.ArrowException) as e:
+                if on_bad_row_group is not None:
+                    on_bad_row_group(f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}"
+                                     .replace("\n", " ").strip())
+                row, char, turn = ends[g], 0, 0
+
+
+def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
+    """Row group g's values of column col from row `skip` on (a resumed run's done rows may span batches)."""
+    for batch in pf.iter_batches(batch_size=_batch_rows(pf.metadata.row_group(g), col), row_groups=[g],
+                                 columns=[col], use_threads=False):
+        if skip < batch.num_rows:
+            yield from batch.column(0).to_pylist()[skip:]
+        skip = max(0, skip - batch.num_rows)
 
 
 def _batch_rows(rg, col: str) -> int:
@@ -213,7 +176,7 @@ def iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: s
                 text_column: str | None, on_bad_file: str, fmt: str = "text") -> Iterator[Piece]:
     """All pieces of all sources from `start` on; unreadable parquet files and row groups are
     skipped and recorded in `skipped`, or fatal (on_bad_file="error"). Read errors are retried
-    (remote.retrying) from the position after the last piece."""
+    (`retrying`) from the position after the last piece."""
     for fi in range(int(start["file"]), len(sources)):
         src = sources[fi]
         pos = start if fi == int(start["file"]) else None
@@ -266,3 +229,25 @@ def train_texts(sources: list[Source], text_column: str | None, max_bytes: int |
             pass  # reported by the tokenizing pass
 
 
+def retrying(read: Callable[[dict | None], Iterator[Any]], pos: dict | None, where: str) -> Iterator[Any]:
+    """The items of read(pos); after a SourceIOError, read(position after the last item) again, waiting
+    RETRY_DELAYS[i] before the i-th new attempt (progress resets the count). Gives up with a PrepareError
+    saying how to resume: the run stops at its last completed shard."""
+    delays = RETRY_DELAYS
+    attempt = 0
+    while True:
+        try:
+            for item in read(pos):
+                yield item
+                pos = item.pos
+                attempt = 0
+            return
+        except SourceIOError as e:
+            if e.fatal or attempt >= len(delays):
+                tries = "" if e.fatal else f" after {attempt + 1} attempts"
+                raise PrepareError(f"reading {where} failed{tries}: {describe(e.cause, where)}. Everything up to the "
+                                   f"last completed shard is kept: run the same command again to resume") from None
+            print(f"warning: reading {where} failed ({describe(e.cause, where)}); retrying in {delays[attempt]}s "
+                  f"(attempt {attempt + 2} of {len(delays) + 1})", file=sys.stderr)
+            time.sleep(delays[attempt])
+            attempt += 1

@@ -1,22 +1,7 @@
-"""Training never reads Google Drive: a dataset on the Drive mount is first copied to the VM's disk.
-
-Drive is a FUSE mount over the network: reading a shard mid-training (the memmap path) stalls steps,
-and the RAM or GPU preload reads the whole dataset from Drive again in every session. So before
-training, `train()` copies a data directory that lies under the Drive mount point to the VM's local
-disk, `<local root>/data/<name>/` (colab.local_root(): /content/gptlib_local on Colab):
-
-- every file a data directory holds (shards.py: meta.json, the tokenizer, the token shards and, for
-  chat data, their spans files) is hashed while it is copied and checked against meta.json's sha256
-  (the tokenizer against tokenizer.hash, meta.json against the bytes read from Drive);
-- a marker file written after the last check names the source and its meta.json's sha256, with every
-  file's size: a re-run on the same VM compares the marker and the sizes (cheap: no hashing, one small
-  read from Drive) and reuses the copy. A dataset re-tokenized on Drive has another meta.json: copied again;
-- it is copied only when it fits, keeping KEEP_FREE_BYTES free for the run's checkpoints;
-- anything that goes wrong (a file that fails verification, a full disk, a hung or failing Drive read)
-  is said in one line, the partial local copy is deleted, and training reads Drive as before. The Drive
-  copy is only ever read, never modified.
-
-Off with train(..., stage_data=False), or GPTLIB_STAGE_DATA=0 (the CLI).
+"""Training never reads Google Drive: a dataset under the Drive mount is first copied to the VM's disk (reading
+shards over FUSE mid-training stalls steps; a preload would read it all again each session). Every file is checked
+against meta.json's sha256 while copied; a marker written last lets a re-run on the same VM reuse the copy; anything
+that goes wrong is one line, and training reads Drive as before (docs/data.md). Drive is only ever read.
 """
 
 from __future__ import annotations
@@ -27,7 +12,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -40,16 +24,9 @@ from gptlib.fsutil import (TMP_MARKER, Progress, atomic_write_json, call_with_ti
 from gptlib.layout import TOKENIZER_FILE
 
 MARKER_FILE = ".gptlib-staged.json"  # written last, after every file of the copy verified
-KEEP_FREE_BYTES = 10 << 30  # left free on the VM's disk after the copy: the run's checkpoints (gpt2-small: 1.33 GB each)
+KEEP_FREE_BYTES = 10 << 30  # left free on the VM's disk for the run's checkpoints (gpt2-small: 1.33 GB each)
 STALL_S = 120.0  # a Drive read that makes no progress for this long is abandoned (hung mount): read Drive later
 _CHUNK = 8 << 20
-
-
-@dataclass
-class DataFile:
-    name: str  # relative to the data directory
-    size: int  # bytes, as on Drive
-    sha256: str | None  # what meta.json says it hashes to (None: size only)
 
 
 class StagingFailed(Exception):
@@ -77,9 +54,9 @@ def stage_for_training(data_dir: str | Path, enabled: bool | None = None, log: C
 
 def local_copy_of_data(data_dir: str | Path, local_root: str | Path | None = None, *,
                        keep_free: int = KEEP_FREE_BYTES, log: Callable[[str], None] = print) -> Path:
-    """Copy data_dir to local_root/data/<name> verifying every file, or reuse a verified copy made earlier on this
-    VM -> the local copy; or data_dir itself, with one message saying why, when it cannot be made. A data dir
-    that is not a finished dataset raises read_meta's DataFormatError, as training would."""
+    """data_dir copied to local_root/data/<name> verifying every file (or a verified copy made earlier on this VM);
+    data_dir itself, with one message saying why, when it cannot be made. A data dir that is not a finished dataset
+    raises read_meta's DataFormatError, as training would."""
     src = Path(data_dir).resolve()
     dst = Path(local_root if local_root is not None else colab_local_root()) / "data" / src.name
     try:
@@ -96,8 +73,8 @@ def local_copy_of_data(data_dir: str | Path, local_root: str | Path | None = Non
         shutil.rmtree(dst, ignore_errors=True)  # an older or partial copy: not reusable
         t0 = time.time()
         try:
-            files = _files_of(src, meta_bytes)  # a broken dataset raises read_meta's DataFormatError, as training would
-            need = sum(f.size for f in files)
+            files = _files_of(src, meta_bytes)
+            need = sum(size for _, size, _ in files)
             free = shutil.disk_usage(dst.parent).free
             if need + keep_free > free:
                 loud(f"!! data: {_gb(need)} does not fit on the VM's disk ({_gb(free)} free at {dst.parent}, keeping "
@@ -118,21 +95,21 @@ def _gb(n: int | float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
-def _files_of(src: Path, meta_bytes: bytes) -> list[DataFile]:
-    """Every file of the dataset with its size and expected sha256, meta.json first. read_meta checks the
-    metadata against the files on Drive first (sizes, tokenizer hash): a broken dataset is its clear error."""
+def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]:
+    """Every file of the dataset as (name, size, the sha256 meta.json expects or None), meta.json first (read_meta
+    checks sizes and the tokenizer's hash first: a broken dataset is its clear error)."""
     meta = read_meta(src)
     if meta.raw != json.loads(meta_bytes.decode("utf-8", "replace")):
         raise StagingFailed(f"{src / META_FILE} changed while it was being read (tokenize still running?)")
-    files = [DataFile(META_FILE, len(meta_bytes), hashlib.sha256(meta_bytes).hexdigest())]
     tok = meta.tokenizer.get("file", TOKENIZER_FILE)
-    files.append(DataFile(tok, (src / tok).stat().st_size, meta.tokenizer.get("hash")))
+    files = [(META_FILE, len(meta_bytes), hashlib.sha256(meta_bytes).hexdigest()),
+             (tok, (src / tok).stat().st_size, meta.tokenizer.get("hash"))]
     for split in meta.splits.values():
         for shard in split["shards"]:
-            files.append(DataFile(shard["file"], int(shard["tokens"]) * meta.dtype.itemsize, shard.get("sha256")))
+            files.append((shard["file"], int(shard["tokens"]) * meta.dtype.itemsize, shard.get("sha256")))
             spans = shard.get("spans")
             if isinstance(spans, dict) and "file" in spans:
-                files.append(DataFile(spans["file"], int(spans["count"]) * 16, spans.get("sha256")))
+                files.append((spans["file"], int(spans["count"]) * 16, spans.get("sha256")))
     return files
 
 
@@ -146,24 +123,24 @@ def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:
         return False
 
 
-def _copy_all(src: Path, dst: Path, files: list[DataFile], meta_bytes: bytes, meta_sha: str) -> None:
+def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: str) -> None:
     """Copy and verify every file (meta.json: the bytes read before, so the copy is what was checked), then the
     marker. StagingFailed names a file that does not match; OSError is a failed read or write."""
     dst.mkdir(parents=True)
-    for f in files:
-        if f.name == META_FILE:
+    for name, _, sha in files:
+        if name == META_FILE:
             (dst / META_FILE).write_bytes(meta_bytes)
             continue
         progress = Progress()
-        got = call_with_timeout(lambda f=f: _copy_hashing(src / f.name, dst / f.name, progress), STALL_S, progress,
-                                what=f"reading {src / f.name}")
-        if f.sha256 is not None and got != f.sha256:
-            raise StagingFailed(f"{src / f.name} does not match meta.json: sha256 {got[:16]}... read, "
-                                f"{f.sha256[:16]}... expected (the file on Drive is damaged or was changed after "
-                                f"tokenizing; tokenize again with --overwrite to repair it)")
+        got = call_with_timeout(lambda name=name: _copy_hashing(src / name, dst / name, progress), STALL_S, progress,
+                                what=f"reading {src / name}")
+        if sha is not None and got != sha:
+            raise StagingFailed(f"{src / name} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... "
+                                f"expected (the file on Drive is damaged or was changed after tokenizing; tokenize "
+                                f"again with --overwrite to repair it)")
     fsync_dir(dst)
     atomic_write_json(dst / MARKER_FILE, {"source": str(src), "meta_sha256": meta_sha,
-                                          "files": {f.name: f.size for f in files},
+                                          "files": {name: size for name, size, _ in files},
                                           "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
@@ -188,10 +165,7 @@ def _lock(path: Path) -> Iterator[None]:
     except ImportError:  # not POSIX: no lock (Colab is Linux)
         yield
         return
-    with open(path, "a") as f:
+    with open(path, "a") as f:  # closing the file releases the lock
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 

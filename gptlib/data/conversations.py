@@ -1,61 +1,41 @@
 """Conversations: the chat template (version 1), shared by tokenize --format chat, fine-tuning and chat.
 
-A conversation is a list of messages, in either layout:
-
-    {"role": "system" | "user" | "assistant", "content": "..."}        the common `messages` layout
-    {"from": "system" | "human" | "user" | "gpt" | "assistant", "value": "..."}   ShareGPT `conversations`
-
-It is rendered to token ids as, for each turn in order,
-
-    ROLE  text("\\n" + content)  END  text("\\n")
-
-where ROLE is one of the special tokens <|system|>, <|user|>, <|assistant|>, END is the special token
-<|end|>, and text(s) is the BPE encoding of the string s (a content longer than pieces.PIECE_CHARS
-characters is encoded in pieces cut before a newline or a space, exactly as documents are). The
-conversation is followed by <|endoftext|>, as every document is. For example
+A conversation is a list of messages, `{"role", "content"}` (the `messages` layout) or `{"from", "value"}`
+(ShareGPT `conversations`), rendered for each turn in order as `ROLE text("\\n" + content) END text("\\n")`, ROLE
+and END (<|end|>) special tokens inserted by id (never matched in text), then <|endoftext|>, e.g.
 
     <|user|>\\nHi!<|end|>\\n<|assistant|>\\nHello.<|end|>\\n<|endoftext|>
 
-The loss span of an assistant turn is [first token of text("\\n" + content), the token after its
-END): its content and the END that teaches the model to stop; never the role marker, the "\\n" after
-END, a user's or a system turn. To generate, a prompt is rendered the same way and ends with
-<|assistant|>; the model writes "\\n" + its answer and stops at <|end|>.
-
-The special tokens are inserted by id, never found by matching text: the BPE tokenizer encodes every
-string with `encode_special_tokens=True`, so a message that contains the characters "<|user|>" or
-"<|end|>" is ordinary text and can never forge a turn.
-
-Malformed conversations are skipped and counted, with the first few reported: not a list, an empty
-list, a message that is not an object, an unknown role (anything but the names above), a content that
-is not a string, or no assistant turn at all.
+An assistant turn's loss span is its text and its END (not the marker, the "\\n" after END, other turns). To
+generate, a prompt ends with <|assistant|>; the model writes "\\n" + its answer and stops at <|end|>. Malformed
+conversations are skipped and counted, with the first few reported. The full description: docs/data.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from gptlib.data.pieces import Piece, split_text
+from gptlib.data.shards import merge_spans
 from gptlib.errors import ChatError
 
 TEMPLATE_VERSION = 1
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 END = "<|end|>"
-CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-_MESSAGES_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+CHAT_TOKENS = (*ROLE_TOKENS.values(), END)
+_MESSAGES_ROLES = {r: r for r in ROLE_TOKENS}
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 EXAMPLES_KEPT = 5  # malformed conversations shown (and kept in meta.json)
 
 
+@dataclass
 class Malformed:
     """Why a conversation is skipped (a value, not an exception: readers pass it along)."""
 
-    def __init__(self, reason: str):
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"Malformed({self.reason!r})"
+    reason: str
 
 
 def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str]] | Malformed:
@@ -77,7 +57,8 @@ def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str
         elif "from" in m or "value" in m:
             role, content, names, key = m.get("from"), m.get("value"), _SHAREGPT_ROLES, "from"
         else:
-            return Malformed(f"message {i} has neither role/content nor from/value (keys: {', '.join(map(str, m))[:80]})")
+            keys = ", ".join(map(str, m))[:80]
+            return Malformed(f"message {i} has neither role/content nor from/value (keys: {keys})")
         if not isinstance(role, str) or role.lower() not in names:
             return Malformed(f"message {i}: unknown {key} {role!r} (known: {', '.join(names)})")
         if not isinstance(content, str):
@@ -115,11 +96,15 @@ class ChatTemplate:
     """The ids of the chat tokens in a tokenizer, and the rendering of pieces to ids + loss spans."""
 
     def __init__(self, tok):
-        ids = chat_token_ids(tok)
-        self.tok = tok
-        self.role_ids = {role: ids[t] for role, t in ROLE_TOKENS.items()}
-        self.end_id = ids[END]
-        self.eot_id = tok.eot_id
+        self.tok, self.eot_id = tok, tok.eot_id
+        # The 4 chat tokens must be special (added) tokens of a BPE tokenizer.
+        self.ids = {t: getattr(tok, "token_id", lambda t: None)(t) for t in CHAT_TOKENS}
+        for t, i in self.ids.items():
+            if i is None:
+                raise ChatError(f"the tokenizer has no {t} token: chat data needs a BPE tokenizer with the chat "
+                                f"tokens (tokenize --format chat adds them)")
+        self.role_ids = {role: self.ids[t] for role, t in ROLE_TOKENS.items()}
+        self.end_id = self.ids[END]
         self.nl_ids = list(tok.encode("\n"))
 
     def piece_ids(self, piece, content_ids: Sequence[int]) -> tuple[list[int], tuple[int, int] | None]:
@@ -150,21 +135,18 @@ class ChatTemplate:
         for p, x in zip(pieces, encoded):
             seq, span = self.piece_ids(p, x)
             if span is not None:
-                s, e = len(ids) + span[0], len(ids) + span[1]
-                if spans and spans[-1][1] == s:
-                    spans[-1][1] = e  # one span per turn, however its content was cut
-                else:
-                    spans.append([s, e])
+                spans.append((len(ids) + span[0], len(ids) + span[1]))
             ids.extend(seq)
         if generation_prompt:
             ids.append(self.role_ids["assistant"])
         elif add_eot:
             ids.append(self.eot_id)
-        return np.array(ids, dtype=np.int64), np.array(spans, dtype=np.int64).reshape(-1, 2)
+        # one span per turn, however its content was cut
+        return np.array(ids, dtype=np.int64), merge_spans(np.array(spans, dtype=np.int64).reshape(-1, 2))
 
     def meta(self) -> dict[str, Any]:
         """What meta.json records of the template."""
-        return {"template_version": TEMPLATE_VERSION, "tokens": {t: int(self.tok.token_id(t)) for t in CHAT_TOKENS},
+        return {"template_version": TEMPLATE_VERSION, "tokens": {t: int(i) for t, i in self.ids.items()},
                 "eot_id": int(self.eot_id), "newline_ids": [int(i) for i in self.nl_ids]}
 
 
@@ -184,14 +166,3 @@ def first_prompts(ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_l
             out.append(ids[max(begin, start - max_len):start])
     return out
 
-
-def chat_token_ids(tok) -> dict[str, int]:
-    """The ids of the 4 chat tokens, which must be special (added) tokens of a BPE tokenizer."""
-    ids = {}
-    for t in CHAT_TOKENS:
-        i = tok.token_id(t) if hasattr(tok, "token_id") else None
-        if i is None:
-            raise ChatError(f"the tokenizer has no {t} token: chat data needs a BPE tokenizer with the chat tokens "
-                            f"(tokenize --format chat adds them)")
-        ids[t] = i
-    return ids

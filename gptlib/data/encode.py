@@ -1,19 +1,11 @@
-"""The tokenizing pass of prepare.py: pieces -> encode batches -> train/val shard writers.
+"""The tokenizing pass of prepare.py (pieces -> encode batches -> train/val shard writers), and its output
+directory: only tokenize's files, written by one tokenize at a time (its lease, as a training run holds its run
+directory's); a killed one's lease is taken over, Ctrl-C ends in one line saying what is kept.
 
-- Batches of ~BATCH_CHARS text are encoded by one `encode_batch` call (parallel in the Rust library).
-- Each document goes to train or val by a hash of (its source's key, its index); tail mode forces it.
-- Text documents are followed by the end-of-text id; chat pieces are rendered by chat.ChatTemplate
-  (role markers, content, end-of-turn) and their assistant spans go to the writers with the tokens.
-- max_tokens: the pass stops at the first document end at or after that many tokens (train + val);
-  documents are never cut.
-- Resume: the state (prepare_state.json) is saved at every completed shard with the input position of
-  the batch that completed it; a resumed pass redoes that batch and gets the same bytes.
-- Progress: a tqdm bar in input bytes (MB/s, ETA) with the tokens so far and tokens/s; with
-  max_tokens also its share and an ETA by tokens.
-- The output directory: it holds only what tokenize writes (and lease.json while a tokenize runs), never a
-  training run's files. One tokenize writes it at a time: `one_writer` holds its lease (gptlib.lease, as a
-  training run holds its run directory's), so a second tokenize there (another notebook tab) refuses at once,
-  naming the first; a killed one's lease is taken over. Ctrl-C ends in one line saying what is kept.
+Each document goes to train or val by a hash of (its source's key, its index), or as tail mode forces it; text
+documents are followed by the end-of-text id, chat pieces rendered by ChatTemplate with their assistant spans. The
+state (prepare_state.json) is saved at every completed shard with the input position of the batch that completed
+it: a resumed pass redoes that batch and gets the same bytes.
 """
 
 from __future__ import annotations
@@ -23,9 +15,8 @@ import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -45,63 +36,67 @@ STATE_FILE = PREPARE_STATE_FILE  # present only while a tokenize run is unfinish
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
-    """Token id lists (BPE) or arrays (char) -> one array of the shard dtype."""
-    if not parts:
-        return np.zeros(0, dtype=dtype)
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts).astype(dtype, copy=False)
-    n = sum(len(p) for p in parts)
-    out = np.empty(n, dtype=dtype)
+    """Token id lists (BPE) or arrays (char) -> one array of the shard dtype: a C-speed slice assignment per part,
+    no array made per list."""
+    out = np.empty(sum(map(len, parts)), dtype=dtype)
     i = 0
-    for p in parts:  # np.array per list is C-speed; one Python step per piece, not per token
+    for p in parts:
         out[i:i + len(p)] = p
         i += len(p)
     return out
 
 
-@dataclass
-class Batch:
-    """The pieces of one encode call, and the reader's counters as they stood right after reading them."""
+def _copy(obj):
+    return json.loads(json.dumps(obj))
+
+
+class Batch(NamedTuple):
+    """The pieces of one encode call, and the reader's counters (inputs.invalid_utf8.count, stats["skipped_files"])
+    as they stood right after reading them."""
 
     pieces: list[Piece]
-    invalid_utf8: int  # inputs.invalid_utf8.count
-    skipped_files: list  # stats["skipped_files"]
+    invalid_utf8: int
+    skipped_files: list
 
 
 class Pass:
-    """One pass over the corpus from progress["resume"] on (see the module docstring). Updates
-    progress["emitted"] and progress["stats"]; `writers` hold the last shards, not yet flushed."""
+    """One pass over the corpus from progress["resume"] on (see the module docstring), with the options of `spec`.
+    Updates progress["emitted"] and progress["stats"]; `writers` hold the last shards, not yet flushed."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict, val_fraction: float, shard_tokens: int, fmt: str, max_tokens: int | None,
-                 batch_chars: int = BATCH_CHARS, write_json=atomic_write_json):
-        self.state_path = out_dir / STATE_FILE
-        self.batch_chars, self.write_json = batch_chars, write_json
-        self.spec, self.identity, self.sources = spec, identity, sources
-        self.tok, self.is_bpe, self.eot = tok, isinstance(tok, BPETokenizer), tok.eot_id
-        self.template = ChatTemplate(tok) if fmt == "chat" else None
-        self.emitted, self.stats, shards = progress["emitted"], progress["stats"], progress["shards"]
-        self.max_tokens = max_tokens
+                 progress: dict, batch_chars: int, write_json, lease: RunLease | NoLease | None, verbose: bool):
+        from tqdm.auto import tqdm
+
+        self.out_dir, self.batch_chars, self.write_json, self.lease = out_dir, batch_chars, write_json, lease
+        self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
+        self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
+        self.emitted, self.stats = progress["emitted"], progress["stats"]
+        self.max_tokens = spec.get("max_tokens")
         self.stopped: dict | None = None
-        self.threshold = int(val_fraction * 2**64)
-        self.last_doc: list = [None, "train"]  # (file, doc) -> split of the last document: a long one comes in pieces
+        self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted),
-                            "stats": json.loads(json.dumps(self.stats))}
-        dtype = dtype_for_vocab(tok.vocab_size)
+        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted), "stats": _copy(self.stats)}
+        self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
-        self.writers = {s: ShardWriter(out_dir, s, dtype, shard_tokens, shards[s], on_full=self.on_full,
-                                       skip=sum(x["tokens"] for x in shards[s]) - self.emitted[s],
+        done = progress["shards"]
+        self.writers = {s: ShardWriter(out_dir, s, self.dtype, spec["shard_tokens"], done[s], on_full=self.on_full,
+                                       skip=sum(x["tokens"] for x in done[s]) - self.emitted[s],
                                        with_spans=self.template is not None) for s in ("train", "val")}
-        self.dtype = dtype
         self.save_state()  # marks out_dir as this run's, before the first shard
         self.tokens_run, self.t_run = 0, time.time()
+        # Progress in input bytes (MB/s, ETA), with the tokens so far (show).
+        self.bar = tqdm(total=sum(s.size for s in sources), initial=int(self.stats["bytes"]), unit="B", unit_scale=True,
+                        unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
 
     def save_state(self) -> None:
+        """The state as it stood before the current batch; first checked that out_dir is still this process's: a
+        tokenize whose lease another one took over (--take-over, a stale heartbeat) stops (LeaseLost) here."""
+        if self.lease is not None:
+            self.lease.check(self.out_dir)
         b = self.batch_start
-        self.write_json(self.state_path, {"spec": self.spec, "tokenizer": self.identity, "resume": b["pos"],
-                                             "emitted": b["emitted"], "stats": b["stats"],
-                                             "shards": {s: w.shards for s, w in self.writers.items()}})
+        self.write_json(self.out_dir / STATE_FILE, {"spec": self.spec, "tokenizer": self.identity, "resume": b["pos"],
+                                                    "emitted": b["emitted"], "stats": b["stats"],
+                                                    "shards": {s: w.shards for s, w in self.writers.items()}})
 
     def on_full(self, w: ShardWriter) -> None:
         # Cut the other split too, so that everything before this batch is in completed shards
@@ -112,12 +107,10 @@ class Pass:
         self.save_state()
 
     def doc_split(self, fi: int, doc: int) -> str:
-        if self.last_doc[0] != (fi, doc):
-            h = hashlib.blake2b(f"{self.sources[fi].key}:{doc}".encode(), digest_size=8).digest()
-            self.last_doc[:] = [(fi, doc), "val" if int.from_bytes(h, "little") < self.threshold else "train"]
-        return self.last_doc[1]
+        h = hashlib.blake2b(f"{self.sources[fi].key}:{doc}".encode(), digest_size=8).digest()
+        return "val" if int.from_bytes(h, "little") < self.threshold else "train"
 
-    def run(self, pieces_iter, bar) -> None:
+    def run(self, pieces_iter) -> None:
         """Batches in input order, each encoded on a worker thread while this thread stores the previous
         batch's tokens and reads the next batch's text (the library releases the GIL while it encodes, so
         reading, storing and encoding overlap on all cores). What is stored, and when, is as if one batch
@@ -130,58 +123,55 @@ class Pass:
                 try:
                     batch = next(batches, None)
                 except BaseException:
-                    if held is not None and self.store(held, bar):
-                        return  # one batch at a time would have stopped before this read
-                    raise
+                    if held is None or not self.store(*held):
+                        raise
+                    return  # one batch at a time would have stopped before this read
                 ahead = None if batch is None else (batch, pool.submit(self.encode, batch.pieces))
-                if held is not None and self.store(held, bar):
-                    return
-                if ahead is None:
+                if (held is not None and self.store(*held)) or ahead is None:
                     return
                 held = ahead
 
-    def store(self, held: tuple, bar) -> bool:
+    def store(self, batch: Batch, ids) -> bool:
         """Store a batch once encoded -> whether max_tokens stopped the pass in it; if so the reader's
         counters go back to where they stood after this batch (the batch read ahead never happened)."""
-        batch, ids = held
-        self.run_batch(batch, ids.result(), bar)
+        self.run_batch(batch, ids.result())
         if self.stopped:
             invalid_utf8.count = batch.invalid_utf8
             self.stats["skipped_files"][:] = batch.skipped_files  # the list iter_corpus appends to
         return bool(self.stopped)
 
     def batches(self, pieces_iter) -> Iterator[Batch]:
+        """The pieces in batches of ~batch_chars, each with the reader's counters as they stand after it."""
         pieces: list[Piece] = []
         n_chars = 0
         for piece in pieces_iter:
             pieces.append(piece)
             n_chars += len(piece.text)
             if n_chars >= self.batch_chars:
-                yield self.batch(pieces)
+                yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
                 pieces, n_chars = [], 0
         if pieces:
-            yield self.batch(pieces)
-
-    def batch(self, pieces: list[Piece]) -> Batch:
-        """pieces with the reader's counters as they stand after reading them."""
-        return Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
+            yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
 
     def encode(self, pieces: list[Piece]) -> list:
         texts = [p.text for p in pieces]
-        return self.tok.encode_batch_ids(texts) if self.is_bpe else self.tok.encode_batch(texts)
+        return self.tok.encode_batch_ids(texts) if isinstance(self.tok, BPETokenizer) else self.tok.encode_batch(texts)
 
-    def run_batch(self, batch: Batch, ids: list, bar) -> None:
-        pieces = batch.pieces
+    def run_batch(self, batch: Batch, ids: list) -> None:
         parts: dict[str, list] = {"train": [], "val": []}
         spans: dict[str, list] = {"train": [], "val": []}
         count = {"train": 0, "val": 0}  # tokens of this batch per split so far
-        total0 = self.emitted["train"] + self.emitted["val"]
-        stats, nbytes, last = self.stats, 0.0, None
-        for p, x in zip(pieces, ids):
+        total0, stats, eot = self.emitted["train"] + self.emitted["val"], self.stats, self.tok.eot_id
+        nbytes, last = 0.0, None
+        for p, x in zip(batch.pieces, ids):
             last = p
             nbytes += p.nbytes
             if p.malformed is not None:
-                self.count_malformed(p)
+                stats["malformed_conversations"] = stats.get("malformed_conversations", 0) + 1
+                examples = stats.setdefault("malformed_examples", [])
+                if len(examples) < EXAMPLES_KEPT:
+                    examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc,
+                                     "reason": p.malformed})
                 continue
             s = p.split or self.doc_split(p.pos["file"], p.doc)  # pos["file"] is the piece's own file
             if self.template is not None and p.role is not None:
@@ -195,24 +185,14 @@ class Pass:
             if p.doc_end:
                 if p.text:
                     stats["documents"] += 1
-                    if self.eot is not None:
-                        parts[s].append([self.eot] if self.is_bpe else np.array([self.eot], dtype=np.int64))
+                    if eot is not None:
+                        parts[s].append([eot])
                         count[s] += 1
                 else:  # a blank line, null or "" value
                     stats["empty_documents"] += 1
                 if self.max_tokens is not None and total0 + count["train"] + count["val"] >= self.max_tokens:
                     self.stopped = {"file": str(self.sources[p.pos["file"]].path), "document": p.doc}
                     break
-        self.finish_batch(parts, spans, nbytes, last, bar, batch)
-
-    def count_malformed(self, p: Piece) -> None:
-        st = self.stats
-        st["malformed_conversations"] = st.get("malformed_conversations", 0) + 1
-        examples = st.setdefault("malformed_examples", [])
-        if len(examples) < EXAMPLES_KEPT:
-            examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc, "reason": p.malformed})
-
-    def finish_batch(self, parts: dict, spans: dict, nbytes: float, last: Piece, bar, batch: Batch) -> None:
         for s in ("train", "val"):
             arr = to_array(parts[s], self.dtype)
             self.emitted[s] += int(arr.size)
@@ -223,66 +203,38 @@ class Pass:
             self.writers[s].write(arr, sp)
         self.stats["bytes"] += nbytes
         self.stats["replaced_invalid_utf8"] = batch.invalid_utf8
-        self.show(bar, nbytes)
+        self.show(nbytes)
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
-        stats = json.loads(json.dumps(self.stats))
-        stats["skipped_files"] = json.loads(json.dumps(batch.skipped_files))
-        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted), "stats": stats}
+        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
+                            "stats": _copy({**self.stats, "skipped_files": batch.skipped_files})}
 
-    def show(self, bar, nbytes: float) -> None:
+    def show(self, nbytes: float) -> None:
+        bar = self.bar
         bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot by a hair
         rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
         total = self.emitted["train"] + self.emitted["val"]
         post = f"{total / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
         if self.max_tokens:
-            left = max(0, self.max_tokens - total) / max(rate, 1e-9)
-            post += f", {min(1.0, total / self.max_tokens):.0%} of max-tokens (ETA {_hms(left)})"
+            left = int(max(0, self.max_tokens - total) / max(rate, 1e-9))
+            post += (f", {min(1.0, total / self.max_tokens):.0%} of max-tokens "
+                     f"(ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d})")
         bar.set_postfix_str(post, refresh=False)
 
 
-def _hms(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
-
-
 def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source], progress: dict,
-                  split_mode: str, val_fraction: float, text_column: str | None, on_bad_file: str, shard_tokens: int,
-                  verbose: bool, fmt: str = "text", max_tokens: int | None = None, batch_chars: int = BATCH_CHARS,
+                  text_column: str | None, verbose: bool, batch_chars: int = BATCH_CHARS,
                   write_json=atomic_write_json, lease: RunLease | NoLease | None = None) -> tuple[dict, dict | None]:
-    """The pass (see Pass); returns the writers (last shards not yet flushed) and where max_tokens
-    stopped it (None: the end of the input). batch_chars, write_json: prepare.py passes its own (tests
-    shrink the batches and simulate a kill while the state is written). lease: out_dir's (one_writer),
+    """The pass (see Pass) with the options of `spec` (prepare's); returns the writers (last shards not yet
+    flushed) and where max_tokens stopped it (None: the end of the input). batch_chars, write_json: prepare.py
+    passes its own (tests shrink the batches and simulate a kill while the state is written). lease: out_dir's,
     checked before every state save."""
-    from tqdm.auto import tqdm
-
-    if lease is not None:
-        write_json = _guarded(write_json, lease, out_dir)
-    p = Pass(out_dir, spec, tok, identity, sources, progress, val_fraction, shard_tokens, fmt, max_tokens,
-             batch_chars, write_json)
-    stats = progress["stats"]
-    bar = tqdm(total=sum(s.size for s in sources), initial=int(stats["bytes"]), unit="B", unit_scale=True,
-               unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
+    p = Pass(out_dir, spec, tok, identity, sources, progress, batch_chars, write_json, lease, verbose)
     # A parquet file skipped mid-way is appended to stats["skipped_files"]; its earlier rows stay
     # (deterministic on resume).
-    try:
-        p.run(iter_corpus(sources, progress["resume"], stats["skipped_files"], split_mode, val_fraction,
-                          text_column, on_bad_file, fmt), bar)
-    finally:
-        bar.close()
+    with p.bar:
+        p.run(iter_corpus(sources, progress["resume"], progress["stats"]["skipped_files"], spec["split"],
+                          spec["val_fraction"], text_column, spec["on_bad_file"], spec.get("format", "text")))
     return p.writers, p.stopped
-
-
-def _guarded(write_json, lease: RunLease | NoLease, out_dir: Path):
-    """write_json, after checking that out_dir is still this process's: a tokenize whose lease another one took
-    over (--take-over, or a heartbeat that went stale) stops (LeaseLost) before it writes its state again."""
-    def write(path, obj):
-        lease.check(out_dir)
-        write_json(path, obj)
-    return write
-
-
-# --------------------------------------------------------------------------------------------
-# The output directory
 
 
 def our_files(out_dir: Path) -> list[Path]:
@@ -295,18 +247,15 @@ def our_files(out_dir: Path) -> list[Path]:
         p.name in names or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val")) or TMP_MARKER in p.name)]
 
 
-# What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
-# lease.json alone does not: a tokenize holds one in its data directory too (one_writer); a training run that
-# holds one is refused by the lease itself, naming it.
-_RUN_MARKERS = (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE)
-
-
 def check_output_dir(out_dir: Path) -> None:
     """Refuse an output directory that is a training run, or that holds files tokenize did not write (even
     with overwrite, which replaces only a previous dataset's files)."""
     if not out_dir.is_dir():
         return
-    run = [n for n in _RUN_MARKERS if (out_dir / n).exists()]
+    # What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
+    # lease.json alone does not: a tokenize holds one in its data directory too; a training run that holds one is
+    # refused by the lease itself, naming it.
+    run = [n for n in (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE) if (out_dir / n).exists()]
     if run:
         raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
                            f"there would replace the run's tokenizer.json; give the data a directory of its own, "
@@ -320,13 +269,20 @@ def check_output_dir(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLease | NoLease]:
-    """Hold out_dir's lease while tokenizing into it: taken before anything there is read or changed, released
-    however the run ends. A second tokenize there raises RunBusyError naming this one. Ctrl-C: one line saying
-    what is kept (the same command continues from prepare_state.json), then the KeyboardInterrupt goes on."""
+    """Hold out_dir's lease (gptlib.lease, as a training run holds its run directory's) while tokenizing into it:
+    taken before anything there is read or changed, released however the run ends. A second tokenize there raises
+    RunBusyError naming this one; a killed one's lease is taken over. Ctrl-C: one line saying what is kept (the
+    same command continues from prepare_state.json), then the KeyboardInterrupt goes on."""
     created = not out_dir.exists()
     lease = None
     try:
-        lease = _lease(out_dir, take_over, verbose)
+        try:
+            lease = RunLease([out_dir], take_over, log=print if verbose else (lambda msg: None),
+                             command="tokenize").acquire()
+        except RunDirError:
+            if not (out_dir / META_FILE).is_file():
+                raise
+            lease = NoLease()  # a finished dataset on a read-only disk: reused as before; no writer to keep out
         yield lease
     except KeyboardInterrupt:
         # A write cut short removes its own temp file; one cut right after creating it may not have: while the
@@ -340,15 +296,6 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
         if created:
             with contextlib.suppress(OSError):  # refused before writing anything: no empty directory is left
                 out_dir.rmdir()
-
-
-def _lease(out_dir: Path, take_over: bool, verbose: bool) -> RunLease | NoLease:
-    try:
-        return RunLease([out_dir], take_over, log=print if verbose else (lambda msg: None), command="tokenize").acquire()
-    except RunDirError:
-        if not (out_dir / META_FILE).is_file():
-            raise
-        return NoLease()  # a finished dataset on a read-only disk: reused as before; no writer to keep out
 
 
 def stopped_message(out_dir: Path) -> str:

@@ -12,18 +12,18 @@ from gptlib.data.shards import DatasetMeta, read_meta
 from gptlib.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 
-def print_tokenize_summary(meta: DatasetMeta, n_sources: int, stats: dict, elapsed: float, out_dir: Path) -> None:
+def print_tokenize_summary(meta: DatasetMeta) -> None:
     """The line tokenize ends with, and what it replaced or skipped."""
-    n = meta.tokens("train") + meta.tokens("val")
-    print(f"tokenized {n_sources} file(s), {stats['documents']:,} documents, {stats['characters']:,} "
+    m, n = meta.raw, meta.tokens("train") + meta.tokens("val")
+    print(f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "
           f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
-          f"({stats['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
+          f"({m['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
           f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
-          f"{elapsed:.1f}s -> {out_dir}")
-    if meta.raw.get("stop_reason") == "max_tokens":
-        at = meta.raw["stopped_at"]
-        print(f"stopped at --max-tokens {meta.raw['max_tokens']:,}: after document {at['document']:,} of {at['file']}")
-    report_problems(meta.raw)
+          f"{m['elapsed_s']:.1f}s -> {meta.data_dir}")
+    if m.get("stop_reason") == "max_tokens":
+        print(f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
+              f"{m['stopped_at']['file']}")
+    report_problems(m)
 
 
 def report_problems(m: dict) -> None:
@@ -63,8 +63,8 @@ def summarize(data_dir: str | Path) -> dict[str, Any]:
         "validation split": m.get("split"),
         "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
         "skipped files/row groups": len(m.get("skipped_files", [])),
-        **({"malformed conversations": m.get("malformed_conversations", 0),
-            "assistant tokens (train)": m.get("assistant_tokens", {}).get("train", 0)} if meta.format == "chat" else {}),
+        **({"malformed conversations": m.get("malformed_conversations", 0), "assistant tokens (train)":
+            m.get("assistant_tokens", {}).get("train", 0)} if meta.format == "chat" else {}),
         **({"stopped by max-tokens": m.get("stop_reason") == "max_tokens"} if "max_tokens" in m else {}),
         "seconds": m.get("elapsed_s"),
     }
@@ -72,16 +72,14 @@ def summarize(data_dir: str | Path) -> dict[str, Any]:
 
 def print_summary(data_dir: str | Path) -> None:
     """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
-    meta = read_meta(data_dir)
     for key, value in summarize(data_dir).items():
         print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
-    report_problems(meta.raw)
+    report_problems(read_meta(data_dir).raw)
 
 
 def decoded_sample(data_dir: str | Path, n_tokens: int = 200, split: str = "val") -> str:
     """The first n_tokens of a split, decoded: a quick look that the data is what it should be."""
     meta = read_meta(data_dir)
     tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    first = meta.shard_paths(split)[0]
-    ids = np.fromfile(first, dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
+    ids = np.fromfile(meta.shard_paths(split)[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
     return tok.decode(ids.tolist())

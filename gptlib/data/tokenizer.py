@@ -1,10 +1,8 @@
-"""Tokenizers behind one small interface, saved beside the data as `tokenizer.json`.
+"""Tokenizers behind one small interface, saved beside the data as `tokenizer.json`: `CharTokenizer` (one id per
+character of the corpus) and `BPETokenizer` (byte-level BPE from the Rust `tokenizers` library).
 
-- `CharTokenizer`: one id per character of the training corpus (Phase 1).
-- `BPETokenizer`: byte-level BPE from the Rust `tokenizers` library (Phase 2/3).
-
-Every tokenizer has an identity `{"kind", "hash"}` (sha256 of its saved file) that is stored in
-the data's metadata and in every checkpoint, so data, model and tokenizer cannot disagree.
+A tokenizer's identity `{"kind", "hash", "vocab_size"}` (hash: sha256 of its saved file) is stored in the data's
+metadata and in every checkpoint, so data, model and tokenizer cannot disagree.
 """
 
 from __future__ import annotations
@@ -30,11 +28,12 @@ class Tokenizer:
     vocab_size: int
     eot_id: int | None = None  # document separator id, None if the tokenizer has none
 
+    # A tokenizer defines one of encode and encode_array; each gives the other.
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
     def encode_array(self, text: str) -> np.ndarray:
-        raise NotImplementedError
+        return np.array(self.encode(text), dtype=np.int64)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [self.encode_array(t) for t in texts]
@@ -55,7 +54,8 @@ class Tokenizer:
         return path
 
     def identity(self) -> dict:
-        return {"kind": self.kind, "hash": hashlib.sha256(self.to_json_bytes()).hexdigest(), "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "hash": hashlib.sha256(self.to_json_bytes()).hexdigest(),
+                "vocab_size": self.vocab_size}
 
 
 class CharTokenizer(Tokenizer):
@@ -74,48 +74,37 @@ class CharTokenizer(Tokenizer):
         self.unknown = unknown
         # With the 'map' policy the last id stands for every character not in the corpus.
         self.unk_id = len(self.chars) if unknown == "map" else None
-        self.vocab_size = len(self.chars) + (1 if unknown == "map" else 0)
-        self.eot_id = None
+        self.vocab_size = len(self.chars) + (unknown == "map")
         codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
         # Dense code-point -> id table: encoding is one vectorised lookup, not a Python loop.
         self._lut = np.full(int(codes.max()) + 1, -1, dtype=np.int32)
         self._lut[codes] = np.arange(len(codes), dtype=np.int32)
 
     @classmethod
-    def from_text(cls, text: str, unknown: str = "error") -> "CharTokenizer":
+    def from_text(cls, text: Iterable[str], unknown: str = "error") -> "CharTokenizer":
+        """The characters of `text` (a string, or any iterable of characters)."""
         return cls(sorted(set(text)), unknown=unknown)
 
-    @classmethod
-    def from_chars(cls, chars: Iterable[str], unknown: str = "error") -> "CharTokenizer":
-        return cls(sorted(set(chars)), unknown=unknown)
-
     def encode_array(self, text: str) -> np.ndarray:
-        if not text:
-            return np.zeros(0, dtype=np.int32)
         cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int64)
         ids = np.full(cps.shape, -1, dtype=np.int32)
         in_range = cps < len(self._lut)
         ids[in_range] = self._lut[cps[in_range]]
         bad = np.flatnonzero(ids < 0)
+        if bad.size and self.unk_id is None:
+            i = int(bad[0])
+            raise TokenizerError(
+                f"character {text[i]!r} (U+{ord(text[i]):04X}) at position {i} is not in the char vocabulary "
+                f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
+                f"remove or replace it, or build the tokenizer from text that has it"
+            )
         if bad.size:
-            if self.unk_id is None:
-                i = int(bad[0])
-                ch = text[i]
-                raise TokenizerError(
-                    f"character {ch!r} (U+{ord(ch):04X}) at position {i} is not in the char vocabulary "
-                    f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
-                    f"remove or replace it, or build the tokenizer from text that has it"
-                )
             ids[bad] = self.unk_id
         return ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        out = []
         n = len(self.chars)
-        for i in ids:
-            i = int(i)
-            out.append(self.chars[i] if 0 <= i < n else "\ufffd")
-        return "".join(out)
+        return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in map(int, ids))
 
     def to_json_bytes(self) -> bytes:
         return json.dumps({"kind": "char", "chars": "".join(self.chars), "unknown": self.unknown},
@@ -125,17 +114,15 @@ class CharTokenizer(Tokenizer):
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style) from the Rust `tokenizers` library; no unknown tokens.
 
-    `<|endoftext|>` is a special token (`eot_id`) that only the pipeline inserts, between
-    documents: a literal "<|endoftext|>" inside the text is encoded as ordinary text
-    (`encode_special_tokens = True`), so a document can never forge a document boundary. The chat
-    role markers (chat.py) are special tokens too, inserted by id in the same way.
+    `<|endoftext|>` (`eot_id`) and the chat role markers are special tokens that only the pipeline inserts, by
+    id: special tokens in the text are encoded as ordinary text (`encode_special_tokens = True`), so a document
+    can never forge a document boundary or a turn.
     """
 
     kind = "bpe"
 
     def __init__(self, tk, json_bytes: bytes | None = None):
         self._tk = tk
-        # Special tokens found in the text are split like any other text, never matched.
         self._tk.encode_special_tokens = True
         # The exact bytes saved beside the data: identity() hashes them, so a reloaded tokenizer
         # has the same identity as the one that made the data.
@@ -149,12 +136,9 @@ class BPETokenizer(Tokenizer):
     def train(cls, texts: Iterable[str], vocab_size: int = 32768, min_frequency: int = 2,
               length: int | None = None, show_progress: bool = False,
               extra_special: Sequence[str] = ()) -> "BPETokenizer":
-        """Train on a stream of texts (bounded memory: the trainer keeps word counts, not text).
-
-        The vocabulary holds the 256 byte symbols, `<|endoftext|>` (id 0), the `extra_special`
-        tokens (ids 1, 2, ...: the chat tokens for chat data) and the merges, up to `vocab_size` ids
-        in all; a small corpus may stop short of it (fewer merges exist).
-        """
+        """Train on a stream of texts (bounded memory: the trainer keeps word counts, not text). The vocabulary:
+        `<|endoftext|>` (id 0), the `extra_special` tokens (ids 1, 2, ...), the 256 byte symbols and the merges,
+        up to `vocab_size` ids in all (a small corpus may stop short of it)."""
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -187,23 +171,18 @@ class BPETokenizer(Tokenizer):
         vocabulary, every existing id unchanged. A token that exists as an ordinary vocabulary entry
         is refused (text could then produce its id)."""
         from tokenizers import AddedToken
-        from tokenizers import Tokenizer as HFTokenizer
 
-        added = {t.content for t in self._tk.get_added_tokens_decoder().values() if t.special}
-        missing = []
-        for t in tokens:
-            if t in added:
-                continue
+        missing = [t for t in tokens if self.token_id(t) is None]
+        for t in missing:
             if self._tk.token_to_id(t) is not None:
                 raise TokenizerError(f"token {t!r} is an ordinary entry of this tokenizer's vocabulary "
                                      f"(id {self._tk.token_to_id(t)}), not a special token: it cannot mark turns")
-            missing.append(t)
         if not missing:
             return self
-        tk = HFTokenizer.from_str(self._json.decode())
+        tk = type(self._tk).from_str(self._json.decode())
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         out = BPETokenizer(tk)
-        got = [out._tk.token_to_id(t) for t in missing]
+        got = [out.token_id(t) for t in missing]
         if got != list(range(self.vocab_size, self.vocab_size + len(missing))):
             raise TokenizerError(f"adding {missing} gave ids {got}, not the {len(missing)} ids after the vocabulary "
                                  f"({self.vocab_size}...)")
@@ -211,16 +190,11 @@ class BPETokenizer(Tokenizer):
 
     def token_id(self, token: str) -> int | None:
         """The id of a special (added) token, None if it is not one."""
-        for i, t in self._tk.get_added_tokens_decoder().items():
-            if t.content == token and t.special:
-                return int(i)
-        return None
+        return next((int(i) for i, t in self._tk.get_added_tokens_decoder().items()
+                     if t.content == token and t.special), None)
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.array(self.encode(text), dtype=np.int64)
 
     def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel on all cores inside the library."""

@@ -18,6 +18,8 @@ import signal
 import time
 
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "enotconn": errno.ENOTCONN}
+_SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+_SLEEP_S = {"kill": 10, "hang": 3600, "slow": 0.05}  # kill: the signal arrives asynchronously; never run past it
 
 
 def fault_point(name: str, step: int | None = None) -> None:
@@ -30,16 +32,11 @@ def fault_point(name: str, step: int | None = None) -> None:
         point, _, at = rest.partition("@")
         if point != name or (at and step is not None and int(at) != step):
             continue
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(10)  # the signal arrives asynchronously; never run past the fault point
-        elif action == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif action == "interrupt":
+        if action in _SIGNAL:
+            os.kill(os.getpid(), _SIGNAL[action])
+        if action == "interrupt":
             raise KeyboardInterrupt(f"GPTLIB_FAULT {item}")
-        elif action in _ERRNO:
+        if action in _ERRNO:
             raise OSError(_ERRNO[action], os.strerror(_ERRNO[action]))
-        elif action == "hang":
-            time.sleep(3600)
-        elif action == "slow":
-            time.sleep(0.05)
+        if action in _SLEEP_S:
+            time.sleep(_SLEEP_S[action])

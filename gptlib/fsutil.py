@@ -1,13 +1,10 @@
 """File operations that survive crashes and hung mounts.
 
-- Crash-safe writes: temp file in the same directory, flush + fsync, rename. A reader never sees a
-  half-written file under the final name; a crash leaves at most a `*.tmp-*` file, which
-  `clean_temp_files` removes on the next run.
-- A write that fails because the disk is full, read-only or not ours (`cannot_write`) is one line naming
-  the directory, its disk (mount point, free space) and the fix.
-- Calls with a time limit: a read or copy on a FUSE mount that stops answering (Google Drive does)
-  blocks forever in the kernel. `call_with_timeout` runs it in a daemon thread and gives up on it
-  (HungIOError) once it has made no progress for a while.
+- Crash-safe writes: temp file beside the target, fsync, rename; a crash leaves at most a `*.tmp-*` file,
+  which `clean_temp_files` removes on the next run.
+- A write that fails (disk full, read-only, not ours) is one line naming the directory, its disk and the fix.
+- Calls with a time limit: a read on a FUSE mount that stops answering (Google Drive does) blocks forever in
+  the kernel; `call_with_timeout` abandons it (HungIOError) once it has made no progress for a while.
 """
 
 from __future__ import annotations
@@ -21,6 +18,8 @@ import stat
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
+from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any, Callable
 
@@ -31,16 +30,12 @@ TMP_MARKER = ".tmp-"
 
 def fsync_dir(path: Path) -> None:
     """Make a rename durable (POSIX); a no-op where directories cannot be opened (Windows)."""
-    try:
+    with suppress(OSError):
         fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -55,10 +50,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     fsync_dir(path.parent)
 
@@ -68,40 +61,26 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
+        while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()
 
 
 def clean_temp_files(directory: str | Path) -> list[Path]:
     """Remove temp files left by an interrupted atomic write; returns what was removed."""
-    directory = Path(directory)
     removed = []
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if TMP_MARKER in p.name and p.is_file():
-                try:
-                    p.unlink()
-                    removed.append(p)
-                except OSError:
-                    pass
+    for p in Path(directory).iterdir() if Path(directory).is_dir() else []:
+        if TMP_MARKER in p.name and p.is_file():
+            with suppress(OSError):
+                p.unlink()
+                removed.append(p)
     return removed
-
-
-def _mount_point(path: Path) -> Path:
-    path = path.resolve()
-    while not os.path.ismount(path) and path.parent != path:
-        path = path.parent
-    return path
 
 
 def _size(n: float) -> str:
@@ -119,7 +98,10 @@ def describe_disk(path: str | Path, timeout: float = 5.0) -> str:
         p = Path(path)
         while not p.exists() and p.parent != p:
             p = p.parent
-        return _mount_point(p), shutil.disk_usage(p)
+        mount = p.resolve()
+        while not os.path.ismount(mount) and mount.parent != mount:
+            mount = mount.parent
+        return mount, shutil.disk_usage(p)
 
     try:
         mount, usage = call_with_timeout(look, timeout, what=f"looking at the disk of {path}")
@@ -166,10 +148,6 @@ def check_dir(path: str | Path, what: str) -> bool:
     return True
 
 
-class Cancelled(Exception):
-    """Raised at a Progress.tick() after the call's watchdog gave up on it."""
-
-
 class Progress:
     """Shared between a long I/O call and its watchdog: the last progress time and a cancel flag."""
 
@@ -180,7 +158,7 @@ class Progress:
 
     def tick(self, nbytes: int = 0) -> None:
         if self.cancel.is_set():
-            raise Cancelled()
+            raise TimeoutError("abandoned by its watchdog (no progress in time)")
         self.t = time.monotonic()
         self.bytes += nbytes
 
@@ -205,27 +183,23 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float, progress: Progress 
     """Run fn in a daemon thread; HungIOError once it has gone `timeout` seconds without returning
     (or, given `progress`, without a progress.tick(); fn is then asked to stop at its next tick).
 
-    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned: it is left to finish
-    (or not) on its own, so fn must only ever touch temp names or read.
+    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned (a daemon thread, unlike an executor's,
+    never holds up the interpreter's exit), so fn must only ever touch temp names or read.
     """
-    box: dict[str, Any] = {}
+    result: Future = Future()
 
     def run():
         try:
-            box["value"] = fn()
+            result.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = e
+            result.set_exception(e)
 
     progress = progress or Progress()
     t = threading.Thread(target=run, daemon=True, name="gptlib-io")
     t.start()
-    while True:
+    while t.is_alive():
         t.join(max(0.0, progress.t + timeout - time.monotonic()))
-        if not t.is_alive():
-            break
-        if time.monotonic() - progress.t >= timeout:
+        if t.is_alive() and time.monotonic() - progress.t >= timeout:
             progress.cancel.set()
             raise HungIOError(errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return result.result()

@@ -1,25 +1,16 @@
-"""One writer per run: the training process holds a lease on its run directory and on its Drive mirror (and
-tokenize on its output directory).
-
-A second `train` on the same run directory or the same mirror (a second notebook tab, a reconnect while
-the old VM still runs) refuses within seconds and names the holder. The lease file, layout.LEASE_FILE:
+"""One writer per run: training holds a lease on its run directory and its Drive mirror (tokenize on its output
+directory), so a second process there (another notebook tab, a reconnect while the old VM runs) refuses within
+seconds and names the holder. The lease file (layout.LEASE_FILE), rewritten every HEARTBEAT_S seconds:
 
     {"format": 1, "host": "...", "pid": 1234, "session": "3f2a...", "started": 1732300000.0,
      "heartbeat": 1732300420.0, "beats": 14}
 
-The holder rewrites it every HEARTBEAT_S seconds ("beats" counts up). A lease is stale, and taken over
-automatically (with a message), when
-- its holder ran on this machine and that process is gone (killed, crashed): at once;
-- its heartbeat is older than STALE_S by this machine's clock AND does not change while it is watched for
-  WATCH_S: another VM's clock may be off, so a heartbeat that moves is what proves the holder alive;
-- its heartbeat is more than SKEW_S ahead of this machine's clock (a VM whose clock ran ahead) AND does not
-  change while watched: its age is unknown, so wall-clock time alone never refuses it (for hours).
-A lease file that is unreadable, or from a newer format, is never taken as free at once: its age is its
-modification time, then the same watch. take_over=True (`--take-over`) takes any lease at once.
-
-A holder whose lease was taken (the file names another session) stops saving at once: `check()` raises
-LeaseLost, and the checkpoint writer and the Drive mirror call it before every write. Readers (sample,
-eval, export, notebook 04) need no lease.
+A lease is taken over (with a message) when its holder ran on this machine and is gone, or when its heartbeat
+is older than STALE_S, or more than SKEW_S ahead of our clock (its age unknown), AND it does not change while
+watched for WATCH_S: another VM's clock may be off, so a heartbeat that moves is what proves the holder alive.
+An unreadable or newer-format lease is never free at once: its age is its modification time, then the same
+watch. take_over=True (`--take-over`) takes any lease at once. A holder whose lease was taken stops saving at
+once: `check()` raises LeaseLost, called before every checkpoint write. Readers need no lease.
 """
 
 from __future__ import annotations
@@ -30,10 +21,11 @@ import socket
 import threading
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlib.errors import LeaseLost, RunBusyError, RunDirError, loud  # noqa: F401 - importable from here (errors.py)
+from gptlib.errors import LeaseLost, RunBusyError, loud
 from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
 from gptlib.layout import LEASE_FILE
 
@@ -59,11 +51,14 @@ class Holder:
     heartbeat: float
     beats: int
 
-    def describe(self, now: float) -> str:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        age = now - self.heartbeat
-        when = f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future"
-        return f"host {self.host}, pid {self.pid}, started {started}, last heartbeat {when} by this machine's clock"
+
+def _describe(found: Holder | str, now: float) -> str:
+    if not isinstance(found, Holder):
+        return f"a lease file that is {found}"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(found.started))
+    age = now - found.heartbeat
+    when = f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future"
+    return f"host {found.host}, pid {found.pid}, started {started}, last heartbeat {when} by this machine's clock"
 
 
 def _read(path: Path) -> Holder | str | None:
@@ -82,6 +77,11 @@ def _read(path: Path) -> Holder | str | None:
                       int(d["beats"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"malformed ({type(e).__name__}: {e})"
+
+
+def _timed(fn, path: Path, doing: str = "reading"):
+    """fn() for the lease at path, given up after IO_TIMEOUT_S (a hung Drive)."""
+    return call_with_timeout(fn, IO_TIMEOUT_S, what=f"{doing} {path}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -111,8 +111,6 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # -- acquiring ------------------------------------------------------------------------------
-
     def acquire(self) -> "RunLease":
         """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written)."""
         for d in self.dirs:
@@ -136,24 +134,23 @@ class RunLease:
 
     def _check_free(self, path: Path) -> None:
         """Return if the lease at path may be taken; raise RunBusyError if its holder may be alive."""
-        found = call_with_timeout(lambda: _read(path), IO_TIMEOUT_S, what=f"reading {path}")
+        found = _timed(lambda: _read(path), path)
         if found is None:
             return
         now = time.time()
         api = {"training": "train", "tokenize": "prepare"}.get(self.command, self.command)
         how = f"pass --take-over ({api}(..., take_over=True)) to take it anyway, or stop that process first"
         if self.take_over:
-            self.log(f"lease: taking over {path} ({found.describe(now) if isinstance(found, Holder) else found})")
+            self.log(f"lease: taking over {path} ({_describe(found, now) if isinstance(found, Holder) else found})")
             return
         if isinstance(found, Holder) and found.host == self.host:
             if not _pid_alive(found.pid):
                 self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
                 return
-            raise RunBusyError(f"{path.parent} is in use by another {self.command} process ({found.describe(now)}); "
-                               f"{how}")
-        age = now - (found.heartbeat if isinstance(found, Holder) else
-                     call_with_timeout(lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"))
-        what = found.describe(now) if isinstance(found, Holder) else f"a lease file that is {found}"
+            raise RunBusyError(f"{path.parent} is in use by another {self.command} process "
+                               f"({_describe(found, now)}); {how}")
+        age = now - (found.heartbeat if isinstance(found, Holder) else _timed(lambda: path.stat().st_mtime, path))
+        what = _describe(found, now)
         stale_s = _timing("STALE_S", STALE_S)
         if -_timing("SKEW_S", SKEW_S) <= age < stale_s:
             raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
@@ -167,34 +164,30 @@ class RunLease:
         """An old (or future) heartbeat: watch it for WATCH_S; a change means the holder is alive after all."""
         watch = _timing("WATCH_S", WATCH_S)
         self.log(f"lease: {path} {looks} ({what}); watching it for {watch:.0f} s before taking over")
-        read = lambda: call_with_timeout(path.read_bytes, IO_TIMEOUT_S, what=f"reading {path}")  # noqa: E731
-        before = read()
+        before = _timed(path.read_bytes, path)
         deadline = time.monotonic() + watch
         while time.monotonic() < deadline:
             time.sleep(min(1.0, watch / 10))
-            if read() != before:
+            if _timed(path.read_bytes, path) != before:
                 raise RunBusyError(f"{path.parent} is in use: its lease changed while watched ({what}; the other "
                                    f"machine's clock is off); {how}")
         self.log(f"lease: {path} did not change for {watch:.0f} s; taking it over")
-
-    # -- holding --------------------------------------------------------------------------------
 
     def _write(self, path: Path) -> None:
         now = time.time()
         body = {"format": LEASE_FORMAT, "host": self.host, "pid": os.getpid(), "session": self.session,
                 "started": self.started, "heartbeat": now, "beats": self.beats}
-        call_with_timeout(lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}")
+        _timed(lambda: atomic_write_json(path, body), path, "writing")
 
     def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
-        found = call_with_timeout(lambda: _read(path), IO_TIMEOUT_S, what=f"reading {path}")
+        found = _timed(lambda: _read(path), path)
         if isinstance(found, Holder) and found.session == self.session:
             return
         if found is None and on_lost is LeaseLost:  # deleted (someone tidying Drive): a taker would have written one
             loud(f"lease: {path} was deleted while this process holds the run; writing it again")
             self._write(path)
             return
-        who = found.describe(time.time()) if isinstance(found, Holder) else f"a lease file that is {found}"
-        self.lost = f"{path.parent} was taken over by another process ({who})"
+        self.lost = f"{path.parent} was taken over by another process ({_describe(found, time.time())})"
         raise on_lost(self.lost + "; this process stopped without writing to it")
 
     def _heartbeat(self) -> None:
@@ -224,19 +217,15 @@ class RunLease:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(IO_TIMEOUT_S)  # a beat being written now must not re-create a file removed below
         for d in self._held:
-            try:
-                found = call_with_timeout(lambda d=d: _read(d / LEASE_FILE), IO_TIMEOUT_S)
+            with suppress(OSError):  # a hung Drive: the lease goes stale on its own
+                found = _timed(lambda d=d: _read(d / LEASE_FILE), d / LEASE_FILE)
                 if isinstance(found, Holder) and found.session == self.session:
                     (d / LEASE_FILE).unlink(missing_ok=True)
-            except OSError:
-                pass  # a hung Drive: the lease goes stale on its own
         self._held = []
 
 
 class NoLease:
     """The lease of DDP ranks other than 0 (rank 0 holds the run's lease), and of callers that need none."""
-
-    lost = None
 
     def check(self, directory: Path | None = None) -> None:
         pass

@@ -1,10 +1,5 @@
 """Checkpoints on disk: atomic, verified saves; newest-valid discovery; safe loading.
 
-The public surface is small: `write_checkpoint` (save), `find_latest_valid` / `list_checkpoints`
-(find), `load_checkpoint` / `load_latest` / `load_model_weights` (load). Which checkpoints stay is
-gptlib.checkpoint.rotation's; the file layout is in gptlib.layout; the background writer and its save policy
-are in gptlib.checkpoint.writer, the copy to Google Drive in gptlib.checkpoint.mirror.
-
 A checkpoint is written into `step_XXXXXXX.partial-*`, every file fsynced, the manifest (format
 version, step, size and sha256 of every file) last, then the directory is renamed. A directory
 without a manifest that verifies is ignored, so a kill at any moment leaves the previous checkpoint
@@ -22,6 +17,7 @@ import os
 import shutil
 import time
 import uuid
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,8 +26,8 @@ import torch
 
 from gptlib.errors import CheckpointError
 from gptlib.faults import fault_point
-from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_json, call_with_timeout, fsync_dir,
-                           read_bytes_with_timeout, sha256_file)
+from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, call_with_timeout,
+                           fsync_dir, read_bytes_with_timeout, sha256_file)
 from gptlib.layout import (CHECKPOINT_FILES, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER, PARTIAL_MARKER,
                            STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir, is_checkpoint_name, step_of)
 
@@ -79,24 +75,14 @@ def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], sourc
     model.load_state_dict(sd)
 
 
-# --- writing, verifying, finding, loading ---------------------------------------------------------
-
-
 def _torch_save_atomic(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def _manifest_entry(p: Path) -> dict:
-    return {"size": p.stat().st_size, "sha256": sha256_file(p)}
-
-
 def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: dict, state: dict,
                      extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write one checkpoint directory atomically (see the module docstring); returns its final path.
-
-    On any error the partial directory is removed (a full disk gets its space back) and the error
-    is raised; an existing checkpoint is never touched until the new one is complete.
-    """
+    """Write one checkpoint directory atomically (see the module docstring); returns its final path. On any error
+    the partial directory is removed (a full disk gets its space back); an existing one is untouched until then."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / checkpoint_name(step)
     partial = ckpt_root / f"{checkpoint_name(step)}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -107,8 +93,9 @@ def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: di
         _torch_save_atomic(train_state, partial / TRAIN_STATE_FILE)
         atomic_write_json(partial / STATE_FILE, state)
         for name, data in (extra_files or {}).items():
-            atomic_write(partial / name, lambda f, d=data: f.write(d))
-        files = {p.name: _manifest_entry(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            atomic_write_bytes(partial / name, data)
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                 for p in sorted(partial.iterdir()) if p.is_file()}
         manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
         atomic_write_json(partial / MANIFEST_FILE, manifest)
         install(partial, final)
@@ -165,8 +152,7 @@ def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
         raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
     manifest = read_manifest(path)
     try:
-        files = manifest["files"]
-        step = manifest["step"]
+        files, step = manifest["files"], manifest["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step_of(path) not in (None, step):
             raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
         for required in CHECKPOINT_FILES:
@@ -200,15 +186,10 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] | None = None,
                 unreadable: list[tuple[Path, str]] | None = None, listed: dict[Path, list[Path]] | None = None) -> Any:
-    """load(p) of the newest checkpoint p across run_dirs for which it succeeds; None if none does.
-
-    Newest step first; at equal steps the earlier-listed dir (local, fast) first. Checkpoints that fail are
-    reported with `log` and passed over: damaged ones (CheckpointError) are appended to `skipped`; those that
-    could not be read (OSError: an I/O error, or no progress in time on a hung Drive) to `unreadable`, as
-    (path, why), and so are locations that could not be listed (listing a mirror, every dir after the first,
-    gives up after DRIVE_LIST_TIMEOUT_S). A caller that must not go on without them (resume) looks there.
-    `listed` receives each location's checkpoints as listed.
-    """
+    """load(p) of the newest checkpoint p across run_dirs for which it succeeds (at equal steps the earlier dir's);
+    None if none does. Failures are logged and passed over: damaged ones (CheckpointError) go to `skipped`, those
+    that could not be read (OSError, a hung Drive) to `unreadable` as (path, why), and so do locations that could
+    not be listed (every dir after the first gives up after DRIVE_LIST_TIMEOUT_S). `listed`: each dir's listing."""
     if isinstance(run_dirs, (str, Path)):
         run_dirs = [run_dirs]
     found = []
@@ -240,10 +221,7 @@ def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] 
 
 
 def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> CheckpointInfo | None:
-    """The newest checkpoint that verifies, across one or more run directories (e.g. local and Drive).
-
-    Corrupt or incomplete ones are reported and skipped, so a bad newest falls back to the previous.
-    """
+    """The newest checkpoint that verifies, across run directories (e.g. local and Drive); bad ones are skipped."""
     return first_valid(run_dirs, log, verify_checkpoint)
 
 
@@ -270,11 +248,7 @@ def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
 
 
 def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo, dict, dict, dict] | None:
-    """Newest checkpoint that verifies AND loads safely, falling back past bad ones; None if none.
-
-    A checkpoint whose manifest matches but whose content is refused (e.g. a pickle that would run
-    code) is skipped like a corrupt one, with the reason printed.
-    """
+    """Newest checkpoint that verifies AND loads safely (a pickle that would run code is skipped), or None."""
     return first_valid(run_dirs, log, lambda p: (verify_checkpoint(p), *load_checkpoint(p, map_location)))
 
 
@@ -289,9 +263,6 @@ def load_model_weights(path: Path, map_location="cpu", sha256: str | None = None
     return clean_state_dict(_safe_load(io.BytesIO(data), map_location, where=f))
 
 
-# --- deleting, rotating, cleaning ------------------------------------------------------------------
-
-
 def remove_tree(path: Path, truncate: bool = False) -> None:
     """Delete a checkpoint dir: rename it away first (atomic: it stops looking like a checkpoint),
     then (on Drive) truncate each file to 0 bytes before unlinking it, because Drive keeps deleted
@@ -300,19 +271,15 @@ def remove_tree(path: Path, truncate: bool = False) -> None:
         return
     if DELETING_MARKER not in path.name:
         target = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:8]}")
-        try:
+        with suppress(OSError):
             os.replace(path, target)
             path = target
-        except OSError:
-            pass
     for i, f in enumerate(sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE)):
         if f.is_file():
-            try:
+            with suppress(OSError):
                 if truncate:
                     os.truncate(f, 0)
                 f.unlink()
-            except OSError:
-                pass
             if i == 0:
                 fault_point("rotate_mid", step_of(path))
     shutil.rmtree(path, ignore_errors=True)

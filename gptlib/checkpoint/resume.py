@@ -1,13 +1,7 @@
-"""Where a run continues from: the newest checkpoint that verifies and loads, on the local disk or the Drive mirror.
-
-- A checkpoint on the mirror is copied to the local run dir first, verified, under a watchdog (a Drive read that
-  makes no progress for DRIVE_READ_STALL_S is abandoned, never waited on forever).
-- Damaged checkpoints (a manifest, hash or step that does not check out) are passed over for good. Newer ones
-  that could not be read (a slow or hung Drive, where on a fresh Colab VM they are the only copy) are never
-  given up silently: the search is repeated for DRIVE_RESUME_WAIT_S, then training stops and says what to do,
-  unless the user asks to go on without them (--skip-unreadable). Rotation never deletes them (gptlib.checkpoint.format).
-- The data must be the run's own, unless asked otherwise (--allow-data-change, recorded in the run's state).
-  Whether the model config matches is the training set-up's to check (gptlib.training.resolve).
+"""Where a run continues from: the newest checkpoint that verifies and loads, on the local disk or the Drive mirror
+(copied to the local run dir first, under a watchdog). Damaged checkpoints are passed over; newer ones that could
+not be read (a slow or hung Drive) are waited for, never given up silently (find_resume). The data must be the
+run's own unless asked otherwise (check_same_data); the model config is gptlib.training.resolve's to check.
 """
 
 from __future__ import annotations
@@ -57,11 +51,8 @@ class Passed:
 
 
 def _load_resume(path: Path, run_dir: Path) -> Resume:
-    """A checkpoint that verifies (sizes and sha256), loads safely and holds a gptlib training state;
-    CheckpointError (damaged) or OSError (could not be read) otherwise, and first_valid falls back.
-
-    One on the mirror is first copied to the local run dir, verified, under a watchdog: a Drive read
-    that makes no progress for DRIVE_READ_STALL_S is abandoned (HungIOError), never waited on forever."""
+    """A checkpoint that verifies, loads safely and holds a training state; CheckpointError (damaged) or OSError (could
+    not be read) otherwise. One on the mirror is first copied here under a watchdog (DRIVE_READ_STALL_S)."""
     origin = path
     if not path.is_relative_to(run_dir):
         progress = Progress()
@@ -73,13 +64,11 @@ def _load_resume(path: Path, run_dir: Path) -> Resume:
 
 def find_resume(run_dir: Path, mirror_dir: Path | None, log,
                 skip_unreadable: bool = False) -> tuple[Resume | None, Passed]:
-    """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over. Whether
-    its model is the one asked for is the training set-up's to check (gptlib.training.resolve), then whether its
-    data is (check_same_data).
+    """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over.
 
-    A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is never
-    given up silently: the search is repeated every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then
-    training stops with what to do. skip_unreadable (--skip-unreadable) goes on without them, said loudly."""
+    A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is looked for
+    again every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then training stops with what to do (rotation
+    never deletes it). skip_unreadable (--skip-unreadable) goes on without them, said loudly."""
     deadline = time.monotonic() + DRIVE_RESUME_WAIT_S
     for attempt in itertools.count(1):
         damaged, unreadable, listed = [], [], {}

@@ -17,11 +17,8 @@ from gptlib.layout import STATE_FILE, checkpoint_name, checkpoints_dir, step_of
 
 
 def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool = True) -> list[Path]:
-    """Remove leftovers of interrupted saves, copies and deletions (`*.partial-*`, `*.tmp-*`, ...).
-
-    run_level: also `*.tmp-*` files directly in run_dir. Only at start-up: during training the loop
-    itself writes such temp files (loss.png, samples.md) and they must not vanish under it.
-    """
+    """Remove leftovers of interrupted saves, copies and deletions (`*.partial-*`, `*.tmp-*`, ...). run_level: also
+    `*.tmp-*` files in run_dir, only at start-up (during training the loop writes such temp files itself)."""
     removed = []
     root = checkpoints_dir(run_dir)
     for p in list(root.iterdir()) if root.is_dir() else []:
@@ -55,18 +52,11 @@ def marked_milestone(path: Path) -> bool:
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
            truncate: bool = False, keep_every: int = 0, bad: set[Path] = frozenset(),
            newest: int | None = None) -> list[Path]:
-    """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones
-    (steps that are multiples of `keep_every`, or saved as milestones); returns what was deleted.
-
-    Called only after the newest checkpoint verified, so at least one good checkpoint always remains.
-    Checkpoints that do not verify (cheap size check) do not count towards `keep_last`, nor do those in
-    `bad` (found unloadable at resume although their sizes match): a damaged newest checkpoint never
-    makes rotation delete a good one. `protect` holds paths still in use (e.g. being copied to Drive) or
-    that could not be read at resume. `newest`: the newest step this run has verified here; checkpoints
-    after it are not this run's to judge (a Drive that was slow at resume may hold them) and are left alone.
-    A checkpoint that cannot be read now (an I/O error, not damage) is never deleted either.
-    `truncate` empties files before deleting them (Drive: see remove_tree).
-    """
+    """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones; returns what was
+    deleted. Checkpoints that do not verify (cheap size check) or are in `bad` (unloadable at resume) do not count
+    towards `keep_last`: a damaged newest never makes rotation delete a good one. Never deleted: `protect` (in use,
+    or unreadable at resume), steps after `newest` (the newest this run verified here: a Drive that was slow at
+    resume may hold newer ones), and checkpoints that cannot be read now. `truncate`: see remove_tree."""
     keep_last = max(MIN_KEEP_LAST, keep_last)
     ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
     keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
@@ -86,9 +76,9 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
             pass
         except OSError:
             keep.add(p)  # unreadable now, not known to be damaged
-    deleted = []
     if n_valid == 0:
-        return deleted  # nothing verified: delete nothing
+        return []  # nothing verified: delete nothing
+    deleted = []
     for p in ckpts:
         if p in keep:
             continue

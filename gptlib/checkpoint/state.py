@@ -1,17 +1,12 @@
-"""What a checkpoint holds, defined once: the parts of a training run that save and load themselves.
-
-A checkpoint is the dict of its parts' `state_dict()`s (`Checkpoint`): the model, the optimizer, the grad
-scaler, the batch sampler, every RNG (`RNG`), and the run's progress (`TrainState`: counters, the losses not yet
-logged, the config and data it trains with). Training builds one from its parts and loads one back into them
-(gptlib.training.setup); `Checkpoint.files` / `from_files` are the only place that knows how the parts lie in a
-checkpoint's files, which are those of every gptlib checkpoint so far:
+"""What a checkpoint holds, defined once: the `state_dict()`s of a training run's parts (`Checkpoint`): the
+model, optimizer, grad scaler, batch sampler, every RNG (`RNG`) and the run's progress (`TrainState`).
+`Checkpoint.files` / `from_files` alone know how the parts lie in the files of every gptlib checkpoint so far:
 
     model.pt         the model's state_dict
     train_state.pt   {"optimizer", "scaler", "sampler", "rng": torch's generators, "sampler_ranks" under DDP}
     state.json       TrainState's fields and "rng": Python's and numpy's generators
 
-`from_json` / `from_files` check what a file holds and name the field that is missing or wrong, so a damaged or
-hand-edited file is one clear error, not a KeyError.
+`from_json` / `from_files` name the field that is missing or wrong: a damaged file is one clear error.
 """
 
 from __future__ import annotations
@@ -55,10 +50,8 @@ class TrainState:
 
     @classmethod
     def from_json(cls, d: Any, source: str, step: int | None = None) -> "TrainState":
-        """A state.json's contents, checked: the fields resuming and loading rely on must be there, with
-        the right types, and its step must be the checkpoint's (`step`: its manifest's and directory name's),
-        so a hand-edited or mixed-up state.json is a damaged checkpoint, never a negative or huge step.
-        Unknown fields are ignored (a newer gptlib may add some)."""
+        """A state.json's contents, checked: the fields resuming relies on, with the right types, and its step the
+        checkpoint's (`step`), so a hand-edited or mixed-up one is a damaged checkpoint. Unknown fields are ignored."""
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: holds a JSON {type(d).__name__}, not an object")
         for name, types in (("step", int), ("tokens_seen", int), ("config", dict)):
@@ -84,8 +77,7 @@ class TrainState:
         return RunConfig.from_dict(self.config, source=source)
 
     def continue_from(self, saved: "TrainState") -> None:
-        """A resume: the run's progress is its checkpoint's (every field but those describing this session: the
-        config, data and tokenizer it trains with now, and the checkpoint's own val_loss and milestone flag)."""
+        """A resume: the run's progress is its checkpoint's, but for the fields describing this session."""
         for f in dataclasses.fields(self):
             if f.name not in _THIS_SESSION:
                 setattr(self, f.name, getattr(saved, f.name))

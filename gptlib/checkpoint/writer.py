@@ -1,8 +1,6 @@
 """Saving a run while it trains: when (the save policy), how (a background writer), and the null writer
-that DDP ranks other than 0 use.
-
-The loop waits only for the host copy of the state; writing, fsync, hashing, verification, rotation
-and the copy to Drive (gptlib.checkpoint.mirror) happen in background threads. The file format is gptlib.checkpoint.format's.
+that DDP ranks other than 0 use. The loop waits only for the host copy of the state; writing, hashing,
+verification, rotation and the copy to Drive (gptlib.checkpoint.mirror) happen in background threads.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from gptlib.checkpoint.format import MIN_KEEP_LAST, first_valid, verify_checkpoint, write_checkpoint
-from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, Mirror, NoMirror
+from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.checkpoint.state import Checkpoint
 from gptlib.config import TrainConfig
@@ -26,13 +24,25 @@ from gptlib.faults import fault_point
 from gptlib.layout import checkpoints_dir, step_of
 
 
-class CheckpointWriter:
-    """Saves in background threads: the training loop only waits for the host copy of the state.
+def _storage_key(t: torch.Tensor) -> tuple:
+    return str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
 
-    Local: one save in flight at a time; `save` waits for the previous one first. Local errors
-    (e.g. a full disk) are kept and raised at the next `save` or `wait` as CheckpointError: a run
-    that cannot save must not go on as if it could. With a mirror_dir (Google Drive), each verified
-    checkpoint is then copied there by gptlib.checkpoint.mirror.Mirror, whose failures never raise here.
+
+def _map_tensors(o: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """The structure o (nested dicts, lists, tuples) with fn(tensor.detach()) in place of each tensor."""
+    if isinstance(o, torch.Tensor):
+        return fn(o.detach())
+    if isinstance(o, dict):
+        return {k: _map_tensors(v, fn) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return type(o)(_map_tensors(v, fn) for v in o)
+    return o
+
+
+class CheckpointWriter:
+    """Saves in a background thread, one save in flight at a time. Its errors (e.g. a full disk) are raised at
+    the next `save` or `wait` as CheckpointError: a run that cannot save must not go on as if it could. With a
+    mirror_dir (Google Drive), each verified checkpoint is then copied there by a Mirror, which never raises here.
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print,
@@ -50,8 +60,7 @@ class CheckpointWriter:
         self.bad = set(bad)  # checkpoints found damaged at resume: rotation does not count them as kept
         self.unreadable = set(unreadable)  # checkpoints that could not be read at resume: never deleted
         self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.bad,
-                              self.unreadable, mirror_listed)
-                       if mirror_dir is not None else NoMirror())
+                              self.unreadable, mirror_listed) if mirror_dir is not None else None)
         self.last_saved: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -59,54 +68,23 @@ class CheckpointWriter:
         self._layout: tuple | None = None
 
     def _snapshot(self, obj: Any) -> Any:
-        """Copy the state (nested dicts/lists of tensors) to host tensors kept from the previous save; returns the
-        same structure holding them.
-
-        Reusing them avoids allocating and page-faulting ~1.5 GB per save (most of a save's cost on CPU). On a GPU
-        they are pinned (torch's pin_memory), so the device-to-host copies run asynchronously. Tensors that share
-        storage (tied embedding and output weights) are copied once. Safe because `save` waits for the previous
-        write first.
-        """
+        """The state (nested dicts/lists of tensors) copied to host tensors kept from the previous save: reusing them
+        avoids allocating and page-faulting ~1.5 GB per save (most of its cost on CPU). On a GPU they are pinned, so
+        the copies run asynchronously. Tensors sharing storage (tied weights) are copied once. Safe because `save`
+        waits for the previous write first."""
         unique: dict[tuple, torch.Tensor] = {}
-
-        def collect(o: Any) -> None:
-            if isinstance(o, torch.Tensor):
-                t = o.detach()
-                unique.setdefault((str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), t)
-            elif isinstance(o, dict):
-                for v in o.values():
-                    collect(v)
-            elif isinstance(o, (list, tuple)):
-                for v in o:
-                    collect(v)
-
-        collect(obj)
+        _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
         sources = list(unique.values())
-        views = dict(zip(unique, self._host_views(sources)))
+        layout = tuple((t.dtype, tuple(t.shape), t.is_cuda) for t in sources)
+        if layout != self._layout:  # new host tensors only when the layout changed
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
+            self._layout = layout
+        views = dict(zip(unique, self._host))
         for src, dst in zip(sources, views.values()):
             dst.copy_(src, non_blocking=src.is_cuda)
         for device in {t.device for t in sources if t.is_cuda}:
             torch.cuda.synchronize(device)  # each device copied from: the thread reads the buffer next
-
-        def rebuild(o: Any) -> Any:
-            if isinstance(o, torch.Tensor):
-                t = o.detach()
-                return views[(str(t.device), t.data_ptr(), t.dtype, tuple(t.shape), t.stride())]
-            if isinstance(o, dict):
-                return {k: rebuild(v) for k, v in o.items()}
-            if isinstance(o, (list, tuple)):
-                return type(o)(rebuild(v) for v in o)
-            return o
-
-        return rebuild(obj)
-
-    def _host_views(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host tensors shaped like `sources`; new ones only when the layout changed."""
-        layout = tuple((t.dtype, tuple(t.shape), t.is_cuda) for t in sources)
-        if layout != self._layout:
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for t in sources]
-            self._layout = layout
-        return self._host
+        return _map_tensors(obj, lambda t: views[_storage_key(t)])
 
     def save(self, checkpoint: Checkpoint) -> None:
         """Copy the checkpoint's tensors to host memory (all the caller waits for), then write it in the background."""
@@ -121,26 +99,20 @@ class CheckpointWriter:
         step, best_step = checkpoint.step, checkpoint.progress.best_step
         snapshot = (model_cpu, train_cpu, json.loads(json.dumps(state)))
         # Byte counts now (the loop flushed its logs): the background copies exactly this prefix.
-        sizes = {}
-        for name in self.snapshot_files:
-            p = self.run_dir / name
-            sizes[name] = p.stat().st_size if p.is_file() else None
-        if self.background:
-            self._thread = threading.Thread(target=self._write, args=(step, *snapshot, best_step, sizes),
-                                            daemon=True, name="gptlib-checkpoint")
-            self._thread.start()
-        else:
-            self._write(step, *snapshot, best_step, sizes)
-            self._raise_pending()
+        sizes = {n: (self.run_dir / n).stat().st_size for n in self.snapshot_files if (self.run_dir / n).is_file()}
+        self._thread = threading.Thread(target=self._write, args=(step, *snapshot, best_step, sizes), daemon=True,
+                                        name="gptlib-checkpoint")
+        self._thread.start()
+        if not self.background:
+            self.wait()
 
     def _write(self, step, model_sd, train_state, state, best_step, sizes) -> None:
         try:
             self.guard(self.run_dir)  # another process took the run over: write nothing
             extra = {}
             for name, n in sizes.items():
-                if n is not None:
-                    with open(self.run_dir / name, "rb") as f:
-                        extra[name] = f.read(n)
+                with open(self.run_dir / name, "rb") as f:
+                    extra[name] = f.read(n)
             milestone = is_milestone(step, self.keep_every)
             if milestone:
                 state["milestone"] = True  # kept for good, even if keep_every changes later
@@ -148,7 +120,7 @@ class CheckpointWriter:
             verify_checkpoint(path)
             fault_point("after_rename", step)
             self.last_saved = path
-            protect = self.mirror.submit(path, best_step, milestone, {k: v for k, v in sizes.items() if v is not None})
+            protect = self.mirror.submit(path, best_step, milestone, sizes) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
                    keep_every=self.keep_every, bad=self.bad, newest=step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
@@ -174,15 +146,17 @@ class CheckpointWriter:
 
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
         """Resumed from a local checkpoint: make sure the mirror gets it, and the local milestones."""
-        self.mirror.queue_existing(path, best_step)
+        if self.mirror:
+            self.mirror.queue_existing(path, best_step)
 
     def status(self) -> dict:
         """Newest local and mirror steps, and the last mirror error (None if fine)."""
-        return {"local_step": step_of(self.last_saved) if self.last_saved else None, **self.mirror.status()}
+        return {"local_step": step_of(self.last_saved) if self.last_saved else None,
+                **(self.mirror.status() if self.mirror else NO_MIRROR_STATUS)}
 
     def status_line(self) -> str:
         """'' without a mirror; 'drive: step N' when fine; a loud line when the last copy failed."""
-        return self.mirror.status_line()
+        return self.mirror.status_line() if self.mirror else ""
 
     def close(self, timeout: float | None = None) -> dict:
         """Wait for the local save (raising its error), then up to `timeout` (MIRROR_CLOSE_TIMEOUT_S)
@@ -191,39 +165,27 @@ class CheckpointWriter:
             self.wait()
         finally:
             self._host, self._layout = [], None  # the host copy's memory is not held after training
-        self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
+        if self.mirror:
+            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
         return self.status()
 
 
-class NullCheckpointWriter:
+class NullCheckpointWriter(CheckpointWriter):
     """The writer of DDP ranks other than 0: rank 0 alone writes checkpoints, the others save nothing."""
+
+    def __init__(self):
+        super().__init__(".", background=False)
 
     def save(self, checkpoint: Checkpoint) -> None:
         pass
-
-    def wait(self) -> None:
-        pass
-
-    def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
-        pass
-
-    def status(self) -> dict:
-        return {"local_step": None, **NoMirror().status()}
-
-    def status_line(self) -> str:
-        return ""
-
-    def close(self, timeout: float | None = None) -> dict:
-        return self.status()
 
 
 class Checkpointer:
     """Saves a training run: when (this policy), what (the snapshot the loop builds), where (the writer).
 
-    A checkpoint is due at each validation, every `save_every_steps` steps (0: every eval_interval),
-    when `save_every_minutes` passed since the last save, at milestones (keep_every), and before
-    stopping. Time-based decisions are taken by the caller through `time_due()`, so that under DDP
-    every rank can agree on them first (the snapshot gathers every rank's sampler: a collective).
+    Due at each validation, every `save_every_steps` steps (0: eval_interval), after `save_every_minutes`, at
+    milestones and before stopping. The caller asks `time_due()` so that under DDP every rank agrees first
+    (the snapshot gathers every rank's sampler: a collective).
     """
 
     def __init__(self, writer: CheckpointWriter | NullCheckpointWriter, tc: TrainConfig):

@@ -1,16 +1,17 @@
 """Benchmarks on top of training: the optimization ladder, and the tokens/s and MFU of a preset.
 
-Both run the same train step as train() (gptlib.training.step.train_step), and bench_train the same set-up
+Both run train()'s step (gptlib.training.step.train_step), bench_train with train()'s set-up too
 (gptlib.training.setup.build_model / wrap_for_training), so what they measure is what training does.
 
 The ladder (`python -m gptlib bench ladder`) replays one user's path from 1.6 s/step to ~0.1 s/step:
 memmap + per-sample Python loop -> RAM preload -> vectorised batches -> torch.compile -> bf16
 autocast -> flash attention (SDPA). Each rung is the previous one plus one change, timed on the same
-model and batch with a device sync at every phase (gptlib.training.throughput.StepTimer(sync=True)).
+model and batch with a device sync at every phase (StepTimer(sync=True)).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -36,8 +37,8 @@ from gptlib.training.memory import free_memory, is_oom
 from gptlib.training.resolve import fit_micro_batch
 from gptlib.training.setup import build_model, wrap_for_training
 from gptlib.training.step import train_step
-from gptlib.training.throughput import (StepTimer, colab_units, device_peak, eta_seconds, fmt_duration, fmt_mfu,
-                                        fmt_split, mfu)
+from gptlib.training.throughput import (StepTimer, device_peak, flops_per_token, fmt_duration, fmt_mfu, fmt_split,
+                                        mfu, perf_fields)
 
 RUNGS = [
     # (name, data, compile, half precision, flash attention)
@@ -51,13 +52,14 @@ RUNGS = [
 
 
 class PerSampleLoader:
-    """The baseline's data path: one Python-level read per sample (from a memmap or an in-RAM array)."""
+    """The baseline's data path: one Python-level read per sample (from a memmap or an in-RAM array). `evict`:
+    files dropped from the page cache before each batch, so the reads hit the disk."""
 
     def __init__(self, tokens, batch_size: int, block_size: int, seed: int, device: torch.device,
                  evict: list[Path] | None = None):
         self.tokens, self.B, self.T, self.device = tokens, batch_size, block_size, device
         self.rng = random.Random(seed)
-        self.evict = evict or []  # files dropped from the page cache before each batch: reads hit the disk
+        self.evict = evict or []
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         for path in self.evict:
@@ -67,13 +69,11 @@ class PerSampleLoader:
             i = self.rng.randrange(0, len(self.tokens) - self.T - 1)
             if hasattr(self.tokens, "read"):  # a MemmapSplit: one small read per sample, as the seed did
                 w = _to_ids(self.tokens.read(i, self.T + 1))
-                xs.append(w[:-1])
-                ys.append(w[1:])
-                continue
-            xs.append(torch.from_numpy(np.asarray(self.tokens[i: i + self.T]).astype(np.int64)))
-            ys.append(torch.from_numpy(np.asarray(self.tokens[i + 1: i + 1 + self.T]).astype(np.int64)))
-        x, y = torch.stack(xs), torch.stack(ys)
-        return x.to(self.device), y.to(self.device)
+            else:
+                w = torch.from_numpy(np.asarray(self.tokens[i: i + self.T + 1]).astype(np.int64))
+            xs.append(w[:-1])
+            ys.append(w[1:])
+        return torch.stack(xs).to(self.device), torch.stack(ys).to(self.device)
 
 
 def drop_page_cache(path: str | Path) -> bool:
@@ -112,9 +112,31 @@ def _attention_ctx(flash: bool, device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])  # PyTorch's CPU flash kernel
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _time_steps(one_step: Callable[[], object], timer: StepTimer, dev: torch.device, warmup: int,
+                steps: int) -> tuple[float, float, float, dict[str, float]]:
+    """-> (warmup seconds, compile included; median seconds of the timed steps, each synced before and after;
+    median seconds of their data phase; the timer's split of the timed steps)."""
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        one_step()
+    sync()
+    warm_s = time.perf_counter() - t0
+    timer.split()  # the split leaves the warmup out
+    step_s, data_s, split = [], [], collections.Counter()
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        one_step()
+        sync()
+        step_s.append(time.perf_counter() - t)
+        phases = timer.split()
+        data_s.append(phases.get("data", 0.0))
+        split.update(phases)
+    return warm_s, statistics.median(step_s), statistics.median(data_s), dict(split)
 
 
 @dataclass
@@ -127,113 +149,83 @@ class RungResult:
     note: str
 
 
-def _time_steps(model, optimizer, scaler, loader, device, dtype, steps: int, warmup: int, attention_ctx,
-                accum: int = 1) -> tuple[float, float]:
-    """-> (median step seconds, median data seconds) over `steps` train steps after `warmup` untimed ones."""
-    timer = StepTimer(device, sync=True)  # every phase synced: the Python data loader counts in full
-    autocast = autocast_for(device, dtype)
-    step_times, data_times = [], []
-    with attention_ctx:
-        for i in range(warmup + steps):
-            train_step(model, optimizer, scaler, loader, accum=accum, autocast=autocast, grad_clip=1.0, timer=timer)
-            split = timer.split()
-            if i >= warmup:
-                step_times.append(sum(split.values()))
-                data_times.append(split.get("data", 0.0))
-    return statistics.median(step_times), statistics.median(data_times)
-
-
-def default_ladder_config(device: torch.device):
-    """-> (model config, micro-batch, accumulation). gpt2-small at the seed's 64 x 512 tokens/step on a GPU
-    (16 x 4 micro-batches, so the fp32 rungs fit too); a small model on CPU so the ladder runs in minutes."""
-    if device.type == "cuda":
-        m = get_preset("gpt2-small").model
-        m.block_size = 512
-        return m, 16, 4
-    return ModelConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=128, vocab_multiple=64), 8, 1
-
-
-@dataclass
-class _LadderData:
-    disk: object  # np.memmap or MemmapSplit: what the baseline reads per sample
-    ram: np.ndarray  # the RAM-preloaded copy
-    preloaded: SplitData  # the vectorised sampler's tokens (on the GPU when there is one)
-    source: str
-
-
 def _ladder_data(model_cfg: ModelConfig, data_dir, B: int, T: int, seed: int, dev: torch.device,
-                 stack: contextlib.ExitStack) -> _LadderData:
+                 stack: contextlib.ExitStack) -> tuple[Callable[[str], tuple], str]:
+    """-> (a rung's data kind -> (a fresh loader, a note), where the tokens come from)."""
     if data_dir is None:  # synthetic tokens in a raw file: the memmap rung reads a real file
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gptlib-ladder-")))
+        path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gptlib-ladder-"))) / "train.bin"
         n_tokens = max(4 * B * (T + 1), 1 << 22)
-        path = tmp / "train.bin"
         np.random.default_rng(seed).integers(0, model_cfg.vocab_size, n_tokens, dtype=np.uint16).tofile(path)
-        disk = np.memmap(path, dtype=np.uint16, mode="r")
-        source = f"synthetic {n_tokens:,} random tokens in {path.name}"
+        disk, files = np.memmap(path, dtype=np.uint16, mode="r"), [path]
+        source, ram = f"synthetic {n_tokens:,} random tokens in {path.name}", np.array(disk)
     else:
         disk = MemmapSplit(read_meta(data_dir), "train")  # the baseline reads each sample from the shards on disk
-        source = f"{data_dir} train split"
-    ram = np.array(disk) if isinstance(disk, np.ndarray) else disk.read(0, len(disk)).numpy().view(disk.dtype)
-    preloaded = SplitData(tokens=_as_signed_view(ram), name="train")
-    if dev.type == "cuda":
-        preloaded.tokens = preloaded.tokens.to(dev)  # data fits next to the model: gather on the GPU
-    return _LadderData(disk, ram, preloaded, source)
+        files = [Path(m.filename) for m in disk.maps]
+        source, ram = f"{data_dir} train split", disk.read(0, len(disk)).numpy().view(disk.dtype)
+    preloaded = SplitData(tokens=_as_signed_view(ram).to(dev), name="train")  # on a GPU: gathered there
+
+    def loader(kind: str) -> tuple:
+        if kind == "ram-loop":
+            return PerSampleLoader(ram, B, T, seed, dev), ""
+        if kind != "memmap-loop":
+            return BatchSampler(preloaded, B, T, seed, dev), ""
+        if drop_page_cache(files[0]):
+            return (PerSampleLoader(disk, B, T, seed, dev, evict=files),
+                    "page cache dropped before each batch: reads hit this disk (Drive is slower)")
+        return PerSampleLoader(disk, B, T, seed, dev), "file may be in the page cache: disk latency not included"
+
+    return loader, source
 
 
-def _run_rung(rung: tuple, model_cfg: ModelConfig, data: _LadderData, B: int, T: int, A: int, dev: torch.device,
-              steps: int, warmup: int, seed: int, compile_backend: str) -> tuple[float, float, float, list[str]]:
-    """One rung on a fresh model -> (step seconds, data seconds, FLOPs per token, notes); nan on OOM."""
+def _run_rung(rung: tuple, model_cfg: ModelConfig, loader_for: Callable[[str], tuple], A: int, dev: torch.device,
+              steps: int, warmup: int, seed: int, compile_backend: str) -> tuple[float, float, list[str]]:
+    """One rung on a fresh model -> (step seconds, data seconds, notes); nan on OOM."""
     name, data_kind, use_compile, half, flash = rung
-    notes = []
     torch.manual_seed(seed)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high" if half else "highest")  # fp32 rungs: true fp32, as the seed
     model = GPT(model_cfg).to(dev)
-    fpt = model.flops_per_token()
     optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), dev.type)
-    hdt, hnote = half_dtype(dev)
-    dtype = hdt if half else torch.float32
-    if half and hnote:
-        notes.append(hnote)
+    dtype, half_note = half_dtype(dev) if half else (torch.float32, "")
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
-    if data_kind == "memmap-loop":
-        files = [Path(m.filename) for m in (data.disk.maps if hasattr(data.disk, "maps") else [data.disk])]
-        cold = drop_page_cache(files[0])
-        loader = PerSampleLoader(data.disk, B, T, seed, dev, evict=files if cold else None)
-        notes.append("page cache dropped before each batch: reads hit this disk (Drive is slower)" if cold
-                     else "file may be in the page cache: disk latency not included")
-    elif data_kind == "ram-loop":
-        loader = PerSampleLoader(data.ram, B, T, seed, dev)
-    else:
-        loader = BatchSampler(data.preloaded, B, T, seed, dev)
+    loader, data_note = loader_for(data_kind)
     fwd = model
     if use_compile:
         torch._dynamo.reset()  # a fresh graph per rung, traced under this rung's precision and attention kernel
         fwd = torch.compile(model, backend=compile_backend)
-        if compile_backend != "inductor":
-            notes.append(f"compile backend {compile_backend}")
+    notes = [n for n in (half_note, data_note) if n]
+    if use_compile and compile_backend != "inductor":
+        notes.append(f"compile backend {compile_backend}")
     if flash and dev.type == "cpu":
         notes.append("CPU flash SDPA kernel")
+    timer, autocast = StepTimer(dev, sync=True), autocast_for(dev, dtype)  # synced: a Python loader counts in full
     try:
-        step_s, data_s = _time_steps(fwd, optimizer, scaler, loader, dev, dtype, steps, warmup,
-                                     _attention_ctx(flash, dev), accum=A)
+        with _attention_ctx(flash, dev):
+            _, step_s, data_s, _ = _time_steps(
+                lambda: train_step(fwd, optimizer, scaler, loader, accum=A, autocast=autocast, grad_clip=1.0,
+                                   timer=timer), timer, dev, warmup, steps)
     except RuntimeError as e:
         if not is_oom(e):
             raise
-        step_s, data_s = math.nan, math.nan
+        step_s = data_s = math.nan
         notes.append("out of memory")
     finally:
         fwd = model = optimizer = loader = None
         free_memory()
-    return step_s, data_s, fpt, notes
+    return step_s, data_s, notes
 
 
 def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "auto", steps: int = 10, warmup: int = 3,
                data_dir: str | Path | None = None, compile_backend: str = "inductor", rungs: list[int] | None = None,
                seed: int = 1337, accum: int | None = None, log: Callable[[str], None] = print) -> list[RungResult]:
-    """Run the ladder rung by rung; prints a table and returns its rows."""
+    """Run the ladder rung by rung; prints a table and returns its rows. Default: gpt2-small at the seed's
+    64 x 512 tokens/step on a GPU (16 x 4 micro-batches, so the fp32 rungs fit too); on a CPU a small model,
+    so the ladder runs in minutes."""
     dev = resolve_device(device)
-    dflt_cfg, dflt_b, dflt_a = default_ladder_config(dev)
+    if dev.type == "cuda":
+        dflt_cfg, dflt_b, dflt_a = dataclasses.replace(get_preset("gpt2-small").model, block_size=512), 16, 4
+    else:
+        dflt_cfg, dflt_b, dflt_a = ModelConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=128), 8, 1
     model_cfg = model_cfg or dflt_cfg
     if data_dir is not None:  # the model's vocabulary is the data's
         model_cfg = dataclasses.replace(model_cfg, vocab_size=read_meta(data_dir).vocab_size)
@@ -242,27 +234,21 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
     peak = device_peak(dev)
     results: list[RungResult] = []
     with contextlib.ExitStack() as stack:
-        data = _ladder_data(model_cfg, data_dir, B, T, seed, dev, stack)
+        loader_for, source = _ladder_data(model_cfg, data_dir, B, T, seed, dev, stack)
         log(f"ladder on {peak.name} ({peak.note}); torch {torch.__version__}; model {model_cfg.n_layer}L "
             f"{model_cfg.n_embd}d {model_cfg.n_head}h, vocab {model_cfg.vocab_size}, context {T}, micro-batch {B} "
-            f"x {A} accumulation ({A * B * T:,} tokens/step); data: {data.source}; {steps} timed steps after "
+            f"x {A} accumulation ({A * B * T:,} tokens/step); data: {source}; {steps} timed steps after "
             f"{warmup} warmup")
         header = f"{'rung':<28} {'step ms':>9} {'data ms':>8} {'speedup':>8} {'tokens/s':>10} {'MFU':>8}  note"
         log(header)
         log("-" * len(header))
         # Process-wide one-time costs (kernel selection, allocator growth) must not land on the first rung.
-        warm = GPT(model_cfg).to(dev)
-        _time_steps(warm, warm.configure_optimizer(0.1, 1e-4, (0.9, 0.95), dev.type),
-                    torch.amp.GradScaler(dev.type, enabled=False), BatchSampler(data.preloaded, B, T, seed, dev), dev,
-                    torch.float32, 1, 1, _attention_ctx(False, dev))
-        warm = None
-        free_memory()
-        base = None
+        _run_rung(RUNGS[2], model_cfg, loader_for, 1, dev, 1, 1, seed, compile_backend)
+        base, fpt = None, flops_per_token(model_cfg)
         for i, rung in enumerate(RUNGS):
             if rungs is not None and i not in rungs:
                 continue
-            step_s, data_s, fpt, notes = _run_rung(rung, model_cfg, data, B, T, A, dev, steps, warmup, seed,
-                                                   compile_backend)
+            step_s, data_s, notes = _run_rung(rung, model_cfg, loader_for, A, dev, steps, warmup, seed, compile_backend)
             if base is None and math.isfinite(step_s):
                 base = step_s
             tps = A * B * T / step_s if step_s > 0 else math.nan
@@ -275,9 +261,6 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
         if len(results) > 1 and base and math.isfinite(results[-1].step_s):
             log(f"ladder speedup, first -> last rung: {base / results[-1].step_s:.2f}x")
     return results
-
-
-# --- throughput run of a preset -------------------------------------------------------------
 
 
 def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, device: str = "auto",
@@ -299,31 +282,23 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     micro, accum = tc.batch_size, tc.grad_accum_steps
     if data_dir is None:
         n = max(8 * micro * (mc.block_size + 1), 1 << 22)
-        toks = np.random.default_rng(0).integers(0, mc.vocab_size, n, dtype=np.uint16 if mc.vocab_size <= 65536 else np.uint32)
+        dtype_ids = np.uint16 if mc.vocab_size <= 65536 else np.uint32
+        toks = np.random.default_rng(0).integers(0, mc.vocab_size, n, dtype=dtype_ids)
         data = SplitData(tokens=_as_signed_view(toks).to(dev), name="train")
     else:
         data = splits["train"]
     sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
-    autocast = autocast_for(dev, dtype)
-    timer = StepTimer(dev)
-    peak = device_peak(dev)
+    autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev)
     tokens_per_step = micro * accum * mc.block_size
     log(f"bench train: preset {preset}, {model.num_params() / 1e6:.1f}M params, {dev} ({peak.name}), "
         f"{dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x {mc.block_size} x "
         f"accum {accum} = {tokens_per_step:,} tokens/step")
-
-    def one_step():
-        train_step(fwd, optimizer, scaler, sampler, accum=accum, autocast=autocast, grad_clip=tc.grad_clip, timer=timer)
-
-    warm_s, times = _timed(one_step, warmup, steps, dev, after_warmup=timer.split)  # the split excludes warmup
-    split = timer.split()
-    step_s = statistics.median(times)
-    tps = tokens_per_step / step_s
-    fpt = model.flops_per_token()
-    m = mfu(fpt, tps, peak.peak_flops)
-    target = tc.max_steps * tokens_per_step
-    eta = eta_seconds(0, target, tps)
-    units = colab_units(eta, peak.family)
+    warm_s, step_s, _, split = _time_steps(
+        lambda: train_step(fwd, optimizer, scaler, sampler, accum=accum, autocast=autocast, grad_clip=tc.grad_clip,
+                           timer=timer), timer, dev, warmup, steps)
+    tps, fpt, target = tokens_per_step / step_s, model.flops_per_token(), tc.max_steps * tokens_per_step
+    perf = perf_fields(split, fpt, tps, peak, 1, 0, target)  # MFU, ETA and Colab units as train() logs them
+    m, eta, units = perf["mfu"], perf["eta_s"], perf["colab_units_left"]
     log(f"step {1000 * step_s:.1f} ms (median of {steps}, synced), {tps:,.0f} tokens/s, "
         f"{fpt * tps / 1e12:.1f} TFLOP/s, MFU {fmt_mfu(m)} ({peak.note}); warmup+compile {warm_s:.1f}s")
     log(f"time split: {fmt_split(split)}")
@@ -333,22 +308,3 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     free_memory()
     return {"step_s": step_s, "tokens_per_s": tps, "mfu": m, "split": split, "eta_s": eta, "colab_units": units,
             "micro_batch": micro, "grad_accum_steps": accum, "device": peak.name}
-
-
-def _timed(one_step: Callable[[], None], warmup: int, steps: int, dev: torch.device,
-           after_warmup: Callable[[], object]) -> tuple[float, list[float]]:
-    """-> (warmup seconds, compile included; the seconds of each timed step, synced before and after)."""
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        one_step()
-    _sync(dev)
-    warm_s = time.perf_counter() - t0
-    after_warmup()
-    times = []
-    for _ in range(steps):
-        _sync(dev)
-        t = time.perf_counter()
-        one_step()
-        _sync(dev)
-        times.append(time.perf_counter() - t)
-    return warm_s, times

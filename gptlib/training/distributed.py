@@ -1,12 +1,10 @@
 """DistributedDataParallel plumbing for train(): one process per GPU under `torchrun`.
 
-Under torchrun (WORLD_SIZE > 1 in the environment) `setup()` joins the process group (nccl on
-GPUs, gloo on CPU), pins each process to its GPU, and returns a `Dist` that train() asks for the
-few things DDP changes: who writes files (rank 0), the sampler seed (seed + rank, so ranks see
-different batches), the no_sync() context (gradients are all-reduced only on the last micro-step
-of an accumulation), the mean loss across ranks at log time, and agreement on time-based
-decisions (stop, save), which are taken only at log steps so the hot loop has no extra syncs.
-Without torchrun everything here is a no-op and single-process training is unchanged.
+Under torchrun (WORLD_SIZE > 1) `setup()` joins the process group (nccl on GPUs, gloo on CPU), pins each
+process to its GPU, and returns a `Dist` that train() asks for what DDP changes: who writes files (rank 0), the
+sampler seed (seed + rank), no_sync() (gradients all-reduced on an accumulation's last micro-step only), the
+mean loss across ranks at log time, and agreement on time-based decisions (stop, save), taken only at log steps
+so the hot loop has no extra syncs. Without torchrun all of it is a no-op.
 """
 
 from __future__ import annotations
@@ -36,9 +34,7 @@ class Dist:
 
     def device(self, dev: torch.device) -> torch.device:
         """Each process trains on its own GPU (LOCAL_RANK); CPU stays CPU."""
-        if self.enabled and dev.type == "cuda":
-            return torch.device("cuda", self.local_rank)
-        return dev
+        return torch.device("cuda", self.local_rank) if self.enabled and dev.type == "cuda" else dev
 
     def wrap(self, model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
         if not self.enabled:
@@ -49,9 +45,7 @@ class Dist:
 
     def no_sync(self, model: torch.nn.Module, last_micro_step: bool):
         """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
-        if self.enabled and not last_micro_step:
-            return model.no_sync()
-        return contextlib.nullcontext()
+        return model.no_sync() if self.enabled and not last_micro_step else contextlib.nullcontext()
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """Average a tensor over ranks (the logged loss is the global one)."""
@@ -66,21 +60,17 @@ class Dist:
         if not self.enabled:
             return flags
         if step % every != 0:
-            return tuple(False for _ in flags)
+            return (False,) * len(flags)
         dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
         t = torch.tensor([int(f) for f in flags], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return tuple(bool(v) for v in t.tolist())
 
     def min_int(self, value: int) -> int:
-        if not self.enabled:
-            return value
-        out = [None] * self.world_size
-        dist.all_gather_object(out, int(value))
-        return min(out)
+        return min(self.sampler_states(int(value))) if self.enabled else value
 
-    def sampler_states(self, state: dict) -> list[dict] | None:
-        """Every rank's sampler state, gathered for rank 0's checkpoint (None when not distributed)."""
+    def sampler_states(self, state):
+        """Every rank's `state` (its sampler's, for rank 0's checkpoint), gathered; None when not distributed."""
         if not self.enabled:
             return None
         out = [None] * self.world_size
@@ -103,12 +93,10 @@ class Dist:
 
     def teardown(self) -> None:
         if self.initialized_here and dist.is_initialized():
-            # Every rank waits here first: a rank that destroys the group and exits while another is
-            # still finishing (rank 0 writes the last checkpoint) makes gloo abort the other process.
-            try:
+            # Every rank waits here first: a rank that destroys the group and exits while another is still
+            # finishing (rank 0 writes the last checkpoint) makes gloo abort the other process.
+            with contextlib.suppress(RuntimeError, dist.DistBackendError):  # a rank already failed: no one to wait for
                 dist.barrier()
-            except (RuntimeError, dist.DistBackendError):  # another rank already failed: nothing to wait for
-                pass
             dist.destroy_process_group()
             self.initialized_here = False
 
@@ -122,8 +110,7 @@ def setup(device: str = "auto") -> Dist:
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
-    here = False
-    if not dist.is_initialized():
+    here = not dist.is_initialized()
+    if here:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-        here = True
     return Dist(rank=rank, local_rank=local_rank, world_size=world, initialized_here=here)

@@ -29,26 +29,19 @@ from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tok
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSON-lines log; reading stops at a torn last line from a kill mid-write."""
     rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if not isinstance(row, dict):
-                break
-            rows.append(row)
+    for line in filter(str.strip, path.read_text().splitlines() if path.is_file() else []):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(row, dict):
+            break
+        rows.append(row)
     return rows
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / METRICS_FILE)
-
-
-def read_samples(run_dir: str | Path) -> list[dict]:
-    return read_jsonl(Path(run_dir) / SAMPLES_FILE)
 
 
 def throughput_summary(run_dir: str | Path) -> str:
@@ -88,19 +81,16 @@ def restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> No
 
 def write_samples_table(run_dir: Path) -> None:
     """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
-    rows = read_samples(run_dir)
-    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
-    steps = sorted({r["step"] for r in rows})
+    rows = read_jsonl(run_dir / SAMPLES_FILE)
+    prompts, steps = list(dict.fromkeys(r["prompt"] for r in rows)), sorted({r["step"] for r in rows})
     cell = {(r["step"], r["prompt"]): r["text"] for r in rows}
 
     def esc(t: str) -> str:
         return t.replace("|", "\\|").replace("\n", "<br>")
 
     # Every column left-aligned, explicitly: without it the classic notebook right-aligns the text.
-    lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |",
-             "|:---|" + ":---|" * len(prompts)]
-    for st in steps:
-        lines.append(f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |")
+    lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |", "|:---|" + ":---|" * len(prompts)]
+    lines += [f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |" for st in steps]
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
 
 
@@ -130,8 +120,7 @@ def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int,
         rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out[:cut])})
     model.train(was_training)
     with open(run_dir / SAMPLES_FILE, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
     write_samples_table(run_dir)
     return rows
 
@@ -141,18 +130,12 @@ BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{p
 
 
 def bar_postfix(train_loss: float, tokens_per_s: float | None, perf: dict) -> str:
-    """The bar's postfix: loss, tokens/s, MFU and ETA, short enough (under 50 characters) to leave the bar a fair
-    share of a 100-column line or a 1,000-px notebook. The details (lr, the time split) are in the periodic
-    progress line and metrics.jsonl."""
-    parts = [f"loss {train_loss:.4f}"]
-    if tokens_per_s is not None:
-        parts.append(f"{fmt_tokens(tokens_per_s)} tok/s")
+    """The bar's postfix: loss, tokens/s, MFU and ETA, under 50 characters to leave the bar a fair share of a
+    100-column line or a 1,000-px notebook. The details (lr, the time split) are in the progress line and
+    metrics.jsonl."""
     short = postfix_fields(perf)
-    if "mfu" in short:
-        parts.append(f"MFU {short['mfu']}")
-    if "eta" in short:
-        parts.append(f"ETA {short['eta']}")
-    return ", ".join(parts)
+    parts = [f"loss {train_loss:.4f}"] + ([f"{fmt_tokens(tokens_per_s)} tok/s"] if tokens_per_s is not None else [])
+    return ", ".join(parts + [f"{k.upper()} {short[k]}" for k in ("mfu", "eta") if k in short])
 
 
 def plain_progress(stream) -> bool:
@@ -160,36 +143,28 @@ def plain_progress(stream) -> bool:
     tqdm.auto would not draw a notebook widget. There a bar's carriage-return redraws make one endless line."""
     from tqdm.auto import tqdm
 
-    isatty = getattr(stream, "isatty", None)
-    return not is_notebook_bar_class(tqdm) and not (isatty is not None and isatty())
-
-
-def is_notebook_bar_class(cls) -> bool:
-    """Whether tqdm.auto's pick (a class) is the notebook widget bar."""
-    try:
-        from tqdm.notebook import tqdm as notebook_tqdm
-    except ImportError:
-        return False
-    return issubclass(cls, notebook_tqdm)
+    return not is_notebook_bar(tqdm) and not getattr(stream, "isatty", lambda: False)()
 
 
 def is_notebook_bar(bar) -> bool:
-    """A widget bar (tqdm.auto's pick in a notebook, whose class lives in module tqdm.auto): a front end that
-    cannot draw widgets (JupyterLab 4 with ipywidgets 7) shows nothing of it, so plain lines are printed too."""
-    return bar is not None and is_notebook_bar_class(type(bar))
+    """Whether a bar (or tqdm.auto's pick, a class) is the notebook widget bar, whose class lives in module
+    tqdm.auto: a front end that cannot draw widgets (JupyterLab 4 with ipywidgets 7) shows nothing of it."""
+    from tqdm.notebook import tqdm as notebook_tqdm  # never fails: tqdm guards its IPython imports
+
+    return bar is not None and issubclass(bar if isinstance(bar, type) else type(bar), notebook_tqdm)
+
 
 class MetricsLog:
     """metrics.jsonl, the progress bar and the on_log callback of one training call.
 
-    `add` keeps each step's loss on the device; `flush` (at log steps) reads them all back at once,
-    writes a row per step and refreshes the bar; `validation_row` writes the validation row. On DDP ranks
-    other than 0 the file is os.devnull and there is no bar, but `flush` still averages over ranks.
+    `add` keeps each step's loss on the device; `flush` (at log steps) reads them all back at once, writes a row
+    per step and refreshes the bar; `validation_row` writes the validation row. On DDP ranks other than 0 the file
+    is os.devnull and there is no bar, but `flush` still averages over ranks.
 
-    Throughput (tokens/s, MFU, ETA) leaves out the session's first step: it compiles the model (a minute
-    or two on a GPU), tunes kernels and grows the allocator. The loop says so while it happens. The bar
-    shows loss, tokens/s, MFU and ETA; a progress line with the details too (lr, the time split) is printed
-    every TEXT_EVERY_S: in a notebook for front ends that cannot draw widgets, in a terminal above the bar. Where
-    the bar's stream is a file or a pipe (`train ... > log.txt 2>&1`) there is no bar, only those lines.
+    Throughput (tokens/s, MFU, ETA) leaves out the session's first step: it compiles the model (a minute or two
+    on a GPU), tunes kernels and grows the allocator. The bar shows loss, tokens/s, MFU and ETA; a progress line
+    with the details (lr, the time split) is printed every TEXT_EVERY_S: in a notebook for front ends that cannot
+    draw widgets, in a terminal above the bar, and alone where stderr is a file or a pipe.
     """
 
     TEXT_EVERY_S = 60.0
@@ -197,33 +172,31 @@ class MetricsLog:
     def __init__(self, session, *, peak, timer, progress: bool, log: Callable[[str], None],
                  on_log: Callable[[dict], None] | None):
         """session: the gptlib.training.setup.TrainingRun being trained (its run dir, state, history, config)."""
-        state, run_dir, ddp = session.state, session.run_dir, session.ddp
-        self.state, self.history, self.ddp, self.tc = state, session.history, ddp, session.cfg.train
+        st = self.state = session.state
+        self.history, self.ddp, self.tc = session.history, session.ddp, session.cfg.train
+        self.compiled = session.compiled
         self.tokens_per_step, self.flops_per_token = session.tokens_per_step, session.model.flops_per_token()
-        self.peak, self.log, self.on_log = peak, log, on_log
-        self.pending: list[torch.Tensor] = [torch.tensor(v, device=session.device) for v in state.pending_losses]
-        self.train_loss: float | None = self.history[-1].get("train_loss") if self.history else None  # last logged
-        self.val_loss: float | None = None  # last validation loss of this call ...
-        self.val_step: int | None = None  # ... and its step
-        self.held: float | None = None  # this step's loss between flush() and validation_row()
-        self.file = open(run_dir / METRICS_FILE if ddp.is_main else os.devnull, "a")
-        self.bar = None
+        self.peak, self.timer, self.log, self.on_log = peak, timer, log, on_log
+        self.pending = [torch.tensor(v, device=session.device) for v in st.pending_losses]
+        self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged
+        self.val_loss = self.val_step = None  # the last validation loss of this call and its step
+        self.held = None  # this step's loss between flush() and validation_row()
+        self.file = open(session.run_dir / METRICS_FILE if self.ddp.is_main else os.devnull, "a")
         self.lines_only = progress and plain_progress(sys.stderr)  # progress lines, no bar (a file, a pipe)
+        self.bar = None
         if progress and not self.lines_only:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.tc.max_steps, initial=state.step, desc="train", unit="step", dynamic_ncols=True,
+            self.bar = tqdm(total=self.tc.max_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True,
                             bar_format=BAR_FORMAT)
-        self.timer = timer
-        self.elapsed_before = state.elapsed_s  # training time of earlier sessions
+        self.elapsed_before = st.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
-        self.tokens_last = state.tokens_seen
-        self.tps: float | None = None  # tokens/s of the last log interval (None until measured)
+        self.tokens_last = st.tokens_seen
+        self.tps = None  # tokens/s of the last log interval (None until measured)
         self.steady_tokens, self.steady_s = 0, 0.0  # all measured intervals: warm-up and validations left out
-        self.paused_s = 0.0  # ... the validations' time (after warm-up): the ETA counts it, tokens/s and MFU do not
-        self.perf: dict = {}
+        self.paused_s = 0.0  # the validations' time after warm-up: the ETA counts it, tokens/s and MFU do not
+        self.perf = {}
         self.warm = False  # the session's first step (compile, kernel tuning) is behind us
-        self.compiled = session.compiled
         if self.compiled:
             self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
             if self.bar is not None:
@@ -231,20 +204,16 @@ class MetricsLog:
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)
-        if not self.warm:
-            self._warmed_up(loss)
-
-    def _warmed_up(self, loss: torch.Tensor) -> None:
-        """After the session's first step: wait for it (one host sync, once), then start the throughput clock."""
-        loss.item()
-        self.warm = True
-        now = time.time()
-        if self.compiled:
-            if self.bar is not None:
-                self.bar.set_description("train")
-            self.say(f"compiled and warmed up in {now - self.t_start:.0f} s")
-        self.t_last, self.tokens_last = now, self.state.tokens_seen
-        self.timer.split()  # the time split leaves the first step out too
+        if not self.warm:  # the session's first step: wait for it (one host sync, once), then start the clock
+            loss.item()
+            self.warm = True
+            now = time.time()
+            if self.compiled:
+                if self.bar is not None:
+                    self.bar.set_description("train")
+                self.say(f"compiled and warmed up in {now - self.t_start:.0f} s")
+            self.t_last, self.tokens_last = now, self.state.tokens_seen
+            self.timer.split()  # the time split leaves the first step out too
 
     def due(self, step: int, validating: bool) -> bool:
         return step % self.tc.log_interval == 0 or validating
@@ -257,8 +226,8 @@ class MetricsLog:
 
     def flush(self, timer, validating: bool) -> None:
         """Read the pending losses back (the loop's host sync) and write a row per step; the last row of a
-        validation step is written by `validation` instead, with its val loss."""
-        st, tc = self.state, self.tc
+        validation step is written by `validation_row` instead, with its val loss."""
+        st = self.state
         losses = self.ddp.mean(torch.stack(self.pending)).tolist()  # the sync: once per log_interval
         self.pending.clear()
         now = time.time()
@@ -269,7 +238,7 @@ class MetricsLog:
             self.t_last, self.tokens_last = now, st.tokens_seen
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
             self.perf = perf_fields(timer.split(), self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
-                                    st.tokens_seen, tc.max_steps * self.tokens_per_step, wall_rate)  # MFU, ETA, split
+                                    st.tokens_seen, self.tc.max_steps * self.tokens_per_step, wall_rate)
         self.train_loss = losses[-1]
         for k, loss in enumerate(losses):
             s_k = st.step - len(losses) + 1 + k
@@ -278,29 +247,22 @@ class MetricsLog:
                 continue
             row = {"step": s_k, "train_loss": round(loss, 6), "lr": self._lr(s_k),
                    "tokens_seen": st.tokens_seen - (len(losses) - 1 - k) * self.tokens_per_step}
-            if s_k == st.step:
-                row.update(self._speed(now))
-            self._write(row)
+            self._write({**row, **self._speed(now)} if s_k == st.step else row)
         self.file.flush()
-        self._show_progress(now)
+        if self.bar is not None:
+            self.bar.set_postfix_str(bar_postfix(self.train_loss, self.tps, self.perf))
+        if (self.bar is not None or self.lines_only) and now - self.t_text >= self.TEXT_EVERY_S:
+            self.t_text = now  # the details; the only progress where there is no bar
+            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}"}
+            if self.tps is not None:
+                fields["tok/s"] = f"{self.tps:,.0f}"
+            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: "
+                     + ", ".join(f"{k} {v}" for k, v in {**fields, **postfix_fields(self.perf)}.items()))
 
     def _speed(self, now: float) -> dict:
         """What the last row of a log step adds: tokens/s (once measured), elapsed time, MFU, ETA, split."""
         speed = {} if self.tps is None else {"tokens_per_s": round(self.tps, 1)}
-        return {**speed, "elapsed_s": round(self._elapsed(now), 3), **self.perf}
-
-    def _show_progress(self, now: float) -> None:
-        if self.bar is None and not self.lines_only:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix_str(bar_postfix(self.train_loss, self.tps, self.perf))
-        if now - self.t_text >= self.TEXT_EVERY_S:  # the details; the only progress where there is no bar
-            self.t_text = now
-            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(self.state.step):.2e}"}
-            if self.tps is not None:
-                fields["tok/s"] = f"{self.tps:,.0f}"
-            self.say(f"step {self.state.step:,}/{self.tc.max_steps:,}: "
-                     + ", ".join(f"{k} {v}" for k, v in {**fields, **postfix_fields(self.perf)}.items()))
+        return {**speed, "elapsed_s": round(self.elapsed(now), 3), **self.perf}
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """Write this step's validation row (after `flush`, which skipped it); `extra`: e.g. HellaSwag fields."""
@@ -340,10 +302,7 @@ class MetricsLog:
 
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
-        if self.bar is not None:
-            self.bar.write(msg)
-        else:
-            self.log(msg)
+        (self.bar.write if self.bar is not None else self.log)(msg)
 
     def step_done(self) -> None:
         if self.bar is not None:
@@ -361,12 +320,9 @@ class MetricsLog:
     def _lr(self, step: int) -> float:
         return lr_at(step - 1, self.tc)  # the rate step `step` trained with
 
-    def _elapsed(self, now: float) -> float:
-        return self.elapsed_before + (now - self.t_start)
-
-    def elapsed(self) -> float:
+    def elapsed(self, now: float | None = None) -> float:
         """Training wall time over all sessions, for the checkpoint's TrainState."""
-        return self._elapsed(time.time())
+        return self.elapsed_before + (now or time.time()) - self.t_start
 
     def session_s(self) -> float:
         """Training wall time of this call."""

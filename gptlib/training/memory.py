@@ -77,12 +77,11 @@ def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
     return int(16 * n_params + 34 * tokens * c.n_layer * c.n_embd + 10 * tokens * c.padded_vocab_size)
 
 
-# The probe measures the model eagerly, before torch.compile wraps it (compiling each candidate size would
-# cost a compile per size). Eager training is the upper bound: inductor's partitioner recomputes cheap
-# pointwise results (GELU, LayerNorm) in the backward instead of saving them, so a compiled step holds no
-# more activations than an eager one. The margin: a size fits when its eager peak (weights, grads, AdamW's
-# two moments held as a stand-in, activations) stays under PROBE_HEADROOM of the GPU; the rest is room for
-# fragmentation and for what runs beside the step (cuBLAS/cuDNN workspaces, compile's kernel benchmarking).
+# The probe measures the model eagerly, before torch.compile wraps it (a compile per candidate size would cost
+# too much). Eager is the upper bound: inductor recomputes cheap pointwise results (GELU, LayerNorm) in the
+# backward instead of saving them. A size fits when its eager peak (weights, grads, AdamW's two moments as a
+# stand-in, activations) stays under PROBE_HEADROOM of the GPU; the rest is room for fragmentation and what runs
+# beside the step (cuBLAS/cuDNN workspaces, compile's kernel benchmarking).
 PROBE_HEADROOM = 0.92
 
 
@@ -90,8 +89,7 @@ class CudaMemoryProbe:
     """The probe's view of GPU memory: the peak allocated since reset(), and the GPU's size."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.total = torch.cuda.get_device_properties(device).total_memory
+        self.device, self.total = device, torch.cuda.get_device_properties(device).total_memory
 
     def reset(self, batch: int) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -115,33 +113,26 @@ def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dty
 
 def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,
                       dtype: torch.dtype = torch.float32, max_micro: int | None = None,
-                      reserve_optimizer: bool = True, headroom: float = PROBE_HEADROOM,
                       log: Callable[[str], None] = print, memory_probe=None) -> tuple[int, int]:
-    """Largest micro-batch whose forward + backward fits, and the accumulation that keeps tokens per step.
+    """Largest micro-batch whose forward + backward fits -> (micro_batch, grad_accum_steps), tokens per step kept.
 
-    Candidates are the divisors of `sequences_per_step` (so micro * accum is exact), largest first.
-    Each try runs one forward/backward on random tokens; an OOM frees everything (no reference to
-    the exception or its frames survives the except block, then gc + empty_cache) and tries the
-    next. With a memory probe (CudaMemoryProbe on CUDA) a try also fails when its peak exceeds
-    `headroom` of the GPU (see PROBE_HEADROOM). AdamW's two fp32 moments are held in memory during the
-    probe on CUDA (reserve_optimizer). -> (micro_batch, grad_accum_steps)
-    """
+    Candidates are the divisors of `sequences_per_step`, largest first, each tried with one forward/backward on
+    random tokens: an OOM, or a peak over PROBE_HEADROOM of the GPU (memory_probe: CudaMemoryProbe on CUDA), moves
+    on to the next. On CUDA AdamW's two fp32 moments are held in memory meanwhile."""
     device = torch.device(device)
     cap = sequences_per_step if max_micro is None else min(max_micro, sequences_per_step)
-    candidates = [b for b in range(cap, 0, -1) if sequences_per_step % b == 0]
     cuda = device.type == "cuda"
     if memory_probe is None and cuda:
         memory_probe = CudaMemoryProbe(device)
     n_params = sum(p.numel() for p in model.parameters())
-    reserve = (torch.empty(2 * n_params, dtype=torch.float32, device=device)
-               if reserve_optimizer and cuda else None)  # stand-in for exp_avg + exp_avg_sq
+    reserve = torch.empty(2 * n_params, device=device) if cuda else None  # stand-in for exp_avg + exp_avg_sq
     was_training = model.training
     model.train()
     chosen = None
     try:
-        for b in candidates:
-            fits, why = _try_micro_batch(model, b, block_size, device, dtype, headroom, memory_probe)
-            if fits:
+        for b in (b for b in range(cap, 0, -1) if sequences_per_step % b == 0):
+            why = _try_micro_batch(model, b, block_size, device, dtype, memory_probe)
+            if not why:
                 chosen = b
                 break
             log(f"auto micro-batch: {b} x {block_size} does not fit ({why})")
@@ -153,16 +144,16 @@ def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_ste
     if chosen is None:
         raise OutOfMemoryAdvice(oom_advice(1, sequences_per_step, block_size))
     accum = sequences_per_step // chosen
-    log(f"auto micro-batch: {chosen} x {block_size} tokens fits (eager peak within {headroom:.0%} of the GPU); "
+    log(f"auto micro-batch: {chosen} x {block_size} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the GPU); "
         f"grad_accum_steps={accum} keeps {sequences_per_step * block_size:,} tokens per step")
     return chosen, accum
 
 
-def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype, headroom: float,
-                     memory_probe) -> tuple[bool, str]:
-    """One forward + backward of b sequences -> (fits, why not). Everything it made is dropped before it returns."""
+def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype, memory_probe) -> str:
+    """One forward + backward of b sequences -> why it does not fit ("": it fits). Everything it made is dropped
+    before it returns: no reference to an OOM or its frames survives the except block, then gc + empty_cache."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
-    fits, why = True, ""
+    why = ""
     if memory_probe is not None:
         memory_probe.reset(b)
     x = torch.randint(0, vocab, (b, block_size), device=device)
@@ -170,15 +161,14 @@ def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype
         with autocast_for(device, dtype):
             _, loss = model(x, x)
         loss.backward()
-        if memory_probe is not None:
-            peak, total = memory_probe.peak(), memory_probe.total
-            if peak > headroom * total:
-                fits, why = False, f"peak {peak / 2**30:.1f} GiB > {headroom:.0%} of {total / 2**30:.1f} GiB"
+        if memory_probe is not None and memory_probe.peak() > PROBE_HEADROOM * memory_probe.total:
+            why = (f"peak {memory_probe.peak() / 2**30:.1f} GiB > {PROBE_HEADROOM:.0%} of "
+                   f"{memory_probe.total / 2**30:.1f} GiB")
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
         if not is_oom(e):
             raise
-        fits, why = False, "out of memory"
+        why = "out of memory"
     loss = x = None  # drop the graph and activations before trying a smaller size
     model.zero_grad(set_to_none=True)
     free_memory()
-    return fits, why
+    return why

@@ -1,53 +1,52 @@
 """Plots: loss.png in the run directory, the live plot a notebook shows while training, and HellaSwag
 acc_norm beside the loss or against tokens seen.
 
-Figures are built without pyplot's global state (a Figure with an Agg canvas), so training in a
+Figures are built without pyplot's global state (a bare Figure; savefig renders it with Agg), so training in a
 thread or a headless process never touches a GUI backend.
 """
 
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 from gptlib.evaluation.hellaswag import GPT2_124M
+from gptlib.fsutil import atomic_write
 from gptlib.training.logs import read_metrics
 from gptlib.training.throughput import fmt_duration, fmt_mfu
+
+
+def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
+    """A new Figure's one Axes, labelled, titled and gridded."""
+    from matplotlib.figure import Figure
+
+    ax = Figure(figsize=figsize, dpi=dpi).add_subplot(1, 1, 1)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    return ax
 
 
 def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
     """Train and val loss vs step as a matplotlib Figure, with HellaSwag acc_norm on a second axis when the
     rows have it (TrainConfig.hellaswag_every)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = _axes(figsize, dpi, "step", "loss (nats/token)", title)
     tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
     va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if tr:
         ax.plot(*zip(*tr), label="train", lw=1)
     if va:
         ax.plot(*zip(*va), "o-", label="val", lw=1.5, ms=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
     if tr or va:
         ax.legend()
     add_hellaswag_axis(ax, rows)
-    fig.tight_layout()
-    return fig
+    ax.figure.tight_layout()
+    return ax.figure
 
 
 def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
     """loss.png in the run dir, replaced atomically so a viewer never reads half a file."""
-    fig = loss_figure(rows, title)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: loss_figure(rows, title).savefig(f, format="png"))
 
 
 def run_title(preset: str, run_name: str, sep: str = ": ") -> str:
@@ -66,22 +65,18 @@ def _notebook_display():
 
 
 class LivePlot:
-    """Pass `LivePlot(run_dir).update` as train()'s on_log callback: at every validation it re-reads the
-    run's metrics.jsonl (earlier sessions of a resumed run included), redraws train/val loss, and shows
-    the step, val loss, tokens/s, MFU and ETA in the title, updating one display in place (outside IPython
-    it only draws).
+    """Pass `LivePlot(run_dir).update` as train()'s on_log callback: at every validation it re-reads the run's
+    metrics.jsonl (earlier sessions of a resumed run included) and redraws the loss with the step, val loss,
+    tokens/s, MFU and ETA in the title, updating one display in place (outside IPython it only draws).
 
-    In a notebook the display is made when the LivePlot is, before training prints anything: the plot stays
-    above the cell's text, and training's "step N: ..." lines (plain text, shown by every front end) all land
-    below it, in order, rather than the first above it and the rest below.
+    The display is made with the LivePlot, before training prints anything: the plot stays above the cell's
+    text, and training's "step N: ..." lines all land below it, in order.
     """
 
     PLACEHOLDER = "loss plot: drawn here at the first validation"
 
     def __init__(self, run_dir: str | Path, title: str = ""):
-        self.run_dir = Path(run_dir)
-        self.title = title
-        self.updates = 0
+        self.run_dir, self.title = Path(run_dir), title
         display = _notebook_display()
         self.handle = None if display is None else display(
             {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"}, raw=True, display_id=True)
@@ -103,7 +98,6 @@ class LivePlot:
     def update(self, row: dict | None = None) -> None:
         """on_log callback: redraw with everything logged so far."""
         fig = self.figure(row)
-        self.updates += 1
         display = _notebook_display()
         if display is None:
             return
@@ -118,11 +112,11 @@ class LivePlot:
             self.handle.update(img)
 
 
-def add_hellaswag_axis(ax, rows: list[dict], x: str = "step", reference: bool = True):
+def add_hellaswag_axis(ax, rows: list[dict]):
     """Draw HellaSwag acc_norm (rows with `hellaswag_acc_norm`, i.e. metrics.jsonl) on a second y axis
     of `ax` (the loss plot). Returns the new Axes, or None when no row has a score (nothing drawn)."""
-    pts = [(r[x], r["hellaswag_acc_norm"], r.get("hellaswag_n")) for r in rows
-           if r.get("hellaswag_acc_norm") is not None and r.get(x) is not None]
+    pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n")) for r in rows
+           if r.get("hellaswag_acc_norm") is not None and r.get("step") is not None]
     if not pts:
         return None
     ax2 = ax.twinx()
@@ -134,10 +128,8 @@ def add_hellaswag_axis(ax, rows: list[dict], x: str = "step", reference: bool = 
                  label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
     if full:
         ax2.plot(*zip(*full), "D", color="darkgreen", ms=6, label="HellaSwag acc_norm (all items)")
-    if reference:
-        ax2.axhline(GPT2_124M["acc_norm"], color="tab:green", ls="--", lw=0.8, alpha=0.7,
-                    label="GPT-2 124M (0.2955)")
-        ax2.axhline(0.25, color="gray", ls=":", lw=0.8, alpha=0.7, label="chance (0.25)")
+    ax2.axhline(GPT2_124M["acc_norm"], color="tab:green", ls="--", lw=0.8, alpha=0.7, label="GPT-2 124M (0.2955)")
+    ax2.axhline(0.25, color="gray", ls=":", lw=0.8, alpha=0.7, label="chance (0.25)")
     ax2.set_ylabel("HellaSwag acc_norm", color="tab:green")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
@@ -149,22 +141,13 @@ def add_hellaswag_axis(ax, rows: list[dict], x: str = "step", reference: bool = 
 
 def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
     """acc_norm against tokens seen, from eval.jsonl rows (task hellaswag), with GPT-2 124M's figure."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=dpi)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax = _axes(figsize, dpi, "tokens seen", "HellaSwag acc_norm", title)
     pts = sorted((r["tokens_seen"], r["acc_norm"]) for r in rows
                  if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None)
     if pts:
         ax.plot(*zip(*pts), "o-", label="this run")
     ax.axhline(GPT2_124M["acc_norm"], color="tab:red", ls="--", lw=1, label="GPT-2 124M (OpenAI): 0.2955")
     ax.axhline(0.25, color="gray", ls=":", lw=1, label="chance: 0.25")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("HellaSwag acc_norm")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    ax.figure.tight_layout()
+    return ax.figure

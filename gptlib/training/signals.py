@@ -14,12 +14,11 @@ from gptlib.errors import loud
 class GracefulStop:
     """SIGINT (Colab's stop button, Ctrl-C) and SIGTERM (runtime shutdown) ask the loop to stop.
 
-    The first signal only sets `reason`; the loop finishes the current optimizer step, saves a
-    checkpoint and returns, so the saved state is exactly a step boundary. A second SIGINT raises
-    KeyboardInterrupt at once (for a loop stuck elsewhere, e.g. in validation); the loop then saves the
-    last complete step. Inside `deferred()` (the optimizer update and the step counter) that second
-    press waits until the block ends, so the saved state is never half an update. Handlers can only be
-    installed from the main thread; elsewhere this does nothing and KeyboardInterrupt behaves as usual.
+    The first signal only sets `reason`: the loop finishes the optimizer step, saves and returns, so the saved
+    state is a step boundary. A second SIGINT raises KeyboardInterrupt at once (a loop stuck in validation, say)
+    and the loop saves the last complete step; inside `deferred()` (the update and the step counter) it waits
+    for the block's end, so no half update is saved. Handlers install from the main thread only; elsewhere this
+    does nothing and KeyboardInterrupt behaves as usual.
     """
 
     def __init__(self):
@@ -32,18 +31,15 @@ class GracefulStop:
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 self._old[sig] = signal.signal(sig, self._handle)
-            except (ValueError, OSError):
-                pass
         return self
 
     def _handle(self, signum, frame) -> None:
         if self.reason is not None:
-            if signum == signal.SIGINT:
-                if self._deferring:
-                    self._interrupted = True
-                    return
+            if signum == signal.SIGINT and self._deferring:
+                self._interrupted = True
+            elif signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
@@ -66,8 +62,6 @@ class GracefulStop:
     def restore(self) -> None:
         for sig, old in self._old.items():
             if old is not None:
-                try:
+                with contextlib.suppress(ValueError, OSError):
                     signal.signal(sig, old)
-                except (ValueError, OSError):
-                    pass
         self._old.clear()

@@ -21,8 +21,6 @@ import torch
 
 from gptlib.errors import ConfigError, loud
 
-# --- GPU peaks and MFU ------------------------------------------------------------------------
-
 # Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
 # bf16 where the GPU has it; fp16 on T4/V100, which train in fp16 + GradScaler. First match wins.
 PEAK_TFLOPS: list[tuple[str, str, float]] = [
@@ -38,13 +36,7 @@ PEAK_TFLOPS: list[tuple[str, str, float]] = [
 
 # Approximate Colab compute units consumed per hour of each GPU runtime (user reports, 2024-2025).
 # Colab changes these; edit this table (or pass your own) to get your own estimate.
-COLAB_UNITS_PER_HOUR: dict[str, float] = {
-    "T4": 1.76,
-    "L4": 4.82,
-    "V100": 4.91,
-    "A100": 11.77,
-    "H100": 18.0,
-}
+COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.76, "L4": 4.82, "V100": 4.91, "A100": 11.77, "H100": 18.0}
 
 
 @dataclass
@@ -65,13 +57,14 @@ def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
 
 def device_peak(device: str | torch.device) -> DevicePeak:
     device = torch.device(device)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        family, peak = lookup_peak(name)
-        if peak is None:
-            return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
-        return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)")
-    return DevicePeak(f"{device.type}: {cpu_name()}", None, None, f"MFU unknown on {device.type} (no peak table for it)")
+    if device.type != "cuda":
+        return DevicePeak(f"{device.type}: {cpu_name()}", None, None,
+                          f"MFU unknown on {device.type} (no peak table for it)")
+    name = torch.cuda.get_device_name(device)
+    family, peak = lookup_peak(name)
+    if peak is None:
+        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
+    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)")
 
 
 def cpu_name() -> str:
@@ -84,9 +77,7 @@ def cpu_name() -> str:
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, n_devices: int = 1) -> float | None:
     """Fraction of the peak reached (0..1), or None when the peak is unknown."""
-    if not peak_flops:
-        return None
-    return flops_per_token * tokens_per_s / (peak_flops * n_devices)
+    return flops_per_token * tokens_per_s / (peak_flops * n_devices) if peak_flops else None
 
 
 def fmt_mfu(value: float | None) -> str:
@@ -103,9 +94,7 @@ def fmt_duration(seconds: float) -> str:
 
 
 def eta_seconds(tokens_done: int, tokens_target: int, tokens_per_s: float) -> float:
-    if tokens_per_s <= 0:
-        return math.inf
-    return max(0, tokens_target - tokens_done) / tokens_per_s
+    return max(0, tokens_target - tokens_done) / tokens_per_s if tokens_per_s > 0 else math.inf
 
 
 def colab_units(seconds: float, gpu_family: str | None, rates: dict[str, float] | None = None) -> float | None:
@@ -132,9 +121,7 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
 
 def postfix_fields(perf: dict) -> dict[str, str]:
     """Short progress-bar fields from perf_fields(): only what is known."""
-    out = {}
-    if perf.get("mfu") is not None:
-        out["mfu"] = f"{100 * perf['mfu']:.1f}%"
+    out = {"mfu": fmt_mfu(perf["mfu"])} if perf.get("mfu") is not None else {}
     if perf.get("eta_s") is not None:
         out["eta"] = fmt_duration(perf["eta_s"])
     if perf.get("time_split"):
@@ -142,10 +129,8 @@ def postfix_fields(perf: dict) -> dict[str, str]:
     return out
 
 
-def steps_for_tokens(cfg, tokens: float, world_size: int = 1) -> int:
-    """Optimizer steps that train on `tokens` tokens with this config's tokens per step (at least 1)."""
-    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
-    return max(1, math.ceil(tokens / per_step))
+def tokens_per_step(cfg, world_size: int = 1) -> int:
+    return cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
 
 
 def flops_per_token(model_cfg) -> int:
@@ -160,16 +145,13 @@ def flops_per_token(model_cfg) -> int:
 
 def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
     """Tokens the run still trains on from start_step to max_steps."""
-    tc = cfg.train
-    return max(0, tc.max_steps - start_step) * tc.batch_size * tc.grad_accum_steps * cfg.model.block_size * world_size
+    return max(0, cfg.train.max_steps - start_step) * tokens_per_step(cfg, world_size)
 
 
 def run_flops(cfg, start_step: int = 0) -> float:
     """Training FLOPs of the run from start_step (compile=auto's measure of whether compiling pays)."""
     return float(flops_per_token(cfg.model)) * run_tokens(cfg, start_step)
 
-
-# --- a GPU preset on a CPU --------------------------------------------------------------------
 
 GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")  # config.PRESETS made for a GPU runtime
 CPU_REFUSE_S = 3600.0  # a GPU preset that device=auto put on a CPU is refused when it would take longer than this
@@ -198,13 +180,13 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     Colab notebook opened without a GPU runtime) and it would take over CPU_REFUSE_S, a ConfigError: nobody
     should start a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning, and a
     small run (a tiny model in a GPU preset, --set overrides) is a note."""
-    if device.type != "cpu" or cfg.preset not in GPU_PRESETS or run_tokens(cfg, start_step) == 0:
+    tokens = run_tokens(cfg, start_step)
+    if device.type != "cpu" or cfg.preset not in GPU_PRESETS or tokens == 0:
         return
     rate = cpu_train_flops()
     secs = estimate_cpu_seconds(cfg, start_step, rate)
     took = f"about {secs / 3600:,.0f} hours" if secs >= 3600 else f"about {fmt_duration(secs)}"
     steps = cfg.train.max_steps - start_step
-    tokens = run_tokens(cfg, start_step)
     msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) "
            f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured). On Colab: "
            f"Runtime > Change runtime type > A100 GPU, then run the notebook again")
@@ -217,22 +199,19 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
         loud(f"warning: {msg}")
 
 
-# --- time split -------------------------------------------------------------------------------
-
-
 class StepTimer:
     """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop.
 
-    On CUDA it records events and reads them only in `split()` (call it where the loop syncs
-    anyway, at log time); the GPU timeline then shows where time goes, including the GPU waiting
-    for the host's data. On CPU it uses perf_counter. With sync=True (benchmarks) every mark waits
-    for the device and times on the host, so host work such as a Python data loader counts in full.
+    On CUDA it records events and reads them only in `split()` (where the loop syncs anyway, at log time): the
+    GPU timeline shows where time goes, the GPU waiting for the host's data included. On CPU: perf_counter. With
+    sync=True (the ladder) every mark waits for the device and times on the host, so host work such as a Python
+    data loader counts in full.
     """
 
     def __init__(self, device: str | torch.device, sync: bool = False):
         self.device = torch.device(device)
-        self.sync = sync and self.device.type == "cuda"
-        self.events = self.device.type == "cuda" and not sync
+        cuda = self.device.type == "cuda"
+        self.sync, self.events = sync and cuda, cuda and not sync
         self.totals: dict[str, float] = defaultdict(float)
         self._events: list[tuple[str, object, object]] = []
         self._last = None
@@ -251,9 +230,6 @@ class StepTimer:
 
     def mark(self, phase: str) -> None:
         """The time since the previous start/mark belongs to `phase`."""
-        if self._last is None:
-            self.start()
-            return
         now = self._now()
         if self.events:
             self._events.append((phase, self._last, now))
@@ -261,32 +237,27 @@ class StepTimer:
             self.totals[phase] += now - self._last
         self._last = now
 
-    def split(self, reset: bool = True) -> dict[str, float]:
-        """-> {phase: seconds} since the last reset."""
+    def split(self) -> dict[str, float]:
+        """-> {phase: seconds} since the last split."""
         if self._events:
             self._events[-1][2].synchronize()
             for phase, a, b in self._events:
                 self.totals[phase] += a.elapsed_time(b) / 1000.0
             self._events.clear()
-        out = dict(self.totals)
-        if reset:
-            self.totals.clear()
+        out, self.totals = dict(self.totals), defaultdict(float)
         return out
 
 
 def fmt_split(split: dict[str, float]) -> str:
     total = sum(split.values())
-    if total <= 0:
-        return ""
-    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items())
+    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) if total > 0 else ""
 
 
 def machine_info() -> str:
     """One line for benchmark files: torch, CPU/GPU, cores."""
-    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"torch {torch.__version__}; python {platform.python_version()}; CPU {cpu} ({os.cpu_count()} cores); "
-            f"GPU {gpu}")
+    return (f"torch {torch.__version__}; python {platform.python_version()}; CPU {cpu_name()} ({os.cpu_count()} "
+            f"cores); GPU {gpu}")
 
 
 def fmt_tokens(n: float) -> str:
@@ -306,14 +277,14 @@ class RunPlan:
 
 
 def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, device: str = "auto") -> RunPlan:
-    """Notebook 03: the run's length in steps from a token budget (0: the preset's max_steps), and what the
-    device can do (its peak FLOP/s, for MFU)."""
+    """Notebook 03: the run's length in steps from a token budget (0: the preset's max_steps; at least 1), and
+    what the device can do (its peak FLOP/s, for MFU)."""
     from gptlib.config import build_config
     from gptlib.runtime import resolve_device
 
     cfg = build_config(preset, overrides)
-    max_steps = steps_for_tokens(cfg, tokens) if tokens > 0 else cfg.train.max_steps
-    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
+    per_step = tokens_per_step(cfg)
+    max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
     summary = (f"{preset}: {per_step:,} tokens/step x {max_steps:,} steps = {fmt_tokens(per_step * max_steps)} tokens\n"
                f"device: {device_peak(resolve_device(device)).note}")
     return RunPlan(cfg, max_steps, summary)

@@ -16,18 +16,13 @@ import warnings
 from pathlib import Path
 
 from gptlib.inference.chat import ChatSession
-from gptlib.inference.sampling import SamplingConfig
+from gptlib.widgets import sampling_config, sampling_widgets, status_html, throttled
 
 
 class ChatBox:
-    """A chat with a chat-tuned run: transcript, message box, Send and Reset, sampling settings, system prompt.
-
-    Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used. The transcript shows every
-    turn; the model sees those that fit its context (gptlib.inference.chat drops the oldest, and says so here). Enter
-    sends (a one-line box). `display(box)` shows the widget, or where a front end cannot draw widgets the
-    conversation as text: a message sent before the box is shown needs no printing of its own (it would then
-    show twice, and stay after Reset).
-    """
+    """A chat with a chat-tuned run. The transcript shows every turn; the model sees those that fit its context
+    (gptlib.inference.chat drops the oldest, and says so here). `display(box)` shows the widget, or where a front end
+    cannot draw widgets the conversation as text (so a message sent before the box is shown is never shown twice)."""
 
     def __init__(self, run_dir: str | Path | None = None, checkpoint: str | int = "latest", device: str = "cpu",
                  system: str = "", compile: bool = False, session: ChatSession | None = None):
@@ -39,21 +34,15 @@ class ChatBox:
         self._session = session
         self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown
         self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
-        wide, style = W.Layout(width="95%"), {"description_width": "110px"}
-        self.transcript = W.HTML(value="")
+        style = {"description_width": "110px"}
+        self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
         self.message = W.Text(value="", placeholder="your message (Enter sends)", description="You", style=style,
                               layout=W.Layout(width="95%"))
         self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
         self.reset_button = W.Button(description="Reset", tooltip="forget the conversation (the system prompt stays)")
         self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=style,
                                  layout=W.Layout(width="95%", height="40px"))
-        self.temperature = W.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature",
-                                         style=style, layout=wide)
-        self.top_k = W.IntSlider(value=0, min=0, max=500, description="Top-k (0 = off)", style=style, layout=wide)
-        self.max_tokens = W.IntSlider(value=200, min=1, max=2000, description="Max new tokens", style=style,
-                                      layout=wide)
-        self.seed = W.IntText(value=1337, description="Seed (-1 random)", style=style)
-        self.status = W.HTML(value="")
+        sampling_widgets(self, "Max new tokens")
         self.send_button.on_click(lambda _: self.send())
         with warnings.catch_warnings():  # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
             warnings.simplefilter("ignore", DeprecationWarning)  # with continuous_update=False) also fires on blur
@@ -64,59 +53,47 @@ class ChatBox:
                               settings])
 
     def session(self) -> ChatSession:
-        """The chat session, loading the checkpoint at the first call (a ChatError for a model without chat tokens)."""
+        """The chat session, loading the checkpoint at the first call (a ChatError for a model without chat tokens).
+        The Max new tokens slider then ends at its cap (half the context): asking for more would silently give less;
+        ipywidgets (7.7.1 and 8) lowers a larger value to the new max, and the status says so once."""
         if self._session is None:
             self._session = ChatSession.from_run(self.run_dir, self.checkpoint, device=self.device,
                                                  compile=self.compile, log=self._notices.append)
-        else:
-            self._session.log = self._notices.append
-        self._fit_max_tokens(self._session)
+        self._session.log = self._notices.append
+        cap = self._session.reply_cap
+        if self.max_tokens.max > cap:
+            if self.max_tokens.value > cap:
+                self._notices.append(f"Max new tokens capped at {cap}: replies get at most half of the model's "
+                                     f"{self._session.block_size}-token context")
+            self.max_tokens.max = cap
         return self._session
-
-    def _fit_max_tokens(self, session: ChatSession) -> None:
-        """The Max new tokens slider ends at the session's cap (half the context): asking for more would silently
-        give less. ipywidgets (7.7.1 and 8) lowers a larger value to the new max; the status says so once."""
-        cap = session.reply_cap
-        if self.max_tokens.max <= cap:
-            return
-        asked = int(self.max_tokens.value)
-        self.max_tokens.max = cap
-        if asked > cap:
-            self._notices.append(f"Max new tokens capped at {cap}: replies get at most half of the model's "
-                                 f"{session.block_size}-token context")
-
-    def sampling_config(self) -> SamplingConfig:
-        return SamplingConfig(
-            max_new_tokens=int(self.max_tokens.value), temperature=float(self.temperature.value),
-            top_k=int(self.top_k.value) or None,
-            seed=int(self.seed.value) if int(self.seed.value) >= 0 else None,  # same seed -> same reply
-        ).validate()
 
     def send(self, text: str | None = None) -> str | None:
         """What Send does: the message (the box's, or `text`) and the streamed reply; the reply, None on an error."""
         text = self.message.value if text is None else text
         if not text.strip():
-            self._show_status("type a message first", error=True)
+            self.status.value = status_html("type a message first", error=True)
             return None
         self.send_button.disabled = True
         self._notices.clear()
         self.turns.append(("user", text))
         try:
-            self._show_status("loading checkpoint…" if self._session is None else "")
+            self.status.value = status_html("loading checkpoint…" if self._session is None else "")
             session = self.session()  # first: it caps the Max new tokens slider that sampling_config reads
-            cfg = self.sampling_config()
+            cfg = sampling_config(self)
             session.system = self.system.value.strip() or None
             self.message.value = ""
             self._show_transcript(pending="")
-            self._show_status("generating…")
+            self.status.value = status_html("generating…")
             t0 = time.perf_counter()
-            reply = session.reply(text, cfg, stream=self._streamer())
+            reply = session.reply(text, cfg, stream=throttled(lambda t: self._show_transcript(pending=t))[1])
             dt = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - a button callback must show the problem, not a traceback in a log
             self.turns.pop()  # as the session does: a failed or interrupted reply leaves the conversation as it was
             self.message.value = text  # not lost: fix the settings and send again
             self._show_transcript()
-            self._show_status(f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted", error=True)
+            self.status.value = status_html(f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted",
+                                            error=True)
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt (the notebook's stop button) still stops the cell
             return None
@@ -125,23 +102,10 @@ class ChatBox:
         self.turns.append(("assistant", reply))
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
-        self._show_status(" · ".join([f"{session.reply_tokens} tokens in {dt:.1f} s, ended by "
-                                      f"{ended.get(session.finish_reason, session.finish_reason)}", *self._notices]))
+        self.status.value = status_html(" · ".join([f"{session.reply_tokens} tokens in {dt:.1f} s, ended by "
+                                                    f"{ended.get(session.finish_reason, session.finish_reason)}",
+                                                    *self._notices]))
         return reply
-
-    def _streamer(self):
-        """A stream callback that redraws the transcript with the reply so far, at most ~20 times a second."""
-        parts: list[str] = []
-        last = [0.0]
-
-        def on_piece(piece: str) -> None:
-            parts.append(piece)
-            now = time.perf_counter()
-            if now - last[0] > 0.05:
-                last[0] = now
-                self._show_transcript(pending="".join(parts))
-
-        return on_piece
 
     def reset(self) -> None:
         """What Reset does: forget the conversation (the model's history and everything shown of it)."""
@@ -149,19 +113,14 @@ class ChatBox:
             self._session.reset()
         self.turns = []
         self._show_transcript()
-        self._show_status("history cleared")
+        self.status.value = status_html("history cleared")
 
     def _show_transcript(self, pending: str | None = None) -> None:
         turns = self.turns + ([("assistant", pending + "▌")] if pending is not None else [])
         colors = {"user": "#1a5fb4", "assistant": "#26a269"}
         pre = '<pre style="white-space:pre-wrap;margin:0;font-size:13px;line-height:1.35">'
-        rows = [f'<div style="margin:4px 0"><b style="color:{colors.get(r, "#555")}">{r}</b>'
-                f'{pre}{html.escape(c)}</pre></div>' for r, c in turns]
-        self.transcript.value = "".join(rows)
-
-    def _show_status(self, msg: str, error: bool = False) -> None:
-        color = "#b00020" if error else "#555"
-        self.status.value = f'<span style="color:{color}">{html.escape(msg)}</span>'
+        self.transcript.value = "".join(f'<div style="margin:4px 0"><b style="color:{colors.get(r, "#555")}">{r}</b>'
+                                        f'{pre}{html.escape(c)}</pre></div>' for r, c in turns)
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """display(box): the widget (the bundle ipywidgets 7.7.1 and 8 give a widget), and for a front end that

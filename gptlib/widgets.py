@@ -20,6 +20,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from gptlib.inference.compare import Comparison
 from gptlib.inference.engine import Engine
@@ -51,7 +52,6 @@ def parse_list(text: str, sep: str = "|") -> list[str]:
     return [s.replace("\\n", "\n") for s in text.split(sep) if s != ""]
 
 
-
 def _in_kernel() -> bool:
     """Whether a Jupyter kernel runs us: a front end can then click a button while we work."""
     try:
@@ -59,6 +59,47 @@ def _in_kernel() -> bool:
     except ImportError:
         return False
     return getattr(get_ipython(), "kernel", None) is not None
+
+
+def status_html(msg: str, error: bool = False) -> str:
+    """A status line: grey, or red for an error."""
+    return f'<span style="color:{"#b00020" if error else "#555"}">{html.escape(msg)}</span>'
+
+
+def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
+    """(the pieces so far, a stream callback that collects pieces and calls draw(text so far) at most ~20 times a
+    second, the first piece at once)."""
+    parts: list[str] = []
+    last = [0.0]
+
+    def add(piece: str) -> None:
+        parts.append(piece)
+        now = time.perf_counter()
+        if now - last[0] > 0.05:
+            last[0] = now
+            draw("".join(parts))
+
+    return parts, add
+
+
+def sampling_widgets(view, max_label: str) -> None:
+    """The sampling sliders every view has, as view.temperature, view.top_k, view.max_tokens, view.seed."""
+    import ipywidgets as W
+
+    wide = {"style": {"description_width": "110px"}, "layout": W.Layout(width="95%")}
+    view.temperature = W.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature", **wide)
+    view.top_k = W.IntSlider(value=0, min=0, max=500, description="Top-k (0 = off)", **wide)
+    view.max_tokens = W.IntSlider(value=200, min=1, max=2000, description=max_label, **wide)
+    # "initial": the label takes the width it needs (a fixed 110px cut "Seed (-1 random)"); works in 7.7.1 and 8
+    view.seed = W.IntText(value=1337, description="Seed (-1 random)", style={"description_width": "initial"},
+                          layout=W.Layout(width="260px"))
+
+
+def sampling_config(view, **more) -> SamplingConfig:
+    """The settings of a view's sampling_widgets (and `more`); seed -1 is random, another seed the same text."""
+    return SamplingConfig(max_new_tokens=int(view.max_tokens.value), temperature=float(view.temperature.value),
+                          top_k=int(view.top_k.value) or None,
+                          seed=int(view.seed.value) if int(view.seed.value) >= 0 else None, **more).validate()
 
 
 class _Stopped(Exception):
@@ -73,13 +114,12 @@ def playground_error(e: Exception) -> str:
         msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the prompt"
     return msg
 
+
 class Playground:
     """Prompt box, sampling sliders, checkpoint dropdown, Generate and Stop buttons and streamed output.
-
-    Stop sets a flag that the stream callback checks after each token. In a kernel, a widget callback runs on the
-    kernel's main thread and holds back every other message (the Stop click too) until it returns, so there the
-    Generate button hands the work to a thread of the Playground's own (as ipywidgets' documentation updates widgets
-    in the background) and returns at once; a kernel interrupt cannot reach that thread: Stop is the way.
+    Stop sets a flag the stream callback checks after each token. In a kernel a widget callback runs on the main
+    thread and holds back every other message (the Stop click too) until it returns, so there Generate hands the
+    work to the Playground's own thread and returns at once (a kernel interrupt cannot reach it: Stop is the way).
     `generate()` called from code runs where it is called, and an interrupt there ends it too.
     """
 
@@ -87,29 +127,21 @@ class Playground:
                  compile: bool = False):
         import ipywidgets as W
 
-        self.run_dir = Path(run_dir)
-        self.device = device
+        self.run_dir, self.device = Path(run_dir), device
         self.compile = compile  # Engine(compile=True): compiled decode step (GPU; the first Generate compiles)
         self.max_loaded = max_loaded  # engines kept in memory (switching back is then instant)
         self._engines: OrderedDict[int, Engine] = OrderedDict()
-        wide = W.Layout(width="95%")
         style = {"description_width": "110px"}
+        wide = {"style": style, "layout": W.Layout(width="95%")}
         self.prompt = W.Textarea(value=prompt, description="Prompt", layout=W.Layout(width="95%", height="80px"),
                                  style=style)
         self.checkpoint = W.Dropdown(description="Checkpoint", style=style, layout=W.Layout(width="60%"))
         self.refresh_button = W.Button(description="↻", tooltip="re-scan the run directory for new checkpoints",
                                        layout=W.Layout(width="40px"))
-        self.temperature = W.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature",
-                                         style=style, layout=wide)
-        self.top_k = W.IntSlider(value=0, min=0, max=500, description="Top-k (0 = off)", style=style, layout=wide)
-        self.top_p = W.FloatSlider(value=0.95, min=0.05, max=1.0, step=0.01, description="Top-p", style=style,
-                                   layout=wide)
+        sampling_widgets(self, "Max tokens")
+        self.top_p = W.FloatSlider(value=0.95, min=0.05, max=1.0, step=0.01, description="Top-p", **wide)
         self.repetition_penalty = W.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty",
-                                                style=style, layout=wide)
-        self.max_tokens = W.IntSlider(value=200, min=1, max=2000, description="Max tokens", style=style, layout=wide)
-        # "initial": the label takes the width it needs (a fixed 110px cut "Seed (-1 random)"); works in 7.7.1 and 8
-        self.seed = W.IntText(value=1337, description="Seed (-1 random)", style={"description_width": "initial"},
-                              layout=W.Layout(width="260px"))
+                                                **wide)
         self.stop = W.Text(value="", description="Stop at", placeholder=r"\n\n  (| separates)", style=style,
                            layout=W.Layout(width="60%"))
         # never squeezed by a long status message beside it (it read "Gene…")
@@ -117,8 +149,7 @@ class Playground:
                                layout=W.Layout(min_width="120px", flex="0 0 auto"))
         self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, tooltip="end it at the next token",
                                     layout=W.Layout(min_width="90px", flex="0 0 auto"))
-        self.status = W.HTML(value="")
-        self.output = W.HTML(value="")
+        self.status, self.output = W.HTML(value=""), W.HTML(value="")
         self._stop = threading.Event()  # set by Stop, read by the stream callback (another thread in a kernel)
         self._busy = threading.Lock()  # one generation at a time (the button's thread, or a cell's call)
         self._worker: ThreadPoolExecutor | None = None  # one thread for every click: compiled CUDA graphs live there
@@ -127,11 +158,9 @@ class Playground:
         self.stop_button.on_click(lambda _: self.request_stop())
         self.refresh_button.on_click(lambda _: self.refresh())
         self.widget = W.VBox([
-            self.prompt,
-            W.HBox([self.checkpoint, self.refresh_button]),
+            self.prompt, W.HBox([self.checkpoint, self.refresh_button]),
             self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.max_tokens,
-            W.HBox([self.seed, self.stop]),
-            W.HBox([self.button, self.stop_button]),
+            W.HBox([self.seed, self.stop]), W.HBox([self.button, self.stop_button]),
             self.status,  # its own row: an error message has the width it needs
             self.output,
         ])
@@ -145,35 +174,23 @@ class Playground:
         if rows:
             self.checkpoint.value = keep if keep in [r["step"] for r in rows] else rows[0]["step"]
         else:
-            self._show_status(f"no complete checkpoint in {self.run_dir}", error=True)
+            self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
 
     def sampling_config(self) -> SamplingConfig:
-        return SamplingConfig(
-            max_new_tokens=int(self.max_tokens.value), temperature=float(self.temperature.value),
-            top_k=int(self.top_k.value) or None, top_p=float(self.top_p.value),
-            repetition_penalty=float(self.repetition_penalty.value), stop=parse_list(self.stop.value),
-            seed=int(self.seed.value) if int(self.seed.value) >= 0 else None,  # same seed -> same text
-        ).validate()
+        return sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
+                               repetition_penalty=float(self.repetition_penalty.value))
 
     def engine(self, step: int) -> Engine:
-        if step in self._engines:
-            self._engines.move_to_end(step)
-            return self._engines[step]
-        while len(self._engines) >= self.max_loaded:
-            self._engines.popitem(last=False)  # free the least recently used model first
-        eng = Engine.from_run(self.run_dir, step, device=self.device, compile=self.compile)
-        self._engines[step] = eng
-        return eng
-
-    def _show_status(self, msg: str, error: bool = False) -> None:
-        color = "#b00020" if error else "#555"
-        self.status.value = f'<span style="color:{color}">{html.escape(msg)}</span>'
+        if step not in self._engines:
+            while len(self._engines) >= self.max_loaded:
+                self._engines.popitem(last=False)  # free the least recently used model first
+            self._engines[step] = Engine.from_run(self.run_dir, step, device=self.device, compile=self.compile)
+        self._engines.move_to_end(step)
+        return self._engines[step]
 
     def _show_text(self, prompt: str, text: str) -> None:
-        self.output.value = (
-            '<pre style="white-space:pre-wrap;font-size:13px;line-height:1.35">'
-            f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
-        )
+        self.output.value = ('<pre style="white-space:pre-wrap;font-size:13px;line-height:1.35">'
+                             f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>")
 
     def _generate_clicked(self) -> None:
         """The Generate button: in a kernel on the Playground's thread (see the class docstring), else right here."""
@@ -195,39 +212,35 @@ class Playground:
             if self.checkpoint.value is None:
                 return None
         if not self._busy.acquire(blocking=False):
-            self._show_status("already generating: press Stop first", error=True)
+            self.status.value = status_html("already generating: press Stop first", error=True)
             return None
         self._stop.clear()  # a click of an earlier generation does not stop this one
         self.button.disabled, self.stop_button.disabled = True, False
-        prompt, parts = self.prompt.value, []
+        prompt = self.prompt.value
+        parts, add = throttled(lambda text: self._show_text(prompt, text))
         try:
-            return self._generate(prompt, parts)
+            return self._generate(prompt, parts, add)
         except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
             self._show_text(prompt, "".join(parts))
-            self._show_status(f"interrupted after {len(''.join(parts)):,} characters")
+            self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
             raise
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
             self.output.value = ""  # the previous text must not look like this prompt's result
-            self._show_status(playground_error(e), error=True)
+            self.status.value = status_html(playground_error(e), error=True)
             return None
         finally:
             self.button.disabled, self.stop_button.disabled = False, True
             self._busy.release()
 
-    def _generate(self, prompt: str, parts: list[str]) -> Completion:
-        """Load, generate and show; the stream callback collects the text in `parts` and ends it after Stop."""
+    def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None]) -> Completion:
+        """Load, generate and show; add(piece) collects the text in `parts`, and it ends after Stop."""
         cfg = self.sampling_config()
-        self._show_status("loading checkpoint…")
+        self.status.value = status_html("loading checkpoint…")
         eng = self.engine(self.checkpoint.value)
-        self._show_status("generating… (Stop ends it)")
-        last = [0.0]
+        self.status.value = status_html("generating… (Stop ends it)")
 
         def on_piece(_: int, piece: str) -> None:
-            parts.append(piece)
-            now = time.perf_counter()
-            if now - last[0] > 0.05:  # at most ~20 redraws per second
-                last[0] = now
-                self._show_text(prompt, "".join(parts))
+            add(piece)
             if self._stop.is_set():
                 raise _Stopped
 
@@ -240,9 +253,9 @@ class Playground:
         dt = time.perf_counter() - t0
         n, speed = len(res.token_ids), f"{dt:.1f} s ({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s)"
         self._show_text(prompt, res.text)
-        self._show_status(f"step {eng.step:,}: " + (f"stopped after {n} tokens in {speed}: Stop pressed"
-                                                    if res.finish_reason == "user" else
-                                                    f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
+        self.status.value = status_html(f"step {eng.step:,}: " + (
+            f"stopped after {n} tokens in {speed}: Stop pressed" if res.finish_reason == "user"
+            else f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
         return res
 
     def _ipython_display_(self):
@@ -257,11 +270,8 @@ def comparison_html(cmp: Comparison) -> str:
     head = "".join(f'<th style="{cell};background:#f3f3f3">{html.escape(c)}</th>' for c in cmp.columns)
     rows = []
     for prompt, texts in zip(cmp.prompts, cmp.texts):
-        tds = "".join(
-            f'<td style="{cell}"><pre style="white-space:pre-wrap;margin:0;font-size:12px">'
-            f"<b>{html.escape(prompt)}</b>{html.escape(t)}</pre></td>"
-            for t in texts
-        )
+        tds = "".join(f'<td style="{cell}"><pre style="white-space:pre-wrap;margin:0;font-size:12px">'
+                      f"<b>{html.escape(prompt)}</b>{html.escape(t)}</pre></td>" for t in texts)
         rows.append(f'<tr><th style="{cell};background:#f3f3f3">{html.escape(repr(prompt))}</th>{tds}</tr>')
     return (f'<table class="gptlib-compare" style="border-collapse:collapse">'
             f'<tr><th style="{cell}">prompt</th>{head}</tr>{"".join(rows)}</table>')

@@ -3,21 +3,18 @@
     python -m gptlib eval --run-dir RUN_DIR --task hellaswag|bpb [--data FILE|DATA_DIR]
                           [--checkpoint latest|best|STEP|all] [--limit N] [--device cpu|cuda]
 
-Each result is printed and appended as one JSON line to RUN_DIR/eval.jsonl, or to --out FILE (nothing
-else in the run directory is written). Every input is checked before the first model runs, so a bad
-file, task or step fails at once with one message. A row that cannot be appended (a read-only run
-directory) loses no score: the results are still printed (returned), then one warning line names the file
-and the fix (--out FILE).
+Each result is printed and appended as one JSON line to RUN_DIR/eval.jsonl (or --out FILE). Every input is checked
+before the first model runs, so a bad file, task or step fails at once.
 
-Bits per byte (bpb): the validation loss in a unit no tokenizer can bend. The val split is cut into
-non-overlapping windows of block_size tokens (each target token predicted once, from the window's
-tokens before it); bpb = sum of the targets' nats / ln 2 / the UTF-8 bytes of the targets' text.
-Special tokens (<|endoftext|>) and a char vocabulary's <unk> carry no bytes: they are left out of
-both sums, as nanochat does. `loss` beside it is the plain mean nats/token over all targets.
+Bits per byte (bpb): the validation loss in a unit no tokenizer can bend: the val split in non-overlapping windows
+of block_size tokens, bpb = the targets' nats / ln 2 / the UTF-8 bytes of their text. Special tokens and a char
+vocabulary's <unk> carry no bytes: they are left out of both sums, as nanochat does. `loss` is the plain mean
+nats/token over all targets.
 """
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -29,29 +26,22 @@ import numpy as np
 import torch
 
 from gptlib.batches import MemmapSplit, _to_ids
-from gptlib.checkpoint.state import TrainState
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError, GptlibError, loud
 from gptlib.evaluation import hellaswag as hs
-from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, window_nll
-from gptlib.inference.loading import checkpoint_table, load_run, read_state_and_tokenizer, resolve_checkpoint
+from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, scoring, window_nll
+from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
 from gptlib.layout import EVAL_FILE
 from gptlib.runtime import resolve_device, unwrap_model
 
 TASKS = ("hellaswag", "bpb")
 
 
-# --- bits per byte ------------------------------------------------------------------------------
-
-
 def token_bytes(tok: Tokenizer) -> np.ndarray:
-    """UTF-8 bytes of each token id's text, (vocab_size,) int64; 0 for special tokens and <unk>.
-
-    Byte-level BPE tokens are strings over GPT-2's 256-symbol byte alphabet: one symbol, one byte,
-    so a token's length in symbols is its length in bytes (also for tokens that are a part of a
-    multi-byte character, which a decode of the single token would turn into U+FFFD).
-    """
+    """UTF-8 bytes of each token id's text, (vocab_size,) int64; 0 for special tokens and <unk>. A byte-level BPE
+    token is a string over GPT-2's 256-symbol byte alphabet, one symbol per byte (a decode of a token that is part of
+    a multi-byte character would give U+FFFD)."""
     out = np.zeros(tok.vocab_size, dtype=np.int64)
     if tok.kind == "char":
         for i, ch in enumerate(tok.chars):
@@ -87,25 +77,15 @@ def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
 def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
                  batch_tokens: int | None = None, progress: bool = False) -> dict:
     """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (array-like or MemmapSplit)."""
-
     device = torch.device(device)
-    m = unwrap_model(model)
-    block = m.config.block_size
+    block = unwrap_model(model).config.block_size
     starts = window_starts(len(val_tokens), block, limit)
     # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the default
     per_batch = max(1, (batch_tokens or default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
-    nats_counted = torch.zeros((), dtype=torch.float64, device=device)
-    nats_all = torch.zeros((), dtype=torch.float64, device=device)
+    nats_counted, nats_all = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(starts), desc="bpb", unit="window", dynamic_ncols=True, leave=False)
-    was_training = m.training
-    m.eval()
-    try:
+    with scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
         for b0 in range(0, len(starts), per_batch):
             chunk = starts[b0: b0 + per_batch]
             if isinstance(val_tokens, MemmapSplit):
@@ -114,27 +94,17 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
                 rows = torch.stack([torch.as_tensor(np.asarray(val_tokens[s: s + block + 1], dtype=np.int64))
                                     for s in chunk])
             rows = rows.to(device)
-            x, y = rows[:, :-1], rows[:, 1:]
-            nll = window_nll(m, x, y, dtype)  # (B, T)
-            nb = tb[y]
+            nll = window_nll(m, rows[:, :-1], rows[:, 1:], dtype)  # (B, T)
+            nb = tb[rows[:, 1:]]
             nats_counted += (nll * (nb > 0)).sum(dtype=torch.float64)
             nats_all += nll.sum(dtype=torch.float64)
             n_bytes += nb.sum()
-            if bar is not None:
-                bar.update(len(chunk))
-    finally:
-        m.train(was_training)
-        if bar is not None:
-            bar.close()
-    total_bytes = int(n_bytes)
-    tokens = len(starts) * block
+            bar.update(len(chunk))
+    total_bytes, tokens = int(n_bytes), len(starts) * block
     if total_bytes == 0:
         raise EvalError("the scored validation tokens carry no bytes (all special tokens?)")
     return {"bpb": float(nats_counted) / (math.log(2) * total_bytes), "loss": float(nats_all) / tokens,
             "tokens": tokens, "bytes": total_bytes, "windows": len(starts)}
-
-
-# --- eval.jsonl -----------------------------------------------------------------------------------
 
 
 def append_eval_row(run_dir: str | Path, row: dict) -> None:
@@ -163,81 +133,42 @@ def read_eval_rows(run_dir: str | Path, task: str | None = None) -> list[dict]:
     """The rows of eval.jsonl (a torn or foreign line is skipped), optionally of one task."""
     p = Path(run_dir) / EVAL_FILE
     rows = []
-    if p.is_file():
-        for line in p.read_text(errors="replace").splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(r, dict) and (task is None or r.get("task") == task):
-                rows.append(r)
+    for line in p.read_text(errors="replace").splitlines() if p.is_file() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(r, dict) and (task is None or r.get("task") == task):
+            rows.append(r)
     return rows
 
 
 def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:
-    """An eval.jsonl row. The training loop can log its end-of-run HellaSwag score here too:
-    append_eval_row(run_dir, make_row("hellaswag", step, tokens_seen, probe.score(..., full=True),
-    checkpoint=step, source="training"))."""
+    """An eval.jsonl row (the training loop logs its end-of-run HellaSwag score with it too)."""
     return {"task": task, "step": step, "tokens_seen": tokens_seen, **result, **extra,
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-# --- one run, one or all checkpoints -------------------------------------------------------------
-
-
-def check_task(task: str) -> str:
-    t = str(task).strip().lower()
-    if t not in TASKS:
-        raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
-    return t
-
-
-def select_checkpoints(run_dir: str | Path, which: str | int = "latest") -> list[int]:
-    """Steps to evaluate: "all" (every complete checkpoint, oldest first), or one of latest/best/STEP,
-    or several separated by commas ("1000, best")."""
-
-    specs = [s.strip() for s in str(which).split(",") if s.strip()] or ["latest"]
-    if [s.lower() for s in specs] == ["all"]:
-        resolve_checkpoint(run_dir, "latest")  # the run's own message if it has none
-        return sorted(r["step"] for r in checkpoint_table(run_dir))
-    steps: list[int] = []
-    for s in specs:
-        step = resolve_checkpoint(run_dir, s).step
-        if step not in steps:
-            steps.append(step)
-    return steps
-
-
-def _val_data(data: str | Path | None, state: TrainState, tok: Tokenizer, where: str):
-    """The checkpoint's data dir (or --data) -> its val split, refusing one made with another tokenizer."""
-
-    data_dir = data or state.data_dir
-    if data is not None and Path(data).is_file():
-        raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
-    if not data_dir:
-        raise EvalError(f"{where} records no data directory; pass --data DATA_DIR")
-    meta = read_meta(data_dir)
-    want = tok.identity()["hash"]
-    got = meta.tokenizer.get("hash")
-    if got != want:
-        raise TokenizerError(f"{meta.data_dir} was tokenized with tokenizer {str(got)[:16]}... but {where} uses "
-                             f"{want[:16]}...: bits per byte needs the checkpoint's own validation data")
-    return meta, MemmapSplit(meta, "val")
-
-
-def _prepare(run_dir: Path, task: str, data, steps: list[int], cache_dir) -> dict:
-    """Everything that can fail on bad input, before any model runs: file, data dir, tokenizer."""
-
-    info = resolve_checkpoint(run_dir, steps[-1])
+def _prepare(run_dir: Path, task: str, data, step: int, cache_dir) -> dict:
+    """Everything that can fail on bad input, before any model runs: the HellaSwag file, or the val split of the
+    checkpoint's data dir (or --data), refused if made with another tokenizer."""
+    info = resolve_checkpoint(run_dir, step)
     state, _, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
-    prep = {"tokenizer": tok}
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
             raise EvalError(f"--data {data} is a directory; for hellaswag give the jsonl file")
-        prep["items"], prep["file"] = hs.load_items(data, cache_dir)
-    else:
-        prep["meta"], prep["val"] = _val_data(data, state, tok, str(info.path))
-    return prep
+        items, file = hs.load_items(data, cache_dir)
+        return {"items": items, "file": file}
+    if data is not None and Path(data).is_file():
+        raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
+    if not (data or state.data_dir):
+        raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
+    meta = read_meta(data or state.data_dir)
+    want, got = tok.identity()["hash"], meta.tokenizer.get("hash")
+    if got != want:
+        raise TokenizerError(f"{meta.data_dir} was tokenized with tokenizer {str(got)[:16]}... but {info.path} uses "
+                             f"{want[:16]}...: bits per byte needs the checkpoint's own validation data")
+    return {"meta": meta, "val": MemmapSplit(meta, "val")}
 
 
 def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest", *, data: str | Path | None = None,
@@ -247,17 +178,17 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
     """Evaluate one or more checkpoints of a run; -> the rows, each also appended (if write) to `out`, default
     RUN_DIR/eval.jsonl, as it is computed. A row that cannot be appended (a read-only run directory, a full disk)
     is not an error: the rows are returned all the same and warn() gets one line naming the file and the fix."""
-
-    run_dir = Path(run_dir)
-    task = check_task(task)
+    run_dir, task = Path(run_dir), str(task).strip().lower()
+    if task not in TASKS:
+        raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
     if limit is not None and limit < 0:
         raise EvalError(f"--limit {limit} must be >= 0 (0 = everything)")
     target = Path(out) if out is not None else run_dir / EVAL_FILE
     if out is not None and target.is_dir():
         raise EvalError(f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}")
-    steps = select_checkpoints(run_dir, checkpoint)
+    steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
-    prep = _prepare(run_dir, task, data, steps, cache_dir)
+    prep = _prepare(run_dir, task, data, steps[-1], cache_dir)
     rows, rendered, unsaved = [], {}, None
     for step in steps:
         lm = load_run(run_dir, step, device=dev)
@@ -275,31 +206,27 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
                           canonical=prep["file"]["canonical"])
         else:
             result = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
-            result["n"] = result["windows"]
-            result["data"] = str(prep["meta"].data_dir)
+            result.update(n=result["windows"], data=str(prep["meta"].data_dir))
         secs = time.perf_counter() - t0
         if task == "hellaswag":
             result["items_per_s"] = round(result["n"] / max(secs, 1e-9), 2)
-        row = make_row(task, step, lm.state.tokens_seen, result, checkpoint=str(lm.path), device=str(dev),
-                       dtype=str(dt).replace("torch.", ""), seconds=round(secs, 3))
-        rows.append(row)
+        rows.append(make_row(task, step, lm.state.tokens_seen, result, checkpoint=str(lm.path), device=str(dev),
+                             dtype=str(dt).replace("torch.", ""), seconds=round(secs, 3)))
         if write and unsaved is None:
             try:
-                append_row(target, row)
+                append_row(target, rows[-1])
             except OSError as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
                 unsaved = (len(rows) - 1, e)
         del lm
     if unsaved is not None:
-        warn(_unsaved(target, len(rows) - unsaved[0], unsaved[1]))
+        n, e = len(rows) - unsaved[0], unsaved[1]
+        warn(f"warning: {n} row{'s' if n > 1 else ''} not saved: cannot append to {target}: {e.strerror or e}; add "
+             f"--out FILE (evaluate_run(..., out=FILE)) to append the rows to another file")
     return rows
 
 
-def _unsaved(target: Path, n: int, e: OSError) -> str:
-    return (f"warning: {n} row{'s' if n > 1 else ''} not saved: cannot append to {target}: {e.strerror or e}; add "
-            f"--out FILE (evaluate_run(..., out=FILE)) to append the rows to another file")
-
-
-# --- presentation ---------------------------------------------------------------------------------
+def _cells(row: list[str], style: str, tag: str = "td") -> str:
+    return "".join(f'<{tag} style="{style}">{html.escape(v)}</{tag}>' for v in row)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -312,47 +239,38 @@ def format_table(rows: list[dict]) -> str:
     if any(r.get("task") == "bpb" for r in rows):
         cols += [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("tokens", "tokens", "{:,}")]
     cols += [("seconds", "seconds", "{:.1f}")]
-
-    def cell(r, key, fmt):
-        v = r.get(key)
-        return "-" if v is None else fmt.format(v)
-
-    table = [[h for _, h, _ in cols]] + [[cell(r, k, f) for k, _, f in cols] for r in rows]
+    table = [[h for _, h, _ in cols]] + [[_fmt(r.get(k), f) for k, _, f in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
+def _fmt(v, f: str) -> str:
+    return "-" if v is None else f.format(v)
+
+
 def eval_table_html(rows: list[dict], reference: bool = True) -> str:
     """Checkpoints x {val bpb, nats/token, HellaSwag acc_norm, acc}: one table row per step, the newest
     result of each task; then GPT-2 124M's published HellaSwag figures as a labelled reference row."""
-    import html
-
     by_step: dict[int, dict] = {}
     for r in rows:
-        d = by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})
-        d[r.get("task")] = r
+        by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r
     cell = "border:1px solid #ccc;padding:4px 8px;text-align:right"
     head = ["checkpoint", "tokens seen", "val bpb", "val nats/token", "HellaSwag acc_norm", "HellaSwag acc", "items"]
-
-    def fmt(v, f):
-        return "-" if v is None else f.format(v)
-
     body = []
-    for step in sorted(by_step):
-        d = by_step[step]
+    for step, d in sorted(by_step.items()):
         b, h = d.get("bpb", {}), d.get("hellaswag", {})
-        vals = [f"step {step:,}", fmt(d["tokens_seen"], "{:,}"), fmt(b.get("bpb"), "{:.4f}"), fmt(b.get("loss"), "{:.4f}"),
-                fmt(h.get("acc_norm"), "{:.4f}"), fmt(h.get("acc"), "{:.4f}"), fmt(h.get("n"), "{:,}")]
-        body.append("".join(f'<td style="{cell}">{html.escape(v)}</td>' for v in vals))
+        body.append(_cells([f"step {step:,}", _fmt(d["tokens_seen"], "{:,}"), _fmt(b.get("bpb"), "{:.4f}"),
+                            _fmt(b.get("loss"), "{:.4f}"), _fmt(h.get("acc_norm"), "{:.4f}"),
+                            _fmt(h.get("acc"), "{:.4f}"), _fmt(h.get("n"), "{:,}")], cell))
+    g = hs.GPT2_124M
     if reference:
-        g = hs.GPT2_124M
-        vals = ["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}", f"{g['acc']:.4f}", f"{g['n']:,}"]
-        body.append("".join(f'<td style="{cell};font-style:italic">{html.escape(v)}</td>' for v in vals))
-    ths = "".join(f'<th style="{cell};background:#f3f3f3">{html.escape(c)}</th>' for c in head)
-    note = (f'<p style="font-size:11px">Reference: {html.escape(hs.GPT2_124M["source"])}. Bits per byte depend on '
+        body.append(_cells(["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}",
+                            f"{g['acc']:.4f}", f"{g['n']:,}"], cell + ";font-style:italic"))
+    note = (f'<p style="font-size:11px">Reference: {html.escape(g["source"])}. Bits per byte depend on '
             f"the text, so only rows on the same validation data compare; chance on HellaSwag is 0.25.</p>")
+    ths = _cells(head, cell + ";background:#f3f3f3", "th")
     return (f'<table class="gptlib-eval" style="border-collapse:collapse"><tr>{ths}</tr>'
             + "".join(f"<tr>{b}</tr>" for b in body) + "</table>" + note)
 

@@ -1,22 +1,15 @@
 """HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it.
 
-Each item is a context and 4 endings. Every ending is scored as the context's tokens followed by
-the tokens of " " + ending; the model's choice is the ending with the highest summed log-likelihood
-of its own tokens (`acc`) or the highest mean per ending token (`acc_norm`, the figure usually
-quoted). GPT-2 124M scores acc 0.2859, acc_norm 0.2955 this way (build-nanogpt's hellaswag.py);
-random guessing scores 0.25.
+Each item is a context and 4 endings; an ending is scored as the context's tokens followed by those of " " + ending.
+The model picks the ending with the highest summed log-likelihood of its own tokens (`acc`) or the highest mean per
+token (`acc_norm`, the figure usually quoted). GPT-2 124M scores acc 0.2859, acc_norm 0.2955 this way; chance 0.25.
 
-Data: the canonical file is downloaded once from the HellaSwag repository, checked against its
-sha256 and cached (on Colab, on Drive when it is mounted); a local file in the same jsonl format
-(`ctx`, `endings`, `label` per line) can be given instead and is parsed as strictly.
-
-Windows: when context + ending exceed the model's window, the context is cut from the left and the
-item counts as `truncated`. An ending longer than the window itself (char models with a short
-block_size) is scored in pieces of block_size // 2 tokens, each piece reading the block_size
-tokens before its end, so every ending token sees at least half a window of context.
-
-Characters a char model cannot encode (a Tiny Shakespeare vocabulary has no digits or brackets):
-the item is skipped and counted as `skipped`; accuracies are over the scored items (`n`).
+Data: the canonical file, downloaded once, checked against its sha256 and cached (on Colab on Drive when mounted);
+or a local file in the same jsonl format (`ctx`, `endings`, `label` per line), parsed as strictly.
+Windows: when context + ending exceed the window, the context is cut from the left (the item counts as
+`truncated`). An ending longer than the window itself (char models) is scored in pieces of block_size // 2 tokens,
+each reading the block_size tokens before its end, so every ending token sees at least half a window of context.
+Items with characters a char model cannot encode are `skipped`; accuracies are over the scored items (`n`).
 """
 
 from __future__ import annotations
@@ -36,12 +29,11 @@ from gptlib.data.download import default_cache_dir as local_cache
 from gptlib.data.download import fetch_verified
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError
-from gptlib.evaluation.likelihood import score_rows
+from gptlib.evaluation.likelihood import score_rows, scoring
 from gptlib.runtime import unwrap_model
 
-# The canonical validation file; sha256 and size as recorded by TensorFlow Datasets for this URL
-# (tensorflow/datasets: tensorflow_datasets/url_checksums/hellaswag.txt) and pinned by other
-# public evaluations of the same file.
+# The canonical validation file; sha256 and size as TensorFlow Datasets records them for this URL
+# (tensorflow_datasets/url_checksums/hellaswag.txt).
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
 HELLASWAG_BYTES = 12_246_618
@@ -54,18 +46,13 @@ GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
              "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)"}
 
 
-# --- the file: download, cache, verify, parse ------------------------------------------------
-
-
 def default_cache_dir() -> Path:
     """$GPTLIB_CACHE or ~/.cache/gptlib; on Colab with Drive mounted, the Drive root's cache/ (survives the VM)."""
-
     if in_colab() and "GPTLIB_CACHE" not in os.environ:
         try:
             mp = drive_mountpoint()
             if (mp / "MyDrive").is_dir():  # only if already mounted: evaluation never mounts Drive itself
-                root = Path(os.environ["GPTLIB_ROOT"]) if os.environ.get("GPTLIB_ROOT") else mp / DRIVE_SUBDIR
-                return root / "cache"
+                return Path(os.environ.get("GPTLIB_ROOT") or mp / DRIVE_SUBDIR) / "cache"
         except OSError:  # a dead Drive mount: fall back to the VM's disk
             pass
     return local_cache()
@@ -73,7 +60,6 @@ def default_cache_dir() -> Path:
 
 def fetch_hellaswag(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL, timeout: float = 60.0) -> Path:
     """Path of a verified canonical HellaSwag validation file: the cached copy, else downloaded into the cache."""
-
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return fetch_verified(url, cache / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256, EvalError, name="HellaSwag",
                           canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes",
@@ -144,9 +130,6 @@ def select(n: int, limit: int | None) -> list[int]:
     return [i * n // limit for i in range(limit)]
 
 
-# --- tokens and scoring ----------------------------------------------------------------------
-
-
 def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[list[list[int]], list[int], bool]:
     """Scoring rows (seq, k) for one ending after its context; True if the context had to be cut."""
     toks = list(ctx) + list(end)
@@ -173,7 +156,6 @@ class Rendered:
     labels: list[int] = field(default_factory=list)
     truncated: int = 0  # items whose context was cut
     skipped: int = 0  # items the tokenizer cannot encode (char vocabularies)
-    skipped_lines: list[int] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -202,7 +184,6 @@ def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
         ctx, ends = ids[5 * i], ids[5 * i + 1: 5 * i + 5]
         if ctx is None or any(e is None for e in ends) or not ctx:
             r.skipped += 1
-            r.skipped_lines.append(it.line)
             continue
         cut = False
         for e_idx, end in enumerate(ends):
@@ -223,20 +204,8 @@ def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int 
     if r.n == 0:
         raise EvalError(f"no HellaSwag item could be scored: all {r.skipped} items have characters outside the "
                         f"model's vocabulary")
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(r.seqs), desc=desc, unit="row", dynamic_ncols=True, leave=False)
-    m = unwrap_model(model)
-    was_training = m.training
-    m.eval()
-    try:
-        row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update if bar else None)
-    finally:
-        m.train(was_training)
-        if bar is not None:
-            bar.close()
+    with scoring(model, progress, total=len(r.seqs), desc=desc, unit="row") as (m, bar):
+        row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update)
     sums = np.zeros(4 * r.n)
     np.add.at(sums, np.asarray(r.ending_of), row_ll)
     sums = sums.reshape(r.n, 4)
@@ -254,21 +223,11 @@ def evaluate_hellaswag(model, tok: Tokenizer, items: Sequence[Item], device, dty
                              batch_tokens, progress)
 
 
-# --- during training ---------------------------------------------------------------------------
-
-
 class HellaSwagProbe:
-    """HellaSwag during training: built once at start-up, scored at chosen steps.
-
-        probe = HellaSwagProbe(tokenizer, block_size, source=cfg.hellaswag_file or None,
-                               limit=cfg.hellaswag_items, log=log)
-        row.update(probe.metrics(model, device, dtype))             # every hellaswag_every steps
-        row.update(probe.metrics(model, device, dtype, full=True))  # at the end of the run
-
-    The file is fetched (or read) and the subset tokenized here, once. If the file cannot be had
-    (no network, bad file) the probe logs one line and stays off: `metrics` then returns {} and
-    training goes on. Call it on rank 0 with the model (wrappers are looked through); it switches
-    the model to eval mode while scoring and back.
+    """HellaSwag during training: the file read and the subset of `limit` items tokenized once, at start-up;
+    `metrics(model, device, dtype)` scores it at chosen steps (full=True: every item, at the end of a run).
+    If the file cannot be had (no network, a bad file) the probe logs one line and stays off: `metrics` returns {}
+    and training goes on. Call it on rank 0 (wrappers are looked through); the model is scored in eval mode.
     """
 
     def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | Sequence[Item] | None = None,
@@ -280,8 +239,7 @@ class HellaSwagProbe:
         self.batch_tokens = batch_tokens
         self.items: list[Item] = []
         self.file: dict = {"path": None, "sha256": None, "canonical": False}  # given items: no file
-        self.reason: str | None = None
-        self._subset: Rendered | None = None
+        self.reason: str | None = None  # why the probe is off
         self._full: Rendered | None = None
         try:
             if isinstance(source, (list, tuple)):
@@ -307,9 +265,9 @@ class HellaSwagProbe:
             return None
         if full and self._full is None:
             self._full = render(self.items, self.tokenizer, self.block_size)
-        r = self._full if full else self._subset
         try:
-            res = evaluate_rendered(model, r, torch.device(device), dtype, self.batch_tokens)
+            res = evaluate_rendered(model, self._full if full else self._subset, torch.device(device), dtype,
+                                    self.batch_tokens)
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")

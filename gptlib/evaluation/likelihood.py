@@ -1,16 +1,15 @@
 """Batched log-likelihood scoring: the shared core of HellaSwag and bits-per-byte evaluation.
 
-A *scoring row* is a token sequence `seq` (at most block_size + 1 tokens) whose last `k` tokens are
-scored: the model reads seq[:-1] and the log-probabilities of seq[-k:] are summed. Rows of many
-items are sorted by length and packed into padded batches of about `batch_tokens` tokens: one
-forward per batch. Padding goes on the right, so under causal attention it never changes a real
-position; each row starts at position 0, as it would alone. Only the scored positions go through
-ln_f and the output layer (for HellaSwag about a third of the tokens), which saves most of the
-vocab-sized matmul and keeps the logits small.
+A *scoring row* is a token sequence `seq` (at most block_size + 1 tokens) whose last `k` tokens are scored: the
+model reads seq[:-1] and the log-probabilities of seq[-k:] are summed. Rows are sorted by length and packed into
+padded batches of about `batch_tokens` tokens, one forward each. Padding goes on the right, so under causal
+attention it never changes a real position. Only the scored positions go through ln_f and the output layer (for
+HellaSwag about a third of the tokens), which saves most of the vocab-sized matmul and keeps the logits small.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
@@ -32,6 +31,21 @@ def eval_autocast(device: torch.device, dtype: torch.dtype | None):
     return autocast_for(device, dtype), dtype
 
 
+@contextlib.contextmanager
+def scoring(model: torch.nn.Module, progress: bool, **bar):
+    """(the unwrapped model in eval mode, a tqdm bar shown only with progress); the model's mode is restored after."""
+    from tqdm.auto import tqdm
+
+    m = unwrap_model(model)
+    was_training = m.training
+    m.eval()
+    with tqdm(disable=not progress, dynamic_ncols=True, leave=False, **bar) as b:
+        try:
+            yield m, b
+        finally:
+            m.train(was_training)
+
+
 def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
     """Row indices grouped into batches, longest rows first, each batch at most batch_tokens padded
     tokens (a row longer than that gets a batch to itself). Sorting keeps the padding small."""
@@ -50,20 +64,15 @@ def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
     return batches
 
 
-def _collate(seqs: Sequence[Sequence[int]], ks: Sequence[int], idx: np.ndarray):
-    """Rows idx -> inputs x (B, L-1), targets y (B, L-1), mask of scored targets (B, L-1), numpy."""
-    L = max(len(seqs[i]) for i in idx)
-    B = len(idx)
-    x = np.zeros((B, L - 1), dtype=np.int64)
-    y = np.zeros((B, L - 1), dtype=np.int64)
-    mask = np.zeros((B, L - 1), dtype=bool)
+def _collate(seqs: Sequence[Sequence[int]], ks: Sequence[int], idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows idx -> their tokens padded on the right (B, L), and the mask of the scored targets (B, L-1), numpy."""
+    toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)
+    mask = np.zeros((toks.shape[0], toks.shape[1] - 1), dtype=bool)
     for j, i in enumerate(idx):
-        s = np.asarray(seqs[i], dtype=np.int64)
-        n = len(s)
-        x[j, : n - 1] = s[:-1]
-        y[j, : n - 1] = s[1:]
+        n = len(seqs[i])
+        toks[j, :n] = seqs[i]
         mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
-    return x, y, mask
+    return toks, mask
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -74,11 +83,9 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def masked_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Negative log-likelihood (nats, float32) of the targets y[mask], in row-major order of mask.
-
-    The transformer runs on all positions (causality needs them); ln_f and the output layer only on
-    the masked ones. Logits are cut to vocab_size: the padding rows of the embedding never count.
-    """
+    """Negative log-likelihood (nats, float32) of the targets y[mask], in row-major order of mask. The blocks run on
+    every position (causality needs them), ln_f and the output layer only on the masked ones; logits are cut to
+    vocab_size (the embedding's padding rows never count)."""
     m = unwrap_model(model)
     h = m.hidden_states(x)  # (B, T, C)
     sel = m.transformer.ln_f(h[mask])  # (N, C): only the scored positions
@@ -90,11 +97,8 @@ def masked_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: t
 def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequence[int],
                device: torch.device | str, dtype: torch.dtype | None = None, batch_tokens: int | None = None,
                progress=None) -> np.ndarray:
-    """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,).
-
-    progress: an optional callable(rows_done) (e.g. a tqdm's update) called after each batch.
-    Results stay on the device until the end, so a GPU never waits for the host between batches.
-    """
+    """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,); progress(rows)
+    after each batch. Results stay on the device until the end: a GPU never waits for the host between batches."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     for i, s in enumerate(seqs):
@@ -104,10 +108,11 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
     bt = batch_tokens or default_batch_tokens(device)
     for idx in pack_batches([len(s) - 1 for s in seqs], bt):
-        x, y, mask = _collate(seqs, ks, idx)
+        toks, mask = _collate(seqs, ks, idx)
         row_of = np.broadcast_to(idx[:, None], mask.shape)[mask]  # the row each scored target belongs to
+        toks = _to_device(toks, device)
         with ctx:
-            nll = masked_nll(model, _to_device(x, device), _to_device(y, device), _to_device(mask, device))
+            nll = masked_nll(model, toks[:, :-1], toks[:, 1:], _to_device(mask, device))
         out.index_add_(0, _to_device(row_of, device), -nll.double())
         if progress is not None:
             progress(len(idx))

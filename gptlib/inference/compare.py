@@ -11,7 +11,7 @@ from typing import Sequence
 
 from gptlib.errors import GenerationError
 from gptlib.inference.engine import Engine
-from gptlib.inference.loading import checkpoint_label, checkpoint_table, resolve_checkpoint
+from gptlib.inference.loading import checkpoint_label, checkpoint_table, select_steps
 from gptlib.inference.sampling import SamplingConfig
 
 
@@ -25,38 +25,20 @@ class Comparison:
 
 def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[str | int] | str = "all",
                         cfg: SamplingConfig | None = None, device: str = "cpu", log=None) -> Comparison:
-    """Continue every prompt with every checkpoint, with the same settings and seed for all.
-
-    checkpoints: "all" (every complete checkpoint, oldest first), or "latest" / "best" / steps, as a list
-    or a comma-separated string ("1000, best, latest").
-    With a fixed seed the columns differ only by the weights: how the model learned.
-    """
+    """Continue every prompt with every checkpoint, with the same settings and seed for all. checkpoints: "all"
+    (oldest first), or "latest" / "best" / steps, as a list or a comma-separated string ("1000, best, latest")."""
     cfg = dataclasses.replace(cfg or SamplingConfig(max_new_tokens=100)).validate()
     if cfg.seed is None:
         cfg.seed = 1337  # a fixed seed, so the columns differ only by the weights
-    if isinstance(checkpoints, str):  # "all" or "1000, best, latest"
-        checkpoints = [c.strip() for c in checkpoints.split(",") if c.strip()]
-    elif isinstance(checkpoints, int):
-        checkpoints = [checkpoints]
-    if [str(c).lower() for c in checkpoints] == ["all"]:
-        steps = sorted(r["step"] for r in checkpoint_table(run_dir))
-    else:
-        steps = []
-        for c in checkpoints:
-            s = resolve_checkpoint(run_dir, c).step
-            if s not in steps:
-                steps.append(s)
+    steps = select_steps(run_dir, checkpoints)
     if not prompts:
         raise GenerationError("no prompts to compare")
     table = {r["step"]: r for r in checkpoint_table(run_dir)}
     columns, texts = [], [[] for _ in prompts]
     for s in steps:
-        eng = Engine.from_run(run_dir, s, device=device)
-        label = checkpoint_label(table.get(s, {"step": s}))
-        columns.append(label)
+        columns.append(checkpoint_label(table.get(s, {"step": s})))
         if log:
-            log(f"generating with {label}")
-        for i, c in enumerate(eng.generate(list(prompts), cfg)):
+            log(f"generating with {columns[-1]}")
+        for i, c in enumerate(Engine.from_run(run_dir, s, device=device).generate(list(prompts), cfg)):
             texts[i].append(c.text)
-        del eng
     return Comparison(prompts=list(prompts), columns=columns, steps=steps, texts=texts)

@@ -4,25 +4,17 @@
     out = eng.generate(["ROMEO:", "JULIET:"], SamplingConfig(max_new_tokens=200, top_p=0.9, stop=["\\n\\n"]),
                        stream=lambda i, piece: print(piece, end=""))
 
-How decoding works:
-- The prompts are prefilled once into a preallocated KV cache; then each step feeds one token.
-- A batch of prompts of different lengths shares one cache: all rows are prefilled up to the
-  shortest prompt, then a row that still has prompt tokens is fed them one per step (its sampled
-  token is replaced by the prompt token) while the other rows already generate. Every row's token
-  t sits at position t, so no padding masks are needed (the scheme of Meta's Llama reference code).
-- Past the context length (block_size) the window slides: the newest `block_size + 1 - window_slide`
-  tokens are re-prefilled. With the default `window_slide=1` every step sees exactly the last
-  block_size tokens, i.e. the same result as a full forward of the cropped context (slow past the
-  window, but exact); a larger slide re-prefills less often at the price of a shorter context.
-- Logits processing runs on the device, vectorised over the batch; the host reads tokens back only
-  when something needs them (a streaming callback, stop strings, an end-of-text token).
-
-Training's samples use the same engine (gptlib.training.logs); gptlib.inference.compare continues the same
-prompts with several checkpoints.
+The prompts are prefilled once into a preallocated KV cache, then each step feeds one token. Prompts of different
+lengths share one cache: every row is prefilled up to the shortest prompt, then a row still reading its prompt is
+fed it one token per step while the others generate; row b's token t sits at position t, so no padding masks are
+needed (as in Meta's Llama reference code). Past block_size the window slides: the newest `block_size + 1 -
+window_slide` tokens are re-prefilled (the default 1 is exactly a full forward of the cropped context). Logits are
+processed on the device; the host reads tokens back only when a stream, stop strings or end-of-text need them.
 """
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from typing import Callable, Sequence
 
@@ -33,17 +25,15 @@ from gptlib.inference.loading import load_run
 from gptlib.inference.sampling import Completion, SamplingConfig, process_logits, sample_next
 from gptlib.model import GPT, KVCache
 
+OnStep = Callable[[list[int], list[int]], "Sequence[int] | None"]  # (rows, their new tokens) -> rows to stop
+
 
 def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None,
                   pos: torch.Tensor | None = None) -> torch.Tensor:
-    """Like model(idx, cache=cache) but the vocabulary projection runs for the last position only.
-
-    During a prefill or a no-cache step only the last position's logits are used; projecting T
-    positions onto a 32K vocabulary would cost as much as several transformer blocks.
-    (B, T) -> (B, vocab_size) logits. pos (T,): the positions, for a static cache.
-    """
+    """model(idx, cache=cache) with the vocabulary projection for the last position only: (B, T) -> (B, V).
+    Projecting all T positions of a prefill onto a 32K vocabulary would cost as much as several blocks."""
     x = model.transformer.ln_f(model.hidden_states(idx, cache, pos)[:, -1, :])  # (B, C)
-    return model.lm_head(x)[:, : model.config.vocab_size]  # (B, V)
+    return model.lm_head(x)[:, : model.config.vocab_size]
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], window_slide: int, block_size: int) -> None:
@@ -54,47 +44,17 @@ def _check_prompts(prompts: Sequence[Sequence[int]], window_slide: int, block_si
             raise GenerationError(f"prompt {i} is empty: give at least one token (e.g. a newline)")
 
 
-def _seeded_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """The sampling RNG: seeded (same seed, weights and settings -> same text), else from OS entropy."""
-    generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    return generator
-
-
-def _prompt_buffer(prompts: Sequence[Sequence[int]], total: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, total) token buffer with the prompts written at their positions, and the mask of prompt slots."""
-    buf = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
-    is_prompt = torch.zeros(len(prompts), total, dtype=torch.bool, device=device)
-    for b, p in enumerate(prompts):
-        buf[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-        is_prompt[b, : len(p)] = True
-    return buf, is_prompt
-
-
-def _generated_rows(buf: list[list[int]], lens: list[int], last: int, max_new: int, stop_at: list[int | None],
-                    reasons: list[str], stop_ids: Sequence[int]) -> tuple[list[list[int]], list[str]]:
-    """Each row's new tokens (up to `last`, the last position written; cut after a stop string or at
-    the first end-of-text id) and why it ended."""
-    out, out_reasons = [], []
-    stop_set = set(stop_ids)
-    for b, row_buf in enumerate(buf):
-        end = min(last + 1, lens[b] + max_new)
-        if stop_at[b] is not None:
-            end = stop_at[b] + 1
-        row, reason = row_buf[lens[b] : end], reasons[b]
-        for j, t in enumerate(row):
-            if t in stop_set:
-                row, reason = row[: j + 1], "eot"
-                break
+def _generated(buf: list[list[int]], lens: list[int], ends: list[int], reasons: list[str], stop_ids: Sequence[int]
+               ) -> tuple[list[list[int]], list[str]]:
+    """Each row's new tokens, buf[b][lens[b]:ends[b]], cut after the first end-of-text id ("eot"), and reasons."""
+    out = []
+    for b, row in enumerate(buf):
+        row = row[lens[b] : ends[b]]
+        eot = next((j for j, t in enumerate(row) if t in stop_ids), None)
+        if eot is not None:
+            row, reasons[b] = row[: eot + 1], "eot"
         out.append(row)
-        out_reasons.append(reason)
-    return out, out_reasons
-
-
-# --- the engine -------------------------------------------------------------------------------
+    return out, reasons
 
 
 class Engine:
@@ -106,9 +66,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.step = step  # the checkpoint's training step, if loaded from a run
         self.source = source  # where the weights came from (checkpoint path), for display
-        # compile: the one-token decode step runs through torch.compile on a static KV cache, with
-        # CUDA graphs on a GPU (one replay per token instead of ~15 kernel launches per layer from
-        # Python). The first generation pays the compile (tens of seconds); worth it for long outputs.
+        # compile: the one-token decode step runs through torch.compile on a static KV cache, with CUDA graphs on
+        # a GPU (one replay per token instead of ~15 kernel launches per layer); the first generation compiles.
         self.compile = compile
         self._compiled_step = None
         self._compiled_calls: dict[int, int] = {}  # batch size -> compiled steps run (its first ones compile)
@@ -123,11 +82,11 @@ class Engine:
         ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path), compile=compile)
 
-    def _feed(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _feed(self, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
         """Feed idx (B, T) after what the cache holds -> (B, vocab_size) logits of its last position."""
-        if not cache.static:
+        if cache is None or not cache.static:
             return _forward_last(self.model, idx, cache)
-        T = idx.size(1)
+        B, T = idx.shape
         pos = torch.arange(cache.pos, cache.pos + T, device=idx.device)  # (T,)
         step = _forward_last
         if T == 1:  # prefills vary in length: eager; the per-token step has fixed shapes: compiled
@@ -136,7 +95,6 @@ class Engine:
                 self._compiled_step = torch.compile(_forward_last, mode=mode, fullgraph=True, dynamic=False)
             step = self._compiled_step
             idx = idx.clone()  # its own storage: a view into buf would change address every step
-        B = idx.size(0)
         try:
             logits = step(self.model, idx, cache, pos)
         except Exception as e:
@@ -156,101 +114,6 @@ class Engine:
         cache.pos += T
         return logits
 
-    # -- token level ----------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def generate_ids(
-        self,
-        prompts: Sequence[Sequence[int]],
-        cfg: SamplingConfig,
-        *,
-        generator: torch.Generator | None = None,
-        use_cache: bool = True,
-        window_slide: int = 1,
-        stop_ids: Sequence[int] = (),
-        on_step: Callable[[list[int], list[int]], Sequence[int] | None] | None = None,
-    ) -> tuple[list[list[int]], list[str]]:
-        """Continue each prompt (a list of token ids) -> (generated ids per prompt, finish reason per prompt).
-
-        on_step(rows, tokens) is called after each step with the rows that produced a new token and
-        those tokens; it returns the rows that should stop ("stop"), e.g. because a stop string appeared.
-        Generation ends at a token in stop_ids ("eot") or after cfg.max_new_tokens ("length").
-        """
-        cfg.validate()
-        model, bs = self.model, self.model.config.block_size
-        _check_prompts(prompts, window_slide, bs)
-        if not prompts:
-            return [], []
-        B, dev = len(prompts), self.device
-        lens = [len(p) for p in prompts]
-        min_len, max_len, total = min(lens), max(lens), max(l + cfg.max_new_tokens for l in lens)
-        if cfg.max_new_tokens == 0:
-            return [[] for _ in prompts], ["length"] * B
-        if generator is None and cfg.temperature > 0:
-            generator = _seeded_generator(cfg.seed, dev)
-        buf, is_prompt = _prompt_buffer(prompts, total, dev)  # buf[b, t]: row b's token at position t
-        ends = torch.tensor([l + cfg.max_new_tokens for l in lens], device=dev)  # (B,) row b stops before this
-        seen = None
-        if cfg.repetition_penalty != 1.0:
-            seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=dev)
-            seen.scatter_(1, buf[:, :min_len], True)
-        stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
-        done = torch.zeros(B, dtype=torch.bool, device=dev)  # finished rows (their further tokens are dropped)
-        no_rows = torch.zeros(B, dtype=torch.bool, device=dev)
-        reasons = ["length"] * B
-        stop_at: list[int | None] = [None] * B  # position of the token that completed a stop string
-        need_host = on_step is not None  # read tokens back every step only when someone needs them
-
-        cache = self._cache_for(B) if use_cache else None
-        start = max(0, min_len - bs)
-        prompt_ids = buf[:, start:min_len]
-        logits = self._feed(prompt_ids, cache) if cache is not None else _forward_last(model, prompt_ids, None)
-
-        for cur in range(min_len, total):
-            nxt = sample_next(process_logits(logits, cfg, seen), cfg, generator)  # (B,)
-            if cur < max_len:  # some rows are still reading their prompt: keep their prompt token
-                forced = is_prompt[:, cur]
-                nxt = torch.where(forced, buf[:, cur], nxt)
-            else:
-                forced = no_rows
-            buf[:, cur] = nxt
-            if seen is not None:
-                seen.scatter_(1, nxt[:, None], True)
-            if need_host or stop_t is not None:
-                generated = ~forced & ~done & (cur < ends)  # rows whose token at cur is a real new token
-                if stop_t is not None:
-                    done |= generated & torch.isin(nxt, stop_t)
-                done |= ~forced & (cur + 1 >= ends)
-            if need_host:
-                gen_rows = generated.nonzero().flatten().tolist()
-                if gen_rows:
-                    toks = nxt[gen_rows].tolist()
-                    stop_rows = on_step(gen_rows, toks) or ()
-                    for r in stop_rows:
-                        reasons[r], stop_at[r] = "stop", cur
-                    if stop_rows:
-                        done[list(stop_rows)] = True
-            if cur + 1 >= total:
-                break
-            # Checking "all rows done" costs a device sync: every step if we sync anyway, else every 16.
-            if (need_host or stop_t is not None and cur % 16 == 0) and bool(done.all()):
-                break
-            logits = self._next_logits(buf, cur, cache, window_slide)
-
-        return _generated_rows(buf.tolist(), lens, cur, cfg.max_new_tokens, stop_at, reasons, stop_ids)
-
-    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache | None, window_slide: int) -> torch.Tensor:
-        """Logits after the token at position `cur`: one cached step, or past the window a re-prefill of
-        the newest block_size + 1 - window_slide tokens (without a cache: a full forward of the window)."""
-        bs = self.model.config.block_size
-        if cache is None:
-            return _forward_last(self.model, buf[:, max(0, cur + 1 - bs) : cur + 1], None)
-        if cache.pos < bs:
-            return self._feed(buf[:, cur : cur + 1], cache)
-        cache.reset()
-        keep = bs + 1 - window_slide
-        return self._feed(buf[:, cur + 1 - keep : cur + 1], cache)
-
     def _cache_for(self, B: int) -> KVCache:
         """A fresh dynamic cache; or, compiled, the static cache of this batch size, reused (a new one
         would re-record the CUDA graph). Old keys stay in it: the mask hides slots past each position."""
@@ -264,28 +127,85 @@ class Engine:
         cache.reset()
         return cache
 
-    # -- text level -----------------------------------------------------------------------------
+    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache | None, window_slide: int) -> torch.Tensor:
+        """Logits after the token at position `cur`: one cached step, or past the window a re-prefill of
+        the newest block_size + 1 - window_slide tokens (without a cache: a full forward of the window)."""
+        bs = self.model.config.block_size
+        if cache is None:
+            return _forward_last(self.model, buf[:, max(0, cur + 1 - bs) : cur + 1], None)
+        if cache.pos < bs:
+            return self._feed(buf[:, cur : cur + 1], cache)
+        cache.reset()
+        return self._feed(buf[:, cur + window_slide - bs : cur + 1], cache)
 
-    def generate(
-        self,
-        prompts: str | Sequence[str],
-        cfg: SamplingConfig | None = None,
-        *,
-        stream: Callable[[int, str], None] | None = None,
-        use_cache: bool = True,
-        window_slide: int = 1,
-    ) -> list[Completion]:
+    @torch.inference_mode()
+    def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
+                     generator: torch.Generator | None = None, use_cache: bool = True, window_slide: int = 1,
+                     stop_ids: Sequence[int] = (), on_step: OnStep | None = None) -> tuple[list[list[int]], list[str]]:
+        """Continue each prompt (a list of token ids) -> (generated ids per prompt, finish reason per prompt).
+        on_step(rows, tokens) is called after each step with the rows that produced a new token and those tokens;
+        it returns the rows that should stop ("stop"), e.g. because a stop string appeared. Generation also ends at
+        a token in stop_ids ("eot") or after cfg.max_new_tokens ("length")."""
+        cfg.validate()
+        bs, dev, max_new = self.model.config.block_size, self.device, cfg.max_new_tokens
+        _check_prompts(prompts, window_slide, bs)
+        if not prompts or max_new == 0:
+            return [[] for _ in prompts], ["length"] * len(prompts)
+        if generator is None and cfg.temperature > 0:  # same seed, weights and settings -> same text
+            generator = torch.Generator(dev).manual_seed(secrets.randbits(63) if cfg.seed is None else cfg.seed)
+        lens = [len(p) for p in prompts]
+        min_len, max_len, total = min(lens), max(lens), max(lens) + max_new
+        buf = torch.zeros(len(prompts), total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
+        for b, p in enumerate(prompts):
+            buf[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        lens_t = torch.tensor(lens, device=dev)
+        is_prompt = torch.arange(total, device=dev) < lens_t[:, None]  # (B, total)
+        seen = None  # (B, V) tokens in each row's context, for the repetition penalty
+        if cfg.repetition_penalty != 1.0:
+            seen = torch.zeros(len(prompts), self.model.config.vocab_size, dtype=torch.bool, device=dev)
+            seen.scatter_(1, buf[:, :min_len], True)
+        stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)  # finished rows: further tokens dropped
+        reasons, stop_at = ["length"] * len(prompts), [None] * len(prompts)  # stop_at: where a stop string ended
+        cache = self._cache_for(len(prompts)) if use_cache else None
+        logits = self._feed(buf[:, max(0, min_len - bs) : min_len], cache)
+        for cur in range(min_len, total):
+            nxt = sample_next(process_logits(logits, cfg, seen), cfg, generator)  # (B,)
+            if cur < max_len:  # rows still reading their prompt keep their prompt token
+                nxt = torch.where(is_prompt[:, cur], buf[:, cur], nxt)
+            buf[:, cur] = nxt
+            if seen is not None:
+                seen.scatter_(1, nxt[:, None], True)
+            if on_step is not None or stop_t is not None:
+                new = ~is_prompt[:, cur] & ~done & (cur < lens_t + max_new)  # rows whose token at cur is new
+                if stop_t is not None:
+                    done |= new & torch.isin(nxt, stop_t)
+                done |= cur + 1 >= lens_t + max_new
+            if on_step is not None and (rows := new.nonzero().flatten().tolist()):
+                stopped = list(on_step(rows, nxt[rows].tolist()) or ())
+                for r in stopped:
+                    reasons[r], stop_at[r] = "stop", cur
+                done[stopped] = True
+            # Checking "all rows done" costs a device sync: every step if we sync anyway, else every 16.
+            check = on_step is not None or stop_t is not None and cur % 16 == 0
+            if cur + 1 >= total or check and bool(done.all()):
+                break
+            logits = self._next_logits(buf, cur, cache, window_slide)
+
+        ends = [min(cur + 1, n + max_new) if at is None else at + 1 for n, at in zip(lens, stop_at)]
+        return _generated(buf.tolist(), lens, ends, reasons, stop_ids)
+
+    def generate(self, prompts: str | Sequence[str], cfg: SamplingConfig | None = None, *,
+                 stream: Callable[[int, str], None] | None = None, use_cache: bool = True,
+                 window_slide: int = 1) -> list[Completion]:
         """Continue text prompts; stream(i, piece) receives each new piece of text of prompt i as it appears.
-
-        Text that might be the start of a stop string is held back until it is clear, so a stop
-        string never reaches the stream.
-        """
+        Text that might be the start of a stop string is held back until it is clear, so a stop string never
+        reaches the stream."""
         if self.tokenizer is None:
             raise GenerationError("this engine has no tokenizer: use generate_ids, or load it with Engine.from_run")
         cfg = (cfg or SamplingConfig()).validate()
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        tok = self.tokenizer
-        ids = []
+        tok, ids = self.tokenizer, []
         for i, p in enumerate(prompts):
             try:
                 ids.append(tok.encode(p))
@@ -296,48 +216,46 @@ class Engine:
             ids = [x if x else [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []
         streams = [_TextStream(tok, cfg.stop) for _ in prompts]
-
-        def on_step(rows: list[int], toks: list[int]) -> list[int]:
-            stopped = []
-            for r, t in zip(rows, toks):
-                st = streams[r]
-                if st.stopped:
-                    continue
-                is_eot = t in stop_ids  # the engine itself ends the row at end-of-text
-                piece = st.push(t, final=is_eot)
-                if piece and stream is not None:
-                    stream(r, piece)
-                if st.stopped and not is_eot:
-                    stopped.append(r)
-            return stopped
-
         need_steps = stream is not None or bool(cfg.stop)
         out_ids, reasons = self.generate_ids(ids, cfg, use_cache=use_cache, window_slide=window_slide,
-                                             stop_ids=stop_ids, on_step=on_step if need_steps else None)
+                                             stop_ids=stop_ids,
+                                             on_step=text_steps(streams, stop_ids, stream) if need_steps else None)
         results = []
         for i, (p, gen, reason) in enumerate(zip(prompts, out_ids, reasons)):
-            st = streams[i]
             if need_steps:
-                tail = st.flush()
+                tail = streams[i].flush()
                 if tail and stream is not None:
                     stream(i, tail)
-                text = st.text
+                text = streams[i].text
             else:
                 text = tok.decode([t for t in gen if t not in stop_ids])
             results.append(Completion(prompt=p, text=text, token_ids=list(gen), finish_reason=reason))
         return results
 
 
-class _TextStream:
-    """Incremental detokenisation of one sequence, with stop strings.
+def text_steps(streams: list[_TextStream], stop_ids, stream: Callable[[int, str], None] | None) -> Callable:
+    """An on_step for generate_ids: each row's tokens go to its _TextStream, its text to stream(row, piece); the
+    rows whose text reached a stop string are returned (a token in stop_ids ends the row in the engine itself)."""
+    def on_step(rows: list[int], toks: list[int]) -> list[int]:
+        stopped = []
+        for r, t in zip(rows, toks):
+            piece = streams[r].push(t, final=t in stop_ids)  # end-of-text is not part of the text
+            if piece and stream is not None:
+                stream(r, piece)
+            if streams[r].stopped and t not in stop_ids:
+                stopped.append(r)
+        return stopped
 
-    Byte-level BPE tokens can end in the middle of a UTF-8 character: text is emitted only once it
-    decodes cleanly (no trailing U+FFFD), and text that could still grow into a stop string is held.
-    """
+    return on_step
+
+
+class _TextStream:
+    """Incremental detokenisation of one sequence, with stop strings. Byte-level BPE tokens can end inside a UTF-8
+    character: text is emitted once it decodes cleanly (no trailing U+FFFD); text that could still grow into a stop
+    string is held."""
 
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
-        self.ids: list[int] = []
         self.text = ""  # the final text so far (stable, before any stop string)
         self.emitted = 0  # characters of self.text already handed to the stream
         self._pending: list[int] = []  # tokens whose text is not complete yet
@@ -347,7 +265,6 @@ class _TextStream:
         """Add one token; returns the text that may be shown now ("" while held back or after a stop)."""
         if self.stopped:
             return ""
-        self.ids.append(token)
         if final:  # end-of-text: not part of the text
             self.stopped = True
             return self.flush()
@@ -357,32 +274,24 @@ class _TextStream:
             return ""  # an incomplete character: wait for the next token
         self._pending = []
         self.text += piece
-        if self.stop:
-            # Search only the region the new piece could complete.
-            look = max(0, len(self.text) - len(piece) - max(map(len, self.stop)) + 1)
-            hits = [i for i in (self.text.find(s, look) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.stopped = True
-                return self._take(len(self.text))
-            return self._take(len(self.text) - self._held())
-        return self._take(len(self.text))
+        # Search only the region the new piece could complete.
+        look = max(0, len(self.text) - len(piece) - max(map(len, self.stop), default=0) + 1)
+        hits = [i for i in (self.text.find(s, look) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+            return self._take(len(self.text))
+        return self._take(len(self.text) - self._held())
 
     def _held(self) -> int:
         """Length of the longest end of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        ends = [n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
+                if self.text.endswith(s[:n])]
+        return max(ends, default=0)
 
     def _take(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        piece = self.text[self.emitted : upto]
-        self.emitted = upto
+        piece = self.text[self.emitted : upto] if upto > self.emitted else ""
+        self.emitted = max(self.emitted, upto)
         return piece
 
     def flush(self) -> str:

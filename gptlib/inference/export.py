@@ -6,13 +6,10 @@
     model = GPT2LMHeadModel.from_pretrained("hf/shakespeare")
     tok = AutoTokenizer.from_pretrained("hf/shakespeare")
 
-Our GPT is GPT-2's architecture, so the mapping is direct:
-- nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out): matmul weights are transposed.
-- bias=False models get zero biases (GPT-2 always has them; zeros change nothing).
-- the MLP's tanh GELU is GPT-2's "gelu_new"; LayerNorm eps 1e-5; attention scaled by 1/sqrt(head size).
-- the embedding is padded to a multiple of 64 rows for speed; only the first vocab_size rows are
-  exported (the tied output layer then yields exactly our logits, which are cut to vocab_size too).
-transformers itself is not needed to export: the folder is plain JSON + safetensors.
+Our GPT is GPT-2's architecture: matmul weights are transposed (Linear (out, in), Conv1D (in, out)); bias=False
+models get zero biases; our tanh GELU is "gelu_new". Only the first vocab_size rows of the padded embedding are
+exported (the tied output layer then yields exactly our logits). The folder is plain JSON + safetensors: exporting
+does not need transformers.
 """
 
 from __future__ import annotations
@@ -33,30 +30,27 @@ from gptlib.inference.loading import load_run
 from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
 from gptlib.model import GPT
 
+# A block's matmuls: nn.Linear (out, in) in gptlib, Conv1D (in, out) in GPT-2; same names in both.
+GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+EXPORT_TITLE = "# gptlib GPT-2 export"  # the first line of every export's README.md: how a previous export is known
+_RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
+
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our weights under GPT2LMHeadModel's names and layouts (fp32, contiguous, lm_head tied to wte)."""
     cfg = model.config
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
-    C, V = cfg.n_embd, cfg.vocab_size
-    out = {
-        "transformer.wte.weight": sd["transformer.wte.weight"][:V],  # (V, C): padding rows dropped
-        "transformer.wpe.weight": sd["transformer.wpe.weight"],  # (block_size, C)
-    }
-
-    def bias(name: str, n: int) -> torch.Tensor:
-        return sd[name] if name in sd else torch.zeros(n)
-
+    C = cfg.n_embd
+    out = {"transformer.wte.weight": sd["transformer.wte.weight"][: cfg.vocab_size],  # (V, C): padding rows dropped
+           "transformer.wpe.weight": sd["transformer.wpe.weight"]}  # (block_size, C)
+    sizes = {"ln_1": C, "ln_2": C, "attn.c_attn": 3 * C, "attn.c_proj": C, "mlp.c_fc": 4 * C, "mlp.c_proj": C}
     for i in range(cfg.n_layer):
-        p, q = f"transformer.h.{i}.", f"transformer.h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            out[q + f"{ln}.weight"] = sd[p + f"{ln}.weight"]
-            out[q + f"{ln}.bias"] = bias(p + f"{ln}.bias", C)
-        for lin, n_out in (("attn.c_attn", 3 * C), ("attn.c_proj", C), ("mlp.c_fc", 4 * C), ("mlp.c_proj", C)):
-            out[q + f"{lin}.weight"] = sd[p + f"{lin}.weight"].t()  # (out, in) -> Conv1D's (in, out)
-            out[q + f"{lin}.bias"] = bias(p + f"{lin}.bias", n_out)
+        for part, n in sizes.items():
+            p = f"transformer.h.{i}.{part}."
+            out[p + "weight"] = sd[p + "weight"].t() if part in GPT2_LINEARS else sd[p + "weight"]
+            out[p + "bias"] = sd.get(p + "bias", torch.zeros(n))
     out["transformer.ln_f.weight"] = sd["transformer.ln_f.weight"]
-    out["transformer.ln_f.bias"] = bias("transformer.ln_f.bias", C)
+    out["transformer.ln_f.bias"] = sd.get("transformer.ln_f.bias", torch.zeros(C))
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -65,35 +59,20 @@ def hf_config(model: GPT, tokenizer: Tokenizer | None = None) -> dict:
     cfg = model.config
     eot = getattr(tokenizer, "eot_id", None) if tokenizer is not None else None
     return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size,
-        "n_ctx": cfg.block_size,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,  # 4 * n_embd
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head, "n_inner": None,  # 4 * n_embd
         "activation_function": "gelu_new",  # tanh-approximated GELU, as in our MLP
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "torch_dtype": "float32",
-        "dtype": "float32",
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32", "dtype": "float32",
     }
 
 
-def char_tokenizer_json(tok: CharTokenizer) -> str:
-    """A `tokenizers` file mapping each character to our id (WordLevel over single characters)."""
+def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
+    """A `tokenizers` file mapping each character to our id (WordLevel over single characters), and the name of
+    its unknown token (None without one)."""
     from tokenizers import Regex
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
@@ -112,29 +91,27 @@ def char_tokenizer_json(tok: CharTokenizer) -> str:
     hf.decoder = decoders.Fuse()  # join tokens without spaces
     if unk is not None:
         hf.add_special_tokens([unk])
-    return hf.to_str()
+    return hf.to_str(), unk
 
 
 def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[str]:
     """tokenizer.json + tokenizer_config.json + special_tokens_map.json for PreTrainedTokenizerFast."""
+    special, unk = {}, None
     if isinstance(tok, CharTokenizer):
-        (out / "tokenizer.json").write_text(char_tokenizer_json(tok), encoding="utf-8")
+        text, unk = _char_tokenizer(tok)
+        (out / "tokenizer.json").write_text(text, encoding="utf-8")
     else:  # byte-level BPE: our tokenizer.json already is a `tokenizers` file
         (out / "tokenizer.json").write_bytes(tok.to_json_bytes())
-    special = {}
     eot = getattr(tok, "eot_id", None)
     if eot is not None:
-        name = _token_name(tok, eot)
+        name = next((t["content"] for t in json.loads(tok.to_json_bytes()).get("added_tokens", [])
+                     if t.get("id") == eot), EOT)
         special = {"bos_token": name, "eos_token": name, "unk_token": name}
-    if isinstance(tok, CharTokenizer) and tok.unk_id is not None:
-        special["unk_token"] = json.loads(char_tokenizer_json(tok))["added_tokens"][0]["content"]
-    tcfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": block_size,
-        "clean_up_tokenization_spaces": False,  # decode must give back exactly the characters
-        "add_prefix_space": False,
-        **special,
-    }
+    if unk is not None:
+        special["unk_token"] = unk
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
+            "clean_up_tokenization_spaces": False,  # decode must give back exactly the characters
+            "add_prefix_space": False, **special}
     if eot is not None:
         # gptlib encodes a literal "<|endoftext|>" in text as text (documents cannot forge a boundary);
         # this makes transformers do the same (the special token is then only added by id).
@@ -144,38 +121,22 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[st
     return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
-def _token_name(tok: Tokenizer, token_id: int) -> str:
-    """The string of a special token, from the `tokenizers` file's added_tokens (else gptlib's EOT)."""
-    try:
-        for t in json.loads(tok.to_json_bytes()).get("added_tokens", []):
-            if t.get("id") == token_id:
-                return t["content"]
-    except (ValueError, AttributeError):
-        pass
-    return EOT
-
-
 def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
                  info: dict | None = None) -> Path:
-    """Write config.json, model.safetensors and (with a tokenizer) tokenizer files into out_dir.
-
-    Written into a temporary sibling folder and renamed, so a failed export never leaves a half
-    folder. An existing non-empty out_dir is replaced only with overwrite=True, and only if it holds a
-    previous export: a run or data directory, or a folder holding anything else, is refused.
-    """
+    """Write config.json, model.safetensors and (with a tokenizer) tokenizer files into out_dir, through a
+    temporary sibling folder renamed at the end (a failed export leaves no half folder); check_export_target."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(hf_config(model, tokenizer), indent=2) + "\n")
+        config = hf_config(model, tokenizer)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        files = ["config.json", "model.safetensors"]
         if tokenizer is not None:
-            files += write_tokenizer_files(tokenizer, tmp, model.config.block_size)
+            write_tokenizer_files(tokenizer, tmp, model.config.block_size)
         (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": hf_config(model, tokenizer)["bos_token_id"],
-             "eos_token_id": hf_config(model, tokenizer)["eos_token_id"]}, indent=2) + "\n")
+            {k: config[k] for k in ("bos_token_id", "eos_token_id")}, indent=2) + "\n")
         (tmp / "README.md").write_text(_model_card(model, info or {}))
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -185,13 +146,8 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
         else:
             os.replace(tmp, out)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-EXPORT_TITLE = "# gptlib GPT-2 export"  # the first line of every export's README.md: how a previous export is known
-_RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
 
 
 def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
@@ -202,7 +158,8 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
         run = Path(run_dir).resolve()
         if target == run or run in target.parents or target in run.parents:
             raise ExportError(f"--out {out} is the run directory {run_dir}, inside it, or holds it: the export would "
-                              f"replace the run; choose a folder outside the run (e.g. {run.parent / (run.name + '-hf')})")
+                              f"replace the run; choose a folder outside the run (e.g. "
+                              f"{run.parent / (run.name + '-hf')})")
     if not out.exists():
         return
     if not out.is_dir():
@@ -214,8 +171,7 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
     if not any(out.iterdir()):
         return
     readme = out / "README.md"
-    is_export = readme.is_file() and readme.read_text(errors="replace").startswith(EXPORT_TITLE)
-    if not is_export:
+    if not (readme.is_file() and readme.read_text(errors="replace").startswith(EXPORT_TITLE)):
         raise ExportError(f"--out {out} is not empty and is not a previous gptlib export; choose an empty or new "
                           f"folder (--overwrite replaces only a previous export)")
     if not overwrite:
@@ -234,14 +190,11 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = 
 
 def _model_card(model: GPT, info: dict) -> str:
     c = model.config
-    lines = [
+    return "\n".join([
         EXPORT_TITLE, "",
         f"A GPT-2 style model trained from scratch with gptlib: {c.n_layer} layers, {c.n_head} heads, "
         f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
-    ]
-    if info:
-        lines += [f"- {k}: {v}" for k, v in info.items()] + [""]
-    lines += [
+        *([f"- {k}: {v}" for k, v in info.items()] + [""] if info else []),
         "```python",
         "from transformers import AutoTokenizer, GPT2LMHeadModel",
         "tok = AutoTokenizer.from_pretrained(PATH)",
@@ -249,8 +202,7 @@ def _model_card(model: GPT, info: dict) -> str:
         "ids = tok(\"ROMEO:\", return_tensors=\"pt\").input_ids",
         "print(tok.decode(model.generate(ids, max_new_tokens=100, do_sample=True)[0]))",
         "```", "",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def export_hint(run_dir: str | Path, checkpoint: str = "best") -> str:

@@ -3,15 +3,12 @@ as a gptlib run directory:
 
     python -m gptlib import-hf --model gpt2 --out runs/gpt2
 
-The inverse of gptlib.inference.export. GPT-2's Conv1D stores weights as (in, out), our Linear as (out, in): they
-are transposed. The embedding is padded to a multiple of 64 rows for fast matmuls (the padding never
-produces a token: logits are cut back to vocab_size) and the output layer is tied to it. The folder's
-tokenizer becomes the run's tokenizer.json: byte-level BPE with <|endoftext|>, or, for a char model
-that gptlib exported, the char tokenizer again.
-
-The run holds one checkpoint, step 0, without optimizer state: `sample`, `eval` and `export-hf` work on
-it, and `train --init-from RUN_DIR` starts a new run from its weights. A model that is not GPT-2 shaped
-(another activation, attention scaling or architecture) is refused, naming what differs.
+The inverse of gptlib.inference.export: Conv1D weights (in, out) are transposed to Linear's (out, in); the
+embedding is padded to a multiple of 64 rows (logits are cut back to vocab_size) and tied to the output layer. The
+folder's tokenizer becomes the run's tokenizer.json (byte-level BPE with <|endoftext|>, or a char tokenizer that
+gptlib exported). The run holds one checkpoint, step 0, without optimizer state: `sample`, `eval` and `export-hf`
+work on it, and `train --init-from RUN_DIR` starts from its weights. A model that is not GPT-2 shaped (another
+activation, attention scaling or architecture) is refused, naming what differs.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
-from gptlib.inference.export import check_export_target
+from gptlib.inference.export import GPT2_LINEARS, check_export_target
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
 
@@ -100,19 +97,17 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
     wte = take("wte.weight")
     padded = torch.zeros(cfg.padded_vocab_size, cfg.n_embd)
     padded[: cfg.vocab_size] = wte[: cfg.vocab_size]
-    sd = {"transformer.wte.weight": padded, "transformer.wpe.weight": take("wpe.weight"),
-          "transformer.ln_f.weight": take("ln_f.weight"), "transformer.ln_f.bias": take("ln_f.bias"),
-          "lm_head.weight": padded}
+    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"] + [f"h.{i}.{part}.{w}" for i in range(cfg.n_layer)
+                                                          for part in ("ln_1", "ln_2", *GPT2_LINEARS)
+                                                          for w in ("weight", "bias")]
+    sd = {"transformer." + k: take(k) for k in names}
     for i in range(cfg.n_layer):
-        p = f"h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            sd[f"transformer.{p}{ln}.weight"], sd[f"transformer.{p}{ln}.bias"] = take(p + ln + ".weight"), take(p + ln + ".bias")
-        for lin in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-            sd[f"transformer.{p}{lin}.weight"] = take(p + lin + ".weight").t().contiguous()  # Conv1D (in, out) -> (out, in)
-            sd[f"transformer.{p}{lin}.bias"] = take(p + lin + ".bias")
+        for lin in GPT2_LINEARS:
+            k = f"transformer.h.{i}.{lin}.weight"
+            sd[k] = sd[k].t().contiguous()  # Conv1D (in, out) -> (out, in)
     if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"][: cfg.vocab_size], wte[: cfg.vocab_size]):
         raise HFImportError(f"{where}: lm_head.weight differs from wte.weight; gptlib ties them (GPT-2 does)")
-    return sd
+    return {**sd, "transformer.wte.weight": padded, "lm_head.weight": padded}
 
 
 def hf_tokenizer(folder: Path) -> Tokenizer:

@@ -1,13 +1,10 @@
 """Load a trained model for inference: a run directory's "latest", "best" or chosen checkpoint.
 
-The tokenizer comes from the run (its `tokenizer.json`, copied there by training; else the data
-directory recorded in the checkpoint) and must match the identity {kind, hash} the checkpoint
-recorded, so a model is never paired with the wrong vocabulary.
-
-Every read has a time limit (the run may be on a Google Drive mount, which can stop answering: a read
-there then blocks in the kernel for good): listing and checking the checkpoints DRIVE_LIST_TIMEOUT_S,
-the weights DRIVE_READ_STALL_S without progress, state.json and the tokenizer DRIVE_READ_STALL_S. A hung
-read is abandoned with HungIOError (an OSError naming the path), so pick_run_dir passes over that copy.
+The tokenizer comes from the run (its `tokenizer.json`, copied there by training; else the data directory the
+checkpoint records) and must match the identity {kind, hash} the checkpoint recorded, so a model is never paired
+with the wrong vocabulary. Every read has a time limit (a Google Drive mount can stop answering, and a read there
+then blocks in the kernel for good): listing and checking DRIVE_LIST_TIMEOUT_S, reading DRIVE_READ_STALL_S without
+progress. A hung read is abandoned with HungIOError (an OSError naming the path), so pick_run_dir passes over that copy.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -42,11 +40,8 @@ class LoadedModel:
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, path, is_best}.
-
-    A cheap check (manifest and file sizes, no hashing), for menus; incomplete ones are left out (and
-    described in `skipped`). On a hung Drive it gives up after DRIVE_LIST_TIMEOUT_S (HungIOError).
-    """
+    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, path, is_best}. A cheap check
+    (manifest and sizes, no hashing); incomplete ones are left out (and described in `skipped`)."""
     def table() -> list[dict]:
         rows = []
         for p in list_checkpoints(run_dir):
@@ -93,28 +88,36 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
         raise CheckpointError(f"no valid checkpoint in {run_dir}/checkpoints (has training saved one yet?)")
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
+    m = re.fullmatch(r"(?:step_)?0*(\d+)", which_s)
     if which_s == "latest":
-        row = table[0]
+        step = steps[0]
     elif which_s == "best":
-        best = table[0]["best_step"]
-        if best is None:
+        step = table[0]["best_step"]
+        if step is None:
             raise CheckpointError(f"{run_dir}: no best checkpoint recorded yet (no validation has run); "
                                   f"use 'latest' or a step from {steps}")
-        match = [r for r in table if r["step"] == best]
-        if not match:
-            raise CheckpointError(f"{run_dir}: the best checkpoint (step {best}) is not on disk; available steps: {steps}")
-        row = match[0]
+        if step not in steps:
+            raise CheckpointError(f"{run_dir}: the best checkpoint (step {step}) is not on disk; available steps: "
+                                  f"{steps}")
+    elif not m:
+        raise CheckpointError(f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})")
     else:
-        m = re.fullmatch(r"(?:step_)?0*(\d+)", which_s)
-        if not m:
-            raise CheckpointError(f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})")
         step = int(m.group(1))
-        match = [r for r in table if r["step"] == step]
-        if not match:
+        if step not in steps:
             raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}; available steps: {steps}")
-        row = match[0]
-    return call_with_timeout(lambda: verify_checkpoint(row["path"], deep=False), DRIVE_LIST_TIMEOUT_S,
-                             what=f"reading {row['path']}")
+    path = table[steps.index(step)]["path"]
+    return call_with_timeout(lambda: verify_checkpoint(path, deep=False), DRIVE_LIST_TIMEOUT_S, what=f"reading {path}")
+
+
+def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "latest") -> list[int]:
+    """Steps of checkpoints, each once: "all" (every complete checkpoint, oldest first), or latest/best/STEP, one or
+    several (a list, or separated by commas: "1000, best")."""
+    joined = ",".join(map(str, [which] if isinstance(which, (str, int)) else which))
+    specs = [s.strip() for s in joined.split(",") if s.strip()] or ["latest"]
+    if [s.lower() for s in specs] == ["all"]:
+        resolve_checkpoint(run_dir, "latest")  # the run's own message if it has none
+        return sorted(r["step"] for r in checkpoint_table(run_dir))
+    return list(dict.fromkeys(resolve_checkpoint(run_dir, s).step for s in specs))
 
 
 def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> Tokenizer:
@@ -125,10 +128,8 @@ def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> To
         candidates.append(Path(state.data_dir) / TOKENIZER_FILE)
     found = [c for c in candidates if c.is_file()]
     if not found:
-        raise TokenizerError(
-            f"no tokenizer for {where}: looked for {' and '.join(map(str, candidates))}; copy the data "
-            f"directory's {TOKENIZER_FILE} into the run directory"
-        )
+        raise TokenizerError(f"no tokenizer for {where}: looked for {' and '.join(map(str, candidates))}; copy the "
+                             f"data directory's {TOKENIZER_FILE} into the run directory")
     tok = load_tokenizer(found[0])
     if not expected.get("hash"):
         raise TokenizerError(f"{where}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
@@ -171,7 +172,8 @@ def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainStat
             raise CheckpointError(f"{source}: unreadable ({e})") from None
         return state, state.run_config(source), load_run_tokenizer(run_dir, state, str(path))
 
-    return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")
+    return call_with_timeout(read, DRIVE_READ_STALL_S,
+                             what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")
 
 
 def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
@@ -186,11 +188,8 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 
 
 def pick_run_dir(candidates, log=loud) -> Path:
-    """Of several copies of one run (local disk, Drive mirror), the one with the newest complete checkpoint.
-
-    On Colab a fresh session's local disk is empty while Drive holds the checkpoints; after a long
-    session the local copy may be newer than the mirror. A copy on a hung Drive is passed over (said so).
-    """
+    """Of several copies of one run (local disk, Drive mirror), the one with the newest complete checkpoint (a fresh
+    Colab VM's disk is empty; after a long session it may be newer than Drive). A hung copy is passed over."""
     best, best_step = None, -1
     looked = []
     for c in candidates:

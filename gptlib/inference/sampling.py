@@ -15,7 +15,7 @@ class SamplingConfig:
     max_new_tokens: int = 200  # tokens generated per prompt (a stop string or end-of-text may end it earlier)
     temperature: float = 0.8  # divides the logits; 0 = greedy (argmax), higher = more random
     top_k: int | None = None  # sample only among the k most likely tokens; None or 0 = no limit
-    top_p: float | None = None  # nucleus: the smallest set of tokens whose probability sums to >= top_p; None or 1 = off
+    top_p: float | None = None  # nucleus: the fewest tokens whose probability sums to >= top_p; None or 1 = off
     repetition_penalty: float = 1.0  # > 1 makes tokens already in the context less likely (CTRL); 1 = off
     stop: list[str] = field(default_factory=list)  # a sequence ends when its text contains one of these (cut off)
     stop_at_eot: bool = True  # end a sequence at the tokenizer's end-of-text token (BPE), if it has one
@@ -52,9 +52,7 @@ class Completion:
 
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) raw logits -> (B, V) float logits to sample from: penalty, temperature, top-k, top-p.
-
-    `seen` (B, V) bool marks tokens already in each row's context, for the repetition penalty.
-    """
+    `seen` (B, V) bool marks tokens already in each row's context, for the repetition penalty."""
     logits = logits.float()
     p = cfg.repetition_penalty
     if seen is not None and p != 1.0:

@@ -118,11 +118,14 @@ def cmd_fetch(args) -> int:
 
 
 def _add_train(sub) -> None:
-    from gptlib.config import PRESETS
+    from gptlib.config import PRESETS, RECIPES
 
     p = _command(sub, "train", cmd_train, help="train or resume a GPT on a data directory")
     p.add_argument("--data", required=True, metavar="DATA_DIR", help="data directory from `tokenize`")
     p.add_argument("--preset", default="phase1", choices=list(PRESETS), help="model/training preset")
+    p.add_argument("--recipe", choices=list(RECIPES), default=None,
+                   help="gpt2: the 2019 recipe; modern: rotary, RMSNorm, QK-norm, SwiGLU, untied, Muon, WSD schedule "
+                        "(default: a resumed run's or --init-from base's own, else gpt2)")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR", help="where checkpoints, metrics, plots go")
     p.add_argument("--mirror-dir", metavar="DIR", help="also copy each verified checkpoint here in the background "
                    "(e.g. a Google Drive folder); resume takes the newest valid one of both")
@@ -164,7 +167,7 @@ def cmd_train(args) -> int:
               max_minutes=args.max_minutes, seed=args.seed, device=args.device, compile=compile_flag,
               progress=not args.quiet, mirror_dir=args.mirror_dir, take_over=args.take_over,
               init_from=args.init_from, skip_unreadable=args.skip_unreadable,
-              allow_data_change=args.allow_data_change)
+              allow_data_change=args.allow_data_change, recipe=args.recipe)
     if r.stopped_by != "finished":  # train() already said "already finished ..."
         print(r.summary())
     return 0

@@ -31,11 +31,27 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention/MLP outputs; 0 is best for short single-epoch runs
     bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them; without is slightly faster)
     vocab_multiple: int = 64  # embedding rows padded to a multiple of this for fast matmuls; logits are cut back to vocab_size
+    # The recipe's parts (RECIPES): the defaults are GPT-2's, so configs saved before these fields load unchanged.
+    positions: str = "learned"  # learned (GPT-2: one embedding per position up to block_size) | rope (rotary: relative positions, no table)
+    norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm (no mean, no bias: Llama, Qwen3)
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (Qwen3): bounded attention logits
+    mlp: str = "gelu"  # gelu (GPT-2, hidden 4C) | relu2 (ReLU squared, 4C; not exportable) | swiglu (SiLU-gated, hidden ~8C/3: Llama, Qwen3)
+    tie_embeddings: bool = True  # the output layer shares the input embedding's weights (GPT-2); False: its own
+    zero_init: bool = False  # output projections of attention and MLP (and an untied head) start at zero: each block starts as the identity
+    logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2, modded-nanogpt; not exportable); 0 = off
+    rope_theta: float = 10000.0  # rotary base: the longest wavelength; 10k suits contexts up to a few thousand tokens
 
     @property
     def padded_vocab_size(self) -> int:
         m = max(1, self.vocab_multiple)
         return ((self.vocab_size + m - 1) // m) * m
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: 4C, or for SwiGLU 8C/3 rounded up to a multiple of 64 (about the same parameters)."""
+        if self.mlp == "swiglu":
+            return -(-8 * self.n_embd // (3 * 64)) * 64
+        return 4 * self.n_embd
 
     def validate(self) -> None:
         _positive(self, "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "vocab_multiple")
@@ -47,6 +63,14 @@ class ModelConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        _choice(self, "positions", ("learned", "rope"))
+        _choice(self, "norm", ("layernorm", "rmsnorm"))
+        _choice(self, "mlp", ("gelu", "relu2", "swiglu"))
+        _non_negative(self, "logit_softcap")
+        _positive(self, "rope_theta")
+        if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ConfigError(f"positions=rope rotates pairs of dimensions: the head size n_embd/n_head = "
+                              f"{self.n_embd // self.n_head} must be even (change n_head or n_embd)")
 
 
 @dataclass(frozen=True)
@@ -79,6 +103,11 @@ class TrainConfig:
     hellaswag_items: int = 1000  # size of that subset, evenly spaced over the file (1,000 items: +-1.4 points standard error); 0 = all items every time
     hellaswag_file: str = ""  # a local hellaswag_val.jsonl; empty = download the canonical file once into the cache (training goes on without HellaSwag if it cannot be had)
     chat_loss: str = "assistant"  # chat data (tokenize --format chat): "assistant" = the loss on the assistants' answers and their <|end|> only (the user's and system's turns are context), "all" = on every token
+    optimizer: str = "adamw"  # adamw (GPT-2) | muon: torch.optim.Muon for the blocks' 2-D weights at muon_lr, AdamW for the rest (embeddings, head, norms) at learning_rate
+    muon_lr: float = 0.02  # Muon's peak learning rate (the schedule scales it with learning_rate's)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    schedule: str = "cosine"  # cosine (GPT-2: warmup, cosine decay to min_lr_ratio at max_steps) | wsd (warmup, stable, linear decay over the last cooldown_frac: a stable-phase checkpoint extends to a larger max_steps exactly)
+    cooldown_frac: float = 0.4  # wsd: the fraction of max_steps at the end over which the LR decays to min_lr_ratio * peak
     auto_batch: bool = False  # CUDA: probe the largest micro-batch that fits and set grad_accum_steps so batch_size * grad_accum_steps sequences per step are kept
 
     def validate(self) -> None:
@@ -98,6 +127,18 @@ class TrainConfig:
         _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _choice(self, "compile", ("auto", "on", "off"))
         _choice(self, "chat_loss", ("assistant", "all"))
+        _choice(self, "optimizer", ("adamw", "muon"))
+        _choice(self, "schedule", ("cosine", "wsd"))
+        _positive(self, "muon_lr")
+        if not 0.0 <= self.muon_momentum < 1.0 or not 0.0 < self.cooldown_frac <= 1.0:
+            raise ConfigError(f"muon_momentum={self.muon_momentum} must be in [0, 1) and cooldown_frac="
+                              f"{self.cooldown_frac} in (0, 1]")
+        if self.optimizer == "muon":
+            import torch  # here only: `import gptlib.config` stays free of torch
+
+            if not hasattr(torch.optim, "Muon"):
+                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this is "
+                                  f"torch {torch.__version__}: upgrade torch, or use --recipe gpt2 (--set optimizer=adamw)")
 
 
 @dataclass(frozen=True)
@@ -105,8 +146,10 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     preset: str = "custom"  # the preset this config started from (informational)
+    recipe: str = "gpt2"  # the recipe its fields started from (RECIPES); a run resumes with its own
 
     def validate(self) -> "RunConfig":
+        _choice(self, "recipe", tuple(RECIPES))
         self.model.validate()
         self.train.validate()
         return self
@@ -117,13 +160,14 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
         """Strict: unknown keys are errors; keys missing from older configs take defaults."""
-        unknown = set(d) - {"model", "train", "preset"}
+        unknown = set(d) - {"model", "train", "preset", "recipe"}
         if unknown:
             raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}")
         return cls(
             model=_dataclass_from_dict(ModelConfig, d.get("model", {}), f"{source}: model"),
             train=_dataclass_from_dict(TrainConfig, d.get("train", {}), f"{source}: train"),
             preset=d.get("preset", "custom"),
+            recipe=d.get("recipe", "gpt2"),
         )
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
@@ -169,6 +213,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=1e-2, min_lr_ratio=0.05,
                       warmup_steps=30, weight_decay=0.1, beta2=0.99, eval_interval=500, eval_batches=20,
                       sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0, keep_every=500),
+        # Tuned on this CPU by benchmarks/recipes.py (README): AdamW for embeddings, head and gains, Muon for the
+        # blocks' matrices, the last 40% of the steps decaying linearly.
+        "modern": dict(learning_rate=3e-3, muon_lr=0.02, cooldown_frac=0.4),
     },
     # Medium model: a few hours on a T4/L4, minutes per 1k steps on an A100.
     "phase2": {
@@ -176,6 +223,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, min_lr_ratio=0.1,
                       warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
+        # modern: from published values, not tuned here: Muon 0.02 (nanochat's matrix_lr), AdamW 0.004 for the
+        # embedding, head and gains together (nanochat's head LR; its embedding takes a higher one), the last 40% a
+        # linear cooldown (modded-nanogpt's cooldown_frac).
+        "modern": dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4),
     },
     # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small. HellaSwag
     # on 1,000 items at each validation (a few seconds on an A100) shows progress against GPT-2 124M's 0.2955.
@@ -184,6 +235,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
                       warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+        # modern: from published values, not tuned here: Muon 0.02 (nanochat's matrix_lr), AdamW 0.004 for the
+        # embedding, head and gains together (nanochat's head LR; its embedding takes a higher one), the last 40% a
+        # linear cooldown (modded-nanogpt's cooldown_frac).
+        "modern": dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4),
     },
     # GPT-2 Medium (350M-class, 24 layers x 1024): the original author's next step. The same ~0.5M tokens per
     # step as gpt2-small in micro-batches of 8 (it fits an A100 40 GB with bf16 and compile), a lower peak LR.
@@ -192,6 +247,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, min_lr_ratio=0.1,
                       warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+        # modern: from published values, not tuned here: Muon 0.02 (nanochat's matrix_lr), AdamW 0.004 for the
+        # embedding, head and gains together (nanochat's head LR; its embedding takes a higher one), the last 40% a
+        # linear cooldown (modded-nanogpt's cooldown_frac).
+        "modern": dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4),
     },
     # Fine-tuning a trained model (train --init-from RUN_DIR, or a GPT-2 from import-hf): the model's shape
     # comes from that run (the fields below are placeholders), a peak LR ~10x below pre-training, a short
@@ -201,20 +260,49 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
                       warmup_steps=20, eval_interval=50, eval_batches=20, sample_prompts=["\n"], sample_tokens=100,
                       save_every_minutes=10.0, keep_every=0),
+        # modern: fine-tuning a modern base keeps its optimizer; LRs ~10x below pre-training, as for gpt2.
+        "modern": dict(learning_rate=4e-4, muon_lr=2e-3, cooldown_frac=0.4),
     },
 }
 
 
-def get_preset(name: str) -> RunConfig:
+# A recipe changes the model and the optimizer together; each part is a field of its own, so one can be switched
+# back (`--recipe modern --set qk_norm=false`) for an ablation. Its learning rates are the preset's (PRESETS[...]
+# ["modern"]). gpt2: the 2019 recipe, every field at its default. modern: the NanoGPT speedrun's and nanochat's
+# changes that a native Hugging Face architecture (Qwen3) also has, so export is exact; ReLU² and the logit soft
+# cap are options that export refuses.
+RECIPES: dict[str, dict[str, dict[str, Any]]] = {
+    "gpt2": {"model": {}, "train": {}},
+    "modern": {
+        "model": dict(positions="rope", norm="rmsnorm", qk_norm=True, mlp="swiglu", tie_embeddings=False,
+                      zero_init=True, bias=False),
+        "train": dict(optimizer="muon", schedule="wsd", weight_decay=0.0),
+    },
+}
+
+
+def get_preset(name: str, recipe: str = "gpt2") -> RunConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[name]
-    return RunConfig(model=ModelConfig(**p["model"]), train=TrainConfig(**p["train"]), preset=name)
+    if recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    p, r = PRESETS[name], RECIPES[recipe]
+    train = {**p["train"], **r["train"], **p.get(recipe, {})}  # the preset's own values for the recipe win
+    return RunConfig(model=ModelConfig(**{**p["model"], **r["model"]}), train=TrainConfig(**train), preset=name,
+                     recipe=recipe)
 
 
-def build_config(preset: str | RunConfig, overrides: dict | list | None = None, **explicit) -> RunConfig:
-    """Preset (or a RunConfig) + `--set` overrides + explicit keyword values (None = not given), validated."""
-    cfg = get_preset(preset) if isinstance(preset, str) else RunConfig.from_dict(preset.to_dict())
+def build_config(preset: str | RunConfig, overrides: dict | list | None = None, recipe: str | None = None,
+                 **explicit) -> RunConfig:
+    """Preset (or a RunConfig) with a recipe (None: gpt2, or the RunConfig's) + `--set` overrides + explicit keyword
+    values (None = not given), validated."""
+    if isinstance(preset, str):
+        cfg = get_preset(preset, recipe or "gpt2")
+    else:
+        cfg = RunConfig.from_dict(preset.to_dict())
+        if recipe is not None and recipe != cfg.recipe:
+            raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
+                              f"with get_preset(name, recipe={recipe!r})")
     return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
 
 

@@ -1,4 +1,8 @@
-"""The GPT: GPT-2 architecture with SDPA attention, tied embeddings and an optional KV cache.
+"""The GPT: GPT-2's architecture, or the modern recipe's parts, with SDPA attention and an optional KV cache.
+
+Each part of the modern recipe is a ModelConfig field of its own (config.RECIPES): rotary positions, RMSNorm,
+QK-norm, a ReLU² or SwiGLU MLP, untied embeddings, zero-initialised output projections, soft-capped logits. The
+gpt2 recipe's defaults build exactly the GPT-2 model of every earlier gptlib run: same modules, same init order.
 
 Shapes: B batch, T time (tokens), C n_embd, H n_head, D head size (C // H), V padded vocab.
 """
@@ -88,6 +92,32 @@ class KVCache:
         self.pos = 0
 
 
+def norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    """LayerNorm (GPT-2) or RMSNorm (no mean, no bias; eps as Llama/Qwen3, so an export computes the same)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=RMS_EPS)
+    return nn.LayerNorm(dim, bias=cfg.bias)
+
+
+RMS_EPS = 1e-6
+
+
+def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (block_size, D) of rotary embeddings in the rotate-half layout that Llama/Qwen3 use."""
+    D = cfg.n_embd // cfg.n_head
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # (D/2,)
+    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)  # (block_size, D/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (block_size, D)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) rotated by its positions' angles: cos, sin (T, D)."""
+    half = x.size(-1) // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated_half * sin).to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -97,14 +127,21 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): attention logits stay bounded
+            self.q_norm = nn.RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
+            self.k_norm = nn.RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
+                pos: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:  # rope: cos, sin (T, D) at the new tokens' positions
+            q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is None:
             # SDPA picks flash / memory-efficient kernels on GPU; is_causal avoids materialising a mask.
             y = F.scaled_dot_product_attention(
@@ -134,28 +171,41 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gelu (GPT-2, hidden 4C), relu2 (ReLU squared, 4C) or swiglu (SiLU-gated as Llama/Qwen3: c_fc holds the gate
+    and the up projection, hidden ModelConfig.mlp_hidden, about 8C/3 so the parameters match 4C)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.kind = cfg.mlp
+        hidden = cfg.mlp_hidden
+        self.c_fc = Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU, so exported weights match transformers
-        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        h = self.c_fc(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.kind == "relu2":
+            h = F.relu(h).square()
+        else:
+            h = self.gelu(h)
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer, pos)
+                pos: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, pos, rope)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -165,23 +215,34 @@ class GPT(nn.Module):
         super().__init__()
         cfg.validate()
         self.config = cfg
+        parts = dict(wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd))
+        if cfg.positions == "learned":
+            parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd),
-                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                **parts,
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+                ln_f=norm(cfg, cfg.n_embd),
             )
         )
         self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
+        if cfg.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
+        if cfg.positions == "rope":  # not parameters, not saved: derived from the config
+            cos, sin = rotary_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
         # variance does not grow with depth (two residual additions per block).
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.zero_init:  # each block starts as the identity, the untied head predicts uniformly (modded-nanogpt)
+            for name, p in self.named_parameters():
+                if name.endswith("c_proj.weight") or (name == "lm_head.weight" and not cfg.tie_embeddings):
+                    nn.init.zeros_(p)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -194,7 +255,7 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters, counting the tied embedding once; position embeddings excluded if non_embedding."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
+        if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
 
@@ -218,9 +279,15 @@ class GPT(nn.Module):
                     f"crop the context (generation slides the window for you)"
                 )
             pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if "wpe" in self.transformer:
+            x = x + self.transformer.wpe(pos)
+        else:
+            rope = (self.rope_cos[pos], self.rope_sin[pos])  # 2 x (T, D)
+        x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i, pos)
+            x = block(x, cache, i, pos, rope)
         if cache is not None and not cache.static:
             cache.pos += T
         return x
@@ -235,7 +302,7 @@ class GPT(nn.Module):
 
         With a cache, idx holds only the new tokens; their positions continue from cache.pos.
         """
-        logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V padded)
+        logits = self.head(self.hidden_states(idx, cache), cut=False)  # (B, T, V padded)
         loss = None
         if targets is not None:
             # The mean over the targets that count (-1 = ignored: chat data's non-assistant tokens). Summed and
@@ -250,6 +317,15 @@ class GPT(nn.Module):
         if logits.size(-1) != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]  # padding rows never produce a token
         return logits, loss
+
+    def head(self, h: torch.Tensor, cut: bool = True) -> torch.Tensor:
+        """The last block's output (..., C) -> logits (..., V): ln_f, the output layer, the soft cap; cut: without the
+        padding rows (they never produce a token)."""
+        logits = self.lm_head(self.transformer.ln_f(h))
+        cap = self.config.logit_softcap
+        if cap:  # cap * tanh(logits / cap): smooth, bounded logits (Gemma 2, modded-nanogpt)
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits[..., : self.config.vocab_size] if cut else logits
 
     def configure_optimizer(
         self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str

@@ -88,8 +88,7 @@ def masked_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: t
     vocab_size (the embedding's padding rows never count)."""
     m = unwrap_model(model)
     h = m.hidden_states(x)  # (B, T, C)
-    sel = m.transformer.ln_f(h[mask])  # (N, C): only the scored positions
-    logits = m.lm_head(sel)[:, : m.config.vocab_size]
+    logits = m.head(h[mask])  # (N, V): only the scored positions
     return F.cross_entropy(logits.float(), y[mask], reduction="none")
 
 

@@ -32,8 +32,7 @@ def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None,
                   pos: torch.Tensor | None = None) -> torch.Tensor:
     """model(idx, cache=cache) with the vocabulary projection for the last position only: (B, T) -> (B, V).
     Projecting all T positions of a prefill onto a 32K vocabulary would cost as much as several blocks."""
-    x = model.transformer.ln_f(model.hidden_states(idx, cache, pos)[:, -1, :])  # (B, C)
-    return model.lm_head(x)[:, : model.config.vocab_size]
+    return model.head(model.hidden_states(idx, cache, pos)[:, -1, :])  # (B, C) -> (B, V)
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], window_slide: int, block_size: int) -> None:

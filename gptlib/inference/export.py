@@ -1,4 +1,5 @@
-"""Export a checkpoint as a Hugging Face `transformers` GPT-2 folder (GPT2LMHeadModel).
+"""Export a checkpoint as a Hugging Face `transformers` folder: GPT2LMHeadModel for the gpt2 recipe, Qwen3 or
+Llama for the modern one (gptlib.inference.hf_llama), all loaded natively (no trust_remote_code).
 
     python -m gptlib export-hf --run-dir runs/shakespeare --out hf/shakespeare
 
@@ -26,20 +27,24 @@ from safetensors.torch import save_file
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
 from gptlib.data.tokenizer import EOT, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError
+from gptlib.inference.hf_llama import llama_config, llama_state_dict, native_arch
 from gptlib.inference.loading import load_run
 from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
 from gptlib.model import GPT
 
 # A block's matmuls: nn.Linear (out, in) in gptlib, Conv1D (in, out) in GPT-2; same names in both.
 GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-EXPORT_TITLE = "# gptlib GPT-2 export"  # the first line of every export's README.md: how a previous export is known
+# The first line of every export's README.md: how a previous export is known.
+EXPORT_TITLES = {"gpt2": "# gptlib GPT-2 export", "qwen3": "# gptlib Qwen3 export", "llama": "# gptlib Llama export"}
 _RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under GPT2LMHeadModel's names and layouts (fp32, contiguous, lm_head tied to wte)."""
+    """Our weights under GPT2LMHeadModel's (or Qwen3's / Llama's) names and layouts (fp32, contiguous)."""
     cfg = model.config
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    if native_arch(cfg) != "gpt2":
+        return llama_state_dict(sd, cfg)
     C = cfg.n_embd
     out = {"transformer.wte.weight": sd["transformer.wte.weight"][: cfg.vocab_size],  # (V, C): padding rows dropped
            "transformer.wpe.weight": sd["transformer.wpe.weight"]}  # (block_size, C)
@@ -55,9 +60,11 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def hf_config(model: GPT, tokenizer: Tokenizer | None = None) -> dict:
-    """GPT2Config as JSON (written by hand so exporting does not need transformers)."""
+    """GPT2Config (or Qwen3's / Llama's) as JSON (written by hand so exporting does not need transformers)."""
     cfg = model.config
     eot = getattr(tokenizer, "eot_id", None) if tokenizer is not None else None
+    if native_arch(cfg) != "gpt2":
+        return llama_config(cfg, native_arch(cfg), eot, eot)
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
@@ -127,6 +134,7 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
     temporary sibling folder renamed at the end (a failed export leaves no half folder); check_export_target."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
+    native_arch(model.config)  # a part no native architecture has: refused before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
@@ -171,7 +179,8 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
     if not any(out.iterdir()):
         return
     readme = out / "README.md"
-    if not (readme.is_file() and readme.read_text(errors="replace").startswith(EXPORT_TITLE)):
+    first = readme.read_text(errors="replace").partition("\n")[0] if readme.is_file() else ""
+    if first not in EXPORT_TITLES.values():
         raise ExportError(f"--out {out} is not empty and is not a previous gptlib export; choose an empty or new "
                           f"folder (--overwrite replaces only a previous export)")
     if not overwrite:
@@ -189,16 +198,18 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = 
 
 
 def _model_card(model: GPT, info: dict) -> str:
-    c = model.config
+    c, arch = model.config, native_arch(model.config)
+    style, cls = {"gpt2": ("A GPT-2 style model", "GPT2LMHeadModel"), "qwen3": ("A Qwen3 architecture model",
+                  "Qwen3ForCausalLM"), "llama": ("A Llama architecture model", "LlamaForCausalLM")}[arch]
     return "\n".join([
-        EXPORT_TITLE, "",
-        f"A GPT-2 style model trained from scratch with gptlib: {c.n_layer} layers, {c.n_head} heads, "
+        EXPORT_TITLES[arch], "",
+        f"{style} trained from scratch with gptlib: {c.n_layer} layers, {c.n_head} heads, "
         f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
         *([f"- {k}: {v}" for k, v in info.items()] + [""] if info else []),
         "```python",
-        "from transformers import AutoTokenizer, GPT2LMHeadModel",
+        f"from transformers import AutoTokenizer, {cls}",
         "tok = AutoTokenizer.from_pretrained(PATH)",
-        "model = GPT2LMHeadModel.from_pretrained(PATH)",
+        f"model = {cls}.from_pretrained(PATH)",
         "ids = tok(\"ROMEO:\", return_tensors=\"pt\").input_ids",
         "print(tok.decode(model.generate(ids, max_new_tokens=100, do_sample=True)[0]))",
         "```", "",

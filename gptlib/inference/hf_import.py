@@ -1,5 +1,5 @@
-"""Import a Hugging Face GPT2LMHeadModel (OpenAI's gpt2 or gpt2-medium from the Hub, or any local folder)
-as a gptlib run directory:
+"""Import a Hugging Face GPT2LMHeadModel (OpenAI's gpt2 or gpt2-medium from the Hub, or any local folder), or a
+Qwen3 / Llama folder of the modern recipe's shape (gptlib.inference.hf_llama), as a gptlib run directory:
 
     python -m gptlib import-hf --model gpt2 --out runs/gpt2
 
@@ -25,6 +25,7 @@ from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import GPT2_LINEARS, check_export_target
+from gptlib.inference.hf_llama import model_config_from_llama, state_dict_from_llama
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
 
@@ -59,9 +60,14 @@ def model_config(folder: Path) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise HFImportError(f"{path}: cannot be read ({e})") from None
     kind = c.get("model_type")
+    if kind in ("qwen3", "llama"):
+        try:
+            return model_config_from_llama(c, str(path))
+        except ExportError as e:
+            raise HFImportError(str(e)) from None
     if kind != "gpt2":
-        raise HFImportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2': "
-                            f"gptlib's GPT is GPT-2's architecture")
+        raise HFImportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
+                            f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's")
     for key, allowed in GPT2_SHAPE.items():
         got = c.get(key, allowed[0])
         if got not in allowed:
@@ -148,8 +154,13 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
         raise HFImportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")
     model = GPT(cfg)
-    model.load_state_dict(gptlib_state_dict(hf_weights(folder), cfg, str(folder)))  # checks every shape
-    run_cfg = RunConfig(model=cfg, train=get_preset("finetune").train, preset="imported")
+    recipe = "gpt2" if cfg.positions == "learned" else "modern"
+    try:
+        weights = (gptlib_state_dict if recipe == "gpt2" else state_dict_from_llama)(hf_weights(folder), cfg, str(folder))
+    except ExportError as e:
+        raise HFImportError(str(e)) from None
+    model.load_state_dict(weights)  # checks every shape
+    run_cfg = RunConfig(model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe)
     identity = dict(tok.identity(), file=TOKENIZER_FILE)
     state = TrainState(config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)})
     weights_only = Checkpoint(model=model.state_dict(), progress=state)  # no training state: resumes start fresh

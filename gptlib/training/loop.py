@@ -75,19 +75,24 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
           seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
           log: Callable[[str], None] = print, on_log: Callable[[dict], None] | None = None,
           mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
-          stage_data: bool | None = None, skip_unreadable: bool = False, allow_data_change: bool = False) -> TrainResult:
+          stage_data: bool | None = None, skip_unreadable: bool = False, allow_data_change: bool = False,
+          recipe: str | None = None) -> TrainResult:
     """Train (or resume) a GPT on a data directory into run_dir. compile: auto|on|off (None: the preset's); on_log(row)
     after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of
     another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule);
-    stage_data: read Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume."""
-    cfg = build_config(preset, overrides, max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device,
-                       compile=compile)
+    stage_data: read Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume;
+    recipe: gpt2 | modern (config.RECIPES; None: a resumed run's or the base's own, else gpt2)."""
+    def ask(with_recipe: str | None) -> RunConfig:
+        return build_config(preset, overrides, recipe=with_recipe, max_steps=max_steps, max_minutes=max_minutes,
+                            seed=seed, device=device, compile=compile)
+
+    cfg = ask(recipe)
     ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, _silent, None
     s = open_run(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
                  log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
-                 allow_data_change=allow_data_change)
+                 allow_data_change=allow_data_change, ask=ask if recipe is None and isinstance(preset, str) else None)
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     if s.state.step >= s.cfg.train.max_steps:
         return _finished(s, log)

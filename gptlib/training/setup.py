@@ -28,7 +28,7 @@ from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_da
 from gptlib.checkpoint.rotation import clean_orphans
 from gptlib.checkpoint.state import RNG, Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
-from gptlib.config import ModelConfig, RunConfig
+from gptlib.config import RunConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
@@ -44,19 +44,20 @@ from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import estimate_train_bytes
+from gptlib.training.optimizer import build_optimizer
 from gptlib.training.resolve import resolve_config
 from gptlib.training.throughput import run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
-    """The model (seeded init), AdamW and the grad scaler (on only for fp16) -> (model, optimizer, scaler,
+    """The model (seeded init), its optimizer and the grad scaler (on only for fp16) -> (model, optimizer, scaler,
     dtype). Shared by training and the throughput benchmark."""
     tc, mc = cfg.train, cfg.model
     dtype = resolve_dtype(tc.dtype, device)
     seed_everything(tc.seed)
     configure_matmul(device)
     model = GPT(mc).to(device)
-    optimizer = model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device.type)
+    optimizer = build_optimizer(model, tc, device.type)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
     return model, optimizer, scaler, dtype
 
@@ -203,7 +204,7 @@ class Base:
 
     spec: str
     model_sd: dict[str, torch.Tensor]
-    config: ModelConfig
+    config: RunConfig  # the base's: its shape and recipe carry over
     step: int
     path: Path
     vocab_size: int  # the base's vocabulary: the data's may add tokens after it (chat markers)
@@ -226,7 +227,7 @@ def load_base(spec: str, meta: DatasetMeta, log) -> Base:
     log(f"init-from: the weights of {ld.path} (step {ld.step:,}); {ld.config.model.n_layer} layers x "
         f"{ld.config.model.n_embd}, context {ld.config.model.block_size}"
         + (f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (rows added for the new tokens)" if grows else ""))
-    return Base(spec, ld.model.state_dict(), ld.config.model, ld.step, ld.path, base["vocab_size"])
+    return Base(spec, ld.model.state_dict(), ld.config, ld.step, ld.path, base["vocab_size"])
 
 
 def start_from_base(model: GPT, base: Base) -> None:
@@ -239,7 +240,14 @@ def start_from_base(model: GPT, base: Base) -> None:
         grown = torch.zeros_like(new)
         grown[: base.vocab_size] = old[: base.vocab_size]
         grown[base.vocab_size: model.config.vocab_size] = old[: base.vocab_size].mean(dim=0)
-        sd[key] = sd["lm_head.weight"] = grown  # tied
+        sd[key] = grown
+        if model.config.tie_embeddings:
+            sd["lm_head.weight"] = grown
+        else:  # the output rows of the new tokens start at the mean of the base's output rows
+            head = torch.zeros_like(new)
+            head[: base.vocab_size] = sd["lm_head.weight"][: base.vocab_size]
+            head[base.vocab_size: model.config.vocab_size] = head[: base.vocab_size].mean(dim=0)
+            sd["lm_head.weight"] = head
     load_weights_into(model, sd, base.path)
 
 
@@ -258,7 +266,7 @@ def _read_data(data_dir) -> tuple[DatasetMeta, Tokenizer]:
 def open_run(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: distributed.Dist,
                  mirror_dir: str | Path | None, verbose: bool, log: Callable[[str], None],
                  take_over: bool = False, init_from: str | None = None, *, skip_unreadable: bool = False,
-                 allow_data_change: bool = False) -> TrainingRun:
+                 allow_data_change: bool = False, ask=None) -> TrainingRun:
     """Set up a training call (see the module docstring). The lease comes first: nothing in run_dir or
     the mirror changes before this process holds it, and the data and resume point fit the config. A call
     refused during set-up leaves no directory it created behind."""
@@ -274,7 +282,7 @@ def open_run(data_dir: str | Path, run_dir: str | Path, cfg: RunConfig, ddp: dis
             raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}") from None
         try:
             return _open(data_dir, run_dir, cfg, ddp, mirror_dir, device, lease, verbose, log, init_from,
-                         skip_unreadable, allow_data_change)
+                         skip_unreadable, allow_data_change, ask)
         except BaseException:
             lease.release()
             raise
@@ -312,7 +320,7 @@ def _check_dirs(run_dir: Path, mirror_dir: Path | None) -> list[Path]:
 
 def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirror_dir: Path | None,
           device: torch.device, lease, verbose: bool, log, init_from: str | None, skip_unreadable: bool,
-          allow_data_change: bool) -> TrainingRun:
+          allow_data_change: bool, ask) -> TrainingRun:
     # the data's description; the resume point, else a base to start from (--init-from)
     meta, tokenizer = _read_data(data_dir)
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable)
@@ -321,7 +329,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
         log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
     # the config, decided once (frozen from here on); then the tokens, placed for it
     cfg = resolve_config(asked, meta, resume, base.config if base else None, bool(init_from), device, ddp, run_dir,
-                         log)
+                         log, ask)
     if resume is not None:  # the same model; now the same data (or a change asked for, recorded)
         resume.data_change = check_same_data(resume, meta, allow_data_change, log)
     meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,

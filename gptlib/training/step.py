@@ -17,10 +17,15 @@ from gptlib.training.throughput import StepTimer
 
 
 def lr_at(step: int, cfg) -> float:
-    """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at max_steps."""
+    """Linear warmup to the peak; then cosine: decay to min_lr_ratio * peak at max_steps; wsd: the peak until the
+    last cooldown_frac of max_steps, then linear to min_lr_ratio * peak (so before the cooldown the LR does not
+    depend on max_steps, and a run extends exactly)."""
     peak = cfg.learning_rate
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        left = (cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)  # 1 at the cooldown's start
+        return peak * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * min(1.0, max(0.0, left)))
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     min_lr = peak * cfg.min_lr_ratio
@@ -76,8 +81,9 @@ def train_step(model, optimizer, scaler, batches, *, accum: int, autocast, grad_
 
 
 def set_lr(optimizer, lr: float) -> None:
+    """lr for learning_rate's groups; a group with an lr_scale (Muon's, training.optimizer) gets lr * lr_scale."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 @torch.no_grad()

@@ -1,0 +1,369 @@
+"""The modern recipe (--recipe modern): its model parts, Muon + AdamW, the WSD schedule, exact resume after a kill,
+and the refusals (a model keeps its recipe; torch without Muon)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.config import RECIPES, build_config, get_preset
+from gptlib.errors import ConfigError
+from gptlib.model import GPT, KVCache
+from gptlib.training.logs import read_metrics
+from gptlib.training.loop import train
+from gptlib.training.optimizer import MuonAdamW, build_optimizer
+from gptlib.training.resolve import schedule_change
+from gptlib.training.step import lr_at, optimizer_step, set_lr
+from tests.conftest import REPO, TINY
+
+MAX_STEPS = 20
+SETTINGS = TINY + ["dropout=0.1", "save_every_steps=5", "keep_last=2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The subprocesses run on one thread (OMP_NUM_THREADS=1): the same float sums in-process."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def modern(**fields):
+    return get_preset("phase1", "modern").updated({**dict(block_size=32, n_layer=2, n_head=2, n_embd=32), **fields})
+
+
+def run(data, run_dir, recipe="modern", settings=SETTINGS, max_steps=MAX_STEPS, **kw):
+    logs = []
+    r = train(data, run_dir, "phase1", settings, max_steps=max_steps, device="cpu", progress=False, recipe=recipe,
+              log=logs.append, **kw)
+    return r, "\n".join(logs)
+
+
+def curve(run_dir) -> dict[int, tuple]:
+    return {r["step"]: (r["train_loss"], r.get("val_loss"), r["lr"]) for r in read_metrics(run_dir)}
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def test_gpt2_recipe_is_the_default_and_changes_nothing():
+    """Every recipe field at its default is the gpt2 recipe: a config saved before the fields existed loads as it."""
+    assert RECIPES["gpt2"] == {"model": {}, "train": {}}
+    cfg = get_preset("phase1")
+    assert cfg.recipe == "gpt2" and cfg.model.positions == "learned" and cfg.model.tie_embeddings
+    assert cfg.train.optimizer == "adamw" and cfg.train.schedule == "cosine"
+    old = cfg.to_dict()
+    for k in ("positions", "norm", "qk_norm", "mlp", "tie_embeddings", "zero_init", "logit_softcap", "rope_theta"):
+        del old["model"][k]
+    for k in ("optimizer", "muon_lr", "muon_momentum", "schedule", "cooldown_frac"):
+        del old["train"][k]
+    del old["recipe"]
+    assert type(cfg).from_dict(old) == cfg
+    m = GPT(cfg.model)
+    assert {"transformer.wpe.weight", "transformer.h.0.ln_1.bias"} <= set(m.state_dict()) or not cfg.model.bias
+    assert m.lm_head.weight is m.transformer.wte.weight
+
+
+def test_modern_model_parts():
+    cfg = modern(logit_softcap=15.0).validate()
+    m = GPT(cfg.model)
+    sd = m.state_dict()
+    assert "transformer.wpe.weight" not in sd and "rope_cos" not in sd  # rotary tables are derived, not saved
+    assert isinstance(m.transformer.h[0].ln_1, torch.nn.RMSNorm) and hasattr(m.transformer.h[0].attn, "q_norm")
+    assert m.lm_head.weight is not m.transformer.wte.weight
+    assert sd["transformer.h.0.mlp.c_fc.weight"].shape == (2 * cfg.model.mlp_hidden, 32)  # gate + up
+    for name in ("transformer.h.0.attn.c_proj.weight", "transformer.h.1.mlp.c_proj.weight", "lm_head.weight"):
+        assert not sd[name].any(), f"{name} is not zero-initialised"
+    x = torch.randint(0, 65, (2, 32))
+    logits, loss = m(x, x)
+    assert logits.shape == (2, 32, 65)
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(65.0)).item(), abs=1e-4)  # a zero head: uniform
+    with torch.no_grad():
+        m.lm_head.weight.normal_(std=10.0)
+    assert m(x)[0].abs().max() <= 15.0  # soft-capped
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_modern_kv_cache_decodes_as_the_full_forward(static):
+    """Rotary positions past the prompt: prefill + one token at a time (batch 2) gives the full forward's logits."""
+    torch.manual_seed(0)
+    cfg = modern(zero_init=False).validate()
+    m = GPT(cfg.model).eval()
+    x = torch.randint(0, 65, (2, 20))
+    with torch.no_grad():
+        full = m(x)[0]
+        cache = KVCache(cfg.model, 2, "cpu", torch.float32, static=static)
+        steps = []
+        for lo, hi in [(0, 12)] + [(t, t + 1) for t in range(12, 20)]:
+            pos = torch.arange(lo, hi)
+            h = m.hidden_states(x[:, lo:hi], cache, pos if static else None)
+            steps.append(m.head(h))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+# --- the optimizer and the schedule -----------------------------------------------------------
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    cfg = modern().validate()
+    m = GPT(cfg.model)
+    opt = build_optimizer(m, cfg.train, "cpu")
+    assert isinstance(opt, MuonAdamW) and isinstance(opt.muon, torch.optim.Muon)
+    names = {id(p): n for n, p in m.named_parameters()}
+    muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    assert muon == {n for n, p in m.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")}
+    assert {"transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"} <= adamw
+    assert not muon & adamw and len(muon | adamw) == len(list(m.parameters()))
+    set_lr(opt, 1e-3)
+    assert {g["lr"] for g in opt.adamw.param_groups} == {1e-3}
+    muon_lr = 1e-3 * cfg.train.muon_lr / cfg.train.learning_rate
+    assert [g["lr"] for g in opt.muon.param_groups] == [pytest.approx(muon_lr)]
+
+
+def test_muon_adamw_steps_under_an_fp16_grad_scaler():
+    """GradScaler (fp16 on a T4) unscales, skips a step with inf gradients and steps both optimizers otherwise."""
+    torch.manual_seed(0)
+    cfg = modern(zero_init=False).validate()
+    m = GPT(cfg.model)
+    opt = build_optimizer(m, cfg.train, "cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    x = torch.randint(0, 65, (4, 32))
+    scaler.scale(m(x, x)[1]).backward()
+    next(m.parameters()).grad[0, 0] = float("inf")
+    optimizer_step(m, opt, scaler, grad_clip=1.0)
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters()), "a step with inf gradients was taken"
+    assert scaler.get_scale() == 2.0 ** 9
+    scaler.scale(m(x, x)[1]).backward()
+    optimizer_step(m, opt, scaler, grad_clip=1.0)
+    moved = {n for n, p in m.named_parameters() if not torch.equal(before[n], p)}
+    assert "transformer.h.0.attn.c_attn.weight" in moved and "transformer.wte.weight" in moved
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_wsd_holds_the_peak_then_decays_linearly():
+    tc = get_preset("phase1", "modern").train  # 1,500 steps, warmup 30, cooldown over the last 40%
+    peak, low = tc.learning_rate, tc.learning_rate * tc.min_lr_ratio
+    assert lr_at(0, tc) == pytest.approx(peak / 30)
+    assert lr_at(30, tc) == lr_at(600, tc) == lr_at(900, tc) == pytest.approx(peak)
+    assert lr_at(1200, tc) == pytest.approx((peak + low) / 2)
+    assert lr_at(1500, tc) == pytest.approx(low)
+    longer = tc.__class__(**{**tc.__dict__, "max_steps": 3000})
+    assert all(lr_at(s, longer) == lr_at(s, tc) for s in range(900))  # before the cooldown max_steps does not matter
+
+
+def test_schedule_change_says_what_a_larger_max_steps_does():
+    wsd = get_preset("phase1", "modern").train
+    cos = get_preset("phase1").train
+    longer = {"max_steps": 3000}
+    assert "stable phase, so the run goes on exactly" in schedule_change(wsd, _with(wsd, **longer), 600)
+    assert "past the stable phase" in schedule_change(wsd, _with(wsd, **longer), 1200)
+    note = schedule_change(cos, _with(cos, **longer), 600)
+    assert "the curve bends" in note and "jumps" in note
+    assert schedule_change(cos, cos, 600) is None
+
+
+def _with(tc, **fields):
+    return tc.__class__(**{**tc.__dict__, **fields})
+
+
+# --- training, resume and refusals -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def modern_reference(char_data, tmp_path_factory):
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("modern") / "run"
+    r, out = run(char_data, d)
+    assert r.step == MAX_STEPS and r.resumed_from is None, out
+    return d
+
+
+def test_modern_sigkill_mid_step_then_resume_is_exact(char_data, modern_reference, tmp_path):
+    """Muon's and AdamW's states are in the checkpoint: killed mid-step, the resumed run's losses and weights are
+    the uninterrupted run's, bit for bit; re-run without --recipe, the run keeps its own."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(run_dir),
+           "--preset", "phase1", "--recipe", "modern", "--max-steps", str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    for s in SETTINGS:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GPTLIB_FAULT": "kill:mid_step@13"}
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    r, out = run(char_data, run_dir, recipe=None)
+    assert r.resumed_from in (5, 10) and "recipe: modern (the resumed run's own)" in out, out
+    assert curve(run_dir) == curve(modern_reference)
+    a = load_model_weights(find_latest_valid(modern_reference, log=lambda m: None).path)
+    b = load_model_weights(find_latest_valid(run_dir, log=lambda m: None).path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_keeps_its_recipe(char_data, modern_reference, tmp_path):
+    """A modern run resumed with --recipe gpt2 is refused naming both, and nothing in it changes."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(modern_reference, run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="trained with --recipe modern but this call asks for --recipe gpt2"):
+        run(char_data, run_dir, recipe="gpt2", max_steps=MAX_STEPS + 5)
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    with pytest.raises(ConfigError, match="optimizer='muon' but this call asks for optimizer='adamw'"):
+        run(char_data, run_dir, settings=SETTINGS + ["optimizer=adamw"], max_steps=MAX_STEPS + 5)
+
+
+def test_wsd_run_extends_exactly_from_its_stable_phase(char_data, tmp_path):
+    """Planned for 20 steps, stopped at 10 (stable phase), resumed with max_steps 40: the same losses as a run
+    planned for 40 steps from the start."""
+    settings = SETTINGS + ["save_every_steps=10"]
+    planned, _ = run(char_data, tmp_path / "planned", settings=settings, max_steps=40)
+    short = tmp_path / "short"
+    run(char_data, short, settings=settings, max_steps=20)
+    # the run as it was at step 10 of a 20-step plan (stable until step 12): its later checkpoint removed
+    shutil.rmtree(short / "checkpoints" / "step_0000020")
+    r, out = run(char_data, short, settings=settings, max_steps=40)
+    assert r.resumed_from == 10 and "stable phase, so the run goes on exactly as a 40-step run" in out, out
+    a, b = curve(tmp_path / "planned"), curve(short)
+    assert planned.step == r.step == 40
+    assert all(a[s] == b[s] for s in range(1, 41)), [(s, a[s], b[s]) for s in range(1, 41) if a[s] != b[s]][:3]
+
+
+def test_init_from_takes_the_base_recipe_and_refuses_another(char_data, modern_reference, tmp_path):
+    with pytest.raises(ConfigError, match="--init-from base was trained with --recipe modern but this call asks "
+                                          "for --recipe gpt2"):
+        run(char_data, tmp_path / "ft1", recipe="gpt2", init_from=str(modern_reference), max_steps=3)
+    r, out = run(char_data, tmp_path / "ft2", recipe=None, init_from=str(modern_reference), max_steps=3)
+    assert r.step == 3 and "recipe: modern (the --init-from base's own)" in out, out
+
+
+def test_bad_recipe_input_is_one_line(monkeypatch, tmp_path, char_data):
+    with pytest.raises(ConfigError, match="unknown recipe 'new'; choose one of gpt2, modern"):
+        build_config("phase1", recipe="new")
+    p = subprocess.run([sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir",
+                        str(tmp_path / "r"), "--recipe", "new"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2 and "invalid choice: 'new'" in p.stderr and not (tmp_path / "r").exists()
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match=r"needs torch.optim.Muon, in torch >= 2.9; this is torch"):
+        build_config("phase1", recipe="modern")
+    build_config("phase1", recipe="gpt2")  # the gpt2 recipe needs no Muon
+
+
+DDP_WORKER = r'''
+import json, os, sys
+from gptlib.training import setup
+from gptlib.training.loop import train
+
+made = []
+orig = setup.build_optimizer
+setup.build_optimizer = lambda *a, **k: made.append(orig(*a, **k)) or made[-1]
+r = train(sys.argv[1], sys.argv[2], "phase1", overrides=json.loads(sys.argv[4]), device="cpu", progress=False,
+          recipe="modern")
+with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"step": r.step, "kind": type(made[-1]).__name__,
+               "weights": [p.detach().double().sum().item() for g in made[-1].param_groups for p in g["params"]]}, f)
+'''
+
+
+def test_modern_recipe_under_torchrun_ddp(tmp_path, char_data):
+    """2 ranks (gloo): Muon steps on the all-reduced gradients, so both ranks hold the same weights."""
+    import json
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(DDP_WORKER)
+    overrides = TINY + ["batch_size=4", "grad_accum_steps=2", "eval_interval=3", "max_steps=3", "sample_prompts=[]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+           str(char_data), str(tmp_path / "run"), str(tmp_path), json.dumps(overrides)]
+    p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 3 and r0["kind"] == "MuonAdamW"
+    assert r0["weights"] == r1["weights"]
+
+
+# --- downstream: engine, export, import -------------------------------------------------------------
+
+
+def test_engine_generates_with_the_modern_model(modern_reference):
+    """The KV-cached engine (batch 2, past the prompt) gives the greedy tokens of a full forward at every step."""
+    from gptlib.inference.engine import Engine
+    from gptlib.inference.loading import load_run
+    from gptlib.inference.sampling import SamplingConfig
+
+    ld = load_run(modern_reference)
+    ld.model.eval()
+    eng = Engine(ld.model, ld.tokenizer)
+    prompts = [ld.tokenizer.encode("ROMEO:"), ld.tokenizer.encode("Thou art")]
+    got, _ = eng.generate_ids(prompts, SamplingConfig(max_new_tokens=12, temperature=0.0))
+    for prompt, out in zip(prompts, got):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(12):
+                ids.append(int(ld.model(torch.tensor([ids]))[0][0, -1].argmax()))
+        assert list(out) == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_export_is_a_native_transformers_model_and_imports_back(char_data, tmp_path, qk_norm):
+    """export-hf writes Qwen3 (Llama without QK-norm): transformers loads it without trust_remote_code, its greedy
+    tokens are gptlib's; import-hf reads it back with equal logits."""
+    transformers = pytest.importorskip("transformers")
+    from gptlib.inference.engine import Engine
+    from gptlib.inference.export import export_hf
+    from gptlib.inference.hf_import import import_hf
+    from gptlib.inference.loading import load_run
+    from gptlib.inference.sampling import SamplingConfig
+
+    run_dir = tmp_path / "run"
+    run(char_data, run_dir, settings=SETTINGS + [f"qk_norm={qk_norm}", "dropout=0"], max_steps=6)
+    out = export_hf(run_dir, tmp_path / "hf")
+    config = __import__("json").loads((out / "config.json").read_text())
+    assert config["model_type"] == ("qwen3" if qk_norm else "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ld = load_run(run_dir)
+    ld.model.eval()
+    prompt = ld.tokenizer.encode("ROMEO:")
+    greedy = SamplingConfig(max_new_tokens=16, temperature=0.0)
+    ours = Engine(ld.model, ld.tokenizer).generate_ids([prompt], greedy)[0][0]
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert list(ours) == theirs
+    back = load_run(import_hf(out, tmp_path / "imported", log=lambda m: None))
+    back.model.eval()
+    assert back.config.recipe == "modern" and back.config.model.qk_norm == qk_norm
+    x = torch.tensor([prompt * 3])
+    with torch.no_grad():
+        torch.testing.assert_close(back.model(x)[0], ld.model(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_export_refuses_a_part_no_native_architecture_has(char_data, tmp_path):
+    from gptlib.errors import ExportError
+    from gptlib.inference.export import export_hf
+
+    run_dir = tmp_path / "run"
+    run(char_data, run_dir, settings=SETTINGS + ["mlp=relu2", "logit_softcap=15"], max_steps=2)
+    with pytest.raises(ExportError, match=r"mlp='relu2', logit_softcap=15.0, which no native Hugging Face "
+                                          r"architecture has \(the nearest, Qwen3/Llama, needs mlp='swiglu'"):
+        export_hf(run_dir, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_notebook_03s_plan_says_what_each_recipe_needs():
+    """plan_run's estimate: the modern recipe's tokens are the measured fraction of the gpt2 recipe's, and on a GPU
+    with a known peak so are its hours and Colab units."""
+    from gptlib.training.throughput import MODERN_TOKEN_FRACTION, DevicePeak, plan_run, recipe_estimate
+
+    line = recipe_estimate(get_preset("gpt2-small"), 2_000_000_000, DevicePeak("A100", "A100", 312e12, ""))
+    gpt2_units, modern_units = (float(u) for u in __import__("re").findall(r"~([\d.]+) Colab units", line))
+    assert modern_units == pytest.approx(gpt2_units * MODERN_TOKEN_FRACTION, abs=1)  # both rounded
+    assert "2B tokens" in line and "recipes_bpe.txt" in line
+    plan = plan_run("gpt2-small", [], tokens=1e9, device="cpu", recipe="modern")
+    assert plan.cfg.recipe == "modern" and "(modern recipe)" in plan.summary and "recipes: " in plan.summary

@@ -364,6 +364,6 @@ def test_notebook_03s_plan_says_what_each_recipe_needs():
     line = recipe_estimate(get_preset("gpt2-small"), 2_000_000_000, DevicePeak("A100", "A100", 312e12, ""))
     gpt2_units, modern_units = (float(u) for u in __import__("re").findall(r"~([\d.]+) Colab units", line))
     assert modern_units == pytest.approx(gpt2_units * MODERN_TOKEN_FRACTION, abs=1)  # both rounded
-    assert "2B tokens" in line and "recipes_bpe.txt" in line
+    assert "2B tokens" in line and "recipes_bpe_cpu.txt" in line
     plan = plan_run("gpt2-small", [], tokens=1e9, device="cpu", recipe="modern")
     assert plan.cfg.recipe == "modern" and "(modern recipe)" in plan.summary and "recipes: " in plan.summary

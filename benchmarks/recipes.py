@@ -1,0 +1,195 @@
+"""The gpt2 and modern recipes side by side: same data, seed and token budget (issue 20's measurement).
+
+    python benchmarks/recipes.py phase1 --text ../shared/data/tinyshakespeare.txt   # both recipes, 1,500 steps
+    python benchmarks/recipes.py ablation --text ../shared/data/tinyshakespeare.txt # modern, one part switched back
+    python benchmarks/recipes.py step                                               # gpt2-small: one step's parts
+    python benchmarks/recipes.py bpe --data DATA_DIR --steps 600 --png curves.png   # BPE proxy on a code corpus
+
+phase1 and ablation train the phase1 preset from scratch, exactly as `python -m gptlib train` does, and report the
+loop's validation loss and the loss over the whole validation split; compare them by steps, not seconds. step
+times, for gpt2-small on this CPU, one micro-batch's forward + backward and one optimizer step of each recipe, and
+gives the time of a whole step at the preset's 524,288 tokens per step from them. bpe trains a few-million
+parameter model on a BPE-tokenized code corpus (benchmarks/code_corpus.py, then `python -m gptlib tokenize
+--tokenizer bpe`) and reports how many tokens each recipe needs to reach the gpt2 recipe's final validation loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from phase1_quality import cpu_name, full_val_loss  # noqa: E402
+
+from gptlib.config import get_preset  # noqa: E402
+from gptlib.data.prepare import prepare_text  # noqa: E402
+from gptlib.model import GPT  # noqa: E402
+from gptlib.training.loop import train  # noqa: E402
+from gptlib.training.optimizer import build_optimizer  # noqa: E402
+
+# The modern recipe with one part switched back to GPT-2's (or, last, an option the recipe leaves off).
+ABLATIONS = ["positions=learned", "norm=layernorm", "qk_norm=false", "mlp=gelu", "tie_embeddings=true",
+             "zero_init=false", "optimizer=adamw", "schedule=cosine", "mlp=relu2", "logit_softcap=15"]
+
+
+def header() -> None:
+    print(f"# {' '.join(sys.argv)}")
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_name()}, "
+          f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+
+
+def phase1_run(data: Path, run: Path, recipe: str, overrides: list[str]) -> dict:
+    r = train(data, run, "phase1", overrides, recipe=recipe, progress=False, log=lambda s: None)
+    curve = {row["step"]: row["val_loss"] for row in r.history if row.get("val_loss") is not None}
+    return {"val": r.val_loss, "full": full_val_loss(run, data), "steady_tps": r.steady_tokens_per_s,
+            "wall_s": r.elapsed_s, "curve": curve, "steps": r.step}
+
+
+def cmd_phase1(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        prepare_text([args.text], data, tokenizer="char", verbose=False)
+        rows: dict[str, list[dict]] = {"gpt2": [], "modern": []}
+        for i in range(args.repeats):
+            for recipe in (("gpt2", "modern") if i % 2 == 0 else ("modern", "gpt2")):  # alternate: drift cancels
+                row = phase1_run(data, Path(tmp) / f"{recipe}{i}", recipe, args.set)
+                rows[recipe].append(row)
+                print(f"{recipe:7s} repeat {i}: val {row['val']:.4f} (loop), {row['full']:.4f} (whole val split); "
+                      f"val by step {', '.join(f'{s}: {v:.3f}' for s, v in row['curve'].items())}; "
+                      f"{row['steady_tps']:,.0f} tokens/s while stepping, {row['wall_s']:.1f} s", flush=True)
+    med = {r: {k: statistics.median(x[k] for x in rows[r]) for k in ("val", "full", "steady_tps")} for r in rows}
+    ratio = med["gpt2"]["steady_tps"] / med["modern"]["steady_tps"]
+    print(f"median over {args.repeats}: gpt2 val {med['gpt2']['val']:.4f} / {med['gpt2']['full']:.4f}, modern val "
+          f"{med['modern']['val']:.4f} / {med['modern']['full']:.4f} (loop / whole split); time per step modern / "
+          f"gpt2 = {ratio:.3f}; targets: modern <= 1.60: {'MET' if med['modern']['val'] <= 1.60 else 'NOT MET'}, "
+          f"<= 1.10x time per step: {'MET' if ratio <= 1.10 else 'NOT MET'}")
+
+
+def cmd_ablation(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        prepare_text([args.text], data, tokenizer="char", verbose=False)
+        base = phase1_run(data, Path(tmp) / "modern", "modern", args.set)
+        print(f"{'modern':24s} val {base['val']:.4f} (loop) {base['full']:.4f} (whole val split)", flush=True)
+        for i, change in enumerate(args.only or ABLATIONS):
+            row = phase1_run(data, Path(tmp) / f"ab{i}", "modern", [*args.set, change])
+            print(f"{change:24s} val {row['val']:.4f} (loop) {row['full']:.4f} (whole val split); "
+                  f"{row['full'] - base['full']:+.4f} against modern", flush=True)
+
+
+def median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cmd_step(args) -> None:
+    out = {}
+    for recipe in ("gpt2", "modern"):
+        cfg = get_preset("gpt2-small", recipe).validate()
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        opt = build_optimizer(model, cfg.train, "cpu")
+        x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.block_size))
+
+        def fwd_bwd():
+            model(x, x)[1].backward()
+
+        fwd_bwd()
+        opt.step()  # the optimizer's state exists from here on
+        fb, step = median_s(fwd_bwd, args.repeats), median_s(opt.step, args.repeats)
+        micro = cfg.train.batch_size * cfg.train.grad_accum_steps  # sequences per step at the preset
+        out[recipe] = (fb, step, micro * fb + step)
+        print(f"{recipe:7s} forward+backward of 1 x {cfg.model.block_size} tokens {fb * 1e3:,.0f} ms, optimizer step "
+              f"{step * 1e3:,.0f} ms; a step of {micro} sequences: {micro * fb + step:,.1f} s "
+              f"(the optimizer {step / (micro * fb + step):.2%} of it)", flush=True)
+    print(f"time per gpt2-small step modern / gpt2 = {out['modern'][2] / out['gpt2'][2]:.3f} "
+          f"(target <= 1.10); optimizer step alone: {out['modern'][1] / out['gpt2'][1]:.2f}x")
+
+
+def bpe_overrides(steps: int) -> list[str]:
+    return ["block_size=256", "n_layer=4", "n_head=4", "n_embd=192", "batch_size=16", f"max_steps={steps}",
+            f"warmup_steps={max(1, steps // 30)}", f"eval_interval={max(1, steps // 20)}", "eval_batches=20",
+            "sample_prompts=[]", "keep_every=0", "save_every_minutes=0", "vocab_multiple=64"]
+
+
+def cmd_bpe(args) -> None:
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe, extra in (("gpt2", [f"learning_rate={args.gpt2_lr}"]), ("modern", [])):
+            r = train(args.data, Path(tmp) / recipe, "phase1", bpe_overrides(args.steps) + extra + args.set,
+                      recipe=recipe, progress=False, log=lambda s: None)
+            tokens_per_step = r.tokens_seen / r.step
+            curve = [(row["step"] * tokens_per_step, row["val_loss"]) for row in r.history
+                     if row.get("val_loss") is not None]
+            runs[recipe] = curve
+            print(f"{recipe:7s} {r.step} steps, {r.tokens_seen:,} tokens: val "
+                  f"{', '.join(f'{t / 1e6:.2f}M: {v:.3f}' for t, v in curve)}; {r.steady_tokens_per_s:,.0f} tokens/s",
+                  flush=True)
+    target = runs["gpt2"][-1][1]
+    reach = {}
+    for recipe, curve in runs.items():
+        prev = (0.0, float("inf"))
+        for t, v in curve:
+            if v <= target:  # linear between the two validations around the crossing
+                t0, v0 = prev
+                reach[recipe] = t if v0 == float("inf") else t0 + (t - t0) * (v0 - target) / (v0 - v)
+                break
+            prev = (t, v)
+    ratio = reach["modern"] / reach["gpt2"] if "modern" in reach else None
+    print(f"tokens to the gpt2 recipe's final val loss {target:.4f}: gpt2 {reach['gpt2'] / 1e6:.2f}M, modern "
+          + (f"{reach['modern'] / 1e6:.2f}M ({ratio:.2f} of gpt2's; target <= 0.33: "
+             f"{'MET' if ratio <= 1 / 3 else 'NOT MET'})" if ratio else "not reached"))
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for recipe, curve in runs.items():
+            ax.plot([t / 1e6 for t, _ in curve], [v for _, v in curve], marker="o", ms=3, label=recipe)
+        ax.axhline(target, color="gray", lw=0.8, ls="--")
+        ax.set(xlabel="training tokens (M)", ylabel="validation loss", title="BPE proxy on Python sources")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+        print(f"curves: {args.png}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    for name in ("phase1", "ablation"):
+        p = sub.add_parser(name)
+        p.add_argument("--text", required=True, help="Tiny Shakespeare text file")
+        p.add_argument("--repeats", type=int, default=1)
+        p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+        p.add_argument("--only", action="append", help="ablation: these changes only")
+    p = sub.add_parser("step")
+    p.add_argument("--repeats", type=int, default=3)
+    p = sub.add_parser("bpe")
+    p.add_argument("--data", required=True, type=Path, help="a BPE data directory")
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--gpt2-lr", type=float, default=3e-3, help="the gpt2 recipe's peak LR at this size")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--png", type=Path)
+    args = ap.parse_args()
+    header()
+    {"phase1": cmd_phase1, "ablation": cmd_ablation, "step": cmd_step, "bpe": cmd_bpe}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

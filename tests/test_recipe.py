@@ -22,18 +22,10 @@ from gptlib.training.optimizer import MuonAdamW, build_optimizer
 from gptlib.training.resolve import schedule_change
 from gptlib.training.step import lr_at, optimizer_step, set_lr
 from tests.conftest import REPO, TINY
+from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)
 
 MAX_STEPS = 20
 SETTINGS = TINY + ["dropout=0.1", "save_every_steps=5", "keep_last=2"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The subprocesses run on one thread (OMP_NUM_THREADS=1): the same float sums in-process."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def modern(**fields):

@@ -92,14 +92,14 @@ class KVCache:
         self.pos = 0
 
 
+RMS_EPS = 1e-6  # Llama's and Qwen3's RMSNorm eps: an export computes the same
+
+
 def norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    """LayerNorm (GPT-2) or RMSNorm (no mean, no bias; eps as Llama/Qwen3, so an export computes the same)."""
+    """LayerNorm (GPT-2) or RMSNorm (no mean, no bias)."""
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=RMS_EPS)
     return nn.LayerNorm(dim, bias=cfg.bias)
-
-
-RMS_EPS = 1e-6
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:

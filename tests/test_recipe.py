@@ -3,6 +3,7 @@ and the refusals (a model keeps its recipe; torch without Muon)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -266,8 +267,6 @@ with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f
 
 def test_modern_recipe_under_torchrun_ddp(tmp_path, char_data):
     """2 ranks (gloo): Muon steps on the all-reduced gradients, so both ranks hold the same weights."""
-    import json
-
     worker = tmp_path / "worker.py"
     worker.write_text(DDP_WORKER)
     overrides = TINY + ["batch_size=4", "grad_accum_steps=2", "eval_interval=3", "max_steps=3", "sample_prompts=[]"]
@@ -317,7 +316,7 @@ def test_export_is_a_native_transformers_model_and_imports_back(char_data, tmp_p
     run_dir = tmp_path / "run"
     run(char_data, run_dir, settings=SETTINGS + [f"qk_norm={qk_norm}", "dropout=0"], max_steps=6)
     out = export_hf(run_dir, tmp_path / "hf")
-    config = __import__("json").loads((out / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == ("qwen3" if qk_norm else "llama")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     ld = load_run(run_dir)
@@ -359,3 +358,89 @@ def test_notebook_03s_plan_says_what_each_recipe_needs():
     assert "2B tokens" in line and "recipes_bpe_cpu.txt" in line
     plan = plan_run("gpt2-small", [], tokens=1e9, device="cpu", recipe="modern")
     assert plan.cfg.recipe == "modern" and "(modern recipe)" in plan.summary and "recipes: " in plan.summary
+
+
+# --- downstream: notebook 04's and 05's tools --------------------------------------------------
+
+
+def test_evaluation_comparison_and_playground_take_the_modern_model(modern_reference, small_text, char_data):
+    """HellaSwag (packed, padded rows) and bits per byte score the modern model as one unbatched forward does;
+    checkpoint comparison and the Playground generate with it."""
+    pytest.importorskip("ipywidgets")
+    import numpy as np
+    import torch.nn.functional as F
+
+    from gptlib.data.shards import load_split, read_meta
+    from gptlib.evaluation import hellaswag as hs
+    from gptlib.evaluation.evaluate import evaluate_bpb, window_starts
+    from gptlib.inference.compare import compare_checkpoints
+    from gptlib.inference.loading import load_run
+    from gptlib.inference.sampling import SamplingConfig
+    from gptlib.widgets import Playground
+    from tests.test_evaluate import brute_ll, shakespeare_items
+
+    ld = load_run(modern_reference)
+    model, tok, block = ld.model.eval(), ld.tokenizer, ld.config.model.block_size
+    items = [hs.Item(line=i + 1, **r) for i, r in enumerate(shakespeare_items(small_text.read_text(), 6))]
+    res = hs.evaluate_hellaswag(model, tok, items, "cpu", batch_tokens=200)
+
+    def brute_sum(ctx: str, ending: str) -> float:  # each row (an ending longer than the window: its pieces) alone
+        rows, ks, _ = hs.ending_rows(tok.encode(ctx), tok.encode(" " + ending), block)
+        return sum(brute_ll(model, row, k) for row, k in zip(rows, ks))
+
+    sums = [[brute_sum(it.ctx, e) for e in it.endings] for it in items]
+    np.testing.assert_allclose(res["sums"], sums, rtol=1e-5, atol=1e-4)
+
+    val = load_split(read_meta(char_data), "val")
+    bpb = evaluate_bpb(model, tok, val, "cpu", limit=4)
+    nll = []
+    for s in window_starts(len(val), block, 4):
+        x, y = (torch.tensor(val[s + i: s + i + block].astype(np.int64))[None] for i in (0, 1))
+        with torch.no_grad():
+            nll.append(F.cross_entropy(model(x)[0][0].double(), y[0], reduction="sum").item())
+    assert bpb["windows"] == 4 and bpb["loss"] == pytest.approx(sum(nll) / (4 * block), rel=1e-5)
+
+    cmp = compare_checkpoints(modern_reference, ["ROMEO:"], "all", SamplingConfig(max_new_tokens=10, seed=3))
+    assert len(cmp.steps) >= 2 and len(set(cmp.texts[0])) > 1  # same seed, different weights
+
+    pg = Playground(modern_reference, prompt="ROMEO:")
+    pg.max_tokens.value, pg.temperature.value = 12, 0.0
+    ids = tok.encode("ROMEO:")
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    assert list(pg.generate().token_ids) == ids[len(tok.encode("ROMEO:")):]
+
+
+def test_chat_finetune_from_a_modern_base_then_the_chatbox(tmp_path):
+    """Notebook 05 with a modern base: the chat data tokenized with the base's tokenizer, fine-tuned with
+    --init-from (the base's recipe, Muon and WSD), its loss falls, and the ChatBox answers with it."""
+    pytest.importorskip("ipywidgets")
+    from gptlib.chatbox import ChatBox
+    from gptlib.data.prepare import prepare
+    from tests.test_finetune import SMALL, conversation, question
+
+    (tmp_path / "base.txt").write_text("\n".join(f"{question(n, w)} {w}" for n in "ann bob cy".split()
+                                                 for w in "apple river stone cloud".split()) * 40)
+    prepare([tmp_path / "base.txt"], tmp_path / "base_data", vocab_size=300, verbose=False)
+    base = tmp_path / "base"
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    small += ["block_size=64", "batch_size=16", "sample_tokens=0", "eval_interval=20", "eval_batches=2",
+              "save_every_minutes=0"]
+    train(tmp_path / "base_data", base, "phase1", small, max_steps=20, recipe="modern", device="cpu",
+          progress=False, log=lambda s: None)
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        for n in "ann bob cy dee".split():
+            for w in "apple river stone cloud tiger lamp green seven".split():
+                f.write(json.dumps(conversation(n, w)) + "\n")
+    prepare([tmp_path / "chat.jsonl"], tmp_path / "chat_data", tokenizer_from=base, format="chat", verbose=False)
+    logs = []
+    r = train(tmp_path / "chat_data", tmp_path / "sft", "finetune", small + ["eval_interval=10", "warmup_steps=2"],
+              max_steps=40, device="cpu", compile="off", progress=False, log=logs.append, init_from=str(base))
+    assert "recipe: modern (the --init-from base's own)" in "\n".join(logs)
+    vals = [row["val_loss"] for row in r.history if row.get("val_loss") is not None]
+    assert len(vals) == 4 and vals[-1] < vals[0], vals
+    box = ChatBox(tmp_path / "sft")
+    box.temperature.value, box.max_tokens.value = 0.0, 6
+    reply = box.send(question("ann", "apple"))
+    assert box.turns == [("user", question("ann", "apple")), ("assistant", reply)] and reply is not None

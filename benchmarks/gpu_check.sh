@@ -9,7 +9,7 @@
 #
 # Each step runs under `timeout` (SIGINT at its budget, so pytest prints where it was; SIGKILL 15 s later); a failed
 # or timed-out step does not stop the rest, and a table (step, status, seconds, budget) prints at the end. The
-# budgets add up to under 24 minutes: the whole check fits one H100 in 25 minutes. --only runs some steps (a name,
+# budgets add up to 25 minutes: the whole check fits one H100 in a 30-minute lease. --only runs some steps (a name,
 # or a prefix: `--only test`, `--only bench`); on a machine that caps one command at 10 minutes, run it in three
 # parts: --only test_train,test_state,test_memory / --only test_decode,test_notebooks,bench_eval,bench_generate /
 # --only bench_mfu,bench_ladder. The summary file accumulates over the parts.
@@ -118,10 +118,10 @@ pytest_step() {  # pytest_step NAME BUDGET -k-EXPRESSION: one group of tests/tes
   step "$1" "$2" "$base -v -rA -o faulthandler_timeout=$(($2 - 15))" "$base --collect-only"
 }
 step setup 30 "setup_deps" "setup_deps"
-pytest_step test_train 170 "phase1 or bpe or compiled_and_eager"
+pytest_step test_train 230 "phase1 or bpe or compiled_and_eager"
 pytest_step test_state 120 "snapshot or resume or torchrun"
 pytest_step test_memory 130 "auto_micro_batch or oom"
-pytest_step test_decode 90 "decoding"
+pytest_step test_decode 110 "decoding"
 pytest_step test_notebooks 160 "notebook"
 # gpt2-small as the preset trains it (32,768 vocab, context 1024, bf16, compile, fused AdamW, flash SDPA, 16 x 32
 # micro-batches = 524,288 tokens/step) on synthetic tokens: tokens/s and MFU; then with the largest micro-batch that fits.

@@ -280,6 +280,33 @@ def test_compiled_and_eager_losses_agree_in_bf16(bpe_compiled, bpe_data, tmp_pat
     assert worst <= BF16_RTOL, f"compiled vs eager: {worst:.2e} at step {at} > {BF16_RTOL}"
 
 
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_modern_recipe_bpe_trains_on_the_gpu(bpe_data, tmp_path, dtype):
+    """--recipe modern: torch.optim.Muon (bf16 Newton-Schulz) with fused AdamW, bf16 autocast compiled, or fp16 +
+    GradScaler as on a T4 (eager); the loss falls, and a resume restores both optimizers' states on the GPU."""
+    torch._dynamo.reset()
+    before = _graphs()
+    compile = "on" if dtype == "bfloat16" else "off"
+    run_dir = tmp_path / "run"
+    r, logs = _train(bpe_data, run_dir, "gpt2-small", GPT2ISH + [f"dtype={dtype}"], max_steps=BPE_STEPS,
+                     compile=compile, recipe="modern")
+    line = _model_line(logs)
+    assert r.step == BPE_STEPS and r.stopped_by == "max_steps", r.summary()
+    assert re.search(rf"device cuda(:\d+)?, {dtype}\b", line) and f"compile {compile}" in line, line
+    assert compile == "off" or _graphs() > before, "torch.compile produced no graph: this run was not compiled"
+    curve = loss_curve(run_dir)
+    losses = [curve[s] for s in sorted(curve)]
+    record(f"train_bpe_modern_{dtype}", [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}"])
+    assert len(losses) == BPE_STEPS and all(math.isfinite(x) for x in losses), losses
+    assert statistics.fmean(losses[-3:]) < statistics.fmean(losses[:3]) - 0.5, losses
+    r2, logs = _train(bpe_data, run_dir, "gpt2-small", GPT2ISH + [f"dtype={dtype}"], max_steps=BPE_STEPS + 3,
+                      compile="off")
+    assert r2.resumed_from == BPE_STEPS and r2.step == BPE_STEPS + 3, r2.summary()
+    assert any("recipe: modern (the resumed run's own)" in m for m in logs), logs[:10]
+    assert all(math.isfinite(v) for v in loss_curve(run_dir).values())
+
+
 # --- checkpoints and resume -------------------------------------------------------------------------------
 
 
@@ -496,13 +523,15 @@ def test_forced_oom_gives_advice_and_the_process_goes_on(bpe_data, tmp_path, com
 
 
 @gpu
-def test_cuda_graph_decoding_gives_the_eager_tokens(char_data, tmp_path):
+@pytest.mark.parametrize("recipe", ["gpt2", "modern"])
+def test_cuda_graph_decoding_gives_the_eager_tokens(char_data, tmp_path, recipe):
     """Engine(compile=True) (torch.compile, CUDA graphs, static cache) vs the eager engine: greedy tokens, batch 1
-    and 2 (prompts of different lengths), past the 32-token window (window_slide 1: re-prefills; 8: compiled steps)."""
+    and 2 (prompts of different lengths), past the 32-token window (window_slide 1: re-prefills; 8: compiled steps);
+    the modern recipe's model has rotary positions, which the static cache must rotate at each step's position."""
     from gptlib.inference.engine import Engine, _forward_last
     from gptlib.inference.sampling import SamplingConfig
 
-    r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off")
+    r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off", recipe=recipe)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # fp32 as a fresh process decodes (training turned TF32 on)
     timings = []
@@ -528,7 +557,8 @@ def test_cuda_graph_decoding_gives_the_eager_tokens(char_data, tmp_path):
                                         f"{eager.tokenizer.decode(g)!r}")
     finally:
         torch.set_float32_matmul_precision(precision)
-    record("cuda_graph_decoding", timings + [f"compiled steps run per batch size: {compiled._compiled_calls}"])
+    record("cuda_graph_decoding" + ("" if recipe == "gpt2" else "_modern"),
+           timings + [f"compiled steps run per batch size: {compiled._compiled_calls}"])
     fell_back = [str(w.message) for w in caught if "decoding without compile" in str(w.message)]
     assert not fell_back, fell_back
     assert compiled._compiled_step is not _forward_last

@@ -265,7 +265,7 @@ def cmd_chat(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = _command(sub, "export-hf", cmd_export, help="export a checkpoint as a Hugging Face GPT2LMHeadModel folder")
+    p = _command(sub, "export-hf", cmd_export, help="export a checkpoint as a Hugging Face model folder (GPT-2, or Qwen3/Llama for --recipe modern)")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP")
@@ -274,7 +274,8 @@ def _add_export(sub) -> None:
 
 def cmd_export(args) -> int:
     """Write config.json, model.safetensors and tokenizer files that transformers loads with
-    GPT2LMHeadModel.from_pretrained / AutoTokenizer.from_pretrained.
+    AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained: a GPT2LMHeadModel for the gpt2 recipe, a
+    Qwen3ForCausalLM (LlamaForCausalLM without QK-norm) for the modern recipe.
     """
     from gptlib.inference.export import export_hf
 
@@ -330,14 +331,15 @@ def cmd_eval(args) -> int:
 
 
 def _add_import(sub) -> None:
-    p = _command(sub, "import-hf", cmd_import, help="make a gptlib run directory from a Hugging Face GPT-2 model")
+    p = _command(sub, "import-hf", cmd_import, help="make a gptlib run directory from a Hugging Face GPT-2 (or an exported Qwen3/Llama) model")
     p.add_argument("--model", required=True, metavar="NAME_OR_DIR", help="a Hub model id (gpt2) or a local folder")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the new run directory (must not exist or be empty)")
 
 
 def cmd_import(args) -> int:
-    """Turn a GPT2LMHeadModel (gpt2, gpt2-medium from the Hub when online, or any local folder) into a run
-    directory: sample, eval and export-hf work on it, and train --init-from RUN_DIR fine-tunes it.
+    """Turn a GPT2LMHeadModel (gpt2, gpt2-medium from the Hub when online, or any local folder), or a Qwen3 / Llama
+    folder of the modern recipe's shape (what export-hf writes for it), into a run directory: sample, eval and
+    export-hf work on it, and train --init-from RUN_DIR fine-tunes it.
     """
     from gptlib.inference.hf_import import import_hf
 

@@ -224,6 +224,6 @@ def export_hint(run_dir: str | Path, checkpoint: str = "best") -> str:
     where = colab.setup().persistent / "exports" / Path(run_dir).name  # on Colab: on Drive, where it outlives the VM
     return (f"Not exported: no export folder is set. Export saves the {checkpoint!r} checkpoint as a Hugging Face "
             f"model folder (config.json, model.safetensors, tokenizer files) that transformers loads with "
-            f"GPT2LMHeadModel.from_pretrained(folder). To export, set EXPORT_DIR in the notebook's parameters to a "
+            f"AutoModelForCausalLM.from_pretrained(folder). To export, set EXPORT_DIR in the notebook's parameters to a "
             f"folder, e.g. {where}, and run this cell again; or run: python -m gptlib export-hf --run-dir {run_dir} "
             f"--checkpoint {checkpoint} --out {where}")

@@ -9,10 +9,10 @@
 #
 # Each step runs under `timeout` (SIGINT at its budget, so pytest prints where it was; SIGKILL 15 s later); a failed
 # or timed-out step does not stop the rest, and a table (step, status, seconds, budget) prints at the end. The
-# budgets add up to 25 minutes: the whole check fits one H100 in a 30-minute lease. --only runs some steps (a name,
-# or a prefix: `--only test`, `--only bench`); on a machine that caps one command at 10 minutes, run it in three
+# budgets add up to under 27 minutes: the whole check fits one H100 in a 30-minute lease. --only runs some steps (a
+# name, or a prefix: `--only test`, `--only bench`); on a machine that caps one command at 10 minutes, run it in four
 # parts: --only test_train,test_state,test_memory / --only test_decode,test_notebooks,bench_eval,bench_generate /
-# --only bench_mfu,bench_ladder. The summary file accumulates over the parts.
+# --only bench_mfu / --only bench_ladder. The summary file accumulates over the parts.
 #
 # Set-up. Python: $PYTHON, else .venv/bin/python, else python3, the first whose torch sees a CUDA GPU; that torch is
 # never reinstalled or upgraded (a GPU image's own CUDA build stays: check with
@@ -127,6 +127,9 @@ pytest_step test_notebooks 160 "notebook"
 # micro-batches = 524,288 tokens/step) on synthetic tokens: tokens/s and MFU; then with the largest micro-batch that fits.
 step bench_mfu 120 "\"\$PY\" -m gptlib bench train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3" \
   "\"\$PY\" -m gptlib bench train --preset phase1 --device cpu --compile off --steps 2 --warmup 1"
+# The same with --recipe modern: Muon's Newton-Schulz in each step (0.3% of its FLOPs at this shape).
+step bench_mfu_modern 110 "\"\$PY\" -m gptlib bench train --preset gpt2-small --recipe modern --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3" \
+  "\"\$PY\" -m gptlib bench train --preset phase1 --recipe modern --device cpu --compile off --steps 2 --warmup 1"
 step bench_mfu_autobatch 130 "\"\$PY\" -m gptlib bench train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3 --auto-batch" \
   "\"\$PY\" -m gptlib bench train --help"
 # The optimization ladder at the original author's shape (gpt2-small, 64 x 512 tokens per step as 16 x 4).

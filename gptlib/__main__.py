@@ -265,7 +265,8 @@ def cmd_chat(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = _command(sub, "export-hf", cmd_export, help="export a checkpoint as a Hugging Face model folder (GPT-2, or Qwen3/Llama for --recipe modern)")
+    p = _command(sub, "export-hf", cmd_export,
+                 help="export a checkpoint as a Hugging Face model folder (GPT-2; Qwen3/Llama for --recipe modern)")
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP")
@@ -331,7 +332,8 @@ def cmd_eval(args) -> int:
 
 
 def _add_import(sub) -> None:
-    p = _command(sub, "import-hf", cmd_import, help="make a gptlib run directory from a Hugging Face GPT-2 (or an exported Qwen3/Llama) model")
+    p = _command(sub, "import-hf", cmd_import,
+                 help="make a gptlib run directory from a Hugging Face GPT-2 (or an exported Qwen3/Llama) model")
     p.add_argument("--model", required=True, metavar="NAME_OR_DIR", help="a Hub model id (gpt2) or a local folder")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="the new run directory (must not exist or be empty)")
 
@@ -348,7 +350,7 @@ def cmd_import(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    from gptlib.config import PRESETS
+    from gptlib.config import PRESETS, RECIPES
 
     p = _command(sub, "bench", cmd_bench, help="measure speed: the optimization ladder, or a preset's tokens/s and MFU")
     p.add_argument("what", choices=["ladder", "train"])
@@ -365,6 +367,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--rungs", default=None, help="ladder: comma-separated rung numbers to run (default all)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train: torch.compile")
     p.add_argument("--auto-batch", action="store_true", help="train: probe the largest micro-batch that fits")
+    p.add_argument("--recipe", choices=list(RECIPES), default="gpt2", help="train: the recipe (default gpt2)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override config fields")
 
 
@@ -390,7 +393,7 @@ def cmd_bench(args) -> int:
     else:
         bench.bench_train(args.preset or "gpt2-small", args.set, device=args.device, steps=args.steps or 20,
                           warmup=5 if args.warmup is None else args.warmup, compile=args.compile,
-                          auto_batch=args.auto_batch, data_dir=args.data)
+                          auto_batch=args.auto_batch, data_dir=args.data, recipe=args.recipe)
     return 0
 
 

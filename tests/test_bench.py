@@ -204,3 +204,7 @@ def test_cli_bench_ladder_and_train(capsys):
                  "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]) == 0
     out = capsys.readouterr().out
     assert "MFU unknown" in out and "time split: data" in out and "ETA for the preset" in out
+    assert "recipe gpt2" in out
+    assert main(["bench", "train", "--preset", "phase1", "--recipe", "modern", "--device", "cpu", "--steps", "1",
+                 "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]) == 0
+    assert "recipe modern" in capsys.readouterr().out

@@ -265,10 +265,10 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
 
 def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, device: str = "auto",
                 steps: int = 20, warmup: int = 5, compile: str = "auto", auto_batch: bool = False,
-                data_dir: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
-    """Time optimizer steps of a preset as train() runs them (same set-up, same train step) and report
+                data_dir: str | Path | None = None, recipe: str = "gpt2", log: Callable[[str], None] = print) -> dict:
+    """Time optimizer steps of a preset and recipe as train() runs them (same set-up, same train step) and report
     tokens/s, MFU, the time split and the ETA of the preset's whole run."""
-    cfg = get_preset(preset).updated((overrides or []) + [f"compile={compile}", f"auto_batch={auto_batch}"])
+    cfg = get_preset(preset, recipe).updated((overrides or []) + [f"compile={compile}", f"auto_batch={auto_batch}"])
     dev = resolve_device(device if device != "auto" else cfg.train.device)
     if data_dir is not None:
         meta, splits = load_dataset(data_dir, dev, log=log)
@@ -290,7 +290,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
     autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev)
     tokens_per_step = micro * accum * mc.block_size
-    log(f"bench train: preset {preset}, {model.num_params() / 1e6:.1f}M params, {dev} ({peak.name}), "
+    log(f"bench train: preset {preset}, recipe {recipe}, {model.num_params() / 1e6:.1f}M params, {dev} ({peak.name}), "
         f"{dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x {mc.block_size} x "
         f"accum {accum} = {tokens_per_step:,} tokens/step")
     warm_s, step_s, _, split = _time_steps(

@@ -7,10 +7,12 @@
 
 phase1 and ablation train the phase1 preset from scratch, exactly as `python -m gptlib train` does, and report the
 loop's validation loss and the loss over the whole validation split; compare them by steps, not seconds. step
-times, for gpt2-small on this CPU, one micro-batch's forward + backward and one optimizer step of each recipe, and
-gives the time of a whole step at the preset's 524,288 tokens per step from them. bpe trains a few-million
-parameter model on a BPE-tokenized code corpus (benchmarks/code_corpus.py, then `python -m gptlib tokenize
---tokenizer bpe`) and reports how many tokens each recipe needs to reach the gpt2 recipe's final validation loss.
+times, for gpt2-small on this CPU, one micro-batch's forward + backward and one optimizer step of each recipe
+(Muon's matrices each timed alone, times their count), gives the time of a whole step at the preset's 524,288 tokens
+per step from them, and counts Muon's Newton-Schulz FLOPs against the step's forward and backward at phase1 and
+gpt2-small. bpe trains a few-million parameter model on a BPE-tokenized code corpus (benchmarks/code_corpus.py, then
+`python -m gptlib tokenize --tokenizer bpe`) and reports how many tokens each recipe needs to reach the gpt2
+recipe's final validation loss.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -78,12 +81,13 @@ def cmd_ablation(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         prepare_text([args.text], data, tokenizer="char", verbose=False)
-        base = phase1_run(data, Path(tmp) / "modern", "modern", args.set)
-        print(f"{'modern':24s} val {base['val']:.4f} (loop) {base['full']:.4f} (whole val split)", flush=True)
+        base = None if args.no_base else phase1_run(data, Path(tmp) / "modern", "modern", args.set)
+        if base:
+            print(f"{'modern':24s} val {base['val']:.4f} (loop) {base['full']:.4f} (whole val split)", flush=True)
         for i, change in enumerate(args.only or ABLATIONS):
             row = phase1_run(data, Path(tmp) / f"ab{i}", "modern", [*args.set, change])
-            print(f"{change:24s} val {row['val']:.4f} (loop) {row['full']:.4f} (whole val split); "
-                  f"{row['full'] - base['full']:+.4f} against modern", flush=True)
+            print(f"{change:24s} val {row['val']:.4f} (loop) {row['full']:.4f} (whole val split)"
+                  + (f"; {row['full'] - base['full']:+.4f} against modern" if base else ""), flush=True)
 
 
 def median_s(fn, repeats: int) -> float:
@@ -93,6 +97,23 @@ def median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def ns_flops(shape) -> int:
+    """FLOPs of torch.optim.Muon's Newton-Schulz on one matrix (m <= n): 5 iterations of X X^T, A A and B X."""
+    m, n = sorted(shape)
+    return 5 * (4 * m * m * n + 2 * m ** 3)
+
+
+def muon_shapes(preset: str) -> tuple[Counter, int, int]:
+    """The modern recipe's Muon matrices at a preset (shape -> count), its Newton-Schulz FLOPs per step and the
+    step's forward + backward FLOPs (GPT.flops_per_token x tokens per step), from a model on the meta device."""
+    cfg = get_preset(preset, "modern").validate()
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    shapes = Counter(tuple(p.shape) for p in build_optimizer(model, cfg.train, "cpu").muon.param_groups[0]["params"])
+    tokens = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
+    return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), model.flops_per_token() * tokens
 
 
 def cmd_step(args) -> None:
@@ -108,15 +129,35 @@ def cmd_step(args) -> None:
             model(x, x)[1].backward()
 
         fwd_bwd()
-        opt.step()  # the optimizer's state exists from here on
-        fb, step = median_s(fwd_bwd, args.repeats), median_s(opt.step, args.repeats)
+        fb = median_s(fwd_bwd, args.repeats)
+        if recipe == "gpt2":
+            opt.step()  # the optimizer's state exists from here on
+            step, parts = median_s(opt.step, args.repeats), "AdamW, every weight"
+        else:  # AdamW's part as it is; Muon's matrices each timed alone, x their count (the whole takes ~20 min here)
+            opt.adamw.step()
+            adamw = median_s(opt.adamw.step, args.repeats)
+            muon, times = 0.0, []
+            for shape, count in muon_shapes("gpt2-small")[0].items():
+                p = torch.nn.Parameter(torch.randn(shape))
+                p.grad = torch.randn(shape)
+                one = torch.optim.Muon([p], **{k: opt.muon.defaults[k] for k in ("lr", "momentum", "nesterov")})
+                one.step()
+                t = median_s(one.step, args.repeats)
+                muon += t * count
+                times.append(f"{count} x {shape} {t:.2f} s")
+            step = adamw + muon
+            parts = f"AdamW {adamw * 1e3:,.0f} ms + Muon {muon:,.1f} s ({', '.join(times)})"
         micro = cfg.train.batch_size * cfg.train.grad_accum_steps  # sequences per step at the preset
         out[recipe] = (fb, step, micro * fb + step)
         print(f"{recipe:7s} forward+backward of 1 x {cfg.model.block_size} tokens {fb * 1e3:,.0f} ms, optimizer step "
-              f"{step * 1e3:,.0f} ms; a step of {micro} sequences: {micro * fb + step:,.1f} s "
+              f"{step:,.2f} s [{parts}]; a step of {micro} sequences: {micro * fb + step:,.1f} s "
               f"(the optimizer {step / (micro * fb + step):.2%} of it)", flush=True)
     print(f"time per gpt2-small step modern / gpt2 = {out['modern'][2] / out['gpt2'][2]:.3f} "
-          f"(target <= 1.10); optimizer step alone: {out['modern'][1] / out['gpt2'][1]:.2f}x")
+          f"(target <= 1.10); optimizer step alone: {out['modern'][1] / out['gpt2'][1]:.0f}x")
+    for preset in ("phase1", "gpt2-small"):  # the work itself, whatever the device's bf16 speed
+        _, ns, fb = muon_shapes(preset)
+        print(f"{preset}: Muon's Newton-Schulz {ns / 1e12:,.3f} TFLOP per step = {ns / fb:.2%} of the step's "
+              f"forward + backward ({fb / 1e12:,.2f} TFLOP)")
 
 
 def bpe_overrides(steps: int) -> list[str]:
@@ -177,7 +218,8 @@ def main() -> None:
         p.add_argument("--text", required=True, help="Tiny Shakespeare text file")
         p.add_argument("--repeats", type=int, default=1)
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-        p.add_argument("--only", action="append", help="ablation: these changes only")
+        p.add_argument("--only", action="append", help="ablation: these changes only (any FIELD=VALUE, e.g. an LR)")
+        p.add_argument("--no-base", action="store_true", help="ablation: without the modern run itself (known)")
     p = sub.add_parser("step")
     p.add_argument("--repeats", type=int, default=3)
     p = sub.add_parser("bpe")

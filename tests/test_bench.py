@@ -205,6 +205,9 @@ def test_cli_bench_ladder_and_train(capsys):
     out = capsys.readouterr().out
     assert "MFU unknown" in out and "time split: data" in out and "ETA for the preset" in out
     assert "recipe gpt2" in out
-    assert main(["bench", "train", "--preset", "phase1", "--recipe", "modern", "--device", "cpu", "--steps", "1",
-                 "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]) == 0
-    assert "recipe modern" in capsys.readouterr().out
+    modern = ["bench", "train", "--preset", "phase1", "--recipe", "modern", "--device", "cpu", "--steps", "1",
+              "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]
+    if hasattr(torch.optim, "Muon"):
+        assert main(modern) == 0 and "recipe modern" in capsys.readouterr().out
+    else:  # the oldest torch CI tests: one line naming the version Muon needs
+        assert main(modern) == 2 and "needs torch.optim.Muon, in torch >= 2.9" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from gptlib.errors import ConfigError
 from gptlib.model import GPT, KVCache
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from gptlib.training.optimizer import MuonAdamW, build_optimizer
+from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
 from gptlib.training.resolve import schedule_change
 from gptlib.training.step import lr_at, optimizer_step, set_lr
 from tests.conftest import REPO, TINY
@@ -210,6 +210,20 @@ def test_a_run_keeps_its_recipe(char_data, modern_reference, tmp_path):
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     with pytest.raises(ConfigError, match="optimizer='muon' but this call asks for optimizer='adamw'"):
         run(char_data, run_dir, settings=SETTINGS + ["optimizer=adamw"], max_steps=MAX_STEPS + 5)
+
+
+def test_a_muon_run_on_a_cpu_that_emulates_bf16_says_what_it_costs(char_data, tmp_path, monkeypatch):
+    """torch.optim.Muon computes in bf16: on an x86 CPU without AVX-512 the run says once that its steps are slow and
+    what the alternative costs; an AVX-512 CPU, a GPU or the AdamW optimizer get no note."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    _, out = run(char_data, tmp_path / "run", max_steps=2)
+    notes = [line for line in out.splitlines() if line.startswith("note: torch.optim.Muon")]
+    assert len(notes) == 1 and "(AVX2, no AVX-512)" in notes[0] and "--set optimizer=adamw" in notes[0], out
+    tc = modern().train
+    assert slow_muon_note(tc, "cuda") is None
+    assert slow_muon_note(get_preset("phase1", "gpt2").train, "cpu") is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert slow_muon_note(tc, "cpu") is None
 
 
 def test_wsd_run_extends_exactly_from_its_stable_phase(char_data, tmp_path):

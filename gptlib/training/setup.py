@@ -44,7 +44,7 @@ from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import estimate_train_bytes
-from gptlib.training.optimizer import build_optimizer
+from gptlib.training.optimizer import build_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
 from gptlib.training.throughput import run_flops
 
@@ -58,6 +58,8 @@ def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, An
     configure_matmul(device)
     model = GPT(mc).to(device)
     optimizer = build_optimizer(model, tc, device.type)
+    if note := slow_muon_note(tc, device.type):
+        log(note)
     scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
     return model, optimizer, scaler, dtype
 

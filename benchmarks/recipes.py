@@ -3,16 +3,17 @@
     python benchmarks/recipes.py phase1 --text ../shared/data/tinyshakespeare.txt   # both recipes, 1,500 steps
     python benchmarks/recipes.py ablation --text ../shared/data/tinyshakespeare.txt # modern, one part switched back
     python benchmarks/recipes.py step                                               # gpt2-small: one step's parts
+    python benchmarks/recipes.py step --preset phase1 --batch 32 --repeats 20       # phase1: the same parts
     python benchmarks/recipes.py bpe --data DATA_DIR --steps 600 --png curves.png   # BPE proxy on a code corpus
 
 phase1 and ablation train the phase1 preset from scratch, exactly as `python -m gptlib train` does, and report the
 loop's validation loss and the loss over the whole validation split; compare them by steps, not seconds. step
-times, for gpt2-small on this CPU, one micro-batch's forward + backward and one optimizer step of each recipe
-(Muon's matrices each timed alone, times their count), gives the time of a whole step at the preset's 524,288 tokens
-per step from them, and counts Muon's Newton-Schulz FLOPs against the step's forward and backward at phase1 and
-gpt2-small. bpe trains a few-million parameter model on a BPE-tokenized code corpus (benchmarks/code_corpus.py, then
-`python -m gptlib tokenize --tokenizer bpe`) and reports how many tokens each recipe needs to reach the gpt2
-recipe's final validation loss.
+times, for gpt2-small (or phase1) on this CPU, one micro-batch's forward + backward (eager, or --compile) and one
+optimizer step of each recipe (Muon's matrices each timed alone, times their count, and once more with the
+Newton-Schulz in fp32), gives the time of a whole step at the preset's tokens per step from them, and counts Muon's
+Newton-Schulz FLOPs against the step's forward and backward at phase1 and gpt2-small. bpe trains a few-million
+parameter model on a BPE-tokenized code corpus (benchmarks/code_corpus.py, then `python -m gptlib tokenize
+--tokenizer bpe`) and reports how many tokens each recipe needs to reach the gpt2 recipe's final validation loss.
 """
 
 from __future__ import annotations
@@ -116,17 +117,30 @@ def muon_shapes(preset: str) -> tuple[Counter, int, int]:
     return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), model.flops_per_token() * tokens
 
 
+def newton_schulz_fp32(g: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py: 5 steps, its coefficients) in fp32 instead of bf16:
+    what the update would cost on a device whose bf16 matmuls run at fp32's speed. For timing only."""
+    x = g.T if g.size(0) > g.size(1) else g
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(5):
+        a = x @ x.T
+        b = torch.addmm(a, a, a, beta=-4.7750, alpha=2.0315)
+        x = torch.addmm(x, b, x, beta=3.4445)
+    return x
+
+
 def cmd_step(args) -> None:
     out = {}
     for recipe in ("gpt2", "modern"):
-        cfg = get_preset("gpt2-small", recipe).validate()
+        cfg = get_preset(args.preset, recipe).validate()
         torch.manual_seed(0)
         model = GPT(cfg.model)
         opt = build_optimizer(model, cfg.train, "cpu")
-        x = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.block_size))
+        x = torch.randint(0, cfg.model.vocab_size, (args.batch, cfg.model.block_size))
+        forward = torch.compile(model) if args.compile else model  # compiled: the norms' and rotary's ops fused
 
         def fwd_bwd():
-            model(x, x)[1].backward()
+            forward(x, x)[1].backward()
 
         fwd_bwd()
         fb = median_s(fwd_bwd, args.repeats)
@@ -136,24 +150,29 @@ def cmd_step(args) -> None:
         else:  # AdamW's part as it is; Muon's matrices each timed alone, x their count (the whole takes ~20 min here)
             opt.adamw.step()
             adamw = median_s(opt.adamw.step, args.repeats)
-            muon, times = 0.0, []
-            for shape, count in muon_shapes("gpt2-small")[0].items():
+            muon, fp32, times = 0.0, 0.0, []
+            for shape, count in muon_shapes(args.preset)[0].items():
                 p = torch.nn.Parameter(torch.randn(shape))
                 p.grad = torch.randn(shape)
                 one = torch.optim.Muon([p], **{k: opt.muon.defaults[k] for k in ("lr", "momentum", "nesterov")})
                 one.step()
                 t = median_s(one.step, args.repeats)
-                muon += t * count
-                times.append(f"{count} x {shape} {t:.2f} s")
+                t32 = median_s(lambda: newton_schulz_fp32(p.grad), args.repeats)
+                muon, fp32 = muon + t * count, fp32 + t32 * count
+                times.append(f"{count} x {shape} {t * 1e3:,.1f} ms")
             step = adamw + muon
-            parts = f"AdamW {adamw * 1e3:,.0f} ms + Muon {muon:,.1f} s ({', '.join(times)})"
-        micro = cfg.train.batch_size * cfg.train.grad_accum_steps  # sequences per step at the preset
+            parts = (f"AdamW {adamw * 1e3:,.1f} ms + Muon {muon * 1e3:,.1f} ms ({', '.join(times)}); its "
+                     f"Newton-Schulz in fp32 instead of bf16 {fp32 * 1e3:,.1f} ms")
+            out["fp32"] = adamw + fp32
+        micro = cfg.train.batch_size * cfg.train.grad_accum_steps // args.batch  # forward+backward calls per step
         out[recipe] = (fb, step, micro * fb + step)
-        print(f"{recipe:7s} forward+backward of 1 x {cfg.model.block_size} tokens {fb * 1e3:,.0f} ms, optimizer step "
-              f"{step:,.2f} s [{parts}]; a step of {micro} sequences: {micro * fb + step:,.1f} s "
-              f"(the optimizer {step / (micro * fb + step):.2%} of it)", flush=True)
-    print(f"time per gpt2-small step modern / gpt2 = {out['modern'][2] / out['gpt2'][2]:.3f} "
-          f"(target <= 1.10); optimizer step alone: {out['modern'][1] / out['gpt2'][1]:.0f}x")
+        what = f"{args.batch} x {cfg.model.block_size} tokens" + " (compiled)" * args.compile
+        print(f"{recipe:7s} forward+backward of {what} {fb * 1e3:,.1f} ms, optimizer step {step * 1e3:,.1f} ms "
+              f"[{parts}]; a step of {micro} x {args.batch} sequences: {micro * fb + step:,.2f} s (the optimizer "
+              f"{step / (micro * fb + step):.2%} of it)", flush=True)
+    (gfb, _, gtotal), (mfb, _, mtotal) = out["gpt2"], out["modern"]
+    print(f"time per {args.preset} step modern / gpt2 = {mtotal / gtotal:.3f} (target <= 1.10); forward+backward "
+          f"alone {mfb / gfb:.3f}; with Muon's Newton-Schulz in fp32 {(mfb * micro + out['fp32']) / gtotal:.3f}")
     for preset in ("phase1", "gpt2-small"):  # the work itself, whatever the device's bf16 speed
         _, ns, fb = muon_shapes(preset)
         print(f"{preset}: Muon's Newton-Schulz {ns / 1e12:,.3f} TFLOP per step = {ns / fb:.2%} of the step's "
@@ -222,6 +241,9 @@ def main() -> None:
         p.add_argument("--no-base", action="store_true", help="ablation: without the modern run itself (known)")
     p = sub.add_parser("step")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--preset", default="gpt2-small", choices=["phase1", "gpt2-small"])
+    p.add_argument("--batch", type=int, default=1, help="sequences per timed forward+backward (phase1: its 32)")
+    p.add_argument("--compile", action="store_true", help="forward+backward under torch.compile, as a GPU run")
     p = sub.add_parser("bpe")
     p.add_argument("--data", required=True, type=Path, help="a BPE data directory")
     p.add_argument("--steps", type=int, default=600)

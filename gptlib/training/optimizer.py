@@ -62,8 +62,10 @@ SLOW_BF16_CPUS = ("NO AVX", "AVX2")  # torch.backends.cpu.get_cpu_capability() o
 
 def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
     """One line for a Muon run on a CPU that emulates bf16, saying what it costs and the alternative; else None."""
+    if tc.optimizer != "muon" or device_type != "cpu":
+        return None
     capability = torch.backends.cpu.get_cpu_capability()
-    if tc.optimizer != "muon" or device_type != "cpu" or capability not in SLOW_BF16_CPUS:
+    if capability not in SLOW_BF16_CPUS:
         return None
     return (f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: a "
             f"step takes several times the gpt2 recipe's (phase1: 4.9x on a 2-core AVX2 CPU), for a lower loss per "

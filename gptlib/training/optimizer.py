@@ -56,7 +56,7 @@ class MuonAdamW:
 
 # torch.optim.Muon orthogonalises every update in bf16, on every device. GPUs multiply bf16 natively; an x86 CPU
 # without AVX-512 does not, and torch falls back to a plain loop: ~1 GFLOP/s against ~120 for fp32 on a 2-core AVX2
-# CPU, so a phase1 step of the modern recipe there takes 4.9x the gpt2 recipe's (the loss per step is unchanged).
+# CPU, so a phase1 step of the modern recipe there takes 4-5x the gpt2 recipe's (the loss per step is unchanged).
 SLOW_BF16_CPUS = ("NO AVX", "AVX2")  # torch.backends.cpu.get_cpu_capability() of such CPUs
 
 
@@ -68,7 +68,7 @@ def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
     if capability not in SLOW_BF16_CPUS:
         return None
     return (f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: a "
-            f"step takes several times the gpt2 recipe's (phase1: 4.9x on a 2-core AVX2 CPU), for a lower loss per "
+            f"step takes several times the gpt2 recipe's (phase1: 4-5x on a 2-core AVX2 CPU), for a lower loss per "
             f"step; on a GPU Muon is under 1% of a step. --set optimizer=adamw is faster here but gives up most of "
             f"the gain (README: Two recipes)")
 

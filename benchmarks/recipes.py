@@ -3,7 +3,7 @@
     python benchmarks/recipes.py phase1 --text ../shared/data/tinyshakespeare.txt   # both recipes, 1,500 steps
     python benchmarks/recipes.py ablation --text ../shared/data/tinyshakespeare.txt # modern, one part switched back
     python benchmarks/recipes.py step                                               # gpt2-small: one step's parts
-    python benchmarks/recipes.py step --preset phase1 --batch 32 --repeats 20       # phase1: the same parts
+    python benchmarks/recipes.py step --preset phase1 --batch 32 --repeats 30       # phase1: the same parts
     python benchmarks/recipes.py bpe --data DATA_DIR --steps 600 --png curves.png   # BPE proxy on a code corpus
 
 phase1 and ablation train the phase1 preset from scratch, exactly as `python -m gptlib train` does, and report the
@@ -117,15 +117,16 @@ def muon_shapes(preset: str) -> tuple[Counter, int, int]:
     return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), model.flops_per_token() * tokens
 
 
-def newton_schulz_fp32(g: torch.Tensor) -> torch.Tensor:
-    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py: 5 steps, its coefficients) in fp32 instead of bf16:
-    what the update would cost on a device whose bf16 matmuls run at fp32's speed. For timing only."""
+def newton_schulz_fp32(g: torch.Tensor, muon: torch.optim.Muon) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz (torch/optim/_muon.py, with `muon`'s coefficients and steps) in fp32 instead
+    of bf16: what the update would cost on a device whose bf16 matmuls run at fp32's speed. For timing only."""
+    (ca, cb, cc), steps = muon.defaults["ns_coefficients"], muon.defaults["ns_steps"]
     x = g.T if g.size(0) > g.size(1) else g
-    x = x / x.norm().clamp(min=1e-7)
-    for _ in range(5):
+    x = x / x.norm().clamp(min=muon.defaults["eps"])
+    for _ in range(steps):
         a = x @ x.T
-        b = torch.addmm(a, a, a, beta=-4.7750, alpha=2.0315)
-        x = torch.addmm(x, b, x, beta=3.4445)
+        b = torch.addmm(a, a, a, beta=cb, alpha=cc)
+        x = torch.addmm(x, b, x, beta=ca)
     return x
 
 
@@ -157,7 +158,7 @@ def cmd_step(args) -> None:
                 one = torch.optim.Muon([p], **{k: opt.muon.defaults[k] for k in ("lr", "momentum", "nesterov")})
                 one.step()
                 t = median_s(one.step, args.repeats)
-                t32 = median_s(lambda: newton_schulz_fp32(p.grad), args.repeats)
+                t32 = median_s(lambda: newton_schulz_fp32(p.grad, one), args.repeats)
                 muon, fp32 = muon + t * count, fp32 + t32 * count
                 times.append(f"{count} x {shape} {t * 1e3:,.1f} ms")
             step = adamw + muon

@@ -1,4 +1,5 @@
 import json
+import re
 import time
 
 import pytest
@@ -41,9 +42,14 @@ def test_short_run_lowers_the_loss_and_writes_the_run_dir(tmp_path, char_data):
 def test_rerunning_a_finished_run_is_a_noop(tmp_path, char_data):
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    shown = []  # what a notebook shows: train()'s lines, then print(result.summary())
+    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=shown.append)
     assert r.resumed_from == 10 and r.step == 10
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    shown.append(r.summary())
+    assert "\n".join(shown).count("already finished") == 1, shown  # said once, in the summary
+    assert re.fullmatch(r"already finished at step 10 \(val \d\.\d{4}\); nothing to do \(raise max_steps to train "
+                        r"further\) -> .*run", shown[-1]), shown
 
 
 def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_data):
@@ -256,3 +262,23 @@ def test_the_samples_table_is_left_aligned(tmp_path):
     write_samples_table(tmp_path)
     lines = (tmp_path / "samples.md").read_text().splitlines()
     assert lines[1] == "|:---|:---|:---|" and lines[2].startswith("| 10 | ROMEO: and more |")
+
+
+def test_the_samples_table_in_a_notebook_aligns_each_cell_top_left(tmp_path):
+    """Notebook 02 shows the samples as HTML: a notebook's table style centres a cell vertically (two samples of one
+    row, a short and a long one, started at different heights) and right-aligns it; each cell says top-left itself."""
+    import xml.etree.ElementTree as ET
+
+    from gptlib import samples_html
+
+    assert "no samples yet" in samples_html(tmp_path)
+    texts = {("ROMEO:", 10): "ROMEO: a\nb\nc\nd", ("JULIET:", 10): "JULIET: <e> & f", ("ROMEO:", 20): "ROMEO: g"}
+    rows = [{"step": s, "prompt": p, "text": t} for (p, s), t in texts.items()]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = ET.fromstring(samples_html(tmp_path))  # well-formed, the texts escaped
+    cells = [c for tr in table.iter("tr") for c in tr]
+    assert len(cells) == 3 * 3  # a header row, one row per step; a step without a prompt's sample: an empty cell
+    assert all("vertical-align:top" in c.get("style") and "text-align:left" in c.get("style") for c in cells)
+    grid = [["".join(c.itertext()) for c in tr] for tr in table.iter("tr")]
+    assert grid == [["step", "'ROMEO:'", "'JULIET:'"], ["10", texts["ROMEO:", 10], texts["JULIET:", 10]],
+                    ["20", texts["ROMEO:", 20], ""]]

@@ -9,6 +9,7 @@ resumed run writes exactly the rows the uninterrupted run would have written.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import sys
@@ -79,11 +80,16 @@ def restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> No
             atomic_write_bytes(dst, src.read_bytes())
 
 
-def write_samples_table(run_dir: Path) -> None:
-    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
+    """samples.jsonl as (prompts, steps, {(step, prompt): text})."""
     rows = read_jsonl(run_dir / SAMPLES_FILE)
     prompts, steps = list(dict.fromkeys(r["prompt"] for r in rows)), sorted({r["step"] for r in rows})
-    cell = {(r["step"], r["prompt"]): r["text"] for r in rows}
+    return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
+
+
+def write_samples_table(run_dir: Path) -> None:
+    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+    prompts, steps, cell = _samples_grid(run_dir)
 
     def esc(t: str) -> str:
         return t.replace("|", "\\|").replace("\n", "<br>")
@@ -92,6 +98,22 @@ def write_samples_table(run_dir: Path) -> None:
     lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |", "|:---|" + ":---|" * len(prompts)]
     lines += [f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |" for st in steps]
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
+
+
+def samples_html(run_dir: str | Path) -> str:
+    """samples.md as an HTML table, for a notebook: each cell aligned top-left (a notebook's own table style centres
+    a cell vertically, so two samples of a row started at different heights, and right-aligns its text)."""
+    prompts, steps, cell = _samples_grid(Path(run_dir))
+    if not steps:
+        return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
+    td = "border:1px solid #ccc;padding:4px 6px;vertical-align:top;text-align:left"
+    pre = '<pre style="white-space:pre-wrap;margin:0;font-size:12px">'
+    head = "".join(f'<th style="{td}">{html.escape(repr(p))}</th>' for p in prompts)
+    body = "".join(f'<tr><th style="{td}">{st:,}</th>' + "".join(
+        f'<td style="{td}">{pre}{html.escape(cell.get((st, p), ""))}</pre></td>' for p in prompts) + "</tr>"
+        for st in steps)
+    return (f'<table class="gptlib-samples" style="border-collapse:collapse"><tr><th style="{td}">step</th>{head}'
+            f"</tr>{body}</table>")
 
 
 def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,

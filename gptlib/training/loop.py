@@ -57,7 +57,8 @@ class TrainResult:
         """One line for the end of a training cell or command."""
         if self.stopped_by == "finished":
             val = f" (val {self.val_loss:.4f})" if self.val_loss is not None else ""
-            return f"already finished at step {self.step:,}{val}; nothing to do -> {self.run_dir}"
+            return (f"already finished at step {self.step:,}{val}; nothing to do (raise max_steps to train further) "
+                    f"-> {self.run_dir}")
         val = "n/a" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.val_loss is not None and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
@@ -196,11 +197,9 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer
 
 
 def _finished(s: TrainingRun, log) -> TrainResult:
-    """A run already at max_steps: say so, change nothing."""
+    """A run already at max_steps: change nothing (its summary() says so: the one line a notebook or the CLI shows)."""
     r, state = s.resume, s.state
     val = r.state.val_loss if r is not None else None
-    log(f"already finished at step {state.step:,}" + (f" (val {val:.4f})" if val is not None else "")
-        + "; nothing to do (raise max_steps to train further)")
     try:
         s.open_writer(log).close()  # resumed from the local disk: Drive still gets the final checkpoint
     finally:

@@ -26,8 +26,9 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     text = outputs_text(nb)
     run = tmp_path / "root" / "runs" / "nb-smoke"
     assert (run / "loss.png").is_file() and (run / "samples.md").is_file()
-    # the summary line: val loss rounded, training tokens/s (TrainResult.summary)
-    assert re.search(r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s over", text), text
+    # the summary line: val loss rounded, tokens/s while stepping and over the session (TrainResult.summary)
+    assert re.search(r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s while stepping; [\d,]+ over the session's",
+                     text), text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))  # the loss plot is shown
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

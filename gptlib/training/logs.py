@@ -262,8 +262,8 @@ class MetricsLog:
             self.steady_s += now - self.t_last
             self.t_last, self.tokens_last = now, st.tokens_seen
             self.tps = self.steady_tokens / max(1e-9, self.steady_s)
-            for phase, secs in timer.split().items():
-                self.split[phase] = self.split.get(phase, 0.0) + secs
+            split = timer.split()  # this interval's; its phases in the loop's order (the first one starts mid-step)
+            self.split = {k: split.get(k, 0.0) + self.split.get(k, 0.0) for k in split | self.split}
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
             self.perf = perf_fields(dict(self.split), self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
                                     st.tokens_seen, self.tc.max_steps * self.tokens_per_step, wall_rate)

@@ -265,7 +265,7 @@ class MetricsLog:
             split = timer.split()  # this interval's; its phases in the loop's order (the first one starts mid-step)
             self.split = {k: split.get(k, 0.0) + self.split.get(k, 0.0) for k in split | self.split}
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
-            self.perf = perf_fields(dict(self.split), self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
+            self.perf = perf_fields(self.split, self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
                                     st.tokens_seen, self.tc.max_steps * self.tokens_per_step, wall_rate)
         self.train_loss = losses[-1]
         for k, loss in enumerate(losses):

@@ -23,6 +23,7 @@ _WHERE = {
     # training (gptlib/training/)
     "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
     "read_metrics": "gptlib.training.logs", "throughput_summary": "gptlib.training.logs",
+    "samples_html": "gptlib.training.logs",
     "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots", "hellaswag_figure": "gptlib.training.plots",
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",

@@ -168,8 +168,7 @@ def cmd_train(args) -> int:
               progress=not args.quiet, mirror_dir=args.mirror_dir, take_over=args.take_over,
               init_from=args.init_from, skip_unreadable=args.skip_unreadable,
               allow_data_change=args.allow_data_change, recipe=args.recipe)
-    if r.stopped_by != "finished":  # train() already said "already finished ..."
-        print(r.summary())
+    print(r.summary())
     return 0
 
 

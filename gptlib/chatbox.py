@@ -36,8 +36,10 @@ class ChatBox:
         self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
         style = {"description_width": "110px"}
         self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
-        self.message = W.Text(value="", placeholder="your message (Enter sends)", description="You", style=style,
-                              layout=W.Layout(width="95%"))
+        # One line: ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a
+        # Textarea, where Enter adds a line, has no submit event; telling them apart would need our own JavaScript.
+        self.message = W.Text(value="", placeholder="your message, one line (Enter sends)", description="You",
+                              style=style, layout=W.Layout(width="95%"))
         self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
         self.reset_button = W.Button(description="Reset", tooltip="forget the conversation (the system prompt stays)")
         self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=style,
@@ -74,7 +76,10 @@ class ChatBox:
         if not text.strip():
             self.status.value = status_html("type a message first", error=True)
             return None
-        self.send_button.disabled = True
+        # While the reply streams this callback holds the kernel, and the front end would deliver a second Enter
+        # before the keystrokes it holds back (a message sent as its first letter): nothing can be typed until it ends.
+        self.send_button.disabled = self.message.disabled = True
+        self.message.value = ""
         self._notices.clear()
         self.turns.append(("user", text))
         try:
@@ -82,7 +87,6 @@ class ChatBox:
             session = self.session()  # first: it caps the Max new tokens slider that sampling_config reads
             cfg = sampling_config(self)
             session.system = self.system.value.strip() or None
-            self.message.value = ""
             self._show_transcript(pending="")
             self.status.value = status_html("generating…")
             t0 = time.perf_counter()
@@ -98,7 +102,7 @@ class ChatBox:
                 raise  # KeyboardInterrupt (the notebook's stop button) still stops the cell
             return None
         finally:
-            self.send_button.disabled = False
+            self.send_button.disabled = self.message.disabled = False
         self.turns.append(("assistant", reply))
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}

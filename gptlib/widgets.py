@@ -3,7 +3,7 @@ box is gptlib.chatbox).
 
     pg = Playground(run_dir)      # builds the widgets; nothing is loaded until Generate is pressed
     display(pg.widget)
-    pg.generate()                 # what the Generate button does (usable headless, e.g. in tests)
+    pg.generate()                 # what the Generate button does, from code (there the cell's interrupt ends it)
     pg.request_stop()             # what the Stop button does: the generation ends at its next token
 
     display(HTML(comparison_html(compare_checkpoints(run_dir, prompts, "all", cfg))))
@@ -120,7 +120,8 @@ class Playground:
     Stop sets a flag the stream callback checks after each token. In a kernel a widget callback runs on the main
     thread and holds back every other message (the Stop click too) until it returns, so there Generate hands the
     work to the Playground's own thread and returns at once (a kernel interrupt cannot reach it: Stop is the way).
-    `generate()` called from code runs where it is called, and an interrupt there ends it too.
+    `generate()` called from a cell runs there, and holds the kernel just the same: no click can arrive, so Stop
+    stays disabled and the cell's interrupt ends it.
     """
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:", max_loaded: int = 2,
@@ -195,18 +196,23 @@ class Playground:
     def _generate_clicked(self) -> None:
         """The Generate button: in a kernel on the Playground's thread (see the class docstring), else right here."""
         if not _in_kernel():
-            self.generate()
+            self._run(stoppable=True)
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")
-        self._job = self._worker.submit(self.generate)
+        self._job = self._worker.submit(self._run, stoppable=True)
 
     def request_stop(self) -> None:
         """What the Stop button does: the generation ends at its next token; its text so far stays shown."""
         self._stop.set()
 
     def generate(self) -> Completion | None:
-        """What the Generate button does: stream the continuation into the output box, until it is done or Stop."""
+        """What the Generate button does, from code: stream the continuation into the output box until it is done
+        (Stop stays disabled: see the class docstring)."""
+        return self._run(stoppable=False)
+
+    def _run(self, stoppable: bool) -> Completion | None:
+        """Generate; stoppable: started by the button, so a Stop click can arrive while it runs."""
         if self.checkpoint.value is None:
             self.refresh()
             if self.checkpoint.value is None:
@@ -215,11 +221,12 @@ class Playground:
             self.status.value = status_html("already generating: press Stop first", error=True)
             return None
         self._stop.clear()  # a click of an earlier generation does not stop this one
-        self.button.disabled, self.stop_button.disabled = True, False
+        self.button.disabled, self.stop_button.disabled = True, not stoppable
         prompt = self.prompt.value
         parts, add = throttled(lambda text: self._show_text(prompt, text))
         try:
-            return self._generate(prompt, parts, add)
+            return self._generate(prompt, parts, add,
+                                  "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)")
         except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
             self._show_text(prompt, "".join(parts))
             self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
@@ -232,12 +239,12 @@ class Playground:
             self.button.disabled, self.stop_button.disabled = False, True
             self._busy.release()
 
-    def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None]) -> Completion:
+    def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None], how_to_end: str) -> Completion:
         """Load, generate and show; add(piece) collects the text in `parts`, and it ends after Stop."""
         cfg = self.sampling_config()
         self.status.value = status_html("loading checkpoint…")
         eng = self.engine(self.checkpoint.value)
-        self.status.value = status_html("generating… (Stop ends it)")
+        self.status.value = status_html(f"generating… {how_to_end}")
 
         def on_piece(_: int, piece: str) -> None:
             add(piece)

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import random
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -137,6 +138,28 @@ def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp
     assert snapshot(run_dir) == before
     assert ((run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None) == log_before
     assert not (tmp_path / "cache" / "hellaswag" / hs.HELLASWAG_FILE).exists()
+
+
+def test_notebook_04s_hellaswag_messages_name_its_field_and_the_cli_its_flag(run_dir, tmp_path, monkeypatch, capsys):
+    """Notebook 04 takes the file as HELLASWAG_FILE (evaluate_tasks), the CLI as --data FILE: each message names
+    where its reader can pass one."""
+    from gptlib.evaluation.evaluate import evaluate_tasks
+
+    def no_network(*a, **k):
+        raise urllib.error.URLError("no network (test)")
+
+    monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path / "cache"))  # no cached canonical file
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    logs = []
+    assert evaluate_tasks(run_dir, "hellaswag", "latest", log=logs.append) == []
+    assert evaluate_tasks(run_dir, "hellaswag", "latest", hellaswag_file=str(tmp_path), log=logs.append) == []
+    assert len(logs) == 2 and all("--data" not in m for m in logs), logs
+    assert logs[0].startswith("hellaswag: not evaluated: could not download HellaSwag") and \
+        logs[0].endswith(f"pass a local copy of {hs.HELLASWAG_FILE} (HELLASWAG_FILE)")
+    assert logs[1] == (f"hellaswag: not evaluated: {tmp_path} is a directory; for hellaswag give the jsonl file "
+                       f"(HELLASWAG_FILE)")
+    err = _error(capsys, ["eval", "--run-dir", str(run_dir), "--quiet", "--task", "hellaswag"])
+    assert err.rstrip().endswith(f"pass a local copy of {hs.HELLASWAG_FILE} (--data FILE)"), err
 
 
 # --- transformers agrees on the exported model --------------------------------------------------

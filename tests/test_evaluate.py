@@ -281,6 +281,7 @@ def test_probe_without_network_stays_off(tmp_path, monkeypatch, small_text):
     tok = CharTokenizer.from_text(small_text.read_text())
     probe = hs.HellaSwagProbe(tok, 32, None, cache_dir=tmp_path, log=logs.append)
     assert not probe.available and len(logs) == 1 and "could not download HellaSwag" in logs[0]
+    assert "(hellaswag_file=FILE)" in logs[0] and "--data" not in logs[0]  # training's setting, not eval's flag
     assert probe.metrics(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu") == {} and len(logs) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
@@ -333,7 +334,7 @@ def test_evaluate_tasks_sizes_hellaswag_by_device_and_reports_a_task_that_cannot
 
     calls = []
 
-    def fake_run(run_dir, task, checkpoints, device, data, limit):
+    def fake_run(run_dir, task, checkpoints, device, data, limit, file_option):
         calls.append((task, device, limit))
         if task == "hellaswag":
             raise EvalError("hellaswag_val.jsonl: not found")

@@ -26,12 +26,16 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     text = outputs_text(nb)
     run = tmp_path / "root" / "runs" / "nb-smoke"
     assert (run / "loss.png").is_file() and (run / "samples.md").is_file()
-    # the summary line: val loss rounded, training tokens/s (TrainResult.summary)
-    assert re.search(r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s over", text), text
+    # the summary line: val loss rounded, tokens/s while stepping and over the session (TrainResult.summary)
+    assert re.search(r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s while stepping; [\d,]+ over the session's",
+                     text), text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))  # the loss plot is shown
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20
+    # the samples table: HTML whose cells align top (a notebook centres table cells vertically)
+    samples = next(c for c in nb.cells if c.cell_type == "code" and "samples_html(" in c.source).outputs
+    assert len(samples) == 1 and "vertical-align:top" in samples[0]["data"]["text/html"], samples
     # the generated text starts with its prompt, not mid-line
     assert cell_text(nb, "engine.generate(").startswith("ROMEO:")
 
@@ -46,6 +50,7 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     nb = run_notebook(NB, params, cwd=tmp_path)
     train_out = cell_text(nb, "result = train(")
     assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), train_out
+    assert train_out.count("already finished") == 1, train_out  # train() and print(result.summary()): said once
     assert "None" not in train_out and " 0 tokens/s" not in train_out
 
 

@@ -1,4 +1,5 @@
 import json
+import re
 import time
 
 import pytest
@@ -41,9 +42,14 @@ def test_short_run_lowers_the_loss_and_writes_the_run_dir(tmp_path, char_data):
 def test_rerunning_a_finished_run_is_a_noop(tmp_path, char_data):
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    shown = []  # what a notebook shows: train()'s lines, then print(result.summary())
+    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=shown.append)
     assert r.resumed_from == 10 and r.step == 10
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    shown.append(r.summary())
+    assert "\n".join(shown).count("already finished") == 1, shown  # said once, in the summary
+    assert re.fullmatch(r"already finished at step 10 \(val \d\.\d{4}\); nothing to do \(raise max_steps to train "
+                        r"further\) -> .*run", shown[-1]), shown
 
 
 def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_data):
@@ -256,3 +262,47 @@ def test_the_samples_table_is_left_aligned(tmp_path):
     write_samples_table(tmp_path)
     lines = (tmp_path / "samples.md").read_text().splitlines()
     assert lines[1] == "|:---|:---|:---|" and lines[2].startswith("| 10 | ROMEO: and more |")
+
+
+def test_the_samples_table_in_a_notebook_aligns_each_cell_top_left(tmp_path):
+    """Notebook 02 shows the samples as HTML: a notebook's table style centres a cell vertically (two samples of one
+    row, a short and a long one, started at different heights) and right-aligns it; each cell says top-left itself."""
+    import xml.etree.ElementTree as ET
+
+    from gptlib import samples_html
+
+    assert "no samples yet" in samples_html(tmp_path)
+    texts = {("ROMEO:", 10): "ROMEO: a\nb\nc\nd", ("JULIET:", 10): "JULIET: <e> & f", ("ROMEO:", 20): "ROMEO: g"}
+    rows = [{"step": s, "prompt": p, "text": t} for (p, s), t in texts.items()]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = ET.fromstring(samples_html(tmp_path))  # well-formed, the texts escaped
+    cells = [c for tr in table.iter("tr") for c in tr]
+    assert len(cells) == 3 * 3  # a header row, one row per step; a step without a prompt's sample: an empty cell
+    assert all("vertical-align:top" in c.get("style") and "text-align:left" in c.get("style") for c in cells)
+    grid = [["".join(c.itertext()) for c in tr] for tr in table.iter("tr")]
+    assert grid == [["step", "'ROMEO:'", "'JULIET:'"], ["10", texts["ROMEO:", 10], texts["JULIET:", 10]],
+                    ["20", texts["ROMEO:", 20], ""]]
+
+
+def test_one_tokens_per_s_figure_in_the_bar_the_plot_the_summary_cell_and_the_closing_line(tmp_path, char_data,
+                                                                                         monkeypatch):
+    """Notebook 03 showed three figures that disagreed: the closing line's rates, and the last log interval's in
+    the bar, the plot's title and the summary cell. Every live figure is now the session's tokens/s while stepping,
+    the closing line's first, and each text says what it counts."""
+    from gptlib.training.logs import MetricsLog, throughput_summary
+    from gptlib.training.plots import LivePlot
+
+    monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)  # a progress line (the bar's details) at every log step
+    shown = []
+    r = train(char_data, tmp_path / "run", "phase1", TINY + ["log_interval=4"], max_steps=24, progress=True,
+              log=shown.append)
+    rows = [row for row in r.history if "tokens_per_s" in row]
+    assert len(rows) >= 4 and rows[-1]["step"] == 24  # several intervals: their rates differ, their average is one
+    assert rows[-1]["tokens_per_s"] == round(r.steady_tokens_per_s, 1)
+    fig = f"{r.steady_tokens_per_s:,.0f}"
+    assert [ln for ln in shown if ln.startswith("step 24/24:")][-1].count(f"tok/s {fig},") == 1  # the bar's details
+    assert f" {rows[-1]['tokens_per_s']:,.0f} tok/s" in LivePlot(tmp_path / "run").figure().axes[0].get_title()
+    assert throughput_summary(tmp_path / "run").startswith(
+        f"last session, at step 24: {rows[-1]['tokens_per_s']:,.0f} tokens/s while stepping, MFU ")
+    assert re.search(rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
+                     r"first step, validations and saves included \(max_steps\)", r.summary()), r.summary()

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
-import html
+import re
 import time
 from pathlib import Path
 
 import pytest
 
+from gptlib.widgets import status_html
 from tests.test_dialogue import SYSTEM, chat_run, chat_tok, write_run  # noqa: F401 - fixtures
 
 pytest.importorskip("ipywidgets")
@@ -46,17 +47,36 @@ def once(action):
 
 
 def test_stop_ends_generation_at_the_next_token_and_keeps_the_text(char_run):
+    """Generate pressed (outside a kernel the button's callback runs right here), then Stop while it streams."""
     pg = playground(char_run)
     assert pg.stop_button.disabled  # nothing to stop yet
-    # A click arriving mid-generation: at the first redraw of the streamed text.
-    pg.output.observe(once(pg.stop_button.click), names="value")
-    res = pg.generate()
-    assert res is not None and res.text and len(res.token_ids) < 5  # not the 500 asked for
-    assert f"stopped after {len(res.token_ids)} token" in pg.status.value
-    assert f"<b>KING</b>{html.escape(res.text)}</pre>" in pg.output.value  # the text so far stays
+    seen = []
+
+    def stop_click():  # a click arriving mid-generation: at the first redraw of the streamed text
+        seen.append((pg.stop_button.disabled, pg.status.value))
+        pg.stop_button.click()
+
+    pg.output.observe(once(stop_click), names="value")
+    pg.button.click()
+    assert seen == [(False, status_html("generating… (Stop ends it)"))]  # offered while it runs
+    stopped = re.search(r"stopped after (\d+) tokens? in .*: Stop pressed", pg.status.value)
+    assert stopped and 0 < int(stopped.group(1)) < 5, pg.status.value  # not the 500 asked for
+    assert "<b>KING</b>" in pg.output.value and "<b>KING</b></pre>" not in pg.output.value  # the text so far stays
     assert not pg.button.disabled and pg.stop_button.disabled
     res = pg.generate()  # the next Generate starts afresh: the old click does not stop it
     assert len(res.token_ids) == 500 and "stopped by length" in pg.status.value
+
+
+def test_generate_from_a_cell_does_not_offer_stop(char_run):
+    """A cell that calls generate() holds the kernel: a Stop click could not arrive before it ends, so Stop is not
+    offered, and the status says what ends it."""
+    pg = playground(char_run)
+    seen = []
+    pg.output.observe(once(lambda: seen.append((pg.stop_button.disabled, pg.status.value))), names="value")
+    res = pg.generate()
+    assert res is not None and len(res.token_ids) == 500
+    assert seen == [(True, status_html("generating… (from code: interrupt the cell to end it)"))]
+    assert not pg.button.disabled and pg.stop_button.disabled
 
 
 def test_a_kernel_interrupt_keeps_the_text_and_says_interrupted(char_run):
@@ -109,6 +129,57 @@ def test_enter_sends_the_message(chat_run):  # noqa: F811
     box.message._handle_custom_msg({"event": "submit"}, [])  # what the front end sends when Enter is pressed
     assert [r for r, _ in box.turns] == ["user", "assistant"] and box.message.value == ""
     assert box.send_button.description == "Send"  # the button still works too
+
+
+def test_the_message_box_takes_no_typing_while_a_reply_streams(chat_run):  # noqa: F811
+    """While a reply streams the send callback holds the kernel, and a browser delivers a second Enter before the
+    keystrokes it holds back (the message arrived as its first letter): the box is cleared and disabled from the
+    Enter on, until the reply ends; what was typed is what is sent."""
+    box = chatbox(chat_run)
+    box.max_tokens.value = 12
+    during = []
+    box.transcript.observe(lambda _: during.append((box.message.disabled, box.message.value, box.send_button.disabled)),
+                           names="value")
+    for text in ["first message", "second message"]:
+        during.clear()
+        box.message.value = text  # what the front end syncs as it is typed
+        box.message._handle_custom_msg({"event": "submit"}, [])  # Enter
+        assert during and all(d == (True, "", True) for d in during[:-1]), during  # streaming: no typing, no Send
+        assert not box.message.disabled and not box.send_button.disabled  # typing again once the reply is there
+        assert box.turns[-2] == ("user", text) and box.turns[-1][0] == "assistant"
+    assert [t for r, t in box.turns if r == "user"] == ["first message", "second message"]
+
+
+def test_the_message_box_comes_back_after_an_error_or_an_interrupt(chat_run, tmp_path):  # noqa: F811
+    from gptlib.chatbox import ChatBox
+
+    box = chatbox(chat_run)
+    box.message.value = "Hi there"
+    box.session().reply = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    box.message._handle_custom_msg({"event": "submit"}, [])
+    assert "RuntimeError: boom" in box.status.value and box.turns == []
+    assert not box.message.disabled and box.message.value == "Hi there"  # not lost, and it can be edited
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt  # the notebook's stop button
+
+    box.session().reply = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        box.message._handle_custom_msg({"event": "submit"}, [])
+    assert not box.message.disabled and box.message.value == "Hi there" and "interrupted" in box.status.value
+    box = ChatBox(tmp_path / "no-run")  # an error before any reply: the checkpoint cannot be loaded
+    box.message.value = "Hello"
+    box.send_button.click()
+    assert "CheckpointError" in box.status.value and not box.message.disabled and box.message.value == "Hello"
+
+
+def test_the_message_box_says_messages_are_one_line(chat_run):  # noqa: F811
+    """ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a Textarea has no
+    submit event: the box is one line, and says so."""
+    import ipywidgets as W
+
+    box = chatbox(chat_run)
+    assert type(box.message) is W.Text and "one line" in box.message.placeholder
 
 
 def test_each_message_is_shown_once_and_reset_clears_everything(chat_run):  # noqa: F811

@@ -149,15 +149,15 @@ def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extr
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _prepare(run_dir: Path, task: str, data, step: int, cache_dir) -> dict:
+def _prepare(run_dir: Path, task: str, data, step: int, cache_dir, file_option: str) -> dict:
     """Everything that can fail on bad input, before any model runs: the HellaSwag file, or the val split of the
     checkpoint's data dir (or --data), refused if made with another tokenizer."""
     info = resolve_checkpoint(run_dir, step)
     state, _, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
-            raise EvalError(f"--data {data} is a directory; for hellaswag give the jsonl file")
-        items, file = hs.load_items(data, cache_dir)
+            raise EvalError(f"{data} is a directory; for hellaswag give the jsonl file ({file_option})")
+        items, file = hs.load_items(data, cache_dir, file_option=file_option)
         return {"items": items, "file": file}
     if data is not None and Path(data).is_file():
         raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
@@ -174,10 +174,12 @@ def _prepare(run_dir: Path, task: str, data, step: int, cache_dir) -> dict:
 def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest", *, data: str | Path | None = None,
                  limit: int | None = None, device: str = "auto", dtype: torch.dtype | None = None,
                  batch_tokens: int | None = None, cache_dir: str | Path | None = None, progress: bool = True,
-                 write: bool = True, out: str | Path | None = None, warn=loud) -> list[dict]:
+                 write: bool = True, out: str | Path | None = None, warn=loud,
+                 file_option: str = "--data FILE") -> list[dict]:
     """Evaluate one or more checkpoints of a run; -> the rows, each also appended (if write) to `out`, default
     RUN_DIR/eval.jsonl, as it is computed. A row that cannot be appended (a read-only run directory, a full disk)
-    is not an error: the rows are returned all the same and warn() gets one line naming the file and the fix."""
+    is not an error: the rows are returned all the same and warn() gets one line naming the file and the fix.
+    file_option: where the caller takes a HellaSwag file, as its messages name it (a notebook names its field)."""
     run_dir, task = Path(run_dir), str(task).strip().lower()
     if task not in TASKS:
         raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
@@ -188,7 +190,7 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
         raise EvalError(f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}")
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
-    prep = _prepare(run_dir, task, data, steps[-1], cache_dir)
+    prep = _prepare(run_dir, task, data, steps[-1], cache_dir, file_option)
     rows, rendered, unsaved = [], {}, None
     for step in steps:
         lm = load_run(run_dir, step, device=dev)
@@ -289,7 +291,8 @@ def evaluate_tasks(run_dir: str | Path, tasks: str = "bpb, hellaswag", checkpoin
         try:
             rows += evaluate_run(run_dir, task, checkpoints, device=str(device),
                                  data=(hellaswag_file or None) if task == "hellaswag" else None,
-                                 limit=(items if task == "hellaswag" else bpb_windows) or None)
+                                 limit=(items if task == "hellaswag" else bpb_windows) or None,
+                                 file_option="HELLASWAG_FILE")  # notebook 04's field for hellaswag_file
         except GptlibError as e:
             log(f"{task}: not evaluated: {e}")
     return rows

@@ -58,12 +58,14 @@ def default_cache_dir() -> Path:
     return local_cache()
 
 
-def fetch_hellaswag(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL, timeout: float = 60.0) -> Path:
-    """Path of a verified canonical HellaSwag validation file: the cached copy, else downloaded into the cache."""
+def fetch_hellaswag(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL, timeout: float = 60.0,
+                    file_option: str = "--data FILE") -> Path:
+    """Path of a verified canonical HellaSwag validation file: the cached copy, else downloaded into the cache.
+    file_option: where the caller takes a local copy instead, for the message when the download fails."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return fetch_verified(url, cache / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256, EvalError, name="HellaSwag",
                           canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes",
-                          local_hint=f"of {HELLASWAG_FILE} (--data FILE)", timeout=timeout)
+                          local_hint=f"of {HELLASWAG_FILE} ({file_option})", timeout=timeout)
 
 
 @dataclass
@@ -105,10 +107,11 @@ def parse_items(text: str, where: str) -> list[Item]:
     return items
 
 
-def load_items(source: str | Path | None = None, cache_dir: str | Path | None = None,
-               url: str = HELLASWAG_URL) -> tuple[list[Item], dict]:
-    """Items and a description {path, sha256, canonical} of the file: a local path, or the canonical one."""
-    path = Path(source) if source else fetch_hellaswag(cache_dir, url)
+def load_items(source: str | Path | None = None, cache_dir: str | Path | None = None, url: str = HELLASWAG_URL,
+               file_option: str = "--data FILE") -> tuple[list[Item], dict]:
+    """Items and a description {path, sha256, canonical} of the file: a local path, or the canonical one
+    (file_option: fetch_hellaswag's)."""
+    path = Path(source) if source else fetch_hellaswag(cache_dir, url, file_option=file_option)
     if not path.is_file():
         raise EvalError(f"HellaSwag file {path} does not exist")
     data = path.read_bytes()
@@ -245,7 +248,7 @@ class HellaSwagProbe:
             if isinstance(source, (list, tuple)):
                 self.items = list(source)
             else:
-                self.items, self.file = load_items(source, cache_dir)
+                self.items, self.file = load_items(source, cache_dir, file_option="hellaswag_file=FILE")
             self._subset = render([self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size)
             if self._subset.n == 0:
                 raise EvalError(f"none of the {self._subset.skipped} HellaSwag items can be encoded by this "

@@ -9,6 +9,7 @@ resumed run writes exactly the rows the uninterrupted run would have written.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import sys
@@ -45,16 +46,16 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def throughput_summary(run_dir: str | Path) -> str:
-    """Notebook 03: the run's last measured throughput (metrics.jsonl): tokens/s, MFU, time split, ETA and the
-    Colab compute units left; "" before the first measurement."""
+    """Notebook 03: the throughput of the latest training session (its last metrics.jsonl row): tokens/s and MFU
+    while stepping, the time split, the ETA and the Colab compute units left; "" before the first measurement."""
     last = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1:]
     if not last:
         return ""
     r = last[0]
     eta = fmt_duration(r["eta_s"]) if r.get("eta_s") is not None else "?"
     units = f", ~{r['colab_units_left']} Colab compute units left" if r.get("colab_units_left") is not None else ""
-    return (f"{r['tokens_per_s']:,.0f} tokens/s, MFU {fmt_mfu(r.get('mfu'))}, time split "
-            f"{fmt_split(r.get('time_split') or {}) or '?'}, ETA {eta}{units}")
+    return (f"last session, at step {r['step']:,}: {r['tokens_per_s']:,.0f} tokens/s while stepping, MFU "
+            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; ETA {eta}{units}")
 
 
 def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
@@ -79,11 +80,16 @@ def restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> No
             atomic_write_bytes(dst, src.read_bytes())
 
 
-def write_samples_table(run_dir: Path) -> None:
-    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
+    """samples.jsonl as (prompts, steps, {(step, prompt): text})."""
     rows = read_jsonl(run_dir / SAMPLES_FILE)
     prompts, steps = list(dict.fromkeys(r["prompt"] for r in rows)), sorted({r["step"] for r in rows})
-    cell = {(r["step"], r["prompt"]): r["text"] for r in rows}
+    return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
+
+
+def write_samples_table(run_dir: Path) -> None:
+    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+    prompts, steps, cell = _samples_grid(run_dir)
 
     def esc(t: str) -> str:
         return t.replace("|", "\\|").replace("\n", "<br>")
@@ -92,6 +98,22 @@ def write_samples_table(run_dir: Path) -> None:
     lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |", "|:---|" + ":---|" * len(prompts)]
     lines += [f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |" for st in steps]
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
+
+
+def samples_html(run_dir: str | Path) -> str:
+    """samples.md as an HTML table, for a notebook: each cell aligned top-left (a notebook's own table style centres
+    a cell vertically, so two samples of a row started at different heights, and right-aligns its text)."""
+    prompts, steps, cell = _samples_grid(Path(run_dir))
+    if not steps:
+        return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
+    td = "border:1px solid #ccc;padding:4px 6px;vertical-align:top;text-align:left"
+    pre = '<pre style="white-space:pre-wrap;margin:0;font-size:12px">'
+    head = "".join(f'<th style="{td}">{html.escape(repr(p))}</th>' for p in prompts)
+    body = "".join(f'<tr><th style="{td}">{st:,}</th>' + "".join(
+        f'<td style="{td}">{pre}{html.escape(cell.get((st, p), ""))}</pre></td>' for p in prompts) + "</tr>"
+        for st in steps)
+    return (f'<table class="gptlib-samples" style="border-collapse:collapse"><tr><th style="{td}">step</th>{head}'
+            f"</tr>{body}</table>")
 
 
 def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,
@@ -161,8 +183,11 @@ class MetricsLog:
     per step and refreshes the bar; `validation_row` writes the validation row. On DDP ranks other than 0 the file
     is os.devnull and there is no bar, but `flush` still averages over ranks.
 
-    Throughput (tokens/s, MFU, ETA) leaves out the session's first step: it compiles the model (a minute or two
-    on a GPU), tunes kernels and grows the allocator. The bar shows loss, tokens/s, MFU and ETA; a progress line
+    Throughput leaves out the session's first step: it compiles the model (a minute or two on a GPU), tunes kernels
+    and grows the allocator. One tokens/s figure is shown everywhere (the bar, the progress lines, metrics.jsonl, so
+    the notebook's plot and summary, and TrainResult's "while stepping"): this session's tokens over its time spent
+    stepping so far, validations, sampling and saves left out; MFU and the time split are over the same time, and
+    the ETA counts the validations' time too. The bar shows loss, tokens/s, MFU and ETA; a progress line
     with the details (lr, the time split) is printed every TEXT_EVERY_S: in a notebook for front ends that cannot
     draw widgets, in a terminal above the bar, and alone where stderr is a file or a pipe.
     """
@@ -192,8 +217,9 @@ class MetricsLog:
         self.elapsed_before = st.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
         self.tokens_last = st.tokens_seen
-        self.tps = None  # tokens/s of the last log interval (None until measured)
+        self.tps = None  # tokens/s of this session while stepping (None until measured): the figure shown
         self.steady_tokens, self.steady_s = 0, 0.0  # all measured intervals: warm-up and validations left out
+        self.split: dict[str, float] = {}  # their time split
         self.paused_s = 0.0  # the validations' time after warm-up: the ETA counts it, tokens/s and MFU do not
         self.perf = {}
         self.warm = False  # the session's first step (compile, kernel tuning) is behind us
@@ -232,12 +258,14 @@ class MetricsLog:
         self.pending.clear()
         now = time.time()
         if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
-            self.tps = (st.tokens_seen - self.tokens_last) / max(1e-9, now - self.t_last)
             self.steady_tokens += st.tokens_seen - self.tokens_last
             self.steady_s += now - self.t_last
             self.t_last, self.tokens_last = now, st.tokens_seen
+            self.tps = self.steady_tokens / max(1e-9, self.steady_s)
+            split = timer.split()  # this interval's; its phases in the loop's order (the first one starts mid-step)
+            self.split = {k: split.get(k, 0.0) + self.split.get(k, 0.0) for k in split | self.split}
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
-            self.perf = perf_fields(timer.split(), self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
+            self.perf = perf_fields(self.split, self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
                                     st.tokens_seen, self.tc.max_steps * self.tokens_per_step, wall_rate)
         self.train_loss = losses[-1]
         for k, loss in enumerate(losses):
@@ -297,8 +325,8 @@ class MetricsLog:
                 self.paused_s += spent
 
     def steady_tokens_per_s(self) -> float | None:
-        """Tokens/s of this call while stepping, as the bar counts it (None before any interval was measured)."""
-        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
+        """Tokens/s of this call while stepping, the bar's figure (None before any interval was measured)."""
+        return self.tps
 
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""

@@ -47,8 +47,8 @@ class TrainResult:
     val_step: int | None  # ... measured at this step
     best_val_loss: float | None
     elapsed_s: float  # training wall time of this call (start-up and the final wait for Drive excluded)
-    tokens_per_s: float  # over elapsed_s: the first (compile) step, validation and sampling included
-    steady_tokens_per_s: float | None  # while stepping, as the progress bar counts: those left out (None: too short)
+    tokens_per_s: float  # over elapsed_s: the first (compile) step, validations, samples and saves included
+    steady_tokens_per_s: float | None  # while stepping: those left out; the bar's and metrics.jsonl's (None: too short)
     resumed_from: int | None  # step of the checkpoint this call resumed from
     stopped_by: str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
@@ -57,13 +57,16 @@ class TrainResult:
         """One line for the end of a training cell or command."""
         if self.stopped_by == "finished":
             val = f" (val {self.val_loss:.4f})" if self.val_loss is not None else ""
-            return f"already finished at step {self.step:,}{val}; nothing to do -> {self.run_dir}"
+            return (f"already finished at step {self.step:,}{val}; nothing to do (raise max_steps to train further) "
+                    f"-> {self.run_dir}")
         val = "n/a" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.val_loss is not None and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
-        steady = "" if self.steady_tokens_per_s is None else f"; {self.steady_tokens_per_s:,.0f} tokens/s while stepping"
-        return (f"done: step {self.step:,}, val loss {val}, {self.tokens_per_s:,.0f} tokens/s over "
-                f"{self.elapsed_s:.1f} s of training{steady} ({self.stopped_by}) -> {self.run_dir}")
+        # the progress bar's figure first, then the session's wall-clock one, each saying what it counts
+        speed = "" if self.steady_tokens_per_s is None else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
+        speed += (f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
+                  f"its first step, validations and saves included")
+        return f"done: step {self.step:,}, val loss {val}, {speed} ({self.stopped_by}) -> {self.run_dir}"
 
 
 def _silent(*args, **kwargs) -> None:
@@ -196,11 +199,9 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer
 
 
 def _finished(s: TrainingRun, log) -> TrainResult:
-    """A run already at max_steps: say so, change nothing."""
+    """A run already at max_steps: change nothing (its summary() says so: the one line a notebook or the CLI shows)."""
     r, state = s.resume, s.state
     val = r.state.val_loss if r is not None else None
-    log(f"already finished at step {state.step:,}" + (f" (val {val:.4f})" if val is not None else "")
-        + "; nothing to do (raise max_steps to train further)")
     try:
         s.open_writer(log).close()  # resumed from the local disk: Drive still gets the final checkpoint
     finally:

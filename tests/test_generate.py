@@ -312,6 +312,26 @@ def test_stop_strings_and_streaming(run_dir):
     assert [c.text for c in eng.generate(["ROMEO:", "KING"], cfg)] == [c.text for c in outs]
 
 
+def test_an_engine_loads_the_gpus_half_type_and_fp32_on_the_cpu(run_dir, monkeypatch):
+    """Engine.from_run loads the weights in resolve_dtype("auto", device)'s type (bf16 on an A100 or L4, fp16 on a
+    T4, fp32 on a CPU: tests/test_runtime.py): each decoded token reads every weight, so half the bytes on a GPU.
+    On the CPU it is the fp32 engine, token for token; with a GPU's choice faked, the same path loads the
+    weights and the KV cache in bf16 and decodes (the CPU runs bf16). load_run alone keeps the saved fp32."""
+    import gptlib.inference.loading as loading
+
+    cfg = SamplingConfig(max_new_tokens=30, temperature=0.9, top_k=20, seed=3)
+    eng, fp32 = Engine.from_run(run_dir), Engine.from_run(run_dir, dtype=torch.float32)
+    assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
+    assert eng.generate("ROMEO:", cfg)[0].token_ids == fp32.generate("ROMEO:", cfg)[0].token_ids
+    asked = []
+    monkeypatch.setattr(loading, "resolve_dtype", lambda name, device: asked.append((name, device)) or torch.bfloat16)
+    half = Engine.from_run(run_dir)
+    assert asked == [("auto", torch.device("cpu"))]
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16} and half.dtype == torch.bfloat16
+    assert len(half.generate("ROMEO:", cfg)[0].token_ids) == 30
+    assert {p.dtype for p in load_run(run_dir).model.parameters()} == {torch.float32} and len(asked) == 1
+
+
 def test_unknown_character_in_prompt_is_a_clear_error(run_dir):
     eng = Engine.from_run(run_dir)
     with pytest.raises(GenerationError, match="prompt 0 .*not in the char vocabulary"):

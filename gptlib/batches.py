@@ -68,10 +68,7 @@ class SplitData:
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
         """starts (B,) -> (B, length) tokens in the storage dtype (int16/int32): 4x less to copy than int64."""
         dev = self.tokens.device
-        if dev.type == "cuda" and starts.device.type == "cpu":
-            starts = starts.pin_memory().to(dev, non_blocking=True)  # a pageable copy would sync the host every batch
-        offsets = torch.arange(length, device=dev)
-        idx = starts.to(dev).unsqueeze(1) + offsets  # (B, length)
+        idx = _move(starts, dev).unsqueeze(1) + torch.arange(length, device=dev)  # (B, length)
         return self.tokens[idx]
 
 
@@ -116,7 +113,8 @@ class MemmapSplit:
 
 
 def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device copy; pinned + non_blocking for CUDA so the copy overlaps the previous step's kernels."""
+    """Host -> device copy; pinned + non_blocking for CUDA so the copy overlaps the previous step's kernels
+    (a copy from pageable memory would make the host wait for the GPU)."""
     if chunk.device == device:
         return chunk
     if device.type == "cuda" and chunk.device.type == "cpu":
@@ -139,7 +137,8 @@ class LossMask:
     def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
         """starts (B,) window offsets into the stream -> (B, block_size) bool: target t of row b (the token at
         starts[b] + t + 1) is inside an assistant span."""
-        pos = starts.to(self.starts.device).unsqueeze(1) + torch.arange(1, block_size + 1, device=self.starts.device)
+        dev = self.starts.device
+        pos = _move(starts, dev).unsqueeze(1) + torch.arange(1, block_size + 1, device=dev)
         k = torch.searchsorted(self.starts, pos, right=True) - 1  # the last span starting at or before pos
         return (k >= 0) & (pos < self.ends[k.clamp(min=0)])
 
@@ -188,6 +187,7 @@ class BatchSampler:
         offset: where `tokens` starts in the split's stream (a memmap chunk), for the loss mask."""
         high = len(tokens) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
+        starts = _move(starts, tokens.tokens.device)  # once per batch: the gather and the loss mask share it
         chunk = _to_ids(_move(tokens.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
         self.batches_drawn += 1
         x, y = chunk[:, :-1], chunk[:, 1:]

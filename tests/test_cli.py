@@ -55,3 +55,24 @@ def test_bad_input_is_one_clear_line(tmp_path, char_data, args, message):
 def test_unknown_preset_is_rejected_by_argparse(tmp_path, char_data):
     r = gptlib("train", "--data", char_data, "--run-dir", tmp_path / "r", "--preset", "huge")
     assert r.returncode == 2 and "invalid choice: 'huge'" in r.stderr
+
+
+def test_a_run_directory_given_as_data_is_named_with_the_data_to_pass(tmp_path, char_data):
+    """--data pointing at a training run (or one of its checkpoints) says what it is and names the data directory
+    the checkpoint records, in one line, and leaves the run as it was; it used to suggest an interrupted tokenize."""
+    import hashlib
+
+    from gptlib.training.loop import train
+
+    run = tmp_path / "run"
+    train(char_data, run, overrides=TINY, max_steps=4, progress=False, log=lambda s: None)
+    (ckpt,) = sorted((run / "checkpoints").iterdir())
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.rglob("*") if p.is_file()}
+    for given, what in [(run, f"{run} is a training run directory"),
+                        (ckpt, f"{ckpt} is a checkpoint of the training run {run}")]:
+        r = gptlib("train", "--data", given, "--run-dir", tmp_path / "other", "--device", "cpu")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        line = r.stderr.strip()
+        assert "\n" not in line and what in line and f"the data directory it was trained on, {char_data}" in line
+        assert "interrupted" not in line
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.rglob("*") if p.is_file()} == before

@@ -20,9 +20,11 @@ from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import EvalError
 from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
-from gptlib.evaluation.likelihood import pack_batches, score_rows
+from gptlib.evaluation.likelihood import pack_batches, score_rows, window_nll
 from gptlib.model import GPT
 from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
+
+from .device_ops import DeviceOps
 
 
 def tiny_gpt(vocab=50, block=16, seed=0, bias=False) -> GPT:
@@ -64,6 +66,21 @@ def test_score_rows_matches_brute_force(batch_tokens):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="does not fit block_size=16"):
         score_rows(m, [list(range(18))], [3], "cpu")
+
+
+def test_scoring_never_waits_for_the_device():
+    """Scoring rows and windows queues its work without reading a device value back to the host (tests/device_ops.py):
+    the scored positions are index tensors made on the host from the known lengths. A boolean mask on the GPU
+    made the host wait to count its Trues, once per batch; the results stay those of the brute force above."""
+    m = tiny_gpt()
+    seqs, ks = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [3] * 17, [4, 5]], [2, 1, 16, 1]
+    with DeviceOps() as ops:
+        got = score_rows(m, seqs, ks, "cpu", batch_tokens=40)
+        nll = window_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2))
+    assert ops.syncs == []
+    np.testing.assert_allclose(got, [brute_ll(m, s, k) for s, k in zip(seqs, ks)], rtol=1e-5, atol=1e-5)
+    assert nll.shape == (2, 16) and torch.equal(nll[0], nll[1])
+    np.testing.assert_allclose(-nll[0].sum().item(), brute_ll(m, seqs[2], 16), rtol=1e-5)
 
 
 def test_ending_rows_cover_every_ending_token_once():

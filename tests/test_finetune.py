@@ -34,6 +34,7 @@ from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests.conftest import REPO
+from tests.device_ops import DeviceOps
 
 WORDS = "apple river stone cloud tiger lamp green seven music ocean paper silver candle forest window honey".split()
 OPPOSITE = {**dict(zip(WORDS[:8], WORDS[8:])), **dict(zip(WORDS[8:], WORDS[:8]))}  # an arbitrary fixed pairing
@@ -169,6 +170,23 @@ def test_a_window_without_an_answer_gives_zero_loss_not_nan():
     assert float(loss.detach()) == 0.0
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_a_chat_batch_on_the_device_copies_its_starts_there_once():
+    """Data on the device (the meta device stands in for a GPU: tests/device_ops.py): each chat batch makes one
+    host -> device copy, its B window starts, which the gather and the loss mask share. A second copy for the
+    mask, from pageable memory, made the host wait for the GPU on every micro-batch of notebook 05."""
+    dev = torch.device("meta")
+    data = SplitData(torch.randint(0, 100, (5000,), dtype=torch.int16).to(dev), "train")
+    mask = LossMask(np.array([[10, 50], [300, 900], [2000, 2100]]), len(data), dev)
+    sampler = make_sampler(data, 8, 64, seed=0, device=dev, loss_mask=mask)
+    for _ in range(3):
+        with DeviceOps() as ops:
+            x, y = sampler.next_batch()
+        assert ops.host_to_device == [("aten._to_copy", (8,))], ops.host_to_device
+        assert ops.syncs == []
+        assert x.shape == y.shape == (8, 64) and y.device == dev and y.dtype == torch.int64
+    assert "aten.searchsorted" in ops.ops  # the mask was built, on the device
 
 
 # ------------------------------------------------------------------------------------ learning, chat

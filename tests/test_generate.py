@@ -18,6 +18,7 @@ from gptlib.inference.sampling import SamplingConfig, process_logits, sample_nex
 from gptlib.model import GPT
 
 from .conftest import TINY
+from .device_ops import DeviceOps
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,61 @@ def test_logits_processing():
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.05)
 
 
+P6 = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03], dtype=torch.float64)
+
+
+def freqs(draws: torch.Tensor, V: int) -> torch.Tensor:
+    return torch.bincount(draws, minlength=V).double() / draws.numel()
+
+
+def test_sampling_draws_each_token_with_its_probability():
+    """200,000 seeded draws from one distribution (one call, one row per draw): each token's frequency is within
+    5 standard errors of its probability (SE = sqrt(p(1-p)/N) <= 0.0011: a correct sampler misses this with
+    probability < 1e-5), and within 5 SE of a difference of torch.multinomial's frequencies. The check has the
+    power to see a 5% temperature error: p^(1/1.05), renormalised, is 10 SE away for the top token."""
+    n, cfg = 200_000, SamplingConfig(temperature=1.0)
+    draws = sample_next(process_logits(P6.log().float().expand(n, 6), cfg), cfg, torch.Generator().manual_seed(0))
+    freq, se = freqs(draws, 6), (P6 * (1 - P6) / n).sqrt()
+    assert ((freq - P6).abs() < 5 * se).all(), (freq, P6)
+    multi = torch.multinomial(P6.float().expand(n, 6), 1, generator=torch.Generator().manual_seed(1)).squeeze(-1)
+    assert ((freq - freqs(multi, 6)).abs() < 5 * 2 ** 0.5 * se).all()
+    hotter = P6 ** (1 / 1.05) / (P6 ** (1 / 1.05)).sum()
+    assert not ((freq - hotter).abs() < 5 * se).all()  # negative control: the tolerance tells them apart
+
+
+def test_top_k_top_p_and_the_penalty_shape_what_is_drawn():
+    """Filtered tokens are never drawn and every kept token is (20,000 draws); the repetition penalty's
+    distribution is the softmax of the penalised logits (5 SE, as above)."""
+    n = 20_000
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.0, -1.0]]).expand(n, 6)  # probabilities .46 .28 .17 .06 .02 .01
+    g = torch.Generator().manual_seed(0)
+
+    def draw(cfg, seen=None):
+        return sample_next(process_logits(logits, cfg, seen), cfg, g)
+
+    assert set(draw(SamplingConfig(temperature=1.0, top_k=2)).tolist()) == {0, 1}
+    assert set(draw(SamplingConfig(temperature=1.0, top_p=0.8)).tolist()) == {0, 1, 2}  # .46 + .28 < .8 <= + .17
+    assert set(draw(SamplingConfig(temperature=0.5, top_k=3, top_p=0.6)).tolist()) == {0}  # at T=.5: .66 .24 .09
+    seen = torch.zeros(n, 6, dtype=torch.bool)
+    seen[:, 0] = seen[:, 5] = True  # 3.0 -> 1.5, -1.0 -> -2.0
+    want = torch.softmax(torch.tensor([1.5, 2.5, 2.0, 1.0, 0.0, -2.0], dtype=torch.float64), -1)
+    freq = freqs(draw(SamplingConfig(temperature=1.0, repetition_penalty=2.0), seen), 6)
+    assert ((freq - want).abs() < 5 * (want * (1 - want) / n).sqrt()).all(), (freq, want)
+
+
+def test_sampled_generation_never_waits_for_the_device(model):
+    """Decoding at temperature > 0 with top-k, top-p and the penalty, past the window, with neither a stream nor
+    stops: no op that makes the host wait for a GPU (tests/device_ops.py) runs before the result is read. A
+    multinomial per token did (its kernel checks the probabilities with .item())."""
+    eng = Engine(model)
+    cfg = SamplingConfig(max_new_tokens=30, temperature=0.9, top_k=10, top_p=0.9, repetition_penalty=1.2, seed=1)
+    with DeviceOps() as ops:
+        out, _ = eng.generate_ids([[1, 2, 3], [4]], cfg)
+    assert ops.syncs == []
+    assert [len(o) for o in out] == [30, 30]
+    assert out == eng.generate_ids([[1, 2, 3], [4]], cfg)[0]  # the seed still fixes the draws
+
+
 def test_bad_settings_are_clear_errors(model):
     eng = Engine(model)
     for kw, name in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"),
@@ -254,6 +310,26 @@ def test_stop_strings_and_streaming(run_dir):
     for i, c in enumerate(outs):
         assert "".join(streamed[i]) == c.text and len(c.text) == 25 and c.finish_reason == "length"
     assert [c.text for c in eng.generate(["ROMEO:", "KING"], cfg)] == [c.text for c in outs]
+
+
+def test_an_engine_loads_the_gpus_half_type_and_fp32_on_the_cpu(run_dir, monkeypatch):
+    """Engine.from_run loads the weights in resolve_dtype("auto", device)'s type (bf16 on an A100 or L4, fp16 on a
+    T4, fp32 on a CPU: tests/test_runtime.py): each decoded token reads every weight, so half the bytes on a GPU.
+    On the CPU it is the fp32 engine, token for token; with a GPU's choice faked, the same path loads the
+    weights and the KV cache in bf16 and decodes (the CPU runs bf16). load_run alone keeps the saved fp32."""
+    import gptlib.inference.loading as loading
+
+    cfg = SamplingConfig(max_new_tokens=30, temperature=0.9, top_k=20, seed=3)
+    eng, fp32 = Engine.from_run(run_dir), Engine.from_run(run_dir, dtype=torch.float32)
+    assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
+    assert eng.generate("ROMEO:", cfg)[0].token_ids == fp32.generate("ROMEO:", cfg)[0].token_ids
+    asked = []
+    monkeypatch.setattr(loading, "resolve_dtype", lambda name, device: asked.append((name, device)) or torch.bfloat16)
+    half = Engine.from_run(run_dir)
+    assert asked == [("auto", torch.device("cpu"))]
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16} and half.dtype == torch.bfloat16
+    assert len(half.generate("ROMEO:", cfg)[0].token_ids) == 30
+    assert {p.dtype for p in load_run(run_dir).model.parameters()} == {torch.float32} and len(asked) == 1
 
 
 def test_unknown_character_in_prompt_is_a_clear_error(run_dir):

@@ -21,7 +21,7 @@ import numpy as np
 
 from gptlib.errors import DataFormatError
 from gptlib.fsutil import atomic_write, atomic_write_json, sha256_file
-from gptlib.layout import TOKENIZER_FILE
+from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, MANIFEST_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -168,7 +168,8 @@ def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
     if not data_dir.is_dir():
         raise DataFormatError(f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)")
     if not meta_path.is_file():
-        raise DataFormatError(f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
+        raise DataFormatError(_run_dir_message(data_dir) or
+                              f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
                               f"(an interrupted tokenize run leaves no meta.json; run it again to finish)")
     try:
         m = json.loads(meta_path.read_text())
@@ -178,6 +179,28 @@ def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
         return _checked_meta(data_dir, meta_path, m, verify_hashes)
     except (KeyError, TypeError, AttributeError) as e:  # a hand-edited meta.json with a field of the wrong shape
         raise DataFormatError(f"{meta_path}: malformed metadata ({type(e).__name__}: {e})") from None
+
+
+def _run_dir_message(data_dir: Path) -> str | None:
+    """A training run directory, or one of its checkpoints, given as data: say so, and name the data directory
+    the checkpoint (the run's newest) records in state.json's data_dir, to pass instead."""
+    is_checkpoint = (data_dir / MANIFEST_FILE).is_file()
+    run_dir = data_dir.parent.parent if is_checkpoint else data_dir
+    if not is_checkpoint and not (run_dir / CHECKPOINTS_DIR).is_dir() and not (run_dir / CONFIG_FILE).is_file():
+        return None
+    recorded = ""
+    states = [data_dir / STATE_FILE] if is_checkpoint else sorted(checkpoints_dir(run_dir).glob(f"step_*/{STATE_FILE}"))
+    for state in reversed(states):
+        try:
+            recorded = str(json.loads(state.read_text()).get("data_dir") or "")
+        except (OSError, ValueError, AttributeError):  # unreadable or damaged: try an older one
+            continue
+        if recorded:
+            break
+    what = f"a checkpoint of the training run {run_dir}" if is_checkpoint else "a training run directory"
+    instead = f"the data directory it was trained on, {recorded}" if recorded else "a data directory"
+    return (f"{data_dir} is {what}, not a dataset (it has no {META_FILE}): pass {instead} (what `python -m gptlib "
+            f"tokenize` wrote; it holds {META_FILE} and the token shards)")
 
 
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict, verify_hashes: bool) -> DatasetMeta:

@@ -193,7 +193,7 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
     prep = _prepare(run_dir, task, data, steps[-1], cache_dir, file_option)
     rows, rendered, unsaved = [], {}, None
     for step in steps:
-        lm = load_run(run_dir, step, device=dev)
+        lm = load_run(run_dir, step, device=dev)  # fp32 weights under autocast, as training's validation loss
         _, dt = eval_autocast(dev, dtype)
         t0 = time.perf_counter()
         if task == "hellaswag":

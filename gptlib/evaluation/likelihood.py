@@ -82,14 +82,17 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def masked_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Negative log-likelihood (nats, float32) of the targets y[mask], in row-major order of mask. The blocks run on
-    every position (causality needs them), ln_f and the output layer only on the masked ones; logits are cut to
-    vocab_size (the embedding's padding rows never count)."""
+def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Negative log-likelihood (nats, float32) of the targets y.flatten()[positions], or of every target. The blocks
+    run on every position (causality needs them), ln_f and the output layer only on the scored ones; logits are
+    cut to vocab_size (the embedding's padding rows never count). positions are flat indices made on the host:
+    a boolean mask on the GPU would make the host wait there to count its Trues before the gather."""
     m = unwrap_model(model)
-    h = m.hidden_states(x)  # (B, T, C)
-    logits = m.head(h[mask])  # (N, V): only the scored positions
-    return F.cross_entropy(logits.float(), y[mask], reduction="none")
+    h, y = m.hidden_states(x).flatten(0, 1), y.flatten()  # (B*T, C), (B*T,)
+    if positions is not None:
+        h, y = h.index_select(0, positions), y.index_select(0, positions)  # (N, C), (N,): only the scored positions
+    return F.cross_entropy(m.head(h).float(), y, reduction="none")
 
 
 @torch.inference_mode()
@@ -108,10 +111,11 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
     bt = batch_tokens or default_batch_tokens(device)
     for idx in pack_batches([len(s) - 1 for s in seqs], bt):
         toks, mask = _collate(seqs, ks, idx)
-        row_of = np.broadcast_to(idx[:, None], mask.shape)[mask]  # the row each scored target belongs to
+        pos = np.flatnonzero(mask)  # the scored targets' flat positions in (B, L-1), row-major
+        row_of = idx[pos // mask.shape[1]]  # the row each scored target belongs to
         toks = _to_device(toks, device)
         with ctx:
-            nll = masked_nll(model, toks[:, :-1], toks[:, 1:], _to_device(mask, device))
+            nll = scored_nll(model, toks[:, :-1], toks[:, 1:], _to_device(pos, device))
         out.index_add_(0, _to_device(row_of, device), -nll.double())
         if progress is not None:
             progress(len(idx))
@@ -124,4 +128,4 @@ def window_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: 
     """Per-token NLL (nats, float32) of full windows: x, y (B, T) -> (B, T). For bits per byte."""
     ctx, _ = eval_autocast(x.device, dtype)
     with ctx:
-        return masked_nll(model, x, y, torch.ones_like(x, dtype=torch.bool)).view(x.shape)
+        return scored_nll(model, x, y).view(x.shape)

@@ -75,9 +75,11 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
 
     @classmethod
-    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype=None,
+    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto",
                  compile: bool = False) -> "Engine":
-        """Load a checkpoint of a run directory: "latest", "best" or a step (see gptlib.inference.loading)."""
+        """Load a checkpoint of a run directory: "latest", "best" or a step (see gptlib.inference.loading).
+        dtype "auto": on a GPU the weights (and the KV cache) in bf16, fp16 on a T4, since each decoded token
+        reads every weight and half the bytes take about half the time; fp32 on a CPU."""
         ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path), compile=compile)
 

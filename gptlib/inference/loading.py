@@ -26,7 +26,7 @@ from gptlib.errors import CheckpointError, TokenizerError, loud
 from gptlib.fsutil import call_with_timeout
 from gptlib.layout import MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from gptlib.model import GPT
-from gptlib.runtime import resolve_device
+from gptlib.runtime import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -139,9 +139,11 @@ def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> To
 
 
 def load_run(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
-                       dtype: torch.dtype | None = None, log=loud) -> LoadedModel:
+             dtype: torch.dtype | str | None = None, log=loud) -> LoadedModel:
     """Model (eval mode) + verified tokenizer for one checkpoint of a run directory (local or on Drive:
-    every read has a time limit, so a hung Drive gives an error instead of a hung notebook)."""
+    every read has a time limit, so a hung Drive gives an error instead of a hung notebook).
+    dtype: None keeps the saved fp32 (training from it, evaluation under autocast, export); "auto" is the
+    device's own type, resolve_dtype("auto"): bf16 on a GPU with bf16 hardware, fp16 on a T4, fp32 on a CPU."""
     info = resolve_checkpoint(run_dir, which, log)
     path = info.path
     rec = info.manifest.get("files", {}).get(MODEL_FILE, {})
@@ -157,6 +159,8 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
         raise CheckpointError(f"{path / MODEL_FILE}: weights do not fit the saved config ({str(e)[:300]})") from None
     if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
         device = resolve_device(device)
+    if dtype == "auto":
+        dtype = resolve_dtype("auto", device)
     model.to(device=device, dtype=dtype).eval()
     return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
 

@@ -77,10 +77,15 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) processed logits -> (B,) token ids: argmax if temperature is 0, else a draw."""
+    """(B, V) processed logits -> (B,) token ids: argmax if temperature is 0, else a draw.
+
+    The draw is argmax(p / q) with q ~ Exp(1) per token: token i wins with probability p_i (the exponential
+    race; torch.multinomial does the same for one sample, after checking the probabilities with `.item()`,
+    which makes the host wait for the GPU on every token). Tokens filtered to p = 0 can never win."""
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits, dim=-1)
-    if generator is not None and generator.device != probs.device:
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    gen_device = probs.device if generator is None else generator.device  # training's samples pass a CPU one
+    q = torch.empty(probs.shape, device=gen_device).exponential_(1, generator=generator).to(probs.device)
+    q.clamp_(min=torch.finfo(q.dtype).tiny)  # the CPU kernel can return exactly 0, and 0 / 0 = NaN would win argmax
+    return (probs / q).argmax(dim=-1)

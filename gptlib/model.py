@@ -9,6 +9,7 @@ Shapes: B batch, T time (tokens), C n_embd, H n_head, D head size (C // H), V pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -95,10 +96,26 @@ class KVCache:
 RMS_EPS = 1e-6  # Llama's and Qwen3's RMSNorm eps: an export computes the same
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same weight, the same state dict) that runs in its input's dtype on every torch version.
+
+    Under autocast a bf16 activation (the QK-norm's queries and keys) met the fp32 weight: before torch 2.12 that
+    misses the fused kernel for a ~8-kernel fallback (pytorch#167308); from 2.12 CUDA autocast runs rms_norm in fp32
+    whatever the dtypes, so the norm hands on fp32 (pytorch#188955). The weight cast to the input's dtype, outside
+    autocast, takes the fused kernel (it accumulates in fp32 itself) and returns the input's dtype. In fp32 this
+    is exactly nn.RMSNorm's own call.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type  # CPU and CUDA autocast exist on every torch gptlib runs on (MPS's not before 2.5)
+        with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else contextlib.nullcontext():
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 def norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """LayerNorm (GPT-2) or RMSNorm (no mean, no bias)."""
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=RMS_EPS)
+        return RMSNorm(dim, eps=RMS_EPS)
     return nn.LayerNorm(dim, bias=cfg.bias)
 
 
@@ -128,8 +145,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): attention logits stay bounded
-            self.q_norm = nn.RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
-            self.k_norm = nn.RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
+            self.q_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
+            self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:

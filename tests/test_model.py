@@ -1,9 +1,11 @@
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
 
-from gptlib.config import ModelConfig
+from gptlib.config import ModelConfig, get_preset
 from gptlib.model import GPT, KVCache
 
 
@@ -144,3 +146,81 @@ def test_split_path_used_for_decoding_only(monkeypatch):
         step, _ = model(x[:1, 8:9], cache=cache)  # one token: every matmul takes the split path
     assert len(calls) >= 4 * cfg.n_layer + 1 and all(s[-2] == 1 for s in calls[-(4 * cfg.n_layer + 1):])
     torch.testing.assert_close(step[0, -1], full[0, -1], rtol=1e-4, atol=1e-5)
+
+
+# --- RMSNorm: the input's dtype on every torch version ---------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_autocast_policy_on_cpu():
+    """CPU autocast given the rule CUDA autocast has for rms_norm from torch 2.12 on (pytorch#188955): the inputs
+    cast to fp32 whatever their dtypes. No GPU here; the norm's way around the rule runs for real."""
+    key = torch._C.DispatchKey.AutocastCPU
+
+    def fp32_policy(x, shape, weight=None, eps=None):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return torch.ops.aten.rms_norm(x.float(), shape, None if weight is None else weight.float(), eps)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("rms_norm", fp32_policy, "AutocastCPU")
+    yield
+    lib._destroy()
+
+
+def modern_tiny():
+    return dataclasses.replace(get_preset("phase1", "modern").model, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def qk_norm_outputs(model, x):
+    """The dtypes the model's QK-norms hand on during a forward of x under CPU autocast bf16."""
+    seen = []
+    for block in model.transformer.h:
+        for norm in (block.attn.q_norm, block.attn.k_norm):
+            norm.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, x)
+    return seen
+
+
+def test_rmsnorm_under_autocast_takes_the_fused_path_in_the_inputs_dtype():
+    """The QK-norm's bf16 queries and keys meet the fp32 weight: no fallback from the fused kernel (torch warns when it
+    falls back), and the output stays bf16."""
+    torch.manual_seed(0)
+    model = GPT(modern_tiny())
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*[Mm]ismatch dtype.*")
+        seen = qk_norm_outputs(model, x)
+    assert seen and all(pair == (torch.bfloat16, torch.bfloat16) for pair in seen), seen
+
+
+def test_rmsnorm_keeps_bf16_under_the_fp32_autocast_rule_of_torch_2_12(cuda_autocast_policy_on_cpu):
+    torch.manual_seed(0)
+    plain = torch.nn.RMSNorm(8)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plain(x).dtype == torch.float32  # the rule in force: nn.RMSNorm hands on fp32
+    model = GPT(modern_tiny())
+    seen = qk_norm_outputs(model, torch.randint(0, model.config.vocab_size, (2, 16)))
+    assert seen and all(pair == (torch.bfloat16, torch.bfloat16) for pair in seen), seen
+
+
+def test_rmsnorm_in_fp32_is_nn_rmsnorm_bit_for_bit():
+    """Same state dict keys, and the same fp32 forward as the model with torch's nn.RMSNorm in every norm."""
+    torch.manual_seed(0)
+    model = GPT(modern_tiny())
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    keys = list(model.state_dict())
+    logits, loss = model(x, x)
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.RMSNorm):
+                plain = torch.nn.RMSNorm(child.normalized_shape, eps=child.eps)
+                plain.weight = child.weight
+                setattr(parent, name, plain)
+                swapped += 1
+    assert swapped == 2 * 2 + 2 * 2 + 1  # per block ln_1, ln_2, q_norm, k_norm; ln_f
+    before_logits, before_loss = model(x, x)
+    assert list(model.state_dict()) == keys
+    assert torch.equal(logits, before_logits) and torch.equal(loss, before_loss)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -227,6 +228,36 @@ class Block(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class ModelSize:
+    params: int  # every parameter, as model.parameters() counts them (a tied embedding once)
+    matmul_params: int  # the weights that multiply activations: every Linear's, the output head's tied or not
+    flops_per_token: int  # training FLOPs per token of the matmuls and attention (forward + backward)
+
+
+def model_size(cfg: ModelConfig) -> ModelSize:
+    """The GPT that cfg builds, counted from the config alone (no model made): parameters and training FLOPs per
+    token, the one count MFU, compile=auto, the memory estimate and the benchmarks use.
+
+    FLOPs are those of the matmuls, as PaLM's appendix B counts them: 6 per matmul weight per token (2 forward, 4
+    backward), the input embedding being a lookup and the position embedding an addition (not counted; the output
+    head is a matmul, tied or not), plus attention's 12 * n_layer * n_embd * T with T = block_size: the full
+    context, as PaLM and nanoGPT count it, so MFU compares with theirs (a causal kernel skips the masked half of
+    that work, so the figure is a little high on the attention's share, at gpt2-small 15% of the total).
+    """
+    C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.block_size
+    b = int(cfg.bias)
+    fc_out = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden  # swiglu: c_fc holds gate and up
+    block_matmuls = C * 3 * C + C * C + C * fc_out + cfg.mlp_hidden * C  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    block_biases = b * (3 * C + C + fc_out + C)
+    norm_params = C * (1 if cfg.norm == "rmsnorm" else 1 + b)  # a gain; LayerNorm's bias with bias=True
+    qk_norms = 2 * (C // cfg.n_head) if cfg.qk_norm else 0
+    matmul = L * block_matmuls + V * C  # the head: wte's weight when tied
+    embeddings = (0 if cfg.tie_embeddings else V * C) + (T * C if cfg.positions == "learned" else 0)
+    params = matmul + embeddings + L * (block_biases + 2 * norm_params + qk_norms) + norm_params  # + ln_f
+    return ModelSize(params, matmul, 6 * matmul + 12 * L * C * T)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -268,13 +299,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters, counting the tied embedding once; position embeddings excluded if non_embedding."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
-        return n
 
     def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
                       pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -357,8 +381,3 @@ class GPT(nn.Module):
         ]
         fused = device_type == "cuda"
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus 12*L*C*T for attention (PaLM appendix B)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size

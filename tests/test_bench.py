@@ -111,8 +111,8 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
     monkeypatch.setattr(model, "forward", fake_forward)
     monkeypatch.setattr(memory, "free_memory", lambda: freed.append(1))
     logs = []
-    micro, accum = memory.probe_micro_batch(model, 32, 48, "cpu", log=logs.append)
-    assert (micro, accum) == (8, 6) and micro * accum == 48  # tokens per step kept
+    micro, accum, peak = memory.probe_micro_batch(model, 32, 48, "cpu", log=logs.append)
+    assert (micro, accum, peak) == (8, 6, 0) and micro * accum == 48  # tokens per step kept; no memory probe: no peak
     assert tried == [48, 24, 16, 12, 8]  # divisors of 48, largest first
     assert len(freed) >= len(tried)  # memory released after every try
     assert all(p.grad is None for p in model.parameters())  # nothing left behind
@@ -121,7 +121,7 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
 
 def test_probe_respects_cap_and_reraises_other_errors(monkeypatch):
     model = _tiny_model()
-    assert memory.probe_micro_batch(model, 32, 16, "cpu", max_micro=4, log=lambda s: None) == (4, 4)
+    assert memory.probe_micro_batch(model, 32, 16, "cpu", max_micro=4, log=lambda s: None) == (4, 4, 0)
 
     def broken(idx, targets=None, cache=None):
         raise RuntimeError("shape mismatch")

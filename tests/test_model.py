@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gptlib.config import ModelConfig, get_preset
-from gptlib.model import GPT, KVCache
+from gptlib.model import GPT, KVCache, model_size
 
 
 def tiny(**kw):
@@ -146,6 +146,39 @@ def test_split_path_used_for_decoding_only(monkeypatch):
         step, _ = model(x[:1, 8:9], cache=cache)  # one token: every matmul takes the split path
     assert len(calls) >= 4 * cfg.n_layer + 1 and all(s[-2] == 1 for s in calls[-(4 * cfg.n_layer + 1):])
     torch.testing.assert_close(step[0, -1], full[0, -1], rtol=1e-4, atol=1e-5)
+
+
+# --- the one parameter / FLOP count ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["phase1", "phase2", "gpt2-small"])
+@pytest.mark.parametrize("recipe,fields", [
+    ("gpt2", {}), ("gpt2", {"bias": True}), ("gpt2", {"tie_embeddings": False, "vocab_multiple": 1}),
+    ("modern", {}), ("modern", {"tie_embeddings": True}), ("modern", {"bias": True, "qk_norm": False}),
+    ("modern", {"norm": "layernorm", "positions": "learned", "mlp": "gelu"}), ("gpt2", {"mlp": "relu2"})])
+def test_model_size_counts_the_built_model(preset, recipe, fields):
+    """model_size(cfg) against the model cfg builds: its parameters as model.parameters() has them, its matmul
+    weights read off the built nn.Linear modules (the tied head counted once, as the matmul it is), and the FLOPs
+    of those matmuls (6 per weight per token) plus attention's 12*L*C*T; the input embedding is a lookup."""
+    cfg = dataclasses.replace(get_preset(preset, recipe).model, **fields)
+    with torch.device("meta"):  # the real modules, no memory
+        model = GPT(cfg)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    matmul = sum(m.weight.numel() for m in linears)
+    got = model_size(cfg)
+    assert got.params == sum(p.numel() for p in model.parameters())
+    assert got.matmul_params == matmul
+    assert got.flops_per_token == 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def test_the_modern_recipes_untied_embedding_is_no_matmul():
+    """gpt2-small: both recipes do the same matmuls per token (SwiGLU's 8C/3 hidden matches GELU's 4C), so the
+    same FLOPs, ~774M (issue 26: the modern recipe's was 6 x all parameters, ~925M, and its MFU ~20% high)."""
+    gpt2, modern = (model_size(get_preset("gpt2-small", r).model) for r in ("gpt2", "modern"))
+    # 12 layers x (4 x 768^2 attention + 2 x 768 x 3,072 MLP) + the 32,768 x 768 head = 110,100,480 matmul weights
+    assert gpt2.flops_per_token == modern.flops_per_token == 6 * 110_100_480 + 12 * 12 * 768 * 1024 == 773_849_088
+    # its own input embedding, no position table, and the QK-norms' gains (2 x 64 per layer)
+    assert modern.params - gpt2.params == (32768 - 1024) * 768 + 12 * 2 * 64
 
 
 # --- RMSNorm: the input's dtype on every torch version ---------------------------------------------------------

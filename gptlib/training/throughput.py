@@ -1,8 +1,8 @@
 """Measurement that training shows and benchmarks print: GPU peaks, MFU, ETA, Colab compute units, the step timer.
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / the GPU's dense peak for the precision gptlib
-trains in, with GPT.flops_per_token() = 6N + 12*L*d*T FLOPs per token. Only GPUs in PEAK_TFLOPS get a
-number; anything else (an unlisted GPU, a CPU) says "MFU unknown" rather than print a wrong one.
+trains in, with gptlib.model.model_size's FLOPs per token (the matmuls' and attention's). Only GPUs in PEAK_TFLOPS
+get a number; anything else (an unlisted GPU, a CPU) says "MFU unknown" rather than print a wrong one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from gptlib.errors import ConfigError, loud
+from gptlib.model import model_size
 
 # Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
 # bf16 where the GPU has it; fp16 on T4/V100, which train in fp16 + GradScaler. First match wins.
@@ -133,16 +134,6 @@ def tokens_per_step(cfg, world_size: int = 1) -> int:
     return cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
 
 
-def flops_per_token(model_cfg) -> int:
-    """GPT.flops_per_token() from the config alone (no model built): 6N + 12*L*C*T, N the parameters without
-    the position embeddings (the tied embedding counted once)."""
-    c = model_cfg
-    d, L = c.n_embd, c.n_layer
-    per_layer = 12 * d * d + 2 * d + (11 * d if c.bias else 0)  # attn 4d^2 + mlp 8d^2, two LayerNorms, biases
-    n = c.padded_vocab_size * d + L * per_layer + d + (d if c.bias else 0)  # + the final LayerNorm
-    return 6 * n + 12 * L * d * c.block_size
-
-
 def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
     """Tokens the run still trains on from start_step to max_steps."""
     return max(0, cfg.train.max_steps - start_step) * tokens_per_step(cfg, world_size)
@@ -150,7 +141,7 @@ def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
 
 def run_flops(cfg, start_step: int = 0) -> float:
     """Training FLOPs of the run from start_step (compile=auto's measure of whether compiling pays)."""
-    return float(flops_per_token(cfg.model)) * run_tokens(cfg, start_step)
+    return float(model_size(cfg.model).flops_per_token) * run_tokens(cfg, start_step)
 
 
 GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")  # config.PRESETS made for a GPU runtime
@@ -308,7 +299,7 @@ def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     def cost(n: float) -> str:
         if peak.peak_flops is None:
             return ""
-        seconds = n * flops_per_token(gpt2_cfg.model) / (peak.peak_flops * ASSUMED_MFU)
+        seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
         units = colab_units(seconds, peak.family)
         return f" (~{fmt_duration(seconds)}" + (f", ~{units:,.0f} Colab units" if units is not None else "") + ")"
 

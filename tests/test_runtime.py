@@ -50,11 +50,11 @@ def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 
     return calls
 
 
-# --- 1. dtype: T4/V100 train in fp16 + GradScaler, never in emulated bf16 --------------------------------------
+# --- 1. dtype: a T4 trains in fp16 + GradScaler, never in emulated bf16 ----------------------------------------
 
 
-@pytest.mark.parametrize("name,cap,want", [("Tesla T4", (7, 5), torch.float16), ("Tesla V100-SXM2-16GB", (7, 0),
-                                           torch.float16), ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
+@pytest.mark.parametrize("name,cap,want", [("Tesla T4", (7, 5), torch.float16),
+                                           ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
                                            ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
 def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
     from gptlib.evaluation.likelihood import eval_autocast
@@ -392,3 +392,54 @@ def test_cpu_estimate_is_honest():
 def test_the_declared_torch_floor_has_torch_out_of_memory_error():
     text = (REPO / "pyproject.toml").read_text()
     assert '"torch>=2.5"' in text  # torch.OutOfMemoryError (caught by train and the probe) arrived in 2.5
+
+
+# --- 11. Colab compute units: the runtime from the GPU's name and memory, and the user's own rate ----------------
+
+
+@pytest.mark.parametrize("name,memory,runtime,rate", [
+    ("NVIDIA A100-SXM4-40GB", int(39.4 * GIB), "A100 40GB", 5.40), ("NVIDIA A100-SXM4-80GB", int(79.2 * GIB),
+                                                                    "A100 80GB", 7.52),
+    ("NVIDIA A100-PCIE", int(79.2 * GIB), "A100 80GB", 7.52), ("NVIDIA A100-PCIE", int(39.4 * GIB), "A100 40GB", 5.40),
+    ("Tesla T4", 15 * GIB, "T4", 1.19), ("NVIDIA L4", 22 * GIB, "L4", 1.71),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 95 * GIB, "G4", 8.71), ("NVIDIA H100 80GB HBM3", 80 * GIB, None,
+                                                                            None)])
+def test_colab_units_per_hour_from_the_gpus_name_and_memory(monkeypatch, name, memory, runtime, rate):
+    """The memory tells an 80 GB A100 from a 40 GB one (the name need not say); a GPU without a rate has none."""
+    assert measure.colab_runtime(name, memory) == runtime
+    fake_gpu(monkeypatch, name, (8, 0), total=memory)
+    assert measure.device_peak(CUDA).units_per_hour == rate
+    assert measure.device_peak(CUDA, units_per_hour=3.0).units_per_hour == 3.0  # the user's rate wins
+
+
+def test_the_plan_takes_the_users_colab_rate(monkeypatch):
+    import re
+
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0), total=int(39.4 * GIB))
+    table = measure.plan_run("gpt2-small", tokens=1e11, device="cuda")
+    mine = measure.plan_run("gpt2-small", ["colab_units_per_hour=2.7"], tokens=1e11, device="cuda")
+    assert "5.4 Colab units per hour (gptlib table" in table.summary, table.summary
+    assert "2.7 Colab units per hour (yours)" in mine.summary and mine.cfg.train.colab_units_per_hour == 2.7
+
+    def units(plan):  # the gpt2 and the modern recipe's estimates
+        return [int(u.replace(",", "")) for u in re.findall(r"~([\d,]+) Colab units", plan.summary)]
+
+    assert len(units(table)) == 2 and all(t / m == pytest.approx(2.0, rel=0.01) for t, m in zip(units(table), units(mine)))
+
+
+def test_the_metrics_take_the_users_colab_rate(tmp_path, char_data):
+    """--set colab_units_per_hour: the rate colab_units_left uses, on any device (here the CPU, which has none)."""
+    from gptlib.training.logs import read_metrics
+    from gptlib.training.loop import train
+
+    for rate in (0.0, 3.6):
+        run = tmp_path / f"run{rate}"
+        train(char_data, run, "phase1", TINY + [f"colab_units_per_hour={rate}", "eval_interval=10000000"],
+              max_steps=10_000_000, max_minutes=0.05, device="cpu", progress=False, log=quiet)
+        rows = [r for r in read_metrics(run) if r.get("eta_s")]
+        assert rows, read_metrics(run)
+        if rate:
+            assert all(r["colab_units_left"] == pytest.approx(rate * r["eta_s"] / 3600, abs=0.01) for r in rows)
+            assert rows[-1]["colab_units_left"] > 0.1
+        else:  # gptlib's table has no rate for a CPU
+            assert all(r["colab_units_left"] is None for r in rows)

@@ -287,7 +287,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     else:
         data = splits["train"]
     sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
-    autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev)
+    autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev, tc.colab_units_per_hour)
     tokens_per_step = micro * accum * mc.block_size
     log(f"bench train: preset {preset}, recipe {recipe}, {model_size(mc).params / 1e6:.1f}M params, {dev} "
         f"({peak.name}), {dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x "

@@ -23,7 +23,9 @@ from gptlib.errors import ConfigError, loud
 from gptlib.model import model_size
 
 # Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
-# bf16 where the GPU has it; fp16 on T4/V100, which train in fp16 + GradScaler. First match wins.
+# bf16 where the GPU has it; fp16 on the T4, which trains in fp16 + GradScaler. First match wins. (No V100: Colab's
+# torch, 2.11 with CUDA 12.8, ships no kernels for it. No RTX PRO 6000, Colab's G4: MFU unknown there until a
+# dense bf16 figure from NVIDIA can be cited.)
 PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"H200", "H200", 989.0),
     (r"H100.*PCIe", "H100 PCIe", 756.0),
@@ -31,13 +33,14 @@ PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"H100", "H100 SXM", 989.0),
     (r"A100", "A100", 312.0),
     (r"\bL4\b", "L4", 121.0),
-    (r"V100", "V100 (fp16)", 125.0),
     (r"\bT4\b", "T4 (fp16)", 65.0),
 ]
 
-# Approximate Colab compute units consumed per hour of each GPU runtime (user reports, 2024-2025).
-# Colab changes these; edit this table (or pass your own) to get your own estimate.
-COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.76, "L4": 4.82, "V100": 4.91, "A100": 11.77, "H100": 18.0}
+# Colab compute units per hour of each GPU runtime, measured by chrisjmccormick.github.io, "Colab GPUs: features
+# and pricing" (updated March 2026). Colab changes its prices: TrainConfig.colab_units_per_hour (--set
+# colab_units_per_hour=R, notebook 03's COLAB_UNITS_PER_HOUR) replaces this table's rate. G4 is the RTX PRO 6000
+# runtime. The H100 runtime has no rate here (none measured): set yours.
+COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
 
 
 @dataclass
@@ -46,6 +49,7 @@ class DevicePeak:
     family: str | None  # matched table row, e.g. "A100"; None if unknown
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
+    units_per_hour: float | None = None  # Colab compute units per hour of this runtime; None if unknown
 
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
@@ -56,16 +60,32 @@ def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     return None, None
 
 
-def device_peak(device: str | torch.device) -> DevicePeak:
+def colab_runtime(gpu_name: str, total_memory: int) -> str | None:
+    """The Colab runtime a GPU is (a key of COLAB_UNITS_PER_HOUR), from its name and memory in bytes: an A100 with
+    more than 60 GiB is the 80 GB runtime. None: not one of Colab's."""
+    if re.search(r"A100", gpu_name, flags=re.IGNORECASE):
+        return "A100 80GB" if total_memory > 60 * 2**30 else "A100 40GB"
+    for pattern, runtime in ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4")):
+        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
+            return runtime
+    return None
+
+
+def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
+    """The device's peak FLOP/s and Colab units per hour; units_per_hour (TrainConfig.colab_units_per_hour), when
+    set, replaces the table's rate."""
     device = torch.device(device)
     if device.type != "cuda":
         return DevicePeak(f"{device.type}: {cpu_name()}", None, None,
-                          f"MFU unknown on {device.type} (no peak table for it)")
+                          f"MFU unknown on {device.type} (no peak table for it)", units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
+    runtime = colab_runtime(name, torch.cuda.get_device_properties(device).total_memory)
+    units = units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime)
     if peak is None:
-        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
-    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)")
+        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
+                          units)
+    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
 
 
 def cpu_name() -> str:
@@ -98,13 +118,11 @@ def eta_seconds(tokens_done: int, tokens_target: int, tokens_per_s: float) -> fl
     return max(0, tokens_target - tokens_done) / tokens_per_s if tokens_per_s > 0 else math.inf
 
 
-def colab_units(seconds: float, gpu_family: str | None, rates: dict[str, float] | None = None) -> float | None:
-    """Estimated Colab compute units for `seconds` on that GPU (None if the GPU has no rate)."""
-    rates = COLAB_UNITS_PER_HOUR if rates is None else rates
-    if gpu_family is None or not math.isfinite(seconds):
+def colab_units(seconds: float, units_per_hour: float | None) -> float | None:
+    """Estimated Colab compute units for `seconds` at that rate (None if the rate is unknown)."""
+    if not units_per_hour or not math.isfinite(seconds):
         return None
-    key = next((k for k in rates if gpu_family.upper().startswith(k.upper())), None)
-    return None if key is None else rates[key] * seconds / 3600
+    return units_per_hour * seconds / 3600
 
 
 def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
@@ -114,7 +132,7 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
     total = sum(split.values())
     eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s if eta_tokens_per_s is None else eta_tokens_per_s)
     m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
-    units = colab_units(eta, peak.family)
+    units = colab_units(eta, peak.units_per_hour)
     return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
             "colab_units_left": None if units is None else round(units * n_devices, 2),
             "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
@@ -277,9 +295,12 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     cfg = build_config(preset, overrides, recipe=recipe)
     per_step = tokens_per_step(cfg)
     max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
-    peak = device_peak(resolve_device(device))
+    peak = device_peak(resolve_device(device), cfg.train.colab_units_per_hour)
+    rate = ("Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if peak.units_per_hour is None else
+            f"{peak.units_per_hour:g} Colab units per hour "
+            f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})")
     summary = (f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
-               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}\n"
+               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}; {rate}\n"
                f"{recipe_estimate(build_config(preset, overrides), per_step * max_steps, peak)}")
     return RunPlan(cfg, max_steps, summary)
 
@@ -300,7 +321,7 @@ def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
         if peak.peak_flops is None:
             return ""
         seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
-        units = colab_units(seconds, peak.family)
+        units = colab_units(seconds, peak.units_per_hour)
         return f" (~{fmt_duration(seconds)}" + (f", ~{units:,.0f} Colab units" if units is not None else "") + ")"
 
     modern = tokens * MODERN_TOKEN_FRACTION

@@ -356,15 +356,34 @@ def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(tmp_path, ch
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
 
 
-def test_a_tiny_gpu_shaped_run_on_cpu_trains_with_a_note(tmp_path, char_data):
+def test_a_short_gpu_preset_run_on_cpu_gets_no_gpu_advice(tmp_path, char_data):
+    """Notebook 05 on a tiny base (issue 26): 'would take about 0m02s ... change runtime type to A100' for a run of
+    27 s. A run estimated under CPU_ADVISE_S trains with a note of its estimate and no advice to switch."""
     from gptlib.training.loop import train
 
     logs = []
-    r = train(char_data, tmp_path / "run", "gpt2-small", TINY + ["hellaswag_every=0", "grad_accum_steps=1"],
-              max_steps=2, progress=False, log=logs.append)
-    assert r.step == 2
+    r = train(char_data, tmp_path / "run", "finetune", TINY + ["grad_accum_steps=1"], max_steps=4, device="cpu",
+              progress=False, log=logs.append)
+    assert r.step == 4
     note = [m for m in logs if "meant for a GPU" in m]
-    assert len(note) == 1 and "Runtime > Change runtime type" in note[0], logs
+    assert len(note) == 1 and "short enough to run here" in note[0], logs
+    assert not any("Change runtime type" in m for m in logs), logs
+
+
+def test_a_long_gpu_preset_run_on_cpu_still_gets_the_advice(monkeypatch):
+    """Between CPU_ADVISE_S and CPU_REFUSE_S: the advice in the log, whether device was auto or cpu."""
+    cfg = get_preset("finetune").updated(["n_layer=2", "n_embd=64", "n_head=2", "block_size=64"])
+    secs = measure.estimate_cpu_seconds(cfg, 0, 1e11)
+    monkeypatch.setattr(measure, "cpu_train_flops", lambda seconds=0.2: 1e11)  # the estimate, whatever this CPU
+    monkeypatch.setattr(measure, "CPU_ADVISE_S", secs / 2)
+    for requested in ("auto", "cpu"):
+        logs = []
+        measure.check_cpu_run(cfg, torch.device("cpu"), requested, 0, logs.append)
+        assert len(logs) == 1 and "Runtime > Change runtime type > A100 GPU" in logs[0], logs
+    monkeypatch.setattr(measure, "CPU_ADVISE_S", secs * 2)
+    logs = []
+    measure.check_cpu_run(cfg, torch.device("cpu"), "auto", 0, logs.append)
+    assert len(logs) == 1 and "Change runtime type" not in logs[0], logs
 
 
 def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
@@ -372,16 +391,24 @@ def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
     logs = []
     measure.check_cpu_run(cfg, torch.device("cpu"), "cpu", 0, logs.append)  # asked for: a warning, not an error
     err = capsys.readouterr().err
-    assert "phase2" in err and "hours" in err, err
+    assert "phase2" in err and "hours" in err and "Change runtime type" in err, err
 
 
-def test_cpu_estimate_is_honest():
+def test_the_cpu_estimate_counts_what_the_run_does():
+    """Training FLOPs below the matmul rate, a fixed cost per layer pass (all a tiny model's time), and each
+    validation's batches and samples (benchmarks/cpu_estimate.py compares it with real runs)."""
     from gptlib.model import model_size
 
-    cfg = get_preset("phase2")
+    # notebook 05's tiny base: 60 steps of 4 micro-batches, validations at 50 and 60 (20 batches, 100 sampled tokens)
+    cfg = get_preset("finetune").updated(["n_layer=2", "n_embd=32", "n_head=2", "block_size=64", "vocab_size=304",
+                                          "max_steps=60"])
     secs = measure.estimate_cpu_seconds(cfg, 0, flops_per_s=1e11)
-    tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
-    assert secs == pytest.approx(tokens * model_size(cfg.model).flops_per_token / 1e11)
+    flops_only = measure.run_tokens(cfg) * model_size(cfg.model).flops_per_token / 1e11  # the estimate before
+    assert secs > 5 * flops_only  # the layer passes: 0.3 s of FLOPs, 2.7 s measured
+    more = {"eval_batches": 40, "sample_tokens": 200, "eval_interval": 10, "max_steps": 120}
+    for name, value in more.items():
+        assert measure.estimate_cpu_seconds(cfg.updated({name: value}), 0, flops_per_s=1e11) > secs, name
+    assert measure.estimate_cpu_seconds(cfg, 30, flops_per_s=1e11) < secs  # resumed: only the steps to go
     rate = measure.cpu_train_flops()
     assert 1e8 < rate < 1e14  # a real CPU, measured now
 

@@ -163,13 +163,24 @@ def run_flops(cfg, start_step: int = 0) -> float:
 
 
 GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")  # config.PRESETS made for a GPU runtime
+CPU_ADVISE_S = 600.0  # a GPU preset on a CPU that would take longer than this gets the advice to use a GPU runtime:
+# ten minutes is about what a notebook cell is worth waiting for, and switching the runtime costs a minute or two
 CPU_REFUSE_S = 3600.0  # a GPU preset that device=auto put on a CPU is refused when it would take longer than this
+
+# What training reaches on a CPU against one matmul's FLOP rate (cpu_train_flops), measured on this project's 2-core
+# EPYC VM (torch 2.13, fp32, eager; benchmarks/cpu_estimate.py prints estimate vs run, its output in
+# benchmarks/results/cpu_estimate_cpu.txt). The matmuls of models from phase1's width up run at 0.5-0.9 of that rate
+# (0.8 for phase1's 1,500 steps in 73 s). Every op also has a fixed cost, whatever its size, which is all a tiny
+# model's time: ~2 ms per layer per micro-batch for its forward and backward, about one layer's more for the
+# embedding, head and loss, and one micro-batch's more per step for the AdamW update (1 to 8 layers 32 wide: 1.9 ms
+# more per layer per micro-batch, ~3 ms per update, for 0.2 ms of FLOPs per layer). The modern recipe's unfused
+# RMSNorm, QK-norm and rotary double that, and Muon's bf16 update is slower still (optimizer.slow_muon_note).
+CPU_MATMUL_SHARE = 0.7
+CPU_LAYER_PASS_S = 2e-3
 
 
 def cpu_train_flops(seconds: float = 0.2) -> float:
-    """FLOP/s of one 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`. Training a GPT on a CPU
-    runs at about that rate (gpt2-small-shaped model: 12.8 GFLOP/s against a matmul's 11.9 on this project's
-    2 shared cores); smaller models run slower than it, so an estimate from it is, if anything, optimistic."""
+    """FLOP/s of one 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b  # the first call pays thread start-up
     n, t0 = 0, time.perf_counter()
@@ -180,15 +191,27 @@ def cpu_train_flops(seconds: float = 0.2) -> float:
 
 
 def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = None) -> float:
-    """Rough seconds the rest of the run takes on this CPU."""
-    return run_flops(cfg, start_step) / (flops_per_s or cpu_train_flops())
+    """Rough seconds the rest of the run takes on this CPU: its training steps and what runs at each validation
+    (eval_batches forward passes, the samples' tokens), as FLOPs at CPU_MATMUL_SHARE of the matmul rate plus
+    CPU_LAYER_PASS_S per layer (and one more) per micro-batch and per update; a forward alone, or a sampled token,
+    a third of a micro-batch."""
+    tc, mc = cfg.train, cfg.model
+    steps = max(0, tc.max_steps - start_step)
+    validations = steps // tc.eval_interval + 1  # every eval_interval steps, and at the end
+    eval_batches = validations * tc.eval_batches
+    sampled = validations * len(tc.sample_prompts) * tc.sample_tokens
+    tokens = run_tokens(cfg, start_step) + eval_batches * tc.batch_size * mc.block_size / 3  # a forward: a third
+    flops = model_size(mc).flops_per_token * tokens
+    passes = steps * (tc.grad_accum_steps + 1) + (eval_batches + sampled) / 3
+    overhead = passes * (mc.n_layer + 1) * CPU_LAYER_PASS_S
+    return flops / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE) + overhead
 
 
 def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
-    """A GPU preset on a CPU: the estimated time and how to get a GPU. When device=auto landed on the CPU (a
-    Colab notebook opened without a GPU runtime) and it would take over CPU_REFUSE_S, a ConfigError: nobody
-    should start a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning, and a
-    small run (a tiny model in a GPU preset, --set overrides) is a note."""
+    """A GPU preset on a CPU: a run estimated over CPU_ADVISE_S gets the estimate and how to get a GPU; over
+    CPU_REFUSE_S with device=auto (a Colab notebook opened without a GPU runtime) a ConfigError: nobody should start
+    a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning. A shorter run (a tiny model in
+    a GPU preset, --set overrides) only gets a note of its estimate."""
     tokens = run_tokens(cfg, start_step)
     if device.type != "cpu" or cfg.preset not in GPU_PRESETS or tokens == 0:
         return
@@ -197,15 +220,17 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     took = f"about {secs / 3600:,.0f} hours" if secs >= 3600 else f"about {fmt_duration(secs)}"
     steps = cfg.train.max_steps - start_step
     msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) "
-           f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured). On Colab: "
-           f"Runtime > Change runtime type > A100 GPU, then run the notebook again")
-    if secs <= CPU_REFUSE_S:
-        log(msg)
+           f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)")
+    advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
+    if secs <= CPU_ADVISE_S:
+        log(f"{msg}: short enough to run here")
+    elif secs <= CPU_REFUSE_S:
+        log(f"{msg}. {advice}")
     elif requested == "auto":
-        raise ConfigError(msg + "; to train on this CPU anyway, ask for it with --device cpu (device='cpu'), or "
-                                "shorten the run (--set max_steps=N)")
+        raise ConfigError(f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "
+                          f"(device='cpu'), or shorten the run (--set max_steps=N)")
     else:
-        loud(f"warning: {msg}")
+        loud(f"warning: {msg}. {advice}")
 
 
 class StepTimer:

@@ -350,7 +350,8 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
                 raise ValueError(value)
             return [str(x) for x in parsed]
     except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected a {type(current).__name__}") from None
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(current), "a list of strings")
+        raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
     return value
 
 

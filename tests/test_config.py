@@ -35,8 +35,11 @@ def test_updated_parses_types_and_rejects_unknown_fields():
     assert preset.model.n_layer == 3  # a copy: the preset is unchanged
     with pytest.raises(ConfigError, match="unknown config field 'n_layers'"):
         cfg.updated({"n_layers": "3"})
-    with pytest.raises(ConfigError, match="n_layer='three': expected a int"):
-        cfg.updated({"n_layer": "three"})
+    for name, value, kind in (("n_layer", "three", "an integer"), ("max_steps", "2.5", "an integer"),
+                              ("learning_rate", "fast", "a number"), ("bias", "maybe", "true or false")):
+        with pytest.raises(ConfigError) as e:  # the field, the value and the type, in a sentence
+            cfg.updated([f"{name}={value}"])
+        assert str(e.value) == f"{name}={value!r}: {name} takes {kind}", e.value
     with pytest.raises(ConfigError, match="not FIELD=VALUE"):
         cfg.updated(["n_layer"])
     with pytest.raises(ConfigError, match="unknown config section 'optim'"):

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from gptlib.config import get_preset  # noqa: E402
 from gptlib.evaluation import hellaswag as hs  # noqa: E402
-from gptlib.model import GPT  # noqa: E402
+from gptlib.model import GPT, model_size  # noqa: E402
 from gptlib.training.throughput import machine_info  # noqa: E402
 
 CTX_TOKENS = (20, 100)
@@ -64,7 +64,7 @@ def bench(preset: str, device: torch.device, items: int, repeats: int, batch_tok
     model = GPT(cfg).to(device).eval()
     r = synthetic(items, cfg.vocab_size, cfg.block_size, char)
     tokens = sum(len(s) - 1 for s in r.seqs)
-    print(f"{preset}: {model.num_params() / 1e6:.2f}M parameters, block {cfg.block_size}, vocab {cfg.vocab_size}; "
+    print(f"{preset}: {model_size(cfg).params / 1e6:.2f}M parameters, block {cfg.block_size}, vocab {cfg.vocab_size}; "
           f"{items:,} items -> {len(r.seqs):,} rows, {tokens:,} input tokens ({tokens / items:,.0f}/item), "
           f"{r.truncated:,} truncated; batch_tokens {batch_tokens or 'default'}", flush=True)
     hs.evaluate_rendered(model, synthetic(min(items, 50), cfg.vocab_size, cfg.block_size, char, seed=1), device,

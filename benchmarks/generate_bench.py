@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from gptlib.config import get_preset  # noqa: E402
 from gptlib.inference.engine import Engine, SamplingConfig  # noqa: E402
 from gptlib.inference.export import export_model  # noqa: E402
-from gptlib.model import GPT  # noqa: E402
+from gptlib.model import GPT, model_size  # noqa: E402
 
 
 def machine_info() -> str:
@@ -72,7 +72,7 @@ def main() -> int:
     torch.manual_seed(args.seed)
     mcfg = get_preset(args.preset).model
     model = GPT(mcfg).to(args.device).eval()  # random init weights: speed does not depend on training
-    print(f"model: preset {args.preset}, {model.num_params() / 1e6:.1f}M parameters, context {mcfg.block_size}, "
+    print(f"model: preset {args.preset}, {model_size(mcfg).params / 1e6:.1f}M parameters, context {mcfg.block_size}, "
           f"vocab {mcfg.vocab_size}, fp32, device {args.device}")
     with tempfile.TemporaryDirectory() as d:
         export_model(model, Path(d) / "hf")

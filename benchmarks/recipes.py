@@ -36,7 +36,7 @@ from phase1_quality import cpu_name, full_val_loss  # noqa: E402
 
 from gptlib.config import get_preset  # noqa: E402
 from gptlib.data.prepare import prepare_text  # noqa: E402
-from gptlib.model import GPT  # noqa: E402
+from gptlib.model import GPT, model_size  # noqa: E402
 from gptlib.training.loop import train  # noqa: E402
 from gptlib.training.optimizer import build_optimizer  # noqa: E402
 
@@ -108,13 +108,13 @@ def ns_flops(shape) -> int:
 
 def muon_shapes(preset: str) -> tuple[Counter, int, int]:
     """The modern recipe's Muon matrices at a preset (shape -> count), its Newton-Schulz FLOPs per step and the
-    step's forward + backward FLOPs (GPT.flops_per_token x tokens per step), from a model on the meta device."""
+    step's forward + backward FLOPs (model_size's FLOPs per token x tokens per step), from a model on the meta device."""
     cfg = get_preset(preset, "modern").validate()
     with torch.device("meta"):
         model = GPT(cfg.model)
     shapes = Counter(tuple(p.shape) for p in build_optimizer(model, cfg.train, "cpu").muon.param_groups[0]["params"])
     tokens = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
-    return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), model.flops_per_token() * tokens
+    return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), model_size(cfg.model).flops_per_token * tokens
 
 
 def newton_schulz_fp32(g: torch.Tensor, muon: torch.optim.Muon) -> torch.Tensor:

@@ -34,7 +34,7 @@ from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import get_preset
 from gptlib.layout import checkpoint_name
-from gptlib.model import GPT
+from gptlib.model import GPT, model_size
 
 
 def machine_info(d: Path) -> str:
@@ -83,7 +83,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     n_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    print(f"state: {args.preset}, {model.num_params() / 1e6:.1f}M parameters, weights + AdamW moments = "
+    print(f"state: {args.preset}, {model_size(model.config).params / 1e6:.1f}M parameters, weights + AdamW moments = "
           f"{n_bytes / 1e9:.2f} GB (fp32)")
 
     probe = torch.zeros(64)

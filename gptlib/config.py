@@ -92,7 +92,7 @@ class TrainConfig:
     sample_tokens: int = 200  # new tokens per logged sample
     seed: int = 1337  # seeds model init and the batch sampler; the run is reproducible from it
     device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (becomes the current GPU) | mps; anything else is refused
-    dtype: str = "auto"  # auto (bf16 on GPUs with bf16 hardware, A100/L4/H100; fp16 + GradScaler on T4/V100; fp32 on CPU) | float32 | bfloat16 (refused on a GPU without it) | float16
+    dtype: str = "auto"  # auto (bf16 on GPUs with bf16 hardware, A100/L4/H100; fp16 + GradScaler on the T4; fp32 on CPU) | float32 | bfloat16 (refused on a GPU without it) | float16
     compile: str = "auto"  # auto: on for a CUDA run of at least runtime.COMPILE_MIN_FLOPS (1e16) training FLOPs, where the 0.5-2 min compile pays back (phase1: off; phase2, gpt2-*, finetune: on), off on CPU | on | off
     max_minutes: float = 0.0  # stop gracefully (with a checkpoint) after this much training time; 0 = no limit
     save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
@@ -108,6 +108,7 @@ class TrainConfig:
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     schedule: str = "cosine"  # cosine (GPT-2: warmup, cosine decay to min_lr_ratio at max_steps) | wsd (warmup, stable, linear decay over the last cooldown_frac: a stable-phase checkpoint extends to a larger max_steps exactly)
     cooldown_frac: float = 0.4  # wsd: the fraction of max_steps at the end over which the LR decays to min_lr_ratio * peak
+    colab_units_per_hour: float = 0.0  # Colab compute units this runtime uses per hour (the plan's and colab_units_left's estimates); 0 = gptlib's table, throughput.COLAB_UNITS_PER_HOUR (Colab changes its prices)
     auto_batch: bool = False  # CUDA: probe the largest micro-batch that fits and set grad_accum_steps so batch_size * grad_accum_steps sequences per step are kept
 
     def validate(self) -> None:
@@ -116,7 +117,8 @@ class TrainConfig:
         if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
             raise ConfigError(f"learning_rate={self.learning_rate} must be a positive number")
         _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "max_minutes", "save_every_steps",
-                      "save_every_minutes", "sample_tokens", "keep_every", "hellaswag_every", "hellaswag_items")
+                      "save_every_minutes", "sample_tokens", "keep_every", "hellaswag_every", "hellaswag_items",
+                      "colab_units_per_hour")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         for name in ("beta1", "beta2"):
@@ -348,7 +350,8 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
                 raise ValueError(value)
             return [str(x) for x in parsed]
     except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected a {type(current).__name__}") from None
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(current), "a list of strings")
+        raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
     return value
 
 

@@ -9,7 +9,9 @@ Shapes: B batch, T time (tokens), C n_embd, H n_head, D head size (C // H), V pa
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -95,10 +97,26 @@ class KVCache:
 RMS_EPS = 1e-6  # Llama's and Qwen3's RMSNorm eps: an export computes the same
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same weight, the same state dict) that runs in its input's dtype on every torch version.
+
+    Under autocast a bf16 activation (the QK-norm's queries and keys) met the fp32 weight: before torch 2.12 that
+    misses the fused kernel for a ~8-kernel fallback (pytorch#167308); from 2.12 CUDA autocast runs rms_norm in fp32
+    whatever the dtypes, so the norm hands on fp32 (pytorch#188955). The weight cast to the input's dtype, outside
+    autocast, takes the fused kernel (it accumulates in fp32 itself) and returns the input's dtype. In fp32 this
+    is exactly nn.RMSNorm's own call.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kind = x.device.type  # CPU and CUDA autocast exist on every torch gptlib runs on (MPS's not before 2.5)
+        with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else contextlib.nullcontext():
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 def norm(cfg: ModelConfig, dim: int) -> nn.Module:
     """LayerNorm (GPT-2) or RMSNorm (no mean, no bias)."""
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=RMS_EPS)
+        return RMSNorm(dim, eps=RMS_EPS)
     return nn.LayerNorm(dim, bias=cfg.bias)
 
 
@@ -128,8 +146,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): attention logits stay bounded
-            self.q_norm = nn.RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
-            self.k_norm = nn.RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
+            self.q_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
+            self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
                 pos: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
@@ -210,6 +228,36 @@ class Block(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class ModelSize:
+    params: int  # every parameter, as model.parameters() counts them (a tied embedding once)
+    matmul_params: int  # the weights that multiply activations: every Linear's, the output head's tied or not
+    flops_per_token: int  # training FLOPs per token of the matmuls and attention (forward + backward)
+
+
+def model_size(cfg: ModelConfig) -> ModelSize:
+    """The GPT that cfg builds, counted from the config alone (no model made): parameters and training FLOPs per
+    token, the one count MFU, compile=auto, the memory estimate and the benchmarks use.
+
+    FLOPs are those of the matmuls, as PaLM's appendix B counts them: 6 per matmul weight per token (2 forward, 4
+    backward), the input embedding being a lookup and the position embedding an addition (not counted; the output
+    head is a matmul, tied or not), plus attention's 12 * n_layer * n_embd * T with T = block_size: the full
+    context, as PaLM and nanoGPT count it, so MFU compares with theirs (a causal kernel skips the masked half of
+    that work, so the figure is a little high on the attention's share, at gpt2-small 15% of the total).
+    """
+    C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.block_size
+    b = int(cfg.bias)
+    fc_out = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden  # swiglu: c_fc holds gate and up
+    block_matmuls = C * 3 * C + C * C + C * fc_out + cfg.mlp_hidden * C  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    block_biases = b * (3 * C + C + fc_out + C)
+    norm_params = C * (1 if cfg.norm == "rmsnorm" else 1 + b)  # a gain; LayerNorm's bias with bias=True
+    qk_norms = 2 * (C // cfg.n_head) if cfg.qk_norm else 0
+    matmul = L * block_matmuls + V * C  # the head: wte's weight when tied
+    embeddings = (0 if cfg.tie_embeddings else V * C) + (T * C if cfg.positions == "learned" else 0)
+    params = matmul + embeddings + L * (block_biases + 2 * norm_params + qk_norms) + norm_params  # + ln_f
+    return ModelSize(params, matmul, 6 * matmul + 12 * L * C * T)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -251,13 +299,6 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters, counting the tied embedding once; position embeddings excluded if non_embedding."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
-        return n
 
     def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
                       pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -340,8 +381,3 @@ class GPT(nn.Module):
         ]
         fused = device_type == "cuda"
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the matmuls plus 12*L*C*T for attention (PaLM appendix B)."""
-        c = self.config
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size

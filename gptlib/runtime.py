@@ -64,7 +64,7 @@ def resolve_device(name: str) -> torch.device:
 def native_bf16(device: torch.device) -> bool:
     """Whether this GPU computes bf16 in hardware (compute capability 8.0+: A100, L4, H100). What
     torch.cuda.is_bf16_supported(including_emulation=False) checks, for `device` rather than the
-    current GPU. Without the flag that function also says yes on a T4/V100, which only emulate bf16:
+    current GPU. Without the flag that function also says yes on a T4, which only emulates bf16:
     slow, inductor will not compile it, and SDPA falls back to the math kernel (T x T matrices)."""
     if torch.version.hip:
         return torch.cuda.is_bf16_supported(including_emulation=False)
@@ -72,7 +72,7 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs that have it natively, fp16 (+ GradScaler) on older GPUs (T4, V100), fp32
+    """"auto": bf16 on GPUs that have it natively, fp16 (+ GradScaler) on older GPUs (the T4), fp32
     elsewhere. bfloat16 asked for on a GPU without it is a ConfigError naming the GPU and the choices."""
     cuda = device.type == "cuda"
     if name == "auto":

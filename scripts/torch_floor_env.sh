@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 TORCH_FLOOR=2.5.1  # keep in step with "torch>=2.5" in pyproject.toml
 VENV=.venv-floor  # git-ignored; rebuilt on every run
 WH="${GPTLIB_FLOOR_CACHE:-$HOME/.cache/gptlib-floor}/wheels"
-# The torch calls gptlib makes: the model (SDPA, KV cache), training (autocast, GradScaler, compile, OOM), the
+# The torch calls gptlib makes: the model (SDPA, KV cache, RMSNorm under autocast), training (autocast, GradScaler, compile, OOM), the
 # checkpoint format and exact resume (RNG states, weights_only loading), decoding (compiled step), runtime, the
 # benchmarks' train step, and export. ~1 min of tests; the rest of the suite is gptlib's own logic over them.
 SUBSET="tests/test_model.py tests/test_train.py tests/test_checkpoint.py tests/test_resume.py tests/test_generate.py

@@ -3,12 +3,12 @@ import math
 import pytest
 
 from gptlib.config import PRESETS, ConfigError, RunConfig, get_preset
-from gptlib.model import GPT
+from gptlib.model import model_size
 
 
 def test_presets_have_the_promised_shapes():
     p1 = get_preset("phase1").validate()
-    assert GPT(p1.model).num_params() <= 1_050_000  # "at most ~1M parameters"
+    assert model_size(p1.model).params <= 1_050_000  # "at most ~1M parameters"
     p2 = get_preset("phase2").validate()
     assert 4 <= p2.model.n_layer <= 6 and 256 <= p2.model.n_embd <= 384 and p2.model.block_size == 512
     g = get_preset("gpt2-small").validate()
@@ -17,7 +17,7 @@ def test_presets_have_the_promised_shapes():
 
 
 def test_gpt2_small_is_124m_class():
-    n = GPT(get_preset("gpt2-small").model).num_params()
+    n = model_size(get_preset("gpt2-small").model).params
     assert 100e6 < n < 130e6, n
 
 
@@ -35,8 +35,11 @@ def test_updated_parses_types_and_rejects_unknown_fields():
     assert preset.model.n_layer == 3  # a copy: the preset is unchanged
     with pytest.raises(ConfigError, match="unknown config field 'n_layers'"):
         cfg.updated({"n_layers": "3"})
-    with pytest.raises(ConfigError, match="n_layer='three': expected a int"):
-        cfg.updated({"n_layer": "three"})
+    for name, value, kind in (("n_layer", "three", "an integer"), ("max_steps", "2.5", "an integer"),
+                              ("learning_rate", "fast", "a number"), ("bias", "maybe", "true or false")):
+        with pytest.raises(ConfigError) as e:  # the field, the value and the type, in a sentence
+            cfg.updated([f"{name}={value}"])
+        assert str(e.value) == f"{name}={value!r}: {name} takes {kind}", e.value
     with pytest.raises(ConfigError, match="not FIELD=VALUE"):
         cfg.updated(["n_layer"])
     with pytest.raises(ConfigError, match="unknown config section 'optim'"):

@@ -7,7 +7,7 @@ import re
 import nbformat
 
 from gptlib.config import build_config
-from gptlib.model import GPT
+from gptlib.model import model_size
 from tests.conftest import TINY
 from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
 
@@ -59,4 +59,4 @@ def test_notebook_02_states_the_models_size():
     nb = nbformat.read(NOTEBOOKS / NB, as_version=4)
     m = re.search(r"~([\d.]+)M-parameter", nb.cells[0].source)
     assert m, nb.cells[0].source
-    assert float(m.group(1)) == round(GPT(build_config("phase1").model).num_params() / 1e6, 2)
+    assert float(m.group(1)) == round(model_size(build_config("phase1").model).params / 1e6, 2)

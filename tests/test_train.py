@@ -149,7 +149,7 @@ def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, m
     """auto_batch changes batch_size and grad_accum_steps: config.json says so, as the checkpoints do."""
     from gptlib.training import resolve
 
-    monkeypatch.setattr(resolve, "auto_micro_batch", lambda make_model, cfg, device, dtype, log=print: (4, 4))
+    monkeypatch.setattr(resolve, "auto_micro_batch", lambda make_model, cfg, device, dtype, log=print: (4, 4, 0))
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"],
           max_steps=2, progress=False, log=quiet)

@@ -27,7 +27,7 @@ from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import GPT2_LINEARS, check_export_target
 from gptlib.inference.hf_llama import model_config_from_llama, state_dict_from_llama
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
-from gptlib.model import GPT
+from gptlib.model import GPT, model_size
 
 # What gptlib's GPT computes; a config saying otherwise describes another model.
 GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
@@ -167,7 +167,7 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     write_checkpoint(checkpoints_dir(out), 0, *weights_only.files())
     atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
-    log(f"imported {name_or_dir} ({model.num_params() / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
+    log(f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
         f"wide, context {cfg.block_size}, vocab {cfg.vocab_size}, {tok.kind} tokenizer) -> {out}")
     return out
 

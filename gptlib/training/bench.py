@@ -30,15 +30,14 @@ import torch
 from gptlib.batches import BatchSampler, MemmapSplit, SplitData, _as_signed_view, _to_ids, load_dataset, make_sampler
 from gptlib.config import ModelConfig, get_preset
 from gptlib.data.shards import read_meta
-from gptlib.model import GPT
+from gptlib.model import GPT, model_size
 from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype
 from gptlib.training.distributed import Dist
 from gptlib.training.memory import free_memory, is_oom
 from gptlib.training.resolve import fit_micro_batch
 from gptlib.training.setup import build_model, wrap_for_training
 from gptlib.training.step import train_step
-from gptlib.training.throughput import (StepTimer, device_peak, flops_per_token, fmt_duration, fmt_mfu, fmt_split,
-                                        mfu, perf_fields)
+from gptlib.training.throughput import StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split, mfu, perf_fields
 
 RUNGS = [
     # (name, data, compile, half precision, flash attention)
@@ -244,7 +243,7 @@ def run_ladder(model_cfg=None, batch_size: int | None = None, device: str = "aut
         log("-" * len(header))
         # Process-wide one-time costs (kernel selection, allocator growth) must not land on the first rung.
         _run_rung(RUNGS[2], model_cfg, loader_for, 1, dev, 1, 1, seed, compile_backend)
-        base, fpt = None, flops_per_token(model_cfg)
+        base, fpt = None, model_size(model_cfg).flops_per_token
         for i, rung in enumerate(RUNGS):
             if rungs is not None and i not in rungs:
                 continue
@@ -275,7 +274,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
         cfg = cfg.updated({"vocab_size": meta.vocab_size})
     cfg.validate()
     if cfg.train.auto_batch:
-        cfg = fit_micro_batch(cfg, dev, Dist(), log)
+        cfg, _ = fit_micro_batch(cfg, dev, Dist(), log)
     model, optimizer, scaler, dtype = build_model(cfg, dev, log)
     fwd, compiled = wrap_for_training(model, cfg, dev, Dist())
     mc, tc = cfg.model, cfg.train
@@ -288,15 +287,15 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     else:
         data = splits["train"]
     sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
-    autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev)
+    autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev, tc.colab_units_per_hour)
     tokens_per_step = micro * accum * mc.block_size
-    log(f"bench train: preset {preset}, recipe {recipe}, {model.num_params() / 1e6:.1f}M params, {dev} ({peak.name}), "
-        f"{dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x {mc.block_size} x "
-        f"accum {accum} = {tokens_per_step:,} tokens/step")
+    log(f"bench train: preset {preset}, recipe {recipe}, {model_size(mc).params / 1e6:.1f}M params, {dev} "
+        f"({peak.name}), {dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x "
+        f"{mc.block_size} x accum {accum} = {tokens_per_step:,} tokens/step")
     warm_s, step_s, _, split = _time_steps(
         lambda: train_step(fwd, optimizer, scaler, sampler, accum=accum, autocast=autocast, grad_clip=tc.grad_clip,
                            timer=timer), timer, dev, warmup, steps)
-    tps, fpt, target = tokens_per_step / step_s, model.flops_per_token(), tc.max_steps * tokens_per_step
+    tps, fpt, target = tokens_per_step / step_s, model_size(mc).flops_per_token, tc.max_steps * tokens_per_step
     perf = perf_fields(split, fpt, tps, peak, 1, 0, target)  # MFU, ETA and Colab units as train() logs them
     m, eta, units = perf["mfu"], perf["eta_s"], perf["colab_units_left"]
     log(f"step {1000 * step_s:.1f} ms (median of {steps}, synced), {tps:,.0f} tokens/s, "

@@ -23,6 +23,7 @@ from gptlib.fsutil import atomic_write_bytes
 from gptlib.inference.engine import Engine
 from gptlib.inference.sampling import SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
+from gptlib.model import model_size
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields
 
@@ -200,7 +201,8 @@ class MetricsLog:
         st = self.state = session.state
         self.history, self.ddp, self.tc = session.history, session.ddp, session.cfg.train
         self.compiled = session.compiled
-        self.tokens_per_step, self.flops_per_token = session.tokens_per_step, session.model.flops_per_token()
+        self.tokens_per_step = session.tokens_per_step
+        self.flops_per_token = model_size(session.cfg.model).flops_per_token
         self.peak, self.timer, self.log, self.on_log = peak, timer, log, on_log
         self.pending = [torch.tensor(v, device=session.device) for v in st.pending_losses]
         self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged

@@ -107,7 +107,8 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     tc, state = s.cfg.train, s.state
     checkpointer = Checkpointer(s.open_writer(log), tc)
     timer = StepTimer(s.device)
-    metrics = MetricsLog(s, peak=device_peak(s.device), timer=timer, progress=progress, log=log, on_log=on_log)
+    metrics = MetricsLog(s, peak=device_peak(s.device, tc.colab_units_per_hour), timer=timer, progress=progress,
+                         log=log, on_log=on_log)
     tokens_at_start, stopped_by, step_begin = state.tokens_seen, "max_steps", None
     stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
     try:

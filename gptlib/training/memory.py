@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from gptlib.errors import ConfigError, OutOfMemoryAdvice
+from gptlib.model import model_size
 from gptlib.runtime import autocast_for
 
 
@@ -69,12 +70,18 @@ def check_fits(cfg, device: torch.device) -> None:
 
 
 def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
-    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32) + bf16 activations
-    (~34 B per token per layer per channel) + fp32 logits/grad. Used to decide whether the data fits beside it."""
+    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32; an untied head is
+    parameters too), bf16 activations (~34 B per token per layer per channel) and the logits: eager cross-entropy
+    holds 14 B per logit (bf16 logits 2, their fp32 copy 4, log-softmax 4, its gradient 4)."""
     c = model_cfg
-    n_params = 12 * c.n_layer * c.n_embd ** 2 + (c.padded_vocab_size + c.block_size) * c.n_embd
     tokens = micro_batch * c.block_size
-    return int(16 * n_params + 34 * tokens * c.n_layer * c.n_embd + 10 * tokens * c.padded_vocab_size)
+    return int(16 * model_size(c).params + 34 * tokens * c.n_layer * c.n_embd + 14 * tokens * c.padded_vocab_size)
+
+
+def train_reserve_bytes(model_cfg, micro_batch: int, measured_peak: int = 0) -> int:
+    """The GPU memory to keep free for training beside the data: the auto_batch probe's measured peak where there was
+    a probe, the estimate if it says more (or alone, without a probe)."""
+    return max(measured_peak, estimate_train_bytes(model_cfg, micro_batch))
 
 
 # The probe measures the model eagerly, before torch.compile wraps it (a compile per candidate size would cost
@@ -99,22 +106,24 @@ class CudaMemoryProbe:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dtype, log=print) -> tuple[int, int]:
+def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dtype,
+                     log=print) -> tuple[int, int, int]:
     """train()'s auto_batch: probe on CUDA a model make_model() builds (eager, never compiled: see PROBE_HEADROOM);
-    elsewhere keep the configured sizes (no OOM to find there, and no model is built)."""
+    elsewhere keep the configured sizes (no OOM to find there, and no model is built; peak 0)."""
     tc = cfg.train
     if torch.device(device).type != "cuda":
         log(f"auto micro-batch: no memory probe on {torch.device(device).type}; keeping batch_size={tc.batch_size}, "
             f"grad_accum_steps={tc.grad_accum_steps}")
-        return tc.batch_size, tc.grad_accum_steps
+        return tc.batch_size, tc.grad_accum_steps, 0
     return probe_micro_batch(make_model(), cfg.model.block_size, tc.batch_size * tc.grad_accum_steps, device, dtype,
                              log=log)
 
 
 def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,
                       dtype: torch.dtype = torch.float32, max_micro: int | None = None,
-                      log: Callable[[str], None] = print, memory_probe=None) -> tuple[int, int]:
-    """Largest micro-batch whose forward + backward fits -> (micro_batch, grad_accum_steps), tokens per step kept.
+                      log: Callable[[str], None] = print, memory_probe=None) -> tuple[int, int, int]:
+    """Largest micro-batch whose forward + backward fits -> (micro_batch, grad_accum_steps, its measured peak bytes;
+    0 without a memory probe), tokens per step kept.
 
     Candidates are the divisors of `sequences_per_step`, largest first, each tried with one forward/backward on
     random tokens: an OOM, or a peak over PROBE_HEADROOM of the GPU (memory_probe: CudaMemoryProbe on CUDA), moves
@@ -128,10 +137,10 @@ def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_ste
     reserve = torch.empty(2 * n_params, device=device) if cuda else None  # stand-in for exp_avg + exp_avg_sq
     was_training = model.training
     model.train()
-    chosen = None
+    chosen, peak = None, 0
     try:
         for b in (b for b in range(cap, 0, -1) if sequences_per_step % b == 0):
-            why = _try_micro_batch(model, b, block_size, device, dtype, memory_probe)
+            why, peak = _try_micro_batch(model, b, block_size, device, dtype, memory_probe)
             if not why:
                 chosen = b
                 break
@@ -146,14 +155,16 @@ def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_ste
     accum = sequences_per_step // chosen
     log(f"auto micro-batch: {chosen} x {block_size} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the GPU); "
         f"grad_accum_steps={accum} keeps {sequences_per_step * block_size:,} tokens per step")
-    return chosen, accum
+    return chosen, accum, peak
 
 
-def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype, memory_probe) -> str:
-    """One forward + backward of b sequences -> why it does not fit ("": it fits). Everything it made is dropped
-    before it returns: no reference to an OOM or its frames survives the except block, then gc + empty_cache."""
+def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                     memory_probe) -> tuple[str, int]:
+    """One forward + backward of b sequences -> (why it does not fit, "": it fits; its peak bytes, 0 unmeasured).
+    Everything it made is dropped before it returns: no reference to an OOM or its frames survives the except
+    block, then gc + empty_cache."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
-    why = ""
+    why, peak = "", 0
     if memory_probe is not None:
         memory_probe.reset(b)
     x = torch.randint(0, vocab, (b, block_size), device=device)
@@ -161,9 +172,10 @@ def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype
         with autocast_for(device, dtype):
             _, loss = model(x, x)
         loss.backward()
-        if memory_probe is not None and memory_probe.peak() > PROBE_HEADROOM * memory_probe.total:
-            why = (f"peak {memory_probe.peak() / 2**30:.1f} GiB > {PROBE_HEADROOM:.0%} of "
-                   f"{memory_probe.total / 2**30:.1f} GiB")
+        if memory_probe is not None:
+            peak = memory_probe.peak()
+            if peak > PROBE_HEADROOM * memory_probe.total:
+                why = f"peak {peak / 2**30:.1f} GiB > {PROBE_HEADROOM:.0%} of {memory_probe.total / 2**30:.1f} GiB"
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
         if not is_oom(e):
             raise
@@ -171,4 +183,4 @@ def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype
     loss = x = None  # drop the graph and activations before trying a smaller size
     model.zero_grad(set_to_none=True)
     free_memory()
-    return why
+    return why, peak

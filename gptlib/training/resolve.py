@@ -14,7 +14,8 @@ field happens here, in this order, each change said with its reason:
 5. auto_batch: the largest micro-batch that fits this GPU, with the tokens per step kept.
 
 The result is a frozen RunConfig: nothing changes it afterwards, and it is what config.json and every
-checkpoint record.
+checkpoint record. Beside it comes the auto_batch probe's measured peak memory, which the data's placement keeps
+free on the GPU.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ SHAPE = ("block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple",
 
 def resolve_config(asked: RunConfig, meta: DatasetMeta, resume: Resume | None, base: RunConfig | None,
                    shape_from_run: bool, device: torch.device, ddp: Dist, where: Path, log,
-                   ask: Callable[[str], RunConfig] | None = None) -> RunConfig:
-    """The run's config (see the module docstring). base: a new --init-from run's base config; shape_from_run: the
-    call passes --init-from, so a resumed run's shape is its own, not the preset's; ask(recipe): the config asked
-    for, made with that recipe (None: the call named its recipe)."""
+                   ask: Callable[[str], RunConfig] | None = None) -> tuple[RunConfig, int]:
+    """The run's config (see the module docstring) and the auto_batch probe's measured peak bytes (0: no probe).
+    base: a new --init-from run's base config; shape_from_run: the call passes --init-from, so a resumed run's shape
+    is its own, not the preset's; ask(recipe): the config asked for, made with that recipe (None: the call named its
+    recipe)."""
     saved = resume.state.run_config(str(resume.info.path / STATE_FILE)) if resume is not None else None
     asked = same_recipe(asked, saved or base, "resumed run" if saved else "--init-from base", where, ask, log)
     base_model = base.model if base is not None else None
@@ -68,7 +70,7 @@ def resolve_config(asked: RunConfig, meta: DatasetMeta, resume: Resume | None, b
     cfg.validate()
     check_cpu_run(cfg, device, cfg.train.device, resume.state.step if resume else 0, log)
     check_fits(cfg, device)
-    return fit_micro_batch(cfg, device, ddp, log) if cfg.train.auto_batch else cfg
+    return fit_micro_batch(cfg, device, ddp, log) if cfg.train.auto_batch else (cfg, 0)
 
 
 def same_recipe(asked: RunConfig, source: RunConfig | None, what: str, where: Path,
@@ -128,10 +130,12 @@ def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None
             f"stable phase")
 
 
-def fit_micro_batch(cfg: RunConfig, device: torch.device, ddp: Dist, log) -> RunConfig:
+def fit_micro_batch(cfg: RunConfig, device: torch.device, ddp: Dist, log) -> tuple[RunConfig, int]:
     """auto_batch: the largest micro-batch whose step fits this GPU (probed on a model of its own, seeded as
     training's, dropped after), grad_accum_steps raised to keep batch_size * grad_accum_steps sequences per step;
-    under DDP every rank takes the smallest. Elsewhere the sizes are kept (no OOM to find), and said."""
+    under DDP every rank takes the smallest. Elsewhere the sizes are kept (no OOM to find), and said. -> the config
+    and the probe's measured peak bytes (0 without a probe; under DDP this rank's, for a micro-batch at least as
+    large as the one taken)."""
     tc = cfg.train
     per_step = tc.batch_size * tc.grad_accum_steps
 
@@ -139,6 +143,8 @@ def fit_micro_batch(cfg: RunConfig, device: torch.device, ddp: Dist, log) -> Run
         seed_everything(tc.seed)
         return GPT(cfg.model).to(device)
 
-    micro = ddp.min_int(auto_micro_batch(probe_model, cfg, device, resolve_dtype(tc.dtype, device), log=log)[0])
+    micro, _, peak = auto_micro_batch(probe_model, cfg, device, resolve_dtype(tc.dtype, device), log=log)
+    micro = ddp.min_int(micro)
     free_memory()
-    return dataclasses.replace(cfg, train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=per_step // micro))
+    return dataclasses.replace(cfg, train=dataclasses.replace(tc, batch_size=micro,
+                                                              grad_accum_steps=per_step // micro)), peak

@@ -38,12 +38,12 @@ from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeo
 from gptlib.inference.loading import load_run
 from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
-from gptlib.model import GPT
+from gptlib.model import GPT, model_size
 from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device, resolve_dtype, seed_everything,
                             use_compile)
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
-from gptlib.training.memory import estimate_train_bytes
+from gptlib.training.memory import train_reserve_bytes
 from gptlib.training.optimizer import build_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
 from gptlib.training.throughput import run_flops
@@ -330,12 +330,12 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
     if init_from and resume is not None:
         log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
     # the config, decided once (frozen from here on); then the tokens, placed for it
-    cfg = resolve_config(asked, meta, resume, base.config if base else None, bool(init_from), device, ddp, run_dir,
-                         log, ask)
+    cfg, probe_peak = resolve_config(asked, meta, resume, base.config if base else None, bool(init_from), device,
+                                     ddp, run_dir, log, ask)
     if resume is not None:  # the same model; now the same data (or a change asked for, recorded)
         resume.data_change = check_same_data(resume, meta, allow_data_change, log)
     meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,
-                                reserve_gpu_bytes=estimate_train_bytes(cfg.model, cfg.train.batch_size))
+                                reserve_gpu_bytes=train_reserve_bytes(cfg.model, cfg.train.batch_size, probe_peak))
     # the model and what trains it; the checkpoint's state restored before compile/DDP wrap the model
     model, optimizer, scaler, dtype = build_model(cfg, device, log)
     if base is not None:
@@ -374,7 +374,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
             restore_logs_from_checkpoint(run_dir, resume.info.path, s.state.step)
         # rows logged after the checkpoint go (re-logged by this run); so do rows of its pending losses
         s.history = truncate_logs(run_dir, s.state.step - len(s.state.pending_losses))
-    log(f"model: {model.num_params() / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
+    log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(dtype)}, "
         f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step")
     return s

@@ -1,8 +1,8 @@
 """Measurement that training shows and benchmarks print: GPU peaks, MFU, ETA, Colab compute units, the step timer.
 
 MFU (model FLOPs utilisation) = achieved training FLOP/s / the GPU's dense peak for the precision gptlib
-trains in, with GPT.flops_per_token() = 6N + 12*L*d*T FLOPs per token. Only GPUs in PEAK_TFLOPS get a
-number; anything else (an unlisted GPU, a CPU) says "MFU unknown" rather than print a wrong one.
+trains in, with gptlib.model.model_size's FLOPs per token (the matmuls' and attention's). Only GPUs in PEAK_TFLOPS
+get a number; anything else (an unlisted GPU, a CPU) says "MFU unknown" rather than print a wrong one.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from typing import Any
 import torch
 
 from gptlib.errors import ConfigError, loud
+from gptlib.model import model_size
 
 # Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
-# bf16 where the GPU has it; fp16 on T4/V100, which train in fp16 + GradScaler. First match wins.
+# bf16 where the GPU has it; fp16 on the T4, which trains in fp16 + GradScaler. First match wins. (No V100: Colab's
+# torch, 2.11 with CUDA 12.8, ships no kernels for it. No RTX PRO 6000, Colab's G4: MFU unknown there until a
+# dense bf16 figure from NVIDIA can be cited.)
 PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"H200", "H200", 989.0),
     (r"H100.*PCIe", "H100 PCIe", 756.0),
@@ -30,13 +33,14 @@ PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"H100", "H100 SXM", 989.0),
     (r"A100", "A100", 312.0),
     (r"\bL4\b", "L4", 121.0),
-    (r"V100", "V100 (fp16)", 125.0),
     (r"\bT4\b", "T4 (fp16)", 65.0),
 ]
 
-# Approximate Colab compute units consumed per hour of each GPU runtime (user reports, 2024-2025).
-# Colab changes these; edit this table (or pass your own) to get your own estimate.
-COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.76, "L4": 4.82, "V100": 4.91, "A100": 11.77, "H100": 18.0}
+# Colab compute units per hour of each GPU runtime, measured by chrisjmccormick.github.io, "Colab GPUs: features
+# and pricing" (updated March 2026). Colab changes its prices: TrainConfig.colab_units_per_hour (--set
+# colab_units_per_hour=R, notebook 03's COLAB_UNITS_PER_HOUR) replaces this table's rate. G4 is the RTX PRO 6000
+# runtime. The H100 runtime has no rate here (none measured): set yours.
+COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
 
 
 @dataclass
@@ -45,6 +49,7 @@ class DevicePeak:
     family: str | None  # matched table row, e.g. "A100"; None if unknown
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
+    units_per_hour: float | None = None  # Colab compute units per hour of this runtime; None if unknown
 
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
@@ -55,16 +60,32 @@ def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     return None, None
 
 
-def device_peak(device: str | torch.device) -> DevicePeak:
+def colab_runtime(gpu_name: str, total_memory: int) -> str | None:
+    """The Colab runtime a GPU is (a key of COLAB_UNITS_PER_HOUR), from its name and memory in bytes: an A100 with
+    more than 60 GiB is the 80 GB runtime. None: not one of Colab's."""
+    if re.search(r"A100", gpu_name, flags=re.IGNORECASE):
+        return "A100 80GB" if total_memory > 60 * 2**30 else "A100 40GB"
+    for pattern, runtime in ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4")):
+        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
+            return runtime
+    return None
+
+
+def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
+    """The device's peak FLOP/s and Colab units per hour; units_per_hour (TrainConfig.colab_units_per_hour), when
+    set, replaces the table's rate."""
     device = torch.device(device)
     if device.type != "cuda":
         return DevicePeak(f"{device.type}: {cpu_name()}", None, None,
-                          f"MFU unknown on {device.type} (no peak table for it)")
+                          f"MFU unknown on {device.type} (no peak table for it)", units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
+    runtime = colab_runtime(name, torch.cuda.get_device_properties(device).total_memory)
+    units = units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime)
     if peak is None:
-        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
-    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)")
+        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
+                          units)
+    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
 
 
 def cpu_name() -> str:
@@ -97,13 +118,11 @@ def eta_seconds(tokens_done: int, tokens_target: int, tokens_per_s: float) -> fl
     return max(0, tokens_target - tokens_done) / tokens_per_s if tokens_per_s > 0 else math.inf
 
 
-def colab_units(seconds: float, gpu_family: str | None, rates: dict[str, float] | None = None) -> float | None:
-    """Estimated Colab compute units for `seconds` on that GPU (None if the GPU has no rate)."""
-    rates = COLAB_UNITS_PER_HOUR if rates is None else rates
-    if gpu_family is None or not math.isfinite(seconds):
+def colab_units(seconds: float, units_per_hour: float | None) -> float | None:
+    """Estimated Colab compute units for `seconds` at that rate (None if the rate is unknown)."""
+    if not units_per_hour or not math.isfinite(seconds):
         return None
-    key = next((k for k in rates if gpu_family.upper().startswith(k.upper())), None)
-    return None if key is None else rates[key] * seconds / 3600
+    return units_per_hour * seconds / 3600
 
 
 def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
@@ -113,7 +132,7 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
     total = sum(split.values())
     eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s if eta_tokens_per_s is None else eta_tokens_per_s)
     m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
-    units = colab_units(eta, peak.family)
+    units = colab_units(eta, peak.units_per_hour)
     return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
             "colab_units_left": None if units is None else round(units * n_devices, 2),
             "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
@@ -133,16 +152,6 @@ def tokens_per_step(cfg, world_size: int = 1) -> int:
     return cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
 
 
-def flops_per_token(model_cfg) -> int:
-    """GPT.flops_per_token() from the config alone (no model built): 6N + 12*L*C*T, N the parameters without
-    the position embeddings (the tied embedding counted once)."""
-    c = model_cfg
-    d, L = c.n_embd, c.n_layer
-    per_layer = 12 * d * d + 2 * d + (11 * d if c.bias else 0)  # attn 4d^2 + mlp 8d^2, two LayerNorms, biases
-    n = c.padded_vocab_size * d + L * per_layer + d + (d if c.bias else 0)  # + the final LayerNorm
-    return 6 * n + 12 * L * d * c.block_size
-
-
 def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
     """Tokens the run still trains on from start_step to max_steps."""
     return max(0, cfg.train.max_steps - start_step) * tokens_per_step(cfg, world_size)
@@ -150,17 +159,28 @@ def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
 
 def run_flops(cfg, start_step: int = 0) -> float:
     """Training FLOPs of the run from start_step (compile=auto's measure of whether compiling pays)."""
-    return float(flops_per_token(cfg.model)) * run_tokens(cfg, start_step)
+    return float(model_size(cfg.model).flops_per_token) * run_tokens(cfg, start_step)
 
 
 GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")  # config.PRESETS made for a GPU runtime
+CPU_ADVISE_S = 600.0  # a GPU preset on a CPU that would take longer than this gets the advice to use a GPU runtime:
+# ten minutes is about what a notebook cell is worth waiting for, and switching the runtime costs a minute or two
 CPU_REFUSE_S = 3600.0  # a GPU preset that device=auto put on a CPU is refused when it would take longer than this
+
+# What training reaches on a CPU against one matmul's FLOP rate (cpu_train_flops), measured on this project's 2-core
+# EPYC VM (torch 2.13, fp32, eager; benchmarks/cpu_estimate.py prints estimate vs run, its output in
+# benchmarks/results/cpu_estimate_cpu.txt). The matmuls of models from phase1's width up run at 0.5-0.9 of that rate
+# (0.8 for phase1's 1,500 steps in 73 s). Every op also has a fixed cost, whatever its size, which is all a tiny
+# model's time: ~2 ms per layer per micro-batch for its forward and backward, about one layer's more for the
+# embedding, head and loss, and one micro-batch's more per step for the AdamW update (1 to 8 layers 32 wide: 1.9 ms
+# more per layer per micro-batch, ~3 ms per update, for 0.2 ms of FLOPs per layer). The modern recipe's unfused
+# RMSNorm, QK-norm and rotary double that, and Muon's bf16 update is slower still (optimizer.slow_muon_note).
+CPU_MATMUL_SHARE = 0.7
+CPU_LAYER_PASS_S = 2e-3
 
 
 def cpu_train_flops(seconds: float = 0.2) -> float:
-    """FLOP/s of one 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`. Training a GPT on a CPU
-    runs at about that rate (gpt2-small-shaped model: 12.8 GFLOP/s against a matmul's 11.9 on this project's
-    2 shared cores); smaller models run slower than it, so an estimate from it is, if anything, optimistic."""
+    """FLOP/s of one 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b  # the first call pays thread start-up
     n, t0 = 0, time.perf_counter()
@@ -171,15 +191,27 @@ def cpu_train_flops(seconds: float = 0.2) -> float:
 
 
 def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = None) -> float:
-    """Rough seconds the rest of the run takes on this CPU."""
-    return run_flops(cfg, start_step) / (flops_per_s or cpu_train_flops())
+    """Rough seconds the rest of the run takes on this CPU: its training steps and what runs at each validation
+    (eval_batches forward passes, the samples' tokens), as FLOPs at CPU_MATMUL_SHARE of the matmul rate plus
+    CPU_LAYER_PASS_S per layer (and one more) per micro-batch and per update; a forward alone, or a sampled token,
+    a third of a micro-batch."""
+    tc, mc = cfg.train, cfg.model
+    steps = max(0, tc.max_steps - start_step)
+    validations = steps // tc.eval_interval + 1  # every eval_interval steps, and at the end
+    eval_batches = validations * tc.eval_batches
+    sampled = validations * len(tc.sample_prompts) * tc.sample_tokens
+    tokens = run_tokens(cfg, start_step) + eval_batches * tc.batch_size * mc.block_size / 3  # a forward: a third
+    flops = model_size(mc).flops_per_token * tokens
+    passes = steps * (tc.grad_accum_steps + 1) + (eval_batches + sampled) / 3
+    overhead = passes * (mc.n_layer + 1) * CPU_LAYER_PASS_S
+    return flops / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE) + overhead
 
 
 def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
-    """A GPU preset on a CPU: the estimated time and how to get a GPU. When device=auto landed on the CPU (a
-    Colab notebook opened without a GPU runtime) and it would take over CPU_REFUSE_S, a ConfigError: nobody
-    should start a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning, and a
-    small run (a tiny model in a GPU preset, --set overrides) is a note."""
+    """A GPU preset on a CPU: a run estimated over CPU_ADVISE_S gets the estimate and how to get a GPU; over
+    CPU_REFUSE_S with device=auto (a Colab notebook opened without a GPU runtime) a ConfigError: nobody should start
+    a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning. A shorter run (a tiny model in
+    a GPU preset, --set overrides) only gets a note of its estimate."""
     tokens = run_tokens(cfg, start_step)
     if device.type != "cpu" or cfg.preset not in GPU_PRESETS or tokens == 0:
         return
@@ -188,15 +220,17 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     took = f"about {secs / 3600:,.0f} hours" if secs >= 3600 else f"about {fmt_duration(secs)}"
     steps = cfg.train.max_steps - start_step
     msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) "
-           f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured). On Colab: "
-           f"Runtime > Change runtime type > A100 GPU, then run the notebook again")
-    if secs <= CPU_REFUSE_S:
-        log(msg)
+           f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)")
+    advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
+    if secs <= CPU_ADVISE_S:
+        log(f"{msg}: short enough to run here")
+    elif secs <= CPU_REFUSE_S:
+        log(f"{msg}. {advice}")
     elif requested == "auto":
-        raise ConfigError(msg + "; to train on this CPU anyway, ask for it with --device cpu (device='cpu'), or "
-                                "shorten the run (--set max_steps=N)")
+        raise ConfigError(f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "
+                          f"(device='cpu'), or shorten the run (--set max_steps=N)")
     else:
-        loud(f"warning: {msg}")
+        loud(f"warning: {msg}. {advice}")
 
 
 class StepTimer:
@@ -286,9 +320,12 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     cfg = build_config(preset, overrides, recipe=recipe)
     per_step = tokens_per_step(cfg)
     max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
-    peak = device_peak(resolve_device(device))
+    peak = device_peak(resolve_device(device), cfg.train.colab_units_per_hour)
+    rate = ("Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if peak.units_per_hour is None else
+            f"{peak.units_per_hour:g} Colab units per hour "
+            f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})")
     summary = (f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
-               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}\n"
+               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}; {rate}\n"
                f"{recipe_estimate(build_config(preset, overrides), per_step * max_steps, peak)}")
     return RunPlan(cfg, max_steps, summary)
 
@@ -308,8 +345,8 @@ def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     def cost(n: float) -> str:
         if peak.peak_flops is None:
             return ""
-        seconds = n * flops_per_token(gpt2_cfg.model) / (peak.peak_flops * ASSUMED_MFU)
-        units = colab_units(seconds, peak.family)
+        seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
+        units = colab_units(seconds, peak.units_per_hour)
         return f" (~{fmt_duration(seconds)}" + (f", ~{units:,.0f} Colab units" if units is not None else "") + ")"
 
     modern = tokens * MODERN_TOKEN_FRACTION

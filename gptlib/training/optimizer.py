@@ -13,6 +13,12 @@ import torch
 from gptlib.config import TrainConfig
 from gptlib.model import GPT
 
+# A param group's keys that say how its update runs on this device, not what it computes. torch's load_state_dict
+# takes them from the checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler
+# ("Expected grad_scale and found_inf to be None", the scaler having seen fused at __init__) and, without one, takes
+# the slow per-parameter path. So they always come from the optimizer built for this device (load_optimizer).
+DEVICE_KEYS = ("fused", "foreach", "capturable")
+
 
 class MuonAdamW:
     """torch.optim.Muon for `matrices`, AdamW for `others`. Each param group carries `lr_scale`, its peak LR over
@@ -49,9 +55,21 @@ class MuonAdamW:
         return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.adamw.load_state_dict(state["adamw"])
-        self.muon.load_state_dict(state["muon"])
+        load_optimizer(self.adamw, state["adamw"])
+        load_optimizer(self.muon, state["muon"])
         self._set_scales()
+
+
+def load_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state) with this device's DEVICE_KEYS in every param group. They are put into the
+    saved groups before loading because torch also places AdamW's step counts by them (on the device when fused)."""
+    if isinstance(optimizer, MuonAdamW):
+        optimizer.load_state_dict(state)
+        return
+    saved = state["param_groups"]
+    if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
+        saved = [{**g, **{k: now[k] for k in DEVICE_KEYS if k in now}} for g, now in zip(saved, optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": saved})
 
 
 # torch.optim.Muon orthogonalises every update in bf16, on every device. GPUs multiply bf16 natively; an x86 CPU

@@ -44,7 +44,7 @@ from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import estimate_train_bytes
-from gptlib.training.optimizer import build_optimizer, slow_muon_note
+from gptlib.training.optimizer import build_optimizer, load_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
 from gptlib.training.throughput import run_flops
 
@@ -187,7 +187,7 @@ class TrainingRun:
         ck, parts = r.checkpoint, self.parts()
         load_weights_into(self.model, ck.model, r.info.path)
         if ck.optimizer:
-            parts["optimizer"].load_state_dict(ck.optimizer)
+            load_optimizer(parts["optimizer"], ck.optimizer)  # its device flags are this device's
             if ck.scaler:  # {} when it was off
                 parts["scaler"].load_state_dict(ck.scaler)
             self.ddp.load_sampler_state(self.sampler, ck.sampler, ck.sampler_ranks, self.cfg.train.seed, log)

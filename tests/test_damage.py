@@ -151,9 +151,9 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
 
 
 def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_path, capsys):
-    """The newest checkpoint is damaged in place (same size): resume skips it, and rotation must not
-    count it among the kept ones, or it deletes the good older one. While the run is behind it, it is left
-    alone (rotation never judges checkpoints newer than the run's own, issue 18); once passed, it goes."""
+    """The newest checkpoint is damaged in place (same size): resume skips it and sets it aside, whole
+    (step_0000020.damaged-TIME), so rotation never counts it among the kept ones (it would delete the good older
+    one), and the new step 20 the run writes later is never taken for it (issue 26)."""
     run = tmp_path / "run"
     settings = TINY + ["save_every_steps=5", "keep_last=2"]
     train(char_data, run, "phase1", settings, max_steps=20, progress=False, log=quiet)
@@ -165,15 +165,18 @@ def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_
     logs = []
     train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=17, progress=False, log=logs.append)
     assert any("skipping checkpoint" in m and "step_0000020" in m for m in logs)
-    assert [p.name for p in list_checkpoints(run)] == ["step_0000020", "step_0000017", "step_0000016"]
-    for p in list_checkpoints(run)[1:]:
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000017", "step_0000016"]
+    [aside] = (run / "checkpoints").glob("step_0000020.damaged-*")
+    assert (aside / "model.pt").read_bytes() == bytes(data)  # kept as it was, for the user to look at
+    for p in list_checkpoints(run):
         verify_checkpoint(p)  # the good ones are kept whole
         load_checkpoint(p)
     train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=22, progress=False, log=logs.append)
     for p in list_checkpoints(run):
-        verify_checkpoint(p)  # every kept checkpoint is whole (the damaged one is gone, not the good ones)
+        verify_checkpoint(p)  # every kept checkpoint is whole
         load_checkpoint(p)
     assert [p.name for p in list_checkpoints(run)] == ["step_0000022", "step_0000021"]
+    assert aside.is_dir()
 
 
 def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch):

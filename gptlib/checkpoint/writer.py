@@ -47,8 +47,8 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print,
                  mirror_dir: str | Path | None = None, snapshot_files: tuple[str, ...] = (), keep_every: int = 0,
-                 guard: Callable[[Path], None] | None = None, bad: set[Path] = frozenset(),
-                 unreadable: set[Path] = frozenset(), mirror_listed: int | None = None):
+                 guard: Callable[[Path], None] | None = None, unreadable: set[Path] = frozenset(),
+                 mirror_listed: int | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last  # rotate() keeps at least checkpoint.MIN_KEEP_LAST whatever this says
         self.keep_every = keep_every  # milestones: kept by rotation, and each one copied to the mirror
@@ -57,10 +57,9 @@ class CheckpointWriter:
         self.snapshot_files = snapshot_files  # run-dir logs (layout.LOG_FILES) copied into each checkpoint
         # guard(directory) raises (gptlib.lease.LeaseLost) when this process may no longer write there
         self.guard = guard or (lambda directory: None)
-        self.bad = set(bad)  # checkpoints found damaged at resume: rotation does not count them as kept
         self.unreadable = set(unreadable)  # checkpoints that could not be read at resume: never deleted
-        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.bad,
-                              self.unreadable, mirror_listed) if mirror_dir is not None else None)
+        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.unreadable,
+                              mirror_listed) if mirror_dir is not None else None)
         self.last_saved: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -122,7 +121,7 @@ class CheckpointWriter:
             self.last_saved = path
             protect = self.mirror.submit(path, best_step, milestone, sizes) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
-                   keep_every=self.keep_every, bad=self.bad, newest=step)
+                   keep_every=self.keep_every, newest=step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
 

@@ -196,6 +196,8 @@ class TrainingRun:
         self.state.continue_from(ck.progress)
         if r.data_change:
             self.state.data_changes = [*self.state.data_changes, r.data_change]
+        # the loaded copy is in the parts now: holding it would keep a second copy of the state in host RAM all run
+        r.checkpoint = Checkpoint(model={}, progress=ck.progress)
         where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
         log(f"resumed from step {ck.step:,} (saved {r.info.saved_at}, {ck.progress.tokens_seen:,} tokens seen) "
             f"on the {where}: {r.origin}")

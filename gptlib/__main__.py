@@ -170,7 +170,7 @@ def cmd_train(args) -> int:
               allow_data_change=args.allow_data_change, recipe=args.recipe)
     if r.stopped_by != "finished":  # train() already said "already finished ..."
         print(r.summary())
-    return 0
+    return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the shell's status for a process stopped by SIGINT
 
 
 def _add_sample(sub) -> None:

@@ -30,6 +30,7 @@ from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.fsutil import sha256_file
 from gptlib.training import loop as gtrain
 from gptlib.training import setup as gsession
+from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
@@ -132,6 +133,53 @@ def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(char_
     assert curve(run) == curve(alone)
     wa, wb = (ck.load_model_weights(list_checkpoints(d)[0]) for d in (alone, run))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# `python -m gptlib` with each checkpoint's manifest written 2 s late: a save in flight that a test can see
+# (its checkpoints/step_N.partial-* directory) and signal during.
+SLOW_SAVE = """
+import sys, time
+from gptlib.__main__ import main
+from gptlib.checkpoint import format as fmt
+real = fmt.atomic_write_json
+def late(path, obj):
+    if path.name == "manifest.json":
+        time.sleep(2)
+    real(path, obj)
+fmt.atomic_write_json = late
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_data, tmp_path):
+    """Ctrl-C, then Ctrl-C again while the stop's checkpoint is being written: the process died in the wait for the
+    save (a KeyboardInterrupt traceback, exit -2, or torch's abort, -6, as its thread was killed mid-write). Now the
+    save finishes, `done` is printed, and the exit status is 130 (the shell's for Ctrl-C), as after one press."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", SLOW_SAVE, "train", "--data", str(char_data), "--run-dir", str(run), "--max-steps",
+           "100000", "--device", "cpu", "--quiet"]
+    for setting in TINY + ["eval_interval=100000", "save_every_steps=100000"]:  # the stop's save is the only one
+        cmd += ["--set", setting]
+    child = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while len(read_jsonl(run / "metrics.jsonl")) < 3:
+            assert time.time() < deadline and child.poll() is None, "training did not start"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        while not any(".partial-" in p.name for p in (run / "checkpoints").glob("*")):
+            assert time.time() < deadline and child.poll() is None, "no save seen"
+            time.sleep(0.01)
+        child.send_signal(signal.SIGINT)  # the save is in flight (its manifest 2 s away)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err)
+    assert "done: step" in out and "(interrupt)" in out, out
+    [ck] = list_checkpoints(run)
+    assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [ck.name]  # no partial left
 
 
 def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):

@@ -5,12 +5,13 @@ verification, rotation and the copy to Drive (gptlib.checkpoint.mirror) happen i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -157,11 +158,13 @@ class CheckpointWriter:
         """'' without a mirror; 'drive: step N' when fine; a loud line when the last copy failed."""
         return self.mirror.status_line() if self.mirror else ""
 
-    def close(self, timeout: float | None = None) -> dict:
-        """Wait for the local save (raising its error), then up to `timeout` (MIRROR_CLOSE_TIMEOUT_S)
-        for the mirror to copy the newest checkpoint (never raises for the mirror). Returns status()."""
+    def close(self, timeout: float | None = None, saving: ContextManager = contextlib.nullcontext()) -> dict:
+        """Wait for the local save (raising its error; `saving`: the context that wait runs in), then up to `timeout`
+        (MIRROR_CLOSE_TIMEOUT_S) for the mirror to copy the newest checkpoint (never raises for the mirror).
+        Returns status()."""
         try:
-            self.wait()
+            with saving:
+                self.wait()
         finally:
             pinned = self._layout is not None and any(on_gpu for *_, on_gpu in self._layout)
             self._host, self._layout = [], None  # the host copy's memory is not held after training
@@ -214,9 +217,10 @@ class Checkpointer:
     def status_line(self) -> str:
         return self.writer.status_line()
 
-    def close(self) -> dict:
-        """Wait for the save in flight (its error raises) and, for a while, the Drive copy."""
-        return self.writer.close()
+    def close(self, saving: ContextManager = contextlib.nullcontext()) -> dict:
+        """Wait for the save in flight (its error raises; `saving`: the context of that wait) and, for a while, the
+        Drive copy."""
+        return self.writer.close(saving=saving)
 
     def maybe_save(self, step: int, snapshot: Callable[[], Checkpoint], **reasons: bool) -> bool:
         """Save if due (see `due` for the reasons); the snapshot is only built when it is."""

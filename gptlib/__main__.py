@@ -169,7 +169,7 @@ def cmd_train(args) -> int:
               init_from=args.init_from, skip_unreadable=args.skip_unreadable,
               allow_data_change=args.allow_data_change, recipe=args.recipe)
     print(r.summary())
-    return 0
+    return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the shell's status for a process stopped by SIGINT
 
 
 def _add_sample(sub) -> None:

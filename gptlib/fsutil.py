@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -98,16 +99,27 @@ def describe_disk(path: str | Path, timeout: float = 5.0) -> str:
         p = Path(path)
         while not p.exists() and p.parent != p:
             p = p.parent
-        mount = p.resolve()
-        while not os.path.ismount(mount) and mount.parent != mount:
-            mount = mount.parent
-        return mount, shutil.disk_usage(p)
+        return mount_point(p.resolve()), shutil.disk_usage(p)
 
     try:
         mount, usage = call_with_timeout(look, timeout, what=f"looking at the disk of {path}")
     except OSError:
         return "its disk"
     return f"the disk mounted at {mount} ({_size(usage.free)} free of {_size(usage.total)})"
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point that holds a resolved path: the longest that contains it in /proc/self/mountinfo (Linux),
+    which also lists a bind mount of a folder on the same disk (a read-only one, say) that os.path.ismount cannot
+    tell from a folder; elsewhere the first folder up that os.path.ismount says is one."""
+    try:
+        with open("/proc/self/mountinfo") as f:  # field 5 is the mount point, octal-escaped (a space is \040)
+            points = [Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])) for line in f]
+        return max((m for m in points if path.is_relative_to(m)), key=lambda m: len(m.parts))
+    except (OSError, IndexError, ValueError):  # not Linux, or no mount contains it
+        while not os.path.ismount(path) and path.parent != path:
+            path = path.parent
+        return path
 
 
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:

@@ -54,6 +54,7 @@ LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)
 OLD_MARKER = ".old-"  # a same-step checkpoint being replaced
 DELETING_MARKER = ".deleting-"  # a rotated-out checkpoint being deleted
+DAMAGED_MARKER = ".damaged-"  # found damaged at resume, set aside for its owner to look at (never deleted)
 _STEP_RE = re.compile(r"step_(\d{7,})")
 
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
+import torch
 
 from gptlib.checkpoint import mirror as gmirror
-from gptlib.checkpoint.format import list_checkpoints
+from gptlib.checkpoint import resume as gresume
+from gptlib.checkpoint.format import list_checkpoints, verify_checkpoint
 from gptlib.data.prepare import prepare_text
-from gptlib.errors import ConfigError, RunDirError
+from gptlib.errors import CheckpointError, ConfigError, RunDirError
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests.conftest import TINY
+from tests.test_drive_resume import StalledDrive
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
 SETTINGS = TINY + ["keep_last=3"]
@@ -43,8 +47,6 @@ def run_at_30(char_data, tmp_path_factory):
 
 @pytest.fixture()
 def run(run_at_30, tmp_path):
-    import shutil
-
     shutil.copytree(run_at_30, tmp_path / "run")
     return tmp_path / "run"
 
@@ -138,8 +140,6 @@ def _loop(p):
                                         ("run/checkpoints", "file"), ("run/checkpoints", "loop"), ("data", "loop")])
 def test_a_run_dir_mirror_or_data_dir_that_is_a_file_or_a_symlink_loop_is_one_line_at_start(
         char_data, tmp_path, where, kind):
-    import shutil
-
     data = tmp_path / "data"
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     if where == "run/checkpoints":
@@ -170,3 +170,136 @@ def test_a_failing_drive_copy_names_the_step_already_on_drive(char_data, tmp_pat
     err = capsys.readouterr().err
     assert "the newest on Drive is step 10 (found there at start)" in err, err
     assert "step None" not in err
+
+
+# --- issue 26: damaged checkpoints are set aside; damage on Drive is damage; optimizer states that do not fit ------
+
+
+def truncate(path):
+    f = path / "model.pt"
+    os.truncate(f, f.stat().st_size // 2)
+
+
+def set_aside(run):
+    return sorted(p.name.split(".damaged-")[0] for p in (run / "checkpoints").glob("step_*.damaged-*"))
+
+
+def test_a_new_checkpoint_where_a_damaged_one_was_is_kept(char_data, run):
+    """Step 30 truncated: resume from 20 writes a new, intact step 30; the step-40 save's rotation kept 40, 20 and 10
+    and deleted that new 30 (the damage was remembered by path). Now the damaged one is set aside, kept as it was."""
+    truncate(ckpt(run, 30))
+    size = (ckpt(run, 30) / "model.pt").stat().st_size
+    logs = []
+    r = train(char_data, run, "phase1", SETTINGS, max_steps=40, progress=False, log=logs.append)
+    assert r.resumed_from == 20 and r.step == 40, logs
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000040", "step_0000030", "step_0000020"]
+    for p in list_checkpoints(run):
+        verify_checkpoint(p)
+    assert set_aside(run) == ["step_0000030"]
+    [aside] = (run / "checkpoints").glob("step_0000030.damaged-*")
+    assert (aside / "model.pt").stat().st_size == size
+    assert any("is set aside as step_0000030.damaged-" in m for m in logs), logs
+    r = train(char_data, run, "phase1", SETTINGS, max_steps=45, progress=False, log=quiet)
+    assert r.resumed_from == 40 and set_aside(run) == ["step_0000030"]  # never deleted, never resumed from
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_ones(char_data, run):
+    """Every local checkpoint truncated: a from-scratch run said only "skipping ...", then its step-40 save's rotation
+    deleted its new 30, 20 and 10 (they had the damaged ones' paths)."""
+    for step in (10, 20, 30):
+        truncate(ckpt(run, step))
+    logs = []
+    r = train(char_data, run, "phase1", SETTINGS, max_steps=40, progress=False, log=logs.append)
+    assert r.resumed_from is None and r.step == 40
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000040", "step_0000030", "step_0000020"]
+    for p in list_checkpoints(run):
+        verify_checkpoint(p)
+    assert set_aside(run) == ["step_0000010", "step_0000020", "step_0000030"]
+    [line] = [m for m in logs if "starting from scratch" in m]
+    assert line == "no checkpoint could be loaded (3 damaged): starting from scratch"
+
+
+@pytest.fixture(scope="module")
+def drive_at_30(char_data, tmp_path_factory):
+    """A Drive mirror holding steps 10, 20 and 30 (its VM gone)."""
+    root = tmp_path_factory.mktemp("drive30")
+    train(char_data, root / "vm1", "phase1", SETTINGS, max_steps=30, progress=False, log=quiet, mirror_dir=root / "drive")
+    return root / "drive"
+
+
+def test_a_corrupt_checkpoint_on_drive_is_skipped_at_once(char_data, drive_at_30, tmp_path, monkeypatch, capsys):
+    """One flipped byte in Drive's newest checkpoint, an empty local disk: the copy's hash check raised EIO, filed
+    as "could not read", so resume waited (300 s), then refused to start. A hash mismatch is damage: skipped at
+    once, resume from step 20, and the corrupt one is set aside on Drive, kept as it was."""
+    mirror = tmp_path / "drive"
+    shutil.copytree(drive_at_30, mirror)
+    f = ckpt(mirror, 30) / "train_state.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_RETRY_S", 0.5)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 2.0)  # before the fix: a refusal after 2 s
+    logs = []
+    r = train(char_data, tmp_path / "vm2", "phase1", SETTINGS, max_steps=35, progress=False, log=logs.append,
+              mirror_dir=mirror)
+    assert r.resumed_from == 20 and r.step == 35, logs
+    assert "trying again" not in capsys.readouterr().err
+    [line] = [m for m in logs if m.startswith("skipping checkpoint")]
+    assert "step_0000030" in line and "sha256 differs from the manifest (corrupted)" in line, line
+    assert set_aside(mirror) == ["step_0000030"]
+    [aside] = (mirror / "checkpoints").glob("step_0000030.damaged-*")
+    assert (aside / "train_state.pt").read_bytes() == bytes(data)
+    assert [p.name for p in list_checkpoints(mirror)][:2] == ["step_0000035", "step_0000030"]
+    verify_checkpoint(ckpt(mirror, 30))  # the new one
+
+
+def test_a_refused_start_leaves_no_copy_from_drive(char_data, drive_at_30, tmp_path, monkeypatch):
+    """Drive's step 30 hangs, step 20 is fine: resume copies 20 to the empty local disk, waits for 30, then refuses
+    saying "nothing was changed"; the copy of 20 stayed in the local run dir."""
+    mirror = tmp_path / "drive"
+    shutil.copytree(drive_at_30, mirror)
+    monkeypatch.setattr(gresume, "DRIVE_READ_STALL_S", 0.5)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_RETRY_S", 0.5)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 1.5)
+    stalled = StalledDrive(mirror, [30], tmp_path)
+    run = tmp_path / "vm2"
+    try:
+        with pytest.raises(CheckpointError, match="training did not start and nothing was changed"):
+            train(char_data, run, "phase1", SETTINGS, max_steps=35, progress=False, log=quiet, mirror_dir=mirror)
+    finally:
+        stalled.release()
+    assert not run.exists(), sorted(p.name for p in run.rglob("*"))
+
+
+def rewrite_train_state(path, edit):
+    """train_state.pt rewritten by edit(state), the manifest re-hashed as a careful (or buggy) writer would."""
+    f = path / "train_state.pt"
+    state = torch.load(f, weights_only=True)
+    edit(state)
+    torch.save(state, f)
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = f.read_bytes()
+    manifest["files"]["train_state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("recipe,moment", [("gpt2", "exp_avg"), ("modern", "momentum_buffer")])
+def test_an_optimizer_state_of_the_wrong_shape_is_skipped_as_damaged(char_data, tmp_path, recipe, moment):
+    """A train_state.pt that verifies but whose AdamW moment (Muon momentum) has another shape than its parameter:
+    a traceback at the first step after "resumed from step 20". Now it is damaged: skipped, the run resumes from 10."""
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", SETTINGS, max_steps=20, progress=False, log=quiet, recipe=recipe)
+
+    def wrong_shape(state):
+        opt = state["optimizer"]["muon"] if recipe == "modern" else state["optimizer"]
+        part = opt["state"][0]
+        part[moment] = torch.zeros(part[moment].shape[0] + 1, *part[moment].shape[1:])
+
+    rewrite_train_state(ckpt(run, 20), wrong_shape)
+    verify_checkpoint(ckpt(run, 20))
+    logs = []
+    r = train(char_data, run, "phase1", SETTINGS, max_steps=22, progress=False, log=logs.append, recipe=recipe)
+    assert r.resumed_from == 10 and r.step == 22, logs
+    [line] = [m for m in logs if m.startswith("skipping checkpoint")]
+    assert "step_0000020" in line and f"{moment} of parameter 0 has shape" in line, line
+    assert set_aside(run) == ["step_0000020"]

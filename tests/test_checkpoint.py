@@ -197,7 +197,7 @@ def test_mirror_copy_verifies_and_refuses_changed_source(tmp_path):
     with open(src2 / "model.pt", "r+b") as f:  # the local file changed after its manifest was written
         f.seek(100)
         f.write(b"\x00\x01")
-    with pytest.raises(OSError, match="sha256 differs"):
+    with pytest.raises(CheckpointError, match="sha256 differs"):  # damaged, not a Drive that failed
         mirror_checkpoint(src2, tmp_path / "drive")
     assert [p.name for p in list_checkpoints(tmp_path / "drive")] == ["step_0000004"]
     assert not list((tmp_path / "drive" / "checkpoints").glob("*.partial-*"))

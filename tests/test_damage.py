@@ -30,6 +30,7 @@ from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.fsutil import sha256_file
 from gptlib.training import loop as gtrain
 from gptlib.training import setup as gsession
+from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
@@ -134,6 +135,53 @@ def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(char_
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+# `python -m gptlib` with each checkpoint's manifest written 2 s late: a save in flight that a test can see
+# (its checkpoints/step_N.partial-* directory) and signal during.
+SLOW_SAVE = """
+import sys, time
+from gptlib.__main__ import main
+from gptlib.checkpoint import format as fmt
+real = fmt.atomic_write_json
+def late(path, obj):
+    if path.name == "manifest.json":
+        time.sleep(2)
+    real(path, obj)
+fmt.atomic_write_json = late
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_data, tmp_path):
+    """Ctrl-C, then Ctrl-C again while the stop's checkpoint is being written: the process died in the wait for the
+    save (a KeyboardInterrupt traceback, exit -2, or torch's abort, -6, as its thread was killed mid-write). Now the
+    save finishes, `done` is printed, and the exit status is 130 (the shell's for Ctrl-C), as after one press."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", SLOW_SAVE, "train", "--data", str(char_data), "--run-dir", str(run), "--max-steps",
+           "100000", "--device", "cpu", "--quiet"]
+    for setting in TINY + ["eval_interval=100000", "save_every_steps=100000"]:  # the stop's save is the only one
+        cmd += ["--set", setting]
+    child = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while len(read_jsonl(run / "metrics.jsonl")) < 3:
+            assert time.time() < deadline and child.poll() is None, "training did not start"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        while not any(".partial-" in p.name for p in (run / "checkpoints").glob("*")):
+            assert time.time() < deadline and child.poll() is None, "no save seen"
+            time.sleep(0.01)
+        child.send_signal(signal.SIGINT)  # the save is in flight (its manifest 2 s away)
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err)
+    assert "done: step" in out and "(interrupt)" in out, out
+    [ck] = list_checkpoints(run)
+    assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [ck.name]  # no partial left
+
+
 def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
     from gptlib.__main__ import main
 
@@ -151,9 +199,9 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
 
 
 def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_path, capsys):
-    """The newest checkpoint is damaged in place (same size): resume skips it, and rotation must not
-    count it among the kept ones, or it deletes the good older one. While the run is behind it, it is left
-    alone (rotation never judges checkpoints newer than the run's own, issue 18); once passed, it goes."""
+    """The newest checkpoint is damaged in place (same size): resume skips it and sets it aside, whole
+    (step_0000020.damaged-TIME), so rotation never counts it among the kept ones (it would delete the good older
+    one), and the new step 20 the run writes later is never taken for it (issue 26)."""
     run = tmp_path / "run"
     settings = TINY + ["save_every_steps=5", "keep_last=2"]
     train(char_data, run, "phase1", settings, max_steps=20, progress=False, log=quiet)
@@ -165,15 +213,18 @@ def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_
     logs = []
     train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=17, progress=False, log=logs.append)
     assert any("skipping checkpoint" in m and "step_0000020" in m for m in logs)
-    assert [p.name for p in list_checkpoints(run)] == ["step_0000020", "step_0000017", "step_0000016"]
-    for p in list_checkpoints(run)[1:]:
+    assert [p.name for p in list_checkpoints(run)] == ["step_0000017", "step_0000016"]
+    [aside] = (run / "checkpoints").glob("step_0000020.damaged-*")
+    assert (aside / "model.pt").read_bytes() == bytes(data)  # kept as it was, for the user to look at
+    for p in list_checkpoints(run):
         verify_checkpoint(p)  # the good ones are kept whole
         load_checkpoint(p)
     train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=22, progress=False, log=logs.append)
     for p in list_checkpoints(run):
-        verify_checkpoint(p)  # every kept checkpoint is whole (the damaged one is gone, not the good ones)
+        verify_checkpoint(p)  # every kept checkpoint is whole
         load_checkpoint(p)
     assert [p.name for p in list_checkpoints(run)] == ["step_0000022", "step_0000021"]
+    assert aside.is_dir()
 
 
 def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch):
@@ -220,6 +271,29 @@ def test_a_full_run_dir_at_set_up_is_one_clear_line(char_data, tmp_path, monkeyp
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith(f"error: cannot write to {run}: No space left on device") and "is full" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+# The same command where `dir` ($0) is a read-only bind mount of itself, in a mount namespace of its own (unshare -r:
+# no root needed where user namespaces are allowed).
+READ_ONLY_BIND = ["unshare", "-rm", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && '
+                  'exec "$@"']
+
+
+def test_a_read_only_run_dir_names_its_own_mount(char_data, tmp_path):
+    """A run dir on a read-only bind mount (a folder of the same disk mounted read-only: os.path.ismount cannot
+    tell it from a folder) was said to be on "the disk mounted at /" (issue 26)."""
+    ro = (tmp_path / "ro").resolve()
+    ro.mkdir()
+    if shutil.which("unshare") is None or subprocess.run([*READ_ONLY_BIND, ro, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no read-only bind mount can be made here (unshare -rm: user namespaces not allowed)")
+    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(ro / "run"),
+           "--max-steps", "2", "--device", "cpu", "--quiet"]
+    p = subprocess.run([*READ_ONLY_BIND, ro, *cmd], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"error: cannot write to {ro / 'run'}: Read-only file system: the disk mounted at {ro} ("), line
+    assert line.endswith("is read-only; choose a writable directory"), line
 
 
 @pytest.mark.parametrize("keep_last,fix", [(2, "free space"), (3, "free space or lower --keep-last \\(now 3\\)")])

@@ -143,6 +143,40 @@ def test_muon_adamw_steps_under_an_fp16_grad_scaler():
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("recipe", ["gpt2", "modern"])
+def test_a_resume_takes_the_optimizers_device_flags_from_this_device(char_data, tmp_path, monkeypatch, recipe):
+    """Issue 26.1: torch's load_state_dict took `fused` (and foreach, capturable) from the checkpoint. A CPU run's
+    checkpoint (fused=False) resumed where AdamW is fused (a GPU: the device type build_optimizer is given decides;
+    CPU fused AdamW stands in) under an fp16 GradScaler: the gpt2 recipe's first step raised "Expected grad_scale and
+    found_inf to be None" (the scaler saw fused at __init__), the modern recipe's AdamW half ran unfused. And the
+    reverse: a fused run's checkpoint resumed where AdamW is not fused must not come back fused."""
+    from gptlib.training import setup as gsetup
+
+    real, made = gsetup.build_optimizer, []
+
+    def optimizer_as_on(device_type):
+        def build(model, tc, dev):  # "meta": resume's shape check, left as it is
+            made.append(real(model, tc, device_type if dev == "cpu" else dev))
+            return made[-1]
+        monkeypatch.setattr(gsetup, "build_optimizer", build)
+
+    def fused():
+        opt = made[-1].adamw if isinstance(made[-1], MuonAdamW) else made[-1]
+        return {g["fused"] for g in opt.param_groups}
+
+    fp16 = SETTINGS + ["dtype=float16"]  # the GradScaler on ("cpu")
+    for first, then in (("cpu", "cuda"), ("cuda", "cpu")):
+        run_dir = tmp_path / f"made-on-{first}"
+        optimizer_as_on(first)
+        run(char_data, run_dir, recipe, fp16, max_steps=10)
+        assert fused() == {first == "cuda"}
+        optimizer_as_on(then)
+        r, out = run(char_data, run_dir, recipe, fp16, max_steps=15)
+        assert r.resumed_from == 10 and r.step == 15, out
+        assert fused() == {then == "cuda"}, f"resumed where fused is {then == 'cuda'}"
+        assert all(torch.isfinite(p).all() for p in load_model_weights(find_latest_valid(run_dir).path).values())
+
+
 def test_wsd_holds_the_peak_then_decays_linearly():
     tc = get_preset("phase1", "modern").train  # 1,500 steps, warmup 30, cooldown over the last 40%
     peak, low = tc.learning_rate, tc.learning_rate * tc.min_lr_ratio

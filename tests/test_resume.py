@@ -236,3 +236,54 @@ def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys, monkeypat
     capsys.readouterr()
     r = train(char_data, run2, "phase1", TINY, max_steps=50, max_minutes=1e-6, device="cpu", progress=False)
     assert r.resumed_from == 1 and r.step == 2 and "resumed from step 1" in capsys.readouterr().out
+
+
+# --- host memory ----------------------------------------------------------------------------------------------
+
+
+def tensors(o):
+    """Every tensor in nested dicts, lists and tuples."""
+    if isinstance(o, torch.Tensor):
+        yield o
+    elif isinstance(o, dict):
+        for v in o.values():
+            yield from tensors(v)
+    elif isinstance(o, (list, tuple)):
+        for v in o:
+            yield from tensors(v)
+
+
+def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monkeypatch):
+    """Issue 26.3: a resumed run held the loaded checkpoint (a CPU copy of weights and optimizer state) for the whole
+    run. At the first step of the resumed run, no tensor of it is alive but those the optimizer took as its own state
+    (on CPU, load_state_dict adopts them instead of copying): the weights' copy is gone."""
+    import gc
+    import weakref
+
+    run_dir = tmp_path / "run"
+    train(char_data, run_dir, "phase1", SETTINGS, max_steps=10, device="cpu", progress=False, log=lambda m: None)
+    loaded = {}  # part -> weak references to the loaded checkpoint's tensors
+    real_from_files = gstate.Checkpoint.from_files.__func__
+
+    def from_files(cls, *a, **k):
+        ck = real_from_files(cls, *a, **k)
+        for part in ("model", "optimizer", "scaler", "sampler", "rng"):
+            loaded[part] = [weakref.ref(t) for t in tensors(getattr(ck, part))]
+        return ck
+
+    alive = {}
+
+    def set_lr(optimizer, lr):
+        if not alive:  # the first step of the resumed run
+            gc.collect()
+            own = {id(v) for st in optimizer.state.values() for v in st.values()}
+            alive.update({part: [t for r in refs if (t := r()) is not None and id(t) not in own]
+                          for part, refs in loaded.items()})
+        return real_set_lr(optimizer, lr)
+
+    real_set_lr = gtrain.set_lr
+    monkeypatch.setattr(gstate.Checkpoint, "from_files", classmethod(from_files))
+    monkeypatch.setattr(gtrain, "set_lr", set_lr)
+    r = train(char_data, run_dir, "phase1", SETTINGS, max_steps=12, device="cpu", progress=False, log=lambda m: None)
+    assert r.resumed_from == 10 and len(loaded["model"]) > 5
+    assert alive and not any(alive.values()), {part: len(ts) for part, ts in alive.items()}

@@ -28,8 +28,9 @@ from gptlib.errors import CheckpointError
 from gptlib.faults import fault_point
 from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, call_with_timeout,
                            fsync_dir, read_bytes_with_timeout, sha256_file)
-from gptlib.layout import (CHECKPOINT_FILES, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER, PARTIAL_MARKER,
-                           STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir, is_checkpoint_name, step_of)
+from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
+                           PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
+                           is_checkpoint_name, step_of)
 
 CKPT_FORMAT_VERSION = 1
 MIN_KEEP_LAST = 2  # checkpoints rotation always keeps, so one survives a bad save (TrainConfig.keep_last's floor)
@@ -261,6 +262,15 @@ def load_model_weights(path: Path, map_location="cpu", sha256: str | None = None
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
     return clean_state_dict(_safe_load(io.BytesIO(data), map_location, where=f))
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to step_N.damaged-TIME: kept for its owner to look at, ignored by resume,
+    rotation and clean-up, and a new checkpoint of the same step is never taken for it. -> the new path."""
+    target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
 
 
 def remove_tree(path: Path, truncate: bool = False) -> None:

@@ -9,7 +9,6 @@ checkpoint is copied, then every milestone.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import threading
@@ -39,8 +38,8 @@ _COPY_CHUNK = 8 << 20
 
 def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: str | None = None,
                        progress: Progress | None = None) -> None:
-    """Copy src to dst (fsynced) hashing as it goes; OSError if the bytes read are not what the
-    manifest says (the local copy changed): the destination is then left for cleanup."""
+    """Copy src to dst (fsynced) hashing as it goes; CheckpointError if the bytes read are not what the
+    manifest says (src is damaged or changed: not a Drive that failed to answer); dst is then left for cleanup."""
     progress = progress or Progress()
     h, n = hashlib.sha256(), 0
     with open(src, "rb") as fi, open(dst, "wb") as fo:
@@ -54,14 +53,16 @@ def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: st
         os.fsync(fo.fileno())
     progress.tick()
     if size is not None and n != size:
-        raise OSError(errno.EIO, f"{src}: read {n:,} bytes, manifest says {size:,}")
+        raise CheckpointError(f"{src}: read {n:,} bytes, manifest says {size:,} (truncated or incomplete)")
     if sha256 is not None and h.hexdigest() != sha256:
-        raise OSError(errno.EIO, f"{src}: sha256 differs from the manifest while copying")
+        raise CheckpointError(f"{src}: sha256 differs from the manifest (corrupted)")
 
 
-def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None) -> Path:
+def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, deep: bool = False) -> Path:
     """Copy a verified local checkpoint dir into mirror_run_dir/checkpoints: temp name, every file
-    hashed while read and fsynced, manifest last, read back and verified (size + sha256), renamed."""
+    hashed while read and fsynced, manifest last, read back and verified (size + sha256), renamed.
+    A copy already there with the same manifest is kept if it verifies (deep: every hash, as at resume, where the
+    one there may be a damaged one of the same checkpoint)."""
     progress = progress or Progress()
     manifest = read_manifest(src)
     dst_root = checkpoints_dir(mirror_run_dir)
@@ -69,7 +70,7 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
     final = dst_root / src.name
     if final.is_dir():
         with suppress(CheckpointError, OSError):  # a corrupt copy: replaced below
-            if verify_checkpoint(final, deep=False).manifest.get("files") == manifest["files"]:
+            if verify_checkpoint(final, deep=deep).manifest.get("files") == manifest["files"]:
                 return final  # already there (e.g. the checkpoint we resumed from)
     partial = dst_root / f"{src.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
@@ -95,10 +96,8 @@ class Mirror:
     """Copies a run's newest verified checkpoint, and every milestone, to `mirror_dir` in one thread."""
 
     def __init__(self, run_dir: Path, mirror_dir: Path, keep_last: int, keep_every: int,
-                 guard: Callable[[Path], None], bad: set[Path] = frozenset(), unreadable: set[Path] = frozenset(),
-                 listed_step: int | None = None):
+                 guard: Callable[[Path], None], unreadable: set[Path] = frozenset(), listed_step: int | None = None):
         self.run_dir, self.mirror_dir = Path(run_dir), Path(mirror_dir)
-        self.bad = bad  # checkpoints found damaged at resume: not counted as kept by rotation
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
         self.listed_step = listed_step  # the newest step listed on the mirror at resume (before any copy)
         self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
@@ -237,7 +236,7 @@ class Mirror:
 
         def tidy():
             rotate(self.mirror_dir, self.keep_last, best_step, truncate=True,  # also cleans checkpoint orphans
-                   keep_every=self.keep_every, bad=self.bad, protect=self.unreadable, newest=self.last_step)
+                   keep_every=self.keep_every, protect=self.unreadable, newest=self.last_step)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
             if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
                 return  # the mirror holds newer checkpoints (unreadable at resume): its logs go with them

@@ -1,23 +1,27 @@
 """Where a run continues from: the newest checkpoint that verifies and loads, on the local disk or the Drive mirror
-(copied to the local run dir first, under a watchdog). Damaged checkpoints are passed over; newer ones that could
-not be read (a slow or hung Drive) are waited for, never given up silently (find_resume). The data must be the
-run's own unless asked otherwise (check_same_data); the model config is gptlib.training.resolve's to check.
+(copied to the local run dir first, under a watchdog). Damaged checkpoints are passed over and set aside (renamed
+step_N.damaged-TIME); newer ones that could not be read (a slow or hung Drive) are waited for, never given up
+silently (find_resume). The data must be the run's own unless asked otherwise (check_same_data); the model config
+is gptlib.training.resolve's to check.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from gptlib.checkpoint.format import DRIVE_READ_STALL_S, CheckpointInfo, first_valid, load_checkpoint, verify_checkpoint
+from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, first_valid,
+                                      load_checkpoint, remove_tree, set_aside, verify_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout
-from gptlib.layout import step_of
+from gptlib.layout import checkpoints_dir, step_of
 
 # Checkpoints that could not be read at resume (Drive slow or hung) are looked for again this often, for this
 # long; then training stops and says what to do. Module-level so tests (and users who know their Drive) can change them.
@@ -43,49 +47,62 @@ class Resume:
 
 @dataclass
 class Passed:
-    """The checkpoints a resume passed over, which the run's rotation must treat with care."""
+    """The checkpoints a resume passed over: the damaged ones are set aside, the unreadable ones never deleted."""
 
-    damaged: list[Path] = field(default_factory=list)  # newer ones that failed to verify or load: not counted as kept
+    damaged: list[Path] = field(default_factory=list)  # newer ones that failed to verify or load: set aside
     unreadable: list[Path] = field(default_factory=list)  # newer ones (or a location) that could not be read: kept
     mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
 
 
-def _load_resume(path: Path, run_dir: Path) -> Resume:
-    """A checkpoint that verifies, loads safely and holds a training state; CheckpointError (damaged) or OSError (could
-    not be read) otherwise. One on the mirror is first copied here under a watchdog (DRIVE_READ_STALL_S)."""
+def _load_resume(path: Path, run_dir: Path, check: Callable[[Checkpoint, Path], None]) -> Resume:
+    """A checkpoint that verifies, loads safely, holds a training state and passes `check`; CheckpointError (damaged)
+    or OSError (could not be read) otherwise. One on the mirror is first copied here under a watchdog
+    (DRIVE_READ_STALL_S); a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
     origin = path
     if not path.is_relative_to(run_dir):
         progress = Progress()
-        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress), DRIVE_READ_STALL_S, progress,
-                                 what=f"reading {origin}")
-    info = verify_checkpoint(path)
-    return Resume(info, origin, Checkpoint.from_files(*load_checkpoint(path), where=str(path), step=info.step))
+        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress, deep=True),
+                                 DRIVE_READ_STALL_S, progress, what=f"reading {origin}")
+    try:
+        info = verify_checkpoint(path)
+        checkpoint = Checkpoint.from_files(*load_checkpoint(path), where=str(path), step=info.step)
+        check(checkpoint, path)
+    except CheckpointError:
+        if path != origin:
+            remove_tree(path)
+        raise
+    return Resume(info, origin, checkpoint)
 
 
-def find_resume(run_dir: Path, mirror_dir: Path | None, log,
-                skip_unreadable: bool = False) -> tuple[Resume | None, Passed]:
+def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False,
+                check: Callable[[Checkpoint, Path], None] = lambda ck, path: None) -> tuple[Resume | None, Passed]:
     """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over.
 
     A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is looked for
     again every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then training stops with what to do (rotation
-    never deletes it). skip_unreadable (--skip-unreadable) goes on without them, said loudly."""
+    never deletes it), leaving no copy it made behind. skip_unreadable (--skip-unreadable) goes on without them, said
+    loudly. `check(checkpoint, path)` raises CheckpointError for one that loads but cannot resume this run."""
     deadline = time.monotonic() + DRIVE_RESUME_WAIT_S
+    local_before = _entries(run_dir)
     for attempt in itertools.count(1):
         damaged, unreadable, listed = [], [], {}
-        resume = first_valid([run_dir, mirror_dir], log, lambda p: _load_resume(p, run_dir), damaged, unreadable,
-                             listed)
+        resume = first_valid([run_dir, mirror_dir], log, lambda p: _load_resume(p, run_dir, check), damaged,
+                             unreadable, listed)
         on_mirror = listed.get(mirror_dir) if mirror_dir is not None else None
         passed = Passed(damaged, [p for p, _ in unreadable], step_of(on_mirror[0]) if on_mirror else None)
-        if not unreadable:
-            return resume, passed
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
         what = "; ".join(f"{p} ({why})" for p, why in unreadable)
-        if skip_unreadable:
+        if unreadable and skip_unreadable:
             loud(f"!! could not read {what}. --skip-unreadable: training goes on from {start}; those checkpoints "
                  f"are left where they are (this run never deletes them)")
+        if not unreadable or skip_unreadable:
+            if resume is None and damaged:
+                log(f"no checkpoint could be loaded ({len(damaged)} damaged): starting from scratch")
             return resume, passed
         left = deadline - time.monotonic()
         if left <= 0:
+            for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
+                remove_tree(checkpoints_dir(run_dir) / name)
             raise CheckpointError(
                 f"could not read {what} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may "
                 f"be there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} "
@@ -93,6 +110,27 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log,
         loud(f"!! could not read {what}; not going on from {start} while a newer checkpoint may be there: trying "
              f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)")
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
+
+
+def _entries(run_dir: Path) -> set[str]:
+    root = checkpoints_dir(run_dir)
+    return set(os.listdir(root)) if root.is_dir() else set()
+
+
+def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
+    """Rename the damaged checkpoints resume passed over (format.set_aside: kept, never deleted), so that a new
+    checkpoint of the same step is never taken for one of them. Called by the run's one writer before it writes. A
+    local one that a good copy from the mirror replaced is that copy now, and one whose copy was removed is gone:
+    both are left alone."""
+    for p in passed.damaged:
+        if resume is not None and p == resume.info.path:
+            continue
+        try:
+            if call_with_timeout(p.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"looking at {p}"):
+                aside = call_with_timeout(lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}")
+                log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
+        except OSError as e:
+            loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
 
 
 # The tokens alone changed (other text or split, same tokenizer): --allow-data-change may go on. A tokenizer,

@@ -50,11 +50,11 @@ def marked_milestone(path: Path) -> bool:
 
 
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
-           truncate: bool = False, keep_every: int = 0, bad: set[Path] = frozenset(),
-           newest: int | None = None) -> list[Path]:
+           truncate: bool = False, keep_every: int = 0, newest: int | None = None) -> list[Path]:
     """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones; returns what was
-    deleted. Checkpoints that do not verify (cheap size check) or are in `bad` (unloadable at resume) do not count
-    towards `keep_last`: a damaged newest never makes rotation delete a good one. Never deleted: `protect` (in use,
+    deleted. Checkpoints that do not verify (cheap size check) do not count towards `keep_last`: a damaged newest
+    never makes rotation delete a good one (those found damaged at resume are set aside, format.set_aside, and no
+    longer look like checkpoints). Never deleted: `protect` (in use,
     or unreadable at resume), steps after `newest` (the newest this run verified here: a Drive that was slow at
     resume may hold newer ones), and checkpoints that cannot be read now. `truncate`: see remove_tree."""
     keep_last = max(MIN_KEEP_LAST, keep_last)
@@ -66,8 +66,6 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     for p in ckpts:
         if n_valid >= keep_last:
             break
-        if p in bad:
-            continue
         try:
             verify_checkpoint(p, deep=False)
             keep.add(p)

@@ -5,12 +5,13 @@ verification, rotation and the copy to Drive (gptlib.checkpoint.mirror) happen i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -47,8 +48,8 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = True, log=print,
                  mirror_dir: str | Path | None = None, snapshot_files: tuple[str, ...] = (), keep_every: int = 0,
-                 guard: Callable[[Path], None] | None = None, bad: set[Path] = frozenset(),
-                 unreadable: set[Path] = frozenset(), mirror_listed: int | None = None):
+                 guard: Callable[[Path], None] | None = None, unreadable: set[Path] = frozenset(),
+                 mirror_listed: int | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last = keep_last  # rotate() keeps at least checkpoint.MIN_KEEP_LAST whatever this says
         self.keep_every = keep_every  # milestones: kept by rotation, and each one copied to the mirror
@@ -57,10 +58,9 @@ class CheckpointWriter:
         self.snapshot_files = snapshot_files  # run-dir logs (layout.LOG_FILES) copied into each checkpoint
         # guard(directory) raises (gptlib.lease.LeaseLost) when this process may no longer write there
         self.guard = guard or (lambda directory: None)
-        self.bad = set(bad)  # checkpoints found damaged at resume: rotation does not count them as kept
         self.unreadable = set(unreadable)  # checkpoints that could not be read at resume: never deleted
-        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.bad,
-                              self.unreadable, mirror_listed) if mirror_dir is not None else None)
+        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.unreadable,
+                              mirror_listed) if mirror_dir is not None else None)
         self.last_saved: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -122,7 +122,7 @@ class CheckpointWriter:
             self.last_saved = path
             protect = self.mirror.submit(path, best_step, milestone, sizes) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
-                   keep_every=self.keep_every, bad=self.bad, newest=step)
+                   keep_every=self.keep_every, newest=step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
 
@@ -158,13 +158,21 @@ class CheckpointWriter:
         """'' without a mirror; 'drive: step N' when fine; a loud line when the last copy failed."""
         return self.mirror.status_line() if self.mirror else ""
 
-    def close(self, timeout: float | None = None) -> dict:
-        """Wait for the local save (raising its error), then up to `timeout` (MIRROR_CLOSE_TIMEOUT_S)
-        for the mirror to copy the newest checkpoint (never raises for the mirror). Returns status()."""
+    def close(self, timeout: float | None = None, saving: ContextManager = contextlib.nullcontext()) -> dict:
+        """Wait for the local save (raising its error; `saving`: the context that wait runs in), then up to `timeout`
+        (MIRROR_CLOSE_TIMEOUT_S) for the mirror to copy the newest checkpoint (never raises for the mirror).
+        Returns status()."""
         try:
-            self.wait()
+            with saving:
+                self.wait()
         finally:
+            pinned = self._layout is not None and any(on_gpu for *_, on_gpu in self._layout)
             self._host, self._layout = [], None  # the host copy's memory is not held after training
+            if pinned and hasattr(torch._C, "_host_emptyCache"):
+                # torch's caching host allocator keeps freed pinned blocks (each rounded up to a power of two:
+                # ~1.9 GiB for gpt2-small's 1.24 GiB state) for reuse and never returns them to the OS; the notebook's
+                # session lives on in the same process, with the data in RAM
+                torch._C._host_emptyCache()
         if self.mirror:
             self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
         return self.status()
@@ -209,9 +217,10 @@ class Checkpointer:
     def status_line(self) -> str:
         return self.writer.status_line()
 
-    def close(self) -> dict:
-        """Wait for the save in flight (its error raises) and, for a while, the Drive copy."""
-        return self.writer.close()
+    def close(self, saving: ContextManager = contextlib.nullcontext()) -> dict:
+        """Wait for the save in flight (its error raises; `saving`: the context of that wait) and, for a while, the
+        Drive copy."""
+        return self.writer.close(saving=saving)
 
     def maybe_save(self, step: int, snapshot: Callable[[], Checkpoint], **reasons: bool) -> bool:
         """Save if due (see `due` for the reasons); the snapshot is only built when it is."""

@@ -190,10 +190,10 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer
     the lease, the process group. -> this session's training seconds (read before the Drive wait)."""
     train_s = metrics.session_s()
     metrics.close()
-    stop.restore()
     try:
-        checkpointer.close()  # local save errors raise; Drive problems are reported, never raised
+        checkpointer.close(stop.last_save())  # local save errors raise; Drive problems are reported, never raised
     finally:
+        stop.restore()
         s.lease.release()
         s.ddp.teardown()
     return train_s

@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 
 from gptlib.config import TrainConfig
+from gptlib.errors import CheckpointError
 from gptlib.model import GPT
+
+# A param group's keys that say how its update runs on this device, not what it computes. torch's load_state_dict
+# takes them from the checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler
+# ("Expected grad_scale and found_inf to be None", the scaler having seen fused at __init__) and, without one, takes
+# the slow per-parameter path. So they always come from the optimizer built for this device (load_optimizer).
+DEVICE_KEYS = ("fused", "foreach", "capturable")
 
 
 class MuonAdamW:
@@ -49,9 +56,46 @@ class MuonAdamW:
         return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.adamw.load_state_dict(state["adamw"])
-        self.muon.load_state_dict(state["muon"])
+        load_optimizer(self.adamw, state["adamw"])
+        load_optimizer(self.muon, state["muon"])
         self._set_scales()
+
+
+def load_optimizer(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state) with this device's DEVICE_KEYS in every param group. They are put into the
+    saved groups before loading because torch also places AdamW's step counts by them (on the device when fused)."""
+    if isinstance(optimizer, MuonAdamW):
+        optimizer.load_state_dict(state)
+        return
+    saved = state["param_groups"]
+    if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
+        saved = [{**g, **{k: now[k] for k in DEVICE_KEYS if k in now}} for g, now in zip(saved, optimizer.param_groups)]
+    optimizer.load_state_dict({**state, "param_groups": saved})
+
+
+def check_optimizer_state(optimizer, state: dict, where: str) -> None:
+    """CheckpointError unless every tensor of a saved optimizer state that belongs to a parameter (AdamW's moments,
+    Muon's momentum) has that parameter's shape in `optimizer`, as load_weights_into checks the weights: a state
+    that verifies but does not fit (a writer bug, a hand edit) is a damaged checkpoint, not a traceback mid-run."""
+    halves = ([("adamw", optimizer.adamw), ("muon", optimizer.muon)] if isinstance(optimizer, MuonAdamW)
+              else [("", optimizer)])
+    try:
+        for name, opt in halves:
+            saved = state[name] if name else state
+            ids = [i for g in saved["param_groups"] for i in g["params"]]
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if len(ids) != len(params):
+                raise CheckpointError(f"{where}: the optimizer state{' ' + name if name else ''} has {len(ids)} "
+                                      f"parameters, this model {len(params)}")
+            shapes = {i: tuple(p.shape) for i, p in zip(ids, params)}
+            for i, part in saved["state"].items():
+                for key, v in part.items():
+                    if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) != shapes[i]:
+                        raise CheckpointError(f"{where}: optimizer state {name + ' ' if name else ''}{key} of "
+                                              f"parameter {i} has shape {tuple(v.shape)}, the parameter "
+                                              f"{shapes[i]} (damaged or hand-edited)")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{where}: malformed optimizer state ({type(e).__name__}: {e})") from None
 
 
 # torch.optim.Muon orthogonalises every update in bf16, on every device. GPUs multiply bf16 natively; an x86 CPU

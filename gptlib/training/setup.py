@@ -24,7 +24,7 @@ import torch
 
 from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
 from gptlib.checkpoint.format import load_weights_into
-from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume
+from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans
 from gptlib.checkpoint.state import RNG, Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
@@ -36,7 +36,7 @@ from gptlib.errors import ConfigError, DataFormatError, HungIOError
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
 from gptlib.inference.loading import load_run
-from gptlib.layout import CONFIG_FILE, LOG_FILES, TOKENIZER_FILE, checkpoints_dir
+from gptlib.layout import CONFIG_FILE, LOG_FILES, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
 from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device, resolve_dtype, seed_everything,
@@ -44,7 +44,7 @@ from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import train_reserve_bytes
-from gptlib.training.optimizer import build_optimizer, slow_muon_note
+from gptlib.training.optimizer import build_optimizer, check_optimizer_state, load_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
 from gptlib.training.throughput import run_flops
 
@@ -166,12 +166,13 @@ class TrainingRun:
         """Rank 0's background writer (leftovers of a save killed mid-way removed first), or a null one."""
         if not self.ddp.is_main:
             return NullCheckpointWriter()
+        set_aside_damaged(self.passed, self.resume, log)  # before a new checkpoint may take a damaged one's name
         clean_orphans(self.run_dir)  # the mirror is cleaned by its own thread
         tc = self.cfg.train
         writer = CheckpointWriter(self.run_dir, keep_last=tc.keep_last, background=True, log=log,
                                   mirror_dir=self.mirror_dir, snapshot_files=LOG_FILES, keep_every=tc.keep_every,
-                                  guard=self.lease.check, bad=set(self.passed.damaged),
-                                  unreadable=set(self.passed.unreadable), mirror_listed=self.passed.mirror_step)
+                                  guard=self.lease.check, unreadable=set(self.passed.unreadable),
+                                  mirror_listed=self.passed.mirror_step)
         if self.resume is not None and self.mirror_dir is not None and not self._resumed_from_mirror():
             writer.mirror_existing(self.resume.info.path, self.state.best_step)  # resumed locally: Drive gets it too
         # (resumed from Drive: the checkpoint was copied here, verified, and is already on Drive)
@@ -187,7 +188,7 @@ class TrainingRun:
         ck, parts = r.checkpoint, self.parts()
         load_weights_into(self.model, ck.model, r.info.path)
         if ck.optimizer:
-            parts["optimizer"].load_state_dict(ck.optimizer)
+            load_optimizer(parts["optimizer"], ck.optimizer)  # its device flags are this device's
             if ck.scaler:  # {} when it was off
                 parts["scaler"].load_state_dict(ck.scaler)
             self.ddp.load_sampler_state(self.sampler, ck.sampler, ck.sampler_ranks, self.cfg.train.seed, log)
@@ -195,6 +196,8 @@ class TrainingRun:
         self.state.continue_from(ck.progress)
         if r.data_change:
             self.state.data_changes = [*self.state.data_changes, r.data_change]
+        # the loaded copy is in the parts now: holding it would keep a second copy of the state in host RAM all run
+        r.checkpoint = Checkpoint(model={}, progress=ck.progress)
         where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
         log(f"resumed from step {ck.step:,} (saved {r.info.saved_at}, {ck.progress.tokens_seen:,} tokens seen) "
             f"on the {where}: {r.origin}")
@@ -251,6 +254,17 @@ def start_from_base(model: GPT, base: Base) -> None:
             head[base.vocab_size: model.config.vocab_size] = head[: base.vocab_size].mean(dim=0)
             sd["lm_head.weight"] = head
     load_weights_into(model, sd, base.path)
+
+
+def check_optimizer_fits(ck: Checkpoint, where: Path) -> None:
+    """CheckpointError if the checkpoint's optimizer state does not fit the model and optimizer of its own config
+    (built on the meta device: shapes only): resume then passes it over as damaged, before anything is set up."""
+    if not ck.optimizer:  # a run made by import-hf: weights only
+        return
+    cfg = ck.progress.run_config(str(where / STATE_FILE))
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck.optimizer, str(where))
 
 
 def _read_data(data_dir) -> tuple[DatasetMeta, Tokenizer]:
@@ -325,7 +339,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
           allow_data_change: bool, ask) -> TrainingRun:
     # the data's description; the resume point, else a base to start from (--init-from)
     meta, tokenizer = _read_data(data_dir)
-    resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable)
+    resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
     base = load_base(init_from, meta, log) if init_from and resume is None else None
     if init_from and resume is not None:
         log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")

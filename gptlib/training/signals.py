@@ -39,6 +39,7 @@ class GracefulStop:
         if self.reason is not None:
             if signum == signal.SIGINT and self._deferring:
                 self._interrupted = True
+                loud("SIGINT: stopping as soon as the update or the save in progress is done")
             elif signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
@@ -58,6 +59,18 @@ class GracefulStop:
         if self._interrupted:
             self._interrupted = False
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def last_save(self):
+        """The wait for the run's last save: a stop press then waits for it (its thread cannot be stopped mid-write,
+        and a process that exits under it aborts), as the run stops anyway. Then the handlers are put back, so that
+        Ctrl-C ends the wait for Drive that follows."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = self._interrupted = False
+            self.restore()
 
     def restore(self) -> None:
         for sig, old in self._old.items():

@@ -146,3 +146,13 @@ def test_find_dataset_names_the_datasets_that_are_there(char_data, tmp_path, mon
     with pytest.raises(DataFormatError, match=r"no tokenized dataset at .*data/half \(run notebook 01 first\); "
                                               r"datasets in .*data: shakespeare$"):
         find_dataset("half")
+
+
+def test_a_data_dir_that_is_a_file_says_so(tmp_path):
+    from gptlib.errors import RunDirError
+
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(RunDirError, match=r"data directory .*meta.json is a file, not a directory"):
+        read_meta(tmp_path / "meta.json")
+    with pytest.raises(DataFormatError, match=r"data directory .*nope does not exist"):
+        read_meta(tmp_path / "nope")

@@ -6,6 +6,7 @@ completed it: a resumed pass redoes that batch and writes the same bytes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import time
@@ -39,10 +40,6 @@ def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-def _copy(obj):
-    return json.loads(json.dumps(obj))
-
-
 class Batch(NamedTuple):
     """The pieces of one encode call, and the reader's counters as they stood right after reading them."""
 
@@ -67,7 +64,7 @@ class Pass:
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted), "stats": _copy(self.stats)}
+        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted), "stats": copy.deepcopy(self.stats)}
         self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
         done = progress["shards"]
@@ -193,7 +190,7 @@ class Pass:
         self.show(nbytes)
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
         self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
-                            "stats": _copy({**self.stats, "skipped_files": batch.skipped_files})}
+                            "stats": copy.deepcopy({**self.stats, "skipped_files": batch.skipped_files})}
 
     def show(self, nbytes: float) -> None:
         bar = self.bar
@@ -267,7 +264,13 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
         # A write cut short removes its own temp file; one cut right after creating it may not have: while the
         # lease is held, every temp file in out_dir is this run's (lease.py's heartbeat just skips a beat).
         clean_temp_files(out_dir)
-        loud(stopped_message(out_dir))
+        try:
+            done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
+        except (OSError, ValueError, KeyError, TypeError):
+            done = 0
+        loud(f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to continue "
+             f"from there" if done else "tokenize stopped before its first shard was written; run the same command "
+             "again to start over")
         raise
     finally:
         if lease is not None:
@@ -275,14 +278,3 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
         if created:
             with contextlib.suppress(OSError):  # refused before writing anything: no empty directory is left
                 out_dir.rmdir()
-
-
-def stopped_message(out_dir: Path) -> str:
-    try:
-        done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
-    except (OSError, ValueError, KeyError, TypeError):
-        done = 0
-    if done == 0:
-        return "tokenize stopped before its first shard was written; run the same command again to start over"
-    return (f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to "
-            f"continue from there")

@@ -40,7 +40,7 @@ class Found:
 
 
 def list_files(fs, path: str, url: str) -> list[Found]:
-    """A file, a directory (recursively, hidden files skipped) or a glob on fs, sorted as local paths are."""
+    """A file, a directory (hidden files skipped) or a glob, sorted as local paths are: the same shards either way."""
     root = None
     try:
         if has_glob(path):
@@ -84,7 +84,7 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
 
 
 def describe(e: BaseException, url: str | None = None) -> str:
-    """One line for an error from a filesystem library; Hub errors say what to do, naming the dataset of `url`."""
+    """One line for an error from a filesystem library; for the Hub, what to do."""
     m = _DATASET_URL.fullmatch(url or "")
     hint = hub_error_hint(e, *(m.group(1, 2) if m else ()))
     msg = str(e).strip().splitlines()

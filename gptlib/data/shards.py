@@ -1,7 +1,6 @@
 """The data format: `meta.json` (written last: a directory without it is incomplete), `tokenizer.json`, the shards
-`train_000000.bin`, `val_000000.bin` ... (raw little-endian token ids, uint16 or uint32) and, for chat data, beside
-each shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted and
-disjoint). `read_meta` checks the files against meta.json on every load.
+`train_000000.bin`, `val_000000.bin` ... (little-endian token ids, uint16 or uint32) and, for chat data, beside each
+shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted, disjoint).
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ from typing import Any
 import numpy as np
 
 from gptlib.errors import DataFormatError
-from gptlib.fsutil import atomic_write, atomic_write_json, sha256_file
+from gptlib.fsutil import atomic_write, atomic_write_json, check_dir, sha256_file
 from gptlib.layout import TOKENIZER_FILE
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 PREPARE_STATE_FILE = "prepare_state.json"  # present only while a tokenize run is unfinished (encode.py)
-SPLITS = ("train", "val")
 SPAN_DTYPE = np.dtype("<i8")
 
 
@@ -134,21 +132,19 @@ class DatasetMeta:
 
 
 def write_meta(out_dir: str | Path, *, vocab_size: int, tokenizer: dict[str, Any],
-               splits: dict[str, list[dict[str, Any]]], sources: list[dict[str, Any]],
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    meta = {"format_version": FORMAT_VERSION, "dtype": dtype_for_vocab(vocab_size).name, "vocab_size": int(vocab_size),
-            "tokenizer": tokenizer,
-            "splits": {s: {"tokens": int(sum(x["tokens"] for x in v)), "shards": v} for s, v in splits.items()},
-            "sources": sources, **(extra or {})}
-    atomic_write_json(Path(out_dir) / META_FILE, meta)
-    return meta
+               splits: dict[str, list[dict[str, Any]]], sources: list[dict[str, Any]], extra: dict | None = None) -> None:
+    atomic_write_json(Path(out_dir) / META_FILE, {
+        "format_version": FORMAT_VERSION, "dtype": dtype_for_vocab(vocab_size).name, "vocab_size": int(vocab_size),
+        "tokenizer": tokenizer,
+        "splits": {s: {"tokens": int(sum(x["tokens"] for x in v)), "shards": v} for s, v in splits.items()},
+        "sources": sources, **(extra or {})})
 
 
 def read_meta(data_dir: str | Path) -> DatasetMeta:
     """meta.json checked against the files (sizes, counts, the tokenizer's sha256): DataFormatError names a mismatch."""
     data_dir = Path(data_dir)
     meta_path = data_dir / META_FILE
-    if not data_dir.is_dir():
+    if not check_dir(data_dir, "data directory"):  # a file or a symlink loop is its own one-line error
         raise DataFormatError(f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)")
     if not meta_path.is_file():
         raise DataFormatError(f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
@@ -186,7 +182,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
         raise DataFormatError(f"{meta_path}: vocab_size is {vocab_size} but tokenizer.vocab_size is "
                               f"{tokenizer['vocab_size']}")
     splits = need("splits")
-    for split in SPLITS:
+    for split in ("train", "val"):
         if split not in splits:
             raise DataFormatError(f"{meta_path}: split {split!r} is missing")
         info = splits[split]

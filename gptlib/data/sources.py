@@ -24,8 +24,7 @@ _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
 
 
 def _cut_bytes(block: bytes, at_eof: bool) -> int:
-    """Where a piece of a text file ends: before the block's last newline, else its last space, else at a UTF-8
-    character boundary."""
+    """Before the block's last newline, else its last space, else at a UTF-8 character boundary."""
     if at_eof:
         return len(block)
     k = block.rfind(b"\n")
@@ -39,8 +38,12 @@ def _cut_bytes(block: bytes, at_eof: bool) -> int:
     return k if k > 0 else len(block)
 
 
+def _at(pos: dict | None, *keys: str) -> list[int]:  # where a (resumed) read starts; None: the file's start
+    return [int((pos or {}).get(k, 0)) for k in keys]
+
+
 def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None) -> Iterator[Piece]:
-    off = int(pos["byte"]) if pos else 0
+    (off,) = _at(pos, "byte")
     with src.open() as f:
         if tail_cut is not None:  # move the cut off UTF-8 continuation bytes
             f.seek(tail_cut)
@@ -76,10 +79,7 @@ def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, 
 
 
 def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str) -> Iterator[Piece]:
-    doc = int(pos["doc"]) if pos else 0
-    byte = int(pos["byte"]) if pos else 0
-    char = int(pos["char"]) if pos else 0
-    turn = int(pos.get("turn", 0)) if pos else 0
+    doc, byte, char, turn = _at(pos, "doc", "byte", "char", "turn")
     with src.open() as f:
         f.seek(byte)
         for line in f:
@@ -113,9 +113,7 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: 
         col = _parquet_column(pf, src.path, column, fmt)
         meta = pf.metadata
         per_row = src.size / max(1, meta.num_rows)
-        row = int(pos["doc"]) if pos else 0
-        char = int(pos["char"]) if pos else 0
-        turn = int(pos.get("turn", 0)) if pos else 0
+        row, char, turn = _at(pos, "doc", "char", "turn")
         ends = list(accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
         first = bisect_right(ends, row)  # a restart begins at the row group holding `row`, skipping rows before it
         skip = row - (ends[first - 1] if first else 0)

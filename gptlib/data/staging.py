@@ -28,8 +28,8 @@ STALL_S = 120.0  # a Drive read that makes no progress for this long is abandone
 _CHUNK = 8 << 20
 
 
-class StagingFailed(Exception):
-    """Why the local copy was given up (naming the file); caught here, never leaves the module."""
+class StagingFailed(Exception):  # why the local copy was given up, naming the file; never leaves the module
+    pass
 
 
 def on_drive(path: str | Path) -> bool:
@@ -148,11 +148,8 @@ def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
     """One process copies at a time (torchrun's ranks, two notebooks): the others wait, then reuse its copy."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock (Colab is Linux)
-        yield
-        return
+    import fcntl  # POSIX, as gptlib is (Linux, macOS)
+
     with open(path, "a") as f:  # closing the file releases the lock
         fcntl.flock(f, fcntl.LOCK_EX)
         yield

@@ -31,7 +31,7 @@ class Malformed:  # a value, not an exception: the readers pass it along to be c
 
 
 def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str]] | Malformed:
-    """A conversation as `messages` ({role, content}) or ShareGPT `conversations` ({from, value}) -> [(role, content)]."""
+    """`messages` ({role, content}) or ShareGPT `conversations` ({from, value}) -> [(role, content)]."""
     if isinstance(value, Malformed):
         return value
     if isinstance(value, tuple):

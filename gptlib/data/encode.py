@@ -64,7 +64,8 @@ class Pass:
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted), "stats": copy.deepcopy(self.stats)}
+        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted),
+                            "stats": copy.deepcopy(self.stats)}
         self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
         done = progress["shards"]

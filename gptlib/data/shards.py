@@ -132,7 +132,7 @@ class DatasetMeta:
 
 
 def write_meta(out_dir: str | Path, *, vocab_size: int, tokenizer: dict[str, Any],
-               splits: dict[str, list[dict[str, Any]]], sources: list[dict[str, Any]], extra: dict | None = None) -> None:
+               splits: dict[str, list[dict[str, Any]]], sources: list[dict], extra: dict | None = None) -> None:
     atomic_write_json(Path(out_dir) / META_FILE, {
         "format_version": FORMAT_VERSION, "dtype": dtype_for_vocab(vocab_size).name, "vocab_size": int(vocab_size),
         "tokenizer": tokenizer,

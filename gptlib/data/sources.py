@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator
 from gptlib.data import pieces
 from gptlib.data.conversations import Malformed, conversation_pieces
 from gptlib.data.hub import describe
-from gptlib.data.inputs import _ERRORS, Source, SourceIOError, _jsonl_object, _jsonl_text, _open_parquet, _parquet_column
+from gptlib.data.inputs import (_ERRORS, Source, SourceIOError, _jsonl_object, _jsonl_text, _open_parquet,
+                                _parquet_column)
 from gptlib.data.pieces import Piece, split_text
 from gptlib.errors import PrepareError
 

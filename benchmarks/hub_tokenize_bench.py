@@ -204,8 +204,8 @@ def main() -> None:
     log(f"# date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  commit: {commit.strip()}")
     log(f"# machine: {machine()}")
 
-    from gptlib.data.inputs import Source, file_hash, source_kind
-    from gptlib.data.prepare import BATCH_CHARS
+    from gptlib.data.encode import BATCH_CHARS
+    from gptlib.data.inputs import source
     from gptlib.data.sources import train_texts
     from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
@@ -218,7 +218,7 @@ def main() -> None:
 
     tok_file = work / "tokenizer_32768.json"
     if not tok_file.is_file():
-        sources = [Source(p, source_kind(p), p.stat().st_size, file_hash(p, p.stat().st_size)) for p in paths]
+        sources = [source(p) for p in paths]
         t = time.perf_counter()
         tok = BPETokenizer.train(train_texts(sources, "code", 100_000_000, []), vocab_size=32768)
         tok_file.write_bytes(tok.to_json_bytes())

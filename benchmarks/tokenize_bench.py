@@ -136,9 +136,9 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    from gptlib.data.inputs import Source, file_hash, source_kind
+    from gptlib.data.encode import BATCH_CHARS
+    from gptlib.data.inputs import source
     from gptlib.data.pieces import split_text
-    from gptlib.data.prepare import BATCH_CHARS
     from gptlib.data.sources import train_texts
     from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
@@ -151,7 +151,7 @@ def main() -> None:
 
     # --- 2. train the tokenizer on the whole corpus (streaming)
     tok_file = work / f"tokenizer_{args.vocab_size}.json"
-    sources = [Source(p, source_kind(p), p.stat().st_size, file_hash(p, p.stat().st_size)) for p in paths]
+    sources = [source(p) for p in paths]
     t = time.perf_counter()
     tok = BPETokenizer.train(train_texts(sources, "code", None, []), vocab_size=args.vocab_size)
     train_s = time.perf_counter() - t

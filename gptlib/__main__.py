@@ -27,10 +27,11 @@ def _add_tokenize(sub) -> None:
     p.add_argument("--input", nargs="+", metavar="URL_OR_PATH",
                    help="text/jsonl/parquet files, directories, globs or fsspec URLs, e.g. "
                         "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet")
-    p.add_argument("--hf-dataset", metavar="OWNER/NAME", help="a Hugging Face Hub dataset: its parquet files (or "
-                   "the Hub's parquet conversion); a token from HF_TOKEN or Colab's secrets")
-    p.add_argument("--hf-config", metavar="C", help="the Hub dataset's config (default: its default config)")
-    p.add_argument("--hf-split", metavar="S", help="the Hub dataset's split (default: train)")
+    p.add_argument("--hf-dataset", metavar="OWNER/NAME", help="a Hugging Face Hub dataset through the Hub's parquet "
+                   "conversion (to name its files: --input hf://datasets/OWNER/NAME/path/*.parquet); a token from "
+                   "HF_TOKEN or Colab's secrets")
+    p.add_argument("--hf-config", metavar="C", help="the config of --hf-dataset (default: default, or the only one)")
+    p.add_argument("--hf-split", metavar="S", help="the split of --hf-dataset (default: train, or the only one)")
     p.add_argument("--format", default="text", choices=["text", "chat"],
                    help="text: documents; chat: conversations (a messages/conversations list per record), rendered "
                         "with role tokens, assistant spans stored beside the shards (default: text)")
@@ -92,7 +93,7 @@ def cmd_tokenize(args) -> int:
     tokenizer = args.tokenizer or ("bpe" if args.format == "chat" else "char")
     try:
         prepare(inputs, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-                tokenizer_file=args.tokenizer_from or args.tokenizer_file, text_column=args.text_column,
+                tokenizer_from=args.tokenizer_from or args.tokenizer_file, text_column=args.text_column,
                 val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
                 train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
                 overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,

@@ -5,7 +5,9 @@
   (rev "main" by default; refs/convert/parquet is the directory "refs%2Fconvert%2Fparquet"). Its
   listings carry `lfs.sha256` for parquet files as the Hub's do; a missing repository raises
   FileNotFoundError from a real RepositoryNotFoundError, a repository with a `.gated` file refuses
-  reads with a real GatedRepoError. It counts opens and can drop reads (faults).
+  reads with a real GatedRepoError. It counts opens and can drop reads (faults). install_fake_hub puts
+  it in fsspec's registry as the "hf" protocol, where huggingface_hub puts HfFileSystem: gptlib's own
+  code asks fsspec for it, as it does for the real Hub.
 - FaultyFS (protocol "faulty"): the local filesystem, whose files raise ConnectionResetError on the
   reads listed in `FAULTS` (numbered across all files) and log every read's offset.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import sys
 from pathlib import Path
 
 import fsspec
@@ -194,17 +197,18 @@ class FakeHub(AbstractFileSystem):
 
 
 def install_fake_hub(monkeypatch, root: Path, faults: Faults | None = None) -> dict:
-    """Make gptlib.data.hub use a FakeHub over `root`; returns {"fs": the last one made, "tokens": [...]}."""
-    import gptlib.data.hub as hub
-
+    """fsspec's "hf" filesystem is a FakeHub over `root` for this test; returns {"fs": the last one made, "tokens":
+    the tokens passed to it}."""
     made: dict = {"fs": None, "tokens": []}
 
-    def factory(token):
-        made["tokens"].append(token)
-        made["fs"] = FakeHub(root, token=token, faults=faults)
-        return made["fs"]
+    class Hub(FakeHub):
+        def __init__(self, token=None, **kwargs):
+            super().__init__(root, token=token, faults=faults)
+            made["tokens"].append(token)
+            made["fs"] = self
 
-    monkeypatch.setattr(hub, "hf_filesystem", factory)
+    # what fsspec.register_implementation("hf", Hub, clobber=True) writes, undone after the test
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "hf", Hub)
     return made
 
 
@@ -218,10 +222,13 @@ def add_repo_file(root: Path, repo: str, path: str, data: bytes, rev: str = "mai
 FAKE_HUB_CHILD = """
 import sys
 from pathlib import Path
+import fsspec
 sys.path.insert(0, {tests!r})
-import gptlib.data.hub as hub
 from fakes import FakeHub
-hub.hf_filesystem = lambda token: FakeHub(Path({root!r}), token=token)
+class Hub(FakeHub):
+    def __init__(self, token=None, **kwargs):
+        super().__init__(Path({root!r}), token=token)
+fsspec.register_implementation("hf", Hub, clobber=True)
 from gptlib.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -19,7 +19,7 @@ import torch
 from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import list_checkpoints, verify_checkpoint
-from gptlib.data.prepare import prepare_text
+from gptlib.data.prepare import prepare
 from gptlib.errors import CheckpointError, ConfigError, RunDirError
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -95,11 +95,8 @@ def test_a_deleted_lease_file_is_written_again_by_its_live_holder(char_data, tmp
 @pytest.fixture(scope="module")
 def other_split(char_data, small_text, tmp_path_factory):
     """The same text and tokenizer as char_data, another validation split: other tokens."""
-    from gptlib.data.tokenizer import load_tokenizer
-
     out = tmp_path_factory.mktemp("other") / "char20"
-    prepare_text([small_text], out, tokenizer=load_tokenizer(char_data / "tokenizer.json"), val_fraction=0.2,
-                 verbose=False)
+    prepare([small_text], out, tokenizer_from=char_data, val_fraction=0.2, verbose=False)
     return out
 
 

@@ -1,37 +1,53 @@
-"""Notebook 01's known sources: each dropdown choice gives prepare() the right input, column, format,
-budget and split; the user's INPUT wins; counts parse."""
+"""Notebook 01's known sources: each dropdown choice gives prepare() the right files, column, format and budget;
+the user's INPUT wins; counts parse."""
+
+import shutil
 
 import pytest
 
-from gptlib.data.catalog import DEMO, MY_FILES, SOURCES, parse_count, source_options
+from gptlib.data.catalog import DEMO, MY_FILES, SOURCES, parse_count, source_inputs
 
 
-def test_every_known_source_gives_prepare_its_options():
+def test_every_known_source_names_its_files_and_options():
     assert {"TinyStories", "FineWeb-Edu sample-10BT", "OpenWebText", "github-code (as the original author used it)",
             "UltraChat-200k (chat)", MY_FILES} <= set(SOURCES)
-    fw = source_options("FineWeb-Edu sample-10BT")
-    assert fw == {"inputs": ["hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"], "text_column": "text",
-                  "format": "text", "max_tokens": 2_800_000_000, "hf_split": None}
-    code = source_options("github-code (as the original author used it)")
-    assert code["text_column"] == "code" and code["max_tokens"] == 2_800_000_000
-    chat = source_options("UltraChat-200k (chat)")
-    assert chat["format"] == "chat" and chat["hf_split"] == "train_sft" and chat["text_column"] == "messages"
-    assert source_options("TinyStories", max_tokens="0")["max_tokens"] is None  # 0 = all
-    assert source_options("OpenWebText", max_tokens="500M")["max_tokens"] == 500_000_000
-    assert source_options(DEMO)["inputs"] is None  # the notebook downloads the demo corpus
-    for label, src in SOURCES.items():
-        assert src.input is None or src.input.startswith("hf://datasets/"), label
+    logs = []
+    fw = source_inputs("FineWeb-Edu sample-10BT", log=logs.append)
+    assert fw == (["hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"],
+                  {"text_column": "text", "format": "text", "max_tokens": 2_800_000_000})
+    assert logs == ["source: FineWeb-Edu sample-10BT: educational web pages (build-nanogpt's corpus), ~10B tokens"]
+    code = source_inputs("github-code (as the original author used it)", log=logs.append)
+    assert code == (["hf://datasets/codeparrot/github-code/data/train-*.parquet"],
+                    {"text_column": "code", "format": "text", "max_tokens": 2_800_000_000})
+    chat = source_inputs("UltraChat-200k (chat)", log=logs.append)
+    assert chat == (["hf://datasets/HuggingFaceH4/ultrachat_200k/data/train_sft-*.parquet"],
+                    {"text_column": "messages", "format": "chat", "max_tokens": None})
+    assert source_inputs("TinyStories", max_tokens="0", log=logs.append)[1]["max_tokens"] is None  # 0 = all
+    assert source_inputs("OpenWebText", max_tokens="500M", log=logs.append)[1]["max_tokens"] == 500_000_000
+    for label, src in SOURCES.items():  # a Hub source names files (a glob), never a bare dataset
+        assert src.input is None or (src.input.startswith("hf://datasets/") and src.input.endswith("*.parquet")), label
+
+
+def test_the_demo_corpus_is_the_verified_tiny_shakespeare(tmp_path, monkeypatch, shakespeare_path):
+    shutil.copy(shakespeare_path, tmp_path / "tinyshakespeare.txt")  # the cache, without a network
+    monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path))
+    assert source_inputs(DEMO, log=lambda m: None) == ([tmp_path / "tinyshakespeare.txt"],
+                                                       {"text_column": None, "format": "text", "max_tokens": None})
 
 
 def test_the_users_input_wins_and_gets_no_defaults():
-    mine = source_options("github-code (as the original author used it)", "/content/drive/MyDrive/a/*.parquet, b.jsonl")
-    assert mine == {"inputs": ["/content/drive/MyDrive/a/*.parquet", "b.jsonl"], "text_column": None,
-                    "format": "text", "max_tokens": None, "hf_split": None}
-    assert source_options(MY_FILES, "x.jsonl", "body", "2.8B", "chat")["max_tokens"] == 2_800_000_000
+    logs = []
+    mine = source_inputs("github-code (as the original author used it)", "/content/drive/MyDrive/a/*.parquet, b.jsonl",
+                         log=logs.append)
+    assert mine == (["/content/drive/MyDrive/a/*.parquet", "b.jsonl"],
+                    {"text_column": None, "format": "text", "max_tokens": None})
+    assert logs == []
+    assert source_inputs(MY_FILES, "x.jsonl", "body", "2.8B", "chat")[1] == {
+        "text_column": "body", "format": "chat", "max_tokens": 2_800_000_000}
     with pytest.raises(ValueError, match="put the files, folders or globs in INPUT"):
-        source_options(MY_FILES)
+        source_inputs(MY_FILES)
     with pytest.raises(ValueError, match="unknown source 'Wikipedia'"):
-        source_options("Wikipedia")
+        source_inputs("Wikipedia")
 
 
 def test_counts():

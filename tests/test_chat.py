@@ -15,12 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import gptlib.data.encode as genc
 import gptlib.data.prepare as prep
 from gptlib.data.conversations import CHAT_TOKENS, ChatError, ChatTemplate, normalize
 from gptlib.data.prepare import PrepareError, prepare
-from gptlib.data.shards import DataFormatError, load_split, read_meta, read_spans
+from gptlib.data.shards import PREPARE_STATE_FILE, DataFormatError, read_meta, read_spans
 from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
-from tests.tokenize_kit import SLOW_TOKENIZE, Killed, kill_at_encode_call, sigkill_after_shards, small_bpe, speeches
+from tests.tokenize_kit import (SLOW_TOKENIZE, Killed, kill_at_encode_call, sigkill_after_shards, small_bpe, speeches,
+                                split_tokens, verified_meta)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,7 +153,7 @@ def test_chat_data_is_the_template_and_spans_are_exact_across_shards(tmp_path, r
     renders = [t.render(c) for c in convs]
     taken = [False] * len(convs)
     for split in ("train", "val"):
-        stream = load_split(meta, split).astype(np.int64)
+        stream = split_tokens(meta, split).astype(np.int64)
         expected = split_into_renders(stream, renders, taken)
         got = read_spans(meta, split)
         assert got.tolist() == expected
@@ -249,7 +251,7 @@ def test_read_meta_checks_the_spans_files(tmp_path, run_dir, paragraphs, small_t
     spans_file = d / rec["spans"]["file"]
     good = spans_file.read_bytes()
     sp = np.frombuffer(good, dtype="<i8").reshape(-1, 2).copy()
-    read_meta(d, verify_hashes=True)
+    verified_meta(d)
 
     spans_file.write_bytes(good[:-8])
     with pytest.raises(DataFormatError, match=r"train_000000.spans.bin: file size is \d+ bytes but meta.json says"):
@@ -266,7 +268,7 @@ def test_read_meta_checks_the_spans_files(tmp_path, run_dir, paragraphs, small_t
                                               rf"range within the shard's {rec['tokens']} tokens"):
         read_meta(d)
     spans_file.write_bytes(good)
-    read_meta(d, verify_hashes=True)
+    verified_meta(d)
     text = prep.prepare_text([small_text], tmp_path / "text", verbose=False)
     with pytest.raises(DataFormatError, match="holds 'text' data, which has no assistant spans"):
         read_spans(text, "train")
@@ -277,7 +279,7 @@ def test_read_meta_checks_the_spans_files(tmp_path, run_dir, paragraphs, small_t
 
 def test_a_killed_chat_run_resumes_to_the_same_shards_and_spans(tmp_path, run_dir, paragraphs, monkeypatch):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs)])
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
     opts = dict(tokenizer_from=run_dir, format="chat", shard_tokens=3000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
     real = kill_at_encode_call(monkeypatch, 4)
@@ -299,7 +301,7 @@ def test_sigkill_of_a_chat_tokenize_then_resume_is_byte_identical(tmp_path, run_
                 "--shard-tokens", "3000", "--out", str(out), "--quiet"]
     proc = subprocess.Popen([sys.executable, "-c", SLOW_TOKENIZE, *args(tmp_path / "out")], cwd=REPO)
     sigkill_after_shards(proc, tmp_path / "out", 4)
-    state = tmp_path / "out" / prep.STATE_FILE
+    state = tmp_path / "out" / PREPARE_STATE_FILE
     done = json.loads(state.read_text())["shards"]["train"]
     kept = {n: (tmp_path / "out" / n).stat().st_mtime_ns for s in done for n in (s["file"], s["spans"]["file"])}
     for out in (tmp_path / "out", tmp_path / "clean"):  # resume; and an uninterrupted run
@@ -307,7 +309,7 @@ def test_sigkill_of_a_chat_tokenize_then_resume_is_byte_identical(tmp_path, run_
                            cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
     assert files_of(tmp_path / "out") == files_of(tmp_path / "clean")
-    assert read_meta(tmp_path / "out", verify_hashes=True).splits == read_meta(tmp_path / "clean").splits
+    assert verified_meta(tmp_path / "out").splits == read_meta(tmp_path / "clean").splits
     assert {n: (tmp_path / "out" / n).stat().st_mtime_ns for n in kept} == kept  # resumed, not redone
 
 

@@ -28,13 +28,14 @@ from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, ma
 from gptlib.checkpoint.format import find_latest_valid, load_model_weights
 from gptlib.data.conversations import ChatTemplate
 from gptlib.data.prepare import prepare
-from gptlib.data.shards import load_split, read_meta, read_spans
+from gptlib.data.shards import read_meta, read_spans
 from gptlib.inference.loading import load_run
 from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests.conftest import REPO
 from tests.device_ops import DeviceOps
+from tests.tokenize_kit import split_tokens
 
 WORDS = "apple river stone cloud tiger lamp green seven music ocean paper silver candle forest window honey".split()
 OPPOSITE = {**dict(zip(WORDS[:8], WORDS[8:])), **dict(zip(WORDS[8:], WORDS[:8]))}  # an arbitrary fixed pairing
@@ -107,7 +108,7 @@ def stream_and_spans(data_dir: Path, split: str = "train") -> tuple[np.ndarray, 
     in_span = set()
     for s, e in read_spans(meta, split):
         in_span.update(range(int(s), int(e)))
-    return load_split(meta, split).astype(np.int64), in_span
+    return split_tokens(meta, split).astype(np.int64), in_span
 
 
 @pytest.mark.parametrize("where", ["ram", "memmap"])

@@ -108,7 +108,7 @@ def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, 
 
     base = import_hf(hf_folder, tmp_path / "base", log=quiet)
     data = tmp_path / "data"
-    prepare([small_text], data, tokenizer_file=base / "tokenizer.json", verbose=False)
+    prepare([small_text], data, tokenizer_from=base / "tokenizer.json", verbose=False)
     before = {p: p.stat().st_mtime_ns for p in base.rglob("*")}
     settings = ["batch_size=4", "block_size=32", "eval_interval=2", "eval_batches=1", "sample_tokens=4",
                 "learning_rate=1e-12", "warmup_steps=0", "save_every_minutes=0"]

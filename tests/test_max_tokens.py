@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gptlib.data.prepare as prep
+import gptlib.data.encode as genc
 from gptlib.__main__ import _count
 from gptlib.data.prepare import PrepareError, prepare
-from gptlib.data.shards import load_split, read_meta
+from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
-from tests.tokenize_kit import Killed, kill_at_encode_call
+from tests.tokenize_kit import Killed, kill_at_encode_call, split_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def src(tmp_path_factory, docs) -> Path:
 
 def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_file, capsys):
     n = 20_000
-    meta = prepare([src], tmp_path / "d", tokenizer_file=bpe_file, max_tokens=n, shard_tokens=3000)
+    meta = prepare([src], tmp_path / "d", tokenizer_from=bpe_file, max_tokens=n, shard_tokens=3000)
     tok = load_tokenizer(tmp_path / "d")
     total = meta.tokens("train") + meta.tokens("val")
     k = meta.raw["documents"]
@@ -42,7 +42,7 @@ def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_
     assert meta.raw["stopped_at"] == {"file": str(src), "document": k - 1}
     got = []
     for split in ("train", "val"):
-        ids = load_split(meta, split).astype(np.int64)
+        ids = split_tokens(meta, split).astype(np.int64)
         ends = np.flatnonzero(ids == tok.eot_id)
         assert ends[-1] == ids.size - 1  # whole documents only
         got += [tok.decode(p[:-1].tolist()) for p in np.split(ids, ends + 1)[:-1]]
@@ -53,16 +53,16 @@ def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_
 
 
 def test_a_budget_beyond_the_corpus_reads_it_all(tmp_path, src, docs, bpe_file):
-    meta = prepare([src], tmp_path / "d", tokenizer_file=bpe_file, max_tokens=10**12, verbose=False)
+    meta = prepare([src], tmp_path / "d", tokenizer_from=bpe_file, max_tokens=10**12, verbose=False)
     assert meta.raw["documents"] == len(docs) and meta.raw["stop_reason"] == "end_of_input"
     assert "stopped_at" not in meta.raw
     with pytest.raises(PrepareError, match="max_tokens=0 must be >= 1"):
-        prepare([src], tmp_path / "e", tokenizer_file=bpe_file, max_tokens=0, verbose=False)
+        prepare([src], tmp_path / "e", tokenizer_from=bpe_file, max_tokens=0, verbose=False)
 
 
 def test_a_killed_budgeted_run_resumes_to_the_same_stop(tmp_path, src, bpe_file, monkeypatch):
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
-    opts = dict(tokenizer_file=bpe_file, max_tokens=100_000, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    opts = dict(tokenizer_from=bpe_file, max_tokens=100_000, shard_tokens=5000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
     real = kill_at_encode_call(monkeypatch, 5)
     with pytest.raises(Killed):
@@ -91,18 +91,18 @@ def test_cli_max_tokens(tmp_path, src, bpe_file):
 def test_a_stop_keeps_nothing_of_the_batch_read_ahead(tmp_path, src, bpe_file, monkeypatch):
     """The next batch is read while one encodes: a stop must leave out what that read found (here invalid
     UTF-8), as one batch at a time never read it."""
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
     filler = tmp_path / "in" / "b_filler.txt"  # fills the stopping batch, so the next files are read ahead
     filler.parent.mkdir()
     filler.write_text("the quick brown fox jumps over the lazy dog\n" * 600)  # 26 K characters
     bad = tmp_path / "in" / "c_bad.txt"
     bad.write_bytes(b"caf\xe9 au lait " * 100)
-    whole = prepare([src], tmp_path / "whole", tokenizer_file=bpe_file, shard_tokens=3000, verbose=False)
+    whole = prepare([src], tmp_path / "whole", tokenizer_from=bpe_file, shard_tokens=3000, verbose=False)
     n = whole.tokens("train") + whole.tokens("val") - 2  # stops at src's last document
-    meta = prepare([src, filler, bad], tmp_path / "d", tokenizer_file=bpe_file, max_tokens=n,
+    meta = prepare([src, filler, bad], tmp_path / "d", tokenizer_from=bpe_file, max_tokens=n,
                    shard_tokens=3000, verbose=False)
     assert meta.raw["stop_reason"] == "max_tokens" and meta.raw["stopped_at"]["file"] == str(src)
     assert meta.raw["replaced_invalid_utf8"] == 0
     # without the stop it is read and counted
-    meta = prepare([src, filler, bad], tmp_path / "all", tokenizer_file=bpe_file, shard_tokens=3000, verbose=False)
+    meta = prepare([src, filler, bad], tmp_path / "all", tokenizer_from=bpe_file, shard_tokens=3000, verbose=False)
     assert meta.raw["replaced_invalid_utf8"] == 100

@@ -4,6 +4,7 @@ import shutil
 
 from gptlib.data.shards import read_meta
 from tests.nbrun import outputs_text, run_notebook
+from tests.tokenize_kit import verified_meta
 
 
 def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch, shakespeare_path):
@@ -16,7 +17,7 @@ def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch,
     nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
     data = tmp_path / "root" / "data" / "bpe"  # where notebook 03 looks for DATASET_NAME="bpe"
-    meta = read_meta(data, verify_hashes=True)
+    meta = verified_meta(data)
     assert meta.tokenizer["kind"] == "bpe" and meta.vocab_size == 512 and meta.dtype.name == "uint16"
     for label in ("documents", "train tokens", "characters per token", "dtype", "shards (train + val)", "seconds"):
         assert label in text
@@ -42,7 +43,7 @@ def test_notebook_01_reads_a_url_source_with_a_budget(tmp_path, monkeypatch, sha
     params = {"SOURCE": "my files on Drive", "INPUT": src.as_uri(), "TEXT_COLUMN": "code", "MAX_TOKENS": "20K",
               "VOCAB_SIZE": 512, "TRAIN_MB": 0, "DATASET_NAME": "url"}
     nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
-    meta = read_meta(tmp_path / "root" / "data" / "url", verify_hashes=True)
+    meta = verified_meta(tmp_path / "root" / "data" / "url")
     assert [s["path"] for s in meta.raw["sources"]] == [src.as_uri()]
     assert meta.raw["stop_reason"] == "max_tokens" and 20_000 <= meta.tokens("train") + meta.tokens("val") < 21_000
     assert "stopped at --max-tokens 20,000" in outputs_text(nb)

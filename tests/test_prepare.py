@@ -16,12 +16,14 @@ import pytest
 
 import gptlib.data.inputs as inputs
 import gptlib.data.pieces as gpieces
+import gptlib.data.encode as genc
 import gptlib.data.prepare as prep
 import gptlib.data.sources as sources
 from gptlib.data.prepare import PrepareError, prepare, prepare_text
-from gptlib.data.shards import DataFormatError, load_split, read_meta
+from gptlib.data.shards import PREPARE_STATE_FILE, DataFormatError, read_meta
 from gptlib.data.tokenizer import EOT, BPETokenizer, load_tokenizer
-from tests.tokenize_kit import SLOW_PRELUDE, Killed, kill_at_encode_call, sigkill_after_shards
+from tests.tokenize_kit import (SLOW_PRELUDE, Killed, kill_at_encode_call, sigkill_after_shards, split_tokens,
+                                verified_meta)
 
 REPO = Path(__file__).resolve().parents[1]
 BPE = dict(tokenizer="bpe", vocab_size=300, verbose=False)  # tiny vocab: trains in a fraction of a second
@@ -41,11 +43,11 @@ def write_parquet(path: Path, docs: list[str], column: str = "text", row_group_s
 
 def decoded_documents(out: Path) -> dict[str, list[str]]:
     """Each split decoded and cut at the end-of-text ids: the documents it holds."""
-    meta = read_meta(out, verify_hashes=True)
+    meta = verified_meta(out)
     tok = load_tokenizer(out)
     result = {}
     for split in ("train", "val"):
-        ids = load_split(meta, split).astype(np.int64)
+        ids = split_tokens(meta, split).astype(np.int64)
         ends = np.flatnonzero(ids == tok.eot_id)
         assert ends.size == 0 or ends[-1] == ids.size - 1, "a split ends with a whole document"
         result[split] = [tok.decode(part[:-1].tolist()) for part in np.split(ids, ends + 1)[:-1]]
@@ -64,7 +66,7 @@ def test_char_single_document_uses_the_tail_split(small_text, tmp_path):
     tok = load_tokenizer(tmp_path / "d")
     assert meta.raw["split"] == "tail" and meta.raw["documents"] == 1
     assert meta.tokens("train") == int(len(text) * 0.9)  # ASCII: bytes == characters
-    assert tok.decode(load_split(meta, "train")) + tok.decode(load_split(meta, "val")) == text
+    assert tok.decode(split_tokens(meta, "train")) + tok.decode(split_tokens(meta, "val")) == text
 
 
 def test_jsonl_documents_are_separated_by_eot_and_split_per_document(tmp_path, docs):
@@ -79,7 +81,7 @@ def test_jsonl_documents_are_separated_by_eot_and_split_per_document(tmp_path, d
 
 def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):
     src = write_parquet(tmp_path / "a.parquet", docs, column="code", row_group_size=97)
-    meta = prepare([src], tmp_path / "out", tokenizer_file=bpe_file, text_column="code", verbose=False)
+    meta = prepare([src], tmp_path / "out", tokenizer_from=bpe_file, text_column="code", verbose=False)
     got = decoded_documents(tmp_path / "out")
     assert sorted(got["train"] + got["val"]) == sorted(docs)
     assert meta.tokenizer["hash"] == hashlib.sha256(bpe_file.read_bytes()).hexdigest()  # reused as-is
@@ -90,15 +92,15 @@ def test_parquet_restart_deep_inside_a_big_row_group(tmp_path):
     # read batches of 1,024 rows, and every one of them must be skipped.
     docs = [f"document number {i}" for i in range(3000)]
     src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=3000)
-    s = inputs.Source(src, "parquet", src.stat().st_size, inputs.file_hash(src, src.stat().st_size))
-    pieces = list(sources.iter_parquet_file(s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, None))
+    s = inputs.source(src)
+    pieces = list(sources.iter_parquet_file(s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, "text", "text", []))
     assert [p.doc for p in pieces] == list(range(2500, 3000))
     assert [p.text for p in pieces] == docs[2500:]
 
 
 def test_split_is_deterministic_and_by_document(tmp_path, docs, bpe_file):
-    a = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "o1", tokenizer_file=bpe_file, verbose=False)
-    b = prepare([write_jsonl(tmp_path / "b.jsonl", docs)], tmp_path / "o2", tokenizer_file=bpe_file, verbose=False)
+    a = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "o1", tokenizer_from=bpe_file, verbose=False)
+    b = prepare([write_jsonl(tmp_path / "b.jsonl", docs)], tmp_path / "o2", tokenizer_from=bpe_file, verbose=False)
     assert a.splits == b.splits  # same content -> same split, same shards (renamed file included)
     # a document at another position in the file is another document: the split is not the tail
     got = decoded_documents(tmp_path / "o1")
@@ -113,7 +115,7 @@ def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
         (d / "sub" / f"{i:04d}.txt").write_text(doc)
     (d / ".hidden.txt").write_text("never read")
     write_jsonl(tmp_path / "x.jsonl", docs[150:300])
-    meta = prepare([d, str(tmp_path / "*.jsonl")], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    meta = prepare([d, str(tmp_path / "*.jsonl")], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     got = decoded_documents(tmp_path / "out")
     assert meta.raw["split"] == "document"  # 150 text files + jsonl: per document
     assert sorted(got["train"] + got["val"]) == sorted(docs[:300])
@@ -122,20 +124,20 @@ def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
 
 def test_literal_endoftext_stays_text(tmp_path, bpe_file):
     docs = [f"doc {i} says {EOT} twice {EOT}." for i in range(200)]
-    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     got = decoded_documents(tmp_path / "out")
     assert sorted(got["train"] + got["val"]) == sorted(docs)  # 200 documents, not 600
 
 
 def test_long_line_is_cut_into_pieces_and_round_trips(tmp_path, monkeypatch, bpe_file):
     monkeypatch.setattr(gpieces, "PIECE_CHARS", 1000)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 5000)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 5000)
     words = " ".join(f"w{i}é" for i in range(20000))  # one 130 kB line, non-ASCII, no newline
     line = tmp_path / "line.txt"
     line.write_text(words)
-    meta = prepare([line], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    meta = prepare([line], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     tok = load_tokenizer(tmp_path / "out")
-    text = tok.decode(np.concatenate([load_split(meta, "train"), load_split(meta, "val")]).tolist())
+    text = tok.decode(np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")]).tolist())
     assert text == words + EOT and meta.raw["replaced_invalid_utf8"] == 0
 
 
@@ -145,7 +147,7 @@ def test_uint32_shards_when_the_vocab_exceeds_65536(tmp_path):
     src.write_text(chars + chars[::-1])
     meta = prepare_text([src], tmp_path / "out", verbose=False)
     assert meta.vocab_size == 70_000 and meta.dtype == np.uint32 and meta.raw["dtype"] == "uint32"
-    ids = np.concatenate([load_split(meta, "train"), load_split(meta, "val")])
+    ids = np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")])
     assert ids.max() == 69_999 and (tmp_path / "out" / "train_000000.bin").stat().st_size == 4 * meta.tokens("train")
     assert load_tokenizer(tmp_path / "out").decode(ids) == chars + chars[::-1]
 
@@ -157,10 +159,10 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, bpe_file, capsys):
     # 4 invalid sequences per line (\xff, \xfe, a lone lead byte, a truncated 3-byte sequence) and one
     # genuine U+FFFD (\xef\xbf\xbd), which is text and must not be counted.
     src.write_bytes(b"good text \xff\xfe more \xc3 text \xe2\x82 end \xef\xbf\xbd real replacement char\n" * 3)
-    meta = prepare([src], tmp_path / "out", tokenizer_file=bpe_file, verbose=True)
+    meta = prepare([src], tmp_path / "out", tokenizer_from=bpe_file, verbose=True)
     assert meta.raw["replaced_invalid_utf8"] == 4 * 3
     tok = load_tokenizer(tmp_path / "out")
-    text = tok.decode(np.concatenate([load_split(meta, "train"), load_split(meta, "val")]).tolist())
+    text = tok.decode(np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")]).tolist())
     assert text == src.read_bytes().decode("utf-8", "replace") + EOT
     assert "invalid UTF-8 sequences were replaced" in capsys.readouterr().out
 
@@ -170,42 +172,39 @@ def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
     write_jsonl(tmp_path / "a.jsonl", docs[:300] + [""])
     with open(tmp_path / "a.jsonl", "a") as f:
         f.write("\n" + json.dumps({"text": None}) + "\n")
-    meta = prepare([tmp_path / "empty.txt", tmp_path / "a.jsonl"], tmp_path / "out", tokenizer_file=bpe_file,
+    meta = prepare([tmp_path / "empty.txt", tmp_path / "a.jsonl"], tmp_path / "out", tokenizer_from=bpe_file,
                    verbose=False)
     assert meta.raw["empty_files"] == [str(tmp_path / "empty.txt")]
     assert meta.raw["documents"] == 300 and meta.raw["empty_documents"] == 3
     with pytest.raises(PrepareError, match="empty.txt is empty"):
-        prepare([tmp_path / "empty.txt"], tmp_path / "out2", tokenizer_file=bpe_file, verbose=False)
+        prepare([tmp_path / "empty.txt"], tmp_path / "out2", tokenizer_from=bpe_file, verbose=False)
 
 
 def test_missing_column_or_field_is_a_clear_error(tmp_path, docs, bpe_file):
     pqf = write_parquet(tmp_path / "a.parquet", docs[:50], column="content")
     with pytest.raises(PrepareError, match=r"a.parquet has no column 'text' \(columns: content, n\)"):
-        prepare([pqf], tmp_path / "o1", tokenizer_file=bpe_file, verbose=False)
+        prepare([pqf], tmp_path / "o1", tokenizer_from=bpe_file, verbose=False)
     with pytest.raises(PrepareError, match="column 'n' has type int64, not text"):
-        prepare([pqf], tmp_path / "o1", tokenizer_file=bpe_file, text_column="n", verbose=False)
+        prepare([pqf], tmp_path / "o1", tokenizer_from=bpe_file, text_column="n", verbose=False)
     js = write_jsonl(tmp_path / "a.jsonl", docs[:50], field="body")
     with pytest.raises(PrepareError, match=r"a.jsonl:1: field 'text' is missing \(fields: id, body\)"):
-        prepare([js], tmp_path / "o2", tokenizer_file=bpe_file, verbose=False)
+        prepare([js], tmp_path / "o2", tokenizer_from=bpe_file, verbose=False)
     with open(js, "a") as f:
         f.write('{"id": 50}\n')
     with pytest.raises(PrepareError, match=r"a.jsonl:51: field 'body' is missing"):
-        prepare([js], tmp_path / "o3", tokenizer_file=bpe_file, text_column="body", verbose=False)
+        prepare([js], tmp_path / "o3", tokenizer_from=bpe_file, text_column="body", verbose=False)
     assert not (tmp_path / "o3" / "meta.json").exists()
     with pytest.raises(DataFormatError, match="not a finished gptlib dataset"):
         read_meta(tmp_path / "o3")
 
 
-def test_truncated_parquet_is_skipped_with_a_report_or_fails_clearly(tmp_path, docs, bpe_file):
+def test_truncated_parquet_is_skipped_with_a_report(tmp_path, docs, bpe_file):
     good = write_parquet(tmp_path / "a.parquet", docs[:900])
     data = write_parquet(tmp_path / "b.parquet", docs[900:]).read_bytes()
     (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # cut in the middle: no footer
-    meta = prepare([good, tmp_path / "b.parquet"], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    meta = prepare([good, tmp_path / "b.parquet"], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     assert [s["path"] for s in meta.raw["skipped_files"]] == [str(tmp_path / "b.parquet")]
-    assert meta.raw["documents"] == 900
-    with pytest.raises(PrepareError, match="parquet file .*b.parquet cannot be opened"):
-        prepare([good, tmp_path / "b.parquet"], tmp_path / "out2", tokenizer_file=bpe_file, on_bad_file="error",
-                verbose=False)
+    assert meta.raw["documents"] == 900 and meta.raw["skipped_files"][0]["error"].startswith("cannot be opened")
 
 
 def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
@@ -215,14 +214,12 @@ def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
     data = bytearray(src.read_bytes())
     data[off + 20: off + 400] = b"\xab" * 380  # garbage in the pages of row group 2; the footer is intact
     src.write_bytes(bytes(data))
-    meta = prepare([src], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+    meta = prepare([src], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     assert meta.raw["documents"] == 1500
     [rec] = meta.raw["skipped_files"]
     assert rec["path"] == str(src) and rec["error"].startswith("row group 2 (rows 1000-1499) is unreadable")
     got = decoded_documents(tmp_path / "out")
     assert sorted(got["train"] + got["val"]) == sorted(docs[:1000] + docs[1500:])
-    with pytest.raises(PrepareError, match=r"a.parquet: row group 2 \(rows 1000-1499\) is unreadable"):
-        prepare([src], tmp_path / "out2", tokenizer_file=bpe_file, on_bad_file="error", verbose=False)
 
 
 def test_bad_options(tmp_path, small_text):
@@ -238,13 +235,13 @@ def test_bad_options(tmp_path, small_text):
 
 def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file):
     out = tmp_path / "out"
-    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], out, tokenizer_file=bpe_file, verbose=False)
+    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], out, tokenizer_from=bpe_file, verbose=False)
     before = files_of(out)
-    for kwargs in (dict(tokenizer_file=bpe_file, val_fraction=0.2), dict(tokenizer="char")):
+    for kwargs in (dict(tokenizer_from=bpe_file, val_fraction=0.2), dict(tokenizer="char")):
         with pytest.raises(PrepareError, match="already holds a different dataset"):
             prepare([tmp_path / "a.jsonl"], out, verbose=False, **kwargs)
         assert files_of(out) == before
-    again = prepare([tmp_path / "a.jsonl"], out, tokenizer_file=bpe_file, verbose=False)  # same: reused
+    again = prepare([tmp_path / "a.jsonl"], out, tokenizer_from=bpe_file, verbose=False)  # same: reused
     assert files_of(out) == before and again.tokens("train") > 0
     prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True, verbose=False)
     assert read_meta(out).tokenizer["kind"] == "char"
@@ -254,13 +251,13 @@ def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe
 @pytest.mark.parametrize("kill_at", ["after_shard_before_state", "mid_batch"])
 def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, monkeypatch, kill_at):
     src = write_jsonl(tmp_path / "a.jsonl", docs)
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)  # many batches, several shards per split
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # many batches, several shards per split
     clean = prepare([src], tmp_path / "clean", **opts)
     assert len(clean.splits["train"]["shards"]) > 5
 
     out = tmp_path / "out"
-    real_write_json, real_encode = prep.atomic_write_json, BPETokenizer.encode_batch_ids
+    real_write_json, real_encode = genc.atomic_write_json, BPETokenizer.encode_batch_ids
     calls = {"n": 0}
     if kill_at == "after_shard_before_state":  # the 4th shard is on disk, the state does not list it yet
         def write_json(path, obj):
@@ -268,15 +265,15 @@ def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, mo
             if calls["n"] == 5:
                 raise Killed()
             real_write_json(path, obj)
-        monkeypatch.setattr(prep, "atomic_write_json", write_json)
+        monkeypatch.setattr(genc, "atomic_write_json", write_json)
     else:  # killed while encoding a batch, after a few shards
         kill_at_encode_call(monkeypatch, 12)
     with pytest.raises(Killed):
         prepare([src], out, **opts)
-    monkeypatch.setattr(prep, "atomic_write_json", real_write_json)
+    monkeypatch.setattr(genc, "atomic_write_json", real_write_json)
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real_encode)
 
-    state = json.loads((out / prep.STATE_FILE).read_text())
+    state = json.loads((out / PREPARE_STATE_FILE).read_text())
     assert len(state["shards"]["train"]) >= 2
     assert not (out / "meta.json").exists()
     with pytest.raises(DataFormatError, match="not a finished gptlib dataset"):
@@ -284,12 +281,13 @@ def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, mo
     resumed = prepare([src], out, **opts)
     assert resumed.splits == clean.splits  # same shards, same hashes
     assert resumed.raw["documents"] == clean.raw["documents"]
-    assert not (out / prep.STATE_FILE).exists()
+    assert not (out / PREPARE_STATE_FILE).exists()
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
 
 
 _SLOW_CHILD = SLOW_PRELUDE + """
-prep.prepare([sys.argv[1]], sys.argv[2], tokenizer_file=sys.argv[3], shard_tokens=5000, verbose=False)
+from gptlib.data.prepare import prepare
+prepare([sys.argv[1]], sys.argv[2], tokenizer_from=sys.argv[3], shard_tokens=5000, verbose=False)
 """
 
 
@@ -300,8 +298,8 @@ def test_resume_after_sigkill_of_a_real_process(tmp_path, docs, bpe_file, monkey
     sigkill_after_shards(proc, out, 3)
     assert not (out / "meta.json").exists()
     assert json.loads((out / "lease.json").read_text())["pid"] == proc.pid  # the killed one's lease stays ...
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
     resumed = prepare([src], out, **opts)  # ... and is taken over at once: its process is gone
     clean = prepare([src], tmp_path / "clean", **opts)
     assert resumed.splits == clean.splits
@@ -310,18 +308,18 @@ def test_resume_after_sigkill_of_a_real_process(tmp_path, docs, bpe_file, monkey
 
 def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", docs)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
 
     def encode(self, texts):
         raise Killed()
     real = BPETokenizer.encode_batch_ids
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
     with pytest.raises(Killed):
-        prepare([src], tmp_path / "out", tokenizer_file=bpe_file, verbose=False)
+        prepare([src], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real)
     before = files_of(tmp_path / "out")
     with pytest.raises(PrepareError, match="holds an unfinished tokenize run of different inputs"):
-        prepare([src], tmp_path / "out", tokenizer_file=bpe_file, val_fraction=0.3, verbose=False)
+        prepare([src], tmp_path / "out", tokenizer_from=bpe_file, val_fraction=0.3, verbose=False)
     assert files_of(tmp_path / "out") == before
 
 
@@ -377,3 +375,14 @@ def test_cli_tokenize_bpe_then_reuse_the_tokenizer_file(tmp_path, docs):
     gz.write_bytes(b"\x1f\x8b")
     r = gptlib_cli("tokenize", "--input", gz, "--out", tmp_path / "d4")
     assert r.returncode == 2 and "is compressed; decompress it first" in r.stderr
+
+
+def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path, small_text):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out, why in [(tmp_path / "afile", "is a file, not a directory"), (tmp_path / "loop", "is a symbolic link loop"),
+                     (tmp_path / "afile" / "sub", "a part of its path is a file")]:
+        r = gptlib_cli("tokenize", "--input", small_text, "--out", out, "--quiet")
+        (line,) = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and line.startswith(f"error: --out {out}") and why in line, r.stderr
+    assert (tmp_path / "afile").read_text() == "x"

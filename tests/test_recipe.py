@@ -420,7 +420,8 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     import numpy as np
     import torch.nn.functional as F
 
-    from gptlib.data.shards import load_split, read_meta
+    from gptlib.data.shards import read_meta
+    from tests.tokenize_kit import split_tokens
     from gptlib.evaluation import hellaswag as hs
     from gptlib.evaluation.evaluate import evaluate_bpb, window_starts
     from gptlib.inference.compare import compare_checkpoints
@@ -441,7 +442,7 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     sums = [[brute_sum(it.ctx, e) for e in it.endings] for it in items]
     np.testing.assert_allclose(res["sums"], sums, rtol=1e-5, atol=1e-4)
 
-    val = load_split(read_meta(char_data), "val")
+    val = split_tokens(read_meta(char_data), "val")
     bpb = evaluate_bpb(model, tok, val, "cpu", limit=4)
     nll = []
     for s in window_starts(len(val), block, 4):

@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import gptlib.data.inputs as inputs
-import gptlib.data.prepare as prep
+import gptlib.data.encode as genc
 import gptlib.data.sources as sources
 from gptlib.data.prepare import PrepareError, prepare
-from gptlib.data.shards import read_meta
+from gptlib.data.shards import PREPARE_STATE_FILE, read_meta
 from tests.fakes import FAULTS
-from tests.tokenize_kit import SLOW_TOKENIZE, sigkill_after_shards
+from tests.tokenize_kit import SLOW_TOKENIZE, sigkill_after_shards, verified_meta
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_urls_give_the_same_shards_as_local_paths(tmp_path, docs, bpe_file):
     for p in corpus.rglob("*"):
         if p.is_file():
             mem.pipe("/urltest/" + str(p.relative_to(corpus)), p.read_bytes())
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=20_000, verbose=False)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=20_000, verbose=False)
     local = prepare([corpus], tmp_path / "local", **opts)
     assert len(local.raw["sources"]) == 1 + 1 + 100 + 1 and len(local.splits["train"]["shards"]) > 3
     for name, url in [("file", corpus.as_uri()), ("memory", "memory://urltest")]:
@@ -69,20 +69,20 @@ def test_urls_give_the_same_shards_as_local_paths(tmp_path, docs, bpe_file):
         assert [s["hash"] for s in m.raw["sources"]] == [s["hash"] for s in local.raw["sources"]]
         assert m.raw["sources"][0]["path"].startswith(f"{name}://")
     # one text file through a URL: the same tail split as the local file
-    one = prepare([(corpus / "sub-b.txt").as_uri()], tmp_path / "one", tokenizer_file=bpe_file, verbose=False)
+    one = prepare([(corpus / "sub-b.txt").as_uri()], tmp_path / "one", tokenizer_from=bpe_file, verbose=False)
     assert one.raw["split"] == "tail"
-    assert one.splits == prepare([corpus / "sub-b.txt"], tmp_path / "one_local", tokenizer_file=bpe_file,
+    assert one.splits == prepare([corpus / "sub-b.txt"], tmp_path / "one_local", tokenizer_from=bpe_file,
                                  verbose=False).splits
     mem.rm("/urltest", recursive=True)
 
 
 def test_url_errors_are_one_clear_message(tmp_path, bpe_file):
     with pytest.raises(PrepareError, match=r"input memory://nothing/here.jsonl does not exist"):
-        prepare(["memory://nothing/here.jsonl"], tmp_path / "o", tokenizer_file=bpe_file, verbose=False)
+        prepare(["memory://nothing/here.jsonl"], tmp_path / "o", tokenizer_from=bpe_file, verbose=False)
     with pytest.raises(PrepareError, match=r"input pattern 'memory://nothing/\*.parquet' matches no files"):
-        prepare(["memory://nothing/*.parquet"], tmp_path / "o", tokenizer_file=bpe_file, verbose=False)
+        prepare(["memory://nothing/*.parquet"], tmp_path / "o", tokenizer_from=bpe_file, verbose=False)
     with pytest.raises(PrepareError, match=r"input URL nosuchproto://x: .*nosuchproto"):
-        prepare(["nosuchproto://x"], tmp_path / "o", tokenizer_file=bpe_file, verbose=False)
+        prepare(["nosuchproto://x"], tmp_path / "o", tokenizer_from=bpe_file, verbose=False)
 
 
 # ------------------------------------------------------------------------------------- network faults
@@ -100,8 +100,8 @@ def test_a_dropped_connection_is_retried_at_the_last_completed_row_group(tmp_pat
     src = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": docs}), src, row_group_size=100, data_page_size=4096)
     monkeypatch.setattr(inputs, "READ_BUFFER", 4096)  # many small reads, so the faults land mid-row-group
-    monkeypatch.setattr(prep, "BATCH_CHARS", 50_000)
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=30_000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 50_000)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=30_000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
 
     FAULTS.reset()
@@ -140,8 +140,8 @@ def test_a_network_that_stays_down_stops_the_run_and_the_same_command_resumes(tm
         for x in docs:
             f.write(json.dumps({"text": x}) + "\n")
     monkeypatch.setattr(inputs, "READ_BUFFER", 8192)
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     clean = prepare([src], tmp_path / "clean", **opts)
     FAULTS.reset(all_from=25)
     out = tmp_path / "out"
@@ -150,7 +150,7 @@ def test_a_network_that_stays_down_stops_the_run_and_the_same_command_resumes(tm
     msg = str(e.value)
     assert msg.startswith(f"reading faulty://{src} failed after 9 attempts: ConnectionResetError: connection reset")
     assert msg.endswith("Everything up to the last completed shard is kept: run the same command again to resume")
-    state = json.loads((out / prep.STATE_FILE).read_text())
+    state = json.loads((out / PREPARE_STATE_FILE).read_text())
     assert len(state["shards"]["train"]) >= 1 and not (out / "meta.json").exists()
     FAULTS.reset()  # the network is back
     resumed = prepare(["faulty://" + str(src)], out, **opts)
@@ -171,9 +171,9 @@ def test_sigkill_of_a_url_run_then_resume_gives_the_same_shards(tmp_path, docs, 
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "resuming the unfinished run" in r.stdout
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)
-    clean = prepare([src], tmp_path / "clean", tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
-    assert read_meta(out, verify_hashes=True).splits == clean.splits
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    clean = prepare([src], tmp_path / "clean", tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    assert verified_meta(out).splits == clean.splits
 
 
 # VmHWM: the peak RSS of the child's own address space.

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from gptlib.data.prepare import PrepareError, prepare_text
-from gptlib.data.shards import DataFormatError, ShardWriter, dtype_for_vocab, load_split, read_meta, write_meta
+from gptlib.data.shards import DataFormatError, ShardWriter, dtype_for_vocab, read_meta, write_meta
 from gptlib.data.tokenizer import load_tokenizer
+from tests.tokenize_kit import split_tokens, verified_meta
 
 
 def test_dtype_from_vocab():
@@ -23,7 +24,7 @@ def test_char_dataset_round_trip(tmp_path, small_text):
     raw = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert raw["format_version"] == 1 and raw["sources"][0]["size"] == small_text.stat().st_size
     tok = load_tokenizer(tmp_path / "d")
-    decoded = tok.decode(load_split(meta, "train")) + tok.decode(load_split(meta, "val"))
+    decoded = tok.decode(split_tokens(meta, "train")) + tok.decode(split_tokens(meta, "val"))
     assert decoded == text  # tail split: train is the first 90%, val the last 10%
     assert abs(meta.tokens("val") / len(text) - 0.1) < 0.001
 
@@ -40,8 +41,8 @@ def test_shard_writer_splits_into_fixed_size_shards(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     write_meta(tmp_path, vocab_size=300, tokenizer={"kind": "x", "hash": None, "file": "tokenizer.json"},
                splits={"train": shards, "val": wv.close()}, sources=[])
-    meta = read_meta(tmp_path, verify_hashes=True)
-    assert np.array_equal(load_split(meta, "train"), data)
+    meta = verified_meta(tmp_path)
+    assert np.array_equal(split_tokens(meta, "train"), data)
 
 
 @pytest.fixture()
@@ -88,16 +89,6 @@ def test_replaced_tokenizer_is_refused(dataset):
     (dataset / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abc", "unknown": "error"}))
     with pytest.raises(DataFormatError, match="tokenizer was replaced"):
         read_meta(dataset)
-
-
-def test_modified_shard_caught_by_hash_check(dataset):
-    shard = dataset / "val_000000.bin"
-    b = bytearray(shard.read_bytes())
-    b[0] ^= 1
-    shard.write_bytes(bytes(b))
-    read_meta(dataset)  # sizes still agree
-    with pytest.raises(DataFormatError, match="sha256 differs"):
-        read_meta(dataset, verify_hashes=True)
 
 
 def test_unsupported_format_version(dataset):
@@ -155,3 +146,13 @@ def test_find_dataset_names_the_datasets_that_are_there(char_data, tmp_path, mon
     with pytest.raises(DataFormatError, match=r"no tokenized dataset at .*data/half \(run notebook 01 first\); "
                                               r"datasets in .*data: shakespeare$"):
         find_dataset("half")
+
+
+def test_a_data_dir_that_is_a_file_says_so(tmp_path):
+    from gptlib.errors import RunDirError
+
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(RunDirError, match=r"data directory .*meta.json is a file, not a directory"):
+        read_meta(tmp_path / "meta.json")
+    with pytest.raises(DataFormatError, match=r"data directory .*nope does not exist"):
+        read_meta(tmp_path / "nope")

@@ -15,6 +15,7 @@ from gptlib.data import staging
 from gptlib.data.shards import ShardWriter, read_meta, read_spans, write_meta
 from gptlib.errors import DataFormatError
 from tests.conftest import TINY
+from tests.tokenize_kit import verified_meta
 
 
 @pytest.fixture
@@ -22,7 +23,6 @@ def drive(monkeypatch, tmp_path) -> Path:
     """The fake Drive's gptlib root; the VM's local root is tmp_path/content/gptlib_local."""
     monkeypatch.setenv("GPTLIB_DRIVE_MOUNT", str(tmp_path / "content" / "drive"))
     monkeypatch.setenv("GPTLIB_LOCAL_ROOT", str(tmp_path / "content" / "gptlib_local"))
-    monkeypatch.delenv("GPTLIB_STAGE_DATA", raising=False)
     root = tmp_path / "content" / "drive" / "MyDrive" / "gptlib"
     root.mkdir(parents=True)
     return root
@@ -56,7 +56,7 @@ def test_copy_verify_and_reuse(drive_data, tmp_path, capsys):
     marker = json.loads((dst / staging.MARKER_FILE).read_text())
     assert marker["source"] == str(drive_data.resolve())
     assert marker["meta_sha256"] == hashlib.sha256((drive_data / "meta.json").read_bytes()).hexdigest()
-    read_meta(dst, verify_hashes=True)  # a complete, valid dataset
+    verified_meta(dst)  # a complete, valid dataset
     stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in dst.iterdir()}
 
     # a re-run on the same VM reuses it: no second copy
@@ -68,18 +68,18 @@ def test_copy_verify_and_reuse(drive_data, tmp_path, capsys):
 
 
 def test_a_changed_or_damaged_local_copy_is_copied_again(drive_data, tmp_path):
-    dst = staging.local_copy_of_data(drive_data, log=lambda m: None)
+    dst = staging.stage_for_training(drive_data, log=lambda m: None)
     shard = dst / "train_000000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # a truncated local file: the size check sees it
     logs: list[str] = []
-    assert staging.local_copy_of_data(drive_data, log=logs.append) == dst and any("copied" in m for m in logs)
+    assert staging.stage_for_training(drive_data, log=logs.append) == dst and any("copied" in m for m in logs)
     assert shard.read_bytes() == (drive_data / "train_000000.bin").read_bytes()
     # the dataset re-tokenized on Drive (another meta.json): the old copy is not reused
     meta = json.loads((drive_data / "meta.json").read_text())
     meta["sources"] = meta["sources"] + [{"note": "re-tokenized"}]
     (drive_data / "meta.json").write_text(json.dumps(meta))
     logs.clear()
-    staging.local_copy_of_data(drive_data, log=logs.append)
+    staging.stage_for_training(drive_data, log=logs.append)
     assert any("copied" in m for m in logs) and (dst / "meta.json").read_bytes() == (drive_data / "meta.json").read_bytes()
 
 
@@ -102,18 +102,17 @@ def test_a_file_failing_verification_is_named_and_drive_is_read(drive_data, tmp_
     assert snapshot(drive_data) == before  # Drive's copy untouched
 
 
-def test_not_enough_disk_reads_drive(drive_data, tmp_path, capsys):
-    got = staging.local_copy_of_data(drive_data, keep_free=1 << 60, log=lambda m: None)
+def test_not_enough_disk_reads_drive(drive_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(staging, "KEEP_FREE_BYTES", 1 << 60)  # more than any disk has free
+    got = staging.stage_for_training(drive_data, log=lambda m: None)
     err = capsys.readouterr().err
     assert got == drive_data.resolve() and "does not fit on the VM's disk" in err and "Google Drive" in err, err
     assert not (local_root(tmp_path) / "data" / "chars").exists()
 
 
-def test_not_on_drive_or_off_is_left_alone(drive_data, char_data, monkeypatch, tmp_path):
+def test_not_on_drive_or_off_is_left_alone(drive_data, char_data, tmp_path):
     assert staging.stage_for_training(char_data) == char_data  # a local data dir: nothing to do
     assert staging.stage_for_training(drive_data, enabled=False) == drive_data
-    monkeypatch.setenv("GPTLIB_STAGE_DATA", "0")
-    assert staging.stage_for_training(drive_data) == drive_data
     assert not (local_root(tmp_path) / "data").exists()
 
 
@@ -144,7 +143,7 @@ def test_chat_data_spans_files_are_copied_and_verified(drive, char_data, tmp_pat
     dst = staging.stage_for_training(src, log=lambda m: None)
     assert dst == local_root(tmp_path) / "data" / "chat"
     assert sorted(p.name for p in dst.glob("*.spans.bin")) == sorted(p.name for p in src.glob("*.spans.bin")) != []
-    m = read_meta(dst, verify_hashes=True)
+    m = verified_meta(dst)
     assert (read_spans(m, "train") == read_spans(read_meta(src), "train")).all()
     # a damaged spans file on Drive is named, like a shard
     shutil.rmtree(dst)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+import gptlib.data.encode as genc
 import gptlib.data.prepare as prep
-from gptlib.data.shards import read_meta
+from gptlib.data.shards import PREPARE_STATE_FILE, read_meta
 from gptlib.layout import LEASE_FILE
-from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, wait_for_shards
+from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, verified_meta, wait_for_shards
 
 REPO = Path(__file__).resolve().parents[1]
 UNSLOWED = SLOW_TOKENIZE.replace("time.sleep(0.15)", "pass")  # the same small batches: the same shard cuts
@@ -68,7 +69,7 @@ def test_a_second_tokenize_into_the_same_dir_refuses_and_the_first_finishes(tmp_
     assert took < 20, f"the second tokenize took {took:.1f} s to refuse"
     assert first.returncode == 0, stderr
     assert data_files(out) == data_files(clean)  # the first one's dataset, whole: no lease.json left either
-    read_meta(out, verify_hashes=True)
+    verified_meta(out)
 
 
 def test_ctrl_c_is_one_line_leaves_no_temp_file_and_the_same_command_finishes(tmp_path, corpus, bpe_file):
@@ -87,13 +88,13 @@ def test_ctrl_c_is_one_line_leaves_no_temp_file_and_the_same_command_finishes(tm
     finally:
         child.kill()
     assert child.returncode == 130 and "Traceback" not in stderr, stderr
-    state = json.loads((out / prep.STATE_FILE).read_text())
+    state = json.loads((out / PREPARE_STATE_FILE).read_text())
     done = len(state["shards"]["train"])
     (line,) = stderr.strip().splitlines()
     assert line == (f"tokenize stopped: {done} train shard(s) of {out} are kept; run the same command again to "
                     f"continue from there"), line
     left = sorted(p.name for p in out.iterdir() if not p.name.endswith(".bin"))
-    assert left == [prep.STATE_FILE, "tokenizer.json"], left  # no temp file, no lease.json
+    assert left == [PREPARE_STATE_FILE, "tokenizer.json"], left  # no temp file, no lease.json
     kept = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in state["shards"]["train"]}
     r = subprocess.run([sys.executable, "-c", UNSLOWED, *tokenize_args(src, out, bpe_file)[:-1]], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
@@ -121,7 +122,7 @@ def test_a_finished_dataset_on_a_read_only_disk_is_still_reused(tmp_path, corpus
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
     monkeypatch.setattr(glease, "atomic_write_json", read_only)
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     assert prep.prepare([src], ro, **opts).splits == read_meta(clean).splits
     assert data_files(ro) == data_files(clean)
     with pytest.raises(RunDirError, match=f"cannot write to {tmp_path / 'new'}: Read-only file system"):
@@ -133,13 +134,13 @@ def test_a_live_lease_of_another_machine_is_refused_unless_taken_over(tmp_path, 
     from gptlib.errors import RunBusyError
 
     src, clean = corpus
-    monkeypatch.setattr(prep, "BATCH_CHARS", 20_000)  # the corpus fixture's batches: the same shard cuts
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus fixture's batches: the same shard cuts
     out = tmp_path / "out"
     out.mkdir()
     now = time.time()
     (out / LEASE_FILE).write_text(json.dumps({"format": 1, "host": "other-vm", "pid": 1, "session": "b" * 12,
                                               "started": now, "heartbeat": now, "beats": 3}))
-    opts = dict(tokenizer_file=bpe_file, shard_tokens=5000, verbose=False)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     with pytest.raises(RunBusyError, match=f"{out} is in use .host other-vm, pid 1"):
         prep.prepare([src], out, **opts)
     assert os.listdir(out) == [LEASE_FILE]  # nothing written, the other lease untouched

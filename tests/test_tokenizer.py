@@ -1,4 +1,4 @@
-"""Tokenizers: char round trip and unknown-character policy; byte-level BPE training, round trip,
+"""Tokenizers: char round trip and an unknown character refused; byte-level BPE training, round trip,
 end-of-text handling (a literal "<|endoftext|>" in text stays text), save/load identity."""
 
 from __future__ import annotations
@@ -27,17 +27,10 @@ def test_char_round_trip_and_save_load(tmp_path, small_text):
     assert np.array_equal(again.encode_array(text), ids)
 
 
-def test_char_unknown_character_error_and_map(small_text):
-    text = small_text.read_text()
-    strict = CharTokenizer.from_text(text)
+def test_char_unknown_character_is_an_error(small_text):
+    strict = CharTokenizer.from_text(small_text.read_text())
     with pytest.raises(TokenizerError, match=r"'é' \(U\+00E9\) at position 3 is not in the char vocabulary"):
         strict.encode_array("abcé")
-    mapped = CharTokenizer.from_text(text, unknown="map")
-    ids = mapped.encode_array("abé")
-    assert ids[-1] == mapped.unk_id == mapped.vocab_size - 1
-    assert mapped.decode(ids) == "ab\ufffd"
-    with pytest.raises(TokenizerError, match="unknown-character policy 'drop'"):
-        CharTokenizer.from_text(text, unknown="drop")
 
 
 def test_bpe_trains_to_the_requested_vocab_with_eot(bpe):
@@ -65,11 +58,11 @@ def test_literal_endoftext_in_text_stays_text(bpe):
     assert bpe.decode([bpe.eot_id]) == EOT  # the id itself does decode to the marker
 
 
-def test_bpe_encode_batch_matches_encode(bpe, small_text):
+def test_encode_batch_matches_encode(bpe, small_text):
     texts = [t for t in small_text.read_text()[:20000].split("\n\n") if t][:50]
-    batch = bpe.encode_batch(texts)
-    assert [b.tolist() for b in batch] == [bpe.encode(t) for t in texts]
     assert bpe.encode_batch_ids(texts) == [bpe.encode(t) for t in texts]
+    char = CharTokenizer.from_text(small_text.read_text())
+    assert [b.tolist() for b in char.encode_batch(texts)] == [char.encode(t) for t in texts]
 
 
 def test_bpe_save_load_keeps_identity_and_behaviour(bpe, tmp_path):

@@ -1,8 +1,10 @@
 """What the tokenize tests share (test_prepare, test_chat, test_max_tokens, test_remote, test_hub): a small
-corpus and its BPE, a kill at the n-th encode call, and a child process slowed, then killed or stopped mid-run."""
+corpus and its BPE, a dataset's tokens and its shards checked against meta.json, a kill at the n-th encode call, and
+a child process slowed, then killed or stopped mid-run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -10,7 +12,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import gptlib.data.prepare as prep
+import numpy as np
+
+from gptlib.data.shards import PREPARE_STATE_FILE, DatasetMeta, read_meta
 from gptlib.data.tokenizer import BPETokenizer
 
 
@@ -22,6 +26,22 @@ def speeches(shakespeare_path: Path, chars: int) -> list[str]:
 def small_bpe(docs: list[str], directory: Path) -> Path:
     """A 300-id byte-level BPE trained on docs, saved in directory -> its tokenizer.json."""
     return BPETokenizer.train(iter(docs), vocab_size=300).save(directory)
+
+
+def split_tokens(meta: DatasetMeta, split: str) -> np.ndarray:
+    """All tokens of a split, its shards in order."""
+    return np.concatenate([np.fromfile(p, dtype=meta.dtype.newbyteorder("<")) for p in meta.shard_paths(split)])
+
+
+def verified_meta(data_dir: Path) -> DatasetMeta:
+    """read_meta, and every shard's and spans file's sha256 as meta.json records it."""
+    meta = read_meta(data_dir)
+    for rec in meta.splits["train"]["shards"] + meta.splits["val"]["shards"]:
+        for r in (rec, rec.get("spans")):
+            if r is not None:
+                got = hashlib.sha256((meta.data_dir / r["file"]).read_bytes()).hexdigest()
+                assert got == r["sha256"], f"{r['file']}: sha256 {got} differs from meta.json's {r['sha256']}"
+    return meta
 
 
 class Killed(BaseException):
@@ -46,13 +66,13 @@ def kill_at_encode_call(monkeypatch, n: int):
 # after a few shards. `python -c SLOW_TOKENIZE ARGS...` is `python -m gptlib ARGS...` so slowed.
 SLOW_PRELUDE = """
 import sys, time
-import gptlib.data.prepare as prep
-prep.BATCH_CHARS = 20_000
-flush = prep.ShardWriter.flush
+import gptlib.data.encode as genc
+genc.BATCH_CHARS = 20_000
+flush = genc.ShardWriter.flush
 def slow_flush(self):
     flush(self)
     time.sleep(0.15)
-prep.ShardWriter.flush = slow_flush
+genc.ShardWriter.flush = slow_flush
 """
 SLOW_TOKENIZE = SLOW_PRELUDE + """
 from gptlib.__main__ import main
@@ -74,7 +94,7 @@ os.fsync = slow_fsync
 
 def wait_for_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:
     """Return once the tokenize state in `out` lists n train shards (proc still running)."""
-    state = out / prep.STATE_FILE
+    state = out / PREPARE_STATE_FILE
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:

@@ -1,6 +1,6 @@
-"""Known corpora for notebook 01's source dropdown: where each lives, its text column and a token budget (nothing
-is fetched here). GPT-2 Small on a Colab A100 sees about 1B tokens an hour: 2.8B tokens (what the original author
-trained on; about 10 GB of github-code) is an afternoon; TinyStories and UltraChat are smaller and taken whole.
+"""Notebook 01's known corpora: where each one's files are on the Hub, its text column and a token budget. GPT-2 Small
+on a Colab A100 sees about 1B tokens an hour: 2.8B tokens (what the original author trained on, about 10 GB of
+github-code) is an afternoon.
 """
 
 from __future__ import annotations
@@ -10,37 +10,38 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KnownSource:
-    input: str | None  # a URL, or None: the source needs the user's INPUT (or is the demo corpus)
+    input: str | None  # the files; None: the user's INPUT, or the demo corpus
     text_column: str | None = None
     format: str = "text"
-    max_tokens: int | None = None  # the default budget; None = all of it
-    hf_split: str | None = None
+    max_tokens: int | None = None  # None = all of it
     note: str = ""
 
 
+# Each names the repository's own parquet files: the Hub's parquet conversion of a split over ~5 GB holds only its
+# first ~5 GB (docs/data.md says where these layouts were checked).
 DEMO = "Tiny Shakespeare (demo)"
 MY_FILES = "my files on Drive"
 SOURCES: dict[str, KnownSource] = {
     DEMO: KnownSource(None, note="1.1 MB, downloaded and checksum-verified"),
-    "TinyStories": KnownSource("hf://datasets/roneneldan/TinyStories", "text", hf_split="train",
+    "TinyStories": KnownSource("hf://datasets/roneneldan/TinyStories/data/train-*.parquet", "text",
                                note="~2.1M short stories, ~0.5B tokens: all of it"),
     "FineWeb-Edu sample-10BT": KnownSource("hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet", "text",
                                            max_tokens=2_800_000_000,
                                            note="educational web pages (build-nanogpt's corpus), ~10B tokens"),
-    "OpenWebText": KnownSource("hf://datasets/Skylion007/openwebtext", "text", max_tokens=2_800_000_000,
-                               hf_split="train", note="nanoGPT's GPT-2 reproduction corpus, ~9B tokens"),
+    "OpenWebText": KnownSource("hf://datasets/Skylion007/openwebtext/plain_text/train-*.parquet", "text",
+                               max_tokens=2_800_000_000, note="nanoGPT's GPT-2 reproduction corpus, ~9B tokens"),
     "github-code (as the original author used it)": KnownSource(
-        "hf://datasets/codeparrot/github-code", "code", max_tokens=2_800_000_000, hf_split="train",
+        "hf://datasets/codeparrot/github-code/data/train-*.parquet", "code", max_tokens=2_800_000_000,
         note="source files in 30 languages, column `code`: 2.8B tokens is about 10 GB of its parquet"),
-    "UltraChat-200k (chat)": KnownSource("hf://datasets/HuggingFaceH4/ultrachat_200k", "messages", format="chat",
-                                         hf_split="train_sft",
+    "UltraChat-200k (chat)": KnownSource("hf://datasets/HuggingFaceH4/ultrachat_200k/data/train_sft-*.parquet",
+                                         "messages", format="chat",
                                          note="200k multi-turn conversations (train_sft), for fine-tuning"),
     MY_FILES: KnownSource(None, note="files, folders or globs in INPUT (any fsspec URL works too)"),
 }
 
 
 def parse_count(s: str | int | float | None) -> int | None:
-    """A token count: 2800000000, 2.8e9, "2.8B", "500M", "20K"; None, "" or 0 mean no limit."""
+    """2800000000, 2.8e9, "2.8B", "500M", "20K"; None, "" or 0 mean no limit."""
     if s is None or (isinstance(s, str) and not s.strip()):
         return None
     if isinstance(s, (int, float)):
@@ -57,35 +58,21 @@ def parse_count(s: str | int | float | None) -> int | None:
     return int(round(n)) or None
 
 
-def source_options(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "",
-                   fmt: str = "") -> dict:
-    """prepare() keyword arguments for a dropdown choice. Files in INPUT (comma-separated) are the user's own and
-    get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT, when set, win. inputs None = the demo corpus."""
+def source_inputs(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "", fmt: str = "",
+                  log=print) -> tuple[list, dict]:
+    """Notebooks 01 and 05: (inputs, prepare()'s other options) for a dropdown choice. Files in INPUT
+    (comma-separated) are the user's own and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT, when
+    set, win. The demo corpus is Tiny Shakespeare, downloaded and checksum-verified."""
+    from gptlib.data.download import fetch_tinyshakespeare
+
     if label not in SOURCES:
         raise ValueError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
     inputs = [s.strip() for s in user_input.split(",") if s.strip()]
-    if inputs:
-        base = KnownSource(None)
-    elif label == MY_FILES:
+    if not inputs and label == MY_FILES:
         raise ValueError(f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)")
-    else:
-        base = SOURCES[label]
-        inputs = [base.input] if base.input else []
-    return {"inputs": inputs or None, "text_column": text_column or base.text_column, "format": fmt or base.format,
-            "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens,
-            "hf_split": base.hf_split}
-
-
-def source_inputs(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "", fmt: str = "",
-                  log=print) -> tuple[list, dict]:
-    """Notebooks 01 and 05: (inputs, the other prepare() options) for a dropdown choice (source_options); the demo
-    corpus is Tiny Shakespeare, downloaded and checksum-verified. Says what a known source is."""
-    from gptlib.data.download import fetch_tinyshakespeare
-
-    opts = source_options(label, user_input, text_column, max_tokens, fmt)
-    inputs = opts.pop("inputs")
-    if inputs is None:
-        inputs = [fetch_tinyshakespeare()]
-    elif not user_input.strip():
-        log(f"source: {label}: {SOURCES[label].note}")
-    return inputs, opts
+    base = KnownSource(None) if inputs else SOURCES[label]
+    if not inputs:
+        inputs = [base.input] if base.input else [fetch_tinyshakespeare()]
+        log(f"source: {label}: {base.note}")
+    return inputs, {"text_column": text_column or base.text_column, "format": fmt or base.format,
+                    "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens}

@@ -1,14 +1,8 @@
-"""Conversations: the chat template (version 1), shared by tokenize --format chat, fine-tuning and chat.
-
-A conversation is a list of messages, `{"role", "content"}` (the `messages` layout) or `{"from", "value"}`
-(ShareGPT `conversations`), rendered for each turn in order as `ROLE text("\\n" + content) END text("\\n")`, ROLE
-and END (<|end|>) special tokens inserted by id (never matched in text), then <|endoftext|>, e.g.
+"""The chat template (version 1), shared by tokenize --format chat, fine-tuning and chat (docs/data.md):
 
     <|user|>\\nHi!<|end|>\\n<|assistant|>\\nHello.<|end|>\\n<|endoftext|>
 
-An assistant turn's loss span is its text and its END (not the marker, the "\\n" after END, other turns). To
-generate, a prompt ends with <|assistant|>; the model writes "\\n" + its answer and stops at <|end|>. Malformed
-conversations are skipped and counted, with the first few reported. The full description: docs/data.md.
+the markers inserted by id, never matched in text. An assistant turn's loss span is its text and its <|end|>.
 """
 
 from __future__ import annotations
@@ -32,14 +26,12 @@ EXAMPLES_KEPT = 5  # malformed conversations shown (and kept in meta.json)
 
 
 @dataclass
-class Malformed:
-    """Why a conversation is skipped (a value, not an exception: readers pass it along)."""
-
+class Malformed:  # a value, not an exception: the readers pass it along to be counted
     reason: str
 
 
 def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str]] | Malformed:
-    """A conversation in either layout -> [(role, content)], or Malformed(reason)."""
+    """`messages` ({role, content}) or ShareGPT `conversations` ({from, value}) -> [(role, content)]."""
     if isinstance(value, Malformed):
         return value
     if isinstance(value, tuple):
@@ -71,9 +63,8 @@ def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str
 
 def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byte: int, byte_after: int,
                         nbytes: float, require_assistant: bool = True) -> Iterator:
-    """One conversation (a jsonl record's field, a parquet row) as pieces from (turn, char) on: the text
-    "\\n" + content of each turn, cut at PIECE_CHARS; each piece knows its role and whether it starts or
-    ends its turn. A malformed conversation is one empty piece carrying the reason."""
+    """Pieces from (turn, char) on: the text "\\n" + content of each turn, cut at PIECE_CHARS. A malformed
+    conversation is one empty piece carrying the reason."""
     after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0, "turn": 0}
     turns = normalize(value, require_assistant)
     if isinstance(turns, Malformed):
@@ -93,12 +84,9 @@ def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byt
 
 
 class ChatTemplate:
-    """The ids of the chat tokens in a tokenizer, and the rendering of pieces to ids + loss spans."""
-
     def __init__(self, tok):
         self.tok, self.eot_id = tok, tok.eot_id
-        # The 4 chat tokens must be special (added) tokens of a BPE tokenizer.
-        self.ids = {t: getattr(tok, "token_id", lambda t: None)(t) for t in CHAT_TOKENS}
+        self.ids = {t: tok.token_id(t) for t in CHAT_TOKENS}  # special (added) tokens of a BPE tokenizer
         for t, i in self.ids.items():
             if i is None:
                 raise ChatError(f"the tokenizer has no {t} token: chat data needs a BPE tokenizer with the chat "
@@ -108,8 +96,7 @@ class ChatTemplate:
         self.nl_ids = list(tok.encode("\n"))
 
     def piece_ids(self, piece, content_ids: Sequence[int]) -> tuple[list[int], tuple[int, int] | None]:
-        """The ids of one piece (role marker, content, end marker and newline as its place in the turn
-        requires) and its loss span (start, end) within them, for an assistant piece."""
+        """(ids: the marker, content, <|end|> and newline as its place in the turn requires; its loss span or None)."""
         out: list[int] = [self.role_ids[piece.role]] if piece.turn_start else []
         start = len(out)
         out.extend(content_ids)
@@ -120,10 +107,9 @@ class ChatTemplate:
             out.extend(self.nl_ids)
         return out, ((start, end) if piece.role == "assistant" and end > start else None)
 
-    def render(self, messages: Any, *, add_eot: bool = True, require_assistant: bool = True,
+    def render(self, messages: Any, *, require_assistant: bool = True,
                generation_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """A conversation -> (ids int64, assistant spans (N, 2) int64), exactly as tokenize renders it.
-        generation_prompt: end with <|assistant|> (no <|endoftext|>), for a model to answer."""
+        """(ids, assistant spans (N, 2)), exactly as tokenize renders it; generation_prompt: end with <|assistant|>."""
         turns = normalize(messages, require_assistant=require_assistant)
         if isinstance(turns, Malformed):
             raise ChatError(f"cannot render this conversation: {turns.reason}")
@@ -137,23 +123,18 @@ class ChatTemplate:
             if span is not None:
                 spans.append((len(ids) + span[0], len(ids) + span[1]))
             ids.extend(seq)
-        if generation_prompt:
-            ids.append(self.role_ids["assistant"])
-        elif add_eot:
-            ids.append(self.eot_id)
+        ids.append(self.role_ids["assistant"] if generation_prompt else self.eot_id)
         # one span per turn, however its content was cut
         return np.array(ids, dtype=np.int64), merge_spans(np.array(spans, dtype=np.int64).reshape(-1, 2))
 
     def meta(self) -> dict[str, Any]:
-        """What meta.json records of the template."""
         return {"template_version": TEMPLATE_VERSION, "tokens": {t: int(i) for t, i in self.ids.items()},
                 "eot_id": int(self.eot_id), "newline_ids": [int(i) for i in self.nl_ids]}
 
 
 def first_prompts(ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_len: int) -> list[np.ndarray]:
-    """The prompts of the first answers of the first k conversations in a tokenized chat stream (for the samples
-    shown while fine-tuning): each from its conversation's start (after the previous <|endoftext|>) through the
-    <|assistant|> marker before the answer, its last max_len tokens when longer. ids must reach the k-th span."""
+    """The prompts of the first answers of the first k conversations (the samples shown while fine-tuning): from the
+    conversation's start through the <|assistant|> before the answer, its last max_len tokens."""
     out, begins = [], set()
     for start, _ in spans:
         start = int(start)  # the answer's first token: the <|assistant|> marker is the one before it

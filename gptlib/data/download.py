@@ -1,4 +1,4 @@
-"""Fetch Tiny Shakespeare (or use a local copy) with checksum verification and a local cache."""
+"""Tiny Shakespeare, and the verified download HellaSwag uses too."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ TINYSHAKESPEARE_CHARS = 1_115_394
 _CANONICAL = f"the canonical Tiny Shakespeare, {TINYSHAKESPEARE_CHARS:,} characters"
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir() -> Path:  # $GPTLIB_CACHE: the user's choice of cache (also HellaSwag's)
     return Path(os.environ.get("GPTLIB_CACHE", Path.home() / ".cache" / "gptlib"))
 
 
 def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSHAKESPEARE_URL,
-                          local_path: str | Path | None = None, timeout: float = 60.0) -> Path:
-    """The path of a verified Tiny Shakespeare: `local_path` if given (verified, used in place), else the cache's
-    verified copy, else `url` downloaded into the cache. A checksum mismatch is an error, never another corpus."""
+                          local_path: str | Path | None = None) -> Path:
+    """`local_path` (verified, used in place), else the cache's verified copy, else `url` downloaded into the cache.
+    A checksum mismatch is an error, never another corpus."""
     if local_path is not None:
         p = Path(local_path)
         if not p.is_file():
@@ -32,7 +32,7 @@ def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSH
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return fetch_verified(url, cache / "tinyshakespeare.txt", TINYSHAKESPEARE_SHA256, DownloadError,
                           name="Tiny Shakespeare", canonical=_CANONICAL, local_hint="(--input PATH / local_path=PATH)",
-                          timeout=timeout)
+                          timeout=60.0)
 
 
 def _check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exception], canonical: str) -> None:
@@ -43,9 +43,8 @@ def _check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exceptio
 
 def fetch_verified(url: str, target: Path, sha256: str, error_cls: type[Exception], *, name: str, canonical: str,
                    local_hint: str, timeout: float) -> Path:
-    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically
-    (Tiny Shakespeare, HellaSwag). A corrupt cached copy is replaced, never trusted; a failed download or another
-    checksum raises error_cls (naming the URL, and how to pass a local copy) and leaves nothing in the cache."""
+    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically.
+    A failed download or another checksum raises error_cls (naming the URL and how to pass a local copy)."""
     if target.is_file():
         if hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
             return target

@@ -1,16 +1,12 @@
-"""The tokenizing pass of prepare.py (pieces -> encode batches -> train/val shard writers), and its output
-directory: only tokenize's files, written by one tokenize at a time (its lease, as a training run holds its run
-directory's); a killed one's lease is taken over, Ctrl-C ends in one line saying what is kept.
-
-Each document goes to train or val by a hash of (its source's key, its index), or as tail mode forces it; text
-documents are followed by the end-of-text id, chat pieces rendered by ChatTemplate with their assistant spans. The
-state (prepare_state.json) is saved at every completed shard with the input position of the batch that completed
-it: a resumed pass redoes that batch and gets the same bytes.
+"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards) and its output directory, written
+by one tokenize at a time. The state is saved at every completed shard with the input position of the batch that
+completed it: a resumed pass redoes that batch and writes the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import time
@@ -27,17 +23,15 @@ from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype
 from gptlib.data.sources import iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunDirError, loud
-from gptlib.fsutil import TMP_MARKER, atomic_write_json, clean_temp_files
+from gptlib.fsutil import TMP_MARKER, atomic_write_json, check_dir, clean_temp_files
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 from gptlib.lease import NoLease, RunLease
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
-STATE_FILE = PREPARE_STATE_FILE  # present only while a tokenize run is unfinished
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
-    """Token id lists (BPE) or arrays (char) -> one array of the shard dtype: a C-speed slice assignment per part,
-    no array made per list."""
+    """Token id lists (BPE) or arrays (char) -> one array: a C-speed slice assignment per part, no array per list."""
     out = np.empty(sum(map(len, parts)), dtype=dtype)
     i = 0
     for p in parts:
@@ -46,13 +40,8 @@ def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-def _copy(obj):
-    return json.loads(json.dumps(obj))
-
-
 class Batch(NamedTuple):
-    """The pieces of one encode call, and the reader's counters (inputs.invalid_utf8.count, stats["skipped_files"])
-    as they stood right after reading them."""
+    """The pieces of one encode call, and the reader's counters as they stood right after reading them."""
 
     pieces: list[Piece]
     invalid_utf8: int
@@ -60,14 +49,14 @@ class Batch(NamedTuple):
 
 
 class Pass:
-    """One pass over the corpus from progress["resume"] on (see the module docstring), with the options of `spec`.
-    Updates progress["emitted"] and progress["stats"]; `writers` hold the last shards, not yet flushed."""
+    """The pass from progress["resume"] on, updating progress["emitted"] and progress["stats"]; `writers` hold the
+    last shards, not yet flushed."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict, batch_chars: int, write_json, lease: RunLease | NoLease | None, verbose: bool):
+                 progress: dict, lease: RunLease | NoLease, verbose: bool):
         from tqdm.auto import tqdm
 
-        self.out_dir, self.batch_chars, self.write_json, self.lease = out_dir, batch_chars, write_json, lease
+        self.out_dir, self.lease = out_dir, lease
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
         self.emitted, self.stats = progress["emitted"], progress["stats"]
@@ -75,7 +64,8 @@ class Pass:
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted), "stats": _copy(self.stats)}
+        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted),
+                            "stats": copy.deepcopy(self.stats)}
         self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
         done = progress["shards"]
@@ -84,19 +74,16 @@ class Pass:
                                        with_spans=self.template is not None) for s in ("train", "val")}
         self.save_state()  # marks out_dir as this run's, before the first shard
         self.tokens_run, self.t_run = 0, time.time()
-        # Progress in input bytes (MB/s, ETA), with the tokens so far (show).
         self.bar = tqdm(total=sum(s.size for s in sources), initial=int(self.stats["bytes"]), unit="B", unit_scale=True,
                         unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
 
     def save_state(self) -> None:
-        """The state as it stood before the current batch; first checked that out_dir is still this process's: a
-        tokenize whose lease another one took over (--take-over, a stale heartbeat) stops (LeaseLost) here."""
-        if self.lease is not None:
-            self.lease.check(self.out_dir)
+        """The state as it stood before the current batch. A tokenize whose lease another one took over stops here."""
+        self.lease.check(self.out_dir)
         b = self.batch_start
-        self.write_json(self.out_dir / STATE_FILE, {"spec": self.spec, "tokenizer": self.identity, "resume": b["pos"],
-                                                    "emitted": b["emitted"], "stats": b["stats"],
-                                                    "shards": {s: w.shards for s, w in self.writers.items()}})
+        atomic_write_json(self.out_dir / PREPARE_STATE_FILE, {
+            "spec": self.spec, "tokenizer": self.identity, "resume": b["pos"], "emitted": b["emitted"],
+            "stats": b["stats"], "shards": {s: w.shards for s, w in self.writers.items()}})
 
     def on_full(self, w: ShardWriter) -> None:
         # Cut the other split too, so that everything before this batch is in completed shards
@@ -111,11 +98,10 @@ class Pass:
         return "val" if int.from_bytes(h, "little") < self.threshold else "train"
 
     def run(self, pieces_iter) -> None:
-        """Batches in input order, each encoded on a worker thread while this thread stores the previous
-        batch's tokens and reads the next batch's text (the library releases the GIL while it encodes, so
-        reading, storing and encoding overlap on all cores). What is stored, and when, is as if one batch
-        were read, encoded and stored at a time: the reader's counters travel with their batch, a read
-        error comes after the batch before it is stored, and a max_tokens stop drops the batch read ahead."""
+        """Each batch is encoded on a worker thread while this one stores the previous batch and reads the next (the
+        library releases the GIL while it encodes). What is stored, and when, is as if one batch were read, encoded
+        and stored at a time: the reader's counters travel with their batch, a read error comes after the batch before
+        it is stored, and a max_tokens stop drops the batch read ahead."""
         batches = self.batches(pieces_iter)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
             held = None  # (batch, its ids being encoded)
@@ -132,8 +118,8 @@ class Pass:
                 held = ahead
 
     def store(self, batch: Batch, ids) -> bool:
-        """Store a batch once encoded -> whether max_tokens stopped the pass in it; if so the reader's
-        counters go back to where they stood after this batch (the batch read ahead never happened)."""
+        """-> whether max_tokens stopped the pass in this batch; if so the reader's counters go back to where they stood
+        after it (the batch read ahead never happened)."""
         self.run_batch(batch, ids.result())
         if self.stopped:
             invalid_utf8.count = batch.invalid_utf8
@@ -141,13 +127,12 @@ class Pass:
         return bool(self.stopped)
 
     def batches(self, pieces_iter) -> Iterator[Batch]:
-        """The pieces in batches of ~batch_chars, each with the reader's counters as they stand after it."""
         pieces: list[Piece] = []
         n_chars = 0
         for piece in pieces_iter:
             pieces.append(piece)
             n_chars += len(piece.text)
-            if n_chars >= self.batch_chars:
+            if n_chars >= BATCH_CHARS:
                 yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
                 pieces, n_chars = [], 0
         if pieces:
@@ -206,7 +191,7 @@ class Pass:
         self.show(nbytes)
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
         self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
-                            "stats": _copy({**self.stats, "skipped_files": batch.skipped_files})}
+                            "stats": copy.deepcopy({**self.stats, "skipped_files": batch.skipped_files})}
 
     def show(self, nbytes: float) -> None:
         bar = self.bar
@@ -222,35 +207,28 @@ class Pass:
 
 
 def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source], progress: dict,
-                  text_column: str | None, verbose: bool, batch_chars: int = BATCH_CHARS,
-                  write_json=atomic_write_json, lease: RunLease | NoLease | None = None) -> tuple[dict, dict | None]:
-    """The pass (see Pass) with the options of `spec` (prepare's); returns the writers (last shards not yet
-    flushed) and where max_tokens stopped it (None: the end of the input). batch_chars, write_json: prepare.py
-    passes its own (tests shrink the batches and simulate a kill while the state is written). lease: out_dir's,
-    checked before every state save."""
-    p = Pass(out_dir, spec, tok, identity, sources, progress, batch_chars, write_json, lease, verbose)
-    # A parquet file skipped mid-way is appended to stats["skipped_files"]; its earlier rows stay
-    # (deterministic on resume).
+                  text_column: str | None, verbose: bool, lease: RunLease | NoLease) -> tuple[dict, dict | None]:
+    """-> (the writers, their last shards not yet flushed; where max_tokens stopped the pass, None at the end)."""
+    p = Pass(out_dir, spec, tok, identity, sources, progress, lease, verbose)
     with p.bar:
         p.run(iter_corpus(sources, progress["resume"], progress["stats"]["skipped_files"], spec["split"],
-                          spec["val_fraction"], text_column, spec["on_bad_file"], spec.get("format", "text")))
+                          spec["val_fraction"], text_column, spec.get("format", "text")))
     return p.writers, p.stopped
 
 
 def our_files(out_dir: Path) -> list[Path]:
-    """Files tokenize writes (the only ones it ever deletes): shards and their spans files too. Not lease.json,
-    which only its holder writes and removes."""
+    """The only files tokenize ever deletes. Not lease.json, which only its holder writes and removes."""
     if not out_dir.is_dir():
         return []
-    names = {META_FILE, STATE_FILE, TOKENIZER_FILE}
+    names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
     return [p for p in out_dir.iterdir() if p.is_file() and (
         p.name in names or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val")) or TMP_MARKER in p.name)]
 
 
 def check_output_dir(out_dir: Path) -> None:
-    """Refuse an output directory that is a training run, or that holds files tokenize did not write (even
-    with overwrite, which replaces only a previous dataset's files)."""
-    if not out_dir.is_dir():
+    """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite, which
+    replaces only a previous dataset's files)."""
+    if not check_dir(out_dir, "--out"):
         return
     # What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
     # lease.json alone does not: a tokenize holds one in its data directory too; a training run that holds one is
@@ -269,10 +247,9 @@ def check_output_dir(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLease | NoLease]:
-    """Hold out_dir's lease (gptlib.lease, as a training run holds its run directory's) while tokenizing into it:
-    taken before anything there is read or changed, released however the run ends. A second tokenize there raises
-    RunBusyError naming this one; a killed one's lease is taken over. Ctrl-C: one line saying what is kept (the
-    same command continues from prepare_state.json), then the KeyboardInterrupt goes on."""
+    """Hold out_dir's lease while tokenizing into it, as a training run holds its run directory's: a second tokenize
+    there raises RunBusyError naming this one; a killed one's lease is taken over. Ctrl-C: one line saying what is
+    kept, then the KeyboardInterrupt goes on."""
     created = not out_dir.exists()
     lease = None
     try:
@@ -288,7 +265,13 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
         # A write cut short removes its own temp file; one cut right after creating it may not have: while the
         # lease is held, every temp file in out_dir is this run's (lease.py's heartbeat just skips a beat).
         clean_temp_files(out_dir)
-        loud(stopped_message(out_dir))
+        try:
+            done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
+        except (OSError, ValueError, KeyError, TypeError):
+            done = 0
+        loud(f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to continue "
+             f"from there" if done else "tokenize stopped before its first shard was written; run the same command "
+             "again to start over")
         raise
     finally:
         if lease is not None:
@@ -296,15 +279,3 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
         if created:
             with contextlib.suppress(OSError):  # refused before writing anything: no empty directory is left
                 out_dir.rmdir()
-
-
-def stopped_message(out_dir: Path) -> str:
-    """What an interrupted tokenize leaves: the completed shards its state lists, which the same command keeps."""
-    try:
-        done = len(json.loads((out_dir / STATE_FILE).read_text())["shards"]["train"])
-    except (OSError, ValueError, KeyError, TypeError):
-        done = 0
-    if done == 0:
-        return "tokenize stopped before its first shard was written; run the same command again to start over"
-    return (f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to "
-            f"continue from there")

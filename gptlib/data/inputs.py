@@ -1,9 +1,5 @@
-"""The inputs of tokenize: which files (local paths, directories, globs; URLs through hub.py), what they are, their
-identity, how they are read, and the record-level parsing shared with the readers (sources.py).
-
-Identity comes from the content, never the path (one definition for a local path and a URL: the same bytes split
-their documents identically; docs/data.md). A read error is a `SourceIOError`, never mistaken for corrupt data.
-`scan_inputs` checks before any work. Invalid UTF-8 is replaced by U+FFFD and counted (free on clean text).
+"""The inputs of tokenize: which files, their identity and how they are read. Identity comes from the content, never
+the path, so the same bytes through a local path or a URL split their documents identically (docs/data.md).
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ READ_BUFFER = 1 << 20  # Python-side buffer over a remote file (fsspec's readlin
 COMPRESSED_EXT = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z", ".tar")
 DEFAULT_TEXT_COLUMN = "text"
 CHAT_FIELDS = ("messages", "conversations")  # the chat field looked for when none is named
-_ERRORS = "gptlib.count_replace"  # codec error handler: replace with U+FFFD and count
-invalid_utf8 = types.SimpleNamespace(count=0)  # invalid UTF-8 sequences replaced so far (prepare saves it per run)
+_ERRORS = "gptlib.count_replace"  # codec error handler: invalid UTF-8 replaced by U+FFFD and counted
+invalid_utf8 = types.SimpleNamespace(count=0)  # replaced so far (the pass saves it with each batch)
 
 
 def _count_replace(exc: UnicodeDecodeError):
@@ -38,30 +34,27 @@ def _count_replace(exc: UnicodeDecodeError):
     return "\ufffd", exc.end
 
 
-def register_error_handler() -> None:
-    codecs.register_error(_ERRORS, _count_replace)
+codecs.register_error(_ERRORS, _count_replace)
 
 
 class SourceIOError(Exception):
-    """Reading an input failed (a network drop, a timeout, a Drive I/O error): retried, then fatal.
-    Not an OSError, so that no reader mistakes it for corrupt data."""
+    """Reading an input failed (a network drop, a Drive I/O error): retried. Not an OSError, so that no reader
+    takes it for corrupt data."""
 
     def __init__(self, cause: BaseException):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.cause = cause
 
     @property
-    def fatal(self) -> bool:
-        """Errors that another attempt cannot fix: a missing file, no permission, a refused token."""
+    def fatal(self) -> bool:  # another attempt cannot fix a missing file, no permission, a refused token
         c = self.cause
         status = getattr(getattr(c, "response", None), "status_code", None) or getattr(c, "status_code", None)
         return isinstance(c, (FileNotFoundError, PermissionError, IsADirectoryError)) or status in (401, 403, 404)
 
 
 def content_hash(open_file: Callable[[], Any], size: int) -> str:
-    """sha256 of the whole content up to FULL_HASH_LIMIT; beyond, sha256 of the size and three
-    SAMPLE_BLOCK samples (head, middle, tail): a full hash of a 10 GB corpus would cost minutes on
-    every run, and the samples still change whenever a file is replaced, truncated or appended to."""
+    """Beyond FULL_HASH_LIMIT, sha256 of the size and three samples (head, middle, tail): a full hash of a 10 GB
+    corpus would cost minutes on every run, and the samples still change when a file is replaced or appended to."""
     with open_file() as f:
         if size <= FULL_HASH_LIMIT:
             return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
@@ -72,20 +65,8 @@ def content_hash(open_file: Callable[[], Any], size: int) -> str:
         return "sampled-sha256:" + h.hexdigest()
 
 
-def remote_identity(found: Found) -> tuple[str, bool]:
-    """(identity, canonical): the file's identity for meta.json and resume checks, and whether it is
-    content_hash's definition (else its split key is computed when first needed: Source.key)."""
-    if found.sha256 is not None:
-        return "sha256:" + found.sha256, found.size <= FULL_HASH_LIMIT
-    try:
-        return content_hash(lambda: found.fs.open(found.path, "rb", block_size=BLOCK_SIZE), found.size), True
-    except Exception as e:  # noqa: BLE001
-        raise PrepareError(f"input {found.url} cannot be read: {describe(e, found.url)}") from None
-
-
 class _Watched(io.RawIOBase):
-    """A file whose read errors become SourceIOError (so a network drop inside pyarrow is not taken
-    for a corrupt row group)."""
+    """Read errors become SourceIOError, so that a network drop inside pyarrow is not taken for a corrupt row group."""
 
     def __init__(self, f):
         super().__init__()
@@ -120,64 +101,59 @@ class _Watched(io.RawIOBase):
         super().close()
 
 
-def open_input(path, fs=None) -> io.BufferedReader:
-    """A buffered binary reader over a local path (fs None) or a path on an fsspec filesystem."""
-    try:
-        raw = open(path, "rb", buffering=0) if fs is None else fs.open(path, "rb", block_size=BLOCK_SIZE)
-    except Exception as e:  # noqa: BLE001
-        raise SourceIOError(e) from e
-    return io.BufferedReader(_Watched(raw), READ_BUFFER)
-
-
 @dataclass
 class Source:
-    """One input file: what it is, and an identity that survives renames and URLs."""
-
     path: Path | str  # a local path, or the URL of a file behind fsspec
     kind: str  # "text" | "jsonl" | "parquet"
     size: int  # bytes
-    hash: str  # "sha256:<hex>" of the file, or "sampled-sha256:<hex>" (size + head/middle/tail) for big files
+    hash: str  # "sha256:<hex>", or "sampled-sha256:<hex>" (size + head/middle/tail) for big files
     fs: Any = None  # the fsspec filesystem of a URL input; None for a local file
     fspath: str | None = None  # the file's path on fs
-    canonical: bool = True  # hash follows content_hash's definition (else `key` computes that when first used)
+    canonical: bool = True  # hash is content_hash's (else `key` computes that when first used)
 
     def record(self) -> dict[str, Any]:
         return {"path": str(self.path), "kind": self.kind, "size": self.size, "hash": self.hash}
 
     @cached_property
     def key(self) -> str:
-        """Seeds the per-document split hash (content_hash's definition wherever the file is). A big Hub file is
-        listed with its full sha256: its sampled hash (3 ranged reads) is computed here, when the pass reaches it."""
+        """Seeds the per-document split hash. A big Hub file is listed with its full sha256: its sampled hash (3
+        ranged reads) is computed here, when the pass reaches it."""
         return (self.hash if self.canonical else content_hash(self.open, self.size)).split(":", 1)[1][:16]
 
-    def open(self):
-        """A buffered binary reader whose read errors are SourceIOError (retried by the caller)."""
-        return open_input(self.path if self.fs is None else self.fspath, self.fs)
+    def open(self) -> io.BufferedReader:
+        try:
+            raw = open(self.path, "rb", buffering=0) if self.fs is None else \
+                self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
+        except Exception as e:  # noqa: BLE001
+            raise SourceIOError(e) from e
+        return io.BufferedReader(_Watched(raw), READ_BUFFER)
 
 
-def source_kind(path: Path | str) -> str:
-    name = str(path).lower()
-    return "parquet" if name.endswith((".parquet", ".pq")) else "jsonl" if name.endswith((".jsonl", ".ndjson")) \
+def source(f: Path | Found) -> Source:
+    """A file with its identity: a local one hashed; a Hub file by the sha256 its listing gives, nothing read."""
+    name = str(f.path if isinstance(f, Found) else f).lower()
+    kind = "parquet" if name.endswith((".parquet", ".pq")) else "jsonl" if name.endswith((".jsonl", ".ndjson")) \
         else "text"
+    if isinstance(f, Path):
+        size = f.stat().st_size
+        return Source(f, kind, size, content_hash(lambda: open(f, "rb"), size))
+    if f.sha256 is not None:
+        return Source(f.url, kind, f.size, "sha256:" + f.sha256, f.fs, f.path, canonical=f.size <= FULL_HASH_LIMIT)
+    try:
+        ident = content_hash(lambda: f.fs.open(f.path, "rb", block_size=BLOCK_SIZE), f.size)
+    except Exception as e:  # noqa: BLE001
+        raise PrepareError(f"input {f.url} cannot be read: {describe(e, f.url)}") from None
+    return Source(f.url, kind, f.size, ident, f.fs, f.path)
 
 
-def file_hash(path: Path, size: int) -> str:
-    """content_hash of a local file."""
-    return content_hash(lambda: open(path, "rb"), size)
-
-
-def resolve_inputs(inputs: Sequence[str | Path], exclude: Path | None = None, hf_config: str | None = None,
-                   hf_split: str | None = None) -> list[Path | Found]:
-    """Files, directories (recursively, sorted, hidden files skipped) and globs -> existing files;
-    URLs (resolve_url) -> the files behind them."""
-    if isinstance(inputs, (str, Path)):
-        inputs = [inputs]
+def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_config: str | None,
+                   hf_split: str | None) -> list[Path | Found]:
+    """Files, directories (recursively, sorted, hidden files skipped), globs and URLs -> the files."""
     files: list[Path | Found] = []
-    for item in inputs:
-        s = str(item)
-        p = Path(s)
+    for item in [inputs] if isinstance(inputs, (str, Path)) else inputs:
+        s, p = str(item), Path(item)
         if is_url(s):
-            files.extend(resolve_url(s, hf_config=hf_config, hf_split=hf_split))
+            files.extend(resolve_url(s, hf_config, hf_split))
         elif p.is_dir():
             files.extend(sorted(x for x in p.rglob("*") if x.is_file()
                                 and not any(part.startswith(".") for part in x.relative_to(p).parts)))
@@ -190,32 +166,18 @@ def resolve_inputs(inputs: Sequence[str | Path], exclude: Path | None = None, hf
             files.extend(matched)
         else:
             raise PrepareError(f"input file {p} does not exist")
-    if exclude is not None:  # never read our own output (an --out inside an input directory)
-        ex = exclude.resolve()
-        files = [f for f in files if ex not in _local_path(f).resolve().parents]
     unique: dict = {}
+    ex = exclude.resolve()  # never read our own output (an --out inside an input directory)
     for f in files:
-        unique.setdefault(f.url if isinstance(f, Found) else f.resolve(), f)
+        local = f if isinstance(f, Path) else Path(f.path) if f.fs.protocol in ("file", ("file", "local")) else None
+        if local is None or ex not in local.resolve().parents:
+            unique.setdefault(f.url if isinstance(f, Found) else f.resolve(), f)
     if not unique:
         raise PrepareError("no input files given")
     return list(unique.values())
 
 
-def _local_path(f: Path | Found) -> Path:
-    if isinstance(f, Path):
-        return f
-    return Path(f.path) if getattr(f.fs, "protocol", None) in ("file", ("file", "local")) else Path("/nonexistent")
-
-
-def _source(f: Path | Found) -> Source:
-    if isinstance(f, Found):
-        ident, canonical = remote_identity(f)
-        return Source(f.url, source_kind(f.path), f.size, ident, fs=f.fs, fspath=f.path, canonical=canonical)
-    size = f.stat().st_size
-    return Source(f, source_kind(f), size, file_hash(f, size))
-
-
-def _parquet_column(pf, path, column: str | None, fmt: str = "text") -> str:
+def _parquet_column(pf, path, column: str | None, fmt: str) -> str:
     import pyarrow as pa
 
     names = pf.schema_arrow.names
@@ -242,13 +204,13 @@ def _parquet_column(pf, path, column: str | None, fmt: str = "text") -> str:
 def _open_parquet(f):
     import pyarrow.parquet as pq
 
-    # buffer_size / no pre-buffering: pages are streamed, not a whole row group read up front.
+    # pages are streamed, not a whole row group read up front
     return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)
 
 
 def _first_record_field(src: Source, field: str | None, fmt: str) -> str:
-    """The jsonl field to read, checked on the first record: fail fast instead of after hours of
-    tokenizing. For chat without a field named: the first of CHAT_FIELDS the record has."""
+    """The jsonl field to read, checked on the first record (for chat without one named: the first of CHAT_FIELDS
+    the record has): failing now, not after hours of tokenizing."""
     with src.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -287,20 +249,18 @@ def _jsonl_text(line: bytes, path, lineno: int, field: str) -> str | None:
     raise PrepareError(f"{path}:{lineno}: field {field!r} is a {type(v).__name__}, not a string")
 
 
-def scan_inputs(inputs, out_dir: Path, text_column: str | None, on_bad_file: str, fmt: str = "text",
-                hf_config: str | None = None, hf_split: str | None = None
-                ) -> tuple[list[Source], list[str], list[dict], str | None]:
-    """The input files as Sources (hashed), the empty ones, the unopenable parquet files (skipped), and
-    the column to read (for chat: the messages field found). Fails fast on a missing column/field,
-    before training a tokenizer for an hour: every local file is checked, and the first remote file
-    of each kind (a 1,000-file Hub dataset is not opened 1,000 times; the pass checks the others)."""
-    files = resolve_inputs(inputs, exclude=out_dir, hf_config=hf_config, hf_split=hf_split)
+def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_config: str | None,
+                hf_split: str | None) -> tuple[list[Source], list[str], list[dict], str]:
+    """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found)).
+    A missing column fails here, before an hour of tokenizer training: every local file is checked, and the first
+    remote file of each kind (a 1,000-file Hub dataset is not opened 1,000 times; the pass checks the others)."""
+    files = resolve_inputs(inputs, out_dir, hf_config, hf_split)
     compressed = [n for n in (f.url if isinstance(f, Found) else str(f) for f in files)
                   if n.lower().endswith(COMPRESSED_EXT)]
     if compressed:
         raise PrepareError(f"input file {compressed[0]} is compressed; decompress it first (tokenize reads .txt, "
                            f".jsonl and .parquet; parquet's own compression is fine)")
-    sources = [_source(f) for f in files]
+    sources = [source(f) for f in files]
     text = [s for s in sources if s.kind == "text"]
     if fmt == "chat" and text:
         raise PrepareError(f"--format chat reads conversations from .jsonl or parquet records; {text[0].path} is a "
@@ -313,33 +273,23 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, on_bad_file: str
     column = text_column
     checked: set[str] = set()
     for s in sources:
-        if not s.size or (s.fs is not None and s.kind in checked):
+        if not s.size or s.kind == "text" or (s.fs is not None and s.kind in checked):
             continue
         try:
-            column = _check_source(s, column, fmt, on_bad_file, skipped)
+            if s.kind == "jsonl":
+                column = _first_record_field(s, column, fmt)
+            else:
+                with s.open() as f:
+                    try:
+                        pf = _open_parquet(f)
+                    except SourceIOError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - truncated/corrupt: no footer
+                        skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
+                        continue  # (a remote one: the next file of its kind is checked instead)
+                    column = _parquet_column(pf, s.path, column, fmt)
         except SourceIOError as e:
             raise PrepareError(f"input {s.path} cannot be read: {describe(e.cause, str(s.path))}") from None
         if s.fs is not None:
             checked.add(s.kind)
-    return sources, empty, skipped, (column if fmt == "chat" else text_column)
-
-
-def _check_source(s: Source, column: str | None, fmt: str, on_bad_file: str, skipped: list) -> str | None:
-    """Check one file's field/column (see scan_inputs); returns the column, found if it was None."""
-    if s.kind == "jsonl":
-        found = _first_record_field(s, column, fmt)
-    elif s.kind == "parquet":
-        with s.open() as f:
-            try:
-                pf = _open_parquet(f)
-            except SourceIOError:
-                raise
-            except Exception as e:  # noqa: BLE001 - truncated/corrupt: no footer
-                if on_bad_file == "error":
-                    raise PrepareError(f"parquet file {s.path} cannot be opened: {e}") from None
-                skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
-                return column
-            found = _parquet_column(pf, s.path, column, fmt)
-    else:
-        return column
-    return column or (found if fmt == "chat" else None)
+    return sources, empty, skipped, column or (CHAT_FIELDS[0] if fmt == "chat" else DEFAULT_TEXT_COLUMN)

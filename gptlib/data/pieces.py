@@ -1,6 +1,5 @@
-"""Text in pieces, what the corpus readers (sources.py, conversations.py) hand the encoder: at most PIECE_CHARS
-characters of one document (or turn), with the position where the stream goes on after it (a resume restarts there).
-"""
+"""What the corpus readers hand the encoder: at most PIECE_CHARS characters of one document (or turn), with the
+position where the stream goes on after it (a resume restarts there)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ class Piece:
 
 
 def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
-    """(piece, end) for <= PIECE_CHARS pieces of text from `start` on, cut before a newline or a space where possible.
-    Memoryless: the pieces from `start` on do not depend on earlier ones, so a resumed run cuts exactly alike."""
+    """(piece, end), cut before a newline or a space where possible. Memoryless: the pieces from `start` on do not
+    depend on earlier ones, so a resumed run cuts exactly alike."""
     n = len(text)
     i = start
     while i < n:

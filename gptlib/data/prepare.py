@@ -1,8 +1,4 @@
-"""Streaming pre-tokenization: .txt / .jsonl / parquet, local or behind URLs -> token shards + meta.json.
-
-The pipeline (one pass, bounded memory, resumable) is described in gptlib/data/__init__.py; this module runs
-a tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json.
-"""
+"""A tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json."""
 
 from __future__ import annotations
 
@@ -12,66 +8,50 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
-from gptlib.data.encode import BATCH_CHARS, STATE_FILE, check_output_dir, encode_corpus, one_writer, our_files
-from gptlib.data.inputs import Source, register_error_handler, scan_inputs
-from gptlib.data.shards import META_FILE, DatasetMeta, ShardWriter, check_shard, dtype_for_vocab, read_meta, write_meta
+from gptlib.data.encode import check_output_dir, encode_corpus, one_writer, our_files
+from gptlib.data.inputs import Source, scan_inputs
+from gptlib.data.shards import (META_FILE, PREPARE_STATE_FILE, DatasetMeta, check_shard, dtype_for_vocab, read_meta,
+                                write_meta)
 from gptlib.data.sources import train_texts
 from gptlib.data.summary import print_tokenize_summary
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, TokenizerError, load_tokenizer
 from gptlib.errors import DataFormatError, PrepareError
-from gptlib.fsutil import atomic_write_json, clean_temp_files, sha256_file
+from gptlib.fsutil import clean_temp_files, sha256_file
 
-__all__ = ["BATCH_CHARS", "ShardWriter", "prepare", "prepare_text"]  # tests shrink BATCH_CHARS, slow ShardWriter here
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
-FORMATS = ("text", "chat")
 _CHAR_CHAT = ("--format chat needs a BPE tokenizer: the char tokenizer has no special tokens, so role markers could "
               "not be told apart from text a message contains; use --tokenizer bpe, or --tokenizer-from a BPE run")
 
 
-def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, tokenizer: str | Tokenizer = "bpe", *,
-            vocab_size: int = 32768, tokenizer_file: str | Path | None = None,
-            tokenizer_from: str | Path | None = None, text_column: str | None = None, val_fraction: float = 0.1,
-            split: str = "auto", shard_tokens: int = 100_000_000, train_max_bytes: int | None = 1_000_000_000,
-            on_bad_file: str = "skip", overwrite: bool = False, verbose: bool = True, format: str = "text",
-            max_tokens: int | None = None, hf_config: str | None = None, hf_split: str | None = None,
-            take_over: bool = False) -> DatasetMeta:
-    """Tokenize a corpus into `out_dir` (token shards + tokenizer.json + meta.json); returns its meta.
-
-    inputs: files, directories, globs, fsspec URLs (hf://datasets/OWNER/NAME[/glob], `hf_config`, `hf_split`) of
-        .txt (a document per file), .jsonl (per line), .parquet (per row); field/column `text_column` ("text").
-    tokenizer: "bpe" (`vocab_size` ids trained on up to `train_max_bytes`, None = all), "char", or a Tokenizer;
-        `tokenizer_from` (alias `tokenizer_file`): a tokenizer.json, or the one of a run or data directory.
-    format: "text", or "chat": conversations, the chat tokens added to a reused BPE where missing.
-    max_tokens: stop after the document that reaches this many tokens (train + val). split: "document",
-        "tail" or "auto" (tail for fewer than 100 plain text files). shard_tokens: tokens per shard.
-    A re-run with the same inputs and options returns the finished dataset or resumes an unfinished one; a
-    different dataset in `out_dir` is refused unless overwrite=True (which deletes only tokenize's files). One
-    tokenize writes `out_dir` at a time (its lease; take_over=True takes it); Ctrl-C says what is kept.
-    """
+def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, tokenizer: str = "bpe", *,
+            vocab_size: int = 32768, tokenizer_from: str | Path | None = None, text_column: str | None = None,
+            val_fraction: float = 0.1, split: str = "auto", shard_tokens: int = 100_000_000,
+            train_max_bytes: int | None = 1_000_000_000, overwrite: bool = False,
+            verbose: bool = True, format: str = "text", max_tokens: int | None = None, hf_config: str | None = None,
+            hf_split: str | None = None, take_over: bool = False) -> DatasetMeta:
+    """Tokenize a corpus into out_dir (token shards, tokenizer.json, meta.json); the options are the CLI's
+    (docs/cli.md). tokenizer "bpe" or "char", unless tokenizer_from names a tokenizer.json or a run or data directory
+    whose tokenizer to reuse. A re-run with the same inputs and options returns the finished dataset or resumes an
+    unfinished one; a different dataset in out_dir is refused unless overwrite=True."""
     fmt = format
-    tokenizer_file = _check_options(val_fraction, split, on_bad_file, shard_tokens, fmt, max_tokens, tokenizer,
-                                    tokenizer_file, tokenizer_from)
-    register_error_handler()
+    tok_file = _check_options(val_fraction, split, shard_tokens, fmt, max_tokens, tokenizer, tokenizer_from)
     t0 = time.time()
     out_dir = Path(out_dir)
     check_output_dir(out_dir)
     with one_writer(out_dir, take_over, verbose) as lease:  # before anything in out_dir is read or changed
-        sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, on_bad_file, fmt, hf_config,
-                                                          hf_split)
+        sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
         split = _choose_split(split, sources, fmt)
-        spec = _spec(sources, _tokenizer_spec(tokenizer, tokenizer_file, vocab_size, train_max_bytes), val_fraction,
-                     split, text_column, shard_tokens, on_bad_file, fmt, max_tokens)
+        tok_spec = {"file_sha256": sha256_file(tok_file)} if tok_file else {"kind": "char"} if tokenizer == "char" \
+            else {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
+        spec = _spec(sources, tok_spec, val_fraction, split, text_column, shard_tokens, fmt, max_tokens)
         finished, state = _previous_run(out_dir, spec, overwrite, verbose)
         if finished is not None:
             return finished
-        # a reused tokenizer as given, before the chat tokens are added
-        reused = load_tokenizer(tokenizer_path(tokenizer_file)) if tokenizer_file is not None else (
-            tokenizer if isinstance(tokenizer, Tokenizer) else None)
+        reused = load_tokenizer(tok_file) if tok_file else None  # as given, before the chat tokens are added
         tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
             reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
-        writers, stopped = encode_corpus(out_dir, spec, tok, identity, sources, progress, column, verbose,
-                                         batch_chars=BATCH_CHARS, write_json=atomic_write_json, lease=lease)
+        writers, stopped = encode_corpus(out_dir, spec, tok, identity, sources, progress, column, verbose, lease)
         _check_result(progress, val_fraction)
         lease.check(out_dir)  # taken over meanwhile: the last shards and meta.json are the other tokenize's to write
         extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, stopped),
@@ -79,38 +59,40 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         # meta.json last (a half-written dataset never looks complete), then the resume state goes.
         write_meta(out_dir, vocab_size=tok.vocab_size, tokenizer=identity, splits={s: w.close() for s, w in
                    writers.items()}, sources=[s.record() for s in sources], extra=extra)
-        (out_dir / STATE_FILE).unlink()
+        (out_dir / PREPARE_STATE_FILE).unlink()
         meta = read_meta(out_dir)
         if verbose:
             print_tokenize_summary(meta)
         return meta
 
 
-def prepare_text(inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str | Tokenizer = "char",
-                 val_fraction: float = 0.1, shard_tokens: int = 100_000_000, overwrite: bool = False,
-                 verbose: bool = True) -> DatasetMeta:
-    """Phase 1 entry point: `prepare` with the char tokenizer by default (same pipeline)."""
-    return prepare(inputs, out_dir, tokenizer=tokenizer, val_fraction=val_fraction, shard_tokens=shard_tokens,
-                   overwrite=overwrite, verbose=verbose)
+def prepare_text(inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str = "char", **options) -> DatasetMeta:
+    """Phase 1: `prepare` with the char tokenizer by default."""
+    return prepare(inputs, out_dir, tokenizer, **options)
 
 
-def _check_options(val_fraction: float, split: str, on_bad_file: str, shard_tokens: int, fmt: str,
-                   max_tokens: int | None, tokenizer, tokenizer_file, tokenizer_from) -> str | Path | None:
-    """prepare()'s options, each refused in one line naming it; -> the tokenizer file to reuse, if any."""
-    if tokenizer_from is not None and tokenizer_file is not None and Path(tokenizer_from) != Path(tokenizer_file):
-        raise PrepareError("give the tokenizer to reuse once: tokenizer_from (--tokenizer-from) or tokenizer_file")
-    tokenizer_file = tokenizer_from if tokenizer_from is not None else tokenizer_file
+def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str, max_tokens: int | None,
+                   tokenizer: str, tokenizer_from) -> Path | None:
+    """Each refused in one line naming it; -> the tokenizer file to reuse, if any."""
     checks = ((not 0.0 < val_fraction < 1.0, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)"),
               (split not in ("auto", "document", "tail"), f"split={split!r}: choose 'auto', 'document' or 'tail'"),
-              (on_bad_file not in ("skip", "error"), f"on_bad_file={on_bad_file!r}: choose 'skip' or 'error'"),
               (int(shard_tokens) < 1, f"shard_tokens={shard_tokens} must be >= 1"),
-              (fmt not in FORMATS, f"format={fmt!r}: choose 'text' or 'chat'"),
+              (fmt not in ("text", "chat"), f"format={fmt!r}: choose 'text' or 'chat'"),
               (max_tokens is not None and int(max_tokens) < 1, f"max_tokens={max_tokens} must be >= 1"),
-              (fmt == "chat" and tokenizer == "char" and tokenizer_file is None, _CHAR_CHAT))
+              (tokenizer not in ("char", "bpe"), f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass "
+                                                 f"tokenizer_from"),
+              (fmt == "chat" and tokenizer == "char" and tokenizer_from is None, _CHAR_CHAT))
     for bad, why in checks:
         if bad:
             raise PrepareError(why)
-    return tokenizer_file
+    if tokenizer_from is None:
+        return None
+    p = Path(tokenizer_from)
+    p = p / TOKENIZER_FILE if p.is_dir() else p
+    if not p.is_file():
+        raise PrepareError(f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
+                           f"directory, or a tokenizer.json)")
+    return p
 
 
 def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:
@@ -124,41 +106,19 @@ def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:
 
 
 def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, split: str, text_column: str | None,
-          shard_tokens: int, on_bad_file: str, fmt: str, max_tokens: int | None) -> dict:
+          shard_tokens: int, fmt: str, max_tokens: int | None) -> dict:
     """What makes a dataset this dataset: a re-run with an equal spec reuses or resumes it, any other is refused."""
     return {"sources": [[s.size, s.hash] for s in sources], "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
-            "split": split, "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": on_bad_file,
-            # keys only where not the default: datasets made before them keep their spec
+            "split": split, "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": "skip",
+            # so that datasets made before keep their spec: on_bad_file (the only policy now), keys only where not
+            # the default
             **({"format": fmt} if fmt != "text" else {}),
             **({"max_tokens": int(max_tokens)} if max_tokens is not None else {})}
 
 
-def tokenizer_path(path: str | Path) -> Path:
-    """A tokenizer.json, or the one in a run directory (train) or a data directory (tokenize)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / TOKENIZER_FILE
-    if not p.is_file():
-        raise PrepareError(f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
-                           f"directory, or a tokenizer.json)")
-    return p
-
-
-def _tokenizer_spec(tokenizer, tokenizer_file, vocab_size, train_max_bytes) -> dict:
-    if tokenizer_file is not None:
-        return {"file_sha256": sha256_file(tokenizer_path(tokenizer_file))}
-    if isinstance(tokenizer, Tokenizer):
-        return {"hash": tokenizer.identity()["hash"]}
-    if tokenizer == "char":
-        return {"kind": "char"}
-    if tokenizer == "bpe":
-        return {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
-    raise PrepareError(f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass a tokenizer file")
-
-
 def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_max_bytes: int | None,
                    sources: list[Source], text_column: str | None, skipped: list, verbose: bool, fmt: str) -> Tokenizer:
-    """The reused tokenizer (with the chat tokens, appended where missing, for chat data), or a new one."""
+    """The reused tokenizer (for chat data with the chat tokens appended where missing), or a new one."""
     if reused is not None and fmt == "chat":
         if not isinstance(reused, BPETokenizer):
             raise PrepareError(_CHAR_CHAT)
@@ -180,15 +140,13 @@ def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_m
         lim = "all of it" if train_max_bytes is None else f"up to {train_max_bytes / 1e6:,.0f} MB"
         print(f"training a {vocab_size:,}-id byte-level BPE on {lim} ...")
     tok = BPETokenizer.train(train_texts(sources, text_column, train_max_bytes, skipped, fmt),
-                             vocab_size=vocab_size, show_progress=False,
-                             extra_special=CHAT_TOKENS if fmt == "chat" else ())
+                             vocab_size=vocab_size, extra_special=CHAT_TOKENS if fmt == "chat" else ())
     if verbose:
         print(f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {time.time() - t_tok:.1f}s")
     return tok
 
 
 def _json(path: Path) -> dict | None:
-    """A JSON file's contents; None if it is not valid JSON."""
     try:
         return json.loads(path.read_text())
     except ValueError:  # JSONDecodeError, UnicodeDecodeError
@@ -196,9 +154,9 @@ def _json(path: Path) -> dict | None:
 
 
 def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> tuple[DatasetMeta | None, dict | None]:
-    """What out_dir already holds: (the finished dataset of this spec, None), (None, the state of an
-    unfinished run of this spec), or (None, None) for nothing of ours / another dataset with overwrite."""
-    meta_path, state_path = out_dir / META_FILE, out_dir / STATE_FILE
+    """(the finished dataset of this spec, None), (None, the state of an unfinished run of this spec), or (None, None):
+    nothing of ours, or another dataset and overwrite."""
+    meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
     if meta_path.is_file():
         old = _json(meta_path) or {}
         if old.get("prepare_spec") == spec:
@@ -229,9 +187,8 @@ def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> 
 
 def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
            new_tokenizer) -> tuple[Tokenizer, dict]:
-    """The tokenizer and the position to encode from. A fresh start clears an older dataset's files and saves the
-    new tokenizer into out_dir before any shard. A resume (state) checks the tokenizer and the completed shards on
-    disk; shards (and spans files) written after the last state save are redone (identically): they are deleted."""
+    """The tokenizer and the position to encode from. A fresh start clears an older dataset's files. A resume checks
+    the tokenizer and the completed shards; shards written after the last state save are redone, identically."""
     fresh = state is None or not (out_dir / TOKENIZER_FILE).is_file()
     if fresh:  # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
         for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
@@ -285,9 +242,8 @@ def _check_result(progress: dict, val_fraction: float) -> None:
 
 def _extra_meta(tok: Tokenizer, reused: Tokenizer | None, spec: dict, stats: dict, empty: list, column: str | None,
                 stopped: dict | None) -> dict:
-    """meta.json's fields beyond the format's: the counts, the options, a reused tokenizer (what it was before the
-    chat tokens were added: a fine-tuning run checks that its model's vocabulary is a prefix of the data's), chat
-    data, a token budget."""
+    """meta.json's fields beyond the format's. tokenizer_base: a reused tokenizer before the chat tokens were added (a
+    fine-tuning run checks that its model's vocabulary is a prefix of the data's)."""
     fmt, max_tokens = spec.get("format", "text"), spec.get("max_tokens")
     extra: dict[str, Any] = {"format": fmt, **{k: stats[k] for k in ("documents", "characters", "empty_documents",
                                                                     "replaced_invalid_utf8", "skipped_files")},

@@ -1,12 +1,6 @@
-"""The pre-tokenized data format: token shards plus `meta.json`, checked on every load.
-
-A data directory holds `meta.json` (written last: a directory without it is incomplete), `tokenizer.json`, the
-shards `train_000000.bin ...`, `val_000000.bin ...` (raw little-endian token ids, uint16 or uint32) and, for chat
-data only, beside each shard its assistant spans `train_000000.spans.bin`: little-endian int64 pairs [start, end)
-of token offsets local to that shard, sorted and disjoint (a turn that a shard boundary cuts is two spans, one in
-each shard). `meta.json` records the format version, dtype, vocab size, tokenizer identity, source files, and per
-split the token count and each shard (file, tokens, sha256, and `"spans": {"file", "count", "sha256"}`).
-`read_meta` refuses any disagreement between the metadata and the files, naming the file, the field and both values.
+"""The data format: `meta.json` (written last: a directory without it is incomplete), `tokenizer.json`, the shards
+`train_000000.bin`, `val_000000.bin` ... (little-endian token ids, uint16 or uint32) and, for chat data, beside each
+shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted, disjoint).
 """
 
 from __future__ import annotations
@@ -20,29 +14,26 @@ from typing import Any
 import numpy as np
 
 from gptlib.errors import DataFormatError
-from gptlib.fsutil import atomic_write, atomic_write_json, sha256_file
+from gptlib.fsutil import atomic_write, atomic_write_json, check_dir, sha256_file
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, MANIFEST_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 PREPARE_STATE_FILE = "prepare_state.json"  # present only while a tokenize run is unfinished (encode.py)
-SPLITS = ("train", "val")
 SPAN_DTYPE = np.dtype("<i8")
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """uint16 holds ids 0..65535, so a vocab of up to 65,536 ids; beyond that uint32."""
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
 def _clip_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The parts of spans within [lo, hi), shifted to start at lo; empty ones dropped."""
     s = np.clip(spans, lo, hi) - lo
     return s[s[:, 1] > s[:, 0]]
 
 
 def merge_spans(spans: np.ndarray) -> np.ndarray:
-    """Sorted disjoint spans with touching ones joined ([a, b), [b, c) -> [a, c))."""
+    """[a, b), [b, c) -> [a, c) in sorted disjoint spans."""
     if len(spans) < 2:
         return spans
     new = np.ones(len(spans), dtype=bool)
@@ -53,13 +44,9 @@ def merge_spans(spans: np.ndarray) -> np.ndarray:
 
 
 class ShardWriter:
-    """Appends token arrays to `{split}_NNNNNN.bin` shards of exactly shard_tokens tokens (but the last), each
-    written atomically when full; memory is one shard's buffer. A resumed run passes `shards`, the records of those
-    on disk (new ones are numbered after them), and `skip`, the first tokens written that they already hold (a
-    shard boundary, so spans are cut there too).
-    `on_full(writer)` is called after every full shard. with_spans (chat data): write(ids, spans) also takes the
-    assistant spans of `ids` (offsets into it), cut into each shard's spans file at its boundaries, touching joined.
-    """
+    """Shards of exactly shard_tokens tokens (but the last), each written atomically when full; memory is one shard.
+    A resumed run passes `shards`, the records of those on disk, and `skip`, the tokens they already hold. with_spans
+    (chat data): write(ids, spans) also takes the assistant spans of `ids`, cut at the shards' boundaries."""
 
     def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, shard_tokens: int = 100_000_000,
                  shards: list[dict[str, Any]] | None = None, skip: int = 0, on_full=None, with_spans: bool = False):
@@ -94,7 +81,6 @@ class ShardWriter:
                     self.on_full(self)
 
     def flush(self) -> None:
-        """Write the buffered tokens (if any) as the next shard; a file's final name only ever holds it whole."""
         if self.filled == 0:
             return
         name = f"{self.split}_{len(self.shards):06d}.bin"
@@ -118,8 +104,6 @@ class ShardWriter:
 
 @dataclass
 class DatasetMeta:
-    """The parsed `meta.json` of a data directory (see the module docstring)."""
-
     data_dir: Path
     vocab_size: int
     dtype: np.dtype
@@ -134,14 +118,12 @@ class DatasetMeta:
         return [self.data_dir / s["file"] for s in self.splits[split]["shards"]]
 
     @property
-    def format(self) -> str:
-        """"text" (documents) or "chat" (conversations, with assistant spans)."""
+    def format(self) -> str:  # "text" or "chat"
         return str(self.raw.get("format", "text"))
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint records about its data, to refuse resuming on different data: the tokenizer, and the
-        tokens themselves (each split's count and a fingerprint of its shards' sha256, so other text or another
-        split under the same tokenizer is seen; the directory's path is not part of it, a moved copy resumes)."""
+        """What a checkpoint records of its data, to refuse resuming on other data: the tokenizer and a fingerprint of
+        the shards' sha256 (not the path: a moved copy resumes)."""
         shards = {split: [s.get("sha256") for s in rec.get("shards", [])] for split, rec in sorted(self.splits.items())}
         fingerprint = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16]
         return {"tokenizer_kind": self.tokenizer.get("kind"), "tokenizer_hash": self.tokenizer.get("hash"),
@@ -150,22 +132,19 @@ class DatasetMeta:
 
 
 def write_meta(out_dir: str | Path, *, vocab_size: int, tokenizer: dict[str, Any],
-               splits: dict[str, list[dict[str, Any]]], sources: list[dict[str, Any]],
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write meta.json atomically, last, after every shard is on disk."""
-    meta = {"format_version": FORMAT_VERSION, "dtype": dtype_for_vocab(vocab_size).name, "vocab_size": int(vocab_size),
-            "tokenizer": tokenizer,
-            "splits": {s: {"tokens": int(sum(x["tokens"] for x in v)), "shards": v} for s, v in splits.items()},
-            "sources": sources, **(extra or {})}
-    atomic_write_json(Path(out_dir) / META_FILE, meta)
-    return meta
+               splits: dict[str, list[dict[str, Any]]], sources: list[dict], extra: dict | None = None) -> None:
+    atomic_write_json(Path(out_dir) / META_FILE, {
+        "format_version": FORMAT_VERSION, "dtype": dtype_for_vocab(vocab_size).name, "vocab_size": int(vocab_size),
+        "tokenizer": tokenizer,
+        "splits": {s: {"tokens": int(sum(x["tokens"] for x in v)), "shards": v} for s, v in splits.items()},
+        "sources": sources, **(extra or {})})
 
 
-def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
-    """Parse and check meta.json against the files; raise DataFormatError naming any mismatch."""
+def read_meta(data_dir: str | Path) -> DatasetMeta:
+    """meta.json checked against the files (sizes, counts, the tokenizer's sha256): DataFormatError names a mismatch."""
     data_dir = Path(data_dir)
     meta_path = data_dir / META_FILE
-    if not data_dir.is_dir():
+    if not check_dir(data_dir, "data directory"):  # a file or a symlink loop is its own one-line error
         raise DataFormatError(f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)")
     if not meta_path.is_file():
         raise DataFormatError(_run_dir_message(data_dir) or
@@ -176,7 +155,7 @@ def read_meta(data_dir: str | Path, verify_hashes: bool = False) -> DatasetMeta:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise DataFormatError(f"{meta_path} is not valid JSON: {e}") from None
     try:
-        return _checked_meta(data_dir, meta_path, m, verify_hashes)
+        return _checked_meta(data_dir, meta_path, m)
     except (KeyError, TypeError, AttributeError) as e:  # a hand-edited meta.json with a field of the wrong shape
         raise DataFormatError(f"{meta_path}: malformed metadata ({type(e).__name__}: {e})") from None
 
@@ -203,14 +182,13 @@ def _run_dir_message(data_dir: Path) -> str | None:
             f"tokenize` wrote; it holds {META_FILE} and the token shards)")
 
 
-def _checked_meta(data_dir: Path, meta_path: Path, m: dict, verify_hashes: bool) -> DatasetMeta:
+def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
     def need(key: str):
         if key not in m:
             raise DataFormatError(f"{meta_path}: required field {key!r} is missing")
         return m[key]
 
-    def count(value, field: str) -> int:
-        """A count field: a whole number >= 0 (a hand edit may leave "32k" or 3.5)."""
+    def count(value, field: str) -> int:  # a hand edit may leave "32k" or 3.5
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
             raise DataFormatError(f"{meta_path}: {field} is {value!r}, expected a whole number >= 0")
         return int(value)
@@ -227,7 +205,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict, verify_hashes: bool)
         raise DataFormatError(f"{meta_path}: vocab_size is {vocab_size} but tokenizer.vocab_size is "
                               f"{tokenizer['vocab_size']}")
     splits = need("splits")
-    for split in SPLITS:
+    for split in ("train", "val"):
         if split not in splits:
             raise DataFormatError(f"{meta_path}: split {split!r} is missing")
         info = splits[split]
@@ -235,7 +213,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict, verify_hashes: bool)
         if counted != count(info["tokens"], f"{split}.tokens"):
             raise DataFormatError(f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}")
         for s in info["shards"]:
-            check_shard(data_dir, s, dtype, verify_hashes, m.get("format") == "chat")
+            check_shard(data_dir, s, dtype, m.get("format") == "chat")
     tok_file = data_dir / tokenizer.get("file", TOKENIZER_FILE)
     if not tok_file.is_file():
         raise DataFormatError(f"tokenizer file {tok_file} named in {meta_path} does not exist")
@@ -246,10 +224,9 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict, verify_hashes: bool)
     return DatasetMeta(data_dir=data_dir, vocab_size=vocab_size, dtype=dtype, tokenizer=tokenizer, splits=splits, raw=m)
 
 
-def check_shard(data_dir: Path, s: dict, dtype: np.dtype, verify_hashes: bool = False, chat: bool = False) -> None:
-    """One shard record (of meta.json, or of an unfinished tokenize run): the file there, of the size its token
-    count says (and its sha256); its spans file if chat data: the size, spans non-empty, within the shard, sorted
-    and disjoint."""
+def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) -> None:
+    """A shard record of meta.json or of an unfinished tokenize run: the file's size; chat data's spans file (size,
+    spans non-empty, within the shard, sorted and disjoint)."""
     p, itemsize = data_dir / s["file"], dtype.itemsize
     if not p.is_file():
         raise DataFormatError(f"shard {p} listed in {data_dir / META_FILE} does not exist")
@@ -257,8 +234,6 @@ def check_shard(data_dir: Path, s: dict, dtype: np.dtype, verify_hashes: bool = 
     if size != int(s["tokens"]) * itemsize:
         raise DataFormatError(f"shard {p}: file size is {size} bytes but meta.json says {s['tokens']} tokens x "
                               f"{itemsize} bytes ({dtype.name}) = {int(s['tokens']) * itemsize} bytes")
-    if verify_hashes and s.get("sha256") and sha256_file(p) != s["sha256"]:
-        raise DataFormatError(f"shard {p}: sha256 differs from meta.json (the file was modified or corrupted)")
     if not (chat or "spans" in s):
         return
     p, sp = _load_spans(data_dir, s)
@@ -273,9 +248,6 @@ def check_shard(data_dir: Path, s: dict, dtype: np.dtype, verify_hashes: bool = 
         i = int(back[0]) + 1
         raise DataFormatError(f"spans file {p}: span {i} starts at {sp[i, 0]}, before span {i - 1} ends "
                               f"({sp[i - 1, 1]}): spans must be sorted and disjoint")
-    sha = s["spans"].get("sha256")
-    if verify_hashes and sha and hashlib.sha256(sp.tobytes()).hexdigest() != sha:
-        raise DataFormatError(f"spans file {p}: sha256 differs from meta.json (the file was modified or corrupted)")
 
 
 def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:
@@ -294,10 +266,8 @@ def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:
 
 
 def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
-    """The assistant spans of a chat dataset's split: an (N, 2) int64 array of [start, end) offsets into
-    the split's token stream (its shards concatenated in order), sorted and disjoint; a turn that a
-    shard boundary cut is one span again. The tokens at [start, end) are an assistant's content and
-    its <|end|> (conversations.py): the positions a fine-tuning loss is computed on."""
+    """(N, 2) [start, end) offsets into the split's token stream (its shards in order), a turn that a shard boundary
+    cut joined again: the positions a fine-tuning loss is computed on."""
     if meta.format != "chat":
         raise DataFormatError(f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
                               f"tokenize conversations with --format chat")
@@ -308,14 +278,8 @@ def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
     return merge_spans(np.concatenate(parts).astype(np.int64, copy=False))
 
 
-def load_split(meta: DatasetMeta, split: str) -> np.ndarray:
-    """All tokens of a split as one in-RAM array (for small data and tests; training reads shards itself)."""
-    return np.concatenate([np.fromfile(p, dtype=meta.dtype.newbyteorder("<")) for p in meta.shard_paths(split)])
-
-
 def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:
-    """Notebooks 03 and 05: DATA_DIR if given, else gptlib's data folder for NAME (on Drive on Colab, see
-    colab.data_dir). A folder without a finished dataset is one error naming the datasets that are there."""
+    """Notebooks 03 and 05: DATA_DIR, else gptlib's data folder for NAME (on Drive on Colab)."""
     from gptlib import colab
 
     d = Path(data_dir) if str(data_dir).strip() else colab.data_dir(name, roots)

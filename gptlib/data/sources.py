@@ -1,6 +1,5 @@
-"""A corpus (inputs.py's Sources) as a stream of text pieces (pieces.py) that can restart anywhere: a .txt file
-is one document, a .jsonl line or parquet row is one, or with fmt="chat" a conversation (conversations.py). Every
-piece carries the position after it: a resumed run, or a read retried after a network drop, restarts exactly there.
+"""A corpus as a stream of text pieces, each carrying the position after it: a resumed run, or a read retried after
+a network drop, restarts exactly there. A .txt file is one document; a .jsonl line or a parquet row is one.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from typing import Any, Callable, Iterator
 from gptlib.data import pieces
 from gptlib.data.conversations import Malformed, conversation_pieces
 from gptlib.data.hub import describe
-from gptlib.data.inputs import (_ERRORS, CHAT_FIELDS, DEFAULT_TEXT_COLUMN, Source, SourceIOError, _jsonl_object,
-                                _jsonl_text, _open_parquet, _parquet_column)
+from gptlib.data.inputs import (_ERRORS, Source, SourceIOError, _jsonl_object, _jsonl_text, _open_parquet,
+                                _parquet_column)
 from gptlib.data.pieces import Piece, split_text
 from gptlib.errors import PrepareError
 
@@ -26,8 +25,7 @@ _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
 
 
 def _cut_bytes(block: bytes, at_eof: bool) -> int:
-    """Where to end a piece read from a text file: after the block if at EOF, else before its
-    last newline, else its last space, else at a UTF-8 character boundary."""
+    """Before the block's last newline, else its last space, else at a UTF-8 character boundary."""
     if at_eof:
         return len(block)
     k = block.rfind(b"\n")
@@ -41,9 +39,12 @@ def _cut_bytes(block: bytes, at_eof: bool) -> int:
     return k if k > 0 else len(block)
 
 
+def _at(pos: dict | None, *keys: str) -> list[int]:  # where a (resumed) read starts; None: the file's start
+    return [int((pos or {}).get(k, 0)) for k in keys]
+
+
 def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None) -> Iterator[Piece]:
-    """A text file is one document, read pieces.PIECE_CHARS bytes at a time from a byte offset."""
-    off = int(pos["byte"]) if pos else 0
+    (off,) = _at(pos, "byte")
     with src.open() as f:
         if tail_cut is not None:  # move the cut off UTF-8 continuation bytes
             f.seek(tail_cut)
@@ -66,9 +67,8 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
 
 def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, byte_after: int,
                      nbytes: float) -> Iterator[Piece]:
-    """One document of a jsonl/parquet file (a line, a row) as pieces from character `char` on.
-    A resume inside it restarts at (byte, char), after it at byte_after; nbytes is its input size.
-    An empty document (blank line, null or "") is one empty piece, so that it is counted."""
+    """A resume inside the document restarts at (byte, char), after it at byte_after. An empty document (a blank line,
+    null or "") is one empty piece, so that it is counted."""
     if not text:
         yield Piece("", doc, True, None, {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}, nbytes)
         return
@@ -79,11 +79,8 @@ def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, 
         yield Piece(piece, doc, done, None, nxt, nbytes * len(piece) / len(text))
 
 
-def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str = "text") -> Iterator[Piece]:
-    doc = int(pos["doc"]) if pos else 0
-    byte = int(pos["byte"]) if pos else 0
-    char = int(pos["char"]) if pos else 0
-    turn = int(pos.get("turn", 0)) if pos else 0
+def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str) -> Iterator[Piece]:
+    doc, byte, char, turn = _at(pos, "doc", "byte", "char", "turn")
     with src.open() as f:
         f.seek(byte)
         for line in f:
@@ -101,28 +98,23 @@ def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str
             char = turn = 0
 
 
-class _BadParquet(Exception):
-    pass
-
-
-def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None,
-                      on_bad_row_group=None, fmt: str = "text") -> Iterator[Piece]:
-    """One document per row, read row group by row group: a corrupt row group is reported through
-    on_bad_row_group(message) (which may raise) and skipped; the rows around it are kept. A read
-    error (SourceIOError) is not corruption: it goes up to the caller's retries."""
+def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: str,
+                      skipped: list | None) -> Iterator[Piece]:
+    """A file that cannot be opened, or a corrupt row group, is recorded in `skipped` and passed over; the rows around
+    it are kept. A read error (SourceIOError) is not corruption: it goes up to the caller's retries."""
     import pyarrow as pa
 
     with src.open() as f:
         try:
             pf = _open_parquet(f)
         except (OSError, pa.ArrowException) as e:
-            raise _BadParquet(f"cannot be opened: {e}") from None
+            if skipped is not None:
+                skipped.append({"path": str(src.path), "error": f"cannot be opened: {e}"})
+            return
         col = _parquet_column(pf, src.path, column, fmt)
         meta = pf.metadata
         per_row = src.size / max(1, meta.num_rows)
-        row = int(pos["doc"]) if pos else 0
-        char = int(pos["char"]) if pos else 0
-        turn = int(pos.get("turn", 0)) if pos else 0
+        row, char, turn = _at(pos, "doc", "char", "turn")
         ends = list(accumulate(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
         first = bisect_right(ends, row)  # a restart begins at the row group holding `row`, skipping rows before it
         skip = row - (ends[first - 1] if first else 0)
@@ -137,14 +129,14 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str | None
                     row += 1
                     char = turn = 0
             except (OSError, pa.ArrowException) as e:
-                if on_bad_row_group is not None:
-                    on_bad_row_group(f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}"
-                                     .replace("\n", " ").strip())
+                if skipped is not None:
+                    msg = f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}".replace("\n", " ").strip()
+                    skipped.append({"path": str(src.path), "error": msg, "partial": True})
                 row, char, turn = ends[g], 0, 0
 
 
 def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
-    """Row group g's values of column col from row `skip` on (a resumed run's done rows may span batches)."""
+    # a resumed run's rows already done may span several batches
     for batch in pf.iter_batches(batch_size=_batch_rows(pf.metadata.row_group(g), col), row_groups=[g],
                                  columns=[col], use_threads=False):
         if skip < batch.num_rows:
@@ -153,63 +145,48 @@ def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
 
 
 def _batch_rows(rg, col: str) -> int:
-    """Rows per read batch of a row group: about ROW_BATCH_BYTES of the column's (uncompressed) data,
-    at most 1,024 rows: a row group of long documents (books, source files) is read a few MB at a time."""
+    """About ROW_BATCH_BYTES of the column's data, at most 1,024 rows: a row group of long documents (books, source
+    files) is read a few MB at a time."""
     size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
                if rg.column(i).path_in_schema.split(".")[0] == col)
     per_row = size / max(1, rg.num_rows)
     return int(max(1, min(1024, ROW_BATCH_BYTES // max(1.0, per_row))))
 
 
-def iter_source(src: Source, fi: int, pos: dict | None, split_mode: str, val_fraction: float,
-                text_column: str | None, on_bad_row_group=None, fmt: str = "text") -> Iterator[Piece]:
+def iter_source(src: Source, fi: int, pos: dict | None, tail_fraction: float | None, column: str, fmt: str,
+                skipped: list | None) -> Iterator[Piece]:
     if src.kind == "text":
-        cut = int(src.size * (1.0 - val_fraction)) if split_mode == "tail" else None
-        return iter_text_file(src, fi, pos, cut)
+        return iter_text_file(src, fi, pos, None if tail_fraction is None else int(src.size * (1.0 - tail_fraction)))
     if src.kind == "jsonl":
-        return iter_jsonl_file(src, fi, pos, text_column or (CHAT_FIELDS[0] if fmt == "chat" else DEFAULT_TEXT_COLUMN),
-                               fmt)
-    return iter_parquet_file(src, fi, pos, text_column, on_bad_row_group, fmt)
+        return iter_jsonl_file(src, fi, pos, column, fmt)
+    return iter_parquet_file(src, fi, pos, column, fmt, skipped)
 
 
-def iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: str, val_fraction: float,
-                text_column: str | None, on_bad_file: str, fmt: str = "text") -> Iterator[Piece]:
-    """All pieces of all sources from `start` on; unreadable parquet files and row groups are
-    skipped and recorded in `skipped`, or fatal (on_bad_file="error"). Read errors are retried
-    (`retrying`) from the position after the last piece."""
+def iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: str, val_fraction: float, column: str,
+                fmt: str) -> Iterator[Piece]:
+    """Unreadable parquet files and row groups are passed over and recorded in `skipped`."""
     for fi in range(int(start["file"]), len(sources)):
         src = sources[fi]
-        pos = start if fi == int(start["file"]) else None
         if src.size == 0 or _whole_file_skipped(src, skipped):
             continue
 
-        def bad_row_group(msg: str, src: Source = src) -> None:
-            if on_bad_file == "error":
-                raise PrepareError(f"parquet file {src.path}: {msg}")
-            skipped.append({"path": str(src.path), "error": msg, "partial": True})
-
-        def read(p: dict | None, src: Source = src, fi: int = fi, bad=bad_row_group) -> Iterator[Piece]:
+        def read(pos: dict | None, src: Source = src, fi: int = fi) -> Iterator[Piece]:
             if split_mode == "document":
                 src.key  # noqa: B018 - a big remote file's sampled hash: read here, inside the retries
-            return iter_source(src, fi, p, split_mode, val_fraction, text_column, bad, fmt)
+            tail = val_fraction if split_mode == "tail" else None
+            return iter_source(src, fi, pos, tail, column, fmt, skipped)
 
-        try:
-            yield from retrying(read, pos, str(src.path))
-        except _BadParquet as e:
-            if on_bad_file == "error":
-                raise PrepareError(f"parquet file {src.path} {e}") from None
-            skipped.append({"path": str(src.path), "error": str(e)})
+        yield from retrying(read, start if fi == int(start["file"]) else None, str(src.path))
 
 
 def _whole_file_skipped(src: Source, skipped: list) -> bool:
     return any(s["path"] == str(src.path) and not s.get("partial") for s in skipped)
 
 
-def train_texts(sources: list[Source], text_column: str | None, max_bytes: int | None,
-                skipped: list, fmt: str = "text") -> Iterator[str]:
-    """The tokenizer's training stream: the whole corpus, or about max_bytes spread over the files in
-    proportion to their size (each file from its start; at most TRAIN_FILES files, evenly spaced,
-    so that a budget over a 1,000-file Hub dataset does not open every file)."""
+def train_texts(sources: list[Source], column: str, max_bytes: int | None, skipped: list,
+                fmt: str = "text") -> Iterator[str]:
+    """The tokenizer's training text: all of it, or about max_bytes spread over the files in proportion to their size
+    (each from its start; at most TRAIN_FILES files, so that a 1,000-file Hub dataset is not opened 1,000 times)."""
     usable = [(fi, s) for fi, s in enumerate(sources) if s.size and not _whole_file_skipped(s, skipped)]
     if max_bytes is not None and len(usable) > TRAIN_FILES:
         usable = [usable[round(i * (len(usable) - 1) / (TRAIN_FILES - 1))] for i in range(TRAIN_FILES)]
@@ -217,22 +194,19 @@ def train_texts(sources: list[Source], text_column: str | None, max_bytes: int |
     for fi, src in usable:
         budget = None if max_bytes is None else max(pieces.PIECE_CHARS, int(max_bytes * src.size / total))
         used = 0
-        try:
-            for p in retrying(lambda pos, src=src, fi=fi: iter_source(src, fi, pos, "document", 0.0, text_column,
-                                                                      fmt=fmt), None, str(src.path)):
-                if p.text:
-                    yield p.text
-                used += p.nbytes
-                if budget is not None and used >= budget:
-                    break
-        except _BadParquet:
-            pass  # reported by the tokenizing pass
+        # unreadable parts are passed over here: the tokenizing pass reports them
+        for p in retrying(lambda pos, src=src, fi=fi: iter_source(src, fi, pos, None, column, fmt, None), None,
+                          str(src.path)):
+            if p.text:
+                yield p.text
+            used += p.nbytes
+            if budget is not None and used >= budget:
+                break
 
 
 def retrying(read: Callable[[dict | None], Iterator[Any]], pos: dict | None, where: str) -> Iterator[Any]:
     """The items of read(pos); after a SourceIOError, read(position after the last item) again, waiting
-    RETRY_DELAYS[i] before the i-th new attempt (progress resets the count). Gives up with a PrepareError
-    saying how to resume: the run stops at its last completed shard."""
+    RETRY_DELAYS[i] before the i-th new attempt (progress resets the count)."""
     delays = RETRY_DELAYS
     attempt = 0
     while True:

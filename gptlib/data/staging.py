@@ -1,7 +1,6 @@
 """Training never reads Google Drive: a dataset under the Drive mount is first copied to the VM's disk (reading
-shards over FUSE mid-training stalls steps; a preload would read it all again each session). Every file is checked
-against meta.json's sha256 while copied; a marker written last lets a re-run on the same VM reuse the copy; anything
-that goes wrong is one line, and training reads Drive as before (docs/data.md). Drive is only ever read.
+shards over FUSE mid-training stalls steps), every file checked against meta.json's sha256 while copied. Anything
+that goes wrong is one line, and training reads Drive as before (docs/data.md).
 """
 
 from __future__ import annotations
@@ -29,36 +28,26 @@ STALL_S = 120.0  # a Drive read that makes no progress for this long is abandone
 _CHUNK = 8 << 20
 
 
-class StagingFailed(Exception):
-    """Why the local copy was given up (the message names the file); caught here, never leaves the module."""
+class StagingFailed(Exception):  # why the local copy was given up, naming the file; never leaves the module
+    pass
 
 
 def on_drive(path: str | Path) -> bool:
-    """The path lies under the Google Drive mount point (colab.drive_mountpoint())."""
     try:
         return Path(path).resolve().is_relative_to(drive_mountpoint().resolve())
     except OSError:
         return False
 
 
-def stage_for_training(data_dir: str | Path, enabled: bool | None = None, log: Callable[[str], None] = print) -> Path:
-    """What train() reads: the verified local copy of a data dir on the Drive mount, or data_dir itself (not on
-    Drive, staging off, or the copy failed). enabled None: on unless $GPTLIB_STAGE_DATA is 0/off/false/no."""
+def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable[[str], None] = print) -> Path:
+    """What train() reads: the verified local copy of a data dir on the Drive mount (made now, or earlier on this VM),
+    or data_dir itself (not on Drive, or the copy failed). A data dir that is not a finished dataset raises read_meta's
+    DataFormatError, as training would."""
     check_dir(data_dir, "data directory")  # a file or a symlink loop: one line, before anything else
-    if enabled is None:
-        enabled = os.environ.get("GPTLIB_STAGE_DATA", "1").strip().lower() not in ("0", "off", "false", "no")
     if not enabled or not on_drive(data_dir):
         return Path(data_dir)
-    return local_copy_of_data(data_dir, log=log)
-
-
-def local_copy_of_data(data_dir: str | Path, local_root: str | Path | None = None, *,
-                       keep_free: int = KEEP_FREE_BYTES, log: Callable[[str], None] = print) -> Path:
-    """data_dir copied to local_root/data/<name> verifying every file (or a verified copy made earlier on this VM);
-    data_dir itself, with one message saying why, when it cannot be made. A data dir that is not a finished dataset
-    raises read_meta's DataFormatError, as training would."""
     src = Path(data_dir).resolve()
-    dst = Path(local_root if local_root is not None else colab_local_root()) / "data" / src.name
+    dst = colab_local_root() / "data" / src.name
     try:
         meta_bytes = read_bytes_with_timeout(src / META_FILE, STALL_S)
     except OSError:
@@ -76,9 +65,9 @@ def local_copy_of_data(data_dir: str | Path, local_root: str | Path | None = Non
             files = _files_of(src, meta_bytes)
             need = sum(size for _, size, _ in files)
             free = shutil.disk_usage(dst.parent).free
-            if need + keep_free > free:
+            if need + KEEP_FREE_BYTES > free:
                 loud(f"!! data: {_gb(need)} does not fit on the VM's disk ({_gb(free)} free at {dst.parent}, keeping "
-                     f"{_gb(keep_free)} for checkpoints); training reads {src} from Google Drive (slower)")
+                     f"{_gb(KEEP_FREE_BYTES)} for checkpoints); training reads {src} from Google Drive (slower)")
                 return src
             _copy_all(src, dst, files, meta_bytes, meta_sha)
         except (StagingFailed, OSError) as e:
@@ -96,8 +85,8 @@ def _gb(n: int | float) -> str:
 
 
 def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]:
-    """Every file of the dataset as (name, size, the sha256 meta.json expects or None), meta.json first (read_meta
-    checks sizes and the tokenizer's hash first: a broken dataset is its clear error)."""
+    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks (a broken dataset is
+    its own clear error)."""
     meta = read_meta(src)
     if meta.raw != json.loads(meta_bytes.decode("utf-8", "replace")):
         raise StagingFailed(f"{src / META_FILE} changed while it was being read (tokenize still running?)")
@@ -114,7 +103,7 @@ def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]
 
 
 def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:
-    """A copy verified earlier: its marker names this source's meta.json, and every file has its size."""
+    """A copy verified earlier on this VM: its marker names this source's meta.json, and every file has its size."""
     try:
         marker = json.loads((dst / MARKER_FILE).read_text())
         return (marker.get("meta_sha256") == meta_sha and marker.get("source") == str(src)
@@ -124,8 +113,8 @@ def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:
 
 
 def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: str) -> None:
-    """Copy and verify every file (meta.json: the bytes read before, so the copy is what was checked), then the
-    marker. StagingFailed names a file that does not match; OSError is a failed read or write."""
+    """Every file copied and verified (meta.json: the bytes read before, so the copy is what was checked), then the
+    marker, written last. StagingFailed names a file that does not match; OSError is a failed read or write."""
     dst.mkdir(parents=True)
     for name, _, sha in files:
         if name == META_FILE:
@@ -145,7 +134,6 @@ def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: st
 
 
 def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
-    """src -> dst (a temp name renamed when complete), hashing what was read -> its sha256."""
     h = hashlib.sha256()
     tmp = dst.with_name(dst.name + TMP_MARKER + str(os.getpid()))
     with open(src, "rb") as fi, open(tmp, "wb") as fo:
@@ -160,11 +148,8 @@ def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
     """One process copies at a time (torchrun's ranks, two notebooks): the others wait, then reuse its copy."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock (Colab is Linux)
-        yield
-        return
+    import fcntl  # POSIX, as gptlib is (Linux, macOS)
+
     with open(path, "a") as f:  # closing the file releases the lock
         fcntl.flock(f, fcntl.LOCK_EX)
         yield

@@ -1,5 +1,4 @@
-"""What a dataset holds, for people: the line tokenize ends with, the statistics notebook 01 shows, what
-tokenize replaced or skipped, and a decoded sample."""
+"""What a dataset holds, for people: the line tokenize ends with, notebook 01's statistics and a decoded sample."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from gptlib.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 
 def print_tokenize_summary(meta: DatasetMeta) -> None:
-    """The line tokenize ends with, and what it replaced or skipped."""
     m, n = meta.raw, meta.tokens("train") + meta.tokens("val")
     print(f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "
           f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
@@ -27,7 +25,7 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
 
 
 def report_problems(m: dict) -> None:
-    """Print what tokenize replaced or skipped (also recorded in meta.json)."""
+    """What tokenize replaced or skipped (also recorded in meta.json)."""
     if m.get("replaced_invalid_utf8"):
         print(f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD")
     if m.get("empty_files"):
@@ -43,10 +41,8 @@ def report_problems(m: dict) -> None:
 
 
 def summarize(data_dir: str | Path) -> dict[str, Any]:
-    """The statistics of a finished dataset, for notebooks and logs."""
     meta = read_meta(data_dir)
-    m = meta.raw
-    tokens = meta.tokens("train") + meta.tokens("val")
+    m, chat = meta.raw, meta.format == "chat"
     return {
         "data_dir": str(meta.data_dir),
         "source files": len(m.get("sources", [])),
@@ -54,7 +50,7 @@ def summarize(data_dir: str | Path) -> dict[str, Any]:
         "documents": m.get("documents"),
         "train tokens": meta.tokens("train"),
         "val tokens": meta.tokens("val"),
-        "characters per token": round(m.get("characters", 0) / max(1, tokens), 3),
+        "characters per token": round(m.get("characters", 0) / max(1, meta.tokens("train") + meta.tokens("val")), 3),
         "format": meta.format,
         "tokenizer": meta.tokenizer.get("kind"),
         "vocab size": meta.vocab_size,
@@ -63,8 +59,8 @@ def summarize(data_dir: str | Path) -> dict[str, Any]:
         "validation split": m.get("split"),
         "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
         "skipped files/row groups": len(m.get("skipped_files", [])),
-        **({"malformed conversations": m.get("malformed_conversations", 0), "assistant tokens (train)":
-            m.get("assistant_tokens", {}).get("train", 0)} if meta.format == "chat" else {}),
+        **({"malformed conversations": m.get("malformed_conversations", 0),
+            "assistant tokens (train)": m.get("assistant_tokens", {}).get("train", 0)} if chat else {}),
         **({"stopped by max-tokens": m.get("stop_reason") == "max_tokens"} if "max_tokens" in m else {}),
         "seconds": m.get("elapsed_s"),
     }
@@ -77,9 +73,8 @@ def print_summary(data_dir: str | Path) -> None:
     report_problems(read_meta(data_dir).raw)
 
 
-def decoded_sample(data_dir: str | Path, n_tokens: int = 200, split: str = "val") -> str:
-    """The first n_tokens of a split, decoded: a quick look that the data is what it should be."""
+def decoded_sample(data_dir: str | Path, n_tokens: int = 200) -> str:
+    """The first n_tokens of the validation split, decoded: a quick look that the data is what it should be."""
     meta = read_meta(data_dir)
     tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    ids = np.fromfile(meta.shard_paths(split)[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
-    return tok.decode(ids.tolist())
+    return tok.decode(np.fromfile(meta.shard_paths("val")[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens))

@@ -1,8 +1,5 @@
-"""Tokenizers behind one small interface, saved beside the data as `tokenizer.json`: `CharTokenizer` (one id per
-character of the corpus) and `BPETokenizer` (byte-level BPE from the Rust `tokenizers` library).
-
-A tokenizer's identity `{"kind", "hash", "vocab_size"}` (hash: sha256 of its saved file) is stored in the data's
-metadata and in every checkpoint, so data, model and tokenizer cannot disagree.
+"""Char and byte-level BPE tokenizers, saved beside the data as tokenizer.json. A tokenizer's identity (kind, sha256 of
+that file, vocab size) is in the data's meta.json and in every checkpoint, so data, model and tokenizer cannot disagree.
 """
 
 from __future__ import annotations
@@ -22,21 +19,12 @@ EOT = "<|endoftext|>"
 
 
 class Tokenizer:
-    """The interface: encode/decode, a vocabulary size, an end-of-text id, save, identity."""
-
     kind: str = "base"
     vocab_size: int
     eot_id: int | None = None  # document separator id, None if the tokenizer has none
 
-    # A tokenizer defines one of encode and encode_array; each gives the other.
     def encode(self, text: str) -> list[int]:
-        return self.encode_array(text).tolist()
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.array(self.encode(text), dtype=np.int64)
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [self.encode_array(t) for t in texts]
+        raise NotImplementedError
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
@@ -59,31 +47,25 @@ class Tokenizer:
 
 
 class CharTokenizer(Tokenizer):
-    """Characters of the corpus, sorted; unknown characters raise (default) or map to an <unk> id."""
+    """The corpus's characters, sorted; a character outside them is an error."""
 
     kind = "char"
 
-    def __init__(self, chars: Sequence[str], unknown: str = "error"):
-        if unknown not in ("error", "map"):
-            raise TokenizerError(f"unknown-character policy {unknown!r}: choose 'error' or 'map'")
+    def __init__(self, chars: Sequence[str]):
         if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
             raise TokenizerError("char vocabulary must be distinct single characters")
         if not chars:
             raise TokenizerError("char vocabulary is empty: the corpus has no characters")
         self.chars = list(chars)
-        self.unknown = unknown
-        # With the 'map' policy the last id stands for every character not in the corpus.
-        self.unk_id = len(self.chars) if unknown == "map" else None
-        self.vocab_size = len(self.chars) + (unknown == "map")
+        self.vocab_size = len(self.chars)
         codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
         # Dense code-point -> id table: encoding is one vectorised lookup, not a Python loop.
         self._lut = np.full(int(codes.max()) + 1, -1, dtype=np.int32)
         self._lut[codes] = np.arange(len(codes), dtype=np.int32)
 
     @classmethod
-    def from_text(cls, text: Iterable[str], unknown: str = "error") -> "CharTokenizer":
-        """The characters of `text` (a string, or any iterable of characters)."""
-        return cls(sorted(set(text)), unknown=unknown)
+    def from_text(cls, text: Iterable[str]) -> "CharTokenizer":
+        return cls(sorted(set(text)))
 
     def encode_array(self, text: str) -> np.ndarray:
         cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int64)
@@ -91,41 +73,42 @@ class CharTokenizer(Tokenizer):
         in_range = cps < len(self._lut)
         ids[in_range] = self._lut[cps[in_range]]
         bad = np.flatnonzero(ids < 0)
-        if bad.size and self.unk_id is None:
+        if bad.size:
             i = int(bad[0])
             raise TokenizerError(
                 f"character {text[i]!r} (U+{ord(text[i]):04X}) at position {i} is not in the char vocabulary "
                 f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
                 f"remove or replace it, or build the tokenizer from text that has it"
             )
-        if bad.size:
-            ids[bad] = self.unk_id
         return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode_array(t) for t in texts]  # arrays: a batch of Python ints would be ~7x the memory
 
     def decode(self, ids: Iterable[int]) -> str:
         n = len(self.chars)
         return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in map(int, ids))
 
     def to_json_bytes(self) -> bytes:
-        return json.dumps({"kind": "char", "chars": "".join(self.chars), "unknown": self.unknown},
+        # "unknown": "error" stays, though it is the only policy now: the identity hashes these bytes.
+        return json.dumps({"kind": "char", "chars": "".join(self.chars), "unknown": "error"},
                           ensure_ascii=False, sort_keys=True).encode()
 
 
 class BPETokenizer(Tokenizer):
-    """Byte-level BPE (GPT-2 style) from the Rust `tokenizers` library; no unknown tokens.
-
-    `<|endoftext|>` (`eot_id`) and the chat role markers are special tokens that only the pipeline inserts, by
-    id: special tokens in the text are encoded as ordinary text (`encode_special_tokens = True`), so a document
-    can never forge a document boundary or a turn.
-    """
+    """Byte-level BPE (GPT-2 style) from the Rust `tokenizers` library. `<|endoftext|>` and the chat markers are
+    special tokens that only the pipeline inserts, by id: in text they are ordinary text
+    (`encode_special_tokens = True`), so a document can never forge a document boundary or a turn."""
 
     kind = "bpe"
 
     def __init__(self, tk, json_bytes: bytes | None = None):
         self._tk = tk
         self._tk.encode_special_tokens = True
-        # The exact bytes saved beside the data: identity() hashes them, so a reloaded tokenizer
-        # has the same identity as the one that made the data.
+        # The exact bytes saved beside the data: a reloaded tokenizer has the identity of the one that made the data.
         self._json = json_bytes if json_bytes is not None else tk.to_str().encode()
         self.vocab_size = int(tk.get_vocab_size(with_added_tokens=True))
         self.eot_id = tk.token_to_id(EOT)
@@ -133,12 +116,9 @@ class BPETokenizer(Tokenizer):
             raise TokenizerError(f"BPE tokenizer has no {EOT!r} special token")
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 32768, min_frequency: int = 2,
-              length: int | None = None, show_progress: bool = False,
-              extra_special: Sequence[str] = ()) -> "BPETokenizer":
-        """Train on a stream of texts (bounded memory: the trainer keeps word counts, not text). The vocabulary:
-        `<|endoftext|>` (id 0), the `extra_special` tokens (ids 1, 2, ...), the 256 byte symbols and the merges,
-        up to `vocab_size` ids in all (a small corpus may stop short of it)."""
+    def train(cls, texts: Iterable[str], vocab_size: int = 32768, extra_special: Sequence[str] = ()) -> "BPETokenizer":
+        """Bounded memory: the trainer keeps word counts, not text. Ids: <|endoftext|> (0), extra_special (1, 2, ...),
+        the 256 byte symbols, then merges up to vocab_size (a small corpus may stop short of it)."""
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -150,10 +130,9 @@ class BPETokenizer(Tokenizer):
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=int(min_frequency),
-                                      special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=show_progress)
-        tk.train_from_iterator(texts, trainer=trainer, length=length)
+        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=2, special_tokens=specials,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tk.train_from_iterator(texts, trainer=trainer)
         return cls(tk)
 
     @classmethod
@@ -167,9 +146,8 @@ class BPETokenizer(Tokenizer):
         return cls(tk, json_bytes=raw)
 
     def with_special_tokens(self, tokens: Sequence[str]) -> "BPETokenizer":
-        """This tokenizer with `tokens` added as special tokens where missing: new ids after the current
-        vocabulary, every existing id unchanged. A token that exists as an ordinary vocabulary entry
-        is refused (text could then produce its id)."""
+        """`tokens` added as special tokens where missing, with ids after the vocabulary (every existing id stays). A
+        token that is an ordinary vocabulary entry is refused: text could then produce its id."""
         from tokenizers import AddedToken
 
         missing = [t for t in tokens if self.token_id(t) is None]
@@ -189,7 +167,6 @@ class BPETokenizer(Tokenizer):
         return out
 
     def token_id(self, token: str) -> int | None:
-        """The id of a special (added) token, None if it is not one."""
         return next((int(i) for i, t in self._tk.get_added_tokens_decoder().items()
                      if t.content == token and t.special), None)
 
@@ -197,11 +174,8 @@ class BPETokenizer(Tokenizer):
         return self._tk.encode(text, add_special_tokens=False).ids
 
     def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of many texts, encoded in parallel on all cores inside the library."""
+        """Encoded in parallel on all cores inside the library."""
         return [e.ids for e in self._tk.encode_batch_fast(list(texts), add_special_tokens=False)]
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.array(ids, dtype=np.int64) for ids in self.encode_batch_ids(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -211,7 +185,7 @@ class BPETokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load `tokenizer.json` (or the one inside a data directory): char or byte-level BPE."""
+    """A tokenizer.json, or the one in a data or run directory: char or byte-level BPE."""
     path = Path(path)
     if path.is_dir():
         path = path / TOKENIZER_FILE
@@ -226,7 +200,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if not isinstance(obj.get("chars"), str):
             raise TokenizerError(f"tokenizer file {path}: field 'chars' of a char tokenizer is missing or not a string")
         try:
-            return CharTokenizer(list(obj["chars"]), unknown=obj.get("unknown", "error"))
+            return CharTokenizer(list(obj["chars"]))
         except TokenizerError as e:
             raise TokenizerError(f"tokenizer file {path}: {e}") from None
     if isinstance(obj, dict) and "model" in obj:  # a Hugging Face tokenizers file
@@ -235,7 +209,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def check_identity(tok: Tokenizer, expected: dict, where: str) -> None:
-    """Refuse a tokenizer whose identity differs from what data or checkpoint recorded."""
     got = tok.identity()
     for key in ("kind", "hash"):
         if expected.get(key) is not None and expected[key] != got[key]:

@@ -85,20 +85,12 @@ def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
     from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {c: i for i, c in enumerate(tok.chars)}
-    unk = None
-    if tok.unk_id is not None:
-        unk = "<unk>"
-        while unk in vocab:
-            unk = "<" + unk + ">"
-        vocab[unk] = tok.unk_id
-    # WordLevel needs an unknown token name; with the 'error' policy it is not in the vocabulary,
-    # so an unknown character is an error in transformers too, as in gptlib.
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=unk or "<unk>"))
+    # WordLevel needs an unknown token name; it is not in the vocabulary, so an unknown character is an error in
+    # transformers too, as in gptlib.
+    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     hf.decoder = decoders.Fuse()  # join tokens without spaces
-    if unk is not None:
-        hf.add_special_tokens([unk])
-    return hf.to_str(), unk
+    return hf.to_str(), None
 
 
 def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[str]:

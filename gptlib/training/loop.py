@@ -78,7 +78,7 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
           seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
           log: Callable[[str], None] = print, on_log: Callable[[dict], None] | None = None,
           mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
-          stage_data: bool | None = None, skip_unreadable: bool = False, allow_data_change: bool = False,
+          stage_data: bool = True, skip_unreadable: bool = False, allow_data_change: bool = False,
           recipe: str | None = None) -> TrainResult:
     """Train (or resume) a GPT on a data directory into run_dir. compile: auto|on|off (None: the preset's); on_log(row)
     after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of

@@ -71,9 +71,9 @@ class ChatSession:
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", system: str | None = None,
-                 compile: bool = False, log: Callable[[str], None] = loud) -> "ChatSession":
-        """A session with a checkpoint of a run directory ("latest", "best" or a step; see gptlib.inference.loading)."""
-        return cls(Engine.from_run(run_dir, checkpoint, device=device, compile=compile), system=system, log=log)
+                 log: Callable[[str], None] = loud) -> "ChatSession":
+        """A session with a checkpoint of a run directory: "latest", "best" or a step."""
+        return cls(Engine.from_run(run_dir, checkpoint, device=device), system=system, log=log)
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""

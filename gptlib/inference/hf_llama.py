@@ -22,9 +22,8 @@ import torch
 from gptlib.config import ModelConfig
 from gptlib.errors import ExportError
 
-GPT2_PARTS = dict(positions="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True,
-                  logit_softcap=0.0)
-LLAMA_PARTS = dict(positions="rope", norm="rmsnorm", mlp="swiglu", logit_softcap=0.0, bias=False)
+GPT2_PARTS = dict(positions="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True)
+LLAMA_PARTS = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 
 
 def native_arch(cfg: ModelConfig) -> str:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints,
-                                      load_model_weights, verify_checkpoint)
+                                      load_model_weights, load_weights_into, verify_checkpoint)
 from gptlib.checkpoint.state import TrainState
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
@@ -153,10 +153,7 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
         raise TokenizerError(f"{path}: the model has vocab_size={cfg.model.vocab_size} but the tokenizer has "
                              f"{tok.vocab_size} tokens")
     model = GPT(cfg.model)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:  # shapes or names that do not fit the config the checkpoint records
-        raise CheckpointError(f"{path / MODEL_FILE}: weights do not fit the saved config ({str(e)[:300]})") from None
+    load_weights_into(model, weights, path / MODEL_FILE)
     if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
         device = resolve_device(device)
     if dtype == "auto":

@@ -38,13 +38,13 @@ def enable_colab_widgets() -> bool:
         return False
 
 
-def parse_list(text: str, sep: str = "|") -> list[str]:
+def parse_list(text: str) -> list[str]:
     r"""A Colab form string -> items: "ROMEO:|JULIET:|\n" -> ["ROMEO:", "JULIET:", "\n"] (\n means newline)."""
-    return [s.replace("\\n", "\n") for s in text.split(sep) if s != ""]
+    return [s.replace("\\n", "\n") for s in text.split("|") if s != ""]
 
 
 def _in_kernel() -> bool:
-    """Whether a Jupyter kernel runs us: a front end can then click a button while we work."""
+    """Whether a Jupyter kernel runs us: a button can then be clicked while we work."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -97,8 +97,7 @@ class _Stopped(Exception):
 
 
 def playground_error(e: Exception) -> str:
-    """A failed Generate's status line. A char model has no row for a character its training text lacked: here the
-    fix is the prompt."""
+    """A char model has no row for a character its training text lacked: here the fix is the prompt."""
     msg = f"{type(e).__name__}: {e}"
     if "is not in the char vocabulary" in msg:
         msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the prompt"
@@ -117,12 +116,11 @@ class Playground:
     disabled and the cell's interrupt ends it.
     """
 
-    def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:", max_loaded: int = 2):
+    def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:"):
         import ipywidgets as W
 
         self.run_dir, self.device = Path(run_dir), device
-        self.max_loaded = max_loaded  # engines kept in memory (switching back is then instant)
-        self._engines: OrderedDict[int, Engine] = OrderedDict()
+        self._engines: OrderedDict[int, Engine] = OrderedDict()  # the last 2 loaded: switching back is instant
         style = {"description_width": "110px"}
         wide = {"style": style, "layout": W.Layout(width="95%")}
         self.prompt = W.Textarea(value=prompt, description="Prompt", layout=W.Layout(width="95%", height="80px"),
@@ -147,7 +145,7 @@ class Playground:
         self._worker: ThreadPoolExecutor | None = None  # the thread that runs the button's generations
         self._job: Future | None = None  # the button's last generation
         self.button.on_click(lambda _: self._generate_clicked())
-        self.stop_button.on_click(lambda _: self.request_stop())
+        self.stop_button.on_click(lambda _: self._stop.set())  # the generation ends at its next token
         self.refresh_button.on_click(lambda _: self.refresh())
         self.widget = W.VBox([
             self.prompt, W.HBox([self.checkpoint, self.refresh_button]),
@@ -168,13 +166,9 @@ class Playground:
         else:
             self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
 
-    def sampling_config(self) -> SamplingConfig:
-        return sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
-                               repetition_penalty=float(self.repetition_penalty.value))
-
-    def engine(self, step: int) -> Engine:
+    def _engine(self, step: int) -> Engine:
         if step not in self._engines:
-            while len(self._engines) >= self.max_loaded:
+            while len(self._engines) >= 2:
                 self._engines.popitem(last=False)  # free the least recently used model first
             self._engines[step] = Engine.from_run(self.run_dir, step, device=self.device)
         self._engines.move_to_end(step)
@@ -192,10 +186,6 @@ class Playground:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")
         self._job = self._worker.submit(self._run, stoppable=True)
-
-    def request_stop(self) -> None:
-        """The Stop button: the generation ends at its next token; its text so far stays shown."""
-        self._stop.set()
 
     def generate(self) -> Completion | None:
         return self._run(stoppable=False)
@@ -230,9 +220,10 @@ class Playground:
 
     def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None], how_to_end: str) -> Completion:
         """Load, generate and show; add(piece) collects the text in `parts`."""
-        cfg = self.sampling_config()
+        cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
+                              repetition_penalty=float(self.repetition_penalty.value))
         self.status.value = status_html("loading checkpoint…")
-        eng = self.engine(self.checkpoint.value)
+        eng = self._engine(self.checkpoint.value)
         self.status.value = status_html(f"generating… {how_to_end}")
 
         def on_piece(_: int, piece: str) -> None:
@@ -254,12 +245,6 @@ class Playground:
             else f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
         return res
 
-    def _ipython_display_(self):
-        from IPython.display import display
-
-        display(self.widget)
-
-
 @dataclass
 class Comparison:
     prompts: list[str]  # rows
@@ -269,7 +254,7 @@ class Comparison:
 
 
 def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[str | int] | str = "all",
-                        cfg: SamplingConfig | None = None, device: str = "cpu", log=None) -> Comparison:
+                        cfg: SamplingConfig | None = None, device: str = "cpu") -> Comparison:
     """Every prompt continued by every checkpoint ("all", or latest/best/steps, a list or "1000, best") with one
     seed and the same settings, so the columns differ only by the weights: how the model learned."""
     cfg = dataclasses.replace(cfg or SamplingConfig(max_new_tokens=100)).validate()
@@ -281,8 +266,6 @@ def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[s
     columns, texts = [], [[] for _ in prompts]
     for s in steps:
         columns.append(checkpoint_label(table.get(s, {"step": s})))
-        if log:
-            log(f"generating with {columns[-1]}")
         for i, c in enumerate(Engine.from_run(run_dir, s, device=device).generate(list(prompts), cfg)):
             texts[i].append(c.text)
     return Comparison(prompts=list(prompts), columns=columns, steps=steps, texts=texts)

@@ -31,7 +31,7 @@ from typing import Callable
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.errors import ChatError, GptlibError, loud
-from gptlib.inference.engine import Engine, _TextStream, text_steps
+from gptlib.inference.engine import Engine
 from gptlib.inference.sampling import SamplingConfig
 
 FINETUNE_HINT = ("fine-tune it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
@@ -145,22 +145,19 @@ class ChatSession:
         return self.render([("user", text[len(text) - n:])])
 
     def _generate(self, ids: list[int], cfg: SamplingConfig, stream: Callable[[str], None] | None) -> str:
-        """Generate after the prompt until a chat token; the reply's text without the template's leading newline."""
-        st = _TextStream(self.engine.tokenizer, cfg.stop)
+        """The reply's text, until a chat token, without the template's leading newline."""
         started = False
 
         def shown(_: int, piece: str) -> None:
             nonlocal started
-            if piece and not started:
+            if not started:
                 started, piece = True, piece.removeprefix("\n")
             if piece and stream is not None:
                 stream(piece)
 
-        out, reasons = self.engine.generate_ids([ids], cfg, stop_ids=self.stop_ids,
-                                                on_step=text_steps([st], set(self.stop_ids), shown))
-        shown(0, st.flush())
+        texts, out, reasons = self.engine.generate_text([ids], cfg, self.stop_ids, shown)
         self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
-        return st.text.removeprefix("\n")
+        return texts[0].removeprefix("\n")
 
 
 HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"

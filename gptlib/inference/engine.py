@@ -127,54 +127,50 @@ class Engine:
 
     def generate(self, prompts: str | Sequence[str], cfg: SamplingConfig | None = None, *,
                  stream: Callable[[int, str], None] | None = None) -> list[Completion]:
-        """Continue text prompts; stream(i, piece) receives each new piece of text of prompt i as it appears.
-        Text that might be the start of a stop string is held back until it is clear, so a stop string never
-        reaches the stream."""
+        """Continue text prompts; stream(i, piece) gets prompt i's new text as it becomes final."""
         if self.tokenizer is None:
             raise GenerationError("this engine has no tokenizer: use generate_ids, or load it with Engine.from_run")
         cfg = (cfg or SamplingConfig()).validate()
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        tok, ids = self.tokenizer, []
+        ids = []
         for i, p in enumerate(prompts):
             try:
-                ids.append(tok.encode(p))
+                ids.append(self.tokenizer.encode(p))
             except ValueError as e:
                 raise GenerationError(f"prompt {i} ({p[:40]!r}) cannot be encoded: {e}") from None
-        eot = getattr(tok, "eot_id", None)
+        eot = getattr(self.tokenizer, "eot_id", None)
         if eot is not None:  # an empty prompt starts a new document (BPE); a char model needs some text
-            ids = [x if x else [eot] for x in ids]
+            ids = [x or [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []
-        streams = [_TextStream(tok, cfg.stop) for _ in prompts]
-        need_steps = stream is not None or bool(cfg.stop)
-        out_ids, reasons = self.generate_ids(ids, cfg, stop_ids=stop_ids,
-                                             on_step=text_steps(streams, stop_ids, stream) if need_steps else None)
-        results = []
-        for i, (p, gen, reason) in enumerate(zip(prompts, out_ids, reasons)):
-            if need_steps:
-                tail = streams[i].flush()
-                if tail and stream is not None:
-                    stream(i, tail)
-                text = streams[i].text
-            else:
-                text = tok.decode([t for t in gen if t not in stop_ids])
-            results.append(Completion(prompt=p, text=text, token_ids=list(gen), finish_reason=reason))
-        return results
+        texts, out, reasons = self.generate_text(ids, cfg, stop_ids, stream)
+        return [Completion(prompt=p, text=t, token_ids=list(g), finish_reason=r)
+                for p, t, g, r in zip(prompts, texts, out, reasons)]
 
+    def generate_text(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] = (),
+                      stream: Callable[[int, str], None] | None = None
+                      ) -> tuple[list[str], list[list[int]], list[str]]:
+        """generate_ids, and each row's new text without end-of-text or a stop string. A stream or stop strings need
+        the text token by token (the host then reads every token back); else it is decoded once at the end."""
+        if stream is None and not cfg.stop:
+            out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
+            return [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out], out, reasons
+        streams = [_TextStream(self.tokenizer, cfg.stop) for _ in prompts]
 
-def text_steps(streams: list[_TextStream], stop_ids, stream: Callable[[int, str], None] | None) -> Callable:
-    """An on_step for generate_ids: each row's tokens go to its _TextStream, its text to stream(row, piece); the
-    rows whose text reached a stop string are returned (a token in stop_ids ends the row in the engine itself)."""
-    def on_step(rows: list[int], toks: list[int]) -> list[int]:
-        stopped = []
-        for r, t in zip(rows, toks):
-            piece = streams[r].push(t, final=t in stop_ids)  # end-of-text is not part of the text
-            if piece and stream is not None:
-                stream(r, piece)
-            if streams[r].stopped and t not in stop_ids:
-                stopped.append(r)
-        return stopped
+        def on_step(rows: list[int], toks: list[int]) -> list[int]:  # -> the rows whose text reached a stop string
+            stopped = []
+            for r, t in zip(rows, toks):
+                piece = streams[r].push(t, final=t in stop_ids)  # end-of-text is not part of the text
+                if piece and stream is not None:
+                    stream(r, piece)
+                if streams[r].stopped and t not in stop_ids:
+                    stopped.append(r)
+            return stopped
 
-    return on_step
+        out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids, on_step=on_step)
+        for i, st in enumerate(streams):
+            if (tail := st.flush()) and stream is not None:
+                stream(i, tail)
+        return [st.text for st in streams], out, reasons
 
 
 class _TextStream:

@@ -200,7 +200,7 @@ def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     items = [json.loads(ln) for ln in hs_file.read_text().splitlines()][:30]  # the encodable ones
     lm = load_run(run_dir, "latest")
-    items_ = [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")}) for i, it in enumerate(items)]
+    items_ = [hs.Item(**{k: it[k] for k in ("ctx", "endings", "label")}) for it in items]
     block = lm.config.model.block_size
     res = hs.evaluate_rendered(lm.model, hs.render(items_, lm.tokenizer, block), "cpu", batch_tokens=256)
     assert res["truncated"] > 0  # the left cut is exercised too
@@ -223,7 +223,7 @@ def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
     hf = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     items = short_items(small_text.read_text(), 25, seed=4)
-    items_ = [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")}) for i, it in enumerate(items)]
+    items_ = [hs.Item(**{k: it[k] for k in ("ctx", "endings", "label")}) for it in items]
     res = hs.evaluate_rendered(m, hs.render(items_, tok, 24), "cpu")
     assert res["truncated"] > 0 and res["skipped"] == 0
     assert_same_choices(res, *hf_choices(hf, hf_tok, items, 24), items)

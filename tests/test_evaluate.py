@@ -123,7 +123,7 @@ def test_hellaswag_scoring_matches_brute_force(small_text):
     raw[0].update(ctx="KING", endings=["the end", "a rose", "no", "yes"])  # short: fits the window, nothing cut
     raw[1]["endings"][2] = "x" * 70  # an ending longer than the window: scored in pieces
     raw.append({"ctx": "a snowman \u2603", "endings": ["a", "b", "c", "d"], "label": 1})  # not encodable
-    items = [hs.Item(ctx=r["ctx"], endings=r["endings"], label=r["label"], line=i + 1) for i, r in enumerate(raw)]
+    items = [hs.Item(ctx=r["ctx"], endings=r["endings"], label=r["label"]) for r in raw]
     res = hs.evaluate_rendered(m, hs.render(items, tok, 48), "cpu", batch_tokens=300)
     assert res["n"] == 12 and res["skipped"] == 1
     sums, truncated = np.zeros((12, 4)), 0

@@ -390,7 +390,7 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
 
     ld = load_run(modern_reference)
     model, tok, block = ld.model.eval(), ld.tokenizer, ld.config.model.block_size
-    items = [hs.Item(line=i + 1, **r) for i, r in enumerate(shakespeare_items(small_text.read_text(), 6))]
+    items = [hs.Item(**r) for r in shakespeare_items(small_text.read_text(), 6)]
     res = hs.evaluate_rendered(model, hs.render(items, tok, block), "cpu", batch_tokens=200)
 
     def brute_sum(ctx: str, ending: str) -> float:  # each row (an ending longer than the window: its pieces) alone

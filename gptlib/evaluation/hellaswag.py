@@ -66,7 +66,6 @@ class Item:
     ctx: str
     endings: list[str]
     label: int
-    line: int  # 1-based line in the file, for messages
 
 
 def parse_items(text: str, where: str) -> list[Item]:
@@ -95,7 +94,7 @@ def parse_items(text: str, where: str) -> list[Item]:
             label = int(label)
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
             raise EvalError(f"{where}: line {n}: field 'label' is {label!r}, expected 0, 1, 2 or 3")
-        items.append(Item(ctx=ctx, endings=list(endings), label=label, line=n))
+        items.append(Item(ctx=ctx, endings=list(endings), label=label))
     if not items:
         raise EvalError(f"{where}: no items (an empty file?)")
     return items

@@ -36,8 +36,8 @@ class LoadedModel:
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, best_step, path, is_best}, by a
-    cheap check (manifest and sizes, no hashing); incomplete ones are left out (and described in `skipped`)."""
+    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, best_step, path, is_best, info},
+    by a cheap check (manifest and sizes, no hashing); incomplete ones are left out (and described in `skipped`)."""
     def table() -> list[dict]:
         rows = []
         for p in list_checkpoints(run_dir):
@@ -49,7 +49,7 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
                     skipped.append(f"{p.name}: {e}")
                 continue
             rows.append({"step": info.step, "val_loss": state.get("val_loss"), "tokens_seen": state.get("tokens_seen"),
-                         "best_step": state.get("best_step"), "path": p})
+                         "best_step": state.get("best_step"), "path": p, "info": info})
         best = rows[0]["best_step"] if rows else None
         for r in rows:
             r["is_best"] = r["step"] == best
@@ -101,8 +101,7 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
         step = int(m.group(1))
         if step not in steps:
             raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}; available steps: {steps}")
-    path = table[steps.index(step)]["path"]
-    return call_with_timeout(lambda: verify_checkpoint(path, deep=False), DRIVE_LIST_TIMEOUT_S, what=f"reading {path}")
+    return table[steps.index(step)]["info"]
 
 
 def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "latest") -> list[int]:

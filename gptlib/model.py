@@ -119,7 +119,8 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:  # cos, sin (T, D) at the new tokens' positions
             q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is None:  # is_causal lets SDPA pick a flash kernel without building a mask
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         else:  # T new tokens after `start` cached ones: query i sees the cache and the new keys up to itself
             start = cache.pos
             cache.k[layer][:, :, start : start + T] = k

@@ -1,13 +1,7 @@
-"""Sampling from a GPT with a KV cache:
-
-    eng = Engine.from_run("runs/shakespeare", checkpoint="best")
-    out = eng.generate(["ROMEO:", "JULIET:"], SamplingConfig(max_new_tokens=200, top_p=0.9, stop=["\\n\\n"]),
-                       stream=lambda i, piece: print(piece, end=""))
-
-Prompts of different lengths share one cache without padding (as in Meta's Llama reference code): every row is
-prefilled up to the shortest prompt, then a row still reading its prompt is fed its own next token while the others
-generate, so row b's token t always sits at position t. Past block_size the window slides: the newest block_size
-tokens are prefilled again. The host reads tokens back only when a stream, stop strings or end-of-text need them.
+"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as in Meta's Llama
+reference code): every row is prefilled up to the shortest prompt, then a row still reading its prompt is fed its
+own next token while the others generate, so row b's token t sits at position t. Past block_size the window slides:
+the newest block_size tokens are prefilled again. The host reads tokens back only when a stream or a stop needs them.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ class Engine:
         return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
 
     def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
-        """Logits after the token at position `cur`: one cached step, or past the window the newest block_size
-        tokens prefilled again (a full forward of the cropped context, as without a cache)."""
+        """Logits after the token at `cur`: one cached step, or past the window the newest block_size tokens again."""
         bs = self.model.config.block_size
         if cache.pos < bs:
             return self._logits(buf[:, cur : cur + 1], cache)
@@ -174,9 +167,8 @@ class Engine:
 
 
 class _TextStream:
-    """Incremental detokenisation of one sequence, with stop strings. Byte-level BPE tokens can end inside a UTF-8
-    character: text is emitted once it decodes cleanly (no trailing U+FFFD); text that could still grow into a stop
-    string is held."""
+    """One row's text, token by token. A byte-level BPE token can end inside a UTF-8 character: text is emitted once
+    it decodes cleanly (no trailing U+FFFD); text that could still grow into a stop string is held back."""
 
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
@@ -186,10 +178,10 @@ class _TextStream:
         self.stopped = False
 
     def push(self, token: int, final: bool = False) -> str:
-        """Add one token; returns the text that may be shown now ("" while held back or after a stop)."""
+        """Add one token (final: end-of-text, not part of the text) -> the text that may be shown now."""
         if self.stopped:
             return ""
-        if final:  # end-of-text: not part of the text
+        if final:
             self.stopped = True
             return self.flush()
         self._pending.append(token)
@@ -208,7 +200,7 @@ class _TextStream:
         return self._take(len(self.text) - self._held())
 
     def _held(self) -> int:
-        """Length of the longest end of the text that is a proper prefix of a stop string."""
+        """The longest end of the text that is a proper prefix of a stop string."""
         ends = [n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
                 if self.text.endswith(s[:n])]
         return max(ends, default=0)
@@ -219,7 +211,7 @@ class _TextStream:
         return piece
 
     def flush(self) -> str:
-        """At the end: whatever is left (held-back text that never became a stop string)."""
+        """At the end: the held-back text that never became a stop string."""
         if self._pending:
             self.text += self.tok.decode(self._pending)
             self._pending = []

@@ -107,8 +107,7 @@ def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
 
 
 def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
-    """A `tokenizers` file mapping each character to our id (WordLevel over single characters), and the name of
-    its unknown token (None without one)."""
+    """A `tokenizers` WordLevel file over single characters with our ids, and its unknown token's name (or None)."""
     from tokenizers import Regex
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
@@ -131,7 +130,7 @@ def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
 
 
 def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
-    """tokenizer.json + tokenizer_config.json + special_tokens_map.json for PreTrainedTokenizerFast."""
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for PreTrainedTokenizerFast."""
     special, unk = {}, None
     if isinstance(tok, CharTokenizer):
         text, unk = _char_tokenizer(tok)
@@ -217,7 +216,7 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = "latest",
               overwrite: bool = False) -> Path:
-    """Export one checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
+    """One checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
     check_export_target(Path(out_dir), overwrite, Path(run_dir))  # before reading gigabytes of weights
     ld = load_run(run_dir, checkpoint)
     info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss, "tokenizer": ld.tokenizer.kind}

@@ -185,7 +185,7 @@ def _cells(row: list[str], style: str, tag: str = "td") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table of eval rows (one task per call is the tidiest)."""
+    """The CLI's table of eval rows."""
     cols = [("step", "step", "{:,}"), ("tokens_seen", "tokens seen", "{:,}")]
     if any(r.get("task") == "hellaswag" for r in rows):
         cols += [("n", "items", "{:,}"), ("acc", "acc", "{:.4f}"), ("acc_norm", "acc_norm", "{:.4f}"),
@@ -205,9 +205,9 @@ def _fmt(v, f: str) -> str:
     return "-" if v is None else f.format(v)
 
 
-def eval_table_html(rows: list[dict], reference: bool = True) -> str:
-    """Checkpoints x {val bpb, nats/token, HellaSwag acc_norm, acc}: one table row per step, the newest
-    result of each task; then GPT-2 124M's published HellaSwag figures as a labelled reference row."""
+def eval_table_html(rows: list[dict]) -> str:
+    """Checkpoints x {val bpb, nats/token, HellaSwag acc_norm, acc}: a row per step, the newest result of each task;
+    then GPT-2 124M's published HellaSwag figures as a labelled reference row."""
     by_step: dict[int, dict] = {}
     for r in rows:
         by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r
@@ -220,9 +220,8 @@ def eval_table_html(rows: list[dict], reference: bool = True) -> str:
                             _fmt(b.get("loss"), "{:.4f}"), _fmt(h.get("acc_norm"), "{:.4f}"),
                             _fmt(h.get("acc"), "{:.4f}"), _fmt(h.get("n"), "{:,}")], cell))
     g = hs.GPT2_124M
-    if reference:
-        body.append(_cells(["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}",
-                            f"{g['acc']:.4f}", f"{g['n']:,}"], cell + ";font-style:italic"))
+    body.append(_cells(["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}", f"{g['acc']:.4f}",
+                        f"{g['n']:,}"], cell + ";font-style:italic"))
     note = (f'<p style="font-size:11px">Reference: {html.escape(g["source"])}. Bits per byte depend on '
             f"the text, so only rows on the same validation data compare; chance on HellaSwag is 0.25.</p>")
     ths = _cells(head, cell + ";background:#f3f3f3", "th")

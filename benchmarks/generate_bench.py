@@ -1,4 +1,4 @@
-"""Single-stream generation speed: gptlib's engine (with / without KV cache) vs transformers' generate.
+"""Single-stream generation speed: gptlib's KV-cached engine (and decoding without a cache) vs transformers'.
 
 Same weights (our model exported with gptlib.inference.export and loaded as GPT2LMHeadModel), same machine,
 same process, runs interleaved so both see the same machine load. Greedy decoding, a one-token
@@ -7,7 +7,7 @@ early stop. Prints every run, then medians and ratios.
 
     python benchmarks/generate_bench.py                      # gpt2-small, 256 and 1024 new tokens
     python benchmarks/generate_bench.py --preset phase1 --new-tokens 64 --repeats 2   # quick check
-    python benchmarks/generate_bench.py --device cuda --compile   # GPU: adds the compiled decode step (CUDA graphs)
+    python benchmarks/generate_bench.py --device cuda             # on a GPU
 
 Needs `pip install transformers` (a test-only dependency).
 """
@@ -61,8 +61,6 @@ def main() -> int:
                     help="new-token counts measured without cache (default: all of --new-tokens)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--compile", action="store_true",
-                    help="also time Engine(compile=True): the decode step through torch.compile (CUDA graphs on a GPU)")
     args = ap.parse_args()
 
     from transformers import GPT2LMHeadModel
@@ -78,17 +76,23 @@ def main() -> int:
         export_model(model, Path(d) / "hf")
         hf = GPT2LMHeadModel.from_pretrained(Path(d) / "hf", dtype=torch.float32).to(args.device).eval()
     eng = Engine(model)
-    eng_compiled = Engine(model, compile=True) if args.compile else None
     prompt = [1]
     x = torch.tensor([prompt], device=args.device)
     with torch.no_grad():
         diff = (hf(x[:, :1]).logits[0, -1] - model(x[:, :1])[0][0, -1]).abs().max().item()
     print(f"same weights: max |logit difference| = {diff:.2e}")
 
-    def ours(n: int, use_cache: bool, engine: Engine = eng) -> tuple[float, list[int]]:
+    def ours(n: int, use_cache: bool) -> tuple[float, list[int]]:
         t = time.perf_counter()
-        out, _ = engine.generate_ids([prompt], SamplingConfig(max_new_tokens=n, temperature=0), use_cache=use_cache)
-        return time.perf_counter() - t, out[0]  # generate_ids returns host lists: the device is synchronised
+        if use_cache:
+            out = eng.generate_ids([prompt], SamplingConfig(max_new_tokens=n, temperature=0))[0][0]
+            return time.perf_counter() - t, out  # generate_ids returns host lists: the device is synchronised
+        ids = list(prompt)  # without a cache: a forward of the whole context per token, the last position projected
+        with torch.inference_mode():
+            for _ in range(n):
+                h = model.hidden_states(torch.tensor([ids[-mcfg.block_size:]], device=args.device))
+                ids.append(int(model.head(h[:, -1]).argmax()))
+        return time.perf_counter() - t, ids[len(prompt):]
 
     def theirs(n: int) -> tuple[float, list[int]]:
         t = time.perf_counter()
@@ -101,18 +105,12 @@ def main() -> int:
         if len(prompt) + n > mcfg.block_size + 1:
             raise SystemExit(f"--new-tokens {n}: one-token prompt + {n} exceeds block_size {mcfg.block_size}")
     ours(8, True), ours(8, False), theirs(8)  # warm-up (allocator, kernels, lazy imports)
-    if eng_compiled is not None:
-        t = time.perf_counter()
-        ours(8, True, eng_compiled)
-        print(f"compiled decode step: first generation (compile) {time.perf_counter() - t:.1f} s", flush=True)
 
     results: dict[tuple[str, int], list[float]] = {}
     for n in args.new_tokens:
         for r in range(args.repeats):
             # Alternate the order so neither side always runs first after the other.
             order = [("gptlib cache", lambda: ours(n, True)), ("transformers", lambda: theirs(n))]
-            if eng_compiled is not None:
-                order.insert(1, ("gptlib compiled", lambda: ours(n, True, eng_compiled)))
             if r % 2:
                 order.reverse()
             toks = {}
@@ -123,9 +121,6 @@ def main() -> int:
             if r == 0:
                 print(f"  greedy tokens identical (gptlib vs transformers, {n}): "
                       f"{toks['gptlib cache'] == toks['transformers']}", flush=True)
-                if eng_compiled is not None:
-                    print(f"  greedy tokens identical (compiled vs eager, {n}): "
-                          f"{toks['gptlib compiled'] == toks['gptlib cache']}", flush=True)
         for r in range(args.nocache_repeats if args.nocache_tokens is None or n in args.nocache_tokens else 0):
             dt, _ = ours(n, False)
             results.setdefault(("gptlib no cache", n), []).append(dt)
@@ -141,12 +136,6 @@ def main() -> int:
         print(f"  {n:>10} {tps['gptlib cache']:>14.1f} {nc if nc else float('nan'):>16.1f} "
               f"{tps['transformers']:>14.1f} {tps['gptlib cache'] / tps['transformers']:>18.2f}x "
               f"{(tps['gptlib cache'] / nc) if nc else float('nan'):>14.2f}x")
-    if eng_compiled is not None:
-        print("compiled decode step:")
-        for n in args.new_tokens:
-            c = n / statistics.median(results[("gptlib compiled", n)])
-            tr = n / statistics.median(results[("transformers", n)])
-            print(f"  {n:>10} new tokens: {c:.1f} tokens/s, {c / tr:.2f}x transformers")
     return 0
 
 

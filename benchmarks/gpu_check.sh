@@ -134,8 +134,8 @@ step bench_mfu_autobatch 130 "\"\$PY\" -m gptlib bench train --preset gpt2-small
   "\"\$PY\" -m gptlib bench train --help"
 # The optimization ladder at the original author's shape (gpt2-small, 64 x 512 tokens per step as 16 x 4).
 step bench_ladder 240 "\"\$PY\" -m gptlib bench ladder --device cuda --steps 10 --warmup 3" "\"\$PY\" -m gptlib bench ladder --help"
-# Decoding (fp32, batch 1, greedy): eager, the compiled decode step (CUDA graphs) and transformers' generate.
-step bench_generate 130 "\"\$PY\" benchmarks/generate_bench.py --device cuda --compile --new-tokens 256 1024 --repeats 3 --nocache-repeats 1 --nocache-tokens 256" \
+# Decoding (fp32, batch 1, greedy): the KV-cached engine and transformers' generate.
+step bench_generate 130 "\"\$PY\" benchmarks/generate_bench.py --device cuda --new-tokens 256 1024 --repeats 3 --nocache-repeats 1 --nocache-tokens 256" \
   "\"\$PY\" benchmarks/generate_bench.py --preset phase1 --new-tokens 16 --repeats 1 --nocache-repeats 0"
 # HellaSwag scoring speed: all 10,042 items (synthetic, realistic lengths) with gpt2-small.
 step bench_eval 100 "\"\$PY\" benchmarks/eval_bench.py --device cuda --preset gpt2-small --items 10042 --repeats 3" \

@@ -30,7 +30,7 @@ _WHERE = {
     "pick_run_dir": "gptlib.inference.loading", "checkpoint_table": "gptlib.inference.loading",
     "checkpoint_label": "gptlib.inference.loading",
     "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.sampling",
-    "ChatSession": "gptlib.inference.chat", "compare_checkpoints": "gptlib.inference.compare",
+    "ChatSession": "gptlib.inference.chat", "compare_checkpoints": "gptlib.widgets",
     "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
     "import_hf": "gptlib.inference.hf_import", "import_hf_once": "gptlib.inference.hf_import",
     # how good a checkpoint is (gptlib/evaluation/)

@@ -190,8 +190,6 @@ def _add_sample(sub) -> None:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--stream", action="store_true", help="print text as it is generated (samples run one by one)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the decode step (CUDA graphs on a GPU): faster tokens after a one-time compile")
 
 
 def cmd_sample(args) -> int:
@@ -208,7 +206,7 @@ def cmd_sample(args) -> int:
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                          stop=[st.replace("\\n", "\n") for st in args.stop],
                          seed=args.seed).validate()
-    eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device, compile=args.compile)
+    eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device)
     print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
     many = len(jobs) > 1
     if args.stream:
@@ -242,7 +240,6 @@ def _add_chat(sub) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1 = off)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
 
 
 def cmd_chat(args) -> int:
@@ -256,8 +253,7 @@ def cmd_chat(args) -> int:
 
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
-    session = ChatSession.from_run(args.run_dir, args.checkpoint, device=args.device, system=args.system,
-                                   compile=args.compile)
+    session = ChatSession.from_run(args.run_dir, args.checkpoint, device=args.device, system=args.system)
     if args.message is None:
         return chat_loop(session, cfg)
     print(session.reply(args.message, cfg))  # stdout holds the reply only; notices went to stderr

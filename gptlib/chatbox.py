@@ -1,11 +1,8 @@
-"""Notebook 05's chat box (ipywidgets): transcript, a message box where Enter sends, Send and Reset, sampling
-settings and a system prompt, over gptlib.inference.chat.
+"""Notebook 05's chat box over gptlib.inference.chat; ipywidgets 7.7.1 (Colab's) and 8 alike.
 
-    box = ChatBox(chat_run_dir)   # a chat-tuned run; loaded at the first message
-    box.send("Hi!")               # what Send (or Enter) does (headless too); box.reset() is the Reset button
+    box = ChatBox(chat_run_dir)   # a chat-tuned run, loaded at the first message
+    box.send("Hi!")               # what Send (or Enter) does, headless too; box.reset() is the Reset button
     display(box)                  # the widget; where widgets cannot be drawn, the conversation as text
-
-Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used.
 """
 
 from __future__ import annotations
@@ -20,18 +17,14 @@ from gptlib.widgets import sampling_config, sampling_widgets, status_html, throt
 
 
 class ChatBox:
-    """A chat with a chat-tuned run. The transcript shows every turn; the model sees those that fit its context
-    (gptlib.inference.chat drops the oldest, and says so here). `display(box)` shows the widget, or where a front end
-    cannot draw widgets the conversation as text (so a message sent before the box is shown is never shown twice)."""
+    """The transcript shows every turn; the model sees those that fit its context (ChatSession drops the oldest, and
+    the status says so)."""
 
-    def __init__(self, run_dir: str | Path | None = None, checkpoint: str | int = "latest", device: str = "cpu",
-                 system: str = "", compile: bool = False, session: ChatSession | None = None):
+    def __init__(self, run_dir: str | Path, checkpoint: str | int = "latest", device: str = "cpu", system: str = ""):
         import ipywidgets as W
 
-        if run_dir is None and session is None:
-            raise ValueError("ChatBox needs a run_dir (or a ChatSession)")
-        self.run_dir, self.checkpoint, self.device, self.compile = run_dir, checkpoint, device, compile
-        self._session = session
+        self.run_dir, self.checkpoint, self.device = run_dir, checkpoint, device
+        self._session: ChatSession | None = None
         self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown
         self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
         style = {"description_width": "110px"}
@@ -60,7 +53,7 @@ class ChatBox:
         ipywidgets (7.7.1 and 8) lowers a larger value to the new max, and the status says so once."""
         if self._session is None:
             self._session = ChatSession.from_run(self.run_dir, self.checkpoint, device=self.device,
-                                                 compile=self.compile, log=self._notices.append)
+                                                 log=self._notices.append)
         self._session.log = self._notices.append
         cap = self._session.reply_cap
         if self.max_tokens.max > cap:

@@ -35,10 +35,9 @@ class ModelConfig:
     positions: str = "learned"  # learned (GPT-2: one embedding per position up to block_size) | rope (rotary: relative positions, no table)
     norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm (no mean, no bias: Llama, Qwen3)
     qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (Qwen3): bounded attention logits
-    mlp: str = "gelu"  # gelu (GPT-2, hidden 4C) | relu2 (ReLU squared, 4C; not exportable) | swiglu (SiLU-gated, hidden ~8C/3: Llama, Qwen3)
+    mlp: str = "gelu"  # gelu (GPT-2, hidden 4C) | swiglu (SiLU-gated, hidden ~8C/3: Llama, Qwen3)
     tie_embeddings: bool = True  # the output layer shares the input embedding's weights (GPT-2); False: its own
     zero_init: bool = False  # output projections of attention and MLP (and an untied head) start at zero: each block starts as the identity
-    logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2, modded-nanogpt; not exportable); 0 = off
     rope_theta: float = 10000.0  # rotary base: the longest wavelength; 10k suits contexts up to a few thousand tokens
 
     @property
@@ -65,8 +64,7 @@ class ModelConfig:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
         _choice(self, "positions", ("learned", "rope"))
         _choice(self, "norm", ("layernorm", "rmsnorm"))
-        _choice(self, "mlp", ("gelu", "relu2", "swiglu"))
-        _non_negative(self, "logit_softcap")
+        _choice(self, "mlp", ("gelu", "swiglu"))
         _positive(self, "rope_theta")
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"positions=rope rotates pairs of dimensions: the head size n_embd/n_head = "
@@ -166,7 +164,7 @@ class RunConfig:
         if unknown:
             raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}")
         return cls(
-            model=_dataclass_from_dict(ModelConfig, d.get("model", {}), f"{source}: model"),
+            model=_dataclass_from_dict(ModelConfig, _without_retired(d.get("model", {}), source), f"{source}: model"),
             train=_dataclass_from_dict(TrainConfig, d.get("train", {}), f"{source}: train"),
             preset=d.get("preset", "custom"),
             recipe=d.get("recipe", "gpt2"),
@@ -275,8 +273,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 # A recipe changes the model and the optimizer together; each part is a field of its own, so one can be switched
 # back (`--recipe modern --set qk_norm=false`) for an ablation. Its learning rates are the preset's (PRESETS[...]
 # ["modern"]). gpt2: the 2019 recipe, every field at its default. modern: the NanoGPT speedrun's and nanochat's
-# changes that a native Hugging Face architecture (Qwen3) also has, so export is exact; ReLU² and the logit soft
-# cap are options that export refuses.
+# changes that a native Hugging Face architecture (Qwen3) also has, so export is exact.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {"model": {}, "train": {}},
     "modern": {
@@ -321,6 +318,20 @@ def _dataclass_from_dict(cls, d: dict[str, Any], source: str):
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
     return cls(**d)
+
+
+def _without_retired(model: Any, source: str) -> Any:
+    """The ReLU² MLP and the logit soft cap are gone (their ablation measured no gain, docs/benchmarks.md): a saved
+    config that left them off (every run with the defaults) loads as before; one that used them is refused."""
+    if not isinstance(model, dict):
+        return model
+    model = dict(model)
+    cap = model.pop("logit_softcap", 0)
+    for name, value, used in (("logit_softcap", cap, cap != 0), ("mlp", model.get("mlp"), model.get("mlp") == "relu2")):
+        if used:
+            raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
+                              f"docs/benchmarks.md); use the gptlib version that trained this run")
+    return model
 
 
 def _parse_value(name: str, value: Any, current: Any) -> Any:

@@ -65,6 +65,36 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The objects of a JSON-lines file ([] if there is none). A line that is not one, a write torn by a kill, is
+    skipped: at the end of a log, or inside a file append_jsonl went on appending to."""
+    rows = []
+    for line in Path(path).read_text(errors="replace").splitlines() if Path(path).is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def append_jsonl(path: str | Path, row: dict) -> None:
+    """One line, one write, on a file opened for appending: earlier rows (of any process) are never rewritten, and
+    a row torn by a kill mid-write stays alone on its own line, for read_jsonl to skip."""
+    line = (json.dumps(row) + "\n").encode()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line: start a new one
+            line = b"\n" + line
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

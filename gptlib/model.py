@@ -1,10 +1,6 @@
-"""The GPT: GPT-2's architecture, or the modern recipe's parts, with SDPA attention and an optional KV cache.
+"""The GPT: GPT-2's architecture, or the modern recipe's parts (config.RECIPES), with SDPA attention and a KV cache.
 
-Each part of the modern recipe is a ModelConfig field of its own (config.RECIPES): rotary positions, RMSNorm,
-QK-norm, a ReLU² or SwiGLU MLP, untied embeddings, zero-initialised output projections, soft-capped logits. The
-gpt2 recipe's defaults build exactly the GPT-2 model of every earlier gptlib run: same modules, same init order.
-
-Shapes: B batch, T time (tokens), C n_embd, H n_head, D head size (C // H), V padded vocab.
+Shapes: B batch, T time (tokens), C n_embd, H n_head, D head size (C // H), V the padded vocabulary.
 """
 
 from __future__ import annotations
@@ -19,34 +15,25 @@ import torch.nn.functional as F
 
 from gptlib.config import ModelConfig
 
-# Matrix-vector products on the CPU: MKL runs x @ W.T for a handful of rows (decoding: one token
-# per sequence) on a single thread at about half the memory bandwidth, and decoding is bound by
-# reading the weights. Cut W's rows into one block per thread and let bmm run the blocks in
-# parallel: same fp32 arithmetic (each output is the same dot product), ~1.9x tokens/s on 2 cores.
-# Measured up to 64 rows, i.e. batched decoding of up to 64 streams (benchmarks/linear_rows_bench.py,
-# raw output in benchmarks/results/linear_rows_cpu.txt); longer prefills stay on MKL's gemm.
+# Decoding on the CPU reads every weight per token, and MKL runs x @ W.T for a few rows on one thread at about half
+# the memory bandwidth. Linear cuts W's rows into one block per thread and lets bmm run them in parallel: the same
+# fp32 dot products, ~1.9x tokens/s on 2 cores, measured up to 64 rows (benchmarks/linear_rows_bench.py, raw output
+# in benchmarks/results/linear_rows_cpu.txt). Longer prefills and training stay on MKL's gemm.
 SPLIT_ROWS_MAX = 64
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed as `blocks` independent row blocks of weight.
-
-    x (..., K), weight (N, K) with N divisible by blocks -> (..., N).
-    """
+    """F.linear(x, weight, bias) as `blocks` row blocks of weight: x (..., K), weight (N, K) -> (..., N)."""
     N, K = weight.shape
-    x2 = x.reshape(-1, K)  # (R, K), R rows
-    R = x2.size(0)
+    x2 = x.reshape(-1, K)  # (R, K)
     w = weight.view(blocks, N // blocks, K).transpose(1, 2)  # (blocks, K, N/blocks), a view
-    xb = x2.expand(blocks, R, K)  # the same rows for every block, no copy
-    if bias is None:
-        y = torch.bmm(xb, w)  # (blocks, R, N/blocks)
-    else:
-        y = torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
-    return y.transpose(0, 1).reshape(*x.shape[:-1], N)
+    xb = x2.expand(blocks, *x2.shape)  # (blocks, R, K): the same rows for every block, no copy
+    y = torch.bmm(xb, w) if bias is None else torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
+    return y.transpose(0, 1).reshape(*x.shape[:-1], N)  # (blocks, R, N/blocks) -> (..., N)
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state dict) with a faster path for a few rows on the CPU."""
+    """nn.Linear (the same parameters and state dict) with split_linear for a few rows without grad on the CPU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few_rows_on_cpu = x.device.type == "cpu" and x.numel() <= SPLIT_ROWS_MAX * self.in_features
@@ -59,7 +46,7 @@ class Linear(nn.Linear):
 
 
 def _row_blocks(n_rows: int) -> int:
-    """One block per thread (fewer if n_rows does not divide evenly)."""
+    """One block per thread, fewer if n_rows does not divide evenly."""
     blocks = torch.get_num_threads()
     while n_rows % blocks:
         blocks -= 1
@@ -67,45 +54,22 @@ def _row_blocks(n_rows: int) -> int:
 
 
 class KVCache:
-    """Preallocated keys/values for incremental decoding: prefill once, then one token per step.
+    """Every layer's keys and values so far, preallocated: a prompt is read once, then each step adds one token."""
 
-    static=True is the form a compiled decode step (torch.compile, CUDA graphs) needs: every step
-    has the same shapes. The new tokens' positions come in as a tensor, keys are written at those
-    positions, and attention spans the whole cache under a mask (keys after a query's position are
-    empty or stale). It reads the whole cache every step, so the eager default is dynamic.
-    """
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype, max_len: int | None = None,
-                 static: bool = False):
-        self.max_len = max_len or cfg.block_size
-        self.static = static
-        head = cfg.n_embd // cfg.n_head
-        shape = (batch_size, cfg.n_head, self.max_len, head)  # (B, H, Tmax, D)
+    def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype):
+        shape = (batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)  # (B, H, block_size, D)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.key_pos = torch.arange(self.max_len, device=device)  # (Tmax,) the position of each cache slot
-        if static:
-            # Fixed addresses: CUDA graphs may then update the cache in place instead of skipping the graph.
-            for t in (*self.k, *self.v, self.key_pos):
-                torch._dynamo.mark_static_address(t)
-        self.pos = 0  # tokens already cached (the position of the next token); kept by the caller if static
-
-    def reset(self) -> None:
-        self.pos = 0
+        self.pos = 0  # tokens cached: the position of the next one
 
 
 RMS_EPS = 1e-6  # Llama's and Qwen3's RMSNorm eps: an export computes the same
 
 
 class RMSNorm(nn.RMSNorm):
-    """nn.RMSNorm (the same weight, the same state dict) that runs in its input's dtype on every torch version.
-
-    Under autocast a bf16 activation (the QK-norm's queries and keys) met the fp32 weight: before torch 2.12 that
-    misses the fused kernel for a ~8-kernel fallback (pytorch#167308); from 2.12 CUDA autocast runs rms_norm in fp32
-    whatever the dtypes, so the norm hands on fp32 (pytorch#188955). The weight cast to the input's dtype, outside
-    autocast, takes the fused kernel (it accumulates in fp32 itself) and returns the input's dtype. In fp32 this
-    is exactly nn.RMSNorm's own call.
-    """
+    """nn.RMSNorm that runs in its input's dtype on every torch version: under autocast a bf16 input met the fp32
+    weight and missed the fused kernel (before torch 2.12, pytorch#167308) or came out fp32 (2.12, pytorch#188955).
+    The weight cast to the input's dtype outside autocast takes the fused kernel; in fp32 this is nn.RMSNorm exactly."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type  # CPU and CUDA autocast exist on every torch gptlib runs on (MPS's not before 2.5)
@@ -114,14 +78,11 @@ class RMSNorm(nn.RMSNorm):
 
 
 def norm(cfg: ModelConfig, dim: int) -> nn.Module:
-    """LayerNorm (GPT-2) or RMSNorm (no mean, no bias)."""
-    if cfg.norm == "rmsnorm":
-        return RMSNorm(dim, eps=RMS_EPS)
-    return nn.LayerNorm(dim, bias=cfg.bias)
+    return RMSNorm(dim, eps=RMS_EPS) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, bias=cfg.bias)
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (block_size, D) of rotary embeddings in the rotate-half layout that Llama/Qwen3 use."""
+    """cos, sin (block_size, D) of rotary positions in the rotate-half layout of Llama and Qwen3."""
     D = cfg.n_embd // cfg.n_head
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # (D/2,)
     angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)  # (block_size, D/2)
@@ -130,7 +91,7 @@ def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D) rotated by its positions' angles: cos, sin (T, D)."""
+    """x (B, H, T, D) turned by its positions' angles, cos and sin (T, D)."""
     half = x.size(-1) // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated_half * sin).to(x.dtype)
@@ -139,78 +100,57 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.n_embd = cfg.n_embd
-        self.dropout = cfg.dropout
+        self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): attention logits stay bounded
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): the attention logits stay bounded
             self.q_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
             self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                pos: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        if hasattr(self, "q_norm"):
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:  # rope: cos, sin (T, D) at the new tokens' positions
+        if rope is not None:  # cos, sin (T, D) at the new tokens' positions
             q, k = rotate(q, *rope), rotate(k, *rope)
-        if cache is None:
-            # SDPA picks flash / memory-efficient kernels on GPU; is_causal avoids materialising a mask.
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-            )
-        elif cache.static:
-            cache.k[layer].index_copy_(2, pos, k)  # pos (T,): where the new tokens go
-            cache.v[layer].index_copy_(2, pos, v)
-            visible = pos[:, None] >= cache.key_pos[None, :]  # (T, Tmax): causal, and hides unwritten slots
-            y = F.scaled_dot_product_attention(q, cache.k[layer], cache.v[layer], attn_mask=visible)
-        else:
+        if cache is None:  # is_causal lets SDPA pick a flash kernel without building a mask
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:  # T new tokens after `start` cached ones: query i sees the cache and the new keys up to itself
             start = cache.pos
-            cache.k[layer][:B, :, start : start + T] = k
-            cache.v[layer][:B, :, start : start + T] = v
-            k_all = cache.k[layer][:B, :, : start + T]  # (B, H, start+T, D)
-            v_all = cache.v[layer][:B, :, : start + T]
-            if T == 1:
-                y = F.scaled_dot_product_attention(q, k_all, v_all)  # one new token sees everything cached
-            elif start == 0:
-                y = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True)
-            else:
-                # A chunk after cached tokens: query i may see cached keys and chunk keys up to i.
-                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-                y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+            cache.k[layer][:, :, start : start + T] = k
+            cache.v[layer][:, :, start : start + T] = v
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)  # (T, start+T)
+            y = F.scaled_dot_product_attention(q, cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T],
+                                               attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, D) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
-    """gelu (GPT-2, hidden 4C), relu2 (ReLU squared, 4C) or swiglu (SiLU-gated as Llama/Qwen3: c_fc holds the gate
-    and the up projection, hidden ModelConfig.mlp_hidden, about 8C/3 so the parameters match 4C)."""
+    """GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): c_fc holds the gate and the up projection, each
+    ModelConfig.mlp_hidden ~ 8C/3 wide, so the parameters match 4C."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.kind = cfg.mlp
-        hidden = cfg.mlp_hidden
-        self.c_fc = Linear(cfg.n_embd, 2 * hidden if cfg.mlp == "swiglu" else hidden, bias=cfg.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU, so exported weights match transformers
-        self.c_proj = Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.swiglu = cfg.mlp == "swiglu"
+        self.c_fc = Linear(cfg.n_embd, (2 if self.swiglu else 1) * cfg.mlp_hidden, bias=cfg.bias)
+        self.c_proj = Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
-        if self.kind == "swiglu":
+        h = self.c_fc(x)  # (B, T, hidden), SwiGLU (B, T, 2 * hidden)
+        if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
-        elif self.kind == "relu2":
-            h = F.relu(h).square()
         else:
-            h = self.gelu(h)
-        return self.dropout(self.c_proj(h))
+            h = F.gelu(h, approximate="tanh")  # GPT-2's GELU, so an export computes what transformers does
+        return self.dropout(self.c_proj(h))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -221,11 +161,9 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                pos: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer, pos, rope)
-        x = x + self.mlp(self.ln_2(x))
-        return x
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, rope)
+        return x + self.mlp(self.ln_2(x))
 
 
 @dataclass(frozen=True)
@@ -236,15 +174,10 @@ class ModelSize:
 
 
 def model_size(cfg: ModelConfig) -> ModelSize:
-    """The GPT that cfg builds, counted from the config alone (no model made): parameters and training FLOPs per
-    token, the one count MFU, compile=auto, the memory estimate and the benchmarks use.
-
-    FLOPs are those of the matmuls, as PaLM's appendix B counts them: 6 per matmul weight per token (2 forward, 4
-    backward), the input embedding being a lookup and the position embedding an addition (not counted; the output
-    head is a matmul, tied or not), plus attention's 12 * n_layer * n_embd * T with T = block_size: the full
-    context, as PaLM and nanoGPT count it, so MFU compares with theirs (a causal kernel skips the masked half of
-    that work, so the figure is a little high on the attention's share, at gpt2-small 15% of the total).
-    """
+    """The GPT that cfg builds, counted without building it: the one count MFU, the memory estimate and the plans
+    use. FLOPs as PaLM's appendix B (and nanoGPT) count them, so MFU compares with theirs: 6 per matmul weight per
+    token, plus attention's 12 * n_layer * n_embd * block_size over the full context (a causal kernel skips half of
+    that: the figure is a little high, by at most the attention's share, 15% at gpt2-small)."""
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.block_size
     b = int(cfg.bias)
     fc_out = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden  # swiglu: c_fc holds gate and up
@@ -266,60 +199,38 @@ class GPT(nn.Module):
         parts = dict(wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd))
         if cfg.positions == "learned":
             parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.transformer = nn.ModuleDict(
-            dict(
-                **parts,
-                drop=nn.Dropout(cfg.dropout),
-                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                ln_f=norm(cfg, cfg.n_embd),
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(**parts, drop=nn.Dropout(cfg.dropout),
+                                              h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                                              ln_f=norm(cfg, cfg.n_embd)))
         self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
-        if cfg.positions == "rope":  # not parameters, not saved: derived from the config
+        if cfg.positions == "rope":  # derived from the config: not parameters, not saved
             cos, sin = rotary_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
-        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) so the residual stream's
-        # variance does not grow with depth (two residual additions per block).
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            residual = name.endswith("c_proj.weight")
+            if residual:  # GPT-2: two residual additions per block, scaled so the stream's variance does not grow
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-        if cfg.zero_init:  # each block starts as the identity, the untied head predicts uniformly (modded-nanogpt)
-            for name, p in self.named_parameters():
-                if name.endswith("c_proj.weight") or (name == "lm_head.weight" and not cfg.tie_embeddings):
-                    nn.init.zeros_(p)
+            if cfg.zero_init and (residual or (name == "lm_head.weight" and not cfg.tie_embeddings)):
+                nn.init.zeros_(p)  # each block starts as the identity, the untied head uniform (modded-nanogpt)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
-                      pos: torch.Tensor | None = None) -> torch.Tensor:
-        """idx (B, T) token ids -> the last block's output (B, T, C), before ln_f.
-
-        With a cache, idx holds only the new tokens; their positions continue from cache.pos, which advances by T.
-        With a static cache the positions are given instead, as pos (T,) long (and cache.pos is left alone):
-        reading a Python int would make a compiled step specialise on it and recompile every token.
-        """
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx (B, T) -> the last block's output (B, T, C); with a cache, idx holds only the new tokens."""
         B, T = idx.shape
-        if cache is not None and cache.static:
-            if pos is None or pos.shape != (T,):
-                raise ValueError(f"a static KVCache needs the positions of the {T} new tokens as pos (T,), got {pos!r}")
-        else:
-            start = cache.pos if cache is not None else 0
-            if start + T > self.config.block_size:
-                raise ValueError(
-                    f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
-                    f"crop the context (generation slides the window for you)"
-                )
-            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
+                             f"crop the context (generation slides the window for you)")
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
         if "wpe" in self.transformer:
@@ -328,56 +239,32 @@ class GPT(nn.Module):
             rope = (self.rope_cos[pos], self.rope_sin[pos])  # 2 x (T, D)
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, cache, i, pos, rope)
-        if cache is not None and not cache.static:
+            x = block(x, cache, i, rope)
+        if cache is not None:
             cache.pos += T
         return x
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) token ids -> logits (B, T, vocab_size) and the mean cross-entropy if targets given.
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> logits (..., vocab_size): the padding rows never produce a token."""
+        return self.lm_head(self.transformer.ln_f(h))[..., : self.config.vocab_size]
 
-        With a cache, idx holds only the new tokens; their positions continue from cache.pos.
-        """
-        logits = self.head(self.hidden_states(idx, cache), cut=False)  # (B, T, V padded)
-        loss = None
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) -> logits (B, T, vocab_size), and the mean cross-entropy over targets (B, T) if given."""
+        logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V)
+        V, loss = self.config.vocab_size, None
         if targets is not None:
-            # The mean over the targets that count (-1 = ignored: chat data's non-assistant tokens). Summed and
-            # divided here, not reduction="mean", so a window with no answer in it gives 0, not 0/0 = NaN.
+            # Target -1 is ignored (chat data's non-assistant tokens). Summed and divided here, not
+            # reduction="mean", so a window with no answer in it gives 0, not 0/0 = NaN.
             targets = targets.reshape(-1)
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)).float()[:, : self.config.vocab_size],
-                targets,
-                ignore_index=-1,
-                reduction="sum",
-            ) / (targets != -1).sum().clamp(min=1)
-        if logits.size(-1) != self.config.vocab_size:
-            logits = logits[..., : self.config.vocab_size]  # padding rows never produce a token
-        return logits, loss
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float()[:, :V], targets, ignore_index=-1,
+                                   reduction="sum") / (targets != -1).sum().clamp(min=1)
+        return logits[..., :V], loss
 
-    def head(self, h: torch.Tensor, cut: bool = True) -> torch.Tensor:
-        """The last block's output (..., C) -> logits (..., V): ln_f, the output layer, the soft cap; cut: without the
-        padding rows (they never produce a token)."""
-        logits = self.lm_head(self.transformer.ln_f(h))
-        cap = self.config.logit_softcap
-        if cap:  # cap * tanh(logits / cap): smooth, bounded logits (Gemma 2, modded-nanogpt)
-            logits = cap * torch.tanh(logits.float() / cap)
-        return logits[..., : self.config.vocab_size] if cut else logits
-
-    def configure_optimizer(
-        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
-    ) -> torch.optim.AdamW:
-        """AdamW with decay on 2-D weights only (matmuls, embeddings), fused on CUDA."""
+    def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                            device_type: str) -> torch.optim.AdamW:
+        """AdamW with decay on the 2-D weights only (matmuls, embeddings), fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        fused = device_type == "cuda"
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")

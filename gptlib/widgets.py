@@ -1,37 +1,28 @@
-"""Notebook views: a generation playground (ipywidgets) and a prompts x checkpoints comparison table (the chat
-box is gptlib.chatbox).
-
-    pg = Playground(run_dir)      # builds the widgets; nothing is loaded until Generate is pressed
-    display(pg.widget)
-    pg.generate()                 # what the Generate button does, from code (there the cell's interrupt ends it)
-    pg.request_stop()             # what the Stop button does: the generation ends at its next token
-
-    display(HTML(comparison_html(compare_checkpoints(run_dir, prompts, "all", cfg))))
-
-Only widgets and calls present in both ipywidgets 7.7.1 (Colab) and 8 are used.
-"""
+"""Notebook views: the generation Playground and the prompts x checkpoints table (the chat box is gptlib.chatbox).
+Only widgets and calls present in both ipywidgets 7.7.1 (Colab's) and 8 are used."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from gptlib.inference.compare import Comparison
+from gptlib.errors import GenerationError
 from gptlib.inference.engine import Engine
-from gptlib.inference.loading import checkpoint_label, checkpoint_table
+from gptlib.inference.loading import checkpoint_label, checkpoint_table, select_steps
 from gptlib.inference.sampling import Completion, SamplingConfig
 
 
 def enable_colab_widgets() -> bool:
-    """On Colab, ipywidgets 8 needs the custom widget manager; elsewhere nothing to do. With Colab's own
-    ipywidgets 7 Colab draws the widgets itself, and the custom manager (loaded from a CDN, taking over every
-    later widget, tqdm bars included) is what broke Colab's tqdm bars in 2022: it is left off."""
+    """On Colab, ipywidgets 8 needs the custom widget manager. Colab draws its own ipywidgets 7 itself, and the custom
+    manager (from a CDN, taking over every later widget) is what broke Colab's tqdm bars in 2022: left off there."""
     if "google.colab" not in sys.modules:
         return False
     try:
@@ -47,13 +38,13 @@ def enable_colab_widgets() -> bool:
         return False
 
 
-def parse_list(text: str, sep: str = "|") -> list[str]:
+def parse_list(text: str) -> list[str]:
     r"""A Colab form string -> items: "ROMEO:|JULIET:|\n" -> ["ROMEO:", "JULIET:", "\n"] (\n means newline)."""
-    return [s.replace("\\n", "\n") for s in text.split(sep) if s != ""]
+    return [s.replace("\\n", "\n") for s in text.split("|") if s != ""]
 
 
 def _in_kernel() -> bool:
-    """Whether a Jupyter kernel runs us: a front end can then click a button while we work."""
+    """Whether a Jupyter kernel runs us: a button can then be clicked while we work."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -62,13 +53,12 @@ def _in_kernel() -> bool:
 
 
 def status_html(msg: str, error: bool = False) -> str:
-    """A status line: grey, or red for an error."""
     return f'<span style="color:{"#b00020" if error else "#555"}">{html.escape(msg)}</span>'
 
 
 def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
-    """(the pieces so far, a stream callback that collects pieces and calls draw(text so far) at most ~20 times a
-    second, the first piece at once)."""
+    """(the pieces so far, a stream callback that collects them and redraws at most ~20 times a second): a redraw
+    per token would flood the front end."""
     parts: list[str] = []
     last = [0.0]
 
@@ -83,7 +73,7 @@ def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], N
 
 
 def sampling_widgets(view, max_label: str) -> None:
-    """The sampling sliders every view has, as view.temperature, view.top_k, view.max_tokens, view.seed."""
+    """The sliders every view has: view.temperature, view.top_k, view.max_tokens, view.seed."""
     import ipywidgets as W
 
     wide = {"style": {"description_width": "110px"}, "layout": W.Layout(width="95%")}
@@ -96,19 +86,18 @@ def sampling_widgets(view, max_label: str) -> None:
 
 
 def sampling_config(view, **more) -> SamplingConfig:
-    """The settings of a view's sampling_widgets (and `more`); seed -1 is random, another seed the same text."""
+    """The settings of a view's sampling_widgets (and `more`); seed -1 is random."""
     return SamplingConfig(max_new_tokens=int(view.max_tokens.value), temperature=float(view.temperature.value),
                           top_k=int(view.top_k.value) or None,
                           seed=int(view.seed.value) if int(view.seed.value) >= 0 else None, **more).validate()
 
 
 class _Stopped(Exception):
-    """Raised by the Playground's stream callback after Stop was pressed: ends the generation at that token."""
+    """Raised by the Playground's stream callback after Stop: ends the generation at that token."""
 
 
 def playground_error(e: Exception) -> str:
-    """The status line for a failed Generate. A char model cannot take a character its training text lacked (its
-    vocabulary has no row for it, so no option can map it): here the fix is the prompt."""
+    """A char model has no row for a character its training text lacked: here the fix is the prompt."""
     msg = f"{type(e).__name__}: {e}"
     if "is not in the char vocabulary" in msg:
         msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the prompt"
@@ -116,22 +105,22 @@ def playground_error(e: Exception) -> str:
 
 
 class Playground:
-    """Prompt box, sampling sliders, checkpoint dropdown, Generate and Stop buttons and streamed output.
-    Stop sets a flag the stream callback checks after each token. In a kernel a widget callback runs on the main
-    thread and holds back every other message (the Stop click too) until it returns, so there Generate hands the
-    work to the Playground's own thread and returns at once (a kernel interrupt cannot reach it: Stop is the way).
-    `generate()` called from a cell runs there, and holds the kernel just the same: no click can arrive, so Stop
-    stays disabled and the cell's interrupt ends it.
+    """Prompt, sampling sliders, checkpoint dropdown, Generate and Stop, and the streamed output.
+
+        pg = Playground(run_dir); display(pg.widget)   # nothing is loaded until Generate
+        pg.generate()                                  # the Generate button, from code
+
+    Stop sets a flag the stream callback checks at each token. In a kernel a widget callback runs on the main thread
+    and holds back every other message (the Stop click too) until it returns, so there Generate hands the work to a
+    thread of its own. generate() from a cell holds the kernel just the same: no click can arrive, so Stop stays
+    disabled and the cell's interrupt ends it.
     """
 
-    def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:", max_loaded: int = 2,
-                 compile: bool = False):
+    def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:"):
         import ipywidgets as W
 
         self.run_dir, self.device = Path(run_dir), device
-        self.compile = compile  # Engine(compile=True): compiled decode step (GPU; the first Generate compiles)
-        self.max_loaded = max_loaded  # engines kept in memory (switching back is then instant)
-        self._engines: OrderedDict[int, Engine] = OrderedDict()
+        self._engines: OrderedDict[int, Engine] = OrderedDict()  # the last 2 loaded: switching back is instant
         style = {"description_width": "110px"}
         wide = {"style": style, "layout": W.Layout(width="95%")}
         self.prompt = W.Textarea(value=prompt, description="Prompt", layout=W.Layout(width="95%", height="80px"),
@@ -153,10 +142,10 @@ class Playground:
         self.status, self.output = W.HTML(value=""), W.HTML(value="")
         self._stop = threading.Event()  # set by Stop, read by the stream callback (another thread in a kernel)
         self._busy = threading.Lock()  # one generation at a time (the button's thread, or a cell's call)
-        self._worker: ThreadPoolExecutor | None = None  # one thread for every click: compiled CUDA graphs live there
+        self._worker: ThreadPoolExecutor | None = None  # the thread that runs the button's generations
         self._job: Future | None = None  # the button's last generation
         self.button.on_click(lambda _: self._generate_clicked())
-        self.stop_button.on_click(lambda _: self.request_stop())
+        self.stop_button.on_click(lambda _: self._stop.set())  # the generation ends at its next token
         self.refresh_button.on_click(lambda _: self.refresh())
         self.widget = W.VBox([
             self.prompt, W.HBox([self.checkpoint, self.refresh_button]),
@@ -168,7 +157,7 @@ class Playground:
         self.refresh()
 
     def refresh(self) -> None:
-        """Fill the checkpoint dropdown from the run directory (training may have saved new ones)."""
+        """Fill the checkpoint dropdown again: training may have saved new ones."""
         rows = checkpoint_table(self.run_dir)
         keep = self.checkpoint.value
         self.checkpoint.options = [(checkpoint_label(r), r["step"]) for r in rows]
@@ -177,15 +166,11 @@ class Playground:
         else:
             self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
 
-    def sampling_config(self) -> SamplingConfig:
-        return sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
-                               repetition_penalty=float(self.repetition_penalty.value))
-
-    def engine(self, step: int) -> Engine:
+    def _engine(self, step: int) -> Engine:
         if step not in self._engines:
-            while len(self._engines) >= self.max_loaded:
+            while len(self._engines) >= 2:
                 self._engines.popitem(last=False)  # free the least recently used model first
-            self._engines[step] = Engine.from_run(self.run_dir, step, device=self.device, compile=self.compile)
+            self._engines[step] = Engine.from_run(self.run_dir, step, device=self.device)
         self._engines.move_to_end(step)
         return self._engines[step]
 
@@ -194,7 +179,7 @@ class Playground:
                              f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>")
 
     def _generate_clicked(self) -> None:
-        """The Generate button: in a kernel on the Playground's thread (see the class docstring), else right here."""
+        """In a kernel on the Playground's thread (see the class docstring), else right here."""
         if not _in_kernel():
             self._run(stoppable=True)
             return
@@ -202,17 +187,11 @@ class Playground:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")
         self._job = self._worker.submit(self._run, stoppable=True)
 
-    def request_stop(self) -> None:
-        """What the Stop button does: the generation ends at its next token; its text so far stays shown."""
-        self._stop.set()
-
     def generate(self) -> Completion | None:
-        """What the Generate button does, from code: stream the continuation into the output box until it is done
-        (Stop stays disabled: see the class docstring)."""
         return self._run(stoppable=False)
 
     def _run(self, stoppable: bool) -> Completion | None:
-        """Generate; stoppable: started by the button, so a Stop click can arrive while it runs."""
+        """stoppable: started by the button, so a Stop click can arrive while it runs."""
         if self.checkpoint.value is None:
             self.refresh()
             if self.checkpoint.value is None:
@@ -240,10 +219,11 @@ class Playground:
             self._busy.release()
 
     def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None], how_to_end: str) -> Completion:
-        """Load, generate and show; add(piece) collects the text in `parts`, and it ends after Stop."""
-        cfg = self.sampling_config()
+        """Load, generate and show; add(piece) collects the text in `parts`."""
+        cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
+                              repetition_penalty=float(self.repetition_penalty.value))
         self.status.value = status_html("loading checkpoint…")
-        eng = self.engine(self.checkpoint.value)
+        eng = self._engine(self.checkpoint.value)
         self.status.value = status_html(f"generating… {how_to_end}")
 
         def on_piece(_: int, piece: str) -> None:
@@ -265,10 +245,30 @@ class Playground:
             else f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
         return res
 
-    def _ipython_display_(self):
-        from IPython.display import display
+@dataclass
+class Comparison:
+    prompts: list[str]  # rows
+    columns: list[str]  # one label per checkpoint, e.g. "step 1,000 · val 1.52 · best"
+    steps: list[int]  # the checkpoint step of each column
+    texts: list[list[str]]  # texts[i][j]: prompt i continued by checkpoint j
 
-        display(self.widget)
+
+def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[str | int] | str = "all",
+                        cfg: SamplingConfig | None = None, device: str = "cpu") -> Comparison:
+    """Every prompt continued by every checkpoint ("all", or latest/best/steps, a list or "1000, best") with one
+    seed and the same settings, so the columns differ only by the weights: how the model learned."""
+    cfg = dataclasses.replace(cfg or SamplingConfig(max_new_tokens=100)).validate()
+    cfg.seed = 1337 if cfg.seed is None else cfg.seed
+    steps = select_steps(run_dir, checkpoints)
+    if not prompts:
+        raise GenerationError("no prompts to compare")
+    table = {r["step"]: r for r in checkpoint_table(run_dir)}
+    columns, texts = [], [[] for _ in prompts]
+    for s in steps:
+        columns.append(checkpoint_label(table.get(s, {"step": s})))
+        for i, c in enumerate(Engine.from_run(run_dir, s, device=device).generate(list(prompts), cfg)):
+            texts[i].append(c.text)
+    return Comparison(prompts=list(prompts), columns=columns, steps=steps, texts=texts)
 
 
 def comparison_html(cmp: Comparison) -> str:

@@ -508,7 +508,7 @@ def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data
         assert str(run) in str(error) and time.time() - t0 < 10
         if hang == "tokenizer.json":
             assert "state.json and the run's tokenizer.json" in str(error)
-        _, error = within(20, lambda: evaluate_run(run, "bpb", progress=False, write=False))  # eval reads it first
+        _, error = within(20, lambda: evaluate_run(run, "bpb", progress=False))  # eval reads it first
         assert isinstance(error, HungIOError), error
         rc, _ = within(20, lambda: main(["sample", "--run-dir", str(run), "--max-new-tokens", "5"]))
     finally:

@@ -17,7 +17,8 @@ import torch
 
 from gptlib.__main__ import main
 from gptlib.evaluation import hellaswag as hs
-from gptlib.evaluation.evaluate import evaluate_run, read_eval_rows
+from gptlib.evaluation.evaluate import evaluate_run
+from gptlib.fsutil import read_jsonl
 from gptlib.layout import EVAL_FILE
 
 from .conftest import TINY
@@ -69,7 +70,7 @@ def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
                "--checkpoint", "all", "--device", "cpu", "--quiet"])
     out = capsys.readouterr().out
     assert rc == 0 and "acc_norm" in out and "truncated" in out
-    rows = read_eval_rows(run_dir, "hellaswag")
+    rows = [r for r in read_jsonl(run_dir / EVAL_FILE) if r["task"] == "hellaswag"]
     assert [r["step"] for r in rows] == [5, 10]  # all = every complete checkpoint, oldest first
     for r in rows:
         assert r["n"] == 30 and r["skipped"] == 1 and 0 < r["truncated"] < 30 and r["tokens_seen"] == r["step"] * 256
@@ -77,7 +78,7 @@ def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
         assert {"time", "checkpoint", "data", "data_sha256", "items_per_s", "seconds"} <= set(r)
     rc = main(["eval", "--run-dir", str(run_dir), "--task", "bpb", "--checkpoint", "best", "--limit", "50", "--quiet"])
     assert rc == 0 and "val bpb" in capsys.readouterr().out
-    (b,) = read_eval_rows(run_dir, "bpb")
+    (b,) = [r for r in read_jsonl(run_dir / EVAL_FILE) if r["task"] == "bpb"]
     from gptlib.inference.loading import checkpoint_table
 
     assert b["step"] == checkpoint_table(run_dir)[0]["best_step"] and b["n"] == b["windows"] == 50 and b["tokens"] == 50 * 32
@@ -199,8 +200,9 @@ def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     items = [json.loads(ln) for ln in hs_file.read_text().splitlines()][:30]  # the encodable ones
     lm = load_run(run_dir, "latest")
-    res = hs.evaluate_hellaswag(lm.model, lm.tokenizer, [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")})
-                                                         for i, it in enumerate(items)], "cpu", batch_tokens=256)
+    items_ = [hs.Item(**{k: it[k] for k in ("ctx", "endings", "label")}) for it in items]
+    block = lm.config.model.block_size
+    res = hs.evaluate_rendered(lm.model, hs.render(items_, lm.tokenizer, block), "cpu", batch_tokens=256)
     assert res["truncated"] > 0  # the left cut is exercised too
     assert_same_choices(res, *hf_choices(hf, hf_tok, items, lm.config.model.block_size), items)
 
@@ -221,16 +223,17 @@ def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
     hf = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     items = short_items(small_text.read_text(), 25, seed=4)
-    res = hs.evaluate_hellaswag(m, tok, [hs.Item(line=i, **{k: it[k] for k in ("ctx", "endings", "label")})
-                                         for i, it in enumerate(items)], "cpu")
+    items_ = [hs.Item(**{k: it[k] for k in ("ctx", "endings", "label")}) for it in items]
+    res = hs.evaluate_rendered(m, hs.render(items_, tok, 24), "cpu")
     assert res["truncated"] > 0 and res["skipped"] == 0
     assert_same_choices(res, *hf_choices(hf, hf_tok, items, 24), items)
 
 
-def test_evaluate_run_api_without_writing(run_dir, hs_file):
+def test_evaluate_run_api(run_dir, hs_file, tmp_path):
     rows = evaluate_run(run_dir, "hellaswag", "5, latest", data=hs_file, limit=10, device="cpu", progress=False,
-                        write=False)
+                        out=tmp_path / "scores.jsonl")
     assert [r["step"] for r in rows] == [5, 10] and all(r["n"] <= 10 for r in rows)
+    assert read_jsonl(tmp_path / "scores.jsonl") == rows
 
 
 def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_save_it(run_dir, tmp_path, monkeypatch):

@@ -123,8 +123,8 @@ def test_hellaswag_scoring_matches_brute_force(small_text):
     raw[0].update(ctx="KING", endings=["the end", "a rose", "no", "yes"])  # short: fits the window, nothing cut
     raw[1]["endings"][2] = "x" * 70  # an ending longer than the window: scored in pieces
     raw.append({"ctx": "a snowman \u2603", "endings": ["a", "b", "c", "d"], "label": 1})  # not encodable
-    items = [hs.Item(ctx=r["ctx"], endings=r["endings"], label=r["label"], line=i + 1) for i, r in enumerate(raw)]
-    res = hs.evaluate_hellaswag(m, tok, items, "cpu", batch_tokens=300)
+    items = [hs.Item(ctx=r["ctx"], endings=r["endings"], label=r["label"]) for r in raw]
+    res = hs.evaluate_rendered(m, hs.render(items, tok, 48), "cpu", batch_tokens=300)
     assert res["n"] == 12 and res["skipped"] == 1
     sums, truncated = np.zeros((12, 4)), 0
     for i, it in enumerate(items[:12]):
@@ -184,18 +184,20 @@ def _write(path, items):
 
 def test_fetch_checks_sha256_and_caches(tmp_path, monkeypatch):
     src = _write(tmp_path / "served.jsonl", [{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 0}])
-    url = src.as_uri()
+    monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hs, "HELLASWAG_URL", src.as_uri())
     with pytest.raises(EvalError) as e:  # the real checksum: this file is not the canonical one
-        hs.fetch_hellaswag(tmp_path / "cache", url=url)
+        hs.fetch_hellaswag()
     assert hs.HELLASWAG_SHA256 in str(e.value) and hashlib.sha256(src.read_bytes()).hexdigest() in str(e.value)
     assert not (tmp_path / "cache" / "hellaswag" / hs.HELLASWAG_FILE).exists()  # nothing unverified is cached
     monkeypatch.setattr(hs, "HELLASWAG_SHA256", hashlib.sha256(src.read_bytes()).hexdigest())
-    got = hs.fetch_hellaswag(tmp_path / "cache", url=url)
+    got = hs.fetch_hellaswag()
     assert got.read_bytes() == src.read_bytes()
-    assert hs.fetch_hellaswag(tmp_path / "cache", url="http://127.0.0.1:9/unreachable") == got  # from the cache
+    monkeypatch.setattr(hs, "HELLASWAG_URL", "http://127.0.0.1:9/unreachable")
+    assert hs.fetch_hellaswag() == got  # from the cache
     got.write_text("corrupted")  # a corrupt cached copy is replaced, not trusted
     with pytest.raises(EvalError, match="could not download HellaSwag from http://127.0.0.1:9.*--data FILE"):
-        hs.fetch_hellaswag(tmp_path / "cache", url="http://127.0.0.1:9/unreachable", timeout=5)
+        hs.fetch_hellaswag()
     assert not got.exists()
 
 
@@ -254,38 +256,39 @@ def test_bpb_matches_brute_force(small_text):
 # --- during training ------------------------------------------------------------------------------
 
 
-def test_probe_scores_subset_and_full(small_text):
+def test_probe_scores_subset_and_full(small_text, tmp_path):
     text = small_text.read_text()
     tok = CharTokenizer.from_text(text)
     m = tiny_gpt(vocab=tok.vocab_size, block=32, seed=1).train()
-    items = [hs.Item(line=i + 1, **r) for i, r in enumerate(shakespeare_items(text, 9))]
+    items, _ = hs.load_items(_write(tmp_path / "hs.jsonl", shakespeare_items(text, 9)))
     logs = []
-    probe = hs.HellaSwagProbe(tok, 32, items, limit=4, log=logs.append)
-    row = probe.metrics(m, "cpu")
+    probe = hs.HellaSwagProbe(tok, 32, tmp_path / "hs.jsonl", limit=4, log=logs.append)
+    row = hs.metrics_fields(probe.score(m, "cpu"))
     assert set(row) == {"hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n"} and row["hellaswag_n"] == 4
     assert m.training  # the probe puts the model back in training mode
     full = probe.score(m, "cpu", full=True)
-    direct = hs.evaluate_hellaswag(m, tok, items, "cpu")
+    direct = hs.evaluate_rendered(m, hs.render(items, tok, 32), "cpu")
     assert full["n"] == 9 and full["acc_norm"] == direct["acc_norm"] and full["acc"] == direct["acc"]
     assert logs == []
 
 
 def test_eval_rows_append_and_read(tmp_path, small_text):
-    from gptlib.evaluation.evaluate import append_eval_row, make_row, read_eval_rows
+    from gptlib.evaluation.evaluate import append_eval_row, make_row
+    from gptlib.fsutil import read_jsonl
     from gptlib.layout import EVAL_FILE
 
     tok = CharTokenizer.from_text(small_text.read_text())
-    items = [hs.Item(line=i + 1, **r) for i, r in enumerate(shakespeare_items(small_text.read_text(), 3))]
-    res = hs.HellaSwagProbe(tok, 32, items, limit=None).score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu")
+    hs_file = _write(tmp_path / "hs.jsonl", shakespeare_items(small_text.read_text(), 3))
+    res = hs.HellaSwagProbe(tok, 32, hs_file, limit=None).score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu")
     append_eval_row(tmp_path, make_row("hellaswag", 100, 51_200, res, source="training"))
     with open(tmp_path / EVAL_FILE, "a") as f:
         f.write('{"task": "bpb", "step": 1')  # a torn last line (killed mid-write) is skipped, not fatal
-    (row,) = read_eval_rows(tmp_path)
+    (row,) = read_jsonl(tmp_path / EVAL_FILE)
     assert row["task"] == "hellaswag" and row["step"] == 100 and row["tokens_seen"] == 51_200 and row["n"] == 3
     assert row["source"] == "training" and row["canonical"] is False and "time" in row
     before = (tmp_path / EVAL_FILE).read_bytes()
     append_eval_row(tmp_path, make_row("bpb", 200, None, {"bpb": 2.5}))
-    assert [r["task"] for r in read_eval_rows(tmp_path)] == ["hellaswag", "bpb"]  # the new row on a line of its own
+    assert [r["task"] for r in read_jsonl(tmp_path / EVAL_FILE)] == ["hellaswag", "bpb"]  # on a line of its own
     assert (tmp_path / EVAL_FILE).read_bytes().startswith(before)  # earlier bytes never rewritten
 
 
@@ -296,16 +299,17 @@ def test_probe_without_network_stays_off(tmp_path, monkeypatch, small_text):
     monkeypatch.setattr(urllib.request, "urlopen", no_network)
     logs = []
     tok = CharTokenizer.from_text(small_text.read_text())
-    probe = hs.HellaSwagProbe(tok, 32, None, cache_dir=tmp_path, log=logs.append)
-    assert not probe.available and len(logs) == 1 and "could not download HellaSwag" in logs[0]
+    monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path))
+    probe = hs.HellaSwagProbe(tok, 32, None, log=logs.append)
+    assert probe.reason is not None and len(logs) == 1 and "could not download HellaSwag" in logs[0]
     assert "(hellaswag_file=FILE)" in logs[0] and "--data" not in logs[0]  # training's setting, not eval's flag
-    assert probe.metrics(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu") == {} and len(logs) == 1
+    assert probe.score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu") is None and len(logs) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     probe = hs.HellaSwagProbe(tok, 32, bad, log=logs.append)
-    assert not probe.available and "line 1 is not valid JSON" in logs[-1]
-    unencodable = [hs.Item(ctx="\u2603", endings=["a"] * 4, label=0, line=1)]
-    assert not hs.HellaSwagProbe(tok, 32, unencodable, log=logs.append).available
+    assert probe.reason is not None and "line 1 is not valid JSON" in logs[-1]
+    unencodable = _write(tmp_path / "snow.jsonl", [{"ctx": "\u2603", "endings": ["a"] * 4, "label": 0}])
+    assert hs.HellaSwagProbe(tok, 32, unencodable, log=logs.append).reason is not None
 
 
 def test_config_fields_and_preset():

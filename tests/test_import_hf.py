@@ -132,3 +132,21 @@ def test_init_from_with_another_vocabulary_names_both_sides(hf_folder, tmp_path,
                                           r".*--tokenizer-from"):
         train(char_data, tmp_path / "ft", "finetune", TINY, max_steps=2, progress=False, log=quiet,
               init_from=str(base))
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line(hf_folder, tmp_path, capsys):
+    """A folder whose config.json does not describe its weights (hand-edited, or mixed up with another model's):
+    one line naming the weight and both shapes, no traceback, no run directory."""
+    import shutil
+
+    from gptlib.__main__ import main
+
+    folder = tmp_path / "edited"
+    shutil.copytree(hf_folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))  # the weights are 32 wide
+    assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert str(folder) in err and "shape (" in err and "64" in err and "32" in err, err
+    assert not (tmp_path / "run").exists()

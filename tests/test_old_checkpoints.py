@@ -15,13 +15,18 @@ run goes on exactly as one resumed from a current-format checkpoint of the same 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import shutil
 import tarfile
 
+import pytest
 import torch
 
 from gptlib.checkpoint.format import find_latest_valid, load_model_weights, write_checkpoint
+from gptlib.config import RunConfig, get_preset
+from gptlib.errors import ConfigError
+from gptlib.inference.loading import load_run
 from gptlib.layout import LOG_FILES, checkpoints_dir
 from gptlib.training import loop as gloop
 from gptlib.training.logs import read_metrics
@@ -91,3 +96,63 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(char_data, tmp_path
     a = load_model_weights(find_latest_valid(old, log=lambda m: None).path)
     b = load_model_weights(find_latest_valid(now, log=lambda m: None).path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _set_model_field(ckpt_dir, name, value):
+    """Write a model field into a checkpoint's state.json as an older gptlib did, the manifest re-hashed to match."""
+    state = json.loads((ckpt_dir / "state.json").read_text())
+    state["config"]["model"][name] = value
+    (ckpt_dir / "state.json").write_text(json.dumps(state))
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())
+    data = (ckpt_dir / "state.json").read_bytes()
+    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_that_recorded_the_dropped_soft_cap_as_off_loads_and_resumes_exactly(char_data, tmp_path,
+                                                                                         one_thread):
+    """Every run made with the defaults before issue 27 recorded logit_softcap 0.0: it loads and resumes exactly."""
+    alone = tmp_path / "alone"
+    train(char_data, alone, "phase1", SETTINGS, max_steps=30, device="cpu", progress=False, log=lambda m: None)
+    old = tmp_path / "old"
+    shutil.copytree(alone, old)
+    shutil.rmtree(old / "checkpoints" / "step_0000030")
+    _set_model_field(old / "checkpoints" / "step_0000025", "logit_softcap", 0.0)
+    assert load_run(old).step == 25
+    r = train(char_data, old, "phase1", SETTINGS, max_steps=30, device="cpu", progress=False, log=lambda m: None)
+    assert r.resumed_from == 25 and r.step == 30
+    assert curve(old) == curve(alone)
+    a = load_model_weights(find_latest_valid(old, log=lambda m: None).path)
+    b = load_model_weights(find_latest_valid(alone, log=lambda m: None).path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name,value,loads", [("logit_softcap", 0, True), ("logit_softcap", 15.0, False),
+                                              ("mlp", "relu2", False), ("mlp", "gelu", True)])
+def test_a_run_that_used_a_dropped_option_is_refused_in_one_line(name, value, loads):
+    """The ReLU² MLP and the logit soft cap are gone: a config that used one names its file, the field and the value."""
+    cfg = get_preset("phase1").to_dict()
+    cfg["model"][name] = value
+    if loads:
+        assert RunConfig.from_dict(cfg, "run/state.json") == get_preset("phase1")
+        return
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict(cfg, "run/checkpoints/step_0000020/state.json")
+    assert str(e.value).startswith(f"run/checkpoints/step_0000020/state.json: model.{name} is {value!r}, an option "
+                                   f"gptlib no longer has") and "\n" not in str(e.value)
+
+
+def test_loading_or_resuming_a_run_that_used_the_soft_cap_is_refused(char_data, tmp_path, capsys):
+    from gptlib.__main__ import main
+
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", SETTINGS, max_steps=5, device="cpu", progress=False, log=lambda m: None)
+    ckpt = run / "checkpoints" / "step_0000005"
+    _set_model_field(ckpt, "logit_softcap", 15.0)
+    with pytest.raises(ConfigError, match=f"{ckpt / 'state.json'}: model.logit_softcap is 15.0"):
+        load_run(run)
+    with pytest.raises(ConfigError, match=f"{ckpt / 'state.json'}: model.logit_softcap is 15.0"):
+        train(char_data, run, "phase1", SETTINGS, max_steps=10, device="cpu", progress=False, log=lambda m: None)
+    assert main(["sample", "--run-dir", str(run), "--max-new-tokens", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.logit_softcap is 15.0" in err and "\n" not in err and "Traceback" not in err

@@ -54,7 +54,7 @@ def test_gpt2_recipe_is_the_default_and_changes_nothing():
     assert cfg.recipe == "gpt2" and cfg.model.positions == "learned" and cfg.model.tie_embeddings
     assert cfg.train.optimizer == "adamw" and cfg.train.schedule == "cosine"
     old = cfg.to_dict()
-    for k in ("positions", "norm", "qk_norm", "mlp", "tie_embeddings", "zero_init", "logit_softcap", "rope_theta"):
+    for k in ("positions", "norm", "qk_norm", "mlp", "tie_embeddings", "zero_init", "rope_theta"):
         del old["model"][k]
     for k in ("optimizer", "muon_lr", "muon_momentum", "schedule", "cooldown_frac"):
         del old["train"][k]
@@ -66,7 +66,7 @@ def test_gpt2_recipe_is_the_default_and_changes_nothing():
 
 
 def test_modern_model_parts():
-    cfg = modern(logit_softcap=15.0).validate()
+    cfg = modern().validate()
     m = GPT(cfg.model)
     sd = m.state_dict()
     assert "transformer.wpe.weight" not in sd and "rope_cos" not in sd  # rotary tables are derived, not saved
@@ -79,13 +79,9 @@ def test_modern_model_parts():
     logits, loss = m(x, x)
     assert logits.shape == (2, 32, 65)
     assert loss.item() == pytest.approx(torch.log(torch.tensor(65.0)).item(), abs=1e-4)  # a zero head: uniform
-    with torch.no_grad():
-        m.lm_head.weight.normal_(std=10.0)
-    assert m(x)[0].abs().max() <= 15.0  # soft-capped
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_modern_kv_cache_decodes_as_the_full_forward(static):
+def test_modern_kv_cache_decodes_as_the_full_forward():
     """Rotary positions past the prompt: prefill + one token at a time (batch 2) gives the full forward's logits."""
     torch.manual_seed(0)
     cfg = modern(zero_init=False).validate()
@@ -93,12 +89,9 @@ def test_modern_kv_cache_decodes_as_the_full_forward(static):
     x = torch.randint(0, 65, (2, 20))
     with torch.no_grad():
         full = m(x)[0]
-        cache = KVCache(cfg.model, 2, "cpu", torch.float32, static=static)
-        steps = []
-        for lo, hi in [(0, 12)] + [(t, t + 1) for t in range(12, 20)]:
-            pos = torch.arange(lo, hi)
-            h = m.hidden_states(x[:, lo:hi], cache, pos if static else None)
-            steps.append(m.head(h))
+        cache = KVCache(cfg.model, 2, "cpu", torch.float32)
+        chunks = [(0, 12)] + [(t, t + 1) for t in range(12, 20)]  # a prefill, then one token at a time
+        steps = [m.head(m.hidden_states(x[:, lo:hi], cache)) for lo, hi in chunks]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -388,9 +381,9 @@ def test_export_refuses_a_part_no_native_architecture_has(char_data, tmp_path):
     from gptlib.inference.export import export_hf
 
     run_dir = tmp_path / "run"
-    run(char_data, run_dir, settings=SETTINGS + ["mlp=relu2", "logit_softcap=15"], max_steps=2)
-    with pytest.raises(ExportError, match=r"mlp='relu2', logit_softcap=15.0, which no native Hugging Face "
-                                          r"architecture has \(the nearest, Qwen3/Llama, needs mlp='swiglu'"):
+    run(char_data, run_dir, settings=SETTINGS + ["mlp=gelu", "bias=true"], max_steps=2)
+    with pytest.raises(ExportError, match=r"mlp='gelu', bias=True, which no native Hugging Face "
+                                          r"architecture has \(the nearest, Qwen3/Llama, needs mlp='swiglu', bias=False"):
         export_hf(run_dir, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -424,7 +417,7 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     from tests.tokenize_kit import split_tokens
     from gptlib.evaluation import hellaswag as hs
     from gptlib.evaluation.evaluate import evaluate_bpb, window_starts
-    from gptlib.inference.compare import compare_checkpoints
+    from gptlib.widgets import compare_checkpoints
     from gptlib.inference.loading import load_run
     from gptlib.inference.sampling import SamplingConfig
     from gptlib.widgets import Playground
@@ -432,8 +425,8 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
 
     ld = load_run(modern_reference)
     model, tok, block = ld.model.eval(), ld.tokenizer, ld.config.model.block_size
-    items = [hs.Item(line=i + 1, **r) for i, r in enumerate(shakespeare_items(small_text.read_text(), 6))]
-    res = hs.evaluate_hellaswag(model, tok, items, "cpu", batch_tokens=200)
+    items = [hs.Item(**r) for r in shakespeare_items(small_text.read_text(), 6)]
+    res = hs.evaluate_rendered(model, hs.render(items, tok, block), "cpu", batch_tokens=200)
 
     def brute_sum(ctx: str, ending: str) -> float:  # each row (an ending longer than the window: its pieces) alone
         rows, ks, _ = hs.ending_rows(tok.encode(ctx), tok.encode(" " + ending), block)

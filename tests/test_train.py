@@ -161,7 +161,8 @@ def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, m
 def test_hellaswag_during_training(tmp_path, char_data):
     """hellaswag_every: a fixed subset at the validations that cross a multiple, all items at the end (also
     in eval.jsonl), drawn beside the loss; without the file, training goes on and says why."""
-    from gptlib.evaluation.evaluate import read_eval_rows
+    from gptlib.fsutil import read_jsonl
+    from gptlib.layout import EVAL_FILE
 
     items = [{"ctx": "ROMEO:", "endings": [" what", " is", " this", " night"], "label": i % 4} for i in range(12)]
     hs_file = tmp_path / "hs.jsonl"
@@ -175,7 +176,7 @@ def test_hellaswag_during_training(tmp_path, char_data):
     assert rows[10]["hellaswag_n"] == 4 and rows[25]["hellaswag_n"] == 12  # the subset, then all items
     assert 0.0 <= rows[25]["hellaswag_acc_norm"] <= 1.0
     assert any("HellaSwag acc_norm" in m for m in logs)
-    ev = read_eval_rows(run, "hellaswag")
+    ev = [r for r in read_jsonl(run / EVAL_FILE) if r["task"] == "hellaswag"]
     assert len(ev) == 1 and ev[0]["step"] == 25 and ev[0]["source"] == "training" and ev[0]["n"] == 12
     logs = []
     missing = settings[:-1] + [f"hellaswag_file={tmp_path / 'nope.jsonl'}"]

@@ -1,23 +1,11 @@
-"""Evaluate checkpoints: HellaSwag accuracy and bits per byte on the validation split.
-
-    python -m gptlib eval --run-dir RUN_DIR --task hellaswag|bpb [--data FILE|DATA_DIR]
-                          [--checkpoint latest|best|STEP|all] [--limit N] [--device cpu|cuda]
-
-Each result is printed and appended as one JSON line to RUN_DIR/eval.jsonl (or --out FILE). Every input is checked
-before the first model runs, so a bad file, task or step fails at once.
-
-Bits per byte (bpb): the validation loss in a unit no tokenizer can bend: the val split in non-overlapping windows
-of block_size tokens, bpb = the targets' nats / ln 2 / the UTF-8 bytes of their text. Special tokens and a char
-vocabulary's <unk> carry no bytes: they are left out of both sums, as nanochat does. `loss` is the plain mean
-nats/token over all targets.
+"""Evaluate checkpoints (`python -m gptlib eval`): HellaSwag accuracy, and bits per byte on the validation split,
+the validation loss in a unit no tokenizer can bend. Each result is a row of RUN_DIR/eval.jsonl.
 """
 
 from __future__ import annotations
 
 import html
-import json
 import math
-import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -29,6 +17,7 @@ from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError, GptlibError, loud
+from gptlib.fsutil import append_jsonl
 from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, scoring, window_nll
 from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
@@ -40,8 +29,7 @@ TASKS = ("hellaswag", "bpb")
 
 def token_bytes(tok: Tokenizer) -> np.ndarray:
     """UTF-8 bytes of each token id's text, (vocab_size,) int64; 0 for special tokens and <unk>. A byte-level BPE
-    token is a string over GPT-2's 256-symbol byte alphabet, one symbol per byte (a decode of a token that is part of
-    a multi-byte character would give U+FFFD)."""
+    token is counted in symbols of GPT-2's byte alphabet: decoding a piece of a multi-byte character gives U+FFFD."""
     out = np.zeros(tok.vocab_size, dtype=np.int64)
     if tok.kind == "char":
         for i, ch in enumerate(tok.chars):
@@ -63,8 +51,8 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
 
 
 def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
-    """Starts of the non-overlapping windows (block inputs + 1 target) over a split: all of them, or
-    `limit` evenly spaced ones: the same windows for every checkpoint of the same model shape."""
+    """Starts of the non-overlapping windows (block inputs + 1 target) over a split: all, or `limit` evenly spaced
+    ones, the same for every checkpoint of one model shape."""
     n = max(0, (n_tokens - 1) // block)
     if n == 0:
         raise EvalError(f"the validation split has {n_tokens:,} tokens, fewer than one window of "
@@ -76,11 +64,13 @@ def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
 @torch.no_grad()
 def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
                  batch_tokens: int | None = None, progress: bool = False) -> dict:
-    """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (array-like or MemmapSplit)."""
+    """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (array-like or MemmapSplit): bpb = the targets'
+    nats / ln 2 / the UTF-8 bytes of their text, special tokens and <unk> (no bytes) left out of both sums, as
+    nanochat does; loss = the mean nats over all targets."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     starts = window_starts(len(val_tokens), block, limit)
-    # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the default
+    # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the tokens
     per_batch = max(1, (batch_tokens or default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
     nats_counted, nats_all = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
@@ -108,39 +98,7 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
 
 
 def append_eval_row(run_dir: str | Path, row: dict) -> None:
-    """Append a row to RUN_DIR/eval.jsonl (append_row)."""
-    append_row(Path(run_dir) / EVAL_FILE, row)
-
-
-def append_row(path: str | Path, row: dict) -> None:
-    """One line, one write, on a file opened for appending: rows written before (by any process) are never
-    rewritten, and a row torn by a kill mid-write is left alone on its own line (readers skip it)."""
-    line = (json.dumps(row) + "\n").encode()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # --out scores/eval.jsonl: its folder too
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line (a kill mid-write): start a new one
-            line = b"\n" + line
-        os.write(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_eval_rows(run_dir: str | Path, task: str | None = None) -> list[dict]:
-    """The rows of eval.jsonl (a torn or foreign line is skipped), optionally of one task."""
-    p = Path(run_dir) / EVAL_FILE
-    rows = []
-    for line in p.read_text(errors="replace").splitlines() if p.is_file() else []:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(r, dict) and (task is None or r.get("task") == task):
-            rows.append(r)
-    return rows
+    append_jsonl(Path(run_dir) / EVAL_FILE, row)
 
 
 def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:
@@ -149,16 +107,16 @@ def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extr
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _prepare(run_dir: Path, task: str, data, step: int, cache_dir, file_option: str) -> dict:
-    """Everything that can fail on bad input, before any model runs: the HellaSwag file, or the val split of the
-    checkpoint's data dir (or --data), refused if made with another tokenizer."""
+def _prepare(run_dir: Path, task: str, data, step: int, file_option: str) -> dict:
+    """What can fail on bad input, before any model runs: the HellaSwag file, or the val split of the checkpoint's
+    data dir (or --data), refused if made with another tokenizer."""
     info = resolve_checkpoint(run_dir, step)
     state, _, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
             raise EvalError(f"{data} is a directory; for hellaswag give the jsonl file ({file_option})")
-        items, file = hs.load_items(data, cache_dir, file_option=file_option)
-        return {"items": items, "file": file}
+        items, file = hs.load_items(data, file_option=file_option)
+        return {"items": items, "file": file, "rendered": {}}
     if data is not None and Path(data).is_file():
         raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
     if not (data or state.data_dir):
@@ -172,14 +130,12 @@ def _prepare(run_dir: Path, task: str, data, step: int, cache_dir, file_option: 
 
 
 def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest", *, data: str | Path | None = None,
-                 limit: int | None = None, device: str = "auto", dtype: torch.dtype | None = None,
-                 batch_tokens: int | None = None, cache_dir: str | Path | None = None, progress: bool = True,
-                 write: bool = True, out: str | Path | None = None, warn=loud,
+                 limit: int | None = None, device: str = "auto", batch_tokens: int | None = None,
+                 progress: bool = True, out: str | Path | None = None, warn=loud,
                  file_option: str = "--data FILE") -> list[dict]:
-    """Evaluate one or more checkpoints of a run; -> the rows, each also appended (if write) to `out`, default
-    RUN_DIR/eval.jsonl, as it is computed. A row that cannot be appended (a read-only run directory, a full disk)
-    is not an error: the rows are returned all the same and warn() gets one line naming the file and the fix.
-    file_option: where the caller takes a HellaSwag file, as its messages name it (a notebook names its field)."""
+    """Score one or more checkpoints; -> the rows, each appended to `out` (default RUN_DIR/eval.jsonl) as it is
+    computed. A row that cannot be appended (a read-only run directory) costs no score: warn() gets one line naming
+    the file and the fix. file_option: how the caller's messages name its HellaSwag file (a notebook: its field)."""
     run_dir, task = Path(run_dir), str(task).strip().lower()
     if task not in TASKS:
         raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
@@ -190,22 +146,19 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
         raise EvalError(f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}")
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
-    prep = _prepare(run_dir, task, data, steps[-1], cache_dir, file_option)
-    rows, rendered, unsaved = [], {}, None
+    prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], file_option), [], None
     for step in steps:
         lm = load_run(run_dir, step, device=dev)  # fp32 weights under autocast, as training's validation loss
-        _, dt = eval_autocast(dev, dtype)
+        _, dt = eval_autocast(dev, None)
         t0 = time.perf_counter()
         if task == "hellaswag":
-            block = lm.config.model.block_size
+            block, rendered = lm.config.model.block_size, prep["rendered"]
             if block not in rendered:  # tokenized once per window size, reused by every checkpoint
                 sel = hs.select(len(prep["items"]), limit)
                 rendered[block] = hs.render([prep["items"][i] for i in sel], lm.tokenizer, block)
             res = hs.evaluate_rendered(lm.model, rendered[block], dev, dt, batch_tokens, progress,
                                        desc=f"hellaswag step {step}")
-            result = {k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")}
-            result.update(data=prep["file"]["path"], data_sha256=prep["file"]["sha256"],
-                          canonical=prep["file"]["canonical"])
+            result = hs.row_fields(res, prep["file"])
         else:
             result = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
@@ -214,9 +167,9 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
             result["items_per_s"] = round(result["n"] / max(secs, 1e-9), 2)
         rows.append(make_row(task, step, lm.state.tokens_seen, result, checkpoint=str(lm.path), device=str(dev),
                              dtype=str(dt).replace("torch.", ""), seconds=round(secs, 3)))
-        if write and unsaved is None:
+        if unsaved is None:
             try:
-                append_row(target, rows[-1])
+                append_jsonl(target, rows[-1])
             except OSError as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
                 unsaved = (len(rows) - 1, e)
         del lm
@@ -232,7 +185,7 @@ def _cells(row: list[str], style: str, tag: str = "td") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table of eval rows (one task per call is the tidiest)."""
+    """The CLI's table of eval rows."""
     cols = [("step", "step", "{:,}"), ("tokens_seen", "tokens seen", "{:,}")]
     if any(r.get("task") == "hellaswag" for r in rows):
         cols += [("n", "items", "{:,}"), ("acc", "acc", "{:.4f}"), ("acc_norm", "acc_norm", "{:.4f}"),
@@ -252,9 +205,9 @@ def _fmt(v, f: str) -> str:
     return "-" if v is None else f.format(v)
 
 
-def eval_table_html(rows: list[dict], reference: bool = True) -> str:
-    """Checkpoints x {val bpb, nats/token, HellaSwag acc_norm, acc}: one table row per step, the newest
-    result of each task; then GPT-2 124M's published HellaSwag figures as a labelled reference row."""
+def eval_table_html(rows: list[dict]) -> str:
+    """Checkpoints x {val bpb, nats/token, HellaSwag acc_norm, acc}: a row per step, the newest result of each task;
+    then GPT-2 124M's published HellaSwag figures as a labelled reference row."""
     by_step: dict[int, dict] = {}
     for r in rows:
         by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r
@@ -267,9 +220,8 @@ def eval_table_html(rows: list[dict], reference: bool = True) -> str:
                             _fmt(b.get("loss"), "{:.4f}"), _fmt(h.get("acc_norm"), "{:.4f}"),
                             _fmt(h.get("acc"), "{:.4f}"), _fmt(h.get("n"), "{:,}")], cell))
     g = hs.GPT2_124M
-    if reference:
-        body.append(_cells(["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}",
-                            f"{g['acc']:.4f}", f"{g['n']:,}"], cell + ";font-style:italic"))
+    body.append(_cells(["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}", f"{g['acc']:.4f}",
+                        f"{g['n']:,}"], cell + ";font-style:italic"))
     note = (f'<p style="font-size:11px">Reference: {html.escape(g["source"])}. Bits per byte depend on '
             f"the text, so only rows on the same validation data compare; chance on HellaSwag is 0.25.</p>")
     ths = _cells(head, cell + ";background:#f3f3f3", "th")

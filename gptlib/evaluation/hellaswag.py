@@ -1,15 +1,11 @@
 """HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it.
 
-Each item is a context and 4 endings; an ending is scored as the context's tokens followed by those of " " + ending.
-The model picks the ending with the highest summed log-likelihood of its own tokens (`acc`) or the highest mean per
-token (`acc_norm`, the figure usually quoted). GPT-2 124M scores acc 0.2859, acc_norm 0.2955 this way; chance 0.25.
-
-Data: the canonical file, downloaded once, checked against its sha256 and cached (on Colab on Drive when mounted);
-or a local file in the same jsonl format (`ctx`, `endings`, `label` per line), parsed as strictly.
-Windows: when context + ending exceed the window, the context is cut from the left (the item counts as
-`truncated`). An ending longer than the window itself (char models) is scored in pieces of block_size // 2 tokens,
-each reading the block_size tokens before its end, so every ending token sees at least half a window of context.
-Items with characters a char model cannot encode are `skipped`; accuracies are over the scored items (`n`).
+An item is a context and 4 endings; each ending is scored as the context's tokens then those of " " + ending. The
+model picks the ending with the highest summed log-likelihood of its own tokens (`acc`) or the highest mean per
+token (`acc_norm`, the figure usually quoted): GPT-2 124M scores 0.2859 and 0.2955 this way, chance 0.25.
+Where context + ending exceed the window the context is cut from the left (`truncated`); an ending longer than the
+window itself (char models) is scored in pieces of block_size // 2 tokens, each reading the block_size tokens
+before its end. Items a char vocabulary cannot encode are `skipped`.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from gptlib.data.download import fetch_verified
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError
 from gptlib.evaluation.likelihood import score_rows, scoring
-from gptlib.runtime import unwrap_model
 
 # The canonical validation file; sha256 and size as TensorFlow Datasets records them for this URL
 # (tensorflow_datasets/url_checksums/hellaswag.txt).
@@ -58,14 +53,12 @@ def default_cache_dir() -> Path:
     return local_cache()
 
 
-def fetch_hellaswag(cache_dir: str | Path | None = None, url: str = HELLASWAG_URL, timeout: float = 60.0,
-                    file_option: str = "--data FILE") -> Path:
-    """Path of a verified canonical HellaSwag validation file: the cached copy, else downloaded into the cache.
-    file_option: where the caller takes a local copy instead, for the message when the download fails."""
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return fetch_verified(url, cache / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256, EvalError, name="HellaSwag",
-                          canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes",
-                          local_hint=f"of {HELLASWAG_FILE} ({file_option})", timeout=timeout)
+def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
+    """The canonical validation file, sha256-checked: the cached copy, else downloaded once into the cache.
+    file_option: how the caller takes a local copy instead, for the message when the download fails."""
+    return fetch_verified(HELLASWAG_URL, default_cache_dir() / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256,
+                          EvalError, name="HellaSwag", local_hint=f"of {HELLASWAG_FILE} ({file_option})",
+                          canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes", timeout=60)
 
 
 @dataclass
@@ -73,11 +66,11 @@ class Item:
     ctx: str
     endings: list[str]
     label: int
-    line: int  # 1-based line in the file, for messages
 
 
 def parse_items(text: str, where: str) -> list[Item]:
-    """Items of a HellaSwag jsonl text; a malformed line raises naming the line, the field and the value."""
+    """A HellaSwag jsonl text's items. Input data, not a log: a bad line is an error naming the line, the field and
+    the value (fsutil.read_jsonl would skip it, and the accuracy would be over other items than the user gave)."""
     items = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -101,17 +94,15 @@ def parse_items(text: str, where: str) -> list[Item]:
             label = int(label)
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
             raise EvalError(f"{where}: line {n}: field 'label' is {label!r}, expected 0, 1, 2 or 3")
-        items.append(Item(ctx=ctx, endings=list(endings), label=label, line=n))
+        items.append(Item(ctx=ctx, endings=list(endings), label=label))
     if not items:
         raise EvalError(f"{where}: no items (an empty file?)")
     return items
 
 
-def load_items(source: str | Path | None = None, cache_dir: str | Path | None = None, url: str = HELLASWAG_URL,
-               file_option: str = "--data FILE") -> tuple[list[Item], dict]:
-    """Items and a description {path, sha256, canonical} of the file: a local path, or the canonical one
-    (file_option: fetch_hellaswag's)."""
-    path = Path(source) if source else fetch_hellaswag(cache_dir, url, file_option=file_option)
+def load_items(source: str | Path | None = None, file_option: str = "--data FILE") -> tuple[list[Item], dict]:
+    """The items of a local file, or of the canonical one (None), and the file {path, sha256, canonical}."""
+    path = Path(source) if source else fetch_hellaswag(file_option)
     if not path.is_file():
         raise EvalError(f"HellaSwag file {path} does not exist")
     data = path.read_bytes()
@@ -121,13 +112,12 @@ def load_items(source: str | Path | None = None, cache_dir: str | Path | None = 
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise EvalError(f"{path}: line {line} is not UTF-8 text (byte {e.start})") from None
-    items = parse_items(text, str(path))
-    return items, {"path": str(path), "sha256": sha, "canonical": sha == HELLASWAG_SHA256}
+    return parse_items(text, str(path)), {"path": str(path), "sha256": sha, "canonical": sha == HELLASWAG_SHA256}
 
 
 def select(n: int, limit: int | None) -> list[int]:
-    """A fixed subset of `limit` of n items, evenly spaced over the file (it is ordered by source, so
-    the first N would all be ActivityNet); the same for every checkpoint and every run."""
+    """`limit` of n items, evenly spaced: the file is ordered by source (the first N would all be ActivityNet), and
+    every checkpoint and run gets the same subset."""
     if not limit or limit >= n:
         return list(range(n))
     return [i * n // limit for i in range(limit)]
@@ -219,36 +209,26 @@ def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int 
             "truncated": r.truncated, "skipped": r.skipped, "sums": sums, "preds": preds, "preds_norm": preds_norm}
 
 
-def evaluate_hellaswag(model, tok: Tokenizer, items: Sequence[Item], device, dtype=None,
-                       batch_tokens: int | None = None, progress: bool = False) -> dict:
-    """HellaSwag accuracy of a GPT on items (see the module docstring for the scoring)."""
-    return evaluate_rendered(model, render(items, tok, unwrap_model(model).config.block_size), device, dtype,
-                             batch_tokens, progress)
+def row_fields(res: dict, file: dict) -> dict:
+    """An evaluate_rendered result, and the file it scored, as the fields of an eval.jsonl row."""
+    return {**{k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")}, "data": file["path"],
+            "data_sha256": file["sha256"], "canonical": file["canonical"]}
 
 
 class HellaSwagProbe:
-    """HellaSwag during training: the file read and the subset of `limit` items tokenized once, at start-up;
-    `metrics(model, device, dtype)` scores it at chosen steps (full=True: every item, at the end of a run).
-    If the file cannot be had (no network, a bad file) the probe logs one line and stays off: `metrics` returns {}
-    and training goes on. Call it on rank 0 (wrappers are looked through); the model is scored in eval mode.
-    """
+    """HellaSwag during training: the file read and a subset of `limit` items tokenized once, at start-up, then
+    scored at chosen steps (full: every item, at the end of a run). If the file cannot be had (no network, a bad
+    file) the probe logs one line and stays off (score() is None): training never stops for it."""
 
-    def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | Sequence[Item] | None = None,
-                 limit: int | None = 1000, *, cache_dir: str | Path | None = None, batch_tokens: int = 16384,
-                 log=print):
-        self.tokenizer, self.block_size, self.limit, self.log = tokenizer, block_size, limit, log
-        # Smaller batches than a standalone evaluation: the probe runs beside the training's own memory
-        # (gpt2-small: ~2 GB of logits at 16K tokens instead of ~8 GB at 64K; the speed cost is not measured).
-        self.batch_tokens = batch_tokens
-        self.items: list[Item] = []
-        self.file: dict = {"path": None, "sha256": None, "canonical": False}  # given items: no file
+    BATCH_TOKENS = 16384  # beside the training's own memory: gpt2-small ~2 GB of logits instead of ~8 GB at 64K
+
+    def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | None = None,
+                 limit: int | None = 1000, log=print):
+        self.tokenizer, self.block_size, self.log = tokenizer, block_size, log
         self.reason: str | None = None  # why the probe is off
         self._full: Rendered | None = None
         try:
-            if isinstance(source, (list, tuple)):
-                self.items = list(source)
-            else:
-                self.items, self.file = load_items(source, cache_dir, file_option="hellaswag_file=FILE")
+            self.items, self.file = load_items(source, file_option="hellaswag_file=FILE")
             self._subset = render([self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size)
             if self._subset.n == 0:
                 raise EvalError(f"none of the {self._subset.skipped} HellaSwag items can be encoded by this "
@@ -257,30 +237,21 @@ class HellaSwagProbe:
             self.reason = str(e)
             log(f"hellaswag: off for this run ({e})")
 
-    @property
-    def available(self) -> bool:
-        return self.reason is None
-
     def score(self, model, device, dtype: torch.dtype | None = None, full: bool = False) -> dict | None:
-        """{acc, acc_norm, n, truncated, skipped, data, data_sha256, canonical} on the subset (or all items),
-        or None when off."""
-        if not self.available:
+        """The eval.jsonl fields (row_fields) of the subset or of every item, scored in eval mode (wrappers looked
+        through); None when off."""
+        if self.reason is not None:
             return None
         if full and self._full is None:
             self._full = render(self.items, self.tokenizer, self.block_size)
         try:
             res = evaluate_rendered(model, self._full if full else self._subset, torch.device(device), dtype,
-                                    self.batch_tokens)
+                                    self.BATCH_TOKENS)
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")
             return None
-        return {**{k: res[k] for k in ("acc", "acc_norm", "n", "truncated", "skipped")},
-                "data": self.file["path"], "data_sha256": self.file["sha256"], "canonical": self.file["canonical"]}
-
-    def metrics(self, model, device, dtype: torch.dtype | None = None, full: bool = False) -> dict:
-        """The score as metrics.jsonl fields: hellaswag_acc, hellaswag_acc_norm, hellaswag_n; {} when off."""
-        return metrics_fields(self.score(model, device, dtype, full))
+        return row_fields(res, self.file)
 
 
 def metrics_fields(res: dict | None) -> dict:

@@ -1,10 +1,7 @@
-"""Batched log-likelihood scoring: the shared core of HellaSwag and bits-per-byte evaluation.
-
-A *scoring row* is a token sequence `seq` (at most block_size + 1 tokens) whose last `k` tokens are scored: the
-model reads seq[:-1] and the log-probabilities of seq[-k:] are summed. Rows are sorted by length and packed into
-padded batches of about `batch_tokens` tokens, one forward each. Padding goes on the right, so under causal
-attention it never changes a real position. Only the scored positions go through ln_f and the output layer (for
-HellaSwag about a third of the tokens), which saves most of the vocab-sized matmul and keeps the logits small.
+"""Batched log-likelihoods, the core of HellaSwag and bits per byte. A scoring row is a token sequence `seq` (at most
+block_size + 1 tokens) whose last `k` tokens are scored. Rows are sorted by length and packed into batches of about
+`batch_tokens` tokens, padded on the right (under causal attention padding never changes a real position), and only
+the scored positions go through ln_f and the output layer: most of the vocabulary-sized matmul is saved.
 """
 
 from __future__ import annotations
@@ -20,20 +17,18 @@ from gptlib.runtime import autocast_for, resolve_dtype, unwrap_model
 
 
 def default_batch_tokens(device: torch.device) -> int:
-    """Tokens per forward: large on a GPU (throughput), moderate on a CPU (cache-friendly, measured)."""
-    return 65536 if device.type == "cuda" else 8192
+    return 65536 if device.type == "cuda" else 8192  # a GPU's throughput; a CPU's caches (measured)
 
 
 def eval_autocast(device: torch.device, dtype: torch.dtype | None):
-    """Autocast for scoring: bf16 on GPUs that have it, fp16 on older GPUs, none (fp32) on the CPU."""
-    if dtype is None:
-        dtype = resolve_dtype("auto", device)
+    """(autocast, its dtype): bf16 on GPUs that have it, fp16 on older ones, fp32 (none) on the CPU."""
+    dtype = dtype or resolve_dtype("auto", device)
     return autocast_for(device, dtype), dtype
 
 
 @contextlib.contextmanager
 def scoring(model: torch.nn.Module, progress: bool, **bar):
-    """(the unwrapped model in eval mode, a tqdm bar shown only with progress); the model's mode is restored after."""
+    """(the unwrapped model in eval mode, a tqdm bar shown with progress); the model's mode is restored after."""
     from tqdm.auto import tqdm
 
     m = unwrap_model(model)
@@ -47,51 +42,35 @@ def scoring(model: torch.nn.Module, progress: bool, **bar):
 
 
 def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
-    """Row indices grouped into batches, longest rows first, each batch at most batch_tokens padded
-    tokens (a row longer than that gets a batch to itself). Sorting keeps the padding small."""
+    """Row indices in batches of at most batch_tokens padded tokens, longest rows first (little padding); a row
+    longer than that gets a batch of its own."""
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
     batches, cur, cur_len = [], [], 0
     for i in order:
-        n = int(lengths[i])
         if cur and (len(cur) + 1) * cur_len > batch_tokens:
             batches.append(np.array(cur))
             cur = []
         if not cur:
-            cur_len = n  # the first (longest) row sets the padded length
+            cur_len = int(lengths[i])  # the first (longest) row sets the padded length
         cur.append(int(i))
     if cur:
         batches.append(np.array(cur))
     return batches
 
 
-def _collate(seqs: Sequence[Sequence[int]], ks: Sequence[int], idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows idx -> their tokens padded on the right (B, L), and the mask of the scored targets (B, L-1), numpy."""
-    toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)
-    mask = np.zeros((toks.shape[0], toks.shape[1] - 1), dtype=bool)
-    for j, i in enumerate(idx):
-        n = len(seqs[i])
-        toks[j, :n] = seqs[i]
-        mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
-    return toks, mask
-
-
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Negative log-likelihood (nats, float32) of the targets y.flatten()[positions], or of every target. The blocks
-    run on every position (causality needs them), ln_f and the output layer only on the scored ones; logits are
-    cut to vocab_size (the embedding's padding rows never count). positions are flat indices made on the host:
-    a boolean mask on the GPU would make the host wait there to count its Trues before the gather."""
+    """NLL (nats, float32) of the targets y.flatten()[positions], or of every target. positions are flat indices made
+    on the host: a boolean mask on the GPU would make the host wait there to count its Trues."""
     m = unwrap_model(model)
     h, y = m.hidden_states(x).flatten(0, 1), y.flatten()  # (B*T, C), (B*T,)
     if positions is not None:
-        h, y = h.index_select(0, positions), y.index_select(0, positions)  # (N, C), (N,): only the scored positions
+        h, y = h.index_select(0, positions), y.index_select(0, positions)  # (N, C), (N,)
     return F.cross_entropy(m.head(h).float(), y, reduction="none")
 
 
@@ -100,7 +79,7 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
                device: torch.device | str, dtype: torch.dtype | None = None, batch_tokens: int | None = None,
                progress=None) -> np.ndarray:
     """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,); progress(rows)
-    after each batch. Results stay on the device until the end: a GPU never waits for the host between batches."""
+    after each batch. The sums stay on the device until the end: a GPU never waits for the host between batches."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     for i, s in enumerate(seqs):
@@ -108,15 +87,18 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
             raise ValueError(f"scoring row {i}: {len(s)} tokens with k={ks[i]} does not fit block_size={block}")
     ctx, _ = eval_autocast(device, dtype)
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
-    bt = batch_tokens or default_batch_tokens(device)
-    for idx in pack_batches([len(s) - 1 for s in seqs], bt):
-        toks, mask = _collate(seqs, ks, idx)
-        pos = np.flatnonzero(mask)  # the scored targets' flat positions in (B, L-1), row-major
-        row_of = idx[pos // mask.shape[1]]  # the row each scored target belongs to
+    for idx in pack_batches([len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)):
+        toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)  # (B, L), padded on the right
+        mask = np.zeros((len(idx), toks.shape[1] - 1), dtype=bool)  # (B, L-1): the scored targets
+        for j, i in enumerate(idx):
+            n = len(seqs[i])
+            toks[j, :n] = seqs[i]
+            mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
+        pos = np.flatnonzero(mask)  # the scored targets' flat positions, row-major
         toks = _to_device(toks, device)
         with ctx:
             nll = scored_nll(model, toks[:, :-1], toks[:, 1:], _to_device(pos, device))
-        out.index_add_(0, _to_device(row_of, device), -nll.double())
+        out.index_add_(0, _to_device(idx[pos // mask.shape[1]], device), -nll.double())  # each target to its row
         if progress is not None:
             progress(len(idx))
     return out.cpu().numpy()
@@ -125,7 +107,7 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
 @torch.inference_mode()
 def window_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None
                ) -> torch.Tensor:
-    """Per-token NLL (nats, float32) of full windows: x, y (B, T) -> (B, T). For bits per byte."""
+    """Per-token NLL (nats, float32) of full windows, for bits per byte: x, y (B, T) -> (B, T)."""
     ctx, _ = eval_autocast(x.device, dtype)
     with ctx:
         return scored_nll(model, x, y).view(x.shape)

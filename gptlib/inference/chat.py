@@ -1,22 +1,13 @@
-"""Talking to a chat-tuned run: the conversation's history, rendered with the chat template, answered by the Engine.
-
-    chat = ChatSession.from_run("runs/chat", system="Be brief.")
-    print(chat.reply("Hi!", SamplingConfig(temperature=0, max_new_tokens=100)))
-    chat.reply("And then?", cfg, stream=lambda piece: print(piece, end="", flush=True))
-    chat.reset()                                  # forget the conversation (the system prompt stays)
-
-The prompt is `ChatTemplate.render(..., generation_prompt=True)`, ending with <|assistant|>; the model writes until
-<|end|>, <|endoftext|> or another role token (a model that writes one has ended its turn), max_new_tokens or a
-stop string. The reply, without the template's leading "\n", joins the history.
+"""Talking to a chat-tuned run: the history rendered with the chat template (ending with <|assistant|>), answered
+until <|end|>, <|endoftext|> or another role token (a model that writes one has ended its turn).
 
 Prompt and reply must fit in block_size tokens (past it the model would silently lose the start of the
-conversation, the system prompt first), so before each reply, with a notice through `log` each time:
+conversation, the system prompt first), so before each reply, with a notice through `log`:
 1. max_new_tokens is capped at block_size // 2: a longer reply would leave too little room for the conversation.
-2. The oldest (user, assistant) pairs are dropped until it fits; the system prompt stays. Dropped turns leave the
-   history for good (`dropped_turns`), so a forgotten turn never comes back when later turns are short.
+2. The oldest (user, assistant) pairs are dropped until it fits, for good (`dropped_turns`): a forgotten turn never
+   comes back when later turns are short. The system prompt stays.
 3. If the newest message alone does not fit, the model gets the longest tail of it that fits (a question usually
-   comes last); the history keeps the whole message.
-4. If the system prompt alone leaves no room, that is a ChatError.
+   comes last); the history keeps the whole message. If the system prompt leaves no room, that is a ChatError.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ from typing import Callable
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.errors import ChatError, GptlibError, loud
-from gptlib.inference.engine import Engine, _TextStream, text_steps
+from gptlib.inference.engine import Engine
 from gptlib.inference.sampling import SamplingConfig
 
 FINETUNE_HINT = ("fine-tune it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
@@ -43,11 +34,7 @@ class ChatSession:
     """A conversation with one model: system prompt, history [(role, content)], replies within the context."""
 
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
-        tok = engine.tokenizer
-        where = engine.source or "this model"
-        if tok is None:
-            raise ChatError(f"{where}: the engine has no tokenizer; load it with Engine.from_run or "
-                            f"ChatSession.from_run")
+        tok, where = engine.tokenizer, engine.source or "this model"
         try:
             self.template = ChatTemplate(tok)
         except ChatError:
@@ -71,9 +58,9 @@ class ChatSession:
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", system: str | None = None,
-                 compile: bool = False, log: Callable[[str], None] = loud) -> "ChatSession":
-        """A session with a checkpoint of a run directory ("latest", "best" or a step; see gptlib.inference.loading)."""
-        return cls(Engine.from_run(run_dir, checkpoint, device=device, compile=compile), system=system, log=log)
+                 log: Callable[[str], None] = loud) -> "ChatSession":
+        """A session with a checkpoint of a run directory: "latest", "best" or a step."""
+        return cls(Engine.from_run(run_dir, checkpoint, device=device), system=system, log=log)
 
     def reset(self) -> None:
         """Forget the conversation; the system prompt stays."""
@@ -101,11 +88,9 @@ class ChatSession:
 
     @property
     def reply_cap(self) -> int:
-        """The most tokens a reply may have: half the context (rule 1)."""
-        return max(1, self.block_size // 2)
+        return max(1, self.block_size // 2)  # rule 1
 
     def reply_budget(self, max_new_tokens: int) -> int:
-        """max_new_tokens, capped at half the context (rule 1)."""
         if max_new_tokens > self.reply_cap and not self._capped_said:
             self.log(f"max_new_tokens={max_new_tokens} would leave too little of the {self.block_size}-token "
                      f"context for the conversation: replies are cut at {self.reply_cap} tokens")
@@ -113,14 +98,13 @@ class ChatSession:
         return min(max_new_tokens, self.reply_cap)
 
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
-        """The generation prompt for the system prompt and `turns`: ChatTemplate.render, ending with <|assistant|>."""
+        """The generation prompt of the system prompt and `turns`."""
         head = [("system", self.system)] if self.system else []
         messages = [{"role": r, "content": c} for r, c in head + turns]
         return self.template.render(messages, require_assistant=False, generation_prompt=True)[0].tolist()
 
     def prompt_ids(self, max_new_tokens: int) -> list[int]:
-        """The prompt for the next reply (the history ends with the user's message), within the context:
-        drops the oldest pairs from the history (rule 2), or cuts the newest message (rule 3)."""
+        """The prompt for the next reply (the history ends with the user's message) within the context: rules 2, 3."""
         room, dropped = self.block_size - max_new_tokens, 0
         # One render per dropped pair: fine for a history that fits in a context window plus one message.
         while len(ids := self.render(self.history)) > room and len(self.history) > 1:
@@ -145,40 +129,36 @@ class ChatSession:
         return self.render([("user", text[len(text) - n:])])
 
     def _generate(self, ids: list[int], cfg: SamplingConfig, stream: Callable[[str], None] | None) -> str:
-        """Generate after the prompt until a chat token; the reply's text without the template's leading newline."""
-        st = _TextStream(self.engine.tokenizer, cfg.stop)
+        """The reply's text, until a chat token, without the template's leading newline."""
         started = False
 
         def shown(_: int, piece: str) -> None:
             nonlocal started
-            if piece and not started:
+            if not started:
                 started, piece = True, piece.removeprefix("\n")
             if piece and stream is not None:
                 stream(piece)
 
-        out, reasons = self.engine.generate_ids([ids], cfg, stop_ids=self.stop_ids,
-                                                on_step=text_steps([st], set(self.stop_ids), shown))
-        shown(0, st.flush())
+        texts, out, reasons = self.engine.generate_text([ids], cfg, self.stop_ids, shown)
         self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
-        return st.text.removeprefix("\n")
+        return texts[0].removeprefix("\n")
 
 
 HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"
 
 
-def chat_loop(session: ChatSession, cfg: SamplingConfig, read: Callable[[str], str] = input,
-              out=None, err=None) -> int:
+def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
     """The terminal chat: read a message after "you> ", stream the reply, until /quit, end of input or Ctrl-C.
     A GptlibError in a reply is shown and the chat goes on; returns the exit status (0)."""
-    out = out or sys.stdout
-    note = functools.partial(print, file=err or sys.stderr, flush=True)
-    if read is input and sys.stdin.isatty():
+    out = sys.stdout
+    note = functools.partial(print, file=sys.stderr, flush=True)
+    if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # not on every platform (Windows)
             importlib.import_module("readline")  # line editing and history for input() at a terminal
     note(f"# chatting with {session.engine.source} (step {session.engine.step}); {HELP}")
     try:
         while True:
-            line = read("you> ")
+            line = input("you> ")
             cmd = line.strip()
             if cmd in ("/quit", "/exit"):
                 return 0

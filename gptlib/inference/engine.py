@@ -1,21 +1,12 @@
-"""Sampling from a GPT: a KV-cached decoding engine.
-
-    eng = Engine.from_run("runs/shakespeare", checkpoint="best")
-    out = eng.generate(["ROMEO:", "JULIET:"], SamplingConfig(max_new_tokens=200, top_p=0.9, stop=["\\n\\n"]),
-                       stream=lambda i, piece: print(piece, end=""))
-
-The prompts are prefilled once into a preallocated KV cache, then each step feeds one token. Prompts of different
-lengths share one cache: every row is prefilled up to the shortest prompt, then a row still reading its prompt is
-fed it one token per step while the others generate; row b's token t sits at position t, so no padding masks are
-needed (as in Meta's Llama reference code). Past block_size the window slides: the newest `block_size + 1 -
-window_slide` tokens are re-prefilled (the default 1 is exactly a full forward of the cropped context). Logits are
-processed on the device; the host reads tokens back only when a stream, stop strings or end-of-text need them.
+"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as in Meta's Llama
+reference code): every row is prefilled up to the shortest prompt, then a row still reading its prompt is fed its
+own next token while the others generate, so row b's token t sits at position t. Past block_size the window slides:
+the newest block_size tokens are prefilled again. The host reads tokens back only when a stream or a stop needs them.
 """
 
 from __future__ import annotations
 
 import secrets
-import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -26,21 +17,6 @@ from gptlib.inference.sampling import Completion, SamplingConfig, process_logits
 from gptlib.model import GPT, KVCache
 
 OnStep = Callable[[list[int], list[int]], "Sequence[int] | None"]  # (rows, their new tokens) -> rows to stop
-
-
-def _forward_last(model: GPT, idx: torch.Tensor, cache: KVCache | None,
-                  pos: torch.Tensor | None = None) -> torch.Tensor:
-    """model(idx, cache=cache) with the vocabulary projection for the last position only: (B, T) -> (B, V).
-    Projecting all T positions of a prefill onto a 32K vocabulary would cost as much as several blocks."""
-    return model.head(model.hidden_states(idx, cache, pos)[:, -1, :])  # (B, C) -> (B, V)
-
-
-def _check_prompts(prompts: Sequence[Sequence[int]], window_slide: int, block_size: int) -> None:
-    if not 1 <= window_slide <= block_size:
-        raise GenerationError(f"window_slide={window_slide} must be in [1, block_size={block_size}]")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise GenerationError(f"prompt {i} is empty: give at least one token (e.g. a newline)")
 
 
 def _generated(buf: list[list[int]], lens: list[int], ends: list[int], reasons: list[str], stop_ids: Sequence[int]
@@ -57,99 +33,45 @@ def _generated(buf: list[list[int]], lens: list[int], ends: list[int], reasons: 
 
 
 class Engine:
-    """Generation for one model (and optionally its tokenizer, for text in and out)."""
+    """Generation for one model, and with its tokenizer from text to text."""
 
-    def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = "",
-                 compile: bool = False):
-        self.model = model  # used as is: Engine.from_run puts it in eval mode (no dropout)
-        self.tokenizer = tokenizer
-        self.step = step  # the checkpoint's training step, if loaded from a run
-        self.source = source  # where the weights came from (checkpoint path), for display
-        # compile: the one-token decode step runs through torch.compile on a static KV cache, with CUDA graphs on
-        # a GPU (one replay per token instead of ~15 kernel launches per layer); the first generation compiles.
-        self.compile = compile
-        self._compiled_step = None
-        self._compiled_calls: dict[int, int] = {}  # batch size -> compiled steps run (its first ones compile)
-        self._static_caches: dict[int, KVCache] = {}  # batch size -> cache, reused (a new one re-records the graph)
+    def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
+        self.model, self.tokenizer = model, tokenizer  # the model is used as is: from_run puts it in eval mode
+        self.step, self.source = step, source  # the checkpoint's training step and path, for display
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
     @classmethod
-    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto",
-                 compile: bool = False) -> "Engine":
-        """Load a checkpoint of a run directory: "latest", "best" or a step (see gptlib.inference.loading).
-        dtype "auto": on a GPU the weights (and the KV cache) in bf16, fp16 on a T4, since each decoded token
-        reads every weight and half the bytes take about half the time; fp32 on a CPU."""
+    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto") -> "Engine":
+        """A checkpoint of a run: "latest", "best" or a step. dtype "auto": bf16 on a GPU (fp16 on a T4), since each
+        decoded token reads every weight and half the bytes take about half the time; fp32 on a CPU."""
         ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
-        return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path), compile=compile)
+        return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path))
 
-    def _feed(self, idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Feed idx (B, T) after what the cache holds -> (B, vocab_size) logits of its last position."""
-        if cache is None or not cache.static:
-            return _forward_last(self.model, idx, cache)
-        B, T = idx.shape
-        pos = torch.arange(cache.pos, cache.pos + T, device=idx.device)  # (T,)
-        step = _forward_last
-        if T == 1:  # prefills vary in length: eager; the per-token step has fixed shapes: compiled
-            if self._compiled_step is None:
-                mode = "reduce-overhead" if self.device.type == "cuda" else "default"  # CUDA graphs need a GPU
-                self._compiled_step = torch.compile(_forward_last, mode=mode, fullgraph=True, dynamic=False)
-            step = self._compiled_step
-            idx = idx.clone()  # its own storage: a view into buf would change address every step
-        try:
-            logits = step(self.model, idx, cache, pos)
-        except Exception as e:
-            # A batch size's first calls compile and record the CUDA graph: a missing compiler, a Triton
-            # problem or dynamo's recompile limit (one graph per batch size) must not end the session.
-            compile_error = (type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))
-                             or self._compiled_calls.get(B, 0) < 3)
-            if step is _forward_last or not compile_error:
-                raise
-            warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {str(e)[:300]}); "
-                          f"decoding without compile", stacklevel=2)
-            self._compiled_step = step = _forward_last
-            logits = step(self.model, idx, cache, pos)
-        if step is not _forward_last:
-            self._compiled_calls[B] = self._compiled_calls.get(B, 0) + 1
-            logits = logits.clone()  # a CUDA graph reuses its output buffer on the next replay
-        cache.pos += T
-        return logits
+    def _logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Feed idx (B, T) after what the cache holds -> the last position's logits (B, V). Only the last position
+        goes through the output layer: all T of a prefill onto a 32K vocabulary would cost as much as several blocks."""
+        return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
 
-    def _cache_for(self, B: int) -> KVCache:
-        """A fresh dynamic cache; or, compiled, the static cache of this batch size, reused (a new one
-        would re-record the CUDA graph). Old keys stay in it: the mask hides slots past each position."""
-        if not self.compile:
-            return KVCache(self.model.config, B, self.device, self.dtype)
-        if B not in self._static_caches:
-            if len(self._static_caches) >= 2:  # bounded memory (gpt2-small fp32: 75 MB per row)
-                self._static_caches.pop(next(iter(self._static_caches)))
-            self._static_caches[B] = KVCache(self.model.config, B, self.device, self.dtype, static=True)
-        cache = self._static_caches[B]
-        cache.reset()
-        return cache
-
-    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache | None, window_slide: int) -> torch.Tensor:
-        """Logits after the token at position `cur`: one cached step, or past the window a re-prefill of
-        the newest block_size + 1 - window_slide tokens (without a cache: a full forward of the window)."""
+    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
+        """Logits after the token at `cur`: one cached step, or past the window the newest block_size tokens again."""
         bs = self.model.config.block_size
-        if cache is None:
-            return _forward_last(self.model, buf[:, max(0, cur + 1 - bs) : cur + 1], None)
         if cache.pos < bs:
-            return self._feed(buf[:, cur : cur + 1], cache)
-        cache.reset()
-        return self._feed(buf[:, cur + window_slide - bs : cur + 1], cache)
+            return self._logits(buf[:, cur : cur + 1], cache)
+        cache.pos = 0
+        return self._logits(buf[:, cur + 1 - bs : cur + 1], cache)
 
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
-                     generator: torch.Generator | None = None, use_cache: bool = True, window_slide: int = 1,
-                     stop_ids: Sequence[int] = (), on_step: OnStep | None = None) -> tuple[list[list[int]], list[str]]:
-        """Continue each prompt (a list of token ids) -> (generated ids per prompt, finish reason per prompt).
-        on_step(rows, tokens) is called after each step with the rows that produced a new token and those tokens;
-        it returns the rows that should stop ("stop"), e.g. because a stop string appeared. Generation also ends at
-        a token in stop_ids ("eot") or after cfg.max_new_tokens ("length")."""
+                     generator: torch.Generator | None = None, stop_ids: Sequence[int] = (),
+                     on_step: OnStep | None = None) -> tuple[list[list[int]], list[str]]:
+        """Continue each prompt (token ids) -> (the new ids, the finish reason) per prompt. on_step(rows, tokens) gets
+        the rows that produced a new token and those tokens after each step, and returns the rows to stop ("stop":
+        a stop string appeared). A row also ends at a token in stop_ids ("eot") or after max_new_tokens ("length")."""
         cfg.validate()
         bs, dev, max_new = self.model.config.block_size, self.device, cfg.max_new_tokens
-        _check_prompts(prompts, window_slide, bs)
+        if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
+            raise GenerationError(f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)")
         if not prompts or max_new == 0:
             return [[] for _ in prompts], ["length"] * len(prompts)
         if generator is None and cfg.temperature > 0:  # same seed, weights and settings -> same text
@@ -168,8 +90,8 @@ class Engine:
         stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
         done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)  # finished rows: further tokens dropped
         reasons, stop_at = ["length"] * len(prompts), [None] * len(prompts)  # stop_at: where a stop string ended
-        cache = self._cache_for(len(prompts)) if use_cache else None
-        logits = self._feed(buf[:, max(0, min_len - bs) : min_len], cache)
+        cache = KVCache(self.model.config, len(prompts), dev, self.dtype)
+        logits = self._logits(buf[:, max(0, min_len - bs) : min_len], cache)
         for cur in range(min_len, total):
             nxt = sample_next(process_logits(logits, cfg, seen), cfg, generator)  # (B,)
             if cur < max_len:  # rows still reading their prompt keep their prompt token
@@ -191,69 +113,62 @@ class Engine:
             check = on_step is not None or stop_t is not None and cur % 16 == 0
             if cur + 1 >= total or check and bool(done.all()):
                 break
-            logits = self._next_logits(buf, cur, cache, window_slide)
+            logits = self._next_logits(buf, cur, cache)
 
         ends = [min(cur + 1, n + max_new) if at is None else at + 1 for n, at in zip(lens, stop_at)]
         return _generated(buf.tolist(), lens, ends, reasons, stop_ids)
 
     def generate(self, prompts: str | Sequence[str], cfg: SamplingConfig | None = None, *,
-                 stream: Callable[[int, str], None] | None = None, use_cache: bool = True,
-                 window_slide: int = 1) -> list[Completion]:
-        """Continue text prompts; stream(i, piece) receives each new piece of text of prompt i as it appears.
-        Text that might be the start of a stop string is held back until it is clear, so a stop string never
-        reaches the stream."""
+                 stream: Callable[[int, str], None] | None = None) -> list[Completion]:
+        """Continue text prompts; stream(i, piece) gets prompt i's new text as it becomes final."""
         if self.tokenizer is None:
             raise GenerationError("this engine has no tokenizer: use generate_ids, or load it with Engine.from_run")
         cfg = (cfg or SamplingConfig()).validate()
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        tok, ids = self.tokenizer, []
+        ids = []
         for i, p in enumerate(prompts):
             try:
-                ids.append(tok.encode(p))
+                ids.append(self.tokenizer.encode(p))
             except ValueError as e:
                 raise GenerationError(f"prompt {i} ({p[:40]!r}) cannot be encoded: {e}") from None
-        eot = getattr(tok, "eot_id", None)
+        eot = getattr(self.tokenizer, "eot_id", None)
         if eot is not None:  # an empty prompt starts a new document (BPE); a char model needs some text
-            ids = [x if x else [eot] for x in ids]
+            ids = [x or [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []
-        streams = [_TextStream(tok, cfg.stop) for _ in prompts]
-        need_steps = stream is not None or bool(cfg.stop)
-        out_ids, reasons = self.generate_ids(ids, cfg, use_cache=use_cache, window_slide=window_slide,
-                                             stop_ids=stop_ids,
-                                             on_step=text_steps(streams, stop_ids, stream) if need_steps else None)
-        results = []
-        for i, (p, gen, reason) in enumerate(zip(prompts, out_ids, reasons)):
-            if need_steps:
-                tail = streams[i].flush()
-                if tail and stream is not None:
-                    stream(i, tail)
-                text = streams[i].text
-            else:
-                text = tok.decode([t for t in gen if t not in stop_ids])
-            results.append(Completion(prompt=p, text=text, token_ids=list(gen), finish_reason=reason))
-        return results
+        texts, out, reasons = self.generate_text(ids, cfg, stop_ids, stream)
+        return [Completion(prompt=p, text=t, token_ids=list(g), finish_reason=r)
+                for p, t, g, r in zip(prompts, texts, out, reasons)]
 
+    def generate_text(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] = (),
+                      stream: Callable[[int, str], None] | None = None
+                      ) -> tuple[list[str], list[list[int]], list[str]]:
+        """generate_ids, and each row's new text without end-of-text or a stop string. A stream or stop strings need
+        the text token by token (the host then reads every token back); else it is decoded once at the end."""
+        if stream is None and not cfg.stop:
+            out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
+            return [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out], out, reasons
+        streams = [_TextStream(self.tokenizer, cfg.stop) for _ in prompts]
 
-def text_steps(streams: list[_TextStream], stop_ids, stream: Callable[[int, str], None] | None) -> Callable:
-    """An on_step for generate_ids: each row's tokens go to its _TextStream, its text to stream(row, piece); the
-    rows whose text reached a stop string are returned (a token in stop_ids ends the row in the engine itself)."""
-    def on_step(rows: list[int], toks: list[int]) -> list[int]:
-        stopped = []
-        for r, t in zip(rows, toks):
-            piece = streams[r].push(t, final=t in stop_ids)  # end-of-text is not part of the text
-            if piece and stream is not None:
-                stream(r, piece)
-            if streams[r].stopped and t not in stop_ids:
-                stopped.append(r)
-        return stopped
+        def on_step(rows: list[int], toks: list[int]) -> list[int]:  # -> the rows whose text reached a stop string
+            stopped = []
+            for r, t in zip(rows, toks):
+                piece = streams[r].push(t, final=t in stop_ids)  # end-of-text is not part of the text
+                if piece and stream is not None:
+                    stream(r, piece)
+                if streams[r].stopped and t not in stop_ids:
+                    stopped.append(r)
+            return stopped
 
-    return on_step
+        out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids, on_step=on_step)
+        for i, st in enumerate(streams):
+            if (tail := st.flush()) and stream is not None:
+                stream(i, tail)
+        return [st.text for st in streams], out, reasons
 
 
 class _TextStream:
-    """Incremental detokenisation of one sequence, with stop strings. Byte-level BPE tokens can end inside a UTF-8
-    character: text is emitted once it decodes cleanly (no trailing U+FFFD); text that could still grow into a stop
-    string is held."""
+    """One row's text, token by token. A byte-level BPE token can end inside a UTF-8 character: text is emitted once
+    it decodes cleanly (no trailing U+FFFD); text that could still grow into a stop string is held back."""
 
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
@@ -263,10 +178,10 @@ class _TextStream:
         self.stopped = False
 
     def push(self, token: int, final: bool = False) -> str:
-        """Add one token; returns the text that may be shown now ("" while held back or after a stop)."""
+        """Add one token (final: end-of-text, not part of the text) -> the text that may be shown now."""
         if self.stopped:
             return ""
-        if final:  # end-of-text: not part of the text
+        if final:
             self.stopped = True
             return self.flush()
         self._pending.append(token)
@@ -285,7 +200,7 @@ class _TextStream:
         return self._take(len(self.text) - self._held())
 
     def _held(self) -> int:
-        """Length of the longest end of the text that is a proper prefix of a stop string."""
+        """The longest end of the text that is a proper prefix of a stop string."""
         ends = [n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
                 if self.text.endswith(s[:n])]
         return max(ends, default=0)
@@ -296,7 +211,7 @@ class _TextStream:
         return piece
 
     def flush(self) -> str:
-        """At the end: whatever is left (held-back text that never became a stop string)."""
+        """At the end: the held-back text that never became a stop string."""
         if self._pending:
             self.text += self.tok.decode(self._pending)
             self._pending = []

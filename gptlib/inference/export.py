@@ -1,16 +1,6 @@
-"""Export a checkpoint as a Hugging Face `transformers` folder: GPT2LMHeadModel for the gpt2 recipe, Qwen3 or
-Llama for the modern one (gptlib.inference.hf_llama), all loaded natively (no trust_remote_code).
-
-    python -m gptlib export-hf --run-dir runs/shakespeare --out hf/shakespeare
-
-    from transformers import GPT2LMHeadModel, AutoTokenizer
-    model = GPT2LMHeadModel.from_pretrained("hf/shakespeare")
-    tok = AutoTokenizer.from_pretrained("hf/shakespeare")
-
-Our GPT is GPT-2's architecture: matmul weights are transposed (Linear (out, in), Conv1D (in, out)); bias=False
-models get zero biases; our tanh GELU is "gelu_new". Only the first vocab_size rows of the padded embedding are
-exported (the tied output layer then yields exactly our logits). The folder is plain JSON + safetensors: exporting
-does not need transformers.
+"""A checkpoint as a Hugging Face `transformers` folder (export-hf) that transformers loads natively: the gpt2
+recipe as GPT2LMHeadModel, the modern one as Qwen3ForCausalLM (LlamaForCausalLM without QK-norm). Plain JSON and
+safetensors: exporting does not need transformers. weight_map is the mapping both ways (import-hf: hf_import.py).
 """
 
 from __future__ import annotations
@@ -24,62 +14,100 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from gptlib.config import ModelConfig
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
 from gptlib.data.tokenizer import EOT, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError
-from gptlib.inference.hf_llama import llama_config, llama_state_dict, native_arch
 from gptlib.inference.loading import load_run
 from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
-from gptlib.model import GPT
+from gptlib.model import RMS_EPS, GPT
 
-# A block's matmuls: nn.Linear (out, in) in gptlib, Conv1D (in, out) in GPT-2; same names in both.
-GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-# The first line of every export's README.md: how a previous export is known.
-EXPORT_TITLES = {"gpt2": "# gptlib GPT-2 export", "qwen3": "# gptlib Qwen3 export", "llama": "# gptlib Llama export"}
+GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # Linear (out, in) here, Conv1D (in, out) there
+GPT2_PARTS = dict(positions="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True)
+LLAMA_PARTS = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+CLASSES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+EXPORT_TITLES = {arch: f"# gptlib {name} export" for arch, name in  # README.md's first line: a previous export
+                 (("gpt2", "GPT-2"), ("qwen3", "Qwen3"), ("llama", "Llama"))}
 _RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
 
 
+def native_arch(cfg: ModelConfig) -> str:
+    """"gpt2", "qwen3" or "llama": the transformers architecture that computes exactly this model; else ExportError
+    naming the fields that keep it from the nearest one."""
+    if all(getattr(cfg, k) == v for k, v in GPT2_PARTS.items()):
+        return "gpt2"
+    off = {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}
+    if off:
+        wanted = ", ".join(f"{k}={LLAMA_PARTS[k]!r}" for k in off)
+        raise ExportError(f"this model has {', '.join(f'{k}={v!r}' for k, v in off.items())}, which no native Hugging "
+                          f"Face architecture has (the nearest, Qwen3/Llama, needs {wanted}); train with those "
+                          f"settings to export, or use the run with gptlib (sample, chat, eval)")
+    return "qwen3" if cfg.qk_norm else "llama"
+
+
+def weight_map(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
+    """(our weight, the transformers weights it holds, stacked along dim 0): c_attn is q, k, v, a SwiGLU c_fc is
+    gate and up. GPT-2's names are ours (its Linears transposed); the embeddings lose their padding rows there."""
+    if native_arch(cfg) == "gpt2":
+        names = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"] + [
+            f"h.{i}.{part}.{w}" for i in range(cfg.n_layer) for part in ("ln_1", "ln_2", *GPT2_LINEARS)
+            for w in ("weight", "bias")]
+        return [("transformer." + n, ("transformer." + n,)) for n in names]
+    pairs = [("transformer.wte.weight", "model.embed_tokens"), ("transformer.ln_f.weight", "model.norm")]
+    pairs += [] if cfg.tie_embeddings else [("lm_head.weight", "lm_head")]
+    for i in range(cfg.n_layer):
+        p, q = f"transformer.h.{i}.", f"model.layers.{i}."
+        pairs += [(p + "ln_1.weight", q + "input_layernorm"), (p + "ln_2.weight", q + "post_attention_layernorm"),
+                  (p + "attn.c_attn.weight", tuple(q + f"self_attn.{n}_proj" for n in "qkv")),
+                  (p + "attn.c_proj.weight", q + "self_attn.o_proj"),
+                  (p + "mlp.c_fc.weight", (q + "mlp.gate_proj", q + "mlp.up_proj")),
+                  (p + "mlp.c_proj.weight", q + "mlp.down_proj")]
+        if cfg.qk_norm:
+            pairs += [(p + f"attn.{n}_norm.weight", q + f"self_attn.{n}_norm") for n in "qk"]
+    return [(ours, tuple(t + ".weight" for t in ((theirs,) if isinstance(theirs, str) else theirs)))
+            for ours, theirs in pairs]
+
+
+def is_conv1d(cfg: ModelConfig, name: str) -> bool:
+    return native_arch(cfg) == "gpt2" and name.endswith(".weight") and any(f".{n}." in name for n in GPT2_LINEARS)
+
+
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights under GPT2LMHeadModel's (or Qwen3's / Llama's) names and layouts (fp32, contiguous)."""
+    """Our weights under transformers' names and layouts (fp32, contiguous); GPT-2 gets zero biases for bias=False."""
     cfg = model.config
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
-    if native_arch(cfg) != "gpt2":
-        return llama_state_dict(sd, cfg)
-    C = cfg.n_embd
-    out = {"transformer.wte.weight": sd["transformer.wte.weight"][: cfg.vocab_size],  # (V, C): padding rows dropped
-           "transformer.wpe.weight": sd["transformer.wpe.weight"]}  # (block_size, C)
-    sizes = {"ln_1": C, "ln_2": C, "attn.c_attn": 3 * C, "attn.c_proj": C, "mlp.c_fc": 4 * C, "mlp.c_proj": C}
-    for i in range(cfg.n_layer):
-        for part, n in sizes.items():
-            p = f"transformer.h.{i}.{part}."
-            out[p + "weight"] = sd[p + "weight"].t() if part in GPT2_LINEARS else sd[p + "weight"]
-            out[p + "bias"] = sd.get(p + "bias", torch.zeros(n))
-    out["transformer.ln_f.weight"] = sd["transformer.ln_f.weight"]
-    out["transformer.ln_f.bias"] = sd.get("transformer.ln_f.bias", torch.zeros(C))
+    out = {}
+    for ours, theirs in weight_map(cfg):
+        w = sd[ours] if ours in sd else torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
+        if ours in ("transformer.wte.weight", "lm_head.weight"):
+            w = w[: cfg.vocab_size]  # the padding rows never produce a token
+        w = w.t() if is_conv1d(cfg, ours) else w
+        out.update(zip(theirs, w.split(w.shape[0] // len(theirs))))
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def hf_config(model: GPT, tokenizer: Tokenizer | None = None) -> dict:
-    """GPT2Config (or Qwen3's / Llama's) as JSON (written by hand so exporting does not need transformers)."""
-    cfg = model.config
-    eot = getattr(tokenizer, "eot_id", None) if tokenizer is not None else None
-    if native_arch(cfg) != "gpt2":
-        return llama_config(cfg, native_arch(cfg), eot, eot)
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head, "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu_new",  # tanh-approximated GELU, as in our MLP
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
-        "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32", "dtype": "float32",
-    }
+def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
+    """The config.json of GPT2Config (or Qwen3's / Llama's), written by hand so exporting does not need transformers."""
+    arch = native_arch(cfg)
+    common = {"architectures": [CLASSES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
+              "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32", "use_cache": True}
+    if arch != "gpt2":
+        return {**common, "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_hidden,
+                "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
+                "head_dim": cfg.n_embd // cfg.n_head, "hidden_act": "silu", "max_position_embeddings": cfg.block_size,
+                "rms_norm_eps": RMS_EPS, "rope_theta": cfg.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "attention_bias": False,
+                "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings}
+    return {**common, "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,  # 4 * n_embd
+            "activation_function": "gelu_new",  # tanh-approximated GELU, as in our MLP
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5,
+            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "dtype": "float32"}
 
 
 def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
-    """A `tokenizers` file mapping each character to our id (WordLevel over single characters), and the name of
-    its unknown token (None without one)."""
+    """A `tokenizers` WordLevel file over single characters with our ids, and its unknown token's name (or None)."""
     from tokenizers import Regex
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
@@ -93,8 +121,8 @@ def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
     return hf.to_str(), None
 
 
-def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[str]:
-    """tokenizer.json + tokenizer_config.json + special_tokens_map.json for PreTrainedTokenizerFast."""
+def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for PreTrainedTokenizerFast."""
     special, unk = {}, None
     if isinstance(tok, CharTokenizer):
         text, unk = _char_tokenizer(tok)
@@ -117,27 +145,26 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> list[st
         tcfg["split_special_tokens"] = True
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
-    return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
 def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
                  info: dict | None = None) -> Path:
-    """Write config.json, model.safetensors and (with a tokenizer) tokenizer files into out_dir, through a
-    temporary sibling folder renamed at the end (a failed export leaves no half folder); check_export_target."""
+    """config.json, model.safetensors and (with a tokenizer) the tokenizer files, written into a temporary sibling
+    folder renamed at the end, so a failed export leaves no half folder (check_export_target first)."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
-    native_arch(model.config)  # a part no native architecture has: refused before anything is written
+    arch = native_arch(model.config)  # a part no native architecture has: refused before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        config = hf_config(model, tokenizer)
+        config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, tmp, model.config.block_size)
         (tmp / "generation_config.json").write_text(json.dumps(
             {k: config[k] for k in ("bos_token_id", "eos_token_id")}, indent=2) + "\n")
-        (tmp / "README.md").write_text(_model_card(model, info or {}))
+        (tmp / "README.md").write_text(_model_card(model.config, arch, info or {}))
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
@@ -181,27 +208,23 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = "latest",
               overwrite: bool = False) -> Path:
-    """Export one checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
+    """One checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
     check_export_target(Path(out_dir), overwrite, Path(run_dir))  # before reading gigabytes of weights
     ld = load_run(run_dir, checkpoint)
-    info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss,
-            "tokenizer": ld.tokenizer.kind}
+    info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss, "tokenizer": ld.tokenizer.kind}
     return export_model(ld.model, out_dir, ld.tokenizer, overwrite=overwrite, info=info)
 
 
-def _model_card(model: GPT, info: dict) -> str:
-    c, arch = model.config, native_arch(model.config)
-    style, cls = {"gpt2": ("A GPT-2 style model", "GPT2LMHeadModel"), "qwen3": ("A Qwen3 architecture model",
-                  "Qwen3ForCausalLM"), "llama": ("A Llama architecture model", "LlamaForCausalLM")}[arch]
+def _model_card(c: ModelConfig, arch: str, info: dict) -> str:
     return "\n".join([
         EXPORT_TITLES[arch], "",
-        f"{style} trained from scratch with gptlib: {c.n_layer} layers, {c.n_head} heads, "
-        f"{c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
+        f"A {EXPORT_TITLES[arch].split()[2]} architecture model trained from scratch with gptlib: {c.n_layer} layers, "
+        f"{c.n_head} heads, {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
         *([f"- {k}: {v}" for k, v in info.items()] + [""] if info else []),
         "```python",
-        f"from transformers import AutoTokenizer, {cls}",
+        f"from transformers import AutoTokenizer, {CLASSES[arch]}",
         "tok = AutoTokenizer.from_pretrained(PATH)",
-        f"model = {cls}.from_pretrained(PATH)",
+        f"model = {CLASSES[arch]}.from_pretrained(PATH)",
         "ids = tok(\"ROMEO:\", return_tensors=\"pt\").input_ids",
         "print(tok.decode(model.generate(ids, max_new_tokens=100, do_sample=True)[0]))",
         "```", "",
@@ -216,6 +239,6 @@ def export_hint(run_dir: str | Path, checkpoint: str = "best") -> str:
     where = colab.setup().persistent / "exports" / Path(run_dir).name  # on Colab: on Drive, where it outlives the VM
     return (f"Not exported: no export folder is set. Export saves the {checkpoint!r} checkpoint as a Hugging Face "
             f"model folder (config.json, model.safetensors, tokenizer files) that transformers loads with "
-            f"AutoModelForCausalLM.from_pretrained(folder). To export, set EXPORT_DIR in the notebook's parameters to a "
-            f"folder, e.g. {where}, and run this cell again; or run: python -m gptlib export-hf --run-dir {run_dir} "
+            f"AutoModelForCausalLM.from_pretrained(folder). To export, set EXPORT_DIR in the notebook's parameters to "
+            f"a folder, e.g. {where}, and run this cell again; or run: python -m gptlib export-hf --run-dir {run_dir} "
             f"--checkpoint {checkpoint} --out {where}")

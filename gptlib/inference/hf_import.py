@@ -1,14 +1,7 @@
-"""Import a Hugging Face GPT2LMHeadModel (OpenAI's gpt2 or gpt2-medium from the Hub, or any local folder), or a
-Qwen3 / Llama folder of the modern recipe's shape (gptlib.inference.hf_llama), as a gptlib run directory:
-
-    python -m gptlib import-hf --model gpt2 --out runs/gpt2
-
-The inverse of gptlib.inference.export: Conv1D weights (in, out) are transposed to Linear's (out, in); the
-embedding is padded to a multiple of 64 rows (logits are cut back to vocab_size) and tied to the output layer. The
-folder's tokenizer becomes the run's tokenizer.json (byte-level BPE with <|endoftext|>, or a char tokenizer that
-gptlib exported). The run holds one checkpoint, step 0, without optimizer state: `sample`, `eval` and `export-hf`
-work on it, and `train --init-from RUN_DIR` starts from its weights. A model that is not GPT-2 shaped (another
-activation, attention scaling or architecture) is refused, naming what differs.
+"""import-hf: a transformers folder (or Hub id) as a gptlib run directory: GPT2LMHeadModel (OpenAI's gpt2 and
+gpt2-medium, or any folder), or Qwen3 / Llama of the modern recipe's shape (what export-hf writes for it). The run
+holds one checkpoint, step 0, without optimizer state: `sample`, `eval` and `export-hf` work on it, and
+`train --init-from RUN_DIR` starts from its weights. A model gptlib cannot compute is refused, naming what differs.
 """
 
 from __future__ import annotations
@@ -18,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from gptlib.checkpoint.format import write_checkpoint
+from gptlib.checkpoint.format import load_weights_into, write_checkpoint
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
-from gptlib.inference.export import GPT2_LINEARS, check_export_target
-from gptlib.inference.hf_llama import model_config_from_llama, state_dict_from_llama
+from gptlib.inference.export import check_export_target, is_conv1d, weight_map
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT, model_size
 
@@ -53,7 +45,7 @@ def model_dir(name_or_dir: str | Path) -> Path:
 
 
 def model_config(folder: Path) -> ModelConfig:
-    """gptlib's ModelConfig for a GPT2LMHeadModel config.json; HFImportError naming what is not GPT-2."""
+    """gptlib's ModelConfig for a folder's config.json; HFImportError naming what gptlib's model cannot compute."""
     path = folder / "config.json"
     try:
         c = json.loads(path.read_text())
@@ -61,10 +53,7 @@ def model_config(folder: Path) -> ModelConfig:
         raise HFImportError(f"{path}: cannot be read ({e})") from None
     kind = c.get("model_type")
     if kind in ("qwen3", "llama"):
-        try:
-            return model_config_from_llama(c, str(path))
-        except ExportError as e:
-            raise HFImportError(str(e)) from None
+        return _llama_config(c, str(path))
     if kind != "gpt2":
         raise HFImportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
                             f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's")
@@ -79,8 +68,36 @@ def model_config(folder: Path) -> ModelConfig:
                        n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], dropout=0.0, bias=True)
 
 
+def _llama_config(c: dict, where: str) -> ModelConfig:
+    """The modern recipe's ModelConfig of a Qwen3 / Llama config.json; refused by name: grouped-query attention,
+    rope scaling, biases, another activation or head size."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(c.get(key), int):
+            raise HFImportError(f"{where}: {key} is missing or not a number ({c.get(key)!r})")
+    heads, rope = c["num_attention_heads"], c.get("rope_parameters") or {}
+    checks = {"num_key_value_heads": (c.get("num_key_value_heads", heads), heads),
+              "head_dim": (c.get("head_dim", c["hidden_size"] // heads), c["hidden_size"] // heads),
+              "hidden_act": (c.get("hidden_act", "silu"), "silu"),
+              "attention_bias": (c.get("attention_bias", False), False),
+              "mlp_bias": (c.get("mlp_bias", False), False), "rope_scaling": (c.get("rope_scaling"), None),
+              "rope_type": (rope.get("rope_type", "default"), "default")}
+    for key, (got, want) in checks.items():
+        if got != want:
+            raise HFImportError(f"{where}: {key} is {got!r}; gptlib's model needs {want!r}")
+    cfg = ModelConfig(vocab_size=c["vocab_size"], block_size=c.get("max_position_embeddings", 2048),
+                      n_layer=c["num_hidden_layers"], n_head=heads, n_embd=c["hidden_size"], dropout=0.0,
+                      positions="rope", norm="rmsnorm", qk_norm=c.get("model_type") == "qwen3", mlp="swiglu",
+                      tie_embeddings=bool(c.get("tie_word_embeddings", False)), bias=False,
+                      rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    if cfg.mlp_hidden != c["intermediate_size"]:
+        raise HFImportError(f"{where}: intermediate_size is {c['intermediate_size']}; gptlib's SwiGLU MLP of width "
+                            f"{cfg.n_embd} has {cfg.mlp_hidden}")
+    return cfg
+
+
 def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's weights (model.safetensors, else pytorch_model.bin loaded safely), fp32, prefix-free."""
+    """The folder's weights (model.safetensors, else pytorch_model.bin loaded safely), fp32. GPT2Model's files (as
+    OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
     st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
     if st.is_file():
         from safetensors.torch import load_file
@@ -90,30 +107,30 @@ def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         sd = torch.load(pt, map_location="cpu", weights_only=True)
     else:
         raise HFImportError(f"{folder}: no model.safetensors or pytorch_model.bin")
-    return {k.removeprefix("transformer."): v.float() for k, v in sd.items()}
+    own = ("transformer.", "model.", "lm_head.")
+    return {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in sd.items()}
 
 
 def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's weights under gptlib's names and layouts (the inverse of export.hf_state_dict)."""
+    """transformers' weights under our names and layouts (export.weight_map the other way), embeddings padded."""
     def take(name: str) -> torch.Tensor:
         if name not in hf:
-            raise HFImportError(f"{where}: weight {name!r} is missing (not a GPT2LMHeadModel checkpoint?)")
+            raise HFImportError(f"{where}: weight {name!r} is missing")
         return hf[name]
 
-    wte = take("wte.weight")
-    padded = torch.zeros(cfg.padded_vocab_size, cfg.n_embd)
-    padded[: cfg.vocab_size] = wte[: cfg.vocab_size]
-    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"] + [f"h.{i}.{part}.{w}" for i in range(cfg.n_layer)
-                                                          for part in ("ln_1", "ln_2", *GPT2_LINEARS)
-                                                          for w in ("weight", "bias")]
-    sd = {"transformer." + k: take(k) for k in names}
-    for i in range(cfg.n_layer):
-        for lin in GPT2_LINEARS:
-            k = f"transformer.h.{i}.{lin}.weight"
-            sd[k] = sd[k].t().contiguous()  # Conv1D (in, out) -> (out, in)
-    if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"][: cfg.vocab_size], wte[: cfg.vocab_size]):
-        raise HFImportError(f"{where}: lm_head.weight differs from wte.weight; gptlib ties them (GPT-2 does)")
-    return {**sd, "transformer.wte.weight": padded, "lm_head.weight": padded}
+    V, sd = cfg.vocab_size, {}
+    for ours, theirs in weight_map(cfg):
+        w = torch.cat([take(t) for t in theirs])
+        if is_conv1d(cfg, ours):
+            w = w.t().contiguous()  # Conv1D (in, out) -> (out, in)
+        if ours in ("transformer.wte.weight", "lm_head.weight"):
+            w = torch.cat([w[:V], w.new_zeros(cfg.padded_vocab_size - V, w.shape[1])])
+        sd[ours] = w
+    if cfg.tie_embeddings:
+        wte = sd["lm_head.weight"] = sd["transformer.wte.weight"]
+        if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"][:V], wte[:V]):
+            raise HFImportError(f"{where}: lm_head.weight differs from the input embedding; gptlib ties them")
+    return sd
 
 
 def hf_tokenizer(folder: Path) -> Tokenizer:
@@ -124,8 +141,7 @@ def hf_tokenizer(folder: Path) -> Tokenizer:
         raw = tj.read_bytes()
         model = json.loads(raw).get("model", {})
         if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
-            chars = [c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-            return CharTokenizer(chars)
+            return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
         return BPETokenizer.from_json_bytes(raw, where=str(tj))
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):
@@ -141,7 +157,7 @@ def hf_tokenizer(folder: Path) -> Tokenizer:
 
 
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
-    """Write a gptlib run directory (config, tokenizer, a step-0 checkpoint) for a GPT2LMHeadModel."""
+    """Write a gptlib run directory (config, tokenizer, a step-0 checkpoint) for a transformers folder or Hub id."""
     out = Path(out)
     try:
         check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
@@ -154,12 +170,8 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
         raise HFImportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")
     model = GPT(cfg)
+    load_weights_into(model, gptlib_state_dict(hf_weights(folder), cfg, str(folder)), folder)
     recipe = "gpt2" if cfg.positions == "learned" else "modern"
-    try:
-        weights = (gptlib_state_dict if recipe == "gpt2" else state_dict_from_llama)(hf_weights(folder), cfg, str(folder))
-    except ExportError as e:
-        raise HFImportError(str(e)) from None
-    model.load_state_dict(weights)  # checks every shape
     run_cfg = RunConfig(model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe)
     identity = dict(tok.identity(), file=TOKENIZER_FILE)
     state = TrainState(config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)})

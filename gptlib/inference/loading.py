@@ -1,10 +1,6 @@
-"""Load a trained model for inference: a run directory's "latest", "best" or chosen checkpoint.
-
-The tokenizer comes from the run (its `tokenizer.json`, copied there by training; else the data directory the
-checkpoint records) and must match the identity {kind, hash} the checkpoint recorded, so a model is never paired
-with the wrong vocabulary. Every read has a time limit (a Google Drive mount can stop answering, and a read there
-then blocks in the kernel for good): listing and checking DRIVE_LIST_TIMEOUT_S, reading DRIVE_READ_STALL_S without
-progress. A hung read is abandoned with HungIOError (an OSError naming the path), so pick_run_dir passes over that copy.
+"""A trained model for inference: a run directory's "latest", "best" or chosen checkpoint, with the tokenizer the
+checkpoint records (never a model with another vocabulary). Every read has a time limit: a read on a Google Drive
+mount that stopped answering blocks in the kernel for good, and is abandoned with HungIOError (an OSError).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from typing import Sequence
 import torch
 
 from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints,
-                                      load_model_weights, verify_checkpoint)
+                                      load_model_weights, load_weights_into, verify_checkpoint)
 from gptlib.checkpoint.state import TrainState
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
@@ -40,8 +36,8 @@ class LoadedModel:
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, path, is_best}. A cheap check
-    (manifest and sizes, no hashing); incomplete ones are left out (and described in `skipped`)."""
+    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, best_step, path, is_best, info},
+    by a cheap check (manifest and sizes, no hashing); incomplete ones are left out (and described in `skipped`)."""
     def table() -> list[dict]:
         rows = []
         for p in list_checkpoints(run_dir):
@@ -53,7 +49,7 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
                     skipped.append(f"{p.name}: {e}")
                 continue
             rows.append({"step": info.step, "val_loss": state.get("val_loss"), "tokens_seen": state.get("tokens_seen"),
-                         "best_step": state.get("best_step"), "path": p})
+                         "best_step": state.get("best_step"), "path": p, "info": info})
         best = rows[0]["best_step"] if rows else None
         for r in rows:
             r["is_best"] = r["step"] == best
@@ -63,7 +59,7 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 
 def checkpoint_label(row: dict) -> str:
-    """A checkpoint_table row for menus and table headers: "step 1,000 · val 1.523 · best"."""
+    """A checkpoint_table row as "step 1,000 · val 1.523 · best"."""
     label = f"step {row['step']:,}"
     if row.get("val_loss") is not None:
         label += f" · val {row['val_loss']:.3f}"
@@ -73,8 +69,8 @@ def checkpoint_label(row: dict) -> str:
 
 
 def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
-    """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number.
-    Newer checkpoints passed over because they are incomplete are named, with the reason, through `log`."""
+    """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number. Newer checkpoints
+    passed over as incomplete are named, with the reason, through `log`."""
     run_dir = Path(run_dir)
     if not call_with_timeout(run_dir.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"reading {run_dir}"):
         raise CheckpointError(f"no valid checkpoint in {run_dir}: the run directory does not exist")
@@ -105,13 +101,11 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
         step = int(m.group(1))
         if step not in steps:
             raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}; available steps: {steps}")
-    path = table[steps.index(step)]["path"]
-    return call_with_timeout(lambda: verify_checkpoint(path, deep=False), DRIVE_LIST_TIMEOUT_S, what=f"reading {path}")
+    return table[steps.index(step)]["info"]
 
 
 def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "latest") -> list[int]:
-    """Steps of checkpoints, each once: "all" (every complete checkpoint, oldest first), or latest/best/STEP, one or
-    several (a list, or separated by commas: "1000, best")."""
+    """Steps of checkpoints, each once: "all" (oldest first), or latest/best/STEP, a list or "1000, best"."""
     joined = ",".join(map(str, [which] if isinstance(which, (str, int)) else which))
     specs = [s.strip() for s in joined.split(",") if s.strip()] or ["latest"]
     if [s.lower() for s in specs] == ["all"]:
@@ -121,7 +115,8 @@ def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "
 
 
 def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> Tokenizer:
-    """The tokenizer a checkpoint was trained with: the run's copy, else the recorded data dir's."""
+    """The tokenizer a checkpoint was trained with, checked against its identity: the run's copy (training puts it
+    there), else the recorded data dir's."""
     expected = state.tokenizer or {}
     candidates = [Path(run_dir) / TOKENIZER_FILE]
     if state.data_dir:
@@ -140,10 +135,8 @@ def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> To
 
 def load_run(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
              dtype: torch.dtype | str | None = None, log=loud) -> LoadedModel:
-    """Model (eval mode) + verified tokenizer for one checkpoint of a run directory (local or on Drive:
-    every read has a time limit, so a hung Drive gives an error instead of a hung notebook).
-    dtype: None keeps the saved fp32 (training from it, evaluation under autocast, export); "auto" is the
-    device's own type, resolve_dtype("auto"): bf16 on a GPU with bf16 hardware, fp16 on a T4, fp32 on a CPU."""
+    """The model (eval mode) and its verified tokenizer. dtype: None keeps the saved fp32 (training from it,
+    evaluation under autocast, export); "auto" the device's own, resolve_dtype("auto") (bf16, a T4's fp16, CPU fp32)."""
     info = resolve_checkpoint(run_dir, which, log)
     path = info.path
     rec = info.manifest.get("files", {}).get(MODEL_FILE, {})
@@ -153,10 +146,7 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
         raise TokenizerError(f"{path}: the model has vocab_size={cfg.model.vocab_size} but the tokenizer has "
                              f"{tok.vocab_size} tokens")
     model = GPT(cfg.model)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:  # shapes or names that do not fit the config the checkpoint records
-        raise CheckpointError(f"{path / MODEL_FILE}: weights do not fit the saved config ({str(e)[:300]})") from None
+    load_weights_into(model, weights, path / MODEL_FILE)
     if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
         device = resolve_device(device)
     if dtype == "auto":
@@ -166,8 +156,7 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
 
 
 def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainState, RunConfig, Tokenizer]:
-    """A checkpoint's state.json, the config it records, and the run's tokenizer checked against it; read
-    within DRIVE_READ_STALL_S (HungIOError after it: a hung Drive)."""
+    """A checkpoint's state.json, the config it records, and the run's tokenizer checked against it."""
     def read() -> tuple[TrainState, RunConfig, Tokenizer]:
         source = str(path / STATE_FILE)
         try:
@@ -181,8 +170,7 @@ def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainStat
 
 
 def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
-    """Notebooks 04 and 05: RUN_DIR if given, else run NAME's copy with the newest complete checkpoint: the VM's
-    or its Drive mirror (colab.run_paths, pick_run_dir)."""
+    """Notebooks 04 and 05: RUN_DIR if given, else run NAME's copy with the newest complete checkpoint."""
     from gptlib import colab
 
     if str(run_dir).strip():
@@ -192,8 +180,8 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 
 
 def pick_run_dir(candidates, log=loud) -> Path:
-    """Of several copies of one run (local disk, Drive mirror), the one with the newest complete checkpoint (a fresh
-    Colab VM's disk is empty; after a long session it may be newer than Drive). A hung copy is passed over."""
+    """Of a run's copies (the VM's disk, the Drive mirror), the one with the newest complete checkpoint: a fresh VM's
+    disk is empty, after a long session it may be newer than Drive. A hung copy is passed over."""
     best, best_step = None, -1
     looked = []
     for c in candidates:

@@ -1,5 +1,4 @@
-"""Sampling: the settings (SamplingConfig), what a generation returns (Completion), and how the next token is
-drawn from a batch of logits, on the device (repetition penalty, temperature, top-k, top-p; greedy at 0)."""
+"""How the next token is drawn from a batch of logits, on the device: the settings, and what a generation returns."""
 
 from __future__ import annotations
 
@@ -47,12 +46,9 @@ class Completion:
     finish_reason: str  # "length" (max_new_tokens), "stop" (a stop string) or "eot" (end-of-text token)
 
 
-# --- logits processing (batched, on the device) -----------------------------------------------
-
-
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, V) raw logits -> (B, V) float logits to sample from: penalty, temperature, top-k, top-p.
-    `seen` (B, V) bool marks tokens already in each row's context, for the repetition penalty."""
+    """(B, V) logits -> (B, V) float logits to sample from: penalty (on `seen` (B, V), the tokens in each row's
+    context), temperature, top-k, top-p."""
     logits = logits.float()
     p = cfg.repetition_penalty
     if seen is not None and p != 1.0:
@@ -77,11 +73,9 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) processed logits -> (B,) token ids: argmax if temperature is 0, else a draw.
-
-    The draw is argmax(p / q) with q ~ Exp(1) per token: token i wins with probability p_i (the exponential
-    race; torch.multinomial does the same for one sample, after checking the probabilities with `.item()`,
-    which makes the host wait for the GPU on every token). Tokens filtered to p = 0 can never win."""
+    """(B, V) processed logits -> (B,) token ids: argmax at temperature 0, else argmax(p / q), q ~ Exp(1): token i
+    wins with probability p_i (the exponential race). torch.multinomial computes the same for one sample, after
+    checking the probabilities with .item(), which makes the host wait for the GPU at every token."""
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits, dim=-1)

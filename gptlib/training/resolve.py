@@ -43,7 +43,7 @@ from gptlib.training.throughput import check_cpu_run
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
 # every training setting) may change between sessions; the change is reported.
 SHAPE = ("block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple",
-         "positions", "norm", "qk_norm", "mlp", "tie_embeddings", "logit_softcap", "rope_theta")
+         "positions", "norm", "qk_norm", "mlp", "tie_embeddings", "rope_theta")
 
 
 def resolve_config(asked: RunConfig, meta: DatasetMeta, resume: Resume | None, base: RunConfig | None,

@@ -58,7 +58,7 @@ def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 
                                            ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
 def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
     from gptlib.evaluation.likelihood import eval_autocast
-    from gptlib.training.bench import half_dtype
+    from benchmarks.bench import half_dtype
 
     fake_gpu(monkeypatch, name, cap)
     assert rt.resolve_dtype("auto", CUDA) == want

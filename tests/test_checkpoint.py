@@ -23,6 +23,7 @@ from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
 from gptlib.training.signals import GracefulStop
+from tests import faulty
 
 
 def ckpt(step: int, model: dict, optimizer: dict | None = None, best: int | None = None) -> Checkpoint:
@@ -58,7 +59,7 @@ def test_same_step_resave_replaces_whole(tmp_path):
 
 def test_failed_write_removes_partial_and_keeps_previous(tmp_path, monkeypatch):
     save(tmp_path, 5)
-    monkeypatch.setenv("GPTLIB_FAULT", "enospc:save_mid@10")
+    faulty.install("enospc:save_mid@10", monkeypatch.setattr)
     with pytest.raises(OSError) as ei:
         save(tmp_path, 10)
     assert ei.value.errno == errno.ENOSPC
@@ -360,7 +361,7 @@ def test_writer_local_error_raises_at_next_save(tmp_path, monkeypatch):
     w = CheckpointWriter(tmp_path)
     w.save(ckpt(1, sd(), {}, best=None))
     w.wait()
-    monkeypatch.setenv("GPTLIB_FAULT", "eio:save_mid@2")
+    faulty.install("eio:save_mid@2", monkeypatch.setattr)
     w.save(ckpt(2, sd(), {}, best=None))
     with pytest.raises(CheckpointError, match=r"Errno 5.*newest intact checkpoint is step 1"):
         w.save(ckpt(3, sd(), {}, best=None))

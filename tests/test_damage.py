@@ -32,6 +32,7 @@ from gptlib.training import loop as gtrain
 from gptlib.training import setup as gsession
 from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
+from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
 
@@ -45,14 +46,11 @@ def ckpt(run, step):
 
 
 def cli(data, run_dir, settings, steps, fault=None, extra=()):
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir), "--preset",
-           "phase1", "--max-steps", str(steps), "--device", "cpu", "--quiet", *extra]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
+                            "--max-steps", steps, "--device", "cpu", "--quiet", *extra)
     for s in settings:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("GPTLIB_FAULT", None)
-    if fault:
-        env["GPTLIB_FAULT"] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 

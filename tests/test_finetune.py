@@ -33,6 +33,7 @@ from gptlib.inference.loading import load_run
 from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from tests import faulty
 from tests.conftest import REPO
 from tests.device_ops import DeviceOps
 
@@ -240,17 +241,13 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
 
 
 def run_cli(qa: dict, run_dir: Path, steps: int, fault: str | None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(qa["data"]), "--run-dir", str(run_dir),
-           "--preset", "finetune", "--init-from", str(qa["base"]), "--max-steps", str(steps), "--device", "cpu",
-           "--quiet"]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", qa["data"], "--run-dir", run_dir, "--preset", "finetune",
+                            "--init-from", qa["base"], "--max-steps", steps, "--device", "cpu", "--quiet")
     for k, v in {**SMALL, "eval_interval": 10, "batch_size": 8, "learning_rate": 1e-2, "warmup_steps": 2,
                  "eval_batches": 2, "sample_tokens": 0, "save_every_minutes": 0, "save_every_steps": 5,
                  "log_interval": 1, "dropout": 0.1, "compile": "off"}.items():
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("GPTLIB_FAULT", None)
-    if fault:
-        env["GPTLIB_FAULT"] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 

@@ -32,6 +32,7 @@ from gptlib.errors import OutOfMemoryAdvice
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.memory import free_memory
+from tests import faulty
 from tests.conftest import REPO, TINY
 
 gpu = pytest.mark.gpu
@@ -132,9 +133,7 @@ def resume_verdict(resumed: dict[int, float], noise: dict[int, float], factor: f
 
 def _env() -> dict[str, str]:
     """Subprocess environment: this checkout first on PYTHONPATH, whatever gpu_check.sh added kept after it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("GPTLIB_FAULT", None)
-    return env
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
 
 
 def _text(b) -> str:
@@ -378,14 +377,11 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
 
 
 def _cli_train(data, run_dir, steps: int, fault: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", data, "--run-dir", run_dir, "--preset", "gpt2-small",
-           "--max-steps", steps, "--device", "cuda", "--quiet"]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "gpt2-small",
+                            "--max-steps", steps, "--device", "cuda", "--quiet")
     for s in RESUME:
         cmd += ["--set", s]
-    env = _env()
-    if fault:
-        env["GPTLIB_FAULT"] = fault
-    return _run(cmd, env, timeout)
+    return _run(cmd, _env(), timeout)
 
 
 @gpu

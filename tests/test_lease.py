@@ -14,6 +14,7 @@ import pytest
 
 from gptlib import lease as L
 from gptlib.training.loop import train
+from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
 
@@ -25,14 +26,15 @@ def quiet(_msg):
     pass
 
 
-def trainer(data, run_dir, mirror=None, steps=LONG_STEPS, env=None, extra=()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir), "--preset",
-           "phase1", "--max-steps", str(steps), "--device", "cpu", "--quiet", *extra]
+def trainer(data, run_dir, mirror=None, steps=LONG_STEPS, fault="slow:mid_step", extra=()) -> subprocess.Popen:
+    """`python -m gptlib train` in its own process; fault: tests/faulty.py's SPEC (default: 50 ms a step)."""
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
+                            "--max-steps", steps, "--device", "cpu", "--quiet", *extra)
     for s in SLOW:
         cmd += ["--set", s]
     if mirror is not None:
         cmd += ["--mirror-dir", str(mirror)]
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GPTLIB_FAULT": "slow:mid_step", **(env or {})}
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -57,7 +59,7 @@ def test_a_second_trainer_refuses_and_the_first_trains_as_if_alone(char_data, tm
     first = trainer(char_data, run)
     wait_for(run / "lease.json")
     t0 = time.time()
-    second = trainer(char_data, run, env={"GPTLIB_FAULT": ""})
+    second = trainer(char_data, run, fault="")
     out, err = second.communicate(timeout=120)
     assert second.returncode == 2, out + err
     assert "is in use by another training process" in err and f"pid {first.pid}" in err and "--take-over" in err
@@ -75,7 +77,7 @@ def test_two_runs_sharing_one_mirror(char_data, tmp_path):
     mirror = tmp_path / "drive" / "run"
     first = trainer(char_data, tmp_path / "a", mirror=mirror)
     wait_for(mirror / "lease.json")
-    second = trainer(char_data, tmp_path / "b", mirror=mirror, env={"GPTLIB_FAULT": ""})
+    second = trainer(char_data, tmp_path / "b", mirror=mirror, fault="")
     out, err = second.communicate(timeout=120)
     assert second.returncode == 2 and f"{mirror} is in use" in err, out + err
     assert first.communicate(timeout=300)[0] is not None and first.returncode == 0
@@ -86,7 +88,7 @@ def test_two_runs_sharing_one_mirror(char_data, tmp_path):
 
 def test_a_taken_over_writer_stops_without_writing(char_data, tmp_path):
     run = tmp_path / "run"
-    proc = trainer(char_data, run, steps=100_000, env={"GPTLIB_LEASE_HEARTBEAT_S": "0.2"})
+    proc = trainer(char_data, run, steps=100_000, fault="slow:mid_step,lease.HEARTBEAT_S=0.2")
     wait_for(run / "checkpoints")  # it trains and saves
     # Another process takes the run over and keeps its claim, as a holder's heartbeat does. A single write
     # can land between the trainer's heartbeat check and its rewrite (files have no compare-and-swap); the

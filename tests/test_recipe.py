@@ -22,6 +22,7 @@ from gptlib.training.loop import train
 from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
 from gptlib.training.resolve import schedule_change
 from gptlib.training.step import lr_at, optimizer_step, set_lr
+from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)
 
@@ -219,11 +220,11 @@ def test_modern_sigkill_mid_step_then_resume_is_exact(char_data, modern_referenc
     """Muon's and AdamW's states are in the checkpoint: killed mid-step, the resumed run's losses and weights are
     the uninterrupted run's, bit for bit; re-run without --recipe, the run keeps its own."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(run_dir),
-           "--preset", "phase1", "--recipe", "modern", "--max-steps", str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    cmd = faulty.gptlib_cmd("kill:mid_step@13", "train", "--data", char_data, "--run-dir", run_dir, "--preset",
+                            "phase1", "--recipe", "modern", "--max-steps", MAX_STEPS, "--device", "cpu", "--quiet")
     for s in SETTINGS:
         cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GPTLIB_FAULT": "kill:mid_step@13"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr
     r, out = run(char_data, run_dir, recipe=None)

@@ -2,8 +2,7 @@
 
 "Matches" means the same per-step train/val losses and learning rates in metrics.jsonl and the
 same final weights (torch.equal). The kills are real: `python -m gptlib train` runs in a
-subprocess and SIGKILLs itself at a named point (GPTLIB_FAULT, see gptlib.faults), or
-gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
+subprocess (through tests/faulty.py) and SIGKILLs itself at a named point, or gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
 skipping the RNG or sampler restore makes the comparison fail.
 """
 
@@ -13,7 +12,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,7 @@ from gptlib.checkpoint.format import find_latest_valid, list_checkpoints, load_m
 from gptlib.training import loop as gtrain
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from tests import faulty
 from tests.conftest import REPO, TINY
 
 MAX_STEPS = 20
@@ -47,16 +46,13 @@ def run_inproc(data, run_dir, mirror_dir=None, log=None, **kw):
 
 
 def run_cli(data, run_dir, fault: str | None = None, mirror_dir=None, timeout=120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir),
-           "--preset", "phase1", "--max-steps", str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
+                            "--max-steps", MAX_STEPS, "--device", "cpu", "--quiet")
     for s in SETTINGS:
         cmd += ["--set", s]
     if mirror_dir is not None:
         cmd += ["--mirror-dir", str(mirror_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("GPTLIB_FAULT", None)
-    if fault:
-        env["GPTLIB_FAULT"] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -158,10 +154,12 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
 
 def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    monkeypatch.setenv("GPTLIB_FAULT", "interrupt:mid_step@13")
-    r = run_inproc(char_data, run_dir, log=lambda m: None)
+    undo = faulty.install("interrupt:mid_step@13")
+    try:
+        r = run_inproc(char_data, run_dir, log=lambda m: None)
+    finally:
+        undo()
     assert r.stopped_by == "interrupt" and r.step == 12
-    monkeypatch.delenv("GPTLIB_FAULT")
     _resume_and_check(char_data, reference, run_dir, capsys, 12)
 
 
@@ -171,12 +169,12 @@ def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, 
 @pytest.fixture(scope="module")
 def interrupted(char_data, tmp_path_factory):
     d = tmp_path_factory.mktemp("interrupted") / "run"
-    os.environ["GPTLIB_FAULT"] = "interrupt:mid_step@13"
+    undo = faulty.install("interrupt:mid_step@13")
     try:
         torch.set_num_threads(1)
         r = run_inproc(char_data, d, log=lambda m: None)
     finally:
-        del os.environ["GPTLIB_FAULT"]
+        undo()
     assert r.step == 12
     return d
 
@@ -215,13 +213,11 @@ def test_positive_control_same_copy_resumes_exactly(char_data, reference, interr
 def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys, monkeypatch):
     """save_every_minutes saves between step-based saves; max_minutes stops with a checkpoint, and
     the same call resumes from it."""
-    import time
-
     from gptlib.checkpoint.format import list_checkpoints
 
     # Every step lasts longer than save_every_minutes (6 ms): a tiny step on an idle CPU can be faster,
-    # and then step 7 was not saved (flaky [6, 8]). The loop calls fault_point once per step.
-    monkeypatch.setattr(gtrain, "fault_point", lambda *a: time.sleep(0.01))
+    # and then step 7 was not saved (flaky [6, 8]). "slow" sleeps 50 ms in every step.
+    faulty.install("slow:mid_step", monkeypatch.setattr)
     run_dir = tmp_path / "run"
     settings = TINY + ["eval_interval=1000", "save_every_steps=1000", "save_every_minutes=0.0001"]
     r = train(char_data, run_dir, "phase1", settings, max_steps=8, device="cpu", progress=False, log=lambda m: None)

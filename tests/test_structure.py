@@ -15,7 +15,7 @@ PKG = REPO / "gptlib"
 # resume, the sampler or the Drive copy opens one folder, and nothing below depends on it). Entries are module
 # names relative to gptlib/ ("config") or folders ("data/": every module in it).
 LAYERS = [
-    {"config", "errors", "runtime", "layout", "fsutil", "faults", "colab", "lease"},  # the bottom
+    {"config", "errors", "runtime", "layout", "fsutil", "colab", "lease"},  # the bottom
     {"data/"},  # text to token shards: never imports torch
     {"model", "batches"},  # the network and the batches it trains on
     {"checkpoint/"},  # the format, the writer, the Drive mirror, resume

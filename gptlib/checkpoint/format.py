@@ -25,7 +25,6 @@ from typing import Any, Callable
 import torch
 
 from gptlib.errors import CheckpointError
-from gptlib.faults import fault_point
 from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, call_with_timeout,
                            fsync_dir, read_bytes_with_timeout, sha256_file)
 from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
@@ -90,7 +89,6 @@ def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: di
     partial.mkdir()
     try:
         _torch_save_atomic(model_sd, partial / MODEL_FILE)
-        fault_point("save_mid", step)
         _torch_save_atomic(train_state, partial / TRAIN_STATE_FILE)
         atomic_write_json(partial / STATE_FILE, state)
         for name, data in (extra_files or {}).items():
@@ -284,12 +282,10 @@ def remove_tree(path: Path, truncate: bool = False) -> None:
         with suppress(OSError):
             os.replace(path, target)
             path = target
-    for i, f in enumerate(sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE)):
+    for f in sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE):
         if f.is_file():
             with suppress(OSError):
                 if truncate:
                     os.truncate(f, 0)
                 f.unlink()
-            if i == 0:
-                fault_point("rotate_mid", step_of(path))
     shutil.rmtree(path, ignore_errors=True)

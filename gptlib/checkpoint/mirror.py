@@ -21,7 +21,6 @@ from typing import Callable
 from gptlib.checkpoint.format import install, list_checkpoints, read_manifest, remove_tree, verify_checkpoint
 from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, LeaseLost, loud
-from gptlib.faults import fault_point
 from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, fsync_dir
 from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
 
@@ -75,10 +74,8 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
     partial = dst_root / f"{src.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
-        for i, (name, rec) in enumerate(manifest["files"].items()):
+        for name, rec in manifest["files"].items():
             copy_file_verified(src / name, partial / name, rec["size"], rec["sha256"], progress)
-            if i == 0:
-                fault_point("mirror_mid", manifest["step"])
         copy_file_verified(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress=progress)
         fsync_dir(partial)
         verify_checkpoint(partial, deep=True)  # read back from the mirror: catches truncated writes

@@ -21,7 +21,6 @@ from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.checkpoint.state import Checkpoint
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError, GptlibError
-from gptlib.faults import fault_point
 from gptlib.layout import checkpoints_dir, step_of
 
 
@@ -118,7 +117,6 @@ class CheckpointWriter:
                 state["milestone"] = True  # kept for good, even if keep_every changes later
             path = write_checkpoint(checkpoints_dir(self.run_dir), step, model_sd, train_state, state, extra)
             verify_checkpoint(path)
-            fault_point("after_rename", step)
             self.last_saved = path
             protect = self.mirror.submit(path, best_step, milestone, sizes) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,

@@ -23,7 +23,6 @@ from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.evaluation.evaluate import append_eval_row, make_row
 from gptlib.evaluation.hellaswag import metrics_fields
-from gptlib.faults import fault_point
 from gptlib.layout import LOSS_PLOT
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
@@ -118,7 +117,6 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
             set_lr(s.optimizer, lr_at(state.step, tc))
             loss = forward_backward(s.train_model, s.scaler, s.sampler, accum=tc.grad_accum_steps,
                                     autocast=s.autocast, timer=timer, no_sync=s.no_sync)
-            fault_point("mid_step", state.step + 1)  # tests only (GPTLIB_FAULT)
             # the update and the step counter as one: a second stop press lands before or after, never inside
             with stop.deferred():
                 optimizer_step(s.train_model, s.optimizer, s.scaler, tc.grad_clip)

@@ -37,11 +37,6 @@ SKEW_S = 60.0  # a heartbeat up to this far ahead of our clock is a small clock 
 IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
 
 
-def _timing(name: str, default: float) -> float:
-    """GPTLIB_LEASE_<NAME> overrides a timing (tests, and users who know their Drive)."""
-    return float(os.environ.get(f"GPTLIB_LEASE_{name}", default))
-
-
 @dataclass
 class Holder:
     host: str
@@ -151,10 +146,9 @@ class RunLease:
                                f"({_describe(found, now)}); {how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else _timed(lambda: path.stat().st_mtime, path))
         what = _describe(found, now)
-        stale_s = _timing("STALE_S", STALE_S)
-        if -_timing("SKEW_S", SKEW_S) <= age < stale_s:
+        if -SKEW_S <= age < STALE_S:
             raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
-                               f"{stale_s - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
+                               f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
         # Old, or so far in the future that its age is unknown (the other VM's clock ran ahead): only a
         # heartbeat that changes while watched shows the holder alive.
         looks = "looks stale" if age >= 0 else "has a heartbeat ahead of this machine's clock (its age is unknown)"
@@ -162,7 +156,7 @@ class RunLease:
 
     def _watch(self, path: Path, looks: str, what: str, how: str) -> None:
         """An old (or future) heartbeat: watch it for WATCH_S; a change means the holder is alive after all."""
-        watch = _timing("WATCH_S", WATCH_S)
+        watch = WATCH_S
         self.log(f"lease: {path} {looks} ({what}); watching it for {watch:.0f} s before taking over")
         before = _timed(path.read_bytes, path)
         deadline = time.monotonic() + watch
@@ -191,7 +185,7 @@ class RunLease:
         raise on_lost(self.lost + "; this process stopped without writing to it")
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(_timing("HEARTBEAT_S", HEARTBEAT_S)):
+        while not self._stop.wait(HEARTBEAT_S):
             self.beats += 1
             for d in self._held:
                 try:

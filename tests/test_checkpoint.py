@@ -14,9 +14,8 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
-from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, find_latest_valid, list_checkpoints,
-                                      load_checkpoint, load_latest, load_weights_into, verify_checkpoint,
-                                      write_checkpoint)
+from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, first_valid, list_checkpoints,
+                                      load_checkpoint, load_weights_into, verify_checkpoint, write_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.state import Checkpoint, TrainState
@@ -89,21 +88,23 @@ def test_verify_detects_damage(tmp_path, damage):
         verify_checkpoint(p)
 
 
-def test_find_latest_valid_falls_back_and_spans_dirs(tmp_path):
+def test_first_valid_falls_back_and_spans_dirs(tmp_path):
+    """What resume searches: the newest checkpoint that verifies, local or on Drive; damaged ones passed over."""
     local, drive = tmp_path / "local", tmp_path / "drive"
     save(local, 10)
     save(drive, 20)
     save(drive, 30)
     os.truncate(drive / "checkpoints" / "step_0000030" / "model.pt", 5)
-    logs = []
-    info = find_latest_valid([local, drive], log=logs.append)
+    logs, damaged = [], []
+    info = first_valid([local, drive], logs.append, verify_checkpoint, damaged)
     assert info.step == 20 and info.path.parent.parent == drive
     assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
+    assert damaged == [drive / "checkpoints" / "step_0000030"]
     save(local, 20, 9.0)  # same step in both: the first listed (local, fast) wins
-    assert find_latest_valid([local, drive]).path.parent.parent == local
+    assert first_valid([local, drive], logs.append, verify_checkpoint).path.parent.parent == local
 
 
-def test_malicious_pickle_refused_and_load_latest_falls_back(tmp_path):
+def test_malicious_pickle_refused_and_the_search_falls_back(tmp_path):
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -120,7 +121,7 @@ def test_malicious_pickle_refused_and_load_latest_falls_back(tmp_path):
     with pytest.raises(CheckpointError, match="cannot load safely"):
         load_checkpoint(p)
     logs = []
-    info, *_ = load_latest(tmp_path, log=logs.append)
+    info, *_ = first_valid(tmp_path, logs.append, lambda path: (verify_checkpoint(path), *load_checkpoint(path)))
     assert info.step == 1 and "cannot load safely" in logs[0] and not marker.exists()
 
 

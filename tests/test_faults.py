@@ -20,10 +20,11 @@ import pytest
 
 from gptlib.__main__ import main as cli_main
 from gptlib.checkpoint import mirror as gmirror
-from gptlib.checkpoint.format import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
+from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
 from gptlib.fsutil import sha256_file
 from tests import faulty
+from tests.conftest import newest_checkpoint
 from tests.test_resume import MAX_STEPS, SETTINGS, curve, one_thread, run_inproc  # noqa: F401 (fixture)
 
 CKPT = "checkpoints"
@@ -219,7 +220,7 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     assert "is NOT on Drive" in err  # the end-of-run summary says where the newest checkpoint is
     assert "DRIVE COPY FAILING" in out  # shown in the loop's validation line too
     assert verify_checkpoint(ckpt_dir(run, 20)).step == 20  # local saving never stopped
-    assert find_latest_valid(mirror, log=lambda m: None) is None
+    assert newest_checkpoint(mirror) is None
     assert not list((mirror / CKPT).glob("*.partial-*")), "failed copies left partial dirs"
     # Drive is back: re-running resumes from the local newest and copies it to Drive.
     monkeypatch.undo()

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.checkpoint.format import load_model_weights
 from gptlib.data.conversations import ChatTemplate
 from gptlib.data.prepare import prepare
 from gptlib.data.shards import load_split, read_meta, read_spans
@@ -34,7 +34,7 @@ from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests import faulty
-from tests.conftest import REPO
+from tests.conftest import REPO, newest_checkpoint
 from tests.device_ops import DeviceOps
 
 WORDS = "apple river stone cloud tiger lamp green seven music ocean paper silver candle forest window honey".split()
@@ -233,7 +233,7 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
                             question(n, w), "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"],
                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert p.returncode == 0 and p.stdout.strip() == OPPOSITE[w], (p.stdout, p.stderr)
-    state = json.loads((find_latest_valid(run_dir, log=quiet).path / "state.json").read_text())
+    state = json.loads((newest_checkpoint(run_dir).path / "state.json").read_text())
     assert state["init_from"]["path"].startswith(str(qa["base"]))
 
 
@@ -262,8 +262,8 @@ def test_an_sft_run_killed_mid_step_resumes_exactly(qa, tmp_path):
     a = {r["step"]: (r["train_loss"], r.get("val_loss")) for r in read_metrics(ref)}
     b = {r["step"]: (r["train_loss"], r.get("val_loss")) for r in read_metrics(run)}
     assert sorted(b) == list(range(1, 21)) and a == b
-    wa = load_model_weights(find_latest_valid(ref, log=quiet).path)
-    wb = load_model_weights(find_latest_valid(run, log=quiet).path)
+    wa = load_model_weights(newest_checkpoint(ref).path)
+    wb = load_model_weights(newest_checkpoint(run).path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

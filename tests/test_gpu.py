@@ -26,14 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlib.checkpoint.format import find_latest_valid, load_checkpoint
+from gptlib.checkpoint.format import load_checkpoint
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.memory import free_memory
 from tests import faulty
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, newest_checkpoint
 
 gpu = pytest.mark.gpu
 RESULTS = Path(os.environ.get("GPTLIB_GPU_RESULTS") or REPO / "benchmarks" / "results")
@@ -249,7 +249,7 @@ def test_small_gpt2_bpe_trains_compiled(bpe_compiled, dtype):
     curve = loss_curve(r.run_dir)
     losses = [curve[s] for s in sorted(curve)]
     assert len(losses) == BPE_STEPS and all(math.isfinite(x) for x in losses), losses
-    ck = find_latest_valid(r.run_dir, log=lambda m: None)
+    ck = newest_checkpoint(r.run_dir)
     _, train_state, _ = load_checkpoint(ck.path)
     scaler = train_state.get("scaler") or {}
     record(f"train_bpe_{dtype}", [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}",
@@ -393,7 +393,7 @@ def test_sigkill_then_resume_stays_within_run_to_run_noise(bpe_data, tmp_path):
         assert p.returncode == 0, _tail(p)
     p = _cli_train(bpe_data, tmp_path / "k", RESUME_STEPS, fault=f"kill:mid_step@{KILL_AT}")
     assert p.returncode == -signal.SIGKILL, _tail(p)
-    ck = find_latest_valid(tmp_path / "k", log=lambda m: None)
+    ck = newest_checkpoint(tmp_path / "k")
     assert ck is not None and ck.step in (10, 15), ck
     p = _cli_train(bpe_data, tmp_path / "k", RESUME_STEPS)
     assert p.returncode == 0 and f"resumed from step {ck.step}" in p.stdout, _tail(p)
@@ -425,7 +425,7 @@ def test_torchrun_one_process_on_nccl(char_data, tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     assert out == {"step": 8, "backend": "nccl", "wrapped": "DistributedDataParallel"}, out
     assert sorted(loss_curve(tmp_path / "ddp")) == list(range(1, 9))
-    _, train_state, _ = load_checkpoint(find_latest_valid(tmp_path / "ddp", log=lambda m: None).path)
+    _, train_state, _ = load_checkpoint(newest_checkpoint(tmp_path / "ddp").path)
     assert len(train_state["sampler_ranks"]) == 1  # gathered over NCCL
     plain = run + ["-m", "gptlib", "train", "--data", char_data, "--run-dir", tmp_path / "plain", "--preset", "phase1",
                    "--device", "cuda", "--max-steps", "4", "--quiet"]

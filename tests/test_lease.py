@@ -125,7 +125,7 @@ def test_the_lease_of_a_dead_local_process_is_taken_over_at_once(char_data, tmp_
 
 
 def test_another_machines_lease(char_data, tmp_path, monkeypatch):
-    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "0.6")
+    monkeypatch.setattr(L, "WATCH_S", 0.6)
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=10)  # fresh: that VM is probably alive
     with pytest.raises(L.RunBusyError, match=r"in use \(host other-vm, pid 4242.*re-run in \d+ s.*--take-over"):
@@ -157,7 +157,7 @@ def test_another_machines_lease(char_data, tmp_path, monkeypatch):
 def test_a_lease_from_a_vm_whose_clock_ran_ahead_is_watched_not_trusted(tmp_path, monkeypatch):
     """Clock skew: a dead VM whose clock ran an hour ahead left a heartbeat in our future. Its age is unknown,
     so it is watched like a stale lease and taken over when it does not change (not refused for an hour)."""
-    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "0.5")
+    monkeypatch.setattr(L, "WATCH_S", 0.5)
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=-3600)
     logs = []
@@ -173,7 +173,7 @@ def test_a_lease_from_a_vm_whose_clock_ran_ahead_is_watched_not_trusted(tmp_path
 
 
 def test_a_future_heartbeat_that_moves_is_a_live_holder(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "1.0")
+    monkeypatch.setattr(L, "WATCH_S", 1.0)
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=-3600)
     stop = threading.Event()
@@ -201,7 +201,7 @@ def test_a_future_heartbeat_that_moves_is_a_live_holder(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 2, "host": "x"})])
 def test_an_unreadable_or_newer_lease_is_never_free_at_once(char_data, tmp_path, monkeypatch, content):
-    monkeypatch.setenv("GPTLIB_LEASE_WATCH_S", "0.3")
+    monkeypatch.setattr(L, "WATCH_S", 0.3)
     run = tmp_path / "run"
     run.mkdir()
     (run / "lease.json").write_text(content)

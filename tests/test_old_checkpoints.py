@@ -21,12 +21,12 @@ import tarfile
 
 import torch
 
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights, write_checkpoint
+from gptlib.checkpoint.format import load_model_weights, write_checkpoint
 from gptlib.layout import LOG_FILES, checkpoints_dir
 from gptlib.training import loop as gloop
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
 FIXTURE = REPO / "tests" / "fixtures" / "run_ce01044.tar.gz"
@@ -88,6 +88,6 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(char_data, tmp_path
     r = train(char_data, now, "phase1", SETTINGS, max_steps=30, device="cpu", progress=False, log=lambda m: None)
     assert r.resumed_from == 20 and r.step == 30
     assert curve(old) == curve(now) and len(curve(now)) == 30
-    a = load_model_weights(find_latest_valid(old, log=lambda m: None).path)
-    b = load_model_weights(find_latest_valid(now, log=lambda m: None).path)
+    a = load_model_weights(newest_checkpoint(old).path)
+    b = load_model_weights(newest_checkpoint(now).path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

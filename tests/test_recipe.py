@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.checkpoint.format import load_model_weights
 from gptlib.config import RECIPES, build_config, get_preset
 from gptlib.errors import ConfigError
 from gptlib.model import GPT, KVCache
@@ -23,7 +23,7 @@ from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
 from gptlib.training.resolve import schedule_change
 from gptlib.training.step import lr_at, optimizer_step, set_lr
 from tests import faulty
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)
 
 MAX_STEPS = 20
@@ -175,7 +175,7 @@ def test_a_resume_takes_the_optimizers_device_flags_from_this_device(char_data, 
         r, out = run(char_data, run_dir, recipe, fp16, max_steps=15)
         assert r.resumed_from == 10 and r.step == 15, out
         assert fused() == {then == "cuda"}, f"resumed where fused is {then == 'cuda'}"
-        assert all(torch.isfinite(p).all() for p in load_model_weights(find_latest_valid(run_dir).path).values())
+        assert all(torch.isfinite(p).all() for p in load_model_weights(newest_checkpoint(run_dir).path).values())
 
 
 def test_wsd_holds_the_peak_then_decays_linearly():
@@ -230,8 +230,8 @@ def test_modern_sigkill_mid_step_then_resume_is_exact(char_data, modern_referenc
     r, out = run(char_data, run_dir, recipe=None)
     assert r.resumed_from in (5, 10) and "recipe: modern (the resumed run's own)" in out, out
     assert curve(run_dir) == curve(modern_reference)
-    a = load_model_weights(find_latest_valid(modern_reference, log=lambda m: None).path)
-    b = load_model_weights(find_latest_valid(run_dir, log=lambda m: None).path)
+    a = load_model_weights(newest_checkpoint(modern_reference).path)
+    b = load_model_weights(newest_checkpoint(run_dir).path)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -18,12 +18,12 @@ import torch
 
 from gptlib import batches as gdata
 from gptlib.checkpoint import state as gstate
-from gptlib.checkpoint.format import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
+from gptlib.checkpoint.format import list_checkpoints, load_model_weights, verify_checkpoint
 from gptlib.training import loop as gtrain
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests import faulty
-from tests.conftest import REPO, TINY
+from tests.conftest import REPO, TINY, newest_checkpoint
 
 MAX_STEPS = 20
 # Saves at 5, 10, 15, 20 (validation at 10, 20); dropout makes the torch RNG part of the state.
@@ -65,7 +65,7 @@ def curve(run_dir) -> dict[int, tuple]:
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    ck = find_latest_valid(run_dir, log=lambda m: None)
+    ck = newest_checkpoint(run_dir)
     assert ck is not None and ck.step == MAX_STEPS, f"{run_dir}: newest valid checkpoint is {ck}"
     return load_model_weights(ck.path)
 
@@ -116,7 +116,7 @@ def test_sigkill_then_resume_is_exact(char_data, reference, tmp_path, capsys, wh
     run_dir = tmp_path / "run"
     p = run_cli(char_data, run_dir, fault=fault)
     assert p.returncode == -signal.SIGKILL, f"rc={p.returncode}\n{p.stdout}\n{p.stderr}"
-    newest = find_latest_valid(run_dir, log=lambda m: None)
+    newest = newest_checkpoint(run_dir)
     assert newest is not None and newest.step in allowed, (newest, allowed)
     expect = newest.step
     # The previous checkpoints are intact (full sha256 check), whatever the kill interrupted.
@@ -144,7 +144,7 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
     p = run_cli(char_data, run_dir, fault="kill:mirror_mid@15", mirror_dir=mirror)
     assert p.returncode == -signal.SIGKILL, p.stderr
     shutil.rmtree(tmp_path / "local")
-    ck = find_latest_valid(mirror, log=lambda m: None)
+    ck = newest_checkpoint(mirror)
     assert ck is not None and ck.step in (5, 10), ck
     _resume_and_check(char_data, reference, run_dir, capsys, ck.step, mirror_dir=mirror, where="Drive mirror")
     # The mirror caught up: the final checkpoint is there and verifies; no partial copies remain.

@@ -258,15 +258,16 @@ class FakeGpuMemory:
         return self.fixed + self.per_seq * self.batch
 
 
-def test_the_probe_keeps_a_margin_for_compiled_training(char_data):
+def test_the_probe_keeps_a_margin_for_compiled_training(char_data, monkeypatch):
     from gptlib.model import GPT
 
     cfg = build_config("phase1", TINY)
     model = GPT(cfg.model)
     # 8 sequences: 0.95 of the GPU; 4: 0.55 -> 4 is the largest that leaves the margin
     mem = FakeGpuMemory(total=100 * GIB, fixed=15 * GIB, per_seq=10 * GIB)
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the model runs here; the memory is a fake
     logs = []
-    got = memory.probe_micro_batch(model, 32, 8, "cpu", memory_probe=mem, log=logs.append)
+    got = memory.probe_micro_batch(model, 32, 8, "cpu", log=logs.append)
     assert got == (4, 2, 55 * GIB) and any("8 x 32 does not fit" in m and "92%" in m for m in logs), logs
     assert memory.PROBE_HEADROOM == 0.92
 
@@ -279,11 +280,11 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     from gptlib.training.loop import train
 
     mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=2 * GIB)  # 4 sequences: an 18 GiB peak
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
 
     def probe_on_a_fake_gpu(make_model, cfg, device, dtype, log=print):  # the real probe; only the memory is a fake
         per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
-        return memory.probe_micro_batch(make_model(), cfg.model.block_size, per_step, device, dtype, log=log,
-                                        memory_probe=mem)
+        return memory.probe_micro_batch(make_model(), cfg.model.block_size, per_step, device, dtype, log=log)
 
     reserved, real_load = [], setup.load_dataset
     monkeypatch.setattr(resolve, "auto_micro_batch", probe_on_a_fake_gpu)

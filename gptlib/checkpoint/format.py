@@ -219,11 +219,6 @@ def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] 
     return None
 
 
-def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> CheckpointInfo | None:
-    """The newest checkpoint that verifies, across run directories (e.g. local and Drive); bad ones are skipped."""
-    return first_valid(run_dirs, log, verify_checkpoint)
-
-
 def _safe_load(f: Path | io.BytesIO, map_location, where: Path | None = None) -> Any:
     """torch.load with weights_only=True: a pickle that would run code is refused (CheckpointError)."""
     try:
@@ -244,11 +239,6 @@ def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
     if not isinstance(model_sd, dict) or not isinstance(train_state, dict) or not isinstance(state, dict):
         raise CheckpointError(f"{path}: model.pt / train_state.pt / state.json do not hold dicts")
     return clean_state_dict(model_sd), train_state, state
-
-
-def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo, dict, dict, dict] | None:
-    """Newest checkpoint that verifies AND loads safely (a pickle that would run code is skipped), or None."""
-    return first_valid(run_dirs, log, lambda p: (verify_checkpoint(p), *load_checkpoint(p, map_location)))
 
 
 def load_model_weights(path: Path, map_location="cpu", sha256: str | None = None) -> dict[str, torch.Tensor]:

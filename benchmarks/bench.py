@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gptlib.batches import BatchSampler, MemmapSplit, SplitData, load_dataset, make_sampler  # noqa: E402
+from gptlib.batches import BatchSampler, MemmapSplit, SplitData, load_dataset  # noqa: E402
 from gptlib.config import PRESETS, RECIPES, ModelConfig, get_preset  # noqa: E402
 from gptlib.data.shards import read_meta  # noqa: E402
 from gptlib.errors import GptlibError  # noqa: E402
@@ -302,7 +302,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
         data = preloaded(toks, dev)
     else:
         data = splits["train"]
-    sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
+    sampler = BatchSampler(data, micro, mc.block_size, tc.seed, dev)
     autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev, tc.colab_units_per_hour)
     tokens_per_step = micro * accum * mc.block_size
     log(f"bench train: preset {preset}, recipe {recipe}, {model_size(mc).params / 1e6:.1f}M params, {dev} "

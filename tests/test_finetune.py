@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler
+from gptlib.batches import BatchSampler, LossMask, MemmapSplit, SplitData, _as_signed_view
 from gptlib.checkpoint.format import load_model_weights
 from gptlib.data.conversations import ChatTemplate
 from gptlib.data.prepare import prepare
@@ -119,9 +119,8 @@ def test_the_sampler_keeps_exactly_the_assistant_targets(qa, where):
     if where == "ram":
         data = SplitData(_as_signed_view(data.read(0, len(data)).numpy().view(data.dtype)), "train")
     mask = LossMask(read_spans(meta, "train"), len(data))
-    kw = {"chunk_tokens": 3000} if where == "memmap" else {}
-    sampler = make_sampler(data, 8, 64, seed=3, device="cpu", loss_mask=mask, **kw)
-    plain = make_sampler(data, 8, 64, seed=3, device="cpu", **kw)
+    sampler = BatchSampler(data, 8, 64, seed=3, device="cpu", loss_mask=mask)
+    plain = BatchSampler(data, 8, 64, seed=3, device="cpu")
     for _ in range(6):
         x, y = sampler.next_batch()
         x0, y0 = plain.next_batch()
@@ -141,8 +140,8 @@ def test_only_the_answers_carry_the_loss_and_gradient(qa):
     same. With chat_loss=all (no mask) the same batch's loss differs (negative control)."""
     meta = read_meta(qa["data"])
     data = MemmapSplit(meta, "train")
-    sampler = make_sampler(data, 4, 64, 0, "cpu", LossMask(read_spans(meta, "train"), len(data)), chunk_tokens=5000)
-    plain = make_sampler(data, 4, 64, 0, "cpu", chunk_tokens=5000)
+    sampler = BatchSampler(data, 4, 64, 0, "cpu", LossMask(read_spans(meta, "train"), len(data)))
+    plain = BatchSampler(data, 4, 64, 0, "cpu")
     x, y = sampler.next_batch()
     _, y_all = plain.next_batch()
     ld = load_run(qa["base"], log=quiet)
@@ -180,7 +179,7 @@ def test_a_chat_batch_on_the_device_copies_its_starts_there_once():
     dev = torch.device("meta")
     data = SplitData(torch.randint(0, 100, (5000,), dtype=torch.int16).to(dev), "train")
     mask = LossMask(np.array([[10, 50], [300, 900], [2000, 2100]]), len(data), dev)
-    sampler = make_sampler(data, 8, 64, seed=0, device=dev, loss_mask=mask)
+    sampler = BatchSampler(data, 8, 64, seed=0, device=dev, loss_mask=mask)
     for _ in range(3):
         with DeviceOps() as ops:
             x, y = sampler.next_batch()

@@ -275,6 +275,7 @@ def test_the_probe_keeps_a_margin_for_compiled_training(char_data, monkeypatch):
 def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, monkeypatch):
     """What auto_batch measured is kept free beside the data, not only the estimate (issue 26: gpt2-small's estimate
     said 21.2 GiB where the probe had measured an eager peak of 26.6 GiB, and data filled the difference)."""
+    from gptlib import batches
     from gptlib.batches import plan_data
     from gptlib.training import resolve, setup
     from gptlib.training.loop import train
@@ -296,9 +297,11 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     assert cfg.train.batch_size == 4  # the probe's choice
     estimate = memory.estimate_train_bytes(cfg.model, 4)
     assert reserved == [18 * GIB] and estimate < GIB  # the measured peak, far above this tiny model's estimate
-    data, free = 10 * GIB, 20 * GIB  # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not the peak
-    assert plan_data(data, "cuda", reserve_gpu_bytes=estimate, gpu_free=free, ram_available=64 * GIB).where == "gpu"
-    assert plan_data(data, "cuda", reserve_gpu_bytes=reserved[0], gpu_free=free, ram_available=64 * GIB).where == "ram"
+    data = 10 * GIB  # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not beside the peak
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, 40 * GIB))
+    monkeypatch.setattr(batches, "available_ram", lambda: 64 * GIB)
+    assert plan_data(data, "cuda", reserve_gpu_bytes=estimate).where == "gpu"
+    assert plan_data(data, "cuda", reserve_gpu_bytes=reserved[0]).where == "ram"
 
 
 def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from gptlib.batches import make_sampler
+from gptlib.batches import BatchSampler
 from gptlib.checkpoint.writer import Checkpointer
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
@@ -216,7 +216,7 @@ def _finished(s: TrainingRun, log) -> TrainResult:
 def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
     """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
     tc, mc, state = s.cfg.train, s.cfg.model, s.state
-    val_sampler = make_sampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
+    val_sampler = BatchSampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
                                s.loss_masks.get("val"))
     val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
     if state.best_val_loss is None or val_loss < state.best_val_loss:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
+from gptlib.batches import BatchSampler, LossMask, head_ids, load_dataset, loss_masks
 from gptlib.checkpoint.format import load_weights_into
 from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans
@@ -359,7 +359,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
     if masks and verbose:
         log(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
             f"--set chat_loss=all puts it on every token)")
-    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
+    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})

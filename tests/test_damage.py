@@ -60,8 +60,8 @@ LOG4 = TINY + ["log_interval=4", "save_every_steps=5", "dropout=0.1"]
 
 
 def test_metrics_hold_each_step_once_after_a_kill(char_data, tmp_path):
-    """The save step (15) is not a multiple of log_interval (4): rows 13-15 were logged after the
-    checkpoint and are also among its pending losses. SIGKILL at 18, resume: each step once, as alone."""
+    """The save step (15) is not a multiple of log_interval (4): rows 13-15 are written before the checkpoint
+    (it falls on a log boundary). SIGKILL at 18, resume: each step once, as alone."""
     alone = tmp_path / "alone"
     train(char_data, alone, "phase1", LOG4, max_steps=20, device="cpu", progress=False, log=quiet)
     run = tmp_path / "run"

@@ -219,10 +219,3 @@ class Checkpointer:
         """Wait for the save in flight (its error raises; `saving`: the context of that wait) and, for a while, the
         Drive copy."""
         return self.writer.close(saving=saving)
-
-    def maybe_save(self, step: int, snapshot: Callable[[], Checkpoint], **reasons: bool) -> bool:
-        """Save if due (see `due` for the reasons); the snapshot is only built when it is."""
-        if not self.due(step, **reasons):
-            return False
-        self.save(snapshot())
-        return True

@@ -136,8 +136,9 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         stopped_by = "interrupt"
         log(f"interrupted at step {state.step:,}; saving the last complete step")
         s.optimizer.zero_grad(set_to_none=True)
-        checkpointer.save(s.snapshot(None, metrics.pending_losses(), metrics.elapsed(), step_begin,
-                                     gather=False))  # ranks may be anywhere: no collective
+        if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+            metrics.flush(timer, validating=False)
+        checkpointer.save(s.snapshot(None, metrics.elapsed(), step_begin, gather=False))
     finally:
         train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
@@ -156,15 +157,16 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer,
                                               bool(stop.reason))
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
-    # log the losses: the host sync, once per log_interval
-    if metrics.due(state.step, validating):
+    # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
+    saving = checkpointer.due(state.step, validated=validating, time_due=time_due, stopping=stop_now)
+    # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
+    if metrics.due(state.step, validating) or saving:
         metrics.flush(timer, validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
         # validate, sample, plot
         val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
-        # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
-        checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(), metrics.elapsed()),
-                                validated=validating, time_due=time_due, stopping=stop_now)
+        if saving:
+            checkpointer.save(s.snapshot(val_loss, metrics.elapsed()))
     metrics.step_done()
     if not (over_time or stop_now) or is_last:
         return None

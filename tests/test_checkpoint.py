@@ -14,9 +14,10 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
-from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, first_valid, list_checkpoints,
-                                      load_checkpoint, load_weights_into, verify_checkpoint, write_checkpoint)
+from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, list_checkpoints, load_checkpoint,
+                                      load_weights_into, verify_checkpoint, write_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.checkpoint.resume import find_resume
 from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
@@ -88,23 +89,34 @@ def test_verify_detects_damage(tmp_path, damage):
         verify_checkpoint(p)
 
 
-def test_first_valid_falls_back_and_spans_dirs(tmp_path):
-    """What resume searches: the newest checkpoint that verifies, local or on Drive; damaged ones passed over."""
+def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
+    """The newest checkpoint that verifies and loads, local or on Drive (copied to the local run dir first); damaged
+    ones passed over and named; at equal steps the local one."""
     local, drive = tmp_path / "local", tmp_path / "drive"
-    save(local, 10)
-    save(drive, 20)
-    save(drive, 30)
+
+    def put(run_dir, step, v):
+        write_checkpoint(run_dir / "checkpoints", step, *ckpt(step, sd(v)).files())
+
+    put(local, 10, 1.0)
+    put(drive, 20, 2.0)
+    put(drive, 30, 3.0)
     os.truncate(drive / "checkpoints" / "step_0000030" / "model.pt", 5)
-    logs, damaged = [], []
-    info = first_valid([local, drive], logs.append, verify_checkpoint, damaged)
-    assert info.step == 20 and info.path.parent.parent == drive
+    logs = []
+    resume, passed = find_resume(local, drive, logs.append)
+    assert resume.state.step == 20 and resume.origin == drive / "checkpoints" / "step_0000020"
+    assert resume.info.path == local / "checkpoints" / "step_0000020"  # the copy it loaded
+    assert torch.equal(resume.checkpoint.model["w"], sd(2.0)["w"])
+    assert passed.damaged == [drive / "checkpoints" / "step_0000030"] and passed.mirror_step == 30
     assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
-    assert damaged == [drive / "checkpoints" / "step_0000030"]
-    save(local, 20, 9.0)  # same step in both: the first listed (local, fast) wins
-    assert first_valid([local, drive], logs.append, verify_checkpoint).path.parent.parent == local
+    put(local, 40, 4.0)
+    put(drive, 40, 5.0)  # the same step in both: the local one (fast) is taken
+    resume, _ = find_resume(local, drive, logs.append)
+    assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(resume.checkpoint.model["w"],
+                                                                                   sd(4.0)["w"])
 
 
-def test_malicious_pickle_refused_and_the_search_falls_back(tmp_path):
+def test_malicious_pickle_refused(tmp_path):
+    """(Resume passing over such a checkpoint to the previous one: test_faults.py.)"""
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -120,9 +132,7 @@ def test_malicious_pickle_refused_and_the_search_falls_back(tmp_path):
     verify_checkpoint(p)  # consistent manifest: only weights_only loading stops it
     with pytest.raises(CheckpointError, match="cannot load safely"):
         load_checkpoint(p)
-    logs = []
-    info, *_ = first_valid(tmp_path, logs.append, lambda path: (verify_checkpoint(path), *load_checkpoint(path)))
-    assert info.step == 1 and "cannot load safely" in logs[0] and not marker.exists()
+    assert not marker.exists()
 
 
 def test_clean_state_dict_and_checked_load():

@@ -1,4 +1,4 @@
-"""Checkpoints on disk: atomic, verified saves; newest-valid discovery; safe loading.
+"""Checkpoints on disk: atomic, verified saves; listing; safe loading.
 
 A checkpoint is written into `step_XXXXXXX.partial-*`, every file fsynced, the manifest (format
 version, step, size and sha256 of every file) last, then the directory is renamed. A directory
@@ -20,13 +20,13 @@ import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from gptlib.errors import CheckpointError
-from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, call_with_timeout,
-                           fsync_dir, read_bytes_with_timeout, sha256_file)
+from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, fsync_dir,
+                           read_bytes_with_timeout, sha256_file)
 from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
                            PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
                            is_checkpoint_name, step_of)
@@ -181,42 +181,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)]
     return [p for _, p in sorted(found, reverse=True)]
-
-
-def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] | None = None,
-                unreadable: list[tuple[Path, str]] | None = None, listed: dict[Path, list[Path]] | None = None) -> Any:
-    """load(p) of the newest checkpoint p across run_dirs for which it succeeds (at equal steps the earlier dir's);
-    None if none does. Failures are logged and passed over: damaged ones (CheckpointError) go to `skipped`, those
-    that could not be read (OSError, a hung Drive) to `unreadable` as (path, why), and so do locations that could
-    not be listed (every dir after the first gives up after DRIVE_LIST_TIMEOUT_S). `listed`: each dir's listing."""
-    if isinstance(run_dirs, (str, Path)):
-        run_dirs = [run_dirs]
-    found = []
-    for i, d in enumerate(run_dirs):
-        if d is None:
-            continue
-        try:
-            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
-        except OSError as e:
-            log(f"cannot list the checkpoints in {d}: {e}")
-            if unreadable is not None:
-                unreadable.append((Path(d), str(e)))
-            continue
-        found += [(step_of(p), i, p) for p in paths]
-        if listed is not None:
-            listed[Path(d)] = paths
-    for _, _, p in sorted(found, key=lambda x: (-x[0], x[1])):
-        try:
-            return load(p)
-        except CheckpointError as e:
-            log(f"skipping checkpoint: {e}")
-            if skipped is not None:
-                skipped.append(p)
-        except OSError as e:
-            log(f"skipping checkpoint: {e}")
-            if unreadable is not None:
-                unreadable.append((p, str(e)))
-    return None
 
 
 def _safe_load(f: Path | io.BytesIO, map_location, where: Path | None = None) -> Any:

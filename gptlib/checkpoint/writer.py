@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from gptlib.checkpoint.format import MIN_KEEP_LAST, first_valid, verify_checkpoint, write_checkpoint
+from gptlib.checkpoint.format import MIN_KEEP_LAST, list_checkpoints, verify_checkpoint, write_checkpoint
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.checkpoint.state import Checkpoint
@@ -129,8 +129,11 @@ class CheckpointWriter:
             e, self._error = self._error, None
             if isinstance(e, GptlibError):  # e.g. the lease was lost: its own message says it all
                 raise e
-            prev = first_valid(self.run_dir, lambda m: None, lambda p: verify_checkpoint(p, deep=False))
-            where = f"; the newest intact checkpoint is step {prev.step:,}" if prev is not None else ""
+            where = ""
+            for path in list_checkpoints(self.run_dir):
+                with contextlib.suppress(CheckpointError, OSError):
+                    where = f"; the newest intact checkpoint is step {verify_checkpoint(path, deep=False).step:,}"
+                    break
             fewer = f" or lower --keep-last (now {self.keep_last})" if self.keep_last > MIN_KEEP_LAST else ""
             hint = f" (disk full: free space{fewer})" if getattr(e, "errno", None) == errno.ENOSPC else ""
             raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e

@@ -230,6 +230,27 @@ def test_writer_mirrors_in_background_and_rotates_both(tmp_path):
     assert w.status_line() == "drive: step 3"
 
 
+def test_a_save_hashes_each_file_once_and_never_reads_drive_back(tmp_path, monkeypatch):
+    """Hash once: each file is hashed when it is written, and by the Drive copy while it reads it (against the
+    manifest); neither the writer nor the mirror re-reads what it just wrote to hash it again. The logs reach Drive
+    inside the checkpoint; beside it go the files readers and people use there."""
+    hashed, real = [], ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda path, *a, **k: hashed.append(path) or real(path, *a, **k))
+    local, drive = tmp_path / "local", tmp_path / "drive"
+    w = CheckpointWriter(local, mirror_dir=drive, snapshot_files=("metrics.jsonl",))
+    local.mkdir()
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl", "samples.jsonl", "samples.md", "loss.png"):
+        (local / name).write_text(f"{name}\n")
+    w.save(ckpt(1, sd(), {"x": torch.ones(1)}))
+    assert w.close()["mirror_step"] == 1
+    files = sorted(p.name for p in (local / "checkpoints" / "step_0000001").iterdir() if p.name != "manifest.json")
+    assert sorted(p.name for p in hashed) == files and all(p.is_relative_to(local) for p in hashed), hashed
+    assert verify_checkpoint(drive / "checkpoints" / "step_0000001").step == 1  # the copy is whole (hashed here)
+    assert (drive / "checkpoints" / "step_0000001" / "metrics.jsonl").read_text() == "metrics.jsonl\n"
+    assert sorted(p.name for p in drive.iterdir() if p.is_file()) == ["config.json", "loss.png", "samples.md",
+                                                                     "tokenizer.json"]
+
+
 def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
     """Only the newest checkpoint is copied while Drive is slow, but milestones are all copied after it."""
     real, calls = mirror.mirror_checkpoint, []

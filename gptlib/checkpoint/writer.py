@@ -116,9 +116,9 @@ class CheckpointWriter:
             if milestone:
                 state["milestone"] = True  # kept for good, even if keep_every changes later
             path = write_checkpoint(checkpoints_dir(self.run_dir), step, model_sd, train_state, state, extra)
-            verify_checkpoint(path)
+            verify_checkpoint(path, deep=False)  # the manifest's hashes are of what was written: sizes are enough
             self.last_saved = path
-            protect = self.mirror.submit(path, best_step, milestone, sizes) if self.mirror else set()
+            protect = self.mirror.submit(path, best_step, milestone) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
                    keep_every=self.keep_every, newest=step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread

@@ -125,15 +125,15 @@ pytest_step test_decode 110 "decoding"
 pytest_step test_notebooks 160 "notebook"
 # gpt2-small as the preset trains it (32,768 vocab, context 1024, bf16, compile, fused AdamW, flash SDPA, 16 x 32
 # micro-batches = 524,288 tokens/step) on synthetic tokens: tokens/s and MFU; then with the largest micro-batch that fits.
-step bench_mfu 120 "\"\$PY\" -m gptlib bench train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3" \
-  "\"\$PY\" -m gptlib bench train --preset phase1 --device cpu --compile off --steps 2 --warmup 1"
+step bench_mfu 120 "\"\$PY\" benchmarks/bench.py train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3" \
+  "\"\$PY\" benchmarks/bench.py train --preset phase1 --device cpu --compile off --steps 2 --warmup 1"
 # The same with --recipe modern: Muon's Newton-Schulz in each step (0.3% of its FLOPs at this shape).
-step bench_mfu_modern 110 "\"\$PY\" -m gptlib bench train --preset gpt2-small --recipe modern --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3" \
-  "\"\$PY\" -m gptlib bench train --preset phase1 --recipe modern --device cpu --compile off --steps 2 --warmup 1"
-step bench_mfu_autobatch 130 "\"\$PY\" -m gptlib bench train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3 --auto-batch" \
-  "\"\$PY\" -m gptlib bench train --help"
+step bench_mfu_modern 110 "\"\$PY\" benchmarks/bench.py train --preset gpt2-small --recipe modern --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3" \
+  "\"\$PY\" benchmarks/bench.py train --preset phase1 --recipe modern --device cpu --compile off --steps 2 --warmup 1"
+step bench_mfu_autobatch 130 "\"\$PY\" benchmarks/bench.py train --preset gpt2-small --device cuda --compile on --set dtype=bfloat16 --steps 10 --warmup 3 --auto-batch" \
+  "\"\$PY\" benchmarks/bench.py train --help"
 # The optimization ladder at the original author's shape (gpt2-small, 64 x 512 tokens per step as 16 x 4).
-step bench_ladder 240 "\"\$PY\" -m gptlib bench ladder --device cuda --steps 10 --warmup 3" "\"\$PY\" -m gptlib bench ladder --help"
+step bench_ladder 240 "\"\$PY\" benchmarks/bench.py ladder --device cuda --steps 10 --warmup 3" "\"\$PY\" benchmarks/bench.py ladder --help"
 # Decoding (fp32, batch 1, greedy): the KV-cached engine and transformers' generate.
 step bench_generate 130 "\"\$PY\" benchmarks/generate_bench.py --device cuda --new-tokens 256 1024 --repeats 3 --nocache-repeats 1 --nocache-tokens 256" \
   "\"\$PY\" benchmarks/generate_bench.py --preset phase1 --new-tokens 16 --repeats 1 --nocache-repeats 0"

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gptlib.batches import load_dataset  # noqa: E402
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights  # noqa: E402
+from gptlib.checkpoint.format import list_checkpoints, load_model_weights  # noqa: E402
 from gptlib.config import RunConfig  # noqa: E402
 from gptlib.data.prepare import prepare_text  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
@@ -34,10 +34,10 @@ from gptlib.training.loop import train  # noqa: E402
 @torch.no_grad()
 def full_val_loss(run_dir: Path, data_dir: Path) -> float:
     """Mean loss over every non-overlapping block of the val split (each token predicted once)."""
-    ck = find_latest_valid(run_dir, log=lambda s: None)
-    cfg = RunConfig.from_dict(json.loads((ck.path / "state.json").read_text())["config"])
+    ck = list_checkpoints(run_dir)[0]  # the run's last save, just written: the weights after its final step
+    cfg = RunConfig.from_dict(json.loads((ck / "state.json").read_text())["config"])
     model = GPT(cfg.model)
-    model.load_state_dict(load_model_weights(ck.path))
+    model.load_state_dict(load_model_weights(ck))
     model.eval()
     _, splits = load_dataset(data_dir, verbose=False)
     val = splits["val"].tokens.long() & 0xFFFF

@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler  # noqa: E402
+from gptlib.batches import BatchSampler, LossMask, MemmapSplit, SplitData, _as_signed_view  # noqa: E402
 from gptlib.config import ModelConfig  # noqa: E402
 from gptlib.data.prepare import prepare  # noqa: E402
 from gptlib.data.shards import read_meta, read_spans  # noqa: E402
@@ -150,7 +150,7 @@ def main() -> None:
             torch.manual_seed(0)
             model = GPT(cfg)
             opt = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), "cpu")
-            sampler = (make_sampler(data, a.batch_size, a.block_size, rep, "cpu", LossMask(spans, len(stream)))
+            sampler = (BatchSampler(data, a.batch_size, a.block_size, rep, "cpu", LossMask(spans, len(stream)))
                        if name == "packed" else
                        PaddedSampler(stream, in_answer, eot, a.batch_size, a.block_size, rep))
             times, answers, pad = time_steps(model, opt, sampler, a.steps)

@@ -345,54 +345,6 @@ def cmd_import(args) -> int:
     return 0
 
 
-def _add_bench(sub) -> None:
-    from gptlib.config import PRESETS, RECIPES
-
-    p = _command(sub, "bench", cmd_bench, help="measure speed: the optimization ladder, or a preset's tokens/s and MFU")
-    p.add_argument("what", choices=["ladder", "train"])
-    p.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="model preset (ladder default: gpt2-small at 64 x 512 on CUDA, a small model on CPU; "
-                        "train default: gpt2-small)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--steps", type=int, default=None, help="timed steps (ladder 10, train 20)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed warmup steps, compile included (ladder 3, train 5)")
-    p.add_argument("--batch-size", type=int, default=None, help="ladder: sequences per micro-batch")
-    p.add_argument("--accum", type=int, default=None, help="ladder: micro-batches per step (default 4 on CUDA, 1 on CPU)")
-    p.add_argument("--data", metavar="DATA_DIR", default=None, help="real token shards instead of synthetic tokens")
-    p.add_argument("--compile-backend", default="inductor", help="ladder: torch.compile backend (default inductor)")
-    p.add_argument("--rungs", default=None, help="ladder: comma-separated rung numbers to run (default all)")
-    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train: torch.compile")
-    p.add_argument("--auto-batch", action="store_true", help="train: probe the largest micro-batch that fits")
-    p.add_argument("--recipe", choices=list(RECIPES), default="gpt2", help="train: the recipe (default gpt2)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override config fields")
-
-
-def cmd_bench(args) -> int:
-    """`bench ladder`: the optimization ladder (memmap + per-sample loop -> RAM preload -> vectorised batches ->
-    compile -> bf16 -> flash attention) with step time, speedup and MFU per rung. `bench train`: tokens/s, MFU, time
-    split and ETA of a preset on the fast path, on synthetic tokens or --data.
-    """
-    from gptlib.config import get_preset
-    from gptlib.training import bench
-    from gptlib.training.throughput import machine_info
-
-    print(machine_info())
-    if args.what == "ladder":
-        model_cfg = None
-        if args.preset or args.set:
-            cfg = get_preset(args.preset or "gpt2-small").updated(args.set).validate()
-            model_cfg = cfg.model
-        rungs = [int(r) for r in args.rungs.split(",")] if args.rungs else None
-        bench.run_ladder(model_cfg, batch_size=args.batch_size, device=args.device, steps=args.steps or 10,
-                         warmup=3 if args.warmup is None else args.warmup, data_dir=args.data,
-                         compile_backend=args.compile_backend, rungs=rungs, accum=args.accum)
-    else:
-        bench.bench_train(args.preset or "gpt2-small", args.set, device=args.device, steps=args.steps or 20,
-                          warmup=5 if args.warmup is None else args.warmup, compile=args.compile,
-                          auto_batch=args.auto_batch, data_dir=args.data, recipe=args.recipe)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -404,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(sub)
     _add_import(sub)
     _add_eval(sub)
-    _add_bench(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

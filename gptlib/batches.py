@@ -1,4 +1,4 @@
-"""Token shards -> training batches: preloaded tokens (GPU or RAM) or a chunked memmap, seeded sampling.
+"""Token shards -> training batches: preloaded tokens (GPU or RAM) or memory-mapped shards, seeded sampling.
 
 Where the tokens live is chosen once per split and printed with the reason:
 
@@ -6,12 +6,11 @@ Where the tokens live is chosen once per split and printed with the reason:
             the GPU, nothing crosses PCIe in the hot loop.
     ram     the split fits in available RAM with a margin: one flat tensor; each batch is gathered on
             the host, pinned, and copied with non_blocking=True.
-    memmap  it does not fit: large contiguous chunks (chunk_tokens) are read from the shards one at a
-            time (bounded memory, sequential reads, never many small random reads) and batches are
-            sampled from the current chunk.
+    memmap  it does not fit: the shards stay on disk (on Colab the VM's local copy of Drive data,
+            gptlib.data.staging), memory-mapped; each batch's windows are gathered from them.
 
 Each batch is one `randint` for the B start offsets and one gather of B x (T+1) tokens: no Python
-loop per sample. Chat data (tokenize --format chat) is packed the same way, windows over the stream of
+loop per sample. Wherever the split lives, the same seed draws the same windows of the same stream. Chat data (tokenize --format chat) is packed the same way, windows over the stream of
 conversations, and a `LossMask` built from its assistant spans sets every target outside an assistant's
 answer to -1 (ignored by the loss): the model reads the whole conversation and learns only the answers. The samplers' RNG is a private `torch.Generator` whose state goes into every
 checkpoint, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ GiB = 1 << 30
 RAM_FRACTION = 0.75  # preload into RAM only if the data takes at most this share of available RAM ...
 RAM_RESERVE = 1 * GiB  # ... and still leaves this much for Python, the model and the OS
 GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training memory fit in this share of free memory
-DEFAULT_CHUNK_TOKENS = 1 << 24  # memmap path: 16M tokens per chunk (32 MB of uint16) held in RAM at a time
 _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
 
 
@@ -65,6 +64,10 @@ class SplitData:
     def __len__(self) -> int:
         return self.tokens.numel()
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
         """starts (B,) -> (B, length) tokens in the storage dtype (int16/int32): 4x less to copy than int64."""
         dev = self.tokens.device
@@ -73,11 +76,14 @@ class SplitData:
 
 
 class MemmapSplit:
-    """One split left on disk: its shards memory-mapped, read only in large contiguous pieces.
+    """One split left on disk: its shards memory-mapped, read as one stream (the shards in order, as a preload
+    concatenates them), so a window may cross from one shard into the next.
 
-    Every read checks that the ids are inside the vocabulary (one vectorised max per piece): a shard
+    Every read checks that the ids are inside the vocabulary (one vectorised max per read): a shard
     damaged in place keeps its size, and meta.json's size checks cannot see it.
     """
+
+    device = torch.device("cpu")  # where its batches are gathered
 
     def __init__(self, meta: DatasetMeta, split: str):
         self.name = split
@@ -102,14 +108,34 @@ class MemmapSplit:
             take = min(start + n - pos, int(self.bounds[i + 1]) - pos)
             seg = out[pos - start: pos - start + take]
             seg[:] = self.maps[i][lo: lo + take]
-            if take and int(seg.max()) >= self.vocab_size:
-                k = int(np.argmax(seg >= self.vocab_size))
-                raise DataFormatError(
-                    f"shard {self.paths[i]}: token id {int(seg[k])} at position {lo + k:,} is outside the vocabulary "
-                    f"(vocab_size {self.vocab_size}); the file was damaged after tokenizing (its size is right). "
-                    f"Tokenize again (--overwrite) or restore the file")
             pos += take
+        self._check_vocab(out, lambda k: start + k)
         return _as_signed_view(out)
+
+    def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """starts (B,) -> (B, length) tokens in the storage dtype: one fancy-indexed read per shard touched (no loop
+        per window); a window that crosses a shard boundary takes its tail from the next shard."""
+        pos = starts.numpy()[:, None] + np.arange(length)  # (B, length) positions in the split's stream
+        shard = np.searchsorted(self.bounds, pos, side="right") - 1
+        out = np.empty(pos.shape, dtype=self.dtype)
+        for i in np.unique(shard):
+            at = shard == i
+            out[at] = self.maps[i][pos[at] - self.bounds[i]]
+        self._check_vocab(out, lambda k: int(pos.ravel()[k]))
+        return _as_signed_view(out)
+
+    def _check_vocab(self, tokens: np.ndarray, position: Callable[[int], int]) -> None:
+        """DataFormatError naming the shard and position of the first id read that is outside the vocabulary
+        (position(k): where the k-th token read lies in the split's stream)."""
+        if not tokens.size or int(tokens.max()) < self.vocab_size:
+            return
+        k = int(np.argmax(tokens.ravel() >= self.vocab_size))
+        at = position(k)
+        i = int(np.searchsorted(self.bounds, at, side="right")) - 1
+        raise DataFormatError(
+            f"shard {self.paths[i]}: token id {int(tokens.ravel()[k])} at position {at - int(self.bounds[i]):,} is "
+            f"outside the vocabulary (vocab_size {self.vocab_size}); the file was damaged after tokenizing (its size "
+            f"is right). Tokenize again (--overwrite) or restore the file")
 
 
 def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -147,9 +173,7 @@ def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, Los
     """split -> LossMask for chat data trained on the assistants' answers only; {} otherwise (every target counts)."""
     if meta.format != "chat" or chat_loss == "all":
         return {}
-    return {name: LossMask(read_spans(meta, name), len(data),
-                           data.tokens.device if isinstance(data, SplitData) else "cpu")
-            for name, data in splits.items()}
+    return {name: LossMask(read_spans(meta, name), len(data), data.device) for name, data in splits.items()}
 
 
 def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
@@ -167,7 +191,8 @@ def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
 
 
 class BatchSampler:
-    """Random (x, y) batches from one preloaded split, reproducible from a seed and resumable from its state."""
+    """Random (x, y) batches from one split (preloaded or on disk), reproducible from a seed and resumable from its
+    state."""
 
     def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
                  device: str | torch.device, loss_mask: LossMask | None = None):
@@ -182,86 +207,27 @@ class BatchSampler:
         self.generator.manual_seed(seed)
         self.batches_drawn = 0
 
-    def _batch_from(self, tokens: SplitData, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """One randint for the B start offsets, one gather of B x (T+1) tokens, one copy to the device.
-        offset: where `tokens` starts in the split's stream (a memmap chunk), for the loss mask."""
-        high = len(tokens) - self.block_size  # last valid start so that start + T + 1 <= N
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token. One randint for the B
+        start offsets, one gather of B x (T+1) tokens, one copy to the device."""
+        high = len(self.data) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        starts = _move(starts, tokens.tokens.device)  # once per batch: the gather and the loss mask share it
-        chunk = _to_ids(_move(tokens.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
+        starts = _move(starts, self.data.device)  # once per batch: the gather and the loss mask share it
+        chunk = _to_ids(_move(self.data.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
         self.batches_drawn += 1
         x, y = chunk[:, :-1], chunk[:, 1:]
         if self.loss_mask is not None:
-            y = y.masked_fill(~_move(self.loss_mask.targets(starts + offset, self.block_size), self.device), -1)
+            y = y.masked_fill(~_move(self.loss_mask.targets(starts, self.block_size), self.device), -1)
         return x, y
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
-        return self._batch_from(self.data)
 
     def state_dict(self) -> dict:
         return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn}
 
     def load_state_dict(self, state: dict) -> None:
+        # A checkpoint of the chunked sampler of gptlib before issue 27 also holds chunk_start, chunk_batches,
+        # chunk_tokens and batches_per_chunk: its RNG stream goes on from the same position, the chunk is not needed.
         self.generator.set_state(state["rng_state"])
         self.batches_drawn = int(state["batches_drawn"])
-
-
-class ChunkedSampler(BatchSampler):
-    """Random (x, y) batches from a split on disk, reading one large contiguous chunk at a time.
-
-    A chunk of `chunk_tokens` tokens starts at a random offset; `batches_per_chunk` batches (by default
-    enough to cover the chunk's tokens about once) are sampled from it before the next chunk is read.
-    Memory: one chunk. Disk: one sequential read per chunk. Same interface and seeding as BatchSampler;
-    its state also records the current chunk, so a resume re-reads it and continues the same stream.
-    """
-
-    def __init__(self, data: MemmapSplit, batch_size: int, block_size: int, seed: int, device: str | torch.device,
-                 loss_mask: LossMask | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 batches_per_chunk: int | None = None):
-        super().__init__(data, batch_size, block_size, seed, device, loss_mask)
-        self.chunk_tokens = max(min(int(chunk_tokens), len(data)), block_size + 1)
-        self.batches_per_chunk = batches_per_chunk or max(1, self.chunk_tokens // (batch_size * block_size))
-        self.chunk_start = -1  # no chunk read yet
-        self.chunk_batches = 0  # batches already drawn from the current chunk
-        self._chunk: SplitData | None = None
-
-    def _read_chunk(self) -> None:
-        self._chunk = SplitData(tokens=self.data.read(self.chunk_start, self.chunk_tokens), name=self.data.name)
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
-        if self.chunk_start < 0 or self.chunk_batches >= self.batches_per_chunk:
-            high = len(self.data) - self.chunk_tokens + 1
-            self.chunk_start = int(torch.randint(0, high, (1,), generator=self.generator))
-            self.chunk_batches = 0
-            self._read_chunk()
-        elif self._chunk is None:  # after load_state_dict: re-read the chunk the saved run was using
-            self._read_chunk()
-        self.chunk_batches += 1
-        return self._batch_from(self._chunk, self.chunk_start)
-
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "chunk_start": self.chunk_start, "chunk_batches": self.chunk_batches,
-                "chunk_tokens": self.chunk_tokens, "batches_per_chunk": self.batches_per_chunk}
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        same_chunking = (state.get("chunk_tokens") == self.chunk_tokens
-                         and state.get("batches_per_chunk") == self.batches_per_chunk)
-        if "chunk_start" in state and same_chunking:
-            self.chunk_start, self.chunk_batches = int(state["chunk_start"]), int(state["chunk_batches"])
-        else:  # saved by the preloaded path or with other chunking: continue the RNG stream with a fresh chunk
-            self.chunk_start, self.chunk_batches = -1, 0
-        self._chunk = None
-
-
-def make_sampler(data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
-                 device: str | torch.device, loss_mask: LossMask | None = None, **chunk_kw) -> BatchSampler | ChunkedSampler:
-    """The sampler that fits where the split lives."""
-    if isinstance(data, MemmapSplit):
-        return ChunkedSampler(data, batch_size, block_size, seed, device, loss_mask, **chunk_kw)
-    return BatchSampler(data, batch_size, block_size, seed, device, loss_mask)
 
 
 # --- choosing where the data lives ------------------------------------------------------------
@@ -283,40 +249,25 @@ def available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def plan_data(nbytes: int, device: str | torch.device, mode: str = "auto", reserve_gpu_bytes: int = 0,
-              ram_available: int | None = None, gpu_free: int | None = None) -> DataPlan:
-    """Decide where `nbytes` of tokens go. mode: auto | gpu | ram | memmap (forced, still explained)."""
+def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 0) -> DataPlan:
+    """Decide where `nbytes` of tokens go: the GPU if they fit beside the model's training memory, else RAM if they
+    fit with a margin, else the shards stay on disk (memmap)."""
     device = torch.device(device)
-    if mode not in ("auto", "gpu", "ram", "memmap"):
-        raise ValueError(f"data mode {mode!r}: choose one of auto, gpu, ram, memmap")
-    if mode == "memmap":
-        return DataPlan("memmap", f"memmap chunks requested (data {_fmt(nbytes)})")
-    if mode == "gpu" and device.type != "cuda":
-        raise ValueError(f"data mode 'gpu' needs a CUDA device, the training device is {device}")
-    if mode == "gpu":
-        return DataPlan("gpu", f"GPU preload requested (data {_fmt(nbytes)})")
-    if mode == "auto" and device.type == "cuda":
-        if gpu_free is None:
-            gpu_free, _ = torch.cuda.mem_get_info(device)
-        budget = GPU_FRACTION * gpu_free
-        if nbytes + reserve_gpu_bytes <= budget:
+    gpu_note = ""
+    if device.type == "cuda":
+        gpu_free, _ = torch.cuda.mem_get_info(device)
+        if nbytes + reserve_gpu_bytes <= GPU_FRACTION * gpu_free:
             return DataPlan("gpu", f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} fit in "
                                    f"{GPU_FRACTION:.0%} of {_fmt(gpu_free)} free GPU memory")
         gpu_note = (f"data {_fmt(nbytes)} + model ~{_fmt(reserve_gpu_bytes)} exceed {GPU_FRACTION:.0%} of "
                     f"{_fmt(gpu_free)} free GPU memory; ")
-    else:
-        gpu_note = "" if device.type != "cuda" else "RAM preload requested; "
-    if ram_available is None:
-        ram_available = available_ram()
+    ram_available = available_ram()
     ram_budget = RAM_FRACTION * ram_available - RAM_RESERVE
     if nbytes <= ram_budget:
         return DataPlan("ram", f"{gpu_note}data {_fmt(nbytes)} fits in RAM ({_fmt(ram_available)} available, "
                                f"keeping {1 - RAM_FRACTION:.0%} + {_fmt(RAM_RESERVE)} free)")
-    if mode == "ram":
-        raise MemoryError(f"data mode 'ram': data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} "
-                          f"available, budget {_fmt(max(0, ram_budget))}); use data mode memmap or auto")
     return DataPlan("memmap", f"{gpu_note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} available, "
-                              f"budget {_fmt(max(0, ram_budget))}): reading contiguous chunks from disk")
+                              f"budget {_fmt(max(0, ram_budget))}): batches are read from the shards on disk")
 
 
 def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tensor:
@@ -343,12 +294,11 @@ def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tenso
 
 
 def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", verbose: bool = True, *,
-                 mode: str = "auto", reserve_gpu_bytes: int = 0, log=print,
-                 ) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
+                 reserve_gpu_bytes: int = 0, log=print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
     """Validate meta.json against the shards, then put each split where `plan_data` says (and print why).
 
-    Returns SplitData (preloaded, GPU or RAM) or MemmapSplit (chunked from disk) per split; build
-    samplers with `make_sampler`.
+    Returns SplitData (preloaded, GPU or RAM) or MemmapSplit (left on disk) per split; BatchSampler draws from
+    either.
     """
     meta = read_meta(data_dir)
     device = torch.device(device)
@@ -356,7 +306,7 @@ def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", verbo
     splits: dict[str, SplitData | MemmapSplit] = {}
     for split in ("train", "val"):
         nbytes = meta.tokens(split) * itemsize
-        plan = plan_data(nbytes, device, mode=mode, reserve_gpu_bytes=reserve_gpu_bytes)  # free memory is re-read per split
+        plan = plan_data(nbytes, device, reserve_gpu_bytes=reserve_gpu_bytes)  # free memory is re-read per split
         if plan.where == "memmap":
             splits[split] = MemmapSplit(meta, split)
         else:

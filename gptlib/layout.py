@@ -17,8 +17,8 @@ A run directory (the same on the local disk and on the Drive mirror):
         samples.jsonl
         manifest.json   written last: format version, step, size and sha256 of each file above
 
-Everything the Drive mirror copies, and everything a checkpoint carries, derives from the tuples below:
-adding a file to TRAINING_FILES is all it takes for it to reach Drive.
+Everything the Drive mirror copies, and everything a checkpoint carries, derives from the tuples below. The logs
+reach Drive one way: inside each checkpoint (LOG_FILES), which is what a fresh VM's resume restores them from.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every checkpoint must hold
 
-# The run-level files training writes. All of them are copied to the Drive mirror, so the mirror is a
-# complete run directory (sampling and export need the tokenizer and config; people look at the plot).
-TRAINING_FILES = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE, LOSS_PLOT)
-MIRRORED_FILES = TRAINING_FILES
 # The logs each checkpoint carries a copy of (a resumed run continues them from the checkpoint's step).
 LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
+# The run-level files copied beside the checkpoints on the Drive mirror: what readers of the mirror use (sampling,
+# export and notebook 04 on a fresh VM read the tokenizer; the config names the run) and what people open on Drive
+# (the loss plot, the samples table).
+MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 
 # Checkpoint directory names: step_0001000 when complete; the markers name work in progress.
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)

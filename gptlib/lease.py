@@ -2,15 +2,14 @@
 directory), so a second process there (another notebook tab, a reconnect while the old VM runs) refuses within
 seconds and names the holder. The lease file (layout.LEASE_FILE), rewritten every HEARTBEAT_S seconds:
 
-    {"format": 1, "host": "...", "pid": 1234, "session": "3f2a...", "started": 1732300000.0,
-     "heartbeat": 1732300420.0, "beats": 14}
+    {"host": "...", "pid": 1234, "session": "3f2a...", "started": 1732300000.0, "heartbeat": 1732300420.0,
+     "beats": 14}
 
-A lease is taken over (with a message) when its holder ran on this machine and is gone, or when its heartbeat
-is older than STALE_S, or more than SKEW_S ahead of our clock (its age unknown), AND it does not change while
-watched for WATCH_S: another VM's clock may be off, so a heartbeat that moves is what proves the holder alive.
-An unreadable or newer-format lease is never free at once: its age is its modification time, then the same
-watch. take_over=True (`--take-over`) takes any lease at once. A holder whose lease was taken stops saving at
-once: `check()` raises LeaseLost, called before every checkpoint write. Readers need no lease.
+A lease is taken over (with a message) when its holder ran on this machine and is gone, or when its heartbeat is
+older than STALE_S by this machine's clock (an unreadable lease file: its modification time). That assumes the
+machines' clocks agree within a minute or so (Colab VMs run NTP). take_over=True (`--take-over`) takes any lease
+at once. A holder whose lease was taken stops saving at once: `check()` raises LeaseLost, called before every
+checkpoint write. Readers need no lease.
 """
 
 from __future__ import annotations
@@ -29,17 +28,9 @@ from gptlib.errors import LeaseLost, RunBusyError, loud
 from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
 from gptlib.layout import LEASE_FILE
 
-LEASE_FORMAT = 1
 HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
-STALE_S = 180.0  # a heartbeat older than this (by our clock) may be a VM that vanished ...
-WATCH_S = 45.0  # ... confirmed by watching it not change for this long
-SKEW_S = 60.0  # a heartbeat up to this far ahead of our clock is a small clock difference (fresh); further: unknown age
+STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that is gone: its lease is taken over
 IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
-
-
-def _timing(name: str, default: float) -> float:
-    """GPTLIB_LEASE_<NAME> overrides a timing (tests, and users who know their Drive)."""
-    return float(os.environ.get(f"GPTLIB_LEASE_{name}", default))
 
 
 @dataclass
@@ -71,8 +62,6 @@ def _read(path: Path) -> Holder | str | None:
         return f"unreadable ({e})"
     try:
         d = json.loads(raw)
-        if d.get("format") != LEASE_FORMAT:
-            return f"format {d.get('format')!r}, this gptlib reads {LEASE_FORMAT}"
         return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]),
                       int(d["beats"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -133,49 +122,32 @@ class RunLease:
         return self
 
     def _check_free(self, path: Path) -> None:
-        """Return if the lease at path may be taken; raise RunBusyError if its holder may be alive."""
+        """Return if the lease at path may be taken (saying why when it is someone's); raise RunBusyError naming its
+        holder if that may be alive."""
         found = _timed(lambda: _read(path), path)
         if found is None:
             return
         now = time.time()
+        what = _describe(found, now)
+        if self.take_over:
+            self.log(f"lease: taking over {path} ({what})")
+            return
         api = {"training": "train", "tokenize": "prepare"}.get(self.command, self.command)
         how = f"pass --take-over ({api}(..., take_over=True)) to take it anyway, or stop that process first"
-        if self.take_over:
-            self.log(f"lease: taking over {path} ({_describe(found, now) if isinstance(found, Holder) else found})")
-            return
         if isinstance(found, Holder) and found.host == self.host:
             if not _pid_alive(found.pid):
                 self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
                 return
-            raise RunBusyError(f"{path.parent} is in use by another {self.command} process "
-                               f"({_describe(found, now)}); {how}")
+            raise RunBusyError(f"{path.parent} is in use by another {self.command} process ({what}); {how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else _timed(lambda: path.stat().st_mtime, path))
-        what = _describe(found, now)
-        stale_s = _timing("STALE_S", STALE_S)
-        if -_timing("SKEW_S", SKEW_S) <= age < stale_s:
+        if age < STALE_S:
             raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
-                               f"{stale_s - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
-        # Old, or so far in the future that its age is unknown (the other VM's clock ran ahead): only a
-        # heartbeat that changes while watched shows the holder alive.
-        looks = "looks stale" if age >= 0 else "has a heartbeat ahead of this machine's clock (its age is unknown)"
-        self._watch(path, looks, what, how)
-
-    def _watch(self, path: Path, looks: str, what: str, how: str) -> None:
-        """An old (or future) heartbeat: watch it for WATCH_S; a change means the holder is alive after all."""
-        watch = _timing("WATCH_S", WATCH_S)
-        self.log(f"lease: {path} {looks} ({what}); watching it for {watch:.0f} s before taking over")
-        before = _timed(path.read_bytes, path)
-        deadline = time.monotonic() + watch
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, watch / 10))
-            if _timed(path.read_bytes, path) != before:
-                raise RunBusyError(f"{path.parent} is in use: its lease changed while watched ({what}; the other "
-                                   f"machine's clock is off); {how}")
-        self.log(f"lease: {path} did not change for {watch:.0f} s; taking it over")
+                               f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
+        self.log(f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over")
 
     def _write(self, path: Path) -> None:
         now = time.time()
-        body = {"format": LEASE_FORMAT, "host": self.host, "pid": os.getpid(), "session": self.session,
+        body = {"host": self.host, "pid": os.getpid(), "session": self.session,
                 "started": self.started, "heartbeat": now, "beats": self.beats}
         _timed(lambda: atomic_write_json(path, body), path, "writing")
 
@@ -191,7 +163,7 @@ class RunLease:
         raise on_lost(self.lost + "; this process stopped without writing to it")
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(_timing("HEARTBEAT_S", HEARTBEAT_S)):
+        while not self._stop.wait(HEARTBEAT_S):
             self.beats += 1
             for d in self._held:
                 try:

@@ -15,6 +15,18 @@ TINY = ["block_size=32", "n_layer=2", "n_head=2", "n_embd=32", "batch_size=8", "
         "eval_batches=2", "log_interval=1", "sample_tokens=8", "warmup_steps=2", "save_every_minutes=0"]
 
 
+def newest_checkpoint(run_dir):
+    """The newest checkpoint of a run directory that verifies in full (sizes and sha256), or None."""
+    from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
+
+    for path in list_checkpoints(run_dir):
+        try:
+            return verify_checkpoint(path)
+        except CheckpointError:
+            pass
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA: skipped, with the reason, where torch sees no GPU (tests/test_gpu.py)."""
     marked = [item for item in items if item.get_closest_marker("gpu") is not None]

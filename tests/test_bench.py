@@ -1,8 +1,12 @@
-"""bench: the ladder's rungs on CPU, the MFU table, ETA/units, the OOM-safe micro-batch probe."""
+"""benchmarks/bench.py (the ladder's rungs on CPU, bench train), the MFU table, ETA/units, the OOM-safe micro-batch
+probe."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +14,8 @@ import torch
 from gptlib.config import ModelConfig
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.model import GPT
-from gptlib.training import bench, memory
+from benchmarks import bench
+from gptlib.training import memory
 from gptlib.training import throughput as measure
 
 LADDER_CFG = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -120,9 +125,9 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
     assert any("does not fit (out of memory)" in l for l in logs)
 
 
-def test_probe_respects_cap_and_reraises_other_errors(monkeypatch):
+def test_probe_reraises_other_errors(monkeypatch):
     model = _tiny_model()
-    assert memory.probe_micro_batch(model, 32, 16, "cpu", max_micro=4, log=lambda s: None) == (4, 4, 0)
+    assert memory.probe_micro_batch(model, 32, 16, "cpu", log=lambda s: None) == (16, 1, 0)  # no OOM: all of it
 
     def broken(idx, targets=None, cache=None):
         raise RuntimeError("shape mismatch")
@@ -195,22 +200,37 @@ def test_oom_in_training_gives_next_setting_and_frees_the_model(char_data, tmp_p
     assert r.resumed_from == 10 and r.step == 20
 
 
-def test_cli_bench_ladder_and_train(capsys):
-    from gptlib.__main__ import main
-
-    assert main(["bench", "ladder", "--device", "cpu", "--preset", "phase1", "--set", "n_layer=1",
+def test_bench_script_ladder_and_train(capsys):
+    """`python benchmarks/bench.py ladder|train`: its command line, as gpu_check.sh and the README run it."""
+    main = bench.main
+    assert main(["ladder", "--device", "cpu", "--preset", "phase1", "--set", "n_layer=1",
                  "--set", "block_size=32", "--steps", "1", "--warmup", "0", "--rungs", "1,2", "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("torch ") and "RAM preload" in out and "vectorised batches" in out
     assert "memmap + per-sample loop" not in out.split("----")[-1]  # only the rungs asked for
-    assert main(["bench", "train", "--preset", "phase1", "--device", "cpu", "--steps", "1", "--warmup", "0",
+    assert main(["train", "--preset", "phase1", "--device", "cpu", "--steps", "1", "--warmup", "0",
                  "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]) == 0
     out = capsys.readouterr().out
     assert "MFU unknown" in out and "time split: data" in out and "ETA for the preset" in out
     assert "recipe gpt2" in out
-    modern = ["bench", "train", "--preset", "phase1", "--recipe", "modern", "--device", "cpu", "--steps", "1",
+    modern = ["train", "--preset", "phase1", "--recipe", "modern", "--device", "cpu", "--steps", "1",
               "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]
     if hasattr(torch.optim, "Muon"):
         assert main(modern) == 0 and "recipe modern" in capsys.readouterr().out
     else:  # the oldest torch CI tests: one line naming the version Muon needs
         assert main(modern) == 2 and "needs torch.optim.Muon, in torch >= 2.9" in capsys.readouterr().err
+
+
+def test_bench_script_runs_from_a_shell_and_gptlib_has_no_bench_command(tmp_path, capsys):
+    """The script as gpu_check.sh runs it (its own process, from the repository root); gptlib's CLI has no bench."""
+    from gptlib.__main__ import main as gptlib_main
+    from tests.conftest import REPO
+
+    p = subprocess.run([sys.executable, "benchmarks/bench.py", "train", "--preset", "phase1", "--device", "cpu",
+                        "--steps", "1", "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32",
+                        "--set", "batch_size=2"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0 and "ETA for the preset" in p.stdout, p.stdout + p.stderr
+    with pytest.raises(SystemExit):
+        gptlib_main(["bench", "train"])
+    assert "invalid choice: 'bench'" in capsys.readouterr().err

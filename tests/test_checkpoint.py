@@ -14,15 +14,16 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
-from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, find_latest_valid, list_checkpoints,
-                                      load_checkpoint, load_latest, load_weights_into, verify_checkpoint,
-                                      write_checkpoint)
+from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, list_checkpoints, load_checkpoint,
+                                      load_weights_into, verify_checkpoint, write_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
+from gptlib.checkpoint.resume import find_resume
 from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
 from gptlib.training.signals import GracefulStop
+from tests import faulty
 
 
 def ckpt(step: int, model: dict, optimizer: dict | None = None, best: int | None = None) -> Checkpoint:
@@ -58,7 +59,7 @@ def test_same_step_resave_replaces_whole(tmp_path):
 
 def test_failed_write_removes_partial_and_keeps_previous(tmp_path, monkeypatch):
     save(tmp_path, 5)
-    monkeypatch.setenv("GPTLIB_FAULT", "enospc:save_mid@10")
+    faulty.install("enospc:save_mid@10", monkeypatch.setattr)
     with pytest.raises(OSError) as ei:
         save(tmp_path, 10)
     assert ei.value.errno == errno.ENOSPC
@@ -88,21 +89,34 @@ def test_verify_detects_damage(tmp_path, damage):
         verify_checkpoint(p)
 
 
-def test_find_latest_valid_falls_back_and_spans_dirs(tmp_path):
+def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
+    """The newest checkpoint that verifies and loads, local or on Drive (copied to the local run dir first); damaged
+    ones passed over and named; at equal steps the local one."""
     local, drive = tmp_path / "local", tmp_path / "drive"
-    save(local, 10)
-    save(drive, 20)
-    save(drive, 30)
+
+    def put(run_dir, step, v):
+        write_checkpoint(run_dir / "checkpoints", step, *ckpt(step, sd(v)).files())
+
+    put(local, 10, 1.0)
+    put(drive, 20, 2.0)
+    put(drive, 30, 3.0)
     os.truncate(drive / "checkpoints" / "step_0000030" / "model.pt", 5)
     logs = []
-    info = find_latest_valid([local, drive], log=logs.append)
-    assert info.step == 20 and info.path.parent.parent == drive
+    resume, passed = find_resume(local, drive, logs.append)
+    assert resume.state.step == 20 and resume.origin == drive / "checkpoints" / "step_0000020"
+    assert resume.info.path == local / "checkpoints" / "step_0000020"  # the copy it loaded
+    assert torch.equal(resume.checkpoint.model["w"], sd(2.0)["w"])
+    assert passed.damaged == [drive / "checkpoints" / "step_0000030"] and passed.mirror_step == 30
     assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
-    save(local, 20, 9.0)  # same step in both: the first listed (local, fast) wins
-    assert find_latest_valid([local, drive]).path.parent.parent == local
+    put(local, 40, 4.0)
+    put(drive, 40, 5.0)  # the same step in both: the local one (fast) is taken
+    resume, _ = find_resume(local, drive, logs.append)
+    assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(resume.checkpoint.model["w"],
+                                                                                   sd(4.0)["w"])
 
 
-def test_malicious_pickle_refused_and_load_latest_falls_back(tmp_path):
+def test_malicious_pickle_refused(tmp_path):
+    """(Resume passing over such a checkpoint to the previous one: test_faults.py.)"""
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -118,9 +132,7 @@ def test_malicious_pickle_refused_and_load_latest_falls_back(tmp_path):
     verify_checkpoint(p)  # consistent manifest: only weights_only loading stops it
     with pytest.raises(CheckpointError, match="cannot load safely"):
         load_checkpoint(p)
-    logs = []
-    info, *_ = load_latest(tmp_path, log=logs.append)
-    assert info.step == 1 and "cannot load safely" in logs[0] and not marker.exists()
+    assert not marker.exists()
 
 
 def test_clean_state_dict_and_checked_load():
@@ -216,6 +228,27 @@ def test_writer_mirrors_in_background_and_rotates_both(tmp_path):
         assert names[0] == "step_0000003" and "step_0000001" in names  # newest + best kept
     assert (tmp_path / "drive" / "config.json").read_text() == "{}"
     assert w.status_line() == "drive: step 3"
+
+
+def test_a_save_hashes_each_file_once_and_never_reads_drive_back(tmp_path, monkeypatch):
+    """Hash once: each file is hashed when it is written, and by the Drive copy while it reads it (against the
+    manifest); neither the writer nor the mirror re-reads what it just wrote to hash it again. The logs reach Drive
+    inside the checkpoint; beside it go the files readers and people use there."""
+    hashed, real = [], ck.sha256_file
+    monkeypatch.setattr(ck, "sha256_file", lambda path, *a, **k: hashed.append(path) or real(path, *a, **k))
+    local, drive = tmp_path / "local", tmp_path / "drive"
+    w = CheckpointWriter(local, mirror_dir=drive, snapshot_files=("metrics.jsonl",))
+    local.mkdir()
+    for name in ("config.json", "tokenizer.json", "metrics.jsonl", "samples.jsonl", "samples.md", "loss.png"):
+        (local / name).write_text(f"{name}\n")
+    w.save(ckpt(1, sd(), {"x": torch.ones(1)}))
+    assert w.close()["mirror_step"] == 1
+    files = sorted(p.name for p in (local / "checkpoints" / "step_0000001").iterdir() if p.name != "manifest.json")
+    assert sorted(p.name for p in hashed) == files and all(p.is_relative_to(local) for p in hashed), hashed
+    assert verify_checkpoint(drive / "checkpoints" / "step_0000001").step == 1  # the copy is whole (hashed here)
+    assert (drive / "checkpoints" / "step_0000001" / "metrics.jsonl").read_text() == "metrics.jsonl\n"
+    assert sorted(p.name for p in drive.iterdir() if p.is_file()) == ["config.json", "loss.png", "samples.md",
+                                                                     "tokenizer.json"]
 
 
 def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
@@ -360,7 +393,7 @@ def test_writer_local_error_raises_at_next_save(tmp_path, monkeypatch):
     w = CheckpointWriter(tmp_path)
     w.save(ckpt(1, sd(), {}, best=None))
     w.wait()
-    monkeypatch.setenv("GPTLIB_FAULT", "eio:save_mid@2")
+    faulty.install("eio:save_mid@2", monkeypatch.setattr)
     w.save(ckpt(2, sd(), {}, best=None))
     with pytest.raises(CheckpointError, match=r"Errno 5.*newest intact checkpoint is step 1"):
         w.save(ckpt(3, sd(), {}, best=None))

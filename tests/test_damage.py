@@ -32,6 +32,7 @@ from gptlib.training import loop as gtrain
 from gptlib.training import setup as gsession
 from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
+from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
 
@@ -45,14 +46,11 @@ def ckpt(run, step):
 
 
 def cli(data, run_dir, settings, steps, fault=None, extra=()):
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir), "--preset",
-           "phase1", "--max-steps", str(steps), "--device", "cpu", "--quiet", *extra]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
+                            "--max-steps", steps, "--device", "cpu", "--quiet", *extra)
     for s in settings:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("GPTLIB_FAULT", None)
-    if fault:
-        env["GPTLIB_FAULT"] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -62,8 +60,8 @@ LOG4 = TINY + ["log_interval=4", "save_every_steps=5", "dropout=0.1"]
 
 
 def test_metrics_hold_each_step_once_after_a_kill(char_data, tmp_path):
-    """The save step (15) is not a multiple of log_interval (4): rows 13-15 were logged after the
-    checkpoint and are also among its pending losses. SIGKILL at 18, resume: each step once, as alone."""
+    """The save step (15) is not a multiple of log_interval (4): rows 13-15 are written before the checkpoint
+    (it falls on a log boundary). SIGKILL at 18, resume: each step once, as alone."""
     alone = tmp_path / "alone"
     train(char_data, alone, "phase1", LOG4, max_steps=20, device="cpu", progress=False, log=quiet)
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Data loading: preloaded and chunked-memmap samplers, their seeding and state, and the path choice."""
+"""Data loading: preloaded and memory-mapped splits, the sampler, its seeding and state, and the path choice."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _is_window(x_row: np.ndarray, tokens: np.ndarray) -> bool:
 
 @pytest.fixture()
 def splits(char_data):
-    _, s = D.load_dataset(char_data, "cpu", verbose=False, mode="ram")
+    _, s = D.load_dataset(char_data, "cpu", verbose=False)  # a small split: preloaded in RAM
     return s
 
 
@@ -74,8 +74,8 @@ def test_memmap_read_spans_and_bounds(char_data):
         mm.read(len(mm) - 10, 20)
 
 
-def test_memmap_read_across_shards(tmp_path, char_data):
-    """A chunk that spans shard boundaries is read as one contiguous piece."""
+def _split_into_shards(tmp_path, char_data, n: int):
+    """A copy of char_data whose train split is n shards (the same token stream) -> (data dir, the tokens, bounds)."""
     import json
     import shutil
 
@@ -84,7 +84,7 @@ def test_memmap_read_across_shards(tmp_path, char_data):
     meta = json.loads((d / "meta.json").read_text())
     tokens = np.fromfile(d / meta["splits"]["train"]["shards"][0]["file"], dtype=np.uint16)
     (d / meta["splits"]["train"]["shards"][0]["file"]).unlink()
-    parts = np.array_split(tokens, 3)
+    parts = np.array_split(tokens, n)
     shards = []
     for i, p in enumerate(parts):
         name = f"train_{i:06d}.bin"
@@ -92,110 +92,118 @@ def test_memmap_read_across_shards(tmp_path, char_data):
         shards.append({"file": name, "tokens": int(len(p))})
     meta["splits"]["train"] = {"tokens": int(len(tokens)), "shards": shards}
     (d / "meta.json").write_text(json.dumps(meta))
+    return d, tokens, np.cumsum([0] + [len(p) for p in parts])
+
+
+def test_memmap_read_across_shards(tmp_path, char_data):
+    """A piece that spans shard boundaries is read as one contiguous piece."""
+    d, tokens, bounds = _split_into_shards(tmp_path, char_data, 3)
     mm = D.MemmapSplit(read_meta(d), "train")
-    start = len(parts[0]) - 50
-    n = len(parts[1]) + 100  # crosses two boundaries
+    start = int(bounds[1]) - 50
+    n = int(bounds[2] - bounds[1]) + 100  # crosses two boundaries
     assert np.array_equal(mm.read(start, n).long().numpy() & 0xFFFF, tokens[start:start + n])
-    _, s = D.load_dataset(d, "cpu", verbose=False, mode="ram")  # preloading concatenates shards in order
+    _, s = D.load_dataset(d, "cpu", verbose=False)  # preloading concatenates shards in order
     assert np.array_equal(s["train"].tokens.long().numpy() & 0xFFFF, tokens)
 
 
-def test_chunked_sampler_bounds_shift_and_chunks(char_data):
+def test_memmap_batches_are_the_preloaded_ones(tmp_path, char_data):
+    """Batches gathered from shards on disk are those of the same split preloaded, seed for seed: the same windows of
+    the same stream, also those that cross from one shard into the next (here 40 shards of ~2,250 tokens)."""
+    d, tokens, bounds = _split_into_shards(tmp_path, char_data, 40)
+    meta = read_meta(d)
+    mm = D.MemmapSplit(meta, "train")
+    _, s = D.load_dataset(d, "cpu", verbose=False)
+    on_disk = D.BatchSampler(mm, 16, 64, seed=4, device="cpu")
+    in_ram = D.BatchSampler(s["train"], 16, 64, seed=4, device="cpu")
+    crossed = 0
+    for _ in range(30):
+        x, y = on_disk.next_batch()
+        x0, y0 = in_ram.next_batch()
+        assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(x[:, 1:], y[:, :-1])
+        for row in torch.cat([x, y[:, -1:]], dim=1).numpy():
+            assert _is_window(row, tokens)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(30):
+        starts = torch.randint(0, len(mm) - 64, (16,), generator=g).numpy()
+        crossed += int((np.searchsorted(bounds, starts, "right") != np.searchsorted(bounds, starts + 64, "right")).sum())
+    assert crossed > 5  # the comparison above did cover windows that cross a shard boundary
+
+
+def test_memmap_sampler_state_round_trip(char_data):
     mm = _memmap(char_data)
-    tokens = _all_tokens(char_data)
-    s = D.ChunkedSampler(mm, batch_size=4, block_size=16, seed=3, device="cpu", chunk_tokens=2000,
-                         batches_per_chunk=5)
-    starts_seen = set()
-    for i in range(12):
-        x, y = s.next_batch()
-        assert x.shape == y.shape == (4, 16)
-        assert torch.equal(x[:, 1:], y[:, :-1])
-        lo = s.chunk_start
-        starts_seen.add(lo)
-        window = tokens[lo: lo + 2000]  # every sample comes from the current chunk
-        for b in range(4):
-            assert _is_window(torch.cat([x[b], y[b, -1:]]).numpy(), window)
-    assert len(starts_seen) == 3  # 12 batches, 5 per chunk -> 3 chunks read
-    assert s._chunk.tokens.numel() == 2000  # bounded memory: one chunk
-
-
-def test_chunked_sampler_covers_the_data(char_data):
-    """Distribution: over many chunks the samples reach the whole split, not one region."""
-    mm = _memmap(char_data)
-    s = D.ChunkedSampler(mm, batch_size=8, block_size=16, seed=1, device="cpu", chunk_tokens=4000,
-                         batches_per_chunk=2)
-    starts = []
-    for _ in range(60):
-        s.next_batch()
-        starts.append(s.chunk_start)
-    n = len(mm)
-    hist = np.histogram(starts, bins=4, range=(0, n - 4000))[0]
-    assert (hist > 0).all(), hist
-
-
-def test_chunked_sampler_determinism_and_round_trip(char_data):
-    mm = _memmap(char_data)
-    kw = dict(batch_size=4, block_size=16, device="cpu", chunk_tokens=3000, batches_per_chunk=4)
-    a = D.ChunkedSampler(mm, seed=5, **kw)
-    b = D.ChunkedSampler(mm, seed=5, **kw)
-    for _ in range(6):  # mid-chunk
-        assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    a = D.BatchSampler(mm, 4, 16, seed=5, device="cpu")
+    for _ in range(6):
+        a.next_batch()
     state = a.state_dict()
-    want = [a.next_batch()[0] for _ in range(7)]  # crosses into new chunks
-    c = D.ChunkedSampler(mm, seed=123, **kw)
+    want = [a.next_batch()[0] for _ in range(7)]
+    c = D.BatchSampler(mm, 4, 16, seed=123, device="cpu")
     c.load_state_dict(state)
-    got = [c.next_batch()[0] for _ in range(7)]
-    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert all(torch.equal(w, c.next_batch()[0]) for w in want)
     assert c.batches_drawn == a.batches_drawn == 13
 
 
-def test_chunked_accepts_preloaded_state(char_data, splits):
-    """A run that switches from RAM to memmap (less RAM after a reconnect) continues from the saved RNG."""
+def test_an_old_chunked_sampler_state_resumes(char_data, splits):
+    """A checkpoint of the chunked memmap sampler gptlib had before (its state also held the current chunk) resumes
+    into the one sampler: its RNG stream goes on from where it was saved."""
     pre = D.BatchSampler(splits["train"], 4, 16, seed=2, device="cpu")
     pre.next_batch()
-    c = D.ChunkedSampler(_memmap(char_data), 4, 16, seed=0, device="cpu", chunk_tokens=3000)
-    c.load_state_dict(pre.state_dict())
-    x, y = c.next_batch()
-    assert x.shape == (4, 16) and c.batches_drawn == 2
+    old = {**pre.state_dict(), "chunk_start": 12_345, "chunk_batches": 3, "chunk_tokens": 16_777_216,
+           "batches_per_chunk": 64}
+    c = D.BatchSampler(_memmap(char_data), 4, 16, seed=0, device="cpu")
+    c.load_state_dict(old)
+    assert torch.equal(c.next_batch()[0], pre.next_batch()[0]) and c.batches_drawn == 2
 
 
-def test_plan_data_paths_and_messages():
+@pytest.mark.parametrize("how", ["read", "batch"])
+def test_a_shard_damaged_in_place_is_named(tmp_path, char_data, how):
+    """Ids outside the vocabulary in a shard of the right size (meta.json's checks cannot see it): every read from disk
+    says which shard, which position."""
+    d, tokens, bounds = _split_into_shards(tmp_path, char_data, 3)
+    shard = d / "train_000001.bin"
+    damaged = np.fromfile(shard, dtype=np.uint16)
+    damaged[:] = 60_000
+    damaged.tofile(shard)
+    mm = D.MemmapSplit(read_meta(d), "train")
+    at = "0" if how == "read" else r"[\d,]+"  # a read from the shard's start; a batch: its first window there
+    with pytest.raises(D.DataFormatError, match=rf"train_000001\.bin: token id 60000 at position {at} is outside the "
+                                                r"vocabulary \(vocab_size \d+\)"):
+        if how == "read":
+            mm.read(int(bounds[1]) - 3, 10)
+        else:
+            D.BatchSampler(mm, 64, 16, seed=0, device="cpu").next_batch()  # 64 windows: some land in shard 1
+
+
+def test_plan_data_paths_and_messages(monkeypatch):
     GiB = D.GiB
-    p = D.plan_data(1 * GiB, "cpu", ram_available=16 * GiB)
+    monkeypatch.setattr(D, "available_ram", lambda: 16 * GiB)  # the machine's free RAM and GPU memory: faked
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GiB, 80 * GiB))
+    p = D.plan_data(1 * GiB, "cpu")
     assert p.where == "ram" and "fits in RAM" in p.reason and "16.00 GiB available" in p.reason
-    p = D.plan_data(20 * GiB, "cpu", ram_available=16 * GiB)
-    assert p.where == "memmap" and "does not fit in RAM" in p.reason
-    p = D.plan_data(1 * GiB, "cuda", reserve_gpu_bytes=4 * GiB, gpu_free=40 * GiB, ram_available=16 * GiB)
+    p = D.plan_data(20 * GiB, "cpu")
+    assert p.where == "memmap" and "does not fit in RAM" in p.reason and "from the shards on disk" in p.reason
+    p = D.plan_data(1 * GiB, "cuda", reserve_gpu_bytes=4 * GiB)
     assert p.where == "gpu" and "free GPU memory" in p.reason
-    p = D.plan_data(10 * GiB, "cuda", reserve_gpu_bytes=30 * GiB, gpu_free=40 * GiB, ram_available=64 * GiB)
+    p = D.plan_data(10 * GiB, "cuda", reserve_gpu_bytes=30 * GiB)
     assert p.where == "ram" and "exceed" in p.reason  # too big for the GPU next to the model, fits in RAM
-    p = D.plan_data(1 * GiB, "cpu", mode="memmap")
-    assert p.where == "memmap" and "requested" in p.reason
-    with pytest.raises(MemoryError, match="does not fit in RAM"):
-        D.plan_data(20 * GiB, "cpu", mode="ram", ram_available=16 * GiB)
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        D.plan_data(1, "cpu", mode="gpu")
-    with pytest.raises(ValueError, match="choose one of"):
-        D.plan_data(1, "cpu", mode="disk")
+    p = D.plan_data(20 * GiB, "cuda", reserve_gpu_bytes=30 * GiB)
+    assert p.where == "memmap" and "exceed" in p.reason and "does not fit in RAM" in p.reason
 
 
 def test_load_dataset_prints_choice(char_data, monkeypatch):
     lines = []
-    _, s = D.load_dataset(char_data, "cpu", mode="auto", log=lines.append)
+    _, s = D.load_dataset(char_data, "cpu", log=lines.append)
     assert isinstance(s["train"], D.SplitData)
     assert any(l.startswith("data: train") and "-> RAM" in l and "fits in RAM" in l for l in lines), lines
     monkeypatch.setattr(D, "available_ram", lambda: 1000)  # pretend the machine is nearly out of memory
     lines.clear()
-    _, s = D.load_dataset(char_data, "cpu", mode="auto", log=lines.append)
+    _, s = D.load_dataset(char_data, "cpu", log=lines.append)
     assert isinstance(s["train"], D.MemmapSplit) and isinstance(s["val"], D.MemmapSplit)
     assert any("-> MEMMAP" in l and "does not fit in RAM" in l for l in lines), lines
-    sampler = D.make_sampler(s["train"], 4, 16, 0, "cpu")
-    assert isinstance(sampler, D.ChunkedSampler)
-    assert sampler.next_batch()[0].shape == (4, 16)
+    assert D.BatchSampler(s["train"], 4, 16, 0, "cpu").next_batch()[0].shape == (4, 16)
 
 
 def test_too_small_split_is_a_clear_error(char_data, splits):
     with pytest.raises(Exception, match="fewer than one block"):
         D.BatchSampler(splits["val"], 2, len(splits["val"]) + 5, 0, "cpu")
     with pytest.raises(Exception, match="fewer than one block"):
-        D.ChunkedSampler(D.MemmapSplit(read_meta(char_data), "val"), 2, 10**7, 0, "cpu")
+        D.BatchSampler(D.MemmapSplit(read_meta(char_data), "val"), 2, 10**7, 0, "cpu")

@@ -87,9 +87,10 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     assert len(samples) == 1
     import torch
 
-    from gptlib.checkpoint.format import find_latest_valid, load_checkpoint
+    from gptlib.checkpoint.format import load_checkpoint
+    from tests.conftest import newest_checkpoint
 
-    ck = find_latest_valid(run_dir, log=lambda m: None)
+    ck = newest_checkpoint(run_dir)
     assert ck is not None and ck.step == 4
     _, train_state, state = load_checkpoint(ck.path)
     ranks = train_state["sampler_ranks"]

@@ -41,7 +41,7 @@ def drive_at_80(char_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("drive80")
     train(char_data, root / "vm1", "phase1", SETTINGS, max_steps=80, progress=False, log=quiet,
           mirror_dir=root / "drive")
-    assert steps(root / "drive") == [80, 70] and len(read_metrics(root / "drive")) == 80
+    assert steps(root / "drive") == [80, 70] and len(read_metrics(root / "drive" / "checkpoints" / "step_0000080")) == 80
     return root / "drive"
 
 
@@ -140,7 +140,7 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char
     assert steps(mirror) == [80, 70, 30, 20]  # nothing newer than the run's own was deleted
     for step in (70, 80):
         verify_checkpoint(mirror / "checkpoints" / f"step_{step:07d}")
-    assert len(read_metrics(mirror)) == 80  # the mirror's logs stay with its newest checkpoint
+    assert len(read_metrics(mirror / "checkpoints" / "step_0000080")) == 80  # the logs stay with their checkpoint
     r = train(char_data, tmp_path / "vm3", "phase1", SETTINGS, max_steps=85, progress=False, log=quiet,
               mirror_dir=mirror)
     assert r.resumed_from == 80

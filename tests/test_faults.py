@@ -20,9 +20,11 @@ import pytest
 
 from gptlib.__main__ import main as cli_main
 from gptlib.checkpoint import mirror as gmirror
-from gptlib.checkpoint.format import CheckpointError, find_latest_valid, list_checkpoints, verify_checkpoint
+from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
 from gptlib.fsutil import sha256_file
+from tests import faulty
+from tests.conftest import newest_checkpoint
 from tests.test_resume import MAX_STEPS, SETTINGS, curve, one_thread, run_inproc  # noqa: F401 (fixture)
 
 CKPT = "checkpoints"
@@ -122,25 +124,29 @@ def test_malicious_pickle_is_refused_and_previous_resumed(char_data, run, capsys
 
 def test_enospc_during_save_is_loud_and_keeps_previous(char_data, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setenv("GPTLIB_FAULT", "enospc:save_mid@15")
-    with pytest.raises(CheckpointError) as ei:
-        run_inproc(char_data, run, log=lambda m: None)
+    undo = faulty.install("enospc:save_mid@15")
+    try:
+        with pytest.raises(CheckpointError) as ei:
+            run_inproc(char_data, run, log=lambda m: None)
+    finally:
+        undo()
     msg = str(ei.value)
     assert "No space left" in msg and "disk full" in msg and "newest intact checkpoint is step 10" in msg, msg
     assert sorted(p.name for p in (run / CKPT).iterdir()) == ["step_0000005", "step_0000010"]
     verify_checkpoint(ckpt_dir(run, 10))  # previous intact; the partial step-15 dir was removed
-    monkeypatch.delenv("GPTLIB_FAULT")
     r, out, _ = resume(char_data, run, capsys)
     assert r.resumed_from == 10 and "resumed from step 10" in out and r.step == MAX_STEPS
 
 
 def test_keyboard_interrupt_mid_step_saves_pre_step_state(char_data, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    monkeypatch.setenv("GPTLIB_FAULT", "interrupt:mid_step@13")
-    r = run_inproc(char_data, run, log=lambda m: None)
+    undo = faulty.install("interrupt:mid_step@13")
+    try:
+        r = run_inproc(char_data, run, log=lambda m: None)
+    finally:
+        undo()
     assert r.stopped_by == "interrupt" and r.step == 12
     assert verify_checkpoint(ckpt_dir(run, 12)).step == 12 and verify_checkpoint(ckpt_dir(run, 10)).step == 10
-    monkeypatch.delenv("GPTLIB_FAULT")
     r, out, _ = resume(char_data, run, capsys)
     assert r.resumed_from == 12 and "resumed from step 12" in out
 
@@ -214,7 +220,7 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     assert "is NOT on Drive" in err  # the end-of-run summary says where the newest checkpoint is
     assert "DRIVE COPY FAILING" in out  # shown in the loop's validation line too
     assert verify_checkpoint(ckpt_dir(run, 20)).step == 20  # local saving never stopped
-    assert find_latest_valid(mirror, log=lambda m: None) is None
+    assert newest_checkpoint(mirror) is None
     assert not list((mirror / CKPT).glob("*.partial-*")), "failed copies left partial dirs"
     # Drive is back: re-running resumes from the local newest and copies it to Drive.
     monkeypatch.undo()

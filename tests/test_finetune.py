@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlib.batches import LossMask, MemmapSplit, SplitData, _as_signed_view, make_sampler
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.batches import BatchSampler, LossMask, MemmapSplit, SplitData, _as_signed_view
+from gptlib.checkpoint.format import load_model_weights
 from gptlib.data.conversations import ChatTemplate
 from gptlib.data.prepare import prepare
 from gptlib.data.shards import read_meta, read_spans
@@ -33,7 +33,8 @@ from gptlib.inference.loading import load_run
 from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from tests.conftest import REPO
+from tests import faulty
+from tests.conftest import REPO, newest_checkpoint
 from tests.device_ops import DeviceOps
 from tests.tokenize_kit import split_tokens
 
@@ -119,9 +120,8 @@ def test_the_sampler_keeps_exactly_the_assistant_targets(qa, where):
     if where == "ram":
         data = SplitData(_as_signed_view(data.read(0, len(data)).numpy().view(data.dtype)), "train")
     mask = LossMask(read_spans(meta, "train"), len(data))
-    kw = {"chunk_tokens": 3000} if where == "memmap" else {}
-    sampler = make_sampler(data, 8, 64, seed=3, device="cpu", loss_mask=mask, **kw)
-    plain = make_sampler(data, 8, 64, seed=3, device="cpu", **kw)
+    sampler = BatchSampler(data, 8, 64, seed=3, device="cpu", loss_mask=mask)
+    plain = BatchSampler(data, 8, 64, seed=3, device="cpu")
     for _ in range(6):
         x, y = sampler.next_batch()
         x0, y0 = plain.next_batch()
@@ -141,8 +141,8 @@ def test_only_the_answers_carry_the_loss_and_gradient(qa):
     same. With chat_loss=all (no mask) the same batch's loss differs (negative control)."""
     meta = read_meta(qa["data"])
     data = MemmapSplit(meta, "train")
-    sampler = make_sampler(data, 4, 64, 0, "cpu", LossMask(read_spans(meta, "train"), len(data)), chunk_tokens=5000)
-    plain = make_sampler(data, 4, 64, 0, "cpu", chunk_tokens=5000)
+    sampler = BatchSampler(data, 4, 64, 0, "cpu", LossMask(read_spans(meta, "train"), len(data)))
+    plain = BatchSampler(data, 4, 64, 0, "cpu")
     x, y = sampler.next_batch()
     _, y_all = plain.next_batch()
     ld = load_run(qa["base"], log=quiet)
@@ -180,7 +180,7 @@ def test_a_chat_batch_on_the_device_copies_its_starts_there_once():
     dev = torch.device("meta")
     data = SplitData(torch.randint(0, 100, (5000,), dtype=torch.int16).to(dev), "train")
     mask = LossMask(np.array([[10, 50], [300, 900], [2000, 2100]]), len(data), dev)
-    sampler = make_sampler(data, 8, 64, seed=0, device=dev, loss_mask=mask)
+    sampler = BatchSampler(data, 8, 64, seed=0, device=dev, loss_mask=mask)
     for _ in range(3):
         with DeviceOps() as ops:
             x, y = sampler.next_batch()
@@ -233,7 +233,7 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
                             question(n, w), "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"],
                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert p.returncode == 0 and p.stdout.strip() == OPPOSITE[w], (p.stdout, p.stderr)
-    state = json.loads((find_latest_valid(run_dir, log=quiet).path / "state.json").read_text())
+    state = json.loads((newest_checkpoint(run_dir).path / "state.json").read_text())
     assert state["init_from"]["path"].startswith(str(qa["base"]))
 
 
@@ -241,17 +241,13 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
 
 
 def run_cli(qa: dict, run_dir: Path, steps: int, fault: str | None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(qa["data"]), "--run-dir", str(run_dir),
-           "--preset", "finetune", "--init-from", str(qa["base"]), "--max-steps", str(steps), "--device", "cpu",
-           "--quiet"]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", qa["data"], "--run-dir", run_dir, "--preset", "finetune",
+                            "--init-from", qa["base"], "--max-steps", steps, "--device", "cpu", "--quiet")
     for k, v in {**SMALL, "eval_interval": 10, "batch_size": 8, "learning_rate": 1e-2, "warmup_steps": 2,
                  "eval_batches": 2, "sample_tokens": 0, "save_every_minutes": 0, "save_every_steps": 5,
                  "log_interval": 1, "dropout": 0.1, "compile": "off"}.items():
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("GPTLIB_FAULT", None)
-    if fault:
-        env["GPTLIB_FAULT"] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -266,8 +262,8 @@ def test_an_sft_run_killed_mid_step_resumes_exactly(qa, tmp_path):
     a = {r["step"]: (r["train_loss"], r.get("val_loss")) for r in read_metrics(ref)}
     b = {r["step"]: (r["train_loss"], r.get("val_loss")) for r in read_metrics(run)}
     assert sorted(b) == list(range(1, 21)) and a == b
-    wa = load_model_weights(find_latest_valid(ref, log=quiet).path)
-    wb = load_model_weights(find_latest_valid(run, log=quiet).path)
+    wa = load_model_weights(newest_checkpoint(ref).path)
+    wb = load_model_weights(newest_checkpoint(run).path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

@@ -25,13 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlib.checkpoint.format import find_latest_valid, load_checkpoint
+from gptlib.checkpoint.format import load_checkpoint
 from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.memory import free_memory
-from tests.conftest import REPO, TINY
+from tests import faulty
+from tests.conftest import REPO, TINY, newest_checkpoint
 
 gpu = pytest.mark.gpu
 RESULTS = Path(os.environ.get("GPTLIB_GPU_RESULTS") or REPO / "benchmarks" / "results")
@@ -131,9 +132,7 @@ def resume_verdict(resumed: dict[int, float], noise: dict[int, float], factor: f
 
 def _env() -> dict[str, str]:
     """Subprocess environment: this checkout first on PYTHONPATH, whatever gpu_check.sh added kept after it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    env.pop("GPTLIB_FAULT", None)
-    return env
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
 
 
 def _text(b) -> str:
@@ -249,7 +248,7 @@ def test_small_gpt2_bpe_trains_compiled(bpe_compiled, dtype):
     curve = loss_curve(r.run_dir)
     losses = [curve[s] for s in sorted(curve)]
     assert len(losses) == BPE_STEPS and all(math.isfinite(x) for x in losses), losses
-    ck = find_latest_valid(r.run_dir, log=lambda m: None)
+    ck = newest_checkpoint(r.run_dir)
     _, train_state, _ = load_checkpoint(ck.path)
     scaler = train_state.get("scaler") or {}
     record(f"train_bpe_{dtype}", [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}",
@@ -377,14 +376,11 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
 
 
 def _cli_train(data, run_dir, steps: int, fault: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", data, "--run-dir", run_dir, "--preset", "gpt2-small",
-           "--max-steps", steps, "--device", "cuda", "--quiet"]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "gpt2-small",
+                            "--max-steps", steps, "--device", "cuda", "--quiet")
     for s in RESUME:
         cmd += ["--set", s]
-    env = _env()
-    if fault:
-        env["GPTLIB_FAULT"] = fault
-    return _run(cmd, env, timeout)
+    return _run(cmd, _env(), timeout)
 
 
 @gpu
@@ -396,7 +392,7 @@ def test_sigkill_then_resume_stays_within_run_to_run_noise(bpe_data, tmp_path):
         assert p.returncode == 0, _tail(p)
     p = _cli_train(bpe_data, tmp_path / "k", RESUME_STEPS, fault=f"kill:mid_step@{KILL_AT}")
     assert p.returncode == -signal.SIGKILL, _tail(p)
-    ck = find_latest_valid(tmp_path / "k", log=lambda m: None)
+    ck = newest_checkpoint(tmp_path / "k")
     assert ck is not None and ck.step in (10, 15), ck
     p = _cli_train(bpe_data, tmp_path / "k", RESUME_STEPS)
     assert p.returncode == 0 and f"resumed from step {ck.step}" in p.stdout, _tail(p)
@@ -428,7 +424,7 @@ def test_torchrun_one_process_on_nccl(char_data, tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     assert out == {"step": 8, "backend": "nccl", "wrapped": "DistributedDataParallel"}, out
     assert sorted(loss_curve(tmp_path / "ddp")) == list(range(1, 9))
-    _, train_state, _ = load_checkpoint(find_latest_valid(tmp_path / "ddp", log=lambda m: None).path)
+    _, train_state, _ = load_checkpoint(newest_checkpoint(tmp_path / "ddp").path)
     assert len(train_state["sampler_ranks"]) == 1  # gathered over NCCL
     plain = run + ["-m", "gptlib", "train", "--data", char_data, "--run-dir", tmp_path / "plain", "--preset", "phase1",
                    "--device", "cuda", "--max-steps", "4", "--quiet"]

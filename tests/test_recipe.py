@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from gptlib.checkpoint.format import find_latest_valid, load_model_weights
+from gptlib.checkpoint.format import load_model_weights
 from gptlib.config import RECIPES, build_config, get_preset
 from gptlib.errors import ConfigError
 from gptlib.model import GPT, KVCache
@@ -22,7 +22,8 @@ from gptlib.training.loop import train
 from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
 from gptlib.training.resolve import schedule_change
 from gptlib.training.step import lr_at, optimizer_step, set_lr
-from tests.conftest import REPO, TINY
+from tests import faulty
+from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)
 
 MAX_STEPS = 20
@@ -167,7 +168,7 @@ def test_a_resume_takes_the_optimizers_device_flags_from_this_device(char_data, 
         r, out = run(char_data, run_dir, recipe, fp16, max_steps=15)
         assert r.resumed_from == 10 and r.step == 15, out
         assert fused() == {then == "cuda"}, f"resumed where fused is {then == 'cuda'}"
-        assert all(torch.isfinite(p).all() for p in load_model_weights(find_latest_valid(run_dir).path).values())
+        assert all(torch.isfinite(p).all() for p in load_model_weights(newest_checkpoint(run_dir).path).values())
 
 
 def test_wsd_holds_the_peak_then_decays_linearly():
@@ -212,18 +213,18 @@ def test_modern_sigkill_mid_step_then_resume_is_exact(char_data, modern_referenc
     """Muon's and AdamW's states are in the checkpoint: killed mid-step, the resumed run's losses and weights are
     the uninterrupted run's, bit for bit; re-run without --recipe, the run keeps its own."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(run_dir),
-           "--preset", "phase1", "--recipe", "modern", "--max-steps", str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    cmd = faulty.gptlib_cmd("kill:mid_step@13", "train", "--data", char_data, "--run-dir", run_dir, "--preset",
+                            "phase1", "--recipe", "modern", "--max-steps", MAX_STEPS, "--device", "cpu", "--quiet")
     for s in SETTINGS:
         cmd += ["--set", s]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "GPTLIB_FAULT": "kill:mid_step@13"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGKILL, p.stderr
     r, out = run(char_data, run_dir, recipe=None)
     assert r.resumed_from in (5, 10) and "recipe: modern (the resumed run's own)" in out, out
     assert curve(run_dir) == curve(modern_reference)
-    a = load_model_weights(find_latest_valid(modern_reference, log=lambda m: None).path)
-    b = load_model_weights(find_latest_valid(run_dir, log=lambda m: None).path)
+    a = load_model_weights(newest_checkpoint(modern_reference).path)
+    b = load_model_weights(newest_checkpoint(run_dir).path)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -2,8 +2,7 @@
 
 "Matches" means the same per-step train/val losses and learning rates in metrics.jsonl and the
 same final weights (torch.equal). The kills are real: `python -m gptlib train` runs in a
-subprocess and SIGKILLs itself at a named point (GPTLIB_FAULT, see gptlib.faults), or
-gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
+subprocess (through tests/faulty.py) and SIGKILLs itself at a named point, or gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
 skipping the RNG or sampler restore makes the comparison fail.
 """
 
@@ -13,18 +12,18 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from gptlib import batches as gdata
 from gptlib.checkpoint import state as gstate
-from gptlib.checkpoint.format import find_latest_valid, list_checkpoints, load_model_weights, verify_checkpoint
+from gptlib.checkpoint.format import list_checkpoints, load_model_weights, verify_checkpoint
 from gptlib.training import loop as gtrain
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from tests.conftest import REPO, TINY
+from tests import faulty
+from tests.conftest import REPO, TINY, newest_checkpoint
 
 MAX_STEPS = 20
 # Saves at 5, 10, 15, 20 (validation at 10, 20); dropout makes the torch RNG part of the state.
@@ -47,16 +46,13 @@ def run_inproc(data, run_dir, mirror_dir=None, log=None, **kw):
 
 
 def run_cli(data, run_dir, fault: str | None = None, mirror_dir=None, timeout=120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(data), "--run-dir", str(run_dir),
-           "--preset", "phase1", "--max-steps", str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
+                            "--max-steps", MAX_STEPS, "--device", "cpu", "--quiet")
     for s in SETTINGS:
         cmd += ["--set", s]
     if mirror_dir is not None:
         cmd += ["--mirror-dir", str(mirror_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("GPTLIB_FAULT", None)
-    if fault:
-        env["GPTLIB_FAULT"] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -69,7 +65,7 @@ def curve(run_dir) -> dict[int, tuple]:
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    ck = find_latest_valid(run_dir, log=lambda m: None)
+    ck = newest_checkpoint(run_dir)
     assert ck is not None and ck.step == MAX_STEPS, f"{run_dir}: newest valid checkpoint is {ck}"
     return load_model_weights(ck.path)
 
@@ -120,7 +116,7 @@ def test_sigkill_then_resume_is_exact(char_data, reference, tmp_path, capsys, wh
     run_dir = tmp_path / "run"
     p = run_cli(char_data, run_dir, fault=fault)
     assert p.returncode == -signal.SIGKILL, f"rc={p.returncode}\n{p.stdout}\n{p.stderr}"
-    newest = find_latest_valid(run_dir, log=lambda m: None)
+    newest = newest_checkpoint(run_dir)
     assert newest is not None and newest.step in allowed, (newest, allowed)
     expect = newest.step
     # The previous checkpoints are intact (full sha256 check), whatever the kill interrupted.
@@ -148,7 +144,7 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
     p = run_cli(char_data, run_dir, fault="kill:mirror_mid@15", mirror_dir=mirror)
     assert p.returncode == -signal.SIGKILL, p.stderr
     shutil.rmtree(tmp_path / "local")
-    ck = find_latest_valid(mirror, log=lambda m: None)
+    ck = newest_checkpoint(mirror)
     assert ck is not None and ck.step in (5, 10), ck
     _resume_and_check(char_data, reference, run_dir, capsys, ck.step, mirror_dir=mirror, where="Drive mirror")
     # The mirror caught up: the final checkpoint is there and verifies; no partial copies remain.
@@ -158,10 +154,28 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
 
 def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
-    monkeypatch.setenv("GPTLIB_FAULT", "interrupt:mid_step@13")
-    r = run_inproc(char_data, run_dir, log=lambda m: None)
+    undo = faulty.install("interrupt:mid_step@13")
+    try:
+        r = run_inproc(char_data, run_dir, log=lambda m: None)
+    finally:
+        undo()
     assert r.stopped_by == "interrupt" and r.step == 12
-    monkeypatch.delenv("GPTLIB_FAULT")
+    _resume_and_check(char_data, reference, run_dir, capsys, 12)
+
+
+def test_a_run_on_shards_left_on_disk_is_the_run_in_ram(char_data, reference, tmp_path, monkeypatch, capsys):
+    """Data too large for RAM stays on disk (memory-mapped): its batches are the preloaded split's, so the run,
+    interrupted mid-step and resumed, is the uninterrupted run in RAM, bit for bit."""
+    monkeypatch.setattr(gdata, "available_ram", lambda: 1000)  # a machine nearly out of memory
+    gathered, real_gather = [], gdata.MemmapSplit.gather_raw
+    monkeypatch.setattr(gdata.MemmapSplit, "gather_raw", lambda self, *a: gathered.append(1) or real_gather(self, *a))
+    run_dir = tmp_path / "run"
+    undo = faulty.install("interrupt:mid_step@13")
+    try:
+        r = run_inproc(char_data, run_dir, log=lambda m: None)
+    finally:
+        undo()
+    assert r.stopped_by == "interrupt" and r.step == 12 and len(gathered) >= 12  # every batch read from the shards
     _resume_and_check(char_data, reference, run_dir, capsys, 12)
 
 
@@ -171,12 +185,12 @@ def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, 
 @pytest.fixture(scope="module")
 def interrupted(char_data, tmp_path_factory):
     d = tmp_path_factory.mktemp("interrupted") / "run"
-    os.environ["GPTLIB_FAULT"] = "interrupt:mid_step@13"
+    undo = faulty.install("interrupt:mid_step@13")
     try:
         torch.set_num_threads(1)
         r = run_inproc(char_data, d, log=lambda m: None)
     finally:
-        del os.environ["GPTLIB_FAULT"]
+        undo()
     assert r.step == 12
     return d
 
@@ -193,8 +207,7 @@ def test_negative_control_without_rng_restore(char_data, reference, interrupted,
 def test_negative_control_without_sampler_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
-    for cls in (gdata.BatchSampler, gdata.ChunkedSampler):
-        monkeypatch.setattr(cls, "load_state_dict", lambda self, state: None)
+    monkeypatch.setattr(gdata.BatchSampler, "load_state_dict", lambda self, state: None)
     run_inproc(char_data, run_dir, log=lambda m: None)
     with pytest.raises(AssertionError, match="losses differ"):
         assert_same_run(reference, run_dir)
@@ -215,13 +228,11 @@ def test_positive_control_same_copy_resumes_exactly(char_data, reference, interr
 def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys, monkeypatch):
     """save_every_minutes saves between step-based saves; max_minutes stops with a checkpoint, and
     the same call resumes from it."""
-    import time
-
     from gptlib.checkpoint.format import list_checkpoints
 
     # Every step lasts longer than save_every_minutes (6 ms): a tiny step on an idle CPU can be faster,
-    # and then step 7 was not saved (flaky [6, 8]). The loop calls fault_point once per step.
-    monkeypatch.setattr(gtrain, "fault_point", lambda *a: time.sleep(0.01))
+    # and then step 7 was not saved (flaky [6, 8]). "slow" sleeps 50 ms in every step.
+    faulty.install("slow:mid_step", monkeypatch.setattr)
     run_dir = tmp_path / "run"
     settings = TINY + ["eval_interval=1000", "save_every_steps=1000", "save_every_minutes=0.0001"]
     r = train(char_data, run_dir, "phase1", settings, max_steps=8, device="cpu", progress=False, log=lambda m: None)

@@ -58,7 +58,7 @@ def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 
                                            ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
 def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
     from gptlib.evaluation.likelihood import eval_autocast
-    from gptlib.training.bench import half_dtype
+    from benchmarks.bench import half_dtype
 
     fake_gpu(monkeypatch, name, cap)
     assert rt.resolve_dtype("auto", CUDA) == want
@@ -258,15 +258,16 @@ class FakeGpuMemory:
         return self.fixed + self.per_seq * self.batch
 
 
-def test_the_probe_keeps_a_margin_for_compiled_training(char_data):
+def test_the_probe_keeps_a_margin_for_compiled_training(char_data, monkeypatch):
     from gptlib.model import GPT
 
     cfg = build_config("phase1", TINY)
     model = GPT(cfg.model)
     # 8 sequences: 0.95 of the GPU; 4: 0.55 -> 4 is the largest that leaves the margin
     mem = FakeGpuMemory(total=100 * GIB, fixed=15 * GIB, per_seq=10 * GIB)
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the model runs here; the memory is a fake
     logs = []
-    got = memory.probe_micro_batch(model, 32, 8, "cpu", memory_probe=mem, log=logs.append)
+    got = memory.probe_micro_batch(model, 32, 8, "cpu", log=logs.append)
     assert got == (4, 2, 55 * GIB) and any("8 x 32 does not fit" in m and "92%" in m for m in logs), logs
     assert memory.PROBE_HEADROOM == 0.92
 
@@ -274,16 +275,17 @@ def test_the_probe_keeps_a_margin_for_compiled_training(char_data):
 def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, monkeypatch):
     """What auto_batch measured is kept free beside the data, not only the estimate (issue 26: gpt2-small's estimate
     said 21.2 GiB where the probe had measured an eager peak of 26.6 GiB, and data filled the difference)."""
+    from gptlib import batches
     from gptlib.batches import plan_data
     from gptlib.training import resolve, setup
     from gptlib.training.loop import train
 
     mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=2 * GIB)  # 4 sequences: an 18 GiB peak
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
 
     def probe_on_a_fake_gpu(make_model, cfg, device, dtype, log=print):  # the real probe; only the memory is a fake
         per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
-        return memory.probe_micro_batch(make_model(), cfg.model.block_size, per_step, device, dtype, log=log,
-                                        memory_probe=mem)
+        return memory.probe_micro_batch(make_model(), cfg.model.block_size, per_step, device, dtype, log=log)
 
     reserved, real_load = [], setup.load_dataset
     monkeypatch.setattr(resolve, "auto_micro_batch", probe_on_a_fake_gpu)
@@ -295,9 +297,11 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     assert cfg.train.batch_size == 4  # the probe's choice
     estimate = memory.estimate_train_bytes(cfg.model, 4)
     assert reserved == [18 * GIB] and estimate < GIB  # the measured peak, far above this tiny model's estimate
-    data, free = 10 * GIB, 20 * GIB  # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not the peak
-    assert plan_data(data, "cuda", reserve_gpu_bytes=estimate, gpu_free=free, ram_available=64 * GIB).where == "gpu"
-    assert plan_data(data, "cuda", reserve_gpu_bytes=reserved[0], gpu_free=free, ram_available=64 * GIB).where == "ram"
+    data = 10 * GIB  # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not beside the peak
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, 40 * GIB))
+    monkeypatch.setattr(batches, "available_ram", lambda: 64 * GIB)
+    assert plan_data(data, "cuda", reserve_gpu_bytes=estimate).where == "gpu"
+    assert plan_data(data, "cuda", reserve_gpu_bytes=reserved[0]).where == "ram"
 
 
 def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():

@@ -1,4 +1,4 @@
-"""Checkpoints on disk: atomic, verified saves; newest-valid discovery; safe loading.
+"""Checkpoints on disk: atomic, verified saves; listing; safe loading.
 
 A checkpoint is written into `step_XXXXXXX.partial-*`, every file fsynced, the manifest (format
 version, step, size and sha256 of every file) last, then the directory is renamed. A directory
@@ -20,14 +20,13 @@ import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from gptlib.errors import CheckpointError
-from gptlib.faults import fault_point
-from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, call_with_timeout,
-                           fsync_dir, read_bytes_with_timeout, sha256_file)
+from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, fsync_dir,
+                           read_bytes_with_timeout, sha256_file)
 from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
                            PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
                            is_checkpoint_name, step_of)
@@ -90,7 +89,6 @@ def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: di
     partial.mkdir()
     try:
         _torch_save_atomic(model_sd, partial / MODEL_FILE)
-        fault_point("save_mid", step)
         _torch_save_atomic(train_state, partial / TRAIN_STATE_FILE)
         atomic_write_json(partial / STATE_FILE, state)
         for name, data in (extra_files or {}).items():
@@ -185,47 +183,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def first_valid(run_dirs, log, load: Callable[[Path], Any], skipped: list[Path] | None = None,
-                unreadable: list[tuple[Path, str]] | None = None, listed: dict[Path, list[Path]] | None = None) -> Any:
-    """load(p) of the newest checkpoint p across run_dirs for which it succeeds (at equal steps the earlier dir's);
-    None if none does. Failures are logged and passed over: damaged ones (CheckpointError) go to `skipped`, those
-    that could not be read (OSError, a hung Drive) to `unreadable` as (path, why), and so do locations that could
-    not be listed (every dir after the first gives up after DRIVE_LIST_TIMEOUT_S). `listed`: each dir's listing."""
-    if isinstance(run_dirs, (str, Path)):
-        run_dirs = [run_dirs]
-    found = []
-    for i, d in enumerate(run_dirs):
-        if d is None:
-            continue
-        try:
-            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
-        except OSError as e:
-            log(f"cannot list the checkpoints in {d}: {e}")
-            if unreadable is not None:
-                unreadable.append((Path(d), str(e)))
-            continue
-        found += [(step_of(p), i, p) for p in paths]
-        if listed is not None:
-            listed[Path(d)] = paths
-    for _, _, p in sorted(found, key=lambda x: (-x[0], x[1])):
-        try:
-            return load(p)
-        except CheckpointError as e:
-            log(f"skipping checkpoint: {e}")
-            if skipped is not None:
-                skipped.append(p)
-        except OSError as e:
-            log(f"skipping checkpoint: {e}")
-            if unreadable is not None:
-                unreadable.append((p, str(e)))
-    return None
-
-
-def find_latest_valid(run_dirs: list[str | Path] | str | Path, log=print) -> CheckpointInfo | None:
-    """The newest checkpoint that verifies, across run directories (e.g. local and Drive); bad ones are skipped."""
-    return first_valid(run_dirs, log, verify_checkpoint)
-
-
 def _safe_load(f: Path | io.BytesIO, map_location, where: Path | None = None) -> Any:
     """torch.load with weights_only=True: a pickle that would run code is refused (CheckpointError)."""
     try:
@@ -246,11 +203,6 @@ def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
     if not isinstance(model_sd, dict) or not isinstance(train_state, dict) or not isinstance(state, dict):
         raise CheckpointError(f"{path}: model.pt / train_state.pt / state.json do not hold dicts")
     return clean_state_dict(model_sd), train_state, state
-
-
-def load_latest(run_dirs, log=print, map_location="cpu") -> tuple[CheckpointInfo, dict, dict, dict] | None:
-    """Newest checkpoint that verifies AND loads safely (a pickle that would run code is skipped), or None."""
-    return first_valid(run_dirs, log, lambda p: (verify_checkpoint(p), *load_checkpoint(p, map_location)))
 
 
 def load_model_weights(path: Path, map_location="cpu", sha256: str | None = None) -> dict[str, torch.Tensor]:
@@ -284,12 +236,10 @@ def remove_tree(path: Path, truncate: bool = False) -> None:
         with suppress(OSError):
             os.replace(path, target)
             path = target
-    for i, f in enumerate(sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE)):
+    for f in sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE):
         if f.is_file():
             with suppress(OSError):
                 if truncate:
                     os.truncate(f, 0)
                 f.unlink()
-            if i == 0:
-                fault_point("rotate_mid", step_of(path))
     shutil.rmtree(path, ignore_errors=True)

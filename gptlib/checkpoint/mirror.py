@@ -1,6 +1,7 @@
 """The Drive mirror: every verified local checkpoint copied to a second directory (Google Drive) in a background
-thread, so the run survives the VM. Each copy is verified (see mirror_checkpoint); then the mirror is rotated and
-the run-level files (layout.MIRRORED_FILES) copied beside it, so the mirror is a complete run directory.
+thread, so the run survives the VM. Each copy is hashed while it is read (see mirror_checkpoint); then the mirror
+is rotated and the run's files for readers and people (layout.MIRRORED_FILES) copied beside it; its logs travel
+inside each checkpoint.
 
 Drive errors (Errno 107 "Transport endpoint is not connected", Errno 5, hangs) are retried with backoff and
 reported loudly on stderr and in `status()`; they never stop training. If copies fall behind, only the newest
@@ -21,7 +22,6 @@ from typing import Callable
 from gptlib.checkpoint.format import install, list_checkpoints, read_manifest, remove_tree, verify_checkpoint
 from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, LeaseLost, loud
-from gptlib.faults import fault_point
 from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, fsync_dir
 from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
 
@@ -59,8 +59,8 @@ def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: st
 
 
 def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, deep: bool = False) -> Path:
-    """Copy a verified local checkpoint dir into mirror_run_dir/checkpoints: temp name, every file
-    hashed while read and fsynced, manifest last, read back and verified (size + sha256), renamed.
+    """Copy a verified local checkpoint dir into mirror_run_dir/checkpoints: temp name, every file hashed while read
+    (the source must match the manifest) and fsynced, manifest last, sizes checked, renamed; nothing is read back.
     A copy already there with the same manifest is kept if it verifies (deep: every hash, as at resume, where the
     one there may be a damaged one of the same checkpoint)."""
     progress = progress or Progress()
@@ -75,20 +75,17 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
     partial = dst_root / f"{src.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
     try:
-        for i, (name, rec) in enumerate(manifest["files"].items()):
+        for name, rec in manifest["files"].items():
             copy_file_verified(src / name, partial / name, rec["size"], rec["sha256"], progress)
-            if i == 0:
-                fault_point("mirror_mid", manifest["step"])
         copy_file_verified(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress=progress)
         fsync_dir(partial)
-        verify_checkpoint(partial, deep=True)  # read back from the mirror: catches truncated writes
+        verify_checkpoint(partial, deep=False)  # what the copy wrote was hashed as it was read: sizes are enough
         progress.tick()
     except BaseException:
         with suppress(OSError):  # best effort (Drive may be gone); leftovers are removed by the next rotation
             remove_tree(partial, truncate=True)
         raise
     install(partial, final, truncate=True)
-    verify_checkpoint(final, deep=False)
     return final
 
 
@@ -112,14 +109,12 @@ class Mirror:
         self._best_step: int | None = None  # the newest best step: what mirror rotation must keep
         self._busy: Path | None = None  # being copied now
         self._closing = False
-        self._run_file_sizes: dict[str, int] = {}  # prefix of each log file that matches the newest checkpoint
         self._copying: tuple[Path, int, Progress] | None = None  # (checkpoint, its bytes, progress) of the copy now
         self._thread: threading.Thread | None = None
 
-    def submit(self, path: Path, best_step: int | None, milestone: bool, run_file_sizes: dict[str, int]) -> set[Path]:
+    def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
         """A new verified local checkpoint -> the checkpoints rotation must not delete yet (pending, busy)."""
         with self._cv:
-            self._run_file_sizes = dict(run_file_sizes)
             self._best_step = best_step
             self._pending = path
             self._milestones_paused = False
@@ -231,7 +226,6 @@ class Mirror:
         """After a copy: rotate the mirror, remove temp files, copy the run-level files. Its own time limit:
         an old file that hangs on Drive is reported, and the copy it follows stands."""
         with self._cv:
-            sizes = dict(self._run_file_sizes)
             best_step = self._best_step  # the newest: a milestone copied late must not drop today's best
 
         def tidy():
@@ -239,11 +233,10 @@ class Mirror:
                    keep_every=self.keep_every, protect=self.unreadable, newest=self.last_step)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
             if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
-                return  # the mirror holds newer checkpoints (unreadable at resume): its logs go with them
-            for name in MIRRORED_FILES:  # a prefix (sizes: None, all) written atomically: a kill leaves a temp file
+                return  # the mirror holds newer checkpoints (unreadable at resume): its plot goes with them
+            for name in MIRRORED_FILES:  # written atomically: a kill leaves a temp file
                 if (self.run_dir / name).is_file():
-                    with open(self.run_dir / name, "rb") as f:
-                        atomic_write_bytes(self.mirror_dir / name, f.read(sizes.get(name)))
+                    atomic_write_bytes(self.mirror_dir / name, (self.run_dir / name).read_bytes())
 
         try:
             call_with_timeout(tidy, MIRROR_TIDY_TIMEOUT_S, what=f"Drive clean-up in {self.mirror_dir}")

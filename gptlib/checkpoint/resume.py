@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, first_valid,
+from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints,
                                       load_checkpoint, remove_tree, set_aside, verify_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.state import Checkpoint, TrainState
@@ -82,34 +82,57 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
     again every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then training stops with what to do (rotation
     never deletes it), leaving no copy it made behind. skip_unreadable (--skip-unreadable) goes on without them, said
     loudly. `check(checkpoint, path)` raises CheckpointError for one that loads but cannot resume this run."""
-    deadline = time.monotonic() + DRIVE_RESUME_WAIT_S
-    local_before = _entries(run_dir)
+    deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):
-        damaged, unreadable, listed = [], [], {}
-        resume = first_valid([run_dir, mirror_dir], log, lambda p: _load_resume(p, run_dir, check), damaged,
-                             unreadable, listed)
-        on_mirror = listed.get(mirror_dir) if mirror_dir is not None else None
-        passed = Passed(damaged, [p for p, _ in unreadable], step_of(on_mirror[0]) if on_mirror else None)
+        resume, passed, unread = _search(run_dir, mirror_dir, log, check)
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
-        what = "; ".join(f"{p} ({why})" for p, why in unreadable)
-        if unreadable and skip_unreadable:
-            loud(f"!! could not read {what}. --skip-unreadable: training goes on from {start}; those checkpoints "
-                 f"are left where they are (this run never deletes them)")
-        if not unreadable or skip_unreadable:
-            if resume is None and damaged:
-                log(f"no checkpoint could be loaded ({len(damaged)} damaged): starting from scratch")
-            return resume, passed
         left = deadline - time.monotonic()
-        if left <= 0:
-            for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
-                remove_tree(checkpoints_dir(run_dir) / name)
-            raise CheckpointError(
-                f"could not read {what} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may "
-                f"be there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} "
-                f"anyway, pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
-        loud(f"!! could not read {what}; not going on from {start} while a newer checkpoint may be there: trying "
+        if not unread or skip_unreadable or left <= 0:
+            break
+        loud(f"!! could not read {unread}; not going on from {start} while a newer checkpoint may be there: trying "
              f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)")
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
+    if unread and not skip_unreadable:
+        for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
+            remove_tree(checkpoints_dir(run_dir) / name)
+        raise CheckpointError(
+            f"could not read {unread} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may be "
+            f"there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} anyway, "
+            f"pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
+    if unread:
+        loud(f"!! could not read {unread}. --skip-unreadable: training goes on from {start}; those checkpoints are "
+             f"left where they are (this run never deletes them)")
+    if resume is None and passed.damaged:
+        log(f"no checkpoint could be loaded ({len(passed.damaged)} damaged): starting from scratch")
+    return resume, passed
+
+
+def _search(run_dir: Path, mirror_dir: Path | None, log,
+            check: Callable[[Checkpoint, Path], None]) -> tuple[Resume | None, Passed, str]:
+    """One look: the newest checkpoint that loads (at equal steps the local one), what was passed over, and what
+    could not be read ("" if everything could): a location that could not be listed (Drive's, after
+    DRIVE_LIST_TIMEOUT_S), or a checkpoint (OSError). A damaged one (CheckpointError) is passed over too."""
+    passed, unread, found = Passed(), [], []
+    for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
+        try:
+            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
+        except OSError as e:
+            log(f"cannot list the checkpoints in {d}: {e}")
+            passed.unreadable.append(d)
+            unread.append(f"{d} ({e})")
+            continue
+        found += [(step_of(p), i, p) for p in paths]
+        if i and paths:
+            passed.mirror_step = step_of(paths[0])
+    for _, _, path in sorted(found, key=lambda x: (-x[0], x[1])):
+        try:
+            return _load_resume(path, run_dir, check), passed, "; ".join(unread)
+        except (CheckpointError, OSError) as e:
+            log(f"skipping checkpoint: {e}")
+            (passed.damaged if isinstance(e, CheckpointError) else passed.unreadable).append(path)
+            if not isinstance(e, CheckpointError):
+                unread.append(f"{path} ({e})")
+    return None, passed, "; ".join(unread)
 
 
 def _entries(run_dir: Path) -> set[str]:

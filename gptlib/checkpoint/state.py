@@ -31,7 +31,6 @@ class TrainState:
     val_loss: float | None = None  # validation loss measured at `step`; None if this save did not validate
     best_val_loss: float | None = None  # lowest validation loss so far
     best_step: int | None = None  # the step that reached it (rotation keeps that checkpoint)
-    pending_losses: list[float] = field(default_factory=list)  # losses of steps not yet logged: a resumed run logs them
     milestone: bool = False  # saved as a milestone (TrainConfig.keep_every): kept for good
     config: dict[str, Any] = field(default_factory=dict)  # the run's RunConfig.to_dict()
     data: dict[str, Any] = field(default_factory=dict)  # DatasetMeta.identity(): resuming on other data is refused
@@ -44,6 +43,9 @@ class TrainState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        # Fields it does not have are ignored. A checkpoint of gptlib before issue 27 may hold "pending_losses", the
+        # losses of steps it had not logged yet: they are not logged again (a checkpoint falls on a log boundary
+        # now); the rows the saving run wrote for those steps before it stopped are kept.
         for f in dataclasses.fields(self):
             if f.name in d:
                 setattr(self, f.name, d[f.name])

@@ -15,13 +15,12 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from gptlib.checkpoint.format import MIN_KEEP_LAST, first_valid, verify_checkpoint, write_checkpoint
+from gptlib.checkpoint.format import MIN_KEEP_LAST, list_checkpoints, verify_checkpoint, write_checkpoint
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.checkpoint.state import Checkpoint
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError, GptlibError
-from gptlib.faults import fault_point
 from gptlib.layout import checkpoints_dir, step_of
 
 
@@ -117,10 +116,9 @@ class CheckpointWriter:
             if milestone:
                 state["milestone"] = True  # kept for good, even if keep_every changes later
             path = write_checkpoint(checkpoints_dir(self.run_dir), step, model_sd, train_state, state, extra)
-            verify_checkpoint(path)
-            fault_point("after_rename", step)
+            verify_checkpoint(path, deep=False)  # the manifest's hashes are of what was written: sizes are enough
             self.last_saved = path
-            protect = self.mirror.submit(path, best_step, milestone, sizes) if self.mirror else set()
+            protect = self.mirror.submit(path, best_step, milestone) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
                    keep_every=self.keep_every, newest=step)
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
@@ -131,8 +129,11 @@ class CheckpointWriter:
             e, self._error = self._error, None
             if isinstance(e, GptlibError):  # e.g. the lease was lost: its own message says it all
                 raise e
-            prev = first_valid(self.run_dir, lambda m: None, lambda p: verify_checkpoint(p, deep=False))
-            where = f"; the newest intact checkpoint is step {prev.step:,}" if prev is not None else ""
+            where = ""
+            for path in list_checkpoints(self.run_dir):
+                with contextlib.suppress(CheckpointError, OSError):
+                    where = f"; the newest intact checkpoint is step {verify_checkpoint(path, deep=False).step:,}"
+                    break
             fewer = f" or lower --keep-last (now {self.keep_last})" if self.keep_last > MIN_KEEP_LAST else ""
             hint = f" (disk full: free space{fewer})" if getattr(e, "errno", None) == errno.ENOSPC else ""
             raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
@@ -221,10 +222,3 @@ class Checkpointer:
         """Wait for the save in flight (its error raises; `saving`: the context of that wait) and, for a while, the
         Drive copy."""
         return self.writer.close(saving=saving)
-
-    def maybe_save(self, step: int, snapshot: Callable[[], Checkpoint], **reasons: bool) -> bool:
-        """Save if due (see `due` for the reasons); the snapshot is only built when it is."""
-        if not self.due(step, **reasons):
-            return False
-        self.save(snapshot())
-        return True

@@ -2,8 +2,8 @@
 every validation), the progress bar, and the notebook's on_log callback.
 
 Losses stay on the device until a log step; then all pending ones are read back in one host sync
-(`MetricsLog.flush`), once per log_interval. A checkpoint carries the losses not yet logged, so a
-resumed run writes exactly the rows the uninterrupted run would have written.
+(`MetricsLog.flush`), once per log_interval, and at every checkpoint: a checkpoint falls on a log boundary, so
+a resumed run writes exactly the rows the uninterrupted run would have written.
 """
 
 from __future__ import annotations
@@ -204,10 +204,9 @@ class MetricsLog:
         self.tokens_per_step = session.tokens_per_step
         self.flops_per_token = model_size(session.cfg.model).flops_per_token
         self.peak, self.timer, self.log, self.on_log = peak, timer, log, on_log
-        self.pending = [torch.tensor(v, device=session.device) for v in st.pending_losses]
+        self.pending: list[torch.Tensor] = []  # the losses of steps not logged yet, on the device
         self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged
         self.val_loss = self.val_step = None  # the last validation loss of this call and its step
-        self.held = None  # this step's loss between flush() and validation_row()
         self.file = open(session.run_dir / METRICS_FILE if self.ddp.is_main else os.devnull, "a")
         self.lines_only = progress and plain_progress(sys.stderr)  # progress lines, no bar (a file, a pipe)
         self.bar = None
@@ -246,18 +245,15 @@ class MetricsLog:
     def due(self, step: int, validating: bool) -> bool:
         return step % self.tc.log_interval == 0 or validating
 
-    def pending_losses(self) -> list[float]:
-        """The losses not yet logged, for a checkpoint (a host sync: only when saving). A validation that
-        was interrupted leaves its step's loss unlogged: the resumed run logs it."""
-        held = [self.held] if self.held is not None else []
-        return held + (torch.stack(self.pending).tolist() if self.pending else [])
-
     def flush(self, timer, validating: bool) -> None:
         """Read the pending losses back (the loop's host sync) and write a row per step; the last row of a
-        validation step is written by `validation_row` instead, with its val loss."""
+        validation step is written by `validation_row` instead, with its val loss: its loss stays pending until
+        then (a validation that is interrupted leaves it to the next flush, without val loss)."""
         st = self.state
+        if not self.pending:
+            return
         losses = self.ddp.mean(torch.stack(self.pending)).tolist()  # the sync: once per log_interval
-        self.pending.clear()
+        self.pending = self.pending[-1:] if validating else []
         now = time.time()
         if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
             self.steady_tokens += st.tokens_seen - self.tokens_last
@@ -273,8 +269,7 @@ class MetricsLog:
         for k, loss in enumerate(losses):
             s_k = st.step - len(losses) + 1 + k
             if s_k == st.step and validating:
-                self.held = loss  # written by validation_row() with the val loss
-                continue
+                continue  # written by validation_row() with the val loss
             row = {"step": s_k, "train_loss": round(loss, 6), "lr": self._lr(s_k),
                    "tokens_seen": st.tokens_seen - (len(losses) - 1 - k) * self.tokens_per_step}
             self._write({**row, **self._speed(now)} if s_k == st.step else row)
@@ -297,7 +292,7 @@ class MetricsLog:
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """Write this step's validation row (after `flush`, which skipped it); `extra`: e.g. HellaSwag fields."""
         st = self.state
-        self.val_loss, self.val_step, self.held = val_loss, st.step, None
+        self.val_loss, self.val_step, self.pending = val_loss, st.step, []
         row = {"step": st.step, "train_loss": round(self.train_loss, 6), "val_loss": round(val_loss, 6),
                "lr": self._lr(st.step), "tokens_seen": st.tokens_seen, **self._speed(time.time()), **(extra or {})}
         self._write(row)

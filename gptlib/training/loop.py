@@ -16,14 +16,13 @@ from typing import Callable
 
 import torch
 
-from gptlib.batches import make_sampler
+from gptlib.batches import BatchSampler
 from gptlib.checkpoint.writer import Checkpointer
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.evaluation.evaluate import append_eval_row, make_row
 from gptlib.evaluation.hellaswag import metrics_fields
-from gptlib.faults import fault_point
 from gptlib.layout import LOSS_PLOT
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
@@ -118,7 +117,6 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
             set_lr(s.optimizer, lr_at(state.step, tc))
             loss = forward_backward(s.train_model, s.scaler, s.sampler, accum=tc.grad_accum_steps,
                                     autocast=s.autocast, timer=timer, no_sync=s.no_sync)
-            fault_point("mid_step", state.step + 1)  # tests only (GPTLIB_FAULT)
             # the update and the step counter as one: a second stop press lands before or after, never inside
             with stop.deferred():
                 optimizer_step(s.train_model, s.optimizer, s.scaler, tc.grad_clip)
@@ -138,8 +136,9 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         stopped_by = "interrupt"
         log(f"interrupted at step {state.step:,}; saving the last complete step")
         s.optimizer.zero_grad(set_to_none=True)
-        checkpointer.save(s.snapshot(None, metrics.pending_losses(), metrics.elapsed(), step_begin,
-                                     gather=False))  # ranks may be anywhere: no collective
+        if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+            metrics.flush(timer, validating=False)
+        checkpointer.save(s.snapshot(None, metrics.elapsed(), step_begin, gather=False))
     finally:
         train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
@@ -158,15 +157,16 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer,
                                               bool(stop.reason))
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
-    # log the losses: the host sync, once per log_interval
-    if metrics.due(state.step, validating):
+    # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
+    saving = checkpointer.due(state.step, validated=validating, time_due=time_due, stopping=stop_now)
+    # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
+    if metrics.due(state.step, validating) or saving:
         metrics.flush(timer, validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
         # validate, sample, plot
         val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
-        # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
-        checkpointer.maybe_save(state.step, lambda: s.snapshot(val_loss, metrics.pending_losses(), metrics.elapsed()),
-                                validated=validating, time_due=time_due, stopping=stop_now)
+        if saving:
+            checkpointer.save(s.snapshot(val_loss, metrics.elapsed()))
     metrics.step_done()
     if not (over_time or stop_now) or is_last:
         return None
@@ -218,7 +218,7 @@ def _finished(s: TrainingRun, log) -> TrainResult:
 def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
     """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
     tc, mc, state = s.cfg.train, s.cfg.model, s.state
-    val_sampler = make_sampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
+    val_sampler = BatchSampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
                                s.loss_masks.get("val"))
     val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
     if state.best_val_loss is None or val_loss < state.best_val_loss:

@@ -106,6 +106,9 @@ class CudaMemoryProbe:
         return torch.cuda.max_memory_allocated(self.device)
 
 
+MEMORY_PROBES = {"cuda": CudaMemoryProbe}  # device type -> its memory probe; elsewhere only an OOM says it does not fit
+
+
 def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dtype,
                      log=print) -> tuple[int, int, int]:
     """train()'s auto_batch: probe on CUDA a model make_model() builds (eager, never compiled: see PROBE_HEADROOM);
@@ -120,26 +123,24 @@ def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dty
 
 
 def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,
-                      dtype: torch.dtype = torch.float32, max_micro: int | None = None,
-                      log: Callable[[str], None] = print, memory_probe=None) -> tuple[int, int, int]:
+                      dtype: torch.dtype = torch.float32, log: Callable[[str], None] = print) -> tuple[int, int, int]:
     """Largest micro-batch whose forward + backward fits -> (micro_batch, grad_accum_steps, its measured peak bytes;
     0 without a memory probe), tokens per step kept.
 
     Candidates are the divisors of `sequences_per_step`, largest first, each tried with one forward/backward on
-    random tokens: an OOM, or a peak over PROBE_HEADROOM of the GPU (memory_probe: CudaMemoryProbe on CUDA), moves
+    random tokens: an OOM, or a peak over PROBE_HEADROOM of the GPU (the device type's MEMORY_PROBES entry), moves
     on to the next. On CUDA AdamW's two fp32 moments are held in memory meanwhile."""
     device = torch.device(device)
-    cap = sequences_per_step if max_micro is None else min(max_micro, sequences_per_step)
     cuda = device.type == "cuda"
-    if memory_probe is None and cuda:
-        memory_probe = CudaMemoryProbe(device)
+    make_probe = MEMORY_PROBES.get(device.type)
+    memory_probe = make_probe(device) if make_probe is not None else None
     n_params = sum(p.numel() for p in model.parameters())
     reserve = torch.empty(2 * n_params, device=device) if cuda else None  # stand-in for exp_avg + exp_avg_sq
     was_training = model.training
     model.train()
     chosen, peak = None, 0
     try:
-        for b in (b for b in range(cap, 0, -1) if sequences_per_step % b == 0):
+        for b in (b for b in range(sequences_per_step, 0, -1) if sequences_per_step % b == 0):
             why, peak = _try_micro_batch(model, b, block_size, device, dtype, memory_probe)
             if not why:
                 chosen = b

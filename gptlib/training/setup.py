@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from gptlib.batches import LossMask, head_ids, load_dataset, loss_masks, make_sampler
+from gptlib.batches import BatchSampler, LossMask, head_ids, load_dataset, loss_masks
 from gptlib.checkpoint.format import load_weights_into
 from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans
@@ -151,14 +151,13 @@ class TrainingRun:
         before it (CUDA's RNG state is host-side seed/offset: reading it does not sync the device)."""
         return {"sampler": self.sampler.state_dict(), "rng": RNG(self.device).state_dict()}
 
-    def snapshot(self, val_loss: float | None, pending_losses: list[float], elapsed_s: float,
-                 step_begin: dict | None = None, gather: bool = True) -> Checkpoint:
+    def snapshot(self, val_loss: float | None, elapsed_s: float, step_begin: dict | None = None,
+                 gather: bool = True) -> Checkpoint:
         """The checkpoint of now: every part's state_dict (the sampler and RNGs from before an unfinished step, if
         interrupted mid-step) and the progress. gather=False skips collecting every DDP rank's sampler (a
         collective), for an interrupt where the ranks may be anywhere."""
         parts = {name: part.state_dict() for name, part in self.parts().items()} | (step_begin or {})
-        progress = dataclasses.replace(self.state, val_loss=val_loss, pending_losses=pending_losses,
-                                       elapsed_s=elapsed_s)
+        progress = dataclasses.replace(self.state, val_loss=val_loss, elapsed_s=elapsed_s)
         ranks = self.ddp.sampler_states(parts["sampler"]) if gather else None
         return Checkpoint(**parts, progress=progress, sampler_ranks=ranks)
 
@@ -359,7 +358,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
     if masks and verbose:
         log(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
             f"--set chat_loss=all puts it on every token)")
-    sampler = make_sampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
+    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})
@@ -386,8 +385,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
             raise cannot_write(run_dir, e) from None
         if resume is not None:
             restore_logs_from_checkpoint(run_dir, resume.info.path, s.state.step)
-        # rows logged after the checkpoint go (re-logged by this run); so do rows of its pending losses
-        s.history = truncate_logs(run_dir, s.state.step - len(s.state.pending_losses))
+        s.history = truncate_logs(run_dir, s.state.step)  # rows logged after the checkpoint go: this run logs them
     log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(dtype)}, "
         f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step")

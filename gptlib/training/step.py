@@ -12,7 +12,6 @@ import math
 
 import torch
 
-from gptlib.faults import fault_point
 from gptlib.training.throughput import StepTimer
 
 
@@ -67,14 +66,12 @@ def forward_backward(model, scaler, batches, *, accum: int, autocast, timer: Ste
 
 
 def train_step(model, optimizer, scaler, batches, *, accum: int, autocast, grad_clip: float, timer: StepTimer,
-               lr: float | None = None, no_sync=None, step: int | None = None) -> torch.Tensor:
+               lr: float | None = None, no_sync=None) -> torch.Tensor:
     """One optimizer step: forward_backward, then clip, update and drop the gradients (optimizer_step).
-    What benchmarks time; train() runs the same two halves with its stop handling between them.
-    step: the step being made (1-based), for the test fault hook between backward and update."""
+    What benchmarks time; train() runs the same two halves with its stop handling between them."""
     if lr is not None:
         set_lr(optimizer, lr)
     loss = forward_backward(model, scaler, batches, accum=accum, autocast=autocast, timer=timer, no_sync=no_sync)
-    fault_point("mid_step", step)  # tests only (GPTLIB_FAULT); a no-op otherwise
     optimizer_step(model, optimizer, scaler, grad_clip)
     timer.mark("optim")
     return loss

@@ -1,16 +1,20 @@
-"""Benchmarks on top of training: the optimization ladder, and the tokens/s and MFU of a preset.
+"""Speed benchmarks on top of training: the optimization ladder, and the tokens/s and MFU of a preset.
 
-Both run train()'s step (gptlib.training.step.train_step), bench_train with train()'s set-up too
+    python benchmarks/bench.py ladder [--device cpu|cuda] [--preset P] [--steps N] [--rungs 0,2] [--data DATA_DIR]
+    python benchmarks/bench.py train --preset gpt2-small [--recipe gpt2|modern] [--auto-batch] [--data DATA_DIR]
+
+Both run train()'s step (gptlib.training.step.train_step), `train` with train()'s set-up too
 (gptlib.training.setup.build_model / wrap_for_training), so what they measure is what training does.
 
-The ladder (`python -m gptlib bench ladder`) replays one user's path from 1.6 s/step to ~0.1 s/step:
-memmap + per-sample Python loop -> RAM preload -> vectorised batches -> torch.compile -> bf16
-autocast -> flash attention (SDPA). Each rung is the previous one plus one change, timed on the same
-model and batch with a device sync at every phase (StepTimer(sync=True)).
+The ladder replays one user's path from 1.6 s/step to ~0.1 s/step: memmap + per-sample Python loop -> RAM
+preload -> vectorised batches -> torch.compile -> bf16 autocast -> flash attention (SDPA). Each rung is the
+previous one plus one change, timed on the same model and batch with a device sync at every phase
+(StepTimer(sync=True)). `train` prints tokens/s, MFU, the time split and the ETA of the preset's whole run.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dataclasses
@@ -18,6 +22,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,17 +32,28 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gptlib.batches import BatchSampler, MemmapSplit, SplitData, _as_signed_view, _to_ids, load_dataset, make_sampler
-from gptlib.config import ModelConfig, get_preset
-from gptlib.data.shards import read_meta
-from gptlib.model import GPT, model_size
-from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype
-from gptlib.training.distributed import Dist
-from gptlib.training.memory import free_memory, is_oom
-from gptlib.training.resolve import fit_micro_batch
-from gptlib.training.setup import build_model, wrap_for_training
-from gptlib.training.step import train_step
-from gptlib.training.throughput import StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split, mfu, perf_fields
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gptlib.batches import BatchSampler, MemmapSplit, SplitData, load_dataset  # noqa: E402
+from gptlib.config import PRESETS, RECIPES, ModelConfig, get_preset  # noqa: E402
+from gptlib.data.shards import read_meta  # noqa: E402
+from gptlib.errors import GptlibError  # noqa: E402
+from gptlib.model import GPT, model_size  # noqa: E402
+from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype  # noqa: E402
+from gptlib.training.distributed import Dist  # noqa: E402
+from gptlib.training.memory import free_memory, is_oom  # noqa: E402
+from gptlib.training.resolve import fit_micro_batch  # noqa: E402
+from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
+from gptlib.training.step import train_step  # noqa: E402
+from gptlib.training.throughput import (StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split,  # noqa: E402
+                                        machine_info, mfu, perf_fields)
+
+
+def preloaded(tokens: np.ndarray, device: torch.device) -> SplitData:
+    """uint16/uint32 token ids as a preloaded split on `device` (the signed view gptlib keeps them in)."""
+    signed = np.int16 if tokens.dtype == np.uint16 else np.int32
+    return SplitData(tokens=torch.from_numpy(np.ascontiguousarray(tokens).view(signed)).to(device), name="train")
+
 
 RUNGS = [
     # (name, data, compile, half precision, flash attention)
@@ -67,7 +83,7 @@ class PerSampleLoader:
         for _ in range(self.B):
             i = self.rng.randrange(0, len(self.tokens) - self.T - 1)
             if hasattr(self.tokens, "read"):  # a MemmapSplit: one small read per sample, as the seed did
-                w = _to_ids(self.tokens.read(i, self.T + 1))
+                w = torch.from_numpy(self.tokens.read(i, self.T + 1).numpy().view(self.tokens.dtype).astype(np.int64))
             else:
                 w = torch.from_numpy(np.asarray(self.tokens[i: i + self.T + 1]).astype(np.int64))
             xs.append(w[:-1])
@@ -161,13 +177,13 @@ def _ladder_data(model_cfg: ModelConfig, data_dir, B: int, T: int, seed: int, de
         disk = MemmapSplit(read_meta(data_dir), "train")  # the baseline reads each sample from the shards on disk
         files = [Path(m.filename) for m in disk.maps]
         source, ram = f"{data_dir} train split", disk.read(0, len(disk)).numpy().view(disk.dtype)
-    preloaded = SplitData(tokens=_as_signed_view(ram).to(dev), name="train")  # on a GPU: gathered there
+    preloaded_split = preloaded(ram, dev)  # on a GPU: gathered there
 
     def loader(kind: str) -> tuple:
         if kind == "ram-loop":
             return PerSampleLoader(ram, B, T, seed, dev), ""
         if kind != "memmap-loop":
-            return BatchSampler(preloaded, B, T, seed, dev), ""
+            return BatchSampler(preloaded_split, B, T, seed, dev), ""
         if drop_page_cache(files[0]):
             return (PerSampleLoader(disk, B, T, seed, dev, evict=files),
                     "page cache dropped before each batch: reads hit this disk (Drive is slower)")
@@ -283,10 +299,10 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
         n = max(8 * micro * (mc.block_size + 1), 1 << 22)
         dtype_ids = np.uint16 if mc.vocab_size <= 65536 else np.uint32
         toks = np.random.default_rng(0).integers(0, mc.vocab_size, n, dtype=dtype_ids)
-        data = SplitData(tokens=_as_signed_view(toks).to(dev), name="train")
+        data = preloaded(toks, dev)
     else:
         data = splits["train"]
-    sampler = make_sampler(data, micro, mc.block_size, tc.seed, dev)
+    sampler = BatchSampler(data, micro, mc.block_size, tc.seed, dev)
     autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev, tc.colab_units_per_hour)
     tokens_per_step = micro * accum * mc.block_size
     log(f"bench train: preset {preset}, recipe {recipe}, {model_size(mc).params / 1e6:.1f}M params, {dev} "
@@ -307,3 +323,50 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
     free_memory()
     return {"step_s": step_s, "tokens_per_s": tps, "mfu": m, "split": split, "eta_s": eta, "colab_units": units,
             "micro_batch": micro, "grad_accum_steps": accum, "device": peak.name}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["ladder", "train"])
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="model preset (ladder default: gpt2-small at 64 x 512 on CUDA, a small model on CPU; "
+                        "train default: gpt2-small)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (ladder 10, train 20)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warmup steps, compile included (ladder 3, train 5)")
+    p.add_argument("--batch-size", type=int, default=None, help="ladder: sequences per micro-batch")
+    p.add_argument("--accum", type=int, default=None, help="ladder: micro-batches per step (default 4 on CUDA, 1 on CPU)")
+    p.add_argument("--data", metavar="DATA_DIR", default=None, help="real token shards instead of synthetic tokens")
+    p.add_argument("--compile-backend", default="inductor", help="ladder: torch.compile backend (default inductor)")
+    p.add_argument("--rungs", default=None, help="ladder: comma-separated rung numbers to run (default all)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="train: torch.compile")
+    p.add_argument("--auto-batch", action="store_true", help="train: probe the largest micro-batch that fits")
+    p.add_argument("--recipe", choices=list(RECIPES), default="gpt2", help="train: the recipe (default gpt2)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override config fields")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(machine_info())
+    try:
+        if args.what == "ladder":
+            model_cfg = None
+            if args.preset or args.set:
+                model_cfg = get_preset(args.preset or "gpt2-small").updated(args.set).validate().model
+            rungs = [int(r) for r in args.rungs.split(",")] if args.rungs else None
+            run_ladder(model_cfg, batch_size=args.batch_size, device=args.device, steps=args.steps or 10,
+                       warmup=3 if args.warmup is None else args.warmup, data_dir=args.data,
+                       compile_backend=args.compile_backend, rungs=rungs, accum=args.accum)
+        else:
+            bench_train(args.preset or "gpt2-small", args.set, device=args.device, steps=args.steps or 20,
+                        warmup=5 if args.warmup is None else args.warmup, compile=args.compile,
+                        auto_batch=args.auto_batch, data_dir=args.data, recipe=args.recipe)
+    except GptlibError as e:  # a setting the user can fix: one line, as the gptlib CLI says it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

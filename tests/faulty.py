@@ -1,0 +1,148 @@
+"""Fault injection for the tests: gptlib broken at a named point, in this process or in a real subprocess.
+
+    python tests/faulty.py SPEC -- ARGS...     patch gptlib for SPEC, then run `python -m gptlib ARGS...` in-process
+
+SPEC is "ITEM,ITEM,..." (empty: no fault). An item "ACTION:POINT[@STEP]" wraps the gptlib function of POINT so that
+ACTION happens when execution reaches it (at checkpoint or training step STEP; without @STEP every time):
+
+    ACTION  kill (SIGKILL this process), term (SIGTERM), interrupt (raise KeyboardInterrupt), enospc / eio / enotconn
+            (raise that OSError), hang (block for an hour), slow (sleep 50 ms)
+    POINT   mid_step      the step: training.loop.forward_backward has run (backward done), the update has not
+            save_mid      the write: checkpoint.format writes state.json (model.pt, train_state.pt written, no manifest)
+            after_rename  the install: checkpoint.format.install renamed the checkpoint, rotation has not run
+            rotate_mid    the deletion: the first file of a checkpoint being deleted (rotation) is gone
+            mirror_mid    the copy: checkpoint.mirror.copy_file_verified copied the first file to Drive
+
+An item "MODULE.NAME=NUMBER" sets a module constant of gptlib first, e.g. "lease.HEARTBEAT_S=0.2".
+In a test: `install(spec, monkeypatch.setattr)`, or `undo = install(spec)` ... `undo()`.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import pathlib
+import signal
+import sys
+import time
+from typing import Callable
+
+_ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "enotconn": errno.ENOTCONN}
+_SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+_SLEEP_S = {"kill": 10, "hang": 3600, "slow": 0.05}  # kill: the signal arrives asynchronously; never run past it
+FAULTY = pathlib.Path(__file__).resolve()
+
+
+def act(action: str, where: str) -> None:
+    if action in _SIGNAL:
+        os.kill(os.getpid(), _SIGNAL[action])
+    if action == "interrupt":
+        raise KeyboardInterrupt(f"fault {action}:{where}")
+    if action in _ERRNO:
+        raise OSError(_ERRNO[action], os.strerror(_ERRNO[action]))
+    if action in _SLEEP_S:
+        time.sleep(_SLEEP_S[action])
+    elif action not in _SIGNAL:
+        raise ValueError(f"fault action {action!r}: one of kill, term, interrupt, enospc, eio, enotconn, hang, slow")
+
+
+def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[object, str, object]]:
+    """(owner, attribute, wrapper) that make execution reaching POINT call fire(step)."""
+    from gptlib.checkpoint import format as ck
+    from gptlib.checkpoint import mirror
+    from gptlib.layout import DELETING_MARKER, STATE_FILE, step_of
+    from gptlib.training import loop
+
+    if point == "mid_step":
+        runs = []  # the TrainingRun being trained: its state says which step the loop is making
+
+        def open_run(*a, real=loop.open_run, **k):
+            runs.append(real(*a, **k))
+            return runs[-1]
+
+        def forward_backward(*a, real=loop.forward_backward, **k):
+            loss = real(*a, **k)
+            fire(runs[-1].state.step + 1)
+            return loss
+
+        return [(loop, "open_run", open_run), (loop, "forward_backward", forward_backward)]
+    if point == "save_mid":
+        def atomic_write_json(path, obj, real=ck.atomic_write_json):
+            if pathlib.Path(path).name == STATE_FILE:
+                fire(step_of(pathlib.Path(path).parent))
+            return real(path, obj)
+
+        return [(ck, "atomic_write_json", atomic_write_json)]
+    if point == "after_rename":
+        def install(partial, final, *a, real=ck.install, **k):
+            real(partial, final, *a, **k)
+            fire(step_of(final))
+
+        return [(ck, "install", install)]
+    if point == "rotate_mid":
+        def unlink(self, *a, real=pathlib.Path.unlink, **k):
+            real(self, *a, **k)
+            if DELETING_MARKER in self.parent.name:
+                fire(step_of(self.parent))
+
+        return [(pathlib.Path, "unlink", unlink)]
+    if point == "mirror_mid":
+        def copy_file_verified(src, dst, *a, real=mirror.copy_file_verified, **k):
+            real(src, dst, *a, **k)
+            fire(step_of(pathlib.Path(dst).parent))
+
+        return [(mirror, "copy_file_verified", copy_file_verified)]
+    raise ValueError(f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid")
+
+
+def install(spec: str, setattr_: Callable[[object, str, object], None] | None = None) -> Callable[[], None]:
+    """Patch gptlib for SPEC (see the module docstring) with setattr_ (e.g. pytest's monkeypatch.setattr, which undoes
+    it itself), else with setattr; -> a function that undoes what it patched."""
+    done: list[tuple[object, str, object]] = []
+
+    def patch(owner, name, value):
+        if setattr_ is not None:
+            setattr_(owner, name, value)
+        else:
+            done.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        if "=" in item:
+            target, _, value = item.partition("=")
+            module, _, name = target.rpartition(".")
+            patch(importlib.import_module(f"gptlib.{module}"), name, float(value))
+            continue
+        action, _, rest = item.partition(":")
+        point, _, at = rest.partition("@")
+
+        def fire(step, action=action, at=at, item=item):
+            if not at or step == int(at):
+                act(action, item)
+
+        for owner, name, wrapper in _patches(point, fire):
+            patch(owner, name, wrapper)
+
+    def undo():
+        for owner, name, old in reversed(done):
+            setattr(owner, name, old)
+        done.clear()
+
+    return undo
+
+
+def gptlib_cmd(fault: str | None, *args: str) -> list[str]:
+    """The command line of `python -m gptlib ARGS...`, through this launcher when there is a fault."""
+    if not fault:
+        return [sys.executable, "-m", "gptlib", *map(str, args)]
+    return [sys.executable, str(FAULTY), fault, "--", *map(str, args)]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[2] != "--":
+        sys.exit("usage: python tests/faulty.py SPEC -- ARGS...  (see its docstring)")
+    install(sys.argv[1])
+    from gptlib.__main__ import main
+
+    sys.exit(main(sys.argv[3:]))

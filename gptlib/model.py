@@ -251,15 +251,15 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, vocab_size), and the mean cross-entropy over targets (B, T) if given."""
-        logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V)
-        V, loss = self.config.vocab_size, None
+        logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V padded)
+        logits = logits[..., : self.config.vocab_size]  # the padding rows never produce a token
+        loss = None
         if targets is not None:
             # Target -1 is ignored (chat data's non-assistant tokens). Summed and divided here, not
             # reduction="mean", so a window with no answer in it gives 0, not 0/0 = NaN.
-            targets = targets.reshape(-1)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float()[:, :V], targets, ignore_index=-1,
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1,
                                    reduction="sum") / (targets != -1).sum().clamp(min=1)
-        return logits[..., :V], loss
+        return logits, loss
 
     def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
                             device_type: str) -> torch.optim.AdamW:

@@ -251,8 +251,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) -> logits (B, T, vocab_size), and the mean cross-entropy over targets (B, T) if given."""
-        logits = self.lm_head(self.transformer.ln_f(self.hidden_states(idx, cache)))  # (B, T, V padded)
-        logits = logits[..., : self.config.vocab_size]  # the padding rows never produce a token
+        logits = self.head(self.hidden_states(idx, cache))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             # Target -1 is ignored (chat data's non-assistant tokens). Summed and divided here, not

@@ -21,8 +21,8 @@ from gptlib.inference.sampling import Completion, SamplingConfig
 
 
 def enable_colab_widgets() -> bool:
-    """On Colab, ipywidgets 8 needs the custom widget manager. Colab draws its own ipywidgets 7 itself, and the custom
-    manager (from a CDN, taking over every later widget) is what broke Colab's tqdm bars in 2022: left off there."""
+    """On Colab, ipywidgets 8 needs the custom widget manager. Colab draws ipywidgets 7 itself, and the custom manager
+    (from a CDN, taking over every later widget) broke Colab's tqdm bars in 2022: left off there."""
     if "google.colab" not in sys.modules:
         return False
     try:
@@ -43,8 +43,7 @@ def parse_list(text: str) -> list[str]:
     return [s.replace("\\n", "\n") for s in text.split("|") if s != ""]
 
 
-def _in_kernel() -> bool:
-    """Whether a Jupyter kernel runs us: a button can then be clicked while we work."""
+def _in_kernel() -> bool:  # then a button can be clicked while we work
     try:
         from IPython import get_ipython
     except ImportError:
@@ -92,8 +91,8 @@ def sampling_config(view, **more) -> SamplingConfig:
                           seed=int(view.seed.value) if int(view.seed.value) >= 0 else None, **more).validate()
 
 
-class _Stopped(Exception):
-    """Raised by the Playground's stream callback after Stop: ends the generation at that token."""
+class _Stopped(Exception):  # raised by the Playground's stream callback after Stop: ends the generation there
+    pass
 
 
 def playground_error(e: Exception) -> str:
@@ -105,16 +104,12 @@ def playground_error(e: Exception) -> str:
 
 
 class Playground:
-    """Prompt, sampling sliders, checkpoint dropdown, Generate and Stop, and the streamed output.
-
-        pg = Playground(run_dir); display(pg.widget)   # nothing is loaded until Generate
-        pg.generate()                                  # the Generate button, from code
+    """Prompt, sampling sliders, checkpoint dropdown, Generate and Stop, and the streamed output; nothing is loaded
+    until Generate (pg.generate() from code).
 
     Stop sets a flag the stream callback checks at each token. In a kernel a widget callback runs on the main thread
     and holds back every other message (the Stop click too) until it returns, so there Generate hands the work to a
-    thread of its own. generate() from a cell holds the kernel just the same: no click can arrive, so Stop stays
-    disabled and the cell's interrupt ends it.
-    """
+    thread of its own. generate() from a cell holds the kernel just the same: Stop stays disabled there."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:"):
         import ipywidgets as W
@@ -156,16 +151,6 @@ class Playground:
         ])
         self.refresh()
 
-    def refresh(self) -> None:
-        """Fill the checkpoint dropdown again: training may have saved new ones."""
-        rows = checkpoint_table(self.run_dir)
-        keep = self.checkpoint.value
-        self.checkpoint.options = [(checkpoint_label(r), r["step"]) for r in rows]
-        if rows:
-            self.checkpoint.value = keep if keep in [r["step"] for r in rows] else rows[0]["step"]
-        else:
-            self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
-
     def _engine(self, step: int) -> Engine:
         if step not in self._engines:
             while len(self._engines) >= 2:
@@ -174,12 +159,20 @@ class Playground:
         self._engines.move_to_end(step)
         return self._engines[step]
 
+    def refresh(self) -> None:  # training may have saved new checkpoints
+        rows = checkpoint_table(self.run_dir)
+        keep = self.checkpoint.value
+        self.checkpoint.options = [(checkpoint_label(r), r["step"]) for r in rows]
+        if rows:
+            self.checkpoint.value = keep if keep in [r["step"] for r in rows] else rows[0]["step"]
+        else:
+            self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
+
     def _show_text(self, prompt: str, text: str) -> None:
         self.output.value = ('<pre style="white-space:pre-wrap;font-size:13px;line-height:1.35">'
                              f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>")
 
-    def _generate_clicked(self) -> None:
-        """In a kernel on the Playground's thread (see the class docstring), else right here."""
+    def _generate_clicked(self) -> None:  # in a kernel on the Playground's thread (see the class docstring)
         if not _in_kernel():
             self._run(stoppable=True)
             return
@@ -219,7 +212,6 @@ class Playground:
             self._busy.release()
 
     def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None], how_to_end: str) -> Completion:
-        """Load, generate and show; add(piece) collects the text in `parts`."""
         cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
                               repetition_penalty=float(self.repetition_penalty.value))
         self.status.value = status_html("loading checkpoint…")
@@ -244,6 +236,7 @@ class Playground:
             f"stopped after {n} tokens in {speed}: Stop pressed" if res.finish_reason == "user"
             else f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
         return res
+
 
 @dataclass
 class Comparison:
@@ -272,7 +265,6 @@ def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[s
 
 
 def comparison_html(cmp: Comparison) -> str:
-    """Prompts as rows, checkpoints as columns; each cell the prompt (bold) and its continuation."""
     cell = "border:1px solid #ccc;padding:6px;vertical-align:top;text-align:left"
     head = "".join(f'<th style="{cell};background:#f3f3f3">{html.escape(c)}</th>' for c in cmp.columns)
     rows = []

@@ -19,23 +19,22 @@ from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError, GptlibError, loud
 from gptlib.fsutil import append_jsonl
 from gptlib.evaluation import hellaswag as hs
-from gptlib.evaluation.likelihood import default_batch_tokens, eval_autocast, scoring, window_nll
+from gptlib.evaluation.likelihood import default_batch_tokens, scoring, window_nll
 from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
 from gptlib.layout import EVAL_FILE
-from gptlib.runtime import resolve_device, unwrap_model
+from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
 
 TASKS = ("hellaswag", "bpb")
 
 
 def token_bytes(tok: Tokenizer) -> np.ndarray:
-    """UTF-8 bytes of each token id's text, (vocab_size,) int64; 0 for special tokens and <unk>. A byte-level BPE
-    token is counted in symbols of GPT-2's byte alphabet: decoding a piece of a multi-byte character gives U+FFFD."""
-    out = np.zeros(tok.vocab_size, dtype=np.int64)
+    """UTF-8 bytes of each token id's text, (vocab_size,) int64; 0 for special tokens. A byte-level BPE token is
+    counted in symbols of GPT-2's byte alphabet: decoding a piece of a multi-byte character gives U+FFFD."""
     if tok.kind == "char":
-        for i, ch in enumerate(tok.chars):
-            out[i] = len(ch.encode("utf-8"))
-        return out  # a mapped <unk> (the last id) stands for unknown characters: 0 bytes, left out
+        return np.array([len(ch.encode("utf-8")) for ch in tok.chars], dtype=np.int64)
     from tokenizers import pre_tokenizers
+
+    out = np.zeros(tok.vocab_size, dtype=np.int64)
 
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     hf = tok._tk
@@ -51,8 +50,7 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
 
 
 def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
-    """Starts of the non-overlapping windows (block inputs + 1 target) over a split: all, or `limit` evenly spaced
-    ones, the same for every checkpoint of one model shape."""
+    """Starts of the non-overlapping windows (block inputs + 1 target): all, or `limit` evenly spaced ones."""
     n = max(0, (n_tokens - 1) // block)
     if n == 0:
         raise EvalError(f"the validation split has {n_tokens:,} tokens, fewer than one window of "
@@ -65,8 +63,8 @@ def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
 def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
                  batch_tokens: int | None = None, progress: bool = False) -> dict:
     """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (array-like or MemmapSplit): bpb = the targets'
-    nats / ln 2 / the UTF-8 bytes of their text, special tokens and <unk> (no bytes) left out of both sums, as
-    nanochat does; loss = the mean nats over all targets."""
+    nats / ln 2 / the UTF-8 bytes of their text, special tokens (no bytes) left out of both sums, as nanochat does;
+    loss = the mean nats over all targets."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     starts = window_starts(len(val_tokens), block, limit)
@@ -108,8 +106,8 @@ def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extr
 
 
 def _prepare(run_dir: Path, task: str, data, step: int, file_option: str) -> dict:
-    """What can fail on bad input, before any model runs: the HellaSwag file, or the val split of the checkpoint's
-    data dir (or --data), refused if made with another tokenizer."""
+    """What can fail on bad input, before any model runs: the HellaSwag file, or a val split made with another
+    tokenizer."""
     info = resolve_checkpoint(run_dir, step)
     state, _, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
     if task == "hellaswag":
@@ -146,10 +144,10 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
         raise EvalError(f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}")
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
+    dt = resolve_dtype("auto", dev)  # fp32 weights under this autocast, as training's validation loss
     prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], file_option), [], None
     for step in steps:
-        lm = load_run(run_dir, step, device=dev)  # fp32 weights under autocast, as training's validation loss
-        _, dt = eval_autocast(dev, None)
+        lm = load_run(run_dir, step, device=dev)
         t0 = time.perf_counter()
         if task == "hellaswag":
             block, rendered = lm.config.model.block_size, prep["rendered"]
@@ -184,8 +182,7 @@ def _cells(row: list[str], style: str, tag: str = "td") -> str:
     return "".join(f'<{tag} style="{style}">{html.escape(v)}</{tag}>' for v in row)
 
 
-def format_table(rows: list[dict]) -> str:
-    """The CLI's table of eval rows."""
+def format_table(rows: list[dict]) -> str:  # the CLI's
     cols = [("step", "step", "{:,}"), ("tokens_seen", "tokens seen", "{:,}")]
     if any(r.get("task") == "hellaswag" for r in rows):
         cols += [("n", "items", "{:,}"), ("acc", "acc", "{:.4f}"), ("acc_norm", "acc_norm", "{:.4f}"),

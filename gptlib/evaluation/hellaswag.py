@@ -1,15 +1,11 @@
-"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it.
-
-An item is a context and 4 endings; each ending is scored as the context's tokens then those of " " + ending. The
-model picks the ending with the highest summed log-likelihood of its own tokens (`acc`) or the highest mean per
-token (`acc_norm`, the figure usually quoted): GPT-2 124M scores 0.2859 and 0.2955 this way, chance 0.25.
-Where context + ending exceed the window the context is cut from the left (`truncated`); an ending longer than the
-window itself (char models) is scored in pieces of block_size // 2 tokens, each reading the block_size tokens
-before its end. Items a char vocabulary cannot encode are `skipped`.
-"""
+"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: each of an
+item's 4 endings is the context's tokens then those of " " + ending; the model picks the ending with the highest
+summed log-likelihood of its own tokens (`acc`) or mean per token (`acc_norm`, the figure usually quoted).
+A context cut to fit the window is `truncated`; items a char vocabulary cannot encode are `skipped`."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,20 +38,18 @@ GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
 
 
 def default_cache_dir() -> Path:
-    """$GPTLIB_CACHE or ~/.cache/gptlib; on Colab with Drive mounted, the Drive root's cache/ (survives the VM)."""
+    """data.download's cache; on Colab with Drive mounted, the Drive root's cache/, which survives the VM."""
     if in_colab() and "GPTLIB_CACHE" not in os.environ:
-        try:
+        with contextlib.suppress(OSError):  # a dead Drive mount: the VM's disk
             mp = drive_mountpoint()
             if (mp / "MyDrive").is_dir():  # only if already mounted: evaluation never mounts Drive itself
                 return Path(os.environ.get("GPTLIB_ROOT") or mp / DRIVE_SUBDIR) / "cache"
-        except OSError:  # a dead Drive mount: fall back to the VM's disk
-            pass
     return local_cache()
 
 
 def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
-    """The canonical validation file, sha256-checked: the cached copy, else downloaded once into the cache.
-    file_option: how the caller takes a local copy instead, for the message when the download fails."""
+    """The canonical file, sha256-checked, downloaded once into the cache. file_option: how the caller takes a local
+    copy instead, for the message when the download fails."""
     return fetch_verified(HELLASWAG_URL, default_cache_dir() / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256,
                           EvalError, name="HellaSwag", local_hint=f"of {HELLASWAG_FILE} ({file_option})",
                           canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes", timeout=60)
@@ -69,8 +63,8 @@ class Item:
 
 
 def parse_items(text: str, where: str) -> list[Item]:
-    """A HellaSwag jsonl text's items. Input data, not a log: a bad line is an error naming the line, the field and
-    the value (fsutil.read_jsonl would skip it, and the accuracy would be over other items than the user gave)."""
+    """Input data, not a log: a bad line is an error naming the line, the field and the value (fsutil.read_jsonl
+    would skip it, and the accuracy would be over other items than the user gave)."""
     items = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -124,12 +118,14 @@ def select(n: int, limit: int | None) -> list[int]:
 
 
 def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[list[list[int]], list[int], bool]:
-    """Scoring rows (seq, k) for one ending after its context; True if the context had to be cut."""
+    """Scoring rows (seq, k) for one ending after its context; True if the context had to be cut. An ending longer
+    than the window (char models) is scored in pieces of block // 2 tokens, each reading the block tokens before
+    its end."""
     toks = list(ctx) + list(end)
     if len(end) <= block:  # the usual case: one row, the context cut from the left if need be
         start = max(0, len(toks) - block - 1)
         return [toks[start:]], [len(end)], start > 0
-    step = max(1, block // 2)  # an ending longer than the window: pieces, each with >= block - step context
+    step = max(1, block // 2)
     seqs, ks = [], []
     for a in range(len(ctx), len(toks), step):
         b = min(len(toks), a + step)
@@ -156,7 +152,7 @@ class Rendered:
 
 
 def _encode_all(tok: Tokenizer, texts: list[str]) -> list[list[int] | None]:
-    """Token ids per text (BPE in parallel inside the library); None where a char vocabulary lacks a character."""
+    """None where a char vocabulary lacks a character; BPE encodes in parallel inside the library."""
     if hasattr(tok, "encode_batch_ids"):
         return tok.encode_batch_ids(texts)
     out = []
@@ -193,7 +189,7 @@ def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
 
 def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int | None = None,
                       progress: bool = False, desc: str = "hellaswag") -> dict:
-    """Score rendered items -> {acc, acc_norm, n, truncated, skipped, sums (n, 4), preds, preds_norm}."""
+    """-> {acc, acc_norm, n, truncated, skipped, sums (n, 4), preds, preds_norm}."""
     if r.n == 0:
         raise EvalError(f"no HellaSwag item could be scored: all {r.skipped} items have characters outside the "
                         f"model's vocabulary")
@@ -210,15 +206,14 @@ def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int 
 
 
 def row_fields(res: dict, file: dict) -> dict:
-    """An evaluate_rendered result, and the file it scored, as the fields of an eval.jsonl row."""
     return {**{k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")}, "data": file["path"],
             "data_sha256": file["sha256"], "canonical": file["canonical"]}
 
 
 class HellaSwagProbe:
-    """HellaSwag during training: the file read and a subset of `limit` items tokenized once, at start-up, then
-    scored at chosen steps (full: every item, at the end of a run). If the file cannot be had (no network, a bad
-    file) the probe logs one line and stays off (score() is None): training never stops for it."""
+    """HellaSwag during training: a subset of `limit` items tokenized once, at start-up, scored at chosen steps
+    (full: every item, at the end of a run). Without the file (no network, a bad file) the probe logs one line and
+    stays off (score() is None): training never stops for it."""
 
     BATCH_TOKENS = 16384  # beside the training's own memory: gpt2-small ~2 GB of logits instead of ~8 GB at 64K
 
@@ -238,8 +233,7 @@ class HellaSwagProbe:
             log(f"hellaswag: off for this run ({e})")
 
     def score(self, model, device, dtype: torch.dtype | None = None, full: bool = False) -> dict | None:
-        """The eval.jsonl fields (row_fields) of the subset or of every item, scored in eval mode (wrappers looked
-        through); None when off."""
+        """The eval.jsonl fields (row_fields) of the subset or of every item; None when off."""
         if self.reason is not None:
             return None
         if full and self._full is None:
@@ -255,7 +249,6 @@ class HellaSwagProbe:
 
 
 def metrics_fields(res: dict | None) -> dict:
-    """A HellaSwagProbe.score() result as metrics.jsonl fields ({} for None: the probe is off)."""
     if res is None:
         return {}
     return {"hellaswag_acc": round(res["acc"], 6), "hellaswag_acc_norm": round(res["acc_norm"], 6),

@@ -45,16 +45,11 @@ def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
     """Row indices in batches of at most batch_tokens padded tokens, longest rows first (little padding); a row
     longer than that gets a batch of its own."""
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
-    batches, cur, cur_len = [], [], 0
-    for i in order:
-        if cur and (len(cur) + 1) * cur_len > batch_tokens:
-            batches.append(np.array(cur))
-            cur = []
-        if not cur:
-            cur_len = int(lengths[i])  # the first (longest) row sets the padded length
-        cur.append(int(i))
-    if cur:
-        batches.append(np.array(cur))
+    batches, start = [], 0
+    while start < len(order):
+        rows = max(1, batch_tokens // int(lengths[order[start]]))  # the first (longest) row sets the padded length
+        batches.append(order[start : start + rows])
+        start += rows
     return batches
 
 

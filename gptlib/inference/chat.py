@@ -1,13 +1,9 @@
-"""Talking to a chat-tuned run: the history rendered with the chat template (ending with <|assistant|>), answered
-until <|end|>, <|endoftext|> or another role token (a model that writes one has ended its turn).
-
-Prompt and reply must fit in block_size tokens (past it the model would silently lose the start of the
-conversation, the system prompt first), so before each reply, with a notice through `log`:
-1. max_new_tokens is capped at block_size // 2: a longer reply would leave too little room for the conversation.
-2. The oldest (user, assistant) pairs are dropped until it fits, for good (`dropped_turns`): a forgotten turn never
-   comes back when later turns are short. The system prompt stays.
-3. If the newest message alone does not fit, the model gets the longest tail of it that fits (a question usually
-   comes last); the history keeps the whole message. If the system prompt leaves no room, that is a ChatError.
+"""Talking to a chat-tuned run: the history rendered with the chat template, answered until <|end|>, <|endoftext|> or
+another role token (a model that writes one has ended its turn). Prompt and reply must fit in block_size tokens (past
+it the model would silently lose the system prompt first), so before each reply, with a notice through `log`:
+1. max_new_tokens is capped at block_size // 2, leaving room for the conversation;
+2. the oldest (user, assistant) pairs are dropped for good: a forgotten turn never comes back; the system prompt stays;
+3. if the newest message alone does not fit, the model gets its longest tail that fits (a question usually comes last).
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ import bisect
 import contextlib
 import dataclasses
 import functools
-import importlib
 import sys
 from typing import Callable
 
@@ -59,11 +54,9 @@ class ChatSession:
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", system: str | None = None,
                  log: Callable[[str], None] = loud) -> "ChatSession":
-        """A session with a checkpoint of a run directory: "latest", "best" or a step."""
         return cls(Engine.from_run(run_dir, checkpoint, device=device), system=system, log=log)
 
-    def reset(self) -> None:
-        """Forget the conversation; the system prompt stays."""
+    def reset(self) -> None:  # the system prompt stays
         self.history = []
         self.dropped_turns = 0
 
@@ -98,7 +91,6 @@ class ChatSession:
         return min(max_new_tokens, self.reply_cap)
 
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
-        """The generation prompt of the system prompt and `turns`."""
         head = [("system", self.system)] if self.system else []
         messages = [{"role": r, "content": c} for r, c in head + turns]
         return self.template.render(messages, require_assistant=False, generation_prompt=True)[0].tolist()
@@ -129,7 +121,7 @@ class ChatSession:
         return self.render([("user", text[len(text) - n:])])
 
     def _generate(self, ids: list[int], cfg: SamplingConfig, stream: Callable[[str], None] | None) -> str:
-        """The reply's text, until a chat token, without the template's leading newline."""
+        """Without the template's leading newline."""
         started = False
 
         def shown(_: int, piece: str) -> None:
@@ -148,13 +140,13 @@ HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"
 
 
 def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
-    """The terminal chat: read a message after "you> ", stream the reply, until /quit, end of input or Ctrl-C.
-    A GptlibError in a reply is shown and the chat goes on; returns the exit status (0)."""
+    """The terminal chat, until /quit, end of input or Ctrl-C; a GptlibError in a reply is shown and the chat goes on.
+    Returns the exit status (0)."""
     out = sys.stdout
     note = functools.partial(print, file=sys.stderr, flush=True)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # not on every platform (Windows)
-            importlib.import_module("readline")  # line editing and history for input() at a terminal
+            import readline  # noqa: F401 - line editing and history for input() at a terminal
     note(f"# chatting with {session.engine.source} (step {session.engine.step}); {HELP}")
     try:
         while True:

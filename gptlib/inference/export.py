@@ -1,7 +1,6 @@
-"""A checkpoint as a Hugging Face `transformers` folder (export-hf) that transformers loads natively: the gpt2
-recipe as GPT2LMHeadModel, the modern one as Qwen3ForCausalLM (LlamaForCausalLM without QK-norm). Plain JSON and
-safetensors: exporting does not need transformers. weight_map is the mapping both ways (import-hf: hf_import.py).
-"""
+"""A checkpoint as a folder transformers loads natively (export-hf): the gpt2 recipe as GPT2LMHeadModel, the modern
+one as Qwen3ForCausalLM (LlamaForCausalLM without QK-norm). Plain JSON and safetensors, so exporting does not need
+transformers; weight_map is the mapping both ways (import-hf: hf_import.py)."""
 
 from __future__ import annotations
 
@@ -106,8 +105,8 @@ def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
             "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "dtype": "float32"}
 
 
-def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
-    """A `tokenizers` WordLevel file over single characters with our ids, and its unknown token's name (or None)."""
+def _char_tokenizer_json(tok: CharTokenizer) -> str:
+    """A `tokenizers` WordLevel file over single characters with our ids."""
     from tokenizers import Regex
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
@@ -118,28 +117,22 @@ def _char_tokenizer(tok: CharTokenizer) -> tuple[str, str | None]:
     hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     hf.decoder = decoders.Fuse()  # join tokens without spaces
-    return hf.to_str(), None
+    return hf.to_str()
 
 
 def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for PreTrainedTokenizerFast."""
-    special, unk = {}, None
     if isinstance(tok, CharTokenizer):
-        text, unk = _char_tokenizer(tok)
-        (out / "tokenizer.json").write_text(text, encoding="utf-8")
+        (out / "tokenizer.json").write_text(_char_tokenizer_json(tok), encoding="utf-8")
     else:  # byte-level BPE: our tokenizer.json already is a `tokenizers` file
         (out / "tokenizer.json").write_bytes(tok.to_json_bytes())
-    eot = getattr(tok, "eot_id", None)
-    if eot is not None:
-        name = next((t["content"] for t in json.loads(tok.to_json_bytes()).get("added_tokens", [])
-                     if t.get("id") == eot), EOT)
-        special = {"bos_token": name, "eos_token": name, "unk_token": name}
-    if unk is not None:
-        special["unk_token"] = unk
+    special = {}
+    if tok.eot_id is not None:  # a BPE tokenizer's end-of-text is always EOT
+        special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
             "clean_up_tokenization_spaces": False,  # decode must give back exactly the characters
             "add_prefix_space": False, **special}
-    if eot is not None:
+    if tok.eot_id is not None:
         # gptlib encodes a literal "<|endoftext|>" in text as text (documents cannot forge a boundary);
         # this makes transformers do the same (the special token is then only added by id).
         tcfg["split_special_tokens"] = True
@@ -165,13 +158,11 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
         (tmp / "generation_config.json").write_text(json.dumps(
             {k: config[k] for k in ("bos_token_id", "eos_token_id")}, indent=2) + "\n")
         (tmp / "README.md").write_text(_model_card(model.config, arch, info or {}))
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():  # a previous export (check_export_target): replaced only once the new one is complete
             os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

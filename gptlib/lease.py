@@ -1,15 +1,7 @@
-"""One writer per run: training holds a lease on its run directory and its Drive mirror (tokenize on its output
-directory), so a second process there (another notebook tab, a reconnect while the old VM runs) refuses within
-seconds and names the holder. The lease file (layout.LEASE_FILE), rewritten every HEARTBEAT_S seconds:
-
-    {"host": "...", "pid": 1234, "session": "3f2a...", "started": 1732300000.0, "heartbeat": 1732300420.0,
-     "beats": 14}
-
-A lease is taken over (with a message) when its holder ran on this machine and is gone, or when its heartbeat is
-older than STALE_S by this machine's clock (an unreadable lease file: its modification time). That assumes the
-machines' clocks agree within a minute or so (Colab VMs run NTP). take_over=True (`--take-over`) takes any lease
-at once. A holder whose lease was taken stops saving at once: `check()` raises LeaseLost, called before every
-checkpoint write. Readers need no lease.
+"""One writer per run: training holds a lease on its run directory and Drive mirror (tokenize on its output
+directory), so a second process there refuses within seconds and names the holder. A lease whose holder is gone (a
+dead pid on this machine, or a heartbeat older than STALE_S by this machine's clock) is taken over; --take-over takes
+any. A holder whose lease was taken stops without writing: check() runs before every checkpoint write.
 """
 
 from __future__ import annotations
@@ -53,7 +45,7 @@ def _describe(found: Holder | str, now: float) -> str:
 
 
 def _read(path: Path) -> Holder | str | None:
-    """The lease at path: a Holder, None if there is none, or a string saying why it cannot be read."""
+    """A Holder, None if there is no lease, or a string saying why it cannot be read."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -69,7 +61,6 @@ def _read(path: Path) -> Holder | str | None:
 
 
 def _timed(fn, path: Path, doing: str = "reading"):
-    """fn() for the lease at path, given up after IO_TIMEOUT_S (a hung Drive)."""
     return call_with_timeout(fn, IO_TIMEOUT_S, what=f"{doing} {path}")
 
 
@@ -78,14 +69,12 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
 class RunLease:
-    """The lease of one training call on its run directory and mirror (see the module docstring)."""
-
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print, command: str = "training"):
         self.dirs = [Path(d) for d in dirs if d is not None]
         self.take_over = take_over
@@ -101,7 +90,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
-        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written)."""
+        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written then)."""
         for d in self.dirs:
             self._check_free(d / LEASE_FILE)
         for d in self.dirs:
@@ -122,8 +111,7 @@ class RunLease:
         return self
 
     def _check_free(self, path: Path) -> None:
-        """Return if the lease at path may be taken (saying why when it is someone's); raise RunBusyError naming its
-        holder if that may be alive."""
+        """RunBusyError naming the lease's holder if that may be alive."""
         found = _timed(lambda: _read(path), path)
         if found is None:
             return
@@ -176,8 +164,7 @@ class RunLease:
                     pass
 
     def check(self, directory: Path | None = None) -> None:
-        """Raise LeaseLost if the lease was taken over (re-read now for `directory`, else the last heartbeat's
-        verdict). Called before every checkpoint write."""
+        """LeaseLost if the lease was taken over: re-read now for `directory`, else the last heartbeat's verdict."""
         if self.lost is not None:
             raise LeaseLost(self.lost + "; this process stopped without writing to it")
         if directory is not None and Path(directory) in self._held:
@@ -197,7 +184,7 @@ class RunLease:
 
 
 class NoLease:
-    """The lease of DDP ranks other than 0 (rank 0 holds the run's lease), and of callers that need none."""
+    """The lease of DDP ranks other than 0 (rank 0 holds the run's) and of callers that need none."""
 
     def check(self, directory: Path | None = None) -> None:
         pass

@@ -22,15 +22,9 @@ GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training 
 _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
 
 
-def _signed(dtype: np.dtype) -> np.dtype:
-    """uint16/uint32 -> same-size signed type (torch indexes signed types best)."""
-    return {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32)}[
-        np.dtype(dtype).newbyteorder("=")]
-
-
 def _as_signed_view(arr: np.ndarray) -> torch.Tensor:
-    """uint16/uint32 tokens as a same-size signed torch tensor (no copy when already contiguous)."""
-    return torch.from_numpy(np.ascontiguousarray(arr).view(_signed(arr.dtype)))
+    """uint16/uint32 tokens as a same-size signed tensor (torch supports few ops on unsigned types); no copy."""
+    return torch.from_numpy(np.ascontiguousarray(arr).view(f"i{arr.dtype.itemsize}"))
 
 
 def _to_ids(raw: torch.Tensor) -> torch.Tensor:

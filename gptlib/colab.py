@@ -40,9 +40,9 @@ def _drive_usable(mountpoint: Path) -> bool:
         raise
 
 
-def mount_drive(mountpoint: str | Path | None = None, timeout_s: float = 120.0) -> Path:
+def mount_drive(timeout_s: float = 120.0) -> Path:
     """Mount Google Drive once (already mounted: a no-op); a dead mount is remounted."""
-    mp = Path(mountpoint) if mountpoint is not None else drive_mountpoint()
+    mp = drive_mountpoint()
     if not in_colab():
         raise ColabError("mount_drive() needs Google Colab; outside Colab use a local directory "
                          "(gptlib.colab.setup() does this for you)")
@@ -88,13 +88,13 @@ class RunPaths:
     mirror_dir: Path | None  # where checkpoints are copied (Drive), or None when run_dir persists itself
 
 
-def setup(use_drive: bool = True, mount: bool = True, timeout_s: float = 120.0) -> Roots:
+def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
     """The roots, created; on Colab with use_drive, Drive mounted."""
     env_root = os.environ.get("GPTLIB_ROOT")
     if in_colab():
         local = local_root()
         if use_drive:
-            mp = mount_drive(timeout_s=timeout_s) if mount else drive_mountpoint()
+            mp = mount_drive(timeout_s)
             persistent = Path(env_root) if env_root else mp / DRIVE_SUBDIR
             roots = Roots(persistent=persistent, local=local, on_drive=True)
         else:

@@ -25,9 +25,8 @@ CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every chec
 
 # The logs each checkpoint carries a copy of (a resumed run continues them from the checkpoint's step).
 LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
-# The run-level files copied beside the checkpoints on the Drive mirror: what readers of the mirror use (sampling,
-# export and notebook 04 on a fresh VM read the tokenizer; the config names the run) and what people open on Drive
-# (the loss plot, the samples table).
+# The run-level files copied beside the checkpoints on the Drive mirror: what its readers (sampling, export, notebook
+# 04 on a fresh VM) and people opening Drive use.
 MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 
 # Checkpoint directory names: step_0001000 when complete; the markers name work in progress.

@@ -77,11 +77,9 @@ def train_reserve_bytes(model_cfg, micro_batch: int, measured_peak: int = 0) -> 
     return max(measured_peak, estimate_train_bytes(model_cfg, micro_batch))
 
 
-# The probe measures the model eagerly, before torch.compile wraps it (a compile per candidate size would cost
-# too much). Eager is the upper bound: inductor recomputes cheap pointwise results (GELU, LayerNorm) in the
-# backward instead of saving them. A size fits when its eager peak (weights, grads, AdamW's two moments as a
-# stand-in, activations) stays under PROBE_HEADROOM of the GPU; the rest is room for fragmentation and what runs
-# beside the step (cuBLAS/cuDNN workspaces, compile's kernel benchmarking).
+# The probe runs the model eagerly (a compile per candidate size would cost too much), an upper bound: inductor
+# recomputes cheap pointwise results in the backward instead of saving them. The rest of the GPU is room for
+# fragmentation and what runs beside the step (cuBLAS workspaces, compile's kernel benchmarking).
 PROBE_HEADROOM = 0.92
 
 

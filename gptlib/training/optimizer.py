@@ -11,10 +11,9 @@ from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError
 from gptlib.model import GPT
 
-# A param group's keys that say how its update runs on this device, not what it computes. torch's load_state_dict
-# takes them from the checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler
-# ("Expected grad_scale and found_inf to be None", the scaler having seen fused at __init__) and, without one, takes
-# the slow per-parameter path. So they always come from the optimizer built for this device (load_optimizer).
+# A param group's keys that say how its update runs on this device. torch's load_state_dict takes them from the
+# checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler and, without one, takes the
+# slow path. So they come from the optimizer built for this device (load_optimizer).
 DEVICE_KEYS = ("fused", "foreach", "capturable")
 
 

@@ -19,10 +19,8 @@ import torch
 from gptlib.errors import ConfigError, loud
 from gptlib.model import model_size
 
-# Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
-# bf16 where the GPU has it; fp16 on the T4, which trains in fp16 + GradScaler. First match wins. (No V100: Colab's
-# torch, 2.11 with CUDA 12.8, ships no kernels for it. No RTX PRO 6000, Colab's G4: MFU unknown there until a
-# dense bf16 figure from NVIDIA can be cited.)
+# Dense tensor-core peak in TFLOP/s for the precision gptlib trains in: bf16, fp16 on the T4. First match wins. No
+# V100 (Colab's torch has no kernels for it); no RTX PRO 6000 until NVIDIA's dense bf16 figure can be cited.
 PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"H200", "H200", 989.0),
     (r"H100.*PCIe", "H100 PCIe", 756.0),
@@ -303,11 +301,9 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     return RunPlan(cfg, max_steps, summary)
 
 
-# The tokens the modern recipe needs to reach the validation loss the gpt2 recipe reaches, as a fraction of the
-# gpt2 recipe's. The NanoGPT speedrun's records put these changes (rotary, Muon, QK-norm, zero-init) at ~3x fewer
-# tokens at GPT-2 Small's scale; the BPE proxy here (benchmarks/results/recipes_bpe_cpu.txt: a 3M-parameter model
-# on Python sources, same data and seed) measured 0.15, with the gpt2 recipe's LR not tuned at that size. The more
-# conservative figure is used: an estimate, not a promise.
+# The modern recipe's tokens to the gpt2 recipe's loss, as a fraction of the gpt2 recipe's: the NanoGPT speedrun's
+# ~3x at GPT-2 Small's scale, the more conservative figure than the 0.15 a small BPE proxy measured here
+# (docs/benchmarks.md). An estimate, not a promise.
 MODERN_TOKEN_FRACTION = 0.33
 ASSUMED_MFU = 0.4  # for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
 

@@ -32,7 +32,6 @@ class Holder:
     session: str
     started: float
     heartbeat: float
-    beats: int
 
 
 def _describe(found: Holder | str, now: float) -> str:
@@ -54,8 +53,7 @@ def _read(path: Path) -> Holder | str | None:
         return f"unreadable ({e})"
     try:
         d = json.loads(raw)
-        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]),
-                      int(d["beats"]))
+        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"malformed ({type(e).__name__}: {e})"
 
@@ -83,7 +81,6 @@ class RunLease:
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
         self.started = time.time()
-        self.beats = 0
         self.lost: str | None = None  # set when another session took over: why
         self._held: list[Path] = []
         self._stop = threading.Event()
@@ -134,9 +131,8 @@ class RunLease:
         self.log(f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over")
 
     def _write(self, path: Path) -> None:
-        now = time.time()
-        body = {"host": self.host, "pid": os.getpid(), "session": self.session,
-                "started": self.started, "heartbeat": now, "beats": self.beats}
+        body = {"host": self.host, "pid": os.getpid(), "session": self.session, "started": self.started,
+                "heartbeat": time.time()}
         _timed(lambda: atomic_write_json(path, body), path, "writing")
 
     def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
@@ -152,7 +148,6 @@ class RunLease:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            self.beats += 1
             for d in self._held:
                 try:
                     self._check_ours(d / LEASE_FILE)

@@ -39,7 +39,6 @@ COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5
 @dataclass
 class DevicePeak:
     name: str  # what the device calls itself
-    family: str | None  # matched table row, e.g. "A100"; None if unknown
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
     units_per_hour: float | None = None  # Colab compute units per hour of this runtime; None if unknown
@@ -67,16 +66,16 @@ def device_peak(device: str | torch.device, units_per_hour: float | None = None)
     """units_per_hour (TrainConfig.colab_units_per_hour), when set, replaces the table's rate."""
     device = torch.device(device)
     if device.type != "cuda":
-        return DevicePeak(f"{device.type}: {cpu_name()}", None, None,
-                          f"MFU unknown on {device.type} (no peak table for it)", units_per_hour or None)
+        return DevicePeak(f"{device.type}: {cpu_name()}", None, f"MFU unknown on {device.type} (no peak table for it)",
+                          units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
     runtime = colab_runtime(name, torch.cuda.get_device_properties(device).total_memory)
     units = units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime)
     if peak is None:
-        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
+        return DevicePeak(name, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
                           units)
-    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
+    return DevicePeak(name, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
 
 
 def cpu_name() -> str:

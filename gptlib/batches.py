@@ -1,7 +1,7 @@
 """Token shards -> training batches. Each split is preloaded (on the GPU, else in RAM) when it fits, else read from
-memory-mapped shards; a batch is one randint for its B window starts and one gather of B x (T+1) tokens. The
-sampler's RNG is a private torch.Generator saved in every checkpoint, so a resumed run draws exactly the batches the
-uninterrupted run would have. Chat data trains on the assistants' answers only: LossMask sets the other targets to -1.
+memory-mapped shards; a batch is one randint for its B window starts and one gather of B x (T+1) tokens, the same
+windows wherever the split lives. The sampler's RNG is saved in every checkpoint, so a resumed run draws exactly the
+batches the uninterrupted run would have. Chat data trains on the answers only: LossMask sets other targets to -1.
 """
 
 from __future__ import annotations

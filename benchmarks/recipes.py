@@ -114,8 +114,8 @@ def muon_shapes(preset: str) -> tuple[Counter, int, int]:
     with torch.device("meta"):
         model = GPT(cfg.model)
     shapes = Counter(tuple(p.shape) for p in build_optimizer(model, cfg.train, "cpu").muon.param_groups[0]["params"])
-    tokens = cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size
-    return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), model_size(cfg.model).flops_per_token * tokens
+    step_flops = model_size(cfg.model).flops_per_token * cfg.tokens_per_step
+    return shapes, sum(ns_flops(s) * k for s, k in shapes.items()), step_flops
 
 
 def newton_schulz_fp32(g: torch.Tensor, muon: torch.optim.Muon) -> torch.Tensor:

@@ -15,8 +15,7 @@ class CLIError(GptlibError):
 
 
 def _command(sub, name: str, func, help: str) -> argparse.ArgumentParser:
-    """A subcommand that runs func(args); its --help description is func's docstring, so what a command
-    does is written once, beside the code that does it (python -OO strips it: no description then)."""
+    """A subcommand that runs func(args), described in --help by func's docstring."""
     p = sub.add_parser(name, help=help, description=inspect.cleandoc(func.__doc__ or ""))
     p.set_defaults(func=func)
     return p
@@ -40,9 +39,9 @@ def _add_tokenize(sub) -> None:
     p.add_argument("--tokenizer", default=None, choices=["char", "bpe"],
                    help="tokenizer kind (default: char; bpe with --format chat)")
     p.add_argument("--vocab-size", type=int, default=32768, help="BPE vocabulary size (default 32768)")
-    p.add_argument("--tokenizer-from", metavar="RUN_DIR", help="reuse the tokenizer of a run directory, a data "
-                   "directory or a tokenizer.json (with --format chat the chat tokens are added if missing)")
-    p.add_argument("--tokenizer-file", metavar="PATH", help="same as --tokenizer-from")
+    p.add_argument("--tokenizer-from", "--tokenizer-file", metavar="RUN_DIR", help="reuse the tokenizer of a run "
+                   "directory, a data directory or a tokenizer.json (with --format chat the chat tokens are added if "
+                   "missing)")
     p.add_argument("--text-column", metavar="NAME", help="jsonl field / parquet column holding the text "
                    "(default: text; with --format chat: messages, else conversations)")
     p.add_argument("--out", required=True, metavar="DATA_DIR", help="output data directory")
@@ -59,7 +58,7 @@ def _add_tokenize(sub) -> None:
 
 
 def _count(s: str) -> int:
-    """A token count: 2800000000, 2.8e9, 2.8B, 500M, 20K (catalog.parse_count)."""
+    """A token count: 2800000000, 2.8e9, 2.8B, 500M, 20K."""
     from gptlib.data.catalog import parse_count
 
     try:
@@ -87,13 +86,11 @@ def cmd_tokenize(args) -> int:
     if (args.hf_config or args.hf_split) and not any(str(i).startswith("hf://") for i in inputs):
         raise CLIError("--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
                        "or an hf://datasets/ input")
-    if args.tokenizer_from and args.tokenizer_file and args.tokenizer_from != args.tokenizer_file:
-        raise CLIError("--tokenizer-from and --tokenizer-file are the same option: give one")
     # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
     tokenizer = args.tokenizer or ("bpe" if args.format == "chat" else "char")
     try:
         prepare(inputs, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-                tokenizer_from=args.tokenizer_from or args.tokenizer_file, text_column=args.text_column,
+                tokenizer_from=args.tokenizer_from, text_column=args.text_column,
                 val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
                 train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
                 overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,
@@ -173,39 +170,49 @@ def cmd_train(args) -> int:
     return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the shell's status for a process stopped by SIGINT
 
 
-def _add_sample(sub) -> None:
-    p = _command(sub, "sample", cmd_sample, help="generate text from a run's checkpoint")
+def _add_generation(p: argparse.ArgumentParser) -> None:
+    """The arguments sample and chat share: which checkpoint, and how to sample from it."""
     p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
     p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
                    help="which checkpoint: the newest, the best validation loss, or a step number (default latest)")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="text to continue (repeatable: several prompts run as one batch; default a newline)")
-    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=200, help="longest output in tokens (chat: at most half "
+                   "the context)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy decoding")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1 = off)")
-    p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable)")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--stream", action="store_true", help="print text as it is generated (samples run one by one)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
+
+
+def _sampling(args, **extra):
+    from gptlib.inference.sampling import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          **extra).validate()
+
+
+def _add_sample(sub) -> None:
+    p = _command(sub, "sample", cmd_sample, help="generate text from a run's checkpoint")
+    _add_generation(p)
+    p.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (repeatable: several prompts run as one batch; default a newline)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--stop", action="append", default=[], help="stop a sample at this text (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated (samples run one by one)")
 
 
 def cmd_sample(args) -> int:
     """Generate text from a checkpoint of a run directory (KV-cached engine)."""
     from gptlib.inference.engine import Engine
-    from gptlib.inference.sampling import SamplingConfig
 
     if args.num_samples < 1:
         raise CLIError(f"--num-samples {args.num_samples} must be >= 1")
     # A literal backslash-n typed in a shell means a newline.
     prompts = [pr.replace("\\n", "\n") for pr in (args.prompt or ["\n"])]
     jobs = [pr for pr in prompts for _ in range(args.num_samples)]
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                         stop=[st.replace("\\n", "\n") for st in args.stop],
-                         seed=args.seed).validate()
+    cfg = _sampling(args, stop=[st.replace("\\n", "\n") for st in args.stop])
     eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device)
     print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
     many = len(jobs) > 1
@@ -228,18 +235,9 @@ def cmd_sample(args) -> int:
 def _add_chat(sub) -> None:
     p = _command(sub, "chat", cmd_chat,
                  help="talk to a chat-tuned run: an interactive chat, or one turn with --message")
-    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
-    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
-                   help="which checkpoint: the newest, the best validation loss, or a step number (default latest)")
+    _add_generation(p)
     p.add_argument("--message", default=None, metavar="TEXT", help="one user message: print only the reply and exit")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt, kept through the conversation")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="longest reply in tokens (at most half the context)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy decoding")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold in (0, 1]")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (default 1 = off)")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps | auto")
 
 
 def cmd_chat(args) -> int:
@@ -249,10 +247,8 @@ def cmd_chat(args) -> int:
     exchanges are dropped first (see gptlib/inference/chat.py).
     """
     from gptlib.inference.chat import ChatSession, chat_loop
-    from gptlib.inference.sampling import SamplingConfig
 
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed).validate()
+    cfg = _sampling(args)
     session = ChatSession.from_run(args.run_dir, args.checkpoint, device=args.device, system=args.system)
     if args.message is None:
         return chat_loop(session, cfg)

@@ -1,19 +1,7 @@
-"""Token shards -> training batches: preloaded tokens (GPU or RAM) or memory-mapped shards, seeded sampling.
-
-Where the tokens live is chosen once per split and printed with the reason:
-
-    gpu     the split plus the model's training memory fit in free GPU memory: batches are gathered on
-            the GPU, nothing crosses PCIe in the hot loop.
-    ram     the split fits in available RAM with a margin: one flat tensor; each batch is gathered on
-            the host, pinned, and copied with non_blocking=True.
-    memmap  it does not fit: the shards stay on disk (on Colab the VM's local copy of Drive data,
-            gptlib.data.staging), memory-mapped; each batch's windows are gathered from them.
-
-Each batch is one `randint` for the B start offsets and one gather of B x (T+1) tokens: no Python
-loop per sample. Wherever the split lives, the same seed draws the same windows of the same stream. Chat data (tokenize --format chat) is packed the same way, windows over the stream of
-conversations, and a `LossMask` built from its assistant spans sets every target outside an assistant's
-answer to -1 (ignored by the loss): the model reads the whole conversation and learns only the answers. The samplers' RNG is a private `torch.Generator` whose state goes into every
-checkpoint, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
+"""Token shards -> training batches. Each split is preloaded (on the GPU, else in RAM) when it fits, else read from
+memory-mapped shards; a batch is one randint for its B window starts and one gather of B x (T+1) tokens, the same
+windows wherever the split lives. The sampler's RNG is saved in every checkpoint, so a resumed run draws exactly the
+batches the uninterrupted run would have. Chat data trains on the answers only: LossMask sets other targets to -1.
 """
 
 from __future__ import annotations
@@ -34,30 +22,18 @@ GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training 
 _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
 
 
-def _signed(dtype: np.dtype) -> np.dtype:
-    """uint16/uint32 -> same-size signed type (torch indexes signed types best)."""
-    return {np.dtype(np.uint16): np.dtype(np.int16), np.dtype(np.uint32): np.dtype(np.int32)}[
-        np.dtype(dtype).newbyteorder("=")]
-
-
 def _as_signed_view(arr: np.ndarray) -> torch.Tensor:
-    """uint16/uint32 tokens as a same-size signed torch tensor (no copy when already contiguous)."""
-    return torch.from_numpy(np.ascontiguousarray(arr).view(_signed(arr.dtype)))
-
-
-def _unsigned_mask(t: torch.Tensor) -> int:
-    return 0xFFFF if t.dtype == torch.int16 else 0xFFFFFFFF
+    """uint16/uint32 tokens as a same-size signed tensor (torch supports few ops on unsigned types); no copy."""
+    return torch.from_numpy(np.ascontiguousarray(arr).view(f"i{arr.dtype.itemsize}"))
 
 
 def _to_ids(raw: torch.Tensor) -> torch.Tensor:
     """Signed-view tokens -> int64 ids (undoes the signed view of uint16/uint32)."""
-    return raw.long() & _unsigned_mask(raw)
+    return raw.long() & (0xFFFF if raw.dtype == torch.int16 else 0xFFFFFFFF)
 
 
 @dataclass
 class SplitData:
-    """One split's tokens, preloaded in RAM (or on the GPU) as a flat signed tensor."""
-
     tokens: torch.Tensor  # (N,) int16/int32 view of the unsigned ids
     name: str
 
@@ -76,12 +52,9 @@ class SplitData:
 
 
 class MemmapSplit:
-    """One split left on disk: its shards memory-mapped, read as one stream (the shards in order, as a preload
-    concatenates them), so a window may cross from one shard into the next.
-
-    Every read checks that the ids are inside the vocabulary (one vectorised max per read): a shard
-    damaged in place keeps its size, and meta.json's size checks cannot see it.
-    """
+    """One split left on disk: its shards memory-mapped and read as one stream, so a window may cross from one shard
+    into the next. Every read checks the ids against the vocabulary: a shard damaged in place keeps its size, which
+    is all meta.json's checks see."""
 
     device = torch.device("cpu")  # where its batches are gathered
 
@@ -100,21 +73,13 @@ class MemmapSplit:
         """Tokens [start, start + n) as a signed (n,) tensor in RAM: one sequential read per shard touched."""
         if start < 0 or start + n > len(self):
             raise IndexError(f"{self.name}: read [{start}, {start + n}) outside 0..{len(self)}")
-        out = np.empty(n, dtype=self.dtype)
-        pos = start
-        while pos < start + n:
-            i = int(np.searchsorted(self.bounds, pos, side="right")) - 1
-            lo = pos - int(self.bounds[i])
-            take = min(start + n - pos, int(self.bounds[i + 1]) - pos)
-            seg = out[pos - start: pos - start + take]
-            seg[:] = self.maps[i][lo: lo + take]
-            pos += take
+        pieces = [m[max(0, start - lo): max(0, start + n - lo)] for m, lo in zip(self.maps, self.bounds)]
+        out = np.concatenate(pieces) if pieces else np.empty(0, self.dtype)  # a split may have no shards
         self._check_vocab(out, lambda k: start + k)
         return _as_signed_view(out)
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """starts (B,) -> (B, length) tokens in the storage dtype: one fancy-indexed read per shard touched (no loop
-        per window); a window that crosses a shard boundary takes its tail from the next shard."""
+        """starts (B,) -> (B, length) tokens in the storage dtype: one fancy-indexed read per shard touched."""
         pos = starts.numpy()[:, None] + np.arange(length)  # (B, length) positions in the split's stream
         shard = np.searchsorted(self.bounds, pos, side="right") - 1
         out = np.empty(pos.shape, dtype=self.dtype)
@@ -125,8 +90,7 @@ class MemmapSplit:
         return _as_signed_view(out)
 
     def _check_vocab(self, tokens: np.ndarray, position: Callable[[int], int]) -> None:
-        """DataFormatError naming the shard and position of the first id read that is outside the vocabulary
-        (position(k): where the k-th token read lies in the split's stream)."""
+        """position(k): where the k-th token read lies in the split's stream."""
         if not tokens.size or int(tokens.max()) < self.vocab_size:
             return
         k = int(np.argmax(tokens.ravel() >= self.vocab_size))
@@ -149,9 +113,8 @@ def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class LossMask:
-    """Which targets of a split carry the loss: the [start, end) spans of its token stream that hold an
-    assistant's answer (shards.read_spans). The spans live where the split's tokens live (GPU or host),
-    so a batch's mask is one vectorised searchsorted beside its gather."""
+    """The [start, end) spans of a split's stream that hold an assistant's answer (shards.read_spans), kept where the
+    split's tokens are, so a batch's mask is one searchsorted beside its gather."""
 
     def __init__(self, spans: np.ndarray, split_tokens: int, device: torch.device | str = "cpu"):
         spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
@@ -177,17 +140,10 @@ def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, Los
 
 
 def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
-    """The first n token ids of a split (fewer if it is shorter) as int64, from RAM, the GPU or the shards."""
+    """The first n token ids of a split (fewer if it is shorter)."""
     n = min(n, len(data))
     raw = data.tokens[:n] if isinstance(data, SplitData) else data.read(0, n)
     return _to_ids(raw).cpu().numpy()
-
-
-def _too_small(name: str, n: int, block_size: int) -> DataFormatError:
-    return DataFormatError(
-        f"the {name} split has {n:,} tokens, fewer than one block of block_size + 1 = "
-        f"{block_size + 1}; use more text, a smaller block_size (--set block_size=N), or a larger val_fraction"
-    )
 
 
 class BatchSampler:
@@ -197,7 +153,9 @@ class BatchSampler:
     def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
                  device: str | torch.device, loss_mask: LossMask | None = None):
         if len(data) < block_size + 1:
-            raise _too_small(data.name, len(data), block_size)
+            raise DataFormatError(f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
+                                  f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
+                                  f"or a larger val_fraction")
         self.data = data
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
         self.batch_size = batch_size
@@ -208,8 +166,7 @@ class BatchSampler:
         self.batches_drawn = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> x, y of shape (B, T) int64 on the training device; y is x shifted by one token. One randint for the B
-        start offsets, one gather of B x (T+1) tokens, one copy to the device."""
+        """x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
         high = len(self.data) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
         starts = _move(starts, self.data.device)  # once per batch: the gather and the loss mask share it
@@ -230,9 +187,6 @@ class BatchSampler:
         self.batches_drawn = int(state["batches_drawn"])
 
 
-# --- choosing where the data lives ------------------------------------------------------------
-
-
 @dataclass
 class DataPlan:
     where: str  # "gpu" | "ram" | "memmap"
@@ -250,8 +204,7 @@ def available_ram() -> int:
 
 
 def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 0) -> DataPlan:
-    """Decide where `nbytes` of tokens go: the GPU if they fit beside the model's training memory, else RAM if they
-    fit with a margin, else the shards stay on disk (memmap)."""
+    """Where `nbytes` of tokens go: the GPU if they fit beside training's memory, else RAM with a margin, else disk."""
     device = torch.device(device)
     gpu_note = ""
     if device.type == "cuda":
@@ -271,35 +224,22 @@ def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 
 
 
 def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tensor:
-    """All of a split in one preallocated signed tensor on `device`, filled piece by piece from the shards.
-
-    No full-size temporary: host memory stays at one piece (for the GPU, a pinned staging buffer).
-    """
+    """All of a split in one signed tensor on `device`. To the GPU piece by piece: host memory holds one piece."""
     src = MemmapSplit(meta, split)
     n = len(src)
-    sdt = torch.int16 if _signed(src.dtype) == np.dtype(np.int16) else torch.int32
-    if device.type == "cuda":
-        out = torch.empty(n, dtype=sdt, device=device)
-        for pos in range(0, n, _COPY_PIECE):
-            piece = src.read(pos, min(_COPY_PIECE, n - pos))
-            out[pos: pos + piece.numel()].copy_(piece.pin_memory(), non_blocking=True)
-        torch.cuda.synchronize(device)
-        return out
-    out = torch.empty(n, dtype=sdt)
-    view = out.numpy().view(src.dtype)  # write the unsigned tokens straight into the tensor's memory
+    if device.type != "cuda":
+        return src.read(0, n)
+    out = torch.empty(n, dtype=torch.int16 if src.dtype.itemsize == 2 else torch.int32, device=device)
     for pos in range(0, n, _COPY_PIECE):
-        take = min(_COPY_PIECE, n - pos)
-        view[pos: pos + take] = src.read(pos, take).numpy().view(src.dtype)
+        piece = src.read(pos, min(_COPY_PIECE, n - pos))
+        out[pos: pos + piece.numel()].copy_(piece.pin_memory(), non_blocking=True)
+    torch.cuda.synchronize(device)
     return out
 
 
 def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", verbose: bool = True, *,
                  reserve_gpu_bytes: int = 0, log=print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
-    """Validate meta.json against the shards, then put each split where `plan_data` says (and print why).
-
-    Returns SplitData (preloaded, GPU or RAM) or MemmapSplit (left on disk) per split; BatchSampler draws from
-    either.
-    """
+    """meta.json checked against the shards, and each split where plan_data says (logged with the reason)."""
     meta = read_meta(data_dir)
     device = torch.device(device)
     itemsize = np.dtype(meta.dtype).itemsize

@@ -1,20 +1,5 @@
-"""Where things live: Colab detection, an idempotent Drive mount, persistent vs fast local dirs.
-
-On Colab, anything on the VM's disk is lost at a disconnect; Google Drive survives but is slow and
-flaky. So a run trains into a fast local dir and its checkpoints are mirrored to Drive:
-
-    Drive   /content/drive/MyDrive/gptlib/      persistent root (survives disconnects)
-              data/<name>/                      token shards + meta.json + tokenizer (notebook 01)
-              runs/<name>/                      mirror: checkpoints/, metrics.jsonl, loss.png, ...
-    VM      /content/gptlib_local/              fast scratch (lost at disconnect)
-              runs/<name>/                      where training writes first
-              data/<name>/                      train()'s verified copy of the Drive data (staging.py)
-
-Outside Colab there is one location, `./` (or $GPTLIB_ROOT): data in ./data/<name>, runs in
-./runs/<name>, no mirror. Nothing here runs at import time (no mounts, no prints).
-
-Environment overrides (mostly for tests): GPTLIB_ROOT (persistent root), GPTLIB_LOCAL_ROOT
-(local scratch root on Colab), GPTLIB_DRIVE_MOUNT (mount point, default /content/drive).
+"""Where things live. On Colab a run trains into the VM's fast disk and mirrors to Drive, which survives a
+disconnect (docs/drive.md); elsewhere one root, `./` or $GPTLIB_ROOT. Nothing runs at import (no mounts, no prints).
 """
 
 from __future__ import annotations
@@ -33,7 +18,7 @@ COLAB_LOCAL_ROOT = "/content/gptlib_local"
 
 
 def in_colab() -> bool:
-    """True inside a Colab runtime (its kernel has google.colab imported; tests inject a fake)."""
+    """Inside a Colab runtime (its kernel has google.colab imported)."""
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
@@ -42,12 +27,11 @@ def drive_mountpoint() -> Path:
 
 
 def local_root() -> Path:
-    """The VM's fast scratch root on Colab ($GPTLIB_LOCAL_ROOT overrides it): runs, and staged data copies."""
     return Path(os.environ.get("GPTLIB_LOCAL_ROOT", COLAB_LOCAL_ROOT))
 
 
 def _drive_usable(mountpoint: Path) -> bool:
-    """Mounted and answering. A dead FUSE mount raises Errno 107 (ENOTCONN) on any access."""
+    """Mounted and answering: a dead FUSE mount raises Errno 107 (ENOTCONN) on any access."""
     try:
         return (mountpoint / "MyDrive").is_dir()
     except OSError as e:
@@ -56,14 +40,9 @@ def _drive_usable(mountpoint: Path) -> bool:
         raise
 
 
-def mount_drive(mountpoint: str | Path | None = None, timeout_s: float = 120.0) -> Path:
-    """Mount Google Drive once; already mounted is a no-op. Returns the mount point.
-
-    A mount that died (Errno 107 "Transport endpoint is not connected") is remounted with
-    force_remount. A mount that does not finish (authorization not given in time) raises
-    ColabError with what to do, instead of a bare traceback.
-    """
-    mp = Path(mountpoint) if mountpoint is not None else drive_mountpoint()
+def mount_drive(timeout_s: float = 120.0) -> Path:
+    """Mount Google Drive once (already mounted: a no-op); a dead mount is remounted."""
+    mp = drive_mountpoint()
     if not in_colab():
         raise ColabError("mount_drive() needs Google Colab; outside Colab use a local directory "
                          "(gptlib.colab.setup() does this for you)")
@@ -100,7 +79,6 @@ class Roots:
 
     @property
     def mirrored(self) -> bool:
-        """Training writes locally and mirrors to persistent (only when they differ)."""
         return self.persistent != self.local
 
 
@@ -110,13 +88,13 @@ class RunPaths:
     mirror_dir: Path | None  # where checkpoints are copied (Drive), or None when run_dir persists itself
 
 
-def setup(use_drive: bool = True, mount: bool = True, timeout_s: float = 120.0) -> Roots:
-    """Decide (and create) the roots. On Colab with use_drive, mounts Drive (idempotent)."""
+def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
+    """The roots, created; on Colab with use_drive, Drive mounted."""
     env_root = os.environ.get("GPTLIB_ROOT")
     if in_colab():
         local = local_root()
         if use_drive:
-            mp = mount_drive(timeout_s=timeout_s) if mount else drive_mountpoint()
+            mp = mount_drive(timeout_s)
             persistent = Path(env_root) if env_root else mp / DRIVE_SUBDIR
             roots = Roots(persistent=persistent, local=local, on_drive=True)
         else:
@@ -130,7 +108,6 @@ def setup(use_drive: bool = True, mount: bool = True, timeout_s: float = 120.0) 
 
 
 def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
-    """The local run dir and its Drive mirror (None outside Colab) for run `name`."""
     _check_name(name)
     roots = roots or setup()
     run_dir = roots.local / "runs" / name
@@ -139,7 +116,7 @@ def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
 
 
 def data_dir(name: str, roots: Roots | None = None) -> Path:
-    """Where a tokenized dataset lives: persistent (Drive on Colab), so tokenizing is done once."""
+    """Data lives on the persistent root (Drive on Colab), so tokenizing is done once."""
     _check_name(name)
     roots = roots or setup()
     return roots.persistent / "data" / name

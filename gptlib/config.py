@@ -1,13 +1,7 @@
-"""Configuration: dataclasses with one comment per field, presets, and validated overrides.
+"""A run's configuration: what the network is (ModelConfig), how it is trained (TrainConfig), the presets and recipes.
 
-A run is described by a `RunConfig` holding a `ModelConfig` (what the network is) and a
-`TrainConfig` (how it is trained). Field names are unique across the two, so `--set n_layer=6`
-and `--set learning_rate=1e-3` need no prefix. Unknown keys are errors; keys missing from an
-older saved config take today's defaults.
-
-Configs are frozen: `build_config` makes one from a preset and overrides, `updated` returns a changed copy, and
-training decides the rest once (gptlib.training.resolve: the data's vocabulary, a resumed or base run's shape,
-the micro-batch that fits) before anything reads it; nothing changes a config afterwards.
+Field names are unique across the two, so `--set n_layer=6` needs no prefix. Configs are frozen: training settles
+every field once (gptlib.training.resolve) before anything reads it.
 """
 
 from __future__ import annotations
@@ -148,6 +142,11 @@ class RunConfig:
     preset: str = "custom"  # the preset this config started from (informational)
     recipe: str = "gpt2"  # the recipe its fields started from (RECIPES); a run resumes with its own
 
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one process trains on per optimizer step (a DDP run: times the world size)."""
+        return self.train.batch_size * self.train.grad_accum_steps * self.model.block_size
+
     def validate(self) -> "RunConfig":
         _choice(self, "recipe", tuple(RECIPES))
         self.model.validate()
@@ -159,7 +158,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
-        """Strict: unknown keys are errors; keys missing from older configs take defaults."""
+        """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults."""
         unknown = set(d) - {"model", "train", "preset", "recipe"}
         if unknown:
             raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}")
@@ -189,7 +188,7 @@ class RunConfig:
                                    train=dataclasses.replace(self.train, **changes["train"]))
 
     def _field(self, name: str) -> tuple[str, str]:
-        """"n_layer" or "model.n_layer" -> ("model", "n_layer"); ConfigError naming the known fields."""
+        """"n_layer" or "model.n_layer" -> ("model", "n_layer")."""
         section_name, _, key = name.rpartition(".")
         if section_name and section_name not in ("model", "train"):
             raise ConfigError(f"unknown config section {section_name!r} in {name!r} (use model. or train.)")
@@ -203,22 +202,18 @@ def all_field_names() -> list[str]:
     return [f.name for f in fields(ModelConfig)] + [f.name for f in fields(TrainConfig)]
 
 
+# The modern recipe's learning rates for the GPU presets come from published values, not tuned here
+# (docs/benchmarks.md); phase1's were swept on a 2-core CPU (docs/benchmarks.md, "The two recipes side by side").
+_PUBLISHED_MODERN = dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4)
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # Tiny char-level model for Tiny Shakespeare on a laptop CPU (~0.34M parameters). In a fixed 90 s of
-    # 2 CPU cores a small model that sees more tokens beats a larger one that sees fewer (3x96 over
-    # 4x128 by ~0.1 nats), small batches learn more per token, and tiny models want a high learning
-    # rate (1e-2; 1.5e-2 diverges). Measured by benchmarks/phase1_quality.py (README).
+    # Tiny char-level model for Tiny Shakespeare on a laptop CPU (~0.34M parameters), measured in a fixed 90 s
+    # of 2 cores (docs/benchmarks.md): a small model that sees more tokens beats a larger one, at a high LR.
     "phase1": {
         "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, dropout=0.0, vocab_multiple=1),
         "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=1e-2, min_lr_ratio=0.05,
                       warmup_steps=30, weight_decay=0.1, beta2=0.99, eval_interval=500, eval_batches=20,
                       sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0, keep_every=500),
-        # modern: swept on a 2-core CPU one value at a time (benchmarks/recipes.py ablation --only FIELD=VALUE, raw
-        # in benchmarks/results/recipes_lr_phase1_cpu.txt), whole-split val loss after the 1,500 steps; another seed
-        # moves it by 0.003. Muon: 0.01 -> 1.565, 0.02 -> 1.577, 0.04 -> 1.579. AdamW (embeddings, head, gains), at
-        # Muon 0.01: 1e-3 -> 1.567, 3e-3 -> 1.565, 1e-2 -> 1.554, 2e-2 -> 1.581. Cooldown (the last fraction, linear
-        # to 5%): 0.2 -> 1.572, 0.4 -> 1.565, 0.6 -> 1.562 (1.558 with AdamW 1e-2, against 0.4's 1.554). Warmup 100
-        # steps instead of 30: 1.567.
         "modern": dict(learning_rate=1e-2, muon_lr=0.01, cooldown_frac=0.4),
     },
     # Medium model: a few hours on a T4/L4, minutes per 1k steps on an A100.
@@ -227,10 +222,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, min_lr_ratio=0.1,
                       warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
-        # modern: from published values, not tuned here: Muon 0.02 (nanochat's matrix_lr), AdamW 0.004 for the
-        # embedding, head and gains together (nanochat's head LR; its embedding takes a higher one), the last 40% a
-        # linear cooldown (modded-nanogpt's cooldown_frac).
-        "modern": dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4),
+        "modern": _PUBLISHED_MODERN,
     },
     # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small. HellaSwag
     # on 1,000 items at each validation (a few seconds on an A100) shows progress against GPT-2 124M's 0.2955.
@@ -239,32 +231,25 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
                       warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
-        # modern: from published values, not tuned here: Muon 0.02 (nanochat's matrix_lr), AdamW 0.004 for the
-        # embedding, head and gains together (nanochat's head LR; its embedding takes a higher one), the last 40% a
-        # linear cooldown (modded-nanogpt's cooldown_frac).
-        "modern": dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4),
+        "modern": _PUBLISHED_MODERN,
     },
-    # GPT-2 Medium (350M-class, 24 layers x 1024): the original author's next step. The same ~0.5M tokens per
-    # step as gpt2-small in micro-batches of 8 (it fits an A100 40 GB with bf16 and compile), a lower peak LR.
+    # GPT-2 Medium (350M-class, 24 layers x 1024): the same ~0.5M tokens per step as gpt2-small in micro-batches
+    # of 8 (it fits an A100 40 GB with bf16 and compile), a lower peak LR.
     "gpt2-medium": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024, dropout=0.0),
         "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, min_lr_ratio=0.1,
                       warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
-        # modern: from published values, not tuned here: Muon 0.02 (nanochat's matrix_lr), AdamW 0.004 for the
-        # embedding, head and gains together (nanochat's head LR; its embedding takes a higher one), the last 40% a
-        # linear cooldown (modded-nanogpt's cooldown_frac).
-        "modern": dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4),
+        "modern": _PUBLISHED_MODERN,
     },
-    # Fine-tuning a trained model (train --init-from RUN_DIR, or a GPT-2 from import-hf): the model's shape
-    # comes from that run (the fields below are placeholders), a peak LR ~10x below pre-training, a short
-    # warmup, and frequent validation, since small datasets overfit within a few hundred steps.
+    # Fine-tuning a trained model (train --init-from RUN_DIR): the model's shape comes from that run (the fields
+    # below are placeholders), a peak LR ~10x below pre-training, and frequent validation, since small datasets
+    # overfit within a few hundred steps.
     "finetune": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
                       warmup_steps=20, eval_interval=50, eval_batches=20, sample_prompts=["\n"], sample_tokens=100,
                       save_every_minutes=10.0, keep_every=0),
-        # modern: fine-tuning a modern base keeps its optimizer; LRs ~10x below pre-training, as for gpt2.
         "modern": dict(learning_rate=4e-4, muon_lr=2e-3, cooldown_frac=0.4),
     },
 }
@@ -307,9 +292,6 @@ def build_config(preset: str | RunConfig, overrides: dict | list | None = None, 
             raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
                               f"with get_preset(name, recipe={recipe!r})")
     return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
-
-
-# --- helpers -------------------------------------------------------------------------------
 
 
 def _dataclass_from_dict(cls, d: dict[str, Any], source: str):

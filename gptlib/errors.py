@@ -1,10 +1,5 @@
-"""The errors gptlib raises for problems a user can fix; each message names the file or field, the values and the fix.
-
-The command line prints any `GptlibError` as one line (exit status 2) instead of a traceback. This
-module imports nothing of gptlib or torch, so the CLI can catch them all without importing torch
-(`tokenize` never does). Each error is raised by the module named in its docstring, and importable
-from there too. Problems that are reported but not raised (a failing Drive copy) go through `loud`.
-"""
+"""The errors a user can fix; each message names the file or field, the values and the fix. The command line prints
+a GptlibError as one line (exit status 2). No gptlib or torch import here, so `tokenize` never loads torch."""
 
 from __future__ import annotations
 
@@ -12,7 +7,7 @@ import sys
 
 
 def loud(msg: str) -> None:
-    """Problems that must not scroll by unnoticed: stderr (red in notebooks), flushed at once."""
+    """Problems reported but not raised (a failing Drive copy): stderr, red in notebooks, flushed at once."""
     print(msg, file=sys.stderr, flush=True)
 
 

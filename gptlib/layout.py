@@ -1,25 +1,5 @@
-"""The run directory's layout: every file name in one place.
-
-A run directory (the same on the local disk and on the Drive mirror):
-
-    config.json         the run's full config (RunConfig), as the checkpoints record it
-    tokenizer.json      the tokenizer the run trains with (sampling and export use this copy)
-    metrics.jsonl       one row per step: train loss, lr, tokens seen; validation rows add val loss, tokens/s, MFU, ETA
-    samples.jsonl       the fixed prompts sampled at every validation
-    samples.md          the same as a table, "sample vs step"
-    loss.png            the loss curve
-    lease.json          while a training process writes here: its host, pid, session and heartbeat
-    checkpoints/step_0001000/
-        model.pt        state_dict of the original (uncompiled, unwrapped) module
-        train_state.pt  optimizer, grad scaler, torch RNGs, sampler state (tensors and numbers only)
-        state.json      the TrainState: step, tokens seen, best val loss, config, data identity, python/numpy RNG
-        metrics.jsonl   the run's logs up to this step (LOG_FILES), so a fresh VM resumes the loss curve too
-        samples.jsonl
-        manifest.json   written last: format version, step, size and sha256 of each file above
-
-Everything the Drive mirror copies, and everything a checkpoint carries, derives from the tuples below. The logs
-reach Drive one way: inside each checkpoint (LOG_FILES), which is what a fresh VM's resume restores them from.
-"""
+"""Every file name of a run directory (the same locally and on the Drive mirror; docs/drive.md draws the tree).
+What the mirror copies and what a checkpoint carries derive from the tuples below."""
 
 from __future__ import annotations
 
@@ -45,9 +25,8 @@ CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every chec
 
 # The logs each checkpoint carries a copy of (a resumed run continues them from the checkpoint's step).
 LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
-# The run-level files copied beside the checkpoints on the Drive mirror: what readers of the mirror use (sampling,
-# export and notebook 04 on a fresh VM read the tokenizer; the config names the run) and what people open on Drive
-# (the loss plot, the samples table).
+# The run-level files copied beside the checkpoints on the Drive mirror: what its readers (sampling, export, notebook
+# 04 on a fresh VM) and people opening Drive use.
 MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 
 # Checkpoint directory names: step_0001000 when complete; the markers name work in progress.

@@ -1,15 +1,7 @@
-"""One writer per run: training holds a lease on its run directory and its Drive mirror (tokenize on its output
-directory), so a second process there (another notebook tab, a reconnect while the old VM runs) refuses within
-seconds and names the holder. The lease file (layout.LEASE_FILE), rewritten every HEARTBEAT_S seconds:
-
-    {"host": "...", "pid": 1234, "session": "3f2a...", "started": 1732300000.0, "heartbeat": 1732300420.0,
-     "beats": 14}
-
-A lease is taken over (with a message) when its holder ran on this machine and is gone, or when its heartbeat is
-older than STALE_S by this machine's clock (an unreadable lease file: its modification time). That assumes the
-machines' clocks agree within a minute or so (Colab VMs run NTP). take_over=True (`--take-over`) takes any lease
-at once. A holder whose lease was taken stops saving at once: `check()` raises LeaseLost, called before every
-checkpoint write. Readers need no lease.
+"""One writer per run: training holds a lease on its run directory and Drive mirror (tokenize on its output
+directory), so a second process there refuses within seconds and names the holder. A lease whose holder is gone (a
+dead pid on this machine, or a heartbeat older than STALE_S by this machine's clock) is taken over; --take-over takes
+any. A holder whose lease was taken stops without writing: check() runs before every checkpoint write.
 """
 
 from __future__ import annotations
@@ -40,7 +32,6 @@ class Holder:
     session: str
     started: float
     heartbeat: float
-    beats: int
 
 
 def _describe(found: Holder | str, now: float) -> str:
@@ -53,7 +44,7 @@ def _describe(found: Holder | str, now: float) -> str:
 
 
 def _read(path: Path) -> Holder | str | None:
-    """The lease at path: a Holder, None if there is none, or a string saying why it cannot be read."""
+    """A Holder, None if there is no lease, or a string saying why it cannot be read."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -62,14 +53,12 @@ def _read(path: Path) -> Holder | str | None:
         return f"unreadable ({e})"
     try:
         d = json.loads(raw)
-        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]),
-                      int(d["beats"]))
+        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"malformed ({type(e).__name__}: {e})"
 
 
 def _timed(fn, path: Path, doing: str = "reading"):
-    """fn() for the lease at path, given up after IO_TIMEOUT_S (a hung Drive)."""
     return call_with_timeout(fn, IO_TIMEOUT_S, what=f"{doing} {path}")
 
 
@@ -78,14 +67,12 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
 class RunLease:
-    """The lease of one training call on its run directory and mirror (see the module docstring)."""
-
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print, command: str = "training"):
         self.dirs = [Path(d) for d in dirs if d is not None]
         self.take_over = take_over
@@ -94,14 +81,13 @@ class RunLease:
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
         self.started = time.time()
-        self.beats = 0
         self.lost: str | None = None  # set when another session took over: why
         self._held: list[Path] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
-        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written)."""
+        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written then)."""
         for d in self.dirs:
             self._check_free(d / LEASE_FILE)
         for d in self.dirs:
@@ -122,8 +108,7 @@ class RunLease:
         return self
 
     def _check_free(self, path: Path) -> None:
-        """Return if the lease at path may be taken (saying why when it is someone's); raise RunBusyError naming its
-        holder if that may be alive."""
+        """RunBusyError naming the lease's holder if that may be alive."""
         found = _timed(lambda: _read(path), path)
         if found is None:
             return
@@ -146,9 +131,8 @@ class RunLease:
         self.log(f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over")
 
     def _write(self, path: Path) -> None:
-        now = time.time()
-        body = {"host": self.host, "pid": os.getpid(), "session": self.session,
-                "started": self.started, "heartbeat": now, "beats": self.beats}
+        body = {"host": self.host, "pid": os.getpid(), "session": self.session, "started": self.started,
+                "heartbeat": time.time()}
         _timed(lambda: atomic_write_json(path, body), path, "writing")
 
     def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
@@ -164,7 +148,6 @@ class RunLease:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            self.beats += 1
             for d in self._held:
                 try:
                     self._check_ours(d / LEASE_FILE)
@@ -176,8 +159,7 @@ class RunLease:
                     pass
 
     def check(self, directory: Path | None = None) -> None:
-        """Raise LeaseLost if the lease was taken over (re-read now for `directory`, else the last heartbeat's
-        verdict). Called before every checkpoint write."""
+        """LeaseLost if the lease was taken over: re-read now for `directory`, else the last heartbeat's verdict."""
         if self.lost is not None:
             raise LeaseLost(self.lost + "; this process stopped without writing to it")
         if directory is not None and Path(directory) in self._held:
@@ -197,7 +179,7 @@ class RunLease:
 
 
 class NoLease:
-    """The lease of DDP ranks other than 0 (rank 0 holds the run's lease), and of callers that need none."""
+    """The lease of DDP ranks other than 0 (rank 0 holds the run's) and of callers that need none."""
 
     def check(self, directory: Path | None = None) -> None:
         pass

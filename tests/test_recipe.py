@@ -395,7 +395,7 @@ def test_notebook_03s_plan_says_what_each_recipe_needs():
     from gptlib.training.throughput import (COLAB_UNITS_PER_HOUR, MODERN_TOKEN_FRACTION, DevicePeak, plan_run,
                                             recipe_estimate)
 
-    a100 = DevicePeak("A100", "A100", 312e12, "", COLAB_UNITS_PER_HOUR["A100 40GB"])
+    a100 = DevicePeak("A100", 312e12, "", COLAB_UNITS_PER_HOUR["A100 40GB"])
     line = recipe_estimate(get_preset("gpt2-small"), 2_000_000_000, a100)
     gpt2_units, modern_units = (float(u) for u in __import__("re").findall(r"~([\d.]+) Colab units", line))
     assert modern_units == pytest.approx(gpt2_units * MODERN_TOKEN_FRACTION, abs=1)  # both rounded

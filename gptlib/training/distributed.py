@@ -1,10 +1,6 @@
-"""DistributedDataParallel plumbing for train(): one process per GPU under `torchrun`.
-
-Under torchrun (WORLD_SIZE > 1) `setup()` joins the process group (nccl on GPUs, gloo on CPU), pins each
-process to its GPU, and returns a `Dist` that train() asks for what DDP changes: who writes files (rank 0), the
-sampler seed (seed + rank), no_sync() (gradients all-reduced on an accumulation's last micro-step only), the
-mean loss across ranks at log time, and agreement on time-based decisions (stop, save), taken only at log steps
-so the hot loop has no extra syncs. Without torchrun all of it is a no-op.
+"""DistributedDataParallel under `torchrun`, one process per GPU: what DDP changes for train() (rank 0 writes, each
+rank samples its own stream, gradients all-reduced on an accumulation's last micro-step only, time-based decisions
+agreed at log steps so the hot loop has no extra syncs). Without torchrun every method is a no-op.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    initialized_here: bool = False  # we called init_process_group, so we destroy it
+    initialized_here: bool = False  # setup() called init_process_group, so teardown() destroys it
 
     @property
     def enabled(self) -> bool:
@@ -33,7 +29,6 @@ class Dist:
         return self.rank == 0
 
     def device(self, dev: torch.device) -> torch.device:
-        """Each process trains on its own GPU (LOCAL_RANK); CPU stays CPU."""
         return torch.device("cuda", self.local_rank) if self.enabled and dev.type == "cuda" else dev
 
     def wrap(self, model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
@@ -44,11 +39,9 @@ class Dist:
         return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
     def no_sync(self, model: torch.nn.Module, last_micro_step: bool):
-        """Skip the gradient all-reduce on all but the last micro-step of an accumulation."""
         return model.no_sync() if self.enabled and not last_micro_step else contextlib.nullcontext()
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
-        """Average a tensor over ranks (the logged loss is the global one)."""
         if not self.enabled:
             return t
         t = t.detach().clone()
@@ -56,7 +49,7 @@ class Dist:
         return t / self.world_size
 
     def agree(self, step: int, every: int, *flags: bool) -> tuple[bool, ...]:
-        """Time-based decisions, identical on every rank: under DDP taken at log steps only (any rank -> all)."""
+        """Time-based decisions made identical on every rank (any rank's True -> all), at log steps only."""
         if not self.enabled:
             return flags
         if step % every != 0:
@@ -70,7 +63,7 @@ class Dist:
         return min(self.sampler_states(int(value))) if self.enabled else value
 
     def sampler_states(self, state):
-        """Every rank's `state` (its sampler's, for rank 0's checkpoint), gathered; None when not distributed."""
+        """Every rank's `state`, gathered (None when not distributed)."""
         if not self.enabled:
             return None
         out = [None] * self.world_size
@@ -78,14 +71,13 @@ class Dist:
         return out
 
     def load_sampler_state(self, sampler, saved: dict, ranks: list[dict] | None, seed: int, log=print) -> None:
-        """This rank's saved sampler state (`ranks`: every rank's, from a DDP run; `saved`: rank 0's); a checkpoint
-        from another world size gets a derived, distinct stream."""
+        """`ranks`: every rank's saved state (a DDP run), `saved`: rank 0's. A checkpoint of another world size gives
+        each rank a derived stream of its own (not a replay of rank 0's batches)."""
         if ranks is not None and len(ranks) == self.world_size:
             sampler.load_state_dict(ranks[self.rank])
             return
         sampler.load_state_dict(saved)
         if self.rank > 0 or (ranks is not None and len(ranks) != self.world_size):
-            # Same position in the run, a stream of this rank's own (not a replay of rank 0's batches).
             sampler.generator.manual_seed(seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1))
             if self.is_main:
                 log(f"resume: the checkpoint's sampler states are for {len(ranks) if ranks else 1} process(es), "
@@ -102,7 +94,6 @@ class Dist:
 
 
 def setup(device: str = "auto") -> Dist:
-    """Join the process group when launched by torchrun; a plain Dist otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()

@@ -1,8 +1,5 @@
-"""GPU memory planning: how much training needs, the largest micro-batch that fits, and what to do after an OOM.
-
-An out-of-memory error must leave the notebook's runtime usable: every probe drops its tensors (no
-reference to the exception or its frames survives), collects garbage and empties the CUDA cache.
-"""
+"""GPU memory: how much training needs, the largest micro-batch that fits, and what to try after an OOM. An OOM must
+leave the notebook's runtime usable: every probe drops its tensors and the exception, then empties the CUDA cache."""
 
 from __future__ import annotations
 
@@ -17,16 +14,14 @@ from gptlib.runtime import autocast_for
 
 
 def free_memory() -> None:
-    """Return cached blocks after dropping references: gc first (cycles may hold tensors), then the CUDA cache."""
-    gc.collect()
+    gc.collect()  # first: reference cycles may hold tensors
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def is_oom(err: BaseException | None) -> bool:
-    """An out-of-memory error, itself or anywhere in its chain: torch.compile re-raises an OOM met while
-    compiling or running a compiled graph as another exception (__cause__), and an OOM may surface while
-    another error is handled (__context__)."""
+    """An OOM anywhere in err's chain: torch.compile re-raises one as another exception (__cause__), and one may
+    surface while another error is handled (__context__)."""
     seen = set()
     while err is not None and id(err) not in seen:  # a chain can loop back on itself
         seen.add(id(err))
@@ -51,9 +46,8 @@ def oom_advice(micro_batch: int, grad_accum: int, block_size: int, world_size: i
 
 
 def check_fits(cfg, device: torch.device) -> None:
-    """Refuse, before anything is written, a micro-batch whose training memory (estimate_train_bytes) exceeds all
-    the memory of the device it runs on: the GPU's, else the machine's RAM. (auto_batch finds what fits itself;
-    a size near the limit is left to the OOM advice.)"""
+    """ConfigError, before anything is written, for a micro-batch that needs more than all the device's memory (a
+    size near the limit is left to the OOM advice; auto_batch finds what fits itself)."""
     if cfg.train.auto_batch:
         return
     need = estimate_train_bytes(cfg.model, cfg.train.batch_size)
@@ -79,21 +73,17 @@ def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
 
 
 def train_reserve_bytes(model_cfg, micro_batch: int, measured_peak: int = 0) -> int:
-    """The GPU memory to keep free for training beside the data: the auto_batch probe's measured peak where there was
-    a probe, the estimate if it says more (or alone, without a probe)."""
+    """The GPU memory to keep free for training beside the data: the probe's measured peak, or the estimate if more."""
     return max(measured_peak, estimate_train_bytes(model_cfg, micro_batch))
 
 
-# The probe measures the model eagerly, before torch.compile wraps it (a compile per candidate size would cost
-# too much). Eager is the upper bound: inductor recomputes cheap pointwise results (GELU, LayerNorm) in the
-# backward instead of saving them. A size fits when its eager peak (weights, grads, AdamW's two moments as a
-# stand-in, activations) stays under PROBE_HEADROOM of the GPU; the rest is room for fragmentation and what runs
-# beside the step (cuBLAS/cuDNN workspaces, compile's kernel benchmarking).
+# The probe runs the model eagerly (a compile per candidate size would cost too much), an upper bound: inductor
+# recomputes cheap pointwise results in the backward instead of saving them. The rest of the GPU is room for
+# fragmentation and what runs beside the step (cuBLAS workspaces, compile's kernel benchmarking).
 PROBE_HEADROOM = 0.92
 
 
 class CudaMemoryProbe:
-    """The probe's view of GPU memory: the peak allocated since reset(), and the GPU's size."""
 
     def __init__(self, device: torch.device):
         self.device, self.total = device, torch.cuda.get_device_properties(device).total_memory
@@ -111,8 +101,7 @@ MEMORY_PROBES = {"cuda": CudaMemoryProbe}  # device type -> its memory probe; el
 
 def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dtype,
                      log=print) -> tuple[int, int, int]:
-    """train()'s auto_batch: probe on CUDA a model make_model() builds (eager, never compiled: see PROBE_HEADROOM);
-    elsewhere keep the configured sizes (no OOM to find there, and no model is built; peak 0)."""
+    """auto_batch: probe on CUDA; elsewhere keep the configured sizes (no OOM to find there; no model is built)."""
     tc = cfg.train
     if torch.device(device).type != "cuda":
         log(f"auto micro-batch: no memory probe on {torch.device(device).type}; keeping batch_size={tc.batch_size}, "
@@ -124,12 +113,8 @@ def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dty
 
 def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,
                       dtype: torch.dtype = torch.float32, log: Callable[[str], None] = print) -> tuple[int, int, int]:
-    """Largest micro-batch whose forward + backward fits -> (micro_batch, grad_accum_steps, its measured peak bytes;
-    0 without a memory probe), tokens per step kept.
-
-    Candidates are the divisors of `sequences_per_step`, largest first, each tried with one forward/backward on
-    random tokens: an OOM, or a peak over PROBE_HEADROOM of the GPU (the device type's MEMORY_PROBES entry), moves
-    on to the next. On CUDA AdamW's two fp32 moments are held in memory meanwhile."""
+    """The largest divisor of sequences_per_step whose forward + backward fits -> (micro_batch, grad_accum_steps, its
+    peak bytes; 0 without a memory probe). Fits: no OOM and a peak within PROBE_HEADROOM of the GPU."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     make_probe = MEMORY_PROBES.get(device.type)
@@ -161,9 +146,7 @@ def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_ste
 
 def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype,
                      memory_probe) -> tuple[str, int]:
-    """One forward + backward of b sequences -> (why it does not fit, "": it fits; its peak bytes, 0 unmeasured).
-    Everything it made is dropped before it returns: no reference to an OOM or its frames survives the except
-    block, then gc + empty_cache."""
+    """One forward + backward of b sequences -> (why it does not fit, "" if it fits; its peak bytes, 0 unmeasured)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
     why, peak = "", 0
     if memory_probe is not None:

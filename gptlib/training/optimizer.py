@@ -1,9 +1,6 @@
-"""What updates the weights: AdamW (the gpt2 recipe) or torch.optim.Muon with AdamW (the modern recipe).
-
-Muon orthogonalises each update of a 2-D hidden matrix (Newton-Schulz), which the NanoGPT speedrun found worth
-about a third fewer tokens to the same loss; it is for the blocks' matrices only, so the embedding, the output
-layer and the norms' gains keep AdamW. The two step as one optimizer (`MuonAdamW`): the loop, GradScaler and the
-checkpoint see one object with param_groups, step, zero_grad and state_dict.
+"""AdamW (the gpt2 recipe), or torch.optim.Muon for the blocks' 2-D matrices with AdamW for the rest (the modern
+recipe: Muon orthogonalises each update of a hidden matrix; the embedding, head and gains keep AdamW). MuonAdamW
+steps the two as one optimizer, so the loop, GradScaler and the checkpoint see one object.
 """
 
 from __future__ import annotations
@@ -14,16 +11,14 @@ from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError
 from gptlib.model import GPT
 
-# A param group's keys that say how its update runs on this device, not what it computes. torch's load_state_dict
-# takes them from the checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler
-# ("Expected grad_scale and found_inf to be None", the scaler having seen fused at __init__) and, without one, takes
-# the slow per-parameter path. So they always come from the optimizer built for this device (load_optimizer).
+# A param group's keys that say how its update runs on this device. torch's load_state_dict takes them from the
+# checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler and, without one, takes the
+# slow path. So they come from the optimizer built for this device (load_optimizer).
 DEVICE_KEYS = ("fused", "foreach", "capturable")
 
 
 class MuonAdamW:
-    """torch.optim.Muon for `matrices`, AdamW for `others`. Each param group carries `lr_scale`, its peak LR over
-    learning_rate, so the schedule (training.step.set_lr) sets both from one value."""
+    """Each param group carries `lr_scale`, its peak LR over learning_rate: the schedule sets both from one value."""
 
     def __init__(self, matrices: list, others: list, tc: TrainConfig, fused: bool):
         self.muon = torch.optim.Muon(matrices, lr=tc.muon_lr, weight_decay=tc.weight_decay,
@@ -62,8 +57,8 @@ class MuonAdamW:
 
 
 def load_optimizer(optimizer, state: dict) -> None:
-    """optimizer.load_state_dict(state) with this device's DEVICE_KEYS in every param group. They are put into the
-    saved groups before loading because torch also places AdamW's step counts by them (on the device when fused)."""
+    """load_state_dict with this device's DEVICE_KEYS put into the saved groups before loading: torch also places
+    AdamW's step counts by them (on the device when fused)."""
     if isinstance(optimizer, MuonAdamW):
         optimizer.load_state_dict(state)
         return
@@ -74,9 +69,8 @@ def load_optimizer(optimizer, state: dict) -> None:
 
 
 def check_optimizer_state(optimizer, state: dict, where: str) -> None:
-    """CheckpointError unless every tensor of a saved optimizer state that belongs to a parameter (AdamW's moments,
-    Muon's momentum) has that parameter's shape in `optimizer`, as load_weights_into checks the weights: a state
-    that verifies but does not fit (a writer bug, a hand edit) is a damaged checkpoint, not a traceback mid-run."""
+    """CheckpointError unless each saved per-parameter tensor (AdamW's moments, Muon's momentum) has its parameter's
+    shape: torch's load_state_dict does not check, and a state that does not fit would fail mid-run."""
     halves = ([("adamw", optimizer.adamw), ("muon", optimizer.muon)] if isinstance(optimizer, MuonAdamW)
               else [("", optimizer)])
     try:
@@ -105,7 +99,7 @@ SLOW_BF16_CPUS = ("NO AVX", "AVX2")  # torch.backends.cpu.get_cpu_capability() o
 
 
 def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
-    """One line for a Muon run on a CPU that emulates bf16, saying what it costs and the alternative; else None."""
+    """A note for a Muon run on a CPU that emulates bf16; None elsewhere."""
     if tc.optimizer != "muon" or device_type != "cpu":
         return None
     capability = torch.backends.cpu.get_cpu_capability()
@@ -118,8 +112,7 @@ def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
 
 
 def build_optimizer(model: GPT, tc: TrainConfig, device_type: str):
-    """TrainConfig.optimizer: adamw -> the GPT-2 AdamW (decay on 2-D weights); muon -> MuonAdamW, Muon taking every
-    2-D weight inside the blocks."""
+    """adamw: the GPT-2 AdamW (decay on 2-D weights); muon: MuonAdamW, Muon taking every 2-D weight of the blocks."""
     fused = device_type == "cuda"
     if tc.optimizer == "adamw":
         return model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device_type)

@@ -1,8 +1,6 @@
-"""Plots: loss.png in the run directory, the live plot a notebook shows while training, and HellaSwag
-acc_norm beside the loss or against tokens seen.
-
-Figures are built without pyplot's global state (a bare Figure; savefig renders it with Agg), so training in a
-thread or a headless process never touches a GUI backend.
+"""loss.png, the live plot a notebook shows while training, and HellaSwag acc_norm beside the loss or against tokens
+seen. Figures are bare matplotlib Figures (no pyplot state): training in a thread or a headless process never
+touches a GUI backend.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from gptlib.training.throughput import fmt_duration, fmt_mfu
 
 
 def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
-    """A new Figure's one Axes, labelled, titled and gridded."""
     from matplotlib.figure import Figure
 
     ax = Figure(figsize=figsize, dpi=dpi).add_subplot(1, 1, 1)
@@ -28,8 +25,6 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
 
 
 def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
-    """Train and val loss vs step as a matplotlib Figure, with HellaSwag acc_norm on a second axis when the
-    rows have it (TrainConfig.hellaswag_every)."""
     ax = _axes(figsize, dpi, "step", "loss (nats/token)", title)
     tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
     va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
@@ -45,17 +40,15 @@ def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 10
 
 
 def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
-    """loss.png in the run dir, replaced atomically so a viewer never reads half a file."""
     atomic_write(path, lambda f: loss_figure(rows, title).savefig(f, format="png"))
 
 
 def run_title(preset: str, run_name: str, sep: str = ": ") -> str:
-    """A plot's title naming the preset and the run, once when they are the same ("phase1", not "phase1: phase1")."""
+    """The preset and the run ("phase1: my-run"), named once when the run is named as its preset."""
     return preset if not run_name or run_name == preset else f"{preset}{sep}{run_name}"
 
 
 def _notebook_display():
-    """IPython's display() inside an IPython session (a notebook, Voila, Colab); None in a plain process."""
     try:
         from IPython import get_ipython
         from IPython.display import display
@@ -65,13 +58,8 @@ def _notebook_display():
 
 
 class LivePlot:
-    """Pass `LivePlot(run_dir).update` as train()'s on_log callback: at every validation it re-reads the run's
-    metrics.jsonl (earlier sessions of a resumed run included) and redraws the loss with the step, val loss,
-    tokens/s, MFU and ETA in the title, updating one display in place (outside IPython it only draws).
-
-    The display is made with the LivePlot, before training prints anything: the plot stays above the cell's
-    text, and training's "step N: ..." lines all land below it, in order.
-    """
+    """`LivePlot(run_dir).update` as train()'s on_log callback redraws the run's whole metrics.jsonl in one display.
+    The display is made with the LivePlot, before training prints anything, so the plot stays above the log lines."""
 
     PLACEHOLDER = "loss plot: drawn here at the first validation"
 
@@ -96,7 +84,6 @@ class LivePlot:
         return loss_figure(rows, " · ".join(parts), figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
-        """on_log callback: redraw with everything logged so far."""
         fig = self.figure(row)
         display = _notebook_display()
         if display is None:
@@ -113,8 +100,7 @@ class LivePlot:
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):
-    """Draw HellaSwag acc_norm (rows with `hellaswag_acc_norm`, i.e. metrics.jsonl) on a second y axis
-    of `ax` (the loss plot). Returns the new Axes, or None when no row has a score (nothing drawn)."""
+    """HellaSwag acc_norm of metrics.jsonl rows on a second y axis of the loss plot; None when no row has one."""
     pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n")) for r in rows
            if r.get("hellaswag_acc_norm") is not None and r.get("step") is not None]
     if not pts:
@@ -140,7 +126,7 @@ def add_hellaswag_axis(ax, rows: list[dict]):
 
 
 def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
-    """acc_norm against tokens seen, from eval.jsonl rows (task hellaswag), with GPT-2 124M's figure."""
+    """acc_norm of eval.jsonl rows against tokens seen, with GPT-2 124M's figure."""
     ax = _axes(figsize, dpi, "tokens seen", "HellaSwag acc_norm", title)
     pts = sorted((r["tokens_seen"], r["acc_norm"]) for r in rows
                  if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None)

@@ -12,14 +12,9 @@ from gptlib.errors import loud
 
 
 class GracefulStop:
-    """SIGINT (Colab's stop button, Ctrl-C) and SIGTERM (runtime shutdown) ask the loop to stop.
-
-    The first signal only sets `reason`: the loop finishes the optimizer step, saves and returns, so the saved
-    state is a step boundary. A second SIGINT raises KeyboardInterrupt at once (a loop stuck in validation, say)
-    and the loop saves the last complete step; inside `deferred()` (the update and the step counter) it waits
-    for the block's end, so no half update is saved. Handlers install from the main thread only; elsewhere this
-    does nothing and KeyboardInterrupt behaves as usual.
-    """
+    """The first signal only sets `reason`: the loop finishes its step, saves and returns. A second SIGINT raises
+    KeyboardInterrupt at once (a loop stuck in validation, say), except inside deferred(), which it waits for, so no
+    half update is saved. Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual."""
 
     def __init__(self):
         self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
@@ -62,9 +57,8 @@ class GracefulStop:
 
     @contextlib.contextmanager
     def last_save(self):
-        """The wait for the run's last save: a stop press then waits for it (its thread cannot be stopped mid-write,
-        and a process that exits under it aborts), as the run stops anyway. Then the handlers are put back, so that
-        Ctrl-C ends the wait for Drive that follows."""
+        """The run's last save: a stop press waits for it (its thread cannot be stopped mid-write). Then the handlers
+        are put back, so that Ctrl-C ends the wait for Drive that follows."""
         self._deferring = True
         try:
             yield

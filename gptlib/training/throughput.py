@@ -1,9 +1,6 @@
-"""Measurement that training shows and benchmarks print: GPU peaks, MFU, ETA, Colab compute units, the step timer.
-
-MFU (model FLOPs utilisation) = achieved training FLOP/s / the GPU's dense peak for the precision gptlib
-trains in, with gptlib.model.model_size's FLOPs per token (the matmuls' and attention's). Only GPUs in PEAK_TFLOPS
-get a number; anything else (an unlisted GPU, a CPU) says "MFU unknown" rather than print a wrong one.
-"""
+"""What training reports about speed and cost: MFU, ETA, Colab compute units, the step's time split, and the
+plan of a run (notebook 03). MFU uses gptlib.model.model_size's FLOPs per token against PEAK_TFLOPS; a device not
+in that table says "MFU unknown" rather than print a wrong number."""
 
 from __future__ import annotations
 
@@ -22,10 +19,8 @@ import torch
 from gptlib.errors import ConfigError, loud
 from gptlib.model import model_size
 
-# Dense (no sparsity) tensor-core peak in TFLOP/s for the precision gptlib trains in on that GPU:
-# bf16 where the GPU has it; fp16 on the T4, which trains in fp16 + GradScaler. First match wins. (No V100: Colab's
-# torch, 2.11 with CUDA 12.8, ships no kernels for it. No RTX PRO 6000, Colab's G4: MFU unknown there until a
-# dense bf16 figure from NVIDIA can be cited.)
+# Dense tensor-core peak in TFLOP/s for the precision gptlib trains in: bf16, fp16 on the T4. First match wins. No
+# V100 (Colab's torch has no kernels for it); no RTX PRO 6000 until NVIDIA's dense bf16 figure can be cited.
 PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"H200", "H200", 989.0),
     (r"H100.*PCIe", "H100 PCIe", 756.0),
@@ -36,24 +31,21 @@ PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"\bT4\b", "T4 (fp16)", 65.0),
 ]
 
-# Colab compute units per hour of each GPU runtime, measured by chrisjmccormick.github.io, "Colab GPUs: features
-# and pricing" (updated March 2026). Colab changes its prices: TrainConfig.colab_units_per_hour (--set
-# colab_units_per_hour=R, notebook 03's COLAB_UNITS_PER_HOUR) replaces this table's rate. G4 is the RTX PRO 6000
-# runtime. The H100 runtime has no rate here (none measured): set yours.
+# Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000).
+# Colab changes its prices: TrainConfig.colab_units_per_hour replaces this table's rate.
 COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
 
 
 @dataclass
 class DevicePeak:
     name: str  # what the device calls itself
-    family: str | None  # matched table row, e.g. "A100"; None if unknown
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
     units_per_hour: float | None = None  # Colab compute units per hour of this runtime; None if unknown
 
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
-    """'NVIDIA A100-SXM4-40GB' -> ('A100', 312e12); an unlisted name -> (None, None)."""
+    """'NVIDIA A100-SXM4-40GB' -> ('A100', 312e12 FLOP/s); an unlisted name -> (None, None)."""
     for pattern, family, tflops in PEAK_TFLOPS:
         if re.search(pattern, gpu_name, flags=re.IGNORECASE):
             return family, tflops * 1e12
@@ -61,8 +53,7 @@ def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
 
 
 def colab_runtime(gpu_name: str, total_memory: int) -> str | None:
-    """The Colab runtime a GPU is (a key of COLAB_UNITS_PER_HOUR), from its name and memory in bytes: an A100 with
-    more than 60 GiB is the 80 GB runtime. None: not one of Colab's."""
+    """The key of COLAB_UNITS_PER_HOUR for a GPU (total_memory in bytes), or None: not one of Colab's."""
     if re.search(r"A100", gpu_name, flags=re.IGNORECASE):
         return "A100 80GB" if total_memory > 60 * 2**30 else "A100 40GB"
     for pattern, runtime in ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4")):
@@ -72,20 +63,19 @@ def colab_runtime(gpu_name: str, total_memory: int) -> str | None:
 
 
 def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
-    """The device's peak FLOP/s and Colab units per hour; units_per_hour (TrainConfig.colab_units_per_hour), when
-    set, replaces the table's rate."""
+    """units_per_hour (TrainConfig.colab_units_per_hour), when set, replaces the table's rate."""
     device = torch.device(device)
     if device.type != "cuda":
-        return DevicePeak(f"{device.type}: {cpu_name()}", None, None,
-                          f"MFU unknown on {device.type} (no peak table for it)", units_per_hour or None)
+        return DevicePeak(f"{device.type}: {cpu_name()}", None, f"MFU unknown on {device.type} (no peak table for it)",
+                          units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
     runtime = colab_runtime(name, torch.cuda.get_device_properties(device).total_memory)
     units = units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime)
     if peak is None:
-        return DevicePeak(name, None, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
+        return DevicePeak(name, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
                           units)
-    return DevicePeak(name, family, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
+    return DevicePeak(name, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
 
 
 def cpu_name() -> str:
@@ -97,7 +87,6 @@ def cpu_name() -> str:
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, n_devices: int = 1) -> float | None:
-    """Fraction of the peak reached (0..1), or None when the peak is unknown."""
     return flops_per_token * tokens_per_s / (peak_flops * n_devices) if peak_flops else None
 
 
@@ -119,7 +108,6 @@ def eta_seconds(tokens_done: int, tokens_target: int, tokens_per_s: float) -> fl
 
 
 def colab_units(seconds: float, units_per_hour: float | None) -> float | None:
-    """Estimated Colab compute units for `seconds` at that rate (None if the rate is unknown)."""
     if not units_per_hour or not math.isfinite(seconds):
         return None
     return units_per_hour * seconds / 3600
@@ -127,8 +115,8 @@ def colab_units(seconds: float, units_per_hour: float | None) -> float | None:
 
 def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
                 n_devices: int, tokens_seen: int, tokens_target: int, eta_tokens_per_s: float | None = None) -> dict:
-    """What train() adds to a metrics row: MFU (None if unknown), ETA, Colab units, the time split (fractions).
-    eta_tokens_per_s: the rate the ETA assumes, when it differs (validations cost wall time, not MFU)."""
+    """A metrics row's MFU, ETA, Colab units and time split (fractions). eta_tokens_per_s: the rate the ETA assumes,
+    when it differs (validations cost wall time, not MFU)."""
     total = sum(split.values())
     eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s if eta_tokens_per_s is None else eta_tokens_per_s)
     m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
@@ -139,7 +127,6 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
 
 
 def postfix_fields(perf: dict) -> dict[str, str]:
-    """Short progress-bar fields from perf_fields(): only what is known."""
     out = {"mfu": fmt_mfu(perf["mfu"])} if perf.get("mfu") is not None else {}
     if perf.get("eta_s") is not None:
         out["eta"] = fmt_duration(perf["eta_s"])
@@ -148,13 +135,9 @@ def postfix_fields(perf: dict) -> dict[str, str]:
     return out
 
 
-def tokens_per_step(cfg, world_size: int = 1) -> int:
-    return cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.model.block_size * world_size
-
-
-def run_tokens(cfg, start_step: int = 0, world_size: int = 1) -> int:
+def run_tokens(cfg, start_step: int = 0) -> int:
     """Tokens the run still trains on from start_step to max_steps."""
-    return max(0, cfg.train.max_steps - start_step) * tokens_per_step(cfg, world_size)
+    return max(0, cfg.train.max_steps - start_step) * cfg.tokens_per_step
 
 
 def run_flops(cfg, start_step: int = 0) -> float:
@@ -162,25 +145,22 @@ def run_flops(cfg, start_step: int = 0) -> float:
     return float(model_size(cfg.model).flops_per_token) * run_tokens(cfg, start_step)
 
 
-GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")  # config.PRESETS made for a GPU runtime
-CPU_ADVISE_S = 600.0  # a GPU preset on a CPU that would take longer than this gets the advice to use a GPU runtime:
-# ten minutes is about what a notebook cell is worth waiting for, and switching the runtime costs a minute or two
-CPU_REFUSE_S = 3600.0  # a GPU preset that device=auto put on a CPU is refused when it would take longer than this
+# A GPU preset on a CPU (a Colab notebook opened without a GPU runtime, docs/gpu.md): a run estimated over
+# CPU_ADVISE_S (about what a notebook cell is worth waiting for) gets the advice to switch runtime; over CPU_REFUSE_S
+# with device=auto it is refused before anything is written.
+GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")
+CPU_ADVISE_S = 600.0
+CPU_REFUSE_S = 3600.0
 
-# What training reaches on a CPU against one matmul's FLOP rate (cpu_train_flops), measured on this project's 2-core
-# EPYC VM (torch 2.13, fp32, eager; benchmarks/cpu_estimate.py prints estimate vs run, its output in
-# benchmarks/results/cpu_estimate_cpu.txt). The matmuls of models from phase1's width up run at 0.5-0.9 of that rate
-# (0.8 for phase1's 1,500 steps in 73 s). Every op also has a fixed cost, whatever its size, which is all a tiny
-# model's time: ~2 ms per layer per micro-batch for its forward and backward, about one layer's more for the
-# embedding, head and loss, and one micro-batch's more per step for the AdamW update (1 to 8 layers 32 wide: 1.9 ms
-# more per layer per micro-batch, ~3 ms per update, for 0.2 ms of FLOPs per layer). The modern recipe's unfused
-# RMSNorm, QK-norm and rotary double that, and Muon's bf16 update is slower still (optimizer.slow_muon_note).
+# Training on a CPU runs its matmuls at about CPU_MATMUL_SHARE of one big matmul's rate (cpu_train_flops), plus a
+# fixed cost per op, whatever its size (all of a tiny model's time): CPU_LAYER_PASS_S per layer per micro-batch.
+# Measured by benchmarks/cpu_estimate.py (benchmarks/results/cpu_estimate_cpu.txt).
 CPU_MATMUL_SHARE = 0.7
 CPU_LAYER_PASS_S = 2e-3
 
 
 def cpu_train_flops(seconds: float = 0.2) -> float:
-    """FLOP/s of one 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`."""
+    """FLOP/s of a 1024 x 1024 fp32 matmul on this CPU, measured now for ~`seconds`."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b  # the first call pays thread start-up
     n, t0 = 0, time.perf_counter()
@@ -191,10 +171,8 @@ def cpu_train_flops(seconds: float = 0.2) -> float:
 
 
 def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = None) -> float:
-    """Rough seconds the rest of the run takes on this CPU: its training steps and what runs at each validation
-    (eval_batches forward passes, the samples' tokens), as FLOPs at CPU_MATMUL_SHARE of the matmul rate plus
-    CPU_LAYER_PASS_S per layer (and one more) per micro-batch and per update; a forward alone, or a sampled token,
-    a third of a micro-batch."""
+    """Rough seconds the rest of the run takes on this CPU, validations included (a forward alone, or a sampled
+    token, costs a third of a training micro-batch)."""
     tc, mc = cfg.train, cfg.model
     steps = max(0, tc.max_steps - start_step)
     validations = steps // tc.eval_interval + 1  # every eval_interval steps, and at the end
@@ -208,10 +186,8 @@ def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = N
 
 
 def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
-    """A GPU preset on a CPU: a run estimated over CPU_ADVISE_S gets the estimate and how to get a GPU; over
-    CPU_REFUSE_S with device=auto (a Colab notebook opened without a GPU runtime) a ConfigError: nobody should start
-    a 3,000-hour run unknowingly. Asked for explicitly (device=cpu) it is a warning. A shorter run (a tiny model in
-    a GPU preset, --set overrides) only gets a note of its estimate."""
+    """Nobody should start a 3,000-hour run unknowingly (see GPU_PRESETS); asked for explicitly (device=cpu), a
+    long run is a warning."""
     tokens = run_tokens(cfg, start_step)
     if device.type != "cpu" or cfg.preset not in GPU_PRESETS or tokens == 0:
         return
@@ -234,13 +210,9 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
 
 
 class StepTimer:
-    """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop.
-
-    On CUDA it records events and reads them only in `split()` (where the loop syncs anyway, at log time): the
-    GPU timeline shows where time goes, the GPU waiting for the host's data included. On CPU: perf_counter. With
-    sync=True (the ladder) every mark waits for the device and times on the host, so host work such as a Python
-    data loader counts in full.
-    """
+    """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop: on CUDA, events read only in
+    split(), where the loop syncs anyway at log time. sync=True (benchmarks) waits for the device at every mark,
+    so host work such as a Python data loader counts in full."""
 
     def __init__(self, device: str | torch.device, sync: bool = False):
         self.device = torch.device(device)
@@ -272,7 +244,7 @@ class StepTimer:
         self._last = now
 
     def split(self) -> dict[str, float]:
-        """-> {phase: seconds} since the last split."""
+        """{phase: seconds} since the last split."""
         if self._events:
             self._events[-1][2].synchronize()
             for phase, a, b in self._events:
@@ -288,7 +260,6 @@ def fmt_split(split: dict[str, float]) -> str:
 
 
 def machine_info() -> str:
-    """One line for benchmark files: torch, CPU/GPU, cores."""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return (f"torch {torch.__version__}; python {platform.python_version()}; CPU {cpu_name()} ({os.cpu_count()} "
             f"cores); GPU {gpu}")
@@ -307,18 +278,17 @@ def fmt_tokens(n: float) -> str:
 class RunPlan:
     cfg: Any  # the RunConfig the preset and overrides give
     max_steps: int  # from the token budget, else the preset's
-    summary: str  # "gpt2-small: 524,288 tokens/step x 5,341 steps = 2.8B tokens" and the device's peak
+    summary: str  # tokens/step x steps, the device's peak, each recipe's cost
 
 
 def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, device: str = "auto",
              recipe: str = "gpt2") -> RunPlan:
-    """Notebook 03: the run's length in steps from a token budget (0: the preset's max_steps; at least 1), what
-    the device can do (its peak FLOP/s, for MFU), and what each recipe needs for the same loss (recipe_estimate)."""
+    """Notebook 03: the run's length in steps from a token budget (0: the preset's max_steps)."""
     from gptlib.config import build_config
     from gptlib.runtime import resolve_device
 
     cfg = build_config(preset, overrides, recipe=recipe)
-    per_step = tokens_per_step(cfg)
+    per_step = cfg.tokens_per_step
     max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
     peak = device_peak(resolve_device(device), cfg.train.colab_units_per_hour)
     rate = ("Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if peak.units_per_hour is None else
@@ -330,18 +300,16 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     return RunPlan(cfg, max_steps, summary)
 
 
-# The tokens the modern recipe needs to reach the validation loss the gpt2 recipe reaches, as a fraction of the
-# gpt2 recipe's. The NanoGPT speedrun's records put these changes (rotary, Muon, QK-norm, zero-init) at ~3x fewer
-# tokens at GPT-2 Small's scale; the BPE proxy here (benchmarks/results/recipes_bpe_cpu.txt: a 3M-parameter model
-# on Python sources, same data and seed) measured 0.15, with the gpt2 recipe's LR not tuned at that size. The more
-# conservative figure is used: an estimate, not a promise.
+# The modern recipe's tokens to the gpt2 recipe's loss, as a fraction of the gpt2 recipe's: the NanoGPT speedrun's
+# ~3x at GPT-2 Small's scale, the more conservative figure than the 0.15 a small BPE proxy measured here
+# (docs/benchmarks.md). An estimate, not a promise.
 MODERN_TOKEN_FRACTION = 0.33
 ASSUMED_MFU = 0.4  # for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
 
 
 def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
-    """One line: the tokens (and, on a GPU with a known peak, hours and Colab compute units) each recipe needs to
-    reach the loss the gpt2 recipe reaches with `tokens`."""
+    """The tokens (and on a GPU with a known peak, hours and Colab units) each recipe needs to reach the loss the gpt2
+    recipe reaches with `tokens`."""
     def cost(n: float) -> str:
         if peak.peak_flops is None:
             return ""

@@ -1,7 +1,6 @@
-"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards) and its output directory, written
-by one tokenize at a time. The state is saved at every completed shard with the input position of the batch that
-completed it: a resumed pass redoes that batch and writes the same bytes.
-"""
+"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards) and its output directory. The
+state is saved at every completed shard with the input position of the batch that completed it: a resumed pass redoes
+that batch and writes the same bytes."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ import numpy as np
 
 from gptlib.data.conversations import EXAMPLES_KEPT, ChatTemplate
 from gptlib.data.inputs import Source, invalid_utf8
-from gptlib.data.pieces import Piece
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
-from gptlib.data.sources import iter_corpus
+from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunDirError, loud
 from gptlib.fsutil import TMP_MARKER, atomic_write_json, check_dir, clean_temp_files
@@ -31,7 +29,7 @@ BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, s
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
-    """Token id lists (BPE) or arrays (char) -> one array: a C-speed slice assignment per part, no array per list."""
+    # a C-speed slice assignment per part: np.concatenate would first make an array of each BPE id list
     out = np.empty(sum(map(len, parts)), dtype=dtype)
     i = 0
     for p in parts:
@@ -40,17 +38,15 @@ def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-class Batch(NamedTuple):
-    """The pieces of one encode call, and the reader's counters as they stood right after reading them."""
-
+class Batch(NamedTuple):  # with the reader's counters as they stood right after reading its pieces
     pieces: list[Piece]
     invalid_utf8: int
     skipped_files: list
 
 
 class Pass:
-    """The pass from progress["resume"] on, updating progress["emitted"] and progress["stats"]; `writers` hold the
-    last shards, not yet flushed."""
+    """From progress["resume"] on, updating progress["emitted"] and ["stats"]; the writers' last shards are left to
+    the caller to flush."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
                  progress: dict, lease: RunLease | NoLease, verbose: bool):
@@ -78,7 +74,7 @@ class Pass:
                         unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
 
     def save_state(self) -> None:
-        """The state as it stood before the current batch. A tokenize whose lease another one took over stops here."""
+        """As it stood before the current batch. A tokenize whose lease another one took over stops here."""
         self.lease.check(self.out_dir)
         b = self.batch_start
         atomic_write_json(self.out_dir / PREPARE_STATE_FILE, {
@@ -98,10 +94,9 @@ class Pass:
         return "val" if int.from_bytes(h, "little") < self.threshold else "train"
 
     def run(self, pieces_iter) -> None:
-        """Each batch is encoded on a worker thread while this one stores the previous batch and reads the next (the
-        library releases the GIL while it encodes). What is stored, and when, is as if one batch were read, encoded
-        and stored at a time: the reader's counters travel with their batch, a read error comes after the batch before
-        it is stored, and a max_tokens stop drops the batch read ahead."""
+        """Each batch is encoded on a worker thread (the library releases the GIL) while this one stores the previous
+        batch and reads the next. What is stored is as if one batch were read, encoded and stored at a time: a read
+        error comes after the batch before it is stored, and a max_tokens stop drops the batch read ahead."""
         batches = self.batches(pieces_iter)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
             held = None  # (batch, its ids being encoded)
@@ -119,7 +114,7 @@ class Pass:
 
     def store(self, batch: Batch, ids) -> bool:
         """-> whether max_tokens stopped the pass in this batch; if so the reader's counters go back to where they stood
-        after it (the batch read ahead never happened)."""
+        after it."""
         self.run_batch(batch, ids.result())
         if self.stopped:
             invalid_utf8.count = batch.invalid_utf8
@@ -195,7 +190,7 @@ class Pass:
 
     def show(self, nbytes: float) -> None:
         bar = self.bar
-        bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot by a hair
+        bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot
         rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
         total = self.emitted["train"] + self.emitted["val"]
         post = f"{total / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
@@ -217,7 +212,7 @@ def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sou
 
 
 def our_files(out_dir: Path) -> list[Path]:
-    """The only files tokenize ever deletes. Not lease.json, which only its holder writes and removes."""
+    """The only files tokenize ever deletes (not lease.json: only its holder removes it)."""
     if not out_dir.is_dir():
         return []
     names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
@@ -226,13 +221,10 @@ def our_files(out_dir: Path) -> list[Path]:
 
 
 def check_output_dir(out_dir: Path) -> None:
-    """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite, which
-    replaces only a previous dataset's files)."""
+    """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite)."""
     if not check_dir(out_dir, "--out"):
         return
-    # What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
-    # lease.json alone does not: a tokenize holds one in its data directory too; a training run that holds one is
-    # refused by the lease itself, naming it.
+    # lease.json alone does not make a run directory: a tokenize holds one too (and the lease refuses a live run).
     run = [n for n in (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE) if (out_dir / n).exists()]
     if run:
         raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
@@ -247,9 +239,8 @@ def check_output_dir(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLease | NoLease]:
-    """Hold out_dir's lease while tokenizing into it, as a training run holds its run directory's: a second tokenize
-    there raises RunBusyError naming this one; a killed one's lease is taken over. Ctrl-C: one line saying what is
-    kept, then the KeyboardInterrupt goes on."""
+    """out_dir's lease, as a training run holds its run directory's: a second tokenize there raises RunBusyError; a
+    killed one's lease is taken over. Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes on."""
     created = not out_dir.exists()
     lease = None
     try:
@@ -262,8 +253,7 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
             lease = NoLease()  # a finished dataset on a read-only disk: reused as before; no writer to keep out
         yield lease
     except KeyboardInterrupt:
-        # A write cut short removes its own temp file; one cut right after creating it may not have: while the
-        # lease is held, every temp file in out_dir is this run's (lease.py's heartbeat just skips a beat).
+        # a write cut right after creating its temp file may leave it; while the lease is held, all are ours
         clean_temp_files(out_dir)
         try:
             done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])

@@ -45,23 +45,20 @@ class Batch(NamedTuple):  # with the reader's counters as they stood right after
 
 
 class Pass:
-    """From progress["resume"] on, updating progress["emitted"] and ["stats"]; the writers' last shards are left to
-    the caller to flush."""
+    """From progress["resume"] on, updating progress["emitted"] and ["stats"] in place. After run(), `writers` hold
+    the last shards (not yet flushed) and `stopped` says where max_tokens stopped the pass (None: at the end)."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict, lease: RunLease | NoLease, verbose: bool):
-        from tqdm.auto import tqdm
-
+                 progress: dict, lease: RunLease | NoLease):
         self.out_dir, self.lease = out_dir, lease
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
-        self.emitted, self.stats = progress["emitted"], progress["stats"]
+        self.resume, self.emitted, self.stats = progress["resume"], progress["emitted"], progress["stats"]
         self.max_tokens = spec.get("max_tokens")
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted),
-                            "stats": copy.deepcopy(self.stats)}
+        self.batch_start = {"pos": dict(self.resume), "emitted": dict(self.emitted), "stats": copy.deepcopy(self.stats)}
         self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
         done = progress["shards"]
@@ -69,9 +66,6 @@ class Pass:
                                        skip=sum(x["tokens"] for x in done[s]) - self.emitted[s],
                                        with_spans=self.template is not None) for s in ("train", "val")}
         self.save_state()  # marks out_dir as this run's, before the first shard
-        self.tokens_run, self.t_run = 0, time.time()
-        self.bar = tqdm(total=sum(s.size for s in sources), initial=int(self.stats["bytes"]), unit="B", unit_scale=True,
-                        unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
 
     def save_state(self) -> None:
         """As it stood before the current batch. A tokenize whose lease another one took over stops here."""
@@ -93,12 +87,22 @@ class Pass:
         h = hashlib.blake2b(f"{self.sources[fi].key}:{doc}".encode(), digest_size=8).digest()
         return "val" if int.from_bytes(h, "little") < self.threshold else "train"
 
-    def run(self, pieces_iter) -> None:
+    def run(self, column: str, verbose: bool) -> None:
         """Each batch is encoded on a worker thread (the library releases the GIL) while this one stores the previous
         batch and reads the next. What is stored is as if one batch were read, encoded and stored at a time: a read
         error comes after the batch before it is stored, and a max_tokens stop drops the batch read ahead."""
-        batches = self.batches(pieces_iter)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
+        from tqdm.auto import tqdm
+
+        spec = self.spec
+        batches = self.batches(iter_corpus(self.sources, self.resume, self.stats["skipped_files"], spec["split"],
+                                           spec["val_fraction"], column, spec.get("format", "text")))
+        # with max_tokens the bar counts tokens towards it, so that tqdm's ETA is the one that matters
+        total, done, unit = (self.max_tokens, sum(self.emitted.values()), "tok") if self.max_tokens else \
+            (sum(s.size for s in self.sources), int(self.stats["bytes"]), "B")
+        self.tokens_run, self.t_run = 0, time.time()
+        with tqdm(total=total, initial=done, unit=unit, unit_scale=True, unit_divisor=1000, desc="tokenize",
+                  disable=not verbose, mininterval=0.5, smoothing=0.1) as self.bar, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
             held = None  # (batch, its ids being encoded)
             while True:
                 try:
@@ -141,74 +145,53 @@ class Pass:
         parts: dict[str, list] = {"train": [], "val": []}
         spans: dict[str, list] = {"train": [], "val": []}
         count = {"train": 0, "val": 0}  # tokens of this batch per split so far
-        total0, stats, eot = self.emitted["train"] + self.emitted["val"], self.stats, self.tok.eot_id
-        nbytes, last = 0.0, None
+        total0, stats, eot = sum(self.emitted.values()), self.stats, self.tok.eot_id
+        nbytes = 0.0
         for p, x in zip(batch.pieces, ids):
-            last = p
             nbytes += p.nbytes
             if p.malformed is not None:
-                stats["malformed_conversations"] = stats.get("malformed_conversations", 0) + 1
-                examples = stats.setdefault("malformed_examples", [])
-                if len(examples) < EXAMPLES_KEPT:
-                    examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc,
-                                     "reason": p.malformed})
+                self.count_malformed(p)
                 continue
             s = p.split or self.doc_split(p.pos["file"], p.doc)  # pos["file"] is the piece's own file
             if self.template is not None and p.role is not None:
                 x, span = self.template.piece_ids(p, x)
                 if span is not None:
                     spans[s].append((count[s] + span[0], count[s] + span[1]))
-            if len(x):
-                parts[s].append(x)
-                count[s] += len(x)
+            parts[s].append(x)
+            count[s] += len(x)
             stats["characters"] += len(p.text)
             if p.doc_end:
-                if p.text:
-                    stats["documents"] += 1
-                    if eot is not None:
-                        parts[s].append([eot])
-                        count[s] += 1
-                else:  # a blank line, null or "" value
-                    stats["empty_documents"] += 1
+                stats["documents" if p.text else "empty_documents"] += 1  # empty: a blank line, null or ""
+                if p.text and eot is not None:
+                    parts[s].append([eot])
+                    count[s] += 1
                 if self.max_tokens is not None and total0 + count["train"] + count["val"] >= self.max_tokens:
                     self.stopped = {"file": str(self.sources[p.pos["file"]].path), "document": p.doc}
                     break
         for s in ("train", "val"):
-            arr = to_array(parts[s], self.dtype)
-            self.emitted[s] += int(arr.size)
-            self.tokens_run += int(arr.size)
             sp = np.array(spans[s], dtype=np.int64).reshape(-1, 2) if self.template is not None else None
             if sp is not None:
-                self.stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
-            self.writers[s].write(arr, sp)
-        self.stats["bytes"] += nbytes
-        self.stats["replaced_invalid_utf8"] = batch.invalid_utf8
-        self.show(nbytes)
+                stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
+            self.writers[s].write(to_array(parts[s], self.dtype), sp)
+            self.emitted[s] += count[s]
+        self.tokens_run += count["train"] + count["val"]
+        stats["bytes"] += nbytes
+        stats["replaced_invalid_utf8"] = batch.invalid_utf8
+        self.bar.update(max(0.0, min(count["train"] + count["val"] if self.max_tokens else nbytes,
+                                     self.bar.total - self.bar.n)))  # float per-row shares may overshoot
+        if not self.max_tokens:  # a bar of bytes: the tokens too
+            rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
+            self.bar.set_postfix_str(f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s",
+                                     refresh=False)
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
-        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
-                            "stats": copy.deepcopy({**self.stats, "skipped_files": batch.skipped_files})}
+        self.batch_start = {"pos": dict(p.pos), "emitted": dict(self.emitted),
+                            "stats": copy.deepcopy({**stats, "skipped_files": batch.skipped_files})}
 
-    def show(self, nbytes: float) -> None:
-        bar = self.bar
-        bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot
-        rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
-        total = self.emitted["train"] + self.emitted["val"]
-        post = f"{total / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
-        if self.max_tokens:
-            left = int(max(0, self.max_tokens - total) / max(rate, 1e-9))
-            post += (f", {min(1.0, total / self.max_tokens):.0%} of max-tokens "
-                     f"(ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d})")
-        bar.set_postfix_str(post, refresh=False)
-
-
-def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source], progress: dict,
-                  text_column: str | None, verbose: bool, lease: RunLease | NoLease) -> tuple[dict, dict | None]:
-    """-> (the writers, their last shards not yet flushed; where max_tokens stopped the pass, None at the end)."""
-    p = Pass(out_dir, spec, tok, identity, sources, progress, lease, verbose)
-    with p.bar:
-        p.run(iter_corpus(sources, progress["resume"], progress["stats"]["skipped_files"], spec["split"],
-                          spec["val_fraction"], text_column, spec.get("format", "text")))
-    return p.writers, p.stopped
+    def count_malformed(self, p: Piece) -> None:
+        self.stats["malformed_conversations"] = self.stats.get("malformed_conversations", 0) + 1
+        examples = self.stats.setdefault("malformed_examples", [])
+        if len(examples) < EXAMPLES_KEPT:
+            examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc, "reason": p.malformed})
 
 
 def our_files(out_dir: Path) -> list[Path]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
-from gptlib.data.encode import check_output_dir, encode_corpus, one_writer, our_files
+from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files
 from gptlib.data.inputs import Source, scan_inputs
 from gptlib.data.shards import (META_FILE, PREPARE_STATE_FILE, DatasetMeta, check_shard, dtype_for_vocab, read_meta,
                                 write_meta)
@@ -51,14 +51,15 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
             reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
-        writers, stopped = encode_corpus(out_dir, spec, tok, identity, sources, progress, column, verbose, lease)
+        encoding = Pass(out_dir, spec, tok, identity, sources, progress, lease)
+        encoding.run(column, verbose)
         _check_result(progress, val_fraction)
         lease.check(out_dir)  # taken over meanwhile: the last shards and meta.json are the other tokenize's to write
-        extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, stopped),
+        extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, encoding.stopped),
                  "elapsed_s": round(time.time() - t0, 3)}
         # meta.json last (a half-written dataset never looks complete), then the resume state goes.
         write_meta(out_dir, vocab_size=tok.vocab_size, tokenizer=identity, splits={s: w.close() for s, w in
-                   writers.items()}, sources=[s.record() for s in sources], extra=extra)
+                   encoding.writers.items()}, sources=[s.record() for s in sources], extra=extra)
         (out_dir / PREPARE_STATE_FILE).unlink()
         meta = read_meta(out_dir)
         if verbose:

@@ -110,9 +110,8 @@ def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, spli
           shard_tokens: int, fmt: str, max_tokens: int | None) -> dict:
     """What makes a dataset this dataset: a re-run with an equal spec reuses or resumes it, any other is refused."""
     return {"sources": [[s.size, s.hash] for s in sources], "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
+            # on_bad_file (the only policy now), and the keys below only where not the default: older datasets' specs
             "split": split, "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": "skip",
-            # so that datasets made before keep their spec: on_bad_file (the only policy now), keys only where not
-            # the default
             **({"format": fmt} if fmt != "text" else {}),
             **({"max_tokens": int(max_tokens)} if max_tokens is not None else {})}
 
@@ -120,15 +119,15 @@ def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, spli
 def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_max_bytes: int | None,
                    sources: list[Source], text_column: str | None, skipped: list, verbose: bool, fmt: str) -> Tokenizer:
     """The reused tokenizer (for chat data with the chat tokens appended where missing), or a new one."""
-    if reused is not None and fmt == "chat":
+    if reused is not None and fmt != "chat":
+        return reused
+    if reused is not None:
         if not isinstance(reused, BPETokenizer):
             raise PrepareError(_CHAR_CHAT)
         try:
             return reused.with_special_tokens(CHAT_TOKENS)
         except TokenizerError as e:
             raise PrepareError(f"this tokenizer cannot hold chat data: {e}") from None
-    if reused is not None:
-        return reused
     if tokenizer == "char":
         chars: set[str] = set()
         for text in train_texts(sources, text_column, None, skipped):
@@ -175,15 +174,12 @@ def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> 
         return None, None
     # a state file is written atomically; an unreadable one is not ours to trust
     state = _json(state_path) if state_path.is_file() else None
-    if state is None:
-        return None, None
-    if state.get("spec") != spec:
-        if not overwrite:
-            raise PrepareError(
-                f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
-                f"command as before to finish it, choose another output directory, or pass --overwrite")
-        return None, None
-    return None, state
+    if state is None or state.get("spec") == spec:
+        return None, state
+    if not overwrite:
+        raise PrepareError(f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
+                           f"command as before to finish it, choose another output directory, or pass --overwrite")
+    return None, None
 
 
 def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,

@@ -1,7 +1,6 @@
 """The data format: `meta.json` (written last: a directory without it is incomplete), `tokenizer.json`, the shards
 `train_000000.bin`, `val_000000.bin` ... (little-endian token ids, uint16 or uint32) and, for chat data, beside each
-shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted, disjoint).
-"""
+shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted, disjoint)."""
 
 from __future__ import annotations
 
@@ -58,12 +57,8 @@ class ShardWriter:
         self.spans: list[np.ndarray] = []  # spans of the buffered tokens (offsets into the buffer)
 
     def write(self, ids: np.ndarray, spans: np.ndarray | None = None) -> None:
-        ids = np.asarray(ids)
-        spans = np.asarray(spans if self.with_spans and spans is not None else [], np.int64).reshape(-1, 2)
-        if ids.dtype != self.dtype and ids.size:  # an unsigned array of the shard's own dtype is in range by type
-            if int(ids.max()) > np.iinfo(self.dtype).max or int(ids.min()) < 0:
-                raise DataFormatError(f"token ids span {int(ids.min())}..{int(ids.max())}, outside the "
-                                      f"{self.dtype.name} shards' range")
+        """ids: of the vocabulary dtype_for_vocab chose the shards' dtype for (so in range)."""
+        spans = np.zeros((0, 2), np.int64) if spans is None else np.asarray(spans, np.int64).reshape(-1, 2)
         if self.skip:
             k = min(self.skip, ids.size)
             ids, spans, self.skip = ids[k:], _clip_spans(spans, k, ids.size), self.skip - k
@@ -122,8 +117,8 @@ class DatasetMeta:
         return str(self.raw.get("format", "text"))
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint records of its data, to refuse resuming on other data: the tokenizer and a fingerprint of
-        the shards' sha256 (not the path: a moved copy resumes)."""
+        """What a checkpoint records of its data, to refuse resuming on other data (not the path: a moved copy
+        resumes)."""
         shards = {split: [s.get("sha256") for s in rec.get("shards", [])] for split, rec in sorted(self.splits.items())}
         fingerprint = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16]
         return {"tokenizer_kind": self.tokenizer.get("kind"), "tokenizer_hash": self.tokenizer.get("hash"),
@@ -162,7 +157,7 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
 
 def _run_dir_message(data_dir: Path) -> str | None:
     """A training run directory, or one of its checkpoints, given as data: say so, and name the data directory
-    the checkpoint (the run's newest) records in state.json's data_dir, to pass instead."""
+    its (newest) checkpoint was trained on."""
     is_checkpoint = (data_dir / MANIFEST_FILE).is_file()
     run_dir = data_dir.parent.parent if is_checkpoint else data_dir
     if not is_checkpoint and not (run_dir / CHECKPOINTS_DIR).is_dir() and not (run_dir / CONFIG_FILE).is_file():
@@ -225,8 +220,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
 
 
 def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) -> None:
-    """A shard record of meta.json or of an unfinished tokenize run: the file's size; chat data's spans file (size,
-    spans non-empty, within the shard, sorted and disjoint)."""
+    """A shard record of meta.json or of an unfinished tokenize run: the file's size; chat data's spans."""
     p, itemsize = data_dir / s["file"], dtype.itemsize
     if not p.is_file():
         raise DataFormatError(f"shard {p} listed in {data_dir / META_FILE} does not exist")
@@ -266,8 +260,8 @@ def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:
 
 
 def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
-    """(N, 2) [start, end) offsets into the split's token stream (its shards in order), a turn that a shard boundary
-    cut joined again: the positions a fine-tuning loss is computed on."""
+    """(N, 2) [start, end) offsets into the split's token stream (a turn cut by a shard boundary joined again): the
+    positions a fine-tuning loss is computed on."""
     if meta.format != "chat":
         raise DataFormatError(f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
                               f"tokenize conversations with --format chat")

@@ -151,7 +151,9 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
         raise DataFormatError(f"{meta_path} is not valid JSON: {e}") from None
     try:
         return _checked_meta(data_dir, meta_path, m)
-    except (KeyError, TypeError, AttributeError) as e:  # a hand-edited meta.json with a field of the wrong shape
+    except KeyError as e:  # a hand edit
+        raise DataFormatError(f"{meta_path}: required field {e.args[0]!r} is missing") from None
+    except (TypeError, AttributeError) as e:  # a field of the wrong shape
         raise DataFormatError(f"{meta_path}: malformed metadata ({type(e).__name__}: {e})") from None
 
 
@@ -178,31 +180,24 @@ def _run_dir_message(data_dir: Path) -> str | None:
 
 
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
-    def need(key: str):
-        if key not in m:
-            raise DataFormatError(f"{meta_path}: required field {key!r} is missing")
-        return m[key]
-
     def count(value, field: str) -> int:  # a hand edit may leave "32k" or 3.5
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
             raise DataFormatError(f"{meta_path}: {field} is {value!r}, expected a whole number >= 0")
         return int(value)
 
-    version = need("format_version")
+    version = m["format_version"]
     if version != FORMAT_VERSION:
         raise DataFormatError(f"{meta_path}: format_version is {version}, this gptlib reads {FORMAT_VERSION}")
-    vocab_size = count(need("vocab_size"), "vocab_size")
-    dtype_name, dtype = need("dtype"), dtype_for_vocab(vocab_size)
+    vocab_size = count(m["vocab_size"], "vocab_size")
+    dtype_name, dtype = m["dtype"], dtype_for_vocab(vocab_size)
     if dtype_name != dtype.name:
         raise DataFormatError(f"{meta_path}: dtype is {dtype_name!r} but vocab_size={vocab_size} needs {dtype.name!r}")
-    tokenizer = need("tokenizer")
+    tokenizer = m["tokenizer"]
     if tokenizer.get("vocab_size") is not None and count(tokenizer["vocab_size"], "tokenizer.vocab_size") != vocab_size:
         raise DataFormatError(f"{meta_path}: vocab_size is {vocab_size} but tokenizer.vocab_size is "
                               f"{tokenizer['vocab_size']}")
-    splits = need("splits")
+    splits = m["splits"]
     for split in ("train", "val"):
-        if split not in splits:
-            raise DataFormatError(f"{meta_path}: split {split!r} is missing")
         info = splits[split]
         counted = sum(count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"])
         if counted != count(info["tokens"], f"{split}.tokens"):

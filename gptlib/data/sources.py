@@ -134,7 +134,6 @@ def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byt
                         turn_start=end == len(piece), turn_end=turn_end)
 
 
-
 def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str) -> Iterator[Piece]:
     doc, byte, char, turn = _at(pos, "doc", "byte", "char", "turn")
     with src.open() as f:

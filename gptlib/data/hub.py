@@ -101,7 +101,7 @@ def hf_token() -> str | None:
 
 
 def _error_names(e: BaseException | None) -> set[str]:
-    # with their bases and causes': huggingface_hub's errors arrive wrapped
+    # the class names of an error, its bases and its causes: huggingface_hub's errors arrive wrapped
     names: set[str] = set()
     for _ in range(8):
         if e is None:

@@ -4,14 +4,15 @@ that goes wrong is one line, and training reads Drive as before (docs/data.md)."
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from filelock import FileLock  # a dependency of torch and huggingface_hub
 
 from gptlib.colab import drive_mountpoint
 from gptlib.colab import local_root as colab_local_root
@@ -53,7 +54,8 @@ def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable
         raise
     meta_sha = hashlib.sha256(meta_bytes).hexdigest()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(dst.parent / f".{src.name}.lock"):
+    # one process copies at a time (torchrun's ranks, two notebooks): the others wait, then reuse its copy
+    with FileLock(dst.parent / f".{src.name}.lock"):
         if _reusable(dst, src, meta_sha):
             log(f"data: using the verified local copy {dst} of {src} (made earlier on this VM)")
             return dst
@@ -139,14 +141,4 @@ def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
             progress.tick(len(b))
     os.replace(tmp, dst)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """One process copies at a time (torchrun's ranks, two notebooks): the others wait, then reuse its copy."""
-    import fcntl  # POSIX, as gptlib is (Linux, macOS)
-
-    with open(path, "a") as f:  # closing the file releases the lock
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 

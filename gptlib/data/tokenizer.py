@@ -57,20 +57,16 @@ class CharTokenizer(Tokenizer):
             raise TokenizerError("char vocabulary is empty: the corpus has no characters")
         self.chars = list(chars)
         self.vocab_size = len(self.chars)
-        codes = np.array([ord(c) for c in self.chars], dtype=np.int64)
-        # Dense code-point -> id table: encoding is one vectorised lookup, not a Python loop.
-        self._lut = np.full(int(codes.max()) + 1, -1, dtype=np.int32)
-        self._lut[codes] = np.arange(len(codes), dtype=np.int32)
+        # An id (or -1) for every code point (4.4 MB): encoding is one vectorised lookup, not a Python loop.
+        self._lut = np.full(0x110000, -1, dtype=np.int32)
+        self._lut[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
 
     @classmethod
     def from_text(cls, text: Iterable[str]) -> "CharTokenizer":
         return cls(sorted(set(text)))
 
     def encode_array(self, text: str) -> np.ndarray:
-        cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.int64)
-        ids = np.full(cps.shape, -1, dtype=np.int32)
-        in_range = cps < len(self._lut)
-        ids[in_range] = self._lut[cps[in_range]]
+        ids = self._lut[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)]
         bad = np.flatnonzero(ids < 0)
         if bad.size:
             i = int(bad[0])

@@ -57,7 +57,7 @@ class ShardWriter:
         self.spans: list[np.ndarray] = []  # spans of the buffered tokens (offsets into the buffer)
 
     def write(self, ids: np.ndarray, spans: np.ndarray | None = None) -> None:
-        """ids: of the vocabulary dtype_for_vocab chose the shards' dtype for (so in range)."""
+        """ids must fit the shards' dtype (dtype_for_vocab of their vocabulary sees to it)."""
         spans = np.zeros((0, 2), np.int64) if spans is None else np.asarray(spans, np.int64).reshape(-1, 2)
         if self.skip:
             k = min(self.skip, ids.size)

@@ -125,7 +125,7 @@ def raw_encode_seconds(paths: list[Path], tk, batch_chars: int) -> tuple[float, 
     (wall seconds, CPU seconds of all threads, tokens)."""
     import pyarrow.parquet as pq
 
-    from gptlib.data.pieces import split_text
+    from gptlib.data.sources import split_text
 
     spent, cpu, n_tokens, batch, n = 0.0, 0.0, 0, [], 0
 

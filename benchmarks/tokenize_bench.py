@@ -138,7 +138,7 @@ def main() -> None:
 
     from gptlib.data.encode import BATCH_CHARS
     from gptlib.data.inputs import source
-    from gptlib.data.pieces import split_text
+    from gptlib.data.sources import split_text
     from gptlib.data.sources import train_texts
     from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gptlib.data.inputs as inputs
-import gptlib.data.pieces as gpieces
+import gptlib.data.sources as gsources
 import gptlib.data.encode as genc
 import gptlib.data.prepare as prep
 import gptlib.data.sources as sources
@@ -130,7 +130,7 @@ def test_literal_endoftext_stays_text(tmp_path, bpe_file):
 
 
 def test_long_line_is_cut_into_pieces_and_round_trips(tmp_path, monkeypatch, bpe_file):
-    monkeypatch.setattr(gpieces, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(gsources, "PIECE_CHARS", 1000)
     monkeypatch.setattr(genc, "BATCH_CHARS", 5000)
     words = " ".join(f"w{i}é" for i in range(20000))  # one 130 kB line, non-ASCII, no newline
     line = tmp_path / "line.txt"

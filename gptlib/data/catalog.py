@@ -42,17 +42,14 @@ SOURCES: dict[str, KnownSource] = {
 
 def parse_count(s: str | int | float | None) -> int | None:
     """2800000000, 2.8e9, "2.8B", "500M", "20K"; None, "" or 0 mean no limit."""
-    if s is None or (isinstance(s, str) and not s.strip()):
+    t = str(s if s is not None else "").strip().upper().replace("_", "").replace(",", "")
+    if not t:
         return None
-    if isinstance(s, (int, float)):
-        n = float(s)
-    else:
-        t = s.strip().upper().replace("_", "").replace(",", "")
-        mult = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
-        try:
-            n = float(t[:-1] if mult != 1 else t) * mult
-        except ValueError:
-            raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)") from None
+    mult = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if mult != 1 else t) * mult
+    except ValueError:
+        raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)") from None
     if n < 0:
         raise ValueError(f"{s!r} must not be negative")
     return int(round(n)) or None

@@ -8,12 +8,10 @@ the markers inserted by id, never matched in text. An assistant turn's loss span
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from gptlib.data.pieces import Piece, split_text
-from gptlib.data.shards import merge_spans
 from gptlib.errors import ChatError
 
 TEMPLATE_VERSION = 1
@@ -61,28 +59,6 @@ def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str
     return turns
 
 
-def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byte: int, byte_after: int,
-                        nbytes: float, require_assistant: bool = True) -> Iterator:
-    """Pieces from (turn, char) on: the text "\\n" + content of each turn, cut at PIECE_CHARS. A malformed
-    conversation is one empty piece carrying the reason."""
-    after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0, "turn": 0}
-    turns = normalize(value, require_assistant)
-    if isinstance(turns, Malformed):
-        yield Piece("", doc, False, None, after, nbytes, malformed=turns.reason)
-        return
-    texts = ["\n" + content for _, content in turns]
-    total = sum(map(len, texts))
-    for t in range(turn, len(turns)):
-        role, text = turns[t][0], texts[t]
-        for piece, end in split_text(text, char if t == turn else 0):
-            turn_end = end >= len(text)
-            last = turn_end and t == len(turns) - 1
-            nxt = after if last else ({"file": fi, "doc": doc, "byte": byte, "char": 0, "turn": t + 1} if turn_end
-                                      else {"file": fi, "doc": doc, "byte": byte, "char": end, "turn": t})
-            yield Piece(piece, doc, last, None, nxt, nbytes * len(piece) / total, role=role,
-                        turn_start=end == len(piece), turn_end=turn_end)
-
-
 class ChatTemplate:
     def __init__(self, tok):
         self.tok, self.eot_id = tok, tok.eot_id
@@ -109,23 +85,21 @@ class ChatTemplate:
 
     def render(self, messages: Any, *, require_assistant: bool = True,
                generation_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, assistant spans (N, 2)), exactly as tokenize renders it; generation_prompt: end with <|assistant|>."""
+        """(ids, assistant spans (N, 2)) as tokenize renders it (which encodes a turn over PIECE_CHARS characters in
+        pieces); generation_prompt: end with <|assistant|>."""
         turns = normalize(messages, require_assistant=require_assistant)
         if isinstance(turns, Malformed):
             raise ChatError(f"cannot render this conversation: {turns.reason}")
-        value = [{"role": r, "content": c} for r, c in turns]
-        pieces = list(conversation_pieces(value, 0, 0, 0, 0, 0, 0, 1.0, require_assistant=False))
-        encoded = self.tok.encode_batch_ids([p.text for p in pieces]) if pieces else []
         ids: list[int] = []
         spans = []
-        for p, x in zip(pieces, encoded):
-            seq, span = self.piece_ids(p, x)
-            if span is not None:
-                spans.append((len(ids) + span[0], len(ids) + span[1]))
-            ids.extend(seq)
+        for role, content in turns:
+            start = len(ids) + 1
+            ids += [self.role_ids[role], *self.tok.encode("\n" + content), self.end_id]
+            if role == "assistant":
+                spans.append((start, len(ids)))
+            ids += self.nl_ids
         ids.append(self.role_ids["assistant"] if generation_prompt else self.eot_id)
-        # one span per turn, however its content was cut
-        return np.array(ids, dtype=np.int64), merge_spans(np.array(spans, dtype=np.int64).reshape(-1, 2))
+        return np.array(ids, dtype=np.int64), np.array(spans, dtype=np.int64).reshape(-1, 2)
 
     def meta(self) -> dict[str, Any]:
         return {"template_version": TEMPLATE_VERSION, "tokens": {t: int(i) for t, i in self.ids.items()},

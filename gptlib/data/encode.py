@@ -1,7 +1,6 @@
-"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards) and its output directory, written
-by one tokenize at a time. The state is saved at every completed shard with the input position of the batch that
-completed it: a resumed pass redoes that batch and writes the same bytes.
-"""
+"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards) and its output directory. The
+state is saved at every completed shard with the input position of the batch that completed it: a resumed pass redoes
+that batch and writes the same bytes."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ import numpy as np
 
 from gptlib.data.conversations import EXAMPLES_KEPT, ChatTemplate
 from gptlib.data.inputs import Source, invalid_utf8
-from gptlib.data.pieces import Piece
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
-from gptlib.data.sources import iter_corpus
+from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunDirError, loud
 from gptlib.fsutil import TMP_MARKER, atomic_write_json, check_dir, clean_temp_files
@@ -31,7 +29,7 @@ BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, s
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
-    """Token id lists (BPE) or arrays (char) -> one array: a C-speed slice assignment per part, no array per list."""
+    # a C-speed slice assignment per part: np.concatenate would first make an array of each BPE id list
     out = np.empty(sum(map(len, parts)), dtype=dtype)
     i = 0
     for p in parts:
@@ -40,32 +38,27 @@ def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
     return out
 
 
-class Batch(NamedTuple):
-    """The pieces of one encode call, and the reader's counters as they stood right after reading them."""
-
+class Batch(NamedTuple):  # with the reader's counters as they stood right after reading its pieces
     pieces: list[Piece]
     invalid_utf8: int
     skipped_files: list
 
 
 class Pass:
-    """The pass from progress["resume"] on, updating progress["emitted"] and progress["stats"]; `writers` hold the
-    last shards, not yet flushed."""
+    """From progress["resume"] on, updating progress["emitted"] and ["stats"] in place. After run(), `writers` hold
+    the last shards (not yet flushed) and `stopped` says where max_tokens stopped the pass (None: at the end)."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict, lease: RunLease | NoLease, verbose: bool):
-        from tqdm.auto import tqdm
-
+                 progress: dict, lease: RunLease | NoLease):
         self.out_dir, self.lease = out_dir, lease
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
-        self.emitted, self.stats = progress["emitted"], progress["stats"]
+        self.resume, self.emitted, self.stats = progress["resume"], progress["emitted"], progress["stats"]
         self.max_tokens = spec.get("max_tokens")
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(progress["resume"]), "emitted": dict(self.emitted),
-                            "stats": copy.deepcopy(self.stats)}
+        self.batch_start = {"pos": dict(self.resume), "emitted": dict(self.emitted), "stats": copy.deepcopy(self.stats)}
         self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
         done = progress["shards"]
@@ -73,12 +66,9 @@ class Pass:
                                        skip=sum(x["tokens"] for x in done[s]) - self.emitted[s],
                                        with_spans=self.template is not None) for s in ("train", "val")}
         self.save_state()  # marks out_dir as this run's, before the first shard
-        self.tokens_run, self.t_run = 0, time.time()
-        self.bar = tqdm(total=sum(s.size for s in sources), initial=int(self.stats["bytes"]), unit="B", unit_scale=True,
-                        unit_divisor=1000, desc="tokenize", disable=not verbose, mininterval=0.5, smoothing=0.1)
 
     def save_state(self) -> None:
-        """The state as it stood before the current batch. A tokenize whose lease another one took over stops here."""
+        """As it stood before the current batch. A tokenize whose lease another one took over stops here."""
         self.lease.check(self.out_dir)
         b = self.batch_start
         atomic_write_json(self.out_dir / PREPARE_STATE_FILE, {
@@ -97,13 +87,22 @@ class Pass:
         h = hashlib.blake2b(f"{self.sources[fi].key}:{doc}".encode(), digest_size=8).digest()
         return "val" if int.from_bytes(h, "little") < self.threshold else "train"
 
-    def run(self, pieces_iter) -> None:
-        """Each batch is encoded on a worker thread while this one stores the previous batch and reads the next (the
-        library releases the GIL while it encodes). What is stored, and when, is as if one batch were read, encoded
-        and stored at a time: the reader's counters travel with their batch, a read error comes after the batch before
-        it is stored, and a max_tokens stop drops the batch read ahead."""
-        batches = self.batches(pieces_iter)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
+    def run(self, column: str, verbose: bool) -> None:
+        """Each batch is encoded on a worker thread (the library releases the GIL) while this one stores the previous
+        batch and reads the next. What is stored is as if one batch were read, encoded and stored at a time: a read
+        error comes after the batch before it is stored, and a max_tokens stop drops the batch read ahead."""
+        from tqdm.auto import tqdm
+
+        spec = self.spec
+        batches = self.batches(iter_corpus(self.sources, self.resume, self.stats["skipped_files"], spec["split"],
+                                           spec["val_fraction"], column, spec.get("format", "text")))
+        # with max_tokens the bar counts tokens towards it, so that tqdm's ETA is the one that matters
+        total, done, unit = (self.max_tokens, sum(self.emitted.values()), "tok") if self.max_tokens else \
+            (sum(s.size for s in self.sources), int(self.stats["bytes"]), "B")
+        self.tokens_run, self.t_run = 0, time.time()
+        with tqdm(total=total, initial=done, unit=unit, unit_scale=True, unit_divisor=1000, desc="tokenize",
+                  disable=not verbose, mininterval=0.5, smoothing=0.1) as self.bar, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
             held = None  # (batch, its ids being encoded)
             while True:
                 try:
@@ -119,7 +118,7 @@ class Pass:
 
     def store(self, batch: Batch, ids) -> bool:
         """-> whether max_tokens stopped the pass in this batch; if so the reader's counters go back to where they stood
-        after it (the batch read ahead never happened)."""
+        after it."""
         self.run_batch(batch, ids.result())
         if self.stopped:
             invalid_utf8.count = batch.invalid_utf8
@@ -146,78 +145,57 @@ class Pass:
         parts: dict[str, list] = {"train": [], "val": []}
         spans: dict[str, list] = {"train": [], "val": []}
         count = {"train": 0, "val": 0}  # tokens of this batch per split so far
-        total0, stats, eot = self.emitted["train"] + self.emitted["val"], self.stats, self.tok.eot_id
-        nbytes, last = 0.0, None
+        total0, stats, eot = sum(self.emitted.values()), self.stats, self.tok.eot_id
+        nbytes = 0.0
         for p, x in zip(batch.pieces, ids):
-            last = p
             nbytes += p.nbytes
             if p.malformed is not None:
-                stats["malformed_conversations"] = stats.get("malformed_conversations", 0) + 1
-                examples = stats.setdefault("malformed_examples", [])
-                if len(examples) < EXAMPLES_KEPT:
-                    examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc,
-                                     "reason": p.malformed})
+                self.count_malformed(p)
                 continue
             s = p.split or self.doc_split(p.pos["file"], p.doc)  # pos["file"] is the piece's own file
             if self.template is not None and p.role is not None:
                 x, span = self.template.piece_ids(p, x)
                 if span is not None:
                     spans[s].append((count[s] + span[0], count[s] + span[1]))
-            if len(x):
-                parts[s].append(x)
-                count[s] += len(x)
+            parts[s].append(x)
+            count[s] += len(x)
             stats["characters"] += len(p.text)
             if p.doc_end:
-                if p.text:
-                    stats["documents"] += 1
-                    if eot is not None:
-                        parts[s].append([eot])
-                        count[s] += 1
-                else:  # a blank line, null or "" value
-                    stats["empty_documents"] += 1
+                stats["documents" if p.text else "empty_documents"] += 1  # empty: a blank line, null or ""
+                if p.text and eot is not None:
+                    parts[s].append([eot])
+                    count[s] += 1
                 if self.max_tokens is not None and total0 + count["train"] + count["val"] >= self.max_tokens:
                     self.stopped = {"file": str(self.sources[p.pos["file"]].path), "document": p.doc}
                     break
         for s in ("train", "val"):
-            arr = to_array(parts[s], self.dtype)
-            self.emitted[s] += int(arr.size)
-            self.tokens_run += int(arr.size)
             sp = np.array(spans[s], dtype=np.int64).reshape(-1, 2) if self.template is not None else None
             if sp is not None:
-                self.stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
-            self.writers[s].write(arr, sp)
-        self.stats["bytes"] += nbytes
-        self.stats["replaced_invalid_utf8"] = batch.invalid_utf8
-        self.show(nbytes)
+                stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
+            self.writers[s].write(to_array(parts[s], self.dtype), sp)
+            self.emitted[s] += count[s]
+        self.tokens_run += count["train"] + count["val"]
+        stats["bytes"] += nbytes
+        stats["replaced_invalid_utf8"] = batch.invalid_utf8
+        self.bar.update(max(0.0, min(count["train"] + count["val"] if self.max_tokens else nbytes,
+                                     self.bar.total - self.bar.n)))  # float per-row shares may overshoot
+        if not self.max_tokens:  # a bar of bytes: the tokens too
+            rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
+            self.bar.set_postfix_str(f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s",
+                                     refresh=False)
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
-        self.batch_start = {"pos": dict(last.pos), "emitted": dict(self.emitted),
-                            "stats": copy.deepcopy({**self.stats, "skipped_files": batch.skipped_files})}
+        self.batch_start = {"pos": dict(p.pos), "emitted": dict(self.emitted),
+                            "stats": copy.deepcopy({**stats, "skipped_files": batch.skipped_files})}
 
-    def show(self, nbytes: float) -> None:
-        bar = self.bar
-        bar.update(max(0.0, min(nbytes, bar.total - bar.n)))  # float per-row shares may overshoot by a hair
-        rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
-        total = self.emitted["train"] + self.emitted["val"]
-        post = f"{total / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
-        if self.max_tokens:
-            left = int(max(0, self.max_tokens - total) / max(rate, 1e-9))
-            post += (f", {min(1.0, total / self.max_tokens):.0%} of max-tokens "
-                     f"(ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d})")
-        bar.set_postfix_str(post, refresh=False)
-
-
-def encode_corpus(out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source], progress: dict,
-                  text_column: str | None, verbose: bool, lease: RunLease | NoLease) -> tuple[dict, dict | None]:
-    """-> (the writers, their last shards not yet flushed; where max_tokens stopped the pass, None at the end)."""
-    p = Pass(out_dir, spec, tok, identity, sources, progress, lease, verbose)
-    with p.bar:
-        p.run(iter_corpus(sources, progress["resume"], progress["stats"]["skipped_files"], spec["split"],
-                          spec["val_fraction"], text_column, spec.get("format", "text")))
-    return p.writers, p.stopped
+    def count_malformed(self, p: Piece) -> None:
+        self.stats["malformed_conversations"] = self.stats.get("malformed_conversations", 0) + 1
+        examples = self.stats.setdefault("malformed_examples", [])
+        if len(examples) < EXAMPLES_KEPT:
+            examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc, "reason": p.malformed})
 
 
 def our_files(out_dir: Path) -> list[Path]:
-    """The only files tokenize ever deletes. Not lease.json, which only its holder writes and removes."""
+    """The only files tokenize ever deletes (not lease.json: only its holder removes it)."""
     if not out_dir.is_dir():
         return []
     names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
@@ -226,13 +204,10 @@ def our_files(out_dir: Path) -> list[Path]:
 
 
 def check_output_dir(out_dir: Path) -> None:
-    """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite, which
-    replaces only a previous dataset's files)."""
+    """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite)."""
     if not check_dir(out_dir, "--out"):
         return
-    # What makes a directory a training run's (gptlib.layout): tokenize must never write its tokenizer.json there.
-    # lease.json alone does not: a tokenize holds one in its data directory too; a training run that holds one is
-    # refused by the lease itself, naming it.
+    # lease.json alone does not make a run directory: a tokenize holds one too (and the lease refuses a live run).
     run = [n for n in (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE) if (out_dir / n).exists()]
     if run:
         raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
@@ -247,9 +222,8 @@ def check_output_dir(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLease | NoLease]:
-    """Hold out_dir's lease while tokenizing into it, as a training run holds its run directory's: a second tokenize
-    there raises RunBusyError naming this one; a killed one's lease is taken over. Ctrl-C: one line saying what is
-    kept, then the KeyboardInterrupt goes on."""
+    """out_dir's lease, as a training run holds its run directory's: a second tokenize there raises RunBusyError; a
+    killed one's lease is taken over. Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes on."""
     created = not out_dir.exists()
     lease = None
     try:
@@ -262,8 +236,7 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
             lease = NoLease()  # a finished dataset on a read-only disk: reused as before; no writer to keep out
         yield lease
     except KeyboardInterrupt:
-        # A write cut short removes its own temp file; one cut right after creating it may not have: while the
-        # lease is held, every temp file in out_dir is this run's (lease.py's heartbeat just skips a beat).
+        # a write cut right after creating its temp file may leave it; while the lease is held, all are ours
         clean_temp_files(out_dir)
         try:
             done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])

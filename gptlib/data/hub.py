@@ -1,7 +1,6 @@
-"""Inputs behind fsspec URLs (file://, s3://, hf://...). A Hub dataset is named by its files,
-hf://datasets/OWNER/NAME[@REV]/path/or/glob, or without a path by a config/split of the Hub's parquet conversion
-(docs/data.md). Listings carry sizes and, on the Hub, sha256s: resolving a 1,000-file dataset reads nothing.
-"""
+"""Inputs behind fsspec URLs (file://, s3://, hf://...): hf://datasets/OWNER/NAME[@REV]/path/or/glob, or without a
+path a config/split of the Hub's parquet conversion (docs/data.md). Listings carry sizes and, on the Hub, sha256s:
+resolving a 1,000-file dataset reads nothing."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class Found:
 
 
 def list_files(fs, path: str, url: str) -> list[Found]:
-    """A file, a directory (hidden files skipped) or a glob, sorted as local paths are: the same shards either way."""
+    """A file, a directory (hidden files skipped) or a glob, in the order of the same local paths: the same shards."""
     root = None
     try:
         if has_glob(path):
@@ -57,22 +56,20 @@ def list_files(fs, path: str, url: str) -> list[Found]:
     if not found and has_glob(path):
         raise PrepareError(f"input pattern {url!r} matches no files")
     parts = {p: PurePosixPath(p[len(root):].lstrip("/") if root is not None else p).parts for p in found}
-    keep = sorted((p for p in found if root is None or not any(s.startswith(".") for s in parts[p])),
-                  key=parts.get)  # the order of sorted(Path(...)) for the same names
-    out = []
-    for p in keep:
-        sha = (found[p].get("lfs") or {}).get("sha256")
-        sha = sha if isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha) else None
-        out.append(Found(fs.unstrip_protocol(p), fs, p, int(found[p].get("size") or 0), sha))
-    return out
+    keep = sorted((p for p in found if root is None or not any(s.startswith(".") for s in parts[p])), key=parts.get)
+    return [Found(fs.unstrip_protocol(p), fs, p, int(found[p].get("size") or 0), _lfs_sha256(found[p])) for p in keep]
+
+
+def _lfs_sha256(info: dict) -> str | None:
+    sha = (info.get("lfs") or {}).get("sha256")
+    return sha if isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha) else None
 
 
 def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = None) -> list[Found]:
     import fsspec
 
     if url.startswith("hf://"):
-        # fsspec's "hf" filesystem is huggingface_hub's HfFileSystem (the tests install a fake Hub in its place)
-        fs = fsspec.filesystem("hf", token=hf_token())
+        fs = fsspec.filesystem("hf", token=hf_token())  # huggingface_hub's HfFileSystem
         if url.startswith("hf://datasets/"):
             return _resolve_dataset(fs, url, hf_config, hf_split)
         return list_files(fs, url[len("hf://"):], url)  # a model's or a bucket's files
@@ -86,9 +83,8 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
 def describe(e: BaseException, url: str | None = None) -> str:
     """One line for an error from a filesystem library; for the Hub, what to do."""
     m = _DATASET_URL.fullmatch(url or "")
-    hint = hub_error_hint(e, *(m.group(1, 2) if m else ()))
-    msg = str(e).strip().splitlines()
-    return hint or f"{type(e).__name__}: {msg[0] if msg else ''}".rstrip(": ")
+    first = (str(e).strip().splitlines() or [""])[0]
+    return hub_error_hint(e, *(m.group(1, 2) if m else ())) or f"{type(e).__name__}: {first}".rstrip(": ")
 
 
 def hf_token() -> str | None:
@@ -105,7 +101,7 @@ def hf_token() -> str | None:
 
 
 def _error_names(e: BaseException | None) -> set[str]:
-    """Class names (with bases) of an error and of its causes: huggingface_hub's errors arrive wrapped."""
+    # the class names of an error, its bases and its causes: huggingface_hub's errors arrive wrapped
     names: set[str] = set()
     for _ in range(8):
         if e is None:
@@ -168,7 +164,7 @@ def _dirs(fs, path: str) -> list[str]:
 
 
 def _converted(fs, repo: str, config: str | None, split: str | None) -> list[Found]:
-    """config/split of the Hub's parquet conversion; by default "default" and "train", or the only one there is."""
+    """By default config "default" and split "train", or the only one there is."""
     root = f"datasets/{repo}@{CONVERTED}"
     try:
         configs = _dirs(fs, root)

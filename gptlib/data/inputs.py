@@ -1,6 +1,5 @@
 """The inputs of tokenize: which files, their identity and how they are read. Identity comes from the content, never
-the path, so the same bytes through a local path or a URL split their documents identically (docs/data.md).
-"""
+the path, so the same bytes through a local path or a URL split their documents identically (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -72,17 +71,17 @@ class _Watched(io.RawIOBase):
         super().__init__()
         self._f = f
 
-    def readinto(self, b) -> int:
+    def _call(self, method, *args):
         try:
-            return self._f.readinto(b)
+            return method(*args)
         except Exception as e:  # noqa: BLE001 - whatever the library raises is an I/O failure here
             raise SourceIOError(e) from e
 
+    def readinto(self, b) -> int:
+        return self._call(self._f.readinto, b)
+
     def seek(self, offset: int, whence: int = 0) -> int:
-        try:
-            return self._f.seek(offset, whence)
-        except Exception as e:  # noqa: BLE001
-            raise SourceIOError(e) from e
+        return self._call(self._f.seek, offset, whence)
 
     def tell(self) -> int:
         return self._f.tell()
@@ -116,8 +115,8 @@ class Source:
 
     @cached_property
     def key(self) -> str:
-        """Seeds the per-document split hash. A big Hub file is listed with its full sha256: its sampled hash (3
-        ranged reads) is computed here, when the pass reaches it."""
+        """Seeds the per-document split hash. A big Hub file is listed with its full sha256: its sampled hash (as
+        for the same file on disk: 3 ranged reads) is computed here, when the pass reaches it."""
         return (self.hash if self.canonical else content_hash(self.open, self.size)).split(":", 1)[1][:16]
 
     def open(self) -> io.BufferedReader:
@@ -195,8 +194,7 @@ def _parquet_column(pf, path, column: str | None, fmt: str) -> str:
     if t is None:
         raise PrepareError(f"parquet file {path} has no column {col!r} (columns: {', '.join(names)}); "
                            f"choose one with --text-column / text_column=")
-    if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
-            or pa.types.is_large_binary(t)):
+    if t not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
         raise PrepareError(f"parquet file {path}: column {col!r} has type {t}, not text")
     return col
 
@@ -204,8 +202,7 @@ def _parquet_column(pf, path, column: str | None, fmt: str) -> str:
 def _open_parquet(f):
     import pyarrow.parquet as pq
 
-    # pages are streamed, not a whole row group read up front
-    return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)
+    return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)  # pages streamed, not whole row groups
 
 
 def _first_record_field(src: Source, field: str | None, fmt: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
-from gptlib.data.encode import check_output_dir, encode_corpus, one_writer, our_files
+from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files
 from gptlib.data.inputs import Source, scan_inputs
 from gptlib.data.shards import (META_FILE, PREPARE_STATE_FILE, DatasetMeta, check_shard, dtype_for_vocab, read_meta,
                                 write_meta)
@@ -51,14 +51,15 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
             reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
-        writers, stopped = encode_corpus(out_dir, spec, tok, identity, sources, progress, column, verbose, lease)
+        encoding = Pass(out_dir, spec, tok, identity, sources, progress, lease)
+        encoding.run(column, verbose)
         _check_result(progress, val_fraction)
         lease.check(out_dir)  # taken over meanwhile: the last shards and meta.json are the other tokenize's to write
-        extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, stopped),
+        extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, encoding.stopped),
                  "elapsed_s": round(time.time() - t0, 3)}
         # meta.json last (a half-written dataset never looks complete), then the resume state goes.
         write_meta(out_dir, vocab_size=tok.vocab_size, tokenizer=identity, splits={s: w.close() for s, w in
-                   writers.items()}, sources=[s.record() for s in sources], extra=extra)
+                   encoding.writers.items()}, sources=[s.record() for s in sources], extra=extra)
         (out_dir / PREPARE_STATE_FILE).unlink()
         meta = read_meta(out_dir)
         if verbose:
@@ -109,9 +110,8 @@ def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, spli
           shard_tokens: int, fmt: str, max_tokens: int | None) -> dict:
     """What makes a dataset this dataset: a re-run with an equal spec reuses or resumes it, any other is refused."""
     return {"sources": [[s.size, s.hash] for s in sources], "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
+            # on_bad_file (the only policy now), and the keys below only where not the default: older datasets' specs
             "split": split, "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": "skip",
-            # so that datasets made before keep their spec: on_bad_file (the only policy now), keys only where not
-            # the default
             **({"format": fmt} if fmt != "text" else {}),
             **({"max_tokens": int(max_tokens)} if max_tokens is not None else {})}
 
@@ -119,15 +119,15 @@ def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, spli
 def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_max_bytes: int | None,
                    sources: list[Source], text_column: str | None, skipped: list, verbose: bool, fmt: str) -> Tokenizer:
     """The reused tokenizer (for chat data with the chat tokens appended where missing), or a new one."""
-    if reused is not None and fmt == "chat":
+    if reused is not None and fmt != "chat":
+        return reused
+    if reused is not None:
         if not isinstance(reused, BPETokenizer):
             raise PrepareError(_CHAR_CHAT)
         try:
             return reused.with_special_tokens(CHAT_TOKENS)
         except TokenizerError as e:
             raise PrepareError(f"this tokenizer cannot hold chat data: {e}") from None
-    if reused is not None:
-        return reused
     if tokenizer == "char":
         chars: set[str] = set()
         for text in train_texts(sources, text_column, None, skipped):
@@ -174,15 +174,12 @@ def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> 
         return None, None
     # a state file is written atomically; an unreadable one is not ours to trust
     state = _json(state_path) if state_path.is_file() else None
-    if state is None:
-        return None, None
-    if state.get("spec") != spec:
-        if not overwrite:
-            raise PrepareError(
-                f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
-                f"command as before to finish it, choose another output directory, or pass --overwrite")
-        return None, None
-    return None, state
+    if state is None or state.get("spec") == spec:
+        return None, state
+    if not overwrite:
+        raise PrepareError(f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
+                           f"command as before to finish it, choose another output directory, or pass --overwrite")
+    return None, None
 
 
 def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,

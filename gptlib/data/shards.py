@@ -1,7 +1,6 @@
 """The data format: `meta.json` (written last: a directory without it is incomplete), `tokenizer.json`, the shards
 `train_000000.bin`, `val_000000.bin` ... (little-endian token ids, uint16 or uint32) and, for chat data, beside each
-shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted, disjoint).
-"""
+shard its assistant spans `train_000000.spans.bin` (int64 [start, end) pairs local to that shard, sorted, disjoint)."""
 
 from __future__ import annotations
 
@@ -58,12 +57,8 @@ class ShardWriter:
         self.spans: list[np.ndarray] = []  # spans of the buffered tokens (offsets into the buffer)
 
     def write(self, ids: np.ndarray, spans: np.ndarray | None = None) -> None:
-        ids = np.asarray(ids)
-        spans = np.asarray(spans if self.with_spans and spans is not None else [], np.int64).reshape(-1, 2)
-        if ids.dtype != self.dtype and ids.size:  # an unsigned array of the shard's own dtype is in range by type
-            if int(ids.max()) > np.iinfo(self.dtype).max or int(ids.min()) < 0:
-                raise DataFormatError(f"token ids span {int(ids.min())}..{int(ids.max())}, outside the "
-                                      f"{self.dtype.name} shards' range")
+        """ids must fit the shards' dtype (dtype_for_vocab of their vocabulary sees to it)."""
+        spans = np.zeros((0, 2), np.int64) if spans is None else np.asarray(spans, np.int64).reshape(-1, 2)
         if self.skip:
             k = min(self.skip, ids.size)
             ids, spans, self.skip = ids[k:], _clip_spans(spans, k, ids.size), self.skip - k
@@ -122,8 +117,8 @@ class DatasetMeta:
         return str(self.raw.get("format", "text"))
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint records of its data, to refuse resuming on other data: the tokenizer and a fingerprint of
-        the shards' sha256 (not the path: a moved copy resumes)."""
+        """What a checkpoint records of its data, to refuse resuming on other data (not the path: a moved copy
+        resumes)."""
         shards = {split: [s.get("sha256") for s in rec.get("shards", [])] for split, rec in sorted(self.splits.items())}
         fingerprint = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16]
         return {"tokenizer_kind": self.tokenizer.get("kind"), "tokenizer_hash": self.tokenizer.get("hash"),
@@ -156,13 +151,15 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
         raise DataFormatError(f"{meta_path} is not valid JSON: {e}") from None
     try:
         return _checked_meta(data_dir, meta_path, m)
-    except (KeyError, TypeError, AttributeError) as e:  # a hand-edited meta.json with a field of the wrong shape
+    except KeyError as e:  # a hand edit
+        raise DataFormatError(f"{meta_path}: required field {e.args[0]!r} is missing") from None
+    except (TypeError, AttributeError) as e:  # a field of the wrong shape
         raise DataFormatError(f"{meta_path}: malformed metadata ({type(e).__name__}: {e})") from None
 
 
 def _run_dir_message(data_dir: Path) -> str | None:
     """A training run directory, or one of its checkpoints, given as data: say so, and name the data directory
-    the checkpoint (the run's newest) records in state.json's data_dir, to pass instead."""
+    its (newest) checkpoint was trained on."""
     is_checkpoint = (data_dir / MANIFEST_FILE).is_file()
     run_dir = data_dir.parent.parent if is_checkpoint else data_dir
     if not is_checkpoint and not (run_dir / CHECKPOINTS_DIR).is_dir() and not (run_dir / CONFIG_FILE).is_file():
@@ -183,31 +180,24 @@ def _run_dir_message(data_dir: Path) -> str | None:
 
 
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
-    def need(key: str):
-        if key not in m:
-            raise DataFormatError(f"{meta_path}: required field {key!r} is missing")
-        return m[key]
-
     def count(value, field: str) -> int:  # a hand edit may leave "32k" or 3.5
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
             raise DataFormatError(f"{meta_path}: {field} is {value!r}, expected a whole number >= 0")
         return int(value)
 
-    version = need("format_version")
+    version = m["format_version"]
     if version != FORMAT_VERSION:
         raise DataFormatError(f"{meta_path}: format_version is {version}, this gptlib reads {FORMAT_VERSION}")
-    vocab_size = count(need("vocab_size"), "vocab_size")
-    dtype_name, dtype = need("dtype"), dtype_for_vocab(vocab_size)
+    vocab_size = count(m["vocab_size"], "vocab_size")
+    dtype_name, dtype = m["dtype"], dtype_for_vocab(vocab_size)
     if dtype_name != dtype.name:
         raise DataFormatError(f"{meta_path}: dtype is {dtype_name!r} but vocab_size={vocab_size} needs {dtype.name!r}")
-    tokenizer = need("tokenizer")
+    tokenizer = m["tokenizer"]
     if tokenizer.get("vocab_size") is not None and count(tokenizer["vocab_size"], "tokenizer.vocab_size") != vocab_size:
         raise DataFormatError(f"{meta_path}: vocab_size is {vocab_size} but tokenizer.vocab_size is "
                               f"{tokenizer['vocab_size']}")
-    splits = need("splits")
+    splits = m["splits"]
     for split in ("train", "val"):
-        if split not in splits:
-            raise DataFormatError(f"{meta_path}: split {split!r} is missing")
         info = splits[split]
         counted = sum(count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"])
         if counted != count(info["tokens"], f"{split}.tokens"):
@@ -225,8 +215,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
 
 
 def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) -> None:
-    """A shard record of meta.json or of an unfinished tokenize run: the file's size; chat data's spans file (size,
-    spans non-empty, within the shard, sorted and disjoint)."""
+    """A shard record of meta.json or of an unfinished tokenize run: the file's size; chat data's spans."""
     p, itemsize = data_dir / s["file"], dtype.itemsize
     if not p.is_file():
         raise DataFormatError(f"shard {p} listed in {data_dir / META_FILE} does not exist")
@@ -266,8 +255,8 @@ def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:
 
 
 def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
-    """(N, 2) [start, end) offsets into the split's token stream (its shards in order), a turn that a shard boundary
-    cut joined again: the positions a fine-tuning loss is computed on."""
+    """(N, 2) [start, end) offsets into the split's token stream (a turn cut by a shard boundary joined again): the
+    positions a fine-tuning loss is computed on."""
     if meta.format != "chat":
         raise DataFormatError(f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
                               f"tokenize conversations with --format chat")

@@ -1,27 +1,60 @@
 """A corpus as a stream of text pieces, each carrying the position after it: a resumed run, or a read retried after
-a network drop, restarts exactly there. A .txt file is one document; a .jsonl line or a parquet row is one.
-"""
+a network drop, restarts exactly there. A .txt file is one document; a .jsonl line or a parquet row is one."""
 
 from __future__ import annotations
 
 import sys
 import time
 from bisect import bisect_right
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Callable, Iterator
 
-from gptlib.data import pieces
-from gptlib.data.conversations import Malformed, conversation_pieces
+from gptlib.data.conversations import Malformed, normalize
 from gptlib.data.hub import describe
 from gptlib.data.inputs import (_ERRORS, Source, SourceIOError, _jsonl_object, _jsonl_text, _open_parquet,
                                 _parquet_column)
-from gptlib.data.pieces import Piece, split_text
 from gptlib.errors import PrepareError
+
+PIECE_CHARS = 1 << 16  # longest text handed to the encoder as one item (long documents are cut)
 
 ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
 RETRY_DELAYS = (1, 2, 5, 10, 30, 60, 60, 60)  # seconds before each new attempt after a read error (~4 min)
 TRAIN_FILES = 64  # a tokenizer-training budget is spread over at most this many files (evenly spaced)
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
+
+
+@dataclass
+class Piece:
+    """At most PIECE_CHARS characters of one document (or turn) and where the stream goes on after it."""
+
+    text: str
+    doc: int  # document index within its file (line number for jsonl, row for parquet, 0 for text)
+    doc_end: bool  # the document ends with this piece (an end-of-text id follows)
+    split: str | None  # forced split (tail mode), else None = decided per document
+    pos: dict  # where the stream continues after this piece: {"file", "doc", "byte", "char"[, "turn"]}
+    nbytes: float  # input bytes this piece accounts for (progress)
+    role: str | None = None  # chat: the role of the turn this piece is text of ("system" | "user" | "assistant")
+    turn_start: bool = False  # chat: the first piece of its turn (the role marker goes before it)
+    turn_end: bool = False  # chat: the last piece of its turn (the end-of-turn marker goes after it)
+    malformed: str | None = None  # chat: a skipped conversation, and why (an empty piece that is only counted)
+
+
+def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
+    """(piece, end), cut before a newline or a space where possible. Memoryless: the pieces from `start` on do not
+    depend on earlier ones, so a resumed run cuts exactly alike."""
+    n = len(text)
+    i = start
+    while i < n:
+        j = min(n, i + PIECE_CHARS)
+        if j < n:
+            k = text.rfind("\n", i + 1, j)
+            if k <= i:
+                k = text.rfind(" ", i + 1, j)
+            if k > i:
+                j = k
+        yield text[i:j], j
+        i = j
 
 
 def _cut_bytes(block: bytes, at_eof: bool) -> int:
@@ -53,7 +86,7 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
         f.seek(off)
         while off < src.size:
             split = None if tail_cut is None else "train" if off < tail_cut else "val"
-            block = f.read(min(pieces.PIECE_CHARS, tail_cut - off) if split == "train" else pieces.PIECE_CHARS)
+            block = f.read(min(PIECE_CHARS, tail_cut - off) if split == "train" else PIECE_CHARS)
             if not block:
                 break  # the file shrank while reading
             at_end = off + len(block) >= src.size or (tail_cut is not None and off + len(block) == tail_cut)
@@ -77,6 +110,28 @@ def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, 
         nxt = ({"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0} if done
                else {"file": fi, "doc": doc, "byte": byte, "char": end})
         yield Piece(piece, doc, done, None, nxt, nbytes * len(piece) / len(text))
+
+
+def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byte: int, byte_after: int,
+                        nbytes: float) -> Iterator[Piece]:
+    """Pieces from (turn, char) on: the text "\\n" + content of each turn, cut at PIECE_CHARS. A malformed
+    conversation is one empty piece carrying the reason."""
+    after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0, "turn": 0}
+    turns = normalize(value)
+    if isinstance(turns, Malformed):
+        yield Piece("", doc, False, None, after, nbytes, malformed=turns.reason)
+        return
+    texts = ["\n" + content for _, content in turns]
+    total = sum(map(len, texts))
+    for t in range(turn, len(turns)):
+        role, text = turns[t][0], texts[t]
+        for piece, end in split_text(text, char if t == turn else 0):
+            turn_end = end >= len(text)
+            last = turn_end and t == len(turns) - 1
+            nxt = after if last else ({"file": fi, "doc": doc, "byte": byte, "char": 0, "turn": t + 1} if turn_end
+                                      else {"file": fi, "doc": doc, "byte": byte, "char": end, "turn": t})
+            yield Piece(piece, doc, last, None, nxt, nbytes * len(piece) / total, role=role,
+                        turn_start=end == len(piece), turn_end=turn_end)
 
 
 def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str) -> Iterator[Piece]:
@@ -192,7 +247,7 @@ def train_texts(sources: list[Source], column: str, max_bytes: int | None, skipp
         usable = [usable[round(i * (len(usable) - 1) / (TRAIN_FILES - 1))] for i in range(TRAIN_FILES)]
     total = sum(s.size for _, s in usable) or 1
     for fi, src in usable:
-        budget = None if max_bytes is None else max(pieces.PIECE_CHARS, int(max_bytes * src.size / total))
+        budget = None if max_bytes is None else max(PIECE_CHARS, int(max_bytes * src.size / total))
         used = 0
         # unreadable parts are passed over here: the tokenizing pass reports them
         for p in retrying(lambda pos, src=src, fi=fi: iter_source(src, fi, pos, None, column, fmt, None), None,

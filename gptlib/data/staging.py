@@ -1,18 +1,18 @@
 """Training never reads Google Drive: a dataset under the Drive mount is first copied to the VM's disk (reading
 shards over FUSE mid-training stalls steps), every file checked against meta.json's sha256 while copied. Anything
-that goes wrong is one line, and training reads Drive as before (docs/data.md).
-"""
+that goes wrong is one line, and training reads Drive as before (docs/data.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from filelock import FileLock  # a dependency of torch and huggingface_hub
 
 from gptlib.colab import drive_mountpoint
 from gptlib.colab import local_root as colab_local_root
@@ -41,8 +41,7 @@ def on_drive(path: str | Path) -> bool:
 
 def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable[[str], None] = print) -> Path:
     """What train() reads: the verified local copy of a data dir on the Drive mount (made now, or earlier on this VM),
-    or data_dir itself (not on Drive, or the copy failed). A data dir that is not a finished dataset raises read_meta's
-    DataFormatError, as training would."""
+    or data_dir itself (not on Drive, or the copy failed). Not a finished dataset: read_meta's DataFormatError."""
     check_dir(data_dir, "data directory")  # a file or a symlink loop: one line, before anything else
     if not enabled or not on_drive(data_dir):
         return Path(data_dir)
@@ -55,7 +54,8 @@ def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable
         raise
     meta_sha = hashlib.sha256(meta_bytes).hexdigest()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(dst.parent / f".{src.name}.lock"):
+    # one process copies at a time (torchrun's ranks, two notebooks): the others wait, then reuse its copy
+    with FileLock(dst.parent / f".{src.name}.lock"):
         if _reusable(dst, src, meta_sha):
             log(f"data: using the verified local copy {dst} of {src} (made earlier on this VM)")
             return dst
@@ -85,8 +85,7 @@ def _gb(n: int | float) -> str:
 
 
 def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]:
-    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks (a broken dataset is
-    its own clear error)."""
+    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks."""
     meta = read_meta(src)
     if meta.raw != json.loads(meta_bytes.decode("utf-8", "replace")):
         raise StagingFailed(f"{src / META_FILE} changed while it was being read (tokenize still running?)")
@@ -102,8 +101,7 @@ def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]
     return files
 
 
-def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:
-    """A copy verified earlier on this VM: its marker names this source's meta.json, and every file has its size."""
+def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:  # its marker names this meta.json; every size is right
     try:
         marker = json.loads((dst / MARKER_FILE).read_text())
         return (marker.get("meta_sha256") == meta_sha and marker.get("source") == str(src)
@@ -113,8 +111,8 @@ def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:
 
 
 def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: str) -> None:
-    """Every file copied and verified (meta.json: the bytes read before, so the copy is what was checked), then the
-    marker, written last. StagingFailed names a file that does not match; OSError is a failed read or write."""
+    """Every file copied and verified (meta.json: the bytes read before, so the copy is what was checked), the marker
+    last. StagingFailed names a file that does not match; OSError is a failed read or write."""
     dst.mkdir(parents=True)
     for name, _, sha in files:
         if name == META_FILE:
@@ -143,14 +141,4 @@ def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
             progress.tick(len(b))
     os.replace(tmp, dst)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """One process copies at a time (torchrun's ranks, two notebooks): the others wait, then reuse its copy."""
-    import fcntl  # POSIX, as gptlib is (Linux, macOS)
-
-    with open(path, "a") as f:  # closing the file releases the lock
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
 

@@ -148,7 +148,7 @@ EOF
 say "tests: $(echo $TESTS)"
 set +e
 # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
-"$VPY" -m pytest -p no:cacheprovider --durations=10 $TESTS
+"$VPY" -m pytest -n 2 --dist loadfile -p no:cacheprovider --durations=10 $TESTS
 rc=$?
 set -e
 say "done (pytest exit $rc)"

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up ./.venv (if needed) and run the whole test suite on CPU. Extra arguments go to pytest.
+# Two worker processes (pytest-xdist), a test file to each at a time so that a file's fixtures are built once:
+# many tests wait on subprocesses, notebook kernels and timers, so two workers nearly halve the time on two
+# cores. `bash scripts/test.sh -n 0` runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

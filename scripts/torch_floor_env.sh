@@ -43,6 +43,6 @@ case "$have" in "$TORCH_FLOOR"*) ;; *) echo "FAIL: torch $have in $VENV, expecte
 say "$("$VPY" -c 'import sys, torch, numpy, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}, transformers {transformers.__version__}")')"
 say "tests: $(echo $TESTS)"
 # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
-"$VPY" -m pytest -p no:cacheprovider --durations=10 $TESTS && rc=0 || rc=$?
+"$VPY" -m pytest -n 2 --dist loadfile -p no:cacheprovider --durations=10 $TESTS && rc=0 || rc=$?
 say "done (pytest exit $rc)"
 exit "$rc"

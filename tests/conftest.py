@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker and the processes it starts use one
+# thread: two workers with torch's default thread pool each would fight over a 2-core machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = Path(os.environ.get("GPTLIB_SHAKESPEARE", REPO.parent / "shared" / "data" / "tinyshakespeare.txt"))
 

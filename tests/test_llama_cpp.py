@@ -2,15 +2,18 @@
 greedy tokens are gptlib's, its tokenizer splits text as gptlib's does, and a chat run answers through
 create_chat_completion with the template it was trained on.
 
-Tolerances, measured on this project's machine (2-core AMD EPYC, llama-cpp-python 0.3.36) with 20 prompts of
-Tiny Shakespeare per model, logits of llama.cpp against gptlib's on gptlib's own greedy continuation:
-- f32 (with an f32 KV cache): every greedy token equal (gpt2, qwen3, llama); largest logit difference 5e-4 (gpt2:
-  ggml's GELU reads an fp16 table), 1e-5 (qwen3, llama).
-- f16: every greedy token equal in all 60 continuations; top-1 agreement 100%; largest logit difference 0.005.
-- q8_0: top-1 agreement 97.4-100% per model; largest logit difference 0.10; free-running greedy text drifts apart
-  after a near-tie (first difference as early as token 3, half of the qwen3 ones run to the end).
-So: f32 all tokens; f16 the first 16 tokens of each prompt, agreement >= 99% and logits within 0.05; q8_0 agreement
->= 95% and logits within 0.5 (5x the measured margin).
+Tolerances, measured on this project's machine (2-core AMD EPYC, llama-cpp-python 0.3.36) by
+benchmarks/gguf_agreement.py (raw output: benchmarks/results/gguf_agreement_cpu.txt): 100-step runs of both recipes,
+20 Tiny Shakespeare lines as prompts, llama.cpp's logits against gptlib's on gptlib's greedy continuation (907
+positions per model):
+- f32 (f32 KV cache): top-1 907/907 for both; largest logit difference 2.0e-4 (gpt2: ggml's GELU reads an fp16
+  table), 8.3e-6 (qwen3); every greedy continuation equal to the end.
+- f16: top-1 907/907 for both; largest logit difference 1.7e-3 (gpt2), 6.2e-3 (qwen3); every greedy continuation
+  equal to the end.
+- q8_0: top-1 906/907 (gpt2) and 899/907 (qwen3); largest logit difference 0.029 and 0.12; free-running greedy text
+  parts from gptlib's after a near-tie (the first 16 tokens equal for 19 and 16 of the 20 prompts).
+So: f32 all tokens; f16 the first 16 tokens of each prompt, top-1 agreement >= 99% and logits within 0.05 (8x the
+largest measured); q8_0 agreement >= 95% and logits within 0.5 (4x).
 
 Run in CI by scripts/llama_env.sh (it builds and caches the wheel); skipped where llama_cpp is not installed.
 """
@@ -97,8 +100,8 @@ def test_f16_and_q8_0_within_the_measured_tolerance(runs, tmp_path, arch):
     for llm, least, most in ((f16, 0.99, 0.05),
                              (client(export_gguf(runs[arch], tmp_path / "q8.gguf", dtype="q8_0"), logits_all=True),
                               0.95, 0.5)):
-        agree, total, diff = map(sum, zip(*[compare_logits(eng, llm, ids, 64 - len(ids)) for ids in prompts]))
-        assert agree / total >= least and diff / len(prompts) <= most, (agree, total, diff)
+        agree, total, diff = zip(*[compare_logits(eng, llm, ids, 64 - len(ids)) for ids in prompts])
+        assert sum(agree) / sum(total) >= least and max(diff) <= most, (agree, total, diff)
 
 
 def test_llama_cpp_tokenizes_as_gptlib(runs, tmp_path):

@@ -33,6 +33,7 @@ _WHERE = {
     "ChatSession": "gptlib.inference.chat", "compare_checkpoints": "gptlib.widgets",
     "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
     "import_hf": "gptlib.inference.hf_import", "import_hf_once": "gptlib.inference.hf_import",
+    "export_gguf": "gptlib.inference.gguf_export", "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "evaluate_tasks": "gptlib.evaluation.evaluate",
     "eval_table_html": "gptlib.evaluation.evaluate",

@@ -7,6 +7,7 @@ import errno
 import inspect
 import sys
 
+from gptlib import share
 from gptlib.errors import GptlibError
 
 
@@ -352,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_export(sub)
     _add_import(sub)
     _add_eval(sub)
+    share.add_commands(sub, _command)  # export-gguf, push
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -81,5 +81,9 @@ class ExportError(GptlibError, ValueError):
     """export: the export target is unusable (e.g. a non-empty folder without overwrite)."""
 
 
+class PushError(GptlibError, RuntimeError):
+    """share: a repository id, token or upload the Hugging Face Hub refused; the message says what to do."""
+
+
 class ColabError(GptlibError, RuntimeError):
     """colab: Drive could not be mounted or used; the message says what to do."""

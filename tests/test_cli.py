@@ -11,7 +11,7 @@ def gptlib(*args, cwd=None):
                           cwd=cwd, timeout=300)
 
 
-@pytest.mark.parametrize("cmd", [[], ["tokenize"], ["train"], ["sample"], ["fetch-shakespeare"], ["eval"]])
+@pytest.mark.parametrize("cmd", [[], ["tokenize"], ["train"], ["sample"], ["fetch-shakespeare"], ["eval"], ["export-gguf"], ["push"]])
 def test_help(cmd):
     r = gptlib(*cmd, "--help")
     assert r.returncode == 0 and "usage:" in r.stdout

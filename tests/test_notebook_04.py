@@ -88,3 +88,31 @@ def test_export_cell_without_export_dir_says_what_export_is(tmp_path, monkeypatc
     assert "set EXPORT_DIR to export" not in out and "Not exported" in out
     assert "Hugging Face" in out and "model.safetensors" in out and str(where) in out and "export-hf" in out, out
     assert not where.exists()
+
+
+def test_notebook_04_gguf_and_share_cells_on_a_bpe_run(tmp_path, monkeypatch, small_text):
+    """The GGUF cell writes a file llama.cpp's reader takes; the Share cell's dry run writes the commit's files
+    (transformers folder, GGUF, loss curve, a model card the Hub parses) and changes nothing in the run."""
+    import gguf
+    from huggingface_hub import ModelCard
+
+    from tests.gguf_kit import bpe_data, bpe_run, tree_digest
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    run = bpe_run(bpe_data(small_text, tmp_path / "data"), tmp_path / "root" / "runs" / "nb04")
+    before = tree_digest(run)
+    params = {"RUN_NAME": "nb04", "DEVICE": "cpu", "PROMPTS": "ROMEO:", "CHECKPOINTS": "latest", "MAX_NEW_TOKENS": 4,
+              "EVAL_TASKS": "bpb", "BPB_WINDOWS": 4, "GGUF_FILE": str(tmp_path / "m.gguf"), "GGUF_DTYPE": "q8_0",
+              "HUB_REPO": "alice/nb04-gpt", "HUB_HARDWARE": "a test CPU", "HUB_DRY_RUN": str(tmp_path / "push")}
+    nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
+    assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
+    text = outputs_text(nb)
+    assert f"exported to {tmp_path / 'm.gguf'}" in text and f"wrote the commit's files to {tmp_path / 'push'}" in text
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["general.architecture"].contents() == "gpt2" and fields["general.file_type"].contents() == 7
+    assert {"README.md", "model.safetensors", "config.json", "tokenizer.json", "loss.png",
+            "nb04-gpt-F16.gguf"} <= {p.name for p in (tmp_path / "push").iterdir()}
+    card = ModelCard.load(tmp_path / "push" / "README.md")
+    assert card.data.pipeline_tag == "text-generation" and "a test CPU" in card.text
+    assert "bits per byte" in {r.metric_name for r in card.data.eval_results}  # the bpb the notebook just ran
+    assert {k: v for k, v in tree_digest(run).items() if k != "eval.jsonl"} == before

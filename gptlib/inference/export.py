@@ -30,16 +30,16 @@ EXPORT_TITLES = {arch: f"# gptlib {name} export" for arch, name in  # README.md'
 _RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
 
 
-def native_arch(cfg: ModelConfig) -> str:
-    """"gpt2", "qwen3" or "llama": the transformers architecture that computes exactly this model; else ExportError
-    naming the fields that keep it from the nearest one."""
+def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
+    """"gpt2", "qwen3" or "llama": the transformers (and llama.cpp) architecture that computes exactly this model;
+    else ExportError naming the fields that keep it from the nearest one."""
     if all(getattr(cfg, k) == v for k, v in GPT2_PARTS.items()):
         return "gpt2"
     off = {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}
     if off:
         wanted = ", ".join(f"{k}={LLAMA_PARTS[k]!r}" for k in off)
-        raise ExportError(f"this model has {', '.join(f'{k}={v!r}' for k, v in off.items())}, which no native Hugging "
-                          f"Face architecture has (the nearest, Qwen3/Llama, needs {wanted}); train with those "
+        raise ExportError(f"this model has {', '.join(f'{k}={v!r}' for k, v in off.items())}, which no {target} "
+                          f"architecture has (the nearest, Qwen3/Llama, needs {wanted}); train with those "
                           f"settings to export, or use the run with gptlib (sample, chat, eval)")
     return "qwen3" if cfg.qk_norm else "llama"
 

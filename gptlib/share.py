@@ -1,0 +1,223 @@
+"""A run on the Hugging Face Hub (push): one commit holding the transformers export, optionally a GGUF file, the
+loss curve and a model card built from the run's own files (state.json, eval.jsonl, samples.jsonl, the data's
+meta.json). The files are staged in a folder first (--dry-run DIR is that folder, and nothing is uploaded); a Hub
+commit is all or nothing, so an upload that fails leaves the repository as it was and the same command finishes it.
+The token goes to huggingface_hub only, never to a file, a message or the card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from gptlib.data.hub import hf_token
+from gptlib.data.shards import META_FILE
+from gptlib.errors import PushError
+from gptlib.fsutil import read_jsonl
+from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE
+
+TOKEN_HELP = ("use a token with write access (https://huggingface.co/settings/tokens): set HF_TOKEN=hf_..., add it "
+              "as the Colab secret HF_TOKEN, or log in once with `hf auth login`")
+
+
+def stage(run_dir, out_dir, repo: str, checkpoint="best", gguf: bool = False, license: str = "apache-2.0",
+          hardware: str = "") -> Path:
+    """The commit's files in out_dir (new or empty): export-hf's folder with the model card as its README.md, the
+    run's loss curve and, with gguf, an f16 GGUF file. Written into a temporary sibling renamed at the end."""
+    from gptlib.inference.export import export_model
+    from gptlib.inference.gguf_export import gguf_arch, write_gguf
+    from gptlib.inference.loading import load_run  # here, as torch: `python -m gptlib tokenize` never imports it
+
+    out, run_dir = Path(out_dir), Path(run_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PushError(f"--dry-run {out} is not empty; choose a new or empty folder")
+    ld = load_run(run_dir, checkpoint)
+    gguf_file = f"{repo.split('/')[1]}-F16.gguf" if gguf else ""  # Ollama's hf.co/USER/NAME:F16 finds it by its tag
+    if gguf:
+        gguf_arch(ld.model.config, ld.tokenizer)  # a run llama.cpp cannot run: refused before anything is written
+    tmp = out.parent / f".{out.name}.staging-{os.getpid()}"
+    try:
+        export_model(ld.model, tmp, ld.tokenizer)
+        if gguf:
+            write_gguf(ld.model, ld.tokenizer, tmp / gguf_file, "f16", name=repo)
+        if (run_dir / LOSS_PLOT).is_file():
+            shutil.copyfile(run_dir / LOSS_PLOT, tmp / LOSS_PLOT)
+        card = model_card(ld, run_dir, repo, license, hardware, gguf_file, (tmp / LOSS_PLOT).is_file())
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run_facts(ld, run_dir: Path) -> dict:
+    """What the run's files say about a loaded checkpoint: its data sources, its evaluations, a few samples."""
+    meta_path = Path(ld.state.data_dir) / META_FILE if ld.state.data_dir else None
+    meta = json.loads(meta_path.read_text()) if meta_path and meta_path.is_file() else {}
+    sources = [p if "://" in p else Path(p).name for p in (s.get("path", "") for s in meta.get("sources", []))]
+    datasets = sorted({m[1] for s in sources if (m := re.match(r"hf://datasets/([^/@]+/[^/@]+)", s))})
+    evals = {r["task"]: r for r in read_jsonl(run_dir / EVAL_FILE) if r.get("step") == ld.step}
+    samples = [r for r in read_jsonl(run_dir / SAMPLES_FILE) if r.get("step", 0) <= ld.step]
+    steps = sorted({r["step"] for r in samples})
+    shown = {steps[0], steps[len(steps) // 2], steps[-1]} if steps else set()  # the first, middle and last
+    data = ", ".join(sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
+    return {"datasets": datasets, "data": data or Path(ld.state.data_dir).name or "not recorded", "evals": evals,
+            "samples": [r for r in samples if r["step"] in shown]}
+
+
+def eval_results(ld, facts: dict) -> list:
+    """The card's model-index: validation loss and bits per byte on the run's data, HellaSwag if run."""
+    from huggingface_hub import EvalResult
+
+    data = facts["datasets"][0] if facts["datasets"] else Path(ld.state.data_dir or "data").name
+    found = (("loss", "validation loss (nats/token)", ld.state.val_loss),
+             ("bpb", "bits per byte", facts["evals"].get("bpb", {}).get("bpb")))
+    out = [EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (validation split)",
+                      metric_type=kind, metric_name=name, metric_value=round(v, 4)) for kind, name, v in found if v is not None]
+    if "hellaswag" in facts["evals"]:
+        out.append(EvalResult(task_type="text-generation", dataset_type="Rowan/hellaswag", dataset_name="HellaSwag",
+                              dataset_split="validation", metric_type="acc_norm",
+                              metric_value=round(facts["evals"]["hellaswag"]["acc_norm"], 4)))
+    return out
+
+
+def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool) -> str:
+    """README.md: the Hub's metadata header (ModelCardData), then what the model is, how it did, how to run it."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from gptlib.inference.export import CLASSES, native_arch
+    from gptlib.model import model_size
+
+    cfg, st, f, name = ld.config, ld.state, run_facts(ld, run_dir), repo.split("/")[1]
+    m, arch = cfg.model, native_arch(cfg.model)
+    header = ModelCardData(license=license, library_name="transformers", pipeline_tag="text-generation",
+                           tags=["gptlib", arch] + (["gguf"] if gguf_file else []), datasets=f["datasets"] or None,
+                           model_name=name, eval_results=eval_results(ld, f) or None)
+    bpb, hs = f["evals"].get("bpb"), f["evals"].get("hellaswag")
+    val = f"{st.val_loss:.4f} nats/token" if st.val_loss is not None else "not measured at this step"
+    hours = f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
+    lines = [
+        f"# {name}", "", f"A {model_size(m).params / 1e6:.1f}M-parameter GPT trained from scratch with "
+        f"[gptlib](https://github.com/gptlib/gptlib), exported as a native `{CLASSES[arch]}`.", "", "## Model", "",
+        f"- architecture: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, context {m.block_size} tokens, "
+        f"vocabulary {m.vocab_size} ({ld.tokenizer.kind} tokenizer)",
+        f"- recipe: {cfg.recipe} (preset {cfg.preset}): {m.positions} positions, {m.norm}, {m.mlp}"
+        f"{', QK-norm' if m.qk_norm else ''}; {cfg.train.optimizer}, {cfg.train.schedule} schedule, peak learning "
+        f"rate {cfg.train.learning_rate:g}",
+        f"- data: {f['data']}; {st.data.get('train_tokens', 0):,} training tokens",
+        f"- training: step {st.step:,}, {st.tokens_seen:,} tokens seen in {hours}, on "
+        f"{hardware or 'hardware the run does not record'}", "", "## Evaluation", "", f"- validation loss: {val}",
+        "- bits per byte: " + (f"{bpb['bpb']:.4f}" if bpb else "not run (python -m gptlib eval --task bpb)"),
+        "- HellaSwag acc_norm: " + (f"{hs['acc_norm']:.4f} on {hs['n']:,} items" if hs else "not run")
+        + " (GPT-2 124M: 0.2955, chance: 0.25)", "",
+        *(["## Loss curve", "", f"![loss curve]({LOSS_PLOT})", ""] if plot else []),
+        "## Samples during training", "", *[f"step {r['step']:,}:\n```\n{r['text'][:400]}\n```\n" for r in f["samples"]],
+        "## Use it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("{repo}")', f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+        "```", "",
+        *([f"llama.cpp: `llama-cli -hf {repo}`; Ollama: `ollama run hf.co/{repo}:F16`; LM Studio: search {repo}", ""]
+          if gguf_file else []),
+        f"gptlib: `python -m gptlib import-hf --model {repo} --out runs/{name}`, then sample, chat, eval or fine-tune.",
+        ""]
+    return str(ModelCard(f"---\n{header.to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def hub_error(e: Exception, repo: str) -> PushError:
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status == 401:
+        return PushError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
+    if status == 403:
+        return PushError(f"the Hub refused to write {repo} (HTTP 403): it belongs to someone else, or the token is "
+                         f"read-only; push to a repository of yours and {TOKEN_HELP}")
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return PushError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
+                     f"all or nothing): run the same command again to finish it")
+
+
+def check_repo_id(repo: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+        valid = repo.count("/") == 1
+    except HFValidationError:
+        valid = False
+    if not valid:
+        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', '.')")
+
+
+def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
+         license: str = "apache-2.0", hardware: str = "") -> str:
+    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; with dry_run, the folder
+    holding the files the commit would (nothing is uploaded)."""
+    import huggingface_hub as hub
+
+    check_repo_id(repo)
+    if dry_run is not None:
+        return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
+    token = hf_token() or hub.get_token()
+    if not token:
+        raise PushError(f"no Hugging Face token to push {repo} with: {TOKEN_HELP}")
+    api = hub.HfApi(token=token)
+    try:
+        me = api.whoami()
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's and the network's errors, in one line
+        raise hub_error(e, repo) from None
+    if repo.split("/")[0] not in {me["name"], *(o["name"] for o in me.get("orgs", []))}:
+        raise PushError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to "
+                        f"{me['name']}/{repo.split('/')[1]}")
+    with tempfile.TemporaryDirectory(prefix="gptlib-push-") as tmp:
+        folder = stage(run_dir, Path(tmp) / "repo", repo, checkpoint, gguf, license, hardware)
+        ops = [hub.CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]
+        try:
+            url = api.create_repo(repo, private=private, exist_ok=True)
+            api.create_commit(repo, ops, commit_message=f"gptlib push: {Path(run_dir).name} checkpoint {checkpoint}")
+        except Exception as e:  # noqa: BLE001
+            raise hub_error(e, repo) from None
+    return str(url)
+
+
+def add_commands(sub, command) -> None:
+    """export-gguf and push on the command line (`command` is __main__'s subcommand maker)."""
+    p = command(sub, "export-gguf", cmd_export_gguf, help="export a checkpoint as a GGUF file (llama.cpp, Ollama)")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
+    p.add_argument("--out", required=True, metavar="FILE.gguf")
+    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP")
+    p.add_argument("--dtype", default="f16", metavar="f32|f16|q8_0",
+                   help="f32: exact; f16 (default): half the size; q8_0: a quarter, slightly less exact")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    p = command(sub, "push", cmd_push, help="upload a checkpoint to the Hugging Face Hub with a model card")
+    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
+    p.add_argument("--repo", required=True, metavar="USER/NAME", help="the model repository (created if missing)")
+    p.add_argument("--checkpoint", default="best", metavar="latest|best|STEP")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--gguf", action="store_true", help="add an f16 GGUF file (llama.cpp, Ollama, LM Studio)")
+    p.add_argument("--license", default="apache-2.0", help="the card's license (default apache-2.0)")
+    p.add_argument("--hardware", default="", help="what it was trained on, for the card (e.g. '1x A100 40GB')")
+    p.add_argument("--dry-run", metavar="DIR", help="write the commit's files into DIR and upload nothing")
+
+
+def cmd_export_gguf(args) -> int:
+    """Write one GGUF file that llama.cpp, Ollama and LM Studio load: the gpt2 recipe as llama.cpp's gpt2
+    architecture, the modern one as qwen3 (llama without QK-norm), with the BPE tokenizer and a chat run's template.
+    """
+    from gptlib.inference.gguf_export import export_gguf
+
+    out = export_gguf(args.run_dir, args.out, args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported to {out} ({out.stat().st_size / 1e6:,.1f} MB, {args.dtype})")
+    return 0
+
+
+def cmd_push(args) -> int:
+    """Upload a checkpoint to the Hugging Face Hub in one commit: export-hf's files, the loss curve and a model card
+    built from the run (with --gguf also a GGUF file). The token: HF_TOKEN, Colab's secret HF_TOKEN or a saved
+    `hf auth login`. With --dry-run DIR the files are written into DIR and nothing is uploaded.
+    """
+    where = push(args.run_dir, args.repo, args.checkpoint, private=args.private, gguf=args.gguf,
+                 dry_run=args.dry_run, license=args.license, hardware=args.hardware)
+    print(f"{'wrote the commit files to' if args.dry_run else 'pushed to'} {where}")
+    return 0

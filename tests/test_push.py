@@ -1,0 +1,195 @@
+"""push: one commit to the Hugging Face Hub with the transformers export, the GGUF file, the loss curve and a model
+card built from the run. The Hub is a recording HfApi (huggingface_hub's own class, its network methods answered
+here after their arguments are bound to the real signatures); the files, the card (parsed by
+huggingface_hub.ModelCard), the token's sources (HF_TOKEN, Colab's secret through a fake google.colab, a saved
+login) and the refusals are the real code's. --dry-run DIR is the commit's files: the push must upload exactly them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from gptlib.__main__ import main
+from tests.conftest import TINY
+from tests.fakes import _hub_error
+from tests.gguf_kit import bpe_data, bpe_run, tree_digest
+
+hub = pytest.importorskip("huggingface_hub")
+TOKEN = "hf_SecretTokenThatMustNeverBeWritten"
+
+
+class RecordingHub:
+    """What the Hub saw: the tokens, repositories created and commits ({path in repo: bytes}); `fail` maps a
+    method name to an exception it raises once."""
+
+    def __init__(self, user="alice", orgs=()):
+        self.user, self.orgs, self.fail = user, list(orgs), {}
+        self.tokens, self.repos, self.commits = [], {}, []
+
+    def api(self):
+        rec, real = self, hub.HfApi
+
+        def answered(name, *args, **kw):
+            inspect.signature(getattr(real, name)).bind(None, *args, **kw)  # a call the real HfApi accepts
+            if name in rec.fail:
+                raise rec.fail.pop(name)
+
+        class Api(real):
+            def __init__(self, *args, **kw):
+                super().__init__(*args, **kw)
+                rec.tokens.append(kw.get("token"))
+
+            def whoami(self, *args, **kw):
+                answered("whoami", *args, **kw)
+                return {"name": rec.user, "orgs": [{"name": o} for o in rec.orgs]}
+
+            def create_repo(self, *args, **kw):
+                answered("create_repo", *args, **kw)
+                repo = args[0] if args else kw["repo_id"]
+                rec.repos.setdefault(repo, {"private": kw.get("private")})
+                return hub.RepoUrl(f"https://huggingface.co/{repo}")
+
+            def create_commit(self, *args, **kw):
+                answered("create_commit", *args, **kw)
+                repo, ops = args[:2]
+                files = {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in ops}
+                rec.commits.append({"repo": repo, "message": kw["commit_message"], "files": files})
+
+        return Api
+
+
+@pytest.fixture
+def recording(monkeypatch, tmp_path):
+    rec = RecordingHub(orgs=["alices-lab"])
+    monkeypatch.setattr(hub, "HfApi", rec.api())
+    monkeypatch.setattr(hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-saved-token"))
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, small_text):
+    """A BPE gpt2 run, validated at its last step, with bits per byte and HellaSwag evaluated."""
+    from gptlib.evaluation.evaluate import evaluate_run
+    from tests.test_evaluate import shakespeare_items, write_jsonl
+
+    root = tmp_path_factory.mktemp("push")
+    run = bpe_run(bpe_data(small_text, root / "data"), root / "run", steps=4)
+    write_jsonl(root / "hs.jsonl", shakespeare_items(small_text.read_text(), 8))
+    evaluate_run(run, "bpb", limit=4, device="cpu", progress=False)
+    evaluate_run(run, "hellaswag", data=root / "hs.jsonl", device="cpu", progress=False)
+    return run
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(run, recording, tmp_path, capsys):
+    before = tree_digest(run)
+    dry = tmp_path / "dry"
+    rc, out, err = cli(capsys, "push", "--run-dir", run, "--repo", "alice/tiny-gpt", "--gguf", "--dry-run", dry,
+                       "--hardware", "2-core CPU")
+    assert rc == 0 and f"wrote the commit files to {dry}" in out
+    assert recording.tokens == [] and recording.commits == []  # a dry run never reaches the Hub
+    files = {p.name: p.read_bytes() for p in dry.iterdir()}
+    assert set(files) == {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                          "tokenizer_config.json", "special_tokens_map.json", "loss.png", "tiny-gpt-F16.gguf"}
+
+    rc, out, err = cli(capsys, "push", "--run-dir", run, "--repo", "alice/tiny-gpt", "--gguf", "--private",
+                       "--hardware", "2-core CPU")
+    assert (rc, err) == (0, "") and "pushed to https://huggingface.co/alice/tiny-gpt" in out
+    (commit,) = recording.commits
+    assert commit["repo"] == "alice/tiny-gpt" and commit["files"] == files  # exactly the dry run's bytes
+    assert recording.repos == {"alice/tiny-gpt": {"private": True}} and set(recording.tokens) == {TOKEN}
+    assert not any(TOKEN.encode() in b for b in files.values()) and TOKEN not in out + err
+    assert tree_digest(run) == before
+
+    card = hub.ModelCard.load(dry / "README.md")
+    d = card.data
+    assert (d.license, d.library_name, d.pipeline_tag) == ("apache-2.0", "transformers", "text-generation")
+    assert "gguf" in d.tags and "gpt2" in d.tags and d.model_name == "tiny-gpt"
+    found = {(r.metric_type, r.dataset_name): r.metric_value for r in d.eval_results}
+    from gptlib.fsutil import read_jsonl
+    from gptlib.inference.loading import load_run
+
+    evals = {r["task"]: r for r in read_jsonl(run / "eval.jsonl")}
+    assert found["loss", "data (validation split)"] == round(load_run(run, "best").state.val_loss, 4)
+    assert found["bpb", "data (validation split)"] == round(evals["bpb"]["bpb"], 4)
+    assert found["acc_norm", "HellaSwag"] == round(evals["hellaswag"]["acc_norm"], 4)
+    text = card.text
+    for part in ("2 layers, 2 heads, 64 wide", "recipe: gpt2", "4,096 tokens seen", "2-core CPU", "bits per byte",
+                 "on 8 items", "![loss curve](loss.png)", "step 4:", "AutoModelForCausalLM.from_pretrained",
+                 "ollama run hf.co/alice/tiny-gpt:F16", "gptlib import-hf --model alice/tiny-gpt"):
+        assert part in text, part
+
+
+def test_the_token_comes_from_colabs_secret_or_a_saved_login(run, recording, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN")
+    colab = types.ModuleType("google.colab")
+    colab.userdata = types.SimpleNamespace(get=lambda key: {"HF_TOKEN": "hf_colab_secret"}[key])
+    monkeypatch.setitem(sys.modules, "google.colab", colab)
+    monkeypatch.setitem(sys.modules, "google.colab.userdata", colab.userdata)
+    assert cli(capsys, "push", "--run-dir", run, "--repo", "alices-lab/tiny")[0] == 0
+    assert recording.tokens == ["hf_colab_secret"]
+    monkeypatch.delitem(sys.modules, "google.colab")
+    monkeypatch.delitem(sys.modules, "google.colab.userdata")
+    saved = tmp_path / "token"  # where `hf auth login` (huggingface_hub.login) keeps it
+    saved.write_text("hf_saved_login")
+    monkeypatch.setattr(hub.constants, "HF_TOKEN_PATH", str(saved))
+    assert cli(capsys, "push", "--run-dir", run, "--repo", "alice/tiny")[0] == 0
+    assert recording.tokens[1:] == ["hf_saved_login"] and len(recording.commits) == 2
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory, char_data):
+    from gptlib.training.loop import train
+
+    run = tmp_path_factory.mktemp("char") / "run"
+    train(char_data, run, overrides=TINY, max_steps=2, progress=False, log=lambda s: None)
+    return run
+
+
+def test_bad_input_is_one_line_and_changes_nothing(run, char_run, recording, tmp_path, monkeypatch, capsys):
+    no_ckpt = tmp_path / "no-checkpoint"
+    shutil.copytree(run, no_ckpt, ignore=shutil.ignore_patterns("checkpoints"))
+    taken = tmp_path / "taken"
+    (taken / "x").mkdir(parents=True)
+    push = ("push", "--run-dir", run, "--repo")
+    cases = [  # (arguments, what the Hub does, a part of the one line)
+        ((*push, "not a repo id"), {}, "is not a Hub model id"),
+        ((*push, "alice/x/y"), {}, "is not a Hub model id"),
+        ((*push, "bob/tiny"), {}, "bob/tiny belongs to someone else: the token is alice's; push to alice/tiny"),
+        ((*push, "alice/tiny"), {"whoami": _hub_error("HfHubHTTPError", "https://hf.co/api/whoami-v2", 401)},
+         "the Hub refused the token (HTTP 401"),
+        ((*push, "alices-lab/tiny"), {"create_commit": _hub_error("HfHubHTTPError", "https://hf.co/api/x", 403)},
+         "the Hub refused to write alices-lab/tiny (HTTP 403)"),
+        ((*push, "alice/tiny"), {"create_commit": ConnectionResetError("Connection reset by peer")},
+         "nothing was committed (a Hub commit is all or nothing): run the same command again"),
+        (("push", "--run-dir", no_ckpt, "--repo", "alice/tiny"), {}, "no-checkpoint"),
+        (("push", "--run-dir", char_run, "--repo", "alice/tiny", "--gguf"), {}, "char tokenizer"),
+        (("push", "--run-dir", run, "--repo", "alice/tiny", "--dry-run", taken), {}, f"--dry-run {taken} is not empty"),
+        (("export-gguf", "--run-dir", char_run, "--out", tmp_path / "c.gguf"), {}, "char tokenizer"),
+    ]
+    digests = {d: tree_digest(d) for d in (run, char_run, no_ckpt, taken)}
+    for args, fail, says in cases:
+        recording.fail = dict(fail)
+        rc, out, err = cli(capsys, *args)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and says in err, (args, err)
+        assert TOKEN not in err + out and recording.commits == [] and recording.fail == {}, args
+        assert {d: tree_digest(d) for d in digests} == digests and not (tmp_path / "c.gguf").exists()
+    monkeypatch.delenv("HF_TOKEN")
+    rc, out, err = cli(capsys, *push, "alice/tiny")
+    assert rc == 2 and err.startswith("error: no Hugging Face token to push alice/tiny") and err.count("\n") == 1
+    # the network failed mid-upload above: the same command finishes it, in one commit
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert cli(capsys, *push, "alice/tiny")[0] == 0 and [c["repo"] for c in recording.commits] == ["alice/tiny"]

@@ -68,12 +68,12 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
 
         return [(loop, "open_run", open_run), (loop, "forward_backward", forward_backward)]
     if point == "save_mid":
-        def atomic_write_json(path, obj, real=ck.atomic_write_json):
+        def atomic_write(path, write, real=ck.atomic_write):
             if pathlib.Path(path).name == STATE_FILE:
                 fire(step_of(pathlib.Path(path).parent))
-            return real(path, obj)
+            return real(path, write)
 
-        return [(ck, "atomic_write_json", atomic_write_json)]
+        return [(ck, "atomic_write", atomic_write)]
     if point == "after_rename":
         def install(partial, final, *a, real=ck.install, **k):
             real(partial, final, *a, **k)

@@ -10,6 +10,7 @@ metrics log (gptlib.training.logs), and the checkpointer with its save policy (g
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,7 +18,8 @@ from typing import Callable
 import torch
 
 from gptlib.batches import BatchSampler
-from gptlib.checkpoint.writer import Checkpointer
+from gptlib.checkpoint.rotation import is_milestone
+from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
@@ -104,7 +106,7 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
 def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     """The steps until max_steps, max_minutes or a stop; however it ends, the last state is saved and the run closed."""
     tc, state = s.cfg.train, s.state
-    checkpointer = Checkpointer(s.open_writer(log), tc)
+    checkpointer = s.open_writer(log)
     timer = StepTimer(s.device)
     metrics = MetricsLog(s, peak=device_peak(s.device, tc.colab_units_per_hour), timer=timer, progress=progress,
                          log=log, on_log=on_log)
@@ -146,19 +148,20 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
 
 
-def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, stop: GracefulStop,
+def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, stop: GracefulStop,
                 timer: StepTimer, log) -> str | None:
     """After an update: agree on time and stop requests, log, validate, checkpoint -> why training stops early
     ("max_minutes", the stop's reason), or None to go on."""
     tc, state, ddp = s.cfg.train, s.state, s.ddp
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
     over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
-    over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time, checkpointer.time_due(),
-                                              bool(stop.reason))
+    time_due = tc.save_every_minutes > 0 and time.time() - checkpointer.last_save >= 60 * tc.save_every_minutes
+    over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time, time_due, bool(stop.reason))
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
     # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
-    saving = checkpointer.due(state.step, validated=validating, time_due=time_due, stopping=stop_now)
+    saving = (stop_now or validating or time_due or state.step % (tc.save_every_steps or tc.eval_interval) == 0
+              or is_milestone(state.step, tc.keep_every))
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
     if metrics.due(state.step, validating) or saving:
         metrics.flush(timer, validating)
@@ -185,13 +188,13 @@ def _result(s: TrainingRun, metrics: MetricsLog, stopped_by: str, train_s: float
                        resumed_from=s.resumed_from, stopped_by=stopped_by, history=metrics.history)
 
 
-def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer: Checkpointer) -> float:
+def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer: CheckpointWriter) -> float:
     """End a training call however it ended: the bar, the signal handlers, the last saves and the Drive wait,
     the lease, the process group. -> this session's training seconds (read before the Drive wait)."""
     train_s = metrics.session_s()
     metrics.close()
     try:
-        checkpointer.close(stop.last_save())  # local save errors raise; Drive problems are reported, never raised
+        checkpointer.close(saving=stop.last_save())  # local save errors raise; Drive problems are reported, never raised
     finally:
         stop.restore()
         s.lease.release()
@@ -215,7 +218,7 @@ def _finished(s: TrainingRun, log) -> TrainResult:
                        history=s.history)
 
 
-def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
+def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, is_last: bool, log) -> float:
     """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
     tc, mc, state = s.cfg.train, s.cfg.model, s.state
     val_sampler = BatchSampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,

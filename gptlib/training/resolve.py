@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 
 from gptlib.checkpoint.resume import Resume
-from gptlib.checkpoint.state import TrainState
+from gptlib.checkpoint.format import TrainState
 from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import ConfigError
 from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
-from gptlib.runtime import resolve_dtype, seed_everything
+from gptlib.runtime import resolve_dtype
 from gptlib.training.distributed import Dist
 from gptlib.training.memory import auto_micro_batch, check_fits, free_memory
 from gptlib.training.step import lr_at
@@ -140,7 +140,7 @@ def fit_micro_batch(cfg: RunConfig, device: torch.device, ddp: Dist, log) -> tup
     per_step = tc.batch_size * tc.grad_accum_steps
 
     def probe_model() -> GPT:
-        seed_everything(tc.seed)
+        torch.manual_seed(tc.seed)
         return GPT(cfg.model).to(device)
 
     micro, _, peak = auto_micro_batch(probe_model, cfg, device, resolve_dtype(tc.dtype, device), log=log)

@@ -103,25 +103,24 @@ def test_a_second_stop_during_validation_keeps_the_steps_loss(char_data, tmp_pat
 
 
 def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(char_data, tmp_path, monkeypatch):
-    """Two SIGINTs while the optimizer updates step 13: the step completes, then the loop stops and saves
-    step 13; the resumed run matches a lone one exactly (a save of the pre-step sampler with post-step
-    weights would repeat batch 13)."""
+    """Two SIGINTs during step 13: the step completes, then the loop stops and saves step 13; the resumed run
+    matches a lone one exactly (a save of the pre-step sampler with post-step weights would repeat batch 13)."""
     settings = TINY + ["dropout=0.1", "eval_interval=100"]
     alone = tmp_path / "alone"
     train(char_data, alone, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
-    real = gtrain.optimizer_step
+    real = gtrain.train_step
     calls = {"n": 0}
 
-    def update_then_two_stops(*a, **k):
+    def two_stops_during_the_step(*a, **k):
         calls["n"] += 1
         if calls["n"] == 13:
             os.kill(os.getpid(), signal.SIGINT)  # the first press asks to stop after this step ...
             time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGINT)  # ... the second arrives in the middle of the update
+            os.kill(os.getpid(), signal.SIGINT)  # ... the second arrives in the middle of the step
             time.sleep(0.01)
         return real(*a, **k)
 
-    monkeypatch.setattr(gtrain, "optimizer_step", update_then_two_stops)
+    monkeypatch.setattr(gtrain, "train_step", two_stops_during_the_step)
     run = tmp_path / "run"
     r = train(char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
     assert r.stopped_by == "interrupt" and r.step == 13

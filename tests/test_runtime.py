@@ -222,16 +222,16 @@ def test_is_oom_walks_the_cause_chain():
 def test_a_compiler_wrapped_oom_in_training_gives_the_advice(tmp_path, char_data, monkeypatch):
     import gptlib.training.loop as gtrain
 
-    real = gtrain.forward_backward
+    real = gtrain.train_step
     calls, order = [0], []
 
-    def forward_backward(*a, **kw):
+    def train_step(*a, **kw):
         calls[0] += 1
         if calls[0] == 3:
             raise wrapped_oom()
         return real(*a, **kw)
 
-    monkeypatch.setattr(gtrain, "forward_backward", forward_backward)
+    monkeypatch.setattr(gtrain, "train_step", train_step)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("dynamo reset"))
     monkeypatch.setattr(gtrain, "free_memory", lambda: order.append("free"))
     with pytest.raises(OutOfMemoryAdvice, match="batch_size=4 --set grad_accum_steps=2"):

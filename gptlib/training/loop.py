@@ -1,11 +1,6 @@
-"""The training loop: one `train()` for notebooks, the CLI and torchrun.
-
-Re-running the same call on the same run directory resumes from its newest valid checkpoint:
-model, optimizer, scaler, step (so the LR schedule), tokens seen, every RNG, the sampler, best
-validation loss and the metrics history all continue where they stopped.
-
-train() only sequences the pieces: the set-up (gptlib.training.setup), one train step (gptlib.training.step), the
-metrics log (gptlib.training.logs), and the checkpointer with its save policy (gptlib.checkpoint.writer).
+"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), the counters, then the
+log, validation, checkpoint and stop decisions. Re-running the same call on the same run directory resumes from
+its newest valid checkpoint, exactly: on CPU the losses of the uninterrupted run, bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.plots import plot_losses, run_title
 from gptlib.training.setup import TrainingRun, open_run
 from gptlib.training.signals import GracefulStop
-from gptlib.training.step import forward_backward, lr_at, optimizer_step, set_lr, validation_loss
+from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
 
 VAL_SEED_OFFSET = 10_000  # validation batches come from their own fixed seed: the same batches every time
@@ -110,21 +105,20 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     timer = StepTimer(s.device)
     metrics = MetricsLog(s, peak=device_peak(s.device, tc.colab_units_per_hour), timer=timer, progress=progress,
                          log=log, on_log=on_log)
-    tokens_at_start, stopped_by, step_begin = state.tokens_seen, "max_steps", None
+    tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
+    in_step = False  # an interrupt landing inside a step (no signal handlers: not the main thread) saves nothing
     stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while state.step < tc.max_steps:
-            # forward and backward over the micro-batches (no host sync)
-            step_begin = s.step_begin()  # an interrupt before the update saves this, not half a step
-            set_lr(s.optimizer, lr_at(state.step, tc))
-            loss = forward_backward(s.train_model, s.scaler, s.sampler, accum=tc.grad_accum_steps,
-                                    autocast=s.autocast, timer=timer, no_sync=s.no_sync)
-            # the update and the step counter as one: a second stop press lands before or after, never inside
+            # one optimizer step and its counters, as one: a second stop press takes effect when they are done
             with stop.deferred():
-                optimizer_step(s.train_model, s.optimizer, s.scaler, tc.grad_clip)
-                state.step, state.tokens_seen, step_begin = state.step + 1, state.tokens_seen + s.tokens_per_step, None
+                in_step = True
+                loss = train_step(s.train_model, s.optimizer, s.scaler, s.sampler, accum=tc.grad_accum_steps,
+                                  grad_clip=tc.grad_clip, autocast=s.autocast, lr=lr_at(state.step, tc),
+                                  no_sync=s.no_sync, timer=timer)
+                state.step, state.tokens_seen = state.step + 1, state.tokens_seen + s.tokens_per_step
                 metrics.add(loss)
-            timer.mark("optim")
+                in_step = False
             s.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
             stopped_by = _after_step(s, metrics, checkpointer, stop, timer, log) or stopped_by
@@ -134,18 +128,26 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         if not is_oom(e):
             raise
         stopped_by = "oom"  # (e goes at the end of this block: its frames would pin GPU memory)
-    except KeyboardInterrupt:  # a second stop press, or an interrupt outside the signal handler
+    except KeyboardInterrupt:  # a second stop press outside a step, or an interrupt without the signal handlers
         stopped_by = "interrupt"
-        log(f"interrupted at step {state.step:,}; saving the last complete step")
-        s.optimizer.zero_grad(set_to_none=True)
-        if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
-            metrics.flush(timer, validating=False)
-        checkpointer.save(s.snapshot(None, metrics.elapsed(), step_begin, gather=False))
+        _interrupted(s, metrics, checkpointer, timer, in_step, log)
     finally:
         train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
         _raise_oom_advice(s)
     return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
+
+
+def _interrupted(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, timer: StepTimer,
+                 in_step: bool, log) -> None:
+    """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
+    if in_step:
+        log(f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands")
+        return
+    log(f"interrupted at step {s.state.step:,}; saving it")
+    if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+        metrics.flush(timer, validating=False)
+    checkpointer.save(s.snapshot(None, metrics.elapsed(), gather=False))
 
 
 def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, stop: GracefulStop,

@@ -1,16 +1,7 @@
-"""Everything train() sets up before its loop, in the order it happens:
-
-1. the data's meta.json and tokenizer, checked against each other;
-2. the resume point (gptlib.checkpoint.resume): the newest checkpoint that verifies and loads, on the local disk
-   or the Drive mirror; else, with --init-from, the base's weights;
-3. the config, decided once and frozen (gptlib.training.resolve): the data's vocabulary, the resumed or base
-   run's shape, the micro-batch that fits;
-4. the tokens, placed for that config: on the GPU, in RAM or left on disk;
-5. the model (seeded), AdamW, the grad scaler, the sampler, and the checkpoint's state restored into them; then
-   torch.compile and DDP wrap the model;
-6. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
-
-The TrainingRun also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
+"""What train() sets up before its loop, in order: the data and its tokenizer; the resume point (local or Drive),
+else the --init-from base; the config, decided once (training/resolve.py); the tokens, placed for it; the model,
+optimizer, scaler and sampler with the checkpoint loaded into them, then compiled and DDP-wrapped; config.json
+and tokenizer.json in the run dir. The lease comes first: nothing in the run dir changes before this process holds it.
 """
 
 from __future__ import annotations
@@ -45,7 +36,7 @@ from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import train_reserve_bytes
 from gptlib.training.optimizer import build_optimizer, check_optimizer_state, load_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
-from gptlib.training.throughput import run_flops
+from gptlib.training.throughput import run_flops, tokens_per_step
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
@@ -127,8 +118,7 @@ class TrainingRun:
 
     @property
     def tokens_per_step(self) -> int:
-        tc = self.cfg.train
-        return tc.batch_size * self.cfg.model.block_size * tc.grad_accum_steps * self.ddp.world_size
+        return tokens_per_step(self.cfg, self.ddp.world_size)
 
     @property
     def no_sync(self):
@@ -144,11 +134,6 @@ class TrainingRun:
         return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
                 "rng": RNG(self.device), "progress": self.state}
 
-    def step_begin(self) -> dict[str, dict]:
-        """What an interrupt mid-step saves instead of the half-made step: the sampler and RNGs as they were
-        before it (CUDA's RNG state is host-side seed/offset: reading it does not sync the device)."""
-        return {"sampler": self.sampler.state_dict(), "rng": RNG(self.device).state_dict()}
-
     def state_dict(self, gather: bool = True) -> dict:
         """The checkpoint of now: each part's state_dict; under DDP every rank's sampler too (a collective:
         gather=False where the ranks may be anywhere)."""
@@ -157,10 +142,9 @@ class TrainingRun:
             ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
         return ckpt
 
-    def snapshot(self, val_loss: float | None, elapsed_s: float, step_begin: dict | None = None,
-                 gather: bool = True) -> dict:
+    def snapshot(self, val_loss: float | None, elapsed_s: float, gather: bool = True) -> dict:
         self.state.val_loss, self.state.elapsed_s = val_loss, elapsed_s
-        return self.state_dict(gather) | (step_begin or {})
+        return self.state_dict(gather)
 
     def open_writer(self, log) -> CheckpointWriter | NullCheckpointWriter:
         """Rank 0's background writer (leftovers of a save killed mid-way removed first), or a null one."""

@@ -223,17 +223,18 @@ def _finished(s: TrainingRun, log) -> TrainResult:
 def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, is_last: bool, log) -> float:
     """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
     tc, mc, state = s.cfg.train, s.cfg.model, s.state
-    val_sampler = BatchSampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
-                               s.loss_masks.get("val"))
+    data = s.data
+    val_sampler = BatchSampler(data.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
+                               data.loss_masks.get("val"))
     val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
     if state.best_val_loss is None or val_loss < state.best_val_loss:
         state.best_val_loss, state.best_step = val_loss, state.step
     row = metrics.validation_row(val_loss, _hellaswag(s, is_last))
     samples = []
     if s.ddp.is_main:
-        if s.sample_prompts and tc.sample_tokens:
-            samples = log_samples(s.model, s.tokenizer, s.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
-                                  state.step, s.run_dir, log, s.sample_stop_ids)
+        if data.sample_prompts and tc.sample_tokens:
+            samples = log_samples(s.model, data.tokenizer, data.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
+                                  state.step, s.run_dir, log, data.sample_stop_ids)
         plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
     metrics.report_validation(row, samples, checkpointer.status_line())
     return val_loss
@@ -257,8 +258,7 @@ def _raise_oom_advice(s: TrainingRun) -> None:
     which setting to try next (not chained to the OOM, whose frames would pin GPU memory)."""
     tc, mc, world = s.cfg.train, s.cfg.model, s.ddp.world_size
     hint = oom_advice(tc.batch_size, tc.grad_accum_steps, mc.block_size, world)
-    s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.splits = None
-    s.loss_masks = {}
+    s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.data = None
     torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) hold GPU memory too: dropped before freeing
     free_memory()
     raise OutOfMemoryAdvice(hint)

@@ -82,6 +82,17 @@ def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: T
 
 
 @dataclass
+class RunData:
+    """The data a run trains and validates on, and the prompts it samples at each validation."""
+
+    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
+    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
+    tokenizer: Tokenizer
+    sample_prompts: list  # strings, or token ids (chat data)
+    sample_stop_ids: list[int]  # a sample ends at these (chat: <|end|>, <|endoftext|>)
+
+
+@dataclass
 class TrainingRun:
     """A training call as set up: its frozen config, the data, the model and what trains it, the progress, the
     lease; the loop (gptlib.training.loop) runs it."""
@@ -92,10 +103,7 @@ class TrainingRun:
     ddp: distributed.Dist
     device: torch.device
     dtype: torch.dtype
-    meta: DatasetMeta
-    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
-    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
-    tokenizer: Tokenizer
+    data: RunData
     model: GPT  # the original module: state dicts, samples, validation
     train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
     compiled: bool
@@ -109,8 +117,6 @@ class TrainingRun:
     hellaswag: HellaSwagProbe | None = None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
     hellaswag_last: int = 0  # the step it last scored
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
-    sample_prompts: list = field(default_factory=list)  # sampled at validations: strings, or token ids (chat data)
-    sample_stop_ids: list[int] = field(default_factory=list)  # a sample ends at these (chat: <|end|>, <|endoftext|>)
 
     @property
     def autocast(self):
@@ -347,11 +353,10 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})
-    s = TrainingRun(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
-                splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
-                optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
-                passed=passed)
-    s.sample_prompts, s.sample_stop_ids = sample_prompts(cfg, meta, splits, tokenizer)
+    data = RunData(splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer))
+    s = TrainingRun(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, data=data,
+                    model=model, train_model=model, compiled=False, optimizer=optimizer, scaler=scaler, sampler=sampler,
+                    state=state, resume=resume, lease=lease, passed=passed)
     if resume is not None:
         s.load_state_dict(resume.checkpoint, log)
     model.train()  # the loop trains; validation and samples switch to eval and back themselves

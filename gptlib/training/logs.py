@@ -163,19 +163,14 @@ def is_notebook_bar(bar) -> bool:
 
 
 class MetricsLog:
-    """metrics.jsonl, the progress bar and the on_log callback of one training call.
+    """metrics.jsonl, the progress bar and the on_log callback of one training call. Losses stay on the device
+    until `flush` (a log step): one host sync per log_interval. On DDP ranks other than 0 the file is os.devnull and
+    there is no bar, but `flush` still averages over ranks.
 
-    `add` keeps each step's loss on the device; `flush` (at log steps) reads them all back at once, writes a row
-    per step and refreshes the bar; `validation_row` writes the validation row. On DDP ranks other than 0 the file
-    is os.devnull and there is no bar, but `flush` still averages over ranks.
-
-    Throughput leaves out the session's first step: it compiles the model (a minute or two on a GPU), tunes kernels
-    and grows the allocator. One tokens/s figure is shown everywhere (the bar, the progress lines, metrics.jsonl, so
-    the notebook's plot and summary, and TrainResult's "while stepping"): this session's tokens over its time spent
-    stepping so far, validations, sampling and saves left out; MFU and the time split are over the same time, and
-    the ETA counts the validations' time too. The bar shows loss, tokens/s, MFU and ETA; a progress line
-    with the details (lr, the time split) is printed every TEXT_EVERY_S: in a notebook for front ends that cannot
-    draw widgets, in a terminal above the bar, and alone where stderr is a file or a pipe.
+    One tokens/s figure everywhere (bar, progress lines, metrics.jsonl, TrainResult's "while stepping"): this
+    session's tokens over its time spent stepping, leaving out its first step (compile, kernel tuning, allocator
+    growth) and validations, samples and saves; the ETA counts the validations too. A progress line with the details
+    is printed every TEXT_EVERY_S, for front ends that cannot draw widgets and where stderr is a file or a pipe.
     """
 
     TEXT_EVERY_S = 60.0

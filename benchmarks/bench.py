@@ -46,7 +46,7 @@ from gptlib.training.resolve import fit_micro_batch  # noqa: E402
 from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
 from gptlib.training.step import train_step  # noqa: E402
 from gptlib.training.throughput import (StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split,  # noqa: E402
-                                        machine_info, mfu, perf_fields)
+                                        machine_info, mfu, perf_fields, tokens_per_step)
 
 
 def preloaded(tokens: np.ndarray, device: torch.device) -> SplitData:
@@ -304,14 +304,14 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
         data = splits["train"]
     sampler = BatchSampler(data, micro, mc.block_size, tc.seed, dev)
     autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev, tc.colab_units_per_hour)
-    tokens_per_step = micro * accum * mc.block_size
+    per_step = tokens_per_step(cfg)
     log(f"bench train: preset {preset}, recipe {recipe}, {model_size(mc).params / 1e6:.1f}M params, {dev} "
         f"({peak.name}), {dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x "
-        f"{mc.block_size} x accum {accum} = {tokens_per_step:,} tokens/step")
+        f"{mc.block_size} x accum {accum} = {per_step:,} tokens/step")
     warm_s, step_s, _, split = _time_steps(
         lambda: train_step(fwd, optimizer, scaler, sampler, accum=accum, autocast=autocast, grad_clip=tc.grad_clip,
                            timer=timer), timer, dev, warmup, steps)
-    tps, fpt, target = tokens_per_step / step_s, model_size(mc).flops_per_token, tc.max_steps * tokens_per_step
+    tps, fpt, target = per_step / step_s, model_size(mc).flops_per_token, tc.max_steps * per_step
     perf = perf_fields(split, fpt, tps, peak, 1, 0, target)  # MFU, ETA and Colab units as train() logs them
     m, eta, units = perf["mfu"], perf["eta_s"], perf["colab_units_left"]
     log(f"step {1000 * step_s:.1f} ms (median of {steps}, synced), {tps:,.0f} tokens/s, "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from gptlib.checkpoint.state import Checkpoint, TrainState
+from gptlib.checkpoint.format import TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import get_preset
 from gptlib.layout import checkpoint_name
@@ -105,9 +105,10 @@ def main() -> None:
     try:
         w = CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
         for i in range(1, args.saves + 1):
-            checkpoint = Checkpoint(model=model.state_dict(), progress=TrainState(step=i, config=cfg.to_dict()),
-                                    optimizer=opt.state_dict(), sampler={"rng_state": gen.get_state(), "batches_drawn": i},
-                                    rng={"torch_cpu": torch.get_rng_state()})
+            checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                          "sampler": {"rng_state": gen.get_state(), "batches_drawn": i},
+                          "rng": {"torch_cpu": torch.get_rng_state()},
+                          "progress": TrainState(step=i, config=cfg.to_dict()).state_dict()}
             t0 = time.perf_counter()
             w.save(checkpoint)
             t1 = time.perf_counter()

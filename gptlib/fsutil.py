@@ -66,10 +66,15 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The objects of a JSON-lines file ([] if there is none). A line that is not one, a write torn by a kill, is
-    skipped: at the end of a log, or inside a file append_jsonl went on appending to."""
+    """The objects of a JSON-lines file ([] if there is none); see parse_jsonl."""
+    return parse_jsonl(Path(path).read_text(errors="replace") if Path(path).is_file() else "")
+
+
+def parse_jsonl(text: str) -> list[dict]:
+    """The objects of JSON-lines text. A line that is not one, a write torn by a kill, is skipped: at the end of a
+    log, or inside a file append_jsonl went on appending to."""
     rows = []
-    for line in Path(path).read_text(errors="replace").splitlines() if Path(path).is_file() else []:
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:

@@ -1,17 +1,10 @@
-"""The runtime under training, inference and benchmarks: device, precision, autocast, matmul precision,
-attention kernel, compile, seeding and RNG state.
-
-At the bottom of the import tree (it imports torch, numpy and gptlib.errors only), so every module
-that trains, loads or measures a model takes these decisions from one place.
-"""
+"""The runtime under training, inference and benchmarks: device, precision, autocast, matmul precision, compile."""
 
 from __future__ import annotations
 
 import contextlib
-import random
 import re
 
-import numpy as np
 import torch
 
 from gptlib.errors import ConfigError
@@ -112,54 +105,6 @@ def configure_matmul(device: torch.device) -> None:
     the allow_tf32 flags. The CPU keeps full fp32 ("highest"), its default."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
-
-
-# --- seeding and RNG state ----------------------------------------------------------------------
-
-
-def seed_everything(seed: int) -> None:
-    """torch (CPU and CUDA), Python's random and numpy's global RNG."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-
-
-def capture_rng(device: torch.device | None = None) -> tuple[dict, dict]:
-    """-> (tensors for train_state.pt, JSON-able python/numpy state for state.json). `device`: the training
-    device, whose CUDA state is saved (none for a CPU run)."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if device is not None and device.type == "cuda":  # only the training device's: N GPUs resume on fewer
-        tensors["torch_cuda"] = torch.cuda.get_rng_state(device)  # host-side seed/offset: no device sync
-    py = random.getstate()
-    np_state = np.random.get_state()
-    plain = {"python": [py[0], list(py[1]), py[2]],
-             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
-    return tensors, plain
-
-
-def restore_rng(tensors: dict, plain: dict) -> None:
-    """The host's generators: torch's CPU one, Python's and numpy's (the CUDA one: restore_cuda_rng)."""
-    torch.set_rng_state(tensors["torch_cpu"])
-    v, state, gauss = plain["python"]
-    random.setstate((v, tuple(state), gauss))
-    n = plain["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-
-
-def restore_cuda_rng(tensors: dict, device: torch.device) -> None:
-    """The saved CUDA generator state into the training device's generator only. Checkpoints made before
-    this held a list, one state per GPU the saving process saw (get_rng_state_all, torchrun on N GPUs):
-    this device's entry is taken, or entry 0 when the list is shorter; no other GPU is touched, so a
-    checkpoint from 8 GPUs resumes on 1."""
-    state = tensors.get("torch_cuda")
-    if state is None or device.type != "cuda":
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if isinstance(state, (list, tuple)):
-        if not state:
-            return
-        state = state[index] if index < len(state) else state[0]
-    torch.cuda.set_rng_state(state, torch.device("cuda", index))
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

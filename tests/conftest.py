@@ -21,11 +21,12 @@ TINY = ["block_size=32", "n_layer=2", "n_head=2", "n_embd=32", "batch_size=8", "
 
 
 def newest_checkpoint(run_dir):
-    """The newest checkpoint of a run directory that verifies in full (sizes and sha256), or None."""
-    from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
+    """The newest checkpoint of a run directory that loads (sizes and sha256 checked), or None."""
+    from gptlib.checkpoint.format import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 
     for path in list_checkpoints(run_dir):
         try:
+            load_checkpoint(path)
             return verify_checkpoint(path)
         except CheckpointError:
             pass

@@ -7,7 +7,7 @@ ACTION happens when execution reaches it (at checkpoint or training step STEP; w
 
     ACTION  kill (SIGKILL this process), term (SIGTERM), interrupt (raise KeyboardInterrupt), enospc / eio / enotconn
             (raise that OSError), hang (block for an hour), slow (sleep 50 ms)
-    POINT   mid_step      the step: training.loop.forward_backward has run (backward done), the update has not
+    POINT   mid_step      the step: training.loop.train_step has updated the model, the step counter has not
             save_mid      the write: checkpoint.format writes state.json (model.pt, train_state.pt written, no manifest)
             after_rename  the install: checkpoint.format.install renamed the checkpoint, rotation has not run
             rotate_mid    the deletion: the first file of a checkpoint being deleted (rotation) is gone
@@ -61,19 +61,19 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
             runs.append(real(*a, **k))
             return runs[-1]
 
-        def forward_backward(*a, real=loop.forward_backward, **k):
+        def train_step(*a, real=loop.train_step, **k):
             loss = real(*a, **k)
             fire(runs[-1].state.step + 1)
             return loss
 
-        return [(loop, "open_run", open_run), (loop, "forward_backward", forward_backward)]
+        return [(loop, "open_run", open_run), (loop, "train_step", train_step)]
     if point == "save_mid":
-        def atomic_write_json(path, obj, real=ck.atomic_write_json):
+        def atomic_write(path, write, real=ck.atomic_write):
             if pathlib.Path(path).name == STATE_FILE:
                 fire(step_of(pathlib.Path(path).parent))
-            return real(path, obj)
+            return real(path, write)
 
-        return [(ck, "atomic_write_json", atomic_write_json)]
+        return [(ck, "atomic_write", atomic_write)]
     if point == "after_rename":
         def install(partial, final, *a, real=ck.install, **k):
             real(partial, final, *a, **k)

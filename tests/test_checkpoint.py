@@ -8,27 +8,27 @@ import os
 import pickle
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
-from gptlib.checkpoint.format import (CheckpointError, clean_state_dict, list_checkpoints, load_checkpoint,
-                                      load_weights_into, verify_checkpoint, write_checkpoint)
+from gptlib.checkpoint.format import (CheckpointError, TrainState, list_checkpoints, load_checkpoint, load_weights_into,
+                                      save_checkpoint, verify_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.resume import find_resume
 from gptlib.checkpoint.rotation import clean_orphans, rotate
-from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
 from gptlib.training.signals import GracefulStop
 from tests import faulty
 
 
-def ckpt(step: int, model: dict, optimizer: dict | None = None, best: int | None = None) -> Checkpoint:
+def ckpt(step: int, model: dict, optimizer: dict | None = None, best: int | None = None) -> dict:
     """What training hands the writer: the parts' state_dicts and the progress."""
-    return Checkpoint(model=model, progress=TrainState(step=step, best_step=best), optimizer=optimizer or {})
+    return {"model": model, "optimizer": optimizer or {}, "progress": TrainState(step=step, best_step=best).state_dict()}
 
 
 def sd(v: float = 1.0) -> dict:
@@ -36,8 +36,7 @@ def sd(v: float = 1.0) -> dict:
 
 
 def save(run_dir, step, v=1.0, extra=None):
-    return write_checkpoint(run_dir / "checkpoints", step, sd(v), {"opt": {"m": torch.ones(2) * v}},
-                            {"step": step, "v": v}, extra)
+    return save_checkpoint(run_dir / "checkpoints", ckpt(step, sd(v), {"opt": {"m": torch.ones(2) * v}}), extra)
 
 
 def test_write_verify_load_roundtrip(tmp_path):
@@ -45,15 +44,16 @@ def test_write_verify_load_roundtrip(tmp_path):
     assert p.name == "step_0000007"
     info = verify_checkpoint(p)
     assert info.step == 7 and set(info.manifest["files"]) == {"model.pt", "train_state.pt", "state.json", "metrics.jsonl"}
-    m, t, s = load_checkpoint(p)
-    assert torch.equal(m["w"], sd(2.0)["w"]) and torch.equal(t["opt"]["m"], torch.ones(2) * 2) and s["v"] == 2.0
+    c = load_checkpoint(p)
+    assert torch.equal(c["model"]["w"], sd(2.0)["w"]) and torch.equal(c["optimizer"]["opt"]["m"], torch.ones(2) * 2)
+    assert c["progress"]["step"] == 7 and c["logs"] == {"metrics.jsonl": b'{"step": 1}\n'}
     assert not [q for q in p.parent.iterdir() if q != p], "no temp or partial leftovers"
 
 
 def test_same_step_resave_replaces_whole(tmp_path):
     save(tmp_path, 5, 1.0)
     p = save(tmp_path, 5, 3.0)
-    assert torch.equal(load_checkpoint(p)[0]["w"], sd(3.0)["w"])
+    assert torch.equal(load_checkpoint(p)["model"]["w"], sd(3.0)["w"])
     assert [q.name for q in p.parent.iterdir()] == ["step_0000005"]
 
 
@@ -68,7 +68,7 @@ def test_failed_write_removes_partial_and_keeps_previous(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "bad_json", "missing_file", "old_format"])
-def test_verify_detects_damage(tmp_path, damage):
+def test_loading_detects_damage(tmp_path, damage):
     p = save(tmp_path, 3)
     f = p / "model.pt"
     if damage == "truncate":
@@ -86,7 +86,10 @@ def test_verify_detects_damage(tmp_path, damage):
     elif damage == "old_format":
         (p / "manifest.json").write_text('{"format_version": 0, "step": 3, "files": {}}')
     with pytest.raises(CheckpointError, match=str(p)):
-        verify_checkpoint(p)
+        load_checkpoint(p)
+    if damage != "flip":  # the cheap check (rotation, the writer) sees all but a changed byte
+        with pytest.raises(CheckpointError, match=str(p)):
+            verify_checkpoint(p)
 
 
 def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
@@ -95,7 +98,7 @@ def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
     local, drive = tmp_path / "local", tmp_path / "drive"
 
     def put(run_dir, step, v):
-        write_checkpoint(run_dir / "checkpoints", step, *ckpt(step, sd(v)).files())
+        save_checkpoint(run_dir / "checkpoints", ckpt(step, sd(v)))
 
     put(local, 10, 1.0)
     put(drive, 20, 2.0)
@@ -105,13 +108,13 @@ def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
     resume, passed = find_resume(local, drive, logs.append)
     assert resume.state.step == 20 and resume.origin == drive / "checkpoints" / "step_0000020"
     assert resume.info.path == local / "checkpoints" / "step_0000020"  # the copy it loaded
-    assert torch.equal(resume.checkpoint.model["w"], sd(2.0)["w"])
+    assert torch.equal(resume.checkpoint["model"]["w"], sd(2.0)["w"])
     assert passed.damaged == [drive / "checkpoints" / "step_0000030"] and passed.mirror_step == 30
     assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
     put(local, 40, 4.0)
     put(drive, 40, 5.0)  # the same step in both: the local one (fast) is taken
     resume, _ = find_resume(local, drive, logs.append)
-    assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(resume.checkpoint.model["w"],
+    assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(resume.checkpoint["model"]["w"],
                                                                                    sd(4.0)["w"])
 
 
@@ -135,11 +138,9 @@ def test_malicious_pickle_refused(tmp_path):
     assert not marker.exists()
 
 
-def test_clean_state_dict_and_checked_load():
+def test_checked_load():
     m = torch.nn.Linear(3, 2)
-    wrapped = {f"module._orig_mod.{k}": v.clone() for k, v in m.state_dict().items()}
-    clean = clean_state_dict(wrapped)
-    assert set(clean) == {"weight", "bias"}
+    clean = {k: v.clone() for k, v in m.state_dict().items()}
     load_weights_into(m, clean, "x")
     bad = dict(clean, weight=torch.zeros(5, 3))
     with pytest.raises(CheckpointError, match=r"weight has shape \(5, 3\) in the checkpoint but \(2, 3\)"):
@@ -231,21 +232,30 @@ def test_writer_mirrors_in_background_and_rotates_both(tmp_path):
 
 
 def test_a_save_hashes_each_file_once_and_never_reads_drive_back(tmp_path, monkeypatch):
-    """Hash once: each file is hashed when it is written, and by the Drive copy while it reads it (against the
-    manifest); neither the writer nor the mirror re-reads what it just wrote to hash it again. The logs reach Drive
-    inside the checkpoint; beside it go the files readers and people use there."""
-    hashed, real = [], ck.sha256_file
-    monkeypatch.setattr(ck, "sha256_file", lambda path, *a, **k: hashed.append(path) or real(path, *a, **k))
+    """Hash once: each file is hashed as it is written, and by the Drive copy as it reads it (against the manifest);
+    nothing is read again to be hashed. The logs reach Drive inside the checkpoint; beside it go the files readers
+    and people use there."""
+    import builtins
+    import hashlib
+
+    made, real = [], hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda *a: made.append(1) or real(*a))
     local, drive = tmp_path / "local", tmp_path / "drive"
-    w = CheckpointWriter(local, mirror_dir=drive, snapshot_files=("metrics.jsonl",))
+    reads, real_open = [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: (
+        reads.append(Path(f).name) if "r" in mode and Path(str(f)).parent.parent == local / "checkpoints" else None)
+        or real_open(f, mode, *a, **k))
+    w = CheckpointWriter(local, mirror_dir=drive)
     local.mkdir()
     for name in ("config.json", "tokenizer.json", "metrics.jsonl", "samples.jsonl", "samples.md", "loss.png"):
         (local / name).write_text(f"{name}\n")
     w.save(ckpt(1, sd(), {"x": torch.ones(1)}))
     assert w.close()["mirror_step"] == 1
     files = sorted(p.name for p in (local / "checkpoints" / "step_0000001").iterdir() if p.name != "manifest.json")
-    assert sorted(p.name for p in hashed) == files and all(p.is_relative_to(local) for p in hashed), hashed
-    assert verify_checkpoint(drive / "checkpoints" / "step_0000001").step == 1  # the copy is whole (hashed here)
+    assert files == ["metrics.jsonl", "model.pt", "samples.jsonl", "state.json", "train_state.pt"]
+    assert len(made) == 2 * len(files) + 1  # written, copied (and the manifest copied)
+    assert sorted(reads) == sorted(files + ["manifest.json"])  # read once each: by the Drive copy
+    assert verify_checkpoint(drive / "checkpoints" / "step_0000001").step == 1
     assert (drive / "checkpoints" / "step_0000001" / "metrics.jsonl").read_text() == "metrics.jsonl\n"
     assert sorted(p.name for p in drive.iterdir() if p.is_file()) == ["config.json", "loss.png", "samples.md",
                                                                      "tokenizer.json"]
@@ -352,21 +362,24 @@ def test_a_superseded_retry_does_not_strand_milestones(tmp_path, monkeypatch, ca
 
 
 def test_milestones_survive_a_change_of_keep_every(tmp_path):
-    w = CheckpointWriter(tmp_path, keep_last=2, background=False, keep_every=2)
+    w = CheckpointWriter(tmp_path, keep_last=2, keep_every=2)
     for s in range(1, 6):
         w.save(ckpt(s, sd(s), {}, best=None))
+        w.wait()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000004", "step_0000002"]
-    w = CheckpointWriter(tmp_path, keep_last=2, background=False, keep_every=0)  # resumed with keep_every=0
+    w = CheckpointWriter(tmp_path, keep_last=2, keep_every=0)  # resumed with keep_every=0
     for s in range(6, 9):
         w.save(ckpt(s, sd(s), {}, best=None))
+        w.wait()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000008", "step_0000007", "step_0000004",
                                                             "step_0000002"]
 
 
 def test_resuming_locally_copies_the_local_milestones(tmp_path):
-    w = CheckpointWriter(tmp_path / "local", keep_last=2, background=False, keep_every=2)  # Drive was away
+    w = CheckpointWriter(tmp_path / "local", keep_last=2, keep_every=2)  # Drive was away
     for s in range(1, 6):
         w.save(ckpt(s, sd(s), {}, best=None))
+        w.wait()
     w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
     w.mirror_existing(tmp_path / "local" / "checkpoints" / "step_0000005")  # what train() does on a local resume
     w.close(timeout=10)
@@ -491,10 +504,11 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
 def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_path):
     """A host tensor per state tensor, kept from save to save of the same layout (pinned on a GPU, tests/test_gpu.py);
     a tied tensor is copied once and stored once; the next save writes the new values, the first keeps its own."""
-    w = CheckpointWriter(tmp_path, background=False)
+    w = CheckpointWriter(tmp_path)
     a, b = torch.randn(3, 5), torch.arange(7)
     opt = {"m": torch.ones(9, dtype=torch.bfloat16), "step": torch.tensor(3.0)}
     w.save(ckpt(1, {"a": a, "tied": a, "b": b}, {"opt": opt}))
+    w.wait()
     host = list(w._host)
     assert [tuple(t.shape) for t in host] == [(3, 5), (7,), (9,), ()]  # the tied tensor once
     assert (tmp_path / "checkpoints" / "step_0000001" / "model.pt").stat().st_size < 2000  # a and b once each
@@ -502,11 +516,12 @@ def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_pat
     a.add_(1.0)
     opt["m"].mul_(3)
     w.save(ckpt(2, {"a": a, "tied": a, "b": b}, {"opt": opt}))
+    w.wait()
     assert all(x is y for x, y in zip(w._host, host))  # reused
-    m, t, _ = load_checkpoint(tmp_path / "checkpoints" / "step_0000002")
+    c = load_checkpoint(tmp_path / "checkpoints" / "step_0000002")
+    m = c["model"]
     assert torch.equal(m["a"], a) and torch.equal(m["tied"], a) and torch.equal(m["b"], b)
-    assert torch.equal(t["optimizer"]["opt"]["m"], opt["m"]) and t["optimizer"]["opt"]["step"] == 3.0
-    m1, _, _ = load_checkpoint(tmp_path / "checkpoints" / "step_0000001")
-    assert torch.equal(m1["a"], a0)  # the first save kept its own values
+    assert torch.equal(c["optimizer"]["opt"]["m"], opt["m"]) and c["optimizer"]["opt"]["step"] == 3.0
+    assert torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_0000001")["model"]["a"], a0)  # the first save kept its own values
     w.close()
     assert w._host == []  # not held after training

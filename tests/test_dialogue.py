@@ -15,8 +15,7 @@ import pytest
 import torch
 
 import gptlib.inference.engine as generate_mod
-from gptlib.checkpoint.format import write_checkpoint
-from gptlib.checkpoint.state import TrainState
+from gptlib.checkpoint.format import TrainState, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig
 from gptlib.data.conversations import CHAT_TOKENS, END, ChatTemplate
 from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
@@ -35,7 +34,7 @@ GREEDY = SamplingConfig(max_new_tokens=12, temperature=0, seed=1337)  # what the
 
 def write_run(out: Path, tok, block_size: int = BLOCK, bias: bool = False, edit=None) -> Path:
     """A run directory with a random-weight model, written as import-hf writes one: a step-0 checkpoint
-    (write_checkpoint), config.json and the tokenizer. edit(model) may set weights first."""
+    (save_checkpoint), config.json and the tokenizer. edit(model) may set weights first."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32, bias=bias)
     model = GPT(cfg)
@@ -43,8 +42,7 @@ def write_run(out: Path, tok, block_size: int = BLOCK, bias: bool = False, edit=
         edit(model)
     run_cfg = RunConfig(model=cfg)
     state = TrainState(config=run_cfg.to_dict(), tokenizer=dict(tok.identity(), file=TOKENIZER_FILE))
-    empty = {"optimizer": {}, "scaler": {}, "sampler": {}, "rng": {}}
-    write_checkpoint(checkpoints_dir(out), 0, model.state_dict(), empty, state.state_dict())
+    save_checkpoint(checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()})
     atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
     return out

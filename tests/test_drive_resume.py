@@ -148,12 +148,12 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char
 
 def test_rotation_keeps_what_it_cannot_read(tmp_path):
     """A checkpoint whose files cannot be read now (an I/O error, not damage) is never deleted by rotation."""
-    from gptlib.checkpoint.format import write_checkpoint
+    from gptlib.checkpoint.format import save_checkpoint
     from gptlib.checkpoint.rotation import rotate
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):
-        write_checkpoint(root, step, {}, {}, {"step": step})
+        save_checkpoint(root, {"model": {}, "progress": {"step": step}})
     blocked = root / "step_0000001" / "state.json"
     blocked.unlink()
     blocked.mkdir()  # reading it raises IsADirectoryError, an OSError: unreadable, not known to be damaged

@@ -138,17 +138,21 @@ def test_enospc_during_save_is_loud_and_keeps_previous(char_data, tmp_path, caps
     assert r.resumed_from == 10 and "resumed from step 10" in out and r.step == MAX_STEPS
 
 
-def test_keyboard_interrupt_mid_step_saves_pre_step_state(char_data, tmp_path, capsys, monkeypatch):
+def test_keyboard_interrupt_mid_step_saves_nothing(char_data, tmp_path, capsys, monkeypatch):
+    """An interrupt that cuts a step in two (no signal handlers: not the main thread) leaves its half-made state
+    unsaved, says so in one line, and the last checkpoint stands."""
     run = tmp_path / "run"
+    said = []
     undo = faulty.install("interrupt:mid_step@13")
     try:
-        r = run_inproc(char_data, run, log=lambda m: None)
+        r = run_inproc(char_data, run, log=said.append)
     finally:
         undo()
     assert r.stopped_by == "interrupt" and r.step == 12
-    assert verify_checkpoint(ckpt_dir(run, 12)).step == 12 and verify_checkpoint(ckpt_dir(run, 10)).step == 10
+    assert sorted(p.name for p in (run / CKPT).iterdir()) == ["step_0000005", "step_0000010"]
+    assert any("interrupted during step 13" in m and "nothing saved" in m for m in said), said
     r, out, _ = resume(char_data, run, capsys)
-    assert r.resumed_from == 12 and "resumed from step 12" in out
+    assert r.resumed_from == 10 and "resumed from step 10" in out
 
 
 # --- config mismatch -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gptlib.checkpoint.format import CheckpointError
-from gptlib.checkpoint.state import TrainState
+from gptlib.checkpoint.format import TrainState
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import CharTokenizer, TokenizerError
 from gptlib.inference.engine import Engine, GenerationError

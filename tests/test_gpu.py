@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from gptlib.checkpoint.format import load_checkpoint
-from gptlib.checkpoint.state import Checkpoint, TrainState
+from gptlib.checkpoint.format import TrainState
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -249,8 +249,7 @@ def test_small_gpt2_bpe_trains_compiled(bpe_compiled, dtype):
     losses = [curve[s] for s in sorted(curve)]
     assert len(losses) == BPE_STEPS and all(math.isfinite(x) for x in losses), losses
     ck = newest_checkpoint(r.run_dir)
-    _, train_state, _ = load_checkpoint(ck.path)
-    scaler = train_state.get("scaler") or {}
+    scaler = load_checkpoint(ck.path)["scaler"]
     record(f"train_bpe_{dtype}", [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}",
                                   f"grad scaler state: {scaler or 'off'}"])
     assert statistics.fmean(losses[-3:]) < statistics.fmean(losses[:3]) - 0.5, losses
@@ -344,7 +343,7 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)).cuda()
     opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cuda")
-    writer = CheckpointWriter(tmp_path, keep_last=2, background=True, log=print)
+    writer = CheckpointWriter(tmp_path, keep_last=2, log=print)
     expected, hosts = {}, []
     try:
         for step in (1, 2):
@@ -354,8 +353,8 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
             opt.step()
             opt.zero_grad(set_to_none=True)
             expected[step] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
-            writer.save(Checkpoint(model=model.state_dict(), progress=TrainState(step=step),
-                                   optimizer=opt.state_dict()))
+            writer.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                         "progress": TrainState(step=step).state_dict()})
             hosts.append((list(writer._host), all(t.is_pinned() for t in writer._host)))
             with torch.no_grad():  # queued on the GPU at once, while the writer thread reads the host copy
                 for p in model.parameters():
@@ -370,9 +369,9 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
     assert all(a is b for a, b in zip(*[h[0] for h in hosts])), "the second save of the same layout allocated anew"
     assert hosts[0][1], "the host copy is not pinned: saves copy from the GPU synchronously"
     for step in (1, 2):
-        model_sd, train_state, _ = load_checkpoint(tmp_path / "checkpoints" / f"step_{step:07d}")
-        _assert_same(model_sd, expected[step][0], f"step {step} model")
-        _assert_same(train_state["optimizer"], expected[step][1], f"step {step} optimizer")
+        saved = load_checkpoint(tmp_path / "checkpoints" / f"step_{step:07d}")
+        _assert_same(saved["model"], expected[step][0], f"step {step} model")
+        _assert_same(saved["optimizer"], expected[step][1], f"step {step} optimizer")
 
 
 def _cli_train(data, run_dir, steps: int, fault: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -424,8 +423,7 @@ def test_torchrun_one_process_on_nccl(char_data, tmp_path):
     out = json.loads((tmp_path / "out.json").read_text())
     assert out == {"step": 8, "backend": "nccl", "wrapped": "DistributedDataParallel"}, out
     assert sorted(loss_curve(tmp_path / "ddp")) == list(range(1, 9))
-    _, train_state, _ = load_checkpoint(newest_checkpoint(tmp_path / "ddp").path)
-    assert len(train_state["sampler_ranks"]) == 1  # gathered over NCCL
+    assert len(load_checkpoint(newest_checkpoint(tmp_path / "ddp").path)["sampler_ranks"]) == 1  # gathered over NCCL
     plain = run + ["-m", "gptlib", "train", "--data", char_data, "--run-dir", tmp_path / "plain", "--preset", "phase1",
                    "--device", "cuda", "--max-steps", "4", "--quiet"]
     p = _run(plain + [a for s in ov for a in ("--set", s)], _env(), 300)

@@ -23,7 +23,7 @@ import tarfile
 import pytest
 import torch
 
-from gptlib.checkpoint.format import load_model_weights, write_checkpoint
+from gptlib.checkpoint.format import load_model_weights, save_checkpoint
 from gptlib.config import RunConfig, get_preset
 from gptlib.errors import ConfigError
 from gptlib.inference.loading import load_run
@@ -37,9 +37,10 @@ from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
 FIXTURE = REPO / "tests" / "fixtures" / "run_ce01044.tar.gz"
 SETTINGS = TINY + ["dropout=0.1", "save_every_steps=5", "keep_last=2"]
-# state.json's fields that describe the session that resumes, not the state it resumes (TrainState.continue_from),
-# and pending_losses, which a checkpoint no longer holds (it falls on a log boundary; the fixture's is empty)
-SESSION_FIELDS = ("val_loss", "milestone", "config", "data", "data_dir", "tokenizer", "pending_losses")
+# state.json's fields that describe the session that resumes, not the state it resumes (TrainingRun.load_state_dict);
+# pending_losses, which a checkpoint no longer holds (it falls on a log boundary; the fixture's is empty); and rng,
+# Python's and numpy's generators, which nothing in training draws from
+SESSION_FIELDS = ("val_loss", "milestone", "config", "data", "data_dir", "tokenizer", "pending_losses", "rng")
 
 
 def curve(run_dir):
@@ -74,7 +75,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(char_data, tmp_path
     restored, real_loop = [], gloop._loop
 
     def loop(s, *a, **k):  # the run's state as restored, before its first step (copied: training changes it)
-        restored.append(copy.deepcopy(s.snapshot(s.resume.state.val_loss, s.state.elapsed_s)))
+        restored.append(copy.deepcopy(s.state_dict()))
         return real_loop(s, *a, **k)
 
     monkeypatch.setattr(gloop, "_loop", loop)
@@ -82,16 +83,14 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(char_data, tmp_path
     monkeypatch.undo()
     assert r.resumed_from == 20 and r.step == 30
     [state] = restored
-    model, train_state, progress = state.files()
-    assert_holds(model, files[0], "model.pt")
-    assert_holds(train_state, files[1], "train_state.pt")
+    assert_holds(state["model"], files[0], "model.pt")
+    assert_holds({k: state[k] for k in ("optimizer", "scaler", "sampler", "rng")}, files[1], "train_state.pt")
     assert files[2]["pending_losses"] == []  # log_interval=1: every step was logged before the save
-    assert_holds(progress, {k: v for k, v in files[2].items() if k not in SESSION_FIELDS}, "state.json")
+    assert_holds(state["progress"], {k: v for k, v in files[2].items() if k not in SESSION_FIELDS}, "state.json")
 
     # the same state as a checkpoint of today's format, resumed to step 30 here too: the same run, bit for bit
     shutil.rmtree(checkpoints_dir(now) / "step_0000020")
-    write_checkpoint(checkpoints_dir(now), 20, model, train_state, progress,
-                     {name: (ck / name).read_bytes() for name in LOG_FILES})
+    save_checkpoint(checkpoints_dir(now), state, {name: (ck / name).read_bytes() for name in LOG_FILES})
     r = train(char_data, now, "phase1", SETTINGS, max_steps=30, device="cpu", progress=False, log=lambda m: None)
     assert r.resumed_from == 20 and r.step == 30
     assert curve(old) == curve(now) and len(curve(now)) == 30
@@ -174,8 +173,8 @@ def test_a_checkpoint_holding_pending_losses_resumes_without_logging_them_again(
     ck = checkpoints_dir(run) / "step_0000010"
     model, train_state = (torch.load(ck / name, weights_only=True) for name in ("model.pt", "train_state.pt"))
     state = {**json.loads((ck / "state.json").read_text()), "pending_losses": [9.5, 9.25]}  # steps 9 and 10's
-    write_checkpoint(checkpoints_dir(run), 10, model, train_state, state,
-                     {name: (ck / name).read_bytes() for name in LOG_FILES})
+    save_checkpoint(checkpoints_dir(run), {"model": model, **train_state, "progress": state},
+                    {name: (ck / name).read_bytes() for name in LOG_FILES})
     r = train(char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=lambda m: None)
     assert r.resumed_from == 10 and r.step == 20
     rows = curve(run)

@@ -3,6 +3,7 @@ and the refusals (a model keeps its recipe; torch without Muon)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
 from gptlib.training.resolve import schedule_change
-from gptlib.training.step import lr_at, optimizer_step, set_lr
+from gptlib.training.step import lr_at, set_lr, train_step
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)
@@ -125,13 +126,21 @@ def test_muon_adamw_steps_under_an_fp16_grad_scaler():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
     x = torch.randint(0, 65, (4, 32))
-    scaler.scale(m(x, x)[1]).backward()
-    next(m.parameters()).grad[0, 0] = float("inf")
-    optimizer_step(m, opt, scaler, grad_clip=1.0)
+
+    class Batches:
+        def next_batch(self):
+            return x, x
+
+    def step():
+        train_step(m, opt, scaler, Batches(), accum=1, grad_clip=1.0, autocast=contextlib.nullcontext())
+
+    first = next(m.parameters())
+    hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))  # an overflowed gradient
+    step()
+    hook.remove()
     assert all(torch.equal(before[n], p) for n, p in m.named_parameters()), "a step with inf gradients was taken"
     assert scaler.get_scale() == 2.0 ** 9
-    scaler.scale(m(x, x)[1]).backward()
-    optimizer_step(m, opt, scaler, grad_clip=1.0)
+    step()
     moved = {n for n, p in m.named_parameters() if not torch.equal(before[n], p)}
     assert "transformer.h.0.attn.c_attn.weight" in moved and "transformer.wte.weight" in moved
     assert all(torch.isfinite(p).all() for p in m.parameters())

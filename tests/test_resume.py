@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from gptlib import batches as gdata
-from gptlib.checkpoint import state as gstate
-from gptlib.checkpoint.format import list_checkpoints, load_model_weights, verify_checkpoint
+from gptlib.checkpoint import format as gformat
+from gptlib.checkpoint import resume as gresume
+from gptlib.checkpoint.format import list_checkpoints, load_checkpoint, load_model_weights, verify_checkpoint
 from gptlib.training import loop as gtrain
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -122,7 +123,7 @@ def test_sigkill_then_resume_is_exact(char_data, reference, tmp_path, capsys, wh
     # The previous checkpoints are intact (full sha256 check), whatever the kill interrupted.
     for ck in list_checkpoints(run_dir):
         if ck.name == f"step_{expect:07d}" or int(ck.name[5:]) < expect:
-            verify_checkpoint(ck)
+            load_checkpoint(ck)
     _resume_and_check(char_data, reference, run_dir, capsys, expect)
     leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("step_") or "." in p.name]
     assert not leftovers, f"orphans not cleaned: {leftovers}"
@@ -153,6 +154,7 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
 
 
 def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, tmp_path, monkeypatch, capsys):
+    """An interrupt inside a step (no signal handlers) saves nothing: the last checkpoint (10) stands."""
     run_dir = tmp_path / "run"
     undo = faulty.install("interrupt:mid_step@13")
     try:
@@ -160,7 +162,7 @@ def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, 
     finally:
         undo()
     assert r.stopped_by == "interrupt" and r.step == 12
-    _resume_and_check(char_data, reference, run_dir, capsys, 12)
+    _resume_and_check(char_data, reference, run_dir, capsys, 10)
 
 
 def test_a_run_on_shards_left_on_disk_is_the_run_in_ram(char_data, reference, tmp_path, monkeypatch, capsys):
@@ -176,7 +178,7 @@ def test_a_run_on_shards_left_on_disk_is_the_run_in_ram(char_data, reference, tm
     finally:
         undo()
     assert r.stopped_by == "interrupt" and r.step == 12 and len(gathered) >= 12  # every batch read from the shards
-    _resume_and_check(char_data, reference, run_dir, capsys, 12)
+    _resume_and_check(char_data, reference, run_dir, capsys, 10)
 
 
 # --- negative controls: the comparison above does catch a resume that forgets state ----------------
@@ -198,7 +200,7 @@ def interrupted(char_data, tmp_path_factory):
 def test_negative_control_without_rng_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
-    monkeypatch.setattr(gstate.RNG, "load_state_dict", lambda self, state: None)
+    monkeypatch.setattr(gformat.RNG, "load_state_dict", lambda self, state: None)
     run_inproc(char_data, run_dir, log=lambda m: None)
     with pytest.raises(AssertionError, match="losses differ"):
         assert_same_run(reference, run_dir)
@@ -274,27 +276,27 @@ def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monke
     run_dir = tmp_path / "run"
     train(char_data, run_dir, "phase1", SETTINGS, max_steps=10, device="cpu", progress=False, log=lambda m: None)
     loaded = {}  # part -> weak references to the loaded checkpoint's tensors
-    real_from_files = gstate.Checkpoint.from_files.__func__
+    real_load = gresume.load_checkpoint
 
-    def from_files(cls, *a, **k):
-        ck = real_from_files(cls, *a, **k)
+    def load_checkpoint(path):
+        ck = real_load(path)
         for part in ("model", "optimizer", "scaler", "sampler", "rng"):
-            loaded[part] = [weakref.ref(t) for t in tensors(getattr(ck, part))]
+            loaded[part] = [weakref.ref(t) for t in tensors(ck[part])]
         return ck
 
     alive = {}
 
-    def set_lr(optimizer, lr):
+    def train_step(model, optimizer, *a, **k):
         if not alive:  # the first step of the resumed run
             gc.collect()
             own = {id(v) for st in optimizer.state.values() for v in st.values()}
             alive.update({part: [t for r in refs if (t := r()) is not None and id(t) not in own]
                           for part, refs in loaded.items()})
-        return real_set_lr(optimizer, lr)
+        return real_train_step(model, optimizer, *a, **k)
 
-    real_set_lr = gtrain.set_lr
-    monkeypatch.setattr(gstate.Checkpoint, "from_files", classmethod(from_files))
-    monkeypatch.setattr(gtrain, "set_lr", set_lr)
+    real_train_step = gtrain.train_step
+    monkeypatch.setattr(gresume, "load_checkpoint", load_checkpoint)
+    monkeypatch.setattr(gtrain, "train_step", train_step)
     r = train(char_data, run_dir, "phase1", SETTINGS, max_steps=12, device="cpu", progress=False, log=lambda m: None)
     assert r.resumed_from == 10 and len(loaded["model"]) > 5
     assert alive and not any(alive.values()), {part: len(ts) for part, ts in alive.items()}

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gptlib.runtime as rt
+from gptlib.checkpoint.format import RNG
 from gptlib.config import RunConfig, build_config, get_preset
 from gptlib.errors import ConfigError, OutOfMemoryAdvice
 from gptlib.training import memory
@@ -163,34 +164,27 @@ def fake_cuda_rng(monkeypatch, count=1):
 
 def test_a_checkpoint_saves_only_the_training_devices_cuda_rng(monkeypatch):
     states = fake_cuda_rng(monkeypatch, count=2)
-    tensors, _ = rt.capture_rng(torch.device("cuda", 1))
-    assert torch.equal(tensors["torch_cuda"], states[1])
-    assert "torch_cuda" not in rt.capture_rng(torch.device("cpu"))[0]  # a CPU run holds no GPU state
-    from gptlib.training.setup import TrainingRun
-
-    fake = types.SimpleNamespace(sampler=types.SimpleNamespace(state_dict=lambda: {}), device=torch.device("cuda", 1))
-    assert torch.equal(TrainingRun.step_begin(fake)["rng"]["torch_cuda"], states[1])  # what an interrupt mid-step saves
+    assert torch.equal(RNG(torch.device("cuda", 1)).state_dict()["torch_cuda"], states[1])
+    assert "torch_cuda" not in RNG(torch.device("cpu")).state_dict()  # a CPU run holds no GPU state
 
 
 def test_a_torchrun_checkpoint_from_4_gpus_resumes_on_1(monkeypatch):
     saved_cpu = torch.get_rng_state()
-    tensors, plain = rt.capture_rng(torch.device("cpu"))
     states = fake_cuda_rng(monkeypatch, count=1)
     old = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(4)]  # get_rng_state_all() of 4 GPUs
-    rt.restore_rng({**tensors, "torch_cuda": old}, plain)
-    rt.restore_cuda_rng({**tensors, "torch_cuda": old}, torch.device("cuda", 0))
+    RNG(torch.device("cuda", 0)).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": old})
     assert torch.equal(states[0], old[0])
     assert torch.equal(torch.get_rng_state(), saved_cpu)
     # this device's entry where the list has one; entry 0 past its end; never a GPU that is not there
     fake_cuda_rng(monkeypatch, count=3)
-    rt.restore_cuda_rng({"torch_cuda": old[:2]}, torch.device("cuda", 2))
+    RNG(torch.device("cuda", 2)).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": old[:2]})
     assert torch.equal(torch.cuda.get_rng_state(2), old[0])
-    rt.restore_cuda_rng({"torch_cuda": old}, torch.device("cuda", 1))
+    RNG(torch.device("cuda", 1)).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": old})
     assert torch.equal(torch.cuda.get_rng_state(1), old[1])
     new = torch.tensor([99], dtype=torch.uint8)  # today's form: one tensor, the training device's
-    rt.restore_cuda_rng({"torch_cuda": new}, torch.device("cuda", 2))
+    RNG(torch.device("cuda", 2)).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": new})
     assert torch.equal(torch.cuda.get_rng_state(2), new)
-    rt.restore_cuda_rng({"torch_cuda": new}, torch.device("cpu"))  # resumed on a CPU: nothing to set
+    RNG(torch.device("cpu")).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": new})  # on a CPU: nothing to set
 
 
 # --- 5. OOM: wrapped by the compiler, compiled state reset, the probe's margin --------------------------------
@@ -228,16 +222,16 @@ def test_is_oom_walks_the_cause_chain():
 def test_a_compiler_wrapped_oom_in_training_gives_the_advice(tmp_path, char_data, monkeypatch):
     import gptlib.training.loop as gtrain
 
-    real = gtrain.forward_backward
+    real = gtrain.train_step
     calls, order = [0], []
 
-    def forward_backward(*a, **kw):
+    def train_step(*a, **kw):
         calls[0] += 1
         if calls[0] == 3:
             raise wrapped_oom()
         return real(*a, **kw)
 
-    monkeypatch.setattr(gtrain, "forward_backward", forward_backward)
+    monkeypatch.setattr(gtrain, "train_step", train_step)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("dynamo reset"))
     monkeypatch.setattr(gtrain, "free_memory", lambda: order.append("free"))
     with pytest.raises(OutOfMemoryAdvice, match="batch_size=4 --set grad_accum_steps=2"):

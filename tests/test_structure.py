@@ -226,11 +226,30 @@ def _section(path, heading: str) -> str:
 def test_the_architecture_doc_names_every_module_once():
     """A new reader finds where a change goes from docs/architecture.md: every module of gptlib/ is named there
     exactly once (a new module gets its line; a folder's __init__.py needs none)."""
-    section = (REPO / "docs" / "architecture.md").read_text()
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.replace(_section(REPO / "docs" / "architecture.md", "## Reading order"), "")
     counts = {p.name: len(re.findall(rf"(?<![\w.]){re.escape(p.name)}\b", section)) for p in PKG.rglob("*.py")
               if p.parent == PKG or p.name != "__init__.py"}
     wrong = {name: n for name, n in counts.items() if n != 1}
     assert not wrong, f"docs/architecture.md names these modules not exactly once: {wrong}"
+
+
+READING_ORDER = ["gptlib/model.py", "gptlib/training/step.py", "gptlib/training/loop.py",
+                 "gptlib/checkpoint/format.py", "gptlib/checkpoint/resume.py"]
+READING_ORDER_MAX_LINES = 1_600  # issue 27: one step and one save/resume in one sitting
+
+
+def test_the_reading_order_names_its_files_with_their_line_counts():
+    """docs/architecture.md opens with the learner's reading order: model -> step -> loop -> checkpoint -> resume, each
+    file with its line count as it is now, together within READING_ORDER_MAX_LINES."""
+    section = _section(REPO / "docs" / "architecture.md", "## Reading order")
+    listed = re.findall(r"^\d+\. `(gptlib/[\w/]+\.py)` \(([\d,]+) lines\)", section, re.M)
+    assert [path for path, _ in listed] == READING_ORDER, listed
+    actual = {path: len((REPO / path).read_text().splitlines()) for path in READING_ORDER}
+    said = {path: int(n.replace(",", "")) for path, n in listed}
+    wrong = {path: (said[path], actual[path]) for path in READING_ORDER if said[path] != actual[path]}
+    assert not wrong, f"docs/architecture.md's reading order: (listed, actual) line counts differ: {wrong}"
+    assert sum(actual.values()) <= READING_ORDER_MAX_LINES, actual
 
 
 def test_the_readme_architecture_has_a_line_per_folder():

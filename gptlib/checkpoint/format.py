@@ -1,14 +1,18 @@
-"""Checkpoints on disk: atomic, verified saves; listing; safe loading.
+"""A checkpoint: one dict of parts, written by save_checkpoint and read by load_checkpoint.
 
-A checkpoint is written into `step_XXXXXXX.partial-*`, every file fsynced, the manifest (format
-version, step, size and sha256 of every file) last, then the directory is renamed. A directory
-without a manifest that verifies is ignored, so a kill at any moment leaves the previous checkpoint
-as the newest valid one. Everything loads with `torch.load(weights_only=True)`: a checkpoint cannot
-run code.
+    {"model": ..., "optimizer": ..., "scaler": ..., "sampler": ..., "rng": ...,  each part's state_dict()
+     "progress": TrainState.state_dict(), "sampler_ranks": [...] (DDP only)}
+
+On disk (checkpoints/step_0001000/): model.pt (the model), train_state.pt (optimizer, scaler, sampler, rng,
+sampler_ranks), state.json (the progress), the run's logs as extra files, and manifest.json last, with each file's
+size and sha256 hashed as it was written. The directory is written under a temporary name and renamed when
+complete, so a kill at any moment leaves the previous checkpoint the newest. load_checkpoint reads each file once,
+checks its hash and unpickles it with weights_only=True: a checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -18,25 +22,225 @@ import shutil
 import time
 import uuid
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gptlib.config import RunConfig
 from gptlib.errors import CheckpointError
-from gptlib.fsutil import (TMP_MARKER, atomic_write, atomic_write_bytes, atomic_write_json, fsync_dir,
-                           read_bytes_with_timeout, sha256_file)
+from gptlib.fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, read_bytes_with_timeout
 from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
                            PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
                            is_checkpoint_name, step_of)
 
 CKPT_FORMAT_VERSION = 1
-MIN_KEEP_LAST = 2  # checkpoints rotation always keeps, so one survives a bad save (TrainConfig.keep_last's floor)
+TRAIN_PARTS = ("optimizer", "scaler", "sampler", "rng")  # train_state.pt's; {} in a weights-only checkpoint
+MIN_KEEP_LAST = 2  # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
 DRIVE_LIST_TIMEOUT_S = 60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
-DRIVE_READ_STALL_S = 60.0  # reading a checkpoint from Drive that makes no progress for this long is abandoned
+DRIVE_READ_STALL_S = 60.0  # a read from Drive that makes no progress for this long is abandoned
 ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
-_STRIP_PREFIXES = ("_orig_mod.", "module.")
+
+
+@dataclass
+class TrainState:
+    """The run's progress: a checkpoint's "progress" part (state.json)."""
+
+    step: int = 0  # optimizer steps completed (the LR schedule's position)
+    tokens_seen: int = 0  # training tokens consumed, over all sessions
+    elapsed_s: float = 0.0  # training wall time, over all sessions
+    val_loss: float | None = None  # validation loss measured at `step`; None if this save did not validate
+    best_val_loss: float | None = None
+    best_step: int | None = None  # the step that reached it (rotation keeps that checkpoint)
+    milestone: bool = False  # saved as a milestone (TrainConfig.keep_every): kept for good
+    config: dict[str, Any] = field(default_factory=dict)  # the run's RunConfig.to_dict()
+    data: dict[str, Any] = field(default_factory=dict)  # DatasetMeta.identity(): resuming on other data is refused
+    data_dir: str = ""  # where the data was (the tokenizer's fallback location)
+    tokenizer: dict[str, Any] = field(default_factory=dict)  # tokenizer identity {kind, hash, vocab_size, file}
+    init_from: dict[str, Any] = field(default_factory=dict)  # the weights the run started from (--init-from, import-hf)
+    data_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes on other data (--allow-data-change)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        # Unknown fields are ignored: an older state.json's "rng" (Python's and numpy's generators, which nothing in
+        # training draws from) and "pending_losses" (losses replayed across a resume before checkpoints fell on log
+        # boundaries; the saving run had logged them).
+        for f in dataclasses.fields(self):
+            if f.name in d:
+                setattr(self, f.name, d[f.name])
+
+    @classmethod
+    def from_json(cls, d: Any, source: str, step: int | None = None) -> "TrainState":
+        """A state.json's contents, checked: a hand-edited or mixed-up one is a damaged checkpoint."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: holds a JSON {type(d).__name__}, not an object")
+        for name in ("step", "tokens_seen", "config"):
+            if name not in d:
+                raise CheckpointError(f"{source}: field {name!r} is missing (not a gptlib training checkpoint, or "
+                                      f"damaged); resume from another checkpoint or start a new run directory")
+        for name, kind in (("step", int), ("tokens_seen", int), ("config", dict), ("data", dict), ("tokenizer", dict)):
+            if name in d and (not isinstance(d[name], kind) or isinstance(d[name], bool)):
+                raise CheckpointError(f"{source}: field {name!r} is {d[name]!r}, expected {kind.__name__}")
+        if d["step"] < 0 or d["tokens_seen"] < 0:
+            raise CheckpointError(f"{source}: step {d['step']} / tokens_seen {d['tokens_seen']} cannot be negative "
+                                  f"(damaged or hand-edited); resume from another checkpoint")
+        if step is not None and d["step"] != step:
+            raise CheckpointError(f"{source}: step {d['step']:,} but its checkpoint is step {step:,} (manifest and "
+                                  f"directory name); damaged or mixed up, so it is passed over")
+        state = cls()
+        state.load_state_dict(d)
+        return state
+
+    def run_config(self, source: str) -> RunConfig:
+        return RunConfig.from_dict(self.config, source=source)
+
+
+class RNG:
+    """The generators training draws from (dropout, the model's init), as one part: torch's CPU one and the
+    training GPU's (only that device's: a checkpoint made on N GPUs resumes on fewer)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"torch_cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["torch_cuda"] = torch.cuda.get_rng_state(self.device)  # host-side seed/offset: no device sync
+        return state
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        torch.set_rng_state(d["torch_cpu"])
+        cuda = d.get("torch_cuda")
+        if cuda is None or self.device.type != "cuda":
+            return
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):  # before issue 26: one state per GPU the process saw; ours, else GPU 0's
+            cuda = cuda[index] if index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, torch.device("cuda", index))
+
+
+class _Hashing:
+    """A file that hashes the bytes written to it: the manifest's sha256 costs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        n = self.f.write(b)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_hashed(path: Path, write) -> dict:
+    """write(f) into path atomically -> the manifest's record of it."""
+    out = {}
+
+    def hashed(f):
+        h = _Hashing(f)
+        write(h)
+        out.update(size=h.size, sha256=h.sha.hexdigest())
+
+    atomic_write(path, hashed)
+    return out
+
+
+def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write one checkpoint dict (see the module docstring) into root/step_N atomically -> its path. On any error the
+    partial directory is removed; an existing one of the same step is untouched until the rename."""
+    step = ckpt["progress"]["step"]
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    partial = root / f"{final.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    train = {k: ckpt.get(k) or {} for k in TRAIN_PARTS}
+    if ckpt.get("sampler_ranks") is not None:
+        train["sampler_ranks"] = ckpt["sampler_ranks"]
+    files = {MODEL_FILE: lambda f: torch.save(ckpt["model"], f), TRAIN_STATE_FILE: lambda f: torch.save(train, f),
+             STATE_FILE: lambda f: f.write((json.dumps(ckpt["progress"], indent=2) + "\n").encode())}
+    files |= {name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()}
+    try:
+        records = {name: _write_hashed(partial / name, write) for name, write in files.items()}
+        manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": records}
+        atomic_write_json(partial / MANIFEST_FILE, manifest)
+        install(partial, final)
+    except BaseException as e:
+        full = _disk_nearly_full(root)  # measured before the partial files are removed
+        shutil.rmtree(partial, ignore_errors=True)
+        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch says "enforce fail ... unexpected pos"
+            first = str(e).splitlines()[0][:120] if str(e) else ""
+            raise OSError(errno.ENOSPC, f"no space left on the device of {root} ({type(e).__name__}: {first})") from e
+        raise
+    return final
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint dict back (save_checkpoint's, with "logs": {file name: bytes} of the extra files), each file read
+    once and checked against the manifest; CheckpointError if it is damaged, OSError if it cannot be read."""
+    info = verify_checkpoint(path)
+    data = {name: read_verified(path / name, rec) for name, rec in info.manifest["files"].items()}
+    model, train = (_safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE))
+    try:
+        state = json.loads(data.pop(STATE_FILE))
+    except ValueError as e:  # bad JSON or UTF-8
+        raise CheckpointError(f"{path / STATE_FILE}: unreadable ({e})") from None
+    if not isinstance(model, dict) or not isinstance(train, dict):
+        raise CheckpointError(f"{path}: model.pt / train_state.pt do not hold dicts")
+    missing = [k for k in ("optimizer", "sampler", "rng") if k not in train]
+    if missing:
+        raise CheckpointError(f"{path / TRAIN_STATE_FILE}: {missing} missing (not a gptlib training checkpoint, or "
+                              f"damaged)")
+    progress = TrainState.from_json(state, str(path / STATE_FILE), step=info.step)
+    return {"model": model, **{k: train.get(k) or {} for k in TRAIN_PARTS}, "progress": progress.state_dict(),
+            "sampler_ranks": train.get("sampler_ranks"), "logs": data}
+
+
+def read_verified(f: Path, rec: dict) -> bytes:
+    """A whole file, read under a watchdog (a hung Drive read is abandoned after DRIVE_READ_STALL_S), checked against
+    its manifest record {size, sha256}."""
+    data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
+    if len(data) != rec["size"]:
+        raise CheckpointError(f"{f}: {len(data):,} bytes, manifest says {rec['size']:,} (truncated or incomplete)")
+    if hashlib.sha256(data).hexdigest() != rec["sha256"]:
+        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+    return data
+
+
+def _safe_load(data: bytes, where: Path) -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{where}: cannot load safely ({type(e).__name__}: {first})") from None
+
+
+def load_model_weights(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """Only the weights (generation, export): model.pt of a checkpoint dir, or a .pt file, checked against sha256."""
+    f = path / MODEL_FILE if path.is_dir() else path
+    data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+    return _safe_load(data, f)
+
+
+def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path) -> None:
+    """load_state_dict with an error that names the tensor and both shapes instead of a torch dump."""
+    own = model.state_dict()
+    missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: weights do not fit this model: missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]} (a different architecture?)")
+    for k, v in own.items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
+                                  f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)")
+    model.load_state_dict(sd)
 
 
 @dataclass
@@ -50,89 +254,8 @@ class CheckpointInfo:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.manifest.get("time", 0)))
 
 
-def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Accept weights saved by other tools from compiled or DDP-wrapped models."""
-    out = {}
-    for k, v in sd.items():
-        while k.startswith(_STRIP_PREFIXES):  # nested wrappers: "module._orig_mod.x"
-            k = k.partition(".")[2]
-        out[k] = v
-    return out
-
-
-def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path) -> None:
-    """load_state_dict with an error that names the tensor and both shapes instead of a torch dump."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: weights do not fit this model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]} (a different architecture?)")
-    for k, v in own.items():
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
-                                  f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)")
-    model.load_state_dict(sd)
-
-
-def _torch_save_atomic(obj: Any, path: Path) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def write_checkpoint(ckpt_root: Path, step: int, model_sd: dict, train_state: dict, state: dict,
-                     extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write one checkpoint directory atomically (see the module docstring); returns its final path. On any error
-    the partial directory is removed (a full disk gets its space back); an existing one is untouched until then."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / checkpoint_name(step)
-    partial = ckpt_root / f"{checkpoint_name(step)}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    partial.mkdir()
-    try:
-        _torch_save_atomic(model_sd, partial / MODEL_FILE)
-        _torch_save_atomic(train_state, partial / TRAIN_STATE_FILE)
-        atomic_write_json(partial / STATE_FILE, state)
-        for name, data in (extra_files or {}).items():
-            atomic_write_bytes(partial / name, data)
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(partial.iterdir()) if p.is_file()}
-        manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": files}
-        atomic_write_json(partial / MANIFEST_FILE, manifest)
-        install(partial, final)
-    except BaseException as e:
-        full = _disk_nearly_full(ckpt_root)  # measured before the partial files are removed
-        shutil.rmtree(partial, ignore_errors=True)
-        if full and getattr(e, "errno", None) != errno.ENOSPC:
-            # torch reports a full disk as "enforce fail ... unexpected pos": say what it is
-            raise OSError(errno.ENOSPC, f"no space left on the device of {ckpt_root} ({type(e).__name__}: "
-                                        f"{str(e).splitlines()[0][:120] if str(e) else ''})") from e
-        raise
-    return final
-
-
-def _disk_nearly_full(path: Path) -> bool:
-    """Less than 64 MB or 0.5% of the disk left: a write that failed there most likely ran out of space."""
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return False
-    return usage.free < max(64 << 20, usage.total // 200)
-
-
-def install(partial: Path, final: Path, truncate: bool = False) -> None:
-    """Rename a complete partial dir to its final name; a same-step one is replaced whole."""
-    if final.exists():  # e.g. re-saved after resume, or a corrupt copy being replaced
-        old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(partial, final)
-        remove_tree(old, truncate)
-    else:
-        os.replace(partial, final)
-    fsync_dir(final.parent)
-
-
 def read_manifest(path: Path) -> dict:
-    """A checkpoint's manifest.json, of this format version; CheckpointError if it is not (OSError if it cannot
-    be read: a missing or hung file is not a damaged checkpoint)."""
+    """A checkpoint's manifest.json; CheckpointError if it is not one (OSError if it cannot be read)."""
     mpath = path / MANIFEST_FILE
     try:
         manifest = json.loads(mpath.read_text())
@@ -144,8 +267,9 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
-    """Check the manifest and every file's size (and sha256 if deep); raise CheckpointError if bad."""
+def verify_checkpoint(path: Path) -> CheckpointInfo:
+    """The cheap check (the manifest and every file's size; load_checkpoint checks the hashes): CheckpointError if
+    the checkpoint is incomplete or damaged."""
     mpath = path / MANIFEST_FILE
     if not mpath.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
@@ -164,11 +288,9 @@ def verify_checkpoint(path: Path, deep: bool = True) -> CheckpointInfo:
             p = path / name
             if not p.is_file():
                 raise CheckpointError(f"{p}: listed in the manifest but missing")
-            size = p.stat().st_size
-            if size != rec["size"]:
-                raise CheckpointError(f"{p}: size {size:,} bytes, manifest says {rec['size']:,} (truncated or incomplete)")
-            if deep and sha256_file(p) != rec["sha256"]:
-                raise CheckpointError(f"{p}: sha256 differs from the manifest (corrupted)")
+            if p.stat().st_size != rec["size"]:
+                raise CheckpointError(f"{p}: size {p.stat().st_size:,} bytes, manifest says {rec['size']:,} "
+                                      f"(truncated or incomplete)")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
     return CheckpointInfo(path=path, step=step, manifest=manifest)
@@ -183,42 +305,30 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def _safe_load(f: Path | io.BytesIO, map_location, where: Path | None = None) -> Any:
-    """torch.load with weights_only=True: a pickle that would run code is refused (CheckpointError)."""
+def _disk_nearly_full(path: Path) -> bool:
+    """Less than 64 MB or 0.5% of the disk left: a write that failed there most likely ran out of space."""
     try:
-        return torch.load(f, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
-        first = (str(e).splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{where or f}: cannot load safely ({type(e).__name__}: {first})") from None
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return False
+    return usage.free < max(64 << 20, usage.total // 200)
 
 
-def load_checkpoint(path: Path, map_location="cpu") -> tuple[dict, dict, dict]:
-    """-> (model state_dict, train_state, state). Safe: weights_only=True refuses pickled code."""
-    model_sd = _safe_load(path / MODEL_FILE, map_location)
-    train_state = _safe_load(path / TRAIN_STATE_FILE, map_location)
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
-        raise CheckpointError(f"{path / STATE_FILE}: unreadable ({e})") from None
-    if not isinstance(model_sd, dict) or not isinstance(train_state, dict) or not isinstance(state, dict):
-        raise CheckpointError(f"{path}: model.pt / train_state.pt / state.json do not hold dicts")
-    return clean_state_dict(model_sd), train_state, state
-
-
-def load_model_weights(path: Path, map_location="cpu", sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Only the weights (for generation and export); accepts a checkpoint dir or a .pt file. The file is
-    read once, with a watchdog (a hung Drive read is abandoned after DRIVE_READ_STALL_S), checked against
-    `sha256` if given, and unpickled safely."""
-    f = path / MODEL_FILE if path.is_dir() else path
-    data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
-    return clean_state_dict(_safe_load(io.BytesIO(data), map_location, where=f))
+def install(partial: Path, final: Path, truncate: bool = False) -> None:
+    """Rename a complete partial dir to its final name; a same-step one is replaced whole."""
+    if final.exists():  # re-saved after a resume, or a damaged copy being replaced
+        old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(partial, final)
+        remove_tree(old, truncate)
+    else:
+        os.replace(partial, final)
+    fsync_dir(final.parent)
 
 
 def set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to step_N.damaged-TIME: kept for its owner to look at, ignored by resume,
-    rotation and clean-up, and a new checkpoint of the same step is never taken for it. -> the new path."""
+    """Rename a damaged checkpoint to step_N.damaged-TIME: kept for its owner, ignored by resume, rotation and
+    clean-up, and never taken for a new checkpoint of the same step. -> the new path."""
     target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(path, target)
     fsync_dir(path.parent)
@@ -226,9 +336,9 @@ def set_aside(path: Path) -> Path:
 
 
 def remove_tree(path: Path, truncate: bool = False) -> None:
-    """Delete a checkpoint dir: rename it away first (atomic: it stops looking like a checkpoint),
-    then (on Drive) truncate each file to 0 bytes before unlinking it, because Drive keeps deleted
-    files in its trash for 30 days and they count against the quota; an empty file costs nothing."""
+    """Delete a checkpoint dir: renamed away first (it stops looking like a checkpoint at once); with truncate (on
+    Drive) each file is emptied before it is unlinked, because Drive's trash keeps deleted files for 30 days and
+    they count against the quota."""
     if not path.exists():
         return
     if DELETING_MARKER not in path.name:

@@ -58,19 +58,18 @@ def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: st
         raise CheckpointError(f"{src}: sha256 differs from the manifest (corrupted)")
 
 
-def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, deep: bool = False) -> Path:
-    """Copy a verified local checkpoint dir into mirror_run_dir/checkpoints: temp name, every file hashed while read
-    (the source must match the manifest) and fsynced, manifest last, sizes checked, renamed; nothing is read back.
-    A copy already there with the same manifest is kept if it verifies (deep: every hash, as at resume, where the
-    one there may be a damaged one of the same checkpoint)."""
+def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, reuse: bool = True) -> Path:
+    """Copy a checkpoint dir into mirror_run_dir/checkpoints: temp name, every file hashed while read (the source must
+    match its manifest) and fsynced, manifest last, renamed; nothing is read back. reuse: a copy already there with
+    the same manifest and sizes is kept (at resume the one there may be a damaged one of the same checkpoint)."""
     progress = progress or Progress()
     manifest = read_manifest(src)
     dst_root = checkpoints_dir(mirror_run_dir)
     dst_root.mkdir(parents=True, exist_ok=True)
     final = dst_root / src.name
-    if final.is_dir():
-        with suppress(CheckpointError, OSError):  # a corrupt copy: replaced below
-            if verify_checkpoint(final, deep=deep).manifest.get("files") == manifest["files"]:
+    if reuse and final.is_dir():
+        with suppress(CheckpointError, OSError):  # a damaged copy: replaced below
+            if verify_checkpoint(final).manifest.get("files") == manifest["files"]:
                 return final  # already there (e.g. the checkpoint we resumed from)
     partial = dst_root / f"{src.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     partial.mkdir()
@@ -79,7 +78,7 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
             copy_file_verified(src / name, partial / name, rec["size"], rec["sha256"], progress)
         copy_file_verified(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress=progress)
         fsync_dir(partial)
-        verify_checkpoint(partial, deep=False)  # what the copy wrote was hashed as it was read: sizes are enough
+        verify_checkpoint(partial)  # sizes: what the copy wrote was hashed as it was read
         progress.tick()
     except BaseException:
         with suppress(OSError):  # best effort (Drive may be gone); leftovers are removed by the next rotation

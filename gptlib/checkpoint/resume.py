@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints,
-                                      load_checkpoint, remove_tree, set_aside, verify_checkpoint)
+from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, TrainState,
+                                      list_checkpoints, load_checkpoint, remove_tree, set_aside, verify_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
-from gptlib.checkpoint.state import Checkpoint, TrainState
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout
@@ -37,12 +36,12 @@ class Resume:
 
     info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
     origin: Path  # where it was found: the local run dir or the Drive mirror
-    checkpoint: Checkpoint  # its parts, to load into the run's
+    checkpoint: dict  # format.load_checkpoint's dict, to load into the run's parts
     data_change: dict = field(default_factory=dict)  # resumed on other tokens (--allow-data-change): what changed
 
     @property
     def state(self) -> TrainState:
-        return self.checkpoint.progress
+        return TrainState(**self.checkpoint["progress"])
 
 
 @dataclass
@@ -54,28 +53,27 @@ class Passed:
     mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
 
 
-def _load_resume(path: Path, run_dir: Path, check: Callable[[Checkpoint, Path], None]) -> Resume:
-    """A checkpoint that verifies, loads safely, holds a training state and passes `check`; CheckpointError (damaged)
-    or OSError (could not be read) otherwise. One on the mirror is first copied here under a watchdog
+def _load_resume(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Resume:
+    """A checkpoint that loads (every hash checked) and passes `check`; CheckpointError (damaged) or OSError (could not
+    be read) otherwise. One on the mirror is first copied here, hashed as it is read, under a watchdog
     (DRIVE_READ_STALL_S); a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
     origin = path
     if not path.is_relative_to(run_dir):
         progress = Progress()
-        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress, deep=True),
+        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress, reuse=False),
                                  DRIVE_READ_STALL_S, progress, what=f"reading {origin}")
     try:
-        info = verify_checkpoint(path)
-        checkpoint = Checkpoint.from_files(*load_checkpoint(path), where=str(path), step=info.step)
+        checkpoint = load_checkpoint(path)
         check(checkpoint, path)
     except CheckpointError:
         if path != origin:
             remove_tree(path)
         raise
-    return Resume(info, origin, checkpoint)
+    return Resume(verify_checkpoint(path), origin, checkpoint)
 
 
 def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False,
-                check: Callable[[Checkpoint, Path], None] = lambda ck, path: None) -> tuple[Resume | None, Passed]:
+                check: Callable[[dict, Path], None] = lambda ck, path: None) -> tuple[Resume | None, Passed]:
     """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over.
 
     A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is looked for
@@ -108,7 +106,7 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
 
 
 def _search(run_dir: Path, mirror_dir: Path | None, log,
-            check: Callable[[Checkpoint, Path], None]) -> tuple[Resume | None, Passed, str]:
+            check: Callable[[dict, Path], None]) -> tuple[Resume | None, Passed, str]:
     """One look: the newest checkpoint that loads (at equal steps the local one), what was passed over, and what
     could not be read ("" if everything could): a location that could not be listed (Drive's, after
     DRIVE_LIST_TIMEOUT_S), or a checkpoint (OSError). A damaged one (CheckpointError) is passed over too."""

@@ -67,7 +67,7 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
         if n_valid >= keep_last:
             break
         try:
-            verify_checkpoint(p, deep=False)
+            verify_checkpoint(p)
             keep.add(p)
             n_valid += 1
         except CheckpointError:

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gptlib.checkpoint.format import load_weights_into, write_checkpoint
-from gptlib.checkpoint.state import Checkpoint, TrainState
+from gptlib.checkpoint.format import TrainState, load_weights_into, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
@@ -175,8 +174,8 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     run_cfg = RunConfig(model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe)
     identity = dict(tok.identity(), file=TOKENIZER_FILE)
     state = TrainState(config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)})
-    weights_only = Checkpoint(model=model.state_dict(), progress=state)  # no training state: resumes start fresh
-    write_checkpoint(checkpoints_dir(out), 0, *weights_only.files())
+    # weights only: a run started from it (--init-from) trains with a fresh optimizer
+    save_checkpoint(checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()})
     atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
     log(f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "

@@ -13,9 +13,8 @@ from typing import Sequence
 
 import torch
 
-from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, list_checkpoints,
-                                      load_model_weights, load_weights_into, verify_checkpoint)
-from gptlib.checkpoint.state import TrainState
+from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, TrainState,
+                                      list_checkpoints, load_model_weights, load_weights_into, verify_checkpoint)
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import CheckpointError, TokenizerError, loud
@@ -42,7 +41,7 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
         rows = []
         for p in list_checkpoints(run_dir):
             try:
-                info = verify_checkpoint(p, deep=False)
+                info = verify_checkpoint(p)
                 state = json.loads((p / STATE_FILE).read_text())
             except (CheckpointError, OSError, json.JSONDecodeError) as e:
                 if skipped is not None:

@@ -19,27 +19,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from gptlib.fsutil import atomic_write_bytes
+from gptlib.fsutil import atomic_write_bytes, parse_jsonl, read_jsonl
 from gptlib.inference.engine import Engine
 from gptlib.inference.sampling import SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.model import model_size
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines log; reading stops at a torn last line from a kill mid-write."""
-    rows = []
-    for line in filter(str.strip, path.read_text().splitlines() if path.is_file() else []):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if not isinstance(row, dict):
-            break
-        rows.append(row)
-    return rows
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -70,15 +56,14 @@ def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
     return read_metrics(run_dir)
 
 
-def restore_logs_from_checkpoint(run_dir: Path, ckpt_dir: Path, step: int) -> None:
-    """A fresh VM has no local logs: take the checkpoint's copy when it has more rows up to `step`."""
-    def rows(p: Path) -> int:
-        return sum(1 for r in read_jsonl(p) if r.get("step", 0) <= step)
-
+def restore_logs_from_checkpoint(run_dir: Path, logs: dict[str, bytes], step: int) -> None:
+    """A fresh VM has no local logs: take the checkpoint's copy (its extra files) when it has more rows up to `step`."""
     for name in (METRICS_FILE, SAMPLES_FILE):
-        src, dst = ckpt_dir / name, run_dir / name
-        if src.is_file() and rows(src) > rows(dst):
-            atomic_write_bytes(dst, src.read_bytes())
+        if name not in logs:
+            continue
+        saved = parse_jsonl(logs[name].decode(errors="replace"))
+        if sum(r.get("step", 0) <= step for r in saved) > sum(r.get("step", 0) <= step for r in read_jsonl(run_dir / name)):
+            atomic_write_bytes(run_dir / name, logs[name])
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
@@ -178,19 +163,14 @@ def is_notebook_bar(bar) -> bool:
 
 
 class MetricsLog:
-    """metrics.jsonl, the progress bar and the on_log callback of one training call.
+    """metrics.jsonl, the progress bar and the on_log callback of one training call. Losses stay on the device
+    until `flush` (a log step): one host sync per log_interval. On DDP ranks other than 0 the file is os.devnull and
+    there is no bar, but `flush` still averages over ranks.
 
-    `add` keeps each step's loss on the device; `flush` (at log steps) reads them all back at once, writes a row
-    per step and refreshes the bar; `validation_row` writes the validation row. On DDP ranks other than 0 the file
-    is os.devnull and there is no bar, but `flush` still averages over ranks.
-
-    Throughput leaves out the session's first step: it compiles the model (a minute or two on a GPU), tunes kernels
-    and grows the allocator. One tokens/s figure is shown everywhere (the bar, the progress lines, metrics.jsonl, so
-    the notebook's plot and summary, and TrainResult's "while stepping"): this session's tokens over its time spent
-    stepping so far, validations, sampling and saves left out; MFU and the time split are over the same time, and
-    the ETA counts the validations' time too. The bar shows loss, tokens/s, MFU and ETA; a progress line
-    with the details (lr, the time split) is printed every TEXT_EVERY_S: in a notebook for front ends that cannot
-    draw widgets, in a terminal above the bar, and alone where stderr is a file or a pipe.
+    One tokens/s figure everywhere (bar, progress lines, metrics.jsonl, TrainResult's "while stepping"): this
+    session's tokens over its time spent stepping, leaving out its first step (compile, kernel tuning, allocator
+    growth) and validations, samples and saves; the ETA counts the validations too. A progress line with the details
+    is printed every TEXT_EVERY_S, for front ends that cannot draw widgets and where stderr is a file or a pipe.
     """
 
     TEXT_EVERY_S = 60.0

@@ -1,15 +1,11 @@
-"""The training loop: one `train()` for notebooks, the CLI and torchrun.
-
-Re-running the same call on the same run directory resumes from its newest valid checkpoint:
-model, optimizer, scaler, step (so the LR schedule), tokens seen, every RNG, the sampler, best
-validation loss and the metrics history all continue where they stopped.
-
-train() only sequences the pieces: the set-up (gptlib.training.setup), one train step (gptlib.training.step), the
-metrics log (gptlib.training.logs), and the checkpointer with its save policy (gptlib.checkpoint.writer).
+"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), the counters, then the
+log, validation, checkpoint and stop decisions. Re-running the same call on the same run directory resumes from
+its newest valid checkpoint, exactly: on CPU the losses of the uninterrupted run, bit for bit.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -17,7 +13,8 @@ from typing import Callable
 import torch
 
 from gptlib.batches import BatchSampler
-from gptlib.checkpoint.writer import Checkpointer
+from gptlib.checkpoint.rotation import is_milestone
+from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
@@ -30,7 +27,7 @@ from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.plots import plot_losses, run_title
 from gptlib.training.setup import TrainingRun, open_run
 from gptlib.training.signals import GracefulStop
-from gptlib.training.step import forward_backward, lr_at, optimizer_step, set_lr, validation_loss
+from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
 
 VAL_SEED_OFFSET = 10_000  # validation batches come from their own fixed seed: the same batches every time
@@ -104,25 +101,24 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
 def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     """The steps until max_steps, max_minutes or a stop; however it ends, the last state is saved and the run closed."""
     tc, state = s.cfg.train, s.state
-    checkpointer = Checkpointer(s.open_writer(log), tc)
+    checkpointer = s.open_writer(log)
     timer = StepTimer(s.device)
     metrics = MetricsLog(s, peak=device_peak(s.device, tc.colab_units_per_hour), timer=timer, progress=progress,
                          log=log, on_log=on_log)
-    tokens_at_start, stopped_by, step_begin = state.tokens_seen, "max_steps", None
+    tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
+    in_step = False  # an interrupt landing inside a step (no signal handlers: not the main thread) saves nothing
     stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while state.step < tc.max_steps:
-            # forward and backward over the micro-batches (no host sync)
-            step_begin = s.step_begin()  # an interrupt before the update saves this, not half a step
-            set_lr(s.optimizer, lr_at(state.step, tc))
-            loss = forward_backward(s.train_model, s.scaler, s.sampler, accum=tc.grad_accum_steps,
-                                    autocast=s.autocast, timer=timer, no_sync=s.no_sync)
-            # the update and the step counter as one: a second stop press lands before or after, never inside
+            # one optimizer step and its counters, as one: a second stop press takes effect when they are done
             with stop.deferred():
-                optimizer_step(s.train_model, s.optimizer, s.scaler, tc.grad_clip)
-                state.step, state.tokens_seen, step_begin = state.step + 1, state.tokens_seen + s.tokens_per_step, None
+                in_step = True
+                loss = train_step(s.train_model, s.optimizer, s.scaler, s.sampler, accum=tc.grad_accum_steps,
+                                  grad_clip=tc.grad_clip, autocast=s.autocast, lr=lr_at(state.step, tc),
+                                  no_sync=s.no_sync, timer=timer)
+                state.step, state.tokens_seen = state.step + 1, state.tokens_seen + s.tokens_per_step
                 metrics.add(loss)
-            timer.mark("optim")
+                in_step = False
             s.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
             stopped_by = _after_step(s, metrics, checkpointer, stop, timer, log) or stopped_by
@@ -132,13 +128,9 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         if not is_oom(e):
             raise
         stopped_by = "oom"  # (e goes at the end of this block: its frames would pin GPU memory)
-    except KeyboardInterrupt:  # a second stop press, or an interrupt outside the signal handler
+    except KeyboardInterrupt:  # a second stop press outside a step, or an interrupt without the signal handlers
         stopped_by = "interrupt"
-        log(f"interrupted at step {state.step:,}; saving the last complete step")
-        s.optimizer.zero_grad(set_to_none=True)
-        if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
-            metrics.flush(timer, validating=False)
-        checkpointer.save(s.snapshot(None, metrics.elapsed(), step_begin, gather=False))
+        _interrupted(s, metrics, checkpointer, timer, in_step, log)
     finally:
         train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
@@ -146,19 +138,32 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
 
 
-def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, stop: GracefulStop,
+def _interrupted(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, timer: StepTimer,
+                 in_step: bool, log) -> None:
+    """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
+    if in_step:
+        log(f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands")
+        return
+    log(f"interrupted at step {s.state.step:,}; saving it")
+    if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+        metrics.flush(timer, validating=False)
+    checkpointer.save(s.snapshot(None, metrics.elapsed(), gather=False))
+
+
+def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, stop: GracefulStop,
                 timer: StepTimer, log) -> str | None:
     """After an update: agree on time and stop requests, log, validate, checkpoint -> why training stops early
     ("max_minutes", the stop's reason), or None to go on."""
     tc, state, ddp = s.cfg.train, s.state, s.ddp
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
     over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
-    over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time, checkpointer.time_due(),
-                                              bool(stop.reason))
+    time_due = tc.save_every_minutes > 0 and time.time() - checkpointer.last_save >= 60 * tc.save_every_minutes
+    over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time, time_due, bool(stop.reason))
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
     # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
-    saving = checkpointer.due(state.step, validated=validating, time_due=time_due, stopping=stop_now)
+    saving = (stop_now or validating or time_due or state.step % (tc.save_every_steps or tc.eval_interval) == 0
+              or is_milestone(state.step, tc.keep_every))
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
     if metrics.due(state.step, validating) or saving:
         metrics.flush(timer, validating)
@@ -185,13 +190,13 @@ def _result(s: TrainingRun, metrics: MetricsLog, stopped_by: str, train_s: float
                        resumed_from=s.resumed_from, stopped_by=stopped_by, history=metrics.history)
 
 
-def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer: Checkpointer) -> float:
+def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer: CheckpointWriter) -> float:
     """End a training call however it ended: the bar, the signal handlers, the last saves and the Drive wait,
     the lease, the process group. -> this session's training seconds (read before the Drive wait)."""
     train_s = metrics.session_s()
     metrics.close()
     try:
-        checkpointer.close(stop.last_save())  # local save errors raise; Drive problems are reported, never raised
+        checkpointer.close(saving=stop.last_save())  # local save errors raise; Drive problems are reported, never raised
     finally:
         stop.restore()
         s.lease.release()
@@ -215,20 +220,21 @@ def _finished(s: TrainingRun, log) -> TrainResult:
                        history=s.history)
 
 
-def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: Checkpointer, is_last: bool, log) -> float:
+def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, is_last: bool, log) -> float:
     """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
     tc, mc, state = s.cfg.train, s.cfg.model, s.state
-    val_sampler = BatchSampler(s.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
-                               s.loss_masks.get("val"))
+    data = s.data
+    val_sampler = BatchSampler(data.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
+                               data.loss_masks.get("val"))
     val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
     if state.best_val_loss is None or val_loss < state.best_val_loss:
         state.best_val_loss, state.best_step = val_loss, state.step
     row = metrics.validation_row(val_loss, _hellaswag(s, is_last))
     samples = []
     if s.ddp.is_main:
-        if s.sample_prompts and tc.sample_tokens:
-            samples = log_samples(s.model, s.tokenizer, s.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
-                                  state.step, s.run_dir, log, s.sample_stop_ids)
+        if data.sample_prompts and tc.sample_tokens:
+            samples = log_samples(s.model, data.tokenizer, data.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
+                                  state.step, s.run_dir, log, data.sample_stop_ids)
         plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
     metrics.report_validation(row, samples, checkpointer.status_line())
     return val_loss
@@ -252,8 +258,7 @@ def _raise_oom_advice(s: TrainingRun) -> None:
     which setting to try next (not chained to the OOM, whose frames would pin GPU memory)."""
     tc, mc, world = s.cfg.train, s.cfg.model, s.ddp.world_size
     hint = oom_advice(tc.batch_size, tc.grad_accum_steps, mc.block_size, world)
-    s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.splits = None
-    s.loss_masks = {}
+    s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.data = None
     torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) hold GPU memory too: dropped before freeing
     free_memory()
     raise OutOfMemoryAdvice(hint)

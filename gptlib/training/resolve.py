@@ -1,21 +1,6 @@
-"""The config a run trains with, decided once.
-
-The preset and the overrides make the config asked for (config.build_config). Everything else that decides a
-field happens here, in this order, each change said with its reason:
-
-0. the recipe: a resumed run's or an --init-from base's own when none was asked for (a model's recipe never
-   changes: asking for another one is refused);
-1. the data's vocabulary (its meta.json);
-2. a new run from --init-from: the base's shape;
-3. a resumed run: its model must be the one asked for (a run started from --init-from keeps its own shape, so
-   the same command resumes it); training settings asked for now win, and each change is said;
-4. validation; a GPU preset on a CPU, and a micro-batch larger than the device's memory, refused before
-   anything is written;
-5. auto_batch: the largest micro-batch that fits this GPU, with the tokens per step kept.
-
-The result is a frozen RunConfig: nothing changes it afterwards, and it is what config.json and every
-checkpoint record. Beside it comes the auto_batch probe's measured peak memory, which the data's placement keeps
-free on the GPU.
+"""The config a run trains with, decided once: the recipe (a model keeps its own), the data's vocabulary, the
+base's or the resumed run's shape, validation, the micro-batch that fits. Each change is said with its reason; the
+result is frozen: config.json and every checkpoint record it.
 """
 
 from __future__ import annotations
@@ -28,13 +13,13 @@ from typing import Callable
 import torch
 
 from gptlib.checkpoint.resume import Resume
-from gptlib.checkpoint.state import TrainState
+from gptlib.checkpoint.format import TrainState
 from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import ConfigError
 from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
-from gptlib.runtime import resolve_dtype, seed_everything
+from gptlib.runtime import resolve_dtype
 from gptlib.training.distributed import Dist
 from gptlib.training.memory import auto_micro_batch, check_fits, free_memory
 from gptlib.training.step import lr_at
@@ -140,7 +125,7 @@ def fit_micro_batch(cfg: RunConfig, device: torch.device, ddp: Dist, log) -> tup
     per_step = tc.batch_size * tc.grad_accum_steps
 
     def probe_model() -> GPT:
-        seed_everything(tc.seed)
+        torch.manual_seed(tc.seed)
         return GPT(cfg.model).to(device)
 
     micro, _, peak = auto_micro_batch(probe_model, cfg, device, resolve_dtype(tc.dtype, device), log=log)

@@ -1,16 +1,7 @@
-"""Everything train() sets up before its loop, in the order it happens:
-
-1. the data's meta.json and tokenizer, checked against each other;
-2. the resume point (gptlib.checkpoint.resume): the newest checkpoint that verifies and loads, on the local disk
-   or the Drive mirror; else, with --init-from, the base's weights;
-3. the config, decided once and frozen (gptlib.training.resolve): the data's vocabulary, the resumed or base
-   run's shape, the micro-batch that fits;
-4. the tokens, placed for that config: on the GPU, in RAM or left on disk;
-5. the model (seeded), AdamW, the grad scaler, the sampler, and the checkpoint's state restored into them; then
-   torch.compile and DDP wrap the model;
-6. the run directory: config.json (exactly the config the checkpoints will record) and tokenizer.json.
-
-The TrainingRun also builds what a checkpoint saves (`snapshot`) and opens the checkpoint writer.
+"""What train() sets up before its loop, in order: the data and its tokenizer; the resume point (local or Drive),
+else the --init-from base; the config, decided once (training/resolve.py); the tokens, placed for it; the model,
+optimizer, scaler and sampler with the checkpoint loaded into them, then compiled and DDP-wrapped; config.json
+and tokenizer.json in the run dir. The lease comes first: nothing in the run dir changes before this process holds it.
 """
 
 from __future__ import annotations
@@ -23,10 +14,9 @@ from typing import Any, Callable
 import torch
 
 from gptlib.batches import BatchSampler, LossMask, head_ids, load_dataset, loss_masks
-from gptlib.checkpoint.format import load_weights_into
+from gptlib.checkpoint.format import RNG, TrainState, load_weights_into
 from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans
-from gptlib.checkpoint.state import RNG, Checkpoint, TrainState
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from gptlib.config import RunConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
@@ -36,17 +26,17 @@ from gptlib.errors import ConfigError, DataFormatError, HungIOError
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
 from gptlib.inference.loading import load_run
-from gptlib.layout import CONFIG_FILE, LOG_FILES, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
+from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
-from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device, resolve_dtype, seed_everything,
+from gptlib.runtime import (autocast_for, configure_matmul, dtype_name, resolve_device, resolve_dtype,
                             use_compile)
 from gptlib.training import distributed
 from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import train_reserve_bytes
 from gptlib.training.optimizer import build_optimizer, check_optimizer_state, load_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
-from gptlib.training.throughput import run_flops
+from gptlib.training.throughput import run_flops, tokens_per_step
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
@@ -54,7 +44,7 @@ def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, An
     dtype). Shared by training and the throughput benchmark."""
     tc, mc = cfg.train, cfg.model
     dtype = resolve_dtype(tc.dtype, device)
-    seed_everything(tc.seed)
+    torch.manual_seed(tc.seed)
     configure_matmul(device)
     model = GPT(mc).to(device)
     optimizer = build_optimizer(model, tc, device.type)
@@ -92,6 +82,17 @@ def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: T
 
 
 @dataclass
+class RunData:
+    """The data a run trains and validates on, and the prompts it samples at each validation."""
+
+    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
+    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
+    tokenizer: Tokenizer
+    sample_prompts: list  # strings, or token ids (chat data)
+    sample_stop_ids: list[int]  # a sample ends at these (chat: <|end|>, <|endoftext|>)
+
+
+@dataclass
 class TrainingRun:
     """A training call as set up: its frozen config, the data, the model and what trains it, the progress, the
     lease; the loop (gptlib.training.loop) runs it."""
@@ -102,10 +103,7 @@ class TrainingRun:
     ddp: distributed.Dist
     device: torch.device
     dtype: torch.dtype
-    meta: DatasetMeta
-    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
-    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
-    tokenizer: Tokenizer
+    data: RunData
     model: GPT  # the original module: state dicts, samples, validation
     train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
     compiled: bool
@@ -119,8 +117,6 @@ class TrainingRun:
     hellaswag: HellaSwagProbe | None = None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
     hellaswag_last: int = 0  # the step it last scored
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
-    sample_prompts: list = field(default_factory=list)  # sampled at validations: strings, or token ids (chat data)
-    sample_stop_ids: list[int] = field(default_factory=list)  # a sample ends at these (chat: <|end|>, <|endoftext|>)
 
     @property
     def autocast(self):
@@ -128,8 +124,7 @@ class TrainingRun:
 
     @property
     def tokens_per_step(self) -> int:
-        tc = self.cfg.train
-        return tc.batch_size * self.cfg.model.block_size * tc.grad_accum_steps * self.ddp.world_size
+        return tokens_per_step(self.cfg, self.ddp.world_size)
 
     @property
     def no_sync(self):
@@ -141,25 +136,21 @@ class TrainingRun:
         return self.resume.state.step if self.resume is not None else None
 
     def parts(self) -> dict[str, Any]:
-        """The stateful parts a checkpoint holds (gptlib.checkpoint.state), each with state_dict/load_state_dict;
-        the run's progress (self.state) is the checkpoint's last part."""
+        """The stateful parts a checkpoint holds (gptlib.checkpoint.format), each with state_dict/load_state_dict."""
         return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
-                "rng": RNG(self.device)}
+                "rng": RNG(self.device), "progress": self.state}
 
-    def step_begin(self) -> dict[str, dict]:
-        """What an interrupt mid-step saves instead of the half-made step: the sampler and RNGs as they were
-        before it (CUDA's RNG state is host-side seed/offset: reading it does not sync the device)."""
-        return {"sampler": self.sampler.state_dict(), "rng": RNG(self.device).state_dict()}
+    def state_dict(self, gather: bool = True) -> dict:
+        """The checkpoint of now: each part's state_dict; under DDP every rank's sampler too (a collective:
+        gather=False where the ranks may be anywhere)."""
+        ckpt = {name: part.state_dict() for name, part in self.parts().items()}
+        if gather and self.ddp.enabled:
+            ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
+        return ckpt
 
-    def snapshot(self, val_loss: float | None, elapsed_s: float, step_begin: dict | None = None,
-                 gather: bool = True) -> Checkpoint:
-        """The checkpoint of now: every part's state_dict (the sampler and RNGs from before an unfinished step, if
-        interrupted mid-step) and the progress. gather=False skips collecting every DDP rank's sampler (a
-        collective), for an interrupt where the ranks may be anywhere."""
-        parts = {name: part.state_dict() for name, part in self.parts().items()} | (step_begin or {})
-        progress = dataclasses.replace(self.state, val_loss=val_loss, elapsed_s=elapsed_s)
-        ranks = self.ddp.sampler_states(parts["sampler"]) if gather else None
-        return Checkpoint(**parts, progress=progress, sampler_ranks=ranks)
+    def snapshot(self, val_loss: float | None, elapsed_s: float, gather: bool = True) -> dict:
+        self.state.val_loss, self.state.elapsed_s = val_loss, elapsed_s
+        return self.state_dict(gather)
 
     def open_writer(self, log) -> CheckpointWriter | NullCheckpointWriter:
         """Rank 0's background writer (leftovers of a save killed mid-way removed first), or a null one."""
@@ -168,10 +159,9 @@ class TrainingRun:
         set_aside_damaged(self.passed, self.resume, log)  # before a new checkpoint may take a damaged one's name
         clean_orphans(self.run_dir)  # the mirror is cleaned by its own thread
         tc = self.cfg.train
-        writer = CheckpointWriter(self.run_dir, keep_last=tc.keep_last, background=True, log=log,
-                                  mirror_dir=self.mirror_dir, snapshot_files=LOG_FILES, keep_every=tc.keep_every,
-                                  guard=self.lease.check, unreadable=set(self.passed.unreadable),
-                                  mirror_listed=self.passed.mirror_step)
+        writer = CheckpointWriter(self.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every, log=log,
+                                  mirror_dir=self.mirror_dir, guard=self.lease.check,
+                                  unreadable=set(self.passed.unreadable), mirror_listed=self.passed.mirror_step)
         if self.resume is not None and self.mirror_dir is not None and not self._resumed_from_mirror():
             writer.mirror_existing(self.resume.info.path, self.state.best_step)  # resumed locally: Drive gets it too
         # (resumed from Drive: the checkpoint was copied here, verified, and is already on Drive)
@@ -180,25 +170,26 @@ class TrainingRun:
     def _resumed_from_mirror(self) -> bool:
         return self.mirror_dir is not None and self.resume.origin.is_relative_to(self.mirror_dir)
 
-    def restore(self, log) -> None:
-        """Load the resume checkpoint into the run's parts (a run made by import-hf holds weights only: its
-        training starts fresh), and continue its progress."""
-        r = self.resume
-        ck, parts = r.checkpoint, self.parts()
-        load_weights_into(self.model, ck.model, r.info.path)
-        if ck.optimizer:
-            load_optimizer(parts["optimizer"], ck.optimizer)  # its device flags are this device's
-            if ck.scaler:  # {} when it was off
-                parts["scaler"].load_state_dict(ck.scaler)
-            self.ddp.load_sampler_state(self.sampler, ck.sampler, ck.sampler_ranks, self.cfg.train.seed, log)
-            parts["rng"].load_state_dict(ck.rng)
-        self.state.continue_from(ck.progress)
+    def load_state_dict(self, ckpt: dict, log) -> None:
+        """Load a checkpoint dict into the run's parts (a run made by import-hf holds weights only: its training starts
+        fresh) and continue its progress. The parts are taken out of the dict: held, they would be a second copy of
+        the state in host RAM all run."""
+        r, parts = self.resume, self.parts()
+        load_weights_into(self.model, ckpt.pop("model"), r.info.path)
+        if ckpt["optimizer"]:
+            load_optimizer(parts["optimizer"], ckpt["optimizer"])  # its device flags are this device's
+            if ckpt["scaler"]:  # {} when it was off
+                parts["scaler"].load_state_dict(ckpt["scaler"])
+            self.ddp.load_sampler_state(self.sampler, ckpt["sampler"], ckpt["sampler_ranks"], self.cfg.train.seed, log)
+            parts["rng"].load_state_dict(ckpt["rng"])
+        for name in ("optimizer", "scaler", "sampler", "rng", "sampler_ranks"):
+            del ckpt[name]
+        this_session = ("config", "data", "data_dir", "tokenizer", "milestone")
+        self.state.load_state_dict({k: v for k, v in ckpt["progress"].items() if k not in this_session})
         if r.data_change:
             self.state.data_changes = [*self.state.data_changes, r.data_change]
-        # the loaded copy is in the parts now: holding it would keep a second copy of the state in host RAM all run
-        r.checkpoint = Checkpoint(model={}, progress=ck.progress)
         where = "Drive mirror" if self._resumed_from_mirror() else "local disk"
-        log(f"resumed from step {ck.step:,} (saved {r.info.saved_at}, {ck.progress.tokens_seen:,} tokens seen) "
+        log(f"resumed from step {self.state.step:,} (saved {r.info.saved_at}, {self.state.tokens_seen:,} tokens seen) "
             f"on the {where}: {r.origin}")
 
 
@@ -255,15 +246,15 @@ def start_from_base(model: GPT, base: Base) -> None:
     load_weights_into(model, sd, base.path)
 
 
-def check_optimizer_fits(ck: Checkpoint, where: Path) -> None:
+def check_optimizer_fits(ck: dict, where: Path) -> None:
     """CheckpointError if the checkpoint's optimizer state does not fit the model and optimizer of its own config
     (built on the meta device: shapes only): resume then passes it over as damaged, before anything is set up."""
-    if not ck.optimizer:  # a run made by import-hf: weights only
+    if not ck["optimizer"]:  # a run made by import-hf: weights only
         return
-    cfg = ck.progress.run_config(str(where / STATE_FILE))
+    cfg = TrainState(**ck["progress"]).run_config(str(where / STATE_FILE))
     with torch.device("meta"):
         model = GPT(cfg.model)
-    check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck.optimizer, str(where))
+    check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck["optimizer"], str(where))
 
 
 def _read_data(data_dir) -> tuple[DatasetMeta, Tokenizer]:
@@ -362,13 +353,12 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": base.spec, "path": str(base.path), "step": base.step} if base else {})
-    s = TrainingRun(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, meta=meta,
-                splits=splits, loss_masks=masks, tokenizer=tokenizer, model=model, train_model=model, compiled=False,
-                optimizer=optimizer, scaler=scaler, sampler=sampler, state=state, resume=resume, lease=lease,
-                passed=passed)
-    s.sample_prompts, s.sample_stop_ids = sample_prompts(cfg, meta, splits, tokenizer)
+    data = RunData(splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer))
+    s = TrainingRun(cfg=cfg, run_dir=run_dir, mirror_dir=mirror_dir, ddp=ddp, device=device, dtype=dtype, data=data,
+                    model=model, train_model=model, compiled=False, optimizer=optimizer, scaler=scaler, sampler=sampler,
+                    state=state, resume=resume, lease=lease, passed=passed)
     if resume is not None:
-        s.restore(log)
+        s.load_state_dict(resume.checkpoint, log)
     model.train()  # the loop trains; validation and samples switch to eval and back themselves
     s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp)
     if tc.hellaswag_every and ddp.is_main:  # the file fetched (or found off) and the subset tokenized, once
@@ -384,7 +374,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
         except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
             raise cannot_write(run_dir, e) from None
         if resume is not None:
-            restore_logs_from_checkpoint(run_dir, resume.info.path, s.state.step)
+            restore_logs_from_checkpoint(run_dir, resume.checkpoint.pop("logs"), s.state.step)
         s.history = truncate_logs(run_dir, s.state.step)  # rows logged after the checkpoint go: this run logs them
     log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(dtype)}, "

@@ -1,8 +1,7 @@
-"""One training step and one validation pass: the same code for train(), the throughput benchmark and
-the optimization ladder.
+"""One training step and one validation pass: train(), the throughput benchmark and the ladder run this same code.
 
-Nothing here reads a tensor back to the host: the step returns its loss as a device tensor, and the
-caller decides when to pay for the sync (train() once per log_interval).
+Nothing here reads a tensor back to the host: the step returns its loss as a device tensor, and the caller decides
+when to pay for the sync (train() once per log_interval).
 """
 
 from __future__ import annotations
@@ -11,8 +10,6 @@ import contextlib
 import math
 
 import torch
-
-from gptlib.training.throughput import StepTimer
 
 
 def lr_at(step: int, cfg) -> float:
@@ -31,56 +28,48 @@ def lr_at(step: int, cfg) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak - min_lr)
 
 
-def optimizer_step(model, optimizer, scaler, grad_clip: float) -> None:
-    """After backward: clip (fp16 grads unscaled first), step, update the loss scale, drop the grads."""
+def set_lr(optimizer, lr: float) -> None:
+    """lr for learning_rate's groups; a group with an lr_scale (Muon's, training/optimizer.py) gets lr * lr_scale."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
+
+
+def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: float, autocast, lr: float | None = None,
+               no_sync=None, timer=None) -> torch.Tensor:
+    """One optimizer step over `accum` micro-batches -> their mean loss, on the device (no host sync).
+
+    model: what runs the forward (compiled and/or DDP-wrapped); batches: anything with next_batch() -> (x, y), each
+    (micro_batch, block_size) token ids; lr: None leaves the optimizer's; no_sync(last_micro_step) -> a context that
+    skips DDP's gradient all-reduce (None: no DDP); timer: a StepTimer for the data / fwd_bwd / optim split.
+    """
+    if lr is not None:
+        set_lr(optimizer, lr)
+    loss_sum = torch.zeros((), device=next(model.parameters()).device)
+    if timer:
+        timer.start()
+    # the micro-batches: the gradients accumulate; DDP all-reduces them on the last one only
+    for micro in range(accum):
+        x, y = batches.next_batch()
+        if timer:
+            timer.mark("data")
+        with no_sync(micro == accum - 1) if no_sync is not None else contextlib.nullcontext():
+            with autocast:
+                _, loss = model(x, y)
+            loss = loss / accum  # the mean over the micro-batches, as one large batch would give
+            loss_sum += loss.detach()
+            scaler.scale(loss).backward()  # fp16: a scaled loss, so small gradients do not underflow
+        if timer:
+            timer.mark("fwd_bwd")
+    # clip (fp16: the gradients unscaled first), update (skipped on inf/nan gradients), drop the gradients
     if grad_clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-
-
-def forward_backward(model, scaler, batches, *, accum: int, autocast, timer: StepTimer,
-                     no_sync=None) -> torch.Tensor:
-    """`accum` micro-batches forward and backward; the gradients accumulate.
-
-    model: what runs the forward (compiled and/or DDP-wrapped); batches: anything with next_batch() -> (x, y).
-    no_sync(last_micro_step) -> a context skipping DDP's gradient all-reduce (None: no DDP).
-    -> the mean loss over the micro-batches, on the device (no host sync).
-    """
-    loss_sum = torch.zeros((), device=next(model.parameters()).device)
-    timer.start()
-    for micro in range(accum):
-        x, y = batches.next_batch()
-        timer.mark("data")
-        sync_ctx = no_sync(micro == accum - 1) if no_sync is not None else contextlib.nullcontext()
-        with sync_ctx:
-            with autocast:
-                _, loss = model(x, y)
-            loss = loss / accum
-            loss_sum += loss.detach()
-            scaler.scale(loss).backward()
-        timer.mark("fwd_bwd")
+    if timer:
+        timer.mark("optim")
     return loss_sum
-
-
-def train_step(model, optimizer, scaler, batches, *, accum: int, autocast, grad_clip: float, timer: StepTimer,
-               lr: float | None = None, no_sync=None) -> torch.Tensor:
-    """One optimizer step: forward_backward, then clip, update and drop the gradients (optimizer_step).
-    What benchmarks time; train() runs the same two halves with its stop handling between them."""
-    if lr is not None:
-        set_lr(optimizer, lr)
-    loss = forward_backward(model, scaler, batches, accum=accum, autocast=autocast, timer=timer, no_sync=no_sync)
-    optimizer_step(model, optimizer, scaler, grad_clip)
-    timer.mark("optim")
-    return loss
-
-
-def set_lr(optimizer, lr: float) -> None:
-    """lr for learning_rate's groups; a group with an lr_scale (Muon's, training.optimizer) gets lr * lr_scale."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 @torch.no_grad()

@@ -46,7 +46,7 @@ from gptlib.training.resolve import fit_micro_batch  # noqa: E402
 from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
 from gptlib.training.step import train_step  # noqa: E402
 from gptlib.training.throughput import (StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split,  # noqa: E402
-                                        machine_info, mfu, perf_fields, tokens_per_step)
+                                        machine_info, mfu, perf_fields)
 
 
 def preloaded(tokens: np.ndarray, device: torch.device) -> SplitData:
@@ -304,7 +304,7 @@ def bench_train(preset: str = "gpt2-small", overrides: list[str] | None = None, 
         data = splits["train"]
     sampler = BatchSampler(data, micro, mc.block_size, tc.seed, dev)
     autocast, timer, peak = autocast_for(dev, dtype), StepTimer(dev), device_peak(dev, tc.colab_units_per_hour)
-    per_step = tokens_per_step(cfg)
+    per_step = cfg.tokens_per_step
     log(f"bench train: preset {preset}, recipe {recipe}, {model_size(mc).params / 1e6:.1f}M params, {dev} "
         f"({peak.name}), {dtype_name(dtype)}, compile {'on' if compiled else 'off'}, micro-batch {micro} x "
         f"{mc.block_size} x accum {accum} = {per_step:,} tokens/step")

@@ -152,10 +152,11 @@ class CheckpointWriter:
         finally:
             pinned = self._layout is not None and any(on_gpu for *_, on_gpu in self._layout)
             self._host, self._layout = [], None
-            if pinned and hasattr(torch._C, "_host_emptyCache"):
+            empty_host_cache = host_cache_emptier()
+            if pinned and empty_host_cache:
                 # torch's caching host allocator keeps freed pinned blocks (~1.9 GiB for gpt2-small's state) and never
                 # returns them to the OS; the notebook's session lives on in the same process
-                torch._C._host_emptyCache()
+                empty_host_cache()
         if self.mirror:
             self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
         return self.status()
@@ -169,3 +170,10 @@ class NullCheckpointWriter(CheckpointWriter):
 
     def save(self, ckpt: dict) -> None:
         self.last_save = time.time()
+
+
+def host_cache_emptier() -> Callable[[], None] | None:
+    """The call that returns torch's cached pinned host memory: torch.accelerator.empty_host_cache in newer torch
+    (2.13), torch._C._host_emptyCache before it (Colab's 2.11); torch 2.5 has neither."""
+    return (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            or getattr(torch._C, "_host_emptyCache", None))

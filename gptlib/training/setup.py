@@ -6,7 +6,6 @@ and tokenizer.json in the run dir. The lease comes first: nothing in the run dir
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -36,7 +35,7 @@ from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
 from gptlib.training.memory import train_reserve_bytes
 from gptlib.training.optimizer import build_optimizer, check_optimizer_state, load_optimizer, slow_muon_note
 from gptlib.training.resolve import resolve_config
-from gptlib.training.throughput import run_flops, tokens_per_step
+from gptlib.training.throughput import run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
@@ -124,7 +123,7 @@ class TrainingRun:
 
     @property
     def tokens_per_step(self) -> int:
-        return tokens_per_step(self.cfg, self.ddp.world_size)
+        return self.cfg.tokens_per_step * self.ddp.world_size
 
     @property
     def no_sync(self):

@@ -563,12 +563,18 @@ def test_ctrl_c_stops_the_drive_wait(tmp_path, monkeypatch, capsys):
 
     block = threading.Event()
     monkeypatch.setattr(gmirror, "copy_file_verified", lambda *a, **k: block.wait(30))
+    # Ctrl-C as a notebook's kernel gets it: Python's own handler (a test run earlier in this process, e.g. under
+    # pytest-xdist, may have left another one installed)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
     w.save({"model": {"w": torch.ones(2)}, "progress": TrainState(step=1).state_dict()})
     threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     t0 = time.time()
-    w.close(timeout=20)
-    block.set()
+    try:
+        w.close(timeout=20)
+    finally:
+        block.set()
+        signal.signal(signal.SIGINT, previous)
     err = capsys.readouterr().err
     assert time.time() - t0 < 10 and "stopped waiting for Drive" in err and "safe in" in err, err
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,16 @@ def pytest_collection_modifyitems(config, items):
                                    "bash benchmarks/gpu_check.sh runs these on one")
     for item in marked:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+    """Each test starts with Python's own Ctrl-C handler, as a terminal or a notebook kernel has: a notebook test
+    left SIGINT ignored in its pytest-xdist worker (SIG_IGN, which every process started after it inherits), and
+    the Ctrl-C tests that ran next in that worker sent interrupts that nothing received."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session")

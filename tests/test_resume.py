@@ -153,14 +153,19 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
     assert not [p for p in (mirror / "checkpoints").iterdir() if "." in p.name]
 
 
+def interrupted_in_step_13(char_data, run_dir):
+    """A run that a KeyboardInterrupt stops inside step 13, with no signal handlers to defer it."""
+    undo = faulty.install("interrupt:mid_step@13")
+    try:
+        return run_inproc(char_data, run_dir, log=lambda m: None)
+    finally:
+        undo()
+
+
 def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, tmp_path, monkeypatch, capsys):
     """An interrupt inside a step (no signal handlers) saves nothing: the last checkpoint (10) stands."""
     run_dir = tmp_path / "run"
-    undo = faulty.install("interrupt:mid_step@13")
-    try:
-        r = run_inproc(char_data, run_dir, log=lambda m: None)
-    finally:
-        undo()
+    r = interrupted_in_step_13(char_data, run_dir)
     assert r.stopped_by == "interrupt" and r.step == 12
     _resume_and_check(char_data, reference, run_dir, capsys, 10)
 
@@ -172,11 +177,7 @@ def test_a_run_on_shards_left_on_disk_is_the_run_in_ram(char_data, reference, tm
     gathered, real_gather = [], gdata.MemmapSplit.gather_raw
     monkeypatch.setattr(gdata.MemmapSplit, "gather_raw", lambda self, *a: gathered.append(1) or real_gather(self, *a))
     run_dir = tmp_path / "run"
-    undo = faulty.install("interrupt:mid_step@13")
-    try:
-        r = run_inproc(char_data, run_dir, log=lambda m: None)
-    finally:
-        undo()
+    r = interrupted_in_step_13(char_data, run_dir)
     assert r.stopped_by == "interrupt" and r.step == 12 and len(gathered) >= 12  # every batch read from the shards
     _resume_and_check(char_data, reference, run_dir, capsys, 10)
 

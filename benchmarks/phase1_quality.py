@@ -39,7 +39,7 @@ def full_val_loss(run_dir: Path, data_dir: Path) -> float:
     model = GPT(cfg.model)
     model.load_state_dict(load_model_weights(ck))
     model.eval()
-    _, splits = load_dataset(data_dir, verbose=False)
+    _, splits = load_dataset(data_dir, log=lambda _: None)
     val = splits["val"].tokens.long() & 0xFFFF
     T = cfg.model.block_size
     n = (val.numel() - 1) // T

@@ -1,8 +1,6 @@
-"""Token shards -> training batches. Each split is preloaded (on the GPU, else in RAM) when it fits, else read from
-memory-mapped shards; a batch is one randint for its B window starts and one gather of B x (T+1) tokens, the same
-windows wherever the split lives. The sampler's RNG is saved in every checkpoint, so a resumed run draws exactly the
-batches the uninterrupted run would have. Chat data trains on the answers only: LossMask sets other targets to -1.
-"""
+"""Token shards -> training batches. A split that fits goes to the GPU or RAM, else it is read from the shards
+memory-mapped on disk; either way a batch is B random windows, one gather. The sampler's RNG state is in every
+checkpoint, so a resumed run draws exactly the batches the uninterrupted run would have."""
 
 from __future__ import annotations
 
@@ -23,12 +21,11 @@ _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds tempor
 
 
 def _as_signed_view(arr: np.ndarray) -> torch.Tensor:
-    """uint16/uint32 tokens as a same-size signed tensor (torch supports few ops on unsigned types); no copy."""
+    # torch supports few ops on unsigned types: uint16/uint32 viewed as int16/int32, no copy
     return torch.from_numpy(np.ascontiguousarray(arr).view(f"i{arr.dtype.itemsize}"))
 
 
 def _to_ids(raw: torch.Tensor) -> torch.Tensor:
-    """Signed-view tokens -> int64 ids (undoes the signed view of uint16/uint32)."""
     return raw.long() & (0xFFFF if raw.dtype == torch.int16 else 0xFFFFFFFF)
 
 
@@ -45,16 +42,14 @@ class SplitData:
         return self.tokens.device
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """starts (B,) -> (B, length) tokens in the storage dtype (int16/int32): 4x less to copy than int64."""
+        """starts (B,) -> (B, length) in the storage dtype: 4x less to copy than int64."""
         dev = self.tokens.device
-        idx = _move(starts, dev).unsqueeze(1) + torch.arange(length, device=dev)  # (B, length)
-        return self.tokens[idx]
+        return self.tokens[_move(starts, dev).unsqueeze(1) + torch.arange(length, device=dev)]
 
 
 class MemmapSplit:
-    """One split left on disk: its shards memory-mapped and read as one stream, so a window may cross from one shard
-    into the next. Every read checks the ids against the vocabulary: a shard damaged in place keeps its size, which
-    is all meta.json's checks see."""
+    """A split left on disk, its shards read as one stream (a window may cross into the next shard). Every read checks
+    the ids against the vocabulary: a shard damaged in place keeps its size, which is all meta.json's checks see."""
 
     device = torch.device("cpu")  # where its batches are gathered
 
@@ -79,11 +74,10 @@ class MemmapSplit:
         return _as_signed_view(out)
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """starts (B,) -> (B, length) tokens in the storage dtype: one fancy-indexed read per shard touched."""
         pos = starts.numpy()[:, None] + np.arange(length)  # (B, length) positions in the split's stream
         shard = np.searchsorted(self.bounds, pos, side="right") - 1
         out = np.empty(pos.shape, dtype=self.dtype)
-        for i in np.unique(shard):
+        for i in np.unique(shard):  # one fancy-indexed read per shard touched
             at = shard == i
             out[at] = self.maps[i][pos[at] - self.bounds[i]]
         self._check_vocab(out, lambda k: int(pos.ravel()[k]))
@@ -103,18 +97,17 @@ class MemmapSplit:
 
 
 def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device copy; pinned + non_blocking for CUDA so the copy overlaps the previous step's kernels
-    (a copy from pageable memory would make the host wait for the GPU)."""
+    # pinned + non_blocking to CUDA: the copy overlaps the previous step's kernels (pageable memory would block)
     if chunk.device == device:
         return chunk
     if device.type == "cuda" and chunk.device.type == "cpu":
-        return chunk.pin_memory().to(device, non_blocking=True)  # pinned blocks come from torch's caching host allocator
+        return chunk.pin_memory().to(device, non_blocking=True)
     return chunk.to(device)
 
 
 class LossMask:
-    """The [start, end) spans of a split's stream that hold an assistant's answer (shards.read_spans), kept where the
-    split's tokens are, so a batch's mask is one searchsorted beside its gather."""
+    """Chat data: the [start, end) spans of a split's stream that hold an assistant's answer (shards.read_spans), kept
+    where the split's tokens are; targets outside them become -1."""
 
     def __init__(self, spans: np.ndarray, split_tokens: int, device: torch.device | str = "cpu"):
         spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
@@ -124,8 +117,7 @@ class LossMask:
         self.fraction = self.supervised / max(1, split_tokens)
 
     def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
-        """starts (B,) window offsets into the stream -> (B, block_size) bool: target t of row b (the token at
-        starts[b] + t + 1) is inside an assistant span."""
+        """starts (B,) -> (B, block_size) bool: target t of row b (the token at starts[b] + t + 1) is in a span."""
         dev = self.starts.device
         pos = _move(starts, dev).unsqueeze(1) + torch.arange(1, block_size + 1, device=dev)
         k = torch.searchsorted(self.starts, pos, right=True) - 1  # the last span starting at or before pos
@@ -133,14 +125,13 @@ class LossMask:
 
 
 def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, LossMask]:
-    """split -> LossMask for chat data trained on the assistants' answers only; {} otherwise (every target counts)."""
+    """{} unless chat data trains on the answers only (then every target counts)."""
     if meta.format != "chat" or chat_loss == "all":
         return {}
     return {name: LossMask(read_spans(meta, name), len(data), data.device) for name, data in splits.items()}
 
 
 def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
-    """The first n token ids of a split (fewer if it is shorter)."""
     n = min(n, len(data))
     raw = data.tokens[:n] if isinstance(data, SplitData) else data.read(0, n)
     return _to_ids(raw).cpu().numpy()
@@ -223,9 +214,8 @@ def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 
                               f"budget {_fmt(max(0, ram_budget))}): batches are read from the shards on disk")
 
 
-def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tensor:
-    """All of a split in one signed tensor on `device`. To the GPU piece by piece: host memory holds one piece."""
-    src = MemmapSplit(meta, split)
+def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
+    """All of a split in one signed tensor; to the GPU piece by piece, so that host memory holds one piece."""
     n = len(src)
     if device.type != "cuda":
         return src.read(0, n)
@@ -237,24 +227,19 @@ def _preload(meta: DatasetMeta, split: str, device: torch.device) -> torch.Tenso
     return out
 
 
-def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", verbose: bool = True, *,
-                 reserve_gpu_bytes: int = 0, log=print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
+def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", *, reserve_gpu_bytes: int = 0,
+                 log: Callable[[str], None] = print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
     """meta.json checked against the shards, and each split where plan_data says (logged with the reason)."""
     meta = read_meta(data_dir)
     device = torch.device(device)
-    itemsize = np.dtype(meta.dtype).itemsize
     splits: dict[str, SplitData | MemmapSplit] = {}
     for split in ("train", "val"):
-        nbytes = meta.tokens(split) * itemsize
-        plan = plan_data(nbytes, device, reserve_gpu_bytes=reserve_gpu_bytes)  # free memory is re-read per split
+        src = MemmapSplit(meta, split)
+        plan = plan_data(len(src) * src.dtype.itemsize, device, reserve_gpu_bytes)  # free memory re-read per split
         if plan.where == "memmap":
-            splits[split] = MemmapSplit(meta, split)
+            splits[split] = src
         else:
-            splits[split] = SplitData(tokens=_preload(meta, split, device if plan.where == "gpu" else torch.device("cpu")),
-                                      name=split)
-        if verbose:
-            log(f"data: {split} {meta.tokens(split):,} tokens -> {plan.where.upper()}: {plan.reason}")
-    if verbose:
-        log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer "
-            f"{meta.tokenizer.get('kind')})")
+            splits[split] = SplitData(_preload(src, device if plan.where == "gpu" else torch.device("cpu")), split)
+        log(f"data: {split} {len(src):,} tokens -> {plan.where.upper()}: {plan.reason}")
+    log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})")
     return meta, splits

@@ -10,6 +10,10 @@ from gptlib import batches as D
 from gptlib.data.shards import read_meta
 
 
+def quiet(_msg):
+    pass
+
+
 def _all_tokens(char_data, split="train") -> np.ndarray:
     meta = read_meta(char_data)
     return np.concatenate([np.fromfile(p, dtype=meta.dtype) for p in meta.shard_paths(split)]).astype(np.int64)
@@ -25,7 +29,7 @@ def _is_window(x_row: np.ndarray, tokens: np.ndarray) -> bool:
 
 @pytest.fixture()
 def splits(char_data):
-    _, s = D.load_dataset(char_data, "cpu", verbose=False)  # a small split: preloaded in RAM
+    _, s = D.load_dataset(char_data, "cpu", log=quiet)  # a small split: preloaded in RAM
     return s
 
 
@@ -102,7 +106,7 @@ def test_memmap_read_across_shards(tmp_path, char_data):
     start = int(bounds[1]) - 50
     n = int(bounds[2] - bounds[1]) + 100  # crosses two boundaries
     assert np.array_equal(mm.read(start, n).long().numpy() & 0xFFFF, tokens[start:start + n])
-    _, s = D.load_dataset(d, "cpu", verbose=False)  # preloading concatenates shards in order
+    _, s = D.load_dataset(d, "cpu", log=quiet)  # preloading concatenates shards in order
     assert np.array_equal(s["train"].tokens.long().numpy() & 0xFFFF, tokens)
 
 
@@ -112,7 +116,7 @@ def test_memmap_batches_are_the_preloaded_ones(tmp_path, char_data):
     d, tokens, bounds = _split_into_shards(tmp_path, char_data, 40)
     meta = read_meta(d)
     mm = D.MemmapSplit(meta, "train")
-    _, s = D.load_dataset(d, "cpu", verbose=False)
+    _, s = D.load_dataset(d, "cpu", log=quiet)
     on_disk = D.BatchSampler(mm, 16, 64, seed=4, device="cpu")
     in_ram = D.BatchSampler(s["train"], 16, 64, seed=4, device="cpu")
     crossed = 0

@@ -337,7 +337,7 @@ def _open(data_dir, run_dir: Path, asked: RunConfig, ddp: distributed.Dist, mirr
                                      ddp, run_dir, log, ask)
     if resume is not None:  # the same model; now the same data (or a change asked for, recorded)
         resume.data_change = check_same_data(resume, meta, allow_data_change, log)
-    meta, splits = load_dataset(data_dir, device=device, verbose=verbose, log=log,
+    meta, splits = load_dataset(data_dir, device=device, log=log,
                                 reserve_gpu_bytes=train_reserve_bytes(cfg.model, cfg.train.batch_size, probe_peak))
     # the model and what trains it; the checkpoint's state restored before compile/DDP wrap the model
     model, optimizer, scaler, dtype = build_model(cfg, device, log)

@@ -32,9 +32,7 @@ def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str
     """`messages` ({role, content}) or ShareGPT `conversations` ({from, value}) -> [(role, content)]."""
     if isinstance(value, Malformed):
         return value
-    if isinstance(value, tuple):
-        value = list(value)
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         return Malformed(f"a {type(value).__name__}, not a list of messages")
     if not value:
         return Malformed("no messages")

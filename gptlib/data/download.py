@@ -11,8 +11,7 @@ from gptlib.fsutil import atomic_write_bytes
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-TINYSHAKESPEARE_CHARS = 1_115_394
-_CANONICAL = f"the canonical Tiny Shakespeare, {TINYSHAKESPEARE_CHARS:,} characters"
+_CANONICAL = "the canonical Tiny Shakespeare, 1,115,394 characters"
 
 
 def default_cache_dir() -> Path:  # $GPTLIB_CACHE: the user's choice of cache (also HellaSwag's)
@@ -43,8 +42,7 @@ def _check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exceptio
 
 def fetch_verified(url: str, target: Path, sha256: str, error_cls: type[Exception], *, name: str, canonical: str,
                    local_hint: str, timeout: float) -> Path:
-    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically.
-    A failed download or another checksum raises error_cls (naming the URL and how to pass a local copy)."""
+    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically."""
     if target.is_file():
         if hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
             return target

@@ -30,13 +30,10 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
             verbose: bool = True, format: str = "text", max_tokens: int | None = None, hf_config: str | None = None,
             hf_split: str | None = None, take_over: bool = False) -> DatasetMeta:
     """Tokenize a corpus into out_dir (token shards, tokenizer.json, meta.json); the options are the CLI's
-    (docs/cli.md). tokenizer "bpe" or "char", unless tokenizer_from names a tokenizer.json or a run or data directory
-    whose tokenizer to reuse. A re-run with the same inputs and options returns the finished dataset or resumes an
-    unfinished one; a different dataset in out_dir is refused unless overwrite=True."""
-    fmt = format
+    (docs/cli.md). A re-run with the same inputs and options returns the finished dataset or resumes an unfinished
+    one; a different dataset in out_dir is refused unless overwrite=True."""
+    fmt, t0, out_dir = format, time.time(), Path(out_dir)
     tok_file = _check_options(val_fraction, split, shard_tokens, fmt, max_tokens, tokenizer, tokenizer_from)
-    t0 = time.time()
-    out_dir = Path(out_dir)
     check_output_dir(out_dir)
     with one_writer(out_dir, take_over, verbose) as lease:  # before anything in out_dir is read or changed
         sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
@@ -68,13 +65,12 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
 
 
 def prepare_text(inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str = "char", **options) -> DatasetMeta:
-    """Phase 1: `prepare` with the char tokenizer by default."""
     return prepare(inputs, out_dir, tokenizer, **options)
 
 
 def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str, max_tokens: int | None,
                    tokenizer: str, tokenizer_from) -> Path | None:
-    """Each refused in one line naming it; -> the tokenizer file to reuse, if any."""
+    """-> the tokenizer file to reuse, if any."""
     checks = ((not 0.0 < val_fraction < 1.0, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)"),
               (split not in ("auto", "document", "tail"), f"split={split!r}: choose 'auto', 'document' or 'tail'"),
               (int(shard_tokens) < 1, f"shard_tokens={shard_tokens} must be >= 1"),
@@ -118,7 +114,7 @@ def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, spli
 
 def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_max_bytes: int | None,
                    sources: list[Source], text_column: str | None, skipped: list, verbose: bool, fmt: str) -> Tokenizer:
-    """The reused tokenizer (for chat data with the chat tokens appended where missing), or a new one."""
+    """The reused tokenizer (chat data: with the chat tokens appended where missing), or a new one."""
     if reused is not None and fmt != "chat":
         return reused
     if reused is not None:
@@ -154,8 +150,7 @@ def _json(path: Path) -> dict | None:
 
 
 def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> tuple[DatasetMeta | None, dict | None]:
-    """(the finished dataset of this spec, None), (None, the state of an unfinished run of this spec), or (None, None):
-    nothing of ours, or another dataset and overwrite."""
+    """(this spec's finished dataset, None), (None, the state of its unfinished run), or (None, None) to start."""
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
     if meta_path.is_file():
         old = _json(meta_path) or {}
@@ -184,8 +179,8 @@ def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> 
 
 def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
            new_tokenizer) -> tuple[Tokenizer, dict]:
-    """The tokenizer and the position to encode from. A fresh start clears an older dataset's files. A resume checks
-    the tokenizer and the completed shards; shards written after the last state save are redone, identically."""
+    """The tokenizer and the position to encode from. A resume checks the tokenizer and the completed shards; shards
+    written after the last state save are redone, identically."""
     fresh = state is None or not (out_dir / TOKENIZER_FILE).is_file()
     if fresh:  # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
         for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
@@ -223,9 +218,9 @@ def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
 
 
 def _check_result(progress: dict, val_fraction: float) -> None:
-    stats, emitted, skipped = progress["stats"], progress["emitted"], progress["stats"]["skipped_files"]
+    stats, emitted = progress["stats"], progress["emitted"]
     if emitted["train"] == 0:
-        why = "".join(f"; skipped {s['path']}: {s['error']}" for s in skipped[:3])
+        why = "".join(f"; skipped {s['path']}: {s['error']}" for s in stats["skipped_files"][:3])
         bad = stats.get("malformed_conversations", 0)
         if bad:
             why += f"; {bad:,} malformed conversations skipped, e.g. {stats['malformed_examples'][0]['reason']}"

@@ -31,8 +31,7 @@ def _clip_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return s[s[:, 1] > s[:, 0]]
 
 
-def merge_spans(spans: np.ndarray) -> np.ndarray:
-    """[a, b), [b, c) -> [a, c) in sorted disjoint spans."""
+def merge_spans(spans: np.ndarray) -> np.ndarray:  # [a, b), [b, c) -> [a, c) in sorted disjoint spans
     if len(spans) < 2:
         return spans
     new = np.ones(len(spans), dtype=bool)
@@ -44,8 +43,8 @@ def merge_spans(spans: np.ndarray) -> np.ndarray:
 
 class ShardWriter:
     """Shards of exactly shard_tokens tokens (but the last), each written atomically when full; memory is one shard.
-    A resumed run passes `shards`, the records of those on disk, and `skip`, the tokens they already hold. with_spans
-    (chat data): write(ids, spans) also takes the assistant spans of `ids`, cut at the shards' boundaries."""
+    A resumed run passes `shards`, the records of those on disk, and `skip`, the tokens they already hold. Chat data
+    (with_spans): write(ids, spans) takes the assistant spans of `ids` too."""
 
     def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, shard_tokens: int = 100_000_000,
                  shards: list[dict[str, Any]] | None = None, skip: int = 0, on_full=None, with_spans: bool = False):
@@ -57,7 +56,6 @@ class ShardWriter:
         self.spans: list[np.ndarray] = []  # spans of the buffered tokens (offsets into the buffer)
 
     def write(self, ids: np.ndarray, spans: np.ndarray | None = None) -> None:
-        """ids must fit the shards' dtype (dtype_for_vocab of their vocabulary sees to it)."""
         spans = np.zeros((0, 2), np.int64) if spans is None else np.asarray(spans, np.int64).reshape(-1, 2)
         if self.skip:
             k = min(self.skip, ids.size)
@@ -117,8 +115,7 @@ class DatasetMeta:
         return str(self.raw.get("format", "text"))
 
     def identity(self) -> dict[str, Any]:
-        """What a checkpoint records of its data, to refuse resuming on other data (not the path: a moved copy
-        resumes)."""
+        """What a checkpoint records of its data, to refuse resuming on other data (not the path: a copy resumes)."""
         shards = {split: [s.get("sha256") for s in rec.get("shards", [])] for split, rec in sorted(self.splits.items())}
         fingerprint = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16]
         return {"tokenizer_kind": self.tokenizer.get("kind"), "tokenizer_hash": self.tokenizer.get("hash"),
@@ -158,8 +155,8 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
 
 
 def _run_dir_message(data_dir: Path) -> str | None:
-    """A training run directory, or one of its checkpoints, given as data: say so, and name the data directory
-    its (newest) checkpoint was trained on."""
+    """A training run directory, or one of its checkpoints, given as data: say so, naming the data its newest
+    checkpoint was trained on."""
     is_checkpoint = (data_dir / MANIFEST_FILE).is_file()
     run_dir = data_dir.parent.parent if is_checkpoint else data_dir
     if not is_checkpoint and not (run_dir / CHECKPOINTS_DIR).is_dir() and not (run_dir / CONFIG_FILE).is_file():
@@ -215,7 +212,6 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
 
 
 def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) -> None:
-    """A shard record of meta.json or of an unfinished tokenize run: the file's size; chat data's spans."""
     p, itemsize = data_dir / s["file"], dtype.itemsize
     if not p.is_file():
         raise DataFormatError(f"shard {p} listed in {data_dir / META_FILE} does not exist")
@@ -255,8 +251,7 @@ def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:
 
 
 def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
-    """(N, 2) [start, end) offsets into the split's token stream (a turn cut by a shard boundary joined again): the
-    positions a fine-tuning loss is computed on."""
+    """(N, 2) [start, end) offsets into the split's token stream, a turn cut by a shard boundary joined again."""
     if meta.format != "chat":
         raise DataFormatError(f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
                               f"tokenize conversations with --format chat")

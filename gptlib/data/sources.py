@@ -17,7 +17,6 @@ from gptlib.data.inputs import (_ERRORS, Source, SourceIOError, _jsonl_object, _
 from gptlib.errors import PrepareError
 
 PIECE_CHARS = 1 << 16  # longest text handed to the encoder as one item (long documents are cut)
-
 ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
 RETRY_DELAYS = (1, 2, 5, 10, 30, 60, 60, 60)  # seconds before each new attempt after a read error (~4 min)
 TRAIN_FILES = 64  # a tokenizer-training budget is spread over at most this many files (evenly spaced)
@@ -25,9 +24,7 @@ _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
 
 
 @dataclass
-class Piece:
-    """At most PIECE_CHARS characters of one document (or turn) and where the stream goes on after it."""
-
+class Piece:  # at most PIECE_CHARS characters of one document (or turn)
     text: str
     doc: int  # document index within its file (line number for jsonl, row for parquet, 0 for text)
     doc_end: bool  # the document ends with this piece (an end-of-text id follows)
@@ -57,8 +54,7 @@ def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
         i = j
 
 
-def _cut_bytes(block: bytes, at_eof: bool) -> int:
-    """Before the block's last newline, else its last space, else at a UTF-8 character boundary."""
+def _cut_bytes(block: bytes, at_eof: bool) -> int:  # before the last newline, else space, else a UTF-8 boundary
     if at_eof:
         return len(block)
     k = block.rfind(b"\n")
@@ -101,7 +97,7 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
 def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, byte_after: int,
                      nbytes: float) -> Iterator[Piece]:
     """A resume inside the document restarts at (byte, char), after it at byte_after. An empty document (a blank line,
-    null or "") is one empty piece, so that it is counted."""
+    null or "") is one empty piece, to be counted."""
     if not text:
         yield Piece("", doc, True, None, {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}, nbytes)
         return
@@ -114,8 +110,8 @@ def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, 
 
 def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byte: int, byte_after: int,
                         nbytes: float) -> Iterator[Piece]:
-    """Pieces from (turn, char) on: the text "\\n" + content of each turn, cut at PIECE_CHARS. A malformed
-    conversation is one empty piece carrying the reason."""
+    """Pieces from (turn, char) on of "\\n" + content of each turn. A malformed conversation: one empty piece, the
+    reason in it."""
     after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0, "turn": 0}
     turns = normalize(value)
     if isinstance(turns, Malformed):
@@ -191,7 +187,6 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: 
 
 
 def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
-    # a resumed run's rows already done may span several batches
     for batch in pf.iter_batches(batch_size=_batch_rows(pf.metadata.row_group(g), col), row_groups=[g],
                                  columns=[col], use_threads=False):
         if skip < batch.num_rows:
@@ -200,8 +195,8 @@ def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
 
 
 def _batch_rows(rg, col: str) -> int:
-    """About ROW_BATCH_BYTES of the column's data, at most 1,024 rows: a row group of long documents (books, source
-    files) is read a few MB at a time."""
+    """About ROW_BATCH_BYTES of the column's data, at most 1,024 rows: a row group of books is read a few MB at a
+    time."""
     size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
                if rg.column(i).path_in_schema.split(".")[0] == col)
     per_row = size / max(1, rg.num_rows)
@@ -219,7 +214,6 @@ def iter_source(src: Source, fi: int, pos: dict | None, tail_fraction: float | N
 
 def iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: str, val_fraction: float, column: str,
                 fmt: str) -> Iterator[Piece]:
-    """Unreadable parquet files and row groups are passed over and recorded in `skipped`."""
     for fi in range(int(start["file"]), len(sources)):
         src = sources[fi]
         if src.size == 0 or _whole_file_skipped(src, skipped):
@@ -228,8 +222,7 @@ def iter_corpus(sources: list[Source], start: dict, skipped: list, split_mode: s
         def read(pos: dict | None, src: Source = src, fi: int = fi) -> Iterator[Piece]:
             if split_mode == "document":
                 src.key  # noqa: B018 - a big remote file's sampled hash: read here, inside the retries
-            tail = val_fraction if split_mode == "tail" else None
-            return iter_source(src, fi, pos, tail, column, fmt, skipped)
+            return iter_source(src, fi, pos, val_fraction if split_mode == "tail" else None, column, fmt, skipped)
 
         yield from retrying(read, start if fi == int(start["file"]) else None, str(src.path))
 
@@ -260,10 +253,9 @@ def train_texts(sources: list[Source], column: str, max_bytes: int | None, skipp
 
 
 def retrying(read: Callable[[dict | None], Iterator[Any]], pos: dict | None, where: str) -> Iterator[Any]:
-    """The items of read(pos); after a SourceIOError, read(position after the last item) again, waiting
+    """The items of read(pos); after a SourceIOError, read(the position after the last item) again, waiting
     RETRY_DELAYS[i] before the i-th new attempt (progress resets the count)."""
-    delays = RETRY_DELAYS
-    attempt = 0
+    delays, attempt = RETRY_DELAYS, 0
     while True:
         try:
             for item in read(pos):

@@ -18,22 +18,14 @@ EOT = "<|endoftext|>"
 
 
 class Tokenizer:
+    """What both kinds share: encode(text), decode(ids), to_json_bytes() and these."""
+
     kind: str = "base"
     vocab_size: int
     eot_id: int | None = None  # document separator id, None if the tokenizer has none
 
-    def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
-
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
-
-    def token_id(self, token: str) -> int | None:
-        """The id of a special token (e.g. a chat role marker), None if the tokenizer has none."""
+    def token_id(self, token: str) -> int | None:  # a special token's id (a chat role marker)
         return None
-
-    def to_json_bytes(self) -> bytes:
-        raise NotImplementedError
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / TOKENIZER_FILE
@@ -51,10 +43,8 @@ class CharTokenizer(Tokenizer):
     kind = "char"
 
     def __init__(self, chars: Sequence[str]):
-        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
-            raise TokenizerError("char vocabulary must be distinct single characters")
-        if not chars:
-            raise TokenizerError("char vocabulary is empty: the corpus has no characters")
+        if not chars or len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+            raise TokenizerError(f"char vocabulary must be distinct single characters, at least one (got {len(chars)})")
         self.chars = list(chars)
         self.vocab_size = len(self.chars)
         # An id (or -1) for every code point (4.4 MB): encoding is one vectorised lookup, not a Python loop.
@@ -73,8 +63,7 @@ class CharTokenizer(Tokenizer):
             raise TokenizerError(
                 f"character {text[i]!r} (U+{ord(text[i]):04X}) at position {i} is not in the char vocabulary "
                 f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
-                f"remove or replace it, or build the tokenizer from text that has it"
-            )
+                f"remove or replace it, or build the tokenizer from text that has it")
         return ids
 
     def encode(self, text: str) -> list[int]:
@@ -87,8 +76,7 @@ class CharTokenizer(Tokenizer):
         n = len(self.chars)
         return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in map(int, ids))
 
-    def to_json_bytes(self) -> bytes:
-        # "unknown": "error" stays, though it is the only policy now: the identity hashes these bytes.
+    def to_json_bytes(self) -> bytes:  # "unknown": "error" stays (the only policy now): the identity hashes these bytes
         return json.dumps({"kind": "char", "chars": "".join(self.chars), "unknown": "error"},
                           ensure_ascii=False, sort_keys=True).encode()
 
@@ -103,7 +91,7 @@ class BPETokenizer(Tokenizer):
     def __init__(self, tk, json_bytes: bytes | None = None):
         self._tk = tk
         self._tk.encode_special_tokens = True
-        # The exact bytes saved beside the data: a reloaded tokenizer has the identity of the one that made the data.
+        # the exact bytes saved beside the data: a reloaded tokenizer has the identity of the one that made the data
         self._json = json_bytes if json_bytes is not None else tk.to_str().encode()
         self.vocab_size = int(tk.get_vocab_size(with_added_tokens=True))
         self.eot_id = tk.token_to_id(EOT)
@@ -175,9 +163,7 @@ class BPETokenizer(Tokenizer):
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A tokenizer.json, or the one in a data or run directory: char or byte-level BPE."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / TOKENIZER_FILE
+    path = Path(path) / TOKENIZER_FILE if Path(path).is_dir() else Path(path)
     if not path.is_file():
         raise TokenizerError(f"tokenizer file {path} does not exist")
     raw = path.read_bytes()
@@ -201,7 +187,5 @@ def check_identity(tok: Tokenizer, expected: dict, where: str) -> None:
     got = tok.identity()
     for key in ("kind", "hash"):
         if expected.get(key) is not None and expected[key] != got[key]:
-            raise TokenizerError(
-                f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the tokenizer "
-                f"file gives {got[key]!r}; the data was made with a different tokenizer"
-            )
+            raise TokenizerError(f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the tokenizer "
+                                 f"file gives {got[key]!r}; the data was made with a different tokenizer")

@@ -58,8 +58,7 @@ def parse_count(s: str | int | float | None) -> int | None:
 def source_inputs(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "", fmt: str = "",
                   log=print) -> tuple[list, dict]:
     """Notebooks 01 and 05: (inputs, prepare()'s other options) for a dropdown choice. Files in INPUT
-    (comma-separated) are the user's own and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT, when
-    set, win. The demo corpus is Tiny Shakespeare, downloaded and checksum-verified."""
+    (comma-separated) are the user's own and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT win."""
     from gptlib.data.download import fetch_tinyshakespeare
 
     if label not in SOURCES:

@@ -187,5 +187,5 @@ def check_identity(tok: Tokenizer, expected: dict, where: str) -> None:
     got = tok.identity()
     for key in ("kind", "hash"):
         if expected.get(key) is not None and expected[key] != got[key]:
-            raise TokenizerError(f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the tokenizer "
-                                 f"file gives {got[key]!r}; the data was made with a different tokenizer")
+            raise TokenizerError(f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the "
+                                 f"tokenizer file gives {got[key]!r}; the data was made with a different tokenizer")

@@ -210,6 +210,23 @@ class Progress:
         self.bytes += nbytes
 
 
+def copy_hashing(src: str | Path, dst: str | Path, progress: Progress | None = None) -> tuple[int, str]:
+    """Copy src to dst, fsynced, hashing the bytes as they pass -> (size, sha256) of what was read: checking a copy
+    costs no second read. Each chunk ticks `progress` (call_with_timeout's watchdog)."""
+    progress = progress or Progress()
+    h, n = hashlib.sha256(), 0
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        progress.tick()
+        while b := fi.read(8 << 20):
+            h.update(b)
+            fo.write(b)
+            n += len(b)
+            progress.tick(len(b))
+        fo.flush()
+        os.fsync(fo.fileno())
+    return n, h.hexdigest()
+
+
 def read_bytes_with_timeout(path: str | Path, stall_s: float, chunk: int = 8 << 20) -> bytes:
     """A whole file, read in a daemon thread that must make progress every `stall_s` seconds (HungIOError)."""
     progress = Progress()

@@ -205,11 +205,16 @@ def read_verified(f: Path, rec: dict) -> bytes:
     """A whole file, read under a watchdog (a hung Drive read is abandoned after DRIVE_READ_STALL_S), checked against
     its manifest record {size, sha256}."""
     data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
-    if len(data) != rec["size"]:
-        raise CheckpointError(f"{f}: {len(data):,} bytes, manifest says {rec['size']:,} (truncated or incomplete)")
-    if hashlib.sha256(data).hexdigest() != rec["sha256"]:
-        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+    check_file(f, (len(data), hashlib.sha256(data).hexdigest()), rec["size"], rec["sha256"])
     return data
+
+
+def check_file(f: Path, got: tuple[int, str], size: int, sha256: str) -> None:
+    """CheckpointError unless the bytes read from f, got = (their size, their sha256), are its manifest's."""
+    if got[0] != size:
+        raise CheckpointError(f"{f}: {got[0]:,} bytes, manifest says {size:,} (truncated or incomplete)")
+    if got[1] != sha256:
+        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
 
 
 def _safe_load(data: bytes, where: Path) -> Any:

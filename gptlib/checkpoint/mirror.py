@@ -10,7 +10,6 @@ checkpoint is copied, then every milestone.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -19,10 +18,11 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import install, list_checkpoints, read_manifest, remove_tree, verify_checkpoint
+from gptlib.checkpoint.format import (check_file, install, list_checkpoints, read_manifest, remove_tree,
+                                      verify_checkpoint)
 from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, LeaseLost, loud
-from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, fsync_dir
+from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, copy_hashing, fsync_dir
 from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
 
 # The copy policy; module-level so tests (and impatient users) can shorten them.
@@ -33,29 +33,12 @@ MIRROR_TIDY_TIMEOUT_S = 60.0  # rotating the mirror and copying the run's logs t
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
 NO_MIRROR_STATUS = {"mirror_dir": None, "mirror_step": None, "mirror_copying": False, "mirror_error": None,
                     "mirror_failures": 0}
-_COPY_CHUNK = 8 << 20
 
 
-def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: str | None = None,
-                       progress: Progress | None = None) -> None:
-    """Copy src to dst (fsynced) hashing as it goes; CheckpointError if the bytes read are not what the
-    manifest says (src is damaged or changed: not a Drive that failed to answer); dst is then left for cleanup."""
-    progress = progress or Progress()
-    h, n = hashlib.sha256(), 0
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        progress.tick()
-        while b := fi.read(_COPY_CHUNK):
-            h.update(b)
-            fo.write(b)
-            n += len(b)
-            progress.tick(len(b))
-        fo.flush()
-        os.fsync(fo.fileno())
-    progress.tick()
-    if size is not None and n != size:
-        raise CheckpointError(f"{src}: read {n:,} bytes, manifest says {size:,} (truncated or incomplete)")
-    if sha256 is not None and h.hexdigest() != sha256:
-        raise CheckpointError(f"{src}: sha256 differs from the manifest (corrupted)")
+def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress | None = None) -> None:
+    """Copy src to dst hashing as it goes; CheckpointError if the bytes read are not the manifest's (src is damaged
+    or changed: not a Drive that failed to answer); dst is then left for cleanup."""
+    check_file(src, copy_hashing(src, dst, progress), size, sha256)
 
 
 def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, reuse: bool = True) -> Path:
@@ -76,7 +59,7 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
     try:
         for name, rec in manifest["files"].items():
             copy_file_verified(src / name, partial / name, rec["size"], rec["sha256"], progress)
-        copy_file_verified(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress=progress)
+        copy_hashing(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress)
         fsync_dir(partial)
         verify_checkpoint(partial)  # sizes: what the copy wrote was hashed as it was read
         progress.tick()

@@ -27,7 +27,7 @@ from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 from gptlib.lease import NoLease
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
-LOCK_FILE = ".tokenize.lock"  # held by the tokenize writing the directory; left in place (filelock's advice)
+LOCK_FILE = ".tokenize.lock"  # held by the tokenize writing the directory
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
@@ -252,9 +252,9 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[NoLeas
              "again to start over")
         raise
     finally:
+        if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
+            (out_dir / LOCK_FILE).unlink(missing_ok=True)
         lock.release()
         if created:  # refused before writing anything: no empty directory is left
             with contextlib.suppress(OSError):
-                if [p.name for p in out_dir.iterdir()] == [LOCK_FILE]:
-                    (out_dir / LOCK_FILE).unlink()
                 out_dir.rmdir()

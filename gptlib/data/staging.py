@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -18,14 +17,13 @@ from gptlib.colab import drive_mountpoint
 from gptlib.colab import local_root as colab_local_root
 from gptlib.data.shards import META_FILE, read_meta
 from gptlib.errors import loud
-from gptlib.fsutil import (TMP_MARKER, Progress, atomic_write_json, call_with_timeout, check_dir, fsync_dir,
+from gptlib.fsutil import (Progress, atomic_write_json, call_with_timeout, check_dir, copy_hashing, fsync_dir,
                            read_bytes_with_timeout)
 from gptlib.layout import TOKENIZER_FILE
 
 MARKER_FILE = ".gptlib-staged.json"  # written last, after every file of the copy verified
 KEEP_FREE_BYTES = 10 << 30  # left free on the VM's disk for the run's checkpoints (gpt2-small: 1.33 GB each)
 STALL_S = 120.0  # a Drive read that makes no progress for this long is abandoned (hung mount): read Drive later
-_CHUNK = 8 << 20
 
 
 class StagingFailed(Exception):  # why the local copy was given up, naming the file; never leaves the module
@@ -119,8 +117,8 @@ def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: st
             (dst / META_FILE).write_bytes(meta_bytes)
             continue
         progress = Progress()
-        got = call_with_timeout(lambda name=name: _copy_hashing(src / name, dst / name, progress), STALL_S, progress,
-                                what=f"reading {src / name}")
+        _, got = call_with_timeout(lambda name=name: copy_hashing(src / name, dst / name, progress), STALL_S, progress,
+                                   what=f"reading {src / name}")
         if sha is not None and got != sha:
             raise StagingFailed(f"{src / name} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... "
                                 f"expected (the file on Drive is damaged or was changed after tokenizing; tokenize "
@@ -129,16 +127,3 @@ def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: st
     atomic_write_json(dst / MARKER_FILE, {"source": str(src), "meta_sha256": meta_sha,
                                           "files": {name: size for name, size, _ in files},
                                           "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-
-
-def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
-    h = hashlib.sha256()
-    tmp = dst.with_name(dst.name + TMP_MARKER + str(os.getpid()))
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        while b := fi.read(_CHUNK):
-            h.update(b)
-            fo.write(b)
-            progress.tick(len(b))
-    os.replace(tmp, dst)
-    return h.hexdigest()
-

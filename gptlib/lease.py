@@ -44,7 +44,7 @@ def _describe(found: Holder | str, now: float) -> str:
 
 
 def _read(path: Path) -> Holder | str | None:
-    """A Holder, None if there is no lease, or a string saying why it cannot be read."""
+    """-> the Holder, None (no lease), or why it cannot be read."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -86,7 +86,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
-        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written then)."""
+        """Take the lease in every directory, or RunBusyError naming the holder (nothing written then)."""
         for d in self.dirs:
             self._check_free(d / LEASE_FILE)
         for d in self.dirs:
@@ -107,7 +107,6 @@ class RunLease:
         return self
 
     def _check_free(self, path: Path) -> None:
-        """RunBusyError naming the lease's holder if that may be alive."""
         found = _timed(lambda: _read(path), path)
         if found is None:
             return

@@ -62,16 +62,6 @@ def _timed(fn, path: Path, doing: str = "reading"):
     return call_with_timeout(fn, IO_TIMEOUT_S, what=f"{doing} {path}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
-
-
 class RunLease:
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
         self.dirs = [Path(d) for d in dirs if d is not None]
@@ -117,9 +107,13 @@ class RunLease:
             return
         how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
         if isinstance(found, Holder) and found.host == self.host:
-            if not _pid_alive(found.pid):
+            try:
+                os.kill(found.pid, 0)  # PermissionError: alive, another user's
+            except ProcessLookupError:
                 self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
                 return
+            except PermissionError:
+                pass
             raise RunBusyError(f"{path.parent} is in use by another training process ({what}); {how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else _timed(lambda: path.stat().st_mtime, path))
         if age < STALE_S:

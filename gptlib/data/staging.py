@@ -57,17 +57,22 @@ def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable
         if _reusable(dst, src, meta_sha):
             log(f"data: using the verified local copy {dst} of {src} (made earlier on this VM)")
             return dst
-        shutil.rmtree(dst, ignore_errors=True)  # an older or partial copy: not reusable
+        shutil.rmtree(dst, ignore_errors=True)  # an older or partial copy
         t0 = time.time()
         try:
-            files = _files_of(src, meta_bytes)
-            need = sum(size for _, size, _ in files)
-            free = shutil.disk_usage(dst.parent).free
+            files = _files_of(src, meta_bytes, meta_sha)
+            need, free = sum(size for _, size, _ in files), shutil.disk_usage(dst.parent).free
             if need + KEEP_FREE_BYTES > free:
                 loud(f"!! data: {_gb(need)} does not fit on the VM's disk ({_gb(free)} free at {dst.parent}, keeping "
                      f"{_gb(KEEP_FREE_BYTES)} for checkpoints); training reads {src} from Google Drive (slower)")
                 return src
-            _copy_all(src, dst, files, meta_bytes, meta_sha)
+            dst.mkdir(parents=True)
+            for name, _, sha in files:
+                _copy_verified(src / name, dst / name, sha)
+            fsync_dir(dst)
+            atomic_write_json(dst / MARKER_FILE, {"source": str(src), "meta_sha256": meta_sha,
+                                                  "files": {name: size for name, size, _ in files},
+                                                  "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         except (StagingFailed, OSError) as e:
             shutil.rmtree(dst, ignore_errors=True)
             loud(f"!! data: {e}; the local copy was deleted and training reads {src} from Google Drive (slower)")
@@ -82,14 +87,14 @@ def _gb(n: int | float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
-def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]:
-    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks."""
+def _files_of(src: Path, meta_bytes: bytes, meta_sha: str) -> list[tuple[str, int, str | None]]:
+    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks. meta.json's is
+    that of the bytes read first: the copy must be the meta.json that was checked."""
     meta = read_meta(src)
     if meta.raw != json.loads(meta_bytes.decode("utf-8", "replace")):
         raise StagingFailed(f"{src / META_FILE} changed while it was being read (tokenize still running?)")
     tok = meta.tokenizer.get("file", TOKENIZER_FILE)
-    files = [(META_FILE, len(meta_bytes), hashlib.sha256(meta_bytes).hexdigest()),
-             (tok, (src / tok).stat().st_size, meta.tokenizer.get("hash"))]
+    files = [(META_FILE, len(meta_bytes), meta_sha), (tok, (src / tok).stat().st_size, meta.tokenizer.get("hash"))]
     for split in meta.splits.values():
         for shard in split["shards"]:
             files.append((shard["file"], int(shard["tokens"]) * meta.dtype.itemsize, shard.get("sha256")))
@@ -108,22 +113,10 @@ def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:  # its marker names 
         return False
 
 
-def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: str) -> None:
-    """Every file copied and verified (meta.json: the bytes read before, so the copy is what was checked), the marker
-    last. StagingFailed names a file that does not match; OSError is a failed read or write."""
-    dst.mkdir(parents=True)
-    for name, _, sha in files:
-        if name == META_FILE:
-            (dst / META_FILE).write_bytes(meta_bytes)
-            continue
-        progress = Progress()
-        _, got = call_with_timeout(lambda name=name: copy_hashing(src / name, dst / name, progress), STALL_S, progress,
-                                   what=f"reading {src / name}")
-        if sha is not None and got != sha:
-            raise StagingFailed(f"{src / name} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... "
-                                f"expected (the file on Drive is damaged or was changed after tokenizing; tokenize "
-                                f"again with --overwrite to repair it)")
-    fsync_dir(dst)
-    atomic_write_json(dst / MARKER_FILE, {"source": str(src), "meta_sha256": meta_sha,
-                                          "files": {name: size for name, size, _ in files},
-                                          "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+def _copy_verified(src: Path, dst: Path, sha: str | None) -> None:
+    progress = Progress()
+    _, got = call_with_timeout(lambda: copy_hashing(src, dst, progress), STALL_S, progress, what=f"reading {src}")
+    if sha is not None and got != sha:
+        raise StagingFailed(f"{src} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... expected (the "
+                            f"file on Drive is damaged or was changed after tokenizing; tokenize again with "
+                            f"--overwrite to repair it)")

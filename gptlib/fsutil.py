@@ -218,14 +218,14 @@ def copy_hashing(src: str | Path, dst: str | Path, progress: Progress | None = N
     return n, h.hexdigest()
 
 
-def read_bytes_with_timeout(path: str | Path, stall_s: float, chunk: int = 8 << 20) -> bytes:
+def read_bytes_with_timeout(path: str | Path, stall_s: float) -> bytes:
     """A whole file, read under call_with_timeout's watchdog."""
     progress = Progress()
 
     def read() -> bytes:
         parts = []
         with open(path, "rb") as f:
-            while b := f.read(chunk):
+            while b := f.read(8 << 20):
                 parts.append(b)
                 progress.tick(len(b))
         return b"".join(parts)

@@ -89,9 +89,9 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
         for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
             remove_tree(checkpoints_dir(run_dir) / name)
         raise CheckpointError(
-            f"could not read {unread} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may be "
-            f"there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} anyway, "
-            f"pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
+            f"could not read {unread} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may "
+            f"be there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} "
+            f"anyway, pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
     if unread:
         loud(f"!! could not read {unread}. --skip-unreadable: training goes on from {start}; those checkpoints are "
              f"left where they are (this run never deletes them)")
@@ -106,8 +106,8 @@ def _search(run_dir: Path, mirror_dir: Path | None, log,
     could not be read, listed or loaded ("" if everything could)."""
     passed, unread, found = Passed(), [], []
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
-        try:
-            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
+        try:  # under a watchdog: a hung Drive must not hang the start
+            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S)
         except OSError as e:
             log(f"cannot list the checkpoints in {d}: {e}")
             passed.unreadable.append(d)
@@ -121,8 +121,10 @@ def _search(run_dir: Path, mirror_dir: Path | None, log,
             return _load_resume(path, run_dir, check), passed, "; ".join(unread)
         except (CheckpointError, OSError) as e:
             log(f"skipping checkpoint: {e}")
-            (passed.damaged if isinstance(e, CheckpointError) else passed.unreadable).append(path)
-            if not isinstance(e, CheckpointError):
+            if isinstance(e, CheckpointError):
+                passed.damaged.append(path)
+            else:
+                passed.unreadable.append(path)
                 unread.append(f"{path} ({e})")
     return None, passed, "; ".join(unread)
 

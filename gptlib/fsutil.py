@@ -1,11 +1,6 @@
-"""File operations that survive crashes and hung mounts.
-
-- Crash-safe writes: temp file beside the target, fsync, rename; a crash leaves at most a `*.tmp-*` file,
-  which `clean_temp_files` removes on the next run.
-- A write that fails (disk full, read-only, not ours) is one line naming the directory, its disk and the fix.
-- Calls with a time limit: a read on a FUSE mount that stops answering (Google Drive does) blocks forever in
-  the kernel; `call_with_timeout` abandons it (HungIOError) once it has made no progress for a while.
-"""
+"""File operations that survive crashes and hung mounts: writes by temp file, fsync and rename (a crash leaves at
+most a `*.tmp-*` file); a failed write as one line naming the directory, its disk and the fix; calls abandoned when a
+FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ TMP_MARKER = ".tmp-"
 
 
 def fsync_dir(path: Path) -> None:
-    """Make a rename durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    """Make a rename durable (a no-op where directories cannot be opened: Windows)."""
     with suppress(OSError):
         fd = os.open(str(path), os.O_RDONLY)
         try:
@@ -66,13 +61,12 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The objects of a JSON-lines file ([] if there is none); see parse_jsonl."""
+    """The objects of a JSON-lines file ([] if there is none)."""
     return parse_jsonl(Path(path).read_text(errors="replace") if Path(path).is_file() else "")
 
 
 def parse_jsonl(text: str) -> list[dict]:
-    """The objects of JSON-lines text. A line that is not one, a write torn by a kill, is skipped: at the end of a
-    log, or inside a file append_jsonl went on appending to."""
+    """The objects of JSON-lines text; a line that is not one (a write torn by a kill) is skipped."""
     rows = []
     for line in text.splitlines():
         try:
@@ -85,8 +79,8 @@ def parse_jsonl(text: str) -> list[dict]:
 
 
 def append_jsonl(path: str | Path, row: dict) -> None:
-    """One line, one write, on a file opened for appending: earlier rows (of any process) are never rewritten, and
-    a row torn by a kill mid-write stays alone on its own line, for read_jsonl to skip."""
+    """One line, one write, appended: earlier rows are never rewritten, and a row torn by a kill stays alone on its
+    own line, for parse_jsonl to skip."""
     line = (json.dumps(row) + "\n").encode()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
@@ -109,7 +103,7 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def clean_temp_files(directory: str | Path) -> list[Path]:
-    """Remove temp files left by an interrupted atomic write; returns what was removed."""
+    """Remove temp files left by interrupted atomic writes -> what was removed."""
     removed = []
     for p in Path(directory).iterdir() if Path(directory).is_dir() else []:
         if TMP_MARKER in p.name and p.is_file():
@@ -128,8 +122,7 @@ def _size(n: float) -> str:
 
 
 def describe_disk(path: str | Path, timeout: float = 5.0) -> str:
-    """ "the disk mounted at / (12 MB free of 107 GB)" for the disk holding path; "its disk" where that
-    cannot be told in `timeout` seconds (a hung mount is not waited on)."""
+    """ "the disk mounted at / (12 MB free of 107 GB)"; "its disk" where a hung mount does not tell in time."""
     def look():
         p = Path(path)
         while not p.exists() and p.parent != p:
@@ -144,9 +137,8 @@ def describe_disk(path: str | Path, timeout: float = 5.0) -> str:
 
 
 def mount_point(path: Path) -> Path:
-    """The mount point that holds a resolved path: the longest that contains it in /proc/self/mountinfo (Linux),
-    which also lists a bind mount of a folder on the same disk (a read-only one, say) that os.path.ismount cannot
-    tell from a folder; elsewhere the first folder up that os.path.ismount says is one."""
+    """The mount point holding a resolved path: from /proc/self/mountinfo where there is one, which also lists a bind
+    mount of a folder (a read-only one, say) that os.path.ismount cannot tell from a folder."""
     try:
         with open("/proc/self/mountinfo") as f:  # field 5 is the mount point, octal-escaped (a space is \040)
             points = [Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])) for line in f]
@@ -158,7 +150,7 @@ def mount_point(path: Path) -> Path:
 
 
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
-    """The one-line error for a run directory (or mirror) that a write failed in: what is wrong and the fix."""
+    """The one-line error for a directory a write failed in: what is wrong and the fix."""
     head = f"cannot write to {directory}: {e.strerror or e}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         full = "is full" if e.errno == errno.ENOSPC else "holds all your quota allows"
@@ -172,9 +164,8 @@ def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
 
 
 def check_dir(path: str | Path, what: str) -> bool:
-    """A directory gptlib will use must be one, or be creatable: a file, a symbolic link loop, a broken link or a
-    path through a file there is one line (RunDirError) naming it, before anything is written. -> whether it
-    exists (False: it will be created)."""
+    """-> whether a directory gptlib will use exists; RunDirError naming a file, a link loop, a broken link or a path
+    through a file there, before anything is written."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -210,14 +201,31 @@ class Progress:
         self.bytes += nbytes
 
 
-def read_bytes_with_timeout(path: str | Path, stall_s: float, chunk: int = 8 << 20) -> bytes:
-    """A whole file, read in a daemon thread that must make progress every `stall_s` seconds (HungIOError)."""
+def copy_hashing(src: str | Path, dst: str | Path, progress: Progress | None = None) -> tuple[int, str]:
+    """Copy src to dst, fsynced, hashing the bytes as they pass -> (size, sha256) of what was read: checking a copy
+    costs no second read. Each chunk ticks `progress` (call_with_timeout's watchdog)."""
+    progress = progress or Progress()
+    h, n = hashlib.sha256(), 0
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        progress.tick()
+        while b := fi.read(8 << 20):
+            h.update(b)
+            fo.write(b)
+            n += len(b)
+            progress.tick(len(b))
+        fo.flush()
+        os.fsync(fo.fileno())
+    return n, h.hexdigest()
+
+
+def read_bytes_with_timeout(path: str | Path, stall_s: float) -> bytes:
+    """A whole file, read under call_with_timeout's watchdog."""
     progress = Progress()
 
     def read() -> bytes:
         parts = []
         with open(path, "rb") as f:
-            while b := f.read(chunk):
+            while b := f.read(8 << 20):
                 parts.append(b)
                 progress.tick(len(b))
         return b"".join(parts)
@@ -227,12 +235,9 @@ def read_bytes_with_timeout(path: str | Path, stall_s: float, chunk: int = 8 << 
 
 def call_with_timeout(fn: Callable[[], Any], timeout: float, progress: Progress | None = None,
                       what: str = "Drive") -> Any:
-    """Run fn in a daemon thread; HungIOError once it has gone `timeout` seconds without returning
-    (or, given `progress`, without a progress.tick(); fn is then asked to stop at its next tick).
-
-    A call stuck in a hung FUSE mount cannot be cancelled, only abandoned (a daemon thread, unlike an executor's,
-    never holds up the interpreter's exit), so fn must only ever touch temp names or read.
-    """
+    """fn() in a daemon thread; HungIOError once it has gone `timeout` seconds without returning or, given
+    `progress`, without a tick (fn is then stopped at its next tick). A call stuck in a hung FUSE mount can only be
+    abandoned (a daemon thread never holds up the interpreter's exit), so fn must only write temp names, or read."""
     result: Future = Future()
 
     def run():

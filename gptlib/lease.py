@@ -1,5 +1,5 @@
-"""One writer per run: training holds a lease on its run directory and Drive mirror (tokenize on its output
-directory), so a second process there refuses within seconds and names the holder. A lease whose holder is gone (a
+"""One writer per run: training holds a lease on its run directory and Drive mirror, so a second process there
+refuses within seconds and names the holder. A lease whose holder is gone (a
 dead pid on this machine, or a heartbeat older than STALE_S by this machine's clock) is taken over; --take-over takes
 any. A holder whose lease was taken stops without writing: check() runs before every checkpoint write.
 """
@@ -44,7 +44,7 @@ def _describe(found: Holder | str, now: float) -> str:
 
 
 def _read(path: Path) -> Holder | str | None:
-    """A Holder, None if there is no lease, or a string saying why it cannot be read."""
+    """-> the Holder, None (no lease), or why it cannot be read."""
     try:
         raw = path.read_text()
     except FileNotFoundError:
@@ -62,21 +62,10 @@ def _timed(fn, path: Path, doing: str = "reading"):
     return call_with_timeout(fn, IO_TIMEOUT_S, what=f"{doing} {path}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        pass
-    return True
-
-
 class RunLease:
-    def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print, command: str = "training"):
+    def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
         self.dirs = [Path(d) for d in dirs if d is not None]
         self.take_over = take_over
-        self.command = command  # what holds the lease, for messages: "training" (train) or "tokenize" (prepare)
         self.log = log
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
@@ -87,7 +76,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
-        """Take the lease in every directory, or raise RunBusyError naming the holder (nothing written then)."""
+        """Take the lease in every directory, or RunBusyError naming the holder (nothing written then)."""
         for d in self.dirs:
             self._check_free(d / LEASE_FILE)
         for d in self.dirs:
@@ -108,7 +97,6 @@ class RunLease:
         return self
 
     def _check_free(self, path: Path) -> None:
-        """RunBusyError naming the lease's holder if that may be alive."""
         found = _timed(lambda: _read(path), path)
         if found is None:
             return
@@ -117,13 +105,16 @@ class RunLease:
         if self.take_over:
             self.log(f"lease: taking over {path} ({what})")
             return
-        api = {"training": "train", "tokenize": "prepare"}.get(self.command, self.command)
-        how = f"pass --take-over ({api}(..., take_over=True)) to take it anyway, or stop that process first"
+        how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
         if isinstance(found, Holder) and found.host == self.host:
-            if not _pid_alive(found.pid):
+            try:
+                os.kill(found.pid, 0)  # PermissionError: alive, another user's
+            except ProcessLookupError:
                 self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
                 return
-            raise RunBusyError(f"{path.parent} is in use by another {self.command} process ({what}); {how}")
+            except PermissionError:
+                pass
+            raise RunBusyError(f"{path.parent} is in use by another training process ({what}); {how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else _timed(lambda: path.stat().st_mtime, path))
         if age < STALE_S:
             raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "

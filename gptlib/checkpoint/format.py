@@ -3,11 +3,10 @@
     {"model": ..., "optimizer": ..., "scaler": ..., "sampler": ..., "rng": ...,  each part's state_dict()
      "progress": TrainState.state_dict(), "sampler_ranks": [...] (DDP only)}
 
-On disk (checkpoints/step_0001000/): model.pt (the model), train_state.pt (optimizer, scaler, sampler, rng,
-sampler_ranks), state.json (the progress), the run's logs as extra files, and manifest.json last, with each file's
-size and sha256 hashed as it was written. The directory is written under a temporary name and renamed when
-complete, so a kill at any moment leaves the previous checkpoint the newest. load_checkpoint reads each file once,
-checks its hash and unpickles it with weights_only=True: a checkpoint cannot run code.
+On disk (checkpoints/step_0001000/): model.pt, train_state.pt (the other parts), state.json (the progress, readable
+by people), the run's logs, and manifest.json last, with each file's size and sha256 hashed as it was written. The
+directory is written under a temporary name and renamed when complete, so a kill at any moment leaves the previous
+checkpoint the newest. Loading checks every hash and unpickles with weights_only=True: a checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -65,9 +64,7 @@ class TrainState:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        # Unknown fields are ignored: an older state.json's "rng" (Python's and numpy's generators, which nothing in
-        # training draws from) and "pending_losses" (losses replayed across a resume before checkpoints fell on log
-        # boundaries; the saving run had logged them).
+        # Unknown fields, an older state.json's "rng" and "pending_losses" (issue 27 dropped both), are ignored.
         for f in dataclasses.fields(self):
             if f.name in d:
                 setattr(self, f.name, d[f.name])
@@ -77,10 +74,9 @@ class TrainState:
         """A state.json's contents, checked: a hand-edited or mixed-up one is a damaged checkpoint."""
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: holds a JSON {type(d).__name__}, not an object")
-        for name in ("step", "tokens_seen", "config"):
-            if name not in d:
-                raise CheckpointError(f"{source}: field {name!r} is missing (not a gptlib training checkpoint, or "
-                                      f"damaged); resume from another checkpoint or start a new run directory")
+        if missing := [name for name in ("step", "tokens_seen", "config") if name not in d]:
+            raise CheckpointError(f"{source}: field {missing[0]!r} is missing (not a gptlib training checkpoint, or "
+                                  f"damaged); resume from another checkpoint or start a new run directory")
         for name, kind in (("step", int), ("tokens_seen", int), ("config", dict), ("data", dict), ("tokenizer", dict)):
             if name in d and (not isinstance(d[name], kind) or isinstance(d[name], bool)):
                 raise CheckpointError(f"{source}: field {name!r} is {d[name]!r}, expected {kind.__name__}")
@@ -99,8 +95,8 @@ class TrainState:
 
 
 class RNG:
-    """The generators training draws from (dropout, the model's init), as one part: torch's CPU one and the
-    training GPU's (only that device's: a checkpoint made on N GPUs resumes on fewer)."""
+    """The generators training draws from (dropout), as one part: torch's CPU one and the training GPU's (only that
+    device's: a checkpoint made on N GPUs resumes on fewer)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -123,7 +119,7 @@ class RNG:
 
 
 class _Hashing:
-    """A file that hashes the bytes written to it: the manifest's sha256 costs no second read."""
+    """A file that hashes what is written to it: the manifest's sha256 costs no second read."""
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
@@ -139,7 +135,7 @@ class _Hashing:
 
 
 def _write_hashed(path: Path, write) -> dict:
-    """write(f) into path atomically -> the manifest's record of it."""
+    """write(f) into path atomically -> its manifest record {size, sha256}."""
     out = {}
 
     def hashed(f):
@@ -152,8 +148,8 @@ def _write_hashed(path: Path, write) -> dict:
 
 
 def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write one checkpoint dict (see the module docstring) into root/step_N atomically -> its path. On any error the
-    partial directory is removed; an existing one of the same step is untouched until the rename."""
+    """Write one checkpoint dict into root/step_N -> its path. On any error the partial directory is removed; an
+    existing one of the same step is untouched until the rename."""
     step = ckpt["progress"]["step"]
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -173,7 +169,7 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     except BaseException as e:
         full = _disk_nearly_full(root)  # measured before the partial files are removed
         shutil.rmtree(partial, ignore_errors=True)
-        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch says "enforce fail ... unexpected pos"
+        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch's own words: "enforce fail ... unexpected pos"
             first = str(e).splitlines()[0][:120] if str(e) else ""
             raise OSError(errno.ENOSPC, f"no space left on the device of {root} ({type(e).__name__}: {first})") from e
         raise
@@ -181,8 +177,8 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
 
 
 def load_checkpoint(path: Path) -> dict:
-    """A checkpoint dict back (save_checkpoint's, with "logs": {file name: bytes} of the extra files), each file read
-    once and checked against the manifest; CheckpointError if it is damaged, OSError if it cannot be read."""
+    """save_checkpoint's dict back, with "logs": {name: bytes} of the extra files. Each file is read once and checked
+    against the manifest: CheckpointError if it is damaged, OSError if it cannot be read (a hung Drive)."""
     info = verify_checkpoint(path)
     data = {name: read_verified(path / name, rec) for name, rec in info.manifest["files"].items()}
     model, train = (_safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE))
@@ -202,14 +198,17 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def read_verified(f: Path, rec: dict) -> bytes:
-    """A whole file, read under a watchdog (a hung Drive read is abandoned after DRIVE_READ_STALL_S), checked against
-    its manifest record {size, sha256}."""
     data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
-    if len(data) != rec["size"]:
-        raise CheckpointError(f"{f}: {len(data):,} bytes, manifest says {rec['size']:,} (truncated or incomplete)")
-    if hashlib.sha256(data).hexdigest() != rec["sha256"]:
-        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+    check_file(f, (len(data), hashlib.sha256(data).hexdigest()), rec["size"], rec["sha256"])
     return data
+
+
+def check_file(f: Path, got: tuple[int, str], size: int, sha256: str) -> None:
+    """CheckpointError unless the bytes read from f, got = (their size, their sha256), are its manifest's."""
+    if got[0] != size:
+        raise CheckpointError(f"{f}: {got[0]:,} bytes, manifest says {size:,} (truncated or incomplete)")
+    if got[1] != sha256:
+        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
 
 
 def _safe_load(data: bytes, where: Path) -> Any:
@@ -221,7 +220,7 @@ def _safe_load(data: bytes, where: Path) -> Any:
 
 
 def load_model_weights(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Only the weights (generation, export): model.pt of a checkpoint dir, or a .pt file, checked against sha256."""
+    """Only the weights (generation, export): of a checkpoint dir or a .pt file."""
     f = path / MODEL_FILE if path.is_dir() else path
     data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -230,7 +229,7 @@ def load_model_weights(path: Path, sha256: str | None = None) -> dict[str, torch
 
 
 def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path) -> None:
-    """load_state_dict with an error that names the tensor and both shapes instead of a torch dump."""
+    """load_state_dict, with an error naming the tensor and both shapes instead of torch's dump."""
     own = model.state_dict()
     missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
     if missing or unexpected:
@@ -255,7 +254,6 @@ class CheckpointInfo:
 
 
 def read_manifest(path: Path) -> dict:
-    """A checkpoint's manifest.json; CheckpointError if it is not one (OSError if it cannot be read)."""
     mpath = path / MANIFEST_FILE
     try:
         manifest = json.loads(mpath.read_text())
@@ -268,8 +266,8 @@ def read_manifest(path: Path) -> dict:
 
 
 def verify_checkpoint(path: Path) -> CheckpointInfo:
-    """The cheap check (the manifest and every file's size; load_checkpoint checks the hashes): CheckpointError if
-    the checkpoint is incomplete or damaged."""
+    """The cheap check, run after every save and by rotation: the manifest and every file's size (the hashes are
+    load_checkpoint's). CheckpointError if the checkpoint is incomplete or damaged."""
     mpath = path / MANIFEST_FILE
     if not mpath.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
@@ -278,18 +276,16 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
         files, step = manifest["files"], manifest["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step_of(path) not in (None, step):
             raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
-        for required in CHECKPOINT_FILES:
-            if required not in files:
-                raise CheckpointError(f"{mpath}: does not list {required}")
+        if missing := [name for name in CHECKPOINT_FILES if name not in files]:
+            raise CheckpointError(f"{mpath}: does not list {missing[0]}")
         for name in files:  # before touching any file: a crafted manifest must not reach outside
             if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
                 raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
         for name, rec in files.items():
-            p = path / name
-            if not p.is_file():
-                raise CheckpointError(f"{p}: listed in the manifest but missing")
-            if p.stat().st_size != rec["size"]:
-                raise CheckpointError(f"{p}: size {p.stat().st_size:,} bytes, manifest says {rec['size']:,} "
+            size = (path / name).stat().st_size if (path / name).is_file() else None
+            if size is None or size != rec["size"]:
+                raise CheckpointError(f"{path / name}: listed in the manifest but missing" if size is None else
+                                      f"{path / name}: size {size:,} bytes, manifest says {rec['size']:,} "
                                       f"(truncated or incomplete)")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
@@ -297,7 +293,7 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Finished-looking checkpoint directories (not .partial), newest step first."""
+    """Finished-looking checkpoint directories (not .partial and friends), newest step first."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
@@ -315,7 +311,7 @@ def _disk_nearly_full(path: Path) -> bool:
 
 
 def install(partial: Path, final: Path, truncate: bool = False) -> None:
-    """Rename a complete partial dir to its final name; a same-step one is replaced whole."""
+    """Rename a complete partial dir to its final name; a same-step one is replaced whole, never half."""
     if final.exists():  # re-saved after a resume, or a damaged copy being replaced
         old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
         os.replace(final, old)
@@ -327,8 +323,8 @@ def install(partial: Path, final: Path, truncate: bool = False) -> None:
 
 
 def set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to step_N.damaged-TIME: kept for its owner, ignored by resume, rotation and
-    clean-up, and never taken for a new checkpoint of the same step. -> the new path."""
+    """Rename a damaged checkpoint to step_N.damaged-TIME -> its new path: kept for its owner, ignored by resume,
+    rotation and clean-up, and never taken for a new checkpoint of the same step."""
     target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(path, target)
     fsync_dir(path.parent)

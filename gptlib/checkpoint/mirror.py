@@ -1,16 +1,10 @@
-"""The Drive mirror: every verified local checkpoint copied to a second directory (Google Drive) in a background
-thread, so the run survives the VM. Each copy is hashed while it is read (see mirror_checkpoint); then the mirror
-is rotated and the run's files for readers and people (layout.MIRRORED_FILES) copied beside it; its logs travel
-inside each checkpoint.
-
-Drive errors (Errno 107 "Transport endpoint is not connected", Errno 5, hangs) are retried with backoff and
-reported loudly on stderr and in `status()`; they never stop training. If copies fall behind, only the newest
-checkpoint is copied, then every milestone.
+"""The Drive mirror: each verified local checkpoint copied to Google Drive in a background thread, so the run
+survives the VM. Drive errors (Errno 107, Errno 5, hangs) are retried with backoff and reported loudly, never raised
+into training. If copies fall behind, only the newest checkpoint is copied, then every milestone.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -19,13 +13,14 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import install, list_checkpoints, read_manifest, remove_tree, verify_checkpoint
+from gptlib.checkpoint.format import (check_file, install, list_checkpoints, read_manifest, remove_tree,
+                                      verify_checkpoint)
 from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, LeaseLost, loud
-from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, fsync_dir
+from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, copy_hashing, fsync_dir
 from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
 
-# The copy policy; module-level so tests (and impatient users) can shorten them.
+# Module-level so that tests (and impatient users) can shorten them.
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
 MIRROR_STALL_TIMEOUT_S = 180.0  # an attempt with no progress for this long is a hung Drive: abandoned
 MIRROR_CLOSE_TIMEOUT_S = 600.0  # at the end of training, wait at most this long for the last Drive copy
@@ -33,35 +28,17 @@ MIRROR_TIDY_TIMEOUT_S = 60.0  # rotating the mirror and copying the run's logs t
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
 NO_MIRROR_STATUS = {"mirror_dir": None, "mirror_step": None, "mirror_copying": False, "mirror_error": None,
                     "mirror_failures": 0}
-_COPY_CHUNK = 8 << 20
 
 
-def copy_file_verified(src: Path, dst: Path, size: int | None = None, sha256: str | None = None,
-                       progress: Progress | None = None) -> None:
-    """Copy src to dst (fsynced) hashing as it goes; CheckpointError if the bytes read are not what the
-    manifest says (src is damaged or changed: not a Drive that failed to answer); dst is then left for cleanup."""
-    progress = progress or Progress()
-    h, n = hashlib.sha256(), 0
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        progress.tick()
-        while b := fi.read(_COPY_CHUNK):
-            h.update(b)
-            fo.write(b)
-            n += len(b)
-            progress.tick(len(b))
-        fo.flush()
-        os.fsync(fo.fileno())
-    progress.tick()
-    if size is not None and n != size:
-        raise CheckpointError(f"{src}: read {n:,} bytes, manifest says {size:,} (truncated or incomplete)")
-    if sha256 is not None and h.hexdigest() != sha256:
-        raise CheckpointError(f"{src}: sha256 differs from the manifest (corrupted)")
+def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress | None = None) -> None:
+    """Copy src to dst hashing as it goes; CheckpointError if the bytes read are not the manifest's (src is damaged
+    or changed: not a Drive that failed to answer); dst is then left for cleanup."""
+    check_file(src, copy_hashing(src, dst, progress), size, sha256)
 
 
 def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, reuse: bool = True) -> Path:
-    """Copy a checkpoint dir into mirror_run_dir/checkpoints: temp name, every file hashed while read (the source must
-    match its manifest) and fsynced, manifest last, renamed; nothing is read back. reuse: a copy already there with
-    the same manifest and sizes is kept (at resume the one there may be a damaged one of the same checkpoint)."""
+    """Copy a checkpoint dir into mirror_run_dir/checkpoints: under a temp name, manifest last, then renamed; nothing
+    is read back. reuse: keep a copy already there with the same manifest (not at resume: it may be a damaged one)."""
     progress = progress or Progress()
     manifest = read_manifest(src)
     dst_root = checkpoints_dir(mirror_run_dir)
@@ -76,9 +53,9 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
     try:
         for name, rec in manifest["files"].items():
             copy_file_verified(src / name, partial / name, rec["size"], rec["sha256"], progress)
-        copy_file_verified(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress=progress)
+        copy_hashing(src / MANIFEST_FILE, partial / MANIFEST_FILE, progress)
         fsync_dir(partial)
-        verify_checkpoint(partial)  # sizes: what the copy wrote was hashed as it was read
+        verify_checkpoint(partial)  # sizes only: what the copy wrote was hashed as it was read
         progress.tick()
     except BaseException:
         with suppress(OSError):  # best effort (Drive may be gone); leftovers are removed by the next rotation
@@ -95,18 +72,18 @@ class Mirror:
                  guard: Callable[[Path], None], unreadable: set[Path] = frozenset(), listed_step: int | None = None):
         self.run_dir, self.mirror_dir = Path(run_dir), Path(mirror_dir)
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
-        self.listed_step = listed_step  # the newest step listed on the mirror at resume (before any copy)
+        self.listed_step = listed_step  # the newest step listed on the mirror at resume
         self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
         self.keep_last, self.keep_every = keep_last, keep_every
-        self.last_step: int | None = None  # newest step verified on the mirror
-        self.error: str | None = None  # last failure; None once a copy succeeds
-        self.failures = 0  # failed attempts so far
+        self.last_step: int | None = None  # newest step copied
+        self.error: str | None = None  # the last failure, until a copy succeeds
+        self.failures = 0
         self._cv = threading.Condition()  # guards what follows
         self._pending: Path | None = None  # newest local checkpoint not yet copied (a newer one replaces it)
-        self._milestones: list[Path] = []  # not yet on the mirror, oldest first: never replaced, copied after it
+        self._milestones: list[Path] = []  # not yet copied, oldest first, copied after _pending
         self._milestones_paused = False  # after a failed copy, until the next checkpoint
-        self._best_step: int | None = None  # the newest best step: what mirror rotation must keep
-        self._busy: Path | None = None  # being copied now
+        self._best_step: int | None = None  # what mirror rotation must keep
+        self._busy: Path | None = None
         self._closing = False
         self._copying: tuple[Path, int, Progress] | None = None  # (checkpoint, its bytes, progress) of the copy now
         self._thread: threading.Thread | None = None
@@ -123,8 +100,8 @@ class Mirror:
             return {p for p in (self._busy, self._pending) if p is not None}
 
     def queue_existing(self, path: Path, best_step: int | None) -> None:
-        """Queue an existing local checkpoint (resumed locally, newer than Drive) and the local milestones
-        (those already on the mirror are recognised and not copied again)."""
+        """Queue a checkpoint resumed from locally and the local milestones (those already on the mirror are not
+        copied again)."""
         milestones = [p for p in reversed(list_checkpoints(self.run_dir)) if marked_milestone(p)]
         with self._cv:
             if self._best_step is None:
@@ -134,19 +111,16 @@ class Mirror:
             self._milestones += [p for p in milestones if p not in self._milestones]
             self._wake()
 
-    def _wake(self) -> None:
-        """(Re)start the copying thread if needed and wake it (called holding _cv)."""
+    def _wake(self) -> None:  # holding _cv
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, daemon=True, name="gptlib-mirror")
             self._thread.start()
         self._cv.notify_all()
 
-    def _has_work(self) -> bool:
-        """Anything to copy (called holding _cv)."""
+    def _has_work(self) -> bool:  # holding _cv
         return self._pending is not None or bool(self._milestones) and not self._milestones_paused
 
-    def _next(self) -> Path | None:
-        """The next checkpoint to copy (called holding _cv): the newest pending one, then the milestones."""
+    def _next(self) -> Path | None:  # holding _cv
         if self._pending is not None:
             path, self._pending = self._pending, None
             return path
@@ -172,8 +146,7 @@ class Mirror:
                     self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:
-        """Copy one checkpoint, retrying -> "copied", "failed" (gave up) or "superseded" (a newer
-        checkpoint arrived during a retry wait: that one is copied instead)."""
+        """-> "copied", "failed" (gave up) or "superseded" (a newer checkpoint arrived during a retry wait)."""
         step = step_of(path)
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         for attempt in range(1, attempts + 1):
@@ -206,7 +179,7 @@ class Mirror:
                         return "superseded"
 
     def _newest_on_drive(self) -> str:
-        """ "step N" for messages: the newest this run verified there, else the newest listed there at resume."""
+        """ "step N": the newest this run copied there, else the newest found there at resume."""
         if self.last_step is not None:
             return f"step {self.last_step:,}"
         return "none yet" if self.listed_step is None else f"step {self.listed_step:,} (found there at start)"
@@ -222,8 +195,8 @@ class Mirror:
         call_with_timeout(copy, MIRROR_STALL_TIMEOUT_S, progress)
 
     def _tidy(self, path: Path) -> None:
-        """After a copy: rotate the mirror, remove temp files, copy the run-level files. Its own time limit:
-        an old file that hangs on Drive is reported, and the copy it follows stands."""
+        """After a copy: rotate the mirror and copy the run-level files, under a time limit of its own (the copy it
+        follows stands)."""
         with self._cv:
             best_step = self._best_step  # the newest: a milestone copied late must not drop today's best
 
@@ -256,14 +229,13 @@ class Mirror:
                 "mirror_error": self.error, "mirror_failures": self.failures}
 
     def status_line(self) -> str:
-        """'drive: step N' when fine; a loud line when the last copy failed."""
         if self.error:
             return f"DRIVE COPY FAILING (newest on Drive: {self._newest_on_drive()}): {self.error}"
         return f"drive: {self._newest_on_drive()}" + (" (copying)" if self.status()["mirror_copying"] else "")
 
     def close(self, timeout: float, local_step: int | None) -> None:
-        """Wait up to `timeout` for the copies in flight, saying how far they got every MIRROR_WAIT_REPORT_S
-        (Ctrl-C stops waiting); then say loudly what is not on Drive."""
+        """Wait up to `timeout` for the copies in flight, saying how far they got (Ctrl-C stops waiting); then say
+        loudly what is not on Drive."""
         if self._thread is None:
             return
         with self._cv:

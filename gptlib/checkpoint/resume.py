@@ -1,8 +1,6 @@
-"""Where a run continues from: the newest checkpoint that verifies and loads, on the local disk or the Drive mirror
-(copied to the local run dir first, under a watchdog). Damaged checkpoints are passed over and set aside (renamed
-step_N.damaged-TIME); newer ones that could not be read (a slow or hung Drive) are waited for, never given up
-silently (find_resume). The data must be the run's own unless asked otherwise (check_same_data); the model config
-is gptlib.training.resolve's to check.
+"""Where a run continues from: the newest checkpoint that loads, on the local disk or the Drive mirror (copied here
+first). Damaged ones are passed over and set aside; newer ones that could not be read (a slow or hung Drive) are
+waited for, never given up silently. The data must be the run's own unless asked otherwise.
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout
 from gptlib.layout import checkpoints_dir, step_of
 
-# Checkpoints that could not be read at resume (Drive slow or hung) are looked for again this often, for this
-# long; then training stops and says what to do. Module-level so tests (and users who know their Drive) can change them.
+# Checkpoints that could not be read (Drive slow or hung) are looked for again this often, for this long; then
+# training stops and says what to do. Module-level: tests, and users who know their Drive, change them.
 DRIVE_RESUME_RETRY_S = 30.0
 DRIVE_RESUME_WAIT_S = 300.0
 DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
@@ -32,11 +30,9 @@ DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.m
 
 @dataclass
 class Resume:
-    """The checkpoint a run continues from."""
-
     info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
     origin: Path  # where it was found: the local run dir or the Drive mirror
-    checkpoint: dict  # format.load_checkpoint's dict, to load into the run's parts
+    checkpoint: dict  # load_checkpoint's dict, for the run's parts to load
     data_change: dict = field(default_factory=dict)  # resumed on other tokens (--allow-data-change): what changed
 
     @property
@@ -46,17 +42,16 @@ class Resume:
 
 @dataclass
 class Passed:
-    """The checkpoints a resume passed over: the damaged ones are set aside, the unreadable ones never deleted."""
+    """What a resume passed over: the damaged checkpoints are set aside, the unreadable ones never deleted."""
 
-    damaged: list[Path] = field(default_factory=list)  # newer ones that failed to verify or load: set aside
-    unreadable: list[Path] = field(default_factory=list)  # newer ones (or a location) that could not be read: kept
+    damaged: list[Path] = field(default_factory=list)
+    unreadable: list[Path] = field(default_factory=list)  # checkpoints, or a location that could not be listed
     mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
 
 
 def _load_resume(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Resume:
-    """A checkpoint that loads (every hash checked) and passes `check`; CheckpointError (damaged) or OSError (could not
-    be read) otherwise. One on the mirror is first copied here, hashed as it is read, under a watchdog
-    (DRIVE_READ_STALL_S); a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
+    """CheckpointError (damaged) or OSError (could not be read) unless it loads and passes `check`. One on the mirror
+    is copied here first; a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
     origin = path
     if not path.is_relative_to(run_dir):
         progress = Progress()
@@ -75,11 +70,11 @@ def _load_resume(path: Path, run_dir: Path, check: Callable[[dict, Path], None])
 def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False,
                 check: Callable[[dict, Path], None] = lambda ck, path: None) -> tuple[Resume | None, Passed]:
     """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over.
+    `check(checkpoint, path)` raises CheckpointError for one that loads but cannot resume this run.
 
-    A newer checkpoint that could not be read (Drive slow or hung: on a fresh Colab VM the only copy) is looked for
-    again every DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S, then training stops with what to do (rotation
-    never deletes it), leaving no copy it made behind. skip_unreadable (--skip-unreadable) goes on without them, said
-    loudly. `check(checkpoint, path)` raises CheckpointError for one that loads but cannot resume this run."""
+    A newer one that could not be read (on a fresh Colab VM, Drive holds the only copy) is looked for again every
+    DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S; then training stops with what to do, leaving no copy it made
+    behind. skip_unreadable (--skip-unreadable) goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):
         resume, passed, unread = _search(run_dir, mirror_dir, log, check)
@@ -94,9 +89,9 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
         for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
             remove_tree(checkpoints_dir(run_dir) / name)
         raise CheckpointError(
-            f"could not read {unread} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may be "
-            f"there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} anyway, "
-            f"pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
+            f"could not read {unread} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may "
+            f"be there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} "
+            f"anyway, pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
     if unread:
         loud(f"!! could not read {unread}. --skip-unreadable: training goes on from {start}; those checkpoints are "
              f"left where they are (this run never deletes them)")
@@ -108,12 +103,11 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
 def _search(run_dir: Path, mirror_dir: Path | None, log,
             check: Callable[[dict, Path], None]) -> tuple[Resume | None, Passed, str]:
     """One look: the newest checkpoint that loads (at equal steps the local one), what was passed over, and what
-    could not be read ("" if everything could): a location that could not be listed (Drive's, after
-    DRIVE_LIST_TIMEOUT_S), or a checkpoint (OSError). A damaged one (CheckpointError) is passed over too."""
+    could not be read, listed or loaded ("" if everything could)."""
     passed, unread, found = Passed(), [], []
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
-        try:
-            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S) if i else list_checkpoints(d)
+        try:  # under a watchdog: a hung Drive must not hang the start
+            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S)
         except OSError as e:
             log(f"cannot list the checkpoints in {d}: {e}")
             passed.unreadable.append(d)
@@ -127,8 +121,10 @@ def _search(run_dir: Path, mirror_dir: Path | None, log,
             return _load_resume(path, run_dir, check), passed, "; ".join(unread)
         except (CheckpointError, OSError) as e:
             log(f"skipping checkpoint: {e}")
-            (passed.damaged if isinstance(e, CheckpointError) else passed.unreadable).append(path)
-            if not isinstance(e, CheckpointError):
+            if isinstance(e, CheckpointError):
+                passed.damaged.append(path)
+            else:
+                passed.unreadable.append(path)
                 unread.append(f"{path} ({e})")
     return None, passed, "; ".join(unread)
 
@@ -139,10 +135,9 @@ def _entries(run_dir: Path) -> set[str]:
 
 
 def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
-    """Rename the damaged checkpoints resume passed over (format.set_aside: kept, never deleted), so that a new
-    checkpoint of the same step is never taken for one of them. Called by the run's one writer before it writes. A
-    local one that a good copy from the mirror replaced is that copy now, and one whose copy was removed is gone:
-    both are left alone."""
+    """Rename the damaged checkpoints resume passed over (kept, never deleted), so that a new checkpoint of the same
+    step is never taken for one of them; the run's one writer calls this before it writes. One that a good copy from
+    the mirror replaced is that copy now: left alone."""
     for p in passed.damaged:
         if resume is not None and p == resume.info.path:
             continue
@@ -154,15 +149,14 @@ def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
             loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
 
 
-# The tokens alone changed (other text or split, same tokenizer): --allow-data-change may go on. A tokenizer,
-# vocabulary or dtype change never can: the model's ids would mean other things.
+# Only these may change under --allow-data-change (other text, same tokenizer): a tokenizer, vocabulary or dtype
+# change never can, as the model's ids would mean other things.
 TOKEN_FIELDS = ("train_tokens", "val_tokens", "tokens_sha256")
 
 
 def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) -> dict:
-    """Refuse to resume on data other than the run's, naming what changed; with allow_change (tokens only) go on
-    and return the change for the run's state.json ({} when nothing changed). Fields an older checkpoint did not
-    record are not compared."""
+    """Refuse to resume on data other than the run's, naming what changed; with allow_change (tokens only) go on ->
+    the change, for state.json ({}: none). Fields an older checkpoint did not record are not compared."""
     changed = {k: (resume.state.data[k], now) for k, now in meta.identity().items()
                if resume.state.data.get(k) not in (None, now)}
     if not changed:

@@ -1,9 +1,6 @@
-"""Which checkpoints stay: rotation after each verified save, milestones, and the leftovers of interrupted work.
-
-Rotation keeps the newest `keep_last` checkpoints that verify, the best one and the milestones, and deletes the
-rest, always by renaming away first (format.remove_tree). It never judges what it cannot: checkpoints newer than
-the run's own newest (a Drive that was slow at resume may hold them) and ones it cannot read now are kept.
-"""
+"""Which checkpoints stay: the newest `keep_last` that verify, the best one and the milestones. Rotation never
+judges what it cannot: checkpoints newer than the run's own newest (a Drive that was slow at resume may hold them)
+and ones it cannot read now are kept."""
 
 from __future__ import annotations
 
@@ -17,8 +14,8 @@ from gptlib.layout import STATE_FILE, checkpoint_name, checkpoints_dir, step_of
 
 
 def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool = True) -> list[Path]:
-    """Remove leftovers of interrupted saves, copies and deletions (`*.partial-*`, `*.tmp-*`, ...). run_level: also
-    `*.tmp-*` files in run_dir, only at start-up (during training the loop writes such temp files itself)."""
+    """Remove leftovers of interrupted saves, copies and deletions -> what was removed. run_level: also temp files in
+    run_dir (only at start-up: during training the loop writes such files itself)."""
     removed = []
     root = checkpoints_dir(run_dir)
     for p in list(root.iterdir()) if root.is_dir() else []:
@@ -36,13 +33,12 @@ def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool =
 
 
 def is_milestone(step: int | None, keep_every: int) -> bool:
-    """A checkpoint kept for good (TrainConfig.keep_every), for comparing the model across training."""
+    """Kept for good (TrainConfig.keep_every), for comparing the model across training."""
     return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
 
 
 def marked_milestone(path: Path) -> bool:
-    """Saved as a milestone (state.json says so): kept even if keep_every changed since. OSError if state.json
-    cannot be read (a hung Drive): the caller keeps what it cannot read."""
+    """state.json says milestone: kept even if keep_every changed since. OSError (a hung Drive): the caller keeps it."""
     try:
         return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
     except (FileNotFoundError, ValueError, AttributeError):  # no state.json, or not JSON: not a marked milestone
@@ -51,12 +47,9 @@ def marked_milestone(path: Path) -> bool:
 
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
            truncate: bool = False, keep_every: int = 0, newest: int | None = None) -> list[Path]:
-    """Delete all but the newest `keep_last` valid checkpoints, the best one and the milestones; returns what was
-    deleted. Checkpoints that do not verify (cheap size check) do not count towards `keep_last`: a damaged newest
-    never makes rotation delete a good one (those found damaged at resume are set aside, format.set_aside, and no
-    longer look like checkpoints). Never deleted: `protect` (in use,
-    or unreadable at resume), steps after `newest` (the newest this run verified here: a Drive that was slow at
-    resume may hold newer ones), and checkpoints that cannot be read now. `truncate`: see remove_tree."""
+    """Delete all but the newest `keep_last` checkpoints that verify, the best one and the milestones -> what was
+    deleted. One that does not verify does not count towards `keep_last`: a damaged newest never costs a good one.
+    Never deleted: `protect` (in use, or unreadable at resume) and steps after `newest` (this run's newest here)."""
     keep_last = max(MIN_KEEP_LAST, keep_last)
     ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
     keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}

@@ -1,5 +1,5 @@
 """The background checkpoint writer: the loop waits only for a host copy of the state; writing, rotation and the copy
-to Drive (gptlib.checkpoint.mirror) run in threads."""
+to Drive run in threads."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 
 def _map_tensors(o: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """The structure o (nested dicts, lists, tuples) with fn(tensor.detach()) in place of each tensor."""
+    """o (nested dicts, lists, tuples) with fn(tensor.detach()) in place of each tensor."""
     if isinstance(o, torch.Tensor):
         return fn(o.detach())
     if isinstance(o, dict):
@@ -35,31 +35,29 @@ def _map_tensors(o: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 class CheckpointWriter:
-    """Saves in a background thread, one save in flight at a time. Its errors (a full disk) are raised at the next
-    `save` or `wait` as CheckpointError: a run that cannot save must not go on as if it could. With a mirror_dir
-    (Google Drive), each checkpoint is then copied there by a Mirror, which never raises here."""
+    """Saves in a background thread, one save in flight. Its errors (a full disk) are raised at the next `save` or
+    `wait`: a run that cannot save must not go on as if it could. Mirror errors are never raised here."""
 
     def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_every: int = 0, log=print,
                  mirror_dir: str | Path | None = None, guard: Callable[[Path], None] | None = None,
                  unreadable: set[Path] = frozenset(), mirror_listed: int | None = None):
         self.run_dir = Path(run_dir)
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
-        # guard(directory) raises (gptlib.lease.LeaseLost) when this process may no longer write there
-        self.guard = guard or (lambda directory: None)
+        self.guard = guard or (lambda directory: None)  # raises LeaseLost when this process may no longer write
         self.unreadable = set(unreadable)  # checkpoints that could not be read at resume: never deleted
         self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.unreadable,
                               mirror_listed) if mirror_dir is not None else None)
         self.last_saved: Path | None = None
-        self.last_save = time.time()  # when the loop last asked for a save (save_every_minutes)
+        self.last_save = time.time()  # for save_every_minutes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._host: list[torch.Tensor] = []  # the host copy of the state, reused by every save (see _snapshot)
         self._layout: tuple | None = None
 
     def _snapshot(self, obj: Any) -> Any:
-        """The state's tensors copied into host tensors kept from the previous save: allocating and page-faulting
-        ~1.5 GB per save is most of a save's cost on CPU. Pinned on a GPU, so the copies run asynchronously. Tensors
-        sharing storage (tied weights) are copied once. Safe because `save` waits for the previous write first."""
+        """The state with its tensors copied into host buffers kept from the previous save (allocating and
+        page-faulting ~1.5 GB per save is most of its cost on CPU), pinned on a GPU so that the copies run
+        asynchronously. Tied weights are copied once. Safe because `save` waits for the previous write first."""
         unique: dict[tuple, torch.Tensor] = {}
         _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
         sources = list(unique.values())
@@ -75,8 +73,7 @@ class CheckpointWriter:
         return _map_tensors(obj, lambda t: views[_storage_key(t)])
 
     def save(self, ckpt: dict) -> None:
-        """Copy the checkpoint dict's tensors to host memory (all the caller waits for), then write it in the
-        background."""
+        """Copy the checkpoint dict's tensors to host memory (all the caller waits for); write it in the background."""
         self.wait()  # also frees the host buffers for reuse
         self.last_save = time.time()
         n_threads = torch.get_num_threads()
@@ -102,7 +99,6 @@ class CheckpointWriter:
             if milestone:
                 ckpt["progress"]["milestone"] = True  # kept for good, even if keep_every changes later
             path = save_checkpoint(checkpoints_dir(self.run_dir), ckpt, logs)
-            verify_checkpoint(path)  # sizes: the hashes are of what was written
             self.last_saved = path
             protect = self.mirror.submit(path, best_step, milestone) if self.mirror else set()
             rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
@@ -111,7 +107,7 @@ class CheckpointWriter:
             self._error = e
 
     def wait(self) -> None:
-        """Wait for the local save in flight (not for the mirror); raise its error if it failed."""
+        """Wait for the local save in flight (not the mirror's copy); raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -135,17 +131,16 @@ class CheckpointWriter:
             self.mirror.queue_existing(path, best_step)
 
     def status(self) -> dict:
-        """Newest local and mirror steps, and the last mirror error (None if fine)."""
         return {"local_step": step_of(self.last_saved) if self.last_saved else None,
                 **(self.mirror.status() if self.mirror else NO_MIRROR_STATUS)}
 
     def status_line(self) -> str:
-        """'' without a mirror; 'drive: step N' when fine; a loud line when the last copy failed."""
+        """'drive: step N' when fine ('' without a mirror); a loud line when the last copy failed."""
         return self.mirror.status_line() if self.mirror else ""
 
     def close(self, timeout: float | None = None, saving: ContextManager = contextlib.nullcontext()) -> dict:
-        """Wait for the local save (raising its error; `saving`: the context that wait runs in), then up to `timeout`
-        (MIRROR_CLOSE_TIMEOUT_S) for the mirror's copy of the newest checkpoint. -> status()."""
+        """Wait for the local save (raising its error; in the context `saving`), then up to `timeout` for the mirror's
+        copy of the newest checkpoint -> status()."""
         try:
             with saving:
                 self.wait()
@@ -173,7 +168,6 @@ class NullCheckpointWriter(CheckpointWriter):
 
 
 def host_cache_emptier() -> Callable[[], None] | None:
-    """The call that returns torch's cached pinned host memory: torch.accelerator.empty_host_cache in newer torch
-    (2.13), torch._C._host_emptyCache before it (Colab's 2.11); torch 2.5 has neither."""
+    """torch.accelerator.empty_host_cache (torch 2.13), torch._C._host_emptyCache (Colab's 2.11), or None (2.5)."""
     return (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
             or getattr(torch._C, "_host_emptyCache", None))

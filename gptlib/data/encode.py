@@ -14,18 +14,20 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 from gptlib.data.conversations import EXAMPLES_KEPT, ChatTemplate
 from gptlib.data.inputs import Source, invalid_utf8
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
-from gptlib.errors import PrepareError, RunDirError, loud
-from gptlib.fsutil import TMP_MARKER, atomic_write_json, check_dir, clean_temp_files
+from gptlib.errors import PrepareError, RunBusyError, loud
+from gptlib.fsutil import TMP_MARKER, atomic_write_json, cannot_write, check_dir, clean_temp_files
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
-from gptlib.lease import NoLease, RunLease
+from gptlib.lease import NoLease
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
+LOCK_FILE = ".tokenize.lock"  # held by the tokenize writing the directory
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
@@ -49,8 +51,8 @@ class Pass:
     the last shards (not yet flushed) and `stopped` says where max_tokens stopped the pass (None: at the end)."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict, lease: RunLease | NoLease):
-        self.out_dir, self.lease = out_dir, lease
+                 progress: dict, lease: NoLease):
+        self.out_dir = out_dir  # lease: one_writer's, nothing to check (prepare passes it)
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
         self.resume, self.emitted, self.stats = progress["resume"], progress["emitted"], progress["stats"]
@@ -68,8 +70,7 @@ class Pass:
         self.save_state()  # marks out_dir as this run's, before the first shard
 
     def save_state(self) -> None:
-        """As it stood before the current batch. A tokenize whose lease another one took over stops here."""
-        self.lease.check(self.out_dir)
+        """As it stood before the current batch."""
         b = self.batch_start
         atomic_write_json(self.out_dir / PREPARE_STATE_FILE, {
             "spec": self.spec, "tokenizer": self.identity, "resume": b["pos"], "emitted": b["emitted"],
@@ -195,7 +196,7 @@ class Pass:
 
 
 def our_files(out_dir: Path) -> list[Path]:
-    """The only files tokenize ever deletes (not lease.json: only its holder removes it)."""
+    """The only files tokenize ever deletes (never the lock file: another tokenize may be waiting on it)."""
     if not out_dir.is_dir():
         return []
     names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
@@ -207,37 +208,41 @@ def check_output_dir(out_dir: Path) -> None:
     """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite)."""
     if not check_dir(out_dir, "--out"):
         return
-    # lease.json alone does not make a run directory: a tokenize holds one too (and the lease refuses a live run).
     run = [n for n in (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE) if (out_dir / n).exists()]
     if run:
         raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
                            f"there would replace the run's tokenizer.json; give the data a directory of its own, "
                            f"e.g. {out_dir / 'data'}")
     ours = set(our_files(out_dir))
-    foreign = sorted(p.name for p in out_dir.iterdir() if p not in ours and p.name != LEASE_FILE)
+    # lease.json: an older gptlib's tokenize held one
+    foreign = sorted(p.name for p in out_dir.iterdir() if p not in ours and p.name not in (LOCK_FILE, LEASE_FILE))
     if foreign:
         raise PrepareError(f"--out {out_dir} holds files tokenize did not write ({', '.join(foreign[:5])}"
                            f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new directory")
 
 
 @contextlib.contextmanager
-def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLease | NoLease]:
-    """out_dir's lease, as a training run holds its run directory's: a second tokenize there raises RunBusyError; a
-    killed one's lease is taken over. Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes on."""
+def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[NoLease]:
+    """Hold out_dir's lock file while tokenizing: a second tokenize there raises RunBusyError. The OS frees the lock
+    of a process that ends, killed or not, so there is nothing to take over (take_over is ignored) and nothing to
+    check while it runs (the NoLease yielded). Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes
+    on."""
     created = not out_dir.exists()
-    lease = None
+    lock = FileLock(out_dir / LOCK_FILE)
     try:
         try:
-            lease = RunLease([out_dir], take_over, log=print if verbose else (lambda msg: None),
-                             command="tokenize").acquire()
-        except RunDirError:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise RunBusyError(f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it "
+                               f"(the same command then continues its work)") from None
+        except OSError as e:
             if not (out_dir / META_FILE).is_file():
-                raise
-            lease = NoLease()  # a finished dataset on a read-only disk: reused as before; no writer to keep out
-        yield lease
+                raise cannot_write(out_dir, e) from None
+            # a finished dataset on a read-only disk: reused as before, with no writer to keep out
+        yield NoLease()
     except KeyboardInterrupt:
-        # a write cut right after creating its temp file may leave it; while the lease is held, all are ours
-        clean_temp_files(out_dir)
+        clean_temp_files(out_dir)  # a write cut right after creating its temp file; while the lock is held, all ours
         try:
             done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -247,8 +252,9 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[RunLea
              "again to start over")
         raise
     finally:
-        if lease is not None:
-            lease.release()
-        if created:
-            with contextlib.suppress(OSError):  # refused before writing anything: no empty directory is left
+        if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
+            (out_dir / LOCK_FILE).unlink(missing_ok=True)
+        lock.release()
+        if created:  # refused before writing anything: no empty directory is left
+            with contextlib.suppress(OSError):
                 out_dir.rmdir()

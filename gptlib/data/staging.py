@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -18,14 +17,13 @@ from gptlib.colab import drive_mountpoint
 from gptlib.colab import local_root as colab_local_root
 from gptlib.data.shards import META_FILE, read_meta
 from gptlib.errors import loud
-from gptlib.fsutil import (TMP_MARKER, Progress, atomic_write_json, call_with_timeout, check_dir, fsync_dir,
+from gptlib.fsutil import (Progress, atomic_write_json, call_with_timeout, check_dir, copy_hashing, fsync_dir,
                            read_bytes_with_timeout)
 from gptlib.layout import TOKENIZER_FILE
 
 MARKER_FILE = ".gptlib-staged.json"  # written last, after every file of the copy verified
 KEEP_FREE_BYTES = 10 << 30  # left free on the VM's disk for the run's checkpoints (gpt2-small: 1.33 GB each)
 STALL_S = 120.0  # a Drive read that makes no progress for this long is abandoned (hung mount): read Drive later
-_CHUNK = 8 << 20
 
 
 class StagingFailed(Exception):  # why the local copy was given up, naming the file; never leaves the module
@@ -59,17 +57,22 @@ def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable
         if _reusable(dst, src, meta_sha):
             log(f"data: using the verified local copy {dst} of {src} (made earlier on this VM)")
             return dst
-        shutil.rmtree(dst, ignore_errors=True)  # an older or partial copy: not reusable
+        shutil.rmtree(dst, ignore_errors=True)  # an older or partial copy
         t0 = time.time()
         try:
-            files = _files_of(src, meta_bytes)
-            need = sum(size for _, size, _ in files)
-            free = shutil.disk_usage(dst.parent).free
+            files = _files_of(src, meta_bytes, meta_sha)
+            need, free = sum(size for _, size, _ in files), shutil.disk_usage(dst.parent).free
             if need + KEEP_FREE_BYTES > free:
                 loud(f"!! data: {_gb(need)} does not fit on the VM's disk ({_gb(free)} free at {dst.parent}, keeping "
                      f"{_gb(KEEP_FREE_BYTES)} for checkpoints); training reads {src} from Google Drive (slower)")
                 return src
-            _copy_all(src, dst, files, meta_bytes, meta_sha)
+            dst.mkdir(parents=True)
+            for name, _, sha in files:
+                _copy_verified(src / name, dst / name, sha)
+            fsync_dir(dst)
+            atomic_write_json(dst / MARKER_FILE, {"source": str(src), "meta_sha256": meta_sha,
+                                                  "files": {name: size for name, size, _ in files},
+                                                  "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
         except (StagingFailed, OSError) as e:
             shutil.rmtree(dst, ignore_errors=True)
             loud(f"!! data: {e}; the local copy was deleted and training reads {src} from Google Drive (slower)")
@@ -84,14 +87,14 @@ def _gb(n: int | float) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
-def _files_of(src: Path, meta_bytes: bytes) -> list[tuple[str, int, str | None]]:
-    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks."""
+def _files_of(src: Path, meta_bytes: bytes, meta_sha: str) -> list[tuple[str, int, str | None]]:
+    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks. meta.json's is
+    that of the bytes read first: the copy must be the meta.json that was checked."""
     meta = read_meta(src)
     if meta.raw != json.loads(meta_bytes.decode("utf-8", "replace")):
         raise StagingFailed(f"{src / META_FILE} changed while it was being read (tokenize still running?)")
     tok = meta.tokenizer.get("file", TOKENIZER_FILE)
-    files = [(META_FILE, len(meta_bytes), hashlib.sha256(meta_bytes).hexdigest()),
-             (tok, (src / tok).stat().st_size, meta.tokenizer.get("hash"))]
+    files = [(META_FILE, len(meta_bytes), meta_sha), (tok, (src / tok).stat().st_size, meta.tokenizer.get("hash"))]
     for split in meta.splits.values():
         for shard in split["shards"]:
             files.append((shard["file"], int(shard["tokens"]) * meta.dtype.itemsize, shard.get("sha256")))
@@ -110,35 +113,10 @@ def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:  # its marker names 
         return False
 
 
-def _copy_all(src: Path, dst: Path, files: list, meta_bytes: bytes, meta_sha: str) -> None:
-    """Every file copied and verified (meta.json: the bytes read before, so the copy is what was checked), the marker
-    last. StagingFailed names a file that does not match; OSError is a failed read or write."""
-    dst.mkdir(parents=True)
-    for name, _, sha in files:
-        if name == META_FILE:
-            (dst / META_FILE).write_bytes(meta_bytes)
-            continue
-        progress = Progress()
-        got = call_with_timeout(lambda name=name: _copy_hashing(src / name, dst / name, progress), STALL_S, progress,
-                                what=f"reading {src / name}")
-        if sha is not None and got != sha:
-            raise StagingFailed(f"{src / name} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... "
-                                f"expected (the file on Drive is damaged or was changed after tokenizing; tokenize "
-                                f"again with --overwrite to repair it)")
-    fsync_dir(dst)
-    atomic_write_json(dst / MARKER_FILE, {"source": str(src), "meta_sha256": meta_sha,
-                                          "files": {name: size for name, size, _ in files},
-                                          "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-
-
-def _copy_hashing(src: Path, dst: Path, progress: Progress) -> str:
-    h = hashlib.sha256()
-    tmp = dst.with_name(dst.name + TMP_MARKER + str(os.getpid()))
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        while b := fi.read(_CHUNK):
-            h.update(b)
-            fo.write(b)
-            progress.tick(len(b))
-    os.replace(tmp, dst)
-    return h.hexdigest()
-
+def _copy_verified(src: Path, dst: Path, sha: str | None) -> None:
+    progress = Progress()
+    _, got = call_with_timeout(lambda: copy_hashing(src, dst, progress), STALL_S, progress, what=f"reading {src}")
+    if sha is not None and got != sha:
+        raise StagingFailed(f"{src} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... expected (the "
+                            f"file on Drive is damaged or was changed after tokenizing; tokenize again with "
+                            f"--overwrite to repair it)")

@@ -4,6 +4,7 @@ touches a GUI backend."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 
@@ -45,15 +46,6 @@ def run_title(preset: str, run_name: str, sep: str = ": ") -> str:
     return preset if not run_name or run_name == preset else f"{preset}{sep}{run_name}"
 
 
-def _notebook_display():
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:
-        return None
-    return display if get_ipython() is not None else None
-
-
 class LivePlot:
     """`LivePlot(run_dir).update` as train()'s on_log callback redraws the run's whole metrics.jsonl in one display,
     made with the LivePlot, before training prints anything, so that the plot stays above the log lines."""
@@ -62,9 +54,14 @@ class LivePlot:
 
     def __init__(self, run_dir: str | Path, title: str = ""):
         self.run_dir, self.title = Path(run_dir), title
-        display = _notebook_display()
-        self.handle = None if display is None else display(
-            {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"}, raw=True, display_id=True)
+        self.handle = None  # the notebook display the plot is drawn in
+        with contextlib.suppress(ImportError):
+            from IPython import get_ipython
+            from IPython.display import display
+
+            if get_ipython() is not None:
+                self.handle = display({"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
+                                      raw=True, display_id=True)
 
     def figure(self, last: dict | None = None):
         rows = read_metrics(self.run_dir)
@@ -82,18 +79,13 @@ class LivePlot:
 
     def update(self, row: dict | None = None) -> None:
         fig = self.figure(row)
-        display = _notebook_display()
-        if display is None:
+        if self.handle is None:  # not in a notebook
             return
         from IPython.display import Image
 
         buf = io.BytesIO()
         fig.savefig(buf, format="png")  # a PNG shows the same in Jupyter, Colab and saved notebooks
-        img = Image(data=buf.getvalue(), format="png")
-        if self.handle is None:
-            self.handle = display(img, display_id=True)
-        else:
-            self.handle.update(img)
+        self.handle.update(Image(data=buf.getvalue(), format="png"))
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):

@@ -29,9 +29,11 @@ PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"\bT4\b", "T4 (fp16)", 65.0),
 ]
 
-# Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000).
-# Colab changes its prices: TrainConfig.colab_units_per_hour replaces this table's rate.
+# Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000),
+# and the runtime a GPU's name says (an A100 with over 60 GiB is the 80GB one). Colab changes its prices:
+# TrainConfig.colab_units_per_hour replaces this table's rate.
 COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
+COLAB_RUNTIMES = ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4"), (r"A100", "A100 40GB"))
 
 
 @dataclass
@@ -50,16 +52,6 @@ def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     return None, None
 
 
-def colab_runtime(gpu_name: str, total_memory: int) -> str | None:
-    """The key of COLAB_UNITS_PER_HOUR for a GPU (total_memory in bytes), or None: not one of Colab's."""
-    if re.search(r"A100", gpu_name, flags=re.IGNORECASE):
-        return "A100 80GB" if total_memory > 60 * 2**30 else "A100 40GB"
-    for pattern, runtime in ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4")):
-        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
-            return runtime
-    return None
-
-
 def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
     """units_per_hour (TrainConfig.colab_units_per_hour), when set, replaces the table's rate."""
     device = torch.device(device)
@@ -68,7 +60,9 @@ def device_peak(device: str | torch.device, units_per_hour: float | None = None)
                           units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
-    runtime = colab_runtime(name, torch.cuda.get_device_properties(device).total_memory)
+    runtime = next((r for pattern, r in COLAB_RUNTIMES if re.search(pattern, name, flags=re.IGNORECASE)), None)
+    if runtime == "A100 40GB" and torch.cuda.get_device_properties(device).total_memory > 60 * 2**30:
+        runtime = "A100 80GB"
     note = (f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)" if peak else
             f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
     return DevicePeak(name, peak, note, units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime))

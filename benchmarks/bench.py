@@ -9,7 +9,7 @@ Both run train()'s step (gptlib.training.step.train_step), `train` with train()'
 The ladder replays one user's path from 1.6 s/step to ~0.1 s/step: memmap + per-sample Python loop -> RAM
 preload -> vectorised batches -> torch.compile -> bf16 autocast -> flash attention (SDPA). Each rung is the
 previous one plus one change, timed on the same model and batch with a device sync at every phase
-(StepTimer(sync=True)). `train` prints tokens/s, MFU, the time split and the ETA of the preset's whole run.
+(SyncedTimer). `train` prints tokens/s, MFU, the time split and the ETA of the preset's whole run.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from gptlib.training.resolve import fit_micro_batch  # noqa: E402
 from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
 from gptlib.training.step import train_step  # noqa: E402
 from gptlib.training.throughput import (StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split,  # noqa: E402
-                                        machine_info, mfu, perf_fields)
+                                        mfu, perf_fields)
+from benchmarks.machine import machine_info  # noqa: E402
 
 
 def preloaded(tokens: np.ndarray, device: torch.device) -> SplitData:
@@ -125,6 +126,20 @@ def _attention_ctx(flash: bool, device: torch.device):
     if device.type == "cuda":
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])  # PyTorch's CPU flash kernel
+
+
+class SyncedTimer(StepTimer):
+    """A StepTimer that waits for the device at every mark, so host work such as a Python data loader counts in
+    full (train()'s timer never syncs in the step)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.device, self.events = torch.device(device), False
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 def _time_steps(one_step: Callable[[], object], timer: StepTimer, dev: torch.device, warmup: int,
@@ -213,7 +228,7 @@ def _run_rung(rung: tuple, model_cfg: ModelConfig, loader_for: Callable[[str], t
         notes.append(f"compile backend {compile_backend}")
     if flash and dev.type == "cpu":
         notes.append("CPU flash SDPA kernel")
-    timer, autocast = StepTimer(dev, sync=True), autocast_for(dev, dtype)  # synced: a Python loader counts in full
+    timer, autocast = SyncedTimer(dev), autocast_for(dev, dtype)  # synced: a Python loader counts in full
     try:
         with _attention_ctx(flash, dev):
             _, step_s, data_s, _ = _time_steps(

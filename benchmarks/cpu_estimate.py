@@ -14,11 +14,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gptlib.config import build_config
-from gptlib.data.prepare import prepare_text
-from gptlib.model import model_size
-from gptlib.training.loop import train
-from gptlib.training.throughput import cpu_train_flops, estimate_cpu_seconds, machine_info
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.machine import machine_info  # noqa: E402
+from gptlib.config import build_config  # noqa: E402
+from gptlib.data.prepare import prepare_text  # noqa: E402
+from gptlib.model import model_size  # noqa: E402
+from gptlib.training.loop import train  # noqa: E402
+from gptlib.training.throughput import cpu_train_flops, estimate_cpu_seconds  # noqa: E402
 
 # (preset, --set overrides, what it stands for)
 RUNS = [

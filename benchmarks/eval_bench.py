@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from gptlib.config import get_preset  # noqa: E402
 from gptlib.evaluation import hellaswag as hs  # noqa: E402
 from gptlib.model import GPT, model_size  # noqa: E402
-from gptlib.training.throughput import machine_info  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 
 CTX_TOKENS = (20, 100)
 END_TOKENS = (10, 60)

@@ -195,7 +195,7 @@ import re, torch
 name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device'
 print(torch.__version__); print(name); print(re.sub(r'[^A-Za-z0-9._-]+', '_', name).strip('_'))
 try:
-    from gptlib.training.throughput import machine_info
+    from benchmarks.machine import machine_info
     print(machine_info())
 except Exception as e:
     print(f'machine info unavailable: {e}')

@@ -1,9 +1,7 @@
 """gptlib: train GPT-style language models from scratch, on a laptop CPU or a Colab GPU.
 
-The names below are the package's surface: the notebooks and the README's examples import only these
-(`from gptlib import prepare, train, find_run, Engine, Playground, evaluate_tasks, colab`), and a test keeps it
-so. Each is loaded on first use (PEP 562), so `import gptlib` is light and has no side effects (no Drive mounts,
-no seeds, no prints), and `python -m gptlib tokenize` never imports torch.
+The names below are all the notebooks and the README import. Each loads on first use (PEP 562): `import gptlib`
+has no side effects and `python -m gptlib tokenize` never imports torch.
 """
 
 __version__ = "0.1.0"

@@ -12,22 +12,21 @@ from pathlib import Path
 
 from gptlib.errors import ColabError
 
-DRIVE_MOUNT = "/content/drive"
+DRIVE_MOUNT = Path("/content/drive")
 DRIVE_SUBDIR = "MyDrive/gptlib"  # persistent root inside the mounted Drive
-COLAB_LOCAL_ROOT = "/content/gptlib_local"
+COLAB_LOCAL_ROOT = Path("/content/gptlib_local")
 
 
 def in_colab() -> bool:
-    """Inside a Colab runtime (its kernel has google.colab imported)."""
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
 def drive_mountpoint() -> Path:
-    return Path(os.environ.get("GPTLIB_DRIVE_MOUNT", DRIVE_MOUNT))
+    return DRIVE_MOUNT
 
 
 def local_root() -> Path:
-    return Path(os.environ.get("GPTLIB_LOCAL_ROOT", COLAB_LOCAL_ROOT))
+    return COLAB_LOCAL_ROOT
 
 
 def _drive_usable(mountpoint: Path) -> bool:
@@ -41,24 +40,17 @@ def _drive_usable(mountpoint: Path) -> bool:
 
 
 def mount_drive(timeout_s: float = 120.0) -> Path:
-    """Mount Google Drive once (already mounted: a no-op); a dead mount is remounted."""
+    """Mount Google Drive once (already mounted: a no-op); a dead or stale mount is remounted."""
     mp = drive_mountpoint()
     if not in_colab():
         raise ColabError("mount_drive() needs Google Colab; outside Colab use a local directory "
                          "(gptlib.colab.setup() does this for you)")
     if _drive_usable(mp):
         return mp
-    try:
-        with os.scandir(mp) as entries:  # something there but no MyDrive: a stale mount point
-            dead = any(True for _ in entries)
-    except FileNotFoundError:
-        dead = False
-    except OSError:
-        dead = True  # listing a dead FUSE mount fails: it must be remounted
     from google.colab import drive  # noqa: PLC0415 - only exists on Colab
 
-    try:
-        drive.mount(str(mp), force_remount=dead, timeout_ms=int(timeout_s * 1000))
+    try:  # force_remount: whatever is at the mount point (a dead FUSE mount, leftovers) is replaced
+        drive.mount(str(mp), force_remount=True, timeout_ms=int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - Colab raises ValueError/TimeoutError/others for a failed mount
         raise ColabError(
             f"Google Drive did not mount at {mp} ({type(e).__name__}: {e}). Re-run this cell and complete "
@@ -75,11 +67,6 @@ def mount_drive(timeout_s: float = 120.0) -> Path:
 class Roots:
     persistent: Path  # survives a disconnect (Drive on Colab; the working dir elsewhere)
     local: Path  # fast scratch (VM disk on Colab; the same as persistent elsewhere)
-    on_drive: bool  # persistent is on Google Drive
-
-    @property
-    def mirrored(self) -> bool:
-        return self.persistent != self.local
 
 
 @dataclass
@@ -91,17 +78,12 @@ class RunPaths:
 def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
     """The roots, created; on Colab with use_drive, Drive mounted."""
     env_root = os.environ.get("GPTLIB_ROOT")
-    if in_colab():
-        local = local_root()
-        if use_drive:
-            mp = mount_drive(timeout_s)
-            persistent = Path(env_root) if env_root else mp / DRIVE_SUBDIR
-            roots = Roots(persistent=persistent, local=local, on_drive=True)
-        else:
-            roots = Roots(persistent=Path(env_root) if env_root else local, local=local, on_drive=False)
+    if not in_colab():
+        root = Path(env_root or ".")
+        roots = Roots(persistent=root, local=root)
     else:
-        root = Path(env_root) if env_root else Path(".")
-        roots = Roots(persistent=root, local=root, on_drive=False)
+        persistent = mount_drive(timeout_s) / DRIVE_SUBDIR if use_drive else local_root()
+        roots = Roots(persistent=Path(env_root) if env_root else persistent, local=local_root())
     for d in {roots.persistent, roots.local}:
         d.mkdir(parents=True, exist_ok=True)
     return roots
@@ -110,16 +92,14 @@ def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
 def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
     _check_name(name)
     roots = roots or setup()
-    run_dir = roots.local / "runs" / name
-    mirror = roots.persistent / "runs" / name if roots.mirrored else None
-    return RunPaths(run_dir=run_dir, mirror_dir=mirror)
+    mirror = roots.persistent / "runs" / name if roots.persistent != roots.local else None
+    return RunPaths(run_dir=roots.local / "runs" / name, mirror_dir=mirror)
 
 
 def data_dir(name: str, roots: Roots | None = None) -> Path:
     """Data lives on the persistent root (Drive on Colab), so tokenizing is done once."""
     _check_name(name)
-    roots = roots or setup()
-    return roots.persistent / "data" / name
+    return (roots or setup()).persistent / "data" / name
 
 
 def _check_name(name: str) -> None:

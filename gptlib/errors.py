@@ -1,5 +1,5 @@
-"""The errors a user can fix; each message names the file or field, the values and the fix. The command line prints
-a GptlibError as one line (exit status 2). No gptlib or torch import here, so `tokenize` never loads torch."""
+"""The errors a user can fix: each message names the file or field, the values and the fix, and the command line
+prints it as one line (exit status 2). No torch import here, so `tokenize` never loads torch."""
 
 from __future__ import annotations
 
@@ -15,75 +15,58 @@ class GptlibError(Exception):
     """A problem the user can fix; the message says what and how."""
 
 
-class ConfigError(GptlibError, ValueError):
-    """config: a configuration value or key is invalid; the message names the field and the value."""
+# One class per kind of problem (a caller catches the kind it handles); the docstring names the modules raising it.
 
+class ConfigError(GptlibError, ValueError):
+    """config: a configuration value or key."""
 
 class DataFormatError(GptlibError, ValueError):
-    """shards/data: the data directory's metadata and files disagree, or a file is missing."""
-
+    """data: a data directory's metadata and files disagree, or a file is missing."""
 
 class TokenizerError(GptlibError, ValueError):
-    """tokenizer: a bad tokenizer file, an unknown character, or a tokenizer that does not match the data."""
-
+    """tokenizer: a bad tokenizer file, an unknown character, a tokenizer that does not match the data."""
 
 class PrepareError(GptlibError, ValueError):
-    """sources/prepare: bad input for tokenize (missing/empty file, missing column, refused output directory)."""
-
+    """prepare: bad input for tokenize (missing or empty file, missing column, refused output directory)."""
 
 class ChatError(GptlibError, ValueError):
     """chat: a tokenizer without the chat tokens, or a conversation that cannot be rendered."""
 
-
 class DownloadError(GptlibError, RuntimeError):
-    """download: a file could not be downloaded, or its checksum is not the expected one."""
-
+    """download: a file that could not be downloaded, or not with the expected checksum."""
 
 class CheckpointError(GptlibError, RuntimeError):
-    """checkpoint/loading: a checkpoint is missing, incomplete, corrupt, or does not match the run."""
-
+    """checkpoint: missing, incomplete, corrupt, or not of this run."""
 
 class RunBusyError(GptlibError):
-    """lease: another process holds this run directory or mirror; the message names it and how to take over."""
-
+    """lease: another process holds this run directory or its mirror."""
 
 class RunDirError(GptlibError):
-    """lease: the run directory (or mirror) cannot be written: read-only, full, or not allowed."""
-
+    """lease: the run directory or its mirror cannot be written (read-only, full, not allowed)."""
 
 class LeaseLost(GptlibError):
-    """lease: another process took over this run while it trained; this one stopped without saving."""
-
+    """lease: another process took this run over while it trained; this one stopped without saving."""
 
 class HungIOError(GptlibError, OSError):
-    """fsutil: an I/O call made no progress for its time limit (a hung Drive mount) and was abandoned. An
-    OSError, so callers that fall back on I/O errors fall back on this too."""
-
+    """fsutil: an I/O call (a hung Drive mount) made no progress in its time limit; callers treat it as any OSError."""
 
 class OutOfMemoryAdvice(GptlibError, RuntimeError):
-    """memory/train: out of GPU memory; the message names the next setting to try."""
-
+    """training: out of GPU memory; the message names the next setting to try."""
 
 class EvalError(GptlibError, ValueError):
-    """scoring/hellaswag/evaluate: bad evaluation input (file, task, option), naming the file, line or field."""
-
+    """evaluation: a bad file, task or option."""
 
 class HFImportError(GptlibError, ValueError):
-    """hf_import/session: a model that cannot be imported or started from (not GPT-2 shaped, no weights,
-    a vocabulary that does not fit the data); the message names what differs."""
-
+    """hf_import: a model that is not GPT-2 shaped, has no weights, or a vocabulary that does not fit the data."""
 
 class GenerationError(GptlibError, ValueError):
-    """generate: bad sampling settings or prompts; the message names the setting and the value."""
-
+    """generate: bad sampling settings or prompts."""
 
 class ExportError(GptlibError, ValueError):
-    """export: the export target is unusable (e.g. a non-empty folder without overwrite)."""
-
+    """export: an unusable target (e.g. a non-empty folder without overwrite)."""
 
 class PushError(GptlibError, RuntimeError):
-    """share: a repository id, token or upload the Hugging Face Hub refused; the message says what to do."""
-
+    """share: a repository id, token or upload the Hugging Face Hub refused."""
 
 class ColabError(GptlibError, RuntimeError):
-    """colab: Drive could not be mounted or used; the message says what to do."""
+    """colab: Drive could not be mounted or used."""

@@ -1,5 +1,4 @@
-"""Every file name of a run directory (the same locally and on the Drive mirror; docs/drive.md draws the tree).
-What the mirror copies and what a checkpoint carries derive from the tuples below."""
+"""Every file name of a run directory, the same locally and on the Drive mirror (docs/drive.md draws the tree)."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def is_checkpoint_name(name: str) -> bool:
-    """A finished checkpoint's name (not .partial and friends)."""
+    """A finished checkpoint's (not .partial and friends)."""
     return _STEP_RE.fullmatch(name) is not None
 
 

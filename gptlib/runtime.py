@@ -17,61 +17,43 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # phase1 (~7e12) stays eager; phase2 (~1e17), gpt2-small/-medium and finetune (~3e16) compile.
 COMPILE_MIN_FLOPS = 1e16
 
-_DEVICE = re.compile(r"(cpu|cuda|mps)(:\d+)?")
-
 
 def resolve_device(name: str) -> torch.device:
     """"auto" -> cuda, else mps, else cpu; an explicit device must exist here, else a ConfigError naming it.
-    cuda:N becomes the current CUDA device, so kernels, torch.compile, CUDA graphs and the caching
-    allocator all use that GPU, not GPU 0."""
+    cuda:N becomes the current CUDA device, so kernels, torch.compile and the caching allocator use that GPU."""
+    mps = torch.backends.mps.is_available()
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    name = str(name)
-    m = _DEVICE.fullmatch(name)
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    m = re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", str(name))
     if m is None:
+        tpu = re.match(r"(tpu|xla)", name, re.I)
         raise ConfigError(f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps"
-                          + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)"
-                             if re.match(r"(tpu|xla)", name, re.I) else ""))
-    kind, index = m.group(1), m.group(2)
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={name!r} but CUDA is not available here (use --device cpu)")
-        count = torch.cuda.device_count()
-        if index is not None and int(index[1:]) >= count:
-            gpus = ", ".join(f"cuda:{i}" for i in range(min(count, 8))) + (", ..." if count > 8 else "")
-            raise ConfigError(f"device={name!r} but this machine has {count} GPU{'s' if count != 1 else ''} "
-                              f"({gpus}); choose one of them, or cuda")
-        device = torch.device(name)
-        if index is not None:
-            torch.cuda.set_device(device)
-        return device
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+                          + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else ""))
+    kind, index = m.groups()
+    if kind == "mps" and not mps:
         raise ConfigError(f"device={name!r} but MPS (Apple-silicon GPU) is not available here (use --device cpu)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available here (use --device cpu)")
+    if kind == "cuda" and index is not None:
+        count = torch.cuda.device_count()
+        if int(index[1:]) >= count:
+            raise ConfigError(f"device={name!r} but this machine has {count} GPU{'s' if count != 1 else ''} "
+                              f"(cuda:0 to cuda:{count - 1}); choose one of them, or cuda")
+        torch.cuda.set_device(torch.device(name))
     return torch.device(name)
 
 
 def native_bf16(device: torch.device) -> bool:
-    """Whether this GPU computes bf16 in hardware (compute capability 8.0+: A100, L4, H100). What
-    torch.cuda.is_bf16_supported(including_emulation=False) checks, for `device` rather than the
-    current GPU. Without the flag that function also says yes on a T4, which only emulates bf16:
-    slow, inductor will not compile it, and SDPA falls back to the math kernel (T x T matrices)."""
-    if torch.version.hip:
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+    """Compute capability 8.0+ (A100, L4, H100). torch.cuda.is_bf16_supported() also says yes on a T4, which only
+    emulates bf16: slow, inductor will not compile it, and SDPA falls back to the math kernel (T x T matrices)."""
     return torch.cuda.get_device_properties(device).major >= 8
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs that have it natively, fp16 (+ GradScaler) on older GPUs (the T4), fp32
-    elsewhere. bfloat16 asked for on a GPU without it is a ConfigError naming the GPU and the choices."""
+    """"auto": bf16 on GPUs that have it natively, fp16 (+ GradScaler) on older GPUs (the T4), fp32 elsewhere."""
     cuda = device.type == "cuda"
     if name == "auto":
-        if cuda:
-            return torch.bfloat16 if native_bf16(device) else torch.float16
-        return torch.float32
+        return (torch.bfloat16 if native_bf16(device) else torch.float16) if cuda else torch.float32
     dtype = DTYPES[name]
     if dtype == torch.bfloat16 and cuda and not native_bf16(device):
         p = torch.cuda.get_device_properties(device)
@@ -93,22 +75,20 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
 
 
 def use_compile(setting: str, device: torch.device, run_flops: float | None = None) -> bool:
-    """TrainConfig.compile ("auto" | "on" | "off") -> whether to torch.compile. "auto": on CUDA, for a run of at
-    least COMPILE_MIN_FLOPS training FLOPs (measure.run_flops; None = unknown, compile)."""
+    """TrainConfig.compile "auto": on CUDA, for a run of at least COMPILE_MIN_FLOPS (None: unknown, compile)."""
     if setting != "auto":
         return setting == "on"
     return device.type == "cuda" and (run_flops is None or run_flops >= COMPILE_MIN_FLOPS)
 
 
 def configure_matmul(device: torch.device) -> None:
-    """fp32 matmuls on TF32 tensor cores on CUDA (Ampere and newer), through the precision API that replaced
-    the allow_tf32 flags. The CPU keeps full fp32 ("highest"), its default."""
+    """fp32 matmuls on TF32 tensor cores on CUDA; the CPU keeps full fp32 ("highest"), its default."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The original module under torch.compile and DDP wrappers: its state_dict has clean keys."""
+    """The original module under torch.compile and DDP wrappers."""
     while True:
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod

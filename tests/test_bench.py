@@ -78,8 +78,9 @@ def test_cpu_peak_is_unknown():
 def test_mfu_eta_units():
     assert measure.mfu(6e8, 1e5, 312e12) == pytest.approx(6e13 / 312e12)
     assert measure.mfu(6e8, 1e5, 312e12, n_devices=2) == pytest.approx(6e13 / 624e12)
-    assert measure.eta_seconds(100, 1100, 10.0) == 100.0
-    assert measure.eta_seconds(0, 10, 0.0) == math.inf
+    peak = measure.DevicePeak("cpu", None, "")
+    assert measure.perf_fields({}, 1.0, 10.0, peak, 1, 100, 1100)["eta_s"] == 100.0
+    assert measure.perf_fields({}, 1.0, 0.0, peak, 1, 0, 10)["eta_s"] is None  # no rate yet: no ETA
     assert measure.colab_units(3600, measure.COLAB_UNITS_PER_HOUR["A100 40GB"]) == pytest.approx(5.40)
     assert measure.colab_units(1800, 2.0) == pytest.approx(1.0)
     assert measure.colab_units(3600, None) is None and measure.colab_units(math.inf, 2.0) is None

@@ -39,8 +39,8 @@ def fake_colab(monkeypatch, tmp_path):
     google.colab = gcolab
     monkeypatch.setitem(sys.modules, "google", google)
     monkeypatch.setitem(sys.modules, "google.colab", gcolab)
-    monkeypatch.setenv("GPTLIB_DRIVE_MOUNT", str(tmp_path / "content" / "drive"))
-    monkeypatch.setenv("GPTLIB_LOCAL_ROOT", str(tmp_path / "content" / "gptlib_local"))
+    monkeypatch.setattr(colab, "DRIVE_MOUNT", tmp_path / "content" / "drive")
+    monkeypatch.setattr(colab, "COLAB_LOCAL_ROOT", tmp_path / "content" / "gptlib_local")
     monkeypatch.delenv("GPTLIB_ROOT", raising=False)
     return drive
 
@@ -51,7 +51,7 @@ def test_outside_colab_uses_local_root(monkeypatch, tmp_path):
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     assert not colab.in_colab()
     roots = colab.setup()
-    assert roots.persistent == roots.local == tmp_path / "root" and not roots.on_drive and not roots.mirrored
+    assert roots.persistent == roots.local == tmp_path / "root"
     rp = colab.run_paths("shakespeare", roots)
     assert rp.run_dir == tmp_path / "root" / "runs" / "shakespeare" and rp.mirror_dir is None
     assert colab.data_dir("shakespeare", roots) == tmp_path / "root" / "data" / "shakespeare"
@@ -71,8 +71,8 @@ def test_colab_mounts_drive_once(fake_colab, tmp_path):
     assert colab.in_colab()
     roots = colab.setup()
     roots2 = colab.setup()  # re-running the cell: already mounted, no second mount
-    assert len(fake_colab.calls) == 1 and fake_colab.calls[0]["force_remount"] is False
-    assert roots == roots2 and roots.on_drive and roots.mirrored
+    assert len(fake_colab.calls) == 1
+    assert roots == roots2
     assert roots.persistent == tmp_path / "content" / "drive" / "MyDrive" / "gptlib"
     assert roots.local == tmp_path / "content" / "gptlib_local"
     rp = colab.run_paths("gpt2", roots)
@@ -103,7 +103,7 @@ def test_colab_without_drive_keeps_everything_local(fake_colab, tmp_path):
 
 def test_bad_run_name():
     with pytest.raises(ValueError, match="plain directory name"):
-        colab.run_paths("../escape", colab.Roots(persistent=colab.Path("."), local=colab.Path("."), on_drive=False))
+        colab.run_paths("../escape", colab.Roots(persistent=colab.Path("."), local=colab.Path(".")))
 
 
 def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, capsys):

@@ -289,15 +289,18 @@ def test_colabs_custom_widget_manager_only_for_ipywidgets_8(monkeypatch, version
     assert enable_colab_widgets() is enabled and len(calls) == int(enabled)
 
 
-def test_a_notebook_bar_is_recognised_so_plain_lines_are_printed_too():
-    from tqdm import tqdm as text_tqdm
+def test_a_notebook_bar_is_recognised_so_no_plain_lines_replace_it(monkeypatch):
+    import io
+
+    import tqdm.auto
     from tqdm.notebook import tqdm as notebook_tqdm
 
-    from gptlib.training.logs import is_notebook_bar
+    from gptlib.training.logs import plain_progress
 
     class AutoBar(notebook_tqdm):  # what tqdm.auto gives in a notebook: a subclass in module tqdm.auto
         pass
 
     AutoBar.__module__ = "tqdm.auto"
-    bar = AutoBar(total=3, disable=True)
-    assert is_notebook_bar(bar) and not is_notebook_bar(text_tqdm(total=3, disable=True)) and not is_notebook_bar(None)
+    assert plain_progress(io.StringIO())  # a file, no notebook: plain lines
+    monkeypatch.setattr(tqdm.auto, "tqdm", AutoBar)
+    assert not plain_progress(io.StringIO())  # stderr is not a terminal in a notebook either: the widget bar

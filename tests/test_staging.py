@@ -1,5 +1,5 @@
 """Training reads a verified local copy of data on the Drive mount (gptlib.data.staging), with a fake Drive: a temp
-dir set as GPTLIB_DRIVE_MOUNT, and the VM's disk another (GPTLIB_LOCAL_ROOT)."""
+dir as gptlib.colab.DRIVE_MOUNT, and the VM's disk another (COLAB_LOCAL_ROOT)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gptlib import colab
 from gptlib.data import staging
 from gptlib.data.shards import ShardWriter, read_meta, read_spans, write_meta
 from gptlib.errors import DataFormatError
@@ -21,8 +22,8 @@ from tests.tokenize_kit import verified_meta
 @pytest.fixture
 def drive(monkeypatch, tmp_path) -> Path:
     """The fake Drive's gptlib root; the VM's local root is tmp_path/content/gptlib_local."""
-    monkeypatch.setenv("GPTLIB_DRIVE_MOUNT", str(tmp_path / "content" / "drive"))
-    monkeypatch.setenv("GPTLIB_LOCAL_ROOT", str(tmp_path / "content" / "gptlib_local"))
+    monkeypatch.setattr(colab, "DRIVE_MOUNT", tmp_path / "content" / "drive")
+    monkeypatch.setattr(colab, "COLAB_LOCAL_ROOT", tmp_path / "content" / "gptlib_local")
     root = tmp_path / "content" / "drive" / "MyDrive" / "gptlib"
     root.mkdir(parents=True)
     return root

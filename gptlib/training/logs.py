@@ -1,10 +1,5 @@
-"""The training logs: metrics.jsonl (a row per step), samples.jsonl and samples.md (the fixed prompts at
-every validation), the progress bar, and the notebook's on_log callback.
-
-Losses stay on the device until a log step; then all pending ones are read back in one host sync
-(`MetricsLog.flush`), once per log_interval, and at every checkpoint: a checkpoint falls on a log boundary, so
-a resumed run writes exactly the rows the uninterrupted run would have written.
-"""
+"""The training logs: metrics.jsonl (a row per step), samples.jsonl and samples.md (the fixed prompts sampled at
+each validation), the progress bar or lines, and the notebook's on_log callback."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -33,8 +29,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 def throughput_summary(run_dir: str | Path) -> str:
-    """Notebook 03: the throughput of the latest training session (its last metrics.jsonl row): tokens/s and MFU
-    while stepping, the time split, the ETA and the Colab compute units left; "" before the first measurement."""
+    """Notebook 03: the latest session's figures from its last metrics.jsonl row; "" before the first measurement."""
     last = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1:]
     if not last:
         return ""
@@ -46,7 +41,7 @@ def throughput_summary(run_dir: str | Path) -> str:
 
 
 def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
-    """Keep metrics and samples rows up to the resumed step (later rows are re-logged by the resumed run);
+    """Keep the metrics and samples rows up to the resumed step (the resumed run logs the later ones again);
     -> the metrics rows kept."""
     for name in (METRICS_FILE, SAMPLES_FILE):
         p = run_dir / name
@@ -57,12 +52,13 @@ def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
 
 
 def restore_logs_from_checkpoint(run_dir: Path, logs: dict[str, bytes], step: int) -> None:
-    """A fresh VM has no local logs: take the checkpoint's copy (its extra files) when it has more rows up to `step`."""
+    """A fresh VM has no local logs: take the checkpoint's copy when it has more rows up to `step`."""
     for name in (METRICS_FILE, SAMPLES_FILE):
         if name not in logs:
             continue
         saved = parse_jsonl(logs[name].decode(errors="replace"))
-        if sum(r.get("step", 0) <= step for r in saved) > sum(r.get("step", 0) <= step for r in read_jsonl(run_dir / name)):
+        local = read_jsonl(run_dir / name)
+        if sum(r.get("step", 0) <= step for r in saved) > sum(r.get("step", 0) <= step for r in local):
             atomic_write_bytes(run_dir / name, logs[name])
 
 
@@ -74,7 +70,7 @@ def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, 
 
 
 def write_samples_table(run_dir: Path) -> None:
-    """samples.md: one row per validation step, one column per fixed prompt ("sample vs step")."""
+    """samples.md: a row per validation step, a column per fixed prompt."""
     prompts, steps, cell = _samples_grid(run_dir)
 
     def esc(t: str) -> str:
@@ -87,8 +83,8 @@ def write_samples_table(run_dir: Path) -> None:
 
 
 def samples_html(run_dir: str | Path) -> str:
-    """samples.md as an HTML table, for a notebook: each cell aligned top-left (a notebook's own table style centres
-    a cell vertically, so two samples of a row started at different heights, and right-aligns its text)."""
+    """samples.md as an HTML table, each cell aligned top-left: a notebook's own table style centres a cell
+    vertically (two samples of a row start at different heights) and right-aligns its text."""
     prompts, steps, cell = _samples_grid(Path(run_dir))
     if not steps:
         return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
@@ -104,9 +100,8 @@ def samples_html(run_dir: str | Path) -> str:
 
 def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,
                 run_dir: Path, log: Callable[[str], None], stop_ids: Sequence[int] = ()) -> list[dict]:
-    """Continue each fixed prompt (a string, or token ids: a chat prompt) with the model (a fixed seed per
-    prompt: samples differ only by the weights), cut at the first of stop_ids; append them to samples.jsonl
-    and redraw samples.md."""
+    """Continue each fixed prompt (a string, or token ids: a chat prompt) with a fixed seed per prompt, so that
+    samples differ only by the weights; cut at the first of stop_ids; append to samples.jsonl, redraw samples.md."""
     rows = []
     gen = torch.Generator(device="cpu")
     engine, cfg = Engine(model), SamplingConfig(max_new_tokens=n_tokens, temperature=0.8, stop_at_eot=False)
@@ -138,57 +133,48 @@ BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{p
 
 
 def bar_postfix(train_loss: float, tokens_per_s: float | None, perf: dict) -> str:
-    """The bar's postfix: loss, tokens/s, MFU and ETA, under 50 characters to leave the bar a fair share of a
-    100-column line or a 1,000-px notebook. The details (lr, the time split) are in the progress line and
-    metrics.jsonl."""
+    """Loss, tokens/s, MFU and ETA: under 50 characters, to leave the bar a fair share of a 100-column line."""
     short = postfix_fields(perf)
     parts = [f"loss {train_loss:.4f}"] + ([f"{fmt_tokens(tokens_per_s)} tok/s"] if tokens_per_s is not None else [])
     return ", ".join(parts + [f"{k.upper()} {short[k]}" for k in ("mfu", "eta") if k in short])
 
 
 def plain_progress(stream) -> bool:
-    """Plain progress lines instead of a bar: the bar's stream (stderr) is a file or a pipe, not a terminal, and
-    tqdm.auto would not draw a notebook widget. There a bar's carriage-return redraws make one endless line."""
+    """Plain progress lines instead of a bar: the bar's stream is a file or a pipe (there a bar's carriage-return
+    redraws make one endless line), and tqdm.auto would not draw a notebook widget."""
     from tqdm.auto import tqdm
-
-    return not is_notebook_bar(tqdm) and not getattr(stream, "isatty", lambda: False)()
-
-
-def is_notebook_bar(bar) -> bool:
-    """Whether a bar (or tqdm.auto's pick, a class) is the notebook widget bar, whose class lives in module
-    tqdm.auto: a front end that cannot draw widgets (JupyterLab 4 with ipywidgets 7) shows nothing of it."""
     from tqdm.notebook import tqdm as notebook_tqdm  # never fails: tqdm guards its IPython imports
 
-    return bar is not None and issubclass(bar if isinstance(bar, type) else type(bar), notebook_tqdm)
+    return not issubclass(tqdm, notebook_tqdm) and not getattr(stream, "isatty", lambda: False)()
 
 
 class MetricsLog:
     """metrics.jsonl, the progress bar and the on_log callback of one training call. Losses stay on the device
-    until `flush` (a log step): one host sync per log_interval. On DDP ranks other than 0 the file is os.devnull and
-    there is no bar, but `flush` still averages over ranks.
+    until `flush` (a log step, and every checkpoint, so a resumed run writes exactly the rows the uninterrupted run
+    would have): one host sync per log_interval. On DDP ranks other than 0 the file is os.devnull and there is no
+    bar, but `flush` still averages over ranks.
 
-    One tokens/s figure everywhere (bar, progress lines, metrics.jsonl, TrainResult's "while stepping"): this
-    session's tokens over its time spent stepping, leaving out its first step (compile, kernel tuning, allocator
-    growth) and validations, samples and saves; the ETA counts the validations too. A progress line with the details
-    is printed every TEXT_EVERY_S, for front ends that cannot draw widgets and where stderr is a file or a pipe.
+    One tokens/s figure everywhere (bar, progress lines, metrics.jsonl, the closing line): this session's tokens
+    over its time spent stepping, leaving out its first step (compile, kernel tuning) and the `paused` blocks
+    (validations, samples, saves), which the ETA counts. A progress line with the details is printed every
+    TEXT_EVERY_S: where stderr is a file or a pipe, and for notebook front ends that draw no widget bar.
     """
 
     TEXT_EVERY_S = 60.0
 
     def __init__(self, session, *, peak, timer, progress: bool, log: Callable[[str], None],
                  on_log: Callable[[dict], None] | None):
-        """session: the gptlib.training.setup.TrainingRun being trained (its run dir, state, history, config)."""
+        """session: the TrainingRun being trained (its run dir, state, history, config)."""
         st = self.state = session.state
         self.history, self.ddp, self.tc = session.history, session.ddp, session.cfg.train
-        self.compiled = session.compiled
-        self.tokens_per_step = session.tokens_per_step
+        self.compiled, self.tokens_per_step = session.compiled, session.tokens_per_step
         self.flops_per_token = model_size(session.cfg.model).flops_per_token
         self.peak, self.timer, self.log, self.on_log = peak, timer, log, on_log
         self.pending: list[torch.Tensor] = []  # the losses of steps not logged yet, on the device
         self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged
-        self.val_loss = self.val_step = None  # the last validation loss of this call and its step
+        self.val_loss = self.val_step = None  # this call's last validation
         self.file = open(session.run_dir / METRICS_FILE if self.ddp.is_main else os.devnull, "a")
-        self.lines_only = progress and plain_progress(sys.stderr)  # progress lines, no bar (a file, a pipe)
+        self.lines_only = progress and plain_progress(sys.stderr)
         self.bar = None
         if progress and not self.lines_only:
             from tqdm.auto import tqdm
@@ -198,16 +184,12 @@ class MetricsLog:
         self.elapsed_before = st.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
         self.tokens_last = st.tokens_seen
-        self.tps = None  # tokens/s of this session while stepping (None until measured): the figure shown
-        self.steady_tokens, self.steady_s = 0, 0.0  # all measured intervals: warm-up and validations left out
-        self.split: dict[str, float] = {}  # their time split
-        self.paused_s = 0.0  # the validations' time after warm-up: the ETA counts it, tokens/s and MFU do not
+        self.steady_tokens, self.steady_s, self.paused_s = 0, 0.0, 0.0  # the measured intervals; the paused blocks
+        self.split: Counter[str] = Counter()  # the measured intervals' time split
         self.perf = {}
-        self.warm = False  # the session's first step (compile, kernel tuning) is behind us
+        self.warm = False  # the session's first step is behind us
         if self.compiled:
             self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
-            if self.bar is not None:
-                self.bar.set_description("compiling")
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)
@@ -216,8 +198,6 @@ class MetricsLog:
             self.warm = True
             now = time.time()
             if self.compiled:
-                if self.bar is not None:
-                    self.bar.set_description("train")
                 self.say(f"compiled and warmed up in {now - self.t_start:.0f} s")
             self.t_last, self.tokens_last = now, self.state.tokens_seen
             self.timer.split()  # the time split leaves the first step out too
@@ -226,55 +206,56 @@ class MetricsLog:
         return step % self.tc.log_interval == 0 or validating
 
     def flush(self, timer, validating: bool) -> None:
-        """Read the pending losses back (the loop's host sync) and write a row per step; the last row of a
-        validation step is written by `validation_row` instead, with its val loss: its loss stays pending until
-        then (a validation that is interrupted leaves it to the next flush, without val loss)."""
+        """Read the pending losses back (the loop's host sync) and write a row per step. A validation step's row
+        is written by `validation_row`, with its val loss; until then its loss stays pending."""
         st = self.state
         if not self.pending:
             return
-        losses = self.ddp.mean(torch.stack(self.pending)).tolist()  # the sync: once per log_interval
+        losses = self.ddp.mean(torch.stack(self.pending)).tolist()
         self.pending = self.pending[-1:] if validating else []
         now = time.time()
         if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
             self.steady_tokens += st.tokens_seen - self.tokens_last
             self.steady_s += now - self.t_last
             self.t_last, self.tokens_last = now, st.tokens_seen
-            self.tps = self.steady_tokens / max(1e-9, self.steady_s)
-            split = timer.split()  # this interval's; its phases in the loop's order (the first one starts mid-step)
-            self.split = {k: split.get(k, 0.0) + self.split.get(k, 0.0) for k in split | self.split}
+            self.split.update(timer.split())
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
-            self.perf = perf_fields(self.split, self.flops_per_token, self.tps, self.peak, self.ddp.world_size,
-                                    st.tokens_seen, self.tc.max_steps * self.tokens_per_step, wall_rate)
+            self.perf = perf_fields(self.split, self.flops_per_token, self.steady_tokens_per_s(), self.peak,
+                                    self.ddp.world_size, st.tokens_seen, self.tc.max_steps * self.tokens_per_step,
+                                    wall_rate)
         self.train_loss = losses[-1]
-        for k, loss in enumerate(losses):
-            s_k = st.step - len(losses) + 1 + k
-            if s_k == st.step and validating:
-                continue  # written by validation_row() with the val loss
-            row = {"step": s_k, "train_loss": round(loss, 6), "lr": self._lr(s_k),
-                   "tokens_seen": st.tokens_seen - (len(losses) - 1 - k) * self.tokens_per_step}
-            self._write({**row, **self._speed(now)} if s_k == st.step else row)
+        for step, loss in enumerate(losses, st.step - len(losses) + 1):
+            if step < st.step:
+                self._write(self._row(step, loss))
+            elif not validating:  # else written by validation_row, with the val loss
+                self._write({**self._row(step, loss), **self._speed(now)})
         self.file.flush()
+        tps = self.steady_tokens_per_s()
         if self.bar is not None:
-            self.bar.set_postfix_str(bar_postfix(self.train_loss, self.tps, self.perf))
+            self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
         if (self.bar is not None or self.lines_only) and now - self.t_text >= self.TEXT_EVERY_S:
-            self.t_text = now  # the details; the only progress where there is no bar
+            self.t_text = now
             fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}"}
-            if self.tps is not None:
-                fields["tok/s"] = f"{self.tps:,.0f}"
+            if tps is not None:
+                fields["tok/s"] = f"{tps:,.0f}"
             self.say(f"step {st.step:,}/{self.tc.max_steps:,}: "
                      + ", ".join(f"{k} {v}" for k, v in {**fields, **postfix_fields(self.perf)}.items()))
 
+    def _row(self, step: int, loss: float, **val_loss) -> dict:
+        return {"step": step, "train_loss": round(loss, 6), **val_loss, "lr": self._lr(step),
+                "tokens_seen": self.state.tokens_seen - (self.state.step - step) * self.tokens_per_step}
+
     def _speed(self, now: float) -> dict:
         """What the last row of a log step adds: tokens/s (once measured), elapsed time, MFU, ETA, split."""
-        speed = {} if self.tps is None else {"tokens_per_s": round(self.tps, 1)}
+        tps = self.steady_tokens_per_s()
+        speed = {} if tps is None else {"tokens_per_s": round(tps, 1)}
         return {**speed, "elapsed_s": round(self.elapsed(now), 3), **self.perf}
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
-        """Write this step's validation row (after `flush`, which skipped it); `extra`: e.g. HellaSwag fields."""
-        st = self.state
-        self.val_loss, self.val_step, self.pending = val_loss, st.step, []
-        row = {"step": st.step, "train_loss": round(self.train_loss, 6), "val_loss": round(val_loss, 6),
-               "lr": self._lr(st.step), "tokens_seen": st.tokens_seen, **self._speed(time.time()), **(extra or {})}
+        """Write this step's row with its val loss (after `flush`); `extra`: e.g. HellaSwag fields."""
+        self.val_loss, self.val_step, self.pending = val_loss, self.state.step, []
+        row = self._row(self.state.step, self.train_loss, val_loss=round(val_loss, 6))
+        row.update(self._speed(time.time()), **(extra or {}))
         self._write(row)
         self.file.flush()
         return row
@@ -290,8 +271,7 @@ class MetricsLog:
 
     @contextlib.contextmanager
     def paused(self):
-        """Leave a block's time (validation, sampling, plotting) out of tokens/s, MFU and ETA: the throughput
-        clock of the current interval moves forward by it."""
+        """Leave a block's time out of tokens/s and MFU (not out of the ETA)."""
         t0 = time.time()
         try:
             yield
@@ -302,8 +282,8 @@ class MetricsLog:
                 self.paused_s += spent
 
     def steady_tokens_per_s(self) -> float | None:
-        """Tokens/s of this call while stepping, the bar's figure (None before any interval was measured)."""
-        return self.tps
+        """This session's tokens/s while stepping: the figure shown everywhere (None until measured)."""
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
 
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
@@ -326,9 +306,8 @@ class MetricsLog:
         return lr_at(step - 1, self.tc)  # the rate step `step` trained with
 
     def elapsed(self, now: float | None = None) -> float:
-        """Training wall time over all sessions, for the checkpoint's TrainState."""
+        """Training wall time over all sessions (the checkpoint's)."""
         return self.elapsed_before + (now or time.time()) - self.t_start
 
     def session_s(self) -> float:
-        """Training wall time of this call."""
         return time.time() - self.t_start

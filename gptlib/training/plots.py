@@ -1,10 +1,10 @@
 """loss.png, the live plot a notebook shows while training, and HellaSwag acc_norm beside the loss or against tokens
 seen. Figures are bare matplotlib Figures (no pyplot state): training in a thread or a headless process never
-touches a GUI backend.
-"""
+touches a GUI backend."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 
@@ -26,13 +26,11 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
 
 def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
     ax = _axes(figsize, dpi, "step", "loss (nats/token)", title)
-    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
-    va = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-    if tr:
-        ax.plot(*zip(*tr), label="train", lw=1)
-    if va:
-        ax.plot(*zip(*va), "o-", label="val", lw=1.5, ms=3)
-    if tr or va:
+    for key, style, lw in (("train_loss", "-", 1), ("val_loss", "o-", 1.5)):
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), style, label=key.removesuffix("_loss"), lw=lw, ms=3)
+    if ax.lines:
         ax.legend()
     add_hellaswag_axis(ax, rows)
     ax.figure.tight_layout()
@@ -48,26 +46,22 @@ def run_title(preset: str, run_name: str, sep: str = ": ") -> str:
     return preset if not run_name or run_name == preset else f"{preset}{sep}{run_name}"
 
 
-def _notebook_display():
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:
-        return None
-    return display if get_ipython() is not None else None
-
-
 class LivePlot:
-    """`LivePlot(run_dir).update` as train()'s on_log callback redraws the run's whole metrics.jsonl in one display.
-    The display is made with the LivePlot, before training prints anything, so the plot stays above the log lines."""
+    """`LivePlot(run_dir).update` as train()'s on_log callback redraws the run's whole metrics.jsonl in one display,
+    made with the LivePlot, before training prints anything, so that the plot stays above the log lines."""
 
     PLACEHOLDER = "loss plot: drawn here at the first validation"
 
     def __init__(self, run_dir: str | Path, title: str = ""):
         self.run_dir, self.title = Path(run_dir), title
-        display = _notebook_display()
-        self.handle = None if display is None else display(
-            {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"}, raw=True, display_id=True)
+        self.handle = None  # the notebook display the plot is drawn in
+        with contextlib.suppress(ImportError):
+            from IPython import get_ipython
+            from IPython.display import display
+
+            if get_ipython() is not None:
+                self.handle = display({"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
+                                      raw=True, display_id=True)
 
     def figure(self, last: dict | None = None):
         rows = read_metrics(self.run_dir)
@@ -85,42 +79,36 @@ class LivePlot:
 
     def update(self, row: dict | None = None) -> None:
         fig = self.figure(row)
-        display = _notebook_display()
-        if display is None:
+        if self.handle is None:  # not in a notebook
             return
         from IPython.display import Image
 
         buf = io.BytesIO()
         fig.savefig(buf, format="png")  # a PNG shows the same in Jupyter, Colab and saved notebooks
-        img = Image(data=buf.getvalue(), format="png")
-        if self.handle is None:
-            self.handle = display(img, display_id=True)
-        else:
-            self.handle.update(img)
+        self.handle.update(Image(data=buf.getvalue(), format="png"))
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):
     """HellaSwag acc_norm of metrics.jsonl rows on a second y axis of the loss plot; None when no row has one."""
-    pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n")) for r in rows
+    pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n") or 0) for r in rows
            if r.get("hellaswag_acc_norm") is not None and r.get("step") is not None]
     if not pts:
         return None
     ax2 = ax.twinx()
-    n_sub = min(p[2] or 0 for p in pts)  # the subset size; a larger n is the full set at the end
-    sub = [(s, a) for s, a, n in pts if (n or 0) == n_sub]
-    full = [(s, a) for s, a, n in pts if (n or 0) != n_sub]
-    if sub:
-        ax2.plot(*zip(*sub), "s-", color="tab:green", lw=1.2, ms=3,
-                 label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
+    n_sub = min(n for _, _, n in pts)  # the subset size; a larger n is the full set at the end
+    sub = [(s, a) for s, a, n in pts if n == n_sub]
+    full = [(s, a) for s, a, n in pts if n != n_sub]
+    ax2.plot(*zip(*sub), "s-", color="tab:green", lw=1.2, ms=3,
+             label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
     if full:
         ax2.plot(*zip(*full), "D", color="darkgreen", ms=6, label="HellaSwag acc_norm (all items)")
     ax2.axhline(GPT2_124M["acc_norm"], color="tab:green", ls="--", lw=0.8, alpha=0.7, label="GPT-2 124M (0.2955)")
     ax2.axhline(0.25, color="gray", ls=":", lw=0.8, alpha=0.7, label="chance (0.25)")
     ax2.set_ylabel("HellaSwag acc_norm", color="tab:green")
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
     if ax.get_legend() is not None:
         ax.get_legend().remove()
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
     ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
     return ax2
 

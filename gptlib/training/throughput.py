@@ -1,12 +1,10 @@
-"""What training reports about speed and cost: MFU, ETA, Colab compute units, the step's time split, and the
-plan of a run (notebook 03). MFU uses gptlib.model.model_size's FLOPs per token against PEAK_TFLOPS; a device not
-in that table says "MFU unknown" rather than print a wrong number."""
+"""What training reports about speed and cost: MFU, ETA, Colab compute units, the step's time split, the CPU-run
+estimate and notebook 03's plan of a run. A device not in PEAK_TFLOPS says "MFU unknown", never a wrong number."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import platform
 import re
 import time
@@ -31,14 +29,16 @@ PEAK_TFLOPS: list[tuple[str, str, float]] = [
     (r"\bT4\b", "T4 (fp16)", 65.0),
 ]
 
-# Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000).
-# Colab changes its prices: TrainConfig.colab_units_per_hour replaces this table's rate.
+# Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000),
+# and the runtime a GPU's name says (an A100 with over 60 GiB is the 80GB one). Colab changes its prices:
+# TrainConfig.colab_units_per_hour replaces this table's rate.
 COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
+COLAB_RUNTIMES = ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4"), (r"A100", "A100 40GB"))
 
 
 @dataclass
 class DevicePeak:
-    name: str  # what the device calls itself
+    name: str
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
     units_per_hour: float | None = None  # Colab compute units per hour of this runtime; None if unknown
@@ -52,16 +52,6 @@ def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     return None, None
 
 
-def colab_runtime(gpu_name: str, total_memory: int) -> str | None:
-    """The key of COLAB_UNITS_PER_HOUR for a GPU (total_memory in bytes), or None: not one of Colab's."""
-    if re.search(r"A100", gpu_name, flags=re.IGNORECASE):
-        return "A100 80GB" if total_memory > 60 * 2**30 else "A100 40GB"
-    for pattern, runtime in ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4")):
-        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
-            return runtime
-    return None
-
-
 def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
     """units_per_hour (TrainConfig.colab_units_per_hour), when set, replaces the table's rate."""
     device = torch.device(device)
@@ -70,12 +60,12 @@ def device_peak(device: str | torch.device, units_per_hour: float | None = None)
                           units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
-    runtime = colab_runtime(name, torch.cuda.get_device_properties(device).total_memory)
-    units = units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime)
-    if peak is None:
-        return DevicePeak(name, None, f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS",
-                          units)
-    return DevicePeak(name, peak, f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)", units)
+    runtime = next((r for pattern, r in COLAB_RUNTIMES if re.search(pattern, name, flags=re.IGNORECASE)), None)
+    if runtime == "A100 40GB" and torch.cuda.get_device_properties(device).total_memory > 60 * 2**30:
+        runtime = "A100 80GB"
+    note = (f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)" if peak else
+            f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
+    return DevicePeak(name, peak, note, units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime))
 
 
 def cpu_name() -> str:
@@ -97,28 +87,35 @@ def fmt_mfu(value: float | None) -> str:
 def fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
+    h, rem = divmod(int(round(seconds)), 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def eta_seconds(tokens_done: int, tokens_target: int, tokens_per_s: float) -> float:
-    return max(0, tokens_target - tokens_done) / tokens_per_s if tokens_per_s > 0 else math.inf
+def fmt_split(split: dict[str, float]) -> str:
+    total = sum(split.values())
+    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) if total > 0 else ""
+
+
+def fmt_tokens(n: float) -> str:
+    """A token count in the unit that fits, 3 significant digits: 5.12K, 268M, 2.8B (never "0.000B")."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= 0.9995 * div:  # 999,600 is "1M", not "1e+03K"
+            v = n / div
+            return f"{v:,.0f}{unit}" if v >= 999.5 else f"{v:.3g}{unit}"
+    return f"{n:,.0f}"
 
 
 def colab_units(seconds: float, units_per_hour: float | None) -> float | None:
-    if not units_per_hour or not math.isfinite(seconds):
-        return None
-    return units_per_hour * seconds / 3600
+    return units_per_hour * seconds / 3600 if units_per_hour and math.isfinite(seconds) else None
 
 
 def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
                 n_devices: int, tokens_seen: int, tokens_target: int, eta_tokens_per_s: float | None = None) -> dict:
-    """A metrics row's MFU, ETA, Colab units and time split (fractions). eta_tokens_per_s: the rate the ETA assumes,
-    when it differs (validations cost wall time, not MFU)."""
-    total = sum(split.values())
-    eta = eta_seconds(tokens_seen, tokens_target, tokens_per_s if eta_tokens_per_s is None else eta_tokens_per_s)
+    """A metrics row's MFU, ETA, Colab units left and time split (fractions). eta_tokens_per_s: the rate the ETA
+    assumes, when it differs (validations cost wall time, not MFU)."""
+    total, rate = sum(split.values()), eta_tokens_per_s or tokens_per_s
+    eta = max(0, tokens_target - tokens_seen) / rate if rate > 0 else math.inf
     m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
     units = colab_units(eta, peak.units_per_hour)
     return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
@@ -127,12 +124,49 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
 
 
 def postfix_fields(perf: dict) -> dict[str, str]:
+    """A metrics row's perf fields as text: MFU, ETA, and where a step's time goes ("data 3% fwd_bwd 90% optim 7%")."""
     out = {"mfu": fmt_mfu(perf["mfu"])} if perf.get("mfu") is not None else {}
     if perf.get("eta_s") is not None:
         out["eta"] = fmt_duration(perf["eta_s"])
     if perf.get("time_split"):
-        out["time"] = fmt_split(perf["time_split"])  # where a step's time goes: "data 3% fwd_bwd 90% optim 7%"
+        out["time"] = fmt_split(perf["time_split"])
     return out
+
+
+class StepTimer:
+    """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop: on CUDA, events are read only in
+    split(), where the loop syncs anyway at log time."""
+
+    def __init__(self, device: str | torch.device):
+        self.events = torch.device(device).type == "cuda"
+        self.marks: list[tuple[str, Any, Any]] = []  # (phase, its start, its end): events or perf_counter seconds
+        self._last = None
+
+    def _now(self):
+        if not self.events:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def start(self) -> None:
+        self._last = self._now()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous start/mark belongs to `phase`."""
+        now = self._now()
+        self.marks.append((phase, self._last, now))
+        self._last = now
+
+    def split(self) -> dict[str, float]:
+        """{phase: seconds} since the last split."""
+        if self.events and self.marks:
+            self.marks[-1][2].synchronize()
+        out: dict[str, float] = defaultdict(float)
+        for phase, a, b in self.marks:
+            out[phase] += a.elapsed_time(b) / 1000 if self.events else b - a
+        self.marks.clear()
+        return dict(out)
 
 
 def run_tokens(cfg, start_step: int = 0) -> int:
@@ -178,11 +212,10 @@ def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = N
     validations = steps // tc.eval_interval + 1  # every eval_interval steps, and at the end
     eval_batches = validations * tc.eval_batches
     sampled = validations * len(tc.sample_prompts) * tc.sample_tokens
-    tokens = run_tokens(cfg, start_step) + eval_batches * tc.batch_size * mc.block_size / 3  # a forward: a third
-    flops = model_size(mc).flops_per_token * tokens
+    tokens = run_tokens(cfg, start_step) + eval_batches * tc.batch_size * mc.block_size / 3
     passes = steps * (tc.grad_accum_steps + 1) + (eval_batches + sampled) / 3
     overhead = passes * (mc.n_layer + 1) * CPU_LAYER_PASS_S
-    return flops / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE) + overhead
+    return model_size(mc).flops_per_token * tokens / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE) + overhead
 
 
 def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
@@ -209,74 +242,8 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
         loud(f"warning: {msg}. {advice}")
 
 
-class StepTimer:
-    """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop: on CUDA, events read only in
-    split(), where the loop syncs anyway at log time. sync=True (benchmarks) waits for the device at every mark,
-    so host work such as a Python data loader counts in full."""
-
-    def __init__(self, device: str | torch.device, sync: bool = False):
-        self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self.sync, self.events = sync and cuda, cuda and not sync
-        self.totals: dict[str, float] = defaultdict(float)
-        self._events: list[tuple[str, object, object]] = []
-        self._last = None
-
-    def _now(self):
-        if self.events:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def start(self) -> None:
-        self._last = self._now()
-
-    def mark(self, phase: str) -> None:
-        """The time since the previous start/mark belongs to `phase`."""
-        now = self._now()
-        if self.events:
-            self._events.append((phase, self._last, now))
-        else:
-            self.totals[phase] += now - self._last
-        self._last = now
-
-    def split(self) -> dict[str, float]:
-        """{phase: seconds} since the last split."""
-        if self._events:
-            self._events[-1][2].synchronize()
-            for phase, a, b in self._events:
-                self.totals[phase] += a.elapsed_time(b) / 1000.0
-            self._events.clear()
-        out, self.totals = dict(self.totals), defaultdict(float)
-        return out
-
-
-def fmt_split(split: dict[str, float]) -> str:
-    total = sum(split.values())
-    return " ".join(f"{k} {100 * v / total:.0f}%" for k, v in split.items()) if total > 0 else ""
-
-
-def machine_info() -> str:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"torch {torch.__version__}; python {platform.python_version()}; CPU {cpu_name()} ({os.cpu_count()} "
-            f"cores); GPU {gpu}")
-
-
-def fmt_tokens(n: float) -> str:
-    """A token count in the unit that fits, 3 significant digits: 5.12K, 268M, 2.8B (never "0.000B")."""
-    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= 0.9995 * div:  # 999,600 is "1M", not "1e+03K"
-            v = n / div
-            return f"{v:,.0f}{unit}" if v >= 999.5 else f"{v:.3g}{unit}"
-    return f"{n:,.0f}"
-
-
 @dataclass
 class RunPlan:
-    cfg: Any  # the RunConfig the preset and overrides give
     max_steps: int  # from the token budget, else the preset's
     summary: str  # tokens/step x steps, the device's peak, each recipe's cost
 
@@ -297,7 +264,7 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     summary = (f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
                f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}; {rate}\n"
                f"{recipe_estimate(build_config(preset, overrides), per_step * max_steps, peak)}")
-    return RunPlan(cfg, max_steps, summary)
+    return RunPlan(max_steps, summary)
 
 
 # The modern recipe's tokens to the gpt2 recipe's loss, as a fraction of the gpt2 recipe's: the NanoGPT speedrun's

@@ -9,13 +9,9 @@ import inspect
 import sys
 
 from gptlib.config import PRESETS, RECIPES
-from gptlib.errors import GptlibError
+from gptlib.errors import GptlibError, PrepareError
 
 COMMANDS: list[tuple] = []  # (name, help, function, arguments), in the order --help lists them
-
-
-class CLIError(GptlibError):
-    """A bad combination of command-line arguments."""
 
 
 def arg(*flags: str, **kw) -> tuple:
@@ -63,27 +59,20 @@ def cmd_fetch(args) -> int:
 
 
 @command("tokenize", "pre-tokenize text into token shards + meta.json",
-         arg("--input", nargs="+", metavar="URL_OR_PATH", help="text/jsonl/parquet files, directories, globs or "
-             "fsspec URLs, e.g. hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"),
-         arg("--hf-dataset", metavar="OWNER/NAME", help="a Hub dataset through its parquet conversion (a token from "
-             "HF_TOKEN or Colab's secrets)"),
+         arg("--input", nargs="+", metavar="URL_OR_PATH", help="text/jsonl/parquet files, folders, globs or URLs"),
+         arg("--hf-dataset", metavar="OWNER/NAME", help="a Hub dataset, through the Hub's parquet conversion"),
          arg("--hf-config", metavar="C", help="the config of --hf-dataset (default: default, or the only one)"),
          arg("--hf-split", metavar="S", help="the split of --hf-dataset (default: train, or the only one)"),
-         arg("--format", default="text", choices=["text", "chat"], help="text: documents; chat: conversations (a "
-             "messages/conversations list per record), the assistants' spans kept (default: text)"),
+         arg("--format", default="text", choices=["text", "chat"], help="documents, or conversations (default text)"),
          arg("--max-tokens", type=_count, metavar="N", help="stop after N tokens at a document boundary, e.g. 2.8B"),
          arg("--tokenizer", choices=["char", "bpe"], help="tokenizer kind (default: char; bpe with --format chat)"),
          arg("--vocab-size", type=int, default=32768, help="BPE vocabulary size (default 32768)"),
-         arg("--tokenizer-from", "--tokenizer-file", metavar="RUN_DIR", help="reuse the tokenizer of a run or data "
-             "directory, or a tokenizer.json (--format chat adds the chat tokens if missing)"),
-         arg("--text-column", metavar="NAME", help="jsonl field / parquet column holding the text (default: text; "
-             "--format chat: messages, else conversations)"),
+         arg("--tokenizer-from", "--tokenizer-file", metavar="RUN_DIR", help="reuse this run's/data's tokenizer"),
+         arg("--text-column", metavar="NAME", help="the jsonl field / parquet column read"),
          arg("--out", required=True, metavar="DATA_DIR", help="output data directory"),
          arg("--val-fraction", type=float, default=0.1, help="fraction held out for validation (default 0.1)"),
-         arg("--split", default="auto", choices=["auto", "document", "tail"],
-             help="validation split: per document (hash) or the tail of each text file (default: auto)"),
-         arg("--train-mb", type=float, default=1000.0, help="train the BPE on about this many MB; 0 = all (default "
-             "1000)"),
+         arg("--split", default="auto", choices=["auto", "document", "tail"], help="validation: by document or tail"),
+         arg("--train-mb", type=float, default=1000.0, help="train the BPE on this many MB; 0 = all (default 1000)"),
          arg("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)"),
          arg("--overwrite", action="store_true", help="replace a different dataset already in --out"),
          arg("--take-over", action="store_true", help="take --out over from another tokenize holding its lease"),
@@ -97,9 +86,9 @@ def cmd_tokenize(args) -> int:
     if args.hf_dataset:
         inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
     if not inputs:
-        raise CLIError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
+        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
     if (args.hf_config or args.hf_split) and not any(str(i).startswith("hf://") for i in inputs):
-        raise CLIError("--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
+        raise PrepareError("--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
                        "or an hf://datasets/ input")
     # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
     tokenizer = args.tokenizer or ("bpe" if args.format == "chat" else "char")
@@ -118,24 +107,18 @@ def cmd_tokenize(args) -> int:
 @command("train", "train or resume a GPT on a data directory",
          arg("--data", required=True, metavar="DATA_DIR", help="data directory from `tokenize`"),
          arg("--preset", default="phase1", choices=list(PRESETS), help="model/training preset"),
-         arg("--recipe", choices=list(RECIPES), help="gpt2 (2019) or modern (rotary, RMSNorm, QK-norm, SwiGLU, "
-             "untied, Muon, WSD); default: a resumed run's or --init-from base's own, else gpt2"),
+         arg("--recipe", choices=list(RECIPES), help="default: a resumed run's or --init-from base's own, else gpt2"),
          arg("--run-dir", required=True, metavar="RUN_DIR", help="where checkpoints, metrics, plots go"),
-         arg("--mirror-dir", metavar="DIR", help="also copy each checkpoint here in the background (e.g. Google "
-             "Drive); resume takes the newest valid one of both"),
+         arg("--mirror-dir", metavar="DIR", help="also copy each checkpoint here (e.g. Google Drive)"),
          arg("--max-steps", type=int, help="optimizer steps (the LR schedule ends here)"),
          arg("--max-minutes", type=float, help="stop gracefully with a checkpoint after this many minutes"),
          arg("--seed", type=int),
          arg("--device", help="auto | cpu | cuda | cuda:N | mps"),
-         arg("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: the "
-             "compile field's auto)"),
-         arg("--set", action="append", default=[], metavar="FIELD=VALUE", help="set any config field, e.g. --set "
-             "n_layer=6 --set keep_last=3 (repeatable)"),
-         arg("--init-from", metavar="RUN_DIR[:latest|best|STEP]", help="a new run from these weights (fresh "
-             "optimizer and schedule, the model's shape from it), e.g. an import-hf run; use --preset finetune"),
+         arg("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on for big CUDA runs)"),
+         arg("--set", action="append", default=[], metavar="FIELD=VALUE", help="any config field (repeatable)"),
+         arg("--init-from", metavar="RUN_DIR[:latest|best|STEP]", help="a new run from these weights"),
          arg("--take-over", action="store_true", help="take the run over from another process holding its lease"),
-         arg("--skip-unreadable", action="store_true", help="go on although newer checkpoints (a slow or hung Drive) "
-             "could not be read in time; they are kept"),
+         arg("--skip-unreadable", action="store_true", help="go on without newer checkpoints Drive cannot read now"),
          arg("--allow-data-change", action="store_true", help="resume on other tokens (same tokenizer); recorded"),
          arg("--quiet", action="store_true", help="no progress bar"))
 def cmd_train(args) -> int:
@@ -236,8 +219,7 @@ def cmd_export(args) -> int:
 
 @command("export-gguf", "export a checkpoint as a GGUF file (llama.cpp, Ollama)",
          arg("--out", required=True, metavar="FILE.gguf"),
-         arg("--dtype", default="f16", metavar="f32|f16|q8_0", help="f32: exact; f16 (default): half the size; "
-             "q8_0: a quarter, slightly less exact"),
+         arg("--dtype", default="f16", metavar="f32|f16|q8_0", help="exact | half the size | a quarter (default f16)"),
          arg("--overwrite", action="store_true", help="replace an existing file"), checkpoint="latest")
 def cmd_export_gguf(args) -> int:
     """Write one GGUF file that llama.cpp, Ollama and LM Studio load: the gpt2 recipe as llama.cpp's gpt2
@@ -282,17 +264,12 @@ def cmd_push(args) -> int:
 
 @command("eval", "evaluate checkpoints: HellaSwag accuracy or validation bits per byte",
          arg("--run-dir", required=True, metavar="RUN_DIR"),
-         arg("--task", required=True, metavar="hellaswag|bpb", help="hellaswag: accuracy on the 10,042 validation "
-             "items; bpb: bits per byte on the val split"),
-         arg("--data", metavar="FILE|DATA_DIR", help="hellaswag: a local hellaswag_val.jsonl (default: the canonical "
-             "file, downloaded once); bpb: the data directory (default: the checkpoint's)"),
-         arg("--checkpoint", default="latest", metavar="latest|best|STEP|all", help="the newest, the best validation "
-             "loss, a step, several separated by commas, or all oldest first (default latest)"),
-         arg("--limit", type=int, metavar="N", help="N items (hellaswag) or N windows (bpb), evenly spaced "
-             "(default: all)"),
+         arg("--task", required=True, metavar="hellaswag|bpb", help="HellaSwag accuracy, or val bits per byte"),
+         arg("--data", metavar="FILE|DATA_DIR", help="hellaswag_val.jsonl | data dir (default: canonical | run's)"),
+         arg("--checkpoint", default="latest", metavar="latest|best|STEP|all", help="one, several (a,b), or all"),
+         arg("--limit", type=int, metavar="N", help="N items or windows, evenly spaced (default: all)"),
          arg("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)"),
-         arg("--batch-tokens", type=_count, metavar="N", help="padded tokens per forward (default 65536 on a GPU, "
-             "8192 on a CPU)"),
+         arg("--batch-tokens", type=_count, metavar="N", help="padded tokens per forward"),
          arg("--out", metavar="FILE", help="append the rows to FILE instead of RUN_DIR/eval.jsonl"),
          arg("--quiet", action="store_true", help="no progress bar"))
 def cmd_eval(args) -> int:

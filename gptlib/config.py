@@ -161,16 +161,16 @@ class RunConfig:
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes["model"]),
                                    train=dataclasses.replace(self.train, **changes["train"]))
 
-    def _field(self, name: str) -> tuple[str, str]:
+    @staticmethod
+    def _field(name: str) -> tuple[str, str]:
         """"n_layer" or "model.n_layer" -> ("model", "n_layer")."""
-        section_name, _, key = name.rpartition(".")
-        if section_name and section_name not in ("model", "train"):
-            raise ConfigError(f"unknown config section {section_name!r} in {name!r} (use model. or train.)")
-        for section in [section_name] if section_name else ["model", "train"]:
-            if key in {f.name for f in fields(getattr(self, section))}:
-                return section, key
-        known = sorted(f.name for f in fields(ModelConfig) + fields(TrainConfig))
-        raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(known)}")
+        section, _, key = name.rpartition(".")
+        if section not in ("", "model", "train"):
+            raise ConfigError(f"unknown config section {section!r} in {name!r} (use model. or train.)")
+        sections = {f.name: "model" for f in fields(ModelConfig)} | {f.name: "train" for f in fields(TrainConfig)}
+        if key not in sections or section not in ("", sections[key]):
+            raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}")
+        return sections[key], key
 
 
 # The modern recipe's learning rates for the GPU presets come from published values, not tuned here

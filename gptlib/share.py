@@ -73,7 +73,8 @@ def eval_results(ld, facts: dict) -> list:
     found = (("loss", "validation loss (nats/token)", ld.state.val_loss),
              ("bpb", "bits per byte", facts["evals"].get("bpb", {}).get("bpb")))
     out = [EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (validation split)",
-                      metric_type=kind, metric_name=name, metric_value=round(v, 4)) for kind, name, v in found if v is not None]
+                      metric_type=kind, metric_name=name, metric_value=round(v, 4))
+           for kind, name, v in found if v is not None]
     if "hellaswag" in facts["evals"]:
         out.append(EvalResult(task_type="text-generation", dataset_type="Rowan/hellaswag", dataset_name="HellaSwag",
                               dataset_split="validation", metric_type="acc_norm",
@@ -111,7 +112,8 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
         "- HellaSwag acc_norm: " + (f"{hs['acc_norm']:.4f} on {hs['n']:,} items" if hs else "not run")
         + " (GPT-2 124M: 0.2955, chance: 0.25)", "",
         *(["## Loss curve", "", f"![loss curve]({LOSS_PLOT})", ""] if plot else []),
-        "## Samples during training", "", *[f"step {r['step']:,}:\n```\n{r['text'][:400]}\n```\n" for r in f["samples"]],
+        "## Samples during training", "",
+        *[f"step {r['step']:,}:\n```\n{r['text'][:400]}\n```\n" for r in f["samples"]],
         "## Use it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'tok = AutoTokenizer.from_pretrained("{repo}")', f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
         "```", "",
@@ -138,12 +140,10 @@ def check_repo_id(repo: str) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
-        validate_repo_id(repo)
-        valid = repo.count("/") == 1
+        validate_repo_id(repo if repo.count("/") == 1 else "")  # "" fails: a model id without its USER/ is refused
     except HFValidationError:
-        valid = False
-    if not valid:
-        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', '.')")
+        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
+                        f"'.')") from None
 
 
 def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,

@@ -240,10 +240,9 @@ RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def get_preset(name: str, recipe: str = "gpt2") -> RunConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    if recipe not in RECIPES:
-        raise ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    for kind, value, known in (("preset", name, PRESETS), ("recipe", recipe, RECIPES)):
+        if value not in known:
+            raise ConfigError(f"unknown {kind} {value!r}; choose one of {', '.join(known)}")
     p, r = PRESETS[name], RECIPES[recipe]
     train = {**p["train"], **r["train"], **p.get(recipe, {})}  # the preset's own values for the recipe win
     return RunConfig(ModelConfig(**{**p["model"], **r["model"]}), TrainConfig(**train), name, recipe)
@@ -298,8 +297,6 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
         if isinstance(current, float):
             return float(value)
         parsed = json.loads(value) if value.strip().startswith("[") else [value]  # the one list field: strings
-        if not isinstance(parsed, list):
-            raise ValueError(value)
         return [str(x) for x in parsed]
     except (ValueError, KeyError):
         kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(current), "a list of strings")

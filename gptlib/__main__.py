@@ -48,13 +48,12 @@ def _count(s: str) -> int:
 
 @command("fetch-shakespeare", "download (or verify a local copy of) Tiny Shakespeare",
          arg("--local", metavar="PATH", help="use this local copy (verified) instead of downloading"),
-         arg("--cache-dir", metavar="DIR", help="download cache (default ~/.cache/gptlib or $GPTLIB_CACHE)"),
-         arg("--url", help="download from this URL instead of the canonical one"))
+         arg("--cache-dir", metavar="DIR", help="download cache (default ~/.cache/gptlib or $GPTLIB_CACHE)"))
 def cmd_fetch(args) -> int:
     """Print the path of a checksum-verified Tiny Shakespeare file, downloading it into the cache if needed."""
-    from gptlib.data.download import TINYSHAKESPEARE_URL, fetch_tinyshakespeare
+    from gptlib.data.download import fetch_tinyshakespeare
 
-    print(fetch_tinyshakespeare(cache_dir=args.cache_dir, url=args.url or TINYSHAKESPEARE_URL, local_path=args.local))
+    print(fetch_tinyshakespeare(cache_dir=args.cache_dir, local_path=args.local))
     return 0
 
 
@@ -115,7 +114,7 @@ def cmd_tokenize(args) -> int:
          arg("--seed", type=int),
          arg("--device", help="auto | cpu | cuda | cuda:N | mps"),
          arg("--compile", action=argparse.BooleanOptionalAction, help="torch.compile (default: on for big CUDA runs)"),
-         arg("--set", action="append", default=[], metavar="FIELD=VALUE", help="any config field (repeatable)"),
+         arg("--set", action="append", default=[], metavar="FIELD=VALUE", help="e.g. keep_last=3 (repeatable)"),
          arg("--init-from", metavar="RUN_DIR[:latest|best|STEP]", help="a new run from these weights"),
          arg("--take-over", action="store_true", help="take the run over from another process holding its lease"),
          arg("--skip-unreadable", action="store_true", help="go on without newer checkpoints Drive cannot read now"),

@@ -140,9 +140,15 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
-        """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults."""
+        """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults. ReLU² and
+        the logit soft cap are gone (no gain measured): a config that left them off (the defaults) loads."""
         _known(d, ("model", "train", "preset", "recipe"), source)
-        model, train = _without_retired(d.get("model", {}), source), d.get("train", {})
+        model, train = dict(d.get("model", {})), d.get("train", {})
+        cap = model.pop("logit_softcap", 0)
+        if cap or model.get("mlp") == "relu2":
+            name, value = ("logit_softcap", cap) if cap else ("mlp", "relu2")
+            raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
+                              f"docs/benchmarks.md); use the gptlib version that trained this run")
         _known(model, [f.name for f in fields(ModelConfig)], f"{source}: model")
         _known(train, [f.name for f in fields(TrainConfig)], f"{source}: train")
         return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"))
@@ -154,23 +160,18 @@ class RunConfig:
             if bad := [item for item in overrides if "=" not in item]:
                 raise ConfigError(f"override {bad[0]!r} is not FIELD=VALUE")
             overrides = dict(item.split("=", 1) for item in overrides)
+        sections = {f.name: "model" for f in fields(ModelConfig)} | {f.name: "train" for f in fields(TrainConfig)}
         changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
         for name, value in (overrides or {}).items():
-            section, key = self._field(name.strip())
+            section, _, key = name.strip().rpartition(".")  # "n_layer" or "model.n_layer"
+            if section not in ("", "model", "train"):
+                raise ConfigError(f"unknown config section {section!r} in {name!r} (use model. or train.)")
+            if key not in sections or section not in ("", sections[key]):
+                raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}")
+            section = sections[key]
             changes[section][key] = _parse_value(key, value, getattr(getattr(self, section), key))
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes["model"]),
                                    train=dataclasses.replace(self.train, **changes["train"]))
-
-    @staticmethod
-    def _field(name: str) -> tuple[str, str]:
-        """"n_layer" or "model.n_layer" -> ("model", "n_layer")."""
-        section, _, key = name.rpartition(".")
-        if section not in ("", "model", "train"):
-            raise ConfigError(f"unknown config section {section!r} in {name!r} (use model. or train.)")
-        sections = {f.name: "model" for f in fields(ModelConfig)} | {f.name: "train" for f in fields(TrainConfig)}
-        if key not in sections or section not in ("", sections[key]):
-            raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}")
-        return sections[key], key
 
 
 # The modern recipe's learning rates for the GPU presets come from published values, not tuned here
@@ -265,18 +266,6 @@ def build_config(preset: str | RunConfig, overrides: dict | list | None = None, 
 def _known(d: dict[str, Any], names, source: str) -> None:
     if unknown := set(d) - set(names):
         raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
-
-
-def _without_retired(model: dict[str, Any], source: str) -> dict[str, Any]:
-    """The ReLU² MLP and the logit soft cap are gone (no gain measured, docs/benchmarks.md): a saved config that left
-    them off (every run with the defaults) loads as before; one that used them is refused."""
-    model = dict(model)
-    cap = model.pop("logit_softcap", 0)
-    if cap or model.get("mlp") == "relu2":
-        name, value = ("logit_softcap", cap) if cap else ("mlp", "relu2")
-        raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
-                          f"docs/benchmarks.md); use the gptlib version that trained this run")
-    return model
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

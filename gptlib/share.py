@@ -136,7 +136,11 @@ def hub_error(e: Exception, repo: str) -> PushError:
                      f"all or nothing): run the same command again to finish it")
 
 
-def check_repo_id(repo: str) -> None:
+def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
+         license: str = "apache-2.0", hardware: str = "") -> str:
+    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; with dry_run, the folder
+    holding the files the commit would (nothing is uploaded)."""
+    import huggingface_hub as hub
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -144,15 +148,6 @@ def check_repo_id(repo: str) -> None:
     except HFValidationError:
         raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
                         f"'.')") from None
-
-
-def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
-         license: str = "apache-2.0", hardware: str = "") -> str:
-    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; with dry_run, the folder
-    holding the files the commit would (nothing is uploaded)."""
-    import huggingface_hub as hub
-
-    check_repo_id(repo)
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
     token = hf_token() or hub.get_token()

@@ -1,8 +1,5 @@
-"""A run's configuration: what the network is (ModelConfig), how it is trained (TrainConfig), the presets and recipes.
-
-Field names are unique across the two, so `--set n_layer=6` needs no prefix. Configs are frozen: training settles
-every field once (gptlib.training.resolve) before anything reads it.
-"""
+"""A run's configuration: the network (ModelConfig), its training (TrainConfig), the presets and the recipes.
+Field names are unique across the two, so `--set n_layer=6` needs no prefix; configs are frozen once settled."""
 
 from __future__ import annotations
 
@@ -24,42 +21,36 @@ class ModelConfig:
     n_embd: int = 128  # residual stream width
     dropout: float = 0.0  # dropout on attention/MLP outputs; 0 is best for short single-epoch runs
     bias: bool = False  # biases in Linear and LayerNorm (GPT-2 had them; without is slightly faster)
-    vocab_multiple: int = 64  # embedding rows padded to a multiple of this for fast matmuls; logits are cut back to vocab_size
+    vocab_multiple: int = 64  # embedding rows padded to a multiple of this for fast matmuls; logits cut to vocab_size
     # The recipe's parts (RECIPES): the defaults are GPT-2's, so configs saved before these fields load unchanged.
-    positions: str = "learned"  # learned (GPT-2: one embedding per position up to block_size) | rope (rotary: relative positions, no table)
+    positions: str = "learned"  # learned (GPT-2: one embedding per position) | rope (rotary: relative, no table)
     norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm (no mean, no bias: Llama, Qwen3)
-    qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (Qwen3): bounded attention logits
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys (Qwen3): bounded attention logits
     mlp: str = "gelu"  # gelu (GPT-2, hidden 4C) | swiglu (SiLU-gated, hidden ~8C/3: Llama, Qwen3)
     tie_embeddings: bool = True  # the output layer shares the input embedding's weights (GPT-2); False: its own
-    zero_init: bool = False  # output projections of attention and MLP (and an untied head) start at zero: each block starts as the identity
+    zero_init: bool = False  # attention, MLP (and untied head) output projections start at 0: blocks start as identity
     rope_theta: float = 10000.0  # rotary base: the longest wavelength; 10k suits contexts up to a few thousand tokens
 
     @property
     def padded_vocab_size(self) -> int:
         m = max(1, self.vocab_multiple)
-        return ((self.vocab_size + m - 1) // m) * m
+        return -(-self.vocab_size // m) * m
 
     @property
     def mlp_hidden(self) -> int:
-        """The MLP's hidden width: 4C, or for SwiGLU 8C/3 rounded up to a multiple of 64 (about the same parameters)."""
-        if self.mlp == "swiglu":
-            return -(-8 * self.n_embd // (3 * 64)) * 64
-        return 4 * self.n_embd
+        """4C, or for SwiGLU 8C/3 rounded up to a multiple of 64 (about the same parameters)."""
+        return -(-8 * self.n_embd // (3 * 64)) * 64 if self.mlp == "swiglu" else 4 * self.n_embd
 
     def validate(self) -> None:
-        _positive(self, "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "vocab_multiple")
+        _check(self, "vocab_size block_size n_layer n_head n_embd vocab_multiple rope_theta", _POSITIVE)
         if self.n_embd % self.n_head != 0:
-            raise ConfigError(
-                f"n_head={self.n_head} does not divide n_embd={self.n_embd}: "
-                f"each head needs n_embd/n_head dimensions (try n_head in "
-                f"{[h for h in range(1, 33) if self.n_embd % h == 0]})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+            raise ConfigError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}: each head needs "
+                              f"n_embd/n_head dimensions (try n_head in "
+                              f"{[h for h in range(1, 33) if self.n_embd % h == 0]})")
+        _check(self, "dropout", _FRACTION)
         _choice(self, "positions", ("learned", "rope"))
         _choice(self, "norm", ("layernorm", "rmsnorm"))
         _choice(self, "mlp", ("gelu", "swiglu"))
-        _positive(self, "rope_theta")
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"positions=rope rotates pairs of dimensions: the head size n_embd/n_head = "
                               f"{self.n_embd // self.n_head} must be even (change n_head or n_embd)")
@@ -68,8 +59,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 32  # sequences per micro-batch (per process under DDP)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step; tokens/step = batch_size * block_size * grad_accum_steps
-    max_steps: int = 2000  # optimizer steps in the whole run (the cosine schedule ends here)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; tokens/step = batch_size * block_size * this
+    max_steps: int = 2000  # optimizer steps in the whole run (the schedule ends here)
     learning_rate: float = 1e-3  # peak learning rate after warmup
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
     warmup_steps: int = 100  # linear warmup from 0 to the peak
@@ -80,59 +71,50 @@ class TrainConfig:
     eval_interval: int = 250  # validate (and sample, and checkpoint) every this many steps
     eval_batches: int = 20  # micro-batches averaged for each validation loss
     log_interval: int = 10  # read the loss back to the host every this many steps (a device sync)
-    sample_prompts: list[str] = field(default_factory=lambda: ["\n"])  # fixed prompts sampled at each validation (chat data: the val split's first 2 questions instead; [] = none)
+    sample_prompts: list[str] = field(default_factory=lambda: ["\n"])  # sampled at validations (chat: 2 val questions)
     sample_tokens: int = 200  # new tokens per logged sample
     seed: int = 1337  # seeds model init and the batch sampler; the run is reproducible from it
-    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (becomes the current GPU) | mps; anything else is refused
-    dtype: str = "auto"  # auto (bf16 on GPUs with bf16 hardware, A100/L4/H100; fp16 + GradScaler on the T4; fp32 on CPU) | float32 | bfloat16 (refused on a GPU without it) | float16
-    compile: str = "auto"  # auto: on for a CUDA run of at least runtime.COMPILE_MIN_FLOPS (1e16) training FLOPs, where the 0.5-2 min compile pays back (phase1: off; phase2, gpt2-*, finetune: on), off on CPU | on | off
+    device: str = "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (the current GPU) | mps
+    dtype: str = "auto"  # auto (bf16 where the GPU has it, fp16 + GradScaler on a T4, fp32 on CPU) | float32 | ...
+    compile: str = "auto"  # auto (on for CUDA runs of >= runtime.COMPILE_MIN_FLOPS, off on CPU) | on | off
     max_minutes: float = 0.0  # stop gracefully (with a checkpoint) after this much training time; 0 = no limit
     save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
     save_every_minutes: float = 10.0  # also checkpoint when this much time passed since the last one; 0 disables
     keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
-    keep_every: int = 0  # also save and keep for good every checkpoint at a multiple of this step, so notebook 04 can compare "step 1k vs 10k vs the end"; each is a full checkpoint (gpt2-small: 1.3 GB on Drive); 0 = none
-    hellaswag_every: int = 0  # score HellaSwag (a fixed subset) every this many steps, and all 10,042 items at the end of the run; logged as hellaswag_acc_norm in metrics.jsonl; 0 = off
-    hellaswag_items: int = 1000  # size of that subset, evenly spaced over the file (1,000 items: +-1.4 points standard error); 0 = all items every time
-    hellaswag_file: str = ""  # a local hellaswag_val.jsonl; empty = download the canonical file once into the cache (training goes on without HellaSwag if it cannot be had)
-    chat_loss: str = "assistant"  # chat data (tokenize --format chat): "assistant" = the loss on the assistants' answers and their <|end|> only (the user's and system's turns are context), "all" = on every token
-    optimizer: str = "adamw"  # adamw (GPT-2) | muon: torch.optim.Muon for the blocks' 2-D weights at muon_lr, AdamW for the rest (embeddings, head, norms) at learning_rate
+    keep_every: int = 0  # keep for good the checkpoints at multiples of this step (notebook 04 compares them); 0 = none
+    hellaswag_every: int = 0  # score a HellaSwag subset every this many steps, all of it at the end; 0 = off
+    hellaswag_items: int = 1000  # that subset, evenly spaced (1,000 items: +-1.4 points standard error); 0 = all
+    hellaswag_file: str = ""  # a local hellaswag_val.jsonl; "" = the canonical file, downloaded once into the cache
+    chat_loss: str = "assistant"  # chat data: the loss on the assistants' answers and <|end|> only | all (every token)
+    optimizer: str = "adamw"  # adamw (GPT-2) | muon (Muon for the blocks' 2-D weights, AdamW for the rest)
     muon_lr: float = 0.02  # Muon's peak learning rate (the schedule scales it with learning_rate's)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
-    schedule: str = "cosine"  # cosine (GPT-2: warmup, cosine decay to min_lr_ratio at max_steps) | wsd (warmup, stable, linear decay over the last cooldown_frac: a stable-phase checkpoint extends to a larger max_steps exactly)
-    cooldown_frac: float = 0.4  # wsd: the fraction of max_steps at the end over which the LR decays to min_lr_ratio * peak
-    colab_units_per_hour: float = 0.0  # Colab compute units this runtime uses per hour (the plan's and colab_units_left's estimates); 0 = gptlib's table, throughput.COLAB_UNITS_PER_HOUR (Colab changes its prices)
-    auto_batch: bool = False  # CUDA: probe the largest micro-batch that fits and set grad_accum_steps so batch_size * grad_accum_steps sequences per step are kept
+    schedule: str = "cosine"  # cosine (GPT-2) | wsd (warmup, stable, linear decay: extends to a larger max_steps)
+    cooldown_frac: float = 0.4  # wsd: the fraction of max_steps at the end over which the LR decays to min_lr_ratio
+    colab_units_per_hour: float = 0.0  # Colab units this runtime uses per hour; 0 = throughput.COLAB_UNITS_PER_HOUR
+    auto_batch: bool = False  # CUDA: the largest micro-batch that fits, grad_accum_steps keeping the tokens per step
 
     def validate(self) -> None:
-        _positive(self, "batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_batches",
-                  "log_interval", "keep_last")
-        if not self.learning_rate > 0 or not math.isfinite(self.learning_rate):
-            raise ConfigError(f"learning_rate={self.learning_rate} must be a positive number")
-        _non_negative(self, "warmup_steps", "weight_decay", "grad_clip", "max_minutes", "save_every_steps",
-                      "save_every_minutes", "sample_tokens", "keep_every", "hellaswag_every", "hellaswag_items",
-                      "colab_units_per_hour")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, 1)")
-        if self.keep_last < 2:
-            raise ConfigError(f"keep_last={self.keep_last}: at least 2 checkpoints are kept so one always survives a bad save")
+        _check(self, "batch_size grad_accum_steps max_steps eval_interval eval_batches log_interval learning_rate "
+                     "muon_lr", _POSITIVE)
+        _check(self, "warmup_steps weight_decay grad_clip max_minutes save_every_steps save_every_minutes "
+                     "sample_tokens keep_every hellaswag_every hellaswag_items colab_units_per_hour", _NON_NEGATIVE)
+        _check(self, "beta1 beta2 muon_momentum", _FRACTION)
+        _check(self, "min_lr_ratio", ("in [0, 1]", lambda v: 0 <= v <= 1))
+        _check(self, "cooldown_frac", ("in (0, 1]", lambda v: 0 < v <= 1))
+        _check(self, "keep_last", (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2))
         _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _choice(self, "compile", ("auto", "on", "off"))
         _choice(self, "chat_loss", ("assistant", "all"))
         _choice(self, "optimizer", ("adamw", "muon"))
         _choice(self, "schedule", ("cosine", "wsd"))
-        _positive(self, "muon_lr")
-        if not 0.0 <= self.muon_momentum < 1.0 or not 0.0 < self.cooldown_frac <= 1.0:
-            raise ConfigError(f"muon_momentum={self.muon_momentum} must be in [0, 1) and cooldown_frac="
-                              f"{self.cooldown_frac} in (0, 1]")
         if self.optimizer == "muon":
             import torch  # here only: `import gptlib.config` stays free of torch
 
             if not hasattr(torch.optim, "Muon"):
-                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this is "
-                                  f"torch {torch.__version__}: upgrade torch, or use --recipe gpt2 (--set optimizer=adamw)")
+                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this "
+                                  f"is torch {torch.__version__}: upgrade torch, or use --recipe gpt2 (--set "
+                                  f"optimizer=adamw)")
 
 
 @dataclass(frozen=True)
@@ -158,48 +140,38 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
-        """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults."""
-        unknown = set(d) - {"model", "train", "preset", "recipe"}
-        if unknown:
-            raise ConfigError(f"{source}: unknown top-level key(s) {sorted(unknown)}")
-        return cls(
-            model=_dataclass_from_dict(ModelConfig, _without_retired(d.get("model", {}), source), f"{source}: model"),
-            train=_dataclass_from_dict(TrainConfig, d.get("train", {}), f"{source}: train"),
-            preset=d.get("preset", "custom"),
-            recipe=d.get("recipe", "gpt2"),
-        )
+        """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults. ReLU² and
+        the logit soft cap are gone (no gain measured): a config that left them off (the defaults) loads."""
+        _known(d, ("model", "train", "preset", "recipe"), source)
+        model, train = dict(d.get("model", {})), d.get("train", {})
+        cap = model.pop("logit_softcap", 0)
+        if cap or model.get("mlp") == "relu2":
+            name, value = ("logit_softcap", cap) if cap else ("mlp", "relu2")
+            raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
+                              f"docs/benchmarks.md); use the gptlib version that trained this run")
+        _known(model, [f.name for f in fields(ModelConfig)], f"{source}: model")
+        _known(train, [f.name for f in fields(TrainConfig)], f"{source}: train")
+        return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"))
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
-        """A copy with fields changed by name (`n_layer`, or `model.n_layer`), from a dict or `FIELD=VALUE` strings;
-        strings are parsed to each field's type. Not validated (build_config validates)."""
+        """A copy with fields changed by name (`n_layer`, or `model.n_layer`), from a dict or `FIELD=VALUE` strings
+        (parsed to each field's type). Not validated."""
         if isinstance(overrides, list):
-            parsed = {}
-            for item in overrides:
-                if "=" not in item:
-                    raise ConfigError(f"override {item!r} is not FIELD=VALUE")
-                k, v = item.split("=", 1)
-                parsed[k.strip()] = v
-            overrides = parsed
+            if bad := [item for item in overrides if "=" not in item]:
+                raise ConfigError(f"override {bad[0]!r} is not FIELD=VALUE")
+            overrides = dict(item.split("=", 1) for item in overrides)
+        sections = {f.name: "model" for f in fields(ModelConfig)} | {f.name: "train" for f in fields(TrainConfig)}
         changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
         for name, value in (overrides or {}).items():
-            section, key = self._field(name)
+            section, _, key = name.strip().rpartition(".")  # "n_layer" or "model.n_layer"
+            if section not in ("", "model", "train"):
+                raise ConfigError(f"unknown config section {section!r} in {name!r} (use model. or train.)")
+            if key not in sections or section not in ("", sections[key]):
+                raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}")
+            section = sections[key]
             changes[section][key] = _parse_value(key, value, getattr(getattr(self, section), key))
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes["model"]),
                                    train=dataclasses.replace(self.train, **changes["train"]))
-
-    def _field(self, name: str) -> tuple[str, str]:
-        """"n_layer" or "model.n_layer" -> ("model", "n_layer")."""
-        section_name, _, key = name.rpartition(".")
-        if section_name and section_name not in ("model", "train"):
-            raise ConfigError(f"unknown config section {section_name!r} in {name!r} (use model. or train.)")
-        for section in [section_name] if section_name else ["model", "train"]:
-            if key in {f.name for f in fields(getattr(self, section))}:
-                return section, key
-        raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(all_field_names()))}")
-
-
-def all_field_names() -> list[str]:
-    return [f.name for f in fields(ModelConfig)] + [f.name for f in fields(TrainConfig)]
 
 
 # The modern recipe's learning rates for the GPU presets come from published values, not tuned here
@@ -242,9 +214,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
-    # Fine-tuning a trained model (train --init-from RUN_DIR): the model's shape comes from that run (the fields
-    # below are placeholders), a peak LR ~10x below pre-training, and frequent validation, since small datasets
-    # overfit within a few hundred steps.
+    # Fine-tuning a trained model (train --init-from RUN_DIR): the model's shape comes from that run (these are
+    # placeholders), a peak LR ~10x below pre-training, frequent validation (small datasets overfit quickly).
     "finetune": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
@@ -256,9 +227,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 
 
 # A recipe changes the model and the optimizer together; each part is a field of its own, so one can be switched
-# back (`--recipe modern --set qk_norm=false`) for an ablation. Its learning rates are the preset's (PRESETS[...]
-# ["modern"]). gpt2: the 2019 recipe, every field at its default. modern: the NanoGPT speedrun's and nanochat's
-# changes that a native Hugging Face architecture (Qwen3) also has, so export is exact.
+# back (`--recipe modern --set qk_norm=false`) for an ablation; its learning rates are the preset's ("modern").
+# gpt2: the 2019 recipe, every field at its default. modern: the NanoGPT speedrun's and nanochat's changes that a
+# native Hugging Face architecture (Qwen3) also has, so export is exact.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {"model": {}, "train": {}},
     "modern": {
@@ -270,14 +241,12 @@ RECIPES: dict[str, dict[str, dict[str, Any]]] = {
 
 
 def get_preset(name: str, recipe: str = "gpt2") -> RunConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    if recipe not in RECIPES:
-        raise ConfigError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    for kind, value, known in (("preset", name, PRESETS), ("recipe", recipe, RECIPES)):
+        if value not in known:
+            raise ConfigError(f"unknown {kind} {value!r}; choose one of {', '.join(known)}")
     p, r = PRESETS[name], RECIPES[recipe]
     train = {**p["train"], **r["train"], **p.get(recipe, {})}  # the preset's own values for the recipe win
-    return RunConfig(model=ModelConfig(**{**p["model"], **r["model"]}), train=TrainConfig(**train), preset=name,
-                     recipe=recipe)
+    return RunConfig(ModelConfig(**{**p["model"], **r["model"]}), TrainConfig(**train), name, recipe)
 
 
 def build_config(preset: str | RunConfig, overrides: dict | list | None = None, recipe: str | None = None,
@@ -286,80 +255,56 @@ def build_config(preset: str | RunConfig, overrides: dict | list | None = None, 
     values (None = not given), validated."""
     if isinstance(preset, str):
         cfg = get_preset(preset, recipe or "gpt2")
+    elif recipe is not None and recipe != preset.recipe:
+        raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={preset.recipe!r}; make it "
+                          f"with get_preset(name, recipe={recipe!r})")
     else:
-        cfg = RunConfig.from_dict(preset.to_dict())
-        if recipe is not None and recipe != cfg.recipe:
-            raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
-                              f"with get_preset(name, recipe={recipe!r})")
+        cfg = preset
     return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
 
 
-def _dataclass_from_dict(cls, d: dict[str, Any], source: str):
-    known = {f.name for f in fields(cls)}
-    unknown = set(d) - known
-    if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**d)
+def _known(d: dict[str, Any], names, source: str) -> None:
+    if unknown := set(d) - set(names):
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
 
 
-def _without_retired(model: Any, source: str) -> Any:
-    """The ReLU² MLP and the logit soft cap are gone (their ablation measured no gain, docs/benchmarks.md): a saved
-    config that left them off (every run with the defaults) loads as before; one that used them is refused."""
-    if not isinstance(model, dict):
-        return model
-    model = dict(model)
-    cap = model.pop("logit_softcap", 0)
-    for name, value, used in (("logit_softcap", cap, cap != 0), ("mlp", model.get("mlp"), model.get("mlp") == "relu2")):
-        if used:
-            raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
-                              f"docs/benchmarks.md); use the gptlib version that trained this run")
-    return model
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def _parse_value(name: str, value: Any, current: Any) -> Any:
-    if not isinstance(value, str):
+    """A `--set` string as the type of the field's current value; a value that is not a string is taken as is."""
+    if not isinstance(value, str) or isinstance(current, str):
         return value
     try:
         if isinstance(current, bool):
-            low = value.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
+            return _BOOLS[value.strip().lower()]
         if isinstance(current, int):
-            try:
-                return int(value)
-            except ValueError:
-                f = float(value)  # accept 1e3 or 2000.0 for an integer field, not 2.5
-                if not f.is_integer():
-                    raise
-                return int(f)
+            number = float(value)  # 1e3 and 2000.0 are integers too, 2.5 is not
+            if not number.is_integer():
+                raise ValueError(value)
+            return int(number)
         if isinstance(current, float):
             return float(value)
-        if isinstance(current, list):
-            parsed = json.loads(value) if value.strip().startswith("[") else [value]
-            if not isinstance(parsed, list):
-                raise ValueError(value)
-            return [str(x) for x in parsed]
-    except ValueError:
+        parsed = json.loads(value) if value.strip().startswith("[") else [value]  # the one list field: strings
+        return [str(x) for x in parsed]
+    except (ValueError, KeyError):
         kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(current), "a list of strings")
         raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
-    return value
 
 
-def _positive(obj, *names: str) -> None:
-    for n in names:
+# The numeric rules: (what the value must be, the test it passes).
+_POSITIVE = ("a positive number", lambda v: 0 < v < math.inf)
+_NON_NEGATIVE = (">= 0", lambda v: v >= 0)
+_FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def _check(obj, names: str, rule: tuple) -> None:
+    """Each field in `names` (space-separated) is a number (not a bool) that passes the rule."""
+    must, ok = rule
+    for n in names.split():
         v = getattr(obj, n)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-            raise ConfigError(f"{n}={v!r} must be a positive number")
-
-
-def _non_negative(obj, *names: str) -> None:
-    for n in names:
-        v = getattr(obj, n)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"{n}={v!r} must be >= 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise ConfigError(f"{n}={v!r} must be {must}")
 
 
 def _choice(obj, name: str, choices: tuple[str, ...]) -> None:

@@ -1,9 +1,5 @@
-"""A run on the Hugging Face Hub (push): one commit holding the transformers export, optionally a GGUF file, the
-loss curve and a model card built from the run's own files (state.json, eval.jsonl, samples.jsonl, the data's
-meta.json). The files are staged in a folder first (--dry-run DIR is that folder, and nothing is uploaded); a Hub
-commit is all or nothing, so an upload that fails leaves the repository as it was and the same command finishes it.
-The token goes to huggingface_hub only, never to a file, a message or the card.
-"""
+"""push: a run on the Hugging Face Hub in one commit (all or nothing: a failed upload leaves the repository as it
+was), its files staged in a folder first (--dry-run DIR). The token goes to huggingface_hub only, never to a file."""
 
 from __future__ import annotations
 
@@ -77,7 +73,8 @@ def eval_results(ld, facts: dict) -> list:
     found = (("loss", "validation loss (nats/token)", ld.state.val_loss),
              ("bpb", "bits per byte", facts["evals"].get("bpb", {}).get("bpb")))
     out = [EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (validation split)",
-                      metric_type=kind, metric_name=name, metric_value=round(v, 4)) for kind, name, v in found if v is not None]
+                      metric_type=kind, metric_name=name, metric_value=round(v, 4))
+           for kind, name, v in found if v is not None]
     if "hellaswag" in facts["evals"]:
         out.append(EvalResult(task_type="text-generation", dataset_type="Rowan/hellaswag", dataset_name="HellaSwag",
                               dataset_split="validation", metric_type="acc_norm",
@@ -115,7 +112,8 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
         "- HellaSwag acc_norm: " + (f"{hs['acc_norm']:.4f} on {hs['n']:,} items" if hs else "not run")
         + " (GPT-2 124M: 0.2955, chance: 0.25)", "",
         *(["## Loss curve", "", f"![loss curve]({LOSS_PLOT})", ""] if plot else []),
-        "## Samples during training", "", *[f"step {r['step']:,}:\n```\n{r['text'][:400]}\n```\n" for r in f["samples"]],
+        "## Samples during training", "",
+        *[f"step {r['step']:,}:\n```\n{r['text'][:400]}\n```\n" for r in f["samples"]],
         "## Use it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'tok = AutoTokenizer.from_pretrained("{repo}")', f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
         "```", "",
@@ -138,25 +136,18 @@ def hub_error(e: Exception, repo: str) -> PushError:
                      f"all or nothing): run the same command again to finish it")
 
 
-def check_repo_id(repo: str) -> None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo)
-        valid = repo.count("/") == 1
-    except HFValidationError:
-        valid = False
-    if not valid:
-        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', '.')")
-
-
 def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
          license: str = "apache-2.0", hardware: str = "") -> str:
     """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; with dry_run, the folder
     holding the files the commit would (nothing is uploaded)."""
     import huggingface_hub as hub
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    check_repo_id(repo)
+    try:
+        validate_repo_id(repo if repo.count("/") == 1 else "")  # "" fails: a model id without its USER/ is refused
+    except HFValidationError:
+        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
+                        f"'.')") from None
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
     token = hf_token() or hub.get_token()
@@ -179,45 +170,3 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
         except Exception as e:  # noqa: BLE001
             raise hub_error(e, repo) from None
     return str(url)
-
-
-def add_commands(sub, command) -> None:
-    """export-gguf and push on the command line (`command` is __main__'s subcommand maker)."""
-    p = command(sub, "export-gguf", cmd_export_gguf, help="export a checkpoint as a GGUF file (llama.cpp, Ollama)")
-    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
-    p.add_argument("--out", required=True, metavar="FILE.gguf")
-    p.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP")
-    p.add_argument("--dtype", default="f16", metavar="f32|f16|q8_0",
-                   help="f32: exact; f16 (default): half the size; q8_0: a quarter, slightly less exact")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
-    p = command(sub, "push", cmd_push, help="upload a checkpoint to the Hugging Face Hub with a model card")
-    p.add_argument("--run-dir", required=True, metavar="RUN_DIR")
-    p.add_argument("--repo", required=True, metavar="USER/NAME", help="the model repository (created if missing)")
-    p.add_argument("--checkpoint", default="best", metavar="latest|best|STEP")
-    p.add_argument("--private", action="store_true", help="create the repository private")
-    p.add_argument("--gguf", action="store_true", help="add an f16 GGUF file (llama.cpp, Ollama, LM Studio)")
-    p.add_argument("--license", default="apache-2.0", help="the card's license (default apache-2.0)")
-    p.add_argument("--hardware", default="", help="what it was trained on, for the card (e.g. '1x A100 40GB')")
-    p.add_argument("--dry-run", metavar="DIR", help="write the commit's files into DIR and upload nothing")
-
-
-def cmd_export_gguf(args) -> int:
-    """Write one GGUF file that llama.cpp, Ollama and LM Studio load: the gpt2 recipe as llama.cpp's gpt2
-    architecture, the modern one as qwen3 (llama without QK-norm), with the BPE tokenizer and a chat run's template.
-    """
-    from gptlib.inference.gguf_export import export_gguf
-
-    out = export_gguf(args.run_dir, args.out, args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"exported to {out} ({out.stat().st_size / 1e6:,.1f} MB, {args.dtype})")
-    return 0
-
-
-def cmd_push(args) -> int:
-    """Upload a checkpoint to the Hugging Face Hub in one commit: export-hf's files, the loss curve and a model card
-    built from the run (with --gguf also a GGUF file). The token: HF_TOKEN, Colab's secret HF_TOKEN or a saved
-    `hf auth login`. With --dry-run DIR the files are written into DIR and nothing is uploaded.
-    """
-    where = push(args.run_dir, args.repo, args.checkpoint, private=args.private, gguf=args.gguf,
-                 dry_run=args.dry_run, license=args.license, hardware=args.hardware)
-    print(f"{'wrote the commit files to' if args.dry_run else 'pushed to'} {where}")
-    return 0

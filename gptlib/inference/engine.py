@@ -116,7 +116,7 @@ class Engine:
                 ids.append(self.tokenizer.encode(p))
             except ValueError as e:
                 raise GenerationError(f"prompt {i} ({p[:40]!r}) cannot be encoded: {e}") from None
-        eot = getattr(self.tokenizer, "eot_id", None)
+        eot = self.tokenizer.eot_id
         if eot is not None:  # an empty prompt starts a new document (BPE); a char model needs some text
             ids = [x or [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from gptlib.config import ModelConfig
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
@@ -105,10 +107,6 @@ def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
 
 
 def _char_tokenizer_json(tok: CharTokenizer) -> str:
-    from tokenizers import Regex
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
     # "<unk>" is not in the vocabulary: an unknown character is an error in transformers too, as in gptlib.
     hf = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(tok.chars)}, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
@@ -127,7 +125,6 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size, "add_prefix_space": False,
             "clean_up_tokenization_spaces": False, "split_special_tokens": bool(special), **special}
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
 
 
 def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
@@ -142,10 +139,8 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
         config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
+        if tokenizer is not None:  # transformers takes the special tokens from here, generation's from config.json
             write_tokenizer_files(tokenizer, tmp, model.config.block_size)
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {k: config[k] for k in ("bos_token_id", "eos_token_id")}, indent=2) + "\n")
         (tmp / "README.md").write_text(_model_card(model.config, arch, info or {}))
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():  # a previous export (check_export_target): replaced only once the new one is complete

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from gptlib.checkpoint.format import TrainState, load_weights_into, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig, get_preset
-from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
+from gptlib.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import check_export_target, is_conv1d, weight_map
@@ -22,7 +23,7 @@ from gptlib.model import GPT, model_size
 GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
               "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
-_HUB_FILES = ["config.json", "*.safetensors", "tokenizer.json", "vocab.json", "merges.txt"]
+_HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
 
 
 def model_dir(name_or_dir: str | Path) -> Path:  # a Hub id is downloaded once into the Hugging Face cache
@@ -88,17 +89,10 @@ def _refuse_unless(where, checks: dict[str, tuple]) -> None:
 
 
 def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, else pytorch_model.bin loaded safely, in fp32. GPT2Model's files (as OpenAI's on the Hub) lack
-    GPT2LMHeadModel's "transformer." prefix: it is added."""
-    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
-
-        sd = load_file(str(st))
-    elif pt.is_file():
-        sd = torch.load(pt, map_location="cpu", weights_only=True)
-    else:
-        raise HFImportError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    """In fp32. GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
+    if not (folder / "model.safetensors").is_file():
+        raise HFImportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
+    sd = load_file(str(folder / "model.safetensors"))
     own = ("transformer.", "model.", "lm_head.")
     return {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in sd.items()}
 
@@ -123,25 +117,15 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
 
 
 def hf_tokenizer(folder: Path) -> Tokenizer:
-    """tokenizer.json (a gptlib char export's comes back as a CharTokenizer), else GPT-2's vocab.json + merges.txt."""
+    """tokenizer.json; a gptlib char export's comes back as a CharTokenizer."""
     tj = folder / "tokenizer.json"
-    if tj.is_file():
-        raw = tj.read_bytes()
-        model = json.loads(raw).get("model", {})
-        if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
-            return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
-        return BPETokenizer.from_json_bytes(raw, where=str(tj))
-    vocab, merges = folder / "vocab.json", folder / "merges.txt"
-    if not (vocab.is_file() and merges.is_file()):
-        raise HFImportError(f"{folder}: no tokenizer.json, nor vocab.json + merges.txt")
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    tk = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([EOT])
-    return BPETokenizer(tk)
+    if not tj.is_file():
+        raise HFImportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
+    raw = tj.read_bytes()
+    model = json.loads(raw).get("model", {})
+    if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
+        return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
+    return BPETokenizer.from_json_bytes(raw, where=str(tj))
 
 
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:

@@ -128,7 +128,6 @@ HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"
 def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
     """The terminal chat, until /quit, end of input or Ctrl-C -> exit status 0. A GptlibError in a reply is shown and
     the chat goes on."""
-    out = sys.stdout
     note = functools.partial(print, file=sys.stderr, flush=True)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # not on every platform (Windows)
@@ -146,14 +145,14 @@ def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
             elif cmd == "/help":
                 note(f"# {HELP}")
             elif cmd:
-                print("assistant> ", end="", file=out, flush=True)
+                print("assistant> ", end="", flush=True)
                 try:
-                    session.reply(line, cfg, stream=lambda piece: print(piece, end="", file=out, flush=True))
+                    session.reply(line, cfg, stream=lambda piece: print(piece, end="", flush=True))
                 except GptlibError as e:
                     note(f"\nerror: {e}")
-                print(file=out, flush=True)
+                print(flush=True)
                 if session.finish_reason == "length":
                     note("# (the reply reached max_new_tokens and was cut)")
     except (EOFError, KeyboardInterrupt):  # end of input, Ctrl-D, Ctrl-C
-        print(file=out)
+        print()
         return 0

@@ -34,8 +34,8 @@ class LoadedModel:
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, best_step, path, is_best, info},
-    by a cheap check (manifest and sizes, no hashing); the others are described in `skipped`."""
+    """The run's complete checkpoints, newest first: {step, val_loss, best_step, is_best, info}, by a cheap check
+    (manifest and sizes, no hashing); the others are described in `skipped`."""
     skipped = [] if skipped is None else skipped
 
     def table() -> list[dict]:
@@ -47,8 +47,8 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
             except (CheckpointError, OSError, json.JSONDecodeError) as e:
                 skipped.append(f"{p.name}: {e}")
                 continue
-            rows.append({"step": info.step, "path": p, "info": info,
-                         **{k: state.get(k) for k in ("val_loss", "tokens_seen", "best_step")}})
+            rows.append({"step": info.step, "val_loss": state.get("val_loss"), "best_step": state.get("best_step"),
+                         "info": info})
         for r in rows:
             r["is_best"] = r["step"] == rows[0]["best_step"]
         return rows

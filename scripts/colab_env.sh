@@ -27,7 +27,7 @@
 #   skipped), against ~6-7 min for the main suite; CI's budget is ~15 min in all. So CI runs a subset
 #   (CI_SUBSET below: 194 tests, 4.5 min; the whole script 6.0 min with the wheelhouse): the notebooks
 #   (ipywidgets 7 and tqdm's notebook bars, Colab's nbclient and ipykernel), training, checkpoints and
-#   compiled decoding (torch 2.11), the Playground and ChatBox (ipywidgets 7.7.1), export/import through
+#   KV-cached decoding (torch 2.11), the Playground and ChatBox (ipywidgets 7.7.1), export/import through
 #   transformers 5 and safetensors, the Hub (huggingface_hub 1.x; push's HfApi calls and model card), GGUF (gguf),
 #   tokenizing and shards (tokenizers,
 #   pyarrow), Colab paths, the structure check, and the modern recipe's version-sensitive parts (torch.optim.Muon

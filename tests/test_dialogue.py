@@ -96,7 +96,8 @@ def gptlib_cli(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess
 
 
 def test_the_oldest_pairs_are_dropped_first_and_the_prompt_is_the_template_rendering(chat_run, chat_tok):
-    s = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None)
+    notes = []
+    s = ChatSession.from_run(chat_run, system=SYSTEM, log=notes.append)
     full = []
     for i in range(12):
         full += [("user", f"Q{i}?"), ("assistant", f"A{i}.")]
@@ -109,12 +110,14 @@ def test_the_oldest_pairs_are_dropped_first_and_the_prompt_is_the_template_rende
     assert len(ids) + max_new <= BLOCK
     assert ids == rendered(chat_tok, SYSTEM, kept)  # the system prompt is kept
     assert kept == full[dropped:] and dropped % 2 == 0 and kept[0][0] == "user"  # whole pairs, from the front
-    assert 0 < dropped < len(full) - 1 and s.dropped_turns == dropped
+    assert 0 < dropped < len(full) - 1
+    assert notes == [f"the {dropped} oldest turns were dropped to fit the {BLOCK}-token context"]
     assert len(rendered(chat_tok, SYSTEM, full[dropped - 2:])) + max_new > BLOCK  # no more was dropped than needed
 
 
 def test_a_conversation_never_outgrows_the_context(chat_run, chat_tok, monkeypatch):
-    s = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None)
+    notes = []
+    s = ChatSession.from_run(chat_run, system=SYSTEM, log=notes.append)
     prompts = []
     real = s.engine.generate_ids
 
@@ -128,7 +131,7 @@ def test_a_conversation_never_outgrows_the_context(chat_run, chat_tok, monkeypat
         s.reply(f"Tell me more, part {i}.", SamplingConfig(max_new_tokens=12, temperature=0))
         assert [r for r, _ in s.history] == ["user", "assistant"] * (len(s.history) // 2)
     assert all(len(p) + n <= BLOCK for p, n in prompts), [len(p) for p, _ in prompts]
-    assert s.dropped_turns > 0 and len(prompts) == 8
+    assert any("oldest turns were dropped" in n for n in notes) and len(prompts) == 8
 
 
 def test_a_message_too_long_for_the_context_keeps_its_tail_and_says_so(chat_run, chat_tok, small_text):
@@ -146,7 +149,10 @@ def test_a_message_too_long_for_the_context_keeps_its_tail_and_says_so(chat_run,
     s.system = "Be very brief. " * 40
     with pytest.raises(ChatError, match="the system prompt leaves no room"):
         s.prompt_ids(16)
-    assert s.reply_budget(100) == BLOCK // 2 and "replies are cut at 32 tokens" in notes[-1]
+    s.system = SYSTEM
+    s.reset()
+    s.reply("Hi", SamplingConfig(max_new_tokens=100, temperature=0))  # 100 + the prompt would not fit
+    assert s.reply_tokens <= BLOCK // 2 and "replies are cut at 32 tokens" in notes[-1]
 
 
 # --------------------------------------------------------------------------------------- replies
@@ -182,7 +188,7 @@ def test_a_failed_reply_leaves_the_conversation_as_it_was(chat_run):
 
     with pytest.raises(RuntimeError, match="the stream broke"):
         s.reply("Hi", SamplingConfig(max_new_tokens=12, temperature=0), stream=broken)
-    assert s.history == before and s.dropped_turns == 0  # not even the pairs dropped to fit are lost
+    assert s.history == before  # not even the pairs dropped to fit are lost
 
 
 def test_a_model_that_always_writes_end_gives_an_empty_reply_at_once(tmp_path, chat_tok):
@@ -261,7 +267,7 @@ def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path
     box.send("And then?")
     s = box.session()
     assert len(box.turns) == 4 and s.history == box.turns[len(box.turns) - len(s.history):]  # the transcript keeps all
-    assert s.dropped_turns == 2 and "2 oldest turns were dropped" in box.status.value  # the random reply is long
+    assert "2 oldest turns were dropped" in box.status.value  # the random reply is long
     box.reset_button.click()  # the real button runs the same path
     assert box.session().history == [] and box.turns == [] and box.transcript.value == ""
 

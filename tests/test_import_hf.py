@@ -72,7 +72,7 @@ def test_a_char_run_comes_back_with_its_char_tokenizer(char_data, tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("activation_function", "relu", "activation_function is 'relu', gptlib's GPT-2 has 'gelu_new'"),
+    ("activation_function", "relu", "activation_function is 'relu'; gptlib's model needs 'gelu_new'"),
     ("model_type", "mistral", "model_type is 'mistral'"),  # llama and qwen3 import (the modern recipe)
     ("model_type", "llama", "config.json: hidden_size is missing"),
     ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx is True"),

@@ -102,8 +102,8 @@ def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(run,
     assert rc == 0 and f"wrote the commit files to {dry}" in out
     assert recording.tokens == [] and recording.commits == []  # a dry run never reaches the Hub
     files = {p.name: p.read_bytes() for p in dry.iterdir()}
-    assert set(files) == {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                          "tokenizer_config.json", "special_tokens_map.json", "loss.png", "tiny-gpt-F16.gguf"}
+    assert set(files) == {"README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                          "loss.png", "tiny-gpt-F16.gguf"}
 
     rc, out, err = cli(capsys, "push", "--run-dir", run, "--repo", "alice/tiny-gpt", "--gguf", "--private",
                        "--hardware", "2-core CPU")

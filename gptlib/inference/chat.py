@@ -2,7 +2,7 @@
 another role token (a model that writes one has ended its turn). Prompt and reply must fit in block_size tokens (past
 it the model would silently lose the system prompt first), so before each reply, with a notice through `log`:
 1. max_new_tokens is capped at block_size // 2, leaving room for the conversation;
-2. the oldest (user, assistant) pairs are dropped for good: a forgotten turn never comes back; the system prompt stays;
+2. the oldest (user, assistant) pairs are dropped for good; the system prompt stays;
 3. if the newest message alone does not fit, the model gets its longest tail that fits (a question usually comes last).
 """
 
@@ -26,8 +26,6 @@ FINETUNE_HINT = ("fine-tune it on conversations first: python -m gptlib tokenize
 
 
 class ChatSession:
-    """A conversation with one model: system prompt, history [(role, content)], replies within the context."""
-
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
         tok, where = engine.tokenizer, engine.source or "this model"
         try:
@@ -36,17 +34,13 @@ class ChatSession:
             raise ChatError(f"{where}: its {getattr(tok, 'kind', '')} tokenizer has no chat tokens "
                             f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; "
                             f"{FINETUNE_HINT}") from None
-        vocab = engine.model.config.vocab_size
-        if max(self.template.role_ids.values()) >= vocab or self.template.end_id >= vocab:
-            raise ChatError(f"{where}: the tokenizer's chat tokens lie beyond the model's vocabulary ({vocab}); "
-                            f"{FINETUNE_HINT}")
-        self.engine = engine
-        self.system = system or None
-        self.log = log
-        self.block_size = engine.model.config.block_size
         self.stop_ids = sorted({self.template.end_id, self.template.eot_id, *self.template.role_ids.values()})
+        if max(self.stop_ids) >= engine.model.config.vocab_size:
+            raise ChatError(f"{where}: the tokenizer's chat tokens lie beyond the model's vocabulary "
+                            f"({engine.model.config.vocab_size}); {FINETUNE_HINT}")
+        self.engine, self.system, self.log = engine, system or None, log
+        self.block_size = engine.model.config.block_size
         self.history: list[tuple[str, str]] = []
-        self.dropped_turns = 0  # turns dropped from the front of the history to fit the context
         self.finish_reason = ""  # of the last reply: "eot" (a chat token), "length" or "stop" (a stop string)
         self.reply_tokens = 0  # tokens the model generated for the last reply (the final chat token included)
         self._capped_said = False
@@ -58,7 +52,6 @@ class ChatSession:
 
     def reset(self) -> None:  # the system prompt stays
         self.history = []
-        self.dropped_turns = 0
 
     def reply(self, text: str, sampling: SamplingConfig | None = None,
               stream: Callable[[str], None] | None = None) -> str:
@@ -66,15 +59,17 @@ class ChatSession:
         if not isinstance(text, str):
             raise ChatError(f"a message must be a string, not a {type(text).__name__}")
         cfg = dataclasses.replace(sampling or SamplingConfig()).validate()  # a copy: the cap must not leak out
-        cfg.max_new_tokens = self.reply_budget(cfg.max_new_tokens)
-        self.finish_reason = ""
-        before = (list(self.history), self.dropped_turns)
+        if cfg.max_new_tokens > self.reply_cap and not self._capped_said:
+            self.log(f"max_new_tokens={cfg.max_new_tokens} would leave too little of the {self.block_size}-token "
+                     f"context for the conversation: replies are cut at {self.reply_cap} tokens")
+            self._capped_said = True
+        cfg.max_new_tokens = min(cfg.max_new_tokens, self.reply_cap)
+        self.finish_reason, before = "", list(self.history)
         self.history.append(("user", text))
         try:
-            ids = self.prompt_ids(cfg.max_new_tokens)
-            answer = self._generate(ids, cfg, stream)
+            answer = self._generate(self.prompt_ids(cfg.max_new_tokens), cfg, stream)
         except BaseException:
-            self.history, self.dropped_turns = before  # a failed or interrupted reply leaves the conversation as it was
+            self.history = before  # a failed or interrupted reply leaves the conversation as it was
             raise
         self.history.append(("assistant", answer))
         return answer
@@ -82,13 +77,6 @@ class ChatSession:
     @property
     def reply_cap(self) -> int:
         return max(1, self.block_size // 2)  # rule 1
-
-    def reply_budget(self, max_new_tokens: int) -> int:
-        if max_new_tokens > self.reply_cap and not self._capped_said:
-            self.log(f"max_new_tokens={max_new_tokens} would leave too little of the {self.block_size}-token "
-                     f"context for the conversation: replies are cut at {self.reply_cap} tokens")
-            self._capped_said = True
-        return min(max_new_tokens, self.reply_cap)
 
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
         head = [("system", self.system)] if self.system else []
@@ -103,7 +91,6 @@ class ChatSession:
             del self.history[:2]
             dropped += 2
         if dropped:
-            self.dropped_turns += dropped
             self.log(f"the {dropped} oldest turns were dropped to fit the {self.block_size}-token context")
         if len(ids) <= room:
             return ids
@@ -121,8 +108,7 @@ class ChatSession:
         return self.render([("user", text[len(text) - n:])])
 
     def _generate(self, ids: list[int], cfg: SamplingConfig, stream: Callable[[str], None] | None) -> str:
-        """Without the template's leading newline."""
-        started = False
+        started = False  # the template's newline that starts every answer is not part of it
 
         def shown(_: int, piece: str) -> None:
             nonlocal started
@@ -140,9 +126,8 @@ HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"
 
 
 def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
-    """The terminal chat, until /quit, end of input or Ctrl-C; a GptlibError in a reply is shown and the chat goes on.
-    Returns the exit status (0)."""
-    out = sys.stdout
+    """The terminal chat, until /quit, end of input or Ctrl-C -> exit status 0. A GptlibError in a reply is shown and
+    the chat goes on."""
     note = functools.partial(print, file=sys.stderr, flush=True)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # not on every platform (Windows)
@@ -160,14 +145,14 @@ def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
             elif cmd == "/help":
                 note(f"# {HELP}")
             elif cmd:
-                print("assistant> ", end="", file=out, flush=True)
+                print("assistant> ", end="", flush=True)
                 try:
-                    session.reply(line, cfg, stream=lambda piece: print(piece, end="", file=out, flush=True))
+                    session.reply(line, cfg, stream=lambda piece: print(piece, end="", flush=True))
                 except GptlibError as e:
                     note(f"\nerror: {e}")
-                print(file=out, flush=True)
+                print(flush=True)
                 if session.finish_reason == "length":
                     note("# (the reply reached max_new_tokens and was cut)")
     except (EOFError, KeyboardInterrupt):  # end of input, Ctrl-D, Ctrl-C
-        print(file=out)
+        print()
         return 0

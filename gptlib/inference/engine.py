@@ -1,8 +1,7 @@
-"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as in Meta's Llama
-reference code): every row is prefilled up to the shortest prompt, then a row still reading its prompt is fed its
-own next token while the others generate, so row b's token t sits at position t. Past block_size the window slides:
-the newest block_size tokens are prefilled again. The host reads tokens back only when a stream or a stop needs them.
-"""
+"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as Meta's Llama
+reference code does): all rows are prefilled up to the shortest prompt, then a row still reading its prompt is fed its
+own next token, so row b's token t sits at position t. Past block_size the newest block_size tokens are prefilled
+again. The host reads tokens back only when a stream or a stop needs them."""
 
 from __future__ import annotations
 
@@ -19,78 +18,62 @@ from gptlib.model import GPT, KVCache
 OnStep = Callable[[list[int], list[int]], "Sequence[int] | None"]  # (rows, their new tokens) -> rows to stop
 
 
-def _generated(buf: list[list[int]], lens: list[int], ends: list[int], reasons: list[str], stop_ids: Sequence[int]
-               ) -> tuple[list[list[int]], list[str]]:
-    """Each row's new tokens, buf[b][lens[b]:ends[b]], cut after the first end-of-text id ("eot"), and reasons."""
-    out = []
-    for b, row in enumerate(buf):
-        row = row[lens[b] : ends[b]]
-        eot = next((j for j, t in enumerate(row) if t in stop_ids), None)
-        if eot is not None:
-            row, reasons[b] = row[: eot + 1], "eot"
-        out.append(row)
-    return out, reasons
-
-
 class Engine:
-    """Generation for one model, and with its tokenizer from text to text."""
-
     def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
-        self.model, self.tokenizer = model, tokenizer  # the model is used as is: from_run puts it in eval mode
+        self.model, self.tokenizer = model, tokenizer  # used as is: from_run puts the model in eval mode
         self.step, self.source = step, source  # the checkpoint's training step and path, for display
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto") -> "Engine":
-        """A checkpoint of a run: "latest", "best" or a step. dtype "auto": bf16 on a GPU (fp16 on a T4), since each
-        decoded token reads every weight and half the bytes take about half the time; fp32 on a CPU."""
+        """dtype "auto": bf16 on a GPU (fp16 on a T4), since each decoded token reads every weight and half the bytes
+        take about half the time; fp32 on a CPU."""
         ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path))
 
     def _logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Feed idx (B, T) after what the cache holds -> the last position's logits (B, V). Only the last position
-        goes through the output layer: all T of a prefill onto a 32K vocabulary would cost as much as several blocks."""
+        # Only the last position goes through the output layer: all T of a prefill onto a 32K vocabulary would cost
+        # as much as several blocks.
         return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
 
     def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
-        """Logits after the token at `cur`: one cached step, or past the window the newest block_size tokens again."""
         bs = self.model.config.block_size
         if cache.pos < bs:
             return self._logits(buf[:, cur : cur + 1], cache)
-        cache.pos = 0
+        cache.pos = 0  # the window slides: the newest block_size tokens again
         return self._logits(buf[:, cur + 1 - bs : cur + 1], cache)
 
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
                      generator: torch.Generator | None = None, stop_ids: Sequence[int] = (),
                      on_step: OnStep | None = None) -> tuple[list[list[int]], list[str]]:
-        """Continue each prompt (token ids) -> (the new ids, the finish reason) per prompt. on_step(rows, tokens) gets
-        the rows that produced a new token and those tokens after each step, and returns the rows to stop ("stop":
-        a stop string appeared). A row also ends at a token in stop_ids ("eot") or after max_new_tokens ("length")."""
+        """Continue each prompt (token ids) -> (its new ids, why it ended). After each step on_step(rows, tokens) gets
+        the rows that produced a new token and those tokens, and returns the rows to stop ("stop": a stop string). A
+        row also ends at a token in stop_ids ("eot", kept) or after max_new_tokens ("length")."""
         cfg.validate()
-        bs, dev, max_new = self.model.config.block_size, self.device, cfg.max_new_tokens
+        bs, dev, max_new, B = self.model.config.block_size, self.device, cfg.max_new_tokens, len(prompts)
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
             raise GenerationError(f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)")
         if not prompts or max_new == 0:
-            return [[] for _ in prompts], ["length"] * len(prompts)
+            return [[] for _ in prompts], ["length"] * B
         if generator is None and cfg.temperature > 0:  # same seed, weights and settings -> same text
             generator = torch.Generator(dev).manual_seed(secrets.randbits(63) if cfg.seed is None else cfg.seed)
         lens = [len(p) for p in prompts]
         min_len, max_len, total = min(lens), max(lens), max(lens) + max_new
-        buf = torch.zeros(len(prompts), total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
+        buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
         for b, p in enumerate(prompts):
             buf[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         lens_t = torch.tensor(lens, device=dev)
         is_prompt = torch.arange(total, device=dev) < lens_t[:, None]  # (B, total)
-        seen = None  # (B, V) tokens in each row's context, for the repetition penalty
+        seen = None  # (B, V) the tokens in each row's context, for the repetition penalty
         if cfg.repetition_penalty != 1.0:
-            seen = torch.zeros(len(prompts), self.model.config.vocab_size, dtype=torch.bool, device=dev)
+            seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=dev)
             seen.scatter_(1, buf[:, :min_len], True)
         stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)  # finished rows: further tokens dropped
-        reasons, stop_at = ["length"] * len(prompts), [None] * len(prompts)  # stop_at: where a stop string ended
-        cache = KVCache(self.model.config, len(prompts), dev, self.dtype)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # finished rows: their further tokens are dropped
+        reasons, ends = ["length"] * B, [n + max_new for n in lens]
+        cache = KVCache(self.model.config, B, dev, self.dtype)
         logits = self._logits(buf[:, max(0, min_len - bs) : min_len], cache)
         for cur in range(min_len, total):
             nxt = sample_next(process_logits(logits, cfg, seen), cfg, generator)  # (B,)
@@ -107,16 +90,18 @@ class Engine:
             if on_step is not None and (rows := new.nonzero().flatten().tolist()):
                 stopped = list(on_step(rows, nxt[rows].tolist()) or ())
                 for r in stopped:
-                    reasons[r], stop_at[r] = "stop", cur
+                    reasons[r], ends[r] = "stop", cur + 1
                 done[stopped] = True
             # Checking "all rows done" costs a device sync: every step if we sync anyway, else every 16.
             check = on_step is not None or stop_t is not None and cur % 16 == 0
             if cur + 1 >= total or check and bool(done.all()):
                 break
             logits = self._next_logits(buf, cur, cache)
-
-        ends = [min(cur + 1, n + max_new) if at is None else at + 1 for n, at in zip(lens, stop_at)]
-        return _generated(buf.tolist(), lens, ends, reasons, stop_ids)
+        out = [row[n : min(end, cur + 1)] for row, n, end in zip(buf.tolist(), lens, ends)]
+        for b, row in enumerate(out):  # each row ends at its first end-of-text
+            if (eot := next((j for j, t in enumerate(row) if t in stop_ids), None)) is not None:
+                out[b], reasons[b] = row[: eot + 1], "eot"
+        return out, reasons
 
     def generate(self, prompts: str | Sequence[str], cfg: SamplingConfig | None = None, *,
                  stream: Callable[[int, str], None] | None = None) -> list[Completion]:
@@ -131,7 +116,7 @@ class Engine:
                 ids.append(self.tokenizer.encode(p))
             except ValueError as e:
                 raise GenerationError(f"prompt {i} ({p[:40]!r}) cannot be encoded: {e}") from None
-        eot = getattr(self.tokenizer, "eot_id", None)
+        eot = self.tokenizer.eot_id
         if eot is not None:  # an empty prompt starts a new document (BPE); a char model needs some text
             ids = [x or [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []
@@ -142,8 +127,8 @@ class Engine:
     def generate_text(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] = (),
                       stream: Callable[[int, str], None] | None = None
                       ) -> tuple[list[str], list[list[int]], list[str]]:
-        """generate_ids, and each row's new text without end-of-text or a stop string. A stream or stop strings need
-        the text token by token (the host then reads every token back); else it is decoded once at the end."""
+        """generate_ids and each row's new text, without end-of-text or a stop string. A stream or stop strings need
+        the text token by token (the host then reads every token back), else it is decoded once at the end."""
         if stream is None and not cfg.stop:
             out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
             return [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out], out, reasons
@@ -172,7 +157,7 @@ class _TextStream:
 
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
-        self.text = ""  # the final text so far (stable, before any stop string)
+        self.text = ""  # the final text so far (before any stop string)
         self.emitted = 0  # characters of self.text already handed to the stream
         self._pending: list[int] = []  # tokens whose text is not complete yet
         self.stopped = False
@@ -199,8 +184,7 @@ class _TextStream:
             return self._take(len(self.text))
         return self._take(len(self.text) - self._held())
 
-    def _held(self) -> int:
-        """The longest end of the text that is a proper prefix of a stop string."""
+    def _held(self) -> int:  # the longest end of the text that is a proper prefix of a stop string
         ends = [n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
                 if self.text.endswith(s[:n])]
         return max(ends, default=0)
@@ -210,8 +194,7 @@ class _TextStream:
         self.emitted = max(self.emitted, upto)
         return piece
 
-    def flush(self) -> str:
-        """At the end: the held-back text that never became a stop string."""
+    def flush(self) -> str:  # at the end: the held-back text that never became a stop string
         if self._pending:
             self.text += self.tok.decode(self._pending)
             self._pending = []

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from gptlib.config import ModelConfig
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
@@ -25,14 +27,14 @@ GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # Linea
 GPT2_PARTS = dict(positions="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True)
 LLAMA_PARTS = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 CLASSES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-EXPORT_TITLES = {arch: f"# gptlib {name} export" for arch, name in  # README.md's first line: a previous export
-                 (("gpt2", "GPT-2"), ("qwen3", "Qwen3"), ("llama", "Llama"))}
+NAMES = {"gpt2": "GPT-2", "qwen3": "Qwen3", "llama": "Llama"}
+EXPORT_TITLES = [f"# gptlib {name} export" for name in NAMES.values()]  # README.md's first line: a previous export
 _RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
 
 
 def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
-    """"gpt2", "qwen3" or "llama": the transformers (and llama.cpp) architecture that computes exactly this model;
-    else ExportError naming the fields that keep it from the nearest one."""
+    """The transformers (and llama.cpp) architecture that computes exactly this model, else ExportError naming the
+    fields that keep it from the nearest one."""
     if all(getattr(cfg, k) == v for k, v in GPT2_PARTS.items()):
         return "gpt2"
     off = {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}
@@ -46,7 +48,7 @@ def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
 
 def weight_map(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
     """(our weight, the transformers weights it holds, stacked along dim 0): c_attn is q, k, v, a SwiGLU c_fc is
-    gate and up. GPT-2's names are ours (its Linears transposed); the embeddings lose their padding rows there."""
+    gate and up. GPT-2's names are ours (its Linears transposed)."""
     if native_arch(cfg) == "gpt2":
         names = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"] + [
             f"h.{i}.{part}.{w}" for i in range(cfg.n_layer) for part in ("ln_1", "ln_2", *GPT2_LINEARS)
@@ -86,7 +88,6 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
-    """The config.json of GPT2Config (or Qwen3's / Llama's), written by hand so exporting does not need transformers."""
     arch = native_arch(cfg)
     common = {"architectures": [CLASSES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
               "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32", "use_cache": True}
@@ -106,44 +107,29 @@ def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
 
 
 def _char_tokenizer_json(tok: CharTokenizer) -> str:
-    """A `tokenizers` WordLevel file over single characters with our ids."""
-    from tokenizers import Regex
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(tok.chars)}
-    # WordLevel needs an unknown token name; it is not in the vocabulary, so an unknown character is an error in
-    # transformers too, as in gptlib.
-    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # "<unk>" is not in the vocabulary: an unknown character is an error in transformers too, as in gptlib.
+    hf = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(tok.chars)}, unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
     hf.decoder = decoders.Fuse()  # join tokens without spaces
     return hf.to_str()
 
 
 def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for PreTrainedTokenizerFast."""
     if isinstance(tok, CharTokenizer):
         (out / "tokenizer.json").write_text(_char_tokenizer_json(tok), encoding="utf-8")
     else:  # byte-level BPE: our tokenizer.json already is a `tokenizers` file
         (out / "tokenizer.json").write_bytes(tok.to_json_bytes())
-    special = {}
-    if tok.eot_id is not None:  # a BPE tokenizer's end-of-text is always EOT
-        special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
-            "clean_up_tokenization_spaces": False,  # decode must give back exactly the characters
-            "add_prefix_space": False, **special}
-    if tok.eot_id is not None:
-        # gptlib encodes a literal "<|endoftext|>" in text as text (documents cannot forge a boundary);
-        # this makes transformers do the same (the special token is then only added by id).
-        tcfg["split_special_tokens"] = True
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tok.eot_id is not None else {}
+    # split_special_tokens: a literal "<|endoftext|>" in text stays text, as in gptlib (documents cannot forge a
+    # boundary); the special token is only added by id. clean_up_...: decode gives back exactly the characters.
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size, "add_prefix_space": False,
+            "clean_up_tokenization_spaces": False, "split_special_tokens": bool(special), **special}
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2, ensure_ascii=False) + "\n")
 
 
 def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = None, overwrite: bool = False,
                  info: dict | None = None) -> Path:
-    """config.json, model.safetensors and (with a tokenizer) the tokenizer files, written into a temporary sibling
-    folder renamed at the end, so a failed export leaves no half folder (check_export_target first)."""
+    """Written into a temporary sibling folder renamed at the end: a failed export leaves no half folder."""
     out = Path(out_dir)
     check_export_target(out, overwrite)
     arch = native_arch(model.config)  # a part no native architecture has: refused before anything is written
@@ -153,10 +139,8 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
         config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
+        if tokenizer is not None:  # transformers takes the special tokens from here, generation's from config.json
             write_tokenizer_files(tokenizer, tmp, model.config.block_size)
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {k: config[k] for k in ("bos_token_id", "eos_token_id")}, indent=2) + "\n")
         (tmp / "README.md").write_text(_model_card(model.config, arch, info or {}))
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():  # a previous export (check_export_target): replaced only once the new one is complete
@@ -169,8 +153,8 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
 
 
 def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
-    """Refuse an output folder that is (or is inside, or holds) the run being exported, a run or data
-    directory, or a non-empty folder that is not a previous gptlib export; overwrite replaces only the latter."""
+    """Refuse the run being exported (or a folder inside it or holding it), a run or data directory, or a non-empty
+    folder that is not a previous gptlib export; overwrite replaces only the latter."""
     target = out.resolve()
     if run_dir is not None:
         run = Path(run_dir).resolve()
@@ -190,7 +174,7 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
         return
     readme = out / "README.md"
     first = readme.read_text(errors="replace").partition("\n")[0] if readme.is_file() else ""
-    if first not in EXPORT_TITLES.values():
+    if first not in EXPORT_TITLES:
         raise ExportError(f"--out {out} is not empty and is not a previous gptlib export; choose an empty or new "
                           f"folder (--overwrite replaces only a previous export)")
     if not overwrite:
@@ -199,7 +183,6 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
 
 def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = "latest",
               overwrite: bool = False) -> Path:
-    """One checkpoint of a run ("latest", "best" or a step) with its verified tokenizer."""
     check_export_target(Path(out_dir), overwrite, Path(run_dir))  # before reading gigabytes of weights
     ld = load_run(run_dir, checkpoint)
     info = {"run_dir": str(run_dir), "step": ld.step, "val_loss": ld.state.val_loss, "tokenizer": ld.tokenizer.kind}
@@ -208,8 +191,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, checkpoint: str | int = 
 
 def _model_card(c: ModelConfig, arch: str, info: dict) -> str:
     return "\n".join([
-        EXPORT_TITLES[arch], "",
-        f"A {EXPORT_TITLES[arch].split()[2]} architecture model trained from scratch with gptlib: {c.n_layer} layers, "
+        f"# gptlib {NAMES[arch]} export", "",
+        f"A {NAMES[arch]} architecture model trained from scratch with gptlib: {c.n_layer} layers, "
         f"{c.n_head} heads, {c.n_embd} wide, context {c.block_size}, vocabulary {c.vocab_size}.", "",
         *([f"- {k}: {v}" for k, v in info.items()] + [""] if info else []),
         "```python",
@@ -223,8 +206,7 @@ def _model_card(c: ModelConfig, arch: str, info: dict) -> str:
 
 
 def export_hint(run_dir: str | Path, checkpoint: str = "best") -> str:
-    """Notebook 04 without an export folder: what export is and where it would write (a dashboard user sees only
-    this line)."""
+    """Notebook 04 without an export folder: what export is and where it would write (all a dashboard user sees)."""
     from gptlib import colab
 
     where = colab.setup().persistent / "exports" / Path(run_dir).name  # on Colab: on Drive, where it outlives the VM

@@ -1,8 +1,6 @@
-"""A checkpoint as one GGUF file (export-gguf) for llama.cpp, Ollama and LM Studio, written with `gguf`, llama.cpp's
-own writer: the gpt2 recipe as llama.cpp's gpt2 architecture, the modern one as qwen3 (llama without QK-norm), the
-byte-level BPE with GPT-2's pre-tokenizer, and a chat run's template. The weights are export.py's transformers
-tensors under the names llama.cpp's convert_hf_to_gguf.py gives them (gguf's TensorNameMap).
-"""
+"""A checkpoint as one GGUF file (export-gguf) for llama.cpp, Ollama and LM Studio, written with llama.cpp's own
+`gguf`: export.py's transformers tensors under the names llama.cpp's converter gives them, the byte-level BPE with
+GPT-2's pre-tokenizer, and a chat run's template."""
 
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import gguf
 import numpy as np
-import torch
 
 from gptlib.data.conversations import END, ROLE_TOKENS, ChatTemplate
 from gptlib.data.tokenizer import EOT, BPETokenizer, Tokenizer
@@ -20,7 +18,8 @@ from gptlib.inference.export import hf_state_dict, is_conv1d, native_arch
 from gptlib.inference.loading import load_run
 from gptlib.model import RMS_EPS, GPT
 
-DTYPES = ("f32", "f16", "q8_0")
+FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 # conversations.py's template (version 1) in Jinja, as llama.cpp, LM Studio and Ollama render a chat: each turn is
 # its role token, a newline and the text, <|end|> and a newline. The generation prompt ends with the newline every
 # answer starts with (always a token of its own after a role token: GPT-2's split regex), so the reply has none.
@@ -30,17 +29,15 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\
 
 
 def gguf_tensors(model: GPT, arch: str):
-    """(llama.cpp's name, fp32 array) of every weight; GPT-2's biases are zeros where the model has none."""
-    import gguf
-
+    """(llama.cpp's name, fp32 array) of every weight."""
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.n_layer)
     for name, w in hf_state_dict(model).items():
         if is_conv1d(cfg, name):
             w = w.t()  # llama.cpp keeps a Linear's (out, in), which transformers' GPT-2 turned around
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            # llama.cpp's llama rotates adjacent pairs, ours (Qwen3's) the two halves: order each head's rows so
-            # (as convert_hf_to_gguf.py does)
+            # llama.cpp's llama rotates adjacent pairs, ours (Qwen3's) the two halves: each head's rows reordered,
+            # as convert_hf_to_gguf.py does
             w = w.reshape(cfg.n_head, 2, -1, w.shape[1]).transpose(1, 2).reshape(w.shape)
         yield names.get_name(name, try_suffixes=(".weight", ".bias")), w.contiguous().numpy()
 
@@ -48,24 +45,16 @@ def gguf_tensors(model: GPT, arch: str):
 def _quantized(name: str, w: np.ndarray, dtype: str):
     """(data, ggml type) as llama.cpp's converter stores it: norms, biases and positions in f32, the rest in dtype
     (q8_0 rows of a length that is not a multiple of 32 in f16)."""
-    import gguf
-
     t = gguf.GGMLQuantizationType
     if dtype == "f32" or w.ndim == 1 or name.endswith("_norm.weight") or name.startswith("position_embd"):
         return w, t.F32
-    if dtype == "q8_0":
-        try:
-            return gguf.quants.quantize(w, t.Q8_0), t.Q8_0
-        except gguf.QuantError:
-            pass
+    if dtype == "q8_0" and gguf.quants.Q8_0.can_quantize(w):
+        return gguf.quants.quantize(w, t.Q8_0), t.Q8_0
     return w.astype(np.float16), t.F16
 
 
 def tokenizer_vocab(tok: BPETokenizer, n: int) -> tuple[list[str], list[int], list[str]]:
-    """The n tokens by id (unused ones named as llama.cpp's converter names them), their llama.cpp types and the
-    merges of a `tokenizers` byte-level BPE file."""
-    import gguf
-
+    """The n tokens by id (unused ones named as llama.cpp's converter names them), their types and the merges."""
     obj = json.loads(tok.to_json_bytes())
     by_id = {i: t for t, i in obj["model"]["vocab"].items()}
     kinds = {i: gguf.TokenType.NORMAL for i in by_id}
@@ -79,8 +68,6 @@ def tokenizer_vocab(tok: BPETokenizer, n: int) -> tuple[list[str], list[int], li
 
 
 def _add_header(w, cfg, arch: str, dtype: str, name: str) -> None:
-    import gguf
-
     w.add_name(name)
     w.add_block_count(cfg.n_layer)
     w.add_context_length(cfg.block_size)
@@ -93,8 +80,7 @@ def _add_header(w, cfg, arch: str, dtype: str, name: str) -> None:
     else:
         w.add_layer_norm_rms_eps(RMS_EPS)
         w.add_rope_freq_base(cfg.rope_theta)
-    ft = gguf.LlamaFileType
-    w.add_file_type({"f32": ft.ALL_F32, "f16": ft.MOSTLY_F16, "q8_0": ft.MOSTLY_Q8_0}[dtype])
+    w.add_file_type(FILE_TYPES[dtype])
 
 
 def _add_tokenizer(w, tok: BPETokenizer, n: int) -> None:
@@ -117,10 +103,7 @@ def _add_tokenizer(w, tok: BPETokenizer, n: int) -> None:
 
 def write_gguf(model: GPT, tokenizer: Tokenizer, out: str | Path, dtype: str = "f16", name: str = "gptlib",
                overwrite: bool = False) -> Path:
-    """model and its tokenizer as one GGUF file, written beside `out` and renamed at the end: a failed export
-    leaves nothing, and an existing file stays unless overwrite."""
-    import gguf
-
+    """Written beside `out` and renamed at the end: a failed export leaves nothing, an existing file stays."""
     out = Path(out)
     check_gguf_target(out, overwrite, dtype)
     arch = gguf_arch(model.config, tokenizer)
@@ -130,10 +113,9 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, out: str | Path, dtype: str = "
         w = gguf.GGUFWriter(tmp, arch)
         _add_header(w, model.config, arch, dtype, name)
         _add_tokenizer(w, tokenizer, model.config.vocab_size)
-        with torch.no_grad():
-            for tname, data in gguf_tensors(model, arch):
-                data, qtype = _quantized(tname, data, dtype)
-                w.add_tensor(tname, data, raw_dtype=qtype)
+        for tname, data in gguf_tensors(model, arch):
+            data, qtype = _quantized(tname, data, dtype)
+            w.add_tensor(tname, data, raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -145,7 +127,6 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, out: str | Path, dtype: str = "
 
 
 def gguf_arch(cfg, tokenizer: Tokenizer) -> str:
-    """llama.cpp's architecture for this model and tokenizer, or ExportError saying why there is none."""
     if not isinstance(tokenizer, BPETokenizer):
         raise ExportError(f"this run has a {tokenizer.kind} tokenizer; llama.cpp's tokenizers are subword ones: "
                           f"export a byte-level BPE run (tokenize --tokenizer bpe), or use export-hf for this one")
@@ -153,8 +134,8 @@ def gguf_arch(cfg, tokenizer: Tokenizer) -> str:
 
 
 def check_gguf_target(out: Path, overwrite: bool, dtype: str) -> None:
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype not in FILE_TYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(FILE_TYPES)}")
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.gguf'}")
     if out.exists() and not overwrite:
@@ -163,7 +144,6 @@ def check_gguf_target(out: Path, overwrite: bool, dtype: str) -> None:
 
 def export_gguf(run_dir: str | Path, out: str | Path, checkpoint: str | int = "latest", dtype: str = "f16",
                 overwrite: bool = False) -> Path:
-    """One checkpoint of a run ("latest", "best" or a step) with its verified tokenizer as a GGUF file."""
     check_gguf_target(Path(out), overwrite, dtype)  # before reading gigabytes of weights
     ld = load_run(run_dir, checkpoint)
     return write_gguf(ld.model, ld.tokenizer, out, dtype, name=f"{Path(run_dir).name} (step {ld.step})",

@@ -1,8 +1,6 @@
-"""import-hf: a transformers folder (or Hub id) as a gptlib run directory: GPT2LMHeadModel (OpenAI's gpt2 and
-gpt2-medium, or any folder), or Qwen3 / Llama of the modern recipe's shape (what export-hf writes for it). The run
-holds one checkpoint, step 0, without optimizer state: `sample`, `eval` and `export-hf` work on it, and
-`train --init-from RUN_DIR` starts from its weights. A model gptlib cannot compute is refused, naming what differs.
-"""
+"""import-hf: a transformers GPT2LMHeadModel (OpenAI's gpt2, gpt2-medium), or a Qwen3 / Llama of the modern recipe's
+shape, as a run directory holding one weights-only checkpoint (step 0), so every tool and `train --init-from` work on
+it. A model gptlib cannot compute is refused, naming what differs."""
 
 from __future__ import annotations
 
@@ -10,26 +8,25 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from gptlib.checkpoint.format import TrainState, load_weights_into, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig, get_preset
-from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, Tokenizer
+from gptlib.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
 from gptlib.errors import ExportError, HFImportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import check_export_target, is_conv1d, weight_map
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT, model_size
 
-# What gptlib's GPT computes; a config saying otherwise describes another model.
+# What gptlib's GPT-2 computes (the usual value first); a config saying otherwise describes another model.
 GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
               "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
-_HUB_FILES = ["config.json", "*.safetensors", "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
-              "special_tokens_map.json", "generation_config.json"]
+_HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
 
 
-def model_dir(name_or_dir: str | Path) -> Path:
-    """A local folder as it is; otherwise a Hub model id, downloaded once into the Hugging Face cache."""
+def model_dir(name_or_dir: str | Path) -> Path:  # a Hub id is downloaded once into the Hugging Face cache
     p = Path(name_or_dir)
     if p.is_dir():
         return p
@@ -44,7 +41,6 @@ def model_dir(name_or_dir: str | Path) -> Path:
 
 
 def model_config(folder: Path) -> ModelConfig:
-    """gptlib's ModelConfig for a folder's config.json; HFImportError naming what gptlib's model cannot compute."""
     path = folder / "config.json"
     try:
         c = json.loads(path.read_text())
@@ -56,33 +52,24 @@ def model_config(folder: Path) -> ModelConfig:
     if kind != "gpt2":
         raise HFImportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
                             f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's")
-    for key, allowed in GPT2_SHAPE.items():
-        got = c.get(key, allowed[0])
-        if got not in allowed:
-            raise HFImportError(f"{path}: {key} is {got!r}, gptlib's GPT-2 has {allowed[0]!r}")
-    n_inner = c.get("n_inner")
-    if n_inner not in (None, 4 * c["n_embd"]):
-        raise HFImportError(f"{path}: n_inner is {n_inner}, gptlib's MLP is 4 x n_embd = {4 * c['n_embd']}")
+    _refuse_unless(path, {"n_inner": (c.get("n_inner"), 4 * c["n_embd"], None),
+                          **{k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()}})
     return ModelConfig(vocab_size=c["vocab_size"], block_size=c.get("n_positions", c.get("n_ctx", 1024)),
                        n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], dropout=0.0, bias=True)
 
 
 def _llama_config(c: dict, where: str) -> ModelConfig:
-    """The modern recipe's ModelConfig of a Qwen3 / Llama config.json; refused by name: grouped-query attention,
-    rope scaling, biases, another activation or head size."""
+    """Refused by name: grouped-query attention, rope scaling, biases, another activation or head size."""
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(c.get(key), int):
             raise HFImportError(f"{where}: {key} is missing or not a number ({c.get(key)!r})")
     heads, rope = c["num_attention_heads"], c.get("rope_parameters") or {}
-    checks = {"num_key_value_heads": (c.get("num_key_value_heads", heads), heads),
-              "head_dim": (c.get("head_dim", c["hidden_size"] // heads), c["hidden_size"] // heads),
-              "hidden_act": (c.get("hidden_act", "silu"), "silu"),
-              "attention_bias": (c.get("attention_bias", False), False),
-              "mlp_bias": (c.get("mlp_bias", False), False), "rope_scaling": (c.get("rope_scaling"), None),
-              "rope_type": (rope.get("rope_type", "default"), "default")}
-    for key, (got, want) in checks.items():
-        if got != want:
-            raise HFImportError(f"{where}: {key} is {got!r}; gptlib's model needs {want!r}")
+    _refuse_unless(where, {"num_key_value_heads": (c.get("num_key_value_heads", heads), heads),
+                           "head_dim": (c.get("head_dim", c["hidden_size"] // heads), c["hidden_size"] // heads),
+                           "hidden_act": (c.get("hidden_act", "silu"), "silu"),
+                           "attention_bias": (c.get("attention_bias", False), False),
+                           "mlp_bias": (c.get("mlp_bias", False), False), "rope_scaling": (c.get("rope_scaling"), None),
+                           "rope_type": (rope.get("rope_type", "default"), "default")})
     cfg = ModelConfig(vocab_size=c["vocab_size"], block_size=c.get("max_position_embeddings", 2048),
                       n_layer=c["num_hidden_layers"], n_head=heads, n_embd=c["hidden_size"], dropout=0.0,
                       positions="rope", norm="rmsnorm", qk_norm=c.get("model_type") == "qwen3", mlp="swiglu",
@@ -94,32 +81,29 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
     return cfg
 
 
-def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's weights (model.safetensors, else pytorch_model.bin loaded safely), fp32. GPT2Model's files (as
-    OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
-    st, pt = folder / "model.safetensors", folder / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
+def _refuse_unless(where, checks: dict[str, tuple]) -> None:
+    """checks: key -> (the config's value, *the values gptlib's model computes)."""
+    for key, (got, *allowed) in checks.items():
+        if got not in allowed:
+            raise HFImportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
 
-        sd = load_file(str(st))
-    elif pt.is_file():
-        sd = torch.load(pt, map_location="cpu", weights_only=True)
-    else:
-        raise HFImportError(f"{folder}: no model.safetensors or pytorch_model.bin")
+
+def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """In fp32. GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
+    if not (folder / "model.safetensors").is_file():
+        raise HFImportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
+    sd = load_file(str(folder / "model.safetensors"))
     own = ("transformer.", "model.", "lm_head.")
     return {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in sd.items()}
 
 
 def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """transformers' weights under our names and layouts (export.weight_map the other way), embeddings padded."""
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise HFImportError(f"{where}: weight {name!r} is missing")
-        return hf[name]
-
+    """export.weight_map the other way, the embeddings padded."""
     V, sd = cfg.vocab_size, {}
     for ours, theirs in weight_map(cfg):
-        w = torch.cat([take(t) for t in theirs])
+        if missing := [t for t in theirs if t not in hf]:
+            raise HFImportError(f"{where}: weight {missing[0]!r} is missing")
+        w = torch.cat([hf[t] for t in theirs])
         if is_conv1d(cfg, ours):
             w = w.t().contiguous()  # Conv1D (in, out) -> (out, in)
         if ours in ("transformer.wte.weight", "lm_head.weight"):
@@ -133,30 +117,18 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
 
 
 def hf_tokenizer(folder: Path) -> Tokenizer:
-    """tokenizer.json as a gptlib tokenizer (a gptlib char export comes back as a CharTokenizer); GPT-2's
-    vocab.json + merges.txt when there is no tokenizer.json."""
+    """tokenizer.json; a gptlib char export's comes back as a CharTokenizer."""
     tj = folder / "tokenizer.json"
-    if tj.is_file():
-        raw = tj.read_bytes()
-        model = json.loads(raw).get("model", {})
-        if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
-            return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
-        return BPETokenizer.from_json_bytes(raw, where=str(tj))
-    vocab, merges = folder / "vocab.json", folder / "merges.txt"
-    if not (vocab.is_file() and merges.is_file()):
-        raise HFImportError(f"{folder}: no tokenizer.json, nor vocab.json + merges.txt")
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
-    tk = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([EOT])
-    return BPETokenizer(tk)
+    if not tj.is_file():
+        raise HFImportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
+    raw = tj.read_bytes()
+    model = json.loads(raw).get("model", {})
+    if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
+        return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
+    return BPETokenizer.from_json_bytes(raw, where=str(tj))
 
 
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
-    """Write a gptlib run directory (config, tokenizer, a step-0 checkpoint) for a transformers folder or Hub id."""
     out = Path(out)
     try:
         check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
@@ -184,8 +156,7 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
 
 
 def import_hf_once(model: str, roots=None) -> Path:
-    """Notebook 05: the run import-hf makes of `model` in gptlib's persistent runs folder (Drive on Colab),
-    imported the first time and reused after."""
+    """Notebook 05: `model` imported once into gptlib's persistent runs folder (Drive on Colab), reused after."""
     from gptlib import colab
 
     roots = roots or colab.setup()

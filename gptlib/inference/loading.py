@@ -1,7 +1,6 @@
-"""A trained model for inference: a run directory's "latest", "best" or chosen checkpoint, with the tokenizer the
-checkpoint records (never a model with another vocabulary). Every read has a time limit: a read on a Google Drive
-mount that stopped answering blocks in the kernel for good, and is abandoned with HungIOError (an OSError).
-"""
+"""A trained model for inference: a run's "latest", "best" or chosen checkpoint with the tokenizer it records (never a
+model with another vocabulary). Every read has a time limit: a read on a Drive mount that stopped answering blocks in
+the kernel for good, and is abandoned with HungIOError (an OSError)."""
 
 from __future__ import annotations
 
@@ -28,15 +27,17 @@ from gptlib.runtime import resolve_device, resolve_dtype
 class LoadedModel:
     model: GPT  # in eval mode, on the requested device
     tokenizer: Tokenizer  # verified against the checkpoint's recorded identity
-    config: RunConfig  # the run's config as saved in the checkpoint
-    step: int  # training step of the checkpoint
+    config: RunConfig
+    step: int
     path: Path  # the checkpoint directory
-    state: TrainState  # the checkpoint's state.json (val_loss, best_step, tokens_seen, ...)
+    state: TrainState  # its state.json (val_loss, best_step, tokens_seen, ...)
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's complete checkpoints, newest first: {step, val_loss, tokens_seen, best_step, path, is_best, info},
-    by a cheap check (manifest and sizes, no hashing); incomplete ones are left out (and described in `skipped`)."""
+    """The run's complete checkpoints, newest first: {step, val_loss, best_step, is_best, info}, by a cheap check
+    (manifest and sizes, no hashing); the others are described in `skipped`."""
+    skipped = [] if skipped is None else skipped
+
     def table() -> list[dict]:
         rows = []
         for p in list_checkpoints(run_dir):
@@ -44,14 +45,12 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
                 info = verify_checkpoint(p)
                 state = json.loads((p / STATE_FILE).read_text())
             except (CheckpointError, OSError, json.JSONDecodeError) as e:
-                if skipped is not None:
-                    skipped.append(f"{p.name}: {e}")
+                skipped.append(f"{p.name}: {e}")
                 continue
-            rows.append({"step": info.step, "val_loss": state.get("val_loss"), "tokens_seen": state.get("tokens_seen"),
-                         "best_step": state.get("best_step"), "path": p, "info": info})
-        best = rows[0]["best_step"] if rows else None
+            rows.append({"step": info.step, "val_loss": state.get("val_loss"), "best_step": state.get("best_step"),
+                         "info": info})
         for r in rows:
-            r["is_best"] = r["step"] == best
+            r["is_best"] = r["step"] == rows[0]["best_step"]
         return rows
 
     return call_with_timeout(table, DRIVE_LIST_TIMEOUT_S, what=f"listing {run_dir}")
@@ -62,44 +61,36 @@ def checkpoint_label(row: dict) -> str:
     label = f"step {row['step']:,}"
     if row.get("val_loss") is not None:
         label += f" · val {row['val_loss']:.3f}"
-    if row.get("is_best"):
-        label += " · best"
-    return label
+    return label + (" · best" if row.get("is_best") else "")
 
 
 def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
     """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number. Newer checkpoints
     passed over as incomplete are named, with the reason, through `log`."""
-    run_dir = Path(run_dir)
-    if not call_with_timeout(run_dir.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"reading {run_dir}"):
-        raise CheckpointError(f"no valid checkpoint in {run_dir}: the run directory does not exist")
-    skipped: list[str] = []
+    run_dir, skipped = Path(run_dir), []
     table = checkpoint_table(run_dir, skipped)
     newest = table[0]["step"] if table else -1
-    newer = [s for s in skipped if (step_of(Path(s.split(":")[0])) or 0) > newest]
-    if newer:
+    if newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > newest]:
         log(f"newer checkpoints in {run_dir} are incomplete and were passed over: {'; '.join(newer)}")
-    if not table:
-        raise CheckpointError(f"no valid checkpoint in {run_dir}/checkpoints (has training saved one yet?)")
+    if not table:  # the listing answered, so is_dir will too
+        why = "/checkpoints (has training saved one yet?)" if run_dir.is_dir() else ": the run directory does not exist"
+        raise CheckpointError(f"no valid checkpoint in {run_dir}{why}")
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
-    m = re.fullmatch(r"(?:step_)?0*(\d+)", which_s)
     if which_s == "latest":
-        step = steps[0]
-    elif which_s == "best":
+        return table[0]["info"]
+    if which_s == "best":
         step = table[0]["best_step"]
         if step is None:
             raise CheckpointError(f"{run_dir}: no best checkpoint recorded yet (no validation has run); "
                                   f"use 'latest' or a step from {steps}")
-        if step not in steps:
-            raise CheckpointError(f"{run_dir}: the best checkpoint (step {step}) is not on disk; available steps: "
-                                  f"{steps}")
-    elif not m:
-        raise CheckpointError(f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})")
-    else:
+    elif m := re.fullmatch(r"(?:step_)?0*(\d+)", which_s):
         step = int(m.group(1))
-        if step not in steps:
-            raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}; available steps: {steps}")
+    else:
+        raise CheckpointError(f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})")
+    if step not in steps:
+        raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}"
+                              f"{' (the best)' if which_s == 'best' else ''}; available steps: {steps}")
     return table[steps.index(step)]["info"]
 
 
@@ -116,41 +107,34 @@ def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "
 def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> Tokenizer:
     """The tokenizer a checkpoint was trained with, checked against its identity: the run's copy (training puts it
     there), else the recorded data dir's."""
-    expected = state.tokenizer or {}
-    candidates = [Path(run_dir) / TOKENIZER_FILE]
-    if state.data_dir:
-        candidates.append(Path(state.data_dir) / TOKENIZER_FILE)
+    candidates = [Path(run_dir) / TOKENIZER_FILE] + ([Path(state.data_dir) / TOKENIZER_FILE] if state.data_dir else [])
     found = [c for c in candidates if c.is_file()]
     if not found:
         raise TokenizerError(f"no tokenizer for {where}: looked for {' and '.join(map(str, candidates))}; copy the "
                              f"data directory's {TOKENIZER_FILE} into the run directory")
-    tok = load_tokenizer(found[0])
-    if not expected.get("hash"):
+    if not (state.tokenizer or {}).get("hash"):
         raise TokenizerError(f"{where}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
                              f"checked against it")
-    check_identity(tok, expected, f"{where} (tokenizer {found[0]})")
+    tok = load_tokenizer(found[0])
+    check_identity(tok, state.tokenizer, f"{where} (tokenizer {found[0]})")
     return tok
 
 
 def load_run(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
              dtype: torch.dtype | str | None = None, log=loud) -> LoadedModel:
-    """The model (eval mode) and its verified tokenizer. dtype: None keeps the saved fp32 (training from it,
-    evaluation under autocast, export); "auto" the device's own, resolve_dtype("auto") (bf16, a T4's fp16, CPU fp32)."""
+    """The model (eval mode) and its verified tokenizer. dtype None keeps the saved fp32 (training from it, evaluation
+    under autocast, export); "auto" is the device's own (resolve_dtype: bf16, a T4's fp16, CPU fp32)."""
     info = resolve_checkpoint(run_dir, which, log)
     path = info.path
-    rec = info.manifest.get("files", {}).get(MODEL_FILE, {})
-    weights = load_model_weights(path, sha256=rec.get("sha256"))  # CheckpointError if corrupt or unsafe
+    weights = load_model_weights(path, sha256=info.manifest.get("files", {}).get(MODEL_FILE, {}).get("sha256"))
     state, cfg, tok = read_state_and_tokenizer(run_dir, path)
     if tok.vocab_size != cfg.model.vocab_size:
         raise TokenizerError(f"{path}: the model has vocab_size={cfg.model.vocab_size} but the tokenizer has "
                              f"{tok.vocab_size} tokens")
     model = GPT(cfg.model)
     load_weights_into(model, weights, path / MODEL_FILE)
-    if isinstance(device, str):  # "auto", or a clear error for a device this machine lacks
-        device = resolve_device(device)
-    if dtype == "auto":
-        dtype = resolve_dtype("auto", device)
-    model.to(device=device, dtype=dtype).eval()
+    device = resolve_device(device) if isinstance(device, str) else device  # "auto", or an error naming a missing one
+    model.to(device=device, dtype=resolve_dtype("auto", device) if dtype == "auto" else dtype).eval()
     return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
 
 
@@ -181,15 +165,10 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 def pick_run_dir(candidates, log=loud) -> Path:
     """Of a run's copies (the VM's disk, the Drive mirror), the one with the newest complete checkpoint: a fresh VM's
     disk is empty, after a long session it may be newer than Drive. A hung copy is passed over."""
-    best, best_step = None, -1
-    looked = []
-    for c in candidates:
-        if c is None:
-            continue
-        looked.append(str(c))
+    best, best_step, looked = None, -1, [str(c) for c in candidates if c is not None]
+    for c in looked:
         try:
-            table = call_with_timeout(lambda c=c: checkpoint_table(c) if Path(c).is_dir() else [],
-                                      DRIVE_LIST_TIMEOUT_S, what=f"listing {c}")
+            table = checkpoint_table(c)
         except OSError as e:
             log(f"!! {c} cannot be read ({e}); using the other copies of the run")
             continue

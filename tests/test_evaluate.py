@@ -20,7 +20,7 @@ from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import EvalError
 from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
-from gptlib.evaluation.likelihood import pack_batches, score_rows, window_nll
+from gptlib.evaluation.likelihood import pack_batches, score_rows, scored_nll
 from gptlib.model import GPT
 from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
 
@@ -76,7 +76,7 @@ def test_scoring_never_waits_for_the_device():
     seqs, ks = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [3] * 17, [4, 5]], [2, 1, 16, 1]
     with DeviceOps() as ops:
         got = score_rows(m, seqs, ks, "cpu", batch_tokens=40)
-        nll = window_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2))
+        nll = scored_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2)).view(2, -1)
     assert ops.syncs == []
     np.testing.assert_allclose(got, [brute_ll(m, s, k) for s, k in zip(seqs, ks)], rtol=1e-5, atol=1e-5)
     assert nll.shape == (2, 16) and torch.equal(nll[0], nll[1])

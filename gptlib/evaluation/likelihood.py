@@ -1,7 +1,6 @@
-"""Batched log-likelihoods, the core of HellaSwag and bits per byte. A scoring row is a token sequence `seq` (at most
-block_size + 1 tokens) whose last `k` tokens are scored. Rows are sorted by length and packed into batches of about
-`batch_tokens` tokens, padded on the right (under causal attention padding never changes a real position), and only
-the scored positions go through ln_f and the output layer: most of the vocabulary-sized matmul is saved.
+"""Batched log-likelihoods, the core of HellaSwag and bits per byte. A scoring row is a token sequence (at most
+block_size + 1 tokens) whose last k tokens are scored. Rows are packed by length into batches padded on the right
+(causal attention: padding never changes a real position), and only the scored positions go through the output layer.
 """
 
 from __future__ import annotations
@@ -18,12 +17,6 @@ from gptlib.runtime import autocast_for, resolve_dtype, unwrap_model
 
 def default_batch_tokens(device: torch.device) -> int:
     return 65536 if device.type == "cuda" else 8192  # a GPU's throughput; a CPU's caches (measured)
-
-
-def eval_autocast(device: torch.device, dtype: torch.dtype | None):
-    """(autocast, its dtype): bf16 on GPUs that have it, fp16 on older ones, fp32 (none) on the CPU."""
-    dtype = dtype or resolve_dtype("auto", device)
-    return autocast_for(device, dtype), dtype
 
 
 @contextlib.contextmanager
@@ -58,15 +51,18 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
-    """NLL (nats, float32) of the targets y.flatten()[positions], or of every target. positions are flat indices made
-    on the host: a boolean mask on the GPU would make the host wait there to count its Trues."""
+@torch.inference_mode()
+def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """NLL (nats, float32) of the targets y.flatten()[positions], or of every target (B*T,). positions are flat
+    indices made on the host: a boolean mask on the GPU would make the host wait there to count its Trues.
+    dtype None: the autocast training's validation uses on this device (bf16 or fp16 on a GPU, none on the CPU)."""
     m = unwrap_model(model)
-    h, y = m.hidden_states(x).flatten(0, 1), y.flatten()  # (B*T, C), (B*T,)
-    if positions is not None:
-        h, y = h.index_select(0, positions), y.index_select(0, positions)  # (N, C), (N,)
-    return F.cross_entropy(m.head(h).float(), y, reduction="none")
+    with autocast_for(x.device, dtype or resolve_dtype("auto", x.device)):
+        h, y = m.hidden_states(x).flatten(0, 1), y.flatten()  # (B*T, C), (B*T,)
+        if positions is not None:
+            h, y = h.index_select(0, positions), y.index_select(0, positions)  # (N, C), (N,)
+        return F.cross_entropy(m.head(h).float(), y, reduction="none")
 
 
 @torch.inference_mode()
@@ -80,7 +76,6 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
     for i, s in enumerate(seqs):
         if not 1 <= ks[i] <= len(s) - 1 or len(s) - 1 > block:
             raise ValueError(f"scoring row {i}: {len(s)} tokens with k={ks[i]} does not fit block_size={block}")
-    ctx, _ = eval_autocast(device, dtype)
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
     for idx in pack_batches([len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)):
         toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)  # (B, L), padded on the right
@@ -91,18 +86,8 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
             mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
         pos = np.flatnonzero(mask)  # the scored targets' flat positions, row-major
         toks = _to_device(toks, device)
-        with ctx:
-            nll = scored_nll(model, toks[:, :-1], toks[:, 1:], _to_device(pos, device))
+        nll = scored_nll(model, toks[:, :-1], toks[:, 1:], _to_device(pos, device), dtype)
         out.index_add_(0, _to_device(idx[pos // mask.shape[1]], device), -nll.double())  # each target to its row
         if progress is not None:
             progress(len(idx))
     return out.cpu().numpy()
-
-
-@torch.inference_mode()
-def window_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """Per-token NLL (nats, float32) of full windows, for bits per byte: x, y (B, T) -> (B, T)."""
-    ctx, _ = eval_autocast(x.device, dtype)
-    with ctx:
-        return scored_nll(model, x, y).view(x.shape)

@@ -185,8 +185,8 @@ def hf_choices(hf, hf_tok, items: list[dict], block: int) -> tuple[np.ndarray, n
 
 def assert_same_choices(res: dict, sums: np.ndarray, counts: np.ndarray, items: list[dict]) -> None:
     np.testing.assert_allclose(res["sums"], sums, rtol=1e-4, atol=1e-4)
-    assert (res["preds"] == sums.argmax(1)).all() and (res["preds_norm"] == (sums / counts).argmax(1)).all()
     labels = np.array([it["label"] for it in items])
+    assert res["acc"] == pytest.approx(float((sums.argmax(1) == labels).mean()))
     assert res["acc_norm"] == pytest.approx(float(((sums / counts).argmax(1) == labels).mean()))
 
 

@@ -1,14 +1,11 @@
-"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: each of an
-item's 4 endings is the context's tokens then those of " " + ending; the model picks the ending with the highest
-summed log-likelihood of its own tokens (`acc`) or mean per token (`acc_norm`, the figure usually quoted).
-A context cut to fit the window is `truncated`; items a char vocabulary cannot encode are `skipped`."""
+"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: the context's
+tokens then those of " " + ending; the model picks the ending with the highest summed log-likelihood of its own tokens
+(`acc`) or mean per token (`acc_norm`, the figure usually quoted)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -16,9 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from gptlib.colab import DRIVE_SUBDIR, drive_mountpoint, in_colab
-from gptlib.data.download import default_cache_dir as local_cache
-from gptlib.data.download import fetch_verified
+from gptlib.data.download import default_cache_dir, fetch_verified
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError
 from gptlib.evaluation.likelihood import score_rows, scoring
@@ -35,16 +30,6 @@ HELLASWAG_FILE = "hellaswag_val.jsonl"
 # "gpt2 (124M) ... this script: 10042 acc: 0.2859 acc_norm: 0.2955 (completion style)".
 GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
              "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)"}
-
-
-def default_cache_dir() -> Path:
-    """data.download's cache; on Colab with Drive mounted, the Drive root's cache/, which survives the VM."""
-    if in_colab() and "GPTLIB_CACHE" not in os.environ:
-        with contextlib.suppress(OSError):  # a dead Drive mount: the VM's disk
-            mp = drive_mountpoint()
-            if (mp / "MyDrive").is_dir():  # only if already mounted: evaluation never mounts Drive itself
-                return Path(os.environ.get("GPTLIB_ROOT") or mp / DRIVE_SUBDIR) / "cache"
-    return local_cache()
 
 
 def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
@@ -151,23 +136,17 @@ class Rendered:
         return len(self.labels)
 
 
-def _encode_all(tok: Tokenizer, texts: list[str]) -> list[list[int] | None]:
-    """None where a char vocabulary lacks a character; BPE encodes in parallel inside the library."""
-    if hasattr(tok, "encode_batch_ids"):
-        return tok.encode_batch_ids(texts)
-    out = []
-    for t in texts:
-        try:
-            out.append(tok.encode(t))
-        except TokenizerError:
-            out.append(None)
-    return out
+def _encode(tok: Tokenizer, text: str) -> list[int] | None:
+    try:
+        return tok.encode(text)
+    except TokenizerError:  # a character the char vocabulary lacks
+        return None
 
 
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
     """Tokenize items (context, then " " + each ending, as build-nanogpt) into scoring rows."""
     texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
-    ids = _encode_all(tok, texts)
+    ids = tok.encode_batch_ids(texts) if hasattr(tok, "encode_batch_ids") else [_encode(tok, t) for t in texts]
     r = Rendered()
     for i, it in enumerate(items):
         ctx, ends = ids[5 * i], ids[5 * i + 1: 5 * i + 5]
@@ -184,15 +163,15 @@ def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
             r.counts.append(len(end))
         r.labels.append(it.label)
         r.truncated += cut
+    if r.n == 0:
+        raise EvalError(f"no HellaSwag item can be scored: all {r.skipped} have characters outside the {tok.kind} "
+                        f"tokenizer's vocabulary")
     return r
 
 
 def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int | None = None,
                       progress: bool = False, desc: str = "hellaswag") -> dict:
-    """-> {acc, acc_norm, n, truncated, skipped, sums (n, 4), preds, preds_norm}."""
-    if r.n == 0:
-        raise EvalError(f"no HellaSwag item could be scored: all {r.skipped} items have characters outside the "
-                        f"model's vocabulary")
+    """-> {acc, acc_norm, n, truncated, skipped, sums: (n, 4) log-likelihoods of the endings}."""
     with scoring(model, progress, total=len(r.seqs), desc=desc, unit="row") as (m, bar):
         row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update)
     sums = np.zeros(4 * r.n)
@@ -200,9 +179,9 @@ def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int 
     sums = sums.reshape(r.n, 4)
     means = sums / np.maximum(np.asarray(r.counts, dtype=np.float64).reshape(r.n, 4), 1)
     labels = np.asarray(r.labels)
-    preds, preds_norm = sums.argmax(1), means.argmax(1)  # ties go to the first ending, as torch's argmin
-    return {"acc": float((preds == labels).mean()), "acc_norm": float((preds_norm == labels).mean()), "n": r.n,
-            "truncated": r.truncated, "skipped": r.skipped, "sums": sums, "preds": preds, "preds_norm": preds_norm}
+    # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
+    return {"acc": float((sums.argmax(1) == labels).mean()), "acc_norm": float((means.argmax(1) == labels).mean()),
+            "n": r.n, "truncated": r.truncated, "skipped": r.skipped, "sums": sums}
 
 
 def row_fields(res: dict, file: dict) -> dict:
@@ -215,8 +194,6 @@ class HellaSwagProbe:
     (full: every item, at the end of a run). Without the file (no network, a bad file) the probe logs one line and
     stays off (score() is None): training never stops for it."""
 
-    BATCH_TOKENS = 16384  # beside the training's own memory: gpt2-small ~2 GB of logits instead of ~8 GB at 64K
-
     def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | None = None,
                  limit: int | None = 1000, log=print):
         self.tokenizer, self.block_size, self.log = tokenizer, block_size, log
@@ -225,22 +202,18 @@ class HellaSwagProbe:
         try:
             self.items, self.file = load_items(source, file_option="hellaswag_file=FILE")
             self._subset = render([self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size)
-            if self._subset.n == 0:
-                raise EvalError(f"none of the {self._subset.skipped} HellaSwag items can be encoded by this "
-                                f"{tokenizer.kind} tokenizer")
         except (EvalError, OSError) as e:
             self.reason = str(e)
             log(f"hellaswag: off for this run ({e})")
 
     def score(self, model, device, dtype: torch.dtype | None = None, full: bool = False) -> dict | None:
-        """The eval.jsonl fields (row_fields) of the subset or of every item; None when off."""
         if self.reason is not None:
             return None
         if full and self._full is None:
             self._full = render(self.items, self.tokenizer, self.block_size)
         try:
             res = evaluate_rendered(model, self._full if full else self._subset, torch.device(device), dtype,
-                                    self.BATCH_TOKENS)
+                                    16384)  # beside training's memory: gpt2-small ~2 GB of logits, not ~8 GB at 64K
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")

@@ -35,11 +35,9 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
     from tokenizers import pre_tokenizers
 
     out = np.zeros(tok.vocab_size, dtype=np.int64)
-
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    hf = tok._tk
-    special = {t.content for t in hf.get_added_tokens_decoder().values()}
-    for token, i in hf.get_vocab(with_added_tokens=True).items():
+    special = {t.content for t in tok._tk.get_added_tokens_decoder().values()}
+    for token, i in tok._tk.get_vocab(with_added_tokens=True).items():
         if token in special or i >= len(out):
             continue
         if all(c in alphabet for c in token):
@@ -51,12 +49,11 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
 
 def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
     """Starts of the non-overlapping windows (block inputs + 1 target): all, or `limit` evenly spaced ones."""
-    n = max(0, (n_tokens - 1) // block)
-    if n == 0:
+    n = (n_tokens - 1) // block
+    if n <= 0:
         raise EvalError(f"the validation split has {n_tokens:,} tokens, fewer than one window of "
                         f"block_size + 1 = {block + 1}")
-    idx = np.asarray(hs.select(n, limit), dtype=np.int64)
-    return idx * block
+    return np.asarray(hs.select(n, limit), dtype=np.int64) * block
 
 
 def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
@@ -99,15 +96,16 @@ def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extr
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _prepare(run_dir: Path, task: str, data, step: int, file_option: str) -> dict:
+def _prepare(run_dir: Path, task: str, data, step: int, limit: int | None, file_option: str) -> dict:
     """What can fail on bad input, checked before any model runs."""
     info = resolve_checkpoint(run_dir, step)
-    state, _, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
+    state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
             raise EvalError(f"{data} is a directory; for hellaswag give the jsonl file ({file_option})")
-        items, file = hs.load_items(data, file_option=file_option)
-        return {"items": items, "file": file, "rendered": {}}
+        items, file = hs.load_items(data, file_option=file_option)  # tokenized once, for every checkpoint of the run:
+        return {"file": file, "rendered": hs.render([items[i] for i in hs.select(len(items), limit)], tok,
+                                                    cfg.model.block_size)}  # a run keeps its model config
     if data is not None and Path(data).is_file():
         raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
     if not (data or state.data_dir):
@@ -135,16 +133,12 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
     dt = resolve_dtype("auto", dev)  # fp32 weights under this autocast, as training's validation loss
-    prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], file_option), [], 0
+    prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], limit, file_option), [], 0
     for step in steps:
         lm = load_run(run_dir, step, device=dev)
         t0 = time.perf_counter()
         if task == "hellaswag":
-            block, items = lm.config.model.block_size, prep["items"]
-            if block not in prep["rendered"]:  # tokenized once per window size, reused by every checkpoint
-                prep["rendered"][block] = hs.render([items[i] for i in hs.select(len(items), limit)], lm.tokenizer,
-                                                    block)
-            res = hs.evaluate_rendered(lm.model, prep["rendered"][block], dev, dt, batch_tokens, progress,
+            res = hs.evaluate_rendered(lm.model, prep["rendered"], dev, dt, batch_tokens, progress,
                                        desc=f"hellaswag step {step}")
             result = hs.row_fields(res, prep["file"])
             result["items_per_s"] = round(result["n"] / max(time.perf_counter() - t0, 1e-9), 2)

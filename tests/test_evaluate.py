@@ -20,7 +20,7 @@ from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import EvalError
 from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
-from gptlib.evaluation.likelihood import pack_batches, score_rows, scored_nll
+from gptlib.evaluation.hellaswag import pack_batches, score_rows, scored_nll
 from gptlib.model import GPT
 from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
 
@@ -341,7 +341,7 @@ def test_plot_helpers(tmp_path):
     hellaswag_figure(evals).savefig(tmp_path / "hs.png")
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "hs.png").stat().st_size > 0
     table = format_table([{"task": "hellaswag", "step": 5, "tokens_seen": 1280, "n": 3, "acc": 0.5, "acc_norm": 0.25,
-                           "truncated": 0, "skipped": 1, "items_per_s": 10.0, "seconds": 0.3}])
+                           "truncated": 0, "skipped": 1, "seconds": 0.3}])
     assert "acc_norm" in table and "0.2500" in table and "1,280" in table
 
 

@@ -19,7 +19,6 @@ from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, loud
 from gptlib.fsutil import append_jsonl
 from gptlib.evaluation import hellaswag as hs
-from gptlib.evaluation.likelihood import default_batch_tokens, scored_nll, scoring
 from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
 from gptlib.layout import EVAL_FILE
 from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
@@ -66,15 +65,15 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
     starts = torch.from_numpy(window_starts(len(val_tokens), block, limit))
     ids = None if isinstance(val_tokens, MemmapSplit) else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
     # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the tokens
-    per_batch = max(1, (batch_tokens or default_batch_tokens(device) // 4) // block)
+    per_batch = max(1, (batch_tokens or hs.default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
     nats_counted, nats_all = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    with scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
+    with hs.scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
         for chunk in starts.split(per_batch):
             rows = (_to_ids(val_tokens.gather_raw(chunk, block + 1)) if ids is None
                     else ids[chunk[:, None] + torch.arange(block + 1)]).to(device)  # (B, T + 1)
-            nll = scored_nll(m, rows[:, :-1], rows[:, 1:], dtype=dtype)  # (B*T,)
+            nll = hs.scored_nll(m, rows[:, :-1], rows[:, 1:], dtype=dtype)  # (B*T,)
             nb = tb[rows[:, 1:]].flatten()
             nats_counted += (nll * (nb > 0)).sum(dtype=torch.float64)
             nats_all += nll.sum(dtype=torch.float64)
@@ -141,7 +140,6 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
             res = hs.evaluate_rendered(lm.model, prep["rendered"], dev, dt, batch_tokens, progress,
                                        desc=f"hellaswag step {step}")
             result = hs.row_fields(res, prep["file"])
-            result["items_per_s"] = round(result["n"] / max(time.perf_counter() - t0, 1e-9), 2)
         else:
             result = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
@@ -162,8 +160,7 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
 # Each task's columns: (eval.jsonl field, header, format)
 COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("tokens", "tokens", "{:,}")],
            "hellaswag": [("acc_norm", "HellaSwag acc_norm", "{:.4f}"), ("acc", "acc", "{:.4f}"), ("n", "items", "{:,}"),
-                         ("truncated", "truncated", "{:,}"), ("skipped", "skipped", "{:,}"),
-                         ("items_per_s", "items/s", "{:,.1f}")]}
+                         ("truncated", "truncated", "{:,}"), ("skipped", "skipped", "{:,}")]}
 
 
 def format_table(rows: list[dict]) -> str:

@@ -259,12 +259,9 @@ def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int 
     """-> {acc, acc_norm, n, truncated, skipped, sums: (n, 4) log-likelihoods of the endings}."""
     with scoring(model, progress, total=len(r.seqs), desc=desc, unit="row") as (m, bar):
         row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update)
-    sums = np.zeros(4 * r.n)
-    np.add.at(sums, np.asarray(r.ending_of), row_ll)
-    sums = sums.reshape(r.n, 4)
-    means = sums / np.maximum(np.asarray(r.counts, dtype=np.float64).reshape(r.n, 4), 1)
-    labels = np.asarray(r.labels)
-    # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
+    sums = np.bincount(r.ending_of, weights=row_ll, minlength=4 * r.n).reshape(r.n, 4)  # an ending's rows summed
+    means = sums / np.asarray(r.counts).reshape(r.n, 4)  # every ending has a token: " " + ending
+    labels = np.asarray(r.labels)  # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
     return {"acc": float((sums.argmax(1) == labels).mean()), "acc_norm": float((means.argmax(1) == labels).mean()),
             "n": r.n, "truncated": r.truncated, "skipped": r.skipped, "sums": sums}
 

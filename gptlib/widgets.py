@@ -23,12 +23,13 @@ from gptlib.inference.sampling import Completion, SamplingConfig
 def enable_colab_widgets() -> bool:
     """On Colab, ipywidgets 8 needs the custom widget manager. Colab draws ipywidgets 7 itself, and the custom manager
     (from a CDN, taking over every later widget) broke Colab's tqdm bars in 2022: left off there."""
-    import ipywidgets
-
-    if "google.colab" not in sys.modules or int(ipywidgets.__version__.split(".")[0]) < 8:
+    if "google.colab" not in sys.modules:
         return False
+    import ipywidgets
     from google.colab import output  # type: ignore
 
+    if int(ipywidgets.__version__.split(".")[0]) < 8:
+        return False
     output.enable_custom_widget_manager()
     return True
 

@@ -1,11 +1,7 @@
-"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: the context's
-tokens then those of " " + ending; the model picks the ending with the highest summed log-likelihood of its own tokens
-(`acc`) or mean per token (`acc_norm`, the figure usually quoted).
-
-The batched log-likelihoods under it (and under bits per byte): a scoring row is a token sequence (at most
-block_size + 1 tokens) whose last k tokens are scored. Rows are packed by length into batches padded on the right
-(causal attention: padding never changes a real position), and only the scored positions go through the output layer.
-"""
+"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: `acc` picks the
+ending (" " + ending after the context) with the highest summed log-likelihood, `acc_norm` the highest per token. Under
+it, and under bits per byte, the batched log-likelihoods: rows packed by length, padded on the right (causal attention:
+padding never changes a real position), and only the scored positions through the output layer."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Notebook 05's chat box over gptlib.inference.chat; ipywidgets 7.7.1 (Colab's) and 8 alike.
-
-    box = ChatBox(chat_run_dir)   # a chat-tuned run, loaded at the first message
-    box.send("Hi!")               # what Send (or Enter) does, headless too; box.reset() is the Reset button
-    display(box)                  # the widget; where widgets cannot be drawn, the conversation as text
-"""
+"""Notebook 05's chat box over gptlib.inference.chat: Send (or Enter) streams a reply, Reset forgets the
+conversation; box.send("Hi!") does the same headless. ipywidgets 7.7.1 (Colab's) and 8 alike."""
 
 from __future__ import annotations
 
@@ -53,8 +49,7 @@ class ChatBox:
         ipywidgets (7.7.1 and 8) lowers a larger value to the new max, and the status says so once."""
         if self._session is None:
             self._session = ChatSession.from_run(self.run_dir, self.checkpoint, device=self.device,
-                                                 log=self._notices.append)
-        self._session.log = self._notices.append
+                                                 log=self._notices.append)  # the list send() clears, not a copy
         cap = self._session.reply_cap
         if self.max_tokens.max > cap:
             if self.max_tokens.value > cap:
@@ -64,7 +59,7 @@ class ChatBox:
         return self._session
 
     def send(self, text: str | None = None) -> str | None:
-        """What Send does: the message (the box's, or `text`) and the streamed reply; the reply, None on an error."""
+        """What Send does with the box's message (or `text`): the reply, None on an error."""
         text = self.message.value if text is None else text
         if not text.strip():
             self.status.value = status_html("type a message first", error=True)
@@ -104,8 +99,7 @@ class ChatBox:
                                                     *self._notices]))
         return reply
 
-    def reset(self) -> None:
-        """What Reset does: forget the conversation (the model's history and everything shown of it)."""
+    def reset(self) -> None:  # what Reset does
         if self._session is not None:
             self._session.reset()
         self.turns = []

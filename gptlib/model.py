@@ -45,8 +45,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def _row_blocks(n_rows: int) -> int:
-    """One block per thread, fewer if n_rows does not divide evenly."""
+def _row_blocks(n_rows: int) -> int:  # one block per thread, fewer if n_rows does not divide evenly
     blocks = torch.get_num_threads()
     while n_rows % blocks:
         blocks -= 1
@@ -174,10 +173,9 @@ class ModelSize:
 
 
 def model_size(cfg: ModelConfig) -> ModelSize:
-    """The GPT that cfg builds, counted without building it: the one count MFU, the memory estimate and the plans
-    use. FLOPs as PaLM's appendix B (and nanoGPT) count them, so MFU compares with theirs: 6 per matmul weight per
-    token, plus attention's 12 * n_layer * n_embd * block_size over the full context (a causal kernel skips half of
-    that: the figure is a little high, by at most the attention's share, 15% at gpt2-small)."""
+    """The GPT that cfg builds, counted without building it (MFU, the memory estimate, the plans). FLOPs as PaLM's
+    appendix B and nanoGPT count them, so MFU compares with theirs: 6 per matmul weight per token, plus attention's
+    12 * n_layer * n_embd * block_size (a causal kernel skips half of that: at most 15% high, at gpt2-small)."""
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.block_size
     b = int(cfg.bias)
     fc_out = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden  # swiglu: c_fc holds gate and up
@@ -244,8 +242,7 @@ class GPT(nn.Module):
             cache.pos += T
         return x
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., C) -> logits (..., vocab_size): the padding rows never produce a token."""
+    def head(self, h: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., vocab_size): padding rows never a token
         return self.lm_head(self.transformer.ln_f(h))[..., : self.config.vocab_size]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,

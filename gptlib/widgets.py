@@ -25,17 +25,13 @@ def enable_colab_widgets() -> bool:
     (from a CDN, taking over every later widget) broke Colab's tqdm bars in 2022: left off there."""
     if "google.colab" not in sys.modules:
         return False
-    try:
-        import ipywidgets
+    import ipywidgets
+    from google.colab import output  # type: ignore
 
-        if int(ipywidgets.__version__.split(".")[0]) < 8:
-            return False
-        from google.colab import output  # type: ignore
-
-        output.enable_custom_widget_manager()
-        return True
-    except (ImportError, AttributeError):
+    if int(ipywidgets.__version__.split(".")[0]) < 8:
         return False
+    output.enable_custom_widget_manager()
+    return True
 
 
 def parse_list(text: str) -> list[str]:
@@ -84,8 +80,7 @@ def sampling_widgets(view, max_label: str) -> None:
                           layout=W.Layout(width="260px"))
 
 
-def sampling_config(view, **more) -> SamplingConfig:
-    """The settings of a view's sampling_widgets (and `more`); seed -1 is random."""
+def sampling_config(view, **more) -> SamplingConfig:  # seed -1 is random
     return SamplingConfig(max_new_tokens=int(view.max_tokens.value), temperature=float(view.temperature.value),
                           top_k=int(view.top_k.value) or None,
                           seed=int(view.seed.value) if int(view.seed.value) >= 0 else None, **more).validate()
@@ -93,14 +88,6 @@ def sampling_config(view, **more) -> SamplingConfig:
 
 class _Stopped(Exception):  # raised by the Playground's stream callback after Stop: ends the generation there
     pass
-
-
-def playground_error(e: Exception) -> str:
-    """A char model has no row for a character its training text lacked: here the fix is the prompt."""
-    msg = f"{type(e).__name__}: {e}"
-    if "is not in the char vocabulary" in msg:
-        msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the prompt"
-    return msg
 
 
 class Playground:
@@ -142,13 +129,9 @@ class Playground:
         self.button.on_click(lambda _: self._generate_clicked())
         self.stop_button.on_click(lambda _: self._stop.set())  # the generation ends at its next token
         self.refresh_button.on_click(lambda _: self.refresh())
-        self.widget = W.VBox([
-            self.prompt, W.HBox([self.checkpoint, self.refresh_button]),
-            self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.max_tokens,
-            W.HBox([self.seed, self.stop]), W.HBox([self.button, self.stop_button]),
-            self.status,  # its own row: an error message has the width it needs
-            self.output,
-        ])
+        self.widget = W.VBox([self.prompt, W.HBox([self.checkpoint, self.refresh_button]), self.temperature, self.top_k,
+                              self.top_p, self.repetition_penalty, self.max_tokens, W.HBox([self.seed, self.stop]),
+                              W.HBox([self.button, self.stop_button]), self.status, self.output])  # status: full width
         self.refresh()
 
     def _engine(self, step: int) -> Engine:
@@ -183,8 +166,7 @@ class Playground:
     def generate(self) -> Completion | None:
         return self._run(stoppable=False)
 
-    def _run(self, stoppable: bool) -> Completion | None:
-        """stoppable: started by the button, so a Stop click can arrive while it runs."""
+    def _run(self, stoppable: bool) -> Completion | None:  # stoppable: by the button, so a Stop click can arrive
         if self.checkpoint.value is None:
             self.refresh()
             if self.checkpoint.value is None:
@@ -196,40 +178,41 @@ class Playground:
         self.button.disabled, self.stop_button.disabled = True, not stoppable
         prompt = self.prompt.value
         parts, add = throttled(lambda text: self._show_text(prompt, text))
-        try:
-            return self._generate(prompt, parts, add,
-                                  "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)")
-        except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
-            self._show_text(prompt, "".join(parts))
-            self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
-            raise
-        except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
-            self.output.value = ""  # the previous text must not look like this prompt's result
-            self.status.value = status_html(playground_error(e), error=True)
-            return None
-        finally:
-            self.button.disabled, self.stop_button.disabled = False, True
-            self._busy.release()
-
-    def _generate(self, prompt: str, parts: list[str], add: Callable[[str], None], how_to_end: str) -> Completion:
-        cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
-                              repetition_penalty=float(self.repetition_penalty.value))
-        self.status.value = status_html("loading checkpoint…")
-        eng = self._engine(self.checkpoint.value)
-        self.status.value = status_html(f"generating… {how_to_end}")
 
         def on_piece(_: int, piece: str) -> None:
             add(piece)
             if self._stop.is_set():
                 raise _Stopped
 
-        t0 = time.perf_counter()
         try:
-            res = eng.generate(prompt, cfg, stream=on_piece)[0]
-        except _Stopped:
-            text = "".join(parts)  # what was shown; its tokens are what the model generated (re-encoded)
-            res = Completion(prompt=prompt, text=text, token_ids=eng.tokenizer.encode(text), finish_reason="user")
-        dt = time.perf_counter() - t0
+            cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
+                                  repetition_penalty=float(self.repetition_penalty.value))
+            self.status.value = status_html("loading checkpoint…")
+            eng = self._engine(self.checkpoint.value)
+            how_to_end = "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
+            self.status.value = status_html(f"generating… {how_to_end}")
+            t0 = time.perf_counter()
+            try:
+                res = eng.generate(prompt, cfg, stream=on_piece)[0]
+            except _Stopped:
+                text = "".join(parts)  # what was shown; its tokens are what the model generated (re-encoded)
+                res = Completion(prompt=prompt, text=text, token_ids=eng.tokenizer.encode(text), finish_reason="user")
+            dt = time.perf_counter() - t0
+        except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
+            self._show_text(prompt, "".join(parts))
+            self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
+            raise
+        except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
+            msg = f"{type(e).__name__}: {e}"
+            if "is not in the char vocabulary" in msg:  # here the fix is the prompt
+                msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the " \
+                                           "prompt"
+            self.output.value = ""  # the previous text must not look like this prompt's result
+            self.status.value = status_html(msg, error=True)
+            return None
+        finally:
+            self.button.disabled, self.stop_button.disabled = False, True
+            self._busy.release()
         n, speed = len(res.token_ids), f"{dt:.1f} s ({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s)"
         self._show_text(prompt, res.text)
         self.status.value = status_html(f"step {eng.step:,}: " + (
@@ -248,8 +231,8 @@ class Comparison:
 
 def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[str | int] | str = "all",
                         cfg: SamplingConfig | None = None, device: str = "cpu") -> Comparison:
-    """Every prompt continued by every checkpoint ("all", or latest/best/steps, a list or "1000, best") with one
-    seed and the same settings, so the columns differ only by the weights: how the model learned."""
+    """Every prompt continued by every checkpoint with one seed and the same settings, so the columns differ only by
+    the weights: how the model learned."""
     cfg = dataclasses.replace(cfg or SamplingConfig(max_new_tokens=100)).validate()
     cfg.seed = 1337 if cfg.seed is None else cfg.seed
     steps = select_steps(run_dir, checkpoints)

@@ -20,7 +20,7 @@ from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import EvalError
 from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
-from gptlib.evaluation.likelihood import pack_batches, score_rows, window_nll
+from gptlib.evaluation.hellaswag import pack_batches, score_rows, scored_nll
 from gptlib.model import GPT
 from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
 
@@ -76,7 +76,7 @@ def test_scoring_never_waits_for_the_device():
     seqs, ks = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [3] * 17, [4, 5]], [2, 1, 16, 1]
     with DeviceOps() as ops:
         got = score_rows(m, seqs, ks, "cpu", batch_tokens=40)
-        nll = window_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2))
+        nll = scored_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2)).view(2, -1)
     assert ops.syncs == []
     np.testing.assert_allclose(got, [brute_ll(m, s, k) for s, k in zip(seqs, ks)], rtol=1e-5, atol=1e-5)
     assert nll.shape == (2, 16) and torch.equal(nll[0], nll[1])
@@ -341,7 +341,7 @@ def test_plot_helpers(tmp_path):
     hellaswag_figure(evals).savefig(tmp_path / "hs.png")
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "hs.png").stat().st_size > 0
     table = format_table([{"task": "hellaswag", "step": 5, "tokens_seen": 1280, "n": 3, "acc": 0.5, "acc_norm": 0.25,
-                           "truncated": 0, "skipped": 1, "items_per_s": 10.0, "seconds": 0.3}])
+                           "truncated": 0, "skipped": 1, "seconds": 0.3}])
     assert "acc_norm" in table and "0.2500" in table and "1,280" in table
 
 

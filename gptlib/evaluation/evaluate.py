@@ -15,11 +15,10 @@ import torch
 
 from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.data.shards import read_meta
-from gptlib.data.tokenizer import Tokenizer, TokenizerError
+from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, loud
 from gptlib.fsutil import append_jsonl
 from gptlib.evaluation import hellaswag as hs
-from gptlib.evaluation.likelihood import default_batch_tokens, scoring, window_nll
 from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
 from gptlib.layout import EVAL_FILE
 from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
@@ -35,11 +34,9 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
     from tokenizers import pre_tokenizers
 
     out = np.zeros(tok.vocab_size, dtype=np.int64)
-
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    hf = tok._tk
-    special = {t.content for t in hf.get_added_tokens_decoder().values()}
-    for token, i in hf.get_vocab(with_added_tokens=True).items():
+    special = {t.content for t in tok._tk.get_added_tokens_decoder().values()}
+    for token, i in tok._tk.get_vocab(with_added_tokens=True).items():
         if token in special or i >= len(out):
             continue
         if all(c in alphabet for c in token):
@@ -51,39 +48,33 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
 
 def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
     """Starts of the non-overlapping windows (block inputs + 1 target): all, or `limit` evenly spaced ones."""
-    n = max(0, (n_tokens - 1) // block)
-    if n == 0:
+    n = (n_tokens - 1) // block
+    if n <= 0:
         raise EvalError(f"the validation split has {n_tokens:,} tokens, fewer than one window of "
                         f"block_size + 1 = {block + 1}")
-    idx = np.asarray(hs.select(n, limit), dtype=np.int64)
-    return idx * block
+    return np.asarray(hs.select(n, limit), dtype=np.int64) * block
 
 
-@torch.no_grad()
 def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
                  batch_tokens: int | None = None, progress: bool = False) -> dict:
-    """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (array-like or MemmapSplit): bpb = the targets'
+    """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (a MemmapSplit or array-like): bpb = the targets'
     nats / ln 2 / the UTF-8 bytes of their text, special tokens (no bytes) left out of both sums, as nanochat does;
     loss = the mean nats over all targets."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
-    starts = window_starts(len(val_tokens), block, limit)
+    starts = torch.from_numpy(window_starts(len(val_tokens), block, limit))
+    ids = None if isinstance(val_tokens, MemmapSplit) else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
     # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the tokens
-    per_batch = max(1, (batch_tokens or default_batch_tokens(device) // 4) // block)
+    per_batch = max(1, (batch_tokens or hs.default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
     nats_counted, nats_all = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    with scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
-        for b0 in range(0, len(starts), per_batch):
-            chunk = starts[b0: b0 + per_batch]
-            if isinstance(val_tokens, MemmapSplit):
-                rows = torch.stack([_to_ids(val_tokens.read(int(s), block + 1)) for s in chunk])
-            else:
-                rows = torch.stack([torch.as_tensor(np.asarray(val_tokens[s: s + block + 1], dtype=np.int64))
-                                    for s in chunk])
-            rows = rows.to(device)
-            nll = window_nll(m, rows[:, :-1], rows[:, 1:], dtype)  # (B, T)
-            nb = tb[rows[:, 1:]]
+    with hs.scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
+        for chunk in starts.split(per_batch):
+            rows = (_to_ids(val_tokens.gather_raw(chunk, block + 1)) if ids is None
+                    else ids[chunk[:, None] + torch.arange(block + 1)]).to(device)  # (B, T + 1)
+            nll = hs.scored_nll(m, rows[:, :-1], rows[:, 1:], dtype=dtype)  # (B*T,)
+            nb = tb[rows[:, 1:]].flatten()
             nats_counted += (nll * (nb > 0)).sum(dtype=torch.float64)
             nats_all += nll.sum(dtype=torch.float64)
             n_bytes += nb.sum()
@@ -99,31 +90,27 @@ def append_eval_row(run_dir: str | Path, row: dict) -> None:
     append_jsonl(Path(run_dir) / EVAL_FILE, row)
 
 
-def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:
-    """An eval.jsonl row (the training loop logs its end-of-run HellaSwag score with it too)."""
+def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:  # also training's
     return {"task": task, "step": step, "tokens_seen": tokens_seen, **result, **extra,
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _prepare(run_dir: Path, task: str, data, step: int, file_option: str) -> dict:
-    """What can fail on bad input, before any model runs: the HellaSwag file, or a val split made with another
-    tokenizer."""
+def _prepare(run_dir: Path, task: str, data, step: int, limit: int | None, file_option: str) -> dict:
+    """What can fail on bad input, checked before any model runs."""
     info = resolve_checkpoint(run_dir, step)
-    state, _, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
+    state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
             raise EvalError(f"{data} is a directory; for hellaswag give the jsonl file ({file_option})")
-        items, file = hs.load_items(data, file_option=file_option)
-        return {"items": items, "file": file, "rendered": {}}
+        items, file = hs.load_items(data, file_option=file_option)  # tokenized once, for every checkpoint of the run:
+        return {"file": file, "rendered": hs.render([items[i] for i in hs.select(len(items), limit)], tok,
+                                                    cfg.model.block_size)}  # a run keeps its model config
     if data is not None and Path(data).is_file():
         raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
     if not (data or state.data_dir):
         raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
     meta = read_meta(data or state.data_dir)
-    want, got = tok.identity()["hash"], meta.tokenizer.get("hash")
-    if got != want:
-        raise TokenizerError(f"{meta.data_dir} was tokenized with tokenizer {str(got)[:16]}... but {info.path} uses "
-                             f"{want[:16]}...: bits per byte needs the checkpoint's own validation data")
+    check_identity(tok, meta.tokenizer, f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)")
     return {"meta": meta, "val": MemmapSplit(meta, "val")}
 
 
@@ -145,56 +132,57 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
     dt = resolve_dtype("auto", dev)  # fp32 weights under this autocast, as training's validation loss
-    prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], file_option), [], None
+    prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], limit, file_option), [], 0
     for step in steps:
         lm = load_run(run_dir, step, device=dev)
         t0 = time.perf_counter()
         if task == "hellaswag":
-            block, rendered = lm.config.model.block_size, prep["rendered"]
-            if block not in rendered:  # tokenized once per window size, reused by every checkpoint
-                sel = hs.select(len(prep["items"]), limit)
-                rendered[block] = hs.render([prep["items"][i] for i in sel], lm.tokenizer, block)
-            res = hs.evaluate_rendered(lm.model, rendered[block], dev, dt, batch_tokens, progress,
+            res = hs.evaluate_rendered(lm.model, prep["rendered"], dev, dt, batch_tokens, progress,
                                        desc=f"hellaswag step {step}")
             result = hs.row_fields(res, prep["file"])
         else:
             result = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
-        secs = time.perf_counter() - t0
-        if task == "hellaswag":
-            result["items_per_s"] = round(result["n"] / max(secs, 1e-9), 2)
         rows.append(make_row(task, step, lm.state.tokens_seen, result, checkpoint=str(lm.path), device=str(dev),
-                             dtype=str(dt).replace("torch.", ""), seconds=round(secs, 3)))
-        if unsaved is None:
-            try:
-                append_jsonl(target, rows[-1])
-            except OSError as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
-                unsaved = (len(rows) - 1, e)
-        del lm
-    if unsaved is not None:
-        n, e = len(rows) - unsaved[0], unsaved[1]
-        warn(f"warning: {n} row{'s' if n > 1 else ''} not saved: cannot append to {target}: {e.strerror or e}; add "
-             f"--out FILE (evaluate_run(..., out=FILE)) to append the rows to another file")
+                             dtype=str(dt).replace("torch.", ""), seconds=round(time.perf_counter() - t0, 3)))
+        del lm  # before the next checkpoint loads
+        try:
+            append_jsonl(target, rows[-1])
+        except OSError as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
+            unsaved, error = unsaved + 1, e
+    if unsaved:
+        warn(f"warning: {unsaved} row{'s' if unsaved > 1 else ''} not saved: cannot append to {target}: "
+             f"{error.strerror or error}; add --out FILE (evaluate_run(..., out=FILE)) to append the rows to another "
+             f"file")
     return rows
 
 
-def _cells(row: list[str], style: str, tag: str = "td") -> str:
-    return "".join(f'<{tag} style="{style}">{html.escape(v)}</{tag}>' for v in row)
+# Each task's columns: (eval.jsonl field, header, format)
+COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("tokens", "tokens", "{:,}")],
+           "hellaswag": [("acc_norm", "HellaSwag acc_norm", "{:.4f}"), ("acc", "acc", "{:.4f}"), ("n", "items", "{:,}"),
+                         ("truncated", "truncated", "{:,}"), ("skipped", "skipped", "{:,}")]}
 
 
-def format_table(rows: list[dict]) -> str:  # the CLI's
-    cols = [("step", "step", "{:,}"), ("tokens_seen", "tokens seen", "{:,}")]
-    if any(r.get("task") == "hellaswag" for r in rows):
-        cols += [("n", "items", "{:,}"), ("acc", "acc", "{:.4f}"), ("acc_norm", "acc_norm", "{:.4f}"),
-                 ("truncated", "truncated", "{:,}"), ("skipped", "skipped", "{:,}"),
-                 ("items_per_s", "items/s", "{:,.1f}")]
-    if any(r.get("task") == "bpb" for r in rows):
-        cols += [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("tokens", "tokens", "{:,}")]
-    cols += [("seconds", "seconds", "{:.1f}")]
-    table = [[h for _, h, _ in cols]] + [[_fmt(r.get(k), f) for k, _, f in cols] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+def format_table(rows: list[dict]) -> str:
+    """Eval rows as a text table (the CLI prints it, notebook 04 shows it): a line per checkpoint, each task's newest
+    result in it; with HellaSwag, GPT-2 124M's published figures as a reference line."""
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r
+    tasks = [t for t in COLUMNS if any(r.get("task") == t for r in rows)]
+    cols = [(t, *c) for t in tasks for c in COLUMNS[t]]
+    table = [["checkpoint", "tokens seen", *(h for _, _, h, _ in cols)]]
+    for step, d in sorted(by_step.items()):
+        table.append([f"step {step:,}", _fmt(d["tokens_seen"], "{:,}"),
+                      *(_fmt(d.get(t, {}).get(k), f) for t, k, _, f in cols)])
+    if "hellaswag" in tasks:
+        table.append(["GPT-2 124M (OpenAI)", "-", *(_fmt(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f)
+                                                    for t, k, _, f in cols)])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if "hellaswag" in tasks:
+        lines.append(f"GPT-2 124M: {hs.GPT2_124M['source']}; chance on HellaSwag is 0.25")
     return "\n".join(lines)
 
 
@@ -202,28 +190,8 @@ def _fmt(v, f: str) -> str:
     return "-" if v is None else f.format(v)
 
 
-def eval_table_html(rows: list[dict]) -> str:
-    """Checkpoints x {val bpb, nats/token, HellaSwag acc_norm, acc}: a row per step, the newest result of each task;
-    then GPT-2 124M's published HellaSwag figures as a labelled reference row."""
-    by_step: dict[int, dict] = {}
-    for r in rows:
-        by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r
-    cell = "border:1px solid #ccc;padding:4px 8px;text-align:right"
-    head = ["checkpoint", "tokens seen", "val bpb", "val nats/token", "HellaSwag acc_norm", "HellaSwag acc", "items"]
-    body = []
-    for step, d in sorted(by_step.items()):
-        b, h = d.get("bpb", {}), d.get("hellaswag", {})
-        body.append(_cells([f"step {step:,}", _fmt(d["tokens_seen"], "{:,}"), _fmt(b.get("bpb"), "{:.4f}"),
-                            _fmt(b.get("loss"), "{:.4f}"), _fmt(h.get("acc_norm"), "{:.4f}"),
-                            _fmt(h.get("acc"), "{:.4f}"), _fmt(h.get("n"), "{:,}")], cell))
-    g = hs.GPT2_124M
-    body.append(_cells(["GPT-2 124M (OpenAI)", "not published", "-", "-", f"{g['acc_norm']:.4f}", f"{g['acc']:.4f}",
-                        f"{g['n']:,}"], cell + ";font-style:italic"))
-    note = (f'<p style="font-size:11px">Reference: {html.escape(g["source"])}. Bits per byte depend on '
-            f"the text, so only rows on the same validation data compare; chance on HellaSwag is 0.25.</p>")
-    ths = _cells(head, cell + ";background:#f3f3f3", "th")
-    return (f'<table class="gptlib-eval" style="border-collapse:collapse"><tr>{ths}</tr>'
-            + "".join(f"<tr>{b}</tr>" for b in body) + "</table>" + note)
+def eval_table_html(rows: list[dict]) -> str:  # notebook 04's view of format_table
+    return f'<pre class="gptlib-eval">{html.escape(format_table(rows))}</pre>'
 
 
 def evaluate_tasks(run_dir: str | Path, tasks: str = "bpb, hellaswag", checkpoints: str = "all",

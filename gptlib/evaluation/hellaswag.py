@@ -1,27 +1,25 @@
-"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: each of an
-item's 4 endings is the context's tokens then those of " " + ending; the model picks the ending with the highest
-summed log-likelihood of its own tokens (`acc`) or mean per token (`acc_norm`, the figure usually quoted).
-A context cut to fit the window is `truncated`; items a char vocabulary cannot encode are `skipped`."""
+"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: `acc` picks the
+ending (" " + ending after the context) with the highest summed log-likelihood, `acc_norm` the highest per token. Under
+it, and under bits per byte, the batched log-likelihoods: rows packed by length, padded on the right (causal attention:
+padding never changes a real position), and only the scored positions through the output layer."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from gptlib.colab import DRIVE_SUBDIR, drive_mountpoint, in_colab
-from gptlib.data.download import default_cache_dir as local_cache
-from gptlib.data.download import fetch_verified
+from gptlib.data.download import default_cache_dir, fetch_verified
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError
-from gptlib.evaluation.likelihood import score_rows, scoring
+from gptlib.runtime import autocast_for, resolve_dtype, unwrap_model
 
 # The canonical validation file; sha256 and size as TensorFlow Datasets records them for this URL
 # (tensorflow_datasets/url_checksums/hellaswag.txt).
@@ -37,22 +35,90 @@ GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
              "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)"}
 
 
-def default_cache_dir() -> Path:
-    """data.download's cache; on Colab with Drive mounted, the Drive root's cache/, which survives the VM."""
-    if in_colab() and "GPTLIB_CACHE" not in os.environ:
-        with contextlib.suppress(OSError):  # a dead Drive mount: the VM's disk
-            mp = drive_mountpoint()
-            if (mp / "MyDrive").is_dir():  # only if already mounted: evaluation never mounts Drive itself
-                return Path(os.environ.get("GPTLIB_ROOT") or mp / DRIVE_SUBDIR) / "cache"
-    return local_cache()
-
-
 def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
     """The canonical file, sha256-checked, downloaded once into the cache. file_option: how the caller takes a local
     copy instead, for the message when the download fails."""
     return fetch_verified(HELLASWAG_URL, default_cache_dir() / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256,
                           EvalError, name="HellaSwag", local_hint=f"of {HELLASWAG_FILE} ({file_option})",
                           canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes", timeout=60)
+
+
+def default_batch_tokens(device: torch.device) -> int:
+    return 65536 if device.type == "cuda" else 8192  # a GPU's throughput; a CPU's caches (measured)
+
+
+@contextlib.contextmanager
+def scoring(model: torch.nn.Module, progress: bool, **bar):
+    """(the unwrapped model in eval mode, a tqdm bar shown with progress); the model's mode is restored after."""
+    from tqdm.auto import tqdm
+
+    m = unwrap_model(model)
+    was_training = m.training
+    m.eval()
+    with tqdm(disable=not progress, dynamic_ncols=True, leave=False, **bar) as b:
+        try:
+            yield m, b
+        finally:
+            m.train(was_training)
+
+
+def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
+    """Row indices in batches of at most batch_tokens padded tokens, longest rows first (little padding); a row
+    longer than that gets a batch of its own."""
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        rows = max(1, batch_tokens // int(lengths[order[start]]))  # the first (longest) row sets the padded length
+        batches.append(order[start : start + rows])
+        start += rows
+    return batches
+
+
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+@torch.inference_mode()
+def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """NLL (nats, float32) of the targets y.flatten()[positions], or of every target (B*T,). positions are flat
+    indices made on the host: a boolean mask on the GPU would make the host wait there to count its Trues.
+    dtype None: the autocast training's validation uses on this device (bf16 or fp16 on a GPU, none on the CPU)."""
+    m = unwrap_model(model)
+    with autocast_for(x.device, dtype or resolve_dtype("auto", x.device)):
+        h, y = m.hidden_states(x).flatten(0, 1), y.flatten()  # (B*T, C), (B*T,)
+        if positions is not None:
+            h, y = h.index_select(0, positions), y.index_select(0, positions)  # (N, C), (N,)
+        return F.cross_entropy(m.head(h).float(), y, reduction="none")
+
+
+@torch.inference_mode()
+def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequence[int],
+               device: torch.device | str, dtype: torch.dtype | None = None, batch_tokens: int | None = None,
+               progress=None) -> np.ndarray:
+    """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,); progress(rows)
+    after each batch. The sums stay on the device until the end: a GPU never waits for the host between batches."""
+    device = torch.device(device)
+    block = unwrap_model(model).config.block_size
+    for i, s in enumerate(seqs):
+        if not 1 <= ks[i] <= len(s) - 1 or len(s) - 1 > block:
+            raise ValueError(f"scoring row {i}: {len(s)} tokens with k={ks[i]} does not fit block_size={block}")
+    out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
+    for idx in pack_batches([len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)):
+        toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)  # (B, L), padded on the right
+        mask = np.zeros((len(idx), toks.shape[1] - 1), dtype=bool)  # (B, L-1): the scored targets
+        for j, i in enumerate(idx):
+            n = len(seqs[i])
+            toks[j, :n] = seqs[i]
+            mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
+        pos = np.flatnonzero(mask)  # the scored targets' flat positions, row-major
+        toks = _to_device(toks, device)
+        nll = scored_nll(model, toks[:, :-1], toks[:, 1:], _to_device(pos, device), dtype)
+        out.index_add_(0, _to_device(idx[pos // mask.shape[1]], device), -nll.double())  # each target to its row
+        if progress is not None:
+            progress(len(idx))
+    return out.cpu().numpy()
 
 
 @dataclass
@@ -151,23 +217,17 @@ class Rendered:
         return len(self.labels)
 
 
-def _encode_all(tok: Tokenizer, texts: list[str]) -> list[list[int] | None]:
-    """None where a char vocabulary lacks a character; BPE encodes in parallel inside the library."""
-    if hasattr(tok, "encode_batch_ids"):
-        return tok.encode_batch_ids(texts)
-    out = []
-    for t in texts:
-        try:
-            out.append(tok.encode(t))
-        except TokenizerError:
-            out.append(None)
-    return out
+def _encode(tok: Tokenizer, text: str) -> list[int] | None:
+    try:
+        return tok.encode(text)
+    except TokenizerError:  # a character the char vocabulary lacks
+        return None
 
 
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
     """Tokenize items (context, then " " + each ending, as build-nanogpt) into scoring rows."""
     texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
-    ids = _encode_all(tok, texts)
+    ids = tok.encode_batch_ids(texts) if hasattr(tok, "encode_batch_ids") else [_encode(tok, t) for t in texts]
     r = Rendered()
     for i, it in enumerate(items):
         ctx, ends = ids[5 * i], ids[5 * i + 1: 5 * i + 5]
@@ -184,25 +244,22 @@ def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
             r.counts.append(len(end))
         r.labels.append(it.label)
         r.truncated += cut
+    if r.n == 0:
+        raise EvalError(f"no HellaSwag item can be scored: all {r.skipped} have characters outside the {tok.kind} "
+                        f"tokenizer's vocabulary")
     return r
 
 
 def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int | None = None,
                       progress: bool = False, desc: str = "hellaswag") -> dict:
-    """-> {acc, acc_norm, n, truncated, skipped, sums (n, 4), preds, preds_norm}."""
-    if r.n == 0:
-        raise EvalError(f"no HellaSwag item could be scored: all {r.skipped} items have characters outside the "
-                        f"model's vocabulary")
+    """-> {acc, acc_norm, n, truncated, skipped, sums: (n, 4) log-likelihoods of the endings}."""
     with scoring(model, progress, total=len(r.seqs), desc=desc, unit="row") as (m, bar):
         row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update)
-    sums = np.zeros(4 * r.n)
-    np.add.at(sums, np.asarray(r.ending_of), row_ll)
-    sums = sums.reshape(r.n, 4)
-    means = sums / np.maximum(np.asarray(r.counts, dtype=np.float64).reshape(r.n, 4), 1)
-    labels = np.asarray(r.labels)
-    preds, preds_norm = sums.argmax(1), means.argmax(1)  # ties go to the first ending, as torch's argmin
-    return {"acc": float((preds == labels).mean()), "acc_norm": float((preds_norm == labels).mean()), "n": r.n,
-            "truncated": r.truncated, "skipped": r.skipped, "sums": sums, "preds": preds, "preds_norm": preds_norm}
+    sums = np.bincount(r.ending_of, weights=row_ll, minlength=4 * r.n).reshape(r.n, 4)  # an ending's rows summed
+    means = sums / np.asarray(r.counts).reshape(r.n, 4)  # every ending has a token: " " + ending
+    labels = np.asarray(r.labels)  # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
+    return {"acc": float((sums.argmax(1) == labels).mean()), "acc_norm": float((means.argmax(1) == labels).mean()),
+            "n": r.n, "truncated": r.truncated, "skipped": r.skipped, "sums": sums}
 
 
 def row_fields(res: dict, file: dict) -> dict:
@@ -215,8 +272,6 @@ class HellaSwagProbe:
     (full: every item, at the end of a run). Without the file (no network, a bad file) the probe logs one line and
     stays off (score() is None): training never stops for it."""
 
-    BATCH_TOKENS = 16384  # beside the training's own memory: gpt2-small ~2 GB of logits instead of ~8 GB at 64K
-
     def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | None = None,
                  limit: int | None = 1000, log=print):
         self.tokenizer, self.block_size, self.log = tokenizer, block_size, log
@@ -225,22 +280,18 @@ class HellaSwagProbe:
         try:
             self.items, self.file = load_items(source, file_option="hellaswag_file=FILE")
             self._subset = render([self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size)
-            if self._subset.n == 0:
-                raise EvalError(f"none of the {self._subset.skipped} HellaSwag items can be encoded by this "
-                                f"{tokenizer.kind} tokenizer")
         except (EvalError, OSError) as e:
             self.reason = str(e)
             log(f"hellaswag: off for this run ({e})")
 
     def score(self, model, device, dtype: torch.dtype | None = None, full: bool = False) -> dict | None:
-        """The eval.jsonl fields (row_fields) of the subset or of every item; None when off."""
         if self.reason is not None:
             return None
         if full and self._full is None:
             self._full = render(self.items, self.tokenizer, self.block_size)
         try:
             res = evaluate_rendered(model, self._full if full else self._subset, torch.device(device), dtype,
-                                    self.BATCH_TOKENS)
+                                    16384)  # beside training's memory: gpt2-small ~2 GB of logits, not ~8 GB at 64K
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")

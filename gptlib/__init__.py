@@ -34,7 +34,7 @@ _WHERE = {
     "export_gguf": "gptlib.inference.gguf_export", "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "evaluate_tasks": "gptlib.evaluation.evaluate",
-    "eval_table_html": "gptlib.evaluation.evaluate",
+    "format_table": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices, errors
     "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox", "comparison_html": "gptlib.widgets",
     "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",

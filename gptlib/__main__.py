@@ -74,7 +74,6 @@ def cmd_fetch(args) -> int:
          arg("--train-mb", type=float, default=1000.0, help="train the BPE on this many MB; 0 = all (default 1000)"),
          arg("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)"),
          arg("--overwrite", action="store_true", help="replace a different dataset already in --out"),
-         arg("--take-over", action="store_true", help="take --out over from another tokenize holding its lease"),
          arg("--quiet", action="store_true", help="no progress bar or summary"))
 def cmd_tokenize(args) -> int:
     """Pre-tokenize .txt / .jsonl / parquet files, local or behind URLs, into a data directory (token shards,
@@ -97,7 +96,7 @@ def cmd_tokenize(args) -> int:
                 val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
                 train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
                 overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,
-                hf_config=args.hf_config, hf_split=args.hf_split, take_over=args.take_over)
+                hf_config=args.hf_config, hf_split=args.hf_split)
     except KeyboardInterrupt:  # Ctrl-C: prepare said in one line what is kept and how to go on
         return 130  # the shell's status for a process stopped by SIGINT
     return 0

@@ -21,14 +21,6 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
-def drive_mountpoint() -> Path:
-    return DRIVE_MOUNT
-
-
-def local_root() -> Path:
-    return COLAB_LOCAL_ROOT
-
-
 def _drive_usable(mountpoint: Path) -> bool:
     """Mounted and answering: a dead FUSE mount raises Errno 107 (ENOTCONN) on any access."""
     try:
@@ -41,7 +33,7 @@ def _drive_usable(mountpoint: Path) -> bool:
 
 def mount_drive(timeout_s: float = 120.0) -> Path:
     """Mount Google Drive once (already mounted: a no-op); a dead or stale mount is remounted."""
-    mp = drive_mountpoint()
+    mp = DRIVE_MOUNT
     if not in_colab():
         raise ColabError("mount_drive() needs Google Colab; outside Colab use a local directory "
                          "(gptlib.colab.setup() does this for you)")
@@ -82,8 +74,8 @@ def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
         root = Path(env_root or ".")
         roots = Roots(persistent=root, local=root)
     else:
-        persistent = mount_drive(timeout_s) / DRIVE_SUBDIR if use_drive else local_root()
-        roots = Roots(persistent=Path(env_root) if env_root else persistent, local=local_root())
+        persistent = mount_drive(timeout_s) / DRIVE_SUBDIR if use_drive else COLAB_LOCAL_ROOT
+        roots = Roots(persistent=Path(env_root) if env_root else persistent, local=COLAB_LOCAL_ROOT)
     for d in {roots.persistent, roots.local}:
         d.mkdir(parents=True, exist_ok=True)
     return roots

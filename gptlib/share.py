@@ -10,7 +10,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gptlib.data.hub import hf_token
 from gptlib.data.shards import META_FILE
 from gptlib.errors import PushError
 from gptlib.fsutil import read_jsonl
@@ -150,7 +149,7 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
                         f"'.')") from None
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
-    token = hf_token() or hub.get_token()
+    token = hub.get_token()
     if not token:
         raise PushError(f"no Hugging Face token to push {repo} with: {TOKEN_HELP}")
     api = hub.HfApi(token=token)

@@ -292,10 +292,10 @@ def test_a_read_only_run_dir_names_its_own_mount(char_data, tmp_path):
     assert line.endswith("is read-only; choose a writable directory"), line
 
 
-@pytest.mark.parametrize("keep_last,fix", [(2, "free space"), (3, "free space or lower --keep-last \\(now 3\\)")])
+@pytest.mark.parametrize("keep_last,fix", [(2, "free space"), (3, "free space or lower keep_last \\(now 3: --set keep_last=N\\)")])
 def test_a_full_disk_during_a_save_is_one_clear_line(char_data, tmp_path, monkeypatch, keep_last, fix):
     """ENOSPC from the write itself (not torch's 'unexpected pos'): the message says disk full and the fix (a lower
-    --keep-last only where it can go lower than its minimum, 2), names the newest intact checkpoint, and the partial
+    keep_last only where it can go lower than its minimum, 2), names the newest intact checkpoint, and the partial
     checkpoint is gone (its space given back)."""
     real = ck.atomic_write
     calls = {"n": 0}

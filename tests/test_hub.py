@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pyarrow as pa
@@ -174,24 +173,6 @@ def test_missing_gated_and_revision_errors_say_what_to_do(hub_root, monkeypatch,
     assert msg.startswith("input hf://datasets/o/gated/data/train-0.parquet cannot be read: dataset o/gated is gated: "
                           "accept its conditions at https://huggingface.co/datasets/o/gated")
     assert "HF_TOKEN" in msg and "\n" not in msg
-
-
-def test_the_token_comes_from_hf_token_or_colabs_secret(hub_root, monkeypatch):
-    made = install_fake_hub(monkeypatch, hub_root)
-    monkeypatch.setenv("HF_TOKEN", "hf_env")
-    hub.resolve_url(PLAIN)
-    monkeypatch.delenv("HF_TOKEN")
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    hub.resolve_url(PLAIN)  # no token: huggingface_hub's own login, if any
-    colab = types.ModuleType("google.colab")
-    colab.userdata = types.SimpleNamespace(get=lambda key: {"HF_TOKEN": "hf_colab"}[key])
-    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
-    monkeypatch.setitem(sys.modules, "google.colab", colab)
-    monkeypatch.setitem(sys.modules, "google.colab.userdata", colab.userdata)
-    hub.resolve_url(PLAIN)
-    colab.userdata.get = lambda key: (_ for _ in ()).throw(RuntimeError("SecretNotFoundError"))
-    assert hub.hf_token() is None  # a missing secret is no token, not a crash
-    assert made["tokens"] == ["hf_env", None, "hf_colab"]
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -35,7 +35,8 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     # The comparison table: 2 prompts x 2 checkpoints.
     assert 'class="gptlib-compare"' in text and text.count("<td") >= 4
     # Evaluate: both checkpoints x {bpb, HellaSwag}, the GPT-2 reference row, the acc_norm plot, eval.jsonl.
-    table = text[text.index('class="gptlib-eval"'):]
+    eval_cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
+    table = "".join(o.get("text", "") for o in eval_cell.outputs)
     assert "step 5" in table and "step 10" in table and "GPT-2 124M (OpenAI)" in table and "0.2955" in table
     eval_rows = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
     assert sorted((r["task"], r["step"]) for r in eval_rows) == [("bpb", 5), ("bpb", 10), ("hellaswag", 5),

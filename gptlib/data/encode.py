@@ -24,7 +24,6 @@ from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunBusyError, loud
 from gptlib.fsutil import TMP_MARKER, atomic_write_json, cannot_write, check_dir, clean_temp_files
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
-from gptlib.lease import NoLease
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
 LOCK_FILE = ".tokenize.lock"  # held by the tokenize writing the directory
@@ -51,8 +50,8 @@ class Pass:
     the last shards (not yet flushed) and `stopped` says where max_tokens stopped the pass (None: at the end)."""
 
     def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict, lease: NoLease):
-        self.out_dir = out_dir  # lease: one_writer's, nothing to check (prepare passes it)
+                 progress: dict):
+        self.out_dir = out_dir
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
         self.resume, self.emitted, self.stats = progress["resume"], progress["emitted"], progress["stats"]
@@ -222,11 +221,10 @@ def check_output_dir(out_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[NoLease]:
+def one_writer(out_dir: Path) -> Iterator[None]:
     """Hold out_dir's lock file while tokenizing: a second tokenize there raises RunBusyError. The OS frees the lock
-    of a process that ends, killed or not, so there is nothing to take over (take_over is ignored) and nothing to
-    check while it runs (the NoLease yielded). Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes
-    on."""
+    of a process that ends, killed or not, so there is nothing to take over and nothing to check while it runs.
+    Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes on."""
     created = not out_dir.exists()
     lock = FileLock(out_dir / LOCK_FILE)
     try:
@@ -240,7 +238,7 @@ def one_writer(out_dir: Path, take_over: bool, verbose: bool) -> Iterator[NoLeas
             if not (out_dir / META_FILE).is_file():
                 raise cannot_write(out_dir, e) from None
             # a finished dataset on a read-only disk: reused as before, with no writer to keep out
-        yield NoLease()
+        yield
     except KeyboardInterrupt:
         clean_temp_files(out_dir)  # a write cut right after creating its temp file; while the lock is held, all ours
         try:

@@ -4,14 +4,12 @@ resolving a 1,000-file dataset reads nothing."""
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from gptlib.colab import in_colab
 from gptlib.errors import PrepareError
 
 CONVERTED = "refs/convert/parquet"
@@ -69,7 +67,7 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
     import fsspec
 
     if url.startswith("hf://"):
-        fs = fsspec.filesystem("hf", token=hf_token())  # huggingface_hub's HfFileSystem
+        fs = fsspec.filesystem("hf")  # huggingface_hub's HfFileSystem: its token is HF_TOKEN, a login or Colab's secret
         if url.startswith("hf://datasets/"):
             return _resolve_dataset(fs, url, hf_config, hf_split)
         return list_files(fs, url[len("hf://"):], url)  # a model's or a bucket's files
@@ -85,19 +83,6 @@ def describe(e: BaseException, url: str | None = None) -> str:
     m = _DATASET_URL.fullmatch(url or "")
     first = (str(e).strip().splitlines() or [""])[0]
     return hub_error_hint(e, *(m.group(1, 2) if m else ())) or f"{type(e).__name__}: {first}".rstrip(": ")
-
-
-def hf_token() -> str | None:
-    """HF_TOKEN, else Colab's HF_TOKEN secret, else None (huggingface_hub then uses a saved login, if any)."""
-    tok = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if tok or not in_colab():
-        return tok or None
-    try:
-        from google.colab import userdata  # noqa: PLC0415 - only exists on Colab
-
-        return userdata.get("HF_TOKEN") or None
-    except Exception:  # noqa: BLE001 - no such secret, or the notebook was not given access
-        return None
 
 
 def _error_names(e: BaseException | None) -> set[str]:
@@ -122,7 +107,9 @@ def hub_error_hint(e: BaseException, repo: str | None = None, rev: str | None = 
     if "DisabledRepoError" in names:
         return f"{what} has been disabled on the Hub"
     if "RepositoryNotFoundError" in names:
-        token = "the token in use has no access to it, or it does not exist" if hf_token() else \
+        from huggingface_hub import get_token
+
+        token = "the token in use has no access to it, or it does not exist" if get_token() else \
             "it does not exist, or it is private and needs a login"
         return f"{what} was not found on the Hub ({token}); check the name (OWNER/NAME) or {TOKEN_HELP}"
     if "OfflineModeIsEnabled" in names:

@@ -28,14 +28,14 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
             val_fraction: float = 0.1, split: str = "auto", shard_tokens: int = 100_000_000,
             train_max_bytes: int | None = 1_000_000_000, overwrite: bool = False,
             verbose: bool = True, format: str = "text", max_tokens: int | None = None, hf_config: str | None = None,
-            hf_split: str | None = None, take_over: bool = False) -> DatasetMeta:
+            hf_split: str | None = None) -> DatasetMeta:
     """Tokenize a corpus into out_dir (token shards, tokenizer.json, meta.json); the options are the CLI's
     (docs/cli.md). A re-run with the same inputs and options returns the finished dataset or resumes an unfinished
     one; a different dataset in out_dir is refused unless overwrite=True."""
     fmt, t0, out_dir = format, time.time(), Path(out_dir)
     tok_file = _check_options(val_fraction, split, shard_tokens, fmt, max_tokens, tokenizer, tokenizer_from)
     check_output_dir(out_dir)
-    with one_writer(out_dir, take_over, verbose) as lease:  # before anything in out_dir is read or changed
+    with one_writer(out_dir):  # before anything in out_dir is read or changed
         sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
         split = _choose_split(split, sources, fmt)
         tok_spec = {"file_sha256": sha256_file(tok_file)} if tok_file else {"kind": "char"} if tokenizer == "char" \
@@ -48,10 +48,9 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
             reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
-        encoding = Pass(out_dir, spec, tok, identity, sources, progress, lease)
+        encoding = Pass(out_dir, spec, tok, identity, sources, progress)
         encoding.run(column, verbose)
         _check_result(progress, val_fraction)
-        lease.check(out_dir)  # taken over meanwhile: the last shards and meta.json are the other tokenize's to write
         extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, encoding.stopped),
                  "elapsed_s": round(time.time() - t0, 3)}
         # meta.json last (a half-written dataset never looks complete), then the resume state goes.

@@ -13,8 +13,7 @@ from typing import Callable
 
 from filelock import FileLock  # a dependency of torch and huggingface_hub
 
-from gptlib.colab import drive_mountpoint
-from gptlib.colab import local_root as colab_local_root
+import gptlib.colab as colab
 from gptlib.data.shards import META_FILE, read_meta
 from gptlib.errors import loud
 from gptlib.fsutil import (Progress, atomic_write_json, call_with_timeout, check_dir, copy_hashing, fsync_dir,
@@ -32,7 +31,7 @@ class StagingFailed(Exception):  # why the local copy was given up, naming the f
 
 def on_drive(path: str | Path) -> bool:
     try:
-        return Path(path).resolve().is_relative_to(drive_mountpoint().resolve())
+        return Path(path).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
     except OSError:
         return False
 
@@ -44,7 +43,7 @@ def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable
     if not enabled or not on_drive(data_dir):
         return Path(data_dir)
     src = Path(data_dir).resolve()
-    dst = colab_local_root() / "data" / src.name
+    dst = colab.COLAB_LOCAL_ROOT / "data" / src.name
     try:
         meta_bytes = read_bytes_with_timeout(src / META_FILE, STALL_S)
     except OSError:

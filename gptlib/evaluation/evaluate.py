@@ -4,7 +4,6 @@ the validation loss in a unit no tokenizer can bend. Each result is a row of RUN
 
 from __future__ import annotations
 
-import html
 import math
 import time
 from datetime import datetime, timezone
@@ -188,10 +187,6 @@ def format_table(rows: list[dict]) -> str:
 
 def _fmt(v, f: str) -> str:
     return "-" if v is None else f.format(v)
-
-
-def eval_table_html(rows: list[dict]) -> str:  # notebook 04's view of format_table
-    return f'<pre class="gptlib-eval">{html.escape(format_table(rows))}</pre>'
 
 
 def evaluate_tasks(run_dir: str | Path, tasks: str = "bpb, hellaswag", checkpoints: str = "all",

@@ -74,8 +74,10 @@ def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tm
 
     monkeypatch.setattr(T, "validation_loss", slow_validation)
     # one save, at the end: a background save right after each validation would slow the next steps on 2 cores
-    real_save = T.CheckpointWriter.save
-    monkeypatch.setattr(T.CheckpointWriter, "save", lambda self, ck: ck["progress"]["step"] == 20 and real_save(self, ck))
+    from gptlib.checkpoint.writer import CheckpointWriter
+
+    real_save = CheckpointWriter.save
+    monkeypatch.setattr(CheckpointWriter, "save", lambda self, ck: ck["progress"]["step"] == 20 and real_save(self, ck))
     r = train(char_data, tmp_path / "run", "phase1", TINY + ["eval_interval=5"], max_steps=20, progress=False,
               log=quiet)
     assert r.steady_tokens_per_s > 2 * r.tokens_per_s  # 4 validations: >= 8 s of the wall time
@@ -149,9 +151,11 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, monkeypatch):
     """auto_batch changes batch_size and grad_accum_steps: config.json says so, as the checkpoints do."""
-    from gptlib.training import resolve
+    from gptlib.training import memory
+    from tests.test_runtime import GIB, FakeGpuMemory
 
-    monkeypatch.setattr(resolve, "auto_micro_batch", lambda make_model, cfg, device, dtype, log=print: (4, 4, 0))
+    # 8 sequences need 0.95 of this fake GPU, 4: 0.55 -> the probe (the real one, on the CPU) takes 4
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: FakeGpuMemory(100 * GIB, 15 * GIB, 10 * GIB))
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"],
           max_steps=2, progress=False, log=quiet)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from gptlib.checkpoint.format import TrainState
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError
+from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
 # A param group's keys that say how its update runs on this device. torch's load_state_dict takes them from the
@@ -90,6 +92,17 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> None:
                                               f"{shapes[i]} (damaged or hand-edited)")
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where}: malformed optimizer state ({type(e).__name__}: {e})") from None
+
+
+def check_optimizer_fits(ck: dict, where) -> None:
+    """Resume's check of a checkpoint: CheckpointError (passed over as damaged) if its optimizer state does not fit
+    the optimizer its own config builds (on the meta device: shapes only)."""
+    if not ck["optimizer"]:  # a run made by import-hf: weights only
+        return
+    cfg = TrainState(**ck["progress"]).run_config(str(where / STATE_FILE))
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck["optimizer"], str(where))
 
 
 # torch.optim.Muon orthogonalises every update in bf16, on every device. GPUs multiply bf16 natively; an x86 CPU

@@ -1,5 +1,6 @@
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -89,6 +90,24 @@ def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tm
     # the ETA pays for the validations to come: 3 x 2 s (a step is ~15-100 ms here)
     assert last["eta_s"] > 1.5 * tokens_left / r.steady_tokens_per_s
     assert f"{r.steady_tokens_per_s:,.0f} tokens/s while stepping" in r.summary()
+
+
+def test_a_failing_close_of_the_log_still_restores_the_signal_handlers_and_the_lease(tmp_path, char_data, monkeypatch):
+    """The bar and metrics.jsonl closed at the end of a run may raise (a full disk): the stop-button handlers are
+    still put back (else Ctrl-C in the notebook would do nothing), the last save waited for, the lease released."""
+    from gptlib.layout import LEASE_FILE
+    from gptlib.training.logs import MetricsLog
+
+    def full_disk(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MetricsLog, "close", full_disk)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    with pytest.raises(OSError, match="No space left"):
+        train(char_data, run, "phase1", TINY, max_steps=3, progress=False, log=quiet)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    assert not (run / LEASE_FILE).exists() and [p.name for p in list_checkpoints(run)] == ["step_0000003"]
 
 
 class StopAt(Exception):

@@ -225,8 +225,10 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
     the lease and the process group, whatever raised. -> this session's training seconds, read before the wait."""
     train_s = metrics.session_s()
     try:
-        metrics.close()
-        s.writer.close(saving=stop.last_save())  # local save errors raise; Drive problems are reported, never raised
+        try:
+            metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
+        finally:
+            s.writer.close(saving=stop.last_save())  # local save errors raise; Drive problems are reported, never raised
     finally:
         stop.restore()
         s.lease.release()

@@ -1,7 +1,6 @@
-"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), the counters, then the
-log, validation, checkpoint and stop decisions. Re-running the same call on the same run directory resumes from
-its newest valid checkpoint, exactly: on CPU the losses of the uninterrupted run, bit for bit.
-"""
+"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), then log, validate, save,
+stop. Re-running the same call on the same run directory resumes from its newest valid checkpoint, exactly: on CPU
+the losses of the uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
@@ -20,10 +19,10 @@ from gptlib.errors import OutOfMemoryAdvice
 from gptlib.evaluation.evaluate import append_eval_row, make_row
 from gptlib.evaluation.hellaswag import metrics_fields
 from gptlib.layout import LOSS_PLOT
+from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
 from gptlib.training.memory import free_memory, is_oom, oom_advice
-from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training.plots import plot_losses, run_title
 from gptlib.training.setup import TrainingRun, claimed, find_start, open_run
 from gptlib.training.signals import GracefulStop
@@ -65,10 +64,6 @@ class TrainResult:
         return f"done: step {self.step:,}, val loss {val}, {speed} ({self.stopped_by}) -> {self.run_dir}"
 
 
-def _silent(*args, **kwargs) -> None:
-    pass
-
-
 def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",
           overrides: dict | list | None = None, *, max_steps: int | None = None, max_minutes: float | None = None,
           seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
@@ -76,28 +71,29 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
           mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
           stage_data: bool = True, skip_unreadable: bool = False, allow_data_change: bool = False,
           recipe: str | None = None) -> TrainResult:
-    """Train (or resume) a GPT on a data directory into run_dir. compile: auto|on|off (None: the preset's); on_log(row)
-    after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of
-    another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule);
-    stage_data: read Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume;
-    recipe: gpt2 | modern (config.RECIPES; None: a resumed run's or the base's own, else gpt2)."""
+    """Train (or resume: the same call again) a GPT on a data directory into run_dir. compile: auto|on|off (None: the
+    preset's); on_log(row) after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume;
+    take_over: the lease of another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights
+    (fresh optimizer, schedule); stage_data: read Drive data from a local copy (gptlib.data.staging);
+    skip_unreadable, allow_data_change: gptlib.checkpoint.resume; recipe: gpt2 | modern (config.RECIPES; None: a
+    resumed run's or the base's own, else gpt2)."""
     explicit = dict(max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile)
     asked = build_config(preset, overrides, recipe=recipe, **explicit)  # a bad setting: refused before anything
     ddp = distributed.setup(asked.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
-        progress, log, on_log = False, _silent, None
+        progress, log, on_log = False, (lambda msg: None), None
     on = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or the dtype
     resolve_dtype(asked.train.dtype, on)  # bf16 asked for on a GPU without it: refused before anything is touched
     staged = stage_for_training(data_dir, stage_data, log)
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
-        start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable,
-                           allow_data_change=allow_data_change, log=log)
+        start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
         held, whose = start.held
         if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
             log(f"recipe: {held.recipe} (the {whose}'s own)")  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
-        s = open_run(start, asked, ddp, on, lease, verbose=progress, log=log)
+        s = open_run(start, asked, ddp, on, lease, allow_data_change=allow_data_change, verbose=progress, log=log)
+    del start  # the base's weights (--init-from): not held all run
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     if s.state.step >= s.cfg.train.max_steps:
         return _finished(s)
@@ -140,10 +136,9 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         train_s = _close(s, metrics, stop)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
         _raise_oom_advice(s)
-    st = state
-    return TrainResult(run_dir=s.run_dir, step=st.step, tokens_seen=st.tokens_seen, train_loss=metrics.train_loss,
-                       val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=st.best_val_loss,
-                       elapsed_s=train_s, tokens_per_s=(st.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
+    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
+                       val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
+                       elapsed_s=train_s, tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
                        steady_tokens_per_s=metrics.steady_tokens_per_s(), resumed_from=s.resumed_from,
                        stopped_by=stopped_by, history=metrics.history)
 
@@ -228,7 +223,7 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
         try:
             metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
         finally:
-            s.writer.close(saving=stop.last_save())  # local save errors raise; Drive problems are reported, never raised
+            s.writer.close(saving=stop.last_save())  # local save errors raise; Drive problems are only reported
     finally:
         stop.restore()
         s.lease.release()

@@ -96,9 +96,8 @@ MEMORY_PROBES = {"cuda": CudaMemoryProbe}  # device type -> its memory probe; el
 
 
 def fit_micro_batch(cfg, device: torch.device, ddp, log) -> tuple[object, int]:
-    """auto_batch: the probe's micro-batch, grad_accum_steps raised to keep the sequences per step; under DDP every
-    rank takes the smallest. Without a memory probe (no GPU) the sizes are kept: no OOM to find.
-    -> (the config, the probe's measured peak bytes)."""
+    """auto_batch: the probe's micro-batch (under DDP every rank's smallest), the sequences per step kept; without a
+    memory probe (no GPU) the sizes are kept. -> (the config, the probe's measured peak bytes)."""
     tc = cfg.train
     if device.type not in MEMORY_PROBES:
         log(f"auto micro-batch: no memory probe on {device.type}; keeping batch_size={tc.batch_size}, "
@@ -124,25 +123,21 @@ def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, d
     reserve = torch.empty(2 * n_params, device=device) if device.type == "cuda" else None  # AdamW's two moments
     was_training = model.training
     model.train()
-    chosen, peak = None, 0
     try:
         for b in (b for b in range(per_step, 0, -1) if per_step % b == 0):
             why, peak = _try_micro_batch(model, b, block, device, dtype, memory_probe)
             if not why:
-                chosen = b
-                break
+                log(f"auto micro-batch: {b} x {block} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the "
+                    f"GPU); grad_accum_steps={per_step // b} keeps {per_step * block:,} tokens per step")
+                return b, per_step // b, peak
             log(f"auto micro-batch: {b} x {block} does not fit ({why})")
     finally:
         del reserve  # the stand-in for the optimizer moments goes first
         model.zero_grad(set_to_none=True)
         model.train(was_training)
         free_memory()
-    if chosen is None:
-        nothing_fits = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=1))
-        raise OutOfMemoryAdvice(oom_advice(nothing_fits))
-    log(f"auto micro-batch: {chosen} x {block} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the GPU); "
-        f"grad_accum_steps={per_step // chosen} keeps {per_step * block:,} tokens per step")
-    return chosen, per_step // chosen, peak
+    nothing_fits = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=1))
+    raise OutOfMemoryAdvice(oom_advice(nothing_fits))
 
 
 def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype,

@@ -1,6 +1,5 @@
 """What train() sets up before its loop, in its order: the lease (claimed), where the run starts (find_start: the
-resume point or an --init-from base), then the config, decided once, and what trains with it (open_run).
-"""
+resume point or an --init-from base), then the config, decided once, and what trains with it (open_run)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import ConfigError, DataFormatError, HungIOError
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
-from gptlib.inference.loading import load_run
+from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
@@ -39,7 +38,7 @@ from gptlib.training.throughput import check_cpu_run, run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
-    """-> (model, optimizer, scaler, dtype); the throughput benchmark builds its model here too, to measure training's."""
+    """-> (model, optimizer, scaler, dtype); the throughput benchmark builds here too, to measure training's."""
     tc = cfg.train
     dtype = resolve_dtype(tc.dtype, device)
     torch.manual_seed(tc.seed)
@@ -58,20 +57,16 @@ def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: dis
     return ddp.wrap(torch.compile(model) if compiled else model, device), compiled
 
 
-CHAT_SAMPLES = 2  # chat data: the val split's first questions sampled at each validation
-
-
 def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: Tokenizer) -> tuple[list, list[int]]:
     """-> (prompts, the ids a sample stops at). On chat data a plain string asks the model nothing: the val split's
-    first CHAT_SAMPLES questions are asked instead, each answer ending at <|end|>."""
+    first two questions are asked instead, each answer ending at <|end|>."""
     tc = cfg.train
     spans = read_spans(meta, "val") if meta.format == "chat" and tc.sample_prompts else []
     if not len(spans):
         return list(tc.sample_prompts), []
-    reach = int(spans[min(len(spans), 64) - 1][0])  # the first 64 answers: enough to find CHAT_SAMPLES conversations
+    reach = int(spans[min(len(spans), 64) - 1][0])  # the first 64 answers: enough to find two conversations
     template = ChatTemplate(tokenizer)
-    prompts = first_prompts(head_ids(splits["val"], reach), spans, template.eot_id, CHAT_SAMPLES,
-                            cfg.model.block_size // 2)
+    prompts = first_prompts(head_ids(splits["val"], reach), spans, template.eot_id, 2, cfg.model.block_size // 2)
     return [p.tolist() for p in prompts], [template.end_id, template.eot_id]
 
 
@@ -128,58 +123,42 @@ class TrainingRun:
         """DDP: no_sync(last_micro_step) -> a context that skips the gradient all-reduce; None alone."""
         return (lambda last: self.ddp.no_sync(self.train_model, last)) if self.ddp.enabled else None
 
-    def parts(self) -> dict[str, Any]:
-        """The stateful parts a checkpoint holds (gptlib.checkpoint.format), each with state_dict/load_state_dict."""
-        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
-                "rng": RNG(self.device), "progress": self.state}
-
     def snapshot(self, val_loss: float | None, elapsed_s: float, gather: bool = True) -> dict:
-        """The checkpoint of now. Under DDP every rank's sampler is gathered: a collective, so gather=False where the
-        ranks may be anywhere (an interrupt)."""
+        """The checkpoint of now: its parts' state dicts (gptlib.checkpoint.format). Under DDP every rank's sampler
+        is gathered: a collective, so gather=False where the ranks may be anywhere (an interrupt)."""
         self.state.val_loss, self.state.elapsed_s = val_loss, elapsed_s
-        ckpt = {name: part.state_dict() for name, part in self.parts().items()}
+        parts = {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
+                 "rng": RNG(self.device), "progress": self.state}
+        ckpt = {name: part.state_dict() for name, part in parts.items()}
         if gather and self.ddp.enabled:
             ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
         return ckpt
 
 
-@dataclass
-class Base:
-    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP])."""
-
-    model_sd: dict[str, torch.Tensor]
-    config: RunConfig  # the base's: its shape and recipe carry over
-    step: int
-    path: Path
-    vocab_size: int  # the base's vocabulary: the data's may add tokens after it (chat markers)
-
-
-def load_base(spec: str, meta: DatasetMeta, log) -> Base:
-    """The data's tokenizer must be the base's, or the base's with tokens appended (tokenize --tokenizer-from
-    BASE_RUN --format chat adds the chat markers)."""
-    run_dir, which = spec, "latest"
-    if not Path(spec).is_dir() and ":" in spec:
-        run_dir, which = spec.rsplit(":", 1)
+def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
+    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP]). The data's tokenizer must be the
+    base's, or the base's with tokens appended (tokenize --tokenizer-from BASE_RUN --format chat adds chat markers)."""
+    run_dir, which = spec.rsplit(":", 1) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
     ld = load_run(run_dir, which, log=log)
     base, data = ld.tokenizer.identity(), meta.tokenizer
     grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"] and meta.vocab_size > base["vocab_size"]
     if data.get("hash") != base["hash"] and not grows:
-        raise ConfigError(f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, tokenizer "
-                          f"{base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
-                          f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data with "
-                          f"--tokenizer-from {run_dir}")
-    log(f"init-from: the weights of {ld.path} (step {ld.step:,}); {ld.config.model.n_layer} layers x "
-        f"{ld.config.model.n_embd}, context {ld.config.model.block_size}"
-        + (f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (rows added for the new tokens)" if grows else ""))
-    return Base(ld.model.state_dict(), ld.config, ld.step, ld.path, base["vocab_size"])
+        raise ConfigError(f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, "
+                          f"tokenizer {base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
+                          f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data "
+                          f"with --tokenizer-from {run_dir}")
+    mc, added = ld.config.model, f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (new rows added)"
+    log(f"init-from: the weights of {ld.path} (step {ld.step:,}); {mc.n_layer} layers x {mc.n_embd}, context "
+        f"{mc.block_size}" + (added if grows else ""))
+    return ld
 
 
-def start_from_base(model: GPT, base: Base) -> None:
+def start_from_base(model: GPT, base: LoadedModel) -> None:
     """The embedding and output rows of the tokens appended after the base's vocabulary start at the mean of the
     base's rows; every other weight is the base's."""
-    sd, n = dict(base.model_sd), base.vocab_size
+    sd, n = base.model.state_dict(), base.tokenizer.vocab_size
     for key, new in model.state_dict().items():
-        if key in sd and sd[key].shape != new.shape:  # wte and lm_head (the same tensor when tied): a vocabulary that grew
+        if key in sd and sd[key].shape != new.shape:  # wte and lm_head (one tensor when tied): the vocabulary grew
             grown = torch.zeros_like(new)
             grown[:n] = sd[key][:n]
             grown[n: model.config.vocab_size] = sd[key][:n].mean(dim=0)
@@ -215,15 +194,14 @@ def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_
 
 
 def _looked_at(d: Path, what: str) -> bool:
-    """Whether d exists. A file or a symlink loop at d or its checkpoints/ is one line now, not a traceback at the
-    first save; looked at with a time limit (Drive)."""
+    """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
     def look() -> bool:
         if not check_dir(d, what):
             return False
         check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
         return True
 
-    return call_with_timeout(look, IO_TIMEOUT_S, what=f"looking at {d}")
+    return call_with_timeout(look, IO_TIMEOUT_S, what=f"looking at {d}")  # Drive may hang
 
 
 @dataclass
@@ -237,11 +215,11 @@ class Start:
     tokenizer: Tokenizer
     resume: Resume | None
     passed: Passed
-    base: Base | None
+    base: LoadedModel | None  # --init-from's
 
     @property
     def held(self) -> tuple[RunConfig | None, str]:
-        """The config the model already has, and whose it is."""
+        """The config the model already has (its shape and recipe stay), and whose it is."""
         if self.resume is not None:
             return self.resume.state.run_config(str(self.resume.info.path / STATE_FILE)), "resumed run"
         return (self.base.config if self.base else None), "--init-from base"
@@ -252,8 +230,8 @@ class Start:
 
 
 def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_from: str | None,
-               skip_unreadable: bool, allow_data_change: bool, log) -> Start:
-    """The data's description, the resume point on this data (gptlib.checkpoint.resume), else the base."""
+               skip_unreadable: bool, log) -> Start:
+    """The data's description, the resume point (gptlib.checkpoint.resume), else the base."""
     meta = read_meta(data_dir)
     tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
     check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
@@ -261,10 +239,8 @@ def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_f
         raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
                               f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
-    if resume is not None:
-        resume.data_change = check_same_data(resume, meta, allow_data_change, log)
-        if init_from:
-            log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+    if resume is not None and init_from:
+        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
     base = load_base(init_from, meta, log) if init_from and resume is None else None
     return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base)
 
@@ -339,10 +315,12 @@ def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None
             f"stable phase")
 
 
-def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *, verbose: bool,
-             log) -> TrainingRun:
+def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *,
+             allow_data_change: bool, verbose: bool, log) -> TrainingRun:
     """The run as the loop trains it. The checkpoint (or base) is loaded before compile and DDP wrap the model."""
     cfg, probe_peak = decide_config(asked, start, device, ddp, log)
+    if start.resume is not None:  # the same model; now the same data (or a change asked for, recorded)
+        start.resume.data_change = check_same_data(start.resume, start.meta, allow_data_change, log)
     tc, mc = cfg.train, cfg.model
     # the tokens, placed for this config (on the GPU only with room left to train beside them)
     meta, splits = load_dataset(start.meta.data_dir, device=device, verbose=verbose, log=log,
@@ -358,7 +336,8 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
     data = RunData(splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer), hellaswag)
     # the model and what trains it, from the checkpoint or the base
     model, optimizer, scaler, _ = build_model(cfg, device, log)
-    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device, masks.get("train"))
+    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device,
+                           masks.get("train"))
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": start.init_from, "path": str(base.path), "step": base.step} if base else {})
@@ -388,14 +367,14 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
 def _resume(s: TrainingRun, start: Start, log) -> None:
     """Load the checkpoint into the run's parts, taking each out of its dict (held, they would be a second copy of
     the state in host RAM all run). A run made by import-hf holds weights only: its training starts fresh."""
-    r, ckpt, parts = start.resume, start.resume.checkpoint, s.parts()
+    r, ckpt = start.resume, start.resume.checkpoint
     load_weights_into(s.model, ckpt.pop("model"), r.info.path)
     if ckpt["optimizer"]:
         load_optimizer(s.optimizer, ckpt["optimizer"])  # its device flags are this device's
         if ckpt["scaler"]:  # {} when it was off
             s.scaler.load_state_dict(ckpt["scaler"])
         s.ddp.load_sampler_state(s.sampler, ckpt["sampler"], ckpt["sampler_ranks"], s.cfg.train.seed, log)
-        parts["rng"].load_state_dict(ckpt["rng"])
+        RNG(s.device).load_state_dict(ckpt["rng"])
     for name in ("optimizer", "scaler", "sampler", "rng", "sampler_ranks"):
         del ckpt[name]
     this_session = ("config", "data", "data_dir", "tokenizer", "milestone")

@@ -82,8 +82,8 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     ddp = distributed.setup(asked.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, (lambda msg: None), None
-    on = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or the dtype
-    resolve_dtype(asked.train.dtype, on)  # bf16 asked for on a GPU without it: refused before anything is touched
+    on_device = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or dtype
+    resolve_dtype(asked.train.dtype, on_device)  # bf16 asked for on a GPU without it: refused before anything changes
     staged = stage_for_training(data_dir, stage_data, log)
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
@@ -92,7 +92,8 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
         if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
             log(f"recipe: {held.recipe} (the {whose}'s own)")  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
-        s = open_run(start, asked, ddp, on, lease, allow_data_change=allow_data_change, verbose=progress, log=log)
+        s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
+                     log=log)
     del start  # the base's weights (--init-from): not held all run
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     if s.state.step >= s.cfg.train.max_steps:

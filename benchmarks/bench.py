@@ -42,7 +42,7 @@ from gptlib.model import GPT, model_size  # noqa: E402
 from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype  # noqa: E402
 from gptlib.training.distributed import Dist  # noqa: E402
 from gptlib.training.memory import free_memory, is_oom  # noqa: E402
-from gptlib.training.resolve import fit_micro_batch  # noqa: E402
+from gptlib.training.memory import fit_micro_batch  # noqa: E402
 from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
 from gptlib.training.step import train_step  # noqa: E402
 from gptlib.training.throughput import (StepTimer, device_peak, fmt_duration, fmt_mfu, fmt_split,  # noqa: E402

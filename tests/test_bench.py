@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from gptlib.config import ModelConfig
+from gptlib.config import ModelConfig, RunConfig, TrainConfig
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.model import GPT
 from benchmarks import bench
@@ -99,6 +99,10 @@ def test_step_timer_cpu():
     assert "data" in measure.fmt_split(split) and t.split() == {}
 
 
+def _per_step(sequences):  # a config asking for `sequences` per step, in one micro-batch
+    return RunConfig(model=ModelConfig(**LADDER_CFG), train=TrainConfig(batch_size=sequences, grad_accum_steps=1))
+
+
 def _tiny_model():
     torch.manual_seed(0)
     return GPT(ModelConfig(**LADDER_CFG))
@@ -118,7 +122,7 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
     monkeypatch.setattr(model, "forward", fake_forward)
     monkeypatch.setattr(memory, "free_memory", lambda: freed.append(1))
     logs = []
-    micro, accum, peak = memory.probe_micro_batch(model, 32, 48, "cpu", log=logs.append)
+    micro, accum, peak = memory.probe_micro_batch(model, _per_step(48), "cpu", log=logs.append)
     assert (micro, accum, peak) == (8, 6, 0) and micro * accum == 48  # tokens per step kept; no memory probe: no peak
     assert tried == [48, 24, 16, 12, 8]  # divisors of 48, largest first
     assert len(freed) >= len(tried)  # memory released after every try
@@ -128,14 +132,14 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
 
 def test_probe_reraises_other_errors(monkeypatch):
     model = _tiny_model()
-    assert memory.probe_micro_batch(model, 32, 16, "cpu", log=lambda s: None) == (16, 1, 0)  # no OOM: all of it
+    assert memory.probe_micro_batch(model, _per_step(16), "cpu", log=lambda s: None) == (16, 1, 0)  # no OOM: all of it
 
     def broken(idx, targets=None, cache=None):
         raise RuntimeError("shape mismatch")
 
     monkeypatch.setattr(model, "forward", broken)
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        memory.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
+        memory.probe_micro_batch(model, _per_step(4), "cpu", log=lambda s: None)
 
 
 def test_probe_nothing_fits_gives_advice(monkeypatch):
@@ -146,11 +150,12 @@ def test_probe_nothing_fits_gives_advice(monkeypatch):
 
     monkeypatch.setattr(model, "forward", oom)
     with pytest.raises(OutOfMemoryAdvice, match="even at micro-batch 1"):
-        memory.probe_micro_batch(model, 32, 4, "cpu", log=lambda s: None)
+        memory.probe_micro_batch(model, _per_step(4), "cpu", log=lambda s: None)
 
 
 def test_oom_advice_keeps_tokens_per_step():
-    msg = memory.oom_advice(16, 32, 1024)
+    cfg = RunConfig(model=ModelConfig(block_size=1024), train=TrainConfig(batch_size=16, grad_accum_steps=32))
+    msg = memory.oom_advice(cfg)
     assert "batch_size=8" in msg and "grad_accum_steps=64" in msg and "524,288 tokens per step" in msg
 
 

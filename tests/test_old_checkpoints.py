@@ -75,7 +75,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(char_data, tmp_path
     restored, real_loop = [], gloop._loop
 
     def loop(s, *a, **k):  # the run's state as restored, before its first step (copied: training changes it)
-        restored.append(copy.deepcopy(s.state_dict()))
+        restored.append(copy.deepcopy(s.snapshot(s.state.val_loss, s.state.elapsed_s)))
         return real_loop(s, *a, **k)
 
     monkeypatch.setattr(gloop, "_loop", loop)

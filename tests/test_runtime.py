@@ -253,13 +253,13 @@ class FakeGpuMemory:
 def test_the_probe_keeps_a_margin_for_compiled_training(char_data, monkeypatch):
     from gptlib.model import GPT
 
-    cfg = build_config("phase1", TINY)
+    cfg = build_config("phase1", TINY + ["grad_accum_steps=1"])
     model = GPT(cfg.model)
     # 8 sequences: 0.95 of the GPU; 4: 0.55 -> 4 is the largest that leaves the margin
     mem = FakeGpuMemory(total=100 * GIB, fixed=15 * GIB, per_seq=10 * GIB)
     monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the model runs here; the memory is a fake
     logs = []
-    got = memory.probe_micro_batch(model, 32, 8, "cpu", log=logs.append)
+    got = memory.probe_micro_batch(model, cfg, "cpu", log=logs.append)
     assert got == (4, 2, 55 * GIB) and any("8 x 32 does not fit" in m and "92%" in m for m in logs), logs
     assert memory.PROBE_HEADROOM == 0.92
 
@@ -269,18 +269,12 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     said 21.2 GiB where the probe had measured an eager peak of 26.6 GiB, and data filled the difference)."""
     from gptlib import batches
     from gptlib.batches import plan_data
-    from gptlib.training import resolve, setup
+    from gptlib.training import setup
     from gptlib.training.loop import train
 
     mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=2 * GIB)  # 4 sequences: an 18 GiB peak
-    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
-
-    def probe_on_a_fake_gpu(make_model, cfg, device, dtype, log=print):  # the real probe; only the memory is a fake
-        per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
-        return memory.probe_micro_batch(make_model(), cfg.model.block_size, per_step, device, dtype, log=log)
-
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the real probe; only the memory is a fake
     reserved, real_load = [], setup.load_dataset
-    monkeypatch.setattr(resolve, "auto_micro_batch", probe_on_a_fake_gpu)
     monkeypatch.setattr(setup, "load_dataset", lambda *a, **kw: reserved.append(kw["reserve_gpu_bytes"]) or
                         real_load(*a, **kw))
     settings = TINY + ["auto_batch=true", "batch_size=4", "grad_accum_steps=1"]
@@ -304,7 +298,6 @@ def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():
     V, C, T, L = tied.padded_vocab_size, tied.n_embd, tied.block_size, tied.n_layer
     assert memory.estimate_train_bytes(untied, 1) - memory.estimate_train_bytes(tied, 1) == 16 * V * C
     assert memory.estimate_train_bytes(tied, 2) - memory.estimate_train_bytes(tied, 1) == T * (34 * L * C + 14 * V)
-    assert memory.train_reserve_bytes(tied, 1) == memory.estimate_train_bytes(tied, 1)  # no probe: the estimate
 
 
 # --- 6. compile=auto only where compiling pays -------------------------------------------------------------------

@@ -1,5 +1,6 @@
 import json
 import re
+import signal
 import time
 
 import pytest
@@ -74,8 +75,10 @@ def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tm
 
     monkeypatch.setattr(T, "validation_loss", slow_validation)
     # one save, at the end: a background save right after each validation would slow the next steps on 2 cores
-    real_save = T.CheckpointWriter.save
-    monkeypatch.setattr(T.CheckpointWriter, "save", lambda self, ck: ck["progress"]["step"] == 20 and real_save(self, ck))
+    from gptlib.checkpoint.writer import CheckpointWriter
+
+    real_save = CheckpointWriter.save
+    monkeypatch.setattr(CheckpointWriter, "save", lambda self, ck: ck["progress"]["step"] == 20 and real_save(self, ck))
     r = train(char_data, tmp_path / "run", "phase1", TINY + ["eval_interval=5"], max_steps=20, progress=False,
               log=quiet)
     assert r.steady_tokens_per_s > 2 * r.tokens_per_s  # 4 validations: >= 8 s of the wall time
@@ -87,6 +90,24 @@ def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tm
     # the ETA pays for the validations to come: 3 x 2 s (a step is ~15-100 ms here)
     assert last["eta_s"] > 1.5 * tokens_left / r.steady_tokens_per_s
     assert f"{r.steady_tokens_per_s:,.0f} tokens/s while stepping" in r.summary()
+
+
+def test_a_failing_close_of_the_log_still_restores_the_signal_handlers_and_the_lease(tmp_path, char_data, monkeypatch):
+    """The bar and metrics.jsonl closed at the end of a run may raise (a full disk): the stop-button handlers are
+    still put back (else Ctrl-C in the notebook would do nothing), the last save waited for, the lease released."""
+    from gptlib.layout import LEASE_FILE
+    from gptlib.training.logs import MetricsLog
+
+    def full_disk(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MetricsLog, "close", full_disk)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    with pytest.raises(OSError, match="No space left"):
+        train(char_data, run, "phase1", TINY, max_steps=3, progress=False, log=quiet)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    assert not (run / LEASE_FILE).exists() and [p.name for p in list_checkpoints(run)] == ["step_0000003"]
 
 
 class StopAt(Exception):
@@ -149,9 +170,11 @@ def test_lr_schedule_warmup_then_cosine():
 
 def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, monkeypatch):
     """auto_batch changes batch_size and grad_accum_steps: config.json says so, as the checkpoints do."""
-    from gptlib.training import resolve
+    from gptlib.training import memory
+    from tests.test_runtime import GIB, FakeGpuMemory
 
-    monkeypatch.setattr(resolve, "auto_micro_batch", lambda make_model, cfg, device, dtype, log=print: (4, 4, 0))
+    # 8 sequences need 0.95 of this fake GPU, 4: 0.55 -> the probe (the real one, on the CPU) takes 4
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: FakeGpuMemory(100 * GIB, 15 * GIB, 10 * GIB))
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"],
           max_steps=2, progress=False, log=quiet)

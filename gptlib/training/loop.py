@@ -1,7 +1,6 @@
-"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), the counters, then the
-log, validation, checkpoint and stop decisions. Re-running the same call on the same run directory resumes from
-its newest valid checkpoint, exactly: on CPU the losses of the uninterrupted run, bit for bit.
-"""
+"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), then log, validate, save,
+stop. Re-running the same call on the same run directory resumes from its newest valid checkpoint, exactly: on CPU
+the losses of the uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
@@ -14,18 +13,18 @@ import torch
 
 from gptlib.batches import BatchSampler
 from gptlib.checkpoint.rotation import is_milestone
-from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.evaluation.evaluate import append_eval_row, make_row
 from gptlib.evaluation.hellaswag import metrics_fields
 from gptlib.layout import LOSS_PLOT
+from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
 from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.plots import plot_losses, run_title
-from gptlib.training.setup import TrainingRun, open_run
+from gptlib.training.setup import TrainingRun, claimed, find_start, open_run
 from gptlib.training.signals import GracefulStop
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
@@ -65,10 +64,6 @@ class TrainResult:
         return f"done: step {self.step:,}, val loss {val}, {speed} ({self.stopped_by}) -> {self.run_dir}"
 
 
-def _silent(*args, **kwargs) -> None:
-    pass
-
-
 def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",
           overrides: dict | list | None = None, *, max_steps: int | None = None, max_minutes: float | None = None,
           seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
@@ -76,32 +71,39 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
           mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
           stage_data: bool = True, skip_unreadable: bool = False, allow_data_change: bool = False,
           recipe: str | None = None) -> TrainResult:
-    """Train (or resume) a GPT on a data directory into run_dir. compile: auto|on|off (None: the preset's); on_log(row)
-    after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of
-    another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule);
-    stage_data: read Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume;
-    recipe: gpt2 | modern (config.RECIPES; None: a resumed run's or the base's own, else gpt2)."""
-    def ask(with_recipe: str | None) -> RunConfig:
-        return build_config(preset, overrides, recipe=with_recipe, max_steps=max_steps, max_minutes=max_minutes,
-                            seed=seed, device=device, compile=compile)
-
-    cfg = ask(recipe)
-    ddp = distributed.setup(cfg.train.device)  # under torchrun: join the process group; otherwise a no-op
+    """Train (or resume: the same call again) a GPT on a data directory into run_dir. compile: auto|on|off (None: the
+    preset's); on_log(row) after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume;
+    take_over: the lease of another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights
+    (fresh optimizer, schedule); stage_data: read Drive data from a local copy (gptlib.data.staging);
+    skip_unreadable, allow_data_change: gptlib.checkpoint.resume; recipe: gpt2 | modern (config.RECIPES; None: a
+    resumed run's or the base's own, else gpt2)."""
+    explicit = dict(max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile)
+    asked = build_config(preset, overrides, recipe=recipe, **explicit)  # a bad setting: refused before anything
+    ddp = distributed.setup(asked.train.device)  # under torchrun: join the process group; otherwise a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
-        progress, log, on_log = False, _silent, None
-    s = open_run(stage_for_training(data_dir, stage_data, log), run_dir, cfg, ddp, mirror_dir, verbose=progress,
-                 log=log, take_over=take_over, init_from=init_from, skip_unreadable=skip_unreadable,
-                 allow_data_change=allow_data_change, ask=ask if recipe is None and isinstance(preset, str) else None)
+        progress, log, on_log = False, (lambda msg: None), None
+    on_device = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or dtype
+    resolve_dtype(asked.train.dtype, on_device)  # bf16 asked for on a GPU without it: refused before anything changes
+    staged = stage_for_training(data_dir, stage_data, log)
+    run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
+    with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
+        start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
+        held, whose = start.held
+        if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
+            log(f"recipe: {held.recipe} (the {whose}'s own)")  # a model keeps its recipe
+            asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
+        s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
+                     log=log)
+    del start  # the base's weights (--init-from): not held all run
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     if s.state.step >= s.cfg.train.max_steps:
-        return _finished(s, log)
+        return _finished(s)
     return _loop(s, progress, log, on_log)
 
 
 def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
-    """The steps until max_steps, max_minutes or a stop; however it ends, the last state is saved and the run closed."""
+    """However the steps end (max_steps, max_minutes, a stop, an OOM), the last state is saved and the run closed."""
     tc, state = s.cfg.train, s.state
-    checkpointer = s.open_writer(log)
     timer = StepTimer(s.device)
     metrics = MetricsLog(s, peak=device_peak(s.device, tc.colab_units_per_hour), timer=timer, progress=progress,
                          log=log, on_log=on_log)
@@ -121,7 +123,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                 in_step = False
             s.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
-            stopped_by = _after_step(s, metrics, checkpointer, stop, timer, log) or stopped_by
+            stopped_by = _after_step(s, metrics, stop, timer, log) or stopped_by
             if stopped_by != "max_steps":
                 break
     except Exception as e:  # an OOM, also one torch.compile wrapped in its own exception
@@ -130,48 +132,36 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         stopped_by = "oom"  # (e goes at the end of this block: its frames would pin GPU memory)
     except KeyboardInterrupt:  # a second stop press outside a step, or an interrupt without the signal handlers
         stopped_by = "interrupt"
-        _interrupted(s, metrics, checkpointer, timer, in_step, log)
+        _interrupted(s, metrics, timer, in_step, log)
     finally:
-        train_s = _close(s, metrics, stop, checkpointer)  # training time: start-up and the wait for Drive excluded
+        train_s = _close(s, metrics, stop)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
         _raise_oom_advice(s)
-    return _result(s, metrics, stopped_by, train_s, state.tokens_seen - tokens_at_start)
+    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
+                       val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
+                       elapsed_s=train_s, tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
+                       steady_tokens_per_s=metrics.steady_tokens_per_s(), resumed_from=s.resumed_from,
+                       stopped_by=stopped_by, history=metrics.history)
 
 
-def _interrupted(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, timer: StepTimer,
-                 in_step: bool, log) -> None:
-    """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
-    if in_step:
-        log(f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands")
-        return
-    log(f"interrupted at step {s.state.step:,}; saving it")
-    if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
-        metrics.flush(timer, validating=False)
-    checkpointer.save(s.snapshot(None, metrics.elapsed(), gather=False))
-
-
-def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, stop: GracefulStop,
-                timer: StepTimer, log) -> str | None:
-    """After an update: agree on time and stop requests, log, validate, checkpoint -> why training stops early
-    ("max_minutes", the stop's reason), or None to go on."""
-    tc, state, ddp = s.cfg.train, s.state, s.ddp
+def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, timer: StepTimer, log) -> str | None:
+    """-> why training stops early ("max_minutes", the stop's reason), or None to go on."""
+    tc, state = s.cfg.train, s.state
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
     over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
-    time_due = tc.save_every_minutes > 0 and time.time() - checkpointer.last_save >= 60 * tc.save_every_minutes
-    over_time, time_due, stop_now = ddp.agree(state.step, tc.log_interval, over_time, time_due, bool(stop.reason))
+    time_due = tc.save_every_minutes > 0 and time.time() - s.writer.last_save >= 60 * tc.save_every_minutes
+    over_time, time_due, stop_now = s.ddp.agree(state.step, tc.log_interval, over_time, time_due, bool(stop.reason))
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
-    # checkpoint: at validations, every save_every_steps/_minutes, at milestones, before stopping
     saving = (stop_now or validating or time_due or state.step % (tc.save_every_steps or tc.eval_interval) == 0
               or is_milestone(state.step, tc.keep_every))
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
     if metrics.due(state.step, validating) or saving:
         metrics.flush(timer, validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
-        # validate, sample, plot
-        val_loss = _validate(s, metrics, checkpointer, is_last, log) if validating else None
+        val_loss = _validate(s, metrics, is_last, log) if validating else None
         if saving:
-            checkpointer.save(s.snapshot(val_loss, metrics.elapsed()))
+            s.writer.save(s.snapshot(val_loss, metrics.elapsed()))
     metrics.step_done()
     if not (over_time or stop_now) or is_last:
         return None
@@ -181,22 +171,60 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWri
     return stopped_by
 
 
-def _result(s: TrainingRun, metrics: MetricsLog, stopped_by: str, train_s: float, tokens_trained: int) -> TrainResult:
-    state = s.state
-    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
-                       val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
-                       elapsed_s=train_s, tokens_per_s=tokens_trained / max(train_s, 1e-9),
-                       steady_tokens_per_s=metrics.steady_tokens_per_s(),
-                       resumed_from=s.resumed_from, stopped_by=stopped_by, history=metrics.history)
+def _validate(s: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> float:
+    """Validation loss on fixed batches (the same every time: their own seed), the best so far, HellaSwag, the
+    fixed prompts sampled, loss.png, a log row."""
+    tc, state, data = s.cfg.train, s.state, s.data
+    val_sampler = BatchSampler(data.splits["val"], tc.batch_size, s.cfg.model.block_size, tc.seed + VAL_SEED_OFFSET,
+                               s.device, data.loss_masks.get("val"))
+    val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
+    if state.best_val_loss is None or val_loss < state.best_val_loss:
+        state.best_val_loss, state.best_step = val_loss, state.step
+    hellaswag = _hellaswag(s, metrics, is_last)
+    row = metrics.validation_row(val_loss, hellaswag)
+    samples = []
+    if s.ddp.is_main:
+        if data.sample_prompts and tc.sample_tokens:
+            samples = log_samples(s.model, data.tokenizer, data.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
+                                  state.step, s.run_dir, log, data.sample_stop_ids)
+        plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
+    metrics.report_validation(row, samples, s.writer.status_line())
+    return val_loss
 
 
-def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer: CheckpointWriter) -> float:
-    """End a training call however it ended: the bar, the signal handlers, the last saves and the Drive wait,
-    the lease, the process group. -> this session's training seconds (read before the Drive wait)."""
+def _hellaswag(s: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
+    """The fixed subset when a multiple of hellaswag_every was passed since the last validation (or this call's
+    start), every item at the end of the run (also in eval.jsonl) -> the metrics row's fields."""
+    probe, every, st = s.data.hellaswag, s.cfg.train.hellaswag_every, s.state
+    since = metrics.val_step if metrics.val_step is not None else (s.resumed_from or 0)
+    if probe is None or not (is_last or st.step // every > since // every):
+        return {}
+    res = probe.score(s.model, s.device, s.dtype, full=is_last)
+    if res is not None and is_last:
+        append_eval_row(s.run_dir, make_row("hellaswag", st.step, st.tokens_seen, res, source="training"))
+    return metrics_fields(res)
+
+
+def _interrupted(s: TrainingRun, metrics: MetricsLog, timer: StepTimer, in_step: bool, log) -> None:
+    """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
+    if in_step:
+        log(f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands")
+        return
+    log(f"interrupted at step {s.state.step:,}; saving it")
+    if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+        metrics.flush(timer, validating=False)
+    s.writer.save(s.snapshot(None, metrics.elapsed(), gather=False))
+
+
+def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
+    """The bar, the last save and the wait for Drive (a stop press waits for the save), then the signal handlers,
+    the lease and the process group, whatever raised. -> this session's training seconds, read before the wait."""
     train_s = metrics.session_s()
-    metrics.close()
     try:
-        checkpointer.close(saving=stop.last_save())  # local save errors raise; Drive problems are reported, never raised
+        try:
+            metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
+        finally:
+            s.writer.close(saving=stop.last_save())  # local save errors raise; Drive problems are only reported
     finally:
         stop.restore()
         s.lease.release()
@@ -204,60 +232,25 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, checkpointer
     return train_s
 
 
-def _finished(s: TrainingRun, log) -> TrainResult:
-    """A run already at max_steps: change nothing (its summary() says so: the one line a notebook or the CLI shows)."""
-    r, state = s.resume, s.state
-    val = r.state.val_loss if r is not None else None
+def _finished(s: TrainingRun) -> TrainResult:
+    """A run already at max_steps: nothing changes (its summary() says so: the line a notebook or the CLI shows)."""
     try:
-        s.open_writer(log).close()  # resumed from the local disk: Drive still gets the final checkpoint
+        s.writer.close()  # resumed from the local disk: Drive still gets the final checkpoint
     finally:
         s.lease.release()
         s.ddp.teardown()
-    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen,
+    st, val = s.state, s.state.val_loss
+    return TrainResult(run_dir=s.run_dir, step=st.step, tokens_seen=st.tokens_seen,
                        train_loss=s.history[-1].get("train_loss") if s.history else None, val_loss=val,
-                       val_step=state.step if val is not None else None, best_val_loss=state.best_val_loss,
-                       elapsed_s=0.0, tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
+                       val_step=st.step if val is not None else None, best_val_loss=st.best_val_loss, elapsed_s=0.0,
+                       tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
                        history=s.history)
-
-
-def _validate(s: TrainingRun, metrics: MetricsLog, checkpointer: CheckpointWriter, is_last: bool, log) -> float:
-    """Validation loss on fixed batches, the best so far, the fixed prompts sampled, loss.png, a log row."""
-    tc, mc, state = s.cfg.train, s.cfg.model, s.state
-    data = s.data
-    val_sampler = BatchSampler(data.splits["val"], tc.batch_size, mc.block_size, tc.seed + VAL_SEED_OFFSET, s.device,
-                               data.loss_masks.get("val"))
-    val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
-    if state.best_val_loss is None or val_loss < state.best_val_loss:
-        state.best_val_loss, state.best_step = val_loss, state.step
-    row = metrics.validation_row(val_loss, _hellaswag(s, is_last))
-    samples = []
-    if s.ddp.is_main:
-        if data.sample_prompts and tc.sample_tokens:
-            samples = log_samples(s.model, data.tokenizer, data.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
-                                  state.step, s.run_dir, log, data.sample_stop_ids)
-        plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
-    metrics.report_validation(row, samples, checkpointer.status_line())
-    return val_loss
-
-
-def _hellaswag(s: TrainingRun, is_last: bool) -> dict:
-    """HellaSwag at a validation that crossed a multiple of hellaswag_every (the fixed subset), and on all items
-    at the end of the run (also appended to eval.jsonl) -> the metrics row's fields; {} when not due or off."""
-    probe, every, st = s.hellaswag, s.cfg.train.hellaswag_every, s.state
-    if probe is None or not (is_last or st.step // every > s.hellaswag_last // every):
-        return {}
-    s.hellaswag_last = st.step
-    res = probe.score(s.model, s.device, s.dtype, full=is_last)
-    if res is not None and is_last:
-        append_eval_row(s.run_dir, make_row("hellaswag", st.step, st.tokens_seen, res, source="training"))
-    return metrics_fields(res)
 
 
 def _raise_oom_advice(s: TrainingRun) -> None:
     """Out of GPU memory: drop this call's GPU tensors, so the notebook's runtime stays usable, then say
     which setting to try next (not chained to the OOM, whose frames would pin GPU memory)."""
-    tc, mc, world = s.cfg.train, s.cfg.model, s.ddp.world_size
-    hint = oom_advice(tc.batch_size, tc.grad_accum_steps, mc.block_size, world)
+    hint = oom_advice(s.cfg, s.ddp.world_size)
     s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.data = None
     torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) hold GPU memory too: dropped before freeing
     free_memory()

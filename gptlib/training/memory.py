@@ -1,16 +1,17 @@
-"""GPU memory: how much training needs, the largest micro-batch that fits, and what to try after an OOM. An OOM must
-leave the notebook's runtime usable: every probe drops its tensors and the exception, then empties the CUDA cache."""
+"""GPU memory: what training needs, the largest micro-batch that fits, what to try after an OOM. An OOM must leave
+the notebook's runtime usable: every probe drops its tensors and the exception, then empties the CUDA cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Callable
 
 import torch
 
 from gptlib.errors import ConfigError, OutOfMemoryAdvice
-from gptlib.model import model_size
-from gptlib.runtime import autocast_for
+from gptlib.model import GPT, model_size
+from gptlib.runtime import autocast_for, resolve_dtype
 
 
 def free_memory() -> None:
@@ -31,18 +32,18 @@ def is_oom(err: BaseException | None) -> bool:
     return False
 
 
-def oom_advice(micro_batch: int, grad_accum: int, block_size: int, world_size: int = 1) -> str:
-    """The next setting to try after an out-of-memory error, keeping tokens per step the same."""
-    tokens = micro_batch * grad_accum * block_size * world_size
-    if micro_batch > 1:
-        b, a = max(1, micro_batch // 2), grad_accum * (micro_batch // max(1, micro_batch // 2))
-        return (f"out of GPU memory at micro-batch {micro_batch} x {block_size} tokens. Next setting to try: "
-                f"--set batch_size={b} --set grad_accum_steps={a} (same {tokens:,} tokens per step), or "
-                f"--set auto_batch=true to find the largest micro-batch that fits. The last checkpoint is intact: "
-                f"re-run to resume.")
-    return (f"out of GPU memory even at micro-batch 1 x {block_size} tokens: use a smaller model or context "
-            f"(a new run dir with --set block_size={max(1, block_size // 2)}), bf16 on a GPU that has it "
-            f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory.")
+def oom_advice(cfg, world_size: int = 1) -> str:
+    """The next setting to try after an out-of-memory error, keeping the tokens per step."""
+    micro, accum, block = cfg.train.batch_size, cfg.train.grad_accum_steps, cfg.model.block_size
+    if micro == 1:
+        return (f"out of GPU memory even at micro-batch 1 x {block} tokens: use a smaller model or context "
+                f"(a new run dir with --set block_size={max(1, block // 2)}), bf16 on a GPU that has it "
+                f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory.")
+    half = max(1, micro // 2)
+    return (f"out of GPU memory at micro-batch {micro} x {block} tokens. Next setting to try: "
+            f"--set batch_size={half} --set grad_accum_steps={accum * (micro // half)} (same "
+            f"{cfg.tokens_per_step * world_size:,} tokens per step), or --set auto_batch=true to find the largest "
+            f"micro-batch that fits. The last checkpoint is intact: re-run to resume.")
 
 
 def check_fits(cfg, device: torch.device) -> None:
@@ -72,11 +73,6 @@ def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
     return int(16 * model_size(c).params + 34 * tokens * c.n_layer * c.n_embd + 14 * tokens * c.padded_vocab_size)
 
 
-def train_reserve_bytes(model_cfg, micro_batch: int, measured_peak: int = 0) -> int:
-    """The GPU memory to keep free for training beside the data: the probe's measured peak, or the estimate if more."""
-    return max(measured_peak, estimate_train_bytes(model_cfg, micro_batch))
-
-
 # The probe runs the model eagerly (a compile per candidate size would cost too much), an upper bound: inductor
 # recomputes cheap pointwise results in the backward instead of saving them. The rest of the GPU is room for
 # fragmentation and what runs beside the step (cuBLAS workspaces, compile's kernel benchmarking).
@@ -99,59 +95,58 @@ class CudaMemoryProbe:
 MEMORY_PROBES = {"cuda": CudaMemoryProbe}  # device type -> its memory probe; elsewhere only an OOM says it does not fit
 
 
-def auto_micro_batch(make_model: Callable[[], torch.nn.Module], cfg, device, dtype,
-                     log=print) -> tuple[int, int, int]:
-    """auto_batch: probe on CUDA; elsewhere keep the configured sizes (no OOM to find there; no model is built)."""
+def fit_micro_batch(cfg, device: torch.device, ddp, log) -> tuple[object, int]:
+    """auto_batch: the probe's micro-batch (under DDP every rank's smallest), the sequences per step kept; without a
+    memory probe (no GPU) the sizes are kept. -> (the config, the probe's measured peak bytes)."""
     tc = cfg.train
-    if torch.device(device).type != "cuda":
-        log(f"auto micro-batch: no memory probe on {torch.device(device).type}; keeping batch_size={tc.batch_size}, "
+    if device.type not in MEMORY_PROBES:
+        log(f"auto micro-batch: no memory probe on {device.type}; keeping batch_size={tc.batch_size}, "
             f"grad_accum_steps={tc.grad_accum_steps}")
-        return tc.batch_size, tc.grad_accum_steps, 0
-    return probe_micro_batch(make_model(), cfg.model.block_size, tc.batch_size * tc.grad_accum_steps, device, dtype,
-                             log=log)
+        return cfg, 0
+    torch.manual_seed(tc.seed)  # a model of its own, seeded as training's, dropped after
+    micro, _, peak = probe_micro_batch(GPT(cfg.model).to(device), cfg, device, resolve_dtype(tc.dtype, device), log)
+    micro = ddp.min_int(micro)
+    free_memory()
+    accum = tc.batch_size * tc.grad_accum_steps // micro
+    return dataclasses.replace(cfg, train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=accum)), peak
 
 
-def probe_micro_batch(model: torch.nn.Module, block_size: int, sequences_per_step: int, device: str | torch.device,
-                      dtype: torch.dtype = torch.float32, log: Callable[[str], None] = print) -> tuple[int, int, int]:
-    """The largest divisor of sequences_per_step whose forward + backward fits -> (micro_batch, grad_accum_steps, its
-    peak bytes; 0 without a memory probe). Fits: no OOM and a peak within PROBE_HEADROOM of the GPU."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
+def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, dtype: torch.dtype = torch.float32,
+                      log: Callable[[str], None] = print) -> tuple[int, int, int]:
+    """The largest divisor of the config's sequences per step whose forward + backward fits: no OOM and a peak within
+    PROBE_HEADROOM of the GPU. -> (micro_batch, grad_accum_steps, its peak bytes; 0 without a memory probe)."""
+    device, block = torch.device(device), cfg.model.block_size
+    per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
     make_probe = MEMORY_PROBES.get(device.type)
     memory_probe = make_probe(device) if make_probe is not None else None
     n_params = sum(p.numel() for p in model.parameters())
-    reserve = torch.empty(2 * n_params, device=device) if cuda else None  # stand-in for exp_avg + exp_avg_sq
+    reserve = torch.empty(2 * n_params, device=device) if device.type == "cuda" else None  # AdamW's two moments
     was_training = model.training
     model.train()
-    chosen, peak = None, 0
     try:
-        for b in (b for b in range(sequences_per_step, 0, -1) if sequences_per_step % b == 0):
-            why, peak = _try_micro_batch(model, b, block_size, device, dtype, memory_probe)
+        for b in (b for b in range(per_step, 0, -1) if per_step % b == 0):
+            why, peak = _try_micro_batch(model, b, block, device, dtype, memory_probe)
             if not why:
-                chosen = b
-                break
-            log(f"auto micro-batch: {b} x {block_size} does not fit ({why})")
+                log(f"auto micro-batch: {b} x {block} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the "
+                    f"GPU); grad_accum_steps={per_step // b} keeps {per_step * block:,} tokens per step")
+                return b, per_step // b, peak
+            log(f"auto micro-batch: {b} x {block} does not fit ({why})")
     finally:
         del reserve  # the stand-in for the optimizer moments goes first
         model.zero_grad(set_to_none=True)
         model.train(was_training)
         free_memory()
-    if chosen is None:
-        raise OutOfMemoryAdvice(oom_advice(1, sequences_per_step, block_size))
-    accum = sequences_per_step // chosen
-    log(f"auto micro-batch: {chosen} x {block_size} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the GPU); "
-        f"grad_accum_steps={accum} keeps {sequences_per_step * block_size:,} tokens per step")
-    return chosen, accum, peak
+    nothing_fits = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=1))
+    raise OutOfMemoryAdvice(oom_advice(nothing_fits))
 
 
 def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype,
                      memory_probe) -> tuple[str, int]:
     """One forward + backward of b sequences -> (why it does not fit, "" if it fits; its peak bytes, 0 unmeasured)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
     why, peak = "", 0
     if memory_probe is not None:
         memory_probe.reset(b)
-    x = torch.randint(0, vocab, (b, block_size), device=device)
+    x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
     try:
         with autocast_for(device, dtype):
             _, loss = model(x, x)

@@ -1,14 +1,14 @@
 """AdamW (the gpt2 recipe), or torch.optim.Muon for the blocks' 2-D matrices with AdamW for the rest (the modern
-recipe: Muon orthogonalises each update of a hidden matrix; the embedding, head and gains keep AdamW). MuonAdamW
-steps the two as one optimizer, so the loop, GradScaler and the checkpoint see one object.
-"""
+recipe). MuonAdamW steps the two as one optimizer, so the loop, GradScaler and the checkpoint see one object."""
 
 from __future__ import annotations
 
 import torch
 
+from gptlib.checkpoint.format import TrainState
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError
+from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
 # A param group's keys that say how its update runs on this device. torch's load_state_dict takes them from the
@@ -92,6 +92,17 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> None:
         raise CheckpointError(f"{where}: malformed optimizer state ({type(e).__name__}: {e})") from None
 
 
+def check_optimizer_fits(ck: dict, where) -> None:
+    """Resume's check: CheckpointError (passed over as damaged) unless the optimizer state fits the optimizer its own
+    config builds (on the meta device: shapes only)."""
+    if not ck["optimizer"]:  # a run made by import-hf: weights only
+        return
+    cfg = TrainState(**ck["progress"]).run_config(str(where / STATE_FILE))
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck["optimizer"], str(where))
+
+
 # torch.optim.Muon orthogonalises every update in bf16, on every device. GPUs multiply bf16 natively; an x86 CPU
 # without AVX-512 does not, and torch falls back to a plain loop: ~1 GFLOP/s against ~120 for fp32 on a 2-core AVX2
 # CPU, so a phase1 step of the modern recipe there takes 4-5x the gpt2 recipe's (the loss per step is unchanged).
@@ -100,10 +111,8 @@ SLOW_BF16_CPUS = ("NO AVX", "AVX2")  # torch.backends.cpu.get_cpu_capability() o
 
 def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
     """A note for a Muon run on a CPU that emulates bf16; None elsewhere."""
-    if tc.optimizer != "muon" or device_type != "cpu":
-        return None
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in SLOW_BF16_CPUS:
+    if tc.optimizer != "muon" or device_type != "cpu" or capability not in SLOW_BF16_CPUS:
         return None
     return (f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: a "
             f"step takes several times the gpt2 recipe's (phase1: 4-5x on a 2-core AVX2 CPU), for a lower loss per "
@@ -113,11 +122,10 @@ def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
 
 def build_optimizer(model: GPT, tc: TrainConfig, device_type: str):
     """adamw: the GPT-2 AdamW (decay on 2-D weights); muon: MuonAdamW, Muon taking every 2-D weight of the blocks."""
-    fused = device_type == "cuda"
     if tc.optimizer == "adamw":
         return model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device_type)
     matrices, others = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (matrices if p.dim() == 2 and name.startswith("transformer.h.") else others).append(p)
-    return MuonAdamW(matrices, others, tc, fused)
+    return MuonAdamW(matrices, others, tc, fused=device_type == "cuda")

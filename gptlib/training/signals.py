@@ -1,5 +1,5 @@
-"""Stopping cleanly: the Colab stop button (SIGINT), Ctrl-C and SIGTERM (runtime shutdown) ask the training loop
-to finish its step, save and return, instead of killing it mid-write."""
+"""The Colab stop button (SIGINT), Ctrl-C and SIGTERM (runtime shutdown) ask the training loop to finish its step,
+save and return, instead of killing it mid-write."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ class GracefulStop:
     def __init__(self):
         self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
         self._old: dict[int, Any] = {}
-        self._deferring = False
-        self._interrupted = False  # a second press arrived inside deferred()
+        self._deferring = self._interrupted = False  # _interrupted: a second press arrived inside deferred()
 
     def install(self) -> "GracefulStop":
         if threading.current_thread() is not threading.main_thread():

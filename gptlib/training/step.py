@@ -1,8 +1,5 @@
-"""One training step and one validation pass: train(), the throughput benchmark and the ladder run this same code.
-
-Nothing here reads a tensor back to the host: the step returns its loss as a device tensor, and the caller decides
-when to pay for the sync (train() once per log_interval).
-"""
+"""One training step and one validation pass: train() and the benchmarks run this same code. Nothing here reads a
+tensor back to the host; the caller decides when to pay for that sync (train(): once per log_interval)."""
 
 from __future__ import annotations
 
@@ -13,9 +10,9 @@ import torch
 
 
 def lr_at(step: int, cfg) -> float:
-    """Linear warmup to the peak; then cosine: decay to min_lr_ratio * peak at max_steps; wsd: the peak until the
-    last cooldown_frac of max_steps, then linear to min_lr_ratio * peak (so before the cooldown the LR does not
-    depend on max_steps, and a run extends exactly)."""
+    """Linear warmup to the peak, then cosine down to min_lr_ratio * peak at max_steps; or wsd: the peak until the
+    last cooldown_frac of max_steps, then linear down (before the cooldown the LR does not depend on max_steps, so
+    a run extends exactly)."""
     peak = cfg.learning_rate
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
@@ -29,19 +26,18 @@ def lr_at(step: int, cfg) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
-    """lr for learning_rate's groups; a group with an lr_scale (Muon's, training/optimizer.py) gets lr * lr_scale."""
+    """A group with an lr_scale (Muon's, training/optimizer.py) runs at lr * lr_scale."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: float, autocast, lr: float | None = None,
                no_sync=None, timer=None) -> torch.Tensor:
-    """One optimizer step over `accum` micro-batches -> their mean loss, on the device (no host sync).
+    """One optimizer step over `accum` micro-batches -> their mean loss, on the device.
 
-    model: what runs the forward (compiled and/or DDP-wrapped); batches: anything with next_batch() -> (x, y), each
-    (micro_batch, block_size) token ids; lr: None leaves the optimizer's; no_sync(last_micro_step) -> a context that
-    skips DDP's gradient all-reduce (None: no DDP); timer: a StepTimer for the data / fwd_bwd / optim split.
-    """
+    model: compiled and/or DDP-wrapped; batches.next_batch() -> (x, y), each (micro_batch, block_size) token ids;
+    lr: None keeps the optimizer's; no_sync(last_micro_step) -> DDP's context that skips the all-reduce (None: no
+    DDP); timer: a StepTimer (the data / fwd_bwd / optim split)."""
     if lr is not None:
         set_lr(optimizer, lr)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
@@ -74,12 +70,10 @@ def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: floa
 
 @torch.no_grad()
 def validation_loss(model, sampler, n_batches: int, autocast) -> float:
-    """Mean loss over `n_batches` batches of `sampler` (a fresh, fixed-seed sampler: the same batches at
-    every evaluation). Reads the result back to the host (a sync)."""
+    """Mean loss over n_batches of a fresh fixed-seed sampler (the same batches at every evaluation); a host sync."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    losses = torch.zeros(n_batches, device=device)
+    losses = torch.zeros(n_batches, device=next(model.parameters()).device)
     for i in range(n_batches):
         x, y = sampler.next_batch()
         with autocast:

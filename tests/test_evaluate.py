@@ -273,21 +273,21 @@ def test_probe_scores_subset_and_full(small_text, tmp_path):
 
 
 def test_eval_rows_append_and_read(tmp_path, small_text):
-    from gptlib.evaluation.evaluate import append_eval_row, make_row
-    from gptlib.fsutil import read_jsonl
+    from gptlib.evaluation.evaluate import make_row
+    from gptlib.fsutil import append_jsonl, read_jsonl
     from gptlib.layout import EVAL_FILE
 
     tok = CharTokenizer.from_text(small_text.read_text())
     hs_file = _write(tmp_path / "hs.jsonl", shakespeare_items(small_text.read_text(), 3))
     res = hs.HellaSwagProbe(tok, 32, hs_file, limit=None).score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu")
-    append_eval_row(tmp_path, make_row("hellaswag", 100, 51_200, res, source="training"))
+    append_jsonl(tmp_path / EVAL_FILE, make_row("hellaswag", 100, 51_200, res, source="training"))
     with open(tmp_path / EVAL_FILE, "a") as f:
         f.write('{"task": "bpb", "step": 1')  # a torn last line (killed mid-write) is skipped, not fatal
     (row,) = read_jsonl(tmp_path / EVAL_FILE)
     assert row["task"] == "hellaswag" and row["step"] == 100 and row["tokens_seen"] == 51_200 and row["n"] == 3
     assert row["source"] == "training" and row["canonical"] is False and "time" in row
     before = (tmp_path / EVAL_FILE).read_bytes()
-    append_eval_row(tmp_path, make_row("bpb", 200, None, {"bpb": 2.5}))
+    append_jsonl(tmp_path / EVAL_FILE, make_row("bpb", 200, None, {"bpb": 2.5}))
     assert [r["task"] for r in read_jsonl(tmp_path / EVAL_FILE)] == ["hellaswag", "bpb"]  # on a line of its own
     assert (tmp_path / EVAL_FILE).read_bytes().startswith(before)  # earlier bytes never rewritten
 

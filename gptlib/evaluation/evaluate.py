@@ -85,10 +85,6 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
             "tokens": tokens, "bytes": total_bytes, "windows": len(starts)}
 
 
-def append_eval_row(run_dir: str | Path, row: dict) -> None:
-    append_jsonl(Path(run_dir) / EVAL_FILE, row)
-
-
 def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:  # also training's
     return {"task": task, "step": step, "tokens_seen": tokens_seen, **result, **extra,
             "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -16,9 +16,10 @@ from gptlib.checkpoint.rotation import is_milestone
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
-from gptlib.evaluation.evaluate import append_eval_row, make_row
+from gptlib.evaluation.evaluate import make_row
 from gptlib.evaluation.hellaswag import metrics_fields
-from gptlib.layout import LOSS_PLOT
+from gptlib.fsutil import append_jsonl
+from gptlib.layout import EVAL_FILE, LOSS_PLOT
 from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples
@@ -201,7 +202,7 @@ def _hellaswag(s: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
         return {}
     res = probe.score(s.model, s.device, s.dtype, full=is_last)
     if res is not None and is_last:
-        append_eval_row(s.run_dir, make_row("hellaswag", st.step, st.tokens_seen, res, source="training"))
+        append_jsonl(s.run_dir / EVAL_FILE, make_row("hellaswag", st.step, st.tokens_seen, res, source="training"))
     return metrics_fields(res)
 
 

@@ -90,6 +90,7 @@ class TrainingRun:
     run_dir: Path
     ddp: distributed.Dist
     device: torch.device
+    dtype: torch.dtype  # the autocast type (float32: none), resolved once: the loop reads it every step
     data: RunData
     model: GPT  # the module itself: state dicts, samples, validation
     train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
@@ -101,10 +102,6 @@ class TrainingRun:
     writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)  # rank 0's: last
     resumed_from: int | None = None  # the step of the checkpoint this call resumed
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return resolve_dtype(self.cfg.train.dtype, self.device)
 
     @property
     def compiled(self) -> bool:
@@ -335,13 +332,14 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
                  if tc.hellaswag_every and ddp.is_main else None)  # fetched (or found off) and tokenized once
     data = RunData(splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer), hellaswag)
     # the model and what trains it, from the checkpoint or the base
-    model, optimizer, scaler, _ = build_model(cfg, device, log)
+    model, optimizer, scaler, dtype = build_model(cfg, device, log)
     sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device,
                            masks.get("train"))
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
                        tokenizer=meta.tokenizer,
                        init_from={"run": start.init_from, "path": str(base.path), "step": base.step} if base else {})
-    s = TrainingRun(cfg, start.run_dir, ddp, device, data, model, model, optimizer, scaler, sampler, state, lease)
+    s = TrainingRun(cfg, start.run_dir, ddp, device, dtype, data, model, model, optimizer, scaler, sampler, state,
+                    lease)
     if base is not None:
         start_from_base(model, base)
     if start.resume is not None:

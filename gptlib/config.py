@@ -279,6 +279,8 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
         if isinstance(current, bool):
             return _BOOLS[value.strip().lower()]
         if isinstance(current, int):
+            if value.strip().lstrip("+-").isdigit():
+                return int(value)  # exactly: a float would round a seed above 2**53
             number = float(value)  # 1e3 and 2000.0 are integers too, 2.5 is not
             if not number.is_integer():
                 raise ValueError(value)

@@ -33,6 +33,7 @@ def test_updated_parses_types_and_rejects_unknown_fields():
     assert cfg.model.n_layer == 6 and cfg.train.learning_rate == 3e-4 and cfg.model.dropout == 0.1
     assert cfg.train.max_steps == 1000 and cfg.train.sample_prompts == ["a", "b"] and cfg.model.bias is True
     assert preset.model.n_layer == 3  # a copy: the preset is unchanged
+    assert preset.updated(["seed=12345678901234567891"]).train.seed == 12345678901234567891  # exactly, not via float
     with pytest.raises(ConfigError, match="unknown config field 'n_layers'"):
         cfg.updated({"n_layers": "3"})
     for name, value, kind in (("n_layer", "three", "an integer"), ("max_steps", "2.5", "an integer"),

@@ -205,7 +205,7 @@ class MetricsLog:
     def due(self, step: int, validating: bool) -> bool:
         return step % self.tc.log_interval == 0 or validating
 
-    def flush(self, timer, validating: bool) -> None:
+    def flush(self, validating: bool) -> None:
         """Read the pending losses back (the loop's host sync) and write a row per step. A validation step's row
         is written by `validation_row`, with its val loss; until then its loss stays pending."""
         st = self.state
@@ -218,7 +218,7 @@ class MetricsLog:
             self.steady_tokens += st.tokens_seen - self.tokens_last
             self.steady_s += now - self.t_last
             self.t_last, self.tokens_last = now, st.tokens_seen
-            self.split.update(timer.split())
+            self.split.update(self.timer.split())
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
             self.perf = perf_fields(self.split, self.flops_per_token, self.steady_tokens_per_s(), self.peak,
                                     self.ddp.world_size, st.tokens_seen, self.tc.max_steps * self.tokens_per_step,

@@ -124,7 +124,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                 in_step = False
             s.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
-            stopped_by = _after_step(s, metrics, stop, timer, log) or stopped_by
+            stopped_by = _after_step(s, metrics, stop, log) or stopped_by
             if stopped_by != "max_steps":
                 break
     except Exception as e:  # an OOM, also one torch.compile wrapped in its own exception
@@ -133,7 +133,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         stopped_by = "oom"  # (e goes at the end of this block: its frames would pin GPU memory)
     except KeyboardInterrupt:  # a second stop press outside a step, or an interrupt without the signal handlers
         stopped_by = "interrupt"
-        _interrupted(s, metrics, timer, in_step, log)
+        _interrupted(s, metrics, in_step, log)
     finally:
         train_s = _close(s, metrics, stop)  # training time: start-up and the wait for Drive excluded
     if stopped_by == "oom":
@@ -145,7 +145,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                        stopped_by=stopped_by, history=metrics.history)
 
 
-def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, timer: StepTimer, log) -> str | None:
+def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
     """-> why training stops early ("max_minutes", the stop's reason), or None to go on."""
     tc, state = s.cfg.train, s.state
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
@@ -158,7 +158,7 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, timer: 
               or is_milestone(state.step, tc.keep_every))
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
     if metrics.due(state.step, validating) or saving:
-        metrics.flush(timer, validating)
+        metrics.flush(validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
         val_loss = _validate(s, metrics, is_last, log) if validating else None
         if saving:
@@ -206,14 +206,14 @@ def _hellaswag(s: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
     return metrics_fields(res)
 
 
-def _interrupted(s: TrainingRun, metrics: MetricsLog, timer: StepTimer, in_step: bool, log) -> None:
+def _interrupted(s: TrainingRun, metrics: MetricsLog, in_step: bool, log) -> None:
     """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
     if in_step:
         log(f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands")
         return
     log(f"interrupted at step {s.state.step:,}; saving it")
     if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
-        metrics.flush(timer, validating=False)
+        metrics.flush(validating=False)
     s.writer.save(s.snapshot(None, metrics.elapsed(), gather=False))
 
 

@@ -26,11 +26,15 @@ def enable_colab_widgets() -> bool:
     if "google.colab" not in sys.modules:
         return False
     import ipywidgets
-    from google.colab import output  # type: ignore
 
     if int(ipywidgets.__version__.split(".")[0]) < 8:
         return False
-    output.enable_custom_widget_manager()
+    try:  # a Colab build without it: the widgets still draw, only ipywidgets 8's own manager is missing
+        from google.colab import output  # type: ignore
+
+        output.enable_custom_widget_manager()
+    except (ImportError, AttributeError):
+        return False
     return True
 
 

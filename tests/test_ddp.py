@@ -115,8 +115,6 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
 
 
 def test_dist_single_process_is_a_no_op():
-    import contextlib
-
     import torch
 
     from gptlib.training import distributed
@@ -125,26 +123,41 @@ def test_dist_single_process_is_a_no_op():
     assert not d.enabled and d.is_main and d.rank == 0
     m = torch.nn.Linear(2, 2)
     assert d.wrap(m, torch.device("cpu")) is m
-    assert isinstance(d.no_sync(m, last_micro_step=False), contextlib.nullcontext)
     assert d.agree(3, 10, True, False) == (True, False)  # decided every step when alone
     t = torch.tensor([1.0, 3.0])
     assert d.mean(t) is t and d.min_int(5) == 5 and d.sampler_states({"x": 1}) is None
 
 
-def test_dist_no_sync_only_before_the_last_micro_step():
-    from gptlib.training.distributed import Dist
+def test_train_step_all_reduces_once_per_optimizer_step(tmp_path):
+    """Under DDP (a real gloo group of one) the micro-batches before the last skip the all-reduce (no_sync)."""
+    import contextlib
 
-    class FakeDDP:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gptlib.training.step import train_step
+    from gptlib.training.throughput import StepTimer
+
+    class Tiny(torch.nn.Module):
         def __init__(self):
-            self.calls = 0
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
 
-        def no_sync(self):
-            self.calls += 1
-            import contextlib
-            return contextlib.nullcontext()
+        def forward(self, x, y):
+            return None, ((self.lin(x) - y) ** 2).mean()
 
-    d, m = Dist(rank=0, world_size=2), FakeDDP()
-    for micro in range(4):
-        with d.no_sync(m, last_micro_step=micro == 3):
-            pass
-    assert m.calls == 3  # the all-reduce happens once per optimizer step
+    class Batches:
+        def next_batch(self):
+            return torch.randn(2, 4), torch.randn(2, 4)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, skipped = DistributedDataParallel(Tiny()), []
+        real_no_sync = model.no_sync
+        model.no_sync = lambda: skipped.append(1) or real_no_sync()
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
+                   Batches(), accum=4, grad_clip=1.0, autocast=contextlib.nullcontext(), timer=StepTimer("cpu"))
+        assert len(skipped) == 3  # the all-reduce happens once per optimizer step, on the last micro-batch
+    finally:
+        dist.destroy_process_group()

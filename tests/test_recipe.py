@@ -23,6 +23,7 @@ from gptlib.training.loop import train
 from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
 from gptlib.training.setup import schedule_change
 from gptlib.training.step import lr_at, set_lr, train_step
+from gptlib.training.throughput import StepTimer
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)
@@ -132,7 +133,8 @@ def test_muon_adamw_steps_under_an_fp16_grad_scaler():
             return x, x
 
     def step():
-        train_step(m, opt, scaler, Batches(), accum=1, grad_clip=1.0, autocast=contextlib.nullcontext())
+        train_step(m, opt, scaler, Batches(), accum=1, grad_clip=1.0, autocast=contextlib.nullcontext(),
+                   timer=StepTimer("cpu"))
 
     first = next(m.parameters())
     hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))  # an overflowed gradient
@@ -195,10 +197,10 @@ def test_schedule_change_says_what_a_larger_max_steps_does():
     wsd = get_preset("phase1", "modern").train
     cos = get_preset("phase1").train
     longer = {"max_steps": 3000}
-    assert "stable phase, so the run goes on exactly" in schedule_change(wsd, _with(wsd, **longer), 600)
-    assert "past the stable phase" in schedule_change(wsd, _with(wsd, **longer), 1200)
+    assert schedule_change(wsd, _with(wsd, **longer), 600).endswith("at step 600 stays 0.01: the run goes on unchanged")
+    assert " at step 1,200 goes 0.00525 -> 0.01" in schedule_change(wsd, _with(wsd, **longer), 1200)
     note = schedule_change(cos, _with(cos, **longer), 600)
-    assert "the curve bends" in note and "jumps" in note
+    assert note.startswith("max_steps 1,500 -> 3,000: the LR at step 600 goes ") and "unchanged" not in note
     assert schedule_change(cos, cos, 600) is None
 
 
@@ -273,7 +275,7 @@ def test_wsd_run_extends_exactly_from_its_stable_phase(char_data, tmp_path):
     # the run as it was at step 10 of a 20-step plan (stable until step 12): its later checkpoint removed
     shutil.rmtree(short / "checkpoints" / "step_0000020")
     r, out = run(char_data, short, settings=settings, max_steps=40)
-    assert r.resumed_from == 10 and "stable phase, so the run goes on exactly as a 40-step run" in out, out
+    assert r.resumed_from == 10 and "max_steps 20 -> 40: the LR at step 10 stays" in out, out
     a, b = curve(tmp_path / "planned"), curve(short)
     assert planned.step == r.step == 40
     assert all(a[s] == b[s] for s in range(1, 41)), [(s, a[s], b[s]) for s in range(1, 41) if a[s] != b[s]][:3]

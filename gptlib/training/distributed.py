@@ -1,7 +1,5 @@
-"""DistributedDataParallel under `torchrun`, one process per GPU: what DDP changes for train() (rank 0 writes, each
-rank samples its own stream, gradients all-reduced on an accumulation's last micro-step only, time-based decisions
-agreed at log steps so the hot loop has no extra syncs). Without torchrun every method is a no-op.
-"""
+"""DistributedDataParallel under `torchrun`, one process per GPU: rank 0 writes, each rank samples its own stream,
+time-based decisions are agreed at log steps (the hot loop has no extra syncs). Without torchrun: no-ops."""
 
 from __future__ import annotations
 
@@ -37,9 +35,6 @@ class Dist:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
-
-    def no_sync(self, model: torch.nn.Module, last_micro_step: bool):
-        return model.no_sync() if self.enabled and not last_micro_step else contextlib.nullcontext()
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         if not self.enabled:

@@ -117,8 +117,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
             with stop.deferred():
                 in_step = True
                 loss = train_step(s.train_model, s.optimizer, s.scaler, s.sampler, accum=tc.grad_accum_steps,
-                                  grad_clip=tc.grad_clip, autocast=s.autocast, lr=lr_at(state.step, tc),
-                                  no_sync=s.no_sync, timer=timer)
+                                  grad_clip=tc.grad_clip, autocast=s.autocast, timer=timer, lr=lr_at(state.step, tc))
                 state.step, state.tokens_seen = state.step + 1, state.tokens_seen + s.tokens_per_step
                 metrics.add(loss)
                 in_step = False

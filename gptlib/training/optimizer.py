@@ -11,29 +11,20 @@ from gptlib.errors import CheckpointError
 from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
-# A param group's keys that say how its update runs on this device. torch's load_state_dict takes them from the
-# checkpoint: a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler and, without one, takes the
-# slow path. So they come from the optimizer built for this device (load_optimizer).
-DEVICE_KEYS = ("fused", "foreach", "capturable")
+# A param group's keys that come from the optimizer built for this run, not from the checkpoint: how its update
+# runs on this device (a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler and, without one,
+# takes the slow path) and lr_scale (muon_lr may have changed between sessions).
+THIS_RUN_KEYS = ("fused", "foreach", "capturable", "lr_scale")
 
 
 class MuonAdamW:
     """Each param group carries `lr_scale`, its peak LR over learning_rate: the schedule sets both from one value."""
 
     def __init__(self, matrices: list, others: list, tc: TrainConfig, fused: bool):
-        self.muon = torch.optim.Muon(matrices, lr=tc.muon_lr, weight_decay=tc.weight_decay,
-                                     momentum=tc.muon_momentum, nesterov=True)
-        self.adamw = torch.optim.AdamW(others, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), weight_decay=0.0,
-                                       fused=fused)
-        self.muon_scale = tc.muon_lr / tc.learning_rate
-        self._set_scales()
-
-    def _set_scales(self) -> None:
-        # after load_state_dict too: the saved groups carry the scale of their run, the config may have changed it
-        for group in self.adamw.param_groups:
-            group["lr_scale"] = 1.0
-        for group in self.muon.param_groups:
-            group["lr_scale"] = self.muon_scale
+        self.muon = torch.optim.Muon([{"params": matrices, "lr_scale": tc.muon_lr / tc.learning_rate}], lr=tc.muon_lr,
+                                     weight_decay=tc.weight_decay, momentum=tc.muon_momentum, nesterov=True)
+        self.adamw = torch.optim.AdamW([{"params": others, "lr_scale": 1.0}], lr=tc.learning_rate,
+                                       betas=(tc.beta1, tc.beta2), weight_decay=0.0, fused=fused)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -53,41 +44,38 @@ class MuonAdamW:
     def load_state_dict(self, state: dict) -> None:
         load_optimizer(self.adamw, state["adamw"])
         load_optimizer(self.muon, state["muon"])
-        self._set_scales()
 
 
 def load_optimizer(optimizer, state: dict) -> None:
-    """load_state_dict with this device's DEVICE_KEYS put into the saved groups before loading: torch also places
+    """load_state_dict with this run's THIS_RUN_KEYS put into the saved groups before loading: torch also places
     AdamW's step counts by them (on the device when fused)."""
     if isinstance(optimizer, MuonAdamW):
         optimizer.load_state_dict(state)
         return
     saved = state["param_groups"]
     if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
-        saved = [{**g, **{k: now[k] for k in DEVICE_KEYS if k in now}} for g, now in zip(saved, optimizer.param_groups)]
+        saved = [{**g, **{k: now[k] for k in THIS_RUN_KEYS if k in now}} for g, now in zip(saved, optimizer.param_groups)]
     optimizer.load_state_dict({**state, "param_groups": saved})
 
 
 def check_optimizer_state(optimizer, state: dict, where: str) -> None:
     """CheckpointError unless each saved per-parameter tensor (AdamW's moments, Muon's momentum) has its parameter's
     shape: torch's load_state_dict does not check, and a state that does not fit would fail mid-run."""
-    halves = ([("adamw", optimizer.adamw), ("muon", optimizer.muon)] if isinstance(optimizer, MuonAdamW)
-              else [("", optimizer)])
     try:
-        for name, opt in halves:
-            saved = state[name] if name else state
+        halves = ([("adamw ", optimizer.adamw, state["adamw"]), ("muon ", optimizer.muon, state["muon"])]
+                  if isinstance(optimizer, MuonAdamW) else [("", optimizer, state)])
+        for name, opt, saved in halves:
             ids = [i for g in saved["param_groups"] for i in g["params"]]
             params = [p for g in opt.param_groups for p in g["params"]]
             if len(ids) != len(params):
-                raise CheckpointError(f"{where}: the optimizer state{' ' + name if name else ''} has {len(ids)} "
-                                      f"parameters, this model {len(params)}")
+                raise CheckpointError(f"{where}: the {name}optimizer state has {len(ids)} parameters, this model "
+                                      f"{len(params)}")
             shapes = {i: tuple(p.shape) for i, p in zip(ids, params)}
             for i, part in saved["state"].items():
                 for key, v in part.items():
                     if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) != shapes[i]:
-                        raise CheckpointError(f"{where}: optimizer state {name + ' ' if name else ''}{key} of "
-                                              f"parameter {i} has shape {tuple(v.shape)}, the parameter "
-                                              f"{shapes[i]} (damaged or hand-edited)")
+                        raise CheckpointError(f"{where}: {name}optimizer state {key} of parameter {i} has shape "
+                                              f"{tuple(v.shape)}, the parameter {shapes[i]} (damaged or hand-edited)")
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{where}: malformed optimizer state ({type(e).__name__}: {e})") from None
 
@@ -103,21 +91,17 @@ def check_optimizer_fits(ck: dict, where) -> None:
     check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck["optimizer"], str(where))
 
 
-# torch.optim.Muon orthogonalises every update in bf16, on every device. GPUs multiply bf16 natively; an x86 CPU
-# without AVX-512 does not, and torch falls back to a plain loop: ~1 GFLOP/s against ~120 for fp32 on a 2-core AVX2
-# CPU, so a phase1 step of the modern recipe there takes 4-5x the gpt2 recipe's (the loss per step is unchanged).
+# torch.optim.Muon orthogonalises every update in bf16, which an x86 CPU without AVX-512 emulates in a plain loop
+# (~1 GFLOP/s against ~120 in fp32 on a 2-core AVX2 CPU): a phase1 step there takes 4-5x the gpt2 recipe's.
 SLOW_BF16_CPUS = ("NO AVX", "AVX2")  # torch.backends.cpu.get_cpu_capability() of such CPUs
 
 
 def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
-    """A note for a Muon run on a CPU that emulates bf16; None elsewhere."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if tc.optimizer != "muon" or device_type != "cpu" or capability not in SLOW_BF16_CPUS:
-        return None
-    return (f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: a "
-            f"step takes several times the gpt2 recipe's (phase1: 4-5x on a 2-core AVX2 CPU), for a lower loss per "
-            f"step; on a GPU Muon is under 1% of a step. --set optimizer=adamw is faster here but gives up most of "
-            f"the gain (README: Two recipes)")
+    if tc.optimizer == "muon" and device_type == "cpu" and capability in SLOW_BF16_CPUS:
+        return (f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: "
+                f"a step takes 4-5x the gpt2 recipe's; --set optimizer=adamw is faster but gives up most of the gain")
+    return None
 
 
 def build_optimizer(model: GPT, tc: TrainConfig, device_type: str):

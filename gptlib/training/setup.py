@@ -115,11 +115,6 @@ class TrainingRun:
     def tokens_per_step(self) -> int:
         return self.cfg.tokens_per_step * self.ddp.world_size
 
-    @property
-    def no_sync(self):
-        """DDP: no_sync(last_micro_step) -> a context that skips the gradient all-reduce; None alone."""
-        return (lambda last: self.ddp.no_sync(self.train_model, last)) if self.ddp.enabled else None
-
     def snapshot(self, val_loss: float | None, elapsed_s: float, gather: bool = True) -> dict:
         """The checkpoint of now: its parts' state dicts (gptlib.checkpoint.format). Under DDP every rank's sampler
         is gathered: a collective, so gather=False where the ranks may be anywhere (an interrupt)."""
@@ -167,22 +162,19 @@ def start_from_base(model: GPT, base: LoadedModel) -> None:
 def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_over: bool, log):
     """The run's lease, taken before anything in run_dir or the mirror changes. A set-up refused inside the block
     releases it and removes the directories it created (if still empty); otherwise the loop releases it."""
-    created = []
+    created, lease = [], NoLease()
     try:
-        try:
-            if ddp.is_main:
+        if ddp.is_main:
+            try:
                 created = [d for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
                            if d is not None and not _looked_at(d, f"{what} directory")]
-            lease = RunLease([run_dir, mirror_dir], take_over, log).acquire() if ddp.is_main else NoLease()
-        except HungIOError as e:  # Drive did not answer: its lease may be another process's
-            raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; "
-                                       f"{DRIVE_ADVICE}") from None
-        try:
-            yield lease
-        except BaseException:
-            lease.release()
-            raise
+                lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
+            except HungIOError as e:  # Drive did not answer: its lease may be another process's
+                raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; "
+                                           f"{DRIVE_ADVICE}") from None
+        yield lease
     except BaseException:
+        lease.release()
         for d in created:  # the lease file is gone by now
             for empty in (checkpoints_dir(d), d):
                 with contextlib.suppress(OSError):
@@ -193,10 +185,10 @@ def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_
 def _looked_at(d: Path, what: str) -> bool:
     """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
     def look() -> bool:
-        if not check_dir(d, what):
-            return False
-        check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
-        return True
+        exists = check_dir(d, what)
+        if exists:
+            check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
+        return exists
 
     return call_with_timeout(look, IO_TIMEOUT_S, what=f"looking at {d}")  # Drive may hang
 
@@ -289,27 +281,14 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
 
 
 def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None:
-    """What a changed max_steps (or schedule) does to the LR from `step` on, in one line; None if nothing."""
+    """What a changed max_steps (or schedule) does to the LR at `step`, in one line; None if nothing changed."""
     keys = ("max_steps", "schedule", "cooldown_frac", "warmup_steps", "min_lr_ratio")
     if all(getattr(old, k) == getattr(new, k) for k in keys):
         return None
     before, after = lr_at(step, old), lr_at(step, new)
-    plan = f"max_steps {old.max_steps:,} -> {new.max_steps:,}"
-    if new.schedule == old.schedule == "wsd" and old.warmup_steps == new.warmup_steps:
-        start_old = round(old.max_steps * (1 - old.cooldown_frac))
-        start_new = round(new.max_steps * (1 - new.cooldown_frac))
-        if step <= min(start_old, start_new):
-            return (f"{plan}: step {step:,} is in the wsd schedule's stable phase, so the run goes on exactly as a "
-                    f"{new.max_steps:,}-step run (cooldown from step {start_new:,})")
-        return (f"{plan}: step {step:,} is past the stable phase (the cooldown began at step {start_old:,}); the LR "
-                f"goes {before:.3g} -> {after:.3g}, where a {new.max_steps:,}-step run would have held the peak until "
-                f"step {start_new:,}")
-    if math.isclose(before, after, rel_tol=1e-9):
-        return None
-    return (f"{plan} ({old.schedule} -> {new.schedule} schedule): the LR at step {step:,} jumps {before:.3g} -> "
-            f"{after:.3g} and the steps so far followed the old plan, so the curve bends (it is not the run a "
-            f"{new.max_steps:,}-step plan makes); the wsd schedule (the modern recipe's) extends exactly from its "
-            f"stable phase")
+    lr = (f"stays {after:.3g}: the run goes on unchanged" if math.isclose(before, after, rel_tol=1e-9)
+          else f"goes {before:.3g} -> {after:.3g}")
+    return f"max_steps {old.max_steps:,} -> {new.max_steps:,}: the LR at step {step:,} {lr}"
 
 
 def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *,
@@ -344,7 +323,6 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
         start_from_base(model, base)
     if start.resume is not None:
         _resume(s, start, log)
-    model.train()  # validation and samples switch to eval and back themselves
     s.train_model = wrap_for_training(model, cfg, device, ddp)[0]
     if ddp.is_main:  # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
         try:
@@ -353,7 +331,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
         except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
             raise cannot_write(start.run_dir, e) from None
         if start.resume is not None:
-            restore_logs_from_checkpoint(start.run_dir, start.resume.checkpoint.pop("logs"), state.step)
+            restore_logs_from_checkpoint(start.run_dir, start.resume.checkpoint["logs"], state.step)
         s.history = truncate_logs(start.run_dir, state.step)  # rows logged after the checkpoint go: this run logs them
         s.writer = _open_writer(s, start, log)
     log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
@@ -363,18 +341,16 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
 
 
 def _resume(s: TrainingRun, start: Start, log) -> None:
-    """Load the checkpoint into the run's parts, taking each out of its dict (held, they would be a second copy of
-    the state in host RAM all run). A run made by import-hf holds weights only: its training starts fresh."""
+    """Load the checkpoint into the run's parts. A run made by import-hf holds weights only: its training starts
+    fresh."""
     r, ckpt = start.resume, start.resume.checkpoint
-    load_weights_into(s.model, ckpt.pop("model"), r.info.path)
+    load_weights_into(s.model, ckpt["model"], r.info.path)
     if ckpt["optimizer"]:
         load_optimizer(s.optimizer, ckpt["optimizer"])  # its device flags are this device's
         if ckpt["scaler"]:  # {} when it was off
             s.scaler.load_state_dict(ckpt["scaler"])
         s.ddp.load_sampler_state(s.sampler, ckpt["sampler"], ckpt["sampler_ranks"], s.cfg.train.seed, log)
         RNG(s.device).load_state_dict(ckpt["rng"])
-    for name in ("optimizer", "scaler", "sampler", "rng", "sampler_ranks"):
-        del ckpt[name]
     this_session = ("config", "data", "data_dir", "tokenizer", "milestone")
     s.state.load_state_dict({k: v for k, v in ckpt["progress"].items() if k not in this_session})
     if r.data_change:

@@ -7,6 +7,7 @@ import contextlib
 import math
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 
 def lr_at(step: int, cfg) -> float:
@@ -31,31 +32,27 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
-def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: float, autocast, lr: float | None = None,
-               no_sync=None, timer=None) -> torch.Tensor:
-    """One optimizer step over `accum` micro-batches -> their mean loss, on the device.
-
-    model: compiled and/or DDP-wrapped; batches.next_batch() -> (x, y), each (micro_batch, block_size) token ids;
-    lr: None keeps the optimizer's; no_sync(last_micro_step) -> DDP's context that skips the all-reduce (None: no
-    DDP); timer: a StepTimer (the data / fwd_bwd / optim split)."""
+def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: float, autocast, timer,
+               lr: float | None = None) -> torch.Tensor:
+    """One optimizer step over `accum` micro-batches -> their mean loss, on the device. batches.next_batch() ->
+    (x, y), each (micro_batch, block_size) token ids; timer: a StepTimer (the data / fwd_bwd / optim split);
+    lr: None keeps the optimizer's."""
     if lr is not None:
         set_lr(optimizer, lr)
     loss_sum = torch.zeros((), device=next(model.parameters()).device)
-    if timer:
-        timer.start()
-    # the micro-batches: the gradients accumulate; DDP all-reduces them on the last one only
+    timer.start()
     for micro in range(accum):
         x, y = batches.next_batch()
-        if timer:
-            timer.mark("data")
-        with no_sync(micro == accum - 1) if no_sync is not None else contextlib.nullcontext():
+        timer.mark("data")
+        # DDP all-reduces the gradients on the last micro-batch only: the others accumulate locally
+        skip_sync = isinstance(model, DistributedDataParallel) and micro < accum - 1
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
             with autocast:
                 _, loss = model(x, y)
             loss = loss / accum  # the mean over the micro-batches, as one large batch would give
             loss_sum += loss.detach()
             scaler.scale(loss).backward()  # fp16: a scaled loss, so small gradients do not underflow
-        if timer:
-            timer.mark("fwd_bwd")
+        timer.mark("fwd_bwd")
     # clip (fp16: the gradients unscaled first), update (skipped on inf/nan gradients), drop the gradients
     if grad_clip > 0:
         scaler.unscale_(optimizer)
@@ -63,8 +60,7 @@ def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: floa
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    if timer:
-        timer.mark("optim")
+    timer.mark("optim")
     return loss_sum
 
 

@@ -1,6 +1,5 @@
-"""train(): the set-up (training/setup.py), then the loop: one step (training/step.py), then log, validate, save,
-stop. Re-running the same call on the same run directory resumes from its newest valid checkpoint, exactly: on CPU
-the losses of the uninterrupted run, bit for bit."""
+"""train(): the set-up (training/setup.py), then the loop: a step (training/step.py), log, validate, save, stop.
+The same call again resumes from the newest valid checkpoint, exactly: on CPU bit for bit."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
 
     def summary(self) -> str:
-        """One line for the end of a training cell or command."""
         if self.stopped_by == "finished":
             val = f" (val {self.val_loss:.4f})" if self.val_loss is not None else ""
             return (f"already finished at step {self.step:,}{val}; nothing to do (raise max_steps to train further) "
@@ -58,7 +56,6 @@ class TrainResult:
         val = "n/a" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.val_loss is not None and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
-        # the progress bar's figure first, then the session's wall-clock one, each saying what it counts
         speed = "" if self.steady_tokens_per_s is None else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
         speed += (f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
                   f"its first step, validations and saves included")

@@ -80,7 +80,6 @@ PROBE_HEADROOM = 0.92
 
 
 class CudaMemoryProbe:
-
     def __init__(self, device: torch.device):
         self.device, self.total = device, torch.cuda.get_device_properties(device).total_memory
 
@@ -117,15 +116,14 @@ def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, d
     PROBE_HEADROOM of the GPU. -> (micro_batch, grad_accum_steps, its peak bytes; 0 without a memory probe)."""
     device, block = torch.device(device), cfg.model.block_size
     per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
-    make_probe = MEMORY_PROBES.get(device.type)
-    memory_probe = make_probe(device) if make_probe is not None else None
+    memory = MEMORY_PROBES[device.type](device) if device.type in MEMORY_PROBES else None
     n_params = sum(p.numel() for p in model.parameters())
     reserve = torch.empty(2 * n_params, device=device) if device.type == "cuda" else None  # AdamW's two moments
     was_training = model.training
     model.train()
     try:
         for b in (b for b in range(per_step, 0, -1) if per_step % b == 0):
-            why, peak = _try_micro_batch(model, b, block, device, dtype, memory_probe)
+            why, peak = _try_micro_batch(model, b, block, device, dtype, memory)
             if not why:
                 log(f"auto micro-batch: {b} x {block} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the "
                     f"GPU); grad_accum_steps={per_step // b} keeps {per_step * block:,} tokens per step")
@@ -133,7 +131,6 @@ def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, d
             log(f"auto micro-batch: {b} x {block} does not fit ({why})")
     finally:
         del reserve  # the stand-in for the optimizer moments goes first
-        model.zero_grad(set_to_none=True)
         model.train(was_training)
         free_memory()
     nothing_fits = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch_size=1))
@@ -141,25 +138,24 @@ def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, d
 
 
 def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                     memory_probe) -> tuple[str, int]:
+                     memory) -> tuple[str, int]:
     """One forward + backward of b sequences -> (why it does not fit, "" if it fits; its peak bytes, 0 unmeasured)."""
     why, peak = "", 0
-    if memory_probe is not None:
-        memory_probe.reset(b)
     x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)
+    if memory is not None:
+        memory.reset(b)
     try:
         with autocast_for(device, dtype):
-            _, loss = model(x, x)
-        loss.backward()
-        if memory_probe is not None:
-            peak = memory_probe.peak()
-            if peak > PROBE_HEADROOM * memory_probe.total:
-                why = f"peak {peak / 2**30:.1f} GiB > {PROBE_HEADROOM:.0%} of {memory_probe.total / 2**30:.1f} GiB"
+            model(x, x)[1].backward()
+        if memory is not None:
+            peak = memory.peak()
+            if peak > PROBE_HEADROOM * memory.total:
+                why = f"peak {peak / 2**30:.1f} GiB > {PROBE_HEADROOM:.0%} of {memory.total / 2**30:.1f} GiB"
     except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
         if not is_oom(e):
             raise
         why = "out of memory"
-    loss = x = None  # drop the graph and activations before trying a smaller size
+    x = None  # drop the graph and activations before trying a smaller size
     model.zero_grad(set_to_none=True)
     free_memory()
     return why, peak

@@ -1,5 +1,5 @@
-"""What train() sets up before its loop, in its order: the lease (claimed), where the run starts (find_start: the
-resume point or an --init-from base), then the config, decided once, and what trains with it (open_run)."""
+"""train()'s set-up, in order: the lease (claimed), the resume point or --init-from base (find_start), the config
+(decide_config) and what trains with it (open_run)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from gptlib.training.throughput import check_cpu_run, run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
-    """-> (model, optimizer, scaler, dtype); the throughput benchmark builds here too, to measure training's."""
+    """-> (model, optimizer, scaler, dtype); benchmarks/bench.py builds here too."""
     tc = cfg.train
     dtype = resolve_dtype(tc.dtype, device)
     torch.manual_seed(tc.seed)
@@ -72,8 +72,6 @@ def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: T
 
 @dataclass
 class RunData:
-    """What the run trains on, and what each validation measures and samples."""
-
     splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
     loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
     tokenizer: Tokenizer
@@ -84,8 +82,6 @@ class RunData:
 
 @dataclass
 class TrainingRun:
-    """A training call as set up; the loop (gptlib.training.loop) runs it."""
-
     cfg: RunConfig  # frozen: config.json and every checkpoint record it
     run_dir: Path
     ddp: distributed.Dist
@@ -195,8 +191,6 @@ def _looked_at(d: Path, what: str) -> bool:
 
 @dataclass
 class Start:
-    """Where a training call starts: the checkpoint it resumes (and those passed over), else --init-from's base."""
-
     run_dir: Path
     mirror_dir: Path | None
     init_from: str | None
@@ -220,7 +214,6 @@ class Start:
 
 def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_from: str | None,
                skip_unreadable: bool, log) -> Start:
-    """The data's description, the resume point (gptlib.checkpoint.resume), else the base."""
     meta = read_meta(data_dir)
     tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
     check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
@@ -293,7 +286,7 @@ def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None
 
 def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *,
              allow_data_change: bool, verbose: bool, log) -> TrainingRun:
-    """The run as the loop trains it. The checkpoint (or base) is loaded before compile and DDP wrap the model."""
+    """The checkpoint (or base) is loaded before compile and DDP wrap the model."""
     cfg, probe_peak = decide_config(asked, start, device, ddp, log)
     if start.resume is not None:  # the same model; now the same data (or a change asked for, recorded)
         start.resume.data_change = check_same_data(start.resume, start.meta, allow_data_change, log)

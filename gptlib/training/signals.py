@@ -1,5 +1,4 @@
-"""The Colab stop button (SIGINT), Ctrl-C and SIGTERM (runtime shutdown) ask the training loop to finish its step,
-save and return, instead of killing it mid-write."""
+"""The Colab stop button (SIGINT), Ctrl-C and SIGTERM (runtime shutdown) ask the loop to finish its step and save."""
 
 from __future__ import annotations
 

@@ -162,10 +162,9 @@ class Progress:
         self.bytes += nbytes
 
 
-def copy_hashing(src: str | Path, dst: str | Path, progress: Progress | None = None) -> tuple[int, str]:
+def copy_hashing(src: str | Path, dst: str | Path, progress: Progress) -> tuple[int, str]:
     """Copy src to dst, fsynced, hashing the bytes as they pass -> (size, sha256) of what was read: checking a copy
     costs no second read. Each chunk ticks `progress` (call_with_timeout's watchdog)."""
-    progress = progress or Progress()
     h, n = hashlib.sha256(), 0
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         progress.tick()

@@ -59,7 +59,6 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The objects of a JSON-lines file ([] if there is none)."""
     return parse_jsonl(Path(path).read_text(errors="replace") if Path(path).is_file() else "")
 
 
@@ -103,11 +102,10 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 def clean_temp_files(directory: str | Path) -> list[Path]:
     """Remove temp files left by interrupted atomic writes -> what was removed."""
     removed = []
-    for p in Path(directory).iterdir() if Path(directory).is_dir() else []:
-        if TMP_MARKER in p.name and p.is_file():
-            with suppress(OSError):
-                p.unlink()
-                removed.append(p)
+    for p in Path(directory).glob(f"*{TMP_MARKER}*"):
+        with suppress(OSError):
+            p.unlink()  # IsADirectoryError for a directory: left alone
+            removed.append(p)
     return removed
 
 
@@ -148,12 +146,10 @@ def check_dir(path: str | Path, what: str) -> bool:
 
 
 class Progress:
-    """Shared between a long I/O call and its watchdog: the last progress time and a cancel flag."""
+    """Shared between a long I/O call and its watchdog: the last progress time, a cancel flag, the bytes moved."""
 
     def __init__(self):
-        self.t = time.monotonic()
-        self.cancel = threading.Event()
-        self.bytes = 0  # bytes moved so far, for progress messages
+        self.t, self.cancel, self.bytes = time.monotonic(), threading.Event(), 0
 
     def tick(self, nbytes: int = 0) -> None:
         if self.cancel.is_set():

@@ -198,6 +198,9 @@ def load_checkpoint(path: Path) -> dict:
     except ValueError as e:  # bad JSON or UTF-8
         raise CheckpointError(f"{path / STATE_FILE}: unreadable ({e})") from None
     progress = TrainState.from_json(state, str(path / STATE_FILE))
+    if progress.step != info.step:  # state.json edited and its hash with it: the manifest's step is the directory's
+        raise CheckpointError(f"{path / STATE_FILE}: step {progress.step!r} but its checkpoint is step {info.step:,} "
+                              f"(manifest and directory name); damaged or mixed up, so it is passed over")
     return {"model": model, **{k: train.get(k) or {} for k in TRAIN_PARTS}, "progress": progress.state_dict(),
             "sampler_ranks": train.get("sampler_ranks"), "logs": data}
 

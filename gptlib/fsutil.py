@@ -1,6 +1,6 @@
 """File operations that survive crashes and hung mounts: writes by temp file, fsync and rename (a crash leaves at
-most a `*.tmp-*` file); a failed write as one line naming the directory, its disk and the fix; calls abandoned when a
-FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever."""
+most a `*.tmp-*` file); a failed write as one line naming the directory, the OS's reason and the fix; calls abandoned
+when a FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import errno
 import hashlib
 import json
 import os
-import re
-import shutil
 import stat
 import tempfile
 import threading
@@ -61,7 +59,6 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """The objects of a JSON-lines file ([] if there is none)."""
     return parse_jsonl(Path(path).read_text(errors="replace") if Path(path).is_file() else "")
 
 
@@ -105,62 +102,24 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 def clean_temp_files(directory: str | Path) -> list[Path]:
     """Remove temp files left by interrupted atomic writes -> what was removed."""
     removed = []
-    for p in Path(directory).iterdir() if Path(directory).is_dir() else []:
-        if TMP_MARKER in p.name and p.is_file():
-            with suppress(OSError):
-                p.unlink()
-                removed.append(p)
+    for p in Path(directory).glob(f"*{TMP_MARKER}*"):
+        with suppress(OSError):
+            p.unlink()  # IsADirectoryError for a directory: left alone
+            removed.append(p)
     return removed
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}"
-        n /= 1000
-    return f"{n:.0f} TB"
-
-
-def describe_disk(path: str | Path, timeout: float = 5.0) -> str:
-    """ "the disk mounted at / (12 MB free of 107 GB)"; "its disk" where a hung mount does not tell in time."""
-    def look():
-        p = Path(path)
-        while not p.exists() and p.parent != p:
-            p = p.parent
-        return mount_point(p.resolve()), shutil.disk_usage(p)
-
-    try:
-        mount, usage = call_with_timeout(look, timeout, what=f"looking at the disk of {path}")
-    except OSError:
-        return "its disk"
-    return f"the disk mounted at {mount} ({_size(usage.free)} free of {_size(usage.total)})"
-
-
-def mount_point(path: Path) -> Path:
-    """The mount point holding a resolved path: from /proc/self/mountinfo where there is one, which also lists a bind
-    mount of a folder (a read-only one, say) that os.path.ismount cannot tell from a folder."""
-    try:
-        with open("/proc/self/mountinfo") as f:  # field 5 is the mount point, octal-escaped (a space is \040)
-            points = [Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])) for line in f]
-        return max((m for m in points if path.is_relative_to(m)), key=lambda m: len(m.parts))
-    except (OSError, IndexError, ValueError):  # not Linux, or no mount contains it
-        while not os.path.ismount(path) and path.parent != path:
-            path = path.parent
-        return path
-
-
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
-    """The one-line error for a directory a write failed in: what is wrong and the fix."""
-    head = f"cannot write to {directory}: {e.strerror or e}"
+    """The one-line error for a directory a write failed in: the OS's reason and the fix."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        full = "is full" if e.errno == errno.ENOSPC else "holds all your quota allows"
-        return RunDirError(f"{head}: {describe_disk(directory)} {full}; free space there (old runs or "
-                           f"checkpoints) or choose a directory on another disk")
-    if e.errno == errno.EROFS:
-        return RunDirError(f"{head}: {describe_disk(directory)} is read-only; choose a writable directory")
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return RunDirError(f"{head}; choose a directory you may write to")
-    return RunDirError(f"{head} (read-only, full or not allowed?); choose a writable directory with free space")
+        fix = "free space there (old runs or checkpoints) or choose a directory on another disk"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        fix = "choose a directory you may write to"
+    elif e.errno == errno.EROFS:
+        fix = "choose a writable directory"
+    else:
+        fix = "(read-only, full or not allowed?) choose a writable directory with free space"
+    return RunDirError(f"cannot write to {directory}: {e.strerror or e}; {fix}")
 
 
 def check_dir(path: str | Path, what: str) -> bool:
@@ -187,12 +146,10 @@ def check_dir(path: str | Path, what: str) -> bool:
 
 
 class Progress:
-    """Shared between a long I/O call and its watchdog: the last progress time and a cancel flag."""
+    """Shared between a long I/O call and its watchdog: the last progress time, a cancel flag, the bytes moved."""
 
     def __init__(self):
-        self.t = time.monotonic()
-        self.cancel = threading.Event()
-        self.bytes = 0  # bytes moved so far, for progress messages
+        self.t, self.cancel, self.bytes = time.monotonic(), threading.Event(), 0
 
     def tick(self, nbytes: int = 0) -> None:
         if self.cancel.is_set():
@@ -201,10 +158,9 @@ class Progress:
         self.bytes += nbytes
 
 
-def copy_hashing(src: str | Path, dst: str | Path, progress: Progress | None = None) -> tuple[int, str]:
+def copy_hashing(src: str | Path, dst: str | Path, progress: Progress) -> tuple[int, str]:
     """Copy src to dst, fsynced, hashing the bytes as they pass -> (size, sha256) of what was read: checking a copy
     costs no second read. Each chunk ticks `progress` (call_with_timeout's watchdog)."""
-    progress = progress or Progress()
     h, n = hashlib.sha256(), 0
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         progress.tick()

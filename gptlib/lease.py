@@ -1,8 +1,7 @@
 """One writer per run: training holds a lease on its run directory and Drive mirror, so a second process there
-refuses within seconds and names the holder. A lease whose holder is gone (a
-dead pid on this machine, or a heartbeat older than STALE_S by this machine's clock) is taken over; --take-over takes
-any. A holder whose lease was taken stops without writing: check() runs before every checkpoint write.
-"""
+refuses within seconds and names the holder. A lease whose holder is gone (a dead pid on this machine, or a heartbeat
+older than STALE_S by this machine's clock) is taken over; --take-over takes any. A holder whose lease was taken stops
+without writing: check() runs before every checkpoint write."""
 
 from __future__ import annotations
 
@@ -44,11 +43,13 @@ def _describe(found: Holder | str, now: float) -> str:
 
 
 def _read(path: Path) -> Holder | str | None:
-    """-> the Holder, None (no lease), or why it cannot be read."""
+    """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive."""
     try:
-        raw = path.read_text()
+        raw = call_with_timeout(path.read_text, IO_TIMEOUT_S, what=f"reading {path}")
     except FileNotFoundError:
         return None
+    except HungIOError:
+        raise
     except (OSError, UnicodeDecodeError) as e:
         return f"unreadable ({e})"
     try:
@@ -58,15 +59,9 @@ def _read(path: Path) -> Holder | str | None:
         return f"malformed ({type(e).__name__}: {e})"
 
 
-def _timed(fn, path: Path, doing: str = "reading"):
-    return call_with_timeout(fn, IO_TIMEOUT_S, what=f"{doing} {path}")
-
-
 class RunLease:
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
-        self.dirs = [Path(d) for d in dirs if d is not None]
-        self.take_over = take_over
-        self.log = log
+        self.dirs, self.take_over, self.log = [Path(d) for d in dirs if d is not None], take_over, log
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
         self.started = time.time()
@@ -97,7 +92,7 @@ class RunLease:
         return self
 
     def _check_free(self, path: Path) -> None:
-        found = _timed(lambda: _read(path), path)
+        found = _read(path)
         if found is None:
             return
         now = time.time()
@@ -115,7 +110,8 @@ class RunLease:
             except PermissionError:
                 pass
             raise RunBusyError(f"{path.parent} is in use by another training process ({what}); {how}")
-        age = now - (found.heartbeat if isinstance(found, Holder) else _timed(lambda: path.stat().st_mtime, path))
+        age = now - (found.heartbeat if isinstance(found, Holder) else
+                     call_with_timeout(lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"))
         if age < STALE_S:
             raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
                                f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
@@ -124,10 +120,10 @@ class RunLease:
     def _write(self, path: Path) -> None:
         body = {"host": self.host, "pid": os.getpid(), "session": self.session, "started": self.started,
                 "heartbeat": time.time()}
-        _timed(lambda: atomic_write_json(path, body), path, "writing")
+        call_with_timeout(lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}")
 
     def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
-        found = _timed(lambda: _read(path), path)
+        found = _read(path)
         if isinstance(found, Holder) and found.session == self.session:
             return
         if found is None and on_lost is LeaseLost:  # deleted (someone tidying Drive): a taker would have written one
@@ -163,7 +159,7 @@ class RunLease:
             self._thread.join(IO_TIMEOUT_S)  # a beat being written now must not re-create a file removed below
         for d in self._held:
             with suppress(OSError):  # a hung Drive: the lease goes stale on its own
-                found = _timed(lambda d=d: _read(d / LEASE_FILE), d / LEASE_FILE)
+                found = _read(d / LEASE_FILE)
                 if isinstance(found, Holder) and found.session == self.session:
                     (d / LEASE_FILE).unlink(missing_ok=True)
         self._held = []

@@ -247,7 +247,7 @@ def _disk_full(path, *rest):
 
 @pytest.mark.parametrize("where", ["lease.json", "config.json", "tokenizer.json"])
 def test_a_full_run_dir_at_set_up_is_one_clear_line(char_data, tmp_path, monkeypatch, capsys, where):
-    """A 100%-full disk (ENOSPC) at training's first writes: one line naming the run dir, its disk and the fix,
+    """A 100%-full disk (ENOSPC) at training's first writes: one line naming the run dir, the OS's reason and the fix,
     from train() (a notebook) and the command line alike; nothing left holding the run."""
     from gptlib import lease as glease
     from gptlib.__main__ import main
@@ -259,37 +259,13 @@ def test_a_full_run_dir_at_set_up_is_one_clear_line(char_data, tmp_path, monkeyp
     run = tmp_path / "run"
     with pytest.raises(RunDirError) as e:
         train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
-    assert str(e.value).startswith(f"cannot write to {run}: No space left on device: the disk mounted at "), e.value
-    assert "free of" in str(e.value) and "is full; free space there" in str(e.value)
+    assert str(e.value).startswith(f"cannot write to {run}: No space left on device; free space there"), e.value
     assert not (run / "lease.json").exists()  # released: a re-run after freeing space is not refused
     capsys.readouterr()
     rc = main(["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "2", "--quiet"])
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith(f"error: cannot write to {run}: No space left on device") and "is full" in err
+    assert rc == 2 and err.startswith(f"error: cannot write to {run}: No space left on device; free space"), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-
-
-# The same command where `dir` ($0) is a read-only bind mount of itself, in a mount namespace of its own (unshare -r:
-# no root needed where user namespaces are allowed).
-READ_ONLY_BIND = ["unshare", "-rm", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && '
-                  'exec "$@"']
-
-
-def test_a_read_only_run_dir_names_its_own_mount(char_data, tmp_path):
-    """A run dir on a read-only bind mount (a folder of the same disk mounted read-only: os.path.ismount cannot
-    tell it from a folder) was said to be on "the disk mounted at /" (issue 26)."""
-    ro = (tmp_path / "ro").resolve()
-    ro.mkdir()
-    if shutil.which("unshare") is None or subprocess.run([*READ_ONLY_BIND, ro, "true"], capture_output=True).returncode != 0:
-        pytest.skip("no read-only bind mount can be made here (unshare -rm: user namespaces not allowed)")
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(ro / "run"),
-           "--max-steps", "2", "--device", "cpu", "--quiet"]
-    p = subprocess.run([*READ_ONLY_BIND, ro, *cmd], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    (line,) = p.stderr.strip().splitlines()
-    assert line.startswith(f"error: cannot write to {ro / 'run'}: Read-only file system: the disk mounted at {ro} ("), line
-    assert line.endswith("is read-only; choose a writable directory"), line
 
 
 @pytest.mark.parametrize("keep_last,fix", [(2, "free space"), (3, "free space or lower keep_last \\(now 3: --set keep_last=N\\)")])

@@ -34,7 +34,6 @@ from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MA
                            PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
                            is_checkpoint_name, step_of)
 
-CKPT_FORMAT_VERSION = 1
 TRAIN_PARTS = ("optimizer", "scaler", "sampler", "rng")  # train_state.pt's; {} in a weights-only checkpoint
 MIN_KEEP_LAST = 2  # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
 DRIVE_LIST_TIMEOUT_S = 60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
@@ -70,22 +69,12 @@ class TrainState:
                 setattr(self, f.name, d[f.name])
 
     @classmethod
-    def from_json(cls, d: Any, source: str, step: int | None = None) -> "TrainState":
-        """A state.json's contents, checked: a hand-edited or mixed-up one is a damaged checkpoint."""
-        if not isinstance(d, dict):
-            raise CheckpointError(f"{source}: holds a JSON {type(d).__name__}, not an object")
-        if missing := [name for name in ("step", "tokens_seen", "config") if name not in d]:
+    def from_json(cls, d: Any, source: str) -> "TrainState":
+        """A state.json's contents; CheckpointError if they are not a training checkpoint's."""
+        missing = [name for name in ("step", "tokens_seen", "config") if not isinstance(d, dict) or name not in d]
+        if missing:
             raise CheckpointError(f"{source}: field {missing[0]!r} is missing (not a gptlib training checkpoint, or "
                                   f"damaged); resume from another checkpoint or start a new run directory")
-        for name, kind in (("step", int), ("tokens_seen", int), ("config", dict), ("data", dict), ("tokenizer", dict)):
-            if name in d and (not isinstance(d[name], kind) or isinstance(d[name], bool)):
-                raise CheckpointError(f"{source}: field {name!r} is {d[name]!r}, expected {kind.__name__}")
-        if d["step"] < 0 or d["tokens_seen"] < 0:
-            raise CheckpointError(f"{source}: step {d['step']} / tokens_seen {d['tokens_seen']} cannot be negative "
-                                  f"(damaged or hand-edited); resume from another checkpoint")
-        if step is not None and d["step"] != step:
-            raise CheckpointError(f"{source}: step {d['step']:,} but its checkpoint is step {step:,} (manifest and "
-                                  f"directory name); damaged or mixed up, so it is passed over")
         state = cls()
         state.load_state_dict(d)
         return state
@@ -118,6 +107,36 @@ class RNG:
         torch.cuda.set_rng_state(cuda, torch.device("cuda", index))
 
 
+def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Write one checkpoint dict into root/step_N -> its path. On any error the partial directory is removed; an
+    existing one of the same step is untouched until the rename."""
+    step = ckpt["progress"]["step"]
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    partial = root / f"{final.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    train = {k: ckpt.get(k) or {} for k in TRAIN_PARTS}
+    if ckpt.get("sampler_ranks") is not None:
+        train["sampler_ranks"] = ckpt["sampler_ranks"]
+    files = {MODEL_FILE: lambda f: torch.save(ckpt["model"], f), TRAIN_STATE_FILE: lambda f: torch.save(train, f),
+             STATE_FILE: lambda f: f.write((json.dumps(ckpt["progress"], indent=2) + "\n").encode())}
+    files |= {name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()}
+    try:
+        records = {name: _write_hashed(partial / name, write) for name, write in files.items()}
+        # format_version: what gptlib versions before issue 27 check before reading
+        atomic_write_json(partial / MANIFEST_FILE, {"format_version": 1, "step": step, "time": time.time(),
+                                                    "files": records})
+        install(partial, final)
+    except BaseException as e:
+        full = _disk_nearly_full(root)  # measured before the partial files are removed
+        shutil.rmtree(partial, ignore_errors=True)
+        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch's own words: "enforce fail ... unexpected pos"
+            first = str(e).splitlines()[0][:120] if str(e) else ""
+            raise OSError(errno.ENOSPC, f"no space left on the device of {root} ({type(e).__name__}: {first})") from e
+        raise
+    return final
+
+
 class _Hashing:
     """A file that hashes what is written to it: the manifest's sha256 costs no second read."""
 
@@ -147,57 +166,46 @@ def _write_hashed(path: Path, write) -> dict:
     return out
 
 
-def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write one checkpoint dict into root/step_N -> its path. On any error the partial directory is removed; an
-    existing one of the same step is untouched until the rename."""
-    step = ckpt["progress"]["step"]
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    partial = root / f"{final.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    partial.mkdir()
-    train = {k: ckpt.get(k) or {} for k in TRAIN_PARTS}
-    if ckpt.get("sampler_ranks") is not None:
-        train["sampler_ranks"] = ckpt["sampler_ranks"]
-    files = {MODEL_FILE: lambda f: torch.save(ckpt["model"], f), TRAIN_STATE_FILE: lambda f: torch.save(train, f),
-             STATE_FILE: lambda f: f.write((json.dumps(ckpt["progress"], indent=2) + "\n").encode())}
-    files |= {name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()}
+def _disk_nearly_full(path: Path) -> bool:
+    """Less than 64 MB or 0.5% of the disk left: a write that failed there most likely ran out of space."""
     try:
-        records = {name: _write_hashed(partial / name, write) for name, write in files.items()}
-        manifest = {"format_version": CKPT_FORMAT_VERSION, "step": step, "time": time.time(), "files": records}
-        atomic_write_json(partial / MANIFEST_FILE, manifest)
-        install(partial, final)
-    except BaseException as e:
-        full = _disk_nearly_full(root)  # measured before the partial files are removed
-        shutil.rmtree(partial, ignore_errors=True)
-        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch's own words: "enforce fail ... unexpected pos"
-            first = str(e).splitlines()[0][:120] if str(e) else ""
-            raise OSError(errno.ENOSPC, f"no space left on the device of {root} ({type(e).__name__}: {first})") from e
-        raise
-    return final
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return False
+    return usage.free < max(64 << 20, usage.total // 200)
+
+
+def install(partial: Path, final: Path, truncate: bool = False) -> None:
+    """Rename a complete partial dir to its final name; a same-step one is replaced whole, never half."""
+    if final.exists():  # re-saved after a resume, or a damaged copy being replaced
+        old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(partial, final)
+        remove_tree(old, truncate)
+    else:
+        os.replace(partial, final)
+    fsync_dir(final.parent)
 
 
 def load_checkpoint(path: Path) -> dict:
     """save_checkpoint's dict back, with "logs": {name: bytes} of the extra files. Each file is read once and checked
     against the manifest: CheckpointError if it is damaged, OSError if it cannot be read (a hung Drive)."""
     info = verify_checkpoint(path)
-    data = {name: read_verified(path / name, rec) for name, rec in info.manifest["files"].items()}
+    data = {name: _read_verified(path / name, rec) for name, rec in info.manifest["files"].items()}
     model, train = (_safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE))
     try:
         state = json.loads(data.pop(STATE_FILE))
     except ValueError as e:  # bad JSON or UTF-8
         raise CheckpointError(f"{path / STATE_FILE}: unreadable ({e})") from None
-    if not isinstance(model, dict) or not isinstance(train, dict):
-        raise CheckpointError(f"{path}: model.pt / train_state.pt do not hold dicts")
-    missing = [k for k in ("optimizer", "sampler", "rng") if k not in train]
-    if missing:
-        raise CheckpointError(f"{path / TRAIN_STATE_FILE}: {missing} missing (not a gptlib training checkpoint, or "
-                              f"damaged)")
-    progress = TrainState.from_json(state, str(path / STATE_FILE), step=info.step)
+    progress = TrainState.from_json(state, str(path / STATE_FILE))
+    if progress.step != info.step:  # state.json edited and its hash with it: the manifest's step is the directory's
+        raise CheckpointError(f"{path / STATE_FILE}: step {progress.step!r} but its checkpoint is step {info.step:,} "
+                              f"(manifest and directory name); damaged or mixed up, so it is passed over")
     return {"model": model, **{k: train.get(k) or {} for k in TRAIN_PARTS}, "progress": progress.state_dict(),
             "sampler_ranks": train.get("sampler_ranks"), "logs": data}
 
 
-def read_verified(f: Path, rec: dict) -> bytes:
+def _read_verified(f: Path, rec: dict) -> bytes:
     data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
     check_file(f, (len(data), hashlib.sha256(data).hexdigest()), rec["size"], rec["sha256"])
     return data
@@ -217,6 +225,59 @@ def _safe_load(data: bytes, where: Path) -> Any:
     except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
         first = (str(e).splitlines() or [""])[0][:200]
         raise CheckpointError(f"{where}: cannot load safely ({type(e).__name__}: {first})") from None
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    step: int
+    manifest: dict[str, Any]
+
+    @property
+    def saved_at(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.manifest.get("time", 0)))
+
+
+def read_manifest(path: Path) -> dict:
+    mpath = path / MANIFEST_FILE
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
+    try:
+        return json.loads(mpath.read_text())
+    except ValueError as e:  # bad JSON or UTF-8
+        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+
+
+def verify_checkpoint(path: Path) -> CheckpointInfo:
+    """The cheap check, run after every save and by rotation: the manifest and every file's size (the hashes are
+    load_checkpoint's). CheckpointError if the checkpoint is incomplete or damaged."""
+    manifest, mpath = read_manifest(path), path / MANIFEST_FILE
+    try:
+        files, step = manifest["files"], manifest["step"]
+        if step_of(path) not in (None, step):
+            raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
+        if missing := [name for name in CHECKPOINT_FILES if name not in files]:
+            raise CheckpointError(f"{mpath}: does not list {missing[0]}")
+        for name in files:  # before touching any file: a crafted manifest must not reach outside
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
+        for name, rec in files.items():
+            if not (path / name).is_file():
+                raise CheckpointError(f"{path / name}: listed in the manifest but missing")
+            if (size := (path / name).stat().st_size) != rec["size"]:
+                raise CheckpointError(f"{path / name}: size {size:,} bytes, manifest says {rec['size']:,} "
+                                      f"(truncated or incomplete)")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
+    return CheckpointInfo(path=path, step=step, manifest=manifest)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Finished-looking checkpoint directories (not .partial and friends), newest step first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)), key=step_of, reverse=True)
 
 
 def load_model_weights(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
@@ -240,86 +301,6 @@ def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], sourc
             raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
                                   f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)")
     model.load_state_dict(sd)
-
-
-@dataclass
-class CheckpointInfo:
-    path: Path
-    step: int
-    manifest: dict[str, Any]
-
-    @property
-    def saved_at(self) -> str:
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.manifest.get("time", 0)))
-
-
-def read_manifest(path: Path) -> dict:
-    mpath = path / MANIFEST_FILE
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format_version") != CKPT_FORMAT_VERSION:
-        got = manifest.get("format_version") if isinstance(manifest, dict) else manifest
-        raise CheckpointError(f"{mpath}: format_version {got!r} is not {CKPT_FORMAT_VERSION}")
-    return manifest
-
-
-def verify_checkpoint(path: Path) -> CheckpointInfo:
-    """The cheap check, run after every save and by rotation: the manifest and every file's size (the hashes are
-    load_checkpoint's). CheckpointError if the checkpoint is incomplete or damaged."""
-    mpath = path / MANIFEST_FILE
-    if not mpath.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
-    manifest = read_manifest(path)
-    try:
-        files, step = manifest["files"], manifest["step"]
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or step_of(path) not in (None, step):
-            raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
-        if missing := [name for name in CHECKPOINT_FILES if name not in files]:
-            raise CheckpointError(f"{mpath}: does not list {missing[0]}")
-        for name in files:  # before touching any file: a crafted manifest must not reach outside
-            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
-                raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
-        for name, rec in files.items():
-            size = (path / name).stat().st_size if (path / name).is_file() else None
-            if size is None or size != rec["size"]:
-                raise CheckpointError(f"{path / name}: listed in the manifest but missing" if size is None else
-                                      f"{path / name}: size {size:,} bytes, manifest says {rec['size']:,} "
-                                      f"(truncated or incomplete)")
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
-    return CheckpointInfo(path=path, step=step, manifest=manifest)
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Finished-looking checkpoint directories (not .partial and friends), newest step first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def _disk_nearly_full(path: Path) -> bool:
-    """Less than 64 MB or 0.5% of the disk left: a write that failed there most likely ran out of space."""
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return False
-    return usage.free < max(64 << 20, usage.total // 200)
-
-
-def install(partial: Path, final: Path, truncate: bool = False) -> None:
-    """Rename a complete partial dir to its final name; a same-step one is replaced whole, never half."""
-    if final.exists():  # re-saved after a resume, or a damaged copy being replaced
-        old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(partial, final)
-        remove_tree(old, truncate)
-    else:
-        os.replace(partial, final)
-    fsync_dir(final.parent)
 
 
 def set_aside(path: Path) -> Path:

@@ -20,19 +20,16 @@ from gptlib.errors import CheckpointError, LeaseLost, loud
 from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, copy_hashing, fsync_dir
 from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
 
-# Module-level so that tests (and impatient users) can shorten them.
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
 MIRROR_STALL_TIMEOUT_S = 180.0  # an attempt with no progress for this long is a hung Drive: abandoned
 MIRROR_CLOSE_TIMEOUT_S = 600.0  # at the end of training, wait at most this long for the last Drive copy
 MIRROR_TIDY_TIMEOUT_S = 60.0  # rotating the mirror and copying the run's logs there: give up after this
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
-NO_MIRROR_STATUS = {"mirror_dir": None, "mirror_step": None, "mirror_copying": False, "mirror_error": None,
-                    "mirror_failures": 0}
+NO_MIRROR_STATUS = {"mirror_step": None, "mirror_error": None, "mirror_failures": 0}
 
 
-def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress | None = None) -> None:
-    """Copy src to dst hashing as it goes; CheckpointError if the bytes read are not the manifest's (src is damaged
-    or changed: not a Drive that failed to answer); dst is then left for cleanup."""
+def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress) -> None:
+    """CheckpointError if the bytes read are not the manifest's: src is damaged, not a Drive that failed to answer."""
     check_file(src, copy_hashing(src, dst, progress), size, sha256)
 
 
@@ -70,11 +67,10 @@ class Mirror:
 
     def __init__(self, run_dir: Path, mirror_dir: Path, keep_last: int, keep_every: int,
                  guard: Callable[[Path], None], unreadable: set[Path] = frozenset(), listed_step: int | None = None):
-        self.run_dir, self.mirror_dir = Path(run_dir), Path(mirror_dir)
+        self.run_dir, self.mirror_dir, self.keep_last, self.keep_every = run_dir, mirror_dir, keep_last, keep_every
+        self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
         self.listed_step = listed_step  # the newest step listed on the mirror at resume
-        self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
-        self.keep_last, self.keep_every = keep_last, keep_every
         self.last_step: int | None = None  # newest step copied
         self.error: str | None = None  # the last failure, until a copy succeeds
         self.failures = 0
@@ -85,7 +81,7 @@ class Mirror:
         self._best_step: int | None = None  # what mirror rotation must keep
         self._busy: Path | None = None
         self._closing = False
-        self._copying: tuple[Path, int, Progress] | None = None  # (checkpoint, its bytes, progress) of the copy now
+        self._copying: Callable[[], str] = lambda: "starting"  # the copy now: "step_N, X of Y MB copied"
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
@@ -120,19 +116,17 @@ class Mirror:
     def _has_work(self) -> bool:  # holding _cv
         return self._pending is not None or bool(self._milestones) and not self._milestones_paused
 
-    def _next(self) -> Path | None:  # holding _cv
-        if self._pending is not None:
-            path, self._pending = self._pending, None
-            return path
-        return self._milestones[0] if self._has_work() else None
-
     def _loop(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._has_work() or self._closing)
-                path = self._busy = self._next()
-                if path is None:
+                if self._pending is not None:  # the newest first, then the milestones
+                    path, self._pending = self._pending, None
+                elif self._has_work():
+                    path = self._milestones[0]
+                else:
                     return
+                self._busy = path
             try:
                 outcome = self._copy_with_retries(path)
                 with self._cv:
@@ -186,7 +180,8 @@ class Mirror:
 
     def _attempt(self, path: Path) -> None:
         progress = Progress()
-        self._copying = (path, sum(r["size"] for r in read_manifest(path)["files"].values()), progress)
+        total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
+        self._copying = lambda: f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
 
         def copy():
             self.guard(self.mirror_dir)
@@ -216,22 +211,15 @@ class Mirror:
             loud(f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
                  f"itself is on Drive and verified; old checkpoints there may stay until the next copy")
 
-    def _progress_text(self) -> str:
-        if self._copying is None:
-            return "starting"
-        path, total, progress = self._copying
-        return f"{path.name}, {progress.bytes / 1e6:,.0f} of {total / 1e6:,.0f} MB copied"
-
     def status(self) -> dict:
-        with self._cv:
-            copying = self._busy is not None or self._has_work()
-        return {"mirror_dir": str(self.mirror_dir), "mirror_step": self.last_step, "mirror_copying": copying,
-                "mirror_error": self.error, "mirror_failures": self.failures}
+        return {"mirror_step": self.last_step, "mirror_error": self.error, "mirror_failures": self.failures}
 
     def status_line(self) -> str:
         if self.error:
             return f"DRIVE COPY FAILING (newest on Drive: {self._newest_on_drive()}): {self.error}"
-        return f"drive: {self._newest_on_drive()}" + (" (copying)" if self.status()["mirror_copying"] else "")
+        with self._cv:
+            copying = self._busy is not None or self._has_work()
+        return f"drive: {self._newest_on_drive()}" + (" (copying)" if copying else "")
 
     def close(self, timeout: float, local_step: int | None) -> None:
         """Wait up to `timeout` for the copies in flight, saying how far they got (Ctrl-C stops waiting); then say
@@ -246,10 +234,10 @@ class Mirror:
             while self._thread.is_alive() and time.monotonic() < deadline:
                 self._thread.join(min(MIRROR_WAIT_REPORT_S, max(0.0, deadline - time.monotonic())))
                 if self._thread.is_alive() and time.monotonic() < deadline:
-                    loud(f"waiting for the Drive copy: {self._progress_text()}; {deadline - time.monotonic():.0f} s "
+                    loud(f"waiting for the Drive copy: {self._copying()}; {deadline - time.monotonic():.0f} s "
                          f"left (Ctrl-C stops waiting; the checkpoint is safe on the local disk, {self.run_dir})")
         except KeyboardInterrupt:
-            loud(f"stopped waiting for Drive ({self._progress_text()}); the checkpoints are safe in {self.run_dir}, "
+            loud(f"stopped waiting for Drive ({self._copying()}); the checkpoints are safe in {self.run_dir}, "
                  f"and re-running training copies them to Drive")
         if self._thread.is_alive():
             loud(f"!! Drive copy still running after {timeout:g} s; it goes on in the background while this "

@@ -45,26 +45,8 @@ class Passed:
     """What a resume passed over: the damaged checkpoints are set aside, the unreadable ones never deleted."""
 
     damaged: list[Path] = field(default_factory=list)
-    unreadable: list[Path] = field(default_factory=list)  # checkpoints, or a location that could not be listed
+    unreadable: dict[Path, str] = field(default_factory=dict)  # checkpoint or unlistable location -> the error
     mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
-
-
-def _load_resume(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Resume:
-    """CheckpointError (damaged) or OSError (could not be read) unless it loads and passes `check`. One on the mirror
-    is copied here first; a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
-    origin = path
-    if not path.is_relative_to(run_dir):
-        progress = Progress()
-        path = call_with_timeout(lambda: mirror_checkpoint(origin, run_dir, progress, reuse=False),
-                                 DRIVE_READ_STALL_S, progress, what=f"reading {origin}")
-    try:
-        checkpoint = load_checkpoint(path)
-        check(checkpoint, path)
-    except CheckpointError:
-        if path != origin:
-            remove_tree(path)
-        raise
-    return Resume(verify_checkpoint(path), origin, checkpoint)
 
 
 def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False,
@@ -77,8 +59,9 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
     behind. skip_unreadable (--skip-unreadable) goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):
-        resume, passed, unread = _search(run_dir, mirror_dir, log, check)
+        resume, passed = _search(run_dir, mirror_dir, log, check)
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
+        unread = "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
         left = deadline - time.monotonic()
         if not unread or skip_unreadable or left <= 0:
             break
@@ -101,32 +84,47 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
 
 
 def _search(run_dir: Path, mirror_dir: Path | None, log,
-            check: Callable[[dict, Path], None]) -> tuple[Resume | None, Passed, str]:
-    """One look: the newest checkpoint that loads (at equal steps the local one), what was passed over, and what
-    could not be read, listed or loaded ("" if everything could)."""
-    passed, unread, found = Passed(), [], []
+            check: Callable[[dict, Path], None]) -> tuple[Resume | None, Passed]:
+    """One look: the newest checkpoint that loads (at equal steps the local one), and what was passed over."""
+    passed, found = Passed(), []
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
         try:  # under a watchdog: a hung Drive must not hang the start
             paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S)
         except OSError as e:
             log(f"cannot list the checkpoints in {d}: {e}")
-            passed.unreadable.append(d)
-            unread.append(f"{d} ({e})")
+            passed.unreadable[d] = str(e)
             continue
-        found += [(step_of(p), i, p) for p in paths]
+        found += [(-step_of(p), i, p) for p in paths]
         if i and paths:
             passed.mirror_step = step_of(paths[0])
-    for _, _, path in sorted(found, key=lambda x: (-x[0], x[1])):
+    for *_, path in sorted(found):
         try:
-            return _load_resume(path, run_dir, check), passed, "; ".join(unread)
-        except (CheckpointError, OSError) as e:
+            return _load(path, run_dir, check), passed
+        except CheckpointError as e:
             log(f"skipping checkpoint: {e}")
-            if isinstance(e, CheckpointError):
-                passed.damaged.append(path)
-            else:
-                passed.unreadable.append(path)
-                unread.append(f"{path} ({e})")
-    return None, passed, "; ".join(unread)
+            passed.damaged.append(path)
+        except OSError as e:
+            log(f"skipping checkpoint: {e}")
+            passed.unreadable[path] = str(e)
+    return None, passed
+
+
+def _load(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Resume:
+    """CheckpointError (damaged) or OSError (could not be read) unless it loads and passes `check`. One on the mirror
+    is copied here first; a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
+    local = path
+    if not path.is_relative_to(run_dir):
+        progress = Progress()
+        local = call_with_timeout(lambda: mirror_checkpoint(path, run_dir, progress, reuse=False),
+                                  DRIVE_READ_STALL_S, progress, what=f"reading {path}")
+    try:
+        checkpoint = load_checkpoint(local)
+        check(checkpoint, local)
+    except CheckpointError:
+        if local != path:
+            remove_tree(local)
+        raise
+    return Resume(verify_checkpoint(local), path, checkpoint)
 
 
 def _entries(run_dir: Path) -> set[str]:
@@ -157,11 +155,11 @@ TOKEN_FIELDS = ("train_tokens", "val_tokens", "tokens_sha256")
 def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) -> dict:
     """Refuse to resume on data other than the run's, naming what changed; with allow_change (tokens only) go on ->
     the change, for state.json ({}: none). Fields an older checkpoint did not record are not compared."""
-    changed = {k: (resume.state.data[k], now) for k, now in meta.identity().items()
-               if resume.state.data.get(k) not in (None, now)}
+    was = resume.state.data
+    changed = {k: (was[k], now) for k, now in meta.identity().items() if was.get(k) not in (None, now)}
     if not changed:
         return {}
-    what = ", ".join(f"{k} {was!r} -> {now!r}" for k, (was, now) in changed.items())
+    what = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items())
     where = f"{resume.info.path} was trained on other data than {meta.data_dir} ({what})"
     if any(k not in TOKEN_FIELDS for k in changed):
         raise ConfigError(f"{where}; resume with the same data or use a new run directory")
@@ -170,4 +168,4 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
                           f"(train(..., allow_data_change=True)) to go on with this data (recorded in the run's state)")
     log(f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "
         f"state.json's data_changes)")
-    return {"step": resume.state.step, "data_dir": str(meta.data_dir), "was": resume.state.data, "now": meta.identity()}
+    return {"step": resume.state.step, "data_dir": str(meta.data_dir), "was": was, "now": meta.identity()}

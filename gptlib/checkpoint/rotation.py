@@ -5,6 +5,7 @@ and ones it cannot read now are kept."""
 from __future__ import annotations
 
 import json
+from contextlib import suppress
 from pathlib import Path
 
 from gptlib.checkpoint.format import (MIN_KEEP_LAST, ORPHAN_MARKERS, CheckpointError, list_checkpoints, remove_tree,
@@ -50,35 +51,29 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     """Delete all but the newest `keep_last` checkpoints that verify, the best one and the milestones -> what was
     deleted. One that does not verify does not count towards `keep_last`: a damaged newest never costs a good one.
     Never deleted: `protect` (in use, or unreadable at resume) and steps after `newest` (this run's newest here)."""
-    keep_last = max(MIN_KEEP_LAST, keep_last)
     ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
     keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
     if best_step is not None:
         keep.add(checkpoints_dir(run_dir) / checkpoint_name(best_step))
     n_valid = 0
     for p in ckpts:
-        if n_valid >= keep_last:
+        if n_valid >= max(MIN_KEEP_LAST, keep_last):
             break
         try:
             verify_checkpoint(p)
-            keep.add(p)
             n_valid += 1
         except CheckpointError:
-            pass
+            continue
         except OSError:
-            keep.add(p)  # unreadable now, not known to be damaged
+            pass  # unreadable now, not known to be damaged: kept
+        keep.add(p)
     if n_valid == 0:
         return []  # nothing verified: delete nothing
     deleted = []
     for p in ckpts:
-        if p in keep:
-            continue
-        try:
-            if marked_milestone(p):  # read only for deletion candidates (Drive is slow)
-                continue
-        except OSError:
-            continue
-        remove_tree(p, truncate)
-        deleted.append(p)
+        with suppress(OSError):  # state.json unreadable now (a hung Drive): kept
+            if p not in keep and not marked_milestone(p):  # read only for deletion candidates (Drive is slow)
+                remove_tree(p, truncate)
+                deleted.append(p)
     clean_orphans(run_dir, truncate, run_level=False)
     return deleted

@@ -73,7 +73,7 @@ class CheckpointWriter:
         return _map_tensors(obj, lambda t: views[_storage_key(t)])
 
     def save(self, ckpt: dict) -> None:
-        """Copy the checkpoint dict's tensors to host memory (all the caller waits for); write it in the background."""
+        """Copy the checkpoint's tensors to host memory (all the caller waits for); write it in the background."""
         self.wait()  # also frees the host buffers for reuse
         self.last_save = time.time()
         n_threads = torch.get_num_threads()
@@ -145,10 +145,9 @@ class CheckpointWriter:
             with saving:
                 self.wait()
         finally:
-            pinned = self._layout is not None and any(on_gpu for *_, on_gpu in self._layout)
+            pinned = any(on_gpu for *_, on_gpu in self._layout or ())
             self._host, self._layout = [], None
-            empty_host_cache = host_cache_emptier()
-            if pinned and empty_host_cache:
+            if pinned and (empty_host_cache := host_cache_emptier()):
                 # torch's caching host allocator keeps freed pinned blocks (~1.9 GiB for gpt2-small's state) and never
                 # returns them to the OS; the notebook's session lives on in the same process
                 empty_host_cache()

@@ -187,7 +187,7 @@ def test_malformed_conversations_are_counted_shown_and_skipped(tmp_path, run_dir
     out = capsys.readouterr().out
     assert "warning: 4 malformed conversations skipped; the first ones:" in out
     assert f"{tmp_path / 'c.jsonl'} record 3: message 0: unknown role 'robot'" in out
-    with pytest.raises(PrepareError, match=r"x.jsonl:1: field 'messages' or 'conversations' is missing \(fields: x\)"):
+    with pytest.raises(PrepareError, match=r"x.jsonl:1 has no field 'messages' or 'conversations' \(fields: x\)"):
         prepare([write_jsonl(tmp_path / "x.jsonl", [{"x": 1}])], tmp_path / "e", tokenizer_from=run_dir, format="chat",
                 verbose=False)
     pq.write_table(pa.table({"messages": ["a", "b"]}), tmp_path / "s.parquet")

@@ -212,16 +212,10 @@ def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) ->
         return
     p, sp = _load_spans(data_dir, s)
     n = int(s["tokens"])
-    bad = np.flatnonzero((sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n))
-    if bad.size:
-        i = int(bad[0])
-        raise DataFormatError(f"spans file {p}: span {i} is [{sp[i, 0]}, {sp[i, 1]}), not a non-empty range "
-                              f"within the shard's {n} tokens")
-    back = np.flatnonzero(sp[1:, 0] < sp[:-1, 1])
-    if back.size:
-        i = int(back[0]) + 1
-        raise DataFormatError(f"spans file {p}: span {i} starts at {sp[i, 0]}, before span {i - 1} ends "
-                              f"({sp[i - 1, 1]}): spans must be sorted and disjoint")
+    bad = (sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)
+    if bad.any() or (sp[1:, 0] < sp[:-1, 1]).any():
+        raise DataFormatError(f"spans file {p}: the spans are not sorted, disjoint, non-empty ranges within the "
+                              f"shard's {n} tokens")
 
 
 def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:

@@ -172,8 +172,7 @@ class BatchSampler:
         return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn}
 
     def load_state_dict(self, state: dict) -> None:
-        # A checkpoint of the chunked sampler of gptlib before issue 27 also holds chunk_start, chunk_batches,
-        # chunk_tokens and batches_per_chunk: its RNG stream goes on from the same position, the chunk is not needed.
+        # an older checkpoint's chunked-sampler fields (chunk_*) are ignored: its RNG stream goes on as before
         self.generator.set_state(state["rng_state"])
         self.batches_drawn = int(state["batches_drawn"])
 
@@ -196,22 +195,20 @@ def available_ram() -> int:
 
 def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 0) -> DataPlan:
     """Where `nbytes` of tokens go: the GPU if they fit beside training's memory, else RAM with a margin, else disk."""
-    device = torch.device(device)
-    gpu_note = ""
-    if device.type == "cuda":
-        gpu_free, _ = torch.cuda.mem_get_info(device)
-        if nbytes + reserve_gpu_bytes <= GPU_FRACTION * gpu_free:
-            return DataPlan("gpu", f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} fit in "
-                                   f"{GPU_FRACTION:.0%} of {_fmt(gpu_free)} free GPU memory")
-        gpu_note = (f"data {_fmt(nbytes)} + model ~{_fmt(reserve_gpu_bytes)} exceed {GPU_FRACTION:.0%} of "
-                    f"{_fmt(gpu_free)} free GPU memory; ")
-    ram_available = available_ram()
-    ram_budget = RAM_FRACTION * ram_available - RAM_RESERVE
-    if nbytes <= ram_budget:
-        return DataPlan("ram", f"{gpu_note}data {_fmt(nbytes)} fits in RAM ({_fmt(ram_available)} available, "
-                               f"keeping {1 - RAM_FRACTION:.0%} + {_fmt(RAM_RESERVE)} free)")
-    return DataPlan("memmap", f"{gpu_note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram_available)} available, "
-                              f"budget {_fmt(max(0, ram_budget))}): batches are read from the shards on disk")
+    note = ""
+    if torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+        fits = nbytes + reserve_gpu_bytes <= GPU_FRACTION * free
+        note = (f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} "
+                f"{'fit in' if fits else 'exceed'} {GPU_FRACTION:.0%} of {_fmt(free)} free GPU memory")
+        if fits:
+            return DataPlan("gpu", note)
+        note += "; "
+    ram = available_ram()
+    if nbytes <= RAM_FRACTION * ram - RAM_RESERVE:
+        return DataPlan("ram", f"{note}data {_fmt(nbytes)} fits in RAM ({_fmt(ram)} available)")
+    return DataPlan("memmap", f"{note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram)} available): batches are "
+                              f"read from the shards on disk")
 
 
 def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:

@@ -187,7 +187,7 @@ def test_malformed_conversations_are_counted_shown_and_skipped(tmp_path, run_dir
     out = capsys.readouterr().out
     assert "warning: 4 malformed conversations skipped; the first ones:" in out
     assert f"{tmp_path / 'c.jsonl'} record 3: message 0: unknown role 'robot'" in out
-    with pytest.raises(PrepareError, match=r"x.jsonl:1: field 'messages' or 'conversations' is missing \(fields: x\)"):
+    with pytest.raises(PrepareError, match=r"x.jsonl:1 has no field 'messages' or 'conversations' \(fields: x\)"):
         prepare([write_jsonl(tmp_path / "x.jsonl", [{"x": 1}])], tmp_path / "e", tokenizer_from=run_dir, format="chat",
                 verbose=False)
     pq.write_table(pa.table({"messages": ["a", "b"]}), tmp_path / "s.parquet")
@@ -259,13 +259,12 @@ def test_read_meta_checks_the_spans_files(tmp_path, run_dir, paragraphs, small_t
     swapped = sp.copy()
     swapped[[0, 1]] = swapped[[1, 0]]
     spans_file.write_bytes(swapped.tobytes())
-    with pytest.raises(DataFormatError, match=r"span 1 starts at \d+, before span 0 ends .*sorted and disjoint"):
+    with pytest.raises(DataFormatError, match=r"spans are not sorted, disjoint, non-empty ranges"):
         read_meta(d)
     beyond = sp.copy()
     beyond[-1, 1] = rec["tokens"] + 5
     spans_file.write_bytes(beyond.tobytes())
-    with pytest.raises(DataFormatError, match=rf"span {len(sp) - 1} is \[\d+, {rec['tokens'] + 5}\), not a non-empty "
-                                              rf"range within the shard's {rec['tokens']} tokens"):
+    with pytest.raises(DataFormatError, match=rf"non-empty ranges within the shard's {rec['tokens']} tokens"):
         read_meta(d)
     spans_file.write_bytes(good)
     verified_meta(d)

@@ -68,8 +68,8 @@ def test_a_run_directory_given_as_data_is_named_with_the_data_to_pass(tmp_path, 
     train(char_data, run, overrides=TINY, max_steps=4, progress=False, log=lambda s: None)
     (ckpt,) = sorted((run / "checkpoints").iterdir())
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.rglob("*") if p.is_file()}
-    for given, what in [(run, f"{run} is a training run directory"),
-                        (ckpt, f"{ckpt} is a checkpoint of the training run {run}")]:
+    for given in (run, ckpt):
+        what = f"{given} is a training run or a checkpoint of one, not a dataset"
         r = gptlib("train", "--data", given, "--run-dir", tmp_path / "other", "--device", "cpu")
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         line = r.stderr.strip()

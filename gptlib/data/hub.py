@@ -81,43 +81,20 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
 def describe(e: BaseException, url: str | None = None) -> str:
     """One line for an error from a filesystem library; for the Hub, what to do."""
     m = _DATASET_URL.fullmatch(url or "")
-    first = (str(e).strip().splitlines() or [""])[0]
-    return hub_error_hint(e, *(m.group(1, 2) if m else ())) or f"{type(e).__name__}: {first}".rstrip(": ")
-
-
-def _error_names(e: BaseException | None) -> set[str]:
-    # the class names of an error, its bases and its causes: huggingface_hub's errors arrive wrapped
-    names: set[str] = set()
-    for _ in range(8):
-        if e is None:
-            break
-        names.update(c.__name__ for c in type(e).__mro__)
-        e = e.__cause__ or e.__context__
-    return names
-
-
-def hub_error_hint(e: BaseException, repo: str | None = None, rev: str | None = None) -> str | None:
-    names = _error_names(e)
+    repo, rev = m.group(1, 2) if m else (None, None)
     what = f"dataset {repo}" if repo else "the dataset"
-    if "GatedRepoError" in names:
-        where = f"https://huggingface.co/datasets/{repo}" if repo else "its page on huggingface.co"
-        return f"{what} is gated: accept its conditions at {where} (logged in), then {TOKEN_HELP}"
-    if "RevisionNotFoundError" in names:
-        return f"revision {rev!r} of {what} does not exist" if rev else f"a revision of {what} does not exist"
-    if "DisabledRepoError" in names:
-        return f"{what} has been disabled on the Hub"
-    if "RepositoryNotFoundError" in names:
-        from huggingface_hub import get_token
-
-        token = "the token in use has no access to it, or it does not exist" if get_token() else \
-            "it does not exist, or it is private and needs a login"
-        return f"{what} was not found on the Hub ({token}); check the name (OWNER/NAME) or {TOKEN_HELP}"
-    if "OfflineModeIsEnabled" in names:
-        return "huggingface_hub is in offline mode (HF_HUB_OFFLINE=1): the Hub cannot be reached"
-    status = getattr(getattr(e, "response", None), "status_code", None)
-    if status in (401, 403):
-        return f"the Hub refused access to {what} (HTTP {status}); {TOKEN_HELP}"
-    return None
+    chain = (e, e.__cause__ or e.__context__)  # huggingface_hub's errors arrive wrapped
+    names = {t.__name__ for c in chain if c is not None for t in type(c).__mro__}
+    hints = {"GatedRepoError": f"{what} is gated: accept its conditions at https://huggingface.co/datasets/{repo}, "
+                               f"then {TOKEN_HELP}",
+             "RevisionNotFoundError": f"revision {rev!r} of {what} does not exist",
+             "RepositoryNotFoundError": f"{what} was not found on the Hub (it does not exist, or it is private and "
+                                        f"needs a login); check the name (OWNER/NAME) or {TOKEN_HELP}"}
+    hint = next((h for n, h in hints.items() if n in names), None)
+    if hint is None and getattr(getattr(e, "response", None), "status_code", None) in (401, 403):
+        hint = f"the Hub refused access to {what}; {TOKEN_HELP}"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return hint or f"{type(e).__name__}: {first}".rstrip(": ")
 
 
 def _resolve_dataset(fs, url: str, config: str | None, split: str | None) -> list[Found]:
@@ -140,10 +117,7 @@ def _resolve_dataset(fs, url: str, config: str | None, split: str | None) -> lis
     except PrepareError:
         raise
     except Exception as e:  # noqa: BLE001 - FileNotFoundError from a Hub error, or a network failure
-        hint = hub_error_hint(e, repo, rev)
-        if hint is None and _error_names(e) & {"ConnectError", "ConnectTimeout", "ConnectionError", "TimeoutError"}:
-            hint = f"the Hub (huggingface.co) cannot be reached ({describe(e)}): no network?"
-        raise PrepareError(f"input {url}: {hint or describe(e)}") from None
+        raise PrepareError(f"input {url}: {describe(e, url)}") from None
 
 
 def _dirs(fs, path: str) -> list[str]:

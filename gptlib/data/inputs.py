@@ -36,21 +36,6 @@ def _count_replace(exc: UnicodeDecodeError):
 codecs.register_error(_ERRORS, _count_replace)
 
 
-class SourceIOError(Exception):
-    """Reading an input failed (a network drop, a Drive I/O error): retried. Not an OSError, so that no reader
-    takes it for corrupt data."""
-
-    def __init__(self, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-
-    @property
-    def fatal(self) -> bool:  # another attempt cannot fix a missing file, no permission, a refused token
-        c = self.cause
-        status = getattr(getattr(c, "response", None), "status_code", None) or getattr(c, "status_code", None)
-        return isinstance(c, (FileNotFoundError, PermissionError, IsADirectoryError)) or status in (401, 403, 404)
-
-
 def content_hash(open_file: Callable[[], Any], size: int) -> str:
     """Beyond FULL_HASH_LIMIT, sha256 of the size and three samples (head, middle, tail): a full hash of a 10 GB
     corpus would cost minutes on every run, and the samples still change when a file is replaced or appended to."""
@@ -62,42 +47,6 @@ def content_hash(open_file: Callable[[], Any], size: int) -> str:
             f.seek(off)
             h.update(f.read(SAMPLE_BLOCK))
         return "sampled-sha256:" + h.hexdigest()
-
-
-class _Watched(io.RawIOBase):
-    """Read errors become SourceIOError, so that a network drop inside pyarrow is not taken for a corrupt row group."""
-
-    def __init__(self, f):
-        super().__init__()
-        self._f = f
-
-    def _call(self, method, *args):
-        try:
-            return method(*args)
-        except Exception as e:  # noqa: BLE001 - whatever the library raises is an I/O failure here
-            raise SourceIOError(e) from e
-
-    def readinto(self, b) -> int:
-        return self._call(self._f.readinto, b)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self._call(self._f.seek, offset, whence)
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        try:
-            self._f.close()
-        except Exception:  # noqa: BLE001 - closing a broken connection
-            pass
-        super().close()
 
 
 @dataclass
@@ -120,12 +69,9 @@ class Source:
         return (self.hash if self.canonical else content_hash(self.open, self.size)).split(":", 1)[1][:16]
 
     def open(self) -> io.BufferedReader:
-        try:
-            raw = open(self.path, "rb", buffering=0) if self.fs is None else \
-                self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
-        except Exception as e:  # noqa: BLE001
-            raise SourceIOError(e) from e
-        return io.BufferedReader(_Watched(raw), READ_BUFFER)
+        raw = open(self.path, "rb", buffering=0) if self.fs is None else \
+            self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
+        return io.BufferedReader(raw, READ_BUFFER)
 
 
 def source(f: Path | Found) -> Source:
@@ -176,27 +122,36 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_
     return list(unique.values())
 
 
+def _pick_column(column: str | None, names, fmt: str) -> str | None:  # for chat: the first of CHAT_FIELDS present
+    return column or (next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN)
+
+
+def _missing(word: str, col: str | None, names) -> str:
+    want = repr(col) if col else " or ".join(map(repr, CHAT_FIELDS))
+    return f"has no {word} {want} ({word}s: {', '.join(map(str, names))}); choose one with --text-column / text_column="
+
+
 def _parquet_column(pf, path, column: str | None, fmt: str) -> str:
     import pyarrow as pa
 
     names = pf.schema_arrow.names
-    col = column or (next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN)
-    t = pf.schema_arrow.field(col).type if col in names else None
-    if fmt == "chat":
-        if t is None:
-            raise PrepareError(f"parquet file {path} has no column {col or ' or '.join(map(repr, CHAT_FIELDS))} "
-                               f"(columns: {', '.join(names)}); choose the one holding the messages with "
-                               f"--text-column / text_column=")
-        if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-            raise PrepareError(f"parquet file {path}: column {col!r} has type {t}, not a list of messages "
-                               f"(--format chat reads a list of {{role, content}} or {{from, value}} records)")
-        return col
-    if t is None:
-        raise PrepareError(f"parquet file {path} has no column {col!r} (columns: {', '.join(names)}); "
-                           f"choose one with --text-column / text_column=")
-    if t not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
+    col = _pick_column(column, names, fmt)
+    if col not in names:
+        raise PrepareError(f"parquet file {path} {_missing('column', col, names)}")
+    t = pf.schema_arrow.field(col).type
+    if fmt == "chat" and not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        raise PrepareError(f"parquet file {path}: column {col!r} has type {t}, not a list of messages")
+    if fmt != "chat" and t not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
         raise PrepareError(f"parquet file {path}: column {col!r} has type {t}, not text")
     return col
+
+
+def corrupt(e: Exception) -> bool:
+    """pyarrow's own error (a damaged file: skipped), not a read error of the file object under it (retried), which
+    reaches us as it was raised: Drive's EIO carries an errno, a network drop is a subclass of OSError or none."""
+    import pyarrow as pa
+
+    return isinstance(e, pa.ArrowException) or (type(e) is OSError and e.errno is None)
 
 
 def _open_parquet(f):
@@ -205,24 +160,20 @@ def _open_parquet(f):
     return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)  # pages streamed, not whole row groups
 
 
-def _first_record_field(src: Source, field: str | None, fmt: str) -> str:
-    """The jsonl field to read, checked on the first record (for chat without one named: the first of CHAT_FIELDS
-    the record has): failing now, not after hours of tokenizing."""
+def _check_column(src: Source, column: str | None, fmt: str) -> str:
+    """The column to read, checked on src's first record: failing now, not after an hour of tokenizer training (the
+    pass checks every file)."""
     with src.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if fmt != "chat":
-                _jsonl_text(line, src.path, lineno, field or DEFAULT_TEXT_COLUMN)
-                return field or DEFAULT_TEXT_COLUMN
-            obj = _jsonl_object(line, src.path, lineno, field or CHAT_FIELDS[0])
-            found = field or next((c for c in CHAT_FIELDS if c in obj), None)
-            if found not in obj:
-                raise PrepareError(f"{src.path}:{lineno}: field {found or ' or '.join(map(repr, CHAT_FIELDS))} "
-                                   f"is missing (fields: {', '.join(map(str, obj))}); choose the one holding the "
-                                   f"messages with --text-column / text_column=")
-            return found
-    return field or (CHAT_FIELDS[0] if fmt == "chat" else DEFAULT_TEXT_COLUMN)
+        if src.kind == "parquet":
+            return _parquet_column(_open_parquet(f), src.path, column, fmt)
+        lineno, line = next(((i, x) for i, x in enumerate(f, 1) if x.strip()), (0, None))
+    if line is None:  # blank lines only
+        return _pick_column(column, (), fmt) or CHAT_FIELDS[0]
+    obj = _jsonl_object(line, src.path, lineno, column or DEFAULT_TEXT_COLUMN)
+    col = _pick_column(column, obj, fmt)
+    if col not in obj:
+        raise PrepareError(f"{src.path}:{lineno} {_missing('field', col, obj)}")
+    return col
 
 
 def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
@@ -238,8 +189,7 @@ def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
 def _jsonl_text(line: bytes, path, lineno: int, field: str) -> str | None:
     obj = _jsonl_object(line, path, lineno, field)
     if field not in obj:
-        raise PrepareError(f"{path}:{lineno}: field {field!r} is missing (fields: {', '.join(map(str, obj))}); "
-                           f"choose one with --text-column / text_column=")
+        raise PrepareError(f"{path}:{lineno} {_missing('field', field, obj)}")
     v = obj[field]
     if v is None or isinstance(v, str):
         return v
@@ -248,9 +198,7 @@ def _jsonl_text(line: bytes, path, lineno: int, field: str) -> str | None:
 
 def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_config: str | None,
                 hf_split: str | None) -> tuple[list[Source], list[str], list[dict], str]:
-    """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found)).
-    A missing column fails here, before an hour of tokenizer training: every local file is checked, and the first
-    remote file of each kind (a 1,000-file Hub dataset is not opened 1,000 times; the pass checks the others)."""
+    """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found))."""
     files = resolve_inputs(inputs, out_dir, hf_config, hf_split)
     compressed = [n for n in (f.url if isinstance(f, Found) else str(f) for f in files)
                   if n.lower().endswith(COMPRESSED_EXT)]
@@ -267,26 +215,15 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_con
         more = f" (and so are the other {len(empty) - 1})" if len(empty) > 1 else ""
         raise PrepareError(f"nothing to tokenize: input file {empty[0]} is empty{more}")
     skipped: list[dict] = []
-    column = text_column
-    checked: set[str] = set()
     for s in sources:
-        if not s.size or s.kind == "text" or (s.fs is not None and s.kind in checked):
-            continue
-        try:
-            if s.kind == "jsonl":
-                column = _first_record_field(s, column, fmt)
-            else:
-                with s.open() as f:
-                    try:
-                        pf = _open_parquet(f)
-                    except SourceIOError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - truncated/corrupt: no footer
-                        skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
-                        continue  # (a remote one: the next file of its kind is checked instead)
-                    column = _parquet_column(pf, s.path, column, fmt)
-        except SourceIOError as e:
-            raise PrepareError(f"input {s.path} cannot be read: {describe(e.cause, str(s.path))}") from None
-        if s.fs is not None:
-            checked.add(s.kind)
-    return sources, empty, skipped, column or (CHAT_FIELDS[0] if fmt == "chat" else DEFAULT_TEXT_COLUMN)
+        if s.size and s.kind != "text":
+            try:
+                return sources, empty, skipped, _check_column(s, text_column, fmt)
+            except PrepareError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a filesystem library's error
+                if corrupt(e):  # a parquet file without its footer: skipped, the next file checked
+                    skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
+                    continue
+                raise PrepareError(f"input {s.path} cannot be read: {describe(e, str(s.path))}") from None
+    return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0]

@@ -14,7 +14,7 @@ import numpy as np
 
 from gptlib.errors import DataFormatError
 from gptlib.fsutil import atomic_write, atomic_write_json, check_dir, sha256_file
-from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, MANIFEST_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
+from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -154,26 +154,15 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
         raise DataFormatError(f"{meta_path}: malformed metadata ({type(e).__name__}: {e})") from None
 
 
-def _run_dir_message(data_dir: Path) -> str | None:
-    """A training run directory, or one of its checkpoints, given as data: say so, naming the data its newest
-    checkpoint was trained on."""
-    is_checkpoint = (data_dir / MANIFEST_FILE).is_file()
-    run_dir = data_dir.parent.parent if is_checkpoint else data_dir
-    if not is_checkpoint and not (run_dir / CHECKPOINTS_DIR).is_dir() and not (run_dir / CONFIG_FILE).is_file():
+def _run_dir_message(data_dir: Path) -> str | None:  # a training run, or one of its checkpoints, given as data
+    states = [*data_dir.glob(STATE_FILE), *sorted(checkpoints_dir(data_dir).glob(f"step_*/{STATE_FILE}"))]
+    if not states and not (data_dir / CONFIG_FILE).is_file():
         return None
-    recorded = ""
-    states = [data_dir / STATE_FILE] if is_checkpoint else sorted(checkpoints_dir(run_dir).glob(f"step_*/{STATE_FILE}"))
-    for state in reversed(states):
-        try:
-            recorded = str(json.loads(state.read_text()).get("data_dir") or "")
-        except (OSError, ValueError, AttributeError):  # unreadable or damaged: try an older one
-            continue
-        if recorded:
-            break
-    what = f"a checkpoint of the training run {run_dir}" if is_checkpoint else "a training run directory"
-    instead = f"the data directory it was trained on, {recorded}" if recorded else "a data directory"
-    return (f"{data_dir} is {what}, not a dataset (it has no {META_FILE}): pass {instead} (what `python -m gptlib "
-            f"tokenize` wrote; it holds {META_FILE} and the token shards)")
+    try:
+        instead = f"the data directory it was trained on, {json.loads(states[-1].read_text())['data_dir']}"
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        instead = f"a data directory (what `python -m gptlib tokenize` wrote, with its {META_FILE})"
+    return f"{data_dir} is a training run or a checkpoint of one, not a dataset: pass {instead}"
 
 
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
@@ -223,16 +212,10 @@ def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) ->
         return
     p, sp = _load_spans(data_dir, s)
     n = int(s["tokens"])
-    bad = np.flatnonzero((sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n))
-    if bad.size:
-        i = int(bad[0])
-        raise DataFormatError(f"spans file {p}: span {i} is [{sp[i, 0]}, {sp[i, 1]}), not a non-empty range "
-                              f"within the shard's {n} tokens")
-    back = np.flatnonzero(sp[1:, 0] < sp[:-1, 1])
-    if back.size:
-        i = int(back[0]) + 1
-        raise DataFormatError(f"spans file {p}: span {i} starts at {sp[i, 0]}, before span {i - 1} ends "
-                              f"({sp[i - 1, 1]}): spans must be sorted and disjoint")
+    bad = (sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)
+    if bad.any() or (sp[1:, 0] < sp[:-1, 1]).any():
+        raise DataFormatError(f"spans file {p}: the spans are not sorted, disjoint, non-empty ranges within the "
+                              f"shard's {n} tokens")
 
 
 def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:

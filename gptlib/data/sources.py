@@ -12,8 +12,7 @@ from typing import Any, Callable, Iterator
 
 from gptlib.data.conversations import Malformed, normalize
 from gptlib.data.hub import describe
-from gptlib.data.inputs import (_ERRORS, Source, SourceIOError, _jsonl_object, _jsonl_text, _open_parquet,
-                                _parquet_column)
+from gptlib.data.inputs import _ERRORS, Source, _jsonl_object, _jsonl_text, _open_parquet, _parquet_column, corrupt
 from gptlib.errors import PrepareError
 
 PIECE_CHARS = 1 << 16  # longest text handed to the encoder as one item (long documents are cut)
@@ -152,13 +151,13 @@ def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str
 def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: str,
                       skipped: list | None) -> Iterator[Piece]:
     """A file that cannot be opened, or a corrupt row group, is recorded in `skipped` and passed over; the rows around
-    it are kept. A read error (SourceIOError) is not corruption: it goes up to the caller's retries."""
-    import pyarrow as pa
-
+    it are kept. A read error is not corruption (inputs.corrupt): it goes up to the retries."""
     with src.open() as f:
         try:
             pf = _open_parquet(f)
-        except (OSError, pa.ArrowException) as e:
+        except Exception as e:  # noqa: BLE001
+            if not corrupt(e):
+                raise
             if skipped is not None:
                 skipped.append({"path": str(src.path), "error": f"cannot be opened: {e}"})
             return
@@ -179,7 +178,9 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: 
                         yield from _document_pieces(v, fi, row, char, 0, 0, per_row)
                     row += 1
                     char = turn = 0
-            except (OSError, pa.ArrowException) as e:
+            except Exception as e:  # noqa: BLE001
+                if not corrupt(e):
+                    raise
                 if skipped is not None:
                     msg = f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}".replace("\n", " ").strip()
                     skipped.append({"path": str(src.path), "error": msg, "partial": True})
@@ -253,22 +254,25 @@ def train_texts(sources: list[Source], column: str, max_bytes: int | None, skipp
 
 
 def retrying(read: Callable[[dict | None], Iterator[Any]], pos: dict | None, where: str) -> Iterator[Any]:
-    """The items of read(pos); after a SourceIOError, read(the position after the last item) again, waiting
+    """The items of read(pos); after a read error, read(the position after the last item) again, waiting
     RETRY_DELAYS[i] before the i-th new attempt (progress resets the count)."""
-    delays, attempt = RETRY_DELAYS, 0
+    attempt = 0
     while True:
         try:
             for item in read(pos):
                 yield item
-                pos = item.pos
-                attempt = 0
+                pos, attempt = item.pos, 0
             return
-        except SourceIOError as e:
-            if e.fatal or attempt >= len(delays):
-                tries = "" if e.fatal else f" after {attempt + 1} attempts"
-                raise PrepareError(f"reading {where} failed{tries}: {describe(e.cause, where)}. Everything up to the "
-                                   f"last completed shard is kept: run the same command again to resume") from None
-            print(f"warning: reading {where} failed ({describe(e.cause, where)}); retrying in {delays[attempt]}s "
-                  f"(attempt {attempt + 2} of {len(delays) + 1})", file=sys.stderr)
-            time.sleep(delays[attempt])
+        except PrepareError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the filesystem library raises
+            status = getattr(getattr(e, "response", None), "status_code", None)
+            fatal = isinstance(e, (FileNotFoundError, PermissionError)) or status in (401, 403, 404)
+            if fatal or attempt == len(RETRY_DELAYS):
+                tries = "" if fatal else f" after {attempt + 1} attempts"
+                raise PrepareError(f"reading {where} failed{tries}: {describe(e, where)}. Everything up to the last "
+                                   f"completed shard is kept: run the same command again to resume") from None
+            print(f"warning: reading {where} failed ({describe(e, where)}); retrying in {RETRY_DELAYS[attempt]}s",
+                  file=sys.stderr)
+            time.sleep(RETRY_DELAYS[attempt])
             attempt += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import math
 import os
 import sys
 import time
@@ -30,19 +31,18 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def throughput_summary(run_dir: str | Path) -> str:
     """Notebook 03: the latest session's figures from its last metrics.jsonl row; "" before the first measurement."""
-    last = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1:]
-    if not last:
+    rows = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
+    if not rows:
         return ""
-    r = last[0]
-    eta = fmt_duration(r["eta_s"]) if r.get("eta_s") is not None else "?"
+    r = rows[-1]
     units = f", ~{r['colab_units_left']} Colab compute units left" if r.get("colab_units_left") is not None else ""
     return (f"last session, at step {r['step']:,}: {r['tokens_per_s']:,.0f} tokens/s while stepping, MFU "
-            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; ETA {eta}{units}")
+            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; "
+            f"ETA {fmt_duration(math.inf if r.get('eta_s') is None else r['eta_s'])}{units}")
 
 
 def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
-    """Keep the metrics and samples rows up to the resumed step (the resumed run logs the later ones again);
-    -> the metrics rows kept."""
+    """Drop the metrics and samples rows after the resumed step (the resumed run logs them again); -> the metrics."""
     for name in (METRICS_FILE, SAMPLES_FILE):
         p = run_dir / name
         if p.exists():
@@ -63,7 +63,6 @@ def restore_logs_from_checkpoint(run_dir: Path, logs: dict[str, bytes], step: in
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
-    """samples.jsonl as (prompts, steps, {(step, prompt): text})."""
     rows = read_jsonl(run_dir / SAMPLES_FILE)
     prompts, steps = list(dict.fromkeys(r["prompt"] for r in rows)), sorted({r["step"] for r in rows})
     return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
@@ -150,14 +149,12 @@ def plain_progress(stream) -> bool:
 
 class MetricsLog:
     """metrics.jsonl, the progress bar and the on_log callback of one training call. Losses stay on the device
-    until `flush` (a log step, and every checkpoint, so a resumed run writes exactly the rows the uninterrupted run
-    would have): one host sync per log_interval. On DDP ranks other than 0 the file is os.devnull and there is no
-    bar, but `flush` still averages over ranks.
+    until `flush` (a log step, and every checkpoint, so a resumed run writes the rows the uninterrupted run would):
+    one host sync per log_interval. DDP ranks other than 0 write to os.devnull, but `flush` still averages over ranks.
 
-    One tokens/s figure everywhere (bar, progress lines, metrics.jsonl, the closing line): this session's tokens
-    over its time spent stepping, leaving out its first step (compile, kernel tuning) and the `paused` blocks
-    (validations, samples, saves), which the ETA counts. With progress on, a line with the details is printed every
-    TEXT_EVERY_S (the only progress where stderr is a file or a pipe, or a notebook draws no widget bar).
+    One tokens/s figure everywhere: this session's tokens over its time spent stepping, leaving out its first step
+    (compile, kernel tuning) and the `paused` blocks (validations, samples, saves), which the ETA counts. With progress
+    on, a line with the details every TEXT_EVERY_S (all there is where stderr is a file or a notebook has no widgets).
     """
 
     TEXT_EVERY_S = 60.0
@@ -171,12 +168,10 @@ class MetricsLog:
         self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged
         self.val_loss = self.val_step = None  # this call's last validation
         self.file = open(session.run_dir / METRICS_FILE if session.ddp.is_main else os.devnull, "a")
-        self.bar = None
-        if progress and not plain_progress(sys.stderr):
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.tc.max_steps, initial=session.state.step, desc="train", unit="step",
-                            dynamic_ncols=True, bar_format=BAR_FORMAT)
+        self.bar = tqdm(total=self.tc.max_steps, initial=session.state.step, desc="train", unit="step",
+                        dynamic_ncols=True, bar_format=BAR_FORMAT, disable=not progress or plain_progress(sys.stderr))
         self.elapsed_before = session.state.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
         self.tokens_last = session.state.tokens_seen
@@ -223,8 +218,7 @@ class MetricsLog:
             self._write({**self._row(st.step, self.train_loss), **self._speed(now)})
         self.file.flush()
         tps = self.steady_tokens_per_s()
-        if self.bar is not None:
-            self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
+        self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
         if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
             fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}",
@@ -243,7 +237,7 @@ class MetricsLog:
                 **self.perf}
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
-        """Write this step's row with its val loss (after `flush`); `extra`: e.g. HellaSwag fields."""
+        """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
         self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
         row = {**self._row(self.val_step, self.train_loss, val_loss=round(val_loss, 6)), **self._speed(time.time()),
                **(extra or {})}
@@ -278,16 +272,14 @@ class MetricsLog:
 
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
-        (self.bar.write if self.bar is not None else self.log)(msg)
+        (self.log if self.bar.disable else self.bar.write)(msg)
 
     def step_done(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
+        self.bar.update(1)
 
     def close(self) -> None:
         self.file.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
     def _write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")

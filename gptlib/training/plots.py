@@ -1,6 +1,5 @@
-"""loss.png, the live plot a notebook shows while training, and HellaSwag acc_norm beside the loss or against tokens
-seen. Figures are bare matplotlib Figures (no pyplot state): training in a thread or a headless process never
-touches a GUI backend."""
+"""loss.png, a notebook's live plot, HellaSwag acc_norm beside the loss or against tokens seen. Bare matplotlib Figures
+(no pyplot state): training in a thread or a headless process never touches a GUI backend."""
 
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
 
 
 def _references(ax, color: str, lw: float) -> None:
-    """GPT-2 124M's acc_norm and chance, as horizontal lines."""
     ax.axhline(GPT2_124M["acc_norm"], color=color, ls="--", lw=lw, alpha=0.7, label="GPT-2 124M (OpenAI): 0.2955")
     ax.axhline(0.25, color="gray", ls=":", lw=lw, alpha=0.7, label="chance: 0.25")
 

@@ -263,16 +263,14 @@ ASSUMED_MFU = 0.4  # for hours and units: what compile + bf16 reach on an A100 a
 def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     """The tokens (and on a GPU with a known peak, hours and Colab units) each recipe needs to reach the loss the gpt2
     recipe reaches with `tokens`."""
-    def cost(n: float) -> str:
-        if peak.peak_flops is None:
-            return ""
-        seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
-        units = colab_units(seconds, peak.units_per_hour)
-        return f" (~{fmt_duration(seconds)}" + (f", ~{units:,.0f} Colab units" if units is not None else "") + ")"
-
-    modern = tokens * MODERN_TOKEN_FRACTION
+    costs = []
+    for recipe, n in (("gpt2", tokens), ("modern", tokens * MODERN_TOKEN_FRACTION)):
+        costs.append(f"{recipe} ~{fmt_tokens(n)} tokens")
+        if peak.peak_flops is not None:
+            seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
+            units = colab_units(seconds, peak.units_per_hour)
+            costs[-1] += f" (~{fmt_duration(seconds)}" + ("" if units is None else f", ~{units:,.0f} Colab units") + ")"
     hours = f", hours at an assumed {ASSUMED_MFU:.0%} MFU" if peak.peak_flops is not None else ""
-    return (f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: gpt2 "
-            f"{fmt_tokens(tokens)} tokens{cost(tokens)}, modern ~{fmt_tokens(modern)}{cost(modern)} (its "
-            f"{MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured on a small BPE "
-            f"proxy, benchmarks/results/recipes_bpe_cpu.txt{hours})")
+    return (f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: {', '.join(costs)} (the "
+            f"modern recipe's {MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured "
+            f"on a small BPE proxy, benchmarks/results/recipes_bpe_cpu.txt{hours})")

@@ -30,10 +30,9 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps"
                           + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else ""))
     kind, index = m.groups()
-    if kind == "mps" and not mps:
-        raise ConfigError(f"device={name!r} but MPS (Apple-silicon GPU) is not available here (use --device cpu)")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available here (use --device cpu)")
+    if not {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps}[kind]:
+        what = "CUDA" if kind == "cuda" else "MPS (Apple-silicon GPU)"
+        raise ConfigError(f"device={name!r} but {what} is not available here (use --device cpu)")
     if kind == "cuda" and index is not None:
         if int(index[1:]) >= (count := torch.cuda.device_count()):
             raise ConfigError(f"device={name!r} but this machine has {count} GPU{'s' if count != 1 else ''} "

@@ -215,7 +215,7 @@ class MetricsLog:
         for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1):
             self._write(self._row(step, loss))
         if not validating:
-            self._write({**self._row(st.step, self.train_loss), **self._speed(now)})
+            self._write(self._row(st.step, self.train_loss, now))
         self.file.flush()
         tps = self.steady_tokens_per_s()
         self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
@@ -225,22 +225,20 @@ class MetricsLog:
                       **({} if tps is None else {"tok/s": f"{tps:,.0f}"}), **postfix_fields(self.perf)}
             self.say(f"step {st.step:,}/{self.tc.max_steps:,}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
 
-    def _row(self, step: int, loss: float, **val_loss) -> dict:
-        st = self.s.state
-        return {"step": step, "train_loss": round(loss, 6), **val_loss, "lr": self._lr(step),
-                "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step}
-
-    def _speed(self, now: float) -> dict:
-        """What the last row of a log step adds: tokens/s (once measured), elapsed time, MFU, ETA, split."""
-        tps = self.steady_tokens_per_s()
-        return {**({} if tps is None else {"tokens_per_s": round(tps, 1)}), "elapsed_s": round(self.elapsed(now), 3),
-                **self.perf}
+    def _row(self, step: int, loss: float, now: float | None = None, **extra) -> dict:
+        """A step's row; with `now`, the last of a log step: tokens/s (once measured), elapsed time, MFU, ETA, split."""
+        st, tps = self.s.state, self.steady_tokens_per_s()
+        row = {"step": step, "train_loss": round(loss, 6), **extra, "lr": self._lr(step),
+               "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step}
+        if now is not None:
+            row.update({} if tps is None else {"tokens_per_s": round(tps, 1)}, elapsed_s=round(self.elapsed(now), 3))
+            row.update(self.perf)
+        return row
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
         self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
-        row = {**self._row(self.val_step, self.train_loss, val_loss=round(val_loss, 6)), **self._speed(time.time()),
-               **(extra or {})}
+        row = self._row(self.val_step, self.train_loss, time.time(), val_loss=round(val_loss, 6), **(extra or {}))
         self._write(row)
         self.file.flush()
         return row

@@ -15,7 +15,8 @@ _WHERE = {
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
     "throughput_summary": "gptlib.training.logs", "samples_html": "gptlib.training.logs",
-    "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots", "hellaswag_figure": "gptlib.training.plots",
+    "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots",
+    "hellaswag_figure": "gptlib.training.plots",
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
     "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",

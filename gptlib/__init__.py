@@ -1,6 +1,6 @@
 """gptlib: train GPT-style language models from scratch, on a laptop CPU or a Colab GPU.
 
-The names below are all the notebooks and the README import. Each loads on first use (PEP 562): `import gptlib`
+The names below are what the notebooks, the README and docs import. Each loads on first use (PEP 562): `import gptlib`
 has no side effects and `python -m gptlib tokenize` never imports torch.
 """
 
@@ -10,35 +10,27 @@ __version__ = "0.1.0"
 _WHERE = {
     # text -> token shards (gptlib/data/)
     "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.summary",
-    "summarize": "gptlib.data.summary", "decoded_sample": "gptlib.data.summary",
-    "SOURCES": "gptlib.data.catalog", "source_inputs": "gptlib.data.catalog",
-    "fetch_tinyshakespeare": "gptlib.data.download",
-    "find_dataset": "gptlib.data.shards", "read_meta": "gptlib.data.shards",
-    # the model and its config
-    "GPT": "gptlib.model",
-    "ModelConfig": "gptlib.config", "TrainConfig": "gptlib.config", "RunConfig": "gptlib.config",
-    "build_config": "gptlib.config", "get_preset": "gptlib.config",
-    # training (gptlib/training/)
-    "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
-    "read_metrics": "gptlib.training.logs", "throughput_summary": "gptlib.training.logs",
-    "samples_html": "gptlib.training.logs",
-    "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots", "hellaswag_figure": "gptlib.training.plots",
+    "decoded_sample": "gptlib.data.summary", "source_inputs": "gptlib.data.catalog",
+    "fetch_tinyshakespeare": "gptlib.data.download", "find_dataset": "gptlib.data.shards",
+    # the model's config, training (gptlib/training/)
+    "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
+    "throughput_summary": "gptlib.training.logs", "samples_html": "gptlib.training.logs",
+    "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots",
+    "hellaswag_figure": "gptlib.training.plots",
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
-    "pick_run_dir": "gptlib.inference.loading", "checkpoint_table": "gptlib.inference.loading",
-    "checkpoint_label": "gptlib.inference.loading",
+    "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
     "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.sampling",
-    "ChatSession": "gptlib.inference.chat", "compare_checkpoints": "gptlib.widgets",
-    "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
-    "import_hf": "gptlib.inference.hf_import", "import_hf_once": "gptlib.inference.hf_import",
+    "compare_checkpoints": "gptlib.widgets", "export_hf": "gptlib.inference.export",
+    "export_hint": "gptlib.inference.export", "import_hf_once": "gptlib.inference.hf_import",
     "export_gguf": "gptlib.inference.gguf_export", "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "evaluate_tasks": "gptlib.evaluation.evaluate",
     "format_table": "gptlib.evaluation.evaluate",
-    # notebook views, Colab, devices, errors
+    # notebook views, Colab, devices
     "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox", "comparison_html": "gptlib.widgets",
     "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",
-    "colab": "gptlib.colab", "resolve_device": "gptlib.runtime", "GptlibError": "gptlib.errors",
+    "colab": "gptlib.colab", "resolve_device": "gptlib.runtime",
 }
 
 

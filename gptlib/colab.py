@@ -10,10 +10,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlib.errors import ColabError
+from gptlib.errors import GptlibError
 
 DRIVE_MOUNT = Path("/content/drive")
-DRIVE_SUBDIR = "MyDrive/gptlib"  # persistent root inside the mounted Drive
 COLAB_LOCAL_ROOT = Path("/content/gptlib_local")
 
 
@@ -21,10 +20,10 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
-def _drive_usable(mountpoint: Path) -> bool:
-    """Mounted and answering: a dead FUSE mount raises Errno 107 (ENOTCONN) on any access."""
+def _drive_usable() -> bool:
+    """Mounted and answering: a dead FUSE mount raises ENOTCONN (or EIO) on any access."""
     try:
-        return (mountpoint / "MyDrive").is_dir()
+        return (DRIVE_MOUNT / "MyDrive").is_dir()
     except OSError as e:
         if e.errno in (errno.ENOTCONN, errno.EIO):
             return False
@@ -35,23 +34,23 @@ def mount_drive(timeout_s: float = 120.0) -> Path:
     """Mount Google Drive once (already mounted: a no-op); a dead or stale mount is remounted."""
     mp = DRIVE_MOUNT
     if not in_colab():
-        raise ColabError("mount_drive() needs Google Colab; outside Colab use a local directory "
-                         "(gptlib.colab.setup() does this for you)")
-    if _drive_usable(mp):
+        raise GptlibError("mount_drive() needs Google Colab; outside Colab use a local directory "
+                          "(gptlib.colab.setup() does this for you)")
+    if _drive_usable():
         return mp
     from google.colab import drive  # noqa: PLC0415 - only exists on Colab
 
     try:  # force_remount: whatever is at the mount point (a dead FUSE mount, leftovers) is replaced
         drive.mount(str(mp), force_remount=True, timeout_ms=int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - Colab raises ValueError/TimeoutError/others for a failed mount
-        raise ColabError(
+        raise GptlibError(
             f"Google Drive did not mount at {mp} ({type(e).__name__}: {e}). Re-run this cell and complete "
             f"the authorization prompt within {timeout_s:.0f} s; if it keeps failing, use Runtime > Restart "
             f"session, or set use_drive=False to train on the VM's disk only (lost at a disconnect)."
         ) from None
-    if not _drive_usable(mp):
-        raise ColabError(f"Google Drive mount at {mp} finished but {mp / 'MyDrive'} is not there; "
-                         f"re-run this cell (drive.mount(..., force_remount=True))")
+    if not _drive_usable():
+        raise GptlibError(f"Google Drive mount at {mp} finished but {mp / 'MyDrive'} is not there; "
+                          f"re-run this cell (drive.mount(..., force_remount=True))")
     return mp
 
 
@@ -71,29 +70,28 @@ def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
     """The roots, created; on Colab with use_drive, Drive mounted."""
     env_root = os.environ.get("GPTLIB_ROOT")
     if not in_colab():
-        root = Path(env_root or ".")
-        roots = Roots(persistent=root, local=root)
+        roots = Roots(Path(env_root or "."), Path(env_root or "."))
     else:
-        persistent = mount_drive(timeout_s) / DRIVE_SUBDIR if use_drive else COLAB_LOCAL_ROOT
-        roots = Roots(persistent=Path(env_root) if env_root else persistent, local=COLAB_LOCAL_ROOT)
+        persistent = mount_drive(timeout_s) / "MyDrive/gptlib" if use_drive else COLAB_LOCAL_ROOT
+        roots = Roots(Path(env_root) if env_root else persistent, COLAB_LOCAL_ROOT)
     for d in {roots.persistent, roots.local}:
         d.mkdir(parents=True, exist_ok=True)
     return roots
 
 
 def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
-    _check_name(name)
-    roots = roots or setup()
+    name, roots = _checked(name), roots or setup()
     mirror = roots.persistent / "runs" / name if roots.persistent != roots.local else None
-    return RunPaths(run_dir=roots.local / "runs" / name, mirror_dir=mirror)
+    return RunPaths(roots.local / "runs" / name, mirror)
 
 
 def data_dir(name: str, roots: Roots | None = None) -> Path:
     """Data lives on the persistent root (Drive on Colab), so tokenizing is done once."""
-    _check_name(name)
+    name = _checked(name)
     return (roots or setup()).persistent / "data" / name
 
 
-def _check_name(name: str) -> None:
+def _checked(name: str) -> str:
     if not name or "/" in name or "\\" in name or name in (".", ".."):
         raise ValueError(f"name {name!r}: use a plain directory name like 'shakespeare-char'")
+    return name

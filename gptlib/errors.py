@@ -1,5 +1,5 @@
-"""The errors a user can fix: each message names the file or field, the values and the fix, and the command line
-prints it as one line (exit status 2). No torch import here, so `tokenize` never loads torch."""
+"""The errors a user can fix: the message names the file or field, the values and the fix; the command line prints
+it as one line (exit status 2). No torch import here, so `tokenize` never loads torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def loud(msg: str) -> None:
-    """Problems reported but not raised (a failing Drive copy): stderr, red in notebooks, flushed at once."""
+    """A problem reported, not raised (a failing Drive copy): stderr, red in notebooks, flushed at once."""
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -15,7 +15,7 @@ class GptlibError(Exception):
     """A problem the user can fix; the message says what and how."""
 
 
-# One class per kind of problem (a caller catches the kind it handles); the docstring names the modules raising it.
+# One class per kind of problem, for a caller to catch the kind it handles; each says which modules raise it.
 
 class ConfigError(GptlibError, ValueError):
     """config: a configuration value or key."""
@@ -33,7 +33,7 @@ class ChatError(GptlibError, ValueError):
     """chat: a tokenizer without the chat tokens, or a conversation that cannot be rendered."""
 
 class DownloadError(GptlibError, RuntimeError):
-    """download: a file that could not be downloaded, or not with the expected checksum."""
+    """download: a failed download, or a wrong checksum."""
 
 class CheckpointError(GptlibError, RuntimeError):
     """checkpoint: missing, incomplete, corrupt, or not of this run."""
@@ -48,7 +48,7 @@ class LeaseLost(GptlibError):
     """lease: another process took this run over while it trained; this one stopped without saving."""
 
 class HungIOError(GptlibError, OSError):
-    """fsutil: an I/O call (a hung Drive mount) made no progress in its time limit; callers treat it as any OSError."""
+    """fsutil: an I/O call (a hung Drive) made no progress in its time limit; callers treat it as any OSError."""
 
 class OutOfMemoryAdvice(GptlibError, RuntimeError):
     """training: out of GPU memory; the message names the next setting to try."""
@@ -67,6 +67,3 @@ class ExportError(GptlibError, ValueError):
 
 class PushError(GptlibError, RuntimeError):
     """share: a repository id, token or upload the Hugging Face Hub refused."""
-
-class ColabError(GptlibError, RuntimeError):
-    """colab: Drive could not be mounted or used."""

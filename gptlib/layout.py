@@ -22,10 +22,8 @@ STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every checkpoint must hold
 
-# The logs each checkpoint carries a copy of (a resumed run continues them from the checkpoint's step).
-LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
-# The run-level files copied beside the checkpoints on the Drive mirror: what its readers (sampling, export, notebook
-# 04 on a fresh VM) and people opening Drive use.
+LOG_FILES = (METRICS_FILE, SAMPLES_FILE)  # in each checkpoint: a resumed run continues them from its step
+# Copied beside the checkpoints on the Drive mirror, for its readers (sampling, export, notebook 04 on a fresh VM).
 MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 
 # Checkpoint directory names: step_0001000 when complete; the markers name work in progress.
@@ -40,8 +38,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def is_checkpoint_name(name: str) -> bool:
-    """A finished checkpoint's (not .partial and friends)."""
+def is_checkpoint_name(name: str) -> bool:  # a finished checkpoint's (not .partial and friends)
     return _STEP_RE.fullmatch(name) is not None
 
 

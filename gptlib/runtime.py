@@ -30,13 +30,11 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps"
                           + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else ""))
     kind, index = m.groups()
-    if kind == "mps" and not mps:
-        raise ConfigError(f"device={name!r} but MPS (Apple-silicon GPU) is not available here (use --device cpu)")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available here (use --device cpu)")
+    if not {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps}[kind]:
+        what = "CUDA" if kind == "cuda" else "MPS (Apple-silicon GPU)"
+        raise ConfigError(f"device={name!r} but {what} is not available here (use --device cpu)")
     if kind == "cuda" and index is not None:
-        count = torch.cuda.device_count()
-        if int(index[1:]) >= count:
+        if int(index[1:]) >= (count := torch.cuda.device_count()):
             raise ConfigError(f"device={name!r} but this machine has {count} GPU{'s' if count != 1 else ''} "
                               f"(cuda:0 to cuda:{count - 1}); choose one of them, or cuda")
         torch.cuda.set_device(torch.device(name))
@@ -54,13 +52,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     cuda = device.type == "cuda"
     if name == "auto":
         return (torch.bfloat16 if native_bf16(device) else torch.float16) if cuda else torch.float32
-    dtype = DTYPES[name]
-    if dtype == torch.bfloat16 and cuda and not native_bf16(device):
+    if name == "bfloat16" and cuda and not native_bf16(device):
         p = torch.cuda.get_device_properties(device)
         raise ConfigError(f"dtype=bfloat16 but this GPU, {torch.cuda.get_device_name(device)} (compute capability "
                           f"{p.major}.{p.minor}), has no bf16 hardware (it needs 8.0+: A100, L4, H100): use "
                           f"--set dtype=float16 (trained with a GradScaler) or dtype=auto, which picks float16 here")
-    return dtype
+    return DTYPES[name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,9 +66,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
     """Mixed-precision autocast for a half dtype; a no-op context for float32. Reusable across `with` blocks."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def use_compile(setting: str, device: torch.device, run_flops: float | None = None) -> bool:
@@ -89,10 +84,6 @@ def configure_matmul(device: torch.device) -> None:
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The original module under torch.compile and DDP wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
+    while hasattr(model, "_orig_mod") or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
+    return model

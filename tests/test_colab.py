@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gptlib import colab
+from gptlib.errors import GptlibError
 from gptlib.checkpoint.format import verify_checkpoint
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -55,7 +56,7 @@ def test_outside_colab_uses_local_root(monkeypatch, tmp_path):
     rp = colab.run_paths("shakespeare", roots)
     assert rp.run_dir == tmp_path / "root" / "runs" / "shakespeare" and rp.mirror_dir is None
     assert colab.data_dir("shakespeare", roots) == tmp_path / "root" / "data" / "shakespeare"
-    with pytest.raises(colab.ColabError, match="needs Google Colab"):
+    with pytest.raises(GptlibError, match="needs Google Colab"):
         colab.mount_drive()
 
 
@@ -90,7 +91,7 @@ def test_colab_stale_mount_is_forced(fake_colab, tmp_path):
 
 def test_colab_mount_timeout_has_clear_message(fake_colab):
     fake_colab.fail = TimeoutError("Timed out waiting for authorization")
-    with pytest.raises(colab.ColabError) as ei:
+    with pytest.raises(GptlibError) as ei:
         colab.setup(timeout_s=5)
     msg = str(ei.value)
     assert "did not mount" in msg and "authorization" in msg and "use_drive=False" in msg

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import math
 import os
 import sys
 import time
@@ -30,19 +31,18 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 def throughput_summary(run_dir: str | Path) -> str:
     """Notebook 03: the latest session's figures from its last metrics.jsonl row; "" before the first measurement."""
-    last = [r for r in read_metrics(run_dir) if "tokens_per_s" in r][-1:]
-    if not last:
+    rows = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
+    if not rows:
         return ""
-    r = last[0]
-    eta = fmt_duration(r["eta_s"]) if r.get("eta_s") is not None else "?"
+    r = rows[-1]
     units = f", ~{r['colab_units_left']} Colab compute units left" if r.get("colab_units_left") is not None else ""
     return (f"last session, at step {r['step']:,}: {r['tokens_per_s']:,.0f} tokens/s while stepping, MFU "
-            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; ETA {eta}{units}")
+            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; "
+            f"ETA {fmt_duration(math.inf if r.get('eta_s') is None else r['eta_s'])}{units}")
 
 
 def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
-    """Keep the metrics and samples rows up to the resumed step (the resumed run logs the later ones again);
-    -> the metrics rows kept."""
+    """Drop the metrics and samples rows after the resumed step (the resumed run logs them again); -> the metrics."""
     for name in (METRICS_FILE, SAMPLES_FILE):
         p = run_dir / name
         if p.exists():
@@ -63,7 +63,6 @@ def restore_logs_from_checkpoint(run_dir: Path, logs: dict[str, bytes], step: in
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
-    """samples.jsonl as (prompts, steps, {(step, prompt): text})."""
     rows = read_jsonl(run_dir / SAMPLES_FILE)
     prompts, steps = list(dict.fromkeys(r["prompt"] for r in rows)), sorted({r["step"] for r in rows})
     return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
@@ -150,56 +149,46 @@ def plain_progress(stream) -> bool:
 
 class MetricsLog:
     """metrics.jsonl, the progress bar and the on_log callback of one training call. Losses stay on the device
-    until `flush` (a log step, and every checkpoint, so a resumed run writes exactly the rows the uninterrupted run
-    would have): one host sync per log_interval. On DDP ranks other than 0 the file is os.devnull and there is no
-    bar, but `flush` still averages over ranks.
+    until `flush` (a log step, and every checkpoint, so a resumed run writes the rows the uninterrupted run would):
+    one host sync per log_interval. DDP ranks other than 0 write to os.devnull, but `flush` still averages over ranks.
 
-    One tokens/s figure everywhere (bar, progress lines, metrics.jsonl, the closing line): this session's tokens
-    over its time spent stepping, leaving out its first step (compile, kernel tuning) and the `paused` blocks
-    (validations, samples, saves), which the ETA counts. A progress line with the details is printed every
-    TEXT_EVERY_S: where stderr is a file or a pipe, and for notebook front ends that draw no widget bar.
+    One tokens/s figure everywhere: this session's tokens over its time spent stepping, leaving out its first step
+    (compile, kernel tuning) and the `paused` blocks (validations, samples, saves), which the ETA counts. With progress
+    on, a line with the details every TEXT_EVERY_S (all there is where stderr is a file or a notebook has no widgets).
     """
 
     TEXT_EVERY_S = 60.0
 
     def __init__(self, session, *, peak, timer, progress: bool, log: Callable[[str], None],
                  on_log: Callable[[dict], None] | None):
-        """session: the TrainingRun being trained (its run dir, state, history, config)."""
-        st = self.state = session.state
-        self.history, self.ddp, self.tc = session.history, session.ddp, session.cfg.train
-        self.compiled, self.tokens_per_step = session.compiled, session.tokens_per_step
+        self.s, self.tc, self.history = session, session.cfg.train, session.history
         self.flops_per_token = model_size(session.cfg.model).flops_per_token
-        self.peak, self.timer, self.log, self.on_log = peak, timer, log, on_log
+        self.peak, self.timer, self.progress, self.log, self.on_log = peak, timer, progress, log, on_log
         self.pending: list[torch.Tensor] = []  # the losses of steps not logged yet, on the device
         self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged
         self.val_loss = self.val_step = None  # this call's last validation
-        self.file = open(session.run_dir / METRICS_FILE if self.ddp.is_main else os.devnull, "a")
-        self.lines_only = progress and plain_progress(sys.stderr)
-        self.bar = None
-        if progress and not self.lines_only:
-            from tqdm.auto import tqdm
+        self.file = open(session.run_dir / METRICS_FILE if session.ddp.is_main else os.devnull, "a")
+        from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.tc.max_steps, initial=st.step, desc="train", unit="step", dynamic_ncols=True,
-                            bar_format=BAR_FORMAT)
-        self.elapsed_before = st.elapsed_s  # training time of earlier sessions
+        self.bar = tqdm(total=self.tc.max_steps, initial=session.state.step, desc="train", unit="step",
+                        dynamic_ncols=True, bar_format=BAR_FORMAT, disable=not progress or plain_progress(sys.stderr))
+        self.elapsed_before = session.state.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
-        self.tokens_last = st.tokens_seen
+        self.tokens_last = session.state.tokens_seen
         self.steady_tokens, self.steady_s, self.paused_s = 0, 0.0, 0.0  # the measured intervals; the paused blocks
         self.split: Counter[str] = Counter()  # the measured intervals' time split
         self.perf = {}
         self.warm = False  # the session's first step is behind us
-        if self.compiled:
+        if session.compiled:
             self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)
         if not self.warm:  # the session's first step: wait for it (one host sync, once), then start the clock
             loss.item()
-            self.warm = True
-            now = time.time()
-            if self.compiled:
-                self.say(f"compiled and warmed up in {now - self.t_start:.0f} s")
-            self.t_last, self.tokens_last = now, self.state.tokens_seen
+            self.warm, self.t_last, self.tokens_last = True, time.time(), self.s.state.tokens_seen
+            if self.s.compiled:
+                self.say(f"compiled and warmed up in {self.t_last - self.t_start:.0f} s")
             self.timer.split()  # the time split leaves the first step out too
 
     def due(self, step: int, validating: bool) -> bool:
@@ -208,12 +197,11 @@ class MetricsLog:
     def flush(self, validating: bool) -> None:
         """Read the pending losses back (the loop's host sync) and write a row per step. A validation step's row
         is written by `validation_row`, with its val loss; until then its loss stays pending."""
-        st = self.state
         if not self.pending:
             return
-        losses = self.ddp.mean(torch.stack(self.pending)).tolist()
+        st, now = self.s.state, time.time()
+        losses = self.s.ddp.mean(torch.stack(self.pending)).tolist()
         self.pending = self.pending[-1:] if validating else []
-        now = time.time()
         if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
             self.steady_tokens += st.tokens_seen - self.tokens_last
             self.steady_s += now - self.t_last
@@ -221,41 +209,36 @@ class MetricsLog:
             self.split.update(self.timer.split())
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
             self.perf = perf_fields(self.split, self.flops_per_token, self.steady_tokens_per_s(), self.peak,
-                                    self.ddp.world_size, st.tokens_seen, self.tc.max_steps * self.tokens_per_step,
+                                    self.s.ddp.world_size, st.tokens_seen, self.tc.max_steps * self.s.tokens_per_step,
                                     wall_rate)
         self.train_loss = losses[-1]
-        for step, loss in enumerate(losses, st.step - len(losses) + 1):
-            if step < st.step:
-                self._write(self._row(step, loss))
-            elif not validating:  # else written by validation_row, with the val loss
-                self._write({**self._row(step, loss), **self._speed(now)})
+        for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1):
+            self._write(self._row(step, loss))
+        if not validating:
+            self._write(self._row(st.step, self.train_loss, now))
         self.file.flush()
         tps = self.steady_tokens_per_s()
-        if self.bar is not None:
-            self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
-        if (self.bar is not None or self.lines_only) and now - self.t_text >= self.TEXT_EVERY_S:
+        self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
+        if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
-            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}"}
-            if tps is not None:
-                fields["tok/s"] = f"{tps:,.0f}"
-            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: "
-                     + ", ".join(f"{k} {v}" for k, v in {**fields, **postfix_fields(self.perf)}.items()))
+            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}",
+                      **({} if tps is None else {"tok/s": f"{tps:,.0f}"}), **postfix_fields(self.perf)}
+            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
 
-    def _row(self, step: int, loss: float, **val_loss) -> dict:
-        return {"step": step, "train_loss": round(loss, 6), **val_loss, "lr": self._lr(step),
-                "tokens_seen": self.state.tokens_seen - (self.state.step - step) * self.tokens_per_step}
-
-    def _speed(self, now: float) -> dict:
-        """What the last row of a log step adds: tokens/s (once measured), elapsed time, MFU, ETA, split."""
-        tps = self.steady_tokens_per_s()
-        speed = {} if tps is None else {"tokens_per_s": round(tps, 1)}
-        return {**speed, "elapsed_s": round(self.elapsed(now), 3), **self.perf}
+    def _row(self, step: int, loss: float, now: float | None = None, **extra) -> dict:
+        """A step's row; with `now`, the last of a log step: tokens/s (once measured), elapsed time, MFU, ETA, split."""
+        st, tps = self.s.state, self.steady_tokens_per_s()
+        row = {"step": step, "train_loss": round(loss, 6), **extra, "lr": self._lr(step),
+               "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step}
+        if now is not None:
+            row.update({} if tps is None else {"tokens_per_s": round(tps, 1)}, elapsed_s=round(self.elapsed(now), 3))
+            row.update(self.perf)
+        return row
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
-        """Write this step's row with its val loss (after `flush`); `extra`: e.g. HellaSwag fields."""
-        self.val_loss, self.val_step, self.pending = val_loss, self.state.step, []
-        row = self._row(self.state.step, self.train_loss, val_loss=round(val_loss, 6))
-        row.update(self._speed(time.time()), **(extra or {}))
+        """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
+        self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
+        row = self._row(self.val_step, self.train_loss, time.time(), val_loss=round(val_loss, 6), **(extra or {}))
         self._write(row)
         self.file.flush()
         return row
@@ -287,16 +270,14 @@ class MetricsLog:
 
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
-        (self.bar.write if self.bar is not None else self.log)(msg)
+        (self.log if self.bar.disable else self.bar.write)(msg)
 
     def step_done(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
+        self.bar.update(1)
 
     def close(self) -> None:
         self.file.close()
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
     def _write(self, row: dict) -> None:
         self.file.write(json.dumps(row) + "\n")

@@ -1,6 +1,5 @@
-"""loss.png, the live plot a notebook shows while training, and HellaSwag acc_norm beside the loss or against tokens
-seen. Figures are bare matplotlib Figures (no pyplot state): training in a thread or a headless process never
-touches a GUI backend."""
+"""loss.png, a notebook's live plot, HellaSwag acc_norm beside the loss or against tokens seen. Bare matplotlib Figures
+(no pyplot state): training in a thread or a headless process never touches a GUI backend."""
 
 from __future__ import annotations
 
@@ -24,15 +23,19 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
     return ax
 
 
+def _references(ax, color: str, lw: float) -> None:
+    ax.axhline(GPT2_124M["acc_norm"], color=color, ls="--", lw=lw, alpha=0.7, label="GPT-2 124M (OpenAI): 0.2955")
+    ax.axhline(0.25, color="gray", ls=":", lw=lw, alpha=0.7, label="chance: 0.25")
+
+
 def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
     ax = _axes(figsize, dpi, "step", "loss (nats/token)", title)
     for key, style, lw in (("train_loss", "-", 1), ("val_loss", "o-", 1.5)):
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if points:
             ax.plot(*zip(*points), style, label=key.removesuffix("_loss"), lw=lw, ms=3)
-    if ax.lines:
+    if add_hellaswag_axis(ax, rows) is None and ax.lines:
         ax.legend()
-    add_hellaswag_axis(ax, rows)
     ax.figure.tight_layout()
     return ax.figure
 
@@ -66,30 +69,26 @@ class LivePlot:
     def figure(self, last: dict | None = None):
         rows = read_metrics(self.run_dir)
         last = last or (rows[-1] if rows else {})
-        parts = [self.title] if self.title else []
-        if last.get("val_loss") is not None:
-            parts.append(f"step {last['step']:,}: val {last['val_loss']:.4f}")
-        if last.get("tokens_per_s"):
-            parts.append(f"{last['tokens_per_s']:,.0f} tok/s")
-        if "mfu" in last:
-            parts.append(f"MFU {fmt_mfu(last['mfu'])}")
-        if last.get("eta_s") is not None:
-            parts.append(f"ETA {fmt_duration(last['eta_s'])}")
-        return loss_figure(rows, " · ".join(parts), figsize=(8, 3.6), dpi=90)
+        parts = [self.title,
+                 last.get("val_loss") is not None and f"step {last['step']:,}: val {last['val_loss']:.4f}",
+                 last.get("tokens_per_s") and f"{last['tokens_per_s']:,.0f} tok/s",
+                 "mfu" in last and f"MFU {fmt_mfu(last['mfu'])}",
+                 last.get("eta_s") is not None and f"ETA {fmt_duration(last['eta_s'])}"]
+        return loss_figure(rows, " · ".join(p for p in parts if p), figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
         fig = self.figure(row)
-        if self.handle is None:  # not in a notebook
-            return
-        from IPython.display import Image
+        if self.handle is not None:  # in a notebook: a PNG shows the same in Jupyter, Colab and saved notebooks
+            from IPython.display import Image
 
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")  # a PNG shows the same in Jupyter, Colab and saved notebooks
-        self.handle.update(Image(data=buf.getvalue(), format="png"))
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png")
+            self.handle.update(Image(data=buf.getvalue(), format="png"))
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):
-    """HellaSwag acc_norm of metrics.jsonl rows on a second y axis of the loss plot; None when no row has one."""
+    """HellaSwag acc_norm of metrics.jsonl rows on a second y axis of the loss plot, with one legend for both axes;
+    None when no row has one."""
     pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n") or 0) for r in rows
            if r.get("hellaswag_acc_norm") is not None and r.get("step") is not None]
     if not pts:
@@ -102,13 +101,9 @@ def add_hellaswag_axis(ax, rows: list[dict]):
              label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
     if full:
         ax2.plot(*zip(*full), "D", color="darkgreen", ms=6, label="HellaSwag acc_norm (all items)")
-    ax2.axhline(GPT2_124M["acc_norm"], color="tab:green", ls="--", lw=0.8, alpha=0.7, label="GPT-2 124M (0.2955)")
-    ax2.axhline(0.25, color="gray", ls=":", lw=0.8, alpha=0.7, label="chance (0.25)")
+    _references(ax2, "tab:green", 0.8)
     ax2.set_ylabel("HellaSwag acc_norm", color="tab:green")
-    if ax.get_legend() is not None:
-        ax.get_legend().remove()
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
     ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
     return ax2
 
@@ -120,8 +115,7 @@ def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int
                  if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None)
     if pts:
         ax.plot(*zip(*pts), "o-", label="this run")
-    ax.axhline(GPT2_124M["acc_norm"], color="tab:red", ls="--", lw=1, label="GPT-2 124M (OpenAI): 0.2955")
-    ax.axhline(0.25, color="gray", ls=":", lw=1, label="chance: 0.25")
+    _references(ax, "tab:red", 1)
     ax.legend(fontsize=8)
     ax.figure.tight_layout()
     return ax.figure

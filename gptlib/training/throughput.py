@@ -8,9 +8,8 @@ import math
 import platform
 import re
 import time
-from collections import defaultdict
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -19,20 +18,14 @@ from gptlib.model import model_size
 
 # Dense tensor-core peak in TFLOP/s for the precision gptlib trains in: bf16, fp16 on the T4. First match wins. No
 # V100 (Colab's torch has no kernels for it); no RTX PRO 6000 until NVIDIA's dense bf16 figure can be cited.
-PEAK_TFLOPS: list[tuple[str, str, float]] = [
-    (r"H200", "H200", 989.0),
-    (r"H100.*PCIe", "H100 PCIe", 756.0),
-    (r"H100.*NVL", "H100 NVL", 835.0),
-    (r"H100", "H100 SXM", 989.0),
-    (r"A100", "A100", 312.0),
-    (r"\bL4\b", "L4", 121.0),
-    (r"\bT4\b", "T4 (fp16)", 65.0),
-]
+PEAK_TFLOPS = [(r"H200", "H200", 989.0), (r"H100.*PCIe", "H100 PCIe", 756.0), (r"H100.*NVL", "H100 NVL", 835.0),
+               (r"H100", "H100 SXM", 989.0), (r"A100", "A100", 312.0), (r"\bL4\b", "L4", 121.0),
+               (r"\bT4\b", "T4 (fp16)", 65.0)]
 
 # Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000),
 # and the runtime a GPU's name says (an A100 with over 60 GiB is the 80GB one). Colab changes its prices:
 # TrainConfig.colab_units_per_hour replaces this table's rate.
-COLAB_UNITS_PER_HOUR: dict[str, float] = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
+COLAB_UNITS_PER_HOUR = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
 COLAB_RUNTIMES = ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4"), (r"A100", "A100 40GB"))
 
 
@@ -46,10 +39,8 @@ class DevicePeak:
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     """'NVIDIA A100-SXM4-40GB' -> ('A100', 312e12 FLOP/s); an unlisted name -> (None, None)."""
-    for pattern, family, tflops in PEAK_TFLOPS:
-        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
-            return family, tflops * 1e12
-    return None, None
+    return next(((family, tflops * 1e12) for pattern, family, tflops in PEAK_TFLOPS
+                 if re.search(pattern, gpu_name, flags=re.IGNORECASE)), (None, None))
 
 
 def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
@@ -87,9 +78,8 @@ def fmt_mfu(value: float | None) -> str:
 def fmt_duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
-    h, rem = divmod(int(round(seconds)), 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+    m, s = divmod(round(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
 
 
 def fmt_split(split: dict[str, float]) -> str:
@@ -116,8 +106,7 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
     assumes, when it differs (validations cost wall time, not MFU)."""
     total, rate = sum(split.values()), eta_tokens_per_s or tokens_per_s
     eta = max(0, tokens_target - tokens_seen) / rate if rate > 0 else math.inf
-    m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
-    units = colab_units(eta, peak.units_per_hour)
+    m, units = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices), colab_units(eta, peak.units_per_hour)
     return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
             "colab_units_left": None if units is None else round(units * n_devices, 2),
             "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
@@ -134,12 +123,12 @@ def postfix_fields(perf: dict) -> dict[str, str]:
 
 
 class StepTimer:
-    """Time per phase (data, fwd_bwd, optim) with no host sync in the hot loop: on CUDA, events are read only in
+    """Seconds per phase (data, fwd_bwd, optim) with no host sync in the hot loop: on CUDA, events are read only in
     split(), where the loop syncs anyway at log time."""
 
     def __init__(self, device: str | torch.device):
         self.events = torch.device(device).type == "cuda"
-        self.marks: list[tuple[str, Any, Any]] = []  # (phase, its start, its end): events or perf_counter seconds
+        self.marks = []  # (phase, its start, its end): CUDA events or perf_counter seconds
         self._last = None
 
     def _now(self):
@@ -154,15 +143,14 @@ class StepTimer:
 
     def mark(self, phase: str) -> None:
         """The time since the previous start/mark belongs to `phase`."""
-        now = self._now()
-        self.marks.append((phase, self._last, now))
+        self.marks.append((phase, self._last, now := self._now()))
         self._last = now
 
     def split(self) -> dict[str, float]:
         """{phase: seconds} since the last split."""
         if self.events and self.marks:
             self.marks[-1][2].synchronize()
-        out: dict[str, float] = defaultdict(float)
+        out = Counter()
         for phase, a, b in self.marks:
             out[phase] += a.elapsed_time(b) / 1000 if self.events else b - a
         self.marks.clear()
@@ -170,7 +158,6 @@ class StepTimer:
 
 
 def run_tokens(cfg, start_step: int = 0) -> int:
-    """Tokens the run still trains on from start_step to max_steps."""
     return max(0, cfg.train.max_steps - start_step) * cfg.tokens_per_step
 
 
@@ -183,8 +170,7 @@ def run_flops(cfg, start_step: int = 0) -> float:
 # CPU_ADVISE_S (about what a notebook cell is worth waiting for) gets the advice to switch runtime; over CPU_REFUSE_S
 # with device=auto it is refused before anything is written.
 GPU_PRESETS = ("phase2", "gpt2-small", "gpt2-medium", "finetune")
-CPU_ADVISE_S = 600.0
-CPU_REFUSE_S = 3600.0
+CPU_ADVISE_S, CPU_REFUSE_S = 600.0, 3600.0
 
 # Training on a CPU runs its matmuls at about CPU_MATMUL_SHARE of one big matmul's rate (cpu_train_flops), plus a
 # fixed cost per op, whatever its size (all of a tiny model's time): CPU_LAYER_PASS_S per layer per micro-batch.
@@ -226,10 +212,10 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
         return
     rate = cpu_train_flops()
     secs = estimate_cpu_seconds(cfg, start_step, rate)
-    took = f"about {secs / 3600:,.0f} hours" if secs >= 3600 else f"about {fmt_duration(secs)}"
-    steps = cfg.train.max_steps - start_step
-    msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) "
-           f"would take {took} on this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)")
+    took = f"{secs / 3600:,.0f} hours" if secs >= 3600 else fmt_duration(secs)
+    msg = (f"preset {cfg.preset} is meant for a GPU: its {cfg.train.max_steps - start_step:,} steps to go "
+           f"({tokens / 1e6:,.1f}M tokens) would take about {took} on this CPU ({cpu_name()}, "
+           f"~{rate / 1e9:.0f} GFLOP/s measured)")
     advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
     if secs <= CPU_ADVISE_S:
         log(f"{msg}: short enough to run here")
@@ -277,16 +263,14 @@ ASSUMED_MFU = 0.4  # for hours and units: what compile + bf16 reach on an A100 a
 def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     """The tokens (and on a GPU with a known peak, hours and Colab units) each recipe needs to reach the loss the gpt2
     recipe reaches with `tokens`."""
-    def cost(n: float) -> str:
-        if peak.peak_flops is None:
-            return ""
-        seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
-        units = colab_units(seconds, peak.units_per_hour)
-        return f" (~{fmt_duration(seconds)}" + (f", ~{units:,.0f} Colab units" if units is not None else "") + ")"
-
-    modern = tokens * MODERN_TOKEN_FRACTION
+    costs = []
+    for recipe, n in (("gpt2", tokens), ("modern", tokens * MODERN_TOKEN_FRACTION)):
+        costs.append(f"{recipe} ~{fmt_tokens(n)} tokens")
+        if peak.peak_flops is not None:
+            seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
+            units = colab_units(seconds, peak.units_per_hour)
+            costs[-1] += f" (~{fmt_duration(seconds)}" + ("" if units is None else f", ~{units:,.0f} Colab units") + ")"
     hours = f", hours at an assumed {ASSUMED_MFU:.0%} MFU" if peak.peak_flops is not None else ""
-    return (f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: gpt2 "
-            f"{fmt_tokens(tokens)} tokens{cost(tokens)}, modern ~{fmt_tokens(modern)}{cost(modern)} (its "
-            f"{MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured on a small BPE "
-            f"proxy, benchmarks/results/recipes_bpe_cpu.txt{hours})")
+    return (f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: {', '.join(costs)} (the "
+            f"modern recipe's {MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured "
+            f"on a small BPE proxy, benchmarks/results/recipes_bpe_cpu.txt{hours})")

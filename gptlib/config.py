@@ -42,15 +42,11 @@ class ModelConfig:
         return -(-8 * self.n_embd // (3 * 64)) * 64 if self.mlp == "swiglu" else 4 * self.n_embd
 
     def validate(self) -> None:
-        _check(self, "vocab_size block_size n_layer n_head n_embd vocab_multiple rope_theta", _POSITIVE)
+        _check_fields(self)
         if self.n_embd % self.n_head != 0:
             raise ConfigError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}: each head needs "
                               f"n_embd/n_head dimensions (try n_head in "
                               f"{[h for h in range(1, 33) if self.n_embd % h == 0]})")
-        _check(self, "dropout", _FRACTION)
-        _choice(self, "positions", ("learned", "rope"))
-        _choice(self, "norm", ("layernorm", "rmsnorm"))
-        _choice(self, "mlp", ("gelu", "swiglu"))
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"positions=rope rotates pairs of dimensions: the head size n_embd/n_head = "
                               f"{self.n_embd // self.n_head} must be even (change n_head or n_embd)")
@@ -95,19 +91,7 @@ class TrainConfig:
     auto_batch: bool = False  # CUDA: the largest micro-batch that fits, grad_accum_steps keeping the tokens per step
 
     def validate(self) -> None:
-        _check(self, "batch_size grad_accum_steps max_steps eval_interval eval_batches log_interval learning_rate "
-                     "muon_lr", _POSITIVE)
-        _check(self, "warmup_steps weight_decay grad_clip max_minutes save_every_steps save_every_minutes "
-                     "sample_tokens keep_every hellaswag_every hellaswag_items colab_units_per_hour", _NON_NEGATIVE)
-        _check(self, "beta1 beta2 muon_momentum", _FRACTION)
-        _check(self, "min_lr_ratio", ("in [0, 1]", lambda v: 0 <= v <= 1))
-        _check(self, "cooldown_frac", ("in (0, 1]", lambda v: 0 < v <= 1))
-        _check(self, "keep_last", (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2))
-        _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
-        _choice(self, "compile", ("auto", "on", "off"))
-        _choice(self, "chat_loss", ("assistant", "all"))
-        _choice(self, "optimizer", ("adamw", "muon"))
-        _choice(self, "schedule", ("cosine", "wsd"))
+        _check_fields(self)
         if self.optimizer == "muon":
             import torch  # here only: `import gptlib.config` stays free of torch
 
@@ -130,7 +114,7 @@ class RunConfig:
         return self.train.batch_size * self.train.grad_accum_steps * self.model.block_size
 
     def validate(self) -> "RunConfig":
-        _choice(self, "recipe", tuple(RECIPES))
+        _check_fields(self)
         self.model.validate()
         self.train.validate()
         return self
@@ -168,19 +152,16 @@ class RunConfig:
                 raise ConfigError(f"unknown config section {section!r} in {name!r} (use model. or train.)")
             if key not in sections or section not in ("", sections[key]):
                 raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}")
-            section = sections[key]
-            changes[section][key] = _parse_value(key, value, getattr(getattr(self, section), key))
+            changes[sections[key]][key] = _parse_value(key, value, getattr(getattr(self, sections[key]), key))
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes["model"]),
                                    train=dataclasses.replace(self.train, **changes["train"]))
 
 
-# The modern recipe's learning rates for the GPU presets come from published values, not tuned here
-# (docs/benchmarks.md); phase1's were swept on a 2-core CPU (docs/benchmarks.md, "The two recipes side by side").
+# The modern recipe's learning rates: published values for the GPU presets, phase1's swept (docs/benchmarks.md).
 _PUBLISHED_MODERN = dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4)
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # Tiny char-level model for Tiny Shakespeare on a laptop CPU (~0.34M parameters), measured in a fixed 90 s
-    # of 2 cores (docs/benchmarks.md): a small model that sees more tokens beats a larger one, at a high LR.
+    # Tiny Shakespeare, char-level, on a laptop CPU (~0.34M parameters; chosen by measurement: docs/benchmarks.md).
     "phase1": {
         "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, dropout=0.0, vocab_multiple=1),
         "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=1e-2, min_lr_ratio=0.05,
@@ -196,8 +177,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
         "modern": _PUBLISHED_MODERN,
     },
-    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small. HellaSwag
-    # on 1,000 items at each validation (a few seconds on an A100) shows progress against GPT-2 124M's 0.2955.
+    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
     "gpt2-small": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
@@ -205,8 +185,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
-    # GPT-2 Medium (350M-class, 24 layers x 1024): the same ~0.5M tokens per step as gpt2-small in micro-batches
-    # of 8 (it fits an A100 40 GB with bf16 and compile), a lower peak LR.
+    # GPT-2 Medium (350M-class): gpt2-small's tokens per step in micro-batches of 8 (an A100 40 GB), a lower LR.
     "gpt2-medium": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024, dropout=0.0),
         "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, min_lr_ratio=0.1,
@@ -214,8 +193,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
-    # Fine-tuning a trained model (train --init-from RUN_DIR): the model's shape comes from that run (these are
-    # placeholders), a peak LR ~10x below pre-training, frequent validation (small datasets overfit quickly).
+    # train --init-from RUN_DIR: the shape comes from that run (placeholders here), a ~10x lower LR.
     "finetune": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
         "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
@@ -226,10 +204,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-# A recipe changes the model and the optimizer together; each part is a field of its own, so one can be switched
-# back (`--recipe modern --set qk_norm=false`) for an ablation; its learning rates are the preset's ("modern").
-# gpt2: the 2019 recipe, every field at its default. modern: the NanoGPT speedrun's and nanochat's changes that a
-# native Hugging Face architecture (Qwen3) also has, so export is exact.
+# A recipe sets model and optimizer fields together (each can be switched back with --set); its LRs are the preset's.
+# modern: the NanoGPT speedrun's and nanochat's changes that Qwen3 also has, so the export is exact.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {"model": {}, "train": {}},
     "modern": {
@@ -275,41 +251,49 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
     """A `--set` string as the type of the field's current value; a value that is not a string is taken as is."""
     if not isinstance(value, str) or isinstance(current, str):
         return value
+    v = value.strip()
     try:
         if isinstance(current, bool):
-            return _BOOLS[value.strip().lower()]
+            return _BOOLS[v.lower()]
         if isinstance(current, int):
-            if value.strip().lstrip("+-").isdigit():
-                return int(value)  # exactly: a float would round a seed above 2**53
-            number = float(value)  # 1e3 and 2000.0 are integers too, 2.5 is not
-            if not number.is_integer():
-                raise ValueError(value)
+            if v.lstrip("+-").isdigit():
+                return int(v)  # exactly: a float would round a seed above 2**53
+            if not (number := float(v)).is_integer():  # 1e3 and 2000.0 are integers too, 2.5 is not
+                raise ValueError(v)
             return int(number)
         if isinstance(current, float):
-            return float(value)
-        parsed = json.loads(value) if value.strip().startswith("[") else [value]  # the one list field: strings
-        return [str(x) for x in parsed]
+            return float(v)
+        return [str(x) for x in json.loads(v)] if v.startswith("[") else [value]  # the one list field: strings
     except (ValueError, KeyError):
         kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(current), "a list of strings")
         raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
 
 
-# The numeric rules: (what the value must be, the test it passes).
+# What a field must be: a number (not a bool) that passes a test, or one of a few names.
 _POSITIVE = ("a positive number", lambda v: 0 < v < math.inf)
 _NON_NEGATIVE = (">= 0", lambda v: v >= 0)
 _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
+_RULES = {
+    **dict.fromkeys("vocab_size block_size n_layer n_head n_embd vocab_multiple rope_theta batch_size grad_accum_steps "
+                    "max_steps eval_interval eval_batches log_interval learning_rate muon_lr".split(), _POSITIVE),
+    **dict.fromkeys("warmup_steps weight_decay grad_clip max_minutes save_every_steps save_every_minutes sample_tokens "
+                    "keep_every hellaswag_every hellaswag_items colab_units_per_hour".split(), _NON_NEGATIVE),
+    **dict.fromkeys("dropout beta1 beta2 muon_momentum".split(), _FRACTION),
+    "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "keep_last": (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2),
+}
+_CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"),
+            "dtype": ("auto", "float32", "bfloat16", "float16"), "compile": ("auto", "on", "off"),
+            "chat_loss": ("assistant", "all"), "optimizer": ("adamw", "muon"), "schedule": ("cosine", "wsd"),
+            "recipe": tuple(RECIPES)}
 
 
-def _check(obj, names: str, rule: tuple) -> None:
-    """Each field in `names` (space-separated) is a number (not a bool) that passes the rule."""
-    must, ok = rule
-    for n in names.split():
-        v = getattr(obj, n)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise ConfigError(f"{n}={v!r} must be {must}")
-
-
-def _choice(obj, name: str, choices: tuple[str, ...]) -> None:
-    v = getattr(obj, name)
-    if v not in choices:
-        raise ConfigError(f"{name}={v!r}: choose one of {', '.join(choices)}")
+def _check_fields(config) -> None:
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if f.name in _CHOICES and v not in _CHOICES[f.name]:
+            raise ConfigError(f"{f.name}={v!r}: choose one of {', '.join(_CHOICES[f.name])}")
+        must, ok = _RULES.get(f.name, ("", None))
+        if ok and (isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v)):
+            raise ConfigError(f"{f.name}={v!r} must be {must}")

@@ -160,45 +160,44 @@ class RunConfig:
 # The modern recipe's learning rates: published values for the GPU presets, phase1's swept (docs/benchmarks.md).
 _PUBLISHED_MODERN = dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4)
 
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {  # each: the fields it changes from their defaults
     # Tiny Shakespeare, char-level, on a laptop CPU (~0.34M parameters; chosen by measurement: docs/benchmarks.md).
     "phase1": {
-        "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, dropout=0.0, vocab_multiple=1),
+        "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, vocab_multiple=1),
         "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=1e-2, min_lr_ratio=0.05,
-                      warmup_steps=30, weight_decay=0.1, beta2=0.99, eval_interval=500, eval_batches=20,
-                      sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0, keep_every=500),
+                      warmup_steps=30, beta2=0.99, eval_interval=500, sample_prompts=["ROMEO:", "\n"],
+                      save_every_minutes=5.0, keep_every=500),
         "modern": dict(learning_rate=1e-2, muon_lr=0.01, cooldown_frac=0.4),
     },
     # Medium model: a few hours on a T4/L4, minutes per 1k steps on an A100.
     "phase2": {
-        "model": dict(vocab_size=32768, block_size=512, n_layer=6, n_head=6, n_embd=384, dropout=0.0),
-        "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, min_lr_ratio=0.1,
-                      warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
+        "model": dict(vocab_size=32768, block_size=512, n_layer=6, n_head=6, n_embd=384),
+        "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, warmup_steps=500,
+                      eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "], sample_tokens=100,
+                      keep_every=2500),
         "modern": _PUBLISHED_MODERN,
     },
     # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
     "gpt2-small": {
-        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
-        "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
-                      warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, warmup_steps=700,
+                      eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "], sample_tokens=100,
+                      keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
     # GPT-2 Medium (350M-class): gpt2-small's tokens per step in micro-batches of 8 (an A100 40 GB), a lower LR.
     "gpt2-medium": {
-        "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024, dropout=0.0),
-        "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, min_lr_ratio=0.1,
-                      warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+        "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, warmup_steps=700,
+                      eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "], sample_tokens=100,
+                      keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
     # train --init-from RUN_DIR: the shape comes from that run (placeholders here), a ~10x lower LR.
     "finetune": {
-        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
-        "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
-                      warmup_steps=20, eval_interval=50, eval_batches=20, sample_prompts=["\n"], sample_tokens=100,
-                      save_every_minutes=10.0, keep_every=0),
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, warmup_steps=20,
+                      eval_interval=50, sample_tokens=100),
         "modern": dict(learning_rate=4e-4, muon_lr=2e-3, cooldown_frac=0.4),
     },
 }
@@ -229,13 +228,10 @@ def build_config(preset: str | RunConfig, overrides: dict | list | None = None, 
                  **explicit) -> RunConfig:
     """Preset (or a RunConfig) with a recipe (None: gpt2, or the RunConfig's) + `--set` overrides + explicit keyword
     values (None = not given), validated."""
-    if isinstance(preset, str):
-        cfg = get_preset(preset, recipe or "gpt2")
-    elif recipe is not None and recipe != preset.recipe:
-        raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={preset.recipe!r}; make it "
+    cfg = get_preset(preset, recipe or "gpt2") if isinstance(preset, str) else preset
+    if recipe not in (None, cfg.recipe):
+        raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
                           f"with get_preset(name, recipe={recipe!r})")
-    else:
-        cfg = preset
     return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
 
 

@@ -1,11 +1,10 @@
 """Command line: python -m gptlib {tokenize, train, sample, chat, ...} --help. Each command is a function cmd_X(args),
-its arguments declared above it; its docstring (else its help) is its --help description."""
+its arguments declared above it; its --help description is its help, then its docstring."""
 
 from __future__ import annotations
 
 import argparse
 import errno
-import inspect
 import sys
 
 from gptlib.config import PRESETS, RECIPES
@@ -74,8 +73,7 @@ def cmd_fetch(args) -> int:
          arg("--overwrite", action="store_true", help="replace a different dataset already in --out"),
          arg("--quiet", action="store_true", help="no progress bar or summary"))
 def cmd_tokenize(args) -> int:
-    """Pre-tokenize .txt / .jsonl / parquet files, local or behind URLs, into a data directory (token shards,
-    tokenizer.json, meta.json). The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
+    """The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
     from gptlib.data.prepare import prepare
 
     inputs = list(args.input or [])
@@ -114,7 +112,7 @@ def cmd_tokenize(args) -> int:
          arg("--allow-data-change", action="store_true", help="resume on other tokens (same tokenizer); recorded"),
          arg("--quiet", action="store_true", help="no progress bar"))
 def cmd_train(args) -> int:
-    """Train a GPT; re-running the same command resumes from the run directory's newest valid checkpoint."""
+    """Re-running the same command resumes from the run directory's newest valid checkpoint."""
     from gptlib.training.loop import train
 
     r = train(args.data, args.run_dir, preset=args.preset, overrides=args.set, max_steps=args.max_steps,
@@ -153,7 +151,7 @@ def _sampling(args, **extra):
          arg("--stream", action="store_true", help="print text as it is generated (samples run one by one)"),
          checkpoint="latest")
 def cmd_sample(args) -> int:
-    """Generate text from a checkpoint of a run directory (KV-cached engine)."""
+    """With a KV cache; several prompts or samples run as one batch (with --stream, one by one)."""
     from gptlib.inference.engine import Engine
 
     # A literal backslash-n typed in a shell means a newline.
@@ -180,8 +178,7 @@ def cmd_sample(args) -> int:
          arg("--system", metavar="TEXT", help="a system prompt, kept through the conversation"),
          checkpoint="latest")
 def cmd_chat(args) -> int:
-    """Chat with a run fine-tuned on conversations: in the terminal (/reset clears the history, /quit or Ctrl-D
-    ends), or one turn with --message. The oldest exchanges go first when the context is full."""
+    """/reset clears the history, /quit or Ctrl-D ends; the oldest exchanges go first when the context is full."""
     from gptlib.inference.chat import ChatSession, chat_loop
 
     cfg = _sampling(args)
@@ -235,7 +232,7 @@ def cmd_import(args) -> int:
          arg("--dry-run", metavar="DIR", help="write the commit's files into DIR and upload nothing"),
          checkpoint="best")
 def cmd_push(args) -> int:
-    """One commit; the token: HF_TOKEN, Colab's secret HF_TOKEN or a saved `hf auth login`."""
+    """In one commit; the token: HF_TOKEN, Colab's secret HF_TOKEN or a saved `hf auth login`."""
     from gptlib.share import push
 
     where = push(args.run_dir, args.repo, args.checkpoint, private=args.private, gguf=args.gguf,
@@ -255,7 +252,7 @@ def cmd_push(args) -> int:
          arg("--out", metavar="FILE", help="append the rows to FILE instead of RUN_DIR/eval.jsonl"),
          arg("--quiet", action="store_true", help="no progress bar"))
 def cmd_eval(args) -> int:
-    """Print a table and append a row per checkpoint to RUN_DIR/eval.jsonl (or --out FILE)."""
+    """Prints a table and appends a row per checkpoint to RUN_DIR/eval.jsonl (or --out FILE)."""
     from gptlib.evaluation.evaluate import evaluate_run, format_table
     from gptlib.layout import EVAL_FILE
 
@@ -264,10 +261,8 @@ def cmd_eval(args) -> int:
                         device=args.device, batch_tokens=args.batch_tokens, progress=not args.quiet, out=args.out,
                         warn=unsaved.append)
     print(format_table(rows), flush=True)  # before the lines on stderr, also when both go to one file
-    for line in unsaved:
-        print(line, file=sys.stderr)
-    if not unsaved:
-        print(f"appended {len(rows)} row(s) to {args.out or f'{args.run_dir}/{EVAL_FILE}'}", file=sys.stderr)
+    appended = f"appended {len(rows)} row(s) to {args.out or f'{args.run_dir}/{EVAL_FILE}'}"
+    print("\n".join(unsaved) or appended, file=sys.stderr)
     return 0
 
 
@@ -278,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help, func, arguments in COMMANDS:
-        p = sub.add_parser(name, help=help, description=inspect.cleandoc(func.__doc__ or help))
+        p = sub.add_parser(name, help=help, description=f"{help}. {func.__doc__ or ''}")
         p.set_defaults(func=func)
         for flags, kw in arguments:
             p.add_argument(*flags, **kw)

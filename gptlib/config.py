@@ -33,8 +33,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = max(1, self.vocab_multiple)
-        return -(-self.vocab_size // m) * m
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def mlp_hidden(self) -> int:
@@ -44,9 +43,8 @@ class ModelConfig:
     def validate(self) -> None:
         _check_fields(self)
         if self.n_embd % self.n_head != 0:
-            raise ConfigError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}: each head needs "
-                              f"n_embd/n_head dimensions (try n_head in "
-                              f"{[h for h in range(1, 33) if self.n_embd % h == 0]})")
+            raise ConfigError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}: a head is n_embd/n_head wide"
+                              f" (try n_head in {[h for h in range(1, 33) if self.n_embd % h == 0]})")
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"positions=rope rotates pairs of dimensions: the head size n_embd/n_head = "
                               f"{self.n_embd // self.n_head} must be even (change n_head or n_embd)")
@@ -96,9 +94,8 @@ class TrainConfig:
             import torch  # here only: `import gptlib.config` stays free of torch
 
             if not hasattr(torch.optim, "Muon"):
-                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this "
-                                  f"is torch {torch.__version__}: upgrade torch, or use --recipe gpt2 (--set "
-                                  f"optimizer=adamw)")
+                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this is"
+                                  f" torch {torch.__version__}: upgrade, or use --recipe gpt2 (--set optimizer=adamw)")
 
 
 @dataclass(frozen=True)

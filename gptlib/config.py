@@ -123,15 +123,17 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
         """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults. ReLU² and
         the logit soft cap are gone (no gain measured): a config that left them off (the defaults) loads."""
-        _known(d, ("model", "train", "preset", "recipe"), source)
         model, train = dict(d.get("model", {})), d.get("train", {})
         cap = model.pop("logit_softcap", 0)
         if cap or model.get("mlp") == "relu2":
             name, value = ("logit_softcap", cap) if cap else ("mlp", "relu2")
             raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
                               f"docs/benchmarks.md); use the gptlib version that trained this run")
-        _known(model, [f.name for f in fields(ModelConfig)], f"{source}: model")
-        _known(train, [f.name for f in fields(TrainConfig)], f"{source}: train")
+        for where, keys, known in ((source, d, cls), (f"{source}: model", model, ModelConfig),
+                                   (f"{source}: train", train, TrainConfig)):
+            names = sorted(f.name for f in fields(known))
+            if unknown := set(keys) - set(names):
+                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {names}")
         return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"))
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
@@ -230,11 +232,6 @@ def build_config(preset: str | RunConfig, overrides: dict | list | None = None, 
         raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
                           f"with get_preset(name, recipe={recipe!r})")
     return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
-
-
-def _known(d: dict[str, Any], names, source: str) -> None:
-    if unknown := set(d) - set(names):
-        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}

@@ -19,8 +19,7 @@ TOKEN_HELP = ("use a token with write access (https://huggingface.co/settings/to
               "as the Colab secret HF_TOKEN, or log in once with `hf auth login`")
 
 
-def stage(run_dir, out_dir, repo: str, checkpoint="best", gguf: bool = False, license: str = "apache-2.0",
-          hardware: str = "") -> Path:
+def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, hardware: str) -> Path:
     """The commit's files in out_dir (new or empty), written into a temporary sibling renamed at the end."""
     from gptlib.inference.export import export_model
     from gptlib.inference.gguf_export import gguf_arch, write_gguf

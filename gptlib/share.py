@@ -119,8 +119,7 @@ def hub_error(e: Exception, repo: str) -> PushError:
     if status == 401:
         return PushError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
     if status == 403:
-        return PushError(f"the Hub refused to write {repo} (HTTP 403): it belongs to someone else, or the token is "
-                         f"read-only; push to a repository of yours and {TOKEN_HELP}")
+        return PushError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return PushError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
                      f"all or nothing): run the same command again to finish it")

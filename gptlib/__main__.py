@@ -1,11 +1,10 @@
-"""Command line: python -m gptlib {tokenize, train, sample, chat, ...} --help. Each command is a function cmd_X(args)
-whose docstring is its --help description, its arguments declared above it."""
+"""Command line: python -m gptlib {tokenize, train, sample, chat, ...} --help. Each command is a function cmd_X(args),
+its arguments declared above it; its --help description is its help, then its docstring."""
 
 from __future__ import annotations
 
 import argparse
 import errno
-import inspect
 import sys
 
 from gptlib.config import PRESETS, RECIPES
@@ -20,8 +19,7 @@ def arg(*flags: str, **kw) -> tuple:
 
 
 def command(name: str, help: str, *args: tuple, checkpoint: str | None = None):
-    """Registers the decorated cmd_X(args) as subcommand `name`; checkpoint: the default of --checkpoint, which comes
-    with --run-dir (None: neither)."""
+    """Registers cmd_X(args) as subcommand `name`; checkpoint: the default of --checkpoint (with --run-dir)."""
     if checkpoint:
         args = (arg("--run-dir", required=True, metavar="RUN_DIR"),
                 arg("--checkpoint", default=checkpoint, metavar="latest|best|STEP",
@@ -50,7 +48,6 @@ def _count(s: str) -> int:
          arg("--local", metavar="PATH", help="use this local copy (verified) instead of downloading"),
          arg("--cache-dir", metavar="DIR", help="download cache (default ~/.cache/gptlib or $GPTLIB_CACHE)"))
 def cmd_fetch(args) -> int:
-    """Print the path of a checksum-verified Tiny Shakespeare file, downloading it into the cache if needed."""
     from gptlib.data.download import fetch_tinyshakespeare
 
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, local_path=args.local))
@@ -76,8 +73,7 @@ def cmd_fetch(args) -> int:
          arg("--overwrite", action="store_true", help="replace a different dataset already in --out"),
          arg("--quiet", action="store_true", help="no progress bar or summary"))
 def cmd_tokenize(args) -> int:
-    """Pre-tokenize .txt / .jsonl / parquet files, local or behind URLs, into a data directory (token shards,
-    tokenizer.json, meta.json). The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
+    """The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
     from gptlib.data.prepare import prepare
 
     inputs = list(args.input or [])
@@ -89,16 +85,12 @@ def cmd_tokenize(args) -> int:
         raise PrepareError("--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
                        "or an hf://datasets/ input")
     # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
-    tokenizer = args.tokenizer or ("bpe" if args.format == "chat" else "char")
-    try:
-        prepare(inputs, args.out, tokenizer=tokenizer, vocab_size=args.vocab_size,
-                tokenizer_from=args.tokenizer_from, text_column=args.text_column,
-                val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
-                train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None,
-                overwrite=args.overwrite, verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens,
-                hf_config=args.hf_config, hf_split=args.hf_split)
-    except KeyboardInterrupt:  # Ctrl-C: prepare said in one line what is kept and how to go on
-        return 130  # the shell's status for a process stopped by SIGINT
+    prepare(inputs, args.out, tokenizer=args.tokenizer or ("bpe" if args.format == "chat" else "char"),
+            vocab_size=args.vocab_size, tokenizer_from=args.tokenizer_from, text_column=args.text_column,
+            val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
+            train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None, overwrite=args.overwrite,
+            verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens, hf_config=args.hf_config,
+            hf_split=args.hf_split)
     return 0
 
 
@@ -120,7 +112,7 @@ def cmd_tokenize(args) -> int:
          arg("--allow-data-change", action="store_true", help="resume on other tokens (same tokenizer); recorded"),
          arg("--quiet", action="store_true", help="no progress bar"))
 def cmd_train(args) -> int:
-    """Train a GPT; re-running the same command resumes from the run directory's newest valid checkpoint."""
+    """Re-running the same command resumes from the run directory's newest valid checkpoint."""
     from gptlib.training.loop import train
 
     r = train(args.data, args.run_dir, preset=args.preset, overrides=args.set, max_steps=args.max_steps,
@@ -130,7 +122,7 @@ def cmd_train(args) -> int:
               init_from=args.init_from, skip_unreadable=args.skip_unreadable,
               allow_data_change=args.allow_data_change, recipe=args.recipe)
     print(r.summary())
-    return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the shell's status for a process stopped by SIGINT
+    return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the status of a process stopped by SIGINT
 
 
 GENERATION = (  # the arguments sample and chat share: how to sample
@@ -159,7 +151,7 @@ def _sampling(args, **extra):
          arg("--stream", action="store_true", help="print text as it is generated (samples run one by one)"),
          checkpoint="latest")
 def cmd_sample(args) -> int:
-    """Generate text from a checkpoint of a run directory (KV-cached engine)."""
+    """With a KV cache; several prompts or samples run as one batch (with --stream, one by one)."""
     from gptlib.inference.engine import Engine
 
     # A literal backslash-n typed in a shell means a newline.
@@ -168,20 +160,16 @@ def cmd_sample(args) -> int:
     cfg = _sampling(args, stop=[st.replace("\\n", "\n") for st in args.stop])
     eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device)
     print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
-    many = len(jobs) > 1
-    if args.stream:
-        for i, pr in enumerate(jobs):
-            if many:
-                print(f"\n--- sample {i + 1}/{len(jobs)} ---")
-            print(pr, end="", flush=True)
-            cfg.seed = args.seed + i
-            eng.generate(pr, cfg, stream=lambda _, piece: print(piece, end="", flush=True))
-            print()
-    else:
-        for i, c in enumerate(eng.generate(jobs, cfg)):
-            if many:
-                print(f"\n--- sample {i + 1}/{len(jobs)} ---")
-            print(c.prompt + c.text)
+    heading = [f"\n--- sample {i + 1}/{len(jobs)} ---\n" if len(jobs) > 1 else "" for i in range(len(jobs))]
+    if not args.stream:  # one batch
+        for head, c in zip(heading, eng.generate(jobs, cfg)):
+            print(head + c.prompt + c.text)
+        return 0
+    for i, pr in enumerate(jobs):  # one by one
+        print(heading[i] + pr, end="", flush=True)
+        cfg.seed = args.seed + i
+        eng.generate(pr, cfg, stream=lambda _, piece: print(piece, end="", flush=True))
+        print()
     return 0
 
 
@@ -190,8 +178,7 @@ def cmd_sample(args) -> int:
          arg("--system", metavar="TEXT", help="a system prompt, kept through the conversation"),
          checkpoint="latest")
 def cmd_chat(args) -> int:
-    """Chat with a run fine-tuned on conversations: in the terminal (/reset clears the history, /quit or Ctrl-D
-    ends), or one turn with --message. The oldest exchanges go first when the context is full."""
+    """/reset clears the history, /quit or Ctrl-D ends; the oldest exchanges go first when the context is full."""
     from gptlib.inference.chat import ChatSession, chat_loop
 
     cfg = _sampling(args)
@@ -206,8 +193,6 @@ def cmd_chat(args) -> int:
          arg("--out", required=True, metavar="DIR", help="output folder"),
          arg("--overwrite", action="store_true", help="replace a non-empty output folder"), checkpoint="latest")
 def cmd_export(args) -> int:
-    """Write a folder that transformers' AutoModelForCausalLM and AutoTokenizer load: a GPT2LMHeadModel for the gpt2
-    recipe, a Qwen3ForCausalLM (LlamaForCausalLM without QK-norm) for the modern one."""
     from gptlib.inference.export import export_hf
 
     out = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
@@ -220,8 +205,6 @@ def cmd_export(args) -> int:
          arg("--dtype", default="f16", metavar="f32|f16|q8_0", help="exact | half the size | a quarter (default f16)"),
          arg("--overwrite", action="store_true", help="replace an existing file"), checkpoint="latest")
 def cmd_export_gguf(args) -> int:
-    """Write one GGUF file that llama.cpp, Ollama and LM Studio load: the gpt2 recipe as llama.cpp's gpt2
-    architecture, the modern one as qwen3 (llama without QK-norm), with the BPE tokenizer and a chat run's template."""
     from gptlib.inference.gguf_export import export_gguf
 
     out = export_gguf(args.run_dir, args.out, args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
@@ -233,8 +216,7 @@ def cmd_export_gguf(args) -> int:
          arg("--model", required=True, metavar="NAME_OR_DIR", help="a Hub model id (gpt2) or a local folder"),
          arg("--out", required=True, metavar="RUN_DIR", help="the new run directory (must not exist or be empty)"))
 def cmd_import(args) -> int:
-    """Turn a GPT2LMHeadModel (gpt2, gpt2-medium, a local folder), or a Qwen3 / Llama folder of the modern recipe's
-    shape, into a run directory that sample, eval, export-hf and train --init-from work on."""
+    """The new run directory works with sample, chat, eval, export-hf and train --init-from."""
     from gptlib.inference.hf_import import import_hf
 
     import_hf(args.model, args.out)
@@ -250,8 +232,7 @@ def cmd_import(args) -> int:
          arg("--dry-run", metavar="DIR", help="write the commit's files into DIR and upload nothing"),
          checkpoint="best")
 def cmd_push(args) -> int:
-    """Upload a checkpoint to the Hugging Face Hub in one commit: export-hf's files, the loss curve, a model card
-    (with --gguf a GGUF file). The token: HF_TOKEN, Colab's secret HF_TOKEN or a saved `hf auth login`."""
+    """In one commit; the token: HF_TOKEN, Colab's secret HF_TOKEN or a saved `hf auth login`."""
     from gptlib.share import push
 
     where = push(args.run_dir, args.repo, args.checkpoint, private=args.private, gguf=args.gguf,
@@ -271,8 +252,7 @@ def cmd_push(args) -> int:
          arg("--out", metavar="FILE", help="append the rows to FILE instead of RUN_DIR/eval.jsonl"),
          arg("--quiet", action="store_true", help="no progress bar"))
 def cmd_eval(args) -> int:
-    """Score checkpoints of a run on HellaSwag (zero-shot: acc and acc_norm) or the validation split in bits per
-    byte. Prints a table and appends a row per checkpoint to RUN_DIR/eval.jsonl (or --out FILE)."""
+    """Prints a table and appends a row per checkpoint to RUN_DIR/eval.jsonl (or --out FILE)."""
     from gptlib.evaluation.evaluate import evaluate_run, format_table
     from gptlib.layout import EVAL_FILE
 
@@ -281,10 +261,8 @@ def cmd_eval(args) -> int:
                         device=args.device, batch_tokens=args.batch_tokens, progress=not args.quiet, out=args.out,
                         warn=unsaved.append)
     print(format_table(rows), flush=True)  # before the lines on stderr, also when both go to one file
-    for line in unsaved:
-        print(line, file=sys.stderr)
-    if not unsaved:
-        print(f"appended {len(rows)} row(s) to {args.out or f'{args.run_dir}/{EVAL_FILE}'}", file=sys.stderr)
+    appended = f"appended {len(rows)} row(s) to {args.out or f'{args.run_dir}/{EVAL_FILE}'}"
+    print("\n".join(unsaved) or appended, file=sys.stderr)
     return 0
 
 
@@ -295,20 +273,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help, func, arguments in COMMANDS:
-        p = sub.add_parser(name, help=help, description=inspect.cleandoc(func.__doc__))
+        p = sub.add_parser(name, help=help, description=f"{help}. {func.__doc__ or ''}")
         p.set_defaults(func=func)
         for flags, kw in arguments:
             p.add_argument(*flags, **kw)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
+        return 130
     except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
+    except OSError as e:  # a full, read-only or forbidden disk met outside the places that explain it: still one line
         if e.errno not in _DISK_ERRORS:
             raise
-        # a full, read-only or forbidden disk met outside the places that explain it: still one line
         print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
               f"writable directory", file=sys.stderr)
         return 2

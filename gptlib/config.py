@@ -33,8 +33,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = max(1, self.vocab_multiple)
-        return -(-self.vocab_size // m) * m
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def mlp_hidden(self) -> int:
@@ -42,15 +41,10 @@ class ModelConfig:
         return -(-8 * self.n_embd // (3 * 64)) * 64 if self.mlp == "swiglu" else 4 * self.n_embd
 
     def validate(self) -> None:
-        _check(self, "vocab_size block_size n_layer n_head n_embd vocab_multiple rope_theta", _POSITIVE)
+        _check_fields(self)
         if self.n_embd % self.n_head != 0:
-            raise ConfigError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}: each head needs "
-                              f"n_embd/n_head dimensions (try n_head in "
-                              f"{[h for h in range(1, 33) if self.n_embd % h == 0]})")
-        _check(self, "dropout", _FRACTION)
-        _choice(self, "positions", ("learned", "rope"))
-        _choice(self, "norm", ("layernorm", "rmsnorm"))
-        _choice(self, "mlp", ("gelu", "swiglu"))
+            raise ConfigError(f"n_head={self.n_head} does not divide n_embd={self.n_embd}: a head is n_embd/n_head wide"
+                              f" (try n_head in {[h for h in range(1, 33) if self.n_embd % h == 0]})")
         if self.positions == "rope" and (self.n_embd // self.n_head) % 2:
             raise ConfigError(f"positions=rope rotates pairs of dimensions: the head size n_embd/n_head = "
                               f"{self.n_embd // self.n_head} must be even (change n_head or n_embd)")
@@ -95,26 +89,13 @@ class TrainConfig:
     auto_batch: bool = False  # CUDA: the largest micro-batch that fits, grad_accum_steps keeping the tokens per step
 
     def validate(self) -> None:
-        _check(self, "batch_size grad_accum_steps max_steps eval_interval eval_batches log_interval learning_rate "
-                     "muon_lr", _POSITIVE)
-        _check(self, "warmup_steps weight_decay grad_clip max_minutes save_every_steps save_every_minutes "
-                     "sample_tokens keep_every hellaswag_every hellaswag_items colab_units_per_hour", _NON_NEGATIVE)
-        _check(self, "beta1 beta2 muon_momentum", _FRACTION)
-        _check(self, "min_lr_ratio", ("in [0, 1]", lambda v: 0 <= v <= 1))
-        _check(self, "cooldown_frac", ("in (0, 1]", lambda v: 0 < v <= 1))
-        _check(self, "keep_last", (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2))
-        _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
-        _choice(self, "compile", ("auto", "on", "off"))
-        _choice(self, "chat_loss", ("assistant", "all"))
-        _choice(self, "optimizer", ("adamw", "muon"))
-        _choice(self, "schedule", ("cosine", "wsd"))
+        _check_fields(self)
         if self.optimizer == "muon":
             import torch  # here only: `import gptlib.config` stays free of torch
 
             if not hasattr(torch.optim, "Muon"):
-                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this "
-                                  f"is torch {torch.__version__}: upgrade torch, or use --recipe gpt2 (--set "
-                                  f"optimizer=adamw)")
+                raise ConfigError(f"optimizer=muon (the modern recipe) needs torch.optim.Muon, in torch >= 2.9; this is"
+                                  f" torch {torch.__version__}: upgrade, or use --recipe gpt2 (--set optimizer=adamw)")
 
 
 @dataclass(frozen=True)
@@ -130,7 +111,7 @@ class RunConfig:
         return self.train.batch_size * self.train.grad_accum_steps * self.model.block_size
 
     def validate(self) -> "RunConfig":
-        _choice(self, "recipe", tuple(RECIPES))
+        _check_fields(self)
         self.model.validate()
         self.train.validate()
         return self
@@ -142,15 +123,17 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
         """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults. ReLU² and
         the logit soft cap are gone (no gain measured): a config that left them off (the defaults) loads."""
-        _known(d, ("model", "train", "preset", "recipe"), source)
         model, train = dict(d.get("model", {})), d.get("train", {})
         cap = model.pop("logit_softcap", 0)
         if cap or model.get("mlp") == "relu2":
             name, value = ("logit_softcap", cap) if cap else ("mlp", "relu2")
             raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
                               f"docs/benchmarks.md); use the gptlib version that trained this run")
-        _known(model, [f.name for f in fields(ModelConfig)], f"{source}: model")
-        _known(train, [f.name for f in fields(TrainConfig)], f"{source}: train")
+        for where, keys, known in ((source, d, cls), (f"{source}: model", model, ModelConfig),
+                                   (f"{source}: train", train, TrainConfig)):
+            names = sorted(f.name for f in fields(known))
+            if unknown := set(keys) - set(names):
+                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {names}")
         return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"))
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
@@ -168,68 +151,59 @@ class RunConfig:
                 raise ConfigError(f"unknown config section {section!r} in {name!r} (use model. or train.)")
             if key not in sections or section not in ("", sections[key]):
                 raise ConfigError(f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}")
-            section = sections[key]
-            changes[section][key] = _parse_value(key, value, getattr(getattr(self, section), key))
+            changes[sections[key]][key] = _parse_value(key, value, getattr(getattr(self, sections[key]), key))
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **changes["model"]),
                                    train=dataclasses.replace(self.train, **changes["train"]))
 
 
-# The modern recipe's learning rates for the GPU presets come from published values, not tuned here
-# (docs/benchmarks.md); phase1's were swept on a 2-core CPU (docs/benchmarks.md, "The two recipes side by side").
+# The modern recipe's learning rates: published values for the GPU presets, phase1's swept (docs/benchmarks.md).
 _PUBLISHED_MODERN = dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4)
 
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # Tiny char-level model for Tiny Shakespeare on a laptop CPU (~0.34M parameters), measured in a fixed 90 s
-    # of 2 cores (docs/benchmarks.md): a small model that sees more tokens beats a larger one, at a high LR.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {  # each: the fields it changes from their defaults
+    # Tiny Shakespeare, char-level, on a laptop CPU (~0.34M parameters; chosen by measurement: docs/benchmarks.md).
     "phase1": {
-        "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, dropout=0.0, vocab_multiple=1),
+        "model": dict(vocab_size=65, block_size=64, n_layer=3, n_head=3, n_embd=96, vocab_multiple=1),
         "train": dict(batch_size=32, grad_accum_steps=1, max_steps=1500, learning_rate=1e-2, min_lr_ratio=0.05,
-                      warmup_steps=30, weight_decay=0.1, beta2=0.99, eval_interval=500, eval_batches=20,
-                      sample_prompts=["ROMEO:", "\n"], sample_tokens=200, save_every_minutes=5.0, keep_every=500),
+                      warmup_steps=30, beta2=0.99, eval_interval=500, sample_prompts=["ROMEO:", "\n"],
+                      save_every_minutes=5.0, keep_every=500),
         "modern": dict(learning_rate=1e-2, muon_lr=0.01, cooldown_frac=0.4),
     },
     # Medium model: a few hours on a T4/L4, minutes per 1k steps on an A100.
     "phase2": {
-        "model": dict(vocab_size=32768, block_size=512, n_layer=6, n_head=6, n_embd=384, dropout=0.0),
-        "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, min_lr_ratio=0.1,
-                      warmup_steps=500, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=2500),
+        "model": dict(vocab_size=32768, block_size=512, n_layer=6, n_head=6, n_embd=384),
+        "train": dict(batch_size=32, grad_accum_steps=4, max_steps=10000, learning_rate=1e-3, warmup_steps=500,
+                      eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "], sample_tokens=100,
+                      keep_every=2500),
         "modern": _PUBLISHED_MODERN,
     },
-    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small. HellaSwag
-    # on 1,000 items at each validation (a few seconds on an A100) shows progress against GPT-2 124M's 0.2955.
+    # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
     "gpt2-small": {
-        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
-        "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, min_lr_ratio=0.1,
-                      warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        "train": dict(batch_size=16, grad_accum_steps=32, max_steps=20000, learning_rate=6e-4, warmup_steps=700,
+                      eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "], sample_tokens=100,
+                      keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
-    # GPT-2 Medium (350M-class, 24 layers x 1024): the same ~0.5M tokens per step as gpt2-small in micro-batches
-    # of 8 (it fits an A100 40 GB with bf16 and compile), a lower peak LR.
+    # GPT-2 Medium (350M-class): gpt2-small's tokens per step in micro-batches of 8 (an A100 40 GB), a lower LR.
     "gpt2-medium": {
-        "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024, dropout=0.0),
-        "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, min_lr_ratio=0.1,
-                      warmup_steps=700, eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "],
-                      sample_tokens=100, save_every_minutes=10.0, keep_every=5000, hellaswag_every=500),
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+        "train": dict(batch_size=8, grad_accum_steps=64, max_steps=20000, learning_rate=3e-4, warmup_steps=700,
+                      eval_interval=500, eval_batches=40, sample_prompts=["The ", "def "], sample_tokens=100,
+                      keep_every=5000, hellaswag_every=500),
         "modern": _PUBLISHED_MODERN,
     },
-    # Fine-tuning a trained model (train --init-from RUN_DIR): the model's shape comes from that run (these are
-    # placeholders), a peak LR ~10x below pre-training, frequent validation (small datasets overfit quickly).
+    # train --init-from RUN_DIR: the shape comes from that run (placeholders here), a ~10x lower LR.
     "finetune": {
-        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0),
-        "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, min_lr_ratio=0.1,
-                      warmup_steps=20, eval_interval=50, eval_batches=20, sample_prompts=["\n"], sample_tokens=100,
-                      save_every_minutes=10.0, keep_every=0),
+        "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        "train": dict(batch_size=8, grad_accum_steps=4, max_steps=1000, learning_rate=5e-5, warmup_steps=20,
+                      eval_interval=50, sample_tokens=100),
         "modern": dict(learning_rate=4e-4, muon_lr=2e-3, cooldown_frac=0.4),
     },
 }
 
 
-# A recipe changes the model and the optimizer together; each part is a field of its own, so one can be switched
-# back (`--recipe modern --set qk_norm=false`) for an ablation; its learning rates are the preset's ("modern").
-# gpt2: the 2019 recipe, every field at its default. modern: the NanoGPT speedrun's and nanochat's changes that a
-# native Hugging Face architecture (Qwen3) also has, so export is exact.
+# A recipe sets model and optimizer fields together (each can be switched back with --set); its LRs are the preset's.
+# modern: the NanoGPT speedrun's and nanochat's changes that Qwen3 also has, so the export is exact.
 RECIPES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt2": {"model": {}, "train": {}},
     "modern": {
@@ -253,19 +227,11 @@ def build_config(preset: str | RunConfig, overrides: dict | list | None = None, 
                  **explicit) -> RunConfig:
     """Preset (or a RunConfig) with a recipe (None: gpt2, or the RunConfig's) + `--set` overrides + explicit keyword
     values (None = not given), validated."""
-    if isinstance(preset, str):
-        cfg = get_preset(preset, recipe or "gpt2")
-    elif recipe is not None and recipe != preset.recipe:
-        raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={preset.recipe!r}; make it "
+    cfg = get_preset(preset, recipe or "gpt2") if isinstance(preset, str) else preset
+    if recipe not in (None, cfg.recipe):
+        raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
                           f"with get_preset(name, recipe={recipe!r})")
-    else:
-        cfg = preset
     return cfg.updated(overrides).updated({k: v for k, v in explicit.items() if v is not None}).validate()
-
-
-def _known(d: dict[str, Any], names, source: str) -> None:
-    if unknown := set(d) - set(names):
-        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
 
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -275,41 +241,49 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
     """A `--set` string as the type of the field's current value; a value that is not a string is taken as is."""
     if not isinstance(value, str) or isinstance(current, str):
         return value
+    v = value.strip()
     try:
         if isinstance(current, bool):
-            return _BOOLS[value.strip().lower()]
+            return _BOOLS[v.lower()]
         if isinstance(current, int):
-            if value.strip().lstrip("+-").isdigit():
-                return int(value)  # exactly: a float would round a seed above 2**53
-            number = float(value)  # 1e3 and 2000.0 are integers too, 2.5 is not
-            if not number.is_integer():
-                raise ValueError(value)
+            if v.lstrip("+-").isdigit():
+                return int(v)  # exactly: a float would round a seed above 2**53
+            if not (number := float(v)).is_integer():  # 1e3 and 2000.0 are integers too, 2.5 is not
+                raise ValueError(v)
             return int(number)
         if isinstance(current, float):
-            return float(value)
-        parsed = json.loads(value) if value.strip().startswith("[") else [value]  # the one list field: strings
-        return [str(x) for x in parsed]
+            return float(v)
+        return [str(x) for x in json.loads(v)] if v.startswith("[") else [value]  # the one list field: strings
     except (ValueError, KeyError):
         kind = {bool: "true or false", int: "an integer", float: "a number"}.get(type(current), "a list of strings")
         raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
 
 
-# The numeric rules: (what the value must be, the test it passes).
+# What a field must be: a number (not a bool) that passes a test, or one of a few names.
 _POSITIVE = ("a positive number", lambda v: 0 < v < math.inf)
 _NON_NEGATIVE = (">= 0", lambda v: v >= 0)
 _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
+_RULES = {
+    **dict.fromkeys("vocab_size block_size n_layer n_head n_embd vocab_multiple rope_theta batch_size grad_accum_steps "
+                    "max_steps eval_interval eval_batches log_interval learning_rate muon_lr".split(), _POSITIVE),
+    **dict.fromkeys("warmup_steps weight_decay grad_clip max_minutes save_every_steps save_every_minutes sample_tokens "
+                    "keep_every hellaswag_every hellaswag_items colab_units_per_hour".split(), _NON_NEGATIVE),
+    **dict.fromkeys("dropout beta1 beta2 muon_momentum".split(), _FRACTION),
+    "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "keep_last": (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2),
+}
+_CHOICES = {"positions": ("learned", "rope"), "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"),
+            "dtype": ("auto", "float32", "bfloat16", "float16"), "compile": ("auto", "on", "off"),
+            "chat_loss": ("assistant", "all"), "optimizer": ("adamw", "muon"), "schedule": ("cosine", "wsd"),
+            "recipe": tuple(RECIPES)}
 
 
-def _check(obj, names: str, rule: tuple) -> None:
-    """Each field in `names` (space-separated) is a number (not a bool) that passes the rule."""
-    must, ok = rule
-    for n in names.split():
-        v = getattr(obj, n)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-            raise ConfigError(f"{n}={v!r} must be {must}")
-
-
-def _choice(obj, name: str, choices: tuple[str, ...]) -> None:
-    v = getattr(obj, name)
-    if v not in choices:
-        raise ConfigError(f"{name}={v!r}: choose one of {', '.join(choices)}")
+def _check_fields(config) -> None:
+    for f in fields(config):
+        v = getattr(config, f.name)
+        if f.name in _CHOICES and v not in _CHOICES[f.name]:
+            raise ConfigError(f"{f.name}={v!r}: choose one of {', '.join(_CHOICES[f.name])}")
+        must, ok = _RULES.get(f.name, ("", None))
+        if ok and (isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v)):
+            raise ConfigError(f"{f.name}={v!r} must be {must}")

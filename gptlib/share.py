@@ -19,13 +19,11 @@ TOKEN_HELP = ("use a token with write access (https://huggingface.co/settings/to
               "as the Colab secret HF_TOKEN, or log in once with `hf auth login`")
 
 
-def stage(run_dir, out_dir, repo: str, checkpoint="best", gguf: bool = False, license: str = "apache-2.0",
-          hardware: str = "") -> Path:
-    """The commit's files in out_dir (new or empty): export-hf's folder with the model card as its README.md, the
-    run's loss curve and, with gguf, an f16 GGUF file. Written into a temporary sibling renamed at the end."""
+def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, hardware: str) -> Path:
+    """The commit's files in out_dir (new or empty), written into a temporary sibling renamed at the end."""
     from gptlib.inference.export import export_model
     from gptlib.inference.gguf_export import gguf_arch, write_gguf
-    from gptlib.inference.loading import load_run  # here, as torch: `python -m gptlib tokenize` never imports it
+    from gptlib.inference.loading import load_run  # here (torch): `python -m gptlib tokenize` never imports it
 
     out, run_dir = Path(out_dir), Path(run_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -50,7 +48,7 @@ def stage(run_dir, out_dir, repo: str, checkpoint="best", gguf: bool = False, li
 
 
 def run_facts(ld, run_dir: Path) -> dict:
-    """What the run's files say about a loaded checkpoint: its data sources, its evaluations, a few samples."""
+    """What the run's files say about a loaded checkpoint: its data sources, its evaluations, three samples."""
     meta_path = Path(ld.state.data_dir) / META_FILE if ld.state.data_dir else None
     meta = json.loads(meta_path.read_text()) if meta_path and meta_path.is_file() else {}
     sources = [p if "://" in p else Path(p).name for p in (s.get("path", "") for s in meta.get("sources", []))]
@@ -64,36 +62,29 @@ def run_facts(ld, run_dir: Path) -> dict:
             "samples": [r for r in samples if r["step"] in shown]}
 
 
-def eval_results(ld, facts: dict) -> list:
-    """The card's model-index: validation loss and bits per byte on the run's data, HellaSwag if run."""
-    from huggingface_hub import EvalResult
-
-    data = facts["datasets"][0] if facts["datasets"] else Path(ld.state.data_dir or "data").name
-    found = (("loss", "validation loss (nats/token)", ld.state.val_loss),
-             ("bpb", "bits per byte", facts["evals"].get("bpb", {}).get("bpb")))
-    out = [EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (validation split)",
-                      metric_type=kind, metric_name=name, metric_value=round(v, 4))
-           for kind, name, v in found if v is not None]
-    if "hellaswag" in facts["evals"]:
-        out.append(EvalResult(task_type="text-generation", dataset_type="Rowan/hellaswag", dataset_name="HellaSwag",
-                              dataset_split="validation", metric_type="acc_norm",
-                              metric_value=round(facts["evals"]["hellaswag"]["acc_norm"], 4)))
-    return out
-
-
 def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool) -> str:
-    """README.md: the Hub's metadata header (ModelCardData), then what the model is, how it did, how to run it."""
-    from huggingface_hub import ModelCard, ModelCardData
+    """README.md: the Hub's metadata header (ModelCardData, its model-index the validation loss, bits per byte and
+    HellaSwag), then what the model is, how it did, how to run it."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     from gptlib.inference.export import CLASSES, native_arch
     from gptlib.model import model_size
 
     cfg, st, f, name = ld.config, ld.state, run_facts(ld, run_dir), repo.split("/")[1]
     m, arch = cfg.model, native_arch(cfg.model)
+    bpb, hs = f["evals"].get("bpb"), f["evals"].get("hellaswag")
+    data = f["datasets"][0] if f["datasets"] else Path(st.data_dir or "data").name
+    results = [EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (validation split)",
+                          metric_type=kind, metric_name=what, metric_value=round(v, 4))
+               for kind, what, v in (("loss", "validation loss (nats/token)", st.val_loss),
+                                     ("bpb", "bits per byte", bpb["bpb"] if bpb else None)) if v is not None]
+    if hs:
+        results.append(EvalResult(task_type="text-generation", dataset_type="Rowan/hellaswag", dataset_name="HellaSwag",
+                                  dataset_split="validation", metric_type="acc_norm",
+                                  metric_value=round(hs["acc_norm"], 4)))
     header = ModelCardData(license=license, library_name="transformers", pipeline_tag="text-generation",
                            tags=["gptlib", arch] + (["gguf"] if gguf_file else []), datasets=f["datasets"] or None,
-                           model_name=name, eval_results=eval_results(ld, f) or None)
-    bpb, hs = f["evals"].get("bpb"), f["evals"].get("hellaswag")
+                           model_name=name, eval_results=results or None)
     val = f"{st.val_loss:.4f} nats/token" if st.val_loss is not None else "not measured at this step"
     hours = f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
     lines = [
@@ -128,8 +119,7 @@ def hub_error(e: Exception, repo: str) -> PushError:
     if status == 401:
         return PushError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
     if status == 403:
-        return PushError(f"the Hub refused to write {repo} (HTTP 403): it belongs to someone else, or the token is "
-                         f"read-only; push to a repository of yours and {TOKEN_HELP}")
+        return PushError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return PushError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
                      f"all or nothing): run the same command again to finish it")
@@ -137,8 +127,8 @@ def hub_error(e: Exception, repo: str) -> PushError:
 
 def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
          license: str = "apache-2.0", hardware: str = "") -> str:
-    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; with dry_run, the folder
-    holding the files the commit would (nothing is uploaded)."""
+    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; dry_run: the folder the
+    commit's files are written to, and nothing is uploaded."""
     import huggingface_hub as hub
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -157,9 +147,9 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
         me = api.whoami()
     except Exception as e:  # noqa: BLE001 - huggingface_hub's and the network's errors, in one line
         raise hub_error(e, repo) from None
-    if repo.split("/")[0] not in {me["name"], *(o["name"] for o in me.get("orgs", []))}:
-        raise PushError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to "
-                        f"{me['name']}/{repo.split('/')[1]}")
+    owner, name = repo.split("/")
+    if owner not in {me["name"], *(o["name"] for o in me.get("orgs", []))}:
+        raise PushError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}")
     with tempfile.TemporaryDirectory(prefix="gptlib-push-") as tmp:
         folder = stage(run_dir, Path(tmp) / "repo", repo, checkpoint, gguf, license, hardware)
         ops = [hub.CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from gptlib.checkpoint.format import CheckpointError
-from gptlib.checkpoint.format import TrainState
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import CharTokenizer, TokenizerError
 from gptlib.inference.engine import Engine, GenerationError
-from gptlib.inference.loading import checkpoint_table, load_run, load_run_tokenizer, resolve_checkpoint
+from gptlib.inference.loading import checkpoint_table, load_run, read_state_and_tokenizer, resolve_checkpoint
 from gptlib.inference.sampling import SamplingConfig, process_logits, sample_next
 from gptlib.model import GPT
 
@@ -282,8 +281,12 @@ def test_missing_or_mismatched_tokenizer(run_dir, tmp_path):
     state = json.loads((rd / "checkpoints" / "step_0000010" / "state.json").read_text())
     # Missing: neither the run's copy nor the recorded data directory's.
     (rd / "tokenizer.json").unlink()
+    state_file = rd / "checkpoints" / "step_0000010" / "state.json"
+    saved = state_file.read_text()
+    state_file.write_text(json.dumps({**state, "data_dir": str(tmp_path / "gone")}))
     with pytest.raises(TokenizerError, match="no tokenizer for .*tokenizer.json"):
-        load_run_tokenizer(rd, TrainState.from_json({**state, "data_dir": str(tmp_path / "gone")}, "ckpt"), "ckpt")
+        read_state_and_tokenizer(rd, state_file.parent)
+    state_file.write_text(saved)
     # Falls back to the data directory recorded in the checkpoint (it still exists here).
     assert load_run(rd).tokenizer.identity()["hash"] == state["tokenizer"]["hash"]
     # Mismatched: a different vocabulary in the run's tokenizer.json.

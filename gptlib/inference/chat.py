@@ -1,10 +1,8 @@
 """Talking to a chat-tuned run: the history rendered with the chat template, answered until <|end|>, <|endoftext|> or
 another role token (a model that writes one has ended its turn). Prompt and reply must fit in block_size tokens (past
-it the model would silently lose the system prompt first), so before each reply, with a notice through `log`:
-1. max_new_tokens is capped at block_size // 2, leaving room for the conversation;
-2. the oldest (user, assistant) pairs are dropped for good; the system prompt stays;
-3. if the newest message alone does not fit, the model gets its longest tail that fits (a question usually comes last).
-"""
+it the model would silently lose the system prompt first), so before each reply, with a notice through `log`: (1)
+max_new_tokens is capped at block_size // 2; (2) the oldest (user, assistant) pairs are dropped for good, the system
+prompt stays; (3) if the newest message alone does not fit, the model gets its longest tail that fits."""
 
 from __future__ import annotations
 
@@ -35,9 +33,6 @@ class ChatSession:
                             f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; "
                             f"{FINETUNE_HINT}") from None
         self.stop_ids = sorted({self.template.end_id, self.template.eot_id, *self.template.role_ids.values()})
-        if max(self.stop_ids) >= engine.model.config.vocab_size:
-            raise ChatError(f"{where}: the tokenizer's chat tokens lie beyond the model's vocabulary "
-                            f"({engine.model.config.vocab_size}); {FINETUNE_HINT}")
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size
         self.history: list[tuple[str, str]] = []
@@ -55,7 +50,7 @@ class ChatSession:
 
     def reply(self, text: str, sampling: SamplingConfig | None = None,
               stream: Callable[[str], None] | None = None) -> str:
-        """Answer one user message; stream(piece) receives the reply's text as it is generated."""
+        """stream(piece) receives the reply's text as it is generated."""
         if not isinstance(text, str):
             raise ChatError(f"a message must be a string, not a {type(text).__name__}")
         cfg = dataclasses.replace(sampling or SamplingConfig()).validate()  # a copy: the cap must not leak out
@@ -76,7 +71,7 @@ class ChatSession:
 
     @property
     def reply_cap(self) -> int:
-        return max(1, self.block_size // 2)  # rule 1
+        return max(1, self.block_size // 2)  # rule (1)
 
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
         head = [("system", self.system)] if self.system else []
@@ -84,7 +79,7 @@ class ChatSession:
         return self.template.render(messages, require_assistant=False, generation_prompt=True)[0].tolist()
 
     def prompt_ids(self, max_new_tokens: int) -> list[int]:
-        """The prompt for the next reply (the history ends with the user's message) within the context: rules 2, 3."""
+        """The prompt for the next reply (the history ends with the user's message): rules (2) and (3)."""
         room, dropped = self.block_size - max_new_tokens, 0
         # One render per dropped pair: fine for a history that fits in a context window plus one message.
         while len(ids := self.render(self.history)) > room and len(self.history) > 1:
@@ -94,7 +89,7 @@ class ChatSession:
             self.log(f"the {dropped} oldest turns were dropped to fit the {self.block_size}-token context")
         if len(ids) <= room:
             return ids
-        text = self.history[-1][1]  # rule 3: the longest tail of the newest message that fits (binary search)
+        text = self.history[-1][1]  # rule (3): the longest tail of the newest message that fits (binary search)
         n = bisect.bisect_left(range(len(text) + 1), True, key=lambda n: len(self._tail(text, n)) > room) - 1
         if n < 0:
             raise ChatError(f"the system prompt leaves no room for a message: it and max_new_tokens do not fit in "

@@ -22,13 +22,12 @@ class Engine:
     def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
         self.model, self.tokenizer = model, tokenizer  # used as is: from_run puts the model in eval mode
         self.step, self.source = step, source  # the checkpoint's training step and path, for display
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto") -> "Engine":
-        """dtype "auto": bf16 on a GPU (fp16 on a T4), since each decoded token reads every weight and half the bytes
-        take about half the time; fp32 on a CPU."""
+        # dtype "auto": bf16 on a GPU (fp16 on a T4): each decoded token reads every weight, and half the bytes take
+        # about half the time; fp32 on a CPU
         ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path))
 
@@ -36,13 +35,6 @@ class Engine:
         # Only the last position goes through the output layer: all T of a prefill onto a 32K vocabulary would cost
         # as much as several blocks.
         return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
-
-    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
-        bs = self.model.config.block_size
-        if cache.pos < bs:
-            return self._logits(buf[:, cur : cur + 1], cache)
-        cache.pos = 0  # the window slides: the newest block_size tokens again
-        return self._logits(buf[:, cur + 1 - bs : cur + 1], cache)
 
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
@@ -96,7 +88,9 @@ class Engine:
             check = on_step is not None or stop_t is not None and cur % 16 == 0
             if cur + 1 >= total or check and bool(done.all()):
                 break
-            logits = self._next_logits(buf, cur, cache)
+            slide = cache.pos >= bs  # the window slides: the newest block_size tokens are prefilled again
+            cache.pos = 0 if slide else cache.pos
+            logits = self._logits(buf[:, cur + 1 - (bs if slide else 1) : cur + 1], cache)
         out = [row[n : min(end, cur + 1)] for row, n, end in zip(buf.tolist(), lens, ends)]
         for b, row in enumerate(out):  # each row ends at its first end-of-text
             if (eot := next((j for j, t in enumerate(row) if t in stop_ids), None)) is not None:
@@ -105,7 +99,7 @@ class Engine:
 
     def generate(self, prompts: str | Sequence[str], cfg: SamplingConfig | None = None, *,
                  stream: Callable[[int, str], None] | None = None) -> list[Completion]:
-        """Continue text prompts; stream(i, piece) gets prompt i's new text as it becomes final."""
+        """stream(i, piece) gets prompt i's new text as it becomes final."""
         if self.tokenizer is None:
             raise GenerationError("this engine has no tokenizer: use generate_ids, or load it with Engine.from_run")
         cfg = (cfg or SamplingConfig()).validate()
@@ -157,8 +151,7 @@ class _TextStream:
 
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
-        self.text = ""  # the final text so far (before any stop string)
-        self.emitted = 0  # characters of self.text already handed to the stream
+        self.text, self.emitted = "", 0  # the final text so far (before any stop string), and how much was shown
         self._pending: list[int] = []  # tokens whose text is not complete yet
         self.stopped = False
 
@@ -177,21 +170,16 @@ class _TextStream:
         self.text += piece
         # Search only the region the new piece could complete.
         look = max(0, len(self.text) - len(piece) - max(map(len, self.stop), default=0) + 1)
-        hits = [i for i in (self.text.find(s, look) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+        if hits := [i for i in (self.text.find(s, look) for s in self.stop) if i >= 0]:
+            self.text, self.stopped = self.text[: min(hits)], True
             return self._take(len(self.text))
-        return self._take(len(self.text) - self._held())
-
-    def _held(self) -> int:  # the longest end of the text that is a proper prefix of a stop string
-        ends = [n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
-                if self.text.endswith(s[:n])]
-        return max(ends, default=0)
+        # held back: the longest end of the text that is a proper prefix of a stop string
+        held = max((n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
+                    if self.text.endswith(s[:n])), default=0)
+        return self._take(len(self.text) - held)
 
     def _take(self, upto: int) -> str:
-        piece = self.text[self.emitted : upto] if upto > self.emitted else ""
-        self.emitted = max(self.emitted, upto)
+        piece, self.emitted = self.text[self.emitted : upto], max(self.emitted, upto)
         return piece
 
     def flush(self) -> str:  # at the end: the held-back text that never became a stop string

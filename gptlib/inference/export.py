@@ -28,8 +28,6 @@ GPT2_PARTS = dict(positions="learned", norm="layernorm", qk_norm=False, mlp="gel
 LLAMA_PARTS = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 CLASSES = {"gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 NAMES = {"gpt2": "GPT-2", "qwen3": "Qwen3", "llama": "Llama"}
-EXPORT_TITLES = [f"# gptlib {name} export" for name in NAMES.values()]  # README.md's first line: a previous export
-_RUN_OR_DATA_FILES = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
 
 
 def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
@@ -37,8 +35,7 @@ def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
     fields that keep it from the nearest one."""
     if all(getattr(cfg, k) == v for k, v in GPT2_PARTS.items()):
         return "gpt2"
-    off = {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}
-    if off:
+    if off := {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}:
         wanted = ", ".join(f"{k}={LLAMA_PARTS[k]!r}" for k in off)
         raise ExportError(f"this model has {', '.join(f'{k}={v!r}' for k, v in off.items())}, which no {target} "
                           f"architecture has (the nearest, Qwen3/Llama, needs {wanted}); train with those "
@@ -155,26 +152,23 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
 def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
     """Refuse the run being exported (or a folder inside it or holding it), a run or data directory, or a non-empty
     folder that is not a previous gptlib export; overwrite replaces only the latter."""
-    target = out.resolve()
-    if run_dir is not None:
-        run = Path(run_dir).resolve()
-        if target == run or run in target.parents or target in run.parents:
-            raise ExportError(f"--out {out} is the run directory {run_dir}, inside it, or holds it: the export would "
-                              f"replace the run; choose a folder outside the run (e.g. "
-                              f"{run.parent / (run.name + '-hf')})")
+    target, run = out.resolve(), run_dir and run_dir.resolve()
+    if run and (target == run or run in target.parents or target in run.parents):
+        raise ExportError(f"--out {out} is the run directory {run_dir}, inside it, or holds it: the export would "
+                          f"replace the run; choose a folder outside the run (e.g. {run.parent / (run.name + '-hf')})")
     if not out.exists():
         return
     if not out.is_dir():
         raise ExportError(f"--out {out} is a file; choose a folder")
-    found = [n for n in _RUN_OR_DATA_FILES if (out / n).exists()]
-    if found:
+    if found := [n for n in (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
+                 if (out / n).exists()]:
         raise ExportError(f"--out {out} is a gptlib run or data directory (it holds {', '.join(found)}); "
                           f"choose another folder for the export")
     if not any(out.iterdir()):
         return
-    readme = out / "README.md"
+    readme = out / "README.md"  # its first line is the model card's title in a previous export
     first = readme.read_text(errors="replace").partition("\n")[0] if readme.is_file() else ""
-    if first not in EXPORT_TITLES:
+    if first not in [f"# gptlib {name} export" for name in NAMES.values()]:
         raise ExportError(f"--out {out} is not empty and is not a previous gptlib export; choose an empty or new "
                           f"folder (--overwrite replaces only a previous export)")
     if not overwrite:

@@ -28,9 +28,10 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\
                  + "\\n' }}{% else %}{{ '" + EOT + "' }}{% endif %}")
 
 
-def gguf_tensors(model: GPT, arch: str):
-    """(llama.cpp's name, fp32 array) of every weight."""
-    cfg = model.config
+def gguf_tensors(model: GPT, arch: str, dtype: str):
+    """(llama.cpp's name, data, ggml type) of every weight, as llama.cpp's converter stores it: norms, biases and
+    positions in f32, the rest in dtype (q8_0 rows of a length that is not a multiple of 32 in f16)."""
+    cfg, t = model.config, gguf.GGMLQuantizationType
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.n_layer)
     for name, w in hf_state_dict(model).items():
         if is_conv1d(cfg, name):
@@ -39,32 +40,13 @@ def gguf_tensors(model: GPT, arch: str):
             # llama.cpp's llama rotates adjacent pairs, ours (Qwen3's) the two halves: each head's rows reordered,
             # as convert_hf_to_gguf.py does
             w = w.reshape(cfg.n_head, 2, -1, w.shape[1]).transpose(1, 2).reshape(w.shape)
-        yield names.get_name(name, try_suffixes=(".weight", ".bias")), w.contiguous().numpy()
-
-
-def _quantized(name: str, w: np.ndarray, dtype: str):
-    """(data, ggml type) as llama.cpp's converter stores it: norms, biases and positions in f32, the rest in dtype
-    (q8_0 rows of a length that is not a multiple of 32 in f16)."""
-    t = gguf.GGMLQuantizationType
-    if dtype == "f32" or w.ndim == 1 or name.endswith("_norm.weight") or name.startswith("position_embd"):
-        return w, t.F32
-    if dtype == "q8_0" and gguf.quants.Q8_0.can_quantize(w):
-        return gguf.quants.quantize(w, t.Q8_0), t.Q8_0
-    return w.astype(np.float16), t.F16
-
-
-def tokenizer_vocab(tok: BPETokenizer, n: int) -> tuple[list[str], list[int], list[str]]:
-    """The n tokens by id (unused ones named as llama.cpp's converter names them), their types and the merges."""
-    obj = json.loads(tok.to_json_bytes())
-    by_id = {i: t for t, i in obj["model"]["vocab"].items()}
-    kinds = {i: gguf.TokenType.NORMAL for i in by_id}
-    for t in obj.get("added_tokens", []):
-        by_id[t["id"]] = t["content"]
-        kinds[t["id"]] = gguf.TokenType.CONTROL if t.get("special") else gguf.TokenType.USER_DEFINED
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(n)]
-    types = [int(kinds.get(i, gguf.TokenType.UNUSED)) for i in range(n)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in obj["model"].get("merges", [])]
-    return tokens, types, merges
+        name, w = names.get_name(name, try_suffixes=(".weight", ".bias")), w.contiguous().numpy()
+        if dtype == "f32" or w.ndim == 1 or name.endswith("_norm.weight") or name.startswith("position_embd"):
+            yield name, w, t.F32
+        elif dtype == "q8_0" and gguf.quants.Q8_0.can_quantize(w):
+            yield name, gguf.quants.quantize(w, t.Q8_0), t.Q8_0
+        else:
+            yield name, w.astype(np.float16), t.F16
 
 
 def _add_header(w, cfg, arch: str, dtype: str, name: str) -> None:
@@ -84,12 +66,18 @@ def _add_header(w, cfg, arch: str, dtype: str, name: str) -> None:
 
 
 def _add_tokenizer(w, tok: BPETokenizer, n: int) -> None:
-    tokens, types, merges = tokenizer_vocab(tok, n)
+    # the n tokens by id (unused ones named as llama.cpp's converter names them), their types and the merges
+    obj = json.loads(tok.to_json_bytes())
+    by_id = {i: t for t, i in obj["model"]["vocab"].items()}
+    kinds = {i: gguf.TokenType.NORMAL for i in by_id}
+    for t in obj.get("added_tokens", []):
+        by_id[t["id"]] = t["content"]
+        kinds[t["id"]] = gguf.TokenType.CONTROL if t.get("special") else gguf.TokenType.USER_DEFINED
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for GPT-2's split regex: ByteLevel's with use_regex
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
+    w.add_token_types([int(kinds.get(i, gguf.TokenType.UNUSED)) for i in range(n)])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in obj["model"].get("merges", [])])
     w.add_bos_token_id(tok.eot_id)
     w.add_eos_token_id(tok.eot_id)
     w.add_add_bos_token(False)  # gptlib never puts <|endoftext|> before a prompt
@@ -113,8 +101,7 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, out: str | Path, dtype: str = "
         w = gguf.GGUFWriter(tmp, arch)
         _add_header(w, model.config, arch, dtype, name)
         _add_tokenizer(w, tokenizer, model.config.vocab_size)
-        for tname, data in gguf_tensors(model, arch):
-            data, qtype = _quantized(tname, data, dtype)
+        for tname, data, qtype in gguf_tensors(model, arch, dtype):
             w.add_tensor(tname, data, raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()

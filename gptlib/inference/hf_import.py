@@ -82,8 +82,7 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
     return cfg
 
 
-def _refuse_unless(where, checks: dict[str, tuple]) -> None:
-    """checks: key -> (the config's value, *the values gptlib's model computes)."""
+def _refuse_unless(where, checks: dict[str, tuple]) -> None:  # key -> (the config's value, *what gptlib computes)
     for key, (got, *allowed) in checks.items():
         if got not in allowed:
             raise HFImportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
@@ -136,8 +135,7 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     except ExportError as e:
         raise HFImportError(str(e).replace("--out", "--out (import-hf)")) from None
     folder = model_dir(name_or_dir)
-    cfg = model_config(folder)
-    tok = hf_tokenizer(folder)
+    cfg, tok = model_config(folder), hf_tokenizer(folder)
     if tok.vocab_size != cfg.vocab_size:
         raise HFImportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")

@@ -98,26 +98,9 @@ def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "
     """Steps of checkpoints, each once: "all" (oldest first), or latest/best/STEP, a list or "1000, best"."""
     joined = ",".join(map(str, [which] if isinstance(which, (str, int)) else which))
     specs = [s.strip() for s in joined.split(",") if s.strip()] or ["latest"]
-    if [s.lower() for s in specs] == ["all"]:
-        resolve_checkpoint(run_dir, "latest")  # the run's own message if it has none
-        return sorted(r["step"] for r in checkpoint_table(run_dir))
+    if [s.lower() for s in specs] == ["all"]:  # none: resolve_checkpoint's message
+        return sorted(r["step"] for r in checkpoint_table(run_dir)) or [resolve_checkpoint(run_dir).step]
     return list(dict.fromkeys(resolve_checkpoint(run_dir, s).step for s in specs))
-
-
-def load_run_tokenizer(run_dir: str | Path, state: TrainState, where: str) -> Tokenizer:
-    """The tokenizer a checkpoint was trained with, checked against its identity: the run's copy (training puts it
-    there), else the recorded data dir's."""
-    candidates = [Path(run_dir) / TOKENIZER_FILE] + ([Path(state.data_dir) / TOKENIZER_FILE] if state.data_dir else [])
-    found = [c for c in candidates if c.is_file()]
-    if not found:
-        raise TokenizerError(f"no tokenizer for {where}: looked for {' and '.join(map(str, candidates))}; copy the "
-                             f"data directory's {TOKENIZER_FILE} into the run directory")
-    if not (state.tokenizer or {}).get("hash"):
-        raise TokenizerError(f"{where}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
-                             f"checked against it")
-    tok = load_tokenizer(found[0])
-    check_identity(tok, state.tokenizer, f"{where} (tokenizer {found[0]})")
-    return tok
 
 
 def load_run(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
@@ -125,28 +108,35 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
     """The model (eval mode) and its verified tokenizer. dtype None keeps the saved fp32 (training from it, evaluation
     under autocast, export); "auto" is the device's own (resolve_dtype: bf16, a T4's fp16, CPU fp32)."""
     info = resolve_checkpoint(run_dir, which, log)
-    path = info.path
-    weights = load_model_weights(path, sha256=info.manifest.get("files", {}).get(MODEL_FILE, {}).get("sha256"))
-    state, cfg, tok = read_state_and_tokenizer(run_dir, path)
-    if tok.vocab_size != cfg.model.vocab_size:
-        raise TokenizerError(f"{path}: the model has vocab_size={cfg.model.vocab_size} but the tokenizer has "
-                             f"{tok.vocab_size} tokens")
+    weights = load_model_weights(info.path, sha256=info.manifest["files"][MODEL_FILE].get("sha256"))
+    state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)
     model = GPT(cfg.model)
-    load_weights_into(model, weights, path / MODEL_FILE)
+    load_weights_into(model, weights, info.path / MODEL_FILE)
     device = resolve_device(device) if isinstance(device, str) else device  # "auto", or an error naming a missing one
     model.to(device=device, dtype=resolve_dtype("auto", device) if dtype == "auto" else dtype).eval()
-    return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=path, state=state)
+    return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=info.path, state=state)
 
 
 def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainState, RunConfig, Tokenizer]:
-    """A checkpoint's state.json, the config it records, and the run's tokenizer checked against it."""
+    """A checkpoint's state.json, the config it records, and the tokenizer it was trained with, checked against its
+    recorded identity: the run's copy (training puts it there), else the recorded data dir's."""
     def read() -> tuple[TrainState, RunConfig, Tokenizer]:
         source = str(path / STATE_FILE)
         try:
             state = TrainState.from_json(json.loads((path / STATE_FILE).read_text()), source)
         except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
             raise CheckpointError(f"{source}: unreadable ({e})") from None
-        return state, state.run_config(source), load_run_tokenizer(run_dir, state, str(path))
+        candidates = [Path(run_dir) / TOKENIZER_FILE]
+        candidates += [Path(state.data_dir) / TOKENIZER_FILE] if state.data_dir else []
+        if not (found := [c for c in candidates if c.is_file()]):
+            raise TokenizerError(f"no tokenizer for {path}: looked for {' and '.join(map(str, candidates))}; copy "
+                                 f"the data directory's {TOKENIZER_FILE} into the run directory")
+        if not state.tokenizer.get("hash"):
+            raise TokenizerError(f"{path}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
+                                 f"checked against it")
+        tok = load_tokenizer(found[0])
+        check_identity(tok, state.tokenizer, f"{path} (tokenizer {found[0]})")
+        return state, state.run_config(source), tok
 
     return call_with_timeout(read, DRIVE_READ_STALL_S,
                              what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")

@@ -58,8 +58,7 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
     if cfg.temperature == 0:
         return logits
     logits = logits / cfg.temperature
-    V = logits.size(-1)
-    if cfg.top_k and cfg.top_k < V:
+    if cfg.top_k and cfg.top_k < logits.size(-1):
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p is not None and cfg.top_p < 1.0:

@@ -64,7 +64,7 @@ def test_score_rows_matches_brute_force(batch_tokens):
     got = score_rows(m, seqs, ks, "cpu", batch_tokens=batch_tokens)
     want = np.array([brute_ll(m, s, k) for s, k in zip(seqs, ks)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="does not fit block_size=16"):
+    with pytest.raises(ValueError, match="exceeds block_size=16"):
         score_rows(m, [list(range(18))], [3], "cpu")
 
 

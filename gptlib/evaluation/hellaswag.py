@@ -194,9 +194,7 @@ def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[lis
 
 
 @dataclass
-class Rendered:
-    """Items as scoring rows: row r belongs to ending ending_of[r] (item * 4 + ending)."""
-
+class Rendered:  # items as scoring rows: row r belongs to ending ending_of[r] (item * 4 + ending)
     seqs: list[list[int]] = field(default_factory=list)
     ks: list[int] = field(default_factory=list)
     ending_of: list[int] = field(default_factory=list)
@@ -218,8 +216,7 @@ def _encode(tok: Tokenizer, text: str) -> list[int] | None:
 
 
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
-    """Tokenize items (context, then " " + each ending, as build-nanogpt) into scoring rows."""
-    texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
+    texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]  # as build-nanogpt
     ids = tok.encode_batch_ids(texts) if hasattr(tok, "encode_batch_ids") else [_encode(tok, t) for t in texts]
     r = Rendered()
     for i, it in enumerate(items):

@@ -39,23 +39,20 @@ class ChatBox:
             warnings.simplefilter("ignore", DeprecationWarning)  # with continuous_update=False) also fires on blur
             self.message.on_submit(lambda _: self.send())
         self.reset_button.on_click(lambda _: self.reset())
-        settings = W.VBox([self.system, self.temperature, self.top_k, self.max_tokens, self.seed])
         self.widget = W.VBox([self.transcript, self.message, W.HBox([self.send_button, self.reset_button, self.status]),
-                              settings])
+                              self.system, self.temperature, self.top_k, self.max_tokens, self.seed])
 
     def session(self) -> ChatSession:
-        """The chat session, loading the checkpoint at the first call (a ChatError for a model without chat tokens).
-        The Max new tokens slider then ends at its cap (half the context): asking for more would silently give less;
-        ipywidgets (7.7.1 and 8) lowers a larger value to the new max, and the status says so once."""
+        """Loaded at the first call. The Max new tokens slider then ends at the reply cap (half the context): asking
+        for more would silently give less; ipywidgets lowers a larger value to the new max, and the status says so."""
         if self._session is None:
             self._session = ChatSession.from_run(self.run_dir, self.checkpoint, device=self.device,
                                                  log=self._notices.append)  # the list send() clears, not a copy
         cap = self._session.reply_cap
-        if self.max_tokens.max > cap:
-            if self.max_tokens.value > cap:
-                self._notices.append(f"Max new tokens capped at {cap}: replies get at most half of the model's "
-                                     f"{self._session.block_size}-token context")
-            self.max_tokens.max = cap
+        if self.max_tokens.value > cap:
+            self._notices.append(f"Max new tokens capped at {cap}: replies get at most half of the model's "
+                                 f"{self._session.block_size}-token context")
+        self.max_tokens.max = min(self.max_tokens.max, cap)
         return self._session
 
     def send(self, text: str | None = None) -> str | None:
@@ -94,8 +91,8 @@ class ChatBox:
         self.turns.append(("assistant", reply))
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
-        self.status.value = status_html(" · ".join([f"{session.reply_tokens} tokens in {dt:.1f} s, ended by "
-                                                    f"{ended.get(session.finish_reason, session.finish_reason)}",
+        why = ended.get(session.finish_reason, session.finish_reason)
+        self.status.value = status_html(" · ".join([f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}",
                                                     *self._notices]))
         return reply
 
@@ -113,9 +110,7 @@ class ChatBox:
         self.transcript.value = "".join(f'<div style="margin:4px 0"><b style="color:{colors.get(r, "#555")}">{r}</b>'
                                         f'{pre}{html.escape(c)}</pre></div>' for r, c in turns)
 
-    def _repr_mimebundle_(self, **kwargs) -> dict:
-        """display(box): the widget (the bundle ipywidgets 7.7.1 and 8 give a widget), and for a front end that
-        cannot draw widgets the conversation as text in its place."""
+    def _repr_mimebundle_(self, **kwargs) -> dict:  # the widget, or where a front end cannot draw one, the text
         names = {"user": "you", "assistant": "model"}
         text = "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"
         return {"text/plain": text, "application/vnd.jupyter.widget-view+json": {

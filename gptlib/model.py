@@ -32,9 +32,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y.transpose(0, 1).reshape(*x.shape[:-1], N)  # (blocks, R, N/blocks) -> (..., N)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (the same parameters and state dict) with split_linear for a few rows without grad on the CPU."""
-
+class Linear(nn.Linear):  # nn.Linear's parameters and state dict; split_linear for a few rows without grad on the CPU
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few_rows_on_cpu = x.device.type == "cpu" and x.numel() <= SPLIT_ROWS_MAX * self.in_features
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
@@ -52,9 +50,7 @@ def _row_blocks(n_rows: int) -> int:  # one block per thread, fewer if n_rows do
     return blocks
 
 
-class KVCache:
-    """Every layer's keys and values so far, preallocated: a prompt is read once, then each step adds one token."""
-
+class KVCache:  # every layer's keys and values so far, preallocated: a prompt is read once, then a token a step
     def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype):
         shape = (batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)  # (B, H, block_size, D)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
@@ -80,8 +76,7 @@ def norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, eps=RMS_EPS) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, bias=cfg.bias)
 
 
-def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (block_size, D) of rotary positions in the rotate-half layout of Llama and Qwen3."""
+def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:  # Llama's and Qwen3's rotate-half layout
     D = cfg.n_embd // cfg.n_head
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # (D/2,)
     angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)  # (block_size, D/2)
@@ -89,8 +84,7 @@ def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D) turned by its positions' angles, cos and sin (T, D)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x (B, H, T, D), cos/sin (T, D)
     half = x.size(-1) // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated_half * sin).to(x.dtype)
@@ -131,10 +125,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-class MLP(nn.Module):
-    """GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): c_fc holds the gate and the up projection, each
-    ModelConfig.mlp_hidden ~ 8C/3 wide, so the parameters match 4C."""
-
+class MLP(nn.Module):  # GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): gate and up each ~8C/3 wide, as many params
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
@@ -222,8 +213,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """idx (B, T) -> the last block's output (B, T, C); with a cache, idx holds only the new tokens."""
-        B, T = idx.shape
+        B, T = idx.shape  # with a cache, only the new tokens
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
@@ -240,14 +230,13 @@ class GPT(nn.Module):
             x = block(x, cache, i, rope)
         if cache is not None:
             cache.pos += T
-        return x
+        return x  # (B, T, C): the last block's output
 
     def head(self, h: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., vocab_size): padding rows never a token
         return self.lm_head(self.transformer.ln_f(h))[..., : self.config.vocab_size]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx (B, T) -> logits (B, T, vocab_size), and the mean cross-entropy over targets (B, T) if given."""
         logits = self.head(self.hidden_states(idx, cache))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -259,8 +248,7 @@ class GPT(nn.Module):
 
     def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
                             device_type: str) -> torch.optim.AdamW:
-        """AdamW with decay on the 2-D weights only (matmuls, embeddings), fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},  # matmuls, embeddings
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")

@@ -1,22 +1,18 @@
-"""Notebook views: the generation Playground and the prompts x checkpoints table (the chat box is gptlib.chatbox).
-Only widgets and calls present in both ipywidgets 7.7.1 (Colab's) and 8 are used."""
+"""Notebook views: the generation Playground (the chat box is gptlib.chatbox). Only widgets and calls present in both
+ipywidgets 7.7.1 (Colab's) and 8 are used."""
 
 from __future__ import annotations
 
-import dataclasses
 import html
 import sys
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
-from gptlib.errors import GenerationError
 from gptlib.inference.engine import Engine
-from gptlib.inference.loading import checkpoint_label, checkpoint_table, select_steps
+from gptlib.inference.loading import checkpoint_label, checkpoint_table
 from gptlib.inference.sampling import Completion, SamplingConfig
 
 
@@ -58,14 +54,12 @@ def status_html(msg: str, error: bool = False) -> str:
 def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
     """(the pieces so far, a stream callback that collects them and redraws at most ~20 times a second): a redraw
     per token would flood the front end."""
-    parts: list[str] = []
-    last = [0.0]
+    parts, last = [], [0.0]
 
     def add(piece: str) -> None:
         parts.append(piece)
-        now = time.perf_counter()
-        if now - last[0] > 0.05:
-            last[0] = now
+        if time.perf_counter() - last[0] > 0.05:
+            last[0] = time.perf_counter()
             draw("".join(parts))
 
     return parts, add
@@ -85,9 +79,9 @@ def sampling_widgets(view, max_label: str) -> None:
 
 
 def sampling_config(view, **more) -> SamplingConfig:  # seed -1 is random
+    seed = int(view.seed.value)
     return SamplingConfig(max_new_tokens=int(view.max_tokens.value), temperature=float(view.temperature.value),
-                          top_k=int(view.top_k.value) or None,
-                          seed=int(view.seed.value) if int(view.seed.value) >= 0 else None, **more).validate()
+                          top_k=int(view.top_k.value) or None, seed=seed if seed >= 0 else None, **more).validate()
 
 
 class _Stopped(Exception):  # raised by the Playground's stream callback after Stop: ends the generation there
@@ -106,49 +100,39 @@ class Playground:
         import ipywidgets as W
 
         self.run_dir, self.device = Path(run_dir), device
-        self._engines: OrderedDict[int, Engine] = OrderedDict()  # the last 2 loaded: switching back is instant
+        self._engine: Engine | None = None  # the last checkpoint loaded
         style = {"description_width": "110px"}
-        wide = {"style": style, "layout": W.Layout(width="95%")}
         self.prompt = W.Textarea(value=prompt, description="Prompt", layout=W.Layout(width="95%", height="80px"),
                                  style=style)
         self.checkpoint = W.Dropdown(description="Checkpoint", style=style, layout=W.Layout(width="60%"))
         self.refresh_button = W.Button(description="↻", tooltip="re-scan the run directory for new checkpoints",
                                        layout=W.Layout(width="40px"))
         sampling_widgets(self, "Max tokens")
+        wide = {"style": style, "layout": W.Layout(width="95%")}
         self.top_p = W.FloatSlider(value=0.95, min=0.05, max=1.0, step=0.01, description="Top-p", **wide)
         self.repetition_penalty = W.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty",
                                                 **wide)
         self.stop = W.Text(value="", description="Stop at", placeholder=r"\n\n  (| separates)", style=style,
                            layout=W.Layout(width="60%"))
-        # never squeezed by a long status message beside it (it read "Gene…")
-        self.button = W.Button(description="Generate", button_style="primary", icon="play",
-                               layout=W.Layout(min_width="120px", flex="0 0 auto"))
+        fixed = W.Layout(min_width="120px", flex="0 0 auto")  # never squeezed by a long status (it read "Gene…")
+        self.button = W.Button(description="Generate", button_style="primary", icon="play", layout=fixed)
         self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, tooltip="end it at the next token",
-                                    layout=W.Layout(min_width="90px", flex="0 0 auto"))
+                                    layout=fixed)
         self.status, self.output = W.HTML(value=""), W.HTML(value="")
         self._stop = threading.Event()  # set by Stop, read by the stream callback (another thread in a kernel)
         self._busy = threading.Lock()  # one generation at a time (the button's thread, or a cell's call)
-        self._worker: ThreadPoolExecutor | None = None  # the thread that runs the button's generations
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")  # starts on submit
         self._job: Future | None = None  # the button's last generation
         self.button.on_click(lambda _: self._generate_clicked())
-        self.stop_button.on_click(lambda _: self._stop.set())  # the generation ends at its next token
+        self.stop_button.on_click(lambda _: self._stop.set())
         self.refresh_button.on_click(lambda _: self.refresh())
         self.widget = W.VBox([self.prompt, W.HBox([self.checkpoint, self.refresh_button]), self.temperature, self.top_k,
                               self.top_p, self.repetition_penalty, self.max_tokens, W.HBox([self.seed, self.stop]),
                               W.HBox([self.button, self.stop_button]), self.status, self.output])  # status: full width
         self.refresh()
 
-    def _engine(self, step: int) -> Engine:
-        if step not in self._engines:
-            while len(self._engines) >= 2:
-                self._engines.popitem(last=False)  # free the least recently used model first
-            self._engines[step] = Engine.from_run(self.run_dir, step, device=self.device)
-        self._engines.move_to_end(step)
-        return self._engines[step]
-
     def refresh(self) -> None:  # training may have saved new checkpoints
-        rows = checkpoint_table(self.run_dir)
-        keep = self.checkpoint.value
+        rows, keep = checkpoint_table(self.run_dir), self.checkpoint.value
         self.checkpoint.options = [(checkpoint_label(r), r["step"]) for r in rows]
         if rows:
             self.checkpoint.value = keep if keep in [r["step"] for r in rows] else rows[0]["step"]
@@ -160,12 +144,10 @@ class Playground:
                              f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>")
 
     def _generate_clicked(self) -> None:  # in a kernel on the Playground's thread (see the class docstring)
-        if not _in_kernel():
+        if _in_kernel():
+            self._job = self._worker.submit(self._run, stoppable=True)
+        else:
             self._run(stoppable=True)
-            return
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")
-        self._job = self._worker.submit(self._run, stoppable=True)
 
     def generate(self) -> Completion | None:
         return self._run(stoppable=False)
@@ -191,8 +173,11 @@ class Playground:
         try:
             cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
                                   repetition_penalty=float(self.repetition_penalty.value))
-            self.status.value = status_html("loading checkpoint…")
-            eng = self._engine(self.checkpoint.value)
+            if self._engine is None or self._engine.step != self.checkpoint.value:
+                self.status.value = status_html("loading checkpoint…")
+                self._engine = None  # freed before the next one loads
+                self._engine = Engine.from_run(self.run_dir, self.checkpoint.value, device=self.device)
+            eng = self._engine
             how_to_end = "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
             self.status.value = status_html(f"generating… {how_to_end}")
             t0 = time.perf_counter()
@@ -223,41 +208,3 @@ class Playground:
             f"stopped after {n} tokens in {speed}: Stop pressed" if res.finish_reason == "user"
             else f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
         return res
-
-
-@dataclass
-class Comparison:
-    prompts: list[str]  # rows
-    columns: list[str]  # one label per checkpoint, e.g. "step 1,000 · val 1.52 · best"
-    steps: list[int]  # the checkpoint step of each column
-    texts: list[list[str]]  # texts[i][j]: prompt i continued by checkpoint j
-
-
-def compare_checkpoints(run_dir, prompts: Sequence[str], checkpoints: Sequence[str | int] | str = "all",
-                        cfg: SamplingConfig | None = None, device: str = "cpu") -> Comparison:
-    """Every prompt continued by every checkpoint with one seed and the same settings, so the columns differ only by
-    the weights: how the model learned."""
-    cfg = dataclasses.replace(cfg or SamplingConfig(max_new_tokens=100)).validate()
-    cfg.seed = 1337 if cfg.seed is None else cfg.seed
-    steps = select_steps(run_dir, checkpoints)
-    if not prompts:
-        raise GenerationError("no prompts to compare")
-    table = {r["step"]: r for r in checkpoint_table(run_dir)}
-    columns, texts = [], [[] for _ in prompts]
-    for s in steps:
-        columns.append(checkpoint_label(table.get(s, {"step": s})))
-        for i, c in enumerate(Engine.from_run(run_dir, s, device=device).generate(list(prompts), cfg)):
-            texts[i].append(c.text)
-    return Comparison(prompts=list(prompts), columns=columns, steps=steps, texts=texts)
-
-
-def comparison_html(cmp: Comparison) -> str:
-    cell = "border:1px solid #ccc;padding:6px;vertical-align:top;text-align:left"
-    head = "".join(f'<th style="{cell};background:#f3f3f3">{html.escape(c)}</th>' for c in cmp.columns)
-    rows = []
-    for prompt, texts in zip(cmp.prompts, cmp.texts):
-        tds = "".join(f'<td style="{cell}"><pre style="white-space:pre-wrap;margin:0;font-size:12px">'
-                      f"<b>{html.escape(prompt)}</b>{html.escape(t)}</pre></td>" for t in texts)
-        rows.append(f'<tr><th style="{cell};background:#f3f3f3">{html.escape(repr(prompt))}</th>{tds}</tr>')
-    return (f'<table class="gptlib-compare" style="border-collapse:collapse">'
-            f'<tr><th style="{cell}">prompt</th>{head}</tr>{"".join(rows)}</table>')

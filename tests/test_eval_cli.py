@@ -142,9 +142,9 @@ def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp
 
 
 def test_notebook_04s_hellaswag_messages_name_its_field_and_the_cli_its_flag(run_dir, tmp_path, monkeypatch, capsys):
-    """Notebook 04 takes the file as HELLASWAG_FILE (evaluate_tasks), the CLI as --data FILE: each message names
+    """Notebook 04 takes the file as HELLASWAG_FILE (its eval cell), the CLI as --data FILE: each message names
     where its reader can pass one."""
-    from gptlib.evaluation.evaluate import evaluate_tasks
+    import torch
 
     def no_network(*a, **k):
         raise urllib.error.URLError("no network (test)")
@@ -152,8 +152,10 @@ def test_notebook_04s_hellaswag_messages_name_its_field_and_the_cli_its_flag(run
     monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path / "cache"))  # no cached canonical file
     monkeypatch.setattr(urllib.request, "urlopen", no_network)
     logs = []
-    assert evaluate_tasks(run_dir, "hellaswag", "latest", log=logs.append) == []
-    assert evaluate_tasks(run_dir, "hellaswag", "latest", hellaswag_file=str(tmp_path), log=logs.append) == []
+    for file in ["", str(tmp_path)]:
+        assert eval_cell(capsys, run_dir=run_dir, EVAL_TASKS="hellaswag", HELLASWAG_FILE=file,
+                         device=torch.device("cpu")) == []
+        logs += capsys.readouterr().out.splitlines()[:1]
     assert len(logs) == 2 and all("--data" not in m for m in logs), logs
     assert logs[0].startswith("hellaswag: not evaluated: could not download HellaSwag") and \
         logs[0].endswith(f"pass a local copy of {hs.HELLASWAG_FILE} (HELLASWAG_FILE)")
@@ -285,3 +287,16 @@ def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_sav
     assert ((run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None) == log_before
     rows = evaluate_run(run_dir, "bpb", limit=20, device="cpu", progress=False, out=out)  # the same from Python
     assert rows[0]["bpb"] == row["bpb"] and len(out.read_text().splitlines()) == 2
+
+
+def eval_cell(capsys, **params) -> list[dict]:
+    """Notebook 04's eval cell run with `params` (and the defaults of its parameters cell): its rows."""
+    import nbformat
+
+    from tests.nbrun import NOTEBOOKS
+
+    cell = next(c for c in nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4).cells
+                if c.cell_type == "code" and "evaluate_run(" in c.source)
+    scope = {"CHECKPOINTS": "latest", "EVAL_LIMIT": -1, "BPB_WINDOWS": 1000, "HELLASWAG_FILE": "", **params}
+    exec(cell.source, scope)
+    return scope["eval_rows"]

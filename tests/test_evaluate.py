@@ -64,7 +64,7 @@ def test_score_rows_matches_brute_force(batch_tokens):
     got = score_rows(m, seqs, ks, "cpu", batch_tokens=batch_tokens)
     want = np.array([brute_ll(m, s, k) for s, k in zip(seqs, ks)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="does not fit block_size=16"):
+    with pytest.raises(ValueError, match="exceeds block_size=16"):
         score_rows(m, [list(range(18))], [3], "cpu")
 
 
@@ -345,13 +345,14 @@ def test_plot_helpers(tmp_path):
     assert "acc_norm" in table and "0.2500" in table and "1,280" in table
 
 
-def test_evaluate_tasks_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(monkeypatch):
+def test_notebook_04s_eval_cell_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(monkeypatch, capsys):
     """Notebook 04's eval cell: -1 items means all on a GPU and 1,000 on a CPU; a failing task is one line and the
     next task still runs."""
     import torch
 
     from gptlib.errors import EvalError
     from gptlib.evaluation import evaluate as ev
+    from tests.test_eval_cli import eval_cell
 
     calls = []
 
@@ -362,10 +363,11 @@ def test_evaluate_tasks_sizes_hellaswag_by_device_and_reports_a_task_that_cannot
         return [{"task": task}]
 
     monkeypatch.setattr(ev, "evaluate_run", fake_run)
-    logs = []
-    rows = ev.evaluate_tasks("r", "hellaswag, bpb", device="cpu", log=logs.append)
-    assert rows == [{"task": "bpb"}] and logs == ["hellaswag: not evaluated: hellaswag_val.jsonl: not found"]
+    monkeypatch.setattr(ev, "format_table", lambda rows: "")
+    rows = eval_cell(capsys, run_dir="r", EVAL_TASKS="hellaswag, bpb", device=torch.device("cpu"))
+    assert rows == [{"task": "bpb"}]
+    assert capsys.readouterr().out.splitlines()[0] == "hellaswag: not evaluated: hellaswag_val.jsonl: not found"
     assert calls == [("hellaswag", "cpu", 1000), ("bpb", "cpu", 1000)]
     calls.clear()
-    ev.evaluate_tasks("r", "hellaswag", device=torch.device("cuda"), log=logs.append, bpb_windows=0)
-    assert calls == [("hellaswag", "cuda", None)]  # all items on a GPU
+    eval_cell(capsys, run_dir="r", EVAL_TASKS="hellaswag", device=torch.device("cuda"), BPB_WINDOWS=0)
+    assert calls == [("hellaswag", "cuda", 0)]  # all items on a GPU

@@ -15,7 +15,7 @@ import torch
 from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
-from gptlib.errors import EvalError, GptlibError, loud
+from gptlib.errors import EvalError, loud
 from gptlib.fsutil import append_jsonl
 from gptlib.evaluation import hellaswag as hs
 from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
@@ -184,23 +184,3 @@ def format_table(rows: list[dict]) -> str:
 def _fmt(v, f: str) -> str:
     return "-" if v is None else f.format(v)
 
-
-def evaluate_tasks(run_dir: str | Path, tasks: str = "bpb, hellaswag", checkpoints: str = "all",
-                   device: str | torch.device = "cpu", hellaswag_file: str = "", hellaswag_items: int = -1,
-                   bpb_windows: int = 1000, log=print) -> list[dict]:
-    """Notebook 04: each task of "bpb, hellaswag" on the checkpoints (evaluate_run). hellaswag_items: evenly spaced
-    items, 0 all, -1 all 10,042 on a GPU and 1,000 on a CPU (~30 s there for phase1); bpb_windows: block_size
-    windows of the val split, 0 all. A task that cannot run (a missing file, no data dir, another tokenizer) is one
-    line through `log`, and the others go on."""
-    device = resolve_device(device) if isinstance(device, str) else device
-    items = hellaswag_items if hellaswag_items >= 0 else (0 if device.type == "cuda" else 1000)
-    rows = []
-    for task in [t.strip() for t in tasks.split(",") if t.strip()]:
-        try:
-            rows += evaluate_run(run_dir, task, checkpoints, device=str(device),
-                                 data=(hellaswag_file or None) if task == "hellaswag" else None,
-                                 limit=(items if task == "hellaswag" else bpb_windows) or None,
-                                 file_option="HELLASWAG_FILE")  # notebook 04's field for hellaswag_file
-        except GptlibError as e:
-            log(f"{task}: not evaluated: {e}")
-    return rows

@@ -35,9 +35,7 @@ GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
              "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)"}
 
 
-def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
-    """The canonical file, sha256-checked, downloaded once into the cache. file_option: how the caller takes a local
-    copy instead, for the message when the download fails."""
+def fetch_hellaswag(file_option: str = "--data FILE") -> Path:  # file_option: how the caller takes a local copy
     return fetch_verified(HELLASWAG_URL, default_cache_dir() / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256,
                           EvalError, name="HellaSwag", local_hint=f"of {HELLASWAG_FILE} ({file_option})",
                           canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes", timeout=60)
@@ -54,10 +52,9 @@ def scoring(model: torch.nn.Module, progress: bool, **bar):
 
     m = unwrap_model(model)
     was_training = m.training
-    m.eval()
     with tqdm(disable=not progress, dynamic_ncols=True, leave=False, **bar) as b:
         try:
-            yield m, b
+            yield m.eval(), b
         finally:
             m.train(was_training)
 
@@ -100,10 +97,6 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
     """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,); progress(rows)
     after each batch. The sums stay on the device until the end: a GPU never waits for the host between batches."""
     device = torch.device(device)
-    block = unwrap_model(model).config.block_size
-    for i, s in enumerate(seqs):
-        if not 1 <= ks[i] <= len(s) - 1 or len(s) - 1 > block:
-            raise ValueError(f"scoring row {i}: {len(s)} tokens with k={ks[i]} does not fit block_size={block}")
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
     for idx in pack_batches([len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)):
         toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)  # (B, L), padded on the right
@@ -135,26 +128,26 @@ def parse_items(text: str, where: str) -> list[Item]:
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        at = f"{where}: line {n}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise EvalError(f"{where}: line {n} is not valid JSON ({e.msg} at column {e.colno})") from None
+            raise EvalError(f"{at} is not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise EvalError(f"{where}: line {n} is a JSON {type(obj).__name__}, expected an object with "
-                            f"ctx, endings, label")
+            raise EvalError(f"{at} is a JSON {type(obj).__name__}, expected an object with ctx, endings, label")
         for key in ("ctx", "endings", "label"):
             if key not in obj:
-                raise EvalError(f"{where}: line {n}: field {key!r} is missing")
+                raise EvalError(f"{at}: field {key!r} is missing")
         ctx, endings, label = obj["ctx"], obj["endings"], obj["label"]
-        if not isinstance(ctx, str) or not ctx:
-            raise EvalError(f"{where}: line {n}: field 'ctx' is {ctx!r}, expected a non-empty string")
-        if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
-            raise EvalError(f"{where}: line {n}: field 'endings' is {str(endings)[:80]}, expected a list of 4 strings")
         if isinstance(label, str) and label.strip().isdigit():  # some copies store the label as "3"
             label = int(label)
-        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label <= 3:
-            raise EvalError(f"{where}: line {n}: field 'label' is {label!r}, expected 0, 1, 2 or 3")
-        items.append(Item(ctx=ctx, endings=list(endings), label=label))
+        if not isinstance(ctx, str) or not ctx:
+            raise EvalError(f"{at}: field 'ctx' is {ctx!r}, expected a non-empty string")
+        if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
+            raise EvalError(f"{at}: field 'endings' is {str(endings)[:80]}, expected a list of 4 strings")
+        if type(label) is not int or not 0 <= label <= 3:  # not a bool, not 1.0
+            raise EvalError(f"{at}: field 'label' is {label!r}, expected 0, 1, 2 or 3")
+        items.append(Item(ctx=ctx, endings=endings, label=label))
     if not items:
         raise EvalError(f"{where}: no items (an empty file?)")
     return items
@@ -201,9 +194,7 @@ def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[lis
 
 
 @dataclass
-class Rendered:
-    """Items as scoring rows: row r belongs to ending ending_of[r] (item * 4 + ending)."""
-
+class Rendered:  # items as scoring rows: row r belongs to ending ending_of[r] (item * 4 + ending)
     seqs: list[list[int]] = field(default_factory=list)
     ks: list[int] = field(default_factory=list)
     ending_of: list[int] = field(default_factory=list)
@@ -225,13 +216,12 @@ def _encode(tok: Tokenizer, text: str) -> list[int] | None:
 
 
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
-    """Tokenize items (context, then " " + each ending, as build-nanogpt) into scoring rows."""
-    texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
+    texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]  # as build-nanogpt
     ids = tok.encode_batch_ids(texts) if hasattr(tok, "encode_batch_ids") else [_encode(tok, t) for t in texts]
     r = Rendered()
     for i, it in enumerate(items):
         ctx, ends = ids[5 * i], ids[5 * i + 1: 5 * i + 5]
-        if ctx is None or any(e is None for e in ends) or not ctx:
+        if not ctx or None in ends:  # None: a character the char vocabulary lacks
             r.skipped += 1
             continue
         cut = False

@@ -30,7 +30,7 @@ _WHERE = {
     # notebook views, Colab, devices
     "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox",
     "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",
-    "colab": "gptlib.colab", "resolve_device": "gptlib.runtime",
+    "colab": "gptlib.colab", "resolve_device": "gptlib.runtime", "GptlibError": "gptlib.errors",
 }
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import html
 import json
-import math
 import os
 import sys
 import time
@@ -27,18 +26,6 @@ from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tok
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / METRICS_FILE)
-
-
-def throughput_summary(run_dir: str | Path) -> str:
-    """Notebook 03: the latest session's figures from its last metrics.jsonl row; "" before the first measurement."""
-    rows = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
-    if not rows:
-        return ""
-    r = rows[-1]
-    units = f", ~{r['colab_units_left']} Colab compute units left" if r.get("colab_units_left") is not None else ""
-    return (f"last session, at step {r['step']:,}: {r['tokens_per_s']:,.0f} tokens/s while stepping, MFU "
-            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; "
-            f"ETA {fmt_duration(math.inf if r.get('eta_s') is None else r['eta_s'])}{units}")
 
 
 def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:

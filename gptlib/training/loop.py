@@ -86,9 +86,9 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
         start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
-        held, whose = start.held
+        held = start.held
         if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
-            log(f"recipe: {held.recipe} (the {whose}'s own)")  # a model keeps its recipe
+            log(f"recipe: {held.recipe} (the {start.whose}'s own)")  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
         s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
                      log=log)

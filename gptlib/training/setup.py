@@ -199,17 +199,8 @@ class Start:
     resume: Resume | None
     passed: Passed
     base: LoadedModel | None  # --init-from's
-
-    @property
-    def held(self) -> tuple[RunConfig | None, str]:
-        """The config the model already has (its shape and recipe stay), and whose it is."""
-        if self.resume is not None:
-            return self.resume.state.run_config(str(self.resume.info.path / STATE_FILE)), "resumed run"
-        return (self.base.config if self.base else None), "--init-from base"
-
-    @property
-    def from_mirror(self) -> bool:
-        return self.mirror_dir is not None and self.resume.origin.is_relative_to(self.mirror_dir)
+    held: RunConfig | None  # the config the model already has (its shape and recipe stay), and whose it is
+    whose: str
 
 
 def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_from: str | None,
@@ -221,10 +212,14 @@ def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_f
         raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
                               f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
-    if resume is not None and init_from:
-        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
-    base = load_base(init_from, meta, log) if init_from and resume is None else None
-    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base)
+    if resume is not None:
+        if init_from:
+            log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+        held = resume.state.run_config(str(resume.info.path / STATE_FILE))
+        return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, None, held, "resumed run")
+    base = load_base(init_from, meta, log) if init_from else None
+    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, None, passed, base, base and base.config,
+                 "--init-from base")
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
@@ -237,11 +232,11 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
                   log) -> tuple[RunConfig, int]:
     """The config the run trains with: the data's vocabulary, the base's shape (and, with --init-from, a resumed
     run's), the micro-batch that fits; each change said. -> (config, the auto_batch probe's peak bytes, 0: none)."""
-    held, whose = start.held
+    held = start.held
     if held is not None and held.recipe != asked.recipe:
-        raise ConfigError(f"{start.run_dir}: the {whose} was trained with --recipe {held.recipe} but this call asks "
-                          f"for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop --recipe "
-                          f"to go on with {held.recipe}, or use a new run directory")
+        raise ConfigError(f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call "
+                          f"asks for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop "
+                          f"--recipe to go on with {held.recipe}, or use a new run directory")
     model = {}
     if start.meta.vocab_size != asked.model.vocab_size:
         log(f"vocab_size {asked.model.vocab_size} (preset) -> {start.meta.vocab_size} (from "
@@ -350,7 +345,7 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
         s.state.data_changes = [*s.state.data_changes, r.data_change]
     s.resumed_from = s.state.step
     log(f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
-        f"on the {'Drive mirror' if start.from_mirror else 'local disk'}: {r.origin}")
+        f"on the {'local disk' if r.origin.is_relative_to(start.run_dir) else 'Drive mirror'}: {r.origin}")
 
 
 def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
@@ -362,6 +357,6 @@ def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
     writer = CheckpointWriter(start.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every, log=log,
                               mirror_dir=start.mirror_dir, guard=s.lease.check, unreadable=set(passed.unreadable),
                               mirror_listed=passed.mirror_step)
-    if start.resume is not None and start.mirror_dir is not None and not start.from_mirror:
+    if start.resume is not None and start.mirror_dir is not None and start.resume.origin.is_relative_to(start.run_dir):
         writer.mirror_existing(start.resume.info.path, s.state.best_step)
     return writer

@@ -98,10 +98,7 @@ class TrainingRun:
     writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)  # rank 0's: last
     resumed_from: int | None = None  # the step of the checkpoint this call resumed
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
-
-    @property
-    def compiled(self) -> bool:
-        return (self.train_model.module if self.ddp.enabled else self.train_model) is not self.model
+    compiled: bool = False  # train_model is torch.compile's
 
     @property
     def autocast(self):
@@ -311,7 +308,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
         start_from_base(model, base)
     if start.resume is not None:
         _resume(s, start, log)
-    s.train_model = wrap_for_training(model, cfg, device, ddp)[0]
+    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp)
     if ddp.is_main:  # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
         try:
             atomic_write_json(start.run_dir / CONFIG_FILE, cfg.to_dict())

@@ -21,7 +21,7 @@ from gptlib.inference.sampling import SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.model import model_size
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields
+from gptlib.training.throughput import perf_fields, speed_text
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -114,15 +114,9 @@ def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int,
     return rows
 
 
-# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up.
+# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up. The postfix (loss,
+# tok/s, MFU, ETA) stays under 50 characters, to leave the bar a fair share of a 100-column line.
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-
-
-def bar_postfix(train_loss: float, tokens_per_s: float | None, perf: dict) -> str:
-    """Loss, tokens/s, MFU and ETA: under 50 characters, to leave the bar a fair share of a 100-column line."""
-    short = postfix_fields(perf)
-    parts = [f"loss {train_loss:.4f}"] + ([f"{fmt_tokens(tokens_per_s)} tok/s"] if tokens_per_s is not None else [])
-    return ", ".join(parts + [f"{k.upper()} {short[k]}" for k in ("mfu", "eta") if k in short])
 
 
 def plain_progress(stream) -> bool:
@@ -204,13 +198,12 @@ class MetricsLog:
         if not validating:
             self._write(self._row(st.step, self.train_loss, now))
         self.file.flush()
-        tps = self.steady_tokens_per_s()
-        self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
+        speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
+        self.bar.set_postfix_str(", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)])))
         if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
-            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}",
-                      **({} if tps is None else {"tok/s": f"{tps:,.0f}"}), **postfix_fields(self.perf)}
-            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
+            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: loss {self.train_loss:.4f}, lr {self._lr(st.step):.2e}, "
+                     + speed_text(speed, split=True))
 
     def _row(self, step: int, loss: float, now: float | None = None, **extra) -> dict:
         """A step's row; with `now`, the last of a log step: tokens/s (once measured), elapsed time, MFU, ETA, split."""

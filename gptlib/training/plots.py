@@ -10,7 +10,7 @@ from pathlib import Path
 from gptlib.evaluation.hellaswag import GPT2_124M
 from gptlib.fsutil import atomic_write
 from gptlib.training.logs import read_metrics
-from gptlib.training.throughput import fmt_duration, fmt_mfu
+from gptlib.training.throughput import speed_text
 
 
 def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
@@ -71,9 +71,7 @@ class LivePlot:
         last = last or (rows[-1] if rows else {})
         parts = [self.title,
                  last.get("val_loss") is not None and f"step {last['step']:,}: val {last['val_loss']:.4f}",
-                 last.get("tokens_per_s") and f"{last['tokens_per_s']:,.0f} tok/s",
-                 "mfu" in last and f"MFU {fmt_mfu(last['mfu'])}",
-                 last.get("eta_s") is not None and f"ETA {fmt_duration(last['eta_s'])}"]
+                 speed_text(last)]
         return loss_figure(rows, " · ".join(p for p in parts if p), figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:

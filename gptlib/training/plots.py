@@ -85,20 +85,13 @@ class LivePlot:
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):
-    """HellaSwag acc_norm of metrics.jsonl rows on a second y axis of the loss plot, with one legend for both axes;
-    None when no row has one."""
-    pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n") or 0) for r in rows
-           if r.get("hellaswag_acc_norm") is not None and r.get("step") is not None]
+    """HellaSwag acc_norm of metrics.jsonl rows (a subset, all items at the end: hellaswag_n says which) on a second
+    y axis of the loss plot, with one legend for both axes; None when no row has one."""
+    pts = [(r["step"], r["hellaswag_acc_norm"]) for r in rows if r.get("hellaswag_acc_norm") is not None]
     if not pts:
         return None
     ax2 = ax.twinx()
-    n_sub = min(n for _, _, n in pts)  # the subset size; a larger n is the full set at the end
-    sub = [(s, a) for s, a, n in pts if n == n_sub]
-    full = [(s, a) for s, a, n in pts if n != n_sub]
-    ax2.plot(*zip(*sub), "s-", color="tab:green", lw=1.2, ms=3,
-             label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
-    if full:
-        ax2.plot(*zip(*full), "D", color="darkgreen", ms=6, label="HellaSwag acc_norm (all items)")
+    ax2.plot(*zip(*pts), "s-", color="tab:green", lw=1.2, ms=3, label="HellaSwag acc_norm")
     _references(ax2, "tab:green", 0.8)
     ax2.set_ylabel("HellaSwag acc_norm", color="tab:green")
     (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()

@@ -28,25 +28,15 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / METRICS_FILE)
 
 
-def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
-    """Drop the metrics and samples rows after the resumed step (the resumed run logs them again); -> the metrics."""
+def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
+    """The metrics and samples rows up to the resumed step (the resumed run logs the rest again), from the
+    checkpoint's copy `saved` where it has more of them (a fresh VM has no local logs); -> the metrics rows."""
     for name in (METRICS_FILE, SAMPLES_FILE):
-        p = run_dir / name
-        if p.exists():
-            keep = [r for r in read_jsonl(p) if r.get("step", 0) <= upto_step]
-            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in keep).encode())
+        rows = [r for r in read_jsonl(run_dir / name) if r.get("step", 0) <= step]
+        copy = [r for r in parse_jsonl(saved.get(name, b"").decode(errors="replace")) if r.get("step", 0) <= step]
+        if len(copy) > len(rows) or (run_dir / name).exists():
+            atomic_write_bytes(run_dir / name, "".join(json.dumps(r) + "\n" for r in max(rows, copy, key=len)).encode())
     return read_metrics(run_dir)
-
-
-def restore_logs_from_checkpoint(run_dir: Path, logs: dict[str, bytes], step: int) -> None:
-    """A fresh VM has no local logs: take the checkpoint's copy when it has more rows up to `step`."""
-    for name in (METRICS_FILE, SAMPLES_FILE):
-        if name not in logs:
-            continue
-        saved = parse_jsonl(logs[name].decode(errors="replace"))
-        local = read_jsonl(run_dir / name)
-        if sum(r.get("step", 0) <= step for r in saved) > sum(r.get("step", 0) <= step for r in local):
-            atomic_write_bytes(run_dir / name, logs[name])
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
@@ -172,9 +162,6 @@ class MetricsLog:
                 self.say(f"compiled and warmed up in {self.t_last - self.t_start:.0f} s")
             self.timer.split()  # the time split leaves the first step out too
 
-    def due(self, step: int, validating: bool) -> bool:
-        return step % self.tc.log_interval == 0 or validating
-
     def flush(self, validating: bool) -> None:
         """Read the pending losses back (the loop's host sync) and write a row per step. A validation step's row
         is written by `validation_row`, with its val loss; until then its loss stays pending."""
@@ -251,9 +238,6 @@ class MetricsLog:
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
         (self.log if self.bar.disable else self.bar.write)(msg)
-
-    def step_done(self) -> None:
-        self.bar.update(1)
 
     def close(self) -> None:
         self.file.close()

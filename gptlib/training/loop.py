@@ -153,13 +153,13 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
     saving = (stop_now or validating or time_due or state.step % (tc.save_every_steps or tc.eval_interval) == 0
               or is_milestone(state.step, tc.keep_every))
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
-    if metrics.due(state.step, validating) or saving:
+    if state.step % tc.log_interval == 0 or saving:
         metrics.flush(validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
         val_loss = _validate(s, metrics, is_last, log) if validating else None
         if saving:
             s.writer.save(s.snapshot(val_loss, metrics.elapsed()))
-    metrics.step_done()
+    metrics.bar.update(1)
     if not (over_time or stop_now) or is_last:
         return None
     stopped_by = "max_minutes" if over_time else (stop.reason or "stop")

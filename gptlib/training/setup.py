@@ -30,7 +30,7 @@ from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
 from gptlib.runtime import autocast_for, configure_matmul, dtype_name, resolve_dtype, use_compile
 from gptlib.training import distributed
-from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
+from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
 from gptlib.training.optimizer import build_optimizer, check_optimizer_fits, load_optimizer, slow_muon_note
 from gptlib.training.step import lr_at
@@ -315,9 +315,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
             atomic_write_bytes(start.run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
         except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
             raise cannot_write(start.run_dir, e) from None
-        if start.resume is not None:
-            restore_logs_from_checkpoint(start.run_dir, start.resume.checkpoint["logs"], state.step)
-        s.history = truncate_logs(start.run_dir, state.step)  # rows logged after the checkpoint go: this run logs them
+        s.history = logs_up_to(start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {})
         s.writer = _open_writer(s, start, log)
     log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(s.dtype)}, "

@@ -211,7 +211,6 @@ class MetricsLog:
         return row
 
     def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
-        """A line for the user (with the Drive status), and the on_log callback (the notebook's live plot)."""
         msg = f"step {row['step']:,}: train {self.train_loss:.4f}, val {self.val_loss:.4f}"
         if row.get("hellaswag_acc_norm") is not None:
             msg += f", HellaSwag acc_norm {row['hellaswag_acc_norm']:.4f} ({row['hellaswag_n']:,} items)"
@@ -221,7 +220,6 @@ class MetricsLog:
 
     @contextlib.contextmanager
     def paused(self):
-        """Leave a block's time out of tokens/s and MFU (not out of the ETA)."""
         t0 = time.time()
         try:
             yield

@@ -38,7 +38,6 @@ from gptlib.training.throughput import check_cpu_run, run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
-    """-> (model, optimizer, scaler, dtype); benchmarks/bench.py builds here too."""
     tc = cfg.train
     dtype = resolve_dtype(tc.dtype, device)
     torch.manual_seed(tc.seed)

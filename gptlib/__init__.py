@@ -14,7 +14,7 @@ _WHERE = {
     "fetch_tinyshakespeare": "gptlib.data.download", "find_dataset": "gptlib.data.shards",
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
-    "throughput_summary": "gptlib.training.logs", "samples_html": "gptlib.training.logs",
+    "samples_html": "gptlib.training.logs",
     "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots",
     "hellaswag_figure": "gptlib.training.plots",
     # a trained run at work (gptlib/inference/)

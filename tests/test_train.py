@@ -252,11 +252,14 @@ def test_the_bar_is_readable_with_a_gpu_runs_longest_fields():
     """The longest postfix a GPU run shows (MFU known, millions of tokens/s, hours left, 5-digit steps)."""
     from tqdm import tqdm
 
-    from gptlib.training.logs import BAR_FORMAT, bar_postfix
+    from gptlib.training.logs import BAR_FORMAT
+    from gptlib.training.throughput import speed_text
 
-    postfix = bar_postfix(3.2104, 1_234_567.0, {"mfu": 0.4567, "eta_s": 45_296.0,
-                                                 "time_split": {"data": 0.03, "fwd_bwd": 0.9, "optim": 0.07}})
+    row = {"tokens_per_s": 1_234_567.0, "mfu": 0.4567, "eta_s": 45_296.0,
+           "time_split": {"data": 0.03, "fwd_bwd": 0.9, "optim": 0.07}}
+    postfix = "loss 3.2104, " + speed_text(row)
     assert postfix == "loss 3.2104, 1.23M tok/s, MFU 45.7%, ETA 12h34m"  # details: the periodic line, metrics.jsonl
+    assert speed_text(row, split=True).endswith("ETA 12h34m, time data 3% fwd_bwd 90% optim 7%")
     for ncols in (100, 120):
         line = tqdm.format_meter(12_345, 19_073, 11_565.0, ncols=ncols, prefix="train", bar_format=BAR_FORMAT,
                                  postfix=postfix)
@@ -310,13 +313,13 @@ def test_the_samples_table_in_a_notebook_aligns_each_cell_top_left(tmp_path):
                     ["20", texts["ROMEO:", 20], ""]]
 
 
-def test_one_tokens_per_s_figure_in_the_bar_the_plot_the_summary_cell_and_the_closing_line(tmp_path, char_data,
-                                                                                         monkeypatch):
-    """Notebook 03 showed three figures that disagreed: the closing line's rates, and the last log interval's in
-    the bar, the plot's title and the summary cell. Every live figure is now the session's tokens/s while stepping,
+def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(tmp_path, char_data, monkeypatch):
+    """Notebook 03 showed figures that disagreed: the closing line's rates, and the last log interval's in
+    the bar and the plot's title. Every live figure is now the session's tokens/s while stepping,
     the closing line's first, and each text says what it counts."""
-    from gptlib.training.logs import MetricsLog, throughput_summary
+    from gptlib.training.logs import MetricsLog
     from gptlib.training.plots import LivePlot
+    from gptlib.training.throughput import fmt_tokens
 
     monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)  # a progress line (the bar's details) at every log step
     shown = []
@@ -326,9 +329,8 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_the_summary_cell_and_the_cl
     assert len(rows) >= 4 and rows[-1]["step"] == 24  # several intervals: their rates differ, their average is one
     assert rows[-1]["tokens_per_s"] == round(r.steady_tokens_per_s, 1)
     fig = f"{r.steady_tokens_per_s:,.0f}"
-    assert [ln for ln in shown if ln.startswith("step 24/24:")][-1].count(f"tok/s {fig},") == 1  # the bar's details
-    assert f" {rows[-1]['tokens_per_s']:,.0f} tok/s" in LivePlot(tmp_path / "run").figure().axes[0].get_title()
-    assert throughput_summary(tmp_path / "run").startswith(
-        f"last session, at step 24: {rows[-1]['tokens_per_s']:,.0f} tokens/s while stepping, MFU ")
+    speed = f"{fmt_tokens(r.steady_tokens_per_s)} tok/s"
+    assert [ln for ln in shown if ln.startswith("step 24/24:")][-1].count(f", {speed},") == 1  # the bar's details
+    assert f"{fmt_tokens(rows[-1]['tokens_per_s'])} tok/s" in LivePlot(tmp_path / "run").figure().axes[0].get_title()
     assert re.search(rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
                      r"first step, validations and saves included \(max_steps\)", r.summary()), r.summary()

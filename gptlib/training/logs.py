@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import html
 import json
-import math
 import os
 import sys
 import time
@@ -22,44 +21,22 @@ from gptlib.inference.sampling import SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.model import model_size
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import fmt_duration, fmt_mfu, fmt_split, fmt_tokens, perf_fields, postfix_fields
+from gptlib.training.throughput import perf_fields, speed_text
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / METRICS_FILE)
 
 
-def throughput_summary(run_dir: str | Path) -> str:
-    """Notebook 03: the latest session's figures from its last metrics.jsonl row; "" before the first measurement."""
-    rows = [r for r in read_metrics(run_dir) if "tokens_per_s" in r]
-    if not rows:
-        return ""
-    r = rows[-1]
-    units = f", ~{r['colab_units_left']} Colab compute units left" if r.get("colab_units_left") is not None else ""
-    return (f"last session, at step {r['step']:,}: {r['tokens_per_s']:,.0f} tokens/s while stepping, MFU "
-            f"{fmt_mfu(r.get('mfu'))}, time split {fmt_split(r.get('time_split') or {}) or '?'}; "
-            f"ETA {fmt_duration(math.inf if r.get('eta_s') is None else r['eta_s'])}{units}")
-
-
-def truncate_logs(run_dir: Path, upto_step: int) -> list[dict]:
-    """Drop the metrics and samples rows after the resumed step (the resumed run logs them again); -> the metrics."""
+def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
+    """The metrics and samples rows up to the resumed step (the resumed run logs the rest again), from the
+    checkpoint's copy `saved` where it has more of them (a fresh VM has no local logs); -> the metrics rows."""
     for name in (METRICS_FILE, SAMPLES_FILE):
-        p = run_dir / name
-        if p.exists():
-            keep = [r for r in read_jsonl(p) if r.get("step", 0) <= upto_step]
-            atomic_write_bytes(p, "".join(json.dumps(r) + "\n" for r in keep).encode())
+        rows = [r for r in read_jsonl(run_dir / name) if r.get("step", 0) <= step]
+        copy = [r for r in parse_jsonl(saved.get(name, b"").decode(errors="replace")) if r.get("step", 0) <= step]
+        if len(copy) > len(rows) or (run_dir / name).exists():
+            atomic_write_bytes(run_dir / name, "".join(json.dumps(r) + "\n" for r in max(rows, copy, key=len)).encode())
     return read_metrics(run_dir)
-
-
-def restore_logs_from_checkpoint(run_dir: Path, logs: dict[str, bytes], step: int) -> None:
-    """A fresh VM has no local logs: take the checkpoint's copy when it has more rows up to `step`."""
-    for name in (METRICS_FILE, SAMPLES_FILE):
-        if name not in logs:
-            continue
-        saved = parse_jsonl(logs[name].decode(errors="replace"))
-        local = read_jsonl(run_dir / name)
-        if sum(r.get("step", 0) <= step for r in saved) > sum(r.get("step", 0) <= step for r in local):
-            atomic_write_bytes(run_dir / name, logs[name])
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
@@ -127,15 +104,9 @@ def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int,
     return rows
 
 
-# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up.
+# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up. The postfix (loss,
+# tok/s, MFU, ETA) stays under 50 characters, to leave the bar a fair share of a 100-column line.
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-
-
-def bar_postfix(train_loss: float, tokens_per_s: float | None, perf: dict) -> str:
-    """Loss, tokens/s, MFU and ETA: under 50 characters, to leave the bar a fair share of a 100-column line."""
-    short = postfix_fields(perf)
-    parts = [f"loss {train_loss:.4f}"] + ([f"{fmt_tokens(tokens_per_s)} tok/s"] if tokens_per_s is not None else [])
-    return ", ".join(parts + [f"{k.upper()} {short[k]}" for k in ("mfu", "eta") if k in short])
 
 
 def plain_progress(stream) -> bool:
@@ -191,9 +162,6 @@ class MetricsLog:
                 self.say(f"compiled and warmed up in {self.t_last - self.t_start:.0f} s")
             self.timer.split()  # the time split leaves the first step out too
 
-    def due(self, step: int, validating: bool) -> bool:
-        return step % self.tc.log_interval == 0 or validating
-
     def flush(self, validating: bool) -> None:
         """Read the pending losses back (the loop's host sync) and write a row per step. A validation step's row
         is written by `validation_row`, with its val loss; until then its loss stays pending."""
@@ -217,13 +185,12 @@ class MetricsLog:
         if not validating:
             self._write(self._row(st.step, self.train_loss, now))
         self.file.flush()
-        tps = self.steady_tokens_per_s()
-        self.bar.set_postfix_str(bar_postfix(self.train_loss, tps, self.perf))
+        speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
+        self.bar.set_postfix_str(", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)])))
         if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
-            fields = {"loss": f"{self.train_loss:.4f}", "lr": f"{self._lr(st.step):.2e}",
-                      **({} if tps is None else {"tok/s": f"{tps:,.0f}"}), **postfix_fields(self.perf)}
-            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: " + ", ".join(f"{k} {v}" for k, v in fields.items()))
+            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: loss {self.train_loss:.4f}, lr {self._lr(st.step):.2e}, "
+                     + speed_text(speed, split=True))
 
     def _row(self, step: int, loss: float, now: float | None = None, **extra) -> dict:
         """A step's row; with `now`, the last of a log step: tokens/s (once measured), elapsed time, MFU, ETA, split."""
@@ -244,7 +211,6 @@ class MetricsLog:
         return row
 
     def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
-        """A line for the user (with the Drive status), and the on_log callback (the notebook's live plot)."""
         msg = f"step {row['step']:,}: train {self.train_loss:.4f}, val {self.val_loss:.4f}"
         if row.get("hellaswag_acc_norm") is not None:
             msg += f", HellaSwag acc_norm {row['hellaswag_acc_norm']:.4f} ({row['hellaswag_n']:,} items)"
@@ -254,7 +220,6 @@ class MetricsLog:
 
     @contextlib.contextmanager
     def paused(self):
-        """Leave a block's time out of tokens/s and MFU (not out of the ETA)."""
         t0 = time.time()
         try:
             yield
@@ -271,9 +236,6 @@ class MetricsLog:
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
         (self.log if self.bar.disable else self.bar.write)(msg)
-
-    def step_done(self) -> None:
-        self.bar.update(1)
 
     def close(self) -> None:
         self.file.close()

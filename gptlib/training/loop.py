@@ -86,9 +86,9 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
         start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
-        held, whose = start.held
+        held = start.held
         if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
-            log(f"recipe: {held.recipe} (the {whose}'s own)")  # a model keeps its recipe
+            log(f"recipe: {held.recipe} (the {start.whose}'s own)")  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
         s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
                      log=log)
@@ -153,13 +153,13 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
     saving = (stop_now or validating or time_due or state.step % (tc.save_every_steps or tc.eval_interval) == 0
               or is_milestone(state.step, tc.keep_every))
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
-    if metrics.due(state.step, validating) or saving:
+    if state.step % tc.log_interval == 0 or saving:
         metrics.flush(validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
         val_loss = _validate(s, metrics, is_last, log) if validating else None
         if saving:
             s.writer.save(s.snapshot(val_loss, metrics.elapsed()))
-    metrics.step_done()
+    metrics.bar.update(1)
     if not (over_time or stop_now) or is_last:
         return None
     stopped_by = "max_minutes" if over_time else (stop.reason or "stop")

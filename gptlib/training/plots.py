@@ -10,7 +10,7 @@ from pathlib import Path
 from gptlib.evaluation.hellaswag import GPT2_124M
 from gptlib.fsutil import atomic_write
 from gptlib.training.logs import read_metrics
-from gptlib.training.throughput import fmt_duration, fmt_mfu
+from gptlib.training.throughput import speed_text
 
 
 def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
@@ -71,9 +71,7 @@ class LivePlot:
         last = last or (rows[-1] if rows else {})
         parts = [self.title,
                  last.get("val_loss") is not None and f"step {last['step']:,}: val {last['val_loss']:.4f}",
-                 last.get("tokens_per_s") and f"{last['tokens_per_s']:,.0f} tok/s",
-                 "mfu" in last and f"MFU {fmt_mfu(last['mfu'])}",
-                 last.get("eta_s") is not None and f"ETA {fmt_duration(last['eta_s'])}"]
+                 speed_text(last)]
         return loss_figure(rows, " · ".join(p for p in parts if p), figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
@@ -87,20 +85,13 @@ class LivePlot:
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):
-    """HellaSwag acc_norm of metrics.jsonl rows on a second y axis of the loss plot, with one legend for both axes;
-    None when no row has one."""
-    pts = [(r["step"], r["hellaswag_acc_norm"], r.get("hellaswag_n") or 0) for r in rows
-           if r.get("hellaswag_acc_norm") is not None and r.get("step") is not None]
+    """HellaSwag acc_norm of metrics.jsonl rows (a subset, all items at the end: hellaswag_n says which) on a second
+    y axis of the loss plot, with one legend for both axes; None when no row has one."""
+    pts = [(r["step"], r["hellaswag_acc_norm"]) for r in rows if r.get("hellaswag_acc_norm") is not None]
     if not pts:
         return None
     ax2 = ax.twinx()
-    n_sub = min(n for _, _, n in pts)  # the subset size; a larger n is the full set at the end
-    sub = [(s, a) for s, a, n in pts if n == n_sub]
-    full = [(s, a) for s, a, n in pts if n != n_sub]
-    ax2.plot(*zip(*sub), "s-", color="tab:green", lw=1.2, ms=3,
-             label=f"HellaSwag acc_norm ({n_sub:,} items)" if n_sub else "HellaSwag acc_norm")
-    if full:
-        ax2.plot(*zip(*full), "D", color="darkgreen", ms=6, label="HellaSwag acc_norm (all items)")
+    ax2.plot(*zip(*pts), "s-", color="tab:green", lw=1.2, ms=3, label="HellaSwag acc_norm")
     _references(ax2, "tab:green", 0.8)
     ax2.set_ylabel("HellaSwag acc_norm", color="tab:green")
     (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()

@@ -30,7 +30,7 @@ from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
 from gptlib.runtime import autocast_for, configure_matmul, dtype_name, resolve_dtype, use_compile
 from gptlib.training import distributed
-from gptlib.training.logs import restore_logs_from_checkpoint, truncate_logs
+from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
 from gptlib.training.optimizer import build_optimizer, check_optimizer_fits, load_optimizer, slow_muon_note
 from gptlib.training.step import lr_at
@@ -38,7 +38,6 @@ from gptlib.training.throughput import check_cpu_run, run_flops
 
 
 def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, Any, torch.dtype]:
-    """-> (model, optimizer, scaler, dtype); benchmarks/bench.py builds here too."""
     tc = cfg.train
     dtype = resolve_dtype(tc.dtype, device)
     torch.manual_seed(tc.seed)
@@ -98,10 +97,7 @@ class TrainingRun:
     writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)  # rank 0's: last
     resumed_from: int | None = None  # the step of the checkpoint this call resumed
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
-
-    @property
-    def compiled(self) -> bool:
-        return (self.train_model.module if self.ddp.enabled else self.train_model) is not self.model
+    compiled: bool = False  # train_model is torch.compile's
 
     @property
     def autocast(self):
@@ -199,17 +195,8 @@ class Start:
     resume: Resume | None
     passed: Passed
     base: LoadedModel | None  # --init-from's
-
-    @property
-    def held(self) -> tuple[RunConfig | None, str]:
-        """The config the model already has (its shape and recipe stay), and whose it is."""
-        if self.resume is not None:
-            return self.resume.state.run_config(str(self.resume.info.path / STATE_FILE)), "resumed run"
-        return (self.base.config if self.base else None), "--init-from base"
-
-    @property
-    def from_mirror(self) -> bool:
-        return self.mirror_dir is not None and self.resume.origin.is_relative_to(self.mirror_dir)
+    held: RunConfig | None  # the config the model already has (its shape and recipe stay), and whose it is
+    whose: str
 
 
 def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_from: str | None,
@@ -221,10 +208,14 @@ def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_f
         raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
                               f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
-    if resume is not None and init_from:
-        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
-    base = load_base(init_from, meta, log) if init_from and resume is None else None
-    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base)
+    if resume is not None:
+        if init_from:
+            log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+        held = resume.state.run_config(str(resume.info.path / STATE_FILE))
+        return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, None, held, "resumed run")
+    base = load_base(init_from, meta, log) if init_from else None
+    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, None, passed, base, base and base.config,
+                 "--init-from base")
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
@@ -237,11 +228,11 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
                   log) -> tuple[RunConfig, int]:
     """The config the run trains with: the data's vocabulary, the base's shape (and, with --init-from, a resumed
     run's), the micro-batch that fits; each change said. -> (config, the auto_batch probe's peak bytes, 0: none)."""
-    held, whose = start.held
+    held = start.held
     if held is not None and held.recipe != asked.recipe:
-        raise ConfigError(f"{start.run_dir}: the {whose} was trained with --recipe {held.recipe} but this call asks "
-                          f"for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop --recipe "
-                          f"to go on with {held.recipe}, or use a new run directory")
+        raise ConfigError(f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call "
+                          f"asks for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop "
+                          f"--recipe to go on with {held.recipe}, or use a new run directory")
     model = {}
     if start.meta.vocab_size != asked.model.vocab_size:
         log(f"vocab_size {asked.model.vocab_size} (preset) -> {start.meta.vocab_size} (from "
@@ -316,16 +307,14 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
         start_from_base(model, base)
     if start.resume is not None:
         _resume(s, start, log)
-    s.train_model = wrap_for_training(model, cfg, device, ddp)[0]
+    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp)
     if ddp.is_main:  # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
         try:
             atomic_write_json(start.run_dir / CONFIG_FILE, cfg.to_dict())
             atomic_write_bytes(start.run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
         except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
             raise cannot_write(start.run_dir, e) from None
-        if start.resume is not None:
-            restore_logs_from_checkpoint(start.run_dir, start.resume.checkpoint["logs"], state.step)
-        s.history = truncate_logs(start.run_dir, state.step)  # rows logged after the checkpoint go: this run logs them
+        s.history = logs_up_to(start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {})
         s.writer = _open_writer(s, start, log)
     log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(s.dtype)}, "
@@ -350,7 +339,7 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
         s.state.data_changes = [*s.state.data_changes, r.data_change]
     s.resumed_from = s.state.step
     log(f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
-        f"on the {'Drive mirror' if start.from_mirror else 'local disk'}: {r.origin}")
+        f"on the {'local disk' if r.origin.is_relative_to(start.run_dir) else 'Drive mirror'}: {r.origin}")
 
 
 def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
@@ -362,6 +351,6 @@ def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
     writer = CheckpointWriter(start.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every, log=log,
                               mirror_dir=start.mirror_dir, guard=s.lease.check, unreadable=set(passed.unreadable),
                               mirror_listed=passed.mirror_step)
-    if start.resume is not None and start.mirror_dir is not None and not start.from_mirror:
+    if start.resume is not None and start.mirror_dir is not None and start.resume.origin.is_relative_to(start.run_dir):
         writer.mirror_existing(start.resume.info.path, s.state.best_step)
     return writer

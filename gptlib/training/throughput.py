@@ -112,14 +112,14 @@ def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: f
             "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
 
 
-def postfix_fields(perf: dict) -> dict[str, str]:
-    """A metrics row's perf fields as text: MFU, ETA, and where a step's time goes ("data 3% fwd_bwd 90% optim 7%")."""
-    out = {"mfu": fmt_mfu(perf["mfu"])} if perf.get("mfu") is not None else {}
-    if perf.get("eta_s") is not None:
-        out["eta"] = fmt_duration(perf["eta_s"])
-    if perf.get("time_split"):
-        out["time"] = fmt_split(perf["time_split"])
-    return out
+def speed_text(row: dict, split: bool = False) -> str:
+    """A metrics row's speed, as the bar, the progress lines and the live plot show it: "1.23M tok/s, MFU 45.7%,
+    ETA 12h34m", and with split where a step's time goes ("time data 3% fwd_bwd 90% optim 7%")."""
+    parts = [row.get("tokens_per_s") and f"{fmt_tokens(row['tokens_per_s'])} tok/s",
+             row.get("mfu") is not None and f"MFU {fmt_mfu(row['mfu'])}",
+             row.get("eta_s") is not None and f"ETA {fmt_duration(row['eta_s'])}",
+             split and row.get("time_split") and f"time {fmt_split(row['time_split'])}"]
+    return ", ".join(p for p in parts if p)
 
 
 class StepTimer:

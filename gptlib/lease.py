@@ -164,9 +164,7 @@ class RunLease:
         self._held = []
 
 
-class NoLease:
-    """The lease of DDP ranks other than 0 (rank 0 holds the run's) and of callers that need none."""
-
+class NoLease:  # DDP ranks other than 0 (rank 0 holds the run's), and callers that need none
     def check(self, directory: Path | None = None) -> None:
         pass
 

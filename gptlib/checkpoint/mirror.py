@@ -123,17 +123,14 @@ class Mirror:
                 else:
                     return
                 self._busy = path
-            try:
-                outcome = self._copy_with_retries(path)
-                with self._cv:
-                    if outcome == "copied":
-                        self._milestones = [m for m in self._milestones if m != path]
-                    elif outcome == "failed":  # Drive is failing: milestones wait for the next save, not a loop
-                        self._milestones_paused = True
-            finally:
-                with self._cv:
-                    self._busy = None
-                    self._cv.notify_all()
+            outcome = self._copy_with_retries(path)  # never raises
+            with self._cv:
+                if outcome == "copied":
+                    self._milestones = [m for m in self._milestones if m != path]
+                elif outcome == "failed":  # Drive is failing: milestones wait for the next save, not a loop
+                    self._milestones_paused = True
+                self._busy = None
+                self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:
         """-> "copied", "failed" (gave up) or "superseded" (a newer checkpoint arrived during a retry wait)."""
@@ -179,12 +176,9 @@ class Mirror:
         return "none yet" if self.listed_step is None else f"step {self.listed_step:,} (found there at start)"
 
     def _tidy(self, path: Path) -> None:
-        """Rotate the mirror and copy the run-level files, under a time limit of its own (the copy it follows stands)."""
-        with self._cv:
-            best_step = self._best_step  # the newest: a milestone copied late must not drop today's best
-
-        def tidy():
-            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True,  # also cleans checkpoint orphans
+        """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
+        def tidy():  # the newest best_step: a milestone copied late must not drop today's best
+            rotate(self.mirror_dir, self.keep_last, self._best_step, truncate=True,  # also cleans checkpoint orphans
                    keep_every=self.keep_every, protect=self.unreadable, newest=self.last_step)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
             if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
@@ -210,7 +204,7 @@ class Mirror:
         return f"drive: {self._newest_on_drive()}" + (" (copying)" if copying else "")
 
     def close(self, timeout: float, local_step: int | None) -> None:
-        """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting); then say loudly what is not on Drive."""
+        """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting); say loudly what is not on Drive."""
         if self._thread is None:
             return
         with self._cv:

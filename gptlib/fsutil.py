@@ -33,7 +33,6 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call write(f) on a temp file beside `path`, fsync it, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARKER, dir=path.parent)
@@ -100,7 +99,6 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def clean_temp_files(directory: str | Path) -> list[Path]:
-    """Remove temp files left by interrupted atomic writes -> what was removed."""
     removed = []
     for p in Path(directory).glob(f"*{TMP_MARKER}*"):
         with suppress(OSError):
@@ -110,7 +108,6 @@ def clean_temp_files(directory: str | Path) -> list[Path]:
 
 
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
-    """The one-line error for a directory a write failed in: the OS's reason and the fix."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space there (old runs or checkpoints) or choose a directory on another disk"
     elif e.errno in (errno.EACCES, errno.EPERM):
@@ -123,8 +120,7 @@ def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
 
 
 def check_dir(path: str | Path, what: str) -> bool:
-    """-> whether a directory gptlib will use exists; RunDirError naming a file, a link loop, a broken link or a path
-    through a file there, before anything is written."""
+    """-> whether it exists; RunDirError naming a file, a link loop, a broken link or a path through a file there."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -145,9 +141,7 @@ def check_dir(path: str | Path, what: str) -> bool:
     return True
 
 
-class Progress:
-    """Shared between a long I/O call and its watchdog: the last progress time, a cancel flag, the bytes moved."""
-
+class Progress:  # shared by a long I/O call and its watchdog
     def __init__(self):
         self.t, self.cancel, self.bytes = time.monotonic(), threading.Event(), 0
 
@@ -159,8 +153,7 @@ class Progress:
 
 
 def copy_hashing(src: str | Path, dst: str | Path, progress: Progress) -> tuple[int, str]:
-    """Copy src to dst, fsynced, hashing the bytes as they pass -> (size, sha256) of what was read: checking a copy
-    costs no second read. Each chunk ticks `progress` (call_with_timeout's watchdog)."""
+    """-> (size, sha256) of what was read: checking a copy costs no second read. Each chunk ticks `progress`."""
     h, n = hashlib.sha256(), 0
     with open(src, "rb") as fi, open(dst, "wb") as fo:
         progress.tick()
@@ -175,7 +168,6 @@ def copy_hashing(src: str | Path, dst: str | Path, progress: Progress) -> tuple[
 
 
 def read_bytes_with_timeout(path: str | Path, stall_s: float) -> bytes:
-    """A whole file, read under call_with_timeout's watchdog."""
     progress = Progress()
 
     def read() -> bytes:

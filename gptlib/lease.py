@@ -1,7 +1,6 @@
-"""One writer per run: training holds a lease on its run directory and Drive mirror, so a second process there
-refuses within seconds and names the holder. A lease whose holder is gone (a dead pid on this machine, or a heartbeat
-older than STALE_S by this machine's clock) is taken over; --take-over takes any. A holder whose lease was taken stops
-without writing: check() runs before every checkpoint write."""
+"""One writer per run: a lease on the run directory and Drive mirror names its holder to a second process, which
+refuses; a holder that is gone (dead pid here, heartbeat older than STALE_S) is taken over, --take-over takes any. A
+holder whose lease was taken stops without writing: check() runs before every checkpoint write."""
 
 from __future__ import annotations
 
@@ -71,7 +70,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
-        """Take the lease in every directory, or RunBusyError naming the holder (nothing written then)."""
+        """RunBusyError naming the holder, before anything is written."""
         for d in self.dirs:
             self._check_free(d / LEASE_FILE)
         for d in self.dirs:
@@ -103,11 +102,11 @@ class RunLease:
         how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
         if isinstance(found, Holder) and found.host == self.host:
             try:
-                os.kill(found.pid, 0)  # PermissionError: alive, another user's
+                os.kill(found.pid, 0)
             except ProcessLookupError:
                 self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
                 return
-            except PermissionError:
+            except PermissionError:  # alive, another user's
                 pass
             raise RunBusyError(f"{path.parent} is in use by another training process ({what}); {how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else
@@ -153,7 +152,7 @@ class RunLease:
             self._check_ours(Path(directory) / LEASE_FILE)
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease files that are still ours (never another holder's)."""
+        """Remove the lease files that are still ours (never another holder's)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(IO_TIMEOUT_S)  # a beat being written now must not re-create a file removed below
@@ -165,9 +164,7 @@ class RunLease:
         self._held = []
 
 
-class NoLease:
-    """The lease of DDP ranks other than 0 (rank 0 holds the run's) and of callers that need none."""
-
+class NoLease:  # DDP ranks other than 0 (rank 0 holds the run's), and callers that need none
     def check(self, directory: Path | None = None) -> None:
         pass
 

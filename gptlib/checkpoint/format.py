@@ -1,13 +1,8 @@
-"""A checkpoint: one dict of parts, written by save_checkpoint and read by load_checkpoint.
-
-    {"model": ..., "optimizer": ..., "scaler": ..., "sampler": ..., "rng": ...,  each part's state_dict()
-     "progress": TrainState.state_dict(), "sampler_ranks": [...] (DDP only)}
-
-On disk (checkpoints/step_0001000/): model.pt, train_state.pt (the other parts), state.json (the progress, readable
-by people), the run's logs, and manifest.json last, with each file's size and sha256 hashed as it was written. The
-directory is written under a temporary name and renamed when complete, so a kill at any moment leaves the previous
-checkpoint the newest. Loading checks every hash and unpickles with weights_only=True: a checkpoint cannot run code.
-"""
+"""A checkpoint is one dict of parts, each a state_dict(): {"model", "optimizer", "scaler", "sampler", "rng",
+"progress" (TrainState), "sampler_ranks" (DDP only)}, written by save_checkpoint and read by load_checkpoint.
+On disk (checkpoints/step_0001000/): model.pt, train_state.pt (the other parts), state.json (the progress), the logs,
+and manifest.json last, with each file's size and sha256. Written under a temporary name and renamed when complete: a
+kill leaves the previous checkpoint the newest. Loaded with weights_only=True: a checkpoint cannot run code."""
 
 from __future__ import annotations
 
@@ -42,9 +37,7 @@ ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
 
 
 @dataclass
-class TrainState:
-    """The run's progress: a checkpoint's "progress" part (state.json)."""
-
+class TrainState:  # the run's progress: a checkpoint's "progress" part (state.json)
     step: int = 0  # optimizer steps completed (the LR schedule's position)
     tokens_seen: int = 0  # training tokens consumed, over all sessions
     elapsed_s: float = 0.0  # training wall time, over all sessions
@@ -84,8 +77,8 @@ class TrainState:
 
 
 class RNG:
-    """The generators training draws from (dropout), as one part: torch's CPU one and the training GPU's (only that
-    device's: a checkpoint made on N GPUs resumes on fewer)."""
+    """The generators dropout draws from: torch's CPU one and the training GPU's (only that device's: a checkpoint made
+    on N GPUs resumes on fewer)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -108,8 +101,8 @@ class RNG:
 
 
 def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None = None) -> Path:
-    """Write one checkpoint dict into root/step_N -> its path. On any error the partial directory is removed; an
-    existing one of the same step is untouched until the rename."""
+    """-> root/step_N. On any error the partial directory is removed; one of the same step is untouched until the
+    rename."""
     step = ckpt["progress"]["step"]
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -145,8 +138,7 @@ class _Hashing:
 
     def write(self, b) -> int:
         self.sha.update(b)
-        n = self.f.write(b)
-        self.size += n
+        self.size += (n := self.f.write(b))
         return n
 
     def flush(self) -> None:
@@ -154,7 +146,6 @@ class _Hashing:
 
 
 def _write_hashed(path: Path, write) -> dict:
-    """write(f) into path atomically -> its manifest record {size, sha256}."""
     out = {}
 
     def hashed(f):
@@ -188,8 +179,8 @@ def install(partial: Path, final: Path, truncate: bool = False) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """save_checkpoint's dict back, with "logs": {name: bytes} of the extra files. Each file is read once and checked
-    against the manifest: CheckpointError if it is damaged, OSError if it cannot be read (a hung Drive)."""
+    """The dict, with "logs": {name: bytes}. Each file is read once and checked against the manifest: CheckpointError
+    if it is damaged, OSError if it cannot be read (a hung Drive)."""
     info = verify_checkpoint(path)
     data = {name: _read_verified(path / name, rec) for name, rec in info.manifest["files"].items()}
     model, train = (_safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE))
@@ -212,7 +203,6 @@ def _read_verified(f: Path, rec: dict) -> bytes:
 
 
 def check_file(f: Path, got: tuple[int, str], size: int, sha256: str) -> None:
-    """CheckpointError unless the bytes read from f, got = (their size, their sha256), are its manifest's."""
     if got[0] != size:
         raise CheckpointError(f"{f}: {got[0]:,} bytes, manifest says {size:,} (truncated or incomplete)")
     if got[1] != sha256:
@@ -249,8 +239,7 @@ def read_manifest(path: Path) -> dict:
 
 
 def verify_checkpoint(path: Path) -> CheckpointInfo:
-    """The cheap check, run after every save and by rotation: the manifest and every file's size (the hashes are
-    load_checkpoint's). CheckpointError if the checkpoint is incomplete or damaged."""
+    """The cheap check (after every save, by rotation): the manifest and every file's size; CheckpointError if not."""
     manifest, mpath = read_manifest(path), path / MANIFEST_FILE
     try:
         files, step = manifest["files"], manifest["step"]
@@ -273,7 +262,6 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Finished-looking checkpoint directories (not .partial and friends), newest step first."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
@@ -281,7 +269,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def load_model_weights(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Only the weights (generation, export): of a checkpoint dir or a .pt file."""
     f = path / MODEL_FILE if path.is_dir() else path
     data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -304,8 +291,7 @@ def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], sourc
 
 
 def set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to step_N.damaged-TIME -> its new path: kept for its owner, ignored by resume,
-    rotation and clean-up, and never taken for a new checkpoint of the same step."""
+    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save."""
     target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
     os.rename(path, target)
     fsync_dir(path.parent)
@@ -313,9 +299,8 @@ def set_aside(path: Path) -> Path:
 
 
 def remove_tree(path: Path, truncate: bool = False) -> None:
-    """Delete a checkpoint dir: renamed away first (it stops looking like a checkpoint at once); with truncate (on
-    Drive) each file is emptied before it is unlinked, because Drive's trash keeps deleted files for 30 days and
-    they count against the quota."""
+    """Renamed away first (it stops looking like a checkpoint at once); truncate (Drive): files emptied before unlink,
+    as Drive's trash keeps deleted files for 30 days and they count against the quota."""
     if not path.exists():
         return
     if DELETING_MARKER not in path.name:

@@ -1,7 +1,6 @@
-"""The Drive mirror: each verified local checkpoint copied to Google Drive in a background thread, so the run
-survives the VM. Drive errors (Errno 107, Errno 5, hangs) are retried with backoff and reported loudly, never raised
-into training. If copies fall behind, only the newest checkpoint is copied, then every milestone.
-"""
+"""The Drive mirror: each verified local checkpoint copied to Google Drive in a background thread, so the run survives
+the VM. Drive errors (Errno 107, Errno 5, hangs) are retried and reported loudly, never raised into training; if copies
+fall behind, only the newest checkpoint is copied, then every milestone."""
 
 from __future__ import annotations
 
@@ -34,8 +33,8 @@ def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: P
 
 
 def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, reuse: bool = True) -> Path:
-    """Copy a checkpoint dir into mirror_run_dir/checkpoints: under a temp name, manifest last, then renamed; nothing
-    is read back. reuse: keep a copy already there with the same manifest (not at resume: it may be a damaged one)."""
+    """Copied under a temp name, manifest last, then renamed; nothing is read back. reuse: keep a copy already there
+    with the same manifest (not at resume: it may be a damaged one)."""
     progress = progress or Progress()
     manifest = read_manifest(src)
     dst_root = checkpoints_dir(mirror_run_dir)
@@ -63,8 +62,6 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
 
 
 class Mirror:
-    """Copies a run's newest verified checkpoint, and every milestone, to `mirror_dir` in one thread."""
-
     def __init__(self, run_dir: Path, mirror_dir: Path, keep_last: int, keep_every: int,
                  guard: Callable[[Path], None], unreadable: set[Path] = frozenset(), listed_step: int | None = None):
         self.run_dir, self.mirror_dir, self.keep_last, self.keep_every = run_dir, mirror_dir, keep_last, keep_every
@@ -96,8 +93,7 @@ class Mirror:
             return {p for p in (self._busy, self._pending) if p is not None}
 
     def queue_existing(self, path: Path, best_step: int | None) -> None:
-        """Queue a checkpoint resumed from locally and the local milestones (those already on the mirror are not
-        copied again)."""
+        """A checkpoint resumed from locally, and the local milestones (those already on the mirror are kept)."""
         milestones = [p for p in reversed(list_checkpoints(self.run_dir)) if marked_milestone(p)]
         with self._cv:
             if self._best_step is None:
@@ -127,25 +123,27 @@ class Mirror:
                 else:
                     return
                 self._busy = path
-            try:
-                outcome = self._copy_with_retries(path)
-                with self._cv:
-                    if outcome == "copied":
-                        self._milestones = [m for m in self._milestones if m != path]
-                    elif outcome == "failed":  # Drive is failing: milestones wait for the next save, not a loop
-                        self._milestones_paused = True
-            finally:
-                with self._cv:
-                    self._busy = None
-                    self._cv.notify_all()
+            outcome = self._copy_with_retries(path)  # never raises
+            with self._cv:
+                if outcome == "copied":
+                    self._milestones = [m for m in self._milestones if m != path]
+                elif outcome == "failed":  # Drive is failing: milestones wait for the next save, not a loop
+                    self._milestones_paused = True
+                self._busy = None
+                self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:
         """-> "copied", "failed" (gave up) or "superseded" (a newer checkpoint arrived during a retry wait)."""
         step = step_of(path)
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         for attempt in range(1, attempts + 1):
+            progress = Progress()  # per attempt: an abandoned one stays cancelled
             try:
-                self._attempt(path)
+                total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
+                self._copying = lambda: f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
+                self.guard(self.mirror_dir)
+                call_with_timeout(lambda: mirror_checkpoint(path, self.mirror_dir, progress), MIRROR_STALL_TIMEOUT_S,
+                                  progress)
                 if self.error is not None:
                     loud(f"Drive copy OK again: {checkpoint_name(step)} verified in {self.mirror_dir}")
                 self.error = None
@@ -173,30 +171,14 @@ class Mirror:
                         return "superseded"
 
     def _newest_on_drive(self) -> str:
-        """ "step N": the newest this run copied there, else the newest found there at resume."""
         if self.last_step is not None:
             return f"step {self.last_step:,}"
         return "none yet" if self.listed_step is None else f"step {self.listed_step:,} (found there at start)"
 
-    def _attempt(self, path: Path) -> None:
-        progress = Progress()
-        total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
-        self._copying = lambda: f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
-
-        def copy():
-            self.guard(self.mirror_dir)
-            mirror_checkpoint(path, self.mirror_dir, progress)
-
-        call_with_timeout(copy, MIRROR_STALL_TIMEOUT_S, progress)
-
     def _tidy(self, path: Path) -> None:
-        """After a copy: rotate the mirror and copy the run-level files, under a time limit of its own (the copy it
-        follows stands)."""
-        with self._cv:
-            best_step = self._best_step  # the newest: a milestone copied late must not drop today's best
-
-        def tidy():
-            rotate(self.mirror_dir, self.keep_last, best_step, truncate=True,  # also cleans checkpoint orphans
+        """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
+        def tidy():  # the newest best_step: a milestone copied late must not drop today's best
+            rotate(self.mirror_dir, self.keep_last, self._best_step, truncate=True,  # also cleans checkpoint orphans
                    keep_every=self.keep_every, protect=self.unreadable, newest=self.last_step)
             clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
             if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
@@ -222,8 +204,7 @@ class Mirror:
         return f"drive: {self._newest_on_drive()}" + (" (copying)" if copying else "")
 
     def close(self, timeout: float, local_step: int | None) -> None:
-        """Wait up to `timeout` for the copies in flight, saying how far they got (Ctrl-C stops waiting); then say
-        loudly what is not on Drive."""
+        """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting); say loudly what is not on Drive."""
         if self._thread is None:
             return
         with self._cv:

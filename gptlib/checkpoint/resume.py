@@ -1,7 +1,6 @@
-"""Where a run continues from: the newest checkpoint that loads, on the local disk or the Drive mirror (copied here
-first). Damaged ones are passed over and set aside; newer ones that could not be read (a slow or hung Drive) are
-waited for, never given up silently. The data must be the run's own unless asked otherwise.
-"""
+"""Where a run continues from: the newest checkpoint that loads, local or on the Drive mirror (copied here first).
+Damaged ones are set aside; newer ones that could not be read (a slow or hung Drive) are waited for, never given up
+silently. The data must be the run's own unless asked otherwise."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from gptlib.fsutil import Progress, call_with_timeout
 from gptlib.layout import checkpoints_dir, step_of
 
 # Checkpoints that could not be read (Drive slow or hung) are looked for again this often, for this long; then
-# training stops and says what to do. Module-level: tests, and users who know their Drive, change them.
+# training stops and says what to do.
 DRIVE_RESUME_RETRY_S = 30.0
 DRIVE_RESUME_WAIT_S = 300.0
 DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
@@ -41,9 +40,7 @@ class Resume:
 
 
 @dataclass
-class Passed:
-    """What a resume passed over: the damaged checkpoints are set aside, the unreadable ones never deleted."""
-
+class Passed:  # what a resume passed over: the damaged checkpoints are set aside, the unreadable ones never deleted
     damaged: list[Path] = field(default_factory=list)
     unreadable: dict[Path, str] = field(default_factory=dict)  # checkpoint or unlistable location -> the error
     mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
@@ -51,12 +48,9 @@ class Passed:
 
 def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False,
                 check: Callable[[dict, Path], None] = lambda ck, path: None) -> tuple[Resume | None, Passed]:
-    """The newest checkpoint that loads, local or on the mirror (None: a new run), and what was passed over.
-    `check(checkpoint, path)` raises CheckpointError for one that loads but cannot resume this run.
-
-    A newer one that could not be read (on a fresh Colab VM, Drive holds the only copy) is looked for again every
-    DRIVE_RESUME_RETRY_S for up to DRIVE_RESUME_WAIT_S; then training stops with what to do, leaving no copy it made
-    behind. skip_unreadable (--skip-unreadable) goes on without it, said loudly."""
+    """-> (None: a new run). `check(checkpoint, path)` raises CheckpointError for one that cannot resume this run. A
+    newer one that could not be read (on a fresh Colab VM, Drive holds the only copy) is waited for; then training
+    stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):
         resume, passed = _search(run_dir, mirror_dir, log, check)
@@ -85,7 +79,7 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
 
 def _search(run_dir: Path, mirror_dir: Path | None, log,
             check: Callable[[dict, Path], None]) -> tuple[Resume | None, Passed]:
-    """One look: the newest checkpoint that loads (at equal steps the local one), and what was passed over."""
+    """One look (at equal steps the local one wins)."""
     passed, found = Passed(), []
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
         try:  # under a watchdog: a hung Drive must not hang the start
@@ -133,9 +127,8 @@ def _entries(run_dir: Path) -> set[str]:
 
 
 def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
-    """Rename the damaged checkpoints resume passed over (kept, never deleted), so that a new checkpoint of the same
-    step is never taken for one of them; the run's one writer calls this before it writes. One that a good copy from
-    the mirror replaced is that copy now: left alone."""
+    """Called by the run's one writer before it writes. One that a good copy from the mirror replaced is that copy
+    now: left alone."""
     for p in passed.damaged:
         if resume is not None and p == resume.info.path:
             continue
@@ -153,8 +146,8 @@ TOKEN_FIELDS = ("train_tokens", "val_tokens", "tokens_sha256")
 
 
 def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) -> dict:
-    """Refuse to resume on data other than the run's, naming what changed; with allow_change (tokens only) go on ->
-    the change, for state.json ({}: none). Fields an older checkpoint did not record are not compared."""
+    """ConfigError naming what changed; with allow_change (tokens only) -> the change for state.json ({}: none).
+    Fields an older checkpoint did not record are not compared."""
     was = resume.state.data
     changed = {k: (was[k], now) for k, now in meta.identity().items() if was.get(k) not in (None, now)}
     if not changed:

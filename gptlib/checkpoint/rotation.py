@@ -1,6 +1,5 @@
-"""Which checkpoints stay: the newest `keep_last` that verify, the best one and the milestones. Rotation never
-judges what it cannot: checkpoints newer than the run's own newest (a Drive that was slow at resume may hold them)
-and ones it cannot read now are kept."""
+"""Which checkpoints stay: the newest `keep_last` that verify, the best one and the milestones. What rotation cannot
+judge is kept: checkpoints newer than the run's own newest (a Drive slow at resume) and ones it cannot read now."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool =
 
 
 def is_milestone(step: int | None, keep_every: int) -> bool:
-    """Kept for good (TrainConfig.keep_every), for comparing the model across training."""
     return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
 
 
@@ -48,9 +46,8 @@ def marked_milestone(path: Path) -> bool:
 
 def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
            truncate: bool = False, keep_every: int = 0, newest: int | None = None) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints that verify, the best one and the milestones -> what was
-    deleted. One that does not verify does not count towards `keep_last`: a damaged newest never costs a good one.
-    Never deleted: `protect` (in use, or unreadable at resume) and steps after `newest` (this run's newest here)."""
+    """-> what was deleted. One that does not verify does not count towards `keep_last`: a damaged newest never costs a
+    good one. Never deleted: `protect` (in use, or unreadable at resume) and steps after `newest`."""
     ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
     keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
     if best_step is not None:

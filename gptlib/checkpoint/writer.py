@@ -1,5 +1,4 @@
-"""The background checkpoint writer: the loop waits only for a host copy of the state; writing, rotation and the copy
-to Drive run in threads."""
+"""The loop waits only for a host copy of the state; writing, rotation and the copy to Drive run in threads."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 
 def _map_tensors(o: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """o (nested dicts, lists, tuples) with fn(tensor.detach()) in place of each tensor."""
     if isinstance(o, torch.Tensor):
         return fn(o.detach())
     if isinstance(o, dict):
@@ -55,9 +53,8 @@ class CheckpointWriter:
         self._layout: tuple | None = None
 
     def _snapshot(self, obj: Any) -> Any:
-        """The state with its tensors copied into host buffers kept from the previous save (allocating and
-        page-faulting ~1.5 GB per save is most of its cost on CPU), pinned on a GPU so that the copies run
-        asynchronously. Tied weights are copied once. Safe because `save` waits for the previous write first."""
+        """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.5 GB is most of a
+        save's cost on CPU), pinned on a GPU for async copies; tied weights once. `save` waits for the last write."""
         unique: dict[tuple, torch.Tensor] = {}
         _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
         sources = list(unique.values())
@@ -73,7 +70,6 @@ class CheckpointWriter:
         return _map_tensors(obj, lambda t: views[_storage_key(t)])
 
     def save(self, ckpt: dict) -> None:
-        """Copy the checkpoint's tensors to host memory (all the caller waits for); write it in the background."""
         self.wait()  # also frees the host buffers for reuse
         self.last_save = time.time()
         n_threads = torch.get_num_threads()
@@ -90,10 +86,7 @@ class CheckpointWriter:
     def _write(self, ckpt: dict, sizes: dict[str, int]) -> None:
         try:
             self.guard(self.run_dir)  # another process took the run over: write nothing
-            logs = {}
-            for name, n in sizes.items():
-                with open(self.run_dir / name, "rb") as f:
-                    logs[name] = f.read(n)
+            logs = {name: (self.run_dir / name).read_bytes()[:n] for name, n in sizes.items()}
             step, best_step = ckpt["progress"]["step"], ckpt["progress"]["best_step"]
             milestone = is_milestone(step, self.keep_every)
             if milestone:
@@ -126,7 +119,6 @@ class CheckpointWriter:
         raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
 
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
-        """Resumed from a local checkpoint: the mirror gets it, and the local milestones."""
         if self.mirror:
             self.mirror.queue_existing(path, best_step)
 
@@ -135,12 +127,10 @@ class CheckpointWriter:
                 **(self.mirror.status() if self.mirror else NO_MIRROR_STATUS)}
 
     def status_line(self) -> str:
-        """'drive: step N' when fine ('' without a mirror); a loud line when the last copy failed."""
         return self.mirror.status_line() if self.mirror else ""
 
     def close(self, timeout: float | None = None, saving: ContextManager = contextlib.nullcontext()) -> dict:
-        """Wait for the local save (raising its error; in the context `saving`), then up to `timeout` for the mirror's
-        copy of the newest checkpoint -> status()."""
+        """Wait for the local save (raising its error), then up to `timeout` for the mirror's copy -> status()."""
         try:
             with saving:
                 self.wait()
@@ -156,9 +146,7 @@ class CheckpointWriter:
         return self.status()
 
 
-class NullCheckpointWriter(CheckpointWriter):
-    """The writer of DDP ranks other than 0: rank 0 alone writes checkpoints."""
-
+class NullCheckpointWriter(CheckpointWriter):  # DDP ranks other than 0: rank 0 alone writes checkpoints
     def __init__(self):
         super().__init__(".")
 

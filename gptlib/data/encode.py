@@ -1,6 +1,5 @@
-"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards) and its output directory. The
-state is saved at every completed shard with the input position of the batch that completed it: a resumed pass redoes
-that batch and writes the same bytes."""
+"""The tokenizing pass (pieces -> batches encoded on all cores -> train/val shards). The state is saved at every
+completed shard with the input position of the batch that completed it: a resume redoes that batch, same bytes."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class Pass:
             "stats": b["stats"], "shards": {s: w.shards for s, w in self.writers.items()}})
 
     def on_full(self, w: ShardWriter) -> None:
-        # Cut the other split too, so that everything before this batch is in completed shards
-        # and a resume restarts here (at most one batch of work is redone).
+        # Cut the other split too: everything before this batch is in completed shards and a resume restarts here.
         for other in self.writers.values():
             if other is not w:
                 other.flush()
@@ -89,8 +87,8 @@ class Pass:
 
     def run(self, column: str, verbose: bool) -> None:
         """Each batch is encoded on a worker thread (the library releases the GIL) while this one stores the previous
-        batch and reads the next. What is stored is as if one batch were read, encoded and stored at a time: a read
-        error comes after the batch before it is stored, and a max_tokens stop drops the batch read ahead."""
+        and reads the next; stored as if one at a time: a read error comes after the batch before it is stored, and a
+        max_tokens stop drops the batch read ahead."""
         from tqdm.auto import tqdm
 
         spec = self.spec
@@ -126,8 +124,7 @@ class Pass:
         return bool(self.stopped)
 
     def batches(self, pieces_iter) -> Iterator[Batch]:
-        pieces: list[Piece] = []
-        n_chars = 0
+        pieces, n_chars = [], 0
         for piece in pieces_iter:
             pieces.append(piece)
             n_chars += len(piece.text)
@@ -150,7 +147,10 @@ class Pass:
         for p, x in zip(batch.pieces, ids):
             nbytes += p.nbytes
             if p.malformed is not None:
-                self.count_malformed(p)
+                stats["malformed_conversations"] = stats.get("malformed_conversations", 0) + 1
+                if len(examples := stats.setdefault("malformed_examples", [])) < EXAMPLES_KEPT:
+                    where = str(self.sources[p.pos["file"]].path)
+                    examples.append({"path": where, "record": p.doc, "reason": p.malformed})
                 continue
             s = p.split or self.doc_split(p.pos["file"], p.doc)  # pos["file"] is the piece's own file
             if self.template is not None and p.role is not None:
@@ -187,12 +187,6 @@ class Pass:
         self.batch_start = {"pos": dict(p.pos), "emitted": dict(self.emitted),
                             "stats": copy.deepcopy({**stats, "skipped_files": batch.skipped_files})}
 
-    def count_malformed(self, p: Piece) -> None:
-        self.stats["malformed_conversations"] = self.stats.get("malformed_conversations", 0) + 1
-        examples = self.stats.setdefault("malformed_examples", [])
-        if len(examples) < EXAMPLES_KEPT:
-            examples.append({"path": str(self.sources[p.pos["file"]].path), "record": p.doc, "reason": p.malformed})
-
 
 def our_files(out_dir: Path) -> list[Path]:
     """The only files tokenize ever deletes (never the lock file: another tokenize may be waiting on it)."""
@@ -222,9 +216,8 @@ def check_output_dir(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def one_writer(out_dir: Path) -> Iterator[None]:
-    """Hold out_dir's lock file while tokenizing: a second tokenize there raises RunBusyError. The OS frees the lock
-    of a process that ends, killed or not, so there is nothing to take over and nothing to check while it runs.
-    Ctrl-C: one line saying what is kept, then the KeyboardInterrupt goes on."""
+    """A second tokenize in out_dir raises RunBusyError. The OS frees the lock of a process that ends, killed or not:
+    nothing to take over or check while it runs. Ctrl-C: one line saying what is kept."""
     created = not out_dir.exists()
     lock = FileLock(out_dir / LOCK_FILE)
     try:

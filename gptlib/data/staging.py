@@ -29,20 +29,13 @@ class StagingFailed(Exception):  # why the local copy was given up, naming the f
     pass
 
 
-def on_drive(path: str | Path) -> bool:
-    try:
-        return Path(path).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
-    except OSError:
-        return False
-
-
 def stage_for_training(data_dir: str | Path, enabled: bool = True, log: Callable[[str], None] = print) -> Path:
     """What train() reads: the verified local copy of a data dir on the Drive mount (made now, or earlier on this VM),
     or data_dir itself (not on Drive, or the copy failed). Not a finished dataset: read_meta's DataFormatError."""
     check_dir(data_dir, "data directory")  # a file or a symlink loop: one line, before anything else
-    if not enabled or not on_drive(data_dir):
-        return Path(data_dir)
     src = Path(data_dir).resolve()
+    if not enabled or not src.is_relative_to(colab.DRIVE_MOUNT.resolve()):
+        return Path(data_dir)
     dst = colab.COLAB_LOCAL_ROOT / "data" / src.name
     try:
         meta_bytes = read_bytes_with_timeout(src / META_FILE, STALL_S)
@@ -87,11 +80,8 @@ def _gb(n: int | float) -> str:
 
 
 def _files_of(src: Path, meta_bytes: bytes, meta_sha: str) -> list[tuple[str, int, str | None]]:
-    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks. meta.json's is
-    that of the bytes read first: the copy must be the meta.json that was checked."""
+    """(name, size, the sha256 meta.json expects or None) of every file, after read_meta's checks."""
     meta = read_meta(src)
-    if meta.raw != json.loads(meta_bytes.decode("utf-8", "replace")):
-        raise StagingFailed(f"{src / META_FILE} changed while it was being read (tokenize still running?)")
     tok = meta.tokenizer.get("file", TOKENIZER_FILE)
     files = [(META_FILE, len(meta_bytes), meta_sha), (tok, (src / tok).stat().st_size, meta.tokenizer.get("hash"))]
     for split in meta.splits.values():

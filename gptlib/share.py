@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from gptlib.data.shards import META_FILE
-from gptlib.errors import PushError
+from gptlib.errors import ExportError
 from gptlib.fsutil import read_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE
 
@@ -27,7 +27,7 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
 
     out, run_dir = Path(out_dir), Path(run_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise PushError(f"--dry-run {out} is not empty; choose a new or empty folder")
+        raise ExportError(f"--dry-run {out} is not empty; choose a new or empty folder")
     ld = load_run(run_dir, checkpoint)
     gguf_file = f"{repo.split('/')[1]}-F16.gguf" if gguf else ""  # Ollama's hf.co/USER/NAME:F16 finds it by its tag
     if gguf:
@@ -114,14 +114,14 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
     return str(ModelCard(f"---\n{header.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def hub_error(e: Exception, repo: str) -> PushError:
+def hub_error(e: Exception, repo: str) -> ExportError:
     status = getattr(getattr(e, "response", None), "status_code", None)
     if status == 401:
-        return PushError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
+        return ExportError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
     if status == 403:
-        return PushError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
+        return ExportError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
     first = (str(e).strip().splitlines() or [""])[0][:200]
-    return PushError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
+    return ExportError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
                      f"all or nothing): run the same command again to finish it")
 
 
@@ -135,13 +135,13 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
     try:
         validate_repo_id(repo if repo.count("/") == 1 else "")  # "" fails: a model id without its USER/ is refused
     except HFValidationError:
-        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
+        raise ExportError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
                         f"'.')") from None
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
     token = hub.get_token()
     if not token:
-        raise PushError(f"no Hugging Face token to push {repo} with: {TOKEN_HELP}")
+        raise ExportError(f"no Hugging Face token to push {repo} with: {TOKEN_HELP}")
     api = hub.HfApi(token=token)
     try:
         me = api.whoami()
@@ -149,7 +149,7 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
         raise hub_error(e, repo) from None
     owner, name = repo.split("/")
     if owner not in {me["name"], *(o["name"] for o in me.get("orgs", []))}:
-        raise PushError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}")
+        raise ExportError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}")
     with tempfile.TemporaryDirectory(prefix="gptlib-push-") as tmp:
         folder = stage(run_dir, Path(tmp) / "repo", repo, checkpoint, gguf, license, hardware)
         ops = [hub.CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]

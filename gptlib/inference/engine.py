@@ -25,10 +25,10 @@ class Engine:
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
 
     @classmethod
-    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto") -> "Engine":
-        # dtype "auto": bf16 on a GPU (fp16 on a T4): each decoded token reads every weight, and half the bytes take
-        # about half the time; fp32 on a CPU
-        ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
+    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu") -> "Engine":
+        # bf16 on a GPU (fp16 on a T4): each decoded token reads every weight, and half the bytes take about half the
+        # time; fp32 on a CPU
+        ld = load_run(run_dir, checkpoint, device=device, dtype="auto")
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path))
 
     def _logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -225,8 +225,7 @@ def get_preset(name: str, recipe: str = "gpt2") -> RunConfig:
 
 def build_config(preset: str | RunConfig, overrides: dict | list | None = None, recipe: str | None = None,
                  **explicit) -> RunConfig:
-    """Preset (or a RunConfig) with a recipe (None: gpt2, or the RunConfig's) + `--set` overrides + explicit keyword
-    values (None = not given), validated."""
+    """Preset (or RunConfig) + recipe + `--set` overrides + keyword values (None = not given), validated."""
     cfg = get_preset(preset, recipe or "gpt2") if isinstance(preset, str) else preset
     if recipe not in (None, cfg.recipe):
         raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "

@@ -63,8 +63,7 @@ def run_facts(ld, run_dir: Path) -> dict:
 
 
 def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool) -> str:
-    """README.md: the Hub's metadata header (ModelCardData, its model-index the validation loss, bits per byte and
-    HellaSwag), then what the model is, how it did, how to run it."""
+    """README.md: the Hub's metadata header with the scores, then what the model is, how it did, how to run it."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     from gptlib.inference.export import CLASSES, native_arch
@@ -127,8 +126,7 @@ def hub_error(e: Exception, repo: str) -> ExportError:
 
 def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
          license: str = "apache-2.0", hardware: str = "") -> str:
-    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; dry_run: the folder the
-    commit's files are written to, and nothing is uploaded."""
+    """One commit to `repo` (USER/NAME, created if missing) -> its URL; dry_run: write the files there instead."""
     import huggingface_hub as hub
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 

@@ -1,6 +1,4 @@
-"""Evaluate checkpoints (`python -m gptlib eval`): HellaSwag accuracy, and bits per byte on the validation split,
-the validation loss in a unit no tokenizer can bend. Each result is a row of RUN_DIR/eval.jsonl.
-"""
+"""eval: HellaSwag accuracy, and bits per byte (the validation loss in a unit no tokenizer can bend)."""
 
 from __future__ import annotations
 
@@ -159,8 +157,7 @@ COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"
 
 
 def format_table(rows: list[dict]) -> str:
-    """Eval rows as a text table (the CLI prints it, notebook 04 shows it): a line per checkpoint, each task's newest
-    result in it; with HellaSwag, GPT-2 124M's published figures as a reference line."""
+    """A line per checkpoint, each task's newest result; with HellaSwag, GPT-2 124M's figures for reference."""
     by_step: dict[int, dict] = {}
     for r in rows:
         by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r

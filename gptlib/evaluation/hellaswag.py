@@ -60,8 +60,7 @@ def scoring(model: torch.nn.Module, progress: bool, **bar):
 
 
 def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
-    """Row indices in batches of at most batch_tokens padded tokens, longest rows first (little padding); a row
-    longer than that gets a batch of its own."""
+    """Row indices in batches of <= batch_tokens padded tokens, longest first; a longer row is a batch alone."""
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
     batches, start = [], 0
     while start < len(order):

@@ -121,8 +121,7 @@ class Engine:
     def generate_text(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] = (),
                       stream: Callable[[int, str], None] | None = None
                       ) -> tuple[list[str], list[list[int]], list[str]]:
-        """generate_ids and each row's new text, without end-of-text or a stop string. A stream or stop strings need
-        the text token by token (the host then reads every token back), else it is decoded once at the end."""
+        """generate_ids and each row's new text (no end-of-text or stop string), decoded per token only if needed."""
         if stream is None and not cfg.stop:
             out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
             return [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out], out, reasons

@@ -1,6 +1,4 @@
-"""A checkpoint as one GGUF file (export-gguf) for llama.cpp, Ollama and LM Studio, written with llama.cpp's own
-`gguf`: export.py's transformers tensors under the names llama.cpp's converter gives them, the byte-level BPE with
-GPT-2's pre-tokenizer, and a chat run's template."""
+"""export-gguf: a checkpoint as one GGUF file (llama.cpp, Ollama, LM Studio), named as llama.cpp's converter does."""
 
 from __future__ import annotations
 

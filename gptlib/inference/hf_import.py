@@ -1,7 +1,5 @@
-"""import-hf: a transformers GPT2LMHeadModel (OpenAI's gpt2, gpt2-medium), or a Qwen3 / Llama of the modern recipe's
-shape, as a run directory holding one weights-only checkpoint (step 0), so every tool and `train --init-from` work on
-it. It reads model.safetensors (one file) and tokenizer.json, as the Hub's gpt2 and small Qwen3 models have them;
-a model gptlib cannot compute, or a folder without those two files, is refused, naming what differs or is missing."""
+"""import-hf: a transformers GPT-2, Qwen3 or Llama that gptlib's GPT computes exactly, as a run directory with one
+weights-only checkpoint (step 0); any other model is refused, naming what differs."""
 
 from __future__ import annotations
 

@@ -47,8 +47,7 @@ class Completion:
 
 
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B, V) float logits to sample from: penalty (on `seen` (B, V), the tokens in each row's
-    context), temperature, top-k, top-p."""
+    """(B, V) logits -> float logits to sample from; seen (B, V): the tokens in each row's context."""
     logits = logits.float()
     p = cfg.repetition_penalty
     if seen is not None and p != 1.0:

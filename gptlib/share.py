@@ -1,5 +1,4 @@
-"""push: a run on the Hugging Face Hub in one commit (all or nothing: a failed upload leaves the repository as it
-was), its files staged in a folder first (--dry-run DIR). The token goes to huggingface_hub only, never to a file."""
+"""push: a run on the Hub in one commit (all or nothing); the token goes to huggingface_hub only, never to a file."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ NAMES = {"gpt2": "GPT-2", "qwen3": "Qwen3", "llama": "Llama"}
 
 
 def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
-    """The transformers (and llama.cpp) architecture that computes exactly this model, else ExportError naming the
-    fields that keep it from the nearest one."""
+    """The architecture that computes exactly this model, else ExportError naming the fields that differ."""
     if all(getattr(cfg, k) == v for k, v in GPT2_PARTS.items()):
         return "gpt2"
     if off := {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}:

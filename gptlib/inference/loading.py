@@ -149,8 +149,7 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 
 
 def pick_run_dir(candidates, log=loud) -> Path:
-    """Of a run's copies (the VM's disk, the Drive mirror), the one with the newest complete checkpoint: a fresh VM's
-    disk is empty, after a long session it may be newer than Drive. A hung copy is passed over."""
+    """The run's copy (VM disk, Drive mirror) with the newest complete checkpoint; a hung copy is passed over."""
     best, best_step, looked = None, -1, [str(c) for c in candidates if c is not None]
     for c in looked:
         try:

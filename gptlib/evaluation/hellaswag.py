@@ -177,12 +177,8 @@ def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[lis
         start = max(0, len(toks) - block - 1)
         return [toks[start:]], [len(end)], start > 0
     step = max(1, block // 2)
-    seqs, ks = [], []
-    for a in range(len(ctx), len(toks), step):
-        b = min(len(toks), a + step)
-        seqs.append(toks[max(0, b - block - 1): b])
-        ks.append(b - a)
-    return seqs, ks, True
+    pieces = [(a, min(len(toks), a + step)) for a in range(len(ctx), len(toks), step)]  # [a, b): scored tokens
+    return [toks[max(0, b - block - 1): b] for _, b in pieces], [b - a for a, b in pieces], True
 
 
 @dataclass

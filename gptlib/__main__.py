@@ -1,5 +1,4 @@
-"""Command line: python -m gptlib {tokenize, train, sample, chat, ...} --help. Each command is a function cmd_X(args),
-its arguments declared above it; its --help description is its help, then its docstring."""
+"""python -m gptlib COMMAND --help: each command is cmd_X(args); its --help is its help, then its docstring."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from gptlib.errors import GptlibError, PrepareError
 COMMANDS: list[tuple] = []  # (name, help, function, arguments), in the order --help lists them
 
 
-def arg(*flags: str, **kw) -> tuple:
-    """One argparse argument: arg("--out", required=True) is add_argument("--out", required=True)."""
+def arg(*flags: str, **kw) -> tuple:  # arg("--out", required=True): add_argument("--out", required=True)
     return flags, kw
 
 

@@ -1,5 +1,4 @@
-"""Notebook 05's chat box over gptlib.inference.chat: Send (or Enter) streams a reply, Reset forgets the
-conversation; box.send("Hi!") does the same headless. ipywidgets 7.7.1 (Colab's) and 8 alike."""
+"""Notebook 05's chat box over gptlib.inference.chat; box.send("Hi!") does what Send does, headless."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from gptlib.widgets import sampling_config, sampling_widgets, status_html, throt
 
 
 class ChatBox:
-    """The transcript shows every turn; the model sees those that fit its context (ChatSession drops the oldest, and
-    the status says so)."""
+    """The transcript shows every turn; the model sees those that fit its context (the status says so)."""
 
     def __init__(self, run_dir: str | Path, checkpoint: str | int = "latest", device: str = "cpu", system: str = ""):
         import ipywidgets as W

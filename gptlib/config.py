@@ -121,8 +121,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
-        """Strict: unknown keys are errors; keys missing from an older saved config take today's defaults. ReLU² and
-        the logit soft cap are gone (no gain measured): a config that left them off (the defaults) loads."""
+        """Strict: unknown keys are errors, missing keys take today's defaults; ReLU² and softcap are refused."""
         model, train = dict(d.get("model", {})), d.get("train", {})
         cap = model.pop("logit_softcap", 0)
         if cap or model.get("mlp") == "relu2":
@@ -137,8 +136,7 @@ class RunConfig:
         return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"))
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
-        """A copy with fields changed by name (`n_layer`, or `model.n_layer`), from a dict or `FIELD=VALUE` strings
-        (parsed to each field's type). Not validated."""
+        """A copy, not validated, with fields set by name (`n_layer` or `model.n_layer`) from a dict or FIELD=VALUE."""
         if isinstance(overrides, list):
             if bad := [item for item in overrides if "=" not in item]:
                 raise ConfigError(f"override {bad[0]!r} is not FIELD=VALUE")
@@ -225,8 +223,7 @@ def get_preset(name: str, recipe: str = "gpt2") -> RunConfig:
 
 def build_config(preset: str | RunConfig, overrides: dict | list | None = None, recipe: str | None = None,
                  **explicit) -> RunConfig:
-    """Preset (or a RunConfig) with a recipe (None: gpt2, or the RunConfig's) + `--set` overrides + explicit keyword
-    values (None = not given), validated."""
+    """Preset (or RunConfig) + recipe + `--set` overrides + keyword values (None = not given), validated."""
     cfg = get_preset(preset, recipe or "gpt2") if isinstance(preset, str) else preset
     if recipe not in (None, cfg.recipe):
         raise ConfigError(f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "

@@ -27,22 +27,16 @@ class TokenizerError(GptlibError, ValueError):
     """tokenizer: a bad tokenizer file, an unknown character, a tokenizer that does not match the data."""
 
 class PrepareError(GptlibError, ValueError):
-    """prepare: bad input for tokenize (missing or empty file, missing column, refused output directory)."""
+    """prepare, download: bad input for tokenize (a missing file or column, a refused directory), a bad download."""
 
 class ChatError(GptlibError, ValueError):
     """chat: a tokenizer without the chat tokens, or a conversation that cannot be rendered."""
 
-class DownloadError(GptlibError, RuntimeError):
-    """download: a failed download, or a wrong checksum."""
-
 class CheckpointError(GptlibError, RuntimeError):
     """checkpoint: missing, incomplete, corrupt, or not of this run."""
 
-class RunBusyError(GptlibError):
-    """lease: another process holds this run directory or its mirror."""
-
 class RunDirError(GptlibError):
-    """lease: the run directory or its mirror cannot be written (read-only, full, not allowed)."""
+    """lease, fsutil: a run or data directory that cannot be written (read-only, full), or another process holds."""
 
 class LeaseLost(GptlibError):
     """lease: another process took this run over while it trained; this one stopped without saving."""
@@ -56,14 +50,8 @@ class OutOfMemoryAdvice(GptlibError, RuntimeError):
 class EvalError(GptlibError, ValueError):
     """evaluation: a bad file, task or option."""
 
-class HFImportError(GptlibError, ValueError):
-    """hf_import: a model that is not GPT-2 shaped, has no weights, or a vocabulary that does not fit the data."""
-
 class GenerationError(GptlibError, ValueError):
     """generate: bad sampling settings or prompts."""
 
 class ExportError(GptlibError, ValueError):
-    """export: an unusable target (e.g. a non-empty folder without overwrite)."""
-
-class PushError(GptlibError, RuntimeError):
-    """share: a repository id, token or upload the Hugging Face Hub refused."""
+    """export, import-hf, push: an unusable target or model, or a repository id, token or upload the Hub refused."""

@@ -14,7 +14,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlib.errors import LeaseLost, RunBusyError, loud
+from gptlib.errors import LeaseLost, RunDirError, loud
 from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
 from gptlib.layout import LEASE_FILE
 
@@ -70,7 +70,7 @@ class RunLease:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
-        """RunBusyError naming the holder, before anything is written."""
+        """RunDirError naming the holder, before anything is written."""
         for d in self.dirs:
             self._check_free(d / LEASE_FILE)
         for d in self.dirs:
@@ -85,7 +85,7 @@ class RunLease:
             self._held.append(d)
         time.sleep(0.05)  # two starters that wrote at the same moment: the last write wins, the other sees it
         for d in self._held:
-            self._check_ours(d / LEASE_FILE, on_lost=RunBusyError)
+            self._check_ours(d / LEASE_FILE, on_lost=RunDirError)
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
         self._thread.start()
         return self
@@ -108,11 +108,11 @@ class RunLease:
                 return
             except PermissionError:  # alive, another user's
                 pass
-            raise RunBusyError(f"{path.parent} is in use by another training process ({what}); {how}")
+            raise RunDirError(f"{path.parent} is in use by another training process ({what}); {how}")
         age = now - (found.heartbeat if isinstance(found, Holder) else
                      call_with_timeout(lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"))
         if age < STALE_S:
-            raise RunBusyError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
+            raise RunDirError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
                                f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
         self.log(f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over")
 

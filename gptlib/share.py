@@ -1,5 +1,4 @@
-"""push: a run on the Hugging Face Hub in one commit (all or nothing: a failed upload leaves the repository as it
-was), its files staged in a folder first (--dry-run DIR). The token goes to huggingface_hub only, never to a file."""
+"""push: a run on the Hub in one commit (all or nothing); the token goes to huggingface_hub only, never to a file."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from gptlib.data.shards import META_FILE
-from gptlib.errors import PushError
+from gptlib.errors import ExportError
 from gptlib.fsutil import read_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE
 
@@ -27,7 +26,7 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
 
     out, run_dir = Path(out_dir), Path(run_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise PushError(f"--dry-run {out} is not empty; choose a new or empty folder")
+        raise ExportError(f"--dry-run {out} is not empty; choose a new or empty folder")
     ld = load_run(run_dir, checkpoint)
     gguf_file = f"{repo.split('/')[1]}-F16.gguf" if gguf else ""  # Ollama's hf.co/USER/NAME:F16 finds it by its tag
     if gguf:
@@ -63,8 +62,7 @@ def run_facts(ld, run_dir: Path) -> dict:
 
 
 def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool) -> str:
-    """README.md: the Hub's metadata header (ModelCardData, its model-index the validation loss, bits per byte and
-    HellaSwag), then what the model is, how it did, how to run it."""
+    """README.md: the Hub's metadata header with the scores, then what the model is, how it did, how to run it."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     from gptlib.inference.export import CLASSES, native_arch
@@ -114,34 +112,33 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
     return str(ModelCard(f"---\n{header.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def hub_error(e: Exception, repo: str) -> PushError:
+def hub_error(e: Exception, repo: str) -> ExportError:
     status = getattr(getattr(e, "response", None), "status_code", None)
     if status == 401:
-        return PushError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
+        return ExportError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
     if status == 403:
-        return PushError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
+        return ExportError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
     first = (str(e).strip().splitlines() or [""])[0][:200]
-    return PushError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
+    return ExportError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
                      f"all or nothing): run the same command again to finish it")
 
 
 def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
          license: str = "apache-2.0", hardware: str = "") -> str:
-    """One commit to model repository `repo` (USER/NAME, created if missing) -> its URL; dry_run: the folder the
-    commit's files are written to, and nothing is uploaded."""
+    """One commit to `repo` (USER/NAME, created if missing) -> its URL; dry_run: write the files there instead."""
     import huggingface_hub as hub
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
         validate_repo_id(repo if repo.count("/") == 1 else "")  # "" fails: a model id without its USER/ is refused
     except HFValidationError:
-        raise PushError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
+        raise ExportError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
                         f"'.')") from None
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
     token = hub.get_token()
     if not token:
-        raise PushError(f"no Hugging Face token to push {repo} with: {TOKEN_HELP}")
+        raise ExportError(f"no Hugging Face token to push {repo} with: {TOKEN_HELP}")
     api = hub.HfApi(token=token)
     try:
         me = api.whoami()
@@ -149,7 +146,7 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
         raise hub_error(e, repo) from None
     owner, name = repo.split("/")
     if owner not in {me["name"], *(o["name"] for o in me.get("orgs", []))}:
-        raise PushError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}")
+        raise ExportError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}")
     with tempfile.TemporaryDirectory(prefix="gptlib-push-") as tmp:
         folder = stage(run_dir, Path(tmp) / "repo", repo, checkpoint, gguf, license, hardware)
         ops = [hub.CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]

@@ -1,5 +1,4 @@
-"""Notebook views: the generation Playground (the chat box is gptlib.chatbox). Only widgets and calls present in both
-ipywidgets 7.7.1 (Colab's) and 8 are used."""
+"""The generation Playground, with widgets and calls that ipywidgets 7.7.1 (Colab's) and 8 both have."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ def status_html(msg: str, error: bool = False) -> str:
 
 
 def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
-    """(the pieces so far, a stream callback that collects them and redraws at most ~20 times a second): a redraw
-    per token would flood the front end."""
+    """(pieces, a stream callback adding to them): redrawn <= 20 times a second, not per token (a flood)."""
     parts, last = [], [0.0]
 
     def add(piece: str) -> None:
@@ -89,12 +87,8 @@ class _Stopped(Exception):  # raised by the Playground's stream callback after S
 
 
 class Playground:
-    """Prompt, sampling sliders, checkpoint dropdown, Generate and Stop, and the streamed output; nothing is loaded
-    until Generate (pg.generate() from code).
-
-    Stop sets a flag the stream callback checks at each token. In a kernel a widget callback runs on the main thread
-    and holds back every other message (the Stop click too) until it returns, so there Generate hands the work to a
-    thread of its own. generate() from a cell holds the kernel just the same: Stop stays disabled there."""
+    """Stop sets a flag the stream callback checks per token. A widget callback holds back every other message (the
+    Stop click too) until it returns, so in a kernel Generate runs on a thread; generate() from a cell cannot stop."""
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:"):
         import ipywidgets as W
@@ -192,12 +186,8 @@ class Playground:
             self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
             raise
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
-            msg = f"{type(e).__name__}: {e}"
-            if "is not in the char vocabulary" in msg:  # here the fix is the prompt
-                msg = msg.split("; ")[0] + ": this char model never saw it in training; remove or replace it in the " \
-                                           "prompt"
             self.output.value = ""  # the previous text must not look like this prompt's result
-            self.status.value = status_html(msg, error=True)
+            self.status.value = status_html(f"{type(e).__name__}: {e}", error=True)
             return None
         finally:
             self.button.disabled, self.stop_button.disabled = False, True

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from gptlib.data.download import TINYSHAKESPEARE_SHA256, DownloadError, fetch_tinyshakespeare
+from gptlib.data.download import TINYSHAKESPEARE_SHA256, fetch_tinyshakespeare
+from gptlib.errors import PrepareError
 
 
 @pytest.fixture()
@@ -35,7 +36,7 @@ def test_download_verifies_and_caches(tmp_path, http_dir):
 
 def test_checksum_mismatch_is_refused_and_not_cached(tmp_path, http_dir):
     base, _ = http_dir
-    with pytest.raises(DownloadError, match="sha256 is .* expected 86c4e6aa"):
+    with pytest.raises(PrepareError, match="sha256 is .* expected 86c4e6aa"):
         fetch_tinyshakespeare(cache_dir=tmp_path / "c", url=f"{base}/wrong.txt")
     assert not (tmp_path / "c" / "tinyshakespeare.txt").exists()
 
@@ -50,7 +51,7 @@ def test_corrupt_cache_is_replaced(tmp_path, http_dir):
 
 
 def test_unreachable_url_explains_the_local_option(tmp_path):
-    with pytest.raises(DownloadError, match="could not download.*pass a local copy"):
+    with pytest.raises(PrepareError, match="could not download.*pass a local copy"):
         fetch_tinyshakespeare(cache_dir=tmp_path, url="http://127.0.0.1:9/input.txt")  # nothing listens: refused
 
 
@@ -58,5 +59,5 @@ def test_local_copy_is_verified(tmp_path, shakespeare_path):
     assert fetch_tinyshakespeare(local_path=shakespeare_path) == shakespeare_path
     bad = tmp_path / "bad.txt"
     bad.write_text("x")
-    with pytest.raises(DownloadError, match="bad.txt: sha256"):
+    with pytest.raises(PrepareError, match="bad.txt: sha256"):
         fetch_tinyshakespeare(local_path=bad)

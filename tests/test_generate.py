@@ -236,7 +236,8 @@ def test_an_engine_loads_the_gpus_half_type_and_fp32_on_the_cpu(run_dir, monkeyp
     import gptlib.inference.loading as loading
 
     cfg = SamplingConfig(max_new_tokens=30, temperature=0.9, top_k=20, seed=3)
-    eng, fp32 = Engine.from_run(run_dir), Engine.from_run(run_dir, dtype=torch.float32)
+    ld = load_run(run_dir)
+    eng, fp32 = Engine.from_run(run_dir), Engine(ld.model, ld.tokenizer)
     assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
     assert eng.generate("ROMEO:", cfg)[0].token_ids == fp32.generate("ROMEO:", cfg)[0].token_ids
     asked = []

@@ -521,13 +521,15 @@ def test_kv_cached_decoding_on_the_gpu_gives_the_full_forwards_tokens(char_data,
     cache under a mask): greedy tokens, batch 1 and 2 (prompts of different lengths), past the 32-token window,
     equal to a full forward of the window per token. The modern recipe's rotary positions are taken at each step."""
     from gptlib.inference.engine import Engine
+    from gptlib.inference.loading import load_run
     from gptlib.inference.sampling import SamplingConfig
 
     r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off", recipe=recipe)
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # fp32 as a fresh process decodes (training turned TF32 on)
     try:
-        eng = Engine.from_run(r.run_dir, device="cuda", dtype=torch.float32)  # not the half type: exact fp32
+        ld = load_run(r.run_dir, device="cuda")  # the saved fp32, not from_run's half type: exact fp32
+        eng = Engine(ld.model, ld.tokenizer)
         bs = eng.model.config.block_size
         for prompts in (["ROMEO:"], ["ROMEO:", "KING HENRY:\nWhat"]):
             ids = [eng.tokenizer.encode(p) for p in prompts]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gptlib.data.tokenizer import BPETokenizer
-from gptlib.errors import ConfigError, HFImportError
+from gptlib.errors import ConfigError, ExportError
 from gptlib.inference.engine import Engine
 from gptlib.inference.hf_import import import_hf
 from gptlib.inference.loading import load_run
@@ -97,7 +97,7 @@ def test_import_never_writes_into_a_folder_holding_something(hf_folder, tmp_path
     out = tmp_path / "busy"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(HFImportError, match="not empty"):
+    with pytest.raises(ExportError, match="not empty"):
         import_hf(hf_folder, out, log=quiet)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 

@@ -127,7 +127,7 @@ def test_the_lease_of_a_dead_local_process_is_taken_over_at_once(char_data, tmp_
 def test_another_machines_lease(char_data, tmp_path):
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=10)  # fresh: that VM is probably alive
-    with pytest.raises(L.RunBusyError, match=r"in use \(host other-vm, pid 4242.*re-run in \d+ s.*--take-over"):
+    with pytest.raises(L.RunDirError, match=r"in use \(host other-vm, pid 4242.*re-run in \d+ s.*--take-over"):
         train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
     assert sorted(p.name for p in run.iterdir()) == ["lease.json"]  # nothing written
     # stale by this machine's clock: that VM is gone; taken over at once, and said so
@@ -144,7 +144,7 @@ def test_a_heartbeat_ahead_of_this_clock_is_fresh(tmp_path):
     for ahead in (10, 3600):
         write_lease(run / "lease.json", heartbeat_age=-ahead)
         t0 = time.monotonic()
-        with pytest.raises(L.RunBusyError, match=rf"host other-vm.*{ahead} s in the future.*re-run in 180 s"):
+        with pytest.raises(L.RunDirError, match=rf"host other-vm.*{ahead} s in the future.*re-run in 180 s"):
             L.RunLease([run], log=quiet).acquire()
         assert time.monotonic() - t0 < 0.5
         assert json.loads((run / "lease.json").read_text())["host"] == "other-vm"
@@ -155,7 +155,7 @@ def test_an_unreadable_lease_is_free_only_when_old(char_data, tmp_path, content)
     run = tmp_path / "run"
     run.mkdir()
     (run / "lease.json").write_text(content)
-    with pytest.raises(L.RunBusyError, match="a lease file that is malformed"):
+    with pytest.raises(L.RunDirError, match="a lease file that is malformed"):
         train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
     old = time.time() - 1000
     os.utime(run / "lease.json", (old, old))  # as old as a vanished VM's: taken over

@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from gptlib.errors import DownloadError
+from gptlib.errors import PrepareError
 from gptlib.fsutil import atomic_write_bytes
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -25,11 +25,11 @@ def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSH
     if local_path is not None:
         p = Path(local_path)
         if not p.is_file():
-            raise DownloadError(f"local Tiny Shakespeare file {p} does not exist")
-        _check_sha256(p.read_bytes(), str(p), TINYSHAKESPEARE_SHA256, DownloadError, _CANONICAL)
+            raise PrepareError(f"local Tiny Shakespeare file {p} does not exist")
+        _check_sha256(p.read_bytes(), str(p), TINYSHAKESPEARE_SHA256, PrepareError, _CANONICAL)
         return p
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return fetch_verified(url, cache / "tinyshakespeare.txt", TINYSHAKESPEARE_SHA256, DownloadError,
+    return fetch_verified(url, cache / "tinyshakespeare.txt", TINYSHAKESPEARE_SHA256, PrepareError,
                           name="Tiny Shakespeare", canonical=_CANONICAL, local_hint="(--input PATH / local_path=PATH)",
                           timeout=60.0)
 

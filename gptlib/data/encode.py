@@ -20,7 +20,7 @@ from gptlib.data.inputs import Source, invalid_utf8
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
-from gptlib.errors import PrepareError, RunBusyError, loud
+from gptlib.errors import PrepareError, RunDirError, loud
 from gptlib.fsutil import TMP_MARKER, atomic_write_json, cannot_write, check_dir, clean_temp_files
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 
@@ -216,7 +216,7 @@ def check_output_dir(out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def one_writer(out_dir: Path) -> Iterator[None]:
-    """A second tokenize in out_dir raises RunBusyError. The OS frees the lock of a process that ends, killed or not:
+    """A second tokenize in out_dir raises RunDirError. The OS frees the lock of a process that ends, killed or not:
     nothing to take over or check while it runs. Ctrl-C: one line saying what is kept."""
     created = not out_dir.exists()
     lock = FileLock(out_dir / LOCK_FILE)
@@ -225,7 +225,7 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             out_dir.mkdir(parents=True, exist_ok=True)
             lock.acquire(timeout=0)
         except Timeout:
-            raise RunBusyError(f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it "
+            raise RunDirError(f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it "
                                f"(the same command then continues its work)") from None
         except OSError as e:
             if not (out_dir / META_FILE).is_file():

@@ -1,6 +1,4 @@
-"""Evaluate checkpoints (`python -m gptlib eval`): HellaSwag accuracy, and bits per byte on the validation split,
-the validation loss in a unit no tokenizer can bend. Each result is a row of RUN_DIR/eval.jsonl.
-"""
+"""eval: HellaSwag accuracy, and bits per byte (the validation loss in a unit no tokenizer can bend)."""
 
 from __future__ import annotations
 
@@ -56,9 +54,8 @@ def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
 
 def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
                  batch_tokens: int | None = None, progress: bool = False) -> dict:
-    """{bpb, loss, tokens, bytes, windows} of a GPT on val tokens (a MemmapSplit or array-like): bpb = the targets'
-    nats / ln 2 / the UTF-8 bytes of their text, special tokens (no bytes) left out of both sums, as nanochat does;
-    loss = the mean nats over all targets."""
+    """{bpb, loss, tokens, bytes, windows}: bpb = nats / ln 2 / UTF-8 bytes, special tokens (no bytes) left out of
+    both sums, as nanochat does; loss = the mean nats over all targets."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     starts = torch.from_numpy(window_starts(len(val_tokens), block, limit))
@@ -113,9 +110,8 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
                  limit: int | None = None, device: str = "auto", batch_tokens: int | None = None,
                  progress: bool = True, out: str | Path | None = None, warn=loud,
                  file_option: str = "--data FILE") -> list[dict]:
-    """Score one or more checkpoints; -> the rows, each appended to `out` (default RUN_DIR/eval.jsonl) as it is
-    computed. A row that cannot be appended (a read-only run directory) costs no score: warn() gets one line naming
-    the file and the fix. file_option: how the caller's messages name its HellaSwag file (a notebook: its field)."""
+    """-> the rows, each appended to `out` (default RUN_DIR/eval.jsonl) as computed; one that cannot be (read-only)
+    costs no score: warn() names the file and the fix. file_option: how messages name the HellaSwag file."""
     run_dir, task = Path(run_dir), str(task).strip().lower()
     if task not in TASKS:
         raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
@@ -159,8 +155,7 @@ COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"
 
 
 def format_table(rows: list[dict]) -> str:
-    """Eval rows as a text table (the CLI prints it, notebook 04 shows it): a line per checkpoint, each task's newest
-    result in it; with HellaSwag, GPT-2 124M's published figures as a reference line."""
+    """A line per checkpoint, each task's newest result; with HellaSwag, GPT-2 124M's figures for reference."""
     by_step: dict[int, dict] = {}
     for r in rows:
         by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r

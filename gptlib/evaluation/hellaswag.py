@@ -1,7 +1,5 @@
-"""HellaSwag (validation, 10,042 items), zero-shot, completion style, as build-nanogpt and llm.c score it: `acc` picks the
-ending (" " + ending after the context) with the highest summed log-likelihood, `acc_norm` the highest per token. Under
-it, and under bits per byte, the batched log-likelihoods: rows packed by length, padded on the right (causal attention:
-padding never changes a real position), and only the scored positions through the output layer."""
+"""HellaSwag, zero-shot, completion style, as build-nanogpt and llm.c score it (`acc`: the highest summed
+log-likelihood, `acc_norm`: per token), and the batched log-likelihoods under it and bits per byte."""
 
 from __future__ import annotations
 
@@ -21,16 +19,13 @@ from gptlib.data.tokenizer import Tokenizer, TokenizerError
 from gptlib.errors import EvalError
 from gptlib.runtime import autocast_for, resolve_dtype, unwrap_model
 
-# The canonical validation file; sha256 and size as TensorFlow Datasets records them for this URL
-# (tensorflow_datasets/url_checksums/hellaswag.txt).
+# sha256 and size as TensorFlow Datasets records them (tensorflow_datasets/url_checksums/hellaswag.txt)
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_SHA256 = "0aa3b88843990f3f10a97b9575c94d7b71fb2205240ba04ae4884d9e9c992588"
 HELLASWAG_BYTES = 12_246_618
 HELLASWAG_ITEMS = 10_042
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 
-# OpenAI's GPT-2 124M scored the same way: build-nanogpt hellaswag.py (and llm.c dev/data/hellaswag.py),
-# "gpt2 (124M) ... this script: 10042 acc: 0.2859 acc_norm: 0.2955 (completion style)".
 GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
              "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)"}
 
@@ -60,8 +55,7 @@ def scoring(model: torch.nn.Module, progress: bool, **bar):
 
 
 def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
-    """Row indices in batches of at most batch_tokens padded tokens, longest rows first (little padding); a row
-    longer than that gets a batch of its own."""
+    """Row indices in batches of <= batch_tokens padded tokens, longest first; a longer row is a batch alone."""
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
     batches, start = [], 0
     while start < len(order):
@@ -79,9 +73,8 @@ def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 @torch.inference_mode()
 def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-    """NLL (nats, float32) of the targets y.flatten()[positions], or of every target (B*T,). positions are flat
-    indices made on the host: a boolean mask on the GPU would make the host wait there to count its Trues.
-    dtype None: the autocast training's validation uses on this device (bf16 or fp16 on a GPU, none on the CPU)."""
+    """NLL (nats, float32) of y.flatten()[positions], or of every target. positions are flat indices made on the
+    host: a boolean mask on the GPU would make the host wait there to count its Trues. dtype None: training's."""
     m = unwrap_model(model)
     with autocast_for(x.device, dtype or resolve_dtype("auto", x.device)):
         h, y = m.hidden_states(x).flatten(0, 1), y.flatten()  # (B*T, C), (B*T,)
@@ -177,20 +170,15 @@ def select(n: int, limit: int | None) -> list[int]:
 
 
 def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[list[list[int]], list[int], bool]:
-    """Scoring rows (seq, k) for one ending after its context; True if the context had to be cut. An ending longer
-    than the window (char models) is scored in pieces of block // 2 tokens, each reading the block tokens before
-    its end."""
+    """Scoring rows (seq, k) for one ending, and whether the context was cut. An ending longer than the window (char
+    models) is scored in pieces of block // 2 tokens, each reading the block tokens before its end."""
     toks = list(ctx) + list(end)
     if len(end) <= block:  # the usual case: one row, the context cut from the left if need be
         start = max(0, len(toks) - block - 1)
         return [toks[start:]], [len(end)], start > 0
     step = max(1, block // 2)
-    seqs, ks = [], []
-    for a in range(len(ctx), len(toks), step):
-        b = min(len(toks), a + step)
-        seqs.append(toks[max(0, b - block - 1): b])
-        ks.append(b - a)
-    return seqs, ks, True
+    pieces = [(a, min(len(toks), a + step)) for a in range(len(ctx), len(toks), step)]  # [a, b): scored tokens
+    return [toks[max(0, b - block - 1): b] for _, b in pieces], [b - a for a, b in pieces], True
 
 
 @dataclass
@@ -258,9 +246,8 @@ def row_fields(res: dict, file: dict) -> dict:
 
 
 class HellaSwagProbe:
-    """HellaSwag during training: a subset of `limit` items tokenized once, at start-up, scored at chosen steps
-    (full: every item, at the end of a run). Without the file (no network, a bad file) the probe logs one line and
-    stays off (score() is None): training never stops for it."""
+    """HellaSwag during training: `limit` items tokenized once, scored at chosen steps (full: all, at the end).
+    Without the file the probe logs one line and stays off (score() is None): training never stops for it."""
 
     def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | None = None,
                  limit: int | None = 1000, log=print):

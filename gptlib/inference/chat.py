@@ -1,8 +1,6 @@
-"""Talking to a chat-tuned run: the history rendered with the chat template, answered until <|end|>, <|endoftext|> or
-another role token (a model that writes one has ended its turn). Prompt and reply must fit in block_size tokens (past
-it the model would silently lose the system prompt first), so before each reply, with a notice through `log`: (1)
-max_new_tokens is capped at block_size // 2; (2) the oldest (user, assistant) pairs are dropped for good, the system
-prompt stays; (3) if the newest message alone does not fit, the model gets its longest tail that fits."""
+"""Chat with a chat-tuned run. Prompt and reply must fit in block_size tokens (past it the model would silently lose
+the system prompt first), so before each reply, said through `log`: (1) max_new_tokens is capped at block_size // 2;
+(2) the oldest (user, assistant) pairs are dropped; (3) a newest message too long alone is cut to its tail."""
 
 from __future__ import annotations
 
@@ -121,8 +119,7 @@ HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"
 
 
 def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
-    """The terminal chat, until /quit, end of input or Ctrl-C -> exit status 0. A GptlibError in a reply is shown and
-    the chat goes on."""
+    """The terminal chat until /quit, end of input or Ctrl-C; an error in a reply is shown and the chat goes on."""
     note = functools.partial(print, file=sys.stderr, flush=True)
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # not on every platform (Windows)

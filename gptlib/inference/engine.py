@@ -1,7 +1,6 @@
-"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as Meta's Llama
-reference code does): all rows are prefilled up to the shortest prompt, then a row still reading its prompt is fed its
-own next token, so row b's token t sits at position t. Past block_size the newest block_size tokens are prefilled
-again. The host reads tokens back only when a stream or a stop needs them."""
+"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as Meta's Llama code):
+all rows are prefilled up to the shortest prompt, then a row still reading its prompt is fed its own next token.
+Past block_size the newest block_size tokens are prefilled again."""
 
 from __future__ import annotations
 
@@ -25,24 +24,21 @@ class Engine:
         self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
 
     @classmethod
-    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", dtype="auto") -> "Engine":
-        # dtype "auto": bf16 on a GPU (fp16 on a T4): each decoded token reads every weight, and half the bytes take
-        # about half the time; fp32 on a CPU
-        ld = load_run(run_dir, checkpoint, device=device, dtype=dtype)
+    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu") -> "Engine":
+        # bf16 (a T4: fp16) on a GPU: each token reads every weight, and half the bytes take about half the time
+        ld = load_run(run_dir, checkpoint, device=device, dtype="auto")
         return cls(ld.model, ld.tokenizer, step=ld.step, source=str(ld.path))
 
     def _logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        # Only the last position goes through the output layer: all T of a prefill onto a 32K vocabulary would cost
-        # as much as several blocks.
+        # Only the last position: all T of a prefill onto a 32K vocabulary would cost as much as several blocks.
         return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
 
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
                      generator: torch.Generator | None = None, stop_ids: Sequence[int] = (),
                      on_step: OnStep | None = None) -> tuple[list[list[int]], list[str]]:
-        """Continue each prompt (token ids) -> (its new ids, why it ended). After each step on_step(rows, tokens) gets
-        the rows that produced a new token and those tokens, and returns the rows to stop ("stop": a stop string). A
-        row also ends at a token in stop_ids ("eot", kept) or after max_new_tokens ("length")."""
+        """-> (each prompt's new ids, why it ended: "eot", "length", or "stop" when on_step(rows with a new token,
+        those tokens) returned the row)."""
         cfg.validate()
         bs, dev, max_new, B = self.model.config.block_size, self.device, cfg.max_new_tokens, len(prompts)
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
@@ -121,8 +117,7 @@ class Engine:
     def generate_text(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] = (),
                       stream: Callable[[int, str], None] | None = None
                       ) -> tuple[list[str], list[list[int]], list[str]]:
-        """generate_ids and each row's new text, without end-of-text or a stop string. A stream or stop strings need
-        the text token by token (the host then reads every token back), else it is decoded once at the end."""
+        """generate_ids and each row's new text (no end-of-text or stop string), decoded per token only if needed."""
         if stream is None and not cfg.stop:
             out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
             return [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out], out, reasons
@@ -168,7 +163,6 @@ class _TextStream:
             return ""  # an incomplete character: wait for the next token
         self._pending = []
         self.text += piece
-        # Search only the region the new piece could complete.
         look = max(0, len(self.text) - len(piece) - max(map(len, self.stop), default=0) + 1)
         if hits := [i for i in (self.text.find(s, look) for s in self.stop) if i >= 0]:
             self.text, self.stopped = self.text[: min(hits)], True

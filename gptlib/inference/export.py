@@ -1,6 +1,4 @@
-"""A checkpoint as a folder transformers loads natively (export-hf): the gpt2 recipe as GPT2LMHeadModel, the modern
-one as Qwen3ForCausalLM (LlamaForCausalLM without QK-norm). Plain JSON and safetensors, so exporting does not need
-transformers; weight_map is the mapping both ways (import-hf: hf_import.py)."""
+"""export-hf: a checkpoint as a folder transformers loads natively, in plain JSON and safetensors (no transformers)."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ NAMES = {"gpt2": "GPT-2", "qwen3": "Qwen3", "llama": "Llama"}
 
 
 def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
-    """The transformers (and llama.cpp) architecture that computes exactly this model, else ExportError naming the
-    fields that keep it from the nearest one."""
+    """The architecture that computes exactly this model, else ExportError naming the fields that differ."""
     if all(getattr(cfg, k) == v for k, v in GPT2_PARTS.items()):
         return "gpt2"
     if off := {k: getattr(cfg, k) for k, v in LLAMA_PARTS.items() if getattr(cfg, k) != v}:
@@ -44,8 +41,7 @@ def native_arch(cfg: ModelConfig, target: str = "native Hugging Face") -> str:
 
 
 def weight_map(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
-    """(our weight, the transformers weights it holds, stacked along dim 0): c_attn is q, k, v, a SwiGLU c_fc is
-    gate and up. GPT-2's names are ours (its Linears transposed)."""
+    """(our weight, the transformers weights it stacks along dim 0); import-hf reads it the other way."""
     if native_arch(cfg) == "gpt2":
         names = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"] + [
             f"h.{i}.{part}.{w}" for i in range(cfg.n_layer) for part in ("ln_1", "ln_2", *GPT2_LINEARS)
@@ -150,8 +146,7 @@ def export_model(model: GPT, out_dir: str | Path, tokenizer: Tokenizer | None = 
 
 
 def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
-    """Refuse the run being exported (or a folder inside it or holding it), a run or data directory, or a non-empty
-    folder that is not a previous gptlib export; overwrite replaces only the latter."""
+    """Refuse the run itself, a run or data directory, or a non-empty folder that overwrite may not replace."""
     target, run = out.resolve(), run_dir and run_dir.resolve()
     if run and (target == run or run in target.parents or target in run.parents):
         raise ExportError(f"--out {out} is the run directory {run_dir}, inside it, or holds it: the export would "

@@ -1,6 +1,4 @@
-"""A checkpoint as one GGUF file (export-gguf) for llama.cpp, Ollama and LM Studio, written with llama.cpp's own
-`gguf`: export.py's transformers tensors under the names llama.cpp's converter gives them, the byte-level BPE with
-GPT-2's pre-tokenizer, and a chat run's template."""
+"""export-gguf: a checkpoint as one GGUF file (llama.cpp, Ollama, LM Studio), named as llama.cpp's converter does."""
 
 from __future__ import annotations
 
@@ -29,8 +27,8 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\
 
 
 def gguf_tensors(model: GPT, arch: str, dtype: str):
-    """(llama.cpp's name, data, ggml type) of every weight, as llama.cpp's converter stores it: norms, biases and
-    positions in f32, the rest in dtype (q8_0 rows of a length that is not a multiple of 32 in f16)."""
+    """(llama.cpp's name, data, ggml type): norms, biases, positions in f32, the rest in dtype (q8_0 rows not of
+    a multiple of 32: f16), as llama.cpp's converter does."""
     cfg, t = model.config, gguf.GGMLQuantizationType
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.n_layer)
     for name, w in hf_state_dict(model).items():

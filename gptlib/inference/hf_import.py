@@ -1,7 +1,5 @@
-"""import-hf: a transformers GPT2LMHeadModel (OpenAI's gpt2, gpt2-medium), or a Qwen3 / Llama of the modern recipe's
-shape, as a run directory holding one weights-only checkpoint (step 0), so every tool and `train --init-from` work on
-it. It reads model.safetensors (one file) and tokenizer.json, as the Hub's gpt2 and small Qwen3 models have them;
-a model gptlib cannot compute, or a folder without those two files, is refused, naming what differs or is missing."""
+"""import-hf: a transformers GPT-2, Qwen3 or Llama that gptlib's GPT computes exactly, as a run directory with one
+weights-only checkpoint (step 0); any other model is refused, naming what differs."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from safetensors.torch import load_file
 from gptlib.checkpoint.format import TrainState, load_weights_into, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
-from gptlib.errors import ExportError, HFImportError
+from gptlib.errors import ExportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import check_export_target, is_conv1d, weight_map
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
@@ -36,7 +34,7 @@ def model_dir(name_or_dir: str | Path) -> Path:  # a Hub id is downloaded once i
 
         return Path(snapshot_download(repo_id=str(name_or_dir), allow_patterns=_HUB_FILES))
     except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
-        raise HFImportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging Face "
+        raise ExportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging Face "
                             f"Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give a "
                             f"folder holding config.json and model.safetensors") from None
 
@@ -46,12 +44,12 @@ def model_config(folder: Path) -> ModelConfig:
     try:
         c = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise HFImportError(f"{path}: cannot be read ({e})") from None
+        raise ExportError(f"{path}: cannot be read ({e})") from None
     kind = c.get("model_type")
     if kind in ("qwen3", "llama"):
         return _llama_config(c, str(path))
     if kind != "gpt2":
-        raise HFImportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
+        raise ExportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
                             f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's")
     _refuse_unless(path, {"n_inner": (c.get("n_inner"), 4 * c["n_embd"], None),
                           **{k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()}})
@@ -63,7 +61,7 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
     """Refused by name: grouped-query attention, rope scaling, biases, another activation or head size."""
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(c.get(key), int):
-            raise HFImportError(f"{where}: {key} is missing or not a number ({c.get(key)!r})")
+            raise ExportError(f"{where}: {key} is missing or not a number ({c.get(key)!r})")
     heads, rope = c["num_attention_heads"], c.get("rope_parameters") or {}
     _refuse_unless(where, {"num_key_value_heads": (c.get("num_key_value_heads", heads), heads),
                            "head_dim": (c.get("head_dim", c["hidden_size"] // heads), c["hidden_size"] // heads),
@@ -77,7 +75,7 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
                       tie_embeddings=bool(c.get("tie_word_embeddings", False)), bias=False,
                       rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
     if cfg.mlp_hidden != c["intermediate_size"]:
-        raise HFImportError(f"{where}: intermediate_size is {c['intermediate_size']}; gptlib's SwiGLU MLP of width "
+        raise ExportError(f"{where}: intermediate_size is {c['intermediate_size']}; gptlib's SwiGLU MLP of width "
                             f"{cfg.n_embd} has {cfg.mlp_hidden}")
     return cfg
 
@@ -85,13 +83,13 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
 def _refuse_unless(where, checks: dict[str, tuple]) -> None:  # key -> (the config's value, *what gptlib computes)
     for key, (got, *allowed) in checks.items():
         if got not in allowed:
-            raise HFImportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
+            raise ExportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
 
 
 def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """In fp32. GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
     if not (folder / "model.safetensors").is_file():
-        raise HFImportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
+        raise ExportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
     sd = load_file(str(folder / "model.safetensors"))
     own = ("transformer.", "model.", "lm_head.")
     return {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in sd.items()}
@@ -102,7 +100,7 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
     V, sd = cfg.vocab_size, {}
     for ours, theirs in weight_map(cfg):
         if missing := [t for t in theirs if t not in hf]:
-            raise HFImportError(f"{where}: weight {missing[0]!r} is missing")
+            raise ExportError(f"{where}: weight {missing[0]!r} is missing")
         w = torch.cat([hf[t] for t in theirs])
         if is_conv1d(cfg, ours):
             w = w.t().contiguous()  # Conv1D (in, out) -> (out, in)
@@ -112,7 +110,7 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
     if cfg.tie_embeddings:
         wte = sd["lm_head.weight"] = sd["transformer.wte.weight"]
         if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"][:V], wte[:V]):
-            raise HFImportError(f"{where}: lm_head.weight differs from the input embedding; gptlib ties them")
+            raise ExportError(f"{where}: lm_head.weight differs from the input embedding; gptlib ties them")
     return sd
 
 
@@ -120,7 +118,7 @@ def hf_tokenizer(folder: Path) -> Tokenizer:
     """tokenizer.json; a gptlib char export's comes back as a CharTokenizer."""
     tj = folder / "tokenizer.json"
     if not tj.is_file():
-        raise HFImportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
+        raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
     raw = tj.read_bytes()
     model = json.loads(raw).get("model", {})
     if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
@@ -130,14 +128,11 @@ def hf_tokenizer(folder: Path) -> Tokenizer:
 
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     out = Path(out)
-    try:
-        check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
-    except ExportError as e:
-        raise HFImportError(str(e).replace("--out", "--out (import-hf)")) from None
+    check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
     folder = model_dir(name_or_dir)
     cfg, tok = model_config(folder), hf_tokenizer(folder)
     if tok.vocab_size != cfg.vocab_size:
-        raise HFImportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
+        raise ExportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")
     model = GPT(cfg)
     load_weights_into(model, gptlib_state_dict(hf_weights(folder), cfg, str(folder)), folder)

@@ -1,6 +1,5 @@
-"""A trained model for inference: a run's "latest", "best" or chosen checkpoint with the tokenizer it records (never a
-model with another vocabulary). Every read has a time limit: a read on a Drive mount that stopped answering blocks in
-the kernel for good, and is abandoned with HungIOError (an OSError)."""
+"""A checkpoint and the tokenizer it records, for inference. Every read has a time limit: a read on a hung Drive
+blocks in the kernel for good, and is abandoned with HungIOError (an OSError)."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class LoadedModel:
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The run's complete checkpoints, newest first: {step, val_loss, best_step, is_best, info}, by a cheap check
-    (manifest and sizes, no hashing); the others are described in `skipped`."""
+    """The complete checkpoints (manifest and sizes, no hashing), newest first; the others go to `skipped`."""
     skipped = [] if skipped is None else skipped
 
     def table() -> list[dict]:
@@ -65,8 +63,7 @@ def checkpoint_label(row: dict) -> str:
 
 
 def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
-    """"latest" (newest complete), "best" (lowest validation loss, as recorded) or a step number. Newer checkpoints
-    passed over as incomplete are named, with the reason, through `log`."""
+    """"latest", "best" or a step number; newer incomplete checkpoints passed over are named through `log`."""
     run_dir, skipped = Path(run_dir), []
     table = checkpoint_table(run_dir, skipped)
     newest = table[0]["step"] if table else -1
@@ -118,8 +115,7 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
 
 
 def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainState, RunConfig, Tokenizer]:
-    """A checkpoint's state.json, the config it records, and the tokenizer it was trained with, checked against its
-    recorded identity: the run's copy (training puts it there), else the recorded data dir's."""
+    """state.json, its config, and the run's (else the data dir's) tokenizer, checked against the recorded one."""
     def read() -> tuple[TrainState, RunConfig, Tokenizer]:
         source = str(path / STATE_FILE)
         try:
@@ -153,8 +149,7 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 
 
 def pick_run_dir(candidates, log=loud) -> Path:
-    """Of a run's copies (the VM's disk, the Drive mirror), the one with the newest complete checkpoint: a fresh VM's
-    disk is empty, after a long session it may be newer than Drive. A hung copy is passed over."""
+    """The run's copy (VM disk, Drive mirror) with the newest complete checkpoint; a hung copy is passed over."""
     best, best_step, looked = None, -1, [str(c) for c in candidates if c is not None]
     for c in looked:
         try:

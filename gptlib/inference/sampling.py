@@ -47,8 +47,7 @@ class Completion:
 
 
 def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, V) logits -> (B, V) float logits to sample from: penalty (on `seen` (B, V), the tokens in each row's
-    context), temperature, top-k, top-p."""
+    """(B, V) logits -> float logits to sample from; seen (B, V): the tokens in each row's context."""
     logits = logits.float()
     p = cfg.repetition_penalty
     if seen is not None and p != 1.0:
@@ -72,9 +71,8 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) processed logits -> (B,) token ids: argmax at temperature 0, else argmax(p / q), q ~ Exp(1): token i
-    wins with probability p_i (the exponential race). torch.multinomial computes the same for one sample, after
-    checking the probabilities with .item(), which makes the host wait for the GPU at every token."""
+    """(B, V) -> (B,): argmax(p / q), q ~ Exp(1), wins with probability p_i; torch.multinomial's .item() check would
+    make the host wait for the GPU at every token."""
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits, dim=-1)

@@ -44,7 +44,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 PINS=ci/colab-pins.txt
-VENV=.venv-colab  # git-ignored; rebuilt on every run (from the wheelhouse: no network when warm)
+VENV=.venv-colab  # git-ignored; rebuilt on every run (from the wheelhouse: no network when warm; in CI a copy)
 CACHE="${GPTLIB_COLAB_CACHE:-$HOME/.cache/gptlib-colab}"
 # What Colab's versions can change (see the header for what is left out and why); the glob takes in every
 # notebook's test, present and future.
@@ -101,7 +101,7 @@ install_pins() {
 if [ -n "${GPTLIB_VENV_CACHE:-}" ]; then
     # .ci/run: a hard-linked copy of the pins' venv, built once per pins file and Python (scripts/venv_cache.sh)
     . scripts/venv_cache.sh
-    venv_from_cache "$VENV" "$CACHE" "$(venv_key "$PINS" "$("$PY" -VV)")" install_pins
+    venv_from_cache "$PY" "$VENV" "$CACHE" "$(venv_key "$PINS" "$("$PY" -VV)")" install_pins
 else
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"

@@ -20,8 +20,9 @@ if [ ! -x .venv/bin/python ] && [ -n "${GPTLIB_VENV_CACHE:-}" ]; then
     }
     key="$(venv_key "$("$PY" -VV)" "$TORCH_SPEC" "$(sed -n '/^dependencies = \[/,/^test = /p' pyproject.toml)" \
         "$(date +%G-W%V)")"
-    venv_from_cache .venv "$HOME/.cache/gptlib-main" "$key" build_main
+    venv_from_cache "$PY" .venv "$HOME/.cache/gptlib-main" "$key" build_main
     $VPY -m pip install -q --no-deps -e .
+    $VPY -m pip check  # gptlib's requirements hold in the copy
 else
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
     want="${TORCH_SPEC#torch==}"

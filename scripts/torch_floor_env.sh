@@ -44,8 +44,9 @@ if [ -n "${GPTLIB_VENV_CACHE:-}" ]; then
     . scripts/venv_cache.sh
     key="$(venv_key "$("${PYTHON:-python3}" -VV)" "$TORCH_FLOOR" transformers-4 \
         "$(sed -n '/^dependencies = \[/,/^test = /p' pyproject.toml)" "$(date +%G-W%V)")"
-    venv_from_cache "$VENV" "${WH%/wheels}" "$key" build_floor_cached
+    venv_from_cache "${PYTHON:-python3}" "$VENV" "${WH%/wheels}" "$key" build_floor_cached
     "$VENV/bin/python" -m pip install -q --no-deps -e .
+    "$VENV/bin/python" -m pip check  # gptlib's requirements hold in the copy
 else
     rm -rf "$VENV"
     "${PYTHON:-python3}" -m venv "$VENV"

@@ -44,7 +44,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 PINS=ci/colab-pins.txt
-VENV=.venv-colab  # git-ignored; rebuilt on every run (from the wheelhouse: no network when warm)
+VENV=.venv-colab  # git-ignored; rebuilt on every run (from the wheelhouse: no network when warm; in CI a copy)
 CACHE="${GPTLIB_COLAB_CACHE:-$HOME/.cache/gptlib-colab}"
 # What Colab's versions can change (see the header for what is left out and why); the glob takes in every
 # notebook's test, present and future.
@@ -85,20 +85,29 @@ if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
     echo "NOTE: uncommitted changes are not in the Colab env: pip installs the clone's committed HEAD"
 fi
 
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
-VPY="$VENV/bin/python"
 pip_local() { "$VPY" -m pip install -q --no-index --find-links "$WH" "$@"; }
 
 # 1. Colab's packages. Every pin has a wheel in the wheelhouse after the first run; only missing ones are
 #    downloaded. --no-deps: the env holds exactly the pins, as Colab's image holds exactly its list.
-if ! pip_local "pip==$(sed -n 's/^pip==//p' "$PINS")" 2>/dev/null \
-   || ! pip_local --no-deps --no-compile -r "$PINS" 2>/dev/null; then
-    say "filling the wheelhouse from the package index (first run on this machine: a few minutes)"
-    "$VPY" -m pip download -q --no-deps --only-binary=:all: -d "$WH" -r "$PINS"
-    pip_local "pip==$(sed -n 's/^pip==//p' "$PINS")"
-    pip_local --no-deps --no-compile -r "$PINS"
+install_pins() {
+    if ! pip_local "pip==$(sed -n 's/^pip==//p' "$PINS")" 2>/dev/null \
+       || ! pip_local --no-deps --no-compile -r "$PINS" 2>/dev/null; then
+        say "filling the wheelhouse from the package index (first run on this machine: a few minutes)"
+        "$VPY" -m pip download -q --no-deps --only-binary=:all: -d "$WH" -r "$PINS"
+        pip_local "pip==$(sed -n 's/^pip==//p' "$PINS")"
+        pip_local --no-deps --no-compile -r "$PINS"
+    fi
+}
+if [ -n "${GPTLIB_VENV_CACHE:-}" ]; then
+    # .ci/run: a hard-linked copy of the pins' venv, built once per pins file and Python (scripts/venv_cache.sh)
+    . scripts/venv_cache.sh
+    venv_from_cache "$PY" "$VENV" "$CACHE" "$(venv_key "$PINS" "$("$PY" -VV)")" install_pins
+else
+    rm -rf "$VENV"
+    "$PY" -m venv "$VENV"
+    VPY="$VENV/bin/python" install_pins
 fi
+VPY="$VENV/bin/python"
 say "installed $(wc -l < <("$VPY" -m pip freeze --all)) packages: $("$VPY" -c 'import torch, numpy, ipywidgets, tqdm; print(f"torch {torch.__version__}, numpy {numpy.__version__}, ipywidgets {ipywidgets.__version__}, tqdm {tqdm.__version__}")')"
 
 # 2. gptlib as notebooks/*.ipynb's first cell installs it (`pip install -q git+https://...`), from this clone.

@@ -26,18 +26,33 @@ t_start=$SECONDS
 say() { printf '[torch-floor %3ds] %s\n' "$((SECONDS - t_start))" "$*"; }
 
 mkdir -p "$WH"
-rm -rf "$VENV"
-"${PYTHON:-python3}" -m venv "$VENV"
-VPY="$VENV/bin/python"
-if ! "$VPY" -m pip install -q --no-index --find-links "$WH" "torch==$TORCH_FLOOR" 2>/dev/null; then
-    say "downloading torch $TORCH_FLOOR and its wheels into $WH (first run on this machine)"
-    "$VPY" -m pip download -q --only-binary=:all: -d "$WH" "torch==$TORCH_FLOOR"
-    "$VPY" -m pip install -q --no-index --find-links "$WH" "torch==$TORCH_FLOOR"
+install_floor() {
+    if ! "$VPY" -m pip install -q --no-index --find-links "$WH" "torch==$TORCH_FLOOR" 2>/dev/null; then
+        say "downloading torch $TORCH_FLOOR and its wheels into $WH (first run on this machine)"
+        "$VPY" -m pip download -q --only-binary=:all: -d "$WH" "torch==$TORCH_FLOOR"
+        "$VPY" -m pip install -q --no-index --find-links "$WH" "torch==$TORCH_FLOOR"
+    fi
+    # gptlib as a user on an older torch installs it: the torch there satisfies the range and stays.
+    # transformers 5 needs torch >= 2.6 (it disables itself on 2.5), so this env takes the 4.x series, as such a
+    # user's would; transformers is a test-only dependency of gptlib (the export/import checks).
+    "$VPY" -m pip install -q -e ".[test]" "transformers<5"
+}
+build_floor_cached() { install_floor; "$VPY" -m pip uninstall -q -y gptlib; }
+if [ -n "${GPTLIB_VENV_CACHE:-}" ]; then
+    # .ci/run: a hard-linked copy of this venv built once per week and per pyproject.toml's requirements
+    # (scripts/venv_cache.sh), gptlib installed into it from this clone
+    . scripts/venv_cache.sh
+    key="$(venv_key "$("${PYTHON:-python3}" -VV)" "$TORCH_FLOOR" transformers-4 \
+        "$(sed -n '/^dependencies = \[/,/^test = /p' pyproject.toml)" "$(date +%G-W%V)")"
+    venv_from_cache "${PYTHON:-python3}" "$VENV" "${WH%/wheels}" "$key" build_floor_cached
+    "$VENV/bin/python" -m pip install -q --no-deps -e .
+    "$VENV/bin/python" -m pip check  # gptlib's requirements hold in the copy
+else
+    rm -rf "$VENV"
+    "${PYTHON:-python3}" -m venv "$VENV"
+    VPY="$VENV/bin/python" install_floor
 fi
-# gptlib as a user on an older torch installs it: the torch there satisfies the range and stays.
-# transformers 5 needs torch >= 2.6 (it disables itself on 2.5), so this env takes the 4.x series, as such a
-# user's would; transformers is a test-only dependency of gptlib (the export/import checks).
-"$VPY" -m pip install -q -e ".[test]" "transformers<5"
+VPY="$VENV/bin/python"
 have="$("$VPY" -c 'import torch; print(torch.__version__)')"
 case "$have" in "$TORCH_FLOOR"*) ;; *) echo "FAIL: torch $have in $VENV, expected $TORCH_FLOOR (gptlib's install replaced it)"; exit 1;; esac
 say "$("$VPY" -c 'import sys, torch, numpy, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}, transformers {transformers.__version__}")')"

@@ -331,6 +331,8 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(tmp_pa
     fig = f"{r.steady_tokens_per_s:,.0f}"
     speed = f"{fmt_tokens(r.steady_tokens_per_s)} tok/s"
     assert [ln for ln in shown if ln.startswith("step 24/24:")][-1].count(f", {speed},") == 1  # the bar's details
-    assert f"{fmt_tokens(rows[-1]['tokens_per_s'])} tok/s" in LivePlot(tmp_path / "run").figure().axes[0].get_title()
+    title = LivePlot(tmp_path / "run").figure().axes[0].get_title()
+    assert f"{fmt_tokens(rows[-1]['tokens_per_s'])} tok/s" in title
+    assert re.search(r"time data \d+% fwd_bwd \d+% optim \d+%", title), title  # notebook 03's one view of the split
     assert re.search(rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
                      r"first step, validations and saves included \(max_steps\)", r.summary()), r.summary()

@@ -71,7 +71,7 @@ class LivePlot:
         last = last or (rows[-1] if rows else {})
         parts = [self.title,
                  last.get("val_loss") is not None and f"step {last['step']:,}: val {last['val_loss']:.4f}",
-                 speed_text(last)]
+                 speed_text(last, split=True)]
         return loss_figure(rows, " · ".join(p for p in parts if p), figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:

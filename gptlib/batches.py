@@ -66,11 +66,9 @@ class MemmapSplit:
 
     def read(self, start: int, n: int) -> torch.Tensor:
         """Tokens [start, start + n) as a signed (n,) tensor in RAM: one sequential read per shard touched."""
-        if start < 0 or start + n > len(self):
-            raise IndexError(f"{self.name}: read [{start}, {start + n}) outside 0..{len(self)}")
         pieces = [m[max(0, start - lo): max(0, start + n - lo)] for m, lo in zip(self.maps, self.bounds)]
         out = np.concatenate(pieces) if pieces else np.empty(0, self.dtype)  # a split may have no shards
-        self._check_vocab(out, lambda k: start + k)
+        self._check_vocab(out, start)
         return _as_signed_view(out)
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -80,15 +78,14 @@ class MemmapSplit:
         for i in np.unique(shard):  # one fancy-indexed read per shard touched
             at = shard == i
             out[at] = self.maps[i][pos[at] - self.bounds[i]]
-        self._check_vocab(out, lambda k: int(pos.ravel()[k]))
+        self._check_vocab(out, pos)
         return _as_signed_view(out)
 
-    def _check_vocab(self, tokens: np.ndarray, position: Callable[[int], int]) -> None:
-        """position(k): where the k-th token read lies in the split's stream."""
+    def _check_vocab(self, tokens: np.ndarray, pos: np.ndarray | int) -> None:  # pos: each token's, or the first's
         if not tokens.size or int(tokens.max()) < self.vocab_size:
             return
         k = int(np.argmax(tokens.ravel() >= self.vocab_size))
-        at = position(k)
+        at = int(pos.ravel()[k]) if isinstance(pos, np.ndarray) else pos + k
         i = int(np.searchsorted(self.bounds, at, side="right")) - 1
         raise DataFormatError(
             f"shard {self.paths[i]}: token id {int(tokens.ravel()[k])} at position {at - int(self.bounds[i]):,} is "
@@ -147,11 +144,8 @@ class BatchSampler:
             raise DataFormatError(f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
                                   f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
                                   f"or a larger val_fraction")
-        self.data = data
+        self.data, self.batch_size, self.block_size, self.device = data, batch_size, block_size, torch.device(device)
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
-        self.batch_size = batch_size
-        self.block_size = block_size
-        self.device = torch.device(device)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
         self.batches_drawn = 0

@@ -71,15 +71,11 @@ class ChatTemplate:
 
     def piece_ids(self, piece, content_ids: Sequence[int]) -> tuple[list[int], tuple[int, int] | None]:
         """(ids: the marker, content, <|end|> and newline as its place in the turn requires; its loss span or None)."""
-        out: list[int] = [self.role_ids[piece.role]] if piece.turn_start else []
-        start = len(out)
-        out.extend(content_ids)
-        if piece.turn_end:
-            out.append(self.end_id)
-        end = len(out)
-        if piece.turn_end:
-            out.extend(self.nl_ids)
-        return out, ((start, end) if piece.role == "assistant" and end > start else None)
+        head = [self.role_ids[piece.role]] if piece.turn_start else []
+        tail = [self.end_id, *self.nl_ids] if piece.turn_end else []
+        end = len(head) + len(content_ids) + (1 if piece.turn_end else 0)  # the span ends after <|end|>
+        span = (len(head), end) if piece.role == "assistant" and end > len(head) else None
+        return [*head, *content_ids, *tail], span
 
     def render(self, messages: Any, *, require_assistant: bool = True,
                generation_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:

@@ -227,20 +227,19 @@ def _extra_meta(tok: Tokenizer, reused: Tokenizer | None, spec: dict, stats: dic
                 stopped: dict | None) -> dict:
     """tokenizer_base: a reused tokenizer before the chat tokens were added (fine-tuning checks that its model's
     vocabulary is a prefix of the data's)."""
-    fmt, max_tokens = spec.get("format", "text"), spec.get("max_tokens")
+    fmt = spec.get("format", "text")
     extra: dict[str, Any] = {"format": fmt, **{k: stats[k] for k in ("documents", "characters", "empty_documents",
                                                                     "replaced_invalid_utf8", "skipped_files")},
                              "empty_files": empty, "split": spec["split"], "val_fraction": spec["val_fraction"],
                              "text_column": column if fmt == "chat" else spec["text_column"], "eot_id": tok.eot_id,
-                             "shard_tokens": spec["shard_tokens"]}
+                             "shard_tokens": spec["shard_tokens"], "prepare_spec": spec}
     if reused is not None:
         extra["tokenizer_base"] = {"hash": reused.identity()["hash"], "vocab_size": int(reused.vocab_size)}
     if fmt == "chat":  # the pass checked that tok has the chat tokens
         extra.update(chat=ChatTemplate(tok).meta(), malformed_conversations=stats.get("malformed_conversations", 0),
                      malformed_examples=stats.get("malformed_examples", []),
                      assistant_tokens=stats.get("assistant_tokens", {"train": 0, "val": 0}))
-    if max_tokens is not None:
-        extra.update(max_tokens=int(max_tokens), stop_reason="max_tokens" if stopped else "end_of_input",
+    if "max_tokens" in spec:
+        extra.update(max_tokens=spec["max_tokens"], stop_reason="max_tokens" if stopped else "end_of_input",
                      **({"stopped_at": stopped} if stopped else {}))
-    extra["prepare_spec"] = spec
     return extra

@@ -34,11 +34,8 @@ def _clip_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
 def merge_spans(spans: np.ndarray) -> np.ndarray:  # [a, b), [b, c) -> [a, c) in sorted disjoint spans
     if len(spans) < 2:
         return spans
-    new = np.ones(len(spans), dtype=bool)
-    new[1:] = spans[1:, 0] != spans[:-1, 1]
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:] - 1, len(spans) - 1)
-    return np.stack([spans[starts, 0], spans[ends, 1]], axis=1)
+    first = np.r_[True, spans[1:, 0] != spans[:-1, 1]]  # each merged span's first and last parts
+    return np.stack([spans[first, 0], spans[np.r_[first[1:], True], 1]], axis=1)
 
 
 class ShardWriter:

@@ -135,9 +135,6 @@ def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
 
 
 class BatchSampler:
-    """Random (x, y) batches from one split (preloaded or on disk), reproducible from a seed and resumable from its
-    state."""
-
     def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
                  device: str | torch.device, loss_mask: LossMask | None = None):
         if len(data) < block_size + 1:
@@ -188,7 +185,6 @@ def available_ram() -> int:
 
 
 def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 0) -> DataPlan:
-    """Where `nbytes` of tokens go: the GPU if they fit beside training's memory, else RAM with a margin, else disk."""
     note = ""
     if torch.device(device).type == "cuda":
         free = torch.cuda.mem_get_info(torch.device(device))[0]
@@ -220,7 +216,6 @@ def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
 
 def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", *, reserve_gpu_bytes: int = 0,
                  log: Callable[[str], None] = print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
-    """meta.json checked against the shards, and each split where plan_data says (logged with the reason)."""
     meta = read_meta(data_dir)
     device = torch.device(device)
     splits: dict[str, SplitData | MemmapSplit] = {}

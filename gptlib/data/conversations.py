@@ -2,8 +2,7 @@
 
     <|user|>\\nHi!<|end|>\\n<|assistant|>\\nHello.<|end|>\\n<|endoftext|>
 
-the markers inserted by id, never matched in text. An assistant turn's loss span is its text and its <|end|>.
-"""
+the markers inserted by id, never matched in text. An assistant turn's loss span is its text and its <|end|>."""
 
 from __future__ import annotations
 

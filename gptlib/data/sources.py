@@ -109,8 +109,7 @@ def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, 
 
 def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byte: int, byte_after: int,
                         nbytes: float) -> Iterator[Piece]:
-    """Pieces from (turn, char) on of "\\n" + content of each turn. A malformed conversation: one empty piece, the
-    reason in it."""
+    """Pieces of "\\n" + content of each turn from (turn, char) on; a malformed conversation: one empty piece."""
     after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0, "turn": 0}
     turns = normalize(value)
     if isinstance(turns, Malformed):
@@ -193,8 +192,7 @@ def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
 
 
 def _batch_rows(rg, col: str) -> int:
-    """About ROW_BATCH_BYTES of the column's data, at most 1,024 rows: a row group of books is read a few MB at a
-    time."""
+    """About ROW_BATCH_BYTES of the column's data: a row group of books is read a few MB at a time."""
     size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
                if rg.column(i).path_in_schema.split(".")[0] == col)
     per_row = size / max(1, rg.num_rows)

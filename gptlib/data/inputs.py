@@ -81,8 +81,8 @@ def source(f: Path | Found) -> Source:
         else "text"
     if isinstance(f, Found) and f.sha256 is not None:
         return Source(f.url, kind, f.size, "sha256:" + f.sha256, f.fs, f.path, canonical=f.size <= FULL_HASH_LIMIT)
-    src = Source(f, kind, f.stat().st_size, "") if isinstance(f, Path) else Source(f.url, kind, f.size, "", f.fs,
-                                                                                       f.path)
+    src = Source(f, kind, f.stat().st_size, "") if isinstance(f, Path) else \
+        Source(f.url, kind, f.size, "", f.fs, f.path)
     try:
         src.hash = content_hash(src.open, src.size)
     except Exception as e:  # noqa: BLE001

@@ -110,8 +110,7 @@ class LossMask:
         spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         self.starts = torch.from_numpy(np.ascontiguousarray(spans[:, 0])).to(device)
         self.ends = torch.from_numpy(np.ascontiguousarray(spans[:, 1])).to(device)
-        self.supervised = int((spans[:, 1] - spans[:, 0]).sum())  # tokens that carry the loss
-        self.fraction = self.supervised / max(1, split_tokens)
+        self.fraction = int((spans[:, 1] - spans[:, 0]).sum()) / max(1, split_tokens)  # of the targets, supervised
 
     def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
         """starts (B,) -> (B, block_size) bool: target t of row b (the token at starts[b] + t + 1) is in a span."""

@@ -102,15 +102,13 @@ class ChatTemplate:
 def first_prompts(ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_len: int) -> list[np.ndarray]:
     """The prompts of the first answers of the first k conversations (the samples shown while fine-tuning): from the
     conversation's start through the <|assistant|> before the answer, its last max_len tokens."""
-    out, begins = [], set()
+    prompts: dict[int, np.ndarray] = {}  # conversation start -> the prompt of its first answer
     for start, _ in spans:
         start = int(start)  # the answer's first token: the <|assistant|> marker is the one before it
-        if len(out) == k or start > len(ids):
+        if len(prompts) == k or start > len(ids):
             break
         eots = np.flatnonzero(ids[:start] == eot_id)
         begin = int(eots[-1]) + 1 if len(eots) else 0
-        if begin not in begins:  # a conversation's first answer only
-            begins.add(begin)
-            out.append(ids[max(begin, start - max_len):start])
-    return out
+        prompts.setdefault(begin, ids[max(begin, start - max_len):start])
+    return list(prompts.values())
 

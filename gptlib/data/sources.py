@@ -39,8 +39,7 @@ class Piece:  # at most PIECE_CHARS characters of one document (or turn)
 def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
     """(piece, end), cut before a newline or a space where possible. Memoryless: the pieces from `start` on do not
     depend on earlier ones, so a resumed run cuts exactly alike."""
-    n = len(text)
-    i = start
+    i, n = start, len(text)
     while i < n:
         j = min(n, i + PIECE_CHARS)
         if j < n:

@@ -54,10 +54,8 @@ class MemmapSplit:
     device = torch.device("cpu")  # where its batches are gathered
 
     def __init__(self, meta: DatasetMeta, split: str):
-        self.name = split
+        self.name, self.vocab_size, self.paths = split, meta.vocab_size, meta.shard_paths(split)
         self.dtype = np.dtype(meta.dtype).newbyteorder("<")
-        self.vocab_size = meta.vocab_size
-        self.paths = meta.shard_paths(split)
         self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
         self.bounds = np.cumsum([0] + [len(m) for m in self.maps])  # shard i holds [bounds[i], bounds[i+1])
 
@@ -221,10 +219,8 @@ def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", *, re
     for split in ("train", "val"):
         src = MemmapSplit(meta, split)
         plan = plan_data(len(src) * src.dtype.itemsize, device, reserve_gpu_bytes)  # free memory re-read per split
-        if plan.where == "memmap":
-            splits[split] = src
-        else:
-            splits[split] = SplitData(_preload(src, device if plan.where == "gpu" else torch.device("cpu")), split)
+        splits[split] = src if plan.where == "memmap" else \
+            SplitData(_preload(src, device if plan.where == "gpu" else torch.device("cpu")), split)
         log(f"data: {split} {len(src):,} tokens -> {plan.where.upper()}: {plan.reason}")
     log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})")
     return meta, splits

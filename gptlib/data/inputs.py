@@ -214,15 +214,13 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_con
         more = f" (and so are the other {len(empty) - 1})" if len(empty) > 1 else ""
         raise PrepareError(f"nothing to tokenize: input file {empty[0]} is empty{more}")
     skipped: list[dict] = []
-    for s in sources:
-        if s.size and s.kind != "text":
-            try:
-                return sources, empty, skipped, _check_column(s, text_column, fmt)
-            except PrepareError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a filesystem library's error
-                if corrupt(e):  # a parquet file without its footer: skipped, the next file checked
-                    skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
-                    continue
+    for s in (s for s in sources if s.size and s.kind != "text"):
+        try:
+            return sources, empty, skipped, _check_column(s, text_column, fmt)
+        except PrepareError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a filesystem library's error
+            if not corrupt(e):
                 raise PrepareError(f"input {s.path} cannot be read: {describe(e, str(s.path))}") from None
+            skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})  # no footer: the next file
     return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0]

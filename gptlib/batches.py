@@ -54,10 +54,8 @@ class MemmapSplit:
     device = torch.device("cpu")  # where its batches are gathered
 
     def __init__(self, meta: DatasetMeta, split: str):
-        self.name = split
+        self.name, self.vocab_size, self.paths = split, meta.vocab_size, meta.shard_paths(split)
         self.dtype = np.dtype(meta.dtype).newbyteorder("<")
-        self.vocab_size = meta.vocab_size
-        self.paths = meta.shard_paths(split)
         self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
         self.bounds = np.cumsum([0] + [len(m) for m in self.maps])  # shard i holds [bounds[i], bounds[i+1])
 
@@ -66,11 +64,9 @@ class MemmapSplit:
 
     def read(self, start: int, n: int) -> torch.Tensor:
         """Tokens [start, start + n) as a signed (n,) tensor in RAM: one sequential read per shard touched."""
-        if start < 0 or start + n > len(self):
-            raise IndexError(f"{self.name}: read [{start}, {start + n}) outside 0..{len(self)}")
         pieces = [m[max(0, start - lo): max(0, start + n - lo)] for m, lo in zip(self.maps, self.bounds)]
         out = np.concatenate(pieces) if pieces else np.empty(0, self.dtype)  # a split may have no shards
-        self._check_vocab(out, lambda k: start + k)
+        self._check_vocab(out, start)
         return _as_signed_view(out)
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -80,15 +76,14 @@ class MemmapSplit:
         for i in np.unique(shard):  # one fancy-indexed read per shard touched
             at = shard == i
             out[at] = self.maps[i][pos[at] - self.bounds[i]]
-        self._check_vocab(out, lambda k: int(pos.ravel()[k]))
+        self._check_vocab(out, pos)
         return _as_signed_view(out)
 
-    def _check_vocab(self, tokens: np.ndarray, position: Callable[[int], int]) -> None:
-        """position(k): where the k-th token read lies in the split's stream."""
+    def _check_vocab(self, tokens: np.ndarray, pos: np.ndarray | int) -> None:  # pos: each token's, or the first's
         if not tokens.size or int(tokens.max()) < self.vocab_size:
             return
         k = int(np.argmax(tokens.ravel() >= self.vocab_size))
-        at = position(k)
+        at = int(pos.ravel()[k]) if isinstance(pos, np.ndarray) else pos + k
         i = int(np.searchsorted(self.bounds, at, side="right")) - 1
         raise DataFormatError(
             f"shard {self.paths[i]}: token id {int(tokens.ravel()[k])} at position {at - int(self.bounds[i]):,} is "
@@ -113,8 +108,7 @@ class LossMask:
         spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         self.starts = torch.from_numpy(np.ascontiguousarray(spans[:, 0])).to(device)
         self.ends = torch.from_numpy(np.ascontiguousarray(spans[:, 1])).to(device)
-        self.supervised = int((spans[:, 1] - spans[:, 0]).sum())  # tokens that carry the loss
-        self.fraction = self.supervised / max(1, split_tokens)
+        self.fraction = int((spans[:, 1] - spans[:, 0]).sum()) / max(1, split_tokens)  # of the targets, supervised
 
     def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
         """starts (B,) -> (B, block_size) bool: target t of row b (the token at starts[b] + t + 1) is in a span."""
@@ -138,20 +132,14 @@ def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
 
 
 class BatchSampler:
-    """Random (x, y) batches from one split (preloaded or on disk), reproducible from a seed and resumable from its
-    state."""
-
     def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
                  device: str | torch.device, loss_mask: LossMask | None = None):
         if len(data) < block_size + 1:
             raise DataFormatError(f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
                                   f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
                                   f"or a larger val_fraction")
-        self.data = data
+        self.data, self.batch_size, self.block_size, self.device = data, batch_size, block_size, torch.device(device)
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
-        self.batch_size = batch_size
-        self.block_size = block_size
-        self.device = torch.device(device)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
         self.batches_drawn = 0
@@ -194,7 +182,6 @@ def available_ram() -> int:
 
 
 def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 0) -> DataPlan:
-    """Where `nbytes` of tokens go: the GPU if they fit beside training's memory, else RAM with a margin, else disk."""
     note = ""
     if torch.device(device).type == "cuda":
         free = torch.cuda.mem_get_info(torch.device(device))[0]
@@ -226,17 +213,14 @@ def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
 
 def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", *, reserve_gpu_bytes: int = 0,
                  log: Callable[[str], None] = print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
-    """meta.json checked against the shards, and each split where plan_data says (logged with the reason)."""
     meta = read_meta(data_dir)
     device = torch.device(device)
     splits: dict[str, SplitData | MemmapSplit] = {}
     for split in ("train", "val"):
         src = MemmapSplit(meta, split)
         plan = plan_data(len(src) * src.dtype.itemsize, device, reserve_gpu_bytes)  # free memory re-read per split
-        if plan.where == "memmap":
-            splits[split] = src
-        else:
-            splits[split] = SplitData(_preload(src, device if plan.where == "gpu" else torch.device("cpu")), split)
+        splits[split] = src if plan.where == "memmap" else \
+            SplitData(_preload(src, device if plan.where == "gpu" else torch.device("cpu")), split)
         log(f"data: {split} {len(src):,} tokens -> {plan.where.upper()}: {plan.reason}")
     log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})")
     return meta, splits

@@ -5,12 +5,12 @@ import threading
 
 import pytest
 
-from gptlib.data.download import TINYSHAKESPEARE_SHA256, fetch_tinyshakespeare
-from gptlib.errors import PrepareError
+from gptlib.data import download
+from gptlib.data.download import TINYSHAKESPEARE_SHA256, PrepareError, fetch_tinyshakespeare
 
 
 @pytest.fixture()
-def http_dir(tmp_path, shakespeare_path):
+def http_dir(tmp_path, shakespeare_path, monkeypatch):
     """A local HTTP server: these machines have no internet, the download code path still runs."""
     root = tmp_path / "www"
     root.mkdir()
@@ -20,24 +20,27 @@ def http_dir(tmp_path, shakespeare_path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", root
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", f"{base}/input.txt")
+    yield base, root
     server.shutdown()
 
 
 def test_download_verifies_and_caches(tmp_path, http_dir):
     base, root = http_dir
     cache = tmp_path / "cache"
-    p = fetch_tinyshakespeare(cache_dir=cache, url=f"{base}/input.txt")
+    p = fetch_tinyshakespeare(cache_dir=cache)
     assert hashlib.sha256(p.read_bytes()).hexdigest() == TINYSHAKESPEARE_SHA256
     assert len(p.read_text()) == 1_115_394
     (root / "input.txt").unlink()  # the second call must not need the network
-    assert fetch_tinyshakespeare(cache_dir=cache, url=f"{base}/input.txt") == p
+    assert fetch_tinyshakespeare(cache_dir=cache) == p
 
 
-def test_checksum_mismatch_is_refused_and_not_cached(tmp_path, http_dir):
+def test_checksum_mismatch_is_refused_and_not_cached(tmp_path, http_dir, monkeypatch):
     base, _ = http_dir
+    monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", f"{base}/wrong.txt")
     with pytest.raises(PrepareError, match="sha256 is .* expected 86c4e6aa"):
-        fetch_tinyshakespeare(cache_dir=tmp_path / "c", url=f"{base}/wrong.txt")
+        fetch_tinyshakespeare(cache_dir=tmp_path / "c")
     assert not (tmp_path / "c" / "tinyshakespeare.txt").exists()
 
 
@@ -46,13 +49,14 @@ def test_corrupt_cache_is_replaced(tmp_path, http_dir):
     cache = tmp_path / "c"
     cache.mkdir()
     (cache / "tinyshakespeare.txt").write_text("corrupt")
-    p = fetch_tinyshakespeare(cache_dir=cache, url=f"{base}/input.txt")
+    p = fetch_tinyshakespeare(cache_dir=cache)
     assert hashlib.sha256(p.read_bytes()).hexdigest() == TINYSHAKESPEARE_SHA256
 
 
-def test_unreachable_url_explains_the_local_option(tmp_path):
+def test_unreachable_url_explains_the_local_option(tmp_path, monkeypatch):
+    monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens: refused
     with pytest.raises(PrepareError, match="could not download.*pass a local copy"):
-        fetch_tinyshakespeare(cache_dir=tmp_path, url="http://127.0.0.1:9/input.txt")  # nothing listens: refused
+        fetch_tinyshakespeare(cache_dir=tmp_path)
 
 
 def test_local_copy_is_verified(tmp_path, shakespeare_path):

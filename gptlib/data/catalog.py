@@ -1,7 +1,6 @@
 """Notebook 01's known corpora: where each one's files are on the Hub, its text column and a token budget. GPT-2 Small
 on a Colab A100 sees about 1B tokens an hour: 2.8B tokens (what the original author trained on, about 10 GB of
-github-code) is an afternoon.
-"""
+github-code) is an afternoon."""
 
 from __future__ import annotations
 

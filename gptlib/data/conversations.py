@@ -2,8 +2,7 @@
 
     <|user|>\\nHi!<|end|>\\n<|assistant|>\\nHello.<|end|>\\n<|endoftext|>
 
-the markers inserted by id, never matched in text. An assistant turn's loss span is its text and its <|end|>.
-"""
+the markers inserted by id, never matched in text. An assistant turn's loss span is its text and its <|end|>."""
 
 from __future__ import annotations
 
@@ -71,15 +70,11 @@ class ChatTemplate:
 
     def piece_ids(self, piece, content_ids: Sequence[int]) -> tuple[list[int], tuple[int, int] | None]:
         """(ids: the marker, content, <|end|> and newline as its place in the turn requires; its loss span or None)."""
-        out: list[int] = [self.role_ids[piece.role]] if piece.turn_start else []
-        start = len(out)
-        out.extend(content_ids)
-        if piece.turn_end:
-            out.append(self.end_id)
-        end = len(out)
-        if piece.turn_end:
-            out.extend(self.nl_ids)
-        return out, ((start, end) if piece.role == "assistant" and end > start else None)
+        head = [self.role_ids[piece.role]] if piece.turn_start else []
+        tail = [self.end_id, *self.nl_ids] if piece.turn_end else []
+        end = len(head) + len(content_ids) + (1 if piece.turn_end else 0)  # the span ends after <|end|>
+        span = (len(head), end) if piece.role == "assistant" and end > len(head) else None
+        return [*head, *content_ids, *tail], span
 
     def render(self, messages: Any, *, require_assistant: bool = True,
                generation_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -107,15 +102,13 @@ class ChatTemplate:
 def first_prompts(ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_len: int) -> list[np.ndarray]:
     """The prompts of the first answers of the first k conversations (the samples shown while fine-tuning): from the
     conversation's start through the <|assistant|> before the answer, its last max_len tokens."""
-    out, begins = [], set()
+    prompts: dict[int, np.ndarray] = {}  # conversation start -> the prompt of its first answer
     for start, _ in spans:
         start = int(start)  # the answer's first token: the <|assistant|> marker is the one before it
-        if len(out) == k or start > len(ids):
+        if len(prompts) == k or start > len(ids):
             break
         eots = np.flatnonzero(ids[:start] == eot_id)
         begin = int(eots[-1]) + 1 if len(eots) else 0
-        if begin not in begins:  # a conversation's first answer only
-            begins.add(begin)
-            out.append(ids[max(begin, start - max_len):start])
-    return out
+        prompts.setdefault(begin, ids[max(begin, start - max_len):start])
+    return list(prompts.values())
 

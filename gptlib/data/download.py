@@ -18,43 +18,36 @@ def default_cache_dir() -> Path:  # $GPTLIB_CACHE: the user's choice of cache (a
     return Path(os.environ.get("GPTLIB_CACHE", Path.home() / ".cache" / "gptlib"))
 
 
-def fetch_tinyshakespeare(cache_dir: str | Path | None = None, url: str = TINYSHAKESPEARE_URL,
-                          local_path: str | Path | None = None) -> Path:
-    """`local_path` (verified, used in place), else the cache's verified copy, else `url` downloaded into the cache.
+def fetch_tinyshakespeare(cache_dir: str | Path | None = None, local_path: str | Path | None = None) -> Path:
+    """`local_path` (verified, used in place), else the cache's verified copy, else the download into the cache.
     A checksum mismatch is an error, never another corpus."""
-    if local_path is not None:
-        p = Path(local_path)
-        if not p.is_file():
-            raise PrepareError(f"local Tiny Shakespeare file {p} does not exist")
-        _check_sha256(p.read_bytes(), str(p), TINYSHAKESPEARE_SHA256, PrepareError, _CANONICAL)
-        return p
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return fetch_verified(url, cache / "tinyshakespeare.txt", TINYSHAKESPEARE_SHA256, PrepareError,
-                          name="Tiny Shakespeare", canonical=_CANONICAL, local_hint="(--input PATH / local_path=PATH)",
-                          timeout=60.0)
+    if local_path is not None and not Path(local_path).is_file():
+        raise PrepareError(f"local Tiny Shakespeare file {local_path} does not exist")
+    target = Path(local_path) if local_path is not None else \
+        Path(cache_dir or default_cache_dir()) / "tinyshakespeare.txt"
+    return fetch_verified(None if local_path is not None else TINYSHAKESPEARE_URL, target, TINYSHAKESPEARE_SHA256,
+                          PrepareError, name="Tiny Shakespeare", canonical=_CANONICAL,
+                          local_hint="(--input PATH / local_path=PATH)", timeout=60.0)
 
 
-def _check_sha256(data: bytes, where: str, sha256: str, error_cls: type[Exception], canonical: str) -> None:
+def fetch_verified(url: str | None, target: Path, sha256: str, error_cls: type[Exception], *, name: str,
+                   canonical: str, local_hint: str, timeout: float) -> Path:
+    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically
+    (url None: target is the user's own copy, only checked)."""
+    data = target.read_bytes() if target.is_file() else b""
+    if hashlib.sha256(data).hexdigest() == sha256:
+        return target
+    if url is not None:
+        import urllib.request  # here, not at module level: ~70 ms of http/email/ssl imports few callers need
+
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                data = r.read()
+        except (OSError, ValueError) as e:  # URLError is an OSError; a malformed URL is a ValueError
+            raise error_cls(f"could not download {name} from {url}: {e}. Without a network, pass a local copy "
+                            f"{local_hint}") from None
     got = hashlib.sha256(data).hexdigest()
     if got != sha256:
-        raise error_cls(f"{where}: sha256 is {got}, expected {sha256} ({canonical}); got {len(data):,} bytes")
-
-
-def fetch_verified(url: str, target: Path, sha256: str, error_cls: type[Exception], *, name: str, canonical: str,
-                   local_hint: str, timeout: float) -> Path:
-    """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically."""
-    if target.is_file():
-        if hashlib.sha256(target.read_bytes()).hexdigest() == sha256:
-            return target
-        target.unlink()
-    import urllib.request  # here, not at module level: ~70 ms of http/email/ssl imports few callers need
-
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            data = r.read()
-    except (OSError, ValueError) as e:  # URLError is an OSError; a malformed URL is a ValueError
-        raise error_cls(f"could not download {name} from {url}: {e}. Without a network, pass a local copy "
-                        f"{local_hint}") from None
-    _check_sha256(data, url, sha256, error_cls, canonical)
+        raise error_cls(f"{url or target}: sha256 is {got}, expected {sha256} ({canonical}); got {len(data):,} bytes")
     atomic_write_bytes(target, data)
     return target

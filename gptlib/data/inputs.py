@@ -79,16 +79,15 @@ def source(f: Path | Found) -> Source:
     name = str(f.path if isinstance(f, Found) else f).lower()
     kind = "parquet" if name.endswith((".parquet", ".pq")) else "jsonl" if name.endswith((".jsonl", ".ndjson")) \
         else "text"
-    if isinstance(f, Path):
-        size = f.stat().st_size
-        return Source(f, kind, size, content_hash(lambda: open(f, "rb"), size))
-    if f.sha256 is not None:
+    if isinstance(f, Found) and f.sha256 is not None:
         return Source(f.url, kind, f.size, "sha256:" + f.sha256, f.fs, f.path, canonical=f.size <= FULL_HASH_LIMIT)
+    src = Source(f, kind, f.stat().st_size, "") if isinstance(f, Path) else \
+        Source(f.url, kind, f.size, "", f.fs, f.path)
     try:
-        ident = content_hash(lambda: f.fs.open(f.path, "rb", block_size=BLOCK_SIZE), f.size)
+        src.hash = content_hash(src.open, src.size)
     except Exception as e:  # noqa: BLE001
-        raise PrepareError(f"input {f.url} cannot be read: {describe(e, f.url)}") from None
-    return Source(f.url, kind, f.size, ident, f.fs, f.path)
+        raise PrepareError(f"input {src.path} cannot be read: {describe(e, str(src.path))}") from None
+    return src
 
 
 def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_config: str | None,
@@ -215,15 +214,13 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_con
         more = f" (and so are the other {len(empty) - 1})" if len(empty) > 1 else ""
         raise PrepareError(f"nothing to tokenize: input file {empty[0]} is empty{more}")
     skipped: list[dict] = []
-    for s in sources:
-        if s.size and s.kind != "text":
-            try:
-                return sources, empty, skipped, _check_column(s, text_column, fmt)
-            except PrepareError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a filesystem library's error
-                if corrupt(e):  # a parquet file without its footer: skipped, the next file checked
-                    skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
-                    continue
+    for s in (s for s in sources if s.size and s.kind != "text"):
+        try:
+            return sources, empty, skipped, _check_column(s, text_column, fmt)
+        except PrepareError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a filesystem library's error
+            if not corrupt(e):
                 raise PrepareError(f"input {s.path} cannot be read: {describe(e, str(s.path))}") from None
+            skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})  # no footer: the next file
     return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0]

@@ -83,8 +83,7 @@ def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str,
             raise PrepareError(why)
     if tokenizer_from is None:
         return None
-    p = Path(tokenizer_from)
-    p = p / TOKENIZER_FILE if p.is_dir() else p
+    p = Path(tokenizer_from) / TOKENIZER_FILE if Path(tokenizer_from).is_dir() else Path(tokenizer_from)
     if not p.is_file():
         raise PrepareError(f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
                            f"directory, or a tokenizer.json)")
@@ -113,7 +112,6 @@ def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, spli
 
 def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_max_bytes: int | None,
                    sources: list[Source], text_column: str | None, skipped: list, verbose: bool, fmt: str) -> Tokenizer:
-    """The reused tokenizer (chat data: with the chat tokens appended where missing), or a new one."""
     if reused is not None and fmt != "chat":
         return reused
     if reused is not None:
@@ -151,52 +149,46 @@ def _json(path: Path) -> dict | None:
 def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> tuple[DatasetMeta | None, dict | None]:
     """(this spec's finished dataset, None), (None, the state of its unfinished run), or (None, None) to start."""
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
-    if meta_path.is_file():
-        old = _json(meta_path) or {}
-        if old.get("prepare_spec") == spec:
-            if state_path.is_file():  # killed between meta.json and removing the state file
-                state_path.unlink()
-            elif verbose:
-                print(f"{out_dir} already holds this dataset; reusing it")
-            return read_meta(out_dir), None
-        if not overwrite:
-            raise PrepareError(
-                f"{out_dir} already holds a different dataset (sources "
-                f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
-                f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
-                f"choose another output directory or pass --overwrite / overwrite=True")
-        return None, None
+    old = (_json(meta_path) or {}) if meta_path.is_file() else None
+    if old is not None and old.get("prepare_spec") == spec:
+        if state_path.is_file():  # killed between meta.json and removing the state file
+            state_path.unlink()
+        elif verbose:
+            print(f"{out_dir} already holds this dataset; reusing it")
+        return read_meta(out_dir), None
     # a state file is written atomically; an unreadable one is not ours to trust
-    state = _json(state_path) if state_path.is_file() else None
-    if state is None or state.get("spec") == spec:
+    state = _json(state_path) if old is None and state_path.is_file() else None
+    if old is None and (state is None or state.get("spec") == spec):
         return None, state
-    if not overwrite:
+    if overwrite:
+        return None, None
+    if old is None:
         raise PrepareError(f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
                            f"command as before to finish it, choose another output directory, or pass --overwrite")
-    return None, None
+    raise PrepareError(f"{out_dir} already holds a different dataset (sources "
+                       f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
+                       f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
+                       f"choose another output directory or pass --overwrite / overwrite=True")
 
 
 def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
            new_tokenizer) -> tuple[Tokenizer, dict]:
-    """The tokenizer and the position to encode from. A resume checks the tokenizer and the completed shards; shards
-    written after the last state save are redone, identically."""
-    fresh = state is None or not (out_dir / TOKENIZER_FILE).is_file()
-    if fresh:  # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
-        for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
-            p.unlink()
+    """A resume checks the tokenizer and the completed shards; shards written after the last state save are redone."""
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_temp_files(out_dir)
-    if fresh:
+    if state is None or not (out_dir / TOKENIZER_FILE).is_file():
+        # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
+        for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
+            p.unlink()
         tok = new_tokenizer()
         tok.save(out_dir)
         return tok, {"resume": {"file": 0, "doc": 0, "byte": 0, "char": 0}, "emitted": {"train": 0, "val": 0},
                      "stats": {"documents": 0, "characters": 0, "bytes": 0.0, "empty_documents": 0,
                                "replaced_invalid_utf8": 0, "skipped_files": list(pre_skipped)},
                      "shards": {"train": [], "val": []}}
-    tok_path = out_dir / TOKENIZER_FILE
-    tok = load_tokenizer(tok_path)
+    tok = load_tokenizer(out_dir / TOKENIZER_FILE)
     if tok.identity()["hash"] != state["tokenizer"]["hash"]:
-        raise PrepareError(f"{tok_path} differs from the tokenizer of the unfinished run in {out_dir}; "
+        raise PrepareError(f"{out_dir / TOKENIZER_FILE} differs from the tokenizer of the unfinished run in {out_dir}; "
                            f"pass --overwrite to start again")
     shards = state["shards"]
     done = shards["train"] + shards["val"]
@@ -233,22 +225,21 @@ def _check_result(progress: dict, val_fraction: float) -> None:
 
 def _extra_meta(tok: Tokenizer, reused: Tokenizer | None, spec: dict, stats: dict, empty: list, column: str | None,
                 stopped: dict | None) -> dict:
-    """meta.json's fields beyond the format's. tokenizer_base: a reused tokenizer before the chat tokens were added (a
-    fine-tuning run checks that its model's vocabulary is a prefix of the data's)."""
-    fmt, max_tokens = spec.get("format", "text"), spec.get("max_tokens")
+    """tokenizer_base: a reused tokenizer before the chat tokens were added (fine-tuning checks that its model's
+    vocabulary is a prefix of the data's)."""
+    fmt = spec.get("format", "text")
     extra: dict[str, Any] = {"format": fmt, **{k: stats[k] for k in ("documents", "characters", "empty_documents",
                                                                     "replaced_invalid_utf8", "skipped_files")},
                              "empty_files": empty, "split": spec["split"], "val_fraction": spec["val_fraction"],
                              "text_column": column if fmt == "chat" else spec["text_column"], "eot_id": tok.eot_id,
-                             "shard_tokens": spec["shard_tokens"]}
+                             "shard_tokens": spec["shard_tokens"], "prepare_spec": spec}
     if reused is not None:
         extra["tokenizer_base"] = {"hash": reused.identity()["hash"], "vocab_size": int(reused.vocab_size)}
     if fmt == "chat":  # the pass checked that tok has the chat tokens
         extra.update(chat=ChatTemplate(tok).meta(), malformed_conversations=stats.get("malformed_conversations", 0),
                      malformed_examples=stats.get("malformed_examples", []),
                      assistant_tokens=stats.get("assistant_tokens", {"train": 0, "val": 0}))
-    if max_tokens is not None:
-        extra.update(max_tokens=int(max_tokens), stop_reason="max_tokens" if stopped else "end_of_input",
+    if "max_tokens" in spec:
+        extra.update(max_tokens=spec["max_tokens"], stop_reason="max_tokens" if stopped else "end_of_input",
                      **({"stopped_at": stopped} if stopped else {}))
-    extra["prepare_spec"] = spec
     return extra

@@ -34,11 +34,8 @@ def _clip_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
 def merge_spans(spans: np.ndarray) -> np.ndarray:  # [a, b), [b, c) -> [a, c) in sorted disjoint spans
     if len(spans) < 2:
         return spans
-    new = np.ones(len(spans), dtype=bool)
-    new[1:] = spans[1:, 0] != spans[:-1, 1]
-    starts = np.flatnonzero(new)
-    ends = np.append(starts[1:] - 1, len(spans) - 1)
-    return np.stack([spans[starts, 0], spans[ends, 1]], axis=1)
+    first = np.r_[True, spans[1:, 0] != spans[:-1, 1]]  # each merged span's first and last parts
+    return np.stack([spans[first, 0], spans[np.r_[first[1:], True], 1]], axis=1)
 
 
 class ShardWriter:
@@ -167,22 +164,17 @@ def _run_dir_message(data_dir: Path) -> str | None:  # a training run, or one of
 
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
     def count(value, field: str) -> int:  # a hand edit may leave "32k" or 3.5
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        if type(value) is not int or value < 0:
             raise DataFormatError(f"{meta_path}: {field} is {value!r}, expected a whole number >= 0")
-        return int(value)
+        return value
 
-    version = m["format_version"]
-    if version != FORMAT_VERSION:
-        raise DataFormatError(f"{meta_path}: format_version is {version}, this gptlib reads {FORMAT_VERSION}")
+    if m["format_version"] != FORMAT_VERSION:
+        raise DataFormatError(f"{meta_path}: format_version is {m['format_version']}, this gptlib reads "
+                              f"{FORMAT_VERSION}")
     vocab_size = count(m["vocab_size"], "vocab_size")
-    dtype_name, dtype = m["dtype"], dtype_for_vocab(vocab_size)
-    if dtype_name != dtype.name:
-        raise DataFormatError(f"{meta_path}: dtype is {dtype_name!r} but vocab_size={vocab_size} needs {dtype.name!r}")
-    tokenizer = m["tokenizer"]
-    if tokenizer.get("vocab_size") is not None and count(tokenizer["vocab_size"], "tokenizer.vocab_size") != vocab_size:
-        raise DataFormatError(f"{meta_path}: vocab_size is {vocab_size} but tokenizer.vocab_size is "
-                              f"{tokenizer['vocab_size']}")
-    splits = m["splits"]
+    dtype, tokenizer, splits = dtype_for_vocab(vocab_size), m["tokenizer"], m["splits"]
+    if m["dtype"] != dtype.name:
+        raise DataFormatError(f"{meta_path}: dtype is {m['dtype']!r} but vocab_size={vocab_size} needs {dtype.name!r}")
     for split in ("train", "val"):
         info = splits[split]
         counted = sum(count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"])
@@ -200,37 +192,32 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
     return DatasetMeta(data_dir=data_dir, vocab_size=vocab_size, dtype=dtype, tokenizer=tokenizer, splits=splits, raw=m)
 
 
+def _check_size(data_dir: Path, file: str, n: int, itemsize: int, what: str) -> Path:
+    p = data_dir / file
+    if not p.is_file():
+        raise DataFormatError(f"{what} {p} listed in {data_dir / META_FILE} does not exist")
+    if p.stat().st_size != int(n) * itemsize:
+        raise DataFormatError(f"{what} {p}: file size is {p.stat().st_size} bytes but meta.json says {n} x "
+                              f"{itemsize} bytes = {int(n) * itemsize} bytes")
+    return p
+
+
 def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) -> None:
-    p, itemsize = data_dir / s["file"], dtype.itemsize
-    if not p.is_file():
-        raise DataFormatError(f"shard {p} listed in {data_dir / META_FILE} does not exist")
-    size = p.stat().st_size
-    if size != int(s["tokens"]) * itemsize:
-        raise DataFormatError(f"shard {p}: file size is {size} bytes but meta.json says {s['tokens']} tokens x "
-                              f"{itemsize} bytes ({dtype.name}) = {int(s['tokens']) * itemsize} bytes")
-    if not (chat or "spans" in s):
-        return
-    p, sp = _load_spans(data_dir, s)
-    n = int(s["tokens"])
-    bad = (sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)
-    if bad.any() or (sp[1:, 0] < sp[:-1, 1]).any():
-        raise DataFormatError(f"spans file {p}: the spans are not sorted, disjoint, non-empty ranges within the "
-                              f"shard's {n} tokens")
+    _check_size(data_dir, s["file"], s["tokens"], dtype.itemsize, "shard")
+    if chat or "spans" in s:
+        sp, n = _load_spans(data_dir, s), int(s["tokens"])
+        if ((sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)).any() or (sp[1:, 0] < sp[:-1, 1]).any():
+            raise DataFormatError(f"spans file {data_dir / s['spans']['file']}: the spans are not sorted, disjoint, "
+                                  f"non-empty ranges within the shard's {n} tokens")
 
 
-def _load_spans(data_dir: Path, shard: dict) -> tuple[Path, np.ndarray]:
-    rec, meta_path = shard.get("spans"), data_dir / META_FILE
+def _load_spans(data_dir: Path, shard: dict) -> np.ndarray:
+    rec = shard.get("spans")
     if not isinstance(rec, dict) or "file" not in rec or "count" not in rec:
-        raise DataFormatError(f"{meta_path}: shard {shard['file']} of chat data has no spans record "
+        raise DataFormatError(f"{data_dir / META_FILE}: shard {shard['file']} of chat data has no spans record "
                               f"(expected \"spans\": {{\"file\", \"count\", \"sha256\"}})")
-    p = data_dir / rec["file"]
-    if not p.is_file():
-        raise DataFormatError(f"spans file {p} listed in {meta_path} does not exist")
-    size = p.stat().st_size
-    if size != int(rec["count"]) * 16:
-        raise DataFormatError(f"spans file {p}: file size is {size} bytes but meta.json says {rec['count']} spans x "
-                              f"16 bytes = {int(rec['count']) * 16} bytes")
-    return p, np.fromfile(p, dtype=SPAN_DTYPE).reshape(-1, 2)
+    p = _check_size(data_dir, rec["file"], rec["count"], 2 * SPAN_DTYPE.itemsize, "spans file")
+    return np.fromfile(p, dtype=SPAN_DTYPE).reshape(-1, 2)
 
 
 def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
@@ -238,11 +225,10 @@ def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
     if meta.format != "chat":
         raise DataFormatError(f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
                               f"tokenize conversations with --format chat")
-    parts, offset = [np.zeros((0, 2), np.int64)], 0
-    for shard in meta.splits[split]["shards"]:
-        parts.append(_load_spans(meta.data_dir, shard)[1] + offset)
-        offset += int(shard["tokens"])
-    return merge_spans(np.concatenate(parts).astype(np.int64, copy=False))
+    shards = meta.splits[split]["shards"]
+    offsets = np.cumsum([0] + [int(s["tokens"]) for s in shards])
+    return merge_spans(np.concatenate([np.zeros((0, 2), np.int64)] + [
+        _load_spans(meta.data_dir, s).astype(np.int64) + o for s, o in zip(shards, offsets)]))
 
 
 def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:

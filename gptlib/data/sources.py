@@ -39,8 +39,7 @@ class Piece:  # at most PIECE_CHARS characters of one document (or turn)
 def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
     """(piece, end), cut before a newline or a space where possible. Memoryless: the pieces from `start` on do not
     depend on earlier ones, so a resumed run cuts exactly alike."""
-    n = len(text)
-    i = start
+    i, n = start, len(text)
     while i < n:
         j = min(n, i + PIECE_CHARS)
         if j < n:
@@ -109,8 +108,7 @@ def _document_pieces(text: str | None, fi: int, doc: int, char: int, byte: int, 
 
 def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byte: int, byte_after: int,
                         nbytes: float) -> Iterator[Piece]:
-    """Pieces from (turn, char) on of "\\n" + content of each turn. A malformed conversation: one empty piece, the
-    reason in it."""
+    """Pieces of "\\n" + content of each turn from (turn, char) on; a malformed conversation: one empty piece."""
     after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0, "turn": 0}
     turns = normalize(value)
     if isinstance(turns, Malformed):
@@ -119,13 +117,12 @@ def conversation_pieces(value: Any, fi: int, doc: int, turn: int, char: int, byt
     texts = ["\n" + content for _, content in turns]
     total = sum(map(len, texts))
     for t in range(turn, len(turns)):
-        role, text = turns[t][0], texts[t]
-        for piece, end in split_text(text, char if t == turn else 0):
-            turn_end = end >= len(text)
+        for piece, end in split_text(texts[t], char if t == turn else 0):
+            turn_end = end >= len(texts[t])
             last = turn_end and t == len(turns) - 1
-            nxt = after if last else ({"file": fi, "doc": doc, "byte": byte, "char": 0, "turn": t + 1} if turn_end
-                                      else {"file": fi, "doc": doc, "byte": byte, "char": end, "turn": t})
-            yield Piece(piece, doc, last, None, nxt, nbytes * len(piece) / total, role=role,
+            nxt = {"file": fi, "doc": doc, "byte": byte, "char": 0 if turn_end else end,
+                   "turn": t + 1 if turn_end else t}
+            yield Piece(piece, doc, last, None, after if last else nxt, nbytes * len(piece) / total, role=turns[t][0],
                         turn_start=end == len(piece), turn_end=turn_end)
 
 
@@ -149,7 +146,7 @@ def iter_jsonl_file(src: Source, fi: int, pos: dict | None, field: str, fmt: str
 
 
 def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: str,
-                      skipped: list | None) -> Iterator[Piece]:
+                      skipped: list) -> Iterator[Piece]:
     """A file that cannot be opened, or a corrupt row group, is recorded in `skipped` and passed over; the rows around
     it are kept. A read error is not corruption (inputs.corrupt): it goes up to the retries."""
     with src.open() as f:
@@ -158,8 +155,7 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: 
         except Exception as e:  # noqa: BLE001
             if not corrupt(e):
                 raise
-            if skipped is not None:
-                skipped.append({"path": str(src.path), "error": f"cannot be opened: {e}"})
+            skipped.append({"path": str(src.path), "error": f"cannot be opened: {e}"})
             return
         col = _parquet_column(pf, src.path, column, fmt)
         meta = pf.metadata
@@ -181,9 +177,8 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: 
             except Exception as e:  # noqa: BLE001
                 if not corrupt(e):
                     raise
-                if skipped is not None:
-                    msg = f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}".replace("\n", " ").strip()
-                    skipped.append({"path": str(src.path), "error": msg, "partial": True})
+                msg = f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}".replace("\n", " ").strip()
+                skipped.append({"path": str(src.path), "error": msg, "partial": True})
                 row, char, turn = ends[g], 0, 0
 
 
@@ -196,8 +191,7 @@ def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
 
 
 def _batch_rows(rg, col: str) -> int:
-    """About ROW_BATCH_BYTES of the column's data, at most 1,024 rows: a row group of books is read a few MB at a
-    time."""
+    """About ROW_BATCH_BYTES of the column's data: a row group of books is read a few MB at a time."""
     size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
                if rg.column(i).path_in_schema.split(".")[0] == col)
     per_row = size / max(1, rg.num_rows)
@@ -205,7 +199,7 @@ def _batch_rows(rg, col: str) -> int:
 
 
 def iter_source(src: Source, fi: int, pos: dict | None, tail_fraction: float | None, column: str, fmt: str,
-                skipped: list | None) -> Iterator[Piece]:
+                skipped: list) -> Iterator[Piece]:
     if src.kind == "text":
         return iter_text_file(src, fi, pos, None if tail_fraction is None else int(src.size * (1.0 - tail_fraction)))
     if src.kind == "jsonl":
@@ -243,8 +237,8 @@ def train_texts(sources: list[Source], column: str, max_bytes: int | None, skipp
     for fi, src in usable:
         budget = None if max_bytes is None else max(PIECE_CHARS, int(max_bytes * src.size / total))
         used = 0
-        # unreadable parts are passed over here: the tokenizing pass reports them
-        for p in retrying(lambda pos, src=src, fi=fi: iter_source(src, fi, pos, None, column, fmt, None), None,
+        # unreadable parts are passed over here ([]): the tokenizing pass reports them
+        for p in retrying(lambda pos, src=src, fi=fi: iter_source(src, fi, pos, None, column, fmt, []), None,
                           str(src.path)):
             if p.text:
                 yield p.text

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 
 from gptlib.data.shards import DatasetMeta, read_meta
@@ -40,37 +38,25 @@ def report_problems(m: dict) -> None:
             print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
 
 
-def summarize(data_dir: str | Path) -> dict[str, Any]:
-    meta = read_meta(data_dir)
-    m, chat = meta.raw, meta.format == "chat"
-    return {
-        "data_dir": str(meta.data_dir),
-        "source files": len(m.get("sources", [])),
-        "source MB": round(sum(s.get("size", 0) for s in m.get("sources", [])) / 1e6, 3),
-        "documents": m.get("documents"),
-        "train tokens": meta.tokens("train"),
-        "val tokens": meta.tokens("val"),
-        "characters per token": round(m.get("characters", 0) / max(1, meta.tokens("train") + meta.tokens("val")), 3),
-        "format": meta.format,
-        "tokenizer": meta.tokenizer.get("kind"),
-        "vocab size": meta.vocab_size,
-        "dtype": meta.dtype.name,
-        "shards (train + val)": f"{len(meta.splits['train']['shards'])} + {len(meta.splits['val']['shards'])}",
-        "validation split": m.get("split"),
-        "invalid UTF-8 replaced": m.get("replaced_invalid_utf8", 0),
-        "skipped files/row groups": len(m.get("skipped_files", [])),
-        **({"malformed conversations": m.get("malformed_conversations", 0),
-            "assistant tokens (train)": m.get("assistant_tokens", {}).get("train", 0)} if chat else {}),
-        **({"stopped by max-tokens": m.get("stop_reason") == "max_tokens"} if "max_tokens" in m else {}),
-        "seconds": m.get("elapsed_s"),
-    }
-
-
 def print_summary(data_dir: str | Path) -> None:
     """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
-    for key, value in summarize(data_dir).items():
+    meta = read_meta(data_dir)
+    m, n, shards = meta.raw, meta.tokens("train") + meta.tokens("val"), meta.splits
+    rows = {"data_dir": meta.data_dir, "source files": len(m["sources"]),
+            "source MB": round(sum(s["size"] for s in m["sources"]) / 1e6, 3), "documents": m.get("documents"),
+            "train tokens": meta.tokens("train"), "val tokens": meta.tokens("val"),
+            "characters per token": round(m.get("characters", 0) / max(1, n), 3), "format": meta.format,
+            "tokenizer": meta.tokenizer.get("kind"), "vocab size": meta.vocab_size, "dtype": meta.dtype.name,
+            "shards (train + val)": f"{len(shards['train']['shards'])} + {len(shards['val']['shards'])}",
+            "validation split": m.get("split")}
+    if meta.format == "chat":
+        rows["assistant tokens (train)"] = m.get("assistant_tokens", {}).get("train", 0)
+    if "max_tokens" in m:
+        rows["stopped by max-tokens"] = "yes" if m.get("stop_reason") == "max_tokens" else "no"
+    rows["seconds"] = m.get("elapsed_s")
+    for key, value in rows.items():
         print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
-    report_problems(read_meta(data_dir).raw)
+    report_problems(m)
 
 
 def decoded_sample(data_dir: str | Path, n_tokens: int = 200) -> str:

@@ -1,5 +1,5 @@
 """Char and byte-level BPE tokenizers, saved beside the data as tokenizer.json. A tokenizer's identity (kind, sha256 of
-that file, vocab size) is in the data's meta.json and in every checkpoint, so data, model and tokenizer cannot disagree."""
+that file, vocab size) is in the data's meta.json and every checkpoint: data, model and tokenizer cannot disagree."""
 
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ EOT = "<|endoftext|>"
 
 
 class Tokenizer:
-    """What both kinds share: encode(text), decode(ids), to_json_bytes() and these."""
-
     kind: str = "base"
     vocab_size: int
     eot_id: int | None = None  # document separator id, None if the tokenizer has none
@@ -38,8 +36,6 @@ class Tokenizer:
 
 
 class CharTokenizer(Tokenizer):
-    """The corpus's characters, sorted; a character outside them is an error."""
-
     kind = "char"
 
     def __init__(self, chars: Sequence[str]):
@@ -106,10 +102,9 @@ class BPETokenizer(Tokenizer):
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
         specials = [EOT, *extra_special]
-        if vocab_size < 256 + len(specials) + 1:
-            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= "
-                                 f"{256 + len(specials) + 1}: 256 bytes, {len(specials)} special token(s), and at "
-                                 f"least one merge)")
+        if vocab_size < 257 + len(specials):
+            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= {257 + len(specials)}: "
+                                 f"256 bytes, {len(specials)} special token(s), and at least one merge)")
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
@@ -151,7 +146,7 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids
 
-    def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:  # on all cores, inside the library
+    def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:  # on all cores
         return [e.ids for e in self._tk.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -172,10 +167,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"tokenizer file {path} is not valid JSON: {e}") from None
     if isinstance(obj, dict) and obj.get("kind") == "char":
-        if not isinstance(obj.get("chars"), str):
-            raise TokenizerError(f"tokenizer file {path}: field 'chars' of a char tokenizer is missing or not a string")
-        try:
-            return CharTokenizer(list(obj["chars"]))
+        try:  # "chars" missing or not a string: an empty vocabulary, refused
+            return CharTokenizer(list(obj["chars"]) if isinstance(obj.get("chars"), str) else [])
         except TokenizerError as e:
             raise TokenizerError(f"tokenizer file {path}: {e}") from None
     if isinstance(obj, dict) and "model" in obj:  # a Hugging Face tokenizers file

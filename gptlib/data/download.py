@@ -38,6 +38,7 @@ def fetch_verified(url: str | None, target: Path, sha256: str, error_cls: type[E
     if hashlib.sha256(data).hexdigest() == sha256:
         return target
     if url is not None:
+        target.unlink(missing_ok=True)  # a corrupt cached copy goes, even if the download fails (never the user's)
         import urllib.request  # here, not at module level: ~70 ms of http/email/ssl imports few callers need
 
         try:

@@ -14,8 +14,7 @@ _WHERE = {
     "fetch_tinyshakespeare": "gptlib.data.download", "find_dataset": "gptlib.data.shards",
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
-    "samples_html": "gptlib.training.logs",
-    "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots",
+    "samples_html": "gptlib.training.logs", "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots",
     "hellaswag_figure": "gptlib.training.plots",
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
@@ -25,8 +24,7 @@ _WHERE = {
     "import_hf_once": "gptlib.inference.hf_import",
     "export_gguf": "gptlib.inference.gguf_export", "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
-    "evaluate_run": "gptlib.evaluation.evaluate",
-    "format_table": "gptlib.evaluation.evaluate",
+    "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices
     "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox",
     "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",

@@ -87,8 +87,7 @@ def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
 
 def data_dir(name: str, roots: Roots | None = None) -> Path:
     """Data lives on the persistent root (Drive on Colab), so tokenizing is done once."""
-    name = _checked(name)
-    return (roots or setup()).persistent / "data" / name
+    return (roots or setup()).persistent / "data" / _checked(name)
 
 
 def _checked(name: str) -> str:

@@ -54,7 +54,8 @@ def load_optimizer(optimizer, state: dict) -> None:
         return
     saved = state["param_groups"]
     if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
-        saved = [{**g, **{k: now[k] for k in THIS_RUN_KEYS if k in now}} for g, now in zip(saved, optimizer.param_groups)]
+        saved = [{**g, **{k: now[k] for k in THIS_RUN_KEYS if k in now}}
+                 for g, now in zip(saved, optimizer.param_groups)]
     optimizer.load_state_dict({**state, "param_groups": saved})
 
 

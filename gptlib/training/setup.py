@@ -158,8 +158,9 @@ def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_
     try:
         if ddp.is_main:
             try:
-                created = [d for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
-                           if d is not None and not _looked_at(d, f"{what} directory")]
+                created = [d for d, what in ((run_dir, "run"), (mirror_dir, "mirror")) if d is not None and not
+                           call_with_timeout(lambda: _looked_at(d, f"{what} directory"), IO_TIMEOUT_S,
+                                             what=f"looking at {d}")]  # Drive may hang
                 lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
             except HungIOError as e:  # Drive did not answer: its lease may be another process's
                 raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; "
@@ -176,13 +177,10 @@ def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_
 
 def _looked_at(d: Path, what: str) -> bool:
     """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
-    def look() -> bool:
-        exists = check_dir(d, what)
-        if exists:
-            check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
-        return exists
-
-    return call_with_timeout(look, IO_TIMEOUT_S, what=f"looking at {d}")  # Drive may hang
+    exists = check_dir(d, what)
+    if exists:
+        check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
+    return exists
 
 
 @dataclass

@@ -67,7 +67,6 @@ class RunPaths:
 
 
 def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
-    """The roots, created; on Colab with use_drive, Drive mounted."""
     env_root = os.environ.get("GPTLIB_ROOT")
     if not in_colab():
         roots = Roots(Path(env_root or "."), Path(env_root or "."))

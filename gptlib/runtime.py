@@ -83,7 +83,6 @@ def configure_matmul(device: torch.device) -> None:
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The original module under torch.compile and DDP wrappers."""
     while hasattr(model, "_orig_mod") or isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     return model

@@ -206,14 +206,12 @@ def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_f
         raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
                               f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
-    if resume is not None:
-        if init_from:
-            log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
-        held = resume.state.run_config(str(resume.info.path / STATE_FILE))
-        return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, None, held, "resumed run")
-    base = load_base(init_from, meta, log) if init_from else None
-    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, None, passed, base, base and base.config,
-                 "--init-from base")
+    if resume is not None and init_from:
+        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+    base = load_base(init_from, meta, log) if init_from and resume is None else None
+    held = resume.state.run_config(str(resume.info.path / STATE_FILE)) if resume is not None else base and base.config
+    whose = "resumed run" if resume is not None else "--init-from base"
+    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base, held, whose)
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
@@ -321,8 +319,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
 
 
 def _resume(s: TrainingRun, start: Start, log) -> None:
-    """Load the checkpoint into the run's parts. A run made by import-hf holds weights only: its training starts
-    fresh."""
+    """Load the checkpoint into the run's parts; an import-hf run holds weights only: its training starts fresh."""
     r, ckpt = start.resume, start.resume.checkpoint
     load_weights_into(s.model, ckpt["model"], r.info.path)
     if ckpt["optimizer"]:

@@ -21,14 +21,14 @@ _WHERE = {
     "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
     "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.sampling",
     "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
-    "import_hf_once": "gptlib.inference.hf_import",
-    "export_gguf": "gptlib.inference.gguf_export", "push": "gptlib.share",
+    "import_hf_once": "gptlib.inference.hf_import", "export_gguf": "gptlib.inference.gguf_export",
+    "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices
-    "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox",
-    "parse_list": "gptlib.widgets", "enable_colab_widgets": "gptlib.widgets",
-    "colab": "gptlib.colab", "resolve_device": "gptlib.runtime", "GptlibError": "gptlib.errors",
+    "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox", "parse_list": "gptlib.widgets",
+    "enable_colab_widgets": "gptlib.widgets", "colab": "gptlib.colab", "resolve_device": "gptlib.runtime",
+    "GptlibError": "gptlib.errors",
 }
 
 

@@ -49,17 +49,16 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
 
     def summary(self) -> str:
+        val = "" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.stopped_by == "finished":
-            val = f" (val {self.val_loss:.4f})" if self.val_loss is not None else ""
-            return (f"already finished at step {self.step:,}{val}; nothing to do (raise max_steps to train further) "
-                    f"-> {self.run_dir}")
-        val = "n/a" if self.val_loss is None else f"{self.val_loss:.4f}"
-        if self.val_loss is not None and self.val_step != self.step:
+            return (f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do (raise max_steps "
+                    f"to train further) -> {self.run_dir}")
+        if val and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
         speed = "" if self.steady_tokens_per_s is None else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
         speed += (f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
                   f"its first step, validations and saves included")
-        return f"done: step {self.step:,}, val loss {val}, {speed} ({self.stopped_by}) -> {self.run_dir}"
+        return f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> {self.run_dir}"
 
 
 def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",

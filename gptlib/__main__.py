@@ -264,9 +264,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-_DISK_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -284,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full, read-only or forbidden disk met outside the places that explain it: still one line
-        if e.errno not in _DISK_ERRORS:
+        if e.errno not in {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}:
             raise
         print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
               f"writable directory", file=sys.stderr)

@@ -59,13 +59,24 @@ class ChatSession:
         cfg.max_new_tokens = min(cfg.max_new_tokens, self.reply_cap)
         self.finish_reason, before = "", list(self.history)
         self.history.append(("user", text))
+        started = False  # the template's newline that starts every answer is not part of it
+
+        def shown(_: int, piece: str) -> None:
+            nonlocal started
+            if not started:
+                started, piece = True, piece.removeprefix("\n")
+            if piece and stream is not None:
+                stream(piece)
+
         try:
-            answer = self._generate(self.prompt_ids(cfg.max_new_tokens), cfg, stream)
+            texts, out, reasons = self.engine.generate_text([self.prompt_ids(cfg.max_new_tokens)], cfg, self.stop_ids,
+                                                            shown)
         except BaseException:
             self.history = before  # a failed or interrupted reply leaves the conversation as it was
             raise
-        self.history.append(("assistant", answer))
-        return answer
+        self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
+        self.history.append(("assistant", texts[0].removeprefix("\n")))
+        return self.history[-1][1]
 
     @property
     def reply_cap(self) -> int:
@@ -99,20 +110,6 @@ class ChatSession:
 
     def _tail(self, text: str, n: int) -> list[int]:
         return self.render([("user", text[len(text) - n:])])
-
-    def _generate(self, ids: list[int], cfg: SamplingConfig, stream: Callable[[str], None] | None) -> str:
-        started = False  # the template's newline that starts every answer is not part of it
-
-        def shown(_: int, piece: str) -> None:
-            nonlocal started
-            if not started:
-                started, piece = True, piece.removeprefix("\n")
-            if piece and stream is not None:
-                stream(piece)
-
-        texts, out, reasons = self.engine.generate_text([ids], cfg, self.stop_ids, shown)
-        self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
-        return texts[0].removeprefix("\n")
 
 
 HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"

@@ -86,15 +86,6 @@ def _refuse_unless(where, checks: dict[str, tuple]) -> None:  # key -> (the conf
             raise ExportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
 
 
-def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """In fp32. GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
-    if not (folder / "model.safetensors").is_file():
-        raise ExportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
-    sd = load_file(str(folder / "model.safetensors"))
-    own = ("transformer.", "model.", "lm_head.")
-    return {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in sd.items()}
-
-
 def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
     """export.weight_map the other way, the embeddings padded."""
     V, sd = cfg.vocab_size, {}
@@ -135,7 +126,13 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
         raise ExportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")
     model = GPT(cfg)
-    load_weights_into(model, gptlib_state_dict(hf_weights(folder), cfg, str(folder)), folder)
+    if not (folder / "model.safetensors").is_file():
+        raise ExportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
+    # fp32; GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added
+    own = ("transformer.", "model.", "lm_head.")
+    hf = {(k if k.startswith(own) else "transformer." + k): v.float()
+          for k, v in load_file(str(folder / "model.safetensors")).items()}
+    load_weights_into(model, gptlib_state_dict(hf, cfg, str(folder)), folder)
     recipe = "gpt2" if cfg.positions == "learned" else "modern"
     run_cfg = RunConfig(model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe)
     identity = dict(tok.identity(), file=TOKENIZER_FILE)

@@ -56,10 +56,8 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 def checkpoint_label(row: dict) -> str:
     """A checkpoint_table row as "step 1,000 · val 1.523 · best"."""
-    label = f"step {row['step']:,}"
-    if row.get("val_loss") is not None:
-        label += f" · val {row['val_loss']:.3f}"
-    return label + (" · best" if row.get("is_best") else "")
+    val = f" · val {row['val_loss']:.3f}" if row.get("val_loss") is not None else ""
+    return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
 
 
 def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:

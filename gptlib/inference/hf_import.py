@@ -105,23 +105,19 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
     return sd
 
 
-def hf_tokenizer(folder: Path) -> Tokenizer:
-    """tokenizer.json; a gptlib char export's comes back as a CharTokenizer."""
-    tj = folder / "tokenizer.json"
-    if not tj.is_file():
-        raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
-    raw = tj.read_bytes()
-    model = json.loads(raw).get("model", {})
-    if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
-        return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
-    return BPETokenizer.from_json_bytes(raw, where=str(tj))
-
-
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     out = Path(out)
     check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
     folder = model_dir(name_or_dir)
-    cfg, tok = model_config(folder), hf_tokenizer(folder)
+    cfg, tj = model_config(folder), folder / "tokenizer.json"
+    if not tj.is_file():
+        raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
+    raw = tj.read_bytes()
+    spec = json.loads(raw).get("model", {})  # a gptlib char export's comes back as a CharTokenizer
+    if spec.get("type") == "WordLevel" and all(len(t) == 1 for t in spec.get("vocab", {})):
+        tok = CharTokenizer([c for c, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])])
+    else:
+        tok = BPETokenizer.from_json_bytes(raw, where=str(tj))
     if tok.vocab_size != cfg.vocab_size:
         raise ExportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")

@@ -36,10 +36,8 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
     for token, i in tok._tk.get_vocab(with_added_tokens=True).items():
         if token in special or i >= len(out):
             continue
-        if all(c in alphabet for c in token):
-            out[i] = len(token)
-        else:  # not a byte-level symbol string (another BPE flavour): count its decoded text
-            out[i] = len(tok.decode([i]).encode("utf-8"))
+        # a byte-level symbol string, else (another BPE flavour) its decoded text
+        out[i] = len(token) if all(c in alphabet for c in token) else len(tok.decode([i]).encode("utf-8"))
     return out
 
 

@@ -22,21 +22,6 @@ from gptlib.model import GPT, model_size
 GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
               "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
-_HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
-
-
-def model_dir(name_or_dir: str | Path) -> Path:  # a Hub id is downloaded once into the Hugging Face cache
-    p = Path(name_or_dir)
-    if p.is_dir():
-        return p
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=str(name_or_dir), allow_patterns=_HUB_FILES))
-    except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
-        raise ExportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging Face "
-                            f"Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give a "
-                            f"folder holding config.json and model.safetensors") from None
 
 
 def model_config(folder: Path) -> ModelConfig:
@@ -108,7 +93,17 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     out = Path(out)
     check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
-    folder = model_dir(name_or_dir)
+    folder = Path(name_or_dir)
+    if not folder.is_dir():  # a Hub id, downloaded once into the Hugging Face cache
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(repo_id=str(name_or_dir),
+                                            allow_patterns=["config.json", "model.safetensors", "tokenizer.json"]))
+        except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
+            raise ExportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging "
+                              f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give "
+                              f"a folder holding config.json and model.safetensors") from None
     cfg, tj = model_config(folder), folder / "tokenizer.json"
     if not tj.is_file():
         raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")

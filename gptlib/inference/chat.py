@@ -16,11 +16,6 @@ from gptlib.errors import ChatError, GptlibError, loud
 from gptlib.inference.engine import Engine
 from gptlib.inference.sampling import SamplingConfig
 
-FINETUNE_HINT = ("fine-tune it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
-                 "--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR --init-from "
-                 "RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR")
-
-
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
         tok, where = engine.tokenizer, engine.source or "this model"
@@ -28,8 +23,10 @@ class ChatSession:
             self.template = ChatTemplate(tok)
         except ChatError:
             raise ChatError(f"{where}: its {getattr(tok, 'kind', '')} tokenizer has no chat tokens "
-                            f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; "
-                            f"{FINETUNE_HINT}") from None
+                            f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; fine-tune "
+                            f"it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
+                            f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
+                            f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR") from None
         self.stop_ids = sorted({self.template.end_id, self.template.eot_id, *self.template.role_ids.values()})
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size

@@ -68,9 +68,8 @@ def is_conv1d(cfg: ModelConfig, name: str) -> bool:
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our weights under transformers' names and layouts (fp32, contiguous); GPT-2 gets zero biases for bias=False."""
-    cfg = model.config
+    cfg, out = model.config, {}
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
-    out = {}
     for ours, theirs in weight_map(cfg):
         w = sd[ours] if ours in sd else torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
         if ours in ("transformer.wte.weight", "lm_head.weight"):

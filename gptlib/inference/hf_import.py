@@ -141,8 +141,7 @@ def import_hf_once(model: str, roots=None) -> Path:
     """Notebook 05: `model` imported once into gptlib's persistent runs folder (Drive on Colab), reused after."""
     from gptlib import colab
 
-    roots = roots or colab.setup()
-    run_dir = roots.persistent / "runs" / ("hf-" + Path(model).name)
+    run_dir = (roots or colab.setup()).persistent / "runs" / ("hf-" + Path(model).name)
     if not checkpoints_dir(run_dir).is_dir():
         import_hf(model, run_dir)
     return run_dir

@@ -1,4 +1,4 @@
-"""python -m gptlib COMMAND --help: each command is cmd_X(args); its --help is its help, then its docstring."""
+"""python -m gptlib COMMAND: cmd_X(args) -> exit status (None: 0); its --help is its help, then its docstring."""
 
 from __future__ import annotations
 
@@ -45,11 +45,10 @@ def _count(s: str) -> int:
 @command("fetch-shakespeare", "download (or verify a local copy of) Tiny Shakespeare",
          arg("--local", metavar="PATH", help="use this local copy (verified) instead of downloading"),
          arg("--cache-dir", metavar="DIR", help="download cache (default ~/.cache/gptlib or $GPTLIB_CACHE)"))
-def cmd_fetch(args) -> int:
+def cmd_fetch(args) -> None:
     from gptlib.data.download import fetch_tinyshakespeare
 
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, local_path=args.local))
-    return 0
 
 
 @command("tokenize", "pre-tokenize text into token shards + meta.json",
@@ -70,7 +69,7 @@ def cmd_fetch(args) -> int:
          arg("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)"),
          arg("--overwrite", action="store_true", help="replace a different dataset already in --out"),
          arg("--quiet", action="store_true", help="no progress bar or summary"))
-def cmd_tokenize(args) -> int:
+def cmd_tokenize(args) -> None:
     """The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
     from gptlib.data.prepare import prepare
 
@@ -89,7 +88,6 @@ def cmd_tokenize(args) -> int:
             train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None, overwrite=args.overwrite,
             verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens, hf_config=args.hf_config,
             hf_split=args.hf_split)
-    return 0
 
 
 @command("train", "train or resume a GPT on a data directory",
@@ -148,7 +146,7 @@ def _sampling(args, **extra):
          arg("--stop", action="append", default=[], help="stop a sample at this text (repeatable)"),
          arg("--stream", action="store_true", help="print text as it is generated (samples run one by one)"),
          checkpoint="latest")
-def cmd_sample(args) -> int:
+def cmd_sample(args) -> None:
     """With a KV cache; several prompts or samples run as one batch (with --stream, one by one)."""
     from gptlib.inference.engine import Engine
 
@@ -162,20 +160,19 @@ def cmd_sample(args) -> int:
     if not args.stream:  # one batch
         for head, c in zip(heading, eng.generate(jobs, cfg)):
             print(head + c.prompt + c.text)
-        return 0
+        return
     for i, pr in enumerate(jobs):  # one by one
         print(heading[i] + pr, end="", flush=True)
         cfg.seed = args.seed + i
         eng.generate(pr, cfg, stream=lambda _, piece: print(piece, end="", flush=True))
         print()
-    return 0
 
 
 @command("chat", "talk to a chat-tuned run: an interactive chat, or one turn with --message", *GENERATION,
          arg("--message", metavar="TEXT", help="one user message: print only the reply and exit"),
          arg("--system", metavar="TEXT", help="a system prompt, kept through the conversation"),
          checkpoint="latest")
-def cmd_chat(args) -> int:
+def cmd_chat(args) -> int | None:
     """/reset clears the history, /quit or Ctrl-D ends; the oldest exchanges go first when the context is full."""
     from gptlib.inference.chat import ChatSession, chat_loop
 
@@ -184,41 +181,37 @@ def cmd_chat(args) -> int:
     if args.message is None:
         return chat_loop(session, cfg)
     print(session.reply(args.message, cfg))  # stdout holds the reply only; notices went to stderr
-    return 0
 
 
 @command("export-hf", "export a checkpoint as a Hugging Face model folder (GPT-2; Qwen3/Llama for --recipe modern)",
          arg("--out", required=True, metavar="DIR", help="output folder"),
          arg("--overwrite", action="store_true", help="replace a non-empty output folder"), checkpoint="latest")
-def cmd_export(args) -> int:
+def cmd_export(args) -> None:
     from gptlib.inference.export import export_hf
 
     out = export_hf(args.run_dir, args.out, args.checkpoint, overwrite=args.overwrite)
     print(f"exported to {out}: " + ", ".join(sorted(f.name for f in out.iterdir())))
-    return 0
 
 
 @command("export-gguf", "export a checkpoint as a GGUF file (llama.cpp, Ollama)",
          arg("--out", required=True, metavar="FILE.gguf"),
          arg("--dtype", default="f16", metavar="f32|f16|q8_0", help="exact | half the size | a quarter (default f16)"),
          arg("--overwrite", action="store_true", help="replace an existing file"), checkpoint="latest")
-def cmd_export_gguf(args) -> int:
+def cmd_export_gguf(args) -> None:
     from gptlib.inference.gguf_export import export_gguf
 
     out = export_gguf(args.run_dir, args.out, args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported to {out} ({out.stat().st_size / 1e6:,.1f} MB, {args.dtype})")
-    return 0
 
 
 @command("import-hf", "make a gptlib run directory from a Hugging Face GPT-2 (or an exported Qwen3/Llama) model",
          arg("--model", required=True, metavar="NAME_OR_DIR", help="a Hub model id (gpt2) or a local folder"),
          arg("--out", required=True, metavar="RUN_DIR", help="the new run directory (must not exist or be empty)"))
-def cmd_import(args) -> int:
+def cmd_import(args) -> None:
     """The new run directory works with sample, chat, eval, export-hf and train --init-from."""
     from gptlib.inference.hf_import import import_hf
 
     import_hf(args.model, args.out)
-    return 0
 
 
 @command("push", "upload a checkpoint to the Hugging Face Hub with a model card",
@@ -229,14 +222,13 @@ def cmd_import(args) -> int:
          arg("--hardware", default="", help="what it was trained on, for the card (e.g. '1x A100 40GB')"),
          arg("--dry-run", metavar="DIR", help="write the commit's files into DIR and upload nothing"),
          checkpoint="best")
-def cmd_push(args) -> int:
+def cmd_push(args) -> None:
     """In one commit; the token: HF_TOKEN, Colab's secret HF_TOKEN or a saved `hf auth login`."""
     from gptlib.share import push
 
     where = push(args.run_dir, args.repo, args.checkpoint, private=args.private, gguf=args.gguf,
                  dry_run=args.dry_run, license=args.license, hardware=args.hardware)
     print(f"{'wrote the commit files to' if args.dry_run else 'pushed to'} {where}")
-    return 0
 
 
 @command("eval", "evaluate checkpoints: HellaSwag accuracy or validation bits per byte",
@@ -249,7 +241,7 @@ def cmd_push(args) -> int:
          arg("--batch-tokens", type=_count, metavar="N", help="padded tokens per forward"),
          arg("--out", metavar="FILE", help="append the rows to FILE instead of RUN_DIR/eval.jsonl"),
          arg("--quiet", action="store_true", help="no progress bar"))
-def cmd_eval(args) -> int:
+def cmd_eval(args) -> None:
     """Prints a table and appends a row per checkpoint to RUN_DIR/eval.jsonl (or --out FILE)."""
     from gptlib.evaluation.evaluate import evaluate_run, format_table
     from gptlib.layout import EVAL_FILE
@@ -261,10 +253,6 @@ def cmd_eval(args) -> int:
     print(format_table(rows), flush=True)  # before the lines on stderr, also when both go to one file
     appended = f"appended {len(rows)} row(s) to {args.out or f'{args.run_dir}/{EVAL_FILE}'}"
     print("\n".join(unsaved) or appended, file=sys.stderr)
-    return 0
-
-
-_DISK_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(*flags, **kw)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        return args.func(args) or 0  # a command that returns nothing succeeded
     except KeyboardInterrupt:  # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
         return 130
     except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full, read-only or forbidden disk met outside the places that explain it: still one line
-        if e.errno not in _DISK_ERRORS:
+        if e.errno not in {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}:
             raise
         print(f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
               f"writable directory", file=sys.stderr)

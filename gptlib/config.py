@@ -257,15 +257,14 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
 
 
 # What a field must be: a number (not a bool) that passes a test, or one of a few names.
-_POSITIVE = ("a positive number", lambda v: 0 < v < math.inf)
-_NON_NEGATIVE = (">= 0", lambda v: v >= 0)
-_FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1)
 _RULES = {
     **dict.fromkeys("vocab_size block_size n_layer n_head n_embd vocab_multiple rope_theta batch_size grad_accum_steps "
-                    "max_steps eval_interval eval_batches log_interval learning_rate muon_lr".split(), _POSITIVE),
+                    "max_steps eval_interval eval_batches log_interval learning_rate muon_lr".split(),
+                    ("a positive number", lambda v: 0 < v < math.inf)),
     **dict.fromkeys("warmup_steps weight_decay grad_clip max_minutes save_every_steps save_every_minutes sample_tokens "
-                    "keep_every hellaswag_every hellaswag_items colab_units_per_hour".split(), _NON_NEGATIVE),
-    **dict.fromkeys("dropout beta1 beta2 muon_momentum".split(), _FRACTION),
+                    "keep_every hellaswag_every hellaswag_items colab_units_per_hour".split(),
+                    (">= 0", lambda v: v >= 0)),
+    **dict.fromkeys("dropout beta1 beta2 muon_momentum".split(), ("in [0, 1)", lambda v: 0 <= v < 1)),
     "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
     "cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
     "keep_last": (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2),

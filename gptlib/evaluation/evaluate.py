@@ -36,10 +36,8 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
     for token, i in tok._tk.get_vocab(with_added_tokens=True).items():
         if token in special or i >= len(out):
             continue
-        if all(c in alphabet for c in token):
-            out[i] = len(token)
-        else:  # not a byte-level symbol string (another BPE flavour): count its decoded text
-            out[i] = len(tok.decode([i]).encode("utf-8"))
+        # a byte-level symbol string, else (another BPE flavour) its decoded text
+        out[i] = len(token) if all(c in alphabet for c in token) else len(tok.decode([i]).encode("utf-8"))
     return out
 
 
@@ -156,6 +154,9 @@ COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"
 
 def format_table(rows: list[dict]) -> str:
     """A line per checkpoint, each task's newest result; with HellaSwag, GPT-2 124M's figures for reference."""
+    def cell(v, f: str) -> str:
+        return "-" if v is None else f.format(v)
+
     by_step: dict[int, dict] = {}
     for r in rows:
         by_step.setdefault(r["step"], {"tokens_seen": r.get("tokens_seen")})[r.get("task")] = r
@@ -163,10 +164,10 @@ def format_table(rows: list[dict]) -> str:
     cols = [(t, *c) for t in tasks for c in COLUMNS[t]]
     table = [["checkpoint", "tokens seen", *(h for _, _, h, _ in cols)]]
     for step, d in sorted(by_step.items()):
-        table.append([f"step {step:,}", _fmt(d["tokens_seen"], "{:,}"),
-                      *(_fmt(d.get(t, {}).get(k), f) for t, k, _, f in cols)])
+        table.append([f"step {step:,}", cell(d["tokens_seen"], "{:,}"),
+                      *(cell(d.get(t, {}).get(k), f) for t, k, _, f in cols)])
     if "hellaswag" in tasks:
-        table.append(["GPT-2 124M (OpenAI)", "-", *(_fmt(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f)
+        table.append(["GPT-2 124M (OpenAI)", "-", *(cell(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f)
                                                     for t, k, _, f in cols)])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
@@ -174,8 +175,4 @@ def format_table(rows: list[dict]) -> str:
     if "hellaswag" in tasks:
         lines.append(f"GPT-2 124M: {hs.GPT2_124M['source']}; chance on HellaSwag is 0.25")
     return "\n".join(lines)
-
-
-def _fmt(v, f: str) -> str:
-    return "-" if v is None else f.format(v)
 

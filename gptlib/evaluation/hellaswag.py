@@ -128,9 +128,8 @@ def parse_items(text: str, where: str) -> list[Item]:
             raise EvalError(f"{at} is not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise EvalError(f"{at} is a JSON {type(obj).__name__}, expected an object with ctx, endings, label")
-        for key in ("ctx", "endings", "label"):
-            if key not in obj:
-                raise EvalError(f"{at}: field {key!r} is missing")
+        if missing := [key for key in ("ctx", "endings", "label") if key not in obj]:
+            raise EvalError(f"{at}: field {missing[0]!r} is missing")
         ctx, endings, label = obj["ctx"], obj["endings"], obj["label"]
         if isinstance(label, str) and label.strip().isdigit():  # some copies store the label as "3"
             label = int(label)
@@ -277,7 +276,5 @@ class HellaSwagProbe:
 
 
 def metrics_fields(res: dict | None) -> dict:
-    if res is None:
-        return {}
-    return {"hellaswag_acc": round(res["acc"], 6), "hellaswag_acc_norm": round(res["acc_norm"], 6),
-            "hellaswag_n": res["n"]}
+    return {} if res is None else {"hellaswag_acc": round(res["acc"], 6),
+                                   "hellaswag_acc_norm": round(res["acc_norm"], 6), "hellaswag_n": res["n"]}

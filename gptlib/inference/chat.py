@@ -16,11 +16,6 @@ from gptlib.errors import ChatError, GptlibError, loud
 from gptlib.inference.engine import Engine
 from gptlib.inference.sampling import SamplingConfig
 
-FINETUNE_HINT = ("fine-tune it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
-                 "--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR --init-from "
-                 "RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR")
-
-
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
         tok, where = engine.tokenizer, engine.source or "this model"
@@ -28,8 +23,10 @@ class ChatSession:
             self.template = ChatTemplate(tok)
         except ChatError:
             raise ChatError(f"{where}: its {getattr(tok, 'kind', '')} tokenizer has no chat tokens "
-                            f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; "
-                            f"{FINETUNE_HINT}") from None
+                            f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; fine-tune "
+                            f"it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
+                            f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
+                            f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR") from None
         self.stop_ids = sorted({self.template.end_id, self.template.eot_id, *self.template.role_ids.values()})
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size
@@ -59,13 +56,24 @@ class ChatSession:
         cfg.max_new_tokens = min(cfg.max_new_tokens, self.reply_cap)
         self.finish_reason, before = "", list(self.history)
         self.history.append(("user", text))
+        started = False  # the template's newline that starts every answer is not part of it
+
+        def shown(_: int, piece: str) -> None:
+            nonlocal started
+            if not started:
+                started, piece = True, piece.removeprefix("\n")
+            if piece and stream is not None:
+                stream(piece)
+
         try:
-            answer = self._generate(self.prompt_ids(cfg.max_new_tokens), cfg, stream)
+            texts, out, reasons = self.engine.generate_text([self.prompt_ids(cfg.max_new_tokens)], cfg, self.stop_ids,
+                                                            shown)
         except BaseException:
             self.history = before  # a failed or interrupted reply leaves the conversation as it was
             raise
-        self.history.append(("assistant", answer))
-        return answer
+        self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
+        self.history.append(("assistant", texts[0].removeprefix("\n")))
+        return self.history[-1][1]
 
     @property
     def reply_cap(self) -> int:
@@ -99,20 +107,6 @@ class ChatSession:
 
     def _tail(self, text: str, n: int) -> list[int]:
         return self.render([("user", text[len(text) - n:])])
-
-    def _generate(self, ids: list[int], cfg: SamplingConfig, stream: Callable[[str], None] | None) -> str:
-        started = False  # the template's newline that starts every answer is not part of it
-
-        def shown(_: int, piece: str) -> None:
-            nonlocal started
-            if not started:
-                started, piece = True, piece.removeprefix("\n")
-            if piece and stream is not None:
-                stream(piece)
-
-        texts, out, reasons = self.engine.generate_text([ids], cfg, self.stop_ids, shown)
-        self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
-        return texts[0].removeprefix("\n")
 
 
 HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"

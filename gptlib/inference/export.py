@@ -68,9 +68,8 @@ def is_conv1d(cfg: ModelConfig, name: str) -> bool:
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our weights under transformers' names and layouts (fp32, contiguous); GPT-2 gets zero biases for bias=False."""
-    cfg = model.config
+    cfg, out = model.config, {}
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
-    out = {}
     for ours, theirs in weight_map(cfg):
         w = sd[ours] if ours in sd else torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
         if ours in ("transformer.wte.weight", "lm_head.weight"):
@@ -99,17 +98,13 @@ def hf_config(cfg: ModelConfig, eot: int | None) -> dict:
             "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "dtype": "float32"}
 
 
-def _char_tokenizer_json(tok: CharTokenizer) -> str:
-    # "<unk>" is not in the vocabulary: an unknown character is an error in transformers too, as in gptlib.
-    hf = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(tok.chars)}, unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
-    hf.decoder = decoders.Fuse()  # join tokens without spaces
-    return hf.to_str()
-
-
 def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
     if isinstance(tok, CharTokenizer):
-        (out / "tokenizer.json").write_text(_char_tokenizer_json(tok), encoding="utf-8")
+        # "<unk>" is not in the vocabulary: an unknown character is an error in transformers too, as in gptlib.
+        hf = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(tok.chars)}, unk_token="<unk>"))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character alone
+        hf.decoder = decoders.Fuse()  # join tokens without spaces
+        (out / "tokenizer.json").write_text(hf.to_str(), encoding="utf-8")
     else:  # byte-level BPE: our tokenizer.json already is a `tokenizers` file
         (out / "tokenizer.json").write_bytes(tok.to_json_bytes())
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tok.eot_id is not None else {}

@@ -47,22 +47,6 @@ def gguf_tensors(model: GPT, arch: str, dtype: str):
             yield name, w.astype(np.float16), t.F16
 
 
-def _add_header(w, cfg, arch: str, dtype: str, name: str) -> None:
-    w.add_name(name)
-    w.add_block_count(cfg.n_layer)
-    w.add_context_length(cfg.block_size)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_feed_forward_length(cfg.mlp_hidden)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head)
-    if arch == "gpt2":
-        w.add_layer_norm_eps(1e-5)  # nn.LayerNorm's default, as hf_config says
-    else:
-        w.add_layer_norm_rms_eps(RMS_EPS)
-        w.add_rope_freq_base(cfg.rope_theta)
-    w.add_file_type(FILE_TYPES[dtype])
-
-
 def _add_tokenizer(w, tok: BPETokenizer, n: int) -> None:
     # the n tokens by id (unused ones named as llama.cpp's converter names them), their types and the merges
     obj = json.loads(tok.to_json_bytes())
@@ -96,9 +80,21 @@ def write_gguf(model: GPT, tokenizer: Tokenizer, out: str | Path, dtype: str = "
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
-        w = gguf.GGUFWriter(tmp, arch)
-        _add_header(w, model.config, arch, dtype, name)
-        _add_tokenizer(w, tokenizer, model.config.vocab_size)
+        w, cfg = gguf.GGUFWriter(tmp, arch), model.config
+        w.add_name(name)
+        w.add_block_count(cfg.n_layer)
+        w.add_context_length(cfg.block_size)
+        w.add_embedding_length(cfg.n_embd)
+        w.add_feed_forward_length(cfg.mlp_hidden)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(cfg.n_head)
+        if arch == "gpt2":
+            w.add_layer_norm_eps(1e-5)  # nn.LayerNorm's default, as hf_config says
+        else:
+            w.add_layer_norm_rms_eps(RMS_EPS)
+            w.add_rope_freq_base(cfg.rope_theta)
+        w.add_file_type(FILE_TYPES[dtype])
+        _add_tokenizer(w, tokenizer, cfg.vocab_size)
         for tname, data, qtype in gguf_tensors(model, arch, dtype):
             w.add_tensor(tname, data, raw_dtype=qtype)
         w.write_header_to_file()

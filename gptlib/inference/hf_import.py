@@ -22,21 +22,6 @@ from gptlib.model import GPT, model_size
 GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
               "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
-_HUB_FILES = ["config.json", "model.safetensors", "tokenizer.json"]
-
-
-def model_dir(name_or_dir: str | Path) -> Path:  # a Hub id is downloaded once into the Hugging Face cache
-    p = Path(name_or_dir)
-    if p.is_dir():
-        return p
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id=str(name_or_dir), allow_patterns=_HUB_FILES))
-    except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
-        raise ExportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging Face "
-                            f"Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give a "
-                            f"folder holding config.json and model.safetensors") from None
 
 
 def model_config(folder: Path) -> ModelConfig:
@@ -86,15 +71,6 @@ def _refuse_unless(where, checks: dict[str, tuple]) -> None:  # key -> (the conf
             raise ExportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
 
 
-def hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """In fp32. GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added."""
-    if not (folder / "model.safetensors").is_file():
-        raise ExportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
-    sd = load_file(str(folder / "model.safetensors"))
-    own = ("transformer.", "model.", "lm_head.")
-    return {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in sd.items()}
-
-
 def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
     """export.weight_map the other way, the embeddings padded."""
     V, sd = cfg.vocab_size, {}
@@ -114,28 +90,40 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
     return sd
 
 
-def hf_tokenizer(folder: Path) -> Tokenizer:
-    """tokenizer.json; a gptlib char export's comes back as a CharTokenizer."""
-    tj = folder / "tokenizer.json"
-    if not tj.is_file():
-        raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
-    raw = tj.read_bytes()
-    model = json.loads(raw).get("model", {})
-    if model.get("type") == "WordLevel" and all(len(t) == 1 for t in model.get("vocab", {})):
-        return CharTokenizer([c for c, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])])
-    return BPETokenizer.from_json_bytes(raw, where=str(tj))
-
-
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     out = Path(out)
     check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
-    folder = model_dir(name_or_dir)
-    cfg, tok = model_config(folder), hf_tokenizer(folder)
+    folder = Path(name_or_dir)
+    if not folder.is_dir():  # a Hub id, downloaded once into the Hugging Face cache
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(repo_id=str(name_or_dir),
+                                            allow_patterns=["config.json", "model.safetensors", "tokenizer.json"]))
+        except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
+            raise ExportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging "
+                              f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give "
+                              f"a folder holding config.json and model.safetensors") from None
+    cfg, tj = model_config(folder), folder / "tokenizer.json"
+    if not tj.is_file():
+        raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
+    raw = tj.read_bytes()
+    spec = json.loads(raw).get("model", {})  # a gptlib char export's comes back as a CharTokenizer
+    if spec.get("type") == "WordLevel" and all(len(t) == 1 for t in spec.get("vocab", {})):
+        tok = CharTokenizer([c for c, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])])
+    else:
+        tok = BPETokenizer.from_json_bytes(raw, where=str(tj))
     if tok.vocab_size != cfg.vocab_size:
         raise ExportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
                             f"{cfg.vocab_size}")
     model = GPT(cfg)
-    load_weights_into(model, gptlib_state_dict(hf_weights(folder), cfg, str(folder)), folder)
+    if not (folder / "model.safetensors").is_file():
+        raise ExportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
+    # fp32; GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added
+    own = ("transformer.", "model.", "lm_head.")
+    hf = {(k if k.startswith(own) else "transformer." + k): v.float()
+          for k, v in load_file(str(folder / "model.safetensors")).items()}
+    load_weights_into(model, gptlib_state_dict(hf, cfg, str(folder)), folder)
     recipe = "gpt2" if cfg.positions == "learned" else "modern"
     run_cfg = RunConfig(model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe)
     identity = dict(tok.identity(), file=TOKENIZER_FILE)
@@ -153,8 +141,7 @@ def import_hf_once(model: str, roots=None) -> Path:
     """Notebook 05: `model` imported once into gptlib's persistent runs folder (Drive on Colab), reused after."""
     from gptlib import colab
 
-    roots = roots or colab.setup()
-    run_dir = roots.persistent / "runs" / ("hf-" + Path(model).name)
+    run_dir = (roots or colab.setup()).persistent / "runs" / ("hf-" + Path(model).name)
     if not checkpoints_dir(run_dir).is_dir():
         import_hf(model, run_dir)
     return run_dir

@@ -56,10 +56,8 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 def checkpoint_label(row: dict) -> str:
     """A checkpoint_table row as "step 1,000 · val 1.523 · best"."""
-    label = f"step {row['step']:,}"
-    if row.get("val_loss") is not None:
-        label += f" · val {row['val_loss']:.3f}"
-    return label + (" · best" if row.get("is_best") else "")
+    val = f" · val {row['val_loss']:.3f}" if row.get("val_loss") is not None else ""
+    return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
 
 
 def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
@@ -122,8 +120,7 @@ def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainStat
             state = TrainState.from_json(json.loads((path / STATE_FILE).read_text()), source)
         except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
             raise CheckpointError(f"{source}: unreadable ({e})") from None
-        candidates = [Path(run_dir) / TOKENIZER_FILE]
-        candidates += [Path(state.data_dir) / TOKENIZER_FILE] if state.data_dir else []
+        candidates = [Path(d) / TOKENIZER_FILE for d in (Path(run_dir), state.data_dir) if d]
         if not (found := [c for c in candidates if c.is_file()]):
             raise TokenizerError(f"no tokenizer for {path}: looked for {' and '.join(map(str, candidates))}; copy "
                                  f"the data directory's {TOKENIZER_FILE} into the run directory")

@@ -107,15 +107,13 @@ def clean_temp_files(directory: str | Path) -> list[Path]:
     return removed
 
 
+_WRITE_FIXES = {errno.ENOSPC: "free space there (old runs or checkpoints) or choose a directory on another disk",
+                errno.EACCES: "choose a directory you may write to", errno.EROFS: "choose a writable directory"}
+_WRITE_FIXES |= {errno.EDQUOT: _WRITE_FIXES[errno.ENOSPC], errno.EPERM: _WRITE_FIXES[errno.EACCES]}
+
+
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        fix = "free space there (old runs or checkpoints) or choose a directory on another disk"
-    elif e.errno in (errno.EACCES, errno.EPERM):
-        fix = "choose a directory you may write to"
-    elif e.errno == errno.EROFS:
-        fix = "choose a writable directory"
-    else:
-        fix = "(read-only, full or not allowed?) choose a writable directory with free space"
+    fix = _WRITE_FIXES.get(e.errno, "(read-only, full or not allowed?) choose a writable directory with free space")
     return RunDirError(f"cannot write to {directory}: {e.strerror or e}; {fix}")
 
 

@@ -18,6 +18,7 @@ import uuid
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -130,31 +131,21 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     return final
 
 
-class _Hashing:
-    """A file that hashes what is written to it: the manifest's sha256 costs no second read."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.size = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        self.size += (n := self.f.write(b))
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def _write_hashed(path: Path, write) -> dict:
-    out = {}
+    """write(f) to path through a file that hashes what passes: the manifest's sha256 costs no second read."""
+    sha, size = hashlib.sha256(), 0
 
     def hashed(f):
-        h = _Hashing(f)
-        write(h)
-        out.update(size=h.size, sha256=h.sha.hexdigest())
+        def hashing_write(b) -> int:
+            nonlocal size
+            sha.update(b)
+            size += (n := f.write(b))
+            return n
+
+        write(SimpleNamespace(write=hashing_write, flush=f.flush))
 
     atomic_write(path, hashed)
-    return out
+    return {"size": size, "sha256": sha.hexdigest()}
 
 
 def _disk_nearly_full(path: Path) -> bool:
@@ -182,7 +173,10 @@ def load_checkpoint(path: Path) -> dict:
     """The dict, with "logs": {name: bytes}. Each file is read once and checked against the manifest: CheckpointError
     if it is damaged, OSError if it cannot be read (a hung Drive)."""
     info = verify_checkpoint(path)
-    data = {name: _read_verified(path / name, rec) for name, rec in info.manifest["files"].items()}
+    data = {}
+    for name, rec in info.manifest["files"].items():
+        data[name] = read_bytes_with_timeout(path / name, DRIVE_READ_STALL_S)
+        check_file(path / name, (len(data[name]), hashlib.sha256(data[name]).hexdigest()), rec["size"], rec["sha256"])
     model, train = (_safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE))
     try:
         state = json.loads(data.pop(STATE_FILE))
@@ -194,12 +188,6 @@ def load_checkpoint(path: Path) -> dict:
                               f"(manifest and directory name); damaged or mixed up, so it is passed over")
     return {"model": model, **{k: train.get(k) or {} for k in TRAIN_PARTS}, "progress": progress.state_dict(),
             "sampler_ranks": train.get("sampler_ranks"), "logs": data}
-
-
-def _read_verified(f: Path, rec: dict) -> bytes:
-    data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
-    check_file(f, (len(data), hashlib.sha256(data).hexdigest()), rec["size"], rec["sha256"])
-    return data
 
 
 def check_file(f: Path, got: tuple[int, str], size: int, sha256: str) -> None:

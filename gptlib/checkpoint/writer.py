@@ -114,7 +114,8 @@ class CheckpointWriter:
             with contextlib.suppress(CheckpointError, OSError):
                 where = f"; the newest intact checkpoint is step {verify_checkpoint(path).step:,}"
                 break
-        fewer = f" or lower keep_last (now {self.keep_last}: --set keep_last=N)" if self.keep_last > MIN_KEEP_LAST else ""
+        fewer = f" or lower keep_last (now {self.keep_last}: --set keep_last=N)"
+        fewer = fewer if self.keep_last > MIN_KEEP_LAST else ""
         hint = f" (disk full: free space{fewer})" if getattr(e, "errno", None) == errno.ENOSPC else ""
         raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
 

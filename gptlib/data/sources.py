@@ -183,19 +183,15 @@ def iter_parquet_file(src: Source, fi: int, pos: dict | None, column: str, fmt: 
 
 
 def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
-    for batch in pf.iter_batches(batch_size=_batch_rows(pf.metadata.row_group(g), col), row_groups=[g],
-                                 columns=[col], use_threads=False):
+    """Read about ROW_BATCH_BYTES of the column's data at a time: a row group of books a few MB at a time."""
+    rg = pf.metadata.row_group(g)
+    size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
+               if rg.column(i).path_in_schema.split(".")[0] == col)
+    rows = int(max(1, min(1024, ROW_BATCH_BYTES // max(1.0, size / max(1, rg.num_rows)))))
+    for batch in pf.iter_batches(batch_size=rows, row_groups=[g], columns=[col], use_threads=False):
         if skip < batch.num_rows:
             yield from batch.column(0).to_pylist()[skip:]
         skip = max(0, skip - batch.num_rows)
-
-
-def _batch_rows(rg, col: str) -> int:
-    """About ROW_BATCH_BYTES of the column's data: a row group of books is read a few MB at a time."""
-    size = sum(rg.column(i).total_uncompressed_size for i in range(rg.num_columns)
-               if rg.column(i).path_in_schema.split(".")[0] == col)
-    per_row = size / max(1, rg.num_rows)
-    return int(max(1, min(1024, ROW_BATCH_BYTES // max(1.0, per_row))))
 
 
 def iter_source(src: Source, fi: int, pos: dict | None, tail_fraction: float | None, column: str, fmt: str,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from gptlib.checkpoint.format import TrainState, load_weights_into, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig, get_preset
-from gptlib.data.tokenizer import BPETokenizer, CharTokenizer, Tokenizer
+from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import ExportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import check_export_target, is_conv1d, weight_map

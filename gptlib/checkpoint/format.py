@@ -18,7 +18,6 @@ import uuid
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -131,21 +130,31 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     return final
 
 
+class _Hashing:
+    """A file that hashes what is written to it: the manifest's sha256 costs no second read."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += (n := self.f.write(b))
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _write_hashed(path: Path, write) -> dict:
-    """write(f) to path through a file that hashes what passes: the manifest's sha256 costs no second read."""
-    sha, size = hashlib.sha256(), 0
+    out = {}
 
     def hashed(f):
-        def hashing_write(b) -> int:
-            nonlocal size
-            sha.update(b)
-            size += (n := f.write(b))
-            return n
-
-        write(SimpleNamespace(write=hashing_write, flush=f.flush))
+        h = _Hashing(f)
+        write(h)
+        out.update(size=h.size, sha256=h.sha.hexdigest())
 
     atomic_write(path, hashed)
-    return {"size": size, "sha256": sha.hexdigest()}
+    return out
 
 
 def _disk_nearly_full(path: Path) -> bool:

@@ -65,11 +65,6 @@ def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
     return batches
 
 
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 @torch.inference_mode()
 def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
                dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -99,9 +94,10 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
             toks[j, :n] = seqs[i]
             mask[j, n - 1 - ks[i] : n - 1] = True  # the last k targets
         pos = np.flatnonzero(mask)  # the scored targets' flat positions, row-major
-        toks = _to_device(toks, device)
-        nll = scored_nll(model, toks[:, :-1], toks[:, 1:], _to_device(pos, device), dtype)
-        out.index_add_(0, _to_device(idx[pos // mask.shape[1]], device), -nll.double())  # each target to its row
+        toks = torch.from_numpy(toks).to(device)
+        nll = scored_nll(model, toks[:, :-1], toks[:, 1:], torch.from_numpy(pos).to(device), dtype)
+        rows = torch.from_numpy(idx[pos // mask.shape[1]]).to(device)  # each scored target's row
+        out.index_add_(0, rows, -nll.double())
         if progress is not None:
             progress(len(idx))
     return out.cpu().numpy()

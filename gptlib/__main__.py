@@ -133,7 +133,7 @@ GENERATION = (  # the arguments sample and chat share: how to sample
 
 
 def _sampling(args, **extra):
-    from gptlib.inference.sampling import SamplingConfig
+    from gptlib.inference.engine import SamplingConfig
 
     return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,

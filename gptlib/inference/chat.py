@@ -13,8 +13,7 @@ from typing import Callable
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.errors import ChatError, GptlibError, loud
-from gptlib.inference.engine import Engine
-from gptlib.inference.sampling import SamplingConfig
+from gptlib.inference.engine import Engine, SamplingConfig
 
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):

@@ -198,7 +198,7 @@ def cmd_export(args) -> None:
          arg("--dtype", default="f16", metavar="f32|f16|q8_0", help="exact | half the size | a quarter (default f16)"),
          arg("--overwrite", action="store_true", help="replace an existing file"), checkpoint="latest")
 def cmd_export_gguf(args) -> None:
-    from gptlib.inference.gguf_export import export_gguf
+    from gptlib.inference.export import export_gguf
 
     out = export_gguf(args.run_dir, args.out, args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported to {out} ({out.stat().st_size / 1e6:,.1f} MB, {args.dtype})")

@@ -89,9 +89,6 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
     return (probs / q).argmax(dim=-1)
 
 
-OnStep = Callable[[list[int], list[int]], "Sequence[int] | None"]  # (rows, their new tokens) -> rows to stop
-
-
 class Engine:
     def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
         self.model, self.tokenizer = model, tokenizer  # used as is: from_run puts the model in eval mode
@@ -111,7 +108,8 @@ class Engine:
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
                      generator: torch.Generator | None = None, stop_ids: Sequence[int] = (),
-                     on_step: OnStep | None = None) -> tuple[list[list[int]], list[str]]:
+                     on_step: Callable[[list[int], list[int]], Sequence[int] | None] | None = None
+                     ) -> tuple[list[list[int]], list[str]]:
         """-> (each prompt's new ids, why it ended: "eot", "length", or "stop" when on_step(rows with a new token,
         those tokens) returned the row)."""
         cfg.validate()

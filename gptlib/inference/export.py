@@ -1,5 +1,5 @@
-"""export-hf and export-gguf: a checkpoint outside gptlib, as a folder transformers loads natively (plain JSON and
-safetensors, no transformers), or as one GGUF file (llama.cpp, Ollama, LM Studio) named as llama.cpp's converter does."""
+"""export-hf and export-gguf: a checkpoint as a folder transformers loads natively (plain JSON and safetensors, no
+transformers), or as one GGUF file for llama.cpp, Ollama, LM Studio (tensors named as llama.cpp's converter does)."""
 
 from __future__ import annotations
 

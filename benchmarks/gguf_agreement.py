@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gptlib.inference.engine import Engine  # noqa: E402
-from gptlib.inference.gguf_export import export_gguf  # noqa: E402
+from gptlib.inference.export import export_gguf  # noqa: E402
 from tests.gguf_kit import bpe_data, bpe_run  # noqa: E402
 from tests.test_llama_cpp import F32_CACHE, compare_logits, greedy_ours, greedy_theirs  # noqa: E402
 

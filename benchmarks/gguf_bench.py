@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from gptlib.config import get_preset  # noqa: E402
 from gptlib.data.tokenizer import BPETokenizer  # noqa: E402
 from gptlib.inference.engine import Engine, SamplingConfig  # noqa: E402
-from gptlib.inference.gguf_export import write_gguf  # noqa: E402
+from gptlib.inference.export import write_gguf  # noqa: E402
 from gptlib.model import GPT, model_size  # noqa: E402
 
 

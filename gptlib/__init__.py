@@ -19,9 +19,9 @@ _WHERE = {
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
     "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
-    "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.sampling",
+    "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.engine",
     "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
-    "import_hf_once": "gptlib.inference.hf_import", "export_gguf": "gptlib.inference.gguf_export",
+    "import_hf_once": "gptlib.inference.hf_import", "export_gguf": "gptlib.inference.export",
     "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",

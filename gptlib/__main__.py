@@ -133,7 +133,7 @@ GENERATION = (  # the arguments sample and chat share: how to sample
 
 
 def _sampling(args, **extra):
-    from gptlib.inference.sampling import SamplingConfig
+    from gptlib.inference.engine import SamplingConfig
 
     return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
@@ -198,7 +198,7 @@ def cmd_export(args) -> None:
          arg("--dtype", default="f16", metavar="f32|f16|q8_0", help="exact | half the size | a quarter (default f16)"),
          arg("--overwrite", action="store_true", help="replace an existing file"), checkpoint="latest")
 def cmd_export_gguf(args) -> None:
-    from gptlib.inference.gguf_export import export_gguf
+    from gptlib.inference.export import export_gguf
 
     out = export_gguf(args.run_dir, args.out, args.checkpoint, dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported to {out} ({out.stat().st_size / 1e6:,.1f} MB, {args.dtype})")

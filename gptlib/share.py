@@ -20,8 +20,7 @@ TOKEN_HELP = ("use a token with write access (https://huggingface.co/settings/to
 
 def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, hardware: str) -> Path:
     """The commit's files in out_dir (new or empty), written into a temporary sibling renamed at the end."""
-    from gptlib.inference.export import export_model
-    from gptlib.inference.gguf_export import gguf_arch, write_gguf
+    from gptlib.inference.export import export_model, gguf_arch, write_gguf
     from gptlib.inference.loading import load_run  # here (torch): `python -m gptlib tokenize` never imports it
 
     out, run_dir = Path(out_dir), Path(run_dir)

@@ -10,9 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from gptlib.inference.engine import Engine
+from gptlib.inference.engine import Completion, Engine, SamplingConfig
 from gptlib.inference.loading import checkpoint_label, checkpoint_table
-from gptlib.inference.sampling import Completion, SamplingConfig
 
 
 def enable_colab_widgets() -> bool:

@@ -22,7 +22,7 @@ from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 from gptlib.errors import ChatError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.chat import ChatSession
-from gptlib.inference.sampling import SamplingConfig
+from gptlib.inference.engine import SamplingConfig
 from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT
 from tests.conftest import REPO

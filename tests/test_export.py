@@ -7,9 +7,8 @@ import torch
 
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
-from gptlib.inference.engine import Engine
+from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.inference.export import ExportError, export_hf, export_model
-from gptlib.inference.sampling import SamplingConfig
 from gptlib.model import GPT
 
 from .conftest import TINY

@@ -11,9 +11,8 @@ import torch
 from gptlib.checkpoint.format import CheckpointError
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import CharTokenizer, TokenizerError
-from gptlib.inference.engine import Engine, GenerationError
+from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, process_logits, sample_next
 from gptlib.inference.loading import checkpoint_table, load_run, read_state_and_tokenizer, resolve_checkpoint
-from gptlib.inference.sampling import SamplingConfig, process_logits, sample_next
 from gptlib.model import GPT
 
 from .conftest import TINY

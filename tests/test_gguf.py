@@ -11,7 +11,7 @@ import pytest
 from gptlib.data.conversations import CHAT_TOKENS, END
 from gptlib.data.tokenizer import BPETokenizer
 from gptlib.errors import CheckpointError, ExportError
-from gptlib.inference.gguf_export import CHAT_TEMPLATE, export_gguf, write_gguf
+from gptlib.inference.export import CHAT_TEMPLATE, export_gguf, write_gguf
 from gptlib.inference.loading import load_run
 from tests.conftest import TINY
 from tests.gguf_kit import bpe_data, bpe_run, tree_digest

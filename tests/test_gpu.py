@@ -520,9 +520,8 @@ def test_kv_cached_decoding_on_the_gpu_gives_the_full_forwards_tokens(char_data,
     """The engine's two attention paths on CUDA's SDPA kernels (a causal prefill, then the new tokens against the
     cache under a mask): greedy tokens, batch 1 and 2 (prompts of different lengths), past the 32-token window,
     equal to a full forward of the window per token. The modern recipe's rotary positions are taken at each step."""
-    from gptlib.inference.engine import Engine
+    from gptlib.inference.engine import Engine, SamplingConfig
     from gptlib.inference.loading import load_run
-    from gptlib.inference.sampling import SamplingConfig
 
     r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off", recipe=recipe)
     precision = torch.get_float32_matmul_precision()
@@ -639,8 +638,7 @@ def test_the_modern_recipe_trains_compiled_in_fp16(bpe_data, tmp_path):
 def test_sampling_with_temperature_on_the_gpu(char_data, tmp_path):
     """temperature > 0 with top-k/top-p/penalty on CUDA (the exponential trick, no host sync): valid tokens,
     the same seed gives the same text, another seed other text."""
-    from gptlib.inference.engine import Engine
-    from gptlib.inference.sampling import SamplingConfig
+    from gptlib.inference.engine import Engine, SamplingConfig
 
     r, _ = _train(char_data, tmp_path / "run", "phase1", TINY, max_steps=60, compile="off")
     eng = Engine.from_run(r.run_dir, device="cuda")

@@ -28,9 +28,8 @@ import pytest
 import torch
 
 from gptlib.inference.chat import ChatSession
-from gptlib.inference.engine import Engine
-from gptlib.inference.gguf_export import export_gguf
-from gptlib.inference.sampling import SamplingConfig
+from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference.export import export_gguf
 from tests.gguf_kit import SHAPE, bpe_data, bpe_run
 
 llama_cpp = pytest.importorskip("llama_cpp")

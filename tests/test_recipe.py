@@ -338,9 +338,8 @@ def test_modern_recipe_under_torchrun_ddp(tmp_path, char_data):
 
 def test_engine_generates_with_the_modern_model(modern_reference):
     """The KV-cached engine (batch 2, past the prompt) gives the greedy tokens of a full forward at every step."""
-    from gptlib.inference.engine import Engine
+    from gptlib.inference.engine import Engine, SamplingConfig
     from gptlib.inference.loading import load_run
-    from gptlib.inference.sampling import SamplingConfig
 
     ld = load_run(modern_reference)
     ld.model.eval()
@@ -360,11 +359,10 @@ def test_export_is_a_native_transformers_model_and_imports_back(char_data, tmp_p
     """export-hf writes Qwen3 (Llama without QK-norm): transformers loads it without trust_remote_code, its greedy
     tokens are gptlib's; import-hf reads it back with equal logits."""
     transformers = pytest.importorskip("transformers")
-    from gptlib.inference.engine import Engine
+    from gptlib.inference.engine import Engine, SamplingConfig
     from gptlib.inference.export import export_hf
     from gptlib.inference.hf_import import import_hf
     from gptlib.inference.loading import load_run
-    from gptlib.inference.sampling import SamplingConfig
 
     run_dir = tmp_path / "run"
     run(char_data, run_dir, settings=SETTINGS + [f"qk_norm={qk_norm}", "dropout=0"], max_steps=6)
@@ -429,8 +427,8 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     from tests.tokenize_kit import split_tokens
     from gptlib.evaluation import hellaswag as hs
     from gptlib.evaluation.evaluate import evaluate_bpb, window_starts
+    from gptlib.inference.engine import SamplingConfig
     from gptlib.inference.loading import load_run
-    from gptlib.inference.sampling import SamplingConfig
     from gptlib.widgets import Playground
     from tests.test_evaluate import brute_ll, shakespeare_items
 

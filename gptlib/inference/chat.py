@@ -13,8 +13,7 @@ from typing import Callable
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.errors import ChatError, GptlibError, loud
-from gptlib.inference.engine import Engine
-from gptlib.inference.sampling import SamplingConfig
+from gptlib.inference.engine import Engine, SamplingConfig
 
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
@@ -30,6 +29,7 @@ class ChatSession:
         self.stop_ids = sorted({self.template.end_id, self.template.eot_id, *self.template.role_ids.values()})
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size
+        self.reply_cap = max(1, self.block_size // 2)  # rule (1)
         self.history: list[tuple[str, str]] = []
         self.finish_reason = ""  # of the last reply: "eot" (a chat token), "length" or "stop" (a stop string)
         self.reply_tokens = 0  # tokens the model generated for the last reply (the final chat token included)
@@ -74,10 +74,6 @@ class ChatSession:
         self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
         self.history.append(("assistant", texts[0].removeprefix("\n")))
         return self.history[-1][1]
-
-    @property
-    def reply_cap(self) -> int:
-        return max(1, self.block_size // 2)  # rule (1)
 
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
         head = [("system", self.system)] if self.system else []

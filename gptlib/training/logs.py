@@ -16,8 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.fsutil import atomic_write_bytes, parse_jsonl, read_jsonl
-from gptlib.inference.engine import Engine
-from gptlib.inference.sampling import SamplingConfig
+from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.model import model_size
 from gptlib.training.step import lr_at

@@ -502,7 +502,7 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
 
 
 def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_path):
-    """A host tensor per state tensor, kept from save to save of the same layout (pinned on a GPU, tests/test_gpu.py);
+    """A host tensor per state tensor, kept from save to save of the same layout (on a GPU too, tests/test_gpu.py);
     a tied tensor is copied once and stored once; the next save writes the new values, the first keeps its own."""
     w = CheckpointWriter(tmp_path)
     a, b = torch.randn(3, 5), torch.arange(7)

@@ -455,7 +455,7 @@ def test_writer_close_is_bounded_when_drive_hangs(tmp_path, monkeypatch, capsys)
     assert time.monotonic() - t < 3 and st["local_step"] == 1 and st["mirror_step"] is None
     w.mirror._thread.join(5)
     err = capsys.readouterr().err
-    assert "still running after 0.5 s" in err and "NOT on Drive" in err
+    assert "stopped waiting for Drive after 0.5 s" in err and "NOT on Drive" in err
 
 
 def test_load_model_weights_refuses_an_empty_file_clearly(tmp_path):

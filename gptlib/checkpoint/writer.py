@@ -50,17 +50,14 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._host: list[torch.Tensor] = []  # the host copy of the state, reused by every save (see _snapshot)
-        self._layout: tuple | None = None
 
     def _snapshot(self, obj: Any) -> Any:
         """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.5 GB is most of a
         save's cost on CPU), tied weights once. Pageable: a copy from a GPU is synchronous (~0.2 s for gpt2-small)."""
         unique: dict[tuple, torch.Tensor] = {}
         _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
-        layout = tuple((t.dtype, tuple(t.shape)) for t in unique.values())
-        if layout != self._layout:
+        if [(h.dtype, h.shape) for h in self._host] != [(t.dtype, t.shape) for t in unique.values()]:
             self._host = [torch.empty(t.shape, dtype=t.dtype) for t in unique.values()]
-            self._layout = layout
         views = {key: host.copy_(src) for (key, src), host in zip(unique.items(), self._host)}
         return _map_tensors(obj, lambda t: views[_storage_key(t)])
 
@@ -96,7 +93,6 @@ class CheckpointWriter:
         """Wait for the local save in flight (not the mirror's copy); raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
-            self._thread = None
         if self._error is None:
             return
         e, self._error = self._error, None
@@ -129,7 +125,7 @@ class CheckpointWriter:
             with saving:
                 self.wait()
         finally:
-            self._host, self._layout = [], None  # ~1.5 GB not held after training
+            self._host = []  # ~1.5 GB not held after training
         if self.mirror:
             self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
         return self.status()

@@ -120,7 +120,7 @@ pytest_step() {  # pytest_step NAME BUDGET -k-EXPRESSION: one group of tests/tes
 step setup 30 "setup_deps" "setup_deps"
 pytest_step test_train 270 "phase1 or bpe or compiled_and_eager or compiled_in_fp16"
 pytest_step test_state 170 "snapshot or resume or torchrun"
-pytest_step test_memory 155 "auto_micro_batch or oom or host_memory"
+pytest_step test_memory 155 "auto_micro_batch or oom"
 pytest_step test_decode 140 "decoding or temperature or chat_fine_tune"
 pytest_step test_notebooks 160 "notebook"
 # gpt2-small as the preset trains it (32,768 vocab, context 1024, bf16, compile, fused AdamW, flash SDPA, 16 x 32

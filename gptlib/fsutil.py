@@ -65,13 +65,9 @@ def parse_jsonl(text: str) -> list[dict]:
     """The objects of JSON-lines text; a line that is not one (a write torn by a kill) is skipped."""
     rows = []
     for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+        with suppress(json.JSONDecodeError):
+            rows.append(json.loads(line))
+    return [row for row in rows if isinstance(row, dict)]
 
 
 def append_jsonl(path: str | Path, row: dict) -> None:
@@ -120,23 +116,19 @@ def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
 def check_dir(path: str | Path, what: str) -> bool:
     """-> whether it exists; RunDirError naming a file, a link loop, a broken link or a path through a file there."""
     try:
-        st = os.stat(path)
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            return True
+        kind = "a file, not a directory"
     except FileNotFoundError:
-        if os.path.islink(path):
-            raise RunDirError(f"{what} {path} is a broken symbolic link (to {os.readlink(path)}); remove it or "
-                              f"point it at a directory") from None
-        return False
+        if not os.path.islink(path):
+            return False
+        kind = f"a broken symbolic link (to {os.readlink(path)})"
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise RunDirError(f"{what} {path} is a symbolic link loop; remove the link or choose another "
-                              f"directory") from None
-        if e.errno == errno.ENOTDIR:
-            raise RunDirError(f"{what} {path}: a part of its path is a file, not a directory; choose another "
-                              f"directory") from None
-        raise
-    if not stat.S_ISDIR(st.st_mode):
-        raise RunDirError(f"{what} {path} is a file, not a directory; choose another path (or move the file away)")
-    return True
+        kinds = {errno.ELOOP: "a symbolic link loop", errno.ENOTDIR: "under a file (a part of its path is a file)"}
+        if e.errno not in kinds:
+            raise
+        kind = kinds[e.errno]
+    raise RunDirError(f"{what} {path} is {kind}; choose another path (or remove or move away what is there)")
 
 
 class Progress:  # shared by a long I/O call and its watchdog

@@ -10,8 +10,8 @@ import socket
 import threading
 import time
 import uuid
+from collections import namedtuple
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 from gptlib.errors import LeaseLost, RunDirError, loud
@@ -22,14 +22,7 @@ HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
 STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that is gone: its lease is taken over
 IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
 
-
-@dataclass
-class Holder:
-    host: str
-    pid: int
-    session: str
-    started: float
-    heartbeat: float
+Holder = namedtuple("Holder", "host pid session started heartbeat")  # what a lease file says
 
 
 def _describe(found: Holder | str, now: float) -> str:
@@ -44,16 +37,14 @@ def _describe(found: Holder | str, now: float) -> str:
 def _read(path: Path) -> Holder | str | None:
     """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive."""
     try:
-        raw = call_with_timeout(path.read_text, IO_TIMEOUT_S, what=f"reading {path}")
+        d = json.loads(call_with_timeout(path.read_text, IO_TIMEOUT_S, what=f"reading {path}"))
+        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]))
     except FileNotFoundError:
         return None
     except HungIOError:
         raise
     except (OSError, UnicodeDecodeError) as e:
         return f"unreadable ({e})"
-    try:
-        d = json.loads(raw)
-        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"malformed ({type(e).__name__}: {e})"
 

@@ -455,7 +455,7 @@ def test_writer_close_is_bounded_when_drive_hangs(tmp_path, monkeypatch, capsys)
     assert time.monotonic() - t < 3 and st["local_step"] == 1 and st["mirror_step"] is None
     w.mirror._thread.join(5)
     err = capsys.readouterr().err
-    assert "still running after 0.5 s" in err and "NOT on Drive" in err
+    assert "stopped waiting for Drive after 0.5 s" in err and "NOT on Drive" in err
 
 
 def test_load_model_weights_refuses_an_empty_file_clearly(tmp_path):
@@ -502,7 +502,7 @@ def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
 
 
 def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_path):
-    """A host tensor per state tensor, kept from save to save of the same layout (pinned on a GPU, tests/test_gpu.py);
+    """A host tensor per state tensor, kept from save to save of the same layout (on a GPU too, tests/test_gpu.py);
     a tied tensor is copied once and stored once; the next save writes the new values, the first keeps its own."""
     w = CheckpointWriter(tmp_path)
     a, b = torch.randn(3, 5), torch.arange(7)

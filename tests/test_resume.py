@@ -301,16 +301,3 @@ def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monke
     r = train(char_data, run_dir, "phase1", SETTINGS, max_steps=12, device="cpu", progress=False, log=lambda m: None)
     assert r.resumed_from == 10 and len(loaded["model"]) > 5
     assert alive and not any(alive.values()), {part: len(ts) for part, ts in alive.items()}
-
-
-def test_the_pinned_host_cache_is_returned_on_this_torch():
-    """Issue 26.3: the writer returns torch's cached pinned host memory after training through whichever call this torch
-    has: torch 2.13 renamed torch._C._host_emptyCache (Colab's 2.11) to torch.accelerator.empty_host_cache, and a
-    check for the old name alone skipped the call without a word."""
-    from gptlib.checkpoint.writer import host_cache_emptier
-
-    new = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-    old = getattr(torch._C, "_host_emptyCache", None)
-    if new is None and old is None:
-        pytest.skip(f"torch {torch.__version__} has no call that empties the pinned host cache")
-    assert host_cache_emptier() is not None and host_cache_emptier() in (new, old)

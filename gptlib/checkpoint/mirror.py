@@ -210,7 +210,7 @@ class Mirror:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        deadline = time.monotonic() + timeout
+        deadline, stopped_by = time.monotonic() + timeout, None
         try:
             while self._thread.is_alive() and time.monotonic() < deadline:
                 self._thread.join(min(MIRROR_WAIT_REPORT_S, max(0.0, deadline - time.monotonic())))
@@ -218,15 +218,18 @@ class Mirror:
                     loud(f"waiting for the Drive copy: {self._copying()}; {deadline - time.monotonic():.0f} s "
                          f"left (Ctrl-C stops waiting; the checkpoint is safe on the local disk, {self.run_dir})")
         except KeyboardInterrupt:
-            loud(f"stopped waiting for Drive ({self._copying()}); the checkpoints are safe in {self.run_dir}, "
-                 f"and re-running training copies them to Drive")
+            # the copy goes on; is_alive() may say otherwise (CPython marks the thread of an interrupted join stopped)
+            stopped_by = "(Ctrl-C)"
         if self._thread.is_alive():
-            loud(f"!! Drive copy still running after {timeout:g} s; it goes on in the background while this "
-                 f"process lives, but the newest checkpoint or milestones may exist only in {self.run_dir}")
+            stopped_by = stopped_by or f"after {timeout:g} s"
         else:
             self._thread = None
             with self._cv:
                 self._closing = False
+        if stopped_by:
+            loud(f"!! stopped waiting for Drive {stopped_by} ({self._copying()}); the copy goes on in the background "
+                 f"while this process lives; the checkpoints are safe in {self.run_dir}, and re-running training "
+                 f"copies them to Drive")
         if local_step is not None and self.last_step != local_step:
             loud(f"!! the newest checkpoint (step {local_step}) is NOT on Drive ({self.mirror_dir}), only in "
                  f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.error}. "

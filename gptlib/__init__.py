@@ -26,7 +26,7 @@ _WHERE = {
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices
-    "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox", "parse_list": "gptlib.widgets",
+    "Playground": "gptlib.widgets", "ChatBox": "gptlib.widgets", "parse_list": "gptlib.widgets",
     "enable_colab_widgets": "gptlib.widgets", "colab": "gptlib.colab", "resolve_device": "gptlib.runtime",
     "GptlibError": "gptlib.errors",
 }

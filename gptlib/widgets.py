@@ -17,6 +17,8 @@ from gptlib.inference.engine import Engine
 from gptlib.inference.loading import checkpoint_label, checkpoint_table
 from gptlib.inference.sampling import Completion, SamplingConfig
 
+LABELS = {"description_width": "110px"}  # every view's labels: one column
+
 
 def enable_colab_widgets() -> bool:
     """On Colab, ipywidgets 8 needs the custom widget manager. Colab draws ipywidgets 7 itself, and the custom manager
@@ -70,7 +72,7 @@ def sampling_widgets(view, max_label: str) -> None:
     """The sliders every view has: view.temperature, view.top_k, view.max_tokens, view.seed."""
     import ipywidgets as W
 
-    wide = {"style": {"description_width": "110px"}, "layout": W.Layout(width="95%")}
+    wide = {"style": LABELS, "layout": W.Layout(width="95%")}
     view.temperature = W.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature", **wide)
     view.top_k = W.IntSlider(value=0, min=0, max=500, description="Top-k (0 = off)", **wide)
     view.max_tokens = W.IntSlider(value=200, min=1, max=2000, description=max_label, **wide)
@@ -98,18 +100,17 @@ class Playground:
 
         self.run_dir, self.device = Path(run_dir), device
         self._engine: Engine | None = None  # the last checkpoint loaded
-        style = {"description_width": "110px"}
         self.prompt = W.Textarea(value=prompt, description="Prompt", layout=W.Layout(width="95%", height="80px"),
-                                 style=style)
-        self.checkpoint = W.Dropdown(description="Checkpoint", style=style, layout=W.Layout(width="60%"))
+                                 style=LABELS)
+        self.checkpoint = W.Dropdown(description="Checkpoint", style=LABELS, layout=W.Layout(width="60%"))
         self.refresh_button = W.Button(description="↻", tooltip="re-scan the run directory for new checkpoints",
                                        layout=W.Layout(width="40px"))
         sampling_widgets(self, "Max tokens")
-        wide = {"style": style, "layout": W.Layout(width="95%")}
+        wide = {"style": LABELS, "layout": W.Layout(width="95%")}
         self.top_p = W.FloatSlider(value=0.95, min=0.05, max=1.0, step=0.01, description="Top-p", **wide)
         self.repetition_penalty = W.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty",
                                                 **wide)
-        self.stop = W.Text(value="", description="Stop at", placeholder=r"\n\n  (| separates)", style=style,
+        self.stop = W.Text(value="", description="Stop at", placeholder=r"\n\n  (| separates)", style=LABELS,
                            layout=W.Layout(width="60%"))
         fixed = W.Layout(min_width="120px", flex="0 0 auto")  # never squeezed by a long status (it read "Gene…")
         self.button = W.Button(description="Generate", button_style="primary", icon="play", layout=fixed)
@@ -213,15 +214,14 @@ class ChatBox:
         self._session: ChatSession | None = None
         self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown
         self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
-        style = {"description_width": "110px"}
         self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
         # One line: ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a
         # Textarea, where Enter adds a line, has no submit event; telling them apart would need our own JavaScript.
         self.message = W.Text(value="", placeholder="your message, one line (Enter sends)", description="You",
-                              style=style, layout=W.Layout(width="95%"))
+                              style=LABELS, layout=W.Layout(width="95%"))
         self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
         self.reset_button = W.Button(description="Reset", tooltip="forget the conversation (the system prompt stays)")
-        self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=style,
+        self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=LABELS,
                                  layout=W.Layout(width="95%", height="40px"))
         sampling_widgets(self, "Max new tokens")
         self.send_button.on_click(lambda _: self.send())

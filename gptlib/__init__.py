@@ -9,13 +9,13 @@ __version__ = "0.1.0"
 # The name -> the module that defines it, along the data's path.
 _WHERE = {
     # text -> token shards (gptlib/data/)
-    "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.summary",
-    "decoded_sample": "gptlib.data.summary", "source_inputs": "gptlib.data.catalog",
+    "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.prepare",
+    "decoded_sample": "gptlib.data.prepare", "source_inputs": "gptlib.data.catalog",
     "fetch_tinyshakespeare": "gptlib.data.download", "find_dataset": "gptlib.data.shards",
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
-    "samples_html": "gptlib.training.logs", "LivePlot": "gptlib.training.plots", "run_title": "gptlib.training.plots",
-    "hellaswag_figure": "gptlib.training.plots",
+    "samples_html": "gptlib.training.logs", "LivePlot": "gptlib.training.logs", "run_title": "gptlib.training.logs",
+    "hellaswag_figure": "gptlib.training.logs",
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
     "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
@@ -26,7 +26,7 @@ _WHERE = {
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices
-    "Playground": "gptlib.widgets", "ChatBox": "gptlib.chatbox", "parse_list": "gptlib.widgets",
+    "Playground": "gptlib.widgets", "ChatBox": "gptlib.widgets", "parse_list": "gptlib.widgets",
     "enable_colab_widgets": "gptlib.widgets", "colab": "gptlib.colab", "resolve_device": "gptlib.runtime",
     "GptlibError": "gptlib.errors",
 }

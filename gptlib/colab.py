@@ -32,26 +32,25 @@ def _drive_usable() -> bool:
 
 def mount_drive(timeout_s: float = 120.0) -> Path:
     """Mount Google Drive once (already mounted: a no-op); a dead or stale mount is remounted."""
-    mp = DRIVE_MOUNT
     if not in_colab():
         raise GptlibError("mount_drive() needs Google Colab; outside Colab use a local directory "
                           "(gptlib.colab.setup() does this for you)")
     if _drive_usable():
-        return mp
+        return DRIVE_MOUNT
     from google.colab import drive  # noqa: PLC0415 - only exists on Colab
 
     try:  # force_remount: whatever is at the mount point (a dead FUSE mount, leftovers) is replaced
-        drive.mount(str(mp), force_remount=True, timeout_ms=int(timeout_s * 1000))
+        drive.mount(str(DRIVE_MOUNT), force_remount=True, timeout_ms=int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - Colab raises ValueError/TimeoutError/others for a failed mount
         raise GptlibError(
-            f"Google Drive did not mount at {mp} ({type(e).__name__}: {e}). Re-run this cell and complete "
+            f"Google Drive did not mount at {DRIVE_MOUNT} ({type(e).__name__}: {e}). Re-run this cell and complete "
             f"the authorization prompt within {timeout_s:.0f} s; if it keeps failing, use Runtime > Restart "
             f"session, or set use_drive=False to train on the VM's disk only (lost at a disconnect)."
         ) from None
     if not _drive_usable():
-        raise GptlibError(f"Google Drive mount at {mp} finished but {mp / 'MyDrive'} is not there; "
+        raise GptlibError(f"Google Drive mount at {DRIVE_MOUNT} finished but {DRIVE_MOUNT / 'MyDrive'} is not there; "
                           f"re-run this cell (drive.mount(..., force_remount=True))")
-    return mp
+    return DRIVE_MOUNT
 
 
 @dataclass

@@ -253,7 +253,7 @@ def test_a_run_without_chat_tokens_is_one_clear_line(tmp_path, char_data, kind, 
 
 def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path, expected_reply):
     pytest.importorskip("ipywidgets")
-    from gptlib.chatbox import ChatBox
+    from gptlib.widgets import ChatBox
 
     box = ChatBox(chat_run, system=SYSTEM)
     box.temperature.value, box.max_tokens.value = 0.0, 12

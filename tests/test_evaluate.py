@@ -22,7 +22,7 @@ from gptlib.evaluation import hellaswag as hs
 from gptlib.evaluation.evaluate import evaluate_bpb, format_table, token_bytes, window_starts
 from gptlib.evaluation.hellaswag import pack_batches, score_rows, scored_nll
 from gptlib.model import GPT
-from gptlib.training.plots import add_hellaswag_axis, hellaswag_figure
+from gptlib.training.logs import add_hellaswag_axis, hellaswag_figure
 
 from .device_ops import DeviceOps
 
@@ -323,7 +323,7 @@ def test_config_fields_and_preset():
 
 
 def test_plot_helpers(tmp_path):
-    from gptlib.training.plots import loss_figure
+    from gptlib.training.logs import loss_figure
 
     rows = [{"step": s, "train_loss": 3 - s / 100, "val_loss": 3.1 - s / 100} for s in range(0, 300, 50)]
     fig = loss_figure(rows)

@@ -6,7 +6,7 @@ import shutil
 
 import nbformat
 
-from gptlib.training.plots import run_title
+from gptlib.training.logs import run_title
 from gptlib.training.throughput import fmt_tokens, speed_text
 from tests.conftest import TINY
 from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook

@@ -473,7 +473,7 @@ def test_chat_finetune_from_a_modern_base_then_the_chatbox(tmp_path):
     """Notebook 05 with a modern base: the chat data tokenized with the base's tokenizer, fine-tuned with
     --init-from (the base's recipe, Muon and WSD), its loss falls, and the ChatBox answers with it."""
     pytest.importorskip("ipywidgets")
-    from gptlib.chatbox import ChatBox
+    from gptlib.widgets import ChatBox
     from gptlib.data.prepare import prepare
     from tests.test_finetune import SMALL, conversation, question
 

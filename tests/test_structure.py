@@ -22,7 +22,7 @@ LAYERS = [
     {"inference/"},  # loading a run, the engine, chat, export and import
     {"evaluation/"},  # log-likelihoods, HellaSwag, bits per byte
     {"training/"},  # set-up, the step, the loop, its logs and measurements
-    {"widgets", "chatbox", "share", "__main__", "__init__"},  # the notebooks' views, the Hub push, the CLI, the facade
+    {"widgets", "share", "__main__", "__init__"},  # the notebooks' views, the Hub push, the CLI, the facade
 ]
 
 

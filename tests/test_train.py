@@ -318,7 +318,7 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(tmp_pa
     the bar and the plot's title. Every live figure is now the session's tokens/s while stepping,
     the closing line's first, and each text says what it counts."""
     from gptlib.training.logs import MetricsLog
-    from gptlib.training.plots import LivePlot
+    from gptlib.training.logs import LivePlot
     from gptlib.training.throughput import fmt_tokens
 
     monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)  # a progress line (the bar's details) at every log step

@@ -115,7 +115,7 @@ def test_in_a_kernel_generate_runs_off_the_main_thread_so_a_stop_click_can_arriv
 
 
 def chatbox(run):
-    from gptlib.chatbox import ChatBox
+    from gptlib.widgets import ChatBox
 
     box = ChatBox(run, system=SYSTEM)
     box.temperature.value = 0.0
@@ -151,7 +151,7 @@ def test_the_message_box_takes_no_typing_while_a_reply_streams(chat_run):  # noq
 
 
 def test_the_message_box_comes_back_after_an_error_or_an_interrupt(chat_run, tmp_path):  # noqa: F811
-    from gptlib.chatbox import ChatBox
+    from gptlib.widgets import ChatBox
 
     box = chatbox(chat_run)
     box.message.value = "Hi there"

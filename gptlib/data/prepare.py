@@ -1,4 +1,5 @@
-"""A tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json."""
+"""A tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json; and what
+a dataset holds, for people: the line tokenize ends with, notebook 01's statistics and a decoded sample."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files
 from gptlib.data.inputs import Source, scan_inputs
 from gptlib.data.shards import (META_FILE, PREPARE_STATE_FILE, DatasetMeta, check_shard, dtype_for_vocab, read_meta,
                                 write_meta)
 from gptlib.data.sources import train_texts
-from gptlib.data.summary import print_tokenize_summary
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, TokenizerError, load_tokenizer
 from gptlib.errors import DataFormatError, PrepareError
 from gptlib.fsutil import clean_temp_files, sha256_file
@@ -243,3 +245,60 @@ def _extra_meta(tok: Tokenizer, reused: Tokenizer | None, spec: dict, stats: dic
         extra.update(max_tokens=spec["max_tokens"], stop_reason="max_tokens" if stopped else "end_of_input",
                      **({"stopped_at": stopped} if stopped else {}))
     return extra
+
+
+def print_tokenize_summary(meta: DatasetMeta) -> None:
+    m, n = meta.raw, meta.tokens("train") + meta.tokens("val")
+    print(f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "
+          f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
+          f"({m['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
+          f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
+          f"{m['elapsed_s']:.1f}s -> {meta.data_dir}")
+    if m.get("stop_reason") == "max_tokens":
+        print(f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
+              f"{m['stopped_at']['file']}")
+    report_problems(m)
+
+
+def report_problems(m: dict) -> None:
+    """What tokenize replaced or skipped (also recorded in meta.json)."""
+    if m.get("replaced_invalid_utf8"):
+        print(f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD")
+    if m.get("empty_files"):
+        print(f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}")
+    if m.get("empty_documents"):
+        print(f"note: {m['empty_documents']:,} empty documents skipped")
+    for s in m.get("skipped_files", []):
+        print(f"warning: skipped {s['path']}: {s['error']}")
+    if m.get("malformed_conversations"):
+        print(f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:")
+        for ex in m.get("malformed_examples", []):
+            print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
+
+
+def print_summary(data_dir: str | Path) -> None:
+    """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
+    meta = read_meta(data_dir)
+    m, n, shards = meta.raw, meta.tokens("train") + meta.tokens("val"), meta.splits
+    rows = {"data_dir": meta.data_dir, "source files": len(m["sources"]),
+            "source MB": round(sum(s["size"] for s in m["sources"]) / 1e6, 3), "documents": m.get("documents"),
+            "train tokens": meta.tokens("train"), "val tokens": meta.tokens("val"),
+            "characters per token": round(m.get("characters", 0) / max(1, n), 3), "format": meta.format,
+            "tokenizer": meta.tokenizer.get("kind"), "vocab size": meta.vocab_size, "dtype": meta.dtype.name,
+            "shards (train + val)": f"{len(shards['train']['shards'])} + {len(shards['val']['shards'])}",
+            "validation split": m.get("split")}
+    if meta.format == "chat":
+        rows["assistant tokens (train)"] = m.get("assistant_tokens", {}).get("train", 0)
+    if "max_tokens" in m:
+        rows["stopped by max-tokens"] = "yes" if m.get("stop_reason") == "max_tokens" else "no"
+    rows["seconds"] = m.get("elapsed_s")
+    for key, value in rows.items():
+        print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
+    report_problems(m)
+
+
+def decoded_sample(data_dir: str | Path, n_tokens: int = 200) -> str:
+    """The first n_tokens of the validation split, decoded: a quick look that the data is what it should be."""
+    meta = read_meta(data_dir)
+    tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
+    return tok.decode(np.fromfile(meta.shard_paths("val")[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens))

@@ -21,9 +21,8 @@ from gptlib.fsutil import append_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT
 from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training import distributed
-from gptlib.training.logs import MetricsLog, log_samples
+from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
-from gptlib.training.plots import plot_losses, run_title
 from gptlib.training.setup import TrainingRun, claimed, find_start, open_run
 from gptlib.training.signals import GracefulStop
 from gptlib.training.step import lr_at, train_step, validation_loss

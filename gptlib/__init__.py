@@ -20,8 +20,8 @@ _WHERE = {
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
     "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
     "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.engine",
-    "export_hf": "gptlib.inference.export", "export_hint": "gptlib.inference.export",
-    "import_hf_once": "gptlib.inference.hf_import", "export_gguf": "gptlib.inference.export",
+    "export_hf": "gptlib.inference.export", "export_gguf": "gptlib.inference.export",
+    "import_hf": "gptlib.inference.hf_import",
     "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
     "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",

@@ -193,18 +193,6 @@ def _model_card(c: ModelConfig, arch: str, info: dict) -> str:
     ])
 
 
-def export_hint(run_dir: str | Path, checkpoint: str = "best") -> str:
-    """Notebook 04 without an export folder: what export is and where it would write (all a dashboard user sees)."""
-    from gptlib import colab
-
-    where = colab.setup().persistent / "exports" / Path(run_dir).name  # on Colab: on Drive, where it outlives the VM
-    return (f"Not exported: no export folder is set. Export saves the {checkpoint!r} checkpoint as a Hugging Face "
-            f"model folder (config.json, model.safetensors, tokenizer files) that transformers loads with "
-            f"AutoModelForCausalLM.from_pretrained(folder). To export, set EXPORT_DIR in the notebook's parameters to "
-            f"a folder, e.g. {where}, and run this cell again; or run: python -m gptlib export-hf --run-dir {run_dir} "
-            f"--checkpoint {checkpoint} --out {where}")
-
-
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 # conversations.py's template (version 1) in Jinja, as llama.cpp, LM Studio and Ollama render a chat: each turn is

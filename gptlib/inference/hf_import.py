@@ -135,13 +135,3 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     log(f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
         f"wide, context {cfg.block_size}, vocab {cfg.vocab_size}, {tok.kind} tokenizer) -> {out}")
     return out
-
-
-def import_hf_once(model: str, roots=None) -> Path:
-    """Notebook 05: `model` imported once into gptlib's persistent runs folder (Drive on Colab), reused after."""
-    from gptlib import colab
-
-    run_dir = (roots or colab.setup()).persistent / "runs" / ("hf-" + Path(model).name)
-    if not checkpoints_dir(run_dir).is_dir():
-        import_hf(model, run_dir)
-    return run_dir

@@ -15,6 +15,7 @@ from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.errors import ChatError, GptlibError, loud
 from gptlib.inference.engine import Engine, SamplingConfig
 
+
 class ChatSession:
     def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
         tok, where = engine.tokenizer, engine.source or "this model"

@@ -206,7 +206,7 @@ def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.int16 if src.dtype.itemsize == 2 else torch.int32, device=device)
     for pos in range(0, n, _COPY_PIECE):
         piece = src.read(pos, min(_COPY_PIECE, n - pos))
-        out[pos: pos + piece.numel()] = piece.to(device)  # once per run: a plain blocking copy
+        out[pos: pos + piece.numel()].copy_(piece)  # once per run: a plain blocking copy, no temporary on the GPU
     return out
 
 

@@ -124,7 +124,7 @@ def check_dir(path: str | Path, what: str) -> bool:
             return False
         kind = f"a broken symbolic link (to {os.readlink(path)})"
     except OSError as e:
-        kinds = {errno.ELOOP: "a symbolic link loop", errno.ENOTDIR: "under a file (a part of its path is a file)"}
+        kinds = {errno.ELOOP: "a symbolic link loop", errno.ENOTDIR: "not a directory: a part of its path is a file"}
         if e.errno not in kinds:
             raise
         kind = kinds[e.errno]

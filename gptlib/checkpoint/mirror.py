@@ -219,17 +219,17 @@ class Mirror:
                          f"left (Ctrl-C stops waiting; the checkpoint is safe on the local disk, {self.run_dir})")
         except KeyboardInterrupt:
             # the copy goes on; is_alive() may say otherwise (CPython marks the thread of an interrupted join stopped)
-            stopped_by = "(Ctrl-C)"
+            stopped_by = "at Ctrl-C"
         if self._thread.is_alive():
             stopped_by = stopped_by or f"after {timeout:g} s"
-        else:
+        elif not stopped_by:
             self._thread = None
             with self._cv:
                 self._closing = False
         if stopped_by:
-            loud(f"!! stopped waiting for Drive {stopped_by} ({self._copying()}); the copy goes on in the background "
-                 f"while this process lives; the checkpoints are safe in {self.run_dir}, and re-running training "
-                 f"copies them to Drive")
+            loud(f"!! stopped waiting for Drive {stopped_by}, while copying {self._copying()}; the copy goes on in the "
+                 f"background while this process lives; the checkpoints are safe in {self.run_dir}, and re-running "
+                 f"training copies them to Drive")
         if local_step is not None and self.last_step != local_step:
             loud(f"!! the newest checkpoint (step {local_step}) is NOT on Drive ({self.mirror_dir}), only in "
                  f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.error}. "

@@ -247,6 +247,7 @@ def _extra_meta(tok: Tokenizer, reused: Tokenizer | None, spec: dict, stats: dic
     return extra
 
 
+# What a dataset holds, for people: the line tokenize ends with, notebook 01's statistics and a decoded sample.
 def print_tokenize_summary(meta: DatasetMeta) -> None:
     m, n = meta.raw, meta.tokens("train") + meta.tokens("val")
     print(f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "

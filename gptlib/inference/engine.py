@@ -1,7 +1,7 @@
-"""Generation with a KV cache, and how the next token is drawn from a batch of logits (the settings, and what a
-generation returns). Prompts of different lengths share one cache without padding (as Meta's Llama code):
+"""Generation with a KV cache. Prompts of different lengths share one cache without padding (as Meta's Llama code):
 all rows are prefilled up to the shortest prompt, then a row still reading its prompt is fed its own next token.
-Past block_size the newest block_size tokens are prefilled again."""
+Past block_size the newest block_size tokens are prefilled again. Above the Engine: the sampling settings, the next
+token drawn from a batch of logits on the device, and what a generation returns."""
 
 from __future__ import annotations
 

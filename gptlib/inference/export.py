@@ -193,6 +193,7 @@ def _model_card(c: ModelConfig, arch: str, info: dict) -> str:
     ])
 
 
+# GGUF (export-gguf): one file for llama.cpp, Ollama, LM Studio.
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 # conversations.py's template (version 1) in Jinja, as llama.cpp, LM Studio and Ollama render a chat: each turn is

@@ -259,6 +259,7 @@ class MetricsLog:
         return time.time() - self.t_start
 
 
+# The plots: bare matplotlib Figures (matplotlib imported here only: `import gptlib.training.logs` stays light).
 def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
     from matplotlib.figure import Figure
 

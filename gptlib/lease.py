@@ -15,7 +15,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from gptlib.errors import LeaseLost, RunDirError, loud
-from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write
+from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write, read_bytes_with_timeout
 from gptlib.layout import LEASE_FILE
 
 HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
@@ -37,7 +37,7 @@ def _describe(found: Holder | str, now: float) -> str:
 def _read(path: Path) -> Holder | str | None:
     """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive."""
     try:
-        d = json.loads(call_with_timeout(path.read_text, IO_TIMEOUT_S, what=f"reading {path}"))
+        d = json.loads(read_bytes_with_timeout(path, IO_TIMEOUT_S))
         return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]))
     except FileNotFoundError:
         return None

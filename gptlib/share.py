@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from gptlib.data.hub import http_status
 from gptlib.data.shards import META_FILE
 from gptlib.errors import ExportError
 from gptlib.fsutil import read_jsonl
@@ -112,7 +113,7 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
 
 
 def hub_error(e: Exception, repo: str) -> ExportError:
-    status = getattr(getattr(e, "response", None), "status_code", None)
+    status = http_status(e)
     if status == 401:
         return ExportError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
     if status == 403:

@@ -265,11 +265,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)), key=step_of, reverse=True)
 
 
-def load_model_weights(path: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
+def load_model_weights(path: Path, rec: dict | None = None) -> dict[str, torch.Tensor]:
+    """The weights alone; checked against rec, the file's manifest record (size, sha256), when given."""
     f = path / MODEL_FILE if path.is_dir() else path
     data = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
+    if rec is not None:
+        check_file(f, (len(data), hashlib.sha256(data).hexdigest()), rec["size"], rec["sha256"])
     return _safe_load(data, f)
 
 

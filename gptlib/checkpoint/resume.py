@@ -38,6 +38,10 @@ class Resume:
     def state(self) -> TrainState:
         return TrainState(**self.checkpoint["progress"])
 
+    @property
+    def from_mirror(self) -> bool:  # then info.path is its local copy
+        return self.origin != self.info.path
+
 
 @dataclass
 class Passed:  # what a resume passed over: the damaged checkpoints are set aside, the unreadable ones never deleted

@@ -78,6 +78,10 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
     return list_files(fs, path, url)
 
 
+def http_status(e: BaseException) -> int | None:  # of an HTTP error from requests/httpx (huggingface_hub's)
+    return getattr(getattr(e, "response", None), "status_code", None)
+
+
 def describe(e: BaseException, url: str | None = None) -> str:
     """One line for an error from a filesystem library; for the Hub, what to do."""
     m = _DATASET_URL.fullmatch(url or "")
@@ -91,7 +95,7 @@ def describe(e: BaseException, url: str | None = None) -> str:
              "RepositoryNotFoundError": f"{what} was not found on the Hub (it does not exist, or it is private and "
                                         f"needs a login); check the name (OWNER/NAME) or {TOKEN_HELP}"}
     hint = next((h for n, h in hints.items() if n in names), None)
-    if hint is None and getattr(getattr(e, "response", None), "status_code", None) in (401, 403):
+    if hint is None and http_status(e) in (401, 403):
         hint = f"the Hub refused access to {what}; {TOKEN_HELP}"
     first = (str(e).strip().splitlines() or [""])[0]
     return hint or f"{type(e).__name__}: {first}".rstrip(": ")

@@ -151,26 +151,29 @@ def _json(path: Path) -> dict | None:
 def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> tuple[DatasetMeta | None, dict | None]:
     """(this spec's finished dataset, None), (None, the state of its unfinished run), or (None, None) to start."""
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
-    old = (_json(meta_path) or {}) if meta_path.is_file() else None
-    if old is not None and old.get("prepare_spec") == spec:
-        if state_path.is_file():  # killed between meta.json and removing the state file
-            state_path.unlink()
-        elif verbose:
-            print(f"{out_dir} already holds this dataset; reusing it")
-        return read_meta(out_dir), None
-    # a state file is written atomically; an unreadable one is not ours to trust
-    state = _json(state_path) if old is None and state_path.is_file() else None
-    if old is None and (state is None or state.get("spec") == spec):
-        return None, state
-    if overwrite:
+    if meta_path.is_file():
+        old = _json(meta_path) or {}
+        if old.get("prepare_spec") == spec:
+            if state_path.is_file():  # killed between meta.json and removing the state file
+                state_path.unlink()
+            elif verbose:
+                print(f"{out_dir} already holds this dataset; reusing it")
+            return read_meta(out_dir), None
+        if not overwrite:
+            raise PrepareError(
+                f"{out_dir} already holds a different dataset (sources "
+                f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
+                f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
+                f"choose another output directory or pass --overwrite / overwrite=True")
         return None, None
-    if old is None:
+    # a state file is written atomically; an unreadable one is not ours to trust
+    state = _json(state_path) if state_path.is_file() else None
+    if state is None or state.get("spec") == spec:
+        return None, state
+    if not overwrite:
         raise PrepareError(f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
                            f"command as before to finish it, choose another output directory, or pass --overwrite")
-    raise PrepareError(f"{out_dir} already holds a different dataset (sources "
-                       f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
-                       f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
-                       f"choose another output directory or pass --overwrite / overwrite=True")
+    return None, None
 
 
 def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,

@@ -11,7 +11,7 @@ from itertools import accumulate
 from typing import Any, Callable, Iterator
 
 from gptlib.data.conversations import Malformed, normalize
-from gptlib.data.hub import describe
+from gptlib.data.hub import describe, http_status
 from gptlib.data.inputs import _ERRORS, Source, _jsonl_object, _jsonl_text, _open_parquet, _parquet_column, corrupt
 from gptlib.errors import PrepareError
 
@@ -256,8 +256,7 @@ def retrying(read: Callable[[dict | None], Iterator[Any]], pos: dict | None, whe
         except PrepareError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the filesystem library raises
-            status = getattr(getattr(e, "response", None), "status_code", None)
-            fatal = isinstance(e, (FileNotFoundError, PermissionError)) or status in (401, 403, 404)
+            fatal = isinstance(e, (FileNotFoundError, PermissionError)) or http_status(e) in (401, 403, 404)
             if fatal or attempt == len(RETRY_DELAYS):
                 tries = "" if fatal else f" after {attempt + 1} attempts"
                 raise PrepareError(f"reading {where} failed{tries}: {describe(e, where)}. Everything up to the last "

@@ -93,7 +93,8 @@ class Engine:
     def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
         self.model, self.tokenizer = model, tokenizer  # used as is: from_run puts the model in eval mode
         self.step, self.source = step, source  # the checkpoint's training step and path, for display
-        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu") -> "Engine":
@@ -104,6 +105,13 @@ class Engine:
     def _logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         # Only the last position: all T of a prefill onto a 32K vocabulary would cost as much as several blocks.
         return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
+
+    def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
+        bs = self.model.config.block_size
+        if cache.pos < bs:
+            return self._logits(buf[:, cur : cur + 1], cache)
+        cache.pos = 0  # the window slides: the newest block_size tokens are prefilled again
+        return self._logits(buf[:, cur + 1 - bs : cur + 1], cache)
 
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
@@ -157,9 +165,7 @@ class Engine:
             check = on_step is not None or stop_t is not None and cur % 16 == 0
             if cur + 1 >= total or check and bool(done.all()):
                 break
-            slide = cache.pos >= bs  # the window slides: the newest block_size tokens are prefilled again
-            cache.pos = 0 if slide else cache.pos
-            logits = self._logits(buf[:, cur + 1 - (bs if slide else 1) : cur + 1], cache)
+            logits = self._next_logits(buf, cur, cache)
         out = [row[n : min(end, cur + 1)] for row, n, end in zip(buf.tolist(), lens, ends)]
         for b, row in enumerate(out):  # each row ends at its first end-of-text
             if (eot := next((j for j, t in enumerate(row) if t in stop_ids), None)) is not None:

@@ -103,7 +103,7 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
     """The model (eval mode) and its verified tokenizer. dtype None keeps the saved fp32 (training from it, evaluation
     under autocast, export); "auto" is the device's own (resolve_dtype: bf16, a T4's fp16, CPU fp32)."""
     info = resolve_checkpoint(run_dir, which, log)
-    weights = load_model_weights(info.path, sha256=info.manifest["files"][MODEL_FILE].get("sha256"))
+    weights = load_model_weights(info.path, info.manifest["files"][MODEL_FILE])
     state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)
     model = GPT(cfg.model)
     load_weights_into(model, weights, info.path / MODEL_FILE)

@@ -34,12 +34,14 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
     """The metrics and samples rows up to the resumed step (the resumed run logs the rest again), from the
     checkpoint's copy `saved` where it has more of them (a fresh VM has no local logs); -> the metrics rows."""
+    kept = {}
     for name in (METRICS_FILE, SAMPLES_FILE):
         rows = [r for r in read_jsonl(run_dir / name) if r.get("step", 0) <= step]
         copy = [r for r in parse_jsonl(saved.get(name, b"").decode(errors="replace")) if r.get("step", 0) <= step]
+        kept[name] = max(rows, copy, key=len)
         if len(copy) > len(rows) or (run_dir / name).exists():
-            atomic_write_bytes(run_dir / name, "".join(json.dumps(r) + "\n" for r in max(rows, copy, key=len)).encode())
-    return read_metrics(run_dir)
+            atomic_write_bytes(run_dir / name, "".join(json.dumps(r) + "\n" for r in kept[name]).encode())
+    return kept[METRICS_FILE]
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:

@@ -193,8 +193,11 @@ class Start:
     resume: Resume | None
     passed: Passed
     base: LoadedModel | None  # --init-from's
-    held: RunConfig | None  # the config the model already has (its shape and recipe stay), and whose it is
-    whose: str
+    held: RunConfig | None  # the config the model already has (its shape and recipe stay)
+
+    @property
+    def whose(self) -> str:  # the held config's
+        return "resumed run" if self.resume is not None else "--init-from base"
 
 
 def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_from: str | None,
@@ -210,8 +213,7 @@ def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_f
         log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
     base = load_base(init_from, meta, log) if init_from and resume is None else None
     held = resume.state.run_config(str(resume.info.path / STATE_FILE)) if resume is not None else base and base.config
-    whose = "resumed run" if resume is not None else "--init-from base"
-    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base, held, whose)
+    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base, held)
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
@@ -334,7 +336,7 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
         s.state.data_changes = [*s.state.data_changes, r.data_change]
     s.resumed_from = s.state.step
     log(f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
-        f"on the {'local disk' if r.origin.is_relative_to(start.run_dir) else 'Drive mirror'}: {r.origin}")
+        f"on the {'Drive mirror' if r.from_mirror else 'local disk'}: {r.origin}")
 
 
 def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
@@ -346,6 +348,6 @@ def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
     writer = CheckpointWriter(start.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every, log=log,
                               mirror_dir=start.mirror_dir, guard=s.lease.check, unreadable=set(passed.unreadable),
                               mirror_listed=passed.mirror_step)
-    if start.resume is not None and start.mirror_dir is not None and start.resume.origin.is_relative_to(start.run_dir):
+    if start.resume is not None and start.mirror_dir is not None and not start.resume.from_mirror:
         writer.mirror_existing(start.resume.info.path, s.state.best_step)
     return writer

@@ -41,7 +41,11 @@ class RunDirError(GptlibError):
 class LeaseLost(GptlibError):
     """lease: another process took this run over while it trained; this one stopped without saving."""
 
-class HungIOError(GptlibError, OSError):
+class UnreadableError(GptlibError, OSError):
+    """checkpoint, fsutil: a file that cannot be read now (not there, not a regular file): not known to be damaged, so
+    never set aside or deleted on its account; callers treat it as any OSError."""
+
+class HungIOError(UnreadableError):
     """fsutil: an I/O call (a hung Drive) made no progress in its time limit; callers treat it as any OSError."""
 
 class OutOfMemoryAdvice(GptlibError, RuntimeError):

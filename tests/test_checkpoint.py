@@ -15,12 +15,14 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
+from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import (CheckpointError, TrainState, list_checkpoints, load_checkpoint, load_weights_into,
                                       save_checkpoint, verify_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.resume import find_resume
 from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.writer import CheckpointWriter
+from gptlib.errors import UnreadableError
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
 from gptlib.training.signals import GracefulStop
 from tests import faulty
@@ -67,8 +69,9 @@ def test_failed_write_removes_partial_and_keeps_previous(tmp_path, monkeypatch):
     verify_checkpoint(tmp_path / "checkpoints" / "step_0000005")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "bad_json", "missing_file", "old_format"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "bad_json", "old_format"])
 def test_loading_detects_damage(tmp_path, damage):
+    """Damage is bytes read and found wrong."""
     p = save(tmp_path, 3)
     f = p / "model.pt"
     if damage == "truncate":
@@ -77,12 +80,8 @@ def test_loading_detects_damage(tmp_path, damage):
         b = bytearray(f.read_bytes())
         b[-10] ^= 0xFF
         f.write_bytes(bytes(b))
-    elif damage == "no_manifest":
-        (p / "manifest.json").unlink()
     elif damage == "bad_json":
         (p / "manifest.json").write_text("{not json")
-    elif damage == "missing_file":
-        f.unlink()
     elif damage == "old_format":
         (p / "manifest.json").write_text('{"format_version": 0, "step": 3, "files": {}}')
     with pytest.raises(CheckpointError, match=str(p)):
@@ -90,6 +89,23 @@ def test_loading_detects_damage(tmp_path, damage):
     if damage != "flip":  # the cheap check (rotation, the writer) sees all but a changed byte
         with pytest.raises(CheckpointError, match=str(p)):
             verify_checkpoint(p)
+
+
+@pytest.mark.parametrize("how", ["no_manifest", "manifest_fifo", "missing_file", "file_fifo"])
+def test_what_cannot_be_read_now_is_not_damage(tmp_path, how):
+    """A file not there or not a regular file (a Drive that does not answer, or is still syncing) is an OSError,
+    UnreadableError: resume waits for it and never sets it aside, rotation keeps it. Was CheckpointError
+    ("no manifest.json (the save did not finish)"), and a resume renamed valid checkpoints on Drive."""
+    p = save(tmp_path, 3)
+    name = "manifest.json" if "manifest" in how else "model.pt"
+    (p / name).unlink()
+    if how.endswith("fifo"):
+        os.mkfifo(p / name)  # opening it would block, as a read on a dead FUSE mount does: never opened here
+    for check in (verify_checkpoint, load_checkpoint):
+        with pytest.raises(UnreadableError, match=str(p / name)) as e:
+            check(p)
+        assert "now (a Drive that does not answer" in str(e.value) and "did not finish" not in str(e.value)
+        assert isinstance(e.value, OSError) and not isinstance(e.value, CheckpointError)
 
 
 def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
@@ -109,13 +125,35 @@ def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
     assert resume.state.step == 20 and resume.origin == drive / "checkpoints" / "step_0000020"
     assert resume.info.path == local / "checkpoints" / "step_0000020"  # the copy it loaded
     assert torch.equal(resume.checkpoint["model"]["w"], sd(2.0)["w"])
-    assert passed.damaged == [drive / "checkpoints" / "step_0000030"] and passed.mirror_step == 30
+    assert list(passed.damaged) == [drive / "checkpoints" / "step_0000030"] and passed.mirror_step == 30
     assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
     put(local, 40, 4.0)
     put(drive, 40, 5.0)  # the same step in both: the local one (fast) is taken
     resume, _ = find_resume(local, drive, logs.append)
     assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(resume.checkpoint["model"]["w"],
                                                                                    sd(4.0)["w"])
+
+
+def test_a_damaged_checkpoint_is_looked_at_again_before_it_is_set_aside(tmp_path, monkeypatch):
+    """Set aside (renamed) only if its manifest is still the one read when it was judged damaged: one that changed
+    since, or cannot be read now (a FIFO: Drive not answering), is left as it is. Was: renamed without a look."""
+    monkeypatch.setattr(gresume, "DRIVE_LIST_TIMEOUT_S", 0.5)
+    local, drive = tmp_path / "local", tmp_path / "drive"
+    for step in (10, 20, 30):
+        save(drive, step, float(step))
+        os.truncate(drive / "checkpoints" / f"step_{step:07d}" / "model.pt", 5)  # all three damaged
+    logs = []
+    resume, passed = find_resume(local, drive, logs.append)
+    assert resume is None and len(passed.damaged) == 3
+    changed, gone = drive / "checkpoints" / "step_0000030", drive / "checkpoints" / "step_0000020"
+    save(drive, 30, 3.5)  # re-saved since (another look finds another manifest)
+    (gone / "manifest.json").unlink()
+    os.mkfifo(gone / "manifest.json")  # cannot be read now
+    gresume.set_aside_damaged(passed, resume, logs.append)
+    names = sorted(p.name.split(".damaged-")[0] + (".damaged" if ".damaged-" in p.name else "")
+                   for p in (drive / "checkpoints").iterdir())
+    assert names == ["step_0000010.damaged", "step_0000020", "step_0000030"]
+    assert sum("looks different now: left as it is" in m for m in logs) == 2, logs
 
 
 def test_malicious_pickle_refused(tmp_path):
@@ -175,9 +213,13 @@ def test_rotate_skips_invalid_and_protected(tmp_path):
     for s in (1, 2, 3, 4):
         save(tmp_path, s)
     root = tmp_path / "checkpoints"
-    (root / "step_0000004" / "manifest.json").unlink()  # invalid: does not count as kept
+    (root / "step_0000004" / "manifest.json").write_text("{not json")  # damaged: does not count as kept
     rotate(tmp_path, keep_last=2, best_step=None, protect={root / "step_0000001"})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003", "step_0000002", "step_0000001"]
+    save(tmp_path, 5)
+    (root / "step_0000005" / "manifest.json").unlink()  # cannot be read now (Drive): kept, not counted
+    rotate(tmp_path, keep_last=2, best_step=None)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000003", "step_0000002"]
 
 
 def test_rotate_deletes_nothing_when_nothing_verifies(tmp_path):

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +25,8 @@ from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from tests.conftest import TINY
+from tests import faulty
+from tests.conftest import REPO, TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
 SETTINGS = TINY + ["keep_last=2"]  # a checkpoint at every validation (every 10 steps)
@@ -160,3 +165,150 @@ def test_rotation_keeps_what_it_cannot_read(tmp_path):
     deleted = rotate(tmp_path, keep_last=2, best_step=None)
     assert [p.name for p in deleted] == ["step_0000002"]
     assert steps(tmp_path) == [4, 3, 1]
+
+
+# --- a Drive that does not answer at resume, in real processes (issue 36, part 1) -------------------------------------
+# Every file of the mirror's checkpoints unreadable: each a FIFO, or a FUSE mount whose reads hang. Before the fix a
+# manifest.json that was not a regular file counted as "no manifest.json (the save did not finish)": both checkpoints
+# were damage, renamed .damaged-* on Drive, and training started from step 0 with exit status 0.
+
+SHORT_WAITS = ("checkpoint.resume.DRIVE_READ_STALL_S=0.5,checkpoint.resume.DRIVE_RESUME_RETRY_S=1,"
+               "checkpoint.resume.DRIVE_RESUME_WAIT_S={wait}")
+
+
+def train_process(char_data, run, mirror, wait_s):
+    """`python -m gptlib train` to step 90, resume waiting `wait_s` for Drive (a read abandoned after 0.5 s)."""
+    cmd = faulty.gptlib_cmd(SHORT_WAITS.format(wait=wait_s), "train", "--data", char_data, "--run-dir", run,
+                            "--mirror-dir", mirror, "--preset", "phase1", "--max-steps", 90, "--device", "cpu",
+                            "--quiet")
+    for s in SETTINGS:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def listing(mirror):
+    """Each name under the mirror's checkpoints with its kind (a FIFO stays a FIFO): what a rename would change."""
+    return sorted((str(p.relative_to(mirror)), stat.S_IFMT(p.lstat().st_mode))
+                  for p in (mirror / "checkpoints").rglob("*"))
+
+
+class AllFifos:
+    """Every file of the mirror's checkpoints, manifest.json included, swapped for a FIFO; back() puts them back."""
+
+    def __init__(self, mirror, keep):
+        self.mirror, self.real = mirror, {}
+        for f in sorted(p for p in (mirror / "checkpoints").rglob("*") if p.is_file()):
+            self.real[f] = keep / "_".join(f.relative_to(mirror).parts)
+            shutil.move(f, self.real[f])
+            os.mkfifo(f)
+
+    def back(self):
+        for f, kept in self.real.items():
+            shutil.copy(kept, f.with_name(f.name + ".back"))
+            os.replace(f.with_name(f.name + ".back"), f)
+
+
+class HangingMount:
+    """The mirror served through a FUSE mount (tests/hangfs.py) whose checkpoint reads block until back()."""
+
+    def __init__(self, source, tmp_path):
+        try:
+            import mfusepy  # noqa: F401 (needs libfuse 3 or 2)
+        except (ImportError, OSError) as e:
+            pytest.skip(f"no FUSE here (mfusepy, libfuse: {e})")
+        if not os.path.exists("/dev/fuse") or shutil.which("fusermount") is None:
+            pytest.skip("no FUSE here (/dev/fuse and fusermount)")
+        self.mirror, self.flag = tmp_path / "mnt", tmp_path / "stalled"
+        self.mirror.mkdir()
+        self.flag.touch()
+        self.server = subprocess.Popen([sys.executable, str(Path(faulty.__file__).with_name("hangfs.py")),
+                                        str(source), str(self.mirror), str(self.flag)], stderr=subprocess.PIPE,
+                                       text=True)
+        deadline = time.monotonic() + 10
+        while not os.path.ismount(self.mirror):
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                pytest.skip(f"FUSE cannot mount here: {self.server.stderr.read()[-300:]}")
+            time.sleep(0.05)
+
+    def back(self):
+        self.flag.unlink(missing_ok=True)
+
+    def close(self):
+        self.back()
+        subprocess.run(["fusermount", "-u", "-z", str(self.mirror)], capture_output=True)
+        self.server.terminate()
+        self.server.wait(10)
+
+
+@pytest.fixture(params=["fifos", "fuse"])
+def dead_drive(request, drive_at_80, tmp_path):
+    """-> (the mirror as training sees it, a function that makes Drive answer again)."""
+    source = tmp_path / "drive"
+    shutil.copytree(drive_at_80, source)
+    if request.param == "fifos":
+        (tmp_path / "real").mkdir()
+        yield source, AllFifos(source, tmp_path / "real").back
+        return
+    mount = HangingMount(source, tmp_path)
+    yield mount.mirror, mount.back
+    mount.close()
+
+
+def read_until(stream, text):
+    """The lines read up to and including the first that holds `text` (AssertionError at end of file)."""
+    lines = []
+    while text not in (lines[-1] if lines else ""):
+        lines.append(stream.readline())
+        assert lines[-1], "".join(lines)
+    return "".join(lines)
+
+
+def test_a_drive_that_never_answers_at_resume_stops_and_renames_nothing(char_data, tmp_path, dead_drive):
+    mirror, back = dead_drive
+    before, run = listing(mirror), tmp_path / "vm2"
+    p = train_process(char_data, run, mirror, wait_s=5)
+    err = read_until(p.stderr, "error:")
+    assert listing(mirror) == before  # nothing renamed or written while Drive was dead
+    # The process cannot exit yet on the hanging mount: the kernel holds a thread blocked in a FUSE read (a dead
+    # Drive does the same) until the read is answered. Drive answering again lets it go.
+    back()
+    out, rest = p.communicate(timeout=120)
+    err += rest
+    assert p.returncode == 2, err[-2000:]
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "could not read" in line and "step_0000080" in line and "step_0000070" in line, line
+    assert "training did not start and nothing was changed" in line and "--skip-unreadable" in line
+    assert err.count("trying again in") >= 2, err  # it waited for Drive, saying so
+    assert "starting from scratch" not in out + err and "did not finish" not in out + err
+    assert [name for name, _ in listing(mirror)] == [name for name, _ in before]
+    assert not run.exists() or not list_checkpoints(run)
+
+
+def test_a_drive_that_answers_again_mid_wait_resumes_from_the_newest(char_data, tmp_path, dead_drive):
+    mirror, back = dead_drive
+    run = tmp_path / "vm2"
+    p = train_process(char_data, run, mirror, wait_s=60)
+    read_until(p.stderr, "trying again in")  # resume is waiting for Drive now
+    back()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert "resumed from step 80" in out and "on the Drive mirror" in out, out
+    assert [row["step"] for row in read_metrics(run)] == list(range(1, 91))
+    assert steps(mirror) == [90, 80] and not list((mirror / "checkpoints").glob("*.damaged-*"))
+
+
+def test_readers_on_a_drive_that_does_not_answer_say_so(char_data, drive_at_80, tmp_path):
+    """sample (as eval and export-hf, through the same resolve_checkpoint) on the mirror of the first test: one line
+    that says the files cannot be read now (was: "incomplete", "no manifest.json (the save did not finish)")."""
+    mirror = tmp_path / "drive"
+    shutil.copytree(drive_at_80, mirror)
+    (tmp_path / "real").mkdir()
+    AllFifos(mirror, tmp_path / "real")
+    p = subprocess.run(faulty.gptlib_cmd(None, "sample", "--run-dir", mirror, "--prompt", "A", "--max-new-tokens", 4),
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    [line] = p.stderr.strip().splitlines()
+    assert "step_0000080" in line and "manifest.json is not a regular file now (a Drive that does not answer?)" in line
+    assert "did not finish" not in line and "incomplete" not in line

@@ -94,9 +94,22 @@ def test_one_flipped_byte_falls_back(char_data, run, capsys):
     assert_fell_back(char_data, run, capsys, "sha256 differs")
 
 
-def test_missing_manifest_falls_back(char_data, run, capsys):
+def test_a_missing_manifest_is_not_damage_training_stops_at_once(char_data, run, capsys):
+    """A checkpoint without its manifest cannot be judged (a save never leaves one so; on Drive it is one not synced
+    yet): not set aside, not passed over silently. On the local disk nothing will change, so no waiting; the line
+    names --skip-unreadable, which goes on from step 15 and keeps it. (Was: "no manifest.json (the save did not
+    finish)", set aside as damaged.)"""
     (ckpt_dir(run, 20) / "manifest.json").unlink()
-    assert_fell_back(char_data, run, capsys, "no manifest.json")
+    before = tree_hashes(run / CKPT)
+    with pytest.raises(CheckpointError) as e:
+        run_inproc(char_data, run)
+    msg = str(e.value)
+    assert "manifest.json is not there now" in msg and "(on the local disk)" in msg and "--skip-unreadable" in msg
+    assert "trying again" not in capsys.readouterr().err  # the local disk is not waited for
+    assert tree_hashes(run / CKPT) == before and not list((run / CKPT).glob("*.damaged-*"))
+    r = run_inproc(char_data, run, skip_unreadable=True)
+    assert r.resumed_from == 15
+    assert not list((run / CKPT).glob("*.damaged-*"))
 
 
 class _Evil:

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from contextlib import suppress
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from gptlib.config import RunConfig
-from gptlib.errors import CheckpointError
+from gptlib.errors import CheckpointError, UnreadableError
 from gptlib.fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, read_bytes_with_timeout
 from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
                            PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
@@ -33,6 +34,8 @@ TRAIN_PARTS = ("optimizer", "scaler", "sampler", "rng")  # train_state.pt's; {} 
 MIN_KEEP_LAST = 2  # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
 DRIVE_LIST_TIMEOUT_S = 60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
 DRIVE_READ_STALL_S = 60.0  # a read from Drive that makes no progress for this long is abandoned
+DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
+                "force_remount=True)) and re-run")
 ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
 
 
@@ -226,9 +229,16 @@ class CheckpointInfo:
 
 
 def read_manifest(path: Path) -> dict:
+    """CheckpointError if its bytes are wrong; UnreadableError (an OSError) if it is not there or not a regular file:
+    on a Drive that does not answer (or is still syncing) neither means damage, and opening a FIFO would block."""
     mpath = path / MANIFEST_FILE
-    if not mpath.is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST_FILE} (the save did not finish)")
+    try:
+        regular = stat.S_ISREG(mpath.stat().st_mode)
+    except FileNotFoundError:
+        raise UnreadableError(f"{mpath} is not there now (a Drive that does not answer or is still syncing; a save "
+                              f"never leaves a checkpoint without it)") from None
+    if not regular:
+        raise UnreadableError(f"{mpath} is not a regular file now (a Drive that does not answer?)")
     try:
         return json.loads(mpath.read_text())
     except ValueError as e:  # bad JSON or UTF-8
@@ -248,8 +258,9 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
             if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
                 raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
         for name, rec in files.items():
-            if not (path / name).is_file():
-                raise CheckpointError(f"{path / name}: listed in the manifest but missing")
+            if not (path / name).is_file():  # not there, or not a regular file: not known to be damaged
+                raise UnreadableError(f"{path / name}: listed in the manifest but not a file there now (a Drive "
+                                      f"that does not answer or is still syncing?)")
             if (size := (path / name).stat().st_size) != rec["size"]:
                 raise CheckpointError(f"{path / name}: size {size:,} bytes, manifest says {rec['size']:,} "
                                       f"(truncated or incomplete)")

@@ -1,30 +1,31 @@
 """Where a run continues from: the newest checkpoint that loads, local or on the Drive mirror (copied here first).
-Damaged ones are set aside; newer ones that could not be read (a slow or hung Drive) are waited for, never given up
-silently. The data must be the run's own unless asked otherwise."""
+Damaged ones (their bytes were read and are wrong) are set aside; newer ones that could not be read (a slow or hung
+Drive, a file not there or not a regular file) are waited for, never given up silently or renamed. The data must be
+the run's own unless asked otherwise."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, TrainState,
-                                      list_checkpoints, load_checkpoint, remove_tree, set_aside, verify_checkpoint)
+from gptlib.checkpoint.format import (DRIVE_ADVICE, DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo,
+                                      TrainState, list_checkpoints, load_checkpoint, remove_tree, set_aside,
+                                      verify_checkpoint)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
-from gptlib.fsutil import Progress, call_with_timeout
-from gptlib.layout import checkpoints_dir, step_of
+from gptlib.fsutil import Progress, call_with_timeout, read_bytes_with_timeout
+from gptlib.layout import MANIFEST_FILE, checkpoints_dir, step_of
 
 # Checkpoints that could not be read (Drive slow or hung) are looked for again this often, for this long; then
 # training stops and says what to do.
 DRIVE_RESUME_RETRY_S = 30.0
 DRIVE_RESUME_WAIT_S = 300.0
-DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
-                "force_remount=True)) and re-run")
 
 
 @dataclass
@@ -44,8 +45,8 @@ class Resume:
 
 
 @dataclass
-class Passed:  # what a resume passed over: the damaged checkpoints are set aside, the unreadable ones never deleted
-    damaged: list[Path] = field(default_factory=list)
+class Passed:  # what a resume passed over: the damaged checkpoints are set aside, the unreadable ones never touched
+    damaged: dict[Path, bytes | None] = field(default_factory=dict)  # -> its manifest as read when judged
     unreadable: dict[Path, str] = field(default_factory=dict)  # checkpoint or unlistable location -> the error
     mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
 
@@ -60,8 +61,9 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
         resume, passed = _search(run_dir, mirror_dir, log, check)
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
         unread = "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
+        on_drive = any(not p.is_relative_to(run_dir) for p in passed.unreadable)  # the local disk will not change
         left = deadline - time.monotonic()
-        if not unread or skip_unreadable or left <= 0:
+        if not unread or skip_unreadable or left <= 0 or not on_drive:
             break
         loud(f"!! could not read {unread}; not going on from {start} while a newer checkpoint may be there: trying "
              f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)")
@@ -69,10 +71,12 @@ def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bo
     if unread and not skip_unreadable:
         for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
             remove_tree(checkpoints_dir(run_dir) / name)
+        tried, advice = (f"tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s", DRIVE_ADVICE) if on_drive else \
+            ("on the local disk", f"Look at it, or move it out of {checkpoints_dir(run_dir)} if it is not needed")
         raise CheckpointError(
-            f"could not read {unread} (tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s): a newer checkpoint may "
-            f"be there, so training did not start and nothing was changed. {DRIVE_ADVICE}; to go on from {start} "
-            f"anyway, pass --skip-unreadable (train(..., skip_unreadable=True)): those checkpoints are kept")
+            f"could not read {unread} ({tried}): a newer checkpoint may be there, so training did not start and "
+            f"nothing was changed. {advice}; to go on from {start} anyway, pass --skip-unreadable "
+            f"(train(..., skip_unreadable=True)): those checkpoints are kept")
     if unread:
         loud(f"!! could not read {unread}. --skip-unreadable: training goes on from {start}; those checkpoints are "
              f"left where they are (this run never deletes them)")
@@ -98,9 +102,9 @@ def _search(run_dir: Path, mirror_dir: Path | None, log,
     for *_, path in sorted(found):
         try:
             return _load(path, run_dir, check), passed
-        except CheckpointError as e:
+        except CheckpointError as e:  # its bytes were read and are wrong
             log(f"skipping checkpoint: {e}")
-            passed.damaged.append(path)
+            passed.damaged[path] = _manifest_bytes(path)
         except OSError as e:
             log(f"skipping checkpoint: {e}")
             passed.unreadable[path] = str(e)
@@ -130,16 +134,28 @@ def _entries(run_dir: Path) -> set[str]:
     return set(os.listdir(root)) if root.is_dir() else set()
 
 
+def _manifest_bytes(path: Path) -> bytes | None:
+    """What a damaged checkpoint is known by until it is set aside (None: not readable now)."""
+    with suppress(OSError):
+        return read_bytes_with_timeout(path / MANIFEST_FILE, DRIVE_LIST_TIMEOUT_S)
+    return None
+
+
 def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
     """Called by the run's one writer before it writes. One that a good copy from the mirror replaced is that copy
-    now: left alone."""
-    for p in passed.damaged:
+    now: left alone. The others are looked at again: one whose manifest changed since or cannot be read now is left
+    as it is (Drive answers differently now)."""
+    for p, seen in passed.damaged.items():
         if resume is not None and p == resume.info.path:
             continue
         try:
-            if call_with_timeout(p.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"looking at {p}"):
-                aside = call_with_timeout(lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}")
-                log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
+            if not call_with_timeout(p.is_dir, DRIVE_LIST_TIMEOUT_S, what=f"looking at {p}"):
+                continue
+            if seen is None or _manifest_bytes(p) != seen:
+                log(f"{p} was found damaged at resume but looks different now: left as it is")
+                continue
+            aside = call_with_timeout(lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}")
+            log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
         except OSError as e:
             loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
 

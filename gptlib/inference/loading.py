@@ -65,11 +65,11 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
     run_dir, skipped = Path(run_dir), []
     table = checkpoint_table(run_dir, skipped)
     newest = table[0]["step"] if table else -1
-    if newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > newest]:
-        log(f"newer checkpoints in {run_dir} are incomplete and were passed over: {'; '.join(newer)}")
+    if table and (newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > newest]):
+        log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")
     if not table:  # the listing answered, so is_dir will too
         why = "/checkpoints (has training saved one yet?)" if run_dir.is_dir() else ": the run directory does not exist"
-        raise CheckpointError(f"no valid checkpoint in {run_dir}{why}")
+        raise CheckpointError(f"no valid checkpoint in {run_dir}" + (f": {'; '.join(skipped)}" if skipped else why))
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
     if which_s == "latest":

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from gptlib.batches import BatchSampler, LossMask, head_ids, load_dataset, loss_masks
-from gptlib.checkpoint.format import RNG, TrainState, load_weights_into
-from gptlib.checkpoint.resume import DRIVE_ADVICE, Passed, Resume, check_same_data, find_resume, set_aside_damaged
+from gptlib.checkpoint.format import DRIVE_ADVICE, RNG, TrainState, load_weights_into
+from gptlib.checkpoint.resume import Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from gptlib.config import RunConfig, TrainConfig

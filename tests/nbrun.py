@@ -6,6 +6,7 @@ plain assignments, so the notebook runs exactly as a user would run it, only sma
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -23,7 +24,9 @@ def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600) -> nbfo
     else:
         raise AssertionError(f"{name}: no parameters cell (a code cell with '# @param')")
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
-    client.execute()
+    # Run on Colab itself (the GPU check), the kernel would see Colab's COLAB_RELEASE_TAG and mount Drive, putting
+    # the runs under /content: a test's kernel runs as on a machine of its own.
+    client.execute(env={k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"})
     return nb
 
 

@@ -142,6 +142,22 @@ def test_probe_reraises_other_errors(monkeypatch):
         memory.probe_micro_batch(model, _per_step(4), "cpu", log=lambda s: None)
 
 
+def test_probe_takes_cublas_failing_to_allocate_as_out_of_memory(monkeypatch):
+    """On a full GPU cuBLAS fails to create its handle outside torch's allocator (autograd's backward thread makes
+    its own): a RuntimeError naming CUBLAS_STATUS_ALLOC_FAILED. Was re-raised by the search; now a smaller size is
+    tried."""
+    model = _tiny_model()
+    real_forward = model.forward
+
+    def cublas_full(idx, targets=None, cache=None):
+        if idx.shape[0] > 4:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return real_forward(idx, targets, cache)
+
+    monkeypatch.setattr(model, "forward", cublas_full)
+    assert memory.probe_micro_batch(model, _per_step(16), "cpu", log=lambda s: None)[:2] == (4, 4)
+
+
 def test_probe_nothing_fits_gives_advice(monkeypatch):
     model = _tiny_model()
 

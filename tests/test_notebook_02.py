@@ -21,6 +21,9 @@ def cell_text(nb, marker: str) -> str:
 
 def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    # as when the suite runs on Colab itself (the GPU check): the kernel must not take itself for Colab's and mount
+    # Drive (tests/nbrun.py)
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
     params = {"RUN_NAME": "nb-smoke", "TEXT_PATH": str(small_text), "MAX_STEPS": 20, "OVERRIDES": TINY}
     nb = run_notebook(NB, params, cwd=tmp_path)
     text = outputs_text(nb)

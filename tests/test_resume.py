@@ -301,3 +301,24 @@ def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monke
     r = train(char_data, run_dir, "phase1", SETTINGS, max_steps=12, device="cpu", progress=False, log=lambda m: None)
     assert r.resumed_from == 10 and len(loaded["model"]) > 5
     assert alive and not any(alive.values()), {part: len(ts) for part, ts in alive.items()}
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "modern"])
+def test_a_resume_trains_with_the_hyperparameters_it_says_changed(char_data, tmp_path, recipe):
+    """--set weight_decay / beta2 / eps-free fields on a resume: the run logs "resume: X changed A -> B" and now
+    trains with B. Was: torch's load_state_dict kept the checkpoint's groups, so it said 0.0 and went on with 0.1."""
+    run = tmp_path / "run"
+    before = TINY + ["weight_decay=0.1", "beta2=0.99", "muon_momentum=0.95"]
+    train(char_data, run, "phase1", before, max_steps=10, device="cpu", progress=False, log=lambda m: None,
+          recipe=recipe)
+    logs = []
+    after = TINY + ["weight_decay=0.0", "beta2=0.9", "muon_momentum=0.8"]
+    r = train(char_data, run, "phase1", after, max_steps=12, device="cpu", progress=False, log=logs.append)
+    assert r.resumed_from == 10 and r.step == 12
+    assert "resume: weight_decay changed 0.1 -> 0.0" in logs and "resume: beta2 changed 0.99 -> 0.9" in logs, logs
+    opt = load_checkpoint(list_checkpoints(run)[0])["optimizer"]
+    adamw = opt["adamw"]["param_groups"] if recipe == "modern" else opt["param_groups"]
+    assert {g["weight_decay"] for g in adamw} <= {0.0} and {tuple(g["betas"]) for g in adamw} == {(0.9, 0.9)}
+    if recipe == "modern":
+        assert "resume: muon_momentum changed 0.95 -> 0.8" in logs, logs
+        assert [(g["momentum"], g["weight_decay"]) for g in opt["muon"]["param_groups"]] == [(0.8, 0.0)]

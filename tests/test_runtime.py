@@ -290,6 +290,36 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     assert plan_data(data, "cuda", reserve_gpu_bytes=reserved[0]).where == "ram"
 
 
+@pytest.mark.parametrize("gpu,total,tight", [("Tesla T4", 15_828_320_256, True), ("NVIDIA L4", 23_580_639_232, False),
+                                             ("NVIDIA A100-SXM4-40GB", 42_298_834_944, False)])
+def test_gpt2_small_near_a_gpus_memory_is_measured_not_trusted(monkeypatch, gpu, total, tight):
+    """gpt2-small's defaults (16 x 1024 per micro-batch, auto_batch off) on a 16 GB T4: estimated at 13.4 GiB of its
+    14.7, which check_fits let through, then minutes of compiling, then an OOM. Now an estimate over 80% of the GPU
+    is measured by auto_batch's probe; on an L4 or A100 the preset's micro-batch stays."""
+    fake_gpu(monkeypatch, gpu, (8, 9) if "L4" in gpu else (7, 5) if "T4" in gpu else (8, 0), total=total)
+    why = memory.check_fits(get_preset("gpt2-small"), CUDA)
+    assert bool(why) == tight, why
+    if tight:
+        assert why == ("batch_size=16 x block_size=1,024 is estimated at 13.4 GiB of the GPU's 14.7 GiB: measuring "
+                       "the largest micro-batch that fits instead")
+    assert memory.check_fits(get_preset("gpt2-small").updated({"auto_batch": True}), CUDA) == ""
+
+
+def test_a_tight_estimate_runs_the_probe_in_training(tmp_path, char_data, monkeypatch):
+    from gptlib.training import setup
+    from gptlib.training.loop import train
+
+    mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=8 * GIB)  # 4 sequences: 42 GiB; 2: 26 GiB
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the real probe; only the memory is a fake
+    monkeypatch.setattr(setup, "check_fits", lambda cfg, device: "estimated near the GPU's memory")
+    logs = []
+    train(char_data, tmp_path / "run", "phase1", TINY + ["batch_size=4", "grad_accum_steps=1"], max_steps=1,
+          device="cpu", progress=False, log=logs.append)
+    tc = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert (tc["batch_size"], tc["grad_accum_steps"], tc["auto_batch"]) == (2, 2, False)
+    assert "auto micro-batch: estimated near the GPU's memory" in logs, logs
+
+
 def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():
     """An untied head is weights, grads and two AdamW moments more (16 B per parameter); eager cross-entropy holds
     14 B per logit: the bf16 logits (2), their fp32 copy (4), log-softmax (4) and its gradient (4)."""
@@ -315,6 +345,19 @@ def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want
     cfg = get_preset(preset).updated({"compile": setting})
     _, on = wrap_for_training(torch.nn.Linear(2, 2), cfg, device, Dist())
     assert on == want and len(compiled) == int(want)
+
+
+def test_compile_auto_weighs_the_steps_left_not_the_whole_run(monkeypatch):
+    """A resume of gpt2-small with 5 steps to go (a few seconds on an A100) does not pay a 1-5 minute compile; one
+    with most of the run ahead does. Was: decided on the whole run, so every resume compiled."""
+    from gptlib.training.setup import wrap_for_training
+
+    fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: m)
+    cfg = get_preset("gpt2-small")
+    steps = cfg.train.max_steps
+    assert [wrap_for_training(torch.nn.Linear(2, 2), cfg, CUDA, Dist(), start)[1] for start in (0, steps // 2, steps - 5)] \
+        == [True, True, False]
 
 
 # --- 7. matmul precision -----------------------------------------------------------------------------------------

@@ -158,6 +158,44 @@ def test_text_shorter_than_one_block_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_no_earlier_micro_batchs_logits_are_alive_at_a_forward():
+    """A step's micro-batches, and validation's batches, each drop their logits (B x T x vocab: 1 GiB in bf16 for
+    gpt2-small at micro-batch 16) before the next forward. Was `_, loss = model(x, y)`: the logits lived on through
+    the backward and the next forward, which the auto micro-batch probe (that frees them) did not count."""
+    import weakref
+
+    from gptlib.config import ModelConfig
+    from gptlib.model import GPT
+    from gptlib.training.step import train_step, validation_loss
+
+    class Watched(GPT):
+        def forward(self, idx, targets=None, cache=None):
+            alive = [i for i, ref in enumerate(self.logits) if ref() is not None]
+            assert not alive, f"the logits of forward(s) {alive} are still alive at forward {len(self.logits)}"
+            out = super().forward(idx, targets, cache)
+            self.logits.append(weakref.ref(out[0]))
+            return out
+
+    class Batches:
+        def next_batch(self):
+            x = torch.randint(0, 64, (2, 16))
+            return x, x
+
+    class Timer:
+        def start(self): pass
+        def mark(self, what): pass
+
+    torch.manual_seed(0)
+    model = Watched(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model.logits = []
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    train_step(model, opt, scaler, Batches(), accum=3, grad_clip=1.0, autocast=torch.autocast("cpu", enabled=False),
+               timer=Timer())
+    validation_loss(model, Batches(), 3, torch.autocast("cpu", enabled=False))
+    assert len(model.logits) == 6
+
+
 def test_lr_schedule_warmup_then_cosine():
     cfg = TrainConfig(learning_rate=1e-3, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(1e-4)

@@ -83,7 +83,8 @@ def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequen
                device: torch.device | str, dtype: torch.dtype | None = None, batch_tokens: int | None = None,
                progress=None) -> np.ndarray:
     """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,); progress(rows)
-    after each batch. The sums stay on the device until the end: one read back, not one per batch."""
+    after each batch. The sums stay on the device until the end (one read back); each batch's tokens are a blocking
+    copy from pageable memory, so on a GPU the host waits for the previous batch there once per batch."""
     device = torch.device(device)
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
     for idx in pack_batches([len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)):

@@ -11,12 +11,6 @@ from gptlib.errors import CheckpointError
 from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
-# A param group's keys that come from the optimizer built for this run, not from the checkpoint: how its update
-# runs on this device (a CPU run's fused=False in a GPU run's fused AdamW fails under a GradScaler and, without one,
-# takes the slow path) and lr_scale (muon_lr may have changed between sessions).
-THIS_RUN_KEYS = ("fused", "foreach", "capturable", "lr_scale")
-
-
 class MuonAdamW:
     """Each param group carries `lr_scale`, its peak LR over learning_rate: the schedule sets both from one value."""
 
@@ -47,14 +41,17 @@ class MuonAdamW:
 
 
 def load_optimizer(optimizer, state: dict) -> None:
-    """load_state_dict with this run's THIS_RUN_KEYS put into the saved groups before loading: torch also places
-    AdamW's step counts by them (on the device when fused)."""
+    """load_state_dict, the saved groups' settings replaced by this run's: the checkpoint gives the state (moments,
+    momentum, step counts) and the lr (the schedule's, set again before every step), the config every hyperparameter
+    (a resume with --set weight_decay=0.0 trains with 0.0, as its "resume: ... changed" line says; betas, eps, Muon's
+    momentum, lr_scale likewise) and this device's flags (a CPU run's fused=False in a GPU run's fused AdamW fails
+    under a GradScaler; torch places AdamW's step counts by them)."""
     if isinstance(optimizer, MuonAdamW):
         optimizer.load_state_dict(state)
         return
     saved = state["param_groups"]
     if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
-        saved = [{**g, **{k: now[k] for k in THIS_RUN_KEYS if k in now}}
+        saved = [{**g, **{k: v for k, v in now.items() if k not in ("params", "lr")}}
                  for g, now in zip(saved, optimizer.param_groups)]
     optimizer.load_state_dict({**state, "param_groups": saved})
 

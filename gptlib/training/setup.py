@@ -50,9 +50,11 @@ def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, An
     return model, optimizer, scaler, dtype
 
 
-def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: distributed.Dist) -> tuple[Any, bool]:
-    """-> (what the loop runs, compiled). DDP goes outermost: its no_sync must be reachable."""
-    compiled = use_compile(cfg.train.compile, device, run_flops(cfg))
+def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: distributed.Dist,
+                      start_step: int = 0) -> tuple[Any, bool]:
+    """-> (what the loop runs, compiled). compile=auto weighs the steps left from start_step (a resume with a few
+    steps to go does not pay a compile). DDP goes outermost: its no_sync must be reachable."""
+    compiled = use_compile(cfg.train.compile, device, run_flops(cfg, start_step))
     return ddp.wrap(torch.compile(model) if compiled else model, device), compiled
 
 
@@ -243,8 +245,9 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
         check_same_model(held, cfg, start.resume.state.step, start.run_dir, log)
     cfg.validate()
     check_cpu_run(cfg, device, cfg.train.device, start.resume.state.step if start.resume else 0, log)
-    check_fits(cfg, device)
-    return fit_micro_batch(cfg, device, ddp, log) if cfg.train.auto_batch else (cfg, 0)
+    if tight := check_fits(cfg, device):
+        log(f"auto micro-batch: {tight}")
+    return fit_micro_batch(cfg, device, ddp, log) if cfg.train.auto_batch or tight else (cfg, 0)
 
 
 def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path, log) -> None:
@@ -305,7 +308,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
         start_from_base(model, base)
     if start.resume is not None:
         _resume(s, start, log)
-    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp)
+    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp, s.state.step)
     if ddp.is_main:  # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
         try:
             atomic_write_json(start.run_dir / CONFIG_FILE, cfg.to_dict())

@@ -47,8 +47,8 @@ def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: floa
         # DDP all-reduces the gradients on the last micro-batch only: the others accumulate locally
         skip_sync = isinstance(model, DistributedDataParallel) and micro < accum - 1
         with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with autocast:
-                _, loss = model(x, y)
+            with autocast:  # [1]: the loss alone; the logits (B, T, vocab) are not kept past the forward
+                loss = model(x, y)[1]
             loss = loss / accum  # the mean over the micro-batches, as one large batch would give
             loss_sum += loss.detach()
             scaler.scale(loss).backward()  # fp16: a scaled loss, so small gradients do not underflow
@@ -73,7 +73,6 @@ def validation_loss(model, sampler, n_batches: int, autocast) -> float:
     for i in range(n_batches):
         x, y = sampler.next_batch()
         with autocast:
-            _, loss = model(x, y)
-        losses[i] = loss.float()
+            losses[i] = model(x, y)[1].float()
     model.train(was_training)
     return float(losses.mean())

@@ -50,6 +50,16 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """Under the GPU check (benchmarks/gpu_check.sh sets these), a failure is written into the part's results file as
+    it happens: a part cut off at its time limit never prints pytest's closing summary."""
+    part, results = os.environ.get("GPTLIB_GPU_PART"), os.environ.get("GPTLIB_GPU_RESULTS")
+    if report.failed and part and results:
+        tag = os.environ.get("GPTLIB_GPU_TAG", "gpu")
+        with open(Path(results) / f"gpu_{tag}_{part}.txt", "a") as f:
+            f.write(f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")
+
+
 @pytest.fixture(autouse=True)
 def _python_sigint_handler():
     """Each test starts with Python's own Ctrl-C handler, as a terminal or a notebook kernel has: a notebook test

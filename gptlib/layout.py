@@ -30,7 +30,7 @@ MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)
 OLD_MARKER = ".old-"  # a same-step checkpoint being replaced
 DELETING_MARKER = ".deleting-"  # a rotated-out checkpoint being deleted
-DAMAGED_MARKER = ".damaged-"  # found damaged at resume, set aside for its owner to look at (never deleted)
+DAMAGED_MARKER = ".damaged-"  # found damaged at resume, set aside for its owner to look at (the newest is kept)
 _STEP_RE = re.compile(r"step_(\d{7,})")
 
 

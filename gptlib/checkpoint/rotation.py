@@ -10,7 +10,7 @@ from pathlib import Path
 from gptlib.checkpoint.format import (MIN_KEEP_LAST, ORPHAN_MARKERS, CheckpointError, list_checkpoints, remove_tree,
                                       verify_checkpoint)
 from gptlib.fsutil import clean_temp_files
-from gptlib.layout import STATE_FILE, checkpoint_name, checkpoints_dir, step_of
+from gptlib.layout import DAMAGED_MARKER, STATE_FILE, checkpoint_name, checkpoints_dir, step_of
 
 
 def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool = True) -> list[Path]:
@@ -30,6 +30,21 @@ def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool =
     if run_level:
         removed += clean_temp_files(run_dir)
     return removed
+
+
+def prune_damaged(run_dir: str | Path, truncate: bool = False) -> tuple[Path | None, list[tuple[Path, int]]]:
+    """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest is kept for its owner to look at; the
+    older ones are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the one kept, the removed
+    ones with their sizes in bytes)."""
+    root = checkpoints_dir(run_dir)
+    aside = [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()] if root.is_dir() else []
+    aside.sort(key=lambda p: (p.name.split(DAMAGED_MARKER)[1], step_of(p)))  # by the time it was set aside
+    removed = []
+    for p in aside[:-1]:
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        remove_tree(p, truncate)
+        removed.append((p, size))
+    return (aside[-1] if aside else None), removed
 
 
 def is_milestone(step: int | None, keep_every: int) -> bool:

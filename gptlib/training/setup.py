@@ -15,7 +15,7 @@ import torch
 from gptlib.batches import BatchSampler, LossMask, head_ids, load_dataset, loss_masks
 from gptlib.checkpoint.format import DRIVE_ADVICE, RNG, TrainState, load_weights_into
 from gptlib.checkpoint.resume import Passed, Resume, check_same_data, find_resume, set_aside_damaged
-from gptlib.checkpoint.rotation import clean_orphans
+from gptlib.checkpoint.rotation import clean_orphans, prune_damaged
 from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
@@ -342,10 +342,26 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
         f"on the {'Drive mirror' if r.from_mirror else 'local disk'}: {r.origin}")
 
 
+def _prune_damaged(run_dir: Path, truncate: bool, log) -> None:
+    """Only the newest damaged checkpoint is kept in each place; each one removed is said, with its size."""
+    try:
+        kept, removed = call_with_timeout(lambda: prune_damaged(run_dir, truncate), IO_TIMEOUT_S,
+                                          what=f"removing older damaged checkpoints in {run_dir}")
+    except OSError as e:  # Drive: housekeeping, tried again at the next start
+        log(f"could not remove the older damaged checkpoints in {run_dir} ({e}); tried again next time")
+        return
+    for path, size in removed:
+        log(f"removed {path.name} ({size / 1e6:,.1f} MB), an older damaged checkpoint: only the newest, {kept.name}, "
+            f"is kept in {path.parent}")
+
+
 def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
     """Rank 0's writer, after what earlier sessions left: damaged checkpoints set aside (a new one must never take
     a damaged one's name), a save killed mid-way removed. A checkpoint resumed from the local disk goes to Drive too."""
     set_aside_damaged(start.passed, start.resume, log)
+    for where in (start.run_dir, start.mirror_dir):
+        if where is not None:
+            _prune_damaged(where, truncate=where == start.mirror_dir, log=log)
     clean_orphans(start.run_dir)  # the mirror is cleaned by its own thread
     tc, passed = s.cfg.train, start.passed
     writer = CheckpointWriter(start.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every, log=log,

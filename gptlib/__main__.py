@@ -6,6 +6,7 @@ import argparse
 import errno
 import sys
 
+from gptlib import __version__
 from gptlib.config import PRESETS, RECIPES
 from gptlib.errors import GptlibError, PrepareError
 
@@ -255,7 +256,17 @@ def cmd_eval(args) -> None:
     print("\n".join(unsaved) or appended, file=sys.stderr)
 
 
+# Flags and commands of earlier releases (CHANGELOG.md): their replacement, not argparse's "unrecognized arguments".
+REMOVED = {"--save-every-steps": "--set save_every_steps=N", "--save-every-minutes": "--set save_every_minutes=M",
+           "--keep-last": "--set keep_last=N", "bench": "python benchmarks/bench.py (from a clone of the repository)"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if gone := next((a.split("=")[0] for a in argv[:1] + [a for a in argv if a.startswith("--")]
+                     if a.split("=")[0] in REMOVED), None):
+        print(f"error: {gone} is not in gptlib {__version__}: use {REMOVED[gone]} (CHANGELOG.md)", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="python -m gptlib", description="Train GPT-style models from scratch.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help, func, arguments in COMMANDS:

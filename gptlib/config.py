@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from gptlib import __version__
 from gptlib.errors import ConfigError
 
 
@@ -104,6 +105,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     preset: str = "custom"  # the preset this config started from (informational)
     recipe: str = "gpt2"  # the recipe its fields started from (RECIPES); a run resumes with its own
+    gptlib_version: str = __version__  # the gptlib that trained with it last ("" in a config of 0.1.0 or earlier)
 
     @property
     def tokens_per_step(self) -> int:
@@ -123,17 +125,21 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "RunConfig":
         """Strict: unknown keys are errors, missing keys take today's defaults; ReLU² and softcap are refused."""
         model, train = dict(d.get("model", {})), d.get("train", {})
+        wrote = d.get("gptlib_version") or "0.1.0 or earlier"
+        versions = f"written by gptlib {wrote}, read by gptlib {__version__}"
         cap = model.pop("logit_softcap", 0)
         if cap or model.get("mlp") == "relu2":
             name, value = ("logit_softcap", cap) if cap else ("mlp", "relu2")
             raise ConfigError(f"{source}: model.{name} is {value!r}, an option gptlib no longer has (no gain measured: "
-                              f"docs/benchmarks.md); use the gptlib version that trained this run")
+                              f"docs/benchmarks.md); {versions}: use the gptlib that trained this run")
         for where, keys, known in ((source, d, cls), (f"{source}: model", model, ModelConfig),
                                    (f"{source}: train", train, TrainConfig)):
             names = sorted(f.name for f in fields(known))
             if unknown := set(keys) - set(names):
-                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {names}")
-        return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"))
+                raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)} ({versions}: use that gptlib or a newer "
+                                  f"one, README.md 'Versions and updating'); known: {names}")
+        return cls(ModelConfig(**model), TrainConfig(**train), d.get("preset", "custom"), d.get("recipe", "gpt2"),
+                   d.get("gptlib_version", ""))
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
         """A copy, not validated, with fields set by name (`n_layer` or `model.n_layer`) from a dict or FIELD=VALUE."""

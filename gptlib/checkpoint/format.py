@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gptlib import __version__
 from gptlib.config import RunConfig
 from gptlib.errors import CheckpointError, UnreadableError
 from gptlib.fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, read_bytes_with_timeout
@@ -119,9 +120,9 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     files |= {name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()}
     try:
         records = {name: _write_hashed(partial / name, write) for name, write in files.items()}
-        # format_version: what gptlib versions before issue 27 check before reading
-        atomic_write_json(partial / MANIFEST_FILE, {"format_version": 1, "step": step, "time": time.time(),
-                                                    "files": records})
+        # format_version: what gptlib 0.1.0 checks before reading; gptlib_version: the gptlib that wrote it
+        atomic_write_json(partial / MANIFEST_FILE, {"format_version": 1, "gptlib_version": __version__, "step": step,
+                                                    "time": time.time(), "files": records})
         install(partial, final)
     except BaseException as e:
         full = _disk_nearly_full(root)  # measured before the partial files are removed

@@ -252,6 +252,9 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
 
 def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path, log) -> None:
     """A checkpoint resumes into its own model and optimizer only; any other change is said."""
+    if saved.gptlib_version != asked.gptlib_version:
+        log(f"resume: trained by gptlib {saved.gptlib_version or '0.1.0 or earlier'} so far, by gptlib "
+            f"{asked.gptlib_version} from step {step:,} on")
     for section, name in [("model", n) for n in ("vocab_size", *SHAPE)] + [("train", "optimizer")]:
         a, b = getattr(getattr(saved, section), name), getattr(getattr(asked, section), name)
         if a != b:

@@ -374,3 +374,33 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(tmp_pa
     assert re.search(r"time data \d+% fwd_bwd \d+% optim \d+%", title), title  # notebook 03's one view of the split
     assert re.search(rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
                      r"first step, validations and saves included \(max_steps\)", r.summary()), r.summary()
+
+
+def test_the_live_plots_title_fits_the_figure_and_drops_the_eta_once_training_stopped(tmp_path):
+    """Notebook 03's title ran off both edges of the figure ("...fwd_bwd 97% optim 3%" cut off) and kept its ETA
+    after an interrupt. The speed goes on a line of its own, everything inside the figure; the title names the last
+    validation, also when the last row (an interrupt's save) has none; without a row (train() returned) no ETA."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from gptlib.training.logs import LivePlot
+
+    speed = {"tokens_per_s": 1234567.0, "mfu": 0.4567, "eta_s": 45240.0,
+             "time_split": {"data": 0.001, "fwd_bwd": 0.97, "optim": 0.03}}
+    rows = [{"step": s, "train_loss": 3 - s / 1e4, "tokens_seen": s * 524288} for s in range(1, 12001, 100)]
+    rows[-2].update(val_loss=2.25, **speed)  # the last validation, at step 11,801
+    rows[-1].update(speed)  # the interrupt's row: no val loss
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot = LivePlot(tmp_path, title="gpt2-small · my-second-run-with-the-modern-recipe-on-fineweb-edu-10B-and-muon")
+
+    def drawn_title(fig):
+        FigureCanvasAgg(fig).draw()
+        title = fig.axes[0].title
+        box, page = title.get_window_extent(), fig.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)
+        return title.get_text()
+
+    running = drawn_title(plot.figure(rows[-2]))  # train()'s on_log, at the validation
+    assert "step 11,801: val 2.2500" in running and "ETA 12h34m" in running, running
+    assert "time data 0% fwd_bwd 97% optim 3%" in running.splitlines()[-1], running
+    stopped = drawn_title(plot.figure())  # notebook 03's plot.update() after train() returned
+    assert "ETA" not in stopped and "step 11,801: val 2.2500" in stopped and "1.23M tok/s" in stopped, stopped

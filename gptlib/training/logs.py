@@ -263,11 +263,13 @@ class MetricsLog:
 
 # The plots: bare matplotlib Figures (matplotlib imported here only: `import gptlib.training.logs` stays light).
 def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
+    """Constrained layout makes room for a title of several lines, which wrap=True breaks to the figure's width
+    (a long run name or speed line was cut off at both edges)."""
     from matplotlib.figure import Figure
 
-    ax = Figure(figsize=figsize, dpi=dpi).add_subplot(1, 1, 1)
+    ax = Figure(figsize=figsize, dpi=dpi, layout="constrained").add_subplot(1, 1, 1)
     ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10, wrap=True)
     ax.grid(alpha=0.3)
     return ax
 
@@ -285,7 +287,6 @@ def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 10
             ax.plot(*zip(*points), style, label=key.removesuffix("_loss"), lw=lw, ms=3)
     if add_hellaswag_axis(ax, rows) is None and ax.lines:
         ax.legend()
-    ax.figure.tight_layout()
     return ax.figure
 
 
@@ -315,13 +316,16 @@ class LivePlot:
                 self.handle = display({"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
                                       raw=True, display_id=True)
 
-    def figure(self, last: dict | None = None):
+    def figure(self, row: dict | None = None):
+        """The run's metrics.jsonl. The title: the run and its last validation; below, the speed of `row` (train's
+        on_log: training runs), else the last row's without its ETA (training has stopped: the ETA is stale)."""
         rows = read_metrics(self.run_dir)
-        last = last or (rows[-1] if rows else {})
-        parts = [self.title,
-                 last.get("val_loss") is not None and f"step {last['step']:,}: val {last['val_loss']:.4f}",
-                 speed_text(last, split=True)]
-        return loss_figure(rows, " · ".join(p for p in parts if p), figsize=(8, 3.6), dpi=90)
+        val = next((r for r in reversed(rows) if r.get("val_loss") is not None), None)
+        if row is None:
+            row = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "eta_s"}
+        head = " · ".join(filter(None, [self.title, val and f"step {val['step']:,}: val {val['val_loss']:.4f}"]))
+        title = "\n".join(filter(None, [head, speed_text(row, split=True)]))
+        return loss_figure(rows, title, figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
         fig = self.figure(row)
@@ -357,5 +361,4 @@ def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int
         ax.plot(*zip(*pts), "o-", label="this run")
     _references(ax, "tab:red", 1)
     ax.legend(fontsize=8)
-    ax.figure.tight_layout()
     return ax.figure

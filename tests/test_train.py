@@ -404,3 +404,23 @@ def test_the_live_plots_title_fits_the_figure_and_drops_the_eta_once_training_st
     assert "time data 0% fwd_bwd 97% optim 3%" in running.splitlines()[-1], running
     stopped = drawn_title(plot.figure())  # notebook 03's plot.update() after train() returned
     assert "ETA" not in stopped and "step 11,801: val 2.2500" in stopped and "1.23M tok/s" in stopped, stopped
+
+
+def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp_path, char_data):
+    """After a disconnect notebook 03's plot stayed empty until the next validation, minutes away on gpt2-small,
+    though the earlier steps were on Drive: train()'s on_log now draws them as soon as the run is resumed."""
+    from gptlib.training.logs import LivePlot
+
+    args = dict(preset="phase1", overrides=TINY + ["eval_interval=5"], progress=False, log=quiet,
+                mirror_dir=tmp_path / "drive")
+    train(char_data, tmp_path / "vm1", max_steps=10, **args)
+    drawn = []
+
+    def on_log(row):  # notebook 03's plot.update, and what it drew
+        fig = LivePlot(tmp_path / "vm2").figure(row)
+        drawn.append((row["step"], list(fig.axes[0].lines[0].get_xdata()), fig.axes[0].get_title()))
+
+    r = train(char_data, tmp_path / "vm2", max_steps=15, on_log=on_log, **args)  # a fresh VM: the history on Drive
+    assert r.resumed_from == 10 and [step for step, _, _ in drawn] == [10, 15]
+    step, train_steps, title = drawn[0]
+    assert train_steps == list(range(1, 11)) and "step 10: val" in title and "tok/s" not in title, title

@@ -157,6 +157,9 @@ class MetricsLog:
         self.warm = False  # the session's first step is behind us
         if session.compiled:
             self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
+        # A resume: a live plot draws the run so far now, not at the next validation (minutes away on a big model).
+        if self.history and on_log is not None:
+            on_log({"step": session.state.step, "samples": []})
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)

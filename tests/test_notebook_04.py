@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 
 from tests.conftest import TINY
 from tests.nbrun import outputs_text, run_notebook
@@ -32,10 +33,16 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     printed = "".join(o.get("text", "") for o in gen_cell.outputs)
     assert printed.startswith("ROMEO:") and len(printed.rstrip("\n")) >= len("ROMEO:") + 1
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
-    # The comparison: 2 prompts x 2 checkpoints, oldest first.
+    # The comparison: a table, a row per checkpoint (oldest first), a column per prompt, each cell top-left.
     cmp_cell = next(c for c in nb.cells if c.cell_type == "code" and "Engine.from_run(" in c.source)
-    cmp = "".join(o.get("text", "") for o in cmp_cell.outputs)
-    assert cmp.index("=== step 5") < cmp.index("=== step 10") and cmp.count("ROMEO:") == 2 and cmp.count("KING") == 2
+    shown = [o["data"]["text/html"] for o in cmp_cell.outputs if "text/html" in o.get("data", {})]
+    assert len(shown) == 1 and not any(o.get("text") for o in cmp_cell.outputs), cmp_cell.outputs
+    table = ET.fromstring("".join(shown[0]))
+    grid = [["".join(c.itertext()) for c in tr] for tr in table.iter("tr")]
+    assert grid[0] == ["checkpoint", "'ROMEO:'", "'KING'"] and len(grid) == 3, grid
+    assert grid[1][0].startswith("step 5 · val") and grid[2][0].startswith("step 10 · val"), grid
+    assert all(r[1].startswith("ROMEO:") and r[2].startswith("KING") and len(r[1]) > len("ROMEO:") for r in grid[1:])
+    assert all("vertical-align:top" in c.get("style") for tr in table.iter("tr") for c in tr)
     # Evaluate: both checkpoints x {bpb, HellaSwag}, the GPT-2 reference row, the acc_norm plot, eval.jsonl.
     eval_cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
     table = "".join(o.get("text", "") for o in eval_cell.outputs)

@@ -64,19 +64,24 @@ def write_samples_table(run_dir: Path) -> None:
 
 
 def samples_html(run_dir: str | Path) -> str:
-    """samples.md as an HTML table, each cell aligned top-left: a notebook's own table style centres a cell
-    vertically (two samples of a row start at different heights) and right-aligns its text."""
+    """samples.md as an HTML table: a row per validation step, a column per fixed prompt."""
     prompts, steps, cell = _samples_grid(Path(run_dir))
     if not steps:
         return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
+    return html_table("step", [repr(p) for p in prompts],
+                      [(f"{st:,}", [cell.get((st, p), "") for p in prompts]) for st in steps])
+
+
+def html_table(corner: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """Texts side by side: a header row (`corner`, then `columns`), then each row's label and a text per column, as
+    written (line breaks kept). Each cell aligns top-left: a notebook's own table style centres a cell vertically (two
+    texts of a row start at different heights) and right-aligns its text."""
     td = "border:1px solid #ccc;padding:4px 6px;vertical-align:top;text-align:left"
     pre = '<pre style="white-space:pre-wrap;margin:0;font-size:12px">'
-    head = "".join(f'<th style="{td}">{html.escape(repr(p))}</th>' for p in prompts)
-    body = "".join(f'<tr><th style="{td}">{st:,}</th>' + "".join(
-        f'<td style="{td}">{pre}{html.escape(cell.get((st, p), ""))}</pre></td>' for p in prompts) + "</tr>"
-        for st in steps)
-    return (f'<table class="gptlib-samples" style="border-collapse:collapse"><tr><th style="{td}">step</th>{head}'
-            f"</tr>{body}</table>")
+    head = "".join(f'<th style="{td}">{html.escape(c)}</th>' for c in [corner, *columns])
+    body = "".join(f'<tr><th style="{td}">{html.escape(label)}</th>' + "".join(
+        f'<td style="{td}">{pre}{html.escape(text)}</pre></td>' for text in texts) + "</tr>" for label, texts in rows)
+    return f'<table class="gptlib-samples" style="border-collapse:collapse"><tr>{head}</tr>{body}</table>'
 
 
 def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,

@@ -15,6 +15,8 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     run = tmp_path / "root" / "runs" / "nb04"
     train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    train(char_data, run.with_name("nb04-small-batch"), overrides=TINY + ["eval_interval=5", "batch_size=4"],
+          max_steps=10, progress=False, log=lambda s: None)  # a run to compare with
     hs_file = tmp_path / "hellaswag_small.jsonl"  # HellaSwag-shaped items the char vocabulary can encode
     hs_file.write_text("".join(json.dumps({"ctx": "KING RICHARD", "label": i % 4,
                                            "endings": ["my lord", "the crown", "a horse", "to bed"]}) + "\n"
@@ -53,6 +55,9 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     assert all(r["n"] == 6 for r in eval_rows if r["task"] == "hellaswag")
     plot_cell = next(c for c in nb.cells if c.cell_type == "code" and "hellaswag_figure(" in c.source)
     assert any("image/png" in o.get("data", {}) for o in plot_cell.outputs)
+    runs_cell = next(c for c in nb.cells if c.cell_type == "code" and "runs_figure(" in c.source)  # both runs' val loss
+    assert [o["output_type"] for o in runs_cell.outputs] == ["display_data"], runs_cell.outputs
+    assert "image/png" in runs_cell.outputs[0]["data"]
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["GPT2LMHeadModel"] and (tmp_path / "hf" / "tokenizer.json").is_file()
 

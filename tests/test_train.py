@@ -424,3 +424,30 @@ def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp
     assert r.resumed_from == 10 and [step for step, _, _ in drawn] == [10, 15]
     step, train_steps, title = drawn[0]
     assert train_steps == list(range(1, 11)) and "step 10: val" in title and "tok/s" not in title, title
+
+
+def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(tmp_path, char_data, monkeypatch):
+    """Notebook 04's run comparison: this run and the others under the runs folder (one only on "Drive", its mirror),
+    each a line of val loss against tokens seen, the legend naming it with its preset and recipe; a run of another
+    vocabulary (loss per character vs per token) or without a checkpoint is left out unless named."""
+    from gptlib import find_runs, runs_figure
+    from gptlib.errors import CheckpointError
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    runs, args = tmp_path / "root" / "runs", dict(preset="phase1", max_steps=10, progress=False, log=quiet)
+    train(char_data, runs / "a", overrides=TINY + ["eval_interval=5"], **args)
+    train(char_data, tmp_path / "vm" / "b", overrides=TINY + ["eval_interval=5", "batch_size=4"], recipe="modern",
+          mirror_dir=runs / "b", **args)  # the VM's copy is gone; on Drive the rows are in each checkpoint
+    chars = json.loads((runs / "a" / "config.json").read_text())["model"]["vocab_size"]
+    for name, vocab in (("bpe", 32768), ("new", chars)):  # "new": no checkpoint yet
+        (runs / name).mkdir()
+        (runs / name / "config.json").write_text(json.dumps({"model": {"vocab_size": vocab}}))
+    found = find_runs("", runs / "a")
+    assert found == [runs / "a", runs / "b"], found
+    ax = runs_figure(found).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (phase1, gpt2)", "b (phase1, modern)"]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[5 * 256, 10 * 256], [5 * 128, 10 * 128]]
+    assert all(len(line.get_ydata()) == 2 for line in ax.lines)
+    assert find_runs(f"{runs / 'a'}, b", runs / "a") == [runs / "a", runs / "b"]  # named: those, each once
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        find_runs("new", runs / "a")

@@ -21,10 +21,11 @@ import torch
 from gptlib.evaluation.hellaswag import GPT2_124M
 from gptlib.fsutil import atomic_write, atomic_write_bytes, parse_jsonl, read_jsonl
 from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference.loading import run_history
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.model import model_size
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import perf_fields, speed_text
+from gptlib.training.throughput import fmt_tokens, perf_fields, speed_text
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -343,6 +344,26 @@ class LivePlot:
             buf = io.BytesIO()
             fig.savefig(buf, format="png")
             self.handle.update(Image(data=buf.getvalue(), format="png"))
+
+
+def runs_figure(run_dirs: Sequence[str | Path], title: str = "validation loss against tokens seen", figsize=(8, 4),
+                dpi: int = 90):
+    """Each run's validation loss (local or on Drive) against the tokens it has seen, a line per run, the legend
+    naming it with its preset and recipe: runs of other batch sizes or recipes compare at equal tokens."""
+    ax = _axes(figsize, dpi, "tokens seen", "validation loss (nats/token)", title)
+    for run_dir in map(Path, run_dirs):
+        try:
+            rows, cfg = run_history(run_dir)
+        except (OSError, ValueError) as e:  # a hung Drive, a damaged config.json: the other runs are drawn
+            ax.plot([], [], " ", label=f"{run_dir.name}: not read ({type(e).__name__})")
+            continue
+        points = [(r["tokens_seen"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        what = ", ".join(str(cfg[k]) for k in ("preset", "recipe") if k in cfg) or "no config.json"
+        ax.plot(*(zip(*points) if points else ([], [])), "o-", lw=1.5, ms=3,
+                label=f"{run_dir.name} ({what})" + ("" if points else ": no validation yet"))
+    ax.xaxis.set_major_formatter(lambda x, _: fmt_tokens(x))  # 500M, 1B, 1.5B
+    ax.legend(fontsize=8)
+    return ax.figure
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):

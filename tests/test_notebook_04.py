@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 
 from tests.conftest import TINY
@@ -26,7 +27,9 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
               "HELLASWAG_FILE": str(hs_file), "BPB_WINDOWS": 20}
     nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
-    assert "step 10 · val" in text and "step 5 · val" in text  # the checkpoint list
+    # the checkpoint list; its "val" says it is training's validation (eval_batches=2), not the eval table's windows
+    assert re.search(r"step 10 · val \d\.\d{3} \(training's validation: 2 batches\) · best\n", text), text
+    assert re.search(r"step 5 · val \d\.\d{3} \(training's validation: 2 batches\)\n", text), text
     # The playground is displayed as a widget ...
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))
@@ -49,6 +52,9 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     eval_cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
     table = "".join(o.get("text", "") for o in eval_cell.outputs)
     assert "step 5" in table and "step 10" in table and "GPT-2 124M (OpenAI)" in table and "0.2955" in table
+    assert re.search(r"nats/token +windows +tokens", table)
+    assert re.search(r"step 5 +1,280 +[\d.]+ +[\d.]+ +20 +640 ", table), table  # BPB_WINDOWS 20 of 32 tokens
+    assert "nats/token: on the windows column's windows" in table and "is training's validation" in table
     eval_rows = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
     assert sorted((r["task"], r["step"]) for r in eval_rows) == [("bpb", 5), ("bpb", 10), ("hellaswag", 5),
                                                                  ("hellaswag", 10)]

@@ -47,7 +47,7 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
                 skipped.append(f"{p.name}: {e}")
                 continue
             rows.append({"step": info.step, "val_loss": state.get("val_loss"), "best_step": state.get("best_step"),
-                         "info": info})
+                         "val_batches": state.get("config", {}).get("train", {}).get("eval_batches"), "info": info})
         for r in rows:
             r["is_best"] = r["step"] == rows[0]["best_step"]
         return rows
@@ -56,8 +56,10 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 
 def checkpoint_label(row: dict) -> str:
-    """A checkpoint_table row as "step 1,000 · val 1.523 · best"."""
-    val = f" · val {row['val_loss']:.3f}" if row.get("val_loss") is not None else ""
+    """A checkpoint_table row as "step 1,000 · val 1.523 (training's validation: 20 batches) · best": the loss training
+    measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
+    batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
+    val = f" · val {row['val_loss']:.3f} (training's validation{batches})" if row.get("val_loss") is not None else ""
     return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
 
 

@@ -14,10 +14,12 @@ _WHERE = {
     "fetch_tinyshakespeare": "gptlib.data.download", "find_dataset": "gptlib.data.shards",
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
-    "samples_html": "gptlib.training.logs", "LivePlot": "gptlib.training.logs", "run_title": "gptlib.training.logs",
-    "hellaswag_figure": "gptlib.training.logs",
+    "samples_html": "gptlib.training.logs", "html_table": "gptlib.training.logs", "LivePlot": "gptlib.training.logs",
+    "run_title": "gptlib.training.logs", "hellaswag_figure": "gptlib.training.logs",
+    "runs_figure": "gptlib.training.logs",
     # a trained run at work (gptlib/inference/)
     "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
+    "find_runs": "gptlib.inference.loading",
     "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
     "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.engine",
     "export_hf": "gptlib.inference.export", "export_gguf": "gptlib.inference.export",

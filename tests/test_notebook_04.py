@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import xml.etree.ElementTree as ET
 
 from tests.conftest import TINY
 from tests.nbrun import outputs_text, run_notebook
@@ -14,6 +16,8 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     run = tmp_path / "root" / "runs" / "nb04"
     train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    train(char_data, run.with_name("nb04-small-batch"), overrides=TINY + ["eval_interval=5", "batch_size=4"],
+          max_steps=10, progress=False, log=lambda s: None)  # a run to compare with
     hs_file = tmp_path / "hellaswag_small.jsonl"  # HellaSwag-shaped items the char vocabulary can encode
     hs_file.write_text("".join(json.dumps({"ctx": "KING RICHARD", "label": i % 4,
                                            "endings": ["my lord", "the crown", "a horse", "to bed"]}) + "\n"
@@ -23,7 +27,9 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
               "HELLASWAG_FILE": str(hs_file), "BPB_WINDOWS": 20}
     nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
-    assert "step 10 · val" in text and "step 5 · val" in text  # the checkpoint list
+    # the checkpoint list; its "val" says it is training's validation (eval_batches=2), not the eval table's windows
+    assert re.search(r"step 10 · val \d\.\d{3} \(training's validation: 2 batches\) · best\n", text), text
+    assert re.search(r"step 5 · val \d\.\d{3} \(training's validation: 2 batches\)\n", text), text
     # The playground is displayed as a widget ...
     assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))
@@ -32,20 +38,32 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     printed = "".join(o.get("text", "") for o in gen_cell.outputs)
     assert printed.startswith("ROMEO:") and len(printed.rstrip("\n")) >= len("ROMEO:") + 1
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
-    # The comparison: 2 prompts x 2 checkpoints, oldest first.
+    # The comparison: a table, a row per checkpoint (oldest first), a column per prompt, each cell top-left.
     cmp_cell = next(c for c in nb.cells if c.cell_type == "code" and "Engine.from_run(" in c.source)
-    cmp = "".join(o.get("text", "") for o in cmp_cell.outputs)
-    assert cmp.index("=== step 5") < cmp.index("=== step 10") and cmp.count("ROMEO:") == 2 and cmp.count("KING") == 2
+    shown = [o["data"]["text/html"] for o in cmp_cell.outputs if "text/html" in o.get("data", {})]
+    assert len(shown) == 1 and not any(o.get("text") for o in cmp_cell.outputs), cmp_cell.outputs
+    table = ET.fromstring("".join(shown[0]))
+    grid = [["".join(c.itertext()) for c in tr] for tr in table.iter("tr")]
+    assert grid[0] == ["checkpoint", "'ROMEO:'", "'KING'"] and len(grid) == 3, grid
+    assert grid[1][0].startswith("step 5 · val") and grid[2][0].startswith("step 10 · val"), grid
+    assert all(r[1].startswith("ROMEO:") and r[2].startswith("KING") and len(r[1]) > len("ROMEO:") for r in grid[1:])
+    assert all("vertical-align:top" in c.get("style") for tr in table.iter("tr") for c in tr)
     # Evaluate: both checkpoints x {bpb, HellaSwag}, the GPT-2 reference row, the acc_norm plot, eval.jsonl.
     eval_cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
     table = "".join(o.get("text", "") for o in eval_cell.outputs)
     assert "step 5" in table and "step 10" in table and "GPT-2 124M (OpenAI)" in table and "0.2955" in table
+    assert re.search(r"nats/token +windows +tokens", table)
+    assert re.search(r"step 5 +1,280 +[\d.]+ +[\d.]+ +20 +640 ", table), table  # BPB_WINDOWS 20 of 32 tokens
+    assert "nats/token: on the windows column's windows" in table and "is training's validation" in table
     eval_rows = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
     assert sorted((r["task"], r["step"]) for r in eval_rows) == [("bpb", 5), ("bpb", 10), ("hellaswag", 5),
                                                                  ("hellaswag", 10)]
     assert all(r["n"] == 6 for r in eval_rows if r["task"] == "hellaswag")
     plot_cell = next(c for c in nb.cells if c.cell_type == "code" and "hellaswag_figure(" in c.source)
     assert any("image/png" in o.get("data", {}) for o in plot_cell.outputs)
+    runs_cell = next(c for c in nb.cells if c.cell_type == "code" and "runs_figure(" in c.source)  # both runs' val loss
+    assert [o["output_type"] for o in runs_cell.outputs] == ["display_data"], runs_cell.outputs
+    assert "image/png" in runs_cell.outputs[0]["data"]
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["GPT2LMHeadModel"] and (tmp_path / "hf" / "tokenizer.json").is_file()
 

@@ -1,6 +1,7 @@
 """Notebook 05 executed headless in a smoke setting: GPT-2 (a tiny GPT2LMHeadModel folder standing in for
 the Hub's) imported as the base, a chat jsonl tokenized with its tokenizer, fine-tuned, a first message
-answered; re-run after a 'disconnect' reuses the import and the data and resumes the fine-tune."""
+answered; re-run after a 'disconnect' reuses the import and the data and resumes the fine-tune; run once more,
+finished, it draws the loss plot."""
 
 import json
 
@@ -41,3 +42,11 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     assert "resumed from step 12" in text and "done: step 18" in text
     rows = [json.loads(x) for x in (root / "runs" / "ft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 19))
+
+    # Run all again on the finished fine-tune: it says so, and its loss plot is drawn (not "drawn here at the first
+    # validation", which never comes).
+    nb = run_notebook("05_finetune_chat.ipynb", params, cwd=tmp_path)
+    train_cell = next(c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source)
+    assert "already finished at step 18" in "".join(o.get("text", "") for o in train_cell.outputs)
+    shown = [o["data"] for o in train_cell.outputs if o.get("output_type") == "display_data"]
+    assert len(shown) == 1 and "image/png" in shown[0], shown

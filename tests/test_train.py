@@ -374,3 +374,80 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(tmp_pa
     assert re.search(r"time data \d+% fwd_bwd \d+% optim \d+%", title), title  # notebook 03's one view of the split
     assert re.search(rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
                      r"first step, validations and saves included \(max_steps\)", r.summary()), r.summary()
+
+
+def test_the_live_plots_title_fits_the_figure_and_drops_the_eta_once_training_stopped(tmp_path):
+    """Notebook 03's title ran off both edges of the figure ("...fwd_bwd 97% optim 3%" cut off) and kept its ETA
+    after an interrupt. The speed goes on a line of its own, everything inside the figure; the title names the last
+    validation, also when the last row (an interrupt's save) has none; without a row (train() returned) no ETA."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from gptlib.training.logs import LivePlot
+
+    speed = {"tokens_per_s": 1234567.0, "mfu": 0.4567, "eta_s": 45240.0,
+             "time_split": {"data": 0.001, "fwd_bwd": 0.97, "optim": 0.03}}
+    rows = [{"step": s, "train_loss": 3 - s / 1e4, "tokens_seen": s * 524288} for s in range(1, 12001, 100)]
+    rows[-2].update(val_loss=2.25, **speed)  # the last validation, at step 11,801
+    rows[-1].update(speed)  # the interrupt's row: no val loss
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot = LivePlot(tmp_path, title="gpt2-small · my-second-run-with-the-modern-recipe-on-fineweb-edu-10B-and-muon")
+
+    def drawn_title(fig):
+        FigureCanvasAgg(fig).draw()
+        title = fig.axes[0].title
+        box, page = title.get_window_extent(), fig.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)
+        return title.get_text()
+
+    running = drawn_title(plot.figure(rows[-2]))  # train()'s on_log, at the validation
+    assert "step 11,801: val 2.2500" in running and "ETA 12h34m" in running, running
+    assert "time data 0% fwd_bwd 97% optim 3%" in running.splitlines()[-1], running
+    stopped = drawn_title(plot.figure())  # notebook 03's plot.update() after train() returned
+    assert "ETA" not in stopped and "step 11,801: val 2.2500" in stopped and "1.23M tok/s" in stopped, stopped
+
+
+def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp_path, char_data):
+    """After a disconnect notebook 03's plot stayed empty until the next validation, minutes away on gpt2-small,
+    though the earlier steps were on Drive: train()'s on_log now draws them as soon as the run is resumed."""
+    from gptlib.training.logs import LivePlot
+
+    args = dict(preset="phase1", overrides=TINY + ["eval_interval=5"], progress=False, log=quiet,
+                mirror_dir=tmp_path / "drive")
+    train(char_data, tmp_path / "vm1", max_steps=10, **args)
+    drawn = []
+
+    def on_log(row):  # notebook 03's plot.update, and what it drew
+        fig = LivePlot(tmp_path / "vm2").figure(row)
+        drawn.append((row["step"], list(fig.axes[0].lines[0].get_xdata()), fig.axes[0].get_title()))
+
+    r = train(char_data, tmp_path / "vm2", max_steps=15, on_log=on_log, **args)  # a fresh VM: the history on Drive
+    assert r.resumed_from == 10 and [step for step, _, _ in drawn] == [10, 15]
+    step, train_steps, title = drawn[0]
+    assert train_steps == list(range(1, 11)) and "step 10: val" in title and "tok/s" not in title, title
+
+
+def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(tmp_path, char_data, monkeypatch):
+    """Notebook 04's run comparison: this run and the others under the runs folder (one only on "Drive", its mirror),
+    each a line of val loss against tokens seen, the legend naming it with its preset and recipe; a run of another
+    vocabulary (loss per character vs per token) or without a checkpoint is left out unless named."""
+    from gptlib import find_runs, runs_figure
+    from gptlib.errors import CheckpointError
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    runs, args = tmp_path / "root" / "runs", dict(preset="phase1", max_steps=10, progress=False, log=quiet)
+    train(char_data, runs / "a", overrides=TINY + ["eval_interval=5"], **args)
+    train(char_data, tmp_path / "vm" / "b", overrides=TINY + ["eval_interval=5", "batch_size=4"], recipe="modern",
+          mirror_dir=runs / "b", **args)  # the VM's copy is gone; on Drive the rows are in each checkpoint
+    chars = json.loads((runs / "a" / "config.json").read_text())["model"]["vocab_size"]
+    for name, vocab in (("bpe", 32768), ("new", chars)):  # "new": no checkpoint yet
+        (runs / name).mkdir()
+        (runs / name / "config.json").write_text(json.dumps({"model": {"vocab_size": vocab}}))
+    found = find_runs("", runs / "a")
+    assert found == [runs / "a", runs / "b"], found
+    ax = runs_figure(found).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (phase1, gpt2)", "b (phase1, modern)"]
+    assert [list(line.get_xdata()) for line in ax.lines] == [[5 * 256, 10 * 256], [5 * 128, 10 * 128]]
+    assert all(len(line.get_ydata()) == 2 for line in ax.lines)
+    assert find_runs(f"{runs / 'a'}, b", runs / "a") == [runs / "a", runs / "b"]  # named: those, each once
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        find_runs("new", runs / "a")

@@ -148,7 +148,8 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
 
 
 # Each task's columns: (eval.jsonl field, header, format)
-COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("tokens", "tokens", "{:,}")],
+COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("windows", "windows", "{:,}"),
+                   ("tokens", "tokens", "{:,}")],
            "hellaswag": [("acc_norm", "HellaSwag acc_norm", "{:.4f}"), ("acc", "acc", "{:.4f}"), ("n", "items", "{:,}"),
                          ("truncated", "truncated", "{:,}"), ("skipped", "skipped", "{:,}")]}
 
@@ -173,6 +174,10 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if "bpb" in tasks:  # beside training's val loss of the same weights (a checkpoint's label): which is which
+        lines.append("val bpb, nats/token: on the windows column's windows (block_size tokens each) of the val split; "
+                     "a checkpoint's \"val\" (its label, metrics.jsonl) is training's validation, on its own fixed "
+                     "batches: another sample, so the two differ a little")
     if "hellaswag" in tasks:
         lines.append(f"GPT-2 124M: {hs.GPT2_124M['source']}; chance on HellaSwag is 0.25")
     return "\n".join(lines)

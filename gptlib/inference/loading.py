@@ -3,6 +3,7 @@ blocks in the kernel for good, and is abandoned with HungIOError (an OSError).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, 
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import CheckpointError, TokenizerError, loud
-from gptlib.fsutil import call_with_timeout
-from gptlib.layout import MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
+from gptlib.fsutil import call_with_timeout, read_jsonl
+from gptlib.layout import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from gptlib.model import GPT
 from gptlib.runtime import resolve_device, resolve_dtype
 
@@ -46,7 +47,7 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
                 skipped.append(f"{p.name}: {e}")
                 continue
             rows.append({"step": info.step, "val_loss": state.get("val_loss"), "best_step": state.get("best_step"),
-                         "info": info})
+                         "val_batches": state.get("config", {}).get("train", {}).get("eval_batches"), "info": info})
         for r in rows:
             r["is_best"] = r["step"] == rows[0]["best_step"]
         return rows
@@ -55,8 +56,10 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 
 def checkpoint_label(row: dict) -> str:
-    """A checkpoint_table row as "step 1,000 · val 1.523 · best"."""
-    val = f" · val {row['val_loss']:.3f}" if row.get("val_loss") is not None else ""
+    """A checkpoint_table row as "step 1,000 · val 1.523 (training's validation: 20 batches) · best": the loss training
+    measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
+    batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
+    val = f" · val {row['val_loss']:.3f} (training's validation{batches})" if row.get("val_loss") is not None else ""
     return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
 
 
@@ -143,6 +146,52 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
         return pick_run_dir([run_dir])
     paths = colab.run_paths(name, roots)
     return pick_run_dir([paths.run_dir, paths.mirror_dir])
+
+
+def find_runs(names: str = "", current: str | Path | None = None, roots=None, log=loud) -> list[Path]:
+    """Notebook 04's runs to compare: `current`, then NAMES (comma-separated run names or directories, each found as
+    find_run finds it), or without names every other run under the runs folders (VM disk, Drive) with a checkpoint
+    and `current`'s vocabulary size: a char run's loss per character does not compare with a BPE run's per token."""
+    from gptlib import colab
+
+    roots, found = roots or colab.setup(), [Path(current)] if current else []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        found.append(find_run("" if "/" in name else name, name if "/" in name else "", roots))
+    if names.strip() or not found:
+        return list(dict.fromkeys(found))  # this run named again: drawn once
+
+    def vocab(run_dir: Path) -> int | None:  # config.json is beside the checkpoints on the Drive mirror too
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return json.loads((run_dir / CONFIG_FILE).read_text())["model"]["vocab_size"]
+        return None
+
+    def others() -> list[str]:
+        folders, want = dict.fromkeys([roots.local / "runs", roots.persistent / "runs"]), vocab(found[0])
+        copies = [d for f in folders if f.is_dir() for d in sorted(f.iterdir()) if d.name != found[0].name]
+        return list(dict.fromkeys(d.name for d in copies if want is not None and vocab(d) == want))
+
+    try:
+        names_found = call_with_timeout(others, DRIVE_LIST_TIMEOUT_S, what="listing the runs folders")
+    except OSError as e:  # a hung Drive: this run alone
+        log(f"!! the other runs were not looked for: {e}")
+        return found
+    for name in names_found:
+        with contextlib.suppress(CheckpointError):  # no checkpoint yet: nothing to compare
+            found.append(find_run(name, roots=roots))
+    return found
+
+
+def run_history(run_dir: str | Path) -> tuple[list[dict], dict]:
+    """A run's metrics rows and config.json, local or on the Drive mirror (which keeps the rows in each checkpoint:
+    the newest's are read), within a time limit: a hung Drive raises HungIOError, an OSError."""
+    run_dir = Path(run_dir)
+
+    def read() -> tuple[list[dict], dict]:
+        where = [d / METRICS_FILE for d in (run_dir, *list_checkpoints(run_dir)) if (d / METRICS_FILE).is_file()]
+        config = run_dir / CONFIG_FILE
+        return read_jsonl(where[0]) if where else [], json.loads(config.read_text()) if config.is_file() else {}
+
+    return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {run_dir / METRICS_FILE}")
 
 
 def pick_run_dir(candidates, log=loud) -> Path:

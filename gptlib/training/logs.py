@@ -21,10 +21,11 @@ import torch
 from gptlib.evaluation.hellaswag import GPT2_124M
 from gptlib.fsutil import atomic_write, atomic_write_bytes, parse_jsonl, read_jsonl
 from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference.loading import run_history
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.model import model_size
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import perf_fields, speed_text
+from gptlib.training.throughput import fmt_tokens, perf_fields, speed_text
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -64,19 +65,24 @@ def write_samples_table(run_dir: Path) -> None:
 
 
 def samples_html(run_dir: str | Path) -> str:
-    """samples.md as an HTML table, each cell aligned top-left: a notebook's own table style centres a cell
-    vertically (two samples of a row start at different heights) and right-aligns its text."""
+    """samples.md as an HTML table: a row per validation step, a column per fixed prompt."""
     prompts, steps, cell = _samples_grid(Path(run_dir))
     if not steps:
         return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
+    return html_table("step", [repr(p) for p in prompts],
+                      [(f"{st:,}", [cell.get((st, p), "") for p in prompts]) for st in steps])
+
+
+def html_table(corner: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """Texts side by side: a header row (`corner`, then `columns`), then each row's label and a text per column, as
+    written (line breaks kept). Each cell aligns top-left: a notebook's own table style centres a cell vertically (two
+    texts of a row start at different heights) and right-aligns its text."""
     td = "border:1px solid #ccc;padding:4px 6px;vertical-align:top;text-align:left"
     pre = '<pre style="white-space:pre-wrap;margin:0;font-size:12px">'
-    head = "".join(f'<th style="{td}">{html.escape(repr(p))}</th>' for p in prompts)
-    body = "".join(f'<tr><th style="{td}">{st:,}</th>' + "".join(
-        f'<td style="{td}">{pre}{html.escape(cell.get((st, p), ""))}</pre></td>' for p in prompts) + "</tr>"
-        for st in steps)
-    return (f'<table class="gptlib-samples" style="border-collapse:collapse"><tr><th style="{td}">step</th>{head}'
-            f"</tr>{body}</table>")
+    head = "".join(f'<th style="{td}">{html.escape(c)}</th>' for c in [corner, *columns])
+    body = "".join(f'<tr><th style="{td}">{html.escape(label)}</th>' + "".join(
+        f'<td style="{td}">{pre}{html.escape(text)}</pre></td>' for text in texts) + "</tr>" for label, texts in rows)
+    return f'<table class="gptlib-samples" style="border-collapse:collapse"><tr>{head}</tr>{body}</table>'
 
 
 def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,
@@ -157,6 +163,9 @@ class MetricsLog:
         self.warm = False  # the session's first step is behind us
         if session.compiled:
             self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
+        # A resume: a live plot draws the run so far now, not at the next validation (minutes away on a big model).
+        if self.history and on_log is not None:
+            on_log({"step": session.state.step, "samples": []})
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)
@@ -263,11 +272,13 @@ class MetricsLog:
 
 # The plots: bare matplotlib Figures (matplotlib imported here only: `import gptlib.training.logs` stays light).
 def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
+    """Constrained layout makes room for a title of several lines, which wrap=True breaks to the figure's width
+    (a long run name or speed line was cut off at both edges)."""
     from matplotlib.figure import Figure
 
-    ax = Figure(figsize=figsize, dpi=dpi).add_subplot(1, 1, 1)
+    ax = Figure(figsize=figsize, dpi=dpi, layout="constrained").add_subplot(1, 1, 1)
     ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=10, wrap=True)
     ax.grid(alpha=0.3)
     return ax
 
@@ -285,7 +296,6 @@ def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 10
             ax.plot(*zip(*points), style, label=key.removesuffix("_loss"), lw=lw, ms=3)
     if add_hellaswag_axis(ax, rows) is None and ax.lines:
         ax.legend()
-    ax.figure.tight_layout()
     return ax.figure
 
 
@@ -315,13 +325,16 @@ class LivePlot:
                 self.handle = display({"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
                                       raw=True, display_id=True)
 
-    def figure(self, last: dict | None = None):
+    def figure(self, row: dict | None = None):
+        """The run's metrics.jsonl. The title: the run and its last validation; below, the speed of `row` (train's
+        on_log: training runs), else the last row's without its ETA (training has stopped: the ETA is stale)."""
         rows = read_metrics(self.run_dir)
-        last = last or (rows[-1] if rows else {})
-        parts = [self.title,
-                 last.get("val_loss") is not None and f"step {last['step']:,}: val {last['val_loss']:.4f}",
-                 speed_text(last, split=True)]
-        return loss_figure(rows, " · ".join(p for p in parts if p), figsize=(8, 3.6), dpi=90)
+        val = next((r for r in reversed(rows) if r.get("val_loss") is not None), None)
+        if row is None:
+            row = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "eta_s"}
+        head = " · ".join(filter(None, [self.title, val and f"step {val['step']:,}: val {val['val_loss']:.4f}"]))
+        title = "\n".join(filter(None, [head, speed_text(row, split=True)]))
+        return loss_figure(rows, title, figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
         fig = self.figure(row)
@@ -331,6 +344,26 @@ class LivePlot:
             buf = io.BytesIO()
             fig.savefig(buf, format="png")
             self.handle.update(Image(data=buf.getvalue(), format="png"))
+
+
+def runs_figure(run_dirs: Sequence[str | Path], title: str = "validation loss against tokens seen", figsize=(8, 4),
+                dpi: int = 90):
+    """Each run's validation loss (local or on Drive) against the tokens it has seen, a line per run, the legend
+    naming it with its preset and recipe: runs of other batch sizes or recipes compare at equal tokens."""
+    ax = _axes(figsize, dpi, "tokens seen", "validation loss (nats/token)", title)
+    for run_dir in map(Path, run_dirs):
+        try:
+            rows, cfg = run_history(run_dir)
+        except (OSError, ValueError) as e:  # a hung Drive, a damaged config.json: the other runs are drawn
+            ax.plot([], [], " ", label=f"{run_dir.name}: not read ({type(e).__name__})")
+            continue
+        points = [(r["tokens_seen"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        what = ", ".join(str(cfg[k]) for k in ("preset", "recipe") if k in cfg) or "no config.json"
+        ax.plot(*(zip(*points) if points else ([], [])), "o-", lw=1.5, ms=3,
+                label=f"{run_dir.name} ({what})" + ("" if points else ": no validation yet"))
+    ax.xaxis.set_major_formatter(lambda x, _: fmt_tokens(x))  # 500M, 1B, 1.5B
+    ax.legend(fontsize=8)
+    return ax.figure
 
 
 def add_hellaswag_axis(ax, rows: list[dict]):
@@ -357,5 +390,4 @@ def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int
         ax.plot(*zip(*pts), "o-", label="this run")
     _references(ax, "tab:red", 1)
     ax.legend(fontsize=8)
-    ax.figure.tight_layout()
     return ax.figure

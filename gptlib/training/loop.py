@@ -68,11 +68,11 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
           stage_data: bool = True, skip_unreadable: bool = False, allow_data_change: bool = False,
           recipe: str | None = None) -> TrainResult:
     """Train (or resume: the same call again) a GPT on a data directory into run_dir. compile: auto|on|off (None: the
-    preset's); on_log(row) after each validation; mirror_dir (Drive): copies of the checkpoints, searched at resume;
-    take_over: the lease of another process; init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights
-    (fresh optimizer, schedule); stage_data: read Drive data from a local copy (gptlib.data.staging);
-    skip_unreadable, allow_data_change: gptlib.checkpoint.resume; recipe: gpt2 | modern (config.RECIPES; None: a
-    resumed run's or the base's own, else gpt2)."""
+    preset's); on_log(row) after each validation and at a resume ({"step": N}: a live plot draws the run so far);
+    mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of another process;
+    init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule); stage_data: read
+    Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume;
+    recipe: gpt2 | modern (config.RECIPES; None: a resumed run's or the base's own, else gpt2)."""
     explicit = dict(max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile)
     asked = build_config(preset, overrides, recipe=recipe, **explicit)  # a bad setting: refused before anything
     ddp = distributed.setup(asked.train.device)  # under torchrun: join the process group; otherwise a no-op

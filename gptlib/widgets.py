@@ -128,6 +128,14 @@ class _Stopped(Exception):  # raised by the Playground's stream callback after S
     pass
 
 
+class GenerationInterrupted(KeyboardInterrupt):
+    """The kernel's interrupt ended Playground.generate(). Still a KeyboardInterrupt, so the cell and a run of all
+    cells stop there, but IPython shows it as its one line: a traceback through the model would say nothing more."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook for an exception that renders itself
+        return [f"{type(self).__name__}: {self}"]
+
+
 class Playground:
     """Stop sets a flag the stream callback checks per token. A widget callback holds back every other message (the
     Stop click too) until it returns, so in a kernel Generate runs on a thread; generate() from a cell cannot stop."""
@@ -223,9 +231,11 @@ class Playground:
                 res = Completion(prompt=prompt, text=text, token_ids=eng.tokenizer.encode(text), finish_reason="user")
             dt = time.perf_counter() - t0
         except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
-            self._show_text(prompt, "".join(parts))
-            self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
-            raise
+            text = "".join(parts)
+            self._show_text(prompt, text)
+            n = len(self._engine.tokenizer.encode(text)) if text else 0  # counted as Stop counts: re-encoded
+            self.status.value = status_html(f"interrupted after {n:,} tokens")
+            raise GenerationInterrupted(f"after {n:,} tokens; the text so far stays in the playground above") from None
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
             self.output.value = ""  # the previous text must not look like this prompt's result
             self.status.value = status_html(f"{type(e).__name__}: {e}", error=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import time
 from pathlib import Path
@@ -91,6 +92,38 @@ def test_a_kernel_interrupt_keeps_the_text_and_says_interrupted(char_run):
     assert "interrupted" in pg.status.value and "generating" not in pg.status.value
     assert "<b>KING</b>" in pg.output.value and "<b>KING</b></pre>" not in pg.output.value  # the text so far stays
     assert not pg.button.disabled and pg.stop_button.disabled
+
+
+def test_an_interrupt_from_a_cell_ends_in_one_line_that_counts_tokens(chat_run, capsys):  # noqa: F811
+    """Notebook 04's cell `pg.generate()`, interrupted as its comment advises: IPython shows one line, not a traceback
+    through the model, and the status counts tokens as everything else does (a BPE run: tokens are not characters)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    pg = playground(chat_run)
+    redraws = []
+
+    def interrupt_at_the_third_redraw(_change):
+        redraws.append(1)
+        if len(redraws) == 3:
+            raise KeyboardInterrupt
+
+    pg.output.observe(interrupt_at_the_third_redraw, names="value")
+    config = Config()
+    config.HistoryManager.enabled = False
+    shell = InteractiveShell.instance(config=config)
+    try:
+        shell.user_ns["pg"] = pg
+        result = shell.run_cell("res = pg.generate()")
+    finally:
+        InteractiveShell.clear_instance()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)  # the cell (and a run of all cells) still stops
+    shown = html.unescape(re.sub(r"<[^>]+>", "", pg.output.value)).removeprefix("KING")
+    n = len(pg._engine.tokenizer.encode(shown))
+    assert 0 < n != len(shown)  # so what follows proves a count of tokens (counted as Stop counts), not characters
+    assert pg.status.value == status_html(f"interrupted after {n} tokens")
+    assert [line for line in capsys.readouterr().out.splitlines() if line.strip()] == [
+        f"GenerationInterrupted: after {n} tokens; the text so far stays in the playground above"]
 
 
 def test_in_a_kernel_generate_runs_off_the_main_thread_so_a_stop_click_can_arrive(char_run, monkeypatch):

@@ -86,8 +86,54 @@ def sampling_config(view, **more) -> SamplingConfig:  # seed -1 is random
                           top_k=int(view.top_k.value) or None, seed=seed if seed >= 0 else None, **more).validate()
 
 
+class _AfterEdits:
+    """Runs `action` once every edit made to `text` in the browser before now has reached the kernel.
+
+    ipywidgets' front end sends a widget's edits one message at a time: while one is unanswered (the kernel is busy,
+    or the link is slow) later edits wait in the browser, but a Text's Enter or a button's click is sent at once, so
+    it can arrive before the letters typed before it. request() sets a mark on a hidden widget; a link that runs in
+    the browser (jsdlink) copies it into the Text, whose edits carry it back behind every edit still waiting there.
+    A front end that does not copy it (or no front end at all: the first mark never comes back) gets the action at
+    once."""
+
+    def __init__(self, text, action: Callable[[], None]):
+        import ipywidgets as W
+
+        self._action, self.linked = action, False
+        self._asked = self._done = 0  # the last mark set, the last one acted on
+        # Never shown: its CSS classes (a field of every widget, invisible here) hold the mark. Mark 0 is copied as
+        # soon as the browser sets the link up: it says that links work there.
+        self._mark = W.Box(_dom_classes=("gptlib-mark-0",))
+        self._link = W.jsdlink((self._mark, "_dom_classes"), (text, "_dom_classes"))
+        text.observe(self._came_back, names="_dom_classes")
+
+    def request(self) -> None:
+        if not self.linked:
+            self._action()
+            return
+        self._asked += 1
+        self._mark._dom_classes = (f"gptlib-mark-{self._asked}",)
+
+    def _came_back(self, change) -> None:
+        marks = [int(c.rsplit("-", 1)[1]) for c in change["new"] if c.startswith("gptlib-mark-")]
+        if not marks:
+            return
+        self.linked = True
+        if marks[0] == self._asked > self._done:  # the latest request, once: two quick Enters send the box once
+            self._done = self._asked
+            self._action()
+
+
 class _Stopped(Exception):  # raised by the Playground's stream callback after Stop: ends the generation there
     pass
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """The kernel's interrupt ended Playground.generate(). Still a KeyboardInterrupt, so the cell and a run of all
+    cells stop there, but IPython shows it as its one line: a traceback through the model would say nothing more."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook for an exception that renders itself
+        return [f"{type(self).__name__}: {self}"]
 
 
 class Playground:
@@ -185,9 +231,11 @@ class Playground:
                 res = Completion(prompt=prompt, text=text, token_ids=eng.tokenizer.encode(text), finish_reason="user")
             dt = time.perf_counter() - t0
         except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
-            self._show_text(prompt, "".join(parts))
-            self.status.value = status_html(f"interrupted after {len(''.join(parts)):,} characters")
-            raise
+            text = "".join(parts)
+            self._show_text(prompt, text)
+            n = len(self._engine.tokenizer.encode(text)) if text else 0  # counted as Stop counts: re-encoded
+            self.status.value = status_html(f"interrupted after {n:,} tokens")
+            raise GenerationInterrupted(f"after {n:,} tokens; the text so far stays in the playground above") from None
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
             self.output.value = ""  # the previous text must not look like this prompt's result
             self.status.value = status_html(f"{type(e).__name__}: {e}", error=True)
@@ -216,6 +264,8 @@ class ChatBox:
         self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
         # One line: ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a
         # Textarea, where Enter adds a line, has no submit event; telling them apart would need our own JavaScript.
+        # It stays enabled while a reply streams: a disabled box loses the keyboard, and the notebook then takes the
+        # keys as its shortcuts (a letter adds a cell, or turns this one into markdown and the chat disappears).
         self.message = W.Text(value="", placeholder="your message, one line (Enter sends)", description="You",
                               style=LABELS, layout=W.Layout(width="95%"))
         self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
@@ -223,10 +273,11 @@ class ChatBox:
         self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=LABELS,
                                  layout=W.Layout(width="95%", height="40px"))
         sampling_widgets(self, "Max new tokens")
-        self.send_button.on_click(lambda _: self.send())
+        self._typed = _AfterEdits(self.message, self.send)  # Send and Enter take the box once all typed is in
+        self.send_button.on_click(lambda _: self._typed.request())
         with warnings.catch_warnings():  # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
             warnings.simplefilter("ignore", DeprecationWarning)  # with continuous_update=False) also fires on blur
-            self.message.on_submit(lambda _: self.send())
+            self.message.on_submit(lambda _: self._typed.request())
         self.reset_button.on_click(lambda _: self.reset())
         self.widget = W.VBox([self.transcript, self.message, W.HBox([self.send_button, self.reset_button, self.status]),
                               self.system, self.temperature, self.top_k, self.max_tokens, self.seed])
@@ -250,9 +301,8 @@ class ChatBox:
         if not text.strip():
             self.status.value = status_html("type a message first", error=True)
             return None
-        # While the reply streams this callback holds the kernel, and the front end would deliver a second Enter
-        # before the keystrokes it holds back (a message sent as its first letter): nothing can be typed until it ends.
-        self.send_button.disabled = self.message.disabled = True
+        # While the reply streams this callback holds the kernel: what is typed meanwhile waits in the browser, and
+        # an Enter is answered when the reply ends (Send and Enter wait for the letters: see _AfterEdits).
         self.message.value = ""
         self._notices.clear()
         self.turns.append(("user", text))
@@ -275,8 +325,6 @@ class ChatBox:
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt (the notebook's stop button) still stops the cell
             return None
-        finally:
-            self.send_button.disabled = self.message.disabled = False
         self.turns.append(("assistant", reply))
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}

@@ -1,7 +1,9 @@
 """Single-stream generation speed: gptlib's KV-cached engine (and decoding without a cache) vs transformers'.
 
 Same weights (our model exported with gptlib.inference.export and loaded as GPT2LMHeadModel), same machine,
-same process, runs interleaved so both see the same machine load. Greedy decoding, a one-token
+same process, runs interleaved so both see the same machine load. On a CPU also the engine with its few-row matmuls
+never split ("gptlib plain"; the engine splits them where it measured that faster: gptlib/inference/cpu_matmul.py).
+Greedy decoding, a one-token
 prompt (so 1,024 new tokens fit GPT-2's 1,024 positions, which transformers cannot exceed), no
 early stop. Prints every run, then medians and ratios.
 
@@ -75,17 +77,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         export_model(model, Path(d) / "hf")
         hf = GPT2LMHeadModel.from_pretrained(Path(d) / "hf", dtype=torch.float32).to(args.device).eval()
-    eng = Engine(model)
+    eng, plain = Engine(model), Engine(model)
+    plain.split_matmuls = False  # F.linear always
     prompt = [1]
     x = torch.tensor([prompt], device=args.device)
     with torch.no_grad():
         diff = (hf(x[:, :1]).logits[0, -1] - model(x[:, :1])[0][0, -1]).abs().max().item()
     print(f"same weights: max |logit difference| = {diff:.2e}")
 
-    def ours(n: int, use_cache: bool) -> tuple[float, list[int]]:
+    def ours(n: int, use_cache: bool, engine: Engine = eng) -> tuple[float, list[int]]:
         t = time.perf_counter()
         if use_cache:
-            out = eng.generate_ids([prompt], SamplingConfig(max_new_tokens=n, temperature=0))[0][0]
+            out = engine.generate_ids([prompt], SamplingConfig(max_new_tokens=n, temperature=0))[0][0]
             return time.perf_counter() - t, out  # generate_ids returns host lists: the device is synchronised
         ids = list(prompt)  # without a cache: a forward of the whole context per token, the last position projected
         with torch.inference_mode():
@@ -104,13 +107,18 @@ def main() -> int:
     for n in args.new_tokens:  # positions must fit the model (transformers cannot slide a window)
         if len(prompt) + n > mcfg.block_size + 1:
             raise SystemExit(f"--new-tokens {n}: one-token prompt + {n} exceeds block_size {mcfg.block_size}")
-    ours(8, True), ours(8, False), theirs(8)  # warm-up (allocator, kernels, lazy imports)
+    ours(8, True), ours(8, False), theirs(8), ours(8, True, plain)  # warm-up (allocator, kernels, lazy imports)
+    if args.device == "cpu":
+        print(f"the engine measured its few-row matmuls {'faster' if eng.split_matmuls else 'not faster'} split on "
+              f"this CPU: {'split' if eng.split_matmuls else 'plain F.linear'}")
 
     results: dict[tuple[str, int], list[float]] = {}
     for n in args.new_tokens:
         for r in range(args.repeats):
             # Alternate the order so neither side always runs first after the other.
             order = [("gptlib cache", lambda: ours(n, True)), ("transformers", lambda: theirs(n))]
+            if args.device == "cpu":
+                order.insert(1, ("gptlib plain", lambda: ours(n, True, plain)))
             if r % 2:
                 order.reverse()
             toks = {}
@@ -127,15 +135,16 @@ def main() -> int:
             print(f"  {'gptlib no cache':<16} {n:>5} new tokens: {dt:8.2f} s  {n / dt:7.1f} tokens/s", flush=True)
 
     print("\nmedian tokens/s (single stream, greedy, batch 1):")
-    print(f"  {'new tokens':>10} {'gptlib cache':>14} {'gptlib no cache':>16} {'transformers':>14} "
-          f"{'cache/transformers':>19} {'cache/no cache':>15}")
+    print(f"  {'new tokens':>10} {'gptlib cache':>14} {'gptlib plain':>13} {'gptlib no cache':>16} "
+          f"{'transformers':>14} {'cache/transformers':>19} {'plain/transformers':>19} {'cache/no cache':>15}")
+    nan = float("nan")
     for n in args.new_tokens:
-        tps = {k: n / statistics.median(results[(k, n)]) for k in ("gptlib cache", "gptlib no cache", "transformers")
-               if (k, n) in results}
-        nc = tps.get("gptlib no cache")
-        print(f"  {n:>10} {tps['gptlib cache']:>14.1f} {nc if nc else float('nan'):>16.1f} "
-              f"{tps['transformers']:>14.1f} {tps['gptlib cache'] / tps['transformers']:>18.2f}x "
-              f"{(tps['gptlib cache'] / nc) if nc else float('nan'):>14.2f}x")
+        tps = {k: n / statistics.median(results[(k, n)])
+               for k in ("gptlib cache", "gptlib plain", "gptlib no cache", "transformers") if (k, n) in results}
+        nc, pl, hf_tps = tps.get("gptlib no cache"), tps.get("gptlib plain"), tps["transformers"]
+        print(f"  {n:>10} {tps['gptlib cache']:>14.1f} {pl or nan:>13.1f} {nc or nan:>16.1f} {hf_tps:>14.1f} "
+              f"{tps['gptlib cache'] / hf_tps:>18.2f}x {(pl or nan) / hf_tps:>18.2f}x "
+              f"{(tps['gptlib cache'] / nc) if nc else nan:>14.2f}x")
     return 0
 
 

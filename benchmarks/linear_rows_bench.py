@@ -1,4 +1,4 @@
-"""Why gptlib.model.Linear splits few-row matmuls on the CPU: F.linear vs split_linear, same weights.
+"""Why the engine may split few-row matmuls on the CPU (gptlib/inference/cpu_matmul.py): F.linear vs split_linear.
 
 All 2-D weights of gpt2-small (440 MB fp32, far larger than the caches, as in decoding) multiplied
 by R rows, the plain way (one MKL call per weight) and as one row block per thread (bmm). Prints the
@@ -23,7 +23,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gptlib.config import get_preset  # noqa: E402
-from gptlib.model import GPT, _row_blocks, split_linear  # noqa: E402
+from gptlib.inference.cpu_matmul import row_blocks, split_linear  # noqa: E402
+from gptlib.model import GPT  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
@@ -50,13 +51,13 @@ def main() -> int:
     weights = [p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n]
     total = sum(w.numel() * w.element_size() for w in weights)
     print(f"{len(weights)} weights of preset {args.preset}, {total / 1e6:.0f} MB; "
-          f"blocks per weight: {sorted({_row_blocks(w.shape[0]) for w in weights})}")
+          f"blocks per weight: {sorted({row_blocks(w.shape[0]) for w in weights})}")
     print(f"{'rows':>5} {'F.linear ms':>12} {'split ms':>9} {'ratio':>6} {'split GB/s':>11}")
     with torch.inference_mode():
         for rows in args.rows:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
             plain = median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
-            split = median_time(lambda: [split_linear(xs[w.shape[1]], w, None, _row_blocks(w.shape[0]))
+            split = median_time(lambda: [split_linear(xs[w.shape[1]], w, None, row_blocks(w.shape[0]))
                                          for w in weights], args.repeats)
             print(f"{rows:>5} {plain * 1e3:>12.1f} {split * 1e3:>9.1f} {plain / split:>5.2f}x "
                   f"{total / split / 1e9:>11.1f}", flush=True)

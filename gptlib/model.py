@@ -15,41 +15,6 @@ import torch.nn.functional as F
 
 from gptlib.config import ModelConfig
 
-# Decoding on the CPU reads every weight per token, and MKL runs x @ W.T for a few rows on one thread at about half
-# the memory bandwidth. Linear cuts W's rows into one block per thread and lets bmm run them in parallel: the same
-# fp32 dot products, ~1.9x tokens/s on 2 cores, measured up to 64 rows (benchmarks/linear_rows_bench.py, raw output
-# in benchmarks/results/linear_rows_cpu.txt). Longer prefills and training stay on MKL's gemm.
-SPLIT_ROWS_MAX = 64
-
-
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) as `blocks` row blocks of weight: x (..., K), weight (N, K) -> (..., N)."""
-    N, K = weight.shape
-    x2 = x.reshape(-1, K)  # (R, K)
-    w = weight.view(blocks, N // blocks, K).transpose(1, 2)  # (blocks, K, N/blocks), a view
-    xb = x2.expand(blocks, *x2.shape)  # (blocks, R, K): the same rows for every block, no copy
-    y = torch.bmm(xb, w) if bias is None else torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
-    return y.transpose(0, 1).reshape(*x.shape[:-1], N)  # (blocks, R, N/blocks) -> (..., N)
-
-
-class Linear(nn.Linear):  # nn.Linear's parameters and state dict; split_linear for a few rows without grad on the CPU
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        few_rows_on_cpu = x.device.type == "cpu" and x.numel() <= SPLIT_ROWS_MAX * self.in_features
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if few_rows_on_cpu and not needs_grad and not torch.compiler.is_compiling():
-            blocks = _row_blocks(self.out_features)
-            if blocks > 1:
-                return split_linear(x, self.weight, self.bias, blocks)
-        return F.linear(x, self.weight, self.bias)
-
-
-def _row_blocks(n_rows: int) -> int:  # one block per thread, fewer if n_rows does not divide evenly
-    blocks = torch.get_num_threads()
-    while n_rows % blocks:
-        blocks -= 1
-    return blocks
-
-
 class KVCache:  # every layer's keys and values so far, preallocated: a prompt is read once, then a token a step
     def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype):
         shape = (batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)  # (B, H, block_size, D)
@@ -94,8 +59,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = cfg.n_head, cfg.n_embd, cfg.dropout
-        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
-        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): the attention logits stay bounded
@@ -129,8 +94,8 @@ class MLP(nn.Module):  # GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): gate an
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
-        self.c_fc = Linear(cfg.n_embd, (2 if self.swiglu else 1) * cfg.mlp_hidden, bias=cfg.bias)
-        self.c_proj = Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * cfg.mlp_hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +156,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(**parts, drop=nn.Dropout(cfg.dropout),
                                               h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
                                               ln_f=norm(cfg, cfg.n_embd)))
-        self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
         if cfg.positions == "rope":  # derived from the config: not parameters, not saved

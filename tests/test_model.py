@@ -91,63 +91,6 @@ def test_weight_decay_only_on_2d_params():
     assert n == sum(p.numel() for p in model.parameters())
 
 
-# --- the CPU decoding matmul: row blocks run in parallel by bmm ---------------------------------
-
-
-@pytest.mark.parametrize("rows_shape", [(1, 1), (3, 1), (2, 5), (16,)])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("blocks", [2, 3, 8])
-def test_split_linear_equals_linear(rows_shape, bias, blocks):
-    from gptlib.model import split_linear
-
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(48, 96, bias=bias)
-    x = torch.randn(*rows_shape, 48)
-    got = split_linear(x, lin.weight, lin.bias, blocks)
-    assert got.shape == (*rows_shape, 96)
-    torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-6)
-
-
-def test_row_blocks_divide_the_output_size():
-    from gptlib.model import _row_blocks
-
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        assert _row_blocks(96) == 3
-        assert _row_blocks(32768) == 2  # 3 does not divide it: fewer blocks, never an uneven split
-        assert _row_blocks(7) == 1  # prime: the plain matmul
-    finally:
-        torch.set_num_threads(old)
-
-
-def test_split_path_used_for_decoding_only(monkeypatch):
-    import gptlib.model as gm
-
-    calls = []
-    real = gm.split_linear
-    monkeypatch.setattr(gm, "split_linear", lambda *a: calls.append(a[0].shape) or real(*a))
-    monkeypatch.setattr(gm, "_row_blocks", lambda n: 1 if n % 2 else 2)  # a 2-thread machine, whatever this one is
-    torch.manual_seed(0)
-    cfg = tiny(vocab_multiple=64)
-    model = GPT(cfg)
-    x = torch.randint(0, cfg.vocab_size, (4, gm.SPLIT_ROWS_MAX // 4 + 1))  # just over the threshold
-    _, loss = model(x[:1, :8], x[:1, :8])  # training, few rows but with grad -> the plain matmul; backward works
-    loss.backward()
-    assert calls == [] and model.lm_head.weight.grad is not None
-    with torch.no_grad():
-        model(x)  # a no-grad forward of many rows (validation): plain matmul too
-    assert calls == []
-    model.eval()
-    cache = KVCache(cfg, 1, "cpu", torch.float32)
-    with torch.inference_mode():
-        full, _ = model(x[:1, :9])
-        model(x[:1, :8], cache=cache)
-        step, _ = model(x[:1, 8:9], cache=cache)  # one token: every matmul takes the split path
-    assert len(calls) >= 4 * cfg.n_layer + 1 and all(s[-2] == 1 for s in calls[-(4 * cfg.n_layer + 1):])
-    torch.testing.assert_close(step[0, -1], full[0, -1], rtol=1e-4, atol=1e-5)
-
-
 # --- the one parameter / FLOP count ---------------------------------------------------------------------------
 
 

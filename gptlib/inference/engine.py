@@ -5,6 +5,7 @@ token drawn from a batch of logits on the device, and what a generation returns.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -12,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.errors import GenerationError
+from gptlib.inference.cpu_matmul import SplitFewRows, split_is_faster
 from gptlib.inference.loading import load_run
 from gptlib.model import GPT, KVCache
 
@@ -95,6 +97,7 @@ class Engine:
         self.step, self.source = step, source  # the checkpoint's training step and path, for display
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        self.split_matmuls: bool | None = None  # a CPU's few-row matmuls split (cpu_matmul): measured at first use
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu") -> "Engine":
@@ -104,7 +107,16 @@ class Engine:
 
     def _logits(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
         # Only the last position: all T of a prefill onto a 32K vocabulary would cost as much as several blocks.
-        return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
+        with self._matmuls():
+            return self.model.head(self.model.hidden_states(idx, cache)[:, -1])
+
+    def _matmuls(self):
+        """On a CPU, decoding's few-row matmuls split into row blocks where this CPU runs them faster so."""
+        if self.device.type != "cpu":
+            return contextlib.nullcontext()
+        if self.split_matmuls is None:
+            self.split_matmuls = split_is_faster(self.model)
+        return SplitFewRows() if self.split_matmuls else contextlib.nullcontext()
 
     def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
         bs = self.model.config.block_size

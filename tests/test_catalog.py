@@ -39,8 +39,8 @@ def test_the_users_input_wins_and_gets_no_defaults():
     logs = []
     mine = source_inputs("github-code (as the original author used it)", "/content/drive/MyDrive/a/*.parquet, b.jsonl",
                          log=logs.append)
-    assert mine == (["/content/drive/MyDrive/a/*.parquet", "b.jsonl"],
-                    {"text_column": None, "format": "text", "max_tokens": None})
+    assert mine == (["/content/drive/MyDrive/a/*.parquet", "b.jsonl"],  # format auto: conversations read as chat
+                    {"text_column": None, "format": "auto", "max_tokens": None})
     assert logs == []
     assert source_inputs(MY_FILES, "x.jsonl", "body", "2.8B", "chat")[1] == {
         "text_column": "body", "format": "chat", "max_tokens": 2_800_000_000}

@@ -65,7 +65,7 @@ def source_inputs(label: str, user_input: str = "", text_column: str = "", max_t
     inputs = [s.strip() for s in user_input.split(",") if s.strip()]
     if not inputs and label == MY_FILES:
         raise ValueError(f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)")
-    base = KnownSource(None) if inputs else SOURCES[label]
+    base = KnownSource(None, format="auto") if inputs else SOURCES[label]  # auto: conversations read as chat
     if not inputs:
         inputs = [base.input] if base.input else [fetch_tinyshakespeare()]
         log(f"source: {label}: {base.note}")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from gptlib.errors import override
 from tests.nbrun import outputs_text, run_notebook
 from tests.test_finetune import NAMES, WORDS, conversation
 from tests.test_import_hf import hf_folder  # noqa: F401 - the fixture
@@ -29,6 +30,10 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     assert f"format: chat ({chats} holds conversations: 'messages')" in text  # FORMAT "": the records tell
     assert "vocabulary 300 -> 304" in text  # the chat markers added to GPT-2's tokenizer, rows to its embedding
     assert "loss: on the assistants' answers only" in text
+    # the notebook's own parameter, not the command line's flag; a short run's estimate, no talk of GPUs
+    assert 'tokens; OVERRIDES = ["chat_loss=all"] puts it on every token)' in text and "--set" not in text
+    assert override("chat_loss=all") == "--set chat_loss=all"  # outside a notebook (this process): the CLI's flag
+    assert "on this CPU (" in text and "meant for a GPU" not in text
     assert "done: step 12" in text
     assert "you: anna asks" in text and "model: " in text
     meta = json.loads((root / "data" / "qa" / "meta.json").read_text())

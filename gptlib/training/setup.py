@@ -21,7 +21,7 @@ from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
-from gptlib.errors import ConfigError, DataFormatError, HungIOError
+from gptlib.errors import ConfigError, DataFormatError, HungIOError, override
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
 from gptlib.inference.loading import LoadedModel, load_run
@@ -289,7 +289,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
     masks = loss_masks(meta, splits, tc.chat_loss)
     if masks and verbose:
         log(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
-            f"--set chat_loss=all puts it on every token)")
+            f"{override('chat_loss=all')} puts it on every token)")
     tokenizer, base = start.tokenizer, start.base
     hellaswag = (HellaSwagProbe(tokenizer, mc.block_size, source=tc.hellaswag_file or None,
                                 limit=tc.hellaswag_items or None, log=log)

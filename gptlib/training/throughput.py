@@ -213,13 +213,14 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     rate = cpu_train_flops()
     secs = estimate_cpu_seconds(cfg, start_step, rate)
     took = f"{secs / 3600:,.0f} hours" if secs >= 3600 else fmt_duration(secs)
-    msg = (f"preset {cfg.preset} is meant for a GPU: its {cfg.train.max_steps - start_step:,} steps to go "
-           f"({tokens / 1e6:,.1f}M tokens) would take about {took} on this CPU ({cpu_name()}, "
-           f"~{rate / 1e9:.0f} GFLOP/s measured)")
+    steps, where = cfg.train.max_steps - start_step, f"this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)"
+    if secs <= CPU_ADVISE_S:  # a short run (a tiny base, a few steps): its estimate, no talk of GPUs
+        log(f"on {where}: about {took} for the {steps:,} steps to go")
+        return
+    msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) would "
+           f"take about {took} on {where}")
     advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
-    if secs <= CPU_ADVISE_S:
-        log(f"{msg}: short enough to run here")
-    elif secs <= CPU_REFUSE_S:
+    if secs <= CPU_REFUSE_S:
         log(f"{msg}. {advice}")
     elif requested == "auto":
         raise ConfigError(f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "

@@ -485,6 +485,16 @@ def test_the_plan_takes_the_users_colab_rate(monkeypatch):
     assert len(units(table)) == 2 and all(t / m == pytest.approx(2.0, rel=0.01) for t, m in zip(units(table), units(mine)))
 
 
+def test_the_plan_speaks_of_colab_units_only_on_colab(monkeypatch):
+    """Notebook 03 on a CPU away from Colab: nothing about units; on Colab, a device without a rate asks for one."""
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    plan = measure.plan_run("gpt2-small", tokens=1e9, device="cpu")
+    assert "Colab" not in plan.summary and "device: MFU unknown on cpu (no peak table for it)\n" in plan.summary
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20260301")
+    plan = measure.plan_run("gpt2-small", tokens=1e9, device="cpu")
+    assert "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)\n" in plan.summary, plan.summary
+
+
 def test_the_metrics_take_the_users_colab_rate(tmp_path, char_data):
     """--set colab_units_per_hour: the rate colab_units_left uses, on any device (here the CPU, which has none)."""
     from gptlib.training.logs import read_metrics

@@ -120,7 +120,8 @@ def cmd_train(args) -> int:
               progress=not args.quiet, mirror_dir=args.mirror_dir, take_over=args.take_over,
               init_from=args.init_from, skip_unreadable=args.skip_unreadable,
               allow_data_change=args.allow_data_change, recipe=args.recipe)
-    print(r.summary())
+    early = r.stopped_by not in ("max_steps", "finished")  # max_minutes, Ctrl-C, SIGTERM: how to go on, once
+    print(r.summary() + ("; re-run the same command to continue" if early else ""))
     return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the status of a process stopped by SIGINT
 
 

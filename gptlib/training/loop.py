@@ -105,7 +105,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                          log=log, on_log=on_log)
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
     in_step = False  # an interrupt landing inside a step (no signal handlers: not the main thread) saves nothing
-    stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
+    stop = GracefulStop(log).install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while state.step < tc.max_steps:
             # one optimizer step and its counters, as one: a second stop press takes effect when they are done
@@ -162,7 +162,7 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
         return None
     stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
     why = f"max_minutes={tc.max_minutes} reached" if over_time else f"stopped ({stopped_by})"
-    log(f"{why} at step {state.step:,}; checkpoint saved, re-run to continue")
+    log(f"{why} at step {state.step:,}; checkpoint saved")  # how to continue: the caller's last line says it
     return stopped_by
 
 

@@ -240,7 +240,7 @@ def test_conversations_without_a_format_are_read_as_chat(tmp_path, run_dir, para
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in convs])
     meta = prepare([src], tmp_path / "d", tokenizer_from=run_dir, verbose=True)
     assert meta.format == "chat" and meta.raw["documents"] == 60
-    assert f"format: chat ({src} holds conversations: 'messages')" in capsys.readouterr().out
+    assert f"format: chat, as {src} holds conversations ('messages')\n" in capsys.readouterr().out
     explicit = prepare([src], tmp_path / "e", tokenizer_from=run_dir, format="chat", verbose=False)
     assert explicit.splits == meta.splits  # the same dataset as --format chat makes
     pq.write_table(pa.table({"conversations": [[{"from": m["role"].replace("user", "human"), "value": m["content"]}

@@ -27,7 +27,7 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     text = outputs_text(nb)
     root = tmp_path / "root"
     assert "imported" in text and (root / "runs" / "hf-tiny-gpt2" / "checkpoints").is_dir()
-    assert f"format: chat ({chats} holds conversations: 'messages')" in text  # FORMAT "": the records tell
+    assert f"format: chat, as {chats} holds conversations ('messages')" in text  # FORMAT "": the records tell
     assert "vocabulary 300 -> 304" in text  # the chat markers added to GPT-2's tokenizer, rows to its embedding
     assert "loss: on the assistants' answers only" in text
     # the notebook's own parameter, not the command line's flag; a short run's estimate, no talk of GPUs

@@ -42,8 +42,9 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
     with one_writer(out_dir):  # before anything in out_dir is read or changed
         sources, empty, pre_skipped, column, fmt = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
         tokenizer = tokenizer or ("bpe" if fmt == "chat" else "char")
-        if fmt == "chat" and format == "auto":
-            _detected_chat(sources, column, tokenizer, tok_file, verbose)
+        holds = f"{_first_records(sources)} holds conversations ({column!r})"  # what format "auto" found
+        if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
+            raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")
         split = _choose_split(split, sources, fmt)
         tok_spec = {"file_sha256": sha256_file(tok_file)} if tok_file else {"kind": "char"} if tokenizer == "char" \
             else {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
@@ -51,6 +52,8 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         finished, state = _previous_run(out_dir, spec, overwrite, verbose)
         if finished is not None:
             return finished
+        if fmt == "chat" and format == "auto" and verbose:
+            print(f"format: chat, as {holds}")
         reused = load_tokenizer(tok_file) if tok_file else None  # as given, before the chat tokens are added
         tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
             reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
@@ -97,14 +100,8 @@ def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str,
     return p
 
 
-def _detected_chat(sources: list[Source], column: str, tokenizer: str, tok_file: Path | None, verbose: bool) -> None:
-    """Said (format auto found conversations), or refused before anything is written: a char tokenizer cannot hold
-    them."""
-    first = next(s.path for s in sources if s.kind != "text")
-    if tokenizer == "char" and tok_file is None:
-        raise PrepareError(f"{first} holds conversations ({column!r}), read as chat, which {_NEEDS_BPE}")
-    if verbose:
-        print(f"format: chat ({first} holds conversations: {column!r})")
+def _first_records(sources: list[Source]) -> str:  # the file format "auto" looked at
+    return str(next((s.path for s in sources if s.kind != "text"), ""))
 
 
 def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:

@@ -187,12 +187,13 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
 
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
-    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "10", "--quiet"]
+    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "10"]
     for s in TINY:
         args += ["--set", s]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "already finished at step 10 (val " in out and "nothing to do" in out and "0 tokens/s" not in out
+    assert len(out.splitlines()) == 1 and err == "", (out, err)  # that alone: no set-up lines before it
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------

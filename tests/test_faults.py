@@ -132,7 +132,7 @@ def test_malicious_pickle_is_refused_and_previous_resumed(char_data, run, capsys
     r, out, _ = resume(char_data, run, capsys)
     assert not marker.exists(), "the pickle ran code"
     assert "cannot load safely" in out and "step_0000025" in out, out
-    assert r.resumed_from == 20 and "resumed from step 20" in out
+    assert r.resumed_from == 20 and r.summary().startswith("already finished at step 20")
 
 
 def test_enospc_during_save_is_loud_and_keeps_previous(char_data, tmp_path, capsys, monkeypatch):
@@ -189,8 +189,8 @@ def test_config_mismatch_names_field_and_both_values(char_data, run, field, valu
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"{field}={old}" in err and "Traceback" not in err
-    r, out, _ = resume(char_data, run, capsys)  # the original config resumes fine
-    assert r.resumed_from == 20 and "resumed from step 20" in out
+    r, out, _ = resume(char_data, run, capsys)  # the original config resumes fine (the finished run: said so)
+    assert r.resumed_from == 20 and r.stopped_by == "finished" and "error" not in out
 
 
 def ck_train(data, run_dir, settings):
@@ -242,7 +242,7 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     # Drive is back: re-running resumes from the local newest and copies it to Drive.
     monkeypatch.undo()
     r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
-    assert r.resumed_from == 20 and "resumed from step 20" in out and "local disk" in out
+    assert r.resumed_from == 20 and r.stopped_by == "finished", (out, err)
     assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
 
 

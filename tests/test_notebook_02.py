@@ -60,6 +60,7 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     train_out = cell_text(nb, "result = train(")
     assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), train_out
     assert train_out.count("already finished") == 1, train_out  # train() and print(result.summary()): said once
+    assert len(train_out.splitlines()) == 1, train_out  # and nothing else: no data, RAM or "resumed from" lines
     assert "None" not in train_out and " 0 tokens/s" not in train_out
 
 

@@ -84,12 +84,16 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
         start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
-        held = start.held
+        held, kept = start.held, None
         if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
-            log(f"recipe: {held.recipe} (the {start.whose}'s own)")  # a model keeps its recipe
+            kept = f"recipe: {held.recipe} (the {start.whose}'s own)"  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
+        # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
+        finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
+        if kept and not finished:
+            log(kept)
         s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
-                     log=log)
+                     log=log, quiet=finished)
     del start  # the base's weights (--init-from): not held all run
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     if s.state.step >= s.cfg.train.max_steps:

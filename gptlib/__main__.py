@@ -122,7 +122,9 @@ def cmd_train(args) -> int:
               allow_data_change=args.allow_data_change, recipe=args.recipe)
     early = r.stopped_by not in ("max_steps", "finished")  # max_minutes, Ctrl-C, SIGTERM: how to go on, once
     print(r.summary() + ("; re-run the same command to continue" if early else ""))
-    return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the status of a process stopped by SIGINT
+    if r.stopped_by == "interrupt":
+        return 130  # Ctrl-C: the status of a process stopped by SIGINT
+    return 1 if r.not_on_drive is not None else 0  # the summary says why: a script must not take the run for safe
 
 
 GENERATION = (  # the arguments sample and chat share: how to sample

@@ -128,7 +128,7 @@ class CheckpointWriter:
         finally:
             self._host = []  # ~1.5 GB not held after training
         if self.mirror:
-            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
+            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout)
         return self.status()
 
 

@@ -46,18 +46,23 @@ class TrainResult:
     resumed_from: int | None  # step of the checkpoint this call resumed from
     stopped_by: str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
+    not_on_drive: int | None = None  # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
 
     def summary(self) -> str:
+        drive = "" if self.not_on_drive is None else (
+            f"; !! step {self.not_on_drive:,} is NOT on Drive, only on this disk: its copy failed (see above); "
+            f"re-run once Drive works")
         val = "" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.stopped_by == "finished":
             return (f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do (raise max_steps "
-                    f"to train further) -> {self.run_dir}")
+                    f"to train further) -> {self.run_dir}{drive}")
         if val and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
         speed = "" if self.steady_tokens_per_s is None else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
         speed += (f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
                   f"its first step, validations and saves included")
-        return f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> {self.run_dir}"
+        return (f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> "
+                f"{self.run_dir}{drive}")
 
 
 def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",
@@ -140,7 +145,8 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                        val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
                        elapsed_s=train_s, tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
                        steady_tokens_per_s=metrics.steady_tokens_per_s(), resumed_from=s.resumed_from,
-                       stopped_by=stopped_by, history=metrics.history)
+                       stopped_by=stopped_by, history=metrics.history,
+                       not_on_drive=s.writer.status()["mirror_missing"])
 
 
 def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
@@ -243,7 +249,7 @@ def _finished(s: TrainingRun) -> TrainResult:
                        train_loss=s.history[-1].get("train_loss") if s.history else None, val_loss=val,
                        val_step=st.step if val is not None else None, best_val_loss=st.best_val_loss, elapsed_s=0.0,
                        tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
-                       history=s.history)
+                       history=s.history, not_on_drive=s.writer.status()["mirror_missing"])
 
 
 def _raise_oom_advice(s: TrainingRun) -> None:

@@ -73,6 +73,32 @@ def test_init_from_the_runs_own_directory_is_said_or_refused(tmp_path, char_data
         assert not any("only starts a new run)" in m for m in logs), logs  # not also the other run's note
 
 
+def test_a_new_seed_or_learning_rate_on_resume_is_said_with_what_it_does(tmp_path, char_data):
+    """The batches go on from the checkpoint, so a resumed run keeps its seed (validation's batches with it: the
+    val loss stays comparable), saying so; a new learning rate is said with the LR it gives at the resumed step."""
+    settings = TINY + ["eval_interval=5"]
+    for run in ("same", "seeded"):
+        train(char_data, tmp_path / run, "phase1", settings, max_steps=10, progress=False, log=quiet)
+    train(char_data, tmp_path / "same", "phase1", settings, max_steps=20, progress=False, log=quiet)
+    logs = []
+    train(char_data, tmp_path / "seeded", "phase1", settings, max_steps=20, seed=5, progress=False, log=logs.append)
+    assert "resume: seed stays 1337 (the run's own, not 5): a resumed run draws its batches on from the checkpoint, " \
+           "so a seed changes nothing after a resume; a new seed needs a new run" in logs, logs
+    assert not any("seed changed" in m for m in logs), logs
+    curve = {run: [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(tmp_path / run)]
+             for run in ("same", "seeded")}
+    assert curve["seeded"] == curve["same"] and sum(v is not None for *_, v in curve["same"]) == 4  # val at 5..20
+    assert json.loads((tmp_path / "seeded" / "config.json").read_text())["train"]["seed"] == 1337
+    logs = []
+    train(char_data, tmp_path / "same", "phase1", settings + ["learning_rate=0.005"], max_steps=20, progress=False,
+          log=logs.append)  # finished: a changed setting changes nothing, said nothing
+    assert logs == [], logs
+    train(char_data, tmp_path / "same", "phase1", settings + ["learning_rate=0.005"], max_steps=30, progress=False,
+          log=logs.append)
+    assert any(re.fullmatch(r"resume: learning_rate 0\.01 -> 0\.005, max_steps 20 -> 30: the LR at step 20 goes "
+                            r"[\d.e-]+ -> [\d.e-]+", m) for m in logs), logs
+
+
 def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_data):
     """Resuming with another batch size: tokens/s covers the tokens this call trained on, at the new size."""
     first = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)

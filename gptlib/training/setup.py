@@ -255,7 +255,15 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
         model["vocab_size"] = start.meta.vocab_size
     if held is not None and start.init_from:  # the vocabulary stays the data's (a base's may grow)
         model.update({n: getattr(held.model, n) for n in SHAPE})
-    cfg = dataclasses.replace(asked, model=dataclasses.replace(asked.model, **model))
+    train = {}
+    if start.resume is not None and held.train.seed != asked.train.seed:
+        # the batches go on from the checkpoint's sampler state and the dropout RNG from its own: a seed would only
+        # change the validation batches (the curve's val loss would jump), so the run keeps its own
+        log(f"resume: seed stays {held.train.seed} (the run's own, not {asked.train.seed}): a resumed run draws its "
+            f"batches on from the checkpoint, so a seed changes nothing after a resume; a new seed needs a new run")
+        train["seed"] = held.train.seed
+    cfg = dataclasses.replace(asked, model=dataclasses.replace(asked.model, **model),
+                              train=dataclasses.replace(asked.train, **train))
     if start.resume is not None:
         check_same_model(held, cfg, start.resume.state.step, start.run_dir, log)
     cfg.validate()
@@ -274,21 +282,30 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
                               f"use a new run directory, or drop the change to resume")
     for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
         for f in dataclasses.fields(old):
-            if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE:
+            if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE + SCHEDULE:
                 log(f"resume: {f.name} changed {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}")
     if note := schedule_change(saved.train, asked.train, step):
         log(f"resume: {note}")
 
 
+SCHEDULE = ("learning_rate", "max_steps", "schedule", "cooldown_frac", "warmup_steps", "min_lr_ratio")  # lr_at's
+
+
 def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None:
-    """What a changed max_steps (or schedule) does to the LR at `step`, in one line; None if nothing changed."""
-    keys = ("max_steps", "schedule", "cooldown_frac", "warmup_steps", "min_lr_ratio")
-    if all(getattr(old, k) == getattr(new, k) for k in keys):
+    """What a changed learning_rate, max_steps or schedule does to the LR at `step`, in one line; None if none
+    changed."""
+    changed = [k for k in SCHEDULE if getattr(old, k) != getattr(new, k)]
+    if not changed:
         return None
     before, after = lr_at(step, old), lr_at(step, new)
     lr = (f"stays {after:.3g}: the run goes on unchanged" if math.isclose(before, after, rel_tol=1e-9)
           else f"goes {before:.3g} -> {after:.3g}")
-    return f"max_steps {old.max_steps:,} -> {new.max_steps:,}: the LR at step {step:,} {lr}"
+    what = ", ".join(f"{k} {_value(getattr(old, k))} -> {_value(getattr(new, k))}" for k in changed)
+    return f"{what}: the LR at step {step:,} {lr}"
+
+
+def _value(v) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *,

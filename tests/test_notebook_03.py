@@ -23,6 +23,7 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     run = tmp_path / "root" / "runs" / "nb3"
     assert "256 tokens/step x 20 steps = 5.12K tokens" in text  # not "= 0.000B tokens"
     assert "MFU unknown on cpu" in text  # no made-up MFU on a CPU
+    assert "Colab units" not in text and "benchmarks/results" not in text  # not on Colab; a file Colab has not
     assert "-> RAM:" in text and "fits in RAM" in text  # the data path and why
     assert "auto micro-batch: no memory probe on cpu" in text
     assert "done: step 20, val loss" in text and re.search(r"[\d,]+ tokens/s while stepping; [\d,]+ over the", text)

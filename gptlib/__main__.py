@@ -57,9 +57,11 @@ def cmd_fetch(args) -> None:
          arg("--hf-dataset", metavar="OWNER/NAME", help="a Hub dataset, through the Hub's parquet conversion"),
          arg("--hf-config", metavar="C", help="the config of --hf-dataset (default: default, or the only one)"),
          arg("--hf-split", metavar="S", help="the split of --hf-dataset (default: train, or the only one)"),
-         arg("--format", default="text", choices=["text", "chat"], help="documents, or conversations (default text)"),
+         arg("--format", choices=["text", "chat"],
+             help="documents, or conversations (default: chat if the records have a messages or conversations "
+                  "field and no text field, else text)"),
          arg("--max-tokens", type=_count, metavar="N", help="stop after N tokens at a document boundary, e.g. 2.8B"),
-         arg("--tokenizer", choices=["char", "bpe"], help="tokenizer kind (default: char; bpe with --format chat)"),
+         arg("--tokenizer", choices=["char", "bpe"], help="tokenizer kind (default: char; bpe for conversations)"),
          arg("--vocab-size", type=int, default=32768, help="BPE vocabulary size (default 32768)"),
          arg("--tokenizer-from", "--tokenizer-file", metavar="RUN_DIR", help="reuse this run's/data's tokenizer"),
          arg("--text-column", metavar="NAME", help="the jsonl field / parquet column read"),
@@ -83,11 +85,12 @@ def cmd_tokenize(args) -> None:
         raise PrepareError("--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
                        "or an hf://datasets/ input")
     # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
-    prepare(inputs, args.out, tokenizer=args.tokenizer or ("bpe" if args.format == "chat" else "char"),
+    # No --tokenizer: char for text, bpe for chat (None: decided once the records have told the format).
+    prepare(inputs, args.out, tokenizer=args.tokenizer or {"chat": "bpe", "text": "char"}.get(args.format),
             vocab_size=args.vocab_size, tokenizer_from=args.tokenizer_from, text_column=args.text_column,
             val_fraction=args.val_fraction, split=args.split, shard_tokens=args.shard_tokens,
             train_max_bytes=int(args.train_mb * 1e6) if args.train_mb > 0 else None, overwrite=args.overwrite,
-            verbose=not args.quiet, format=args.format, max_tokens=args.max_tokens, hf_config=args.hf_config,
+            verbose=not args.quiet, format=args.format or "auto", max_tokens=args.max_tokens, hf_config=args.hf_config,
             hf_split=args.hf_split)
 
 
@@ -118,8 +121,11 @@ def cmd_train(args) -> int:
               progress=not args.quiet, mirror_dir=args.mirror_dir, take_over=args.take_over,
               init_from=args.init_from, skip_unreadable=args.skip_unreadable,
               allow_data_change=args.allow_data_change, recipe=args.recipe)
-    print(r.summary())
-    return 130 if r.stopped_by == "interrupt" else 0  # Ctrl-C: the status of a process stopped by SIGINT
+    early = r.stopped_by not in ("max_steps", "finished")  # max_minutes, Ctrl-C, SIGTERM: how to go on, once
+    print(r.summary() + ("; re-run the same command to continue" if early else ""))
+    if r.stopped_by == "interrupt":
+        return 130  # Ctrl-C: the status of a process stopped by SIGINT
+    return 1 if r.not_on_drive is not None else 0  # the summary says why: a script must not take the run for safe
 
 
 GENERATION = (  # the arguments sample and chat share: how to sample

@@ -11,6 +11,19 @@ def loud(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def in_notebook() -> bool:
+    """Whether a Jupyter or Colab kernel runs this process: a message then names the notebook's parameter, elsewhere
+    the command's flag."""
+    ipython = sys.modules.get("IPython")  # a kernel has it loaded; importing it here would cost every command
+    return ipython is not None and getattr(ipython.get_ipython(), "kernel", None) is not None
+
+
+def override(setting: str) -> str:
+    """How to set a config field where the user is: override("keep_last=3") -> 'OVERRIDES = ["keep_last=3"]' in a
+    notebook (02, 03 and 05 pass their OVERRIDES to train), '--set keep_last=3' on the command line."""
+    return f'OVERRIDES = ["{setting}"]' if in_notebook() else f"--set {setting}"
+
+
 class GptlibError(Exception):
     """A problem the user can fix; the message says what and how."""
 

@@ -14,7 +14,7 @@ from collections import namedtuple
 from contextlib import suppress
 from pathlib import Path
 
-from gptlib.errors import LeaseLost, RunDirError, loud
+from gptlib.errors import LeaseLost, RunDirError, in_notebook, loud
 from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write, read_bytes_with_timeout
 from gptlib.layout import LEASE_FILE
 
@@ -23,6 +23,7 @@ STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that i
 IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
 
 Holder = namedtuple("Holder", "host pid session started heartbeat")  # what a lease file says
+_LIVE: set[str] = set()  # the sessions of this process's leases not released yet: its trainings still running
 
 
 def _describe(found: Holder | str, now: float) -> str:
@@ -74,6 +75,7 @@ class RunLease:
                 self.release()
                 raise cannot_write(d, e) from None
             self._held.append(d)
+            _LIVE.add(self.session)
         time.sleep(0.05)  # two starters that wrote at the same moment: the last write wins, the other sees it
         for d in self._held:
             self._check_ours(d / LEASE_FILE, on_lost=RunDirError)
@@ -91,6 +93,16 @@ class RunLease:
             self.log(f"lease: taking over {path} ({what})")
             return
         how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
+        if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
+            started = time.strftime("%H:%M:%S", time.localtime(found.started))
+            if found.session in _LIVE:  # a training of this very process: a notebook cell run while one trains
+                raise RunDirError(
+                    f"{path.parent} is in use by this notebook's own training, still running in this kernel "
+                    f"(started {started}): let it finish, or stop it, then run this cell again" if in_notebook() else
+                    f"{path.parent} is in use by a training still running in this process (started {started}): "
+                    f"let it finish, or stop it, first")
+            self.log(f"lease: {path} was left by an earlier training of this process, which has ended; taking over")
+            return
         if isinstance(found, Holder) and found.host == self.host:
             try:
                 os.kill(found.pid, 0)
@@ -153,6 +165,7 @@ class RunLease:
                 if isinstance(found, Holder) and found.session == self.session:
                     (d / LEASE_FILE).unlink(missing_ok=True)
         self._held = []
+        _LIVE.discard(self.session)
 
 
 class NoLease:  # DDP ranks other than 0 (rank 0 holds the run's), and callers that need none

@@ -5,8 +5,9 @@
 SPEC is "ITEM,ITEM,..." (empty: no fault). An item "ACTION:POINT[@STEP]" wraps the gptlib function of POINT so that
 ACTION happens when execution reaches it (at checkpoint or training step STEP; without @STEP every time):
 
-    ACTION  kill (SIGKILL this process), term (SIGTERM), interrupt (raise KeyboardInterrupt), enospc / eio / enotconn
-            (raise that OSError), hang (block for an hour), slow (sleep 50 ms)
+    ACTION  kill (SIGKILL this process), term (SIGTERM), sigint (SIGINT: the stop button), interrupt (raise
+            KeyboardInterrupt), enospc / eio / enotconn (raise that OSError), hang (block for an hour),
+            slow (sleep 50 ms)
     POINT   mid_step      the step: training.loop.train_step has updated the model, the step counter has not
             save_mid      the write: checkpoint.format writes state.json (model.pt, train_state.pt written, no manifest)
             after_rename  the install: checkpoint.format.install renamed the checkpoint, rotation has not run
@@ -29,7 +30,7 @@ import time
 from typing import Callable
 
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "enotconn": errno.ENOTCONN}
-_SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+_SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "sigint": signal.SIGINT}
 _SLEEP_S = {"kill": 10, "hang": 3600, "slow": 0.05}  # kill: the signal arrives asynchronously; never run past it
 FAULTY = pathlib.Path(__file__).resolve()
 
@@ -44,7 +45,8 @@ def act(action: str, where: str) -> None:
     if action in _SLEEP_S:
         time.sleep(_SLEEP_S[action])
     elif action not in _SIGNAL:
-        raise ValueError(f"fault action {action!r}: one of kill, term, interrupt, enospc, eio, enotconn, hang, slow")
+        raise ValueError(f"fault action {action!r}: one of kill, term, sigint, interrupt, enospc, eio, enotconn, "
+                         f"hang, slow")
 
 
 def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[object, str, object]]:

@@ -15,11 +15,13 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600) -> nbformat.NotebookNode:
+def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600, code: str = "") -> nbformat.NotebookNode:
+    """code: run after the parameters (e.g. tests.faulty.install(...): a fault in the kernel's gptlib)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and "# @param" in cell.source:
-            cell.source += "\n# --- test overrides ---\n" + "".join(f"{k} = {v!r}\n" for k, v in params.items())
+            assignments = "".join(f"{k} = {v!r}\n" for k, v in params.items())
+            cell.source += "\n# --- test overrides ---\n" + assignments + code
             break
     else:
         raise AssertionError(f"{name}: no parameters cell (a code cell with '# @param')")

@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from gptlib.data.prepare import prepare
 from gptlib.errors import CheckpointError, ConfigError, RunDirError
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from tests.conftest import TINY
+from tests.conftest import REPO, TINY
 from tests.test_drive_resume import StalledDrive
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
 
@@ -152,6 +154,22 @@ def test_a_run_dir_mirror_or_data_dir_that_is_a_file_or_a_symlink_loop_is_one_li
     with pytest.raises(RunDirError, match=what):
         train(data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet, mirror_dir=mirror)
     assert not (run / "config.json").exists()
+
+
+@pytest.mark.parametrize("kind", ["loop", "file", "missing"])
+def test_sample_on_a_run_dir_that_is_a_symlink_loop_or_a_file_says_which(tmp_path, kind):
+    """`sample` (any reader of a run) names a symbolic link loop or a file for what it is, not 'does not exist'."""
+    run = tmp_path / "run"
+    if kind == "loop":
+        _loop(run)
+    elif kind == "file":
+        run.write_text("not a directory")
+    p = subprocess.run([sys.executable, "-m", "gptlib", "sample", "--run-dir", str(run)], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    said = {"loop": f"the run directory {run} is a symbolic link loop; choose another path",
+            "file": f"the run directory {run} is a file, not a directory; choose another path",
+            "missing": f"no valid checkpoint in {run}: the run directory does not exist"}[kind]
+    assert p.returncode == 2 and p.stderr.startswith(f"error: {said}") and len(p.stderr.splitlines()) == 1, p.stderr
 
 
 def test_a_failing_drive_copy_names_the_step_already_on_drive(char_data, tmp_path, monkeypatch, capsys):

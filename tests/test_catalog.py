@@ -1,8 +1,6 @@
 """Notebook 01's known sources: each dropdown choice gives prepare() the right files, column, format and budget;
 the user's INPUT wins; counts parse."""
 
-import shutil
-
 import pytest
 
 from gptlib.data.catalog import DEMO, MY_FILES, SOURCES, parse_count, source_inputs
@@ -29,18 +27,27 @@ def test_every_known_source_names_its_files_and_options():
 
 
 def test_the_demo_corpus_is_the_verified_tiny_shakespeare(tmp_path, monkeypatch, shakespeare_path):
-    shutil.copy(shakespeare_path, tmp_path / "tinyshakespeare.txt")  # the cache, without a network
+    """Downloaded (here from a file URL), then found in the cache: each said as it happened."""
+    from gptlib.data import download
+
+    monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", shakespeare_path.as_uri())
     monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path))
-    assert source_inputs(DEMO, log=lambda m: None) == ([tmp_path / "tinyshakespeare.txt"],
-                                                       {"text_column": None, "format": "text", "max_tokens": None})
+    logs = []
+    for how in ("downloaded and checksum-verified", "found in the cache, checksum-verified"):
+        assert source_inputs(DEMO, log=logs.append) == ([tmp_path / "tinyshakespeare.txt"],
+                                                        {"text_column": None, "format": "text", "max_tokens": None})
+        assert logs.pop() == f"source: {DEMO}: 1.1 MB, {how} ({tmp_path / 'tinyshakespeare.txt'})"
+    (tmp_path / "tinyshakespeare.txt").write_text("corrupt")  # a damaged cache is replaced: downloaded again
+    source_inputs(DEMO, log=logs.append)
+    assert logs == [f"source: {DEMO}: 1.1 MB, downloaded and checksum-verified ({tmp_path / 'tinyshakespeare.txt'})"]
 
 
 def test_the_users_input_wins_and_gets_no_defaults():
     logs = []
     mine = source_inputs("github-code (as the original author used it)", "/content/drive/MyDrive/a/*.parquet, b.jsonl",
                          log=logs.append)
-    assert mine == (["/content/drive/MyDrive/a/*.parquet", "b.jsonl"],
-                    {"text_column": None, "format": "text", "max_tokens": None})
+    assert mine == (["/content/drive/MyDrive/a/*.parquet", "b.jsonl"],  # format auto: conversations read as chat
+                    {"text_column": None, "format": "auto", "max_tokens": None})
     assert logs == []
     assert source_inputs(MY_FILES, "x.jsonl", "body", "2.8B", "chat")[1] == {
         "text_column": "body", "format": "chat", "max_tokens": 2_800_000_000}

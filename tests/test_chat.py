@@ -233,6 +233,33 @@ def test_chat_with_a_char_tokenizer_is_refused(tmp_path, run_dir, paragraphs, sm
     assert not (tmp_path / "e" / "meta.json").exists()
 
 
+def test_conversations_without_a_format_are_read_as_chat(tmp_path, run_dir, paragraphs, capsys):
+    """No format given: a record with a messages (or conversations) field and no text field is a conversation, in
+    prepare(), from a notebook's FORMAT = "" and from the command line without --format (no --tokenizer: bpe)."""
+    convs = conversations(paragraphs, 60)
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in convs])
+    meta = prepare([src], tmp_path / "d", tokenizer_from=run_dir, verbose=True)
+    assert meta.format == "chat" and meta.raw["documents"] == 60
+    assert f"format: chat, as {src} holds conversations ('messages')\n" in capsys.readouterr().out
+    explicit = prepare([src], tmp_path / "e", tokenizer_from=run_dir, format="chat", verbose=False)
+    assert explicit.splits == meta.splits  # the same dataset as --format chat makes
+    pq.write_table(pa.table({"conversations": [[{"from": m["role"].replace("user", "human"), "value": m["content"]}
+                                                for m in c] for c in convs]}), tmp_path / "s.parquet")
+    assert prepare([tmp_path / "s.parquet"], tmp_path / "f", tokenizer_from=run_dir, verbose=False).format == "chat"
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": p, "messages": []} for p in paragraphs[:100]])
+    assert prepare([texts], tmp_path / "g", tokenizer="char", verbose=False).format == "text"  # a text field: text
+    r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--vocab-size", "400",
+                        "--out", str(tmp_path / "cli"), "--quiet"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert read_meta(tmp_path / "cli").format == "chat" and load_tokenizer(tmp_path / "cli").kind == "bpe"
+    r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--tokenizer", "char",
+                        "--out", str(tmp_path / "char")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert f"error: {src} holds conversations ('messages'), read as chat, which needs a BPE tokenizer" in r.stderr
+    assert not (tmp_path / "char" / "meta.json").exists()
+
+
 def test_a_new_bpe_for_chat_data_has_the_chat_tokens_as_specials(tmp_path, paragraphs):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs, 150)])
     meta = prepare([src], tmp_path / "d", tokenizer="bpe", vocab_size=400, format="chat", verbose=False)

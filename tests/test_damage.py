@@ -178,6 +178,10 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
     [ck] = list_checkpoints(run)
     assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out
     assert [p.name for p in (run / "checkpoints").iterdir()] == [ck.name]  # no partial left
+    # the presses said on stdout, as the rest of the run; how to go on once, in the last line
+    assert "SIGINT: finishing this step" in out and "SIGINT: stopping as soon as" in out and "SIGINT" not in err, err
+    assert out.count("to continue") == 1
+    assert out.endswith(f"(interrupt) -> {run}; re-run the same command to continue\n"), out
 
 
 def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
@@ -185,12 +189,13 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
 
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
-    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "10", "--quiet"]
+    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "10"]
     for s in TINY:
         args += ["--set", s]
     assert main(args) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "already finished at step 10 (val " in out and "nothing to do" in out and "0 tokens/s" not in out
+    assert len(out.splitlines()) == 1 and err == "", (out, err)  # that alone: no set-up lines before it
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------
@@ -225,8 +230,11 @@ def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_
     assert aside.is_dir()
 
 
-def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch):
-    """torch reports a full disk as "enforce fail at inline_container.cc ... unexpected pos"."""
+def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch, capsys):
+    """torch reports a full disk as "enforce fail at inline_container.cc ... unexpected pos": one line says the disk
+    is full, where, and what to do, in none of torch's words, from train() and the command line alike."""
+    from gptlib.__main__ import main
+
     real = ck.atomic_write
     calls = {"n": 0}
 
@@ -238,9 +246,20 @@ def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch)
 
     monkeypatch.setattr(ck, "atomic_write", save)
     monkeypatch.setattr(ck, "_disk_nearly_full", lambda path: True)
-    with pytest.raises(CheckpointError, match="no space left on the device.*disk full.*newest intact checkpoint"):
-        train(char_data, tmp_path / "run", "phase1", TINY + ["save_every_steps=5"], max_steps=20, progress=False,
-              log=quiet)
+    run = tmp_path / "run"
+    said = (f"saving a checkpoint in {run} failed: the disk is full (no space left on its device); free space there "
+            f"(old runs or checkpoints), then re-run; the newest intact checkpoint is step 5")
+    with pytest.raises(CheckpointError) as e:
+        train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=20, progress=False, log=quiet)
+    assert str(e.value) == said
+    shutil.rmtree(run)
+    calls["n"] = 0
+    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "20", "--quiet"]
+    for s in TINY + ["save_every_steps=5"]:
+        args += ["--set", s]
+    capsys.readouterr()
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"  # one line, no "enforce fail at inline_container.cc"
 
 
 def _disk_full(path, *rest):
@@ -270,7 +289,7 @@ def test_a_full_run_dir_at_set_up_is_one_clear_line(char_data, tmp_path, monkeyp
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("keep_last,fix", [(2, "free space"), (3, "free space or lower keep_last \\(now 3: --set keep_last=N\\)")])
+@pytest.mark.parametrize("keep_last,fix", [(2, ""), (3, " or lower keep_last \\(now 3: --set keep_last=N\\)")])
 def test_a_full_disk_during_a_save_is_one_clear_line(char_data, tmp_path, monkeypatch, keep_last, fix):
     """ENOSPC from the write itself (not torch's 'unexpected pos'): the message says disk full and the fix (a lower
     keep_last only where it can go lower than its minimum, 2), names the newest intact checkpoint, and the partial
@@ -286,8 +305,9 @@ def test_a_full_disk_during_a_save_is_one_clear_line(char_data, tmp_path, monkey
 
     monkeypatch.setattr(ck, "atomic_write", save)
     run = tmp_path / "run"
-    with pytest.raises(CheckpointError, match=r"saving a checkpoint in .*run failed: .*No space left on device.*"
-                                              rf"\(disk full: {fix}\); the newest intact checkpoint is step 5"):
+    with pytest.raises(CheckpointError, match=r"^saving a checkpoint in .*run failed: the disk is full \(no space "
+                                              r"left on its device\); free space there \(old runs or checkpoints\)"
+                                              rf"{fix}, then re-run; the newest intact checkpoint is step 5$"):
         train(char_data, run, "phase1", TINY + ["save_every_steps=5", f"keep_last={keep_last}"], max_steps=20,
               progress=False, log=quiet)
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000005"]

@@ -14,6 +14,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -132,7 +134,7 @@ def test_malicious_pickle_is_refused_and_previous_resumed(char_data, run, capsys
     r, out, _ = resume(char_data, run, capsys)
     assert not marker.exists(), "the pickle ran code"
     assert "cannot load safely" in out and "step_0000025" in out, out
-    assert r.resumed_from == 20 and "resumed from step 20" in out
+    assert r.resumed_from == 20 and r.summary().startswith("already finished at step 20")
 
 
 def test_enospc_during_save_is_loud_and_keeps_previous(char_data, tmp_path, capsys, monkeypatch):
@@ -144,7 +146,7 @@ def test_enospc_during_save_is_loud_and_keeps_previous(char_data, tmp_path, caps
     finally:
         undo()
     msg = str(ei.value)
-    assert "No space left" in msg and "disk full" in msg and "newest intact checkpoint is step 10" in msg, msg
+    assert "the disk is full" in msg and "newest intact checkpoint is step 10" in msg, msg
     assert sorted(p.name for p in (run / CKPT).iterdir()) == ["step_0000005", "step_0000010"]
     verify_checkpoint(ckpt_dir(run, 10))  # previous intact; the partial step-15 dir was removed
     r, out, _ = resume(char_data, run, capsys)
@@ -189,8 +191,8 @@ def test_config_mismatch_names_field_and_both_values(char_data, run, field, valu
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"{field}={old}" in err and "Traceback" not in err
-    r, out, _ = resume(char_data, run, capsys)  # the original config resumes fine
-    assert r.resumed_from == 20 and "resumed from step 20" in out
+    r, out, _ = resume(char_data, run, capsys)  # the original config resumes fine (the finished run: said so)
+    assert r.resumed_from == 20 and r.stopped_by == "finished" and "error" not in out
 
 
 def ck_train(data, run_dir, settings):
@@ -235,6 +237,8 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     assert r.step == MAX_STEPS and r.stopped_by == "max_steps"  # training went on
     assert f"[Errno {code}]" in err and "DRIVE COPY FAILED" in err, err
     assert "is NOT on Drive" in err  # the end-of-run summary says where the newest checkpoint is
+    assert r.not_on_drive == 20 and r.summary().endswith("; !! step 20 is NOT on Drive, only on this disk: its copy "
+                                                         "failed (see above); re-run once Drive works")
     assert "DRIVE COPY FAILING" in out  # shown in the loop's validation line too
     assert verify_checkpoint(ckpt_dir(run, 20)).step == 20  # local saving never stopped
     assert newest_checkpoint(mirror) is None
@@ -242,7 +246,45 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     # Drive is back: re-running resumes from the local newest and copies it to Drive.
     monkeypatch.undo()
     r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
-    assert r.resumed_from == 20 and "resumed from step 20" in out and "local disk" in out
+    assert r.resumed_from == 20 and r.stopped_by == "finished" and r.not_on_drive is None, (out, err)
+    assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
+
+
+# `python -m gptlib` with a Drive whose every copy fails at once (retried twice, 50 ms apart)
+BROKEN_DRIVE = """
+import errno, os, sys
+from gptlib.__main__ import main
+from gptlib.checkpoint import mirror
+def broken(*a, **k):
+    raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN))
+mirror.copy_file_verified, mirror.MIRROR_RETRY_DELAYS_S = broken, (0.05, 0.05)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_cli_run_whose_checkpoint_missed_drive_exits_nonzero(char_data, tmp_path):
+    """--mirror-dir given and the final checkpoint not copied there: exit status 1, the last line saying why, also
+    when the run was finished already; once Drive works, the same command copies it and exits 0."""
+    run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
+    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--mirror-dir", str(mirror), "--max-steps",
+            str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    for s in SETTINGS:
+        args += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(faulty.FAULTY.parents[1])}
+    p = subprocess.run([sys.executable, "-c", BROKEN_DRIVE, *args], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    last = p.stdout.splitlines()[-1]
+    why = "; !! step 20 is NOT on Drive, only on this disk: its copy failed (see above)"
+    assert last.startswith("done: step 20,") and last.endswith(f"{why}; re-run once Drive works"), last
+    assert "DRIVE COPY FAILED" in p.stderr and newest_checkpoint(mirror) is None
+    p = subprocess.run([sys.executable, "-c", BROKEN_DRIVE, *args], env=env, capture_output=True, text=True,
+                       timeout=300)  # finished: only its copy to Drive to make, and that fails again
+    assert p.returncode == 1 and p.stdout.startswith("already finished at step 20")
+    assert p.stdout.endswith(f"{why}; re-run once Drive works\n"), p.stdout
+    assert "the newest checkpoint (step 20) is NOT on Drive" in p.stderr, p.stderr
+    p = subprocess.run(faulty.gptlib_cmd(None, *args), env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.startswith("already finished at step 20"), (p.stdout, p.stderr)
     assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
 
 

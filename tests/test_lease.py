@@ -124,6 +124,29 @@ def test_the_lease_of_a_dead_local_process_is_taken_over_at_once(char_data, tmp_
     assert r.step == 2 and any(f"pid {dead.pid} on this machine) is gone; taking over" in m for m in logs)
 
 
+def test_a_training_still_running_in_this_process_is_named_as_such(char_data, tmp_path, monkeypatch):
+    """A notebook cell run while this kernel still trains the run (a thread, a queued cell): refused in one line
+    naming this notebook's own training, not 'another training process'. A lease an earlier call of this process
+    left behind (its training over) is taken over."""
+    run = tmp_path / "run"
+    running = L.RunLease([run]).acquire()  # this process's training, still going
+    here = r"run is in use by a training still running in this process \(started \d\d:\d\d:\d\d\): let it finish, "
+    kernel = r"run is in use by this notebook's own training, still running in this kernel \(started [\d:]+\): "
+    try:
+        with pytest.raises(L.RunDirError, match=here + r"or stop it, first$"):
+            train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+        monkeypatch.setattr(L, "in_notebook", lambda: True)
+        with pytest.raises(L.RunDirError, match=kernel + r"let it finish, or stop it, then run this cell again$"):
+            train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+    finally:
+        running.release()
+    write_lease(run / "lease.json", host=socket.gethostname(), pid=os.getpid())  # left by an earlier call, now over
+    logs = []
+    r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append)
+    left = f"lease: {run / 'lease.json'} was left by an earlier training of this process, which has ended; taking over"
+    assert r.step == 2 and left in logs, logs
+
+
 def test_another_machines_lease(char_data, tmp_path):
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=10)  # fresh: that VM is probably alive

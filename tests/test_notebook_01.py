@@ -16,6 +16,8 @@ def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch,
     params = {"VOCAB_SIZE": 512, "TRAIN_MB": 0}
     nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
+    assert "source: Tiny Shakespeare (demo): 1.1 MB, found in the cache, checksum-verified" in text
+    assert "downloaded" not in text  # it was not
     data = tmp_path / "root" / "data" / "bpe"  # where notebook 03 looks for DATASET_NAME="bpe"
     meta = verified_meta(data)
     assert meta.tokenizer["kind"] == "bpe" and meta.vocab_size == 512 and meta.dtype.name == "uint16"

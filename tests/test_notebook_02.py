@@ -42,7 +42,13 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     # the generated text starts with its prompt, not mid-line
     assert cell_text(nb, "engine.generate(").startswith("ROMEO:")
 
-    # "Colab disconnected": run every cell again with a larger budget; training continues from step 20.
+    # a session cut short by MAX_MINUTES: how to go on said once, in the notebook's words, in its last line
+    nb = run_notebook(NB, {**params, "MAX_STEPS": 30, "MAX_MINUTES": 0.0005}, cwd=tmp_path)
+    train_out = cell_text(nb, "result = train(")
+    assert re.search(r"max_minutes=0.0005 reached at step 2\d; checkpoint saved\n", train_out), train_out
+    assert train_out.count("to continue") == 1 and train_out.endswith(" -> run all cells again to continue\n")
+
+    # "Colab disconnected": run every cell again with a larger budget; training continues to step 30.
     params["MAX_STEPS"] = 30
     nb = run_notebook(NB, params, cwd=tmp_path)
     assert "resumed from" in outputs_text(nb)
@@ -54,6 +60,7 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     train_out = cell_text(nb, "result = train(")
     assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), train_out
     assert train_out.count("already finished") == 1, train_out  # train() and print(result.summary()): said once
+    assert len(train_out.splitlines()) == 1, train_out  # and nothing else: no data, RAM or "resumed from" lines
     assert "None" not in train_out and " 0 tokens/s" not in train_out
 
 

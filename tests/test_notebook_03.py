@@ -23,6 +23,7 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     run = tmp_path / "root" / "runs" / "nb3"
     assert "256 tokens/step x 20 steps = 5.12K tokens" in text  # not "= 0.000B tokens"
     assert "MFU unknown on cpu" in text  # no made-up MFU on a CPU
+    assert "Colab units" not in text and "benchmarks/results" not in text  # not on Colab; a file Colab has not
     assert "-> RAM:" in text and "fits in RAM" in text  # the data path and why
     assert "auto micro-batch: no memory probe on cpu" in text
     assert "done: step 20, val loss" in text and re.search(r"[\d,]+ tokens/s while stepping; [\d,]+ over the", text)
@@ -44,6 +45,24 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     assert "resumed from step 20" in text and "done: step 30," in text
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
+
+
+def test_notebook_03_stopped_says_so_once_in_its_output(tmp_path, monkeypatch, char_data):
+    """The stop button (SIGINT) at step 5: the note on the normal output, not in stderr's red box, and how to go on
+    said once, in the cell's last line."""
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    shutil.copytree(char_data, tmp_path / "root" / "data" / "chars")
+    params = {"DATASET_NAME": "chars", "RUN_NAME": "nb3", "PRESET": "phase1", "TOKEN_BUDGET_M": 0.00512,
+              "DEVICE": "cpu", "OVERRIDES": TINY}
+    nb = run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path,
+                      code="import tests.faulty\ntests.faulty.install('sigint:mid_step@5')\n")
+    train_cell = next(c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source)
+    out = "".join(o.get("text", "") for o in train_cell.outputs if o.get("name") == "stdout")
+    err = "".join(o.get("text", "") for o in train_cell.outputs if o.get("name") == "stderr")
+    assert "SIGINT: finishing this step, saving a checkpoint, then stopping" in out and "SIGINT" not in err, err
+    assert "stopped (interrupt) at step 5; checkpoint saved\n" in out
+    assert outputs_text(nb).count("to continue") == 1
+    assert out.rstrip().endswith("; 15 of 20 steps to go: run all cells again to continue"), out
 
 
 def test_notebook_03_asks_colab_for_an_a100():

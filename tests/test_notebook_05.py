@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from gptlib.errors import override
 from tests.nbrun import outputs_text, run_notebook
 from tests.test_finetune import NAMES, WORDS, conversation
 from tests.test_import_hf import hf_folder  # noqa: F401 - the fixture
@@ -19,7 +20,7 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(conversation(n, w)) + "\n" for n in NAMES for w in WORDS))
     params = {"BASE": "OpenAI GPT-2 from the Hub", "HF_MODEL": str(hf_folder), "SOURCE": "my files on Drive",
-              "INPUT": str(chats), "FORMAT": "chat", "MAX_TOKENS": "0", "DATASET_NAME": "qa", "RUN_NAME": "ft",
+              "INPUT": str(chats), "FORMAT": "", "MAX_TOKENS": "0", "DATASET_NAME": "qa", "RUN_NAME": "ft",
               "MAX_STEPS": 12, "DEVICE": "cpu", "FIRST_MESSAGE": "anna asks: what is the opposite of apple?",
               "OVERRIDES": ["eval_interval=6", "batch_size=8", "eval_batches=2", "sample_tokens=0", "log_interval=1",
                             "save_every_minutes=0", "warmup_steps=2"]}
@@ -27,8 +28,13 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     text = outputs_text(nb)
     root = tmp_path / "root"
     assert "imported" in text and (root / "runs" / "hf-tiny-gpt2" / "checkpoints").is_dir()
+    assert f"format: chat, as {chats} holds conversations ('messages')" in text  # FORMAT "": the records tell
     assert "vocabulary 300 -> 304" in text  # the chat markers added to GPT-2's tokenizer, rows to its embedding
     assert "loss: on the assistants' answers only" in text
+    # the notebook's own parameter, not the command line's flag; a short run's estimate, no talk of GPUs
+    assert 'tokens; OVERRIDES = ["chat_loss=all"] puts it on every token)' in text and "--set" not in text
+    assert override("chat_loss=all") == "--set chat_loss=all"  # outside a notebook (this process): the CLI's flag
+    assert "on this CPU (" in text and "meant for a GPU" not in text
     assert "done: step 12" in text
     assert "you: anna asks" in text and "model: " in text
     meta = json.loads((root / "data" / "qa" / "meta.json").read_text())

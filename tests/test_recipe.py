@@ -401,14 +401,16 @@ def test_export_refuses_a_part_no_native_architecture_has(char_data, tmp_path):
 def test_notebook_03s_plan_says_what_each_recipe_needs():
     """plan_run's estimate: the modern recipe's tokens are the measured fraction of the gpt2 recipe's, and on a GPU
     with a known peak so are its hours and Colab units."""
-    from gptlib.training.throughput import (COLAB_UNITS_PER_HOUR, MODERN_TOKEN_FRACTION, DevicePeak, plan_run,
-                                            recipe_estimate)
+    from gptlib.training.throughput import (BENCHMARKS_PAGE, COLAB_UNITS_PER_HOUR, MODERN_TOKEN_FRACTION, DevicePeak,
+                                            plan_run, recipe_estimate)
 
     a100 = DevicePeak("A100", 312e12, "", COLAB_UNITS_PER_HOUR["A100 40GB"])
     line = recipe_estimate(get_preset("gpt2-small"), 2_000_000_000, a100)
     gpt2_units, modern_units = (float(u) for u in __import__("re").findall(r"~([\d.]+) Colab units", line))
     assert modern_units == pytest.approx(gpt2_units * MODERN_TOKEN_FRACTION, abs=1)  # both rounded
-    assert "2B tokens" in line and "recipes_bpe_cpu.txt" in line
+    assert "2B tokens" in line and f"small BPE proxy, {BENCHMARKS_PAGE}" in line
+    assert BENCHMARKS_PAGE == "https://github.com/gptlib/gptlib/blob/main/docs/benchmarks.md"
+    assert "benchmarks/results" not in line  # a file a Colab user does not have
     plan = plan_run("gpt2-small", [], tokens=1e9, device="cpu", recipe="modern")
     assert "(modern recipe)" in plan.summary and "recipes: " in plan.summary
 

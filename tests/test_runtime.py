@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import types
@@ -390,16 +391,17 @@ def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(tmp_path, ch
 
 def test_a_short_gpu_preset_run_on_cpu_gets_no_gpu_advice(tmp_path, char_data):
     """Notebook 05 on a tiny base (issue 26): 'would take about 0m02s ... change runtime type to A100' for a run of
-    27 s. A run estimated under CPU_ADVISE_S trains with a note of its estimate and no advice to switch."""
+    27 s. A run estimated under CPU_ADVISE_S trains with a note of its estimate, no advice to switch, and no 'meant
+    for a GPU' beside a 15-second estimate."""
     from gptlib.training.loop import train
 
     logs = []
     r = train(char_data, tmp_path / "run", "finetune", TINY + ["grad_accum_steps=1"], max_steps=4, device="cpu",
               progress=False, log=logs.append)
     assert r.step == 4
-    note = [m for m in logs if "meant for a GPU" in m]
-    assert len(note) == 1 and "short enough to run here" in note[0], logs
-    assert not any("Change runtime type" in m for m in logs), logs
+    note = [m for m in logs if m.startswith("on this CPU (")]
+    assert len(note) == 1 and re.search(r"GFLOP/s measured\): about 0m\d\ds for the 4 steps to go$", note[0]), logs
+    assert not any("Change runtime type" in m or "meant for a GPU" in m for m in logs), logs
 
 
 def test_a_long_gpu_preset_run_on_cpu_still_gets_the_advice(monkeypatch):
@@ -481,6 +483,16 @@ def test_the_plan_takes_the_users_colab_rate(monkeypatch):
         return [int(u.replace(",", "")) for u in re.findall(r"~([\d,]+) Colab units", plan.summary)]
 
     assert len(units(table)) == 2 and all(t / m == pytest.approx(2.0, rel=0.01) for t, m in zip(units(table), units(mine)))
+
+
+def test_the_plan_speaks_of_colab_units_only_on_colab(monkeypatch):
+    """Notebook 03 on a CPU away from Colab: nothing about units; on Colab, a device without a rate asks for one."""
+    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    plan = measure.plan_run("gpt2-small", tokens=1e9, device="cpu")
+    assert "Colab" not in plan.summary and "device: MFU unknown on cpu (no peak table for it)\n" in plan.summary
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20260301")
+    plan = measure.plan_run("gpt2-small", tokens=1e9, device="cpu")
+    assert "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)\n" in plan.summary, plan.summary
 
 
 def test_the_metrics_take_the_users_colab_rate(tmp_path, char_data):

@@ -44,13 +44,59 @@ def test_rerunning_a_finished_run_is_a_noop(tmp_path, char_data):
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     shown = []  # what a notebook shows: train()'s lines, then print(result.summary())
-    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=shown.append)
+    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=True, log=shown.append)
     assert r.resumed_from == 10 and r.step == 10
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     shown.append(r.summary())
-    assert "\n".join(shown).count("already finished") == 1, shown  # said once, in the summary
+    assert len(shown) == 1, shown  # only that it is finished: no data, RAM, "resumed from" or model lines
     assert re.fullmatch(r"already finished at step 10 \(val \d\.\d{4}\); nothing to do \(raise max_steps to train "
                         r"further\) -> .*run", shown[-1]), shown
+
+
+def test_init_from_the_runs_own_directory_is_said_or_refused(tmp_path, char_data):
+    """--init-from naming the run itself: resuming it, said in one line; with no checkpoint yet, refused in one line
+    before anything is created (its Drive mirror's path counts as the run too)."""
+    run, mirror = tmp_path / "run", tmp_path / "drive" / "run"
+    with pytest.raises(ConfigError, match=r"^--init-from .*run is this run's own directory, which has no checkpoint "
+                                          r"yet: --init-from starts a new run from another run's weights; drop it to "
+                                          r"train this one from scratch$"):
+        train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet, init_from=str(run))
+    assert not run.exists()
+    train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet, mirror_dir=mirror)
+    for steps, spec in ((12, f"{run}/"), (14, f"{mirror}:best")):
+        logs = []
+        r = train(char_data, run, "phase1", TINY, max_steps=steps, progress=False, log=logs.append, init_from=spec,
+                  mirror_dir=mirror)
+        assert r.resumed_from >= 10, logs
+        assert f"init-from: {spec} is this run's own directory: resuming it (--init-from only starts a new run, " \
+               f"from another run's weights)" in logs, logs
+        assert not any("only starts a new run)" in m for m in logs), logs  # not also the other run's note
+
+
+def test_a_new_seed_or_learning_rate_on_resume_is_said_with_what_it_does(tmp_path, char_data):
+    """The batches go on from the checkpoint, so a resumed run keeps its seed (validation's batches with it: the
+    val loss stays comparable), saying so; a new learning rate is said with the LR it gives at the resumed step."""
+    settings = TINY + ["eval_interval=5"]
+    for run in ("same", "seeded"):
+        train(char_data, tmp_path / run, "phase1", settings, max_steps=10, progress=False, log=quiet)
+    train(char_data, tmp_path / "same", "phase1", settings, max_steps=20, progress=False, log=quiet)
+    logs = []
+    train(char_data, tmp_path / "seeded", "phase1", settings, max_steps=20, seed=5, progress=False, log=logs.append)
+    assert "resume: seed stays 1337 (the run's own, not 5): a resumed run draws its batches on from the checkpoint, " \
+           "so a seed changes nothing after a resume; a new seed needs a new run" in logs, logs
+    assert not any("seed changed" in m for m in logs), logs
+    curve = {run: [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(tmp_path / run)]
+             for run in ("same", "seeded")}
+    assert curve["seeded"] == curve["same"] and sum(v is not None for *_, v in curve["same"]) == 4  # val at 5..20
+    assert json.loads((tmp_path / "seeded" / "config.json").read_text())["train"]["seed"] == 1337
+    logs = []
+    train(char_data, tmp_path / "same", "phase1", settings + ["learning_rate=0.005"], max_steps=20, progress=False,
+          log=logs.append)  # finished: a changed setting changes nothing, said nothing
+    assert logs == [], logs
+    train(char_data, tmp_path / "same", "phase1", settings + ["learning_rate=0.005"], max_steps=30, progress=False,
+          log=logs.append)
+    assert any(re.fullmatch(r"resume: learning_rate 0\.01 -> 0\.005, max_steps 20 -> 30: the LR at step 20 goes "
+                            r"[\d.e-]+ -> [\d.e-]+", m) for m in logs), logs
 
 
 def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_data):

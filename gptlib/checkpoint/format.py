@@ -127,9 +127,9 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     except BaseException as e:
         full = _disk_nearly_full(root)  # measured before the partial files are removed
         shutil.rmtree(partial, ignore_errors=True)
-        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch's own words: "enforce fail ... unexpected pos"
-            first = str(e).splitlines()[0][:120] if str(e) else ""
-            raise OSError(errno.ENOSPC, f"no space left on the device of {root} ({type(e).__name__}: {first})") from e
+        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch says "enforce fail at inline_container.cc ...
+            # unexpected pos": nothing a user can act on (the chained error keeps it for a debugger)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root)) from e
         raise
     return final
 

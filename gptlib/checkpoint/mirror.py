@@ -24,7 +24,7 @@ MIRROR_STALL_TIMEOUT_S = 180.0  # an attempt with no progress for this long is a
 MIRROR_CLOSE_TIMEOUT_S = 600.0  # at the end of training, wait at most this long for the last Drive copy
 MIRROR_TIDY_TIMEOUT_S = 60.0  # rotating the mirror and copying the run's logs there: give up after this
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
-NO_MIRROR_STATUS = {"mirror_step": None, "mirror_error": None, "mirror_failures": 0}
+NO_MIRROR_STATUS = {"mirror_step": None, "mirror_error": None, "mirror_failures": 0, "mirror_missing": None}
 
 
 def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress) -> None:
@@ -73,6 +73,7 @@ class Mirror:
         self.failures = 0
         self._cv = threading.Condition()  # guards what follows
         self._pending: Path | None = None  # newest local checkpoint not yet copied (a newer one replaces it)
+        self._newest: int | None = None  # the newest step given to copy: Drive must end with it
         self._milestones: list[Path] = []  # not yet copied, oldest first, copied after _pending
         self._milestones_paused = False  # after a failed copy, until the next checkpoint
         self._best_step: int | None = None  # what mirror rotation must keep
@@ -86,6 +87,7 @@ class Mirror:
         with self._cv:
             self._best_step = best_step
             self._pending = path
+            self._newest = max(step_of(path), self._newest or 0)
             self._milestones_paused = False
             if milestone:
                 self._milestones.append(path)
@@ -100,6 +102,7 @@ class Mirror:
                 self._best_step = best_step
             if self._pending is None or step_of(self._pending) < step_of(path):
                 self._pending = path
+            self._newest = max(step_of(path), self._newest or 0)
             self._milestones += [p for p in milestones if p not in self._milestones]
             self._wake()
 
@@ -193,8 +196,15 @@ class Mirror:
             loud(f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
                  f"itself is on Drive and verified; old checkpoints there may stay until the next copy")
 
+    def missing_step(self) -> int | None:
+        """The newest checkpoint given to copy, while Drive does not have it (None: it has, or none was given)."""
+        with self._cv:
+            newest = self._newest
+        return newest if newest is not None and (self.last_step is None or self.last_step < newest) else None
+
     def status(self) -> dict:
-        return {"mirror_step": self.last_step, "mirror_error": self.error, "mirror_failures": self.failures}
+        return {"mirror_step": self.last_step, "mirror_error": self.error, "mirror_failures": self.failures,
+                "mirror_missing": self.missing_step()}
 
     def status_line(self) -> str:
         if self.error:
@@ -203,7 +213,7 @@ class Mirror:
             copying = self._busy is not None or self._has_work()
         return f"drive: {self._newest_on_drive()}" + (" (copying)" if copying else "")
 
-    def close(self, timeout: float, local_step: int | None) -> None:
+    def close(self, timeout: float) -> None:
         """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting); say loudly what is not on Drive."""
         if self._thread is None:
             return
@@ -230,8 +240,8 @@ class Mirror:
             loud(f"!! stopped waiting for Drive {stopped_by}, while copying {self._copying()}; the copy goes on in the "
                  f"background while this process lives; the checkpoints are safe in {self.run_dir}, and re-running "
                  f"training copies them to Drive")
-        if local_step is not None and self.last_step != local_step:
-            loud(f"!! the newest checkpoint (step {local_step}) is NOT on Drive ({self.mirror_dir}), only in "
+        if (missing := self.missing_step()) is not None:
+            loud(f"!! the newest checkpoint (step {missing}) is NOT on Drive ({self.mirror_dir}), only in "
                  f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.error}. "
                  f"Re-run training (it resumes from the local checkpoint and copies it) once Drive works.")
         with self._cv:

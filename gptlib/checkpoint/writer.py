@@ -14,7 +14,7 @@ import torch
 from gptlib.checkpoint.format import MIN_KEEP_LAST, list_checkpoints, save_checkpoint, verify_checkpoint
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.checkpoint.rotation import is_milestone, rotate
-from gptlib.errors import CheckpointError, GptlibError
+from gptlib.errors import CheckpointError, GptlibError, override
 from gptlib.layout import LOG_FILES, checkpoints_dir, step_of
 
 
@@ -104,10 +104,13 @@ class CheckpointWriter:
             with contextlib.suppress(CheckpointError, OSError):
                 where = f"; the newest intact checkpoint is step {verify_checkpoint(path).step:,}"
                 break
-        fewer = f" or lower keep_last (now {self.keep_last}: --set keep_last=N)"
+        if getattr(e, "errno", None) != errno.ENOSPC:
+            raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{where}") from e
+        fewer = f" or lower keep_last (now {self.keep_last}: {override('keep_last=N')})"
         fewer = fewer if self.keep_last > MIN_KEEP_LAST else ""
-        hint = f" (disk full: free space{fewer})" if getattr(e, "errno", None) == errno.ENOSPC else ""
-        raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{hint}{where}") from e
+        fix = f"free space there (old runs or checkpoints){fewer}, then re-run"
+        raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: the disk is full (no space left on its "
+                              f"device); {fix}{where}") from e
 
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
         if self.mirror:
@@ -128,7 +131,7 @@ class CheckpointWriter:
         finally:
             self._host = []  # ~1.5 GB not held after training
         if self.mirror:
-            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, self.status()["local_step"])
+            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout)
         return self.status()
 
 

@@ -21,7 +21,7 @@ class KnownSource:
 DEMO = "Tiny Shakespeare (demo)"
 MY_FILES = "my files on Drive"
 SOURCES: dict[str, KnownSource] = {
-    DEMO: KnownSource(None, note="1.1 MB, downloaded and checksum-verified"),
+    DEMO: KnownSource(None, note="1.1 MB"),  # then how it was got: downloaded, or found in the cache
     "TinyStories": KnownSource("hf://datasets/roneneldan/TinyStories/data/train-*.parquet", "text",
                                note="~2.1M short stories, ~0.5B tokens: all of it"),
     "FineWeb-Edu sample-10BT": KnownSource("hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet", "text",
@@ -58,16 +58,21 @@ def source_inputs(label: str, user_input: str = "", text_column: str = "", max_t
                   log=print) -> tuple[list, dict]:
     """Notebooks 01 and 05: (inputs, prepare()'s other options) for a dropdown choice. Files in INPUT
     (comma-separated) are the user's own and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT win."""
-    from gptlib.data.download import fetch_tinyshakespeare
+    from gptlib.data.download import cached_tinyshakespeare, fetch_tinyshakespeare
 
     if label not in SOURCES:
         raise ValueError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
     inputs = [s.strip() for s in user_input.split(",") if s.strip()]
     if not inputs and label == MY_FILES:
         raise ValueError(f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)")
-    base = KnownSource(None) if inputs else SOURCES[label]
-    if not inputs:
-        inputs = [base.input] if base.input else [fetch_tinyshakespeare()]
+    base = KnownSource(None, format="auto") if inputs else SOURCES[label]  # auto: conversations read as chat
+    if not inputs and base.input:
+        inputs = [base.input]
         log(f"source: {label}: {base.note}")
+    elif not inputs:  # the demo corpus
+        cached = cached_tinyshakespeare()
+        inputs = [cached or fetch_tinyshakespeare()]
+        how = "found in the cache, checksum-verified" if cached else "downloaded and checksum-verified"
+        log(f"source: {label}: {base.note}, {how} ({inputs[0]})")
     return inputs, {"text_column": text_column or base.text_column, "format": fmt or base.format,
                     "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens}

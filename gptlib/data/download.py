@@ -18,6 +18,13 @@ def default_cache_dir() -> Path:  # $GPTLIB_CACHE: the user's choice of cache (a
     return Path(os.environ.get("GPTLIB_CACHE", Path.home() / ".cache" / "gptlib"))
 
 
+def cached_tinyshakespeare(cache_dir: str | Path | None = None) -> Path | None:
+    """The cache's copy if it is the verified file (then fetch_tinyshakespeare downloads nothing), else None."""
+    target = Path(cache_dir or default_cache_dir()) / "tinyshakespeare.txt"
+    verified = target.is_file() and hashlib.sha256(target.read_bytes()).hexdigest() == TINYSHAKESPEARE_SHA256
+    return target if verified else None
+
+
 def fetch_tinyshakespeare(cache_dir: str | Path | None = None, local_path: str | Path | None = None) -> Path:
     """`local_path` (verified, used in place), else the cache's verified copy, else the download into the cache.
     A checksum mismatch is an error, never another corpus."""

@@ -125,6 +125,15 @@ def _pick_column(column: str | None, names, fmt: str) -> str | None:  # for chat
     return column or (next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN)
 
 
+def _detect(column: str | None, names, fmt: str) -> str:
+    """format "auto": chat when the first record has a chat field (CHAT_FIELDS) but not the text field read (the
+    named one, else 'text'), which as text it would fail on; text otherwise. Any other format stays as asked."""
+    if fmt != "auto":
+        return fmt
+    chat = (column or DEFAULT_TEXT_COLUMN) not in names and any(c in names for c in CHAT_FIELDS)
+    return "chat" if chat else "text"
+
+
 def _missing(word: str, col: str | None, names) -> str:
     want = repr(col) if col else " or ".join(map(repr, CHAT_FIELDS))
     return f"has no {word} {want} ({word}s: {', '.join(map(str, names))}); choose one with --text-column / text_column="
@@ -159,20 +168,24 @@ def _open_parquet(f):
     return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)  # pages streamed, not whole row groups
 
 
-def _check_column(src: Source, column: str | None, fmt: str) -> str:
-    """The column to read, checked on src's first record: failing now, not after an hour of tokenizer training (the
-    pass checks every file)."""
+def _check_column(src: Source, column: str | None, fmt: str) -> tuple[str, str]:
+    """(The column to read, the format), checked on src's first record: failing now, not after an hour of tokenizer
+    training (the pass checks every file). fmt "auto" is decided here (_detect)."""
     with src.open() as f:
         if src.kind == "parquet":
-            return _parquet_column(_open_parquet(f), src.path, column, fmt)
+            pf = _open_parquet(f)
+            fmt = _detect(column, pf.schema_arrow.names, fmt)
+            return _parquet_column(pf, src.path, column, fmt), fmt
         lineno, line = next(((i, x) for i, x in enumerate(f, 1) if x.strip()), (0, None))
     if line is None:  # blank lines only
-        return _pick_column(column, (), fmt) or CHAT_FIELDS[0]
+        fmt = _detect(column, (), fmt)
+        return _pick_column(column, (), fmt) or CHAT_FIELDS[0], fmt
     obj = _jsonl_object(line, src.path, lineno, column or DEFAULT_TEXT_COLUMN)
+    fmt = _detect(column, obj, fmt)
     col = _pick_column(column, obj, fmt)
     if col not in obj:
         raise PrepareError(f"{src.path}:{lineno} {_missing('field', col, obj)}")
-    return col
+    return col, fmt
 
 
 def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
@@ -196,8 +209,9 @@ def _jsonl_text(line: bytes, path, lineno: int, field: str) -> str | None:
 
 
 def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_config: str | None,
-                hf_split: str | None) -> tuple[list[Source], list[str], list[dict], str]:
-    """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found))."""
+                hf_split: str | None) -> tuple[list[Source], list[str], list[dict], str, str]:
+    """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found), the
+    format: fmt, or for "auto" what the first record says (plain text files are text))."""
     files = resolve_inputs(inputs, out_dir, hf_config, hf_split)
     compressed = [n for n in (f.url if isinstance(f, Found) else str(f) for f in files)
                   if n.lower().endswith(COMPRESSED_EXT)]
@@ -206,6 +220,8 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_con
                            f".jsonl and .parquet; parquet's own compression is fine)")
     sources = [source(f) for f in files]
     text = [s for s in sources if s.kind == "text"]
+    if fmt == "auto" and text:  # plain text has no records to tell by, and conversations cannot be read from it
+        fmt = "text"
     if fmt == "chat" and text:
         raise PrepareError(f"--format chat reads conversations from .jsonl or parquet records; {text[0].path} is a "
                            f"plain text file")
@@ -216,11 +232,12 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_con
     skipped: list[dict] = []
     for s in (s for s in sources if s.size and s.kind != "text"):
         try:
-            return sources, empty, skipped, _check_column(s, text_column, fmt)
+            return sources, empty, skipped, *_check_column(s, text_column, fmt)
         except PrepareError:
             raise
         except Exception as e:  # noqa: BLE001 - a filesystem library's error
             if not corrupt(e):
                 raise PrepareError(f"input {s.path} cannot be read: {describe(e, str(s.path))}") from None
             skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})  # no footer: the next file
-    return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0]
+    fmt = _detect(text_column, (), fmt)
+    return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0], fmt

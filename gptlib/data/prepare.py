@@ -21,24 +21,30 @@ from gptlib.errors import DataFormatError, PrepareError
 from gptlib.fsutil import clean_temp_files, sha256_file
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
-_CHAR_CHAT = ("--format chat needs a BPE tokenizer: the char tokenizer has no special tokens, so role markers could "
-              "not be told apart from text a message contains; use --tokenizer bpe, or --tokenizer-from a BPE run")
+_NEEDS_BPE = ("needs a BPE tokenizer: the char tokenizer has no special tokens, so role markers could not be told "
+              "apart from text a message contains; use --tokenizer bpe, or --tokenizer-from a BPE run")
+_CHAR_CHAT = "--format chat " + _NEEDS_BPE
 
 
-def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, tokenizer: str = "bpe", *,
+def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, tokenizer: str | None = "bpe", *,
             vocab_size: int = 32768, tokenizer_from: str | Path | None = None, text_column: str | None = None,
             val_fraction: float = 0.1, split: str = "auto", shard_tokens: int = 100_000_000,
             train_max_bytes: int | None = 1_000_000_000, overwrite: bool = False,
-            verbose: bool = True, format: str = "text", max_tokens: int | None = None, hf_config: str | None = None,
+            verbose: bool = True, format: str = "auto", max_tokens: int | None = None, hf_config: str | None = None,
             hf_split: str | None = None) -> DatasetMeta:
     """Tokenize a corpus into out_dir (token shards, tokenizer.json, meta.json); the options are the CLI's
     (docs/cli.md). A re-run with the same inputs and options returns the finished dataset or resumes an unfinished
-    one; a different dataset in out_dir is refused unless overwrite=True."""
+    one; a different dataset in out_dir is refused unless overwrite=True. format "auto": chat when the records have
+    a messages/conversations field and no text field, else text; tokenizer None: bpe for chat, char for text."""
     fmt, t0, out_dir = format, time.time(), Path(out_dir)
     tok_file = _check_options(val_fraction, split, shard_tokens, fmt, max_tokens, tokenizer, tokenizer_from)
     check_output_dir(out_dir)
     with one_writer(out_dir):  # before anything in out_dir is read or changed
-        sources, empty, pre_skipped, column = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
+        sources, empty, pre_skipped, column, fmt = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
+        tokenizer = tokenizer or ("bpe" if fmt == "chat" else "char")
+        holds = f"{_first_records(sources)} holds conversations ({column!r})"  # what format "auto" found
+        if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
+            raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")
         split = _choose_split(split, sources, fmt)
         tok_spec = {"file_sha256": sha256_file(tok_file)} if tok_file else {"kind": "char"} if tokenizer == "char" \
             else {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
@@ -46,6 +52,8 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         finished, state = _previous_run(out_dir, spec, overwrite, verbose)
         if finished is not None:
             return finished
+        if fmt == "chat" and format == "auto" and verbose:
+            print(f"format: chat, as {holds}")
         reused = load_tokenizer(tok_file) if tok_file else None  # as given, before the chat tokens are added
         tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
             reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
@@ -75,10 +83,10 @@ def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str,
     checks = ((not 0.0 < val_fraction < 1.0, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)"),
               (split not in ("auto", "document", "tail"), f"split={split!r}: choose 'auto', 'document' or 'tail'"),
               (int(shard_tokens) < 1, f"shard_tokens={shard_tokens} must be >= 1"),
-              (fmt not in ("text", "chat"), f"format={fmt!r}: choose 'text' or 'chat'"),
+              (fmt not in ("auto", "text", "chat"), f"format={fmt!r}: choose 'auto', 'text' or 'chat'"),
               (max_tokens is not None and int(max_tokens) < 1, f"max_tokens={max_tokens} must be >= 1"),
-              (tokenizer not in ("char", "bpe"), f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass "
-                                                 f"tokenizer_from"),
+              (tokenizer not in ("char", "bpe", None), f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass "
+                                                       f"tokenizer_from"),
               (fmt == "chat" and tokenizer == "char" and tokenizer_from is None, _CHAR_CHAT))
     for bad, why in checks:
         if bad:
@@ -90,6 +98,10 @@ def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str,
         raise PrepareError(f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
                            f"directory, or a tokenizer.json)")
     return p
+
+
+def _first_records(sources: list[Source]) -> str:  # the file format "auto" looked at
+    return str(next((s.path for s in sources if s.kind != "text"), ""))
 
 
 def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:

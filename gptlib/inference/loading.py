@@ -17,7 +17,7 @@ from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, 
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import CheckpointError, TokenizerError, loud
-from gptlib.fsutil import call_with_timeout, read_jsonl
+from gptlib.fsutil import call_with_timeout, check_dir, read_jsonl
 from gptlib.layout import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from gptlib.model import GPT
 from gptlib.runtime import resolve_device, resolve_dtype
@@ -70,8 +70,9 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
     newest = table[0]["step"] if table else -1
     if table and (newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > newest]):
         log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")
-    if not table:  # the listing answered, so is_dir will too
-        why = "/checkpoints (has training saved one yet?)" if run_dir.is_dir() else ": the run directory does not exist"
+    if not table:  # the listing answered, so a stat will too; a file, a link loop or a broken link is said as such
+        exists = check_dir(run_dir, "the run directory")
+        why = "/checkpoints (has training saved one yet?)" if exists else ": the run directory does not exist"
         raise CheckpointError(f"no valid checkpoint in {run_dir}" + (f": {'; '.join(skipped)}" if skipped else why))
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()

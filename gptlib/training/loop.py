@@ -46,18 +46,23 @@ class TrainResult:
     resumed_from: int | None  # step of the checkpoint this call resumed from
     stopped_by: str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
+    not_on_drive: int | None = None  # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
 
     def summary(self) -> str:
+        drive = "" if self.not_on_drive is None else (
+            f"; !! step {self.not_on_drive:,} is NOT on Drive, only on this disk: its copy failed (see above); "
+            f"re-run once Drive works")
         val = "" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.stopped_by == "finished":
             return (f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do (raise max_steps "
-                    f"to train further) -> {self.run_dir}")
+                    f"to train further) -> {self.run_dir}{drive}")
         if val and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
         speed = "" if self.steady_tokens_per_s is None else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
         speed += (f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
                   f"its first step, validations and saves included")
-        return f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> {self.run_dir}"
+        return (f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> "
+                f"{self.run_dir}{drive}")
 
 
 def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",
@@ -84,12 +89,16 @@ def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
         start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
-        held = start.held
+        held, kept = start.held, None
         if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
-            log(f"recipe: {held.recipe} (the {start.whose}'s own)")  # a model keeps its recipe
+            kept = f"recipe: {held.recipe} (the {start.whose}'s own)"  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
+        # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
+        finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
+        if kept and not finished:
+            log(kept)
         s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
-                     log=log)
+                     log=log, quiet=finished)
     del start  # the base's weights (--init-from): not held all run
     s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
     if s.state.step >= s.cfg.train.max_steps:
@@ -105,7 +114,7 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                          log=log, on_log=on_log)
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
     in_step = False  # an interrupt landing inside a step (no signal handlers: not the main thread) saves nothing
-    stop = GracefulStop().install()  # stop button / SIGTERM: finish the step, save, return
+    stop = GracefulStop(log).install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while state.step < tc.max_steps:
             # one optimizer step and its counters, as one: a second stop press takes effect when they are done
@@ -136,7 +145,8 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                        val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
                        elapsed_s=train_s, tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
                        steady_tokens_per_s=metrics.steady_tokens_per_s(), resumed_from=s.resumed_from,
-                       stopped_by=stopped_by, history=metrics.history)
+                       stopped_by=stopped_by, history=metrics.history,
+                       not_on_drive=s.writer.status()["mirror_missing"])
 
 
 def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
@@ -162,7 +172,7 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
         return None
     stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
     why = f"max_minutes={tc.max_minutes} reached" if over_time else f"stopped ({stopped_by})"
-    log(f"{why} at step {state.step:,}; checkpoint saved, re-run to continue")
+    log(f"{why} at step {state.step:,}; checkpoint saved")  # how to continue: the caller's last line says it
     return stopped_by
 
 
@@ -239,7 +249,7 @@ def _finished(s: TrainingRun) -> TrainResult:
                        train_loss=s.history[-1].get("train_loss") if s.history else None, val_loss=val,
                        val_step=st.step if val is not None else None, best_val_loss=st.best_val_loss, elapsed_s=0.0,
                        tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
-                       history=s.history)
+                       history=s.history, not_on_drive=s.writer.status()["mirror_missing"])
 
 
 def _raise_oom_advice(s: TrainingRun) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
-from gptlib.errors import ConfigError, DataFormatError, HungIOError
+from gptlib.errors import ConfigError, DataFormatError, HungIOError, override
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
 from gptlib.inference.loading import LoadedModel, load_run
@@ -121,10 +122,22 @@ class TrainingRun:
         return ckpt
 
 
+def split_init_from(spec: str) -> tuple[str, str]:
+    """--init-from RUN_DIR[:latest|best|STEP] -> (RUN_DIR, which)."""
+    return tuple(spec.rsplit(":", 1)) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
+
+
+def names_this_run(spec: str, run_dir: Path, mirror_dir: Path | None) -> bool:
+    """Whether --init-from names the run itself (its directory or its Drive mirror); paths only, no disk access (a
+    Drive that hangs must not hang this)."""
+    base = os.path.abspath(split_init_from(spec)[0])
+    return any(d is not None and base == os.path.abspath(d) for d in (run_dir, mirror_dir))
+
+
 def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
     """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP]). The data's tokenizer must be the
     base's, or the base's with tokens appended (tokenize --tokenizer-from BASE_RUN --format chat adds chat markers)."""
-    run_dir, which = spec.rsplit(":", 1) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
+    run_dir, which = split_init_from(spec)
     ld = load_run(run_dir, which, log=log)
     base, data = ld.tokenizer.identity(), meta.tokenizer
     grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"] and meta.vocab_size > base["vocab_size"]
@@ -211,8 +224,10 @@ def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_f
         raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
                               f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
     resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
-    if resume is not None and init_from:
-        log(f"init-from: {run_dir} already has checkpoints; resuming it ({init_from} only starts a new run)")
+    if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
+        raise ConfigError(f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
+                          f"--init-from starts a new run from another run's weights; drop it to train this one from "
+                          f"scratch")
     base = load_base(init_from, meta, log) if init_from and resume is None else None
     held = resume.state.run_config(str(resume.info.path / STATE_FILE)) if resume is not None else base and base.config
     return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base, held)
@@ -240,7 +255,15 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
         model["vocab_size"] = start.meta.vocab_size
     if held is not None and start.init_from:  # the vocabulary stays the data's (a base's may grow)
         model.update({n: getattr(held.model, n) for n in SHAPE})
-    cfg = dataclasses.replace(asked, model=dataclasses.replace(asked.model, **model))
+    train = {}
+    if start.resume is not None and held.train.seed != asked.train.seed:
+        # the batches go on from the checkpoint's sampler state and the dropout RNG from its own: a seed would only
+        # change the validation batches (the curve's val loss would jump), so the run keeps its own
+        log(f"resume: seed stays {held.train.seed} (the run's own, not {asked.train.seed}): a resumed run draws its "
+            f"batches on from the checkpoint, so a seed changes nothing after a resume; a new seed needs a new run")
+        train["seed"] = held.train.seed
+    cfg = dataclasses.replace(asked, model=dataclasses.replace(asked.model, **model),
+                              train=dataclasses.replace(asked.train, **train))
     if start.resume is not None:
         check_same_model(held, cfg, start.resume.state.step, start.run_dir, log)
     cfg.validate()
@@ -262,44 +285,56 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
                               f"use a new run directory, or drop the change to resume")
     for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
         for f in dataclasses.fields(old):
-            if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE:
+            if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE + SCHEDULE:
                 log(f"resume: {f.name} changed {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}")
     if note := schedule_change(saved.train, asked.train, step):
         log(f"resume: {note}")
 
 
+SCHEDULE = ("learning_rate", "max_steps", "schedule", "cooldown_frac", "warmup_steps", "min_lr_ratio")  # lr_at's
+
+
 def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None:
-    """What a changed max_steps (or schedule) does to the LR at `step`, in one line; None if nothing changed."""
-    keys = ("max_steps", "schedule", "cooldown_frac", "warmup_steps", "min_lr_ratio")
-    if all(getattr(old, k) == getattr(new, k) for k in keys):
+    """What a changed learning_rate, max_steps or schedule does to the LR at `step`, in one line; None if none
+    changed."""
+    changed = [k for k in SCHEDULE if getattr(old, k) != getattr(new, k)]
+    if not changed:
         return None
     before, after = lr_at(step, old), lr_at(step, new)
     lr = (f"stays {after:.3g}: the run goes on unchanged" if math.isclose(before, after, rel_tol=1e-9)
           else f"goes {before:.3g} -> {after:.3g}")
-    return f"max_steps {old.max_steps:,} -> {new.max_steps:,}: the LR at step {step:,} {lr}"
+    what = ", ".join(f"{k} {_value(getattr(old, k))} -> {_value(getattr(new, k))}" for k in changed)
+    return f"{what}: the LR at step {step:,} {lr}"
+
+
+def _value(v) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *,
-             allow_data_change: bool, verbose: bool, log) -> TrainingRun:
-    """The checkpoint (or base) is loaded before compile and DDP wrap the model."""
-    cfg, probe_peak = decide_config(asked, start, device, ddp, log)
+             allow_data_change: bool, verbose: bool, log, quiet: bool = False) -> TrainingRun:
+    """The checkpoint (or base) is loaded before compile and DDP wrap the model. quiet (a finished run, whose summary
+    says all): the set-up's lines go unsaid, but for what it changes on disk (damaged checkpoints set aside)."""
+    say = (lambda msg: None) if quiet else log
+    verbose = verbose and not quiet
+    cfg, probe_peak = decide_config(asked, start, device, ddp, say)
     if start.resume is not None:  # the same model; now the same data (or a change asked for, recorded)
-        start.resume.data_change = check_same_data(start.resume, start.meta, allow_data_change, log)
+        start.resume.data_change = check_same_data(start.resume, start.meta, allow_data_change, say)
     tc, mc = cfg.train, cfg.model
     # the tokens, placed for this config (on the GPU only with room left to train beside them)
-    meta, splits = load_dataset(start.meta.data_dir, device=device, log=log if verbose else lambda line: None,
+    meta, splits = load_dataset(start.meta.data_dir, device=device, log=say if verbose else lambda line: None,
                                 reserve_gpu_bytes=max(probe_peak, estimate_train_bytes(mc, tc.batch_size)))
     masks = loss_masks(meta, splits, tc.chat_loss)
     if masks and verbose:
-        log(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
-            f"--set chat_loss=all puts it on every token)")
+        say(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
+            f"{override('chat_loss=all')} puts it on every token)")
     tokenizer, base = start.tokenizer, start.base
     hellaswag = (HellaSwagProbe(tokenizer, mc.block_size, source=tc.hellaswag_file or None,
-                                limit=tc.hellaswag_items or None, log=log)
+                                limit=tc.hellaswag_items or None, log=say)
                  if tc.hellaswag_every and ddp.is_main else None)  # fetched (or found off) and tokenized once
     data = RunData(splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer), hellaswag)
     # the model and what trains it, from the checkpoint or the base
-    model, optimizer, scaler, dtype = build_model(cfg, device, log)
+    model, optimizer, scaler, dtype = build_model(cfg, device, say)
     sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device,
                            masks.get("train"))
     state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
@@ -310,7 +345,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
     if base is not None:
         start_from_base(model, base)
     if start.resume is not None:
-        _resume(s, start, log)
+        _resume(s, start, say)
     s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp, s.state.step)
     if ddp.is_main:  # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
         try:
@@ -320,7 +355,7 @@ def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torc
             raise cannot_write(start.run_dir, e) from None
         s.history = logs_up_to(start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {})
         s.writer = _open_writer(s, start, log)
-    log(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
+    say(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(s.dtype)}, "
         f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step")
     return s
@@ -341,6 +376,11 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
     if r.data_change:
         s.state.data_changes = [*s.state.data_changes, r.data_change]
     s.resumed_from = s.state.step
+    if start.init_from and names_this_run(start.init_from, s.run_dir, start.mirror_dir):
+        log(f"init-from: {start.init_from} is this run's own directory: resuming it (--init-from only starts a new "
+            f"run, from another run's weights)")
+    elif start.init_from:  # a resumed run keeps its weights
+        log(f"init-from: {s.run_dir} already has checkpoints; resuming it ({start.init_from} only starts a new run)")
     log(f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
         f"on the {'Drive mirror' if r.from_mirror else 'local disk'}: {r.origin}")
 

@@ -13,9 +13,11 @@ from gptlib.errors import loud
 class GracefulStop:
     """The first signal only sets `reason`: the loop finishes its step, saves and returns. A second SIGINT raises
     KeyboardInterrupt at once (a loop stuck in validation, say), except inside deferred(), which it waits for, so no
-    half update is saved. Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual."""
+    half update is saved. Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual.
+    What a press does is said through `log` (the user's own press: the normal output); a SIGTERM, loudly."""
 
-    def __init__(self):
+    def __init__(self, log=print):
+        self.log = log
         self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
         self._old: dict[int, Any] = {}
         self._deferring = self._interrupted = False  # _interrupted: a second press arrived inside deferred()
@@ -32,14 +34,16 @@ class GracefulStop:
         if self.reason is not None:
             if signum == signal.SIGINT and self._deferring:
                 self._interrupted = True
-                loud("SIGINT: stopping as soon as the update or the save in progress is done")
+                self.log("SIGINT: stopping as soon as the update or the save in progress is done")
             elif signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
-        loud(f"{signal.Signals(signum).name}: finishing this step, saving a checkpoint, then stopping"
-             + (" (press stop again to stop at once: the last complete step is saved)"
-                if signum == signal.SIGINT else ""))
+        if signum == signal.SIGINT:
+            self.log("SIGINT: finishing this step, saving a checkpoint, then stopping (press stop again to stop at "
+                     "once: the last complete step is saved)")
+        else:
+            loud("SIGTERM: finishing this step, saving a checkpoint, then stopping")
 
     @contextlib.contextmanager
     def deferred(self):

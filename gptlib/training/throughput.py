@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptlib.colab import in_colab
 from gptlib.errors import ConfigError, loud
 from gptlib.model import model_size
 
@@ -213,13 +214,14 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     rate = cpu_train_flops()
     secs = estimate_cpu_seconds(cfg, start_step, rate)
     took = f"{secs / 3600:,.0f} hours" if secs >= 3600 else fmt_duration(secs)
-    msg = (f"preset {cfg.preset} is meant for a GPU: its {cfg.train.max_steps - start_step:,} steps to go "
-           f"({tokens / 1e6:,.1f}M tokens) would take about {took} on this CPU ({cpu_name()}, "
-           f"~{rate / 1e9:.0f} GFLOP/s measured)")
+    steps, where = cfg.train.max_steps - start_step, f"this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)"
+    if secs <= CPU_ADVISE_S:  # a short run (a tiny base, a few steps): its estimate, no talk of GPUs
+        log(f"on {where}: about {took} for the {steps:,} steps to go")
+        return
+    msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) would "
+           f"take about {took} on {where}")
     advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
-    if secs <= CPU_ADVISE_S:
-        log(f"{msg}: short enough to run here")
-    elif secs <= CPU_REFUSE_S:
+    if secs <= CPU_REFUSE_S:
         log(f"{msg}. {advice}")
     elif requested == "auto":
         raise ConfigError(f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "
@@ -244,11 +246,13 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     per_step = cfg.tokens_per_step
     max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
     peak = device_peak(resolve_device(device), cfg.train.colab_units_per_hour)
-    rate = ("Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if peak.units_per_hour is None else
-            f"{peak.units_per_hour:g} Colab units per hour "
-            f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})")
+    if peak.units_per_hour is not None:
+        rate = (f"; {peak.units_per_hour:g} Colab units per hour "
+                f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})")
+    else:  # units mean something on Colab only
+        rate = "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if in_colab() else ""
     summary = (f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
-               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}; {rate}\n"
+               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}{rate}\n"
                f"{recipe_estimate(build_config(preset, overrides), per_step * max_steps, peak)}")
     return RunPlan(max_steps, summary)
 
@@ -257,6 +261,7 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
 # ~3x at GPT-2 Small's scale, the more conservative figure than the 0.15 a small BPE proxy measured here
 # (docs/benchmarks.md). An estimate, not a promise.
 MODERN_TOKEN_FRACTION = 0.33
+BENCHMARKS_PAGE = "https://github.com/gptlib/gptlib/blob/main/docs/benchmarks.md"  # where a Colab user can read it
 ASSUMED_MFU = 0.4  # for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
 
 
@@ -273,4 +278,4 @@ def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     hours = f", hours at an assumed {ASSUMED_MFU:.0%} MFU" if peak.peak_flops is not None else ""
     return (f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: {', '.join(costs)} (the "
             f"modern recipe's {MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured "
-            f"on a small BPE proxy, benchmarks/results/recipes_bpe_cpu.txt{hours})")
+            f"on a small BPE proxy, {BENCHMARKS_PAGE}{hours})")

@@ -229,7 +229,8 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_o
     assert [p.name for p in list_checkpoints(run)] == ["step_0000040", "step_0000030", "step_0000020"]
     for p in list_checkpoints(run):
         verify_checkpoint(p)
-    assert set_aside(run) == ["step_0000010", "step_0000020", "step_0000030"]
+    assert set_aside(run) == ["step_0000030"]  # the newest damaged one is kept; the older two were removed, said
+    assert sum(m.startswith("removed step_00000") and "an older damaged checkpoint" in m for m in logs) == 2, logs
     [line] = [m for m in logs if "starting from scratch" in m]
     assert line == "no checkpoint could be loaded (3 damaged): starting from scratch"
 

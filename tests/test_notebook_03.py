@@ -8,7 +8,7 @@ import nbformat
 
 from gptlib.training.logs import run_title
 from gptlib.training.throughput import fmt_tokens, speed_text
-from tests.conftest import TINY
+from tests.conftest import REPO, TINY
 from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
 
 
@@ -55,7 +55,8 @@ def test_notebook_03_stopped_says_so_once_in_its_output(tmp_path, monkeypatch, c
     params = {"DATASET_NAME": "chars", "RUN_NAME": "nb3", "PRESET": "phase1", "TOKEN_BUDGET_M": 0.00512,
               "DEVICE": "cpu", "OVERRIDES": TINY}
     nb = run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path,
-                      code="import tests.faulty\ntests.faulty.install('sigint:mid_step@5')\n")
+                      code=f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport tests.faulty\n"
+                           "tests.faulty.install('sigint:mid_step@5')\n")
     train_cell = next(c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source)
     out = "".join(o.get("text", "") for o in train_cell.outputs if o.get("name") == "stdout")
     err = "".join(o.get("text", "") for o in train_cell.outputs if o.get("name") == "stderr")

@@ -43,9 +43,9 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     assert cell_text(nb, "engine.generate(").startswith("ROMEO:")
 
     # a session cut short by MAX_MINUTES: how to go on said once, in the notebook's words, in its last line
-    nb = run_notebook(NB, {**params, "MAX_STEPS": 30, "MAX_MINUTES": 0.0005}, cwd=tmp_path)
+    nb = run_notebook(NB, {**params, "MAX_STEPS": 30, "MAX_MINUTES": 1e-6}, cwd=tmp_path)
     train_out = cell_text(nb, "result = train(")
-    assert re.search(r"max_minutes=0.0005 reached at step 2\d; checkpoint saved\n", train_out), train_out
+    assert re.search(r"max_minutes=1e-06 reached at step 2\d; checkpoint saved\n", train_out), train_out
     assert train_out.count("to continue") == 1 and train_out.endswith(" -> run all cells again to continue\n")
 
     # "Colab disconnected": run every cell again with a larger budget; training continues to step 30.

@@ -22,6 +22,14 @@ TINY = ["block_size=32", "n_layer=2", "n_head=2", "n_embd=32", "batch_size=8", "
         "eval_batches=2", "log_interval=1", "sample_tokens=8", "warmup_steps=2", "save_every_minutes=0"]
 
 
+def skip_without_muon(recipe: str = "modern") -> None:
+    """The modern recipe trains with torch.optim.Muon (torch >= 2.9): skipped at the torch floor (2.5)."""
+    import torch
+
+    if recipe == "modern" and not hasattr(torch.optim, "Muon"):
+        pytest.skip(f"the modern recipe needs torch.optim.Muon (torch >= 2.9; this is {torch.__version__})")
+
+
 def newest_checkpoint(run_dir):
     """The newest checkpoint of a run directory that loads (sizes and sha256 checked), or None."""
     from gptlib.checkpoint.format import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint

@@ -24,7 +24,7 @@ from gptlib.training import loop as gtrain
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests import faulty
-from tests.conftest import REPO, TINY, newest_checkpoint
+from tests.conftest import REPO, TINY, newest_checkpoint, skip_without_muon
 
 MAX_STEPS = 20
 # Saves at 5, 10, 15, 20 (validation at 10, 20); dropout makes the torch RNG part of the state.
@@ -307,6 +307,7 @@ def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monke
 def test_a_resume_trains_with_the_hyperparameters_it_says_changed(char_data, tmp_path, recipe):
     """--set weight_decay / beta2 / eps-free fields on a resume: the run logs "resume: X changed A -> B" and now
     trains with B. Was: torch's load_state_dict kept the checkpoint's groups, so it said 0.0 and went on with 0.1."""
+    skip_without_muon(recipe)
     run = tmp_path / "run"
     before = TINY + ["weight_decay=0.1", "beta2=0.99", "muon_momentum=0.95"]
     train(char_data, run, "phase1", before, max_steps=10, device="cpu", progress=False, log=lambda m: None,

@@ -11,7 +11,7 @@ from gptlib.config import ConfigError, TrainConfig
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.step import lr_at
-from tests.conftest import TINY
+from tests.conftest import TINY, skip_without_muon
 
 
 def quiet(_msg):
@@ -476,6 +476,7 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(tmp_path, c
     """Notebook 04's run comparison: this run and the others under the runs folder (one only on "Drive", its mirror),
     each a line of val loss against tokens seen, the legend naming it with its preset and recipe; a run of another
     vocabulary (loss per character vs per token) or without a checkpoint is left out unless named."""
+    skip_without_muon()
     from gptlib import find_runs, runs_figure
     from gptlib.errors import CheckpointError
 

@@ -28,12 +28,17 @@ def sources(roots: list[Path]):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", required=True, type=Path, help="folder for the parquet files")
     ap.add_argument("--mb", type=float, default=80.0, help="megabytes of source to write")
     ap.add_argument("roots", nargs="*", type=Path)
     args = ap.parse_args()
-    roots = args.roots or [Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"])]
+    roots = args.roots or [
+        Path(sysconfig.get_paths()["stdlib"]),
+        Path(sysconfig.get_paths()["purelib"]),
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     batch, total, part = [], 0, 0
     for text in sources(roots):
@@ -46,7 +51,9 @@ def main() -> None:
             break
     if batch:
         pq.write_table(pa.table({"text": batch}), args.out / f"part-{part:04d}.parquet")
-    print(f"{total / 1e6:.1f} MB of Python source from {', '.join(map(str, roots))} -> {args.out} ({part + 1} files)")
+    print(
+        f"{total / 1e6:.1f} MB of Python source from {', '.join(map(str, roots))} -> {args.out} ({part + 1} files)"
+    )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,44 @@ from gptlib.training.throughput import cpu_train_flops, estimate_cpu_seconds  # 
 
 # (preset, --set overrides, what it stands for)
 RUNS = [
-    ("finetune", ["n_layer=2", "n_embd=32", "n_head=2", "block_size=64", "max_steps=60"],
-     "notebook 05 on a tiny GPT-2 base (issue 26: 'about 0m02s' for a 27 s run)"),
-    ("finetune", ["n_layer=4", "n_embd=128", "n_head=4", "block_size=128", "max_steps=30"], "a small fine-tune"),
-    ("phase2", ["n_layer=2", "n_embd=128", "n_head=4", "block_size=128", "batch_size=8", "grad_accum_steps=1",
-                "max_steps=100"], "phase2, shrunk"),
-    ("gpt2-small", ["n_layer=4", "n_embd=256", "n_head=4", "block_size=256", "batch_size=4", "grad_accum_steps=2",
-                    "max_steps=20", "hellaswag_every=0", "eval_interval=10"], "gpt2-small, shrunk"),
+    (
+        "finetune",
+        ["n_layer=2", "n_embd=32", "n_head=2", "block_size=64", "max_steps=60"],
+        "notebook 05 on a tiny GPT-2 base (issue 26: 'about 0m02s' for a 27 s run)",
+    ),
+    (
+        "finetune",
+        ["n_layer=4", "n_embd=128", "n_head=4", "block_size=128", "max_steps=30"],
+        "a small fine-tune",
+    ),
+    (
+        "phase2",
+        [
+            "n_layer=2",
+            "n_embd=128",
+            "n_head=4",
+            "block_size=128",
+            "batch_size=8",
+            "grad_accum_steps=1",
+            "max_steps=100",
+        ],
+        "phase2, shrunk",
+    ),
+    (
+        "gpt2-small",
+        [
+            "n_layer=4",
+            "n_embd=256",
+            "n_head=4",
+            "block_size=256",
+            "batch_size=4",
+            "grad_accum_steps=2",
+            "max_steps=20",
+            "hellaswag_every=0",
+            "eval_interval=10",
+        ],
+        "gpt2-small, shrunk",
+    ),
 ]
 
 
@@ -51,14 +82,23 @@ def main() -> None:
                 cfg = build_config(preset, overrides + ["vocab_size=65"])
                 rate = cpu_train_flops()
                 est = estimate_cpu_seconds(cfg, 0, rate)
-                r = train(data, Path(d) / f"run{i}-{k}", preset, overrides, device="cpu",
-                          progress=False, log=lambda m: None)
+                r = train(
+                    data,
+                    Path(d) / f"run{i}-{k}",
+                    preset,
+                    overrides,
+                    device="cpu",
+                    progress=False,
+                    log=lambda m: None,
+                )
                 if best is None or r.elapsed_s < best[1]:
                     best = (est, r.elapsed_s, rate)
             est, took, rate = best
-            print(f"{preset} {' '.join(overrides)} ({what}): {model_size(cfg.model).params / 1e6:.2f}M parameters; "
-                  f"estimate {est:.1f} s at {rate / 1e9:.0f} GFLOP/s, run {took:.1f} s (run / estimate {took / est:.2f})",
-                  flush=True)
+            print(
+                f"{preset} {' '.join(overrides)} ({what}): {model_size(cfg.model).params / 1e6:.2f}M parameters; "
+                f"estimate {est:.1f} s at {rate / 1e9:.0f} GFLOP/s, run {took:.1f} s (run / estimate {took / est:.2f})",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

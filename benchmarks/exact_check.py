@@ -2,7 +2,8 @@
 weights. Run it on both sides of a change (the gptlib imported is the one on PYTHONPATH, else this repo's) on the
 same machine: equal hashes mean the change trains bit for bit as before.
 
-    PYTHONPATH=/path/to/other/tree python benchmarks/exact_check.py --text ../shared/data/tinyshakespeare.txt --steps 200
+    PYTHONPATH=/path/to/other/tree python benchmarks/exact_check.py \
+        --text ../shared/data/tinyshakespeare.txt --steps 200
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data, run = Path(tmp) / "data", Path(tmp) / "run"
         prepare_text([args.text], data, tokenizer="char", verbose=False)
-        train(data, run, "phase1", ["log_interval=10"], max_steps=args.steps, progress=False, log=lambda s: None)
+        train(
+            data,
+            run,
+            "phase1",
+            ["log_interval=10"],
+            max_steps=args.steps,
+            progress=False,
+            log=lambda s: None,
+        )
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         losses = [(row["step"], row.get("train_loss"), row.get("val_loss")) for row in rows]
         weights = load_model_weights(list_checkpoints(run)[0])
@@ -41,8 +50,10 @@ def main() -> None:
             h.update(name.encode())
             h.update(weights[name].numpy().tobytes())
     print(f"gptlib at {Path(gptlib.__file__).parent}")
-    print(f"{args.steps} steps: losses sha256 {hashlib.sha256(repr(losses).encode()).hexdigest()[:16]}, "
-          f"weights sha256 {h.hexdigest()[:16]}; last rows {losses[-2:]}")
+    print(
+        f"{args.steps} steps: losses sha256 {hashlib.sha256(repr(losses).encode()).hexdigest()[:16]}, "
+        f"weights sha256 {h.hexdigest()[:16]}; last rows {losses[-2:]}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from tests.test_llama_cpp import F32_CACHE, compare_logits, greedy_ours, greedy_
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--text", required=True, help="tinyshakespeare.txt")
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
@@ -44,7 +46,9 @@ def main() -> int:
             for dtype in ("f32", "f16", "q8_0"):
                 kw = dict(type_k=F32_CACHE, type_v=F32_CACHE) if dtype == "f32" else {}
                 path = export_gguf(run, root / f"{arch}-{dtype}.gguf", dtype=dtype)
-                llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, verbose=False, logits_all=True, **kw)
+                llm = llama_cpp.Llama(
+                    model_path=str(path), n_ctx=64, verbose=False, logits_all=True, **kw
+                )
                 agree = total = same16 = 0
                 dmax, first = 0.0, []
                 for p in prompts:
@@ -54,10 +58,15 @@ def main() -> int:
                     agree, total, dmax = agree + a, total + t, max(dmax, diff)
                     ours, theirs = greedy_ours(eng, ids, n), greedy_theirs(llm, ids, n)
                     same16 += ours[:16] == theirs[:16]
-                    first.append(next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), n))
-                print(f"{arch} steps={args.steps} {dtype}: top1 agree {agree}/{total} = {agree / total:.4f}, max "
-                      f"|dlogit| {dmax:.2e}, first16 equal {same16}/{len(prompts)}, first divergence min "
-                      f"{min(first)} median {sorted(first)[len(first) // 2]}", flush=True)
+                    first.append(
+                        next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), n)
+                    )
+                print(
+                    f"{arch} steps={args.steps} {dtype}: top1 agree {agree}/{total} = {agree / total:.4f}, max "
+                    f"|dlogit| {dmax:.2e}, first16 equal {same16}/{len(prompts)}, first divergence min "
+                    f"{min(first)} median {sorted(first)[len(first) // 2]}",
+                    flush=True,
+                )
     return 0
 
 

@@ -34,17 +34,23 @@ from gptlib.model import GPT, model_size  # noqa: E402
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    ):
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "?"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="gpt2-small")
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median reported)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per engine (median reported)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -52,20 +58,26 @@ def main() -> int:
 
     threads = os.cpu_count() or 1
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"cpu: {cpu_name()}; {threads} logical cores; torch threads {torch.get_num_threads()}, llama.cpp threads "
-          f"{threads}\npython {platform.python_version()}, torch {torch.__version__}, llama-cpp-python "
-          f"{llama_cpp.__version__}, load average at start {os.getloadavg()}")
+    print(
+        f"cpu: {cpu_name()}; {threads} logical cores; torch threads {torch.get_num_threads()}, llama.cpp threads "
+        f"{threads}\npython {platform.python_version()}, torch {torch.__version__}, llama-cpp-python "
+        f"{llama_cpp.__version__}, load average at start {os.getloadavg()}"
+    )
     torch.manual_seed(args.seed)
     mcfg = get_preset(args.preset).model
     model = GPT(mcfg).eval()  # random init: speed does not depend on training
     text = Path(__file__).read_text() * 4
     tok = BPETokenizer.train([text], vocab_size=512)
-    print(f"model: preset {args.preset}, {model_size(mcfg).params / 1e6:.1f}M parameters, context {mcfg.block_size}, "
-          f"vocab {mcfg.vocab_size}; gptlib fp32, llama.cpp f16 and q8_0 (its default f16 KV cache)")
+    print(
+        f"model: preset {args.preset}, {model_size(mcfg).params / 1e6:.1f}M parameters, context {mcfg.block_size}, "
+        f"vocab {mcfg.vocab_size}; gptlib fp32, llama.cpp f16 and q8_0 (its default f16 KV cache)"
+    )
     eng, prompt, n = Engine(model), [1], args.new_tokens
 
     def ours(n: int = n) -> list[int]:
-        return eng.generate_ids([prompt], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False))[0][0]
+        return eng.generate_ids(
+            [prompt], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False)
+        )[0][0]
 
     def llama(llm):
         def run(n: int = n) -> list[int]:
@@ -74,6 +86,7 @@ def main() -> int:
                 out.append(t)
                 if len(out) == n:
                     return out
+
         return run
 
     with tempfile.TemporaryDirectory() as d:
@@ -81,29 +94,46 @@ def main() -> int:
         for dtype in ("f16", "q8_0"):
             path = write_gguf(model, tok, Path(d) / f"{dtype}.gguf", dtype)
             print(f"  {dtype}.gguf: {path.stat().st_size / 1e6:,.0f} MB")
-            engines[f"llama.cpp {dtype}"] = llama(llama_cpp.Llama(
-                model_path=str(path), n_ctx=mcfg.block_size, n_threads=threads, n_threads_batch=threads, verbose=False))
+            engines[f"llama.cpp {dtype}"] = llama(
+                llama_cpp.Llama(
+                    model_path=str(path),
+                    n_ctx=mcfg.block_size,
+                    n_threads=threads,
+                    n_threads_batch=threads,
+                    verbose=False,
+                )
+            )
         for fn in engines.values():
             fn(8)  # warm-up: page in the weights, allocator, kernels
         times: dict[str, list[float]] = {k: [] for k in engines}
         first = {}
         for r in range(args.repeats):
-            names = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]  # rotate who goes first
+            # rotate who goes first
+            names = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]
             for name in names:
                 t = time.perf_counter()
                 toks = engines[name]()
                 dt = time.perf_counter() - t
                 times[name].append(dt)
                 first.setdefault(name, toks)
-                print(f"  {name:<16} {n:>5} new tokens: {dt:8.2f} s  {n / dt:7.1f} tokens/s", flush=True)
+                print(
+                    f"  {name:<16} {n:>5} new tokens: {dt:8.2f} s  {n / dt:7.1f} tokens/s",
+                    flush=True,
+                )
     same = {k: sum(a == b for a, b in zip(v, first["gptlib fp32"])) for k, v in first.items()}
-    print(f"greedy tokens equal to gptlib's (of {n}; random weights, so near-ties are many): {same}")
-    print(f"\ntokens/s (gpt2-small shape, batch 1, greedy, {n} new tokens after a one-token prompt); the median, and the "
-          f"best run (other work on a shared machine only ever slows a run down):")
+    print(
+        f"greedy tokens equal to gptlib's (of {n}; random weights, so near-ties are many): {same}"
+    )
+    print(
+        f"\ntokens/s (gpt2-small shape, batch 1, greedy, {n} new tokens after a one-token prompt); the median, and the "
+        f"best run (other work on a shared machine only ever slows a run down):"
+    )
     base, best = (n / f(times["gptlib fp32"]) for f in (statistics.median, min))
     for name, ts in times.items():
         tps, top = n / statistics.median(ts), n / min(ts)
-        print(f"  {name:<16} median {tps:6.1f} ({tps / base:4.2f}x gptlib)   best {top:6.1f} ({top / best:4.2f}x gptlib)")
+        print(
+            f"  {name:<16} median {tps:6.1f} ({tps / base:4.2f}x gptlib)   best {top:6.1f} ({top / best:4.2f}x gptlib)"
+        )
     print(f"load average at end {os.getloadavg()}")
     return 0
 

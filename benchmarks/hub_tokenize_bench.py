@@ -41,9 +41,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-_CHILD = ("import re, sys\nfrom gptlib.__main__ import main\nrc = main(sys.argv[1:])\n"
-          "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
-          "print('PEAK_RSS_KB', hwm, file=sys.stderr)\nsys.exit(rc)")
+_CHILD = (
+    "import re, sys\nfrom gptlib.__main__ import main\nrc = main(sys.argv[1:])\n"
+    "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
+    "print('PEAK_RSS_KB', hwm, file=sys.stderr)\nsys.exit(rc)"
+)
 
 
 def log(msg: str) -> None:
@@ -58,7 +60,10 @@ def build_corpus(work: Path, gb: float, file_mb: float) -> list[Path]:
     out = work / "corpus"
     done = out / "DONE.json"
     want = {"gb": gb, "file_mb": file_mb, "version": 1}
-    if done.is_file() and {k: v for k, v in json.loads(done.read_text()).items() if k in want} == want:
+    if (
+        done.is_file()
+        and {k: v for k, v in json.loads(done.read_text()).items() if k in want} == want
+    ):
         return sorted(out.glob("*.parquet"))
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -71,21 +76,29 @@ def build_corpus(work: Path, gb: float, file_mb: float) -> list[Path]:
             continue
     rng = random.Random(1234)
     total, target, per_file, n_files, rep = 0, gb * 1e9, file_mb * 1e6, 0, 0
-    rows: dict[str, list] = {k: [] for k in ("code", "repo_name", "path", "language", "license", "size")}
+    rows: dict[str, list] = {
+        k: [] for k in ("code", "repo_name", "path", "language", "license", "size")
+    }
     in_file = 0
     while total < target:
         for path, code in texts:
             lines = code.splitlines(keepends=True)
             k = rng.randrange(len(lines)) if rep and lines else 0
             doc = "".join(lines[k:] + lines[:k])
-            for col, v in zip(rows, (doc, f"python/cpython-{rep}", path, "Python", "psf-2.0", len(doc))):
+            for col, v in zip(
+                rows, (doc, f"python/cpython-{rep}", path, "Python", "psf-2.0", len(doc))
+            ):
                 rows[col].append(v)
             n = len(doc.encode())
             total += n
             in_file += n
             if in_file >= per_file or total >= target:
-                pq.write_table(pa.table(rows), out / f"train-{n_files:05d}.parquet", row_group_size=2000,
-                               compression="snappy")
+                pq.write_table(
+                    pa.table(rows),
+                    out / f"train-{n_files:05d}.parquet",
+                    row_group_size=2000,
+                    compression="snappy",
+                )
                 rows = {k: [] for k in rows}
                 n_files += 1
                 in_file = 0
@@ -97,8 +110,13 @@ def build_corpus(work: Path, gb: float, file_mb: float) -> list[Path]:
 
 
 def start_child(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run_child(args: list[str]) -> tuple[float, float, float]:
@@ -151,7 +169,9 @@ def raw_encode_seconds(paths: list[Path], tk, batch_chars: int) -> tuple[float, 
     return spent, cpu, n_tokens
 
 
-def kill_and_resume(args: list[str], out: Path, kills: int, full_wall: float, seed: int) -> list[str]:
+def kill_and_resume(
+    args: list[str], out: Path, kills: int, full_wall: float, seed: int
+) -> list[str]:
     """SIGKILL the command at `kills` random points, re-running it each time, then let it finish."""
     rng = random.Random(seed)
     notes = []
@@ -165,10 +185,12 @@ def kill_and_resume(args: list[str], out: Path, kills: int, full_wall: float, se
         p.send_signal(signal.SIGKILL)
         p.communicate()
         state = json.loads((out / "prepare_state.json").read_text())
-        notes.append(f"kill {i + 1}: SIGKILL after {delay:.1f}s of this attempt; state lists "
-                     f"{len(state['shards']['train'])} train / {len(state['shards']['val'])} val shards, "
-                     f"{state['emitted']['train'] + state['emitted']['val']:,} tokens, input at file "
-                     f"{state['resume']['file']} row {state['resume']['doc']}")
+        notes.append(
+            f"kill {i + 1}: SIGKILL after {delay:.1f}s of this attempt; state lists "
+            f"{len(state['shards']['train'])} train / {len(state['shards']['val'])} val shards, "
+            f"{state['emitted']['train'] + state['emitted']['val']:,} tokens, input at file "
+            f"{state['resume']['file']} row {state['resume']['doc']}"
+        )
         log(notes[-1])
     wall, _, _ = run_child(args)
     notes.append(f"final run (resumed) to the end: {wall:.1f}s")
@@ -183,15 +205,24 @@ def machine() -> str:
     import pyarrow
     import tokenizers
 
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GB RAM, load average at start "
-            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; python {platform.python_version()}, "
-            f"tokenizers {tokenizers.__version__}, pyarrow {pyarrow.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GB RAM, load average at start "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; python {platform.python_version()}, "
+        f"tokenizers {tokenizers.__version__}, pyarrow {pyarrow.__version__}"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gb", type=float, default=2.0, help="corpus size in GB of text")
-    ap.add_argument("--file-mb", type=float, default=200.0, help="text per parquet file (and the small run's size)")
+    ap.add_argument(
+        "--file-mb",
+        type=float,
+        default=200.0,
+        help="text per parquet file (and the small run's size)",
+    )
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="chooses the kill points")
     ap.add_argument("--shard-tokens", type=int, default=20_000_000)
@@ -199,7 +230,9 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout
     log(f"# command: python benchmarks/hub_tokenize_bench.py {' '.join(sys.argv[1:])}".rstrip())
     log(f"# date: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  commit: {commit.strip()}")
     log(f"# machine: {machine()}")
@@ -213,8 +246,10 @@ def main() -> None:
     paths = build_corpus(work, args.gb, args.file_mb)
     info = json.loads((work / "corpus" / "DONE.json").read_text())
     disk = sum(p.stat().st_size for p in paths)
-    log(f"corpus: {len(paths)} parquet files, {info['text_bytes'] / 1e9:.2f} GB of text ({disk / 1e9:.2f} GB on disk), "
-        f"built/checked in {time.perf_counter() - t:.0f}s")
+    log(
+        f"corpus: {len(paths)} parquet files, {info['text_bytes'] / 1e9:.2f} GB of text ({disk / 1e9:.2f} GB on disk), "
+        f"built/checked in {time.perf_counter() - t:.0f}s"
+    )
 
     tok_file = work / "tokenizer_32768.json"
     if not tok_file.is_file():
@@ -222,11 +257,20 @@ def main() -> None:
         t = time.perf_counter()
         tok = BPETokenizer.train(train_texts(sources, "code", 100_000_000, []), vocab_size=32768)
         tok_file.write_bytes(tok.to_json_bytes())
-        log(f"tokenizer: 32,768-id BPE trained on a 100 MB sample in {time.perf_counter() - t:.0f}s")
+        log(
+            f"tokenizer: 32,768-id BPE trained on a 100 MB sample in {time.perf_counter() - t:.0f}s"
+        )
     tk = load_tokenizer(tok_file)._tk
 
-    common = ["--tokenizer-from", str(tok_file), "--text-column", "code", "--shard-tokens", str(args.shard_tokens),
-              "--quiet"]
+    common = [
+        "--tokenizer-from",
+        str(tok_file),
+        "--text-column",
+        "code",
+        "--shard-tokens",
+        str(args.shard_tokens),
+        "--quiet",
+    ]
     url = (work / "corpus").resolve().as_uri() + "/*.parquet"  # not DONE.json beside them
     full = work / "data_url"
     shutil.rmtree(full, ignore_errors=True)
@@ -236,26 +280,38 @@ def main() -> None:
     m = json.loads((full / "meta.json").read_text())
     tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
     text_mb = info["text_bytes"] / 1e6
-    log(f"pipeline: {wall:.1f}s wall = {text_mb / wall:.2f} MB/s of text, {tokens / wall:,.0f} tokens/s; "
+    log(
+        f"pipeline: {wall:.1f}s wall = {text_mb / wall:.2f} MB/s of text, {tokens / wall:,.0f} tokens/s; "
         f"{m['documents']:,} documents, {tokens:,} tokens, {len(m['splits']['train']['shards'])}+"
         f"{len(m['splits']['val']['shards'])} shards; peak RSS {rss_full:.0f} MB; CPU {cpu_full:.1f}s "
-        f"(load average now {os.getloadavg()[0]:.2f})")
+        f"(load average now {os.getloadavg()[0]:.2f})"
+    )
 
     raw, raw_cpu, raw_tokens = raw_encode_seconds(paths, tk, BATCH_CHARS)
-    log(f"raw encode_batch_fast, the pipeline's pieces: {raw:.1f}s = {text_mb / raw:.2f} MB/s, CPU {raw_cpu:.1f}s "
-        f"({raw_tokens:,} tokens without the end-of-text ids; load average now {os.getloadavg()[0]:.2f})")
-    log(f"RATIO pipeline / raw encode_batch_fast on the same pieces: {raw / wall:.1%} by wall time (target >= 85%), "
-        f"{raw_cpu / cpu_full:.1%} by CPU time")
+    log(
+        f"raw encode_batch_fast, the pipeline's pieces: {raw:.1f}s = {text_mb / raw:.2f} MB/s, CPU {raw_cpu:.1f}s "
+        f"({raw_tokens:,} tokens without the end-of-text ids; load average now {os.getloadavg()[0]:.2f})"
+    )
+    log(
+        f"RATIO pipeline / raw encode_batch_fast on the same pieces: {raw / wall:.1%} by wall time (target >= 85%), "
+        f"{raw_cpu / cpu_full:.1%} by CPU time"
+    )
 
     small = work / "data_small_url"
     shutil.rmtree(small, ignore_errors=True)
-    wall_s, rss_small, _ = run_child(["tokenize", "--input", paths[0].resolve().as_uri(), *common, "--out", str(small)])
+    wall_s, rss_small, _ = run_child(
+        ["tokenize", "--input", paths[0].resolve().as_uri(), *common, "--out", str(small)]
+    )
     ms = json.loads((small / "meta.json").read_text())
-    log(f"small run: {paths[0].name} ({args.file_mb:.0f} MB of text) through file://: {wall_s:.1f}s, "
+    log(
+        f"small run: {paths[0].name} ({args.file_mb:.0f} MB of text) through file://: {wall_s:.1f}s, "
         f"{len(ms['splits']['train']['shards'])}+{len(ms['splits']['val']['shards'])} shards; peak RSS "
-        f"{rss_small:.0f} MB")
-    log(f"RSS peak {rss_small:.0f} MB at {args.file_mb:.0f} MB vs {rss_full:.0f} MB at {text_mb / 1e3:.1f} GB "
-        f"(difference {rss_full - rss_small:+.0f} MB; target < 1024 MB and flat)")
+        f"{rss_small:.0f} MB"
+    )
+    log(
+        f"RSS peak {rss_small:.0f} MB at {args.file_mb:.0f} MB vs {rss_full:.0f} MB at {text_mb / 1e3:.1f} GB "
+        f"(difference {rss_full - rss_small:+.0f} MB; target < 1024 MB and flat)"
+    )
     local = work / "data_small_local"
     shutil.rmtree(local, ignore_errors=True)
     run_child(["tokenize", "--input", str(paths[0]), *common, "--out", str(local)])
@@ -265,7 +321,9 @@ def main() -> None:
     killed = work / "data_killed"
     notes = kill_and_resume(cmd[:-1] + [str(killed)], killed, args.kills, wall, args.seed)
     a, b = shard_hashes(killed), shard_hashes(full)
-    log(f"KILL -9 x{args.kills} then resume: {len(a)} shard files, byte-identical to the uninterrupted run: {a == b}")
+    log(
+        f"KILL -9 x{args.kills} then resume: {len(a)} shard files, byte-identical to the uninterrupted run: {a == b}"
+    )
     del notes
     if not (same and a == b):
         raise SystemExit("MISMATCH")

@@ -38,29 +38,44 @@ def median_time(fn, repeats: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--preset", default="gpt2-small")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} logical cores, "
-          f"load average at start {os.getloadavg()}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} logical cores, "
+        f"load average at start {os.getloadavg()}"
+    )
     torch.manual_seed(0)
     model = GPT(get_preset(args.preset).model).eval()
     weights = [p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n]
     total = sum(w.numel() * w.element_size() for w in weights)
-    print(f"{len(weights)} weights of preset {args.preset}, {total / 1e6:.0f} MB; "
-          f"blocks per weight: {sorted({row_blocks(w.shape[0]) for w in weights})}")
+    print(
+        f"{len(weights)} weights of preset {args.preset}, {total / 1e6:.0f} MB; "
+        f"blocks per weight: {sorted({row_blocks(w.shape[0]) for w in weights})}"
+    )
     print(f"{'rows':>5} {'F.linear ms':>12} {'split ms':>9} {'ratio':>6} {'split GB/s':>11}")
     with torch.inference_mode():
         for rows in args.rows:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-            plain = median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.repeats)
-            split = median_time(lambda: [split_linear(xs[w.shape[1]], w, None, row_blocks(w.shape[0]))
-                                         for w in weights], args.repeats)
-            print(f"{rows:>5} {plain * 1e3:>12.1f} {split * 1e3:>9.1f} {plain / split:>5.2f}x "
-                  f"{total / split / 1e9:>11.1f}", flush=True)
+            plain = median_time(
+                lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], args.repeats
+            )
+            split = median_time(
+                lambda xs=xs: [
+                    split_linear(xs[w.shape[1]], w, None, row_blocks(w.shape[0])) for w in weights
+                ],
+                args.repeats,
+            )
+            print(
+                f"{rows:>5} {plain * 1e3:>12.1f} {split * 1e3:>9.1f} {plain / split:>5.2f}x "
+                f"{total / split / 1e9:>11.1f}",
+                flush=True,
+            )
     return 0
 
 

@@ -34,7 +34,8 @@ from gptlib.training.loop import train  # noqa: E402
 @torch.no_grad()
 def full_val_loss(run_dir: Path, data_dir: Path) -> float:
     """Mean loss over every non-overlapping block of the val split (each token predicted once)."""
-    ck = list_checkpoints(run_dir)[0]  # the run's last save, just written: the weights after its final step
+    # the run's last save, just written: the weights after its final step
+    ck = list_checkpoints(run_dir)[0]
     cfg = RunConfig.from_dict(json.loads((ck / "state.json").read_text())["config"])
     model = GPT(cfg.model)
     model.load_state_dict(load_model_weights(ck))
@@ -63,7 +64,9 @@ def cpu_name() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--text", required=True, help="Tiny Shakespeare text file")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
@@ -71,8 +74,10 @@ def main() -> None:
     args = ap.parse_args()
 
     print(f"# {' '.join(sys.argv)}")
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_name()}, "
-          f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_name()}, "
+        f"python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         prepare_text([args.text], data, tokenizer="char", verbose=False)
@@ -81,14 +86,26 @@ def main() -> None:
             run = Path(tmp) / f"run{i}"
             r = train(data, run, args.preset, list(args.set), progress=False, log=lambda s: None)
             full = full_val_loss(run, data)
-            rows.append({"wall_s": r.elapsed_s, "val_loss_sampled": r.val_loss, "val_loss_full": full,
-                         "steps": r.step, "tokens_per_s": r.tokens_per_s})
-            print(f"repeat {i}: {r.step} steps in {r.elapsed_s:.1f}s wall, {r.tokens_per_s:,.0f} tokens/s, "
-                  f"val loss {r.val_loss:.4f} (sampled), {full:.4f} (full val split)", flush=True)
+            rows.append(
+                {
+                    "wall_s": r.elapsed_s,
+                    "val_loss_sampled": r.val_loss,
+                    "val_loss_full": full,
+                    "steps": r.step,
+                    "tokens_per_s": r.tokens_per_s,
+                }
+            )
+            print(
+                f"repeat {i}: {r.step} steps in {r.elapsed_s:.1f}s wall, {r.tokens_per_s:,.0f} tokens/s, "
+                f"val loss {r.val_loss:.4f} (sampled), {full:.4f} (full val split)",
+                flush=True,
+            )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    print(f"median over {len(rows)}: wall {med['wall_s']:.1f}s, {med['tokens_per_s']:,.0f} tokens/s, "
-          f"val loss {med['val_loss_sampled']:.4f} (sampled) / {med['val_loss_full']:.4f} (full val split); "
-          f"target <= 1.70 within 90 s: {'MET' if med['val_loss_full'] <= 1.70 and med['wall_s'] <= 90 else 'NOT MET'}")
+    print(
+        f"median over {len(rows)}: wall {med['wall_s']:.1f}s, {med['tokens_per_s']:,.0f} tokens/s, "
+        f"val loss {med['val_loss_sampled']:.4f} (sampled) / {med['val_loss_full']:.4f} (full val split); "
+        f"target <= 1.70 within 90 s: {'MET' if med['val_loss_full'] <= 1.70 and med['wall_s'] <= 90 else 'NOT MET'}"
+    )
 
 
 if __name__ == "__main__":

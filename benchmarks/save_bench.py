@@ -56,15 +56,19 @@ def machine_info(d: Path) -> str:
     except OSError:
         pass
     du = shutil.disk_usage(d)
-    return (f"machine: {cpu}, {os.cpu_count()} CPUs, {mem}; python {platform.python_version()}, torch {torch.__version__}, "
-            f"torch threads {torch.get_num_threads()}; disk at {d}: {du.free / 1e9:.0f} GB free; load avg "
-            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return (
+        f"machine: {cpu}, {os.cpu_count()} CPUs, {mem}; python {platform.python_version()}, torch {torch.__version__}, "
+        f"torch threads {torch.get_num_threads()}; disk at {d}: {du.free / 1e9:.0f} GB free; load avg "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--saves", type=int, default=5)
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the local and mirror run dirs go")
+    ap.add_argument(
+        "--dir", default=tempfile.gettempdir(), help="where the local and mirror run dirs go"
+    )
     ap.add_argument("--preset", default="gpt2-small")
     args = ap.parse_args()
 
@@ -74,24 +78,32 @@ def main() -> None:
 
     cfg = get_preset(args.preset)
     model = GPT(cfg.model)
-    opt = model.configure_optimizer(cfg.train.weight_decay, cfg.train.learning_rate,
-                                    (cfg.train.beta1, cfg.train.beta2), "cpu")
+    opt = model.configure_optimizer(
+        cfg.train.weight_decay, cfg.train.learning_rate, (cfg.train.beta1, cfg.train.beta2), "cpu"
+    )
     for p in model.parameters():  # one step with small gradients: creates the AdamW moments
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
     opt.zero_grad(set_to_none=True)
     gen = torch.Generator().manual_seed(0)
     n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    n_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    print(f"state: {args.preset}, {model_size(model.config).params / 1e6:.1f}M parameters, weights + AdamW moments = "
-          f"{n_bytes / 1e9:.2f} GB (fp32)")
+    n_bytes += sum(
+        v.numel() * v.element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    print(
+        f"state: {args.preset}, {model_size(model.config).params / 1e6:.1f}M parameters, weights + AdamW moments = "
+        f"{n_bytes / 1e9:.2f} GB (fp32)"
+    )
 
     probe = torch.zeros(64)
 
     def launch_rate(seconds: float | None = None, until=None) -> float:
         """Small in-place ops per second on the main thread (dispatch-bound, like kernel launches)."""
         n, t0 = 0, time.perf_counter()
-        while (until() if until else time.perf_counter() - t0 < seconds):
+        while until() if until else time.perf_counter() - t0 < seconds:
             for _ in range(100):
                 probe.add_(1.0)
             n += 100
@@ -105,10 +117,13 @@ def main() -> None:
     try:
         w = CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
         for i in range(1, args.saves + 1):
-            checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                          "sampler": {"rng_state": gen.get_state(), "batches_drawn": i},
-                          "rng": {"torch_cpu": torch.get_rng_state()},
-                          "progress": TrainState(step=i, config=cfg.to_dict()).state_dict()}
+            checkpoint = {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "sampler": {"rng_state": gen.get_state(), "batches_drawn": i},
+                "rng": {"torch_cpu": torch.get_rng_state()},
+                "progress": TrainState(step=i, config=cfg.to_dict()).state_dict(),
+            }
             t0 = time.perf_counter()
             w.save(checkpoint)
             t1 = time.perf_counter()
@@ -121,24 +136,33 @@ def main() -> None:
             rates.append(rate / idle_rate)
             st = w.status()
             assert st["mirror_step"] == i and st["mirror_error"] is None, st
-            size = sum(f.stat().st_size for f in (local / "checkpoints" / checkpoint_name(i)).iterdir())
+            size = sum(
+                f.stat().st_size for f in (local / "checkpoints" / checkpoint_name(i)).iterdir()
+            )
             block.append(t1 - t0)
             local_t.append(t2 - t0)
             mirror_t.append(t3 - t2)
             sizes.append(size)
-            print(f"save {i}: blocking {t1 - t0:6.3f} s | local write+fsync+hash+rotate {t2 - t0:6.2f} s | "
-                  f"mirror copy+hash+fsync+rotate {t3 - t2:6.2f} s | {size / 1e9:.2f} GB on disk | "
-                  f"main-thread op rate during the write {rate / idle_rate:.0%} of idle")
+            print(
+                f"save {i}: blocking {t1 - t0:6.3f} s | local write+fsync+hash+rotate {t2 - t0:6.2f} s | "
+                f"mirror copy+hash+fsync+rotate {t3 - t2:6.2f} s | {size / 1e9:.2f} GB on disk | "
+                f"main-thread op rate during the write {rate / idle_rate:.0%} of idle"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
     gb = statistics.median(sizes) / 1e9
     print(f"\nmedian over {args.saves} saves of {gb:.2f} GB checkpoints:")
-    print(f"  blocking the training loop:  {statistics.median(block):.3f} s   (target < 2 s: "
-          f"{'MET' if statistics.median(block) < 2 else 'NOT MET'})")
-    print(f"  local background save:       {statistics.median(local_t):.2f} s   ({gb / statistics.median(local_t):.2f} GB/s)")
-    print(f"  mirror (Drive stand-in):     {statistics.median(mirror_t):.2f} s   ({gb / statistics.median(mirror_t):.2f} GB/s)")
-    print(f"  main-thread op rate while the background write runs: {statistics.median(rates):.0%} of idle")
+    print(
+        f"  blocking the training loop:  {statistics.median(block):.3f} s   (target < 2 s: "
+        f"{'MET' if statistics.median(block) < 2 else 'NOT MET'})"
+    )
+    local, mirror = statistics.median(local_t), statistics.median(mirror_t)
+    print(f"  local background save:       {local:.2f} s   ({gb / local:.2f} GB/s)")
+    print(f"  mirror (Drive stand-in):     {mirror:.2f} s   ({gb / mirror:.2f} GB/s)")
+    print(
+        f"  main-thread op rate while the background write runs: {statistics.median(rates):.0%} of idle"
+    )
 
 
 if __name__ == "__main__":

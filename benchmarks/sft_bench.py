@@ -50,13 +50,16 @@ def synthetic_conversations(text: str, n: int, seed: int = 0) -> list[dict]:
     def span(lo: int, hi: int) -> str:
         k = rng.randint(lo, hi)
         i = rng.randrange(len(words) - k)
-        return " ".join(words[i: i + k])
+        return " ".join(words[i : i + k])
 
     out = []
     for _ in range(n):
         msgs = []
         for _ in range(rng.choice([1, 1, 2, 3])):
-            msgs += [{"role": "user", "content": span(5, 60)}, {"role": "assistant", "content": span(15, 150)}]
+            msgs += [
+                {"role": "user", "content": span(5, 60)},
+                {"role": "assistant", "content": span(15, 150)},
+            ]
         out.append({"messages": msgs})
     return out
 
@@ -64,8 +67,15 @@ def synthetic_conversations(text: str, n: int, seed: int = 0) -> list[dict]:
 class PaddedSampler:
     """One conversation per row from its first token, cut at block_size, padded with end-of-text."""
 
-    def __init__(self, stream: np.ndarray, in_answer: np.ndarray, eot: int, batch_size: int, block_size: int,
-                 seed: int):
+    def __init__(
+        self,
+        stream: np.ndarray,
+        in_answer: np.ndarray,
+        eot: int,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+    ):
         ends = np.flatnonzero(stream == eot)  # each conversation ends with <|endoftext|>
         self.starts = np.concatenate([[0], ends[:-1] + 1])
         self.ends = ends + 1
@@ -79,9 +89,9 @@ class PaddedSampler:
         for row, c in enumerate(self.rng.integers(0, len(self.starts), self.B)):
             s, e = int(self.starts[c]), min(int(self.ends[c]), int(self.starts[c]) + self.T + 1)
             n = e - s - 1
-            x[row, :n] = self.stream[s: e - 1]
-            tgt = self.stream[s + 1: e]
-            y[row, :n] = np.where(self.in_answer[s + 1: e], tgt, -1)
+            x[row, :n] = self.stream[s : e - 1]
+            tgt = self.stream[s + 1 : e]
+            y[row, :n] = np.where(self.in_answer[s + 1 : e], tgt, -1)
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -100,18 +110,32 @@ def time_steps(model, optimizer, sampler, steps: int) -> tuple[list[float], floa
 
     for i in range(steps + 2):
         t = time.perf_counter()
-        train_step(model, optimizer, scaler, Recorder(), accum=1, autocast=torch.autocast("cpu", enabled=False),
-                   grad_clip=1.0, timer=timer)
+        train_step(
+            model,
+            optimizer,
+            scaler,
+            Recorder(),
+            accum=1,
+            autocast=torch.autocast("cpu", enabled=False),
+            grad_clip=1.0,
+            timer=timer,
+        )
         if i >= 2:
             times.append(time.perf_counter() - t)
             x, y = batches[-1]
             answers.append(int((y != -1).sum()))
-            pads.append(float((x == sampler.eot).float().mean()) if isinstance(sampler, PaddedSampler) else 0.0)
+            pads.append(
+                float((x == sampler.eot).float().mean())
+                if isinstance(sampler, PaddedSampler)
+                else 0.0
+            )
     return times, statistics.mean(answers), statistics.mean(pads)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--text", default=str(REPO.parent / "shared" / "data" / "tinyshakespeare.txt"))
     ap.add_argument("--conversations", type=int, default=2000)
     ap.add_argument("--block-size", type=int, default=256)
@@ -126,7 +150,14 @@ def main() -> None:
     with open(work / "chats.jsonl", "w") as f:
         for c in synthetic_conversations(Path(a.text).read_text(), a.conversations):
             f.write(json.dumps(c) + "\n")
-    prepare([work / "chats.jsonl"], work / "data", vocab_size=2048, format="chat", verbose=False, split="document")
+    prepare(
+        [work / "chats.jsonl"],
+        work / "data",
+        vocab_size=2048,
+        format="chat",
+        verbose=False,
+        split="document",
+    )
     meta = read_meta(work / "data")
     mm = MemmapSplit(meta, "train")
     stream = mm.read(0, len(mm)).numpy().view(mm.dtype).astype(np.int64)
@@ -137,22 +168,36 @@ def main() -> None:
     eot = load_tokenizer(work / "data").eot_id
     data = SplitData(_as_signed_view(stream.astype(mm.dtype)), "train")
     conv_lens = np.diff(np.concatenate([[0], np.flatnonzero(stream == eot) + 1]))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(conv_lens):,} conversations, "
-          f"{len(stream):,} tokens, median {int(np.median(conv_lens))} tokens per conversation "
-          f"(p90 {int(np.percentile(conv_lens, 90))}), answers {in_answer.mean():.1%} of the tokens")
-    cfg = ModelConfig(vocab_size=meta.vocab_size, block_size=a.block_size, n_layer=a.layers, n_head=a.layers,
-                      n_embd=a.width, dropout=0.0)
-    print(f"model {a.layers} layers x {a.width}, context {a.block_size}, batch {a.batch_size}, {a.steps} timed steps, "
-          f"median of {a.repeats} repeats (the two layouts alternate)")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {len(conv_lens):,} conversations, "
+        f"{len(stream):,} tokens, median {int(np.median(conv_lens))} tokens per conversation "
+        f"(p90 {int(np.percentile(conv_lens, 90))}), answers {in_answer.mean():.1%} of the tokens"
+    )
+    cfg = ModelConfig(
+        vocab_size=meta.vocab_size,
+        block_size=a.block_size,
+        n_layer=a.layers,
+        n_head=a.layers,
+        n_embd=a.width,
+        dropout=0.0,
+    )
+    print(
+        f"model {a.layers} layers x {a.width}, context {a.block_size}, batch {a.batch_size}, {a.steps} timed steps, "
+        f"median of {a.repeats} repeats (the two layouts alternate)"
+    )
     results: dict[str, list] = {"packed": [], "padded": []}
     for rep in range(a.repeats):
         for name in ("packed", "padded"):
             torch.manual_seed(0)
             model = GPT(cfg)
             opt = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), "cpu")
-            sampler = (BatchSampler(data, a.batch_size, a.block_size, rep, "cpu", LossMask(spans, len(stream)))
-                       if name == "packed" else
-                       PaddedSampler(stream, in_answer, eot, a.batch_size, a.block_size, rep))
+            sampler = (
+                BatchSampler(
+                    data, a.batch_size, a.block_size, rep, "cpu", LossMask(spans, len(stream))
+                )
+                if name == "packed"
+                else PaddedSampler(stream, in_answer, eot, a.batch_size, a.block_size, rep)
+            )
             times, answers, pad = time_steps(model, opt, sampler, a.steps)
             results[name].append((statistics.median(times), answers, pad))
     positions = a.batch_size * a.block_size

@@ -38,6 +38,8 @@ if __name__ == "__main__":
     try:
         status = main(sys.argv[1:])
     finally:
-        print(f"t4: peak GPU memory allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
-              f"{T4_MEMORY / 2**30:.2f} GiB")
+        print(
+            f"t4: peak GPU memory allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of "
+            f"{T4_MEMORY / 2**30:.2f} GiB"
+        )
     sys.exit(status)

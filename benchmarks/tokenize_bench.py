@@ -74,7 +74,9 @@ def build_corpus(work: Path, target_mb: float, n_files: int = 4) -> list[Path]:
         p = out / f"train-{i:05d}-of-{n_files:05d}.parquet"
         pq.write_table(table.slice(i * per, per), p, row_group_size=2000, compression="snappy")
         paths.append(p)
-    done.write_text(json.dumps({"target_mb": target_mb, "text_bytes": total, "rows": table.num_rows}))
+    done.write_text(
+        json.dumps({"target_mb": target_mb, "text_bytes": total, "rows": table.num_rows})
+    )
     return paths
 
 
@@ -110,44 +112,57 @@ def time_encode(fn, batches) -> float:
 
 # Runs `python -m gptlib ARGS` and prints the process's own peak RSS last: VmHWM, the high-water mark of
 # its own address space (ru_maxrss would also count the parent's RSS at fork time: Linux keeps it across exec).
-_CHILD = ("import re, sys\nfrom gptlib.__main__ import main\nrc = main(sys.argv[1:])\n"
-          "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
-          "print('PEAK_RSS_KB', hwm, file=sys.stderr)\nsys.exit(rc)")
+_CHILD = (
+    "import re, sys\nfrom gptlib.__main__ import main\nrc = main(sys.argv[1:])\n"
+    "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
+    "print('PEAK_RSS_KB', hwm, file=sys.stderr)\nsys.exit(rc)"
+)
 
 
 def run_child(args: list[str]) -> tuple[float, float, str]:
     """`python -m gptlib ARGS` in a child process: wall seconds, its peak RSS in MB, its output."""
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _CHILD, *args], cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, *args], cwd=REPO, capture_output=True, text=True
+    )
     wall = time.perf_counter() - t
     if r.returncode != 0:
-        raise SystemExit(f"command failed ({r.returncode}): gptlib {' '.join(args)}\n{r.stdout}\n{r.stderr}")
+        raise SystemExit(
+            f"command failed ({r.returncode}): gptlib {' '.join(args)}\n{r.stdout}\n{r.stderr}"
+        )
     peak_kb = int(r.stderr.rsplit("PEAK_RSS_KB", 1)[1].split()[0])
     return wall, peak_kb / 1024, r.stdout + r.stderr
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=float, default=110.0, help="corpus size in MB of text (>= 100 for the figures)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--mb", type=float, default=110.0, help="corpus size in MB of text (>= 100 for the figures)"
+    )
     ap.add_argument("--work", default=str(REPO / "benchmarks" / "work" / "tokenize"))
     ap.add_argument("--vocab-size", type=int, default=32768)
-    ap.add_argument("--no-single-line", action="store_true", help="skip the 100 MB single-line file")
+    ap.add_argument(
+        "--no-single-line", action="store_true", help="skip the 100 MB single-line file"
+    )
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
     from gptlib.data.encode import BATCH_CHARS
     from gptlib.data.inputs import source
-    from gptlib.data.sources import split_text
-    from gptlib.data.sources import train_texts
+    from gptlib.data.sources import split_text, train_texts
     from gptlib.data.tokenizer import BPETokenizer, load_tokenizer
 
     t = time.perf_counter()
     paths = build_corpus(work, args.mb)
     text_bytes = json.loads((work / "corpus" / "DONE.json").read_text())["text_bytes"]
     disk = sum(p.stat().st_size for p in paths)
-    print(f"corpus: {len(paths)} parquet files, {text_bytes / 1e6:.1f} MB of text ({disk / 1e6:.1f} MB on disk), "
-          f"built/checked in {time.perf_counter() - t:.1f}s")
+    print(
+        f"corpus: {len(paths)} parquet files, {text_bytes / 1e6:.1f} MB of text ({disk / 1e6:.1f} MB on disk), "
+        f"built/checked in {time.perf_counter() - t:.1f}s"
+    )
 
     # --- 2. train the tokenizer on the whole corpus (streaming)
     tok_file = work / f"tokenizer_{args.vocab_size}.json"
@@ -156,8 +171,10 @@ def main() -> None:
     tok = BPETokenizer.train(train_texts(sources, "code", None, []), vocab_size=args.vocab_size)
     train_s = time.perf_counter() - t
     tok_file.write_bytes(tok.to_json_bytes())
-    print(f"tokenizer: trained {tok.vocab_size:,}-id byte-level BPE on {text_bytes / 1e6:.1f} MB in {train_s:.1f}s "
-          f"({text_bytes / 1e6 / train_s:.2f} MB/s)")
+    print(
+        f"tokenizer: trained {tok.vocab_size:,}-id byte-level BPE on {text_bytes / 1e6:.1f} MB in {train_s:.1f}s "
+        f"({text_bytes / 1e6 / train_s:.2f} MB/s)"
+    )
     tok = load_tokenizer(tok_file)
     tk = tok._tk
 
@@ -165,32 +182,56 @@ def main() -> None:
     docs = read_docs(paths)
     batches = batches_of(docs, BATCH_CHARS)
     raw_docs = time_encode(tk.encode_batch_fast, batches)
-    print(f"raw encode_batch_fast, whole documents: {raw_docs:.1f}s = {text_bytes / 1e6 / raw_docs:.2f} MB/s")
+    print(
+        f"raw encode_batch_fast, whole documents: {raw_docs:.1f}s = {text_bytes / 1e6 / raw_docs:.2f} MB/s"
+    )
 
     # --- 3. the pipeline, in a child process
     out = work / "data"
-    shutil.rmtree(out, ignore_errors=True)  # a finished identical dataset would be reused, not redone
-    cmd = ["tokenize", "--input", *map(str, paths), "--tokenizer-file", str(tok_file),
-           "--text-column", "code", "--out", str(out), "--overwrite", "--quiet"]
+    # a finished identical dataset would be reused, not redone
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [
+        "tokenize",
+        "--input",
+        *map(str, paths),
+        "--tokenizer-file",
+        str(tok_file),
+        "--text-column",
+        "code",
+        "--out",
+        str(out),
+        "--overwrite",
+        "--quiet",
+    ]
     wall, rss, log = run_child(cmd)
     m = json.loads((out / "meta.json").read_text())
     tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
     print(f"pipeline: python -m gptlib {' '.join(cmd)}")
-    print(f"pipeline: {wall:.1f}s wall (process start to exit) = {text_bytes / 1e6 / wall:.2f} MB/s, "
-          f"{tokens / wall:,.0f} tokens/s; {m['documents']:,} documents, {tokens:,} tokens "
-          f"({m['characters'] / tokens:.2f} chars/token), {m['dtype']}, "
-          f"{len(m['splits']['train']['shards'])}+{len(m['splits']['val']['shards'])} shards; peak RSS {rss:.0f} MB")
+    print(
+        f"pipeline: {wall:.1f}s wall (process start to exit) = {text_bytes / 1e6 / wall:.2f} MB/s, "
+        f"{tokens / wall:,.0f} tokens/s; {m['documents']:,} documents, {tokens:,} tokens "
+        f"({m['characters'] / tokens:.2f} chars/token), {m['dtype']}, "
+        f"{len(m['splits']['train']['shards'])}+{len(m['splits']['val']['shards'])} shards; peak RSS {rss:.0f} MB"
+    )
 
     # --- 4b. raw on the pipeline's own pieces, and encode_batch (with offsets) for reference
     pieces = [p for d in docs for p, _ in split_text(d)]
     piece_batches = batches_of(pieces, BATCH_CHARS)
     raw_pieces = time_encode(tk.encode_batch_fast, piece_batches)
-    print(f"raw encode_batch_fast, the pipeline's pieces: {raw_pieces:.1f}s = {text_bytes / 1e6 / raw_pieces:.2f} MB/s")
+    print(
+        f"raw encode_batch_fast, the pipeline's pieces: {raw_pieces:.1f}s = {text_bytes / 1e6 / raw_pieces:.2f} MB/s"
+    )
     raw_std = time_encode(tk.encode_batch, batches)
-    print(f"raw encode_batch (with offsets), whole documents: {raw_std:.1f}s = {text_bytes / 1e6 / raw_std:.2f} MB/s")
-    print(f"RATIO pipeline / raw encode_batch_fast on the same pieces: {raw_pieces / wall:.1%} (target >= 85%)")
+    print(
+        f"raw encode_batch (with offsets), whole documents: {raw_std:.1f}s = {text_bytes / 1e6 / raw_std:.2f} MB/s"
+    )
+    print(
+        f"RATIO pipeline / raw encode_batch_fast on the same pieces: {raw_pieces / wall:.1%} (target >= 85%)"
+    )
     print(f"RATIO pipeline / raw encode_batch_fast on whole documents: {raw_docs / wall:.1%}")
-    print(f"RATIO pipeline / raw encode_batch (with offsets) on whole documents: {raw_std / wall:.1%}")
+    print(
+        f"RATIO pipeline / raw encode_batch (with offsets) on whole documents: {raw_std / wall:.1%}"
+    )
     del docs, batches, pieces, piece_batches
 
     # --- 5. one 100 MB line
@@ -210,13 +251,24 @@ def main() -> None:
                         break
         out1 = work / "data_single_line"
         shutil.rmtree(out1, ignore_errors=True)
-        cmd = ["tokenize", "--input", str(line), "--tokenizer-file", str(tok_file), "--out", str(out1),
-               "--overwrite", "--quiet"]
+        cmd = [
+            "tokenize",
+            "--input",
+            str(line),
+            "--tokenizer-file",
+            str(tok_file),
+            "--out",
+            str(out1),
+            "--overwrite",
+            "--quiet",
+        ]
         wall1, rss1, _ = run_child(cmd)
         m1 = json.loads((out1 / "meta.json").read_text())
         t1 = m1["splits"]["train"]["tokens"] + m1["splits"]["val"]["tokens"]
-        print(f"single line: {line.stat().st_size / 1e6:.0f} MB, no newline: {wall1:.1f}s = "
-              f"{line.stat().st_size / 1e6 / wall1:.2f} MB/s, {t1:,} tokens; peak RSS {rss1:.0f} MB")
+        print(
+            f"single line: {line.stat().st_size / 1e6:.0f} MB, no newline: {wall1:.1f}s = "
+            f"{line.stat().st_size / 1e6 / wall1:.2f} MB/s, {t1:,} tokens; peak RSS {rss1:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

@@ -4,32 +4,52 @@ The names below are what the notebooks, the README and docs import. Each loads o
 has no side effects and `python -m gptlib tokenize` never imports torch.
 """
 
-__version__ = "0.2.0"  # the one place it is set: pyproject.toml reads it; notebooks install the tag v<it>
+__version__ = (
+    "0.2.0"  # the one place it is set: pyproject.toml reads it; notebooks install the tag v<it>
+)
 
 # The name -> the module that defines it, along the data's path.
 _WHERE = {
     # text -> token shards (gptlib/data/)
-    "prepare": "gptlib.data.prepare", "prepare_text": "gptlib.data.prepare", "print_summary": "gptlib.data.prepare",
-    "decoded_sample": "gptlib.data.prepare", "source_inputs": "gptlib.data.catalog",
-    "fetch_tinyshakespeare": "gptlib.data.download", "find_dataset": "gptlib.data.shards",
+    "prepare": "gptlib.data.prepare",
+    "prepare_text": "gptlib.data.prepare",
+    "print_summary": "gptlib.data.prepare",
+    "decoded_sample": "gptlib.data.prepare",
+    "source_inputs": "gptlib.data.catalog",
+    "fetch_tinyshakespeare": "gptlib.data.download",
+    "find_dataset": "gptlib.data.shards",
     # the model's config, training (gptlib/training/)
-    "ModelConfig": "gptlib.config", "train": "gptlib.training.loop", "plan_run": "gptlib.training.throughput",
-    "samples_html": "gptlib.training.logs", "html_table": "gptlib.training.logs", "LivePlot": "gptlib.training.logs",
-    "run_title": "gptlib.training.logs", "hellaswag_figure": "gptlib.training.logs",
+    "ModelConfig": "gptlib.config",
+    "train": "gptlib.training.loop",
+    "plan_run": "gptlib.training.throughput",
+    "samples_html": "gptlib.training.logs",
+    "html_table": "gptlib.training.logs",
+    "LivePlot": "gptlib.training.logs",
+    "run_title": "gptlib.training.logs",
+    "hellaswag_figure": "gptlib.training.logs",
     "runs_figure": "gptlib.training.logs",
     # a trained run at work (gptlib/inference/)
-    "load_run": "gptlib.inference.loading", "find_run": "gptlib.inference.loading",
+    "load_run": "gptlib.inference.loading",
+    "find_run": "gptlib.inference.loading",
     "find_runs": "gptlib.inference.loading",
-    "checkpoint_table": "gptlib.inference.loading", "checkpoint_label": "gptlib.inference.loading",
-    "Engine": "gptlib.inference.engine", "SamplingConfig": "gptlib.inference.engine",
-    "export_hf": "gptlib.inference.export", "export_gguf": "gptlib.inference.export",
+    "checkpoint_table": "gptlib.inference.loading",
+    "checkpoint_label": "gptlib.inference.loading",
+    "Engine": "gptlib.inference.engine",
+    "SamplingConfig": "gptlib.inference.engine",
+    "export_hf": "gptlib.inference.export",
+    "export_gguf": "gptlib.inference.export",
     "import_hf": "gptlib.inference.hf_import",
     "push": "gptlib.share",
     # how good a checkpoint is (gptlib/evaluation/)
-    "evaluate_run": "gptlib.evaluation.evaluate", "format_table": "gptlib.evaluation.evaluate",
+    "evaluate_run": "gptlib.evaluation.evaluate",
+    "format_table": "gptlib.evaluation.evaluate",
     # notebook views, Colab, devices
-    "Playground": "gptlib.widgets", "ChatBox": "gptlib.widgets", "parse_list": "gptlib.widgets",
-    "enable_colab_widgets": "gptlib.widgets", "colab": "gptlib.colab", "resolve_device": "gptlib.runtime",
+    "Playground": "gptlib.widgets",
+    "ChatBox": "gptlib.widgets",
+    "parse_list": "gptlib.widgets",
+    "enable_colab_widgets": "gptlib.widgets",
+    "colab": "gptlib.colab",
+    "resolve_device": "gptlib.runtime",
     "GptlibError": "gptlib.errors",
 }
 

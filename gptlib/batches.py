@@ -14,7 +14,9 @@ import torch
 from gptlib.data.shards import DataFormatError, DatasetMeta, read_meta, read_spans
 
 GiB = 1 << 30
-RAM_FRACTION = 0.75  # preload into RAM only if the data takes at most this share of available RAM ...
+RAM_FRACTION = (
+    0.75  # preload into RAM only if the data takes at most this share of available RAM ...
+)
 RAM_RESERVE = 1 * GiB  # ... and still leaves this much for Python, the model and the OS
 GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training memory fit in this share of free memory
 _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
@@ -57,20 +59,25 @@ class MemmapSplit:
         self.name, self.vocab_size, self.paths = split, meta.vocab_size, meta.shard_paths(split)
         self.dtype = np.dtype(meta.dtype).newbyteorder("<")
         self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in self.paths]
-        self.bounds = np.cumsum([0] + [len(m) for m in self.maps])  # shard i holds [bounds[i], bounds[i+1])
+        # shard i holds [bounds[i], bounds[i+1])
+        self.bounds = np.cumsum([0] + [len(m) for m in self.maps])
 
     def __len__(self) -> int:
         return int(self.bounds[-1])
 
     def read(self, start: int, n: int) -> torch.Tensor:
         """Tokens [start, start + n) as a signed (n,) tensor in RAM: one sequential read per shard touched."""
-        pieces = [m[max(0, start - lo): max(0, start + n - lo)] for m, lo in zip(self.maps, self.bounds)]
-        out = np.concatenate(pieces) if pieces else np.empty(0, self.dtype)  # a split may have no shards
+        pieces = [
+            m[max(0, start - lo) : max(0, start + n - lo)] for m, lo in zip(self.maps, self.bounds)
+        ]
+        # a split may have no shards
+        out = np.concatenate(pieces) if pieces else np.empty(0, self.dtype)
         self._check_vocab(out, start)
         return _as_signed_view(out)
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        pos = starts.numpy()[:, None] + np.arange(length)  # (B, length) positions in the split's stream
+        # (B, length) positions in the split's stream
+        pos = starts.numpy()[:, None] + np.arange(length)
         shard = np.searchsorted(self.bounds, pos, side="right") - 1
         out = np.empty(pos.shape, dtype=self.dtype)
         for i in np.unique(shard):  # one fancy-indexed read per shard touched
@@ -79,7 +86,9 @@ class MemmapSplit:
         self._check_vocab(out, pos)
         return _as_signed_view(out)
 
-    def _check_vocab(self, tokens: np.ndarray, pos: np.ndarray | int) -> None:  # pos: each token's, or the first's
+    def _check_vocab(
+        self, tokens: np.ndarray, pos: np.ndarray | int
+    ) -> None:  # pos: each token's, or the first's
         if not tokens.size or int(tokens.max()) < self.vocab_size:
             return
         k = int(np.argmax(tokens.ravel() >= self.vocab_size))
@@ -88,7 +97,8 @@ class MemmapSplit:
         raise DataFormatError(
             f"shard {self.paths[i]}: token id {int(tokens.ravel()[k])} at position {at - int(self.bounds[i]):,} is "
             f"outside the vocabulary (vocab_size {self.vocab_size}); the file was damaged after tokenizing (its size "
-            f"is right). Tokenize again (--overwrite) or restore the file")
+            f"is right). Tokenize again (--overwrite) or restore the file"
+        )
 
 
 def _move(chunk: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -108,13 +118,15 @@ class LossMask:
         spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         self.starts = torch.from_numpy(np.ascontiguousarray(spans[:, 0])).to(device)
         self.ends = torch.from_numpy(np.ascontiguousarray(spans[:, 1])).to(device)
-        self.fraction = int((spans[:, 1] - spans[:, 0]).sum()) / max(1, split_tokens)  # of the targets, supervised
+        # of the targets, supervised
+        self.fraction = int((spans[:, 1] - spans[:, 0]).sum()) / max(1, split_tokens)
 
     def targets(self, starts: torch.Tensor, block_size: int) -> torch.Tensor:
         """starts (B,) -> (B, block_size) bool: target t of row b (the token at starts[b] + t + 1) is in a span."""
         dev = self.starts.device
         pos = _move(starts, dev).unsqueeze(1) + torch.arange(1, block_size + 1, device=dev)
-        k = torch.searchsorted(self.starts, pos, right=True) - 1  # the last span starting at or before pos
+        # the last span starting at or before pos
+        k = torch.searchsorted(self.starts, pos, right=True) - 1
         return (k >= 0) & (pos < self.ends[k.clamp(min=0)])
 
 
@@ -122,7 +134,10 @@ def loss_masks(meta: DatasetMeta, splits: dict, chat_loss: str) -> dict[str, Los
     """{} unless chat data trains on the answers only (then every target counts)."""
     if meta.format != "chat" or chat_loss == "all":
         return {}
-    return {name: LossMask(read_spans(meta, name), len(data), data.device) for name, data in splits.items()}
+    return {
+        name: LossMask(read_spans(meta, name), len(data), data.device)
+        for name, data in splits.items()
+    }
 
 
 def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
@@ -132,13 +147,27 @@ def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
 
 
 class BatchSampler:
-    def __init__(self, data: SplitData | MemmapSplit, batch_size: int, block_size: int, seed: int,
-                 device: str | torch.device, loss_mask: LossMask | None = None):
+    def __init__(
+        self,
+        data: SplitData | MemmapSplit,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        device: str | torch.device,
+        loss_mask: LossMask | None = None,
+    ):
         if len(data) < block_size + 1:
-            raise DataFormatError(f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
-                                  f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
-                                  f"or a larger val_fraction")
-        self.data, self.batch_size, self.block_size, self.device = data, batch_size, block_size, torch.device(device)
+            raise DataFormatError(
+                f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
+                f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
+                f"or a larger val_fraction"
+            )
+        self.data, self.batch_size, self.block_size, self.device = (
+            data,
+            batch_size,
+            block_size,
+            torch.device(device),
+        )
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
@@ -148,12 +177,16 @@ class BatchSampler:
         """x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
         high = len(self.data) - self.block_size  # last valid start so that start + T + 1 <= N
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        starts = _move(starts, self.data.device)  # once per batch: the gather and the loss mask share it
-        chunk = _to_ids(_move(self.data.gather_raw(starts, self.block_size + 1), self.device))  # (B, T+1)
+        # once per batch: the gather and the loss mask share it
+        starts = _move(starts, self.data.device)
+        # (B, T+1)
+        chunk = _to_ids(_move(self.data.gather_raw(starts, self.block_size + 1), self.device))
         self.batches_drawn += 1
         x, y = chunk[:, :-1], chunk[:, 1:]
         if self.loss_mask is not None:
-            y = y.masked_fill(~_move(self.loss_mask.targets(starts, self.block_size), self.device), -1)
+            y = y.masked_fill(
+                ~_move(self.loss_mask.targets(starts, self.block_size), self.device), -1
+            )
         return x, y
 
     def state_dict(self) -> dict:
@@ -186,16 +219,21 @@ def plan_data(nbytes: int, device: str | torch.device, reserve_gpu_bytes: int = 
     if torch.device(device).type == "cuda":
         free = torch.cuda.mem_get_info(torch.device(device))[0]
         fits = nbytes + reserve_gpu_bytes <= GPU_FRACTION * free
-        note = (f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} "
-                f"{'fit in' if fits else 'exceed'} {GPU_FRACTION:.0%} of {_fmt(free)} free GPU memory")
+        note = (
+            f"data {_fmt(nbytes)} + model/training memory ~{_fmt(reserve_gpu_bytes)} "
+            f"{'fit in' if fits else 'exceed'} {GPU_FRACTION:.0%} of {_fmt(free)} free GPU memory"
+        )
         if fits:
             return DataPlan("gpu", note)
         note += "; "
     ram = available_ram()
     if nbytes <= RAM_FRACTION * ram - RAM_RESERVE:
         return DataPlan("ram", f"{note}data {_fmt(nbytes)} fits in RAM ({_fmt(ram)} available)")
-    return DataPlan("memmap", f"{note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram)} available): batches are "
-                              f"read from the shards on disk")
+    return DataPlan(
+        "memmap",
+        f"{note}data {_fmt(nbytes)} does not fit in RAM ({_fmt(ram)} available): batches are "
+        f"read from the shards on disk",
+    )
 
 
 def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
@@ -203,23 +241,39 @@ def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
     n = len(src)
     if device.type != "cuda":
         return src.read(0, n)
-    out = torch.empty(n, dtype=torch.int16 if src.dtype.itemsize == 2 else torch.int32, device=device)
+    out = torch.empty(
+        n, dtype=torch.int16 if src.dtype.itemsize == 2 else torch.int32, device=device
+    )
     for pos in range(0, n, _COPY_PIECE):
         piece = src.read(pos, min(_COPY_PIECE, n - pos))
-        out[pos: pos + piece.numel()].copy_(piece)  # once per run: a plain blocking copy, no temporary on the GPU
+        # once per run: a plain blocking copy, no temporary on the GPU
+        out[pos : pos + piece.numel()].copy_(piece)
     return out
 
 
-def load_dataset(data_dir: str | Path, device: str | torch.device = "cpu", *, reserve_gpu_bytes: int = 0,
-                 log: Callable[[str], None] = print) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
+def load_dataset(
+    data_dir: str | Path,
+    device: str | torch.device = "cpu",
+    *,
+    reserve_gpu_bytes: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
     meta = read_meta(data_dir)
     device = torch.device(device)
     splits: dict[str, SplitData | MemmapSplit] = {}
     for split in ("train", "val"):
         src = MemmapSplit(meta, split)
-        plan = plan_data(len(src) * src.dtype.itemsize, device, reserve_gpu_bytes)  # free memory re-read per split
-        splits[split] = src if plan.where == "memmap" else \
-            SplitData(_preload(src, device if plan.where == "gpu" else torch.device("cpu")), split)
+        # free memory re-read per split
+        plan = plan_data(len(src) * src.dtype.itemsize, device, reserve_gpu_bytes)
+        splits[split] = (
+            src
+            if plan.where == "memmap"
+            else SplitData(
+                _preload(src, device if plan.where == "gpu" else torch.device("cpu")), split
+            )
+        )
         log(f"data: {split} {len(src):,} tokens -> {plan.where.upper()}: {plan.reason}")
-    log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})")
+    log(
+        f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})"
+    )
     return meta, splits

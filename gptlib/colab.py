@@ -33,8 +33,10 @@ def _drive_usable() -> bool:
 def mount_drive(timeout_s: float = 120.0) -> Path:
     """Mount Google Drive once (already mounted: a no-op); a dead or stale mount is remounted."""
     if not in_colab():
-        raise GptlibError("mount_drive() needs Google Colab; outside Colab use a local directory "
-                          "(gptlib.colab.setup() does this for you)")
+        raise GptlibError(
+            "mount_drive() needs Google Colab; outside Colab use a local directory "
+            "(gptlib.colab.setup() does this for you)"
+        )
     if _drive_usable():
         return DRIVE_MOUNT
     from google.colab import drive  # noqa: PLC0415 - only exists on Colab
@@ -48,8 +50,10 @@ def mount_drive(timeout_s: float = 120.0) -> Path:
             f"session, or set use_drive=False to train on the VM's disk only (lost at a disconnect)."
         ) from None
     if not _drive_usable():
-        raise GptlibError(f"Google Drive mount at {DRIVE_MOUNT} finished but {DRIVE_MOUNT / 'MyDrive'} is not there; "
-                          f"re-run this cell (drive.mount(..., force_remount=True))")
+        raise GptlibError(
+            f"Google Drive mount at {DRIVE_MOUNT} finished but {DRIVE_MOUNT / 'MyDrive'} is not there; "
+            f"re-run this cell (drive.mount(..., force_remount=True))"
+        )
     return DRIVE_MOUNT
 
 
@@ -62,7 +66,8 @@ class Roots:
 @dataclass
 class RunPaths:
     run_dir: Path  # where train() writes (fast local disk)
-    mirror_dir: Path | None  # where checkpoints are copied (Drive), or None when run_dir persists itself
+    # where checkpoints are copied (Drive), or None when run_dir persists itself
+    mirror_dir: Path | None
 
 
 def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:

@@ -14,7 +14,8 @@ def loud(msg: str) -> None:
 def in_notebook() -> bool:
     """Whether a Jupyter or Colab kernel runs this process: a message then names the notebook's parameter, elsewhere
     the command's flag."""
-    ipython = sys.modules.get("IPython")  # a kernel has it loaded; importing it here would cost every command
+    # a kernel has it loaded; importing it here would cost every command
+    ipython = sys.modules.get("IPython")
     return ipython is not None and getattr(ipython.get_ipython(), "kernel", None) is not None
 
 
@@ -30,45 +31,59 @@ class GptlibError(Exception):
 
 # One class per kind of problem, for a caller to catch the kind it handles; each says which modules raise it.
 
+
 class ConfigError(GptlibError, ValueError):
     """config: a configuration value or key."""
+
 
 class DataFormatError(GptlibError, ValueError):
     """data: a data directory's metadata and files disagree, or a file is missing."""
 
+
 class TokenizerError(GptlibError, ValueError):
     """tokenizer: a bad tokenizer file, an unknown character, a tokenizer that does not match the data."""
+
 
 class PrepareError(GptlibError, ValueError):
     """prepare, download: bad input for tokenize (a missing file or column, a refused directory), a bad download."""
 
+
 class ChatError(GptlibError, ValueError):
     """chat: a tokenizer without the chat tokens, or a conversation that cannot be rendered."""
+
 
 class CheckpointError(GptlibError, RuntimeError):
     """checkpoint: missing, incomplete, corrupt, or not of this run."""
 
+
 class RunDirError(GptlibError):
     """lease, fsutil: a run or data directory that cannot be written (read-only, full), or another process holds."""
 
+
 class LeaseLost(GptlibError):
     """lease: another process took this run over while it trained; this one stopped without saving."""
+
 
 class UnreadableError(GptlibError, OSError):
     """checkpoint, fsutil: a file that cannot be read now (not there, not a regular file): not known to be damaged, so
     never set aside or deleted on its account; callers treat it as any OSError."""
 
+
 class HungIOError(UnreadableError):
     """fsutil: an I/O call (a hung Drive) made no progress in its time limit; callers treat it as any OSError."""
+
 
 class OutOfMemoryAdvice(GptlibError, RuntimeError):
     """training: out of GPU memory; the message names the next setting to try."""
 
+
 class EvalError(GptlibError, ValueError):
     """evaluation: a bad file, task or option."""
 
+
 class GenerationError(GptlibError, ValueError):
     """generate: bad sampling settings or prompts."""
+
 
 class ExportError(GptlibError, ValueError):
     """export, import-hf, push: an unusable target or model, or a repository id, token or upload the Hub refused."""

@@ -103,13 +103,18 @@ def clean_temp_files(directory: str | Path) -> list[Path]:
     return removed
 
 
-_WRITE_FIXES = {errno.ENOSPC: "free space there (old runs or checkpoints) or choose a directory on another disk",
-                errno.EACCES: "choose a directory you may write to", errno.EROFS: "choose a writable directory"}
+_WRITE_FIXES = {
+    errno.ENOSPC: "free space there (old runs or checkpoints) or choose a directory on another disk",
+    errno.EACCES: "choose a directory you may write to",
+    errno.EROFS: "choose a writable directory",
+}
 _WRITE_FIXES |= {errno.EDQUOT: _WRITE_FIXES[errno.ENOSPC], errno.EPERM: _WRITE_FIXES[errno.EACCES]}
 
 
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
-    fix = _WRITE_FIXES.get(e.errno, "(read-only, full or not allowed?) choose a writable directory with free space")
+    fix = _WRITE_FIXES.get(
+        e.errno, "(read-only, full or not allowed?) choose a writable directory with free space"
+    )
     return RunDirError(f"cannot write to {directory}: {e.strerror or e}; {fix}")
 
 
@@ -124,11 +129,16 @@ def check_dir(path: str | Path, what: str) -> bool:
             return False
         kind = f"a broken symbolic link (to {os.readlink(path)})"
     except OSError as e:
-        kinds = {errno.ELOOP: "a symbolic link loop", errno.ENOTDIR: "not a directory: a part of its path is a file"}
+        kinds = {
+            errno.ELOOP: "a symbolic link loop",
+            errno.ENOTDIR: "not a directory: a part of its path is a file",
+        }
         if e.errno not in kinds:
             raise
         kind = kinds[e.errno]
-    raise RunDirError(f"{what} {path} is {kind}; choose another path (or remove or move away what is there)")
+    raise RunDirError(
+        f"{what} {path} is {kind}; choose another path (or remove or move away what is there)"
+    )
 
 
 class Progress:  # shared by a long I/O call and its watchdog
@@ -171,8 +181,9 @@ def read_bytes_with_timeout(path: str | Path, stall_s: float) -> bytes:
     return call_with_timeout(read, stall_s, progress, what=f"reading {path}")
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout: float, progress: Progress | None = None,
-                      what: str = "Drive") -> Any:
+def call_with_timeout(
+    fn: Callable[[], Any], timeout: float, progress: Progress | None = None, what: str = "Drive"
+) -> Any:
     """fn() in a daemon thread; HungIOError once it has gone `timeout` seconds without returning or, given
     `progress`, without a tick (fn is then stopped at its next tick). A call stuck in a hung FUSE mount can only be
     abandoned (a daemon thread never holds up the interpreter's exit), so fn must only write temp names, or read."""
@@ -191,5 +202,7 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float, progress: Progress 
         t.join(max(0.0, progress.t + timeout - time.monotonic()))
         if t.is_alive() and time.monotonic() - progress.t >= timeout:
             progress.cancel.set()
-            raise HungIOError(errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)")
+            raise HungIOError(
+                errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)"
+            )
     return result.result()

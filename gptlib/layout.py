@@ -12,7 +12,9 @@ SAMPLES_FILE = "samples.jsonl"
 SAMPLES_TABLE = "samples.md"
 LOSS_PLOT = "loss.png"
 EVAL_FILE = "eval.jsonl"  # rows appended by `python -m gptlib eval` (and the end-of-run HellaSwag); not mirrored
-LEASE_FILE = "lease.json"  # who trains this run now (gptlib.lease): one writer per run, local and on Drive
+LEASE_FILE = (
+    "lease.json"  # who trains this run now (gptlib.lease): one writer per run, local and on Drive
+)
 CHECKPOINTS_DIR = "checkpoints"
 
 # Inside a checkpoint directory.
@@ -22,7 +24,11 @@ STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every checkpoint must hold
 
-LOG_FILES = (METRICS_FILE, SAMPLES_FILE)  # in each checkpoint: a resumed run continues them from its step
+# in each checkpoint: a resumed run continues them from its step
+LOG_FILES = (
+    METRICS_FILE,
+    SAMPLES_FILE,
+)
 # Copied beside the checkpoints on the Drive mirror, for its readers (sampling, export, notebook 04 on a fresh VM).
 MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 
@@ -30,7 +36,9 @@ MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)
 OLD_MARKER = ".old-"  # a same-step checkpoint being replaced
 DELETING_MARKER = ".deleting-"  # a rotated-out checkpoint being deleted
-DAMAGED_MARKER = ".damaged-"  # found damaged at resume, set aside for its owner to look at (the newest is kept)
+DAMAGED_MARKER = (
+    ".damaged-"  # found damaged at resume, set aside for its owner to look at (the newest is kept)
+)
 _STEP_RE = re.compile(r"step_(\d{7,})")
 
 

@@ -15,7 +15,13 @@ from contextlib import suppress
 from pathlib import Path
 
 from gptlib.errors import LeaseLost, RunDirError, in_notebook, loud
-from gptlib.fsutil import HungIOError, atomic_write_json, call_with_timeout, cannot_write, read_bytes_with_timeout
+from gptlib.fsutil import (
+    HungIOError,
+    atomic_write_json,
+    call_with_timeout,
+    cannot_write,
+    read_bytes_with_timeout,
+)
 from gptlib.layout import LEASE_FILE
 
 HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
@@ -23,7 +29,8 @@ STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that i
 IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
 
 Holder = namedtuple("Holder", "host pid session started heartbeat")  # what a lease file says
-_LIVE: set[str] = set()  # the sessions of this process's leases not released yet: its trainings still running
+# the sessions of this process's leases not released yet: its trainings still running
+_LIVE: set[str] = set()
 
 
 def _describe(found: Holder | str, now: float) -> str:
@@ -39,7 +46,13 @@ def _read(path: Path) -> Holder | str | None:
     """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive."""
     try:
         d = json.loads(read_bytes_with_timeout(path, IO_TIMEOUT_S))
-        return Holder(str(d["host"]), int(d["pid"]), str(d["session"]), float(d["started"]), float(d["heartbeat"]))
+        return Holder(
+            str(d["host"]),
+            int(d["pid"]),
+            str(d["session"]),
+            float(d["started"]),
+            float(d["heartbeat"]),
+        )
     except FileNotFoundError:
         return None
     except HungIOError:
@@ -52,7 +65,11 @@ def _read(path: Path) -> Holder | str | None:
 
 class RunLease:
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
-        self.dirs, self.take_over, self.log = [Path(d) for d in dirs if d is not None], take_over, log
+        self.dirs, self.take_over, self.log = (
+            [Path(d) for d in dirs if d is not None],
+            take_over,
+            log,
+        )
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
         self.started = time.time()
@@ -71,12 +88,15 @@ class RunLease:
                 self._write(d / LEASE_FILE)
             except HungIOError:
                 raise
-            except OSError as e:  # the first write to the run dir: say what is wrong with it, not a traceback
+            except (
+                OSError
+            ) as e:  # the first write to the run dir: say what is wrong with it, not a traceback
                 self.release()
                 raise cannot_write(d, e) from None
             self._held.append(d)
             _LIVE.add(self.session)
-        time.sleep(0.05)  # two starters that wrote at the same moment: the last write wins, the other sees it
+        # two starters that wrote at the same moment: the last write wins, the other sees it
+        time.sleep(0.05)
         for d in self._held:
             self._check_ours(d / LEASE_FILE, on_lost=RunDirError)
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
@@ -95,44 +115,72 @@ class RunLease:
         how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
         if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
             started = time.strftime("%H:%M:%S", time.localtime(found.started))
-            if found.session in _LIVE:  # a training of this very process: a notebook cell run while one trains
+            # a training of this very process: a notebook cell run while one trains
+            if found.session in _LIVE:
                 raise RunDirError(
                     f"{path.parent} is in use by this notebook's own training, still running in this kernel "
-                    f"(started {started}): let it finish, or stop it, then run this cell again" if in_notebook() else
-                    f"{path.parent} is in use by a training still running in this process (started {started}): "
-                    f"let it finish, or stop it, first")
-            self.log(f"lease: {path} was left by an earlier training of this process, which has ended; taking over")
+                    f"(started {started}): let it finish, or stop it, then run this cell again"
+                    if in_notebook()
+                    else f"{path.parent} is in use by a training still running in this process (started {started}): "
+                    f"let it finish, or stop it, first"
+                )
+            self.log(
+                f"lease: {path} was left by an earlier training of this process, which has ended; taking over"
+            )
             return
         if isinstance(found, Holder) and found.host == self.host:
             try:
                 os.kill(found.pid, 0)
             except ProcessLookupError:
-                self.log(f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over")
+                self.log(
+                    f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over"
+                )
                 return
             except PermissionError:  # alive, another user's
                 pass
-            raise RunDirError(f"{path.parent} is in use by another training process ({what}); {how}")
-        age = now - (found.heartbeat if isinstance(found, Holder) else
-                     call_with_timeout(lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"))
+            raise RunDirError(
+                f"{path.parent} is in use by another training process ({what}); {how}"
+            )
+        age = now - (
+            found.heartbeat
+            if isinstance(found, Holder)
+            else call_with_timeout(
+                lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"
+            )
+        )
         if age < STALE_S:
-            raise RunDirError(f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
-                               f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}")
-        self.log(f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over")
+            raise RunDirError(
+                f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
+                f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}"
+            )
+        self.log(
+            f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over"
+        )
 
     def _write(self, path: Path) -> None:
-        body = {"host": self.host, "pid": os.getpid(), "session": self.session, "started": self.started,
-                "heartbeat": time.time()}
-        call_with_timeout(lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}")
+        body = {
+            "host": self.host,
+            "pid": os.getpid(),
+            "session": self.session,
+            "started": self.started,
+            "heartbeat": time.time(),
+        }
+        call_with_timeout(
+            lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}"
+        )
 
     def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
         found = _read(path)
         if isinstance(found, Holder) and found.session == self.session:
             return
-        if found is None and on_lost is LeaseLost:  # deleted (someone tidying Drive): a taker would have written one
+        # deleted (someone tidying Drive): a taker would have written one
+        if found is None and on_lost is LeaseLost:
             loud(f"lease: {path} was deleted while this process holds the run; writing it again")
             self._write(path)
             return
-        self.lost = f"{path.parent} was taken over by another process ({_describe(found, time.time())})"
+        self.lost = (
+            f"{path.parent} was taken over by another process ({_describe(found, time.time())})"
+        )
         raise on_lost(self.lost + "; this process stopped without writing to it")
 
     def _heartbeat(self) -> None:
@@ -144,7 +192,8 @@ class RunLease:
                 except LeaseLost:
                     loud(f"!! {self.lost}: training stops without saving")
                     return
-                except OSError:  # a hung or failing Drive: skip this beat (the mirror reports Drive trouble)
+                # a hung or failing Drive: skip this beat (the mirror reports Drive trouble)
+                except OSError:
                     pass
 
     def check(self, directory: Path | None = None) -> None:
@@ -158,7 +207,8 @@ class RunLease:
         """Remove the lease files that are still ours (never another holder's)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(IO_TIMEOUT_S)  # a beat being written now must not re-create a file removed below
+            # a beat being written now must not re-create a file removed below
+            self._thread.join(IO_TIMEOUT_S)
         for d in self._held:
             with suppress(OSError):  # a hung Drive: the lease goes stale on its own
                 found = _read(d / LEASE_FILE)

@@ -15,9 +15,16 @@ import torch.nn.functional as F
 
 from gptlib.config import ModelConfig
 
+
 class KVCache:  # every layer's keys and values so far, preallocated: a prompt is read once, then a token a step
     def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype):
-        shape = (batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)  # (B, H, block_size, D)
+        # (B, H, block_size, D)
+        shape = (
+            batch_size,
+            cfg.n_head,
+            cfg.block_size,
+            cfg.n_embd // cfg.n_head,
+        )
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.pos = 0  # tokens cached: the position of the next one
@@ -32,8 +39,13 @@ class RMSNorm(nn.RMSNorm):
     The weight cast to the input's dtype outside autocast takes the fused kernel; in fp32 this is nn.RMSNorm exactly."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kind = x.device.type  # CPU and CUDA autocast exist on every torch gptlib runs on (MPS's not before 2.5)
-        with torch.autocast(kind, enabled=False) if kind in ("cpu", "cuda") else contextlib.nullcontext():
+        # CPU and CUDA autocast exist on every torch gptlib runs on (MPS's not before 2.5)
+        kind = x.device.type
+        with (
+            torch.autocast(kind, enabled=False)
+            if kind in ("cpu", "cuda")
+            else contextlib.nullcontext()
+        ):
             return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
@@ -41,15 +53,20 @@ def norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, eps=RMS_EPS) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, bias=cfg.bias)
 
 
-def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:  # Llama's and Qwen3's rotate-half layout
+def rotary_tables(
+    cfg: ModelConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # Llama's and Qwen3's rotate-half layout
     D = cfg.n_embd // cfg.n_head
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # (D/2,)
-    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)  # (block_size, D/2)
+    # (block_size, D/2)
+    angles = torch.outer(torch.arange(cfg.block_size, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)  # (block_size, D)
     return angles.cos(), angles.sin()
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x (B, H, T, D), cos/sin (T, D)
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:  # x (B, H, T, D), cos/sin (T, D)
     half = x.size(-1) // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated_half * sin).to(x.dtype)
@@ -63,15 +80,22 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3): the attention logits stay bounded
+        # each head's queries and keys RMS-normalised (Qwen3): the attention logits stay bounded
+        if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
             self.k_norm = RMSNorm(cfg.n_embd // cfg.n_head, eps=RMS_EPS)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        # (B, H, T, D)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # cos, sin (T, D) at the new tokens' positions
@@ -83,14 +107,20 @@ class CausalSelfAttention(nn.Module):
             start = cache.pos
             cache.k[layer][:, :, start : start + T] = k
             cache.v[layer][:, :, start : start + T] = v
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)  # (T, start+T)
-            y = F.scaled_dot_product_attention(q, cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T],
-                                               attn_mask=mask)
+            # (T, start+T)
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(
+                q,
+                cache.k[layer][:, :, : start + T],
+                cache.v[layer][:, :, : start + T],
+                attn_mask=mask,
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, D) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
-class MLP(nn.Module):  # GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): gate and up each ~8C/3 wide, as many params
+# GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): gate and up each ~8C/3 wide, as many params
+class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
@@ -104,7 +134,8 @@ class MLP(nn.Module):  # GELU over 4C (GPT-2), or SwiGLU (Llama, Qwen3): gate an
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")  # GPT-2's GELU, so an export computes what transformers does
+            # GPT-2's GELU, so an export computes what transformers does
+            h = F.gelu(h, approximate="tanh")
         return self.dropout(self.c_proj(h))  # (B, T, C)
 
 
@@ -116,7 +147,9 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, rope=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0, rope=None
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer, rope)
         return x + self.mlp(self.ln_2(x))
 
@@ -124,8 +157,12 @@ class Block(nn.Module):
 @dataclass(frozen=True)
 class ModelSize:
     params: int  # every parameter, as model.parameters() counts them (a tied embedding once)
-    matmul_params: int  # the weights that multiply activations: every Linear's, the output head's tied or not
-    flops_per_token: int  # training FLOPs per token of the matmuls and attention (forward + backward)
+    matmul_params: (
+        int  # the weights that multiply activations: every Linear's, the output head's tied or not
+    )
+    flops_per_token: (
+        int  # training FLOPs per token of the matmuls and attention (forward + backward)
+    )
 
 
 def model_size(cfg: ModelConfig) -> ModelSize:
@@ -134,14 +171,18 @@ def model_size(cfg: ModelConfig) -> ModelSize:
     12 * n_layer * n_embd * block_size (a causal kernel skips half of that: at most 15% high, at gpt2-small)."""
     C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.block_size
     b = int(cfg.bias)
-    fc_out = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden  # swiglu: c_fc holds gate and up
-    block_matmuls = C * 3 * C + C * C + C * fc_out + cfg.mlp_hidden * C  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    # swiglu: c_fc holds gate and up
+    fc_out = 2 * cfg.mlp_hidden if cfg.mlp == "swiglu" else cfg.mlp_hidden
+    # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    block_matmuls = C * 3 * C + C * C + C * fc_out + cfg.mlp_hidden * C
     block_biases = b * (3 * C + C + fc_out + C)
-    norm_params = C * (1 if cfg.norm == "rmsnorm" else 1 + b)  # a gain; LayerNorm's bias with bias=True
+    # a gain; LayerNorm's bias with bias=True
+    norm_params = C * (1 if cfg.norm == "rmsnorm" else 1 + b)
     qk_norms = 2 * (C // cfg.n_head) if cfg.qk_norm else 0
     matmul = L * block_matmuls + V * C  # the head: wte's weight when tied
     embeddings = (0 if cfg.tie_embeddings else V * C) + (T * C if cfg.positions == "learned" else 0)
-    params = matmul + embeddings + L * (block_biases + 2 * norm_params + qk_norms) + norm_params  # + ln_f
+    # + ln_f
+    params = matmul + embeddings + L * (block_biases + 2 * norm_params + qk_norms) + norm_params
     return ModelSize(params, matmul, 6 * matmul + 12 * L * C * T)
 
 
@@ -153,9 +194,14 @@ class GPT(nn.Module):
         parts = dict(wte=nn.Embedding(cfg.padded_vocab_size, cfg.n_embd))
         if cfg.positions == "learned":
             parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.transformer = nn.ModuleDict(dict(**parts, drop=nn.Dropout(cfg.dropout),
-                                              h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-                                              ln_f=norm(cfg, cfg.n_embd)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                **parts,
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                ln_f=norm(cfg, cfg.n_embd),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # tied input/output embeddings
@@ -168,8 +214,11 @@ class GPT(nn.Module):
             residual = name.endswith("c_proj.weight")
             if residual:  # GPT-2: two residual additions per block, scaled so the stream's variance does not grow
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-            if cfg.zero_init and (residual or (name == "lm_head.weight" and not cfg.tie_embeddings)):
-                nn.init.zeros_(p)  # each block starts as the identity, the untied head uniform (modded-nanogpt)
+            if cfg.zero_init and (
+                residual or (name == "lm_head.weight" and not cfg.tie_embeddings)
+            ):
+                # each block starts as the identity, the untied head uniform (modded-nanogpt)
+                nn.init.zeros_(p)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -181,8 +230,10 @@ class GPT(nn.Module):
         B, T = idx.shape  # with a cache, only the new tokens
         start = cache.pos if cache is not None else 0
         if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
-                             f"crop the context (generation slides the window for you)")
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
+                f"crop the context (generation slides the window for you)"
+            )
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None
@@ -197,23 +248,38 @@ class GPT(nn.Module):
             cache.pos += T
         return x  # (B, T, C): the last block's output
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., vocab_size): padding rows never a token
+    def head(
+        self, h: torch.Tensor
+    ) -> torch.Tensor:  # (..., C) -> (..., vocab_size): padding rows never a token
         return self.lm_head(self.transformer.ln_f(h))[..., : self.config.vocab_size]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.head(self.hidden_states(idx, cache))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             # Target -1 is ignored (chat data's non-assistant tokens). Summed and divided here, not
             # reduction="mean", so a window with no answer in it gives 0, not 0/0 = NaN.
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1,
-                                   reduction="sum") / (targets != -1).sum().clamp(min=1)
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1, reduction="sum"
+            ) / (targets != -1).sum().clamp(min=1)
         return logits, loss
 
-    def configure_optimizer(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                            device_type: str) -> torch.optim.AdamW:
+    def configure_optimizer(
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float],
+        device_type: str,
+    ) -> torch.optim.AdamW:
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},  # matmuls, embeddings
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            # matmuls, embeddings
+            {
+                "params": [p for p in params if p.dim() >= 2],
+                "weight_decay": weight_decay,
+            },
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")

@@ -19,7 +19,7 @@ COMPILE_MIN_FLOPS = 1e16
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> cuda, else mps, else cpu; an explicit device must exist here, else a ConfigError naming it.
+    """ "auto" -> cuda, else mps, else cpu; an explicit device must exist here, else a ConfigError naming it.
     cuda:N becomes the current CUDA device, so kernels, torch.compile and the caching allocator use that GPU."""
     mps = torch.backends.mps.is_available()
     if name == "auto":
@@ -27,16 +27,20 @@ def resolve_device(name: str) -> torch.device:
     m = re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", str(name))
     if m is None:
         tpu = re.match(r"(tpu|xla)", name, re.I)
-        raise ConfigError(f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps"
-                          + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else ""))
+        raise ConfigError(
+            f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps"
+            + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else "")
+        )
     kind, index = m.groups()
     if not {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps}[kind]:
         what = "CUDA" if kind == "cuda" else "MPS (Apple-silicon GPU)"
         raise ConfigError(f"device={name!r} but {what} is not available here (use --device cpu)")
     if kind == "cuda" and index is not None:
         if int(index[1:]) >= (count := torch.cuda.device_count()):
-            raise ConfigError(f"device={name!r} but this machine has {count} GPU{'s' if count != 1 else ''} "
-                              f"(cuda:0 to cuda:{count - 1}); choose one of them, or cuda")
+            raise ConfigError(
+                f"device={name!r} but this machine has {count} GPU{'s' if count != 1 else ''} "
+                f"(cuda:0 to cuda:{count - 1}); choose one of them, or cuda"
+            )
         torch.cuda.set_device(torch.device(name))
     return torch.device(name)
 
@@ -48,15 +52,17 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs that have it natively, fp16 (+ GradScaler) on older GPUs (the T4), fp32 elsewhere."""
+    """ "auto": bf16 on GPUs that have it natively, fp16 (+ GradScaler) on older GPUs (the T4), fp32 elsewhere."""
     cuda = device.type == "cuda"
     if name == "auto":
         return (torch.bfloat16 if native_bf16(device) else torch.float16) if cuda else torch.float32
     if name == "bfloat16" and cuda and not native_bf16(device):
         p = torch.cuda.get_device_properties(device)
-        raise ConfigError(f"dtype=bfloat16 but this GPU, {torch.cuda.get_device_name(device)} (compute capability "
-                          f"{p.major}.{p.minor}), has no bf16 hardware (it needs 8.0+: A100, L4, H100): use "
-                          f"--set dtype=float16 (trained with a GradScaler) or dtype=auto, which picks float16 here")
+        raise ConfigError(
+            f"dtype=bfloat16 but this GPU, {torch.cuda.get_device_name(device)} (compute capability "
+            f"{p.major}.{p.minor}), has no bf16 hardware (it needs 8.0+: A100, L4, H100): use "
+            f"--set dtype=float16 (trained with a GradScaler) or dtype=auto, which picks float16 here"
+        )
     return DTYPES[name]
 
 
@@ -66,7 +72,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
     """Mixed-precision autocast for a half dtype; a no-op context for float32. Reusable across `with` blocks."""
-    return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device.type, dtype=dtype)
+    return (
+        contextlib.nullcontext()
+        if dtype == torch.float32
+        else torch.autocast(device_type=device.type, dtype=dtype)
+    )
 
 
 def use_compile(setting: str, device: torch.device, run_flops: float | None = None) -> bool:
@@ -83,6 +93,8 @@ def configure_matmul(device: torch.device) -> None:
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "_orig_mod") or isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    while hasattr(model, "_orig_mod") or isinstance(
+        model, torch.nn.parallel.DistributedDataParallel
+    ):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     return model

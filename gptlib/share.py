@@ -15,22 +15,30 @@ from gptlib.errors import ExportError
 from gptlib.fsutil import read_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE
 
-TOKEN_HELP = ("use a token with write access (https://huggingface.co/settings/tokens): set HF_TOKEN=hf_..., add it "
-              "as the Colab secret HF_TOKEN, or log in once with `hf auth login`")
+TOKEN_HELP = (
+    "use a token with write access (https://huggingface.co/settings/tokens): set HF_TOKEN=hf_..., add it "
+    "as the Colab secret HF_TOKEN, or log in once with `hf auth login`"
+)
 
 
 def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, hardware: str) -> Path:
     """The commit's files in out_dir (new or empty), written into a temporary sibling renamed at the end."""
     from gptlib.inference.export import export_model, gguf_arch, write_gguf
-    from gptlib.inference.loading import load_run  # here (torch): `python -m gptlib tokenize` never imports it
+
+    # here (torch): `python -m gptlib tokenize` never imports it
+    from gptlib.inference.loading import (
+        load_run,
+    )
 
     out, run_dir = Path(out_dir), Path(run_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--dry-run {out} is not empty; choose a new or empty folder")
     ld = load_run(run_dir, checkpoint)
-    gguf_file = f"{repo.split('/')[1]}-F16.gguf" if gguf else ""  # Ollama's hf.co/USER/NAME:F16 finds it by its tag
+    # Ollama's hf.co/USER/NAME:F16 finds it by its tag
+    gguf_file = f"{repo.split('/')[1]}-F16.gguf" if gguf else ""
     if gguf:
-        gguf_arch(ld.model.config, ld.tokenizer)  # a run llama.cpp cannot run: refused before anything is written
+        # a run llama.cpp cannot run: refused before anything is written
+        gguf_arch(ld.model.config, ld.tokenizer)
     tmp = out.parent / f".{out.name}.staging-{os.getpid()}"
     try:
         export_model(ld.model, tmp, ld.tokenizer)
@@ -38,7 +46,9 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
             write_gguf(ld.model, ld.tokenizer, tmp / gguf_file, "f16", name=repo)
         if (run_dir / LOSS_PLOT).is_file():
             shutil.copyfile(run_dir / LOSS_PLOT, tmp / LOSS_PLOT)
-        card = model_card(ld, run_dir, repo, license, hardware, gguf_file, (tmp / LOSS_PLOT).is_file())
+        card = model_card(
+            ld, run_dir, repo, license, hardware, gguf_file, (tmp / LOSS_PLOT).is_file()
+        )
         (tmp / "README.md").write_text(card, encoding="utf-8")
         os.replace(tmp, out)
     finally:
@@ -50,18 +60,30 @@ def run_facts(ld, run_dir: Path) -> dict:
     """What the run's files say about a loaded checkpoint: its data sources, its evaluations, three samples."""
     meta_path = Path(ld.state.data_dir) / META_FILE if ld.state.data_dir else None
     meta = json.loads(meta_path.read_text()) if meta_path and meta_path.is_file() else {}
-    sources = [p if "://" in p else Path(p).name for p in (s.get("path", "") for s in meta.get("sources", []))]
-    datasets = sorted({m[1] for s in sources if (m := re.match(r"hf://datasets/([^/@]+/[^/@]+)", s))})
+    sources = [
+        p if "://" in p else Path(p).name
+        for p in (s.get("path", "") for s in meta.get("sources", []))
+    ]
+    datasets = sorted(
+        {m[1] for s in sources if (m := re.match(r"hf://datasets/([^/@]+/[^/@]+)", s))}
+    )
     evals = {r["task"]: r for r in read_jsonl(run_dir / EVAL_FILE) if r.get("step") == ld.step}
     samples = [r for r in read_jsonl(run_dir / SAMPLES_FILE) if r.get("step", 0) <= ld.step]
     steps = sorted({r["step"] for r in samples})
-    shown = {steps[0], steps[len(steps) // 2], steps[-1]} if steps else set()  # the first, middle and last
+    # the first, middle and last
+    shown = {steps[0], steps[len(steps) // 2], steps[-1]} if steps else set()
     data = ", ".join(sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
-    return {"datasets": datasets, "data": data or Path(ld.state.data_dir).name or "not recorded", "evals": evals,
-            "samples": [r for r in samples if r["step"] in shown]}
+    return {
+        "datasets": datasets,
+        "data": data or Path(ld.state.data_dir).name or "not recorded",
+        "evals": evals,
+        "samples": [r for r in samples if r["step"] in shown],
+    }
 
 
-def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool) -> str:
+def model_card(
+    ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool
+) -> str:
     """README.md: the Hub's metadata header with the scores, then what the model is, how it did, how to run it."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
@@ -72,22 +94,55 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
     m, arch = cfg.model, native_arch(cfg.model)
     bpb, hs = f["evals"].get("bpb"), f["evals"].get("hellaswag")
     data = f["datasets"][0] if f["datasets"] else Path(st.data_dir or "data").name
-    results = [EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (validation split)",
-                          metric_type=kind, metric_name=what, metric_value=round(v, 4))
-               for kind, what, v in (("loss", "validation loss (nats/token)", st.val_loss),
-                                     ("bpb", "bits per byte", bpb["bpb"] if bpb else None)) if v is not None]
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=data,
+            dataset_name=f"{data} (validation split)",
+            metric_type=kind,
+            metric_name=what,
+            metric_value=round(v, 4),
+        )
+        for kind, what, v in (
+            ("loss", "validation loss (nats/token)", st.val_loss),
+            ("bpb", "bits per byte", bpb["bpb"] if bpb else None),
+        )
+        if v is not None
+    ]
     if hs:
-        results.append(EvalResult(task_type="text-generation", dataset_type="Rowan/hellaswag", dataset_name="HellaSwag",
-                                  dataset_split="validation", metric_type="acc_norm",
-                                  metric_value=round(hs["acc_norm"], 4)))
-    header = ModelCardData(license=license, library_name="transformers", pipeline_tag="text-generation",
-                           tags=["gptlib", arch] + (["gguf"] if gguf_file else []), datasets=f["datasets"] or None,
-                           model_name=name, eval_results=results or None)
-    val = f"{st.val_loss:.4f} nats/token" if st.val_loss is not None else "not measured at this step"
-    hours = f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
+        results.append(
+            EvalResult(
+                task_type="text-generation",
+                dataset_type="Rowan/hellaswag",
+                dataset_name="HellaSwag",
+                dataset_split="validation",
+                metric_type="acc_norm",
+                metric_value=round(hs["acc_norm"], 4),
+            )
+        )
+    header = ModelCardData(
+        license=license,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["gptlib", arch] + (["gguf"] if gguf_file else []),
+        datasets=f["datasets"] or None,
+        model_name=name,
+        eval_results=results or None,
+    )
+    val = (
+        f"{st.val_loss:.4f} nats/token" if st.val_loss is not None else "not measured at this step"
+    )
+    hours = (
+        f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
+    )
     lines = [
-        f"# {name}", "", f"A {model_size(m).params / 1e6:.1f}M-parameter GPT trained from scratch with "
-        f"[gptlib](https://github.com/gptlib/gptlib), exported as a native `{CLASSES[arch]}`.", "", "## Model", "",
+        f"# {name}",
+        "",
+        f"A {model_size(m).params / 1e6:.1f}M-parameter GPT trained from scratch with "
+        f"[gptlib](https://github.com/gptlib/gptlib), exported as a native `{CLASSES[arch]}`.",
+        "",
+        "## Model",
+        "",
         f"- architecture: {m.n_layer} layers, {m.n_head} heads, {m.n_embd} wide, context {m.block_size} tokens, "
         f"vocabulary {m.vocab_size} ({ld.tokenizer.kind} tokenizer)",
         f"- recipe: {cfg.recipe} (preset {cfg.preset}): {m.positions} positions, {m.norm}, {m.mlp}"
@@ -95,45 +150,82 @@ def model_card(ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_f
         f"rate {cfg.train.learning_rate:g}",
         f"- data: {f['data']}; {st.data.get('train_tokens', 0):,} training tokens",
         f"- training: step {st.step:,}, {st.tokens_seen:,} tokens seen in {hours}, on "
-        f"{hardware or 'hardware the run does not record'}", "", "## Evaluation", "", f"- validation loss: {val}",
-        "- bits per byte: " + (f"{bpb['bpb']:.4f}" if bpb else "not run (python -m gptlib eval --task bpb)"),
-        "- HellaSwag acc_norm: " + (f"{hs['acc_norm']:.4f} on {hs['n']:,} items" if hs else "not run")
-        + " (GPT-2 124M: 0.2955, chance: 0.25)", "",
+        f"{hardware or 'hardware the run does not record'}",
+        "",
+        "## Evaluation",
+        "",
+        f"- validation loss: {val}",
+        "- bits per byte: "
+        + (f"{bpb['bpb']:.4f}" if bpb else "not run (python -m gptlib eval --task bpb)"),
+        "- HellaSwag acc_norm: "
+        + (f"{hs['acc_norm']:.4f} on {hs['n']:,} items" if hs else "not run")
+        + " (GPT-2 124M: 0.2955, chance: 0.25)",
+        "",
         *(["## Loss curve", "", f"![loss curve]({LOSS_PLOT})", ""] if plot else []),
-        "## Samples during training", "",
+        "## Samples during training",
+        "",
         *[f"step {r['step']:,}:\n```\n{r['text'][:400]}\n```\n" for r in f["samples"]],
-        "## Use it", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        f'tok = AutoTokenizer.from_pretrained("{repo}")', f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
-        "```", "",
-        *([f"llama.cpp: `llama-cli -hf {repo}`; Ollama: `ollama run hf.co/{repo}:F16`; LM Studio: search {repo}", ""]
-          if gguf_file else []),
+        "## Use it",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'tok = AutoTokenizer.from_pretrained("{repo}")',
+        f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
+        "```",
+        "",
+        *(
+            [
+                f"llama.cpp: `llama-cli -hf {repo}`; Ollama: `ollama run hf.co/{repo}:F16`; LM Studio: search {repo}",
+                "",
+            ]
+            if gguf_file
+            else []
+        ),
         f"gptlib: `python -m gptlib import-hf --model {repo} --out runs/{name}`, then sample, chat, eval or fine-tune.",
-        ""]
+        "",
+    ]
     return str(ModelCard(f"---\n{header.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
 def hub_error(e: Exception, repo: str) -> ExportError:
     status = http_status(e)
     if status == 401:
-        return ExportError(f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}")
+        return ExportError(
+            f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}"
+        )
     if status == 403:
-        return ExportError(f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}")
+        return ExportError(
+            f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}"
+        )
     first = (str(e).strip().splitlines() or [""])[0][:200]
-    return ExportError(f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
-                     f"all or nothing): run the same command again to finish it")
+    return ExportError(
+        f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
+        f"all or nothing): run the same command again to finish it"
+    )
 
 
-def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: bool = False, dry_run=None,
-         license: str = "apache-2.0", hardware: str = "") -> str:
+def push(
+    run_dir,
+    repo: str,
+    checkpoint="best",
+    private: bool = False,
+    gguf: bool = False,
+    dry_run=None,
+    license: str = "apache-2.0",
+    hardware: str = "",
+) -> str:
     """One commit to `repo` (USER/NAME, created if missing) -> its URL; dry_run: write the files there instead."""
     import huggingface_hub as hub
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
-        validate_repo_id(repo if repo.count("/") == 1 else "")  # "" fails: a model id without its USER/ is refused
+        # "" fails: a model id without its USER/ is refused
+        validate_repo_id(repo if repo.count("/") == 1 else "")
     except HFValidationError:
-        raise ExportError(f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
-                        f"'.')") from None
+        raise ExportError(
+            f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
+            f"'.')"
+        ) from None
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
     token = hub.get_token()
@@ -146,13 +238,19 @@ def push(run_dir, repo: str, checkpoint="best", private: bool = False, gguf: boo
         raise hub_error(e, repo) from None
     owner, name = repo.split("/")
     if owner not in {me["name"], *(o["name"] for o in me.get("orgs", []))}:
-        raise ExportError(f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}")
+        raise ExportError(
+            f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}"
+        )
     with tempfile.TemporaryDirectory(prefix="gptlib-push-") as tmp:
         folder = stage(run_dir, Path(tmp) / "repo", repo, checkpoint, gguf, license, hardware)
         ops = [hub.CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]
         try:
             url = api.create_repo(repo, private=private, exist_ok=True)
-            api.create_commit(repo, ops, commit_message=f"gptlib push: {Path(run_dir).name} checkpoint {checkpoint}")
+            api.create_commit(
+                repo,
+                ops,
+                commit_message=f"gptlib push: {Path(run_dir).name} checkpoint {checkpoint}",
+            )
         except Exception as e:  # noqa: BLE001
             raise hub_error(e, repo) from None
     return str(url)

@@ -72,18 +72,29 @@ def sampling_widgets(view, max_label: str) -> None:
     import ipywidgets as W
 
     wide = {"style": LABELS, "layout": W.Layout(width="95%")}
-    view.temperature = W.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature", **wide)
+    view.temperature = W.FloatSlider(
+        value=0.8, min=0.0, max=2.0, step=0.05, description="Temperature", **wide
+    )
     view.top_k = W.IntSlider(value=0, min=0, max=500, description="Top-k (0 = off)", **wide)
     view.max_tokens = W.IntSlider(value=200, min=1, max=2000, description=max_label, **wide)
     # "initial": the label takes the width it needs (a fixed 110px cut "Seed (-1 random)"); works in 7.7.1 and 8
-    view.seed = W.IntText(value=1337, description="Seed (-1 random)", style={"description_width": "initial"},
-                          layout=W.Layout(width="260px"))
+    view.seed = W.IntText(
+        value=1337,
+        description="Seed (-1 random)",
+        style={"description_width": "initial"},
+        layout=W.Layout(width="260px"),
+    )
 
 
 def sampling_config(view, **more) -> SamplingConfig:  # seed -1 is random
     seed = int(view.seed.value)
-    return SamplingConfig(max_new_tokens=int(view.max_tokens.value), temperature=float(view.temperature.value),
-                          top_k=int(view.top_k.value) or None, seed=seed if seed >= 0 else None, **more).validate()
+    return SamplingConfig(
+        max_new_tokens=int(view.max_tokens.value),
+        temperature=float(view.temperature.value),
+        top_k=int(view.top_k.value) or None,
+        seed=seed if seed >= 0 else None,
+        **more,
+    ).validate()
 
 
 class _AfterEdits:
@@ -119,12 +130,14 @@ class _AfterEdits:
         if not marks:
             return
         self.linked = True
-        if marks[0] == self._asked > self._done:  # the latest request, once: two quick Enters send the box once
+        # the latest request, once: two quick Enters send the box once
+        if marks[0] == self._asked > self._done:
             self._done = self._asked
             self._action()
 
 
-class _Stopped(Exception):  # raised by the Playground's stream callback after Stop: ends the generation there
+# raised by the Playground's stream callback after Stop: ends the generation there
+class _Stopped(Exception):
     pass
 
 
@@ -132,7 +145,9 @@ class GenerationInterrupted(KeyboardInterrupt):
     """The kernel's interrupt ended Playground.generate(). Still a KeyboardInterrupt, so the cell and a run of all
     cells stop there, but IPython shows it as its one line: a traceback through the model would say nothing more."""
 
-    def _render_traceback_(self) -> list[str]:  # IPython's hook for an exception that renders itself
+    def _render_traceback_(
+        self,
+    ) -> list[str]:  # IPython's hook for an exception that renders itself
         return [f"{type(self).__name__}: {self}"]
 
 
@@ -145,33 +160,74 @@ class Playground:
 
         self.run_dir, self.device = Path(run_dir), device
         self._engine: Engine | None = None  # the last checkpoint loaded
-        self.prompt = W.Textarea(value=prompt, description="Prompt", layout=W.Layout(width="95%", height="80px"),
-                                 style=LABELS)
-        self.checkpoint = W.Dropdown(description="Checkpoint", style=LABELS, layout=W.Layout(width="60%"))
-        self.refresh_button = W.Button(description="↻", tooltip="re-scan the run directory for new checkpoints",
-                                       layout=W.Layout(width="40px"))
+        self.prompt = W.Textarea(
+            value=prompt,
+            description="Prompt",
+            layout=W.Layout(width="95%", height="80px"),
+            style=LABELS,
+        )
+        self.checkpoint = W.Dropdown(
+            description="Checkpoint", style=LABELS, layout=W.Layout(width="60%")
+        )
+        self.refresh_button = W.Button(
+            description="↻",
+            tooltip="re-scan the run directory for new checkpoints",
+            layout=W.Layout(width="40px"),
+        )
         sampling_widgets(self, "Max tokens")
         wide = {"style": LABELS, "layout": W.Layout(width="95%")}
-        self.top_p = W.FloatSlider(value=0.95, min=0.05, max=1.0, step=0.01, description="Top-p", **wide)
-        self.repetition_penalty = W.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty",
-                                                **wide)
-        self.stop = W.Text(value="", description="Stop at", placeholder=r"\n\n  (| separates)", style=LABELS,
-                           layout=W.Layout(width="60%"))
-        fixed = W.Layout(min_width="120px", flex="0 0 auto")  # never squeezed by a long status (it read "Gene…")
-        self.button = W.Button(description="Generate", button_style="primary", icon="play", layout=fixed)
-        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True, tooltip="end it at the next token",
-                                    layout=fixed)
+        self.top_p = W.FloatSlider(
+            value=0.95, min=0.05, max=1.0, step=0.01, description="Top-p", **wide
+        )
+        self.repetition_penalty = W.FloatSlider(
+            value=1.0, min=1.0, max=2.0, step=0.05, description="Rep. penalty", **wide
+        )
+        self.stop = W.Text(
+            value="",
+            description="Stop at",
+            placeholder=r"\n\n  (| separates)",
+            style=LABELS,
+            layout=W.Layout(width="60%"),
+        )
+        # never squeezed by a long status (it read "Gene…")
+        fixed = W.Layout(min_width="120px", flex="0 0 auto")
+        self.button = W.Button(
+            description="Generate", button_style="primary", icon="play", layout=fixed
+        )
+        self.stop_button = W.Button(
+            description="Stop",
+            icon="stop",
+            disabled=True,
+            tooltip="end it at the next token",
+            layout=fixed,
+        )
         self.status, self.output = W.HTML(value=""), W.HTML(value="")
-        self._stop = threading.Event()  # set by Stop, read by the stream callback (another thread in a kernel)
-        self._busy = threading.Lock()  # one generation at a time (the button's thread, or a cell's call)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")  # starts on submit
+        # set by Stop, read by the stream callback (another thread in a kernel)
+        self._stop = threading.Event()
+        # one generation at a time (the button's thread, or a cell's call)
+        self._busy = threading.Lock()
+        # starts on submit
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-playground")
         self._job: Future | None = None  # the button's last generation
         self.button.on_click(lambda _: self._generate_clicked())
         self.stop_button.on_click(lambda _: self._stop.set())
         self.refresh_button.on_click(lambda _: self.refresh())
-        self.widget = W.VBox([self.prompt, W.HBox([self.checkpoint, self.refresh_button]), self.temperature, self.top_k,
-                              self.top_p, self.repetition_penalty, self.max_tokens, W.HBox([self.seed, self.stop]),
-                              W.HBox([self.button, self.stop_button]), self.status, self.output])  # status: full width
+        # status: full width
+        self.widget = W.VBox(
+            [
+                self.prompt,
+                W.HBox([self.checkpoint, self.refresh_button]),
+                self.temperature,
+                self.top_k,
+                self.top_p,
+                self.repetition_penalty,
+                self.max_tokens,
+                W.HBox([self.seed, self.stop]),
+                W.HBox([self.button, self.stop_button]),
+                self.status,
+                self.output,
+            ]
+        )
         self.refresh()
 
     def refresh(self) -> None:  # training may have saved new checkpoints
@@ -183,10 +239,14 @@ class Playground:
             self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
 
     def _show_text(self, prompt: str, text: str) -> None:
-        self.output.value = ('<pre style="white-space:pre-wrap;font-size:13px;line-height:1.35">'
-                             f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>")
+        self.output.value = (
+            '<pre style="white-space:pre-wrap;font-size:13px;line-height:1.35">'
+            f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
+        )
 
-    def _generate_clicked(self) -> None:  # in a kernel on the Playground's thread (see the class docstring)
+    def _generate_clicked(
+        self,
+    ) -> None:  # in a kernel on the Playground's thread (see the class docstring)
         if _in_kernel():
             self._job = self._worker.submit(self._run, stoppable=True)
         else:
@@ -195,7 +255,9 @@ class Playground:
     def generate(self) -> Completion | None:
         return self._run(stoppable=False)
 
-    def _run(self, stoppable: bool) -> Completion | None:  # stoppable: by the button, so a Stop click can arrive
+    def _run(
+        self, stoppable: bool
+    ) -> Completion | None:  # stoppable: by the button, so a Stop click can arrive
         if self.checkpoint.value is None:
             self.refresh()
             if self.checkpoint.value is None:
@@ -214,28 +276,46 @@ class Playground:
                 raise _Stopped
 
         try:
-            cfg = sampling_config(self, top_p=float(self.top_p.value), stop=parse_list(self.stop.value),
-                                  repetition_penalty=float(self.repetition_penalty.value))
+            cfg = sampling_config(
+                self,
+                top_p=float(self.top_p.value),
+                stop=parse_list(self.stop.value),
+                repetition_penalty=float(self.repetition_penalty.value),
+            )
             if self._engine is None or self._engine.step != self.checkpoint.value:
                 self.status.value = status_html("loading checkpoint…")
                 self._engine = None  # freed before the next one loads
-                self._engine = Engine.from_run(self.run_dir, self.checkpoint.value, device=self.device)
+                self._engine = Engine.from_run(
+                    self.run_dir, self.checkpoint.value, device=self.device
+                )
             eng = self._engine
-            how_to_end = "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
+            how_to_end = (
+                "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
+            )
             self.status.value = status_html(f"generating… {how_to_end}")
             t0 = time.perf_counter()
             try:
                 res = eng.generate(prompt, cfg, stream=on_piece)[0]
             except _Stopped:
-                text = "".join(parts)  # what was shown; its tokens are what the model generated (re-encoded)
-                res = Completion(prompt=prompt, text=text, token_ids=eng.tokenizer.encode(text), finish_reason="user")
+                # what was shown; its tokens are what the model generated (re-encoded)
+                text = "".join(parts)
+                res = Completion(
+                    prompt=prompt,
+                    text=text,
+                    token_ids=eng.tokenizer.encode(text),
+                    finish_reason="user",
+                )
             dt = time.perf_counter() - t0
-        except KeyboardInterrupt:  # the kernel's interrupt: the text so far stays, and the caller stops as it should
+        # the kernel's interrupt: the text so far stays, and the caller stops as it should
+        except KeyboardInterrupt:
             text = "".join(parts)
             self._show_text(prompt, text)
-            n = len(self._engine.tokenizer.encode(text)) if text else 0  # counted as Stop counts: re-encoded
+            # counted as Stop counts: re-encoded
+            n = len(self._engine.tokenizer.encode(text)) if text else 0
             self.status.value = status_html(f"interrupted after {n:,} tokens")
-            raise GenerationInterrupted(f"after {n:,} tokens; the text so far stays in the playground above") from None
+            raise GenerationInterrupted(
+                f"after {n:,} tokens; the text so far stays in the playground above"
+            ) from None
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
             self.output.value = ""  # the previous text must not look like this prompt's result
             self.status.value = status_html(f"{type(e).__name__}: {e}", error=True)
@@ -243,55 +323,100 @@ class Playground:
         finally:
             self.button.disabled, self.stop_button.disabled = False, True
             self._busy.release()
-        n, speed = len(res.token_ids), f"{dt:.1f} s ({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s)"
+        n, speed = (
+            len(res.token_ids),
+            f"{dt:.1f} s ({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s)",
+        )
         self._show_text(prompt, res.text)
-        self.status.value = status_html(f"step {eng.step:,}: " + (
-            f"stopped after {n} tokens in {speed}: Stop pressed" if res.finish_reason == "user"
-            else f"{n} tokens in {speed}, stopped by {res.finish_reason}"))
+        self.status.value = status_html(
+            f"step {eng.step:,}: "
+            + (
+                f"stopped after {n} tokens in {speed}: Stop pressed"
+                if res.finish_reason == "user"
+                else f"{n} tokens in {speed}, stopped by {res.finish_reason}"
+            )
+        )
         return res
 
 
 class ChatBox:
     """The transcript shows every turn; the model sees those that fit its context (the status says so)."""
 
-    def __init__(self, run_dir: str | Path, checkpoint: str | int = "latest", device: str = "cpu", system: str = ""):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        checkpoint: str | int = "latest",
+        device: str = "cpu",
+        system: str = "",
+    ):
         import ipywidgets as W
 
         self.run_dir, self.checkpoint, self.device = run_dir, checkpoint, device
         self._session: ChatSession | None = None
         self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown
-        self._notices: list[str] = []  # the session's notices during the last send (context cut, ...)
+        self._notices: list[
+            str
+        ] = []  # the session's notices during the last send (context cut, ...)
         self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
         # One line: ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a
         # Textarea, where Enter adds a line, has no submit event; telling them apart would need our own JavaScript.
         # It stays enabled while a reply streams: a disabled box loses the keyboard, and the notebook then takes the
         # keys as its shortcuts (a letter adds a cell, or turns this one into markdown and the chat disappears).
-        self.message = W.Text(value="", placeholder="your message, one line (Enter sends)", description="You",
-                              style=LABELS, layout=W.Layout(width="95%"))
+        self.message = W.Text(
+            value="",
+            placeholder="your message, one line (Enter sends)",
+            description="You",
+            style=LABELS,
+            layout=W.Layout(width="95%"),
+        )
         self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
-        self.reset_button = W.Button(description="Reset", tooltip="forget the conversation (the system prompt stays)")
-        self.system = W.Textarea(value=system, description="System prompt", placeholder="optional", style=LABELS,
-                                 layout=W.Layout(width="95%", height="40px"))
+        self.reset_button = W.Button(
+            description="Reset", tooltip="forget the conversation (the system prompt stays)"
+        )
+        self.system = W.Textarea(
+            value=system,
+            description="System prompt",
+            placeholder="optional",
+            style=LABELS,
+            layout=W.Layout(width="95%", height="40px"),
+        )
         sampling_widgets(self, "Max new tokens")
-        self._typed = _AfterEdits(self.message, self.send)  # Send and Enter take the box once all typed is in
+        # Send and Enter take the box once all typed is in
+        self._typed = _AfterEdits(self.message, self.send)
         self.send_button.on_click(lambda _: self._typed.request())
-        with warnings.catch_warnings():  # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
-            warnings.simplefilter("ignore", DeprecationWarning)  # with continuous_update=False) also fires on blur
+        # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
+        with warnings.catch_warnings():
+            # with continuous_update=False) also fires on blur
+            warnings.simplefilter("ignore", DeprecationWarning)
             self.message.on_submit(lambda _: self._typed.request())
         self.reset_button.on_click(lambda _: self.reset())
-        self.widget = W.VBox([self.transcript, self.message, W.HBox([self.send_button, self.reset_button, self.status]),
-                              self.system, self.temperature, self.top_k, self.max_tokens, self.seed])
+        self.widget = W.VBox(
+            [
+                self.transcript,
+                self.message,
+                W.HBox([self.send_button, self.reset_button, self.status]),
+                self.system,
+                self.temperature,
+                self.top_k,
+                self.max_tokens,
+                self.seed,
+            ]
+        )
 
     def session(self) -> ChatSession:
         """Loaded at the first call. The Max new tokens slider then ends at the reply cap (half the context): asking
         for more would silently give less; ipywidgets lowers a larger value to the new max, and the status says so."""
         if self._session is None:
-            self._session = ChatSession.from_run(self.run_dir, self.checkpoint, device=self.device,
-                                                 log=self._notices.append)  # the list send() clears, not a copy
+            # the list send() clears, not a copy
+            self._session = ChatSession.from_run(
+                self.run_dir, self.checkpoint, device=self.device, log=self._notices.append
+            )
         cap = self._session.reply_cap
         if self.max_tokens.value > cap:
-            self._notices.append(f"Max new tokens capped at {cap}: replies get at most half of the model's "
-                                 f"{self._session.block_size}-token context")
+            self._notices.append(
+                f"Max new tokens capped at {cap}: replies get at most half of the model's "
+                f"{self._session.block_size}-token context"
+            )
         self.max_tokens.max = min(self.max_tokens.max, cap)
         return self._session
 
@@ -308,20 +433,25 @@ class ChatBox:
         self.turns.append(("user", text))
         try:
             self.status.value = status_html("loading checkpoint…" if self._session is None else "")
-            session = self.session()  # first: it caps the Max new tokens slider that sampling_config reads
+            # first: it caps the Max new tokens slider that sampling_config reads
+            session = self.session()
             cfg = sampling_config(self)
             session.system = self.system.value.strip() or None
             self._show_transcript(pending="")
             self.status.value = status_html("generating…")
             t0 = time.perf_counter()
-            reply = session.reply(text, cfg, stream=throttled(lambda t: self._show_transcript(pending=t))[1])
+            reply = session.reply(
+                text, cfg, stream=throttled(lambda t: self._show_transcript(pending=t))[1]
+            )
             dt = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - a button callback must show the problem, not a traceback in a log
             self.turns.pop()  # as the session does: a failed or interrupted reply leaves the conversation as it was
             self.message.value = text  # not lost: fix the settings and send again
             self._show_transcript()
-            self.status.value = status_html(f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted",
-                                            error=True)
+            self.status.value = status_html(
+                f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted",
+                error=True,
+            )
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt (the notebook's stop button) still stops the cell
             return None
@@ -329,8 +459,11 @@ class ChatBox:
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
         why = ended.get(session.finish_reason, session.finish_reason)
-        self.status.value = status_html(" · ".join([f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}",
-                                                    *self._notices]))
+        self.status.value = status_html(
+            " · ".join(
+                [f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}", *self._notices]
+            )
+        )
         return reply
 
     def reset(self) -> None:  # what Reset does
@@ -344,11 +477,24 @@ class ChatBox:
         turns = self.turns + ([("assistant", pending + "▌")] if pending is not None else [])
         colors = {"user": "#1a5fb4", "assistant": "#26a269"}
         pre = '<pre style="white-space:pre-wrap;margin:0;font-size:13px;line-height:1.35">'
-        self.transcript.value = "".join(f'<div style="margin:4px 0"><b style="color:{colors.get(r, "#555")}">{r}</b>'
-                                        f'{pre}{html.escape(c)}</pre></div>' for r, c in turns)
+        self.transcript.value = "".join(
+            f'<div style="margin:4px 0"><b style="color:{colors.get(r, "#555")}">{r}</b>'
+            f"{pre}{html.escape(c)}</pre></div>"
+            for r, c in turns
+        )
 
-    def _repr_mimebundle_(self, **kwargs) -> dict:  # the widget, or where a front end cannot draw one, the text
+    def _repr_mimebundle_(
+        self, **kwargs
+    ) -> dict:  # the widget, or where a front end cannot draw one, the text
         names = {"user": "you", "assistant": "model"}
-        text = "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"
-        return {"text/plain": text, "application/vnd.jupyter.widget-view+json": {
-            "version_major": 2, "version_minor": 0, "model_id": self.widget.model_id}}
+        text = (
+            "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"
+        )
+        return {
+            "text/plain": text,
+            "application/vnd.jupyter.widget-view+json": {
+                "version_major": 2,
+                "version_minor": 0,
+                "model_id": self.widget.model_id,
+            },
+        }

@@ -15,11 +15,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = Path(os.environ.get("GPTLIB_SHAKESPEARE", REPO.parent / "shared" / "data" / "tinyshakespeare.txt"))
+SHAKESPEARE = Path(
+    os.environ.get("GPTLIB_SHAKESPEARE", REPO.parent / "shared" / "data" / "tinyshakespeare.txt")
+)
 
 # Tiny model/training settings for tests: seconds on 2 CPU cores.
-TINY = ["block_size=32", "n_layer=2", "n_head=2", "n_embd=32", "batch_size=8", "eval_interval=10",
-        "eval_batches=2", "log_interval=1", "sample_tokens=8", "warmup_steps=2", "save_every_minutes=0"]
+TINY = [
+    "block_size=32",
+    "n_layer=2",
+    "n_head=2",
+    "n_embd=32",
+    "batch_size=8",
+    "eval_interval=10",
+    "eval_batches=2",
+    "log_interval=1",
+    "sample_tokens=8",
+    "warmup_steps=2",
+    "save_every_minutes=0",
+]
 
 
 def skip_without_muon(recipe: str = "modern") -> None:
@@ -27,12 +40,19 @@ def skip_without_muon(recipe: str = "modern") -> None:
     import torch
 
     if recipe == "modern" and not hasattr(torch.optim, "Muon"):
-        pytest.skip(f"the modern recipe needs torch.optim.Muon (torch >= 2.9; this is {torch.__version__})")
+        pytest.skip(
+            f"the modern recipe needs torch.optim.Muon (torch >= 2.9; this is {torch.__version__})"
+        )
 
 
 def newest_checkpoint(run_dir):
     """The newest checkpoint of a run directory that loads (sizes and sha256 checked), or None."""
-    from gptlib.checkpoint.format import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
+    from gptlib.checkpoint.format import (
+        CheckpointError,
+        list_checkpoints,
+        load_checkpoint,
+        verify_checkpoint,
+    )
 
     for path in list_checkpoints(run_dir):
         try:
@@ -52,8 +72,10 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); "
-                                   "bash benchmarks/gpu_check.sh runs these on one")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False); "
+        "bash benchmarks/gpu_check.sh runs these on one"
+    )
     for item in marked:
         item.add_marker(skip)
 
@@ -65,7 +87,9 @@ def pytest_runtest_logreport(report):
     if report.failed and part and results:
         tag = os.environ.get("GPTLIB_GPU_TAG", "gpu")
         with open(Path(results) / f"gpu_{tag}_{part}.txt", "a") as f:
-            f.write(f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n")
+            f.write(
+                f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n"
+            )
 
 
 @pytest.fixture(autouse=True)

@@ -42,7 +42,9 @@ class DeviceOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
         self.ops.append(name)
-        if name in SYNC_OPS or (name in BOOL_INDEX_OPS and any(t.dtype == torch.bool for t in _tensors(args[1:2]))):
+        if name in SYNC_OPS or (
+            name in BOOL_INDEX_OPS and any(t.dtype == torch.bool for t in _tensors(args[1:2]))
+        ):
             self.syncs.append(name)
         if name in ("aten._to_copy", "aten.copy_"):
             src = args[1] if name == "aten.copy_" else args[0]

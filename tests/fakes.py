@@ -37,7 +37,9 @@ class Faults:
         self.at = set(at)
         self.all_from = all_from
         self.reads = 0
-        self.log: list[tuple[str, int]] = []  # ("open", 0) | ("read", offset) | ("fault", offset), in order
+        self.log: list[
+            tuple[str, int]
+        ] = []  # ("open", 0) | ("read", offset) | ("fault", offset), in order
         self.failed = 0
 
 
@@ -91,7 +93,7 @@ class FaultyFS(LocalFileSystem):
     def _strip_protocol(cls, path):
         path = str(path)
         if path.startswith("faulty://"):
-            path = path[len("faulty://"):]
+            path = path[len("faulty://") :]
         return LocalFileSystem._strip_protocol(path)
 
     def unstrip_protocol(self, name):
@@ -106,18 +108,25 @@ def _hub_error(cls_name: str, url: str, status: int):
     import huggingface_hub
     import huggingface_hub.errors as errors
 
-    if int(huggingface_hub.__version__.split(".")[0]) < 1:  # 0.x (beside transformers 4) speaks requests
+    # 0.x (beside transformers 4) speaks requests
+    if int(huggingface_hub.__version__.split(".")[0]) < 1:
         import requests
 
         resp = requests.Response()
-        resp.status_code, resp.url, resp.request = status, url, requests.Request("GET", url).prepare()
+        resp.status_code, resp.url, resp.request = (
+            status,
+            url,
+            requests.Request("GET", url).prepare(),
+        )
     else:
         try:
             import httpx2 as httpx  # what this huggingface_hub uses
         except ImportError:
             import httpx
         resp = httpx.Response(status, request=httpx.Request("GET", url))
-    return getattr(errors, cls_name)(f"{status} Client Error: {cls_name} for url: {url}", response=resp)
+    return getattr(errors, cls_name)(
+        f"{status} Client Error: {cls_name} for url: {url}", response=resp
+    )
 
 
 class FakeHub(AbstractFileSystem):
@@ -136,7 +145,10 @@ class FakeHub(AbstractFileSystem):
 
     def _parse(self, path: str) -> tuple[str, str, str | None, str | None]:
         path = self._strip_protocol(path)
-        m = re.fullmatch(r"datasets/([^/@]+)/([^/@]+)(?:@(refs/convert/[\w.-]+|[^/]+))?(?:/(.*))?", path.rstrip("/"))
+        m = re.fullmatch(
+            r"datasets/([^/@]+)/([^/@]+)(?:@(refs/convert/[\w.-]+|[^/]+))?(?:/(.*))?",
+            path.rstrip("/"),
+        )
         if not m:
             raise FileNotFoundError(path)
         return m.groups()
@@ -147,10 +159,14 @@ class FakeHub(AbstractFileSystem):
         repo = self.root / owner / name
         url = f"https://huggingface.co/api/datasets/{owner}/{name}"
         if not repo.is_dir():
-            raise FileNotFoundError(f"{path} (repository not found)") from _hub_error("RepositoryNotFoundError", url, 401)
+            raise FileNotFoundError(f"{path} (repository not found)") from _hub_error(
+                "RepositoryNotFoundError", url, 401
+            )
         revdir = repo / (rev or "main").replace("/", "%2F")
         if not revdir.is_dir():
-            raise FileNotFoundError(f"{path} (revision not found)") from _hub_error("RevisionNotFoundError", url, 404)
+            raise FileNotFoundError(f"{path} (revision not found)") from _hub_error(
+                "RevisionNotFoundError", url, 404
+            )
         return revdir / (rest or "")
 
     def _name(self, local: Path) -> str:
@@ -165,16 +181,22 @@ class FakeHub(AbstractFileSystem):
             return {"name": self._name(local), "size": 0, "type": "directory"}
         info = {"name": self._name(local), "size": local.stat().st_size, "type": "file"}
         if local.suffix == ".parquet":  # LFS files: the Hub lists their sha256
-            info["lfs"] = {"size": info["size"], "sha256": hashlib.sha256(local.read_bytes()).hexdigest(),
-                           "pointer_size": 134}
+            info["lfs"] = {
+                "size": info["size"],
+                "sha256": hashlib.sha256(local.read_bytes()).hexdigest(),
+                "pointer_size": 134,
+            }
         return info
 
     def ls(self, path, detail=True, **kwargs):
         local = self._local(path)
         if not local.exists():
             raise FileNotFoundError(path)
-        entries = [self._info(local)] if local.is_file() else [
-            self._info(p) for p in sorted(local.iterdir()) if p.name != ".gated"]
+        entries = (
+            [self._info(local)]
+            if local.is_file()
+            else [self._info(p) for p in sorted(local.iterdir()) if p.name != ".gated"]
+        )
         return entries if detail else [e["name"] for e in entries]
 
     def info(self, path, **kwargs):
@@ -237,5 +259,3 @@ sys.exit(main(sys.argv[1:]))
 def fake_hub_child(root: Path) -> str:
     """A `python -c` program: `python -m gptlib ARGS` with the fake Hub over root."""
     return FAKE_HUB_CHILD.format(tests=str(Path(__file__).parent), root=str(root))
-
-

@@ -31,7 +31,12 @@ from typing import Callable
 
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "enotconn": errno.ENOTCONN}
 _SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "sigint": signal.SIGINT}
-_SLEEP_S = {"kill": 10, "hang": 3600, "slow": 0.05}  # kill: the signal arrives asynchronously; never run past it
+# kill: the signal arrives asynchronously; never run past it
+_SLEEP_S = {
+    "kill": 10,
+    "hang": 3600,
+    "slow": 0.05,
+}
 FAULTY = pathlib.Path(__file__).resolve()
 
 
@@ -45,8 +50,10 @@ def act(action: str, where: str) -> None:
     if action in _SLEEP_S:
         time.sleep(_SLEEP_S[action])
     elif action not in _SIGNAL:
-        raise ValueError(f"fault action {action!r}: one of kill, term, sigint, interrupt, enospc, eio, enotconn, "
-                         f"hang, slow")
+        raise ValueError(
+            f"fault action {action!r}: one of kill, term, sigint, interrupt, enospc, eio, enotconn, "
+            f"hang, slow"
+        )
 
 
 def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[object, str, object]]:
@@ -70,6 +77,7 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
 
         return [(loop, "open_run", open_run), (loop, "train_step", train_step)]
     if point == "save_mid":
+
         def atomic_write(path, write, real=ck.atomic_write):
             if pathlib.Path(path).name == STATE_FILE:
                 fire(step_of(pathlib.Path(path).parent))
@@ -77,12 +85,14 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
 
         return [(ck, "atomic_write", atomic_write)]
     if point == "after_rename":
+
         def install(partial, final, *a, real=ck.install, **k):
             real(partial, final, *a, **k)
             fire(step_of(final))
 
         return [(ck, "install", install)]
     if point == "rotate_mid":
+
         def unlink(self, *a, real=pathlib.Path.unlink, **k):
             real(self, *a, **k)
             if DELETING_MARKER in self.parent.name:
@@ -90,15 +100,20 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
 
         return [(pathlib.Path, "unlink", unlink)]
     if point == "mirror_mid":
+
         def copy_file_verified(src, dst, *a, real=mirror.copy_file_verified, **k):
             real(src, dst, *a, **k)
             fire(step_of(pathlib.Path(dst).parent))
 
         return [(mirror, "copy_file_verified", copy_file_verified)]
-    raise ValueError(f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid")
+    raise ValueError(
+        f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid"
+    )
 
 
-def install(spec: str, setattr_: Callable[[object, str, object], None] | None = None) -> Callable[[], None]:
+def install(
+    spec: str, setattr_: Callable[[object, str, object], None] | None = None
+) -> Callable[[], None]:
     """Patch gptlib for SPEC (see the module docstring) with setattr_ (e.g. pytest's monkeypatch.setattr, which undoes
     it itself), else with setattr; -> a function that undoes what it patched."""
     done: list[tuple[object, str, object]] = []

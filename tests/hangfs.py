@@ -28,15 +28,17 @@ class StallingLoopback(Operations):
 
     def getattr(self, path, fh=None):
         st = os.fstat(fh) if fh is not None else os.lstat(self.real(path))
-        return {k: getattr(st, k) for k in ("st_gid", "st_mode", "st_nlink", "st_size", "st_uid")} | \
-            {k: getattr(st, f"{k}_ns") for k in ("st_atime", "st_ctime", "st_mtime")}
+        return {
+            k: getattr(st, k) for k in ("st_gid", "st_mode", "st_nlink", "st_size", "st_uid")
+        } | {k: getattr(st, f"{k}_ns") for k in ("st_atime", "st_ctime", "st_mtime")}
 
     def readdir(self, path, fh):
         return [".", "..", *os.listdir(self.real(path))]
 
     def open(self, path, flags):
         if flags & os.O_ACCMODE == os.O_RDONLY:
-            while os.path.exists(self.flag) and path.startswith("/checkpoints/"):  # Drive does not answer
+            # Drive does not answer
+            while os.path.exists(self.flag) and path.startswith("/checkpoints/"):
                 time.sleep(0.05)
         return os.open(self.real(path), flags)
 
@@ -81,8 +83,21 @@ class StallingLoopback(Operations):
 
     def statfs(self, path):
         st = os.statvfs(self.real(path))
-        return {k: getattr(st, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree",
-                                            "f_files", "f_flag", "f_frsize", "f_namemax")}
+        return {
+            k: getattr(st, k)
+            for k in (
+                "f_bavail",
+                "f_bfree",
+                "f_blocks",
+                "f_bsize",
+                "f_favail",
+                "f_ffree",
+                "f_files",
+                "f_flag",
+                "f_frsize",
+                "f_namemax",
+            )
+        }
 
 
 if __name__ == "__main__":

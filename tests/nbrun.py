@@ -15,7 +15,9 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600, code: str = "") -> nbformat.NotebookNode:
+def run_notebook(
+    name: str, params: dict, cwd: Path, timeout: int = 600, code: str = ""
+) -> nbformat.NotebookNode:
     """code: run after the parameters (e.g. tests.faulty.install(...): a fault in the kernel's gptlib)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     for cell in nb.cells:
@@ -25,7 +27,9 @@ def run_notebook(name: str, params: dict, cwd: Path, timeout: int = 600, code: s
             break
     else:
         raise AssertionError(f"{name}: no parameters cell (a code cell with '# @param')")
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
     # Run on Colab itself (the GPU check), the kernel would see Colab's COLAB_RELEASE_TAG and mount Drive, putting
     # the runs under /content: a test's kernel runs as on a machine of its own.
     client.execute(env={k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"})

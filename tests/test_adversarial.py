@@ -61,14 +61,24 @@ def edit_checkpoint(path, state_step=None, manifest_step=None):
         (path / "state.json").write_text(json.dumps(state))
     manifest = json.loads((path / "manifest.json").read_text())
     data = (path / "state.json").read_bytes()
-    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"]["state.json"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     if manifest_step is not None:
         manifest["step"] = manifest_step
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("edit", [{"state_step": -5}, {"state_step": 10**18}, {"manifest_step": 25},
-                                  {"state_step": 10**18, "manifest_step": 10**18}])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"state_step": -5},
+        {"state_step": 10**18},
+        {"manifest_step": 25},
+        {"state_step": 10**18, "manifest_step": 10**18},
+    ],
+)
 def test_a_checkpoint_whose_steps_disagree_is_skipped_and_resume_falls_back(char_data, run, edit):
     edit_checkpoint(ckpt(run, 30), **edit)
     logs = []
@@ -87,10 +97,21 @@ def test_a_deleted_lease_file_is_written_again_by_its_live_holder(char_data, tmp
             (mirror / "lease.json").unlink()
             (run / "lease.json").unlink()
 
-    r = train(char_data, run, "phase1", SETTINGS, max_steps=30, progress=False, log=quiet, mirror_dir=mirror,
-              on_log=tidy_drive)
+    r = train(
+        char_data,
+        run,
+        "phase1",
+        SETTINGS,
+        max_steps=30,
+        progress=False,
+        log=quiet,
+        mirror_dir=mirror,
+        on_log=tidy_drive,
+    )
     assert r.step == 30 and r.stopped_by == "max_steps"
-    assert "was deleted while this process holds the run; writing it again" in capsys.readouterr().err
+    assert (
+        "was deleted while this process holds the run; writing it again" in capsys.readouterr().err
+    )
     assert [p.name for p in list_checkpoints(mirror)][0] == "step_0000030"
 
 
@@ -104,8 +125,11 @@ def other_split(char_data, small_text, tmp_path_factory):
 
 def test_resume_on_other_data_is_refused_naming_the_change(char_data, other_split, run):
     before = sorted(p.name for p in list_checkpoints(run))
-    with pytest.raises(ConfigError, match=r"was trained on other data than .*char20 \(train_tokens \d+ -> \d+, "
-                                          r"val_tokens \d+ -> \d+, tokens_sha256 .*--allow-data-change") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"was trained on other data than .*char20 \(train_tokens \d+ -> \d+, "
+        r"val_tokens \d+ -> \d+, tokens_sha256 .*--allow-data-change",
+    ) as e:
         train(other_split, run, "phase1", SETTINGS, max_steps=35, progress=False, log=quiet)
     assert "train_tokens" in str(e.value) and "--allow-data-change" in str(e.value)
     assert sorted(p.name for p in list_checkpoints(run)) == before  # nothing written
@@ -113,8 +137,16 @@ def test_resume_on_other_data_is_refused_naming_the_change(char_data, other_spli
 
 def test_resume_on_other_data_goes_on_when_asked_and_is_recorded(char_data, other_split, run):
     logs = []
-    r = train(other_split, run, "phase1", SETTINGS, max_steps=35, progress=False, log=logs.append,
-              allow_data_change=True)
+    r = train(
+        other_split,
+        run,
+        "phase1",
+        SETTINGS,
+        max_steps=35,
+        progress=False,
+        log=logs.append,
+        allow_data_change=True,
+    )
     assert r.resumed_from == 30 and r.step == 35
     assert any("resume: data changed" in m for m in logs)
     state = json.loads((ckpt(run, 35) / "state.json").read_text())
@@ -124,9 +156,20 @@ def test_resume_on_other_data_goes_on_when_asked_and_is_recorded(char_data, othe
 
 def test_a_batch_that_cannot_fit_is_refused_before_anything_is_written(char_data, tmp_path):
     run = tmp_path / "run"
-    with pytest.raises(ConfigError, match=r"batch_size=100,000,000 x block_size=32 needs about [\d,.]+ GiB to train "
-                                          r"but this machine's RAM has [\d,.]+ GiB; lower batch_size"):
-        train(char_data, run, "phase1", TINY + ["batch_size=100000000"], max_steps=2, progress=False, log=quiet)
+    with pytest.raises(
+        ConfigError,
+        match=r"batch_size=100,000,000 x block_size=32 needs about [\d,.]+ GiB to train "
+        r"but this machine's RAM has [\d,.]+ GiB; lower batch_size",
+    ):
+        train(
+            char_data,
+            run,
+            "phase1",
+            TINY + ["batch_size=100000000"],
+            max_steps=2,
+            progress=False,
+            log=quiet,
+        )
     assert not run.exists()  # a refused start leaves no (empty) run dir behind
 
 
@@ -135,15 +178,28 @@ def _loop(p):
     os.symlink(p, p.with_name(p.name + "-b"))
 
 
-@pytest.mark.parametrize("where,kind", [("run", "file"), ("run", "loop"), ("mirror", "file"), ("mirror", "loop"),
-                                        ("run/checkpoints", "file"), ("run/checkpoints", "loop"), ("data", "loop")])
+@pytest.mark.parametrize(
+    "where,kind",
+    [
+        ("run", "file"),
+        ("run", "loop"),
+        ("mirror", "file"),
+        ("mirror", "loop"),
+        ("run/checkpoints", "file"),
+        ("run/checkpoints", "loop"),
+        ("data", "loop"),
+    ],
+)
 def test_a_run_dir_mirror_or_data_dir_that_is_a_file_or_a_symlink_loop_is_one_line_at_start(
-        char_data, tmp_path, where, kind):
+    char_data, tmp_path, where, kind
+):
     data = tmp_path / "data"
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     if where == "run/checkpoints":
         run.mkdir()
-    target = {"run": run, "mirror": mirror, "run/checkpoints": run / "checkpoints", "data": data}[where]
+    target = {"run": run, "mirror": mirror, "run/checkpoints": run / "checkpoints", "data": data}[
+        where
+    ]
     if where != "data":
         shutil.copytree(char_data, data)
     if kind == "file":
@@ -164,24 +220,56 @@ def test_sample_on_a_run_dir_that_is_a_symlink_loop_or_a_file_says_which(tmp_pat
         _loop(run)
     elif kind == "file":
         run.write_text("not a directory")
-    p = subprocess.run([sys.executable, "-m", "gptlib", "sample", "--run-dir", str(run)], cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
-    said = {"loop": f"the run directory {run} is a symbolic link loop; choose another path",
-            "file": f"the run directory {run} is a file, not a directory; choose another path",
-            "missing": f"no valid checkpoint in {run}: the run directory does not exist"}[kind]
-    assert p.returncode == 2 and p.stderr.startswith(f"error: {said}") and len(p.stderr.splitlines()) == 1, p.stderr
+    p = subprocess.run(
+        [sys.executable, "-m", "gptlib", "sample", "--run-dir", str(run)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = {
+        "loop": f"the run directory {run} is a symbolic link loop; choose another path",
+        "file": f"the run directory {run} is a file, not a directory; choose another path",
+        "missing": f"no valid checkpoint in {run}: the run directory does not exist",
+    }[kind]
+    assert (
+        p.returncode == 2
+        and p.stderr.startswith(f"error: {said}")
+        and len(p.stderr.splitlines()) == 1
+    ), p.stderr
 
 
-def test_a_failing_drive_copy_names_the_step_already_on_drive(char_data, tmp_path, monkeypatch, capsys):
+def test_a_failing_drive_copy_names_the_step_already_on_drive(
+    char_data, tmp_path, monkeypatch, capsys
+):
     run, mirror = tmp_path / "run", tmp_path / "drive"
-    train(char_data, run, "phase1", SETTINGS, max_steps=10, progress=False, log=quiet, mirror_dir=mirror)
+    train(
+        char_data,
+        run,
+        "phase1",
+        SETTINGS,
+        max_steps=10,
+        progress=False,
+        log=quiet,
+        mirror_dir=mirror,
+    )
     monkeypatch.setattr(gmirror, "MIRROR_RETRY_DELAYS_S", (0.01,))
 
     def drive_gone(*a, **k):
         raise OSError(107, "Transport endpoint is not connected")
 
     monkeypatch.setattr(gmirror, "mirror_checkpoint", drive_gone)
-    train(char_data, run, "phase1", SETTINGS, max_steps=20, progress=False, log=quiet, mirror_dir=mirror)
+    train(
+        char_data,
+        run,
+        "phase1",
+        SETTINGS,
+        max_steps=20,
+        progress=False,
+        log=quiet,
+        mirror_dir=mirror,
+    )
     err = capsys.readouterr().err
     assert "the newest on Drive is step 10 (found there at start)" in err, err
     assert "step None" not in err
@@ -196,7 +284,9 @@ def truncate(path):
 
 
 def set_aside(run):
-    return sorted(p.name.split(".damaged-")[0] for p in (run / "checkpoints").glob("step_*.damaged-*"))
+    return sorted(
+        p.name.split(".damaged-")[0] for p in (run / "checkpoints").glob("step_*.damaged-*")
+    )
 
 
 def test_a_new_checkpoint_where_a_damaged_one_was_is_kept(char_data, run):
@@ -207,7 +297,11 @@ def test_a_new_checkpoint_where_a_damaged_one_was_is_kept(char_data, run):
     logs = []
     r = train(char_data, run, "phase1", SETTINGS, max_steps=40, progress=False, log=logs.append)
     assert r.resumed_from == 20 and r.step == 40, logs
-    assert [p.name for p in list_checkpoints(run)] == ["step_0000040", "step_0000030", "step_0000020"]
+    assert [p.name for p in list_checkpoints(run)] == [
+        "step_0000040",
+        "step_0000030",
+        "step_0000020",
+    ]
     for p in list_checkpoints(run):
         verify_checkpoint(p)
     assert set_aside(run) == ["step_0000030"]
@@ -215,7 +309,8 @@ def test_a_new_checkpoint_where_a_damaged_one_was_is_kept(char_data, run):
     assert (aside / "model.pt").stat().st_size == size
     assert any("is set aside as step_0000030.damaged-" in m for m in logs), logs
     r = train(char_data, run, "phase1", SETTINGS, max_steps=45, progress=False, log=quiet)
-    assert r.resumed_from == 40 and set_aside(run) == ["step_0000030"]  # never deleted, never resumed from
+    # never deleted, never resumed from
+    assert r.resumed_from == 40 and set_aside(run) == ["step_0000030"]
 
 
 def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_ones(char_data, run):
@@ -226,11 +321,19 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_o
     logs = []
     r = train(char_data, run, "phase1", SETTINGS, max_steps=40, progress=False, log=logs.append)
     assert r.resumed_from is None and r.step == 40
-    assert [p.name for p in list_checkpoints(run)] == ["step_0000040", "step_0000030", "step_0000020"]
+    assert [p.name for p in list_checkpoints(run)] == [
+        "step_0000040",
+        "step_0000030",
+        "step_0000020",
+    ]
     for p in list_checkpoints(run):
         verify_checkpoint(p)
-    assert set_aside(run) == ["step_0000030"]  # the newest damaged one is kept; the older two were removed, said
-    assert sum(m.startswith("removed step_00000") and "an older damaged checkpoint" in m for m in logs) == 2, logs
+    # the newest damaged one is kept; the older two were removed, said
+    assert set_aside(run) == ["step_0000030"]
+    assert (
+        sum(m.startswith("removed step_00000") and "an older damaged checkpoint" in m for m in logs)
+        == 2
+    ), logs
     [line] = [m for m in logs if "starting from scratch" in m]
     assert line == "no checkpoint could be loaded (3 damaged): starting from scratch"
 
@@ -239,11 +342,22 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_o
 def drive_at_30(char_data, tmp_path_factory):
     """A Drive mirror holding steps 10, 20 and 30 (its VM gone)."""
     root = tmp_path_factory.mktemp("drive30")
-    train(char_data, root / "vm1", "phase1", SETTINGS, max_steps=30, progress=False, log=quiet, mirror_dir=root / "drive")
+    train(
+        char_data,
+        root / "vm1",
+        "phase1",
+        SETTINGS,
+        max_steps=30,
+        progress=False,
+        log=quiet,
+        mirror_dir=root / "drive",
+    )
     return root / "drive"
 
 
-def test_a_corrupt_checkpoint_on_drive_is_skipped_at_once(char_data, drive_at_30, tmp_path, monkeypatch, capsys):
+def test_a_corrupt_checkpoint_on_drive_is_skipped_at_once(
+    char_data, drive_at_30, tmp_path, monkeypatch, capsys
+):
     """One flipped byte in Drive's newest checkpoint, an empty local disk: the copy's hash check raised EIO, filed
     as "could not read", so resume waited (300 s), then refused to start. A hash mismatch is damage: skipped at
     once, resume from step 20, and the corrupt one is set aside on Drive, kept as it was."""
@@ -256,8 +370,16 @@ def test_a_corrupt_checkpoint_on_drive_is_skipped_at_once(char_data, drive_at_30
     monkeypatch.setattr(gresume, "DRIVE_RESUME_RETRY_S", 0.5)
     monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 2.0)  # before the fix: a refusal after 2 s
     logs = []
-    r = train(char_data, tmp_path / "vm2", "phase1", SETTINGS, max_steps=35, progress=False, log=logs.append,
-              mirror_dir=mirror)
+    r = train(
+        char_data,
+        tmp_path / "vm2",
+        "phase1",
+        SETTINGS,
+        max_steps=35,
+        progress=False,
+        log=logs.append,
+        mirror_dir=mirror,
+    )
     assert r.resumed_from == 20 and r.step == 35, logs
     assert "trying again" not in capsys.readouterr().err
     [line] = [m for m in logs if m.startswith("skipping checkpoint")]
@@ -281,7 +403,16 @@ def test_a_refused_start_leaves_no_copy_from_drive(char_data, drive_at_30, tmp_p
     run = tmp_path / "vm2"
     try:
         with pytest.raises(CheckpointError, match="training did not start and nothing was changed"):
-            train(char_data, run, "phase1", SETTINGS, max_steps=35, progress=False, log=quiet, mirror_dir=mirror)
+            train(
+                char_data,
+                run,
+                "phase1",
+                SETTINGS,
+                max_steps=35,
+                progress=False,
+                log=quiet,
+                mirror_dir=mirror,
+            )
     finally:
         stalled.release()
     assert not run.exists(), sorted(p.name for p in run.rglob("*"))
@@ -295,16 +426,23 @@ def rewrite_train_state(path, edit):
     torch.save(state, f)
     manifest = json.loads((path / "manifest.json").read_text())
     data = f.read_bytes()
-    manifest["files"]["train_state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"]["train_state.pt"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("recipe,moment", [("gpt2", "exp_avg"), ("modern", "momentum_buffer")])
-def test_an_optimizer_state_of_the_wrong_shape_is_skipped_as_damaged(char_data, tmp_path, recipe, moment):
+def test_an_optimizer_state_of_the_wrong_shape_is_skipped_as_damaged(
+    char_data, tmp_path, recipe, moment
+):
     """A train_state.pt that verifies but whose AdamW moment (Muon momentum) has another shape than its parameter:
     a traceback at the first step after "resumed from step 20". Now it is damaged: skipped, the run resumes from 10."""
     run = tmp_path / "run"
-    train(char_data, run, "phase1", SETTINGS, max_steps=20, progress=False, log=quiet, recipe=recipe)
+    train(
+        char_data, run, "phase1", SETTINGS, max_steps=20, progress=False, log=quiet, recipe=recipe
+    )
 
     def wrong_shape(state):
         opt = state["optimizer"]["muon"] if recipe == "modern" else state["optimizer"]
@@ -314,7 +452,16 @@ def test_an_optimizer_state_of_the_wrong_shape_is_skipped_as_damaged(char_data, 
     rewrite_train_state(ckpt(run, 20), wrong_shape)
     verify_checkpoint(ckpt(run, 20))
     logs = []
-    r = train(char_data, run, "phase1", SETTINGS, max_steps=22, progress=False, log=logs.append, recipe=recipe)
+    r = train(
+        char_data,
+        run,
+        "phase1",
+        SETTINGS,
+        max_steps=22,
+        progress=False,
+        log=logs.append,
+        recipe=recipe,
+    )
     assert r.resumed_from == 10 and r.step == 22, logs
     [line] = [m for m in logs if m.startswith("skipping checkpoint")]
     assert "step_0000020" in line and f"{moment} of parameter 0 has shape" in line, line

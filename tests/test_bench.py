@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
+from benchmarks import bench
 from gptlib.config import ModelConfig, RunConfig, TrainConfig
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.model import GPT
-from benchmarks import bench
 from gptlib.training import memory
 from gptlib.training import throughput as measure
 
@@ -23,22 +23,40 @@ LADDER_CFG = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 def test_every_ladder_rung_runs_on_cpu():
     lines = []
-    rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=4, device="cpu", steps=1, warmup=1,
-                            compile_backend="eager", log=lines.append)
+    rows = bench.run_ladder(
+        ModelConfig(**LADDER_CFG),
+        batch_size=4,
+        device="cpu",
+        steps=1,
+        warmup=1,
+        compile_backend="eager",
+        log=lines.append,
+    )
     assert [r.name for r in rows] == [r[0] for r in bench.RUNGS]
     for r in rows:
         assert r.step_s > 0 and math.isfinite(r.step_s) and r.tokens_per_s > 0
         assert r.mfu is None  # CPU: no peak, no made-up MFU
     text = "\n".join(lines)
-    assert "MFU unknown" in text and "speedup" in text and "ladder speedup, first -> last rung" in text
-    bf16_row = next(l for l in lines if l.startswith("+ bf16 autocast"))
+    assert (
+        "MFU unknown" in text and "speedup" in text and "ladder speedup, first -> last rung" in text
+    )
+    bf16_row = next(line for line in lines if line.startswith("+ bf16 autocast"))
     assert "bf16" in bf16_row.split("unknown", 1)[1]  # the row says what bf16 means on this CPU
 
 
 def test_ladder_on_a_data_dir_subset(char_data):
     lines = []
-    rows = bench.run_ladder(ModelConfig(**LADDER_CFG), batch_size=2, device="cpu", steps=1, warmup=0,
-                            data_dir=char_data, rungs=[0, 2], accum=3, log=lines.append)
+    rows = bench.run_ladder(
+        ModelConfig(**LADDER_CFG),
+        batch_size=2,
+        device="cpu",
+        steps=1,
+        warmup=0,
+        data_dir=char_data,
+        rungs=[0, 2],
+        accum=3,
+        log=lines.append,
+    )
     assert [r.name for r in rows] == [bench.RUNGS[0][0], bench.RUNGS[2][0]]
     assert "x 3 accumulation (192 tokens/step)" in lines[0]
     assert rows[1].tokens_per_s == pytest.approx(192 / rows[1].step_s)
@@ -52,19 +70,35 @@ def test_per_sample_loader_matches_shift():
     assert x.shape == (3, 8) and torch.equal(y, x + 1)
 
 
-@pytest.mark.parametrize("name,family,tflops", [
-    ("NVIDIA A100-SXM4-40GB", "A100", 312), ("NVIDIA A100 80GB PCIe", "A100", 312),
-    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989), ("NVIDIA H100 PCIe", "H100 PCIe", 756),
-    ("NVIDIA H200", "H200", 989), ("NVIDIA L4", "L4", 121), ("Tesla T4", "T4 (fp16)", 65),
-])
+@pytest.mark.parametrize(
+    "name,family,tflops",
+    [
+        ("NVIDIA A100-SXM4-40GB", "A100", 312),
+        ("NVIDIA A100 80GB PCIe", "A100", 312),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756),
+        ("NVIDIA H200", "H200", 989),
+        ("NVIDIA L4", "L4", 121),
+        ("Tesla T4", "T4 (fp16)", 65),
+    ],
+)
 def test_peak_table(name, family, tflops):
     f, peak = measure.lookup_peak(name)
     assert f == family and peak == tflops * 1e12
 
 
-@pytest.mark.parametrize("name", ["NVIDIA L40S", "NVIDIA GeForce RTX 4090", "Tesla P100-PCIE-16GB", "",
-                                  "Tesla V100-SXM2-16GB",  # Colab's torch (2.11, CUDA 12.8) has no kernels for it
-                                  "NVIDIA RTX PRO 6000 Blackwell Server Edition"])  # Colab's G4: no cited peak yet
+# Colab's G4: no cited peak yet
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA L40S",
+        "NVIDIA GeForce RTX 4090",
+        "Tesla P100-PCIE-16GB",
+        "",
+        "Tesla V100-SXM2-16GB",  # Colab's torch (2.11, CUDA 12.8) has no kernels for it
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+    ],
+)
 def test_unknown_gpu_has_no_mfu(name):
     assert measure.lookup_peak(name) == (None, None)
     assert measure.mfu(1e9, 1e5, None) is None and measure.fmt_mfu(None) == "unknown"
@@ -81,7 +115,9 @@ def test_mfu_eta_units():
     peak = measure.DevicePeak("cpu", None, "")
     assert measure.perf_fields({}, 1.0, 10.0, peak, 1, 100, 1100)["eta_s"] == 100.0
     assert measure.perf_fields({}, 1.0, 0.0, peak, 1, 0, 10)["eta_s"] is None  # no rate yet: no ETA
-    assert measure.colab_units(3600, measure.COLAB_UNITS_PER_HOUR["A100 40GB"]) == pytest.approx(5.40)
+    assert measure.colab_units(3600, measure.COLAB_UNITS_PER_HOUR["A100 40GB"]) == pytest.approx(
+        5.40
+    )
     assert measure.colab_units(1800, 2.0) == pytest.approx(1.0)
     assert measure.colab_units(3600, None) is None and measure.colab_units(math.inf, 2.0) is None
     assert measure.fmt_duration(3725) == "1h02m" and measure.fmt_duration(65) == "1m05s"
@@ -100,7 +136,9 @@ def test_step_timer_cpu():
 
 
 def _per_step(sequences):  # a config asking for `sequences` per step, in one micro-batch
-    return RunConfig(model=ModelConfig(**LADDER_CFG), train=TrainConfig(batch_size=sequences, grad_accum_steps=1))
+    return RunConfig(
+        model=ModelConfig(**LADDER_CFG), train=TrainConfig(batch_size=sequences, grad_accum_steps=1)
+    )
 
 
 def _tiny_model():
@@ -123,16 +161,25 @@ def test_probe_picks_largest_fitting_micro_batch(monkeypatch):
     monkeypatch.setattr(memory, "free_memory", lambda: freed.append(1))
     logs = []
     micro, accum, peak = memory.probe_micro_batch(model, _per_step(48), "cpu", log=logs.append)
-    assert (micro, accum, peak) == (8, 6, 0) and micro * accum == 48  # tokens per step kept; no memory probe: no peak
+    assert (micro, accum, peak) == (
+        8,
+        6,
+        0,
+    ) and micro * accum == 48  # tokens per step kept; no memory probe: no peak
     assert tried == [48, 24, 16, 12, 8]  # divisors of 48, largest first
     assert len(freed) >= len(tried)  # memory released after every try
     assert all(p.grad is None for p in model.parameters())  # nothing left behind
-    assert any("does not fit (out of memory)" in l for l in logs)
+    assert any("does not fit (out of memory)" in line for line in logs)
 
 
 def test_probe_reraises_other_errors(monkeypatch):
     model = _tiny_model()
-    assert memory.probe_micro_batch(model, _per_step(16), "cpu", log=lambda s: None) == (16, 1, 0)  # no OOM: all of it
+    # no OOM: all of it
+    assert memory.probe_micro_batch(model, _per_step(16), "cpu", log=lambda s: None) == (
+        16,
+        1,
+        0,
+    )
 
     def broken(idx, targets=None, cache=None):
         raise RuntimeError("shape mismatch")
@@ -151,7 +198,9 @@ def test_probe_takes_cublas_failing_to_allocate_as_out_of_memory(monkeypatch):
 
     def cublas_full(idx, targets=None, cache=None):
         if idx.shape[0] > 4:
-            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+            raise RuntimeError(
+                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+            )
         return real_forward(idx, targets, cache)
 
     monkeypatch.setattr(model, "forward", cublas_full)
@@ -170,18 +219,35 @@ def test_probe_nothing_fits_gives_advice(monkeypatch):
 
 
 def test_oom_advice_keeps_tokens_per_step():
-    cfg = RunConfig(model=ModelConfig(block_size=1024), train=TrainConfig(batch_size=16, grad_accum_steps=32))
+    cfg = RunConfig(
+        model=ModelConfig(block_size=1024), train=TrainConfig(batch_size=16, grad_accum_steps=32)
+    )
     msg = memory.oom_advice(cfg)
-    assert "batch_size=8" in msg and "grad_accum_steps=64" in msg and "524,288 tokens per step" in msg
+    assert (
+        "batch_size=8" in msg and "grad_accum_steps=64" in msg and "524,288 tokens per step" in msg
+    )
 
 
 def test_bench_train_cpu():
     logs = []
-    r = bench.bench_train("phase1", ["n_layer=1", "n_embd=32", "n_head=2", "block_size=32", "batch_size=4",
-                                     "grad_accum_steps=2"], device="cpu", steps=2, warmup=1, log=logs.append)
+    r = bench.bench_train(
+        "phase1",
+        [
+            "n_layer=1",
+            "n_embd=32",
+            "n_head=2",
+            "block_size=32",
+            "batch_size=4",
+            "grad_accum_steps=2",
+        ],
+        device="cpu",
+        steps=2,
+        warmup=1,
+        log=logs.append,
+    )
     assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["micro_batch"] == 4
     assert set(r["split"]) == {"data", "fwd_bwd", "optim"}
-    assert any(l.startswith("ETA for the preset") for l in logs)
+    assert any(line.startswith("ETA for the preset") for line in logs)
 
 
 def test_oom_in_training_gives_next_setting_and_frees_the_model(char_data, tmp_path, monkeypatch):
@@ -205,42 +271,125 @@ def test_oom_in_training_gives_next_setting_and_frees_the_model(char_data, tmp_p
     monkeypatch.setattr(Model, "forward", flaky_forward)
     run_dir = tmp_path / "run"
     gc.collect()
-    alive = {id(o) for o in gc.get_objects() if isinstance(o, Model)}  # other tests' (a Playground keeps its model)
+    # other tests' (a Playground keeps its model)
+    alive = {id(o) for o in gc.get_objects() if isinstance(o, Model)}
     with pytest.raises(OutOfMemoryAdvice) as info:
-        train(char_data, run_dir, "phase1", overrides=TINY + ["max_steps=20"], device="cpu", progress=False,
-              log=lambda m: None)
+        train(
+            char_data,
+            run_dir,
+            "phase1",
+            overrides=TINY + ["max_steps=20"],
+            device="cpu",
+            progress=False,
+            log=lambda m: None,
+        )
     msg = str(info.value)
     assert "micro-batch 8 x 32" in msg and "--set batch_size=4 --set grad_accum_steps=2" in msg
-    assert "2,048 tokens per step" not in msg and "256 tokens per step" in msg and "re-run to resume" in msg
-    assert info.value.__context__ is None  # not chained to the OOM (whose frames would pin GPU memory)
+    assert (
+        "2,048 tokens per step" not in msg
+        and "256 tokens per step" in msg
+        and "re-run to resume" in msg
+    )
+    # not chained to the OOM (whose frames would pin GPU memory)
+    assert info.value.__context__ is None
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, Model) and id(o) not in alive]  # none pinned by the error
+    # none pinned by the error
+    assert not [o for o in gc.get_objects() if isinstance(o, Model) and id(o) not in alive]
 
     monkeypatch.setattr(Model, "forward", real_forward)
-    r = train(char_data, run_dir, "phase1", overrides=TINY + ["max_steps=20", "batch_size=4", "grad_accum_steps=2"],
-              device="cpu", progress=False, log=lambda m: None)
+    r = train(
+        char_data,
+        run_dir,
+        "phase1",
+        overrides=TINY + ["max_steps=20", "batch_size=4", "grad_accum_steps=2"],
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     assert r.resumed_from == 10 and r.step == 20
 
 
 def test_bench_script_ladder_and_train(capsys):
     """`python benchmarks/bench.py ladder|train`: its command line, as gpu_check.sh and the README run it."""
     main = bench.main
-    assert main(["ladder", "--device", "cpu", "--preset", "phase1", "--set", "n_layer=1",
-                 "--set", "block_size=32", "--steps", "1", "--warmup", "0", "--rungs", "1,2", "--batch-size", "2"]) == 0
+    assert (
+        main(
+            [
+                "ladder",
+                "--device",
+                "cpu",
+                "--preset",
+                "phase1",
+                "--set",
+                "n_layer=1",
+                "--set",
+                "block_size=32",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--rungs",
+                "1,2",
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("torch ") and "RAM preload" in out and "vectorised batches" in out
     assert "memmap + per-sample loop" not in out.split("----")[-1]  # only the rungs asked for
-    assert main(["train", "--preset", "phase1", "--device", "cpu", "--steps", "1", "--warmup", "0",
-                 "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "phase1",
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--set",
+                "n_layer=1",
+                "--set",
+                "block_size=32",
+                "--set",
+                "batch_size=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "MFU unknown" in out and "time split: data" in out and "ETA for the preset" in out
     assert "recipe gpt2" in out
-    modern = ["train", "--preset", "phase1", "--recipe", "modern", "--device", "cpu", "--steps", "1",
-              "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32", "--set", "batch_size=2"]
+    modern = [
+        "train",
+        "--preset",
+        "phase1",
+        "--recipe",
+        "modern",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--set",
+        "n_layer=1",
+        "--set",
+        "block_size=32",
+        "--set",
+        "batch_size=2",
+    ]
     if hasattr(torch.optim, "Muon"):
         assert main(modern) == 0 and "recipe modern" in capsys.readouterr().out
     else:  # the oldest torch CI tests: one line naming the version Muon needs
-        assert main(modern) == 2 and "needs torch.optim.Muon, in torch >= 2.9" in capsys.readouterr().err
+        assert (
+            main(modern) == 2
+            and "needs torch.optim.Muon, in torch >= 2.9" in capsys.readouterr().err
+        )
 
 
 def test_bench_script_runs_from_a_shell_and_gptlib_has_no_bench_command(tmp_path, capsys):
@@ -248,10 +397,33 @@ def test_bench_script_runs_from_a_shell_and_gptlib_has_no_bench_command(tmp_path
     from gptlib.__main__ import main as gptlib_main
     from tests.conftest import REPO
 
-    p = subprocess.run([sys.executable, "benchmarks/bench.py", "train", "--preset", "phase1", "--device", "cpu",
-                        "--steps", "1", "--warmup", "0", "--set", "n_layer=1", "--set", "block_size=32",
-                        "--set", "batch_size=2"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench.py",
+            "train",
+            "--preset",
+            "phase1",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--set",
+            "n_layer=1",
+            "--set",
+            "block_size=32",
+            "--set",
+            "batch_size=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0 and "ETA for the preset" in p.stdout, p.stdout + p.stderr
-    assert gptlib_main(["bench", "train"]) == 2  # the command of an earlier release: its replacement named
+    # the command of an earlier release: its replacement named
+    assert gptlib_main(["bench", "train"]) == 2
     assert "error: bench is not in gptlib" in capsys.readouterr().err

@@ -7,23 +7,43 @@ from gptlib.data.catalog import DEMO, MY_FILES, SOURCES, parse_count, source_inp
 
 
 def test_every_known_source_names_its_files_and_options():
-    assert {"TinyStories", "FineWeb-Edu sample-10BT", "OpenWebText", "github-code (as the original author used it)",
-            "UltraChat-200k (chat)", MY_FILES} <= set(SOURCES)
+    assert {
+        "TinyStories",
+        "FineWeb-Edu sample-10BT",
+        "OpenWebText",
+        "github-code (as the original author used it)",
+        "UltraChat-200k (chat)",
+        MY_FILES,
+    } <= set(SOURCES)
     logs = []
     fw = source_inputs("FineWeb-Edu sample-10BT", log=logs.append)
-    assert fw == (["hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"],
-                  {"text_column": "text", "format": "text", "max_tokens": 2_800_000_000})
-    assert logs == ["source: FineWeb-Edu sample-10BT: educational web pages (build-nanogpt's corpus), ~10B tokens"]
+    assert fw == (
+        ["hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet"],
+        {"text_column": "text", "format": "text", "max_tokens": 2_800_000_000},
+    )
+    assert logs == [
+        "source: FineWeb-Edu sample-10BT: educational web pages (build-nanogpt's corpus), ~10B tokens"
+    ]
     code = source_inputs("github-code (as the original author used it)", log=logs.append)
-    assert code == (["hf://datasets/codeparrot/github-code/data/train-*.parquet"],
-                    {"text_column": "code", "format": "text", "max_tokens": 2_800_000_000})
+    assert code == (
+        ["hf://datasets/codeparrot/github-code/data/train-*.parquet"],
+        {"text_column": "code", "format": "text", "max_tokens": 2_800_000_000},
+    )
     chat = source_inputs("UltraChat-200k (chat)", log=logs.append)
-    assert chat == (["hf://datasets/HuggingFaceH4/ultrachat_200k/data/train_sft-*.parquet"],
-                    {"text_column": "messages", "format": "chat", "max_tokens": None})
-    assert source_inputs("TinyStories", max_tokens="0", log=logs.append)[1]["max_tokens"] is None  # 0 = all
-    assert source_inputs("OpenWebText", max_tokens="500M", log=logs.append)[1]["max_tokens"] == 500_000_000
+    assert chat == (
+        ["hf://datasets/HuggingFaceH4/ultrachat_200k/data/train_sft-*.parquet"],
+        {"text_column": "messages", "format": "chat", "max_tokens": None},
+    )
+    # 0 = all
+    assert source_inputs("TinyStories", max_tokens="0", log=logs.append)[1]["max_tokens"] is None
+    assert (
+        source_inputs("OpenWebText", max_tokens="500M", log=logs.append)[1]["max_tokens"]
+        == 500_000_000
+    )
     for label, src in SOURCES.items():  # a Hub source names files (a glob), never a bare dataset
-        assert src.input is None or (src.input.startswith("hf://datasets/") and src.input.endswith("*.parquet")), label
+        assert src.input is None or (
+            src.input.startswith("hf://datasets/") and src.input.endswith("*.parquet")
+        ), label
 
 
 def test_the_demo_corpus_is_the_verified_tiny_shakespeare(tmp_path, monkeypatch, shakespeare_path):
@@ -34,23 +54,40 @@ def test_the_demo_corpus_is_the_verified_tiny_shakespeare(tmp_path, monkeypatch,
     monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path))
     logs = []
     for how in ("downloaded and checksum-verified", "found in the cache, checksum-verified"):
-        assert source_inputs(DEMO, log=logs.append) == ([tmp_path / "tinyshakespeare.txt"],
-                                                        {"text_column": None, "format": "text", "max_tokens": None})
+        assert source_inputs(DEMO, log=logs.append) == (
+            [tmp_path / "tinyshakespeare.txt"],
+            {"text_column": None, "format": "text", "max_tokens": None},
+        )
         assert logs.pop() == f"source: {DEMO}: 1.1 MB, {how} ({tmp_path / 'tinyshakespeare.txt'})"
-    (tmp_path / "tinyshakespeare.txt").write_text("corrupt")  # a damaged cache is replaced: downloaded again
+    # a damaged cache is replaced: downloaded again
+    (tmp_path / "tinyshakespeare.txt").write_text("corrupt")
     source_inputs(DEMO, log=logs.append)
-    assert logs == [f"source: {DEMO}: 1.1 MB, downloaded and checksum-verified ({tmp_path / 'tinyshakespeare.txt'})"]
+    assert logs == [
+        f"source: {DEMO}: 1.1 MB, downloaded and checksum-verified ({tmp_path / 'tinyshakespeare.txt'})"
+    ]
 
 
 def test_the_users_input_wins_and_gets_no_defaults():
     logs = []
-    mine = source_inputs("github-code (as the original author used it)", "/content/drive/MyDrive/a/*.parquet, b.jsonl",
-                         log=logs.append)
-    assert mine == (["/content/drive/MyDrive/a/*.parquet", "b.jsonl"],  # format auto: conversations read as chat
-                    {"text_column": None, "format": "auto", "max_tokens": None})
+    mine = source_inputs(
+        "github-code (as the original author used it)",
+        "/content/drive/MyDrive/a/*.parquet, b.jsonl",
+        log=logs.append,
+    )
+    assert mine == (
+        # format auto: conversations read as chat
+        [
+            "/content/drive/MyDrive/a/*.parquet",
+            "b.jsonl",
+        ],
+        {"text_column": None, "format": "auto", "max_tokens": None},
+    )
     assert logs == []
     assert source_inputs(MY_FILES, "x.jsonl", "body", "2.8B", "chat")[1] == {
-        "text_column": "body", "format": "chat", "max_tokens": 2_800_000_000}
+        "text_column": "body",
+        "format": "chat",
+        "max_tokens": 2_800_000_000,
+    }
     with pytest.raises(ValueError, match="put the files, folders or globs in INPUT"):
         source_inputs(MY_FILES)
     with pytest.raises(ValueError, match="unknown source 'Wikipedia'"):

@@ -16,8 +16,15 @@ import torch
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
 from gptlib.checkpoint import resume as gresume
-from gptlib.checkpoint.format import (CheckpointError, TrainState, list_checkpoints, load_checkpoint, load_weights_into,
-                                      save_checkpoint, verify_checkpoint)
+from gptlib.checkpoint.format import (
+    CheckpointError,
+    TrainState,
+    list_checkpoints,
+    load_checkpoint,
+    load_weights_into,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.checkpoint.resume import find_resume
 from gptlib.checkpoint.rotation import clean_orphans, rotate
@@ -30,7 +37,11 @@ from tests import faulty
 
 def ckpt(step: int, model: dict, optimizer: dict | None = None, best: int | None = None) -> dict:
     """What training hands the writer: the parts' state_dicts and the progress."""
-    return {"model": model, "optimizer": optimizer or {}, "progress": TrainState(step=step, best_step=best).state_dict()}
+    return {
+        "model": model,
+        "optimizer": optimizer or {},
+        "progress": TrainState(step=step, best_step=best).state_dict(),
+    }
 
 
 def sd(v: float = 1.0) -> dict:
@@ -38,16 +49,25 @@ def sd(v: float = 1.0) -> dict:
 
 
 def save(run_dir, step, v=1.0, extra=None):
-    return save_checkpoint(run_dir / "checkpoints", ckpt(step, sd(v), {"opt": {"m": torch.ones(2) * v}}), extra)
+    return save_checkpoint(
+        run_dir / "checkpoints", ckpt(step, sd(v), {"opt": {"m": torch.ones(2) * v}}), extra
+    )
 
 
 def test_write_verify_load_roundtrip(tmp_path):
     p = save(tmp_path, 7, 2.0, extra={"metrics.jsonl": b'{"step": 1}\n'})
     assert p.name == "step_0000007"
     info = verify_checkpoint(p)
-    assert info.step == 7 and set(info.manifest["files"]) == {"model.pt", "train_state.pt", "state.json", "metrics.jsonl"}
+    assert info.step == 7 and set(info.manifest["files"]) == {
+        "model.pt",
+        "train_state.pt",
+        "state.json",
+        "metrics.jsonl",
+    }
     c = load_checkpoint(p)
-    assert torch.equal(c["model"]["w"], sd(2.0)["w"]) and torch.equal(c["optimizer"]["opt"]["m"], torch.ones(2) * 2)
+    assert torch.equal(c["model"]["w"], sd(2.0)["w"]) and torch.equal(
+        c["optimizer"]["opt"]["m"], torch.ones(2) * 2
+    )
     assert c["progress"]["step"] == 7 and c["logs"] == {"metrics.jsonl": b'{"step": 1}\n'}
     assert not [q for q in p.parent.iterdir() if q != p], "no temp or partial leftovers"
 
@@ -100,11 +120,14 @@ def test_what_cannot_be_read_now_is_not_damage(tmp_path, how):
     name = "manifest.json" if "manifest" in how else "model.pt"
     (p / name).unlink()
     if how.endswith("fifo"):
-        os.mkfifo(p / name)  # opening it would block, as a read on a dead FUSE mount does: never opened here
+        # opening it would block, as a read on a dead FUSE mount does: never opened here
+        os.mkfifo(p / name)
     for check in (verify_checkpoint, load_checkpoint):
         with pytest.raises(UnreadableError, match=str(p / name)) as e:
             check(p)
-        assert "now (a Drive that does not answer" in str(e.value) and "did not finish" not in str(e.value)
+        assert "now (a Drive that does not answer" in str(e.value) and "did not finish" not in str(
+            e.value
+        )
         assert isinstance(e.value, OSError) and not isinstance(e.value, CheckpointError)
 
 
@@ -125,13 +148,17 @@ def test_the_resume_search_falls_back_and_spans_dirs(tmp_path):
     assert resume.state.step == 20 and resume.origin == drive / "checkpoints" / "step_0000020"
     assert resume.info.path == local / "checkpoints" / "step_0000020"  # the copy it loaded
     assert torch.equal(resume.checkpoint["model"]["w"], sd(2.0)["w"])
-    assert list(passed.damaged) == [drive / "checkpoints" / "step_0000030"] and passed.mirror_step == 30
+    assert (
+        list(passed.damaged) == [drive / "checkpoints" / "step_0000030"]
+        and passed.mirror_step == 30
+    )
     assert len(logs) == 1 and "step_0000030" in logs[0] and "truncated" in logs[0]
     put(local, 40, 4.0)
     put(drive, 40, 5.0)  # the same step in both: the local one (fast) is taken
     resume, _ = find_resume(local, drive, logs.append)
-    assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(resume.checkpoint["model"]["w"],
-                                                                                   sd(4.0)["w"])
+    assert resume.origin == local / "checkpoints" / "step_0000040" and torch.equal(
+        resume.checkpoint["model"]["w"], sd(4.0)["w"]
+    )
 
 
 def test_a_damaged_checkpoint_is_looked_at_again_before_it_is_set_aside(tmp_path, monkeypatch):
@@ -145,13 +172,15 @@ def test_a_damaged_checkpoint_is_looked_at_again_before_it_is_set_aside(tmp_path
     logs = []
     resume, passed = find_resume(local, drive, logs.append)
     assert resume is None and len(passed.damaged) == 3
-    changed, gone = drive / "checkpoints" / "step_0000030", drive / "checkpoints" / "step_0000020"
-    save(drive, 30, 3.5)  # re-saved since (another look finds another manifest)
+    gone = drive / "checkpoints" / "step_0000020"
+    save(drive, 30, 3.5)  # step 30 re-saved since (another look finds another manifest)
     (gone / "manifest.json").unlink()
     os.mkfifo(gone / "manifest.json")  # cannot be read now
     gresume.set_aside_damaged(passed, resume, logs.append)
-    names = sorted(p.name.split(".damaged-")[0] + (".damaged" if ".damaged-" in p.name else "")
-                   for p in (drive / "checkpoints").iterdir())
+    names = sorted(
+        p.name.split(".damaged-")[0] + (".damaged" if ".damaged-" in p.name else "")
+        for p in (drive / "checkpoints").iterdir()
+    )
     assert names == ["step_0000010.damaged", "step_0000020", "step_0000030"]
     assert sum("looks different now: left as it is" in m for m in logs) == 2, logs
 
@@ -168,7 +197,10 @@ def test_malicious_pickle_refused(tmp_path):
     p = save(tmp_path, 2)
     (p / "model.pt").write_bytes(pickle.dumps(Evil()))
     m = json.loads((p / "manifest.json").read_text())
-    m["files"]["model.pt"] = {"size": (p / "model.pt").stat().st_size, "sha256": sha256_file(p / "model.pt")}
+    m["files"]["model.pt"] = {
+        "size": (p / "model.pt").stat().st_size,
+        "sha256": sha256_file(p / "model.pt"),
+    }
     (p / "manifest.json").write_text(json.dumps(m))
     verify_checkpoint(p)  # consistent manifest: only weights_only loading stops it
     with pytest.raises(CheckpointError, match="cannot load safely"):
@@ -181,7 +213,9 @@ def test_checked_load():
     clean = {k: v.clone() for k, v in m.state_dict().items()}
     load_weights_into(m, clean, "x")
     bad = dict(clean, weight=torch.zeros(5, 3))
-    with pytest.raises(CheckpointError, match=r"weight has shape \(5, 3\) in the checkpoint but \(2, 3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"weight has shape \(5, 3\) in the checkpoint but \(2, 3\)"
+    ):
         load_weights_into(m, bad, "ckpt")
     with pytest.raises(CheckpointError, match="missing"):
         load_weights_into(m, {"weight": clean["weight"]}, "ckpt")
@@ -194,7 +228,11 @@ def test_rotate_keeps_last_and_best_and_truncates(tmp_path):
     # A hard link outside: after a truncating delete it must be empty (Drive's trash keeps no bytes).
     os.link(root / "step_0000001" / "model.pt", tmp_path / "trash_model.pt")
     deleted = rotate(tmp_path, keep_last=1, best_step=2, truncate=True)  # keep_last < 2 means 2
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000004", "step_0000002"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000005",
+        "step_0000004",
+        "step_0000002",
+    ]
     assert sorted(p.name for p in deleted) == ["step_0000001", "step_0000003"]
     assert (tmp_path / "trash_model.pt").stat().st_size == 0
 
@@ -203,7 +241,11 @@ def test_rotate_keeps_milestones(tmp_path):
     for s in (100, 200, 250, 300, 400, 450):
         save(tmp_path, s)
     deleted = rotate(tmp_path, keep_last=2, best_step=None, keep_every=200)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000450", "step_0000400", "step_0000200"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000450",
+        "step_0000400",
+        "step_0000200",
+    ]
     assert sorted(p.name for p in deleted) == ["step_0000100", "step_0000250", "step_0000300"]
     rotate(tmp_path, keep_last=2, best_step=None)  # keep_every=0: no milestones
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000450", "step_0000400"]
@@ -213,13 +255,24 @@ def test_rotate_skips_invalid_and_protected(tmp_path):
     for s in (1, 2, 3, 4):
         save(tmp_path, s)
     root = tmp_path / "checkpoints"
-    (root / "step_0000004" / "manifest.json").write_text("{not json")  # damaged: does not count as kept
+    # damaged: does not count as kept
+    (root / "step_0000004" / "manifest.json").write_text("{not json")
     rotate(tmp_path, keep_last=2, best_step=None, protect={root / "step_0000001"})
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000003", "step_0000002", "step_0000001"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000003",
+        "step_0000002",
+        "step_0000001",
+    ]
     save(tmp_path, 5)
-    (root / "step_0000005" / "manifest.json").unlink()  # cannot be read now (Drive): kept, not counted
+    (
+        root / "step_0000005" / "manifest.json"
+    ).unlink()  # cannot be read now (Drive): kept, not counted
     rotate(tmp_path, keep_last=2, best_step=None)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000003", "step_0000002"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000005",
+        "step_0000003",
+        "step_0000002",
+    ]
 
 
 def test_rotate_deletes_nothing_when_nothing_verifies(tmp_path):
@@ -249,7 +302,9 @@ def test_mirror_copy_verifies_and_refuses_changed_source(tmp_path):
     assert verify_checkpoint(dst).step == 4
     assert mirror_checkpoint(src, tmp_path / "drive") == dst  # already there: no copy
     src2 = save(tmp_path / "local", 6)
-    with open(src2 / "model.pt", "r+b") as f:  # the local file changed after its manifest was written
+    with open(
+        src2 / "model.pt", "r+b"
+    ) as f:  # the local file changed after its manifest was written
         f.seek(100)
         f.write(b"\x00\x01")
     with pytest.raises(CheckpointError, match="sha256 differs"):  # damaged, not a Drive that failed
@@ -284,23 +339,49 @@ def test_a_save_hashes_each_file_once_and_never_reads_drive_back(tmp_path, monke
     monkeypatch.setattr(hashlib, "sha256", lambda *a: made.append(1) or real(*a))
     local, drive = tmp_path / "local", tmp_path / "drive"
     reads, real_open = [], builtins.open
-    monkeypatch.setattr(builtins, "open", lambda f, mode="r", *a, **k: (
-        reads.append(Path(f).name) if "r" in mode and Path(str(f)).parent.parent == local / "checkpoints" else None)
-        or real_open(f, mode, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "open",
+        lambda f, mode="r", *a, **k: (
+            (
+                reads.append(Path(f).name)
+                if "r" in mode and Path(str(f)).parent.parent == local / "checkpoints"
+                else None
+            )
+            or real_open(f, mode, *a, **k)
+        ),
+    )
     w = CheckpointWriter(local, mirror_dir=drive)
     local.mkdir()
-    for name in ("config.json", "tokenizer.json", "metrics.jsonl", "samples.jsonl", "samples.md", "loss.png"):
+    for name in (
+        "config.json",
+        "tokenizer.json",
+        "metrics.jsonl",
+        "samples.jsonl",
+        "samples.md",
+        "loss.png",
+    ):
         (local / name).write_text(f"{name}\n")
     w.save(ckpt(1, sd(), {"x": torch.ones(1)}))
     assert w.close()["mirror_step"] == 1
-    files = sorted(p.name for p in (local / "checkpoints" / "step_0000001").iterdir() if p.name != "manifest.json")
+    files = sorted(
+        p.name
+        for p in (local / "checkpoints" / "step_0000001").iterdir()
+        if p.name != "manifest.json"
+    )
     assert files == ["metrics.jsonl", "model.pt", "samples.jsonl", "state.json", "train_state.pt"]
     assert len(made) == 2 * len(files) + 1  # written, copied (and the manifest copied)
     assert sorted(reads) == sorted(files + ["manifest.json"])  # read once each: by the Drive copy
     assert verify_checkpoint(drive / "checkpoints" / "step_0000001").step == 1
-    assert (drive / "checkpoints" / "step_0000001" / "metrics.jsonl").read_text() == "metrics.jsonl\n"
-    assert sorted(p.name for p in drive.iterdir() if p.is_file()) == ["config.json", "loss.png", "samples.md",
-                                                                     "tokenizer.json"]
+    assert (
+        drive / "checkpoints" / "step_0000001" / "metrics.jsonl"
+    ).read_text() == "metrics.jsonl\n"
+    assert sorted(p.name for p in drive.iterdir() if p.is_file()) == [
+        "config.json",
+        "loss.png",
+        "samples.md",
+        "tokenizer.json",
+    ]
 
 
 def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
@@ -314,16 +395,27 @@ def test_writer_copies_every_milestone_to_the_mirror(tmp_path, monkeypatch):
         return real(src, dst, progress)
 
     monkeypatch.setattr(mirror, "mirror_checkpoint", slow_first_copy)
-    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
+    w = CheckpointWriter(
+        tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2
+    )
     for s in range(1, 7):
         w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=None))
         w.wait()
     st = w.close()
     assert st["mirror_step"] == 6 and st["mirror_error"] is None
-    assert calls[:2] == ["step_0000001", "step_0000006"]  # the newest first: it is what a resume needs
+    # the newest first: it is what a resume needs
+    assert calls[:2] == [
+        "step_0000001",
+        "step_0000006",
+    ]
     assert "step_0000003" not in calls  # superseded while Drive was busy, and not a milestone
-    assert [p.name for p in list_checkpoints(tmp_path / "drive")] == ["step_0000006", "step_0000004", "step_0000002"]
-    local = [p.name for p in list_checkpoints(tmp_path / "local")]  # step 1 was protected while being copied
+    assert [p.name for p in list_checkpoints(tmp_path / "drive")] == [
+        "step_0000006",
+        "step_0000004",
+        "step_0000002",
+    ]
+    # step 1 was protected while being copied
+    local = [p.name for p in list_checkpoints(tmp_path / "local")]
     assert local[:4] == ["step_0000006", "step_0000005", "step_0000004", "step_0000002"]
 
 
@@ -358,7 +450,9 @@ def _drive(tmp_path):
 
 def test_a_milestone_copied_late_keeps_the_current_best_on_the_mirror(tmp_path, monkeypatch):
     calls, gate = _gated_mirror(monkeypatch)
-    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=5)
+    w = CheckpointWriter(
+        tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=5
+    )
 
     def save(s, best):
         w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=best))
@@ -382,7 +476,9 @@ def test_a_milestone_copied_late_keeps_the_current_best_on_the_mirror(tmp_path, 
 def test_a_superseded_retry_does_not_strand_milestones(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mirror, "MIRROR_RETRY_DELAYS_S", (5.0,))
     calls, gate = _gated_mirror(monkeypatch, fail_once={"step_0000011"})
-    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=10)
+    w = CheckpointWriter(
+        tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=10
+    )
 
     def save(s):
         w.save(ckpt(s, sd(s), {"x": torch.ones(1)}, best=None))
@@ -408,13 +504,21 @@ def test_milestones_survive_a_change_of_keep_every(tmp_path):
     for s in range(1, 6):
         w.save(ckpt(s, sd(s), {}, best=None))
         w.wait()
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000005", "step_0000004", "step_0000002"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000005",
+        "step_0000004",
+        "step_0000002",
+    ]
     w = CheckpointWriter(tmp_path, keep_last=2, keep_every=0)  # resumed with keep_every=0
     for s in range(6, 9):
         w.save(ckpt(s, sd(s), {}, best=None))
         w.wait()
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000008", "step_0000007", "step_0000004",
-                                                            "step_0000002"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_0000008",
+        "step_0000007",
+        "step_0000004",
+        "step_0000002",
+    ]
 
 
 def test_resuming_locally_copies_the_local_milestones(tmp_path):
@@ -422,8 +526,11 @@ def test_resuming_locally_copies_the_local_milestones(tmp_path):
     for s in range(1, 6):
         w.save(ckpt(s, sd(s), {}, best=None))
         w.wait()
-    w = CheckpointWriter(tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2)
-    w.mirror_existing(tmp_path / "local" / "checkpoints" / "step_0000005")  # what train() does on a local resume
+    w = CheckpointWriter(
+        tmp_path / "local", keep_last=2, mirror_dir=tmp_path / "drive", keep_every=2
+    )
+    # what train() does on a local resume
+    w.mirror_existing(tmp_path / "local" / "checkpoints" / "step_0000005")
     w.close(timeout=10)
     assert _drive(tmp_path) == ["step_0000005", "step_0000004", "step_0000002"]
 
@@ -478,8 +585,13 @@ def test_importing_gptlib_checkpoint_and_colab_has_no_side_effects(tmp_path):
     import subprocess
     import sys
 
-    code = "import gptlib.checkpoint.format, gptlib.colab, sys; print(sorted(m for m in sys.modules if m.startswith('google')))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    code = (
+        "import gptlib.checkpoint.format, gptlib.colab, sys; "
+        "print(sorted(m for m in sys.modules if m.startswith('google')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "[]" and not list(tmp_path.iterdir())
 
 
@@ -487,7 +599,8 @@ def test_writer_close_is_bounded_when_drive_hangs(tmp_path, monkeypatch, capsys)
     import threading
 
     release = threading.Event()
-    monkeypatch.setattr(mirror, "MIRROR_RETRY_DELAYS_S", ())  # one attempt, so the thread ends after release
+    # one attempt, so the thread ends after release
+    monkeypatch.setattr(mirror, "MIRROR_RETRY_DELAYS_S", ())
     monkeypatch.setattr(mirror, "copy_file_verified", lambda *a, **k: release.wait(10))
     w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
     w.save(ckpt(1, sd(), {}, best=None))
@@ -522,7 +635,8 @@ def test_mirror_backoff_is_not_cut_short_by_a_same_step_resave(tmp_path, monkeyp
     deadline = time.monotonic() + 5
     while not times and time.monotonic() < deadline:
         time.sleep(0.01)
-    w.save(ckpt(5, sd(2.0), {}, best=None))  # the same step again (e.g. resumed, then stopped at once)
+    # the same step again (e.g. resumed, then stopped at once)
+    w.save(ckpt(5, sd(2.0), {}, best=None))
     w.close()
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert len(times) == 6 and gaps[0] >= 0.15 and gaps[1] >= 0.15, gaps
@@ -553,7 +667,9 @@ def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_pat
     w.wait()
     host = list(w._host)
     assert [tuple(t.shape) for t in host] == [(3, 5), (7,), (9,), ()]  # the tied tensor once
-    assert (tmp_path / "checkpoints" / "step_0000001" / "model.pt").stat().st_size < 2000  # a and b once each
+    assert (
+        tmp_path / "checkpoints" / "step_0000001" / "model.pt"
+    ).stat().st_size < 2000  # a and b once each
     a0 = a.clone()
     a.add_(1.0)
     opt["m"].mul_(3)
@@ -563,7 +679,10 @@ def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_pat
     c = load_checkpoint(tmp_path / "checkpoints" / "step_0000002")
     m = c["model"]
     assert torch.equal(m["a"], a) and torch.equal(m["tied"], a) and torch.equal(m["b"], b)
-    assert torch.equal(c["optimizer"]["opt"]["m"], opt["m"]) and c["optimizer"]["opt"]["step"] == 3.0
-    assert torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_0000001")["model"]["a"], a0)  # the first save kept its own values
+    assert (
+        torch.equal(c["optimizer"]["opt"]["m"], opt["m"]) and c["optimizer"]["opt"]["step"] == 3.0
+    )
+    # the first save kept its own values
+    assert torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_0000001")["model"]["a"], a0)
     w.close()
     assert w._host == []  # not held after training

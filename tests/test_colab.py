@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gptlib import colab
-from gptlib.errors import GptlibError
 from gptlib.checkpoint.format import verify_checkpoint
+from gptlib.errors import GptlibError
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests.conftest import TINY
@@ -23,7 +23,9 @@ class FakeDrive:
         self.fail = fail
 
     def mount(self, mountpoint, force_remount=False, timeout_ms=120000, readonly=False):
-        self.calls.append({"mountpoint": mountpoint, "force_remount": force_remount, "timeout_ms": timeout_ms})
+        self.calls.append(
+            {"mountpoint": mountpoint, "force_remount": force_remount, "timeout_ms": timeout_ms}
+        )
         if self.fail is not None:
             raise self.fail
         from pathlib import Path
@@ -77,7 +79,10 @@ def test_colab_mounts_drive_once(fake_colab, tmp_path):
     assert roots.persistent == tmp_path / "content" / "drive" / "MyDrive" / "gptlib"
     assert roots.local == tmp_path / "content" / "gptlib_local"
     rp = colab.run_paths("gpt2", roots)
-    assert rp.run_dir == roots.local / "runs" / "gpt2" and rp.mirror_dir == roots.persistent / "runs" / "gpt2"
+    assert (
+        rp.run_dir == roots.local / "runs" / "gpt2"
+        and rp.mirror_dir == roots.persistent / "runs" / "gpt2"
+    )
     assert colab.data_dir("owt", roots) == roots.persistent / "data" / "owt"
 
 
@@ -99,7 +104,11 @@ def test_colab_mount_timeout_has_clear_message(fake_colab):
 
 def test_colab_without_drive_keeps_everything_local(fake_colab, tmp_path):
     roots = colab.setup(use_drive=False)
-    assert not fake_colab.calls and roots.persistent == roots.local and colab.run_paths("x", roots).mirror_dir is None
+    assert (
+        not fake_colab.calls
+        and roots.persistent == roots.local
+        and colab.run_paths("x", roots).mirror_dir is None
+    )
 
 
 def test_bad_run_name():
@@ -114,21 +123,40 @@ def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, cap
     try:
         settings = TINY + ["save_every_steps=5"]
         rp = colab.run_paths("tiny", colab.setup())
-        r = train(char_data, rp.run_dir, "phase1", settings, max_steps=10, device="cpu", progress=False,
-                  mirror_dir=rp.mirror_dir)
+        r = train(
+            char_data,
+            rp.run_dir,
+            "phase1",
+            settings,
+            max_steps=10,
+            device="cpu",
+            progress=False,
+            mirror_dir=rp.mirror_dir,
+        )
         assert r.step == 10
         assert verify_checkpoint(rp.mirror_dir / "checkpoints" / "step_0000010").step == 10
         for name in ("config.json", "tokenizer.json", "loss.png"):
             assert (rp.mirror_dir / name).is_file(), name
-        assert (rp.mirror_dir / "checkpoints" / "step_0000010" / "metrics.jsonl").is_file()  # the logs: inside it
+        assert (
+            rp.mirror_dir / "checkpoints" / "step_0000010" / "metrics.jsonl"
+        ).is_file()  # the logs: inside it
         shutil.rmtree(colab.setup().local)  # disconnect: a new VM, same Drive
         rp2 = colab.run_paths("tiny", colab.setup())
         capsys.readouterr()
-        r2 = train(char_data, rp2.run_dir, "phase1", settings, max_steps=15, device="cpu", progress=False,
-                   mirror_dir=rp2.mirror_dir)
+        r2 = train(
+            char_data,
+            rp2.run_dir,
+            "phase1",
+            settings,
+            max_steps=15,
+            device="cpu",
+            progress=False,
+            mirror_dir=rp2.mirror_dir,
+        )
         out = capsys.readouterr().out
         assert r2.resumed_from == 10 and "on the Drive mirror" in out, out
-        assert [row["step"] for row in read_metrics(rp2.run_dir)] == list(range(1, 16))  # the curve continues
+        # the curve continues
+        assert [row["step"] for row in read_metrics(rp2.run_dir)] == list(range(1, 16))
         assert verify_checkpoint(rp2.mirror_dir / "checkpoints" / "step_0000015").step == 15
     finally:
         torch.set_num_threads(n)

@@ -10,7 +10,9 @@ def test_presets_have_the_promised_shapes():
     p1 = get_preset("phase1").validate()
     assert model_size(p1.model).params <= 1_050_000  # "at most ~1M parameters"
     p2 = get_preset("phase2").validate()
-    assert 4 <= p2.model.n_layer <= 6 and 256 <= p2.model.n_embd <= 384 and p2.model.block_size == 512
+    assert (
+        4 <= p2.model.n_layer <= 6 and 256 <= p2.model.n_embd <= 384 and p2.model.block_size == 512
+    )
     g = get_preset("gpt2-small").validate()
     m = g.model
     assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size) == (12, 768, 12, 1024, 32768)
@@ -28,16 +30,33 @@ def test_unknown_preset_names_the_choices():
 
 def test_updated_parses_types_and_rejects_unknown_fields():
     preset = get_preset("phase1")
-    cfg = preset.updated(["n_layer=6", "learning_rate=3e-4", "model.dropout=0.1", "max_steps=1e3",
-                          "sample_prompts=[\"a\", \"b\"]", "bias=true"])
+    cfg = preset.updated(
+        [
+            "n_layer=6",
+            "learning_rate=3e-4",
+            "model.dropout=0.1",
+            "max_steps=1e3",
+            'sample_prompts=["a", "b"]',
+            "bias=true",
+        ]
+    )
     assert cfg.model.n_layer == 6 and cfg.train.learning_rate == 3e-4 and cfg.model.dropout == 0.1
-    assert cfg.train.max_steps == 1000 and cfg.train.sample_prompts == ["a", "b"] and cfg.model.bias is True
+    assert (
+        cfg.train.max_steps == 1000
+        and cfg.train.sample_prompts == ["a", "b"]
+        and cfg.model.bias is True
+    )
     assert preset.model.n_layer == 3  # a copy: the preset is unchanged
-    assert preset.updated(["seed=12345678901234567891"]).train.seed == 12345678901234567891  # exactly, not via float
+    # exactly, not via float
+    assert preset.updated(["seed=12345678901234567891"]).train.seed == 12345678901234567891
     with pytest.raises(ConfigError, match="unknown config field 'n_layers'"):
         cfg.updated({"n_layers": "3"})
-    for name, value, kind in (("n_layer", "three", "an integer"), ("max_steps", "2.5", "an integer"),
-                              ("learning_rate", "fast", "a number"), ("bias", "maybe", "true or false")):
+    for name, value, kind in (
+        ("n_layer", "three", "an integer"),
+        ("max_steps", "2.5", "an integer"),
+        ("learning_rate", "fast", "a number"),
+        ("bias", "maybe", "true or false"),
+    ):
         with pytest.raises(ConfigError) as e:  # the field, the value and the type, in a sentence
             cfg.updated([f"{name}={value}"])
         assert str(e.value) == f"{name}={value!r}: {name} takes {kind}", e.value
@@ -52,19 +71,26 @@ def test_a_config_is_frozen():
     import dataclasses
 
     cfg = get_preset("phase1")
-    for section, name, value in ((cfg.model, "vocab_size", 50257), (cfg.train, "batch_size", 4), (cfg, "preset", "x")):
+    for section, name, value in (
+        (cfg.model, "vocab_size", 50257),
+        (cfg.train, "batch_size", 4),
+        (cfg, "preset", "x"),
+    ):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(section, name, value)
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("n_layer", "0", "n_layer=0 must be a positive number"),
-    ("n_head", "5", "n_head=5 does not divide n_embd=96"),
-    ("learning_rate", "-1e-3", "learning_rate=-0.001 must be a positive number"),
-    ("keep_last", "1", "keep_last=1"),
-    ("keep_every", "-500", "keep_every=-500"),
-    ("dtype", "int8", "dtype='int8': choose one of"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n_layer", "0", "n_layer=0 must be a positive number"),
+        ("n_head", "5", "n_head=5 does not divide n_embd=96"),
+        ("learning_rate", "-1e-3", "learning_rate=-0.001 must be a positive number"),
+        ("keep_last", "1", "keep_last=1"),
+        ("keep_every", "-500", "keep_every=-500"),
+        ("dtype", "int8", "dtype='int8': choose one of"),
+    ],
+)
 def test_invalid_values_are_named(field, value, message):
     cfg = get_preset("phase1").updated({field: value})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -85,4 +111,6 @@ def test_padded_vocab():
     cfg = get_preset("gpt2-small").updated({"vocab_size": 50257}).model
     assert cfg.padded_vocab_size == 50304 and cfg.padded_vocab_size % 64 == 0
     assert all(isinstance(PRESETS[p]["model"]["n_layer"], int) for p in PRESETS)
-    assert math.isclose(get_preset("phase1").train.learning_rate, PRESETS["phase1"]["train"]["learning_rate"])
+    assert math.isclose(
+        get_preset("phase1").train.learning_rate, PRESETS["phase1"]["train"]["learning_rate"]
+    )

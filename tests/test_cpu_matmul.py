@@ -43,8 +43,11 @@ def test_row_blocks_divide_the_output_size():
 
 def test_the_split_runs_for_a_decoding_step_only_and_gives_its_logits(monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu_matmul, "split_linear", lambda *a: calls.append(a[0].shape) or split_linear(*a))
-    monkeypatch.setattr(cpu_matmul, "row_blocks", lambda n: 2)  # a 2-thread machine, whatever this one is
+    monkeypatch.setattr(
+        cpu_matmul, "split_linear", lambda *a: calls.append(a[0].shape) or split_linear(*a)
+    )
+    # a 2-thread machine, whatever this one is
+    monkeypatch.setattr(cpu_matmul, "row_blocks", lambda n: 2)
     model = tiny()
     cache = KVCache(model.config, 1, "cpu", torch.float32)
     x = torch.randint(0, 64, (1, 9))
@@ -52,7 +55,8 @@ def test_the_split_runs_for_a_decoding_step_only_and_gives_its_logits(monkeypatc
         full, _ = model(x)
         assert calls == []  # outside the mode: never split
         with SplitFewRows():
-            model(torch.randint(0, 64, (4, 32)))  # a prefill of 128 rows (over FEW_ROWS): the plain matmul
+            # a prefill of 128 rows (over FEW_ROWS): the plain matmul
+            model(torch.randint(0, 64, (4, 32)))
             assert calls == []
             model(x[:, :8], cache=cache)
             step, _ = model(x[:, 8:9], cache=cache)  # one token: every matmul split
@@ -72,7 +76,9 @@ def test_the_engine_splits_only_where_this_cpu_measured_it_faster(monkeypatch, f
     eng.generate_ids([[4]], SamplingConfig(max_new_tokens=3, temperature=0.0))
     assert len(measured) == 1 and eng.split_matmuls is faster  # measured once per engine
     assert bool(calls) is faster
-    plain, _ = Engine(tiny()).generate_ids([[1, 2, 3]], SamplingConfig(max_new_tokens=12, temperature=0.0))
+    plain, _ = Engine(tiny()).generate_ids(
+        [[1, 2, 3]], SamplingConfig(max_new_tokens=12, temperature=0.0)
+    )
     assert got == plain or not faster  # the same greedy tokens either way
 
 

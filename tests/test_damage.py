@@ -26,7 +26,13 @@ import torch
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint import resume as gresume
-from gptlib.checkpoint.format import CheckpointError, TrainState, list_checkpoints, load_checkpoint, verify_checkpoint
+from gptlib.checkpoint.format import (
+    CheckpointError,
+    TrainState,
+    list_checkpoints,
+    load_checkpoint,
+    verify_checkpoint,
+)
 from gptlib.fsutil import sha256_file
 from gptlib.layout import step_of
 from gptlib.training import loop as gtrain
@@ -47,8 +53,22 @@ def ckpt(run, step):
 
 
 def cli(data, run_dir, settings, steps, fault=None, extra=()):
-    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
-                            "--max-steps", steps, "--device", "cpu", "--quiet", *extra)
+    cmd = faulty.gptlib_cmd(
+        fault,
+        "train",
+        "--data",
+        data,
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "phase1",
+        "--max-steps",
+        steps,
+        "--device",
+        "cpu",
+        "--quiet",
+        *extra,
+    )
     for s in settings:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -75,7 +95,9 @@ def test_metrics_hold_each_step_once_after_a_kill(char_data, tmp_path):
 def test_a_second_stop_during_validation_keeps_the_steps_loss(char_data, tmp_path, monkeypatch):
     settings = TINY + ["dropout=0.1"]
     alone = tmp_path / "alone"
-    train(char_data, alone, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet)
+    train(
+        char_data, alone, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet
+    )
     real = gtrain.validation_loss
 
     def interrupted_at_20(model, sampler, n, autocast):
@@ -94,22 +116,30 @@ def test_a_second_stop_during_validation_keeps_the_steps_loss(char_data, tmp_pat
 
     monkeypatch.setattr(gtrain, "_validate", validate)
     run = tmp_path / "run"
-    r = train(char_data, run, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet)
+    r = train(
+        char_data, run, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet
+    )
     assert r.stopped_by == "interrupt" and r.step == 20
-    assert r.val_step == 10 and "val loss" in r.summary() and "(at step 10)" in r.summary()  # not passed off as 20's
+    # not passed off as 20's
+    assert r.val_step == 10 and "val loss" in r.summary() and "(at step 10)" in r.summary()
     monkeypatch.undo()
     train(char_data, run, "phase1", settings, max_steps=30, device="cpu", progress=False, log=quiet)
     a, b = curve(alone), curve(run)
     assert sorted(b) == list(range(1, 31))
-    assert all(a[s][0] == b[s][0] for s in a)  # every train loss, step 20's included, logged once and equal
+    # every train loss, step 20's included, logged once and equal
+    assert all(a[s][0] == b[s][0] for s in a)
 
 
-def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(char_data, tmp_path, monkeypatch):
+def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(
+    char_data, tmp_path, monkeypatch
+):
     """Two SIGINTs during step 13: the step completes, then the loop stops and saves step 13; the resumed run
     matches a lone one exactly (a save of the pre-step sampler with post-step weights would repeat batch 13)."""
     settings = TINY + ["dropout=0.1", "eval_interval=100"]
     alone = tmp_path / "alone"
-    train(char_data, alone, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
+    train(
+        char_data, alone, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet
+    )
     real = gtrain.train_step
     calls = {"n": 0}
 
@@ -124,7 +154,9 @@ def test_a_second_stop_inside_the_update_neither_repeats_nor_skips_a_batch(char_
 
     monkeypatch.setattr(gtrain, "train_step", two_stops_during_the_step)
     run = tmp_path / "run"
-    r = train(char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
+    r = train(
+        char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet
+    )
     assert r.stopped_by == "interrupt" and r.step == 13
     monkeypatch.undo()
     train(char_data, run, "phase1", settings, max_steps=20, device="cpu", progress=False, log=quiet)
@@ -154,12 +186,34 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
     save (a KeyboardInterrupt traceback, exit -2, or torch's abort, -6, as its thread was killed mid-write). Now the
     save finishes, `done` is printed, and the exit status is 130 (the shell's for Ctrl-C), as after one press."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-c", SLOW_SAVE, "train", "--data", str(char_data), "--run-dir", str(run), "--max-steps",
-           "100000", "--device", "cpu", "--quiet"]
-    for setting in TINY + ["eval_interval=100000", "save_every_steps=100000"]:  # the stop's save is the only one
+    cmd = [
+        sys.executable,
+        "-c",
+        SLOW_SAVE,
+        "train",
+        "--data",
+        str(char_data),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "100000",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
+    # the stop's save is the only one
+    for setting in TINY + [
+        "eval_interval=100000",
+        "save_every_steps=100000",
+    ]:
         cmd += ["--set", setting]
-    child = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while len(read_jsonl(run / "metrics.jsonl")) < 3:
@@ -179,7 +233,11 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
     assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out
     assert [p.name for p in (run / "checkpoints").iterdir()] == [ck.name]  # no partial left
     # the presses said on stdout, as the rest of the run; how to go on once, in the last line
-    assert "SIGINT: finishing this step" in out and "SIGINT: stopping as soon as" in out and "SIGINT" not in err, err
+    assert (
+        "SIGINT: finishing this step" in out
+        and "SIGINT: stopping as soon as" in out
+        and "SIGINT" not in err
+    ), err
     assert out.count("to continue") == 1
     assert out.endswith(f"(interrupt) -> {run}; re-run the same command to continue\n"), out
 
@@ -194,8 +252,16 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
         args += ["--set", s]
     assert main(args) == 0
     out, err = capsys.readouterr()
-    assert "already finished at step 10 (val " in out and "nothing to do" in out and "0 tokens/s" not in out
-    assert len(out.splitlines()) == 1 and err == "", (out, err)  # that alone: no set-up lines before it
+    assert (
+        "already finished at step 10 (val " in out
+        and "nothing to do" in out
+        and "0 tokens/s" not in out
+    )
+    # that alone: no set-up lines before it
+    assert len(out.splitlines()) == 1 and err == "", (
+        out,
+        err,
+    )
 
 
 # --- checkpoints -------------------------------------------------------------------------------------------
@@ -214,15 +280,32 @@ def test_rotation_never_deletes_the_newest_checkpoint_that_loads(char_data, tmp_
     f.write_bytes(bytes(data))
     verify_checkpoint(ckpt(run, 20))
     logs = []
-    train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=17, progress=False, log=logs.append)
+    train(
+        char_data,
+        run,
+        "phase1",
+        settings + ["save_every_steps=1"],
+        max_steps=17,
+        progress=False,
+        log=logs.append,
+    )
     assert any("skipping checkpoint" in m and "step_0000020" in m for m in logs)
     assert [p.name for p in list_checkpoints(run)] == ["step_0000017", "step_0000016"]
     [aside] = (run / "checkpoints").glob("step_0000020.damaged-*")
-    assert (aside / "model.pt").read_bytes() == bytes(data)  # kept as it was, for the user to look at
+    # kept as it was, for the user to look at
+    assert (aside / "model.pt").read_bytes() == bytes(data)
     for p in list_checkpoints(run):
         verify_checkpoint(p)  # the good ones are kept whole
         load_checkpoint(p)
-    train(char_data, run, "phase1", settings + ["save_every_steps=1"], max_steps=22, progress=False, log=logs.append)
+    train(
+        char_data,
+        run,
+        "phase1",
+        settings + ["save_every_steps=1"],
+        max_steps=22,
+        progress=False,
+        log=logs.append,
+    )
     for p in list_checkpoints(run):
         verify_checkpoint(p)  # every kept checkpoint is whole
         load_checkpoint(p)
@@ -241,25 +324,47 @@ def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch,
     def save(path, write):
         calls["n"] += path.name == "model.pt"
         if calls["n"] == 2 and path.name == "model.pt":  # the second checkpoint's
-            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 5248 vs 5142")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:626] . unexpected pos 5248 vs 5142"
+            )
         return real(path, write)
 
     monkeypatch.setattr(ck, "atomic_write", save)
     monkeypatch.setattr(ck, "_disk_nearly_full", lambda path: True)
     run = tmp_path / "run"
-    said = (f"saving a checkpoint in {run} failed: the disk is full (no space left on its device); free space there "
-            f"(old runs or checkpoints), then re-run; the newest intact checkpoint is step 5")
+    said = (
+        f"saving a checkpoint in {run} failed: the disk is full (no space left on its device); free space there "
+        f"(old runs or checkpoints), then re-run; the newest intact checkpoint is step 5"
+    )
     with pytest.raises(CheckpointError) as e:
-        train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=20, progress=False, log=quiet)
+        train(
+            char_data,
+            run,
+            "phase1",
+            TINY + ["save_every_steps=5"],
+            max_steps=20,
+            progress=False,
+            log=quiet,
+        )
     assert str(e.value) == said
     shutil.rmtree(run)
     calls["n"] = 0
-    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "20", "--quiet"]
+    args = [
+        "train",
+        "--data",
+        str(char_data),
+        "--run-dir",
+        str(run),
+        "--max-steps",
+        "20",
+        "--quiet",
+    ]
     for s in TINY + ["save_every_steps=5"]:
         args += ["--set", s]
     capsys.readouterr()
     assert main(args) == 2
-    assert capsys.readouterr().err == f"error: {said}\n"  # one line, no "enforce fail at inline_container.cc"
+    # one line, no "enforce fail at inline_container.cc"
+    assert capsys.readouterr().err == f"error: {said}\n"
 
 
 def _disk_full(path, *rest):
@@ -267,30 +372,47 @@ def _disk_full(path, *rest):
 
 
 @pytest.mark.parametrize("where", ["lease.json", "config.json", "tokenizer.json"])
-def test_a_full_run_dir_at_set_up_is_one_clear_line(char_data, tmp_path, monkeypatch, capsys, where):
+def test_a_full_run_dir_at_set_up_is_one_clear_line(
+    char_data, tmp_path, monkeypatch, capsys, where
+):
     """A 100%-full disk (ENOSPC) at training's first writes: one line naming the run dir, the OS's reason and the fix,
     from train() (a notebook) and the command line alike; nothing left holding the run."""
     from gptlib import lease as glease
     from gptlib.__main__ import main
     from gptlib.errors import RunDirError
 
-    module, name = {"lease.json": (glease, "atomic_write_json"), "config.json": (gsession, "atomic_write_json"),
-                    "tokenizer.json": (gsession, "atomic_write_bytes")}[where]
+    module, name = {
+        "lease.json": (glease, "atomic_write_json"),
+        "config.json": (gsession, "atomic_write_json"),
+        "tokenizer.json": (gsession, "atomic_write_bytes"),
+    }[where]
     monkeypatch.setattr(module, name, _disk_full)
     run = tmp_path / "run"
     with pytest.raises(RunDirError) as e:
         train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
-    assert str(e.value).startswith(f"cannot write to {run}: No space left on device; free space there"), e.value
-    assert not (run / "lease.json").exists()  # released: a re-run after freeing space is not refused
+    assert str(e.value).startswith(
+        f"cannot write to {run}: No space left on device; free space there"
+    ), e.value
+    assert not (
+        run / "lease.json"
+    ).exists()  # released: a re-run after freeing space is not refused
     capsys.readouterr()
-    rc = main(["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "2", "--quiet"])
+    rc = main(
+        ["train", "--data", str(char_data), "--run-dir", str(run), "--max-steps", "2", "--quiet"]
+    )
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith(f"error: cannot write to {run}: No space left on device; free space"), err
+    assert rc == 2 and err.startswith(
+        f"error: cannot write to {run}: No space left on device; free space"
+    ), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("keep_last,fix", [(2, ""), (3, " or lower keep_last \\(now 3: --set keep_last=N\\)")])
-def test_a_full_disk_during_a_save_is_one_clear_line(char_data, tmp_path, monkeypatch, keep_last, fix):
+@pytest.mark.parametrize(
+    "keep_last,fix", [(2, ""), (3, " or lower keep_last \\(now 3: --set keep_last=N\\)")]
+)
+def test_a_full_disk_during_a_save_is_one_clear_line(
+    char_data, tmp_path, monkeypatch, keep_last, fix
+):
     """ENOSPC from the write itself (not torch's 'unexpected pos'): the message says disk full and the fix (a lower
     keep_last only where it can go lower than its minimum, 2), names the newest intact checkpoint, and the partial
     checkpoint is gone (its space given back)."""
@@ -305,30 +427,59 @@ def test_a_full_disk_during_a_save_is_one_clear_line(char_data, tmp_path, monkey
 
     monkeypatch.setattr(ck, "atomic_write", save)
     run = tmp_path / "run"
-    with pytest.raises(CheckpointError, match=r"^saving a checkpoint in .*run failed: the disk is full \(no space "
-                                              r"left on its device\); free space there \(old runs or checkpoints\)"
-                                              rf"{fix}, then re-run; the newest intact checkpoint is step 5$"):
-        train(char_data, run, "phase1", TINY + ["save_every_steps=5", f"keep_last={keep_last}"], max_steps=20,
-              progress=False, log=quiet)
+    with pytest.raises(
+        CheckpointError,
+        match=r"^saving a checkpoint in .*run failed: the disk is full \(no space "
+        r"left on its device\); free space there \(old runs or checkpoints\)"
+        rf"{fix}, then re-run; the newest intact checkpoint is step 5$",
+    ):
+        train(
+            char_data,
+            run,
+            "phase1",
+            TINY + ["save_every_steps=5", f"keep_last={keep_last}"],
+            max_steps=20,
+            progress=False,
+            log=quiet,
+        )
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000005"]
 
 
 def test_a_state_json_without_config_is_skipped_with_its_reason(char_data, tmp_path, capsys):
     run = tmp_path / "run"
-    train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet)
+    train(
+        char_data,
+        run,
+        "phase1",
+        TINY + ["save_every_steps=5"],
+        max_steps=10,
+        progress=False,
+        log=quiet,
+    )
     p = ckpt(run, 10)
     state = json.loads((p / "state.json").read_text())
     del state["config"]
     (p / "state.json").write_text(json.dumps(state))
     m = json.loads((p / "manifest.json").read_text())
-    m["files"]["state.json"] = {"size": (p / "state.json").stat().st_size, "sha256": sha256_file(p / "state.json")}
+    m["files"]["state.json"] = {
+        "size": (p / "state.json").stat().st_size,
+        "sha256": sha256_file(p / "state.json"),
+    }
     (p / "manifest.json").write_text(json.dumps(m))
     from gptlib.inference.loading import load_run
 
     with pytest.raises(CheckpointError, match="field 'config' is missing"):
         load_run(run, 10)
     logs = []
-    r = train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=12, progress=False, log=logs.append)
+    r = train(
+        char_data,
+        run,
+        "phase1",
+        TINY + ["save_every_steps=5"],
+        max_steps=12,
+        progress=False,
+        log=logs.append,
+    )
     assert r.resumed_from == 5 and any("field 'config' is missing" in m for m in logs), logs
 
 
@@ -336,11 +487,21 @@ def test_sample_says_why_it_passed_over_the_newest(char_data, tmp_path, capsys):
     from gptlib.__main__ import main
 
     run = tmp_path / "run"
-    train(char_data, run, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet)
+    train(
+        char_data,
+        run,
+        "phase1",
+        TINY + ["save_every_steps=5"],
+        max_steps=10,
+        progress=False,
+        log=quiet,
+    )
     os.truncate(ckpt(run, 10) / "model.pt", 100)
     assert main(["sample", "--run-dir", str(run), "--max-new-tokens", "5"]) == 0
     err = capsys.readouterr().err
-    assert "passed over" in err and "step_0000010" in err and "truncated" in err and "(step 5)" in err, err
+    assert (
+        "passed over" in err and "step_0000010" in err and "truncated" in err and "(step 5)" in err
+    ), err
 
 
 def test_a_malicious_pickle_is_named_as_such_when_sampling(char_data, tmp_path):
@@ -353,7 +514,10 @@ def test_a_malicious_pickle_is_named_as_such_when_sampling(char_data, tmp_path):
     p = ckpt(run, 10)
     (p / "model.pt").write_bytes(pickle.dumps({"w": _Evil()}))
     m = json.loads((p / "manifest.json").read_text())
-    m["files"]["model.pt"] = {"size": (p / "model.pt").stat().st_size, "sha256": sha256_file(p / "model.pt")}
+    m["files"]["model.pt"] = {
+        "size": (p / "model.pt").stat().st_size,
+        "sha256": sha256_file(p / "model.pt"),
+    }
     (p / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="cannot load safely"):
         load_run(run)
@@ -376,20 +540,33 @@ def test_a_damaged_shard_of_the_right_size_is_named(char_data, tmp_path):
     b = bytearray(shard.read_bytes())
     b[1000:1002] = (65000).to_bytes(2, "little")  # an id far outside the 65-character vocabulary
     shard.write_bytes(bytes(b))
-    with pytest.raises(DataFormatError, match=r"train_000000.bin: token id 65000 at position 500 is outside"):
+    with pytest.raises(
+        DataFormatError, match=r"train_000000.bin: token id 65000 at position 500 is outside"
+    ):
         train(data, tmp_path / "run", "phase1", TINY, max_steps=2, progress=False, log=quiet)
 
 
 # --- a hung Drive ---------------------------------------------------------------------------------------------
 
 
-def test_resume_skips_a_drive_checkpoint_that_hangs_mid_read(char_data, tmp_path, monkeypatch, capsys):
+def test_resume_skips_a_drive_checkpoint_that_hangs_mid_read(
+    char_data, tmp_path, monkeypatch, capsys
+):
     """The mirror's newest checkpoint blocks on read (a FIFO: open() waits in the kernel, as on a dead FUSE
     mount): resume gives up on it within the limit. Since issue 18 it does not go on from the older local
     checkpoint unasked (tests/test_drive_resume.py); with --skip-unreadable it does, and keeps the hung one."""
     run, mirror = tmp_path / "local", tmp_path / "drive"
     settings = TINY + ["save_every_steps=5"]
-    train(char_data, run, "phase1", settings, max_steps=20, progress=False, log=quiet, mirror_dir=mirror)
+    train(
+        char_data,
+        run,
+        "phase1",
+        settings,
+        max_steps=20,
+        progress=False,
+        log=quiet,
+        mirror_dir=mirror,
+    )
     hung = ckpt(mirror, 30)
     shutil.copytree(ckpt(mirror, 20), hung)
     (hung / "model.pt").unlink()
@@ -398,8 +575,17 @@ def test_resume_skips_a_drive_checkpoint_that_hangs_mid_read(char_data, tmp_path
     t0 = time.time()
     logs = []
     try:
-        r = train(char_data, run, "phase1", settings, max_steps=24, progress=False, log=logs.append,
-                  mirror_dir=mirror, skip_unreadable=True)
+        r = train(
+            char_data,
+            run,
+            "phase1",
+            settings,
+            max_steps=24,
+            progress=False,
+            log=logs.append,
+            mirror_dir=mirror,
+            skip_unreadable=True,
+        )
     finally:
         threading.Thread(target=_release_fifo, args=(hung / "model.pt",), daemon=True).start()
     assert r.resumed_from == 20 and r.step == 24
@@ -430,7 +616,9 @@ class HungMount:
         def blocks(path, is_open):
             if isinstance(path, int) or not os.fspath(path).startswith(self.root):
                 return False
-            return stat or (is_open and (self.names is None or os.path.basename(os.fspath(path)) in self.names))
+            return stat or (
+                is_open and (self.names is None or os.path.basename(os.fspath(path)) in self.names)
+            )
 
         def hung_open(file, *a, **k):
             if blocks(file, True):
@@ -447,8 +635,12 @@ class HungMount:
                 self.back.wait()
             return real_listdir(path)
 
-        for module, name, fn in ((io, "open", hung_open), (builtins, "open", hung_open), (os, "stat", hung_stat),
-                                 (os, "listdir", hung_listdir)):
+        for module, name, fn in (
+            (io, "open", hung_open),
+            (builtins, "open", hung_open),
+            (os, "stat", hung_stat),
+            (os, "listdir", hung_listdir),
+        ):
             monkeypatch.setattr(module, name, fn)
 
     def release(self):
@@ -476,14 +668,18 @@ def within(seconds, fn):
 def short_drive_limits(monkeypatch):
     from gptlib.inference import loading as gloading
 
-    for module, name in ((gloading, "DRIVE_LIST_TIMEOUT_S"), (gloading, "DRIVE_READ_STALL_S"),
-                         (ck, "DRIVE_READ_STALL_S")):
+    for module, name in (
+        (gloading, "DRIVE_LIST_TIMEOUT_S"),
+        (gloading, "DRIVE_READ_STALL_S"),
+        (ck, "DRIVE_READ_STALL_S"),
+    ):
         monkeypatch.setattr(module, name, 0.5)
 
 
 @pytest.mark.parametrize("hang", ["whole mount", "tokenizer.json"])
-def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data, tmp_path, monkeypatch, capsys,
-                                                                       short_drive_limits, hang):
+def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(
+    char_data, tmp_path, monkeypatch, capsys, short_drive_limits, hang
+):
     """sample / export / eval / notebook 04 read a run on Drive (load_run): a hung read there is
     abandoned after the limit with one line naming it, not waited on forever."""
     from gptlib.__main__ import main
@@ -493,8 +689,11 @@ def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data
 
     run = tmp_path / "drive" / "run"
     train(char_data, run, "phase1", TINY, max_steps=5, progress=False, log=quiet)
-    mount = HungMount(monkeypatch, tmp_path / "drive", **({"stat": True} if hang == "whole mount" else
-                                                          {"names": {"tokenizer.json"}}))
+    mount = HungMount(
+        monkeypatch,
+        tmp_path / "drive",
+        **({"stat": True} if hang == "whole mount" else {"names": {"tokenizer.json"}}),
+    )
     try:
         t0 = time.time()
         _, error = within(20, lambda: load_run(run))
@@ -502,25 +701,41 @@ def test_loading_from_a_hung_drive_is_one_clear_error_within_the_limit(char_data
         assert str(run) in str(error) and time.time() - t0 < 10
         if hang == "tokenizer.json":
             assert "state.json and the run's tokenizer.json" in str(error)
-        _, error = within(20, lambda: evaluate_run(run, "bpb", progress=False))  # eval reads it first
+        # eval reads it first
+        _, error = within(20, lambda: evaluate_run(run, "bpb", progress=False))
         assert isinstance(error, HungIOError), error
         rc, _ = within(20, lambda: main(["sample", "--run-dir", str(run), "--max-new-tokens", "5"]))
     finally:
         mount.release()
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: ") and "made no progress" in err and "Traceback" not in err, err
+    assert (
+        rc == 2
+        and err.startswith("error: ")
+        and "made no progress" in err
+        and "Traceback" not in err
+    ), err
     assert len(err.strip().splitlines()) == 1, err
 
 
-def test_pick_run_dir_uses_the_local_copy_when_drive_hangs(char_data, tmp_path, monkeypatch, short_drive_limits):
+def test_pick_run_dir_uses_the_local_copy_when_drive_hangs(
+    char_data, tmp_path, monkeypatch, short_drive_limits
+):
     """Notebook 04: the Drive copy is newer, but its mount hangs: pick_run_dir passes it over within the
     limit (said so), and the local copy loads."""
     from gptlib.inference.engine import Engine
     from gptlib.inference.loading import pick_run_dir
 
     local, drive = tmp_path / "local", tmp_path / "drive" / "run"
-    train(char_data, local, "phase1", TINY + ["save_every_steps=5"], max_steps=10, progress=False, log=quiet,
-          mirror_dir=drive)
+    train(
+        char_data,
+        local,
+        "phase1",
+        TINY + ["save_every_steps=5"],
+        max_steps=10,
+        progress=False,
+        log=quiet,
+        mirror_dir=drive,
+    )
     shutil.rmtree(ckpt(local, 10))  # the local disk holds step 5, Drive step 10
     logs = []
     mount = HungMount(monkeypatch, tmp_path / "drive", stat=True)
@@ -531,10 +746,14 @@ def test_pick_run_dir_uses_the_local_copy_when_drive_hangs(char_data, tmp_path, 
     finally:
         mount.release()
     assert error is None and engine.step == 5, error
-    assert any(str(drive) in m and "cannot be read" in m and "made no progress" in m for m in logs), logs
+    assert any(
+        str(drive) in m and "cannot be read" in m and "made no progress" in m for m in logs
+    ), logs
 
 
-def test_the_end_of_run_drive_wait_reports_and_training_time_excludes_it(char_data, tmp_path, monkeypatch, capsys):
+def test_the_end_of_run_drive_wait_reports_and_training_time_excludes_it(
+    char_data, tmp_path, monkeypatch, capsys
+):
     release = threading.Event()
     real = gmirror.copy_file_verified
 
@@ -546,8 +765,16 @@ def test_the_end_of_run_drive_wait_reports_and_training_time_excludes_it(char_da
     monkeypatch.setattr(gmirror, "copy_file_verified", slow_drive)
     monkeypatch.setattr(gmirror, "MIRROR_WAIT_REPORT_S", 0.3)
     t0 = time.time()
-    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet,
-              mirror_dir=tmp_path / "drive")
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        TINY,
+        max_steps=10,
+        progress=False,
+        log=quiet,
+        mirror_dir=tmp_path / "drive",
+    )
     wall = time.time() - t0
     err = capsys.readouterr().err
     assert "waiting for the Drive copy: step_0000010" in err and "Ctrl-C stops waiting" in err, err
@@ -598,25 +825,37 @@ def test_an_old_file_that_hangs_on_the_mirror_does_not_hold_the_copy(tmp_path, m
 # --- tokenize and meta.json ---------------------------------------------------------------------------------
 
 
-def test_tokenize_refuses_a_run_dir_or_a_folder_holding_something_else(char_data, small_text, tmp_path, capsys):
+def test_tokenize_refuses_a_run_dir_or_a_folder_holding_something_else(
+    char_data, small_text, tmp_path, capsys
+):
     from gptlib.__main__ import main
 
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
     before = {p: sha256_file(p) for p in run.rglob("*") if p.is_file()}
     for overwrite in ([], ["--overwrite"]):
-        assert main(["tokenize", "--input", str(small_text), "--out", str(run), "--quiet", *overwrite]) == 2
+        assert (
+            main(["tokenize", "--input", str(small_text), "--out", str(run), "--quiet", *overwrite])
+            == 2
+        )
         assert "is a training run directory" in capsys.readouterr().err
-    assert {p: sha256_file(p) for p in run.rglob("*") if p.is_file()} == before  # tokenizer.json untouched
+    assert {
+        p: sha256_file(p) for p in run.rglob("*") if p.is_file()
+    } == before  # tokenizer.json untouched
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    assert main(["tokenize", "--input", str(small_text), "--out", str(mine), "--quiet", "--overwrite"]) == 2
+    assert (
+        main(["tokenize", "--input", str(small_text), "--out", str(mine), "--quiet", "--overwrite"])
+        == 2
+    )
     assert "holds files tokenize did not write (notes.txt)" in capsys.readouterr().err
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.parametrize("field,value", [("vocab_size", "65k"), ("vocab_size", 64.5), ("train_tokens", "lots")])
+@pytest.mark.parametrize(
+    "field,value", [("vocab_size", "65k"), ("vocab_size", 64.5), ("train_tokens", "lots")]
+)
 def test_a_meta_json_field_of_the_wrong_kind_is_one_clear_error(char_data, tmp_path, field, value):
     from gptlib.data.shards import DataFormatError, read_meta
 
@@ -640,7 +879,9 @@ def test_a_vocabulary_smaller_than_the_tokenizers_is_named(char_data, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(char_data, data)
     meta = json.loads((data / "meta.json").read_text())
-    meta["vocab_size"] = meta["tokenizer"]["vocab_size"] = 40  # edited by hand; the tokenizer has 61 characters
+    meta["vocab_size"] = meta["tokenizer"]["vocab_size"] = (
+        40  # edited by hand; the tokenizer has 61 characters
+    )
     (data / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(DataFormatError, match="vocab_size is 40 but the tokenizer has 61 tokens"):
         train(data, tmp_path / "run", "phase1", TINY, max_steps=2, progress=False, log=quiet)
@@ -660,12 +901,17 @@ def test_damaged_checkpoints_do_not_pile_up_on_drive(char_data, tmp_path):
         data[len(data) // 2] ^= 0xFF
         (newest / "model.pt").write_bytes(bytes(data))
         p = cli(char_data, tmp_path / f"vm{vm}", settings, steps, extra=("--mirror-dir", mirror))
-        assert p.returncode == 0 and f"resumed from step {steps - 20}" in p.stdout, p.stdout + p.stderr
+        assert p.returncode == 0 and f"resumed from step {steps - 20}" in p.stdout, (
+            p.stdout + p.stderr
+        )
         aside = sorted((mirror / "checkpoints").glob("*.damaged-*"))
-        assert [a.name.split(".")[0] for a in aside] == [newest.name], aside  # the newest damaged one only
+        # the newest damaged one only
+        assert [a.name.split(".")[0] for a in aside] == [newest.name], aside
         if vm > 1:
-            assert re.search(r"removed step_\d+\.damaged-[\d-]+ \([\d.,]+ MB\), an older damaged checkpoint: only the "
-                             rf"newest, {newest.name}\.damaged-[\d-]+, is kept in {mirror / 'checkpoints'}", p.stdout), \
-                p.stdout
+            assert re.search(
+                r"removed step_\d+\.damaged-[\d-]+ \([\d.,]+ MB\), an older damaged checkpoint: only the "
+                rf"newest, {newest.name}\.damaged-[\d-]+, is kept in {mirror / 'checkpoints'}",
+                p.stdout,
+            ), p.stdout
         time.sleep(1.1)  # set-aside names carry the second: the next one sorts after this one
     assert [step_of(c) for c in list_checkpoints(mirror)] == [50, 40]

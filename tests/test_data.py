@@ -16,7 +16,9 @@ def quiet(_msg):
 
 def _all_tokens(char_data, split="train") -> np.ndarray:
     meta = read_meta(char_data)
-    return np.concatenate([np.fromfile(p, dtype=meta.dtype) for p in meta.shard_paths(split)]).astype(np.int64)
+    return np.concatenate(
+        [np.fromfile(p, dtype=meta.dtype) for p in meta.shard_paths(split)]
+    ).astype(np.int64)
 
 
 def _is_window(x_row: np.ndarray, tokens: np.ndarray) -> bool:
@@ -103,7 +105,7 @@ def test_memmap_read_across_shards(tmp_path, char_data):
     mm = D.MemmapSplit(read_meta(d), "train")
     start = int(bounds[1]) - 50
     n = int(bounds[2] - bounds[1]) + 100  # crosses two boundaries
-    assert np.array_equal(mm.read(start, n).long().numpy() & 0xFFFF, tokens[start:start + n])
+    assert np.array_equal(mm.read(start, n).long().numpy() & 0xFFFF, tokens[start : start + n])
     _, s = D.load_dataset(d, "cpu", log=quiet)  # preloading concatenates shards in order
     assert np.array_equal(s["train"].tokens.long().numpy() & 0xFFFF, tokens)
 
@@ -127,7 +129,12 @@ def test_memmap_batches_are_the_preloaded_ones(tmp_path, char_data):
     g = torch.Generator().manual_seed(4)
     for _ in range(30):
         starts = torch.randint(0, len(mm) - 64, (16,), generator=g).numpy()
-        crossed += int((np.searchsorted(bounds, starts, "right") != np.searchsorted(bounds, starts + 64, "right")).sum())
+        crossed += int(
+            (
+                np.searchsorted(bounds, starts, "right")
+                != np.searchsorted(bounds, starts + 64, "right")
+            ).sum()
+        )
     assert crossed > 5  # the comparison above did cover windows that cross a shard boundary
 
 
@@ -149,8 +156,13 @@ def test_an_old_chunked_sampler_state_resumes(char_data, splits):
     into the one sampler: its RNG stream goes on from where it was saved."""
     pre = D.BatchSampler(splits["train"], 4, 16, seed=2, device="cpu")
     pre.next_batch()
-    old = {**pre.state_dict(), "chunk_start": 12_345, "chunk_batches": 3, "chunk_tokens": 16_777_216,
-           "batches_per_chunk": 64}
+    old = {
+        **pre.state_dict(),
+        "chunk_start": 12_345,
+        "chunk_batches": 3,
+        "chunk_tokens": 16_777_216,
+        "batches_per_chunk": 64,
+    }
     c = D.BatchSampler(_memmap(char_data), 4, 16, seed=0, device="cpu")
     c.load_state_dict(old)
     assert torch.equal(c.next_batch()[0], pre.next_batch()[0]) and c.batches_drawn == 2
@@ -166,27 +178,39 @@ def test_a_shard_damaged_in_place_is_named(tmp_path, char_data, how):
     damaged[:] = 60_000
     damaged.tofile(shard)
     mm = D.MemmapSplit(read_meta(d), "train")
-    at = "0" if how == "read" else r"[\d,]+"  # a read from the shard's start; a batch: its first window there
-    with pytest.raises(D.DataFormatError, match=rf"train_000001\.bin: token id 60000 at position {at} is outside the "
-                                                r"vocabulary \(vocab_size \d+\)"):
+    # a read from the shard's start; a batch: its first window there
+    at = "0" if how == "read" else r"[\d,]+"
+    with pytest.raises(
+        D.DataFormatError,
+        match=rf"train_000001\.bin: token id 60000 at position {at} is outside the "
+        r"vocabulary \(vocab_size \d+\)",
+    ):
         if how == "read":
             mm.read(int(bounds[1]) - 3, 10)
         else:
-            D.BatchSampler(mm, 64, 16, seed=0, device="cpu").next_batch()  # 64 windows: some land in shard 1
+            D.BatchSampler(
+                mm, 64, 16, seed=0, device="cpu"
+            ).next_batch()  # 64 windows: some land in shard 1
 
 
 def test_plan_data_paths_and_messages(monkeypatch):
     GiB = D.GiB
-    monkeypatch.setattr(D, "available_ram", lambda: 16 * GiB)  # the machine's free RAM and GPU memory: faked
+    # the machine's free RAM and GPU memory: faked
+    monkeypatch.setattr(D, "available_ram", lambda: 16 * GiB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GiB, 80 * GiB))
     p = D.plan_data(1 * GiB, "cpu")
     assert p.where == "ram" and "fits in RAM" in p.reason and "16.00 GiB available" in p.reason
     p = D.plan_data(20 * GiB, "cpu")
-    assert p.where == "memmap" and "does not fit in RAM" in p.reason and "from the shards on disk" in p.reason
+    assert (
+        p.where == "memmap"
+        and "does not fit in RAM" in p.reason
+        and "from the shards on disk" in p.reason
+    )
     p = D.plan_data(1 * GiB, "cuda", reserve_gpu_bytes=4 * GiB)
     assert p.where == "gpu" and "free GPU memory" in p.reason
     p = D.plan_data(10 * GiB, "cuda", reserve_gpu_bytes=30 * GiB)
-    assert p.where == "ram" and "exceed" in p.reason  # too big for the GPU next to the model, fits in RAM
+    # too big for the GPU next to the model, fits in RAM
+    assert p.where == "ram" and "exceed" in p.reason
     p = D.plan_data(20 * GiB, "cuda", reserve_gpu_bytes=30 * GiB)
     assert p.where == "memmap" and "exceed" in p.reason and "does not fit in RAM" in p.reason
 
@@ -195,12 +219,16 @@ def test_load_dataset_prints_choice(char_data, monkeypatch):
     lines = []
     _, s = D.load_dataset(char_data, "cpu", log=lines.append)
     assert isinstance(s["train"], D.SplitData)
-    assert any(l.startswith("data: train") and "-> RAM" in l and "fits in RAM" in l for l in lines), lines
-    monkeypatch.setattr(D, "available_ram", lambda: 1000)  # pretend the machine is nearly out of memory
+    assert any(
+        line.startswith("data: train") and "-> RAM" in line and "fits in RAM" in line
+        for line in lines
+    ), lines
+    # pretend the machine is nearly out of memory
+    monkeypatch.setattr(D, "available_ram", lambda: 1000)
     lines.clear()
     _, s = D.load_dataset(char_data, "cpu", log=lines.append)
     assert isinstance(s["train"], D.MemmapSplit) and isinstance(s["val"], D.MemmapSplit)
-    assert any("-> MEMMAP" in l and "does not fit in RAM" in l for l in lines), lines
+    assert any("-> MEMMAP" in line and "does not fit in RAM" in line for line in lines), lines
     assert D.BatchSampler(s["train"], 4, 16, 0, "cpu").next_batch()[0].shape == (4, 16)
 
 

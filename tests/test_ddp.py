@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO, TINY
 
-WORKER = r'''
+WORKER = r"""
 import hashlib, json, os, sys
 import torch
 from gptlib import batches as D
@@ -45,7 +45,7 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
                "train_loss": r.train_loss, "batches": seen, "world": int(os.environ["WORLD_SIZE"]),
                "weights": [p.detach().double().sum().item() for g in optimizers[-1].param_groups for p in g["params"]]},
               f)
-'''
+"""
 
 
 def _torchrun(tmp_path: Path, data: Path, run_dir: Path, overrides: list[str], tag: str) -> dict:
@@ -54,16 +54,34 @@ def _torchrun(tmp_path: Path, data: Path, run_dir: Path, overrides: list[str], t
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(data), str(run_dir), str(out), json.dumps(overrides)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(worker),
+        str(data),
+        str(run_dir),
+        str(out),
+        json.dumps(overrides),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)} | {"stdout": p.stdout}
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)} | {
+        "stdout": p.stdout
+    }
 
 
 def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     run_dir = tmp_path / "run"
-    ov = TINY + ["batch_size=4", "grad_accum_steps=2", "eval_interval=4", "log_interval=2", "sample_prompts=[\"\\n\"]"]
+    ov = TINY + [
+        "batch_size=4",
+        "grad_accum_steps=2",
+        "eval_interval=4",
+        "log_interval=2",
+        'sample_prompts=["\\n"]',
+    ]
     res = _torchrun(tmp_path, char_data, run_dir, ov + ["max_steps=4"], "first")
     r0, r1 = res[0], res[1]
     assert r0["step"] == r1["step"] == 4
@@ -80,7 +98,7 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     assert r0["train_loss"] == pytest.approx(r1["train_loss"])
 
     # Rank 0 alone writes: one metrics row per step (no duplicates), one sample row per validation.
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["val_loss"] is not None and rows[-1]["mfu"] is None and "time_split" in rows[-1]
     samples = (run_dir / "samples.jsonl").read_text().splitlines()
@@ -103,14 +121,21 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
     after1 = [b for s, b in res2[1]["batches"] if s == 1338]
     assert after0 and after1 and after0 != after1
     assert not set(map(tuple, after0)) & set(map(tuple, train0))  # continued, not replayed
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
     # ... and a single process can take the run over.
     from gptlib.training.loop import train
 
-    r = train(char_data, run_dir, "phase1", overrides=ov + ["max_steps=7"], device="cpu", progress=False,
-              log=lambda m: None)
+    r = train(
+        char_data,
+        run_dir,
+        "phase1",
+        overrides=ov + ["max_steps=7"],
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     assert r.resumed_from == 6 and r.step == 7
 
 
@@ -151,13 +176,24 @@ def test_train_step_all_reduces_once_per_optimizer_step(tmp_path):
         def next_batch(self):
             return torch.randn(2, 4), torch.randn(2, 4)
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
     try:
         model, skipped = DistributedDataParallel(Tiny()), []
         real_no_sync = model.no_sync
         model.no_sync = lambda: skipped.append(1) or real_no_sync()
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
-                   Batches(), accum=4, grad_clip=1.0, autocast=contextlib.nullcontext(), timer=StepTimer("cpu"))
-        assert len(skipped) == 3  # the all-reduce happens once per optimizer step, on the last micro-batch
+        train_step(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.amp.GradScaler("cpu", enabled=False),
+            Batches(),
+            accum=4,
+            grad_clip=1.0,
+            autocast=contextlib.nullcontext(),
+            timer=StepTimer("cpu"),
+        )
+        # the all-reduce happens once per optimizer step, on the last micro-batch
+        assert len(skipped) == 3
     finally:
         dist.destroy_process_group()

@@ -29,20 +29,27 @@ from tests.conftest import REPO
 
 BLOCK = 64
 SYSTEM = "Be brief."
-GREEDY = SamplingConfig(max_new_tokens=12, temperature=0, seed=1337)  # what the CLI tests pass on the command line
+# what the CLI tests pass on the command line
+GREEDY = SamplingConfig(max_new_tokens=12, temperature=0, seed=1337)
 
 
 def write_run(out: Path, tok, block_size: int = BLOCK, bias: bool = False, edit=None) -> Path:
     """A run directory with a random-weight model, written as import-hf writes one: a step-0 checkpoint
     (save_checkpoint), config.json and the tokenizer. edit(model) may set weights first."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32, bias=bias)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, block_size=block_size, n_layer=2, n_head=2, n_embd=32, bias=bias
+    )
     model = GPT(cfg)
     if edit is not None:
         edit(model)
     run_cfg = RunConfig(model=cfg)
-    state = TrainState(config=run_cfg.to_dict(), tokenizer=dict(tok.identity(), file=TOKENIZER_FILE))
-    save_checkpoint(checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()})
+    state = TrainState(
+        config=run_cfg.to_dict(), tokenizer=dict(tok.identity(), file=TOKENIZER_FILE)
+    )
+    save_checkpoint(
+        checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()}
+    )
     atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
     return out
@@ -52,8 +59,11 @@ def write_run(out: Path, tok, block_size: int = BLOCK, bias: bool = False, edit=
 def chat_tok(small_text) -> BPETokenizer:
     """A BPE trained for chat data: the chat tokens are special tokens (as tokenize --format chat makes it)."""
     text = small_text.read_text()
-    return BPETokenizer.train([text[i:i + 2000] for i in range(0, len(text), 2000)], vocab_size=300,
-                              extra_special=CHAT_TOKENS)
+    return BPETokenizer.train(
+        [text[i : i + 2000] for i in range(0, len(text), 2000)],
+        vocab_size=300,
+        extra_special=CHAT_TOKENS,
+    )
 
 
 def louder(model) -> None:
@@ -74,28 +84,44 @@ def chat_run(tmp_path_factory, chat_tok) -> Path:
 @pytest.fixture(scope="module")
 def expected_reply(chat_run) -> str:
     """What a fresh session answers to "Hi there" with SYSTEM, greedy, 12 tokens: the CLI and ChatBox must agree."""
-    reply = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None).reply("Hi there", GREEDY)
-    assert reply.strip(), "the random model should say something (else the comparisons below prove little)"
+    reply = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None).reply(
+        "Hi there", GREEDY
+    )
+    assert reply.strip(), (
+        "the random model should say something (else the comparisons below prove little)"
+    )
     return reply
 
 
 def rendered(tok, system: str | None, turns) -> list[int]:
     """The template's own rendering of a system prompt and turns, as a generation prompt."""
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": r, "content": c} for r, c in turns]
-    return ChatTemplate(tok).render(msgs, require_assistant=False, generation_prompt=True)[0].tolist()
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": r, "content": c} for r, c in turns
+    ]
+    return (
+        ChatTemplate(tok).render(msgs, require_assistant=False, generation_prompt=True)[0].tolist()
+    )
 
 
 def gptlib_cli(*args, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     """The CLI in a subprocess; bytes out, so a "\\r" in a random reply is not turned into "\\n"."""
     env = dict(os.environ, PYTHONIOENCODING="utf-8")
-    return subprocess.run([sys.executable, "-m", "gptlib", *map(str, args)], input=stdin, capture_output=True,
-                          cwd=REPO, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "gptlib", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
 
 
 # --------------------------------------------------------------------------------------- the context
 
 
-def test_the_oldest_pairs_are_dropped_first_and_the_prompt_is_the_template_rendering(chat_run, chat_tok):
+def test_the_oldest_pairs_are_dropped_first_and_the_prompt_is_the_template_rendering(
+    chat_run, chat_tok
+):
     notes = []
     s = ChatSession.from_run(chat_run, system=SYSTEM, log=notes.append)
     full = []
@@ -109,10 +135,12 @@ def test_the_oldest_pairs_are_dropped_first_and_the_prompt_is_the_template_rende
     dropped = len(full) - len(kept)
     assert len(ids) + max_new <= BLOCK
     assert ids == rendered(chat_tok, SYSTEM, kept)  # the system prompt is kept
-    assert kept == full[dropped:] and dropped % 2 == 0 and kept[0][0] == "user"  # whole pairs, from the front
+    # whole pairs, from the front
+    assert kept == full[dropped:] and dropped % 2 == 0 and kept[0][0] == "user"
     assert 0 < dropped < len(full) - 1
     assert notes == [f"the {dropped} oldest turns were dropped to fit the {BLOCK}-token context"]
-    assert len(rendered(chat_tok, SYSTEM, full[dropped - 2:])) + max_new > BLOCK  # no more was dropped than needed
+    # no more was dropped than needed
+    assert len(rendered(chat_tok, SYSTEM, full[dropped - 2 :])) + max_new > BLOCK
 
 
 def test_a_conversation_never_outgrows_the_context(chat_run, chat_tok, monkeypatch):
@@ -122,7 +150,8 @@ def test_a_conversation_never_outgrows_the_context(chat_run, chat_tok, monkeypat
     real = s.engine.generate_ids
 
     def recording(ids, cfg, **kw):
-        assert ids[0] == rendered(chat_tok, SYSTEM, s.history)  # the history as it stands when generating
+        # the history as it stands when generating
+        assert ids[0] == rendered(chat_tok, SYSTEM, s.history)
         prompts.append((list(ids[0]), cfg.max_new_tokens))
         return real(ids, cfg, **kw)
 
@@ -134,24 +163,32 @@ def test_a_conversation_never_outgrows_the_context(chat_run, chat_tok, monkeypat
     assert any("oldest turns were dropped" in n for n in notes) and len(prompts) == 8
 
 
-def test_a_message_too_long_for_the_context_keeps_its_tail_and_says_so(chat_run, chat_tok, small_text):
+def test_a_message_too_long_for_the_context_keeps_its_tail_and_says_so(
+    chat_run, chat_tok, small_text
+):
     notes = []
     s = ChatSession.from_run(chat_run, system=SYSTEM, log=notes.append)
     msg = small_text.read_text()[:3000]
     s.history = [("user", "Hi"), ("assistant", "Hello"), ("user", msg)]
     ids = s.prompt_ids(16)
     assert len(ids) + 16 <= BLOCK and s.history == [("user", msg)]  # the older pair went first
-    assert len(notes) == 2 and "2 oldest turns were dropped" in notes[0] and "only its last" in notes[1]
+    assert (
+        len(notes) == 2
+        and "2 oldest turns were dropped" in notes[0]
+        and "only its last" in notes[1]
+    )
     n = int(notes[1].split("only its last ")[1].split(" of")[0].replace(",", ""))
     assert 0 < n < len(msg)
     assert ids == rendered(chat_tok, SYSTEM, [("user", msg[-n:])])
-    assert len(rendered(chat_tok, SYSTEM, [("user", msg[-n - 1:])])) + 16 > BLOCK  # the longest tail that fits
+    # the longest tail that fits
+    assert len(rendered(chat_tok, SYSTEM, [("user", msg[-n - 1 :])])) + 16 > BLOCK
     s.system = "Be very brief. " * 40
     with pytest.raises(ChatError, match="the system prompt leaves no room"):
         s.prompt_ids(16)
     s.system = SYSTEM
     s.reset()
-    s.reply("Hi", SamplingConfig(max_new_tokens=100, temperature=0))  # 100 + the prompt would not fit
+    # 100 + the prompt would not fit
+    s.reply("Hi", SamplingConfig(max_new_tokens=100, temperature=0))
     assert s.reply_tokens <= BLOCK // 2 and "replies are cut at 32 tokens" in notes[-1]
 
 
@@ -167,20 +204,28 @@ def test_a_reply_ends_at_the_end_token(chat_run, chat_tok, monkeypatch):
 
     def scripted(logits, cfg, generator):  # the model "writes" the script, one token per step
         calls.append(1)
-        return torch.full((logits.size(0),), script[min(len(calls) - 1, len(script) - 1)], dtype=torch.long,
-                          device=logits.device)
+        return torch.full(
+            (logits.size(0),),
+            script[min(len(calls) - 1, len(script) - 1)],
+            dtype=torch.long,
+            device=logits.device,
+        )
 
     monkeypatch.setattr(generate_mod, "sample_next", scripted)
     pieces = []
     reply = s.reply("Hi", SamplingConfig(max_new_tokens=30, temperature=0), stream=pieces.append)
-    assert reply == "Hello there" and "".join(pieces) == reply  # the template's "\n" is not part of it
+    # the template's "\n" is not part of it
+    assert reply == "Hello there" and "".join(pieces) == reply
     assert s.history == [("user", "Hi"), ("assistant", "Hello there")]
-    assert s.finish_reason == "eot" and s.reply_tokens == len(said) + 1 == len(calls)  # sampling stopped there
+    # sampling stopped there
+    assert s.finish_reason == "eot" and s.reply_tokens == len(said) + 1 == len(calls)
 
 
 def test_a_failed_reply_leaves_the_conversation_as_it_was(chat_run):
     s = ChatSession.from_run(chat_run, log=lambda _: None)
-    s.history = [("user", f"Q{i}?") if j == 0 else ("assistant", f"A{i}.") for i in range(20) for j in (0, 1)]
+    s.history = [
+        ("user", f"Q{i}?") if j == 0 else ("assistant", f"A{i}.") for i in range(20) for j in (0, 1)
+    ]
     before = list(s.history)
 
     def broken(piece):
@@ -194,7 +239,10 @@ def test_a_failed_reply_leaves_the_conversation_as_it_was(chat_run):
 def test_a_model_that_always_writes_end_gives_an_empty_reply_at_once(tmp_path, chat_tok):
     end = chat_tok.token_id(END)
 
-    def always_end(model):  # logits = wte @ ln_f.bias whatever the input: <|end|>'s row points along it
+    # logits = wte @ ln_f.bias whatever the input: <|end|>'s row points along it
+    def always_end(
+        model,
+    ):
         with torch.no_grad():
             model.transformer.ln_f.weight.zero_()
             model.transformer.ln_f.bias.zero_()
@@ -211,8 +259,19 @@ def test_a_model_that_always_writes_end_gives_an_empty_reply_at_once(tmp_path, c
 
 
 def test_chat_message_prints_only_the_reply(chat_run, expected_reply):
-    r = gptlib_cli("chat", "--run-dir", chat_run, "--message", "Hi there", "--system", SYSTEM, "--temperature", 0,
-                   "--max-new-tokens", 12)
+    r = gptlib_cli(
+        "chat",
+        "--run-dir",
+        chat_run,
+        "--message",
+        "Hi there",
+        "--system",
+        SYSTEM,
+        "--temperature",
+        0,
+        "--max-new-tokens",
+        12,
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode() == expected_reply + "\n"
 
@@ -227,8 +286,16 @@ def test_the_interactive_chat_reads_stdin_resets_and_ends_at_eof(chat_run):
     without_reset = s.reply("hello", cfg)
     r2 = fresh().reply("hello", cfg)
     assert r2 != without_reset  # so the output below shows whether /reset cleared the history
-    r = gptlib_cli("chat", "--run-dir", chat_run, "--temperature", 0, "--max-new-tokens", 12,
-                   stdin=b"hi\n/reset\nhello\n")
+    r = gptlib_cli(
+        "chat",
+        "--run-dir",
+        chat_run,
+        "--temperature",
+        0,
+        "--max-new-tokens",
+        12,
+        stdin=b"hi\n/reset\nhello\n",
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode() == f"you> assistant> {r1}\nyou> you> assistant> {r2}\nyou> \n"
     assert "history cleared" in r.stderr.decode()
@@ -262,11 +329,15 @@ def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path
     box.message.value = "Hi there"
     assert box.send() == expected_reply  # the same reply as the command line's
     assert box.message.value == "" and not box.send_button.disabled
-    assert html.escape(expected_reply) in box.transcript.value and "Hi there" in box.transcript.value
-    assert any("▌" in d for d in drawn) and "tokens in" in box.status.value  # redrawn while streaming
+    assert (
+        html.escape(expected_reply) in box.transcript.value and "Hi there" in box.transcript.value
+    )
+    # redrawn while streaming
+    assert any("▌" in d for d in drawn) and "tokens in" in box.status.value
     box.send("And then?")
     s = box.session()
-    assert len(box.turns) == 4 and s.history == box.turns[len(box.turns) - len(s.history):]  # the transcript keeps all
+    # the transcript keeps all
+    assert len(box.turns) == 4 and s.history == box.turns[len(box.turns) - len(s.history) :]
     assert "2 oldest turns were dropped" in box.status.value  # the random reply is long
     box.reset_button.click()  # the real button runs the same path
     assert box.session().history == [] and box.turns == [] and box.transcript.value == ""
@@ -303,10 +374,12 @@ def test_a_notebook_bar_is_recognised_so_no_plain_lines_replace_it(monkeypatch):
 
     from gptlib.training.logs import plain_progress
 
-    class AutoBar(notebook_tqdm):  # what tqdm.auto gives in a notebook: a subclass in module tqdm.auto
+    # what tqdm.auto gives in a notebook: a subclass in module tqdm.auto
+    class AutoBar(notebook_tqdm):
         pass
 
     AutoBar.__module__ = "tqdm.auto"
     assert plain_progress(io.StringIO())  # a file, no notebook: plain lines
     monkeypatch.setattr(tqdm.auto, "tqdm", AutoBar)
-    assert not plain_progress(io.StringIO())  # stderr is not a terminal in a notebook either: the widget bar
+    # stderr is not a terminal in a notebook either: the widget bar
+    assert not plain_progress(io.StringIO())

@@ -54,7 +54,8 @@ def test_corrupt_cache_is_replaced(tmp_path, http_dir):
 
 
 def test_unreachable_url_explains_the_local_option(tmp_path, monkeypatch):
-    monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens: refused
+    # nothing listens: refused
+    monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")
     with pytest.raises(PrepareError, match="could not download.*pass a local copy"):
         fetch_tinyshakespeare(cache_dir=tmp_path)
 

@@ -44,9 +44,20 @@ def steps(run_dir):
 def drive_at_80(char_data, tmp_path_factory):
     """A mirror made by a run trained to step 80 (checkpoints 70 and 80 there, metrics 80 rows)."""
     root = tmp_path_factory.mktemp("drive80")
-    train(char_data, root / "vm1", "phase1", SETTINGS, max_steps=80, progress=False, log=quiet,
-          mirror_dir=root / "drive")
-    assert steps(root / "drive") == [80, 70] and len(read_metrics(root / "drive" / "checkpoints" / "step_0000080")) == 80
+    train(
+        char_data,
+        root / "vm1",
+        "phase1",
+        SETTINGS,
+        max_steps=80,
+        progress=False,
+        log=quiet,
+        mirror_dir=root / "drive",
+    )
+    assert (
+        steps(root / "drive") == [80, 70]
+        and len(read_metrics(root / "drive" / "checkpoints" / "step_0000080")) == 80
+    )
     return root / "drive"
 
 
@@ -72,7 +83,8 @@ class StalledDrive:
 
     def release(self):
         for fifo in self.fifos:
-            while True:  # one writer open per blocked reader: each then reads end-of-file and gives up
+            # one writer open per blocked reader: each then reads end-of-file and gives up
+            while True:
                 try:
                     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
                 except OSError:  # ENXIO: no reader is waiting any more
@@ -94,13 +106,24 @@ def drive(drive_at_80, tmp_path, monkeypatch):
     stalled.release()
 
 
-def test_a_drive_that_stays_unreadable_stops_training_and_changes_nothing(char_data, tmp_path, drive, capsys):
+def test_a_drive_that_stays_unreadable_stops_training_and_changes_nothing(
+    char_data, tmp_path, drive, capsys
+):
     mirror, _ = drive
     before = {p.relative_to(mirror): p.stat().st_mtime_ns for p in mirror.rglob("*")}
     run = tmp_path / "vm2"
     t0 = time.time()
     with pytest.raises(CheckpointError) as e:
-        train(char_data, run, "phase1", SETTINGS, max_steps=100, progress=False, log=quiet, mirror_dir=mirror)
+        train(
+            char_data,
+            run,
+            "phase1",
+            SETTINGS,
+            max_steps=100,
+            progress=False,
+            log=quiet,
+            mirror_dir=mirror,
+        )
     msg = str(e.value)
     assert "step_0000080" in msg and "step_0000070" in msg and "could not read" in msg
     assert "training did not start and nothing was changed" in msg and "--skip-unreadable" in msg
@@ -113,21 +136,32 @@ def test_a_drive_that_stays_unreadable_stops_training_and_changes_nothing(char_d
     assert not run.exists() or not list_checkpoints(run)
 
 
-def test_a_drive_that_recovers_within_the_retry_time_resumes_from_step_80(char_data, tmp_path, drive,
-                                                                         monkeypatch, capsys):
+def test_a_drive_that_recovers_within_the_retry_time_resumes_from_step_80(
+    char_data, tmp_path, drive, monkeypatch, capsys
+):
     mirror, stalled = drive
     monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 30.0)
     threading.Timer(1.5, stalled.recover).start()  # Drive answers again during the retries
     logs = []
-    r = train(char_data, tmp_path / "vm2", "phase1", SETTINGS, max_steps=90, progress=False, log=logs.append,
-              mirror_dir=mirror)
+    r = train(
+        char_data,
+        tmp_path / "vm2",
+        "phase1",
+        SETTINGS,
+        max_steps=90,
+        progress=False,
+        log=logs.append,
+        mirror_dir=mirror,
+    )
     assert r.resumed_from == 80 and r.step == 90, logs
     assert "trying again in" in capsys.readouterr().err
     assert [row["step"] for row in read_metrics(tmp_path / "vm2")] == list(range(1, 91))
     assert steps(mirror) == [90, 80]
 
 
-def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char_data, tmp_path, drive, capsys):
+def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(
+    char_data, tmp_path, drive, capsys
+):
     """The issue's loss, step by step: go on without the stalled checkpoints (asked for), Drive answers again
     mid-run, the new run copies steps 10-30 there. Steps 70 and 80 and the mirror's 80 metrics rows survive,
     and the next resume takes step 80."""
@@ -137,17 +171,39 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(char
     def drive_back_at_first_validation(row):
         stalled.recover()
 
-    r = train(char_data, run, "phase1", SETTINGS, max_steps=30, progress=False, log=quiet, mirror_dir=mirror,
-              skip_unreadable=True, on_log=drive_back_at_first_validation)
+    r = train(
+        char_data,
+        run,
+        "phase1",
+        SETTINGS,
+        max_steps=30,
+        progress=False,
+        log=quiet,
+        mirror_dir=mirror,
+        skip_unreadable=True,
+        on_log=drive_back_at_first_validation,
+    )
     assert r.resumed_from is None and r.step == 30
     err = capsys.readouterr().err
-    assert "--skip-unreadable: training goes on from step 0 (from scratch)" in err and "step_0000080" in err
+    assert (
+        "--skip-unreadable: training goes on from step 0 (from scratch)" in err
+        and "step_0000080" in err
+    )
     assert steps(mirror) == [80, 70, 30, 20]  # nothing newer than the run's own was deleted
     for step in (70, 80):
         verify_checkpoint(mirror / "checkpoints" / f"step_{step:07d}")
-    assert len(read_metrics(mirror / "checkpoints" / "step_0000080")) == 80  # the logs stay with their checkpoint
-    r = train(char_data, tmp_path / "vm3", "phase1", SETTINGS, max_steps=85, progress=False, log=quiet,
-              mirror_dir=mirror)
+    # the logs stay with their checkpoint
+    assert len(read_metrics(mirror / "checkpoints" / "step_0000080")) == 80
+    r = train(
+        char_data,
+        tmp_path / "vm3",
+        "phase1",
+        SETTINGS,
+        max_steps=85,
+        progress=False,
+        log=quiet,
+        mirror_dir=mirror,
+    )
     assert r.resumed_from == 80
 
 
@@ -172,15 +228,31 @@ def test_rotation_keeps_what_it_cannot_read(tmp_path):
 # manifest.json that was not a regular file counted as "no manifest.json (the save did not finish)": both checkpoints
 # were damage, renamed .damaged-* on Drive, and training started from step 0 with exit status 0.
 
-SHORT_WAITS = ("checkpoint.resume.DRIVE_READ_STALL_S=0.5,checkpoint.resume.DRIVE_RESUME_RETRY_S=1,"
-               "checkpoint.resume.DRIVE_RESUME_WAIT_S={wait}")
+SHORT_WAITS = (
+    "checkpoint.resume.DRIVE_READ_STALL_S=0.5,checkpoint.resume.DRIVE_RESUME_RETRY_S=1,"
+    "checkpoint.resume.DRIVE_RESUME_WAIT_S={wait}"
+)
 
 
 def train_process(char_data, run, mirror, wait_s):
     """`python -m gptlib train` to step 90, resume waiting `wait_s` for Drive (a read abandoned after 0.5 s)."""
-    cmd = faulty.gptlib_cmd(SHORT_WAITS.format(wait=wait_s), "train", "--data", char_data, "--run-dir", run,
-                            "--mirror-dir", mirror, "--preset", "phase1", "--max-steps", 90, "--device", "cpu",
-                            "--quiet")
+    cmd = faulty.gptlib_cmd(
+        SHORT_WAITS.format(wait=wait_s),
+        "train",
+        "--data",
+        char_data,
+        "--run-dir",
+        run,
+        "--mirror-dir",
+        mirror,
+        "--preset",
+        "phase1",
+        "--max-steps",
+        90,
+        "--device",
+        "cpu",
+        "--quiet",
+    )
     for s in SETTINGS:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -189,8 +261,10 @@ def train_process(char_data, run, mirror, wait_s):
 
 def listing(mirror):
     """Each name under the mirror's checkpoints with its kind (a FIFO stays a FIFO): what a rename would change."""
-    return sorted((str(p.relative_to(mirror)), stat.S_IFMT(p.lstat().st_mode))
-                  for p in (mirror / "checkpoints").rglob("*"))
+    return sorted(
+        (str(p.relative_to(mirror)), stat.S_IFMT(p.lstat().st_mode))
+        for p in (mirror / "checkpoints").rglob("*")
+    )
 
 
 class AllFifos:
@@ -222,9 +296,17 @@ class HangingMount:
         self.mirror, self.flag = tmp_path / "mnt", tmp_path / "stalled"
         self.mirror.mkdir()
         self.flag.touch()
-        self.server = subprocess.Popen([sys.executable, str(Path(faulty.__file__).with_name("hangfs.py")),
-                                        str(source), str(self.mirror), str(self.flag)], stderr=subprocess.PIPE,
-                                       text=True)
+        self.server = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(faulty.__file__).with_name("hangfs.py")),
+                str(source),
+                str(self.mirror),
+                str(self.flag),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 10
         while not os.path.ismount(self.mirror):
             if self.server.poll() is not None or time.monotonic() > deadline:
@@ -265,7 +347,9 @@ def read_until(stream, text):
     return "".join(lines)
 
 
-def test_a_drive_that_never_answers_at_resume_stops_and_renames_nothing(char_data, tmp_path, dead_drive):
+def test_a_drive_that_never_answers_at_resume_stops_and_renames_nothing(
+    char_data, tmp_path, dead_drive
+):
     mirror, back = dead_drive
     before, run = listing(mirror), tmp_path / "vm2"
     p = train_process(char_data, run, mirror, wait_s=5)
@@ -286,7 +370,9 @@ def test_a_drive_that_never_answers_at_resume_stops_and_renames_nothing(char_dat
     assert not run.exists() or not list_checkpoints(run)
 
 
-def test_a_drive_that_answers_again_mid_wait_resumes_from_the_newest(char_data, tmp_path, dead_drive):
+def test_a_drive_that_answers_again_mid_wait_resumes_from_the_newest(
+    char_data, tmp_path, dead_drive
+):
     mirror, back = dead_drive
     run = tmp_path / "vm2"
     p = train_process(char_data, run, mirror, wait_s=60)
@@ -306,9 +392,19 @@ def test_readers_on_a_drive_that_does_not_answer_say_so(char_data, drive_at_80, 
     shutil.copytree(drive_at_80, mirror)
     (tmp_path / "real").mkdir()
     AllFifos(mirror, tmp_path / "real")
-    p = subprocess.run(faulty.gptlib_cmd(None, "sample", "--run-dir", mirror, "--prompt", "A", "--max-new-tokens", 4),
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        faulty.gptlib_cmd(
+            None, "sample", "--run-dir", mirror, "--prompt", "A", "--max-new-tokens", 4
+        ),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     [line] = p.stderr.strip().splitlines()
-    assert "step_0000080" in line and "manifest.json is not a regular file now (a Drive that does not answer?)" in line
+    assert (
+        "step_0000080" in line
+        and "manifest.json is not a regular file now (a Drive that does not answer?)" in line
+    )
     assert "did not finish" not in line and "incomplete" not in line

@@ -29,7 +29,14 @@ def run_dir(tmp_path_factory, char_data):
     from gptlib.training.loop import train
 
     rd = tmp_path_factory.mktemp("eval") / "run"
-    train(char_data, rd, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    train(
+        char_data,
+        rd,
+        overrides=TINY + ["eval_interval=5"],
+        max_steps=10,
+        progress=False,
+        log=lambda s: None,
+    )
     return rd
 
 
@@ -42,47 +49,106 @@ def short_items(text: str, n: int, seed: int = 0) -> list[dict]:
         return " ".join(rng.choice(lines).split()[: rng.randint(1, 4)])
 
     def context():  # a few words (fits the window) or whole lines before them (cut from the left)
-        return " ".join([rng.choice(lines) for _ in range(rng.randint(0, 2))]
-                        + rng.choice(lines).split()[: rng.randint(1, 3)])
+        return " ".join(
+            [rng.choice(lines) for _ in range(rng.randint(0, 2))]
+            + rng.choice(lines).split()[: rng.randint(1, 3)]
+        )
 
-    return [{"ctx": context(),
-             "endings": [ending() for _ in range(4)], "label": rng.randrange(4), "ind": i} for i in range(n)]
+    return [
+        {
+            "ctx": context(),
+            "endings": [ending() for _ in range(4)],
+            "label": rng.randrange(4),
+            "ind": i,
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
 def hs_file(tmp_path_factory, small_text):
     p = tmp_path_factory.mktemp("hs") / "hellaswag_small.jsonl"
     items = short_items(small_text.read_text(), 30)
-    items.append({"ctx": "[title] How to build a snowman \u2603", "endings": ["a", "b", "c", "d"], "label": 0})
+    items.append(
+        {
+            "ctx": "[title] How to build a snowman \u2603",
+            "endings": ["a", "b", "c", "d"],
+            "label": 0,
+        }
+    )
     p.write_text("".join(json.dumps(it) + "\n" for it in items))
     return p
 
 
 def snapshot(run_dir):
     """Every file of the run directory but eval.jsonl: path -> (size, mtime, sha256)."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != EVAL_FILE}
+    return {
+        str(p.relative_to(run_dir)): (
+            p.stat().st_size,
+            p.stat().st_mtime_ns,
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+        )
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != EVAL_FILE
+    }
 
 
 def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
     before = snapshot(run_dir)
-    rc = main(["eval", "--run-dir", str(run_dir), "--task", "hellaswag", "--data", str(hs_file),
-               "--checkpoint", "all", "--device", "cpu", "--quiet"])
+    rc = main(
+        [
+            "eval",
+            "--run-dir",
+            str(run_dir),
+            "--task",
+            "hellaswag",
+            "--data",
+            str(hs_file),
+            "--checkpoint",
+            "all",
+            "--device",
+            "cpu",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "acc_norm" in out and "truncated" in out
     rows = [r for r in read_jsonl(run_dir / EVAL_FILE) if r["task"] == "hellaswag"]
     assert [r["step"] for r in rows] == [5, 10]  # all = every complete checkpoint, oldest first
     for r in rows:
-        assert r["n"] == 30 and r["skipped"] == 1 and 0 < r["truncated"] < 30 and r["tokens_seen"] == r["step"] * 256
+        assert (
+            r["n"] == 30
+            and r["skipped"] == 1
+            and 0 < r["truncated"] < 30
+            and r["tokens_seen"] == r["step"] * 256
+        )
         assert 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1 and r["canonical"] is False
         assert {"time", "checkpoint", "data", "data_sha256", "seconds"} <= set(r)
-    rc = main(["eval", "--run-dir", str(run_dir), "--task", "bpb", "--checkpoint", "best", "--limit", "50", "--quiet"])
+    rc = main(
+        [
+            "eval",
+            "--run-dir",
+            str(run_dir),
+            "--task",
+            "bpb",
+            "--checkpoint",
+            "best",
+            "--limit",
+            "50",
+            "--quiet",
+        ]
+    )
     assert rc == 0 and "val bpb" in capsys.readouterr().out
     (b,) = [r for r in read_jsonl(run_dir / EVAL_FILE) if r["task"] == "bpb"]
     from gptlib.inference.loading import checkpoint_table
 
-    assert b["step"] == checkpoint_table(run_dir)[0]["best_step"] and b["n"] == b["windows"] == 50 and b["tokens"] == 50 * 32
-    assert b["bpb"] == pytest.approx(b["loss"] / np.log(2))  # a char corpus of ASCII: one byte per token
+    assert (
+        b["step"] == checkpoint_table(run_dir)[0]["best_step"]
+        and b["n"] == b["windows"] == 50
+        and b["tokens"] == 50 * 32
+    )
+    # a char corpus of ASCII: one byte per token
+    assert b["bpb"] == pytest.approx(b["loss"] / np.log(2))
     assert snapshot(run_dir) == before  # only eval.jsonl was written
     lines = (run_dir / EVAL_FILE).read_text().splitlines()
     assert len(lines) == 3 and all(json.loads(ln) for ln in lines)
@@ -95,8 +161,9 @@ def _error(capsys, argv) -> str:
     return err
 
 
-def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp_path, capsys, monkeypatch,
-                                                             small_text):
+def test_cli_eval_bad_input_one_line_and_run_dir_untouched(
+    run_dir, hs_file, tmp_path, capsys, monkeypatch, small_text
+):
     from gptlib.data.prepare import prepare_text
 
     before = snapshot(run_dir)
@@ -111,10 +178,16 @@ def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp
     err = _error(capsys, base + ["--task", "hellaswag", "--data", str(bad)])
     line = next(i for i, ln in enumerate(bad.read_text().splitlines(), 1) if '"label": 9' in ln)
     assert f"line {line}: field 'label' is 9" in err and str(bad) in err
-    err = _error(capsys, base + ["--task", "hellaswag", "--data", str(hs_file), "--checkpoint", "7"])
+    err = _error(
+        capsys, base + ["--task", "hellaswag", "--data", str(hs_file), "--checkpoint", "7"]
+    )
     assert "no complete checkpoint for step 7" in err and "[10, 5]" in err
-    err = _error(capsys, base + ["--task", "bpb", "--checkpoint", "latest", "--device", "cuda"] if not
-                 torch.cuda.is_available() else base + ["--task", "bpb", "--limit", "-1"])
+    err = _error(
+        capsys,
+        base + ["--task", "bpb", "--checkpoint", "latest", "--device", "cuda"]
+        if not torch.cuda.is_available()
+        else base + ["--task", "bpb", "--limit", "-1"],
+    )
     assert "CUDA is not available" in err or "--limit -1" in err
     other = tmp_path / "other_data"  # a data dir made with a different char vocabulary
     other_text = tmp_path / "other.txt"
@@ -135,13 +208,20 @@ def test_cli_eval_bad_input_one_line_and_run_dir_untouched(run_dir, hs_file, tmp
     monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: Fake(b'{"ctx": "x"}\n'))
     err = _error(capsys, base + ["--task", "hellaswag"])
-    assert f"expected {hs.HELLASWAG_SHA256}" in err and hashlib.sha256(b'{"ctx": "x"}\n').hexdigest() in err
+    assert (
+        f"expected {hs.HELLASWAG_SHA256}" in err
+        and hashlib.sha256(b'{"ctx": "x"}\n').hexdigest() in err
+    )
     assert snapshot(run_dir) == before
-    assert ((run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None) == log_before
+    assert (
+        (run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None
+    ) == log_before
     assert not (tmp_path / "cache" / "hellaswag" / hs.HELLASWAG_FILE).exists()
 
 
-def test_notebook_04s_hellaswag_messages_name_its_field_and_the_cli_its_flag(run_dir, tmp_path, monkeypatch, capsys):
+def test_notebook_04s_hellaswag_messages_name_its_field_and_the_cli_its_flag(
+    run_dir, tmp_path, monkeypatch, capsys
+):
     """Notebook 04 takes the file as HELLASWAG_FILE (its eval cell), the CLI as --data FILE: each message names
     where its reader can pass one."""
     import torch
@@ -153,14 +233,25 @@ def test_notebook_04s_hellaswag_messages_name_its_field_and_the_cli_its_flag(run
     monkeypatch.setattr(urllib.request, "urlopen", no_network)
     logs = []
     for file in ["", str(tmp_path)]:
-        assert eval_cell(capsys, run_dir=run_dir, EVAL_TASKS="hellaswag", HELLASWAG_FILE=file,
-                         device=torch.device("cpu")) == []
+        assert (
+            eval_cell(
+                capsys,
+                run_dir=run_dir,
+                EVAL_TASKS="hellaswag",
+                HELLASWAG_FILE=file,
+                device=torch.device("cpu"),
+            )
+            == []
+        )
         logs += capsys.readouterr().out.splitlines()[:1]
     assert len(logs) == 2 and all("--data" not in m for m in logs), logs
-    assert logs[0].startswith("hellaswag: not evaluated: could not download HellaSwag") and \
-        logs[0].endswith(f"pass a local copy of {hs.HELLASWAG_FILE} (HELLASWAG_FILE)")
-    assert logs[1] == (f"hellaswag: not evaluated: {tmp_path} is a directory; for hellaswag give the jsonl file "
-                       f"(HELLASWAG_FILE)")
+    assert logs[0].startswith("hellaswag: not evaluated: could not download HellaSwag") and logs[
+        0
+    ].endswith(f"pass a local copy of {hs.HELLASWAG_FILE} (HELLASWAG_FILE)")
+    assert logs[1] == (
+        f"hellaswag: not evaluated: {tmp_path} is a directory; for hellaswag give the jsonl file "
+        f"(HELLASWAG_FILE)"
+    )
     err = _error(capsys, ["eval", "--run-dir", str(run_dir), "--quiet", "--task", "hellaswag"])
     assert err.rstrip().endswith(f"pass a local copy of {hs.HELLASWAG_FILE} (--data FILE)"), err
 
@@ -176,11 +267,11 @@ def hf_choices(hf, hf_tok, items: list[dict], block: int) -> tuple[np.ndarray, n
         ctx = hf_tok(it["ctx"]).input_ids
         for e, ending in enumerate(it["endings"]):
             end = hf_tok(" " + ending).input_ids
-            toks = (ctx + end)[-(block + 1):]
+            toks = (ctx + end)[-(block + 1) :]
             with torch.no_grad():
                 logp = torch.log_softmax(hf(torch.tensor([toks[:-1]])).logits[0].double(), -1)
             tgt = torch.tensor(toks[1:])
-            sums[i, e] = float(logp[torch.arange(len(tgt)), tgt][-len(end):].sum())
+            sums[i, e] = float(logp[torch.arange(len(tgt)), tgt][-len(end) :].sum())
             counts[i, e] = len(end)
     return sums, counts
 
@@ -204,7 +295,9 @@ def test_transformers_reproduces_char_run_choices(run_dir, hs_file, tmp_path):
     lm = load_run(run_dir, "latest")
     items_ = [hs.Item(**{k: it[k] for k in ("ctx", "endings", "label")}) for it in items]
     block = lm.config.model.block_size
-    res = hs.evaluate_rendered(lm.model, hs.render(items_, lm.tokenizer, block), "cpu", batch_tokens=256)
+    res = hs.evaluate_rendered(
+        lm.model, hs.render(items_, lm.tokenizer, block), "cpu", batch_tokens=256
+    )
     assert res["truncated"] > 0  # the left cut is exercised too
     assert_same_choices(res, *hf_choices(hf, hf_tok, items, lm.config.model.block_size), items)
 
@@ -218,7 +311,11 @@ def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
 
     tok = BPETokenizer.train([small_text.read_text()], vocab_size=400)
     torch.manual_seed(7)
-    m = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=24, n_layer=2, n_head=2, n_embd=32, bias=True)).eval()
+    m = GPT(
+        ModelConfig(
+            vocab_size=tok.vocab_size, block_size=24, n_layer=2, n_head=2, n_embd=32, bias=True
+        )
+    ).eval()
     with torch.no_grad():  # a sharper random model, so the four endings' scores are far apart
         m.lm_head.weight.mul_(20)
     out = export_model(m, tmp_path / "hf", tok)
@@ -232,13 +329,23 @@ def test_transformers_reproduces_bpe_choices(tmp_path, small_text):
 
 
 def test_evaluate_run_api(run_dir, hs_file, tmp_path):
-    rows = evaluate_run(run_dir, "hellaswag", "5, latest", data=hs_file, limit=10, device="cpu", progress=False,
-                        out=tmp_path / "scores.jsonl")
+    rows = evaluate_run(
+        run_dir,
+        "hellaswag",
+        "5, latest",
+        data=hs_file,
+        limit=10,
+        device="cpu",
+        progress=False,
+        out=tmp_path / "scores.jsonl",
+    )
     assert [r["step"] for r in rows] == [5, 10] and all(r["n"] <= 10 for r in rows)
     assert read_jsonl(tmp_path / "scores.jsonl") == rows
 
 
-def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_save_it(run_dir, tmp_path, monkeypatch):
+def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_save_it(
+    run_dir, tmp_path, monkeypatch
+):
     """The score is shown, then one warning line (exit 0: the user has the score); --out saves the rows elsewhere.
     chmod does not stop root from writing (these tests may run as root): there the read-only disk is simulated,
     an os.open for writing in the run directory failing with EROFS."""
@@ -266,15 +373,20 @@ def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_sav
         assert main(argv) == 0
         table, warning = shown.getvalue().rstrip("\n").rsplit("\n", 1)
         assert "val bpb" in table and "Traceback" not in shown.getvalue()
-        assert warning == (f"warning: 1 row not saved: cannot append to {run_dir / EVAL_FILE}: Read-only file "
-                           f"system; add --out FILE (evaluate_run(..., out=FILE)) to append the rows to another "
-                           f"file"), warning
+        assert warning == (
+            f"warning: 1 row not saved: cannot append to {run_dir / EVAL_FILE}: Read-only file "
+            f"system; add --out FILE (evaluate_run(..., out=FILE)) to append the rows to another "
+            f"file"
+        ), warning
         out = tmp_path / "scores" / "eval.jsonl"
         shown.seek(0)
         shown.truncate()
         assert main(argv + ["--out", str(tmp_path)]) == 2  # refused before any model runs
-        assert shown.getvalue() == f"error: --out {tmp_path} is a directory; give a file to append the rows to, " \
-                                   f"e.g. {tmp_path / EVAL_FILE}\n"
+        assert (
+            shown.getvalue()
+            == f"error: --out {tmp_path} is a directory; give a file to append the rows to, "
+            f"e.g. {tmp_path / EVAL_FILE}\n"
+        )
         shown.seek(0)
         shown.truncate()
         assert main(argv + ["--out", str(out)]) == 0
@@ -284,8 +396,11 @@ def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_sav
     (row,) = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert row["task"] == "bpb" and f"{row['bpb']:.4f}" in table  # the same score, now saved
     assert snapshot(run_dir) == before
-    assert ((run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None) == log_before
-    rows = evaluate_run(run_dir, "bpb", limit=20, device="cpu", progress=False, out=out)  # the same from Python
+    assert (
+        (run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None
+    ) == log_before
+    # the same from Python
+    rows = evaluate_run(run_dir, "bpb", limit=20, device="cpu", progress=False, out=out)
     assert rows[0]["bpb"] == row["bpb"] and len(out.read_text().splitlines()) == 2
 
 
@@ -295,8 +410,17 @@ def eval_cell(capsys, **params) -> list[dict]:
 
     from tests.nbrun import NOTEBOOKS
 
-    cell = next(c for c in nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4).cells
-                if c.cell_type == "code" and "evaluate_run(" in c.source)
-    scope = {"CHECKPOINTS": "latest", "EVAL_LIMIT": -1, "BPB_WINDOWS": 1000, "HELLASWAG_FILE": "", **params}
+    cell = next(
+        c
+        for c in nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4).cells
+        if c.cell_type == "code" and "evaluate_run(" in c.source
+    )
+    scope = {
+        "CHECKPOINTS": "latest",
+        "EVAL_LIMIT": -1,
+        "BPB_WINDOWS": 1000,
+        "HELLASWAG_FILE": "",
+        **params,
+    }
     exec(cell.source, scope)
     return scope["eval_rows"]

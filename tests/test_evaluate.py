@@ -29,8 +29,17 @@ from .device_ops import DeviceOps
 
 def tiny_gpt(vocab=50, block=16, seed=0, bias=False) -> GPT:
     torch.manual_seed(seed)
-    return GPT(ModelConfig(vocab_size=vocab, block_size=block, n_layer=2, n_head=2, n_embd=32, bias=bias,
-                           vocab_multiple=64)).eval()
+    return GPT(
+        ModelConfig(
+            vocab_size=vocab,
+            block_size=block,
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            bias=bias,
+            vocab_multiple=64,
+        )
+    ).eval()
 
 
 def brute_ll(model: GPT, seq, k: int) -> float:
@@ -46,10 +55,12 @@ def brute_ll(model: GPT, seq, k: int) -> float:
 def test_pack_batches_budget_and_cover():
     lengths = [5, 17, 3, 17, 9, 1, 30]
     batches = pack_batches(lengths, 34)
-    assert sorted(int(i) for b in batches for i in b) == list(range(len(lengths)))  # every row exactly once
+    # every row exactly once
+    assert sorted(int(i) for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         longest = max(lengths[i] for i in b)
-        assert len(b) == 1 or len(b) * longest <= 34  # a row over budget still gets a batch of its own
+        # a row over budget still gets a batch of its own
+        assert len(b) == 1 or len(b) * longest <= 34
 
 
 @pytest.mark.parametrize("batch_tokens", [1, 40, 10_000])
@@ -76,9 +87,13 @@ def test_scoring_never_waits_for_the_device():
     seqs, ks = [[1, 2, 3, 4, 5, 6], [7, 8, 9], [3] * 17, [4, 5]], [2, 1, 16, 1]
     with DeviceOps() as ops:
         got = score_rows(m, seqs, ks, "cpu", batch_tokens=40)
-        nll = scored_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2)).view(2, -1)
+        nll = scored_nll(m, torch.tensor([seqs[2][:-1]] * 2), torch.tensor([seqs[2][1:]] * 2)).view(
+            2, -1
+        )
     assert ops.syncs == []
-    np.testing.assert_allclose(got, [brute_ll(m, s, k) for s, k in zip(seqs, ks)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        got, [brute_ll(m, s, k) for s, k in zip(seqs, ks)], rtol=1e-5, atol=1e-5
+    )
     assert nll.shape == (2, 16) and torch.equal(nll[0], nll[1])
     np.testing.assert_allclose(-nll[0].sum().item(), brute_ll(m, seqs[2], 16), rtol=1e-5)
 
@@ -88,14 +103,16 @@ def test_ending_rows_cover_every_ending_token_once():
     seqs, ks, cut = hs.ending_rows(ctx[:3], end, 16)
     assert (seqs, ks, cut) == ([ctx[:3] + end], [10], False)  # fits: one row, nothing cut
     seqs, ks, cut = hs.ending_rows(ctx, end, 16)
-    assert cut and ks == [10] and seqs == [(ctx + end)[-17:]]  # cut from the left to block_size + 1 tokens
+    # cut from the left to block_size + 1 tokens
+    assert cut and ks == [10] and seqs == [(ctx + end)[-17:]]
     long_end = list(range(40))  # longer than the window: pieces
     seqs, ks, cut = hs.ending_rows(ctx[:5], long_end, 16)
     assert cut and sum(ks) == 40 and all(len(s) <= 17 for s in seqs)
     scored = [t for s, k in zip(seqs, ks) for t in s[-k:]]
     assert scored == long_end  # each ending token scored once, in order
     pos = 5  # where the piece's first target sits in context + ending
-    for s, k in zip(seqs, ks):  # each piece's first target sees half a window of context, or all there is
+    # each piece's first target sees half a window of context, or all there is
+    for s, k in zip(seqs, ks):
         assert len(s) - k >= min(8, pos)
         pos += k
 
@@ -106,8 +123,14 @@ def test_ending_rows_cover_every_ending_token_once():
 def shakespeare_items(text: str, n: int, seed: int = 0) -> list[dict]:
     lines = [ln for ln in text.split("\n") if len(ln) > 12]
     rng = random.Random(seed)
-    return [{"ctx": rng.choice(lines) + " " + rng.choice(lines), "endings": [rng.choice(lines) for _ in range(4)],
-             "label": rng.randrange(4)} for _ in range(n)]
+    return [
+        {
+            "ctx": rng.choice(lines) + " " + rng.choice(lines),
+            "endings": [rng.choice(lines) for _ in range(4)],
+            "label": rng.randrange(4),
+        }
+        for _ in range(n)
+    ]
 
 
 def write_jsonl(path, items) -> None:
@@ -120,9 +143,11 @@ def test_hellaswag_scoring_matches_brute_force(small_text):
     tok = CharTokenizer.from_text(text)
     m = tiny_gpt(vocab=tok.vocab_size, block=48, seed=3)
     raw = shakespeare_items(text, 12)
-    raw[0].update(ctx="KING", endings=["the end", "a rose", "no", "yes"])  # short: fits the window, nothing cut
+    # short: fits the window, nothing cut
+    raw[0].update(ctx="KING", endings=["the end", "a rose", "no", "yes"])
     raw[1]["endings"][2] = "x" * 70  # an ending longer than the window: scored in pieces
-    raw.append({"ctx": "a snowman \u2603", "endings": ["a", "b", "c", "d"], "label": 1})  # not encodable
+    # not encodable
+    raw.append({"ctx": "a snowman \u2603", "endings": ["a", "b", "c", "d"], "label": 1})
     items = [hs.Item(ctx=r["ctx"], endings=r["endings"], label=r["label"]) for r in raw]
     res = hs.evaluate_rendered(m, hs.render(items, tok, 48), "cpu", batch_tokens=300)
     assert res["n"] == 12 and res["skipped"] == 1
@@ -156,7 +181,10 @@ def test_parse_errors_name_line_field_and_value(tmp_path):
         (json.dumps([1, 2]), "line 2 is a JSON list"),
         (json.dumps({"ctx": "x", "endings": ["a"] * 4}), "line 2: field 'label' is missing"),
         (json.dumps({**good, "label": 7}), "line 2: field 'label' is 7, expected 0, 1, 2 or 3"),
-        (json.dumps({**good, "endings": ["a", "b"]}), "line 2: field 'endings' is ['a', 'b'], expected a list of 4"),
+        (
+            json.dumps({**good, "endings": ["a", "b"]}),
+            "line 2: field 'endings' is ['a', 'b'], expected a list of 4",
+        ),
         (json.dumps({**good, "ctx": ""}), "line 2: field 'ctx' is '', expected a non-empty string"),
     ]
     for bad, msg in cases:
@@ -174,7 +202,11 @@ def test_parse_errors_name_line_field_and_value(tmp_path):
     with pytest.raises(EvalError, match="does not exist"):
         hs.load_items(tmp_path / "missing.jsonl")
     items, info = hs.load_items(_write(tmp_path / "ok.jsonl", [good, {**good, "label": "3"}]))
-    assert [it.label for it in items] == [2, 3] and info["canonical"] is False and len(info["sha256"]) == 64
+    assert (
+        [it.label for it in items] == [2, 3]
+        and info["canonical"] is False
+        and len(info["sha256"]) == 64
+    )
 
 
 def _write(path, items):
@@ -183,20 +215,28 @@ def _write(path, items):
 
 
 def test_fetch_checks_sha256_and_caches(tmp_path, monkeypatch):
-    src = _write(tmp_path / "served.jsonl", [{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 0}])
+    src = _write(
+        tmp_path / "served.jsonl", [{"ctx": "A", "endings": ["a", "b", "c", "d"], "label": 0}]
+    )
     monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hs, "HELLASWAG_URL", src.as_uri())
     with pytest.raises(EvalError) as e:  # the real checksum: this file is not the canonical one
         hs.fetch_hellaswag()
-    assert hs.HELLASWAG_SHA256 in str(e.value) and hashlib.sha256(src.read_bytes()).hexdigest() in str(e.value)
-    assert not (tmp_path / "cache" / "hellaswag" / hs.HELLASWAG_FILE).exists()  # nothing unverified is cached
+    assert hs.HELLASWAG_SHA256 in str(e.value) and hashlib.sha256(
+        src.read_bytes()
+    ).hexdigest() in str(e.value)
+    assert not (
+        tmp_path / "cache" / "hellaswag" / hs.HELLASWAG_FILE
+    ).exists()  # nothing unverified is cached
     monkeypatch.setattr(hs, "HELLASWAG_SHA256", hashlib.sha256(src.read_bytes()).hexdigest())
     got = hs.fetch_hellaswag()
     assert got.read_bytes() == src.read_bytes()
     monkeypatch.setattr(hs, "HELLASWAG_URL", "http://127.0.0.1:9/unreachable")
     assert hs.fetch_hellaswag() == got  # from the cache
     got.write_text("corrupted")  # a corrupt cached copy is replaced, not trusted
-    with pytest.raises(EvalError, match="could not download HellaSwag from http://127.0.0.1:9.*--data FILE"):
+    with pytest.raises(
+        EvalError, match="could not download HellaSwag from http://127.0.0.1:9.*--data FILE"
+    ):
         hs.fetch_hellaswag()
     assert not got.exists()
 
@@ -204,7 +244,9 @@ def test_fetch_checks_sha256_and_caches(tmp_path, monkeypatch):
 def test_select_is_fixed_and_spread():
     assert hs.select(10, None) == list(range(10)) and hs.select(10, 0) == list(range(10))
     sub = hs.select(10_042, 1000)
-    assert len(set(sub)) == 1000 and sub[0] == 0 and sub[-1] > 9_990 and sub == hs.select(10_042, 1000)
+    assert (
+        len(set(sub)) == 1000 and sub[0] == 0 and sub[-1] > 9_990 and sub == hs.select(10_042, 1000)
+    )
 
 
 # --- bits per byte -------------------------------------------------------------------------------
@@ -218,7 +260,12 @@ def test_token_bytes_char_and_bpe(small_text):
     bpe = BPETokenizer.train([text + " café naïve 日本語 €"], vocab_size=400)
     tb = token_bytes(bpe)
     assert tb[bpe.eot_id] == 0
-    for s in ["First Citizen: café naïve", "日本語 € ok", "x\u2603y"]:  # multi-byte characters split across tokens
+    # multi-byte characters split across tokens
+    for s in [
+        "First Citizen: café naïve",
+        "日本語 € ok",
+        "x\u2603y",
+    ]:
         assert int(tb[bpe.encode(s)].sum()) == len(s.encode("utf-8"))
 
 
@@ -226,7 +273,8 @@ def test_bpb_matches_brute_force(small_text):
     text = small_text.read_text()
     bpe = BPETokenizer.train([text], vocab_size=300)
     ids = []
-    for doc in text.split("\n\n")[:25]:  # documents separated by <|endoftext|>, which carries no bytes
+    # documents separated by <|endoftext|>, which carries no bytes
+    for doc in text.split("\n\n")[:25]:
         ids += bpe.encode(doc) + [bpe.eot_id]
     val = np.array(ids, dtype=np.uint16)
     m = tiny_gpt(vocab=bpe.vocab_size, block=16, seed=5)
@@ -236,19 +284,25 @@ def test_bpb_matches_brute_force(small_text):
     n_bytes = 0
     starts = list(range(0, (len(val) - 1) // 16 * 16, 16))
     for s in starts:
-        x = torch.tensor(val[s: s + 16].astype(np.int64))[None]
-        y = val[s + 1: s + 17].astype(np.int64)
+        x = torch.tensor(val[s : s + 16].astype(np.int64))[None]
+        y = val[s + 1 : s + 17].astype(np.int64)
         with torch.no_grad():
             logits, _ = m(x)
         nll = F.cross_entropy(logits[0].double(), torch.tensor(y), reduction="none").numpy()
         nats += nll.sum()
         nats_counted += nll[tb[y] > 0].sum()
         n_bytes += int(tb[y].sum())
-    assert res["windows"] == len(starts) and res["tokens"] == 16 * len(starts) and res["bytes"] == n_bytes
+    assert (
+        res["windows"] == len(starts)
+        and res["tokens"] == 16 * len(starts)
+        and res["bytes"] == n_bytes
+    )
     assert res["bpb"] == pytest.approx(nats_counted / math.log(2) / n_bytes, rel=1e-5)
     assert res["loss"] == pytest.approx(nats / (16 * len(starts)), rel=1e-5)
     sub = evaluate_bpb(m, bpe, val, "cpu", limit=5)
-    assert sub["windows"] == 5 and list(window_starts(len(val), 16, 5)) == [starts[i * len(starts) // 5] for i in range(5)]
+    assert sub["windows"] == 5 and list(window_starts(len(val), 16, 5)) == [
+        starts[i * len(starts) // 5] for i in range(5)
+    ]
     with pytest.raises(EvalError, match="fewer than one window"):
         window_starts(10, 16, None)
 
@@ -264,11 +318,16 @@ def test_probe_scores_subset_and_full(small_text, tmp_path):
     logs = []
     probe = hs.HellaSwagProbe(tok, 32, tmp_path / "hs.jsonl", limit=4, log=logs.append)
     row = hs.metrics_fields(probe.score(m, "cpu"))
-    assert set(row) == {"hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n"} and row["hellaswag_n"] == 4
+    assert (
+        set(row) == {"hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n"}
+        and row["hellaswag_n"] == 4
+    )
     assert m.training  # the probe puts the model back in training mode
     full = probe.score(m, "cpu", full=True)
     direct = hs.evaluate_rendered(m, hs.render(items, tok, 32), "cpu")
-    assert full["n"] == 9 and full["acc_norm"] == direct["acc_norm"] and full["acc"] == direct["acc"]
+    assert (
+        full["n"] == 9 and full["acc_norm"] == direct["acc_norm"] and full["acc"] == direct["acc"]
+    )
     assert logs == []
 
 
@@ -279,16 +338,28 @@ def test_eval_rows_append_and_read(tmp_path, small_text):
 
     tok = CharTokenizer.from_text(small_text.read_text())
     hs_file = _write(tmp_path / "hs.jsonl", shakespeare_items(small_text.read_text(), 3))
-    res = hs.HellaSwagProbe(tok, 32, hs_file, limit=None).score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu")
+    res = hs.HellaSwagProbe(tok, 32, hs_file, limit=None).score(
+        tiny_gpt(vocab=tok.vocab_size, block=32), "cpu"
+    )
     append_jsonl(tmp_path / EVAL_FILE, make_row("hellaswag", 100, 51_200, res, source="training"))
     with open(tmp_path / EVAL_FILE, "a") as f:
-        f.write('{"task": "bpb", "step": 1')  # a torn last line (killed mid-write) is skipped, not fatal
+        # a torn last line (killed mid-write) is skipped, not fatal
+        f.write('{"task": "bpb", "step": 1')
     (row,) = read_jsonl(tmp_path / EVAL_FILE)
-    assert row["task"] == "hellaswag" and row["step"] == 100 and row["tokens_seen"] == 51_200 and row["n"] == 3
+    assert (
+        row["task"] == "hellaswag"
+        and row["step"] == 100
+        and row["tokens_seen"] == 51_200
+        and row["n"] == 3
+    )
     assert row["source"] == "training" and row["canonical"] is False and "time" in row
     before = (tmp_path / EVAL_FILE).read_bytes()
     append_jsonl(tmp_path / EVAL_FILE, make_row("bpb", 200, None, {"bpb": 2.5}))
-    assert [r["task"] for r in read_jsonl(tmp_path / EVAL_FILE)] == ["hellaswag", "bpb"]  # on a line of its own
+    # on a line of its own
+    assert [r["task"] for r in read_jsonl(tmp_path / EVAL_FILE)] == [
+        "hellaswag",
+        "bpb",
+    ]
     assert (tmp_path / EVAL_FILE).read_bytes().startswith(before)  # earlier bytes never rewritten
 
 
@@ -302,13 +373,16 @@ def test_probe_without_network_stays_off(tmp_path, monkeypatch, small_text):
     monkeypatch.setenv("GPTLIB_CACHE", str(tmp_path))
     probe = hs.HellaSwagProbe(tok, 32, None, log=logs.append)
     assert probe.reason is not None and len(logs) == 1 and "could not download HellaSwag" in logs[0]
-    assert "(hellaswag_file=FILE)" in logs[0] and "--data" not in logs[0]  # training's setting, not eval's flag
+    # training's setting, not eval's flag
+    assert "(hellaswag_file=FILE)" in logs[0] and "--data" not in logs[0]
     assert probe.score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu") is None and len(logs) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     probe = hs.HellaSwagProbe(tok, 32, bad, log=logs.append)
     assert probe.reason is not None and "line 1 is not valid JSON" in logs[-1]
-    unencodable = _write(tmp_path / "snow.jsonl", [{"ctx": "\u2603", "endings": ["a"] * 4, "label": 0}])
+    unencodable = _write(
+        tmp_path / "snow.jsonl", [{"ctx": "\u2603", "endings": ["a"] * 4, "label": 0}]
+    )
     assert hs.HellaSwagProbe(tok, 32, unencodable, log=logs.append).reason is not None
 
 
@@ -325,9 +399,12 @@ def test_config_fields_and_preset():
 def test_plot_helpers(tmp_path):
     from gptlib.training.logs import loss_figure
 
-    rows = [{"step": s, "train_loss": 3 - s / 100, "val_loss": 3.1 - s / 100} for s in range(0, 300, 50)]
+    rows = [
+        {"step": s, "train_loss": 3 - s / 100, "val_loss": 3.1 - s / 100} for s in range(0, 300, 50)
+    ]
     fig = loss_figure(rows)
-    assert add_hellaswag_axis(fig.axes[0], rows) is None and len(fig.axes) == 1  # nothing logged: nothing drawn
+    # nothing logged: nothing drawn
+    assert add_hellaswag_axis(fig.axes[0], rows) is None and len(fig.axes) == 1
     for r, a in zip(rows[1:], [0.25, 0.26, 0.27, 0.28, 0.29]):
         r.update(hellaswag_acc_norm=a, hellaswag_n=1000)
     ax2 = add_hellaswag_axis(fig.axes[0], rows)
@@ -335,16 +412,35 @@ def test_plot_helpers(tmp_path):
     labels = [t.get_text() for t in ax2.get_legend().get_texts()]
     assert "train" in labels and "HellaSwag acc_norm" in labels
     fig.savefig(tmp_path / "loss.png")
-    assert len(loss_figure(rows).axes) == 2  # loss.png and the live plot draw it when the rows have it
-    evals = [{"task": "hellaswag", "tokens_seen": t, "acc_norm": a} for t, a in [(1e6, 0.25), (2e6, 0.27)]]
+    # loss.png and the live plot draw it when the rows have it
+    assert len(loss_figure(rows).axes) == 2
+    evals = [
+        {"task": "hellaswag", "tokens_seen": t, "acc_norm": a}
+        for t, a in [(1e6, 0.25), (2e6, 0.27)]
+    ]
     hellaswag_figure(evals).savefig(tmp_path / "hs.png")
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "hs.png").stat().st_size > 0
-    table = format_table([{"task": "hellaswag", "step": 5, "tokens_seen": 1280, "n": 3, "acc": 0.5, "acc_norm": 0.25,
-                           "truncated": 0, "skipped": 1, "seconds": 0.3}])
+    table = format_table(
+        [
+            {
+                "task": "hellaswag",
+                "step": 5,
+                "tokens_seen": 1280,
+                "n": 3,
+                "acc": 0.5,
+                "acc_norm": 0.25,
+                "truncated": 0,
+                "skipped": 1,
+                "seconds": 0.3,
+            }
+        ]
+    )
     assert "acc_norm" in table and "0.2500" in table and "1,280" in table
 
 
-def test_notebook_04s_eval_cell_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(monkeypatch, capsys):
+def test_notebook_04s_eval_cell_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(
+    monkeypatch, capsys
+):
     """Notebook 04's eval cell: -1 items means all on a GPU and 1,000 on a CPU; a failing task is one line and the
     next task still runs."""
     import torch
@@ -365,8 +461,13 @@ def test_notebook_04s_eval_cell_sizes_hellaswag_by_device_and_reports_a_task_tha
     monkeypatch.setattr(ev, "format_table", lambda rows: "")
     rows = eval_cell(capsys, run_dir="r", EVAL_TASKS="hellaswag, bpb", device=torch.device("cpu"))
     assert rows == [{"task": "bpb"}]
-    assert capsys.readouterr().out.splitlines()[0] == "hellaswag: not evaluated: hellaswag_val.jsonl: not found"
+    assert (
+        capsys.readouterr().out.splitlines()[0]
+        == "hellaswag: not evaluated: hellaswag_val.jsonl: not found"
+    )
     assert calls == [("hellaswag", "cpu", 1000), ("bpb", "cpu", 1000)]
     calls.clear()
-    eval_cell(capsys, run_dir="r", EVAL_TASKS="hellaswag", device=torch.device("cuda"), BPB_WINDOWS=0)
+    eval_cell(
+        capsys, run_dir="r", EVAL_TASKS="hellaswag", device=torch.device("cuda"), BPB_WINDOWS=0
+    )
     assert calls == [("hellaswag", "cuda", 0)]  # all items on a GPU

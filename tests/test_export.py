@@ -21,7 +21,14 @@ def run_dir(tmp_path_factory, char_data):
     from gptlib.training.loop import train
 
     rd = tmp_path_factory.mktemp("export") / "run"
-    train(char_data, rd, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    train(
+        char_data,
+        rd,
+        overrides=TINY + ["eval_interval=5"],
+        max_steps=10,
+        progress=False,
+        log=lambda s: None,
+    )
     return rd
 
 
@@ -39,15 +46,25 @@ def assert_same_model(ours: GPT, hf, ids: list[int]) -> None:
     torch.testing.assert_close(theirs, mine, rtol=1e-4, atol=1e-5)
     n = ours.config.block_size - len(ids)  # transformers cannot go past its n_positions
     with torch.no_grad():
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=0)
-    mine_ids, _ = Engine(ours).generate_ids([ids], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False))
-    assert out[0, len(ids):].tolist() == mine_ids[0]
+        out = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    mine_ids, _ = Engine(ours).generate_ids(
+        [ids], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False)
+    )
+    assert out[0, len(ids) :].tolist() == mine_ids[0]
 
 
 def test_export_char_run_loads_in_transformers(run_dir, tmp_path):
     out = export_hf(run_dir, tmp_path / "hf", checkpoint="latest")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {f.name for f in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        f.name for f in out.iterdir()
+    }
     hf, hf_tok = load_hf(out)
     eng = Engine.from_run(run_dir)
     text = "ROMEO:\nWhat, art thou mad?"
@@ -59,7 +76,17 @@ def test_export_char_run_loads_in_transformers(run_dir, tmp_path):
 
 def test_export_with_biases_and_padding(tmp_path):
     torch.manual_seed(1)
-    m = GPT(ModelConfig(vocab_size=70, block_size=24, n_layer=2, n_head=4, n_embd=32, bias=True, vocab_multiple=64))
+    m = GPT(
+        ModelConfig(
+            vocab_size=70,
+            block_size=24,
+            n_layer=2,
+            n_head=4,
+            n_embd=32,
+            bias=True,
+            vocab_multiple=64,
+        )
+    )
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("bias"):
@@ -75,15 +102,22 @@ def test_export_with_biases_and_padding(tmp_path):
 def test_export_bpe_tokenizer(tmp_path, small_text):
     tok = BPETokenizer.train([small_text.read_text()], vocab_size=300)
     torch.manual_seed(2)
-    m = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
+    m = GPT(
+        ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32)
+    ).eval()
     out = export_model(m, tmp_path / "hf", tok)
     hf, hf_tok = load_hf(out)
     text = "First Citizen:\nBefore we proceed any further, hear me speak."
     assert hf_tok(text).input_ids == tok.encode(text)
     assert hf_tok.decode(tok.encode(text)) == text
     literal = "a <|endoftext|> inside the text stays text"
-    assert hf_tok(literal).input_ids == tok.encode(literal) and tok.eot_id not in tok.encode(literal)
-    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == tok.eot_id == hf.config.eos_token_id
+    assert hf_tok(literal).input_ids == tok.encode(literal) and tok.eot_id not in tok.encode(
+        literal
+    )
+    assert (
+        hf_tok.eos_token == "<|endoftext|>"
+        and hf_tok.eos_token_id == tok.eot_id == hf.config.eos_token_id
+    )
     assert_same_model(m, hf, tok.encode("First Citizen:")[:8])
 
 
@@ -95,13 +129,16 @@ def test_export_never_overwrites_by_accident(run_dir, tmp_path):
         export_hf(run_dir, out)
     assert (out / "keep.txt").read_text() == "mine"
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
-    with pytest.raises(ExportError, match="not a previous gptlib export"):  # --overwrite replaces exports only
+    # --overwrite replaces exports only
+    with pytest.raises(ExportError, match="not a previous gptlib export"):
         export_hf(run_dir, out, checkpoint=5, overwrite=True)
     assert (out / "keep.txt").read_text() == "mine"
     prev = tmp_path / "prev"
     export_hf(run_dir, prev, checkpoint=10)
     export_hf(run_dir, prev, checkpoint=5, overwrite=True)  # a previous export is replaced
-    assert "- step: 5" in (prev / "README.md").read_text() and (prev / "model.safetensors").is_file()
+    assert (
+        "- step: 5" in (prev / "README.md").read_text() and (prev / "model.safetensors").is_file()
+    )
 
 
 @pytest.mark.parametrize("where", ["run", "run/checkpoints", "parent"])
@@ -128,7 +165,17 @@ def test_export_refuses_a_data_directory(run_dir, char_data, tmp_path):
 def test_cli_export_hf(run_dir, tmp_path, capsys):
     from gptlib.__main__ import main
 
-    rc = main(["export-hf", "--run-dir", str(run_dir), "--out", str(tmp_path / "hf"), "--checkpoint", "best"])
+    rc = main(
+        [
+            "export-hf",
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(tmp_path / "hf"),
+            "--checkpoint",
+            "best",
+        ]
+    )
     assert rc == 0 and "model.safetensors" in capsys.readouterr().out
     hf, _ = load_hf(tmp_path / "hf")
     assert hf.config.n_positions == 32 and hf.config.activation_function == "gelu_new"

@@ -21,8 +21,15 @@ def _code_of(path) -> list[tuple[str, str]]:
     """(where, code) of each notebook code cell, or of each ```python block of a markdown file."""
     if path.suffix == ".ipynb":
         cells = json.loads(path.read_text())["cells"]
-        return [(f"{path.name} cell {i}", "".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "code"]
-    return [(f"{path.name} block {i}", b) for i, b in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))]
+        return [
+            (f"{path.name} cell {i}", "".join(c["source"]))
+            for i, c in enumerate(cells)
+            if c["cell_type"] == "code"
+        ]
+    return [
+        (f"{path.name} block {i}", b)
+        for i, b in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S))
+    ]
 
 
 def deep_imports(code: str) -> list[str]:
@@ -45,16 +52,22 @@ def test_notebooks_and_readme_examples_import_only_from_gptlib(path):
 
 
 def test_the_check_sees_a_deep_import():
-    assert deep_imports("from gptlib.training.loop import train\nimport gptlib.colab\nfrom gptlib import nothing")
+    assert deep_imports(
+        "from gptlib.training.loop import train\nimport gptlib.colab\nfrom gptlib import nothing"
+    )
     assert not deep_imports("import gptlib\nfrom gptlib import train, colab")
 
 
 def test_every_facade_name_loads():
     missing = [n for n in gptlib._WHERE if getattr(gptlib, n, None) is None]
-    assert not missing and {"train", "prepare", "load_run", "Engine", "Playground", "colab"} <= set(dir(gptlib))
+    assert not missing and {"train", "prepare", "load_run", "Engine", "Playground", "colab"} <= set(
+        dir(gptlib)
+    )
 
 
 def test_importing_gptlib_loads_no_torch():
     code = "import sys, gptlib; gptlib.ModelConfig; gptlib.prepare; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -106,7 +106,11 @@ def test_a_missing_manifest_is_not_damage_training_stops_at_once(char_data, run,
     with pytest.raises(CheckpointError) as e:
         run_inproc(char_data, run)
     msg = str(e.value)
-    assert "manifest.json is not there now" in msg and "(on the local disk)" in msg and "--skip-unreadable" in msg
+    assert (
+        "manifest.json is not there now" in msg
+        and "(on the local disk)" in msg
+        and "--skip-unreadable" in msg
+    )
     assert "trying again" not in capsys.readouterr().err  # the local disk is not waited for
     assert tree_hashes(run / CKPT) == before and not list((run / CKPT).glob("*.damaged-*"))
     r = run_inproc(char_data, run, skip_unreadable=True)
@@ -119,7 +123,9 @@ class _Evil:
         return (os.system, (f"touch {os.environ['GPTLIB_EVIL_MARKER']}",))
 
 
-def test_malicious_pickle_is_refused_and_previous_resumed(char_data, run, capsys, tmp_path, monkeypatch):
+def test_malicious_pickle_is_refused_and_previous_resumed(
+    char_data, run, capsys, tmp_path, monkeypatch
+):
     """A newer checkpoint whose manifest is consistent but whose model.pt would run code on load."""
     marker = tmp_path / "pwned"
     monkeypatch.setenv("GPTLIB_EVIL_MARKER", str(marker))
@@ -128,7 +134,10 @@ def test_malicious_pickle_is_refused_and_previous_resumed(char_data, run, capsys
     (evil / "model.pt").write_bytes(pickle.dumps({"w": _Evil()}))
     m = json.loads((evil / "manifest.json").read_text())
     m["step"] = 25
-    m["files"]["model.pt"] = {"size": (evil / "model.pt").stat().st_size, "sha256": sha256_file(evil / "model.pt")}
+    m["files"]["model.pt"] = {
+        "size": (evil / "model.pt").stat().st_size,
+        "sha256": sha256_file(evil / "model.pt"),
+    }
     (evil / "manifest.json").write_text(json.dumps(m))
     verify_checkpoint(evil)  # it passes the integrity check: only safe loading stops it
     r, out, _ = resume(char_data, run, capsys)
@@ -183,23 +192,44 @@ def test_config_mismatch_names_field_and_both_values(char_data, run, field, valu
     assert f"{field}={old}" in msg and f"{field}={value}" in msg, msg
     assert tree_hashes(run / CKPT) == before  # nothing touched
     # The CLI says the same in one line, without a traceback.
-    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--preset", "phase1", "--max-steps",
-            str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    args = [
+        "train",
+        "--data",
+        str(char_data),
+        "--run-dir",
+        str(run),
+        "--preset",
+        "phase1",
+        "--max-steps",
+        str(MAX_STEPS),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     for s in SETTINGS + [f"{field}={value}"]:
         args += ["--set", s]
     capsys.readouterr()
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"{field}={old}" in err and "Traceback" not in err
-    r, out, _ = resume(char_data, run, capsys)  # the original config resumes fine (the finished run: said so)
+    # the original config resumes fine (the finished run: said so)
+    r, out, _ = resume(char_data, run, capsys)
     assert r.resumed_from == 20 and r.stopped_by == "finished" and "error" not in out
 
 
 def ck_train(data, run_dir, settings):
     from gptlib.training.loop import train
 
-    return train(data, run_dir, "phase1", settings, max_steps=MAX_STEPS, device="cpu", progress=False,
-                 log=lambda m: None)
+    return train(
+        data,
+        run_dir,
+        "phase1",
+        settings,
+        max_steps=MAX_STEPS,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
 
 
 def test_tokenizer_mismatch_names_field(run, tmp_path, small_text):
@@ -226,7 +256,9 @@ def fast_retries(monkeypatch):
 
 
 @pytest.mark.parametrize("code", [errno.ENOTCONN, errno.EIO])
-def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monkeypatch, fast_retries, code):
+def test_drive_copy_errors_never_stop_training(
+    char_data, tmp_path, capsys, monkeypatch, fast_retries, code
+):
     run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
 
     def broken(*a, **k):
@@ -237,8 +269,10 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     assert r.step == MAX_STEPS and r.stopped_by == "max_steps"  # training went on
     assert f"[Errno {code}]" in err and "DRIVE COPY FAILED" in err, err
     assert "is NOT on Drive" in err  # the end-of-run summary says where the newest checkpoint is
-    assert r.not_on_drive == 20 and r.summary().endswith("; !! step 20 is NOT on Drive, only on this disk: its copy "
-                                                         "failed (see above); re-run once Drive works")
+    assert r.not_on_drive == 20 and r.summary().endswith(
+        "; !! step 20 is NOT on Drive, only on this disk: its copy "
+        "failed (see above); re-run once Drive works"
+    )
     assert "DRIVE COPY FAILING" in out  # shown in the loop's validation line too
     assert verify_checkpoint(ckpt_dir(run, 20)).step == 20  # local saving never stopped
     assert newest_checkpoint(mirror) is None
@@ -246,7 +280,10 @@ def test_drive_copy_errors_never_stop_training(char_data, tmp_path, capsys, monk
     # Drive is back: re-running resumes from the local newest and copies it to Drive.
     monkeypatch.undo()
     r, out, err = resume(char_data, run, capsys, mirror_dir=mirror)
-    assert r.resumed_from == 20 and r.stopped_by == "finished" and r.not_on_drive is None, (out, err)
+    assert r.resumed_from == 20 and r.stopped_by == "finished" and r.not_on_drive is None, (
+        out,
+        err,
+    )
     assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
 
 
@@ -266,29 +303,61 @@ def test_a_cli_run_whose_checkpoint_missed_drive_exits_nonzero(char_data, tmp_pa
     """--mirror-dir given and the final checkpoint not copied there: exit status 1, the last line saying why, also
     when the run was finished already; once Drive works, the same command copies it and exits 0."""
     run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
-    args = ["train", "--data", str(char_data), "--run-dir", str(run), "--mirror-dir", str(mirror), "--max-steps",
-            str(MAX_STEPS), "--device", "cpu", "--quiet"]
+    args = [
+        "train",
+        "--data",
+        str(char_data),
+        "--run-dir",
+        str(run),
+        "--mirror-dir",
+        str(mirror),
+        "--max-steps",
+        str(MAX_STEPS),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     for s in SETTINGS:
         args += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(faulty.FAULTY.parents[1])}
-    p = subprocess.run([sys.executable, "-c", BROKEN_DRIVE, *args], env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", BROKEN_DRIVE, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
     last = p.stdout.splitlines()[-1]
     why = "; !! step 20 is NOT on Drive, only on this disk: its copy failed (see above)"
-    assert last.startswith("done: step 20,") and last.endswith(f"{why}; re-run once Drive works"), last
+    assert last.startswith("done: step 20,") and last.endswith(f"{why}; re-run once Drive works"), (
+        last
+    )
     assert "DRIVE COPY FAILED" in p.stderr and newest_checkpoint(mirror) is None
-    p = subprocess.run([sys.executable, "-c", BROKEN_DRIVE, *args], env=env, capture_output=True, text=True,
-                       timeout=300)  # finished: only its copy to Drive to make, and that fails again
+    # finished: only its copy to Drive to make, and that fails again
+    p = subprocess.run(
+        [sys.executable, "-c", BROKEN_DRIVE, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1 and p.stdout.startswith("already finished at step 20")
     assert p.stdout.endswith(f"{why}; re-run once Drive works\n"), p.stdout
     assert "the newest checkpoint (step 20) is NOT on Drive" in p.stderr, p.stderr
-    p = subprocess.run(faulty.gptlib_cmd(None, *args), env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and p.stdout.startswith("already finished at step 20"), (p.stdout, p.stderr)
+    p = subprocess.run(
+        faulty.gptlib_cmd(None, *args), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and p.stdout.startswith("already finished at step 20"), (
+        p.stdout,
+        p.stderr,
+    )
     assert verify_checkpoint(ckpt_dir(mirror, 20)).step == 20
 
 
-def test_drive_copy_transient_error_is_retried(char_data, tmp_path, capsys, monkeypatch, fast_retries):
+def test_drive_copy_transient_error_is_retried(
+    char_data, tmp_path, capsys, monkeypatch, fast_retries
+):
     run, mirror = tmp_path / "local" / "run", tmp_path / "drive" / "run"
     real, calls = gmirror.copy_file_verified, {"n": 0}
 

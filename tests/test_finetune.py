@@ -39,7 +39,11 @@ from tests.device_ops import DeviceOps
 from tests.tokenize_kit import split_tokens
 
 WORDS = "apple river stone cloud tiger lamp green seven music ocean paper silver candle forest window honey".split()
-OPPOSITE = {**dict(zip(WORDS[:8], WORDS[8:])), **dict(zip(WORDS[8:], WORDS[:8]))}  # an arbitrary fixed pairing
+# an arbitrary fixed pairing
+OPPOSITE = {
+    **dict(zip(WORDS[:8], WORDS[8:])),
+    **dict(zip(WORDS[8:], WORDS[:8])),
+}
 NAMES = "anna ben carl dora emil fay gus hana ivan jude kim lou max nina otto pia".split()
 SMALL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "dropout": 0.0}
 
@@ -49,8 +53,12 @@ def question(name: str, word: str) -> str:
 
 
 def conversation(name: str, word: str) -> dict:
-    return {"messages": [{"role": "user", "content": question(name, word)},
-                         {"role": "assistant", "content": OPPOSITE[word]}]}
+    return {
+        "messages": [
+            {"role": "user", "content": question(name, word)},
+            {"role": "assistant", "content": OPPOSITE[word]},
+        ]
+    }
 
 
 def quiet(_msg: str) -> None:
@@ -58,7 +66,11 @@ def quiet(_msg: str) -> None:
 
 
 def tree_digest(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -78,27 +90,68 @@ def qa(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("qa")
     rng = random.Random(0)
     vocab = WORDS + NAMES + "asks: what is the opposite of".split()
-    (root / "base.txt").write_text("\n".join(" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(3000)))
+    (root / "base.txt").write_text(
+        "\n".join(" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(3000))
+    )
     prepare([root / "base.txt"], root / "base_data", vocab_size=300, verbose=False)
-    train(root / "base_data", root / "base", "phase1", {**SMALL, "block_size": 64, "max_steps": 30, "eval_interval": 30,
-                                                         "batch_size": 16, "sample_tokens": 0, "learning_rate": 3e-3},
-          device="cpu", progress=False, log=quiet)
+    train(
+        root / "base_data",
+        root / "base",
+        "phase1",
+        {
+            **SMALL,
+            "block_size": 64,
+            "max_steps": 30,
+            "eval_interval": 30,
+            "batch_size": 16,
+            "sample_tokens": 0,
+            "learning_rate": 3e-3,
+        },
+        device="cpu",
+        progress=False,
+        log=quiet,
+    )
     pairs = [(n, w) for n in NAMES for w in WORDS]
     rng.shuffle(pairs)
     held_out, seen = pairs[:24], pairs[24:]
     with open(root / "chat.jsonl", "w") as f:
         for n, w in seen:
             f.write(json.dumps(conversation(n, w)) + "\n")
-    prepare([root / "chat.jsonl"], root / "chat_data", tokenizer_from=root / "base", format="chat", verbose=False)
+    prepare(
+        [root / "chat.jsonl"],
+        root / "chat_data",
+        tokenizer_from=root / "base",
+        format="chat",
+        verbose=False,
+    )
     return {"root": root, "base": root / "base", "data": root / "chat_data", "held_out": held_out}
 
 
 def finetune(qa: dict, run_dir: Path, steps: int, **overrides):
-    settings = {**SMALL, "max_steps": steps, "eval_interval": steps, "batch_size": 16, "grad_accum_steps": 1,
-                "learning_rate": 1e-2, "warmup_steps": 10, "eval_batches": 4, "sample_tokens": 0,
-                "save_every_minutes": 0, **overrides}
-    return train(qa["data"], run_dir, "finetune", settings, device="cpu", compile="off", progress=False, log=quiet,
-                 init_from=str(qa["base"]))
+    settings = {
+        **SMALL,
+        "max_steps": steps,
+        "eval_interval": steps,
+        "batch_size": 16,
+        "grad_accum_steps": 1,
+        "learning_rate": 1e-2,
+        "warmup_steps": 10,
+        "eval_batches": 4,
+        "sample_tokens": 0,
+        "save_every_minutes": 0,
+        **overrides,
+    }
+    return train(
+        qa["data"],
+        run_dir,
+        "finetune",
+        settings,
+        device="cpu",
+        compile="off",
+        progress=False,
+        log=quiet,
+        init_from=str(qa["base"]),
+    )
 
 
 # ------------------------------------------------------------------------------------------ masking
@@ -128,11 +181,21 @@ def test_the_sampler_keeps_exactly_the_assistant_targets(qa, where):
         assert torch.equal(x, x0)  # the mask changes no token and no draw of the RNG
         # each row's window: find it in the stream, then every target is kept iff its position is in a span
         for row in range(x.shape[0]):
-            start = int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(stream, 65)
-                                                == np.concatenate([x0[row].numpy(), y0[row, -1:].numpy()]), axis=1))[0])
-            want = [int(stream[start + 1 + t]) if start + 1 + t in in_span else -1 for t in range(64)]
+            start = int(
+                np.flatnonzero(
+                    np.all(
+                        np.lib.stride_tricks.sliding_window_view(stream, 65)
+                        == np.concatenate([x0[row].numpy(), y0[row, -1:].numpy()]),
+                        axis=1,
+                    )
+                )[0]
+            )
+            want = [
+                int(stream[start + 1 + t]) if start + 1 + t in in_span else -1 for t in range(64)
+            ]
             assert y[row].tolist() == want
-    assert 0 < mask.fraction < 0.5  # the answers are a minority of the tokens; the questions are context
+    # the answers are a minority of the tokens; the questions are context
+    assert 0 < mask.fraction < 0.5
 
 
 def test_only_the_answers_carry_the_loss_and_gradient(qa):
@@ -155,7 +218,8 @@ def test_only_the_answers_carry_the_loss_and_gradient(qa):
     assert torch.allclose(loss, brute, atol=1e-5), (float(loss), float(brute))
     grads = torch.autograd.grad(loss, logits)[0]
     assert grads[~keep].abs().max() == 0 and grads[keep].abs().max() > 0
-    y_other = torch.where(keep, y, torch.randint_like(y, meta.vocab_size))  # other user tokens as targets ...
+    # other user tokens as targets ...
+    y_other = torch.where(keep, y, torch.randint_like(y, meta.vocab_size))
     _, loss_other = model(x, torch.where(keep, y_other, -1))  # ... masked as training masks them
     assert torch.equal(loss_other, loss)
     _, loss_all = model(x, y_all)
@@ -194,8 +258,11 @@ def test_a_chat_batch_on_the_device_copies_its_starts_there_once():
 
 
 def greedy_answer(ld, template: ChatTemplate, name: str, word: str) -> str:
-    ids, _ = template.render([{"role": "user", "content": question(name, word)}], require_assistant=False,
-                             generation_prompt=True)
+    ids, _ = template.render(
+        [{"role": "user", "content": question(name, word)}],
+        require_assistant=False,
+        generation_prompt=True,
+    )
     x = torch.tensor(ids).unsqueeze(0)
     out = []
     with torch.no_grad():
@@ -213,13 +280,16 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
     run_dir = tmp_path / "sft"
     base_before = tree_digest(qa["base"])
     r = finetune(qa, run_dir, steps=300, sample_tokens=8)
-    assert r.val_loss is not None and r.val_loss < 0.15, r.summary()  # near zero: only the answers count
+    # near zero: only the answers count
+    assert r.val_loss is not None and r.val_loss < 0.15, r.summary()
     # the samples at validation: the val split's first 2 questions as chat prompts, each answer cut at <|end|>
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [300, 300]
     for s in samples:
-        asked = re.fullmatch(r"<\|user\|>\n(\w+) asks: what is the opposite of (\w+)\?<\|end\|>\n<\|assistant\|>",
-                             s["prompt"])
+        asked = re.fullmatch(
+            r"<\|user\|>\n(\w+) asks: what is the opposite of (\w+)\?<\|end\|>\n<\|assistant\|>",
+            s["prompt"],
+        )
         assert asked, s["prompt"]
         assert s["text"] == s["prompt"] + "\n" + OPPOSITE[asked[2]], s
     assert tree_digest(qa["base"]) == base_before  # the base run is never modified
@@ -228,10 +298,30 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
     answers = {(n, w): greedy_answer(ld, template, n, w) for n, w in qa["held_out"]}
     wrong = {k: v for k, v in answers.items() if v != OPPOSITE[k[1]]}
     assert not wrong, f"held-out questions answered wrongly: {wrong}"
-    for n, w in qa["held_out"][:2]:  # the same through the CLI a user types: only the reply on stdout
-        p = subprocess.run([sys.executable, "-m", "gptlib", "chat", "--run-dir", str(run_dir), "--message",
-                            question(n, w), "--temperature", "0", "--max-new-tokens", "6", "--device", "cpu"],
-                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    # the same through the CLI a user types: only the reply on stdout
+    for n, w in qa["held_out"][:2]:
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gptlib",
+                "chat",
+                "--run-dir",
+                str(run_dir),
+                "--message",
+                question(n, w),
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--device",
+                "cpu",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert p.returncode == 0 and p.stdout.strip() == OPPOSITE[w], (p.stdout, p.stderr)
     state = json.loads((newest_checkpoint(run_dir).path / "state.json").read_text())
     assert state["init_from"]["path"].startswith(str(qa["base"]))
@@ -241,11 +331,37 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
 
 
 def run_cli(qa: dict, run_dir: Path, steps: int, fault: str | None) -> subprocess.CompletedProcess:
-    cmd = faulty.gptlib_cmd(fault, "train", "--data", qa["data"], "--run-dir", run_dir, "--preset", "finetune",
-                            "--init-from", qa["base"], "--max-steps", steps, "--device", "cpu", "--quiet")
-    for k, v in {**SMALL, "eval_interval": 10, "batch_size": 8, "learning_rate": 1e-2, "warmup_steps": 2,
-                 "eval_batches": 2, "sample_tokens": 0, "save_every_minutes": 0, "save_every_steps": 5,
-                 "log_interval": 1, "dropout": 0.1, "compile": "off"}.items():
+    cmd = faulty.gptlib_cmd(
+        fault,
+        "train",
+        "--data",
+        qa["data"],
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "finetune",
+        "--init-from",
+        qa["base"],
+        "--max-steps",
+        steps,
+        "--device",
+        "cpu",
+        "--quiet",
+    )
+    for k, v in {
+        **SMALL,
+        "eval_interval": 10,
+        "batch_size": 8,
+        "learning_rate": 1e-2,
+        "warmup_steps": 2,
+        "eval_batches": 2,
+        "sample_tokens": 0,
+        "save_every_minutes": 0,
+        "save_every_steps": 5,
+        "log_interval": 1,
+        "dropout": 0.1,
+        "compile": "off",
+    }.items():
         cmd += ["--set", f"{k}={v}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

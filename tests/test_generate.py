@@ -11,8 +11,19 @@ import torch
 from gptlib.checkpoint.format import CheckpointError
 from gptlib.config import ModelConfig
 from gptlib.data.tokenizer import CharTokenizer, TokenizerError
-from gptlib.inference.engine import Engine, GenerationError, SamplingConfig, process_logits, sample_next
-from gptlib.inference.loading import checkpoint_table, load_run, read_state_and_tokenizer, resolve_checkpoint
+from gptlib.inference.engine import (
+    Engine,
+    GenerationError,
+    SamplingConfig,
+    process_logits,
+    sample_next,
+)
+from gptlib.inference.loading import (
+    checkpoint_table,
+    load_run,
+    read_state_and_tokenizer,
+    resolve_checkpoint,
+)
 from gptlib.model import GPT
 
 from .conftest import TINY
@@ -22,7 +33,9 @@ from .device_ops import DeviceOps
 @pytest.fixture(scope="module")
 def model() -> GPT:
     torch.manual_seed(0)
-    m = GPT(ModelConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, vocab_multiple=64))
+    m = GPT(
+        ModelConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32, vocab_multiple=64)
+    )
     # Larger weights than the init so the greedy path is not a flat distribution with near-ties.
     with torch.no_grad():
         for p in m.parameters():
@@ -36,8 +49,14 @@ def run_dir(tmp_path_factory, char_data):
     from gptlib.training.loop import train
 
     rd = tmp_path_factory.mktemp("gen") / "run"
-    train(char_data, rd, overrides=TINY + ["eval_interval=5", "keep_last=5"], max_steps=10, progress=False,
-          log=lambda s: None)
+    train(
+        char_data,
+        rd,
+        overrides=TINY + ["eval_interval=5", "keep_last=5"],
+        max_steps=10,
+        progress=False,
+        log=lambda s: None,
+    )
     return rd
 
 
@@ -49,7 +68,7 @@ def naive_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             logits, _ = model(torch.tensor([ids[-bs:]]))
             ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_greedy_cache_equals_no_cache_past_the_window(model):
@@ -62,8 +81,9 @@ def test_greedy_cache_equals_no_cache_past_the_window(model):
     assert reasons == ["length"]
     # A prompt longer than the context is cropped to its last block_size tokens.
     long_prompt = list(range(1, 30))
-    assert eng.generate_ids([long_prompt], SamplingConfig(max_new_tokens=5, temperature=0))[0][0] == \
-        naive_greedy(model, long_prompt, 5)
+    assert eng.generate_ids([long_prompt], SamplingConfig(max_new_tokens=5, temperature=0))[0][
+        0
+    ] == naive_greedy(model, long_prompt, 5)
 
 
 def test_batch_of_prompts_of_different_lengths_equals_one_by_one(model):
@@ -85,7 +105,9 @@ def test_seeded_sampling_is_reproducible(model):
     cfg.seed = 124
     assert eng.generate_ids([[1, 2], [3]], cfg)[0] != a
     # top_k=1 is greedy whatever the temperature
-    one = eng.generate_ids([[1, 2]], SamplingConfig(max_new_tokens=10, temperature=1.5, top_k=1, seed=5))[0][0]
+    one = eng.generate_ids(
+        [[1, 2]], SamplingConfig(max_new_tokens=10, temperature=1.5, top_k=1, seed=5)
+    )[0][0]
     assert one == eng.generate_ids([[1, 2]], SamplingConfig(max_new_tokens=10, temperature=0))[0][0]
 
 
@@ -99,14 +121,22 @@ def test_logits_processing():
     assert torch.isinf(out).tolist() == [[False, True, False, True]]
     assert out[0, 0].item() == 1.0  # divided by the temperature
     probs = torch.tensor([[0.5, 0.3, 0.2]]).log()
-    keep = lambda p: (~torch.isinf(process_logits(probs, SamplingConfig(temperature=1.0, top_p=p)))).tolist()[0]
+
+    def keep(p):
+        return (
+            ~torch.isinf(process_logits(probs, SamplingConfig(temperature=1.0, top_p=p)))
+        ).tolist()[0]
+
     assert keep(0.7) == [True, True, False]
     assert keep(0.5) == [True, False, False]
     assert keep(0.81) == [True, True, True]
     assert keep(1.0) == [True, True, True]
     g = torch.Generator().manual_seed(0)
-    draws = sample_next(process_logits(probs.expand(2000, 3), SamplingConfig(temperature=1.0)),
-                        SamplingConfig(temperature=1.0), g)
+    draws = sample_next(
+        process_logits(probs.expand(2000, 3), SamplingConfig(temperature=1.0)),
+        SamplingConfig(temperature=1.0),
+        g,
+    )
     freq = torch.bincount(draws, minlength=3).float() / 2000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.05)
 
@@ -124,28 +154,41 @@ def test_sampling_draws_each_token_with_its_probability():
     probability < 1e-5), and within 5 SE of a difference of torch.multinomial's frequencies. The check has the
     power to see a 5% temperature error: p^(1/1.05), renormalised, is 10 SE away for the top token."""
     n, cfg = 200_000, SamplingConfig(temperature=1.0)
-    draws = sample_next(process_logits(P6.log().float().expand(n, 6), cfg), cfg, torch.Generator().manual_seed(0))
+    draws = sample_next(
+        process_logits(P6.log().float().expand(n, 6), cfg), cfg, torch.Generator().manual_seed(0)
+    )
     freq, se = freqs(draws, 6), (P6 * (1 - P6) / n).sqrt()
     assert ((freq - P6).abs() < 5 * se).all(), (freq, P6)
-    multi = torch.multinomial(P6.float().expand(n, 6), 1, generator=torch.Generator().manual_seed(1)).squeeze(-1)
-    assert ((freq - freqs(multi, 6)).abs() < 5 * 2 ** 0.5 * se).all()
+    multi = torch.multinomial(
+        P6.float().expand(n, 6), 1, generator=torch.Generator().manual_seed(1)
+    ).squeeze(-1)
+    assert ((freq - freqs(multi, 6)).abs() < 5 * 2**0.5 * se).all()
     hotter = P6 ** (1 / 1.05) / (P6 ** (1 / 1.05)).sum()
-    assert not ((freq - hotter).abs() < 5 * se).all()  # negative control: the tolerance tells them apart
+    assert not (
+        (freq - hotter).abs() < 5 * se
+    ).all()  # negative control: the tolerance tells them apart
 
 
 def test_top_k_top_p_and_the_penalty_shape_what_is_drawn():
     """Filtered tokens are never drawn and every kept token is (20,000 draws); the repetition penalty's
     distribution is the softmax of the penalised logits (5 SE, as above)."""
     n = 20_000
-    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.0, -1.0]]).expand(n, 6)  # probabilities .46 .28 .17 .06 .02 .01
+    # probabilities .46 .28 .17 .06 .02 .01
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.0, 0.0, -1.0]]).expand(n, 6)
     g = torch.Generator().manual_seed(0)
 
     def draw(cfg, seen=None):
         return sample_next(process_logits(logits, cfg, seen), cfg, g)
 
     assert set(draw(SamplingConfig(temperature=1.0, top_k=2)).tolist()) == {0, 1}
-    assert set(draw(SamplingConfig(temperature=1.0, top_p=0.8)).tolist()) == {0, 1, 2}  # .46 + .28 < .8 <= + .17
-    assert set(draw(SamplingConfig(temperature=0.5, top_k=3, top_p=0.6)).tolist()) == {0}  # at T=.5: .66 .24 .09
+    # .46 + .28 < .8 <= + .17
+    assert set(draw(SamplingConfig(temperature=1.0, top_p=0.8)).tolist()) == {
+        0,
+        1,
+        2,
+    }
+    # at T=.5: .66 .24 .09
+    assert set(draw(SamplingConfig(temperature=0.5, top_k=3, top_p=0.6)).tolist()) == {0}
     seen = torch.zeros(n, 6, dtype=torch.bool)
     seen[:, 0] = seen[:, 5] = True  # 3.0 -> 1.5, -1.0 -> -2.0
     want = torch.softmax(torch.tensor([1.5, 2.5, 2.0, 1.0, 0.0, -2.0], dtype=torch.float64), -1)
@@ -158,7 +201,9 @@ def test_sampled_generation_never_waits_for_the_device(model):
     stops: no op that makes the host wait for a GPU (tests/device_ops.py) runs before the result is read. A
     multinomial per token did (its kernel checks the probabilities with .item())."""
     eng = Engine(model)
-    cfg = SamplingConfig(max_new_tokens=30, temperature=0.9, top_k=10, top_p=0.9, repetition_penalty=1.2, seed=1)
+    cfg = SamplingConfig(
+        max_new_tokens=30, temperature=0.9, top_k=10, top_p=0.9, repetition_penalty=1.2, seed=1
+    )
     with DeviceOps() as ops:
         out, _ = eng.generate_ids([[1, 2, 3], [4]], cfg)
     assert ops.syncs == []
@@ -168,9 +213,14 @@ def test_sampled_generation_never_waits_for_the_device(model):
 
 def test_bad_settings_are_clear_errors(model):
     eng = Engine(model)
-    for kw, name in [({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"),
-                     ({"repetition_penalty": 0}, "repetition_penalty"), ({"max_new_tokens": -1}, "max_new_tokens"),
-                     ({"stop": [""]}, "stop")]:
+    for kw, name in [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"stop": [""]}, "stop"),
+    ]:
         with pytest.raises(GenerationError, match=name):
             eng.generate_ids([[1]], SamplingConfig(**kw))
     with pytest.raises(GenerationError, match="prompt 1 is empty"):
@@ -197,7 +247,10 @@ def test_greedy_ids_are_the_reference_and_a_seed_repeats_a_sample(model):
     assert eng.generate_ids([[5, 6]], greedy)[0][0] == naive_greedy(model, [5, 6], 20)
     seeded = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=10, stop_at_eot=False)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert eng.generate_ids([[5, 6]], seeded, generator=g1)[0] == eng.generate_ids([[5, 6]], seeded, generator=g2)[0]
+    assert (
+        eng.generate_ids([[5, 6]], seeded, generator=g1)[0]
+        == eng.generate_ids([[5, 6]], seeded, generator=g2)[0]
+    )
 
 
 # --- text level: stop strings and streaming, on a trained char model ---------------------------
@@ -211,8 +264,11 @@ def test_stop_strings_and_streaming(run_dir):
     stop = full[20:22]
     cut = full.index(stop)
     pieces = []
-    res = eng.generate("ROMEO:", SamplingConfig(max_new_tokens=60, temperature=0, stop=[stop, "\x00never"]),
-                       stream=lambda i, p: pieces.append((i, p)))[0]
+    res = eng.generate(
+        "ROMEO:",
+        SamplingConfig(max_new_tokens=60, temperature=0, stop=[stop, "\x00never"]),
+        stream=lambda i, p: pieces.append((i, p)),
+    )[0]
     assert res.text == full[:cut]
     assert res.finish_reason == "stop"
     assert "".join(p for _, p in pieces) == res.text  # the stop string never reaches the stream
@@ -240,12 +296,20 @@ def test_an_engine_loads_the_gpus_half_type_and_fp32_on_the_cpu(run_dir, monkeyp
     assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
     assert eng.generate("ROMEO:", cfg)[0].token_ids == fp32.generate("ROMEO:", cfg)[0].token_ids
     asked = []
-    monkeypatch.setattr(loading, "resolve_dtype", lambda name, device: asked.append((name, device)) or torch.bfloat16)
+    monkeypatch.setattr(
+        loading,
+        "resolve_dtype",
+        lambda name, device: asked.append((name, device)) or torch.bfloat16,
+    )
     half = Engine.from_run(run_dir)
     assert asked == [("auto", torch.device("cpu"))]
-    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16} and half.dtype == torch.bfloat16
+    assert {p.dtype for p in half.model.parameters()} == {
+        torch.bfloat16
+    } and half.dtype == torch.bfloat16
     assert len(half.generate("ROMEO:", cfg)[0].token_ids) == 30
-    assert {p.dtype for p in load_run(run_dir).model.parameters()} == {torch.float32} and len(asked) == 1
+    assert {p.dtype for p in load_run(run_dir).model.parameters()} == {torch.float32} and len(
+        asked
+    ) == 1
 
 
 def test_unknown_character_in_prompt_is_a_clear_error(run_dir):
@@ -267,7 +331,9 @@ def test_load_latest_best_and_step(run_dir):
     assert resolve_checkpoint(run_dir, "step_0000005").step == 5
     ld = load_run(run_dir, "5")
     assert ld.step == 5 and not ld.model.training and ld.tokenizer.kind == "char"
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 7; available steps: \[10, 5\]"):
+    with pytest.raises(
+        CheckpointError, match=r"no complete checkpoint for step 7; available steps: \[10, 5\]"
+    ):
         resolve_checkpoint(run_dir, 7)
     with pytest.raises(CheckpointError, match="use 'latest', 'best' or a step"):
         resolve_checkpoint(run_dir, "newest")
@@ -315,31 +381,75 @@ def test_milestones_let_notebook_04_compare_early_and_late_checkpoints(char_data
     from gptlib.training.loop import train
 
     rd = tmp_path / "run"
-    r = train(char_data, rd, overrides=TINY + ["keep_last=2", "keep_every=6", "eval_interval=10"], max_steps=20,
-              progress=False, log=lambda s: None)
+    r = train(
+        char_data,
+        rd,
+        overrides=TINY + ["keep_last=2", "keep_every=6", "eval_interval=10"],
+        max_steps=20,
+        progress=False,
+        log=lambda s: None,
+    )
     vals = {row["step"]: row["val_loss"] for row in r.history if "val_loss" in row}
     best = min(vals, key=vals.get)
     steps = sorted(row["step"] for row in checkpoint_table(rd))
     # saves at 6, 10 (validation), 12, 18, 20; kept: milestones 6, 12, 18, the newest two, the best
     assert set(steps) == {6, 12, 18, 20, best}, (steps, vals)
-    texts = [Engine.from_run(rd, s).generate("ROMEO:", SamplingConfig(max_new_tokens=10, seed=3))[0].text
-             for s in (6, 12, 20)]
+    texts = [
+        Engine.from_run(rd, s).generate("ROMEO:", SamplingConfig(max_new_tokens=10, seed=3))[0].text
+        for s in (6, 12, 20)
+    ]
     assert len(set(texts)) > 1  # same seed and settings, different weights
 
 
 def test_cli_sample(run_dir, capsys):
     from gptlib.__main__ import main
 
-    rc = main(["sample", "--run-dir", str(run_dir), "--checkpoint", "best", "--prompt", "ROMEO:", "--prompt", "KING",
-               "--num-samples", "2", "--max-new-tokens", "12", "--top-p", "0.9", "--top-k", "20",
-               "--repetition-penalty", "1.2", "--seed", "3"])
+    rc = main(
+        [
+            "sample",
+            "--run-dir",
+            str(run_dir),
+            "--checkpoint",
+            "best",
+            "--prompt",
+            "ROMEO:",
+            "--prompt",
+            "KING",
+            "--num-samples",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "20",
+            "--repetition-penalty",
+            "1.2",
+            "--seed",
+            "3",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and out.count("--- sample") == 4 and out.count("ROMEO:") == 2
-    rc = main(["sample", "--run-dir", str(run_dir), "--prompt", "ROMEO:", "--temperature", "0", "--stream",
-               "--max-new-tokens", "15"])
+    rc = main(
+        [
+            "sample",
+            "--run-dir",
+            str(run_dir),
+            "--prompt",
+            "ROMEO:",
+            "--temperature",
+            "0",
+            "--stream",
+            "--max-new-tokens",
+            "15",
+        ]
+    )
     streamed = capsys.readouterr().out
     eng = Engine.from_run(run_dir)
-    assert streamed.strip("\n") == ("ROMEO:" + eng.generate("ROMEO:", SamplingConfig(15, temperature=0))[0].text).strip("\n")
+    assert streamed.strip("\n") == (
+        "ROMEO:" + eng.generate("ROMEO:", SamplingConfig(15, temperature=0))[0].text
+    ).strip("\n")
     rc = main(["sample", "--run-dir", str(run_dir), "--top-p", "1.5"])
     assert rc == 2 and "top_p=1.5" in capsys.readouterr().err
     rc = main(["sample", "--run-dir", str(run_dir), "--checkpoint", "999"])
@@ -367,11 +477,14 @@ def test_bpe_text_generation_with_end_of_text(small_text):
 
     tok = BPETokenizer.train([small_text.read_text()], vocab_size=300)
     torch.manual_seed(0)
-    m = GPT(ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32)).eval()
+    m = GPT(
+        ModelConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32)
+    ).eval()
     eng = Engine(m, tok)
     greedy = SamplingConfig(max_new_tokens=20, temperature=0)
     pieces = []
-    res = eng.generate("", greedy, stream=lambda i, p: pieces.append(p))[0]  # empty prompt: starts at <|endoftext|>
+    # empty prompt: starts at <|endoftext|>
+    res = eng.generate("", greedy, stream=lambda i, p: pieces.append(p))[0]
     assert "".join(pieces) == res.text and len(res.token_ids) == 20
     # The end-of-text token ends a sequence and is not part of the text.
     full = eng.generate("First", greedy)[0]
@@ -389,4 +502,8 @@ def test_unknown_character_advice_names_what_the_user_can_do(run_dir):
     with pytest.raises(GenerationError) as e:
         eng.generate("KING \u2603")
     msg = str(e.value)
-    assert "'\u2603' (U+2603) at position 5" in msg and "remove or replace it" in msg and "unknown=" not in msg
+    assert (
+        "'\u2603' (U+2603) at position 5" in msg
+        and "remove or replace it" in msg
+        and "unknown=" not in msg
+    )

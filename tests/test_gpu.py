@@ -46,24 +46,63 @@ BPE_VOCAB = 4096
 BPE_STEPS = 30
 # A small model of gpt2-small's family (pre-LN, no bias, padded vocab, the preset's optimizer settings) on
 # byte-level BPE: compiles in well under a minute. Overrides of the gpt2-small preset.
-GPT2ISH = ["block_size=256", "n_layer=4", "n_head=4", "n_embd=256", "batch_size=16", "grad_accum_steps=2",
-           "learning_rate=1e-3", "warmup_steps=5", "eval_interval=15", "eval_batches=4", "log_interval=1",
-           "sample_tokens=16", "save_every_minutes=0", "keep_every=0", "hellaswag_every=0"]
-COMPARE_STEPS, BF16_RTOL = 15, 0.02  # compiled vs eager: the first 15 losses within 2% (bf16 keeps ~3 digits)
+GPT2ISH = [
+    "block_size=256",
+    "n_layer=4",
+    "n_head=4",
+    "n_embd=256",
+    "batch_size=16",
+    "grad_accum_steps=2",
+    "learning_rate=1e-3",
+    "warmup_steps=5",
+    "eval_interval=15",
+    "eval_batches=4",
+    "log_interval=1",
+    "sample_tokens=16",
+    "save_every_minutes=0",
+    "keep_every=0",
+    "hellaswag_every=0",
+]
+# compiled vs eager: the first 15 losses within 2% (bf16 keeps ~3 digits)
+COMPARE_STEPS, BF16_RTOL = (
+    15,
+    0.02,
+)
 # Resume: saves at 5, 10, 15; the kill at 17 lands after the step-15 save (or while it is still written).
 RESUME_STEPS, KILL_AT = 30, 17
-RESUME = GPT2ISH + ["dropout=0.1", "save_every_steps=5", "eval_interval=10", "eval_batches=2", "sample_tokens=0",
-                    "dtype=bfloat16", "compile=off"]
-NOISE_FACTOR, NOISE_FLOOR = 10.0, 0.05  # a resume that loses state (batches, moments) jumps by ~0.1-1 nats
+RESUME = GPT2ISH + [
+    "dropout=0.1",
+    "save_every_steps=5",
+    "eval_interval=10",
+    "eval_batches=2",
+    "sample_tokens=0",
+    "dtype=bfloat16",
+    "compile=off",
+]
+# a resume that loses state (batches, moments) jumps by ~0.1-1 nats
+NOISE_FACTOR, NOISE_FLOOR = (
+    10.0,
+    0.05,
+)
 AUTO_SEQS = 2048  # sequences per step for the auto micro-batch probe: 2048 x 512 tokens does not fit 80 GB at once
 DECODE_TOKENS = 80  # past the 32-token context of the TINY model
 PROMPTS = ["def ", "class Reader:\n    "]  # the char data is Python source
 
 # Part 1: gpt2-small at full size as a Colab user first trains it, 20 steps (a save at 10), the LR warmed up in 5.
 FIRST_STEPS, FIRST_SAVE = 20, 10
-FIRST = ["warmup_steps=5", "eval_interval=10", "eval_batches=4", "save_every_steps=10", "sample_tokens=32",
-         "hellaswag_every=0", "keep_every=0", "log_interval=1", "save_every_minutes=0", "auto_batch=true",
-         "dtype=bfloat16"]
+FIRST = [
+    "warmup_steps=5",
+    "eval_interval=10",
+    "eval_batches=4",
+    "save_every_steps=10",
+    "sample_tokens=32",
+    "hellaswag_every=0",
+    "keep_every=0",
+    "log_interval=1",
+    "save_every_minutes=0",
+    "auto_batch=true",
+    "dtype=bfloat16",
+]
 # A resumed run's losses against the uninterrupted run's, per step: equal where the kernels are deterministic; flash
 # attention's and the embedding's backward add with atomics, so a few 1e-3 nats are run-to-run noise, while a resume
 # that lost state (moments, batches, RNG) is off by 0.1-1 nats.
@@ -75,7 +114,9 @@ RESUME_TOL = 0.02
 
 def device_tag() -> str:
     """The GPU's name for file names: 'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3' (gpu_check.sh's tag)."""
-    name = os.environ.get("GPTLIB_GPU_TAG") or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "nogpu")
+    name = os.environ.get("GPTLIB_GPU_TAG") or (
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else "nogpu"
+    )
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
@@ -84,9 +125,11 @@ def record(what: str, lines: list[str]) -> Path:
     file RESULTS/gpu_<device>_<part>.txt (GPTLIB_GPU_PART, set by gpu_check.sh), under a header naming it, the test,
     the device, the torch version and the date: a part cut off at its time limit keeps what it measured."""
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
-    header = [f"=== {what}: {test}",
-              f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device'}, "
-              f"torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC"]
+    header = [
+        f"=== {what}: {test}",
+        f"device: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device'}, "
+        f"torch {torch.__version__}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC",
+    ]
     text = "\n".join(header + lines) + "\n\n"
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -131,20 +174,33 @@ class ResumeVerdict:
     worst_step: int
 
     def line(self) -> str:
-        return (f"resumed vs uninterrupted: max {self.resumed_max:.2e} (step {self.worst_step}), mean "
-                f"{self.resumed_mean:.2e}; two uninterrupted runs: max {self.noise_max:.2e}, mean {self.noise_mean:.2e}; "
-                f"limit {self.limit:.2e} = max({NOISE_FACTOR:g} x noise, {NOISE_FLOOR:g}) -> {'ok' if self.ok else 'TOO FAR'}")
+        return (
+            f"resumed vs uninterrupted: max {self.resumed_max:.2e} (step {self.worst_step}), mean "
+            f"{self.resumed_mean:.2e}; two uninterrupted runs: max {self.noise_max:.2e}, mean {self.noise_mean:.2e}; "
+            f"limit {self.limit:.2e} = max({NOISE_FACTOR:g} x noise, {NOISE_FLOOR:g}) -> "
+            f"{'ok' if self.ok else 'TOO FAR'}"
+        )
 
 
-def resume_verdict(resumed: dict[int, float], noise: dict[int, float], factor: float = NOISE_FACTOR,
-                   floor: float = NOISE_FLOOR) -> ResumeVerdict:
+def resume_verdict(
+    resumed: dict[int, float],
+    noise: dict[int, float],
+    factor: float = NOISE_FACTOR,
+    floor: float = NOISE_FLOOR,
+) -> ResumeVerdict:
     """Per-step differences after the resume point (resumed vs uninterrupted) against the run-to-run noise
     (two uninterrupted runs, same steps): within `factor` x the noise's maximum, or `floor`, whichever is larger."""
     limit = max(factor * max(noise.values()), floor)
     worst = max(resumed, key=resumed.get)
-    return ResumeVerdict(ok=resumed[worst] <= limit, limit=limit, resumed_max=resumed[worst],
-                         resumed_mean=statistics.fmean(resumed.values()), noise_max=max(noise.values()),
-                         noise_mean=statistics.fmean(noise.values()), worst_step=worst)
+    return ResumeVerdict(
+        ok=resumed[worst] <= limit,
+        limit=limit,
+        resumed_max=resumed[worst],
+        resumed_mean=statistics.fmean(resumed.values()),
+        noise_max=max(noise.values()),
+        noise_mean=statistics.fmean(noise.values()),
+        worst_step=worst,
+    )
 
 
 def step_seconds(rows: list[dict]) -> tuple[float, float]:
@@ -174,7 +230,10 @@ def code_text(path: Path, megabytes: float) -> Path:
 
 def _env() -> dict[str, str]:
     """Subprocess environment: this checkout first on PYTHONPATH, whatever gpu_check.sh added kept after it."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
 
 
 def _text(b) -> str:
@@ -184,10 +243,14 @@ def _text(b) -> str:
 def _run(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """subprocess.run with a time limit that fails the test with the output so far, never hangs it."""
     try:
-        return subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout
+        )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(map(str, cmd))[:300]} did not finish in {timeout} s; output so far:\n"
-                    f"{_text(e.stdout)[-3000:]}\n{_text(e.stderr)[-5000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, cmd))[:300]} did not finish in {timeout} s; output so far:\n"
+            f"{_text(e.stdout)[-3000:]}\n{_text(e.stderr)[-5000:]}"
+        )
 
 
 def _tail(p: subprocess.CompletedProcess) -> str:
@@ -197,7 +260,9 @@ def _tail(p: subprocess.CompletedProcess) -> str:
 def _train(data, run_dir, preset, overrides, **kw):
     """train() on the GPU, quietly; -> (TrainResult, the lines it logged)."""
     logs: list[str] = []
-    r = train(data, run_dir, preset, overrides, device="cuda", progress=False, log=logs.append, **kw)
+    r = train(
+        data, run_dir, preset, overrides, device="cuda", progress=False, log=logs.append, **kw
+    )
     return r, logs
 
 
@@ -215,8 +280,13 @@ def _graphs() -> int:
 def _host_ram() -> str:
     import psutil
 
-    rss, peak = psutil.Process().memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return f"host RAM of this process: {rss / 2**30:.1f} GiB now, {peak / 2**30:.1f} GiB at its peak"
+    rss, peak = (
+        psutil.Process().memory_info().rss,
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    return (
+        f"host RAM of this process: {rss / 2**30:.1f} GiB now, {peak / 2**30:.1f} GiB at its peak"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -276,8 +346,13 @@ def gpt2_data(gpu_text, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt2_data") / "data"
     t0 = time.perf_counter()
     meta = prepare([gpu_text], out, tokenizer="bpe", vocab_size=32768, verbose=False)
-    record("data", [f"{GPU_TEXT_MB} MB of Python sources -> {meta.train_tokens + meta.val_tokens:,} tokens of a "
-                    f"32,768-id BPE in {time.perf_counter() - t0:.1f} s (tokenizer trained and shards written)"])
+    record(
+        "data",
+        [
+            f"{GPU_TEXT_MB} MB of Python sources -> {meta.train_tokens + meta.val_tokens:,} tokens of a "
+            f"32,768-id BPE in {time.perf_counter() - t0:.1f} s (tokenizer trained and shards written)"
+        ],
+    )
     return out
 
 
@@ -292,8 +367,14 @@ def first_run(gpt2_data, tmp_path_factory):
     free_memory()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    r, logs = _train(gpt2_data, tmp_path_factory.mktemp("first") / "run", "gpt2-small", FIRST, max_steps=FIRST_STEPS,
-                     compile="on")
+    r, logs = _train(
+        gpt2_data,
+        tmp_path_factory.mktemp("first") / "run",
+        "gpt2-small",
+        FIRST,
+        max_steps=FIRST_STEPS,
+        compile="on",
+    )
     return r, logs, torch.cuda.max_memory_allocated(), time.perf_counter() - t0
 
 
@@ -305,11 +386,19 @@ def test_gpt2_small_trains_compiled_in_bf16(first_run):
     last = next(row for row in reversed(rows) if row.get("mfu") is not None)
     curve = loss_curve(r.run_dir)
     losses = [curve[s] for s in sorted(curve)]
-    record("gpt2_small_bf16_compiled", [line, *[m for m in logs if m.startswith("auto micro-batch")], r.summary(),
-                                        f"first step {first_s:.1f} s (the compile in it), then {step_s:.2f} s per step"
-                                        f" (median); steady {r.steady_tokens_per_s:,.0f} tokens/s, MFU {last['mfu']:.1%}",
-                                        f"peak GPU memory allocated {peak / 2**30:.1f} GiB; {wall:.0f} s in all",
-                                        "losses: " + ", ".join(f"{x:.3f}" for x in losses), _host_ram()])
+    record(
+        "gpt2_small_bf16_compiled",
+        [
+            line,
+            *[m for m in logs if m.startswith("auto micro-batch")],
+            r.summary(),
+            f"first step {first_s:.1f} s (the compile in it), then {step_s:.2f} s per step"
+            f" (median); steady {r.steady_tokens_per_s:,.0f} tokens/s, MFU {last['mfu']:.1%}",
+            f"peak GPU memory allocated {peak / 2**30:.1f} GiB; {wall:.0f} s in all",
+            "losses: " + ", ".join(f"{x:.3f}" for x in losses),
+            _host_ram(),
+        ],
+    )
     assert r.step == FIRST_STEPS and r.stopped_by == "max_steps", r.summary()
     assert re.search(r"device cuda(:\d+)?, bfloat16\b", line) and "compile on" in line, line
     assert any(m.startswith("auto micro-batch") and "fits" in m for m in logs), logs[:20]
@@ -325,10 +414,27 @@ def test_gpt2_small_resumes_in_a_fresh_process(first_run, gpt2_data, tmp_path):
     r, *_ = first_run
     run = tmp_path / "run"
     shutil.copytree(r.run_dir, run)
-    shutil.rmtree(run / "checkpoints" / f"step_{FIRST_STEPS:07d}")  # as if the VM went away after step 10's save
-    cmd = [sys.executable, "-m", "gptlib", "train", "--data", gpt2_data, "--run-dir", run, "--preset", "gpt2-small",
-           "--max-steps", FIRST_STEPS, "--device", "cuda", "--compile", "--quiet",
-           *[a for s in FIRST for a in ("--set", s)]]
+    # as if the VM went away after step 10's save
+    shutil.rmtree(run / "checkpoints" / f"step_{FIRST_STEPS:07d}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptlib",
+        "train",
+        "--data",
+        gpt2_data,
+        "--run-dir",
+        run,
+        "--preset",
+        "gpt2-small",
+        "--max-steps",
+        FIRST_STEPS,
+        "--device",
+        "cuda",
+        "--compile",
+        "--quiet",
+        *[a for s in FIRST for a in ("--set", s)],
+    ]
     t0 = time.perf_counter()
     p = _run(cmd, _env(), 300)
     assert p.returncode == 0 and f"resumed from step {FIRST_SAVE}" in p.stdout, _tail(p)
@@ -336,11 +442,18 @@ def test_gpt2_small_resumes_in_a_fresh_process(first_run, gpt2_data, tmp_path):
     after = range(FIRST_SAVE + 1, FIRST_STEPS + 1)
     diffs = step_diffs(b, a, after)
     exact = all(a[s] == b[s] for s in after)
-    record("gpt2_small_resume", [f"resumed from step {FIRST_SAVE} in a new process in {time.perf_counter() - t0:.0f} s",
-                                 "step  uninterrupted  resumed  |diff|"]
-           + [f"{s:4d}  {a[s]:.6f}  {b[s]:.6f}  {diffs[s]:.2e}" for s in after]
-           + [f"{'bitwise equal' if exact else 'not bitwise equal'}: max |diff| {max(diffs.values()):.2e} "
-              f"(tolerance {RESUME_TOL})"])
+    record(
+        "gpt2_small_resume",
+        [
+            f"resumed from step {FIRST_SAVE} in a new process in {time.perf_counter() - t0:.0f} s",
+            "step  uninterrupted  resumed  |diff|",
+        ]
+        + [f"{s:4d}  {a[s]:.6f}  {b[s]:.6f}  {diffs[s]:.2e}" for s in after]
+        + [
+            f"{'bitwise equal' if exact else 'not bitwise equal'}: max |diff| {max(diffs.values()):.2e} "
+            f"(tolerance {RESUME_TOL})"
+        ],
+    )
     assert sorted(b) == list(range(1, FIRST_STEPS + 1)), sorted(b)
     assert max(diffs.values()) <= RESUME_TOL, diffs
 
@@ -350,13 +463,36 @@ def test_gpt2_small_from_the_cli_on_an_emulated_t4(gpt2_data, tmp_path):
     """`python -m gptlib train --preset gpt2-small` with the defaults a Colab T4 user gets, on this GPU made to look
     like a T4 (benchmarks/t4_emulate.py: 14.7 GiB, no bf16 so fp16 + GradScaler, no flash attention): it trains
     without running out of memory after the compile (was: batch 16 let through at 13.4 GiB estimated, then an OOM)."""
-    cmd = [sys.executable, REPO / "benchmarks" / "t4_emulate.py", "train", "--data", gpt2_data, "--run-dir",
-           tmp_path / "t4", "--preset", "gpt2-small", "--max-steps", 3, "--quiet", "--set", "hellaswag_every=0"]
+    cmd = [
+        sys.executable,
+        REPO / "benchmarks" / "t4_emulate.py",
+        "train",
+        "--data",
+        gpt2_data,
+        "--run-dir",
+        tmp_path / "t4",
+        "--preset",
+        "gpt2-small",
+        "--max-steps",
+        3,
+        "--quiet",
+        "--set",
+        "hellaswag_every=0",
+    ]
     t0 = time.perf_counter()
     p = _run(cmd, _env(), 360)
     out = p.stdout + p.stderr
-    record("t4_emulated_cli", [f"{' '.join(map(str, cmd[1:]))} -> exit {p.returncode} in {time.perf_counter() - t0:.0f} s"]
-           + [line for line in out.splitlines() if re.match(r"(model:|auto micro-batch|done:|error:|peak |t4:)", line)])
+    record(
+        "t4_emulated_cli",
+        [
+            f"{' '.join(map(str, cmd[1:]))} -> exit {p.returncode} in {time.perf_counter() - t0:.0f} s"
+        ]
+        + [
+            line
+            for line in out.splitlines()
+            if re.match(r"(model:|auto micro-batch|done:|error:|peak |t4:)", line)
+        ],
+    )
     assert "out of GPU memory" not in out, _tail(p)
     assert p.returncode == 0 and "done: step 3" in p.stdout, _tail(p)
     assert re.search(r"device cuda(:\d+)?, float16\b", out) and "compile on" in out, _tail(p)
@@ -377,13 +513,31 @@ def test_sampling_and_a_hellaswag_batch_on_the_gpu(first_run, tmp_path):
     dt = time.perf_counter() - t0
     b, c = (eng.generate(PROMPTS, SamplingConfig(**cfg, seed=s)) for s in (1, 2))
     items = tmp_path / "hellaswag.jsonl"
-    items.write_text("".join(json.dumps({"ctx": f"def f{i}(x):\n    return", "label": i % 4,
-                                         "endings": [" x + 1", " None", " [x]", " x * x"]}) + "\n" for i in range(64)))
-    probe = HellaSwagProbe(eng.tokenizer, eng.model.config.block_size, source=items, limit=None, log=print)
+    items.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "ctx": f"def f{i}(x):\n    return",
+                    "label": i % 4,
+                    "endings": [" x + 1", " None", " [x]", " x * x"],
+                }
+            )
+            + "\n"
+            for i in range(64)
+        )
+    )
+    probe = HellaSwagProbe(
+        eng.tokenizer, eng.model.config.block_size, source=items, limit=None, log=print
+    )
     t1 = time.perf_counter()
     res = probe.score(eng.model, "cuda", full=True)
-    record("sampling_and_hellaswag", [f"2 x 64 tokens at temperature 0.8 in {dt:.2f} s: {a[0].text!r}",
-                                      f"HellaSwag, 64 items in one batch: {res} in {time.perf_counter() - t1:.2f} s"])
+    record(
+        "sampling_and_hellaswag",
+        [
+            f"2 x 64 tokens at temperature 0.8 in {dt:.2f} s: {a[0].text!r}",
+            f"HellaSwag, 64 items in one batch: {res} in {time.perf_counter() - t1:.2f} s",
+        ],
+    )
     assert [x.text for x in a] == [x.text for x in b], "the same seed gave other text"
     assert [x.text for x in a] != [x.text for x in c], "two seeds gave the same text"
     assert res is not None and res["n"] == 64 and 0 <= res["acc"] <= 1, res
@@ -401,15 +555,33 @@ def test_a_cpu_made_checkpoint_resumes_on_the_gpu(bpe_data, tmp_path, recipe, dt
     flags it raises "Expected grad_scale and found_inf to be None" on the first step) and bf16 takes the fused path."""
     run_dir = tmp_path / "run"
     over = GPT2ISH + ["save_every_steps=5", "eval_interval=10", "sample_tokens=0"]
-    cpu = train(bpe_data, run_dir, "gpt2-small", over + ["dtype=float32"], device="cpu", progress=False,
-                log=lambda m: None, max_steps=5, compile="off", recipe=recipe)
+    cpu = train(
+        bpe_data,
+        run_dir,
+        "gpt2-small",
+        over + ["dtype=float32"],
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+        max_steps=5,
+        compile="off",
+        recipe=recipe,
+    )
     assert cpu.step == 5, cpu.summary()
-    r, logs = _train(bpe_data, run_dir, "gpt2-small", over + [f"dtype={dtype}"], max_steps=10, compile="off")
+    r, logs = _train(
+        bpe_data, run_dir, "gpt2-small", over + [f"dtype={dtype}"], max_steps=10, compile="off"
+    )
     assert r.resumed_from == 5 and r.step == 10, r.summary()
     assert re.search(rf"device cuda(:\d+)?, {dtype}\b", _model_line(logs)), _model_line(logs)
     curve = loss_curve(run_dir)
-    record(f"cpu_checkpoint_on_gpu_{recipe}_{dtype}", [_model_line(logs), r.summary(),
-                                                        "losses: " + ", ".join(f"{s}: {curve[s]:.4f}" for s in sorted(curve))])
+    record(
+        f"cpu_checkpoint_on_gpu_{recipe}_{dtype}",
+        [
+            _model_line(logs),
+            r.summary(),
+            "losses: " + ", ".join(f"{s}: {curve[s]:.4f}" for s in sorted(curve)),
+        ],
+    )
     assert all(math.isfinite(curve[s]) for s in range(6, 11)), curve
 
 
@@ -418,14 +590,28 @@ def test_the_modern_recipe_at_full_size_compiled_in_bf16(gpt2_data, tmp_path):
     """gpt2-small --recipe modern (rotary, RMSNorm, QK-norm, SwiGLU, Muon + AdamW) at full size, bf16, compiled, the
     auto micro-batch: 10 steps, its tokens/s and MFU (Muon's Newton-Schulz is in each step)."""
     torch.cuda.reset_peak_memory_stats()
-    r, logs = _train(gpt2_data, tmp_path / "run", "gpt2-small", FIRST + ["eval_interval=10"], max_steps=10,
-                     compile="on", recipe="modern")
+    r, logs = _train(
+        gpt2_data,
+        tmp_path / "run",
+        "gpt2-small",
+        FIRST + ["eval_interval=10"],
+        max_steps=10,
+        compile="on",
+        recipe="modern",
+    )
     rows = read_metrics(r.run_dir)
     first_s, step_s = step_seconds(rows)
     last = next(row for row in reversed(rows) if row.get("mfu") is not None)
-    record("gpt2_small_modern_bf16_compiled", [_model_line(logs), r.summary(), f"first step {first_s:.1f} s, then "
-                                               f"{step_s:.2f} s per step; MFU {last['mfu']:.1%}; peak GPU memory "
-                                               f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"])
+    record(
+        "gpt2_small_modern_bf16_compiled",
+        [
+            _model_line(logs),
+            r.summary(),
+            f"first step {first_s:.1f} s, then "
+            f"{step_s:.2f} s per step; MFU {last['mfu']:.1%}; peak GPU memory "
+            f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+        ],
+    )
     assert r.step == 10 and "compile on" in _model_line(logs), r.summary()
     assert all(math.isfinite(row["train_loss"]) for row in rows)
 
@@ -434,14 +620,24 @@ def test_the_modern_recipe_at_full_size_compiled_in_bf16(gpt2_data, tmp_path):
 def test_the_modern_recipe_trains_compiled_in_fp16(bpe_data, tmp_path):
     """What a T4 runs: the modern recipe (Muon + AdamW, RMSNorm, rotary) compiled, fp16 autocast + GradScaler."""
     before = _graphs()
-    r, logs = _train(bpe_data, tmp_path / "run", "gpt2-small", GPT2ISH + ["dtype=float16"], max_steps=BPE_STEPS,
-                     compile="on", recipe="modern")
+    r, logs = _train(
+        bpe_data,
+        tmp_path / "run",
+        "gpt2-small",
+        GPT2ISH + ["dtype=float16"],
+        max_steps=BPE_STEPS,
+        compile="on",
+        recipe="modern",
+    )
     line = _model_line(logs)
     assert r.step == BPE_STEPS, r.summary()
     assert "compile on" in line and _graphs() > before, line
     curve = loss_curve(r.run_dir)
     losses = [curve[s] for s in sorted(curve)]
-    record("train_bpe_modern_float16_compiled", [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}"])
+    record(
+        "train_bpe_modern_float16_compiled",
+        [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}"],
+    )
     assert all(math.isfinite(x) for x in losses), losses
     assert statistics.fmean(losses[-3:]) < statistics.fmean(losses[:3]) - 0.5, losses
 
@@ -449,15 +645,35 @@ def test_the_modern_recipe_trains_compiled_in_fp16(bpe_data, tmp_path):
 @gpu
 def test_auto_micro_batch_picks_a_size_that_trains(bpe_data, tmp_path):
     """auto_batch with 2,048 sequences of 512 tokens per step (compiled, bf16): the probe's size trains."""
-    settings = GPT2ISH + ["block_size=512", "n_head=8", "n_embd=512", f"batch_size={AUTO_SEQS}", "grad_accum_steps=1",
-                          "auto_batch=true", "dtype=bfloat16", "eval_batches=1", "eval_interval=3", "sample_tokens=0"]
+    settings = GPT2ISH + [
+        "block_size=512",
+        "n_head=8",
+        "n_embd=512",
+        f"batch_size={AUTO_SEQS}",
+        "grad_accum_steps=1",
+        "auto_batch=true",
+        "dtype=bfloat16",
+        "eval_batches=1",
+        "eval_interval=3",
+        "sample_tokens=0",
+    ]
     torch.cuda.reset_peak_memory_stats()
     r, logs = _train(bpe_data, tmp_path / "run", "gpt2-small", settings, max_steps=3, compile="on")
-    peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(0).total_memory
+    peak, total = (
+        torch.cuda.max_memory_allocated(),
+        torch.cuda.get_device_properties(0).total_memory,
+    )
     probe = [m for m in logs if m.startswith("auto micro-batch")]
     tc = json.loads((r.run_dir / "config.json").read_text())["train"]
-    record("auto_batch", probe + [_model_line(logs), r.summary(),
-                                  f"peak allocated {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"])
+    record(
+        "auto_batch",
+        probe
+        + [
+            _model_line(logs),
+            r.summary(),
+            f"peak allocated {peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB",
+        ],
+    )
     assert r.step == 3 and r.stopped_by == "max_steps", r.summary()
     assert tc["batch_size"] * tc["grad_accum_steps"] == AUTO_SEQS, tc
     assert any(f"{tc['batch_size']} x 512 tokens fits" in m for m in probe), probe
@@ -469,51 +685,130 @@ def test_forced_oom_gives_advice_and_the_process_goes_on(bpe_data, tmp_path, com
     """65,536 x 256 tokens in one micro-batch (logits alone > 100 GB), the estimate trusted (a tight one would be
     measured by the probe instead, which finds a size that fits): OutOfMemoryAdvice names the next setting; the GPU
     memory comes back, and the same process trains again in the same run directory."""
-    small = GPT2ISH + ["n_layer=2", "n_head=2", "n_embd=128", "eval_batches=1", "sample_tokens=0", "dtype=bfloat16"]
+    small = GPT2ISH + [
+        "n_layer=2",
+        "n_head=2",
+        "n_embd=128",
+        "eval_batches=1",
+        "sample_tokens=0",
+        "dtype=bfloat16",
+    ]
     monkeypatch.setattr(memory, "TIGHT_SHARE", 1e9)
     free_memory()
     base = torch.cuda.memory_allocated()
     with pytest.raises(OutOfMemoryAdvice) as err:
-        _train(bpe_data, tmp_path / "run", "gpt2-small", small + ["batch_size=65536", "grad_accum_steps=1"],
-               max_steps=2, compile=compile)
+        _train(
+            bpe_data,
+            tmp_path / "run",
+            "gpt2-small",
+            small + ["batch_size=65536", "grad_accum_steps=1"],
+            max_steps=2,
+            compile=compile,
+        )
     msg = str(err.value)
     del err  # its traceback holds train()'s frames
     free_memory()
     after = torch.cuda.memory_allocated()
-    r, _ = _train(bpe_data, tmp_path / "run", "gpt2-small", small + ["batch_size=8"], max_steps=3, compile=compile)
-    record(f"oom_compile_{compile}", [msg, f"GPU memory allocated: {base / 2**20:.0f} MiB before, "
-                                           f"{after / 2**20:.0f} MiB after the OOM", f"then: {r.summary()}"])
+    r, _ = _train(
+        bpe_data,
+        tmp_path / "run",
+        "gpt2-small",
+        small + ["batch_size=8"],
+        max_steps=3,
+        compile=compile,
+    )
+    record(
+        f"oom_compile_{compile}",
+        [
+            msg,
+            f"GPU memory allocated: {base / 2**20:.0f} MiB before, "
+            f"{after / 2**20:.0f} MiB after the OOM",
+            f"then: {r.summary()}",
+        ],
+    )
     assert "out of GPU memory" in msg and "batch_size=" in msg, msg
     assert r.step == 3 and r.stopped_by == "max_steps", r.summary()
-    assert after - base < 512 * 2**20, f"{(after - base) / 2**20:.0f} MiB still allocated after the OOM"
+    assert after - base < 512 * 2**20, (
+        f"{(after - base) / 2**20:.0f} MiB still allocated after the OOM"
+    )
 
 
 # === part 3: the notebooks on the GPU ==================================================================
 
 
-def _notebook_setup(name: str, tmp_path: Path, small_text: Path, char_data: Path) -> tuple[str, dict, str]:
+def _notebook_setup(
+    name: str, tmp_path: Path, small_text: Path, char_data: Path
+) -> tuple[str, dict, str]:
     """-> (notebook file, smoke parameters with DEVICE=cuda, the run name)."""
     if name == "02":
-        return "02_phase1_shakespeare.ipynb", {"RUN_NAME": "nb02", "TEXT_PATH": str(small_text), "MAX_STEPS": 50,
-                                               "DEVICE": "cuda", "OVERRIDES": TINY}, "nb02"
+        return (
+            "02_phase1_shakespeare.ipynb",
+            {
+                "RUN_NAME": "nb02",
+                "TEXT_PATH": str(small_text),
+                "MAX_STEPS": 50,
+                "DEVICE": "cuda",
+                "OVERRIDES": TINY,
+            },
+            "nb02",
+        )
     if name == "03":
-        shutil.copytree(char_data, tmp_path / "root" / "data" / "chars")  # where notebook 01 would put it
-        return "03_phase3_train.ipynb", {"DATASET_NAME": "chars", "RUN_NAME": "nb03", "PRESET": "phase1",
-                                         "TOKEN_BUDGET_M": 0.0128, "DEVICE": "cuda", "AUTO_BATCH": True,
-                                         "OVERRIDES": TINY}, "nb03"  # 256 tokens/step x 50 steps
-    _train(char_data, tmp_path / "root" / "runs" / "nb04", "phase1", TINY + ["eval_interval=5"], max_steps=10,
-           compile="off")
+        # where notebook 01 would put it
+        shutil.copytree(char_data, tmp_path / "root" / "data" / "chars")
+        # 256 tokens/step x 50 steps
+        return (
+            "03_phase3_train.ipynb",
+            {
+                "DATASET_NAME": "chars",
+                "RUN_NAME": "nb03",
+                "PRESET": "phase1",
+                "TOKEN_BUDGET_M": 0.0128,
+                "DEVICE": "cuda",
+                "AUTO_BATCH": True,
+                "OVERRIDES": TINY,
+            },
+            "nb03",
+        )
+    _train(
+        char_data,
+        tmp_path / "root" / "runs" / "nb04",
+        "phase1",
+        TINY + ["eval_interval=5"],
+        max_steps=10,
+        compile="off",
+    )
     hs = tmp_path / "hellaswag_small.jsonl"  # HellaSwag-shaped items the char vocabulary can encode
-    hs.write_text("".join(json.dumps({"ctx": "def read", "label": i % 4,
-                                      "endings": ["(self)", "_all()", "er()", "line"]}) + "\n" for i in range(6)))
-    return "04_generate.ipynb", {"RUN_NAME": "nb04", "DEVICE": "cuda", "PROMPTS": "|".join(PROMPTS),
-                                 "CHECKPOINTS": "all", "MAX_NEW_TOKENS": 40, "EXPORT_DIR": str(tmp_path / "hf"),
-                                 "EVAL_TASKS": "bpb, hellaswag", "HELLASWAG_FILE": str(hs), "BPB_WINDOWS": 20}, "nb04"
+    hs.write_text(
+        "".join(
+            json.dumps(
+                {"ctx": "def read", "label": i % 4, "endings": ["(self)", "_all()", "er()", "line"]}
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    return (
+        "04_generate.ipynb",
+        {
+            "RUN_NAME": "nb04",
+            "DEVICE": "cuda",
+            "PROMPTS": "|".join(PROMPTS),
+            "CHECKPOINTS": "all",
+            "MAX_NEW_TOKENS": 40,
+            "EXPORT_DIR": str(tmp_path / "hf"),
+            "EVAL_TASKS": "bpb, hellaswag",
+            "HELLASWAG_FILE": str(hs),
+            "BPB_WINDOWS": 20,
+        },
+        "nb04",
+    )
 
 
 def _notebook_modules() -> None:
     for module in ("nbclient", "nbformat", "ipykernel", "ipywidgets"):
-        pytest.importorskip(module, reason=f"{module} is not installed (gpu_check.sh's setup installs it)")
+        pytest.importorskip(
+            module, reason=f"{module} is not installed (gpu_check.sh's setup installs it)"
+        )
 
 
 @gpu
@@ -539,7 +834,9 @@ def test_notebook_on_the_gpu(name, tmp_path, monkeypatch, gpu_small_text, gpu_ch
 
 
 @gpu
-def test_notebook_05_imports_gpt2_and_finetunes_a_chat_on_the_gpu(tmp_path, monkeypatch, gpu_small_text):
+def test_notebook_05_imports_gpt2_and_finetunes_a_chat_on_the_gpu(
+    tmp_path, monkeypatch, gpu_small_text
+):
     """Notebook 05 with DEVICE=cuda: a GPT2LMHeadModel folder written by this machine's transformers (5.x) imported
     as the base, a chat jsonl fine-tuned, a first message answered."""
     _notebook_modules()
@@ -550,24 +847,53 @@ def test_notebook_05_imports_gpt2_and_finetunes_a_chat_on_the_gpu(tmp_path, monk
 
     folder = tmp_path / "tiny-gpt2"
     text = gpu_small_text.read_text()
-    tok = BPETokenizer.train([text[i:i + 2000] for i in range(0, len(text), 2000)], vocab_size=300)
+    tok = BPETokenizer.train(
+        [text[i : i + 2000] for i in range(0, len(text), 2000)], vocab_size=300
+    )
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                  bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+    cfg = transformers.GPT2Config(
+        vocab_size=tok.vocab_size,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tok.eot_id,
+        eos_token_id=tok.eot_id,
+    )
     transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
     (folder / "tokenizer.json").write_bytes(tok.to_json_bytes())
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(conversation(n, w)) + "\n" for n in NAMES for w in WORDS))
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
-    params = {"BASE": "OpenAI GPT-2 from the Hub", "HF_MODEL": str(folder), "SOURCE": "my files on Drive",
-              "INPUT": str(chats), "FORMAT": "chat", "MAX_TOKENS": "0", "DATASET_NAME": "qa", "RUN_NAME": "ft",
-              "MAX_STEPS": 12, "DEVICE": "cuda", "FIRST_MESSAGE": "anna asks: what is the opposite of apple?",
-              "OVERRIDES": ["eval_interval=6", "batch_size=8", "eval_batches=2", "sample_tokens=0", "log_interval=1",
-                            "save_every_minutes=0", "warmup_steps=2"]}
+    params = {
+        "BASE": "OpenAI GPT-2 from the Hub",
+        "HF_MODEL": str(folder),
+        "SOURCE": "my files on Drive",
+        "INPUT": str(chats),
+        "FORMAT": "chat",
+        "MAX_TOKENS": "0",
+        "DATASET_NAME": "qa",
+        "RUN_NAME": "ft",
+        "MAX_STEPS": 12,
+        "DEVICE": "cuda",
+        "FIRST_MESSAGE": "anna asks: what is the opposite of apple?",
+        "OVERRIDES": [
+            "eval_interval=6",
+            "batch_size=8",
+            "eval_batches=2",
+            "sample_tokens=0",
+            "log_interval=1",
+            "save_every_minutes=0",
+            "warmup_steps=2",
+        ],
+    }
     nb = run_notebook("05_finetune_chat.ipynb", params, cwd=tmp_path, timeout=240)
     out = outputs_text(nb)
-    record("notebook_05", [f"transformers {transformers.__version__}"]
-           + [line for line in out.splitlines() if line.strip()][-30:])
+    record(
+        "notebook_05",
+        [f"transformers {transformers.__version__}"]
+        + [line for line in out.splitlines() if line.strip()][-30:],
+    )
     assert "imported" in out and "done: step 12" in out and "device cuda" in out, out[-3000:]
     assert "you: anna asks" in out and "model: " in out, out[-3000:]
 
@@ -579,21 +905,54 @@ def test_a_chat_fine_tune_with_its_data_on_the_gpu(tmp_path):
     from gptlib.data.prepare import prepare
 
     words = "red blue green sun moon star tree river stone fire".split()
-    (tmp_path / "base.txt").write_text("\n".join(" ".join(words[(i * 7 + j) % 10] for j in range(12)) for i in range(3000)))
+    (tmp_path / "base.txt").write_text(
+        "\n".join(" ".join(words[(i * 7 + j) % 10] for j in range(12)) for i in range(3000))
+    )
     prepare([tmp_path / "base.txt"], tmp_path / "base_data", vocab_size=300, verbose=False)
-    base, _ = _train(tmp_path / "base_data", tmp_path / "base", "phase1", TINY + ["block_size=64"], max_steps=30,
-                     compile="off")
+    base, _ = _train(
+        tmp_path / "base_data",
+        tmp_path / "base",
+        "phase1",
+        TINY + ["block_size=64"],
+        max_steps=30,
+        compile="off",
+    )
     with open(tmp_path / "chat.jsonl", "w") as f:
         for i in range(400):
             q, a = words[i % 10], words[(i + 3) % 10]
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"after {q}?"},
-                                             {"role": "assistant", "content": a}]}) + "\n")
-    prepare([tmp_path / "chat.jsonl"], tmp_path / "chat_data", tokenizer_from=base.run_dir, format="chat", verbose=False)
-    r, logs = _train(tmp_path / "chat_data", tmp_path / "sft", "finetune", TINY + ["block_size=64", "batch_size=16"],
-                     max_steps=40, compile="off", init_from=str(base.run_dir))
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"after {q}?"},
+                            {"role": "assistant", "content": a},
+                        ]
+                    }
+                )
+                + "\n"
+            )
+    prepare(
+        [tmp_path / "chat.jsonl"],
+        tmp_path / "chat_data",
+        tokenizer_from=base.run_dir,
+        format="chat",
+        verbose=False,
+    )
+    r, logs = _train(
+        tmp_path / "chat_data",
+        tmp_path / "sft",
+        "finetune",
+        TINY + ["block_size=64", "batch_size=16"],
+        max_steps=40,
+        compile="off",
+        init_from=str(base.run_dir),
+    )
     curve = loss_curve(r.run_dir)
     losses = [curve[s] for s in sorted(curve)]
-    record("chat_finetune", [_model_line(logs), r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}"])
+    record(
+        "chat_finetune",
+        [_model_line(logs), r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}"],
+    )
     assert r.step == 40 and all(math.isfinite(x) for x in losses), r.summary()
     assert "device cuda" in _model_line(logs)
     assert statistics.fmean(losses[-5:]) < statistics.fmean(losses[:5]), losses
@@ -612,8 +971,14 @@ def bpe_compiled(bpe_data, tmp_path_factory):
             torch._dynamo.reset()
             before = _graphs()
             run_dir = tmp_path_factory.mktemp(f"bpe_{dtype}") / "run"
-            r, logs = _train(bpe_data, run_dir, "gpt2-small", GPT2ISH + [f"dtype={dtype}"], max_steps=BPE_STEPS,
-                             compile="on")
+            r, logs = _train(
+                bpe_data,
+                run_dir,
+                "gpt2-small",
+                GPT2ISH + [f"dtype={dtype}"],
+                max_steps=BPE_STEPS,
+                compile="on",
+            )
             runs[dtype] = (r, logs, _graphs() - before)
         return runs[dtype]
 
@@ -624,16 +989,27 @@ def bpe_compiled(bpe_data, tmp_path_factory):
 def test_compiled_and_eager_losses_agree_in_bf16(bpe_compiled, bpe_data, tmp_path):
     """Same seed, same batches, same schedule: the compiled run's first losses are the eager run's within bf16."""
     compiled, _, _ = bpe_compiled("bfloat16")
-    eager, logs = _train(bpe_data, tmp_path / "eager", "gpt2-small", GPT2ISH + ["dtype=bfloat16"],
-                         max_steps=BPE_STEPS, compile="off")
+    eager, logs = _train(
+        bpe_data,
+        tmp_path / "eager",
+        "gpt2-small",
+        GPT2ISH + ["dtype=bfloat16"],
+        max_steps=BPE_STEPS,
+        compile="off",
+    )
     assert "compile off" in _model_line(logs), _model_line(logs)
     a, b = loss_curve(compiled.run_dir), loss_curve(eager.run_dir)
     steps = range(1, COMPARE_STEPS + 1)
     worst, at = max_rel_diff(a, b, steps)
     first, _ = max_rel_diff(a, b, [1])
-    record("compile_vs_eager_bf16", ["step  compiled  eager  rel.diff"]
-           + [f"{s:4d}  {a[s]:.5f}  {b[s]:.5f}  {abs(a[s] - b[s]) / b[s]:.2e}" for s in steps]
-           + [f"largest relative difference {worst:.2e} at step {at} (limit {BF16_RTOL}); step 1: {first:.2e}"])
+    record(
+        "compile_vs_eager_bf16",
+        ["step  compiled  eager  rel.diff"]
+        + [f"{s:4d}  {a[s]:.5f}  {b[s]:.5f}  {abs(a[s] - b[s]) / b[s]:.2e}" for s in steps]
+        + [
+            f"largest relative difference {worst:.2e} at step {at} (limit {BF16_RTOL}); step 1: {first:.2e}"
+        ],
+    )
     assert first <= BF16_RTOL / 2, f"step 1 (same weights, same batch) differs by {first:.2e}"
     assert worst <= BF16_RTOL, f"compiled vs eager: {worst:.2e} at step {at} > {BF16_RTOL}"
 
@@ -650,9 +1026,13 @@ def _to_cpu(o):
 
 def _assert_same(got, want, where: str) -> None:
     if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and torch.equal(got, want), f"{where}: saved value differs from the live one"
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), (
+            f"{where}: saved value differs from the live one"
+        )
     elif isinstance(want, dict):
-        assert set(got) == set(want), f"{where}: keys {sorted(map(str, got))} != {sorted(map(str, want))}"
+        assert set(got) == set(want), (
+            f"{where}: keys {sorted(map(str, got))} != {sorted(map(str, want))}"
+        )
         for k in want:
             _assert_same(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, (list, tuple)):
@@ -672,7 +1052,9 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
     from gptlib.model import GPT
 
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)).cuda()
+    model = GPT(
+        ModelConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)
+    ).cuda()
     opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cuda")
     writer = CheckpointWriter(tmp_path, keep_last=2, log=print)
     expected, hosts = {}, []
@@ -683,10 +1065,16 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
             opt.step()
             opt.zero_grad(set_to_none=True)
             expected[step] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
-            writer.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "progress": TrainState(step=step).state_dict()})
+            writer.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "progress": TrainState(step=step).state_dict(),
+                }
+            )
             hosts.append(list(writer._host))
-            with torch.no_grad():  # queued on the GPU at once, while the writer thread reads the host copy
+            # queued on the GPU at once, while the writer thread reads the host copy
+            with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(-3.0).add_(1.0)
                 for st in opt.state.values():
@@ -703,9 +1091,24 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
         _assert_same(saved["optimizer"], expected[step][1], f"step {step} optimizer")
 
 
-def _cli_train(data, run_dir, steps: int, fault: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "gpt2-small",
-                            "--max-steps", steps, "--device", "cuda", "--quiet")
+def _cli_train(
+    data, run_dir, steps: int, fault: str | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    cmd = faulty.gptlib_cmd(
+        fault,
+        "train",
+        "--data",
+        data,
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "gpt2-small",
+        "--max-steps",
+        steps,
+        "--device",
+        "cuda",
+        "--quiet",
+    )
     for s in RESUME:
         cmd += ["--set", s]
     return _run(cmd, _env(), timeout)
@@ -714,7 +1117,8 @@ def _cli_train(data, run_dir, steps: int, fault: str | None = None, timeout: flo
 @gpu
 def test_sigkill_then_resume_stays_within_run_to_run_noise(bpe_data, tmp_path):
     """Two uninterrupted runs (A, B) and one SIGKILLed mid-step then resumed (K), each its own process, bf16:
-    after the resume point |K - A| per step stays within the run-to-run noise |B - A| (README: 'what holds on a GPU')."""
+    after the resume point |K - A| per step stays within the run-to-run noise |B - A| (README: 'what holds on a
+    GPU')."""
     for name in ("a", "b"):
         p = _cli_train(bpe_data, tmp_path / name, RESUME_STEPS)
         assert p.returncode == 0, _tail(p)
@@ -729,44 +1133,71 @@ def test_sigkill_then_resume_stays_within_run_to_run_noise(bpe_data, tmp_path):
     after = range(ck.step + 1, RESUME_STEPS + 1)
     resumed, noise = step_diffs(K, A, after), step_diffs(B, A, after)
     v = resume_verdict(resumed, noise)
-    before = step_diffs(K, A, range(1, ck.step + 1))  # the killed process before its kill: a third run
-    record("resume_noise", [f"bf16, compile off, dropout 0.1; killed at step {KILL_AT}, resumed from step {ck.step}",
-                            "step  A  B  K  |B-A|  |K-A|"]
-           + [f"{s:4d}  {A[s]:.5f}  {B[s]:.5f}  {K[s]:.5f}  {abs(B[s] - A[s]):.2e}  {abs(K[s] - A[s]):.2e}"
-              for s in range(1, RESUME_STEPS + 1)]
-           + [f"before the kill: max |K-A| {max(before.values()):.2e}", v.line()])
+    # the killed process before its kill: a third run
+    before = step_diffs(K, A, range(1, ck.step + 1))
+    record(
+        "resume_noise",
+        [
+            f"bf16, compile off, dropout 0.1; killed at step {KILL_AT}, resumed from step {ck.step}",
+            "step  A  B  K  |B-A|  |K-A|",
+        ]
+        + [
+            f"{s:4d}  {A[s]:.5f}  {B[s]:.5f}  {K[s]:.5f}  {abs(B[s] - A[s]):.2e}  {abs(K[s] - A[s]):.2e}"
+            for s in range(1, RESUME_STEPS + 1)
+        ]
+        + [f"before the kill: max |K-A| {max(before.values()):.2e}", v.line()],
+    )
     assert v.ok, v.line()
 
 
 @gpu
 @pytest.mark.parametrize("recipe", ["gpt2", "modern"])
-def test_kv_cached_decoding_on_the_gpu_gives_the_full_forwards_tokens(gpu_char_data, tmp_path, recipe):
+def test_kv_cached_decoding_on_the_gpu_gives_the_full_forwards_tokens(
+    gpu_char_data, tmp_path, recipe
+):
     """The engine's two attention paths on CUDA's SDPA kernels (a causal prefill, then the new tokens against the
     cache under a mask): greedy tokens, batch 1 and 2 (prompts of different lengths), past the 32-token window,
     equal to a full forward of the window per token. The modern recipe's rotary positions are taken at each step."""
     from gptlib.inference.engine import Engine, SamplingConfig
     from gptlib.inference.loading import load_run
 
-    r, _ = _train(gpu_char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off", recipe=recipe)
+    r, _ = _train(
+        gpu_char_data, tmp_path / "run", "phase1", TINY, max_steps=150, compile="off", recipe=recipe
+    )
     precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # fp32 as a fresh process decodes (training turned TF32 on)
+    # fp32 as a fresh process decodes (training turned TF32 on)
+    torch.set_float32_matmul_precision("highest")
     try:
-        ld = load_run(r.run_dir, device="cuda")  # the saved fp32, not from_run's half type: exact fp32
+        # the saved fp32, not from_run's half type: exact fp32
+        ld = load_run(r.run_dir, device="cuda")
         eng = Engine(ld.model, ld.tokenizer)
         bs = eng.model.config.block_size
         for prompts in (PROMPTS[:1], PROMPTS):
             ids = [eng.tokenizer.encode(p) for p in prompts]
             t0 = time.perf_counter()
-            got, _ = eng.generate_ids(ids, SamplingConfig(max_new_tokens=DECODE_TOKENS, temperature=0.0))
+            got, _ = eng.generate_ids(
+                ids, SamplingConfig(max_new_tokens=DECODE_TOKENS, temperature=0.0)
+            )
             dt = time.perf_counter() - t0
-            record(f"kv_decoding_{recipe}_batch{len(ids)}", [f"{DECODE_TOKENS} new tokens in {dt:.2f} s"])
+            record(
+                f"kv_decoding_{recipe}_batch{len(ids)}",
+                [f"{DECODE_TOKENS} new tokens in {dt:.2f} s"],
+            )
             for row, (prompt, g) in enumerate(zip(ids, got)):
                 want = list(prompt)
                 with torch.no_grad():
                     for _ in range(DECODE_TOKENS):
-                        want.append(int(eng.model(torch.tensor([want[-bs:]], device="cuda"))[0][0, -1].argmax()))
-                assert g == want[len(prompt):], (f"batch {len(ids)}, row {row}: {eng.tokenizer.decode(g)!r} vs the "
-                                                 f"full forward's {eng.tokenizer.decode(want[len(prompt):])!r}")
+                        want.append(
+                            int(
+                                eng.model(torch.tensor([want[-bs:]], device="cuda"))[0][
+                                    0, -1
+                                ].argmax()
+                            )
+                        )
+                assert g == want[len(prompt) :], (
+                    f"batch {len(ids)}, row {row}: {eng.tokenizer.decode(g)!r} vs the "
+                    f"full forward's {eng.tokenizer.decode(want[len(prompt) :])!r}"
+                )
     finally:
         torch.set_float32_matmul_precision(precision)
 
@@ -779,15 +1210,40 @@ def test_torchrun_one_process_on_nccl(gpu_char_data, tmp_path):
     worker.write_text(NCCL_WORKER)
     ov = TINY + ["compile=off", "eval_interval=4", "log_interval=2"]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    p = _run(run + [worker, gpu_char_data, tmp_path / "ddp", tmp_path / "out.json", json.dumps(ov + ["max_steps=8"])],
-             _env(), 300)
+    p = _run(
+        run
+        + [
+            worker,
+            gpu_char_data,
+            tmp_path / "ddp",
+            tmp_path / "out.json",
+            json.dumps(ov + ["max_steps=8"]),
+        ],
+        _env(),
+        300,
+    )
     assert p.returncode == 0, _tail(p)
     out = json.loads((tmp_path / "out.json").read_text())
     assert out == {"step": 8, "backend": "nccl", "wrapped": "DistributedDataParallel"}, out
     assert sorted(loss_curve(tmp_path / "ddp")) == list(range(1, 9))
-    assert len(load_checkpoint(newest_checkpoint(tmp_path / "ddp").path)["sampler_ranks"]) == 1  # gathered over NCCL
-    plain = run + ["-m", "gptlib", "train", "--data", gpu_char_data, "--run-dir", tmp_path / "plain", "--preset",
-                   "phase1", "--device", "cuda", "--max-steps", "4", "--quiet"]
+    # gathered over NCCL
+    assert len(load_checkpoint(newest_checkpoint(tmp_path / "ddp").path)["sampler_ranks"]) == 1
+    plain = run + [
+        "-m",
+        "gptlib",
+        "train",
+        "--data",
+        gpu_char_data,
+        "--run-dir",
+        tmp_path / "plain",
+        "--preset",
+        "phase1",
+        "--device",
+        "cuda",
+        "--max-steps",
+        "4",
+        "--quiet",
+    ]
     p = _run(plain + [a for s in ov for a in ("--set", s)], _env(), 300)
     assert p.returncode == 0, _tail(p)
     assert sorted(loss_curve(tmp_path / "plain")) == [1, 2, 3, 4]
@@ -846,8 +1302,15 @@ def test_phase1_trains_on_the_gpu(gpu_text, tmp_path):
     vocab = json.loads((tmp_path / "data" / "meta.json").read_text())["vocab_size"]
     assert r.step == 1500 and r.stopped_by == "max_steps", r.summary()
     assert "device cuda" in _model_line(logs), _model_line(logs)
-    record("phase1", [_model_line(logs), r.summary(), f"best val loss {r.best_val_loss:.4f} (chance: "
-                                                      f"{math.log(vocab):.2f} for {vocab} characters)"])
+    record(
+        "phase1",
+        [
+            _model_line(logs),
+            r.summary(),
+            f"best val loss {r.best_val_loss:.4f} (chance: "
+            f"{math.log(vocab):.2f} for {vocab} characters)",
+        ],
+    )
     assert r.val_loss is not None and r.val_loss < 0.5 * math.log(vocab), r.summary()
 
 
@@ -865,11 +1328,20 @@ def test_small_gpt2_bpe_trains_compiled(bpe_compiled, dtype):
     assert len(losses) == BPE_STEPS and all(math.isfinite(x) for x in losses), losses
     ck = newest_checkpoint(r.run_dir)
     scaler = load_checkpoint(ck.path).get("scaler") or {}
-    record(f"train_bpe_{dtype}", [line, r.summary(), f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}",
-                                  f"grad scaler state: {scaler or 'off'}"])
+    record(
+        f"train_bpe_{dtype}",
+        [
+            line,
+            r.summary(),
+            f"losses: first {losses[0]:.4f}, last {losses[-1]:.4f}",
+            f"grad scaler state: {scaler or 'off'}",
+        ],
+    )
     assert statistics.fmean(losses[-3:]) < statistics.fmean(losses[:3]) - 0.5, losses
     if dtype == "float16":
-        assert "scale" in scaler, f"fp16 trains with a GradScaler, whose state the checkpoint keeps: {scaler}"
+        assert "scale" in scaler, (
+            f"fp16 trains with a GradScaler, whose state the checkpoint keeps: {scaler}"
+        )
     else:
         assert not scaler, scaler
 
@@ -885,7 +1357,12 @@ def test_step_diffs_and_the_verdict_against_run_to_run_noise():
     noise = step_diffs(b, a, steps)
     close = {s: v + 2e-3 for s, v in a.items()}  # resumed: within 10 x the noise
     v = resume_verdict(step_diffs(close, a, steps), noise)
-    assert v.ok and v.limit == NOISE_FLOOR and v.resumed_max == pytest.approx(2e-3) and "-> ok" in v.line()
+    assert (
+        v.ok
+        and v.limit == NOISE_FLOOR
+        and v.resumed_max == pytest.approx(2e-3)
+        and "-> ok" in v.line()
+    )
     jump = dict(a)
     jump[11] += 0.3  # a resume that lost its state: the first step after it jumps
     v = resume_verdict(step_diffs(jump, a, steps), noise)
@@ -900,7 +1377,14 @@ def test_step_diffs_and_the_verdict_against_run_to_run_noise():
 def test_loss_curves_and_step_times_of_real_runs(char_data, tmp_path):
     """Two CPU runs with the same seed give the same curve (no run-to-run noise on CPU), another seed does not; the
     first step's seconds and the median of the others' come from the rows."""
-    args = dict(preset="phase1", overrides=TINY, max_steps=4, device="cpu", progress=False, log=lambda m: None)
+    args = dict(
+        preset="phase1",
+        overrides=TINY,
+        max_steps=4,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         train(char_data, tmp_path / name, seed=seed, **args)
     a, b, c = (loss_curve(tmp_path / n) for n in "abc")
@@ -909,9 +1393,17 @@ def test_loss_curves_and_step_times_of_real_runs(char_data, tmp_path):
     assert max_rel_diff(c, a, a)[0] > 0
     first, median = step_seconds(read_metrics(tmp_path / "a"))
     assert first > 0 and median > 0
-    assert step_seconds([{"step": 1, "elapsed_s": 9.0}, {"step": 2, "elapsed_s": 10.0}, {"step": 3, "elapsed_s": 12.0},
-                         {"step": 4, "elapsed_s": 13.0}]) == (9.0, 1.0)
-    (tmp_path / "a" / "metrics.jsonl").write_text((tmp_path / "a" / "metrics.jsonl").read_text() * 2)
+    assert step_seconds(
+        [
+            {"step": 1, "elapsed_s": 9.0},
+            {"step": 2, "elapsed_s": 10.0},
+            {"step": 3, "elapsed_s": 12.0},
+            {"step": 4, "elapsed_s": 13.0},
+        ]
+    ) == (9.0, 1.0)
+    (tmp_path / "a" / "metrics.jsonl").write_text(
+        (tmp_path / "a" / "metrics.jsonl").read_text() * 2
+    )
     with pytest.raises(AssertionError, match=r"logs steps \[1, 2, 3, 4\] twice"):
         loss_curve(tmp_path / "a")
 
@@ -924,9 +1416,16 @@ def test_record_appends_each_measurement_to_the_parts_file(tmp_path, monkeypatch
     assert record("auto_batch", ["16 x 1024 fits"]) == path
     assert path == tmp_path / "results" / "gpu_NVIDIA_H100_80GB_HBM3_part1.txt"
     lines = path.read_text().splitlines()
-    assert lines[0] == "=== resume_noise: tests/test_gpu.py::test_record_appends_each_measurement_to_the_parts_file"
+    assert (
+        lines[0]
+        == "=== resume_noise: tests/test_gpu.py::test_record_appends_each_measurement_to_the_parts_file"
+    )
     assert lines[1].startswith("device: ") and f"torch {torch.__version__}" in lines[1]
-    assert lines[2] == "max 1.0e-03" and lines[4].startswith("=== auto_batch") and lines[6] == "16 x 1024 fits"
+    assert (
+        lines[2] == "max 1.0e-03"
+        and lines[4].startswith("=== auto_batch")
+        and lines[6] == "16 x 1024 fits"
+    )
     assert "max 1.0e-03" in capsys.readouterr().out
 
 
@@ -934,4 +1433,5 @@ def test_code_text_is_this_pythons_sources(tmp_path):
     p = code_text(tmp_path / "code.txt", 0.2)
     text = p.read_text()
     assert len(text.encode()) >= 200_000 and "def " in text and "import " in text
-    assert code_text(tmp_path / "again.txt", 0.2).read_text() == text  # the same files in the same order
+    # the same files in the same order
+    assert code_text(tmp_path / "again.txt", 0.2).read_text() == text

@@ -27,10 +27,20 @@ def hf_folder(tmp_path_factory, small_text):
     """A GPT2LMHeadModel folder as transformers writes it: random weights, a byte-level BPE tokenizer."""
     folder = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
     text = small_text.read_text()
-    tok = BPETokenizer.train([text[i:i + 2000] for i in range(0, len(text), 2000)], vocab_size=300)
+    tok = BPETokenizer.train(
+        [text[i : i + 2000] for i in range(0, len(text), 2000)], vocab_size=300
+    )
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                  activation_function="gelu_new", bos_token_id=tok.eot_id, eos_token_id=tok.eot_id)
+    cfg = transformers.GPT2Config(
+        vocab_size=tok.vocab_size,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        activation_function="gelu_new",
+        bos_token_id=tok.eot_id,
+        eos_token_id=tok.eot_id,
+    )
     transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
     (folder / "tokenizer.json").write_bytes(tok.to_json_bytes())
     return folder
@@ -42,7 +52,8 @@ def test_import_gives_transformers_logits_and_greedy_tokens(hf_folder, tmp_path)
     assert ld.step == 0 and ld.config.model.vocab_size == 300 and ld.tokenizer.kind == "bpe"
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_folder, dtype=torch.float32).eval()
     ids = ld.tokenizer.encode("First Citizen:\nBefore we proceed")[:12]
-    assert_same_model(ld.model, hf, ids)  # the same logits, and the same greedy tokens to the end of the window
+    # the same logits, and the same greedy tokens to the end of the window
+    assert_same_model(ld.model, hf, ids)
 
 
 def test_export_import_export_round_trip(hf_folder, tmp_path):
@@ -66,18 +77,34 @@ def test_a_char_run_comes_back_with_its_char_tokenizer(char_data, tmp_path):
     export_hf(tmp_path / "run", tmp_path / "hf")
     back = import_hf(tmp_path / "hf", tmp_path / "back", log=quiet)
     a, b = Engine.from_run(tmp_path / "run"), Engine.from_run(back)
-    assert b.tokenizer.kind == "char" and b.tokenizer.encode("ROMEO:") == a.tokenizer.encode("ROMEO:")
+    assert b.tokenizer.kind == "char" and b.tokenizer.encode("ROMEO:") == a.tokenizer.encode(
+        "ROMEO:"
+    )
     x = torch.tensor([a.tokenizer.encode("ROMEO: what")])
     torch.testing.assert_close(a.model(x)[0], b.model(x)[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("activation_function", "relu", "activation_function is 'relu'; gptlib's model needs 'gelu_new'"),
-    ("model_type", "mistral", "model_type is 'mistral'"),  # llama and qwen3 import (the modern recipe)
-    ("model_type", "llama", "config.json: hidden_size is missing"),
-    ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx is True"),
-])
-def test_a_model_that_is_not_gpt2_shaped_is_refused(hf_folder, tmp_path, key, value, message, capsys):
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        (
+            "activation_function",
+            "relu",
+            "activation_function is 'relu'; gptlib's model needs 'gelu_new'",
+        ),
+        # llama and qwen3 import (the modern recipe)
+        (
+            "model_type",
+            "mistral",
+            "model_type is 'mistral'",
+        ),
+        ("model_type", "llama", "config.json: hidden_size is missing"),
+        ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx is True"),
+    ],
+)
+def test_a_model_that_is_not_gpt2_shaped_is_refused(
+    hf_folder, tmp_path, key, value, message, capsys
+):
     import shutil
 
     from gptlib.__main__ import main
@@ -110,28 +137,59 @@ def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, 
     data = tmp_path / "data"
     prepare([small_text], data, tokenizer_from=base / "tokenizer.json", verbose=False)
     before = {p: p.stat().st_mtime_ns for p in base.rglob("*")}
-    settings = ["batch_size=4", "block_size=32", "eval_interval=2", "eval_batches=1", "sample_tokens=4",
-                "learning_rate=1e-12", "warmup_steps=0", "save_every_minutes=0"]
+    settings = [
+        "batch_size=4",
+        "block_size=32",
+        "eval_interval=2",
+        "eval_batches=1",
+        "sample_tokens=4",
+        "learning_rate=1e-12",
+        "warmup_steps=0",
+        "save_every_minutes=0",
+    ]
     logs = []
-    r = train(data, tmp_path / "ft", "finetune", settings, max_steps=2, progress=False, log=logs.append,
-              init_from=f"{base}:latest")
+    r = train(
+        data,
+        tmp_path / "ft",
+        "finetune",
+        settings,
+        max_steps=2,
+        progress=False,
+        log=logs.append,
+        init_from=f"{base}:latest",
+    )
     assert r.step == 2 and any("init-from: the weights of" in m for m in logs)
     tuned = load_run(tmp_path / "ft")
-    assert tuned.config.model.n_layer == 2 and tuned.config.model.n_embd == 32  # the base's shape, not the preset's
+    # the base's shape, not the preset's
+    assert tuned.config.model.n_layer == 2 and tuned.config.model.n_embd == 32
     assert tuned.config.model.block_size == 64 and tuned.state.init_from["step"] == 0
     w0 = load_run(base).model.state_dict()
-    assert all(torch.allclose(w0[k], v, atol=1e-6) for k, v in tuned.model.state_dict().items())  # lr ~0: the base
-    assert {p: p.stat().st_mtime_ns for p in base.rglob("*")} == before  # the base run is never modified
+    # lr ~0: the base
+    assert all(torch.allclose(w0[k], v, atol=1e-6) for k, v in tuned.model.state_dict().items())
+    assert {
+        p: p.stat().st_mtime_ns for p in base.rglob("*")
+    } == before  # the base run is never modified
 
 
 def test_init_from_with_another_vocabulary_names_both_sides(hf_folder, tmp_path, char_data):
     from gptlib.training.loop import train
 
     base = import_hf(hf_folder, tmp_path / "base", log=quiet)
-    with pytest.raises(ConfigError, match=r"its vocabulary \(bpe, 300 tokens.*is not the data's .*char, 61 tokens"
-                                          r".*--tokenizer-from"):
-        train(char_data, tmp_path / "ft", "finetune", TINY, max_steps=2, progress=False, log=quiet,
-              init_from=str(base))
+    with pytest.raises(
+        ConfigError,
+        match=r"its vocabulary \(bpe, 300 tokens.*is not the data's .*char, 61 tokens"
+        r".*--tokenizer-from",
+    ):
+        train(
+            char_data,
+            tmp_path / "ft",
+            "finetune",
+            TINY,
+            max_steps=2,
+            progress=False,
+            log=quiet,
+            init_from=str(base),
+        )
 
 
 def test_weights_that_do_not_fit_the_config_are_one_line(hf_folder, tmp_path, capsys):
@@ -144,7 +202,8 @@ def test_weights_that_do_not_fit_the_config_are_one_line(hf_folder, tmp_path, ca
     folder = tmp_path / "edited"
     shutil.copytree(hf_folder, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))  # the weights are 32 wide
+    # the weights are 32 wide
+    (folder / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
     assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -26,10 +26,26 @@ def quiet(_msg):
     pass
 
 
-def trainer(data, run_dir, mirror=None, steps=LONG_STEPS, fault="slow:mid_step", extra=()) -> subprocess.Popen:
+def trainer(
+    data, run_dir, mirror=None, steps=LONG_STEPS, fault="slow:mid_step", extra=()
+) -> subprocess.Popen:
     """`python -m gptlib train` in its own process; fault: tests/faulty.py's SPEC (default: 50 ms a step)."""
-    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
-                            "--max-steps", steps, "--device", "cpu", "--quiet", *extra)
+    cmd = faulty.gptlib_cmd(
+        fault,
+        "train",
+        "--data",
+        data,
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "phase1",
+        "--max-steps",
+        steps,
+        "--device",
+        "cpu",
+        "--quiet",
+        *extra,
+    )
     for s in SLOW:
         cmd += ["--set", s]
     if mirror is not None:
@@ -49,8 +65,18 @@ def write_lease(path, host="other-vm", pid=4242, heartbeat_age=0.0, session="f" 
     path.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()
     tmp = path.with_name(f"{path.name}.test-{threading.get_ident()}")
-    tmp.write_text(json.dumps({"host": host, "pid": pid, "session": session, "started": now - 3600,
-                               "heartbeat": now - heartbeat_age, "beats": 7}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "pid": pid,
+                "session": session,
+                "started": now - 3600,
+                "heartbeat": now - heartbeat_age,
+                "beats": 7,
+            }
+        )
+    )
     os.replace(tmp, path)  # atomic, as gptlib writes it: a reader never sees half a lease
 
 
@@ -62,12 +88,26 @@ def test_a_second_trainer_refuses_and_the_first_trains_as_if_alone(char_data, tm
     second = trainer(char_data, run, fault="")
     out, err = second.communicate(timeout=120)
     assert second.returncode == 2, out + err
-    assert "is in use by another training process" in err and f"pid {first.pid}" in err and "--take-over" in err
-    assert time.time() - t0 < 60  # refused within seconds of starting (most of it is importing torch)
+    assert (
+        "is in use by another training process" in err
+        and f"pid {first.pid}" in err
+        and "--take-over" in err
+    )
+    # refused within seconds of starting (most of it is importing torch)
+    assert time.time() - t0 < 60
     out1, err1 = first.communicate(timeout=300)
     assert first.returncode == 0, out1 + err1
     alone = tmp_path / "alone"
-    train(char_data, alone, "phase1", SLOW, max_steps=LONG_STEPS, device="cpu", progress=False, log=quiet)
+    train(
+        char_data,
+        alone,
+        "phase1",
+        SLOW,
+        max_steps=LONG_STEPS,
+        device="cpu",
+        progress=False,
+        log=quiet,
+    )
     assert curve(run) == curve(alone)  # the refused trainer changed nothing
     assert not (run / "lease.json").exists()  # released at the end
 
@@ -81,7 +121,10 @@ def test_two_runs_sharing_one_mirror(char_data, tmp_path):
     out, err = second.communicate(timeout=120)
     assert second.returncode == 2 and f"{mirror} is in use" in err, out + err
     assert first.communicate(timeout=300)[0] is not None and first.returncode == 0
-    assert not (tmp_path / "b" / "checkpoints").exists() and not (tmp_path / "b" / "config.json").exists()
+    assert (
+        not (tmp_path / "b" / "checkpoints").exists()
+        and not (tmp_path / "b" / "config.json").exists()
+    )
     steps = sorted(int(p.name[5:]) for p in (mirror / "checkpoints").iterdir())
     assert steps[-1] == LONG_STEPS  # only the first run's checkpoints
 
@@ -109,9 +152,12 @@ def test_a_taken_over_writer_stops_without_writing(char_data, tmp_path):
     finally:
         stop.set()
         t.join()
-    assert proc.returncode == 2 and "taken over by another process" in err and "other-vm" in err, out + err
+    assert proc.returncode == 2 and "taken over by another process" in err and "other-vm" in err, (
+        out + err
+    )
     assert time.time() - t0 < 30
-    assert json.loads((run / "lease.json").read_text())["session"] == "b" * 12  # the new holder's lease stands
+    # the new holder's lease stands
+    assert json.loads((run / "lease.json").read_text())["session"] == "b" * 12
 
 
 def test_the_lease_of_a_dead_local_process_is_taken_over_at_once(char_data, tmp_path):
@@ -121,10 +167,14 @@ def test_the_lease_of_a_dead_local_process_is_taken_over_at_once(char_data, tmp_
     write_lease(run / "lease.json", host=socket.gethostname(), pid=dead.pid)
     logs = []
     r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append)
-    assert r.step == 2 and any(f"pid {dead.pid} on this machine) is gone; taking over" in m for m in logs)
+    assert r.step == 2 and any(
+        f"pid {dead.pid} on this machine) is gone; taking over" in m for m in logs
+    )
 
 
-def test_a_training_still_running_in_this_process_is_named_as_such(char_data, tmp_path, monkeypatch):
+def test_a_training_still_running_in_this_process_is_named_as_such(
+    char_data, tmp_path, monkeypatch
+):
     """A notebook cell run while this kernel still trains the run (a thread, a queued cell): refused in one line
     naming this notebook's own training, not 'another training process'. A lease an earlier call of this process
     left behind (its training over) is taken over."""
@@ -136,11 +186,14 @@ def test_a_training_still_running_in_this_process_is_named_as_such(char_data, tm
         with pytest.raises(L.RunDirError, match=here + r"or stop it, first$"):
             train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
         monkeypatch.setattr(L, "in_notebook", lambda: True)
-        with pytest.raises(L.RunDirError, match=kernel + r"let it finish, or stop it, then run this cell again$"):
+        with pytest.raises(
+            L.RunDirError, match=kernel + r"let it finish, or stop it, then run this cell again$"
+        ):
             train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
     finally:
         running.release()
-    write_lease(run / "lease.json", host=socket.gethostname(), pid=os.getpid())  # left by an earlier call, now over
+    # left by an earlier call, now over
+    write_lease(run / "lease.json", host=socket.gethostname(), pid=os.getpid())
     logs = []
     r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append)
     left = f"lease: {run / 'lease.json'} was left by an earlier training of this process, which has ended; taking over"
@@ -150,14 +203,18 @@ def test_a_training_still_running_in_this_process_is_named_as_such(char_data, tm
 def test_another_machines_lease(char_data, tmp_path):
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=10)  # fresh: that VM is probably alive
-    with pytest.raises(L.RunDirError, match=r"in use \(host other-vm, pid 4242.*re-run in \d+ s.*--take-over"):
+    with pytest.raises(
+        L.RunDirError, match=r"in use \(host other-vm, pid 4242.*re-run in \d+ s.*--take-over"
+    ):
         train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
     assert sorted(p.name for p in run.iterdir()) == ["lease.json"]  # nothing written
     # stale by this machine's clock: that VM is gone; taken over at once, and said so
     write_lease(run / "lease.json", heartbeat_age=L.STALE_S + 5)
     logs = []
     r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append)
-    assert r.step == 2 and any("is stale (host other-vm" in m and "taking it over" in m for m in logs), logs
+    assert r.step == 2 and any(
+        "is stale (host other-vm" in m and "taking it over" in m for m in logs
+    ), logs
 
 
 def test_a_heartbeat_ahead_of_this_clock_is_fresh(tmp_path):
@@ -167,7 +224,9 @@ def test_a_heartbeat_ahead_of_this_clock_is_fresh(tmp_path):
     for ahead in (10, 3600):
         write_lease(run / "lease.json", heartbeat_age=-ahead)
         t0 = time.monotonic()
-        with pytest.raises(L.RunDirError, match=rf"host other-vm.*{ahead} s in the future.*re-run in 180 s"):
+        with pytest.raises(
+            L.RunDirError, match=rf"host other-vm.*{ahead} s in the future.*re-run in 180 s"
+        ):
             L.RunLease([run], log=quiet).acquire()
         assert time.monotonic() - t0 < 0.5
         assert json.loads((run / "lease.json").read_text())["host"] == "other-vm"
@@ -189,7 +248,9 @@ def test_take_over_takes_a_live_lease(char_data, tmp_path):
     run = tmp_path / "run"
     write_lease(run / "lease.json", heartbeat_age=5)
     logs = []
-    r = train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append, take_over=True)
+    r = train(
+        char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append, take_over=True
+    )
     assert r.step == 2 and any("lease: taking over" in m and "other-vm" in m for m in logs)
     assert not (run / "lease.json").exists()
 
@@ -203,7 +264,9 @@ def test_readers_need_no_lease(char_data, tmp_path):
     assert Engine.from_run(run).step == 10
 
 
-def test_a_run_dir_that_cannot_be_written_is_one_clear_error(char_data, tmp_path, monkeypatch, capsys):
+def test_a_run_dir_that_cannot_be_written_is_one_clear_error(
+    char_data, tmp_path, monkeypatch, capsys
+):
     import errno
 
     from gptlib.__main__ import main
@@ -212,7 +275,20 @@ def test_a_run_dir_that_cannot_be_written_is_one_clear_error(char_data, tmp_path
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
     monkeypatch.setattr(L, "atomic_write_json", read_only)
-    rc = main(["train", "--data", str(char_data), "--run-dir", str(tmp_path / "run"), "--max-steps", "2", "--quiet"])
+    rc = main(
+        [
+            "train",
+            "--data",
+            str(char_data),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "2",
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err
-    assert rc == 2 and err.startswith("error: cannot write to") and "Read-only file system" in err, err
+    assert (
+        rc == 2 and err.startswith("error: cannot write to") and "Read-only file system" in err
+    ), err
     assert "Traceback" not in err

@@ -35,10 +35,26 @@ from tests.gguf_kit import SHAPE, bpe_data, bpe_run
 llama_cpp = pytest.importorskip("llama_cpp")
 
 F32_CACHE = 0  # GGML_TYPE_F32 for the KV cache (llama.cpp's default is f16)
-PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed", "KING HENRY", "\n", "What say you, my lord?"]
-TEXTS = ["Hello world", "  two  spaces   three   ", "\n\n\nnewlines\n \n\t tab\r\n", "12345 67890 3.14159 1,000,000",
-         "def f(x):\n    return x**2  # comment\n\tif a != b: print('ok')", "naïve café — 東京 😀 Ω ≈ ∑",
-         "don't I'll we've 'S", "a <|endoftext|> in the text stays text", "<|endoftext|><|end|>", " ", "x" * 300]
+PROMPTS = [
+    "ROMEO:",
+    "First Citizen:\nBefore we proceed",
+    "KING HENRY",
+    "\n",
+    "What say you, my lord?",
+]
+TEXTS = [
+    "Hello world",
+    "  two  spaces   three   ",
+    "\n\n\nnewlines\n \n\t tab\r\n",
+    "12345 67890 3.14159 1,000,000",
+    "def f(x):\n    return x**2  # comment\n\tif a != b: print('ok')",
+    "naïve café — 東京 😀 Ω ≈ ∑",
+    "don't I'll we've 'S",
+    "a <|endoftext|> in the text stays text",
+    "<|endoftext|><|end|>",
+    " ",
+    "x" * 300,
+]
 
 
 def client(path, **kw):
@@ -50,12 +66,19 @@ def runs(tmp_path_factory, small_text):
     """Runs trained long enough (100 steps) that their greedy choices are not coin flips."""
     root = tmp_path_factory.mktemp("llama")
     data = bpe_data(small_text, root / "data")
-    return {"gpt2": bpe_run(data, root / "gpt2", steps=100), "qwen3": bpe_run(data, root / "qwen3", "modern", 100),
-            "llama": bpe_run(data, root / "llama", "modern", 100, ["qk_norm=false", "tie_embeddings=true"])}
+    return {
+        "gpt2": bpe_run(data, root / "gpt2", steps=100),
+        "qwen3": bpe_run(data, root / "qwen3", "modern", 100),
+        "llama": bpe_run(
+            data, root / "llama", "modern", 100, ["qk_norm=false", "tie_embeddings=true"]
+        ),
+    }
 
 
 def greedy_ours(eng: Engine, ids: list[int], n: int) -> list[int]:
-    return eng.generate_ids([ids], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False))[0][0]
+    return eng.generate_ids(
+        [ids], SamplingConfig(max_new_tokens=n, temperature=0, stop_at_eot=False)
+    )[0][0]
 
 
 def greedy_theirs(llm, ids: list[int], n: int) -> list[int]:
@@ -73,16 +96,24 @@ def compare_logits(eng: Engine, llm, ids: list[int], n: int) -> tuple[int, int, 
     seq = ids + ours
     llm.reset()
     llm.eval(seq[:-1])
-    theirs = np.array(llm.scores[len(ids) - 1: len(seq) - 1])
+    theirs = np.array(llm.scores[len(ids) - 1 : len(seq) - 1])
     with torch.no_grad():
-        mine = eng.model(torch.tensor([seq[:-1]]))[0][0, len(ids) - 1:].numpy()
-    return int((theirs.argmax(-1) == np.array(ours)).sum()), len(ours), float(np.abs(theirs - mine).max())
+        mine = eng.model(torch.tensor([seq[:-1]]))[0][0, len(ids) - 1 :].numpy()
+    return (
+        int((theirs.argmax(-1) == np.array(ours)).sum()),
+        len(ours),
+        float(np.abs(theirs - mine).max()),
+    )
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3", "llama"])
 def test_f32_greedy_tokens_are_gptlibs(runs, tmp_path, arch):
     eng = Engine.from_run(runs[arch])
-    llm = client(export_gguf(runs[arch], tmp_path / "m.gguf", dtype="f32"), type_k=F32_CACHE, type_v=F32_CACHE)
+    llm = client(
+        export_gguf(runs[arch], tmp_path / "m.gguf", dtype="f32"),
+        type_k=F32_CACHE,
+        type_v=F32_CACHE,
+    )
     for p in PROMPTS:
         ids = eng.tokenizer.encode(p)
         n = 64 - len(ids)  # to the end of the context
@@ -96,9 +127,14 @@ def test_f16_and_q8_0_within_the_measured_tolerance(runs, tmp_path, arch):
     f16 = client(export_gguf(runs[arch], tmp_path / "f16.gguf", dtype="f16"), logits_all=True)
     for ids in prompts:
         assert greedy_theirs(f16, ids, 16) == greedy_ours(eng, ids, 16)
-    for llm, least, most in ((f16, 0.99, 0.05),
-                             (client(export_gguf(runs[arch], tmp_path / "q8.gguf", dtype="q8_0"), logits_all=True),
-                              0.95, 0.5)):
+    for llm, least, most in (
+        (f16, 0.99, 0.05),
+        (
+            client(export_gguf(runs[arch], tmp_path / "q8.gguf", dtype="q8_0"), logits_all=True),
+            0.95,
+            0.5,
+        ),
+    ):
         agree, total, diff = zip(*[compare_logits(eng, llm, ids, 64 - len(ids)) for ids in prompts])
         assert sum(agree) / sum(total) >= least and max(diff) <= most, (agree, total, diff)
 
@@ -128,31 +164,59 @@ def chat_run(tmp_path_factory):
     with open(root / "chat.jsonl", "w") as f:
         for _ in range(1500):
             w = rng.choice(WORDS)
-            f.write(json.dumps({"messages": [{"role": "system", "content": SYSTEM},
-                                             {"role": "user", "content": f"What is the opposite of {w}?"},
-                                             {"role": "assistant", "content": f"The opposite is {OPPOSITE[w]}."}]})
-                    + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": f"What is the opposite of {w}?"},
+                            {"role": "assistant", "content": f"The opposite is {OPPOSITE[w]}."},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     prepare([root / "chat.jsonl"], root / "data", format="chat", vocab_size=400, verbose=False)
-    train(root / "data", root / "run", overrides=SHAPE + ["eval_interval=100"], max_steps=100, device="cpu",
-          progress=False, log=lambda s: None)
+    train(
+        root / "data",
+        root / "run",
+        overrides=SHAPE + ["eval_interval=100"],
+        max_steps=100,
+        device="cpu",
+        progress=False,
+        log=lambda s: None,
+    )
     return root / "run"
 
 
 def test_a_chat_run_answers_through_llama_cpps_chat_api_with_its_template(chat_run, tmp_path):
     from gptlib.data.conversations import ChatTemplate
 
-    llm = client(export_gguf(chat_run, tmp_path / "chat.gguf", dtype="f32"), type_k=F32_CACHE, type_v=F32_CACHE)
+    llm = client(
+        export_gguf(chat_run, tmp_path / "chat.gguf", dtype="f32"),
+        type_k=F32_CACHE,
+        type_v=F32_CACHE,
+    )
     session = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda s: None)
     template = ChatTemplate(session.engine.tokenizer)
     for w in WORDS[:3]:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is the opposite of {w}?"}]
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"What is the opposite of {w}?"},
+        ]
         # the same prompt tokens: gptlib's rendering, and the newline every answer starts with
         text = llama_cpp.llama_chat_format.Jinja2ChatFormatter(
-            llm.metadata["tokenizer.chat_template"], eos_token="", bos_token="")(messages=messages).prompt
+            llm.metadata["tokenizer.chat_template"], eos_token="", bos_token=""
+        )(messages=messages).prompt
         ids = template.render(messages, require_assistant=False, generation_prompt=True)[0].tolist()
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids + template.nl_ids
         session.reset()
-        ours = session.reply(messages[1]["content"], SamplingConfig(max_new_tokens=25, temperature=0))
-        got = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=24)["choices"][0]
-        assert session.finish_reason == "eot" and got["finish_reason"] == "stop"  # both ended the turn at <|end|>
+        ours = session.reply(
+            messages[1]["content"], SamplingConfig(max_new_tokens=25, temperature=0)
+        )
+        got = llm.create_chat_completion(messages=messages, temperature=0, max_tokens=24)[
+            "choices"
+        ][0]
+        # both ended the turn at <|end|>
+        assert session.finish_reason == "eot" and got["finish_reason"] == "stop"
         assert got["message"]["content"] == ours and ours.startswith("The opposite is")

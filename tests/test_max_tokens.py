@@ -51,7 +51,9 @@ def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_
     out = capsys.readouterr()
     assert f"stopped at --max-tokens {n:,}: after document {k - 1:,}" in out.out
     # the bar counts tokens towards max_tokens, with tqdm's percentage and ETA ([elapsed<remaining])
-    assert re.search(r"tokenize: +\d+%\|.*\| [\d.]+k/20\.0k \[\d\d:\d\d<\d\d:\d\d, +[\d.]+k?tok/s\]", out.err), out.err
+    assert re.search(
+        r"tokenize: +\d+%\|.*\| [\d.]+k/20\.0k \[\d\d:\d\d<\d\d:\d\d, +[\d.]+k?tok/s\]", out.err
+    ), out.err
 
 
 def test_a_budget_beyond_the_corpus_reads_it_all(tmp_path, src, docs, bpe_file):
@@ -78,33 +80,88 @@ def test_a_killed_budgeted_run_resumes_to_the_same_stop(tmp_path, src, bpe_file,
 
 
 def test_cli_max_tokens(tmp_path, src, bpe_file):
-    assert _count("2.8B") == _count("2.8e9") == _count("2,800,000,000") == 2_800_000_000 and _count("20K") == 20_000
-    r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--tokenizer-from",
-                        str(bpe_file), "--max-tokens", "10K", "--out", str(tmp_path / "d"), "--quiet"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    assert (
+        _count("2.8B") == _count("2.8e9") == _count("2,800,000,000") == 2_800_000_000
+        and _count("20K") == 20_000
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptlib",
+            "tokenize",
+            "--input",
+            str(src),
+            "--tokenizer-from",
+            str(bpe_file),
+            "--max-tokens",
+            "10K",
+            "--out",
+            str(tmp_path / "d"),
+            "--quiet",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     m = read_meta(tmp_path / "d")
     assert m.raw["max_tokens"] == 10_000 and 10_000 <= m.tokens("train") + m.tokens("val") < 11_000
-    r = subprocess.run([sys.executable, "-m", "gptlib", "tokenize", "--input", str(src), "--max-tokens", "lots",
-                        "--out", str(tmp_path / "e")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "'lots' is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)" in r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptlib",
+            "tokenize",
+            "--input",
+            str(src),
+            "--max-tokens",
+            "lots",
+            "--out",
+            str(tmp_path / "e"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        r.returncode == 2
+        and "'lots' is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)" in r.stderr
+    )
 
 
 def test_a_stop_keeps_nothing_of_the_batch_read_ahead(tmp_path, src, bpe_file, monkeypatch):
     """The next batch is read while one encodes: a stop must leave out what that read found (here invalid
     UTF-8), as one batch at a time never read it."""
     monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
-    filler = tmp_path / "in" / "b_filler.txt"  # fills the stopping batch, so the next files are read ahead
+    # fills the stopping batch, so the next files are read ahead
+    filler = tmp_path / "in" / "b_filler.txt"
     filler.parent.mkdir()
     filler.write_text("the quick brown fox jumps over the lazy dog\n" * 600)  # 26 K characters
     bad = tmp_path / "in" / "c_bad.txt"
     bad.write_bytes(b"caf\xe9 au lait " * 100)
-    whole = prepare([src], tmp_path / "whole", tokenizer_from=bpe_file, shard_tokens=3000, verbose=False)
+    whole = prepare(
+        [src], tmp_path / "whole", tokenizer_from=bpe_file, shard_tokens=3000, verbose=False
+    )
     n = whole.tokens("train") + whole.tokens("val") - 2  # stops at src's last document
-    meta = prepare([src, filler, bad], tmp_path / "d", tokenizer_from=bpe_file, max_tokens=n,
-                   shard_tokens=3000, verbose=False)
+    meta = prepare(
+        [src, filler, bad],
+        tmp_path / "d",
+        tokenizer_from=bpe_file,
+        max_tokens=n,
+        shard_tokens=3000,
+        verbose=False,
+    )
     assert meta.raw["stop_reason"] == "max_tokens" and meta.raw["stopped_at"]["file"] == str(src)
     assert meta.raw["replaced_invalid_utf8"] == 0
     # without the stop it is read and counted
-    meta = prepare([src, filler, bad], tmp_path / "all", tokenizer_from=bpe_file, shard_tokens=3000, verbose=False)
+    meta = prepare(
+        [src, filler, bad],
+        tmp_path / "all",
+        tokenizer_from=bpe_file,
+        shard_tokens=3000,
+        verbose=False,
+    )
     assert meta.raw["replaced_invalid_utf8"] == 100

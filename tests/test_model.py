@@ -20,7 +20,8 @@ def test_shapes_and_initial_loss_is_ln_vocab():
     cfg = tiny()
     model = GPT(cfg)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.block_size))
-    y = torch.randint(0, cfg.vocab_size, (4, cfg.block_size))  # independent of x: tied embeddings favour y == x
+    # independent of x: tied embeddings favour y == x
+    y = torch.randint(0, cfg.vocab_size, (4, cfg.block_size))
     logits, loss = model(x, y)
     assert logits.shape == (4, cfg.block_size, cfg.vocab_size)
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1  # uniform prediction at init
@@ -95,10 +96,18 @@ def test_weight_decay_only_on_2d_params():
 
 
 @pytest.mark.parametrize("preset", ["phase1", "phase2", "gpt2-small"])
-@pytest.mark.parametrize("recipe,fields", [
-    ("gpt2", {}), ("gpt2", {"bias": True}), ("gpt2", {"tie_embeddings": False, "vocab_multiple": 1}),
-    ("modern", {}), ("modern", {"tie_embeddings": True}), ("modern", {"bias": True, "qk_norm": False}),
-    ("modern", {"norm": "layernorm", "positions": "learned", "mlp": "gelu"})])
+@pytest.mark.parametrize(
+    "recipe,fields",
+    [
+        ("gpt2", {}),
+        ("gpt2", {"bias": True}),
+        ("gpt2", {"tie_embeddings": False, "vocab_multiple": 1}),
+        ("modern", {}),
+        ("modern", {"tie_embeddings": True}),
+        ("modern", {"bias": True, "qk_norm": False}),
+        ("modern", {"norm": "layernorm", "positions": "learned", "mlp": "gelu"}),
+    ],
+)
 def test_model_size_counts_the_built_model(preset, recipe, fields):
     """model_size(cfg) against the model cfg builds: its parameters as model.parameters() has them, its matmul
     weights read off the built nn.Linear modules (the tied head counted once, as the matmul it is), and the FLOPs
@@ -119,7 +128,12 @@ def test_the_modern_recipes_untied_embedding_is_no_matmul():
     same FLOPs, ~774M (issue 26: the modern recipe's was 6 x all parameters, ~925M, and its MFU ~20% high)."""
     gpt2, modern = (model_size(get_preset("gpt2-small", r).model) for r in ("gpt2", "modern"))
     # 12 layers x (4 x 768^2 attention + 2 x 768 x 3,072 MLP) + the 32,768 x 768 head = 110,100,480 matmul weights
-    assert gpt2.flops_per_token == modern.flops_per_token == 6 * 110_100_480 + 12 * 12 * 768 * 1024 == 773_849_088
+    assert (
+        gpt2.flops_per_token
+        == modern.flops_per_token
+        == 6 * 110_100_480 + 12 * 12 * 768 * 1024
+        == 773_849_088
+    )
     # its own input embedding, no position table, and the QK-norms' gains (2 x 64 per layer)
     assert modern.params - gpt2.params == (32768 - 1024) * 768 + 12 * 2 * 64
 
@@ -135,7 +149,9 @@ def cuda_autocast_policy_on_cpu():
 
     def fp32_policy(x, shape, weight=None, eps=None):
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return torch.ops.aten.rms_norm(x.float(), shape, None if weight is None else weight.float(), eps)
+            return torch.ops.aten.rms_norm(
+                x.float(), shape, None if weight is None else weight.float(), eps
+            )
 
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("rms_norm", fp32_policy, "AutocastCPU")
@@ -144,7 +160,9 @@ def cuda_autocast_policy_on_cpu():
 
 
 def modern_tiny():
-    return dataclasses.replace(get_preset("phase1", "modern").model, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return dataclasses.replace(
+        get_preset("phase1", "modern").model, block_size=32, n_layer=2, n_head=2, n_embd=32
+    )
 
 
 def qk_norm_outputs(model, x):

@@ -2,7 +2,6 @@
 
 import shutil
 
-from gptlib.data.shards import read_meta
 from tests.nbrun import outputs_text, run_notebook
 from tests.tokenize_kit import verified_meta
 
@@ -11,7 +10,8 @@ def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch,
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     cache = tmp_path / "cache"
     cache.mkdir()
-    shutil.copy(shakespeare_path, cache / "tinyshakespeare.txt")  # the demo corpus, without a network
+    # the demo corpus, without a network
+    shutil.copy(shakespeare_path, cache / "tinyshakespeare.txt")
     monkeypatch.setenv("GPTLIB_CACHE", str(cache))
     params = {"VOCAB_SIZE": 512, "TRAIN_MB": 0}
     nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
@@ -20,15 +20,26 @@ def test_notebook_01_tokenizes_the_demo_corpus_and_reruns(tmp_path, monkeypatch,
     assert "downloaded" not in text  # it was not
     data = tmp_path / "root" / "data" / "bpe"  # where notebook 03 looks for DATASET_NAME="bpe"
     meta = verified_meta(data)
-    assert meta.tokenizer["kind"] == "bpe" and meta.vocab_size == 512 and meta.dtype.name == "uint16"
-    for label in ("documents", "train tokens", "characters per token", "dtype", "shards (train + val)", "seconds"):
+    assert (
+        meta.tokenizer["kind"] == "bpe" and meta.vocab_size == 512 and meta.dtype.name == "uint16"
+    )
+    for label in (
+        "documents",
+        "train tokens",
+        "characters per token",
+        "dtype",
+        "shards (train + val)",
+        "seconds",
+    ):
         assert label in text
     source = shakespeare_path.read_text()
-    val_start = source[int(len(source) * 0.9):][:300]  # a one-document corpus: validation is its tail
+    # a one-document corpus: validation is its tail
+    val_start = source[int(len(source) * 0.9) :][:300]
     assert val_start in text  # the decoded sample is the text, back
     before = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
 
-    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)  # "Colab disconnected": run it all again
+    # "Colab disconnected": run it all again
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
     assert "already holds this dataset; reusing it" in outputs_text(nb)
     assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == before
 
@@ -42,10 +53,20 @@ def test_notebook_01_reads_a_url_source_with_a_budget(tmp_path, monkeypatch, sha
     src = tmp_path / "corpus" / "train-00000-of-00001.parquet"
     src.parent.mkdir()
     pq.write_table(pa.table({"code": docs}), src, row_group_size=100)
-    params = {"SOURCE": "my files on Drive", "INPUT": src.as_uri(), "TEXT_COLUMN": "code", "MAX_TOKENS": "20K",
-              "VOCAB_SIZE": 512, "TRAIN_MB": 0, "DATASET_NAME": "url"}
+    params = {
+        "SOURCE": "my files on Drive",
+        "INPUT": src.as_uri(),
+        "TEXT_COLUMN": "code",
+        "MAX_TOKENS": "20K",
+        "VOCAB_SIZE": 512,
+        "TRAIN_MB": 0,
+        "DATASET_NAME": "url",
+    }
     nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
     meta = verified_meta(tmp_path / "root" / "data" / "url")
     assert [s["path"] for s in meta.raw["sources"]] == [src.as_uri()]
-    assert meta.raw["stop_reason"] == "max_tokens" and 20_000 <= meta.tokens("train") + meta.tokens("val") < 21_000
+    assert (
+        meta.raw["stop_reason"] == "max_tokens"
+        and 20_000 <= meta.tokens("train") + meta.tokens("val") < 21_000
+    )
     assert "stopped at --max-tokens 20,000" in outputs_text(nb)

@@ -24,20 +24,33 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     # as when the suite runs on Colab itself (the GPU check): the kernel must not take itself for Colab's and mount
     # Drive (tests/nbrun.py)
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab-test")
-    params = {"RUN_NAME": "nb-smoke", "TEXT_PATH": str(small_text), "MAX_STEPS": 20, "OVERRIDES": TINY}
+    params = {
+        "RUN_NAME": "nb-smoke",
+        "TEXT_PATH": str(small_text),
+        "MAX_STEPS": 20,
+        "OVERRIDES": TINY,
+    }
     nb = run_notebook(NB, params, cwd=tmp_path)
     text = outputs_text(nb)
     run = tmp_path / "root" / "runs" / "nb-smoke"
     assert (run / "loss.png").is_file() and (run / "samples.md").is_file()
     # the summary line: val loss rounded, tokens/s while stepping and over the session (TrainResult.summary)
-    assert re.search(r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s while stepping; [\d,]+ over the session's",
-                     text), text
-    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for c in nb.cells for o in c.get("outputs", []))  # the loss plot is shown
+    assert re.search(
+        r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s while stepping; [\d,]+ over the session's",
+        text,
+    ), text
+    # the loss plot is shown
+    assert any(
+        o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+        for c in nb.cells
+        for o in c.get("outputs", [])
+    )
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 20
     # the samples table: HTML whose cells align top (a notebook centres table cells vertically)
-    samples = next(c for c in nb.cells if c.cell_type == "code" and "samples_html(" in c.source).outputs
+    samples = next(
+        c for c in nb.cells if c.cell_type == "code" and "samples_html(" in c.source
+    ).outputs
     assert len(samples) == 1 and "vertical-align:top" in samples[0]["data"]["text/html"], samples
     # the generated text starts with its prompt, not mid-line
     assert cell_text(nb, "engine.generate(").startswith("ROMEO:")
@@ -45,8 +58,12 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     # a session cut short by MAX_MINUTES: how to go on said once, in the notebook's words, in its last line
     nb = run_notebook(NB, {**params, "MAX_STEPS": 30, "MAX_MINUTES": 1e-6}, cwd=tmp_path)
     train_out = cell_text(nb, "result = train(")
-    assert re.search(r"max_minutes=1e-06 reached at step 2\d; checkpoint saved\n", train_out), train_out
-    assert train_out.count("to continue") == 1 and train_out.endswith(" -> run all cells again to continue\n")
+    assert re.search(r"max_minutes=1e-06 reached at step 2\d; checkpoint saved\n", train_out), (
+        train_out
+    )
+    assert train_out.count("to continue") == 1 and train_out.endswith(
+        " -> run all cells again to continue\n"
+    )
 
     # "Colab disconnected": run every cell again with a larger budget; training continues to step 30.
     params["MAX_STEPS"] = 30
@@ -58,9 +75,13 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     # run all again on the finished run: it says so, with its val loss (not "val loss None, 0 tokens/s")
     nb = run_notebook(NB, params, cwd=tmp_path)
     train_out = cell_text(nb, "result = train(")
-    assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), train_out
-    assert train_out.count("already finished") == 1, train_out  # train() and print(result.summary()): said once
-    assert len(train_out.splitlines()) == 1, train_out  # and nothing else: no data, RAM or "resumed from" lines
+    assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), (
+        train_out
+    )
+    # train() and print(result.summary()): said once
+    assert train_out.count("already finished") == 1, train_out
+    # and nothing else: no data, RAM or "resumed from" lines
+    assert len(train_out.splitlines()) == 1, train_out
     assert "None" not in train_out and " 0 tokens/s" not in train_out
 
 

@@ -15,24 +15,62 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
 
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     run = tmp_path / "root" / "runs" / "nb04"
-    train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
-    train(char_data, run.with_name("nb04-small-batch"), overrides=TINY + ["eval_interval=5", "batch_size=4"],
-          max_steps=10, progress=False, log=lambda s: None)  # a run to compare with
-    hs_file = tmp_path / "hellaswag_small.jsonl"  # HellaSwag-shaped items the char vocabulary can encode
-    hs_file.write_text("".join(json.dumps({"ctx": "KING RICHARD", "label": i % 4,
-                                           "endings": ["my lord", "the crown", "a horse", "to bed"]}) + "\n"
-                               for i in range(6)))
-    params = {"RUN_NAME": "nb04", "DEVICE": "cpu", "PROMPTS": "ROMEO:|KING", "CHECKPOINTS": "all",
-              "MAX_NEW_TOKENS": 12, "EXPORT_DIR": str(tmp_path / "hf"), "EVAL_TASKS": "bpb, hellaswag",
-              "HELLASWAG_FILE": str(hs_file), "BPB_WINDOWS": 20}
+    train(
+        char_data,
+        run,
+        overrides=TINY + ["eval_interval=5"],
+        max_steps=10,
+        progress=False,
+        log=lambda s: None,
+    )
+    # a run to compare with
+    train(
+        char_data,
+        run.with_name("nb04-small-batch"),
+        overrides=TINY + ["eval_interval=5", "batch_size=4"],
+        max_steps=10,
+        progress=False,
+        log=lambda s: None,
+    )
+    # HellaSwag-shaped items the char vocabulary can encode
+    hs_file = tmp_path / "hellaswag_small.jsonl"
+    hs_file.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "ctx": "KING RICHARD",
+                    "label": i % 4,
+                    "endings": ["my lord", "the crown", "a horse", "to bed"],
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    params = {
+        "RUN_NAME": "nb04",
+        "DEVICE": "cpu",
+        "PROMPTS": "ROMEO:|KING",
+        "CHECKPOINTS": "all",
+        "MAX_NEW_TOKENS": 12,
+        "EXPORT_DIR": str(tmp_path / "hf"),
+        "EVAL_TASKS": "bpb, hellaswag",
+        "HELLASWAG_FILE": str(hs_file),
+        "BPB_WINDOWS": 20,
+    }
     nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
     # the checkpoint list; its "val" says it is training's validation (eval_batches=2), not the eval table's windows
-    assert re.search(r"step 10 · val \d\.\d{3} \(training's validation: 2 batches\) · best\n", text), text
+    assert re.search(
+        r"step 10 · val \d\.\d{3} \(training's validation: 2 batches\) · best\n", text
+    ), text
     assert re.search(r"step 5 · val \d\.\d{3} \(training's validation: 2 batches\)\n", text), text
     # The playground is displayed as a widget ...
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
-               for c in nb.cells for o in c.get("outputs", []))
+    assert any(
+        "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+        for c in nb.cells
+        for o in c.get("outputs", [])
+    )
     # ... and generation ran through it (12 new characters after the prompt).
     gen_cell = next(c for c in nb.cells if c.cell_type == "code" and "pg.generate()" in c.source)
     printed = "".join(o.get("text", "") for o in gen_cell.outputs)
@@ -46,26 +84,48 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     grid = [["".join(c.itertext()) for c in tr] for tr in table.iter("tr")]
     assert grid[0] == ["checkpoint", "'ROMEO:'", "'KING'"] and len(grid) == 3, grid
     assert grid[1][0].startswith("step 5 · val") and grid[2][0].startswith("step 10 · val"), grid
-    assert all(r[1].startswith("ROMEO:") and r[2].startswith("KING") and len(r[1]) > len("ROMEO:") for r in grid[1:])
+    assert all(
+        r[1].startswith("ROMEO:") and r[2].startswith("KING") and len(r[1]) > len("ROMEO:")
+        for r in grid[1:]
+    )
     assert all("vertical-align:top" in c.get("style") for tr in table.iter("tr") for c in tr)
     # Evaluate: both checkpoints x {bpb, HellaSwag}, the GPT-2 reference row, the acc_norm plot, eval.jsonl.
     eval_cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
     table = "".join(o.get("text", "") for o in eval_cell.outputs)
-    assert "step 5" in table and "step 10" in table and "GPT-2 124M (OpenAI)" in table and "0.2955" in table
+    assert (
+        "step 5" in table
+        and "step 10" in table
+        and "GPT-2 124M (OpenAI)" in table
+        and "0.2955" in table
+    )
     assert re.search(r"nats/token +windows +tokens", table)
-    assert re.search(r"step 5 +1,280 +[\d.]+ +[\d.]+ +20 +640 ", table), table  # BPB_WINDOWS 20 of 32 tokens
-    assert "nats/token: on the windows column's windows" in table and "is training's validation" in table
+    # BPB_WINDOWS 20 of 32 tokens
+    assert re.search(r"step 5 +1,280 +[\d.]+ +[\d.]+ +20 +640 ", table), table
+    assert (
+        "nats/token: on the windows column's windows" in table
+        and "is training's validation" in table
+    )
     eval_rows = [json.loads(ln) for ln in (run / "eval.jsonl").read_text().splitlines()]
-    assert sorted((r["task"], r["step"]) for r in eval_rows) == [("bpb", 5), ("bpb", 10), ("hellaswag", 5),
-                                                                 ("hellaswag", 10)]
+    assert sorted((r["task"], r["step"]) for r in eval_rows) == [
+        ("bpb", 5),
+        ("bpb", 10),
+        ("hellaswag", 5),
+        ("hellaswag", 10),
+    ]
     assert all(r["n"] == 6 for r in eval_rows if r["task"] == "hellaswag")
-    plot_cell = next(c for c in nb.cells if c.cell_type == "code" and "hellaswag_figure(" in c.source)
+    plot_cell = next(
+        c for c in nb.cells if c.cell_type == "code" and "hellaswag_figure(" in c.source
+    )
     assert any("image/png" in o.get("data", {}) for o in plot_cell.outputs)
-    runs_cell = next(c for c in nb.cells if c.cell_type == "code" and "runs_figure(" in c.source)  # both runs' val loss
+    # both runs' val loss
+    runs_cell = next(c for c in nb.cells if c.cell_type == "code" and "runs_figure(" in c.source)
     assert [o["output_type"] for o in runs_cell.outputs] == ["display_data"], runs_cell.outputs
     assert "image/png" in runs_cell.outputs[0]["data"]
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert cfg["architectures"] == ["GPT2LMHeadModel"] and (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert (
+        cfg["architectures"] == ["GPT2LMHeadModel"]
+        and (tmp_path / "hf" / "tokenizer.json").is_file()
+    )
 
 
 def test_playground_headless(tmp_path, char_data):
@@ -74,7 +134,14 @@ def test_playground_headless(tmp_path, char_data):
     from gptlib.widgets import Playground, parse_list
 
     run = tmp_path / "run"
-    train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False, log=lambda s: None)
+    train(
+        char_data,
+        run,
+        overrides=TINY + ["eval_interval=5"],
+        max_steps=10,
+        progress=False,
+        log=lambda s: None,
+    )
     pg = Playground(run, prompt="KING")
     assert [v for _, v in pg.checkpoint.options] == [10, 5]
     pg.checkpoint.value, pg.max_tokens.value, pg.temperature.value = 5, 15, 0.0
@@ -85,9 +152,13 @@ def test_playground_headless(tmp_path, char_data):
     assert "step 5" in pg.status.value
     pg.prompt.value = "\u2603"  # not in the char vocabulary: shown as an error, not raised
     assert pg.generate() is None and "not in the char vocabulary" in pg.status.value
-    assert "unknown='map'" not in pg.status.value and "prompt" in pg.status.value  # advice the Playground can follow
-    assert pg.output.value == ""  # the previous text does not stay below the error looking like its result
-    assert pg.status not in [w for box in pg.widget.children if hasattr(box, "children") for w in box.children]
+    # advice the Playground can follow
+    assert "unknown='map'" not in pg.status.value and "prompt" in pg.status.value
+    # the previous text does not stay below the error looking like its result
+    assert pg.output.value == ""
+    assert pg.status not in [
+        w for box in pg.widget.children if hasattr(box, "children") for w in box.children
+    ]
     assert pg.seed.style.description_width == "initial"  # "Seed (-1 random)" is not cut off
     assert parse_list(r"ROMEO:|\n|") == ["ROMEO:", "\n"]
 
@@ -107,7 +178,12 @@ def test_export_cell_without_export_dir_says_what_export_is(tmp_path, monkeypatc
     out = capsys.readouterr().out
     where = tmp_path / "root" / "exports" / "r"
     assert "set EXPORT_DIR to export" not in out and "Not exported" in out
-    assert "Hugging Face" in out and "model.safetensors" in out and str(where) in out and "export-hf" in out, out
+    assert (
+        "Hugging Face" in out
+        and "model.safetensors" in out
+        and str(where) in out
+        and "export-hf" in out
+    ), out
     assert not where.exists()
 
 
@@ -122,18 +198,42 @@ def test_notebook_04_gguf_and_share_cells_on_a_bpe_run(tmp_path, monkeypatch, sm
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     run = bpe_run(bpe_data(small_text, tmp_path / "data"), tmp_path / "root" / "runs" / "nb04")
     before = tree_digest(run)
-    params = {"RUN_NAME": "nb04", "DEVICE": "cpu", "PROMPTS": "ROMEO:", "CHECKPOINTS": "latest", "MAX_NEW_TOKENS": 4,
-              "EVAL_TASKS": "bpb", "BPB_WINDOWS": 4, "GGUF_FILE": str(tmp_path / "m.gguf"), "GGUF_DTYPE": "q8_0",
-              "HUB_REPO": "alice/nb04-gpt", "HUB_HARDWARE": "a test CPU", "HUB_DRY_RUN": str(tmp_path / "push")}
+    params = {
+        "RUN_NAME": "nb04",
+        "DEVICE": "cpu",
+        "PROMPTS": "ROMEO:",
+        "CHECKPOINTS": "latest",
+        "MAX_NEW_TOKENS": 4,
+        "EVAL_TASKS": "bpb",
+        "BPB_WINDOWS": 4,
+        "GGUF_FILE": str(tmp_path / "m.gguf"),
+        "GGUF_DTYPE": "q8_0",
+        "HUB_REPO": "alice/nb04-gpt",
+        "HUB_HARDWARE": "a test CPU",
+        "HUB_DRY_RUN": str(tmp_path / "push"),
+    }
     nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
     assert not any(o.get("output_type") == "error" for c in nb.cells for o in c.get("outputs", []))
     text = outputs_text(nb)
-    assert f"exported to {tmp_path / 'm.gguf'}" in text and f"wrote the commit's files to {tmp_path / 'push'}" in text
+    assert (
+        f"exported to {tmp_path / 'm.gguf'}" in text
+        and f"wrote the commit's files to {tmp_path / 'push'}" in text
+    )
     fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
-    assert fields["general.architecture"].contents() == "gpt2" and fields["general.file_type"].contents() == 7
-    assert {"README.md", "model.safetensors", "config.json", "tokenizer.json", "loss.png",
-            "nb04-gpt-F16.gguf"} <= {p.name for p in (tmp_path / "push").iterdir()}
+    assert (
+        fields["general.architecture"].contents() == "gpt2"
+        and fields["general.file_type"].contents() == 7
+    )
+    assert {
+        "README.md",
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "loss.png",
+        "nb04-gpt-F16.gguf",
+    } <= {p.name for p in (tmp_path / "push").iterdir()}
     card = ModelCard.load(tmp_path / "push" / "README.md")
     assert card.data.pipeline_tag == "text-generation" and "a test CPU" in card.text
-    assert "bits per byte" in {r.metric_name for r in card.data.eval_results}  # the bpb the notebook just ran
+    # the bpb the notebook just ran
+    assert "bits per byte" in {r.metric_name for r in card.data.eval_results}
     assert {k: v for k, v in tree_digest(run).items() if k != "eval.jsonl"} == before

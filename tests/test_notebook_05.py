@@ -19,21 +19,44 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(conversation(n, w)) + "\n" for n in NAMES for w in WORDS))
-    params = {"BASE": "OpenAI GPT-2 from the Hub", "HF_MODEL": str(hf_folder), "SOURCE": "my files on Drive",
-              "INPUT": str(chats), "FORMAT": "", "MAX_TOKENS": "0", "DATASET_NAME": "qa", "RUN_NAME": "ft",
-              "MAX_STEPS": 12, "DEVICE": "cpu", "FIRST_MESSAGE": "anna asks: what is the opposite of apple?",
-              "OVERRIDES": ["eval_interval=6", "batch_size=8", "eval_batches=2", "sample_tokens=0", "log_interval=1",
-                            "save_every_minutes=0", "warmup_steps=2"]}
+    params = {
+        "BASE": "OpenAI GPT-2 from the Hub",
+        "HF_MODEL": str(hf_folder),
+        "SOURCE": "my files on Drive",
+        "INPUT": str(chats),
+        "FORMAT": "",
+        "MAX_TOKENS": "0",
+        "DATASET_NAME": "qa",
+        "RUN_NAME": "ft",
+        "MAX_STEPS": 12,
+        "DEVICE": "cpu",
+        "FIRST_MESSAGE": "anna asks: what is the opposite of apple?",
+        "OVERRIDES": [
+            "eval_interval=6",
+            "batch_size=8",
+            "eval_batches=2",
+            "sample_tokens=0",
+            "log_interval=1",
+            "save_every_minutes=0",
+            "warmup_steps=2",
+        ],
+    }
     nb = run_notebook("05_finetune_chat.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
     root = tmp_path / "root"
     assert "imported" in text and (root / "runs" / "hf-tiny-gpt2" / "checkpoints").is_dir()
-    assert f"format: chat, as {chats} holds conversations ('messages')" in text  # FORMAT "": the records tell
-    assert "vocabulary 300 -> 304" in text  # the chat markers added to GPT-2's tokenizer, rows to its embedding
+    # FORMAT "": the records tell
+    assert f"format: chat, as {chats} holds conversations ('messages')" in text
+    # the chat markers added to GPT-2's tokenizer, rows to its embedding
+    assert "vocabulary 300 -> 304" in text
     assert "loss: on the assistants' answers only" in text
     # the notebook's own parameter, not the command line's flag; a short run's estimate, no talk of GPUs
-    assert 'tokens; OVERRIDES = ["chat_loss=all"] puts it on every token)' in text and "--set" not in text
-    assert override("chat_loss=all") == "--set chat_loss=all"  # outside a notebook (this process): the CLI's flag
+    assert (
+        'tokens; OVERRIDES = ["chat_loss=all"] puts it on every token)' in text
+        and "--set" not in text
+    )
+    # outside a notebook (this process): the CLI's flag
+    assert override("chat_loss=all") == "--set chat_loss=all"
     assert "on this CPU (" in text and "meant for a GPU" not in text
     assert "done: step 12" in text
     assert "you: anna asks" in text and "model: " in text
@@ -46,13 +69,17 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     text = outputs_text(nb)
     assert "imported" not in text
     assert "resumed from step 12" in text and "done: step 18" in text
-    rows = [json.loads(x) for x in (root / "runs" / "ft" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (root / "runs" / "ft" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == list(range(1, 19))
 
     # Run all again on the finished fine-tune: it says so, and its loss plot is drawn (not "drawn here at the first
     # validation", which never comes).
     nb = run_notebook("05_finetune_chat.ipynb", params, cwd=tmp_path)
-    train_cell = next(c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source)
+    train_cell = next(
+        c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source
+    )
     assert "already finished at step 18" in "".join(o.get("text", "") for o in train_cell.outputs)
     shown = [o["data"] for o in train_cell.outputs if o.get("output_type") == "display_data"]
     assert len(shown) == 1 and "image/png" in shown[0], shown

@@ -14,19 +14,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import gptlib.data.encode as genc
 import gptlib.data.inputs as inputs
 import gptlib.data.sources as gsources
-import gptlib.data.encode as genc
-import gptlib.data.prepare as prep
 import gptlib.data.sources as sources
 from gptlib.data.prepare import PrepareError, prepare, prepare_text
 from gptlib.data.shards import PREPARE_STATE_FILE, DataFormatError, read_meta
 from gptlib.data.tokenizer import EOT, BPETokenizer, load_tokenizer
-from tests.tokenize_kit import (SLOW_PRELUDE, Killed, kill_at_encode_call, sigkill_after_shards, split_tokens,
-                                verified_meta)
+from tests.tokenize_kit import (
+    SLOW_PRELUDE,
+    Killed,
+    kill_at_encode_call,
+    sigkill_after_shards,
+    split_tokens,
+    verified_meta,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-BPE = dict(tokenizer="bpe", vocab_size=300, verbose=False)  # tiny vocab: trains in a fraction of a second
+# tiny vocab: trains in a fraction of a second
+BPE = dict(tokenizer="bpe", vocab_size=300, verbose=False)
 
 
 def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
@@ -36,8 +42,12 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
     return path
 
 
-def write_parquet(path: Path, docs: list[str], column: str = "text", row_group_size: int = 200) -> Path:
-    pq.write_table(pa.table({column: docs, "n": list(range(len(docs)))}), path, row_group_size=row_group_size)
+def write_parquet(
+    path: Path, docs: list[str], column: str = "text", row_group_size: int = 200
+) -> Path:
+    pq.write_table(
+        pa.table({column: docs, "n": list(range(len(docs)))}), path, row_group_size=row_group_size
+    )
     return path
 
 
@@ -60,6 +70,7 @@ def files_of(d: Path) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------ formats
 
+
 def test_char_single_document_uses_the_tail_split(small_text, tmp_path):
     meta = prepare_text([small_text], tmp_path / "d", verbose=False)
     text = small_text.read_text()
@@ -76,15 +87,20 @@ def test_jsonl_documents_are_separated_by_eot_and_split_per_document(tmp_path, d
     assert meta.raw["documents"] == len(docs) and meta.raw["split"] == "document"
     assert sorted(got["train"] + got["val"]) == sorted(docs)  # every document whole, exactly once
     assert 0.05 < len(got["val"]) / len(docs) < 0.15  # val_fraction=0.1 of the documents
-    assert meta.raw["sources"][0]["hash"].startswith("sha256:") and meta.raw["sources"][0]["size"] > 0
+    assert (
+        meta.raw["sources"][0]["hash"].startswith("sha256:") and meta.raw["sources"][0]["size"] > 0
+    )
 
 
 def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):
     src = write_parquet(tmp_path / "a.parquet", docs, column="code", row_group_size=97)
-    meta = prepare([src], tmp_path / "out", tokenizer_from=bpe_file, text_column="code", verbose=False)
+    meta = prepare(
+        [src], tmp_path / "out", tokenizer_from=bpe_file, text_column="code", verbose=False
+    )
     got = decoded_documents(tmp_path / "out")
     assert sorted(got["train"] + got["val"]) == sorted(docs)
-    assert meta.tokenizer["hash"] == hashlib.sha256(bpe_file.read_bytes()).hexdigest()  # reused as-is
+    # reused as-is
+    assert meta.tokenizer["hash"] == hashlib.sha256(bpe_file.read_bytes()).hexdigest()
 
 
 def test_parquet_restart_deep_inside_a_big_row_group(tmp_path):
@@ -93,14 +109,28 @@ def test_parquet_restart_deep_inside_a_big_row_group(tmp_path):
     docs = [f"document number {i}" for i in range(3000)]
     src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=3000)
     s = inputs.source(src)
-    pieces = list(sources.iter_parquet_file(s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, "text", "text", []))
+    pieces = list(
+        sources.iter_parquet_file(
+            s, 0, {"file": 0, "doc": 2500, "byte": 0, "char": 0}, "text", "text", []
+        )
+    )
     assert [p.doc for p in pieces] == list(range(2500, 3000))
     assert [p.text for p in pieces] == docs[2500:]
 
 
 def test_split_is_deterministic_and_by_document(tmp_path, docs, bpe_file):
-    a = prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "o1", tokenizer_from=bpe_file, verbose=False)
-    b = prepare([write_jsonl(tmp_path / "b.jsonl", docs)], tmp_path / "o2", tokenizer_from=bpe_file, verbose=False)
+    a = prepare(
+        [write_jsonl(tmp_path / "a.jsonl", docs)],
+        tmp_path / "o1",
+        tokenizer_from=bpe_file,
+        verbose=False,
+    )
+    b = prepare(
+        [write_jsonl(tmp_path / "b.jsonl", docs)],
+        tmp_path / "o2",
+        tokenizer_from=bpe_file,
+        verbose=False,
+    )
     assert a.splits == b.splits  # same content -> same split, same shards (renamed file included)
     # a document at another position in the file is another document: the split is not the tail
     got = decoded_documents(tmp_path / "o1")
@@ -115,7 +145,9 @@ def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
         (d / "sub" / f"{i:04d}.txt").write_text(doc)
     (d / ".hidden.txt").write_text("never read")
     write_jsonl(tmp_path / "x.jsonl", docs[150:300])
-    meta = prepare([d, str(tmp_path / "*.jsonl")], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
+    meta = prepare(
+        [d, str(tmp_path / "*.jsonl")], tmp_path / "out", tokenizer_from=bpe_file, verbose=False
+    )
     got = decoded_documents(tmp_path / "out")
     assert meta.raw["split"] == "document"  # 150 text files + jsonl: per document
     assert sorted(got["train"] + got["val"]) == sorted(docs[:300])
@@ -124,7 +156,12 @@ def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
 
 def test_literal_endoftext_stays_text(tmp_path, bpe_file):
     docs = [f"doc {i} says {EOT} twice {EOT}." for i in range(200)]
-    prepare([write_jsonl(tmp_path / "a.jsonl", docs)], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
+    prepare(
+        [write_jsonl(tmp_path / "a.jsonl", docs)],
+        tmp_path / "out",
+        tokenizer_from=bpe_file,
+        verbose=False,
+    )
     got = decoded_documents(tmp_path / "out")
     assert sorted(got["train"] + got["val"]) == sorted(docs)  # 200 documents, not 600
 
@@ -137,7 +174,9 @@ def test_long_line_is_cut_into_pieces_and_round_trips(tmp_path, monkeypatch, bpe
     line.write_text(words)
     meta = prepare([line], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     tok = load_tokenizer(tmp_path / "out")
-    text = tok.decode(np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")]).tolist())
+    text = tok.decode(
+        np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")]).tolist()
+    )
     assert text == words + EOT and meta.raw["replaced_invalid_utf8"] == 0
 
 
@@ -148,21 +187,28 @@ def test_uint32_shards_when_the_vocab_exceeds_65536(tmp_path):
     meta = prepare_text([src], tmp_path / "out", verbose=False)
     assert meta.vocab_size == 70_000 and meta.dtype == np.uint32 and meta.raw["dtype"] == "uint32"
     ids = np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")])
-    assert ids.max() == 69_999 and (tmp_path / "out" / "train_000000.bin").stat().st_size == 4 * meta.tokens("train")
+    assert ids.max() == 69_999 and (
+        tmp_path / "out" / "train_000000.bin"
+    ).stat().st_size == 4 * meta.tokens("train")
     assert load_tokenizer(tmp_path / "out").decode(ids) == chars + chars[::-1]
 
 
 # --------------------------------------------------------------------------------------- bad input
 
+
 def test_invalid_utf8_is_replaced_and_counted(tmp_path, bpe_file, capsys):
     src = tmp_path / "bad.txt"
     # 4 invalid sequences per line (\xff, \xfe, a lone lead byte, a truncated 3-byte sequence) and one
     # genuine U+FFFD (\xef\xbf\xbd), which is text and must not be counted.
-    src.write_bytes(b"good text \xff\xfe more \xc3 text \xe2\x82 end \xef\xbf\xbd real replacement char\n" * 3)
+    src.write_bytes(
+        b"good text \xff\xfe more \xc3 text \xe2\x82 end \xef\xbf\xbd real replacement char\n" * 3
+    )
     meta = prepare([src], tmp_path / "out", tokenizer_from=bpe_file, verbose=True)
     assert meta.raw["replaced_invalid_utf8"] == 4 * 3
     tok = load_tokenizer(tmp_path / "out")
-    text = tok.decode(np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")]).tolist())
+    text = tok.decode(
+        np.concatenate([split_tokens(meta, "train"), split_tokens(meta, "val")]).tolist()
+    )
     assert text == src.read_bytes().decode("utf-8", "replace") + EOT
     assert "invalid UTF-8 sequences were replaced" in capsys.readouterr().out
 
@@ -172,8 +218,12 @@ def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
     write_jsonl(tmp_path / "a.jsonl", docs[:300] + [""])
     with open(tmp_path / "a.jsonl", "a") as f:
         f.write("\n" + json.dumps({"text": None}) + "\n")
-    meta = prepare([tmp_path / "empty.txt", tmp_path / "a.jsonl"], tmp_path / "out", tokenizer_from=bpe_file,
-                   verbose=False)
+    meta = prepare(
+        [tmp_path / "empty.txt", tmp_path / "a.jsonl"],
+        tmp_path / "out",
+        tokenizer_from=bpe_file,
+        verbose=False,
+    )
     assert meta.raw["empty_files"] == [str(tmp_path / "empty.txt")]
     assert meta.raw["documents"] == 300 and meta.raw["empty_documents"] == 3
     with pytest.raises(PrepareError, match="empty.txt is empty"):
@@ -182,7 +232,9 @@ def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
 
 def test_missing_column_or_field_is_a_clear_error(tmp_path, docs, bpe_file):
     pqf = write_parquet(tmp_path / "a.parquet", docs[:50], column="content")
-    with pytest.raises(PrepareError, match=r"a.parquet has no column 'text' \(columns: content, n\)"):
+    with pytest.raises(
+        PrepareError, match=r"a.parquet has no column 'text' \(columns: content, n\)"
+    ):
         prepare([pqf], tmp_path / "o1", tokenizer_from=bpe_file, verbose=False)
     with pytest.raises(PrepareError, match="column 'n' has type int64, not text"):
         prepare([pqf], tmp_path / "o1", tokenizer_from=bpe_file, text_column="n", verbose=False)
@@ -202,9 +254,13 @@ def test_truncated_parquet_is_skipped_with_a_report(tmp_path, docs, bpe_file):
     good = write_parquet(tmp_path / "a.parquet", docs[:900])
     data = write_parquet(tmp_path / "b.parquet", docs[900:]).read_bytes()
     (tmp_path / "b.parquet").write_bytes(data[: len(data) // 2])  # cut in the middle: no footer
-    meta = prepare([good, tmp_path / "b.parquet"], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
+    meta = prepare(
+        [good, tmp_path / "b.parquet"], tmp_path / "out", tokenizer_from=bpe_file, verbose=False
+    )
     assert [s["path"] for s in meta.raw["skipped_files"]] == [str(tmp_path / "b.parquet")]
-    assert meta.raw["documents"] == 900 and meta.raw["skipped_files"][0]["error"].startswith("cannot be opened")
+    assert meta.raw["documents"] == 900 and meta.raw["skipped_files"][0]["error"].startswith(
+        "cannot be opened"
+    )
 
 
 def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
@@ -212,12 +268,15 @@ def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
     src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=500)
     off = pq.ParquetFile(src).metadata.row_group(2).column(0).data_page_offset
     data = bytearray(src.read_bytes())
-    data[off + 20: off + 400] = b"\xab" * 380  # garbage in the pages of row group 2; the footer is intact
+    # garbage in the pages of row group 2; the footer is intact
+    data[off + 20 : off + 400] = b"\xab" * 380
     src.write_bytes(bytes(data))
     meta = prepare([src], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
     assert meta.raw["documents"] == 1500
     [rec] = meta.raw["skipped_files"]
-    assert rec["path"] == str(src) and rec["error"].startswith("row group 2 (rows 1000-1499) is unreadable")
+    assert rec["path"] == str(src) and rec["error"].startswith(
+        "row group 2 (rows 1000-1499) is unreadable"
+    )
     got = decoded_documents(tmp_path / "out")
     assert sorted(got["train"] + got["val"]) == sorted(docs[:1000] + docs[1500:])
 
@@ -233,6 +292,7 @@ def test_bad_options(tmp_path, small_text):
 
 # ------------------------------------------------------------------------------ refusal and resume
 
+
 def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file):
     out = tmp_path / "out"
     prepare([write_jsonl(tmp_path / "a.jsonl", docs)], out, tokenizer_from=bpe_file, verbose=False)
@@ -241,7 +301,8 @@ def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe
         with pytest.raises(PrepareError, match="already holds a different dataset"):
             prepare([tmp_path / "a.jsonl"], out, verbose=False, **kwargs)
         assert files_of(out) == before
-    again = prepare([tmp_path / "a.jsonl"], out, tokenizer_from=bpe_file, verbose=False)  # same: reused
+    # same: reused
+    again = prepare([tmp_path / "a.jsonl"], out, tokenizer_from=bpe_file, verbose=False)
     assert files_of(out) == before and again.tokens("train") > 0
     prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True, verbose=False)
     assert read_meta(out).tokenizer["kind"] == "char"
@@ -259,12 +320,15 @@ def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, mo
     out = tmp_path / "out"
     real_write_json, real_encode = genc.atomic_write_json, BPETokenizer.encode_batch_ids
     calls = {"n": 0}
-    if kill_at == "after_shard_before_state":  # the 4th shard is on disk, the state does not list it yet
+    # the 4th shard is on disk, the state does not list it yet
+    if kill_at == "after_shard_before_state":
+
         def write_json(path, obj):
             calls["n"] += 1
             if calls["n"] == 5:
                 raise Killed()
             real_write_json(path, obj)
+
         monkeypatch.setattr(genc, "atomic_write_json", write_json)
     else:  # killed while encoding a batch, after a few shards
         kill_at_encode_call(monkeypatch, 12)
@@ -282,28 +346,39 @@ def test_resume_after_a_kill_gives_the_same_dataset(tmp_path, docs, bpe_file, mo
     assert resumed.splits == clean.splits  # same shards, same hashes
     assert resumed.raw["documents"] == clean.raw["documents"]
     assert not (out / PREPARE_STATE_FILE).exists()
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in (tmp_path / "clean").iterdir()
+    )
 
 
-_SLOW_CHILD = SLOW_PRELUDE + """
+_SLOW_CHILD = (
+    SLOW_PRELUDE
+    + """
 from gptlib.data.prepare import prepare
 prepare([sys.argv[1]], sys.argv[2], tokenizer_from=sys.argv[3], shard_tokens=5000, verbose=False)
 """
+)
 
 
 def test_resume_after_sigkill_of_a_real_process(tmp_path, docs, bpe_file, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", docs)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_CHILD, str(src), str(out), str(bpe_file)], cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CHILD, str(src), str(out), str(bpe_file)], cwd=REPO
+    )
     sigkill_after_shards(proc, out, 3)
     assert not (out / "meta.json").exists()
-    assert (out / genc.LOCK_FILE).exists()  # the killed one's lock file stays, its lock freed by the OS ...
+    assert (
+        out / genc.LOCK_FILE
+    ).exists()  # the killed one's lock file stays, its lock freed by the OS ...
     opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
     resumed = prepare([src], out, **opts)  # ... so the lock is taken at once
     clean = prepare([src], tmp_path / "clean", **opts)
     assert resumed.splits == clean.splits
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in (tmp_path / "clean").iterdir()
+    )
 
 
 def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, monkeypatch):
@@ -312,6 +387,7 @@ def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, mon
 
     def encode(self, texts):
         raise Killed()
+
     real = BPETokenizer.encode_batch_ids
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
     with pytest.raises(Killed):
@@ -340,8 +416,13 @@ def test_a_100_mb_single_line_is_tokenized_in_bounded_memory(tmp_path):
     with open(line, "wb") as f:
         for _ in range(100):
             f.write(block)
-    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(line), str(tmp_path / "out")], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, str(line), str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     peak_mb = int(r.stdout.split()[-1])
     meta = read_meta(tmp_path / "out")
@@ -352,25 +433,63 @@ def test_a_100_mb_single_line_is_tokenized_in_bounded_memory(tmp_path):
 
 # ------------------------------------------------------------------------------------------- CLI
 
+
 def gptlib_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gptlib", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "gptlib", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_tokenize_bpe_then_reuse_the_tokenizer_file(tmp_path, docs):
     src = write_parquet(tmp_path / "a.parquet", docs, column="code")
-    r = gptlib_cli("tokenize", "--input", src, "--tokenizer", "bpe", "--vocab-size", 300, "--text-column", "code",
-                   "--out", tmp_path / "d1")
+    r = gptlib_cli(
+        "tokenize",
+        "--input",
+        src,
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        300,
+        "--text-column",
+        "code",
+        "--out",
+        tmp_path / "d1",
+    )
     assert r.returncode == 0, r.stderr
     assert "documents" in r.stdout and "uint16, vocab 300" in r.stdout
-    r = gptlib_cli("tokenize", "--input", src, "--tokenizer-file", tmp_path / "d1" / "tokenizer.json",
-                   "--text-column", "code", "--out", tmp_path / "d2", "--quiet")
+    r = gptlib_cli(
+        "tokenize",
+        "--input",
+        src,
+        "--tokenizer-file",
+        tmp_path / "d1" / "tokenizer.json",
+        "--text-column",
+        "code",
+        "--out",
+        tmp_path / "d2",
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert read_meta(tmp_path / "d1").splits == read_meta(tmp_path / "d2").splits
-    r = gptlib_cli("tokenize", "--input", src, "--tokenizer", "bpe", "--vocab-size", 300, "--out", tmp_path / "d3")
+    r = gptlib_cli(
+        "tokenize",
+        "--input",
+        src,
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        300,
+        "--out",
+        tmp_path / "d3",
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: parquet file {src} has no column 'text' (columns: code, n); choose one with --text-column / "
-        f"text_column="]
+        f"text_column="
+    ]
     gz = tmp_path / "x.txt.gz"
     gz.write_bytes(b"\x1f\x8b")
     r = gptlib_cli("tokenize", "--input", gz, "--out", tmp_path / "d4")
@@ -380,9 +499,14 @@ def test_cli_tokenize_bpe_then_reuse_the_tokenizer_file(tmp_path, docs):
 def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path, small_text):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    for out, why in [(tmp_path / "afile", "is a file, not a directory"), (tmp_path / "loop", "is a symbolic link loop"),
-                     (tmp_path / "afile" / "sub", "a part of its path is a file")]:
+    for out, why in [
+        (tmp_path / "afile", "is a file, not a directory"),
+        (tmp_path / "loop", "is a symbolic link loop"),
+        (tmp_path / "afile" / "sub", "a part of its path is a file"),
+    ]:
         r = gptlib_cli("tokenize", "--input", small_text, "--out", out, "--quiet")
         (line,) = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and line.startswith(f"error: --out {out}") and why in line, r.stderr
+        assert r.returncode == 2 and line.startswith(f"error: --out {out}") and why in line, (
+            r.stderr
+        )
     assert (tmp_path / "afile").read_text() == "x"

@@ -34,7 +34,8 @@ class RecordingHub:
         rec, real = self, hub.HfApi
 
         def answered(name, *args, **kw):
-            inspect.signature(getattr(real, name)).bind(None, *args, **kw)  # a call the real HfApi accepts
+            # a call the real HfApi accepts
+            inspect.signature(getattr(real, name)).bind(None, *args, **kw)
             if name in rec.fail:
                 raise rec.fail.pop(name)
 
@@ -92,42 +93,91 @@ def cli(capsys, *args) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(run, recording, tmp_path, capsys):
+def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(
+    run, recording, tmp_path, capsys
+):
     before = tree_digest(run)
     dry = tmp_path / "dry"
-    rc, out, err = cli(capsys, "push", "--run-dir", run, "--repo", "alice/tiny-gpt", "--gguf", "--dry-run", dry,
-                       "--hardware", "2-core CPU")
+    rc, out, err = cli(
+        capsys,
+        "push",
+        "--run-dir",
+        run,
+        "--repo",
+        "alice/tiny-gpt",
+        "--gguf",
+        "--dry-run",
+        dry,
+        "--hardware",
+        "2-core CPU",
+    )
     assert rc == 0 and f"wrote the commit files to {dry}" in out
     assert recording.tokens == [] and recording.commits == []  # a dry run never reaches the Hub
     files = {p.name: p.read_bytes() for p in dry.iterdir()}
-    assert set(files) == {"README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                          "loss.png", "tiny-gpt-F16.gguf"}
+    assert set(files) == {
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "loss.png",
+        "tiny-gpt-F16.gguf",
+    }
 
-    rc, out, err = cli(capsys, "push", "--run-dir", run, "--repo", "alice/tiny-gpt", "--gguf", "--private",
-                       "--hardware", "2-core CPU")
+    rc, out, err = cli(
+        capsys,
+        "push",
+        "--run-dir",
+        run,
+        "--repo",
+        "alice/tiny-gpt",
+        "--gguf",
+        "--private",
+        "--hardware",
+        "2-core CPU",
+    )
     assert (rc, err) == (0, "") and "pushed to https://huggingface.co/alice/tiny-gpt" in out
     (commit,) = recording.commits
-    assert commit["repo"] == "alice/tiny-gpt" and commit["files"] == files  # exactly the dry run's bytes
-    assert recording.repos == {"alice/tiny-gpt": {"private": True}} and set(recording.tokens) == {TOKEN}
+    # exactly the dry run's bytes
+    assert commit["repo"] == "alice/tiny-gpt" and commit["files"] == files
+    assert recording.repos == {"alice/tiny-gpt": {"private": True}} and set(recording.tokens) == {
+        TOKEN
+    }
     assert not any(TOKEN.encode() in b for b in files.values()) and TOKEN not in out + err
     assert tree_digest(run) == before
 
     card = hub.ModelCard.load(dry / "README.md")
     d = card.data
-    assert (d.license, d.library_name, d.pipeline_tag) == ("apache-2.0", "transformers", "text-generation")
+    assert (d.license, d.library_name, d.pipeline_tag) == (
+        "apache-2.0",
+        "transformers",
+        "text-generation",
+    )
     assert "gguf" in d.tags and "gpt2" in d.tags and d.model_name == "tiny-gpt"
     found = {(r.metric_type, r.dataset_name): r.metric_value for r in d.eval_results}
     from gptlib.fsutil import read_jsonl
     from gptlib.inference.loading import load_run
 
     evals = {r["task"]: r for r in read_jsonl(run / "eval.jsonl")}
-    assert found["loss", "data (validation split)"] == round(load_run(run, "best").state.val_loss, 4)
+    assert found["loss", "data (validation split)"] == round(
+        load_run(run, "best").state.val_loss, 4
+    )
     assert found["bpb", "data (validation split)"] == round(evals["bpb"]["bpb"], 4)
     assert found["acc_norm", "HellaSwag"] == round(evals["hellaswag"]["acc_norm"], 4)
     text = card.text
-    for part in ("2 layers, 2 heads, 64 wide", "recipe: gpt2", "4,096 tokens seen", "2-core CPU", "bits per byte",
-                 "on 8 items", "![loss curve](loss.png)", "step 4:", "AutoModelForCausalLM.from_pretrained",
-                 "ollama run hf.co/alice/tiny-gpt:F16", "gptlib import-hf --model alice/tiny-gpt"):
+    for part in (
+        "2 layers, 2 heads, 64 wide",
+        "recipe: gpt2",
+        "4,096 tokens seen",
+        "2-core CPU",
+        "bits per byte",
+        "on 8 items",
+        "![loss curve](loss.png)",
+        "step 4:",
+        "AutoModelForCausalLM.from_pretrained",
+        "ollama run hf.co/alice/tiny-gpt:F16",
+        "gptlib import-hf --model alice/tiny-gpt",
+    ):
         assert part in text, part
 
 
@@ -150,7 +200,9 @@ def char_run(tmp_path_factory, char_data):
     return run
 
 
-def test_bad_input_is_one_line_and_changes_nothing(run, char_run, recording, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_and_changes_nothing(
+    run, char_run, recording, tmp_path, monkeypatch, capsys
+):
     no_ckpt = tmp_path / "no-checkpoint"
     shutil.copytree(run, no_ckpt, ignore=shutil.ignore_patterns("checkpoints"))
     taken = tmp_path / "taken"
@@ -159,28 +211,60 @@ def test_bad_input_is_one_line_and_changes_nothing(run, char_run, recording, tmp
     cases = [  # (arguments, what the Hub does, a part of the one line)
         ((*push, "not a repo id"), {}, "is not a Hub model id"),
         ((*push, "alice/x/y"), {}, "is not a Hub model id"),
-        ((*push, "bob/tiny"), {}, "bob/tiny belongs to someone else: the token is alice's; push to alice/tiny"),
-        ((*push, "alice/tiny"), {"whoami": _hub_error("HfHubHTTPError", "https://hf.co/api/whoami-v2", 401)},
-         "the Hub refused the token (HTTP 401"),
-        ((*push, "alices-lab/tiny"), {"create_commit": _hub_error("HfHubHTTPError", "https://hf.co/api/x", 403)},
-         "the Hub refused to write alices-lab/tiny (HTTP 403)"),
-        ((*push, "alice/tiny"), {"create_commit": ConnectionResetError("Connection reset by peer")},
-         "nothing was committed (a Hub commit is all or nothing): run the same command again"),
+        (
+            (*push, "bob/tiny"),
+            {},
+            "bob/tiny belongs to someone else: the token is alice's; push to alice/tiny",
+        ),
+        (
+            (*push, "alice/tiny"),
+            {"whoami": _hub_error("HfHubHTTPError", "https://hf.co/api/whoami-v2", 401)},
+            "the Hub refused the token (HTTP 401",
+        ),
+        (
+            (*push, "alices-lab/tiny"),
+            {"create_commit": _hub_error("HfHubHTTPError", "https://hf.co/api/x", 403)},
+            "the Hub refused to write alices-lab/tiny (HTTP 403)",
+        ),
+        (
+            (*push, "alice/tiny"),
+            {"create_commit": ConnectionResetError("Connection reset by peer")},
+            "nothing was committed (a Hub commit is all or nothing): run the same command again",
+        ),
         (("push", "--run-dir", no_ckpt, "--repo", "alice/tiny"), {}, "no-checkpoint"),
         (("push", "--run-dir", char_run, "--repo", "alice/tiny", "--gguf"), {}, "char tokenizer"),
-        (("push", "--run-dir", run, "--repo", "alice/tiny", "--dry-run", taken), {}, f"--dry-run {taken} is not empty"),
-        (("export-gguf", "--run-dir", char_run, "--out", tmp_path / "c.gguf"), {}, "char tokenizer"),
+        (
+            ("push", "--run-dir", run, "--repo", "alice/tiny", "--dry-run", taken),
+            {},
+            f"--dry-run {taken} is not empty",
+        ),
+        (
+            ("export-gguf", "--run-dir", char_run, "--out", tmp_path / "c.gguf"),
+            {},
+            "char tokenizer",
+        ),
     ]
     digests = {d: tree_digest(d) for d in (run, char_run, no_ckpt, taken)}
     for args, fail, says in cases:
         recording.fail = dict(fail)
         rc, out, err = cli(capsys, *args)
-        assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and says in err, (args, err)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and says in err, (
+            args,
+            err,
+        )
         assert TOKEN not in err + out and recording.commits == [] and recording.fail == {}, args
-        assert {d: tree_digest(d) for d in digests} == digests and not (tmp_path / "c.gguf").exists()
+        assert {d: tree_digest(d) for d in digests} == digests and not (
+            tmp_path / "c.gguf"
+        ).exists()
     monkeypatch.delenv("HF_TOKEN")
     rc, out, err = cli(capsys, *push, "alice/tiny")
-    assert rc == 2 and err.startswith("error: no Hugging Face token to push alice/tiny") and err.count("\n") == 1
+    assert (
+        rc == 2
+        and err.startswith("error: no Hugging Face token to push alice/tiny")
+        and err.count("\n") == 1
+    )
     # the network failed mid-upload above: the same command finishes it, in one commit
     monkeypatch.setenv("HF_TOKEN", TOKEN)
-    assert cli(capsys, *push, "alice/tiny")[0] == 0 and [c["repo"] for c in recording.commits] == ["alice/tiny"]
+    assert cli(capsys, *push, "alice/tiny")[0] == 0 and [c["repo"] for c in recording.commits] == [
+        "alice/tiny"
+    ]

@@ -33,13 +33,25 @@ SETTINGS = TINY + ["dropout=0.1", "save_every_steps=5", "keep_last=2"]
 
 
 def modern(**fields):
-    return get_preset("phase1", "modern").updated({**dict(block_size=32, n_layer=2, n_head=2, n_embd=32), **fields})
+    return get_preset("phase1", "modern").updated(
+        {**dict(block_size=32, n_layer=2, n_head=2, n_embd=32), **fields}
+    )
 
 
 def run(data, run_dir, recipe="modern", settings=SETTINGS, max_steps=MAX_STEPS, **kw):
     logs = []
-    r = train(data, run_dir, "phase1", settings, max_steps=max_steps, device="cpu", progress=False, recipe=recipe,
-              log=logs.append, **kw)
+    r = train(
+        data,
+        run_dir,
+        "phase1",
+        settings,
+        max_steps=max_steps,
+        device="cpu",
+        progress=False,
+        recipe=recipe,
+        log=logs.append,
+        **kw,
+    )
     return r, "\n".join(logs)
 
 
@@ -64,7 +76,9 @@ def test_gpt2_recipe_is_the_default_and_changes_nothing():
     del old["recipe"]
     assert type(cfg).from_dict(old) == cfg
     m = GPT(cfg.model)
-    assert {"transformer.wpe.weight", "transformer.h.0.ln_1.bias"} <= set(m.state_dict()) or not cfg.model.bias
+    assert {"transformer.wpe.weight", "transformer.h.0.ln_1.bias"} <= set(
+        m.state_dict()
+    ) or not cfg.model.bias
     assert m.lm_head.weight is m.transformer.wte.weight
 
 
@@ -72,16 +86,28 @@ def test_modern_model_parts():
     cfg = modern().validate()
     m = GPT(cfg.model)
     sd = m.state_dict()
-    assert "transformer.wpe.weight" not in sd and "rope_cos" not in sd  # rotary tables are derived, not saved
-    assert isinstance(m.transformer.h[0].ln_1, torch.nn.RMSNorm) and hasattr(m.transformer.h[0].attn, "q_norm")
+    # rotary tables are derived, not saved
+    assert "transformer.wpe.weight" not in sd and "rope_cos" not in sd
+    assert isinstance(m.transformer.h[0].ln_1, torch.nn.RMSNorm) and hasattr(
+        m.transformer.h[0].attn, "q_norm"
+    )
     assert m.lm_head.weight is not m.transformer.wte.weight
-    assert sd["transformer.h.0.mlp.c_fc.weight"].shape == (2 * cfg.model.mlp_hidden, 32)  # gate + up
-    for name in ("transformer.h.0.attn.c_proj.weight", "transformer.h.1.mlp.c_proj.weight", "lm_head.weight"):
+    # gate + up
+    assert sd["transformer.h.0.mlp.c_fc.weight"].shape == (
+        2 * cfg.model.mlp_hidden,
+        32,
+    )
+    for name in (
+        "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.1.mlp.c_proj.weight",
+        "lm_head.weight",
+    ):
         assert not sd[name].any(), f"{name} is not zero-initialised"
     x = torch.randint(0, 65, (2, 32))
     logits, loss = m(x, x)
     assert logits.shape == (2, 32, 65)
-    assert loss.item() == pytest.approx(torch.log(torch.tensor(65.0)).item(), abs=1e-4)  # a zero head: uniform
+    # a zero head: uniform
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(65.0)).item(), abs=1e-4)
 
 
 def test_modern_kv_cache_decodes_as_the_full_forward():
@@ -93,7 +119,8 @@ def test_modern_kv_cache_decodes_as_the_full_forward():
     with torch.no_grad():
         full = m(x)[0]
         cache = KVCache(cfg.model, 2, "cpu", torch.float32)
-        chunks = [(0, 12)] + [(t, t + 1) for t in range(12, 20)]  # a prefill, then one token at a time
+        # a prefill, then one token at a time
+        chunks = [(0, 12)] + [(t, t + 1) for t in range(12, 20)]
         steps = [m.head(m.hidden_states(x[:, lo:hi], cache)) for lo, hi in chunks]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
@@ -109,7 +136,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     names = {id(p): n for n, p in m.named_parameters()}
     muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
     adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
-    assert muon == {n for n, p in m.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")}
+    assert muon == {
+        n for n, p in m.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")
+    }
     assert {"transformer.wte.weight", "lm_head.weight", "transformer.ln_f.weight"} <= adamw
     assert not muon & adamw and len(muon | adamw) == len(list(m.parameters()))
     set_lr(opt, 1e-3)
@@ -124,7 +153,7 @@ def test_muon_adamw_steps_under_an_fp16_grad_scaler():
     cfg = modern(zero_init=False).validate()
     m = GPT(cfg.model)
     opt = build_optimizer(m, cfg.train, "cpu")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
     x = torch.randint(0, 65, (4, 32))
 
@@ -133,15 +162,26 @@ def test_muon_adamw_steps_under_an_fp16_grad_scaler():
             return x, x
 
     def step():
-        train_step(m, opt, scaler, Batches(), accum=1, grad_clip=1.0, autocast=contextlib.nullcontext(),
-                   timer=StepTimer("cpu"))
+        train_step(
+            m,
+            opt,
+            scaler,
+            Batches(),
+            accum=1,
+            grad_clip=1.0,
+            autocast=contextlib.nullcontext(),
+            timer=StepTimer("cpu"),
+        )
 
     first = next(m.parameters())
-    hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))  # an overflowed gradient
+    # an overflowed gradient
+    hook = first.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
     step()
     hook.remove()
-    assert all(torch.equal(before[n], p) for n, p in m.named_parameters()), "a step with inf gradients was taken"
-    assert scaler.get_scale() == 2.0 ** 9
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters()), (
+        "a step with inf gradients was taken"
+    )
+    assert scaler.get_scale() == 2.0**9
     step()
     moved = {n for n, p in m.named_parameters() if not torch.equal(before[n], p)}
     assert "transformer.h.0.attn.c_attn.weight" in moved and "transformer.wte.weight" in moved
@@ -149,7 +189,9 @@ def test_muon_adamw_steps_under_an_fp16_grad_scaler():
 
 
 @pytest.mark.parametrize("recipe", ["gpt2", "modern"])
-def test_a_resume_takes_the_optimizers_device_flags_from_this_device(char_data, tmp_path, monkeypatch, recipe):
+def test_a_resume_takes_the_optimizers_device_flags_from_this_device(
+    char_data, tmp_path, monkeypatch, recipe
+):
     """Issue 26.1: torch's load_state_dict took `fused` (and foreach, capturable) from the checkpoint. A CPU run's
     checkpoint (fused=False) resumed where AdamW is fused (a GPU: the device type build_optimizer is given decides;
     CPU fused AdamW stands in) under an fp16 GradScaler: the gpt2 recipe's first step raised "Expected grad_scale and
@@ -163,6 +205,7 @@ def test_a_resume_takes_the_optimizers_device_flags_from_this_device(char_data, 
         def build(model, tc, dev):  # "meta": resume's shape check, left as it is
             made.append(real(model, tc, device_type if dev == "cpu" else dev))
             return made[-1]
+
         monkeypatch.setattr(gsetup, "build_optimizer", build)
 
     def fused():
@@ -179,7 +222,10 @@ def test_a_resume_takes_the_optimizers_device_flags_from_this_device(char_data, 
         r, out = run(char_data, run_dir, recipe, fp16, max_steps=15)
         assert r.resumed_from == 10 and r.step == 15, out
         assert fused() == {then == "cuda"}, f"resumed where fused is {then == 'cuda'}"
-        assert all(torch.isfinite(p).all() for p in load_model_weights(newest_checkpoint(run_dir).path).values())
+        assert all(
+            torch.isfinite(p).all()
+            for p in load_model_weights(newest_checkpoint(run_dir).path).values()
+        )
 
 
 def test_wsd_holds_the_peak_then_decays_linearly():
@@ -190,17 +236,23 @@ def test_wsd_holds_the_peak_then_decays_linearly():
     assert lr_at(1200, tc) == pytest.approx((peak + low) / 2)
     assert lr_at(1500, tc) == pytest.approx(low)
     longer = tc.__class__(**{**tc.__dict__, "max_steps": 3000})
-    assert all(lr_at(s, longer) == lr_at(s, tc) for s in range(900))  # before the cooldown max_steps does not matter
+    # before the cooldown max_steps does not matter
+    assert all(lr_at(s, longer) == lr_at(s, tc) for s in range(900))
 
 
 def test_schedule_change_says_what_a_larger_max_steps_does():
     wsd = get_preset("phase1", "modern").train
     cos = get_preset("phase1").train
     longer = {"max_steps": 3000}
-    assert schedule_change(wsd, _with(wsd, **longer), 600).endswith("at step 600 stays 0.01: the run goes on unchanged")
+    assert schedule_change(wsd, _with(wsd, **longer), 600).endswith(
+        "at step 600 stays 0.01: the run goes on unchanged"
+    )
     assert " at step 1,200 goes 0.00525 -> 0.01" in schedule_change(wsd, _with(wsd, **longer), 1200)
     note = schedule_change(cos, _with(cos, **longer), 600)
-    assert note.startswith("max_steps 1,500 -> 3,000: the LR at step 600 goes ") and "unchanged" not in note
+    assert (
+        note.startswith("max_steps 1,500 -> 3,000: the LR at step 600 goes ")
+        and "unchanged" not in note
+    )
     assert schedule_change(cos, cos, 600) is None
 
 
@@ -224,8 +276,23 @@ def test_modern_sigkill_mid_step_then_resume_is_exact(char_data, modern_referenc
     """Muon's and AdamW's states are in the checkpoint: killed mid-step, the resumed run's losses and weights are
     the uninterrupted run's, bit for bit; re-run without --recipe, the run keeps its own."""
     run_dir = tmp_path / "run"
-    cmd = faulty.gptlib_cmd("kill:mid_step@13", "train", "--data", char_data, "--run-dir", run_dir, "--preset",
-                            "phase1", "--recipe", "modern", "--max-steps", MAX_STEPS, "--device", "cpu", "--quiet")
+    cmd = faulty.gptlib_cmd(
+        "kill:mid_step@13",
+        "train",
+        "--data",
+        char_data,
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "phase1",
+        "--recipe",
+        "modern",
+        "--max-steps",
+        MAX_STEPS,
+        "--device",
+        "cpu",
+        "--quiet",
+    )
     for s in SETTINGS:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -244,20 +311,28 @@ def test_a_run_keeps_its_recipe(char_data, modern_reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(modern_reference, run_dir)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    with pytest.raises(ConfigError, match="trained with --recipe modern but this call asks for --recipe gpt2"):
+    with pytest.raises(
+        ConfigError, match="trained with --recipe modern but this call asks for --recipe gpt2"
+    ):
         run(char_data, run_dir, recipe="gpt2", max_steps=MAX_STEPS + 5)
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
-    with pytest.raises(ConfigError, match="optimizer='muon' but this call asks for optimizer='adamw'"):
+    with pytest.raises(
+        ConfigError, match="optimizer='muon' but this call asks for optimizer='adamw'"
+    ):
         run(char_data, run_dir, settings=SETTINGS + ["optimizer=adamw"], max_steps=MAX_STEPS + 5)
 
 
-def test_a_muon_run_on_a_cpu_that_emulates_bf16_says_what_it_costs(char_data, tmp_path, monkeypatch):
+def test_a_muon_run_on_a_cpu_that_emulates_bf16_says_what_it_costs(
+    char_data, tmp_path, monkeypatch
+):
     """torch.optim.Muon computes in bf16: on an x86 CPU without AVX-512 the run says once that its steps are slow and
     what the alternative costs; an AVX-512 CPU, a GPU or the AdamW optimizer get no note."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     _, out = run(char_data, tmp_path / "run", max_steps=2)
     notes = [line for line in out.splitlines() if line.startswith("note: torch.optim.Muon")]
-    assert len(notes) == 1 and "(AVX2, no AVX-512)" in notes[0] and "--set optimizer=adamw" in notes[0], out
+    assert (
+        len(notes) == 1 and "(AVX2, no AVX-512)" in notes[0] and "--set optimizer=adamw" in notes[0]
+    ), out
     tc = modern().train
     assert slow_muon_note(tc, "cuda") is None
     assert slow_muon_note(get_preset("phase1", "gpt2").train, "cpu") is None
@@ -278,31 +353,58 @@ def test_wsd_run_extends_exactly_from_its_stable_phase(char_data, tmp_path):
     assert r.resumed_from == 10 and "max_steps 20 -> 40: the LR at step 10 stays" in out, out
     a, b = curve(tmp_path / "planned"), curve(short)
     assert planned.step == r.step == 40
-    assert all(a[s] == b[s] for s in range(1, 41)), [(s, a[s], b[s]) for s in range(1, 41) if a[s] != b[s]][:3]
+    assert all(a[s] == b[s] for s in range(1, 41)), [
+        (s, a[s], b[s]) for s in range(1, 41) if a[s] != b[s]
+    ][:3]
 
 
 def test_init_from_takes_the_base_recipe_and_refuses_another(char_data, modern_reference, tmp_path):
-    with pytest.raises(ConfigError, match="--init-from base was trained with --recipe modern but this call asks "
-                                          "for --recipe gpt2"):
-        run(char_data, tmp_path / "ft1", recipe="gpt2", init_from=str(modern_reference), max_steps=3)
-    r, out = run(char_data, tmp_path / "ft2", recipe=None, init_from=str(modern_reference), max_steps=3)
+    with pytest.raises(
+        ConfigError,
+        match="--init-from base was trained with --recipe modern but this call asks "
+        "for --recipe gpt2",
+    ):
+        run(
+            char_data, tmp_path / "ft1", recipe="gpt2", init_from=str(modern_reference), max_steps=3
+        )
+    r, out = run(
+        char_data, tmp_path / "ft2", recipe=None, init_from=str(modern_reference), max_steps=3
+    )
     assert r.step == 3 and "recipe: modern (the --init-from base's own)" in out, out
 
 
 def test_bad_recipe_input_is_one_line(monkeypatch, tmp_path, char_data):
     with pytest.raises(ConfigError, match="unknown recipe 'new'; choose one of gpt2, modern"):
         build_config("phase1", recipe="new")
-    p = subprocess.run([sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir",
-                        str(tmp_path / "r"), "--recipe", "new"], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert p.returncode == 2 and "invalid choice: 'new'" in p.stderr and not (tmp_path / "r").exists()
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptlib",
+            "train",
+            "--data",
+            str(char_data),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--recipe",
+            "new",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert (
+        p.returncode == 2 and "invalid choice: 'new'" in p.stderr and not (tmp_path / "r").exists()
+    )
     monkeypatch.delattr(torch.optim, "Muon")
-    with pytest.raises(ConfigError, match=r"needs torch.optim.Muon, in torch >= 2.9; this is torch"):
+    with pytest.raises(
+        ConfigError, match=r"needs torch.optim.Muon, in torch >= 2.9; this is torch"
+    ):
         build_config("phase1", recipe="modern")
     build_config("phase1", recipe="gpt2")  # the gpt2 recipe needs no Muon
 
 
-DDP_WORKER = r'''
+DDP_WORKER = r"""
 import json, os, sys
 from gptlib.training import setup
 from gptlib.training.loop import train
@@ -315,18 +417,39 @@ r = train(sys.argv[1], sys.argv[2], "phase1", overrides=json.loads(sys.argv[4]),
 with open(os.path.join(sys.argv[3], f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump({"step": r.step, "kind": type(made[-1]).__name__,
                "weights": [p.detach().double().sum().item() for g in made[-1].param_groups for p in g["params"]]}, f)
-'''
+"""
 
 
 def test_modern_recipe_under_torchrun_ddp(tmp_path, char_data):
     """2 ranks (gloo): Muon steps on the all-reduced gradients, so both ranks hold the same weights."""
     worker = tmp_path / "worker.py"
     worker.write_text(DDP_WORKER)
-    overrides = TINY + ["batch_size=4", "grad_accum_steps=2", "eval_interval=3", "max_steps=3", "sample_prompts=[]"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
-           str(char_data), str(tmp_path / "run"), str(tmp_path), json.dumps(overrides)]
-    p = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True,
-                       text=True, timeout=300)
+    overrides = TINY + [
+        "batch_size=4",
+        "grad_accum_steps=2",
+        "eval_interval=3",
+        "max_steps=3",
+        "sample_prompts=[]",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(worker),
+        str(char_data),
+        str(tmp_path / "run"),
+        str(tmp_path),
+        json.dumps(overrides),
+    ]
+    p = subprocess.run(
+        cmd,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["step"] == r1["step"] == 3 and r0["kind"] == "MuonAdamW"
@@ -351,7 +474,7 @@ def test_engine_generates_with_the_modern_model(modern_reference):
         with torch.no_grad():
             for _ in range(12):
                 ids.append(int(ld.model(torch.tensor([ids]))[0][0, -1].argmax()))
-        assert list(out) == ids[len(prompt):]
+        assert list(out) == ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
@@ -375,8 +498,13 @@ def test_export_is_a_native_transformers_model_and_imports_back(char_data, tmp_p
     prompt = ld.tokenizer.encode("ROMEO:")
     greedy = SamplingConfig(max_new_tokens=16, temperature=0.0)
     ours = Engine(ld.model, ld.tokenizer).generate_ids([prompt], greedy)[0][0]
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                         pad_token_id=0)[0, len(prompt):].tolist()
+    theirs = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     assert list(ours) == theirs
     back = load_run(import_hf(out, tmp_path / "imported", log=lambda m: None))
     back.model.eval()
@@ -392,8 +520,11 @@ def test_export_refuses_a_part_no_native_architecture_has(char_data, tmp_path):
 
     run_dir = tmp_path / "run"
     run(char_data, run_dir, settings=SETTINGS + ["mlp=gelu", "bias=true"], max_steps=2)
-    with pytest.raises(ExportError, match=r"mlp='gelu', bias=True, which no native Hugging Face "
-                                          r"architecture has \(the nearest, Qwen3/Llama, needs mlp='swiglu', bias=False"):
+    with pytest.raises(
+        ExportError,
+        match=r"mlp='gelu', bias=True, which no native Hugging Face "
+        r"architecture has \(the nearest, Qwen3/Llama, needs mlp='swiglu', bias=False",
+    ):
         export_hf(run_dir, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
@@ -401,12 +532,20 @@ def test_export_refuses_a_part_no_native_architecture_has(char_data, tmp_path):
 def test_notebook_03s_plan_says_what_each_recipe_needs():
     """plan_run's estimate: the modern recipe's tokens are the measured fraction of the gpt2 recipe's, and on a GPU
     with a known peak so are its hours and Colab units."""
-    from gptlib.training.throughput import (BENCHMARKS_PAGE, COLAB_UNITS_PER_HOUR, MODERN_TOKEN_FRACTION, DevicePeak,
-                                            plan_run, recipe_estimate)
+    from gptlib.training.throughput import (
+        BENCHMARKS_PAGE,
+        COLAB_UNITS_PER_HOUR,
+        MODERN_TOKEN_FRACTION,
+        DevicePeak,
+        plan_run,
+        recipe_estimate,
+    )
 
     a100 = DevicePeak("A100", 312e12, "", COLAB_UNITS_PER_HOUR["A100 40GB"])
     line = recipe_estimate(get_preset("gpt2-small"), 2_000_000_000, a100)
-    gpt2_units, modern_units = (float(u) for u in __import__("re").findall(r"~([\d.]+) Colab units", line))
+    gpt2_units, modern_units = (
+        float(u) for u in __import__("re").findall(r"~([\d.]+) Colab units", line)
+    )
     assert modern_units == pytest.approx(gpt2_units * MODERN_TOKEN_FRACTION, abs=1)  # both rounded
     assert "2B tokens" in line and f"small BPE proxy, {BENCHMARKS_PAGE}" in line
     assert BENCHMARKS_PAGE == "https://github.com/gptlib/gptlib/blob/main/docs/benchmarks.md"
@@ -418,7 +557,9 @@ def test_notebook_03s_plan_says_what_each_recipe_needs():
 # --- downstream: notebook 04's and 05's tools --------------------------------------------------
 
 
-def test_evaluation_comparison_and_playground_take_the_modern_model(modern_reference, small_text, char_data):
+def test_evaluation_comparison_and_playground_take_the_modern_model(
+    modern_reference, small_text, char_data
+):
     """HellaSwag (packed, padded rows) and bits per byte score the modern model as one unbatched forward does;
     checkpoint comparison and the Playground generate with it."""
     pytest.importorskip("ipywidgets")
@@ -426,20 +567,22 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     import torch.nn.functional as F
 
     from gptlib.data.shards import read_meta
-    from tests.tokenize_kit import split_tokens
     from gptlib.evaluation import hellaswag as hs
     from gptlib.evaluation.evaluate import evaluate_bpb, window_starts
     from gptlib.inference.engine import SamplingConfig
     from gptlib.inference.loading import load_run
     from gptlib.widgets import Playground
     from tests.test_evaluate import brute_ll, shakespeare_items
+    from tests.tokenize_kit import split_tokens
 
     ld = load_run(modern_reference)
     model, tok, block = ld.model.eval(), ld.tokenizer, ld.config.model.block_size
     items = [hs.Item(**r) for r in shakespeare_items(small_text.read_text(), 6)]
     res = hs.evaluate_rendered(model, hs.render(items, tok, block), "cpu", batch_tokens=200)
 
-    def brute_sum(ctx: str, ending: str) -> float:  # each row (an ending longer than the window: its pieces) alone
+    def brute_sum(
+        ctx: str, ending: str
+    ) -> float:  # each row (an ending longer than the window: its pieces) alone
         rows, ks, _ = hs.ending_rows(tok.encode(ctx), tok.encode(" " + ending), block)
         return sum(brute_ll(model, row, k) for row, k in zip(rows, ks))
 
@@ -450,7 +593,7 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     bpb = evaluate_bpb(model, tok, val, "cpu", limit=4)
     nll = []
     for s in window_starts(len(val), block, 4):
-        x, y = (torch.tensor(val[s + i: s + i + block].astype(np.int64))[None] for i in (0, 1))
+        x, y = (torch.tensor(val[s + i : s + i + block].astype(np.int64))[None] for i in (0, 1))
         with torch.no_grad():
             nll.append(F.cross_entropy(model(x)[0][0].double(), y[0], reduction="sum").item())
     assert bpb["windows"] == 4 and bpb["loss"] == pytest.approx(sum(nll) / (4 * block), rel=1e-5)
@@ -458,8 +601,12 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     from gptlib.inference.engine import Engine
     from gptlib.inference.loading import checkpoint_table
 
-    steps = [r["step"] for r in checkpoint_table(modern_reference)]  # notebook 04's comparison: each checkpoint
-    texts = {Engine.from_run(modern_reference, s).generate("ROMEO:", SamplingConfig(10, seed=3))[0].text for s in steps}
+    # notebook 04's comparison: each checkpoint
+    steps = [r["step"] for r in checkpoint_table(modern_reference)]
+    texts = {
+        Engine.from_run(modern_reference, s).generate("ROMEO:", SamplingConfig(10, seed=3))[0].text
+        for s in steps
+    }
     assert len(steps) >= 2 and len(texts) > 1  # same seed, different weights
 
     pg = Playground(modern_reference, prompt="ROMEO:")
@@ -468,38 +615,78 @@ def test_evaluation_comparison_and_playground_take_the_modern_model(modern_refer
     with torch.no_grad():
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
-    assert list(pg.generate().token_ids) == ids[len(tok.encode("ROMEO:")):]
+    assert list(pg.generate().token_ids) == ids[len(tok.encode("ROMEO:")) :]
 
 
 def test_chat_finetune_from_a_modern_base_then_the_chatbox(tmp_path):
     """Notebook 05 with a modern base: the chat data tokenized with the base's tokenizer, fine-tuned with
     --init-from (the base's recipe, Muon and WSD), its loss falls, and the ChatBox answers with it."""
     pytest.importorskip("ipywidgets")
-    from gptlib.widgets import ChatBox
     from gptlib.data.prepare import prepare
+    from gptlib.widgets import ChatBox
     from tests.test_finetune import SMALL, conversation, question
 
-    (tmp_path / "base.txt").write_text("\n".join(f"{question(n, w)} {w}" for n in "ann bob cy".split()
-                                                 for w in "apple river stone cloud".split()) * 40)
+    (tmp_path / "base.txt").write_text(
+        "\n".join(
+            f"{question(n, w)} {w}"
+            for n in "ann bob cy".split()
+            for w in "apple river stone cloud".split()
+        )
+        * 40
+    )
     prepare([tmp_path / "base.txt"], tmp_path / "base_data", vocab_size=300, verbose=False)
     base = tmp_path / "base"
     small = [f"{k}={v}" for k, v in SMALL.items()]
-    small += ["block_size=64", "batch_size=16", "sample_tokens=0", "eval_interval=20", "eval_batches=2",
-              "save_every_minutes=0"]
-    train(tmp_path / "base_data", base, "phase1", small, max_steps=20, recipe="modern", device="cpu",
-          progress=False, log=lambda s: None)
+    small += [
+        "block_size=64",
+        "batch_size=16",
+        "sample_tokens=0",
+        "eval_interval=20",
+        "eval_batches=2",
+        "save_every_minutes=0",
+    ]
+    train(
+        tmp_path / "base_data",
+        base,
+        "phase1",
+        small,
+        max_steps=20,
+        recipe="modern",
+        device="cpu",
+        progress=False,
+        log=lambda s: None,
+    )
     with open(tmp_path / "chat.jsonl", "w") as f:
         for n in "ann bob cy dee".split():
             for w in "apple river stone cloud tiger lamp green seven".split():
                 f.write(json.dumps(conversation(n, w)) + "\n")
-    prepare([tmp_path / "chat.jsonl"], tmp_path / "chat_data", tokenizer_from=base, format="chat", verbose=False)
+    prepare(
+        [tmp_path / "chat.jsonl"],
+        tmp_path / "chat_data",
+        tokenizer_from=base,
+        format="chat",
+        verbose=False,
+    )
     logs = []
-    r = train(tmp_path / "chat_data", tmp_path / "sft", "finetune", small + ["eval_interval=10", "warmup_steps=2"],
-              max_steps=40, device="cpu", compile="off", progress=False, log=logs.append, init_from=str(base))
+    r = train(
+        tmp_path / "chat_data",
+        tmp_path / "sft",
+        "finetune",
+        small + ["eval_interval=10", "warmup_steps=2"],
+        max_steps=40,
+        device="cpu",
+        compile="off",
+        progress=False,
+        log=logs.append,
+        init_from=str(base),
+    )
     assert "recipe: modern (the --init-from base's own)" in "\n".join(logs)
     vals = [row["val_loss"] for row in r.history if row.get("val_loss") is not None]
     assert len(vals) == 4 and vals[-1] < vals[0], vals
     box = ChatBox(tmp_path / "sft")
     box.temperature.value, box.max_tokens.value = 0.0, 6
     reply = box.send(question("ann", "apple"))
-    assert box.turns == [("user", question("ann", "apple")), ("assistant", reply)] and reply is not None
+    assert (
+        box.turns == [("user", question("ann", "apple")), ("assistant", reply)]
+        and reply is not None
+    )

@@ -2,8 +2,9 @@
 
 "Matches" means the same per-step train/val losses and learning rates in metrics.jsonl and the
 same final weights (torch.equal). The kills are real: `python -m gptlib train` runs in a
-subprocess (through tests/faulty.py) and SIGKILLs itself at a named point, or gets SIGTERM. dropout > 0 so the global torch RNG matters; the negative controls show that
-skipping the RNG or sampler restore makes the comparison fail.
+subprocess (through tests/faulty.py) and SIGKILLs itself at a named point, or gets SIGTERM.
+dropout > 0 so the global torch RNG matters; the negative controls show that skipping the RNG or
+sampler restore makes the comparison fail.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import torch
 from gptlib import batches as gdata
 from gptlib.checkpoint import format as gformat
 from gptlib.checkpoint import resume as gresume
-from gptlib.checkpoint.format import list_checkpoints, load_checkpoint, load_model_weights, verify_checkpoint
+from gptlib.checkpoint.format import (
+    list_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    verify_checkpoint,
+)
 from gptlib.training import loop as gtrain
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -42,13 +48,38 @@ def one_thread():
 
 
 def run_inproc(data, run_dir, mirror_dir=None, log=None, **kw):
-    return train(data, run_dir, "phase1", SETTINGS, max_steps=MAX_STEPS, device="cpu", progress=False,
-                 mirror_dir=mirror_dir, log=log or print, **kw)
+    return train(
+        data,
+        run_dir,
+        "phase1",
+        SETTINGS,
+        max_steps=MAX_STEPS,
+        device="cpu",
+        progress=False,
+        mirror_dir=mirror_dir,
+        log=log or print,
+        **kw,
+    )
 
 
-def run_cli(data, run_dir, fault: str | None = None, mirror_dir=None, timeout=120) -> subprocess.CompletedProcess:
-    cmd = faulty.gptlib_cmd(fault, "train", "--data", data, "--run-dir", run_dir, "--preset", "phase1",
-                            "--max-steps", MAX_STEPS, "--device", "cpu", "--quiet")
+def run_cli(
+    data, run_dir, fault: str | None = None, mirror_dir=None, timeout=120
+) -> subprocess.CompletedProcess:
+    cmd = faulty.gptlib_cmd(
+        fault,
+        "train",
+        "--data",
+        data,
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "phase1",
+        "--max-steps",
+        MAX_STEPS,
+        "--device",
+        "cpu",
+        "--quiet",
+    )
     for s in SETTINGS:
         cmd += ["--set", s]
     if mirror_dir is not None:
@@ -75,7 +106,9 @@ def assert_same_run(ref_dir, run_dir) -> None:
     a, b = curve(ref_dir), curve(run_dir)
     assert sorted(b) == list(range(1, MAX_STEPS + 1)), f"steps logged: {sorted(b)}"
     diff = [s for s in a if a[s] != b.get(s)]
-    assert not diff, f"losses differ from the uninterrupted run at steps {diff}: {[(a[s], b.get(s)) for s in diff[:3]]}"
+    assert not diff, (
+        f"losses differ from the uninterrupted run at steps {diff}: {[(a[s], b.get(s)) for s in diff[:3]]}"
+    )
     wa, wb = final_weights(ref_dir), final_weights(run_dir)
     assert wa.keys() == wb.keys()
     bad = [k for k in wa if not torch.equal(wa[k], wb[k])]
@@ -92,7 +125,9 @@ def reference(char_data, tmp_path_factory):
     return d
 
 
-def _resume_and_check(char_data, reference, run_dir, capsys, expect_step, mirror_dir=None, where="local disk"):
+def _resume_and_check(
+    char_data, reference, run_dir, capsys, expect_step, mirror_dir=None, where="local disk"
+):
     capsys.readouterr()
     r = run_inproc(char_data, run_dir, mirror_dir=mirror_dir)
     out = capsys.readouterr().out
@@ -125,7 +160,11 @@ def test_sigkill_then_resume_is_exact(char_data, reference, tmp_path, capsys, wh
         if ck.name == f"step_{expect:07d}" or int(ck.name[5:]) < expect:
             load_checkpoint(ck)
     _resume_and_check(char_data, reference, run_dir, capsys, expect)
-    leftovers = [p.name for p in (run_dir / "checkpoints").iterdir() if not p.name.startswith("step_") or "." in p.name]
+    leftovers = [
+        p.name
+        for p in (run_dir / "checkpoints").iterdir()
+        if not p.name.startswith("step_") or "." in p.name
+    ]
     assert not leftovers, f"orphans not cleaned: {leftovers}"
 
 
@@ -147,7 +186,9 @@ def test_vm_lost_resume_from_drive_mirror(char_data, reference, tmp_path, capsys
     shutil.rmtree(tmp_path / "local")
     ck = newest_checkpoint(mirror)
     assert ck is not None and ck.step in (5, 10), ck
-    _resume_and_check(char_data, reference, run_dir, capsys, ck.step, mirror_dir=mirror, where="Drive mirror")
+    _resume_and_check(
+        char_data, reference, run_dir, capsys, ck.step, mirror_dir=mirror, where="Drive mirror"
+    )
     # The mirror caught up: the final checkpoint is there and verifies; no partial copies remain.
     assert verify_checkpoint(mirror / "checkpoints" / f"step_{MAX_STEPS:07d}").step == MAX_STEPS
     assert not [p for p in (mirror / "checkpoints").iterdir() if "." in p.name]
@@ -162,7 +203,9 @@ def interrupted_in_step_13(char_data, run_dir):
         undo()
 
 
-def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, tmp_path, monkeypatch, capsys):
+def test_keyboard_interrupt_mid_step_then_resume_is_exact(
+    char_data, reference, tmp_path, monkeypatch, capsys
+):
     """An interrupt inside a step (no signal handlers) saves nothing: the last checkpoint (10) stands."""
     run_dir = tmp_path / "run"
     r = interrupted_in_step_13(char_data, run_dir)
@@ -170,15 +213,22 @@ def test_keyboard_interrupt_mid_step_then_resume_is_exact(char_data, reference, 
     _resume_and_check(char_data, reference, run_dir, capsys, 10)
 
 
-def test_a_run_on_shards_left_on_disk_is_the_run_in_ram(char_data, reference, tmp_path, monkeypatch, capsys):
+def test_a_run_on_shards_left_on_disk_is_the_run_in_ram(
+    char_data, reference, tmp_path, monkeypatch, capsys
+):
     """Data too large for RAM stays on disk (memory-mapped): its batches are the preloaded split's, so the run,
     interrupted mid-step and resumed, is the uninterrupted run in RAM, bit for bit."""
     monkeypatch.setattr(gdata, "available_ram", lambda: 1000)  # a machine nearly out of memory
     gathered, real_gather = [], gdata.MemmapSplit.gather_raw
-    monkeypatch.setattr(gdata.MemmapSplit, "gather_raw", lambda self, *a: gathered.append(1) or real_gather(self, *a))
+    monkeypatch.setattr(
+        gdata.MemmapSplit,
+        "gather_raw",
+        lambda self, *a: gathered.append(1) or real_gather(self, *a),
+    )
     run_dir = tmp_path / "run"
     r = interrupted_in_step_13(char_data, run_dir)
-    assert r.stopped_by == "interrupt" and r.step == 12 and len(gathered) >= 12  # every batch read from the shards
+    # every batch read from the shards
+    assert r.stopped_by == "interrupt" and r.step == 12 and len(gathered) >= 12
     _resume_and_check(char_data, reference, run_dir, capsys, 10)
 
 
@@ -198,7 +248,9 @@ def interrupted(char_data, tmp_path_factory):
     return d
 
 
-def test_negative_control_without_rng_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
+def test_negative_control_without_rng_restore(
+    char_data, reference, interrupted, tmp_path, monkeypatch
+):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
     monkeypatch.setattr(gformat.RNG, "load_state_dict", lambda self, state: None)
@@ -207,7 +259,9 @@ def test_negative_control_without_rng_restore(char_data, reference, interrupted,
         assert_same_run(reference, run_dir)
 
 
-def test_negative_control_without_sampler_restore(char_data, reference, interrupted, tmp_path, monkeypatch):
+def test_negative_control_without_sampler_restore(
+    char_data, reference, interrupted, tmp_path, monkeypatch
+):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
     monkeypatch.setattr(gdata.BatchSampler, "load_state_dict", lambda self, state: None)
@@ -238,17 +292,45 @@ def test_time_based_saves_and_max_minutes(char_data, tmp_path, capsys, monkeypat
     faulty.install("slow:mid_step", monkeypatch.setattr)
     run_dir = tmp_path / "run"
     settings = TINY + ["eval_interval=1000", "save_every_steps=1000", "save_every_minutes=0.0001"]
-    r = train(char_data, run_dir, "phase1", settings, max_steps=8, device="cpu", progress=False, log=lambda m: None)
+    r = train(
+        char_data,
+        run_dir,
+        "phase1",
+        settings,
+        max_steps=8,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     steps = sorted(int(p.name[5:]) for p in list_checkpoints(run_dir))
-    assert r.step == 8 and steps == [7, 8], steps  # the time-based save at 7 (keep_last=2), final at 8
+    # the time-based save at 7 (keep_last=2), final at 8
+    assert r.step == 8 and steps == [7, 8], steps
 
     run2 = tmp_path / "run2"
-    r = train(char_data, run2, "phase1", TINY, max_steps=50, max_minutes=1e-6, device="cpu", progress=False,
-              log=lambda m: None)
+    r = train(
+        char_data,
+        run2,
+        "phase1",
+        TINY,
+        max_steps=50,
+        max_minutes=1e-6,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     assert r.stopped_by == "max_minutes" and r.step == 1
     assert verify_checkpoint(run2 / "checkpoints" / "step_0000001").step == 1
     capsys.readouterr()
-    r = train(char_data, run2, "phase1", TINY, max_steps=50, max_minutes=1e-6, device="cpu", progress=False)
+    r = train(
+        char_data,
+        run2,
+        "phase1",
+        TINY,
+        max_steps=50,
+        max_minutes=1e-6,
+        device="cpu",
+        progress=False,
+    )
     assert r.resumed_from == 1 and r.step == 2 and "resumed from step 1" in capsys.readouterr().out
 
 
@@ -275,7 +357,16 @@ def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monke
     import weakref
 
     run_dir = tmp_path / "run"
-    train(char_data, run_dir, "phase1", SETTINGS, max_steps=10, device="cpu", progress=False, log=lambda m: None)
+    train(
+        char_data,
+        run_dir,
+        "phase1",
+        SETTINGS,
+        max_steps=10,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     loaded = {}  # part -> weak references to the loaded checkpoint's tensors
     real_load = gresume.load_checkpoint
 
@@ -291,14 +382,27 @@ def test_the_loaded_checkpoint_is_freed_once_restored(char_data, tmp_path, monke
         if not alive:  # the first step of the resumed run
             gc.collect()
             own = {id(v) for st in optimizer.state.values() for v in st.values()}
-            alive.update({part: [t for r in refs if (t := r()) is not None and id(t) not in own]
-                          for part, refs in loaded.items()})
+            alive.update(
+                {
+                    part: [t for r in refs if (t := r()) is not None and id(t) not in own]
+                    for part, refs in loaded.items()
+                }
+            )
         return real_train_step(model, optimizer, *a, **k)
 
     real_train_step = gtrain.train_step
     monkeypatch.setattr(gresume, "load_checkpoint", load_checkpoint)
     monkeypatch.setattr(gtrain, "train_step", train_step)
-    r = train(char_data, run_dir, "phase1", SETTINGS, max_steps=12, device="cpu", progress=False, log=lambda m: None)
+    r = train(
+        char_data,
+        run_dir,
+        "phase1",
+        SETTINGS,
+        max_steps=12,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+    )
     assert r.resumed_from == 10 and len(loaded["model"]) > 5
     assert alive and not any(alive.values()), {part: len(ts) for part, ts in alive.items()}
 
@@ -310,16 +414,34 @@ def test_a_resume_trains_with_the_hyperparameters_it_says_changed(char_data, tmp
     skip_without_muon(recipe)
     run = tmp_path / "run"
     before = TINY + ["weight_decay=0.1", "beta2=0.99", "muon_momentum=0.95"]
-    train(char_data, run, "phase1", before, max_steps=10, device="cpu", progress=False, log=lambda m: None,
-          recipe=recipe)
+    train(
+        char_data,
+        run,
+        "phase1",
+        before,
+        max_steps=10,
+        device="cpu",
+        progress=False,
+        log=lambda m: None,
+        recipe=recipe,
+    )
     logs = []
     after = TINY + ["weight_decay=0.0", "beta2=0.9", "muon_momentum=0.8"]
-    r = train(char_data, run, "phase1", after, max_steps=12, device="cpu", progress=False, log=logs.append)
+    r = train(
+        char_data, run, "phase1", after, max_steps=12, device="cpu", progress=False, log=logs.append
+    )
     assert r.resumed_from == 10 and r.step == 12
-    assert "resume: weight_decay changed 0.1 -> 0.0" in logs and "resume: beta2 changed 0.99 -> 0.9" in logs, logs
+    assert (
+        "resume: weight_decay changed 0.1 -> 0.0" in logs
+        and "resume: beta2 changed 0.99 -> 0.9" in logs
+    ), logs
     opt = load_checkpoint(list_checkpoints(run)[0])["optimizer"]
     adamw = opt["adamw"]["param_groups"] if recipe == "modern" else opt["param_groups"]
-    assert {g["weight_decay"] for g in adamw} <= {0.0} and {tuple(g["betas"]) for g in adamw} == {(0.9, 0.9)}
+    assert {g["weight_decay"] for g in adamw} <= {0.0} and {tuple(g["betas"]) for g in adamw} == {
+        (0.9, 0.9)
+    }
     if recipe == "modern":
         assert "resume: muon_momentum changed 0.95 -> 0.8" in logs, logs
-        assert [(g["momentum"], g["weight_decay"]) for g in opt["muon"]["param_groups"]] == [(0.8, 0.0)]
+        assert [(g["momentum"], g["weight_decay"]) for g in opt["muon"]["param_groups"]] == [
+            (0.8, 0.0)
+        ]

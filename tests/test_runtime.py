@@ -36,9 +36,14 @@ def quiet(_msg):
 def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 * GIB):
     """torch.cuda as on a machine with `count` GPUs of this kind. Returns the list set_device() calls land in."""
     calls = []
-    props = types.SimpleNamespace(name=name, major=capability[0], minor=capability[1], total_memory=total)
+    props = types.SimpleNamespace(
+        name=name, major=capability[0], minor=capability[1], total_memory=total
+    )
 
-    def is_bf16_supported(including_emulation=True):  # PyTorch's rule: sm80+, or anything that can emulate
+    # PyTorch's rule: sm80+, or anything that can emulate
+    def is_bf16_supported(
+        including_emulation=True,
+    ):
         return capability[0] >= 8 or including_emulation
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -55,9 +60,14 @@ def fake_gpu(monkeypatch, name="Tesla T4", capability=(7, 5), count=1, total=15 
 # --- 1. dtype: a T4 trains in fp16 + GradScaler, never in emulated bf16 ----------------------------------------
 
 
-@pytest.mark.parametrize("name,cap,want", [("Tesla T4", (7, 5), torch.float16),
-                                           ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
-                                           ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)])
+@pytest.mark.parametrize(
+    "name,cap,want",
+    [
+        ("Tesla T4", (7, 5), torch.float16),
+        ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16),
+        ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16),
+    ],
+)
 def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
     from benchmarks.bench import half_dtype
 
@@ -111,8 +121,24 @@ def test_mps_where_there_is_none_is_a_config_error(monkeypatch):
 
 def test_cli_device_tpu_is_one_line_and_exit_2(tmp_path, char_data):
     run_dir = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "gptlib", "train", "--data", str(char_data), "--run-dir", str(run_dir),
-                        "--device", "tpu"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gptlib",
+            "train",
+            "--data",
+            str(char_data),
+            "--run-dir",
+            str(run_dir),
+            "--device",
+            "tpu",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: device='tpu'"), p.stderr
@@ -149,9 +175,15 @@ def fake_cuda_rng(monkeypatch, count=1):
         states[i] = state.clone()
 
     def get_rng_state_all():
-        raise AssertionError("every GPU's state was read: only the training device's belongs in a checkpoint")
+        raise AssertionError(
+            "every GPU's state was read: only the training device's belongs in a checkpoint"
+        )
 
-    for mod in (torch.cuda, torch.cuda.random):  # set_rng_state_all calls torch.cuda.random.set_rng_state
+    # set_rng_state_all calls torch.cuda.random.set_rng_state
+    for mod in (
+        torch.cuda,
+        torch.cuda.random,
+    ):
         monkeypatch.setattr(mod, "get_rng_state", get_rng_state)
         monkeypatch.setattr(mod, "set_rng_state", set_rng_state)
         monkeypatch.setattr(mod, "get_rng_state_all", get_rng_state_all)
@@ -170,7 +202,8 @@ def test_a_checkpoint_saves_only_the_training_devices_cuda_rng(monkeypatch):
 def test_a_torchrun_checkpoint_from_4_gpus_resumes_on_1(monkeypatch):
     saved_cpu = torch.get_rng_state()
     states = fake_cuda_rng(monkeypatch, count=1)
-    old = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(4)]  # get_rng_state_all() of 4 GPUs
+    # get_rng_state_all() of 4 GPUs
+    old = [torch.tensor([10 + i], dtype=torch.uint8) for i in range(4)]
     RNG(torch.device("cuda", 0)).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": old})
     assert torch.equal(states[0], old[0])
     assert torch.equal(torch.get_rng_state(), saved_cpu)
@@ -183,7 +216,8 @@ def test_a_torchrun_checkpoint_from_4_gpus_resumes_on_1(monkeypatch):
     new = torch.tensor([99], dtype=torch.uint8)  # today's form: one tensor, the training device's
     RNG(torch.device("cuda", 2)).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": new})
     assert torch.equal(torch.cuda.get_rng_state(2), new)
-    RNG(torch.device("cpu")).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": new})  # on a CPU: nothing to set
+    # on a CPU: nothing to set
+    RNG(torch.device("cpu")).load_state_dict({"torch_cpu": saved_cpu, "torch_cuda": new})
 
 
 # --- 5. OOM: wrapped by the compiler, compiled state reset, the probe's margin --------------------------------
@@ -208,7 +242,7 @@ def test_is_oom_walks_the_cause_chain():
         try:
             raise torch.OutOfMemoryError("x")
         except torch.OutOfMemoryError:
-            raise ValueError("while handling it")  # implicit context
+            raise ValueError("while handling it")  # noqa: B904 - the implicit context is what is tested
     except ValueError as e:
         assert memory.is_oom(e)
     assert not memory.is_oom(RuntimeError("shape mismatch"))
@@ -234,7 +268,9 @@ def test_a_compiler_wrapped_oom_in_training_gives_the_advice(tmp_path, char_data
     monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("dynamo reset"))
     monkeypatch.setattr(gtrain, "free_memory", lambda: order.append("free"))
     with pytest.raises(OutOfMemoryAdvice, match="batch_size=4 --set grad_accum_steps=2"):
-        gtrain.train(char_data, tmp_path / "run", "phase1", TINY, max_steps=5, progress=False, log=quiet)
+        gtrain.train(
+            char_data, tmp_path / "run", "phase1", TINY, max_steps=5, progress=False, log=quiet
+        )
     assert order[:2] == ["dynamo reset", "free"]
 
 
@@ -258,10 +294,13 @@ def test_the_probe_keeps_a_margin_for_compiled_training(char_data, monkeypatch):
     model = GPT(cfg.model)
     # 8 sequences: 0.95 of the GPU; 4: 0.55 -> 4 is the largest that leaves the margin
     mem = FakeGpuMemory(total=100 * GIB, fixed=15 * GIB, per_seq=10 * GIB)
-    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the model runs here; the memory is a fake
+    # the model runs here; the memory is a fake
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
     logs = []
     got = memory.probe_micro_batch(model, cfg, "cpu", log=logs.append)
-    assert got == (4, 2, 55 * GIB) and any("8 x 32 does not fit" in m and "92%" in m for m in logs), logs
+    assert got == (4, 2, 55 * GIB) and any(
+        "8 x 32 does not fit" in m and "92%" in m for m in logs
+    ), logs
     assert memory.PROBE_HEADROOM == 0.92
 
 
@@ -273,36 +312,62 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     from gptlib.training import setup
     from gptlib.training.loop import train
 
-    mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=2 * GIB)  # 4 sequences: an 18 GiB peak
-    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the real probe; only the memory is a fake
+    # 4 sequences: an 18 GiB peak
+    mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=2 * GIB)
+    # the real probe; only the memory is a fake
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
     reserved, real_load = [], setup.load_dataset
-    monkeypatch.setattr(setup, "load_dataset", lambda *a, **kw: reserved.append(kw["reserve_gpu_bytes"]) or
-                        real_load(*a, **kw))
+    monkeypatch.setattr(
+        setup,
+        "load_dataset",
+        lambda *a, **kw: reserved.append(kw["reserve_gpu_bytes"]) or real_load(*a, **kw),
+    )
     settings = TINY + ["auto_batch=true", "batch_size=4", "grad_accum_steps=1"]
-    train(char_data, tmp_path / "run", "phase1", settings, max_steps=1, device="cpu", progress=False, log=quiet)
+    train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        settings,
+        max_steps=1,
+        device="cpu",
+        progress=False,
+        log=quiet,
+    )
     cfg = RunConfig.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
     assert cfg.train.batch_size == 4  # the probe's choice
     estimate = memory.estimate_train_bytes(cfg.model, 4)
-    assert reserved == [18 * GIB] and estimate < GIB  # the measured peak, far above this tiny model's estimate
-    data = 10 * GIB  # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not beside the peak
+    # the measured peak, far above this tiny model's estimate
+    assert reserved == [18 * GIB] and estimate < GIB
+    # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not beside the peak
+    data = 10 * GIB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, 40 * GIB))
     monkeypatch.setattr(batches, "available_ram", lambda: 64 * GIB)
     assert plan_data(data, "cuda", reserve_gpu_bytes=estimate).where == "gpu"
     assert plan_data(data, "cuda", reserve_gpu_bytes=reserved[0]).where == "ram"
 
 
-@pytest.mark.parametrize("gpu,total,tight", [("Tesla T4", 15_828_320_256, True), ("NVIDIA L4", 23_580_639_232, False),
-                                             ("NVIDIA A100-SXM4-40GB", 42_298_834_944, False)])
+@pytest.mark.parametrize(
+    "gpu,total,tight",
+    [
+        ("Tesla T4", 15_828_320_256, True),
+        ("NVIDIA L4", 23_580_639_232, False),
+        ("NVIDIA A100-SXM4-40GB", 42_298_834_944, False),
+    ],
+)
 def test_gpt2_small_near_a_gpus_memory_is_measured_not_trusted(monkeypatch, gpu, total, tight):
     """gpt2-small's defaults (16 x 1024 per micro-batch, auto_batch off) on a 16 GB T4: estimated at 13.4 GiB of its
     14.7, which check_fits let through, then minutes of compiling, then an OOM. Now an estimate over 80% of the GPU
     is measured by auto_batch's probe; on an L4 or A100 the preset's micro-batch stays."""
-    fake_gpu(monkeypatch, gpu, (8, 9) if "L4" in gpu else (7, 5) if "T4" in gpu else (8, 0), total=total)
+    fake_gpu(
+        monkeypatch, gpu, (8, 9) if "L4" in gpu else (7, 5) if "T4" in gpu else (8, 0), total=total
+    )
     why = memory.check_fits(get_preset("gpt2-small"), CUDA)
     assert bool(why) == tight, why
     if tight:
-        assert why == ("batch_size=16 x block_size=1,024 is estimated at 13.4 GiB of the GPU's 14.7 GiB: measuring "
-                       "the largest micro-batch that fits instead")
+        assert why == (
+            "batch_size=16 x block_size=1,024 is estimated at 13.4 GiB of the GPU's 14.7 GiB: measuring "
+            "the largest micro-batch that fits instead"
+        )
     assert memory.check_fits(get_preset("gpt2-small").updated({"auto_batch": True}), CUDA) == ""
 
 
@@ -310,12 +375,22 @@ def test_a_tight_estimate_runs_the_probe_in_training(tmp_path, char_data, monkey
     from gptlib.training import setup
     from gptlib.training.loop import train
 
-    mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=8 * GIB)  # 4 sequences: 42 GiB; 2: 26 GiB
-    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)  # the real probe; only the memory is a fake
+    # 4 sequences: 42 GiB; 2: 26 GiB
+    mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=8 * GIB)
+    # the real probe; only the memory is a fake
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
     monkeypatch.setattr(setup, "check_fits", lambda cfg, device: "estimated near the GPU's memory")
     logs = []
-    train(char_data, tmp_path / "run", "phase1", TINY + ["batch_size=4", "grad_accum_steps=1"], max_steps=1,
-          device="cpu", progress=False, log=logs.append)
+    train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        TINY + ["batch_size=4", "grad_accum_steps=1"],
+        max_steps=1,
+        device="cpu",
+        progress=False,
+        log=logs.append,
+    )
     tc = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
     assert (tc["batch_size"], tc["grad_accum_steps"], tc["auto_batch"]) == (2, 2, False)
     assert "auto micro-batch: estimated near the GPU's memory" in logs, logs
@@ -327,16 +402,28 @@ def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():
     tied = get_preset("gpt2-small").model
     untied = dataclasses.replace(tied, tie_embeddings=False)
     V, C, T, L = tied.padded_vocab_size, tied.n_embd, tied.block_size, tied.n_layer
-    assert memory.estimate_train_bytes(untied, 1) - memory.estimate_train_bytes(tied, 1) == 16 * V * C
-    assert memory.estimate_train_bytes(tied, 2) - memory.estimate_train_bytes(tied, 1) == T * (34 * L * C + 14 * V)
+    assert (
+        memory.estimate_train_bytes(untied, 1) - memory.estimate_train_bytes(tied, 1) == 16 * V * C
+    )
+    assert memory.estimate_train_bytes(tied, 2) - memory.estimate_train_bytes(tied, 1) == T * (
+        34 * L * C + 14 * V
+    )
 
 
 # --- 6. compile=auto only where compiling pays -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset,device,setting,want", [
-    ("phase1", CUDA, "auto", False), ("gpt2-small", CUDA, "auto", True), ("phase2", CUDA, "auto", True),
-    ("gpt2-small", torch.device("cpu"), "auto", False), ("phase1", CUDA, "on", True), ("gpt2-small", CUDA, "off", False)])
+@pytest.mark.parametrize(
+    "preset,device,setting,want",
+    [
+        ("phase1", CUDA, "auto", False),
+        ("gpt2-small", CUDA, "auto", True),
+        ("phase2", CUDA, "auto", True),
+        ("gpt2-small", torch.device("cpu"), "auto", False),
+        ("phase1", CUDA, "on", True),
+        ("gpt2-small", CUDA, "off", False),
+    ],
+)
 def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want):
     from gptlib.training.setup import wrap_for_training
 
@@ -357,8 +444,10 @@ def test_compile_auto_weighs_the_steps_left_not_the_whole_run(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda m, **kw: m)
     cfg = get_preset("gpt2-small")
     steps = cfg.train.max_steps
-    assert [wrap_for_training(torch.nn.Linear(2, 2), cfg, CUDA, Dist(), start)[1] for start in (0, steps // 2, steps - 5)] \
-        == [True, True, False]
+    assert [
+        wrap_for_training(torch.nn.Linear(2, 2), cfg, CUDA, Dist(), start)[1]
+        for start in (0, steps // 2, steps - 5)
+    ] == [True, True, False]
 
 
 # --- 7. matmul precision -----------------------------------------------------------------------------------------
@@ -377,16 +466,24 @@ def test_cuda_fp32_matmuls_use_the_precision_api(monkeypatch):
 # --- 9. a GPU preset on a CPU -------------------------------------------------------------------------------------
 
 
-def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(tmp_path, char_data, monkeypatch):
+def test_a_gpu_preset_on_a_cpu_runtime_is_refused_with_the_estimate(
+    tmp_path, char_data, monkeypatch
+):
     from gptlib.training.loop import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as e:
-        train(char_data, tmp_path / "run", "phase2", progress=False, log=quiet)  # device auto -> this CPU
+        # device auto -> this CPU
+        train(char_data, tmp_path / "run", "phase2", progress=False, log=quiet)
     msg = str(e.value)
-    assert "phase2" in msg and "hours" in msg and "Runtime > Change runtime type > A100 GPU" in msg, msg
+    assert (
+        "phase2" in msg and "hours" in msg and "Runtime > Change runtime type > A100 GPU" in msg
+    ), msg
     assert "--device cpu" in msg  # the way to run it here anyway
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
+    assert (
+        not (tmp_path / "run" / "checkpoints").exists()
+        and not (tmp_path / "run" / "config.json").exists()
+    )
 
 
 def test_a_short_gpu_preset_run_on_cpu_gets_no_gpu_advice(tmp_path, char_data):
@@ -396,11 +493,21 @@ def test_a_short_gpu_preset_run_on_cpu_gets_no_gpu_advice(tmp_path, char_data):
     from gptlib.training.loop import train
 
     logs = []
-    r = train(char_data, tmp_path / "run", "finetune", TINY + ["grad_accum_steps=1"], max_steps=4, device="cpu",
-              progress=False, log=logs.append)
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "finetune",
+        TINY + ["grad_accum_steps=1"],
+        max_steps=4,
+        device="cpu",
+        progress=False,
+        log=logs.append,
+    )
     assert r.step == 4
     note = [m for m in logs if m.startswith("on this CPU (")]
-    assert len(note) == 1 and re.search(r"GFLOP/s measured\): about 0m\d\ds for the 4 steps to go$", note[0]), logs
+    assert len(note) == 1 and re.search(
+        r"GFLOP/s measured\): about 0m\d\ds for the 4 steps to go$", note[0]
+    ), logs
     assert not any("Change runtime type" in m or "meant for a GPU" in m for m in logs), logs
 
 
@@ -408,7 +515,8 @@ def test_a_long_gpu_preset_run_on_cpu_still_gets_the_advice(monkeypatch):
     """Between CPU_ADVISE_S and CPU_REFUSE_S: the advice in the log, whether device was auto or cpu."""
     cfg = get_preset("finetune").updated(["n_layer=2", "n_embd=64", "n_head=2", "block_size=64"])
     secs = measure.estimate_cpu_seconds(cfg, 0, 1e11)
-    monkeypatch.setattr(measure, "cpu_train_flops", lambda seconds=0.2: 1e11)  # the estimate, whatever this CPU
+    # the estimate, whatever this CPU
+    monkeypatch.setattr(measure, "cpu_train_flops", lambda seconds=0.2: 1e11)
     monkeypatch.setattr(measure, "CPU_ADVISE_S", secs / 2)
     for requested in ("auto", "cpu"):
         logs = []
@@ -423,7 +531,8 @@ def test_a_long_gpu_preset_run_on_cpu_still_gets_the_advice(monkeypatch):
 def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
     cfg = get_preset("phase2")
     logs = []
-    measure.check_cpu_run(cfg, torch.device("cpu"), "cpu", 0, logs.append)  # asked for: a warning, not an error
+    # asked for: a warning, not an error
+    measure.check_cpu_run(cfg, torch.device("cpu"), "cpu", 0, logs.append)
     err = capsys.readouterr().err
     assert "phase2" in err and "hours" in err and "Change runtime type" in err, err
 
@@ -434,15 +543,20 @@ def test_the_cpu_estimate_counts_what_the_run_does():
     from gptlib.model import model_size
 
     # notebook 05's tiny base: 60 steps of 4 micro-batches, validations at 50 and 60 (20 batches, 100 sampled tokens)
-    cfg = get_preset("finetune").updated(["n_layer=2", "n_embd=32", "n_head=2", "block_size=64", "vocab_size=304",
-                                          "max_steps=60"])
+    cfg = get_preset("finetune").updated(
+        ["n_layer=2", "n_embd=32", "n_head=2", "block_size=64", "vocab_size=304", "max_steps=60"]
+    )
     secs = measure.estimate_cpu_seconds(cfg, 0, flops_per_s=1e11)
-    flops_only = measure.run_tokens(cfg) * model_size(cfg.model).flops_per_token / 1e11  # the estimate before
+    # the estimate before
+    flops_only = measure.run_tokens(cfg) * model_size(cfg.model).flops_per_token / 1e11
     assert secs > 5 * flops_only  # the layer passes: 0.3 s of FLOPs, 2.7 s measured
     more = {"eval_batches": 40, "sample_tokens": 200, "eval_interval": 10, "max_steps": 120}
     for name, value in more.items():
-        assert measure.estimate_cpu_seconds(cfg.updated({name: value}), 0, flops_per_s=1e11) > secs, name
-    assert measure.estimate_cpu_seconds(cfg, 30, flops_per_s=1e11) < secs  # resumed: only the steps to go
+        assert (
+            measure.estimate_cpu_seconds(cfg.updated({name: value}), 0, flops_per_s=1e11) > secs
+        ), name
+    # resumed: only the steps to go
+    assert measure.estimate_cpu_seconds(cfg, 30, flops_per_s=1e11) < secs
     rate = measure.cpu_train_flops()
     assert 1e8 < rate < 1e14  # a real CPU, measured now
 
@@ -452,22 +566,32 @@ def test_the_cpu_estimate_counts_what_the_run_does():
 
 def test_the_declared_torch_floor_has_torch_out_of_memory_error():
     text = (REPO / "pyproject.toml").read_text()
-    assert '"torch>=2.5"' in text  # torch.OutOfMemoryError (caught by train and the probe) arrived in 2.5
+    # torch.OutOfMemoryError (caught by train and the probe) arrived in 2.5
+    assert '"torch>=2.5"' in text
 
 
 # --- 11. Colab compute units: the runtime from the GPU's name and memory, and the user's own rate ----------------
 
 
-@pytest.mark.parametrize("name,memory,rate", [  # the runtimes: A100 40GB and 80GB, T4, L4, G4, none
-    ("NVIDIA A100-SXM4-40GB", int(39.4 * GIB), 5.40), ("NVIDIA A100-SXM4-80GB", int(79.2 * GIB), 7.52),
-    ("NVIDIA A100-PCIE", int(79.2 * GIB), 7.52), ("NVIDIA A100-PCIE", int(39.4 * GIB), 5.40),
-    ("Tesla T4", 15 * GIB, 1.19), ("NVIDIA L4", 22 * GIB, 1.71),
-    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 95 * GIB, 8.71), ("NVIDIA H100 80GB HBM3", 80 * GIB, None)])
+@pytest.mark.parametrize(
+    "name,memory,rate",
+    [  # the runtimes: A100 40GB and 80GB, T4, L4, G4, none
+        ("NVIDIA A100-SXM4-40GB", int(39.4 * GIB), 5.40),
+        ("NVIDIA A100-SXM4-80GB", int(79.2 * GIB), 7.52),
+        ("NVIDIA A100-PCIE", int(79.2 * GIB), 7.52),
+        ("NVIDIA A100-PCIE", int(39.4 * GIB), 5.40),
+        ("Tesla T4", 15 * GIB, 1.19),
+        ("NVIDIA L4", 22 * GIB, 1.71),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", 95 * GIB, 8.71),
+        ("NVIDIA H100 80GB HBM3", 80 * GIB, None),
+    ],
+)
 def test_colab_units_per_hour_from_the_gpus_name_and_memory(monkeypatch, name, memory, rate):
     """The memory tells an 80 GB A100 from a 40 GB one (the name need not say); a GPU without a rate has none."""
     fake_gpu(monkeypatch, name, (8, 0), total=memory)
     assert measure.device_peak(CUDA).units_per_hour == rate
-    assert measure.device_peak(CUDA, units_per_hour=3.0).units_per_hour == 3.0  # the user's rate wins
+    # the user's rate wins
+    assert measure.device_peak(CUDA, units_per_hour=3.0).units_per_hour == 3.0
 
 
 def test_the_plan_takes_the_users_colab_rate(monkeypatch):
@@ -482,17 +606,24 @@ def test_the_plan_takes_the_users_colab_rate(monkeypatch):
     def units(plan):  # the gpt2 and the modern recipe's estimates
         return [int(u.replace(",", "")) for u in re.findall(r"~([\d,]+) Colab units", plan.summary)]
 
-    assert len(units(table)) == 2 and all(t / m == pytest.approx(2.0, rel=0.01) for t, m in zip(units(table), units(mine)))
+    assert len(units(table)) == 2 and all(
+        t / m == pytest.approx(2.0, rel=0.01) for t, m in zip(units(table), units(mine))
+    )
 
 
 def test_the_plan_speaks_of_colab_units_only_on_colab(monkeypatch):
     """Notebook 03 on a CPU away from Colab: nothing about units; on Colab, a device without a rate asks for one."""
     monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
     plan = measure.plan_run("gpt2-small", tokens=1e9, device="cpu")
-    assert "Colab" not in plan.summary and "device: MFU unknown on cpu (no peak table for it)\n" in plan.summary
+    assert (
+        "Colab" not in plan.summary
+        and "device: MFU unknown on cpu (no peak table for it)\n" in plan.summary
+    )
     monkeypatch.setenv("COLAB_RELEASE_TAG", "release-colab_20260301")
     plan = measure.plan_run("gpt2-small", tokens=1e9, device="cpu")
-    assert "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)\n" in plan.summary, plan.summary
+    assert "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)\n" in plan.summary, (
+        plan.summary
+    )
 
 
 def test_the_metrics_take_the_users_colab_rate(tmp_path, char_data):
@@ -502,12 +633,24 @@ def test_the_metrics_take_the_users_colab_rate(tmp_path, char_data):
 
     for rate in (0.0, 3.6):
         run = tmp_path / f"run{rate}"
-        train(char_data, run, "phase1", TINY + [f"colab_units_per_hour={rate}", "eval_interval=10000000"],
-              max_steps=10_000_000, max_minutes=0.05, device="cpu", progress=False, log=quiet)
+        train(
+            char_data,
+            run,
+            "phase1",
+            TINY + [f"colab_units_per_hour={rate}", "eval_interval=10000000"],
+            max_steps=10_000_000,
+            max_minutes=0.05,
+            device="cpu",
+            progress=False,
+            log=quiet,
+        )
         rows = [r for r in read_metrics(run) if r.get("eta_s")]
         assert rows, read_metrics(run)
         if rate:
-            assert all(r["colab_units_left"] == pytest.approx(rate * r["eta_s"] / 3600, abs=0.01) for r in rows)
+            assert all(
+                r["colab_units_left"] == pytest.approx(rate * r["eta_s"] / 3600, abs=0.01)
+                for r in rows
+            )
             assert rows[-1]["colab_units_left"] > 0.1
         else:  # gptlib's table has no rate for a CPU
             assert all(r["colab_units_left"] is None for r in rows)

@@ -39,8 +39,13 @@ def test_shard_writer_splits_into_fixed_size_shards(tmp_path):
     wv = ShardWriter(tmp_path, "val", np.dtype(np.uint16), shard_tokens=1000)
     wv.write(np.arange(10))
     (tmp_path / "tokenizer.json").write_text("{}")
-    write_meta(tmp_path, vocab_size=300, tokenizer={"kind": "x", "hash": None, "file": "tokenizer.json"},
-               splits={"train": shards, "val": wv.close()}, sources=[])
+    write_meta(
+        tmp_path,
+        vocab_size=300,
+        tokenizer={"kind": "x", "hash": None, "file": "tokenizer.json"},
+        splits={"train": shards, "val": wv.close()},
+        sources=[],
+    )
     meta = verified_meta(tmp_path)
     assert np.array_equal(split_tokens(meta, "train"), data)
 
@@ -60,7 +65,9 @@ def _edit_meta(d, fn):
 
 def test_missing_meta_means_incomplete(dataset):
     (dataset / "meta.json").unlink()
-    with pytest.raises(DataFormatError, match="meta.json is missing.*not a finished gptlib dataset"):
+    with pytest.raises(
+        DataFormatError, match="meta.json is missing.*not a finished gptlib dataset"
+    ):
         read_meta(dataset)
 
 
@@ -69,7 +76,10 @@ def test_truncated_shard_names_file_and_both_sizes(dataset):
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size - 2)
-    with pytest.raises(DataFormatError, match=rf"train_000000.bin: file size is {size - 2} bytes but .* = {size} bytes"):
+    with pytest.raises(
+        DataFormatError,
+        match=rf"train_000000.bin: file size is {size - 2} bytes but .* = {size} bytes",
+    ):
         read_meta(dataset)
 
 
@@ -86,7 +96,9 @@ def test_token_count_mismatch(dataset):
 
 
 def test_replaced_tokenizer_is_refused(dataset):
-    (dataset / "tokenizer.json").write_text(json.dumps({"kind": "char", "chars": "abc", "unknown": "error"}))
+    (dataset / "tokenizer.json").write_text(
+        json.dumps({"kind": "char", "chars": "abc", "unknown": "error"})
+    )
     with pytest.raises(DataFormatError, match="tokenizer was replaced"):
         read_meta(dataset)
 
@@ -135,8 +147,11 @@ def test_find_dataset_names_the_datasets_that_are_there(char_data, tmp_path, mon
     (tmp_path / "data" / "half").mkdir()
     assert find_dataset("shakespeare") == tmp_path / "data" / "shakespeare"
     assert find_dataset(data_dir=char_data) == char_data
-    with pytest.raises(DataFormatError, match=r"no tokenized dataset at .*data/half \(run notebook 01 first\); "
-                                              r"datasets in .*data: shakespeare$"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"no tokenized dataset at .*data/half \(run notebook 01 first\); "
+        r"datasets in .*data: shakespeare$",
+    ):
         find_dataset("half")
 
 

@@ -42,7 +42,10 @@ def local_root(tmp_path: Path) -> Path:
 
 def snapshot(d: Path) -> dict[str, tuple[str, int]]:
     """Every file's sha256 and mtime: what 'unchanged' means for the Drive copy."""
-    return {p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns) for p in sorted(d.iterdir())}
+    return {
+        p.name: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(d.iterdir())
+    }
 
 
 def test_copy_verify_and_reuse(drive_data, tmp_path, capsys):
@@ -51,12 +54,15 @@ def test_copy_verify_and_reuse(drive_data, tmp_path, capsys):
     got = staging.stage_for_training(drive_data, log=logs.append)
     dst = local_root(tmp_path) / "data" / "chars"
     assert got == dst and got != drive_data
-    assert any("copied" in m and " s (" in m and "sha256" in m for m in logs), logs  # the time it took
+    # the time it took
+    assert any("copied" in m and " s (" in m and "sha256" in m for m in logs), logs
     for p in drive_data.iterdir():
         assert (dst / p.name).read_bytes() == p.read_bytes(), p.name
     marker = json.loads((dst / staging.MARKER_FILE).read_text())
     assert marker["source"] == str(drive_data.resolve())
-    assert marker["meta_sha256"] == hashlib.sha256((drive_data / "meta.json").read_bytes()).hexdigest()
+    assert (
+        marker["meta_sha256"] == hashlib.sha256((drive_data / "meta.json").read_bytes()).hexdigest()
+    )
     verified_meta(dst)  # a complete, valid dataset
     stamps = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in dst.iterdir()}
 
@@ -73,7 +79,9 @@ def test_a_changed_or_damaged_local_copy_is_copied_again(drive_data, tmp_path):
     shard = dst / "train_000000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # a truncated local file: the size check sees it
     logs: list[str] = []
-    assert staging.stage_for_training(drive_data, log=logs.append) == dst and any("copied" in m for m in logs)
+    assert staging.stage_for_training(drive_data, log=logs.append) == dst and any(
+        "copied" in m for m in logs
+    )
     assert shard.read_bytes() == (drive_data / "train_000000.bin").read_bytes()
     # the dataset re-tokenized on Drive (another meta.json): the old copy is not reused
     meta = json.loads((drive_data / "meta.json").read_text())
@@ -81,7 +89,10 @@ def test_a_changed_or_damaged_local_copy_is_copied_again(drive_data, tmp_path):
     (drive_data / "meta.json").write_text(json.dumps(meta))
     logs.clear()
     staging.stage_for_training(drive_data, log=logs.append)
-    assert any("copied" in m for m in logs) and (dst / "meta.json").read_bytes() == (drive_data / "meta.json").read_bytes()
+    assert (
+        any("copied" in m for m in logs)
+        and (dst / "meta.json").read_bytes() == (drive_data / "meta.json").read_bytes()
+    )
 
 
 @pytest.mark.parametrize("name", ["val_000000.bin", "tokenizer.json"])
@@ -90,7 +101,8 @@ def test_a_file_failing_verification_is_named_and_drive_is_read(drive_data, tmp_
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01  # same size, one bit flipped: only the sha256 sees it
     f.write_bytes(bytes(data))
-    if name == "tokenizer.json":  # read_meta itself refuses a replaced tokenizer: its own clear error
+    # read_meta itself refuses a replaced tokenizer: its own clear error
+    if name == "tokenizer.json":
         with pytest.raises(DataFormatError, match="tokenizer"):
             staging.stage_for_training(drive_data, log=lambda m: None)
         return
@@ -107,7 +119,11 @@ def test_not_enough_disk_reads_drive(drive_data, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(staging, "KEEP_FREE_BYTES", 1 << 60)  # more than any disk has free
     got = staging.stage_for_training(drive_data, log=lambda m: None)
     err = capsys.readouterr().err
-    assert got == drive_data.resolve() and "does not fit on the VM's disk" in err and "Google Drive" in err, err
+    assert (
+        got == drive_data.resolve()
+        and "does not fit on the VM's disk" in err
+        and "Google Drive" in err
+    ), err
     assert not (local_root(tmp_path) / "data" / "chars").exists()
 
 
@@ -134,8 +150,14 @@ def chat_dataset(out: Path, char_data: Path) -> Path:
         w = ShardWriter(out, split, meta.dtype, shard_tokens=160, with_spans=True)
         w.write(rng.integers(0, meta.vocab_size, n), np.array([[5, 40], [60, 90], [150, 170]]))
         splits[split] = w.close()
-    write_meta(out, vocab_size=meta.vocab_size, tokenizer=meta.tokenizer, splits=splits, sources=[],
-               extra={"format": "chat"})
+    write_meta(
+        out,
+        vocab_size=meta.vocab_size,
+        tokenizer=meta.tokenizer,
+        splits=splits,
+        sources=[],
+        extra={"format": "chat"},
+    )
     return out
 
 
@@ -143,14 +165,20 @@ def test_chat_data_spans_files_are_copied_and_verified(drive, char_data, tmp_pat
     src = chat_dataset(drive / "data" / "chat", char_data)
     dst = staging.stage_for_training(src, log=lambda m: None)
     assert dst == local_root(tmp_path) / "data" / "chat"
-    assert sorted(p.name for p in dst.glob("*.spans.bin")) == sorted(p.name for p in src.glob("*.spans.bin")) != []
+    assert (
+        sorted(p.name for p in dst.glob("*.spans.bin"))
+        == sorted(p.name for p in src.glob("*.spans.bin"))
+        != []
+    )
     m = verified_meta(dst)
     assert (read_spans(m, "train") == read_spans(read_meta(src), "train")).all()
     # a damaged spans file on Drive is named, like a shard
     shutil.rmtree(dst)
     f = src / "train_000001.spans.bin"
     data = bytearray(f.read_bytes())
-    data[8] ^= 0x01  # the first span ends one token later: still a valid span, only the sha256 sees it
+    data[8] ^= (
+        0x01  # the first span ends one token later: still a valid span, only the sha256 sees it
+    )
     f.write_bytes(bytes(data))
     assert staging.stage_for_training(src, log=lambda m: None) == src.resolve()
     assert "train_000001.spans.bin" in capsys.readouterr().err and not dst.exists()
@@ -170,14 +198,27 @@ def test_train_reads_the_local_copy(drive_data, tmp_path, capsys):
         train(drive_data, run, "phase1", TINY, max_steps=3, device="cpu", progress=False)
         out = capsys.readouterr().out
         dst = local_root(tmp_path) / "data" / "chars"
-        assert "copied" in out and f"(from {dst}/meta.json)" in out, out  # the data loaded from the VM's copy
-        state = json.loads((verify_checkpoint(run / "checkpoints" / "step_0000003").path / "state.json").read_text())
+        # the data loaded from the VM's copy
+        assert "copied" in out and f"(from {dst}/meta.json)" in out, out
+        state = json.loads(
+            (
+                verify_checkpoint(run / "checkpoints" / "step_0000003").path / "state.json"
+            ).read_text()
+        )
         assert state["data_dir"] == str(drive_data)  # where the data lasts, not the VM's copy
         r = train(drive_data, run, "phase1", TINY, max_steps=5, device="cpu", progress=False)
         out = capsys.readouterr().out
         assert r.resumed_from == 3 and "using the verified local copy" in out, out
-        train(drive_data, tmp_path / "run2", "phase1", TINY, max_steps=1, device="cpu", progress=False,
-              stage_data=False)
+        train(
+            drive_data,
+            tmp_path / "run2",
+            "phase1",
+            TINY,
+            max_steps=1,
+            device="cpu",
+            progress=False,
+            stage_data=False,
+        )
         assert f"(from {drive_data}/meta.json)" in capsys.readouterr().out
     finally:
         torch.set_num_threads(n)

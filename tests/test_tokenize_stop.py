@@ -19,12 +19,23 @@ from gptlib.data.shards import PREPARE_STATE_FILE, read_meta
 from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, verified_meta, wait_for_shards
 
 REPO = Path(__file__).resolve().parents[1]
-UNSLOWED = SLOW_TOKENIZE.replace("time.sleep(0.15)", "pass")  # the same small batches: the same shard cuts
+# the same small batches: the same shard cuts
+UNSLOWED = SLOW_TOKENIZE.replace("time.sleep(0.15)", "pass")
 
 
 def tokenize_args(src: Path, out: Path, bpe_file: Path) -> list[str]:
-    return ["tokenize", "--input", str(src), "--tokenizer-from", str(bpe_file), "--shard-tokens", "5000",
-            "--out", str(out), "--quiet"]
+    return [
+        "tokenize",
+        "--input",
+        str(src),
+        "--tokenizer-from",
+        str(bpe_file),
+        "--shard-tokens",
+        "5000",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
 
 
 def data_files(d: Path) -> dict[str, bytes]:
@@ -41,22 +52,39 @@ def corpus(tmp_path_factory, docs, bpe_file) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("corpus")
     src = d / "a.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    r = subprocess.run([sys.executable, "-c", UNSLOWED, *tokenize_args(src, d / "clean", bpe_file)], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", UNSLOWED, *tokenize_args(src, d / "clean", bpe_file)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return src, d / "clean"
 
 
-def test_a_second_tokenize_into_the_same_dir_refuses_and_the_first_finishes(tmp_path, corpus, bpe_file):
+def test_a_second_tokenize_into_the_same_dir_refuses_and_the_first_finishes(
+    tmp_path, corpus, bpe_file
+):
     src, clean = corpus
     out = tmp_path / "out"
-    first = subprocess.Popen([sys.executable, "-c", SLOW_TOKENIZE, *tokenize_args(src, out, bpe_file)], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-c", SLOW_TOKENIZE, *tokenize_args(src, out, bpe_file)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_shards(first, out, 2)
         t0 = time.time()
-        second = subprocess.run([sys.executable, "-m", "gptlib", *tokenize_args(src, out, bpe_file)], cwd=REPO,
-                                capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [sys.executable, "-m", "gptlib", *tokenize_args(src, out, bpe_file)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         took = time.time() - t0
         assert first.poll() is None, "the first tokenize should still be running"
     finally:
@@ -70,15 +98,23 @@ def test_a_second_tokenize_into_the_same_dir_refuses_and_the_first_finishes(tmp_
     verified_meta(out)
 
 
-def test_ctrl_c_is_one_line_leaves_no_temp_file_and_the_same_command_finishes(tmp_path, corpus, bpe_file):
+def test_ctrl_c_is_one_line_leaves_no_temp_file_and_the_same_command_finishes(
+    tmp_path, corpus, bpe_file
+):
     src, clean = corpus
     out = tmp_path / "out"
-    child = subprocess.Popen([sys.executable, "-c", SLOW_FSYNC + SLOW_TOKENIZE, *tokenize_args(src, out, bpe_file)],
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_FSYNC + SLOW_TOKENIZE, *tokenize_args(src, out, bpe_file)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_shards(child, out, 2)
         deadline = time.time() + 60
-        while not any(".bin.tmp-" in p.name for p in out.iterdir()):  # Ctrl-C while a shard is being written
+        # Ctrl-C while a shard is being written
+        while not any(".bin.tmp-" in p.name for p in out.iterdir()):
             assert time.time() < deadline and child.poll() is None, "no shard temp file seen"
             time.sleep(0.005)
         os.kill(child.pid, signal.SIGINT)
@@ -89,20 +125,29 @@ def test_ctrl_c_is_one_line_leaves_no_temp_file_and_the_same_command_finishes(tm
     state = json.loads((out / PREPARE_STATE_FILE).read_text())
     done = len(state["shards"]["train"])
     (line,) = stderr.strip().splitlines()
-    assert line == (f"tokenize stopped: {done} train shard(s) of {out} are kept; run the same command again to "
-                    f"continue from there"), line
+    assert line == (
+        f"tokenize stopped: {done} train shard(s) of {out} are kept; run the same command again to "
+        f"continue from there"
+    ), line
     left = sorted(p.name for p in out.iterdir() if not p.name.endswith(".bin"))
     assert left == [PREPARE_STATE_FILE, "tokenizer.json"], left  # no temp file, no lock file
     kept = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in state["shards"]["train"]}
-    r = subprocess.run([sys.executable, "-c", UNSLOWED, *tokenize_args(src, out, bpe_file)[:-1]], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", UNSLOWED, *tokenize_args(src, out, bpe_file)[:-1]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert f"resuming the unfinished run in {out}: {done} train" in r.stdout
     assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # continued, not redone
     assert data_files(out) == data_files(clean)
 
 
-def test_a_finished_dataset_on_a_read_only_disk_is_still_reused(tmp_path, corpus, bpe_file, monkeypatch):
+def test_a_finished_dataset_on_a_read_only_disk_is_still_reused(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
     """Its lock file cannot be made there (simulated: these tests may run as root, whom chmod does not stop), and
     nothing else is written to reuse it; a new dataset there is one line naming the directory, leaving nothing."""
     import errno
@@ -121,6 +166,8 @@ def test_a_finished_dataset_on_a_read_only_disk_is_still_reused(tmp_path, corpus
     opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     assert prep.prepare([src], ro, **opts).splits == read_meta(clean).splits
     assert data_files(ro) == data_files(clean)
-    with pytest.raises(RunDirError, match=f"cannot write to {tmp_path / 'new'}: Read-only file system"):
+    with pytest.raises(
+        RunDirError, match=f"cannot write to {tmp_path / 'new'}: Read-only file system"
+    ):
         prep.prepare([src], tmp_path / "new", **opts)
     assert not (tmp_path / "new").exists()

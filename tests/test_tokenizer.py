@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gptlib.data.tokenizer import EOT, BPETokenizer, CharTokenizer, TokenizerError, check_identity, load_tokenizer
+from gptlib.data.tokenizer import (
+    EOT,
+    BPETokenizer,
+    CharTokenizer,
+    TokenizerError,
+    check_identity,
+    load_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +36,9 @@ def test_char_round_trip_and_save_load(tmp_path, small_text):
 
 def test_char_unknown_character_is_an_error(small_text):
     strict = CharTokenizer.from_text(small_text.read_text())
-    with pytest.raises(TokenizerError, match=r"'é' \(U\+00E9\) at position 3 is not in the char vocabulary"):
+    with pytest.raises(
+        TokenizerError, match=r"'é' \(U\+00E9\) at position 3 is not in the char vocabulary"
+    ):
         strict.encode_array("abcé")
 
 
@@ -91,7 +100,10 @@ def test_bpe_bad_inputs(tmp_path):
 def test_bad_char_tokenizer_file_names_the_file(tmp_path):
     f = tmp_path / "tokenizer.json"
     f.write_text('{"kind": "char"}')
-    with pytest.raises(TokenizerError, match=r"tokenizer.json: char vocabulary must be distinct single characters, at least one \(got 0\)"):
+    with pytest.raises(
+        TokenizerError,
+        match=r"tokenizer.json: char vocabulary must be distinct single characters, at least one \(got 0\)",
+    ):
         load_tokenizer(f)
     f.write_text('{"kind": "char", "chars": "aba"}')
     with pytest.raises(TokenizerError, match=r"tokenizer.json: char vocabulary must be distinct"):

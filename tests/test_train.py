@@ -19,8 +19,15 @@ def quiet(_msg):
 
 
 def test_short_run_lowers_the_loss_and_writes_the_run_dir(tmp_path, char_data):
-    r = train(char_data, tmp_path / "run", "phase1", TINY + ["learning_rate=3e-3"], max_steps=30,
-              progress=False, log=quiet)
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        TINY + ["learning_rate=3e-3"],
+        max_steps=30,
+        progress=False,
+        log=quiet,
+    )
     rows = read_metrics(tmp_path / "run")
     assert r.step == 30 and [row["step"] for row in rows] == list(range(1, 31))
     first, last = rows[0]["train_loss"], rows[-1]["train_loss"]
@@ -32,7 +39,9 @@ def test_short_run_lowers_the_loss_and_writes_the_run_dir(tmp_path, char_data):
     run = tmp_path / "run"
     assert (run / "loss.png").stat().st_size > 1000
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert {s["step"] for s in samples} == {10, 20, 30} and all(s["text"].startswith(s["prompt"]) for s in samples)
+    assert {s["step"] for s in samples} == {10, 20, 30} and all(
+        s["text"].startswith(s["prompt"]) for s in samples
+    )
     assert "| step |" in (run / "samples.md").read_text()
     assert (run / "tokenizer.json").is_file() and (run / "config.json").is_file()
     # weights are saved from the original module: no torch.compile / DDP prefixes
@@ -44,33 +53,65 @@ def test_rerunning_a_finished_run_is_a_noop(tmp_path, char_data):
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     shown = []  # what a notebook shows: train()'s lines, then print(result.summary())
-    r = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=True, log=shown.append)
+    r = train(
+        char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=True, log=shown.append
+    )
     assert r.resumed_from == 10 and r.step == 10
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     shown.append(r.summary())
-    assert len(shown) == 1, shown  # only that it is finished: no data, RAM, "resumed from" or model lines
-    assert re.fullmatch(r"already finished at step 10 \(val \d\.\d{4}\); nothing to do \(raise max_steps to train "
-                        r"further\) -> .*run", shown[-1]), shown
+    # only that it is finished: no data, RAM, "resumed from" or model lines
+    assert len(shown) == 1, shown
+    assert re.fullmatch(
+        r"already finished at step 10 \(val \d\.\d{4}\); nothing to do \(raise max_steps to train "
+        r"further\) -> .*run",
+        shown[-1],
+    ), shown
 
 
 def test_init_from_the_runs_own_directory_is_said_or_refused(tmp_path, char_data):
     """--init-from naming the run itself: resuming it, said in one line; with no checkpoint yet, refused in one line
     before anything is created (its Drive mirror's path counts as the run too)."""
     run, mirror = tmp_path / "run", tmp_path / "drive" / "run"
-    with pytest.raises(ConfigError, match=r"^--init-from .*run is this run's own directory, which has no checkpoint "
-                                          r"yet: --init-from starts a new run from another run's weights; drop it to "
-                                          r"train this one from scratch$"):
-        train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet, init_from=str(run))
+    with pytest.raises(
+        ConfigError,
+        match=r"^--init-from .*run is this run's own directory, which has no checkpoint "
+        r"yet: --init-from starts a new run from another run's weights; drop it to "
+        r"train this one from scratch$",
+    ):
+        train(
+            char_data,
+            run,
+            "phase1",
+            TINY,
+            max_steps=10,
+            progress=False,
+            log=quiet,
+            init_from=str(run),
+        )
     assert not run.exists()
-    train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet, mirror_dir=mirror)
+    train(
+        char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet, mirror_dir=mirror
+    )
     for steps, spec in ((12, f"{run}/"), (14, f"{mirror}:best")):
         logs = []
-        r = train(char_data, run, "phase1", TINY, max_steps=steps, progress=False, log=logs.append, init_from=spec,
-                  mirror_dir=mirror)
+        r = train(
+            char_data,
+            run,
+            "phase1",
+            TINY,
+            max_steps=steps,
+            progress=False,
+            log=logs.append,
+            init_from=spec,
+            mirror_dir=mirror,
+        )
         assert r.resumed_from >= 10, logs
-        assert f"init-from: {spec} is this run's own directory: resuming it (--init-from only starts a new run, " \
-               f"from another run's weights)" in logs, logs
-        assert not any("only starts a new run)" in m for m in logs), logs  # not also the other run's note
+        assert (
+            f"init-from: {spec} is this run's own directory: resuming it (--init-from only starts a new run, "
+            f"from another run's weights)" in logs
+        ), logs
+        # not also the other run's note
+        assert not any("only starts a new run)" in m for m in logs), logs
 
 
 def test_a_new_seed_or_learning_rate_on_resume_is_said_with_what_it_does(tmp_path, char_data):
@@ -78,36 +119,85 @@ def test_a_new_seed_or_learning_rate_on_resume_is_said_with_what_it_does(tmp_pat
     val loss stays comparable), saying so; a new learning rate is said with the LR it gives at the resumed step."""
     settings = TINY + ["eval_interval=5"]
     for run in ("same", "seeded"):
-        train(char_data, tmp_path / run, "phase1", settings, max_steps=10, progress=False, log=quiet)
+        train(
+            char_data, tmp_path / run, "phase1", settings, max_steps=10, progress=False, log=quiet
+        )
     train(char_data, tmp_path / "same", "phase1", settings, max_steps=20, progress=False, log=quiet)
     logs = []
-    train(char_data, tmp_path / "seeded", "phase1", settings, max_steps=20, seed=5, progress=False, log=logs.append)
-    assert "resume: seed stays 1337 (the run's own, not 5): a resumed run draws its batches on from the checkpoint, " \
-           "so a seed changes nothing after a resume; a new seed needs a new run" in logs, logs
+    train(
+        char_data,
+        tmp_path / "seeded",
+        "phase1",
+        settings,
+        max_steps=20,
+        seed=5,
+        progress=False,
+        log=logs.append,
+    )
+    assert (
+        "resume: seed stays 1337 (the run's own, not 5): a resumed run draws its batches on from the checkpoint, "
+        "so a seed changes nothing after a resume; a new seed needs a new run" in logs
+    ), logs
     assert not any("seed changed" in m for m in logs), logs
-    curve = {run: [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(tmp_path / run)]
-             for run in ("same", "seeded")}
-    assert curve["seeded"] == curve["same"] and sum(v is not None for *_, v in curve["same"]) == 4  # val at 5..20
+    curve = {
+        run: [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(tmp_path / run)]
+        for run in ("same", "seeded")
+    }
+    # val at 5..20
+    assert curve["seeded"] == curve["same"] and sum(v is not None for *_, v in curve["same"]) == 4
     assert json.loads((tmp_path / "seeded" / "config.json").read_text())["train"]["seed"] == 1337
     logs = []
-    train(char_data, tmp_path / "same", "phase1", settings + ["learning_rate=0.005"], max_steps=20, progress=False,
-          log=logs.append)  # finished: a changed setting changes nothing, said nothing
+    # finished: a changed setting changes nothing, said nothing
+    train(
+        char_data,
+        tmp_path / "same",
+        "phase1",
+        settings + ["learning_rate=0.005"],
+        max_steps=20,
+        progress=False,
+        log=logs.append,
+    )
     assert logs == [], logs
-    train(char_data, tmp_path / "same", "phase1", settings + ["learning_rate=0.005"], max_steps=30, progress=False,
-          log=logs.append)
-    assert any(re.fullmatch(r"resume: learning_rate 0\.01 -> 0\.005, max_steps 20 -> 30: the LR at step 20 goes "
-                            r"[\d.e-]+ -> [\d.e-]+", m) for m in logs), logs
+    train(
+        char_data,
+        tmp_path / "same",
+        "phase1",
+        settings + ["learning_rate=0.005"],
+        max_steps=30,
+        progress=False,
+        log=logs.append,
+    )
+    assert any(
+        re.fullmatch(
+            r"resume: learning_rate 0\.01 -> 0\.005, max_steps 20 -> 30: the LR at step 20 goes "
+            r"[\d.e-]+ -> [\d.e-]+",
+            m,
+        )
+        for m in logs
+    ), logs
 
 
 def test_tokens_per_s_of_a_resumed_call_counts_its_own_tokens(tmp_path, char_data):
     """Resuming with another batch size: tokens/s covers the tokens this call trained on, at the new size."""
-    first = train(char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet)
-    r = train(char_data, tmp_path / "run", "phase1", TINY + ["batch_size=4"], max_steps=14, progress=False, log=quiet)
+    first = train(
+        char_data, tmp_path / "run", "phase1", TINY, max_steps=10, progress=False, log=quiet
+    )
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        TINY + ["batch_size=4"],
+        max_steps=14,
+        progress=False,
+        log=quiet,
+    )
     assert r.resumed_from == 10 and r.tokens_seen == first.tokens_seen + 4 * 4 * 32
     assert r.tokens_per_s * r.elapsed_s == pytest.approx(4 * 4 * 32)
 
 
-def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tmp_path, char_data, monkeypatch):
+def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(
+    tmp_path, char_data, monkeypatch
+):
     """A slow validation (2 s, far longer than a tiny step): the steady tokens/s and each row's tokens/s leave it
     out, the call's overall tokens/s and the ETA count it, and the closing line gives both rates. (0.5 s was not
     enough on a loaded 2-core machine, where 20 tiny steps can take as long as four such validations.)"""
@@ -124,13 +214,26 @@ def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tm
     from gptlib.checkpoint.writer import CheckpointWriter
 
     real_save = CheckpointWriter.save
-    monkeypatch.setattr(CheckpointWriter, "save", lambda self, ck: ck["progress"]["step"] == 20 and real_save(self, ck))
-    r = train(char_data, tmp_path / "run", "phase1", TINY + ["eval_interval=5"], max_steps=20, progress=False,
-              log=quiet)
+    monkeypatch.setattr(
+        CheckpointWriter,
+        "save",
+        lambda self, ck: ck["progress"]["step"] == 20 and real_save(self, ck),
+    )
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        TINY + ["eval_interval=5"],
+        max_steps=20,
+        progress=False,
+        log=quiet,
+    )
     assert r.steady_tokens_per_s > 2 * r.tokens_per_s  # 4 validations: >= 8 s of the wall time
     rows = [row for row in r.history if "tokens_per_s" in row]
-    after_val = [row for row in rows if row["step"] in (6, 11, 16)]  # each the first interval after a validation
-    assert after_val and all(row["tokens_per_s"] > r.tokens_per_s for row in after_val)  # was ~1/4 of it
+    # each the first interval after a validation
+    after_val = [row for row in rows if row["step"] in (6, 11, 16)]
+    # was ~1/4 of it
+    assert after_val and all(row["tokens_per_s"] > r.tokens_per_s for row in after_val)
     last = rows[-2]  # the last row before the final validation
     tokens_left = 20 * 8 * 32 - last["tokens_seen"]
     # the ETA pays for the validations to come: 3 x 2 s (a step is ~15-100 ms here)
@@ -138,7 +241,9 @@ def test_validation_time_is_left_out_of_the_bars_tokens_per_s_but_not_the_eta(tm
     assert f"{r.steady_tokens_per_s:,.0f} tokens/s while stepping" in r.summary()
 
 
-def test_a_failing_close_of_the_log_still_restores_the_signal_handlers_and_the_lease(tmp_path, char_data, monkeypatch):
+def test_a_failing_close_of_the_log_still_restores_the_signal_handlers_and_the_lease(
+    tmp_path, char_data, monkeypatch
+):
     """The bar and metrics.jsonl closed at the end of a run may raise (a full disk): the stop-button handlers are
     still put back (else Ctrl-C in the notebook would do nothing), the last save waited for, the lease released."""
     from gptlib.layout import LEASE_FILE
@@ -153,7 +258,9 @@ def test_a_failing_close_of_the_log_still_restores_the_signal_handlers_and_the_l
     with pytest.raises(OSError, match="No space left"):
         train(char_data, run, "phase1", TINY, max_steps=3, progress=False, log=quiet)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
-    assert not (run / LEASE_FILE).exists() and [p.name for p in list_checkpoints(run)] == ["step_0000003"]
+    assert not (run / LEASE_FILE).exists() and [p.name for p in list_checkpoints(run)] == [
+        "step_0000003"
+    ]
 
 
 class StopAt(Exception):
@@ -162,7 +269,9 @@ class StopAt(Exception):
 
 def test_stopped_and_resumed_equals_uninterrupted(tmp_path, char_data):
     """The Colab stop button (KeyboardInterrupt) at step 10, then the same call again."""
-    args = dict(preset="phase1", overrides=TINY + ["dropout=0.1"], max_steps=20, progress=False, log=quiet)
+    args = dict(
+        preset="phase1", overrides=TINY + ["dropout=0.1"], max_steps=20, progress=False, log=quiet
+    )
     full = train(char_data, tmp_path / "full", **args)
 
     def interrupt(row):
@@ -187,8 +296,12 @@ def test_resume_with_a_different_model_is_refused_and_leaves_the_run_intact(tmp_
     run = tmp_path / "run"
     train(char_data, run, "phase1", TINY, max_steps=10, progress=False, log=quiet)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    with pytest.raises(ConfigError, match="holds a run with n_layer=2 but this call asks for n_layer=3"):
-        train(char_data, run, "phase1", TINY + ["n_layer=3"], max_steps=10, progress=False, log=quiet)
+    with pytest.raises(
+        ConfigError, match="holds a run with n_layer=2 but this call asks for n_layer=3"
+    ):
+        train(
+            char_data, run, "phase1", TINY + ["n_layer=3"], max_steps=10, progress=False, log=quiet
+        )
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
@@ -200,7 +313,9 @@ def test_text_shorter_than_one_block_is_a_clear_error(tmp_path):
     f.write_text("To be, or not to be: that is the question.\n" * 3)
     prepare_text([f], tmp_path / "d", verbose=False)
     with pytest.raises(DataFormatError, match="val split has .* tokens, fewer than one block"):
-        train(tmp_path / "d", tmp_path / "run", "phase1", TINY, max_steps=5, progress=False, log=quiet)
+        train(
+            tmp_path / "d", tmp_path / "run", "phase1", TINY, max_steps=5, progress=False, log=quiet
+        )
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -217,7 +332,9 @@ def test_no_earlier_micro_batchs_logits_are_alive_at_a_forward():
     class Watched(GPT):
         def forward(self, idx, targets=None, cache=None):
             alive = [i for i, ref in enumerate(self.logits) if ref() is not None]
-            assert not alive, f"the logits of forward(s) {alive} are still alive at forward {len(self.logits)}"
+            assert not alive, (
+                f"the logits of forward(s) {alive} are still alive at forward {len(self.logits)}"
+            )
             out = super().forward(idx, targets, cache)
             self.logits.append(weakref.ref(out[0]))
             return out
@@ -228,16 +345,27 @@ def test_no_earlier_micro_batchs_logits_are_alive_at_a_forward():
             return x, x
 
     class Timer:
-        def start(self): pass
-        def mark(self, what): pass
+        def start(self):
+            pass
+
+        def mark(self, what):
+            pass
 
     torch.manual_seed(0)
     model = Watched(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
     model.logits = []
     opt = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_step(model, opt, scaler, Batches(), accum=3, grad_clip=1.0, autocast=torch.autocast("cpu", enabled=False),
-               timer=Timer())
+    train_step(
+        model,
+        opt,
+        scaler,
+        Batches(),
+        accum=3,
+        grad_clip=1.0,
+        autocast=torch.autocast("cpu", enabled=False),
+        timer=Timer(),
+    )
     validation_loss(model, Batches(), 3, torch.autocast("cpu", enabled=False))
     assert len(model.logits) == 6
 
@@ -258,13 +386,26 @@ def test_config_json_is_the_config_the_checkpoints_record(tmp_path, char_data, m
     from tests.test_runtime import GIB, FakeGpuMemory
 
     # 8 sequences need 0.95 of this fake GPU, 4: 0.55 -> the probe (the real one, on the CPU) takes 4
-    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: FakeGpuMemory(100 * GIB, 15 * GIB, 10 * GIB))
+    monkeypatch.setitem(
+        memory.MEMORY_PROBES, "cpu", lambda device: FakeGpuMemory(100 * GIB, 15 * GIB, 10 * GIB)
+    )
     run = tmp_path / "run"
-    train(char_data, run, "phase1", TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"],
-          max_steps=2, progress=False, log=quiet)
+    train(
+        char_data,
+        run,
+        "phase1",
+        TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"],
+        max_steps=2,
+        progress=False,
+        log=quiet,
+    )
     written = json.loads((run / "config.json").read_text())
     saved = json.loads((list_checkpoints(run)[0] / "state.json").read_text())["config"]
-    assert written == saved and written["train"]["batch_size"] == 4 and written["train"]["grad_accum_steps"] == 4
+    assert (
+        written == saved
+        and written["train"]["batch_size"] == 4
+        and written["train"]["grad_accum_steps"] == 4
+    )
 
 
 def test_hellaswag_during_training(tmp_path, char_data):
@@ -273,23 +414,42 @@ def test_hellaswag_during_training(tmp_path, char_data):
     from gptlib.fsutil import read_jsonl
     from gptlib.layout import EVAL_FILE
 
-    items = [{"ctx": "ROMEO:", "endings": [" what", " is", " this", " night"], "label": i % 4} for i in range(12)]
+    items = [
+        {"ctx": "ROMEO:", "endings": [" what", " is", " this", " night"], "label": i % 4}
+        for i in range(12)
+    ]
     hs_file = tmp_path / "hs.jsonl"
     hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
     run = tmp_path / "run"
-    settings = TINY + ["eval_interval=5", "hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"]
+    settings = TINY + [
+        "eval_interval=5",
+        "hellaswag_every=10",
+        "hellaswag_items=4",
+        f"hellaswag_file={hs_file}",
+    ]
     logs = []
     train(char_data, run, "phase1", settings, max_steps=25, progress=False, log=logs.append)
     rows = {r["step"]: r for r in read_metrics(run) if "val_loss" in r}
     assert [s for s in sorted(rows) if "hellaswag_acc_norm" in rows[s]] == [10, 20, 25]
-    assert rows[10]["hellaswag_n"] == 4 and rows[25]["hellaswag_n"] == 12  # the subset, then all items
+    # the subset, then all items
+    assert rows[10]["hellaswag_n"] == 4 and rows[25]["hellaswag_n"] == 12
     assert 0.0 <= rows[25]["hellaswag_acc_norm"] <= 1.0
     assert any("HellaSwag acc_norm" in m for m in logs)
     ev = [r for r in read_jsonl(run / EVAL_FILE) if r["task"] == "hellaswag"]
-    assert len(ev) == 1 and ev[0]["step"] == 25 and ev[0]["source"] == "training" and ev[0]["n"] == 12
+    assert (
+        len(ev) == 1 and ev[0]["step"] == 25 and ev[0]["source"] == "training" and ev[0]["n"] == 12
+    )
     logs = []
     missing = settings[:-1] + [f"hellaswag_file={tmp_path / 'nope.jsonl'}"]
-    r = train(char_data, tmp_path / "run2", "phase1", missing, max_steps=5, progress=False, log=logs.append)
+    r = train(
+        char_data,
+        tmp_path / "run2",
+        "phase1",
+        missing,
+        max_steps=5,
+        progress=False,
+        log=logs.append,
+    )
     assert r.step == 5 and any(m.startswith("hellaswag: off for this run") for m in logs), logs
 
 
@@ -322,7 +482,8 @@ def test_the_bar_keeps_most_of_a_100_column_line(tmp_path, char_data, monkeypatc
     monkeypatch.setattr(sys, "stderr", term)
     import tqdm.std
 
-    monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", lambda: lambda fp: (ncols, 40))  # the window's width
+    # the window's width
+    monkeypatch.setattr(tqdm.std, "_screen_shape_wrapper", lambda: lambda fp: (ncols, 40))
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=quiet)
     frames = [f for f in term.text.replace("\n", "\r").split("\r") if "|" in f and "loss" in f]
     assert frames, term.text
@@ -339,26 +500,42 @@ def test_the_bar_is_readable_with_a_gpu_runs_longest_fields():
     from gptlib.training.logs import BAR_FORMAT
     from gptlib.training.throughput import speed_text
 
-    row = {"tokens_per_s": 1_234_567.0, "mfu": 0.4567, "eta_s": 45_296.0,
-           "time_split": {"data": 0.03, "fwd_bwd": 0.9, "optim": 0.07}}
+    row = {
+        "tokens_per_s": 1_234_567.0,
+        "mfu": 0.4567,
+        "eta_s": 45_296.0,
+        "time_split": {"data": 0.03, "fwd_bwd": 0.9, "optim": 0.07},
+    }
     postfix = "loss 3.2104, " + speed_text(row)
-    assert postfix == "loss 3.2104, 1.23M tok/s, MFU 45.7%, ETA 12h34m"  # details: the periodic line, metrics.jsonl
+    # details: the periodic line, metrics.jsonl
+    assert postfix == "loss 3.2104, 1.23M tok/s, MFU 45.7%, ETA 12h34m"
     assert speed_text(row, split=True).endswith("ETA 12h34m, time data 3% fwd_bwd 90% optim 7%")
     for ncols in (100, 120):
-        line = tqdm.format_meter(12_345, 19_073, 11_565.0, ncols=ncols, prefix="train", bar_format=BAR_FORMAT,
-                                 postfix=postfix)
+        line = tqdm.format_meter(
+            12_345,
+            19_073,
+            11_565.0,
+            ncols=ncols,
+            prefix="train",
+            bar_format=BAR_FORMAT,
+            postfix=postfix,
+        )
         assert line.endswith("ETA 12h34m]") and len(line) <= ncols, line
-        assert len(line.split("|")[1]) >= ncols - 88, line  # 12 columns of bar at 100, 32 at 120 (was 1, and cut)
+        # 12 columns of bar at 100, 32 at 120 (was 1, and cut)
+        assert len(line.split("|")[1]) >= ncols - 88, line
 
 
-def test_training_into_a_file_or_a_pipe_prints_plain_lines(tmp_path, char_data, monkeypatch, capsys):
+def test_training_into_a_file_or_a_pipe_prints_plain_lines(
+    tmp_path, char_data, monkeypatch, capsys
+):
     """`train ... > log.txt 2>&1`: no carriage-return redraws (one endless line in the file), a progress line every
     MetricsLog.TEXT_EVERY_S instead (0 here: one per log step)."""
     from gptlib.training.logs import MetricsLog, plain_progress
 
     assert plain_progress(__import__("io").StringIO()) and not plain_progress(FakeTerminal())
     monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)
-    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=print)  # progress on, as the CLI has it
+    # progress on, as the CLI has it
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=print)
     out = capsys.readouterr()
     assert "\r" not in out.out + out.err
     lines = [ln for ln in out.out.splitlines() if ln.startswith("step ") and "/12: loss " in ln]
@@ -370,7 +547,11 @@ def test_the_samples_table_is_left_aligned(tmp_path):
     """samples.md: the classic notebook right-aligns a column without an explicit alignment; text reads left."""
     from gptlib.training.logs import write_samples_table
 
-    rows = [{"step": s, "prompt": p, "text": p + " and more"} for s in (10, 20) for p in ("ROMEO:", "JULIET:")]
+    rows = [
+        {"step": s, "prompt": p, "text": p + " and more"}
+        for s in (10, 20)
+        for p in ("ROMEO:", "JULIET:")
+    ]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_samples_table(tmp_path)
     lines = (tmp_path / "samples.md").read_text().splitlines()
@@ -385,41 +566,68 @@ def test_the_samples_table_in_a_notebook_aligns_each_cell_top_left(tmp_path):
     from gptlib import samples_html
 
     assert "no samples yet" in samples_html(tmp_path)
-    texts = {("ROMEO:", 10): "ROMEO: a\nb\nc\nd", ("JULIET:", 10): "JULIET: <e> & f", ("ROMEO:", 20): "ROMEO: g"}
+    texts = {
+        ("ROMEO:", 10): "ROMEO: a\nb\nc\nd",
+        ("JULIET:", 10): "JULIET: <e> & f",
+        ("ROMEO:", 20): "ROMEO: g",
+    }
     rows = [{"step": s, "prompt": p, "text": t} for (p, s), t in texts.items()]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = ET.fromstring(samples_html(tmp_path))  # well-formed, the texts escaped
     cells = [c for tr in table.iter("tr") for c in tr]
-    assert len(cells) == 3 * 3  # a header row, one row per step; a step without a prompt's sample: an empty cell
-    assert all("vertical-align:top" in c.get("style") and "text-align:left" in c.get("style") for c in cells)
+    # a header row, one row per step; a step without a prompt's sample: an empty cell
+    assert len(cells) == 3 * 3
+    assert all(
+        "vertical-align:top" in c.get("style") and "text-align:left" in c.get("style")
+        for c in cells
+    )
     grid = [["".join(c.itertext()) for c in tr] for tr in table.iter("tr")]
-    assert grid == [["step", "'ROMEO:'", "'JULIET:'"], ["10", texts["ROMEO:", 10], texts["JULIET:", 10]],
-                    ["20", texts["ROMEO:", 20], ""]]
+    assert grid == [
+        ["step", "'ROMEO:'", "'JULIET:'"],
+        ["10", texts["ROMEO:", 10], texts["JULIET:", 10]],
+        ["20", texts["ROMEO:", 20], ""],
+    ]
 
 
-def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(tmp_path, char_data, monkeypatch):
+def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(
+    tmp_path, char_data, monkeypatch
+):
     """Notebook 03 showed figures that disagreed: the closing line's rates, and the last log interval's in
     the bar and the plot's title. Every live figure is now the session's tokens/s while stepping,
     the closing line's first, and each text says what it counts."""
-    from gptlib.training.logs import MetricsLog
-    from gptlib.training.logs import LivePlot
+    from gptlib.training.logs import LivePlot, MetricsLog
     from gptlib.training.throughput import fmt_tokens
 
-    monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)  # a progress line (the bar's details) at every log step
+    # a progress line (the bar's details) at every log step
+    monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)
     shown = []
-    r = train(char_data, tmp_path / "run", "phase1", TINY + ["log_interval=4"], max_steps=24, progress=True,
-              log=shown.append)
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        TINY + ["log_interval=4"],
+        max_steps=24,
+        progress=True,
+        log=shown.append,
+    )
     rows = [row for row in r.history if "tokens_per_s" in row]
-    assert len(rows) >= 4 and rows[-1]["step"] == 24  # several intervals: their rates differ, their average is one
+    # several intervals: their rates differ, their average is one
+    assert len(rows) >= 4 and rows[-1]["step"] == 24
     assert rows[-1]["tokens_per_s"] == round(r.steady_tokens_per_s, 1)
     fig = f"{r.steady_tokens_per_s:,.0f}"
     speed = f"{fmt_tokens(r.steady_tokens_per_s)} tok/s"
-    assert [ln for ln in shown if ln.startswith("step 24/24:")][-1].count(f", {speed},") == 1  # the bar's details
+    assert [ln for ln in shown if ln.startswith("step 24/24:")][-1].count(
+        f", {speed},"
+    ) == 1  # the bar's details
     title = LivePlot(tmp_path / "run").figure().axes[0].get_title()
     assert f"{fmt_tokens(rows[-1]['tokens_per_s'])} tok/s" in title
-    assert re.search(r"time data \d+% fwd_bwd \d+% optim \d+%", title), title  # notebook 03's one view of the split
-    assert re.search(rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
-                     r"first step, validations and saves included \(max_steps\)", r.summary()), r.summary()
+    # notebook 03's one view of the split
+    assert re.search(r"time data \d+% fwd_bwd \d+% optim \d+%", title), title
+    assert re.search(
+        rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
+        r"first step, validations and saves included \(max_steps\)",
+        r.summary(),
+    ), r.summary()
 
 
 def test_the_live_plots_title_fits_the_figure_and_drops_the_eta_once_training_stopped(tmp_path):
@@ -430,26 +638,40 @@ def test_the_live_plots_title_fits_the_figure_and_drops_the_eta_once_training_st
 
     from gptlib.training.logs import LivePlot
 
-    speed = {"tokens_per_s": 1234567.0, "mfu": 0.4567, "eta_s": 45240.0,
-             "time_split": {"data": 0.001, "fwd_bwd": 0.97, "optim": 0.03}}
-    rows = [{"step": s, "train_loss": 3 - s / 1e4, "tokens_seen": s * 524288} for s in range(1, 12001, 100)]
+    speed = {
+        "tokens_per_s": 1234567.0,
+        "mfu": 0.4567,
+        "eta_s": 45240.0,
+        "time_split": {"data": 0.001, "fwd_bwd": 0.97, "optim": 0.03},
+    }
+    rows = [
+        {"step": s, "train_loss": 3 - s / 1e4, "tokens_seen": s * 524288}
+        for s in range(1, 12001, 100)
+    ]
     rows[-2].update(val_loss=2.25, **speed)  # the last validation, at step 11,801
     rows[-1].update(speed)  # the interrupt's row: no val loss
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot = LivePlot(tmp_path, title="gpt2-small · my-second-run-with-the-modern-recipe-on-fineweb-edu-10B-and-muon")
+    plot = LivePlot(
+        tmp_path,
+        title="gpt2-small · my-second-run-with-the-modern-recipe-on-fineweb-edu-10B-and-muon",
+    )
 
     def drawn_title(fig):
         FigureCanvasAgg(fig).draw()
         title = fig.axes[0].title
         box, page = title.get_window_extent(), fig.bbox
-        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1, (box, page)
+        assert (
+            page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
+        ), (box, page)
         return title.get_text()
 
     running = drawn_title(plot.figure(rows[-2]))  # train()'s on_log, at the validation
     assert "step 11,801: val 2.2500" in running and "ETA 12h34m" in running, running
     assert "time data 0% fwd_bwd 97% optim 3%" in running.splitlines()[-1], running
     stopped = drawn_title(plot.figure())  # notebook 03's plot.update() after train() returned
-    assert "ETA" not in stopped and "step 11,801: val 2.2500" in stopped and "1.23M tok/s" in stopped, stopped
+    assert (
+        "ETA" not in stopped and "step 11,801: val 2.2500" in stopped and "1.23M tok/s" in stopped
+    ), stopped
 
 
 def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp_path, char_data):
@@ -457,8 +679,13 @@ def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp
     though the earlier steps were on Drive: train()'s on_log now draws them as soon as the run is resumed."""
     from gptlib.training.logs import LivePlot
 
-    args = dict(preset="phase1", overrides=TINY + ["eval_interval=5"], progress=False, log=quiet,
-                mirror_dir=tmp_path / "drive")
+    args = dict(
+        preset="phase1",
+        overrides=TINY + ["eval_interval=5"],
+        progress=False,
+        log=quiet,
+        mirror_dir=tmp_path / "drive",
+    )
     train(char_data, tmp_path / "vm1", max_steps=10, **args)
     drawn = []
 
@@ -466,13 +693,18 @@ def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp
         fig = LivePlot(tmp_path / "vm2").figure(row)
         drawn.append((row["step"], list(fig.axes[0].lines[0].get_xdata()), fig.axes[0].get_title()))
 
-    r = train(char_data, tmp_path / "vm2", max_steps=15, on_log=on_log, **args)  # a fresh VM: the history on Drive
+    # a fresh VM: the history on Drive
+    r = train(char_data, tmp_path / "vm2", max_steps=15, on_log=on_log, **args)
     assert r.resumed_from == 10 and [step for step, _, _ in drawn] == [10, 15]
     step, train_steps, title = drawn[0]
-    assert train_steps == list(range(1, 11)) and "step 10: val" in title and "tok/s" not in title, title
+    assert train_steps == list(range(1, 11)) and "step 10: val" in title and "tok/s" not in title, (
+        title
+    )
 
 
-def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(tmp_path, char_data, monkeypatch):
+def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
+    tmp_path, char_data, monkeypatch
+):
     """Notebook 04's run comparison: this run and the others under the runs folder (one only on "Drive", its mirror),
     each a line of val loss against tokens seen, the legend naming it with its preset and recipe; a run of another
     vocabulary (loss per character vs per token) or without a checkpoint is left out unless named."""
@@ -481,10 +713,20 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(tmp_path, c
     from gptlib.errors import CheckpointError
 
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
-    runs, args = tmp_path / "root" / "runs", dict(preset="phase1", max_steps=10, progress=False, log=quiet)
+    runs, args = (
+        tmp_path / "root" / "runs",
+        dict(preset="phase1", max_steps=10, progress=False, log=quiet),
+    )
     train(char_data, runs / "a", overrides=TINY + ["eval_interval=5"], **args)
-    train(char_data, tmp_path / "vm" / "b", overrides=TINY + ["eval_interval=5", "batch_size=4"], recipe="modern",
-          mirror_dir=runs / "b", **args)  # the VM's copy is gone; on Drive the rows are in each checkpoint
+    # the VM's copy is gone; on Drive the rows are in each checkpoint
+    train(
+        char_data,
+        tmp_path / "vm" / "b",
+        overrides=TINY + ["eval_interval=5", "batch_size=4"],
+        recipe="modern",
+        mirror_dir=runs / "b",
+        **args,
+    )
     chars = json.loads((runs / "a" / "config.json").read_text())["model"]["vocab_size"]
     for name, vocab in (("bpe", 32768), ("new", chars)):  # "new": no checkpoint yet
         (runs / name).mkdir()
@@ -492,9 +734,19 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(tmp_path, c
     found = find_runs("", runs / "a")
     assert found == [runs / "a", runs / "b"], found
     ax = runs_figure(found).axes[0]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a (phase1, gpt2)", "b (phase1, modern)"]
-    assert [list(line.get_xdata()) for line in ax.lines] == [[5 * 256, 10 * 256], [5 * 128, 10 * 128]]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "a (phase1, gpt2)",
+        "b (phase1, modern)",
+    ]
+    assert [list(line.get_xdata()) for line in ax.lines] == [
+        [5 * 256, 10 * 256],
+        [5 * 128, 10 * 128],
+    ]
     assert all(len(line.get_ydata()) == 2 for line in ax.lines)
-    assert find_runs(f"{runs / 'a'}, b", runs / "a") == [runs / "a", runs / "b"]  # named: those, each once
+    # named: those, each once
+    assert find_runs(f"{runs / 'a'}, b", runs / "a") == [
+        runs / "a",
+        runs / "b",
+    ]
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         find_runs("new", runs / "a")

@@ -62,7 +62,8 @@ def test_stop_ends_generation_at_the_next_token_and_keeps_the_text(char_run):
     assert seen == [(False, status_html("generating… (Stop ends it)"))]  # offered while it runs
     stopped = re.search(r"stopped after (\d+) tokens? in .*: Stop pressed", pg.status.value)
     assert stopped and 0 < int(stopped.group(1)) < 5, pg.status.value  # not the 500 asked for
-    assert "<b>KING</b>" in pg.output.value and "<b>KING</b></pre>" not in pg.output.value  # the text so far stays
+    # the text so far stays
+    assert "<b>KING</b>" in pg.output.value and "<b>KING</b></pre>" not in pg.output.value
     assert not pg.button.disabled and pg.stop_button.disabled
     res = pg.generate()  # the next Generate starts afresh: the old click does not stop it
     assert len(res.token_ids) == 500 and "stopped by length" in pg.status.value
@@ -73,7 +74,9 @@ def test_generate_from_a_cell_does_not_offer_stop(char_run):
     offered, and the status says what ends it."""
     pg = playground(char_run)
     seen = []
-    pg.output.observe(once(lambda: seen.append((pg.stop_button.disabled, pg.status.value))), names="value")
+    pg.output.observe(
+        once(lambda: seen.append((pg.stop_button.disabled, pg.status.value))), names="value"
+    )
     res = pg.generate()
     assert res is not None and len(res.token_ids) == 500
     assert seen == [(True, status_html("generating… (from code: interrupt the cell to end it)"))]
@@ -90,7 +93,8 @@ def test_a_kernel_interrupt_keeps_the_text_and_says_interrupted(char_run):
     with pytest.raises(KeyboardInterrupt):  # still ends the cell or script that called generate()
         pg.generate()
     assert "interrupted" in pg.status.value and "generating" not in pg.status.value
-    assert "<b>KING</b>" in pg.output.value and "<b>KING</b></pre>" not in pg.output.value  # the text so far stays
+    # the text so far stays
+    assert "<b>KING</b>" in pg.output.value and "<b>KING</b></pre>" not in pg.output.value
     assert not pg.button.disabled and pg.stop_button.disabled
 
 
@@ -117,16 +121,21 @@ def test_an_interrupt_from_a_cell_ends_in_one_line_that_counts_tokens(chat_run, 
         result = shell.run_cell("res = pg.generate()")
     finally:
         InteractiveShell.clear_instance()
-    assert isinstance(result.error_in_exec, KeyboardInterrupt)  # the cell (and a run of all cells) still stops
+    # the cell (and a run of all cells) still stops
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
     shown = html.unescape(re.sub(r"<[^>]+>", "", pg.output.value)).removeprefix("KING")
     n = len(pg._engine.tokenizer.encode(shown))
-    assert 0 < n != len(shown)  # so what follows proves a count of tokens (counted as Stop counts), not characters
+    # so what follows proves a count of tokens (counted as Stop counts), not characters
+    assert 0 < n != len(shown)
     assert pg.status.value == status_html(f"interrupted after {n} tokens")
     assert [line for line in capsys.readouterr().out.splitlines() if line.strip()] == [
-        f"GenerationInterrupted: after {n} tokens; the text so far stays in the playground above"]
+        f"GenerationInterrupted: after {n} tokens; the text so far stays in the playground above"
+    ]
 
 
-def test_in_a_kernel_generate_runs_off_the_main_thread_so_a_stop_click_can_arrive(char_run, monkeypatch):
+def test_in_a_kernel_generate_runs_off_the_main_thread_so_a_stop_click_can_arrive(
+    char_run, monkeypatch
+):
     """A widget callback on the kernel's main thread blocks every other message (the Stop click too) until it
     returns: in a kernel the Generate button hands the work to a thread and returns at once."""
     import gptlib.widgets as widgets
@@ -159,7 +168,8 @@ def test_enter_sends_the_message(chat_run):  # noqa: F811
     box = chatbox(chat_run)
     box.max_tokens.value = 12
     box.message.value = "Hi there"
-    box.message._handle_custom_msg({"event": "submit"}, [])  # what the front end sends when Enter is pressed
+    # what the front end sends when Enter is pressed
+    box.message._handle_custom_msg({"event": "submit"}, [])
     assert [r for r, _ in box.turns] == ["user", "assistant"] and box.message.value == ""
     assert box.send_button.description == "Send"  # the button still works too
 
@@ -181,11 +191,23 @@ class Browser:
         self.held: dict = {}  # widget -> its edits waiting for the kernel's answer to an earlier one
         self._arriving = None  # the value the kernel is being handed now (its other changes are the kernel's own)
         box.message.observe(self._kernel_set, names="value")
-        everything = module._instances if hasattr(module, "_instances") else W.Widget.widgets  # all, as a browser
-        for link in [w for w in list(everything.values())
-                     if isinstance(w, DirectionalLink) and w.target[0] is box.message]:  # links into the chat's box
-            (source, attr), (target, target_attr) = link.source, link.target  # the browser sets the link up: a copy
-            source.observe(lambda change, t=target, a=target_attr: self._edit(t, {a: list(change["new"])}), names=attr)
+        # all, as a browser
+        everything = module._instances if hasattr(module, "_instances") else W.Widget.widgets
+        # links into the chat's box
+        for link in [
+            w
+            for w in list(everything.values())
+            if isinstance(w, DirectionalLink) and w.target[0] is box.message
+        ]:
+            # the browser sets the link up: a copy
+            (source, attr), (target, target_attr) = (
+                link.source,
+                link.target,
+            )
+            source.observe(
+                lambda change, t=target, a=target_attr: self._edit(t, {a: list(change["new"])}),
+                names=attr,
+            )
             self._edit(target, {target_attr: list(getattr(source, attr))})
 
     def _kernel_set(self, change) -> None:
@@ -193,7 +215,8 @@ class Browser:
             self.text = change["new"]
 
     def _edit(self, widget, state: dict) -> None:
-        if widget in self.held:  # an edit is unanswered: this one waits, merged with the others waiting
+        # an edit is unanswered: this one waits, merged with the others waiting
+        if widget in self.held:
             self.held[widget].update(state)
         else:
             self.queue.append((widget, {"method": "update", "state": state, "buffer_paths": []}))
@@ -208,7 +231,9 @@ class Browser:
         self.queue.append((self.box.message, {"method": "custom", "content": {"event": "submit"}}))
 
     def click_send(self) -> None:
-        self.queue.append((self.box.send_button, {"method": "custom", "content": {"event": "click"}}))
+        self.queue.append(
+            (self.box.send_button, {"method": "custom", "content": {"event": "click"}})
+        )
 
     def run(self) -> None:
         """The kernel handles what was sent, in order; each answer to an edit releases that widget's waiting edits."""
@@ -245,8 +270,12 @@ def test_a_burst_of_keys_then_enter_sends_the_whole_message_once(chat_run):  # n
     browser.type("And the button?")  # Send waits for the letters too
     browser.click_send()
     browser.run()
-    assert user_turns(box) == ["Hello there", "And the button?"] and box.message.value == browser.text == ""
-    browser.type("Twice")  # Enter pressed twice before the kernel answers: sent once, and no error after it
+    assert (
+        user_turns(box) == ["Hello there", "And the button?"]
+        and box.message.value == browser.text == ""
+    )
+    # Enter pressed twice before the kernel answers: sent once, and no error after it
+    browser.type("Twice")
     browser.enter()
     browser.enter()
     browser.run()
@@ -286,7 +315,8 @@ def test_the_message_box_comes_back_after_an_error_or_an_interrupt(chat_run, tmp
     box.session().reply = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     box.message._handle_custom_msg({"event": "submit"}, [])
     assert "RuntimeError: boom" in box.status.value and box.turns == []
-    assert not box.message.disabled and box.message.value == "Hi there"  # not lost, and it can be edited
+    # not lost, and it can be edited
+    assert not box.message.disabled and box.message.value == "Hi there"
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt  # the notebook's stop button
@@ -294,11 +324,19 @@ def test_the_message_box_comes_back_after_an_error_or_an_interrupt(chat_run, tmp
     box.session().reply = interrupt
     with pytest.raises(KeyboardInterrupt):
         box.message._handle_custom_msg({"event": "submit"}, [])
-    assert not box.message.disabled and box.message.value == "Hi there" and "interrupted" in box.status.value
+    assert (
+        not box.message.disabled
+        and box.message.value == "Hi there"
+        and "interrupted" in box.status.value
+    )
     box = ChatBox(tmp_path / "no-run")  # an error before any reply: the checkpoint cannot be loaded
     box.message.value = "Hello"
     box.send_button.click()
-    assert "CheckpointError" in box.status.value and not box.message.disabled and box.message.value == "Hello"
+    assert (
+        "CheckpointError" in box.status.value
+        and not box.message.disabled
+        and box.message.value == "Hello"
+    )
 
 
 def test_the_message_box_says_messages_are_one_line(chat_run):  # noqa: F811
@@ -320,7 +358,9 @@ def test_each_message_is_shown_once_and_reset_clears_everything(chat_run):  # no
     reply = box.send("Hi there")
     data, _ = DisplayFormatter().format(box)
     assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == box.widget.model_id
-    assert data["text/plain"].count("Hi there") == 1 and data["text/plain"].count(reply.strip()) == 1
+    assert (
+        data["text/plain"].count("Hi there") == 1 and data["text/plain"].count(reply.strip()) == 1
+    )
     assert "you: Hi there" in data["text/plain"] and "model: " in data["text/plain"]
     box.reset_button.click()
     data, _ = DisplayFormatter().format(box)
@@ -333,7 +373,8 @@ def test_max_new_tokens_is_capped_where_the_user_sees_it(chat_run):  # noqa: F81
     assert box.max_tokens.value == 200
     box.send("Hi there")
     cap = 64 // 2  # half of the chat_run's 64-token context
-    assert box.max_tokens.max == cap and box.max_tokens.value == cap  # the slider cannot ask for more
+    # the slider cannot ask for more
+    assert box.max_tokens.max == cap and box.max_tokens.value == cap
     assert f"capped at {cap}" in box.status.value and "64-token context" in box.status.value
     box.send("And then?")
     assert box.session().reply_tokens <= cap and box.max_tokens.max == cap

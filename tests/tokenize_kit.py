@@ -30,7 +30,9 @@ def small_bpe(docs: list[str], directory: Path) -> Path:
 
 def split_tokens(meta: DatasetMeta, split: str) -> np.ndarray:
     """All tokens of a split, its shards in order."""
-    return np.concatenate([np.fromfile(p, dtype=meta.dtype.newbyteorder("<")) for p in meta.shard_paths(split)])
+    return np.concatenate(
+        [np.fromfile(p, dtype=meta.dtype.newbyteorder("<")) for p in meta.shard_paths(split)]
+    )
 
 
 def verified_meta(data_dir: Path) -> DatasetMeta:
@@ -40,7 +42,9 @@ def verified_meta(data_dir: Path) -> DatasetMeta:
         for r in (rec, rec.get("spans")):
             if r is not None:
                 got = hashlib.sha256((meta.data_dir / r["file"]).read_bytes()).hexdigest()
-                assert got == r["sha256"], f"{r['file']}: sha256 {got} differs from meta.json's {r['sha256']}"
+                assert got == r["sha256"], (
+                    f"{r['file']}: sha256 {got} differs from meta.json's {r['sha256']}"
+                )
     return meta
 
 
@@ -58,6 +62,7 @@ def kill_at_encode_call(monkeypatch, n: int):
         if calls["n"] == n:
             raise Killed()
         return real(self, texts)
+
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", encode)
     return real
 
@@ -74,10 +79,13 @@ def slow_flush(self):
     time.sleep(0.15)
 genc.ShardWriter.flush = slow_flush
 """
-SLOW_TOKENIZE = SLOW_PRELUDE + """
+SLOW_TOKENIZE = (
+    SLOW_PRELUDE
+    + """
 from gptlib.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
+)
 
 
 # Added to a child's prelude: every fsync takes 0.2 s more, so a shard's temp file stays on disk long enough for a

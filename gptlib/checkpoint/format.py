@@ -26,17 +26,47 @@ import torch
 from gptlib import __version__
 from gptlib.config import RunConfig
 from gptlib.errors import CheckpointError, UnreadableError
-from gptlib.fsutil import TMP_MARKER, atomic_write, atomic_write_json, fsync_dir, read_bytes_with_timeout
-from gptlib.layout import (CHECKPOINT_FILES, DAMAGED_MARKER, DELETING_MARKER, MANIFEST_FILE, MODEL_FILE, OLD_MARKER,
-                           PARTIAL_MARKER, STATE_FILE, TRAIN_STATE_FILE, checkpoint_name, checkpoints_dir,
-                           is_checkpoint_name, step_of)
+from gptlib.fsutil import (
+    TMP_MARKER,
+    atomic_write,
+    atomic_write_json,
+    fsync_dir,
+    read_bytes_with_timeout,
+)
+from gptlib.layout import (
+    CHECKPOINT_FILES,
+    DAMAGED_MARKER,
+    DELETING_MARKER,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    OLD_MARKER,
+    PARTIAL_MARKER,
+    STATE_FILE,
+    TRAIN_STATE_FILE,
+    checkpoint_name,
+    checkpoints_dir,
+    is_checkpoint_name,
+    step_of,
+)
 
-TRAIN_PARTS = ("optimizer", "scaler", "sampler", "rng")  # train_state.pt's; {} in a weights-only checkpoint
-MIN_KEEP_LAST = 2  # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
-DRIVE_LIST_TIMEOUT_S = 60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
+# train_state.pt's; {} in a weights-only checkpoint
+TRAIN_PARTS = (
+    "optimizer",
+    "scaler",
+    "sampler",
+    "rng",
+)
+MIN_KEEP_LAST = (
+    2  # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
+)
+DRIVE_LIST_TIMEOUT_S = (
+    60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
+)
 DRIVE_READ_STALL_S = 60.0  # a read from Drive that makes no progress for this long is abandoned
-DRIVE_ADVICE = ("Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
-                "force_remount=True)) and re-run")
+DRIVE_ADVICE = (
+    "Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
+    "force_remount=True)) and re-run"
+)
 ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
 
 
@@ -45,22 +75,28 @@ class TrainState:  # the run's progress: a checkpoint's "progress" part (state.j
     step: int = 0  # optimizer steps completed (the LR schedule's position)
     tokens_seen: int = 0  # training tokens consumed, over all sessions
     elapsed_s: float = 0.0  # training wall time, over all sessions
-    val_loss: float | None = None  # validation loss measured at `step`; None if this save did not validate
+    val_loss: float | None = (
+        None  # validation loss measured at `step`; None if this save did not validate
+    )
     best_val_loss: float | None = None
     best_step: int | None = None  # the step that reached it (rotation keeps that checkpoint)
     milestone: bool = False  # saved as a milestone (TrainConfig.keep_every): kept for good
     config: dict[str, Any] = field(default_factory=dict)  # the run's RunConfig.to_dict()
-    data: dict[str, Any] = field(default_factory=dict)  # DatasetMeta.identity(): resuming on other data is refused
+    # DatasetMeta.identity(): resuming on other data is refused
+    data: dict[str, Any] = field(default_factory=dict)
     data_dir: str = ""  # where the data was (the tokenizer's fallback location)
-    tokenizer: dict[str, Any] = field(default_factory=dict)  # tokenizer identity {kind, hash, vocab_size, file}
-    init_from: dict[str, Any] = field(default_factory=dict)  # the weights the run started from (--init-from, import-hf)
-    data_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes on other data (--allow-data-change)
+    # tokenizer identity {kind, hash, vocab_size, file}
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    # the weights the run started from (--init-from, import-hf)
+    init_from: dict[str, Any] = field(default_factory=dict)
+    # resumes on other data (--allow-data-change)
+    data_changes: list[dict[str, Any]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        # Unknown fields, an older state.json's "rng" and "pending_losses" (issue 27 dropped both), are ignored.
+        # Fields this gptlib does not have (an earlier one's "rng" and "pending_losses") are ignored.
         for f in dataclasses.fields(self):
             if f.name in d:
                 setattr(self, f.name, d[f.name])
@@ -68,10 +104,16 @@ class TrainState:  # the run's progress: a checkpoint's "progress" part (state.j
     @classmethod
     def from_json(cls, d: Any, source: str) -> "TrainState":
         """A state.json's contents; CheckpointError if they are not a training checkpoint's."""
-        missing = [name for name in ("step", "tokens_seen", "config") if not isinstance(d, dict) or name not in d]
+        missing = [
+            name
+            for name in ("step", "tokens_seen", "config")
+            if not isinstance(d, dict) or name not in d
+        ]
         if missing:
-            raise CheckpointError(f"{source}: field {missing[0]!r} is missing (not a gptlib training checkpoint, or "
-                                  f"damaged); resume from another checkpoint or start a new run directory")
+            raise CheckpointError(
+                f"{source}: field {missing[0]!r} is missing (not a gptlib training checkpoint, or "
+                f"damaged); resume from another checkpoint or start a new run directory"
+            )
         state = cls()
         state.load_state_dict(d)
         return state
@@ -90,7 +132,8 @@ class RNG:
     def state_dict(self) -> dict[str, Any]:
         state = {"torch_cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
-            state["torch_cuda"] = torch.cuda.get_rng_state(self.device)  # host-side seed/offset: no device sync
+            # host-side seed/offset: no device sync
+            state["torch_cuda"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -99,7 +142,8 @@ class RNG:
         if cuda is None or self.device.type != "cuda":
             return
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        if isinstance(cuda, (list, tuple)):  # before issue 26: one state per GPU the process saw; ours, else GPU 0's
+        # an earlier gptlib saved one state per GPU the process saw: ours, else GPU 0's
+        if isinstance(cuda, (list, tuple)):
             cuda = cuda[index] if index < len(cuda) else cuda[0]
         torch.cuda.set_rng_state(cuda, torch.device("cuda", index))
 
@@ -115,19 +159,33 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     train = {k: ckpt.get(k) or {} for k in TRAIN_PARTS}
     if ckpt.get("sampler_ranks") is not None:
         train["sampler_ranks"] = ckpt["sampler_ranks"]
-    files = {MODEL_FILE: lambda f: torch.save(ckpt["model"], f), TRAIN_STATE_FILE: lambda f: torch.save(train, f),
-             STATE_FILE: lambda f: f.write((json.dumps(ckpt["progress"], indent=2) + "\n").encode())}
-    files |= {name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()}
+    files = {
+        MODEL_FILE: lambda f: torch.save(ckpt["model"], f),
+        TRAIN_STATE_FILE: lambda f: torch.save(train, f),
+        STATE_FILE: lambda f: f.write((json.dumps(ckpt["progress"], indent=2) + "\n").encode()),
+    }
+    files |= {
+        name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()
+    }
     try:
         records = {name: _write_hashed(partial / name, write) for name, write in files.items()}
         # format_version: what gptlib 0.1.0 checks before reading; gptlib_version: the gptlib that wrote it
-        atomic_write_json(partial / MANIFEST_FILE, {"format_version": 1, "gptlib_version": __version__, "step": step,
-                                                    "time": time.time(), "files": records})
+        atomic_write_json(
+            partial / MANIFEST_FILE,
+            {
+                "format_version": 1,
+                "gptlib_version": __version__,
+                "step": step,
+                "time": time.time(),
+                "files": records,
+            },
+        )
         install(partial, final)
     except BaseException as e:
         full = _disk_nearly_full(root)  # measured before the partial files are removed
         shutil.rmtree(partial, ignore_errors=True)
-        if full and getattr(e, "errno", None) != errno.ENOSPC:  # torch says "enforce fail at inline_container.cc ...
+        # torch says "enforce fail at inline_container.cc ...
+        if full and getattr(e, "errno", None) != errno.ENOSPC:
             # unexpected pos": nothing a user can act on (the chained error keeps it for a debugger)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root)) from e
         raise
@@ -189,23 +247,40 @@ def load_checkpoint(path: Path) -> dict:
     data = {}
     for name, rec in info.manifest["files"].items():
         data[name] = read_bytes_with_timeout(path / name, DRIVE_READ_STALL_S)
-        check_file(path / name, (len(data[name]), hashlib.sha256(data[name]).hexdigest()), rec["size"], rec["sha256"])
-    model, train = (_safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE))
+        check_file(
+            path / name,
+            (len(data[name]), hashlib.sha256(data[name]).hexdigest()),
+            rec["size"],
+            rec["sha256"],
+        )
+    model, train = (
+        _safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)
+    )
     try:
         state = json.loads(data.pop(STATE_FILE))
     except ValueError as e:  # bad JSON or UTF-8
         raise CheckpointError(f"{path / STATE_FILE}: unreadable ({e})") from None
     progress = TrainState.from_json(state, str(path / STATE_FILE))
-    if progress.step != info.step:  # state.json edited and its hash with it: the manifest's step is the directory's
-        raise CheckpointError(f"{path / STATE_FILE}: step {progress.step!r} but its checkpoint is step {info.step:,} "
-                              f"(manifest and directory name); damaged or mixed up, so it is passed over")
-    return {"model": model, **{k: train.get(k) or {} for k in TRAIN_PARTS}, "progress": progress.state_dict(),
-            "sampler_ranks": train.get("sampler_ranks"), "logs": data}
+    # state.json edited and its hash with it: the manifest's step is the directory's
+    if progress.step != info.step:
+        raise CheckpointError(
+            f"{path / STATE_FILE}: step {progress.step!r} but its checkpoint is step {info.step:,} "
+            f"(manifest and directory name); damaged or mixed up, so it is passed over"
+        )
+    return {
+        "model": model,
+        **{k: train.get(k) or {} for k in TRAIN_PARTS},
+        "progress": progress.state_dict(),
+        "sampler_ranks": train.get("sampler_ranks"),
+        "logs": data,
+    }
 
 
 def check_file(f: Path, got: tuple[int, str], size: int, sha256: str) -> None:
     if got[0] != size:
-        raise CheckpointError(f"{f}: {got[0]:,} bytes, manifest says {size:,} (truncated or incomplete)")
+        raise CheckpointError(
+            f"{f}: {got[0]:,} bytes, manifest says {size:,} (truncated or incomplete)"
+        )
     if got[1] != sha256:
         raise CheckpointError(f"{f}: sha256 differs from the manifest (corrupted)")
 
@@ -215,7 +290,9 @@ def _safe_load(data: bytes, where: Path) -> Any:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means an unusable file
         first = (str(e).splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{where}: cannot load safely ({type(e).__name__}: {first})") from None
+        raise CheckpointError(
+            f"{where}: cannot load safely ({type(e).__name__}: {first})"
+        ) from None
 
 
 @dataclass
@@ -236,8 +313,10 @@ def read_manifest(path: Path) -> dict:
     try:
         regular = stat.S_ISREG(mpath.stat().st_mode)
     except FileNotFoundError:
-        raise UnreadableError(f"{mpath} is not there now (a Drive that does not answer or is still syncing; a save "
-                              f"never leaves a checkpoint without it)") from None
+        raise UnreadableError(
+            f"{mpath} is not there now (a Drive that does not answer or is still syncing; a save "
+            f"never leaves a checkpoint without it)"
+        ) from None
     if not regular:
         raise UnreadableError(f"{mpath} is not a regular file now (a Drive that does not answer?)")
     try:
@@ -252,19 +331,29 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
     try:
         files, step = manifest["files"], manifest["step"]
         if step_of(path) not in (None, step):
-            raise CheckpointError(f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up")
+            raise CheckpointError(
+                f"{mpath}: step {step!r} is not the directory's ({path.name}): damaged or mixed up"
+            )
         if missing := [name for name in CHECKPOINT_FILES if name not in files]:
             raise CheckpointError(f"{mpath}: does not list {missing[0]}")
         for name in files:  # before touching any file: a crafted manifest must not reach outside
             if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
-                raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
+                raise CheckpointError(
+                    f"{mpath}: file name {name!r} is not a plain name inside the checkpoint"
+                )
         for name, rec in files.items():
-            if not (path / name).is_file():  # not there, or not a regular file: not known to be damaged
-                raise UnreadableError(f"{path / name}: listed in the manifest but not a file there now (a Drive "
-                                      f"that does not answer or is still syncing?)")
+            if not (
+                path / name
+            ).is_file():  # not there, or not a regular file: not known to be damaged
+                raise UnreadableError(
+                    f"{path / name}: listed in the manifest but not a file there now (a Drive "
+                    f"that does not answer or is still syncing?)"
+                )
             if (size := (path / name).stat().st_size) != rec["size"]:
-                raise CheckpointError(f"{path / name}: size {size:,} bytes, manifest says {rec['size']:,} "
-                                      f"(truncated or incomplete)")
+                raise CheckpointError(
+                    f"{path / name}: size {size:,} bytes, manifest says {rec['size']:,} "
+                    f"(truncated or incomplete)"
+                )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{mpath}: malformed manifest ({type(e).__name__}: {e})") from None
     return CheckpointInfo(path=path, step=step, manifest=manifest)
@@ -274,7 +363,11 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)), key=step_of, reverse=True)
+    return sorted(
+        (p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)),
+        key=step_of,
+        reverse=True,
+    )
 
 
 def load_model_weights(path: Path, rec: dict | None = None) -> dict[str, torch.Tensor]:
@@ -286,17 +379,23 @@ def load_model_weights(path: Path, rec: dict | None = None) -> dict[str, torch.T
     return _safe_load(data, f)
 
 
-def load_weights_into(model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path) -> None:
+def load_weights_into(
+    model: torch.nn.Module, sd: dict[str, torch.Tensor], source: str | Path
+) -> None:
     """load_state_dict, with an error naming the tensor and both shapes instead of torch's dump."""
     own = model.state_dict()
     missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
     if missing or unexpected:
-        raise CheckpointError(f"{source}: weights do not fit this model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]} (a different architecture?)")
+        raise CheckpointError(
+            f"{source}: weights do not fit this model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (a different architecture?)"
+        )
     for k, v in own.items():
         if tuple(sd[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
-                                  f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)")
+            raise CheckpointError(
+                f"{source}: {k} has shape {tuple(sd[k].shape)} in the checkpoint but "
+                f"{tuple(v.shape)} in this model (different block_size/vocab_size/n_embd?)"
+            )
     model.load_state_dict(sd)
 
 

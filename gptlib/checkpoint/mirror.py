@@ -12,19 +12,50 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import (check_file, install, list_checkpoints, read_manifest, remove_tree,
-                                      verify_checkpoint)
+from gptlib.checkpoint.format import (
+    check_file,
+    install,
+    list_checkpoints,
+    read_manifest,
+    remove_tree,
+    verify_checkpoint,
+)
 from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, LeaseLost, loud
-from gptlib.fsutil import Progress, atomic_write_bytes, call_with_timeout, clean_temp_files, copy_hashing, fsync_dir
-from gptlib.layout import MANIFEST_FILE, MIRRORED_FILES, PARTIAL_MARKER, checkpoint_name, checkpoints_dir, step_of
+from gptlib.fsutil import (
+    Progress,
+    atomic_write_bytes,
+    call_with_timeout,
+    clean_temp_files,
+    copy_hashing,
+    fsync_dir,
+)
+from gptlib.layout import (
+    MANIFEST_FILE,
+    MIRRORED_FILES,
+    PARTIAL_MARKER,
+    checkpoint_name,
+    checkpoints_dir,
+    step_of,
+)
 
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
-MIRROR_STALL_TIMEOUT_S = 180.0  # an attempt with no progress for this long is a hung Drive: abandoned
-MIRROR_CLOSE_TIMEOUT_S = 600.0  # at the end of training, wait at most this long for the last Drive copy
-MIRROR_TIDY_TIMEOUT_S = 60.0  # rotating the mirror and copying the run's logs there: give up after this
+MIRROR_STALL_TIMEOUT_S = (
+    180.0  # an attempt with no progress for this long is a hung Drive: abandoned
+)
+MIRROR_CLOSE_TIMEOUT_S = (
+    600.0  # at the end of training, wait at most this long for the last Drive copy
+)
+MIRROR_TIDY_TIMEOUT_S = (
+    60.0  # rotating the mirror and copying the run's logs there: give up after this
+)
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
-NO_MIRROR_STATUS = {"mirror_step": None, "mirror_error": None, "mirror_failures": 0, "mirror_missing": None}
+NO_MIRROR_STATUS = {
+    "mirror_step": None,
+    "mirror_error": None,
+    "mirror_failures": 0,
+    "mirror_missing": None,
+}
 
 
 def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress) -> None:
@@ -32,7 +63,9 @@ def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: P
     check_file(src, copy_hashing(src, dst, progress), size, sha256)
 
 
-def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None = None, reuse: bool = True) -> Path:
+def mirror_checkpoint(
+    src: Path, mirror_run_dir: Path, progress: Progress | None = None, reuse: bool = True
+) -> Path:
     """Copied under a temp name, manifest last, then renamed; nothing is read back. reuse: keep a copy already there
     with the same manifest (not at resume: it may be a damaged one)."""
     progress = progress or Progress()
@@ -54,7 +87,8 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
         verify_checkpoint(partial)  # sizes only: what the copy wrote was hashed as it was read
         progress.tick()
     except BaseException:
-        with suppress(OSError):  # best effort (Drive may be gone); leftovers are removed by the next rotation
+        # best effort (Drive may be gone); leftovers are removed by the next rotation
+        with suppress(OSError):
             remove_tree(partial, truncate=True)
         raise
     install(partial, final, truncate=True)
@@ -62,9 +96,22 @@ def mirror_checkpoint(src: Path, mirror_run_dir: Path, progress: Progress | None
 
 
 class Mirror:
-    def __init__(self, run_dir: Path, mirror_dir: Path, keep_last: int, keep_every: int,
-                 guard: Callable[[Path], None], unreadable: set[Path] = frozenset(), listed_step: int | None = None):
-        self.run_dir, self.mirror_dir, self.keep_last, self.keep_every = run_dir, mirror_dir, keep_last, keep_every
+    def __init__(
+        self,
+        run_dir: Path,
+        mirror_dir: Path,
+        keep_last: int,
+        keep_every: int,
+        guard: Callable[[Path], None],
+        unreadable: set[Path] = frozenset(),
+        listed_step: int | None = None,
+    ):
+        self.run_dir, self.mirror_dir, self.keep_last, self.keep_every = (
+            run_dir,
+            mirror_dir,
+            keep_last,
+            keep_every,
+        )
         self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
         self.listed_step = listed_step  # the newest step listed on the mirror at resume
@@ -72,14 +119,17 @@ class Mirror:
         self.error: str | None = None  # the last failure, until a copy succeeds
         self.failures = 0
         self._cv = threading.Condition()  # guards what follows
-        self._pending: Path | None = None  # newest local checkpoint not yet copied (a newer one replaces it)
+        self._pending: Path | None = (
+            None  # newest local checkpoint not yet copied (a newer one replaces it)
+        )
         self._newest: int | None = None  # the newest step given to copy: Drive must end with it
         self._milestones: list[Path] = []  # not yet copied, oldest first, copied after _pending
         self._milestones_paused = False  # after a failed copy, until the next checkpoint
         self._best_step: int | None = None  # what mirror rotation must keep
         self._busy: Path | None = None
         self._closing = False
-        self._copying: Callable[[], str] = lambda: "starting"  # the copy now: "step_N, X of Y MB copied"
+        # the copy now: "step_N, X of Y MB copied"
+        self._copying: Callable[[], str] = lambda: "starting"
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
@@ -130,7 +180,8 @@ class Mirror:
             with self._cv:
                 if outcome == "copied":
                     self._milestones = [m for m in self._milestones if m != path]
-                elif outcome == "failed":  # Drive is failing: milestones wait for the next save, not a loop
+                # Drive is failing: milestones wait for the next save, not a loop
+                elif outcome == "failed":
                     self._milestones_paused = True
                 self._busy = None
                 self._cv.notify_all()
@@ -143,12 +194,19 @@ class Mirror:
             progress = Progress()  # per attempt: an abandoned one stays cancelled
             try:
                 total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
-                self._copying = lambda: f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
+                self._copying = lambda progress=progress, total=total: (
+                    f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
+                )
                 self.guard(self.mirror_dir)
-                call_with_timeout(lambda: mirror_checkpoint(path, self.mirror_dir, progress), MIRROR_STALL_TIMEOUT_S,
-                                  progress)
+                call_with_timeout(
+                    lambda progress=progress: mirror_checkpoint(path, self.mirror_dir, progress),
+                    MIRROR_STALL_TIMEOUT_S,
+                    progress,
+                )
                 if self.error is not None:
-                    loud(f"Drive copy OK again: {checkpoint_name(step)} verified in {self.mirror_dir}")
+                    loud(
+                        f"Drive copy OK again: {checkpoint_name(step)} verified in {self.mirror_dir}"
+                    )
                 self.error = None
                 self.last_step = max(step, self.last_step or 0)
                 self._tidy(path)
@@ -161,29 +219,49 @@ class Mirror:
                 self.failures += 1
                 self.error = f"{type(e).__name__}: {e}"
                 if attempt == attempts:
-                    loud(f"!! DRIVE COPY FAILED for {checkpoint_name(step)} after {attempts} attempts: {self.error}. "
-                         f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
-                         f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again.")
+                    loud(
+                        f"!! DRIVE COPY FAILED for {checkpoint_name(step)} after {attempts} attempts: {self.error}. "
+                        f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
+                        f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again."
+                    )
                     return "failed"
                 delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
-                loud(f"!! Drive copy of {checkpoint_name(step)} failed (attempt {attempt}/{attempts}): {self.error}; "
-                     f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})")
-                with self._cv:  # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
-                    if self._cv.wait_for(lambda: self._pending is not None and step_of(self._pending) > step,
-                                         timeout=delay):
+                loud(
+                    f"!! Drive copy of {checkpoint_name(step)} failed (attempt {attempt}/{attempts}): {self.error}; "
+                    f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})"
+                )
+                # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
+                with self._cv:
+                    if self._cv.wait_for(
+                        lambda: self._pending is not None and step_of(self._pending) > step,
+                        timeout=delay,
+                    ):
                         return "superseded"
 
     def _newest_on_drive(self) -> str:
         if self.last_step is not None:
             return f"step {self.last_step:,}"
-        return "none yet" if self.listed_step is None else f"step {self.listed_step:,} (found there at start)"
+        return (
+            "none yet"
+            if self.listed_step is None
+            else f"step {self.listed_step:,} (found there at start)"
+        )
 
     def _tidy(self, path: Path) -> None:
         """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
+
         def tidy():  # the newest best_step: a milestone copied late must not drop today's best
-            rotate(self.mirror_dir, self.keep_last, self._best_step, truncate=True,  # also cleans checkpoint orphans
-                   keep_every=self.keep_every, protect=self.unreadable, newest=self.last_step)
-            clean_temp_files(self.mirror_dir)  # run-level ones too: this thread is the mirror's only writer
+            rotate(
+                self.mirror_dir,
+                self.keep_last,
+                self._best_step,
+                truncate=True,  # also cleans checkpoint orphans
+                keep_every=self.keep_every,
+                protect=self.unreadable,
+                newest=self.last_step,
+            )
+            # run-level ones too: this thread is the mirror's only writer
+            clean_temp_files(self.mirror_dir)
             if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
                 return  # the mirror holds newer checkpoints (unreadable at resume): its plot goes with them
             for name in MIRRORED_FILES:  # written atomically: a kill leaves a temp file
@@ -191,20 +269,32 @@ class Mirror:
                     atomic_write_bytes(self.mirror_dir / name, (self.run_dir / name).read_bytes())
 
         try:
-            call_with_timeout(tidy, MIRROR_TIDY_TIMEOUT_S, what=f"Drive clean-up in {self.mirror_dir}")
+            call_with_timeout(
+                tidy, MIRROR_TIDY_TIMEOUT_S, what=f"Drive clean-up in {self.mirror_dir}"
+            )
         except Exception as e:  # noqa: BLE001 - the checkpoint is on Drive; this is housekeeping
-            loud(f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
-                 f"itself is on Drive and verified; old checkpoints there may stay until the next copy")
+            loud(
+                f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
+                f"itself is on Drive and verified; old checkpoints there may stay until the next copy"
+            )
 
     def missing_step(self) -> int | None:
         """The newest checkpoint given to copy, while Drive does not have it (None: it has, or none was given)."""
         with self._cv:
             newest = self._newest
-        return newest if newest is not None and (self.last_step is None or self.last_step < newest) else None
+        return (
+            newest
+            if newest is not None and (self.last_step is None or self.last_step < newest)
+            else None
+        )
 
     def status(self) -> dict:
-        return {"mirror_step": self.last_step, "mirror_error": self.error, "mirror_failures": self.failures,
-                "mirror_missing": self.missing_step()}
+        return {
+            "mirror_step": self.last_step,
+            "mirror_error": self.error,
+            "mirror_failures": self.failures,
+            "mirror_missing": self.missing_step(),
+        }
 
     def status_line(self) -> str:
         if self.error:
@@ -225,8 +315,10 @@ class Mirror:
             while self._thread.is_alive() and time.monotonic() < deadline:
                 self._thread.join(min(MIRROR_WAIT_REPORT_S, max(0.0, deadline - time.monotonic())))
                 if self._thread.is_alive() and time.monotonic() < deadline:
-                    loud(f"waiting for the Drive copy: {self._copying()}; {deadline - time.monotonic():.0f} s "
-                         f"left (Ctrl-C stops waiting; the checkpoint is safe on the local disk, {self.run_dir})")
+                    loud(
+                        f"waiting for the Drive copy: {self._copying()}; {deadline - time.monotonic():.0f} s "
+                        f"left (Ctrl-C stops waiting; the checkpoint is safe on the local disk, {self.run_dir})"
+                    )
         except KeyboardInterrupt:
             # the copy goes on; is_alive() may say otherwise (CPython marks the thread of an interrupted join stopped)
             stopped_by = "at Ctrl-C"
@@ -237,15 +329,21 @@ class Mirror:
             with self._cv:
                 self._closing = False
         if stopped_by:
-            loud(f"!! stopped waiting for Drive {stopped_by}, while copying {self._copying()}; the copy goes on in the "
-                 f"background while this process lives; the checkpoints are safe in {self.run_dir}, and re-running "
-                 f"training copies them to Drive")
+            loud(
+                f"!! stopped waiting for Drive {stopped_by}, while copying {self._copying()}; the copy goes on in the "
+                f"background while this process lives; the checkpoints are safe in {self.run_dir}, and re-running "
+                f"training copies them to Drive"
+            )
         if (missing := self.missing_step()) is not None:
-            loud(f"!! the newest checkpoint (step {missing}) is NOT on Drive ({self.mirror_dir}), only in "
-                 f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.error}. "
-                 f"Re-run training (it resumes from the local checkpoint and copies it) once Drive works.")
+            loud(
+                f"!! the newest checkpoint (step {missing}) is NOT on Drive ({self.mirror_dir}), only in "
+                f"{self.run_dir} (lost if this VM goes away). Last Drive error: {self.error}. "
+                f"Re-run training (it resumes from the local checkpoint and copies it) once Drive works."
+            )
         with self._cv:
             left = [step_of(p) for p in self._milestones]
         if left:
-            loud(f"!! milestone checkpoints {left} are NOT on Drive yet, only in {self.run_dir}; re-running "
-                 f"training copies them once Drive works")
+            loud(
+                f"!! milestone checkpoints {left} are NOT on Drive yet, only in {self.run_dir}; re-running "
+                f"training copies them once Drive works"
+            )

@@ -13,9 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gptlib.checkpoint.format import (DRIVE_ADVICE, DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo,
-                                      TrainState, list_checkpoints, load_checkpoint, remove_tree, set_aside,
-                                      verify_checkpoint)
+from gptlib.checkpoint.format import (
+    DRIVE_ADVICE,
+    DRIVE_LIST_TIMEOUT_S,
+    DRIVE_READ_STALL_S,
+    CheckpointInfo,
+    TrainState,
+    list_checkpoints,
+    load_checkpoint,
+    remove_tree,
+    set_aside,
+    verify_checkpoint,
+)
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
@@ -33,7 +42,8 @@ class Resume:
     info: CheckpointInfo  # the checkpoint on the local disk (a Drive one is copied there first)
     origin: Path  # where it was found: the local run dir or the Drive mirror
     checkpoint: dict  # load_checkpoint's dict, for the run's parts to load
-    data_change: dict = field(default_factory=dict)  # resumed on other tokens (--allow-data-change): what changed
+    # resumed on other tokens (--allow-data-change): what changed
+    data_change: dict = field(default_factory=dict)
 
     @property
     def state(self) -> TrainState:
@@ -46,47 +56,69 @@ class Resume:
 
 @dataclass
 class Passed:  # what a resume passed over: the damaged checkpoints are set aside, the unreadable ones never touched
-    damaged: dict[Path, bytes | None] = field(default_factory=dict)  # -> its manifest as read when judged
-    unreadable: dict[Path, str] = field(default_factory=dict)  # checkpoint or unlistable location -> the error
-    mirror_step: int | None = None  # the newest step listed on the mirror (for messages before a copy lands)
+    # -> its manifest as read when judged
+    damaged: dict[Path, bytes | None] = field(default_factory=dict)
+    # checkpoint or unlistable location -> the error
+    unreadable: dict[Path, str] = field(default_factory=dict)
+    mirror_step: int | None = (
+        None  # the newest step listed on the mirror (for messages before a copy lands)
+    )
 
 
-def find_resume(run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False,
-                check: Callable[[dict, Path], None] = lambda ck, path: None) -> tuple[Resume | None, Passed]:
+def find_resume(
+    run_dir: Path,
+    mirror_dir: Path | None,
+    log,
+    skip_unreadable: bool = False,
+    check: Callable[[dict, Path], None] = lambda ck, path: None,
+) -> tuple[Resume | None, Passed]:
     """-> (None: a new run). `check(checkpoint, path)` raises CheckpointError for one that cannot resume this run. A
     newer one that could not be read (on a fresh Colab VM, Drive holds the only copy) is waited for; then training
     stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
-    for attempt in itertools.count(1):
+    for attempt in itertools.count(1):  # noqa: B007 - the stop message says how many looks it took
         resume, passed = _search(run_dir, mirror_dir, log, check)
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
         unread = "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
-        on_drive = any(not p.is_relative_to(run_dir) for p in passed.unreadable)  # the local disk will not change
+        # the local disk will not change
+        on_drive = any(not p.is_relative_to(run_dir) for p in passed.unreadable)
         left = deadline - time.monotonic()
         if not unread or skip_unreadable or left <= 0 or not on_drive:
             break
-        loud(f"!! could not read {unread}; not going on from {start} while a newer checkpoint may be there: trying "
-             f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)")
+        loud(
+            f"!! could not read {unread}; not going on from {start} while a newer checkpoint may be there: trying "
+            f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)"
+        )
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
     if unread and not skip_unreadable:
         for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
             remove_tree(checkpoints_dir(run_dir) / name)
-        tried, advice = (f"tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s", DRIVE_ADVICE) if on_drive else \
-            ("on the local disk", f"Look at it, or move it out of {checkpoints_dir(run_dir)} if it is not needed")
+        tried, advice = (
+            (f"tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s", DRIVE_ADVICE)
+            if on_drive
+            else (
+                "on the local disk",
+                f"Look at it, or move it out of {checkpoints_dir(run_dir)} if it is not needed",
+            )
+        )
         raise CheckpointError(
             f"could not read {unread} ({tried}): a newer checkpoint may be there, so training did not start and "
             f"nothing was changed. {advice}; to go on from {start} anyway, pass --skip-unreadable "
-            f"(train(..., skip_unreadable=True)): those checkpoints are kept")
+            f"(train(..., skip_unreadable=True)): those checkpoints are kept"
+        )
     if unread:
-        loud(f"!! could not read {unread}. --skip-unreadable: training goes on from {start}; those checkpoints are "
-             f"left where they are (this run never deletes them)")
+        loud(
+            f"!! could not read {unread}. --skip-unreadable: training goes on from {start}; those checkpoints are "
+            f"left where they are (this run never deletes them)"
+        )
     if resume is None and passed.damaged:
         log(f"no checkpoint could be loaded ({len(passed.damaged)} damaged): starting from scratch")
     return resume, passed
 
 
-def _search(run_dir: Path, mirror_dir: Path | None, log,
-            check: Callable[[dict, Path], None]) -> tuple[Resume | None, Passed]:
+def _search(
+    run_dir: Path, mirror_dir: Path | None, log, check: Callable[[dict, Path], None]
+) -> tuple[Resume | None, Passed]:
     """One look (at equal steps the local one wins)."""
     passed, found = Passed(), []
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
@@ -117,8 +149,12 @@ def _load(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Res
     local = path
     if not path.is_relative_to(run_dir):
         progress = Progress()
-        local = call_with_timeout(lambda: mirror_checkpoint(path, run_dir, progress, reuse=False),
-                                  DRIVE_READ_STALL_S, progress, what=f"reading {path}")
+        local = call_with_timeout(
+            lambda: mirror_checkpoint(path, run_dir, progress, reuse=False),
+            DRIVE_READ_STALL_S,
+            progress,
+            what=f"reading {path}",
+        )
     try:
         checkpoint = load_checkpoint(local)
         check(checkpoint, local)
@@ -154,7 +190,9 @@ def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
             if seen is None or _manifest_bytes(p) != seen:
                 log(f"{p} was found damaged at resume but looks different now: left as it is")
                 continue
-            aside = call_with_timeout(lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}")
+            aside = call_with_timeout(
+                lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}"
+            )
             log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
         except OSError as e:
             loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
@@ -169,7 +207,9 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
     """ConfigError naming what changed; with allow_change (tokens only) -> the change for state.json ({}: none).
     Fields an older checkpoint did not record are not compared."""
     was = resume.state.data
-    changed = {k: (was[k], now) for k, now in meta.identity().items() if was.get(k) not in (None, now)}
+    changed = {
+        k: (was[k], now) for k, now in meta.identity().items() if was.get(k) not in (None, now)
+    }
     if not changed:
         return {}
     what = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items())
@@ -177,8 +217,17 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
     if any(k not in TOKEN_FIELDS for k in changed):
         raise ConfigError(f"{where}; resume with the same data or use a new run directory")
     if not allow_change:
-        raise ConfigError(f"{where}; resume with the same data, use a new run directory, or pass --allow-data-change "
-                          f"(train(..., allow_data_change=True)) to go on with this data (recorded in the run's state)")
-    log(f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "
-        f"state.json's data_changes)")
-    return {"step": resume.state.step, "data_dir": str(meta.data_dir), "was": was, "now": meta.identity()}
+        raise ConfigError(
+            f"{where}; resume with the same data, use a new run directory, or pass --allow-data-change "
+            f"(train(..., allow_data_change=True)) to go on with this data (recorded in the run's state)"
+        )
+    log(
+        f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "
+        f"state.json's data_changes)"
+    )
+    return {
+        "step": resume.state.step,
+        "data_dir": str(meta.data_dir),
+        "was": was,
+        "now": meta.identity(),
+    }

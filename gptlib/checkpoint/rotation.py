@@ -7,13 +7,21 @@ import json
 from contextlib import suppress
 from pathlib import Path
 
-from gptlib.checkpoint.format import (MIN_KEEP_LAST, ORPHAN_MARKERS, CheckpointError, list_checkpoints, remove_tree,
-                                      verify_checkpoint)
+from gptlib.checkpoint.format import (
+    MIN_KEEP_LAST,
+    ORPHAN_MARKERS,
+    CheckpointError,
+    list_checkpoints,
+    remove_tree,
+    verify_checkpoint,
+)
 from gptlib.fsutil import clean_temp_files
 from gptlib.layout import DAMAGED_MARKER, STATE_FILE, checkpoint_name, checkpoints_dir, step_of
 
 
-def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool = True) -> list[Path]:
+def clean_orphans(
+    run_dir: str | Path, truncate: bool = False, run_level: bool = True
+) -> list[Path]:
     """Remove leftovers of interrupted saves, copies and deletions -> what was removed. run_level: also temp files in
     run_dir (only at start-up: during training the loop writes such files itself)."""
     removed = []
@@ -25,20 +33,28 @@ def clean_orphans(run_dir: str | Path, truncate: bool = False, run_level: bool =
             else:
                 p.unlink(missing_ok=True)
             removed.append(p)
-        elif p.is_dir():  # temp files inside a finished checkpoint (a kill during a same-step re-save)
+        # temp files inside a finished checkpoint (a kill during a same-step re-save)
+        elif p.is_dir():
             removed += clean_temp_files(p)
     if run_level:
         removed += clean_temp_files(run_dir)
     return removed
 
 
-def prune_damaged(run_dir: str | Path, truncate: bool = False) -> tuple[Path | None, list[tuple[Path, int]]]:
+def prune_damaged(
+    run_dir: str | Path, truncate: bool = False
+) -> tuple[Path | None, list[tuple[Path, int]]]:
     """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest is kept for its owner to look at; the
     older ones are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the one kept, the removed
     ones with their sizes in bytes)."""
     root = checkpoints_dir(run_dir)
-    aside = [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()] if root.is_dir() else []
-    aside.sort(key=lambda p: (p.name.split(DAMAGED_MARKER)[1], step_of(p)))  # by the time it was set aside
+    aside = (
+        [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()]
+        if root.is_dir()
+        else []
+    )
+    # by the time it was set aside
+    aside.sort(key=lambda p: (p.name.split(DAMAGED_MARKER)[1], step_of(p)))
     removed = []
     for p in aside[:-1]:
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
@@ -55,12 +71,24 @@ def marked_milestone(path: Path) -> bool:
     """state.json says milestone: kept even if keep_every changed since. OSError (a hung Drive): the caller keeps it."""
     try:
         return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
-    except (FileNotFoundError, ValueError, AttributeError):  # no state.json, or not JSON: not a marked milestone
+    # no state.json, or not JSON: not a marked milestone
+    except (
+        FileNotFoundError,
+        ValueError,
+        AttributeError,
+    ):
         return False
 
 
-def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: set[Path] = frozenset(),
-           truncate: bool = False, keep_every: int = 0, newest: int | None = None) -> list[Path]:
+def rotate(
+    run_dir: str | Path,
+    keep_last: int,
+    best_step: int | None,
+    protect: set[Path] = frozenset(),
+    truncate: bool = False,
+    keep_every: int = 0,
+    newest: int | None = None,
+) -> list[Path]:
     """-> what was deleted. One that does not verify does not count towards `keep_last`: a damaged newest never costs a
     good one. Never deleted: `protect` (in use, or unreadable at resume) and steps after `newest`."""
     ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
@@ -84,7 +112,8 @@ def rotate(run_dir: str | Path, keep_last: int, best_step: int | None, protect: 
     deleted = []
     for p in ckpts:
         with suppress(OSError):  # state.json unreadable now (a hung Drive): kept
-            if p not in keep and not marked_milestone(p):  # read only for deletion candidates (Drive is slow)
+            # read only for deletion candidates (Drive is slow)
+            if p not in keep and not marked_milestone(p):
                 remove_tree(p, truncate)
                 deleted.append(p)
     clean_orphans(run_dir, truncate, run_level=False)

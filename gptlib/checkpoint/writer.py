@@ -11,7 +11,12 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from gptlib.checkpoint.format import MIN_KEEP_LAST, list_checkpoints, save_checkpoint, verify_checkpoint
+from gptlib.checkpoint.format import (
+    MIN_KEEP_LAST,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.errors import CheckpointError, GptlibError, override
@@ -36,20 +41,43 @@ class CheckpointWriter:
     """Saves in a background thread, one save in flight. Its errors (a full disk) are raised at the next `save` or
     `wait`: a run that cannot save must not go on as if it could. Mirror errors are never raised here."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int = 2, keep_every: int = 0, log=print,
-                 mirror_dir: str | Path | None = None, guard: Callable[[Path], None] | None = None,
-                 unreadable: set[Path] = frozenset(), mirror_listed: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        keep_last: int = 2,
+        keep_every: int = 0,
+        log=print,
+        mirror_dir: str | Path | None = None,
+        guard: Callable[[Path], None] | None = None,
+        unreadable: set[Path] = frozenset(),
+        mirror_listed: int | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
-        self.guard = guard or (lambda directory: None)  # raises LeaseLost when this process may no longer write
-        self.unreadable = set(unreadable)  # checkpoints that could not be read at resume: never deleted
-        self.mirror = (Mirror(self.run_dir, Path(mirror_dir), keep_last, keep_every, self.guard, self.unreadable,
-                              mirror_listed) if mirror_dir is not None else None)
+        # raises LeaseLost when this process may no longer write
+        self.guard = guard or (lambda directory: None)
+        # checkpoints that could not be read at resume: never deleted
+        self.unreadable = set(unreadable)
+        self.mirror = (
+            Mirror(
+                self.run_dir,
+                Path(mirror_dir),
+                keep_last,
+                keep_every,
+                self.guard,
+                self.unreadable,
+                mirror_listed,
+            )
+            if mirror_dir is not None
+            else None
+        )
         self.last_saved: Path | None = None
         self.last_save = time.time()  # for save_every_minutes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._host: list[torch.Tensor] = []  # the host copy of the state, reused by every save (see _snapshot)
+        self._host: list[
+            torch.Tensor
+        ] = []  # the host copy of the state, reused by every save (see _snapshot)
 
     def _snapshot(self, obj: Any) -> Any:
         """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.5 GB is most of a
@@ -57,7 +85,9 @@ class CheckpointWriter:
         for gpt2-small's 1.5 GB; not measured on a GPU)."""
         unique: dict[tuple, torch.Tensor] = {}
         _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
-        if [(h.dtype, h.shape) for h in self._host] != [(t.dtype, t.shape) for t in unique.values()]:
+        if [(h.dtype, h.shape) for h in self._host] != [
+            (t.dtype, t.shape) for t in unique.values()
+        ]:
             self._host = [torch.empty(t.shape, dtype=t.dtype) for t in unique.values()]
         views = {key: host.copy_(src) for (key, src), host in zip(unique.items(), self._host)}
         return _map_tensors(obj, lambda t: views[_storage_key(t)])
@@ -66,14 +96,19 @@ class CheckpointWriter:
         self.wait()  # also frees the host buffers for reuse
         self.last_save = time.time()
         n_threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # a memory copy: as fast on one thread, and ~10x faster on a busy CPU
+        # a memory copy: as fast on one thread, and ~10x faster on a busy CPU
+        torch.set_num_threads(1)
         try:
             host = self._snapshot(ckpt)
         finally:
             torch.set_num_threads(n_threads)
         # the logs' byte counts now (the loop flushed them): the thread copies exactly this prefix
-        sizes = {n: (self.run_dir / n).stat().st_size for n in LOG_FILES if (self.run_dir / n).is_file()}
-        self._thread = threading.Thread(target=self._write, args=(host, sizes), daemon=True, name="gptlib-checkpoint")
+        sizes = {
+            n: (self.run_dir / n).stat().st_size for n in LOG_FILES if (self.run_dir / n).is_file()
+        }
+        self._thread = threading.Thread(
+            target=self._write, args=(host, sizes), daemon=True, name="gptlib-checkpoint"
+        )
         self._thread.start()
 
     def _write(self, ckpt: dict, sizes: dict[str, int]) -> None:
@@ -82,11 +117,21 @@ class CheckpointWriter:
             logs = {name: (self.run_dir / name).read_bytes()[:n] for name, n in sizes.items()}
             step, best_step = ckpt["progress"]["step"], ckpt["progress"]["best_step"]
             if milestone := is_milestone(step, self.keep_every):
-                ckpt["progress"]["milestone"] = True  # kept for good, even if keep_every changes later
+                ckpt["progress"]["milestone"] = (
+                    True  # kept for good, even if keep_every changes later
+                )
             self.last_saved = save_checkpoint(checkpoints_dir(self.run_dir), ckpt, logs)
-            protect = self.mirror.submit(self.last_saved, best_step, milestone) if self.mirror else set()
-            rotate(self.run_dir, self.keep_last, best_step, protect=protect | self.unreadable,
-                   keep_every=self.keep_every, newest=step)
+            protect = (
+                self.mirror.submit(self.last_saved, best_step, milestone) if self.mirror else set()
+            )
+            rotate(
+                self.run_dir,
+                self.keep_last,
+                best_step,
+                protect=protect | self.unreadable,
+                keep_every=self.keep_every,
+                newest=step,
+            )
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread
             self._error = e
 
@@ -105,28 +150,35 @@ class CheckpointWriter:
                 where = f"; the newest intact checkpoint is step {verify_checkpoint(path).step:,}"
                 break
         if getattr(e, "errno", None) != errno.ENOSPC:
-            raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: {e}{where}") from e
+            raise CheckpointError(
+                f"saving a checkpoint in {self.run_dir} failed: {e}{where}"
+            ) from e
         fewer = f" or lower keep_last (now {self.keep_last}: {override('keep_last=N')})"
         fewer = fewer if self.keep_last > MIN_KEEP_LAST else ""
         fix = f"free space there (old runs or checkpoints){fewer}, then re-run"
-        raise CheckpointError(f"saving a checkpoint in {self.run_dir} failed: the disk is full (no space left on its "
-                              f"device); {fix}{where}") from e
+        raise CheckpointError(
+            f"saving a checkpoint in {self.run_dir} failed: the disk is full (no space left on its "
+            f"device); {fix}{where}"
+        ) from e
 
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
         if self.mirror:
             self.mirror.queue_existing(path, best_step)
 
     def status(self) -> dict:
-        return {"local_step": step_of(self.last_saved) if self.last_saved else None,
-                **(self.mirror.status() if self.mirror else NO_MIRROR_STATUS)}
+        return {
+            "local_step": step_of(self.last_saved) if self.last_saved else None,
+            **(self.mirror.status() if self.mirror else NO_MIRROR_STATUS),
+        }
 
     def status_line(self) -> str:
         return self.mirror.status_line() if self.mirror else ""
 
-    def close(self, timeout: float | None = None, saving: ContextManager = contextlib.nullcontext()) -> dict:
-        """Wait for the local save (raising its error), then up to `timeout` for the mirror's copy -> status()."""
+    def close(self, timeout: float | None = None, saving: ContextManager | None = None) -> dict:
+        """Wait for the local save (raising its error; `saving`: the context to wait in), then up to `timeout` for
+        the mirror's copy -> status()."""
         try:
-            with saving:
+            with saving or contextlib.nullcontext():
                 self.wait()
         finally:
             self._host = []  # ~1.5 GB not held after training
@@ -135,10 +187,10 @@ class CheckpointWriter:
         return self.status()
 
 
-class NullCheckpointWriter(CheckpointWriter):  # DDP ranks other than 0: rank 0 alone writes checkpoints
+# DDP ranks other than 0: rank 0 alone writes checkpoints
+class NullCheckpointWriter(CheckpointWriter):
     def __init__(self):
         super().__init__(".")
 
     def save(self, ckpt: dict) -> None:
         self.last_save = time.time()
-

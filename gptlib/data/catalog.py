@@ -21,20 +21,37 @@ class KnownSource:
 DEMO = "Tiny Shakespeare (demo)"
 MY_FILES = "my files on Drive"
 SOURCES: dict[str, KnownSource] = {
-    DEMO: KnownSource(None, note="1.1 MB"),  # then how it was got: downloaded, or found in the cache
-    "TinyStories": KnownSource("hf://datasets/roneneldan/TinyStories/data/train-*.parquet", "text",
-                               note="~2.1M short stories, ~0.5B tokens: all of it"),
-    "FineWeb-Edu sample-10BT": KnownSource("hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet", "text",
-                                           max_tokens=2_800_000_000,
-                                           note="educational web pages (build-nanogpt's corpus), ~10B tokens"),
-    "OpenWebText": KnownSource("hf://datasets/Skylion007/openwebtext/plain_text/train-*.parquet", "text",
-                               max_tokens=2_800_000_000, note="nanoGPT's GPT-2 reproduction corpus, ~9B tokens"),
+    # then how it was got: downloaded, or found in the cache
+    DEMO: KnownSource(None, note="1.1 MB"),
+    "TinyStories": KnownSource(
+        "hf://datasets/roneneldan/TinyStories/data/train-*.parquet",
+        "text",
+        note="~2.1M short stories, ~0.5B tokens: all of it",
+    ),
+    "FineWeb-Edu sample-10BT": KnownSource(
+        "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet",
+        "text",
+        max_tokens=2_800_000_000,
+        note="educational web pages (build-nanogpt's corpus), ~10B tokens",
+    ),
+    "OpenWebText": KnownSource(
+        "hf://datasets/Skylion007/openwebtext/plain_text/train-*.parquet",
+        "text",
+        max_tokens=2_800_000_000,
+        note="nanoGPT's GPT-2 reproduction corpus, ~9B tokens",
+    ),
     "github-code (as the original author used it)": KnownSource(
-        "hf://datasets/codeparrot/github-code/data/train-*.parquet", "code", max_tokens=2_800_000_000,
-        note="source files in 30 languages, column `code`: 2.8B tokens is about 10 GB of its parquet"),
-    "UltraChat-200k (chat)": KnownSource("hf://datasets/HuggingFaceH4/ultrachat_200k/data/train_sft-*.parquet",
-                                         "messages", format="chat",
-                                         note="200k multi-turn conversations (train_sft), for fine-tuning"),
+        "hf://datasets/codeparrot/github-code/data/train-*.parquet",
+        "code",
+        max_tokens=2_800_000_000,
+        note="source files in 30 languages, column `code`: 2.8B tokens is about 10 GB of its parquet",
+    ),
+    "UltraChat-200k (chat)": KnownSource(
+        "hf://datasets/HuggingFaceH4/ultrachat_200k/data/train_sft-*.parquet",
+        "messages",
+        format="chat",
+        note="200k multi-turn conversations (train_sft), for fine-tuning",
+    ),
     MY_FILES: KnownSource(None, note="files, folders or globs in INPUT (any fsspec URL works too)"),
 }
 
@@ -54,8 +71,14 @@ def parse_count(s: str | int | float | None) -> int | None:
     return int(round(n)) or None
 
 
-def source_inputs(label: str, user_input: str = "", text_column: str = "", max_tokens: str = "", fmt: str = "",
-                  log=print) -> tuple[list, dict]:
+def source_inputs(
+    label: str,
+    user_input: str = "",
+    text_column: str = "",
+    max_tokens: str = "",
+    fmt: str = "",
+    log=print,
+) -> tuple[list, dict]:
     """Notebooks 01 and 05: (inputs, prepare()'s other options) for a dropdown choice. Files in INPUT
     (comma-separated) are the user's own and get no defaults; TEXT_COLUMN, MAX_TOKENS ("0" = all) and FORMAT win."""
     from gptlib.data.download import cached_tinyshakespeare, fetch_tinyshakespeare
@@ -64,15 +87,25 @@ def source_inputs(label: str, user_input: str = "", text_column: str = "", max_t
         raise ValueError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
     inputs = [s.strip() for s in user_input.split(",") if s.strip()]
     if not inputs and label == MY_FILES:
-        raise ValueError(f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)")
-    base = KnownSource(None, format="auto") if inputs else SOURCES[label]  # auto: conversations read as chat
+        raise ValueError(
+            f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)"
+        )
+    # auto: conversations read as chat
+    base = KnownSource(None, format="auto") if inputs else SOURCES[label]
     if not inputs and base.input:
         inputs = [base.input]
         log(f"source: {label}: {base.note}")
     elif not inputs:  # the demo corpus
         cached = cached_tinyshakespeare()
         inputs = [cached or fetch_tinyshakespeare()]
-        how = "found in the cache, checksum-verified" if cached else "downloaded and checksum-verified"
+        how = (
+            "found in the cache, checksum-verified"
+            if cached
+            else "downloaded and checksum-verified"
+        )
         log(f"source: {label}: {base.note}, {how} ({inputs[0]})")
-    return inputs, {"text_column": text_column or base.text_column, "format": fmt or base.format,
-                    "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens}
+    return inputs, {
+        "text_column": text_column or base.text_column,
+        "format": fmt or base.format,
+        "max_tokens": parse_count(max_tokens) if str(max_tokens).strip() else base.max_tokens,
+    }

@@ -18,7 +18,13 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 END = "<|end|>"
 CHAT_TOKENS = (*ROLE_TOKENS.values(), END)
 _MESSAGES_ROLES = {r: r for r in ROLE_TOKENS}
-_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
 EXAMPLES_KEPT = 5  # malformed conversations shown (and kept in meta.json)
 
 
@@ -59,25 +65,32 @@ def normalize(value: Any, require_assistant: bool = True) -> list[tuple[str, str
 class ChatTemplate:
     def __init__(self, tok):
         self.tok, self.eot_id = tok, tok.eot_id
-        self.ids = {t: tok.token_id(t) for t in CHAT_TOKENS}  # special (added) tokens of a BPE tokenizer
+        # special (added) tokens of a BPE tokenizer
+        self.ids = {t: tok.token_id(t) for t in CHAT_TOKENS}
         for t, i in self.ids.items():
             if i is None:
-                raise ChatError(f"the tokenizer has no {t} token: chat data needs a BPE tokenizer with the chat "
-                                f"tokens (tokenize --format chat adds them)")
+                raise ChatError(
+                    f"the tokenizer has no {t} token: chat data needs a BPE tokenizer with the chat "
+                    f"tokens (tokenize --format chat adds them)"
+                )
         self.role_ids = {role: self.ids[t] for role, t in ROLE_TOKENS.items()}
         self.end_id = self.ids[END]
         self.nl_ids = list(tok.encode("\n"))
 
-    def piece_ids(self, piece, content_ids: Sequence[int]) -> tuple[list[int], tuple[int, int] | None]:
+    def piece_ids(
+        self, piece, content_ids: Sequence[int]
+    ) -> tuple[list[int], tuple[int, int] | None]:
         """(ids: the marker, content, <|end|> and newline as its place in the turn requires; its loss span or None)."""
         head = [self.role_ids[piece.role]] if piece.turn_start else []
         tail = [self.end_id, *self.nl_ids] if piece.turn_end else []
-        end = len(head) + len(content_ids) + (1 if piece.turn_end else 0)  # the span ends after <|end|>
+        # the span ends after <|end|>
+        end = len(head) + len(content_ids) + (1 if piece.turn_end else 0)
         span = (len(head), end) if piece.role == "assistant" and end > len(head) else None
         return [*head, *content_ids, *tail], span
 
-    def render(self, messages: Any, *, require_assistant: bool = True,
-               generation_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def render(
+        self, messages: Any, *, require_assistant: bool = True, generation_prompt: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(ids, assistant spans (N, 2)) as tokenize renders it (which encodes a turn over PIECE_CHARS characters in
         pieces); generation_prompt: end with <|assistant|>."""
         turns = normalize(messages, require_assistant=require_assistant)
@@ -95,20 +108,26 @@ class ChatTemplate:
         return np.array(ids, dtype=np.int64), np.array(spans, dtype=np.int64).reshape(-1, 2)
 
     def meta(self) -> dict[str, Any]:
-        return {"template_version": TEMPLATE_VERSION, "tokens": {t: int(i) for t, i in self.ids.items()},
-                "eot_id": int(self.eot_id), "newline_ids": [int(i) for i in self.nl_ids]}
+        return {
+            "template_version": TEMPLATE_VERSION,
+            "tokens": {t: int(i) for t, i in self.ids.items()},
+            "eot_id": int(self.eot_id),
+            "newline_ids": [int(i) for i in self.nl_ids],
+        }
 
 
-def first_prompts(ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_len: int) -> list[np.ndarray]:
+def first_prompts(
+    ids: np.ndarray, spans: np.ndarray, eot_id: int, k: int, max_len: int
+) -> list[np.ndarray]:
     """The prompts of the first answers of the first k conversations (the samples shown while fine-tuning): from the
     conversation's start through the <|assistant|> before the answer, its last max_len tokens."""
     prompts: dict[int, np.ndarray] = {}  # conversation start -> the prompt of its first answer
     for start, _ in spans:
-        start = int(start)  # the answer's first token: the <|assistant|> marker is the one before it
+        # the answer's first token: the <|assistant|> marker is the one before it
+        start = int(start)
         if len(prompts) == k or start > len(ids):
             break
         eots = np.flatnonzero(ids[:start] == eot_id)
         begin = int(eots[-1]) + 1 if len(eots) else 0
-        prompts.setdefault(begin, ids[max(begin, start - max_len):start])
+        prompts.setdefault(begin, ids[max(begin, start - max_len) : start])
     return list(prompts.values())
-

@@ -33,7 +33,7 @@ def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
     out = np.empty(sum(map(len, parts)), dtype=dtype)
     i = 0
     for p in parts:
-        out[i:i + len(p)] = p
+        out[i : i + len(p)] = p
         i += len(p)
     return out
 
@@ -48,31 +48,64 @@ class Pass:
     """From progress["resume"] on, updating progress["emitted"] and ["stats"] in place. After run(), `writers` hold
     the last shards (not yet flushed) and `stopped` says where max_tokens stopped the pass (None: at the end)."""
 
-    def __init__(self, out_dir: Path, spec: dict, tok: Tokenizer, identity: dict, sources: list[Source],
-                 progress: dict):
+    def __init__(
+        self,
+        out_dir: Path,
+        spec: dict,
+        tok: Tokenizer,
+        identity: dict,
+        sources: list[Source],
+        progress: dict,
+    ):
         self.out_dir = out_dir
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
-        self.resume, self.emitted, self.stats = progress["resume"], progress["emitted"], progress["stats"]
+        self.resume, self.emitted, self.stats = (
+            progress["resume"],
+            progress["emitted"],
+            progress["stats"],
+        )
         self.max_tokens = spec.get("max_tokens")
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
-        self.batch_start = {"pos": dict(self.resume), "emitted": dict(self.emitted), "stats": copy.deepcopy(self.stats)}
+        self.batch_start = {
+            "pos": dict(self.resume),
+            "emitted": dict(self.emitted),
+            "stats": copy.deepcopy(self.stats),
+        }
         self.dtype = dtype_for_vocab(tok.vocab_size)
         # skip: tokens between the resume position and the end of the last completed shard.
         done = progress["shards"]
-        self.writers = {s: ShardWriter(out_dir, s, self.dtype, spec["shard_tokens"], done[s], on_full=self.on_full,
-                                       skip=sum(x["tokens"] for x in done[s]) - self.emitted[s],
-                                       with_spans=self.template is not None) for s in ("train", "val")}
+        self.writers = {
+            s: ShardWriter(
+                out_dir,
+                s,
+                self.dtype,
+                spec["shard_tokens"],
+                done[s],
+                on_full=self.on_full,
+                skip=sum(x["tokens"] for x in done[s]) - self.emitted[s],
+                with_spans=self.template is not None,
+            )
+            for s in ("train", "val")
+        }
         self.save_state()  # marks out_dir as this run's, before the first shard
 
     def save_state(self) -> None:
         """As it stood before the current batch."""
         b = self.batch_start
-        atomic_write_json(self.out_dir / PREPARE_STATE_FILE, {
-            "spec": self.spec, "tokenizer": self.identity, "resume": b["pos"], "emitted": b["emitted"],
-            "stats": b["stats"], "shards": {s: w.shards for s, w in self.writers.items()}})
+        atomic_write_json(
+            self.out_dir / PREPARE_STATE_FILE,
+            {
+                "spec": self.spec,
+                "tokenizer": self.identity,
+                "resume": b["pos"],
+                "emitted": b["emitted"],
+                "stats": b["stats"],
+                "shards": {s: w.shards for s, w in self.writers.items()},
+            },
+        )
 
     def on_full(self, w: ShardWriter) -> None:
         # Cut the other split too: everything before this batch is in completed shards and a resume restarts here.
@@ -92,15 +125,38 @@ class Pass:
         from tqdm.auto import tqdm
 
         spec = self.spec
-        batches = self.batches(iter_corpus(self.sources, self.resume, self.stats["skipped_files"], spec["split"],
-                                           spec["val_fraction"], column, spec.get("format", "text")))
+        batches = self.batches(
+            iter_corpus(
+                self.sources,
+                self.resume,
+                self.stats["skipped_files"],
+                spec["split"],
+                spec["val_fraction"],
+                column,
+                spec.get("format", "text"),
+            )
+        )
         # with max_tokens the bar counts tokens towards it, so that tqdm's ETA is the one that matters
-        total, done, unit = (self.max_tokens, sum(self.emitted.values()), "tok") if self.max_tokens else \
-            (sum(s.size for s in self.sources), int(self.stats["bytes"]), "B")
+        total, done, unit = (
+            (self.max_tokens, sum(self.emitted.values()), "tok")
+            if self.max_tokens
+            else (sum(s.size for s in self.sources), int(self.stats["bytes"]), "B")
+        )
         self.tokens_run, self.t_run = 0, time.time()
-        with tqdm(total=total, initial=done, unit=unit, unit_scale=True, unit_divisor=1000, desc="tokenize",
-                  disable=not verbose, mininterval=0.5, smoothing=0.1) as self.bar, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool:
+        with (
+            tqdm(
+                total=total,
+                initial=done,
+                unit=unit,
+                unit_scale=True,
+                unit_divisor=1000,
+                desc="tokenize",
+                disable=not verbose,
+                mininterval=0.5,
+                smoothing=0.1,
+            ) as self.bar,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlib-encode") as pool,
+        ):
             held = None  # (batch, its ids being encoded)
             while True:
                 try:
@@ -136,7 +192,11 @@ class Pass:
 
     def encode(self, pieces: list[Piece]) -> list:
         texts = [p.text for p in pieces]
-        return self.tok.encode_batch_ids(texts) if isinstance(self.tok, BPETokenizer) else self.tok.encode_batch(texts)
+        return (
+            self.tok.encode_batch_ids(texts)
+            if isinstance(self.tok, BPETokenizer)
+            else self.tok.encode_batch(texts)
+        )
 
     def run_batch(self, batch: Batch, ids: list) -> None:
         parts: dict[str, list] = {"train": [], "val": []}
@@ -152,7 +212,8 @@ class Pass:
                     where = str(self.sources[p.pos["file"]].path)
                     examples.append({"path": where, "record": p.doc, "reason": p.malformed})
                 continue
-            s = p.split or self.doc_split(p.pos["file"], p.doc)  # pos["file"] is the piece's own file
+            # pos["file"] is the piece's own file
+            s = p.split or self.doc_split(p.pos["file"], p.doc)
             if self.template is not None and p.role is not None:
                 x, span = self.template.piece_ids(p, x)
                 if span is not None:
@@ -161,31 +222,58 @@ class Pass:
             count[s] += len(x)
             stats["characters"] += len(p.text)
             if p.doc_end:
-                stats["documents" if p.text else "empty_documents"] += 1  # empty: a blank line, null or ""
+                stats["documents" if p.text else "empty_documents"] += (
+                    1  # empty: a blank line, null or ""
+                )
                 if p.text and eot is not None:
                     parts[s].append([eot])
                     count[s] += 1
-                if self.max_tokens is not None and total0 + count["train"] + count["val"] >= self.max_tokens:
-                    self.stopped = {"file": str(self.sources[p.pos["file"]].path), "document": p.doc}
+                if (
+                    self.max_tokens is not None
+                    and total0 + count["train"] + count["val"] >= self.max_tokens
+                ):
+                    self.stopped = {
+                        "file": str(self.sources[p.pos["file"]].path),
+                        "document": p.doc,
+                    }
                     break
         for s in ("train", "val"):
-            sp = np.array(spans[s], dtype=np.int64).reshape(-1, 2) if self.template is not None else None
+            sp = (
+                np.array(spans[s], dtype=np.int64).reshape(-1, 2)
+                if self.template is not None
+                else None
+            )
             if sp is not None:
-                stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int((sp[:, 1] - sp[:, 0]).sum())
+                stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int(
+                    (sp[:, 1] - sp[:, 0]).sum()
+                )
             self.writers[s].write(to_array(parts[s], self.dtype), sp)
             self.emitted[s] += count[s]
         self.tokens_run += count["train"] + count["val"]
         stats["bytes"] += nbytes
         stats["replaced_invalid_utf8"] = batch.invalid_utf8
-        self.bar.update(max(0.0, min(count["train"] + count["val"] if self.max_tokens else nbytes,
-                                     self.bar.total - self.bar.n)))  # float per-row shares may overshoot
+        # float per-row shares may overshoot
+        self.bar.update(
+            max(
+                0.0,
+                min(
+                    count["train"] + count["val"] if self.max_tokens else nbytes,
+                    self.bar.total - self.bar.n,
+                ),
+            )
+        )
         if not self.max_tokens:  # a bar of bytes: the tokens too
             rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
-            self.bar.set_postfix_str(f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s",
-                                     refresh=False)
+            self.bar.set_postfix_str(
+                f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s",
+                refresh=False,
+            )
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
-        self.batch_start = {"pos": dict(p.pos), "emitted": dict(self.emitted),
-                            "stats": copy.deepcopy({**stats, "skipped_files": batch.skipped_files})}
+        self.batch_start = {
+            "pos": dict(p.pos),
+            "emitted": dict(self.emitted),
+            "stats": copy.deepcopy({**stats, "skipped_files": batch.skipped_files}),
+        }
 
 
 def our_files(out_dir: Path) -> list[Path]:
@@ -193,8 +281,16 @@ def our_files(out_dir: Path) -> list[Path]:
     if not out_dir.is_dir():
         return []
     names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
-    return [p for p in out_dir.iterdir() if p.is_file() and (
-        p.name in names or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val")) or TMP_MARKER in p.name)]
+    return [
+        p
+        for p in out_dir.iterdir()
+        if p.is_file()
+        and (
+            p.name in names
+            or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val"))
+            or TMP_MARKER in p.name
+        )
+    ]
 
 
 def check_output_dir(out_dir: Path) -> None:
@@ -203,15 +299,21 @@ def check_output_dir(out_dir: Path) -> None:
         return
     run = [n for n in (CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE) if (out_dir / n).exists()]
     if run:
-        raise PrepareError(f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
-                           f"there would replace the run's tokenizer.json; give the data a directory of its own, "
-                           f"e.g. {out_dir / 'data'}")
+        raise PrepareError(
+            f"--out {out_dir} is a training run directory (it holds {', '.join(run)}): tokenizing "
+            f"there would replace the run's tokenizer.json; give the data a directory of its own, "
+            f"e.g. {out_dir / 'data'}"
+        )
     ours = set(our_files(out_dir))
     # lease.json: an older gptlib's tokenize held one
-    foreign = sorted(p.name for p in out_dir.iterdir() if p not in ours and p.name not in (LOCK_FILE, LEASE_FILE))
+    foreign = sorted(
+        p.name for p in out_dir.iterdir() if p not in ours and p.name not in (LOCK_FILE, LEASE_FILE)
+    )
     if foreign:
-        raise PrepareError(f"--out {out_dir} holds files tokenize did not write ({', '.join(foreign[:5])}"
-                           f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new directory")
+        raise PrepareError(
+            f"--out {out_dir} holds files tokenize did not write ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new directory"
+        )
 
 
 @contextlib.contextmanager
@@ -225,22 +327,29 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             out_dir.mkdir(parents=True, exist_ok=True)
             lock.acquire(timeout=0)
         except Timeout:
-            raise RunDirError(f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it "
-                               f"(the same command then continues its work)") from None
+            raise RunDirError(
+                f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it "
+                f"(the same command then continues its work)"
+            ) from None
         except OSError as e:
             if not (out_dir / META_FILE).is_file():
                 raise cannot_write(out_dir, e) from None
             # a finished dataset on a read-only disk: reused as before, with no writer to keep out
         yield
     except KeyboardInterrupt:
-        clean_temp_files(out_dir)  # a write cut right after creating its temp file; while the lock is held, all ours
+        # a write cut right after creating its temp file; while the lock is held, all ours
+        clean_temp_files(out_dir)
         try:
             done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
         except (OSError, ValueError, KeyError, TypeError):
             done = 0
-        loud(f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to continue "
-             f"from there" if done else "tokenize stopped before its first shard was written; run the same command "
-             "again to start over")
+        loud(
+            f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to continue "
+            f"from there"
+            if done
+            else "tokenize stopped before its first shard was written; run the same command "
+            "again to start over"
+        )
         raise
     finally:
         if lock.is_locked:  # removed while held, so that a data directory holds only its dataset

@@ -17,14 +17,18 @@ from typing import Any, Callable, Sequence
 from gptlib.data.hub import Found, describe, has_glob, is_url, resolve_url
 from gptlib.errors import PrepareError
 
-FULL_HASH_LIMIT = 256 << 20  # files above this get a sampled hash (head, middle, tail), not a full read
+# files above this get a sampled hash (head, middle, tail), not a full read
+FULL_HASH_LIMIT = 256 << 20
 SAMPLE_BLOCK = 4 << 20
 BLOCK_SIZE = 8 << 20  # read-ahead of a remote file (one HTTP range request per block)
-READ_BUFFER = 1 << 20  # Python-side buffer over a remote file (fsspec's readline reads a whole block per line)
+# Python-side buffer over a remote file (fsspec's readline reads a whole block per line)
+READ_BUFFER = 1 << 20
 COMPRESSED_EXT = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z", ".tar")
 DEFAULT_TEXT_COLUMN = "text"
 CHAT_FIELDS = ("messages", "conversations")  # the chat field looked for when none is named
-_ERRORS = "gptlib.count_replace"  # codec error handler: invalid UTF-8 replaced by U+FFFD and counted
+_ERRORS = (
+    "gptlib.count_replace"  # codec error handler: invalid UTF-8 replaced by U+FFFD and counted
+)
 invalid_utf8 = types.SimpleNamespace(count=0)  # replaced so far (the pass saves it with each batch)
 
 
@@ -66,32 +70,59 @@ class Source:
     def key(self) -> str:
         """Seeds the per-document split hash. A big Hub file is listed with its full sha256: its sampled hash (as
         for the same file on disk: 3 ranged reads) is computed here, when the pass reaches it."""
-        return (self.hash if self.canonical else content_hash(self.open, self.size)).split(":", 1)[1][:16]
+        return (self.hash if self.canonical else content_hash(self.open, self.size)).split(":", 1)[
+            1
+        ][:16]
 
     def open(self) -> io.BufferedReader:
-        raw = open(self.path, "rb", buffering=0) if self.fs is None else \
-            self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
+        raw = (
+            open(self.path, "rb", buffering=0)
+            if self.fs is None
+            else self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
+        )
         return io.BufferedReader(raw, READ_BUFFER)
 
 
 def source(f: Path | Found) -> Source:
     """A file with its identity: a local one hashed; a Hub file by the sha256 its listing gives, nothing read."""
     name = str(f.path if isinstance(f, Found) else f).lower()
-    kind = "parquet" if name.endswith((".parquet", ".pq")) else "jsonl" if name.endswith((".jsonl", ".ndjson")) \
+    kind = (
+        "parquet"
+        if name.endswith((".parquet", ".pq"))
+        else "jsonl"
+        if name.endswith((".jsonl", ".ndjson"))
         else "text"
+    )
     if isinstance(f, Found) and f.sha256 is not None:
-        return Source(f.url, kind, f.size, "sha256:" + f.sha256, f.fs, f.path, canonical=f.size <= FULL_HASH_LIMIT)
-    src = Source(f, kind, f.stat().st_size, "") if isinstance(f, Path) else \
-        Source(f.url, kind, f.size, "", f.fs, f.path)
+        return Source(
+            f.url,
+            kind,
+            f.size,
+            "sha256:" + f.sha256,
+            f.fs,
+            f.path,
+            canonical=f.size <= FULL_HASH_LIMIT,
+        )
+    src = (
+        Source(f, kind, f.stat().st_size, "")
+        if isinstance(f, Path)
+        else Source(f.url, kind, f.size, "", f.fs, f.path)
+    )
     try:
         src.hash = content_hash(src.open, src.size)
     except Exception as e:  # noqa: BLE001
-        raise PrepareError(f"input {src.path} cannot be read: {describe(e, str(src.path))}") from None
+        raise PrepareError(
+            f"input {src.path} cannot be read: {describe(e, str(src.path))}"
+        ) from None
     return src
 
 
-def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_config: str | None,
-                   hf_split: str | None) -> list[Path | Found]:
+def resolve_inputs(
+    inputs: Sequence[str | Path] | str | Path,
+    exclude: Path,
+    hf_config: str | None,
+    hf_split: str | None,
+) -> list[Path | Found]:
     """Files, directories (recursively, sorted, hidden files skipped), globs and URLs -> the files."""
     files: list[Path | Found] = []
     for item in [inputs] if isinstance(inputs, (str, Path)) else inputs:
@@ -99,8 +130,14 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_
         if is_url(s):
             files.extend(resolve_url(s, hf_config, hf_split))
         elif p.is_dir():
-            files.extend(sorted(x for x in p.rglob("*") if x.is_file()
-                                and not any(part.startswith(".") for part in x.relative_to(p).parts)))
+            files.extend(
+                sorted(
+                    x
+                    for x in p.rglob("*")
+                    if x.is_file()
+                    and not any(part.startswith(".") for part in x.relative_to(p).parts)
+                )
+            )
         elif p.is_file():
             files.append(p)
         elif has_glob(s):
@@ -113,7 +150,13 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_
     unique: dict = {}
     ex = exclude.resolve()  # never read our own output (an --out inside an input directory)
     for f in files:
-        local = f if isinstance(f, Path) else Path(f.path) if f.fs.protocol in ("file", ("file", "local")) else None
+        local = (
+            f
+            if isinstance(f, Path)
+            else Path(f.path)
+            if f.fs.protocol in ("file", ("file", "local"))
+            else None
+        )
         if local is None or ex not in local.resolve().parents:
             unique.setdefault(f.url if isinstance(f, Found) else f.resolve(), f)
     if not unique:
@@ -121,8 +164,12 @@ def resolve_inputs(inputs: Sequence[str | Path] | str | Path, exclude: Path, hf_
     return list(unique.values())
 
 
-def _pick_column(column: str | None, names, fmt: str) -> str | None:  # for chat: the first of CHAT_FIELDS present
-    return column or (next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN)
+def _pick_column(
+    column: str | None, names, fmt: str
+) -> str | None:  # for chat: the first of CHAT_FIELDS present
+    return column or (
+        next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN
+    )
 
 
 def _detect(column: str | None, names, fmt: str) -> str:
@@ -148,7 +195,9 @@ def _parquet_column(pf, path, column: str | None, fmt: str) -> str:
         raise PrepareError(f"parquet file {path} {_missing('column', col, names)}")
     t = pf.schema_arrow.field(col).type
     if fmt == "chat" and not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-        raise PrepareError(f"parquet file {path}: column {col!r} has type {t}, not a list of messages")
+        raise PrepareError(
+            f"parquet file {path}: column {col!r} has type {t}, not a list of messages"
+        )
     if fmt != "chat" and t not in (pa.string(), pa.large_string(), pa.binary(), pa.large_binary()):
         raise PrepareError(f"parquet file {path}: column {col!r} has type {t}, not text")
     return col
@@ -165,7 +214,8 @@ def corrupt(e: Exception) -> bool:
 def _open_parquet(f):
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)  # pages streamed, not whole row groups
+    # pages streamed, not whole row groups
+    return pq.ParquetFile(f, buffer_size=1 << 20, pre_buffer=False)
 
 
 def _check_column(src: Source, column: str | None, fmt: str) -> tuple[str, str]:
@@ -192,9 +242,13 @@ def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
     try:
         obj = json.loads(line.decode("utf-8", _ERRORS))
     except json.JSONDecodeError as e:
-        raise PrepareError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise PrepareError(
+            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
+        ) from None
     if not isinstance(obj, dict):
-        raise PrepareError(f"{path}:{lineno}: a JSON {type(obj).__name__}, expected an object with a {field!r} field")
+        raise PrepareError(
+            f"{path}:{lineno}: a JSON {type(obj).__name__}, expected an object with a {field!r} field"
+        )
     return obj
 
 
@@ -208,23 +262,37 @@ def _jsonl_text(line: bytes, path, lineno: int, field: str) -> str | None:
     raise PrepareError(f"{path}:{lineno}: field {field!r} is a {type(v).__name__}, not a string")
 
 
-def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_config: str | None,
-                hf_split: str | None) -> tuple[list[Source], list[str], list[dict], str, str]:
+def scan_inputs(
+    inputs,
+    out_dir: Path,
+    text_column: str | None,
+    fmt: str,
+    hf_config: str | None,
+    hf_split: str | None,
+) -> tuple[list[Source], list[str], list[dict], str, str]:
     """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found), the
     format: fmt, or for "auto" what the first record says (plain text files are text))."""
     files = resolve_inputs(inputs, out_dir, hf_config, hf_split)
-    compressed = [n for n in (f.url if isinstance(f, Found) else str(f) for f in files)
-                  if n.lower().endswith(COMPRESSED_EXT)]
+    compressed = [
+        n
+        for n in (f.url if isinstance(f, Found) else str(f) for f in files)
+        if n.lower().endswith(COMPRESSED_EXT)
+    ]
     if compressed:
-        raise PrepareError(f"input file {compressed[0]} is compressed; decompress it first (tokenize reads .txt, "
-                           f".jsonl and .parquet; parquet's own compression is fine)")
+        raise PrepareError(
+            f"input file {compressed[0]} is compressed; decompress it first (tokenize reads .txt, "
+            f".jsonl and .parquet; parquet's own compression is fine)"
+        )
     sources = [source(f) for f in files]
     text = [s for s in sources if s.kind == "text"]
-    if fmt == "auto" and text:  # plain text has no records to tell by, and conversations cannot be read from it
+    # plain text has no records to tell by, and conversations cannot be read from it
+    if fmt == "auto" and text:
         fmt = "text"
     if fmt == "chat" and text:
-        raise PrepareError(f"--format chat reads conversations from .jsonl or parquet records; {text[0].path} is a "
-                           f"plain text file")
+        raise PrepareError(
+            f"--format chat reads conversations from .jsonl or parquet records; {text[0].path} is a "
+            f"plain text file"
+        )
     empty = [str(s.path) for s in sources if s.size == 0]
     if len(empty) == len(sources):
         more = f" (and so are the other {len(empty) - 1})" if len(empty) > 1 else ""
@@ -237,7 +305,10 @@ def scan_inputs(inputs, out_dir: Path, text_column: str | None, fmt: str, hf_con
             raise
         except Exception as e:  # noqa: BLE001 - a filesystem library's error
             if not corrupt(e):
-                raise PrepareError(f"input {s.path} cannot be read: {describe(e, str(s.path))}") from None
-            skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})  # no footer: the next file
+                raise PrepareError(
+                    f"input {s.path} cannot be read: {describe(e, str(s.path))}"
+                ) from None
+            # no footer: the next file
+            skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
     fmt = _detect(text_column, (), fmt)
     return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0], fmt

@@ -13,59 +13,123 @@ import numpy as np
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files
 from gptlib.data.inputs import Source, scan_inputs
-from gptlib.data.shards import (META_FILE, PREPARE_STATE_FILE, DatasetMeta, check_shard, dtype_for_vocab, read_meta,
-                                write_meta)
+from gptlib.data.shards import (
+    META_FILE,
+    PREPARE_STATE_FILE,
+    DatasetMeta,
+    check_shard,
+    dtype_for_vocab,
+    read_meta,
+    write_meta,
+)
 from gptlib.data.sources import train_texts
-from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, CharTokenizer, Tokenizer, TokenizerError, load_tokenizer
+from gptlib.data.tokenizer import (
+    TOKENIZER_FILE,
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
 from gptlib.errors import DataFormatError, PrepareError
 from gptlib.fsutil import clean_temp_files, sha256_file
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
-_NEEDS_BPE = ("needs a BPE tokenizer: the char tokenizer has no special tokens, so role markers could not be told "
-              "apart from text a message contains; use --tokenizer bpe, or --tokenizer-from a BPE run")
+_NEEDS_BPE = (
+    "needs a BPE tokenizer: the char tokenizer has no special tokens, so role markers could not be told "
+    "apart from text a message contains; use --tokenizer bpe, or --tokenizer-from a BPE run"
+)
 _CHAR_CHAT = "--format chat " + _NEEDS_BPE
 
 
-def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, tokenizer: str | None = "bpe", *,
-            vocab_size: int = 32768, tokenizer_from: str | Path | None = None, text_column: str | None = None,
-            val_fraction: float = 0.1, split: str = "auto", shard_tokens: int = 100_000_000,
-            train_max_bytes: int | None = 1_000_000_000, overwrite: bool = False,
-            verbose: bool = True, format: str = "auto", max_tokens: int | None = None, hf_config: str | None = None,
-            hf_split: str | None = None) -> DatasetMeta:
+def prepare(
+    inputs: Sequence[str | Path] | str | Path,
+    out_dir: str | Path,
+    tokenizer: str | None = "bpe",
+    *,
+    vocab_size: int = 32768,
+    tokenizer_from: str | Path | None = None,
+    text_column: str | None = None,
+    val_fraction: float = 0.1,
+    split: str = "auto",
+    shard_tokens: int = 100_000_000,
+    train_max_bytes: int | None = 1_000_000_000,
+    overwrite: bool = False,
+    verbose: bool = True,
+    format: str = "auto",
+    max_tokens: int | None = None,
+    hf_config: str | None = None,
+    hf_split: str | None = None,
+) -> DatasetMeta:
     """Tokenize a corpus into out_dir (token shards, tokenizer.json, meta.json); the options are the CLI's
     (docs/cli.md). A re-run with the same inputs and options returns the finished dataset or resumes an unfinished
     one; a different dataset in out_dir is refused unless overwrite=True. format "auto": chat when the records have
     a messages/conversations field and no text field, else text; tokenizer None: bpe for chat, char for text."""
     fmt, t0, out_dir = format, time.time(), Path(out_dir)
-    tok_file = _check_options(val_fraction, split, shard_tokens, fmt, max_tokens, tokenizer, tokenizer_from)
+    tok_file = _check_options(
+        val_fraction, split, shard_tokens, fmt, max_tokens, tokenizer, tokenizer_from
+    )
     check_output_dir(out_dir)
     with one_writer(out_dir):  # before anything in out_dir is read or changed
-        sources, empty, pre_skipped, column, fmt = scan_inputs(inputs, out_dir, text_column, fmt, hf_config, hf_split)
+        sources, empty, pre_skipped, column, fmt = scan_inputs(
+            inputs, out_dir, text_column, fmt, hf_config, hf_split
+        )
         tokenizer = tokenizer or ("bpe" if fmt == "chat" else "char")
         holds = f"{_first_records(sources)} holds conversations ({column!r})"  # what format "auto" found
         if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
             raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")
         split = _choose_split(split, sources, fmt)
-        tok_spec = {"file_sha256": sha256_file(tok_file)} if tok_file else {"kind": "char"} if tokenizer == "char" \
+        tok_spec = (
+            {"file_sha256": sha256_file(tok_file)}
+            if tok_file
+            else {"kind": "char"}
+            if tokenizer == "char"
             else {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
-        spec = _spec(sources, tok_spec, val_fraction, split, text_column, shard_tokens, fmt, max_tokens)
+        )
+        spec = _spec(
+            sources, tok_spec, val_fraction, split, text_column, shard_tokens, fmt, max_tokens
+        )
         finished, state = _previous_run(out_dir, spec, overwrite, verbose)
         if finished is not None:
             return finished
         if fmt == "chat" and format == "auto" and verbose:
             print(f"format: chat, as {holds}")
-        reused = load_tokenizer(tok_file) if tok_file else None  # as given, before the chat tokens are added
-        tok, progress = _start(out_dir, state, pre_skipped, verbose, lambda: _new_tokenizer(
-            reused, tokenizer, vocab_size, train_max_bytes, sources, column, pre_skipped, verbose, fmt))
+        # as given, before the chat tokens are added
+        reused = load_tokenizer(tok_file) if tok_file else None
+        tok, progress = _start(
+            out_dir,
+            state,
+            pre_skipped,
+            verbose,
+            lambda: _new_tokenizer(
+                reused,
+                tokenizer,
+                vocab_size,
+                train_max_bytes,
+                sources,
+                column,
+                pre_skipped,
+                verbose,
+                fmt,
+            ),
+        )
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
         encoding = Pass(out_dir, spec, tok, identity, sources, progress)
         encoding.run(column, verbose)
         _check_result(progress, val_fraction)
-        extra = {**_extra_meta(tok, reused, spec, progress["stats"], empty, column, encoding.stopped),
-                 "elapsed_s": round(time.time() - t0, 3)}
+        extra = {
+            **_extra_meta(tok, reused, spec, progress["stats"], empty, column, encoding.stopped),
+            "elapsed_s": round(time.time() - t0, 3),
+        }
         # meta.json last (a half-written dataset never looks complete), then the resume state goes.
-        write_meta(out_dir, vocab_size=tok.vocab_size, tokenizer=identity, splits={s: w.close() for s, w in
-                   encoding.writers.items()}, sources=[s.record() for s in sources], extra=extra)
+        write_meta(
+            out_dir,
+            vocab_size=tok.vocab_size,
+            tokenizer=identity,
+            splits={s: w.close() for s, w in encoding.writers.items()},
+            sources=[s.record() for s in sources],
+            extra=extra,
+        )
         (out_dir / PREPARE_STATE_FILE).unlink()
         meta = read_meta(out_dir)
         if verbose:
@@ -73,30 +137,55 @@ def prepare(inputs: Sequence[str | Path] | str | Path, out_dir: str | Path, toke
         return meta
 
 
-def prepare_text(inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str = "char", **options) -> DatasetMeta:
+def prepare_text(
+    inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str = "char", **options
+) -> DatasetMeta:
     return prepare(inputs, out_dir, tokenizer, **options)
 
 
-def _check_options(val_fraction: float, split: str, shard_tokens: int, fmt: str, max_tokens: int | None,
-                   tokenizer: str, tokenizer_from) -> Path | None:
+def _check_options(
+    val_fraction: float,
+    split: str,
+    shard_tokens: int,
+    fmt: str,
+    max_tokens: int | None,
+    tokenizer: str,
+    tokenizer_from,
+) -> Path | None:
     """-> the tokenizer file to reuse, if any."""
-    checks = ((not 0.0 < val_fraction < 1.0, f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)"),
-              (split not in ("auto", "document", "tail"), f"split={split!r}: choose 'auto', 'document' or 'tail'"),
-              (int(shard_tokens) < 1, f"shard_tokens={shard_tokens} must be >= 1"),
-              (fmt not in ("auto", "text", "chat"), f"format={fmt!r}: choose 'auto', 'text' or 'chat'"),
-              (max_tokens is not None and int(max_tokens) < 1, f"max_tokens={max_tokens} must be >= 1"),
-              (tokenizer not in ("char", "bpe", None), f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass "
-                                                       f"tokenizer_from"),
-              (fmt == "chat" and tokenizer == "char" and tokenizer_from is None, _CHAR_CHAT))
+    checks = (
+        (
+            not 0.0 < val_fraction < 1.0,
+            f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)",
+        ),
+        (
+            split not in ("auto", "document", "tail"),
+            f"split={split!r}: choose 'auto', 'document' or 'tail'",
+        ),
+        (int(shard_tokens) < 1, f"shard_tokens={shard_tokens} must be >= 1"),
+        (fmt not in ("auto", "text", "chat"), f"format={fmt!r}: choose 'auto', 'text' or 'chat'"),
+        (max_tokens is not None and int(max_tokens) < 1, f"max_tokens={max_tokens} must be >= 1"),
+        (
+            tokenizer not in ("char", "bpe", None),
+            f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass tokenizer_from",
+        ),
+        (fmt == "chat" and tokenizer == "char" and tokenizer_from is None, _CHAR_CHAT),
+    )
     for bad, why in checks:
         if bad:
             raise PrepareError(why)
     if tokenizer_from is None:
         return None
-    p = Path(tokenizer_from) / TOKENIZER_FILE if Path(tokenizer_from).is_dir() else Path(tokenizer_from)
+    p = (
+        Path(tokenizer_from) / TOKENIZER_FILE
+        if Path(tokenizer_from).is_dir()
+        else Path(tokenizer_from)
+    )
     if not p.is_file():
-        raise PrepareError(f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
-                           f"directory, or a tokenizer.json)")
+        raise PrepareError(
+            f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
+            f"directory, or a tokenizer.json)"
+        )
     return p
 
 
@@ -106,26 +195,59 @@ def _first_records(sources: list[Source]) -> str:  # the file format "auto" look
 
 def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:
     if split == "auto":
-        split = "tail" if (fmt == "text" and all(s.kind == "text" for s in sources)
-                           and len(sources) < TAIL_SPLIT_MAX_FILES) else "document"
+        split = (
+            "tail"
+            if (
+                fmt == "text"
+                and all(s.kind == "text" for s in sources)
+                and len(sources) < TAIL_SPLIT_MAX_FILES
+            )
+            else "document"
+        )
     if split == "tail" and (fmt == "chat" or any(s.kind != "text" for s in sources)):
-        raise PrepareError("split='tail' works on plain text files only; jsonl/parquet documents and conversations "
-                           "are split per document (split='document')")
+        raise PrepareError(
+            "split='tail' works on plain text files only; jsonl/parquet documents and conversations "
+            "are split per document (split='document')"
+        )
     return split
 
 
-def _spec(sources: list[Source], tokenizer_spec: dict, val_fraction: float, split: str, text_column: str | None,
-          shard_tokens: int, fmt: str, max_tokens: int | None) -> dict:
+def _spec(
+    sources: list[Source],
+    tokenizer_spec: dict,
+    val_fraction: float,
+    split: str,
+    text_column: str | None,
+    shard_tokens: int,
+    fmt: str,
+    max_tokens: int | None,
+) -> dict:
     """What makes a dataset this dataset: a re-run with an equal spec reuses or resumes it, any other is refused."""
-    return {"sources": [[s.size, s.hash] for s in sources], "tokenizer": tokenizer_spec, "val_fraction": val_fraction,
-            # on_bad_file (the only policy now), and the keys below only where not the default: older datasets' specs
-            "split": split, "text_column": text_column, "shard_tokens": int(shard_tokens), "on_bad_file": "skip",
-            **({"format": fmt} if fmt != "text" else {}),
-            **({"max_tokens": int(max_tokens)} if max_tokens is not None else {})}
+    return {
+        "sources": [[s.size, s.hash] for s in sources],
+        "tokenizer": tokenizer_spec,
+        "val_fraction": val_fraction,
+        # on_bad_file (the only policy now), and the keys below only where not the default: older datasets' specs
+        "split": split,
+        "text_column": text_column,
+        "shard_tokens": int(shard_tokens),
+        "on_bad_file": "skip",
+        **({"format": fmt} if fmt != "text" else {}),
+        **({"max_tokens": int(max_tokens)} if max_tokens is not None else {}),
+    }
 
 
-def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_max_bytes: int | None,
-                   sources: list[Source], text_column: str | None, skipped: list, verbose: bool, fmt: str) -> Tokenizer:
+def _new_tokenizer(
+    reused: Tokenizer | None,
+    tokenizer,
+    vocab_size: int,
+    train_max_bytes: int | None,
+    sources: list[Source],
+    text_column: str | None,
+    skipped: list,
+    verbose: bool,
+    fmt: str,
+) -> Tokenizer:
     if reused is not None and fmt != "chat":
         return reused
     if reused is not None:
@@ -146,10 +268,15 @@ def _new_tokenizer(reused: Tokenizer | None, tokenizer, vocab_size: int, train_m
     if verbose:
         lim = "all of it" if train_max_bytes is None else f"up to {train_max_bytes / 1e6:,.0f} MB"
         print(f"training a {vocab_size:,}-id byte-level BPE on {lim} ...")
-    tok = BPETokenizer.train(train_texts(sources, text_column, train_max_bytes, skipped, fmt),
-                             vocab_size=vocab_size, extra_special=CHAT_TOKENS if fmt == "chat" else ())
+    tok = BPETokenizer.train(
+        train_texts(sources, text_column, train_max_bytes, skipped, fmt),
+        vocab_size=vocab_size,
+        extra_special=CHAT_TOKENS if fmt == "chat" else (),
+    )
     if verbose:
-        print(f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {time.time() - t_tok:.1f}s")
+        print(
+            f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {time.time() - t_tok:.1f}s"
+        )
     return tok
 
 
@@ -160,7 +287,9 @@ def _json(path: Path) -> dict | None:
         return None
 
 
-def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> tuple[DatasetMeta | None, dict | None]:
+def _previous_run(
+    out_dir: Path, spec: dict, overwrite: bool, verbose: bool
+) -> tuple[DatasetMeta | None, dict | None]:
     """(this spec's finished dataset, None), (None, the state of its unfinished run), or (None, None) to start."""
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
     if meta_path.is_file():
@@ -176,20 +305,24 @@ def _previous_run(out_dir: Path, spec: dict, overwrite: bool, verbose: bool) -> 
                 f"{out_dir} already holds a different dataset (sources "
                 f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
                 f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
-                f"choose another output directory or pass --overwrite / overwrite=True")
+                f"choose another output directory or pass --overwrite / overwrite=True"
+            )
         return None, None
     # a state file is written atomically; an unreadable one is not ours to trust
     state = _json(state_path) if state_path.is_file() else None
     if state is None or state.get("spec") == spec:
         return None, state
     if not overwrite:
-        raise PrepareError(f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
-                           f"command as before to finish it, choose another output directory, or pass --overwrite")
+        raise PrepareError(
+            f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
+            f"command as before to finish it, choose another output directory, or pass --overwrite"
+        )
     return None, None
 
 
-def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
-           new_tokenizer) -> tuple[Tokenizer, dict]:
+def _start(
+    out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool, new_tokenizer
+) -> tuple[Tokenizer, dict]:
     """A resume checks the tokenizer and the completed shards; shards written after the last state save are redone."""
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_temp_files(out_dir)
@@ -199,14 +332,25 @@ def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
             p.unlink()
         tok = new_tokenizer()
         tok.save(out_dir)
-        return tok, {"resume": {"file": 0, "doc": 0, "byte": 0, "char": 0}, "emitted": {"train": 0, "val": 0},
-                     "stats": {"documents": 0, "characters": 0, "bytes": 0.0, "empty_documents": 0,
-                               "replaced_invalid_utf8": 0, "skipped_files": list(pre_skipped)},
-                     "shards": {"train": [], "val": []}}
+        return tok, {
+            "resume": {"file": 0, "doc": 0, "byte": 0, "char": 0},
+            "emitted": {"train": 0, "val": 0},
+            "stats": {
+                "documents": 0,
+                "characters": 0,
+                "bytes": 0.0,
+                "empty_documents": 0,
+                "replaced_invalid_utf8": 0,
+                "skipped_files": list(pre_skipped),
+            },
+            "shards": {"train": [], "val": []},
+        }
     tok = load_tokenizer(out_dir / TOKENIZER_FILE)
     if tok.identity()["hash"] != state["tokenizer"]["hash"]:
-        raise PrepareError(f"{out_dir / TOKENIZER_FILE} differs from the tokenizer of the unfinished run in {out_dir}; "
-                           f"pass --overwrite to start again")
+        raise PrepareError(
+            f"{out_dir / TOKENIZER_FILE} differs from the tokenizer of the unfinished run in {out_dir}; "
+            f"pass --overwrite to start again"
+        )
     shards = state["shards"]
     done = shards["train"] + shards["val"]
     listed = {s["file"] for s in done} | {s["spans"]["file"] for s in done if "spans" in s}
@@ -217,11 +361,15 @@ def _start(out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool,
         try:
             check_shard(out_dir, s, dtype_for_vocab(tok.vocab_size))
         except DataFormatError:
-            raise PrepareError(f"shard {out_dir / s['file']} of the unfinished run is missing or damaged; pass "
-                               f"--overwrite to start again") from None
+            raise PrepareError(
+                f"shard {out_dir / s['file']} of the unfinished run is missing or damaged; pass "
+                f"--overwrite to start again"
+            ) from None
     if verbose:
-        print(f"resuming the unfinished run in {out_dir}: {len(shards['train'])} train / "
-              f"{len(shards['val'])} val shards done")
+        print(
+            f"resuming the unfinished run in {out_dir}: {len(shards['train'])} train / "
+            f"{len(shards['val'])} val shards done"
+        )
     return tok, {k: state[k] for k in ("resume", "emitted", "stats", "shards")}
 
 
@@ -232,62 +380,106 @@ def _check_result(progress: dict, val_fraction: float) -> None:
         bad = stats.get("malformed_conversations", 0)
         if bad:
             why += f"; {bad:,} malformed conversations skipped, e.g. {stats['malformed_examples'][0]['reason']}"
-        raise PrepareError(f"the corpus produced no training tokens ({stats['documents']} documents); "
-                           f"check the inputs and the text column{why}")
+        raise PrepareError(
+            f"the corpus produced no training tokens ({stats['documents']} documents); "
+            f"check the inputs and the text column{why}"
+        )
     if emitted["val"] == 0:
         raise PrepareError(
             f"no document fell into the validation split ({stats['documents']:,} documents, "
-            f"val_fraction={val_fraction}); use more documents, a larger val_fraction, or split='tail'")
+            f"val_fraction={val_fraction}); use more documents, a larger val_fraction, or split='tail'"
+        )
 
 
-def _extra_meta(tok: Tokenizer, reused: Tokenizer | None, spec: dict, stats: dict, empty: list, column: str | None,
-                stopped: dict | None) -> dict:
+def _extra_meta(
+    tok: Tokenizer,
+    reused: Tokenizer | None,
+    spec: dict,
+    stats: dict,
+    empty: list,
+    column: str | None,
+    stopped: dict | None,
+) -> dict:
     """tokenizer_base: a reused tokenizer before the chat tokens were added (fine-tuning checks that its model's
     vocabulary is a prefix of the data's)."""
     fmt = spec.get("format", "text")
-    extra: dict[str, Any] = {"format": fmt, **{k: stats[k] for k in ("documents", "characters", "empty_documents",
-                                                                    "replaced_invalid_utf8", "skipped_files")},
-                             "empty_files": empty, "split": spec["split"], "val_fraction": spec["val_fraction"],
-                             "text_column": column if fmt == "chat" else spec["text_column"], "eot_id": tok.eot_id,
-                             "shard_tokens": spec["shard_tokens"], "prepare_spec": spec}
+    extra: dict[str, Any] = {
+        "format": fmt,
+        **{
+            k: stats[k]
+            for k in (
+                "documents",
+                "characters",
+                "empty_documents",
+                "replaced_invalid_utf8",
+                "skipped_files",
+            )
+        },
+        "empty_files": empty,
+        "split": spec["split"],
+        "val_fraction": spec["val_fraction"],
+        "text_column": column if fmt == "chat" else spec["text_column"],
+        "eot_id": tok.eot_id,
+        "shard_tokens": spec["shard_tokens"],
+        "prepare_spec": spec,
+    }
     if reused is not None:
-        extra["tokenizer_base"] = {"hash": reused.identity()["hash"], "vocab_size": int(reused.vocab_size)}
+        extra["tokenizer_base"] = {
+            "hash": reused.identity()["hash"],
+            "vocab_size": int(reused.vocab_size),
+        }
     if fmt == "chat":  # the pass checked that tok has the chat tokens
-        extra.update(chat=ChatTemplate(tok).meta(), malformed_conversations=stats.get("malformed_conversations", 0),
-                     malformed_examples=stats.get("malformed_examples", []),
-                     assistant_tokens=stats.get("assistant_tokens", {"train": 0, "val": 0}))
+        extra.update(
+            chat=ChatTemplate(tok).meta(),
+            malformed_conversations=stats.get("malformed_conversations", 0),
+            malformed_examples=stats.get("malformed_examples", []),
+            assistant_tokens=stats.get("assistant_tokens", {"train": 0, "val": 0}),
+        )
     if "max_tokens" in spec:
-        extra.update(max_tokens=spec["max_tokens"], stop_reason="max_tokens" if stopped else "end_of_input",
-                     **({"stopped_at": stopped} if stopped else {}))
+        extra.update(
+            max_tokens=spec["max_tokens"],
+            stop_reason="max_tokens" if stopped else "end_of_input",
+            **({"stopped_at": stopped} if stopped else {}),
+        )
     return extra
 
 
 # What a dataset holds, for people: the line tokenize ends with, notebook 01's statistics and a decoded sample.
 def print_tokenize_summary(meta: DatasetMeta) -> None:
     m, n = meta.raw, meta.tokens("train") + meta.tokens("val")
-    print(f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "
-          f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
-          f"({m['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
-          f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
-          f"{m['elapsed_s']:.1f}s -> {meta.data_dir}")
+    print(
+        f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "
+        f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
+        f"({m['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
+        f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
+        f"{m['elapsed_s']:.1f}s -> {meta.data_dir}"
+    )
     if m.get("stop_reason") == "max_tokens":
-        print(f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
-              f"{m['stopped_at']['file']}")
+        print(
+            f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
+            f"{m['stopped_at']['file']}"
+        )
     report_problems(m)
 
 
 def report_problems(m: dict) -> None:
     """What tokenize replaced or skipped (also recorded in meta.json)."""
     if m.get("replaced_invalid_utf8"):
-        print(f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD")
+        print(
+            f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD"
+        )
     if m.get("empty_files"):
-        print(f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}")
+        print(
+            f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}"
+        )
     if m.get("empty_documents"):
         print(f"note: {m['empty_documents']:,} empty documents skipped")
     for s in m.get("skipped_files", []):
         print(f"warning: skipped {s['path']}: {s['error']}")
     if m.get("malformed_conversations"):
-        print(f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:")
+        print(
+            f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:"
+        )
         for ex in m.get("malformed_examples", []):
             print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
 
@@ -296,13 +488,21 @@ def print_summary(data_dir: str | Path) -> None:
     """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
     meta = read_meta(data_dir)
     m, n, shards = meta.raw, meta.tokens("train") + meta.tokens("val"), meta.splits
-    rows = {"data_dir": meta.data_dir, "source files": len(m["sources"]),
-            "source MB": round(sum(s["size"] for s in m["sources"]) / 1e6, 3), "documents": m.get("documents"),
-            "train tokens": meta.tokens("train"), "val tokens": meta.tokens("val"),
-            "characters per token": round(m.get("characters", 0) / max(1, n), 3), "format": meta.format,
-            "tokenizer": meta.tokenizer.get("kind"), "vocab size": meta.vocab_size, "dtype": meta.dtype.name,
-            "shards (train + val)": f"{len(shards['train']['shards'])} + {len(shards['val']['shards'])}",
-            "validation split": m.get("split")}
+    rows = {
+        "data_dir": meta.data_dir,
+        "source files": len(m["sources"]),
+        "source MB": round(sum(s["size"] for s in m["sources"]) / 1e6, 3),
+        "documents": m.get("documents"),
+        "train tokens": meta.tokens("train"),
+        "val tokens": meta.tokens("val"),
+        "characters per token": round(m.get("characters", 0) / max(1, n), 3),
+        "format": meta.format,
+        "tokenizer": meta.tokenizer.get("kind"),
+        "vocab size": meta.vocab_size,
+        "dtype": meta.dtype.name,
+        "shards (train + val)": f"{len(shards['train']['shards'])} + {len(shards['val']['shards'])}",
+        "validation split": m.get("split"),
+    }
     if meta.format == "chat":
         rows["assistant tokens (train)"] = m.get("assistant_tokens", {}).get("train", 0)
     if "max_tokens" in m:
@@ -317,4 +517,6 @@ def decoded_sample(data_dir: str | Path, n_tokens: int = 200) -> str:
     """The first n_tokens of the validation split, decoded: a quick look that the data is what it should be."""
     meta = read_meta(data_dir)
     tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    return tok.decode(np.fromfile(meta.shard_paths("val")[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens))
+    return tok.decode(
+        np.fromfile(meta.shard_paths("val")[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
+    )

@@ -18,7 +18,9 @@ from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_d
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
-PREPARE_STATE_FILE = "prepare_state.json"  # present only while a tokenize run is unfinished (encode.py)
+PREPARE_STATE_FILE = (
+    "prepare_state.json"  # present only while a tokenize run is unfinished (encode.py)
+)
 SPAN_DTYPE = np.dtype("<i8")
 
 
@@ -31,7 +33,9 @@ def _clip_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return s[s[:, 1] > s[:, 0]]
 
 
-def merge_spans(spans: np.ndarray) -> np.ndarray:  # [a, b), [b, c) -> [a, c) in sorted disjoint spans
+def merge_spans(
+    spans: np.ndarray,
+) -> np.ndarray:  # [a, b), [b, c) -> [a, c) in sorted disjoint spans
     if len(spans) < 2:
         return spans
     first = np.r_[True, spans[1:, 0] != spans[:-1, 1]]  # each merged span's first and last parts
@@ -43,9 +47,23 @@ class ShardWriter:
     A resumed run passes `shards`, the records of those on disk, and `skip`, the tokens they already hold. Chat data
     (with_spans): write(ids, spans) takes the assistant spans of `ids` too."""
 
-    def __init__(self, out_dir: str | Path, split: str, dtype: np.dtype, shard_tokens: int = 100_000_000,
-                 shards: list[dict[str, Any]] | None = None, skip: int = 0, on_full=None, with_spans: bool = False):
-        self.out_dir, self.split, self.on_full, self.with_spans = Path(out_dir), split, on_full, with_spans
+    def __init__(
+        self,
+        out_dir: str | Path,
+        split: str,
+        dtype: np.dtype,
+        shard_tokens: int = 100_000_000,
+        shards: list[dict[str, Any]] | None = None,
+        skip: int = 0,
+        on_full=None,
+        with_spans: bool = False,
+    ):
+        self.out_dir, self.split, self.on_full, self.with_spans = (
+            Path(out_dir),
+            split,
+            on_full,
+            with_spans,
+        )
         self.dtype = np.dtype(dtype).newbyteorder("<")  # the files are little-endian
         self.shard_tokens, self.skip, self.filled = int(shard_tokens), int(skip), 0
         self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
@@ -53,7 +71,11 @@ class ShardWriter:
         self.spans: list[np.ndarray] = []  # spans of the buffered tokens (offsets into the buffer)
 
     def write(self, ids: np.ndarray, spans: np.ndarray | None = None) -> None:
-        spans = np.zeros((0, 2), np.int64) if spans is None else np.asarray(spans, np.int64).reshape(-1, 2)
+        spans = (
+            np.zeros((0, 2), np.int64)
+            if spans is None
+            else np.asarray(spans, np.int64).reshape(-1, 2)
+        )
         if self.skip:
             k = min(self.skip, ids.size)
             ids, spans, self.skip = ids[k:], _clip_spans(spans, k, ids.size), self.skip - k
@@ -75,13 +97,23 @@ class ShardWriter:
             return
         name = f"{self.split}_{len(self.shards):06d}.bin"
         data = self.buffer[: self.filled]
-        record = {"file": name, "tokens": int(self.filled), "sha256": hashlib.sha256(data).hexdigest()}
+        record = {
+            "file": name,
+            "tokens": int(self.filled),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
         if self.with_spans:
-            sp = merge_spans(np.concatenate(self.spans) if self.spans else np.zeros((0, 2), np.int64))
+            sp = merge_spans(
+                np.concatenate(self.spans) if self.spans else np.zeros((0, 2), np.int64)
+            )
             sp = np.ascontiguousarray(sp, dtype=SPAN_DTYPE)
             sname = f"{self.split}_{len(self.shards):06d}.spans.bin"
             atomic_write(self.out_dir / sname, sp.tofile)
-            record["spans"] = {"file": sname, "count": int(len(sp)), "sha256": hashlib.sha256(sp).hexdigest()}
+            record["spans"] = {
+                "file": sname,
+                "count": int(len(sp)),
+                "sha256": hashlib.sha256(sp).hexdigest(),
+            }
             self.spans = []
         atomic_write(self.out_dir / name, data.tofile)  # the rename made durable too
         self.shards.append(record)
@@ -98,7 +130,8 @@ class DatasetMeta:
     vocab_size: int
     dtype: np.dtype
     tokenizer: dict[str, Any]  # {"kind", "hash", "vocab_size", "file"}
-    splits: dict[str, dict[str, Any]]  # split -> {"tokens": int, "shards": [{"file", "tokens", "sha256"}]}
+    # split -> {"tokens": int, "shards": [{"file", "tokens", "sha256"}]}
+    splits: dict[str, dict[str, Any]]
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     def tokens(self, split: str) -> int:
@@ -113,32 +146,63 @@ class DatasetMeta:
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint records of its data, to refuse resuming on other data (not the path: a copy resumes)."""
-        shards = {split: [s.get("sha256") for s in rec.get("shards", [])] for split, rec in sorted(self.splits.items())}
+        shards = {
+            split: [s.get("sha256") for s in rec.get("shards", [])]
+            for split, rec in sorted(self.splits.items())
+        }
         fingerprint = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()[:16]
-        return {"tokenizer_kind": self.tokenizer.get("kind"), "tokenizer_hash": self.tokenizer.get("hash"),
-                "vocab_size": self.vocab_size, "dtype": self.dtype.name, "train_tokens": self.tokens("train"),
-                "val_tokens": self.tokens("val"), "tokens_sha256": fingerprint}
+        return {
+            "tokenizer_kind": self.tokenizer.get("kind"),
+            "tokenizer_hash": self.tokenizer.get("hash"),
+            "vocab_size": self.vocab_size,
+            "dtype": self.dtype.name,
+            "train_tokens": self.tokens("train"),
+            "val_tokens": self.tokens("val"),
+            "tokens_sha256": fingerprint,
+        }
 
 
-def write_meta(out_dir: str | Path, *, vocab_size: int, tokenizer: dict[str, Any],
-               splits: dict[str, list[dict[str, Any]]], sources: list[dict], extra: dict | None = None) -> None:
-    atomic_write_json(Path(out_dir) / META_FILE, {
-        "format_version": FORMAT_VERSION, "dtype": dtype_for_vocab(vocab_size).name, "vocab_size": int(vocab_size),
-        "tokenizer": tokenizer,
-        "splits": {s: {"tokens": int(sum(x["tokens"] for x in v)), "shards": v} for s, v in splits.items()},
-        "sources": sources, **(extra or {})})
+def write_meta(
+    out_dir: str | Path,
+    *,
+    vocab_size: int,
+    tokenizer: dict[str, Any],
+    splits: dict[str, list[dict[str, Any]]],
+    sources: list[dict],
+    extra: dict | None = None,
+) -> None:
+    atomic_write_json(
+        Path(out_dir) / META_FILE,
+        {
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype_for_vocab(vocab_size).name,
+            "vocab_size": int(vocab_size),
+            "tokenizer": tokenizer,
+            "splits": {
+                s: {"tokens": int(sum(x["tokens"] for x in v)), "shards": v}
+                for s, v in splits.items()
+            },
+            "sources": sources,
+            **(extra or {}),
+        },
+    )
 
 
 def read_meta(data_dir: str | Path) -> DatasetMeta:
     """meta.json checked against the files (sizes, counts, the tokenizer's sha256): DataFormatError names a mismatch."""
     data_dir = Path(data_dir)
     meta_path = data_dir / META_FILE
-    if not check_dir(data_dir, "data directory"):  # a file or a symlink loop is its own one-line error
-        raise DataFormatError(f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)")
+    # a file or a symlink loop is its own one-line error
+    if not check_dir(data_dir, "data directory"):
+        raise DataFormatError(
+            f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)"
+        )
     if not meta_path.is_file():
-        raise DataFormatError(_run_dir_message(data_dir) or
-                              f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
-                              f"(an interrupted tokenize run leaves no meta.json; run it again to finish)")
+        raise DataFormatError(
+            _run_dir_message(data_dir)
+            or f"{meta_path} is missing: {data_dir} is not a finished gptlib dataset "
+            f"(an interrupted tokenize run leaves no meta.json; run it again to finish)"
+        )
     try:
         m = json.loads(meta_path.read_text())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -148,11 +212,18 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
     except KeyError as e:  # a hand edit
         raise DataFormatError(f"{meta_path}: required field {e.args[0]!r} is missing") from None
     except (TypeError, AttributeError) as e:  # a field of the wrong shape
-        raise DataFormatError(f"{meta_path}: malformed metadata ({type(e).__name__}: {e})") from None
+        raise DataFormatError(
+            f"{meta_path}: malformed metadata ({type(e).__name__}: {e})"
+        ) from None
 
 
-def _run_dir_message(data_dir: Path) -> str | None:  # a training run, or one of its checkpoints, given as data
-    states = [*data_dir.glob(STATE_FILE), *sorted(checkpoints_dir(data_dir).glob(f"step_*/{STATE_FILE}"))]
+def _run_dir_message(
+    data_dir: Path,
+) -> str | None:  # a training run, or one of its checkpoints, given as data
+    states = [
+        *data_dir.glob(STATE_FILE),
+        *sorted(checkpoints_dir(data_dir).glob(f"step_*/{STATE_FILE}")),
+    ]
     if not states and not (data_dir / CONFIG_FILE).is_file():
         return None
     try:
@@ -165,21 +236,31 @@ def _run_dir_message(data_dir: Path) -> str | None:  # a training run, or one of
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
     def count(value, field: str) -> int:  # a hand edit may leave "32k" or 3.5
         if type(value) is not int or value < 0:
-            raise DataFormatError(f"{meta_path}: {field} is {value!r}, expected a whole number >= 0")
+            raise DataFormatError(
+                f"{meta_path}: {field} is {value!r}, expected a whole number >= 0"
+            )
         return value
 
     if m["format_version"] != FORMAT_VERSION:
-        raise DataFormatError(f"{meta_path}: format_version is {m['format_version']}, this gptlib reads "
-                              f"{FORMAT_VERSION}")
+        raise DataFormatError(
+            f"{meta_path}: format_version is {m['format_version']}, this gptlib reads "
+            f"{FORMAT_VERSION}"
+        )
     vocab_size = count(m["vocab_size"], "vocab_size")
     dtype, tokenizer, splits = dtype_for_vocab(vocab_size), m["tokenizer"], m["splits"]
     if m["dtype"] != dtype.name:
-        raise DataFormatError(f"{meta_path}: dtype is {m['dtype']!r} but vocab_size={vocab_size} needs {dtype.name!r}")
+        raise DataFormatError(
+            f"{meta_path}: dtype is {m['dtype']!r} but vocab_size={vocab_size} needs {dtype.name!r}"
+        )
     for split in ("train", "val"):
         info = splits[split]
-        counted = sum(count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"])
+        counted = sum(
+            count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"]
+        )
         if counted != count(info["tokens"], f"{split}.tokens"):
-            raise DataFormatError(f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}")
+            raise DataFormatError(
+                f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}"
+            )
         for s in info["shards"]:
             check_shard(data_dir, s, dtype, m.get("format") == "chat")
     tok_file = data_dir / tokenizer.get("file", TOKENIZER_FILE)
@@ -187,9 +268,18 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
         raise DataFormatError(f"tokenizer file {tok_file} named in {meta_path} does not exist")
     got = sha256_file(tok_file) if tokenizer.get("hash") else None
     if got is not None and got != tokenizer["hash"]:
-        raise DataFormatError(f"{tok_file}: sha256 {got[:16]}... differs from meta.json tokenizer.hash "
-                              f"{tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing")
-    return DatasetMeta(data_dir=data_dir, vocab_size=vocab_size, dtype=dtype, tokenizer=tokenizer, splits=splits, raw=m)
+        raise DataFormatError(
+            f"{tok_file}: sha256 {got[:16]}... differs from meta.json tokenizer.hash "
+            f"{tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing"
+        )
+    return DatasetMeta(
+        data_dir=data_dir,
+        vocab_size=vocab_size,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        splits=splits,
+        raw=m,
+    )
 
 
 def _check_size(data_dir: Path, file: str, n: int, itemsize: int, what: str) -> Path:
@@ -197,8 +287,10 @@ def _check_size(data_dir: Path, file: str, n: int, itemsize: int, what: str) -> 
     if not p.is_file():
         raise DataFormatError(f"{what} {p} listed in {data_dir / META_FILE} does not exist")
     if p.stat().st_size != int(n) * itemsize:
-        raise DataFormatError(f"{what} {p}: file size is {p.stat().st_size} bytes but meta.json says {n} x "
-                              f"{itemsize} bytes = {int(n) * itemsize} bytes")
+        raise DataFormatError(
+            f"{what} {p}: file size is {p.stat().st_size} bytes but meta.json says {n} x "
+            f"{itemsize} bytes = {int(n) * itemsize} bytes"
+        )
     return p
 
 
@@ -206,16 +298,22 @@ def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) ->
     _check_size(data_dir, s["file"], s["tokens"], dtype.itemsize, "shard")
     if chat or "spans" in s:
         sp, n = _load_spans(data_dir, s), int(s["tokens"])
-        if ((sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)).any() or (sp[1:, 0] < sp[:-1, 1]).any():
-            raise DataFormatError(f"spans file {data_dir / s['spans']['file']}: the spans are not sorted, disjoint, "
-                                  f"non-empty ranges within the shard's {n} tokens")
+        if ((sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)).any() or (
+            sp[1:, 0] < sp[:-1, 1]
+        ).any():
+            raise DataFormatError(
+                f"spans file {data_dir / s['spans']['file']}: the spans are not sorted, disjoint, "
+                f"non-empty ranges within the shard's {n} tokens"
+            )
 
 
 def _load_spans(data_dir: Path, shard: dict) -> np.ndarray:
     rec = shard.get("spans")
     if not isinstance(rec, dict) or "file" not in rec or "count" not in rec:
-        raise DataFormatError(f"{data_dir / META_FILE}: shard {shard['file']} of chat data has no spans record "
-                              f"(expected \"spans\": {{\"file\", \"count\", \"sha256\"}})")
+        raise DataFormatError(
+            f"{data_dir / META_FILE}: shard {shard['file']} of chat data has no spans record "
+            f'(expected "spans": {{"file", "count", "sha256"}})'
+        )
     p = _check_size(data_dir, rec["file"], rec["count"], 2 * SPAN_DTYPE.itemsize, "spans file")
     return np.fromfile(p, dtype=SPAN_DTYPE).reshape(-1, 2)
 
@@ -223,12 +321,18 @@ def _load_spans(data_dir: Path, shard: dict) -> np.ndarray:
 def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
     """(N, 2) [start, end) offsets into the split's token stream, a turn cut by a shard boundary joined again."""
     if meta.format != "chat":
-        raise DataFormatError(f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
-                              f"tokenize conversations with --format chat")
+        raise DataFormatError(
+            f"{meta.data_dir} holds {meta.format!r} data, which has no assistant spans; "
+            f"tokenize conversations with --format chat"
+        )
     shards = meta.splits[split]["shards"]
     offsets = np.cumsum([0] + [int(s["tokens"]) for s in shards])
-    return merge_spans(np.concatenate([np.zeros((0, 2), np.int64)] + [
-        _load_spans(meta.data_dir, s).astype(np.int64) + o for s, o in zip(shards, offsets)]))
+    return merge_spans(
+        np.concatenate(
+            [np.zeros((0, 2), np.int64)]
+            + [_load_spans(meta.data_dir, s).astype(np.int64) + o for s, o in zip(shards, offsets)]
+        )
+    )
 
 
 def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:
@@ -238,6 +342,8 @@ def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:
     d = Path(data_dir) if str(data_dir).strip() else colab.data_dir(name, roots)
     if not (d / META_FILE).is_file():
         found = sorted(p.parent.name for p in d.parent.glob(f"*/{META_FILE}"))
-        raise DataFormatError(f"no tokenized dataset at {d} (run notebook 01 first); datasets in {d.parent}: "
-                              f"{', '.join(found) or 'none'}")
+        raise DataFormatError(
+            f"no tokenized dataset at {d} (run notebook 01 first); datasets in {d.parent}: "
+            f"{', '.join(found) or 'none'}"
+        )
     return d

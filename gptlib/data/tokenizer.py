@@ -31,8 +31,11 @@ class Tokenizer:
         return path
 
     def identity(self) -> dict:
-        return {"kind": self.kind, "hash": hashlib.sha256(self.to_json_bytes()).hexdigest(),
-                "vocab_size": self.vocab_size}
+        return {
+            "kind": self.kind,
+            "hash": hashlib.sha256(self.to_json_bytes()).hexdigest(),
+            "vocab_size": self.vocab_size,
+        }
 
 
 class CharTokenizer(Tokenizer):
@@ -40,7 +43,9 @@ class CharTokenizer(Tokenizer):
 
     def __init__(self, chars: Sequence[str]):
         if not chars or len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
-            raise TokenizerError(f"char vocabulary must be distinct single characters, at least one (got {len(chars)})")
+            raise TokenizerError(
+                f"char vocabulary must be distinct single characters, at least one (got {len(chars)})"
+            )
         self.chars = list(chars)
         self.vocab_size = len(self.chars)
         # An id (or -1) for every code point (4.4 MB): encoding is one vectorised lookup, not a Python loop.
@@ -59,22 +64,29 @@ class CharTokenizer(Tokenizer):
             raise TokenizerError(
                 f"character {text[i]!r} (U+{ord(text[i]):04X}) at position {i} is not in the char vocabulary "
                 f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
-                f"remove or replace it, or build the tokenizer from text that has it")
+                f"remove or replace it, or build the tokenizer from text that has it"
+            )
         return ids
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [self.encode_array(t) for t in texts]  # arrays: a batch of Python ints would be ~7x the memory
+        # arrays: a batch of Python ints would be ~7x the memory
+        return [self.encode_array(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         n = len(self.chars)
         return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in map(int, ids))
 
-    def to_json_bytes(self) -> bytes:  # "unknown": "error" stays (the only policy now): the identity hashes these bytes
-        return json.dumps({"kind": "char", "chars": "".join(self.chars), "unknown": "error"},
-                          ensure_ascii=False, sort_keys=True).encode()
+    def to_json_bytes(
+        self,
+    ) -> bytes:  # "unknown": "error" stays (the only policy now): the identity hashes these bytes
+        return json.dumps(
+            {"kind": "char", "chars": "".join(self.chars), "unknown": "error"},
+            ensure_ascii=False,
+            sort_keys=True,
+        ).encode()
 
 
 class BPETokenizer(Tokenizer):
@@ -95,7 +107,9 @@ class BPETokenizer(Tokenizer):
             raise TokenizerError(f"BPE tokenizer has no {EOT!r} special token")
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 32768, extra_special: Sequence[str] = ()) -> "BPETokenizer":
+    def train(
+        cls, texts: Iterable[str], vocab_size: int = 32768, extra_special: Sequence[str] = ()
+    ) -> "BPETokenizer":
         """Bounded memory: the trainer keeps word counts, not text. Ids: <|endoftext|> (0), extra_special (1, 2, ...),
         the 256 byte symbols, then merges up to vocab_size (a small corpus may stop short of it)."""
         from tokenizers import Tokenizer as HFTokenizer
@@ -103,13 +117,20 @@ class BPETokenizer(Tokenizer):
 
         specials = [EOT, *extra_special]
         if vocab_size < 257 + len(specials):
-            raise TokenizerError(f"vocab_size={vocab_size} is too small for byte-level BPE (>= {257 + len(specials)}: "
-                                 f"256 bytes, {len(specials)} special token(s), and at least one merge)")
+            raise TokenizerError(
+                f"vocab_size={vocab_size} is too small for byte-level BPE (>= {257 + len(specials)}: "
+                f"256 bytes, {len(specials)} special token(s), and at least one merge)"
+            )
         tk = HFTokenizer(models.BPE())
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), min_frequency=2, special_tokens=specials,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=int(vocab_size),
+            min_frequency=2,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         tk.train_from_iterator(texts, trainer=trainer)
         return cls(tk)
 
@@ -120,7 +141,9 @@ class BPETokenizer(Tokenizer):
         try:
             tk = HFTokenizer.from_str(raw.decode())
         except Exception as e:  # the library raises plain Exception on a bad file
-            raise TokenizerError(f"tokenizer file {where} is not a valid tokenizers file: {e}") from None
+            raise TokenizerError(
+                f"tokenizer file {where} is not a valid tokenizers file: {e}"
+            ) from None
         return cls(tk, json_bytes=raw)
 
     def with_special_tokens(self, tokens: Sequence[str]) -> "BPETokenizer":
@@ -131,17 +154,26 @@ class BPETokenizer(Tokenizer):
         missing = [t for t in tokens if self.token_id(t) is None]
         for t in missing:
             if self._tk.token_to_id(t) is not None:
-                raise TokenizerError(f"token {t!r} is an ordinary entry of this tokenizer's vocabulary "
-                                     f"(id {self._tk.token_to_id(t)}), not a special token: it cannot mark turns")
+                raise TokenizerError(
+                    f"token {t!r} is an ordinary entry of this tokenizer's vocabulary "
+                    f"(id {self._tk.token_to_id(t)}), not a special token: it cannot mark turns"
+                )
         if not missing:
             return self
         tk = type(self._tk).from_str(self._json.decode())
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])  # appended: new ids
+        # appended: new ids
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         return BPETokenizer(tk)
 
     def token_id(self, token: str) -> int | None:
-        return next((int(i) for i, t in self._tk.get_added_tokens_decoder().items()
-                     if t.content == token and t.special), None)
+        return next(
+            (
+                int(i)
+                for i, t in self._tk.get_added_tokens_decoder().items()
+                if t.content == token and t.special
+            ),
+            None,
+        )
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids
@@ -173,12 +205,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             raise TokenizerError(f"tokenizer file {path}: {e}") from None
     if isinstance(obj, dict) and "model" in obj:  # a Hugging Face tokenizers file
         return BPETokenizer.from_json_bytes(raw, where=str(path))
-    raise TokenizerError(f"tokenizer file {path}: neither a gptlib char tokenizer nor a tokenizers BPE file")
+    raise TokenizerError(
+        f"tokenizer file {path}: neither a gptlib char tokenizer nor a tokenizers BPE file"
+    )
 
 
 def check_identity(tok: Tokenizer, expected: dict, where: str) -> None:
     got = tok.identity()
     for key in ("kind", "hash"):
         if expected.get(key) is not None and expected[key] != got[key]:
-            raise TokenizerError(f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the "
-                                 f"tokenizer file gives {got[key]!r}; the data was made with a different tokenizer")
+            raise TokenizerError(
+                f"tokenizer mismatch in {where}: {key} recorded as {expected[key]!r} but the "
+                f"tokenizer file gives {got[key]!r}; the data was made with a different tokenizer"
+            )

@@ -14,9 +14,14 @@ from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, loud
-from gptlib.fsutil import append_jsonl
 from gptlib.evaluation import hellaswag as hs
-from gptlib.inference.loading import load_run, read_state_and_tokenizer, resolve_checkpoint, select_steps
+from gptlib.fsutil import append_jsonl
+from gptlib.inference.loading import (
+    load_run,
+    read_state_and_tokenizer,
+    resolve_checkpoint,
+    select_steps,
+)
 from gptlib.layout import EVAL_FILE
 from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
 
@@ -37,7 +42,11 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
         if token in special or i >= len(out):
             continue
         # a byte-level symbol string, else (another BPE flavour) its decoded text
-        out[i] = len(token) if all(c in alphabet for c in token) else len(tok.decode([i]).encode("utf-8"))
+        out[i] = (
+            len(token)
+            if all(c in alphabet for c in token)
+            else len(tok.decode([i]).encode("utf-8"))
+        )
     return out
 
 
@@ -45,20 +54,34 @@ def window_starts(n_tokens: int, block: int, limit: int | None) -> np.ndarray:
     """Starts of the non-overlapping windows (block inputs + 1 target): all, or `limit` evenly spaced ones."""
     n = (n_tokens - 1) // block
     if n <= 0:
-        raise EvalError(f"the validation split has {n_tokens:,} tokens, fewer than one window of "
-                        f"block_size + 1 = {block + 1}")
+        raise EvalError(
+            f"the validation split has {n_tokens:,} tokens, fewer than one window of "
+            f"block_size + 1 = {block + 1}"
+        )
     return np.asarray(hs.select(n, limit), dtype=np.int64) * block
 
 
-def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: int | None = None,
-                 batch_tokens: int | None = None, progress: bool = False) -> dict:
+def evaluate_bpb(
+    model,
+    tok: Tokenizer,
+    val_tokens,
+    device,
+    dtype=None,
+    limit: int | None = None,
+    batch_tokens: int | None = None,
+    progress: bool = False,
+) -> dict:
     """{bpb, loss, tokens, bytes, windows}: bpb = nats / ln 2 / UTF-8 bytes, special tokens (no bytes) left out of
     both sums, as nanochat does; loss = the mean nats over all targets. The sums stay on the device until the end;
     each batch's windows are a blocking copy, so on a GPU the host waits once per batch."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     starts = torch.from_numpy(window_starts(len(val_tokens), block, limit))
-    ids = None if isinstance(val_tokens, MemmapSplit) else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
+    ids = (
+        None
+        if isinstance(val_tokens, MemmapSplit)
+        else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
+    )
     # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the tokens
     per_batch = max(1, (batch_tokens or hs.default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
@@ -66,8 +89,11 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
     with hs.scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
         for chunk in starts.split(per_batch):
-            rows = (_to_ids(val_tokens.gather_raw(chunk, block + 1)) if ids is None
-                    else ids[chunk[:, None] + torch.arange(block + 1)]).to(device)  # (B, T + 1)
+            rows = (
+                _to_ids(val_tokens.gather_raw(chunk, block + 1))
+                if ids is None
+                else ids[chunk[:, None] + torch.arange(block + 1)]
+            ).to(device)  # (B, T + 1)
             nll = hs.scored_nll(m, rows[:, :-1], rows[:, 1:], dtype=dtype)  # (B*T,)
             nb = tb[rows[:, 1:]].flatten()
             nats_counted += (nll * (nb > 0)).sum(dtype=torch.float64)
@@ -77,38 +103,78 @@ def evaluate_bpb(model, tok: Tokenizer, val_tokens, device, dtype=None, limit: i
     total_bytes, tokens = int(n_bytes), len(starts) * block
     if total_bytes == 0:
         raise EvalError("the scored validation tokens carry no bytes (all special tokens?)")
-    return {"bpb": float(nats_counted) / (math.log(2) * total_bytes), "loss": float(nats_all) / tokens,
-            "tokens": tokens, "bytes": total_bytes, "windows": len(starts)}
+    return {
+        "bpb": float(nats_counted) / (math.log(2) * total_bytes),
+        "loss": float(nats_all) / tokens,
+        "tokens": tokens,
+        "bytes": total_bytes,
+        "windows": len(starts),
+    }
 
 
-def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:  # also training's
-    return {"task": task, "step": step, "tokens_seen": tokens_seen, **result, **extra,
-            "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+def make_row(
+    task: str, step: int, tokens_seen: int | None, result: dict, **extra
+) -> dict:  # also training's
+    return {
+        "task": task,
+        "step": step,
+        "tokens_seen": tokens_seen,
+        **result,
+        **extra,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
-def _prepare(run_dir: Path, task: str, data, step: int, limit: int | None, file_option: str) -> dict:
+def _prepare(
+    run_dir: Path, task: str, data, step: int, limit: int | None, file_option: str
+) -> dict:
     """What can fail on bad input, checked before any model runs."""
     info = resolve_checkpoint(run_dir, step)
-    state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)  # within a time limit: the run may be on Drive
+    # within a time limit: the run may be on Drive
+    state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
-            raise EvalError(f"{data} is a directory; for hellaswag give the jsonl file ({file_option})")
-        items, file = hs.load_items(data, file_option=file_option)  # tokenized once, for every checkpoint of the run:
-        return {"file": file, "rendered": hs.render([items[i] for i in hs.select(len(items), limit)], tok,
-                                                    cfg.model.block_size)}  # a run keeps its model config
+            raise EvalError(
+                f"{data} is a directory; for hellaswag give the jsonl file ({file_option})"
+            )
+        # tokenized once, for every checkpoint of the run:
+        items, file = hs.load_items(data, file_option=file_option)
+        # a run keeps its model config
+        return {
+            "file": file,
+            "rendered": hs.render(
+                [items[i] for i in hs.select(len(items), limit)], tok, cfg.model.block_size
+            ),
+        }
     if data is not None and Path(data).is_file():
-        raise EvalError(f"--data {data} is a file; for bpb give the data directory (from `tokenize`)")
+        raise EvalError(
+            f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
+        )
     if not (data or state.data_dir):
         raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
     meta = read_meta(data or state.data_dir)
-    check_identity(tok, meta.tokenizer, f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)")
+    check_identity(
+        tok,
+        meta.tokenizer,
+        f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)",
+    )
     return {"meta": meta, "val": MemmapSplit(meta, "val")}
 
 
-def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest", *, data: str | Path | None = None,
-                 limit: int | None = None, device: str = "auto", batch_tokens: int | None = None,
-                 progress: bool = True, out: str | Path | None = None, warn=loud,
-                 file_option: str = "--data FILE") -> list[dict]:
+def evaluate_run(
+    run_dir: str | Path,
+    task: str,
+    checkpoint: str | int = "latest",
+    *,
+    data: str | Path | None = None,
+    limit: int | None = None,
+    device: str = "auto",
+    batch_tokens: int | None = None,
+    progress: bool = True,
+    out: str | Path | None = None,
+    warn=loud,
+    file_option: str = "--data FILE",
+) -> list[dict]:
     """-> the rows, each appended to `out` (default RUN_DIR/eval.jsonl) as computed; one that cannot be (read-only)
     costs no score: warn() names the file and the fix. file_option: how messages name the HellaSwag file."""
     run_dir, task = Path(run_dir), str(task).strip().lower()
@@ -118,44 +184,82 @@ def evaluate_run(run_dir: str | Path, task: str, checkpoint: str | int = "latest
         raise EvalError(f"--limit {limit} must be >= 0 (0 = everything)")
     target = Path(out) if out is not None else run_dir / EVAL_FILE
     if out is not None and target.is_dir():
-        raise EvalError(f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}")
+        raise EvalError(
+            f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}"
+        )
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
-    dt = resolve_dtype("auto", dev)  # fp32 weights under this autocast, as training's validation loss
+    # fp32 weights under this autocast, as training's validation loss
+    dt = resolve_dtype("auto", dev)
     prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], limit, file_option), [], 0
     for step in steps:
         lm = load_run(run_dir, step, device=dev)
         t0 = time.perf_counter()
         if task == "hellaswag":
-            res = hs.evaluate_rendered(lm.model, prep["rendered"], dev, dt, batch_tokens, progress,
-                                       desc=f"hellaswag step {step}")
+            res = hs.evaluate_rendered(
+                lm.model,
+                prep["rendered"],
+                dev,
+                dt,
+                batch_tokens,
+                progress,
+                desc=f"hellaswag step {step}",
+            )
             result = hs.row_fields(res, prep["file"])
         else:
-            result = evaluate_bpb(lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress)
+            result = evaluate_bpb(
+                lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress
+            )
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
-        rows.append(make_row(task, step, lm.state.tokens_seen, result, checkpoint=str(lm.path), device=str(dev),
-                             dtype=str(dt).replace("torch.", ""), seconds=round(time.perf_counter() - t0, 3)))
+        rows.append(
+            make_row(
+                task,
+                step,
+                lm.state.tokens_seen,
+                result,
+                checkpoint=str(lm.path),
+                device=str(dev),
+                dtype=str(dt).replace("torch.", ""),
+                seconds=round(time.perf_counter() - t0, 3),
+            )
+        )
         del lm  # before the next checkpoint loads
         try:
             append_jsonl(target, rows[-1])
-        except OSError as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
+        except (
+            OSError
+        ) as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
             unsaved, error = unsaved + 1, e
     if unsaved:
-        warn(f"warning: {unsaved} row{'s' if unsaved > 1 else ''} not saved: cannot append to {target}: "
-             f"{error.strerror or error}; add --out FILE (evaluate_run(..., out=FILE)) to append the rows to another "
-             f"file")
+        warn(
+            f"warning: {unsaved} row{'s' if unsaved > 1 else ''} not saved: cannot append to {target}: "
+            f"{error.strerror or error}; add --out FILE (evaluate_run(..., out=FILE)) to append the rows to another "
+            f"file"
+        )
     return rows
 
 
 # Each task's columns: (eval.jsonl field, header, format)
-COLUMNS = {"bpb": [("bpb", "val bpb", "{:.4f}"), ("loss", "nats/token", "{:.4f}"), ("windows", "windows", "{:,}"),
-                   ("tokens", "tokens", "{:,}")],
-           "hellaswag": [("acc_norm", "HellaSwag acc_norm", "{:.4f}"), ("acc", "acc", "{:.4f}"), ("n", "items", "{:,}"),
-                         ("truncated", "truncated", "{:,}"), ("skipped", "skipped", "{:,}")]}
+COLUMNS = {
+    "bpb": [
+        ("bpb", "val bpb", "{:.4f}"),
+        ("loss", "nats/token", "{:.4f}"),
+        ("windows", "windows", "{:,}"),
+        ("tokens", "tokens", "{:,}"),
+    ],
+    "hellaswag": [
+        ("acc_norm", "HellaSwag acc_norm", "{:.4f}"),
+        ("acc", "acc", "{:.4f}"),
+        ("n", "items", "{:,}"),
+        ("truncated", "truncated", "{:,}"),
+        ("skipped", "skipped", "{:,}"),
+    ],
+}
 
 
 def format_table(rows: list[dict]) -> str:
     """A line per checkpoint, each task's newest result; with HellaSwag, GPT-2 124M's figures for reference."""
+
     def cell(v, f: str) -> str:
         return "-" if v is None else f.format(v)
 
@@ -166,19 +270,34 @@ def format_table(rows: list[dict]) -> str:
     cols = [(t, *c) for t in tasks for c in COLUMNS[t]]
     table = [["checkpoint", "tokens seen", *(h for _, _, h, _ in cols)]]
     for step, d in sorted(by_step.items()):
-        table.append([f"step {step:,}", cell(d["tokens_seen"], "{:,}"),
-                      *(cell(d.get(t, {}).get(k), f) for t, k, _, f in cols)])
+        table.append(
+            [
+                f"step {step:,}",
+                cell(d["tokens_seen"], "{:,}"),
+                *(cell(d.get(t, {}).get(k), f) for t, k, _, f in cols),
+            ]
+        )
     if "hellaswag" in tasks:
-        table.append(["GPT-2 124M (OpenAI)", "-", *(cell(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f)
-                                                    for t, k, _, f in cols)])
+        table.append(
+            [
+                "GPT-2 124M (OpenAI)",
+                "-",
+                *(
+                    cell(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f)
+                    for t, k, _, f in cols
+                ),
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if "bpb" in tasks:  # beside training's val loss of the same weights (a checkpoint's label): which is which
-        lines.append("val bpb, nats/token: on the windows column's windows (block_size tokens each) of the val split; "
-                     "a checkpoint's \"val\" (its label, metrics.jsonl) is training's validation, on its own fixed "
-                     "batches: another sample, so the two differ a little")
+    # beside training's val loss of the same weights (a checkpoint's label): which is which
+    if "bpb" in tasks:
+        lines.append(
+            "val bpb, nats/token: on the windows column's windows (block_size tokens each) of the val split; "
+            "a checkpoint's \"val\" (its label, metrics.jsonl) is training's validation, on its own fixed "
+            "batches: another sample, so the two differ a little"
+        )
     if "hellaswag" in tasks:
         lines.append(f"GPT-2 124M: {hs.GPT2_124M['source']}; chance on HellaSwag is 0.25")
     return "\n".join(lines)
-

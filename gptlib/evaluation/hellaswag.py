@@ -26,14 +26,27 @@ HELLASWAG_BYTES = 12_246_618
 HELLASWAG_ITEMS = 10_042
 HELLASWAG_FILE = "hellaswag_val.jsonl"
 
-GPT2_124M = {"acc": 0.2859, "acc_norm": 0.2955, "n": HELLASWAG_ITEMS,
-             "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)"}
+GPT2_124M = {
+    "acc": 0.2859,
+    "acc_norm": 0.2955,
+    "n": HELLASWAG_ITEMS,
+    "source": "karpathy/build-nanogpt hellaswag.py (OpenAI GPT-2 124M weights, completion style)",
+}
 
 
-def fetch_hellaswag(file_option: str = "--data FILE") -> Path:  # file_option: how the caller takes a local copy
-    return fetch_verified(HELLASWAG_URL, default_cache_dir() / "hellaswag" / HELLASWAG_FILE, HELLASWAG_SHA256,
-                          EvalError, name="HellaSwag", local_hint=f"of {HELLASWAG_FILE} ({file_option})",
-                          canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes", timeout=60)
+def fetch_hellaswag(
+    file_option: str = "--data FILE",
+) -> Path:  # file_option: how the caller takes a local copy
+    return fetch_verified(
+        HELLASWAG_URL,
+        default_cache_dir() / "hellaswag" / HELLASWAG_FILE,
+        HELLASWAG_SHA256,
+        EvalError,
+        name="HellaSwag",
+        local_hint=f"of {HELLASWAG_FILE} ({file_option})",
+        canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes",
+        timeout=60,
+    )
 
 
 def default_batch_tokens(device: torch.device) -> int:
@@ -59,15 +72,21 @@ def pack_batches(lengths: Sequence[int], batch_tokens: int) -> list[np.ndarray]:
     order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
     batches, start = [], 0
     while start < len(order):
-        rows = max(1, batch_tokens // int(lengths[order[start]]))  # the first (longest) row sets the padded length
+        # the first (longest) row sets the padded length
+        rows = max(1, batch_tokens // int(lengths[order[start]]))
         batches.append(order[start : start + rows])
         start += rows
     return batches
 
 
 @torch.inference_mode()
-def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
-               dtype: torch.dtype | None = None) -> torch.Tensor:
+def scored_nll(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """NLL (nats, float32) of y.flatten()[positions], or of every target. positions are flat indices made on the
     host: a boolean mask on the GPU would make the host wait there to count its Trues. dtype None: training's."""
     m = unwrap_model(model)
@@ -79,16 +98,25 @@ def scored_nll(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, positio
 
 
 @torch.inference_mode()
-def score_rows(model: torch.nn.Module, seqs: Sequence[Sequence[int]], ks: Sequence[int],
-               device: torch.device | str, dtype: torch.dtype | None = None, batch_tokens: int | None = None,
-               progress=None) -> np.ndarray:
+def score_rows(
+    model: torch.nn.Module,
+    seqs: Sequence[Sequence[int]],
+    ks: Sequence[int],
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+    batch_tokens: int | None = None,
+    progress=None,
+) -> np.ndarray:
     """Summed log-likelihood (nats, <= 0) of the last ks[i] tokens of each seqs[i] -> float64 (R,); progress(rows)
     after each batch. The sums stay on the device until the end (one read back); each batch's tokens are a blocking
     copy from pageable memory, so on a GPU the host waits for the previous batch there once per batch."""
     device = torch.device(device)
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
-    for idx in pack_batches([len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)):
-        toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)  # (B, L), padded on the right
+    for idx in pack_batches(
+        [len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)
+    ):
+        # (B, L), padded on the right
+        toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)
         mask = np.zeros((len(idx), toks.shape[1] - 1), dtype=bool)  # (B, L-1): the scored targets
         for j, i in enumerate(idx):
             n = len(seqs[i])
@@ -124,7 +152,9 @@ def parse_items(text: str, where: str) -> list[Item]:
         except json.JSONDecodeError as e:
             raise EvalError(f"{at} is not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise EvalError(f"{at} is a JSON {type(obj).__name__}, expected an object with ctx, endings, label")
+            raise EvalError(
+                f"{at} is a JSON {type(obj).__name__}, expected an object with ctx, endings, label"
+            )
         if missing := [key for key in ("ctx", "endings", "label") if key not in obj]:
             raise EvalError(f"{at}: field {missing[0]!r} is missing")
         ctx, endings, label = obj["ctx"], obj["endings"], obj["label"]
@@ -132,8 +162,14 @@ def parse_items(text: str, where: str) -> list[Item]:
             label = int(label)
         if not isinstance(ctx, str) or not ctx:
             raise EvalError(f"{at}: field 'ctx' is {ctx!r}, expected a non-empty string")
-        if not isinstance(endings, list) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
-            raise EvalError(f"{at}: field 'endings' is {str(endings)[:80]}, expected a list of 4 strings")
+        if (
+            not isinstance(endings, list)
+            or len(endings) != 4
+            or not all(isinstance(e, str) for e in endings)
+        ):
+            raise EvalError(
+                f"{at}: field 'endings' is {str(endings)[:80]}, expected a list of 4 strings"
+            )
         if type(label) is not int or not 0 <= label <= 3:  # not a bool, not 1.0
             raise EvalError(f"{at}: field 'label' is {label!r}, expected 0, 1, 2 or 3")
         items.append(Item(ctx=ctx, endings=endings, label=label))
@@ -142,7 +178,9 @@ def parse_items(text: str, where: str) -> list[Item]:
     return items
 
 
-def load_items(source: str | Path | None = None, file_option: str = "--data FILE") -> tuple[list[Item], dict]:
+def load_items(
+    source: str | Path | None = None, file_option: str = "--data FILE"
+) -> tuple[list[Item], dict]:
     """The items of a local file, or of the canonical one (None), and the file {path, sha256, canonical}."""
     path = Path(source) if source else fetch_hellaswag(file_option)
     if not path.is_file():
@@ -154,7 +192,11 @@ def load_items(source: str | Path | None = None, file_option: str = "--data FILE
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise EvalError(f"{path}: line {line} is not UTF-8 text (byte {e.start})") from None
-    return parse_items(text, str(path)), {"path": str(path), "sha256": sha, "canonical": sha == HELLASWAG_SHA256}
+    return parse_items(text, str(path)), {
+        "path": str(path),
+        "sha256": sha,
+        "canonical": sha == HELLASWAG_SHA256,
+    }
 
 
 def select(n: int, limit: int | None) -> list[int]:
@@ -165,7 +207,9 @@ def select(n: int, limit: int | None) -> list[int]:
     return [i * n // limit for i in range(limit)]
 
 
-def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[list[list[int]], list[int], bool]:
+def ending_rows(
+    ctx: Sequence[int], end: Sequence[int], block: int
+) -> tuple[list[list[int]], list[int], bool]:
     """Scoring rows (seq, k) for one ending, and whether the context was cut. An ending longer than the window (char
     models) is scored in pieces of block // 2 tokens, each reading the block tokens before its end."""
     toks = list(ctx) + list(end)
@@ -173,8 +217,9 @@ def ending_rows(ctx: Sequence[int], end: Sequence[int], block: int) -> tuple[lis
         start = max(0, len(toks) - block - 1)
         return [toks[start:]], [len(end)], start > 0
     step = max(1, block // 2)
-    pieces = [(a, min(len(toks), a + step)) for a in range(len(ctx), len(toks), step)]  # [a, b): scored tokens
-    return [toks[max(0, b - block - 1): b] for _, b in pieces], [b - a for a, b in pieces], True
+    # [a, b): scored tokens
+    pieces = [(a, min(len(toks), a + step)) for a in range(len(ctx), len(toks), step)]
+    return [toks[max(0, b - block - 1) : b] for _, b in pieces], [b - a for a, b in pieces], True
 
 
 @dataclass
@@ -200,11 +245,16 @@ def _encode(tok: Tokenizer, text: str) -> list[int] | None:
 
 
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
-    texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]  # as build-nanogpt
-    ids = tok.encode_batch_ids(texts) if hasattr(tok, "encode_batch_ids") else [_encode(tok, t) for t in texts]
+    # as build-nanogpt
+    texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
+    ids = (
+        tok.encode_batch_ids(texts)
+        if hasattr(tok, "encode_batch_ids")
+        else [_encode(tok, t) for t in texts]
+    )
     r = Rendered()
     for i, it in enumerate(items):
-        ctx, ends = ids[5 * i], ids[5 * i + 1: 5 * i + 5]
+        ctx, ends = ids[5 * i], ids[5 * i + 1 : 5 * i + 5]
         if not ctx or None in ends:  # None: a character the char vocabulary lacks
             r.skipped += 1
             continue
@@ -219,52 +269,85 @@ def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
         r.labels.append(it.label)
         r.truncated += cut
     if r.n == 0:
-        raise EvalError(f"no HellaSwag item can be scored: all {r.skipped} have characters outside the {tok.kind} "
-                        f"tokenizer's vocabulary")
+        raise EvalError(
+            f"no HellaSwag item can be scored: all {r.skipped} have characters outside the {tok.kind} "
+            f"tokenizer's vocabulary"
+        )
     return r
 
 
-def evaluate_rendered(model, r: Rendered, device, dtype=None, batch_tokens: int | None = None,
-                      progress: bool = False, desc: str = "hellaswag") -> dict:
+def evaluate_rendered(
+    model,
+    r: Rendered,
+    device,
+    dtype=None,
+    batch_tokens: int | None = None,
+    progress: bool = False,
+    desc: str = "hellaswag",
+) -> dict:
     """-> {acc, acc_norm, n, truncated, skipped, sums: (n, 4) log-likelihoods of the endings}."""
     with scoring(model, progress, total=len(r.seqs), desc=desc, unit="row") as (m, bar):
         row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update)
-    sums = np.bincount(r.ending_of, weights=row_ll, minlength=4 * r.n).reshape(r.n, 4)  # an ending's rows summed
+    # an ending's rows summed
+    sums = np.bincount(r.ending_of, weights=row_ll, minlength=4 * r.n).reshape(r.n, 4)
     means = sums / np.asarray(r.counts).reshape(r.n, 4)  # every ending has a token: " " + ending
-    labels = np.asarray(r.labels)  # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
-    return {"acc": float((sums.argmax(1) == labels).mean()), "acc_norm": float((means.argmax(1) == labels).mean()),
-            "n": r.n, "truncated": r.truncated, "skipped": r.skipped, "sums": sums}
+    # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
+    labels = np.asarray(r.labels)
+    return {
+        "acc": float((sums.argmax(1) == labels).mean()),
+        "acc_norm": float((means.argmax(1) == labels).mean()),
+        "n": r.n,
+        "truncated": r.truncated,
+        "skipped": r.skipped,
+        "sums": sums,
+    }
 
 
 def row_fields(res: dict, file: dict) -> dict:
-    return {**{k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")}, "data": file["path"],
-            "data_sha256": file["sha256"], "canonical": file["canonical"]}
+    return {
+        **{k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")},
+        "data": file["path"],
+        "data_sha256": file["sha256"],
+        "canonical": file["canonical"],
+    }
 
 
 class HellaSwagProbe:
     """HellaSwag during training: `limit` items tokenized once, scored at chosen steps (full: all, at the end).
     Without the file the probe logs one line and stays off (score() is None): training never stops for it."""
 
-    def __init__(self, tokenizer: Tokenizer, block_size: int, source: str | Path | None = None,
-                 limit: int | None = 1000, log=print):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        block_size: int,
+        source: str | Path | None = None,
+        limit: int | None = 1000,
+        log=print,
+    ):
         self.tokenizer, self.block_size, self.log = tokenizer, block_size, log
         self.reason: str | None = None  # why the probe is off
         self._full: Rendered | None = None
         try:
             self.items, self.file = load_items(source, file_option="hellaswag_file=FILE")
-            self._subset = render([self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size)
+            self._subset = render(
+                [self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size
+            )
         except (EvalError, OSError) as e:
             self.reason = str(e)
             log(f"hellaswag: off for this run ({e})")
 
-    def score(self, model, device, dtype: torch.dtype | None = None, full: bool = False) -> dict | None:
+    def score(
+        self, model, device, dtype: torch.dtype | None = None, full: bool = False
+    ) -> dict | None:
         if self.reason is not None:
             return None
         if full and self._full is None:
             self._full = render(self.items, self.tokenizer, self.block_size)
         try:
-            res = evaluate_rendered(model, self._full if full else self._subset, torch.device(device), dtype,
-                                    16384)  # beside training's memory: gpt2-small ~2 GB of logits, not ~8 GB at 64K
+            # beside training's memory: gpt2-small ~2 GB of logits, not ~8 GB at 64K
+            res = evaluate_rendered(
+                model, self._full if full else self._subset, torch.device(device), dtype, 16384
+            )
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")
@@ -273,5 +356,12 @@ class HellaSwagProbe:
 
 
 def metrics_fields(res: dict | None) -> dict:
-    return {} if res is None else {"hellaswag_acc": round(res["acc"], 6),
-                                   "hellaswag_acc_norm": round(res["acc_norm"], 6), "hellaswag_n": res["n"]}
+    return (
+        {}
+        if res is None
+        else {
+            "hellaswag_acc": round(res["acc"], 6),
+            "hellaswag_acc_norm": round(res["acc_norm"], 6),
+            "hellaswag_n": res["n"],
+        }
+    )

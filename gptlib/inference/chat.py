@@ -17,42 +17,66 @@ from gptlib.inference.engine import Engine, SamplingConfig
 
 
 class ChatSession:
-    def __init__(self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud):
+    def __init__(
+        self, engine: Engine, system: str | None = None, log: Callable[[str], None] = loud
+    ):
         tok, where = engine.tokenizer, engine.source or "this model"
         try:
             self.template = ChatTemplate(tok)
         except ChatError:
-            raise ChatError(f"{where}: its {getattr(tok, 'kind', '')} tokenizer has no chat tokens "
-                            f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; fine-tune "
-                            f"it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
-                            f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
-                            f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR") from None
-        self.stop_ids = sorted({self.template.end_id, self.template.eot_id, *self.template.role_ids.values()})
+            raise ChatError(
+                f"{where}: its {getattr(tok, 'kind', '')} tokenizer has no chat tokens "
+                f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; fine-tune "
+                f"it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
+                f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
+                f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR"
+            ) from None
+        self.stop_ids = sorted(
+            {self.template.end_id, self.template.eot_id, *self.template.role_ids.values()}
+        )
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size
         self.reply_cap = max(1, self.block_size // 2)  # rule (1)
         self.history: list[tuple[str, str]] = []
-        self.finish_reason = ""  # of the last reply: "eot" (a chat token), "length" or "stop" (a stop string)
-        self.reply_tokens = 0  # tokens the model generated for the last reply (the final chat token included)
+        self.finish_reason = (
+            ""  # of the last reply: "eot" (a chat token), "length" or "stop" (a stop string)
+        )
+        self.reply_tokens = (
+            0  # tokens the model generated for the last reply (the final chat token included)
+        )
         self._capped_said = False
 
     @classmethod
-    def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu", system: str | None = None,
-                 log: Callable[[str], None] = loud) -> "ChatSession":
+    def from_run(
+        cls,
+        run_dir,
+        checkpoint: str | int = "latest",
+        device: str = "cpu",
+        system: str | None = None,
+        log: Callable[[str], None] = loud,
+    ) -> "ChatSession":
         return cls(Engine.from_run(run_dir, checkpoint, device=device), system=system, log=log)
 
     def reset(self) -> None:  # the system prompt stays
         self.history = []
 
-    def reply(self, text: str, sampling: SamplingConfig | None = None,
-              stream: Callable[[str], None] | None = None) -> str:
+    def reply(
+        self,
+        text: str,
+        sampling: SamplingConfig | None = None,
+        stream: Callable[[str], None] | None = None,
+    ) -> str:
         """stream(piece) receives the reply's text as it is generated."""
         if not isinstance(text, str):
             raise ChatError(f"a message must be a string, not a {type(text).__name__}")
-        cfg = dataclasses.replace(sampling or SamplingConfig()).validate()  # a copy: the cap must not leak out
+        cfg = dataclasses.replace(
+            sampling or SamplingConfig()
+        ).validate()  # a copy: the cap must not leak out
         if cfg.max_new_tokens > self.reply_cap and not self._capped_said:
-            self.log(f"max_new_tokens={cfg.max_new_tokens} would leave too little of the {self.block_size}-token "
-                     f"context for the conversation: replies are cut at {self.reply_cap} tokens")
+            self.log(
+                f"max_new_tokens={cfg.max_new_tokens} would leave too little of the {self.block_size}-token "
+                f"context for the conversation: replies are cut at {self.reply_cap} tokens"
+            )
             self._capped_said = True
         cfg.max_new_tokens = min(cfg.max_new_tokens, self.reply_cap)
         self.finish_reason, before = "", list(self.history)
@@ -67,8 +91,9 @@ class ChatSession:
                 stream(piece)
 
         try:
-            texts, out, reasons = self.engine.generate_text([self.prompt_ids(cfg.max_new_tokens)], cfg, self.stop_ids,
-                                                            shown)
+            texts, out, reasons = self.engine.generate_text(
+                [self.prompt_ids(cfg.max_new_tokens)], cfg, self.stop_ids, shown
+            )
         except BaseException:
             self.history = before  # a failed or interrupted reply leaves the conversation as it was
             raise
@@ -79,7 +104,9 @@ class ChatSession:
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
         head = [("system", self.system)] if self.system else []
         messages = [{"role": r, "content": c} for r, c in head + turns]
-        return self.template.render(messages, require_assistant=False, generation_prompt=True)[0].tolist()
+        return self.template.render(messages, require_assistant=False, generation_prompt=True)[
+            0
+        ].tolist()
 
     def prompt_ids(self, max_new_tokens: int) -> list[int]:
         """The prompt for the next reply (the history ends with the user's message): rules (2) and (3)."""
@@ -89,21 +116,33 @@ class ChatSession:
             del self.history[:2]
             dropped += 2
         if dropped:
-            self.log(f"the {dropped} oldest turns were dropped to fit the {self.block_size}-token context")
+            self.log(
+                f"the {dropped} oldest turns were dropped to fit the {self.block_size}-token context"
+            )
         if len(ids) <= room:
             return ids
-        text = self.history[-1][1]  # rule (3): the longest tail of the newest message that fits (binary search)
-        n = bisect.bisect_left(range(len(text) + 1), True, key=lambda n: len(self._tail(text, n)) > room) - 1
+        # rule (3): the longest tail of the newest message that fits (binary search)
+        text = self.history[-1][1]
+        n = (
+            bisect.bisect_left(
+                range(len(text) + 1), True, key=lambda n: len(self._tail(text, n)) > room
+            )
+            - 1
+        )
         if n < 0:
-            raise ChatError(f"the system prompt leaves no room for a message: it and max_new_tokens do not fit in "
-                            f"the model's {self.block_size}-token context; shorten the system prompt or "
-                            f"max_new_tokens")
-        self.log(f"the message is too long for the {self.block_size}-token context: only its last {n:,} of "
-                 f"{len(text):,} characters were given to the model")
+            raise ChatError(
+                f"the system prompt leaves no room for a message: it and max_new_tokens do not fit in "
+                f"the model's {self.block_size}-token context; shorten the system prompt or "
+                f"max_new_tokens"
+            )
+        self.log(
+            f"the message is too long for the {self.block_size}-token context: only its last {n:,} of "
+            f"{len(text):,} characters were given to the model"
+        )
         return self._tail(text, n)
 
     def _tail(self, text: str, n: int) -> list[int]:
-        return self.render([("user", text[len(text) - n:])])
+        return self.render([("user", text[len(text) - n :])])
 
 
 HELP = "/reset clears the history, /quit (or Ctrl-D, Ctrl-C) ends"

@@ -18,13 +18,19 @@ FEW_ROWS = 64  # up to this many rows (a decoding step's batch); a prefill's lon
 FASTER = 0.9  # the split is used where it takes at most this share of the plain call's time
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
+def split_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int
+) -> torch.Tensor:
     """F.linear(x, weight, bias) as `blocks` row blocks of weight: x (..., K), weight (N, K) -> (..., N)."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)  # (R, K)
     w = weight.view(blocks, N // blocks, K).transpose(1, 2)  # (blocks, K, N/blocks), a view
     xb = x2.expand(blocks, *x2.shape)  # (blocks, R, K): the same rows for every block, no copy
-    y = torch.bmm(xb, w) if bias is None else torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
+    y = (
+        torch.bmm(xb, w)
+        if bias is None
+        else torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
+    )
     return y.transpose(0, 1).reshape(*x.shape[:-1], N)  # (blocks, R, N/blocks) -> (..., N)
 
 

@@ -20,14 +20,25 @@ from gptlib.model import GPT, KVCache
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 200  # tokens generated per prompt (a stop string or end-of-text may end it earlier)
+    max_new_tokens: int = (
+        200  # tokens generated per prompt (a stop string or end-of-text may end it earlier)
+    )
     temperature: float = 0.8  # divides the logits; 0 = greedy (argmax), higher = more random
     top_k: int | None = None  # sample only among the k most likely tokens; None or 0 = no limit
-    top_p: float | None = None  # nucleus: the fewest tokens whose probability sums to >= top_p; None or 1 = off
-    repetition_penalty: float = 1.0  # > 1 makes tokens already in the context less likely (CTRL); 1 = off
-    stop: list[str] = field(default_factory=list)  # a sequence ends when its text contains one of these (cut off)
-    stop_at_eot: bool = True  # end a sequence at the tokenizer's end-of-text token (BPE), if it has one
-    seed: int | None = None  # fixes the sampling RNG: same seed, weights and settings -> same text; None = random
+    top_p: float | None = (
+        None  # nucleus: the fewest tokens whose probability sums to >= top_p; None or 1 = off
+    )
+    repetition_penalty: float = (
+        1.0  # > 1 makes tokens already in the context less likely (CTRL); 1 = off
+    )
+    # a sequence ends when its text contains one of these (cut off)
+    stop: list[str] = field(default_factory=list)
+    stop_at_eot: bool = (
+        True  # end a sequence at the tokenizer's end-of-text token (BPE), if it has one
+    )
+    seed: int | None = (
+        None  # fixes the sampling RNG: same seed, weights and settings -> same text; None = random
+    )
 
     def validate(self) -> "SamplingConfig":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -35,11 +46,15 @@ class SamplingConfig:
         if not self.temperature >= 0:
             raise GenerationError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise GenerationError(f"top_k={self.top_k!r} must be a positive integer (or None/0 for no limit)")
+            raise GenerationError(
+                f"top_k={self.top_k!r} must be a positive integer (or None/0 for no limit)"
+            )
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise GenerationError(f"top_p={self.top_p!r} must be in (0, 1] (or None for off)")
         if not self.repetition_penalty > 0:
-            raise GenerationError(f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)")
+            raise GenerationError(
+                f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -52,10 +67,14 @@ class Completion:
     prompt: str  # the prompt text ("" when generating from ids)
     text: str  # the generated text, without the prompt and without the stop string
     token_ids: list[int]  # the generated tokens (up to and including the one that completed a stop)
-    finish_reason: str  # "length" (max_new_tokens), "stop" (a stop string) or "eot" (end-of-text token)
+    finish_reason: (
+        str  # "length" (max_new_tokens), "stop" (a stop string) or "eot" (end-of-text token)
+    )
 
 
-def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None = None
+) -> torch.Tensor:
     """(B, V) logits -> float logits to sample from; seen (B, V): the tokens in each row's context."""
     logits = logits.float()
     p = cfg.repetition_penalty
@@ -79,25 +98,43 @@ def process_logits(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor
     return logits
 
 
-def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """(B, V) -> (B,): argmax(p / q), q ~ Exp(1), wins with probability p_i; torch.multinomial's .item() check would
     make the host wait for the GPU at every token."""
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits, dim=-1)
-    gen_device = probs.device if generator is None else generator.device  # training's samples pass a CPU one
-    q = torch.empty(probs.shape, device=gen_device).exponential_(1, generator=generator).to(probs.device)
-    q.clamp_(min=torch.finfo(q.dtype).tiny)  # the CPU kernel can return exactly 0, and 0 / 0 = NaN would win argmax
+    # training's samples pass a CPU one
+    gen_device = probs.device if generator is None else generator.device
+    q = (
+        torch.empty(probs.shape, device=gen_device)
+        .exponential_(1, generator=generator)
+        .to(probs.device)
+    )
+    # the CPU kernel can return exactly 0, and 0 / 0 = NaN would win argmax
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
 
 
 class Engine:
     def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
-        self.model, self.tokenizer = model, tokenizer  # used as is: from_run puts the model in eval mode
-        self.step, self.source = step, source  # the checkpoint's training step and path, for display
+        # used as is: from_run puts the model in eval mode
+        self.model, self.tokenizer = (
+            model,
+            tokenizer,
+        )
+        # the checkpoint's training step and path, for display
+        self.step, self.source = (
+            step,
+            source,
+        )
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        self.split_matmuls: bool | None = None  # a CPU's few-row matmuls split (cpu_matmul): measured at first use
+        self.split_matmuls: bool | None = (
+            None  # a CPU's few-row matmuls split (cpu_matmul): measured at first use
+        )
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu") -> "Engine":
@@ -126,20 +163,35 @@ class Engine:
         return self._logits(buf[:, cur + 1 - bs : cur + 1], cache)
 
     @torch.inference_mode()
-    def generate_ids(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *,
-                     generator: torch.Generator | None = None, stop_ids: Sequence[int] = (),
-                     on_step: Callable[[list[int], list[int]], Sequence[int] | None] | None = None
-                     ) -> tuple[list[list[int]], list[str]]:
+    def generate_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cfg: SamplingConfig,
+        *,
+        generator: torch.Generator | None = None,
+        stop_ids: Sequence[int] = (),
+        on_step: Callable[[list[int], list[int]], Sequence[int] | None] | None = None,
+    ) -> tuple[list[list[int]], list[str]]:
         """-> (each prompt's new ids, why it ended: "eot", "length", or "stop" when on_step(rows with a new token,
         those tokens) returned the row)."""
         cfg.validate()
-        bs, dev, max_new, B = self.model.config.block_size, self.device, cfg.max_new_tokens, len(prompts)
+        bs, dev, max_new, B = (
+            self.model.config.block_size,
+            self.device,
+            cfg.max_new_tokens,
+            len(prompts),
+        )
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
-            raise GenerationError(f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)")
+            raise GenerationError(
+                f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)"
+            )
         if not prompts or max_new == 0:
             return [[] for _ in prompts], ["length"] * B
-        if generator is None and cfg.temperature > 0:  # same seed, weights and settings -> same text
-            generator = torch.Generator(dev).manual_seed(secrets.randbits(63) if cfg.seed is None else cfg.seed)
+        # same seed, weights and settings -> same text
+        if generator is None and cfg.temperature > 0:
+            generator = torch.Generator(dev).manual_seed(
+                secrets.randbits(63) if cfg.seed is None else cfg.seed
+            )
         lens = [len(p) for p in prompts]
         min_len, max_len, total = min(lens), max(lens), max(lens) + max_new
         buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
@@ -152,7 +204,8 @@ class Engine:
             seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=dev)
             seen.scatter_(1, buf[:, :min_len], True)
         stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
-        done = torch.zeros(B, dtype=torch.bool, device=dev)  # finished rows: their further tokens are dropped
+        # finished rows: their further tokens are dropped
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
         reasons, ends = ["length"] * B, [n + max_new for n in lens]
         cache = KVCache(self.model.config, B, dev, self.dtype)
         logits = self._logits(buf[:, max(0, min_len - bs) : min_len], cache)
@@ -164,7 +217,8 @@ class Engine:
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
             if on_step is not None or stop_t is not None:
-                new = ~is_prompt[:, cur] & ~done & (cur < lens_t + max_new)  # rows whose token at cur is new
+                # rows whose token at cur is new
+                new = ~is_prompt[:, cur] & ~done & (cur < lens_t + max_new)
                 if stop_t is not None:
                     done |= new & torch.isin(nxt, stop_t)
                 done |= cur + 1 >= lens_t + max_new
@@ -184,11 +238,18 @@ class Engine:
                 out[b], reasons[b] = row[: eot + 1], "eot"
         return out, reasons
 
-    def generate(self, prompts: str | Sequence[str], cfg: SamplingConfig | None = None, *,
-                 stream: Callable[[int, str], None] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        cfg: SamplingConfig | None = None,
+        *,
+        stream: Callable[[int, str], None] | None = None,
+    ) -> list[Completion]:
         """stream(i, piece) gets prompt i's new text as it becomes final."""
         if self.tokenizer is None:
-            raise GenerationError("this engine has no tokenizer: use generate_ids, or load it with Engine.from_run")
+            raise GenerationError(
+                "this engine has no tokenizer: use generate_ids, or load it with Engine.from_run"
+            )
         cfg = (cfg or SamplingConfig()).validate()
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         ids = []
@@ -198,26 +259,40 @@ class Engine:
             except ValueError as e:
                 raise GenerationError(f"prompt {i} ({p[:40]!r}) cannot be encoded: {e}") from None
         eot = self.tokenizer.eot_id
-        if eot is not None:  # an empty prompt starts a new document (BPE); a char model needs some text
+        # an empty prompt starts a new document (BPE); a char model needs some text
+        if eot is not None:
             ids = [x or [eot] for x in ids]
         stop_ids = [eot] if cfg.stop_at_eot and eot is not None else []
         texts, out, reasons = self.generate_text(ids, cfg, stop_ids, stream)
-        return [Completion(prompt=p, text=t, token_ids=list(g), finish_reason=r)
-                for p, t, g, r in zip(prompts, texts, out, reasons)]
+        return [
+            Completion(prompt=p, text=t, token_ids=list(g), finish_reason=r)
+            for p, t, g, r in zip(prompts, texts, out, reasons)
+        ]
 
-    def generate_text(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, stop_ids: Sequence[int] = (),
-                      stream: Callable[[int, str], None] | None = None
-                      ) -> tuple[list[str], list[list[int]], list[str]]:
+    def generate_text(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cfg: SamplingConfig,
+        stop_ids: Sequence[int] = (),
+        stream: Callable[[int, str], None] | None = None,
+    ) -> tuple[list[str], list[list[int]], list[str]]:
         """generate_ids and each row's new text (no end-of-text or stop string), decoded per token only if needed."""
         if stream is None and not cfg.stop:
             out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
-            return [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out], out, reasons
+            return (
+                [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out],
+                out,
+                reasons,
+            )
         streams = [_TextStream(self.tokenizer, cfg.stop) for _ in prompts]
 
-        def on_step(rows: list[int], toks: list[int]) -> list[int]:  # -> the rows whose text reached a stop string
+        def on_step(
+            rows: list[int], toks: list[int]
+        ) -> list[int]:  # -> the rows whose text reached a stop string
             stopped = []
             for r, t in zip(rows, toks):
-                piece = streams[r].push(t, final=t in stop_ids)  # end-of-text is not part of the text
+                # end-of-text is not part of the text
+                piece = streams[r].push(t, final=t in stop_ids)
                 if piece and stream is not None:
                     stream(r, piece)
                 if streams[r].stopped and t not in stop_ids:
@@ -237,7 +312,11 @@ class _TextStream:
 
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
-        self.text, self.emitted = "", 0  # the final text so far (before any stop string), and how much was shown
+        # the final text so far (before any stop string), and how much was shown
+        self.text, self.emitted = (
+            "",
+            0,
+        )
         self._pending: list[int] = []  # tokens whose text is not complete yet
         self.stopped = False
 
@@ -259,8 +338,15 @@ class _TextStream:
             self.text, self.stopped = self.text[: min(hits)], True
             return self._take(len(self.text))
         # held back: the longest end of the text that is a proper prefix of a stop string
-        held = max((n for s in self.stop for n in range(1, min(len(s) - 1, len(self.text)) + 1)
-                    if self.text.endswith(s[:n])), default=0)
+        held = max(
+            (
+                n
+                for s in self.stop
+                for n in range(1, min(len(s) - 1, len(self.text)) + 1)
+                if self.text.endswith(s[:n])
+            ),
+            default=0,
+        )
         return self._take(len(self.text) - held)
 
     def _take(self, upto: int) -> str:

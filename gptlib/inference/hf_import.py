@@ -19,9 +19,14 @@ from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT, model_size
 
 # What gptlib's GPT-2 computes (the usual value first); a config saying otherwise describes another model.
-GPT2_SHAPE = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
-              "scale_attn_by_inverse_layer_idx": (False,), "reorder_and_upcast_attn": (False,),
-              "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,)}
+GPT2_SHAPE = {
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "reorder_and_upcast_attn": (False,),
+    "layer_norm_epsilon": (1e-5,),
+    "tie_word_embeddings": (True,),
+}
 
 
 def model_config(folder: Path) -> ModelConfig:
@@ -34,44 +39,86 @@ def model_config(folder: Path) -> ModelConfig:
     if kind in ("qwen3", "llama"):
         return _llama_config(c, str(path))
     if kind != "gpt2":
-        raise ExportError(f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
-                            f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's")
-    _refuse_unless(path, {"n_inner": (c.get("n_inner"), 4 * c["n_embd"], None),
-                          **{k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()}})
-    return ModelConfig(vocab_size=c["vocab_size"], block_size=c.get("n_positions", c.get("n_ctx", 1024)),
-                       n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"], dropout=0.0, bias=True)
+        raise ExportError(
+            f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
+            f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's"
+        )
+    _refuse_unless(
+        path,
+        {
+            "n_inner": (c.get("n_inner"), 4 * c["n_embd"], None),
+            **{k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()},
+        },
+    )
+    return ModelConfig(
+        vocab_size=c["vocab_size"],
+        block_size=c.get("n_positions", c.get("n_ctx", 1024)),
+        n_layer=c["n_layer"],
+        n_head=c["n_head"],
+        n_embd=c["n_embd"],
+        dropout=0.0,
+        bias=True,
+    )
 
 
 def _llama_config(c: dict, where: str) -> ModelConfig:
     """Refused by name: grouped-query attention, rope scaling, biases, another activation or head size."""
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
         if not isinstance(c.get(key), int):
             raise ExportError(f"{where}: {key} is missing or not a number ({c.get(key)!r})")
     heads, rope = c["num_attention_heads"], c.get("rope_parameters") or {}
-    _refuse_unless(where, {"num_key_value_heads": (c.get("num_key_value_heads", heads), heads),
-                           "head_dim": (c.get("head_dim", c["hidden_size"] // heads), c["hidden_size"] // heads),
-                           "hidden_act": (c.get("hidden_act", "silu"), "silu"),
-                           "attention_bias": (c.get("attention_bias", False), False),
-                           "mlp_bias": (c.get("mlp_bias", False), False), "rope_scaling": (c.get("rope_scaling"), None),
-                           "rope_type": (rope.get("rope_type", "default"), "default")})
-    cfg = ModelConfig(vocab_size=c["vocab_size"], block_size=c.get("max_position_embeddings", 2048),
-                      n_layer=c["num_hidden_layers"], n_head=heads, n_embd=c["hidden_size"], dropout=0.0,
-                      positions="rope", norm="rmsnorm", qk_norm=c.get("model_type") == "qwen3", mlp="swiglu",
-                      tie_embeddings=bool(c.get("tie_word_embeddings", False)), bias=False,
-                      rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    _refuse_unless(
+        where,
+        {
+            "num_key_value_heads": (c.get("num_key_value_heads", heads), heads),
+            "head_dim": (c.get("head_dim", c["hidden_size"] // heads), c["hidden_size"] // heads),
+            "hidden_act": (c.get("hidden_act", "silu"), "silu"),
+            "attention_bias": (c.get("attention_bias", False), False),
+            "mlp_bias": (c.get("mlp_bias", False), False),
+            "rope_scaling": (c.get("rope_scaling"), None),
+            "rope_type": (rope.get("rope_type", "default"), "default"),
+        },
+    )
+    cfg = ModelConfig(
+        vocab_size=c["vocab_size"],
+        block_size=c.get("max_position_embeddings", 2048),
+        n_layer=c["num_hidden_layers"],
+        n_head=heads,
+        n_embd=c["hidden_size"],
+        dropout=0.0,
+        positions="rope",
+        norm="rmsnorm",
+        qk_norm=c.get("model_type") == "qwen3",
+        mlp="swiglu",
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bias=False,
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+    )
     if cfg.mlp_hidden != c["intermediate_size"]:
-        raise ExportError(f"{where}: intermediate_size is {c['intermediate_size']}; gptlib's SwiGLU MLP of width "
-                            f"{cfg.n_embd} has {cfg.mlp_hidden}")
+        raise ExportError(
+            f"{where}: intermediate_size is {c['intermediate_size']}; gptlib's SwiGLU MLP of width "
+            f"{cfg.n_embd} has {cfg.mlp_hidden}"
+        )
     return cfg
 
 
-def _refuse_unless(where, checks: dict[str, tuple]) -> None:  # key -> (the config's value, *what gptlib computes)
+def _refuse_unless(
+    where, checks: dict[str, tuple]
+) -> None:  # key -> (the config's value, *what gptlib computes)
     for key, (got, *allowed) in checks.items():
         if got not in allowed:
             raise ExportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
 
 
-def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+def gptlib_state_dict(
+    hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str
+) -> dict[str, torch.Tensor]:
     """export.weight_map the other way, the embeddings padded."""
     V, sd = cfg.vocab_size, {}
     for ours, theirs in weight_map(cfg):
@@ -86,27 +133,38 @@ def gptlib_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig, where: str)
     if cfg.tie_embeddings:
         wte = sd["lm_head.weight"] = sd["transformer.wte.weight"]
         if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"][:V], wte[:V]):
-            raise ExportError(f"{where}: lm_head.weight differs from the input embedding; gptlib ties them")
+            raise ExportError(
+                f"{where}: lm_head.weight differs from the input embedding; gptlib ties them"
+            )
     return sd
 
 
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     out = Path(out)
-    check_export_target(out, overwrite=False)  # the same rule: never into a run, data or other folder
+    # the same rule: never into a run, data or other folder
+    check_export_target(out, overwrite=False)
     folder = Path(name_or_dir)
     if not folder.is_dir():  # a Hub id, downloaded once into the Hugging Face cache
         try:
             from huggingface_hub import snapshot_download
 
-            folder = Path(snapshot_download(repo_id=str(name_or_dir),
-                                            allow_patterns=["config.json", "model.safetensors", "tokenizer.json"]))
+            folder = Path(
+                snapshot_download(
+                    repo_id=str(name_or_dir),
+                    allow_patterns=["config.json", "model.safetensors", "tokenizer.json"],
+                )
+            )
         except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
-            raise ExportError(f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging "
-                              f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give "
-                              f"a folder holding config.json and model.safetensors") from None
+            raise ExportError(
+                f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging "
+                f"Face Hub ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); give "
+                f"a folder holding config.json and model.safetensors"
+            ) from None
     cfg, tj = model_config(folder), folder / "tokenizer.json"
     if not tj.is_file():
-        raise ExportError(f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)")
+        raise ExportError(
+            f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)"
+        )
     raw = tj.read_bytes()
     spec = json.loads(raw).get("model", {})  # a gptlib char export's comes back as a CharTokenizer
     if spec.get("type") == "WordLevel" and all(len(t) == 1 for t in spec.get("vocab", {})):
@@ -114,24 +172,38 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     else:
         tok = BPETokenizer.from_json_bytes(raw, where=str(tj))
     if tok.vocab_size != cfg.vocab_size:
-        raise ExportError(f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
-                            f"{cfg.vocab_size}")
+        raise ExportError(
+            f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
+            f"{cfg.vocab_size}"
+        )
     model = GPT(cfg)
     if not (folder / "model.safetensors").is_file():
-        raise ExportError(f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)")
+        raise ExportError(
+            f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)"
+        )
     # fp32; GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added
     own = ("transformer.", "model.", "lm_head.")
-    hf = {(k if k.startswith(own) else "transformer." + k): v.float()
-          for k, v in load_file(str(folder / "model.safetensors")).items()}
+    hf = {
+        (k if k.startswith(own) else "transformer." + k): v.float()
+        for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
     load_weights_into(model, gptlib_state_dict(hf, cfg, str(folder)), folder)
     recipe = "gpt2" if cfg.positions == "learned" else "modern"
-    run_cfg = RunConfig(model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe)
+    run_cfg = RunConfig(
+        model=cfg, train=get_preset("finetune", recipe).train, preset="imported", recipe=recipe
+    )
     identity = dict(tok.identity(), file=TOKENIZER_FILE)
-    state = TrainState(config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)})
+    state = TrainState(
+        config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)}
+    )
     # weights only: a run started from it (--init-from) trains with a fresh optimizer
-    save_checkpoint(checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()})
+    save_checkpoint(
+        checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()}
+    )
     atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
-    log(f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
-        f"wide, context {cfg.block_size}, vocab {cfg.vocab_size}, {tok.kind} tokenizer) -> {out}")
+    log(
+        f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
+        f"wide, context {cfg.block_size}, vocab {cfg.vocab_size}, {tok.kind} tokenizer) -> {out}"
+    )
     return out

@@ -12,8 +12,16 @@ from typing import Sequence
 
 import torch
 
-from gptlib.checkpoint.format import (DRIVE_LIST_TIMEOUT_S, DRIVE_READ_STALL_S, CheckpointInfo, TrainState,
-                                      list_checkpoints, load_model_weights, load_weights_into, verify_checkpoint)
+from gptlib.checkpoint.format import (
+    DRIVE_LIST_TIMEOUT_S,
+    DRIVE_READ_STALL_S,
+    CheckpointInfo,
+    TrainState,
+    list_checkpoints,
+    load_model_weights,
+    load_weights_into,
+    verify_checkpoint,
+)
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import CheckpointError, TokenizerError, loud
@@ -46,8 +54,15 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
             except (CheckpointError, OSError, json.JSONDecodeError) as e:
                 skipped.append(f"{p.name}: {e}")
                 continue
-            rows.append({"step": info.step, "val_loss": state.get("val_loss"), "best_step": state.get("best_step"),
-                         "val_batches": state.get("config", {}).get("train", {}).get("eval_batches"), "info": info})
+            rows.append(
+                {
+                    "step": info.step,
+                    "val_loss": state.get("val_loss"),
+                    "best_step": state.get("best_step"),
+                    "val_batches": state.get("config", {}).get("train", {}).get("eval_batches"),
+                    "info": info,
+                }
+            )
         for r in rows:
             r["is_best"] = r["step"] == rows[0]["best_step"]
         return rows
@@ -59,12 +74,18 @@ def checkpoint_label(row: dict) -> str:
     """A checkpoint_table row as "step 1,000 · val 1.523 (training's validation: 20 batches) · best": the loss training
     measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
     batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
-    val = f" · val {row['val_loss']:.3f} (training's validation{batches})" if row.get("val_loss") is not None else ""
+    val = (
+        f" · val {row['val_loss']:.3f} (training's validation{batches})"
+        if row.get("val_loss") is not None
+        else ""
+    )
     return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
 
 
-def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=loud) -> CheckpointInfo:
-    """"latest", "best" or a step number; newer incomplete checkpoints passed over are named through `log`."""
+def resolve_checkpoint(
+    run_dir: str | Path, which: str | int = "latest", log=loud
+) -> CheckpointInfo:
+    """ "latest", "best" or a step number; newer incomplete checkpoints passed over are named through `log`."""
     run_dir, skipped = Path(run_dir), []
     table = checkpoint_table(run_dir, skipped)
     newest = table[0]["step"] if table else -1
@@ -72,8 +93,14 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
         log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")
     if not table:  # the listing answered, so a stat will too; a file, a link loop or a broken link is said as such
         exists = check_dir(run_dir, "the run directory")
-        why = "/checkpoints (has training saved one yet?)" if exists else ": the run directory does not exist"
-        raise CheckpointError(f"no valid checkpoint in {run_dir}" + (f": {'; '.join(skipped)}" if skipped else why))
+        why = (
+            "/checkpoints (has training saved one yet?)"
+            if exists
+            else ": the run directory does not exist"
+        )
+        raise CheckpointError(
+            f"no valid checkpoint in {run_dir}" + (f": {'; '.join(skipped)}" if skipped else why)
+        )
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
     if which_s == "latest":
@@ -81,29 +108,44 @@ def resolve_checkpoint(run_dir: str | Path, which: str | int = "latest", log=lou
     if which_s == "best":
         step = table[0]["best_step"]
         if step is None:
-            raise CheckpointError(f"{run_dir}: no best checkpoint recorded yet (no validation has run); "
-                                  f"use 'latest' or a step from {steps}")
+            raise CheckpointError(
+                f"{run_dir}: no best checkpoint recorded yet (no validation has run); "
+                f"use 'latest' or a step from {steps}"
+            )
     elif m := re.fullmatch(r"(?:step_)?0*(\d+)", which_s):
         step = int(m.group(1))
     else:
-        raise CheckpointError(f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})")
+        raise CheckpointError(
+            f"checkpoint {which!r}: use 'latest', 'best' or a step number (one of {steps})"
+        )
     if step not in steps:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint for step {step}"
-                              f"{' (the best)' if which_s == 'best' else ''}; available steps: {steps}")
+        raise CheckpointError(
+            f"{run_dir}: no complete checkpoint for step {step}"
+            f"{' (the best)' if which_s == 'best' else ''}; available steps: {steps}"
+        )
     return table[steps.index(step)]["info"]
 
 
-def select_steps(run_dir: str | Path, which: str | int | Sequence[str | int] = "latest") -> list[int]:
+def select_steps(
+    run_dir: str | Path, which: str | int | Sequence[str | int] = "latest"
+) -> list[int]:
     """Steps of checkpoints, each once: "all" (oldest first), or latest/best/STEP, a list or "1000, best"."""
     joined = ",".join(map(str, [which] if isinstance(which, (str, int)) else which))
     specs = [s.strip() for s in joined.split(",") if s.strip()] or ["latest"]
     if [s.lower() for s in specs] == ["all"]:  # none: resolve_checkpoint's message
-        return sorted(r["step"] for r in checkpoint_table(run_dir)) or [resolve_checkpoint(run_dir).step]
+        return sorted(r["step"] for r in checkpoint_table(run_dir)) or [
+            resolve_checkpoint(run_dir).step
+        ]
     return list(dict.fromkeys(resolve_checkpoint(run_dir, s).step for s in specs))
 
 
-def load_run(run_dir: str | Path, which: str | int = "latest", device: str | torch.device = "cpu",
-             dtype: torch.dtype | str | None = None, log=loud) -> LoadedModel:
+def load_run(
+    run_dir: str | Path,
+    which: str | int = "latest",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    log=loud,
+) -> LoadedModel:
     """The model (eval mode) and its verified tokenizer. dtype None keeps the saved fp32 (training from it, evaluation
     under autocast, export); "auto" is the device's own (resolve_dtype: bf16, a T4's fp16, CPU fp32)."""
     info = resolve_checkpoint(run_dir, which, log)
@@ -111,13 +153,21 @@ def load_run(run_dir: str | Path, which: str | int = "latest", device: str | tor
     state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)
     model = GPT(cfg.model)
     load_weights_into(model, weights, info.path / MODEL_FILE)
-    device = resolve_device(device) if isinstance(device, str) else device  # "auto", or an error naming a missing one
-    model.to(device=device, dtype=resolve_dtype("auto", device) if dtype == "auto" else dtype).eval()
-    return LoadedModel(model=model, tokenizer=tok, config=cfg, step=info.step, path=info.path, state=state)
+    # "auto", or an error naming a missing one
+    device = resolve_device(device) if isinstance(device, str) else device
+    model.to(
+        device=device, dtype=resolve_dtype("auto", device) if dtype == "auto" else dtype
+    ).eval()
+    return LoadedModel(
+        model=model, tokenizer=tok, config=cfg, step=info.step, path=info.path, state=state
+    )
 
 
-def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainState, RunConfig, Tokenizer]:
+def read_state_and_tokenizer(
+    run_dir: str | Path, path: Path
+) -> tuple[TrainState, RunConfig, Tokenizer]:
     """state.json, its config, and the run's (else the data dir's) tokenizer, checked against the recorded one."""
+
     def read() -> tuple[TrainState, RunConfig, Tokenizer]:
         source = str(path / STATE_FILE)
         try:
@@ -126,17 +176,22 @@ def read_state_and_tokenizer(run_dir: str | Path, path: Path) -> tuple[TrainStat
             raise CheckpointError(f"{source}: unreadable ({e})") from None
         candidates = [Path(d) / TOKENIZER_FILE for d in (Path(run_dir), state.data_dir) if d]
         if not (found := [c for c in candidates if c.is_file()]):
-            raise TokenizerError(f"no tokenizer for {path}: looked for {' and '.join(map(str, candidates))}; copy "
-                                 f"the data directory's {TOKENIZER_FILE} into the run directory")
+            raise TokenizerError(
+                f"no tokenizer for {path}: looked for {' and '.join(map(str, candidates))}; copy "
+                f"the data directory's {TOKENIZER_FILE} into the run directory"
+            )
         if not state.tokenizer.get("hash"):
-            raise TokenizerError(f"{path}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
-                                 f"checked against it")
+            raise TokenizerError(
+                f"{path}: the checkpoint records no tokenizer identity, so {found[0]} cannot be "
+                f"checked against it"
+            )
         tok = load_tokenizer(found[0])
         check_identity(tok, state.tokenizer, f"{path} (tokenizer {found[0]})")
         return state, state.run_config(source), tok
 
-    return call_with_timeout(read, DRIVE_READ_STALL_S,
-                             what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}")
+    return call_with_timeout(
+        read, DRIVE_READ_STALL_S, what=f"reading {path / STATE_FILE} and the run's {TOKENIZER_FILE}"
+    )
 
 
 def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
@@ -149,7 +204,9 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
     return pick_run_dir([paths.run_dir, paths.mirror_dir])
 
 
-def find_runs(names: str = "", current: str | Path | None = None, roots=None, log=loud) -> list[Path]:
+def find_runs(
+    names: str = "", current: str | Path | None = None, roots=None, log=loud
+) -> list[Path]:
     """Notebook 04's runs to compare: `current`, then NAMES (comma-separated run names or directories, each found as
     find_run finds it), or without names every other run under the runs folders (VM disk, Drive) with a checkpoint
     and `current`'s vocabulary size: a char run's loss per character does not compare with a BPE run's per token."""
@@ -161,18 +218,27 @@ def find_runs(names: str = "", current: str | Path | None = None, roots=None, lo
     if names.strip() or not found:
         return list(dict.fromkeys(found))  # this run named again: drawn once
 
-    def vocab(run_dir: Path) -> int | None:  # config.json is beside the checkpoints on the Drive mirror too
+    def vocab(
+        run_dir: Path,
+    ) -> int | None:  # config.json is beside the checkpoints on the Drive mirror too
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             return json.loads((run_dir / CONFIG_FILE).read_text())["model"]["vocab_size"]
         return None
 
     def others() -> list[str]:
-        folders, want = dict.fromkeys([roots.local / "runs", roots.persistent / "runs"]), vocab(found[0])
-        copies = [d for f in folders if f.is_dir() for d in sorted(f.iterdir()) if d.name != found[0].name]
+        folders, want = (
+            dict.fromkeys([roots.local / "runs", roots.persistent / "runs"]),
+            vocab(found[0]),
+        )
+        copies = [
+            d for f in folders if f.is_dir() for d in sorted(f.iterdir()) if d.name != found[0].name
+        ]
         return list(dict.fromkeys(d.name for d in copies if want is not None and vocab(d) == want))
 
     try:
-        names_found = call_with_timeout(others, DRIVE_LIST_TIMEOUT_S, what="listing the runs folders")
+        names_found = call_with_timeout(
+            others, DRIVE_LIST_TIMEOUT_S, what="listing the runs folders"
+        )
     except OSError as e:  # a hung Drive: this run alone
         log(f"!! the other runs were not looked for: {e}")
         return found
@@ -188,9 +254,15 @@ def run_history(run_dir: str | Path) -> tuple[list[dict], dict]:
     run_dir = Path(run_dir)
 
     def read() -> tuple[list[dict], dict]:
-        where = [d / METRICS_FILE for d in (run_dir, *list_checkpoints(run_dir)) if (d / METRICS_FILE).is_file()]
+        where = [
+            d / METRICS_FILE
+            for d in (run_dir, *list_checkpoints(run_dir))
+            if (d / METRICS_FILE).is_file()
+        ]
         config = run_dir / CONFIG_FILE
-        return read_jsonl(where[0]) if where else [], json.loads(config.read_text()) if config.is_file() else {}
+        return read_jsonl(where[0]) if where else [], json.loads(
+            config.read_text()
+        ) if config.is_file() else {}
 
     return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {run_dir / METRICS_FILE}")
 
@@ -207,6 +279,8 @@ def pick_run_dir(candidates, log=loud) -> Path:
         if table and table[0]["step"] > best_step:
             best, best_step = Path(c), table[0]["step"]
     if best is None:
-        raise CheckpointError(f"no complete checkpoint in {' or '.join(looked) or 'no directory'}; train first "
-                              f"(notebook 02 or 03) or point RUN_DIR at a run directory")
+        raise CheckpointError(
+            f"no complete checkpoint in {' or '.join(looked) or 'no directory'}; train first "
+            f"(notebook 02 or 03) or point RUN_DIR at a run directory"
+        )
     return best

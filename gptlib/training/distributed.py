@@ -49,7 +49,11 @@ class Dist:
             return flags
         if step % every != 0:
             return (False,) * len(flags)
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
         t = torch.tensor([int(f) for f in flags], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return tuple(bool(v) for v in t.tolist())
@@ -65,7 +69,9 @@ class Dist:
         dist.all_gather_object(out, state)
         return out
 
-    def load_sampler_state(self, sampler, saved: dict, ranks: list[dict] | None, seed: int, log=print) -> None:
+    def load_sampler_state(
+        self, sampler, saved: dict, ranks: list[dict] | None, seed: int, log=print
+    ) -> None:
         """`ranks`: every rank's saved state (a DDP run), `saved`: rank 0's. A checkpoint of another world size gives
         each rank a derived stream of its own (not a replay of rank 0's batches)."""
         if ranks is not None and len(ranks) == self.world_size:
@@ -73,16 +79,21 @@ class Dist:
             return
         sampler.load_state_dict(saved)
         if self.rank > 0 or (ranks is not None and len(ranks) != self.world_size):
-            sampler.generator.manual_seed(seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1))
+            sampler.generator.manual_seed(
+                seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1)
+            )
             if self.is_main:
-                log(f"resume: the checkpoint's sampler states are for {len(ranks) if ranks else 1} process(es), "
-                    f"now {self.world_size}: each rank continues with a derived stream")
+                log(
+                    f"resume: the checkpoint's sampler states are for {len(ranks) if ranks else 1} process(es), "
+                    f"now {self.world_size}: each rank continues with a derived stream"
+                )
 
     def teardown(self) -> None:
         if self.initialized_here and dist.is_initialized():
             # Every rank waits here first: a rank that destroys the group and exits while another is still
             # finishing (rank 0 writes the last checkpoint) makes gloo abort the other process.
-            with contextlib.suppress(RuntimeError, dist.DistBackendError):  # a rank already failed: no one to wait for
+            # a rank already failed: no one to wait for
+            with contextlib.suppress(RuntimeError, dist.DistBackendError):
                 dist.barrier()
             dist.destroy_process_group()
             self.initialized_here = False

@@ -38,16 +38,25 @@ def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
     kept = {}
     for name in (METRICS_FILE, SAMPLES_FILE):
         rows = [r for r in read_jsonl(run_dir / name) if r.get("step", 0) <= step]
-        copy = [r for r in parse_jsonl(saved.get(name, b"").decode(errors="replace")) if r.get("step", 0) <= step]
+        copy = [
+            r
+            for r in parse_jsonl(saved.get(name, b"").decode(errors="replace"))
+            if r.get("step", 0) <= step
+        ]
         kept[name] = max(rows, copy, key=len)
         if len(copy) > len(rows) or (run_dir / name).exists():
-            atomic_write_bytes(run_dir / name, "".join(json.dumps(r) + "\n" for r in kept[name]).encode())
+            atomic_write_bytes(
+                run_dir / name, "".join(json.dumps(r) + "\n" for r in kept[name]).encode()
+            )
     return kept[METRICS_FILE]
 
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
     rows = read_jsonl(run_dir / SAMPLES_FILE)
-    prompts, steps = list(dict.fromkeys(r["prompt"] for r in rows)), sorted({r["step"] for r in rows})
+    prompts, steps = (
+        list(dict.fromkeys(r["prompt"] for r in rows)),
+        sorted({r["step"] for r in rows}),
+    )
     return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
 
 
@@ -59,8 +68,14 @@ def write_samples_table(run_dir: Path) -> None:
         return t.replace("|", "\\|").replace("\n", "<br>")
 
     # Every column left-aligned, explicitly: without it the classic notebook right-aligns the text.
-    lines = ["| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |", "|:---|" + ":---|" * len(prompts)]
-    lines += [f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |" for st in steps]
+    lines = [
+        "| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |",
+        "|:---|" + ":---|" * len(prompts),
+    ]
+    lines += [
+        f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |"
+        for st in steps
+    ]
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
 
 
@@ -69,29 +84,51 @@ def samples_html(run_dir: str | Path) -> str:
     prompts, steps, cell = _samples_grid(Path(run_dir))
     if not steps:
         return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
-    return html_table("step", [repr(p) for p in prompts],
-                      [(f"{st:,}", [cell.get((st, p), "") for p in prompts]) for st in steps])
+    return html_table(
+        "step",
+        [repr(p) for p in prompts],
+        [(f"{st:,}", [cell.get((st, p), "") for p in prompts]) for st in steps],
+    )
 
 
-def html_table(corner: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+def html_table(
+    corner: str, columns: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]
+) -> str:
     """Texts side by side: a header row (`corner`, then `columns`), then each row's label and a text per column, as
     written (line breaks kept). Each cell aligns top-left: a notebook's own table style centres a cell vertically (two
     texts of a row start at different heights) and right-aligns its text."""
     td = "border:1px solid #ccc;padding:4px 6px;vertical-align:top;text-align:left"
     pre = '<pre style="white-space:pre-wrap;margin:0;font-size:12px">'
     head = "".join(f'<th style="{td}">{html.escape(c)}</th>' for c in [corner, *columns])
-    body = "".join(f'<tr><th style="{td}">{html.escape(label)}</th>' + "".join(
-        f'<td style="{td}">{pre}{html.escape(text)}</pre></td>' for text in texts) + "</tr>" for label, texts in rows)
+    body = "".join(
+        f'<tr><th style="{td}">{html.escape(label)}</th>'
+        + "".join(f'<td style="{td}">{pre}{html.escape(text)}</pre></td>' for text in texts)
+        + "</tr>"
+        for label, texts in rows
+    )
     return f'<table class="gptlib-samples" style="border-collapse:collapse"><tr>{head}</tr>{body}</table>'
 
 
-def log_samples(model, tokenizer, prompts: list[str | list[int]], n_tokens: int, seed: int, autocast, step: int,
-                run_dir: Path, log: Callable[[str], None], stop_ids: Sequence[int] = ()) -> list[dict]:
+def log_samples(
+    model,
+    tokenizer,
+    prompts: list[str | list[int]],
+    n_tokens: int,
+    seed: int,
+    autocast,
+    step: int,
+    run_dir: Path,
+    log: Callable[[str], None],
+    stop_ids: Sequence[int] = (),
+) -> list[dict]:
     """Continue each fixed prompt (a string, or token ids: a chat prompt) with a fixed seed per prompt, so that
     samples differ only by the weights; cut at the first of stop_ids; append to samples.jsonl, redraw samples.md."""
     rows = []
     gen = torch.Generator(device="cpu")
-    engine, cfg = Engine(model), SamplingConfig(max_new_tokens=n_tokens, temperature=0.8, stop_at_eot=False)
+    engine, cfg = (
+        Engine(model),
+        SamplingConfig(max_new_tokens=n_tokens, temperature=0.8, stop_at_eot=False),
+    )
     was_training = model.training
     model.eval()
     for i, prompt in enumerate(prompts):
@@ -141,35 +178,65 @@ class MetricsLog:
 
     TEXT_EVERY_S = 60.0
 
-    def __init__(self, session, *, peak, timer, progress: bool, log: Callable[[str], None],
-                 on_log: Callable[[dict], None] | None):
+    def __init__(
+        self,
+        session,
+        *,
+        peak,
+        timer,
+        progress: bool,
+        log: Callable[[str], None],
+        on_log: Callable[[dict], None] | None,
+    ):
         self.s, self.tc, self.history = session, session.cfg.train, session.history
         self.flops_per_token = model_size(session.cfg.model).flops_per_token
-        self.peak, self.timer, self.progress, self.log, self.on_log = peak, timer, progress, log, on_log
+        self.peak, self.timer, self.progress, self.log, self.on_log = (
+            peak,
+            timer,
+            progress,
+            log,
+            on_log,
+        )
         self.pending: list[torch.Tensor] = []  # the losses of steps not logged yet, on the device
-        self.train_loss = self.history[-1].get("train_loss") if self.history else None  # the last logged
+        # the last logged
+        self.train_loss = self.history[-1].get("train_loss") if self.history else None
         self.val_loss = self.val_step = None  # this call's last validation
         self.file = open(session.run_dir / METRICS_FILE if session.ddp.is_main else os.devnull, "a")
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=self.tc.max_steps, initial=session.state.step, desc="train", unit="step",
-                        dynamic_ncols=True, bar_format=BAR_FORMAT, disable=not progress or plain_progress(sys.stderr))
+        self.bar = tqdm(
+            total=self.tc.max_steps,
+            initial=session.state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            bar_format=BAR_FORMAT,
+            disable=not progress or plain_progress(sys.stderr),
+        )
         self.elapsed_before = session.state.elapsed_s  # training time of earlier sessions
         self.t_start = self.t_last = self.t_text = time.time()
         self.tokens_last = session.state.tokens_seen
-        self.steady_tokens, self.steady_s, self.paused_s = 0, 0.0, 0.0  # the measured intervals; the paused blocks
+        # the measured intervals; the paused blocks
+        self.steady_tokens, self.steady_s, self.paused_s = (
+            0,
+            0.0,
+            0.0,
+        )
         self.split: Counter[str] = Counter()  # the measured intervals' time split
         self.perf = {}
         self.warm = False  # the session's first step is behind us
         if session.compiled:
-            self.say("compiling the model: the first step takes a minute or two; throughput is measured after it")
+            self.say(
+                "compiling the model: the first step takes a minute or two; throughput is measured after it"
+            )
         # A resume: a live plot draws the run so far now, not at the next validation (minutes away on a big model).
         if self.history and on_log is not None:
             on_log({"step": session.state.step, "samples": []})
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)
-        if not self.warm:  # the session's first step: wait for it (one host sync, once), then start the clock
+        # the session's first step: wait for it (one host sync, once), then start the clock
+        if not self.warm:
             loss.item()
             self.warm, self.t_last, self.tokens_last = True, time.time(), self.s.state.tokens_seen
             if self.s.compiled:
@@ -184,15 +251,24 @@ class MetricsLog:
         st, now = self.s.state, time.time()
         losses = self.s.ddp.mean(torch.stack(self.pending)).tolist()
         self.pending = self.pending[-1:] if validating else []
-        if st.tokens_seen > self.tokens_last:  # else only the warm-up step ran since the clock started
+        # else only the warm-up step ran since the clock started
+        if st.tokens_seen > self.tokens_last:
             self.steady_tokens += st.tokens_seen - self.tokens_last
             self.steady_s += now - self.t_last
             self.t_last, self.tokens_last = now, st.tokens_seen
             self.split.update(self.timer.split())
-            wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)  # validations included: for the ETA
-            self.perf = perf_fields(self.split, self.flops_per_token, self.steady_tokens_per_s(), self.peak,
-                                    self.s.ddp.world_size, st.tokens_seen, self.tc.max_steps * self.s.tokens_per_step,
-                                    wall_rate)
+            # validations included: for the ETA
+            wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)
+            self.perf = perf_fields(
+                self.split,
+                self.flops_per_token,
+                self.steady_tokens_per_s(),
+                self.peak,
+                self.s.ddp.world_size,
+                st.tokens_seen,
+                self.tc.max_steps * self.s.tokens_per_step,
+                wall_rate,
+            )
         self.train_loss = losses[-1]
         for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1):
             self._write(self._row(step, loss))
@@ -200,26 +276,44 @@ class MetricsLog:
             self._write(self._row(st.step, self.train_loss, now))
         self.file.flush()
         speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
-        self.bar.set_postfix_str(", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)])))
+        self.bar.set_postfix_str(
+            ", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)]))
+        )
         if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
-            self.say(f"step {st.step:,}/{self.tc.max_steps:,}: loss {self.train_loss:.4f}, lr {self._lr(st.step):.2e}, "
-                     + speed_text(speed, split=True))
+            self.say(
+                f"step {st.step:,}/{self.tc.max_steps:,}: loss {self.train_loss:.4f}, lr {self._lr(st.step):.2e}, "
+                + speed_text(speed, split=True)
+            )
 
     def _row(self, step: int, loss: float, now: float | None = None, **extra) -> dict:
         """A step's row; with `now`, the last of a log step: tokens/s (once measured), elapsed time, MFU, ETA, split."""
         st, tps = self.s.state, self.steady_tokens_per_s()
-        row = {"step": step, "train_loss": round(loss, 6), **extra, "lr": self._lr(step),
-               "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step}
+        row = {
+            "step": step,
+            "train_loss": round(loss, 6),
+            **extra,
+            "lr": self._lr(step),
+            "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step,
+        }
         if now is not None:
-            row.update({} if tps is None else {"tokens_per_s": round(tps, 1)}, elapsed_s=round(self.elapsed(now), 3))
+            row.update(
+                {} if tps is None else {"tokens_per_s": round(tps, 1)},
+                elapsed_s=round(self.elapsed(now), 3),
+            )
             row.update(self.perf)
         return row
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
         self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
-        row = self._row(self.val_step, self.train_loss, time.time(), val_loss=round(val_loss, 6), **(extra or {}))
+        row = self._row(
+            self.val_step,
+            self.train_loss,
+            time.time(),
+            val_loss=round(val_loss, 6),
+            **(extra or {}),
+        )
         self._write(row)
         self.file.flush()
         return row
@@ -284,7 +378,14 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
 
 
 def _references(ax, color: str, lw: float) -> None:
-    ax.axhline(GPT2_124M["acc_norm"], color=color, ls="--", lw=lw, alpha=0.7, label="GPT-2 124M (OpenAI): 0.2955")
+    ax.axhline(
+        GPT2_124M["acc_norm"],
+        color=color,
+        ls="--",
+        lw=lw,
+        alpha=0.7,
+        label="GPT-2 124M (OpenAI): 0.2955",
+    )
     ax.axhline(0.25, color="gray", ls=":", lw=lw, alpha=0.7, label="chance: 0.25")
 
 
@@ -322,8 +423,11 @@ class LivePlot:
             from IPython.display import display
 
             if get_ipython() is not None:
-                self.handle = display({"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
-                                      raw=True, display_id=True)
+                self.handle = display(
+                    {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
+                    raw=True,
+                    display_id=True,
+                )
 
     def figure(self, row: dict | None = None):
         """The run's metrics.jsonl. The title: the run and its last validation; below, the speed of `row` (train's
@@ -332,13 +436,16 @@ class LivePlot:
         val = next((r for r in reversed(rows) if r.get("val_loss") is not None), None)
         if row is None:
             row = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "eta_s"}
-        head = " · ".join(filter(None, [self.title, val and f"step {val['step']:,}: val {val['val_loss']:.4f}"]))
+        head = " · ".join(
+            filter(None, [self.title, val and f"step {val['step']:,}: val {val['val_loss']:.4f}"])
+        )
         title = "\n".join(filter(None, [head, speed_text(row, split=True)]))
         return loss_figure(rows, title, figsize=(8, 3.6), dpi=90)
 
     def update(self, row: dict | None = None) -> None:
         fig = self.figure(row)
-        if self.handle is not None:  # in a notebook: a PNG shows the same in Jupyter, Colab and saved notebooks
+        # in a notebook: a PNG shows the same in Jupyter, Colab and saved notebooks
+        if self.handle is not None:
             from IPython.display import Image
 
             buf = io.BytesIO()
@@ -346,21 +453,33 @@ class LivePlot:
             self.handle.update(Image(data=buf.getvalue(), format="png"))
 
 
-def runs_figure(run_dirs: Sequence[str | Path], title: str = "validation loss against tokens seen", figsize=(8, 4),
-                dpi: int = 90):
+def runs_figure(
+    run_dirs: Sequence[str | Path],
+    title: str = "validation loss against tokens seen",
+    figsize=(8, 4),
+    dpi: int = 90,
+):
     """Each run's validation loss (local or on Drive) against the tokens it has seen, a line per run, the legend
     naming it with its preset and recipe: runs of other batch sizes or recipes compare at equal tokens."""
     ax = _axes(figsize, dpi, "tokens seen", "validation loss (nats/token)", title)
     for run_dir in map(Path, run_dirs):
         try:
             rows, cfg = run_history(run_dir)
-        except (OSError, ValueError) as e:  # a hung Drive, a damaged config.json: the other runs are drawn
+        except (
+            OSError,
+            ValueError,
+        ) as e:  # a hung Drive, a damaged config.json: the other runs are drawn
             ax.plot([], [], " ", label=f"{run_dir.name}: not read ({type(e).__name__})")
             continue
         points = [(r["tokens_seen"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         what = ", ".join(str(cfg[k]) for k in ("preset", "recipe") if k in cfg) or "no config.json"
-        ax.plot(*(zip(*points) if points else ([], [])), "o-", lw=1.5, ms=3,
-                label=f"{run_dir.name} ({what})" + ("" if points else ": no validation yet"))
+        ax.plot(
+            *(zip(*points) if points else ([], [])),
+            "o-",
+            lw=1.5,
+            ms=3,
+            label=f"{run_dir.name} ({what})" + ("" if points else ": no validation yet"),
+        )
     ax.xaxis.set_major_formatter(lambda x, _: fmt_tokens(x))  # 500M, 1B, 1.5B
     ax.legend(fontsize=8)
     return ax.figure
@@ -369,7 +488,11 @@ def runs_figure(run_dirs: Sequence[str | Path], title: str = "validation loss ag
 def add_hellaswag_axis(ax, rows: list[dict]):
     """HellaSwag acc_norm of metrics.jsonl rows (a subset, all items at the end: hellaswag_n says which) on a second
     y axis of the loss plot, with one legend for both axes; None when no row has one."""
-    pts = [(r["step"], r["hellaswag_acc_norm"]) for r in rows if r.get("hellaswag_acc_norm") is not None]
+    pts = [
+        (r["step"], r["hellaswag_acc_norm"])
+        for r in rows
+        if r.get("hellaswag_acc_norm") is not None
+    ]
     if not pts:
         return None
     ax2 = ax.twinx()
@@ -384,8 +507,11 @@ def add_hellaswag_axis(ax, rows: list[dict]):
 def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
     """acc_norm of eval.jsonl rows against tokens seen, with GPT-2 124M's figure."""
     ax = _axes(figsize, dpi, "tokens seen", "HellaSwag acc_norm", title)
-    pts = sorted((r["tokens_seen"], r["acc_norm"]) for r in rows
-                 if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None)
+    pts = sorted(
+        (r["tokens_seen"], r["acc_norm"])
+        for r in rows
+        if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None
+    )
     if pts:
         ax.plot(*zip(*pts), "o-", label="this run")
     _references(ax, "tab:red", 1)

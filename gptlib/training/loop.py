@@ -28,7 +28,9 @@ from gptlib.training.signals import GracefulStop
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
 
-VAL_SEED_OFFSET = 10_000  # validation batches come from their own fixed seed: the same batches every time
+VAL_SEED_OFFSET = (
+    10_000  # validation batches come from their own fixed seed: the same batches every time
+)
 
 
 @dataclass
@@ -40,67 +42,136 @@ class TrainResult:
     val_loss: float | None  # last validation loss (None if no validation ran) ...
     val_step: int | None  # ... measured at this step
     best_val_loss: float | None
-    elapsed_s: float  # training wall time of this call (start-up and the final wait for Drive excluded)
-    tokens_per_s: float  # over elapsed_s: the first (compile) step, validations, samples and saves included
-    steady_tokens_per_s: float | None  # while stepping: those left out; the bar's and metrics.jsonl's (None: too short)
+    elapsed_s: (
+        float  # training wall time of this call (start-up and the final wait for Drive excluded)
+    )
+    tokens_per_s: (
+        float  # over elapsed_s: the first (compile) step, validations, samples and saves included
+    )
+    # while stepping: those left out; the bar's and metrics.jsonl's (None: too short)
+    steady_tokens_per_s: float | None
     resumed_from: int | None  # step of the checkpoint this call resumed from
-    stopped_by: str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
+    stopped_by: (
+        str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
+    )
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
-    not_on_drive: int | None = None  # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
+    not_on_drive: int | None = (
+        None  # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
+    )
 
     def summary(self) -> str:
-        drive = "" if self.not_on_drive is None else (
-            f"; !! step {self.not_on_drive:,} is NOT on Drive, only on this disk: its copy failed (see above); "
-            f"re-run once Drive works")
+        drive = (
+            ""
+            if self.not_on_drive is None
+            else (
+                f"; !! step {self.not_on_drive:,} is NOT on Drive, only on this disk: its copy failed (see above); "
+                f"re-run once Drive works"
+            )
+        )
         val = "" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.stopped_by == "finished":
-            return (f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do (raise max_steps "
-                    f"to train further) -> {self.run_dir}{drive}")
+            return (
+                f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do (raise max_steps "
+                f"to train further) -> {self.run_dir}{drive}"
+            )
         if val and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
-        speed = "" if self.steady_tokens_per_s is None else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
-        speed += (f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
-                  f"its first step, validations and saves included")
-        return (f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> "
-                f"{self.run_dir}{drive}")
+        speed = (
+            ""
+            if self.steady_tokens_per_s is None
+            else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
+        )
+        speed += (
+            f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
+            f"its first step, validations and saves included"
+        )
+        return (
+            f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> "
+            f"{self.run_dir}{drive}"
+        )
 
 
-def train(data_dir: str | Path, run_dir: str | Path, preset: str | RunConfig = "phase1",
-          overrides: dict | list | None = None, *, max_steps: int | None = None, max_minutes: float | None = None,
-          seed: int | None = None, device: str | None = None, compile: str | None = None, progress: bool = True,
-          log: Callable[[str], None] = print, on_log: Callable[[dict], None] | None = None,
-          mirror_dir: str | Path | None = None, take_over: bool = False, init_from: str | None = None,
-          stage_data: bool = True, skip_unreadable: bool = False, allow_data_change: bool = False,
-          recipe: str | None = None) -> TrainResult:
+def train(
+    data_dir: str | Path,
+    run_dir: str | Path,
+    preset: str | RunConfig = "phase1",
+    overrides: dict | list | None = None,
+    *,
+    max_steps: int | None = None,
+    max_minutes: float | None = None,
+    seed: int | None = None,
+    device: str | None = None,
+    compile: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    on_log: Callable[[dict], None] | None = None,
+    mirror_dir: str | Path | None = None,
+    take_over: bool = False,
+    init_from: str | None = None,
+    stage_data: bool = True,
+    skip_unreadable: bool = False,
+    allow_data_change: bool = False,
+    recipe: str | None = None,
+) -> TrainResult:
     """Train (or resume: the same call again) a GPT on a data directory into run_dir. compile: auto|on|off (None: the
     preset's); on_log(row) after each validation and at a resume ({"step": N}: a live plot draws the run so far);
     mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of another process;
     init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule); stage_data: read
     Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume;
     recipe: gpt2 | modern (config.RECIPES; None: a resumed run's or the base's own, else gpt2)."""
-    explicit = dict(max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile)
-    asked = build_config(preset, overrides, recipe=recipe, **explicit)  # a bad setting: refused before anything
-    ddp = distributed.setup(asked.train.device)  # under torchrun: join the process group; otherwise a no-op
+    explicit = dict(
+        max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile
+    )
+    # a bad setting: refused before anything
+    asked = build_config(preset, overrides, recipe=recipe, **explicit)
+    # under torchrun: join the process group; otherwise a no-op
+    ddp = distributed.setup(asked.train.device)
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, (lambda msg: None), None
-    on_device = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or dtype
-    resolve_dtype(asked.train.dtype, on_device)  # bf16 asked for on a GPU without it: refused before anything changes
+    # no recipe changes the device or dtype
+    on_device = ddp.device(resolve_device(asked.train.device))
+    # bf16 asked for on a GPU without it: refused before anything changes
+    resolve_dtype(asked.train.dtype, on_device)
     staged = stage_for_training(data_dir, stage_data, log)
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
-    with claimed(run_dir, mirror_dir, ddp, take_over, log) as lease:  # refused inside: no lease, no new dir left
-        start = find_start(staged, run_dir, mirror_dir, init_from=init_from, skip_unreadable=skip_unreadable, log=log)
+    with claimed(
+        run_dir, mirror_dir, ddp, take_over, log
+    ) as lease:  # refused inside: no lease, no new dir left
+        start = find_start(
+            staged,
+            run_dir,
+            mirror_dir,
+            init_from=init_from,
+            skip_unreadable=skip_unreadable,
+            log=log,
+        )
         held, kept = start.held, None
-        if held is not None and held.recipe != asked.recipe and recipe is None and isinstance(preset, str):
+        if (
+            held is not None
+            and held.recipe != asked.recipe
+            and recipe is None
+            and isinstance(preset, str)
+        ):
             kept = f"recipe: {held.recipe} (the {start.whose}'s own)"  # a model keeps its recipe
             asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
         # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
         finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
         if kept and not finished:
             log(kept)
-        s = open_run(start, asked, ddp, on_device, lease, allow_data_change=allow_data_change, verbose=progress,
-                     log=log, quiet=finished)
+        s = open_run(
+            start,
+            asked,
+            ddp,
+            on_device,
+            lease,
+            allow_data_change=allow_data_change,
+            verbose=progress,
+            log=log,
+            quiet=finished,
+        )
     del start  # the base's weights (--init-from): not held all run
-    s.state.data_dir = str(Path(data_dir))  # checkpoints name the data's lasting place, not the VM's copy
+    # checkpoints name the data's lasting place, not the VM's copy
+    s.state.data_dir = str(Path(data_dir))
     if s.state.step >= s.cfg.train.max_steps:
         return _finished(s)
     return _loop(s, progress, log, on_log)
@@ -110,8 +181,14 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     """However the steps end (max_steps, max_minutes, a stop, an OOM), the last state is saved and the run closed."""
     tc, state = s.cfg.train, s.state
     timer = StepTimer(s.device)
-    metrics = MetricsLog(s, peak=device_peak(s.device, tc.colab_units_per_hour), timer=timer, progress=progress,
-                         log=log, on_log=on_log)
+    metrics = MetricsLog(
+        s,
+        peak=device_peak(s.device, tc.colab_units_per_hour),
+        timer=timer,
+        progress=progress,
+        log=log,
+        on_log=on_log,
+    )
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
     in_step = False  # an interrupt landing inside a step (no signal handlers: not the main thread) saves nothing
     stop = GracefulStop(log).install()  # stop button / SIGTERM: finish the step, save, return
@@ -120,9 +197,21 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
             # one optimizer step and its counters, as one: a second stop press takes effect when they are done
             with stop.deferred():
                 in_step = True
-                loss = train_step(s.train_model, s.optimizer, s.scaler, s.sampler, accum=tc.grad_accum_steps,
-                                  grad_clip=tc.grad_clip, autocast=s.autocast, timer=timer, lr=lr_at(state.step, tc))
-                state.step, state.tokens_seen = state.step + 1, state.tokens_seen + s.tokens_per_step
+                loss = train_step(
+                    s.train_model,
+                    s.optimizer,
+                    s.scaler,
+                    s.sampler,
+                    accum=tc.grad_accum_steps,
+                    grad_clip=tc.grad_clip,
+                    autocast=s.autocast,
+                    timer=timer,
+                    lr=lr_at(state.step, tc),
+                )
+                state.step, state.tokens_seen = (
+                    state.step + 1,
+                    state.tokens_seen + s.tokens_per_step,
+                )
                 metrics.add(loss)
                 in_step = False
             s.lease.check()  # another process took the run over: stop, write nothing more
@@ -134,19 +223,31 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         if not is_oom(e):
             raise
         stopped_by = "oom"  # (e goes at the end of this block: its frames would pin GPU memory)
-    except KeyboardInterrupt:  # a second stop press outside a step, or an interrupt without the signal handlers
+    # a second stop press outside a step, or an interrupt without the signal handlers
+    except KeyboardInterrupt:
         stopped_by = "interrupt"
         _interrupted(s, metrics, in_step, log)
     finally:
-        train_s = _close(s, metrics, stop)  # training time: start-up and the wait for Drive excluded
+        # training time: start-up and the wait for Drive excluded
+        train_s = _close(s, metrics, stop)
     if stopped_by == "oom":
         _raise_oom_advice(s)
-    return TrainResult(run_dir=s.run_dir, step=state.step, tokens_seen=state.tokens_seen, train_loss=metrics.train_loss,
-                       val_loss=metrics.val_loss, val_step=metrics.val_step, best_val_loss=state.best_val_loss,
-                       elapsed_s=train_s, tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
-                       steady_tokens_per_s=metrics.steady_tokens_per_s(), resumed_from=s.resumed_from,
-                       stopped_by=stopped_by, history=metrics.history,
-                       not_on_drive=s.writer.status()["mirror_missing"])
+    return TrainResult(
+        run_dir=s.run_dir,
+        step=state.step,
+        tokens_seen=state.tokens_seen,
+        train_loss=metrics.train_loss,
+        val_loss=metrics.val_loss,
+        val_step=metrics.val_step,
+        best_val_loss=state.best_val_loss,
+        elapsed_s=train_s,
+        tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
+        steady_tokens_per_s=metrics.steady_tokens_per_s(),
+        resumed_from=s.resumed_from,
+        stopped_by=stopped_by,
+        history=metrics.history,
+        not_on_drive=s.writer.status()["mirror_missing"],
+    )
 
 
 def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
@@ -154,12 +255,21 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
     tc, state = s.cfg.train, s.state
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
     over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
-    time_due = tc.save_every_minutes > 0 and time.time() - s.writer.last_save >= 60 * tc.save_every_minutes
-    over_time, time_due, stop_now = s.ddp.agree(state.step, tc.log_interval, over_time, time_due, bool(stop.reason))
+    time_due = (
+        tc.save_every_minutes > 0 and time.time() - s.writer.last_save >= 60 * tc.save_every_minutes
+    )
+    over_time, time_due, stop_now = s.ddp.agree(
+        state.step, tc.log_interval, over_time, time_due, bool(stop.reason)
+    )
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
-    saving = (stop_now or validating or time_due or state.step % (tc.save_every_steps or tc.eval_interval) == 0
-              or is_milestone(state.step, tc.keep_every))
+    saving = (
+        stop_now
+        or validating
+        or time_due
+        or state.step % (tc.save_every_steps or tc.eval_interval) == 0
+        or is_milestone(state.step, tc.keep_every)
+    )
     # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
     if state.step % tc.log_interval == 0 or saving:
         metrics.flush(validating)
@@ -172,7 +282,8 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
         return None
     stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
     why = f"max_minutes={tc.max_minutes} reached" if over_time else f"stopped ({stopped_by})"
-    log(f"{why} at step {state.step:,}; checkpoint saved")  # how to continue: the caller's last line says it
+    # how to continue: the caller's last line says it
+    log(f"{why} at step {state.step:,}; checkpoint saved")
     return stopped_by
 
 
@@ -180,8 +291,14 @@ def _validate(s: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> float:
     """Validation loss on fixed batches (the same every time: their own seed), the best so far, HellaSwag, the
     fixed prompts sampled, loss.png, a log row."""
     tc, state, data = s.cfg.train, s.state, s.data
-    val_sampler = BatchSampler(data.splits["val"], tc.batch_size, s.cfg.model.block_size, tc.seed + VAL_SEED_OFFSET,
-                               s.device, data.loss_masks.get("val"))
+    val_sampler = BatchSampler(
+        data.splits["val"],
+        tc.batch_size,
+        s.cfg.model.block_size,
+        tc.seed + VAL_SEED_OFFSET,
+        s.device,
+        data.loss_masks.get("val"),
+    )
     val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
     if state.best_val_loss is None or val_loss < state.best_val_loss:
         state.best_val_loss, state.best_step = val_loss, state.step
@@ -190,9 +307,21 @@ def _validate(s: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> float:
     samples = []
     if s.ddp.is_main:
         if data.sample_prompts and tc.sample_tokens:
-            samples = log_samples(s.model, data.tokenizer, data.sample_prompts, tc.sample_tokens, tc.seed, s.autocast,
-                                  state.step, s.run_dir, log, data.sample_stop_ids)
-        plot_losses(metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name))
+            samples = log_samples(
+                s.model,
+                data.tokenizer,
+                data.sample_prompts,
+                tc.sample_tokens,
+                tc.seed,
+                s.autocast,
+                state.step,
+                s.run_dir,
+                log,
+                data.sample_stop_ids,
+            )
+        plot_losses(
+            metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name)
+        )
     metrics.report_validation(row, samples, s.writer.status_line())
     return val_loss
 
@@ -206,17 +335,23 @@ def _hellaswag(s: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
         return {}
     res = probe.score(s.model, s.device, s.dtype, full=is_last)
     if res is not None and is_last:
-        append_jsonl(s.run_dir / EVAL_FILE, make_row("hellaswag", st.step, st.tokens_seen, res, source="training"))
+        append_jsonl(
+            s.run_dir / EVAL_FILE,
+            make_row("hellaswag", st.step, st.tokens_seen, res, source="training"),
+        )
     return metrics_fields(res)
 
 
 def _interrupted(s: TrainingRun, metrics: MetricsLog, in_step: bool, log) -> None:
     """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
     if in_step:
-        log(f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands")
+        log(
+            f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands"
+        )
         return
     log(f"interrupted at step {s.state.step:,}; saving it")
-    if not s.ddp.enabled:  # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+    # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
+    if not s.ddp.enabled:
         metrics.flush(validating=False)
     s.writer.save(s.snapshot(None, metrics.elapsed(), gather=False))
 
@@ -229,7 +364,8 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
         try:
             metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
         finally:
-            s.writer.close(saving=stop.last_save())  # local save errors raise; Drive problems are only reported
+            # local save errors raise; Drive problems are only reported
+            s.writer.close(saving=stop.last_save())
     finally:
         stop.restore()
         s.lease.release()
@@ -245,11 +381,22 @@ def _finished(s: TrainingRun) -> TrainResult:
         s.lease.release()
         s.ddp.teardown()
     st, val = s.state, s.state.val_loss
-    return TrainResult(run_dir=s.run_dir, step=st.step, tokens_seen=st.tokens_seen,
-                       train_loss=s.history[-1].get("train_loss") if s.history else None, val_loss=val,
-                       val_step=st.step if val is not None else None, best_val_loss=st.best_val_loss, elapsed_s=0.0,
-                       tokens_per_s=0.0, steady_tokens_per_s=None, resumed_from=s.resumed_from, stopped_by="finished",
-                       history=s.history, not_on_drive=s.writer.status()["mirror_missing"])
+    return TrainResult(
+        run_dir=s.run_dir,
+        step=st.step,
+        tokens_seen=st.tokens_seen,
+        train_loss=s.history[-1].get("train_loss") if s.history else None,
+        val_loss=val,
+        val_step=st.step if val is not None else None,
+        best_val_loss=st.best_val_loss,
+        elapsed_s=0.0,
+        tokens_per_s=0.0,
+        steady_tokens_per_s=None,
+        resumed_from=s.resumed_from,
+        stopped_by="finished",
+        history=s.history,
+        not_on_drive=s.writer.status()["mirror_missing"],
+    )
 
 
 def _raise_oom_advice(s: TrainingRun) -> None:

@@ -31,7 +31,11 @@ def is_oom(err: BaseException | None) -> bool:
     seen = set()
     while err is not None and id(err) not in seen:  # a chain can loop back on itself
         seen.add(id(err))
-        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower() or CUBLAS_OOM in str(err):
+        if (
+            isinstance(err, torch.OutOfMemoryError)
+            or "out of memory" in str(err).lower()
+            or CUBLAS_OOM in str(err)
+        ):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -41,14 +45,18 @@ def oom_advice(cfg, world_size: int = 1) -> str:
     """The next setting to try after an out-of-memory error, keeping the tokens per step."""
     micro, accum, block = cfg.train.batch_size, cfg.train.grad_accum_steps, cfg.model.block_size
     if micro == 1:
-        return (f"out of GPU memory even at micro-batch 1 x {block} tokens: use a smaller model or context "
-                f"(a new run dir with --set block_size={max(1, block // 2)}), bf16 on a GPU that has it "
-                f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory.")
+        return (
+            f"out of GPU memory even at micro-batch 1 x {block} tokens: use a smaller model or context "
+            f"(a new run dir with --set block_size={max(1, block // 2)}), bf16 on a GPU that has it "
+            f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory."
+        )
     half = max(1, micro // 2)
-    return (f"out of GPU memory at micro-batch {micro} x {block} tokens. Next setting to try: "
-            f"--set batch_size={half} --set grad_accum_steps={accum * (micro // half)} (same "
-            f"{cfg.tokens_per_step * world_size:,} tokens per step), or --set auto_batch=true to find the largest "
-            f"micro-batch that fits. The last checkpoint is intact: re-run to resume.")
+    return (
+        f"out of GPU memory at micro-batch {micro} x {block} tokens. Next setting to try: "
+        f"--set batch_size={half} --set grad_accum_steps={accum * (micro // half)} (same "
+        f"{cfg.tokens_per_step * world_size:,} tokens per step), or --set auto_batch=true to find the largest "
+        f"micro-batch that fits. The last checkpoint is intact: re-run to resume."
+    )
 
 
 # On a GPU, a micro-batch estimated above this share of its memory is measured (auto_batch's probe) instead of trusted:
@@ -72,14 +80,18 @@ def check_fits(cfg, device: torch.device) -> str:
         have = device_memory(device)
         if need <= TIGHT_SHARE * have:
             return ""
-        return (f"batch_size={micro:,} x block_size={cfg.model.block_size:,} is estimated at {need / 2**30:,.1f} GiB "
-                f"of the GPU's {have / 2**30:,.1f} GiB: measuring the largest micro-batch that fits instead")
+        return (
+            f"batch_size={micro:,} x block_size={cfg.model.block_size:,} is estimated at {need / 2**30:,.1f} GiB "
+            f"of the GPU's {have / 2**30:,.1f} GiB: measuring the largest micro-batch that fits instead"
+        )
     import psutil
 
     if need > (have := psutil.virtual_memory().total):
-        raise ConfigError(f"batch_size={micro:,} x block_size={cfg.model.block_size:,} needs about {need / 2**30:,.1f} "
-                          f"GiB to train but this machine's RAM has {have / 2**30:,.1f} GiB; lower batch_size (raise "
-                          f"grad_accum_steps to keep the tokens per step)")
+        raise ConfigError(
+            f"batch_size={micro:,} x block_size={cfg.model.block_size:,} needs about {need / 2**30:,.1f} "
+            f"GiB to train but this machine's RAM has {have / 2**30:,.1f} GiB; lower batch_size (raise "
+            f"grad_accum_steps to keep the tokens per step)"
+        )
     return ""
 
 
@@ -89,7 +101,11 @@ def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
     holds 14 B per logit (bf16 logits 2, their fp32 copy 4, log-softmax 4, its gradient 4)."""
     c = model_cfg
     tokens = micro_batch * c.block_size
-    return int(16 * model_size(c).params + 34 * tokens * c.n_layer * c.n_embd + 14 * tokens * c.padded_vocab_size)
+    return int(
+        16 * model_size(c).params
+        + 34 * tokens * c.n_layer * c.n_embd
+        + 14 * tokens * c.padded_vocab_size
+    )
 
 
 # The probe runs the model eagerly (a compile per candidate size would cost too much), an upper bound: inductor
@@ -110,42 +126,58 @@ class CudaMemoryProbe:
         return torch.cuda.max_memory_allocated(self.device)
 
 
-MEMORY_PROBES = {"cuda": CudaMemoryProbe}  # device type -> its memory probe; elsewhere only an OOM says it does not fit
+# device type -> its memory probe; elsewhere only an OOM says it does not fit
+MEMORY_PROBES = {"cuda": CudaMemoryProbe}
 
 
 def fit_micro_batch(cfg, device: torch.device, ddp, log) -> tuple[object, int]:
-    """auto_batch (or check_fits' tight estimate): the probe's micro-batch (under DDP every rank's smallest), the sequences per step kept; without a
-    memory probe (no GPU) the sizes are kept. -> (the config, the probe's measured peak bytes)."""
+    """auto_batch (or check_fits' tight estimate): the probe's micro-batch (under DDP every rank's smallest),
+    the sequences per step kept; without a memory probe (no GPU) the sizes are kept.
+    -> (the config, the probe's measured peak bytes)."""
     tc = cfg.train
     if device.type not in MEMORY_PROBES:
-        log(f"auto micro-batch: no memory probe on {device.type}; keeping batch_size={tc.batch_size}, "
-            f"grad_accum_steps={tc.grad_accum_steps}")
+        log(
+            f"auto micro-batch: no memory probe on {device.type}; keeping batch_size={tc.batch_size}, "
+            f"grad_accum_steps={tc.grad_accum_steps}"
+        )
         return cfg, 0
     torch.manual_seed(tc.seed)  # a model of its own, seeded as training's, dropped after
-    micro, _, peak = probe_micro_batch(GPT(cfg.model).to(device), cfg, device, resolve_dtype(tc.dtype, device), log)
+    micro, _, peak = probe_micro_batch(
+        GPT(cfg.model).to(device), cfg, device, resolve_dtype(tc.dtype, device), log
+    )
     micro = ddp.min_int(micro)
     free_memory()
     accum = tc.batch_size * tc.grad_accum_steps // micro
-    return dataclasses.replace(cfg, train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=accum)), peak
+    return dataclasses.replace(
+        cfg, train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=accum)
+    ), peak
 
 
-def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, dtype: torch.dtype = torch.float32,
-                      log: Callable[[str], None] = print) -> tuple[int, int, int]:
+def probe_micro_batch(
+    model: torch.nn.Module,
+    cfg,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.float32,
+    log: Callable[[str], None] = print,
+) -> tuple[int, int, int]:
     """The largest divisor of the config's sequences per step whose forward + backward fits: no OOM and a peak within
     PROBE_HEADROOM of the GPU. -> (micro_batch, grad_accum_steps, its peak bytes; 0 without a memory probe)."""
     device, block = torch.device(device), cfg.model.block_size
     per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
     memory = MEMORY_PROBES[device.type](device) if device.type in MEMORY_PROBES else None
     n_params = sum(p.numel() for p in model.parameters())
-    reserve = torch.empty(2 * n_params, device=device) if device.type == "cuda" else None  # AdamW's two moments
+    # AdamW's two moments
+    reserve = torch.empty(2 * n_params, device=device) if device.type == "cuda" else None
     was_training = model.training
     model.train()
     try:
         for b in (b for b in range(per_step, 0, -1) if per_step % b == 0):
             why, peak = _try_micro_batch(model, b, block, device, dtype, memory)
             if not why:
-                log(f"auto micro-batch: {b} x {block} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the "
-                    f"GPU); grad_accum_steps={per_step // b} keeps {per_step * block:,} tokens per step")
+                log(
+                    f"auto micro-batch: {b} x {block} tokens fits (eager peak within {PROBE_HEADROOM:.0%} of the "
+                    f"GPU); grad_accum_steps={per_step // b} keeps {per_step * block:,} tokens per step"
+                )
                 return b, per_step // b, peak
             log(f"auto micro-batch: {b} x {block} does not fit ({why})")
     finally:
@@ -156,8 +188,9 @@ def probe_micro_batch(model: torch.nn.Module, cfg, device: str | torch.device, d
     raise OutOfMemoryAdvice(oom_advice(nothing_fits))
 
 
-def _try_micro_batch(model, b: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                     memory) -> tuple[str, int]:
+def _try_micro_batch(
+    model, b: int, block_size: int, device: torch.device, dtype: torch.dtype, memory
+) -> tuple[str, int]:
     """One forward + backward of b sequences -> (why it does not fit, "" if it fits; its peak bytes, 0 unmeasured)."""
     why, peak = "", 0
     x = torch.randint(0, model.config.vocab_size, (b, block_size), device=device)

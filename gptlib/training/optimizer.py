@@ -11,14 +11,25 @@ from gptlib.errors import CheckpointError
 from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
+
 class MuonAdamW:
     """Each param group carries `lr_scale`, its peak LR over learning_rate: the schedule sets both from one value."""
 
     def __init__(self, matrices: list, others: list, tc: TrainConfig, fused: bool):
-        self.muon = torch.optim.Muon([{"params": matrices, "lr_scale": tc.muon_lr / tc.learning_rate}], lr=tc.muon_lr,
-                                     weight_decay=tc.weight_decay, momentum=tc.muon_momentum, nesterov=True)
-        self.adamw = torch.optim.AdamW([{"params": others, "lr_scale": 1.0}], lr=tc.learning_rate,
-                                       betas=(tc.beta1, tc.beta2), weight_decay=0.0, fused=fused)
+        self.muon = torch.optim.Muon(
+            [{"params": matrices, "lr_scale": tc.muon_lr / tc.learning_rate}],
+            lr=tc.muon_lr,
+            weight_decay=tc.weight_decay,
+            momentum=tc.muon_momentum,
+            nesterov=True,
+        )
+        self.adamw = torch.optim.AdamW(
+            [{"params": others, "lr_scale": 1.0}],
+            lr=tc.learning_rate,
+            betas=(tc.beta1, tc.beta2),
+            weight_decay=0.0,
+            fused=fused,
+        )
 
     @property
     def param_groups(self) -> list[dict]:
@@ -51,8 +62,10 @@ def load_optimizer(optimizer, state: dict) -> None:
         return
     saved = state["param_groups"]
     if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
-        saved = [{**g, **{k: v for k, v in now.items() if k not in ("params", "lr")}}
-                 for g, now in zip(saved, optimizer.param_groups)]
+        saved = [
+            {**g, **{k: v for k, v in now.items() if k not in ("params", "lr")}}
+            for g, now in zip(saved, optimizer.param_groups)
+        ]
     optimizer.load_state_dict({**state, "param_groups": saved})
 
 
@@ -60,22 +73,31 @@ def check_optimizer_state(optimizer, state: dict, where: str) -> None:
     """CheckpointError unless each saved per-parameter tensor (AdamW's moments, Muon's momentum) has its parameter's
     shape: torch's load_state_dict does not check, and a state that does not fit would fail mid-run."""
     try:
-        halves = ([("adamw ", optimizer.adamw, state["adamw"]), ("muon ", optimizer.muon, state["muon"])]
-                  if isinstance(optimizer, MuonAdamW) else [("", optimizer, state)])
+        halves = (
+            [("adamw ", optimizer.adamw, state["adamw"]), ("muon ", optimizer.muon, state["muon"])]
+            if isinstance(optimizer, MuonAdamW)
+            else [("", optimizer, state)]
+        )
         for name, opt, saved in halves:
             ids = [i for g in saved["param_groups"] for i in g["params"]]
             params = [p for g in opt.param_groups for p in g["params"]]
             if len(ids) != len(params):
-                raise CheckpointError(f"{where}: the {name}optimizer state has {len(ids)} parameters, this model "
-                                      f"{len(params)}")
+                raise CheckpointError(
+                    f"{where}: the {name}optimizer state has {len(ids)} parameters, this model "
+                    f"{len(params)}"
+                )
             shapes = {i: tuple(p.shape) for i, p in zip(ids, params)}
             for i, part in saved["state"].items():
                 for key, v in part.items():
                     if isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) != shapes[i]:
-                        raise CheckpointError(f"{where}: {name}optimizer state {key} of parameter {i} has shape "
-                                              f"{tuple(v.shape)}, the parameter {shapes[i]} (damaged or hand-edited)")
+                        raise CheckpointError(
+                            f"{where}: {name}optimizer state {key} of parameter {i} has shape "
+                            f"{tuple(v.shape)}, the parameter {shapes[i]} (damaged or hand-edited)"
+                        )
     except (KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{where}: malformed optimizer state ({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{where}: malformed optimizer state ({type(e).__name__}: {e})"
+        ) from None
 
 
 def check_optimizer_fits(ck: dict, where) -> None:
@@ -97,15 +119,19 @@ SLOW_BF16_CPUS = ("NO AVX", "AVX2")  # torch.backends.cpu.get_cpu_capability() o
 def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     if tc.optimizer == "muon" and device_type == "cpu" and capability in SLOW_BF16_CPUS:
-        return (f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: "
-                f"a step takes 4-5x the gpt2 recipe's; --set optimizer=adamw is faster but gives up most of the gain")
+        return (
+            f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: "
+            f"a step takes 4-5x the gpt2 recipe's; --set optimizer=adamw is faster but gives up most of the gain"
+        )
     return None
 
 
 def build_optimizer(model: GPT, tc: TrainConfig, device_type: str):
     """adamw: the GPT-2 AdamW (decay on 2-D weights); muon: MuonAdamW, Muon taking every 2-D weight of the blocks."""
     if tc.optimizer == "adamw":
-        return model.configure_optimizer(tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device_type)
+        return model.configure_optimizer(
+            tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device_type
+        )
     matrices, others = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:

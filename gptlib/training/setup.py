@@ -24,7 +24,13 @@ from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import ConfigError, DataFormatError, HungIOError, override
 from gptlib.evaluation.hellaswag import HellaSwagProbe
-from gptlib.fsutil import atomic_write_bytes, atomic_write_json, call_with_timeout, cannot_write, check_dir
+from gptlib.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    call_with_timeout,
+    cannot_write,
+    check_dir,
+)
 from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
@@ -33,7 +39,12 @@ from gptlib.runtime import autocast_for, configure_matmul, dtype_name, resolve_d
 from gptlib.training import distributed
 from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
-from gptlib.training.optimizer import build_optimizer, check_optimizer_fits, load_optimizer, slow_muon_note
+from gptlib.training.optimizer import (
+    build_optimizer,
+    check_optimizer_fits,
+    load_optimizer,
+    slow_muon_note,
+)
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import check_cpu_run, run_flops
 
@@ -47,35 +58,43 @@ def build_model(cfg: RunConfig, device: torch.device, log) -> tuple[GPT, Any, An
     optimizer = build_optimizer(model, tc, device.type)
     if note := slow_muon_note(tc, device.type):
         log(note)
-    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))  # fp16 alone needs loss scaling
+    # fp16 alone needs loss scaling
+    scaler = torch.amp.GradScaler(device.type, enabled=(dtype == torch.float16))
     return model, optimizer, scaler, dtype
 
 
-def wrap_for_training(model: GPT, cfg: RunConfig, device: torch.device, ddp: distributed.Dist,
-                      start_step: int = 0) -> tuple[Any, bool]:
+def wrap_for_training(
+    model: GPT, cfg: RunConfig, device: torch.device, ddp: distributed.Dist, start_step: int = 0
+) -> tuple[Any, bool]:
     """-> (what the loop runs, compiled). compile=auto weighs the steps left from start_step (a resume with a few
     steps to go does not pay a compile). DDP goes outermost: its no_sync must be reachable."""
     compiled = use_compile(cfg.train.compile, device, run_flops(cfg, start_step))
     return ddp.wrap(torch.compile(model) if compiled else model, device), compiled
 
 
-def sample_prompts(cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: Tokenizer) -> tuple[list, list[int]]:
+def sample_prompts(
+    cfg: RunConfig, meta: DatasetMeta, splits: dict, tokenizer: Tokenizer
+) -> tuple[list, list[int]]:
     """-> (prompts, the ids a sample stops at). On chat data a plain string asks the model nothing: the val split's
     first two questions are asked instead, each answer ending at <|end|>."""
     tc = cfg.train
     spans = read_spans(meta, "val") if meta.format == "chat" and tc.sample_prompts else []
     if not len(spans):
         return list(tc.sample_prompts), []
-    reach = int(spans[min(len(spans), 64) - 1][0])  # the first 64 answers: enough to find two conversations
+    # the first 64 answers: enough to find two conversations
+    reach = int(spans[min(len(spans), 64) - 1][0])
     template = ChatTemplate(tokenizer)
-    prompts = first_prompts(head_ids(splits["val"], reach), spans, template.eot_id, 2, cfg.model.block_size // 2)
+    prompts = first_prompts(
+        head_ids(splits["val"], reach), spans, template.eot_id, 2, cfg.model.block_size // 2
+    )
     return [p.tolist() for p in prompts], [template.end_id, template.eot_id]
 
 
 @dataclass
 class RunData:
     splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
-    loss_masks: dict[str, LossMask]  # chat data: split -> the targets that carry the loss; {} = all of them
+    # chat data: split -> the targets that carry the loss; {} = all of them
+    loss_masks: dict[str, LossMask]
     tokenizer: Tokenizer
     sample_prompts: list  # strings, or token ids (chat data)
     sample_stop_ids: list[int]  # a sample ends at these (chat: <|end|>, <|endoftext|>)
@@ -88,7 +107,8 @@ class TrainingRun:
     run_dir: Path
     ddp: distributed.Dist
     device: torch.device
-    dtype: torch.dtype  # the autocast type (float32: none), resolved once: the loop reads it every step
+    # the autocast type (float32: none), resolved once: the loop reads it every step
+    dtype: torch.dtype
     data: RunData
     model: GPT  # the module itself: state dicts, samples, validation
     train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
@@ -97,7 +117,8 @@ class TrainingRun:
     sampler: BatchSampler
     state: TrainState
     lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
-    writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)  # rank 0's: last
+    # rank 0's: last
+    writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)
     resumed_from: int | None = None  # the step of the checkpoint this call resumed
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
     compiled: bool = False  # train_model is torch.compile's
@@ -114,8 +135,14 @@ class TrainingRun:
         """The checkpoint of now: its parts' state dicts (gptlib.checkpoint.format). Under DDP every rank's sampler
         is gathered: a collective, so gather=False where the ranks may be anywhere (an interrupt)."""
         self.state.val_loss, self.state.elapsed_s = val_loss, elapsed_s
-        parts = {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler, "sampler": self.sampler,
-                 "rng": RNG(self.device), "progress": self.state}
+        parts = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "sampler": self.sampler,
+            "rng": RNG(self.device),
+            "progress": self.state,
+        }
         ckpt = {name: part.state_dict() for name, part in parts.items()}
         if gather and self.ddp.enabled:
             ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
@@ -124,7 +151,9 @@ class TrainingRun:
 
 def split_init_from(spec: str) -> tuple[str, str]:
     """--init-from RUN_DIR[:latest|best|STEP] -> (RUN_DIR, which)."""
-    return tuple(spec.rsplit(":", 1)) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
+    return (
+        tuple(spec.rsplit(":", 1)) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
+    )
 
 
 def names_this_run(spec: str, run_dir: Path, mirror_dir: Path | None) -> bool:
@@ -140,15 +169,24 @@ def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
     run_dir, which = split_init_from(spec)
     ld = load_run(run_dir, which, log=log)
     base, data = ld.tokenizer.identity(), meta.tokenizer
-    grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"] and meta.vocab_size > base["vocab_size"]
+    grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base[
+        "hash"
+    ] and meta.vocab_size > base["vocab_size"]
     if data.get("hash") != base["hash"] and not grows:
-        raise ConfigError(f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, "
-                          f"tokenizer {base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
-                          f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data "
-                          f"with --tokenizer-from {run_dir}")
-    mc, added = ld.config.model, f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (new rows added)"
-    log(f"init-from: the weights of {ld.path} (step {ld.step:,}); {mc.n_layer} layers x {mc.n_embd}, context "
-        f"{mc.block_size}" + (added if grows else ""))
+        raise ConfigError(
+            f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, "
+            f"tokenizer {base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
+            f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data "
+            f"with --tokenizer-from {run_dir}"
+        )
+    mc, added = (
+        ld.config.model,
+        f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (new rows added)",
+    )
+    log(
+        f"init-from: the weights of {ld.path} (step {ld.step:,}); {mc.n_layer} layers x {mc.n_embd}, context "
+        f"{mc.block_size}" + (added if grows else "")
+    )
     return ld
 
 
@@ -157,10 +195,11 @@ def start_from_base(model: GPT, base: LoadedModel) -> None:
     base's rows; every other weight is the base's."""
     sd, n = base.model.state_dict(), base.tokenizer.vocab_size
     for key, new in model.state_dict().items():
-        if key in sd and sd[key].shape != new.shape:  # wte and lm_head (one tensor when tied): the vocabulary grew
+        # wte and lm_head (one tensor when tied): the vocabulary grew
+        if key in sd and sd[key].shape != new.shape:
             grown = torch.zeros_like(new)
             grown[:n] = sd[key][:n]
-            grown[n: model.config.vocab_size] = sd[key][:n].mean(dim=0)
+            grown[n : model.config.vocab_size] = sd[key][:n].mean(dim=0)
             sd[key] = grown
     load_weights_into(model, sd, base.path)
 
@@ -173,13 +212,23 @@ def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_
     try:
         if ddp.is_main:
             try:
-                created = [d for d, what in ((run_dir, "run"), (mirror_dir, "mirror")) if d is not None and not
-                           call_with_timeout(lambda: _looked_at(d, f"{what} directory"), IO_TIMEOUT_S,
-                                             what=f"looking at {d}")]  # Drive may hang
+                # Drive may hang
+                created = [
+                    d
+                    for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
+                    if d is not None
+                    and not call_with_timeout(
+                        lambda d=d, what=what: _looked_at(d, f"{what} directory"),
+                        IO_TIMEOUT_S,
+                        what=f"looking at {d}",
+                    )
+                ]
                 lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
             except HungIOError as e:  # Drive did not answer: its lease may be another process's
-                raise HungIOError(e.errno, f"{e.strerror}: training did not start and nothing was changed; "
-                                           f"{DRIVE_ADVICE}") from None
+                raise HungIOError(
+                    e.errno,
+                    f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}",
+                ) from None
         yield lease
     except BaseException:
         lease.release()
@@ -215,43 +264,78 @@ class Start:
         return "resumed run" if self.resume is not None else "--init-from base"
 
 
-def find_start(data_dir: Path, run_dir: Path, mirror_dir: Path | None, *, init_from: str | None,
-               skip_unreadable: bool, log) -> Start:
+def find_start(
+    data_dir: Path,
+    run_dir: Path,
+    mirror_dir: Path | None,
+    *,
+    init_from: str | None,
+    skip_unreadable: bool,
+    log,
+) -> Start:
     meta = read_meta(data_dir)
     tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
     check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
-    if tokenizer.vocab_size > meta.vocab_size:  # the model's embedding would be too small for its ids
-        raise DataFormatError(f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
-                              f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)")
-    resume, passed = find_resume(run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits)
+    # the model's embedding would be too small for its ids
+    if tokenizer.vocab_size > meta.vocab_size:
+        raise DataFormatError(
+            f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
+            f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)"
+        )
+    resume, passed = find_resume(
+        run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits
+    )
     if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
-        raise ConfigError(f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
-                          f"--init-from starts a new run from another run's weights; drop it to train this one from "
-                          f"scratch")
+        raise ConfigError(
+            f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
+            f"--init-from starts a new run from another run's weights; drop it to train this one from "
+            f"scratch"
+        )
     base = load_base(init_from, meta, log) if init_from and resume is None else None
-    held = resume.state.run_config(str(resume.info.path / STATE_FILE)) if resume is not None else base and base.config
+    held = (
+        resume.state.run_config(str(resume.info.path / STATE_FILE))
+        if resume is not None
+        else base and base.config
+    )
     return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base, held)
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
 # every training setting) may change between sessions; the change is said.
-SHAPE = ("block_size", "n_layer", "n_head", "n_embd", "bias", "vocab_multiple",
-         "positions", "norm", "qk_norm", "mlp", "tie_embeddings", "rope_theta")
+SHAPE = (
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "bias",
+    "vocab_multiple",
+    "positions",
+    "norm",
+    "qk_norm",
+    "mlp",
+    "tie_embeddings",
+    "rope_theta",
+)
 
 
-def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: distributed.Dist,
-                  log) -> tuple[RunConfig, int]:
+def decide_config(
+    asked: RunConfig, start: Start, device: torch.device, ddp: distributed.Dist, log
+) -> tuple[RunConfig, int]:
     """The config the run trains with: the data's vocabulary, the base's shape (and, with --init-from, a resumed
     run's), the micro-batch that fits; each change said. -> (config, the auto_batch probe's peak bytes, 0: none)."""
     held = start.held
     if held is not None and held.recipe != asked.recipe:
-        raise ConfigError(f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call "
-                          f"asks for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop "
-                          f"--recipe to go on with {held.recipe}, or use a new run directory")
+        raise ConfigError(
+            f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call "
+            f"asks for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop "
+            f"--recipe to go on with {held.recipe}, or use a new run directory"
+        )
     model = {}
     if start.meta.vocab_size != asked.model.vocab_size:
-        log(f"vocab_size {asked.model.vocab_size} (preset) -> {start.meta.vocab_size} (from "
-            f"{start.meta.data_dir}/meta.json)")
+        log(
+            f"vocab_size {asked.model.vocab_size} (preset) -> {start.meta.vocab_size} (from "
+            f"{start.meta.data_dir}/meta.json)"
+        )
         model["vocab_size"] = start.meta.vocab_size
     if held is not None and start.init_from:  # the vocabulary stays the data's (a base's may grow)
         model.update({n: getattr(held.model, n) for n in SHAPE})
@@ -259,15 +343,22 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
     if start.resume is not None and held.train.seed != asked.train.seed:
         # the batches go on from the checkpoint's sampler state and the dropout RNG from its own: a seed would only
         # change the validation batches (the curve's val loss would jump), so the run keeps its own
-        log(f"resume: seed stays {held.train.seed} (the run's own, not {asked.train.seed}): a resumed run draws its "
-            f"batches on from the checkpoint, so a seed changes nothing after a resume; a new seed needs a new run")
+        log(
+            f"resume: seed stays {held.train.seed} (the run's own, not {asked.train.seed}): a resumed run draws its "
+            f"batches on from the checkpoint, so a seed changes nothing after a resume; a new seed needs a new run"
+        )
         train["seed"] = held.train.seed
-    cfg = dataclasses.replace(asked, model=dataclasses.replace(asked.model, **model),
-                              train=dataclasses.replace(asked.train, **train))
+    cfg = dataclasses.replace(
+        asked,
+        model=dataclasses.replace(asked.model, **model),
+        train=dataclasses.replace(asked.train, **train),
+    )
     if start.resume is not None:
         check_same_model(held, cfg, start.resume.state.step, start.run_dir, log)
     cfg.validate()
-    check_cpu_run(cfg, device, cfg.train.device, start.resume.state.step if start.resume else 0, log)
+    check_cpu_run(
+        cfg, device, cfg.train.device, start.resume.state.step if start.resume else 0, log
+    )
     if tight := check_fits(cfg, device):
         log(f"auto micro-batch: {tight}")
     return fit_micro_batch(cfg, device, ddp, log) if cfg.train.auto_batch or tight else (cfg, 0)
@@ -276,22 +367,36 @@ def decide_config(asked: RunConfig, start: Start, device: torch.device, ddp: dis
 def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path, log) -> None:
     """A checkpoint resumes into its own model and optimizer only; any other change is said."""
     if saved.gptlib_version != asked.gptlib_version:
-        log(f"resume: trained by gptlib {saved.gptlib_version or '0.1.0 or earlier'} so far, by gptlib "
-            f"{asked.gptlib_version} from step {step:,} on")
+        log(
+            f"resume: trained by gptlib {saved.gptlib_version or '0.1.0 or earlier'} so far, by gptlib "
+            f"{asked.gptlib_version} from step {step:,} on"
+        )
     for section, name in [("model", n) for n in ("vocab_size", *SHAPE)] + [("train", "optimizer")]:
         a, b = getattr(getattr(saved, section), name), getattr(getattr(asked, section), name)
         if a != b:
-            raise ConfigError(f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
-                              f"use a new run directory, or drop the change to resume")
+            raise ConfigError(
+                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
+                f"use a new run directory, or drop the change to resume"
+            )
     for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
         for f in dataclasses.fields(old):
             if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE + SCHEDULE:
-                log(f"resume: {f.name} changed {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}")
+                log(
+                    f"resume: {f.name} changed {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
+                )
     if note := schedule_change(saved.train, asked.train, step):
         log(f"resume: {note}")
 
 
-SCHEDULE = ("learning_rate", "max_steps", "schedule", "cooldown_frac", "warmup_steps", "min_lr_ratio")  # lr_at's
+# lr_at's
+SCHEDULE = (
+    "learning_rate",
+    "max_steps",
+    "schedule",
+    "cooldown_frac",
+    "warmup_steps",
+    "min_lr_ratio",
+)
 
 
 def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None:
@@ -301,8 +406,11 @@ def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None
     if not changed:
         return None
     before, after = lr_at(step, old), lr_at(step, new)
-    lr = (f"stays {after:.3g}: the run goes on unchanged" if math.isclose(before, after, rel_tol=1e-9)
-          else f"goes {before:.3g} -> {after:.3g}")
+    lr = (
+        f"stays {after:.3g}: the run goes on unchanged"
+        if math.isclose(before, after, rel_tol=1e-9)
+        else f"goes {before:.3g} -> {after:.3g}"
+    )
     what = ", ".join(f"{k} {_value(getattr(old, k))} -> {_value(getattr(new, k))}" for k in changed)
     return f"{what}: the LR at step {step:,} {lr}"
 
@@ -311,53 +419,111 @@ def _value(v) -> str:
     return f"{v:,}" if isinstance(v, int) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def open_run(start: Start, asked: RunConfig, ddp: distributed.Dist, device: torch.device, lease, *,
-             allow_data_change: bool, verbose: bool, log, quiet: bool = False) -> TrainingRun:
+def open_run(
+    start: Start,
+    asked: RunConfig,
+    ddp: distributed.Dist,
+    device: torch.device,
+    lease,
+    *,
+    allow_data_change: bool,
+    verbose: bool,
+    log,
+    quiet: bool = False,
+) -> TrainingRun:
     """The checkpoint (or base) is loaded before compile and DDP wrap the model. quiet (a finished run, whose summary
     says all): the set-up's lines go unsaid, but for what it changes on disk (damaged checkpoints set aside)."""
     say = (lambda msg: None) if quiet else log
     verbose = verbose and not quiet
     cfg, probe_peak = decide_config(asked, start, device, ddp, say)
-    if start.resume is not None:  # the same model; now the same data (or a change asked for, recorded)
+    # the same model; now the same data (or a change asked for, recorded)
+    if start.resume is not None:
         start.resume.data_change = check_same_data(start.resume, start.meta, allow_data_change, say)
     tc, mc = cfg.train, cfg.model
     # the tokens, placed for this config (on the GPU only with room left to train beside them)
-    meta, splits = load_dataset(start.meta.data_dir, device=device, log=say if verbose else lambda line: None,
-                                reserve_gpu_bytes=max(probe_peak, estimate_train_bytes(mc, tc.batch_size)))
+    meta, splits = load_dataset(
+        start.meta.data_dir,
+        device=device,
+        log=say if verbose else lambda line: None,
+        reserve_gpu_bytes=max(probe_peak, estimate_train_bytes(mc, tc.batch_size)),
+    )
     masks = loss_masks(meta, splits, tc.chat_loss)
     if masks and verbose:
-        say(f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
-            f"{override('chat_loss=all')} puts it on every token)")
+        say(
+            f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
+            f"{override('chat_loss=all')} puts it on every token)"
+        )
     tokenizer, base = start.tokenizer, start.base
-    hellaswag = (HellaSwagProbe(tokenizer, mc.block_size, source=tc.hellaswag_file or None,
-                                limit=tc.hellaswag_items or None, log=say)
-                 if tc.hellaswag_every and ddp.is_main else None)  # fetched (or found off) and tokenized once
-    data = RunData(splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer), hellaswag)
+    # fetched (or found off) and tokenized once
+    hellaswag = (
+        HellaSwagProbe(
+            tokenizer,
+            mc.block_size,
+            source=tc.hellaswag_file or None,
+            limit=tc.hellaswag_items or None,
+            log=say,
+        )
+        if tc.hellaswag_every and ddp.is_main
+        else None
+    )
+    data = RunData(
+        splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer), hellaswag
+    )
     # the model and what trains it, from the checkpoint or the base
     model, optimizer, scaler, dtype = build_model(cfg, device, say)
-    sampler = BatchSampler(splits["train"], tc.batch_size, mc.block_size, tc.seed + ddp.rank, device,
-                           masks.get("train"))
-    state = TrainState(config=cfg.to_dict(), data=meta.identity(), data_dir=str(meta.data_dir),
-                       tokenizer=meta.tokenizer,
-                       init_from={"run": start.init_from, "path": str(base.path), "step": base.step} if base else {})
-    s = TrainingRun(cfg, start.run_dir, ddp, device, dtype, data, model, model, optimizer, scaler, sampler, state,
-                    lease)
+    sampler = BatchSampler(
+        splits["train"],
+        tc.batch_size,
+        mc.block_size,
+        tc.seed + ddp.rank,
+        device,
+        masks.get("train"),
+    )
+    state = TrainState(
+        config=cfg.to_dict(),
+        data=meta.identity(),
+        data_dir=str(meta.data_dir),
+        tokenizer=meta.tokenizer,
+        init_from={"run": start.init_from, "path": str(base.path), "step": base.step}
+        if base
+        else {},
+    )
+    s = TrainingRun(
+        cfg,
+        start.run_dir,
+        ddp,
+        device,
+        dtype,
+        data,
+        model,
+        model,
+        optimizer,
+        scaler,
+        sampler,
+        state,
+        lease,
+    )
     if base is not None:
         start_from_base(model, base)
     if start.resume is not None:
         _resume(s, start, say)
     s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp, s.state.step)
-    if ddp.is_main:  # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
+    # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
+    if ddp.is_main:
         try:
             atomic_write_json(start.run_dir / CONFIG_FILE, cfg.to_dict())
             atomic_write_bytes(start.run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
         except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
             raise cannot_write(start.run_dir, e) from None
-        s.history = logs_up_to(start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {})
+        s.history = logs_up_to(
+            start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {}
+        )
         s.writer = _open_writer(s, start, log)
-    say(f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
+    say(
+        f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(s.dtype)}, "
-        f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step")
+        f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step"
+    )
     return s
 
 
@@ -369,7 +535,9 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
         load_optimizer(s.optimizer, ckpt["optimizer"])  # its device flags are this device's
         if ckpt["scaler"]:  # {} when it was off
             s.scaler.load_state_dict(ckpt["scaler"])
-        s.ddp.load_sampler_state(s.sampler, ckpt["sampler"], ckpt["sampler_ranks"], s.cfg.train.seed, log)
+        s.ddp.load_sampler_state(
+            s.sampler, ckpt["sampler"], ckpt["sampler_ranks"], s.cfg.train.seed, log
+        )
         RNG(s.device).load_state_dict(ckpt["rng"])
     this_session = ("config", "data", "data_dir", "tokenizer", "milestone")
     s.state.load_state_dict({k: v for k, v in ckpt["progress"].items() if k not in this_session})
@@ -377,25 +545,38 @@ def _resume(s: TrainingRun, start: Start, log) -> None:
         s.state.data_changes = [*s.state.data_changes, r.data_change]
     s.resumed_from = s.state.step
     if start.init_from and names_this_run(start.init_from, s.run_dir, start.mirror_dir):
-        log(f"init-from: {start.init_from} is this run's own directory: resuming it (--init-from only starts a new "
-            f"run, from another run's weights)")
+        log(
+            f"init-from: {start.init_from} is this run's own directory: resuming it (--init-from only starts a new "
+            f"run, from another run's weights)"
+        )
     elif start.init_from:  # a resumed run keeps its weights
-        log(f"init-from: {s.run_dir} already has checkpoints; resuming it ({start.init_from} only starts a new run)")
-    log(f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
-        f"on the {'Drive mirror' if r.from_mirror else 'local disk'}: {r.origin}")
+        log(
+            f"init-from: {s.run_dir} already has checkpoints; resuming it ({start.init_from} only starts a new run)"
+        )
+    log(
+        f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
+        f"on the {'Drive mirror' if r.from_mirror else 'local disk'}: {r.origin}"
+    )
 
 
 def _prune_damaged(run_dir: Path, truncate: bool, log) -> None:
     """Only the newest damaged checkpoint is kept in each place; each one removed is said, with its size."""
     try:
-        kept, removed = call_with_timeout(lambda: prune_damaged(run_dir, truncate), IO_TIMEOUT_S,
-                                          what=f"removing older damaged checkpoints in {run_dir}")
+        kept, removed = call_with_timeout(
+            lambda: prune_damaged(run_dir, truncate),
+            IO_TIMEOUT_S,
+            what=f"removing older damaged checkpoints in {run_dir}",
+        )
     except OSError as e:  # Drive: housekeeping, tried again at the next start
-        log(f"could not remove the older damaged checkpoints in {run_dir} ({e}); tried again next time")
+        log(
+            f"could not remove the older damaged checkpoints in {run_dir} ({e}); tried again next time"
+        )
         return
     for path, size in removed:
-        log(f"removed {path.name} ({size / 1e6:,.1f} MB), an older damaged checkpoint: only the newest, {kept.name}, "
-            f"is kept in {path.parent}")
+        log(
+            f"removed {path.name} ({size / 1e6:,.1f} MB), an older damaged checkpoint: only the newest, {kept.name}, "
+            f"is kept in {path.parent}"
+        )
 
 
 def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
@@ -407,9 +588,16 @@ def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
             _prune_damaged(where, truncate=where == start.mirror_dir, log=log)
     clean_orphans(start.run_dir)  # the mirror is cleaned by its own thread
     tc, passed = s.cfg.train, start.passed
-    writer = CheckpointWriter(start.run_dir, keep_last=tc.keep_last, keep_every=tc.keep_every, log=log,
-                              mirror_dir=start.mirror_dir, guard=s.lease.check, unreadable=set(passed.unreadable),
-                              mirror_listed=passed.mirror_step)
+    writer = CheckpointWriter(
+        start.run_dir,
+        keep_last=tc.keep_last,
+        keep_every=tc.keep_every,
+        log=log,
+        mirror_dir=start.mirror_dir,
+        guard=s.lease.check,
+        unreadable=set(passed.unreadable),
+        mirror_listed=passed.mirror_step,
+    )
     if start.resume is not None and start.mirror_dir is not None and not start.resume.from_mirror:
         writer.mirror_existing(start.resume.info.path, s.state.best_step)
     return writer

@@ -20,7 +20,9 @@ class GracefulStop:
         self.log = log
         self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
         self._old: dict[int, Any] = {}
-        self._deferring = self._interrupted = False  # _interrupted: a second press arrived inside deferred()
+        self._deferring = self._interrupted = (
+            False  # _interrupted: a second press arrived inside deferred()
+        )
 
     def install(self) -> "GracefulStop":
         if threading.current_thread() is not threading.main_thread():
@@ -40,8 +42,10 @@ class GracefulStop:
             return
         self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
         if signum == signal.SIGINT:
-            self.log("SIGINT: finishing this step, saving a checkpoint, then stopping (press stop again to stop at "
-                     "once: the last complete step is saved)")
+            self.log(
+                "SIGINT: finishing this step, saving a checkpoint, then stopping (press stop again to stop at "
+                "once: the last complete step is saved)"
+            )
         else:
             loud("SIGTERM: finishing this step, saving a checkpoint, then stopping")
 

@@ -18,7 +18,8 @@ def lr_at(step: int, cfg) -> float:
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "wsd":
-        left = (cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)  # 1 at the cooldown's start
+        # 1 at the cooldown's start
+        left = (cfg.max_steps - step) / max(1.0, cfg.cooldown_frac * cfg.max_steps)
         return peak * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * min(1.0, max(0.0, left)))
     span = max(1, cfg.max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
@@ -32,8 +33,18 @@ def set_lr(optimizer, lr: float) -> None:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
-def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: float, autocast, timer,
-               lr: float | None = None) -> torch.Tensor:
+def train_step(
+    model,
+    optimizer,
+    scaler,
+    batches,
+    *,
+    accum: int,
+    grad_clip: float,
+    autocast,
+    timer,
+    lr: float | None = None,
+) -> torch.Tensor:
     """One optimizer step over `accum` micro-batches -> their mean loss, on the device. batches.next_batch() ->
     (x, y), each (micro_batch, block_size) token ids; timer: a StepTimer (the data / fwd_bwd / optim split);
     lr: None keeps the optimizer's."""
@@ -47,11 +58,14 @@ def train_step(model, optimizer, scaler, batches, *, accum: int, grad_clip: floa
         # DDP all-reduces the gradients on the last micro-batch only: the others accumulate locally
         skip_sync = isinstance(model, DistributedDataParallel) and micro < accum - 1
         with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with autocast:  # [1]: the loss alone; the logits (B, T, vocab) are not kept past the forward
+            # [1]: the loss alone; the logits (B, T, vocab) are not kept past the forward
+            with autocast:
                 loss = model(x, y)[1]
             loss = loss / accum  # the mean over the micro-batches, as one large batch would give
             loss_sum += loss.detach()
-            scaler.scale(loss).backward()  # fp16: a scaled loss, so small gradients do not underflow
+            scaler.scale(
+                loss
+            ).backward()  # fp16: a scaled loss, so small gradients do not underflow
         timer.mark("fwd_bwd")
     # clip (fp16: the gradients unscaled first), update (skipped on inf/nan gradients), drop the gradients
     if grad_clip > 0:

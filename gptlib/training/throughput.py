@@ -19,15 +19,26 @@ from gptlib.model import model_size
 
 # Dense tensor-core peak in TFLOP/s for the precision gptlib trains in: bf16, fp16 on the T4. First match wins. No
 # V100 (Colab's torch has no kernels for it); no RTX PRO 6000 until NVIDIA's dense bf16 figure can be cited.
-PEAK_TFLOPS = [(r"H200", "H200", 989.0), (r"H100.*PCIe", "H100 PCIe", 756.0), (r"H100.*NVL", "H100 NVL", 835.0),
-               (r"H100", "H100 SXM", 989.0), (r"A100", "A100", 312.0), (r"\bL4\b", "L4", 121.0),
-               (r"\bT4\b", "T4 (fp16)", 65.0)]
+PEAK_TFLOPS = [
+    (r"H200", "H200", 989.0),
+    (r"H100.*PCIe", "H100 PCIe", 756.0),
+    (r"H100.*NVL", "H100 NVL", 835.0),
+    (r"H100", "H100 SXM", 989.0),
+    (r"A100", "A100", 312.0),
+    (r"\bL4\b", "L4", 121.0),
+    (r"\bT4\b", "T4 (fp16)", 65.0),
+]
 
 # Colab compute units per hour of each GPU runtime (March 2026, source in docs/gpu.md; G4 is the RTX PRO 6000),
 # and the runtime a GPU's name says (an A100 with over 60 GiB is the 80GB one). Colab changes its prices:
 # TrainConfig.colab_units_per_hour replaces this table's rate.
 COLAB_UNITS_PER_HOUR = {"T4": 1.19, "L4": 1.71, "A100 40GB": 5.40, "A100 80GB": 7.52, "G4": 8.71}
-COLAB_RUNTIMES = ((r"\bT4\b", "T4"), (r"\bL4\b", "L4"), (r"RTX PRO 6000", "G4"), (r"A100", "A100 40GB"))
+COLAB_RUNTIMES = (
+    (r"\bT4\b", "T4"),
+    (r"\bL4\b", "L4"),
+    (r"RTX PRO 6000", "G4"),
+    (r"A100", "A100 40GB"),
+)
 
 
 @dataclass
@@ -35,28 +46,48 @@ class DevicePeak:
     name: str
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
-    units_per_hour: float | None = None  # Colab compute units per hour of this runtime; None if unknown
+    units_per_hour: float | None = (
+        None  # Colab compute units per hour of this runtime; None if unknown
+    )
 
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     """'NVIDIA A100-SXM4-40GB' -> ('A100', 312e12 FLOP/s); an unlisted name -> (None, None)."""
-    return next(((family, tflops * 1e12) for pattern, family, tflops in PEAK_TFLOPS
-                 if re.search(pattern, gpu_name, flags=re.IGNORECASE)), (None, None))
+    return next(
+        (
+            (family, tflops * 1e12)
+            for pattern, family, tflops in PEAK_TFLOPS
+            if re.search(pattern, gpu_name, flags=re.IGNORECASE)
+        ),
+        (None, None),
+    )
 
 
 def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
     """units_per_hour (TrainConfig.colab_units_per_hour), when set, replaces the table's rate."""
     device = torch.device(device)
     if device.type != "cuda":
-        return DevicePeak(f"{device.type}: {cpu_name()}", None, f"MFU unknown on {device.type} (no peak table for it)",
-                          units_per_hour or None)
+        return DevicePeak(
+            f"{device.type}: {cpu_name()}",
+            None,
+            f"MFU unknown on {device.type} (no peak table for it)",
+            units_per_hour or None,
+        )
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
-    runtime = next((r for pattern, r in COLAB_RUNTIMES if re.search(pattern, name, flags=re.IGNORECASE)), None)
-    if runtime == "A100 40GB" and torch.cuda.get_device_properties(device).total_memory > 60 * 2**30:
+    runtime = next(
+        (r for pattern, r in COLAB_RUNTIMES if re.search(pattern, name, flags=re.IGNORECASE)), None
+    )
+    if (
+        runtime == "A100 40GB"
+        and torch.cuda.get_device_properties(device).total_memory > 60 * 2**30
+    ):
         runtime = "A100 80GB"
-    note = (f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)" if peak else
-            f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS")
+    note = (
+        f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)"
+        if peak
+        else f"MFU unknown: {name!r} is not in gptlib.training.throughput.PEAK_TFLOPS"
+    )
     return DevicePeak(name, peak, note, units_per_hour or COLAB_UNITS_PER_HOUR.get(runtime))
 
 
@@ -68,7 +99,9 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None, n_devices: int = 1) -> float | None:
+def mfu(
+    flops_per_token: float, tokens_per_s: float, peak_flops: float | None, n_devices: int = 1
+) -> float | None:
     return flops_per_token * tokens_per_s / (peak_flops * n_devices) if peak_flops else None
 
 
@@ -101,25 +134,41 @@ def colab_units(seconds: float, units_per_hour: float | None) -> float | None:
     return units_per_hour * seconds / 3600 if units_per_hour and math.isfinite(seconds) else None
 
 
-def perf_fields(split: dict[str, float], flops_per_token: float, tokens_per_s: float, peak: DevicePeak,
-                n_devices: int, tokens_seen: int, tokens_target: int, eta_tokens_per_s: float | None = None) -> dict:
+def perf_fields(
+    split: dict[str, float],
+    flops_per_token: float,
+    tokens_per_s: float,
+    peak: DevicePeak,
+    n_devices: int,
+    tokens_seen: int,
+    tokens_target: int,
+    eta_tokens_per_s: float | None = None,
+) -> dict:
     """A metrics row's MFU, ETA, Colab units left and time split (fractions). eta_tokens_per_s: the rate the ETA
     assumes, when it differs (validations cost wall time, not MFU)."""
     total, rate = sum(split.values()), eta_tokens_per_s or tokens_per_s
     eta = max(0, tokens_target - tokens_seen) / rate if rate > 0 else math.inf
-    m, units = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices), colab_units(eta, peak.units_per_hour)
-    return {"mfu": None if m is None else round(m, 4), "eta_s": round(eta, 1) if math.isfinite(eta) else None,
-            "colab_units_left": None if units is None else round(units * n_devices, 2),
-            "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {}}
+    m, units = (
+        mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices),
+        colab_units(eta, peak.units_per_hour),
+    )
+    return {
+        "mfu": None if m is None else round(m, 4),
+        "eta_s": round(eta, 1) if math.isfinite(eta) else None,
+        "colab_units_left": None if units is None else round(units * n_devices, 2),
+        "time_split": {k: round(v / total, 3) for k, v in split.items()} if total > 0 else {},
+    }
 
 
 def speed_text(row: dict, split: bool = False) -> str:
     """A metrics row's speed, as the bar, the progress lines and the live plot show it: "1.23M tok/s, MFU 45.7%,
     ETA 12h34m", and with split where a step's time goes ("time data 3% fwd_bwd 90% optim 7%")."""
-    parts = [row.get("tokens_per_s") and f"{fmt_tokens(row['tokens_per_s'])} tok/s",
-             row.get("mfu") is not None and f"MFU {fmt_mfu(row['mfu'])}",
-             row.get("eta_s") is not None and f"ETA {fmt_duration(row['eta_s'])}",
-             split and row.get("time_split") and f"time {fmt_split(row['time_split'])}"]
+    parts = [
+        row.get("tokens_per_s") and f"{fmt_tokens(row['tokens_per_s'])} tok/s",
+        row.get("mfu") is not None and f"MFU {fmt_mfu(row['mfu'])}",
+        row.get("eta_s") is not None and f"ETA {fmt_duration(row['eta_s'])}",
+        split and row.get("time_split") and f"time {fmt_split(row['time_split'])}",
+    ]
     return ", ".join(p for p in parts if p)
 
 
@@ -202,7 +251,12 @@ def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = N
     tokens = run_tokens(cfg, start_step) + eval_batches * tc.batch_size * mc.block_size / 3
     passes = steps * (tc.grad_accum_steps + 1) + (eval_batches + sampled) / 3
     overhead = passes * (mc.n_layer + 1) * CPU_LAYER_PASS_S
-    return model_size(mc).flops_per_token * tokens / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE) + overhead
+    return (
+        model_size(mc).flops_per_token
+        * tokens
+        / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE)
+        + overhead
+    )
 
 
 def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
@@ -214,18 +268,26 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     rate = cpu_train_flops()
     secs = estimate_cpu_seconds(cfg, start_step, rate)
     took = f"{secs / 3600:,.0f} hours" if secs >= 3600 else fmt_duration(secs)
-    steps, where = cfg.train.max_steps - start_step, f"this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)"
-    if secs <= CPU_ADVISE_S:  # a short run (a tiny base, a few steps): its estimate, no talk of GPUs
+    steps, where = (
+        cfg.train.max_steps - start_step,
+        f"this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)",
+    )
+    # a short run (a tiny base, a few steps): its estimate, no talk of GPUs
+    if secs <= CPU_ADVISE_S:
         log(f"on {where}: about {took} for the {steps:,} steps to go")
         return
-    msg = (f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) would "
-           f"take about {took} on {where}")
+    msg = (
+        f"preset {cfg.preset} is meant for a GPU: its {steps:,} steps to go ({tokens / 1e6:,.1f}M tokens) would "
+        f"take about {took} on {where}"
+    )
     advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
     if secs <= CPU_REFUSE_S:
         log(f"{msg}. {advice}")
     elif requested == "auto":
-        raise ConfigError(f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "
-                          f"(device='cpu'), or shorten the run (--set max_steps=N)")
+        raise ConfigError(
+            f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "
+            f"(device='cpu'), or shorten the run (--set max_steps=N)"
+        )
     else:
         loud(f"warning: {msg}. {advice}")
 
@@ -236,8 +298,13 @@ class RunPlan:
     summary: str  # tokens/step x steps, the device's peak, each recipe's cost
 
 
-def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, device: str = "auto",
-             recipe: str = "gpt2") -> RunPlan:
+def plan_run(
+    preset: str,
+    overrides: list | None = None,
+    tokens: float = 0,
+    device: str = "auto",
+    recipe: str = "gpt2",
+) -> RunPlan:
     """Notebook 03: the run's length in steps from a token budget (0: the preset's max_steps)."""
     from gptlib.config import build_config
     from gptlib.runtime import resolve_device
@@ -247,13 +314,19 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
     max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
     peak = device_peak(resolve_device(device), cfg.train.colab_units_per_hour)
     if peak.units_per_hour is not None:
-        rate = (f"; {peak.units_per_hour:g} Colab units per hour "
-                f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})")
+        rate = (
+            f"; {peak.units_per_hour:g} Colab units per hour "
+            f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})"
+        )
     else:  # units mean something on Colab only
-        rate = "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if in_colab() else ""
-    summary = (f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
-               f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}{rate}\n"
-               f"{recipe_estimate(build_config(preset, overrides), per_step * max_steps, peak)}")
+        rate = (
+            "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if in_colab() else ""
+        )
+    summary = (
+        f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
+        f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}{rate}\n"
+        f"{recipe_estimate(build_config(preset, overrides), per_step * max_steps, peak)}"
+    )
     return RunPlan(max_steps, summary)
 
 
@@ -262,7 +335,9 @@ def plan_run(preset: str, overrides: list | None = None, tokens: float = 0, devi
 # (docs/benchmarks.md). An estimate, not a promise.
 MODERN_TOKEN_FRACTION = 0.33
 BENCHMARKS_PAGE = "https://github.com/gptlib/gptlib/blob/main/docs/benchmarks.md"  # where a Colab user can read it
-ASSUMED_MFU = 0.4  # for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
+ASSUMED_MFU = (
+    0.4  # for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
+)
 
 
 def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
@@ -272,10 +347,18 @@ def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     for recipe, n in (("gpt2", tokens), ("modern", tokens * MODERN_TOKEN_FRACTION)):
         costs.append(f"{recipe} ~{fmt_tokens(n)} tokens")
         if peak.peak_flops is not None:
-            seconds = n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
+            seconds = (
+                n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
+            )
             units = colab_units(seconds, peak.units_per_hour)
-            costs[-1] += f" (~{fmt_duration(seconds)}" + ("" if units is None else f", ~{units:,.0f} Colab units") + ")"
+            costs[-1] += (
+                f" (~{fmt_duration(seconds)}"
+                + ("" if units is None else f", ~{units:,.0f} Colab units")
+                + ")"
+            )
     hours = f", hours at an assumed {ASSUMED_MFU:.0%} MFU" if peak.peak_flops is not None else ""
-    return (f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: {', '.join(costs)} (the "
-            f"modern recipe's {MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured "
-            f"on a small BPE proxy, {BENCHMARKS_PAGE}{hours})")
+    return (
+        f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: {', '.join(costs)} (the "
+        f"modern recipe's {MODERN_TOKEN_FRACTION:.2f} of the tokens: the NanoGPT speedrun's records; 0.15 measured "
+        f"on a small BPE proxy, {BENCHMARKS_PAGE}{hours})"
+    )

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import machine_info  # noqa: E402
 from gptlib.batches import BatchSampler, MemmapSplit, SplitData, load_dataset  # noqa: E402
-from gptlib.config import PRESETS, RECIPES, ModelConfig, get_preset  # noqa: E402
+from gptlib.config import PRESETS, RECIPES, ModelConfig, TrainConfig, get_preset  # noqa: E402
 from gptlib.data.shards import read_meta  # noqa: E402
 from gptlib.errors import GptlibError  # noqa: E402
 from gptlib.model import GPT, model_size  # noqa: E402
@@ -47,6 +47,7 @@ from gptlib.training.memory import (  # noqa: E402
     free_memory,
     is_oom,
 )
+from gptlib.training.optimizer import build_optimizer  # noqa: E402
 from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
 from gptlib.training.step import train_step  # noqa: E402
 from gptlib.training.throughput import (
@@ -275,7 +276,7 @@ def _run_rung(
         # fp32 rungs: true fp32, as the seed
         torch.set_float32_matmul_precision("high" if half else "highest")
     model = GPT(model_cfg).to(dev)
-    optimizer = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), dev.type)
+    optimizer = build_optimizer(model, TrainConfig(learning_rate=1e-4), dev.type)
     dtype, half_note = half_dtype(dev) if half else (torch.float32, "")
     scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
     loader, data_note = loader_for(data_kind)

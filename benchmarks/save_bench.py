@@ -35,6 +35,7 @@ from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import get_preset
 from gptlib.layout import checkpoint_name
 from gptlib.model import GPT, model_size
+from gptlib.training.optimizer import build_optimizer
 
 
 def machine_info(d: Path) -> str:
@@ -78,9 +79,7 @@ def main() -> None:
 
     cfg = get_preset(args.preset)
     model = GPT(cfg.model)
-    opt = model.configure_optimizer(
-        cfg.train.weight_decay, cfg.train.learning_rate, (cfg.train.beta1, cfg.train.beta2), "cpu"
-    )
+    opt = build_optimizer(model, cfg.train, "cpu")
     for p in model.parameters():  # one step with small gradients: creates the AdamW moments
         p.grad = torch.full_like(p, 1e-3)
     opt.step()

@@ -34,11 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from gptlib.batches import BatchSampler, LossMask, MemmapSplit, SplitData, _as_signed_view  # noqa: E402
-from gptlib.config import ModelConfig  # noqa: E402
+from gptlib.config import ModelConfig, TrainConfig  # noqa: E402
 from gptlib.data.prepare import prepare  # noqa: E402
 from gptlib.data.shards import read_meta, read_spans  # noqa: E402
 from gptlib.data.tokenizer import load_tokenizer  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
+from gptlib.training.optimizer import build_optimizer  # noqa: E402
 from gptlib.training.step import train_step  # noqa: E402
 from gptlib.training.throughput import StepTimer  # noqa: E402
 
@@ -190,7 +191,7 @@ def main() -> None:
         for name in ("packed", "padded"):
             torch.manual_seed(0)
             model = GPT(cfg)
-            opt = model.configure_optimizer(0.1, 1e-4, (0.9, 0.95), "cpu")
+            opt = build_optimizer(model, TrainConfig(learning_rate=1e-4), "cpu")
             sampler = (
                 BatchSampler(
                     data, a.batch_size, a.block_size, rep, "cpu", LossMask(spans, len(stream))

@@ -147,6 +147,9 @@ def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
 
 
 class BatchSampler:
+    """Random windows of a split, from a generator of its own: its state_dict() is where the batches stand. Under
+    DDP each rank (of world_size) samples its own stream, seeded seed + rank."""
+
     def __init__(
         self,
         data: SplitData | MemmapSplit,
@@ -155,6 +158,8 @@ class BatchSampler:
         seed: int,
         device: str | torch.device,
         loss_mask: LossMask | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         if len(data) < block_size + 1:
             raise DataFormatError(
@@ -169,8 +174,9 @@ class BatchSampler:
             torch.device(device),
         )
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
+        self.seed, self.rank, self.world_size = seed + rank, rank, world_size
         self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(self.seed)
         self.batches_drawn = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,10 +198,26 @@ class BatchSampler:
     def state_dict(self) -> dict:
         return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn}
 
-    def load_state_dict(self, state: dict) -> None:
-        # an older checkpoint's chunked-sampler fields (chunk_*) are ignored: its RNG stream goes on as before
+    def load_state_dict(self, state: dict, ranks: list[dict] | None = None) -> str | None:
+        """Back where it was saved. `ranks`: every rank's state (a DDP run's checkpoint), `state`: rank 0's. A
+        checkpoint of another number of processes gives each rank a stream derived from its own seed and the batches
+        drawn (not a replay of rank 0's) -> a note saying so."""
+        same = ranks is not None and len(ranks) == self.world_size
+        state = ranks[self.rank] if same else state
+        # an earlier gptlib's chunked-sampler fields (chunk_*) are ignored: its RNG stream goes on as before
         self.generator.set_state(state["rng_state"])
         self.batches_drawn = int(state["batches_drawn"])
+        if same or (ranks is None and self.rank == 0):
+            return None
+        self.generator.manual_seed(self.seed + 1_000_003 * (self.batches_drawn + 1))
+        if (
+            ranks is None
+        ):  # a one-process checkpoint: rank 0 goes on with its stream, the others derive theirs
+            return None
+        return (
+            f"resume: the checkpoint's sampler states are for {len(ranks)} process(es), now {self.world_size}: "
+            f"each rank continues with a derived stream"
+        )
 
 
 @dataclass

@@ -248,9 +248,8 @@ class GPT(nn.Module):
             cache.pos += T
         return x  # (B, T, C): the last block's output
 
-    def head(
-        self, h: torch.Tensor
-    ) -> torch.Tensor:  # (..., C) -> (..., vocab_size): padding rows never a token
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        # (..., C) -> (..., vocab_size): the padding rows are never a token
         return self.lm_head(self.transformer.ln_f(h))[..., : self.config.vocab_size]
 
     def forward(
@@ -265,21 +264,3 @@ class GPT(nn.Module):
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1, reduction="sum"
             ) / (targets != -1).sum().clamp(min=1)
         return logits, loss
-
-    def configure_optimizer(
-        self,
-        weight_decay: float,
-        learning_rate: float,
-        betas: tuple[float, float],
-        device_type: str,
-    ) -> torch.optim.AdamW:
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            # matmuls, embeddings
-            {
-                "params": [p for p in params if p.dim() >= 2],
-                "weight_decay": weight_decay,
-            },
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")

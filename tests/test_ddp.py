@@ -30,15 +30,15 @@ def recording(self):
     return x, y
 
 D.BatchSampler.next_batch = recording
-from gptlib.model import GPT
+from gptlib.training import setup as S
 optimizers = []
-orig_opt = GPT.configure_optimizer
+orig_opt = S.build_optimizer
 
-def capture(self, *a, **k):
-    optimizers.append(orig_opt(self, *a, **k))
+def capture(*a, **k):
+    optimizers.append(orig_opt(*a, **k))
     return optimizers[-1]
 
-GPT.configure_optimizer = capture
+S.build_optimizer = capture
 r = train(sys.argv[1], sys.argv[2], "phase1", overrides=json.loads(sys.argv[4]), device="cpu", progress=False)
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"step": r.step, "resumed_from": r.resumed_from, "tokens_seen": r.tokens_seen,

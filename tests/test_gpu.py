@@ -1048,14 +1048,15 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
     """The host buffer, reused by the second save: each checkpoint holds the weights and AdamW moments as
     they were when save() returned, although the GPU changes them all right after (while the writer writes)."""
     from gptlib.checkpoint.writer import CheckpointWriter
-    from gptlib.config import ModelConfig
+    from gptlib.config import ModelConfig, TrainConfig
     from gptlib.model import GPT
+    from gptlib.training.optimizer import build_optimizer
 
     torch.manual_seed(0)
     model = GPT(
         ModelConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)
     ).cuda()
-    opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cuda")
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1, learning_rate=1e-3), "cuda")
     writer = CheckpointWriter(tmp_path, keep_last=2, log=print)
     expected, hosts = {}, []
     try:

@@ -84,7 +84,10 @@ def test_too_long_sequence_is_a_clear_error():
 
 def test_weight_decay_only_on_2d_params():
     model = GPT(tiny(bias=True))
-    opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    from gptlib.config import TrainConfig
+    from gptlib.training.optimizer import build_optimizer
+
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1, learning_rate=1e-3), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() < 2 for p in no_decay["params"])

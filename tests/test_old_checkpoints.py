@@ -88,7 +88,7 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(char_data, tmp_path
 
     # the run's state as restored, before its first step (copied: training changes it)
     def loop(s, *a, **k):
-        restored.append(copy.deepcopy(s.snapshot(s.state.val_loss, s.state.elapsed_s)))
+        restored.append(copy.deepcopy(s.state_dict()))
         return real_loop(s, *a, **k)
 
     monkeypatch.setattr(gloop, "_loop", loop)

@@ -264,7 +264,7 @@ def test_negative_control_without_sampler_restore(
 ):
     run_dir = tmp_path / "run"
     shutil.copytree(interrupted, run_dir)
-    monkeypatch.setattr(gdata.BatchSampler, "load_state_dict", lambda self, state: None)
+    monkeypatch.setattr(gdata.BatchSampler, "load_state_dict", lambda self, state, ranks=None: None)
     run_inproc(char_data, run_dir, log=lambda m: None)
     with pytest.raises(AssertionError, match="losses differ"):
         assert_same_run(reference, run_dir)

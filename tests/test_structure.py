@@ -317,6 +317,7 @@ READING_ORDER = [
     "gptlib/model.py",
     "gptlib/training/step.py",
     "gptlib/training/loop.py",
+    "gptlib/training/run.py",
     "gptlib/checkpoint/format.py",
     "gptlib/checkpoint/resume.py",
 ]

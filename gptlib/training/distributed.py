@@ -69,25 +69,6 @@ class Dist:
         dist.all_gather_object(out, state)
         return out
 
-    def load_sampler_state(
-        self, sampler, saved: dict, ranks: list[dict] | None, seed: int, log=print
-    ) -> None:
-        """`ranks`: every rank's saved state (a DDP run), `saved`: rank 0's. A checkpoint of another world size gives
-        each rank a derived stream of its own (not a replay of rank 0's batches)."""
-        if ranks is not None and len(ranks) == self.world_size:
-            sampler.load_state_dict(ranks[self.rank])
-            return
-        sampler.load_state_dict(saved)
-        if self.rank > 0 or (ranks is not None and len(ranks) != self.world_size):
-            sampler.generator.manual_seed(
-                seed + self.rank + 1_000_003 * (sampler.batches_drawn + 1)
-            )
-            if self.is_main:
-                log(
-                    f"resume: the checkpoint's sampler states are for {len(ranks) if ranks else 1} process(es), "
-                    f"now {self.world_size}: each rank continues with a derived stream"
-                )
-
     def teardown(self) -> None:
         if self.initialized_here and dist.is_initialized():
             # Every rank waits here first: a rank that destroys the group and exits while another is still

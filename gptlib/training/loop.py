@@ -23,7 +23,8 @@ from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
-from gptlib.training.setup import TrainingRun, claimed, find_start, open_run
+from gptlib.training.run import TrainingRun
+from gptlib.training.setup import claimed, find_start, open_run
 from gptlib.training.signals import GracefulStop
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
@@ -158,7 +159,7 @@ def train(
         finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
         if kept and not finished:
             log(kept)
-        s = open_run(
+        run = open_run(
             start,
             asked,
             ddp,
@@ -171,19 +172,19 @@ def train(
         )
     del start  # the base's weights (--init-from): not held all run
     # checkpoints name the data's lasting place, not the VM's copy
-    s.state.data_dir = str(Path(data_dir))
-    if s.state.step >= s.cfg.train.max_steps:
-        return _finished(s)
-    return _loop(s, progress, log, on_log)
+    run.state.data_dir = str(Path(data_dir))
+    if run.state.step >= run.cfg.train.max_steps:
+        return _finished(run)
+    return _loop(run, progress, log, on_log)
 
 
-def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
+def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     """However the steps end (max_steps, max_minutes, a stop, an OOM), the last state is saved and the run closed."""
-    tc, state = s.cfg.train, s.state
-    timer = StepTimer(s.device)
+    tc, state = run.cfg.train, run.state
+    timer = StepTimer(run.device)
     metrics = MetricsLog(
-        s,
-        peak=device_peak(s.device, tc.colab_units_per_hour),
+        run,
+        peak=device_peak(run.device, tc.colab_units_per_hour),
         timer=timer,
         progress=progress,
         log=log,
@@ -198,25 +199,25 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
             with stop.deferred():
                 in_step = True
                 loss = train_step(
-                    s.train_model,
-                    s.optimizer,
-                    s.scaler,
-                    s.sampler,
+                    run.train_model,
+                    run.optimizer,
+                    run.scaler,
+                    run.sampler,
                     accum=tc.grad_accum_steps,
                     grad_clip=tc.grad_clip,
-                    autocast=s.autocast,
+                    autocast=run.autocast,
                     timer=timer,
                     lr=lr_at(state.step, tc),
                 )
                 state.step, state.tokens_seen = (
                     state.step + 1,
-                    state.tokens_seen + s.tokens_per_step,
+                    state.tokens_seen + run.tokens_per_step,
                 )
                 metrics.add(loss)
                 in_step = False
-            s.lease.check()  # another process took the run over: stop, write nothing more
+            run.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
-            stopped_by = _after_step(s, metrics, stop, log) or stopped_by
+            stopped_by = _after_step(run, metrics, stop, log) or stopped_by
             if stopped_by != "max_steps":
                 break
     except Exception as e:  # an OOM, also one torch.compile wrapped in its own exception
@@ -226,14 +227,14 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     # a second stop press outside a step, or an interrupt without the signal handlers
     except KeyboardInterrupt:
         stopped_by = "interrupt"
-        _interrupted(s, metrics, in_step, log)
+        _interrupted(run, metrics, in_step, log)
     finally:
         # training time: start-up and the wait for Drive excluded
-        train_s = _close(s, metrics, stop)
+        train_s = _close(run, metrics, stop)
     if stopped_by == "oom":
-        _raise_oom_advice(s)
+        _raise_oom_advice(run)
     return TrainResult(
-        run_dir=s.run_dir,
+        run_dir=run.run_dir,
         step=state.step,
         tokens_seen=state.tokens_seen,
         train_loss=metrics.train_loss,
@@ -243,22 +244,23 @@ def _loop(s: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         elapsed_s=train_s,
         tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
         steady_tokens_per_s=metrics.steady_tokens_per_s(),
-        resumed_from=s.resumed_from,
+        resumed_from=run.resumed_from,
         stopped_by=stopped_by,
         history=metrics.history,
-        not_on_drive=s.writer.status()["mirror_missing"],
+        not_on_drive=run.writer.status()["mirror_missing"],
     )
 
 
-def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
+def _after_step(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
     """-> why training stops early ("max_minutes", the stop's reason), or None to go on."""
-    tc, state = s.cfg.train, s.state
+    tc, state = run.cfg.train, run.state
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
     over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
     time_due = (
-        tc.save_every_minutes > 0 and time.time() - s.writer.last_save >= 60 * tc.save_every_minutes
+        tc.save_every_minutes > 0
+        and time.time() - run.writer.last_save >= 60 * tc.save_every_minutes
     )
-    over_time, time_due, stop_now = s.ddp.agree(
+    over_time, time_due, stop_now = run.ddp.agree(
         state.step, tc.log_interval, over_time, time_due, bool(stop.reason)
     )
     is_last = state.step == tc.max_steps
@@ -274,9 +276,9 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
     if state.step % tc.log_interval == 0 or saving:
         metrics.flush(validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
-        val_loss = _validate(s, metrics, is_last, log) if validating else None
+        val_loss = _validate(run, metrics, is_last, log) if validating else None
         if saving:
-            s.writer.save(s.snapshot(val_loss, metrics.elapsed()))
+            _save(run, val_loss, metrics.elapsed())
     metrics.bar.update(1)
     if not (over_time or stop_now) or is_last:
         return None
@@ -287,76 +289,84 @@ def _after_step(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) ->
     return stopped_by
 
 
-def _validate(s: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> float:
+def _save(run: TrainingRun, val_loss: float | None, elapsed_s: float, gather: bool = True) -> None:
+    """The checkpoint of now, written in the background (gptlib/checkpoint/writer.py)."""
+    run.state.val_loss, run.state.elapsed_s = val_loss, elapsed_s
+    run.writer.save(run.state_dict(gather))
+
+
+def _validate(run: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> float:
     """Validation loss on fixed batches (the same every time: their own seed), the best so far, HellaSwag, the
     fixed prompts sampled, loss.png, a log row."""
-    tc, state, data = s.cfg.train, s.state, s.data
+    tc, state, data = run.cfg.train, run.state, run.data
     val_sampler = BatchSampler(
         data.splits["val"],
         tc.batch_size,
-        s.cfg.model.block_size,
+        run.cfg.model.block_size,
         tc.seed + VAL_SEED_OFFSET,
-        s.device,
+        run.device,
         data.loss_masks.get("val"),
     )
-    val_loss = validation_loss(s.model, val_sampler, tc.eval_batches, s.autocast)
+    val_loss = validation_loss(run.model, val_sampler, tc.eval_batches, run.autocast)
     if state.best_val_loss is None or val_loss < state.best_val_loss:
         state.best_val_loss, state.best_step = val_loss, state.step
-    hellaswag = _hellaswag(s, metrics, is_last)
+    hellaswag = _hellaswag(run, metrics, is_last)
     row = metrics.validation_row(val_loss, hellaswag)
     samples = []
-    if s.ddp.is_main:
+    if run.ddp.is_main:
         if data.sample_prompts and tc.sample_tokens:
             samples = log_samples(
-                s.model,
+                run.model,
                 data.tokenizer,
                 data.sample_prompts,
                 tc.sample_tokens,
                 tc.seed,
-                s.autocast,
+                run.autocast,
                 state.step,
-                s.run_dir,
+                run.run_dir,
                 log,
                 data.sample_stop_ids,
             )
         plot_losses(
-            metrics.history, s.run_dir / LOSS_PLOT, title=run_title(s.cfg.preset, s.run_dir.name)
+            metrics.history,
+            run.run_dir / LOSS_PLOT,
+            title=run_title(run.cfg.preset, run.run_dir.name),
         )
-    metrics.report_validation(row, samples, s.writer.status_line())
+    metrics.report_validation(row, samples, run.writer.status_line())
     return val_loss
 
 
-def _hellaswag(s: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
+def _hellaswag(run: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
     """The fixed subset when a multiple of hellaswag_every was passed since the last validation (or this call's
     start), every item at the end of the run (also in eval.jsonl) -> the metrics row's fields."""
-    probe, every, st = s.data.hellaswag, s.cfg.train.hellaswag_every, s.state
-    since = metrics.val_step if metrics.val_step is not None else (s.resumed_from or 0)
+    probe, every, st = run.data.hellaswag, run.cfg.train.hellaswag_every, run.state
+    since = metrics.val_step if metrics.val_step is not None else (run.resumed_from or 0)
     if probe is None or not (is_last or st.step // every > since // every):
         return {}
-    res = probe.score(s.model, s.device, s.dtype, full=is_last)
+    res = probe.score(run.model, run.device, run.dtype, full=is_last)
     if res is not None and is_last:
         append_jsonl(
-            s.run_dir / EVAL_FILE,
+            run.run_dir / EVAL_FILE,
             make_row("hellaswag", st.step, st.tokens_seen, res, source="training"),
         )
     return metrics_fields(res)
 
 
-def _interrupted(s: TrainingRun, metrics: MetricsLog, in_step: bool, log) -> None:
+def _interrupted(run: TrainingRun, metrics: MetricsLog, in_step: bool, log) -> None:
     """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
     if in_step:
         log(
-            f"interrupted during step {s.state.step + 1:,}; nothing saved: the last checkpoint stands"
+            f"interrupted during step {run.state.step + 1:,}; nothing saved: the last checkpoint stands"
         )
         return
-    log(f"interrupted at step {s.state.step:,}; saving it")
+    log(f"interrupted at step {run.state.step:,}; saving it")
     # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
-    if not s.ddp.enabled:
+    if not run.ddp.enabled:
         metrics.flush(validating=False)
-    s.writer.save(s.snapshot(None, metrics.elapsed(), gather=False))
+    _save(run, None, metrics.elapsed(), gather=False)
 
 
-def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
+def _close(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
     """The bar, the last save and the wait for Drive (a stop press waits for the save), then the signal handlers,
     the lease and the process group, whatever raised. -> this session's training seconds, read before the wait."""
     train_s = metrics.session_s()
@@ -365,45 +375,45 @@ def _close(s: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
             metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
         finally:
             # local save errors raise; Drive problems are only reported
-            s.writer.close(saving=stop.last_save())
+            run.writer.close(saving=stop.last_save())
     finally:
         stop.restore()
-        s.lease.release()
-        s.ddp.teardown()
+        run.lease.release()
+        run.ddp.teardown()
     return train_s
 
 
-def _finished(s: TrainingRun) -> TrainResult:
+def _finished(run: TrainingRun) -> TrainResult:
     """A run already at max_steps: nothing changes (its summary() says so: the line a notebook or the CLI shows)."""
     try:
-        s.writer.close()  # resumed from the local disk: Drive still gets the final checkpoint
+        run.writer.close()  # resumed from the local disk: Drive still gets the final checkpoint
     finally:
-        s.lease.release()
-        s.ddp.teardown()
-    st, val = s.state, s.state.val_loss
+        run.lease.release()
+        run.ddp.teardown()
+    st, val = run.state, run.state.val_loss
     return TrainResult(
-        run_dir=s.run_dir,
+        run_dir=run.run_dir,
         step=st.step,
         tokens_seen=st.tokens_seen,
-        train_loss=s.history[-1].get("train_loss") if s.history else None,
+        train_loss=run.history[-1].get("train_loss") if run.history else None,
         val_loss=val,
         val_step=st.step if val is not None else None,
         best_val_loss=st.best_val_loss,
         elapsed_s=0.0,
         tokens_per_s=0.0,
         steady_tokens_per_s=None,
-        resumed_from=s.resumed_from,
+        resumed_from=run.resumed_from,
         stopped_by="finished",
-        history=s.history,
-        not_on_drive=s.writer.status()["mirror_missing"],
+        history=run.history,
+        not_on_drive=run.writer.status()["mirror_missing"],
     )
 
 
-def _raise_oom_advice(s: TrainingRun) -> None:
+def _raise_oom_advice(run: TrainingRun) -> None:
     """Out of GPU memory: drop this call's GPU tensors, so the notebook's runtime stays usable, then say
     which setting to try next (not chained to the OOM, whose frames would pin GPU memory)."""
-    hint = oom_advice(s.cfg, s.ddp.world_size)
-    s.model = s.train_model = s.optimizer = s.scaler = s.sampler = s.data = None
+    hint = oom_advice(run.cfg, run.ddp.world_size)
+    run.model = run.train_model = run.optimizer = run.scaler = run.sampler = run.data = None
     torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) hold GPU memory too: dropped before freeing
     free_memory()
     raise OutOfMemoryAdvice(hint)

@@ -12,6 +12,29 @@ from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
 
+def _with_this_runs_groups(optimizer, state: dict) -> dict:
+    """A saved optimizer state with each group's settings replaced by the optimizer's, built from this run's config:
+    the checkpoint gives the state (moments, momentum, step counts) and the lr (the schedule's, set again before
+    every step), the config every hyperparameter (a resume with --set weight_decay=0.0 trains with 0.0, as its
+    "resume: ... changed" line says) and this device's flags (a CPU run's fused=False in a GPU run's fused AdamW fails
+    under a GradScaler; torch places AdamW's step counts by them)."""
+    saved = state["param_groups"]
+    if len(saved) != len(optimizer.param_groups):  # torch's own error names the mismatch
+        return state
+    groups = [
+        {**g, **{k: v for k, v in now.items() if k not in ("params", "lr")}}
+        for g, now in zip(saved, optimizer.param_groups)
+    ]
+    return {**state, "param_groups": groups}
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, whose load_state_dict keeps this run's settings (_with_this_runs_groups)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(_with_this_runs_groups(self, state_dict))
+
+
 class MuonAdamW:
     """Each param group carries `lr_scale`, its peak LR over learning_rate: the schedule sets both from one value."""
 
@@ -23,7 +46,7 @@ class MuonAdamW:
             momentum=tc.muon_momentum,
             nesterov=True,
         )
-        self.adamw = torch.optim.AdamW(
+        self.adamw = AdamW(
             [{"params": others, "lr_scale": 1.0}],
             lr=tc.learning_rate,
             betas=(tc.beta1, tc.beta2),
@@ -47,26 +70,8 @@ class MuonAdamW:
         return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        load_optimizer(self.adamw, state["adamw"])
-        load_optimizer(self.muon, state["muon"])
-
-
-def load_optimizer(optimizer, state: dict) -> None:
-    """load_state_dict, the saved groups' settings replaced by this run's: the checkpoint gives the state (moments,
-    momentum, step counts) and the lr (the schedule's, set again before every step), the config every hyperparameter
-    (a resume with --set weight_decay=0.0 trains with 0.0, as its "resume: ... changed" line says; betas, eps, Muon's
-    momentum, lr_scale likewise) and this device's flags (a CPU run's fused=False in a GPU run's fused AdamW fails
-    under a GradScaler; torch places AdamW's step counts by them)."""
-    if isinstance(optimizer, MuonAdamW):
-        optimizer.load_state_dict(state)
-        return
-    saved = state["param_groups"]
-    if len(saved) == len(optimizer.param_groups):  # else torch's own error names the mismatch
-        saved = [
-            {**g, **{k: v for k, v in now.items() if k not in ("params", "lr")}}
-            for g, now in zip(saved, optimizer.param_groups)
-        ]
-    optimizer.load_state_dict({**state, "param_groups": saved})
+        self.adamw.load_state_dict(state["adamw"])
+        self.muon.load_state_dict(_with_this_runs_groups(self.muon, state["muon"]))
 
 
 def check_optimizer_state(optimizer, state: dict, where: str) -> None:
@@ -127,10 +132,16 @@ def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
 
 
 def build_optimizer(model: GPT, tc: TrainConfig, device_type: str):
-    """adamw: the GPT-2 AdamW (decay on 2-D weights); muon: MuonAdamW, Muon taking every 2-D weight of the blocks."""
+    """adamw: GPT-2's AdamW, weight decay on the 2-D weights (matmuls, embeddings) only; muon: MuonAdamW, Muon taking
+    every 2-D weight of the blocks, AdamW the rest."""
     if tc.optimizer == "adamw":
-        return model.configure_optimizer(
-            tc.weight_decay, tc.learning_rate, (tc.beta1, tc.beta2), device_type
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return AdamW(
+            groups, lr=tc.learning_rate, betas=(tc.beta1, tc.beta2), fused=device_type == "cuda"
         )
     matrices, others = [], []
     for name, p in model.named_parameters():

@@ -7,17 +7,17 @@ import contextlib
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gptlib.batches import BatchSampler, LossMask, head_ids, load_dataset, loss_masks
-from gptlib.checkpoint.format import DRIVE_ADVICE, RNG, TrainState, load_weights_into
+from gptlib.batches import BatchSampler, head_ids, load_dataset, loss_masks
+from gptlib.checkpoint.format import DRIVE_ADVICE, TrainState, load_weights_into
 from gptlib.checkpoint.resume import Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans, prune_damaged
-from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
+from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
@@ -35,16 +35,12 @@ from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
-from gptlib.runtime import autocast_for, configure_matmul, dtype_name, resolve_dtype, use_compile
+from gptlib.runtime import configure_matmul, dtype_name, resolve_dtype, use_compile
 from gptlib.training import distributed
 from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
-from gptlib.training.optimizer import (
-    build_optimizer,
-    check_optimizer_fits,
-    load_optimizer,
-    slow_muon_note,
-)
+from gptlib.training.optimizer import build_optimizer, check_optimizer_fits, slow_muon_note
+from gptlib.training.run import RunData, TrainingRun
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import check_cpu_run, run_flops
 
@@ -88,65 +84,6 @@ def sample_prompts(
         head_ids(splits["val"], reach), spans, template.eot_id, 2, cfg.model.block_size // 2
     )
     return [p.tolist() for p in prompts], [template.end_id, template.eot_id]
-
-
-@dataclass
-class RunData:
-    splits: dict[str, Any]  # "train"/"val" -> SplitData (preloaded) or MemmapSplit (on disk)
-    # chat data: split -> the targets that carry the loss; {} = all of them
-    loss_masks: dict[str, LossMask]
-    tokenizer: Tokenizer
-    sample_prompts: list  # strings, or token ids (chat data)
-    sample_stop_ids: list[int]  # a sample ends at these (chat: <|end|>, <|endoftext|>)
-    hellaswag: HellaSwagProbe | None  # TrainConfig.hellaswag_every: scored at validations (rank 0)
-
-
-@dataclass
-class TrainingRun:
-    cfg: RunConfig  # frozen: config.json and every checkpoint record it
-    run_dir: Path
-    ddp: distributed.Dist
-    device: torch.device
-    # the autocast type (float32: none), resolved once: the loop reads it every step
-    dtype: torch.dtype
-    data: RunData
-    model: GPT  # the module itself: state dicts, samples, validation
-    train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
-    optimizer: Any
-    scaler: Any
-    sampler: BatchSampler
-    state: TrainState
-    lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
-    # rank 0's: last
-    writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)
-    resumed_from: int | None = None  # the step of the checkpoint this call resumed
-    history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
-    compiled: bool = False  # train_model is torch.compile's
-
-    @property
-    def autocast(self):
-        return autocast_for(self.device, self.dtype)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.tokens_per_step * self.ddp.world_size
-
-    def snapshot(self, val_loss: float | None, elapsed_s: float, gather: bool = True) -> dict:
-        """The checkpoint of now: its parts' state dicts (gptlib.checkpoint.format). Under DDP every rank's sampler
-        is gathered: a collective, so gather=False where the ranks may be anywhere (an interrupt)."""
-        self.state.val_loss, self.state.elapsed_s = val_loss, elapsed_s
-        parts = {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scaler": self.scaler,
-            "sampler": self.sampler,
-            "rng": RNG(self.device),
-            "progress": self.state,
-        }
-        ckpt = {name: part.state_dict() for name, part in parts.items()}
-        if gather and self.ddp.enabled:
-            ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
-        return ckpt
 
 
 def split_init_from(spec: str) -> tuple[str, str]:
@@ -475,9 +412,11 @@ def open_run(
         splits["train"],
         tc.batch_size,
         mc.block_size,
-        tc.seed + ddp.rank,
+        tc.seed,
         device,
         masks.get("train"),
+        rank=ddp.rank,
+        world_size=ddp.world_size,
     )
     state = TrainState(
         config=cfg.to_dict(),
@@ -488,7 +427,7 @@ def open_run(
         if base
         else {},
     )
-    s = TrainingRun(
+    run = TrainingRun(
         cfg,
         start.run_dir,
         ddp,
@@ -506,8 +445,8 @@ def open_run(
     if base is not None:
         start_from_base(model, base)
     if start.resume is not None:
-        _resume(s, start, say)
-    s.train_model, s.compiled = wrap_for_training(model, cfg, device, ddp, s.state.step)
+        _resume(run, start, say)
+    run.train_model, run.compiled = wrap_for_training(model, cfg, device, ddp, run.state.step)
     # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
     if ddp.is_main:
         try:
@@ -515,47 +454,37 @@ def open_run(
             atomic_write_bytes(start.run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
         except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
             raise cannot_write(start.run_dir, e) from None
-        s.history = logs_up_to(
+        run.history = logs_up_to(
             start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {}
         )
-        s.writer = _open_writer(s, start, log)
+        run.writer = _open_writer(run, start, log)
     say(
         f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
-        f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(s.dtype)}, "
-        f"compile {'on' if s.compiled else 'off'}; {s.tokens_per_step:,} tokens/step"
+        f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(run.dtype)}, "
+        f"compile {'on' if run.compiled else 'off'}; {run.tokens_per_step:,} tokens/step"
     )
-    return s
+    return run
 
 
-def _resume(s: TrainingRun, start: Start, log) -> None:
-    """Load the checkpoint into the run's parts; an import-hf run holds weights only: its training starts fresh."""
-    r, ckpt = start.resume, start.resume.checkpoint
-    load_weights_into(s.model, ckpt["model"], r.info.path)
-    if ckpt["optimizer"]:
-        load_optimizer(s.optimizer, ckpt["optimizer"])  # its device flags are this device's
-        if ckpt["scaler"]:  # {} when it was off
-            s.scaler.load_state_dict(ckpt["scaler"])
-        s.ddp.load_sampler_state(
-            s.sampler, ckpt["sampler"], ckpt["sampler_ranks"], s.cfg.train.seed, log
-        )
-        RNG(s.device).load_state_dict(ckpt["rng"])
-    this_session = ("config", "data", "data_dir", "tokenizer", "milestone")
-    s.state.load_state_dict({k: v for k, v in ckpt["progress"].items() if k not in this_session})
-    if r.data_change:
-        s.state.data_changes = [*s.state.data_changes, r.data_change]
-    s.resumed_from = s.state.step
-    if start.init_from and names_this_run(start.init_from, s.run_dir, start.mirror_dir):
+def _resume(run: TrainingRun, start: Start, log) -> None:
+    """The checkpoint back into the run's parts, then what this session adds to its progress."""
+    resume = start.resume
+    run.load_state_dict(resume.checkpoint, resume.info.path, log)
+    if resume.data_change:
+        run.state.data_changes = [*run.state.data_changes, resume.data_change]
+    run.resumed_from = run.state.step
+    if start.init_from and names_this_run(start.init_from, run.run_dir, start.mirror_dir):
         log(
             f"init-from: {start.init_from} is this run's own directory: resuming it (--init-from only starts a new "
             f"run, from another run's weights)"
         )
     elif start.init_from:  # a resumed run keeps its weights
         log(
-            f"init-from: {s.run_dir} already has checkpoints; resuming it ({start.init_from} only starts a new run)"
+            f"init-from: {run.run_dir} already has checkpoints; resuming it ({start.init_from} only starts a new run)"
         )
     log(
-        f"resumed from step {s.state.step:,} (saved {r.info.saved_at}, {s.state.tokens_seen:,} tokens seen) "
-        f"on the {'Drive mirror' if r.from_mirror else 'local disk'}: {r.origin}"
+        f"resumed from step {run.state.step:,} (saved {resume.info.saved_at}, {run.state.tokens_seen:,} tokens seen) "
+        f"on the {'Drive mirror' if resume.from_mirror else 'local disk'}: {resume.origin}"
     )
 
 
@@ -579,7 +508,7 @@ def _prune_damaged(run_dir: Path, truncate: bool, log) -> None:
         )
 
 
-def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
+def _open_writer(run: TrainingRun, start: Start, log) -> CheckpointWriter:
     """Rank 0's writer, after what earlier sessions left: damaged checkpoints set aside (a new one must never take
     a damaged one's name), a save killed mid-way removed. A checkpoint resumed from the local disk goes to Drive too."""
     set_aside_damaged(start.passed, start.resume, log)
@@ -587,17 +516,17 @@ def _open_writer(s: TrainingRun, start: Start, log) -> CheckpointWriter:
         if where is not None:
             _prune_damaged(where, truncate=where == start.mirror_dir, log=log)
     clean_orphans(start.run_dir)  # the mirror is cleaned by its own thread
-    tc, passed = s.cfg.train, start.passed
+    tc, passed = run.cfg.train, start.passed
     writer = CheckpointWriter(
         start.run_dir,
         keep_last=tc.keep_last,
         keep_every=tc.keep_every,
         log=log,
         mirror_dir=start.mirror_dir,
-        guard=s.lease.check,
+        guard=run.lease.check,
         unreadable=set(passed.unreadable),
         mirror_listed=passed.mirror_step,
     )
     if start.resume is not None and start.mirror_dir is not None and not start.resume.from_mirror:
-        writer.mirror_existing(start.resume.info.path, s.state.best_step)
+        writer.mirror_existing(start.resume.info.path, run.state.best_step)
     return writer

@@ -230,30 +230,31 @@ def cmd_tokenize(args) -> None:
 def cmd_train(args) -> int:
     """Re-running the same command resumes from the run directory's newest valid checkpoint."""
     from gptlib.training.loop import train
+    from gptlib.training.setup import StartOptions
 
+    options = StartOptions(
+        init_from=args.init_from,
+        take_over=args.take_over,
+        skip_unreadable=args.skip_unreadable,
+        allow_data_change=args.allow_data_change,
+    )
     r = train(
         args.data,
         args.run_dir,
         preset=args.preset,
         overrides=args.set,
+        recipe=args.recipe,
+        options=options,
+        mirror_dir=args.mirror_dir,
         max_steps=args.max_steps,
         max_minutes=args.max_minutes,
         seed=args.seed,
         device=args.device,
         compile=None if args.compile is None else ("on" if args.compile else "off"),
         progress=not args.quiet,
-        mirror_dir=args.mirror_dir,
-        take_over=args.take_over,
-        init_from=args.init_from,
-        skip_unreadable=args.skip_unreadable,
-        allow_data_change=args.allow_data_change,
-        recipe=args.recipe,
     )
     # max_minutes, Ctrl-C, SIGTERM: how to go on, once
-    early = r.stopped_by not in (
-        "max_steps",
-        "finished",
-    )
+    early = r.stopped_by not in ("max_steps", "finished")
     print(r.summary() + ("; re-run the same command to continue" if early else ""))
     if r.stopped_by == "interrupt":
         return 130  # Ctrl-C: the status of a process stopped by SIGINT

@@ -112,7 +112,10 @@ class RunLease:
         if self.take_over:
             self.log(f"lease: taking over {path} ({what})")
             return
-        how = "pass --take-over (train(..., take_over=True)) to take it anyway, or stop that process first"
+        how = (
+            "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
+            "process first"
+        )
         if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
             started = time.strftime("%H:%M:%S", time.localtime(found.started))
             # a training of this very process: a notebook cell run while one trains

@@ -66,7 +66,7 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
     if point == "mid_step":
         runs = []  # the TrainingRun being trained: its state says which step the loop is making
 
-        def open_run(*a, real=loop.open_run, **k):
+        def start_run(*a, real=loop.start_run, **k):
             runs.append(real(*a, **k))
             return runs[-1]
 
@@ -75,7 +75,7 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
             fire(runs[-1].state.step + 1)
             return loss
 
-        return [(loop, "open_run", open_run), (loop, "train_step", train_step)]
+        return [(loop, "start_run", start_run), (loop, "train_step", train_step)]
     if point == "save_mid":
 
         def atomic_write(path, write, real=ck.atomic_write):

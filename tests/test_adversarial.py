@@ -25,6 +25,7 @@ from gptlib.data.prepare import prepare
 from gptlib.errors import CheckpointError, ConfigError, RunDirError
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from gptlib.training.setup import StartOptions
 from tests.conftest import REPO, TINY
 from tests.test_drive_resume import StalledDrive
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
@@ -145,7 +146,7 @@ def test_resume_on_other_data_goes_on_when_asked_and_is_recorded(char_data, othe
         max_steps=35,
         progress=False,
         log=logs.append,
-        allow_data_change=True,
+        options=StartOptions(allow_data_change=True),
     )
     assert r.resumed_from == 30 and r.step == 35
     assert any("resume: data changed" in m for m in logs)

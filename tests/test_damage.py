@@ -39,6 +39,7 @@ from gptlib.training import loop as gtrain
 from gptlib.training import setup as gsession
 from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
+from gptlib.training.setup import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
@@ -584,7 +585,7 @@ def test_resume_skips_a_drive_checkpoint_that_hangs_mid_read(
             progress=False,
             log=logs.append,
             mirror_dir=mirror,
-            skip_unreadable=True,
+            options=StartOptions(skip_unreadable=True),
         )
     finally:
         threading.Thread(target=_release_fifo, args=(hung / "model.pt",), daemon=True).start()

@@ -25,6 +25,7 @@ from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from gptlib.training.setup import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
@@ -180,7 +181,7 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(
         progress=False,
         log=quiet,
         mirror_dir=mirror,
-        skip_unreadable=True,
+        options=StartOptions(skip_unreadable=True),
         on_log=drive_back_at_first_validation,
     )
     assert r.resumed_from is None and r.step == 30

@@ -25,6 +25,7 @@ from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
 from gptlib.fsutil import sha256_file
+from gptlib.training.setup import StartOptions
 from tests import faulty
 from tests.conftest import newest_checkpoint
 from tests.test_resume import MAX_STEPS, SETTINGS, curve, one_thread, run_inproc  # noqa: F401 (fixture)
@@ -113,7 +114,7 @@ def test_a_missing_manifest_is_not_damage_training_stops_at_once(char_data, run,
     )
     assert "trying again" not in capsys.readouterr().err  # the local disk is not waited for
     assert tree_hashes(run / CKPT) == before and not list((run / CKPT).glob("*.damaged-*"))
-    r = run_inproc(char_data, run, skip_unreadable=True)
+    r = run_inproc(char_data, run, options=StartOptions(skip_unreadable=True))
     assert r.resumed_from == 15
     assert not list((run / CKPT).glob("*.damaged-*"))
 

@@ -33,6 +33,7 @@ from gptlib.inference.loading import load_run
 from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from gptlib.training.setup import StartOptions
 from tests import faulty
 from tests.conftest import REPO, newest_checkpoint
 from tests.device_ops import DeviceOps
@@ -150,7 +151,7 @@ def finetune(qa: dict, run_dir: Path, steps: int, **overrides):
         compile="off",
         progress=False,
         log=quiet,
-        init_from=str(qa["base"]),
+        options=StartOptions(init_from=str(qa["base"])),
     )
 
 

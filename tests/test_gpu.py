@@ -35,6 +35,7 @@ from gptlib.training import memory
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.memory import free_memory
+from gptlib.training.setup import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
 
@@ -945,7 +946,7 @@ def test_a_chat_fine_tune_with_its_data_on_the_gpu(tmp_path):
         TINY + ["block_size=64", "batch_size=16"],
         max_steps=40,
         compile="off",
-        init_from=str(base.run_dir),
+        options=StartOptions(init_from=str(base.run_dir)),
     )
     curve = loss_curve(r.run_dir)
     losses = [curve[s] for s in sorted(curve)]

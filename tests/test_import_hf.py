@@ -12,6 +12,7 @@ from gptlib.errors import ConfigError, ExportError
 from gptlib.inference.engine import Engine
 from gptlib.inference.hf_import import import_hf
 from gptlib.inference.loading import load_run
+from gptlib.training.setup import StartOptions
 from tests.conftest import TINY
 from tests.test_export import assert_same_model
 
@@ -156,7 +157,7 @@ def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, 
         max_steps=2,
         progress=False,
         log=logs.append,
-        init_from=f"{base}:latest",
+        options=StartOptions(init_from=f"{base}:latest"),
     )
     assert r.step == 2 and any("init-from: the weights of" in m for m in logs)
     tuned = load_run(tmp_path / "ft")
@@ -188,7 +189,7 @@ def test_init_from_with_another_vocabulary_names_both_sides(hf_folder, tmp_path,
             max_steps=2,
             progress=False,
             log=quiet,
-            init_from=str(base),
+            options=StartOptions(init_from=str(base)),
         )
 
 

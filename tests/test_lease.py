@@ -14,6 +14,7 @@ import pytest
 
 from gptlib import lease as L
 from gptlib.training.loop import train
+from gptlib.training.setup import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
@@ -249,7 +250,14 @@ def test_take_over_takes_a_live_lease(char_data, tmp_path):
     write_lease(run / "lease.json", heartbeat_age=5)
     logs = []
     r = train(
-        char_data, run, "phase1", TINY, max_steps=2, progress=False, log=logs.append, take_over=True
+        char_data,
+        run,
+        "phase1",
+        TINY,
+        max_steps=2,
+        progress=False,
+        log=logs.append,
+        options=StartOptions(take_over=True),
     )
     assert r.step == 2 and any("lease: taking over" in m and "other-vm" in m for m in logs)
     assert not (run / "lease.json").exists()

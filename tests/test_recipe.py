@@ -21,7 +21,7 @@ from gptlib.model import GPT, KVCache
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
-from gptlib.training.setup import schedule_change
+from gptlib.training.setup import StartOptions, schedule_change
 from gptlib.training.step import lr_at, set_lr, train_step
 from gptlib.training.throughput import StepTimer
 from tests import faulty
@@ -365,10 +365,18 @@ def test_init_from_takes_the_base_recipe_and_refuses_another(char_data, modern_r
         "for --recipe gpt2",
     ):
         run(
-            char_data, tmp_path / "ft1", recipe="gpt2", init_from=str(modern_reference), max_steps=3
+            char_data,
+            tmp_path / "ft1",
+            recipe="gpt2",
+            options=StartOptions(init_from=str(modern_reference)),
+            max_steps=3,
         )
     r, out = run(
-        char_data, tmp_path / "ft2", recipe=None, init_from=str(modern_reference), max_steps=3
+        char_data,
+        tmp_path / "ft2",
+        recipe=None,
+        options=StartOptions(init_from=str(modern_reference)),
+        max_steps=3,
     )
     assert r.step == 3 and "recipe: modern (the --init-from base's own)" in out, out
 
@@ -678,7 +686,7 @@ def test_chat_finetune_from_a_modern_base_then_the_chatbox(tmp_path):
         compile="off",
         progress=False,
         log=logs.append,
-        init_from=str(base),
+        options=StartOptions(init_from=str(base)),
     )
     assert "recipe: modern (the --init-from base's own)" in "\n".join(logs)
     vals = [row["val_loss"] for row in r.history if row.get("val_loss") is not None]

@@ -210,7 +210,6 @@ LONG_MODULES: dict[str, str] = {
 }
 LONG_FUNCTIONS: dict[str, str] = {
     "training/setup.py:open_run": "the redesign of issue 37 splits the start of a run",
-    "training/loop.py:train": "the redesign of issue 37 passes the start options once",
     "__main__.py:cmd_tokenize": "cut next",
     "__main__.py:cmd_train": "cut next",
     "share.py:model_card": "cut next",

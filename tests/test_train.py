@@ -10,6 +10,7 @@ from gptlib.checkpoint.format import list_checkpoints, load_model_weights
 from gptlib.config import ConfigError, TrainConfig
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
+from gptlib.training.setup import StartOptions
 from gptlib.training.step import lr_at
 from tests.conftest import TINY, skip_without_muon
 
@@ -86,7 +87,7 @@ def test_init_from_the_runs_own_directory_is_said_or_refused(tmp_path, char_data
             max_steps=10,
             progress=False,
             log=quiet,
-            init_from=str(run),
+            options=StartOptions(init_from=str(run)),
         )
     assert not run.exists()
     train(
@@ -102,7 +103,7 @@ def test_init_from_the_runs_own_directory_is_said_or_refused(tmp_path, char_data
             max_steps=steps,
             progress=False,
             log=logs.append,
-            init_from=spec,
+            options=StartOptions(init_from=spec),
             mirror_dir=mirror,
         )
         assert r.resumed_from >= 10, logs

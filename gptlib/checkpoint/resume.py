@@ -104,7 +104,7 @@ def find_resume(
         raise CheckpointError(
             f"could not read {unread} ({tried}): a newer checkpoint may be there, so training did not start and "
             f"nothing was changed. {advice}; to go on from {start} anyway, pass --skip-unreadable "
-            f"(train(..., skip_unreadable=True)): those checkpoints are kept"
+            f"(train(..., options=StartOptions(skip_unreadable=True))): those checkpoints are kept"
         )
     if unread:
         loud(
@@ -219,7 +219,8 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
     if not allow_change:
         raise ConfigError(
             f"{where}; resume with the same data, use a new run directory, or pass --allow-data-change "
-            f"(train(..., allow_data_change=True)) to go on with this data (recorded in the run's state)"
+            f"(train(..., options=StartOptions(allow_data_change=True))) to go on with this data (recorded in "
+            f"the run's state)"
         )
     log(
         f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "

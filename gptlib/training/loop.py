@@ -3,6 +3,7 @@ The same call again resumes from the newest valid checkpoint, exactly: on CPU bi
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,18 +14,16 @@ import torch
 from gptlib.batches import BatchSampler
 from gptlib.checkpoint.rotation import is_milestone
 from gptlib.config import RunConfig, build_config
-from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice
 from gptlib.evaluation.evaluate import make_row
 from gptlib.evaluation.hellaswag import metrics_fields
 from gptlib.fsutil import append_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT
-from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.run import TrainingRun
-from gptlib.training.setup import claimed, find_start, open_run
+from gptlib.training.setup import StartOptions, start_run
 from gptlib.training.signals import GracefulStop
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
@@ -98,6 +97,9 @@ def train(
     preset: str | RunConfig = "phase1",
     overrides: dict | list | None = None,
     *,
+    recipe: str | None = None,
+    options: StartOptions | None = None,
+    mirror_dir: str | Path | None = None,
     max_steps: int | None = None,
     max_minutes: float | None = None,
     seed: int | None = None,
@@ -106,73 +108,34 @@ def train(
     progress: bool = True,
     log: Callable[[str], None] = print,
     on_log: Callable[[dict], None] | None = None,
-    mirror_dir: str | Path | None = None,
-    take_over: bool = False,
-    init_from: str | None = None,
     stage_data: bool = True,
-    skip_unreadable: bool = False,
-    allow_data_change: bool = False,
-    recipe: str | None = None,
 ) -> TrainResult:
-    """Train (or resume: the same call again) a GPT on a data directory into run_dir. compile: auto|on|off (None: the
-    preset's); on_log(row) after each validation and at a resume ({"step": N}: a live plot draws the run so far);
-    mirror_dir (Drive): copies of the checkpoints, searched at resume; take_over: the lease of another process;
-    init_from: "RUN_DIR[:latest|best|STEP]", a new run from those weights (fresh optimizer, schedule); stage_data: read
-    Drive data from a local copy (gptlib.data.staging); skip_unreadable, allow_data_change: gptlib.checkpoint.resume;
-    recipe: gpt2 | modern (config.RECIPES; None: a resumed run's or the base's own, else gpt2)."""
+    """Train (or resume: the same call again) a GPT on a data directory into run_dir.
+
+    preset, overrides (["n_layer=6", ...] or a dict), recipe (gpt2 | modern; None: a resumed run's or a base's own,
+    else gpt2) and the keywords max_steps ... compile make the config (gptlib/config.py). options: how to start
+    (StartOptions: --init-from, --take-over, --skip-unreadable, --allow-data-change). mirror_dir (Drive): a copy of
+    every checkpoint, searched at resume. on_log(row) after each validation and at a resume ({"step": N}: a live
+    plot draws the run so far). stage_data: read data on Drive from a local copy (gptlib/data/staging.py)."""
     explicit = dict(
         max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile
     )
-    # a bad setting: refused before anything
-    asked = build_config(preset, overrides, recipe=recipe, **explicit)
-    # under torchrun: join the process group; otherwise a no-op
-    ddp = distributed.setup(asked.train.device)
+    asked = build_config(
+        preset, overrides, recipe=recipe, **explicit
+    )  # a bad setting: refused before anything
+    ddp = distributed.setup(
+        asked.train.device
+    )  # under torchrun: join the process group; else a no-op
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, (lambda msg: None), None
-    # no recipe changes the device or dtype
-    on_device = ddp.device(resolve_device(asked.train.device))
-    # bf16 asked for on a GPU without it: refused before anything changes
-    resolve_dtype(asked.train.dtype, on_device)
-    staged = stage_for_training(data_dir, stage_data, log)
-    run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
-    with claimed(
-        run_dir, mirror_dir, ddp, take_over, log
-    ) as lease:  # refused inside: no lease, no new dir left
-        start = find_start(
-            staged,
-            run_dir,
-            mirror_dir,
-            init_from=init_from,
-            skip_unreadable=skip_unreadable,
-            log=log,
-        )
-        held, kept = start.held, None
-        if (
-            held is not None
-            and held.recipe != asked.recipe
-            and recipe is None
-            and isinstance(preset, str)
-        ):
-            kept = f"recipe: {held.recipe} (the {start.whose}'s own)"  # a model keeps its recipe
-            asked = build_config(preset, overrides, recipe=held.recipe, **explicit)
-        # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
-        finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
-        if kept and not finished:
-            log(kept)
-        run = open_run(
-            start,
-            asked,
-            ddp,
-            on_device,
-            lease,
-            allow_data_change=allow_data_change,
-            verbose=progress,
-            log=log,
-            quiet=finished,
-        )
-    del start  # the base's weights (--init-from): not held all run
-    # checkpoints name the data's lasting place, not the VM's copy
-    run.state.data_dir = str(Path(data_dir))
+    config_for = functools.partial(
+        build_config, preset, overrides, **explicit
+    )  # recipe -> the config asked for
+    fixed = (
+        recipe if isinstance(preset, str) else preset.recipe
+    )  # None: the run's own (a resume, a base)
+    run = start_run(data_dir, run_dir, mirror_dir, asked, config_for, fixed, options or StartOptions(), ddp,
+                    stage_data=stage_data, verbose=progress, log=log)  # fmt: skip
     if run.state.step >= run.cfg.train.max_steps:
         return _finished(run)
     return _loop(run, progress, log, on_log)

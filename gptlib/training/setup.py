@@ -1,5 +1,6 @@
-"""train()'s set-up, in order: the lease (claimed), the resume point or --init-from base (find_start), the config
-(decide_config) and what trains with it (open_run)."""
+"""train()'s set-up (start_run), in order: the lease (claimed), the resume point or --init-from base (find_start),
+the recipe and the config decided once (decide_recipe, decide_config), and the run's parts (open_run). Skip on a first
+read: training/run.py says what a run is made of."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
+from gptlib.data.staging import stage_for_training
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import ConfigError, DataFormatError, HungIOError, override
 from gptlib.evaluation.hellaswag import HellaSwagProbe
@@ -35,7 +37,7 @@ from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
 from gptlib.model import GPT, model_size
-from gptlib.runtime import configure_matmul, dtype_name, resolve_dtype, use_compile
+from gptlib.runtime import configure_matmul, dtype_name, resolve_device, resolve_dtype, use_compile
 from gptlib.training import distributed
 from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
@@ -184,11 +186,78 @@ def _looked_at(d: Path, what: str) -> bool:
     return exists
 
 
+@dataclass(frozen=True)
+class StartOptions:
+    """How a call starts or resumes a run (its config says what it trains)."""
+
+    init_from: str | None = (
+        None  # "RUN_DIR[:latest|best|STEP]": a new run from those weights, fresh optimizer
+    )
+    take_over: bool = False  # take the run's lease from another process (gptlib/lease.py)
+    skip_unreadable: bool = (
+        False  # go on without newer checkpoints Drive cannot read now (they are kept)
+    )
+    allow_data_change: bool = (
+        False  # resume on other tokens of the same tokenizer (recorded in state.json)
+    )
+
+
+def start_run(
+    data_dir: str | Path,
+    run_dir: str | Path,
+    mirror_dir: str | Path | None,
+    asked: RunConfig,
+    config_for,
+    recipe: str | None,
+    options: StartOptions,
+    ddp: distributed.Dist,
+    *,
+    stage_data: bool,
+    verbose: bool,
+    log,
+) -> TrainingRun:
+    """Everything before the first step. asked: the config asked for; config_for(recipe=...): the same for another
+    recipe; recipe: the one asked for explicitly (None: the run's own)."""
+    device = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or dtype
+    resolve_dtype(
+        asked.train.dtype, device
+    )  # bf16 on a GPU without it: refused before anything changes
+    staged = stage_for_training(data_dir, stage_data, log)
+    run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
+    # refused inside: no lease, no new directory left behind
+    with claimed(run_dir, mirror_dir, ddp, options.take_over, log) as lease:
+        start = find_start(staged, run_dir, mirror_dir, options, log)
+        if (decided := decide_recipe(asked.recipe, recipe, start)) != asked.recipe:
+            asked = config_for(recipe=decided)
+        # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
+        finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
+        if decided != (recipe or "gpt2") and not finished:
+            log(f"recipe: {decided} (the {start.whose}'s own)")
+        run = open_run(start, asked, ddp, device, lease, verbose=verbose, log=log, quiet=finished)
+    run.state.data_dir = str(
+        Path(data_dir)
+    )  # checkpoints name the data's lasting place, not the VM's copy
+    return run
+
+
+def decide_recipe(default: str, asked: str | None, start: Start) -> str:
+    """A model keeps its recipe (its layers differ): a resumed run's or an --init-from base's own. Another one asked
+    for is refused; a new run takes the one asked for (default: the preset's, gpt2)."""
+    held = start.held
+    if held is None or held.recipe == (asked or held.recipe):
+        return held.recipe if held is not None else default
+    raise ConfigError(
+        f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call asks for "
+        f"--recipe {asked}; a model keeps its recipe (its layers differ): drop --recipe to go on with "
+        f"{held.recipe}, or use a new run directory"
+    )
+
+
 @dataclass
 class Start:
     run_dir: Path
     mirror_dir: Path | None
-    init_from: str | None
+    options: StartOptions
     meta: DatasetMeta
     tokenizer: Tokenizer
     resume: Resume | None
@@ -205,9 +274,7 @@ def find_start(
     data_dir: Path,
     run_dir: Path,
     mirror_dir: Path | None,
-    *,
-    init_from: str | None,
-    skip_unreadable: bool,
+    options: StartOptions,
     log,
 ) -> Start:
     meta = read_meta(data_dir)
@@ -220,8 +287,9 @@ def find_start(
             f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)"
         )
     resume, passed = find_resume(
-        run_dir, mirror_dir, log, skip_unreadable, check=check_optimizer_fits
+        run_dir, mirror_dir, log, options.skip_unreadable, check=check_optimizer_fits
     )
+    init_from = options.init_from
     if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
         raise ConfigError(
             f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
@@ -234,7 +302,7 @@ def find_start(
         if resume is not None
         else base and base.config
     )
-    return Start(run_dir, mirror_dir, init_from, meta, tokenizer, resume, passed, base, held)
+    return Start(run_dir, mirror_dir, options, meta, tokenizer, resume, passed, base, held)
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
@@ -258,15 +326,10 @@ SHAPE = (
 def decide_config(
     asked: RunConfig, start: Start, device: torch.device, ddp: distributed.Dist, log
 ) -> tuple[RunConfig, int]:
-    """The config the run trains with: the data's vocabulary, the base's shape (and, with --init-from, a resumed
-    run's), the micro-batch that fits; each change said. -> (config, the auto_batch probe's peak bytes, 0: none)."""
+    """The config the run trains with (its recipe decided: decide_recipe): the data's vocabulary, the base's shape
+    (and, with --init-from, a resumed run's), the micro-batch that fits; each change said. -> (config, the auto_batch
+    probe's peak bytes, 0: none)."""
     held = start.held
-    if held is not None and held.recipe != asked.recipe:
-        raise ConfigError(
-            f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call "
-            f"asks for --recipe {asked.recipe}; a model keeps its recipe (its layers differ): drop "
-            f"--recipe to go on with {held.recipe}, or use a new run directory"
-        )
     model = {}
     if start.meta.vocab_size != asked.model.vocab_size:
         log(
@@ -274,7 +337,9 @@ def decide_config(
             f"{start.meta.data_dir}/meta.json)"
         )
         model["vocab_size"] = start.meta.vocab_size
-    if held is not None and start.init_from:  # the vocabulary stays the data's (a base's may grow)
+    if (
+        held is not None and start.options.init_from
+    ):  # the vocabulary stays the data's (a base's may grow)
         model.update({n: getattr(held.model, n) for n in SHAPE})
     train = {}
     if start.resume is not None and held.train.seed != asked.train.seed:
@@ -363,7 +428,6 @@ def open_run(
     device: torch.device,
     lease,
     *,
-    allow_data_change: bool,
     verbose: bool,
     log,
     quiet: bool = False,
@@ -375,7 +439,9 @@ def open_run(
     cfg, probe_peak = decide_config(asked, start, device, ddp, say)
     # the same model; now the same data (or a change asked for, recorded)
     if start.resume is not None:
-        start.resume.data_change = check_same_data(start.resume, start.meta, allow_data_change, say)
+        start.resume.data_change = check_same_data(
+            start.resume, start.meta, start.options.allow_data_change, say
+        )
     tc, mc = cfg.train, cfg.model
     # the tokens, placed for this config (on the GPU only with room left to train beside them)
     meta, splits = load_dataset(
@@ -423,7 +489,7 @@ def open_run(
         data=meta.identity(),
         data_dir=str(meta.data_dir),
         tokenizer=meta.tokenizer,
-        init_from={"run": start.init_from, "path": str(base.path), "step": base.step}
+        init_from={"run": start.options.init_from, "path": str(base.path), "step": base.step}
         if base
         else {},
     )
@@ -473,14 +539,15 @@ def _resume(run: TrainingRun, start: Start, log) -> None:
     if resume.data_change:
         run.state.data_changes = [*run.state.data_changes, resume.data_change]
     run.resumed_from = run.state.step
-    if start.init_from and names_this_run(start.init_from, run.run_dir, start.mirror_dir):
+    base = start.options.init_from
+    if base and names_this_run(base, run.run_dir, start.mirror_dir):
         log(
-            f"init-from: {start.init_from} is this run's own directory: resuming it (--init-from only starts a new "
-            f"run, from another run's weights)"
+            f"init-from: {base} is this run's own directory: resuming it (--init-from only starts a new run, "
+            f"from another run's weights)"
         )
-    elif start.init_from:  # a resumed run keeps its weights
+    elif base:  # a resumed run keeps its weights
         log(
-            f"init-from: {run.run_dir} already has checkpoints; resuming it ({start.init_from} only starts a new run)"
+            f"init-from: {run.run_dir} already has checkpoints; resuming it ({base} only starts a new run)"
         )
     log(
         f"resumed from step {run.state.step:,} (saved {resume.info.saved_at}, {run.state.tokens_seen:,} tokens seen) "

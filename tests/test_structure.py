@@ -213,7 +213,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "training/loop.py:train": "the redesign of issue 37 passes the start options once",
     "__main__.py:cmd_tokenize": "cut next",
     "__main__.py:cmd_train": "cut next",
-    "share.py:model_card": "cut next",
     "data/prepare.py:prepare": "cut next",
     "widgets.py:_run": "cut next",
 }

@@ -214,7 +214,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "__main__.py:cmd_tokenize": "cut next",
     "__main__.py:cmd_train": "cut next",
     "data/prepare.py:prepare": "cut next",
-    "widgets.py:_run": "cut next",
 }
 
 

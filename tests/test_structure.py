@@ -206,7 +206,6 @@ LONG_MODULES: dict[str, str] = {
     "training/setup.py": "the start of a run: split by the redesign of issue 37 (next steps)",
     "__main__.py": "the command line: its longest commands are cut next",
     "data/prepare.py": "the tokenize run: cut next",
-    "training/logs.py": "what a run reports: cut next",
 }
 LONG_FUNCTIONS: dict[str, str] = {
     "training/setup.py:open_run": "the redesign of issue 37 splits the start of a run",

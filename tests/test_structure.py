@@ -205,14 +205,12 @@ MAX_FUNCTION_LINES = 80  # the AST span: decorators, signature, docstring and bo
 LONG_MODULES: dict[str, str] = {
     "training/setup.py": "the start of a run: split by the redesign of issue 37 (next steps)",
     "__main__.py": "the command line: its longest commands are cut next",
-    "data/prepare.py": "the tokenize run: cut next",
 }
 LONG_FUNCTIONS: dict[str, str] = {
     "training/setup.py:open_run": "the redesign of issue 37 splits the start of a run",
     "training/loop.py:train": "the redesign of issue 37 passes the start options once",
     "__main__.py:cmd_tokenize": "cut next",
     "__main__.py:cmd_train": "cut next",
-    "data/prepare.py:prepare": "cut next",
 }
 
 

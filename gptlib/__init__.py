@@ -13,8 +13,8 @@ _WHERE = {
     # text -> token shards (gptlib/data/)
     "prepare": "gptlib.data.prepare",
     "prepare_text": "gptlib.data.prepare",
-    "print_summary": "gptlib.data.prepare",
-    "decoded_sample": "gptlib.data.prepare",
+    "print_summary": "gptlib.data.summary",
+    "decoded_sample": "gptlib.data.summary",
     "source_inputs": "gptlib.data.catalog",
     "fetch_tinyshakespeare": "gptlib.data.download",
     "find_dataset": "gptlib.data.shards",

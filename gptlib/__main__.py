@@ -1,43 +1,14 @@
-"""python -m gptlib COMMAND: cmd_X(args) -> exit status (None: 0); its --help is its help, then its docstring."""
+"""python -m gptlib COMMAND: cmd_X(args) -> exit status (None: 0); its --help is its help, then its docstring.
+gptlib/cli.py registers the commands and runs the one asked for."""
 
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 
-from gptlib import __version__
+from gptlib.cli import arg, command, run
 from gptlib.config import PRESETS, RECIPES
-from gptlib.errors import GptlibError, PrepareError
-
-COMMANDS: list[tuple] = []  # (name, help, function, arguments), in the order --help lists them
-
-
-def arg(
-    *flags: str, **kw
-) -> tuple:  # arg("--out", required=True): add_argument("--out", required=True)
-    return flags, kw
-
-
-def command(name: str, help: str, *args: tuple, checkpoint: str | None = None):
-    """Registers cmd_X(args) as subcommand `name`; checkpoint: the default of --checkpoint (with --run-dir)."""
-    if checkpoint:
-        args = (
-            arg("--run-dir", required=True, metavar="RUN_DIR"),
-            arg(
-                "--checkpoint",
-                default=checkpoint,
-                metavar="latest|best|STEP",
-                help=f"the newest, the best validation loss, or a step number (default {checkpoint})",
-            ),
-            *args,
-        )
-
-    def register(func):
-        COMMANDS.append((name, help, func, args))
-        return func
-
-    return register
+from gptlib.errors import PrepareError
 
 
 def _count(s: str) -> int:
@@ -69,9 +40,8 @@ def cmd_fetch(args) -> None:
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, local_path=args.local))
 
 
-@command(
-    "tokenize",
-    "pre-tokenize text into token shards + meta.json",
+# What tokenize reads: files or URLs, or a Hub dataset by name (_inputs makes them prepare's inputs)
+INPUTS = (
     arg(
         "--input",
         nargs="+",
@@ -93,6 +63,28 @@ def cmd_fetch(args) -> None:
         metavar="S",
         help="the split of --hf-dataset (default: train, or the only one)",
     ),
+)
+
+
+def _inputs(args) -> list[str]:
+    """--input's files, folders, globs and URLs, then --hf-dataset as an hf://datasets/ URL."""
+    inputs = list(args.input or [])
+    if args.hf_dataset:
+        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
+    if not inputs:
+        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
+    if (args.hf_config or args.hf_split) and not any(str(i).startswith("hf://") for i in inputs):
+        raise PrepareError(
+            "--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
+            "or an hf://datasets/ input"
+        )
+    return inputs
+
+
+@command(
+    "tokenize",
+    "pre-tokenize text into token shards + meta.json",
+    *INPUTS,
     arg(
         "--format",
         choices=["text", "chat"],
@@ -145,22 +137,11 @@ def cmd_tokenize(args) -> None:
     """The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
     from gptlib.data.prepare import prepare
 
-    inputs = list(args.input or [])
-    if args.hf_dataset:
-        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
-    if not inputs:
-        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
-    if (args.hf_config or args.hf_split) and not any(str(i).startswith("hf://") for i in inputs):
-        raise PrepareError(
-            "--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
-            "or an hf://datasets/ input"
-        )
-    # With a reused tokenizer the file decides the kind (char or BPE); --tokenizer is then ignored.
-    # No --tokenizer: char for text, bpe for chat (None: decided once the records have told the format).
     prepare(
-        inputs,
+        _inputs(args),
         args.out,
-        tokenizer=args.tokenizer or {"chat": "bpe", "text": "char"}.get(args.format),
+        # None: prepare's choice once the format is known, char for text and bpe for chat
+        tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         tokenizer_from=args.tokenizer_from,
         text_column=args.text_column,
@@ -174,6 +155,34 @@ def cmd_tokenize(args) -> None:
         max_tokens=args.max_tokens,
         hf_config=args.hf_config,
         hf_split=args.hf_split,
+    )
+
+
+STARTING = (  # how a training call starts: gptlib.StartOptions
+    arg("--init-from", metavar="RUN_DIR[:latest|best|STEP]", help="a new run from these weights"),
+    arg(
+        "--take-over",
+        action="store_true",
+        help="take the run over from another process holding its lease",
+    ),
+    arg(
+        "--skip-unreadable",
+        action="store_true",
+        help="go on without newer checkpoints Drive cannot read now",
+    ),
+    arg(
+        "--allow-data-change",
+        action="store_true",
+        help="resume on other tokens (same tokenizer); recorded",
+    ),
+)
+
+
+def _start_options(args):
+    from gptlib.training.setup import StartOptions
+
+    return StartOptions(
+        args.init_from, args.take_over, args.skip_unreadable, args.allow_data_change
     )
 
 
@@ -209,42 +218,20 @@ def cmd_tokenize(args) -> None:
         metavar="FIELD=VALUE",
         help="e.g. keep_last=3 (repeatable)",
     ),
-    arg("--init-from", metavar="RUN_DIR[:latest|best|STEP]", help="a new run from these weights"),
-    arg(
-        "--take-over",
-        action="store_true",
-        help="take the run over from another process holding its lease",
-    ),
-    arg(
-        "--skip-unreadable",
-        action="store_true",
-        help="go on without newer checkpoints Drive cannot read now",
-    ),
-    arg(
-        "--allow-data-change",
-        action="store_true",
-        help="resume on other tokens (same tokenizer); recorded",
-    ),
+    *STARTING,
     arg("--quiet", action="store_true", help="no progress bar"),
 )
 def cmd_train(args) -> int:
     """Re-running the same command resumes from the run directory's newest valid checkpoint."""
     from gptlib.training.loop import train
-    from gptlib.training.setup import StartOptions
 
-    options = StartOptions(
-        init_from=args.init_from,
-        take_over=args.take_over,
-        skip_unreadable=args.skip_unreadable,
-        allow_data_change=args.allow_data_change,
-    )
     r = train(
         args.data,
         args.run_dir,
         preset=args.preset,
         overrides=args.set,
         recipe=args.recipe,
-        options=options,
+        options=_start_options(args),
         mirror_dir=args.mirror_dir,
         max_steps=args.max_steps,
         max_minutes=args.max_minutes,
@@ -505,57 +492,8 @@ def cmd_eval(args) -> None:
     print("\n".join(unsaved) or appended, file=sys.stderr)
 
 
-# Flags and commands of earlier releases (CHANGELOG.md): their replacement, not argparse's "unrecognized arguments".
-REMOVED = {
-    "--save-every-steps": "--set save_every_steps=N",
-    "--save-every-minutes": "--set save_every_minutes=M",
-    "--keep-last": "--set keep_last=N",
-    "bench": "python benchmarks/bench.py (from a clone of the repository)",
-}
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if gone := next(
-        (
-            a.split("=")[0]
-            for a in argv[:1] + [a for a in argv if a.startswith("--")]
-            if a.split("=")[0] in REMOVED
-        ),
-        None,
-    ):
-        print(
-            f"error: {gone} is not in gptlib {__version__}: use {REMOVED[gone]} (CHANGELOG.md)",
-            file=sys.stderr,
-        )
-        return 2
-    parser = argparse.ArgumentParser(
-        prog="python -m gptlib", description="Train GPT-style models from scratch."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help, func, arguments in COMMANDS:
-        p = sub.add_parser(name, help=help, description=f"{help}. {func.__doc__ or ''}")
-        p.set_defaults(func=func)
-        for flags, kw in arguments:
-            p.add_argument(*flags, **kw)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args) or 0  # a command that returns nothing succeeded
-    # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
-    except KeyboardInterrupt:
-        return 130
-    except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full, read-only or forbidden disk met outside the places that explain it: still one line
-        if e.errno not in {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}:
-            raise
-        print(
-            f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
-            f"writable directory",
-            file=sys.stderr,
-        )
-        return 2
+    return run(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

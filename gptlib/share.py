@@ -81,18 +81,12 @@ def run_facts(ld, run_dir: Path) -> dict:
     }
 
 
-def model_card(
-    ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool
-) -> str:
-    """README.md: the Hub's metadata header with the scores, then what the model is, how it did, how to run it."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: str):
+    """The card's YAML header: what the Hub lists the model under, and the scores its model-index shows
+    (validation loss, bits per byte, HellaSwag acc_norm), each only where measured."""
+    from huggingface_hub import EvalResult, ModelCardData
 
-    from gptlib.inference.export import CLASSES, native_arch
-    from gptlib.model import model_size
-
-    cfg, st, f, name = ld.config, ld.state, run_facts(ld, run_dir), repo.split("/")[1]
-    m, arch = cfg.model, native_arch(cfg.model)
-    bpb, hs = f["evals"].get("bpb"), f["evals"].get("hellaswag")
+    st, bpb, hs = ld.state, f["evals"].get("bpb"), f["evals"].get("hellaswag")
     data = f["datasets"][0] if f["datasets"] else Path(st.data_dir or "data").name
     results = [
         EvalResult(
@@ -120,7 +114,7 @@ def model_card(
                 metric_value=round(hs["acc_norm"], 4),
             )
         )
-    header = ModelCardData(
+    return ModelCardData(
         license=license,
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -129,6 +123,21 @@ def model_card(
         model_name=name,
         eval_results=results or None,
     )
+
+
+def model_card(
+    ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool
+) -> str:
+    """README.md: the Hub's metadata header with the scores, then what the model is, how it did, how to run it."""
+    from huggingface_hub import ModelCard
+
+    from gptlib.inference.export import CLASSES, native_arch
+    from gptlib.model import model_size
+
+    cfg, st, f, name = ld.config, ld.state, run_facts(ld, run_dir), repo.split("/")[1]
+    m, arch = cfg.model, native_arch(cfg.model)
+    bpb, hs = f["evals"].get("bpb"), f["evals"].get("hellaswag")
+    header = card_metadata(ld, f, name, arch, license, gguf_file)
     val = (
         f"{st.val_loss:.4f} nats/token" if st.val_loss is not None else "not measured at this step"
     )

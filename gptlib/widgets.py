@@ -145,9 +145,8 @@ class GenerationInterrupted(KeyboardInterrupt):
     """The kernel's interrupt ended Playground.generate(). Still a KeyboardInterrupt, so the cell and a run of all
     cells stop there, but IPython shows it as its one line: a traceback through the model would say nothing more."""
 
-    def _render_traceback_(
-        self,
-    ) -> list[str]:  # IPython's hook for an exception that renders itself
+    # IPython's hook for an exception that renders itself
+    def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self}"]
 
 
@@ -244,9 +243,8 @@ class Playground:
             f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
         )
 
-    def _generate_clicked(
-        self,
-    ) -> None:  # in a kernel on the Playground's thread (see the class docstring)
+    # in a kernel on the Playground's thread (see the class docstring)
+    def _generate_clicked(self) -> None:
         if _in_kernel():
             self._job = self._worker.submit(self._run, stoppable=True)
         else:
@@ -255,9 +253,8 @@ class Playground:
     def generate(self) -> Completion | None:
         return self._run(stoppable=False)
 
-    def _run(
-        self, stoppable: bool
-    ) -> Completion | None:  # stoppable: by the button, so a Stop click can arrive
+    # stoppable: by the button, so a Stop click can arrive
+    def _run(self, stoppable: bool) -> Completion | None:
         if self.checkpoint.value is None:
             self.refresh()
             if self.checkpoint.value is None:
@@ -282,13 +279,7 @@ class Playground:
                 stop=parse_list(self.stop.value),
                 repetition_penalty=float(self.repetition_penalty.value),
             )
-            if self._engine is None or self._engine.step != self.checkpoint.value:
-                self.status.value = status_html("loading checkpoint…")
-                self._engine = None  # freed before the next one loads
-                self._engine = Engine.from_run(
-                    self.run_dir, self.checkpoint.value, device=self.device
-                )
-            eng = self._engine
+            eng = self._engine_for(self.checkpoint.value)
             how_to_end = (
                 "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
             )
@@ -306,16 +297,8 @@ class Playground:
                     finish_reason="user",
                 )
             dt = time.perf_counter() - t0
-        # the kernel's interrupt: the text so far stays, and the caller stops as it should
         except KeyboardInterrupt:
-            text = "".join(parts)
-            self._show_text(prompt, text)
-            # counted as Stop counts: re-encoded
-            n = len(self._engine.tokenizer.encode(text)) if text else 0
-            self.status.value = status_html(f"interrupted after {n:,} tokens")
-            raise GenerationInterrupted(
-                f"after {n:,} tokens; the text so far stays in the playground above"
-            ) from None
+            raise self._interrupted(prompt, "".join(parts)) from None
         except Exception as e:  # noqa: BLE001 - a button callback must show the problem, not swallow it in a log
             self.output.value = ""  # the previous text must not look like this prompt's result
             self.status.value = status_html(f"{type(e).__name__}: {e}", error=True)
@@ -323,20 +306,39 @@ class Playground:
         finally:
             self.button.disabled, self.stop_button.disabled = False, True
             self._busy.release()
-        n, speed = (
-            len(res.token_ids),
-            f"{dt:.1f} s ({len(res.token_ids) / max(dt, 1e-9):.0f} tokens/s)",
+        self._show_result(prompt, res, eng.step, dt)
+        return res
+
+    def _engine_for(self, step: int) -> Engine:
+        """The engine of the chosen checkpoint, loaded when the choice changed."""
+        if self._engine is None or self._engine.step != step:
+            self.status.value = status_html("loading checkpoint…")
+            self._engine = None  # freed before the next one loads
+            self._engine = Engine.from_run(self.run_dir, step, device=self.device)
+        return self._engine
+
+    def _interrupted(self, prompt: str, text: str) -> GenerationInterrupted:
+        """The kernel's interrupt: the text so far stays, and the caller stops as it should."""
+        self._show_text(prompt, text)
+        # counted as Stop counts: re-encoded
+        n = len(self._engine.tokenizer.encode(text)) if text else 0
+        self.status.value = status_html(f"interrupted after {n:,} tokens")
+        return GenerationInterrupted(
+            f"after {n:,} tokens; the text so far stays in the playground above"
         )
+
+    def _show_result(self, prompt: str, res: Completion, step: int, dt: float) -> None:
+        n = len(res.token_ids)
+        speed = f"{dt:.1f} s ({n / max(dt, 1e-9):.0f} tokens/s)"
         self._show_text(prompt, res.text)
         self.status.value = status_html(
-            f"step {eng.step:,}: "
+            f"step {step:,}: "
             + (
                 f"stopped after {n} tokens in {speed}: Stop pressed"
                 if res.finish_reason == "user"
                 else f"{n} tokens in {speed}, stopped by {res.finish_reason}"
             )
         )
-        return res
 
 
 class ChatBox:
@@ -354,9 +356,8 @@ class ChatBox:
         self.run_dir, self.checkpoint, self.device = run_dir, checkpoint, device
         self._session: ChatSession | None = None
         self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown
-        self._notices: list[
-            str
-        ] = []  # the session's notices during the last send (context cut, ...)
+        # the session's notices during the last send (context cut, ...)
+        self._notices: list[str] = []
         self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
         # One line: ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a
         # Textarea, where Enter adds a line, has no submit event; telling them apart would need our own JavaScript.
@@ -385,8 +386,8 @@ class ChatBox:
         self._typed = _AfterEdits(self.message, self.send)
         self.send_button.on_click(lambda _: self._typed.request())
         # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
+        # with continuous_update=False) also fires on blur
         with warnings.catch_warnings():
-            # with continuous_update=False) also fires on blur
             warnings.simplefilter("ignore", DeprecationWarning)
             self.message.on_submit(lambda _: self._typed.request())
         self.reset_button.on_click(lambda _: self.reset())
@@ -483,9 +484,8 @@ class ChatBox:
             for r, c in turns
         )
 
-    def _repr_mimebundle_(
-        self, **kwargs
-    ) -> dict:  # the widget, or where a front end cannot draw one, the text
+    # the widget, or where a front end cannot draw one, the text
+    def _repr_mimebundle_(self, **kwargs) -> dict:
         names = {"user": "you", "assistant": "model"}
         text = (
             "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"

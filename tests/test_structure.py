@@ -22,11 +22,12 @@ LAYERS = [
     {"inference/"},  # loading a run, the engine, chat, export and import
     {"evaluation/"},  # log-likelihoods, HellaSwag, bits per byte
     {"training/"},  # set-up, the step, the loop, its logs and measurements
-    # the notebooks' views, the Hub push, the CLI, the facade
+    # the notebooks' views, the Hub push, the CLI (its commands and how they run), the facade
     {
         "widgets",
         "share",
         "__main__",
+        "cli",
         "__init__",
     },
 ]
@@ -196,25 +197,16 @@ def test_module_names_never_overlap():
 
 # --- the issue's yardsticks: module and function size ----------------------------------------
 
-MAX_MODULE_LINES = (
-    500  # lines as ruff lays them out (100 columns: scripts/test.sh checks the layout)
-)
+# lines as ruff lays them out (100 columns: scripts/test.sh checks the layout)
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80  # the AST span: decorators, signature, docstring and body
 # Modules and functions still over those, each with why it is allowed for now. Remove an entry once it is
 # shortened; a new long one belongs in named pieces, not on these lists.
 LONG_MODULES: dict[str, str] = {
     "training/setup.py": "the start of a run: split by the redesign of issue 37 (next steps)",
-    "__main__.py": "the command line: its longest commands are cut next",
-    "data/prepare.py": "the tokenize run: cut next",
-    "training/logs.py": "what a run reports: cut next",
 }
 LONG_FUNCTIONS: dict[str, str] = {
     "training/setup.py:open_run": "the redesign of issue 37 splits the start of a run",
-    "__main__.py:cmd_tokenize": "cut next",
-    "__main__.py:cmd_train": "cut next",
-    "share.py:model_card": "cut next",
-    "data/prepare.py:prepare": "cut next",
-    "widgets.py:_run": "cut next",
 }
 
 

@@ -1,14 +1,12 @@
-"""A tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json; and what
-a dataset holds, for people: the line tokenize ends with, notebook 01's statistics and a decoded sample."""
+"""A tokenize call: its options, the tokenizer (trained, reused or resumed), a previous run's state, meta.json."""
 
 from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
-
-import numpy as np
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
 from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files
@@ -23,6 +21,7 @@ from gptlib.data.shards import (
     write_meta,
 )
 from gptlib.data.sources import train_texts
+from gptlib.data.summary import print_tokenize_summary
 from gptlib.data.tokenizer import (
     TOKENIZER_FILE,
     BPETokenizer,
@@ -79,13 +78,7 @@ def prepare(
         if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
             raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")
         split = _choose_split(split, sources, fmt)
-        tok_spec = (
-            {"file_sha256": sha256_file(tok_file)}
-            if tok_file
-            else {"kind": "char"}
-            if tokenizer == "char"
-            else {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
-        )
+        tok_spec = _tokenizer_spec(tok_file, tokenizer, vocab_size, train_max_bytes)
         spec = _spec(
             sources, tok_spec, val_fraction, split, text_column, shard_tokens, fmt, max_tokens
         )
@@ -96,42 +89,14 @@ def prepare(
             print(f"format: chat, as {holds}")
         # as given, before the chat tokens are added
         reused = load_tokenizer(tok_file) if tok_file else None
-        tok, progress = _start(
-            out_dir,
-            state,
-            pre_skipped,
-            verbose,
-            lambda: _new_tokenizer(
-                reused,
-                tokenizer,
-                vocab_size,
-                train_max_bytes,
-                sources,
-                column,
-                pre_skipped,
-                verbose,
-                fmt,
-            ),
-        )
+        # made on a fresh start only: a resume loads the one it saved
+        new_tokenizer = partial(_new_tokenizer, reused, spec, sources, column, pre_skipped, verbose)
+        tok, progress = _start(out_dir, state, pre_skipped, verbose, new_tokenizer)
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
         encoding = Pass(out_dir, spec, tok, identity, sources, progress)
         encoding.run(column, verbose)
         _check_result(progress, val_fraction)
-        extra = {
-            **_extra_meta(tok, reused, spec, progress["stats"], empty, column, encoding.stopped),
-            "elapsed_s": round(time.time() - t0, 3),
-        }
-        # meta.json last (a half-written dataset never looks complete), then the resume state goes.
-        write_meta(
-            out_dir,
-            vocab_size=tok.vocab_size,
-            tokenizer=identity,
-            splits={s: w.close() for s, w in encoding.writers.items()},
-            sources=[s.record() for s in sources],
-            extra=extra,
-        )
-        (out_dir / PREPARE_STATE_FILE).unlink()
-        meta = read_meta(out_dir)
+        meta = _write_meta(encoding, reused, empty, column, t0)
         if verbose:
             print_tokenize_summary(meta)
         return meta
@@ -237,17 +202,28 @@ def _spec(
     }
 
 
+def _tokenizer_spec(
+    tok_file: Path | None, tokenizer: str, vocab_size: int, train_max_bytes: int | None
+) -> dict:
+    """The spec's tokenizer: a reused file by its hash, else the kind to build (a BPE with its training settings)."""
+    if tok_file:
+        return {"file_sha256": sha256_file(tok_file)}
+    if tokenizer == "char":
+        return {"kind": "char"}
+    return {"kind": "bpe", "vocab_size": int(vocab_size), "train_max_bytes": train_max_bytes}
+
+
 def _new_tokenizer(
     reused: Tokenizer | None,
-    tokenizer,
-    vocab_size: int,
-    train_max_bytes: int | None,
+    spec: dict,
     sources: list[Source],
     text_column: str | None,
     skipped: list,
     verbose: bool,
-    fmt: str,
 ) -> Tokenizer:
+    """The tokenizer spec["tokenizer"] asks for: the reused one (with the chat tokens, for chat), a char vocabulary
+    of the corpus, or a BPE trained on it."""
+    fmt, tokenizer = spec.get("format", "text"), spec["tokenizer"]
     if reused is not None and fmt != "chat":
         return reused
     if reused is not None:
@@ -257,13 +233,14 @@ def _new_tokenizer(
             return reused.with_special_tokens(CHAT_TOKENS)
         except TokenizerError as e:
             raise PrepareError(f"this tokenizer cannot hold chat data: {e}") from None
-    if tokenizer == "char":
+    if tokenizer["kind"] == "char":
         chars: set[str] = set()
         for text in train_texts(sources, text_column, None, skipped):
             chars.update(text)
         if not chars:
             raise PrepareError("the corpus has no text to build a char vocabulary from")
         return CharTokenizer.from_text(chars)
+    vocab_size, train_max_bytes = tokenizer["vocab_size"], tokenizer["train_max_bytes"]
     t_tok = time.time()
     if verbose:
         lim = "all of it" if train_max_bytes is None else f"up to {train_max_bytes / 1e6:,.0f} MB"
@@ -391,6 +368,24 @@ def _check_result(progress: dict, val_fraction: float) -> None:
         )
 
 
+def _write_meta(p: Pass, reused: Tokenizer | None, empty: list, column: str | None, t0: float):
+    """meta.json last (a half-written dataset never looks complete), then the resume state goes."""
+    extra = {
+        **_extra_meta(p.tok, reused, p.spec, p.stats, empty, column, p.stopped),
+        "elapsed_s": round(time.time() - t0, 3),
+    }
+    write_meta(
+        p.out_dir,
+        vocab_size=p.tok.vocab_size,
+        tokenizer=p.identity,
+        splits={s: w.close() for s, w in p.writers.items()},
+        sources=[s.record() for s in p.sources],
+        extra=extra,
+    )
+    (p.out_dir / PREPARE_STATE_FILE).unlink()
+    return read_meta(p.out_dir)
+
+
 def _extra_meta(
     tok: Tokenizer,
     reused: Tokenizer | None,
@@ -442,81 +437,3 @@ def _extra_meta(
             **({"stopped_at": stopped} if stopped else {}),
         )
     return extra
-
-
-# What a dataset holds, for people: the line tokenize ends with, notebook 01's statistics and a decoded sample.
-def print_tokenize_summary(meta: DatasetMeta) -> None:
-    m, n = meta.raw, meta.tokens("train") + meta.tokens("val")
-    print(
-        f"tokenized {len(m['sources'])} file(s), {m['documents']:,} documents, {m['characters']:,} "
-        f"characters -> train {meta.tokens('train'):,} / val {meta.tokens('val'):,} tokens "
-        f"({m['characters'] / max(1, n):.2f} chars/token, {meta.dtype.name}, vocab {meta.vocab_size:,}, "
-        f"{len(meta.splits['train']['shards'])}+{len(meta.splits['val']['shards'])} shards) in "
-        f"{m['elapsed_s']:.1f}s -> {meta.data_dir}"
-    )
-    if m.get("stop_reason") == "max_tokens":
-        print(
-            f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
-            f"{m['stopped_at']['file']}"
-        )
-    report_problems(m)
-
-
-def report_problems(m: dict) -> None:
-    """What tokenize replaced or skipped (also recorded in meta.json)."""
-    if m.get("replaced_invalid_utf8"):
-        print(
-            f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD"
-        )
-    if m.get("empty_files"):
-        print(
-            f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}"
-        )
-    if m.get("empty_documents"):
-        print(f"note: {m['empty_documents']:,} empty documents skipped")
-    for s in m.get("skipped_files", []):
-        print(f"warning: skipped {s['path']}: {s['error']}")
-    if m.get("malformed_conversations"):
-        print(
-            f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:"
-        )
-        for ex in m.get("malformed_examples", []):
-            print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
-
-
-def print_summary(data_dir: str | Path) -> None:
-    """Notebook 01: the dataset's statistics, then what tokenize replaced or skipped."""
-    meta = read_meta(data_dir)
-    m, n, shards = meta.raw, meta.tokens("train") + meta.tokens("val"), meta.splits
-    rows = {
-        "data_dir": meta.data_dir,
-        "source files": len(m["sources"]),
-        "source MB": round(sum(s["size"] for s in m["sources"]) / 1e6, 3),
-        "documents": m.get("documents"),
-        "train tokens": meta.tokens("train"),
-        "val tokens": meta.tokens("val"),
-        "characters per token": round(m.get("characters", 0) / max(1, n), 3),
-        "format": meta.format,
-        "tokenizer": meta.tokenizer.get("kind"),
-        "vocab size": meta.vocab_size,
-        "dtype": meta.dtype.name,
-        "shards (train + val)": f"{len(shards['train']['shards'])} + {len(shards['val']['shards'])}",
-        "validation split": m.get("split"),
-    }
-    if meta.format == "chat":
-        rows["assistant tokens (train)"] = m.get("assistant_tokens", {}).get("train", 0)
-    if "max_tokens" in m:
-        rows["stopped by max-tokens"] = "yes" if m.get("stop_reason") == "max_tokens" else "no"
-    rows["seconds"] = m.get("elapsed_s")
-    for key, value in rows.items():
-        print(f"{key:>24}: {value:,}" if isinstance(value, int) else f"{key:>24}: {value}")
-    report_problems(m)
-
-
-def decoded_sample(data_dir: str | Path, n_tokens: int = 200) -> str:
-    """The first n_tokens of the validation split, decoded: a quick look that the data is what it should be."""
-    meta = read_meta(data_dir)
-    tok = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    return tok.decode(
-        np.fromfile(meta.shard_paths("val")[0], dtype=meta.dtype.newbyteorder("<"), count=n_tokens)
-    )

@@ -53,10 +53,8 @@ def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
 
 def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
     rows = read_jsonl(run_dir / SAMPLES_FILE)
-    prompts, steps = (
-        list(dict.fromkeys(r["prompt"] for r in rows)),
-        sorted({r["step"] for r in rows}),
-    )
+    prompts = list(dict.fromkeys(r["prompt"] for r in rows))
+    steps = sorted({r["step"] for r in rows})
     return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
 
 
@@ -125,10 +123,8 @@ def log_samples(
     samples differ only by the weights; cut at the first of stop_ids; append to samples.jsonl, redraw samples.md."""
     rows = []
     gen = torch.Generator(device="cpu")
-    engine, cfg = (
-        Engine(model),
-        SamplingConfig(max_new_tokens=n_tokens, temperature=0.8, stop_at_eot=False),
-    )
+    engine = Engine(model)
+    cfg = SamplingConfig(max_new_tokens=n_tokens, temperature=0.8, stop_at_eot=False)
     was_training = model.training
     model.eval()
     for i, prompt in enumerate(prompts):
@@ -190,13 +186,8 @@ class MetricsLog:
     ):
         self.s, self.tc, self.history = session, session.cfg.train, session.history
         self.flops_per_token = model_size(session.cfg.model).flops_per_token
-        self.peak, self.timer, self.progress, self.log, self.on_log = (
-            peak,
-            timer,
-            progress,
-            log,
-            on_log,
-        )
+        self.peak, self.timer, self.progress = peak, timer, progress
+        self.log, self.on_log = log, on_log
         self.pending: list[torch.Tensor] = []  # the losses of steps not logged yet, on the device
         # the last logged
         self.train_loss = self.history[-1].get("train_loss") if self.history else None
@@ -217,11 +208,7 @@ class MetricsLog:
         self.t_start = self.t_last = self.t_text = time.time()
         self.tokens_last = session.state.tokens_seen
         # the measured intervals; the paused blocks
-        self.steady_tokens, self.steady_s, self.paused_s = (
-            0,
-            0.0,
-            0.0,
-        )
+        self.steady_tokens, self.steady_s, self.paused_s = 0, 0.0, 0.0
         self.split: Counter[str] = Counter()  # the measured intervals' time split
         self.perf = {}
         self.warm = False  # the session's first step is behind us
@@ -297,11 +284,9 @@ class MetricsLog:
             "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step,
         }
         if now is not None:
-            row.update(
-                {} if tps is None else {"tokens_per_s": round(tps, 1)},
-                elapsed_s=round(self.elapsed(now), 3),
-            )
-            row.update(self.perf)
+            if tps is not None:
+                row["tokens_per_s"] = round(tps, 1)
+            row.update(elapsed_s=round(self.elapsed(now), 3), **self.perf)
         return row
 
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
@@ -465,21 +450,14 @@ def runs_figure(
     for run_dir in map(Path, run_dirs):
         try:
             rows, cfg = run_history(run_dir)
-        except (
-            OSError,
-            ValueError,
-        ) as e:  # a hung Drive, a damaged config.json: the other runs are drawn
+        # a hung Drive, a damaged config.json: the other runs are drawn
+        except (OSError, ValueError) as e:
             ax.plot([], [], " ", label=f"{run_dir.name}: not read ({type(e).__name__})")
             continue
         points = [(r["tokens_seen"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         what = ", ".join(str(cfg[k]) for k in ("preset", "recipe") if k in cfg) or "no config.json"
-        ax.plot(
-            *(zip(*points) if points else ([], [])),
-            "o-",
-            lw=1.5,
-            ms=3,
-            label=f"{run_dir.name} ({what})" + ("" if points else ": no validation yet"),
-        )
+        label = f"{run_dir.name} ({what})" + ("" if points else ": no validation yet")
+        ax.plot(*(zip(*points) if points else ([], [])), "o-", lw=1.5, ms=3, label=label)
     ax.xaxis.set_major_formatter(lambda x, _: fmt_tokens(x))  # 500M, 1B, 1.5B
     ax.legend(fontsize=8)
     return ax.figure

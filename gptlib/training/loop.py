@@ -134,8 +134,19 @@ def train(
     fixed = (
         recipe if isinstance(preset, str) else preset.recipe
     )  # None: the run's own (a resume, a base)
-    run = start_run(data_dir, run_dir, mirror_dir, asked, config_for, fixed, options or StartOptions(), ddp,
-                    stage_data=stage_data, verbose=progress, log=log)  # fmt: skip
+    run = start_run(
+        data_dir,
+        run_dir,
+        mirror_dir,
+        asked,
+        config_for,
+        fixed,
+        options or StartOptions(),
+        ddp,
+        stage_data=stage_data,
+        verbose=progress,
+        log=log,
+    )
     if run.state.step >= run.cfg.train.max_steps:
         return _finished(run)
     return _loop(run, progress, log, on_log)

@@ -73,8 +73,14 @@ class TrainingRun:
         return self.cfg.tokens_per_step * self.ddp.world_size
 
     def parts(self) -> dict[str, Any]:
-        return {"model": self.model, "optimizer": self.optimizer, "scaler": self.scaler,
-                "sampler": self.sampler, "rng": RNG(self.device), "progress": self.state}  # fmt: skip
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "sampler": self.sampler,
+            "rng": RNG(self.device),
+            "progress": self.state,
+        }
 
     def state_dict(self, gather: bool = True) -> dict:
         """The checkpoint of now (gptlib/checkpoint/format.py writes it). Under DDP every rank's sampler state is

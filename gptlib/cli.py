@@ -1,0 +1,89 @@
+"""How `python -m gptlib` declares and runs its commands (gptlib/__main__.py holds them): @command registers
+cmd_X with its arguments, run() parses the command line and runs the command asked for; a flag of an earlier release
+is answered with its replacement, and an error the user can fix is one line with exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+
+from gptlib import __version__
+from gptlib.errors import GptlibError
+
+# name -> (help, function, arguments), in the order --help lists them; a second import of __main__ (as a script
+# and as gptlib.__main__) registers each command again in its place
+COMMANDS: dict[str, tuple] = {}
+
+
+def arg(*flags: str, **kw) -> tuple:
+    """arg("--out", required=True): add_argument("--out", required=True)."""
+    return flags, kw
+
+
+def command(name: str, help: str, *args: tuple, checkpoint: str | None = None):
+    """Registers cmd_X(args) as subcommand `name`; checkpoint: the default of --checkpoint (with --run-dir)."""
+    if checkpoint:
+        args = (
+            arg("--run-dir", required=True, metavar="RUN_DIR"),
+            arg(
+                "--checkpoint",
+                default=checkpoint,
+                metavar="latest|best|STEP",
+                help=f"the newest, the best validation loss, or a step number (default {checkpoint})",
+            ),
+            *args,
+        )
+
+    def register(func):
+        COMMANDS[name] = (help, func, args)
+        return func
+
+    return register
+
+
+# Flags and commands of earlier releases (CHANGELOG.md): their replacement, not argparse's "unrecognized arguments".
+REMOVED = {
+    "--save-every-steps": "--set save_every_steps=N",
+    "--save-every-minutes": "--set save_every_minutes=M",
+    "--keep-last": "--set keep_last=N",
+    "bench": "python benchmarks/bench.py (from a clone of the repository)",
+}
+
+
+def run(argv: list[str]) -> int:
+    """The command argv asks for -> its exit status (a command that returns nothing succeeded)."""
+    named = [a.split("=")[0] for a in argv[:1] + [a for a in argv if a.startswith("--")]]
+    if gone := next((a for a in named if a in REMOVED), None):
+        print(
+            f"error: {gone} is not in gptlib {__version__}: use {REMOVED[gone]} (CHANGELOG.md)",
+            file=sys.stderr,
+        )
+        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m gptlib", description="Train GPT-style models from scratch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help, func, arguments) in COMMANDS.items():
+        p = sub.add_parser(name, help=help, description=f"{help}. {func.__doc__ or ''}")
+        p.set_defaults(func=func)
+        for flags, kw in arguments:
+            p.add_argument(*flags, **kw)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
+    except KeyboardInterrupt:
+        return 130
+    except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full, read-only or forbidden disk met outside the places that explain it: still one line
+        if e.errno not in {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}:
+            raise
+        print(
+            f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
+            f"writable directory",
+            file=sys.stderr,
+        )
+        return 2

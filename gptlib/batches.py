@@ -210,9 +210,8 @@ class BatchSampler:
         if same or (ranks is None and self.rank == 0):
             return None
         self.generator.manual_seed(self.seed + 1_000_003 * (self.batches_drawn + 1))
-        if (
-            ranks is None
-        ):  # a one-process checkpoint: rank 0 goes on with its stream, the others derive theirs
+        # a one-process checkpoint: rank 0 goes on with its stream, the others derive theirs
+        if ranks is None:
             return None
         return (
             f"resume: the checkpoint's sampler states are for {len(ranks)} process(es), now {self.world_size}: "

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from gptlib.checkpoint import mirror as gmirror
-from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import list_checkpoints, verify_checkpoint
 from gptlib.data.prepare import prepare
 from gptlib.errors import CheckpointError, ConfigError, RunDirError
+from gptlib.training import resume as gresume
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.setup import StartOptions

@@ -15,7 +15,6 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror
-from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import (
     CheckpointError,
     TrainState,
@@ -26,11 +25,12 @@ from gptlib.checkpoint.format import (
     verify_checkpoint,
 )
 from gptlib.checkpoint.mirror import mirror_checkpoint
-from gptlib.checkpoint.resume import find_resume
 from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.errors import UnreadableError
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
+from gptlib.training import resume as gresume
+from gptlib.training.resume import find_resume
 from gptlib.training.signals import GracefulStop
 from tests import faulty
 

@@ -25,7 +25,6 @@ import torch
 
 from gptlib.checkpoint import format as ck
 from gptlib.checkpoint import mirror as gmirror
-from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import (
     CheckpointError,
     TrainState,
@@ -36,6 +35,7 @@ from gptlib.checkpoint.format import (
 from gptlib.fsutil import sha256_file
 from gptlib.layout import step_of
 from gptlib.training import loop as gtrain
+from gptlib.training import resume as gresume
 from gptlib.training import setup as gsession
 from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train

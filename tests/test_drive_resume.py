@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
+from gptlib.training import resume as gresume
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.setup import StartOptions
@@ -230,8 +230,8 @@ def test_rotation_keeps_what_it_cannot_read(tmp_path):
 # were damage, renamed .damaged-* on Drive, and training started from step 0 with exit status 0.
 
 SHORT_WAITS = (
-    "checkpoint.resume.DRIVE_READ_STALL_S=0.5,checkpoint.resume.DRIVE_RESUME_RETRY_S=1,"
-    "checkpoint.resume.DRIVE_RESUME_WAIT_S={wait}"
+    "training.resume.DRIVE_READ_STALL_S=0.5,training.resume.DRIVE_RESUME_RETRY_S=1,"
+    "training.resume.DRIVE_RESUME_WAIT_S={wait}"
 )
 
 

@@ -19,7 +19,6 @@ import torch
 
 from gptlib import batches as gdata
 from gptlib.checkpoint import format as gformat
-from gptlib.checkpoint import resume as gresume
 from gptlib.checkpoint.format import (
     list_checkpoints,
     load_checkpoint,
@@ -27,6 +26,7 @@ from gptlib.checkpoint.format import (
     verify_checkpoint,
 )
 from gptlib.training import loop as gtrain
+from gptlib.training import resume as gresume
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from tests import faulty

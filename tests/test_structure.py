@@ -310,7 +310,7 @@ READING_ORDER = [
     "gptlib/training/loop.py",
     "gptlib/training/run.py",
     "gptlib/checkpoint/format.py",
-    "gptlib/checkpoint/resume.py",
+    "gptlib/training/resume.py",
 ]
 READING_ORDER_MAX_LINES = 1_600  # issue 27: one step and one save/resume in one sitting
 

@@ -35,9 +35,8 @@ def test_the_version_is_set_once_and_is_semantic():
     assert importlib.metadata.version("gptlib") == VERSION
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert (
-        "version" not in project and "version" in project["dynamic"]
-    )  # read from gptlib.__version__
+    # read from gptlib.__version__
+    assert "version" not in project and "version" in project["dynamic"]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))

@@ -241,8 +241,9 @@ def install(partial: Path, final: Path, truncate: bool = False) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """The dict, with "logs": {name: bytes}. Each file is read once and checked against the manifest: CheckpointError
-    if it is damaged, OSError if it cannot be read (a hung Drive)."""
+    """The dict of parts, with "logs" ({name: bytes}), "info" (CheckpointInfo) and "state" (the progress as a
+    TrainState). Each file is read once and checked against the manifest: CheckpointError if it is damaged, OSError
+    if it cannot be read (a hung Drive)."""
     info = verify_checkpoint(path)
     data = {}
     for name, rec in info.manifest["files"].items():
@@ -272,7 +273,9 @@ def load_checkpoint(path: Path) -> dict:
         **{k: train.get(k) or {} for k in TRAIN_PARTS},
         "progress": progress.state_dict(),
         "sampler_ranks": train.get("sampler_ranks"),
-        "logs": data,
+        "logs": data,  # the run's logs up to this step: {file name: bytes}
+        "info": info,  # its path, step and manifest
+        "state": progress,  # the progress as a TrainState
     }
 
 

@@ -120,20 +120,16 @@ def train(
     explicit = dict(
         max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile
     )
-    asked = build_config(
-        preset, overrides, recipe=recipe, **explicit
-    )  # a bad setting: refused before anything
-    ddp = distributed.setup(
-        asked.train.device
-    )  # under torchrun: join the process group; else a no-op
+    # a bad setting: refused before anything
+    asked = build_config(preset, overrides, recipe=recipe, **explicit)
+    # under torchrun: join the process group; else a no-op
+    ddp = distributed.setup(asked.train.device)
     if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
         progress, log, on_log = False, (lambda msg: None), None
-    config_for = functools.partial(
-        build_config, preset, overrides, **explicit
-    )  # recipe -> the config asked for
-    fixed = (
-        recipe if isinstance(preset, str) else preset.recipe
-    )  # None: the run's own (a resume, a base)
+    # recipe -> the config asked for
+    config_for = functools.partial(build_config, preset, overrides, **explicit)
+    # None: the run's own (a resume, a base)
+    fixed = recipe if isinstance(preset, str) else preset.recipe
     run = start_run(
         data_dir,
         run_dir,
@@ -165,13 +161,11 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         on_log=on_log,
     )
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
-    in_step = False  # an interrupt landing inside a step (no signal handlers: not the main thread) saves nothing
     stop = GracefulStop(log).install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while state.step < tc.max_steps:
             # one optimizer step and its counters, as one: a second stop press takes effect when they are done
             with stop.deferred():
-                in_step = True
                 loss = train_step(
                     run.train_model,
                     run.optimizer,
@@ -188,7 +182,6 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                     state.tokens_seen + run.tokens_per_step,
                 )
                 metrics.add(loss)
-                in_step = False
             run.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
             stopped_by = _after_step(run, metrics, stop, log) or stopped_by
@@ -201,7 +194,7 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     # a second stop press outside a step, or an interrupt without the signal handlers
     except KeyboardInterrupt:
         stopped_by = "interrupt"
-        _interrupted(run, metrics, in_step, log)
+        _interrupted(run, metrics, stop.cut, log)
     finally:
         # training time: start-up and the wait for Drive excluded
         train_s = _close(run, metrics, stop)
@@ -326,9 +319,9 @@ def _hellaswag(run: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
     return metrics_fields(res)
 
 
-def _interrupted(run: TrainingRun, metrics: MetricsLog, in_step: bool, log) -> None:
+def _interrupted(run: TrainingRun, metrics: MetricsLog, cut: bool, log) -> None:
     """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
-    if in_step:
+    if cut:
         log(
             f"interrupted during step {run.state.step + 1:,}; nothing saved: the last checkpoint stands"
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from gptlib.checkpoint.format import TrainState
 from gptlib.config import TrainConfig
 from gptlib.errors import CheckpointError
 from gptlib.layout import STATE_FILE
@@ -110,7 +109,7 @@ def check_optimizer_fits(ck: dict, where) -> None:
     config builds (on the meta device: shapes only)."""
     if not ck["optimizer"]:  # a run made by import-hf: weights only
         return
-    cfg = TrainState(**ck["progress"]).run_config(str(where / STATE_FILE))
+    cfg = ck["state"].run_config(str(where / STATE_FILE))
     with torch.device("meta"):
         model = GPT(cfg.model)
     check_optimizer_state(build_optimizer(model, cfg.train, "meta"), ck["optimizer"], str(where))

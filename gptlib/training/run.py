@@ -46,9 +46,8 @@ class TrainingRun:
     run_dir: Path
     ddp: distributed.Dist
     device: torch.device
-    dtype: (
-        torch.dtype
-    )  # the autocast type (float32: none), resolved once: the loop reads it every step
+    # the autocast type (float32: none), resolved once: the loop reads it every step
+    dtype: torch.dtype
     data: RunData
     model: GPT  # the module itself: state dicts, samples, validation
     train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
@@ -57,9 +56,8 @@ class TrainingRun:
     sampler: BatchSampler
     state: TrainState  # the progress
     lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
-    writer: CheckpointWriter | NullCheckpointWriter = field(
-        default_factory=NullCheckpointWriter
-    )  # rank 0's
+    # rank 0's
+    writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)
     resumed_from: int | None = None  # the step of the checkpoint this call resumed
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
     compiled: bool = False  # train_model is torch.compile's
@@ -90,16 +88,15 @@ class TrainingRun:
             ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
         return ckpt
 
-    def load_state_dict(self, ckpt: dict, source: Path, log) -> None:
+    def load_state_dict(self, ckpt: dict, log) -> None:
         """A loaded checkpoint (load_checkpoint's dict) back into the parts. A run made by import-hf holds weights
         only, its optimizer state {}: the rest of its parts start fresh."""
         load_weights_into(
-            self.model, ckpt["model"], source
-        )  # the tensor named where a shape differs
+            self.model, ckpt["model"], ckpt["info"].path
+        )  # a shape that differs is named
         if ckpt["optimizer"]:
-            self.optimizer.load_state_dict(
-                ckpt["optimizer"]
-            )  # the config's settings, the saved state
+            # the config's settings, the saved state
+            self.optimizer.load_state_dict(ckpt["optimizer"])
             if ckpt["scaler"]:  # {}: saved with the scaler off (bf16, fp32)
                 self.scaler.load_state_dict(ckpt["scaler"])
             note = self.sampler.load_state_dict(ckpt["sampler"], ckpt.get("sampler_ranks"))

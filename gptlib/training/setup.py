@@ -16,7 +16,6 @@ import torch
 
 from gptlib.batches import BatchSampler, head_ids, load_dataset, loss_masks
 from gptlib.checkpoint.format import DRIVE_ADVICE, TrainState, load_weights_into
-from gptlib.checkpoint.resume import Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.checkpoint.rotation import clean_orphans, prune_damaged
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, TrainConfig
@@ -41,7 +40,8 @@ from gptlib.runtime import configure_matmul, dtype_name, resolve_device, resolve
 from gptlib.training import distributed
 from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
-from gptlib.training.optimizer import build_optimizer, check_optimizer_fits, slow_muon_note
+from gptlib.training.optimizer import build_optimizer, slow_muon_note
+from gptlib.training.resume import Passed, Resume, check_same_data, find_resume, set_aside_damaged
 from gptlib.training.run import RunData, TrainingRun
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import check_cpu_run, run_flops
@@ -219,9 +219,8 @@ def start_run(
     """Everything before the first step. asked: the config asked for; config_for(recipe=...): the same for another
     recipe; recipe: the one asked for explicitly (None: the run's own)."""
     device = ddp.device(resolve_device(asked.train.device))  # no recipe changes the device or dtype
-    resolve_dtype(
-        asked.train.dtype, device
-    )  # bf16 on a GPU without it: refused before anything changes
+    # bf16 on a GPU without it: refused before anything changes
+    resolve_dtype(asked.train.dtype, device)
     staged = stage_for_training(data_dir, stage_data, log)
     run_dir, mirror_dir = Path(run_dir), Path(mirror_dir) if mirror_dir is not None else None
     # refused inside: no lease, no new directory left behind
@@ -234,9 +233,8 @@ def start_run(
         if decided != (recipe or "gpt2") and not finished:
             log(f"recipe: {decided} (the {start.whose}'s own)")
         run = open_run(start, asked, ddp, device, lease, verbose=verbose, log=log, quiet=finished)
-    run.state.data_dir = str(
-        Path(data_dir)
-    )  # checkpoints name the data's lasting place, not the VM's copy
+    # checkpoints name the data's lasting place, not the VM's copy
+    run.state.data_dir = str(Path(data_dir))
     return run
 
 
@@ -286,9 +284,7 @@ def find_start(
             f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
             f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)"
         )
-    resume, passed = find_resume(
-        run_dir, mirror_dir, log, options.skip_unreadable, check=check_optimizer_fits
-    )
+    resume, passed = find_resume(run_dir, mirror_dir, log, options.skip_unreadable)
     init_from = options.init_from
     if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
         raise ConfigError(
@@ -337,9 +333,8 @@ def decide_config(
             f"{start.meta.data_dir}/meta.json)"
         )
         model["vocab_size"] = start.meta.vocab_size
-    if (
-        held is not None and start.options.init_from
-    ):  # the vocabulary stays the data's (a base's may grow)
+    # the vocabulary stays the data's (a base's may grow)
+    if held is not None and start.options.init_from:
         model.update({n: getattr(held.model, n) for n in SHAPE})
     train = {}
     if start.resume is not None and held.train.seed != asked.train.seed:
@@ -535,7 +530,7 @@ def open_run(
 def _resume(run: TrainingRun, start: Start, log) -> None:
     """The checkpoint back into the run's parts, then what this session adds to its progress."""
     resume = start.resume
-    run.load_state_dict(resume.checkpoint, resume.info.path, log)
+    run.load_state_dict(resume.checkpoint, log)
     if resume.data_change:
         run.state.data_changes = [*run.state.data_changes, resume.data_change]
     run.resumed_from = run.state.step

@@ -20,9 +20,9 @@ class GracefulStop:
         self.log = log
         self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
         self._old: dict[int, Any] = {}
-        self._deferring = self._interrupted = (
-            False  # _interrupted: a second press arrived inside deferred()
-        )
+        self.cut = False  # an interrupt cut a deferred() block in two (deferred says when)
+        # _interrupted: a second press arrived inside deferred(), raised when it ends
+        self._deferring = self._interrupted = False
 
     def install(self) -> "GracefulStop":
         if threading.current_thread() is not threading.main_thread():
@@ -51,10 +51,15 @@ class GracefulStop:
 
     @contextlib.contextmanager
     def deferred(self):
-        """A block a second stop press must not cut in two: the press takes effect when it ends."""
+        """A block a second stop press must not cut in two: the press takes effect when it ends. An interrupt that
+        cuts it all the same (the handlers could not be installed: training outside the main thread) marks the stop
+        `cut`: what the block changed is half done, not to be saved."""
         self._deferring = True
         try:
             yield
+        except KeyboardInterrupt:
+            self.cut = True
+            raise
         finally:
             self._deferring = False
         if self._interrupted:

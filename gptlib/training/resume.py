@@ -11,7 +11,6 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from gptlib.checkpoint.format import (
     DRIVE_ADVICE,
@@ -23,13 +22,13 @@ from gptlib.checkpoint.format import (
     load_checkpoint,
     remove_tree,
     set_aside,
-    verify_checkpoint,
 )
 from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.data.shards import DatasetMeta
 from gptlib.errors import CheckpointError, ConfigError, loud
 from gptlib.fsutil import Progress, call_with_timeout, read_bytes_with_timeout
 from gptlib.layout import MANIFEST_FILE, checkpoints_dir, step_of
+from gptlib.training.optimizer import check_optimizer_fits
 
 # Checkpoints that could not be read (Drive slow or hung) are looked for again this often, for this long; then
 # training stops and says what to do.
@@ -47,7 +46,7 @@ class Resume:
 
     @property
     def state(self) -> TrainState:
-        return TrainState(**self.checkpoint["progress"])
+        return self.checkpoint["state"]
 
     @property
     def from_mirror(self) -> bool:  # then info.path is its local copy
@@ -70,14 +69,14 @@ def find_resume(
     mirror_dir: Path | None,
     log,
     skip_unreadable: bool = False,
-    check: Callable[[dict, Path], None] = lambda ck, path: None,
 ) -> tuple[Resume | None, Passed]:
-    """-> (None: a new run). `check(checkpoint, path)` raises CheckpointError for one that cannot resume this run. A
-    newer one that could not be read (on a fresh Colab VM, Drive holds the only copy) is waited for; then training
+    """-> (None: a new run). The newest checkpoint that loads (its files' sizes and hashes right, its pickles safe)
+    and whose optimizer state fits its own config's optimizer; a damaged one is passed over. A newer one that could
+    not be read (on a fresh Colab VM, Drive holds the only copy) is waited for; then training
     stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):  # noqa: B007 - the stop message says how many looks it took
-        resume, passed = _search(run_dir, mirror_dir, log, check)
+        resume, passed = _search(run_dir, mirror_dir, log)
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
         unread = "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
         # the local disk will not change
@@ -116,9 +115,7 @@ def find_resume(
     return resume, passed
 
 
-def _search(
-    run_dir: Path, mirror_dir: Path | None, log, check: Callable[[dict, Path], None]
-) -> tuple[Resume | None, Passed]:
+def _search(run_dir: Path, mirror_dir: Path | None, log) -> tuple[Resume | None, Passed]:
     """One look (at equal steps the local one wins)."""
     passed, found = Passed(), []
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
@@ -133,7 +130,7 @@ def _search(
             passed.mirror_step = step_of(paths[0])
     for *_, path in sorted(found):
         try:
-            return _load(path, run_dir, check), passed
+            return _load(path, run_dir), passed
         except CheckpointError as e:  # its bytes were read and are wrong
             log(f"skipping checkpoint: {e}")
             passed.damaged[path] = _manifest_bytes(path)
@@ -143,9 +140,10 @@ def _search(
     return None, passed
 
 
-def _load(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Resume:
-    """CheckpointError (damaged) or OSError (could not be read) unless it loads and passes `check`. One on the mirror
-    is copied here first; a copy that turns out damaged is removed (the mirror's is the one to set aside)."""
+def _load(path: Path, run_dir: Path) -> Resume:
+    """CheckpointError (damaged) or OSError (could not be read) unless it loads and its optimizer state fits. One on
+    the mirror is copied here first; a copy that turns out damaged is removed (the mirror's is the one to set aside).
+    """
     local = path
     if not path.is_relative_to(run_dir):
         progress = Progress()
@@ -157,12 +155,13 @@ def _load(path: Path, run_dir: Path, check: Callable[[dict, Path], None]) -> Res
         )
     try:
         checkpoint = load_checkpoint(local)
-        check(checkpoint, local)
+        # torch would load moments of another shape, and fail mid-run
+        check_optimizer_fits(checkpoint, local)
     except CheckpointError:
         if local != path:
             remove_tree(local)
         raise
-    return Resume(verify_checkpoint(local), path, checkpoint)
+    return Resume(checkpoint["info"], path, checkpoint)
 
 
 def _entries(run_dir: Path) -> set[str]:

@@ -95,10 +95,13 @@ def stale(source: str) -> list[str]:
             problems.append(
                 f"{where}: the tag is {tag}, the release the notebooks install is v{gptlib.__version__}"
             )
-        if "#" in path or not (REPO / path).is_file():
+        if "#" in path:
             problems.append(
-                f"{where}: no file {path} in this repository (line anchors go stale: none)"
+                f"{where}: a line anchor goes stale when the file changes: link the file"
             )
+            continue
+        if not (REPO / path).is_file():
+            problems.append(f"{where}: no file {path} in this repository")
             continue
         for file in FILE.findall(text):
             if not ("/" + path).endswith("/" + file):

@@ -21,7 +21,7 @@ _WHERE = {
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config",
     "train": "gptlib.training.loop",
-    "StartOptions": "gptlib.training.setup",
+    "StartOptions": "gptlib.training.start",
     "plan_run": "gptlib.training.throughput",
     "samples_html": "gptlib.training.logs",
     "html_table": "gptlib.training.logs",

@@ -179,7 +179,7 @@ STARTING = (  # how a training call starts: gptlib.StartOptions
 
 
 def _start_options(args):
-    from gptlib.training.setup import StartOptions
+    from gptlib.training.start import StartOptions
 
     return StartOptions(
         args.init_from, args.take_over, args.skip_unreadable, args.allow_data_change

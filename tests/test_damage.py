@@ -39,7 +39,7 @@ from gptlib.training import resume as gresume
 from gptlib.training import setup as gsession
 from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
-from gptlib.training.setup import StartOptions
+from gptlib.training.start import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)

@@ -35,7 +35,7 @@ from gptlib.training import memory
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.memory import free_memory
-from gptlib.training.setup import StartOptions
+from gptlib.training.start import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
 

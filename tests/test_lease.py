@@ -14,7 +14,7 @@ import pytest
 
 from gptlib import lease as L
 from gptlib.training.loop import train
-from gptlib.training.setup import StartOptions
+from gptlib.training.start import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)

@@ -21,7 +21,8 @@ from gptlib.model import GPT, KVCache
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
-from gptlib.training.setup import StartOptions, schedule_change
+from gptlib.training.setup import schedule_change
+from gptlib.training.start import StartOptions
 from gptlib.training.step import lr_at, set_lr, train_step
 from gptlib.training.throughput import StepTimer
 from tests import faulty

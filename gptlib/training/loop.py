@@ -23,8 +23,9 @@ from gptlib.training import distributed
 from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.run import TrainingRun
-from gptlib.training.setup import StartOptions, start_run
+from gptlib.training.setup import start_run
 from gptlib.training.signals import GracefulStop
+from gptlib.training.start import StartOptions
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
 

@@ -1,48 +1,52 @@
-"""train()'s set-up (start_run), in order: the lease (claimed), the resume point or --init-from base (find_start),
-the recipe and the config decided once (decide_recipe, decide_config), and the run's parts (open_run). Skip on a first
-read: training/run.py says what a run is made of."""
+"""train()'s set-up (start_run), in order: where the run starts from (training/start.py: the lease, the resume point
+or --init-from base, the recipe), the config decided once (decide_config), and the run's parts (open_run). Skip on a
+first read: training/run.py says what a run is made of."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gptlib.batches import BatchSampler, head_ids, load_dataset, loss_masks
-from gptlib.checkpoint.format import DRIVE_ADVICE, TrainState, load_weights_into
+from gptlib.checkpoint.format import TrainState
 from gptlib.checkpoint.rotation import clean_orphans, prune_damaged
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig, TrainConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts
-from gptlib.data.shards import META_FILE, DatasetMeta, read_meta, read_spans
+from gptlib.data.shards import DatasetMeta, read_spans
 from gptlib.data.staging import stage_for_training
-from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
-from gptlib.errors import ConfigError, DataFormatError, HungIOError, override
+from gptlib.data.tokenizer import Tokenizer
+from gptlib.errors import ConfigError, override
 from gptlib.evaluation.hellaswag import HellaSwagProbe
 from gptlib.fsutil import (
     atomic_write_bytes,
     atomic_write_json,
     call_with_timeout,
     cannot_write,
-    check_dir,
 )
-from gptlib.inference.loading import LoadedModel, load_run
-from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
-from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
+from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE
+from gptlib.lease import IO_TIMEOUT_S
 from gptlib.model import GPT, model_size
 from gptlib.runtime import configure_matmul, dtype_name, resolve_device, resolve_dtype, use_compile
 from gptlib.training import distributed
 from gptlib.training.logs import logs_up_to
 from gptlib.training.memory import check_fits, estimate_train_bytes, fit_micro_batch
 from gptlib.training.optimizer import build_optimizer, slow_muon_note
-from gptlib.training.resume import Passed, Resume, check_same_data, find_resume, set_aside_damaged
+from gptlib.training.resume import check_same_data, set_aside_damaged
 from gptlib.training.run import RunData, TrainingRun
+from gptlib.training.start import (
+    Start,
+    StartOptions,
+    claimed,
+    decide_recipe,
+    find_start,
+    names_this_run,
+    start_from_base,
+)
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import check_cpu_run, run_flops
 
@@ -88,120 +92,6 @@ def sample_prompts(
     return [p.tolist() for p in prompts], [template.end_id, template.eot_id]
 
 
-def split_init_from(spec: str) -> tuple[str, str]:
-    """--init-from RUN_DIR[:latest|best|STEP] -> (RUN_DIR, which)."""
-    return (
-        tuple(spec.rsplit(":", 1)) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
-    )
-
-
-def names_this_run(spec: str, run_dir: Path, mirror_dir: Path | None) -> bool:
-    """Whether --init-from names the run itself (its directory or its Drive mirror); paths only, no disk access (a
-    Drive that hangs must not hang this)."""
-    base = os.path.abspath(split_init_from(spec)[0])
-    return any(d is not None and base == os.path.abspath(d) for d in (run_dir, mirror_dir))
-
-
-def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
-    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP]). The data's tokenizer must be the
-    base's, or the base's with tokens appended (tokenize --tokenizer-from BASE_RUN --format chat adds chat markers)."""
-    run_dir, which = split_init_from(spec)
-    ld = load_run(run_dir, which, log=log)
-    base, data = ld.tokenizer.identity(), meta.tokenizer
-    grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base[
-        "hash"
-    ] and meta.vocab_size > base["vocab_size"]
-    if data.get("hash") != base["hash"] and not grows:
-        raise ConfigError(
-            f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, "
-            f"tokenizer {base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
-            f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data "
-            f"with --tokenizer-from {run_dir}"
-        )
-    mc, added = (
-        ld.config.model,
-        f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (new rows added)",
-    )
-    log(
-        f"init-from: the weights of {ld.path} (step {ld.step:,}); {mc.n_layer} layers x {mc.n_embd}, context "
-        f"{mc.block_size}" + (added if grows else "")
-    )
-    return ld
-
-
-def start_from_base(model: GPT, base: LoadedModel) -> None:
-    """The embedding and output rows of the tokens appended after the base's vocabulary start at the mean of the
-    base's rows; every other weight is the base's."""
-    sd, n = base.model.state_dict(), base.tokenizer.vocab_size
-    for key, new in model.state_dict().items():
-        # wte and lm_head (one tensor when tied): the vocabulary grew
-        if key in sd and sd[key].shape != new.shape:
-            grown = torch.zeros_like(new)
-            grown[:n] = sd[key][:n]
-            grown[n : model.config.vocab_size] = sd[key][:n].mean(dim=0)
-            sd[key] = grown
-    load_weights_into(model, sd, base.path)
-
-
-@contextlib.contextmanager
-def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_over: bool, log):
-    """The run's lease, taken before anything in run_dir or the mirror changes. A set-up refused inside the block
-    releases it and removes the directories it created (if still empty); otherwise the loop releases it."""
-    created, lease = [], NoLease()
-    try:
-        if ddp.is_main:
-            try:
-                # Drive may hang
-                created = [
-                    d
-                    for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
-                    if d is not None
-                    and not call_with_timeout(
-                        lambda d=d, what=what: _looked_at(d, f"{what} directory"),
-                        IO_TIMEOUT_S,
-                        what=f"looking at {d}",
-                    )
-                ]
-                lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
-            except HungIOError as e:  # Drive did not answer: its lease may be another process's
-                raise HungIOError(
-                    e.errno,
-                    f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}",
-                ) from None
-        yield lease
-    except BaseException:
-        lease.release()
-        for d in created:  # the lease file is gone by now
-            for empty in (checkpoints_dir(d), d):
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
-        raise
-
-
-def _looked_at(d: Path, what: str) -> bool:
-    """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
-    exists = check_dir(d, what)
-    if exists:
-        check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
-    return exists
-
-
-@dataclass(frozen=True)
-class StartOptions:
-    """How a call starts or resumes a run (its config says what it trains)."""
-
-    init_from: str | None = (
-        None  # "RUN_DIR[:latest|best|STEP]": a new run from those weights, fresh optimizer
-    )
-    take_over: bool = False  # take the run's lease from another process (gptlib/lease.py)
-    skip_unreadable: bool = (
-        False  # go on without newer checkpoints Drive cannot read now (they are kept)
-    )
-    allow_data_change: bool = (
-        False  # resume on other tokens of the same tokenizer (recorded in state.json)
-    )
-
-
 def start_run(
     data_dir: str | Path,
     run_dir: str | Path,
@@ -236,69 +126,6 @@ def start_run(
     # checkpoints name the data's lasting place, not the VM's copy
     run.state.data_dir = str(Path(data_dir))
     return run
-
-
-def decide_recipe(default: str, asked: str | None, start: Start) -> str:
-    """A model keeps its recipe (its layers differ): a resumed run's or an --init-from base's own. Another one asked
-    for is refused; a new run takes the one asked for (default: the preset's, gpt2)."""
-    held = start.held
-    if held is None or held.recipe == (asked or held.recipe):
-        return held.recipe if held is not None else default
-    raise ConfigError(
-        f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call asks for "
-        f"--recipe {asked}; a model keeps its recipe (its layers differ): drop --recipe to go on with "
-        f"{held.recipe}, or use a new run directory"
-    )
-
-
-@dataclass
-class Start:
-    run_dir: Path
-    mirror_dir: Path | None
-    options: StartOptions
-    meta: DatasetMeta
-    tokenizer: Tokenizer
-    resume: Resume | None
-    passed: Passed
-    base: LoadedModel | None  # --init-from's
-    held: RunConfig | None  # the config the model already has (its shape and recipe stay)
-
-    @property
-    def whose(self) -> str:  # the held config's
-        return "resumed run" if self.resume is not None else "--init-from base"
-
-
-def find_start(
-    data_dir: Path,
-    run_dir: Path,
-    mirror_dir: Path | None,
-    options: StartOptions,
-    log,
-) -> Start:
-    meta = read_meta(data_dir)
-    tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
-    # the model's embedding would be too small for its ids
-    if tokenizer.vocab_size > meta.vocab_size:
-        raise DataFormatError(
-            f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
-            f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)"
-        )
-    resume, passed = find_resume(run_dir, mirror_dir, log, options.skip_unreadable)
-    init_from = options.init_from
-    if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
-        raise ConfigError(
-            f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
-            f"--init-from starts a new run from another run's weights; drop it to train this one from "
-            f"scratch"
-        )
-    base = load_base(init_from, meta, log) if init_from and resume is None else None
-    held = (
-        resume.state.run_config(str(resume.info.path / STATE_FILE))
-        if resume is not None
-        else base and base.config
-    )
-    return Start(run_dir, mirror_dir, options, meta, tokenizer, resume, passed, base, held)
 
 
 # The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
@@ -430,52 +257,23 @@ def open_run(
     """The checkpoint (or base) is loaded before compile and DDP wrap the model. quiet (a finished run, whose summary
     says all): the set-up's lines go unsaid, but for what it changes on disk (damaged checkpoints set aside)."""
     say = (lambda msg: None) if quiet else log
-    verbose = verbose and not quiet
     cfg, probe_peak = decide_config(asked, start, device, ddp, say)
     # the same model; now the same data (or a change asked for, recorded)
     if start.resume is not None:
         start.resume.data_change = check_same_data(
             start.resume, start.meta, start.options.allow_data_change, say
         )
-    tc, mc = cfg.train, cfg.model
-    # the tokens, placed for this config (on the GPU only with room left to train beside them)
-    meta, splits = load_dataset(
-        start.meta.data_dir,
-        device=device,
-        log=say if verbose else lambda line: None,
-        reserve_gpu_bytes=max(probe_peak, estimate_train_bytes(mc, tc.batch_size)),
-    )
-    masks = loss_masks(meta, splits, tc.chat_loss)
-    if masks and verbose:
-        say(
-            f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
-            f"{override('chat_loss=all')} puts it on every token)"
-        )
-    tokenizer, base = start.tokenizer, start.base
-    # fetched (or found off) and tokenized once
-    hellaswag = (
-        HellaSwagProbe(
-            tokenizer,
-            mc.block_size,
-            source=tc.hellaswag_file or None,
-            limit=tc.hellaswag_items or None,
-            log=say,
-        )
-        if tc.hellaswag_every and ddp.is_main
-        else None
-    )
-    data = RunData(
-        splits, masks, tokenizer, *sample_prompts(cfg, meta, splits, tokenizer), hellaswag
-    )
+    meta, data = load_run_data(start, cfg, device, ddp, probe_peak, verbose and not quiet, say)
     # the model and what trains it, from the checkpoint or the base
     model, optimizer, scaler, dtype = build_model(cfg, device, say)
+    tc, base = cfg.train, start.base
     sampler = BatchSampler(
-        splits["train"],
+        data.splits["train"],
         tc.batch_size,
-        mc.block_size,
+        cfg.model.block_size,
         tc.seed,
         device,
-        masks.get("train"),
+        data.loss_masks.get("train"),
         rank=ddp.rank,
         world_size=ddp.world_size,
     )
@@ -489,42 +287,87 @@ def open_run(
         else {},
     )
     run = TrainingRun(
-        cfg,
-        start.run_dir,
-        ddp,
-        device,
-        dtype,
-        data,
-        model,
-        model,
-        optimizer,
-        scaler,
-        sampler,
-        state,
-        lease,
+        cfg=cfg,
+        run_dir=start.run_dir,
+        ddp=ddp,
+        device=device,
+        dtype=dtype,
+        data=data,
+        model=model,
+        train_model=model,  # compiled and wrapped below, after the checkpoint is loaded into model
+        optimizer=optimizer,
+        scaler=scaler,
+        sampler=sampler,
+        state=state,
+        lease=lease,
     )
     if base is not None:
         start_from_base(model, base)
     if start.resume is not None:
         _resume(run, start, say)
     run.train_model, run.compiled = wrap_for_training(model, cfg, device, ddp, run.state.step)
-    # config.json as the checkpoints record it (after auto_batch); a tokenizer of the run's own
     if ddp.is_main:
-        try:
-            atomic_write_json(start.run_dir / CONFIG_FILE, cfg.to_dict())
-            atomic_write_bytes(start.run_dir / TOKENIZER_FILE, tokenizer.to_json_bytes())
-        except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
-            raise cannot_write(start.run_dir, e) from None
-        run.history = logs_up_to(
-            start.run_dir, state.step, start.resume.checkpoint["logs"] if start.resume else {}
-        )
-        run.writer = _open_writer(run, start, log)
+        _write_run_files(run, start, log)
+    mc = cfg.model
     say(
         f"model: {model_size(mc).params / 1e6:.2f}M parameters ({mc.n_layer} layers, {mc.n_embd} wide, context "
         f"{mc.block_size}, vocab {mc.vocab_size}); device {device}, {dtype_name(run.dtype)}, "
         f"compile {'on' if run.compiled else 'off'}; {run.tokens_per_step:,} tokens/step"
     )
     return run
+
+
+def load_run_data(
+    start: Start,
+    cfg: RunConfig,
+    device: torch.device,
+    ddp: distributed.Dist,
+    probe_peak: int,
+    verbose: bool,
+    log,
+) -> tuple[DatasetMeta, RunData]:
+    """The tokens placed for this config (on the GPU only with room left to train beside them), the chat loss
+    masks, the sample prompts and the HellaSwag probe (fetched, or found off, and tokenized once)."""
+    tc, mc = cfg.train, cfg.model
+    meta, splits = load_dataset(
+        start.meta.data_dir,
+        device=device,
+        log=log if verbose else lambda line: None,
+        reserve_gpu_bytes=max(probe_peak, estimate_train_bytes(mc, tc.batch_size)),
+    )
+    masks = loss_masks(meta, splits, tc.chat_loss)
+    if masks and verbose:
+        log(
+            f"loss: on the assistants' answers only ({masks['train'].fraction:.1%} of the train tokens; "
+            f"{override('chat_loss=all')} puts it on every token)"
+        )
+    tokenizer = start.tokenizer
+    hellaswag = (
+        HellaSwagProbe(
+            tokenizer,
+            mc.block_size,
+            source=tc.hellaswag_file or None,
+            limit=tc.hellaswag_items or None,
+            log=log,
+        )
+        if tc.hellaswag_every and ddp.is_main
+        else None
+    )
+    prompts, stop_ids = sample_prompts(cfg, meta, splits, tokenizer)
+    return meta, RunData(splits, masks, tokenizer, prompts, stop_ids, hellaswag)
+
+
+def _write_run_files(run: TrainingRun, start: Start, log) -> None:
+    """Rank 0's: config.json as the checkpoints record it (after auto_batch), a tokenizer of the run's own, the
+    metrics so far and the checkpoint writer."""
+    try:
+        atomic_write_json(run.run_dir / CONFIG_FILE, run.cfg.to_dict())
+        atomic_write_bytes(run.run_dir / TOKENIZER_FILE, run.data.tokenizer.to_json_bytes())
+    except OSError as e:  # a disk that filled up (or turned read-only) since the lease: one line, not a traceback
+        raise cannot_write(run.run_dir, e) from None
+    saved_logs = start.resume.checkpoint["logs"] if start.resume else {}
+    run.history = logs_up_to(run.run_dir, run.state.step, saved_logs)
+    run.writer = _open_writer(run, start, log)
 
 
 def _resume(run: TrainingRun, start: Start, log) -> None:

@@ -219,11 +219,3 @@ class RunLease:
                     (d / LEASE_FILE).unlink(missing_ok=True)
         self._held = []
         _LIVE.discard(self.session)
-
-
-class NoLease:  # DDP ranks other than 0 (rank 0 holds the run's), and callers that need none
-    def check(self, directory: Path | None = None) -> None:
-        pass
-
-    def release(self) -> None:
-        pass

@@ -39,11 +39,12 @@ def _map_tensors(o: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 class CheckpointWriter:
     """Saves in a background thread, one save in flight. Its errors (a full disk) are raised at the next `save` or
-    `wait`: a run that cannot save must not go on as if it could. Mirror errors are never raised here."""
+    `wait`: a run that cannot save must not go on as if it could. Mirror errors are never raised here. A writer on no
+    directory (run_dir None: the DDP ranks other than 0, rank 0 alone writes) only keeps the time of each save."""
 
     def __init__(
         self,
-        run_dir: str | Path,
+        run_dir: str | Path | None,
         keep_last: int = 2,
         keep_every: int = 0,
         log=print,
@@ -52,7 +53,7 @@ class CheckpointWriter:
         unreadable: set[Path] = frozenset(),
         mirror_listed: int | None = None,
     ):
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
         # raises LeaseLost when this process may no longer write
         self.guard = guard or (lambda directory: None)
@@ -95,6 +96,8 @@ class CheckpointWriter:
     def save(self, ckpt: dict) -> None:
         self.wait()  # also frees the host buffers for reuse
         self.last_save = time.time()
+        if self.run_dir is None:
+            return
         n_threads = torch.get_num_threads()
         # a memory copy: as fast on one thread, and ~10x faster on a busy CPU
         torch.set_num_threads(1)
@@ -185,12 +188,3 @@ class CheckpointWriter:
         if self.mirror:
             self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout)
         return self.status()
-
-
-# DDP ranks other than 0: rank 0 alone writes checkpoints
-class NullCheckpointWriter(CheckpointWriter):
-    def __init__(self):
-        super().__init__(".")
-
-    def save(self, ckpt: dict) -> None:
-        self.last_save = time.time()

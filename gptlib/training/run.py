@@ -17,11 +17,11 @@ import torch
 
 from gptlib.batches import BatchSampler, LossMask
 from gptlib.checkpoint.format import RNG, TrainState, load_weights_into
-from gptlib.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
+from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer
 from gptlib.evaluation.hellaswag import HellaSwagProbe
-from gptlib.lease import NoLease, RunLease
+from gptlib.lease import RunLease
 from gptlib.model import GPT
 from gptlib.runtime import autocast_for
 from gptlib.training import distributed
@@ -55,9 +55,11 @@ class TrainingRun:
     scaler: torch.amp.GradScaler  # fp16 alone scales the loss; disabled otherwise
     sampler: BatchSampler
     state: TrainState  # the progress
-    lease: RunLease | NoLease  # this process's right to write the run dir and its mirror
-    # rank 0's
-    writer: CheckpointWriter | NullCheckpointWriter = field(default_factory=NullCheckpointWriter)
+    # Rank 0 alone writes the run directory. On the other DDP ranks its writers are the same classes on no
+    # directory (RunLease([]), CheckpointWriter(None), metrics.jsonl as os.devnull: training/logs.py), so the loop
+    # calls them alike on every rank.
+    lease: RunLease  # this process's right to write the run dir and its mirror
+    writer: CheckpointWriter = field(default_factory=lambda: CheckpointWriter(None))
     resumed_from: int | None = None  # the step of the checkpoint this call resumed
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows up to the resumed step
     compiled: bool = False  # train_model is torch.compile's

@@ -19,7 +19,7 @@ from gptlib.errors import ConfigError, DataFormatError, HungIOError
 from gptlib.fsutil import call_with_timeout, check_dir
 from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import STATE_FILE, TOKENIZER_FILE, checkpoints_dir
-from gptlib.lease import IO_TIMEOUT_S, NoLease, RunLease
+from gptlib.lease import IO_TIMEOUT_S, RunLease
 from gptlib.model import GPT
 from gptlib.training import distributed
 from gptlib.training.resume import Passed, Resume, find_resume
@@ -84,7 +84,8 @@ def start_from_base(model: GPT, base: LoadedModel) -> None:
 def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_over: bool, log):
     """The run's lease, taken before anything in run_dir or the mirror changes. A set-up refused inside the block
     releases it and removes the directories it created (if still empty); otherwise the loop releases it."""
-    created, lease = [], NoLease()
+    # a lease on no directory (never acquired) checks and releases nothing: the other DDP ranks'
+    created, lease = [], RunLease([])
     try:
         if ddp.is_main:
             try:

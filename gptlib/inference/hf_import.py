@@ -108,9 +108,8 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
     return cfg
 
 
-def _refuse_unless(
-    where, checks: dict[str, tuple]
-) -> None:  # key -> (the config's value, *what gptlib computes)
+def _refuse_unless(where, checks: dict[str, tuple]) -> None:
+    """checks: key -> (the config's value, *what gptlib computes)."""
     for key, (got, *allowed) in checks.items():
         if got not in allowed:
             raise ExportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
@@ -148,12 +147,8 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
         try:
             from huggingface_hub import snapshot_download
 
-            folder = Path(
-                snapshot_download(
-                    repo_id=str(name_or_dir),
-                    allow_patterns=["config.json", "model.safetensors", "tokenizer.json"],
-                )
-            )
+            wanted = ["config.json", "model.safetensors", "tokenizer.json"]
+            folder = Path(snapshot_download(repo_id=str(name_or_dir), allow_patterns=wanted))
         except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
             raise ExportError(
                 f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging "

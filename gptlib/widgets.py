@@ -290,12 +290,8 @@ class Playground:
             except _Stopped:
                 # what was shown; its tokens are what the model generated (re-encoded)
                 text = "".join(parts)
-                res = Completion(
-                    prompt=prompt,
-                    text=text,
-                    token_ids=eng.tokenizer.encode(text),
-                    finish_reason="user",
-                )
+                ids = eng.tokenizer.encode(text)
+                res = Completion(prompt=prompt, text=text, token_ids=ids, finish_reason="user")
             dt = time.perf_counter() - t0
         except KeyboardInterrupt:
             raise self._interrupted(prompt, "".join(parts)) from None

@@ -337,9 +337,8 @@ class HellaSwagProbe:
             self._full = render(self.items, self.tokenizer, self.block_size)
         try:
             # beside training's memory: gpt2-small ~2 GB of logits, not ~8 GB at 64K
-            res = evaluate_rendered(
-                model, self._full if full else self._subset, torch.device(device), dtype, 16384
-            )
+            rendered = self._full if full else self._subset
+            res = evaluate_rendered(model, rendered, torch.device(device), dtype, 16384)
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")

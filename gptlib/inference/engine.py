@@ -102,11 +102,8 @@ def sample_next(
     probs = torch.softmax(logits, dim=-1)
     # training's samples pass a CPU one
     gen_device = probs.device if generator is None else generator.device
-    q = (
-        torch.empty(probs.shape, device=gen_device)
-        .exponential_(1, generator=generator)
-        .to(probs.device)
-    )
+    q = torch.empty(probs.shape, device=gen_device).exponential_(1, generator=generator)
+    q = q.to(probs.device)
     # the CPU kernel can return exactly 0, and 0 / 0 = NaN would win argmax
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)

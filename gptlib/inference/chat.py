@@ -31,9 +31,8 @@ class ChatSession:
                 f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
                 f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR"
             ) from None
-        self.stop_ids = sorted(
-            {self.template.end_id, self.template.eot_id, *self.template.role_ids.values()}
-        )
+        template = self.template
+        self.stop_ids = sorted({template.end_id, template.eot_id, *template.role_ids.values()})
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size
         self.reply_cap = max(1, self.block_size // 2)  # rule (1)

@@ -95,11 +95,10 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     cfg, out = model.config, {}
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     for ours, theirs in weight_map(cfg):
-        w = (
-            sd[ours]
-            if ours in sd
-            else torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
-        )
+        if ours in sd:
+            w = sd[ours]
+        else:
+            w = torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
         if ours in ("transformer.wte.weight", "lm_head.weight"):
             w = w[: cfg.vocab_size]  # the padding rows never produce a token
         w = w.t() if is_conv1d(cfg, ours) else w

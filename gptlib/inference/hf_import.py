@@ -43,13 +43,8 @@ def model_config(folder: Path) -> ModelConfig:
             f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
             f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's"
         )
-    _refuse_unless(
-        path,
-        {
-            "n_inner": (c.get("n_inner"), 4 * c["n_embd"], None),
-            **{k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()},
-        },
-    )
+    shape = {k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()}
+    _refuse_unless(path, {"n_inner": (c.get("n_inner"), 4 * c["n_embd"], None), **shape})
     return ModelConfig(
         vocab_size=c["vocab_size"],
         block_size=c.get("n_positions", c.get("n_ctx", 1024)),

@@ -74,12 +74,10 @@ def checkpoint_label(row: dict) -> str:
     """A checkpoint_table row as "step 1,000 · val 1.523 (training's validation: 20 batches) · best": the loss training
     measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
     batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
-    val = (
-        f" · val {row['val_loss']:.3f} (training's validation{batches})"
-        if row.get("val_loss") is not None
-        else ""
-    )
-    return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
+    label = f"step {row['step']:,}"
+    if row.get("val_loss") is not None:
+        label += f" · val {row['val_loss']:.3f} (training's validation{batches})"
+    return label + (" · best" if row.get("is_best") else "")
 
 
 def resolve_checkpoint(

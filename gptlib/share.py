@@ -23,12 +23,9 @@ TOKEN_HELP = (
 
 def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, hardware: str) -> Path:
     """The commit's files in out_dir (new or empty), written into a temporary sibling renamed at the end."""
-    from gptlib.inference.export import export_model, gguf_arch, write_gguf
-
     # here (torch): `python -m gptlib tokenize` never imports it
-    from gptlib.inference.loading import (
-        load_run,
-    )
+    from gptlib.inference.export import export_model, gguf_arch, write_gguf
+    from gptlib.inference.loading import load_run
 
     out, run_dir = Path(out_dir), Path(run_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -290,12 +290,8 @@ class Playground:
             except _Stopped:
                 # what was shown; its tokens are what the model generated (re-encoded)
                 text = "".join(parts)
-                res = Completion(
-                    prompt=prompt,
-                    text=text,
-                    token_ids=eng.tokenizer.encode(text),
-                    finish_reason="user",
-                )
+                ids = eng.tokenizer.encode(text)
+                res = Completion(prompt=prompt, text=text, token_ids=ids, finish_reason="user")
             dt = time.perf_counter() - t0
         except KeyboardInterrupt:
             raise self._interrupted(prompt, "".join(parts)) from None
@@ -331,14 +327,11 @@ class Playground:
         n = len(res.token_ids)
         speed = f"{dt:.1f} s ({n / max(dt, 1e-9):.0f} tokens/s)"
         self._show_text(prompt, res.text)
-        self.status.value = status_html(
-            f"step {step:,}: "
-            + (
-                f"stopped after {n} tokens in {speed}: Stop pressed"
-                if res.finish_reason == "user"
-                else f"{n} tokens in {speed}, stopped by {res.finish_reason}"
-            )
-        )
+        if res.finish_reason == "user":
+            how = f"stopped after {n} tokens in {speed}: Stop pressed"
+        else:
+            how = f"{n} tokens in {speed}, stopped by {res.finish_reason}"
+        self.status.value = status_html(f"step {step:,}: {how}")
 
 
 class ChatBox:
@@ -460,11 +453,8 @@ class ChatBox:
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
         why = ended.get(session.finish_reason, session.finish_reason)
-        self.status.value = status_html(
-            " · ".join(
-                [f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}", *self._notices]
-            )
-        )
+        summary = f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}"
+        self.status.value = status_html(" · ".join([summary, *self._notices]))
         return reply
 
     def reset(self) -> None:  # what Reset does

@@ -42,11 +42,10 @@ def token_bytes(tok: Tokenizer) -> np.ndarray:
         if token in special or i >= len(out):
             continue
         # a byte-level symbol string, else (another BPE flavour) its decoded text
-        out[i] = (
-            len(token)
-            if all(c in alphabet for c in token)
-            else len(tok.decode([i]).encode("utf-8"))
-        )
+        if all(c in alphabet for c in token):
+            out[i] = len(token)
+        else:
+            out[i] = len(tok.decode([i]).encode("utf-8"))
     return out
 
 
@@ -112,9 +111,8 @@ def evaluate_bpb(
     }
 
 
-def make_row(
-    task: str, step: int, tokens_seen: int | None, result: dict, **extra
-) -> dict:  # also training's
+def make_row(task: str, step: int, tokens_seen: int | None, result: dict, **extra) -> dict:
+    """One eval.jsonl row (also training's)."""
     return {
         "task": task,
         "step": step,
@@ -139,13 +137,9 @@ def _prepare(
             )
         # tokenized once, for every checkpoint of the run:
         items, file = hs.load_items(data, file_option=file_option)
+        chosen = [items[i] for i in hs.select(len(items), limit)]
         # a run keeps its model config
-        return {
-            "file": file,
-            "rendered": hs.render(
-                [items[i] for i in hs.select(len(items), limit)], tok, cfg.model.block_size
-            ),
-        }
+        return {"file": file, "rendered": hs.render(chosen, tok, cfg.model.block_size)}
     if data is not None and Path(data).is_file():
         raise EvalError(
             f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
@@ -153,11 +147,8 @@ def _prepare(
     if not (data or state.data_dir):
         raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
     meta = read_meta(data or state.data_dir)
-    check_identity(
-        tok,
-        meta.tokenizer,
-        f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)",
-    )
+    needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"
+    check_identity(tok, meta.tokenizer, needs)
     return {"meta": meta, "val": MemmapSplit(meta, "val")}
 
 
@@ -196,14 +187,9 @@ def evaluate_run(
         lm = load_run(run_dir, step, device=dev)
         t0 = time.perf_counter()
         if task == "hellaswag":
+            desc = f"hellaswag step {step}"
             res = hs.evaluate_rendered(
-                lm.model,
-                prep["rendered"],
-                dev,
-                dt,
-                batch_tokens,
-                progress,
-                desc=f"hellaswag step {step}",
+                lm.model, prep["rendered"], dev, dt, batch_tokens, progress, desc=desc
             )
             result = hs.row_fields(res, prep["file"])
         else:
@@ -226,9 +212,8 @@ def evaluate_run(
         del lm  # before the next checkpoint loads
         try:
             append_jsonl(target, rows[-1])
-        except (
-            OSError
-        ) as e:  # the score is computed: keep going, say it once at the end (the rows are returned)
+        # the score is computed: keep going, say it once at the end (the rows are returned)
+        except OSError as e:
             unsaved, error = unsaved + 1, e
     if unsaved:
         warn(
@@ -270,24 +255,11 @@ def format_table(rows: list[dict]) -> str:
     cols = [(t, *c) for t in tasks for c in COLUMNS[t]]
     table = [["checkpoint", "tokens seen", *(h for _, _, h, _ in cols)]]
     for step, d in sorted(by_step.items()):
-        table.append(
-            [
-                f"step {step:,}",
-                cell(d["tokens_seen"], "{:,}"),
-                *(cell(d.get(t, {}).get(k), f) for t, k, _, f in cols),
-            ]
-        )
+        scores = [cell(d.get(t, {}).get(k), f) for t, k, _, f in cols]
+        table.append([f"step {step:,}", cell(d["tokens_seen"], "{:,}"), *scores])
     if "hellaswag" in tasks:
-        table.append(
-            [
-                "GPT-2 124M (OpenAI)",
-                "-",
-                *(
-                    cell(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f)
-                    for t, k, _, f in cols
-                ),
-            ]
-        )
+        gpt2 = [cell(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f) for t, k, _, f in cols]
+        table.append(["GPT-2 124M (OpenAI)", "-", *gpt2])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))

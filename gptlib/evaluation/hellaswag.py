@@ -34,9 +34,8 @@ GPT2_124M = {
 }
 
 
-def fetch_hellaswag(
-    file_option: str = "--data FILE",
-) -> Path:  # file_option: how the caller takes a local copy
+def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
+    """The canonical file (cached, verified); file_option: how the caller takes a local copy."""
     return fetch_verified(
         HELLASWAG_URL,
         default_cache_dir() / "hellaswag" / HELLASWAG_FILE,
@@ -112,9 +111,8 @@ def score_rows(
     copy from pageable memory, so on a GPU the host waits for the previous batch there once per batch."""
     device = torch.device(device)
     out = torch.zeros(len(seqs), dtype=torch.float64, device=device)
-    for idx in pack_batches(
-        [len(s) - 1 for s in seqs], batch_tokens or default_batch_tokens(device)
-    ):
+    lengths = [len(s) - 1 for s in seqs]
+    for idx in pack_batches(lengths, batch_tokens or default_batch_tokens(device)):
         # (B, L), padded on the right
         toks = np.zeros((len(idx), max(len(seqs[i]) for i in idx)), dtype=np.int64)
         mask = np.zeros((len(idx), toks.shape[1] - 1), dtype=bool)  # (B, L-1): the scored targets
@@ -162,11 +160,8 @@ def parse_items(text: str, where: str) -> list[Item]:
             label = int(label)
         if not isinstance(ctx, str) or not ctx:
             raise EvalError(f"{at}: field 'ctx' is {ctx!r}, expected a non-empty string")
-        if (
-            not isinstance(endings, list)
-            or len(endings) != 4
-            or not all(isinstance(e, str) for e in endings)
-        ):
+        four = isinstance(endings, list) and len(endings) == 4
+        if not four or not all(isinstance(e, str) for e in endings):
             raise EvalError(
                 f"{at}: field 'endings' is {str(endings)[:80]}, expected a list of 4 strings"
             )
@@ -192,11 +187,8 @@ def load_items(
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise EvalError(f"{path}: line {line} is not UTF-8 text (byte {e.start})") from None
-    return parse_items(text, str(path)), {
-        "path": str(path),
-        "sha256": sha,
-        "canonical": sha == HELLASWAG_SHA256,
-    }
+    file = {"path": str(path), "sha256": sha, "canonical": sha == HELLASWAG_SHA256}
+    return parse_items(text, str(path)), file
 
 
 def select(n: int, limit: int | None) -> list[int]:
@@ -345,9 +337,8 @@ class HellaSwagProbe:
             self._full = render(self.items, self.tokenizer, self.block_size)
         try:
             # beside training's memory: gpt2-small ~2 GB of logits, not ~8 GB at 64K
-            res = evaluate_rendered(
-                model, self._full if full else self._subset, torch.device(device), dtype, 16384
-            )
+            rendered = self._full if full else self._subset
+            res = evaluate_rendered(model, rendered, torch.device(device), dtype, 16384)
         except torch.OutOfMemoryError as e:  # never let the probe end a long run
             self.reason = f"out of memory while scoring ({e})"
             self.log(f"hellaswag: off from now on: {self.reason}")
@@ -356,12 +347,10 @@ class HellaSwagProbe:
 
 
 def metrics_fields(res: dict | None) -> dict:
-    return (
-        {}
-        if res is None
-        else {
-            "hellaswag_acc": round(res["acc"], 6),
-            "hellaswag_acc_norm": round(res["acc_norm"], 6),
-            "hellaswag_n": res["n"],
-        }
-    )
+    if res is None:
+        return {}
+    return {
+        "hellaswag_acc": round(res["acc"], 6),
+        "hellaswag_acc_norm": round(res["acc_norm"], 6),
+        "hellaswag_n": res["n"],
+    }

@@ -31,19 +31,16 @@ class ChatSession:
                 f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
                 f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR"
             ) from None
-        self.stop_ids = sorted(
-            {self.template.end_id, self.template.eot_id, *self.template.role_ids.values()}
-        )
+        template = self.template
+        self.stop_ids = sorted({template.end_id, template.eot_id, *template.role_ids.values()})
         self.engine, self.system, self.log = engine, system or None, log
         self.block_size = engine.model.config.block_size
         self.reply_cap = max(1, self.block_size // 2)  # rule (1)
         self.history: list[tuple[str, str]] = []
-        self.finish_reason = (
-            ""  # of the last reply: "eot" (a chat token), "length" or "stop" (a stop string)
-        )
-        self.reply_tokens = (
-            0  # tokens the model generated for the last reply (the final chat token included)
-        )
+        # of the last reply: "eot" (a chat token), "length" or "stop" (a stop string)
+        self.finish_reason = ""
+        # tokens the model generated for the last reply (the final chat token included)
+        self.reply_tokens = 0
         self._capped_said = False
 
     @classmethod
@@ -69,9 +66,8 @@ class ChatSession:
         """stream(piece) receives the reply's text as it is generated."""
         if not isinstance(text, str):
             raise ChatError(f"a message must be a string, not a {type(text).__name__}")
-        cfg = dataclasses.replace(
-            sampling or SamplingConfig()
-        ).validate()  # a copy: the cap must not leak out
+        # a copy: the cap must not leak out
+        cfg = dataclasses.replace(sampling or SamplingConfig()).validate()
         if cfg.max_new_tokens > self.reply_cap and not self._capped_said:
             self.log(
                 f"max_new_tokens={cfg.max_new_tokens} would leave too little of the {self.block_size}-token "
@@ -104,9 +100,8 @@ class ChatSession:
     def render(self, turns: list[tuple[str, str]]) -> list[int]:
         head = [("system", self.system)] if self.system else []
         messages = [{"role": r, "content": c} for r, c in head + turns]
-        return self.template.render(messages, require_assistant=False, generation_prompt=True)[
-            0
-        ].tolist()
+        ids = self.template.render(messages, require_assistant=False, generation_prompt=True)[0]
+        return ids.tolist()
 
     def prompt_ids(self, max_new_tokens: int) -> list[int]:
         """The prompt for the next reply (the history ends with the user's message): rules (2) and (3)."""
@@ -123,12 +118,8 @@ class ChatSession:
             return ids
         # rule (3): the longest tail of the newest message that fits (binary search)
         text = self.history[-1][1]
-        n = (
-            bisect.bisect_left(
-                range(len(text) + 1), True, key=lambda n: len(self._tail(text, n)) > room
-            )
-            - 1
-        )
+        lengths = range(len(text) + 1)
+        n = bisect.bisect_left(lengths, True, key=lambda n: len(self._tail(text, n)) > room) - 1
         if n < 0:
             raise ChatError(
                 f"the system prompt leaves no room for a message: it and max_new_tokens do not fit in "

@@ -26,11 +26,10 @@ def split_linear(
     x2 = x.reshape(-1, K)  # (R, K)
     w = weight.view(blocks, N // blocks, K).transpose(1, 2)  # (blocks, K, N/blocks), a view
     xb = x2.expand(blocks, *x2.shape)  # (blocks, R, K): the same rows for every block, no copy
-    y = (
-        torch.bmm(xb, w)
-        if bias is None
-        else torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
-    )
+    if bias is None:
+        y = torch.bmm(xb, w)
+    else:
+        y = torch.baddbmm(bias.view(blocks, 1, N // blocks), xb, w)
     return y.transpose(0, 1).reshape(*x.shape[:-1], N)  # (blocks, R, N/blocks) -> (..., N)
 
 

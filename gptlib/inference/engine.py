@@ -20,25 +20,20 @@ from gptlib.model import GPT, KVCache
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = (
-        200  # tokens generated per prompt (a stop string or end-of-text may end it earlier)
-    )
+    # tokens generated per prompt (a stop string or end-of-text may end it earlier)
+    max_new_tokens: int = 200
     temperature: float = 0.8  # divides the logits; 0 = greedy (argmax), higher = more random
     top_k: int | None = None  # sample only among the k most likely tokens; None or 0 = no limit
-    top_p: float | None = (
-        None  # nucleus: the fewest tokens whose probability sums to >= top_p; None or 1 = off
-    )
-    repetition_penalty: float = (
-        1.0  # > 1 makes tokens already in the context less likely (CTRL); 1 = off
-    )
+    # nucleus: the fewest tokens whose probability sums to >= top_p; None or 1 = off
+    top_p: float | None = None
+    # > 1 makes tokens already in the context less likely (CTRL); 1 = off
+    repetition_penalty: float = 1.0
     # a sequence ends when its text contains one of these (cut off)
     stop: list[str] = field(default_factory=list)
-    stop_at_eot: bool = (
-        True  # end a sequence at the tokenizer's end-of-text token (BPE), if it has one
-    )
-    seed: int | None = (
-        None  # fixes the sampling RNG: same seed, weights and settings -> same text; None = random
-    )
+    # end a sequence at the tokenizer's end-of-text token (BPE), if it has one
+    stop_at_eot: bool = True
+    # fixes the sampling RNG: same seed, weights and settings -> same text; None = random
+    seed: int | None = None
 
     def validate(self) -> "SamplingConfig":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
@@ -67,9 +62,8 @@ class Completion:
     prompt: str  # the prompt text ("" when generating from ids)
     text: str  # the generated text, without the prompt and without the stop string
     token_ids: list[int]  # the generated tokens (up to and including the one that completed a stop)
-    finish_reason: (
-        str  # "length" (max_new_tokens), "stop" (a stop string) or "eot" (end-of-text token)
-    )
+    # "length" (max_new_tokens), "stop" (a stop string) or "eot" (end-of-text token)
+    finish_reason: str
 
 
 def process_logits(
@@ -108,11 +102,8 @@ def sample_next(
     probs = torch.softmax(logits, dim=-1)
     # training's samples pass a CPU one
     gen_device = probs.device if generator is None else generator.device
-    q = (
-        torch.empty(probs.shape, device=gen_device)
-        .exponential_(1, generator=generator)
-        .to(probs.device)
-    )
+    q = torch.empty(probs.shape, device=gen_device).exponential_(1, generator=generator)
+    q = q.to(probs.device)
     # the CPU kernel can return exactly 0, and 0 / 0 = NaN would win argmax
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
@@ -121,20 +112,13 @@ def sample_next(
 class Engine:
     def __init__(self, model: GPT, tokenizer=None, step: int | None = None, source: str = ""):
         # used as is: from_run puts the model in eval mode
-        self.model, self.tokenizer = (
-            model,
-            tokenizer,
-        )
+        self.model, self.tokenizer = model, tokenizer
         # the checkpoint's training step and path, for display
-        self.step, self.source = (
-            step,
-            source,
-        )
+        self.step, self.source = step, source
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        self.split_matmuls: bool | None = (
-            None  # a CPU's few-row matmuls split (cpu_matmul): measured at first use
-        )
+        # a CPU's few-row matmuls split (cpu_matmul): measured at first use
+        self.split_matmuls: bool | None = None
 
     @classmethod
     def from_run(cls, run_dir, checkpoint: str | int = "latest", device: str = "cpu") -> "Engine":
@@ -175,12 +159,8 @@ class Engine:
         """-> (each prompt's new ids, why it ended: "eot", "length", or "stop" when on_step(rows with a new token,
         those tokens) returned the row)."""
         cfg.validate()
-        bs, dev, max_new, B = (
-            self.model.config.block_size,
-            self.device,
-            cfg.max_new_tokens,
-            len(prompts),
-        )
+        bs, dev = self.model.config.block_size, self.device
+        max_new, B = cfg.max_new_tokens, len(prompts)
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
             raise GenerationError(
                 f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)"
@@ -279,16 +259,12 @@ class Engine:
         """generate_ids and each row's new text (no end-of-text or stop string), decoded per token only if needed."""
         if stream is None and not cfg.stop:
             out, reasons = self.generate_ids(prompts, cfg, stop_ids=stop_ids)
-            return (
-                [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out],
-                out,
-                reasons,
-            )
+            texts = [self.tokenizer.decode([t for t in g if t not in stop_ids]) for g in out]
+            return texts, out, reasons
         streams = [_TextStream(self.tokenizer, cfg.stop) for _ in prompts]
 
-        def on_step(
-            rows: list[int], toks: list[int]
-        ) -> list[int]:  # -> the rows whose text reached a stop string
+        # -> the rows whose text reached a stop string
+        def on_step(rows: list[int], toks: list[int]) -> list[int]:
             stopped = []
             for r, t in zip(rows, toks):
                 # end-of-text is not part of the text
@@ -313,10 +289,7 @@ class _TextStream:
     def __init__(self, tok, stop: Sequence[str]):
         self.tok, self.stop = tok, list(stop)
         # the final text so far (before any stop string), and how much was shown
-        self.text, self.emitted = (
-            "",
-            0,
-        )
+        self.text, self.emitted = "", 0
         self._pending: list[int] = []  # tokens whose text is not complete yet
         self.stopped = False
 

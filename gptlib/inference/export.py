@@ -26,12 +26,7 @@ from gptlib.layout import CHECKPOINTS_DIR, LEASE_FILE, METRICS_FILE
 from gptlib.model import GPT, RMS_EPS
 
 # Linear (out, in) here, Conv1D (in, out) there
-GPT2_LINEARS = (
-    "attn.c_attn",
-    "attn.c_proj",
-    "mlp.c_fc",
-    "mlp.c_proj",
-)
+GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 GPT2_PARTS = dict(
     positions="learned", norm="layernorm", qk_norm=False, mlp="gelu", tie_embeddings=True
 )
@@ -100,11 +95,10 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     cfg, out = model.config, {}
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     for ours, theirs in weight_map(cfg):
-        w = (
-            sd[ours]
-            if ours in sd
-            else torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
-        )
+        if ours in sd:
+            w = sd[ours]
+        else:
+            w = torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
         if ours in ("transformer.wte.weight", "lm_head.weight"):
             w = w[: cfg.vocab_size]  # the padding rows never produce a token
         w = w.t() if is_conv1d(cfg, ours) else w
@@ -238,11 +232,8 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
         return
     if not out.is_dir():
         raise ExportError(f"--out {out} is a file; choose a folder")
-    if found := [
-        n
-        for n in (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
-        if (out / n).exists()
-    ]:
+    markers = (CHECKPOINTS_DIR, METRICS_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE)
+    if found := [n for n in markers if (out / n).exists()]:
         raise ExportError(
             f"--out {out} is a gptlib run or data directory (it holds {', '.join(found)}); "
             f"choose another folder for the export"
@@ -335,12 +326,8 @@ def gguf_tensors(model: GPT, arch: str, dtype: str):
             # as convert_hf_to_gguf.py does
             w = w.reshape(cfg.n_head, 2, -1, w.shape[1]).transpose(1, 2).reshape(w.shape)
         name, w = names.get_name(name, try_suffixes=(".weight", ".bias")), w.contiguous().numpy()
-        if (
-            dtype == "f32"
-            or w.ndim == 1
-            or name.endswith("_norm.weight")
-            or name.startswith("position_embd")
-        ):
+        full_precision = name.endswith("_norm.weight") or name.startswith("position_embd")
+        if dtype == "f32" or w.ndim == 1 or full_precision:
             yield name, w, t.F32
         elif dtype == "q8_0" and gguf.quants.Q8_0.can_quantize(w):
             yield name, gguf.quants.quantize(w, t.Q8_0), t.Q8_0
@@ -444,11 +431,5 @@ def export_gguf(
 ) -> Path:
     check_gguf_target(Path(out), overwrite, dtype)  # before reading gigabytes of weights
     ld = load_run(run_dir, checkpoint)
-    return write_gguf(
-        ld.model,
-        ld.tokenizer,
-        out,
-        dtype,
-        name=f"{Path(run_dir).name} (step {ld.step})",
-        overwrite=overwrite,
-    )
+    name = f"{Path(run_dir).name} (step {ld.step})"
+    return write_gguf(ld.model, ld.tokenizer, out, dtype, name=name, overwrite=overwrite)

@@ -43,13 +43,8 @@ def model_config(folder: Path) -> ModelConfig:
             f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
             f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's"
         )
-    _refuse_unless(
-        path,
-        {
-            "n_inner": (c.get("n_inner"), 4 * c["n_embd"], None),
-            **{k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()},
-        },
-    )
+    shape = {k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()}
+    _refuse_unless(path, {"n_inner": (c.get("n_inner"), 4 * c["n_embd"], None), **shape})
     return ModelConfig(
         vocab_size=c["vocab_size"],
         block_size=c.get("n_positions", c.get("n_ctx", 1024)),
@@ -108,9 +103,8 @@ def _llama_config(c: dict, where: str) -> ModelConfig:
     return cfg
 
 
-def _refuse_unless(
-    where, checks: dict[str, tuple]
-) -> None:  # key -> (the config's value, *what gptlib computes)
+def _refuse_unless(where, checks: dict[str, tuple]) -> None:
+    """checks: key -> (the config's value, *what gptlib computes)."""
     for key, (got, *allowed) in checks.items():
         if got not in allowed:
             raise ExportError(f"{where}: {key} is {got!r}; gptlib's model needs {allowed[0]!r}")
@@ -148,12 +142,8 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
         try:
             from huggingface_hub import snapshot_download
 
-            folder = Path(
-                snapshot_download(
-                    repo_id=str(name_or_dir),
-                    allow_patterns=["config.json", "model.safetensors", "tokenizer.json"],
-                )
-            )
+            wanted = ["config.json", "model.safetensors", "tokenizer.json"]
+            folder = Path(snapshot_download(repo_id=str(name_or_dir), allow_patterns=wanted))
         except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: one message either way
             raise ExportError(
                 f"--model {name_or_dir}: not a local folder, and not downloadable from the Hugging "

@@ -74,12 +74,10 @@ def checkpoint_label(row: dict) -> str:
     """A checkpoint_table row as "step 1,000 · val 1.523 (training's validation: 20 batches) · best": the loss training
     measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
     batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
-    val = (
-        f" · val {row['val_loss']:.3f} (training's validation{batches})"
-        if row.get("val_loss") is not None
-        else ""
-    )
-    return f"step {row['step']:,}{val}" + (" · best" if row.get("is_best") else "")
+    label = f"step {row['step']:,}"
+    if row.get("val_loss") is not None:
+        label += f" · val {row['val_loss']:.3f} (training's validation{batches})"
+    return label + (" · best" if row.get("is_best") else "")
 
 
 def resolve_checkpoint(
@@ -155,9 +153,8 @@ def load_run(
     load_weights_into(model, weights, info.path / MODEL_FILE)
     # "auto", or an error naming a missing one
     device = resolve_device(device) if isinstance(device, str) else device
-    model.to(
-        device=device, dtype=resolve_dtype("auto", device) if dtype == "auto" else dtype
-    ).eval()
+    dtype = resolve_dtype("auto", device) if dtype == "auto" else dtype
+    model.to(device=device, dtype=dtype).eval()
     return LoadedModel(
         model=model, tokenizer=tok, config=cfg, step=info.step, path=info.path, state=state
     )
@@ -218,18 +215,15 @@ def find_runs(
     if names.strip() or not found:
         return list(dict.fromkeys(found))  # this run named again: drawn once
 
-    def vocab(
-        run_dir: Path,
-    ) -> int | None:  # config.json is beside the checkpoints on the Drive mirror too
+    # config.json is beside the checkpoints on the Drive mirror too
+    def vocab(run_dir: Path) -> int | None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             return json.loads((run_dir / CONFIG_FILE).read_text())["model"]["vocab_size"]
         return None
 
     def others() -> list[str]:
-        folders, want = (
-            dict.fromkeys([roots.local / "runs", roots.persistent / "runs"]),
-            vocab(found[0]),
-        )
+        folders = dict.fromkeys([roots.local / "runs", roots.persistent / "runs"])
+        want = vocab(found[0])
         copies = [
             d for f in folders if f.is_dir() for d in sorted(f.iterdir()) if d.name != found[0].name
         ]
@@ -260,9 +254,8 @@ def run_history(run_dir: str | Path) -> tuple[list[dict], dict]:
             if (d / METRICS_FILE).is_file()
         ]
         config = run_dir / CONFIG_FILE
-        return read_jsonl(where[0]) if where else [], json.loads(
-            config.read_text()
-        ) if config.is_file() else {}
+        rows = read_jsonl(where[0]) if where else []
+        return rows, json.loads(config.read_text()) if config.is_file() else {}
 
     return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {run_dir / METRICS_FILE}")
 

@@ -119,9 +119,8 @@ class Mirror:
         self.error: str | None = None  # the last failure, until a copy succeeds
         self.failures = 0
         self._cv = threading.Condition()  # guards what follows
-        self._pending: Path | None = (
-            None  # newest local checkpoint not yet copied (a newer one replaces it)
-        )
+        # newest local checkpoint not yet copied (a newer one replaces it)
+        self._pending: Path | None = None
         self._newest: int | None = None  # the newest step given to copy: Drive must end with it
         self._milestones: list[Path] = []  # not yet copied, oldest first, copied after _pending
         self._milestones_paused = False  # after a failed copy, until the next checkpoint

@@ -120,9 +120,8 @@ class CheckpointWriter:
             logs = {name: (self.run_dir / name).read_bytes()[:n] for name, n in sizes.items()}
             step, best_step = ckpt["progress"]["step"], ckpt["progress"]["best_step"]
             if milestone := is_milestone(step, self.keep_every):
-                ckpt["progress"]["milestone"] = (
-                    True  # kept for good, even if keep_every changes later
-                )
+                # kept for good, even if keep_every changes later
+                ckpt["progress"]["milestone"] = True
             self.last_saved = save_checkpoint(checkpoints_dir(self.run_dir), ckpt, logs)
             protect = (
                 self.mirror.submit(self.last_saved, best_step, milestone) if self.mirror else set()

@@ -37,9 +37,8 @@ class Found:
     fs: Any
     path: str  # the path within fs
     size: int
-    sha256: str | None = (
-        None  # where the listing gives it (Hub LFS files): no read needed to identify the file
-    )
+    # where the listing gives it (Hub LFS files): no read needed to identify the file
+    sha256: str | None = None
 
 
 def list_files(fs, path: str, url: str) -> list[Found]:

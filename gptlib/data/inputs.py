@@ -26,9 +26,8 @@ READ_BUFFER = 1 << 20
 COMPRESSED_EXT = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z", ".tar")
 DEFAULT_TEXT_COLUMN = "text"
 CHAT_FIELDS = ("messages", "conversations")  # the chat field looked for when none is named
-_ERRORS = (
-    "gptlib.count_replace"  # codec error handler: invalid UTF-8 replaced by U+FFFD and counted
-)
+# codec error handler: invalid UTF-8 replaced by U+FFFD and counted
+_ERRORS = "gptlib.count_replace"
 invalid_utf8 = types.SimpleNamespace(count=0)  # replaced so far (the pass saves it with each batch)
 
 

@@ -46,9 +46,8 @@ class DevicePeak:
     name: str
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
-    units_per_hour: float | None = (
-        None  # Colab compute units per hour of this runtime; None if unknown
-    )
+    # Colab compute units per hour of this runtime; None if unknown
+    units_per_hour: float | None = None
 
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:

@@ -94,9 +94,8 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
     return list_files(fs, path, url)
 
 
-def http_status(
-    e: BaseException,
-) -> int | None:  # of an HTTP error from requests/httpx (huggingface_hub's)
+def http_status(e: BaseException) -> int | None:
+    """The status of an HTTP error from requests/httpx (huggingface_hub's); None for any other error."""
     return getattr(getattr(e, "response", None), "status_code", None)
 
 

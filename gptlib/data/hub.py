@@ -95,7 +95,7 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
 
 
 def http_status(e: BaseException) -> int | None:
-    """The status of an HTTP error from requests/httpx (huggingface_hub's); None for any other error."""
+    """The status of an HTTP error from requests/httpx (huggingface_hub's), else None."""
     return getattr(getattr(e, "response", None), "status_code", None)
 
 

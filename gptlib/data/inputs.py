@@ -149,7 +149,7 @@ def resolve_inputs(
 
 
 def _pick_column(column: str | None, names, fmt: str) -> str | None:
-    """The column asked for, else for chat the first of CHAT_FIELDS present, else the text column."""
+    """The column asked for, else for chat the first of CHAT_FIELDS present, else 'text'."""
     return column or (
         next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN
     )

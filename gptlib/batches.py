@@ -14,9 +14,8 @@ import torch
 from gptlib.data.shards import DataFormatError, DatasetMeta, read_meta, read_spans
 
 GiB = 1 << 30
-RAM_FRACTION = (
-    0.75  # preload into RAM only if the data takes at most this share of available RAM ...
-)
+# preload into RAM only if the data takes at most this share of available RAM ...
+RAM_FRACTION = 0.75
 RAM_RESERVE = 1 * GiB  # ... and still leaves this much for Python, the model and the OS
 GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training memory fit in this share of free memory
 _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
@@ -86,9 +85,8 @@ class MemmapSplit:
         self._check_vocab(out, pos)
         return _as_signed_view(out)
 
-    def _check_vocab(
-        self, tokens: np.ndarray, pos: np.ndarray | int
-    ) -> None:  # pos: each token's, or the first's
+    def _check_vocab(self, tokens: np.ndarray, pos: np.ndarray | int) -> None:
+        """DataFormatError for an id past the vocabulary; pos: each token's, or the first's."""
         if not tokens.size or int(tokens.max()) < self.vocab_size:
             return
         k = int(np.argmax(tokens.ravel() >= self.vocab_size))
@@ -167,12 +165,8 @@ class BatchSampler:
                 f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
                 f"or a larger val_fraction"
             )
-        self.data, self.batch_size, self.block_size, self.device = (
-            data,
-            batch_size,
-            block_size,
-            torch.device(device),
-        )
+        self.data, self.batch_size, self.block_size = data, batch_size, block_size
+        self.device = torch.device(device)
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
         self.seed, self.rank, self.world_size = seed + rank, rank, world_size
         self.generator = torch.Generator(device="cpu")
@@ -286,13 +280,11 @@ def load_dataset(
         src = MemmapSplit(meta, split)
         # free memory re-read per split
         plan = plan_data(len(src) * src.dtype.itemsize, device, reserve_gpu_bytes)
-        splits[split] = (
-            src
-            if plan.where == "memmap"
-            else SplitData(
-                _preload(src, device if plan.where == "gpu" else torch.device("cpu")), split
-            )
-        )
+        if plan.where == "memmap":
+            splits[split] = src
+        else:
+            target = device if plan.where == "gpu" else torch.device("cpu")
+            splits[split] = SplitData(_preload(src, target), split)
         log(f"data: {split} {len(src):,} tokens -> {plan.where.upper()}: {plan.reason}")
     log(
         f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})"

@@ -15,32 +15,26 @@ from gptlib.errors import ConfigError
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = (
-        65  # tokens the tokenizer can produce; train() takes it from the data's metadata
-    )
+    # tokens the tokenizer can produce; train() takes it from the data's metadata
+    vocab_size: int = 65
     block_size: int = 256  # context length in tokens (learned position embeddings up to this)
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads per block; must divide n_embd
     n_embd: int = 128  # residual stream width
     dropout: float = 0.0  # dropout on attention/MLP outputs; 0 is best for short single-epoch runs
-    bias: bool = (
-        False  # biases in Linear and LayerNorm (GPT-2 had them; without is slightly faster)
-    )
-    vocab_multiple: int = (
-        64  # embedding rows padded to a multiple of this for fast matmuls; logits cut to vocab_size
-    )
+    # biases in Linear and LayerNorm (GPT-2 had them; without is slightly faster)
+    bias: bool = False
+    # embedding rows padded to a multiple of this for fast matmuls; logits cut to vocab_size
+    vocab_multiple: int = 64
     # The recipe's parts (RECIPES): the defaults are GPT-2's, so configs saved before these fields load unchanged.
-    positions: str = (
-        "learned"  # learned (GPT-2: one embedding per position) | rope (rotary: relative, no table)
-    )
+    # learned (GPT-2: one embedding per position) | rope (rotary: relative, no table)
+    positions: str = "learned"
     norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm (no mean, no bias: Llama, Qwen3)
-    qk_norm: bool = (
-        False  # RMS-normalise each head's queries and keys (Qwen3): bounded attention logits
-    )
+    # RMS-normalise each head's queries and keys (Qwen3): bounded attention logits
+    qk_norm: bool = False
     mlp: str = "gelu"  # gelu (GPT-2, hidden 4C) | swiglu (SiLU-gated, hidden ~8C/3: Llama, Qwen3)
-    tie_embeddings: bool = (
-        True  # the output layer shares the input embedding's weights (GPT-2); False: its own
-    )
+    # the output layer shares the input embedding's weights (GPT-2); False: its own
+    tie_embeddings: bool = True
     zero_init: bool = False  # attention, MLP (and untied head) output projections start at 0: blocks start as identity
     rope_theta: float = 10000.0  # rotary base: the longest wavelength; 10k suits contexts up to a few thousand tokens
 
@@ -70,9 +64,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 32  # sequences per micro-batch (per process under DDP)
-    grad_accum_steps: int = (
-        1  # micro-batches per optimizer step; tokens/step = batch_size * block_size * this
-    )
+    # micro-batches per optimizer step; tokens/step = batch_size * block_size * this
+    grad_accum_steps: int = 1
     max_steps: int = 2000  # optimizer steps in the whole run (the schedule ends here)
     learning_rate: float = 1e-3  # peak learning rate after warmup
     min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
@@ -88,44 +81,34 @@ class TrainConfig:
     sample_prompts: list[str] = field(default_factory=lambda: ["\n"])
     sample_tokens: int = 200  # new tokens per logged sample
     seed: int = 1337  # seeds model init and the batch sampler; the run is reproducible from it
-    device: str = (
-        "auto"  # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (the current GPU) | mps
-    )
+    # auto (cuda, else mps, else cpu) | cpu | cuda | cuda:N (the current GPU) | mps
+    device: str = "auto"
     dtype: str = "auto"  # auto (bf16 where the GPU has it, fp16 + GradScaler on a T4, fp32 on CPU) | float32 | ...
-    compile: str = (
-        "auto"  # auto (on for CUDA runs of >= runtime.COMPILE_MIN_FLOPS, off on CPU) | on | off
-    )
-    max_minutes: float = (
-        0.0  # stop gracefully (with a checkpoint) after this much training time; 0 = no limit
-    )
+    # auto (on for CUDA runs of >= runtime.COMPILE_MIN_FLOPS, off on CPU) | on | off
+    compile: str = "auto"
+    # stop gracefully (with a checkpoint) after this much training time; 0 = no limit
+    max_minutes: float = 0.0
     save_every_steps: int = 0  # checkpoint every this many steps; 0 = at each validation
-    save_every_minutes: float = (
-        10.0  # also checkpoint when this much time passed since the last one; 0 disables
-    )
+    # also checkpoint when this much time passed since the last one; 0 disables
+    save_every_minutes: float = 10.0
     keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
     keep_every: int = 0  # keep for good the checkpoints at multiples of this step (notebook 04 compares them); 0 = none
-    hellaswag_every: int = (
-        0  # score a HellaSwag subset every this many steps, all of it at the end; 0 = off
-    )
-    hellaswag_items: int = (
-        1000  # that subset, evenly spaced (1,000 items: +-1.4 points standard error); 0 = all
-    )
-    hellaswag_file: str = (
-        ""  # a local hellaswag_val.jsonl; "" = the canonical file, downloaded once into the cache
-    )
+    # score a HellaSwag subset every this many steps, all of it at the end; 0 = off
+    hellaswag_every: int = 0
+    # that subset, evenly spaced (1,000 items: +-1.4 points standard error); 0 = all
+    hellaswag_items: int = 1000
+    # a local hellaswag_val.jsonl; "" = the canonical file, downloaded once into the cache
+    hellaswag_file: str = ""
     chat_loss: str = "assistant"  # chat data: the loss on the assistants' answers and <|end|> only | all (every token)
-    optimizer: str = (
-        "adamw"  # adamw (GPT-2) | muon (Muon for the blocks' 2-D weights, AdamW for the rest)
-    )
+    # adamw (GPT-2) | muon (Muon for the blocks' 2-D weights, AdamW for the rest)
+    optimizer: str = "adamw"
     muon_lr: float = 0.02  # Muon's peak learning rate (the schedule scales it with learning_rate's)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
     schedule: str = "cosine"  # cosine (GPT-2) | wsd (warmup, stable, linear decay: extends to a larger max_steps)
-    cooldown_frac: float = (
-        0.4  # wsd: the fraction of max_steps at the end over which the LR decays to min_lr_ratio
-    )
-    colab_units_per_hour: float = (
-        0.0  # Colab units this runtime uses per hour; 0 = throughput.COLAB_UNITS_PER_HOUR
-    )
+    # wsd: the fraction of max_steps at the end over which the LR decays to min_lr_ratio
+    cooldown_frac: float = 0.4
+    # Colab units this runtime uses per hour; 0 = throughput.COLAB_UNITS_PER_HOUR
+    colab_units_per_hour: float = 0.0
     auto_batch: bool = False  # CUDA: the largest micro-batch that fits, grad_accum_steps keeping the tokens per step
 
     def validate(self) -> None:
@@ -146,9 +129,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     preset: str = "custom"  # the preset this config started from (informational)
     recipe: str = "gpt2"  # the recipe its fields started from (RECIPES); a run resumes with its own
-    gptlib_version: str = (
-        __version__  # the gptlib that trained with it last ("" in a config of 0.1.0 or earlier)
-    )
+    # the gptlib that trained with it last ("" in a config of 0.1.0 or earlier)
+    gptlib_version: str = __version__
 
     @property
     def tokens_per_step(self) -> int:
@@ -376,14 +358,8 @@ def build_config(
 
 
 _BOOLS = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
 }
 
 

@@ -65,11 +65,8 @@ def _read(path: Path) -> Holder | str | None:
 
 class RunLease:
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
-        self.dirs, self.take_over, self.log = (
-            [Path(d) for d in dirs if d is not None],
-            take_over,
-            log,
-        )
+        self.dirs = [Path(d) for d in dirs if d is not None]
+        self.take_over, self.log = take_over, log
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
         self.started = time.time()
@@ -88,9 +85,8 @@ class RunLease:
                 self._write(d / LEASE_FILE)
             except HungIOError:
                 raise
-            except (
-                OSError
-            ) as e:  # the first write to the run dir: say what is wrong with it, not a traceback
+            except OSError as e:
+                # the first write to the run dir: say what is wrong with it, not a traceback
                 self.release()
                 raise cannot_write(d, e) from None
             self._held.append(d)

@@ -72,11 +72,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
     """Mixed-precision autocast for a half dtype; a no-op context for float32. Reusable across `with` blocks."""
-    return (
-        contextlib.nullcontext()
-        if dtype == torch.float32
-        else torch.autocast(device_type=device.type, dtype=dtype)
-    )
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def use_compile(setting: str, device: torch.device, run_flops: float | None = None) -> bool:

@@ -40,15 +40,12 @@ from gptlib.layout import (
 )
 
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
-MIRROR_STALL_TIMEOUT_S = (
-    180.0  # an attempt with no progress for this long is a hung Drive: abandoned
-)
-MIRROR_CLOSE_TIMEOUT_S = (
-    600.0  # at the end of training, wait at most this long for the last Drive copy
-)
-MIRROR_TIDY_TIMEOUT_S = (
-    60.0  # rotating the mirror and copying the run's logs there: give up after this
-)
+# an attempt with no progress for this long is a hung Drive: abandoned
+MIRROR_STALL_TIMEOUT_S = 180.0
+# at the end of training, wait at most this long for the last Drive copy
+MIRROR_CLOSE_TIMEOUT_S = 600.0
+# rotating the mirror and copying the run's logs there: give up after this
+MIRROR_TIDY_TIMEOUT_S = 60.0
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
 NO_MIRROR_STATUS = {
     "mirror_step": None,
@@ -106,12 +103,8 @@ class Mirror:
         unreadable: set[Path] = frozenset(),
         listed_step: int | None = None,
     ):
-        self.run_dir, self.mirror_dir, self.keep_last, self.keep_every = (
-            run_dir,
-            mirror_dir,
-            keep_last,
-            keep_every,
-        )
+        self.run_dir, self.mirror_dir = run_dir, mirror_dir
+        self.keep_last, self.keep_every = keep_last, keep_every
         self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
         self.listed_step = listed_step  # the newest step listed on the mirror at resume
@@ -119,9 +112,8 @@ class Mirror:
         self.error: str | None = None  # the last failure, until a copy succeeds
         self.failures = 0
         self._cv = threading.Condition()  # guards what follows
-        self._pending: Path | None = (
-            None  # newest local checkpoint not yet copied (a newer one replaces it)
-        )
+        # newest local checkpoint not yet copied (a newer one replaces it)
+        self._pending: Path | None = None
         self._newest: int | None = None  # the newest step given to copy: Drive must end with it
         self._milestones: list[Path] = []  # not yet copied, oldest first, copied after _pending
         self._milestones_paused = False  # after a failed copy, until the next checkpoint
@@ -241,11 +233,9 @@ class Mirror:
     def _newest_on_drive(self) -> str:
         if self.last_step is not None:
             return f"step {self.last_step:,}"
-        return (
-            "none yet"
-            if self.listed_step is None
-            else f"step {self.listed_step:,} (found there at start)"
-        )
+        if self.listed_step is None:
+            return "none yet"
+        return f"step {self.listed_step:,} (found there at start)"
 
     def _tidy(self, path: Path) -> None:
         """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
@@ -282,11 +272,8 @@ class Mirror:
         """The newest checkpoint given to copy, while Drive does not have it (None: it has, or none was given)."""
         with self._cv:
             newest = self._newest
-        return (
-            newest
-            if newest is not None and (self.last_step is None or self.last_step < newest)
-            else None
-        )
+        behind = newest is not None and (self.last_step is None or self.last_step < newest)
+        return newest if behind else None
 
     def status(self) -> dict:
         return {

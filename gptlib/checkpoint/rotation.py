@@ -48,11 +48,9 @@ def prune_damaged(
     older ones are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the one kept, the removed
     ones with their sizes in bytes)."""
     root = checkpoints_dir(run_dir)
-    aside = (
-        [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()]
-        if root.is_dir()
-        else []
-    )
+    aside = []
+    if root.is_dir():
+        aside = [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()]
     # by the time it was set aside
     aside.sort(key=lambda p: (p.name.split(DAMAGED_MARKER)[1], step_of(p)))
     removed = []
@@ -71,13 +69,8 @@ def marked_milestone(path: Path) -> bool:
     """state.json says milestone: kept even if keep_every changed since. OSError (a hung Drive): the caller keeps it."""
     try:
         return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
-    # no state.json, or not JSON: not a marked milestone
-    except (
-        FileNotFoundError,
-        ValueError,
-        AttributeError,
-    ):
-        return False
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False  # no state.json, or not JSON: not a marked milestone
 
 
 def rotate(

@@ -76,9 +76,8 @@ class CheckpointWriter:
         self.last_save = time.time()  # for save_every_minutes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._host: list[
-            torch.Tensor
-        ] = []  # the host copy of the state, reused by every save (see _snapshot)
+        # the host copy of the state, reused by every save (see _snapshot)
+        self._host: list[torch.Tensor] = []
 
     def _snapshot(self, obj: Any) -> Any:
         """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.5 GB is most of a
@@ -86,9 +85,8 @@ class CheckpointWriter:
         for gpt2-small's 1.5 GB; not measured on a GPU)."""
         unique: dict[tuple, torch.Tensor] = {}
         _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
-        if [(h.dtype, h.shape) for h in self._host] != [
-            (t.dtype, t.shape) for t in unique.values()
-        ]:
+        shapes = [(t.dtype, t.shape) for t in unique.values()]
+        if [(h.dtype, h.shape) for h in self._host] != shapes:
             self._host = [torch.empty(t.shape, dtype=t.dtype) for t in unique.values()]
         views = {key: host.copy_(src) for (key, src), host in zip(unique.items(), self._host)}
         return _map_tensors(obj, lambda t: views[_storage_key(t)])
@@ -120,9 +118,8 @@ class CheckpointWriter:
             logs = {name: (self.run_dir / name).read_bytes()[:n] for name, n in sizes.items()}
             step, best_step = ckpt["progress"]["step"], ckpt["progress"]["best_step"]
             if milestone := is_milestone(step, self.keep_every):
-                ckpt["progress"]["milestone"] = (
-                    True  # kept for good, even if keep_every changes later
-                )
+                # kept for good, even if keep_every changes later
+                ckpt["progress"]["milestone"] = True
             self.last_saved = save_checkpoint(checkpoints_dir(self.run_dir), ckpt, logs)
             protect = (
                 self.mirror.submit(self.last_saved, best_step, milestone) if self.mirror else set()

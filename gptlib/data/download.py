@@ -37,11 +37,10 @@ def fetch_tinyshakespeare(
     A checksum mismatch is an error, never another corpus."""
     if local_path is not None and not Path(local_path).is_file():
         raise PrepareError(f"local Tiny Shakespeare file {local_path} does not exist")
-    target = (
-        Path(local_path)
-        if local_path is not None
-        else Path(cache_dir or default_cache_dir()) / "tinyshakespeare.txt"
-    )
+    if local_path is not None:
+        target = Path(local_path)
+    else:
+        target = Path(cache_dir or default_cache_dir()) / "tinyshakespeare.txt"
     return fetch_verified(
         None if local_path is not None else TINYSHAKESPEARE_URL,
         target,
@@ -78,10 +77,7 @@ def fetch_verified(
         try:
             with urllib.request.urlopen(url, timeout=timeout) as r:
                 data = r.read()
-        except (
-            OSError,
-            ValueError,
-        ) as e:  # URLError is an OSError; a malformed URL is a ValueError
+        except (OSError, ValueError) as e:  # URLError is an OSError; a malformed URL a ValueError
             raise error_cls(
                 f"could not download {name} from {url}: {e}. Without a network, pass a local copy "
                 f"{local_hint}"

@@ -60,11 +60,9 @@ class Pass:
         self.out_dir = out_dir
         self.spec, self.identity, self.sources, self.tok = spec, identity, sources, tok
         self.template = ChatTemplate(tok) if spec.get("format") == "chat" else None
-        self.resume, self.emitted, self.stats = (
-            progress["resume"],
-            progress["emitted"],
-            progress["stats"],
-        )
+        self.resume = progress["resume"]
+        self.emitted = progress["emitted"]
+        self.stats = progress["stats"]
         self.max_tokens = spec.get("max_tokens")
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
@@ -222,46 +220,29 @@ class Pass:
             count[s] += len(x)
             stats["characters"] += len(p.text)
             if p.doc_end:
-                stats["documents" if p.text else "empty_documents"] += (
-                    1  # empty: a blank line, null or ""
-                )
+                # empty: a blank line, null or ""
+                stats["documents" if p.text else "empty_documents"] += 1
                 if p.text and eot is not None:
                     parts[s].append([eot])
                     count[s] += 1
-                if (
-                    self.max_tokens is not None
-                    and total0 + count["train"] + count["val"] >= self.max_tokens
-                ):
-                    self.stopped = {
-                        "file": str(self.sources[p.pos["file"]].path),
-                        "document": p.doc,
-                    }
+                if self.max_tokens is not None and total0 + sum(count.values()) >= self.max_tokens:
+                    where = str(self.sources[p.pos["file"]].path)
+                    self.stopped = {"file": where, "document": p.doc}
                     break
         for s in ("train", "val"):
-            sp = (
-                np.array(spans[s], dtype=np.int64).reshape(-1, 2)
-                if self.template is not None
-                else None
-            )
-            if sp is not None:
-                stats.setdefault("assistant_tokens", {"train": 0, "val": 0})[s] += int(
-                    (sp[:, 1] - sp[:, 0]).sum()
-                )
+            sp = None
+            if self.template is not None:
+                sp = np.array(spans[s], dtype=np.int64).reshape(-1, 2)
+                assistant = stats.setdefault("assistant_tokens", {"train": 0, "val": 0})
+                assistant[s] += int((sp[:, 1] - sp[:, 0]).sum())
             self.writers[s].write(to_array(parts[s], self.dtype), sp)
             self.emitted[s] += count[s]
-        self.tokens_run += count["train"] + count["val"]
+        self.tokens_run += sum(count.values())
         stats["bytes"] += nbytes
         stats["replaced_invalid_utf8"] = batch.invalid_utf8
         # float per-row shares may overshoot
-        self.bar.update(
-            max(
-                0.0,
-                min(
-                    count["train"] + count["val"] if self.max_tokens else nbytes,
-                    self.bar.total - self.bar.n,
-                ),
-            )
-        )
+        advance = sum(count.values()) if self.max_tokens else nbytes
+        self.bar.update(max(0.0, min(advance, self.bar.total - self.bar.n)))
         if not self.max_tokens:  # a bar of bytes: the tokens too
             rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
             self.bar.set_postfix_str(

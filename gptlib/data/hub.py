@@ -37,9 +37,8 @@ class Found:
     fs: Any
     path: str  # the path within fs
     size: int
-    sha256: str | None = (
-        None  # where the listing gives it (Hub LFS files): no read needed to identify the file
-    )
+    # where the listing gives it (Hub LFS files): no read needed to identify the file
+    sha256: str | None = None
 
 
 def list_files(fs, path: str, url: str) -> list[Found]:
@@ -95,9 +94,8 @@ def resolve_url(url: str, hf_config: str | None = None, hf_split: str | None = N
     return list_files(fs, path, url)
 
 
-def http_status(
-    e: BaseException,
-) -> int | None:  # of an HTTP error from requests/httpx (huggingface_hub's)
+def http_status(e: BaseException) -> int | None:
+    """The status of an HTTP error from requests/httpx (huggingface_hub's), else None."""
     return getattr(getattr(e, "response", None), "status_code", None)
 
 

@@ -26,9 +26,8 @@ READ_BUFFER = 1 << 20
 COMPRESSED_EXT = (".gz", ".bz2", ".xz", ".zst", ".zip", ".7z", ".tar")
 DEFAULT_TEXT_COLUMN = "text"
 CHAT_FIELDS = ("messages", "conversations")  # the chat field looked for when none is named
-_ERRORS = (
-    "gptlib.count_replace"  # codec error handler: invalid UTF-8 replaced by U+FFFD and counted
-)
+# codec error handler: invalid UTF-8 replaced by U+FFFD and counted
+_ERRORS = "gptlib.count_replace"
 invalid_utf8 = types.SimpleNamespace(count=0)  # replaced so far (the pass saves it with each batch)
 
 
@@ -70,9 +69,8 @@ class Source:
     def key(self) -> str:
         """Seeds the per-document split hash. A big Hub file is listed with its full sha256: its sampled hash (as
         for the same file on disk: 3 ranged reads) is computed here, when the pass reaches it."""
-        return (self.hash if self.canonical else content_hash(self.open, self.size)).split(":", 1)[
-            1
-        ][:16]
+        full = self.hash if self.canonical else content_hash(self.open, self.size)
+        return full.split(":", 1)[1][:16]
 
     def open(self) -> io.BufferedReader:
         raw = (
@@ -86,28 +84,18 @@ class Source:
 def source(f: Path | Found) -> Source:
     """A file with its identity: a local one hashed; a Hub file by the sha256 its listing gives, nothing read."""
     name = str(f.path if isinstance(f, Found) else f).lower()
-    kind = (
-        "parquet"
-        if name.endswith((".parquet", ".pq"))
-        else "jsonl"
-        if name.endswith((".jsonl", ".ndjson"))
-        else "text"
-    )
+    kind = "text"
+    if name.endswith((".parquet", ".pq")):
+        kind = "parquet"
+    elif name.endswith((".jsonl", ".ndjson")):
+        kind = "jsonl"
     if isinstance(f, Found) and f.sha256 is not None:
-        return Source(
-            f.url,
-            kind,
-            f.size,
-            "sha256:" + f.sha256,
-            f.fs,
-            f.path,
-            canonical=f.size <= FULL_HASH_LIMIT,
-        )
-    src = (
-        Source(f, kind, f.stat().st_size, "")
-        if isinstance(f, Path)
-        else Source(f.url, kind, f.size, "", f.fs, f.path)
-    )
+        sha = "sha256:" + f.sha256
+        return Source(f.url, kind, f.size, sha, f.fs, f.path, canonical=f.size <= FULL_HASH_LIMIT)
+    if isinstance(f, Path):
+        src = Source(f, kind, f.stat().st_size, "")
+    else:
+        src = Source(f.url, kind, f.size, "", f.fs, f.path)
     try:
         src.hash = content_hash(src.open, src.size)
     except Exception as e:  # noqa: BLE001
@@ -150,13 +138,9 @@ def resolve_inputs(
     unique: dict = {}
     ex = exclude.resolve()  # never read our own output (an --out inside an input directory)
     for f in files:
-        local = (
-            f
-            if isinstance(f, Path)
-            else Path(f.path)
-            if f.fs.protocol in ("file", ("file", "local"))
-            else None
-        )
+        local = f if isinstance(f, Path) else None
+        if isinstance(f, Found) and f.fs.protocol in ("file", ("file", "local")):
+            local = Path(f.path)
         if local is None or ex not in local.resolve().parents:
             unique.setdefault(f.url if isinstance(f, Found) else f.resolve(), f)
     if not unique:
@@ -164,9 +148,8 @@ def resolve_inputs(
     return list(unique.values())
 
 
-def _pick_column(
-    column: str | None, names, fmt: str
-) -> str | None:  # for chat: the first of CHAT_FIELDS present
+def _pick_column(column: str | None, names, fmt: str) -> str | None:
+    """The column asked for, else for chat the first of CHAT_FIELDS present, else 'text'."""
     return column or (
         next((c for c in CHAT_FIELDS if c in names), None) if fmt == "chat" else DEFAULT_TEXT_COLUMN
     )

@@ -369,35 +369,10 @@ def _check_result(progress: dict, val_fraction: float) -> None:
 
 
 def _write_meta(p: Pass, reused: Tokenizer | None, empty: list, column: str | None, t0: float):
-    """meta.json last (a half-written dataset never looks complete), then the resume state goes."""
-    extra = {
-        **_extra_meta(p.tok, reused, p.spec, p.stats, empty, column, p.stopped),
-        "elapsed_s": round(time.time() - t0, 3),
-    }
-    write_meta(
-        p.out_dir,
-        vocab_size=p.tok.vocab_size,
-        tokenizer=p.identity,
-        splits={s: w.close() for s, w in p.writers.items()},
-        sources=[s.record() for s in p.sources],
-        extra=extra,
-    )
-    (p.out_dir / PREPARE_STATE_FILE).unlink()
-    return read_meta(p.out_dir)
-
-
-def _extra_meta(
-    tok: Tokenizer,
-    reused: Tokenizer | None,
-    spec: dict,
-    stats: dict,
-    empty: list,
-    column: str | None,
-    stopped: dict | None,
-) -> dict:
-    """tokenizer_base: a reused tokenizer before the chat tokens were added (fine-tuning checks that its model's
-    vocabulary is a prefix of the data's)."""
-    fmt = spec.get("format", "text")
+    """meta.json last (a half-written dataset never looks complete), then the resume state goes. tokenizer_base: a
+    reused tokenizer before the chat tokens were added (fine-tuning checks that its model's vocabulary is a prefix of
+    the data's)."""
+    spec, stats, fmt = p.spec, p.stats, p.spec.get("format", "text")
     extra: dict[str, Any] = {
         "format": fmt,
         **{
@@ -414,7 +389,7 @@ def _extra_meta(
         "split": spec["split"],
         "val_fraction": spec["val_fraction"],
         "text_column": column if fmt == "chat" else spec["text_column"],
-        "eot_id": tok.eot_id,
+        "eot_id": p.tok.eot_id,
         "shard_tokens": spec["shard_tokens"],
         "prepare_spec": spec,
     }
@@ -425,7 +400,7 @@ def _extra_meta(
         }
     if fmt == "chat":  # the pass checked that tok has the chat tokens
         extra.update(
-            chat=ChatTemplate(tok).meta(),
+            chat=ChatTemplate(p.tok).meta(),
             malformed_conversations=stats.get("malformed_conversations", 0),
             malformed_examples=stats.get("malformed_examples", []),
             assistant_tokens=stats.get("assistant_tokens", {"train": 0, "val": 0}),
@@ -433,7 +408,17 @@ def _extra_meta(
     if "max_tokens" in spec:
         extra.update(
             max_tokens=spec["max_tokens"],
-            stop_reason="max_tokens" if stopped else "end_of_input",
-            **({"stopped_at": stopped} if stopped else {}),
+            stop_reason="max_tokens" if p.stopped else "end_of_input",
+            **({"stopped_at": p.stopped} if p.stopped else {}),
         )
-    return extra
+    extra["elapsed_s"] = round(time.time() - t0, 3)
+    write_meta(
+        p.out_dir,
+        vocab_size=p.tok.vocab_size,
+        tokenizer=p.identity,
+        splits={s: w.close() for s, w in p.writers.items()},
+        sources=[s.record() for s in p.sources],
+        extra=extra,
+    )
+    (p.out_dir / PREPARE_STATE_FILE).unlink()
+    return read_meta(p.out_dir)

@@ -18,9 +18,8 @@ from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_d
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
-PREPARE_STATE_FILE = (
-    "prepare_state.json"  # present only while a tokenize run is unfinished (encode.py)
-)
+# present only while a tokenize run is unfinished (encode.py)
+PREPARE_STATE_FILE = "prepare_state.json"
 SPAN_DTYPE = np.dtype("<i8")
 
 
@@ -33,9 +32,8 @@ def _clip_spans(spans: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return s[s[:, 1] > s[:, 0]]
 
 
-def merge_spans(
-    spans: np.ndarray,
-) -> np.ndarray:  # [a, b), [b, c) -> [a, c) in sorted disjoint spans
+def merge_spans(spans: np.ndarray) -> np.ndarray:
+    """[a, b), [b, c) -> [a, c) in sorted disjoint spans."""
     if len(spans) < 2:
         return spans
     first = np.r_[True, spans[1:, 0] != spans[:-1, 1]]  # each merged span's first and last parts
@@ -58,12 +56,8 @@ class ShardWriter:
         on_full=None,
         with_spans: bool = False,
     ):
-        self.out_dir, self.split, self.on_full, self.with_spans = (
-            Path(out_dir),
-            split,
-            on_full,
-            with_spans,
-        )
+        self.out_dir, self.split = Path(out_dir), split
+        self.on_full, self.with_spans = on_full, with_spans
         self.dtype = np.dtype(dtype).newbyteorder("<")  # the files are little-endian
         self.shard_tokens, self.skip, self.filled = int(shard_tokens), int(skip), 0
         self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
@@ -71,11 +65,9 @@ class ShardWriter:
         self.spans: list[np.ndarray] = []  # spans of the buffered tokens (offsets into the buffer)
 
     def write(self, ids: np.ndarray, spans: np.ndarray | None = None) -> None:
-        spans = (
-            np.zeros((0, 2), np.int64)
-            if spans is None
-            else np.asarray(spans, np.int64).reshape(-1, 2)
-        )
+        if spans is None:
+            spans = np.zeros((0, 2), np.int64)
+        spans = np.asarray(spans, np.int64).reshape(-1, 2)
         if self.skip:
             k = min(self.skip, ids.size)
             ids, spans, self.skip = ids[k:], _clip_spans(spans, k, ids.size), self.skip - k
@@ -217,9 +209,8 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
         ) from None
 
 
-def _run_dir_message(
-    data_dir: Path,
-) -> str | None:  # a training run, or one of its checkpoints, given as data
+def _run_dir_message(data_dir: Path) -> str | None:
+    """What to pass instead, where a training run, or one of its checkpoints, is given as data."""
     states = [
         *data_dir.glob(STATE_FILE),
         *sorted(checkpoints_dir(data_dir).glob(f"step_*/{STATE_FILE}")),
@@ -272,14 +263,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
             f"{tok_file}: sha256 {got[:16]}... differs from meta.json tokenizer.hash "
             f"{tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing"
         )
-    return DatasetMeta(
-        data_dir=data_dir,
-        vocab_size=vocab_size,
-        dtype=dtype,
-        tokenizer=tokenizer,
-        splits=splits,
-        raw=m,
-    )
+    return DatasetMeta(data_dir, vocab_size, dtype, tokenizer, splits, raw=m)
 
 
 def _check_size(data_dir: Path, file: str, n: int, itemsize: int, what: str) -> Path:
@@ -298,9 +282,8 @@ def check_shard(data_dir: Path, s: dict, dtype: np.dtype, chat: bool = False) ->
     _check_size(data_dir, s["file"], s["tokens"], dtype.itemsize, "shard")
     if chat or "spans" in s:
         sp, n = _load_spans(data_dir, s), int(s["tokens"])
-        if ((sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)).any() or (
-            sp[1:, 0] < sp[:-1, 1]
-        ).any():
+        bad = (sp[:, 0] < 0) | (sp[:, 1] <= sp[:, 0]) | (sp[:, 1] > n)
+        if bad.any() or (sp[1:, 0] < sp[:-1, 1]).any():
             raise DataFormatError(
                 f"spans file {data_dir / s['spans']['file']}: the spans are not sorted, disjoint, "
                 f"non-empty ranges within the shard's {n} tokens"

@@ -26,19 +26,9 @@ from gptlib.errors import PrepareError
 PIECE_CHARS = 1 << 16  # longest text handed to the encoder as one item (long documents are cut)
 ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
 # seconds before each new attempt after a read error (~4 min)
-RETRY_DELAYS = (
-    1,
-    2,
-    5,
-    10,
-    30,
-    60,
-    60,
-    60,
-)
-TRAIN_FILES = (
-    64  # a tokenizer-training budget is spread over at most this many files (evenly spaced)
-)
+RETRY_DELAYS = (1, 2, 5, 10, 30, 60, 60, 60)
+# a tokenizer-training budget is spread over at most this many files (evenly spaced)
+TRAIN_FILES = 64
 _CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 continuation bytes
 
 
@@ -50,16 +40,13 @@ class Piece:  # at most PIECE_CHARS characters of one document (or turn)
     split: str | None  # forced split (tail mode), else None = decided per document
     pos: dict  # where the stream continues after this piece: {"file", "doc", "byte", "char"[, "turn"]}
     nbytes: float  # input bytes this piece accounts for (progress)
-    role: str | None = (
-        None  # chat: the role of the turn this piece is text of ("system" | "user" | "assistant")
-    )
+    # chat: the role of the turn this piece is text of ("system" | "user" | "assistant")
+    role: str | None = None
     turn_start: bool = False  # chat: the first piece of its turn (the role marker goes before it)
-    turn_end: bool = (
-        False  # chat: the last piece of its turn (the end-of-turn marker goes after it)
-    )
-    malformed: str | None = (
-        None  # chat: a skipped conversation, and why (an empty piece that is only counted)
-    )
+    # chat: the last piece of its turn (the end-of-turn marker goes after it)
+    turn_end: bool = False
+    # chat: a skipped conversation, and why (an empty piece that is only counted)
+    malformed: str | None = None
 
 
 def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
@@ -78,9 +65,8 @@ def split_text(text: str, start: int = 0) -> Iterator[tuple[str, int]]:
         i = j
 
 
-def _cut_bytes(
-    block: bytes, at_eof: bool
-) -> int:  # before the last newline, else space, else a UTF-8 boundary
+def _cut_bytes(block: bytes, at_eof: bool) -> int:
+    """Where to cut: before the last newline, else space, else a UTF-8 boundary."""
     if at_eof:
         return len(block)
     k = block.rfind(b"\n")
@@ -94,9 +80,8 @@ def _cut_bytes(
     return k if k > 0 else len(block)
 
 
-def _at(
-    pos: dict | None, *keys: str
-) -> list[int]:  # where a (resumed) read starts; None: the file's start
+def _at(pos: dict | None, *keys: str) -> list[int]:
+    """Where a (resumed) read starts; None: the file's start."""
     return [int((pos or {}).get(k, 0)) for k in keys]
 
 
@@ -353,11 +338,8 @@ def retrying(
         except PrepareError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the filesystem library raises
-            fatal = isinstance(e, (FileNotFoundError, PermissionError)) or http_status(e) in (
-                401,
-                403,
-                404,
-            )
+            fatal = isinstance(e, (FileNotFoundError, PermissionError))
+            fatal = fatal or http_status(e) in (401, 403, 404)
             if fatal or attempt == len(RETRY_DELAYS):
                 tries = "" if fatal else f" after {attempt + 1} attempts"
                 raise PrepareError(

@@ -122,9 +122,8 @@ def _files_of(src: Path, meta_bytes: bytes, meta_sha: str) -> list[tuple[str, in
     return files
 
 
-def _reusable(
-    dst: Path, src: Path, meta_sha: str
-) -> bool:  # its marker names this meta.json; every size is right
+def _reusable(dst: Path, src: Path, meta_sha: str) -> bool:
+    """Its marker names this meta.json, and every size is right."""
     try:
         marker = json.loads((dst / MARKER_FILE).read_text())
         return (

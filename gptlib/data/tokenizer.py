@@ -79,9 +79,8 @@ class CharTokenizer(Tokenizer):
         n = len(self.chars)
         return "".join(self.chars[i] if 0 <= i < n else "\ufffd" for i in map(int, ids))
 
-    def to_json_bytes(
-        self,
-    ) -> bytes:  # "unknown": "error" stays (the only policy now): the identity hashes these bytes
+    def to_json_bytes(self) -> bytes:
+        # "unknown": "error" stays (the only policy now): the identity hashes these bytes
         return json.dumps(
             {"kind": "char", "chars": "".join(self.chars), "unknown": "error"},
             ensure_ascii=False,
@@ -166,14 +165,10 @@ class BPETokenizer(Tokenizer):
         return BPETokenizer(tk)
 
     def token_id(self, token: str) -> int | None:
-        return next(
-            (
-                int(i)
-                for i, t in self._tk.get_added_tokens_decoder().items()
-                if t.content == token and t.special
-            ),
-            None,
-        )
+        for i, t in self._tk.get_added_tokens_decoder().items():
+            if t.content == token and t.special:
+                return int(i)
+        return None
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids

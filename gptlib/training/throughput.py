@@ -46,21 +46,16 @@ class DevicePeak:
     name: str
     peak_flops: float | None  # FLOP/s, None if unknown
     note: str  # why there is no MFU, or which peak is used
-    units_per_hour: float | None = (
-        None  # Colab compute units per hour of this runtime; None if unknown
-    )
+    # Colab compute units per hour of this runtime; None if unknown
+    units_per_hour: float | None = None
 
 
 def lookup_peak(gpu_name: str) -> tuple[str | None, float | None]:
     """'NVIDIA A100-SXM4-40GB' -> ('A100', 312e12 FLOP/s); an unlisted name -> (None, None)."""
-    return next(
-        (
-            (family, tflops * 1e12)
-            for pattern, family, tflops in PEAK_TFLOPS
-            if re.search(pattern, gpu_name, flags=re.IGNORECASE)
-        ),
-        (None, None),
-    )
+    for pattern, family, tflops in PEAK_TFLOPS:
+        if re.search(pattern, gpu_name, flags=re.IGNORECASE):
+            return family, tflops * 1e12
+    return None, None
 
 
 def device_peak(device: str | torch.device, units_per_hour: float | None = None) -> DevicePeak:
@@ -148,10 +143,8 @@ def perf_fields(
     assumes, when it differs (validations cost wall time, not MFU)."""
     total, rate = sum(split.values()), eta_tokens_per_s or tokens_per_s
     eta = max(0, tokens_target - tokens_seen) / rate if rate > 0 else math.inf
-    m, units = (
-        mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices),
-        colab_units(eta, peak.units_per_hour),
-    )
+    m = mfu(flops_per_token, tokens_per_s, peak.peak_flops, n_devices)
+    units = colab_units(eta, peak.units_per_hour)
     return {
         "mfu": None if m is None else round(m, 4),
         "eta_s": round(eta, 1) if math.isfinite(eta) else None,
@@ -251,12 +244,8 @@ def estimate_cpu_seconds(cfg, start_step: int = 0, flops_per_s: float | None = N
     tokens = run_tokens(cfg, start_step) + eval_batches * tc.batch_size * mc.block_size / 3
     passes = steps * (tc.grad_accum_steps + 1) + (eval_batches + sampled) / 3
     overhead = passes * (mc.n_layer + 1) * CPU_LAYER_PASS_S
-    return (
-        model_size(mc).flops_per_token
-        * tokens
-        / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE)
-        + overhead
-    )
+    flops = model_size(mc).flops_per_token * tokens
+    return flops / ((flops_per_s or cpu_train_flops()) * CPU_MATMUL_SHARE) + overhead
 
 
 def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, log) -> None:
@@ -268,10 +257,8 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
     rate = cpu_train_flops()
     secs = estimate_cpu_seconds(cfg, start_step, rate)
     took = f"{secs / 3600:,.0f} hours" if secs >= 3600 else fmt_duration(secs)
-    steps, where = (
-        cfg.train.max_steps - start_step,
-        f"this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)",
-    )
+    steps = cfg.train.max_steps - start_step
+    where = f"this CPU ({cpu_name()}, ~{rate / 1e9:.0f} GFLOP/s measured)"
     # a short run (a tiny base, a few steps): its estimate, no talk of GPUs
     if secs <= CPU_ADVISE_S:
         log(f"on {where}: about {took} for the {steps:,} steps to go")
@@ -335,27 +322,22 @@ def plan_run(
 # (docs/benchmarks.md). An estimate, not a promise.
 MODERN_TOKEN_FRACTION = 0.33
 BENCHMARKS_PAGE = "https://github.com/gptlib/gptlib/blob/main/docs/benchmarks.md"  # where a Colab user can read it
-ASSUMED_MFU = (
-    0.4  # for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
-)
+# for hours and units: what compile + bf16 reach on an A100 at gpt2-small's shape (nanoGPT)
+ASSUMED_MFU = 0.4
 
 
 def recipe_estimate(gpt2_cfg, tokens: int, peak: DevicePeak) -> str:
     """The tokens (and on a GPU with a known peak, hours and Colab units) each recipe needs to reach the loss the gpt2
     recipe reaches with `tokens`."""
     costs = []
+    flops_per_token = model_size(gpt2_cfg.model).flops_per_token
     for recipe, n in (("gpt2", tokens), ("modern", tokens * MODERN_TOKEN_FRACTION)):
         costs.append(f"{recipe} ~{fmt_tokens(n)} tokens")
         if peak.peak_flops is not None:
-            seconds = (
-                n * model_size(gpt2_cfg.model).flops_per_token / (peak.peak_flops * ASSUMED_MFU)
-            )
+            seconds = n * flops_per_token / (peak.peak_flops * ASSUMED_MFU)
             units = colab_units(seconds, peak.units_per_hour)
-            costs[-1] += (
-                f" (~{fmt_duration(seconds)}"
-                + ("" if units is None else f", ~{units:,.0f} Colab units")
-                + ")"
-            )
+            in_units = "" if units is None else f", ~{units:,.0f} Colab units"
+            costs[-1] += f" (~{fmt_duration(seconds)}{in_units})"
     hours = f", hours at an assumed {ASSUMED_MFU:.0%} MFU" if peak.peak_flops is not None else ""
     return (
         f"recipes: to the loss the gpt2 recipe reaches with {fmt_tokens(tokens)} tokens: {', '.join(costs)} (the "

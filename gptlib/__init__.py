@@ -4,9 +4,8 @@ The names below are what the notebooks, the README and docs import. Each loads o
 has no side effects and `python -m gptlib tokenize` never imports torch.
 """
 
-__version__ = (
-    "0.2.0"  # the one place it is set: pyproject.toml reads it; notebooks install the tag v<it>
-)
+# the one place it is set: pyproject.toml reads it; notebooks install the tag v<it>
+__version__ = "0.2.0"
 
 # The name -> the module that defines it, along the data's path.
 _WHERE = {

@@ -12,9 +12,8 @@ SAMPLES_FILE = "samples.jsonl"
 SAMPLES_TABLE = "samples.md"
 LOSS_PLOT = "loss.png"
 EVAL_FILE = "eval.jsonl"  # rows appended by `python -m gptlib eval` (and the end-of-run HellaSwag); not mirrored
-LEASE_FILE = (
-    "lease.json"  # who trains this run now (gptlib.lease): one writer per run, local and on Drive
-)
+# who trains this run now (gptlib.lease): one writer per run, local and on Drive
+LEASE_FILE = "lease.json"
 CHECKPOINTS_DIR = "checkpoints"
 
 # Inside a checkpoint directory.
@@ -36,9 +35,8 @@ MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)
 OLD_MARKER = ".old-"  # a same-step checkpoint being replaced
 DELETING_MARKER = ".deleting-"  # a rotated-out checkpoint being deleted
-DAMAGED_MARKER = (
-    ".damaged-"  # found damaged at resume, set aside for its owner to look at (the newest is kept)
-)
+# found damaged at resume, set aside for its owner to look at (the newest is kept)
+DAMAGED_MARKER = ".damaged-"
 _STEP_RE = re.compile(r"step_(\d{7,})")
 
 

@@ -157,12 +157,10 @@ class Block(nn.Module):
 @dataclass(frozen=True)
 class ModelSize:
     params: int  # every parameter, as model.parameters() counts them (a tied embedding once)
-    matmul_params: (
-        int  # the weights that multiply activations: every Linear's, the output head's tied or not
-    )
-    flops_per_token: (
-        int  # training FLOPs per token of the matmuls and attention (forward + backward)
-    )
+    # the weights that multiply activations: every Linear's, the output head's tied or not
+    matmul_params: int
+    # training FLOPs per token of the matmuls and attention (forward + backward)
+    flops_per_token: int
 
 
 def model_size(cfg: ModelConfig) -> ModelSize:

@@ -56,12 +56,10 @@ TRAIN_PARTS = (
     "sampler",
     "rng",
 )
-MIN_KEEP_LAST = (
-    2  # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
-)
-DRIVE_LIST_TIMEOUT_S = (
-    60.0  # listing a mirror at resume; a hung Drive falls back to the other location(s)
-)
+# rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
+MIN_KEEP_LAST = 2
+# listing a mirror at resume; a hung Drive falls back to the other location(s)
+DRIVE_LIST_TIMEOUT_S = 60.0
 DRIVE_READ_STALL_S = 60.0  # a read from Drive that makes no progress for this long is abandoned
 DRIVE_ADVICE = (
     "Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
@@ -75,9 +73,8 @@ class TrainState:  # the run's progress: a checkpoint's "progress" part (state.j
     step: int = 0  # optimizer steps completed (the LR schedule's position)
     tokens_seen: int = 0  # training tokens consumed, over all sessions
     elapsed_s: float = 0.0  # training wall time, over all sessions
-    val_loss: float | None = (
-        None  # validation loss measured at `step`; None if this save did not validate
-    )
+    # validation loss measured at `step`; None if this save did not validate
+    val_loss: float | None = None
     best_val_loss: float | None = None
     best_step: int | None = None  # the step that reached it (rotation keeps that checkpoint)
     milestone: bool = False  # saved as a milestone (TrainConfig.keep_every): kept for good

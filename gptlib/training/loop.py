@@ -29,9 +29,8 @@ from gptlib.training.start import StartOptions
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
 
-VAL_SEED_OFFSET = (
-    10_000  # validation batches come from their own fixed seed: the same batches every time
-)
+# validation batches come from their own fixed seed: the same batches every time
+VAL_SEED_OFFSET = 10_000
 
 
 @dataclass
@@ -43,22 +42,18 @@ class TrainResult:
     val_loss: float | None  # last validation loss (None if no validation ran) ...
     val_step: int | None  # ... measured at this step
     best_val_loss: float | None
-    elapsed_s: (
-        float  # training wall time of this call (start-up and the final wait for Drive excluded)
-    )
-    tokens_per_s: (
-        float  # over elapsed_s: the first (compile) step, validations, samples and saves included
-    )
+    # training wall time of this call (start-up and the final wait for Drive excluded)
+    elapsed_s: float
+    # over elapsed_s: the first (compile) step, validations, samples and saves included
+    tokens_per_s: float
     # while stepping: those left out; the bar's and metrics.jsonl's (None: too short)
     steady_tokens_per_s: float | None
     resumed_from: int | None  # step of the checkpoint this call resumed from
-    stopped_by: (
-        str  # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
-    )
+    # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
+    stopped_by: str
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
-    not_on_drive: int | None = (
-        None  # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
-    )
+    # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
+    not_on_drive: int | None = None
 
     def summary(self) -> str:
         drive = (

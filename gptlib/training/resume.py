@@ -59,9 +59,8 @@ class Passed:  # what a resume passed over: the damaged checkpoints are set asid
     damaged: dict[Path, bytes | None] = field(default_factory=dict)
     # checkpoint or unlistable location -> the error
     unreadable: dict[Path, str] = field(default_factory=dict)
-    mirror_step: int | None = (
-        None  # the newest step listed on the mirror (for messages before a copy lands)
-    )
+    # the newest step listed on the mirror (for messages before a copy lands)
+    mirror_step: int | None = None
 
 
 def find_resume(

@@ -128,16 +128,13 @@ def _looked_at(d: Path, what: str) -> bool:
 class StartOptions:
     """How a call starts or resumes a run (its config says what it trains)."""
 
-    init_from: str | None = (
-        None  # "RUN_DIR[:latest|best|STEP]": a new run from those weights, fresh optimizer
-    )
+    # "RUN_DIR[:latest|best|STEP]": a new run from those weights, fresh optimizer
+    init_from: str | None = None
     take_over: bool = False  # take the run's lease from another process (gptlib/lease.py)
-    skip_unreadable: bool = (
-        False  # go on without newer checkpoints Drive cannot read now (they are kept)
-    )
-    allow_data_change: bool = (
-        False  # resume on other tokens of the same tokenizer (recorded in state.json)
-    )
+    # go on without newer checkpoints Drive cannot read now (they are kept)
+    skip_unreadable: bool = False
+    # resume on other tokens of the same tokenizer (recorded in state.json)
+    allow_data_change: bool = False
 
 
 def decide_recipe(default: str, asked: str | None, start: Start) -> str:

@@ -22,6 +22,12 @@ _venv_fix_paths() {
         head -1 "$f" | grep -q '/bin/python' || continue
         sed -i "1s|^#!.*/bin/python[0-9.]*\$|#!$dest_abs/bin/python|" "$f"
     done
+    # bin/activate* name the folder the venv was built in (building-PID, gone since): `. .venv/bin/activate`
+    # (scripts/phase1.sh) would put a missing folder first on PATH and run another python
+    for f in "$dest_abs"/bin/activate*; do
+        [ -f "$f" ] || continue
+        sed -i -E "s|[^\"' ]*/building-[0-9]+|$dest_abs|g" "$f"
+    done
 }
 
 venv_from_cache() {

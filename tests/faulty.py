@@ -156,6 +156,29 @@ def gptlib_cmd(fault: str | None, *args: str) -> list[str]:
     return [sys.executable, str(FAULTY), fault, "--", *map(str, args)]
 
 
+def train_cmd(fault: str | None, data, run_dir, steps: int, *extra, settings=()) -> list[str]:
+    """`python -m gptlib train` of phase1 on the CPU, quiet, for `steps` steps: the kill and resume tests' run."""
+    cmd = gptlib_cmd(
+        fault,
+        "train",
+        "--data",
+        data,
+        "--run-dir",
+        run_dir,
+        "--preset",
+        "phase1",
+        "--max-steps",
+        steps,
+        "--device",
+        "cpu",
+        "--quiet",
+        *extra,
+    )
+    for s in settings:
+        cmd += ["--set", s]
+    return cmd
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         sys.exit("usage: python tests/faulty.py SPEC -- ARGS...  (see its docstring)")

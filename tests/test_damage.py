@@ -54,24 +54,7 @@ def ckpt(run, step):
 
 
 def cli(data, run_dir, settings, steps, fault=None, extra=()):
-    cmd = faulty.gptlib_cmd(
-        fault,
-        "train",
-        "--data",
-        data,
-        "--run-dir",
-        run_dir,
-        "--preset",
-        "phase1",
-        "--max-steps",
-        steps,
-        "--device",
-        "cpu",
-        "--quiet",
-        *extra,
-    )
-    for s in settings:
-        cmd += ["--set", s]
+    cmd = faulty.train_cmd(fault, data, run_dir, steps, *extra, settings=settings)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 

@@ -31,24 +31,7 @@ def trainer(
     data, run_dir, mirror=None, steps=LONG_STEPS, fault="slow:mid_step", extra=()
 ) -> subprocess.Popen:
     """`python -m gptlib train` in its own process; fault: tests/faulty.py's SPEC (default: 50 ms a step)."""
-    cmd = faulty.gptlib_cmd(
-        fault,
-        "train",
-        "--data",
-        data,
-        "--run-dir",
-        run_dir,
-        "--preset",
-        "phase1",
-        "--max-steps",
-        steps,
-        "--device",
-        "cpu",
-        "--quiet",
-        *extra,
-    )
-    for s in SLOW:
-        cmd += ["--set", s]
+    cmd = faulty.train_cmd(fault, data, run_dir, steps, *extra, settings=SLOW)
     if mirror is not None:
         cmd += ["--mirror-dir", str(mirror)]
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -65,23 +65,7 @@ def run_inproc(data, run_dir, mirror_dir=None, log=None, **kw):
 def run_cli(
     data, run_dir, fault: str | None = None, mirror_dir=None, timeout=120
 ) -> subprocess.CompletedProcess:
-    cmd = faulty.gptlib_cmd(
-        fault,
-        "train",
-        "--data",
-        data,
-        "--run-dir",
-        run_dir,
-        "--preset",
-        "phase1",
-        "--max-steps",
-        MAX_STEPS,
-        "--device",
-        "cpu",
-        "--quiet",
-    )
-    for s in SETTINGS:
-        cmd += ["--set", s]
+    cmd = faulty.train_cmd(fault, data, run_dir, MAX_STEPS, settings=SETTINGS)
     if mirror_dir is not None:
         cmd += ["--mirror-dir", str(mirror_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

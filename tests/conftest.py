@@ -104,9 +104,18 @@ def _python_sigint_handler():
 
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
-    if not SHAKESPEARE.is_file():
-        pytest.fail(f"Tiny Shakespeare not found at {SHAKESPEARE} (set GPTLIB_SHAKESPEARE)")
-    return SHAKESPEARE
+    """../shared's copy (or $GPTLIB_SHAKESPEARE), else the verified copy in gptlib's cache: a clone elsewhere has
+    one once `bash scripts/phase1.sh` ran without a path (it downloads the file there)."""
+    if SHAKESPEARE.is_file():
+        return SHAKESPEARE
+    from gptlib.data.download import cached_tinyshakespeare
+
+    if (cached := cached_tinyshakespeare()) is not None:
+        return cached
+    pytest.fail(
+        f"Tiny Shakespeare is neither at {SHAKESPEARE} nor in gptlib's cache: set GPTLIB_SHAKESPEARE to a copy, "
+        f"or run `bash scripts/phase1.sh` once without a path (it downloads and caches it)"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -63,23 +63,6 @@ def newest_checkpoint(run_dir):
     return None
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped, with the reason, where torch sees no GPU (tests/test_gpu.py)."""
-    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
-    if not marked:
-        return
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(
-        reason="needs a CUDA GPU (torch.cuda.is_available() is False); "
-        "bash benchmarks/gpu_check.sh runs these on one"
-    )
-    for item in marked:
-        item.add_marker(skip)
-
-
 def pytest_runtest_logreport(report):
     """Under the GPU check (benchmarks/gpu_check.sh sets these), a failure is written into the part's results file as
     it happens: a part cut off at its time limit never prints pytest's closing summary."""

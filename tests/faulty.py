@@ -1,6 +1,7 @@
 """Fault injection for the tests: gptlib broken at a named point, in this process or in a real subprocess.
 
     python tests/faulty.py SPEC -- ARGS...     patch gptlib for SPEC, then run `python -m gptlib ARGS...` in-process
+    python tests/faulty.py SPEC -- SCRIPT.py ARGS...    the same, running that script (benchmarks/t4_emulate.py)
 
 SPEC is "ITEM,ITEM,..." (empty: no fault). An item "ACTION:POINT[@STEP]" wraps the gptlib function of POINT so that
 ACTION happens when execution reaches it (at checkpoint or training step STEP; without @STEP every time):
@@ -14,16 +15,19 @@ ACTION happens when execution reaches it (at checkpoint or training step STEP; w
             rotate_mid    the deletion: the first file of a checkpoint being deleted (rotation) is gone
             mirror_mid    the copy: checkpoint.mirror.copy_file_verified copied the first file to Drive
 
-An item "MODULE.NAME=NUMBER" sets a module constant of gptlib first, e.g. "lease.HEARTBEAT_S=0.2".
+An item "MODULE.NAME=NUMBER" sets a module constant of gptlib first, e.g. "lease.HEARTBEAT_S=0.2"; "backend=NAME"
+compiles with torch.compile's backend NAME (tests/test_gpu.py on a CPU: aot_eager).
 In a test: `install(spec, monkeypatch.setattr)`, or `undo = install(spec)` ... `undo()`.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import importlib
 import os
 import pathlib
+import runpy
 import signal
 import sys
 import time
@@ -126,6 +130,12 @@ def install(
             setattr(owner, name, value)
 
     for item in filter(None, (i.strip() for i in spec.split(","))):
+        if item.startswith("backend="):
+            import torch
+
+            compile_ = functools.partial(torch.compile, backend=item.partition("=")[2])
+            patch(torch, "compile", compile_)
+            continue
         if "=" in item:
             target, _, value = item.partition("=")
             module, _, name = target.rpartition(".")
@@ -150,10 +160,14 @@ def install(
 
 
 def gptlib_cmd(fault: str | None, *args: str) -> list[str]:
-    """The command line of `python -m gptlib ARGS...`, through this launcher when there is a fault."""
-    if not fault:
-        return [sys.executable, "-m", "gptlib", *map(str, args)]
-    return [sys.executable, str(FAULTY), fault, "--", *map(str, args)]
+    """The command line of `python -m gptlib ARGS...` (of `python SCRIPT.py ARGS...` where the first is a script),
+    through this launcher when there is a fault."""
+    args = [str(a) for a in args]
+    if fault:
+        return [sys.executable, str(FAULTY), fault, "--", *args]
+    if args and args[0].endswith(".py"):
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "gptlib", *args]
 
 
 def train_cmd(fault: str | None, data, run_dir, steps: int, *extra, settings=()) -> list[str]:
@@ -183,6 +197,10 @@ if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         sys.exit("usage: python tests/faulty.py SPEC -- ARGS...  (see its docstring)")
     install(sys.argv[1])
+    if sys.argv[3:4] and sys.argv[3].endswith(".py"):
+        sys.argv = sys.argv[3:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        sys.exit(0)
     from gptlib.__main__ import main
 
     sys.exit(main(sys.argv[3:]))

@@ -189,22 +189,42 @@ def test_probe_reraises_other_errors(monkeypatch):
         memory.probe_micro_batch(model, _per_step(4), "cpu", log=lambda s: None)
 
 
-def test_probe_takes_cublas_failing_to_allocate_as_out_of_memory(monkeypatch):
-    """On a full GPU cuBLAS fails to create its handle outside torch's allocator (autograd's backward thread makes
-    its own): a RuntimeError naming CUBLAS_STATUS_ALLOC_FAILED. Was re-raised by the search; now a smaller size is
-    tried."""
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+    ],
+)
+def test_probe_takes_a_library_failing_to_allocate_as_out_of_memory(monkeypatch, message):
+    """On a full GPU cuBLAS fails to create its handle, and cuDNN (its attention on an H100) its workspace, outside
+    torch's allocator (autograd's backward thread makes its own): a RuntimeError naming the library's status. Was
+    re-raised by the search (cuDNN's until issue 41); now a smaller size is tried."""
     model = _tiny_model()
     real_forward = model.forward
 
-    def cublas_full(idx, targets=None, cache=None):
+    def library_full(idx, targets=None, cache=None):
         if idx.shape[0] > 4:
-            raise RuntimeError(
-                "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
-            )
+            raise RuntimeError(message)
         return real_forward(idx, targets, cache)
 
-    monkeypatch.setattr(model, "forward", cublas_full)
+    monkeypatch.setattr(model, "forward", library_full)
     assert memory.probe_micro_batch(model, _per_step(16), "cpu", log=lambda s: None)[:2] == (4, 4)
+
+
+def test_the_ladders_flash_rung_runs_flash_alone():
+    """sdpa_kernel([FLASH, EFFICIENT, CUDNN]) is a set of allowed kernels, not an order: on an H100 torch picked cuDNN
+    attention in the "+ flash" rung. The rung allows flash alone, as an A100 runs it; the rung before, math alone."""
+    b = torch.backends.cuda
+    with bench._attention_ctx(True):
+        assert (
+            b.flash_sdp_enabled()
+            and not b.cudnn_sdp_enabled()
+            and not b.mem_efficient_sdp_enabled()
+        )
+    with bench._attention_ctx(False):
+        assert b.math_sdp_enabled() and not b.flash_sdp_enabled() and not b.cudnn_sdp_enabled()
 
 
 def test_probe_nothing_fits_gives_advice(monkeypatch):

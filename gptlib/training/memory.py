@@ -20,9 +20,14 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# cuBLAS creates its handle and workspace outside torch's caching allocator (autograd's backward thread makes its own):
-# when the GPU is full that fails as a RuntimeError naming this status, not as torch.OutOfMemoryError.
-CUBLAS_OOM = "CUBLAS_STATUS_ALLOC_FAILED"
+# cuBLAS creates its handle and workspace, and cuDNN (attention on an H100) its own, outside torch's caching allocator
+# (autograd's backward thread makes its own): when the GPU is full that fails as a RuntimeError naming one of these
+# statuses, not as torch.OutOfMemoryError.
+LIBRARY_OOM = (
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+)
 
 
 def is_oom(err: BaseException | None) -> bool:
@@ -31,11 +36,10 @@ def is_oom(err: BaseException | None) -> bool:
     seen = set()
     while err is not None and id(err) not in seen:  # a chain can loop back on itself
         seen.add(id(err))
-        if (
-            isinstance(err, torch.OutOfMemoryError)
-            or "out of memory" in str(err).lower()
-            or CUBLAS_OOM in str(err)
-        ):
+        text = str(err)
+        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in text.lower():
+            return True
+        if any(status in text for status in LIBRARY_OOM):
             return True
         err = err.__cause__ or err.__context__
     return False

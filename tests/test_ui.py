@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from gptlib.widgets import status_html
-from tests.test_dialogue import SYSTEM, chat_run, chat_tok, write_run  # noqa: F401 - fixtures
+from tests.test_dialogue import SYSTEM, chat_run, chat_tok, louder, write_run  # noqa: F401 - fixtures
 
 pytest.importorskip("ipywidgets")
 
@@ -378,3 +379,74 @@ def test_max_new_tokens_is_capped_where_the_user_sees_it(chat_run):  # noqa: F81
     assert f"capped at {cap}" in box.status.value and "64-token context" in box.status.value
     box.send("And then?")
     assert box.session().reply_tokens <= cap and box.max_tokens.max == cap
+
+
+# ------------------------------------------------------------------------ what a reply and its status say (issue 42)
+
+
+def spy_replies(monkeypatch, engine) -> list[tuple[int | None, str]]:
+    """(the seed, the raw text) of each reply `engine` makes: the real engine, watched."""
+    seen, generate_text = [], engine.generate_text
+
+    def watched(prompts, cfg, *args, **kwargs):
+        texts, out, reasons = generate_text(prompts, cfg, *args, **kwargs)
+        seen.append((cfg.seed, texts[0]))
+        return texts, out, reasons
+
+    monkeypatch.setattr(engine, "generate_text", watched)
+    return seen
+
+
+def test_a_reply_never_starts_with_a_space(chat_run, monkeypatch):  # noqa: F811
+    """A model may answer "\\n Hello" to the template's "<|assistant|>": the reply, streamed and kept, is "Hello"."""
+    from gptlib.inference.chat import ChatSession
+    from gptlib.inference.engine import SamplingConfig
+
+    session = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None)
+    seen = spy_replies(monkeypatch, session.engine)
+    for seed in range(30):
+        session.reset()
+        pieces = []
+        cfg = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=seed)
+        reply = session.reply("Hi there", cfg, stream=pieces.append)
+        assert reply == "".join(pieces) == seen[-1][1].lstrip() == session.history[-1][1]
+    # else this test proves nothing
+    assert any(raw.removeprefix("\n")[:1].isspace() for _, raw in seen)
+
+
+def markov(model) -> None:
+    """louder() weights, and no positions nor attention: each next token depends on the last one only, not on the
+    message. With the same random draws every reply is then the same, whatever the message."""
+    louder(model)
+    with torch.no_grad():
+        model.transformer.wpe.weight.zero_()
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.zero_()
+
+
+def test_the_default_seed_gives_each_message_its_own_reply(tmp_path, chat_tok, monkeypatch):  # noqa: F811
+    """Seed 1337 seeded every reply alike: the same first words whatever the message. Each turn's seed now comes
+    from the seed and the conversation: the same conversation and seed still give the same reply."""
+    from gptlib.widgets import ChatBox
+
+    run = write_run(tmp_path / "markov", chat_tok, edit=markov)
+    messages = ["Hi there", "What is the hour?", "Tell me of Rome", "Who are you?", "Farewell"]
+
+    def replies(seed: int) -> list[str]:
+        box = ChatBox(run, system=SYSTEM)
+        box.temperature.value, box.max_tokens.value, box.seed.value = 1.0, 8, seed
+        out = []
+        for message in messages:
+            box.reset()  # each a conversation's first message
+            out.append(box.send(message))
+        return out
+
+    default = replies(1337)
+    assert len(set(default)) == len(messages), default
+    assert replies(1337) == default  # reproducible
+    assert replies(1338) != default
+    box = ChatBox(run, system=SYSTEM)
+    box.temperature.value, box.max_tokens.value, box.seed.value = 1.0, 8, -1
+    seen = spy_replies(monkeypatch, box.session().engine)
+    box.send("Hi there")
+    assert seen[0][0] is None  # -1 is random: left so

@@ -54,6 +54,12 @@ def status_html(msg: str, error: bool = False) -> str:
     return f'<span style="color:{"#b00020" if error else "#555"}">{html.escape(msg)}</span>'
 
 
+def tokens_in(n: int, dt: float) -> str:
+    """ "12 tokens in 41.3 ms": a fast reply's "in 0.0 s" said nothing true."""
+    took = f"{dt:.1f} s" if dt >= 1 else f"{dt * 1000:.1f} ms"
+    return f"{n:,} token{'' if n == 1 else 's'} in {took}"
+
+
 def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
     """(pieces, a stream callback adding to them): redrawn <= 20 times a second, not per token (a flood)."""
     parts, last = [], [0.0]
@@ -325,12 +331,12 @@ class Playground:
 
     def _show_result(self, prompt: str, res: Completion, step: int, dt: float) -> None:
         n = len(res.token_ids)
-        speed = f"{dt:.1f} s ({n / max(dt, 1e-9):.0f} tokens/s)"
+        speed = f"{tokens_in(n, dt)} ({n / max(dt, 1e-9):.0f} tokens/s)"
         self._show_text(prompt, res.text)
         if res.finish_reason == "user":
-            how = f"stopped after {n} tokens in {speed}: Stop pressed"
+            how = f"stopped after {speed}: Stop pressed"
         else:
-            how = f"{n} tokens in {speed}, stopped by {res.finish_reason}"
+            how = f"{speed}, stopped by {res.finish_reason}"
         self.status.value = status_html(f"step {step:,}: {how}")
 
 
@@ -453,7 +459,7 @@ class ChatBox:
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
         why = ended.get(session.finish_reason, session.finish_reason)
-        summary = f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}"
+        summary = f"{tokens_in(session.reply_tokens, dt)}, ended by {why}"
         self.status.value = status_html(" · ".join([summary, *self._notices]))
         return reply
 

@@ -384,6 +384,36 @@ def test_max_new_tokens_is_capped_where_the_user_sees_it(chat_run):  # noqa: F81
 # ------------------------------------------------------------------------ what a reply and its status say (issue 42)
 
 
+def shown_seconds(status: str) -> float:
+    """The duration a status gives ("12 ms" or "1.5 s"), in seconds."""
+    found = re.search(r" in ([\d.]+) (ms|s)\b", status)
+    assert found, status
+    return float(found.group(1)) / (1000 if found.group(2) == "ms" else 1)
+
+
+def test_a_fast_reply_says_how_long_it_took(chat_run, char_run):  # noqa: F811
+    """A 1-token reply takes milliseconds: "1 tokens in 0.0 s" said nothing true; the figure is above zero and no
+    more than the time the call took, in the chat and in the Playground."""
+    box = chatbox(chat_run)
+    box.max_tokens.value = 1
+    box.send("Hi there")  # loads the checkpoint: the second reply is the fast one
+    t0 = time.perf_counter()
+    box.send("And then?")
+    wall = time.perf_counter() - t0
+    assert re.search(r"\b1 token in ", box.status.value), box.status.value
+    assert 0 < shown_seconds(box.status.value) <= wall + 0.0005, (box.status.value, wall)
+    pg = playground(char_run)
+    pg.max_tokens.value = 1
+    pg.generate()
+    t0 = time.perf_counter()
+    pg.generate()
+    wall = time.perf_counter() - t0
+    seconds = shown_seconds(pg.status.value)
+    assert 0 < seconds <= wall + 0.0005, (pg.status.value, wall)
+    rate = int(re.search(r"\((\d+) tokens/s\)", pg.status.value).group(1))
+    assert abs(rate - 1 / seconds) <= 0.1 * rate + 1, pg.status.value  # the two figures agree
+
+
 def spy_replies(monkeypatch, engine) -> list[tuple[int | None, str]]:
     """(the seed, the raw text) of each reply `engine` makes: the real engine, watched."""
     seen, generate_text = [], engine.generate_text

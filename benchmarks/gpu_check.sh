@@ -42,7 +42,7 @@ PART_MAX_S=540
 IMAGE=ci/gpu-image.txt
 # What the parts need that the lent GPU image lacks. Their dependencies the image has ($IMAGE) are never carried (a
 # carried copy would shadow the image's own); the rest come along.
-GPU_NEEDS="ipywidgets nbclient nbformat ipykernel gguf"
+GPU_NEEDS="ipywidgets anywidget nbclient nbformat ipykernel gguf"
 image_names() { grep -vE '^\s*(#|$)' "$REPO/$IMAGE" | sed -E 's/[=<>!~;[ ].*//'; }
 # Attention as an A100 runs it (flash). torch 2.11 with cuDNN > 9.15 prefers cuDNN attention on an H100/H200 (the lent
 # machine's cu130 build does); Colab's cu128 build may not: each part's .txt names the kernel its runs got.

@@ -7,16 +7,19 @@ import html
 import sys
 import threading
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
+
+import anywidget
+import traitlets
 
 from gptlib.inference.chat import ChatSession
 from gptlib.inference.engine import Completion, Engine, SamplingConfig
 from gptlib.inference.loading import checkpoint_label, checkpoint_table
 
 LABELS = {"description_width": "110px"}  # every view's labels: one column
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def enable_colab_widgets() -> bool:
@@ -52,6 +55,12 @@ def _in_kernel() -> bool:  # then a button can be clicked while we work
 
 def status_html(msg: str, error: bool = False) -> str:
     return f'<span style="color:{"#b00020" if error else "#555"}">{html.escape(msg)}</span>'
+
+
+def tokens_in(n: int, dt: float) -> str:
+    """ "12 tokens in 41.3 ms": a fast reply's "in 0.0 s" said nothing true."""
+    took = f"{dt:.1f} s" if dt >= 1 else f"{dt * 1000:.1f} ms"
+    return f"{n:,} token{'' if n == 1 else 's'} in {took}"
 
 
 def throttled(draw: Callable[[str], None]) -> tuple[list[str], Callable[[str], None]]:
@@ -95,45 +104,6 @@ def sampling_config(view, **more) -> SamplingConfig:  # seed -1 is random
         seed=seed if seed >= 0 else None,
         **more,
     ).validate()
-
-
-class _AfterEdits:
-    """Runs `action` once every edit made to `text` in the browser before now has reached the kernel.
-
-    ipywidgets' front end sends a widget's edits one message at a time: while one is unanswered (the kernel is busy,
-    or the link is slow) later edits wait in the browser, but a Text's Enter or a button's click is sent at once, so
-    it can arrive before the letters typed before it. request() sets a mark on a hidden widget; a link that runs in
-    the browser (jsdlink) copies it into the Text, whose edits carry it back behind every edit still waiting there.
-    A front end that does not copy it (or no front end at all: the first mark never comes back) gets the action at
-    once."""
-
-    def __init__(self, text, action: Callable[[], None]):
-        import ipywidgets as W
-
-        self._action, self.linked = action, False
-        self._asked = self._done = 0  # the last mark set, the last one acted on
-        # Never shown: its CSS classes (a field of every widget, invisible here) hold the mark. Mark 0 is copied as
-        # soon as the browser sets the link up: it says that links work there.
-        self._mark = W.Box(_dom_classes=("gptlib-mark-0",))
-        self._link = W.jsdlink((self._mark, "_dom_classes"), (text, "_dom_classes"))
-        text.observe(self._came_back, names="_dom_classes")
-
-    def request(self) -> None:
-        if not self.linked:
-            self._action()
-            return
-        self._asked += 1
-        self._mark._dom_classes = (f"gptlib-mark-{self._asked}",)
-
-    def _came_back(self, change) -> None:
-        marks = [int(c.rsplit("-", 1)[1]) for c in change["new"] if c.startswith("gptlib-mark-")]
-        if not marks:
-            return
-        self.linked = True
-        # the latest request, once: two quick Enters send the box once
-        if marks[0] == self._asked > self._done:
-            self._done = self._asked
-            self._action()
 
 
 # raised by the Playground's stream callback after Stop: ends the generation there
@@ -325,13 +295,47 @@ class Playground:
 
     def _show_result(self, prompt: str, res: Completion, step: int, dt: float) -> None:
         n = len(res.token_ids)
-        speed = f"{dt:.1f} s ({n / max(dt, 1e-9):.0f} tokens/s)"
+        speed = f"{tokens_in(n, dt)} ({n / max(dt, 1e-9):.0f} tokens/s)"
         self._show_text(prompt, res.text)
         if res.finish_reason == "user":
-            how = f"stopped after {n} tokens in {speed}: Stop pressed"
+            how = f"stopped after {speed}: Stop pressed"
         else:
-            how = f"{n} tokens in {speed}, stopped by {res.finish_reason}"
+            how = f"{speed}, stopped by {res.finish_reason}"
         self.status.value = status_html(f"step {step:,}: {how}")
+
+
+class MessageBox(anywidget.AnyWidget):
+    """The chat's message line, drawn by message_box.js in the browser; it sends {"text": ...} at Enter or Send.
+
+    With ipywidgets' Text the kernel took the text and emptied the box, a box the browser was still typing into: a key
+    typed ~20 ms after Enter was lost or glued to the message before, and a click on Send took the focus. Only code in
+    the browser can take the text and empty the box in one step. anywidget runs a plain ES module there: Colab ships
+    it, and classic Notebook, JupyterLab and VS Code load it. A DOMWidget of our own would need its JavaScript
+    registered with each front end's loader, and Colab loads a widget's JavaScript only from npm (through a CDN)."""
+
+    _esm = (Path(__file__).parent / "message_box.js").read_text()
+    placeholder = traitlets.Unicode("").tag(sync=True)
+
+
+def colab_drawn(make: Callable[[], MessageBox]) -> tuple[MessageBox, dict]:
+    """make()'s widget, and the display metadata that has Colab draw an output with its custom widget manager.
+
+    Colab draws ipywidgets' own widgets itself and an anywidget only through that manager (a CDN's). gptlib leaves
+    it off (enable_colab_widgets), and anywidget turns it on for every later output at its first widget: the
+    manager is left as it was, and only the output showing the chat asks for it, in its own metadata."""
+    output = sys.modules.get("google.colab.output")
+    # colabtools' record of the manager (anywidget reads it too)
+    state = getattr(output, "_widgets", None)
+    if state is None:
+        return make(), {}
+    was = state._installed_url
+    output.enable_custom_widget_manager()
+    try:
+        widget, url = make(), state._installed_url
+    finally:
+        if was is None:
+            output.disable_custom_widget_manager()
+    return widget, {WIDGET_VIEW: {"colab": {"custom_widget_manager": {"url": url}}}}
 
 
 class ChatBox:
@@ -352,18 +356,13 @@ class ChatBox:
         # the session's notices during the last send (context cut, ...)
         self._notices: list[str] = []
         self.transcript, self.status = W.HTML(value=""), W.HTML(value="")
-        # One line: ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a
-        # Textarea, where Enter adds a line, has no submit event; telling them apart would need our own JavaScript.
-        # It stays enabled while a reply streams: a disabled box loses the keyboard, and the notebook then takes the
-        # keys as its shortcuts (a letter adds a cell, or turns this one into markdown and the chat disappears).
-        self.message = W.Text(
-            value="",
-            placeholder="your message, one line (Enter sends)",
-            description="You",
-            style=LABELS,
-            layout=W.Layout(width="95%"),
+        # One line, never disabled (a disabled box loses the keyboard to the notebook's shortcuts)
+        self.message, self._metadata = colab_drawn(
+            lambda: MessageBox(
+                placeholder="your message, one line (Enter sends)", layout=W.Layout(width="95%")
+            )
         )
-        self.send_button = W.Button(description="Send", button_style="primary", icon="paper-plane")
+        self.message.on_msg(lambda _, content, __: self._received(content))
         self.reset_button = W.Button(
             description="Reset", tooltip="forget the conversation (the system prompt stays)"
         )
@@ -375,20 +374,12 @@ class ChatBox:
             layout=W.Layout(width="95%", height="40px"),
         )
         sampling_widgets(self, "Max new tokens")
-        # Send and Enter take the box once all typed is in
-        self._typed = _AfterEdits(self.message, self.send)
-        self.send_button.on_click(lambda _: self._typed.request())
-        # ipywidgets 8 deprecates on_submit but keeps it; its replacement (observe
-        # with continuous_update=False) also fires on blur
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.message.on_submit(lambda _: self._typed.request())
         self.reset_button.on_click(lambda _: self.reset())
         self.widget = W.VBox(
             [
                 self.transcript,
                 self.message,
-                W.HBox([self.send_button, self.reset_button, self.status]),
+                W.HBox([self.reset_button, self.status]),
                 self.system,
                 self.temperature,
                 self.top_k,
@@ -414,15 +405,16 @@ class ChatBox:
         self.max_tokens.max = min(self.max_tokens.max, cap)
         return self._session
 
-    def send(self, text: str | None = None) -> str | None:
-        """What Send does with the box's message (or `text`): the reply, None on an error."""
-        text = self.message.value if text is None else text
+    def _received(self, content: dict) -> None:
+        if isinstance(content.get("text"), str):
+            self.send(content["text"])
+
+    def send(self, text: str) -> str | None:
+        """What Send does with a message: the reply, None on an error. While the reply is made, this holds the
+        kernel: a message sent meanwhile waits in the kernel's queue and is the next turn."""
         if not text.strip():
             self.status.value = status_html("type a message first", error=True)
             return None
-        # While the reply streams this callback holds the kernel: what is typed meanwhile waits in the browser, and
-        # an Enter is answered when the reply ends (Send and Enter wait for the letters: see _AfterEdits).
-        self.message.value = ""
         self._notices.clear()
         self.turns.append(("user", text))
         try:
@@ -440,7 +432,8 @@ class ChatBox:
             dt = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - a button callback must show the problem, not a traceback in a log
             self.turns.pop()  # as the session does: a failed or interrupted reply leaves the conversation as it was
-            self.message.value = text  # not lost: fix the settings and send again
+            # not lost: back in the box (if it is empty), to send again once the settings are fixed
+            self.message.send({"put_back": text})
             self._show_transcript()
             self.status.value = status_html(
                 f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted",
@@ -453,7 +446,7 @@ class ChatBox:
         self._show_transcript()
         ended = {"eot": "the end of its turn", "length": "max new tokens", "stop": "a stop string"}
         why = ended.get(session.finish_reason, session.finish_reason)
-        summary = f"{session.reply_tokens} tokens in {dt:.1f} s, ended by {why}"
+        summary = f"{tokens_in(session.reply_tokens, dt)}, ended by {why}"
         self.status.value = status_html(" · ".join([summary, *self._notices]))
         return reply
 
@@ -475,16 +468,10 @@ class ChatBox:
         )
 
     # the widget, or where a front end cannot draw one, the text
-    def _repr_mimebundle_(self, **kwargs) -> dict:
+    def _repr_mimebundle_(self, **kwargs) -> tuple[dict, dict]:
         names = {"user": "you", "assistant": "model"}
         text = (
             "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"
         )
-        return {
-            "text/plain": text,
-            "application/vnd.jupyter.widget-view+json": {
-                "version_major": 2,
-                "version_minor": 0,
-                "model_id": self.widget.model_id,
-            },
-        }
+        view = {"version_major": 2, "version_minor": 0, "model_id": self.widget.model_id}
+        return {"text/plain": text, WIDGET_VIEW: view}, self._metadata

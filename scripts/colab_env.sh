@@ -27,8 +27,8 @@
 #   skipped), against ~6-7 min for the main suite; CI's budget is ~15 min in all. So CI runs a subset
 #   (CI_SUBSET below: 194 tests, 4.5 min; the whole script 6.0 min with the wheelhouse): the notebooks
 #   (ipywidgets 7 and tqdm's notebook bars, Colab's nbclient and ipykernel), training, checkpoints and
-#   KV-cached decoding (torch 2.11), the Playground and ChatBox (ipywidgets 7.7.1), export/import through
-#   transformers 5 and safetensors, the Hub (huggingface_hub 1.x; push's HfApi calls and model card), GGUF (gguf),
+#   KV-cached decoding (torch 2.11), the Playground and ChatBox (ipywidgets 7.7.1, anywidget 0.9.21),
+#   export/import through transformers 5 and safetensors, the Hub (huggingface_hub 1.x; push's HfApi calls and model card), GGUF (gguf),
 #   tokenizing and shards (tokenizers,
 #   pyarrow), Colab paths, the structure check, and the modern recipe's version-sensitive parts (torch.optim.Muon
 #   under GradScaler in Colab's torch 2.11, the rotary KV cache, the Qwen3/Llama export through transformers 5;
@@ -49,7 +49,7 @@ CACHE="${GPTLIB_COLAB_CACHE:-$HOME/.cache/gptlib-colab}"
 # What Colab's versions can change (see the header for what is left out and why); the glob takes in every
 # notebook's test, present and future.
 CI_SUBSET="tests/test_notebook_*.py tests/test_train.py tests/test_checkpoint.py tests/test_model.py
-tests/test_generate.py tests/test_dialogue.py tests/test_export.py tests/test_import_hf.py tests/test_hub.py
+tests/test_generate.py tests/test_dialogue.py tests/test_ui.py tests/test_export.py tests/test_import_hf.py tests/test_hub.py
 tests/test_push.py tests/test_gguf.py
 tests/test_prepare.py tests/test_tokenizer.py tests/test_colab.py tests/test_structure.py
 tests/test_recipe.py::test_muon_adamw_steps_under_an_fp16_grad_scaler

@@ -326,9 +326,7 @@ def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path
     box.temperature.value, box.max_tokens.value = 0.0, 12
     drawn = []
     box.transcript.observe(lambda ch: drawn.append(ch["new"]), names="value")
-    box.message.value = "Hi there"
-    assert box.send() == expected_reply  # the same reply as the command line's
-    assert box.message.value == "" and not box.send_button.disabled
+    assert box.send("Hi there") == expected_reply  # the same reply as the command line's
     assert (
         html.escape(expected_reply) in box.transcript.value and "Hi there" in box.transcript.value
     )
@@ -343,10 +341,9 @@ def test_chatbox_sends_streams_and_resets_headless(chat_run, char_data, tmp_path
     assert box.session().history == [] and box.turns == [] and box.transcript.value == ""
 
     bad = ChatBox(write_run(tmp_path / "char", load_tokenizer(char_data)))
-    bad.message.value = "hi"
-    assert bad.send() is None  # shown in the widget, not raised
+    assert bad.send("hi") is None  # shown in the widget, not raised
     assert "ChatError" in bad.status.value and "no chat tokens" in bad.status.value
-    assert bad.message.value == "hi" and bad.turns == []
+    assert bad.turns == []
 
 
 @pytest.mark.parametrize("version, enabled", [("7.7.1", False), ("8.1.9", True)])

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import REPO
 
 PART_MAX_S = 540  # a 9-minute call holds a part with its set-up
-IMAGE_LACKS = {"ipywidgets", "nbclient", "nbformat", "ipykernel", "gguf"}
+IMAGE_LACKS = {"ipywidgets", "anywidget", "nbclient", "nbformat", "ipykernel", "gguf"}
 
 
 def check(*args, results=None, timeout=300, cwd=REPO, env=None) -> subprocess.CompletedProcess:

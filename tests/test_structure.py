@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 PKG = REPO / "gptlib"
@@ -355,3 +357,19 @@ def test_every_folder_of_the_package_is_installed():
         if p.is_dir() and any(p.glob("*.py"))
     }
     assert set(find_packages(str(REPO), include=["gptlib*"])) == folders | {"gptlib"}
+
+
+def test_every_file_the_package_reads_is_installed():
+    """A file of gptlib/ that is not Python (the chat box's JavaScript) is installed only where pyproject.toml's
+    package-data names it: else it is read here, from the clone, and missing on Colab."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = data.get("package-data", {}).get("gptlib", [])
+    files = [
+        p.relative_to(PKG).as_posix()
+        for p in PKG.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
+    assert files and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in files), (files, globs)

@@ -4,14 +4,21 @@
 from __future__ import annotations
 
 import html
+import json
 import re
+import shutil
+import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from gptlib.widgets import status_html
-from tests.test_dialogue import SYSTEM, chat_run, chat_tok, write_run  # noqa: F401 - fixtures
+from tests.conftest import REPO
+from tests.test_dialogue import SYSTEM, chat_run, chat_tok, louder, write_run  # noqa: F401 - fixtures
 
 pytest.importorskip("ipywidgets")
 
@@ -164,188 +171,153 @@ def chatbox(run):
     return box
 
 
-def test_enter_sends_the_message(chat_run):  # noqa: F811
+def front_end(*steps) -> dict:
+    """gptlib/message_box.js, the chat's message line, run by Node.js (tests/message_box_dom.mjs: a fake DOM and
+    anywidget model): what it sent to the kernel, and what its box shows and where the focus is after `steps`."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no Node.js here: the message box's JavaScript is not run")
+    args = [node, REPO / "tests" / "message_box_dom.mjs", REPO / "gptlib" / "message_box.js"]
+    done = subprocess.run(
+        [*map(str, args), json.dumps(steps)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def arrive(box, content: dict) -> None:
+    """A message from the message line's front end, as the kernel hands it to the widget."""
+    data = {"method": "custom", "content": content}
+    box.message._handle_msg({"content": {"data": data}, "buffers": []})
+
+
+def put_backs(monkeypatch, box) -> list[str]:
+    """What the kernel sends to the message line's front end: the only thing it may send is a message to put back."""
+    sent = []
+    monkeypatch.setattr(box.message, "send", lambda content, buffers=None: sent.append(content))
+    return sent
+
+
+def test_the_browser_takes_the_text_at_enter_so_no_key_is_lost_or_glued(chat_run, monkeypatch):  # noqa: F811
+    """Issue 42: with ipywidgets' Text the kernel emptied the box the browser was still typing into: "hello there",
+    Enter and "type" ~20 ms later went out as "hello therety"; a message sent before the reply merged into the one
+    before; a click on Send took the focus, and the keys typed then were lost. The browser now takes the text and
+    empties the box in Enter's own handler: whatever the kernel does meanwhile, each message goes out whole and
+    alone, and the kernel makes each its own turn, in order."""
+    shown = front_end(
+        ["type", "hello there"],
+        ["key", "Enter"],
+        ["type", "type"],  # right after Enter: before the kernel could answer anything
+        ["key", "Enter"],
+        ["type", "first msg"],
+        ["key", "Enter"],
+        ["type", "burst sent whole"],
+        ["key", "Enter"],
+        ["type", "by the button"],
+        ["click"],
+        ["type", "after the click"],
+        ["key", "Enter"],
+        ["key", "Enter"],  # on the empty box
+    )
+    messages = [m["text"] for m in shown["sent"]]
+    assert messages == [
+        "hello there",
+        "type",
+        "first msg",
+        "burst sent whole",
+        "by the button",
+        "after the click",
+        "",
+    ]
+    assert shown["box"] == "" and shown["focus"] == "box" and shown["keys_to_notebook"] == 0
+    # One line: Enter sends (Shift+Enter too, never a newline in the message).
+    assert shown["type"] == "text" and "one line" in chatbox(chat_run).message.placeholder
+
+    # The kernel takes one message at a time: those sent while a reply is being made wait in its queue.
     box = chatbox(chat_run)
-    box.max_tokens.value = 12
-    box.message.value = "Hi there"
-    # what the front end sends when Enter is pressed
-    box.message._handle_custom_msg({"event": "submit"}, [])
-    assert [r for r, _ in box.turns] == ["user", "assistant"] and box.message.value == ""
-    assert box.send_button.description == "Send"  # the button still works too
+    box.max_tokens.value = 4
+    to_front_end, queue = put_backs(monkeypatch, box), [{"text": t} for t in messages[:3]]
+    redraws = []
 
+    def while_replying(_change):
+        redraws.append(1)
+        if len(redraws) == 2:  # mid-reply to "first msg"
+            queue.append({"text": messages[3]})
 
-class Browser:
-    """ipywidgets' front end as a real one behaved (classic Notebook 6.5 with ipywidgets 7.7.1 in Chromium, its
-    websocket frames logged; 8's front end has the same code): a widget's edit is sent at once unless an earlier one
-    is unanswered, then it waits, merged with later ones, until the kernel answers that one; a Text's Enter and a
-    button's click are sent at once; a jsdlink copies its source into its target there and sends that edit. The kernel
-    takes the messages in the order they were sent (run())."""
-
-    def __init__(self, box):
-        import ipywidgets as W
-        from ipywidgets.widgets import widget as module
-        from ipywidgets.widgets.widget_link import DirectionalLink
-
-        self.box, self.text = box, ""  # the chat box, and what its input shows
-        self.queue: list = []  # (widget, message) on their way to the kernel, in order
-        self.held: dict = {}  # widget -> its edits waiting for the kernel's answer to an earlier one
-        self._arriving = None  # the value the kernel is being handed now (its other changes are the kernel's own)
-        box.message.observe(self._kernel_set, names="value")
-        # all, as a browser
-        everything = module._instances if hasattr(module, "_instances") else W.Widget.widgets
-        # links into the chat's box
-        for link in [
-            w
-            for w in list(everything.values())
-            if isinstance(w, DirectionalLink) and w.target[0] is box.message
-        ]:
-            # the browser sets the link up: a copy
-            (source, attr), (target, target_attr) = (
-                link.source,
-                link.target,
-            )
-            source.observe(
-                lambda change, t=target, a=target_attr: self._edit(t, {a: list(change["new"])}),
-                names=attr,
-            )
-            self._edit(target, {target_attr: list(getattr(source, attr))})
-
-    def _kernel_set(self, change) -> None:
-        if change["new"] != self._arriving:
-            self.text = change["new"]
-
-    def _edit(self, widget, state: dict) -> None:
-        # an edit is unanswered: this one waits, merged with the others waiting
-        if widget in self.held:
-            self.held[widget].update(state)
-        else:
-            self.queue.append((widget, {"method": "update", "state": state, "buffer_paths": []}))
-            self.held[widget] = {}
-
-    def type(self, text: str) -> None:  # key by key, each an edit of the box's value
-        for ch in text:
-            self.text += ch
-            self._edit(self.box.message, {"value": self.text})
-
-    def enter(self) -> None:
-        self.queue.append((self.box.message, {"method": "custom", "content": {"event": "submit"}}))
-
-    def click_send(self) -> None:
-        self.queue.append(
-            (self.box.send_button, {"method": "custom", "content": {"event": "click"}})
-        )
-
-    def run(self) -> None:
-        """The kernel handles what was sent, in order; each answer to an edit releases that widget's waiting edits."""
-        while self.queue:
-            widget, data = self.queue.pop(0)
-            self._arriving = data.get("state", {}).get("value")
-            widget._handle_msg({"content": {"data": data}, "buffers": []})
-            self._arriving = None
-            if data["method"] == "update":
-                waiting = self.held.pop(widget)
-                if waiting:
-                    self._edit(widget, waiting)
+    box.transcript.observe(while_replying, names="value")
+    while queue:
+        arrive(box, queue.pop(0))
+    queue.extend({"text": t} for t in messages[4:])
+    while queue:
+        arrive(box, queue.pop(0))
+    assert (
+        user_turns(box) == messages[:-1] and [r for r, _ in box.turns] == ["user", "assistant"] * 6
+    )
+    assert "type a message first" in box.status.value  # the empty one: not a turn
+    assert to_front_end == []  # the kernel never wrote into the box
 
 
 def user_turns(box) -> list[str]:
     return [t for r, t in box.turns if r == "user"]
 
 
-def test_a_burst_of_keys_then_enter_sends_the_whole_message_once(chat_run):  # noqa: F811
-    """Keys faster than the kernel answers (a slow link, a fast typist): the first letter goes, the rest waits in
-    the browser until the kernel answers it, but Enter goes at once; the message must be all of it, once, and
-    nothing typed may stay hidden in the kernel to come back as a ghost message at the next Enter."""
-    box = chatbox(chat_run)
-    box.max_tokens.value = 4
-    browser = Browser(box)
-    browser.run()  # the widgets arrive in the browser
-    browser.type("Hello there")
-    browser.enter()
-    browser.run()
-    assert user_turns(box) == ["Hello there"] and box.message.value == browser.text == ""
-    browser.enter()  # on the empty box: nothing is sent
-    browser.run()
-    assert user_turns(box) == ["Hello there"] and "type a message first" in box.status.value
-    browser.type("And the button?")  # Send waits for the letters too
-    browser.click_send()
-    browser.run()
-    assert (
-        user_turns(box) == ["Hello there", "And the button?"]
-        and box.message.value == browser.text == ""
-    )
-    # Enter pressed twice before the kernel answers: sent once, and no error after it
-    browser.type("Twice")
-    browser.enter()
-    browser.enter()
-    browser.run()
-    assert user_turns(box)[2:] == ["Twice"] and "type a message first" not in box.status.value
-
-
-def test_the_message_box_keeps_the_keyboard_while_a_reply_streams(chat_run):  # noqa: F811
-    """A disabled box loses the keyboard, and the notebook takes the keys as its shortcuts (a letter added cells or
-    turned the chat's cell into markdown): the box stays enabled. What is typed during a reply waits in the browser
-    (the kernel is busy), and its Enter is answered after the reply with the whole message."""
-    box = chatbox(chat_run)
-    box.max_tokens.value = 12
-    browser = Browser(box)
-    browser.run()
-    seen = []
-
-    def while_streaming(_change):
-        seen.append((box.message.disabled, box.send_button.disabled))
-        if len(seen) == 1:
-            browser.type("second message")
-            browser.enter()
-
-    box.transcript.observe(while_streaming, names="value")
-    browser.type("first")
-    browser.enter()
-    browser.run()
-    assert len(seen) > 2 and not any(disabled for pair in seen for disabled in pair), seen
-    assert user_turns(box) == ["first", "second message"] and box.turns[-1][0] == "assistant"
-    assert box.message.value == browser.text == ""
-
-
-def test_the_message_box_comes_back_after_an_error_or_an_interrupt(chat_run, tmp_path):  # noqa: F811
+def test_a_message_that_failed_goes_back_into_an_empty_box(chat_run, tmp_path, monkeypatch):  # noqa: F811
+    """An error or an interrupt leaves the conversation as it was, and the message goes back to the box to be sent
+    again, unless something has been typed there since (never mixed with it)."""
     from gptlib.widgets import ChatBox
 
     box = chatbox(chat_run)
-    box.message.value = "Hi there"
+    to_front_end = put_backs(monkeypatch, box)
     box.session().reply = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
-    box.message._handle_custom_msg({"event": "submit"}, [])
+    arrive(box, {"text": "Hi there"})
     assert "RuntimeError: boom" in box.status.value and box.turns == []
-    # not lost, and it can be edited
-    assert not box.message.disabled and box.message.value == "Hi there"
+    assert to_front_end == [{"put_back": "Hi there"}]
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt  # the notebook's stop button
 
     box.session().reply = interrupt
     with pytest.raises(KeyboardInterrupt):
-        box.message._handle_custom_msg({"event": "submit"}, [])
-    assert (
-        not box.message.disabled
-        and box.message.value == "Hi there"
-        and "interrupted" in box.status.value
-    )
+        arrive(box, {"text": "Hi again"})
+    assert to_front_end[-1] == {"put_back": "Hi again"} and "interrupted" in box.status.value
     box = ChatBox(tmp_path / "no-run")  # an error before any reply: the checkpoint cannot be loaded
-    box.message.value = "Hello"
-    box.send_button.click()
+    to_front_end = put_backs(monkeypatch, box)
+    assert box.send("Hello") is None and "CheckpointError" in box.status.value
+    assert to_front_end == [{"put_back": "Hello"}]
+    # the front end: back into the empty box; kept out of one typed into since
+    assert front_end(["type", "x"], ["key", "Enter"], ["put_back", "x"])["box"] == "x"
     assert (
-        "CheckpointError" in box.status.value
-        and not box.message.disabled
-        and box.message.value == "Hello"
+        front_end(["type", "x"], ["key", "Enter"], ["type", "y"], ["put_back", "x"])["box"] == "y"
     )
 
 
-def test_the_message_box_says_messages_are_one_line(chat_run):  # noqa: F811
-    """ipywidgets' Text sends on Enter with or without Shift (7.7.1 and 8 check only the key), and a Textarea has no
-    submit event: the box is one line, and says so."""
-    import ipywidgets as W
+def test_colab_draws_the_chat_with_its_custom_widget_manager_and_only_the_chat(monkeypatch):
+    """Colab draws an anywidget only through its custom widget manager, which gptlib leaves off for the notebook
+    (it broke Colab's tqdm bars) and anywidget turns on for good at its first widget. The chat's own output asks for
+    it in its display metadata; the manager is left as it was. The fake is colabtools' own logic (its _widgets)."""
+    from IPython.core.formatters import DisplayFormatter
 
-    box = chatbox(chat_run)
-    assert type(box.message) is W.Text and "one line" in box.message.placeholder
+    from gptlib.widgets import ChatBox
+
+    url = "https://example.invalid/manager.min.js"
+    state = types.SimpleNamespace(_installed_url=None)
+    output = types.ModuleType("google.colab.output")
+    output._widgets = state
+    output.enable_custom_widget_manager = lambda: setattr(state, "_installed_url", url)
+    output.disable_custom_widget_manager = lambda: setattr(state, "_installed_url", None)
+    monkeypatch.setitem(sys.modules, "google.colab.output", output)
+    for enabled_before in (
+        None,
+        url,
+    ):  # off (ipywidgets 7), or on (enable_colab_widgets under ipywidgets 8)
+        state._installed_url = enabled_before
+        box = ChatBox("no-run")
+        assert state._installed_url == enabled_before  # the notebook's other outputs as they were
+        _, metadata = DisplayFormatter().format(box)
+        view = metadata["application/vnd.jupyter.widget-view+json"]
+        assert view == {"colab": {"custom_widget_manager": {"url": url}}}
+    monkeypatch.delitem(sys.modules, "google.colab.output")
+    assert DisplayFormatter().format(ChatBox("no-run"))[1] == {}  # outside Colab: no metadata
 
 
 def test_each_message_is_shown_once_and_reset_clears_everything(chat_run):  # noqa: F811
@@ -378,3 +350,104 @@ def test_max_new_tokens_is_capped_where_the_user_sees_it(chat_run):  # noqa: F81
     assert f"capped at {cap}" in box.status.value and "64-token context" in box.status.value
     box.send("And then?")
     assert box.session().reply_tokens <= cap and box.max_tokens.max == cap
+
+
+# ------------------------------------------------------------------------ what a reply and its status say (issue 42)
+
+
+def shown_seconds(status: str) -> float:
+    """The duration a status gives ("12 ms" or "1.5 s"), in seconds."""
+    found = re.search(r" in ([\d.]+) (ms|s)\b", status)
+    assert found, status
+    return float(found.group(1)) / (1000 if found.group(2) == "ms" else 1)
+
+
+def test_a_fast_reply_says_how_long_it_took(chat_run, char_run):  # noqa: F811
+    """A 1-token reply takes milliseconds: "1 tokens in 0.0 s" said nothing true; the figure is above zero and no
+    more than the time the call took, in the chat and in the Playground."""
+    box = chatbox(chat_run)
+    box.max_tokens.value = 1
+    box.send("Hi there")  # loads the checkpoint: the second reply is the fast one
+    t0 = time.perf_counter()
+    box.send("And then?")
+    wall = time.perf_counter() - t0
+    assert re.search(r"\b1 token in ", box.status.value), box.status.value
+    assert 0 < shown_seconds(box.status.value) <= wall + 0.0005, (box.status.value, wall)
+    pg = playground(char_run)
+    pg.max_tokens.value = 1
+    pg.generate()
+    t0 = time.perf_counter()
+    pg.generate()
+    wall = time.perf_counter() - t0
+    seconds = shown_seconds(pg.status.value)
+    assert 0 < seconds <= wall + 0.0005, (pg.status.value, wall)
+    rate = int(re.search(r"\((\d+) tokens/s\)", pg.status.value).group(1))
+    assert abs(rate - 1 / seconds) <= 0.1 * rate + 1, pg.status.value  # the two figures agree
+
+
+def spy_replies(monkeypatch, engine) -> list[tuple[int | None, str]]:
+    """(the seed, the raw text) of each reply `engine` makes: the real engine, watched."""
+    seen, generate_text = [], engine.generate_text
+
+    def watched(prompts, cfg, *args, **kwargs):
+        texts, out, reasons = generate_text(prompts, cfg, *args, **kwargs)
+        seen.append((cfg.seed, texts[0]))
+        return texts, out, reasons
+
+    monkeypatch.setattr(engine, "generate_text", watched)
+    return seen
+
+
+def test_a_reply_never_starts_with_a_space(chat_run, monkeypatch):  # noqa: F811
+    """A model may answer "\\n Hello" to the template's "<|assistant|>": the reply, streamed and kept, is "Hello"."""
+    from gptlib.inference.chat import ChatSession
+    from gptlib.inference.engine import SamplingConfig
+
+    session = ChatSession.from_run(chat_run, system=SYSTEM, log=lambda _: None)
+    seen = spy_replies(monkeypatch, session.engine)
+    for seed in range(30):
+        session.reset()
+        pieces = []
+        cfg = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=seed)
+        reply = session.reply("Hi there", cfg, stream=pieces.append)
+        assert reply == "".join(pieces) == seen[-1][1].lstrip() == session.history[-1][1]
+    # else this test proves nothing
+    assert any(raw.removeprefix("\n")[:1].isspace() for _, raw in seen)
+
+
+def markov(model) -> None:
+    """louder() weights, and no positions nor attention: each next token depends on the last one only, not on the
+    message. With the same random draws every reply is then the same, whatever the message."""
+    louder(model)
+    with torch.no_grad():
+        model.transformer.wpe.weight.zero_()
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.zero_()
+
+
+def test_the_default_seed_gives_each_message_its_own_reply(tmp_path, chat_tok, monkeypatch):  # noqa: F811
+    """Seed 1337 seeded every reply alike: the same first words whatever the message. Each turn's seed now comes
+    from the seed and the conversation: the same conversation and seed still give the same reply."""
+    from gptlib.widgets import ChatBox
+
+    run = write_run(tmp_path / "markov", chat_tok, edit=markov)
+    messages = ["Hi there", "What is the hour?", "Tell me of Rome", "Who are you?", "Farewell"]
+
+    def replies(seed: int) -> list[str]:
+        box = ChatBox(run, system=SYSTEM)
+        box.temperature.value, box.max_tokens.value, box.seed.value = 1.0, 8, seed
+        out = []
+        for message in messages:
+            box.reset()  # each a conversation's first message
+            out.append(box.send(message))
+        return out
+
+    default = replies(1337)
+    assert len(set(default)) == len(messages), default
+    assert replies(1337) == default  # reproducible
+    assert replies(1338) != default
+    box = ChatBox(run, system=SYSTEM)
+    box.temperature.value, box.max_tokens.value, box.seed.value = 1.0, 8, -1
+    seen = spy_replies(monkeypatch, box.session().engine)
+    box.send("Hi there")
+    assert seen[0][0] is None  # -1 is random: left so

@@ -8,6 +8,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import sys
 from typing import Callable
 
@@ -77,24 +78,30 @@ class ChatSession:
         cfg.max_new_tokens = min(cfg.max_new_tokens, self.reply_cap)
         self.finish_reason, before = "", list(self.history)
         self.history.append(("user", text))
-        started = False  # the template's newline that starts every answer is not part of it
+        # the template's newline and a model's space before the answer are not part of it
+        started = False
 
         def shown(_: int, piece: str) -> None:
             nonlocal started
             if not started:
-                started, piece = True, piece.removeprefix("\n")
+                piece = piece.lstrip()
+                started = bool(piece)
             if piece and stream is not None:
                 stream(piece)
 
         try:
-            texts, out, reasons = self.engine.generate_text(
-                [self.prompt_ids(cfg.max_new_tokens)], cfg, self.stop_ids, shown
-            )
+            prompt = self.prompt_ids(cfg.max_new_tokens)
+            if cfg.seed is not None:
+                # One seed for every reply gave each the same random draws: from a small model, the same first
+                # words whatever the message. The same conversation and seed still give the same reply.
+                digest = hashlib.sha256(f"{cfg.seed} {prompt}".encode()).digest()
+                cfg.seed = int.from_bytes(digest[:8], "big") >> 1
+            texts, out, reasons = self.engine.generate_text([prompt], cfg, self.stop_ids, shown)
         except BaseException:
             self.history = before  # a failed or interrupted reply leaves the conversation as it was
             raise
         self.finish_reason, self.reply_tokens = reasons[0], len(out[0])
-        self.history.append(("assistant", texts[0].removeprefix("\n")))
+        self.history.append(("assistant", texts[0].lstrip()))
         return self.history[-1][1]
 
     def render(self, turns: list[tuple[str, str]]) -> list[int]:

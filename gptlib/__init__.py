@@ -1,8 +1,12 @@
 """gptlib: train GPT-style language models from scratch, on a laptop CPU or a Colab GPU.
 
 The names below are what the notebooks, the README and docs import. Each loads on first use (PEP 562): `import gptlib`
-has no side effects and `python -m gptlib tokenize` never imports torch.
+has no side effects, and `python -m gptlib tokenize` never imports torch (0.14 s to import what it needs, against
+1.6 s for every module below, measured on a 2-core CPU). Editors follow the same names to their definitions through
+the static imports under TYPE_CHECKING (tests/test_facade.py keeps the two lists equal).
 """
+
+from typing import TYPE_CHECKING
 
 # the one place it is set: pyproject.toml reads it; notebooks install the tag v<it>
 __version__ = "0.2.0"
@@ -52,6 +56,41 @@ _WHERE = {
     "resolve_device": "gptlib.runtime",
     "GptlibError": "gptlib.errors",
 }
+
+if TYPE_CHECKING:
+    from gptlib import colab
+    from gptlib.config import ModelConfig
+    from gptlib.data.catalog import source_inputs
+    from gptlib.data.download import fetch_tinyshakespeare
+    from gptlib.data.prepare import prepare, prepare_text
+    from gptlib.data.shards import find_dataset
+    from gptlib.data.summary import decoded_sample, print_summary
+    from gptlib.errors import GptlibError
+    from gptlib.evaluation.evaluate import evaluate_run, format_table
+    from gptlib.inference.engine import Engine, SamplingConfig
+    from gptlib.inference.export import export_gguf, export_hf
+    from gptlib.inference.hf_import import import_hf
+    from gptlib.inference.loading import (
+        checkpoint_label,
+        checkpoint_table,
+        find_run,
+        find_runs,
+        load_run,
+    )
+    from gptlib.runtime import resolve_device
+    from gptlib.share import push
+    from gptlib.training.logs import (
+        LivePlot,
+        hellaswag_figure,
+        html_table,
+        run_title,
+        runs_figure,
+        samples_html,
+    )
+    from gptlib.training.loop import train
+    from gptlib.training.start import StartOptions
+    from gptlib.training.throughput import plan_run
+    from gptlib.widgets import ChatBox, Playground, enable_colab_widgets, parse_list
 
 
 def __getattr__(name):

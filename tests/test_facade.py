@@ -71,3 +71,30 @@ def test_importing_gptlib_loads_no_torch():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_an_editor_finds_each_facade_name_where_it_is_defined():
+    """`from gptlib import train` then go-to-definition (jedi, as editors and notebooks use it) lands in the module
+    that defines the name: the lazy table alone gave an editor nothing (issue 43). The static imports for editors
+    and the table that loads the names name the same modules."""
+    jedi = pytest.importorskip("jedi")
+    tree = ast.parse((REPO / "gptlib" / "__init__.py").read_text())
+    static = {
+        a.asname or a.name: node.module if node.module != "gptlib" else f"gptlib.{a.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+        if (node.module or "").startswith("gptlib")
+    }
+    assert static == gptlib._WHERE
+    project = jedi.Project(REPO)
+    for name, module in gptlib._WHERE.items():
+        script = jedi.Script(
+            f"from gptlib import {name}\n{name}", path=REPO / "x.py", project=project
+        )
+        found = script.goto(2, 0, follow_imports=True)
+        want = REPO.joinpath(*module.split(".")).with_suffix(".py")
+        assert found and found[0].module_path in (want, want.with_name("__init__.py")), (
+            name,
+            found,
+        )

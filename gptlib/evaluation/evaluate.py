@@ -77,11 +77,8 @@ def evaluate_bpb(
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     starts = torch.from_numpy(window_starts(len(val_tokens), block, limit))
-    ids = (
-        None
-        if isinstance(val_tokens, MemmapSplit)
-        else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
-    )
+    memmap = isinstance(val_tokens, MemmapSplit)
+    ids = None if memmap else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
     # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the tokens
     per_batch = max(1, (batch_tokens or hs.default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
@@ -91,7 +88,7 @@ def evaluate_bpb(
         for i, chunk in zip(range(0, len(starts), per_batch), starts.split(per_batch)):
             rows = (
                 _to_ids(val_tokens.gather_raw(chunk, block + 1))
-                if ids is None
+                if memmap
                 else ids[chunk[:, None] + torch.arange(block + 1)]
             ).to(device)  # (B, T + 1)
             y = rows[:, 1:]  # (B, T)
@@ -202,18 +199,9 @@ def evaluate_run(
                 lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress
             )
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
-        rows.append(
-            make_row(
-                task,
-                step,
-                lm.state.tokens_seen,
-                result,
-                checkpoint=str(lm.path),
-                device=str(dev),
-                dtype=str(dt).replace("torch.", ""),
-                seconds=round(time.perf_counter() - t0, 3),
-            )
-        )
+        where = dict(checkpoint=str(lm.path), device=str(dev), dtype=str(dt).replace("torch.", ""))
+        seconds = round(time.perf_counter() - t0, 3)
+        rows.append(make_row(task, step, lm.state.tokens_seen, result, **where, seconds=seconds))
         del lm  # before the next checkpoint loads
         try:
             append_jsonl(target, rows[-1])
@@ -274,10 +262,8 @@ def format_table(rows: list[dict]) -> str:
     for reference; the newest two checkpoints compared."""
 
     def cell(row: dict, k: str, f: str) -> str:
-        se = row.get(f"{k}_se")
-        return (
-            "-" if row.get(k) is None else f.format(row[k]) + ("" if se is None else f" ± {se:.4f}")
-        )
+        se = "" if row.get(f"{k}_se") is None else f" ± {row[f'{k}_se']:.4f}"
+        return "-" if row.get(k) is None else f.format(row[k]) + se
 
     by_step: dict[int, dict] = {}
     for r in rows:
@@ -295,9 +281,7 @@ def format_table(rows: list[dict]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += noise_lines(by_step, tasks)
-    lines.append(
-        "± the standard error: HellaSwag's binomial sqrt(p(1 - p) / items), bits per byte's over the windows"
-    )
+    lines.append("± the standard error (HellaSwag: binomial over the items; bpb: over windows)")
     # beside training's val loss of the same weights (a checkpoint's label): which is which
     if "bpb" in tasks:
         lines.append(

@@ -230,7 +230,7 @@ class GPT(nn.Module):
         if start + T > self.config.block_size:
             raise ValueError(
                 f"sequence of {start + T} tokens exceeds block_size={self.config.block_size}; "
-                f"crop the context (generation slides the window for you)"
+                f"crop the context (generation shifts the window for you)"
             )
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.wte(idx)  # (B, T, C)

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import random
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -115,6 +116,17 @@ def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
     assert rc == 0 and "acc_norm" in out and "truncated" in out
     rows = [r for r in read_jsonl(run_dir / EVAL_FILE) if r["task"] == "hellaswag"]
     assert [r["step"] for r in rows] == [5, 10]  # all = every complete checkpoint, oldest first
+    # each accuracy ± its binomial standard error, in the table and the rows; the two checkpoints compared
+    for r in rows:
+        for k in ("acc", "acc_norm"):
+            assert r[f"{k}_se"] == pytest.approx(np.sqrt(r[k] * (1 - r[k]) / 30))
+            assert f"{r[k]:.4f} ± {r[f'{k}_se']:.4f}" in out
+    assert re.search(
+        r"^HellaSwag acc_norm, step 10 - step 5: [+-]\d\.\d{4}; 2 x combined standard error \d\.\d{4}: "
+        r"(within noise|step (5|10) is better)$",
+        out,
+        re.M,
+    ), out
     for r in rows:
         assert (
             r["n"] == 30
@@ -138,8 +150,10 @@ def test_cli_eval_hellaswag_and_bpb(run_dir, hs_file, capsys):
             "--quiet",
         ]
     )
-    assert rc == 0 and "val bpb" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert rc == 0 and "val bpb" in out
     (b,) = [r for r in read_jsonl(run_dir / EVAL_FILE) if r["task"] == "bpb"]
+    assert 0 < b["bpb_se"] < 0.1 * b["bpb"] and f"{b['bpb']:.4f} ± {b['bpb_se']:.4f}" in out
     from gptlib.inference.loading import checkpoint_table
 
     assert (

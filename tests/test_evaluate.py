@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import urllib.error
 import urllib.request
 
@@ -172,6 +173,9 @@ def test_hellaswag_scoring_matches_brute_force(small_text):
     assert res["truncated"] == truncated and 0 < truncated < 12
     assert res["acc"] == pytest.approx(float((sums.argmax(1) == labels).mean()))
     assert res["acc_norm"] == pytest.approx(float(((sums / counts).argmax(1) == labels).mean()))
+    # each item right or wrong: the binomial standard error of the accuracy over 12 items
+    for k in ("acc", "acc_norm"):
+        assert res[f"{k}_se"] == pytest.approx(math.sqrt(res[k] * (1 - res[k]) / 12))
 
 
 def test_parse_errors_name_line_field_and_value(tmp_path):
@@ -281,7 +285,7 @@ def test_bpb_matches_brute_force(small_text):
     res = evaluate_bpb(m, bpe, val, "cpu", batch_tokens=50)
     tb = token_bytes(bpe)
     nats = nats_counted = 0.0
-    n_bytes = 0
+    n_bytes, window_bits, window_bytes = 0, [], []
     starts = list(range(0, (len(val) - 1) // 16 * 16, 16))
     for s in starts:
         x = torch.tensor(val[s : s + 16].astype(np.int64))[None]
@@ -292,6 +296,8 @@ def test_bpb_matches_brute_force(small_text):
         nats += nll.sum()
         nats_counted += nll[tb[y] > 0].sum()
         n_bytes += int(tb[y].sum())
+        window_bits.append(nll[tb[y] > 0].sum() / math.log(2))
+        window_bytes.append(int(tb[y].sum()))
     assert (
         res["windows"] == len(starts)
         and res["tokens"] == 16 * len(starts)
@@ -299,7 +305,13 @@ def test_bpb_matches_brute_force(small_text):
     )
     assert res["bpb"] == pytest.approx(nats_counted / math.log(2) / n_bytes, rel=1e-5)
     assert res["loss"] == pytest.approx(nats / (16 * len(starts)), rel=1e-5)
+    # bpb is a ratio of sums over the windows: its standard error by the delta method, n windows
+    n, bpb = len(starts), nats_counted / math.log(2) / n_bytes
+    resid = [b - bpb * nb for b, nb in zip(window_bits, window_bytes)]
+    se = math.sqrt(sum(r * r for r in resid) / (n * (n - 1))) / (n_bytes / n)
+    assert res["bpb_se"] == pytest.approx(se, rel=1e-4) and 0 < se < 0.2 * bpb
     sub = evaluate_bpb(m, bpe, val, "cpu", limit=5)
+    assert evaluate_bpb(m, bpe, val, "cpu", limit=1)["bpb_se"] is None  # one window: no spread
     assert sub["windows"] == 5 and list(window_starts(len(val), 16, 5)) == [
         starts[i * len(starts) // 5] for i in range(5)
     ]
@@ -436,6 +448,48 @@ def test_plot_helpers(tmp_path):
         ]
     )
     assert "acc_norm" in table and "0.2500" in table and "1,280" in table
+
+
+def test_table_shows_standard_errors_and_says_when_a_difference_is_within_noise():
+    """Each figure ± its standard error; the newest two checkpoints compared on each task's first figure: a
+    difference under 2 x the combined standard error sqrt(se_a^2 + se_b^2) is within noise, else the better checkpoint
+    is named (lower bpb, higher accuracy). Rows without standard errors (eval.jsonl before them) print bare and are
+    not compared."""
+
+    def hs_row(step, acc_norm, n):
+        se = math.sqrt(acc_norm * (1 - acc_norm) / n)
+        row = dict(task="hellaswag", step=step, tokens_seen=step * 10, n=n, truncated=0, skipped=0)
+        return row | dict(acc=acc_norm, acc_se=se, acc_norm=acc_norm, acc_norm_se=se)
+
+    def bpb_row(step, bpb, se):
+        return dict(task="bpb", step=step, tokens_seen=step * 10, bpb=bpb, bpb_se=se, loss=bpb)
+
+    # 0.30 vs 0.32 on 1,000 items each: 2 x sqrt(2 x .31 x .69 / 1000) = 0.041 > 0.02
+    rows = [hs_row(500, 0.30, 1000), hs_row(1000, 0.32, 1000)]
+    # step 200's row has no standard error (eval.jsonl before them): shown, never compared
+    rows += [bpb_row(500, 2.000, 0.004), bpb_row(1000, 1.980, 0.004), {"task": "bpb", "step": 200}]
+    table = format_table(rows)
+    assert "0.3200 ± 0.0148" in table and "1.9800 ± 0.0040" in table
+    lines = table.splitlines()
+    assert (
+        "HellaSwag acc_norm, step 1,000 - step 500: +0.0200; 2 x combined standard error 0.0414: "
+        "within noise" in lines
+    )
+    # 2 x sqrt(2) x 0.004 = 0.0113 < 0.02: the lower bits per byte is better
+    assert (
+        "val bpb, step 1,000 - step 500: -0.0200; 2 x combined standard error 0.0113: step 1,000 is "
+        "better" in lines
+    )
+    # 10,000 items: 2 x SE = 0.013 < 0.02
+    big = format_table([hs_row(500, 0.32, 10_000), hs_row(1000, 0.30, 10_000)])
+    assert (
+        "HellaSwag acc_norm, step 1,000 - step 500: -0.0200; 2 x combined standard error 0.0131: step 500 "
+        "is better" in big.splitlines()
+    )
+    old = [{k: v for k, v in r.items() if not k.endswith("_se")} for r in rows]
+    table = format_table(old)
+    assert "±" not in table.split("\n± ")[0] and "noise" not in table and "better" not in table
+    assert re.search(r"step 1,000 +10,000 +1\.9800 ", table), table
 
 
 def test_notebook_04s_eval_cell_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(

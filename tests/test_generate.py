@@ -61,7 +61,8 @@ def run_dir(tmp_path_factory, char_data):
 
 
 def naive_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
-    """Reference: a full forward of the last block_size tokens for every new token (nanoGPT)."""
+    """Reference: a full forward of the last block_size tokens for every new token (nanoGPT; the engine before its
+    context shift)."""
     ids = list(prompt)
     bs = model.config.block_size
     with torch.no_grad():
@@ -71,19 +72,83 @@ def naive_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-def test_greedy_cache_equals_no_cache_past_the_window(model):
+def shifted_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
+    """Reference of the context shift, a full forward per token: the window starts where the last shift left it;
+    a token that would see more than block_size tokens restarts it at the newest block_size // 2."""
+    ids, bs = list(prompt), model.config.block_size
+    start = max(0, len(ids) - bs)
+    with torch.no_grad():
+        for _ in range(n):
+            if len(ids) - start > bs:
+                start = len(ids) - bs // 2
+            logits, _ = model(torch.tensor([ids[start:]]))
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def rope_model() -> GPT:
+    """The modern recipe's positions (rotary) and norms, at the fixture's size."""
+    torch.manual_seed(1)
+    m = GPT(
+        ModelConfig(
+            vocab_size=50,
+            block_size=16,
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            vocab_multiple=64,
+            positions="rope",
+            norm="rmsnorm",
+            qk_norm=True,
+            mlp="swiglu",
+        )
+    )
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(5.0)
+    return m.eval()
+
+
+@pytest.mark.parametrize("recipe", ["gpt2", "modern"])
+def test_greedy_cache_equals_a_full_forward_before_and_past_the_context(model, recipe):
+    """Up to the context's end (block_size tokens of context) the engine's tokens are the full-window forward's;
+    past it, the context shift's, three block_sizes long."""
+    m = model if recipe == "gpt2" else rope_model()
+    bs, eng = m.config.block_size, Engine(m)
+    greedy = SamplingConfig(max_new_tokens=3 * bs, temperature=0)
+    # a one-token prompt: the first block_size new tokens fit the context
+    cached, reasons = eng.generate_ids([[1]], greedy)
+    assert cached[0][:bs] == naive_greedy(m, [1], bs) and reasons == ["length"]
+    shifted = shifted_greedy(m, [1], 3 * bs)
+    assert cached[0] == shifted
+    # the references tell the two windows apart: the test would see the old sliding one
+    assert shifted != naive_greedy(m, [1], 3 * bs)
     prompt = [3, 1, 4, 1, 5]
-    n = 40  # well past block_size=16: the window slides
-    eng = Engine(model)
-    greedy = SamplingConfig(max_new_tokens=n, temperature=0)
-    cached, reasons = eng.generate_ids([prompt], greedy)
-    assert cached[0] == naive_greedy(model, prompt, n)
-    assert reasons == ["length"]
-    # A prompt longer than the context is cropped to its last block_size tokens.
+    cached = eng.generate_ids([prompt], SamplingConfig(max_new_tokens=40, temperature=0))[0][0]
+    assert cached == shifted_greedy(m, prompt, 40)
+    assert cached[: bs + 1 - len(prompt)] == naive_greedy(m, prompt, bs + 1 - len(prompt))
+    # A prompt longer than the context: its last block_size tokens, then shifts.
     long_prompt = list(range(1, 30))
-    assert eng.generate_ids([long_prompt], SamplingConfig(max_new_tokens=5, temperature=0))[0][
-        0
-    ] == naive_greedy(model, long_prompt, 5)
+    out = eng.generate_ids([long_prompt], SamplingConfig(max_new_tokens=12, temperature=0))[0][0]
+    assert out == shifted_greedy(m, long_prompt, 12)
+    assert out[0] == naive_greedy(m, long_prompt, 1)[0]
+
+
+def test_past_the_context_the_cache_is_refilled_once_per_half_window(model, monkeypatch):
+    """Each forward's width for 3 x block_size new tokens: one-token steps and a refill of block_size // 2 tokens
+    each time the cache is full again (the engine before refilled all block_size at every token past it)."""
+    bs, widths = model.config.block_size, []
+    eng = Engine(model)
+    forward = model.hidden_states
+    monkeypatch.setattr(
+        model,
+        "hidden_states",
+        lambda idx, cache=None: widths.append(idx.shape[1]) or forward(idx, cache),
+    )
+    eng.generate_ids([[1]], SamplingConfig(max_new_tokens=3 * bs, temperature=0))
+    # shifts at the 17th, 26th, 35th and 44th token of 48 (bs 16: every bs - bs // 2 + 1)
+    assert sorted(set(widths)) == [1, bs // 2] and widths.count(bs // 2) == 4, widths
+    assert len(widths) == 3 * bs  # the prompt's forward, then one per new token but the last
 
 
 def test_batch_of_prompts_of_different_lengths_equals_one_by_one(model):
@@ -241,10 +306,11 @@ def test_stop_token_ends_a_row(model):
 
 def test_greedy_ids_are_the_reference_and_a_seed_repeats_a_sample(model):
     """What training's samples use (Engine.generate_ids on one prompt; the module-level generate_ids beside it
-    was merged into it): greedy = the reference, and the same seed gives the same sample."""
+    was merged into it): greedy = the reference (past the context, the shifted one), and the same seed gives the
+    same sample."""
     eng = Engine(model)
     greedy = SamplingConfig(max_new_tokens=20, temperature=0, stop_at_eot=False)
-    assert eng.generate_ids([[5, 6]], greedy)[0][0] == naive_greedy(model, [5, 6], 20)
+    assert eng.generate_ids([[5, 6]], greedy)[0][0] == shifted_greedy(model, [5, 6], 20)
     seeded = SamplingConfig(max_new_tokens=12, temperature=0.8, top_k=10, stop_at_eot=False)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert (

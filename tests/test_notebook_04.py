@@ -99,8 +99,17 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
         and "0.2955" in table
     )
     assert re.search(r"nats/token +windows +tokens", table)
-    # BPB_WINDOWS 20 of 32 tokens
-    assert re.search(r"step 5 +1,280 +[\d.]+ +[\d.]+ +20 +640 ", table), table
+    # BPB_WINDOWS 20 of 32 tokens; bits per byte and the accuracies ± their standard errors
+    assert re.search(r"step 5 +1,280 +\d\.\d{4} ± \d\.\d{4} +[\d.]+ +20 +640 ", table), table
+    assert re.search(r" 1,280 .* \d\.\d{4} ± \d\.\d{4} +\d\.\d{4} ± \d\.\d{4} +6 ", table), table
+    # the two checkpoints compared: within noise, or which is better
+    for figure in ("val bpb", "HellaSwag acc_norm"):
+        assert re.search(
+            rf"^{figure}, step 10 - step 5: [+-]\d\.\d{{4}}; 2 x combined standard error \d\.\d{{4}}: "
+            r"(within noise|step (5|10) is better)$",
+            table,
+            re.M,
+        ), table
     assert (
         "nats/token: on the windows column's windows" in table
         and "is training's validation" in table

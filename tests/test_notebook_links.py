@@ -45,7 +45,7 @@ SECTIONS = {
     ),
     "04_generate.ipynb": (
         "### Under the hood",
-        {"Engine.generate_ids", "KVCache", "process_logits", "sample_next"},
+        {"Engine.generate_ids", "KVCache", "Engine._next_logits", "process_logits", "sample_next"},
     ),
 }
 

@@ -70,44 +70,46 @@ def evaluate_bpb(
     batch_tokens: int | None = None,
     progress: bool = False,
 ) -> dict:
-    """{bpb, loss, tokens, bytes, windows}: bpb = nats / ln 2 / UTF-8 bytes, special tokens (no bytes) left out of
-    both sums, as nanochat does; loss = the mean nats over all targets. The sums stay on the device until the end;
-    each batch's windows are a blocking copy, so on a GPU the host waits once per batch."""
+    """{bpb, bpb_se, loss, tokens, bytes, windows}: bpb = nats / ln 2 / UTF-8 bytes, special tokens (no bytes) left
+    out of both sums, as nanochat does; bpb_se its standard error over the windows; loss = the mean nats over all
+    targets. Each window's sums stay on the device until the end; each batch's windows are a blocking copy, so on a
+    GPU the host waits once per batch."""
     device = torch.device(device)
     block = unwrap_model(model).config.block_size
     starts = torch.from_numpy(window_starts(len(val_tokens), block, limit))
-    ids = (
-        None
-        if isinstance(val_tokens, MemmapSplit)
-        else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
-    )
+    memmap = isinstance(val_tokens, MemmapSplit)
+    ids = None if memmap else torch.as_tensor(np.asarray(val_tokens, dtype=np.int64))
     # every position goes through the output layer here: (B*T, V) float32 logits, so a quarter of the tokens
     per_batch = max(1, (batch_tokens or hs.default_batch_tokens(device) // 4) // block)
     tb = torch.from_numpy(token_bytes(tok)).to(device)
-    nats_counted, nats_all = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
-    n_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    # each window's nats (counted: of targets with bytes, all) and bytes
+    sums = torch.zeros(3, len(starts), dtype=torch.float64, device=device)
     with hs.scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
-        for chunk in starts.split(per_batch):
+        for i, chunk in zip(range(0, len(starts), per_batch), starts.split(per_batch)):
             rows = (
                 _to_ids(val_tokens.gather_raw(chunk, block + 1))
-                if ids is None
+                if memmap
                 else ids[chunk[:, None] + torch.arange(block + 1)]
             ).to(device)  # (B, T + 1)
-            nll = hs.scored_nll(m, rows[:, :-1], rows[:, 1:], dtype=dtype)  # (B*T,)
-            nb = tb[rows[:, 1:]].flatten()
-            nats_counted += (nll * (nb > 0)).sum(dtype=torch.float64)
-            nats_all += nll.sum(dtype=torch.float64)
-            n_bytes += nb.sum()
+            y = rows[:, 1:]  # (B, T)
+            nll, nb = hs.scored_nll(m, rows[:, :-1], y, dtype=dtype).double().view_as(y), tb[y]
+            counted = (nll * (nb > 0)).sum(1)
+            sums[:, i : i + len(chunk)] = torch.stack([counted, nll.sum(1), nb.sum(1).double()])
             bar.update(len(chunk))
-    total_bytes, tokens = int(n_bytes), len(starts) * block
+    bits, nats_all, nbytes = sums.cpu().numpy()
+    bits, total_bytes, tokens = bits / math.log(2), int(nbytes.sum()), len(starts) * block
     if total_bytes == 0:
         raise EvalError("the scored validation tokens carry no bytes (all special tokens?)")
+    bpb, n = bits.sum() / total_bytes, len(starts)
+    # a ratio of sums over windows: the standard error of the mean of bits - bpb x bytes, over the mean bytes
+    se = np.std(bits - bpb * nbytes, ddof=1) / n**0.5 / nbytes.mean() if n > 1 else None
     return {
-        "bpb": float(nats_counted) / (math.log(2) * total_bytes),
-        "loss": float(nats_all) / tokens,
+        "bpb": float(bpb),
+        "bpb_se": None if se is None else float(se),
+        "loss": float(nats_all.sum()) / tokens,
         "tokens": tokens,
         "bytes": total_bytes,
-        "windows": len(starts),
+        "windows": n,
     }
 
 
@@ -197,18 +199,9 @@ def evaluate_run(
                 lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress
             )
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
-        rows.append(
-            make_row(
-                task,
-                step,
-                lm.state.tokens_seen,
-                result,
-                checkpoint=str(lm.path),
-                device=str(dev),
-                dtype=str(dt).replace("torch.", ""),
-                seconds=round(time.perf_counter() - t0, 3),
-            )
-        )
+        where = dict(checkpoint=str(lm.path), device=str(dev), dtype=str(dt).replace("torch.", ""))
+        seconds = round(time.perf_counter() - t0, 3)
+        rows.append(make_row(task, step, lm.state.tokens_seen, result, **where, seconds=seconds))
         del lm  # before the next checkpoint loads
         try:
             append_jsonl(target, rows[-1])
@@ -224,7 +217,7 @@ def evaluate_run(
     return rows
 
 
-# Each task's columns: (eval.jsonl field, header, format)
+# Each task's columns: (eval.jsonl field, header, format); a field with a standard error (FIELD_se) shows it after ±
 COLUMNS = {
     "bpb": [
         ("bpb", "val bpb", "{:.4f}"),
@@ -242,11 +235,35 @@ COLUMNS = {
 }
 
 
-def format_table(rows: list[dict]) -> str:
-    """A line per checkpoint, each task's newest result; with HellaSwag, GPT-2 124M's figures for reference."""
+def noise_lines(by_step: dict[int, dict], tasks: list[str]) -> list[str]:
+    """Each task's first figure, the newest two checkpoints that have its standard error: their difference is within
+    noise under 2 x the combined standard error sqrt(se_a^2 + se_b^2), else the better checkpoint is named."""
+    lines = []
+    for t in tasks:
+        k, name, _ = COLUMNS[t][0]
+        had = [
+            (s, d[t]) for s, d in sorted(by_step.items()) if d.get(t, {}).get(f"{k}_se") is not None
+        ]
+        if len(had) < 2:
+            continue
+        (sa, a), (sb, b) = had[-2:]
+        diff, bound = b[k] - a[k], 2 * math.hypot(a[f"{k}_se"], b[f"{k}_se"])
+        # lower bits per byte, higher accuracy
+        better = sb if (diff < 0) == (k == "bpb") else sa
+        verdict = "within noise" if abs(diff) < bound or diff == 0 else f"step {better:,} is better"
+        lines.append(
+            f"{name}, step {sb:,} - step {sa:,}: {diff:+.4f}; 2 x combined standard error {bound:.4f}: {verdict}"
+        )
+    return lines
 
-    def cell(v, f: str) -> str:
-        return "-" if v is None else f.format(v)
+
+def format_table(rows: list[dict]) -> str:
+    """A line per checkpoint, each task's newest result, ± its standard error; with HellaSwag, GPT-2 124M's figures
+    for reference; the newest two checkpoints compared."""
+
+    def cell(row: dict, k: str, f: str) -> str:
+        se = "" if row.get(f"{k}_se") is None else f" ± {row[f'{k}_se']:.4f}"
+        return "-" if row.get(k) is None else f.format(row[k]) + se
 
     by_step: dict[int, dict] = {}
     for r in rows:
@@ -255,14 +272,16 @@ def format_table(rows: list[dict]) -> str:
     cols = [(t, *c) for t in tasks for c in COLUMNS[t]]
     table = [["checkpoint", "tokens seen", *(h for _, _, h, _ in cols)]]
     for step, d in sorted(by_step.items()):
-        scores = [cell(d.get(t, {}).get(k), f) for t, k, _, f in cols]
-        table.append([f"step {step:,}", cell(d["tokens_seen"], "{:,}"), *scores])
+        scores = [cell(d.get(t, {}), k, f) for t, k, _, f in cols]
+        table.append([f"step {step:,}", cell(d, "tokens_seen", "{:,}"), *scores])
     if "hellaswag" in tasks:
-        gpt2 = [cell(hs.GPT2_124M.get(k) if t == "hellaswag" else None, f) for t, k, _, f in cols]
+        gpt2 = [cell(hs.GPT2_124M if t == "hellaswag" else {}, k, f) for t, k, _, f in cols]
         table.append(["GPT-2 124M (OpenAI)", "-", *gpt2])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += noise_lines(by_step, tasks)
+    lines.append("± the standard error (HellaSwag: binomial over the items; bpb: over windows)")
     # beside training's val loss of the same weights (a checkpoint's label): which is which
     if "bpb" in tasks:
         lines.append(

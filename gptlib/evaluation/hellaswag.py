@@ -277,27 +277,24 @@ def evaluate_rendered(
     progress: bool = False,
     desc: str = "hellaswag",
 ) -> dict:
-    """-> {acc, acc_norm, n, truncated, skipped, sums: (n, 4) log-likelihoods of the endings}."""
+    """-> {acc, acc_norm, their standard errors acc_se, acc_norm_se, n, truncated, skipped, sums: (n, 4)
+    log-likelihoods of the endings}. An item is right or wrong: the binomial standard error sqrt(p(1 - p) / n)."""
     with scoring(model, progress, total=len(r.seqs), desc=desc, unit="row") as (m, bar):
         row_ll = score_rows(m, r.seqs, r.ks, device, dtype, batch_tokens, bar.update)
     # an ending's rows summed
     sums = np.bincount(r.ending_of, weights=row_ll, minlength=4 * r.n).reshape(r.n, 4)
     means = sums / np.asarray(r.counts).reshape(r.n, 4)  # every ending has a token: " " + ending
     # argmax: ties go to the first ending, as torch's argmax in build-nanogpt
-    labels = np.asarray(r.labels)
-    return {
-        "acc": float((sums.argmax(1) == labels).mean()),
-        "acc_norm": float((means.argmax(1) == labels).mean()),
-        "n": r.n,
-        "truncated": r.truncated,
-        "skipped": r.skipped,
-        "sums": sums,
-    }
+    labels, out = np.asarray(r.labels), {}
+    for name, scores in (("acc", sums), ("acc_norm", means)):
+        p = float((scores.argmax(1) == labels).mean())
+        out.update({name: p, f"{name}_se": (p * (1 - p) / r.n) ** 0.5})
+    return {**out, "n": r.n, "truncated": r.truncated, "skipped": r.skipped, "sums": sums}
 
 
 def row_fields(res: dict, file: dict) -> dict:
     return {
-        **{k: res[k] for k in ("n", "acc", "acc_norm", "truncated", "skipped")},
+        **{k: v for k, v in res.items() if k != "sums"},
         "data": file["path"],
         "data_sha256": file["sha256"],
         "canonical": file["canonical"],

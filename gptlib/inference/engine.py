@@ -1,7 +1,7 @@
 """Generation with a KV cache. Prompts of different lengths share one cache without padding (as Meta's Llama code):
 all rows are prefilled up to the shortest prompt, then a row still reading its prompt is fed its own next token.
-Past block_size the newest block_size tokens are prefilled again. Above the Engine: the sampling settings, the next
-token drawn from a batch of logits on the device, and what a generation returns."""
+A full cache keeps its newest half (a context shift). Above the Engine: the sampling settings, the next token
+drawn from a batch of logits on the device, and what a generation returns."""
 
 from __future__ import annotations
 
@@ -140,11 +140,13 @@ class Engine:
         return SplitFewRows() if self.split_matmuls else contextlib.nullcontext()
 
     def _next_logits(self, buf: torch.Tensor, cur: int, cache: KVCache) -> torch.Tensor:
-        bs = self.model.config.block_size
-        if cache.pos < bs:
-            return self._logits(buf[:, cur : cur + 1], cache)
-        cache.pos = 0  # the window slides: the newest block_size tokens are prefilled again
-        return self._logits(buf[:, cur + 1 - bs : cur + 1], cache)
+        """Token cur into the cache. A full cache keeps its newest half, refilled once from the tokens (llama.cpp's
+        context shift), then decodes one token a step again. Rotating rotary keys instead would be inexact: a
+        deeper layer's cached keys hold what the dropped tokens added to the kept ones."""
+        start, bs = cur, self.model.config.block_size
+        if cache.pos == bs:
+            cache.pos, start = 0, cur + 1 - max(1, bs // 2)
+        return self._logits(buf[:, start : cur + 1], cache)
 
     @torch.inference_mode()
     def generate_ids(

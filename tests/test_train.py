@@ -708,7 +708,8 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
 ):
     """Notebook 04's run comparison: this run and the others under the runs folder (one only on "Drive", its mirror),
     each a line of val loss against tokens seen, the legend naming it with its preset and recipe; a run of another
-    vocabulary (loss per character vs per token) or without a checkpoint is left out unless named."""
+    vocabulary (loss per character vs per token) or without a checkpoint is left out unless named, and one line says
+    which and why; a comparison of this run alone says so (04 drew a single dot without a word)."""
     skip_without_muon()
     from gptlib import find_runs, runs_figure
     from gptlib.errors import CheckpointError
@@ -732,8 +733,24 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     for name, vocab in (("bpe", 32768), ("new", chars)):  # "new": no checkpoint yet
         (runs / name).mkdir()
         (runs / name / "config.json").write_text(json.dumps({"model": {"vocab_size": vocab}}))
-    found = find_runs("", runs / "a")
+    said = []
+    found = find_runs("", runs / "a", log=said.append)
     assert found == [runs / "a", runs / "b"], found
+    # what was left out, and why, in one line (04 drew the runs without a word of the others)
+    assert said == [
+        f"compare: 2 runs; left out bpe (vocabulary 32768, not this run's {chars}: losses do not "
+        f"compare), new (no checkpoint yet)"
+    ], said
+    # a run of its own vocabulary: drawn alone, and said so
+    said.clear()
+    assert find_runs("", runs / "bpe", log=said.append) == [runs / "bpe"]
+    assert said == [
+        "compare: only this run; left out "
+        + ", ".join(
+            f"{name} (vocabulary {chars}, not this run's 32768: losses do not compare)"
+            for name in ("a", "b", "new")
+        )
+    ], said
     ax = runs_figure(found).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "a (phase1, gpt2)",
@@ -751,3 +768,8 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     ]
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         find_runs("new", runs / "a")
+    # no other run at all
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "alone"))
+    said.clear()
+    assert find_runs("", runs / "a", log=said.append) == [runs / "a"]
+    assert said == [f"compare: only this run; no other run in {tmp_path / 'alone' / 'runs'}"], said

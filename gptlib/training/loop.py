@@ -72,18 +72,16 @@ class TrainResult:
             )
         if val and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
+        # one tokens/s figure (two, 15,166 and 15,104, read as a contradiction): while stepping, once measured
+        steady = self.steady_tokens_per_s
         speed = (
-            ""
-            if self.steady_tokens_per_s is None
-            else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
-        )
-        speed += (
-            f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
-            f"its first step, validations and saves included"
+            f"{steady:,.0f} tokens/s while stepping"
+            if steady
+            else f"{self.tokens_per_s:,.0f} tokens/s"
         )
         return (
-            f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> "
-            f"{self.run_dir}{drive}"
+            f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed}; {self.elapsed_s:.1f} s this session, its "
+            f"first step, validations and saves included ({self.stopped_by}) -> {self.run_dir}{drive}"
         )
 
 

@@ -238,7 +238,7 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert (
         "already finished at step 10 (val " in out
-        and "nothing to do" in out
+        and "nothing to do (raise --max-steps to train further)" in out
         and "0 tokens/s" not in out
     )
     # that alone: no set-up lines before it

@@ -78,6 +78,8 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), (
         train_out
     )
+    # in the notebook's own terms (it said max_steps, a name the notebook does not have)
+    assert "(raise MAX_STEPS to train further)" in train_out, train_out
     # train() and print(result.summary()): said once
     assert train_out.count("already finished") == 1, train_out
     # and nothing else: no data, RAM or "resumed from" lines

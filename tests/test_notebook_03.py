@@ -69,6 +69,12 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
 
+    # run all again: finished, and the way on is the notebook's own setting (it said max_steps)
+    text = outputs_text(run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path))
+    assert (
+        "already finished at step 30" in text and "(raise TOKEN_BUDGET_M to train further)" in text
+    )
+
 
 def test_notebook_03_stopped_says_so_once_in_its_output(tmp_path, monkeypatch, char_data):
     """The stop button (SIGINT) at step 5: the note on the normal output, in words, not in stderr's red box; the bar

@@ -80,7 +80,9 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     train_cell = next(
         c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source
     )
-    assert "already finished at step 18" in "".join(o.get("text", "") for o in train_cell.outputs)
+    finished = "".join(o.get("text", "") for o in train_cell.outputs)
+    assert "already finished at step 18" in finished
+    assert "(raise MAX_STEPS to train further)" in finished, finished
     shown = [o["data"] for o in train_cell.outputs if o.get("output_type") == "display_data"]
     assert len(shown) == 1 and "image/png" in shown[0], shown
 

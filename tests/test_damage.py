@@ -219,7 +219,7 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
     # the presses said on stdout, as the rest of the run; how to go on once, in the last line
     assert (
         "interrupted: finishing this step" in out
-        and "interrupted again: stopping as soon as" in out
+        and "interrupted again: stopping when" in out
         and "interrupted" not in err
     ), err
     assert out.count("to continue") == 1

@@ -243,14 +243,10 @@ def find_runs(
             found.append(find_run(name, roots=roots))
         except CheckpointError:  # no checkpoint yet: nothing to compare
             left.append(f"{name} (no checkpoint yet)")
+    drawn = "only this run" if len(found) == 1 else f"{len(found)} runs"
+    alone = "no other run in " + " or ".join(map(str, folders))
     if left or len(found) == 1:
-        drawn = "only this run" if len(found) == 1 else f"{len(found)} runs"
-        why = (
-            f"left out {', '.join(left)}"
-            if left
-            else f"no other run in {' or '.join(map(str, folders))}"
-        )
-        log(f"compare: {drawn}; {why}")
+        log(f"compare: {drawn}; " + (f"left out {', '.join(left)}" if left else alone))
     return found
 
 

@@ -370,14 +370,8 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
 
 
 def _references(ax, color: str, lw: float) -> None:
-    ax.axhline(
-        GPT2_124M["acc_norm"],
-        color=color,
-        ls="--",
-        lw=lw,
-        alpha=0.7,
-        label="GPT-2 124M (OpenAI): 0.2955",
-    )
+    gpt2 = GPT2_124M["acc_norm"]
+    ax.axhline(gpt2, color=color, ls="--", lw=lw, alpha=0.7, label=f"GPT-2 124M (OpenAI): {gpt2}")
     ax.axhline(0.25, color="gray", ls=":", lw=lw, alpha=0.7, label="chance: 0.25")
 
 
@@ -473,11 +467,7 @@ def runs_figure(
 def add_hellaswag_axis(ax, rows: list[dict]):
     """HellaSwag acc_norm of metrics.jsonl rows (a subset, all items at the end: hellaswag_n says which) on a second
     y axis of the loss plot, with one legend for both axes; None when no row has one."""
-    pts = [
-        (r["step"], r["hellaswag_acc_norm"])
-        for r in rows
-        if r.get("hellaswag_acc_norm") is not None
-    ]
+    pts = [(r["step"], a) for r in rows if (a := r.get("hellaswag_acc_norm")) is not None]
     if not pts:
         return None
     ax2 = ax.twinx()

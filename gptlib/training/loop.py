@@ -73,11 +73,7 @@ class TrainResult:
             val += f" (at step {self.val_step:,})"
         # one tokens/s figure (two, 15,166 and 15,104, read as a contradiction): while stepping, once measured
         steady = self.steady_tokens_per_s
-        speed = (
-            f"{steady:,.0f} tokens/s while stepping"
-            if steady
-            else f"{self.tokens_per_s:,.0f} tokens/s"
-        )
+        speed = f"{steady or self.tokens_per_s:,.0f} tokens/s{' while stepping' if steady else ''}"
         return (
             f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed}; {self.elapsed_s:.1f} s this session, its "
             f"first step, validations and saves included ({self.stopped_by}) {end}"

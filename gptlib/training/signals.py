@@ -36,9 +36,7 @@ class GracefulStop:
         if self.reason is not None:
             if signum == signal.SIGINT and self._deferring:
                 self._interrupted = True
-                self.log(
-                    "interrupted again: stopping as soon as the update or the save in progress is done"
-                )
+                self.log("interrupted again: stopping when the update or save in progress ends")
             elif signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return

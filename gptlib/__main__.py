@@ -242,7 +242,7 @@ def cmd_train(args) -> int:
     )
     # max_minutes, Ctrl-C, SIGTERM: how to go on, once
     early = r.stopped_by not in ("max_steps", "finished")
-    print(r.summary() + ("; re-run the same command to continue" if early else ""))
+    print(r.summary("--max-steps") + ("; re-run the same command to continue" if early else ""))
     if r.stopped_by == "interrupt":
         return 130  # Ctrl-C: the status of a process stopped by SIGINT
     # the summary says why: a script must not take the run for safe

@@ -218,9 +218,9 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
     assert [p.name for p in (run / "checkpoints").iterdir()] == [ck.name]  # no partial left
     # the presses said on stdout, as the rest of the run; how to go on once, in the last line
     assert (
-        "SIGINT: finishing this step" in out
-        and "SIGINT: stopping as soon as" in out
-        and "SIGINT" not in err
+        "interrupted: finishing this step" in out
+        and "interrupted again: stopping when" in out
+        and "interrupted" not in err
     ), err
     assert out.count("to continue") == 1
     assert out.endswith(f"(interrupt) -> {run}; re-run the same command to continue\n"), out
@@ -238,7 +238,7 @@ def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert (
         "already finished at step 10 (val " in out
-        and "nothing to do" in out
+        and "nothing to do (raise --max-steps to train further)" in out
         and "0 tokens/s" not in out
     )
     # that alone: no set-up lines before it

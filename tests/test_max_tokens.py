@@ -50,9 +50,13 @@ def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_
     assert sorted(got) == sorted(docs[:k])  # the first k documents, each whole
     out = capsys.readouterr()
     assert f"stopped at --max-tokens {n:,}: after document {k - 1:,}" in out.out
-    # the bar counts tokens towards max_tokens, with tqdm's percentage and ETA ([elapsed<remaining])
+    # the bar counts tokens towards max_tokens, with tqdm's percentage and ETA ([elapsed<remaining]), and ends
+    # complete at the true count
+    assert re.search(r"tokenize: +\d+%\|.*\| [\d.]+k?/20\.0k \[", out.err), out.err
     assert re.search(
-        r"tokenize: +\d+%\|.*\| [\d.]+k/20\.0k \[\d\d:\d\d<\d\d:\d\d, +[\d.]+k?tok/s\]", out.err
+        rf"tokenize: 100%\|.*\| {total / 1e3:.1f}k/{total / 1e3:.1f}k "
+        r"\[\d\d:\d\d<\d\d:\d\d, +[\d.]+k?tok/s\]\n",
+        out.err,
     ), out.err
 
 
@@ -165,3 +169,29 @@ def test_a_stop_keeps_nothing_of_the_batch_read_ahead(tmp_path, src, bpe_file, m
         verbose=False,
     )
     assert meta.raw["replaced_invalid_utf8"] == 100
+
+
+@pytest.mark.parametrize("budget", [None, 20_000, 10**12])
+def test_a_notebooks_bar_ends_complete_whatever_ended_the_pass(
+    tmp_path, src, bpe_file, monkeypatch, budget
+):
+    """Notebook 05's bar ended red at "0% | 13.5k/20.0M": its total was MAX_TOKENS, not the data, and a notebook bar
+    that closes short of its total is drawn as a failure. Whether the data or the budget ended the pass, the bar
+    ends at its true count, drawn as a success."""
+    pytest.importorskip("ipywidgets")
+    import tqdm.auto
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    bars = []
+
+    class Recorded(notebook_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    meta = prepare([src], tmp_path / "d", tokenizer_from=bpe_file, max_tokens=budget)
+    (bar,) = [b for b in bars if b.desc == "tokenize"]
+    counted = meta.tokens("train") + meta.tokens("val") if budget else src.stat().st_size
+    assert bar.n == bar.total == counted
+    assert bar.container.children[1].bar_style == "success"

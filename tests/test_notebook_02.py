@@ -8,7 +8,7 @@ import nbformat
 
 from gptlib.config import build_config
 from gptlib.model import model_size
-from tests.conftest import TINY
+from tests.conftest import TINY, skip_without_muon
 from tests.nbrun import NOTEBOOKS, outputs_text, run_notebook
 
 NB = "02_phase1_shakespeare.ipynb"
@@ -34,9 +34,9 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     text = outputs_text(nb)
     run = tmp_path / "root" / "runs" / "nb-smoke"
     assert (run / "loss.png").is_file() and (run / "samples.md").is_file()
-    # the summary line: val loss rounded, tokens/s while stepping and over the session (TrainResult.summary)
+    # the summary line: val loss rounded, one tokens/s figure, the session's time (TrainResult.summary)
     assert re.search(
-        r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s while stepping; [\d,]+ over the session's",
+        r"done: step 20, val loss \d+\.\d{4}, [\d,]+ tokens/s while stepping; [\d.]+ s this session, its first",
         text,
     ), text
     # the loss plot is shown
@@ -78,6 +78,8 @@ def test_notebook_02_runs_and_resumes(tmp_path, monkeypatch, small_text):
     assert re.search(r"already finished at step 30 \(val \d+\.\d{4}\); nothing to do", train_out), (
         train_out
     )
+    # in the notebook's own terms (it said max_steps, a name the notebook does not have)
+    assert "(raise MAX_STEPS to train further)" in train_out, train_out
     # train() and print(result.summary()): said once
     assert train_out.count("already finished") == 1, train_out
     # and nothing else: no data, RAM or "resumed from" lines
@@ -91,3 +93,24 @@ def test_notebook_02_states_the_models_size():
     m = re.search(r"~([\d.]+)M-parameter", nb.cells[0].source)
     assert m, nb.cells[0].source
     assert float(m.group(1)) == round(model_size(build_config("phase1").model).params / 1e6, 2)
+
+
+def test_the_modern_recipes_slow_muon_note_names_the_notebooks_way(
+    tmp_path, monkeypatch, small_text
+):
+    """On a CPU that emulates bf16 (AVX2, no AVX-512: forced in the kernel) the modern recipe's note named
+    `--set optimizer=adamw`, a command-line flag, to a notebook user: it names the notebook's OVERRIDES."""
+    skip_without_muon()
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    params = {
+        "RUN_NAME": "muon",
+        "TEXT_PATH": str(small_text),
+        "MAX_STEPS": 2,
+        "RECIPE": "modern",
+        "OVERRIDES": TINY + ["sample_tokens=0"],
+    }
+    avx2 = "import torch\ntorch.backends.cpu.get_cpu_capability = lambda: 'AVX2'\n"
+    nb = run_notebook(NB, params, cwd=tmp_path, code=avx2)
+    notes = [ln for ln in cell_text(nb, "result = train(").splitlines() if "torch.optim.Muon" in ln]
+    assert len(notes) == 1 and 'OVERRIDES = ["optimizer=adamw"] is faster' in notes[0], notes
+    assert "--set" not in notes[0]

@@ -36,7 +36,7 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     assert "-> RAM:" in text and "fits in RAM" in text  # the data path and why
     assert "auto micro-batch: no memory probe on cpu" in text
     assert "done: step 20, val loss" in text and re.search(
-        r"[\d,]+ tokens/s while stepping; [\d,]+ over the", text
+        r"[\d,]+ tokens/s while stepping; [\d.]+ s this session", text
     )
     train_cell = next(
         c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source
@@ -69,10 +69,16 @@ def test_notebook_03_runs_and_resumes(tmp_path, monkeypatch, char_data):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 31))
 
+    # run all again: finished, and the way on is the notebook's own setting (it said max_steps)
+    text = outputs_text(run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path))
+    assert (
+        "already finished at step 30" in text and "(raise TOKEN_BUDGET_M to train further)" in text
+    )
+
 
 def test_notebook_03_stopped_says_so_once_in_its_output(tmp_path, monkeypatch, char_data):
-    """The stop button (SIGINT) at step 5: the note on the normal output, not in stderr's red box, and how to go on
-    said once, in the cell's last line."""
+    """The stop button (SIGINT) at step 5: the note on the normal output, in words, not in stderr's red box; the bar
+    left without an ETA; one tokens/s figure; and how to go on said once, in the cell's last line."""
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
     shutil.copytree(char_data, tmp_path / "root" / "data" / "chars")
     params = {
@@ -96,9 +102,19 @@ def test_notebook_03_stopped_says_so_once_in_its_output(tmp_path, monkeypatch, c
     out = "".join(o.get("text", "") for o in train_cell.outputs if o.get("name") == "stdout")
     err = "".join(o.get("text", "") for o in train_cell.outputs if o.get("name") == "stderr")
     assert (
-        "SIGINT: finishing this step, saving a checkpoint, then stopping" in out
-        and "SIGINT" not in err
+        "interrupted: finishing this step, saving a checkpoint, then stopping" in out
+        and "SIGINT" not in out + err
     ), err
+    # the bar left on the page: no ETA for a run that has stopped (it kept "ETA 0m08s")
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    texts = [m["state"].get("value") for m in state.values()]
+    bar = [
+        t.replace("\u2007", " ") for t in texts if isinstance(t, str) and "\u20075/20\u2007[" in t
+    ]
+    assert len(bar) == 1 and "tok/s" in bar[0] and "ETA" not in bar[0], texts
+    # one tokens/s figure in the closing line (it gave two, 15,166 and 15,104)
+    done = next(ln for ln in out.splitlines() if ln.startswith("done: step 5,"))
+    assert len(re.findall(r"[\d,]+ tokens/s", done)) == 1 and " over the" not in done, done
     assert "stopped (interrupt) at step 5; checkpoint saved\n" in out
     assert outputs_text(nb).count("to continue") == 1
     assert out.rstrip().endswith("; 15 of 20 steps to go: run all cells again to continue"), out

@@ -80,6 +80,31 @@ def test_notebook_05_finetunes_a_gpt2_base_chats_and_resumes(tmp_path, monkeypat
     train_cell = next(
         c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source
     )
-    assert "already finished at step 18" in "".join(o.get("text", "") for o in train_cell.outputs)
+    finished = "".join(o.get("text", "") for o in train_cell.outputs)
+    assert "already finished at step 18" in finished
+    assert "(raise MAX_STEPS to train further)" in finished, finished
     shown = [o["data"] for o in train_cell.outputs if o.get("output_type") == "display_data"]
     assert len(shown) == 1 and "image/png" in shown[0], shown
+
+
+def test_notebook_05s_plot_names_the_run_once(tmp_path):
+    """05's plot title read "finetune · finetune" with the default RUN_NAME: its own plot line, run with its default
+    and with another name."""
+    import re
+    from types import SimpleNamespace
+
+    import nbformat
+
+    from tests.nbrun import NOTEBOOKS
+
+    nb = nbformat.read(NOTEBOOKS / "05_finetune_chat.ipynb", as_version=4)
+    source = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    default = re.search(r'^RUN_NAME = "([^"]*)"', source, re.M).group(1)
+    cell = next(c.source for c in nb.cells if "plot = LivePlot(" in c.source).splitlines()
+    code = "\n".join(ln for ln in cell if ln.startswith(("from gptlib import", "plot = LivePlot(")))
+    titles = []
+    for name in (default, "ft"):
+        ns = {"RUN_NAME": name, "paths": SimpleNamespace(run_dir=tmp_path)}
+        exec(code, ns)
+        titles.append(ns["plot"].title)
+    assert titles == ["finetune", "finetune · ft"], titles

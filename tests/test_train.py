@@ -488,9 +488,11 @@ def test_the_bar_keeps_most_of_a_100_column_line(tmp_path, char_data, monkeypatc
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=quiet)
     frames = [f for f in term.text.replace("\n", "\r").split("\r") if "|" in f and "loss" in f]
     assert frames, term.text
-    frame = frames[-1]
+    # the last one drawn while training; the bar left when training ended keeps no ETA
+    frame = next(f for f in reversed(frames) if "ETA" in f)
+    assert "ETA" not in frames[-1] and frames[-1].startswith("train: 100%|"), frames[-1]
     bar = frame.split("|")[1]
-    assert len(frame) <= ncols and frame.endswith("]") and "ETA" in frame, frame  # not cut
+    assert len(frame) <= ncols and frame.endswith("]"), frame  # not cut
     assert len(bar) >= ncols // 3, frame  # the bar itself stays readable
 
 
@@ -625,7 +627,7 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(
     # notebook 03's one view of the split
     assert re.search(r"time data \d+% fwd_bwd \d+% optim \d+%", title), title
     assert re.search(
-        rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d,]+ over the session's [\d.]+ s, its "
+        rf"val loss \d\.\d{{4}}, {fig} tokens/s while stepping; [\d.]+ s this session, its "
         r"first step, validations and saves included \(max_steps\)",
         r.summary(),
     ), r.summary()
@@ -708,7 +710,8 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
 ):
     """Notebook 04's run comparison: this run and the others under the runs folder (one only on "Drive", its mirror),
     each a line of val loss against tokens seen, the legend naming it with its preset and recipe; a run of another
-    vocabulary (loss per character vs per token) or without a checkpoint is left out unless named."""
+    vocabulary (loss per character vs per token) or without a checkpoint is left out unless named, and one line says
+    which and why; a comparison of this run alone says so (04 drew a single dot without a word)."""
     skip_without_muon()
     from gptlib import find_runs, runs_figure
     from gptlib.errors import CheckpointError
@@ -732,8 +735,24 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     for name, vocab in (("bpe", 32768), ("new", chars)):  # "new": no checkpoint yet
         (runs / name).mkdir()
         (runs / name / "config.json").write_text(json.dumps({"model": {"vocab_size": vocab}}))
-    found = find_runs("", runs / "a")
+    said = []
+    found = find_runs("", runs / "a", log=said.append)
     assert found == [runs / "a", runs / "b"], found
+    # what was left out, and why, in one line (04 drew the runs without a word of the others)
+    assert said == [
+        f"compare: 2 runs; left out bpe (vocabulary 32768, not this run's {chars}: losses do not "
+        f"compare), new (no checkpoint yet)"
+    ], said
+    # a run of its own vocabulary: drawn alone, and said so
+    said.clear()
+    assert find_runs("", runs / "bpe", log=said.append) == [runs / "bpe"]
+    assert said == [
+        "compare: only this run; left out "
+        + ", ".join(
+            f"{name} (vocabulary {chars}, not this run's 32768: losses do not compare)"
+            for name in ("a", "b", "new")
+        )
+    ], said
     ax = runs_figure(found).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "a (phase1, gpt2)",
@@ -751,3 +770,8 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     ]
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         find_runs("new", runs / "a")
+    # no other run at all
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "alone"))
+    said.clear()
+    assert find_runs("", runs / "a", log=said.append) == [runs / "a"]
+    assert said == [f"compare: only this run; no other run in {tmp_path / 'alone' / 'runs'}"], said

@@ -202,11 +202,12 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 
 
 def find_runs(
-    names: str = "", current: str | Path | None = None, roots=None, log=loud
+    names: str = "", current: str | Path | None = None, roots=None, log=print
 ) -> list[Path]:
     """Notebook 04's runs to compare: `current`, then NAMES (comma-separated run names or directories, each found as
     find_run finds it), or without names every other run under the runs folders (VM disk, Drive) with a checkpoint
-    and `current`'s vocabulary size: a char run's loss per character does not compare with a BPE run's per token."""
+    and `current`'s vocabulary size: a char run's loss per character does not compare with a BPE run's per token.
+    The runs left out, and why, are said in one line through `log`, as is a comparison of this run alone."""
     from gptlib import colab
 
     roots, found = roots or colab.setup(), [Path(current)] if current else []
@@ -221,24 +222,31 @@ def find_runs(
             return json.loads((run_dir / CONFIG_FILE).read_text())["model"]["vocab_size"]
         return None
 
-    def others() -> list[str]:
-        folders = dict.fromkeys([roots.local / "runs", roots.persistent / "runs"])
-        want = vocab(found[0])
-        copies = [
-            d for f in folders if f.is_dir() for d in sorted(f.iterdir()) if d.name != found[0].name
-        ]
-        return list(dict.fromkeys(d.name for d in copies if want is not None and vocab(d) == want))
+    folders = list(dict.fromkeys([roots.local / "runs", roots.persistent / "runs"]))
+
+    def others() -> dict[str, int]:
+        """{each other run's name (a folder with a config.json): its vocabulary size}."""
+        copies = [d for f in folders if f.is_dir() for d in sorted(f.iterdir())]
+        return {d.name: v for d in copies if d.name != found[0].name and (v := vocab(d))}
 
     try:
-        names_found = call_with_timeout(
-            others, DRIVE_LIST_TIMEOUT_S, what="listing the runs folders"
-        )
+        vocabs = call_with_timeout(others, DRIVE_LIST_TIMEOUT_S, what="listing the runs folders")
     except OSError as e:  # a hung Drive: this run alone
-        log(f"!! the other runs were not looked for: {e}")
+        loud(f"!! the other runs were not looked for: {e}")
         return found
-    for name in names_found:
-        with contextlib.suppress(CheckpointError):  # no checkpoint yet: nothing to compare
+    want, left = vocab(found[0]), []
+    for name, v in sorted(vocabs.items()):
+        if v != want:
+            left.append(f"{name} (vocabulary {v}, not this run's {want}: losses do not compare)")
+            continue
+        try:
             found.append(find_run(name, roots=roots))
+        except CheckpointError:  # no checkpoint yet: nothing to compare
+            left.append(f"{name} (no checkpoint yet)")
+    drawn = "only this run" if len(found) == 1 else f"{len(found)} runs"
+    alone = "no other run in " + " or ".join(map(str, folders))
+    if left or len(found) == 1:
+        log(f"compare: {drawn}; " + (f"left out {', '.join(left)}" if left else alone))
     return found
 
 

@@ -262,10 +262,7 @@ class MetricsLog:
         if not validating:
             self._write(self._row(st.step, self.train_loss, now))
         self.file.flush()
-        speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
-        self.bar.set_postfix_str(
-            ", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)]))
-        )
+        speed = self.show_speed()
         if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
             self.say(
@@ -326,12 +323,22 @@ class MetricsLog:
         """This session's tokens/s while stepping: the figure shown everywhere (None until measured)."""
         return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
 
+    def show_speed(self) -> dict:
+        """The bar's postfix: the last loss and the speed (-> the speed)."""
+        speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
+        loss = self.train_loss is not None and f"loss {self.train_loss:.4f}"
+        self.bar.set_postfix_str(", ".join(filter(None, [loss, speed_text(speed)])))
+        return speed
+
     def say(self, msg: str) -> None:
         """A line for the user that does not break the progress bar."""
         (self.log if self.bar.disable else self.bar.write)(msg)
 
     def close(self) -> None:
         self.file.close()
+        # training has stopped: the bar it leaves keeps no ETA (after a stop, "ETA 0m08s" stayed)
+        self.perf.pop("eta_s", None)
+        self.show_speed()
         self.bar.close()
 
     def _write(self, row: dict) -> None:
@@ -363,14 +370,8 @@ def _axes(figsize, dpi: int, xlabel: str, ylabel: str, title: str):
 
 
 def _references(ax, color: str, lw: float) -> None:
-    ax.axhline(
-        GPT2_124M["acc_norm"],
-        color=color,
-        ls="--",
-        lw=lw,
-        alpha=0.7,
-        label="GPT-2 124M (OpenAI): 0.2955",
-    )
+    gpt2 = GPT2_124M["acc_norm"]
+    ax.axhline(gpt2, color=color, ls="--", lw=lw, alpha=0.7, label=f"GPT-2 124M (OpenAI): {gpt2}")
     ax.axhline(0.25, color="gray", ls=":", lw=lw, alpha=0.7, label="chance: 0.25")
 
 
@@ -466,11 +467,7 @@ def runs_figure(
 def add_hellaswag_axis(ax, rows: list[dict]):
     """HellaSwag acc_norm of metrics.jsonl rows (a subset, all items at the end: hellaswag_n says which) on a second
     y axis of the loss plot, with one legend for both axes; None when no row has one."""
-    pts = [
-        (r["step"], r["hellaswag_acc_norm"])
-        for r in rows
-        if r.get("hellaswag_acc_norm") is not None
-    ]
+    pts = [(r["step"], a) for r in rows if (a := r.get("hellaswag_acc_norm")) is not None]
     if not pts:
         return None
     ax2 = ax.twinx()

@@ -55,35 +55,28 @@ class TrainResult:
     # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
     not_on_drive: int | None = None
 
-    def summary(self) -> str:
-        drive = (
-            ""
-            if self.not_on_drive is None
-            else (
-                f"; !! step {self.not_on_drive:,} is NOT on Drive, only on this disk: its copy failed (see above); "
-                f"re-run once Drive works"
-            )
+    def summary(self, steps_setting: str = "max_steps") -> str:
+        """The closing line. steps_setting: what a finished run raises to train further, in the caller's terms
+        (train()'s max_steps; the CLI's --max-steps; a notebook's MAX_STEPS or TOKEN_BUDGET_M)."""
+        drive = self.not_on_drive is not None and (
+            f"; !! step {self.not_on_drive:,} is NOT on Drive, only on this disk: its copy failed (see above); "
+            f"re-run once Drive works"
         )
+        end = f"-> {self.run_dir}{drive or ''}"
         val = "" if self.val_loss is None else f"{self.val_loss:.4f}"
         if self.stopped_by == "finished":
             return (
-                f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do (raise max_steps "
-                f"to train further) -> {self.run_dir}{drive}"
+                f"already finished at step {self.step:,}{val and f' (val {val})'}; nothing to do "
+                f"(raise {steps_setting} to train further) {end}"
             )
         if val and self.val_step != self.step:
             val += f" (at step {self.val_step:,})"
-        speed = (
-            ""
-            if self.steady_tokens_per_s is None
-            else f"{self.steady_tokens_per_s:,.0f} tokens/s while stepping; "
-        )
-        speed += (
-            f"{self.tokens_per_s:,.0f}{'' if speed else ' tokens/s'} over the session's {self.elapsed_s:.1f} s, "
-            f"its first step, validations and saves included"
-        )
+        # one tokens/s figure (two, 15,166 and 15,104, read as a contradiction): while stepping, once measured
+        steady = self.steady_tokens_per_s
+        speed = f"{steady or self.tokens_per_s:,.0f} tokens/s{' while stepping' if steady else ''}"
         return (
-            f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed} ({self.stopped_by}) -> "
-            f"{self.run_dir}{drive}"
+            f"done: step {self.step:,}, val loss {val or 'n/a'}, {speed}; {self.elapsed_s:.1f} s this session, its "
+            f"first step, validations and saves included ({self.stopped_by}) {end}"
         )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from gptlib.config import TrainConfig
-from gptlib.errors import CheckpointError
+from gptlib.errors import CheckpointError, override
 from gptlib.layout import STATE_FILE
 from gptlib.model import GPT
 
@@ -125,7 +125,8 @@ def slow_muon_note(tc: TrainConfig, device_type: str) -> str | None:
     if tc.optimizer == "muon" and device_type == "cpu" and capability in SLOW_BF16_CPUS:
         return (
             f"note: torch.optim.Muon computes in bf16, which this CPU ({capability}, no AVX-512) emulates slowly: "
-            f"a step takes 4-5x the gpt2 recipe's; --set optimizer=adamw is faster but gives up most of the gain"
+            f"a step takes 4-5x the gpt2 recipe's; {override('optimizer=adamw')} is faster but gives up most of "
+            f"the gain"
         )
     return None
 

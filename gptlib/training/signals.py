@@ -36,14 +36,14 @@ class GracefulStop:
         if self.reason is not None:
             if signum == signal.SIGINT and self._deferring:
                 self._interrupted = True
-                self.log("SIGINT: stopping as soon as the update or the save in progress is done")
+                self.log("interrupted again: stopping when the update or save in progress ends")
             elif signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
         if signum == signal.SIGINT:
             self.log(
-                "SIGINT: finishing this step, saving a checkpoint, then stopping (press stop again to stop at "
+                "interrupted: finishing this step, saving a checkpoint, then stopping (press stop again to stop at "
                 "once: the last complete step is saved)"
             )
         else:

@@ -1,6 +1,7 @@
 """File operations that survive crashes and hung mounts: writes by temp file, fsync and rename (a crash leaves at
 most a `*.tmp-*` file); a failed write as one line naming the directory, the OS's reason and the fix; calls abandoned
-when a FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever."""
+when a FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever. In a directory a
+lease guards (gptlib/lease.py), every rename, removal and append asks the lease first (`check_writable`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,32 @@ from typing import IO, Any, Callable
 from gptlib.errors import HungIOError, RunDirError
 
 TMP_MARKER = ".tmp-"
+# directory (absolute) -> the check of the lease held on it, which raises LeaseLost once another process took it over
+_GUARDS: dict[str, Callable[[Path], None]] = {}
+
+
+def guard_writes(directories: list[Path], check: Callable[[Path], None] | None) -> None:
+    """Writes under `directories` ask check(directory) first from now on; check None: no longer."""
+    for d in map(os.path.abspath, directories):
+        if check is None:
+            _GUARDS.pop(d, None)
+        else:
+            _GUARDS[d] = check
+
+
+def check_writable(path: str | Path) -> None:
+    """LeaseLost if `path` lies under a guarded directory whose lease another process took: asked just before a write
+    is made visible (the rename), so a process frozen mid-write never lands a file in a run that is not its own."""
+    p = os.path.abspath(path)
+    for root, check in list(_GUARDS.items()):
+        if p == root or p.startswith(root + os.sep):
+            check(Path(root))
+
+
+def replace(src: str | Path, dst: str | Path) -> None:
+    """os.replace, once the lease guarding dst (if any) says this process still holds it."""
+    check_writable(dst)
+    os.replace(src, dst)
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,6 +61,7 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
+    check_writable(path)  # not even a temp file or a folder in a run another process took over
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARKER, dir=path.parent)
     try:
@@ -41,7 +69,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
@@ -70,11 +98,12 @@ def parse_jsonl(text: str) -> list[dict]:
     return [row for row in rows if isinstance(row, dict)]
 
 
-def append_jsonl(path: str | Path, row: dict) -> None:
-    """One line, one write, appended: earlier rows are never rewritten, and a row torn by a kill stays alone on its
-    own line, for parse_jsonl to skip."""
-    line = (json.dumps(row) + "\n").encode()
+def append_jsonl(path: str | Path, *rows: dict) -> None:
+    """One write, appended: earlier rows are never rewritten, and a row torn by a kill stays alone on its own line,
+    for parse_jsonl to skip."""
+    line = "".join(json.dumps(row) + "\n" for row in rows).encode()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    check_writable(path)
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -95,6 +124,7 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def clean_temp_files(directory: str | Path) -> list[Path]:
+    check_writable(directory)  # another holder's temp files are its writes in progress
     removed = []
     for p in Path(directory).glob(f"*{TMP_MARKER}*"):
         with suppress(OSError):

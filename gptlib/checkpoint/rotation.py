@@ -15,7 +15,7 @@ from gptlib.checkpoint.format import (
     remove_tree,
     verify_checkpoint,
 )
-from gptlib.fsutil import clean_temp_files
+from gptlib.fsutil import check_writable, clean_temp_files
 from gptlib.layout import DAMAGED_MARKER, STATE_FILE, checkpoint_name, checkpoints_dir, step_of
 
 
@@ -26,6 +26,7 @@ def clean_orphans(
     run_dir (only at start-up: during training the loop writes such files itself)."""
     removed = []
     root = checkpoints_dir(run_dir)
+    check_writable(root)  # another holder's leftovers may be its writes in progress
     for p in list(root.iterdir()) if root.is_dir() else []:
         if any(m in p.name for m in ORPHAN_MARKERS):
             if p.is_dir():

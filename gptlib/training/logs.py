@@ -19,7 +19,14 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.evaluation.hellaswag import GPT2_124M
-from gptlib.fsutil import atomic_write, atomic_write_bytes, parse_jsonl, read_jsonl
+from gptlib.fsutil import (
+    append_jsonl,
+    atomic_write,
+    atomic_write_bytes,
+    check_writable,
+    parse_jsonl,
+    read_jsonl,
+)
 from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.inference.loading import run_history
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
@@ -142,8 +149,7 @@ def log_samples(
         cut = next((k for k, t in enumerate(out) if t in stop_ids), len(out))
         rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out[:cut])})
     model.train(was_training)
-    with open(run_dir / SAMPLES_FILE, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    append_jsonl(run_dir / SAMPLES_FILE, *rows)
     write_samples_table(run_dir)
     return rows
 
@@ -257,11 +263,11 @@ class MetricsLog:
                 wall_rate,
             )
         self.train_loss = losses[-1]
-        for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1):
-            self._write(self._row(step, loss))
-        if not validating:
-            self._write(self._row(st.step, self.train_loss, now))
-        self.file.flush()
+        rows = [
+            self._row(step, loss)
+            for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1)
+        ]
+        self._write(*rows, *([] if validating else [self._row(st.step, self.train_loss, now)]))
         speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
         self.bar.set_postfix_str(
             ", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)]))
@@ -300,7 +306,6 @@ class MetricsLog:
             **(extra or {}),
         )
         self._write(row)
-        self.file.flush()
         return row
 
     def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
@@ -334,9 +339,11 @@ class MetricsLog:
         self.file.close()
         self.bar.close()
 
-    def _write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.history.append(row)
+    def _write(self, *rows: dict) -> None:
+        check_writable(self.file.name)  # the run is still this process's (gptlib/lease.py)
+        self.file.write("".join(json.dumps(row) + "\n" for row in rows))
+        self.file.flush()
+        self.history += rows
 
     def _lr(self, step: int) -> float:
         return lr_at(step - 1, self.tc)  # the rate step `step` trained with

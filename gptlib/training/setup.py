@@ -428,7 +428,6 @@ def _open_writer(run: TrainingRun, start: Start, log) -> CheckpointWriter:
         keep_every=tc.keep_every,
         log=log,
         mirror_dir=start.mirror_dir,
-        guard=run.lease.check,
         unreadable=set(passed.unreadable),
         mirror_listed=passed.mirror_step,
     )

@@ -333,12 +333,11 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_o
     ]
     for p in list_checkpoints(run):
         verify_checkpoint(p)
-    # the newest damaged one is kept; the older two were removed, said
-    assert set_aside(run) == ["step_0000030"]
-    assert (
-        sum(m.startswith("removed step_00000") and "an older damaged checkpoint" in m for m in logs)
-        == 2
-    ), logs
+    # none loaded: every damaged one is kept, named (issue 44: was pruned to the newest), none removed
+    assert set_aside(run) == ["step_0000010", "step_0000020", "step_0000030"]
+    assert not any(m.startswith("removed step_") for m in logs), logs
+    [kept] = [m for m in logs if m.startswith("none could be loaded")]
+    assert kept.count(".damaged-") == 3, kept
     [line] = [m for m in logs if "starting from scratch" in m]
     assert line == "no checkpoint could be loaded (3 damaged): starting from scratch"
 

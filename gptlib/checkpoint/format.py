@@ -42,6 +42,7 @@ from gptlib.layout import (
     MODEL_FILE,
     OLD_MARKER,
     PARTIAL_MARKER,
+    SET_ASIDE_FILE,
     STATE_FILE,
     TRAIN_STATE_FILE,
     checkpoint_name,
@@ -401,11 +402,20 @@ def load_weights_into(
 
 
 def set_aside(path: Path) -> Path:
-    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save."""
+    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save. The
+    time is recorded inside (SET_ASIDE_FILE), for pruning to go by."""
     target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
+    atomic_write_json(path / SET_ASIDE_FILE, {"set_aside": time.time()})
     replace(path, target)
     fsync_dir(path.parent)
     return target
+
+
+def set_aside_time(path: Path) -> float:
+    """When `path` was set aside, as recorded (0: no record, one an older gptlib or a person made)."""
+    with suppress(OSError, ValueError, TypeError, KeyError):
+        return float(json.loads((path / SET_ASIDE_FILE).read_text())["set_aside"])
+    return 0.0
 
 
 def remove_tree(path: Path, truncate: bool = False) -> None:

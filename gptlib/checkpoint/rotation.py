@@ -13,6 +13,7 @@ from gptlib.checkpoint.format import (
     CheckpointError,
     list_checkpoints,
     remove_tree,
+    set_aside_time,
     verify_checkpoint,
 )
 from gptlib.fsutil import check_writable, clean_temp_files
@@ -43,23 +44,26 @@ def clean_orphans(
 
 
 def prune_damaged(
-    run_dir: str | Path, truncate: bool = False
-) -> tuple[Path | None, list[tuple[Path, int]]]:
-    """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest is kept for its owner to look at; the
-    older ones are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the one kept, the removed
-    ones with their sizes in bytes)."""
+    run_dir: str | Path, truncate: bool = False, keep: set[Path] | None = frozenset()
+) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest by the time recorded in it is kept for
+    its owner to look at, and `keep` (those this start set aside; None: every one); the others are removed (a
+    gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the ones kept, the removed ones with their sizes in
+    bytes)."""
     root = checkpoints_dir(run_dir)
     aside = []
     if root.is_dir():
         aside = [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()]
-    # by the time it was set aside
-    aside.sort(key=lambda p: (p.name.split(DAMAGED_MARKER)[1], step_of(p)))
-    removed = []
-    for p in aside[:-1]:
+    aside.sort(key=lambda p: (set_aside_time(p), p.name))
+    kept, removed = [], []
+    for p in aside:
+        if p == aside[-1] or keep is None or p in keep:
+            kept.append(p)
+            continue
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         remove_tree(p, truncate)
         removed.append((p, size))
-    return (aside[-1] if aside else None), removed
+    return kept, removed
 
 
 def is_milestone(step: int | None, keep_every: int) -> bool:

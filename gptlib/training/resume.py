@@ -175,10 +175,11 @@ def _manifest_bytes(path: Path) -> bytes | None:
     return None
 
 
-def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
-    """Called by the run's one writer before it writes. One that a good copy from the mirror replaced is that copy
-    now: left alone. The others are looked at again: one whose manifest changed since or cannot be read now is left
-    as it is (Drive answers differently now)."""
+def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> set[Path]:
+    """Called by the run's one writer before it writes -> where they went. One that a good copy from the mirror
+    replaced is that copy now: left alone. The others are looked at again: one whose manifest changed since or cannot
+    be read now is left as it is (Drive answers differently now)."""
+    done = set()
     for p, seen in passed.damaged.items():
         if resume is not None and p == resume.info.path:
             continue
@@ -192,8 +193,10 @@ def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
                 lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}"
             )
             log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
+            done.add(aside)
         except OSError as e:
             loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
+    return done
 
 
 # Only these may change under --allow-data-change (other text, same tokenizer): a tokenizer, vocabulary or dtype

@@ -13,7 +13,7 @@ import stat
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -217,6 +217,19 @@ def call_with_timeout(
     """fn() in a daemon thread; HungIOError once it has gone `timeout` seconds without returning or, given
     `progress`, without a tick (fn is then stopped at its next tick). A call stuck in a hung FUSE mount can only be
     abandoned (a daemon thread never holds up the interpreter's exit), so fn must only write temp names, or read."""
+    progress = progress or Progress()
+    result = in_background(fn)
+    while not wait([result], max(0.0, progress.t + timeout - time.monotonic())).done:
+        if time.monotonic() - progress.t >= timeout:
+            progress.cancel.set()
+            raise HungIOError(
+                errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)"
+            )
+    return result.result()
+
+
+def in_background(fn: Callable[[], Any]) -> Future:
+    """fn() in a daemon thread -> its result to come: one stuck in a hung mount is abandoned, never joined."""
     result: Future = Future()
 
     def run():
@@ -225,14 +238,5 @@ def call_with_timeout(
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             result.set_exception(e)
 
-    progress = progress or Progress()
-    t = threading.Thread(target=run, daemon=True, name="gptlib-io")
-    t.start()
-    while t.is_alive():
-        t.join(max(0.0, progress.t + timeout - time.monotonic()))
-        if t.is_alive() and time.monotonic() - progress.t >= timeout:
-            progress.cancel.set()
-            raise HungIOError(
-                errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)"
-            )
-    return result.result()
+    threading.Thread(target=run, daemon=True, name="gptlib-io").start()
+    return result

@@ -203,6 +203,6 @@ if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[2] != "--":
         sys.exit("usage: python tests/faulty.py SPEC -- ARGS...  (see its docstring)")
     install(sys.argv[1])
-    from gptlib.__main__ import main
+    from gptlib.__main__ import run
 
-    sys.exit(main(sys.argv[3:]))
+    sys.exit(run(sys.argv[3:], detach=True))

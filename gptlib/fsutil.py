@@ -21,24 +21,16 @@ from typing import IO, Any, Callable
 from gptlib.errors import HungIOError, RunDirError
 
 TMP_MARKER = ".tmp-"
-# directory (absolute) -> the check of the lease held on it, which raises LeaseLost once another process took it over
-_GUARDS: dict[str, Callable[[Path], None]] = {}
-
-
-def guard_writes(directories: list[Path], check: Callable[[Path], None] | None) -> None:
-    """Writes under `directories` ask check(directory) first from now on; check None: no longer."""
-    for d in map(os.path.abspath, directories):
-        if check is None:
-            _GUARDS.pop(d, None)
-        else:
-            _GUARDS[d] = check
+# absolute directory -> the check of the lease this process holds on it (gptlib/lease.py adds and removes it), which
+# raises LeaseLost once the lease is not this process's any more
+GUARDS: dict[str, Callable[[Path], None]] = {}
 
 
 def check_writable(path: str | Path) -> None:
     """LeaseLost if `path` lies under a guarded directory whose lease another process took: asked just before a write
     is made visible (the rename), so a process frozen mid-write never lands a file in a run that is not its own."""
     p = os.path.abspath(path)
-    for root, check in list(_GUARDS.items()):
+    for root, check in list(GUARDS.items()):
         if p == root or p.startswith(root + os.sep):
             check(Path(root))
 

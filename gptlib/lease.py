@@ -20,11 +20,11 @@ from pathlib import Path
 
 from gptlib.errors import LeaseLost, RunDirError, in_notebook
 from gptlib.fsutil import (
+    GUARDS,
     HungIOError,
     atomic_write_json,
     call_with_timeout,
     cannot_write,
-    guard_writes,
     read_bytes_with_timeout,
 )
 from gptlib.layout import LEASE_FILE
@@ -108,7 +108,7 @@ class RunLease:
         time.sleep(0.05)
         for d in self._held:
             self._check_ours(d / LEASE_FILE, on_lost=RunDirError)
-        guard_writes(self._held, self.check)
+        GUARDS.update({str(d): self.check for d in self._held})
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
         self._thread.start()
         return self
@@ -232,6 +232,7 @@ class RunLease:
         for d in self._held if self.lost is None else []:
             with suppress(OSError, LeaseLost):  # a hung Drive: the lease goes stale on its own
                 self._write(d / LEASE_FILE, released=True)
-        guard_writes(self._held, None)
+        for d in self._held:
+            GUARDS.pop(str(d), None)
         self._held = []
         _LIVE.discard(self.session)

@@ -121,16 +121,14 @@ class RunLease:
             return generation
         now = time.time()
         what = _describe(found, now)
-        if self.take_over:
-            self.log(f"lease: taking over {path} ({what})")
-            return generation
         how = (
             "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
             "process first"
         )
         if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
             started = time.strftime("%H:%M:%S", time.localtime(found.started))
-            # a training of this very process: a notebook cell run while one trains
+            # a training of this very process: a notebook cell run while one trains (--take-over too: its writes
+            # and this one's would pass the same check, gptlib.fsutil.GUARDS)
             if found.session in _LIVE:
                 raise RunDirError(
                     f"{path.parent} is in use by this notebook's own training, still running in this kernel "
@@ -142,6 +140,9 @@ class RunLease:
             self.log(
                 f"lease: {path} was left by an earlier training of this process, which has ended; taking over"
             )
+            return generation
+        if self.take_over:
+            self.log(f"lease: taking over {path} ({what})")
             return generation
         if isinstance(found, Holder) and found.host == self.host:
             try:

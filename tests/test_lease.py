@@ -196,6 +196,10 @@ def test_a_training_still_running_in_this_process_is_named_as_such(
     try:
         with pytest.raises(L.RunDirError, match=here + r"or stop it, first$"):
             train(char_data, run, "phase1", TINY, max_steps=2, progress=False, log=quiet)
+        # --take-over too: both trainings' writes would pass the same check (fsutil.GUARDS is per directory)
+        with pytest.raises(L.RunDirError, match=here + r"or stop it, first$"):
+            options = StartOptions(take_over=True)
+            train(char_data, run, "phase1", TINY, max_steps=2, progress=False, options=options)
         monkeypatch.setattr(L, "in_notebook", lambda: True)
         with pytest.raises(
             L.RunDirError, match=kernel + r"let it finish, or stop it, then run this cell again$"

@@ -402,8 +402,8 @@ def load_weights_into(
 
 
 def set_aside(path: Path) -> Path:
-    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save. The
-    time is recorded inside (SET_ASIDE_FILE), for pruning to go by."""
+    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save; when, in
+    SET_ASIDE_FILE (rotation.prune_damaged goes by it)."""
     target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
     atomic_write_json(path / SET_ASIDE_FILE, {"set_aside": time.time()})
     replace(path, target)
@@ -412,7 +412,7 @@ def set_aside(path: Path) -> Path:
 
 
 def set_aside_time(path: Path) -> float:
-    """When `path` was set aside, as recorded (0: no record, one an older gptlib or a person made)."""
+    """When `path` was set aside, as recorded in it (0: no record: an older gptlib's, or a folder a person named)."""
     with suppress(OSError, ValueError, TypeError, KeyError):
         return float(json.loads((path / SET_ASIDE_FILE).read_text())["set_aside"])
     return 0.0

@@ -44,12 +44,12 @@ def clean_orphans(
 
 
 def prune_damaged(
-    run_dir: str | Path, truncate: bool = False, keep: set[Path] | None = frozenset()
+    run_dir: str | Path, truncate: bool = False, since: float | None = None
 ) -> tuple[list[Path], list[tuple[Path, int]]]:
     """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest by the time recorded in it is kept for
-    its owner to look at, and `keep` (those this start set aside; None: every one); the others are removed (a
-    gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the ones kept, the removed ones with their sizes in
-    bytes)."""
+    its owner to look at, and those set aside since `since` (this start began; None: every one is kept); the others
+    are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the ones kept, the removed ones
+    with their sizes in bytes)."""
     root = checkpoints_dir(run_dir)
     aside = []
     if root.is_dir():
@@ -57,7 +57,7 @@ def prune_damaged(
     aside.sort(key=lambda p: (set_aside_time(p), p.name))
     kept, removed = [], []
     for p in aside:
-        if p == aside[-1] or keep is None or p in keep:
+        if p == aside[-1] or since is None or set_aside_time(p) >= since:
             kept.append(p)
             continue
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())

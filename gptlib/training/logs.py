@@ -264,10 +264,10 @@ class MetricsLog:
             )
         self.train_loss = losses[-1]
         rows = [
-            self._row(step, loss)
-            for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1)
+            self._row(step, loss) for step, loss in enumerate(losses, st.step - len(losses) + 1)
         ]
-        self._write(*rows, *([] if validating else [self._row(st.step, self.train_loss, now)]))
+        # the last step's row carries the speed; a validation step's is written with its val loss
+        self._write(*rows[:-1], *([] if validating else [self._row(st.step, self.train_loss, now)]))
         speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
         self.bar.set_postfix_str(
             ", ".join(filter(None, [f"loss {self.train_loss:.4f}", speed_text(speed)]))
@@ -298,13 +298,8 @@ class MetricsLog:
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
         self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
-        row = self._row(
-            self.val_step,
-            self.train_loss,
-            time.time(),
-            val_loss=round(val_loss, 6),
-            **(extra or {}),
-        )
+        extra = {"val_loss": round(val_loss, 6), **(extra or {})}
+        row = self._row(self.val_step, self.train_loss, time.time(), **extra)
         self._write(row)
         return row
 

@@ -71,9 +71,8 @@ def find_resume(
 ) -> tuple[Resume | None, Passed]:
     """-> (None: a new run). The newest checkpoint that loads (its files' sizes and hashes right, its pickles safe)
     and whose optimizer state fits its own config's optimizer; a damaged one is passed over. A newer one that could
-    not be read (on a fresh Colab VM, Drive holds the only copy) is waited for, DRIVE_RESUME_WAIT_S in all (each read
-    within what is left of it); then training stops with what to do, leaving no copy it made behind; skip_unreadable
-    goes on without it, said loudly."""
+    not be read (on a fresh Colab VM, Drive holds the only copy) is waited for, DRIVE_RESUME_WAIT_S in all; then
+    training stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):  # noqa: B007 - the stop message says how many looks it took
         resume, passed = _search(run_dir, mirror_dir, log, deadline)
@@ -118,8 +117,7 @@ def find_resume(
 def _search(
     run_dir: Path, mirror_dir: Path | None, log, deadline: float
 ) -> tuple[Resume | None, Passed]:
-    """One look (at equal steps the local one wins), each read within what is left before `deadline` (1 s at
-    least)."""
+    """One look (at equal steps the local one wins); each read gets what is left before `deadline` (1 s at least)."""
     passed, found = Passed(), []
 
     def limit(most: float) -> float:
@@ -183,11 +181,10 @@ def _manifest_bytes(path: Path) -> bytes | None:
     return None
 
 
-def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> set[Path]:
-    """Called by the run's one writer before it writes -> where they went. One that a good copy from the mirror
-    replaced is that copy now: left alone. The others are looked at again: one whose manifest changed since or cannot
-    be read now is left as it is (Drive answers differently now)."""
-    done = set()
+def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
+    """Called by the run's one writer before it writes. One that a good copy from the mirror replaced is that copy
+    now: left alone. The others are looked at again: one whose manifest changed since or cannot be read now is left
+    as it is (Drive answers differently now)."""
     for p, seen in passed.damaged.items():
         if resume is not None and p == resume.info.path:
             continue
@@ -201,10 +198,8 @@ def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> set[Path]:
                 lambda p=p: set_aside(p), DRIVE_LIST_TIMEOUT_S, what=f"renaming {p}"
             )
             log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
-            done.add(aside)
         except OSError as e:
             loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
-    return done
 
 
 # Only these may change under --allow-data-change (other text, same tokenizer): a tokenizer, vocabulary or dtype

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
+import signal
 import sys
+import traceback
+from contextlib import suppress
 
 from gptlib import __version__
 from gptlib.errors import GptlibError
@@ -51,8 +55,9 @@ REMOVED = {
 }
 
 
-def run(argv: list[str]) -> int:
-    """The command argv asks for -> its exit status (a command that returns nothing succeeded)."""
+def run(argv: list[str], detach: bool = False) -> int:
+    """The command argv asks for -> its exit status (a command that returns nothing succeeded). detach (`python -m
+    gptlib`): a reader of a run's checkpoints (sample, eval, export-hf, ...) runs in a child process (`detached`)."""
     named = [a.split("=")[0] for a in argv[:1] + [a for a in argv if a.startswith("--")]]
     if gone := next((a for a in named if a in REMOVED), None):
         print(
@@ -70,6 +75,12 @@ def run(argv: list[str]) -> int:
         for flags, kw in arguments:
             p.add_argument(*flags, **kw)
     args = parser.parse_args(argv)
+    if detach and hasattr(args, "checkpoint") and hasattr(os, "fork"):
+        return detached(lambda: _run(args))
+    return _run(args)
+
+
+def _run(args) -> int:
     try:
         return args.func(args) or 0
     # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
@@ -87,3 +98,33 @@ def run(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def detached(command) -> int:
+    """command() in a child process that hands its exit status over before it exits. A read stuck in a hung FUSE mount
+    (Google Drive) holds its whole process in the kernel until the mount answers, a daemon thread's too: a reader that
+    gave up on it at its deadline could not exit. The child is left to end when the mount answers."""
+    status_r, status_w = os.pipe()
+    if pid := os.fork():
+        os.close(status_w)
+        # Ctrl-C reaches the child too (one process group): it answers for both
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if status := os.read(status_r, 1):
+            return status[0]
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # killed: the shell's 128 + signal
+        return code if code >= 0 else 128 - code
+    status = 1
+    try:
+        status = command()
+    except BaseException:  # noqa: BLE001 - as Python itself would say it
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError, ValueError):  # a reader of the output gone (head -1)
+                stream.flush()
+        os.write(status_w, bytes([status % 256]))
+        # the caller's pipes end now, not when a thread stuck in the kernel does
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os._exit(status % 256)

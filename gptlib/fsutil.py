@@ -1,6 +1,7 @@
 """File operations that survive crashes and hung mounts: writes by temp file, fsync and rename (a crash leaves at
 most a `*.tmp-*` file); a failed write as one line naming the directory, the OS's reason and the fix; calls abandoned
-when a FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever."""
+when a FUSE mount (Google Drive) stops answering, which blocks the reader in the kernel forever. In a directory a
+lease guards (gptlib/lease.py), every rename, removal and append asks the lease first (`check_writable`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import stat
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -20,6 +21,24 @@ from typing import IO, Any, Callable
 from gptlib.errors import HungIOError, RunDirError
 
 TMP_MARKER = ".tmp-"
+# absolute directory -> the check of the lease this process holds on it (gptlib/lease.py adds and removes it), which
+# raises LeaseLost once the lease is not this process's any more
+GUARDS: dict[str, Callable[[Path], None]] = {}
+
+
+def check_writable(path: str | Path) -> None:
+    """LeaseLost if `path` lies under a guarded directory whose lease another process took: asked just before a write
+    is made visible (the rename), so a process frozen mid-write never lands a file in a run that is not its own."""
+    p = os.path.abspath(path)
+    for root, check in list(GUARDS.items()):
+        if p == root or p.startswith(root + os.sep):
+            check(Path(root))
+
+
+def replace(src: str | Path, dst: str | Path) -> None:
+    """os.replace, once the lease guarding dst (if any) says this process still holds it."""
+    check_writable(dst)
+    os.replace(src, dst)
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,6 +53,7 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
     path = Path(path)
+    check_writable(path)  # not even a temp file or a folder in a run another process took over
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARKER, dir=path.parent)
     try:
@@ -41,7 +61,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
@@ -70,11 +90,12 @@ def parse_jsonl(text: str) -> list[dict]:
     return [row for row in rows if isinstance(row, dict)]
 
 
-def append_jsonl(path: str | Path, row: dict) -> None:
-    """One line, one write, appended: earlier rows are never rewritten, and a row torn by a kill stays alone on its
-    own line, for parse_jsonl to skip."""
-    line = (json.dumps(row) + "\n").encode()
+def append_jsonl(path: str | Path, *rows: dict) -> None:
+    """One write, appended: earlier rows are never rewritten, and a row torn by a kill stays alone on its own line,
+    for parse_jsonl to skip."""
+    line = "".join(json.dumps(row) + "\n" for row in rows).encode()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    check_writable(path)
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -95,6 +116,7 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def clean_temp_files(directory: str | Path) -> list[Path]:
+    check_writable(directory)  # another holder's temp files are its writes in progress
     removed = []
     for p in Path(directory).glob(f"*{TMP_MARKER}*"):
         with suppress(OSError):
@@ -187,6 +209,19 @@ def call_with_timeout(
     """fn() in a daemon thread; HungIOError once it has gone `timeout` seconds without returning or, given
     `progress`, without a tick (fn is then stopped at its next tick). A call stuck in a hung FUSE mount can only be
     abandoned (a daemon thread never holds up the interpreter's exit), so fn must only write temp names, or read."""
+    progress = progress or Progress()
+    result = in_background(fn)
+    while not wait([result], max(0.0, progress.t + timeout - time.monotonic())).done:
+        if time.monotonic() - progress.t >= timeout:
+            progress.cancel.set()
+            raise HungIOError(
+                errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)"
+            )
+    return result.result()
+
+
+def in_background(fn: Callable[[], Any]) -> Future:
+    """fn() in a daemon thread -> its result to come: one stuck in a hung mount is abandoned, never joined."""
     result: Future = Future()
 
     def run():
@@ -195,14 +230,5 @@ def call_with_timeout(
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             result.set_exception(e)
 
-    progress = progress or Progress()
-    t = threading.Thread(target=run, daemon=True, name="gptlib-io")
-    t.start()
-    while t.is_alive():
-        t.join(max(0.0, progress.t + timeout - time.monotonic()))
-        if t.is_alive() and time.monotonic() - progress.t >= timeout:
-            progress.cancel.set()
-            raise HungIOError(
-                errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)"
-            )
-    return result.result()
+    threading.Thread(target=run, daemon=True, name="gptlib-io").start()
+    return result

@@ -21,6 +21,8 @@ MODEL_FILE = "model.pt"
 TRAIN_STATE_FILE = "train_state.pt"
 STATE_FILE = "state.json"
 MANIFEST_FILE = "manifest.json"
+# in a damaged checkpoint set aside: when it was (pruning keeps the newest)
+SET_ASIDE_FILE = "set_aside.json"
 CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every checkpoint must hold
 
 # in each checkpoint: a resumed run continues them from its step

@@ -1,6 +1,10 @@
 """One writer per run: a lease on the run directory and Drive mirror names its holder to a second process, which
-refuses; a holder that is gone (dead pid here, heartbeat older than STALE_S) is taken over, --take-over takes any. A
-holder whose lease was taken stops without writing: check() runs before every checkpoint write."""
+refuses; a holder that is gone (dead pid here, heartbeat older than STALE_S) is taken over, --take-over takes any.
+Each holder's lease carries a generation one above the one it found, and a release marks the lease released: the file
+is never deleted, so a holder frozen for minutes (a hung Drive, a paused VM) that wakes reads that it was taken over.
+Every rename, removal and append in the leased directories asks check() first (fsutil.check_writable): a lease that is
+not this process's any more (taken over, released by the next holder, deleted) stops it with LeaseLost, one line,
+before that write lands."""
 
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ from collections import namedtuple
 from contextlib import suppress
 from pathlib import Path
 
-from gptlib.errors import LeaseLost, RunDirError, in_notebook, loud
+from gptlib.errors import LeaseLost, RunDirError, in_notebook
 from gptlib.fsutil import (
+    GUARDS,
     HungIOError,
     atomic_write_json,
     call_with_timeout,
@@ -28,7 +33,8 @@ HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
 STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that is gone: its lease is taken over
 IO_TIMEOUT_S = 30.0  # reading or writing a lease on a hung Drive gives up after this
 
-Holder = namedtuple("Holder", "host pid session started heartbeat")  # what a lease file says
+# what a lease file says; released: when its holder ended (None: it holds the run)
+Holder = namedtuple("Holder", "host pid session started heartbeat generation released")
 # the sessions of this process's leases not released yet: its trainings still running
 _LIVE: set[str] = set()
 
@@ -37,9 +43,13 @@ def _describe(found: Holder | str, now: float) -> str:
     if not isinstance(found, Holder):
         return f"a lease file that is {found}"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(found.started))
-    age = now - found.heartbeat
+    age = now - (found.released or found.heartbeat)
     when = f"{age:.0f} s ago" if age >= 0 else f"{-age:.0f} s in the future"
-    return f"host {found.host}, pid {found.pid}, started {started}, last heartbeat {when} by this machine's clock"
+    beat = f"released {when}" if found.released else f"last heartbeat {when}"
+    return (
+        f"host {found.host}, pid {found.pid}, lease generation {found.generation}, started {started}, {beat} by "
+        f"this machine's clock" + (": its training ended" if found.released else "")
+    )
 
 
 def _read(path: Path) -> Holder | str | None:
@@ -52,6 +62,8 @@ def _read(path: Path) -> Holder | str | None:
             str(d["session"]),
             float(d["started"]),
             float(d["heartbeat"]),
+            int(d.get("generation", 0)),
+            d.get("released") and float(d["released"]),
         )
     except FileNotFoundError:
         return None
@@ -65,20 +77,21 @@ def _read(path: Path) -> Holder | str | None:
 
 class RunLease:
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
-        self.dirs = [Path(d) for d in dirs if d is not None]
+        # absolute: fsutil.check_writable hands check() the directory so
+        self.dirs = [Path(os.path.abspath(d)) for d in dirs if d is not None]
         self.take_over, self.log = take_over, log
         self.session = uuid.uuid4().hex[:12]
         self.host = socket.gethostname()
         self.started = time.time()
-        self.lost: str | None = None  # set when another session took over: why
+        self.generation = 0  # one above the highest found at acquire
+        self.lost: str | None = None  # set when the lease stopped being this process's: why
         self._held: list[Path] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLease":
         """RunDirError naming the holder, before anything is written."""
-        for d in self.dirs:
-            self._check_free(d / LEASE_FILE)
+        self.generation = 1 + max([self._check_free(d / LEASE_FILE) for d in self.dirs], default=0)
         for d in self.dirs:
             try:
                 d.mkdir(parents=True, exist_ok=True)
@@ -95,26 +108,27 @@ class RunLease:
         time.sleep(0.05)
         for d in self._held:
             self._check_ours(d / LEASE_FILE, on_lost=RunDirError)
+        GUARDS.update({str(d): self.check for d in self._held})
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
         self._thread.start()
         return self
 
-    def _check_free(self, path: Path) -> None:
+    def _check_free(self, path: Path) -> int:
+        """-> the generation found there (0: none); RunDirError if another process holds it."""
         found = _read(path)
-        if found is None:
-            return
+        generation = found.generation if isinstance(found, Holder) else 0
+        if found is None or isinstance(found, Holder) and found.released:
+            return generation
         now = time.time()
         what = _describe(found, now)
-        if self.take_over:
-            self.log(f"lease: taking over {path} ({what})")
-            return
         how = (
             "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
             "process first"
         )
         if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
             started = time.strftime("%H:%M:%S", time.localtime(found.started))
-            # a training of this very process: a notebook cell run while one trains
+            # a training of this very process: a notebook cell run while one trains (--take-over too: its writes
+            # and this one's would pass the same check, gptlib.fsutil.GUARDS)
             if found.session in _LIVE:
                 raise RunDirError(
                     f"{path.parent} is in use by this notebook's own training, still running in this kernel "
@@ -126,7 +140,10 @@ class RunLease:
             self.log(
                 f"lease: {path} was left by an earlier training of this process, which has ended; taking over"
             )
-            return
+            return generation
+        if self.take_over:
+            self.log(f"lease: taking over {path} ({what})")
+            return generation
         if isinstance(found, Holder) and found.host == self.host:
             try:
                 os.kill(found.pid, 0)
@@ -134,7 +151,7 @@ class RunLease:
                 self.log(
                     f"lease: the previous holder of {path} (pid {found.pid} on this machine) is gone; taking over"
                 )
-                return
+                return generation
             except PermissionError:  # alive, another user's
                 pass
             raise RunDirError(
@@ -155,14 +172,18 @@ class RunLease:
         self.log(
             f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over"
         )
+        return generation
 
-    def _write(self, path: Path) -> None:
+    def _write(self, path: Path, released: bool = False) -> None:
+        """Once acquired, fsutil asks check() just before the rename: never over another holder's lease."""
         body = {
             "host": self.host,
             "pid": os.getpid(),
             "session": self.session,
             "started": self.started,
             "heartbeat": time.time(),
+            "generation": self.generation,
+            "released": time.time() if released else None,
         }
         call_with_timeout(
             lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}"
@@ -170,48 +191,49 @@ class RunLease:
 
     def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
         found = _read(path)
-        if isinstance(found, Holder) and found.session == self.session:
+        if isinstance(found, Holder) and found.session == self.session and not found.released:
             return
-        # deleted (someone tidying Drive): a taker would have written one
-        if found is None and on_lost is LeaseLost:
-            loud(f"lease: {path} was deleted while this process holds the run; writing it again")
-            self._write(path)
-            return
+        # a taker always leaves its own lease there (a newer generation): a missing one was deleted by hand
         self.lost = (
-            f"{path.parent} was taken over by another process ({_describe(found, time.time())})"
+            f"{path} was deleted while this process held the run (by someone tidying Drive?), and no other process "
+            f"took it over; this process stopped without writing to {path.parent}: re-run to resume"
+            if found is None
+            else f"{path.parent} was taken over by another process ({_describe(found, time.time())}); this "
+            f"process stopped without writing to it"
         )
-        raise on_lost(self.lost + "; this process stopped without writing to it")
+        raise on_lost(self.lost)
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             for d in self._held:
                 try:
-                    self._check_ours(d / LEASE_FILE)
                     self._write(d / LEASE_FILE)
+                # self.lost says why: the loop and the writers stop at their next check, one line
                 except LeaseLost:
-                    loud(f"!! {self.lost}: training stops without saving")
                     return
                 # a hung or failing Drive: skip this beat (the mirror reports Drive trouble)
                 except OSError:
                     pass
 
     def check(self, directory: Path | None = None) -> None:
-        """LeaseLost if the lease was taken over: re-read now for `directory`, else the last heartbeat's verdict."""
+        """LeaseLost once the lease is not this process's: for `directory` its lease file read now, else the last
+        heartbeat's verdict (a directory lost means all are: the process stops writing)."""
         if self.lost is not None:
-            raise LeaseLost(self.lost + "; this process stopped without writing to it")
+            raise LeaseLost(self.lost)
         if directory is not None and Path(directory) in self._held:
             self._check_ours(Path(directory) / LEASE_FILE)
 
     def release(self) -> None:
-        """Remove the lease files that are still ours (never another holder's)."""
+        """Mark the leases still ours released (never another holder's, nor any once one was lost); the file stays,
+        for a holder frozen before this one took over to read."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            # a beat being written now must not re-create a file removed below
+            # a beat being written now must not follow the release
             self._thread.join(IO_TIMEOUT_S)
+        for d in self._held if self.lost is None else []:
+            with suppress(OSError, LeaseLost):  # a hung Drive: the lease goes stale on its own
+                self._write(d / LEASE_FILE, released=True)
         for d in self._held:
-            with suppress(OSError):  # a hung Drive: the lease goes stale on its own
-                found = _read(d / LEASE_FILE)
-                if isinstance(found, Holder) and found.session == self.session:
-                    (d / LEASE_FILE).unlink(missing_ok=True)
+            GUARDS.pop(str(d), None)
         self._held = []
         _LIVE.discard(self.session)

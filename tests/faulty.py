@@ -6,7 +6,8 @@
 SPEC is "ITEM,ITEM,..." (empty: no fault). An item "ACTION:POINT[@STEP]" wraps the gptlib function of POINT so that
 ACTION happens when execution reaches it (at checkpoint or training step STEP; without @STEP every time):
 
-    ACTION  kill (SIGKILL this process), term (SIGTERM), sigint (SIGINT: the stop button), interrupt (raise
+    ACTION  kill (SIGKILL this process), term (SIGTERM), sigint (SIGINT: the stop button), stop (SIGSTOP: frozen,
+            every thread, until a SIGCONT: a VM paused or stuck on a hung Drive), interrupt (raise
             KeyboardInterrupt), enospc / eio / enotconn (raise that OSError), hang (block for an hour),
             slow (sleep 50 ms)
     POINT   mid_step      the step: training.loop.train_step has updated the model, the step counter has not
@@ -14,9 +15,11 @@ ACTION happens when execution reaches it (at checkpoint or training step STEP; w
             after_rename  the install: checkpoint.format.install renamed the checkpoint, rotation has not run
             rotate_mid    the deletion: the first file of a checkpoint being deleted (rotation) is gone
             mirror_mid    the copy: checkpoint.mirror.copy_file_verified copied the first file to Drive
+            plot_mid      the plot: training.logs draws loss.png (its temp file open, not renamed yet)
 
-An item "MODULE.NAME=NUMBER" sets a module constant of gptlib first, e.g. "lease.HEARTBEAT_S=0.2"; "backend=NAME"
-compiles with torch.compile's backend NAME (tests/test_gpu.py on a CPU: aot_eager).
+An item "MODULE.NAME=NUMBER" sets a module constant of gptlib first, e.g. "lease.HEARTBEAT_S=0.2"; "hostname=NAME"
+makes this process's host NAME (the lease's: two "machines" on one); "backend=NAME" compiles with torch.compile's
+backend NAME (tests/test_gpu.py on a CPU: aot_eager).
 In a test: `install(spec, monkeypatch.setattr)`, or `undo = install(spec)` ... `undo()`.
 """
 
@@ -29,12 +32,18 @@ import os
 import pathlib
 import runpy
 import signal
+import socket
 import sys
 import time
 from typing import Callable
 
 _ERRNO = {"enospc": errno.ENOSPC, "eio": errno.EIO, "enotconn": errno.ENOTCONN}
-_SIGNAL = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "sigint": signal.SIGINT}
+_SIGNAL = {
+    "kill": signal.SIGKILL,
+    "term": signal.SIGTERM,
+    "sigint": signal.SIGINT,
+    "stop": signal.SIGSTOP,
+}
 # kill: the signal arrives asynchronously; never run past it
 _SLEEP_S = {
     "kill": 10,
@@ -55,8 +64,8 @@ def act(action: str, where: str) -> None:
         time.sleep(_SLEEP_S[action])
     elif action not in _SIGNAL:
         raise ValueError(
-            f"fault action {action!r}: one of kill, term, sigint, interrupt, enospc, eio, enotconn, "
-            f"hang, slow"
+            f"fault action {action!r}: one of kill, term, sigint, stop, interrupt, enospc, eio, "
+            f"enotconn, hang, slow"
         )
 
 
@@ -65,7 +74,7 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
     from gptlib.checkpoint import format as ck
     from gptlib.checkpoint import mirror
     from gptlib.layout import DELETING_MARKER, STATE_FILE, step_of
-    from gptlib.training import loop
+    from gptlib.training import logs, loop
 
     if point == "mid_step":
         runs = []  # the TrainingRun being trained: its state says which step the loop is making
@@ -110,8 +119,15 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
             fire(step_of(pathlib.Path(dst).parent))
 
         return [(mirror, "copy_file_verified", copy_file_verified)]
+    if point == "plot_mid":
+
+        def loss_figure(rows, *a, real=logs.loss_figure, **k):
+            fire(rows[-1]["step"] if rows else None)
+            return real(rows, *a, **k)
+
+        return [(logs, "loss_figure", loss_figure)]
     raise ValueError(
-        f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid"
+        f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid, plot_mid"
     )
 
 
@@ -130,6 +146,10 @@ def install(
             setattr(owner, name, value)
 
     for item in filter(None, (i.strip() for i in spec.split(","))):
+        if item.startswith("hostname="):
+            name = item.partition("=")[2]
+            patch(socket, "gethostname", lambda name=name: name)
+            continue
         if item.startswith("backend="):
             import torch
 
@@ -201,6 +221,6 @@ if __name__ == "__main__":
         sys.argv = sys.argv[3:]
         runpy.run_path(sys.argv[0], run_name="__main__")
         sys.exit(0)
-    from gptlib.__main__ import main
+    from gptlib.__main__ import run
 
-    sys.exit(main(sys.argv[3:]))
+    sys.exit(run(sys.argv[3:], detach=True))

@@ -21,7 +21,7 @@ import torch
 from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint.format import list_checkpoints, verify_checkpoint
 from gptlib.data.prepare import prepare
-from gptlib.errors import CheckpointError, ConfigError, RunDirError
+from gptlib.errors import CheckpointError, ConfigError, LeaseLost, RunDirError
 from gptlib.training import resume as gresume
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
@@ -89,8 +89,10 @@ def test_a_checkpoint_whose_steps_disagree_is_skipped_and_resume_falls_back(char
     assert [row["step"] for row in read_metrics(run)] == list(range(1, 33))
 
 
-def test_a_deleted_lease_file_is_written_again_by_its_live_holder(char_data, tmp_path, capsys):
-    """A user tidying Drive deletes lease.json mid-run: the holder writes it again and trains on."""
+def test_a_deleted_lease_file_stops_its_holder_saying_so(char_data, tmp_path):
+    """A user tidying Drive deletes lease.json mid-run. Was: the holder wrote it again and trained on, as it did when
+    the lease was gone because another process had taken the run over and finished (issue 44). Now it stops before
+    its next write, saying the lease was deleted (no taker's lease is there), and never writes the lease again."""
     run, mirror = tmp_path / "run", tmp_path / "drive"
 
     def tidy_drive(row):
@@ -98,22 +100,24 @@ def test_a_deleted_lease_file_is_written_again_by_its_live_holder(char_data, tmp
             (mirror / "lease.json").unlink()
             (run / "lease.json").unlink()
 
-    r = train(
-        char_data,
-        run,
-        "phase1",
-        SETTINGS,
-        max_steps=30,
-        progress=False,
-        log=quiet,
-        mirror_dir=mirror,
-        on_log=tidy_drive,
-    )
-    assert r.step == 30 and r.stopped_by == "max_steps"
-    assert (
-        "was deleted while this process holds the run; writing it again" in capsys.readouterr().err
-    )
-    assert [p.name for p in list_checkpoints(mirror)][0] == "step_0000030"
+    with pytest.raises(
+        LeaseLost, match=r"lease.json was deleted while this process held the run \(by "
+    ):
+        train(
+            char_data,
+            run,
+            "phase1",
+            SETTINGS,
+            max_steps=30,
+            progress=False,
+            log=quiet,
+            mirror_dir=mirror,
+            on_log=tidy_drive,
+        )
+    assert not (run / "lease.json").exists() and not (mirror / "lease.json").exists()
+    # the step-10 save (the first, after the validation) was not written, nor anything later
+    assert list_checkpoints(run) == list_checkpoints(mirror) == []
+    assert read_metrics(run)[-1]["step"] == 10
 
 
 @pytest.fixture(scope="module")
@@ -329,12 +333,11 @@ def test_a_run_whose_every_checkpoint_is_damaged_starts_over_and_keeps_its_new_o
     ]
     for p in list_checkpoints(run):
         verify_checkpoint(p)
-    # the newest damaged one is kept; the older two were removed, said
-    assert set_aside(run) == ["step_0000030"]
-    assert (
-        sum(m.startswith("removed step_00000") and "an older damaged checkpoint" in m for m in logs)
-        == 2
-    ), logs
+    # none loaded: every damaged one is kept, named (issue 44: was pruned to the newest), none removed
+    assert set_aside(run) == ["step_0000010", "step_0000020", "step_0000030"]
+    assert not any(m.startswith("removed step_") for m in logs), logs
+    [kept] = [m for m in logs if m.startswith("none could be loaded")]
+    assert kept.count(".damaged-") == 3, kept
     [line] = [m for m in logs if "starting from scratch" in m]
     assert line == "no checkpoint could be loaded (3 damaged): starting from scratch"
 

@@ -897,5 +897,77 @@ def test_damaged_checkpoints_do_not_pile_up_on_drive(char_data, tmp_path):
                 rf"newest, {newest.name}\.damaged-[\d-]+, is kept in {mirror / 'checkpoints'}",
                 p.stdout,
             ), p.stdout
-        time.sleep(1.1)  # set-aside names carry the second: the next one sorts after this one
     assert [step_of(c) for c in list_checkpoints(mirror)] == [50, 40]
+
+
+# --- damaged checkpoints set aside: kept by the time recorded, all of them when nothing loads (issue 44 item 3) ---
+
+
+def flip_a_byte(path):
+    data = bytearray((path / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (path / "model.pt").write_bytes(bytes(data))
+
+
+def hand_made_aside(run):
+    """A folder someone named like a set-aside one, without its record: sorted by name it outranked every time."""
+    d = run / "checkpoints" / "step_0000900.damaged-x"
+    d.mkdir()
+    (d / "model.pt").write_bytes(b"kept by its owner")
+    return d
+
+
+def test_when_nothing_loads_every_damaged_checkpoint_is_kept_and_named(char_data, tmp_path):
+    """Every checkpoint damaged: the start goes on from scratch and keeps all it set aside (and what was set aside
+    before), naming them. Was: pruned to one, chosen by the text after .damaged-, so step_0000900.damaged-x stayed
+    and both checkpoints set aside by this very start were deleted."""
+    run = tmp_path / "run"
+    train(char_data, run, "phase1", TINY, max_steps=20, progress=False, log=quiet)
+    assert [step_of(p) for p in list_checkpoints(run)] == [20, 10]
+    for p in list_checkpoints(run):
+        flip_a_byte(p)
+    hand_made = hand_made_aside(run)
+    logs = []
+    r = train(char_data, run, "phase1", TINY, max_steps=5, progress=False, log=logs.append)
+    assert (
+        r.resumed_from is None
+        and "no checkpoint could be loaded (2 damaged): starting from scratch" in logs
+    )
+    aside = sorted(p.name for p in (run / "checkpoints").glob("*.damaged-*"))
+    assert len(aside) == 3 and hand_made.name in aside, aside
+    assert (
+        f"none could be loaded, so every damaged checkpoint set aside is kept in {run / 'checkpoints'}: "
+        in ("\n".join(logs))
+    ), logs
+    [line] = [m for m in logs if m.startswith("none could be loaded")]
+    assert all(name in line for name in aside), line
+    assert not any(m.startswith("removed ") for m in logs), logs
+
+
+def test_set_aside_checkpoints_are_pruned_by_the_time_recorded_never_this_starts(
+    char_data, tmp_path
+):
+    """Steps 20 and 30 damaged: resume from 10 sets both aside, and both stay (this start's), while the hand-made
+    one, which has no record of when, goes. At the next start the newest by the time recorded stays, even when its
+    name says otherwise."""
+    run = tmp_path / "run"
+    settings = TINY + ["keep_last=3"]
+    train(char_data, run, "phase1", settings, max_steps=30, progress=False, log=quiet)
+    flip_a_byte(ckpt(run, 20))
+    flip_a_byte(ckpt(run, 30))
+    hand_made = hand_made_aside(run)
+    logs = []
+    r = train(char_data, run, "phase1", settings, max_steps=35, progress=False, log=logs.append)
+    assert r.resumed_from == 10, logs
+    aside = sorted((run / "checkpoints").glob("*.damaged-*"))
+    assert [step_of(p) for p in aside] == [20, 30] and not hand_made.exists(), aside
+    assert any(m.startswith(f"removed {hand_made.name} ") for m in logs), logs
+    # the older of the two renamed to sort last by name: the time recorded decides, not the name
+    newest = max(aside, key=lambda p: json.loads((p / "set_aside.json").read_text())["set_aside"])
+    older = next(p for p in aside if p != newest)
+    renamed = older.rename(older.with_name(older.name.split(".damaged-")[0] + ".damaged-zzz"))
+    logs = []
+    r = train(char_data, run, "phase1", settings, max_steps=40, progress=False, log=logs.append)
+    assert r.resumed_from == 35, logs
+    assert [p.name for p in (run / "checkpoints").glob("*.damaged-*")] == [newest.name], logs
+    assert any(m.startswith(f"removed {renamed.name} ") for m in logs), logs

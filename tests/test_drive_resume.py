@@ -10,6 +10,7 @@ goes on knowingly; and rotation never deletes what is newer than the run's own c
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -35,6 +36,14 @@ SETTINGS = TINY + ["keep_last=2"]  # a checkpoint at every validation (every 10 
 
 def quiet(_msg):
     pass
+
+
+def mtimes(mirror):
+    return {
+        p.relative_to(mirror): p.stat().st_mtime_ns
+        for p in mirror.rglob("*")
+        if p.name != "lease.json"
+    }
 
 
 def steps(run_dir):
@@ -111,7 +120,7 @@ def test_a_drive_that_stays_unreadable_stops_training_and_changes_nothing(
     char_data, tmp_path, drive, capsys
 ):
     mirror, _ = drive
-    before = {p.relative_to(mirror): p.stat().st_mtime_ns for p in mirror.rglob("*")}
+    before = mtimes(mirror)
     run = tmp_path / "vm2"
     t0 = time.time()
     with pytest.raises(CheckpointError) as e:
@@ -132,8 +141,10 @@ def test_a_drive_that_stays_unreadable_stops_training_and_changes_nothing(
     assert 4 <= time.time() - t0 < 60  # retried for the documented time, then stopped
     err = capsys.readouterr().err
     assert err.count("trying again in") >= 2  # it said what it found and that it waits
-    after = {p.relative_to(mirror): p.stat().st_mtime_ns for p in mirror.rglob("*")}
-    assert after == before  # the mirror is untouched (its lease is released and removed)
+    assert (
+        mtimes(mirror) == before
+    )  # the mirror is untouched, but for its lease: taken, then marked released
+    assert json.loads((mirror / "lease.json").read_text())["released"]
     assert not run.exists() or not list_checkpoints(run)
 
 
@@ -409,3 +420,73 @@ def test_readers_on_a_drive_that_does_not_answer_say_so(char_data, drive_at_80, 
         and "manifest.json is not a regular file now (a Drive that does not answer?)" in line
     )
     assert "did not finish" not in line and "incomplete" not in line
+
+
+# --- readers and the resume's wait on a mount whose reads hang (issue 44, part 4) -----------------------------------
+
+
+@pytest.fixture()
+def hung_mount(drive_at_80, tmp_path):
+    """The step-80 mirror behind a FUSE mount whose checkpoint reads hang until the test ends."""
+    source = tmp_path / "drive"
+    shutil.copytree(drive_at_80, source)
+    mount = HangingMount(source, tmp_path)
+    yield mount.mirror
+    mount.close()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["sample", "--prompt", "A", "--max-new-tokens", "4"],
+        ["eval", "--task", "bpb", "--checkpoint", "all"],
+        ["export-hf", "--out", "{tmp}/hf"],
+    ],
+)
+def test_readers_on_a_hung_mount_name_each_checkpoint_and_exit_by_their_deadline(
+    hung_mount, tmp_path, command
+):
+    """Each checkpoint is read in a thread of its own, within the reader's deadline (2 s here, 60 by default): the
+    line names both, and the process exits while the mount still hangs (its reads are left to a child process the
+    kernel holds until the mount answers). Was: after the one 60 s watchdog over the whole listing, "listing ... made
+    no progress", naming none, and the process could not exit until the mount answered."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in command] + ["--run-dir", hung_mount]
+    t0 = time.monotonic()
+    p = subprocess.run(
+        faulty.gptlib_cmd("inference.loading.DRIVE_LIST_TIMEOUT_S=2", *argv),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert (
+        time.monotonic() - t0 < 40
+    )  # the mount hangs on: before, only its answer let the process end
+    [line] = p.stderr.strip().splitlines()
+    for step in (80, 70):
+        assert f"step_00000{step}: no answer in 2 s (a hung Drive?)" in line, line
+
+
+def test_the_resume_wait_on_a_hung_mount_keeps_its_deadline(
+    char_data, tmp_path, hung_mount, monkeypatch
+):
+    """The wait for unreadable checkpoints is DRIVE_RESUME_WAIT_S in all: each read gets what is left of it. Was: each
+    look spent a full read limit on each hung checkpoint, past the wait (a "300 s" wait took 421 s); here 4 s and two
+    hung checkpoints of 4 s each took 8 s."""
+    monkeypatch.setattr(gresume, "DRIVE_READ_STALL_S", 4.0)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_RETRY_S", 1.0)
+    monkeypatch.setattr(gresume, "DRIVE_RESUME_WAIT_S", 4.0)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="could not read .*step_0000080.*step_0000070"):
+        train(
+            char_data,
+            tmp_path / "vm2",
+            "phase1",
+            SETTINGS,
+            max_steps=90,
+            progress=False,
+            log=quiet,
+            mirror_dir=hung_mount,
+        )
+    assert time.monotonic() - t0 < 6.5  # 4 s, then 1 s at least for the second checkpoint's read

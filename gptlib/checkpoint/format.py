@@ -32,6 +32,7 @@ from gptlib.fsutil import (
     atomic_write_json,
     fsync_dir,
     read_bytes_with_timeout,
+    replace,
 )
 from gptlib.layout import (
     CHECKPOINT_FILES,
@@ -41,6 +42,7 @@ from gptlib.layout import (
     MODEL_FILE,
     OLD_MARKER,
     PARTIAL_MARKER,
+    SET_ASIDE_FILE,
     STATE_FILE,
     TRAIN_STATE_FILE,
     checkpoint_name,
@@ -229,11 +231,11 @@ def install(partial: Path, final: Path, truncate: bool = False) -> None:
     """Rename a complete partial dir to its final name; a same-step one is replaced whole, never half."""
     if final.exists():  # re-saved after a resume, or a damaged copy being replaced
         old = final.with_name(f"{final.name}{OLD_MARKER}{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-        os.replace(partial, final)
+        replace(final, old)
+        replace(partial, final)
         remove_tree(old, truncate)
     else:
-        os.replace(partial, final)
+        replace(partial, final)
     fsync_dir(final.parent)
 
 
@@ -400,11 +402,20 @@ def load_weights_into(
 
 
 def set_aside(path: Path) -> Path:
-    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save."""
+    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save; when, in
+    SET_ASIDE_FILE (rotation.prune_damaged goes by it)."""
     target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
-    os.rename(path, target)
+    atomic_write_json(path / SET_ASIDE_FILE, {"set_aside": time.time()})
+    replace(path, target)
     fsync_dir(path.parent)
     return target
+
+
+def set_aside_time(path: Path) -> float:
+    """When `path` was set aside, as recorded in it (0: no record: an older gptlib's, or a folder a person named)."""
+    with suppress(OSError, ValueError, TypeError, KeyError):
+        return float(json.loads((path / SET_ASIDE_FILE).read_text())["set_aside"])
+    return 0.0
 
 
 def remove_tree(path: Path, truncate: bool = False) -> None:
@@ -415,7 +426,7 @@ def remove_tree(path: Path, truncate: bool = False) -> None:
     if DELETING_MARKER not in path.name:
         target = path.with_name(f"{path.name}{DELETING_MARKER}{uuid.uuid4().hex[:8]}")
         with suppress(OSError):
-            os.replace(path, target)
+            replace(path, target)
             path = target
     for f in sorted(path.rglob("*"), key=lambda q: q.name != MANIFEST_FILE):
         if f.is_file():

@@ -26,6 +26,7 @@ from gptlib.fsutil import (
     Progress,
     atomic_write_bytes,
     call_with_timeout,
+    check_writable,
     clean_temp_files,
     copy_hashing,
     fsync_dir,
@@ -99,18 +100,17 @@ class Mirror:
         mirror_dir: Path,
         keep_last: int,
         keep_every: int,
-        guard: Callable[[Path], None],
         unreadable: set[Path] = frozenset(),
         listed_step: int | None = None,
     ):
         self.run_dir, self.mirror_dir = run_dir, mirror_dir
         self.keep_last, self.keep_every = keep_last, keep_every
-        self.guard = guard  # raises when this process may no longer write to the mirror (its lease was taken)
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
         self.listed_step = listed_step  # the newest step listed on the mirror at resume
         self.last_step: int | None = None  # newest step copied
         self.error: str | None = None  # the last failure, until a copy succeeds
         self.failures = 0
+        self.lost = False  # another process took the mirror over: this one copies nothing more, says nothing
         self._cv = threading.Condition()  # guards what follows
         # newest local checkpoint not yet copied (a newer one replaces it)
         self._pending: Path | None = None
@@ -169,6 +169,8 @@ class Mirror:
                     return
                 self._busy = path
             outcome = self._copy_with_retries(path)  # never raises
+            if outcome == "lost":
+                return
             with self._cv:
                 if outcome == "copied":
                     self._milestones = [m for m in self._milestones if m != path]
@@ -179,7 +181,8 @@ class Mirror:
                 self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:
-        """-> "copied", "failed" (gave up) or "superseded" (a newer checkpoint arrived during a retry wait)."""
+        """-> "copied", "failed" (gave up), "superseded" (a newer checkpoint arrived during a retry wait) or "lost"
+        (the lease: another process owns the mirror now, never written over; training stops with LeaseLost)."""
         step = step_of(path)
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         for attempt in range(1, attempts + 1):
@@ -189,7 +192,7 @@ class Mirror:
                 self._copying = lambda progress=progress, total=total: (
                     f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
                 )
-                self.guard(self.mirror_dir)
+                check_writable(self.mirror_dir)
                 call_with_timeout(
                     lambda progress=progress: mirror_checkpoint(path, self.mirror_dir, progress),
                     MIRROR_STALL_TIMEOUT_S,
@@ -203,11 +206,11 @@ class Mirror:
                 self.last_step = max(step, self.last_step or 0)
                 self._tidy(path)
                 return "copied"
-            except LeaseLost as e:  # another process owns the mirror now: never write over it
-                self.error = str(e)
-                loud(f"!! Drive copy of {checkpoint_name(step)} not made: {e}")
-                return "failed"
             except Exception as e:  # noqa: BLE001 - reported, retried, never raised into training
+                # also a copy broken by the taker (its clean-up removed the partial copy)
+                if isinstance(e, LeaseLost) or self._taken():
+                    self.lost = True
+                    return "lost"
                 self.failures += 1
                 self.error = f"{type(e).__name__}: {e}"
                 if attempt == attempts:
@@ -229,6 +232,15 @@ class Mirror:
                         timeout=delay,
                     ):
                         return "superseded"
+
+    def _taken(self) -> bool:
+        try:
+            check_writable(self.mirror_dir)
+        except LeaseLost:
+            return True
+        except OSError:  # a hung Drive: a Drive failure
+            pass
+        return False
 
     def _newest_on_drive(self) -> str:
         if self.last_step is not None:
@@ -262,6 +274,8 @@ class Mirror:
             call_with_timeout(
                 tidy, MIRROR_TIDY_TIMEOUT_S, what=f"Drive clean-up in {self.mirror_dir}"
             )
+        except LeaseLost:
+            raise
         except Exception as e:  # noqa: BLE001 - the checkpoint is on Drive; this is housekeeping
             loud(
                 f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
@@ -292,7 +306,7 @@ class Mirror:
 
     def close(self, timeout: float) -> None:
         """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting); say loudly what is not on Drive."""
-        if self._thread is None:
+        if self._thread is None or self.lost:
             return
         with self._cv:
             self._closing = True
@@ -309,6 +323,8 @@ class Mirror:
         except KeyboardInterrupt:
             # the copy goes on; is_alive() may say otherwise (CPython marks the thread of an interrupted join stopped)
             stopped_by = "at Ctrl-C"
+        if self.lost:
+            return
         if self._thread.is_alive():
             stopped_by = stopped_by or f"after {timeout:g} s"
         elif not stopped_by:

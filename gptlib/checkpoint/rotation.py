@@ -13,9 +13,10 @@ from gptlib.checkpoint.format import (
     CheckpointError,
     list_checkpoints,
     remove_tree,
+    set_aside_time,
     verify_checkpoint,
 )
-from gptlib.fsutil import clean_temp_files
+from gptlib.fsutil import check_writable, clean_temp_files
 from gptlib.layout import DAMAGED_MARKER, STATE_FILE, checkpoint_name, checkpoints_dir, step_of
 
 
@@ -26,6 +27,7 @@ def clean_orphans(
     run_dir (only at start-up: during training the loop writes such files itself)."""
     removed = []
     root = checkpoints_dir(run_dir)
+    check_writable(root)  # another holder's leftovers may be its writes in progress
     for p in list(root.iterdir()) if root.is_dir() else []:
         if any(m in p.name for m in ORPHAN_MARKERS):
             if p.is_dir():
@@ -42,23 +44,26 @@ def clean_orphans(
 
 
 def prune_damaged(
-    run_dir: str | Path, truncate: bool = False
-) -> tuple[Path | None, list[tuple[Path, int]]]:
-    """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest is kept for its owner to look at; the
-    older ones are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the one kept, the removed
-    ones with their sizes in bytes)."""
+    run_dir: str | Path, truncate: bool = False, since: float | None = None
+) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest by the time recorded in it is kept for
+    its owner to look at, and those set aside since `since` (this start began; None: every one is kept); the others
+    are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the ones kept, the removed ones
+    with their sizes in bytes)."""
     root = checkpoints_dir(run_dir)
     aside = []
     if root.is_dir():
         aside = [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()]
-    # by the time it was set aside
-    aside.sort(key=lambda p: (p.name.split(DAMAGED_MARKER)[1], step_of(p)))
-    removed = []
-    for p in aside[:-1]:
+    aside.sort(key=lambda p: (set_aside_time(p), p.name))
+    kept, removed = [], []
+    for p in aside:
+        if p == aside[-1] or since is None or set_aside_time(p) >= since:
+            kept.append(p)
+            continue
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         remove_tree(p, truncate)
         removed.append((p, size))
-    return (aside[-1] if aside else None), removed
+    return kept, removed
 
 
 def is_milestone(step: int | None, keep_every: int) -> bool:

@@ -20,6 +20,7 @@ from gptlib.checkpoint.format import (
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.errors import CheckpointError, GptlibError, override
+from gptlib.fsutil import check_writable
 from gptlib.layout import LOG_FILES, checkpoints_dir, step_of
 
 
@@ -49,14 +50,11 @@ class CheckpointWriter:
         keep_every: int = 0,
         log=print,
         mirror_dir: str | Path | None = None,
-        guard: Callable[[Path], None] | None = None,
         unreadable: set[Path] = frozenset(),
         mirror_listed: int | None = None,
     ):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
-        # raises LeaseLost when this process may no longer write
-        self.guard = guard or (lambda directory: None)
         # checkpoints that could not be read at resume: never deleted
         self.unreadable = set(unreadable)
         self.mirror = (
@@ -65,7 +63,6 @@ class CheckpointWriter:
                 Path(mirror_dir),
                 keep_last,
                 keep_every,
-                self.guard,
                 self.unreadable,
                 mirror_listed,
             )
@@ -114,7 +111,7 @@ class CheckpointWriter:
 
     def _write(self, ckpt: dict, sizes: dict[str, int]) -> None:
         try:
-            self.guard(self.run_dir)  # another process took the run over: write nothing
+            check_writable(self.run_dir)  # another process took the run over: write nothing
             logs = {name: (self.run_dir / name).read_bytes()[:n] for name, n in sizes.items()}
             step, best_step = ckpt["progress"]["step"], ckpt["progress"]["best_step"]
             if milestone := is_milestone(step, self.keep_every):
@@ -144,6 +141,8 @@ class CheckpointWriter:
         e, self._error = self._error, None
         if isinstance(e, GptlibError):  # e.g. the lease was lost: its own message says it all
             raise e
+        # a save broken by another process taking the run over (its start removed the partial files) is that
+        check_writable(self.run_dir)
         where = ""
         for path in list_checkpoints(self.run_dir):
             with contextlib.suppress(CheckpointError, OSError):

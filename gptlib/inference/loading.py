@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
+from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +27,7 @@ from gptlib.checkpoint.format import (
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import CheckpointError, TokenizerError, loud
-from gptlib.fsutil import call_with_timeout, check_dir, read_jsonl
+from gptlib.fsutil import call_with_timeout, check_dir, in_background, read_jsonl
 from gptlib.layout import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from gptlib.model import GPT
 from gptlib.runtime import resolve_device, resolve_dtype
@@ -42,32 +44,34 @@ class LoadedModel:
 
 
 def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The complete checkpoints (manifest and sizes, no hashing), newest first; the others go to `skipped`."""
-    skipped = [] if skipped is None else skipped
+    """The complete checkpoints (manifest and sizes, no hashing), newest first; the others go to `skipped`, each with
+    why. Each checkpoint is read in a thread of its own, all within DRIVE_LIST_TIMEOUT_S: one a hung Drive holds is
+    named, and left behind."""
+    skipped, end = [] if skipped is None else skipped, time.monotonic() + DRIVE_LIST_TIMEOUT_S
 
-    def table() -> list[dict]:
-        rows = []
-        for p in list_checkpoints(run_dir):
-            try:
-                info = verify_checkpoint(p)
-                state = json.loads((p / STATE_FILE).read_text())
-            except (CheckpointError, OSError, json.JSONDecodeError) as e:
-                skipped.append(f"{p.name}: {e}")
-                continue
-            rows.append(
-                {
-                    "step": info.step,
-                    "val_loss": state.get("val_loss"),
-                    "best_step": state.get("best_step"),
-                    "val_batches": state.get("config", {}).get("train", {}).get("eval_batches"),
-                    "info": info,
-                }
-            )
-        for r in rows:
-            r["is_best"] = r["step"] == rows[0]["best_step"]
-        return rows
+    def row(p: Path) -> dict:
+        info, state = verify_checkpoint(p), json.loads((p / STATE_FILE).read_text())
+        train = state.get("config", {}).get("train", {})
+        return {"step": info.step, "val_batches": train.get("eval_batches"), "info": info} | {
+            k: state.get(k) for k in ("val_loss", "best_step")
+        }
 
-    return call_with_timeout(table, DRIVE_LIST_TIMEOUT_S, what=f"listing {run_dir}")
+    paths = call_with_timeout(
+        lambda: list_checkpoints(run_dir), DRIVE_LIST_TIMEOUT_S, what=f"listing {run_dir}"
+    )
+    reads = {p: in_background(lambda p=p: row(p)) for p in paths}
+    wait(reads.values(), max(0.0, end - time.monotonic()))
+    rows = []
+    for p, read in reads.items():
+        if not read.done():
+            skipped.append(f"{p.name}: no answer in {DRIVE_LIST_TIMEOUT_S:g} s (a hung Drive?)")
+        elif isinstance(e := read.exception(), (CheckpointError, OSError, json.JSONDecodeError)):
+            skipped.append(f"{p.name}: {e}")
+        else:
+            rows.append(read.result())
+    for r in rows:
+        r["is_best"] = r["step"] == rows[0]["best_step"]
+    return rows
 
 
 def checkpoint_label(row: dict) -> str:

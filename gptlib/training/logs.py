@@ -19,7 +19,14 @@ from typing import Callable, Sequence
 import torch
 
 from gptlib.evaluation.hellaswag import GPT2_124M
-from gptlib.fsutil import atomic_write, atomic_write_bytes, parse_jsonl, read_jsonl
+from gptlib.fsutil import (
+    append_jsonl,
+    atomic_write,
+    atomic_write_bytes,
+    check_writable,
+    parse_jsonl,
+    read_jsonl,
+)
 from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.inference.loading import run_history
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
@@ -142,8 +149,7 @@ def log_samples(
         cut = next((k for k, t in enumerate(out) if t in stop_ids), len(out))
         rows.append({"step": step, "prompt": prompt, "text": prompt + tokenizer.decode(out[:cut])})
     model.train(was_training)
-    with open(run_dir / SAMPLES_FILE, "a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    append_jsonl(run_dir / SAMPLES_FILE, *rows)
     write_samples_table(run_dir)
     return rows
 
@@ -257,11 +263,11 @@ class MetricsLog:
                 wall_rate,
             )
         self.train_loss = losses[-1]
-        for step, loss in enumerate(losses[:-1], st.step - len(losses) + 1):
-            self._write(self._row(step, loss))
-        if not validating:
-            self._write(self._row(st.step, self.train_loss, now))
-        self.file.flush()
+        rows = [
+            self._row(step, loss) for step, loss in enumerate(losses, st.step - len(losses) + 1)
+        ]
+        # the last step's row carries the speed; a validation step's is written with its val loss
+        self._write(*rows[:-1], *([] if validating else [self._row(st.step, self.train_loss, now)]))
         speed = self.show_speed()
         if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
             self.t_text = now
@@ -289,15 +295,9 @@ class MetricsLog:
     def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
         """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
         self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
-        row = self._row(
-            self.val_step,
-            self.train_loss,
-            time.time(),
-            val_loss=round(val_loss, 6),
-            **(extra or {}),
-        )
+        extra = {"val_loss": round(val_loss, 6), **(extra or {})}
+        row = self._row(self.val_step, self.train_loss, time.time(), **extra)
         self._write(row)
-        self.file.flush()
         return row
 
     def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
@@ -341,9 +341,11 @@ class MetricsLog:
         self.show_speed()
         self.bar.close()
 
-    def _write(self, row: dict) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.history.append(row)
+    def _write(self, *rows: dict) -> None:
+        check_writable(self.file.name)  # the run is still this process's (gptlib/lease.py)
+        self.file.write("".join(json.dumps(row) + "\n" for row in rows))
+        self.file.flush()
+        self.history += rows
 
     def _lr(self, step: int) -> float:
         return lr_at(step - 1, self.tc)  # the rate step `step` trained with

@@ -324,14 +324,17 @@ def _interrupted(run: TrainingRun, metrics: MetricsLog, cut: bool, log) -> None:
 
 def _close(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
     """The bar, the last save and the wait for Drive (a stop press waits for the save), then the signal handlers,
-    the lease and the process group, whatever raised. -> this session's training seconds, read before the wait."""
+    the lease and the process group, whatever raised. -> this session's training seconds, read before the wait.
+    A lease lost (another process took the run over) is raised, once: nothing is waited for."""
     train_s = metrics.session_s()
     try:
         try:
             metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
         finally:
             # local save errors raise; Drive problems are only reported
-            run.writer.close(saving=stop.last_save())
+            if run.lease.lost is None:
+                run.writer.close(saving=stop.last_save())
+        run.lease.check()
     finally:
         stop.restore()
         run.lease.release()

@@ -71,11 +71,11 @@ def find_resume(
 ) -> tuple[Resume | None, Passed]:
     """-> (None: a new run). The newest checkpoint that loads (its files' sizes and hashes right, its pickles safe)
     and whose optimizer state fits its own config's optimizer; a damaged one is passed over. A newer one that could
-    not be read (on a fresh Colab VM, Drive holds the only copy) is waited for; then training
-    stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
+    not be read (on a fresh Colab VM, Drive holds the only copy) is waited for, DRIVE_RESUME_WAIT_S in all; then
+    training stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
     deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
     for attempt in itertools.count(1):  # noqa: B007 - the stop message says how many looks it took
-        resume, passed = _search(run_dir, mirror_dir, log)
+        resume, passed = _search(run_dir, mirror_dir, log, deadline)
         start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
         unread = "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
         # the local disk will not change
@@ -114,12 +114,18 @@ def find_resume(
     return resume, passed
 
 
-def _search(run_dir: Path, mirror_dir: Path | None, log) -> tuple[Resume | None, Passed]:
-    """One look (at equal steps the local one wins)."""
+def _search(
+    run_dir: Path, mirror_dir: Path | None, log, deadline: float
+) -> tuple[Resume | None, Passed]:
+    """One look (at equal steps the local one wins); each read gets what is left before `deadline` (1 s at least)."""
     passed, found = Passed(), []
+
+    def limit(most: float) -> float:
+        return min(most, max(1.0, deadline - time.monotonic()))
+
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
         try:  # under a watchdog: a hung Drive must not hang the start
-            paths = call_with_timeout(lambda d=d: list_checkpoints(d), DRIVE_LIST_TIMEOUT_S)
+            paths = call_with_timeout(lambda d=d: list_checkpoints(d), limit(DRIVE_LIST_TIMEOUT_S))
         except OSError as e:
             log(f"cannot list the checkpoints in {d}: {e}")
             passed.unreadable[d] = str(e)
@@ -129,7 +135,7 @@ def _search(run_dir: Path, mirror_dir: Path | None, log) -> tuple[Resume | None,
             passed.mirror_step = step_of(paths[0])
     for *_, path in sorted(found):
         try:
-            return _load(path, run_dir), passed
+            return _load(path, run_dir, limit(DRIVE_READ_STALL_S)), passed
         except CheckpointError as e:  # its bytes were read and are wrong
             log(f"skipping checkpoint: {e}")
             passed.damaged[path] = _manifest_bytes(path)
@@ -139,7 +145,7 @@ def _search(run_dir: Path, mirror_dir: Path | None, log) -> tuple[Resume | None,
     return None, passed
 
 
-def _load(path: Path, run_dir: Path) -> Resume:
+def _load(path: Path, run_dir: Path, stall_s: float) -> Resume:
     """CheckpointError (damaged) or OSError (could not be read) unless it loads and its optimizer state fits. One on
     the mirror is copied here first; a copy that turns out damaged is removed (the mirror's is the one to set aside).
     """
@@ -148,7 +154,7 @@ def _load(path: Path, run_dir: Path) -> Resume:
         progress = Progress()
         local = call_with_timeout(
             lambda: mirror_checkpoint(path, run_dir, progress, reuse=False),
-            DRIVE_READ_STALL_S,
+            stall_s,
             progress,
             what=f"reading {path}",
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -393,11 +394,13 @@ def _resume(run: TrainingRun, start: Start, log) -> None:
     )
 
 
-def _prune_damaged(run_dir: Path, truncate: bool, log) -> None:
-    """Only the newest damaged checkpoint is kept in each place; each one removed is said, with its size."""
+def _prune_damaged(run_dir: Path, truncate: bool, since: float | None, log) -> None:
+    """In each place only the newest damaged checkpoint is kept and those set aside since `since` (this start); every
+    one when no checkpoint could be loaded (since None: a damaged model is mostly good weights). Each one removed is
+    said, with its size."""
     try:
         kept, removed = call_with_timeout(
-            lambda: prune_damaged(run_dir, truncate),
+            lambda: prune_damaged(run_dir, truncate, since),
             IO_TIMEOUT_S,
             what=f"removing older damaged checkpoints in {run_dir}",
         )
@@ -406,20 +409,26 @@ def _prune_damaged(run_dir: Path, truncate: bool, log) -> None:
             f"could not remove the older damaged checkpoints in {run_dir} ({e}); tried again next time"
         )
         return
+    names = ", ".join(p.name for p in kept)
     for path, size in removed:
         log(
-            f"removed {path.name} ({size / 1e6:,.1f} MB), an older damaged checkpoint: only the newest, {kept.name}, "
-            f"is kept in {path.parent}"
+            f"removed {path.name} ({size / 1e6:,.1f} MB), an older damaged checkpoint: only the newest, {names}, "
+            f"{'is' if len(kept) == 1 else 'are'} kept in {path.parent}"
+        )
+    if since is None and kept:
+        log(
+            f"none could be loaded, so every damaged checkpoint set aside is kept in {kept[0].parent}: {names}"
         )
 
 
 def _open_writer(run: TrainingRun, start: Start, log) -> CheckpointWriter:
     """Rank 0's writer, after what earlier sessions left: damaged checkpoints set aside (a new one must never take
     a damaged one's name), a save killed mid-way removed. A checkpoint resumed from the local disk goes to Drive too."""
+    since = time.time()
     set_aside_damaged(start.passed, start.resume, log)
     for where in (start.run_dir, start.mirror_dir):
         if where is not None:
-            _prune_damaged(where, truncate=where == start.mirror_dir, log=log)
+            _prune_damaged(where, where == start.mirror_dir, since if start.resume else None, log)
     clean_orphans(start.run_dir)  # the mirror is cleaned by its own thread
     tc, passed = run.cfg.train, start.passed
     writer = CheckpointWriter(
@@ -428,7 +437,6 @@ def _open_writer(run: TrainingRun, start: Start, log) -> CheckpointWriter:
         keep_every=tc.keep_every,
         log=log,
         mirror_dir=start.mirror_dir,
-        guard=run.lease.check,
         unreadable=set(passed.unreadable),
         mirror_listed=passed.mirror_step,
     )

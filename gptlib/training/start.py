@@ -18,7 +18,7 @@ from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
 from gptlib.errors import ConfigError, DataFormatError, HungIOError
 from gptlib.fsutil import call_with_timeout, check_dir
 from gptlib.inference.loading import LoadedModel, load_run
-from gptlib.layout import STATE_FILE, TOKENIZER_FILE, checkpoints_dir
+from gptlib.layout import LEASE_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
 from gptlib.lease import IO_TIMEOUT_S, RunLease
 from gptlib.model import GPT
 from gptlib.training import distributed
@@ -109,7 +109,9 @@ def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_
         yield lease
     except BaseException:
         lease.release()
-        for d in created:  # the lease file is gone by now
+        for d in created:  # no other process had a lease here: this call's released one goes too
+            with contextlib.suppress(OSError):
+                (d / LEASE_FILE).unlink()
             for empty in (checkpoints_dir(d), d):
                 with contextlib.suppress(OSError):
                     empty.rmdir()

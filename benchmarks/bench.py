@@ -4,7 +4,7 @@
     python benchmarks/bench.py train --preset gpt2-small [--recipe gpt2|modern] [--auto-batch] [--data DATA_DIR]
 
 Both run train()'s step (gptlib.training.step.train_step), `train` with train()'s set-up too
-(gptlib.training.setup.build_model / wrap_for_training), so what they measure is what training does.
+(gptlib.training.run.build_run's order and wrap_for_training), so what they measure is what training does.
 
 The ladder replays one user's path from 1.6 s/step to ~0.1 s/step: memmap + per-sample Python loop -> RAM
 preload -> vectorised batches -> torch.compile -> bf16 autocast -> flash attention (SDPA). Each rung is the
@@ -40,16 +40,23 @@ from gptlib.config import PRESETS, RECIPES, ModelConfig, TrainConfig, get_preset
 from gptlib.data.shards import read_meta  # noqa: E402
 from gptlib.errors import GptlibError  # noqa: E402
 from gptlib.model import GPT, model_size  # noqa: E402
-from gptlib.runtime import autocast_for, dtype_name, resolve_device, resolve_dtype  # noqa: E402
-from gptlib.training.distributed import Dist  # noqa: E402
+from gptlib.runtime import (  # noqa: E402
+    autocast_for,
+    configure_matmul,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
 from gptlib.training.memory import (  # noqa: E402
     fit_micro_batch,  # noqa: E402
     free_memory,
     is_oom,
 )
-from gptlib.training.optimizer import build_optimizer  # noqa: E402
-from gptlib.training.setup import build_model, wrap_for_training  # noqa: E402
-from gptlib.training.step import train_step  # noqa: E402
+from gptlib.training.run import Dist, wrap_for_training  # noqa: E402
+from gptlib.training.step import (
+    build_optimizer,  # noqa: E402
+    train_step,  # noqa: E402
+)
 from gptlib.training.throughput import (
     StepTimer,
     device_peak,
@@ -421,9 +428,15 @@ def bench_train(
         meta, splits = load_dataset(data_dir, dev, log=log)
         cfg = cfg.updated({"vocab_size": meta.vocab_size})
     cfg.validate()
+    # the parts as train() builds them (gptlib/training/run.py: build_run)
+    dtype = resolve_dtype(cfg.train.dtype, dev)
+    configure_matmul(dev)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model).to(dev)
     if cfg.train.auto_batch:
-        cfg, _ = fit_micro_batch(cfg, dev, Dist(), log)
-    model, optimizer, scaler, dtype = build_model(cfg, dev, log)
+        cfg, _ = fit_micro_batch(cfg, model, dev, Dist(), log)
+    optimizer = build_optimizer(model, cfg.train, dev.type)
+    scaler = torch.amp.GradScaler(dev.type, enabled=(dtype == torch.float16))
     fwd, compiled = wrap_for_training(model, cfg, dev, Dist())
     mc, tc = cfg.model, cfg.train
     micro, accum = tc.batch_size, tc.grad_accum_steps

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from gptlib.config import get_preset  # noqa: E402
-from gptlib.inference.cpu_matmul import row_blocks, split_linear  # noqa: E402
+from gptlib.inference.engine import row_blocks, split_linear  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
 
 

@@ -38,7 +38,7 @@ from gptlib.config import get_preset  # noqa: E402
 from gptlib.data.prepare import prepare_text  # noqa: E402
 from gptlib.model import GPT, model_size  # noqa: E402
 from gptlib.training.loop import train  # noqa: E402
-from gptlib.training.optimizer import build_optimizer  # noqa: E402
+from gptlib.training.step import build_optimizer  # noqa: E402
 
 # The modern recipe with one part switched back to GPT-2's. (The ReLU² MLP and soft-capped logits were measured
 # here too, then removed for no gain: docs/benchmarks.md.)

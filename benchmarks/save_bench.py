@@ -35,7 +35,7 @@ from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import get_preset
 from gptlib.layout import checkpoint_name
 from gptlib.model import GPT, model_size
-from gptlib.training.optimizer import build_optimizer
+from gptlib.training.step import build_optimizer
 
 
 def machine_info(d: Path) -> str:

@@ -39,8 +39,7 @@ from gptlib.data.prepare import prepare  # noqa: E402
 from gptlib.data.shards import read_meta, read_spans  # noqa: E402
 from gptlib.data.tokenizer import load_tokenizer  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
-from gptlib.training.optimizer import build_optimizer  # noqa: E402
-from gptlib.training.step import train_step  # noqa: E402
+from gptlib.training.step import build_optimizer, train_step  # noqa: E402
 from gptlib.training.throughput import StepTimer  # noqa: E402
 
 

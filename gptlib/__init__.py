@@ -9,7 +9,7 @@ the static imports under TYPE_CHECKING (tests/test_facade.py keeps the two lists
 from typing import TYPE_CHECKING
 
 # the one place it is set: pyproject.toml reads it; notebooks install the tag v<it>
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The name -> the module that defines it, along the data's path.
 _WHERE = {
@@ -24,7 +24,7 @@ _WHERE = {
     # the model's config, training (gptlib/training/)
     "ModelConfig": "gptlib.config",
     "train": "gptlib.training.loop",
-    "StartOptions": "gptlib.training.start",
+    "StartOptions": "gptlib.training.resume",
     "plan_run": "gptlib.training.throughput",
     "samples_html": "gptlib.training.logs",
     "html_table": "gptlib.training.logs",
@@ -88,7 +88,7 @@ if TYPE_CHECKING:
         samples_html,
     )
     from gptlib.training.loop import train
-    from gptlib.training.start import StartOptions
+    from gptlib.training.resume import StartOptions
     from gptlib.training.throughput import plan_run
     from gptlib.widgets import ChatBox, Playground, enable_colab_widgets, parse_list
 

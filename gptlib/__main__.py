@@ -179,7 +179,7 @@ STARTING = (  # how a training call starts: gptlib.StartOptions
 
 
 def _start_options(args):
-    from gptlib.training.start import StartOptions
+    from gptlib.training.resume import StartOptions
 
     return StartOptions(
         args.init_from, args.take_over, args.skip_unreadable, args.allow_data_change

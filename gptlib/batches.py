@@ -274,6 +274,17 @@ def load_dataset(
     log: Callable[[str], None] = print,
 ) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
     meta = read_meta(data_dir)
+    return meta, place_dataset(meta, device, reserve_gpu_bytes=reserve_gpu_bytes, log=log)
+
+
+def place_dataset(
+    meta: DatasetMeta,
+    device: str | torch.device = "cpu",
+    *,
+    reserve_gpu_bytes: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, SplitData | MemmapSplit]:
+    """Each split where it fits: on the GPU beside what training needs there, else in RAM, else memory-mapped."""
     device = torch.device(device)
     splits: dict[str, SplitData | MemmapSplit] = {}
     for split in ("train", "val"):
@@ -289,4 +300,4 @@ def load_dataset(
     log(
         f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})"
     )
-    return meta, splits
+    return splits

@@ -5,6 +5,7 @@ lease guards (gptlib/lease.py), every rename, removal and append asks the lease 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -16,11 +17,16 @@ import time
 from concurrent.futures import Future, wait
 from contextlib import suppress
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from gptlib.errors import HungIOError, RunDirError
 
 TMP_MARKER = ".tmp-"
+# what to do when Google Drive does not answer
+DRIVE_ADVICE = (
+    "Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
+    "force_remount=True)) and re-run"
+)
 # absolute directory -> the check of the lease this process holds on it (gptlib/lease.py adds and removes it), which
 # raises LeaseLost once the lease is not this process's any more
 GUARDS: dict[str, Callable[[Path], None]] = {}
@@ -51,14 +57,17 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
+    """A file written under a temp name, then fsynced and renamed into place when the block ends without error: a
+    crash leaves at most a `*.tmp-*` file beside it, never a half-written `path`."""
     path = Path(path)
     check_writable(path)  # not even a temp file or a folder in a run another process took over
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + TMP_MARKER, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         replace(tmp, path)
@@ -67,6 +76,11 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    with atomic_file(path) as f:
+        write(f)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

@@ -8,6 +8,7 @@ before that write lands."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -20,14 +21,16 @@ from pathlib import Path
 
 from gptlib.errors import LeaseLost, RunDirError, in_notebook
 from gptlib.fsutil import (
+    DRIVE_ADVICE,
     GUARDS,
     HungIOError,
     atomic_write_json,
     call_with_timeout,
     cannot_write,
+    check_dir,
     read_bytes_with_timeout,
 )
-from gptlib.layout import LEASE_FILE
+from gptlib.layout import LEASE_FILE, checkpoints_dir
 
 HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
 STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that is gone: its lease is taken over
@@ -52,10 +55,12 @@ def _describe(found: Holder | str, now: float) -> str:
     )
 
 
-def _read(path: Path) -> Holder | str | None:
-    """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive."""
+def _read(path: Path, timeout: float | None) -> Holder | str | None:
+    """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive (timeout None: a plain
+    read, for a caller that runs under a watchdog of its own or on the local disk)."""
     try:
-        d = json.loads(read_bytes_with_timeout(path, IO_TIMEOUT_S))
+        raw = path.read_bytes() if timeout is None else read_bytes_with_timeout(path, timeout)
+        d = json.loads(raw)
         return Holder(
             str(d["host"]),
             int(d["pid"]),
@@ -107,7 +112,7 @@ class RunLease:
         # two starters that wrote at the same moment: the last write wins, the other sees it
         time.sleep(0.05)
         for d in self._held:
-            self._check_ours(d / LEASE_FILE, on_lost=RunDirError)
+            self._check_ours(d / LEASE_FILE, on_lost=RunDirError, timeout=IO_TIMEOUT_S)
         GUARDS.update({str(d): self.check for d in self._held})
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
         self._thread.start()
@@ -115,7 +120,7 @@ class RunLease:
 
     def _check_free(self, path: Path) -> int:
         """-> the generation found there (0: none); RunDirError if another process holds it."""
-        found = _read(path)
+        found = _read(path, IO_TIMEOUT_S)
         generation = found.generation if isinstance(found, Holder) else 0
         if found is None or isinstance(found, Holder) and found.released:
             return generation
@@ -189,8 +194,8 @@ class RunLease:
             lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}"
         )
 
-    def _check_ours(self, path: Path, on_lost=LeaseLost) -> None:
-        found = _read(path)
+    def _check_ours(self, path: Path, on_lost=LeaseLost, timeout: float | None = None) -> None:
+        found = _read(path, timeout)
         if isinstance(found, Holder) and found.session == self.session and not found.released:
             return
         # a taker always leaves its own lease there (a newer generation): a missing one was deleted by hand
@@ -217,7 +222,9 @@ class RunLease:
 
     def check(self, directory: Path | None = None) -> None:
         """LeaseLost once the lease is not this process's: for `directory` its lease file read now, else the last
-        heartbeat's verdict (a directory lost means all are: the process stops writing)."""
+        heartbeat's verdict (a directory lost means all are: the process stops writing). The read has no watchdog
+        thread of its own: writes into the run dir are local, and every write into the Drive mirror runs under the
+        mirror's watchdog."""
         if self.lost is not None:
             raise LeaseLost(self.lost)
         if directory is not None and Path(directory) in self._held:
@@ -237,3 +244,49 @@ class RunLease:
             GUARDS.pop(str(d), None)
         self._held = []
         _LIVE.discard(self.session)
+
+
+@contextlib.contextmanager
+def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bool, log):
+    """The run's lease, taken before anything in run_dir or the mirror changes. A set-up refused inside the block
+    releases it and removes the directories it created (if still empty); otherwise the loop releases it."""
+    # a lease on no directory (never acquired) checks and releases nothing: the other DDP ranks'
+    created, lease = [], RunLease([])
+    try:
+        if is_main:  # the other DDP ranks write nothing
+            try:
+                # Drive may hang
+                created = [
+                    d
+                    for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
+                    if d is not None
+                    and not call_with_timeout(
+                        lambda d=d, what=what: _looked_at(d, f"{what} directory"),
+                        IO_TIMEOUT_S,
+                        what=f"looking at {d}",
+                    )
+                ]
+                lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
+            except HungIOError as e:  # Drive did not answer: its lease may be another process's
+                raise HungIOError(
+                    e.errno,
+                    f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}",
+                ) from None
+        yield lease
+    except BaseException:
+        lease.release()
+        for d in created:  # no other process had a lease here: this call's released one goes too
+            with contextlib.suppress(OSError):
+                (d / LEASE_FILE).unlink()
+            for empty in (checkpoints_dir(d), d):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
+        raise
+
+
+def _looked_at(d: Path, what: str) -> bool:
+    """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
+    exists = check_dir(d, what)
+    if exists:
+        check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
+    return exists

@@ -79,7 +79,7 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
     if point == "mid_step":
         runs = []  # the TrainingRun being trained: its state says which step the loop is making
 
-        def start_run(*a, real=loop.start_run, **k):
+        def build_run(*a, real=loop.build_run, **k):
             runs.append(real(*a, **k))
             return runs[-1]
 
@@ -88,15 +88,15 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
             fire(runs[-1].state.step + 1)
             return loss
 
-        return [(loop, "start_run", start_run), (loop, "train_step", train_step)]
+        return [(loop, "build_run", build_run), (loop, "train_step", train_step)]
     if point == "save_mid":
 
-        def atomic_write(path, write, real=ck.atomic_write):
+        def write_hashed(path, content, real=ck.write_hashed):
             if pathlib.Path(path).name == STATE_FILE:
                 fire(step_of(pathlib.Path(path).parent))
-            return real(path, write)
+            return real(path, content)
 
-        return [(ck, "atomic_write", atomic_write)]
+        return [(ck, "write_hashed", write_hashed)]
     if point == "after_rename":
 
         def install(partial, final, *a, real=ck.install, **k):

@@ -25,7 +25,7 @@ from gptlib.errors import CheckpointError, ConfigError, LeaseLost, RunDirError
 from gptlib.training import resume as gresume
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests.conftest import REPO, TINY
 from tests.test_drive_resume import StalledDrive
 from tests.test_resume import one_thread  # noqa: F401 (fixture)

@@ -18,20 +18,21 @@ from gptlib.checkpoint import mirror
 from gptlib.checkpoint.format import (
     CheckpointError,
     TrainState,
+    clean_orphans,
     list_checkpoints,
     load_checkpoint,
     load_weights_into,
+    rotate,
     save_checkpoint,
     verify_checkpoint,
 )
 from gptlib.checkpoint.mirror import mirror_checkpoint
-from gptlib.checkpoint.rotation import clean_orphans, rotate
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.errors import UnreadableError
 from gptlib.fsutil import HungIOError, call_with_timeout, sha256_file
 from gptlib.training import resume as gresume
+from gptlib.training.loop import GracefulStop
 from gptlib.training.resume import find_resume
-from gptlib.training.signals import GracefulStop
 from tests import faulty
 
 

@@ -1,4 +1,4 @@
-"""Decoding's few-row matmuls on a CPU (gptlib/inference/cpu_matmul.py): split into row blocks only inside the engine,
+"""Decoding's few-row matmuls on a CPU (gptlib/inference/engine.py): split into row blocks only inside the engine,
 only for a few rows, and only where this CPU measured the split faster (an Intel Xeon ran it at 0.72-0.89x)."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from gptlib.config import ModelConfig
-from gptlib.inference import cpu_matmul, engine
-from gptlib.inference.cpu_matmul import SplitFewRows, row_blocks, split_linear
-from gptlib.inference.engine import Engine, SamplingConfig
+from gptlib.inference import engine
+from gptlib.inference.engine import Engine, SamplingConfig, SplitFewRows, row_blocks, split_linear
 from gptlib.model import GPT, KVCache
 
 
@@ -44,10 +43,10 @@ def test_row_blocks_divide_the_output_size():
 def test_the_split_runs_for_a_decoding_step_only_and_gives_its_logits(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        cpu_matmul, "split_linear", lambda *a: calls.append(a[0].shape) or split_linear(*a)
+        engine, "split_linear", lambda *a: calls.append(a[0].shape) or split_linear(*a)
     )
     # a 2-thread machine, whatever this one is
-    monkeypatch.setattr(cpu_matmul, "row_blocks", lambda n: 2)
+    monkeypatch.setattr(engine, "row_blocks", lambda n: 2)
     model = tiny()
     cache = KVCache(model.config, 1, "cpu", torch.float32)
     x = torch.randint(0, 64, (1, 9))
@@ -68,8 +67,8 @@ def test_the_split_runs_for_a_decoding_step_only_and_gives_its_logits(monkeypatc
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_engine_splits_only_where_this_cpu_measured_it_faster(monkeypatch, faster):
     calls, measured = [], []
-    monkeypatch.setattr(cpu_matmul, "split_linear", lambda *a: calls.append(1) or split_linear(*a))
-    monkeypatch.setattr(cpu_matmul, "row_blocks", lambda n: 2)
+    monkeypatch.setattr(engine, "split_linear", lambda *a: calls.append(1) or split_linear(*a))
+    monkeypatch.setattr(engine, "row_blocks", lambda n: 2)
     monkeypatch.setattr(engine, "split_is_faster", lambda model: measured.append(model) or faster)
     eng = Engine(tiny())
     got, _ = eng.generate_ids([[1, 2, 3]], SamplingConfig(max_new_tokens=12, temperature=0.0))
@@ -84,6 +83,6 @@ def test_the_engine_splits_only_where_this_cpu_measured_it_faster(monkeypatch, f
 
 def test_the_measurement_times_the_models_own_weights(monkeypatch):
     model = tiny()
-    assert isinstance(cpu_matmul.split_is_faster(model), bool)
+    assert isinstance(engine.split_is_faster(model), bool)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert cpu_matmul.split_is_faster(model) is False  # one thread: nothing to run in parallel
+    assert engine.split_is_faster(model) is False  # one thread: nothing to run in parallel

@@ -36,10 +36,10 @@ from gptlib.fsutil import sha256_file
 from gptlib.layout import step_of
 from gptlib.training import loop as gtrain
 from gptlib.training import resume as gresume
-from gptlib.training import setup as gsession
+from gptlib.training import run as gsession
 from gptlib.training.logs import read_jsonl
 from gptlib.training.loop import train
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)
@@ -302,7 +302,7 @@ def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch,
     is full, where, and what to do, in none of torch's words, from train() and the command line alike."""
     from gptlib.__main__ import main
 
-    real = ck.atomic_write
+    real = ck.write_hashed
     calls = {"n": 0}
 
     def save(path, write):
@@ -313,7 +313,7 @@ def test_a_full_disk_during_torch_save_says_so(char_data, tmp_path, monkeypatch,
             )
         return real(path, write)
 
-    monkeypatch.setattr(ck, "atomic_write", save)
+    monkeypatch.setattr(ck, "write_hashed", save)
     monkeypatch.setattr(ck, "_disk_nearly_full", lambda path: True)
     run = tmp_path / "run"
     said = (
@@ -400,7 +400,7 @@ def test_a_full_disk_during_a_save_is_one_clear_line(
     """ENOSPC from the write itself (not torch's 'unexpected pos'): the message says disk full and the fix (a lower
     keep_last only where it can go lower than its minimum, 2), names the newest intact checkpoint, and the partial
     checkpoint is gone (its space given back)."""
-    real = ck.atomic_write
+    real = ck.write_hashed
     calls = {"n": 0}
 
     def save(path, write):
@@ -409,7 +409,7 @@ def test_a_full_disk_during_a_save_is_one_clear_line(
             _disk_full(path)
         return real(path, write)
 
-    monkeypatch.setattr(ck, "atomic_write", save)
+    monkeypatch.setattr(ck, "write_hashed", save)
     run = tmp_path / "run"
     with pytest.raises(
         CheckpointError,

@@ -30,7 +30,7 @@ def recording(self):
     return x, y
 
 D.BatchSampler.next_batch = recording
-from gptlib.training import setup as S
+from gptlib.training import run as S
 optimizers = []
 orig_opt = S.build_optimizer
 
@@ -142,9 +142,9 @@ def test_ddp_two_ranks_gloo_then_resume(tmp_path, char_data):
 def test_dist_single_process_is_a_no_op():
     import torch
 
-    from gptlib.training import distributed
+    from gptlib.training.run import setup_ddp
 
-    d = distributed.setup("cpu")  # no WORLD_SIZE in the environment
+    d = setup_ddp("cpu")  # no WORLD_SIZE in the environment
     assert not d.enabled and d.is_main and d.rank == 0
     m = torch.nn.Linear(2, 2)
     assert d.wrap(m, torch.device("cpu")) is m

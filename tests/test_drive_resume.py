@@ -26,7 +26,7 @@ from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_c
 from gptlib.training import resume as gresume
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import one_thread  # noqa: F401 (fixture)
@@ -221,8 +221,7 @@ def test_skip_unreadable_starts_over_knowingly_and_nothing_on_drive_is_lost(
 
 def test_rotation_keeps_what_it_cannot_read(tmp_path):
     """A checkpoint whose files cannot be read now (an I/O error, not damage) is never deleted by rotation."""
-    from gptlib.checkpoint.format import save_checkpoint
-    from gptlib.checkpoint.rotation import rotate
+    from gptlib.checkpoint.format import rotate, save_checkpoint
 
     root = tmp_path / "checkpoints"
     for step in (1, 2, 3, 4):

@@ -25,7 +25,7 @@ from gptlib.checkpoint import mirror as gmirror
 from gptlib.checkpoint.format import CheckpointError, list_checkpoints, verify_checkpoint
 from gptlib.config import ConfigError
 from gptlib.fsutil import sha256_file
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests import faulty
 from tests.conftest import newest_checkpoint
 from tests.test_resume import MAX_STEPS, SETTINGS, curve, one_thread, run_inproc  # noqa: F401 (fixture)

@@ -33,7 +33,7 @@ from gptlib.inference.loading import load_run
 from gptlib.model import GPT
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests import faulty
 from tests.conftest import REPO, newest_checkpoint
 from tests.device_ops import DeviceOps

@@ -37,11 +37,11 @@ import torch
 
 from gptlib.checkpoint.format import TrainState, load_checkpoint
 from gptlib.errors import OutOfMemoryAdvice
-from gptlib.training import memory
+from gptlib.training import memory, start
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
 from gptlib.training.memory import free_memory
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_runtime import GIB, FakeGpuMemory
@@ -840,7 +840,7 @@ def test_forced_oom_gives_advice_and_the_process_goes_on(bpe_data, tmp_path, com
         if CUDA
         else ["batch_size=64", "grad_accum_steps=1"]
     )
-    monkeypatch.setattr(memory, "TIGHT_SHARE", 1e9)
+    monkeypatch.setattr(start, "TIGHT_SHARE", 1e9)
     if not CUDA:
         real_step, calls = loop.train_step, []
 
@@ -1203,7 +1203,7 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
     from gptlib.checkpoint.writer import CheckpointWriter
     from gptlib.config import ModelConfig, TrainConfig
     from gptlib.model import GPT
-    from gptlib.training.optimizer import build_optimizer
+    from gptlib.training.step import build_optimizer
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=8192, block_size=128, n_layer=4, n_head=8, n_embd=512)).to(
@@ -1415,13 +1415,14 @@ DDP_WORKER = r'''
 import json, os, sys
 import torch
 import torch.distributed as dist
-from gptlib.training import distributed
+from gptlib.training.run import Dist
+from gptlib.training import loop
 from gptlib.training.loop import train
 
 seen = {}
 
 
-class OneRankDDP(distributed.Dist):
+class OneRankDDP(Dist):
     """gptlib skips DDP when WORLD_SIZE is 1: this Dist takes its DDP paths anyway."""
 
     @property
@@ -1443,7 +1444,7 @@ def setup(device="auto"):
     return OneRankDDP(rank=0, local_rank=local, world_size=1, initialized_here=True)
 
 
-distributed.setup = setup
+loop.setup_ddp = setup
 r = train(sys.argv[1], sys.argv[2], "phase1", overrides=json.loads(sys.argv[4]), device=sys.argv[5], progress=False)
 with open(sys.argv[3], "w") as f:
     json.dump({"step": r.step, **seen}, f)

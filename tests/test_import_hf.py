@@ -12,7 +12,7 @@ from gptlib.errors import ConfigError, ExportError
 from gptlib.inference.engine import Engine
 from gptlib.inference.hf_import import import_hf
 from gptlib.inference.loading import load_run
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests.conftest import TINY
 from tests.test_export import assert_same_model
 

@@ -18,7 +18,7 @@ from gptlib.checkpoint.format import ORPHAN_MARKERS, list_checkpoints
 from gptlib.fsutil import sha256_file
 from gptlib.layout import step_of
 from gptlib.training.loop import train
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from tests import faulty
 from tests.conftest import REPO, TINY
 from tests.test_resume import curve, one_thread  # noqa: F401 (fixture)

@@ -85,7 +85,7 @@ def test_too_long_sequence_is_a_clear_error():
 def test_weight_decay_only_on_2d_params():
     model = GPT(tiny(bias=True))
     from gptlib.config import TrainConfig
-    from gptlib.training.optimizer import build_optimizer
+    from gptlib.training.step import build_optimizer
 
     opt = build_optimizer(model, TrainConfig(weight_decay=0.1, learning_rate=1e-3), "cpu")
     decay, no_decay = opt.param_groups

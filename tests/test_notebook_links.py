@@ -3,9 +3,10 @@ chosen, each sentence a link to the file and function to read at the release the
 went stale (a file moved, a function renamed, the version raised) fails here, checked against this checkout's files
 (no network).
 
-A pointer is a markdown link to https://github.com/gptlib/gptlib/blob/vVERSION/PATH whose text names, in backticks,
-what to read there: `function`, `Class` or `Class.method` (defined in PATH, found with ast), and in plain words
-the file, as a tail of PATH (`[`train_step` in training/step.py](.../gptlib/training/step.py)`)."""
+A pointer is a markdown link to https://github.com/gptlib/gptlib/blob/vVERSION/PATH#L<n> whose text names, in
+backticks, what to read there: `function`, `Class` or `Class.method` (defined in PATH, found with ast; the anchor on
+the line of its `def` or `class`), and in plain words the file, as a tail of PATH
+(`[`train_step` in training/step.py](.../gptlib/training/step.py#L41)`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import nbformat
 import pytest
 
 import gptlib
+from scripts.notebook_anchors import definition_line
 from tests.conftest import REPO
 from tests.nbrun import NOTEBOOKS
 
@@ -95,11 +97,7 @@ def stale(source: str) -> list[str]:
             problems.append(
                 f"{where}: the tag is {tag}, the release the notebooks install is v{gptlib.__version__}"
             )
-        if "#" in path:
-            problems.append(
-                f"{where}: a line anchor goes stale when the file changes: link the file"
-            )
-            continue
+        path, _, anchor = path.partition("#")
         if not (REPO / path).is_file():
             problems.append(f"{where}: no file {path} in this repository")
             continue
@@ -108,9 +106,23 @@ def stale(source: str) -> list[str]:
                 problems.append(f"{where}: its text names {file}, the link is to {path}")
         if path.endswith(".py"):
             problems += [f"{where}: {path} defines no {n}" for n in names if n not in defined(path)]
+            problems += wrong_anchor(where, path, anchor, names)
         elif names:
             problems.append(f"{where}: names {names} in a file that is not Python")
     return problems
+
+
+def wrong_anchor(where: str, path: str, anchor: str, names: list[str]) -> list[str]:
+    """A link naming a definition opens at its line: #L<n> on the line of the first name's `def` or `class`."""
+    if not names or names[0] not in defined(path):
+        return []
+    line = definition_line(path, names[0])
+    if anchor != f"L{line}":
+        return [
+            f"{where}: {names[0]} starts at line {line} of {path}, the link's anchor is "
+            f"{'#' + anchor if anchor else 'missing'} (python scripts/notebook_anchors.py sets them)"
+        ]
+    return []
 
 
 def cells(name: str) -> list:
@@ -151,15 +163,18 @@ def test_the_notebooks_say_what_the_code_does(name):
 
 def test_a_stale_pointer_is_found():
     """The check itself: a moved file, a renamed function, an old tag, a file named that the link is not to."""
-    ok = f"[`train_step` in training/step.py]({BLOB}v{gptlib.__version__}/gptlib/training/step.py)"
+    line = definition_line("gptlib/training/step.py", "train_step")
+    ok = f"[`train_step` in training/step.py]({BLOB}v{gptlib.__version__}/gptlib/training/step.py#L{line})"
     assert stale(ok) == [] and pointers(ok)[0][3] == ["train_step"]
     assert stale(ok.replace("`train_step`", "`TrainingRun.state_dict`"))  # not in step.py
-    assert stale(ok.replace("/step.py)", "/steps.py)"))  # no such file
+    assert stale(ok.replace("/step.py#", "/steps.py#"))  # no such file
     assert stale(ok.replace(f"v{gptlib.__version__}", "v0.0.1"))
     assert stale(ok.replace("in training/step.py", "in training/loop.py"))
-    assert stale(ok.replace("/step.py)", "/step.py#L37)"))
+    assert stale(ok.replace(f"#L{line})", f"#L{line + 1})"))  # the anchor off the def
+    assert stale(ok.replace(f"#L{line})", ")"))  # no anchor
     assert stale(
         f"see {BLOB}v{gptlib.__version__}/gptlib/training/step.py"
     )  # a bare url: not checked
-    method = f"[`TrainingRun.load_state_dict`]({BLOB}v{gptlib.__version__}/gptlib/training/run.py)"
+    line = definition_line("gptlib/training/run.py", "TrainingRun.load_state_dict")
+    method = f"[`TrainingRun.load_state_dict`]({BLOB}v{gptlib.__version__}/gptlib/training/run.py#L{line})"
     assert stale(method) == [] and stale(method.replace(".load_state_dict", ".load"))

@@ -20,10 +20,16 @@ from gptlib.errors import ConfigError
 from gptlib.model import GPT, KVCache
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from gptlib.training.optimizer import MuonAdamW, build_optimizer, slow_muon_note
-from gptlib.training.setup import schedule_change
-from gptlib.training.start import StartOptions
-from gptlib.training.step import lr_at, set_lr, train_step
+from gptlib.training.resume import StartOptions
+from gptlib.training.start import schedule_change
+from gptlib.training.step import (
+    MuonAdamW,
+    build_optimizer,
+    lr_at,
+    set_lr,
+    slow_muon_note,
+    train_step,
+)
 from gptlib.training.throughput import StepTimer
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
@@ -198,7 +204,7 @@ def test_a_resume_takes_the_optimizers_device_flags_from_this_device(
     CPU fused AdamW stands in) under an fp16 GradScaler: the gpt2 recipe's first step raised "Expected grad_scale and
     found_inf to be None" (the scaler saw fused at __init__), the modern recipe's AdamW half ran unfused. And the
     reverse: a fused run's checkpoint resumed where AdamW is not fused must not come back fused."""
-    from gptlib.training import setup as gsetup
+    from gptlib.training import run as gsetup
 
     real, made = gsetup.build_optimizer, []
 
@@ -421,7 +427,7 @@ def test_bad_recipe_input_is_one_line(monkeypatch, tmp_path, char_data):
 
 DDP_WORKER = r"""
 import json, os, sys
-from gptlib.training import setup
+from gptlib.training import run as setup
 from gptlib.training.loop import train
 
 made = []

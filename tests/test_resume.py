@@ -429,3 +429,32 @@ def test_a_resume_trains_with_the_hyperparameters_it_says_changed(char_data, tmp
         assert [(g["momentum"], g["weight_decay"]) for g in opt["muon"]["param_groups"]] == [
             (0.8, 0.0)
         ]
+
+
+def test_a_resume_builds_the_model_once(char_data, tmp_path, monkeypatch):
+    """Issue 43: a start builds one GPT. The saved optimizer state is checked against the checkpoint's own tensors
+    (no second model on the meta device), and the auto micro-batch is measured on the run's own model (no probe
+    model): here on a fake GPU's memory (tests/test_runtime.py's FakeGpuMemory), the probe's code running on the CPU."""
+    from gptlib.model import GPT
+    from gptlib.training import memory
+    from tests.test_runtime import GIB, FakeGpuMemory
+
+    overrides = [*TINY, "auto_batch=true", "grad_accum_steps=2"]
+    train(char_data, tmp_path, "phase1", overrides, max_steps=4, progress=False, log=lambda s: None)
+    built, init = [], GPT.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(args)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "__init__", counted)
+    monkeypatch.setitem(
+        memory.MEMORY_PROBES, "cpu", lambda d: FakeGpuMemory(100 * GIB, 15 * GIB, 10 * GIB)
+    )
+    logs = []
+    result = train(
+        char_data, tmp_path, "phase1", overrides, max_steps=6, progress=False, log=logs.append
+    )
+    assert result.resumed_from == 4 and result.step == 6, result
+    assert any("auto micro-batch" in m for m in logs), logs
+    assert len(built) == 1, f"a resume built {len(built)} models"

@@ -20,9 +20,9 @@ import gptlib.runtime as rt
 from gptlib.checkpoint.format import RNG
 from gptlib.config import RunConfig, build_config, get_preset
 from gptlib.errors import ConfigError, OutOfMemoryAdvice
-from gptlib.training import memory
+from gptlib.training import memory, start
 from gptlib.training import throughput as measure
-from gptlib.training.distributed import Dist
+from gptlib.training.run import Dist
 from tests.conftest import REPO, TINY
 
 GIB = 2**30
@@ -78,13 +78,28 @@ def test_auto_dtype_uses_native_bf16_only(monkeypatch, name, cap, want):
     assert ("fp16" in family) == (want == torch.float16)
 
 
-def test_fp16_training_gets_a_grad_scaler_and_bf16_does_not():
-    from gptlib.training.setup import build_model
+def test_fp16_training_gets_a_grad_scaler_and_bf16_does_not(char_data, tmp_path):
+    """A run in fp16 scales its loss (the scaler's state is saved with it); in bf16 or fp32 it does not."""
+    from gptlib.checkpoint.format import list_checkpoints, load_checkpoint
+    from gptlib.training.loop import train
 
     for dtype, scaled in (("float16", True), ("bfloat16", False), ("float32", False)):
-        cfg = build_config("phase1", TINY + [f"dtype={dtype}"], device="cpu")
-        _, _, scaler, got = build_model(cfg, torch.device("cpu"), quiet)
-        assert got == rt.DTYPES[dtype] and scaler.is_enabled() == scaled, dtype
+        run = tmp_path / dtype
+        train(
+            char_data,
+            run,
+            "phase1",
+            TINY + [f"dtype={dtype}"],
+            max_steps=1,
+            device="cpu",
+            progress=False,
+            log=quiet,
+        )
+        saved = load_checkpoint(list_checkpoints(run)[0])
+        assert (saved["state"].config["train"]["dtype"], bool(saved["scaler"])) == (
+            dtype,
+            scaled,
+        ), dtype
 
 
 # --- 2. bad input: bf16 without it, a GPU that is not there, a device gptlib does not run on -----------------
@@ -309,17 +324,17 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     said 21.2 GiB where the probe had measured an eager peak of 26.6 GiB, and data filled the difference)."""
     from gptlib import batches
     from gptlib.batches import plan_data
-    from gptlib.training import setup
+    from gptlib.training import run as setup
     from gptlib.training.loop import train
 
     # 4 sequences: an 18 GiB peak
     mem = FakeGpuMemory(total=40 * GIB, fixed=10 * GIB, per_seq=2 * GIB)
     # the real probe; only the memory is a fake
     monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
-    reserved, real_load = [], setup.load_dataset
+    reserved, real_load = [], setup.place_dataset
     monkeypatch.setattr(
         setup,
-        "load_dataset",
+        "place_dataset",
         lambda *a, **kw: reserved.append(kw["reserve_gpu_bytes"]) or real_load(*a, **kw),
     )
     settings = TINY + ["auto_batch=true", "batch_size=4", "grad_accum_steps=1"]
@@ -335,7 +350,7 @@ def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, m
     )
     cfg = RunConfig.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
     assert cfg.train.batch_size == 4  # the probe's choice
-    estimate = memory.estimate_train_bytes(cfg.model, 4)
+    estimate = start.estimate_train_bytes(cfg.model, 4)
     # the measured peak, far above this tiny model's estimate
     assert reserved == [18 * GIB] and estimate < GIB
     # 10 GiB of tokens fit 85% of 20 GiB free beside the estimate, not beside the peak
@@ -361,18 +376,18 @@ def test_gpt2_small_near_a_gpus_memory_is_measured_not_trusted(monkeypatch, gpu,
     fake_gpu(
         monkeypatch, gpu, (8, 9) if "L4" in gpu else (7, 5) if "T4" in gpu else (8, 0), total=total
     )
-    why = memory.check_fits(get_preset("gpt2-small"), CUDA)
+    why = start.check_fits(get_preset("gpt2-small"), CUDA)
     assert bool(why) == tight, why
     if tight:
         assert why == (
             "batch_size=16 x block_size=1,024 is estimated at 13.4 GiB of the GPU's 14.7 GiB: measuring "
             "the largest micro-batch that fits instead"
         )
-    assert memory.check_fits(get_preset("gpt2-small").updated({"auto_batch": True}), CUDA) == ""
+    assert start.check_fits(get_preset("gpt2-small").updated({"auto_batch": True}), CUDA) == ""
 
 
 def test_a_tight_estimate_runs_the_probe_in_training(tmp_path, char_data, monkeypatch):
-    from gptlib.training import setup
+    from gptlib.training import start as setup
     from gptlib.training.loop import train
 
     # 4 sequences: 42 GiB; 2: 26 GiB
@@ -402,10 +417,8 @@ def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():
     tied = get_preset("gpt2-small").model
     untied = dataclasses.replace(tied, tie_embeddings=False)
     V, C, T, L = tied.padded_vocab_size, tied.n_embd, tied.block_size, tied.n_layer
-    assert (
-        memory.estimate_train_bytes(untied, 1) - memory.estimate_train_bytes(tied, 1) == 16 * V * C
-    )
-    assert memory.estimate_train_bytes(tied, 2) - memory.estimate_train_bytes(tied, 1) == T * (
+    assert start.estimate_train_bytes(untied, 1) - start.estimate_train_bytes(tied, 1) == 16 * V * C
+    assert start.estimate_train_bytes(tied, 2) - start.estimate_train_bytes(tied, 1) == T * (
         34 * L * C + 14 * V
     )
 
@@ -425,7 +438,7 @@ def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():
     ],
 )
 def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want):
-    from gptlib.training.setup import wrap_for_training
+    from gptlib.training.run import wrap_for_training
 
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
     compiled = []
@@ -438,7 +451,7 @@ def test_compile_auto_pays_for_itself(monkeypatch, preset, device, setting, want
 def test_compile_auto_weighs_the_steps_left_not_the_whole_run(monkeypatch):
     """A resume of gpt2-small with 5 steps to go (a few seconds on an A100) does not pay a 1-5 minute compile; one
     with most of the run ahead does. Was: decided on the whole run, so every resume compiled."""
-    from gptlib.training.setup import wrap_for_training
+    from gptlib.training.run import wrap_for_training
 
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-40GB", (8, 0))
     monkeypatch.setattr(torch, "compile", lambda m, **kw: m)

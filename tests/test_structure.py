@@ -302,41 +302,6 @@ def test_the_architecture_doc_names_every_module_once():
     assert not wrong, f"docs/architecture.md names these modules not exactly once: {wrong}"
 
 
-READING_ORDER = [
-    "gptlib/model.py",
-    "gptlib/training/step.py",
-    "gptlib/training/loop.py",
-    "gptlib/training/run.py",
-    "gptlib/checkpoint/format.py",
-    "gptlib/training/resume.py",
-]
-READING_ORDER_MAX_LINES = 1_600  # issue 27: one step and one save/resume in one sitting
-
-
-def test_the_reading_order_names_its_files_with_their_line_counts():
-    """docs/architecture.md opens with the learner's reading order: model -> step -> loop -> run -> checkpoint ->
-    resume, each file with its line count as it is now, at most six files within READING_ORDER_MAX_LINES, then what
-    a first read skips."""
-    section = _section(REPO / "docs" / "architecture.md", "## Reading order")
-    listed = re.findall(r"^\d+\. `(gptlib/[\w/]+\.py)` \(([\d,]+) lines\)", section, re.M)
-    assert [path for path, _ in listed] == READING_ORDER, listed
-    actual = {path: len((REPO / path).read_text().splitlines()) for path in READING_ORDER}
-    said = {path: int(n.replace(",", "")) for path, n in listed}
-    wrong = {
-        path: (said[path], actual[path]) for path in READING_ORDER if said[path] != actual[path]
-    }
-    assert not wrong, (
-        f"docs/architecture.md's reading order: (listed, actual) line counts differ: {wrong}"
-    )
-    assert sum(actual.values()) <= READING_ORDER_MAX_LINES and len(READING_ORDER) <= 6, actual
-    total = re.search(r"six files, ([\d,]+) lines", section)
-    assert total and int(total.group(1).replace(",", "")) == sum(actual.values()), total
-    # what the path calls but a first read skips: named, and each a module that exists
-    skipped = re.findall(r"`(gptlib/[\w/]+\.py)`", section.split("Skip on a first read", 1)[1])
-    assert skipped and all((REPO / path).is_file() for path in skipped), skipped
-    assert not set(skipped) & set(READING_ORDER), skipped
-
-
 def test_the_readme_architecture_has_a_line_per_folder():
     section = _section(REPO / "README.md", "## Architecture")
     folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())

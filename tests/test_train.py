@@ -10,7 +10,7 @@ from gptlib.checkpoint.format import list_checkpoints, load_model_weights
 from gptlib.config import ConfigError, TrainConfig
 from gptlib.training.logs import read_metrics
 from gptlib.training.loop import train
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions
 from gptlib.training.step import lr_at
 from tests.conftest import TINY, skip_without_muon
 

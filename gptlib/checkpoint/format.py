@@ -28,21 +28,21 @@ from gptlib.config import RunConfig
 from gptlib.errors import CheckpointError, UnreadableError
 from gptlib.fsutil import (
     TMP_MARKER,
-    atomic_write,
+    atomic_file,
     atomic_write_json,
+    check_writable,
+    clean_temp_files,
     fsync_dir,
     read_bytes_with_timeout,
     replace,
 )
 from gptlib.layout import (
     CHECKPOINT_FILES,
-    DAMAGED_MARKER,
     DELETING_MARKER,
     MANIFEST_FILE,
     MODEL_FILE,
     OLD_MARKER,
     PARTIAL_MARKER,
-    SET_ASIDE_FILE,
     STATE_FILE,
     TRAIN_STATE_FILE,
     checkpoint_name,
@@ -52,21 +52,12 @@ from gptlib.layout import (
 )
 
 # train_state.pt's; {} in a weights-only checkpoint
-TRAIN_PARTS = (
-    "optimizer",
-    "scaler",
-    "sampler",
-    "rng",
-)
+TRAIN_PARTS = ("optimizer", "scaler", "sampler", "rng")
 # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
 MIN_KEEP_LAST = 2
 # listing a mirror at resume; a hung Drive falls back to the other location(s)
 DRIVE_LIST_TIMEOUT_S = 60.0
 DRIVE_READ_STALL_S = 60.0  # a read from Drive that makes no progress for this long is abandoned
-DRIVE_ADVICE = (
-    "Wait a few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', "
-    "force_remount=True)) and re-run"
-)
 ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)
 
 
@@ -147,9 +138,9 @@ class RNG:
         torch.cuda.set_rng_state(cuda, torch.device("cuda", index))
 
 
-def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None = None) -> Path:
-    """-> root/step_N. On any error the partial directory is removed; one of the same step is untouched until the
-    rename."""
+def save_checkpoint(root: Path, ckpt: dict, logs: dict[str, bytes] | None = None) -> Path:
+    """-> root/step_N, with `logs` ({file name: bytes}) beside the parts. On any error the partial directory is
+    removed; one of the same step is untouched until the rename."""
     step = ckpt["progress"]["step"]
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
@@ -158,41 +149,36 @@ def save_checkpoint(root: Path, ckpt: dict, extra_files: dict[str, bytes] | None
     train = {k: ckpt.get(k) or {} for k in TRAIN_PARTS}
     if ckpt.get("sampler_ranks") is not None:
         train["sampler_ranks"] = ckpt["sampler_ranks"]
-    files = {
-        MODEL_FILE: lambda f: torch.save(ckpt["model"], f),
-        TRAIN_STATE_FILE: lambda f: torch.save(train, f),
-        STATE_FILE: lambda f: f.write((json.dumps(ckpt["progress"], indent=2) + "\n").encode()),
-    }
-    files |= {
-        name: lambda f, data=data: f.write(data) for name, data in (extra_files or {}).items()
-    }
+    progress = (json.dumps(ckpt["progress"], indent=2) + "\n").encode()
     try:
-        records = {name: _write_hashed(partial / name, write) for name, write in files.items()}
+        files = {
+            MODEL_FILE: write_hashed(partial / MODEL_FILE, ckpt["model"]),
+            TRAIN_STATE_FILE: write_hashed(partial / TRAIN_STATE_FILE, train),
+            STATE_FILE: write_hashed(partial / STATE_FILE, progress),
+        }
+        files |= {name: write_hashed(partial / name, data) for name, data in (logs or {}).items()}
         # format_version: what gptlib 0.1.0 checks before reading; gptlib_version: the gptlib that wrote it
-        atomic_write_json(
-            partial / MANIFEST_FILE,
-            {
-                "format_version": 1,
-                "gptlib_version": __version__,
-                "step": step,
-                "time": time.time(),
-                "files": records,
-            },
-        )
+        manifest = {
+            "format_version": 1,
+            "gptlib_version": __version__,
+            "step": step,
+            "time": time.time(),
+        }
+        atomic_write_json(partial / MANIFEST_FILE, {**manifest, "files": files})
         install(partial, final)
     except BaseException as e:
         full = _disk_nearly_full(root)  # measured before the partial files are removed
         shutil.rmtree(partial, ignore_errors=True)
-        # torch says "enforce fail at inline_container.cc ...
+        # torch says "enforce fail at inline_container.cc ... unexpected pos": nothing a user can act on (the
+        # chained error keeps it for a debugger)
         if full and getattr(e, "errno", None) != errno.ENOSPC:
-            # unexpected pos": nothing a user can act on (the chained error keeps it for a debugger)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root)) from e
         raise
     return final
 
 
 class _Hashing:
-    """A file that hashes what is written to it: the manifest's sha256 costs no second read."""
+    """A file that hashes what is written to it."""
 
     def __init__(self, f):
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
@@ -206,16 +192,16 @@ class _Hashing:
         self.f.flush()
 
 
-def _write_hashed(path: Path, write) -> dict:
-    out = {}
-
-    def hashed(f):
-        h = _Hashing(f)
-        write(h)
-        out.update(size=h.size, sha256=h.sha.hexdigest())
-
-    atomic_write(path, hashed)
-    return out
+def write_hashed(path: Path, content: bytes | dict) -> dict:
+    """content (bytes, or the tensors torch.save writes) into path, hashed on its way to the disk: the manifest's
+    record of the file (size, sha256) costs no second read."""
+    with atomic_file(path) as f:
+        hashing = _Hashing(f)
+        if isinstance(content, bytes):
+            hashing.write(content)
+        else:
+            torch.save(content, hashing)
+    return {"size": hashing.size, "sha256": hashing.sha.hexdigest()}
 
 
 def _disk_nearly_full(path: Path) -> bool:
@@ -246,12 +232,9 @@ def load_checkpoint(path: Path) -> dict:
     info = verify_checkpoint(path)
     data = {}
     for name, rec in info.manifest["files"].items():
-        data[name] = read_bytes_with_timeout(path / name, DRIVE_READ_STALL_S)
+        data[name] = blob = read_bytes_with_timeout(path / name, DRIVE_READ_STALL_S)
         check_file(
-            path / name,
-            (len(data[name]), hashlib.sha256(data[name]).hexdigest()),
-            rec["size"],
-            rec["sha256"],
+            path / name, (len(blob), hashlib.sha256(blob).hexdigest()), rec["size"], rec["sha256"]
         )
     model, train = (
         _safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)
@@ -344,9 +327,8 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
                     f"{mpath}: file name {name!r} is not a plain name inside the checkpoint"
                 )
         for name, rec in files.items():
-            if not (
-                path / name
-            ).is_file():  # not there, or not a regular file: not known to be damaged
+            # not there, or not a regular file: not known to be damaged
+            if not (path / name).is_file():
                 raise UnreadableError(
                     f"{path / name}: listed in the manifest but not a file there now (a Drive "
                     f"that does not answer or is still syncing?)"
@@ -362,14 +344,14 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoints, newest first."""
     root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(
-        (p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)),
-        key=step_of,
-        reverse=True,
+    found = (
+        [p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)]
+        if root.is_dir()
+        else []
     )
+    return sorted(found, key=step_of, reverse=True)
 
 
 def load_model_weights(path: Path, rec: dict | None = None) -> dict[str, torch.Tensor]:
@@ -401,23 +383,6 @@ def load_weights_into(
     model.load_state_dict(sd)
 
 
-def set_aside(path: Path) -> Path:
-    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save; when, in
-    SET_ASIDE_FILE (rotation.prune_damaged goes by it)."""
-    target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
-    atomic_write_json(path / SET_ASIDE_FILE, {"set_aside": time.time()})
-    replace(path, target)
-    fsync_dir(path.parent)
-    return target
-
-
-def set_aside_time(path: Path) -> float:
-    """When `path` was set aside, as recorded in it (0: no record: an older gptlib's, or a folder a person named)."""
-    with suppress(OSError, ValueError, TypeError, KeyError):
-        return float(json.loads((path / SET_ASIDE_FILE).read_text())["set_aside"])
-    return 0.0
-
-
 def remove_tree(path: Path, truncate: bool = False) -> None:
     """Renamed away first (it stops looking like a checkpoint at once); truncate (Drive): files emptied before unlink,
     as Drive's trash keeps deleted files for 30 days and they count against the quota."""
@@ -435,3 +400,78 @@ def remove_tree(path: Path, truncate: bool = False) -> None:
                     os.truncate(f, 0)
                 f.unlink()
     shutil.rmtree(path, ignore_errors=True)
+
+
+def clean_orphans(
+    run_dir: str | Path, truncate: bool = False, run_level: bool = True
+) -> list[Path]:
+    """Remove leftovers of interrupted saves, copies and deletions -> what was removed. run_level: also temp files in
+    run_dir (only at start-up: during training the loop writes such files itself)."""
+    removed = []
+    root = checkpoints_dir(run_dir)
+    check_writable(root)  # another holder's leftovers may be its writes in progress
+    for p in list(root.iterdir()) if root.is_dir() else []:
+        if any(m in p.name for m in ORPHAN_MARKERS):
+            if p.is_dir():
+                remove_tree(p, truncate)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+        # temp files inside a finished checkpoint (a kill during a same-step re-save)
+        elif p.is_dir():
+            removed += clean_temp_files(p)
+    if run_level:
+        removed += clean_temp_files(run_dir)
+    return removed
+
+
+def is_milestone(step: int | None, keep_every: int) -> bool:
+    return bool(keep_every) and step is not None and step > 0 and step % keep_every == 0
+
+
+def marked_milestone(path: Path) -> bool:
+    """state.json says milestone: kept even if keep_every changed since. OSError (a hung Drive): the caller keeps it."""
+    try:
+        return json.loads((path / STATE_FILE).read_text()).get("milestone") is True
+    except (FileNotFoundError, ValueError, AttributeError):
+        return False  # no state.json, or not JSON: not a marked milestone
+
+
+def rotate(
+    run_dir: str | Path,
+    keep_last: int,
+    best_step: int | None,
+    protect: set[Path] = frozenset(),
+    truncate: bool = False,
+    keep_every: int = 0,
+    newest: int | None = None,
+) -> list[Path]:
+    """-> what was deleted. One that does not verify does not count towards `keep_last`: a damaged newest never costs a
+    good one. Never deleted: `protect` (in use, or unreadable at resume) and steps after `newest`."""
+    ckpts = [p for p in list_checkpoints(run_dir) if newest is None or step_of(p) <= newest]
+    keep = {Path(p) for p in protect} | {p for p in ckpts if is_milestone(step_of(p), keep_every)}
+    if best_step is not None:
+        keep.add(checkpoints_dir(run_dir) / checkpoint_name(best_step))
+    n_valid = 0
+    for p in ckpts:
+        if n_valid >= max(MIN_KEEP_LAST, keep_last):
+            break
+        try:
+            verify_checkpoint(p)
+            n_valid += 1
+        except CheckpointError:
+            continue
+        except OSError:
+            pass  # unreadable now, not known to be damaged: kept
+        keep.add(p)
+    if n_valid == 0:
+        return []  # nothing verified: delete nothing
+    deleted = []
+    for p in ckpts:
+        with suppress(OSError):  # state.json unreadable now (a hung Drive): kept
+            # read only for deletion candidates (Drive is slow)
+            if p not in keep and not marked_milestone(p):
+                remove_tree(p, truncate)
+                deleted.append(p)
+    clean_orphans(run_dir, truncate, run_level=False)
+    return deleted

@@ -16,11 +16,12 @@ from gptlib.checkpoint.format import (
     check_file,
     install,
     list_checkpoints,
+    marked_milestone,
     read_manifest,
     remove_tree,
+    rotate,
     verify_checkpoint,
 )
-from gptlib.checkpoint.rotation import marked_milestone, rotate
 from gptlib.errors import CheckpointError, LeaseLost, loud
 from gptlib.fsutil import (
     Progress,

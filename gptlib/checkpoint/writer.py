@@ -13,12 +13,13 @@ import torch
 
 from gptlib.checkpoint.format import (
     MIN_KEEP_LAST,
+    is_milestone,
     list_checkpoints,
+    rotate,
     save_checkpoint,
     verify_checkpoint,
 )
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
-from gptlib.checkpoint.rotation import is_milestone, rotate
 from gptlib.errors import CheckpointError, GptlibError, override
 from gptlib.fsutil import check_writable
 from gptlib.layout import LOG_FILES, checkpoints_dir, step_of
@@ -77,9 +78,9 @@ class CheckpointWriter:
         self._host: list[torch.Tensor] = []
 
     def _snapshot(self, obj: Any) -> Any:
-        """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.5 GB is most of a
+        """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.3 GB is most of a
         save's cost on CPU), tied weights once. Pageable: a copy from a GPU is synchronous (a few tenths of a second
-        for gpt2-small's 1.5 GB; not measured on a GPU)."""
+        for gpt2-small's 1.3 GB; not measured on a GPU)."""
         unique: dict[tuple, torch.Tensor] = {}
         _map_tensors(obj, lambda t: unique.setdefault(_storage_key(t), t))
         shapes = [(t.dtype, t.shape) for t in unique.values()]
@@ -180,7 +181,7 @@ class CheckpointWriter:
             with saving or contextlib.nullcontext():
                 self.wait()
         finally:
-            self._host = []  # ~1.5 GB not held after training
+            self._host = []  # ~1.3 GB (gpt2-small) not held after training
         if self.mirror:
             self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout)
         return self.status()

@@ -1,31 +1,37 @@
-"""train(): the set-up (training/setup.py), then the loop: a step (training/step.py), log, validate, save, stop.
-The same call again resumes from the newest valid checkpoint, exactly: on CPU bit for bit."""
+"""train(): the run started in plain order (the config asked for, the lease, where it starts from, the config decided,
+the run's parts built), then the loop: a step (training/step.py), log, validate, save, stop; the stop button. The
+same call again resumes from the newest valid checkpoint, exactly: on CPU bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from gptlib import colab
 from gptlib.batches import BatchSampler
-from gptlib.checkpoint.rotation import is_milestone
+from gptlib.checkpoint.format import is_milestone
 from gptlib.config import RunConfig, build_config
-from gptlib.errors import OutOfMemoryAdvice
+from gptlib.data.staging import stage_for_training
+from gptlib.errors import OutOfMemoryAdvice, loud
 from gptlib.evaluation.evaluate import make_row
 from gptlib.evaluation.hellaswag import metrics_fields
-from gptlib.fsutil import append_jsonl
+from gptlib.fsutil import append_jsonl, check_dir
 from gptlib.layout import EVAL_FILE, LOSS_PLOT
-from gptlib.training import distributed
+from gptlib.lease import claimed
+from gptlib.runtime import resolve_device, resolve_dtype
 from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
-from gptlib.training.run import TrainingRun
-from gptlib.training.setup import start_run
-from gptlib.training.signals import GracefulStop
-from gptlib.training.start import StartOptions
+from gptlib.training.resume import StartOptions, find_start
+from gptlib.training.run import TrainingRun, build_run, setup_ddp
+from gptlib.training.start import decide_config
 from gptlib.training.step import lr_at, train_step, validation_loss
 from gptlib.training.throughput import StepTimer, device_peak
 
@@ -109,29 +115,38 @@ def train(
     explicit = dict(
         max_steps=max_steps, max_minutes=max_minutes, seed=seed, device=device, compile=compile
     )
-    # a bad setting: refused before anything
+    # the config asked for: a bad setting is refused before anything
     asked = build_config(preset, overrides, recipe=recipe, **explicit)
-    # under torchrun: join the process group; else a no-op
-    ddp = distributed.setup(asked.train.device)
-    if not ddp.is_main:  # rank 0 alone logs, shows progress and writes files
+    # under torchrun: join the process group (rank 0 alone logs, shows progress and writes files); else a no-op
+    ddp = setup_ddp(asked.train.device)
+    if not ddp.is_main:
         progress, log, on_log = False, (lambda msg: None), None
-    # recipe -> the config asked for
-    config_for = functools.partial(build_config, preset, overrides, **explicit)
-    # None: the run's own (a resume, a base)
-    fixed = recipe if isinstance(preset, str) else preset.recipe
-    run = start_run(
-        data_dir,
-        run_dir,
-        mirror_dir,
-        asked,
-        config_for,
-        fixed,
-        options or StartOptions(),
-        ddp,
-        stage_data=stage_data,
-        verbose=progress,
-        log=log,
-    )
+    # the device (no recipe changes it); bf16 on a GPU without it is refused before anything changes
+    dev = ddp.device(resolve_device(asked.train.device))
+    resolve_dtype(asked.train.dtype, dev)
+    # data on the Drive mount is read from a verified copy on the VM's disk
+    local = check_dir(data_dir, "data directory") and stage_data
+    on_drive = local and Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
+    data = stage_for_training(data_dir, True, log) if on_drive else Path(data_dir)
+    options, run_dir = options or StartOptions(), Path(run_dir)
+    mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+    # the lease first: a set-up refused inside leaves no lease and no directory it created behind
+    with claimed(run_dir, mirror_dir, ddp.is_main, options.take_over, log) as lease:
+        # where the run starts from: its newest checkpoint that loads, an --init-from base, or nothing
+        start = find_start(data, run_dir, mirror_dir, options, log)
+        # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
+        finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
+        say = (lambda msg: None) if finished else log
+        # the config it trains with, decided once: recipe, data, base, what a resume keeps, checks
+        config_for = functools.partial(build_config, preset, overrides, **explicit)
+        fixed = recipe if isinstance(preset, str) else preset.recipe  # None: the run's own
+        cfg, measure = decide_config(asked, config_for, fixed, start, dev, say)
+        # its parts: model, data, optimizer, scaler, sampler, the checkpoint loaded, compile, DDP
+        run = build_run(cfg, measure, start, ddp, dev, lease, verbose=progress, log=log, say=say)
+    # the loaded checkpoint is dropped: its state is in the run's parts now (gpt2-small's: ~1.3 GB of host RAM)
+    del start
+    # checkpoints name the data's lasting place, not the VM's copy
+    run.state.data_dir = str(Path(data_dir))
     if run.state.step >= run.cfg.train.max_steps:
         return _finished(run)
     return _loop(run, progress, log, on_log)
@@ -376,3 +391,78 @@ def _raise_oom_advice(run: TrainingRun) -> None:
     torch._dynamo.reset()  # compiled graphs (and CUDA-graph pools) hold GPU memory too: dropped before freeing
     free_memory()
     raise OutOfMemoryAdvice(hint)
+
+
+class GracefulStop:
+    """The first signal only sets `reason`: the loop finishes its step, saves and returns. A second SIGINT raises
+    KeyboardInterrupt at once (a loop stuck in validation, say), except inside deferred(), which it waits for, so no
+    half update is saved. Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual.
+    What a press does is said through `log` (the user's own press: the normal output); a SIGTERM, loudly."""
+
+    def __init__(self, log=print):
+        self.log = log
+        self.reason: str | None = None  # "interrupt" | "sigterm" once asked to stop
+        self._old: dict[int, Any] = {}
+        self.cut = False  # an interrupt cut a deferred() block in two (deferred says when)
+        # _interrupted: a second press arrived inside deferred(), raised when it ends
+        self._deferring = self._interrupted = False
+
+    def install(self) -> "GracefulStop":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError, OSError):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None:
+            if signum == signal.SIGINT and self._deferring:
+                self._interrupted = True
+                self.log("interrupted again: stopping when the update or save in progress ends")
+            elif signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"
+        if signum == signal.SIGINT:
+            self.log(
+                "interrupted: finishing this step, saving a checkpoint, then stopping (press stop again to stop at "
+                "once: the last complete step is saved)"
+            )
+        else:
+            loud("SIGTERM: finishing this step, saving a checkpoint, then stopping")
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A block a second stop press must not cut in two: the press takes effect when it ends. An interrupt that
+        cuts it all the same (the handlers could not be installed: training outside the main thread) marks the stop
+        `cut`: what the block changed is half done, not to be saved."""
+        self._deferring = True
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.cut = True
+            raise
+        finally:
+            self._deferring = False
+        if self._interrupted:
+            self._interrupted = False
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def last_save(self):
+        """The run's last save: a stop press waits for it (its thread cannot be stopped mid-write). Then the handlers
+        are put back, so that Ctrl-C ends the wait for Drive that follows."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = self._interrupted = False
+            self.restore()
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            if old is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(sig, old)
+        self._old.clear()

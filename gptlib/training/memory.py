@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from gptlib.errors import ConfigError, OutOfMemoryAdvice
-from gptlib.model import GPT, model_size
+from gptlib.errors import OutOfMemoryAdvice
+from gptlib.model import GPT
 from gptlib.runtime import autocast_for, resolve_dtype
 
 
@@ -63,53 +63,8 @@ def oom_advice(cfg, world_size: int = 1) -> str:
     )
 
 
-# On a GPU, a micro-batch estimated above this share of its memory is measured (auto_batch's probe) instead of trusted:
-# the estimate is rough, and an OOM found after minutes of compiling costs more than the probe's seconds.
-# gpt2-small's 16 x 1024 on a 16 GB T4 is estimated at 13.4 GiB of its 14.7.
-TIGHT_SHARE = 0.8
-
-
 def device_memory(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).total_memory
-
-
-def check_fits(cfg, device: torch.device) -> str:
-    """-> why the micro-batch must be measured although auto_batch is off ("": it need not be): on a GPU, one estimated
-    above TIGHT_SHARE of its memory. ConfigError, before anything is written, for one that needs more than all of
-    this machine's RAM (no GPU)."""
-    if cfg.train.auto_batch:
-        return ""
-    need, micro = estimate_train_bytes(cfg.model, cfg.train.batch_size), cfg.train.batch_size
-    if device.type == "cuda":
-        have = device_memory(device)
-        if need <= TIGHT_SHARE * have:
-            return ""
-        return (
-            f"batch_size={micro:,} x block_size={cfg.model.block_size:,} is estimated at {need / 2**30:,.1f} GiB "
-            f"of the GPU's {have / 2**30:,.1f} GiB: measuring the largest micro-batch that fits instead"
-        )
-    import psutil
-
-    if need > (have := psutil.virtual_memory().total):
-        raise ConfigError(
-            f"batch_size={micro:,} x block_size={cfg.model.block_size:,} needs about {need / 2**30:,.1f} "
-            f"GiB to train but this machine's RAM has {have / 2**30:,.1f} GiB; lower batch_size (raise "
-            f"grad_accum_steps to keep the tokens per step)"
-        )
-    return ""
-
-
-def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
-    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32; an untied head is
-    parameters too), bf16 activations (~34 B per token per layer per channel) and the logits: eager cross-entropy
-    holds 14 B per logit (bf16 logits 2, their fp32 copy 4, log-softmax 4, its gradient 4)."""
-    c = model_cfg
-    tokens = micro_batch * c.block_size
-    return int(
-        16 * model_size(c).params
-        + 34 * tokens * c.n_layer * c.n_embd
-        + 14 * tokens * c.padded_vocab_size
-    )
 
 
 # The probe runs the model eagerly (a compile per candidate size would cost too much), an upper bound: inductor
@@ -134,9 +89,10 @@ class CudaMemoryProbe:
 MEMORY_PROBES = {"cuda": CudaMemoryProbe}
 
 
-def fit_micro_batch(cfg, device: torch.device, ddp, log) -> tuple[object, int]:
-    """auto_batch (or check_fits' tight estimate): the probe's micro-batch (under DDP every rank's smallest),
-    the sequences per step kept; without a memory probe (no GPU) the sizes are kept.
+def fit_micro_batch(cfg, model: GPT, device: torch.device, ddp, log) -> tuple[object, int]:
+    """auto_batch (or check_fits' tight estimate): the largest micro-batch that fits, measured on the run's own model
+    before its optimizer exists (under DDP every rank's smallest), the sequences per step kept; without a memory probe
+    (no GPU) the sizes are kept. The probe's dropout draws are undone: training draws what it would without it.
     -> (the config, the probe's measured peak bytes)."""
     tc = cfg.train
     if device.type not in MEMORY_PROBES:
@@ -145,12 +101,13 @@ def fit_micro_batch(cfg, device: torch.device, ddp, log) -> tuple[object, int]:
             f"grad_accum_steps={tc.grad_accum_steps}"
         )
         return cfg, 0
-    torch.manual_seed(tc.seed)  # a model of its own, seeded as training's, dropped after
-    micro, _, peak = probe_micro_batch(
-        GPT(cfg.model).to(device), cfg, device, resolve_dtype(tc.dtype, device), log
-    )
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    micro, _, peak = probe_micro_batch(model, cfg, device, resolve_dtype(tc.dtype, device), log)
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state(cuda_rng, device)
     micro = ddp.min_int(micro)
-    free_memory()
     accum = tc.batch_size * tc.grad_accum_steps // micro
     return dataclasses.replace(
         cfg, train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=accum)

@@ -1,39 +1,183 @@
-"""Where a run continues from: the newest checkpoint that loads, local or on the Drive mirror (copied here first).
-Damaged ones (their bytes were read and are wrong) are set aside; newer ones that could not be read (a slow or hung
-Drive, a file not there or not a regular file) are waited for, never given up silently or renamed. The data must be
-the run's own unless asked otherwise."""
+"""Where a run starts from, found before anything in the run directory changes: the run's lease (claimed), then the
+newest checkpoint that loads, local or on the Drive mirror (copied here first), or an --init-from base (find_start).
+The resume point comes in three pieces: the search (search_checkpoints: what is on disk now), the waiting policy
+(_waiting_for_drive: a newer checkpoint Drive could not give now is looked for again), and what it comes to
+(_say_resume_point). Damaged checkpoints (their bytes were read and are wrong) are set aside once the run writes; ones
+that could not be read (a slow or hung Drive, a file not there or not a regular file) are never given up silently or
+renamed. The data must be the run's own unless asked otherwise."""
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import json
 import os
 import time
-from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from gptlib.checkpoint.format import (
-    DRIVE_ADVICE,
     DRIVE_LIST_TIMEOUT_S,
     DRIVE_READ_STALL_S,
     CheckpointInfo,
     TrainState,
     list_checkpoints,
     load_checkpoint,
+    load_weights_into,
     remove_tree,
-    set_aside,
 )
 from gptlib.checkpoint.mirror import mirror_checkpoint
-from gptlib.data.shards import DatasetMeta
-from gptlib.errors import CheckpointError, ConfigError, loud
-from gptlib.fsutil import Progress, call_with_timeout, read_bytes_with_timeout
-from gptlib.layout import MANIFEST_FILE, checkpoints_dir, step_of
-from gptlib.training.optimizer import check_optimizer_fits
+from gptlib.config import RunConfig
+from gptlib.data.shards import META_FILE, DatasetMeta, read_meta
+from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
+from gptlib.errors import CheckpointError, ConfigError, DataFormatError, loud
+from gptlib.fsutil import (
+    DRIVE_ADVICE,
+    Progress,
+    atomic_write_json,
+    call_with_timeout,
+    fsync_dir,
+    read_bytes_with_timeout,
+    replace,
+)
+from gptlib.inference.loading import LoadedModel, load_run
+from gptlib.layout import (
+    DAMAGED_MARKER,
+    MANIFEST_FILE,
+    SET_ASIDE_FILE,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    checkpoints_dir,
+    step_of,
+)
+from gptlib.model import GPT
+from gptlib.training.step import check_optimizer_fits
 
 # Checkpoints that could not be read (Drive slow or hung) are looked for again this often, for this long; then
 # training stops and says what to do.
 DRIVE_RESUME_RETRY_S = 30.0
 DRIVE_RESUME_WAIT_S = 300.0
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    """How a call starts or resumes a run (its config says what it trains)."""
+
+    # "RUN_DIR[:latest|best|STEP]": a new run from those weights, fresh optimizer
+    init_from: str | None = None
+    take_over: bool = False  # take the run's lease from another process (gptlib/lease.py)
+    # go on without newer checkpoints Drive cannot read now (they are kept)
+    skip_unreadable: bool = False
+    # resume on other tokens of the same tokenizer (recorded in state.json)
+    allow_data_change: bool = False
+
+
+@dataclass
+class Start:
+    run_dir: Path
+    mirror_dir: Path | None
+    options: StartOptions
+    meta: DatasetMeta
+    tokenizer: Tokenizer
+    resume: Resume | None
+    passed: Passed
+    base: LoadedModel | None  # --init-from's
+    held: RunConfig | None  # the config the model already has (its shape and recipe stay)
+
+    @property
+    def whose(self) -> str:  # the held config's
+        return "resumed run" if self.resume is not None else "--init-from base"
+
+
+def find_start(
+    data_dir: Path,
+    run_dir: Path,
+    mirror_dir: Path | None,
+    options: StartOptions,
+    log,
+) -> Start:
+    """The data (meta.json read once here, its tokenizer checked), then the newest checkpoint that loads, else an
+    --init-from base, else nothing; held: the config the model already has."""
+    meta = read_meta(data_dir)
+    tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
+    check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
+    # the model's embedding would be too small for its ids
+    if tokenizer.vocab_size > meta.vocab_size:
+        raise DataFormatError(
+            f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
+            f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)"
+        )
+    resume, passed = find_resume(run_dir, mirror_dir, log, options.skip_unreadable)
+    init_from = options.init_from
+    if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
+        raise ConfigError(
+            f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
+            f"--init-from starts a new run from another run's weights; drop it to train this one from "
+            f"scratch"
+        )
+    base = load_base(init_from, meta, log) if init_from and resume is None else None
+    held = base and base.config
+    if resume is not None:
+        held = resume.state.run_config(str(resume.info.path / STATE_FILE))
+    return Start(run_dir, mirror_dir, options, meta, tokenizer, resume, passed, base, held)
+
+
+def split_init_from(spec: str) -> tuple[str, str]:
+    """--init-from RUN_DIR[:latest|best|STEP] -> (RUN_DIR, which)."""
+    return (
+        tuple(spec.rsplit(":", 1)) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
+    )
+
+
+def names_this_run(spec: str, run_dir: Path, mirror_dir: Path | None) -> bool:
+    """Whether --init-from names the run itself (its directory or its Drive mirror); paths only, no disk access (a
+    Drive that hangs must not hang this)."""
+    base = os.path.abspath(split_init_from(spec)[0])
+    return any(d is not None and base == os.path.abspath(d) for d in (run_dir, mirror_dir))
+
+
+def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
+    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP]). The data's tokenizer must be the
+    base's, or the base's with tokens appended (tokenize --tokenizer-from BASE_RUN --format chat adds chat markers)."""
+    run_dir, which = split_init_from(spec)
+    ld = load_run(run_dir, which, log=log)
+    base, data = ld.tokenizer.identity(), meta.tokenizer
+    # the data's tokenizer is the base's with tokens appended (chat markers)
+    appended = (meta.raw.get("tokenizer_base") or {}).get("hash") == base["hash"]
+    grows = appended and meta.vocab_size > base["vocab_size"]
+    if data.get("hash") != base["hash"] and not grows:
+        raise ConfigError(
+            f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, "
+            f"tokenizer {base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
+            f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data "
+            f"with --tokenizer-from {run_dir}"
+        )
+    mc = ld.config.model
+    added = (
+        f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (new rows added)"
+        if grows
+        else ""
+    )
+    log(
+        f"init-from: the weights of {ld.path} (step {ld.step:,}); {mc.n_layer} layers x {mc.n_embd}, context "
+        f"{mc.block_size}{added}"
+    )
+    return ld
+
+
+def start_from_base(model: GPT, base: LoadedModel) -> None:
+    """The embedding and output rows of the tokens appended after the base's vocabulary start at the mean of the
+    base's rows; every other weight is the base's."""
+    sd, n = base.model.state_dict(), base.tokenizer.vocab_size
+    for key, new in model.state_dict().items():
+        # wte and lm_head (one tensor when tied): the vocabulary grew
+        if key in sd and sd[key].shape != new.shape:
+            grown = torch.zeros_like(new)
+            grown[:n] = sd[key][:n]
+            grown[n : model.config.vocab_size] = sd[key][:n].mean(dim=0)
+            sd[key] = grown
+    load_weights_into(model, sd, base.path)
 
 
 @dataclass
@@ -73,36 +217,56 @@ def find_resume(
     and whose optimizer state fits its own config's optimizer; a damaged one is passed over. A newer one that could
     not be read (on a fresh Colab VM, Drive holds the only copy) is waited for, DRIVE_RESUME_WAIT_S in all; then
     training stops with what to do, leaving no copy it made behind; skip_unreadable goes on without it, said loudly."""
-    deadline, local_before = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir)
-    for attempt in itertools.count(1):  # noqa: B007 - the stop message says how many looks it took
-        resume, passed = _search(run_dir, mirror_dir, log, deadline)
-        start = f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
-        unread = "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
-        # the local disk will not change
-        on_drive = any(not p.is_relative_to(run_dir) for p in passed.unreadable)
+    deadline, local_before, looks = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir), 1
+    resume, passed = search_checkpoints(run_dir, mirror_dir, log, deadline)
+    while _waiting_for_drive(passed, run_dir, skip_unreadable, deadline):
         left = deadline - time.monotonic()
-        if not unread or skip_unreadable or left <= 0 or not on_drive:
-            break
         loud(
-            f"!! could not read {unread}; not going on from {start} while a newer checkpoint may be there: trying "
-            f"again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)"
+            f"!! could not read {_unread(passed)}; not going on from {_step(resume)} while a newer checkpoint may be "
+            f"there: trying again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)"
         )
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
+        resume, passed = search_checkpoints(run_dir, mirror_dir, log, deadline)
+        looks += 1
+    _say_resume_point(resume, passed, run_dir, skip_unreadable, looks, local_before, log)
+    return resume, passed
+
+
+def _waiting_for_drive(
+    passed: Passed, run_dir: Path, skip_unreadable: bool, deadline: float
+) -> bool:
+    """The waiting policy: a checkpoint Drive could not give now is looked for again until the deadline; one on the
+    local disk will not change, and --skip-unreadable does not wait."""
+    on_drive = any(not p.is_relative_to(run_dir) for p in passed.unreadable)
+    return on_drive and not skip_unreadable and time.monotonic() < deadline
+
+
+def _say_resume_point(
+    resume: Resume | None,
+    passed: Passed,
+    run_dir: Path,
+    skip_unreadable: bool,
+    looks: int,
+    local_before: set[str],
+    log,
+) -> None:
+    """What the search came to: a newer checkpoint still unreadable stops training (the copies this call made are
+    removed) unless --skip-unreadable goes on without it, loudly; a start from scratch past damaged ones is said."""
+    unread, start = _unread(passed), _step(resume)
     if unread and not skip_unreadable:
         for name in _entries(run_dir) - local_before:  # the copies from the mirror this call made
             remove_tree(checkpoints_dir(run_dir) / name)
-        tried, advice = (
-            (f"tried {attempt} times over {DRIVE_RESUME_WAIT_S:g} s", DRIVE_ADVICE)
+        on_drive = any(not p.is_relative_to(run_dir) for p in passed.unreadable)
+        tried = (
+            f"tried {looks} times over {DRIVE_RESUME_WAIT_S:g} s"
             if on_drive
-            else (
-                "on the local disk",
-                f"Look at it, or move it out of {checkpoints_dir(run_dir)} if it is not needed",
-            )
+            else "on the local disk"
         )
+        advice = f"Look at it, or move it out of {checkpoints_dir(run_dir)} if it is not needed"
         raise CheckpointError(
             f"could not read {unread} ({tried}): a newer checkpoint may be there, so training did not start and "
-            f"nothing was changed. {advice}; to go on from {start} anyway, pass --skip-unreadable "
-            f"(train(..., options=StartOptions(skip_unreadable=True))): those checkpoints are kept"
+            f"nothing was changed. {DRIVE_ADVICE if on_drive else advice}; to go on from {start} anyway, pass "
+            f"--skip-unreadable (train(..., options=StartOptions(skip_unreadable=True))): those checkpoints are kept"
         )
     if unread:
         loud(
@@ -111,21 +275,32 @@ def find_resume(
         )
     if resume is None and passed.damaged:
         log(f"no checkpoint could be loaded ({len(passed.damaged)} damaged): starting from scratch")
-    return resume, passed
 
 
-def _search(
+def _unread(passed: Passed) -> str:
+    return "; ".join(f"{p} ({e})" for p, e in passed.unreadable.items())
+
+
+def _step(resume: Resume | None) -> str:
+    return f"step {resume.state.step:,}" if resume is not None else "step 0 (from scratch)"
+
+
+def _time_left(deadline: float, most: float) -> float:
+    """A read's time limit: what is left before the deadline (1 s at least), at most `most`."""
+    return min(most, max(1.0, deadline - time.monotonic()))
+
+
+def search_checkpoints(
     run_dir: Path, mirror_dir: Path | None, log, deadline: float
 ) -> tuple[Resume | None, Passed]:
-    """One look (at equal steps the local one wins); each read gets what is left before `deadline` (1 s at least)."""
+    """One look at what is on disk now (at equal steps the local one wins); each read gets what is left before
+    `deadline`."""
     passed, found = Passed(), []
-
-    def limit(most: float) -> float:
-        return min(most, max(1.0, deadline - time.monotonic()))
-
     for i, d in enumerate([run_dir] if mirror_dir is None else [run_dir, mirror_dir]):
         try:  # under a watchdog: a hung Drive must not hang the start
-            paths = call_with_timeout(lambda d=d: list_checkpoints(d), limit(DRIVE_LIST_TIMEOUT_S))
+            paths = call_with_timeout(
+                lambda d=d: list_checkpoints(d), _time_left(deadline, DRIVE_LIST_TIMEOUT_S)
+            )
         except OSError as e:
             log(f"cannot list the checkpoints in {d}: {e}")
             passed.unreadable[d] = str(e)
@@ -135,7 +310,7 @@ def _search(
             passed.mirror_step = step_of(paths[0])
     for *_, path in sorted(found):
         try:
-            return _load(path, run_dir, limit(DRIVE_READ_STALL_S)), passed
+            return _load(path, run_dir, _time_left(deadline, DRIVE_READ_STALL_S)), passed
         except CheckpointError as e:  # its bytes were read and are wrong
             log(f"skipping checkpoint: {e}")
             passed.damaged[path] = _manifest_bytes(path)
@@ -176,7 +351,7 @@ def _entries(run_dir: Path) -> set[str]:
 
 def _manifest_bytes(path: Path) -> bytes | None:
     """What a damaged checkpoint is known by until it is set aside (None: not readable now)."""
-    with suppress(OSError):
+    with contextlib.suppress(OSError):
         return read_bytes_with_timeout(path / MANIFEST_FILE, DRIVE_LIST_TIMEOUT_S)
     return None
 
@@ -200,6 +375,46 @@ def set_aside_damaged(passed: Passed, resume: Resume | None, log) -> None:
             log(f"the damaged {p} is set aside as {aside.name} (kept for you to look at or delete)")
         except OSError as e:
             loud(f"!! could not set aside the damaged {p} ({e}); move or delete it yourself")
+
+
+def set_aside(path: Path) -> Path:
+    """-> step_N.damaged-TIME: kept for its owner, ignored by resume and rotation, never taken for a new save; when, in
+    SET_ASIDE_FILE (prune_damaged goes by it)."""
+    target = path.with_name(f"{path.name}{DAMAGED_MARKER}{time.strftime('%Y%m%d-%H%M%S')}")
+    atomic_write_json(path / SET_ASIDE_FILE, {"set_aside": time.time()})
+    replace(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def set_aside_time(path: Path) -> float:
+    """When `path` was set aside, as recorded in it (0: no record: an older gptlib's, or a folder a person named)."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        return float(json.loads((path / SET_ASIDE_FILE).read_text())["set_aside"])
+    return 0.0
+
+
+def prune_damaged(
+    run_dir: str | Path, truncate: bool = False, since: float | None = None
+) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """Of the checkpoints set aside as damaged (step_N.damaged-TIME), the newest by the time recorded in it is kept for
+    its owner to look at, and those set aside since `since` (this start began; None: every one is kept); the others
+    are removed (a gpt2-small checkpoint is 1.3 GB, Drive's free tier 15 GB). -> (the ones kept, the removed ones
+    with their sizes in bytes)."""
+    root = checkpoints_dir(run_dir)
+    aside = []
+    if root.is_dir():
+        aside = [p for p in root.iterdir() if DAMAGED_MARKER in p.name and p.is_dir()]
+    aside.sort(key=lambda p: (set_aside_time(p), p.name))
+    kept, removed = [], []
+    for p in aside:
+        if p == aside[-1] or since is None or set_aside_time(p) >= since:
+            kept.append(p)
+            continue
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        remove_tree(p, truncate)
+        removed.append((p, size))
+    return kept, removed
 
 
 # Only these may change under --allow-data-change (other text, same tokenizer): a tokenizer, vocabulary or dtype

@@ -1,142 +1,71 @@
-"""Where a run starts from, decided before anything in the run directory changes: the run's lease (claimed), then
-its resume point or an --init-from base (find_start) and the recipe that goes with it (decide_recipe). Skip on a
-first read: training/resume.py is the resume point itself."""
+"""The config a run trains with, decided once (decide_config), each change from what was asked for said: the recipe
+(a model keeps its own), the data's vocabulary, an --init-from base's shape, a resumed run's seed; a resumed run's
+model, optimizer, schedule and data checked against its checkpoint's; the micro-batch's memory estimated
+(check_fits). The micro-batch is measured after, on the model itself (training/memory.py's fit_micro_batch), where
+asked (auto_batch) or where the estimate is near the GPU's size."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-from dataclasses import dataclass
+import dataclasses
+import math
 from pathlib import Path
 
 import torch
 
-from gptlib.checkpoint.format import DRIVE_ADVICE, load_weights_into
-from gptlib.config import RunConfig
-from gptlib.data.shards import META_FILE, DatasetMeta, read_meta
-from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
-from gptlib.errors import ConfigError, DataFormatError, HungIOError
-from gptlib.fsutil import call_with_timeout, check_dir
-from gptlib.inference.loading import LoadedModel, load_run
-from gptlib.layout import LEASE_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
-from gptlib.lease import IO_TIMEOUT_S, RunLease
-from gptlib.model import GPT
-from gptlib.training import distributed
-from gptlib.training.resume import Passed, Resume, find_resume
+from gptlib.config import RunConfig, TrainConfig
+from gptlib.errors import ConfigError
+from gptlib.model import model_size
+from gptlib.training import memory
+from gptlib.training.resume import Start, check_same_data
+from gptlib.training.step import lr_at
+from gptlib.training.throughput import check_cpu_run
 
 
-def split_init_from(spec: str) -> tuple[str, str]:
-    """--init-from RUN_DIR[:latest|best|STEP] -> (RUN_DIR, which)."""
-    return (
-        tuple(spec.rsplit(":", 1)) if ":" in spec and not Path(spec).is_dir() else (spec, "latest")
-    )
-
-
-def names_this_run(spec: str, run_dir: Path, mirror_dir: Path | None) -> bool:
-    """Whether --init-from names the run itself (its directory or its Drive mirror); paths only, no disk access (a
-    Drive that hangs must not hang this)."""
-    base = os.path.abspath(split_init_from(spec)[0])
-    return any(d is not None and base == os.path.abspath(d) for d in (run_dir, mirror_dir))
-
-
-def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
-    """The weights a new run starts from (--init-from RUN_DIR[:latest|best|STEP]). The data's tokenizer must be the
-    base's, or the base's with tokens appended (tokenize --tokenizer-from BASE_RUN --format chat adds chat markers)."""
-    run_dir, which = split_init_from(spec)
-    ld = load_run(run_dir, which, log=log)
-    base, data = ld.tokenizer.identity(), meta.tokenizer
-    grows = (meta.raw.get("tokenizer_base") or {}).get("hash") == base[
-        "hash"
-    ] and meta.vocab_size > base["vocab_size"]
-    if data.get("hash") != base["hash"] and not grows:
-        raise ConfigError(
-            f"--init-from {spec}: its vocabulary ({base['kind']}, {base['vocab_size']:,} tokens, "
-            f"tokenizer {base['hash'][:12]}) is not the data's ({meta.data_dir}: {data.get('kind')}, "
-            f"{meta.vocab_size:,} tokens, tokenizer {str(data.get('hash'))[:12]}); tokenize the data "
-            f"with --tokenizer-from {run_dir}"
+def decide_config(
+    asked: RunConfig, config_for, recipe: str | None, start: Start, device: torch.device, log
+) -> tuple[RunConfig, bool]:
+    """asked: the config asked for; config_for(recipe=...): the same for another recipe; recipe: the one asked for
+    explicitly (None: the run's own). -> (the config, whether the micro-batch is to be measured on the model)."""
+    if (decided := decide_recipe(asked.recipe, recipe, start)) != asked.recipe:
+        asked = config_for(recipe=decided)
+    if decided != (recipe or "gpt2"):
+        log(f"recipe: {decided} (the {start.whose}'s own)")
+    held, model, train = start.held, {}, {}
+    if start.meta.vocab_size != asked.model.vocab_size:
+        log(
+            f"vocab_size {asked.model.vocab_size} (preset) -> {start.meta.vocab_size} (from "
+            f"{start.meta.data_dir}/meta.json)"
         )
-    mc, added = (
-        ld.config.model,
-        f"; vocabulary {base['vocab_size']:,} -> {meta.vocab_size:,} (new rows added)",
+        model["vocab_size"] = start.meta.vocab_size
+    # the vocabulary stays the data's (a base's may grow)
+    if held is not None and start.options.init_from:
+        model.update({n: getattr(held.model, n) for n in SHAPE})
+    if start.resume is not None and held.train.seed != asked.train.seed:
+        # the batches go on from the checkpoint's sampler state and the dropout RNG from its own: a seed would only
+        # change the validation batches (the curve's val loss would jump), so the run keeps its own
+        log(
+            f"resume: seed stays {held.train.seed} (the run's own, not {asked.train.seed}): a resumed run draws its "
+            f"batches on from the checkpoint, so a seed changes nothing after a resume; a new seed needs a new run"
+        )
+        train["seed"] = held.train.seed
+    cfg = dataclasses.replace(
+        asked,
+        model=dataclasses.replace(asked.model, **model),
+        train=dataclasses.replace(asked.train, **train),
     )
-    log(
-        f"init-from: the weights of {ld.path} (step {ld.step:,}); {mc.n_layer} layers x {mc.n_embd}, context "
-        f"{mc.block_size}" + (added if grows else "")
-    )
-    return ld
-
-
-def start_from_base(model: GPT, base: LoadedModel) -> None:
-    """The embedding and output rows of the tokens appended after the base's vocabulary start at the mean of the
-    base's rows; every other weight is the base's."""
-    sd, n = base.model.state_dict(), base.tokenizer.vocab_size
-    for key, new in model.state_dict().items():
-        # wte and lm_head (one tensor when tied): the vocabulary grew
-        if key in sd and sd[key].shape != new.shape:
-            grown = torch.zeros_like(new)
-            grown[:n] = sd[key][:n]
-            grown[n : model.config.vocab_size] = sd[key][:n].mean(dim=0)
-            sd[key] = grown
-    load_weights_into(model, sd, base.path)
-
-
-@contextlib.contextmanager
-def claimed(run_dir: Path, mirror_dir: Path | None, ddp: distributed.Dist, take_over: bool, log):
-    """The run's lease, taken before anything in run_dir or the mirror changes. A set-up refused inside the block
-    releases it and removes the directories it created (if still empty); otherwise the loop releases it."""
-    # a lease on no directory (never acquired) checks and releases nothing: the other DDP ranks'
-    created, lease = [], RunLease([])
-    try:
-        if ddp.is_main:
-            try:
-                # Drive may hang
-                created = [
-                    d
-                    for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
-                    if d is not None
-                    and not call_with_timeout(
-                        lambda d=d, what=what: _looked_at(d, f"{what} directory"),
-                        IO_TIMEOUT_S,
-                        what=f"looking at {d}",
-                    )
-                ]
-                lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
-            except HungIOError as e:  # Drive did not answer: its lease may be another process's
-                raise HungIOError(
-                    e.errno,
-                    f"{e.strerror}: training did not start and nothing was changed; {DRIVE_ADVICE}",
-                ) from None
-        yield lease
-    except BaseException:
-        lease.release()
-        for d in created:  # no other process had a lease here: this call's released one goes too
-            with contextlib.suppress(OSError):
-                (d / LEASE_FILE).unlink()
-            for empty in (checkpoints_dir(d), d):
-                with contextlib.suppress(OSError):
-                    empty.rmdir()
-        raise
-
-
-def _looked_at(d: Path, what: str) -> bool:
-    """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
-    exists = check_dir(d, what)
-    if exists:
-        check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
-    return exists
-
-
-@dataclass(frozen=True)
-class StartOptions:
-    """How a call starts or resumes a run (its config says what it trains)."""
-
-    # "RUN_DIR[:latest|best|STEP]": a new run from those weights, fresh optimizer
-    init_from: str | None = None
-    take_over: bool = False  # take the run's lease from another process (gptlib/lease.py)
-    # go on without newer checkpoints Drive cannot read now (they are kept)
-    skip_unreadable: bool = False
-    # resume on other tokens of the same tokenizer (recorded in state.json)
-    allow_data_change: bool = False
+    step = start.resume.state.step if start.resume is not None else 0
+    if start.resume is not None:
+        check_same_model(held, cfg, step, start.run_dir, log)
+        # the same data, or a change asked for (recorded in state.json)
+        options = start.options
+        start.resume.data_change = check_same_data(
+            start.resume, start.meta, options.allow_data_change, log
+        )
+    cfg.validate()
+    check_cpu_run(cfg, device, cfg.train.device, step, log)
+    if tight := check_fits(cfg, device):
+        log(f"auto micro-batch: {tight}")
+    return cfg, bool(cfg.train.auto_batch or tight)
 
 
 def decide_recipe(default: str, asked: str | None, start: Start) -> str:
@@ -152,51 +81,119 @@ def decide_recipe(default: str, asked: str | None, start: Start) -> str:
     )
 
 
-@dataclass
-class Start:
-    run_dir: Path
-    mirror_dir: Path | None
-    options: StartOptions
-    meta: DatasetMeta
-    tokenizer: Tokenizer
-    resume: Resume | None
-    passed: Passed
-    base: LoadedModel | None  # --init-from's
-    held: RunConfig | None  # the config the model already has (its shape and recipe stay)
+# The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
+# every training setting) may change between sessions; the change is said.
+SHAPE = (
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "bias",
+    "vocab_multiple",
+    "positions",
+    "norm",
+    "qk_norm",
+    "mlp",
+    "tie_embeddings",
+    "rope_theta",
+)
 
-    @property
-    def whose(self) -> str:  # the held config's
-        return "resumed run" if self.resume is not None else "--init-from base"
 
-
-def find_start(
-    data_dir: Path,
-    run_dir: Path,
-    mirror_dir: Path | None,
-    options: StartOptions,
-    log,
-) -> Start:
-    meta = read_meta(data_dir)
-    tokenizer = load_tokenizer(meta.data_dir / meta.tokenizer.get("file", TOKENIZER_FILE))
-    check_identity(tokenizer, meta.tokenizer, str(meta.data_dir))
-    # the model's embedding would be too small for its ids
-    if tokenizer.vocab_size > meta.vocab_size:
-        raise DataFormatError(
-            f"{meta.data_dir / META_FILE}: vocab_size is {meta.vocab_size:,} but the tokenizer has "
-            f"{tokenizer.vocab_size:,} tokens; tokenize again (--overwrite)"
+def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path, log) -> None:
+    """A checkpoint resumes into its own model and optimizer only; any other change is said."""
+    if saved.gptlib_version != asked.gptlib_version:
+        log(
+            f"resume: trained by gptlib {saved.gptlib_version or '0.1.0 or earlier'} so far, by gptlib "
+            f"{asked.gptlib_version} from step {step:,} on"
         )
-    resume, passed = find_resume(run_dir, mirror_dir, log, options.skip_unreadable)
-    init_from = options.init_from
-    if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
-        raise ConfigError(
-            f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
-            f"--init-from starts a new run from another run's weights; drop it to train this one from "
-            f"scratch"
-        )
-    base = load_base(init_from, meta, log) if init_from and resume is None else None
-    held = (
-        resume.state.run_config(str(resume.info.path / STATE_FILE))
-        if resume is not None
-        else base and base.config
+    for section, name in [("model", n) for n in ("vocab_size", *SHAPE)] + [("train", "optimizer")]:
+        a, b = getattr(getattr(saved, section), name), getattr(getattr(asked, section), name)
+        if a != b:
+            raise ConfigError(
+                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
+                f"use a new run directory, or drop the change to resume"
+            )
+    for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
+        for f in dataclasses.fields(old):
+            if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE + SCHEDULE:
+                log(
+                    f"resume: {f.name} changed {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
+                )
+    if note := schedule_change(saved.train, asked.train, step):
+        log(f"resume: {note}")
+
+
+# lr_at's
+SCHEDULE = (
+    "learning_rate",
+    "max_steps",
+    "schedule",
+    "cooldown_frac",
+    "warmup_steps",
+    "min_lr_ratio",
+)
+
+
+def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None:
+    """What a changed learning_rate, max_steps or schedule does to the LR at `step`, in one line; None if none
+    changed."""
+    changed = [k for k in SCHEDULE if getattr(old, k) != getattr(new, k)]
+    if not changed:
+        return None
+    before, after = lr_at(step, old), lr_at(step, new)
+    lr = (
+        f"stays {after:.3g}: the run goes on unchanged"
+        if math.isclose(before, after, rel_tol=1e-9)
+        else f"goes {before:.3g} -> {after:.3g}"
     )
-    return Start(run_dir, mirror_dir, options, meta, tokenizer, resume, passed, base, held)
+    what = ", ".join(f"{k} {_value(getattr(old, k))} -> {_value(getattr(new, k))}" for k in changed)
+    return f"{what}: the LR at step {step:,} {lr}"
+
+
+def _value(v) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+# On a GPU, a micro-batch estimated above this share of its memory is measured (auto_batch's probe) instead of trusted:
+# the estimate is rough, and an OOM found after minutes of compiling costs more than the probe's seconds.
+# gpt2-small's 16 x 1024 on a 16 GB T4 is estimated at 13.4 GiB of its 14.7.
+TIGHT_SHARE = 0.8
+
+
+def check_fits(cfg, device: torch.device) -> str:
+    """-> why the micro-batch must be measured although auto_batch is off ("": it need not be): on a GPU, one estimated
+    above TIGHT_SHARE of its memory. ConfigError, before anything is written, for one that needs more than all of
+    this machine's RAM (no GPU)."""
+    if cfg.train.auto_batch:
+        return ""
+    need, micro = estimate_train_bytes(cfg.model, cfg.train.batch_size), cfg.train.batch_size
+    if device.type == "cuda":
+        have = memory.device_memory(device)
+        if need <= TIGHT_SHARE * have:
+            return ""
+        return (
+            f"batch_size={micro:,} x block_size={cfg.model.block_size:,} is estimated at {need / 2**30:,.1f} GiB "
+            f"of the GPU's {have / 2**30:,.1f} GiB: measuring the largest micro-batch that fits instead"
+        )
+    import psutil
+
+    if need > (have := psutil.virtual_memory().total):
+        raise ConfigError(
+            f"batch_size={micro:,} x block_size={cfg.model.block_size:,} needs about {need / 2**30:,.1f} "
+            f"GiB to train but this machine's RAM has {have / 2**30:,.1f} GiB; lower batch_size (raise "
+            f"grad_accum_steps to keep the tokens per step)"
+        )
+    return ""
+
+
+def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
+    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32; an untied head is
+    parameters too), bf16 activations (~34 B per token per layer per channel) and the logits: eager cross-entropy
+    holds 14 B per logit (bf16 logits 2, their fp32 copy 4, log-softmax 4, its gradient 4)."""
+    c = model_cfg
+    tokens = micro_batch * c.block_size
+    return int(
+        16 * model_size(c).params
+        + 34 * tokens * c.n_layer * c.n_embd
+        + 14 * tokens * c.padded_vocab_size
+    )

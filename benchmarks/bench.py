@@ -53,12 +53,12 @@ from gptlib.training.memory import (  # noqa: E402
     is_oom,
 )
 from gptlib.training.run import Dist, wrap_for_training  # noqa: E402
-from gptlib.training.step import (
-    build_optimizer,  # noqa: E402
-    train_step,  # noqa: E402
+from gptlib.training.step import (  # noqa: E402
+    StepTimer,
+    build_optimizer,
+    train_step,
 )
 from gptlib.training.throughput import (
-    StepTimer,
     device_peak,
     fmt_duration,
     fmt_mfu,

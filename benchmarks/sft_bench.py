@@ -39,8 +39,11 @@ from gptlib.data.prepare import prepare  # noqa: E402
 from gptlib.data.shards import read_meta, read_spans  # noqa: E402
 from gptlib.data.tokenizer import load_tokenizer  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
-from gptlib.training.step import build_optimizer, train_step  # noqa: E402
-from gptlib.training.throughput import StepTimer  # noqa: E402
+from gptlib.training.step import (  # noqa: E402
+    StepTimer,  # noqa: E402
+    build_optimizer,
+    train_step,
+)
 
 
 def synthetic_conversations(text: str, n: int, seed: int = 0) -> list[dict]:

@@ -53,9 +53,8 @@ def norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, eps=RMS_EPS) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, bias=cfg.bias)
 
 
-def rotary_tables(
-    cfg: ModelConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:  # Llama's and Qwen3's rotate-half layout
+# Llama's and Qwen3's rotate-half layout
+def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     D = cfg.n_embd // cfg.n_head
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # (D/2,)
     # (block_size, D/2)
@@ -64,9 +63,8 @@ def rotary_tables(
     return angles.cos(), angles.sin()
 
 
-def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:  # x (B, H, T, D), cos/sin (T, D)
+# x (B, H, T, D), cos/sin (T, D)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.size(-1) // 2
     rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated_half * sin).to(x.dtype)

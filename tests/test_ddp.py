@@ -161,8 +161,7 @@ def test_train_step_all_reduces_once_per_optimizer_step(tmp_path):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from gptlib.training.step import train_step
-    from gptlib.training.throughput import StepTimer
+    from gptlib.training.step import StepTimer, train_step
 
     class Tiny(torch.nn.Module):
         def __init__(self):

@@ -24,13 +24,13 @@ from gptlib.training.resume import StartOptions
 from gptlib.training.start import schedule_change
 from gptlib.training.step import (
     MuonAdamW,
+    StepTimer,
     build_optimizer,
     lr_at,
     set_lr,
     slow_muon_note,
     train_step,
 )
-from gptlib.training.throughput import StepTimer
 from tests import faulty
 from tests.conftest import REPO, TINY, newest_checkpoint
 from tests.test_resume import one_thread  # noqa: F401 (fixture: one thread, as the subprocesses)

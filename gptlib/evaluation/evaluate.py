@@ -86,11 +86,11 @@ def evaluate_bpb(
     sums = torch.zeros(3, len(starts), dtype=torch.float64, device=device)
     with hs.scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
         for i, chunk in zip(range(0, len(starts), per_batch), starts.split(per_batch)):
-            rows = (
-                _to_ids(val_tokens.gather_raw(chunk, block + 1))
-                if memmap
-                else ids[chunk[:, None] + torch.arange(block + 1)]
-            ).to(device)  # (B, T + 1)
+            # (B, T + 1): each window and the token after it, read from disk or from memory
+            if memmap:
+                rows = _to_ids(val_tokens.gather_raw(chunk, block + 1)).to(device)
+            else:
+                rows = ids[chunk[:, None] + torch.arange(block + 1)].to(device)
             y = rows[:, 1:]  # (B, T)
             nll, nb = hs.scored_nll(m, rows[:, :-1], y, dtype=dtype).double().view_as(y), tb[y]
             counted = (nll * (nb > 0)).sum(1)

@@ -17,7 +17,6 @@ import torch
 
 from gptlib import colab
 from gptlib.batches import BatchSampler
-from gptlib.checkpoint.format import is_milestone
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice, loud
@@ -32,8 +31,8 @@ from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.resume import StartOptions, find_start
 from gptlib.training.run import TrainingRun, build_run, setup_ddp
 from gptlib.training.start import decide_config
-from gptlib.training.step import lr_at, train_step, validation_loss
-from gptlib.training.throughput import StepTimer, device_peak
+from gptlib.training.step import StepTimer, lr_at, train_step, validation_loss
+from gptlib.training.throughput import device_peak
 
 # validation batches come from their own fixed seed: the same batches every time
 VAL_SEED_OFFSET = 10_000
@@ -165,6 +164,8 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         on_log=on_log,
     )
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
+    # read once: the step below runs thousands of times
+    autocast, tokens_per_step = run.autocast, run.tokens_per_step
     stop = GracefulStop(log).install()  # stop button / SIGTERM: finish the step, save, return
     try:
         while state.step < tc.max_steps:
@@ -177,16 +178,12 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                     run.sampler,
                     accum=tc.grad_accum_steps,
                     grad_clip=tc.grad_clip,
-                    autocast=run.autocast,
+                    autocast=autocast,
                     timer=timer,
                     lr=lr_at(state.step, tc),
                 )
-                state.step, state.tokens_seen = (
-                    state.step + 1,
-                    state.tokens_seen + run.tokens_per_step,
-                )
+                state.step, state.tokens_seen = state.step + 1, state.tokens_seen + tokens_per_step
                 metrics.add(loss)
-            run.lease.check()  # another process took the run over: stop, write nothing more
             # log, validate, checkpoint; stop early when out of time or asked to
             stopped_by = _after_step(run, metrics, stop, log) or stopped_by
             if stopped_by != "max_steps":
@@ -236,15 +233,18 @@ def _after_step(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) 
     )
     is_last = state.step == tc.max_steps
     validating = state.step % tc.eval_interval == 0 or is_last or over_time
+    milestone = tc.keep_every and state.step % tc.keep_every == 0
     saving = (
         stop_now
         or validating
         or time_due
+        or milestone
         or state.step % (tc.save_every_steps or tc.eval_interval) == 0
-        or is_milestone(state.step, tc.keep_every)
     )
-    # log the losses: the host sync, once per log_interval and before a checkpoint (which falls on a log boundary)
     if state.step % tc.log_interval == 0 or saving:
+        # another process took the run over (this one was frozen, say): stop before writing anything more
+        run.lease.check()
+        # log the losses: the host sync, once per log_interval and before a checkpoint (on a log boundary)
         metrics.flush(validating)
     with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
         val_loss = _validate(run, metrics, is_last, log) if validating else None

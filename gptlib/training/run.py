@@ -121,9 +121,8 @@ class TrainingRun:
     def load_state_dict(self, ckpt: dict, log) -> None:
         """A loaded checkpoint (load_checkpoint's dict) back into the parts. A run made by import-hf holds weights
         only, its optimizer state {}: the rest of its parts start fresh."""
-        load_weights_into(
-            self.model, ckpt["model"], ckpt["info"].path
-        )  # a shape that differs is named
+        # a shape that differs is named, with the checkpoint's path
+        load_weights_into(self.model, ckpt["model"], ckpt["info"].path)
         if ckpt["optimizer"]:
             # the config's settings, the saved state
             self.optimizer.load_state_dict(ckpt["optimizer"])

@@ -8,7 +8,6 @@ import math
 import platform
 import re
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -163,41 +162,6 @@ def speed_text(row: dict, split: bool = False) -> str:
         split and row.get("time_split") and f"time {fmt_split(row['time_split'])}",
     ]
     return ", ".join(p for p in parts if p)
-
-
-class StepTimer:
-    """Seconds per phase (data, fwd_bwd, optim) with no host sync in the hot loop: on CUDA, events are read only in
-    split(), where the loop syncs anyway at log time."""
-
-    def __init__(self, device: str | torch.device):
-        self.events = torch.device(device).type == "cuda"
-        self.marks = []  # (phase, its start, its end): CUDA events or perf_counter seconds
-        self._last = None
-
-    def _now(self):
-        if not self.events:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def start(self) -> None:
-        self._last = self._now()
-
-    def mark(self, phase: str) -> None:
-        """The time since the previous start/mark belongs to `phase`."""
-        self.marks.append((phase, self._last, now := self._now()))
-        self._last = now
-
-    def split(self) -> dict[str, float]:
-        """{phase: seconds} since the last split."""
-        if self.events and self.marks:
-            self.marks[-1][2].synchronize()
-        out = Counter()
-        for phase, a, b in self.marks:
-            out[phase] += a.elapsed_time(b) / 1000 if self.events else b - a
-        self.marks.clear()
-        return dict(out)
 
 
 def run_tokens(cfg, start_step: int = 0) -> int:

@@ -124,7 +124,9 @@ def test_mfu_eta_units():
 
 
 def test_step_timer_cpu():
-    t = measure.StepTimer("cpu")
+    from gptlib.training.step import StepTimer
+
+    t = StepTimer("cpu")
     t.start()
     sum(range(10000))
     t.mark("data")

@@ -369,7 +369,7 @@ def test_a_notebook_bar_is_recognised_so_no_plain_lines_replace_it(monkeypatch):
     import tqdm.auto
     from tqdm.notebook import tqdm as notebook_tqdm
 
-    from gptlib.training.logs import plain_progress
+    from gptlib.training.throughput import plain_progress
 
     # what tqdm.auto gives in a notebook: a subclass in module tqdm.auto
     class AutoBar(notebook_tqdm):

@@ -504,8 +504,7 @@ def test_the_bar_is_readable_with_a_gpu_runs_longest_fields():
     """The longest postfix a GPU run shows (MFU known, millions of tokens/s, hours left, 5-digit steps)."""
     from tqdm import tqdm
 
-    from gptlib.training.logs import BAR_FORMAT
-    from gptlib.training.throughput import speed_text
+    from gptlib.training.throughput import BAR_FORMAT, speed_text
 
     row = {
         "tokens_per_s": 1_234_567.0,
@@ -536,11 +535,11 @@ def test_training_into_a_file_or_a_pipe_prints_plain_lines(
     tmp_path, char_data, monkeypatch, capsys
 ):
     """`train ... > log.txt 2>&1`: no carriage-return redraws (one endless line in the file), a progress line every
-    MetricsLog.TEXT_EVERY_S instead (0 here: one per log step)."""
-    from gptlib.training.logs import MetricsLog, plain_progress
+    RunProgress.TEXT_EVERY_S instead (0 here: one per log step)."""
+    from gptlib.training.throughput import RunProgress, plain_progress
 
     assert plain_progress(__import__("io").StringIO()) and not plain_progress(FakeTerminal())
-    monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)
+    monkeypatch.setattr(RunProgress, "TEXT_EVERY_S", 0.0)
     # progress on, as the CLI has it
     train(char_data, tmp_path / "run", "phase1", TINY, max_steps=12, log=print)
     out = capsys.readouterr()
@@ -602,11 +601,11 @@ def test_one_tokens_per_s_figure_in_the_bar_the_plot_and_the_closing_line(
     """Notebook 03 showed figures that disagreed: the closing line's rates, and the last log interval's in
     the bar and the plot's title. Every live figure is now the session's tokens/s while stepping,
     the closing line's first, and each text says what it counts."""
-    from gptlib.training.logs import LivePlot, MetricsLog
-    from gptlib.training.throughput import fmt_tokens
+    from gptlib.training.logs import LivePlot
+    from gptlib.training.throughput import RunProgress, fmt_tokens
 
     # a progress line (the bar's details) at every log step
-    monkeypatch.setattr(MetricsLog, "TEXT_EVERY_S", 0.0)
+    monkeypatch.setattr(RunProgress, "TEXT_EVERY_S", 0.0)
     shown = []
     r = train(
         char_data,

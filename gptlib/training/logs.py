@@ -10,9 +10,6 @@ import html
 import io
 import json
 import os
-import sys
-import time
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -30,9 +27,8 @@ from gptlib.fsutil import (
 from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.inference.loading import run_history
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
-from gptlib.model import model_size
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import fmt_tokens, perf_fields, speed_text
+from gptlib.training.throughput import fmt_tokens, speed_text
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -156,190 +152,59 @@ def log_samples(
 
 # No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up. The postfix (loss,
 # tok/s, MFU, ETA) stays under 50 characters, to leave the bar a fair share of a 100-column line.
-BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-
-
-def plain_progress(stream) -> bool:
-    """Plain progress lines instead of a bar: the bar's stream is a file or a pipe (there a bar's carriage-return
-    redraws make one endless line), and tqdm.auto would not draw a notebook widget."""
-    from tqdm.auto import tqdm
-    from tqdm.notebook import tqdm as notebook_tqdm  # never fails: tqdm guards its IPython imports
-
-    return not issubclass(tqdm, notebook_tqdm) and not getattr(stream, "isatty", lambda: False)()
-
-
 class MetricsLog:
-    """metrics.jsonl, the progress bar and the on_log callback of one training call. Losses stay on the device
-    until `flush` (a log step, and every checkpoint, so a resumed run writes the rows the uninterrupted run would):
-    one host sync per log_interval. DDP ranks other than 0 write to os.devnull, but `flush` still averages over ranks.
+    """metrics.jsonl and the rows of this run so far (`history`): the record of its losses. Losses stay on the device
+    until `flush` (a log step, and every checkpoint, so a resumed run writes the rows the uninterrupted run would): one
+    host sync per log_interval. DDP ranks other than 0 write to os.devnull, but `flush` still averages over ranks.
+    What shows them (the bar, the lines, MFU, ETA) is RunProgress (training/throughput.py)."""
 
-    One tokens/s figure everywhere: this session's tokens over its time spent stepping, leaving out its first step
-    (compile, kernel tuning) and the `paused` blocks (validations, samples, saves), which the ETA counts. With progress
-    on, a line with the details every TEXT_EVERY_S (all there is where stderr is a file or a notebook has no widgets).
-    """
-
-    TEXT_EVERY_S = 60.0
-
-    def __init__(
-        self,
-        session,
-        *,
-        peak,
-        timer,
-        progress: bool,
-        log: Callable[[str], None],
-        on_log: Callable[[dict], None] | None,
-    ):
-        self.s, self.tc, self.history = session, session.cfg.train, session.history
-        self.flops_per_token = model_size(session.cfg.model).flops_per_token
-        self.peak, self.timer, self.progress = peak, timer, progress
-        self.log, self.on_log = log, on_log
+    def __init__(self, run):
+        self.run, self.tc, self.history = run, run.cfg.train, run.history
         self.pending: list[torch.Tensor] = []  # the losses of steps not logged yet, on the device
         # the last logged
         self.train_loss = self.history[-1].get("train_loss") if self.history else None
         self.val_loss = self.val_step = None  # this call's last validation
-        self.file = open(session.run_dir / METRICS_FILE if session.ddp.is_main else os.devnull, "a")
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(
-            total=self.tc.max_steps,
-            initial=session.state.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            bar_format=BAR_FORMAT,
-            disable=not progress or plain_progress(sys.stderr),
-        )
-        self.elapsed_before = session.state.elapsed_s  # training time of earlier sessions
-        self.t_start = self.t_last = self.t_text = time.time()
-        self.tokens_last = session.state.tokens_seen
-        # the measured intervals; the paused blocks
-        self.steady_tokens, self.steady_s, self.paused_s = 0, 0.0, 0.0
-        self.split: Counter[str] = Counter()  # the measured intervals' time split
-        self.perf = {}
-        self.warm = False  # the session's first step is behind us
-        if session.compiled:
-            self.say(
-                "compiling the model: the first step takes a minute or two; throughput is measured after it"
-            )
-        # A resume: a live plot draws the run so far now, not at the next validation (minutes away on a big model).
-        if self.history and on_log is not None:
-            on_log({"step": session.state.step, "samples": []})
+        self.file = open(run.run_dir / METRICS_FILE if run.ddp.is_main else os.devnull, "a")
 
     def add(self, loss: torch.Tensor) -> None:
         self.pending.append(loss)
-        # the session's first step: wait for it (one host sync, once), then start the clock
-        if not self.warm:
-            loss.item()
-            self.warm, self.t_last, self.tokens_last = True, time.time(), self.s.state.tokens_seen
-            if self.s.compiled:
-                self.say(f"compiled and warmed up in {self.t_last - self.t_start:.0f} s")
-            self.timer.split()  # the time split leaves the first step out too
 
-    def flush(self, validating: bool) -> None:
-        """Read the pending losses back (the loop's host sync) and write a row per step. A validation step's row
-        is written by `validation_row`, with its val loss; until then its loss stays pending."""
+    def flush(self, validating: bool, speed: dict) -> None:
+        """Read the pending losses back (the loop's host sync) and write a row per step, the last with `speed`
+        (RunProgress.measure). A validation step's row is written by `validation_row`, with its val loss; until then
+        its loss stays pending."""
         if not self.pending:
             return
-        st, now = self.s.state, time.time()
-        losses = self.s.ddp.mean(torch.stack(self.pending)).tolist()
+        st = self.run.state
+        losses = self.run.ddp.mean(torch.stack(self.pending)).tolist()
         self.pending = self.pending[-1:] if validating else []
-        # else only the warm-up step ran since the clock started
-        if st.tokens_seen > self.tokens_last:
-            self.steady_tokens += st.tokens_seen - self.tokens_last
-            self.steady_s += now - self.t_last
-            self.t_last, self.tokens_last = now, st.tokens_seen
-            self.split.update(self.timer.split())
-            # validations included: for the ETA
-            wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)
-            self.perf = perf_fields(
-                self.split,
-                self.flops_per_token,
-                self.steady_tokens_per_s(),
-                self.peak,
-                self.s.ddp.world_size,
-                st.tokens_seen,
-                self.tc.max_steps * self.s.tokens_per_step,
-                wall_rate,
-            )
         self.train_loss = losses[-1]
         rows = [
             self._row(step, loss) for step, loss in enumerate(losses, st.step - len(losses) + 1)
         ]
         # the last step's row carries the speed; a validation step's is written with its val loss
-        self._write(*rows[:-1], *([] if validating else [self._row(st.step, self.train_loss, now)]))
-        speed = self.show_speed()
-        if self.progress and now - self.t_text >= self.TEXT_EVERY_S:
-            self.t_text = now
-            self.say(
-                f"step {st.step:,}/{self.tc.max_steps:,}: loss {self.train_loss:.4f}, lr {self._lr(st.step):.2e}, "
-                + speed_text(speed, split=True)
-            )
+        self._write(*rows[:-1], *([] if validating else [self._row(st.step, losses[-1], speed)]))
 
-    def _row(self, step: int, loss: float, now: float | None = None, **extra) -> dict:
-        """A step's row; with `now`, the last of a log step: tokens/s (once measured), elapsed time, MFU, ETA, split."""
-        st, tps = self.s.state, self.steady_tokens_per_s()
-        row = {
-            "step": step,
-            "train_loss": round(loss, 6),
-            **extra,
-            "lr": self._lr(step),
-            "tokens_seen": st.tokens_seen - (st.step - step) * self.s.tokens_per_step,
-        }
-        if now is not None:
-            if tps is not None:
-                row["tokens_per_s"] = round(tps, 1)
-            row.update(elapsed_s=round(self.elapsed(now), 3), **self.perf)
-        return row
-
-    def validation_row(self, val_loss: float, extra: dict | None = None) -> dict:
-        """This step's row, with its val loss (after `flush`) and `extra` (HellaSwag fields)."""
-        self.val_loss, self.val_step, self.pending = val_loss, self.s.state.step, []
+    def validation_row(self, val_loss: float, speed: dict, extra: dict | None = None) -> dict:
+        """This step's row, with its val loss (after `flush`), `speed` and `extra` (HellaSwag fields)."""
+        self.val_loss, self.val_step, self.pending = val_loss, self.run.state.step, []
         extra = {"val_loss": round(val_loss, 6), **(extra or {})}
-        row = self._row(self.val_step, self.train_loss, time.time(), **extra)
+        row = self._row(self.val_step, self.train_loss, speed, **extra)
         self._write(row)
         return row
 
-    def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
-        msg = f"step {row['step']:,}: train {self.train_loss:.4f}, val {self.val_loss:.4f}"
-        if row.get("hellaswag_acc_norm") is not None:
-            msg += f", HellaSwag acc_norm {row['hellaswag_acc_norm']:.4f} ({row['hellaswag_n']:,} items)"
-        self.say(msg + (f" | {status}" if status else ""))
-        if self.on_log is not None:
-            self.on_log({**row, "samples": samples})
-
-    @contextlib.contextmanager
-    def paused(self):
-        t0 = time.time()
-        try:
-            yield
-        finally:
-            if self.warm:
-                spent = time.time() - t0
-                self.t_last += spent
-                self.paused_s += spent
-
-    def steady_tokens_per_s(self) -> float | None:
-        """This session's tokens/s while stepping: the figure shown everywhere (None until measured)."""
-        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
-
-    def show_speed(self) -> dict:
-        """The bar's postfix: the last loss and the speed (-> the speed)."""
-        speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
-        loss = self.train_loss is not None and f"loss {self.train_loss:.4f}"
-        self.bar.set_postfix_str(", ".join(filter(None, [loss, speed_text(speed)])))
-        return speed
-
-    def say(self, msg: str) -> None:
-        """A line for the user that does not break the progress bar."""
-        (self.log if self.bar.disable else self.bar.write)(msg)
-
-    def close(self) -> None:
-        self.file.close()
-        # training has stopped: the bar it leaves keeps no ETA (after a stop, "ETA 0m08s" stayed)
-        self.perf.pop("eta_s", None)
-        self.show_speed()
-        self.bar.close()
+    def _row(self, step: int, loss: float, speed: dict | None = None, **extra) -> dict:
+        """A step's row; the last of a log step carries `speed` (tokens/s once measured, elapsed time, MFU, ETA)."""
+        st = self.run.state
+        return {
+            "step": step,
+            "train_loss": round(loss, 6),
+            **extra,
+            # the rate step `step` trained with
+            "lr": lr_at(step - 1, self.tc),
+            "tokens_seen": st.tokens_seen - (st.step - step) * self.run.tokens_per_step,
+            **(speed or {}),
+        }
 
     def _write(self, *rows: dict) -> None:
         check_writable(self.file.name)  # the run is still this process's (gptlib/lease.py)
@@ -347,15 +212,8 @@ class MetricsLog:
         self.file.flush()
         self.history += rows
 
-    def _lr(self, step: int) -> float:
-        return lr_at(step - 1, self.tc)  # the rate step `step` trained with
-
-    def elapsed(self, now: float | None = None) -> float:
-        """Training wall time over all sessions (the checkpoint's)."""
-        return self.elapsed_before + (now or time.time()) - self.t_start
-
-    def session_s(self) -> float:
-        return time.time() - self.t_start
+    def close(self) -> None:
+        self.file.close()
 
 
 # The plots: bare matplotlib Figures (matplotlib imported here only: `import gptlib.training.logs` stays light).

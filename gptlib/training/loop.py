@@ -32,7 +32,7 @@ from gptlib.training.resume import StartOptions, find_start
 from gptlib.training.run import TrainingRun, build_run, setup_ddp
 from gptlib.training.start import decide_config
 from gptlib.training.step import StepTimer, lr_at, train_step, validation_loss
-from gptlib.training.throughput import device_peak
+from gptlib.training.throughput import RunProgress
 
 # validation batches come from their own fixed seed: the same batches every time
 VAL_SEED_OFFSET = 10_000
@@ -155,14 +155,9 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     """However the steps end (max_steps, max_minutes, a stop, an OOM), the last state is saved and the run closed."""
     tc, state = run.cfg.train, run.state
     timer = StepTimer(run.device)
-    metrics = MetricsLog(
-        run,
-        peak=device_peak(run.device, tc.colab_units_per_hour),
-        timer=timer,
-        progress=progress,
-        log=log,
-        on_log=on_log,
-    )
+    # the record of the losses (metrics.jsonl), and what shows the run (bar, lines, MFU, ETA, on_log)
+    metrics, shown = MetricsLog(run), RunProgress(run, timer, progress, log, on_log)
+    shown.started()
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
     # read once: the step below runs thousands of times
     autocast, tokens_per_step = run.autocast, run.tokens_per_step
@@ -184,8 +179,10 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
                 )
                 state.step, state.tokens_seen = state.step + 1, state.tokens_seen + tokens_per_step
                 metrics.add(loss)
+            if not shown.warm:
+                shown.warmed_up(loss)
             # log, validate, checkpoint; stop early when out of time or asked to
-            stopped_by = _after_step(run, metrics, stop, log) or stopped_by
+            stopped_by = _after_step(run, metrics, shown, stop, log) or stopped_by
             if stopped_by != "max_steps":
                 break
     except Exception as e:  # an OOM, also one torch.compile wrapped in its own exception
@@ -195,10 +192,10 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     # a second stop press outside a step, or an interrupt without the signal handlers
     except KeyboardInterrupt:
         stopped_by = "interrupt"
-        _interrupted(run, metrics, stop.cut, log)
+        _interrupted(run, metrics, shown, stop.cut, log)
     finally:
         # training time: start-up and the wait for Drive excluded
-        train_s = _close(run, metrics, stop)
+        train_s = _close(run, metrics, shown, stop)
     if stopped_by == "oom":
         _raise_oom_advice(run)
     return TrainResult(
@@ -211,7 +208,7 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
         best_val_loss=state.best_val_loss,
         elapsed_s=train_s,
         tokens_per_s=(state.tokens_seen - tokens_at_start) / max(train_s, 1e-9),
-        steady_tokens_per_s=metrics.steady_tokens_per_s(),
+        steady_tokens_per_s=shown.steady_tokens_per_s(),
         resumed_from=run.resumed_from,
         stopped_by=stopped_by,
         history=metrics.history,
@@ -219,11 +216,13 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     )
 
 
-def _after_step(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) -> str | None:
+def _after_step(
+    run: TrainingRun, metrics: MetricsLog, shown: RunProgress, stop: GracefulStop, log
+) -> str | None:
     """-> why training stops early ("max_minutes", the stop's reason), or None to go on."""
     tc, state = run.cfg.train, run.state
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
-    over_time = tc.max_minutes > 0 and metrics.session_s() >= 60 * tc.max_minutes
+    over_time = tc.max_minutes > 0 and time.time() - shown.t_start >= 60 * tc.max_minutes
     time_due = (
         tc.save_every_minutes > 0
         and time.time() - run.writer.last_save >= 60 * tc.save_every_minutes
@@ -245,12 +244,15 @@ def _after_step(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop, log) 
         # another process took the run over (this one was frozen, say): stop before writing anything more
         run.lease.check()
         # log the losses: the host sync, once per log_interval and before a checkpoint (on a log boundary)
-        metrics.flush(validating)
-    with metrics.paused():  # their time counts in the ETA, not in tokens/s or MFU
-        val_loss = _validate(run, metrics, is_last, log) if validating else None
-        if saving:
-            _save(run, val_loss, metrics.elapsed())
-    metrics.bar.update(1)
+        metrics.flush(validating, shown.measure())
+        shown.show(metrics.train_loss)
+    if validating or saving:
+        # their time counts in the ETA, not in tokens/s or MFU
+        with shown.paused():
+            val_loss = _validate(run, metrics, shown, is_last, log) if validating else None
+            if saving:
+                _save(run, val_loss, shown.elapsed())
+    shown.bar.update(1)
     if not (over_time or stop_now) or is_last:
         return None
     stopped_by = "max_minutes" if over_time else (stop.reason or "stop")
@@ -266,7 +268,9 @@ def _save(run: TrainingRun, val_loss: float | None, elapsed_s: float, gather: bo
     run.writer.save(run.state_dict(gather))
 
 
-def _validate(run: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> float:
+def _validate(
+    run: TrainingRun, metrics: MetricsLog, shown: RunProgress, is_last: bool, log
+) -> float:
     """Validation loss on fixed batches (the same every time: their own seed), the best so far, HellaSwag, the
     fixed prompts sampled, loss.png, a log row."""
     tc, state, data = run.cfg.train, run.state, run.data
@@ -282,7 +286,7 @@ def _validate(run: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> floa
     if state.best_val_loss is None or val_loss < state.best_val_loss:
         state.best_val_loss, state.best_step = val_loss, state.step
     hellaswag = _hellaswag(run, metrics, is_last)
-    row = metrics.validation_row(val_loss, hellaswag)
+    row = metrics.validation_row(val_loss, shown.speed(), hellaswag)
     samples = []
     if run.ddp.is_main:
         if data.sample_prompts and tc.sample_tokens:
@@ -303,7 +307,7 @@ def _validate(run: TrainingRun, metrics: MetricsLog, is_last: bool, log) -> floa
             run.run_dir / LOSS_PLOT,
             title=run_title(run.cfg.preset, run.run_dir.name),
         )
-    metrics.report_validation(row, samples, run.writer.status_line())
+    shown.report_validation(row, samples, run.writer.status_line())
     return val_loss
 
 
@@ -323,7 +327,7 @@ def _hellaswag(run: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
     return metrics_fields(res)
 
 
-def _interrupted(run: TrainingRun, metrics: MetricsLog, cut: bool, log) -> None:
+def _interrupted(run: TrainingRun, metrics: MetricsLog, shown: RunProgress, cut: bool, log) -> None:
     """Save the last complete step, unless the interrupt cut a step in two: its state is then half-made."""
     if cut:
         log(
@@ -333,18 +337,19 @@ def _interrupted(run: TrainingRun, metrics: MetricsLog, cut: bool, log) -> None:
     log(f"interrupted at step {run.state.step:,}; saving it")
     # the checkpoint's log boundary (under DDP the ranks may be anywhere: no collective)
     if not run.ddp.enabled:
-        metrics.flush(validating=False)
-    _save(run, None, metrics.elapsed(), gather=False)
+        metrics.flush(False, shown.measure())
+    _save(run, None, shown.elapsed(), gather=False)
 
 
-def _close(run: TrainingRun, metrics: MetricsLog, stop: GracefulStop) -> float:
+def _close(run: TrainingRun, metrics: MetricsLog, shown: RunProgress, stop: GracefulStop) -> float:
     """The bar, the last save and the wait for Drive (a stop press waits for the save), then the signal handlers,
     the lease and the process group, whatever raised. -> this session's training seconds, read before the wait.
     A lease lost (another process took the run over) is raised, once: nothing is waited for."""
-    train_s = metrics.session_s()
+    train_s = shown.session_s()
     try:
         try:
-            metrics.close()  # the bar and metrics.jsonl (a full disk raises here)
+            shown.close(metrics.train_loss)
+            metrics.close()  # metrics.jsonl (a full disk raises here)
         finally:
             # local save errors raise; Drive problems are only reported
             if run.lease.lost is None:

@@ -7,14 +7,18 @@ import contextlib
 import math
 import platform
 import re
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from gptlib.colab import in_colab
 from gptlib.errors import ConfigError, loud
 from gptlib.model import model_size
+from gptlib.training.step import lr_at
 
 # Dense tensor-core peak in TFLOP/s for the precision gptlib trains in: bf16, fp16 on the T4. First match wins. No
 # V100 (Colab's torch has no kernels for it); no RTX PRO 6000 until NVIDIA's dense bf16 figure can be cited.
@@ -162,6 +166,158 @@ def speed_text(row: dict, split: bool = False) -> str:
         split and row.get("time_split") and f"time {fmt_split(row['time_split'])}",
     ]
     return ", ".join(p for p in parts if p)
+
+
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+
+def plain_progress(stream) -> bool:
+    """Plain progress lines instead of a bar: the bar's stream is a file or a pipe (there a bar's carriage-return
+    redraws make one endless line), and tqdm.auto would not draw a notebook widget."""
+    from tqdm.auto import tqdm
+    from tqdm.notebook import tqdm as notebook_tqdm  # never fails: tqdm guards its IPython imports
+
+    return not issubclass(tqdm, notebook_tqdm) and not getattr(stream, "isatty", lambda: False)()
+
+
+class RunProgress:
+    """What a training call shows while it runs: the progress bar, a line with the details every TEXT_EVERY_S (all
+    there is where stderr is a file or a notebook has no widgets), the lines it says, the on_log callback; and the
+    clocks behind its figures. One tokens/s figure everywhere: this session's tokens over its time spent stepping,
+    leaving out its first step (compile, kernel tuning) and the `paused` blocks (validations, samples, saves), which the
+    ETA counts."""
+
+    TEXT_EVERY_S = 60.0
+
+    def __init__(self, run, timer, progress: bool, log: Callable[[str], None], on_log):
+        self.run, self.tc, self.timer, self.progress = run, run.cfg.train, timer, progress
+        self.log, self.on_log = log, on_log
+        self.peak = device_peak(run.device, self.tc.colab_units_per_hour)
+        self.flops_per_token = model_size(run.cfg.model).flops_per_token
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=self.tc.max_steps,
+            initial=run.state.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            bar_format=BAR_FORMAT,
+            disable=not progress or plain_progress(sys.stderr),
+        )
+        self.elapsed_before = run.state.elapsed_s  # training time of earlier sessions
+        self.t_start = self.t_last = self.t_text = time.time()
+        self.tokens_last = run.state.tokens_seen
+        # the measured intervals; the paused blocks
+        self.steady_tokens, self.steady_s, self.paused_s = 0, 0.0, 0.0
+        self.split: Counter[str] = Counter()  # the measured intervals' time split
+        self.perf = {}
+        self.warm = False  # the session's first step is behind us
+
+    def started(self) -> None:
+        """Said once the loop starts: compiling; on a resume, the run so far to a live plot (not at the next
+        validation, minutes away on a big model)."""
+        if self.run.compiled:
+            self.say(
+                "compiling the model: the first step takes a minute or two; throughput is measured after it"
+            )
+        if self.run.history and self.on_log is not None:
+            self.on_log({"step": self.run.state.step, "samples": []})
+
+    def warmed_up(self, loss: torch.Tensor) -> None:
+        """The session's first step: wait for it (one host sync, once), then start the clock."""
+        loss.item()
+        self.warm, self.t_last, self.tokens_last = True, time.time(), self.run.state.tokens_seen
+        if self.run.compiled:
+            self.say(f"compiled and warmed up in {self.t_last - self.t_start:.0f} s")
+        self.timer.split()  # the time split leaves the first step out too
+
+    def measure(self) -> dict:
+        """At a log step: the interval since the last one measured -> the speed fields of its metrics row."""
+        tokens, now = self.run.state.tokens_seen, time.time()
+        # else only the warm-up step ran since the clock started
+        if tokens > self.tokens_last:
+            self.steady_tokens += tokens - self.tokens_last
+            self.steady_s += now - self.t_last
+            self.t_last, self.tokens_last = now, tokens
+            self.split.update(self.timer.split())
+            # validations included: for the ETA
+            wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)
+            self.perf = perf_fields(
+                self.split,
+                self.flops_per_token,
+                self.steady_tokens_per_s(),
+                self.peak,
+                self.run.ddp.world_size,
+                tokens,
+                self.tc.max_steps * self.run.tokens_per_step,
+                wall_rate,
+            )
+        return self.speed(now)
+
+    def speed(self, now: float | None = None) -> dict:
+        """A metrics row's speed fields: tokens/s (once measured), elapsed time, MFU, ETA, the time split."""
+        tps = self.steady_tokens_per_s()
+        return {
+            **({"tokens_per_s": round(tps, 1)} if tps is not None else {}),
+            "elapsed_s": round(self.elapsed(now), 3),
+            **self.perf,
+        }
+
+    def show(self, train_loss: float | None, line: bool = True) -> None:
+        """The bar's postfix: the last loss and the speed; with `line`, every TEXT_EVERY_S a line of the details."""
+        speed = {"tokens_per_s": self.steady_tokens_per_s(), **self.perf}
+        loss = train_loss is not None and f"loss {train_loss:.4f}"
+        self.bar.set_postfix_str(", ".join(filter(None, [loss, speed_text(speed)])))
+        now, st = time.time(), self.run.state
+        if line and self.progress and now - self.t_text >= self.TEXT_EVERY_S:
+            self.t_text = now
+            lr = lr_at(st.step - 1, self.tc)
+            self.say(
+                f"step {st.step:,}/{self.tc.max_steps:,}: loss {train_loss:.4f}, lr {lr:.2e}, "
+                + speed_text(speed, split=True)
+            )
+
+    def report_validation(self, row: dict, samples: list[dict], status: str) -> None:
+        msg = f"step {row['step']:,}: train {row['train_loss']:.4f}, val {row['val_loss']:.4f}"
+        if row.get("hellaswag_acc_norm") is not None:
+            msg += f", HellaSwag acc_norm {row['hellaswag_acc_norm']:.4f} ({row['hellaswag_n']:,} items)"
+        self.say(msg + (f" | {status}" if status else ""))
+        if self.on_log is not None:
+            self.on_log({**row, "samples": samples})
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Validations, samples and saves: their time counts in the ETA, not in tokens/s or MFU."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            if self.warm:
+                spent = time.time() - t0
+                self.t_last += spent
+                self.paused_s += spent
+
+    def steady_tokens_per_s(self) -> float | None:
+        """This session's tokens/s while stepping: the figure shown everywhere (None until measured)."""
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else None
+
+    def say(self, msg: str) -> None:
+        """A line for the user that does not break the progress bar."""
+        (self.log if self.bar.disable else self.bar.write)(msg)
+
+    def close(self, train_loss: float | None) -> None:
+        # training has stopped: the bar it leaves keeps no ETA (after a stop, "ETA 0m08s" stayed)
+        self.perf.pop("eta_s", None)
+        self.show(train_loss, line=False)
+        self.bar.close()
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Training wall time over all sessions (the checkpoint's)."""
+        return self.elapsed_before + (now or time.time()) - self.t_start
+
+    def session_s(self) -> float:
+        return time.time() - self.t_start
 
 
 def run_tokens(cfg, start_step: int = 0) -> int:

@@ -2,7 +2,7 @@
 
 Same weights (our model exported with gptlib.inference.export and loaded as GPT2LMHeadModel), same machine,
 same process, runs interleaved so both see the same machine load. On a CPU also the engine with its few-row matmuls
-never split ("gptlib plain"; the engine splits them where it measured that faster: gptlib/inference/cpu_matmul.py).
+never split ("gptlib plain"; the engine splits them where it measured that faster: gptlib/inference/engine.py).
 Greedy decoding, a one-token
 prompt (so 1,024 new tokens fit GPT-2's 1,024 positions, which transformers cannot exceed), no
 early stop. Prints every run, then medians and ratios.

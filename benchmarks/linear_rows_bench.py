@@ -1,4 +1,4 @@
-"""Why the engine may split few-row matmuls on the CPU (gptlib/inference/cpu_matmul.py): F.linear vs split_linear.
+"""Why the engine may split few-row matmuls on the CPU (gptlib/inference/engine.py): F.linear vs split_linear.
 
 All 2-D weights of gpt2-small (440 MB fp32, far larger than the caches, as in decoding) multiplied
 by R rows, the plain way (one MKL call per weight) and as one row block per thread (bmm). Prints the

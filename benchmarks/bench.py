@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import machine_info  # noqa: E402
-from gptlib.batches import BatchSampler, MemmapSplit, SplitData, load_dataset  # noqa: E402
+from gptlib.batches import BatchSampler, MemmapSplit, SplitData, place_dataset  # noqa: E402
 from gptlib.config import PRESETS, RECIPES, ModelConfig, TrainConfig, get_preset  # noqa: E402
 from gptlib.data.shards import read_meta  # noqa: E402
 from gptlib.errors import GptlibError  # noqa: E402
@@ -425,7 +425,8 @@ def bench_train(
     )
     dev = resolve_device(device if device != "auto" else cfg.train.device)
     if data_dir is not None:
-        meta, splits = load_dataset(data_dir, dev, log=log)
+        meta = read_meta(data_dir)
+        splits = place_dataset(meta, dev, log=log)
         cfg = cfg.updated({"vocab_size": meta.vocab_size})
     cfg.validate()
     # the parts as train() builds them (gptlib/training/run.py: build_run)

@@ -24,10 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gptlib.batches import load_dataset  # noqa: E402
+from gptlib.batches import place_dataset  # noqa: E402
 from gptlib.checkpoint.format import list_checkpoints, load_model_weights  # noqa: E402
 from gptlib.config import RunConfig  # noqa: E402
 from gptlib.data.prepare import prepare_text  # noqa: E402
+from gptlib.data.shards import read_meta  # noqa: E402
 from gptlib.model import GPT  # noqa: E402
 from gptlib.training.loop import train  # noqa: E402
 
@@ -41,7 +42,7 @@ def full_val_loss(run_dir: Path, data_dir: Path) -> float:
     model = GPT(cfg.model)
     model.load_state_dict(load_model_weights(ck))
     model.eval()
-    _, splits = load_dataset(data_dir, log=lambda _: None)
+    splits = place_dataset(read_meta(data_dir), log=lambda _: None)
     val = splits["val"].tokens.long() & 0xFFFF
     T = cfg.model.block_size
     n = (val.numel() - 1) // T

@@ -5,13 +5,12 @@ checkpoint, so a resumed run draws exactly the batches the uninterrupted run wou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 
-from gptlib.data.shards import DataFormatError, DatasetMeta, read_meta, read_spans
+from gptlib.data.shards import DataFormatError, DatasetMeta, read_spans
 
 GiB = 1 << 30
 # preload into RAM only if the data takes at most this share of available RAM ...
@@ -264,17 +263,6 @@ def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
         # once per run: a plain blocking copy, no temporary on the GPU
         out[pos : pos + piece.numel()].copy_(piece)
     return out
-
-
-def load_dataset(
-    data_dir: str | Path,
-    device: str | torch.device = "cpu",
-    *,
-    reserve_gpu_bytes: int = 0,
-    log: Callable[[str], None] = print,
-) -> tuple[DatasetMeta, dict[str, SplitData | MemmapSplit]]:
-    meta = read_meta(data_dir)
-    return meta, place_dataset(meta, device, reserve_gpu_bytes=reserve_gpu_bytes, log=log)
 
 
 def place_dataset(

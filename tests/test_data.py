@@ -10,6 +10,12 @@ from gptlib import batches as D
 from gptlib.data.shards import read_meta
 
 
+def load_dataset(data_dir, device="cpu", log=print):
+    """A data directory's meta.json and its splits placed as train() places them."""
+    meta = read_meta(data_dir)
+    return meta, D.place_dataset(meta, device, log=log)
+
+
 def quiet(_msg):
     pass
 
@@ -31,7 +37,7 @@ def _is_window(x_row: np.ndarray, tokens: np.ndarray) -> bool:
 
 @pytest.fixture()
 def splits(char_data):
-    _, s = D.load_dataset(char_data, "cpu", log=quiet)  # a small split: preloaded in RAM
+    _, s = load_dataset(char_data, "cpu", log=quiet)  # a small split: preloaded in RAM
     return s
 
 
@@ -106,7 +112,7 @@ def test_memmap_read_across_shards(tmp_path, char_data):
     start = int(bounds[1]) - 50
     n = int(bounds[2] - bounds[1]) + 100  # crosses two boundaries
     assert np.array_equal(mm.read(start, n).long().numpy() & 0xFFFF, tokens[start : start + n])
-    _, s = D.load_dataset(d, "cpu", log=quiet)  # preloading concatenates shards in order
+    _, s = load_dataset(d, "cpu", log=quiet)  # preloading concatenates shards in order
     assert np.array_equal(s["train"].tokens.long().numpy() & 0xFFFF, tokens)
 
 
@@ -116,7 +122,7 @@ def test_memmap_batches_are_the_preloaded_ones(tmp_path, char_data):
     d, tokens, bounds = _split_into_shards(tmp_path, char_data, 40)
     meta = read_meta(d)
     mm = D.MemmapSplit(meta, "train")
-    _, s = D.load_dataset(d, "cpu", log=quiet)
+    _, s = load_dataset(d, "cpu", log=quiet)
     on_disk = D.BatchSampler(mm, 16, 64, seed=4, device="cpu")
     in_ram = D.BatchSampler(s["train"], 16, 64, seed=4, device="cpu")
     crossed = 0
@@ -217,7 +223,7 @@ def test_plan_data_paths_and_messages(monkeypatch):
 
 def test_load_dataset_prints_choice(char_data, monkeypatch):
     lines = []
-    _, s = D.load_dataset(char_data, "cpu", log=lines.append)
+    _, s = load_dataset(char_data, "cpu", log=lines.append)
     assert isinstance(s["train"], D.SplitData)
     assert any(
         line.startswith("data: train") and "-> RAM" in line and "fits in RAM" in line
@@ -226,7 +232,7 @@ def test_load_dataset_prints_choice(char_data, monkeypatch):
     # pretend the machine is nearly out of memory
     monkeypatch.setattr(D, "available_ram", lambda: 1000)
     lines.clear()
-    _, s = D.load_dataset(char_data, "cpu", log=lines.append)
+    _, s = load_dataset(char_data, "cpu", log=lines.append)
     assert isinstance(s["train"], D.MemmapSplit) and isinstance(s["val"], D.MemmapSplit)
     assert any("-> MEMMAP" in line and "does not fit in RAM" in line for line in lines), lines
     assert D.BatchSampler(s["train"], 4, 16, 0, "cpu").next_batch()[0].shape == (4, 16)

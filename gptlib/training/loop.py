@@ -222,7 +222,7 @@ def _after_step(
     """-> why training stops early ("max_minutes", the stop's reason), or None to go on."""
     tc, state = run.cfg.train, run.state
     # decisions on time and stop requests: the same on every DDP rank (agreed at log steps)
-    over_time = tc.max_minutes > 0 and time.time() - shown.t_start >= 60 * tc.max_minutes
+    over_time = tc.max_minutes > 0 and shown.session_s() >= 60 * tc.max_minutes
     time_due = (
         tc.save_every_minutes > 0
         and time.time() - run.writer.last_save >= 60 * tc.save_every_minutes

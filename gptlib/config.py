@@ -210,6 +210,17 @@ class RunConfig:
 
 # The modern recipe's learning rates: published values for the GPU presets, phase1's swept (docs/benchmarks.md).
 _PUBLISHED_MODERN = dict(learning_rate=4e-3, muon_lr=0.02, cooldown_frac=0.4)
+# The GPT-2 presets' run: ~10B tokens at ~0.5M a step, validated, sampled and scored on HellaSwag every 500 steps.
+_GPT2_RUN = dict(
+    max_steps=20000,
+    warmup_steps=700,
+    eval_interval=500,
+    eval_batches=40,
+    sample_prompts=["The ", "def "],
+    sample_tokens=100,
+    keep_every=5000,
+    hellaswag_every=500,
+)
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {  # each: the fields it changes from their defaults
     # Tiny Shakespeare, char-level, on a laptop CPU (~0.34M parameters; chosen by measurement: docs/benchmarks.md).
@@ -252,37 +263,13 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {  # each: the fields it changes
     # GPT-2 Small (124M-class with a 32K vocab): ~0.5M tokens per step, as in GPT-2/3 small.
     "gpt2-small": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-        "train": dict(
-            batch_size=16,
-            grad_accum_steps=32,
-            max_steps=20000,
-            learning_rate=6e-4,
-            warmup_steps=700,
-            eval_interval=500,
-            eval_batches=40,
-            sample_prompts=["The ", "def "],
-            sample_tokens=100,
-            keep_every=5000,
-            hellaswag_every=500,
-        ),
+        "train": dict(batch_size=16, grad_accum_steps=32, learning_rate=6e-4, **_GPT2_RUN),
         "modern": _PUBLISHED_MODERN,
     },
     # GPT-2 Medium (350M-class): gpt2-small's tokens per step in micro-batches of 8 (an A100 40 GB), a lower LR.
     "gpt2-medium": {
         "model": dict(vocab_size=32768, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-        "train": dict(
-            batch_size=8,
-            grad_accum_steps=64,
-            max_steps=20000,
-            learning_rate=3e-4,
-            warmup_steps=700,
-            eval_interval=500,
-            eval_batches=40,
-            sample_prompts=["The ", "def "],
-            sample_tokens=100,
-            keep_every=5000,
-            hellaswag_every=500,
-        ),
+        "train": dict(batch_size=8, grad_accum_steps=64, learning_rate=3e-4, **_GPT2_RUN),
         "modern": _PUBLISHED_MODERN,
     },
     # train --init-from RUN_DIR: the shape comes from that run (placeholders here), a ~10x lower LR.

@@ -252,28 +252,11 @@ class Mirror:
 
     def _tidy(self, path: Path) -> None:
         """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
-
-        def tidy():  # the newest best_step: a milestone copied late must not drop today's best
-            rotate(
-                self.mirror_dir,
-                self.keep_last,
-                self._best_step,
-                truncate=True,  # also cleans checkpoint orphans
-                keep_every=self.keep_every,
-                protect=self.unreadable,
-                newest=self.last_step,
-            )
-            # run-level ones too: this thread is the mirror's only writer
-            clean_temp_files(self.mirror_dir)
-            if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
-                return  # the mirror holds newer checkpoints (unreadable at resume): its plot goes with them
-            for name in MIRRORED_FILES:  # written atomically: a kill leaves a temp file
-                if (self.run_dir / name).is_file():
-                    atomic_write_bytes(self.mirror_dir / name, (self.run_dir / name).read_bytes())
-
         try:
             call_with_timeout(
-                tidy, MIRROR_TIDY_TIMEOUT_S, what=f"Drive clean-up in {self.mirror_dir}"
+                self._rotate_and_copy_logs,
+                MIRROR_TIDY_TIMEOUT_S,
+                what=f"Drive clean-up in {self.mirror_dir}",
             )
         except LeaseLost:
             raise
@@ -282,6 +265,25 @@ class Mirror:
                 f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
                 f"itself is on Drive and verified; old checkpoints there may stay until the next copy"
             )
+
+    def _rotate_and_copy_logs(self) -> None:
+        # the newest best_step: a milestone copied late must not drop today's best
+        rotate(
+            self.mirror_dir,
+            self.keep_last,
+            self._best_step,
+            truncate=True,  # also cleans checkpoint orphans
+            keep_every=self.keep_every,
+            protect=self.unreadable,
+            newest=self.last_step,
+        )
+        # run-level ones too: this thread is the mirror's only writer
+        clean_temp_files(self.mirror_dir)
+        if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
+            return  # the mirror holds newer checkpoints (unreadable at resume): its plot goes with them
+        for name in MIRRORED_FILES:  # written atomically: a kill leaves a temp file
+            if (self.run_dir / name).is_file():
+                atomic_write_bytes(self.mirror_dir / name, (self.run_dir / name).read_bytes())
 
     def missing_step(self) -> int | None:
         """The newest checkpoint given to copy, while Drive does not have it (None: it has, or none was given)."""

@@ -227,7 +227,7 @@ def test_the_release_step_releases_a_new_version_once(tmp_path):
     env = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "TAG": f"v{VERSION}",
-        "GITHUB_SHA": sha,
+        "TESTED_SHA": sha,
         "RUNNER_TEMP": str(tmp_path),
         "GH_CALLS": str(calls),
         "HOME": str(tmp_path),
@@ -258,6 +258,26 @@ def test_the_release_step_releases_a_new_version_once(tmp_path):
         f"v{VERSION} exists: nothing to release (raise gptlib.__version__ to make a release)\n"
     )
     assert calls.read_text().count("release create") == 1
+
+
+def test_a_release_waits_for_the_tests_to_pass_on_main():
+    """release.yml ran on every push to main, whether or not tests.yml passed there: a red main was tagged, and every
+    notebook would install it. It runs once tests.yml has completed on a push to main, only if they passed, and tags
+    the commit they ran on."""
+    workflow = yaml.safe_load((WORKFLOWS / "release.yml").read_text())
+    tests_name = yaml.safe_load((WORKFLOWS / "tests.yml").read_text())["name"]
+    # PyYAML reads the key `on` as True (YAML 1.1)
+    assert workflow[True] == {
+        "workflow_run": {"workflows": [tests_name], "types": ["completed"], "branches": ["main"]}
+    }
+    (job,) = workflow["jobs"].values()
+    assert job["if"] == (
+        "github.event.workflow_run.conclusion == 'success' && github.event.workflow_run.event == 'push'"
+    )
+    tested = "${{ github.event.workflow_run.head_sha }}"
+    assert job["steps"][0]["with"]["ref"] == tested
+    (step,) = [s for s in job["steps"] if "gh release create" in s.get("run", "")]
+    assert step["env"]["TESTED_SHA"] == tested and '--target "$TESTED_SHA"' in step["run"]
 
 
 def test_the_tests_workflow_runs_the_readmes_test_command():

@@ -122,6 +122,13 @@ def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: st
     )
 
 
+def _se(row: dict, field: str) -> str:
+    """The score's standard error where eval.jsonl has one (gptlib 0.3.0 on): a reader of the card can tell two
+    models apart only when their scores differ by more than about twice their combined standard errors."""
+    se = row.get(f"{field}_se")
+    return "" if se is None else f" ± {se:.4f} (standard error)"
+
+
 def model_card(
     ld, run_dir: Path, repo: str, license: str, hardware: str, gguf_file: str, plot: bool
 ) -> str:
@@ -162,9 +169,13 @@ def model_card(
         "",
         f"- validation loss: {val}",
         "- bits per byte: "
-        + (f"{bpb['bpb']:.4f}" if bpb else "not run (python -m gptlib eval --task bpb)"),
+        + (
+            f"{bpb['bpb']:.4f}{_se(bpb, 'bpb')}"
+            if bpb
+            else "not run (python -m gptlib eval --task bpb)"
+        ),
         "- HellaSwag acc_norm: "
-        + (f"{hs['acc_norm']:.4f} on {hs['n']:,} items" if hs else "not run")
+        + (f"{hs['acc_norm']:.4f}{_se(hs, 'acc_norm')} on {hs['n']:,} items" if hs else "not run")
         + " (GPT-2 124M: 0.2955, chance: 0.25)",
         "",
         *(["## Loss curve", "", f"![loss curve]({LOSS_PLOT})", ""] if plot else []),

@@ -170,8 +170,9 @@ def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(
         "recipe: gpt2",
         "4,096 tokens seen",
         "2-core CPU",
-        "bits per byte",
-        "on 8 items",
+        f"bits per byte: {evals['bpb']['bpb']:.4f} ± {evals['bpb']['bpb_se']:.4f} (standard error)",
+        f"acc_norm: {evals['hellaswag']['acc_norm']:.4f} ± {evals['hellaswag']['acc_norm_se']:.4f} (standard "
+        "error) on 8 items",
         "![loss curve](loss.png)",
         "step 4:",
         "AutoModelForCausalLM.from_pretrained",

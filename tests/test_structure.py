@@ -245,6 +245,25 @@ def test_no_history_comments_in_the_package():
     assert not found, f"history in comments or strings: {found}"
 
 
+# files of other projects the package names
+ELSEWHERE = {"tensorflow_datasets/url_checksums/hellaswag.txt"}
+
+
+def test_the_files_the_package_names_exist():
+    """A comment pointing a reader at a file must point at one: the redesign merged optimizer.py into step.py, and
+    run.py's comment on TrainingRun.optimizer still sent the reader to training/optimizer.py. A path with a folder
+    (training/step.py, benchmarks/cpu_estimate.py) is looked for under gptlib/ and the repository's root."""
+    named = re.compile(r"(?<![\w/.-])((?:[\w-]+/)+[\w-]+\.(?:py|sh|md|js|txt))\b")
+    missing = [
+        f"{p.relative_to(REPO)}:{n}: {path}"
+        for p in sorted(PKG.rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        for path in named.findall(line)
+        if not (PKG / path).exists() and not (REPO / path).exists() and path not in ELSEWHERE
+    ]
+    assert not missing, f"files named in the package that do not exist: {missing}"
+
+
 # --- one definition of every file name ---------------------------------------------------------
 
 # Run-dir names (gptlib/layout.py) and data-dir names (gptlib/data/shards.py), as string literals anywhere else.

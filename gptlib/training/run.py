@@ -79,7 +79,7 @@ class TrainingRun:
     data: RunData
     model: GPT  # the module itself: state dicts, samples, validation
     train_model: Any  # compiled and/or DDP-wrapped: what the loop runs
-    optimizer: Any  # training/optimizer.py: AdamW, or MuonAdamW (the modern recipe)
+    optimizer: Any  # training/step.py: AdamW, or MuonAdamW (the modern recipe)
     scaler: torch.amp.GradScaler  # fp16 alone scales the loss; disabled otherwise
     sampler: BatchSampler
     state: TrainState  # the progress

@@ -35,7 +35,7 @@ def lr_at(step: int, cfg) -> float:
 
 
 def set_lr(optimizer, lr: float) -> None:
-    """A group with an lr_scale (Muon's, training/optimizer.py) runs at lr * lr_scale."""
+    """A group with an lr_scale (MuonAdamW's, below) runs at lr * lr_scale."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 

@@ -119,7 +119,7 @@ class Engine:
         self.step, self.source = step, source
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        # a CPU's few-row matmuls split (cpu_matmul): measured at first use
+        # a CPU's few-row matmuls split (SplitFewRows, below): measured at first use
         self.split_matmuls: bool | None = None
 
     @classmethod

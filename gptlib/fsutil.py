@@ -165,13 +165,12 @@ def check_dir(path: str | Path, what: str) -> bool:
             return False
         kind = f"a broken symbolic link (to {os.readlink(path)})"
     except OSError as e:
-        kinds = {
-            errno.ELOOP: "a symbolic link loop",
-            errno.ENOTDIR: "not a directory: a part of its path is a file",
-        }
-        if e.errno not in kinds:
+        if e.errno == errno.ELOOP:
+            kind = "a symbolic link loop"
+        elif e.errno == errno.ENOTDIR:
+            kind = "not a directory: a part of its path is a file"
+        else:
             raise
-        kind = kinds[e.errno]
     raise RunDirError(
         f"{what} {path} is {kind}; choose another path (or remove or move away what is there)"
     )

@@ -26,10 +26,7 @@ SET_ASIDE_FILE = "set_aside.json"
 CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every checkpoint must hold
 
 # in each checkpoint: a resumed run continues them from its step
-LOG_FILES = (
-    METRICS_FILE,
-    SAMPLES_FILE,
-)
+LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
 # Copied beside the checkpoints on the Drive mirror, for its readers (sampling, export, notebook 04 on a fresh VM).
 MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
 

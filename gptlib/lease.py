@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import namedtuple
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 from gptlib.errors import LeaseLost, RunDirError, in_notebook
@@ -130,7 +131,8 @@ class RunLease:
             "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
             "process first"
         )
-        if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
+        here = isinstance(found, Holder) and found.host == self.host
+        if here and found.pid == os.getpid():
             started = time.strftime("%H:%M:%S", time.localtime(found.started))
             # a training of this very process: a notebook cell run while one trains (--take-over too: its writes
             # and this one's would pass the same check, gptlib.fsutil.GUARDS)
@@ -149,7 +151,7 @@ class RunLease:
         if self.take_over:
             self.log(f"lease: taking over {path} ({what})")
             return generation
-        if isinstance(found, Holder) and found.host == self.host:
+        if here:
             try:
                 os.kill(found.pid, 0)
             except ProcessLookupError:
@@ -162,13 +164,13 @@ class RunLease:
             raise RunDirError(
                 f"{path.parent} is in use by another training process ({what}); {how}"
             )
-        age = now - (
-            found.heartbeat
-            if isinstance(found, Holder)
-            else call_with_timeout(
+        if isinstance(found, Holder):
+            beat = found.heartbeat
+        else:
+            beat = call_with_timeout(
                 lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"
             )
-        )
+        age = now - beat
         if age < STALE_S:
             raise RunDirError(
                 f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
@@ -190,9 +192,8 @@ class RunLease:
             "generation": self.generation,
             "released": time.time() if released else None,
         }
-        call_with_timeout(
-            lambda: atomic_write_json(path, body), IO_TIMEOUT_S, what=f"writing {path}"
-        )
+        write = partial(atomic_write_json, path, body)
+        call_with_timeout(write, IO_TIMEOUT_S, what=f"writing {path}")
 
     def _check_ours(self, path: Path, on_lost=LeaseLost, timeout: float | None = None) -> None:
         found = _read(path, timeout)
@@ -255,17 +256,12 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
     try:
         if is_main:  # the other DDP ranks write nothing
             try:
-                # Drive may hang
-                created = [
-                    d
-                    for d, what in ((run_dir, "run"), (mirror_dir, "mirror"))
-                    if d is not None
-                    and not call_with_timeout(
-                        lambda d=d, what=what: _looked_at(d, f"{what} directory"),
-                        IO_TIMEOUT_S,
-                        what=f"looking at {d}",
-                    )
-                ]
+                for d, what in ((run_dir, "run directory"), (mirror_dir, "mirror directory")):
+                    # Drive may hang
+                    if d is not None and not call_with_timeout(
+                        partial(_looked_at, d, what), IO_TIMEOUT_S, what=f"looking at {d}"
+                    ):
+                        created.append(d)
                 lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
             except HungIOError as e:  # Drive did not answer: its lease may be another process's
                 raise HungIOError(

@@ -6,6 +6,7 @@ import contextlib
 import re
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from gptlib.errors import ConfigError
 
@@ -27,10 +28,8 @@ def resolve_device(name: str) -> torch.device:
     m = re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", str(name))
     if m is None:
         tpu = re.match(r"(tpu|xla)", name, re.I)
-        raise ConfigError(
-            f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps"
-            + (" (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else "")
-        )
+        hint = " (not on TPUs: on Colab, Runtime > Change runtime type > a GPU)" if tpu else ""
+        raise ConfigError(f"device={name!r}: gptlib runs on auto, cpu, cuda, cuda:N or mps{hint}")
     kind, index = m.groups()
     if not {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps}[kind]:
         what = "CUDA" if kind == "cuda" else "MPS (Apple-silicon GPU)"
@@ -91,8 +90,6 @@ def configure_matmul(device: torch.device) -> None:
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "_orig_mod") or isinstance(
-        model, torch.nn.parallel.DistributedDataParallel
-    ):
+    while hasattr(model, "_orig_mod") or isinstance(model, DistributedDataParallel):
         model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
     return model

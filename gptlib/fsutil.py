@@ -121,10 +121,10 @@ def append_jsonl(path: str | Path, *rows: dict) -> None:
         os.close(fd)
 
 
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while b := f.read(chunk):
+        while b := f.read(4 << 20):
             h.update(b)
     return h.hexdigest()
 
@@ -227,9 +227,8 @@ def call_with_timeout(
     while not wait([result], max(0.0, progress.t + timeout - time.monotonic())).done:
         if time.monotonic() - progress.t >= timeout:
             progress.cancel.set()
-            raise HungIOError(
-                errno.ETIMEDOUT, f"{what} made no progress for {timeout:g} s (hung mount?)"
-            )
+            msg = f"{what} made no progress for {timeout:g} s (hung mount?)"
+            raise HungIOError(errno.ETIMEDOUT, msg)
     return result.result()
 
 

@@ -131,8 +131,7 @@ class RunLease:
             "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
             "process first"
         )
-        here = isinstance(found, Holder) and found.host == self.host
-        if here and found.pid == os.getpid():
+        if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
             started = time.strftime("%H:%M:%S", time.localtime(found.started))
             # a training of this very process: a notebook cell run while one trains (--take-over too: its writes
             # and this one's would pass the same check, gptlib.fsutil.GUARDS)
@@ -151,7 +150,7 @@ class RunLease:
         if self.take_over:
             self.log(f"lease: taking over {path} ({what})")
             return generation
-        if here:
+        if isinstance(found, Holder) and found.host == self.host:
             try:
                 os.kill(found.pid, 0)
             except ProcessLookupError:
@@ -272,10 +271,10 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
     except BaseException:
         lease.release()
         for d in created:  # no other process had a lease here: this call's released one goes too
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 (d / LEASE_FILE).unlink()
             for empty in (checkpoints_dir(d), d):
-                with contextlib.suppress(OSError):
+                with suppress(OSError):
                     empty.rmdir()
         raise
 

@@ -1210,7 +1210,7 @@ def test_checkpoint_snapshot_equals_live_weights_on_consecutive_saves(tmp_path):
         DEVICE
     )
     opt = build_optimizer(model, TrainConfig(weight_decay=0.1, learning_rate=1e-3), DEVICE)
-    writer = CheckpointWriter(tmp_path, keep_last=2, log=print)
+    writer = CheckpointWriter(tmp_path, keep_last=2)
     expected, hosts = {}, []
     try:
         for step in (1, 2):

@@ -94,11 +94,8 @@ class TrainState:  # the run's progress: a checkpoint's "progress" part (state.j
     @classmethod
     def from_json(cls, d: Any, source: str) -> "TrainState":
         """A state.json's contents; CheckpointError if they are not a training checkpoint's."""
-        missing = [
-            name
-            for name in ("step", "tokens_seen", "config")
-            if not isinstance(d, dict) or name not in d
-        ]
+        required = ("step", "tokens_seen", "config")
+        missing = [name for name in required if not isinstance(d, dict) or name not in d]
         if missing:
             raise CheckpointError(
                 f"{source}: field {missing[0]!r} is missing (not a gptlib training checkpoint, or "
@@ -158,12 +155,7 @@ def save_checkpoint(root: Path, ckpt: dict, logs: dict[str, bytes] | None = None
         }
         files |= {name: write_hashed(partial / name, data) for name, data in (logs or {}).items()}
         # format_version: what gptlib 0.1.0 checks before reading; gptlib_version: the gptlib that wrote it
-        manifest = {
-            "format_version": 1,
-            "gptlib_version": __version__,
-            "step": step,
-            "time": time.time(),
-        }
+        manifest = dict(format_version=1, gptlib_version=__version__, step=step, time=time.time())
         atomic_write_json(partial / MANIFEST_FILE, {**manifest, "files": files})
         install(partial, final)
     except BaseException as e:
@@ -232,13 +224,11 @@ def load_checkpoint(path: Path) -> dict:
     info = verify_checkpoint(path)
     data = {}
     for name, rec in info.manifest["files"].items():
-        data[name] = blob = read_bytes_with_timeout(path / name, DRIVE_READ_STALL_S)
-        check_file(
-            path / name, (len(blob), hashlib.sha256(blob).hexdigest()), rec["size"], rec["sha256"]
-        )
-    model, train = (
-        _safe_load(data.pop(name), path / name) for name in (MODEL_FILE, TRAIN_STATE_FILE)
-    )
+        f = path / name
+        data[name] = blob = read_bytes_with_timeout(f, DRIVE_READ_STALL_S)
+        check_file(f, (len(blob), hashlib.sha256(blob).hexdigest()), rec["size"], rec["sha256"])
+    model = _safe_load(data.pop(MODEL_FILE), path / MODEL_FILE)
+    train = _safe_load(data.pop(TRAIN_STATE_FILE), path / TRAIN_STATE_FILE)
     try:
         state = json.loads(data.pop(STATE_FILE))
     except ValueError as e:  # bad JSON or UTF-8

@@ -36,7 +36,6 @@ from gptlib.layout import (
     MANIFEST_FILE,
     MIRRORED_FILES,
     PARTIAL_MARKER,
-    checkpoint_name,
     checkpoints_dir,
     step_of,
 )
@@ -98,13 +97,13 @@ class Mirror:
     def __init__(
         self,
         run_dir: Path,
-        mirror_dir: Path,
+        mirror_dir: str | Path,
         keep_last: int,
         keep_every: int,
         unreadable: set[Path] = frozenset(),
         listed_step: int | None = None,
     ):
-        self.run_dir, self.mirror_dir = run_dir, mirror_dir
+        self.run_dir, self.mirror_dir = run_dir, Path(mirror_dir)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.unreadable = unreadable  # checkpoints that could not be read at resume: never deleted
         self.listed_step = listed_step  # the newest step listed on the mirror at resume
@@ -200,9 +199,7 @@ class Mirror:
                     progress,
                 )
                 if self.error is not None:
-                    loud(
-                        f"Drive copy OK again: {checkpoint_name(step)} verified in {self.mirror_dir}"
-                    )
+                    loud(f"Drive copy OK again: {path.name} verified in {self.mirror_dir}")
                 self.error = None
                 self.last_step = max(step, self.last_step or 0)
                 self._tidy(path)
@@ -216,14 +213,14 @@ class Mirror:
                 self.error = f"{type(e).__name__}: {e}"
                 if attempt == attempts:
                     loud(
-                        f"!! DRIVE COPY FAILED for {checkpoint_name(step)} after {attempts} attempts: {self.error}. "
+                        f"!! DRIVE COPY FAILED for {path.name} after {attempts} attempts: {self.error}. "
                         f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
                         f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again."
                     )
                     return "failed"
                 delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
                 loud(
-                    f"!! Drive copy of {checkpoint_name(step)} failed (attempt {attempt}/{attempts}): {self.error}; "
+                    f"!! Drive copy of {path.name} failed (attempt {attempt}/{attempts}): {self.error}; "
                     f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})"
                 )
                 # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
@@ -252,12 +249,9 @@ class Mirror:
 
     def _tidy(self, path: Path) -> None:
         """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
+        what = f"Drive clean-up in {self.mirror_dir}"
         try:
-            call_with_timeout(
-                self._rotate_and_copy_logs,
-                MIRROR_TIDY_TIMEOUT_S,
-                what=f"Drive clean-up in {self.mirror_dir}",
-            )
+            call_with_timeout(self._rotate_and_copy_logs, MIRROR_TIDY_TIMEOUT_S, what=what)
         except LeaseLost:
             raise
         except Exception as e:  # noqa: BLE001 - the checkpoint is on Drive; this is housekeeping

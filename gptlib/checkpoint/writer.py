@@ -49,27 +49,19 @@ class CheckpointWriter:
         run_dir: str | Path | None,
         keep_last: int = 2,
         keep_every: int = 0,
-        log=print,
         mirror_dir: str | Path | None = None,
         unreadable: set[Path] = frozenset(),
         mirror_listed: int | None = None,
     ):
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.keep_last, self.keep_every, self.log = keep_last, keep_every, log
+        self.keep_last, self.keep_every = keep_last, keep_every
         # checkpoints that could not be read at resume: never deleted
         self.unreadable = set(unreadable)
-        self.mirror = (
-            Mirror(
-                self.run_dir,
-                Path(mirror_dir),
-                keep_last,
-                keep_every,
-                self.unreadable,
-                mirror_listed,
+        self.mirror = None
+        if mirror_dir is not None:
+            self.mirror = Mirror(
+                self.run_dir, mirror_dir, keep_last, keep_every, self.unreadable, mirror_listed
             )
-            if mirror_dir is not None
-            else None
-        )
         self.last_saved: Path | None = None
         self.last_save = time.time()  # for save_every_minutes
         self._thread: threading.Thread | None = None
@@ -149,16 +141,14 @@ class CheckpointWriter:
             with contextlib.suppress(CheckpointError, OSError):
                 where = f"; the newest intact checkpoint is step {verify_checkpoint(path).step:,}"
                 break
+        failed = f"saving a checkpoint in {self.run_dir} failed"
         if getattr(e, "errno", None) != errno.ENOSPC:
-            raise CheckpointError(
-                f"saving a checkpoint in {self.run_dir} failed: {e}{where}"
-            ) from e
+            raise CheckpointError(f"{failed}: {e}{where}") from e
         fewer = f" or lower keep_last (now {self.keep_last}: {override('keep_last=N')})"
         fewer = fewer if self.keep_last > MIN_KEEP_LAST else ""
-        fix = f"free space there (old runs or checkpoints){fewer}, then re-run"
+        fix = f"free space there (old runs or checkpoints){fewer}, then re-run{where}"
         raise CheckpointError(
-            f"saving a checkpoint in {self.run_dir} failed: the disk is full (no space left on its "
-            f"device); {fix}{where}"
+            f"{failed}: the disk is full (no space left on its device); {fix}"
         ) from e
 
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:

@@ -421,7 +421,6 @@ def open_writer(run: TrainingRun, start: Start, log) -> CheckpointWriter:
         start.run_dir,
         keep_last=tc.keep_last,
         keep_every=tc.keep_every,
-        log=log,
         mirror_dir=start.mirror_dir,
         unreadable=set(passed.unreadable),
         mirror_listed=passed.mirror_step,

@@ -336,11 +336,9 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """The run's checkpoints, newest first."""
     root = checkpoints_dir(run_dir)
-    found = (
-        [p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)]
-        if root.is_dir()
-        else []
-    )
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_checkpoint_name(p.name)]
     return sorted(found, key=step_of, reverse=True)
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -48,12 +49,7 @@ MIRROR_CLOSE_TIMEOUT_S = 600.0
 # rotating the mirror and copying the run's logs there: give up after this
 MIRROR_TIDY_TIMEOUT_S = 60.0
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
-NO_MIRROR_STATUS = {
-    "mirror_step": None,
-    "mirror_error": None,
-    "mirror_failures": 0,
-    "mirror_missing": None,
-}
+NO_MIRROR_STATUS = dict(mirror_step=None, mirror_error=None, mirror_failures=0, mirror_missing=None)
 
 
 def copy_file_verified(src: Path, dst: Path, size: int, sha256: str, progress: Progress) -> None:
@@ -193,11 +189,8 @@ class Mirror:
                     f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
                 )
                 check_writable(self.mirror_dir)
-                call_with_timeout(
-                    lambda progress=progress: mirror_checkpoint(path, self.mirror_dir, progress),
-                    MIRROR_STALL_TIMEOUT_S,
-                    progress,
-                )
+                copy = partial(mirror_checkpoint, path, self.mirror_dir, progress)
+                call_with_timeout(copy, MIRROR_STALL_TIMEOUT_S, progress)
                 if self.error is not None:
                     loud(f"Drive copy OK again: {path.name} verified in {self.mirror_dir}")
                 self.error = None

@@ -94,9 +94,8 @@ class CheckpointWriter:
         finally:
             torch.set_num_threads(n_threads)
         # the logs' byte counts now (the loop flushed them): the thread copies exactly this prefix
-        sizes = {
-            n: (self.run_dir / n).stat().st_size for n in LOG_FILES if (self.run_dir / n).is_file()
-        }
+        logs = [self.run_dir / name for name in LOG_FILES]
+        sizes = {f.name: f.stat().st_size for f in logs if f.is_file()}
         self._thread = threading.Thread(
             target=self._write, args=(host, sizes), daemon=True, name="gptlib-checkpoint"
         )

@@ -170,13 +170,9 @@ class RunConfig:
                     f"{where}: unknown key(s) {sorted(unknown)} ({versions}: use that gptlib or a newer "
                     f"one, README.md 'Versions and updating'); known: {names}"
                 )
-        return cls(
-            ModelConfig(**model),
-            TrainConfig(**train),
-            d.get("preset", "custom"),
-            d.get("recipe", "gpt2"),
-            d.get("gptlib_version", ""),
-        )
+        preset, recipe = d.get("preset", "custom"), d.get("recipe", "gpt2")
+        gptlib_version = d.get("gptlib_version", "")
+        return cls(ModelConfig(**model), TrainConfig(**train), preset, recipe, gptlib_version)
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
         """A copy, not validated, with fields set by name (`n_layer` or `model.n_layer`) from a dict or FIELD=VALUE."""
@@ -184,28 +180,23 @@ class RunConfig:
             if bad := [item for item in overrides if "=" not in item]:
                 raise ConfigError(f"override {bad[0]!r} is not FIELD=VALUE")
             overrides = dict(item.split("=", 1) for item in overrides)
-        sections = {f.name: "model" for f in fields(ModelConfig)} | {
-            f.name: "train" for f in fields(TrainConfig)
-        }
+        sections = {f.name: "model" for f in fields(ModelConfig)}
+        sections |= {f.name: "train" for f in fields(TrainConfig)}
         changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
         for name, value in (overrides or {}).items():
             section, _, key = name.strip().rpartition(".")  # "n_layer" or "model.n_layer"
             if section not in ("", "model", "train"):
-                raise ConfigError(
-                    f"unknown config section {section!r} in {name!r} (use model. or train.)"
-                )
+                msg = f"unknown config section {section!r} in {name!r} (use model. or train.)"
+                raise ConfigError(msg)
             if key not in sections or section not in ("", sections[key]):
                 raise ConfigError(
                     f"unknown config field {name!r}; known fields: {', '.join(sorted(sections))}"
                 )
-            changes[sections[key]][key] = _parse_value(
-                key, value, getattr(getattr(self, sections[key]), key)
-            )
-        return dataclasses.replace(
-            self,
-            model=dataclasses.replace(self.model, **changes["model"]),
-            train=dataclasses.replace(self.train, **changes["train"]),
-        )
+            current = getattr(getattr(self, sections[key]), key)
+            changes[sections[key]][key] = _parse_value(key, value, current)
+        model = dataclasses.replace(self.model, **changes["model"])
+        train = dataclasses.replace(self.train, **changes["train"])
+        return dataclasses.replace(self, model=model, train=train)
 
 
 # The modern recipe's learning rates: published values for the GPU presets, phase1's swept (docs/benchmarks.md).
@@ -313,15 +304,10 @@ def get_preset(name: str, recipe: str = "gpt2") -> RunConfig:
         if value not in known:
             raise ConfigError(f"unknown {kind} {value!r}; choose one of {', '.join(known)}")
     p, r = PRESETS[name], RECIPES[recipe]
+    model = ModelConfig(**{**p["model"], **r["model"]})
     # the preset's own values for the recipe win
-    train = {
-        **p["train"],
-        **r["train"],
-        **p.get(recipe, {}),
-    }
-    return RunConfig(
-        ModelConfig(**{**p["model"], **r["model"]}), TrainConfig(**train), name, recipe
-    )
+    train = TrainConfig(**{**p["train"], **r["train"], **p.get(recipe, {})})
+    return RunConfig(model, train, name, recipe)
 
 
 def build_config(
@@ -337,11 +323,8 @@ def build_config(
             f"recipe={recipe!r} was asked for a RunConfig made with recipe={cfg.recipe!r}; make it "
             f"with get_preset(name, recipe={recipe!r})"
         )
-    return (
-        cfg.updated(overrides)
-        .updated({k: v for k, v in explicit.items() if v is not None})
-        .validate()
-    )
+    explicit = {k: v for k, v in explicit.items() if v is not None}
+    return cfg.updated(overrides).updated(explicit).validate()
 
 
 _BOOLS = {
@@ -369,9 +352,8 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
         # the one list field: strings
         return [str(x) for x in json.loads(v)] if v.startswith("[") else [value]
     except (ValueError, KeyError):
-        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(
-            type(current), "a list of strings"
-        )
+        kinds = {bool: "true or false", int: "an integer", float: "a number"}
+        kind = kinds.get(type(current), "a list of strings")
         raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
 
 

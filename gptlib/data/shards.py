@@ -95,9 +95,7 @@ class ShardWriter:
             "sha256": hashlib.sha256(data).hexdigest(),
         }
         if self.with_spans:
-            sp = merge_spans(
-                np.concatenate(self.spans) if self.spans else np.zeros((0, 2), np.int64)
-            )
+            sp = merge_spans(np.concatenate([np.zeros((0, 2), np.int64), *self.spans]))
             sp = np.ascontiguousarray(sp, dtype=SPAN_DTYPE)
             sname = f"{self.split}_{len(self.shards):06d}.spans.bin"
             atomic_write(self.out_dir / sname, sp.tofile)
@@ -234,8 +232,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
 
     if m["format_version"] != FORMAT_VERSION:
         raise DataFormatError(
-            f"{meta_path}: format_version is {m['format_version']}, this gptlib reads "
-            f"{FORMAT_VERSION}"
+            f"{meta_path}: format_version is {m['format_version']}, this gptlib reads {FORMAT_VERSION}"
         )
     vocab_size = count(m["vocab_size"], "vocab_size")
     dtype, tokenizer, splits = dtype_for_vocab(vocab_size), m["tokenizer"], m["splits"]
@@ -257,8 +254,7 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
     tok_file = data_dir / tokenizer.get("file", TOKENIZER_FILE)
     if not tok_file.is_file():
         raise DataFormatError(f"tokenizer file {tok_file} named in {meta_path} does not exist")
-    got = sha256_file(tok_file) if tokenizer.get("hash") else None
-    if got is not None and got != tokenizer["hash"]:
+    if tokenizer.get("hash") and (got := sha256_file(tok_file)) != tokenizer["hash"]:
         raise DataFormatError(
             f"{tok_file}: sha256 {got[:16]}... differs from meta.json tokenizer.hash "
             f"{tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing"
@@ -270,10 +266,11 @@ def _check_size(data_dir: Path, file: str, n: int, itemsize: int, what: str) -> 
     p = data_dir / file
     if not p.is_file():
         raise DataFormatError(f"{what} {p} listed in {data_dir / META_FILE} does not exist")
-    if p.stat().st_size != int(n) * itemsize:
+    size, expected = p.stat().st_size, int(n) * itemsize
+    if size != expected:
         raise DataFormatError(
-            f"{what} {p}: file size is {p.stat().st_size} bytes but meta.json says {n} x "
-            f"{itemsize} bytes = {int(n) * itemsize} bytes"
+            f"{what} {p}: file size is {size} bytes but meta.json says {n} x {itemsize} bytes = "
+            f"{expected} bytes"
         )
     return p
 
@@ -310,12 +307,8 @@ def read_spans(meta: DatasetMeta, split: str) -> np.ndarray:
         )
     shards = meta.splits[split]["shards"]
     offsets = np.cumsum([0] + [int(s["tokens"]) for s in shards])
-    return merge_spans(
-        np.concatenate(
-            [np.zeros((0, 2), np.int64)]
-            + [_load_spans(meta.data_dir, s).astype(np.int64) + o for s, o in zip(shards, offsets)]
-        )
-    )
+    spans = [_load_spans(meta.data_dir, s).astype(np.int64) + o for s, o in zip(shards, offsets)]
+    return merge_spans(np.concatenate([np.zeros((0, 2), np.int64), *spans]))
 
 
 def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:

@@ -168,8 +168,7 @@ class BatchSampler:
         self.device = torch.device(device)
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1
         self.seed, self.rank, self.world_size = seed + rank, rank, world_size
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(self.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
         self.batches_drawn = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +182,8 @@ class BatchSampler:
         self.batches_drawn += 1
         x, y = chunk[:, :-1], chunk[:, 1:]
         if self.loss_mask is not None:
-            y = y.masked_fill(
-                ~_move(self.loss_mask.targets(starts, self.block_size), self.device), -1
-            )
+            answers = _move(self.loss_mask.targets(starts, self.block_size), self.device)
+            y = y.masked_fill(~answers, -1)
         return x, y
 
     def state_dict(self) -> dict:
@@ -255,9 +253,8 @@ def _preload(src: MemmapSplit, device: torch.device) -> torch.Tensor:
     n = len(src)
     if device.type != "cuda":
         return src.read(0, n)
-    out = torch.empty(
-        n, dtype=torch.int16 if src.dtype.itemsize == 2 else torch.int32, device=device
-    )
+    dtype = torch.int16 if src.dtype.itemsize == 2 else torch.int32
+    out = torch.empty(n, dtype=dtype, device=device)
     for pos in range(0, n, _COPY_PIECE):
         piece = src.read(pos, min(_COPY_PIECE, n - pos))
         # once per run: a plain blocking copy, no temporary on the GPU
@@ -285,7 +282,6 @@ def place_dataset(
             target = device if plan.where == "gpu" else torch.device("cpu")
             splits[split] = SplitData(_preload(src, target), split)
         log(f"data: {split} {len(src):,} tokens -> {plan.where.upper()}: {plan.reason}")
-    log(
-        f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {meta.tokenizer.get('kind')})"
-    )
+    kind = meta.tokenizer.get("kind")
+    log(f"data: {meta.data_dir} ({meta.dtype.name}, vocab {meta.vocab_size}, tokenizer {kind})")
     return splits

@@ -50,7 +50,7 @@ class CharTokenizer(Tokenizer):
         self.vocab_size = len(self.chars)
         # An id (or -1) for every code point (4.4 MB): encoding is one vectorised lookup, not a Python loop.
         self._lut = np.full(0x110000, -1, dtype=np.int32)
-        self._lut[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
+        self._lut[[ord(c) for c in self.chars]] = np.arange(self.vocab_size, dtype=np.int32)
 
     @classmethod
     def from_text(cls, text: Iterable[str]) -> "CharTokenizer":
@@ -81,11 +81,8 @@ class CharTokenizer(Tokenizer):
 
     def to_json_bytes(self) -> bytes:
         # "unknown": "error" stays (the only policy now): the identity hashes these bytes
-        return json.dumps(
-            {"kind": "char", "chars": "".join(self.chars), "unknown": "error"},
-            ensure_ascii=False,
-            sort_keys=True,
-        ).encode()
+        obj = {"kind": "char", "chars": "".join(self.chars), "unknown": "error"}
+        return json.dumps(obj, ensure_ascii=False, sort_keys=True).encode()
 
 
 class BPETokenizer(Tokenizer):
@@ -152,10 +149,10 @@ class BPETokenizer(Tokenizer):
 
         missing = [t for t in tokens if self.token_id(t) is None]
         for t in missing:
-            if self._tk.token_to_id(t) is not None:
+            if (ordinary := self._tk.token_to_id(t)) is not None:
                 raise TokenizerError(
                     f"token {t!r} is an ordinary entry of this tokenizer's vocabulary "
-                    f"(id {self._tk.token_to_id(t)}), not a special token: it cannot mark turns"
+                    f"(id {ordinary}), not a special token: it cannot mark turns"
                 )
         if not missing:
             return self

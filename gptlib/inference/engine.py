@@ -43,15 +43,13 @@ class SamplingConfig:
         if not self.temperature >= 0:
             raise GenerationError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
-            raise GenerationError(
-                f"top_k={self.top_k!r} must be a positive integer (or None/0 for no limit)"
-            )
+            msg = f"top_k={self.top_k!r} must be a positive integer (or None/0 for no limit)"
+            raise GenerationError(msg)
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise GenerationError(f"top_p={self.top_p!r} must be in (0, 1] (or None for off)")
         if not self.repetition_penalty > 0:
-            raise GenerationError(
-                f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)"
-            )
+            msg = f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)"
+            raise GenerationError(msg)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -166,16 +164,14 @@ class Engine:
         bs, dev = self.model.config.block_size, self.device
         max_new, B = cfg.max_new_tokens, len(prompts)
         if empty := [i for i, p in enumerate(prompts) if len(p) == 0]:
-            raise GenerationError(
-                f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)"
-            )
+            msg = f"prompt {empty[0]} is empty: give at least one token (e.g. a newline)"
+            raise GenerationError(msg)
         if not prompts or max_new == 0:
             return [[] for _ in prompts], ["length"] * B
         # same seed, weights and settings -> same text
         if generator is None and cfg.temperature > 0:
-            generator = torch.Generator(dev).manual_seed(
-                secrets.randbits(63) if cfg.seed is None else cfg.seed
-            )
+            seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
+            generator = torch.Generator(dev).manual_seed(seed)
         lens = [len(p) for p in prompts]
         min_len, max_len, total = min(lens), max(lens), max(lens) + max_new
         buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
@@ -201,8 +197,8 @@ class Engine:
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
             if on_step is not None or stop_t is not None:
-                # rows whose token at cur is new
-                new = ~is_prompt[:, cur] & ~done & (cur < lens_t + max_new)
+                # rows whose token at cur is new (a row is done from its last token on)
+                new = ~is_prompt[:, cur] & ~done
                 if stop_t is not None:
                     done |= new & torch.isin(nxt, stop_t)
                 done |= cur + 1 >= lens_t + max_new

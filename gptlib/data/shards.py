@@ -184,9 +184,8 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
     meta_path = data_dir / META_FILE
     # a file or a symlink loop is its own one-line error
     if not check_dir(data_dir, "data directory"):
-        raise DataFormatError(
-            f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)"
-        )
+        msg = f"data directory {data_dir} does not exist (run `python -m gptlib tokenize` first)"
+        raise DataFormatError(msg)
     if not meta_path.is_file():
         raise DataFormatError(
             _run_dir_message(data_dir)
@@ -202,9 +201,8 @@ def read_meta(data_dir: str | Path) -> DatasetMeta:
     except KeyError as e:  # a hand edit
         raise DataFormatError(f"{meta_path}: required field {e.args[0]!r} is missing") from None
     except (TypeError, AttributeError) as e:  # a field of the wrong shape
-        raise DataFormatError(
-            f"{meta_path}: malformed metadata ({type(e).__name__}: {e})"
-        ) from None
+        msg = f"{meta_path}: malformed metadata ({type(e).__name__}: {e})"
+        raise DataFormatError(msg) from None
 
 
 def _run_dir_message(data_dir: Path) -> str | None:

@@ -311,15 +311,11 @@ class _TextStream:
             self.text, self.stopped = self.text[: min(hits)], True
             return self._take(len(self.text))
         # held back: the longest end of the text that is a proper prefix of a stop string
-        held = max(
-            (
-                n
-                for s in self.stop
-                for n in range(1, min(len(s) - 1, len(self.text)) + 1)
-                if self.text.endswith(s[:n])
-            ),
-            default=0,
-        )
+        held = 0
+        for s in self.stop:
+            for n in range(1, min(len(s) - 1, len(self.text)) + 1):
+                if self.text.endswith(s[:n]):
+                    held = max(held, n)
         return self._take(len(self.text) - held)
 
     def _take(self, upto: int) -> str:

@@ -223,9 +223,8 @@ def _run_dir_message(data_dir: Path) -> str | None:
 def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
     def count(value, field: str) -> int:  # a hand edit may leave "32k" or 3.5
         if type(value) is not int or value < 0:
-            raise DataFormatError(
-                f"{meta_path}: {field} is {value!r}, expected a whole number >= 0"
-            )
+            msg = f"{meta_path}: {field} is {value!r}, expected a whole number >= 0"
+            raise DataFormatError(msg)
         return value
 
     if m["format_version"] != FORMAT_VERSION:
@@ -244,9 +243,8 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
             count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"]
         )
         if counted != count(info["tokens"], f"{split}.tokens"):
-            raise DataFormatError(
-                f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}"
-            )
+            msg = f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}"
+            raise DataFormatError(msg)
         for s in info["shards"]:
             check_shard(data_dir, s, dtype, m.get("format") == "chat")
     tok_file = data_dir / tokenizer.get("file", TOKENIZER_FILE)

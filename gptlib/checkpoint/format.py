@@ -142,18 +142,19 @@ def save_checkpoint(root: Path, ckpt: dict, logs: dict[str, bytes] | None = None
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     partial = root / f"{final.name}{PARTIAL_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    partial.mkdir()
     train = {k: ckpt.get(k) or {} for k in TRAIN_PARTS}
     if ckpt.get("sampler_ranks") is not None:
         train["sampler_ranks"] = ckpt["sampler_ranks"]
     progress = (json.dumps(ckpt["progress"], indent=2) + "\n").encode()
+    parts = {
+        MODEL_FILE: ckpt["model"],
+        TRAIN_STATE_FILE: train,
+        STATE_FILE: progress,
+        **(logs or {}),
+    }
+    partial.mkdir()
     try:
-        files = {
-            MODEL_FILE: write_hashed(partial / MODEL_FILE, ckpt["model"]),
-            TRAIN_STATE_FILE: write_hashed(partial / TRAIN_STATE_FILE, train),
-            STATE_FILE: write_hashed(partial / STATE_FILE, progress),
-        }
-        files |= {name: write_hashed(partial / name, data) for name, data in (logs or {}).items()}
+        files = {name: write_hashed(partial / name, content) for name, content in parts.items()}
         # format_version: what gptlib 0.1.0 checks before reading; gptlib_version: the gptlib that wrote it
         manifest = dict(format_version=1, gptlib_version=__version__, step=step, time=time.time())
         atomic_write_json(partial / MANIFEST_FILE, {**manifest, "files": files})

@@ -74,7 +74,9 @@ def prepare(
             inputs, out_dir, text_column, fmt, hf_config, hf_split
         )
         tokenizer = tokenizer or ("bpe" if fmt == "chat" else "char")
-        holds = f"{_first_records(sources)} holds conversations ({column!r})"  # what format "auto" found
+        # what format "auto" found, in the first file of records
+        first = next((s.path for s in sources if s.kind != "text"), "")
+        holds = f"{first} holds conversations ({column!r})"
         if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
             raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")
         split = _choose_split(split, sources, fmt)
@@ -141,11 +143,9 @@ def _check_options(
             raise PrepareError(why)
     if tokenizer_from is None:
         return None
-    p = (
-        Path(tokenizer_from) / TOKENIZER_FILE
-        if Path(tokenizer_from).is_dir()
-        else Path(tokenizer_from)
-    )
+    p = Path(tokenizer_from)
+    if p.is_dir():
+        p = p / TOKENIZER_FILE
     if not p.is_file():
         raise PrepareError(
             f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
@@ -154,22 +154,11 @@ def _check_options(
     return p
 
 
-def _first_records(sources: list[Source]) -> str:  # the file format "auto" looked at
-    return str(next((s.path for s in sources if s.kind != "text"), ""))
-
-
 def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:
+    plain_text = fmt == "text" and all(s.kind == "text" for s in sources)
     if split == "auto":
-        split = (
-            "tail"
-            if (
-                fmt == "text"
-                and all(s.kind == "text" for s in sources)
-                and len(sources) < TAIL_SPLIT_MAX_FILES
-            )
-            else "document"
-        )
-    if split == "tail" and (fmt == "chat" or any(s.kind != "text" for s in sources)):
+        split = "tail" if plain_text and len(sources) < TAIL_SPLIT_MAX_FILES else "document"
+    if split == "tail" and not plain_text:
         raise PrepareError(
             "split='tail' works on plain text files only; jsonl/parquet documents and conversations "
             "are split per document (split='document')"
@@ -251,9 +240,8 @@ def _new_tokenizer(
         extra_special=CHAT_TOKENS if fmt == "chat" else (),
     )
     if verbose:
-        print(
-            f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {time.time() - t_tok:.1f}s"
-        )
+        took = time.time() - t_tok
+        print(f"tokenizer: {tok.kind}, vocab {tok.vocab_size:,}, trained in {took:.1f}s")
     return tok
 
 
@@ -373,18 +361,10 @@ def _write_meta(p: Pass, reused: Tokenizer | None, empty: list, column: str | No
     reused tokenizer before the chat tokens were added (fine-tuning checks that its model's vocabulary is a prefix of
     the data's)."""
     spec, stats, fmt = p.spec, p.stats, p.spec.get("format", "text")
+    kept = ("documents", "characters", "empty_documents", "replaced_invalid_utf8", "skipped_files")
     extra: dict[str, Any] = {
         "format": fmt,
-        **{
-            k: stats[k]
-            for k in (
-                "documents",
-                "characters",
-                "empty_documents",
-                "replaced_invalid_utf8",
-                "skipped_files",
-            )
-        },
+        **{k: stats[k] for k in kept},
         "empty_files": empty,
         "split": spec["split"],
         "val_fraction": spec["val_fraction"],

@@ -191,11 +191,9 @@ class Pass:
 
     def encode(self, pieces: list[Piece]) -> list:
         texts = [p.text for p in pieces]
-        return (
-            self.tok.encode_batch_ids(texts)
-            if isinstance(self.tok, BPETokenizer)
-            else self.tok.encode_batch(texts)
-        )
+        if isinstance(self.tok, BPETokenizer):
+            return self.tok.encode_batch_ids(texts)
+        return self.tok.encode_batch(texts)
 
     def run_batch(self, batch: Batch, ids: list) -> None:
         parts: dict[str, list] = {"train": [], "val": []}
@@ -246,10 +244,8 @@ class Pass:
         self.bar.update(max(0.0, min(advance, self.bar.total - self.bar.n)))
         if not self.max_tokens:  # a bar of bytes: the tokens too
             rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
-            self.bar.set_postfix_str(
-                f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s",
-                refresh=False,
-            )
+            tokens = f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
+            self.bar.set_postfix_str(tokens, refresh=False)
         # The next batch starts after the last piece of this one, with the reader's counters as they were then.
         self.batch_start = {
             "pos": dict(p.pos),
@@ -325,13 +321,11 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
         except (OSError, ValueError, KeyError, TypeError):
             done = 0
-        loud(
-            f"tokenize stopped: {done} train shard(s) of {out_dir} are kept; run the same command again to continue "
-            f"from there"
-            if done
-            else "tokenize stopped before its first shard was written; run the same command "
-            "again to start over"
-        )
+        msg = "tokenize stopped before its first shard was written; run the same command again to start over"
+        if done:
+            kept = f"{done} train shard(s) of {out_dir} are kept"
+            msg = f"tokenize stopped: {kept}; run the same command again to continue from there"
+        loud(msg)
         raise
     finally:
         if lock.is_locked:  # removed while held, so that a data directory holds only its dataset

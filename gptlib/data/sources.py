@@ -98,10 +98,8 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
             block = f.read(min(PIECE_CHARS, tail_cut - off) if split == "train" else PIECE_CHARS)
             if not block:
                 break  # the file shrank while reading
-            at_end = off + len(block) >= src.size or (
-                tail_cut is not None and off + len(block) == tail_cut
-            )
-            k = _cut_bytes(block, at_end)
+            end = off + len(block)
+            k = _cut_bytes(block, end >= src.size or end == tail_cut)
             if k < len(block):
                 f.seek(off + k)
             off += k
@@ -116,18 +114,13 @@ def _document_pieces(
 ) -> Iterator[Piece]:
     """A resume inside the document restarts at (byte, char), after it at byte_after. An empty document (a blank line,
     null or "") is one empty piece, to be counted."""
+    after = {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}
     if not text:
-        yield Piece(
-            "", doc, True, None, {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}, nbytes
-        )
+        yield Piece("", doc, True, None, after, nbytes)
         return
     for piece, end in split_text(text, char):
         done = end >= len(text)
-        nxt = (
-            {"file": fi, "doc": doc + 1, "byte": byte_after, "char": 0}
-            if done
-            else {"file": fi, "doc": doc, "byte": byte, "char": end}
-        )
+        nxt = after if done else {"file": fi, "doc": doc, "byte": byte, "char": end}
         yield Piece(piece, doc, done, None, nxt, nbytes * len(piece) / len(text))
 
 
@@ -146,19 +139,16 @@ def conversation_pieces(
         for piece, end in split_text(texts[t], char if t == turn else 0):
             turn_end = end >= len(texts[t])
             last = turn_end and t == len(turns) - 1
-            nxt = {
-                "file": fi,
-                "doc": doc,
-                "byte": byte,
-                "char": 0 if turn_end else end,
-                "turn": t + 1 if turn_end else t,
-            }
+            # the next piece: this turn's rest, the next turn, or (after the last) the next document
+            nxt = {"file": fi, "doc": doc, "byte": byte, "char": end, "turn": t}
+            if turn_end:
+                nxt = after if last else {**nxt, "char": 0, "turn": t + 1}
             yield Piece(
                 piece,
                 doc,
                 last,
                 None,
-                after if last else nxt,
+                nxt,
                 nbytes * len(piece) / total,
                 role=turns[t][0],
                 turn_start=end == len(piece),
@@ -177,13 +167,10 @@ def iter_jsonl_file(
             byte += len(line)
             if fmt == "chat" and line.strip():
                 obj = _jsonl_object(line, src.path, doc + 1, field)
-                value = (
-                    obj[field]
-                    if field in obj
-                    else Malformed(
-                        f"field {field!r} is missing (fields: {', '.join(map(str, obj))[:200]})"
-                    )
-                )
+                value = obj.get(field)
+                if field not in obj:
+                    fields = ", ".join(map(str, obj))[:200]
+                    value = Malformed(f"field {field!r} is missing (fields: {fields})")
                 yield from conversation_pieces(value, fi, doc, turn, char, start, byte, len(line))
             else:
                 text = _jsonl_text(line, src.path, doc + 1, field) if line.strip() else None
@@ -226,9 +213,8 @@ def iter_parquet_file(
             except Exception as e:  # noqa: BLE001
                 if not corrupt(e):
                     raise
-                msg = f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}".replace(
-                    "\n", " "
-                ).strip()
+                msg = f"row group {g} (rows {row}-{ends[g] - 1}) is unreadable: {e}"
+                msg = msg.replace("\n", " ").strip()
                 skipped.append({"path": str(src.path), "error": msg, "partial": True})
                 row, char, turn = ends[g], 0, 0
 
@@ -258,9 +244,8 @@ def iter_source(
     skipped: list,
 ) -> Iterator[Piece]:
     if src.kind == "text":
-        return iter_text_file(
-            src, fi, pos, None if tail_fraction is None else int(src.size * (1.0 - tail_fraction))
-        )
+        tail_cut = None if tail_fraction is None else int(src.size * (1.0 - tail_fraction))
+        return iter_text_file(src, fi, pos, tail_cut)
     if src.kind == "jsonl":
         return iter_jsonl_file(src, fi, pos, column, fmt)
     return iter_parquet_file(src, fi, pos, column, fmt, skipped)

@@ -99,9 +99,8 @@ def source(f: Path | Found) -> Source:
     try:
         src.hash = content_hash(src.open, src.size)
     except Exception as e:  # noqa: BLE001
-        raise PrepareError(
-            f"input {src.path} cannot be read: {describe(e, str(src.path))}"
-        ) from None
+        why = describe(e, str(src.path))
+        raise PrepareError(f"input {src.path} cannot be read: {why}") from None
     return src
 
 
@@ -118,14 +117,9 @@ def resolve_inputs(
         if is_url(s):
             files.extend(resolve_url(s, hf_config, hf_split))
         elif p.is_dir():
-            files.extend(
-                sorted(
-                    x
-                    for x in p.rglob("*")
-                    if x.is_file()
-                    and not any(part.startswith(".") for part in x.relative_to(p).parts)
-                )
-            )
+            for x in sorted(p.rglob("*")):
+                if x.is_file() and not any(part.startswith(".") for part in x.relative_to(p).parts):
+                    files.append(x)
         elif p.is_file():
             files.append(p)
         elif has_glob(s):
@@ -256,11 +250,8 @@ def scan_inputs(
     """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found), the
     format: fmt, or for "auto" what the first record says (plain text files are text))."""
     files = resolve_inputs(inputs, out_dir, hf_config, hf_split)
-    compressed = [
-        n
-        for n in (f.url if isinstance(f, Found) else str(f) for f in files)
-        if n.lower().endswith(COMPRESSED_EXT)
-    ]
+    names = [f.url if isinstance(f, Found) else str(f) for f in files]
+    compressed = [n for n in names if n.lower().endswith(COMPRESSED_EXT)]
     if compressed:
         raise PrepareError(
             f"input file {compressed[0]} is compressed; decompress it first (tokenize reads .txt, "
@@ -288,9 +279,8 @@ def scan_inputs(
             raise
         except Exception as e:  # noqa: BLE001 - a filesystem library's error
             if not corrupt(e):
-                raise PrepareError(
-                    f"input {s.path} cannot be read: {describe(e, str(s.path))}"
-                ) from None
+                why = describe(e, str(s.path))
+                raise PrepareError(f"input {s.path} cannot be read: {why}") from None
             # no footer: the next file
             skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
     fmt = _detect(text_column, (), fmt)

@@ -259,16 +259,12 @@ def our_files(out_dir: Path) -> list[Path]:
     if not out_dir.is_dir():
         return []
     names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
-    return [
-        p
-        for p in out_dir.iterdir()
-        if p.is_file()
-        and (
-            p.name in names
-            or (p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val"))
-            or TMP_MARKER in p.name
-        )
-    ]
+    ours = []
+    for p in out_dir.iterdir():
+        shard = p.suffix == ".bin" and p.name.split("_")[0] in ("train", "val")
+        if p.is_file() and (p.name in names or shard or TMP_MARKER in p.name):
+            ours.append(p)
+    return ours
 
 
 def check_output_dir(out_dir: Path) -> None:

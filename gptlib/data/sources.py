@@ -222,11 +222,8 @@ def iter_parquet_file(
 def _row_values(pf, g: int, col: str, skip: int) -> Iterator:
     """Read about ROW_BATCH_BYTES of the column's data at a time: a row group of books a few MB at a time."""
     rg = pf.metadata.row_group(g)
-    size = sum(
-        rg.column(i).total_uncompressed_size
-        for i in range(rg.num_columns)
-        if rg.column(i).path_in_schema.split(".")[0] == col
-    )
+    chunks = [rg.column(i) for i in range(rg.num_columns)]
+    size = sum(c.total_uncompressed_size for c in chunks if c.path_in_schema.split(".")[0] == col)
     rows = int(max(1, min(1024, ROW_BATCH_BYTES // max(1.0, size / max(1, rg.num_rows)))))
     for batch in pf.iter_batches(batch_size=rows, row_groups=[g], columns=[col], use_threads=False):
         if skip < batch.num_rows:

@@ -31,22 +31,18 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
 
 def report_problems(m: dict) -> None:
     """What tokenize replaced or skipped (also recorded in meta.json)."""
-    if m.get("replaced_invalid_utf8"):
-        print(
-            f"warning: {m['replaced_invalid_utf8']:,} invalid UTF-8 sequences were replaced by U+FFFD"
-        )
-    if m.get("empty_files"):
-        print(
-            f"warning: {len(m['empty_files'])} empty file(s) skipped: {', '.join(m['empty_files'][:5])}"
-        )
+    replaced, empty = m.get("replaced_invalid_utf8"), m.get("empty_files")
+    if replaced:
+        print(f"warning: {replaced:,} invalid UTF-8 sequences were replaced by U+FFFD")
+    if empty:
+        print(f"warning: {len(empty)} empty file(s) skipped: {', '.join(empty[:5])}")
     if m.get("empty_documents"):
         print(f"note: {m['empty_documents']:,} empty documents skipped")
     for s in m.get("skipped_files", []):
         print(f"warning: skipped {s['path']}: {s['error']}")
-    if m.get("malformed_conversations"):
-        print(
-            f"warning: {m['malformed_conversations']:,} malformed conversations skipped; the first ones:"
-        )
+    malformed = m.get("malformed_conversations")
+    if malformed:
+        print(f"warning: {malformed:,} malformed conversations skipped; the first ones:")
         for ex in m.get("malformed_examples", []):
             print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
 

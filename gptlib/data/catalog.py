@@ -98,11 +98,9 @@ def source_inputs(
     elif not inputs:  # the demo corpus
         cached = cached_tinyshakespeare()
         inputs = [cached or fetch_tinyshakespeare()]
-        how = (
-            "found in the cache, checksum-verified"
-            if cached
-            else "downloaded and checksum-verified"
-        )
+        how = "found in the cache, checksum-verified"
+        if not cached:
+            how = "downloaded and checksum-verified"
         log(f"source: {label}: {base.note}, {how} ({inputs[0]})")
     return inputs, {
         "text_column": text_column or base.text_column,

@@ -219,9 +219,8 @@ def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
     try:
         obj = json.loads(line.decode("utf-8", _ERRORS))
     except json.JSONDecodeError as e:
-        raise PrepareError(
-            f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
-        ) from None
+        why = f"not valid JSON ({e.msg} at column {e.colno})"
+        raise PrepareError(f"{path}:{lineno}: {why}") from None
     if not isinstance(obj, dict):
         raise PrepareError(
             f"{path}:{lineno}: a JSON {type(obj).__name__}, expected an object with a {field!r} field"

@@ -57,10 +57,8 @@ def run_facts(ld, run_dir: Path) -> dict:
     """What the run's files say about a loaded checkpoint: its data sources, its evaluations, three samples."""
     meta_path = Path(ld.state.data_dir) / META_FILE if ld.state.data_dir else None
     meta = json.loads(meta_path.read_text()) if meta_path and meta_path.is_file() else {}
-    sources = [
-        p if "://" in p else Path(p).name
-        for p in (s.get("path", "") for s in meta.get("sources", []))
-    ]
+    paths = [s.get("path", "") for s in meta.get("sources", [])]
+    sources = [p if "://" in p else Path(p).name for p in paths]
     datasets = sorted(
         {m[1] for s in sources if (m := re.match(r"hf://datasets/([^/@]+/[^/@]+)", s))}
     )
@@ -122,11 +120,11 @@ def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: st
     )
 
 
-def _se(row: dict, field: str) -> str:
-    """The score's standard error where eval.jsonl has one (gptlib 0.3.0 on): a reader of the card can tell two
-    models apart only when their scores differ by more than about twice their combined standard errors."""
-    se = row.get(f"{field}_se")
-    return "" if se is None else f" ± {se:.4f} (standard error)"
+def _score(row: dict, field: str) -> str:
+    """The score, with its standard error where eval.jsonl has one (gptlib 0.3.0 on): a reader of the card can tell
+    two models apart only when their scores differ by more than about twice their combined standard errors."""
+    se, score = row.get(f"{field}_se"), f"{row[field]:.4f}"
+    return score if se is None else f"{score} ± {se:.4f} (standard error)"
 
 
 def model_card(
@@ -148,6 +146,9 @@ def model_card(
     hours = (
         f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
     )
+    bits = _score(bpb, "bpb") if bpb else "not run (python -m gptlib eval --task bpb)"
+    acc = f"{_score(hs, 'acc_norm')} on {hs['n']:,} items" if hs else "not run"
+    gguf_use = f"llama.cpp: `llama-cli -hf {repo}`; Ollama: `ollama run hf.co/{repo}:F16`; LM Studio: search {repo}"
     lines = [
         f"# {name}",
         "",
@@ -168,15 +169,8 @@ def model_card(
         "## Evaluation",
         "",
         f"- validation loss: {val}",
-        "- bits per byte: "
-        + (
-            f"{bpb['bpb']:.4f}{_se(bpb, 'bpb')}"
-            if bpb
-            else "not run (python -m gptlib eval --task bpb)"
-        ),
-        "- HellaSwag acc_norm: "
-        + (f"{hs['acc_norm']:.4f}{_se(hs, 'acc_norm')} on {hs['n']:,} items" if hs else "not run")
-        + " (GPT-2 124M: 0.2955, chance: 0.25)",
+        f"- bits per byte: {bits}",
+        f"- HellaSwag acc_norm: {acc} (GPT-2 124M: 0.2955, chance: 0.25)",
         "",
         *(["## Loss curve", "", f"![loss curve]({LOSS_PLOT})", ""] if plot else []),
         "## Samples during training",
@@ -190,14 +184,7 @@ def model_card(
         f'model = AutoModelForCausalLM.from_pretrained("{repo}")',
         "```",
         "",
-        *(
-            [
-                f"llama.cpp: `llama-cli -hf {repo}`; Ollama: `ollama run hf.co/{repo}:F16`; LM Studio: search {repo}",
-                "",
-            ]
-            if gguf_file
-            else []
-        ),
+        *([gguf_use, ""] if gguf_file else []),
         f"gptlib: `python -m gptlib import-hf --model {repo} --out runs/{name}`, then sample, chat, eval or fine-tune.",
         "",
     ]
@@ -239,10 +226,8 @@ def push(
         # "" fails: a model id without its USER/ is refused
         validate_repo_id(repo if repo.count("/") == 1 else "")
     except HFValidationError:
-        raise ExportError(
-            f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', "
-            f"'.')"
-        ) from None
+        msg = f"--repo {repo!r} is not a Hub model id: give USER/NAME (letters, digits, '-', '_', '.')"
+        raise ExportError(msg) from None
     if dry_run is not None:
         return str(stage(run_dir, dry_run, repo, checkpoint, gguf, license, hardware))
     token = hub.get_token()

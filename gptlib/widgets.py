@@ -250,10 +250,8 @@ class Playground:
                 repetition_penalty=float(self.repetition_penalty.value),
             )
             eng = self._engine_for(self.checkpoint.value)
-            how_to_end = (
-                "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
-            )
-            self.status.value = status_html(f"generating… {how_to_end}")
+            ending = "(Stop ends it)" if stoppable else "(from code: interrupt the cell to end it)"
+            self.status.value = status_html(f"generating… {ending}")
             t0 = time.perf_counter()
             try:
                 res = eng.generate(prompt, cfg, stream=on_piece)[0]
@@ -272,7 +270,14 @@ class Playground:
         finally:
             self.button.disabled, self.stop_button.disabled = False, True
             self._busy.release()
-        self._show_result(prompt, res, eng.step, dt)
+        self._show_text(prompt, res.text)
+        n = len(res.token_ids)
+        speed = f"{tokens_in(n, dt)} ({n / max(dt, 1e-9):.0f} tokens/s)"
+        if res.finish_reason == "user":
+            how = f"stopped after {speed}: Stop pressed"
+        else:
+            how = f"{speed}, stopped by {res.finish_reason}"
+        self.status.value = status_html(f"step {eng.step:,}: {how}")
         return res
 
     def _engine_for(self, step: int) -> Engine:
@@ -292,16 +297,6 @@ class Playground:
         return GenerationInterrupted(
             f"after {n:,} tokens; the text so far stays in the playground above"
         )
-
-    def _show_result(self, prompt: str, res: Completion, step: int, dt: float) -> None:
-        n = len(res.token_ids)
-        speed = f"{tokens_in(n, dt)} ({n / max(dt, 1e-9):.0f} tokens/s)"
-        self._show_text(prompt, res.text)
-        if res.finish_reason == "user":
-            how = f"stopped after {speed}: Stop pressed"
-        else:
-            how = f"{speed}, stopped by {res.finish_reason}"
-        self.status.value = status_html(f"step {step:,}: {how}")
 
 
 class MessageBox(anywidget.AnyWidget):
@@ -425,22 +420,19 @@ class ChatBox:
             session.system = self.system.value.strip() or None
             self._show_transcript(pending="")
             self.status.value = status_html("generating…")
+            _, stream = throttled(lambda t: self._show_transcript(pending=t))
             t0 = time.perf_counter()
-            reply = session.reply(
-                text, cfg, stream=throttled(lambda t: self._show_transcript(pending=t))[1]
-            )
+            reply = session.reply(text, cfg, stream=stream)
             dt = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - a button callback must show the problem, not a traceback in a log
             self.turns.pop()  # as the session does: a failed or interrupted reply leaves the conversation as it was
             # not lost: back in the box (if it is empty), to send again once the settings are fixed
             self.message.send({"put_back": text})
             self._show_transcript()
-            self.status.value = status_html(
-                f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "interrupted",
-                error=True,
-            )
             if not isinstance(e, Exception):
+                self.status.value = status_html("interrupted", error=True)
                 raise  # KeyboardInterrupt (the notebook's stop button) still stops the cell
+            self.status.value = status_html(f"{type(e).__name__}: {e}", error=True)
             return None
         self.turns.append(("assistant", reply))
         self._show_transcript()
@@ -470,8 +462,6 @@ class ChatBox:
     # the widget, or where a front end cannot draw one, the text
     def _repr_mimebundle_(self, **kwargs) -> tuple[dict, dict]:
         names = {"user": "you", "assistant": "model"}
-        text = (
-            "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns) or "(chat: no messages yet)"
-        )
+        text = "\n".join(f"{names.get(r, r)}: {c}" for r, c in self.turns)
         view = {"version_major": 2, "version_minor": 0, "model_id": self.widget.model_id}
-        return {"text/plain": text, WIDGET_VIEW: view}, self._metadata
+        return {"text/plain": text or "(chat: no messages yet)", WIDGET_VIEW: view}, self._metadata

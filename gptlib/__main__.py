@@ -303,9 +303,8 @@ def cmd_sample(args) -> None:
     cfg = _sampling(args, stop=[st.replace("\\n", "\n") for st in args.stop])
     eng = Engine.from_run(args.run_dir, args.checkpoint, device=args.device)
     print(f"# {eng.source} (step {eng.step})", file=sys.stderr)
-    heading = [
-        f"\n--- sample {i + 1}/{len(jobs)} ---\n" if len(jobs) > 1 else "" for i in range(len(jobs))
-    ]
+    n = len(jobs)
+    heading = [f"\n--- sample {i + 1}/{n} ---\n" if n > 1 else "" for i in range(n)]
     if not args.stream:  # one batch
         for head, c in zip(heading, eng.generate(jobs, cfg)):
             print(head + c.prompt + c.text)

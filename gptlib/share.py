@@ -41,11 +41,10 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
         export_model(ld.model, tmp, ld.tokenizer)
         if gguf:
             write_gguf(ld.model, ld.tokenizer, tmp / gguf_file, "f16", name=repo)
-        if (run_dir / LOSS_PLOT).is_file():
+        plot = (run_dir / LOSS_PLOT).is_file()
+        if plot:
             shutil.copyfile(run_dir / LOSS_PLOT, tmp / LOSS_PLOT)
-        card = model_card(
-            ld, run_dir, repo, license, hardware, gguf_file, (tmp / LOSS_PLOT).is_file()
-        )
+        card = model_card(ld, run_dir, repo, license, hardware, gguf_file, plot)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         os.replace(tmp, out)
     finally:

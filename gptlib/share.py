@@ -193,18 +193,16 @@ def model_card(
 def hub_error(e: Exception, repo: str) -> ExportError:
     status = http_status(e)
     if status == 401:
-        return ExportError(
-            f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}"
+        msg = f"the Hub refused the token (HTTP 401: invalid or expired); {TOKEN_HELP}"
+    elif status == 403:
+        msg = f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}"
+    else:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        msg = (
+            f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
+            f"all or nothing): run the same command again to finish it"
         )
-    if status == 403:
-        return ExportError(
-            f"the Hub refused to write {repo} (HTTP 403): not yours, or a read-only token; {TOKEN_HELP}"
-        )
-    first = (str(e).strip().splitlines() or [""])[0][:200]
-    return ExportError(
-        f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
-        f"all or nothing): run the same command again to finish it"
-    )
+    return ExportError(msg)
 
 
 def push(

@@ -294,9 +294,8 @@ class Playground:
         # counted as Stop counts: re-encoded
         n = len(self._engine.tokenizer.encode(text)) if text else 0
         self.status.value = status_html(f"interrupted after {n:,} tokens")
-        return GenerationInterrupted(
-            f"after {n:,} tokens; the text so far stays in the playground above"
-        )
+        msg = f"after {n:,} tokens; the text so far stays in the playground above"
+        return GenerationInterrupted(msg)
 
 
 class MessageBox(anywidget.AnyWidget):
@@ -393,10 +392,9 @@ class ChatBox:
             )
         cap = self._session.reply_cap
         if self.max_tokens.value > cap:
-            self._notices.append(
-                f"Max new tokens capped at {cap}: replies get at most half of the model's "
-                f"{self._session.block_size}-token context"
-            )
+            size = self._session.block_size
+            msg = f"Max new tokens capped at {cap}: replies get at most half of the model's {size}-token context"
+            self._notices.append(msg)
         self.max_tokens.max = min(self.max_tokens.max, cap)
         return self._session
 

@@ -41,16 +41,12 @@ def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
     kept = {}
     for name in (METRICS_FILE, SAMPLES_FILE):
         rows = [r for r in read_jsonl(run_dir / name) if r.get("step", 0) <= step]
-        copy = [
-            r
-            for r in parse_jsonl(saved.get(name, b"").decode(errors="replace"))
-            if r.get("step", 0) <= step
-        ]
+        saved_rows = parse_jsonl(saved.get(name, b"").decode(errors="replace"))
+        copy = [r for r in saved_rows if r.get("step", 0) <= step]
         kept[name] = max(rows, copy, key=len)
         if len(copy) > len(rows) or (run_dir / name).exists():
-            atomic_write_bytes(
-                run_dir / name, "".join(json.dumps(r) + "\n" for r in kept[name]).encode()
-            )
+            text = "".join(json.dumps(r) + "\n" for r in kept[name])
+            atomic_write_bytes(run_dir / name, text.encode())
     return kept[METRICS_FILE]
 
 
@@ -68,15 +64,11 @@ def write_samples_table(run_dir: Path) -> None:
     def esc(t: str) -> str:
         return t.replace("|", "\\|").replace("\n", "<br>")
 
+    header = "| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |"
     # Every column left-aligned, explicitly: without it the classic notebook right-aligns the text.
-    lines = [
-        "| step | " + " | ".join(esc(repr(p)) for p in prompts) + " |",
-        "|:---|" + ":---|" * len(prompts),
-    ]
-    lines += [
-        f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |"
-        for st in steps
-    ]
+    lines = [header, "|:---|" + ":---|" * len(prompts)]
+    for st in steps:
+        lines.append(f"| {st} | " + " | ".join(esc(cell.get((st, p), "")) for p in prompts) + " |")
     atomic_write_bytes(run_dir / SAMPLES_TABLE, ("\n".join(lines) + "\n").encode())
 
 
@@ -175,15 +167,15 @@ class MetricsLog:
         its loss stays pending."""
         if not self.pending:
             return
-        st = self.run.state
         losses = self.run.ddp.mean(torch.stack(self.pending)).tolist()
         self.pending = self.pending[-1:] if validating else []
         self.train_loss = losses[-1]
-        rows = [
-            self._row(step, loss) for step, loss in enumerate(losses, st.step - len(losses) + 1)
-        ]
+        first = self.run.state.step - len(losses) + 1
+        rows = [self._row(step, loss) for step, loss in enumerate(losses[:-1], first)]
         # the last step's row carries the speed; a validation step's is written with its val loss
-        self._write(*rows[:-1], *([] if validating else [self._row(st.step, losses[-1], speed)]))
+        if not validating:
+            rows.append(self._row(self.run.state.step, losses[-1], speed))
+        self._write(*rows)
 
     def validation_row(self, val_loss: float, speed: dict, extra: dict | None = None) -> dict:
         """This step's row, with its val loss (after `flush`), `speed` and `extra` (HellaSwag fields)."""
@@ -269,11 +261,8 @@ class LivePlot:
             from IPython.display import display
 
             if get_ipython() is not None:
-                self.handle = display(
-                    {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"},
-                    raw=True,
-                    display_id=True,
-                )
+                bundle = {"text/plain": self.PLACEHOLDER, "text/markdown": f"*{self.PLACEHOLDER}*"}
+                self.handle = display(bundle, raw=True, display_id=True)
 
     def figure(self, row: dict | None = None):
         """The run's metrics.jsonl. The title: the run and its last validation; below, the speed of `row` (train's
@@ -282,9 +271,8 @@ class LivePlot:
         val = next((r for r in reversed(rows) if r.get("val_loss") is not None), None)
         if row is None:
             row = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "eta_s"}
-        head = " · ".join(
-            filter(None, [self.title, val and f"step {val['step']:,}: val {val['val_loss']:.4f}"])
-        )
+        last_val = val and f"step {val['step']:,}: val {val['val_loss']:.4f}"
+        head = " · ".join(filter(None, [self.title, last_val]))
         title = "\n".join(filter(None, [head, speed_text(row, split=True)]))
         return loss_figure(rows, title, figsize=(8, 3.6), dpi=90)
 
@@ -342,11 +330,8 @@ def add_hellaswag_axis(ax, rows: list[dict]):
 def hellaswag_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 100):
     """acc_norm of eval.jsonl rows against tokens seen, with GPT-2 124M's figure."""
     ax = _axes(figsize, dpi, "tokens seen", "HellaSwag acc_norm", title)
-    pts = sorted(
-        (r["tokens_seen"], r["acc_norm"])
-        for r in rows
-        if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None
-    )
+    scored = [r for r in rows if r.get("task") == "hellaswag" and r.get("tokens_seen") is not None]
+    pts = sorted((r["tokens_seen"], r["acc_norm"]) for r in scored)
     if pts:
         ax.plot(*zip(*pts), "o-", label="this run")
     _references(ax, "tab:red", 1)

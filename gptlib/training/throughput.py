@@ -65,21 +65,15 @@ def device_peak(device: str | torch.device, units_per_hour: float | None = None)
     """units_per_hour (TrainConfig.colab_units_per_hour), when set, replaces the table's rate."""
     device = torch.device(device)
     if device.type != "cuda":
-        return DevicePeak(
-            f"{device.type}: {cpu_name()}",
-            None,
-            f"MFU unknown on {device.type} (no peak table for it)",
-            units_per_hour or None,
-        )
+        note = f"MFU unknown on {device.type} (no peak table for it)"
+        return DevicePeak(f"{device.type}: {cpu_name()}", None, note, units_per_hour or None)
     name = torch.cuda.get_device_name(device)
     family, peak = lookup_peak(name)
+    memory = torch.cuda.get_device_properties(device).total_memory
     runtime = next(
         (r for pattern, r in COLAB_RUNTIMES if re.search(pattern, name, flags=re.IGNORECASE)), None
     )
-    if (
-        runtime == "A100 40GB"
-        and torch.cuda.get_device_properties(device).total_memory > 60 * 2**30
-    ):
+    if runtime == "A100 40GB" and memory > 60 * 2**30:
         runtime = "A100 80GB"
     note = (
         f"peak {peak / 1e12:.0f} TFLOP/s ({family}, dense)"
@@ -421,14 +415,11 @@ def plan_run(
     max_steps = max(1, math.ceil(tokens / per_step)) if tokens > 0 else cfg.train.max_steps
     peak = device_peak(resolve_device(device), cfg.train.colab_units_per_hour)
     if peak.units_per_hour is not None:
-        rate = (
-            f"; {peak.units_per_hour:g} Colab units per hour "
-            f"({'yours' if cfg.train.colab_units_per_hour else 'gptlib table of March 2026'})"
-        )
+        whose = "yours" if cfg.train.colab_units_per_hour else "gptlib table of March 2026"
+        rate = f"; {peak.units_per_hour:g} Colab units per hour ({whose})"
     else:  # units mean something on Colab only
-        rate = (
-            "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)" if in_colab() else ""
-        )
+        unknown = "; Colab units per hour unknown for it (set COLAB_UNITS_PER_HOUR)"
+        rate = unknown if in_colab() else ""
     summary = (
         f"{preset} ({recipe} recipe): {per_step:,} tokens/step x {max_steps:,} steps = "
         f"{fmt_tokens(per_step * max_steps)} tokens\ndevice: {peak.note}{rate}\n"

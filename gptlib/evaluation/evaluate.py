@@ -134,18 +134,16 @@ def _prepare(
     state, cfg, tok = read_state_and_tokenizer(run_dir, info.path)
     if task == "hellaswag":
         if data is not None and Path(data).is_dir():
-            raise EvalError(
-                f"{data} is a directory; for hellaswag give the jsonl file ({file_option})"
-            )
+            msg = f"{data} is a directory; for hellaswag give the jsonl file ({file_option})"
+            raise EvalError(msg)
         # tokenized once, for every checkpoint of the run:
         items, file = hs.load_items(data, file_option=file_option)
         chosen = [items[i] for i in hs.select(len(items), limit)]
         # a run keeps its model config
         return {"file": file, "rendered": hs.render(chosen, tok, cfg.model.block_size)}
     if data is not None and Path(data).is_file():
-        raise EvalError(
-            f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
-        )
+        msg = f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
+        raise EvalError(msg)
     if not (data or state.data_dir):
         raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
     meta = read_meta(data or state.data_dir)
@@ -241,9 +239,8 @@ def noise_lines(by_step: dict[int, dict], tasks: list[str]) -> list[str]:
     lines = []
     for t in tasks:
         k, name, _ = COLUMNS[t][0]
-        had = [
-            (s, d[t]) for s, d in sorted(by_step.items()) if d.get(t, {}).get(f"{k}_se") is not None
-        ]
+        steps = sorted(by_step.items())
+        had = [(s, d[t]) for s, d in steps if d.get(t, {}).get(f"{k}_se") is not None]
         if len(had) < 2:
             continue
         (sa, a), (sb, b) = had[-2:]

@@ -239,11 +239,10 @@ def _encode(tok: Tokenizer, text: str) -> list[int] | None:
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
     # as build-nanogpt
     texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
-    ids = (
-        tok.encode_batch_ids(texts)
-        if hasattr(tok, "encode_batch_ids")
-        else [_encode(tok, t) for t in texts]
-    )
+    if hasattr(tok, "encode_batch_ids"):
+        ids = tok.encode_batch_ids(texts)
+    else:
+        ids = [_encode(tok, t) for t in texts]
     r = Rendered()
     for i, it in enumerate(items):
         ctx, ends = ids[5 * i], ids[5 * i + 1 : 5 * i + 5]

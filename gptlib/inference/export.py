@@ -83,11 +83,8 @@ def weight_map(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def is_conv1d(cfg: ModelConfig, name: str) -> bool:
-    return (
-        native_arch(cfg) == "gpt2"
-        and name.endswith(".weight")
-        and any(f".{n}." in name for n in GPT2_LINEARS)
-    )
+    linear = name.endswith(".weight") and any(f".{n}." in name for n in GPT2_LINEARS)
+    return native_arch(cfg) == "gpt2" and linear
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -95,10 +92,8 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     cfg, out = model.config, {}
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
     for ours, theirs in weight_map(cfg):
-        if ours in sd:
-            w = sd[ours]
-        else:
-            w = torch.zeros(sd[ours.removesuffix("bias") + "weight"].shape[0])
+        # a bias that bias=False left out: zeros, one per row of its weight
+        w = sd[ours] if ours in sd else torch.zeros(len(sd[ours.removesuffix("bias") + "weight"]))
         if ours in ("transformer.wte.weight", "lm_head.weight"):
             w = w[: cfg.vocab_size]  # the padding rows never produce a token
         w = w.t() if is_conv1d(cfg, ours) else w
@@ -169,9 +164,8 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
         (out / "tokenizer.json").write_text(hf.to_str(), encoding="utf-8")
     else:  # byte-level BPE: our tokenizer.json already is a `tokenizers` file
         (out / "tokenizer.json").write_bytes(tok.to_json_bytes())
-    special = (
-        {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if tok.eot_id is not None else {}
-    )
+    has_eot = tok.eot_id is not None
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if has_eot else {}
     # split_special_tokens: a literal "<|endoftext|>" in text stays text, as in gptlib (documents cannot forge a
     # boundary); the special token is only added by id. clean_up_...: decode gives back exactly the characters.
     tcfg = {
@@ -182,9 +176,8 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
         "split_special_tokens": bool(special),
         **special,
     }
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n"
-    )
+    text = json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n"
+    (out / "tokenizer_config.json").write_text(text)
 
 
 def export_model(

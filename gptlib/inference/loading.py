@@ -94,15 +94,13 @@ def resolve_checkpoint(
     if table and (newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > newest]):
         log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")
     if not table:  # the listing answered, so a stat will too; a file, a link loop or a broken link is said as such
-        exists = check_dir(run_dir, "the run directory")
-        why = (
-            "/checkpoints (has training saved one yet?)"
-            if exists
-            else ": the run directory does not exist"
-        )
-        raise CheckpointError(
-            f"no valid checkpoint in {run_dir}" + (f": {'; '.join(skipped)}" if skipped else why)
-        )
+        if skipped:  # checkpoints were listed, so the run directory is one
+            why = f": {'; '.join(skipped)}"
+        elif check_dir(run_dir, "the run directory"):
+            why = "/checkpoints (has training saved one yet?)"
+        else:
+            why = ": the run directory does not exist"
+        raise CheckpointError(f"no valid checkpoint in {run_dir}{why}")
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
     if which_s == "latest":
@@ -260,11 +258,8 @@ def run_history(run_dir: str | Path) -> tuple[list[dict], dict]:
     run_dir = Path(run_dir)
 
     def read() -> tuple[list[dict], dict]:
-        where = [
-            d / METRICS_FILE
-            for d in (run_dir, *list_checkpoints(run_dir))
-            if (d / METRICS_FILE).is_file()
-        ]
+        dirs = [run_dir, *list_checkpoints(run_dir)]
+        where = [d / METRICS_FILE for d in dirs if (d / METRICS_FILE).is_file()]
         config = run_dir / CONFIG_FILE
         rows = read_jsonl(where[0]) if where else []
         return rows, json.loads(config.read_text()) if config.is_file() else {}

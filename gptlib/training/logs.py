@@ -142,8 +142,6 @@ def log_samples(
     return rows
 
 
-# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up. The postfix (loss,
-# tok/s, MFU, ETA) stays under 50 characters, to leave the bar a fair share of a 100-column line.
 class MetricsLog:
     """metrics.jsonl and the rows of this run so far (`history`): the record of its losses. Losses stay on the device
     until `flush` (a log step, and every checkpoint, so a resumed run writes the rows the uninterrupted run would): one

@@ -162,6 +162,8 @@ def speed_text(row: dict, split: bool = False) -> str:
     return ", ".join(p for p in parts if p)
 
 
+# No "<remaining" from tqdm: the postfix carries the ETA computed from tokens/s after warm-up. The postfix (loss,
+# tok/s, MFU, ETA) stays under 50 characters, to leave the bar a fair share of a 100-column line.
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
@@ -237,15 +239,10 @@ class RunProgress:
             self.split.update(self.timer.split())
             # validations included: for the ETA
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)
+            target = self.tc.max_steps * self.run.tokens_per_step
+            devices, tps = self.run.ddp.world_size, self.steady_tokens_per_s()
             self.perf = perf_fields(
-                self.split,
-                self.flops_per_token,
-                self.steady_tokens_per_s(),
-                self.peak,
-                self.run.ddp.world_size,
-                tokens,
-                self.tc.max_steps * self.run.tokens_per_step,
-                wall_rate,
+                self.split, self.flops_per_token, tps, self.peak, devices, tokens, target, wall_rate
             )
         return self.speed(now)
 

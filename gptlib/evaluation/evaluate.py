@@ -236,11 +236,10 @@ COLUMNS = {
 def noise_lines(by_step: dict[int, dict], tasks: list[str]) -> list[str]:
     """Each task's first figure, the newest two checkpoints that have its standard error: their difference is within
     noise under 2 x the combined standard error sqrt(se_a^2 + se_b^2), else the better checkpoint is named."""
-    lines = []
+    lines, oldest_first = [], sorted(by_step.items())
     for t in tasks:
         k, name, _ = COLUMNS[t][0]
-        steps = sorted(by_step.items())
-        had = [(s, d[t]) for s, d in steps if d.get(t, {}).get(f"{k}_se") is not None]
+        had = [(s, d[t]) for s, d in oldest_first if d.get(t, {}).get(f"{k}_se") is not None]
         if len(had) < 2:
             continue
         (sa, a), (sb, b) = had[-2:]

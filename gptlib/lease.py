@@ -8,7 +8,6 @@ before that write lands."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -16,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import namedtuple
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
@@ -246,7 +245,7 @@ class RunLease:
         _LIVE.discard(self.session)
 
 
-@contextlib.contextmanager
+@contextmanager
 def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bool, log):
     """The run's lease, taken before anything in run_dir or the mirror changes. A set-up refused inside the block
     releases it and removes the directories it created (if still empty); otherwise the loop releases it."""

@@ -11,7 +11,6 @@ import uuid
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 from gptlib.checkpoint.format import (
     check_file,
@@ -116,8 +115,8 @@ class Mirror:
         self._best_step: int | None = None  # what mirror rotation must keep
         self._busy: Path | None = None
         self._closing = False
-        # the copy now: "step_N, X of Y MB copied"
-        self._copying: Callable[[], str] = lambda: "starting"
+        # the copy attempt now: its checkpoint, progress and size in MB (None: none started yet)
+        self._attempt: tuple[Path, Progress, float] | None = None
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
@@ -185,9 +184,7 @@ class Mirror:
             progress = Progress()  # per attempt: an abandoned one stays cancelled
             try:
                 total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
-                self._copying = lambda progress=progress, total=total: (
-                    f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
-                )
+                self._attempt = (path, progress, total)
                 check_writable(self.mirror_dir)
                 copy = partial(mirror_checkpoint, path, self.mirror_dir, progress)
                 call_with_timeout(copy, MIRROR_STALL_TIMEOUT_S, progress)
@@ -271,6 +268,13 @@ class Mirror:
         for name in MIRRORED_FILES:  # written atomically: a kill leaves a temp file
             if (self.run_dir / name).is_file():
                 atomic_write_bytes(self.mirror_dir / name, (self.run_dir / name).read_bytes())
+
+    def _copying(self) -> str:
+        """The copy now: "step_N, X of Y MB copied"."""
+        if self._attempt is None:
+            return "starting"
+        path, progress, total = self._attempt
+        return f"{path.name}, {progress.bytes / 1e6:,.0f} of {total:,.0f} MB copied"
 
     def missing_step(self) -> int | None:
         """The newest checkpoint given to copy, while Drive does not have it (None: it has, or none was given)."""

@@ -11,7 +11,8 @@ for Google Drive: temp name, hash while copying, fsync, sizes checked, rename, r
 Prints the median over the saves of: blocking time (the loop waits), local background time
 (save call -> local checkpoint verified), mirror time (local verified -> mirror verified), and how
 fast the main thread can issue small torch ops while the background threads work, relative to
-idle (the GIL cost a GPU training loop, which mostly launches kernels, would see).
+idle (the GIL cost a GPU training loop, which mostly launches kernels, would see); and the threads a save
+starts besides the loop's (by name), with the most of them alive at once.
 Target: blocking < 2 s. Note: the mirror here is the same local disk, so real Drive copies are slower
 (tens of MB/s); training does not wait for them.
 """
@@ -25,6 +26,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +64,19 @@ def machine_info(d: Path) -> str:
         f"torch threads {torch.get_num_threads()}; disk at {d}: {du.free / 1e9:.0f} GB free; load avg "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
+
+
+def count_threads() -> list[tuple[str, int]]:
+    """From now on, each thread started -> (its name, how many threads besides the main one are alive once it is)."""
+    started, real_start = [], threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        real_start(thread)
+        alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
+        started.append((thread.name, len(alive)))
+
+    threading.Thread.start = start
+    return started
 
 
 def main() -> None:
@@ -115,6 +130,7 @@ def main() -> None:
     block, local_t, mirror_t, sizes, rates = [], [], [], [], []
     try:
         w = CheckpointWriter(local, keep_last=2, mirror_dir=mirror)
+        threads = count_threads()
         for i in range(1, args.saves + 1):
             checkpoint = {
                 "model": model.state_dict(),
@@ -161,6 +177,12 @@ def main() -> None:
     print(f"  mirror (Drive stand-in):     {mirror:.2f} s   ({gb / mirror:.2f} GB/s)")
     print(
         f"  main-thread op rate while the background write runs: {statistics.median(rates):.0%} of idle"
+    )
+    names = sorted({name for name, _ in threads})
+    print(
+        f"  threads besides the loop's: {len(threads) / args.saves:g} started per save ("
+        + ", ".join(f"{n} x{sum(m == n for m, _ in threads) / args.saves:g}" for n in names)
+        + f"), at most {max(n for _, n in threads)} alive at once"
     )
 
 

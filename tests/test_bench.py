@@ -449,3 +449,31 @@ def test_bench_script_runs_from_a_shell_and_gptlib_has_no_bench_command(tmp_path
     # the command of an earlier release: its replacement named
     assert gptlib_main(["bench", "train"]) == 2
     assert "error: bench is not in gptlib" in capsys.readouterr().err
+
+
+def test_save_bench_runs_and_counts_a_saves_threads(tmp_path):
+    """benchmarks/save_bench.py at phase1's size: the stall and the threads a save starts (one writer, one mirror,
+    the mirror's watchdogged Drive calls), as its closing figures print them."""
+    from tests.conftest import REPO
+
+    p = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/save_bench.py",
+            "--preset",
+            "phase1",
+            "--saves",
+            "2",
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert p.returncode == 0 and "blocking the training loop" in p.stdout, p.stdout + p.stderr
+    threads = next(line for line in p.stdout.splitlines() if "threads besides the loop's" in line)
+    assert "gptlib-checkpoint x1," in threads and "gptlib-mirror x1)" in threads, threads
+    assert list(tmp_path.iterdir()) == []  # its run dirs removed

@@ -221,7 +221,9 @@ def call_with_timeout(
 ) -> Any:
     """fn() in a daemon thread; HungIOError once it has gone `timeout` seconds without returning or, given
     `progress`, without a tick (fn is then stopped at its next tick). A call stuck in a hung FUSE mount can only be
-    abandoned (a daemon thread never holds up the interpreter's exit), so fn must only write temp names, or read."""
+    abandoned (a daemon thread never holds up the interpreter's exit) and may finish late, so fn writes temp names,
+    reads, or finishes what it was asked while it was still wanted (the mirror's rename of a complete copy, a rotation's
+    deletions: a late clean-up can at worst fail a later copy, which is retried)."""
     progress = progress or Progress()
     result = in_background(fn)
     while not wait([result], max(0.0, progress.t + timeout - time.monotonic())).done:

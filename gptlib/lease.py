@@ -56,10 +56,14 @@ def _describe(found: Holder | str, now: float) -> str:
 
 
 def _read(path: Path, timeout: float | None) -> Holder | str | None:
-    """-> the Holder, None (no lease), or why it cannot be read; HungIOError on a hung Drive (timeout None: a plain
-    read, for a caller that runs under a watchdog of its own or on the local disk)."""
+    """-> the Holder, None (no lease), or what is wrong with its contents. A file that cannot be read raises its
+    OSError (HungIOError on a hung Drive): Drive failing to answer says nothing of who holds the run (timeout None: a
+    plain read, for a caller that runs under a watchdog of its own or on the local disk)."""
     try:
         raw = path.read_bytes() if timeout is None else read_bytes_with_timeout(path, timeout)
+    except FileNotFoundError:
+        return None
+    try:
         d = json.loads(raw)
         return Holder(
             str(d["host"]),
@@ -70,12 +74,6 @@ def _read(path: Path, timeout: float | None) -> Holder | str | None:
             int(d.get("generation", 0)),
             d.get("released") and float(d["released"]),
         )
-    except FileNotFoundError:
-        return None
-    except HungIOError:
-        raise
-    except (OSError, UnicodeDecodeError) as e:
-        return f"unreadable ({e})"
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"malformed ({type(e).__name__}: {e})"
 
@@ -97,22 +95,26 @@ class RunLease:
     def acquire(self) -> "RunLease":
         """RunDirError naming the holder, before anything is written."""
         self.generation = 1 + max([self._check_free(d / LEASE_FILE) for d in self.dirs], default=0)
-        for d in self.dirs:
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                self._write(d / LEASE_FILE)
-            except HungIOError:
-                raise
-            except OSError as e:
-                # the first write to the run dir: say what is wrong with it, not a traceback
-                self.release()
-                raise cannot_write(d, e) from None
-            self._held.append(d)
-            _LIVE.add(self.session)
-        # two starters that wrote at the same moment: the last write wins, the other sees it
-        time.sleep(0.05)
-        for d in self._held:
-            self._check_ours(d / LEASE_FILE, on_lost=RunDirError, timeout=IO_TIMEOUT_S)
+        try:
+            for d in self.dirs:
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                    self._write(d / LEASE_FILE)
+                except HungIOError:
+                    raise
+                except OSError as e:
+                    # the first write to the run dir: say what is wrong with it, not a traceback
+                    raise cannot_write(d, e) from None
+                self._held.append(d)
+                _LIVE.add(self.session)
+            # two starters that wrote at the same moment: the last write wins, the other sees it
+            time.sleep(0.05)
+            for d in self._held:
+                self._check_ours(d / LEASE_FILE, on_lost=RunDirError, timeout=IO_TIMEOUT_S)
+        # a start that fails here (the mirror's lease write hung, say) holds nothing: what it wrote is released
+        except BaseException:
+            self.release()
+            raise
         GUARDS.update({str(d): self.check for d in self._held})
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="gptlib-lease")
         self._thread.start()
@@ -120,7 +122,13 @@ class RunLease:
 
     def _check_free(self, path: Path) -> int:
         """-> the generation found there (0: none); RunDirError if another process holds it."""
-        found = _read(path, IO_TIMEOUT_S)
+        try:
+            found = _read(path, IO_TIMEOUT_S)
+        except HungIOError:
+            raise
+        # judged by its age below, as a lease that cannot be parsed is
+        except OSError as e:
+            found = f"unreadable ({e})"
         generation = found.generation if isinstance(found, Holder) else 0
         if found is None or isinstance(found, Holder) and found.released:
             return generation
@@ -234,7 +242,8 @@ class RunLease:
         for a holder frozen before this one took over to read."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            # a beat being written now must not follow the release
+            # a beat being written now must not follow the release (one abandoned on a hung Drive may still land:
+            # that lease then goes stale in STALE_S)
             self._thread.join(IO_TIMEOUT_S)
         for d in self._held if self.lost is None else []:
             with suppress(OSError, LeaseLost):  # a hung Drive: the lease goes stale on its own

@@ -318,6 +318,67 @@ def test_a_run_dir_that_cannot_be_written_is_one_clear_error(
     assert "Traceback" not in err
 
 
+def test_drive_failing_to_give_the_lease_is_a_drive_failure_not_a_take_over(
+    char_data, tmp_path, monkeypatch
+):
+    """Drive failing to answer (Errno 107) when the mirror's lease is read before a copy was taken for a take-over:
+    training stopped with LeaseLost ('taken over by another process (a lease file that is unreadable ...)') at the
+    first Drive hiccup. It is a Drive failure: the copy is retried, training goes on, Drive ends with the last
+    checkpoint."""
+    import errno
+    from pathlib import Path
+
+    from gptlib.checkpoint import mirror as M
+
+    lease_on_drive, read_bytes, failed = tmp_path / "drive" / "lease.json", Path.read_bytes, []
+
+    def flaky(path):
+        # the checks during training (acquire reads with a time limit, in its own way): the first three fail
+        if path == lease_on_drive and len(failed) < 3:
+            failed.append(path)
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected", str(path))
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", flaky)
+    monkeypatch.setattr(M, "MIRROR_RETRY_DELAYS_S", (0.01,) * 5)
+    settings = TINY + ["save_every_steps=5"]
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        settings,
+        max_steps=10,
+        progress=False,
+        log=quiet,
+        mirror_dir=lease_on_drive.parent,
+    )
+    assert len(failed) == 3 and r.step == 10 and r.not_on_drive is None
+    assert step_of(list_checkpoints(lease_on_drive.parent)[0]) == 10
+
+
+def test_a_start_whose_mirror_lease_write_hangs_holds_nothing(char_data, tmp_path, monkeypatch):
+    """A resume: the run dir's lease written, the mirror's hung. The start stops with one line and holds nothing;
+    it kept the run dir's lease (this process's, not released), so the next call in the same kernel was refused ('in
+    use by a training still running in this process') until a restart."""
+    from gptlib.errors import HungIOError
+
+    drive, write = tmp_path / "drive", L.atomic_write_json
+    args = dict(progress=False, log=quiet, mirror_dir=drive)
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=2, **args)
+
+    def hangs_on_drive(path, body):
+        if path.parent == drive:
+            raise HungIOError(110, "writing the lease made no progress for 30 s (hung mount?)")
+        write(path, body)
+
+    monkeypatch.setattr(L, "atomic_write_json", hangs_on_drive)
+    with pytest.raises(HungIOError, match="training did not start and nothing was changed"):
+        train(char_data, tmp_path / "run", "phase1", TINY, max_steps=4, **args)
+    assert json.loads((tmp_path / "run" / "lease.json").read_text())["released"]
+    monkeypatch.setattr(L, "atomic_write_json", write)
+    assert train(char_data, tmp_path / "run", "phase1", TINY, max_steps=4, **args).step == 4
+
+
 # --- a holder frozen (SIGSTOP: a paused VM, a process stuck on a hung Drive) while another host takes its run over
 # (issue 44). Two "machines" by the hostname knob; a lease stale after 2 s. Before the fix the woken holder wrote the
 # lease again ("was deleted ... writing it again") and its checkpoints, config, plot and samples over the new

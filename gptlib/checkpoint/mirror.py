@@ -1,6 +1,7 @@
-"""The Drive mirror: each verified local checkpoint copied to Google Drive in a background thread, so the run survives
-the VM. Drive errors (Errno 107, Errno 5, hangs) are retried and reported loudly, never raised into training; if copies
-fall behind, only the newest checkpoint is copied, then every milestone."""
+"""The Drive mirror: each local checkpoint copied to Google Drive in a background thread (its bytes checked against
+its manifest as they are read), so the run survives the VM. Drive errors (Errno 107, Errno 5, hangs) are retried and
+reported loudly, never raised into training; if copies fall behind, only the newest checkpoint is copied, then every
+milestone."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from gptlib.layout import (
     checkpoints_dir,
     step_of,
 )
+from gptlib.lease import IO_TIMEOUT_S
 
 MIRROR_RETRY_DELAYS_S = (2.0, 5.0, 15.0, 30.0, 60.0)  # waits between attempts for one checkpoint
 # an attempt with no progress for this long is a hung Drive: abandoned
@@ -62,6 +64,8 @@ def mirror_checkpoint(
     """Copied under a temp name, manifest last, then renamed; nothing is read back. reuse: keep a copy already there
     with the same manifest (not at resume: it may be a damaged one)."""
     progress = progress or Progress()
+    # another process took the run over: copy nothing into its directory (under the caller's watchdog: a Drive read)
+    check_writable(mirror_run_dir)
     manifest = read_manifest(src)
     dst_root = checkpoints_dir(mirror_run_dir)
     dst_root.mkdir(parents=True, exist_ok=True)
@@ -120,7 +124,7 @@ class Mirror:
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
-        """A new verified local checkpoint -> the checkpoints rotation must not delete yet (pending, busy)."""
+        """A new local checkpoint -> the checkpoints rotation must not delete yet (pending, busy)."""
         with self._cv:
             self._best_step = best_step
             self._pending = path
@@ -185,7 +189,6 @@ class Mirror:
             try:
                 total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
                 self._attempt = (path, progress, total)
-                check_writable(self.mirror_dir)
                 copy = partial(mirror_checkpoint, path, self.mirror_dir, progress)
                 call_with_timeout(copy, MIRROR_STALL_TIMEOUT_S, progress)
                 if self.error is not None:
@@ -223,7 +226,10 @@ class Mirror:
 
     def _taken(self) -> bool:
         try:
-            check_writable(self.mirror_dir)
+            # reads the lease on Drive: under a watchdog, as every Drive call here
+            call_with_timeout(
+                partial(check_writable, self.mirror_dir), IO_TIMEOUT_S, what="reading the lease"
+            )
         except LeaseLost:
             return True
         except OSError:  # a hung Drive: a Drive failure
@@ -256,7 +262,8 @@ class Mirror:
             self.mirror_dir,
             self.keep_last,
             self._best_step,
-            truncate=True,  # also cleans checkpoint orphans
+            # Drive's trash keeps deleted files: emptied first (rotate cleans the orphans too)
+            truncate=True,
             keep_every=self.keep_every,
             protect=self.unreadable,
             newest=self.last_step,

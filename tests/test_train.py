@@ -708,6 +708,22 @@ def test_a_resume_on_a_fresh_vm_draws_the_runs_history_before_its_first_step(tmp
     )
 
 
+def test_an_on_log_that_fails_at_a_resume_still_releases_the_run(tmp_path, char_data):
+    """on_log is the caller's code, called at a resume before the first step: if it raises, its error reaches the
+    caller and the run is released, so the next call in the same kernel trains (it was refused as 'in use by a
+    training still running in this process' until the kernel restarted)."""
+    args = dict(preset="phase1", overrides=TINY, progress=False, log=quiet)
+    train(char_data, tmp_path / "run", max_steps=4, **args)
+
+    def broken_plot(row):
+        raise RuntimeError("the plot broke")
+
+    with pytest.raises(RuntimeError, match="the plot broke"):
+        train(char_data, tmp_path / "run", max_steps=8, on_log=broken_plot, **args)
+    r = train(char_data, tmp_path / "run", max_steps=8, **args)
+    assert (r.resumed_from, r.step) == (4, 8)
+
+
 def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     tmp_path, char_data, monkeypatch
 ):

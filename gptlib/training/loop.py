@@ -157,12 +157,13 @@ def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
     timer = StepTimer(run.device)
     # the record of the losses (metrics.jsonl), and what shows the run (bar, lines, MFU, ETA, on_log)
     metrics, shown = MetricsLog(run), RunProgress(run, timer, progress, log, on_log)
-    shown.started()
     tokens_at_start, stopped_by = state.tokens_seen, "max_steps"
     # read once: the step below runs thousands of times
     autocast, tokens_per_step = run.autocast, run.tokens_per_step
     stop = GracefulStop(log).install()  # stop button / SIGTERM: finish the step, save, return
     try:
+        # inside the try: it calls on_log (the caller's code), and a failure there must still release the run
+        shown.started()
         while state.step < tc.max_steps:
             # one optimizer step and its counters, as one: a second stop press takes effect when they are done
             with stop.deferred():

@@ -13,9 +13,9 @@ import torch
 from gptlib.data.shards import DataFormatError, DatasetMeta, read_spans
 
 GiB = 1 << 30
-# preload into RAM only if the data takes at most this share of available RAM ...
+# preload into RAM only if the data and RAM_RESERVE together fit in this share of available RAM
 RAM_FRACTION = 0.75
-RAM_RESERVE = 1 * GiB  # ... and still leaves this much for Python, the model and the OS
+RAM_RESERVE = 1 * GiB  # for Python, the model and the OS
 GPU_FRACTION = 0.85  # preload onto the GPU only if data + the model's training memory fit in this share of free memory
 _COPY_PIECE = 1 << 26  # tokens copied per piece while preloading (bounds temporary host memory)
 
@@ -42,7 +42,7 @@ class SplitData:
         return self.tokens.device
 
     def gather_raw(self, starts: torch.Tensor, length: int) -> torch.Tensor:
-        """starts (B,) -> (B, length) in the storage dtype: 4x less to copy than int64."""
+        """starts (B,) -> (B, length) in the storage dtype (16 or 32 bits): 4x or 2x less to copy than int64."""
         dev = self.tokens.device
         return self.tokens[_move(starts, dev).unsqueeze(1) + torch.arange(length, device=dev)]
 
@@ -159,10 +159,12 @@ class BatchSampler:
         world_size: int = 1,
     ):
         if len(data) < block_size + 1:
+            fix = "use more text or a smaller block_size (--set block_size=N)"
+            if data.name == "val":  # a larger val_fraction helps the val split only
+                fix = "use more text, a smaller block_size (--set block_size=N), or a larger val_fraction"
             raise DataFormatError(
                 f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
-                f"+ 1 = {block_size + 1}; use more text, a smaller block_size (--set block_size=N), "
-                f"or a larger val_fraction"
+                f"+ 1 = {block_size + 1}; {fix}"
             )
         self.data, self.batch_size, self.block_size = data, batch_size, block_size
         self.device = torch.device(device)
@@ -173,7 +175,8 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y of shape (B, T) int64 on the training device; y is x shifted by one token."""
-        high = len(self.data) - self.block_size  # last valid start so that start + T + 1 <= N
+        # exclusive: starts 0 .. N-T-1, so that start + T + 1 <= N
+        high = len(self.data) - self.block_size
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
         # once per batch: the gather and the loss mask share it
         starts = _move(starts, self.data.device)
@@ -190,9 +193,10 @@ class BatchSampler:
         return {"rng_state": self.generator.get_state(), "batches_drawn": self.batches_drawn}
 
     def load_state_dict(self, state: dict, ranks: list[dict] | None = None) -> str | None:
-        """Back where it was saved. `ranks`: every rank's state (a DDP run's checkpoint), `state`: rank 0's. A
-        checkpoint of another number of processes gives each rank a stream derived from its own seed and the batches
-        drawn (not a replay of rank 0's) -> a note saying so."""
+        """Back where it was saved. `ranks`: every rank's state (a DDP run's checkpoint), `state`: rank 0's. Without
+        this rank's own state (a one-process checkpoint, an interrupt's under DDP: saved without the gather, or one of
+        another number of processes) a rank other than 0 goes on with a stream derived from its own seed and the
+        batches drawn, not a replay -> a note when the number of processes changed."""
         same = ranks is not None and len(ranks) == self.world_size
         state = ranks[self.rank] if same else state
         # an earlier gptlib's chunked-sampler fields (chunk_*) are ignored: its RNG stream goes on as before

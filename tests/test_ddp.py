@@ -150,7 +150,7 @@ def test_dist_single_process_is_a_no_op():
     assert d.wrap(m, torch.device("cpu")) is m
     assert d.agree(3, 10, True, False) == (True, False)  # decided every step when alone
     t = torch.tensor([1.0, 3.0])
-    assert d.mean(t) is t and d.min_int(5) == 5 and d.sampler_states({"x": 1}) is None
+    assert d.mean(t) is t and d.min_int(5) == 5 and d.gathered({"x": 1}) is None
 
 
 def test_train_step_all_reduces_once_per_optimizer_step(tmp_path):

@@ -54,7 +54,8 @@ class TrainResult:
     # while stepping: those left out; the bar's and metrics.jsonl's (None: too short)
     steady_tokens_per_s: float | None
     resumed_from: int | None  # step of the checkpoint this call resumed from
-    # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm"
+    # "max_steps" | "finished" (nothing to do) | "max_minutes" | "interrupt" | "sigterm" | "stop" (DDP: another
+    # rank's)
     stopped_by: str
     history: list[dict] = field(default_factory=list)  # metrics.jsonl rows
     # with a mirror_dir: the newest checkpoint's step if its Drive copy failed
@@ -124,8 +125,8 @@ def train(
     dev = ddp.device(resolve_device(asked.train.device))
     resolve_dtype(asked.train.dtype, dev)
     # data on the Drive mount is read from a verified copy on the VM's disk
-    local = check_dir(data_dir, "data directory") and stage_data
-    on_drive = local and Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
+    stage = check_dir(data_dir, "data directory") and stage_data
+    on_drive = stage and Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
     data = stage_for_training(data_dir, True, log) if on_drive else Path(data_dir)
     options, run_dir = options or StartOptions(), Path(run_dir)
     mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
@@ -152,7 +153,9 @@ def train(
 
 
 def _loop(run: TrainingRun, progress: bool, log, on_log) -> TrainResult:
-    """However the steps end (max_steps, max_minutes, a stop, an OOM), the last state is saved and the run closed."""
+    """However the steps end (max_steps, max_minutes, a stop, an OOM, an error), the run is closed (_close).
+    max_steps, max_minutes and a stop save the last complete step; after an OOM, or an interrupt that cut a step in
+    two, the last checkpoint stands."""
     tc, state = run.cfg.train, run.state
     timer = StepTimer(run.device)
     # the record of the losses (metrics.jsonl), and what shows the run (bar, lines, MFU, ETA, on_log)
@@ -343,9 +346,10 @@ def _interrupted(run: TrainingRun, metrics: MetricsLog, shown: RunProgress, cut:
 
 
 def _close(run: TrainingRun, metrics: MetricsLog, shown: RunProgress, stop: GracefulStop) -> float:
-    """The bar, the last save and the wait for Drive (a stop press waits for the save), then the signal handlers,
-    the lease and the process group, whatever raised. -> this session's training seconds, read before the wait.
-    A lease lost (another process took the run over) is raised, once: nothing is waited for."""
+    """The bar, the last save (a stop press waits for it; then the signal handlers are put back, so Ctrl-C ends the
+    wait for Drive), the wait for Drive, then the lease and the process group, whatever raised. -> this session's
+    training seconds, read before the wait. A lease lost (another process took the run over) is raised, once: nothing
+    is waited for."""
     train_s = shown.session_s()
     try:
         try:

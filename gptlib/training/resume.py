@@ -131,10 +131,10 @@ def split_init_from(spec: str) -> tuple[str, str]:
 
 
 def names_this_run(spec: str, run_dir: Path, mirror_dir: Path | None) -> bool:
-    """Whether --init-from names the run itself (its directory or its Drive mirror); paths only, no disk access (a
-    Drive that hangs must not hang this)."""
-    base = os.path.abspath(split_init_from(spec)[0])
-    return any(d is not None and base == os.path.abspath(d) for d in (run_dir, mirror_dir))
+    """Whether --init-from names the run itself (its directory or its Drive mirror, with or without :which); paths
+    only, no disk access (a Drive that hangs must not hang this: split_init_from looks at the disk)."""
+    named = {os.path.abspath(spec), os.path.abspath(spec.rsplit(":", 1)[0])}
+    return any(d is not None and os.path.abspath(d) in named for d in (run_dir, mirror_dir))
 
 
 def load_base(spec: str, meta: DatasetMeta, log) -> LoadedModel:
@@ -220,7 +220,8 @@ def find_resume(
     deadline, local_before, looks = time.monotonic() + DRIVE_RESUME_WAIT_S, _entries(run_dir), 1
     resume, passed = search_checkpoints(run_dir, mirror_dir, log, deadline)
     while _waiting_for_drive(passed, run_dir, skip_unreadable, deadline):
-        left = deadline - time.monotonic()
+        # never below 0: the deadline may pass between the check above and this line
+        left = max(0.0, deadline - time.monotonic())
         loud(
             f"!! could not read {_unread(passed)}; not going on from {_step(resume)} while a newer checkpoint may be "
             f"there: trying again in {min(DRIVE_RESUME_RETRY_S, left):.0f} s ({left:.0f} s left before training stops)"

@@ -74,7 +74,7 @@ class TrainingRun:
     run_dir: Path
     ddp: Dist
     device: torch.device
-    # the autocast type (float32: none), resolved once: the loop reads it every step
+    # the autocast type (float32: none), resolved once here: the step, validation and HellaSwag read it
     dtype: torch.dtype
     data: RunData
     model: GPT  # the module itself: state dicts, samples, validation
@@ -115,12 +115,13 @@ class TrainingRun:
         gathered too: a collective, so gather=False where the ranks may be anywhere (an interrupt)."""
         ckpt = {name: part.state_dict() for name, part in self.parts().items()}
         if gather and self.ddp.enabled:
-            ckpt["sampler_ranks"] = self.ddp.sampler_states(ckpt["sampler"])
+            ckpt["sampler_ranks"] = self.ddp.gathered(ckpt["sampler"])
         return ckpt
 
     def load_state_dict(self, ckpt: dict, log) -> None:
         """A loaded checkpoint (load_checkpoint's dict) back into the parts. A run made by import-hf holds weights
-        only, its optimizer state {}: the rest of its parts start fresh."""
+        only (its optimizer state {}): its progress is loaded, its optimizer, scaler, sampler and generators start
+        fresh."""
         # a shape that differs is named, with the checkpoint's path
         load_weights_into(self.model, ckpt["model"], ckpt["info"].path)
         if ckpt["optimizer"]:
@@ -142,7 +143,8 @@ class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    initialized_here: bool = False  # setup() called init_process_group, so teardown() destroys it
+    # setup_ddp() called init_process_group, so teardown() destroys it
+    initialized_here: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -170,7 +172,8 @@ class Dist:
         return t / self.world_size
 
     def agree(self, step: int, every: int, *flags: bool) -> tuple[bool, ...]:
-        """Time-based decisions made identical on every rank (any rank's True -> all), at log steps only."""
+        """Decisions on time and stop requests made identical on every rank (any rank's True -> all), at log steps
+        only."""
         if not self.enabled:
             return flags
         if step % every != 0:
@@ -185,14 +188,14 @@ class Dist:
         return tuple(bool(v) for v in t.tolist())
 
     def min_int(self, value: int) -> int:
-        return min(self.sampler_states(int(value))) if self.enabled else value
+        return min(self.gathered(int(value))) if self.enabled else value
 
-    def sampler_states(self, state):
-        """Every rank's `state`, gathered (None when not distributed)."""
+    def gathered(self, value):
+        """Every rank's `value` (a sampler state, a micro-batch size), in rank order (None when not distributed)."""
         if not self.enabled:
             return None
         out = [None] * self.world_size
-        dist.all_gather_object(out, state)
+        dist.all_gather_object(out, value)
         return out
 
     def teardown(self) -> None:

@@ -81,8 +81,8 @@ def decide_recipe(default: str, asked: str | None, start: Start) -> str:
     )
 
 
-# The model's shape: a checkpoint only resumes into the same one (with the vocabulary). Other fields (dropout,
-# every training setting) may change between sessions; the change is said.
+# The model's shape: a checkpoint only resumes into the same one (with the vocabulary and the optimizer). Other
+# fields (dropout, every other training setting) may change between sessions; the change is said.
 SHAPE = (
     "block_size",
     "n_layer",

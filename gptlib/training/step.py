@@ -1,5 +1,7 @@
-"""One training step and one validation pass: train() and the benchmarks run this same code. Nothing here reads a
-tensor back to the host; the caller decides when to pay for that sync (train(): once per log_interval)."""
+"""One training step and one validation pass: train() and the benchmarks run this same code. A step reads no tensor
+back to the host (one exception: fp16 with the modern recipe, where GradScaler checks for inf on the host before
+Muon's update, as torch's Muon does not take the loss scale itself); the caller decides when to pay for that sync
+(train(): once per log_interval). A validation pass ends with one."""
 
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def train_step(
             # fp16: the loss scaled up, so small gradients do not underflow (a no-op otherwise)
             scaler.scale(loss).backward()
         timer.mark("fwd_bwd")
-    # clip (fp16: the gradients unscaled first), update (skipped on inf/nan gradients), drop the gradients
+    # clip (fp16: the gradients unscaled first), update (fp16: skipped on inf/nan gradients), drop the gradients
     if grad_clip > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

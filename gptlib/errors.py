@@ -19,10 +19,12 @@ def in_notebook() -> bool:
     return ipython is not None and getattr(ipython.get_ipython(), "kernel", None) is not None
 
 
-def override(setting: str) -> str:
-    """How to set a config field where the user is: override("keep_last=3") -> 'OVERRIDES = ["keep_last=3"]' in a
+def override(*settings: str) -> str:
+    """How to set config fields where the user is: override("keep_last=3") -> 'OVERRIDES = ["keep_last=3"]' in a
     notebook (02, 03 and 05 pass their OVERRIDES to train), '--set keep_last=3' on the command line."""
-    return f'OVERRIDES = ["{setting}"]' if in_notebook() else f"--set {setting}"
+    if in_notebook():
+        return "OVERRIDES = [" + ", ".join(f'"{s}"' for s in settings) + "]"
+    return " ".join(f"--set {s}" for s in settings)
 
 
 class GptlibError(Exception):

@@ -248,6 +248,14 @@ def test_oom_advice_keeps_tokens_per_step():
     assert (
         "batch_size=8" in msg and "grad_accum_steps=64" in msg and "524,288 tokens per step" in msg
     )
+    # an odd micro-batch: the largest divisor up to its half, so the tokens per step are the same indeed
+    odd = RunConfig(
+        model=ModelConfig(block_size=64), train=TrainConfig(batch_size=15, grad_accum_steps=2)
+    )
+    msg = memory.oom_advice(odd)
+    assert "--set batch_size=5 --set grad_accum_steps=6 (same 1,920 tokens per step)" in msg, msg
+    # auto_batch already on: not suggested again
+    assert "auto_batch" not in memory.oom_advice(odd.updated({"auto_batch": True})), msg
 
 
 def test_bench_train_cpu():

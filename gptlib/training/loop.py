@@ -370,6 +370,10 @@ def _close(run: TrainingRun, metrics: MetricsLog, shown: RunProgress, stop: Grac
 def _finished(run: TrainingRun) -> TrainResult:
     """A run already at max_steps: nothing changes (its summary() says so: the line a notebook or the CLI shows)."""
     try:
+        # a fresh VM: its logs came back with the checkpoint, its loss.png (which notebook 02 shows next) is drawn
+        if run.ddp.is_main and not (run.run_dir / LOSS_PLOT).exists():
+            title = run_title(run.cfg.preset, run.run_dir.name)
+            plot_losses(run.history, run.run_dir / LOSS_PLOT, title=title)
         run.writer.close()  # resumed from the local disk: Drive still gets the final checkpoint
     finally:
         run.lease.release()

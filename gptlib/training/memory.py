@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from gptlib.errors import OutOfMemoryAdvice
+from gptlib.errors import OutOfMemoryAdvice, override
 from gptlib.model import GPT
 from gptlib.runtime import autocast_for, resolve_dtype
 
@@ -54,12 +54,18 @@ def oom_advice(cfg, world_size: int = 1) -> str:
             f"(a new run dir with --set block_size={max(1, block // 2)}), bf16 on a GPU that has it "
             f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory."
         )
-    half = max(1, micro // 2)
+    # the largest divisor of micro up to its half: the tokens per step stay exactly the same
+    half = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+    smaller = override(f"batch_size={half}", f"grad_accum_steps={accum * (micro // half)}")
+    auto = (
+        ""
+        if cfg.train.auto_batch
+        else f", or {override('auto_batch=true')} to find the largest that fits"
+    )
     return (
-        f"out of GPU memory at micro-batch {micro} x {block} tokens. Next setting to try: "
-        f"--set batch_size={half} --set grad_accum_steps={accum * (micro // half)} (same "
-        f"{cfg.tokens_per_step * world_size:,} tokens per step), or --set auto_batch=true to find the largest "
-        f"micro-batch that fits. The last checkpoint is intact: re-run to resume."
+        f"out of GPU memory at micro-batch {micro} x {block} tokens. Next setting to try: {smaller} (same "
+        f"{cfg.tokens_per_step * world_size:,} tokens per step){auto}. The last checkpoint is intact: re-run to "
+        f"resume."
     )
 
 

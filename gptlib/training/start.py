@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from gptlib.config import RunConfig, TrainConfig
-from gptlib.errors import ConfigError
+from gptlib.errors import ConfigError, override
 from gptlib.model import model_size
 from gptlib.training import memory
 from gptlib.training.resume import Start, check_same_data
@@ -62,6 +62,13 @@ def decide_config(
             start.resume, start.meta, options.allow_data_change, log
         )
     cfg.validate()
+    tc = cfg.train
+    # allowed (a smoke test of a few steps), but a short run's schedule is then not the one its preset means
+    if tc.warmup_steps >= tc.max_steps:
+        log(
+            f"warmup_steps={tc.warmup_steps} is not below max_steps={tc.max_steps}: the learning rate never reaches "
+            f"its peak ({tc.learning_rate:g}) nor decays; for a short run set it lower ({override('warmup_steps=N')})"
+        )
     check_cpu_run(cfg, device, cfg.train.device, step, log)
     if tight := check_fits(cfg, device):
         log(f"auto micro-batch: {tight}")

@@ -239,7 +239,8 @@ class RunProgress:
             self.split.update(self.timer.split())
             # validations included: for the ETA
             wall_rate = self.steady_tokens / (self.steady_s + self.paused_s)
-            target = self.tc.max_steps * self.run.tokens_per_step
+            # the steps left at this session's tokens per step (an earlier session's batch may have differed)
+            target = tokens + (self.tc.max_steps - self.run.state.step) * self.run.tokens_per_step
             devices, tps = self.run.ddp.world_size, self.steady_tokens_per_s()
             self.perf = perf_fields(
                 self.split, self.flops_per_token, tps, self.peak, devices, tokens, target, wall_rate

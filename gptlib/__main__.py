@@ -487,8 +487,10 @@ def cmd_eval(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(sys.argv[1:] if argv is None else argv)
+    """`python -m gptlib` and the installed `gptlib` script (argv None): a reader of a run's checkpoints runs in a
+    child process (gptlib/cli.py's detached); main([...]) runs in this one."""
+    return run(sys.argv[1:], detach=True) if argv is None else run(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:], detach=True))
+    sys.exit(main())

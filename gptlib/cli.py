@@ -14,6 +14,7 @@ from contextlib import suppress
 
 from gptlib import __version__
 from gptlib.errors import GptlibError
+from gptlib.fsutil import DRIVE_ADVICE
 
 # name -> (help, function, arguments), in the order --help lists them; a second import of __main__ (as a script
 # and as gptlib.__main__) registers each command again in its place
@@ -45,6 +46,16 @@ def command(name: str, help: str, *args: tuple, checkpoint: str | None = None):
 
     return register
 
+
+# What to do about an OSError met outside the places that explain it (none: the error alone, still one line).
+OS_FIXES = {
+    **dict.fromkeys(
+        (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT),
+        "free space or choose a writable directory",
+    ),
+    # Google Drive's mount dropped (Errno 107) or failed a read
+    **dict.fromkeys((errno.ENOTCONN, errno.EIO), f"is Google Drive answering? {DRIVE_ADVICE}"),
+}
 
 # Flags and commands of earlier releases (CHANGELOG.md): their replacement, not argparse's "unrecognized arguments".
 REMOVED = {
@@ -89,14 +100,10 @@ def _run(args) -> int:
     except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a full, read-only or forbidden disk met outside the places that explain it: still one line
-        if e.errno not in {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}:
-            raise
-        print(
-            f"error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}; free space or choose a "
-            f"writable directory",
-            file=sys.stderr,
-        )
+    # the disk or Drive (full, read-only, a name too long, a dropped mount): one line too
+    except OSError as e:
+        where, fix = f"{e.filename}: " if e.filename else "", OS_FIXES.get(e.errno)
+        print(f"error: {where}{e.strerror or e}" + (f"; {fix}" if fix else ""), file=sys.stderr)
         return 2
 
 

@@ -98,6 +98,11 @@ def test_tokenize_train_sample_end_to_end(tmp_path, small_text):
             "learning_rate=-1.0 must be",
         ),
         (["sample", "--run-dir", "{tmp}/empty"], "no valid checkpoint in"),
+        # an OSError no check explains: one line all the same
+        (
+            ["train", "--data", "{data}", "--run-dir", "{tmp}/" + "a" * 300],
+            "a: File name too long$",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, char_data, args, message):
@@ -108,6 +113,44 @@ def test_bad_input_is_one_clear_line(tmp_path, char_data, args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
     assert re.search(message, r.stderr), r.stderr
+
+
+def test_a_dropped_drive_met_anywhere_is_one_line_saying_what_to_do(
+    tmp_path, char_data, monkeypatch, capsys
+):
+    """Google Drive's mount dropped (Errno 107) where no check explains it: the path, the error and what to do, one
+    line and exit status 2, not a traceback."""
+    import errno
+    import os
+
+    from gptlib.__main__ import main
+    from gptlib.training import loop
+
+    def dropped(path, what):
+        raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(path))
+
+    monkeypatch.setattr(loop, "check_dir", dropped)
+    rc = main(["train", "--data", str(char_data), "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    said = (
+        f"error: {char_data}: Transport endpoint is not connected; is Google Drive answering? Wait"
+    )
+    assert rc == 2 and err.startswith(said) and err.count("\n") == 1, err
+
+
+def test_the_installed_script_runs_a_reader_detached_as_python_m_does(tmp_path, monkeypatch):
+    """The `gptlib` console script (pyproject's gptlib.__main__:main) ran sample, eval and the exports in its own
+    process, without the child that lets `python -m gptlib` exit when a Drive read hangs."""
+    from gptlib import __main__, cli
+
+    children = []
+    monkeypatch.setattr(cli, "detached", lambda command: children.append(command) or 0)
+    monkeypatch.setattr(sys, "argv", ["gptlib", "sample", "--run-dir", str(tmp_path)])
+    assert __main__.main() == 0 and len(children) == 1
+    # main([...]) (tests, a caller of its own) runs in its process: one line, no child
+    assert (
+        __main__.main(["sample", "--run-dir", str(tmp_path / "none")]) == 2 and len(children) == 1
+    )
 
 
 def test_unknown_preset_is_rejected_by_argparse(tmp_path, char_data):

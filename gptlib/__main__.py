@@ -130,7 +130,11 @@ def _inputs(args) -> list[str]:
         help="train the BPE on this many MB; 0 = all (default 1000)",
     ),
     arg("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)"),
-    arg("--overwrite", action="store_true", help="replace a different dataset already in --out"),
+    arg(
+        "--overwrite",
+        action="store_true",
+        help="replace the dataset already in --out (a different one, or this one made again)",
+    ),
     arg("--quiet", action="store_true", help="no progress bar or summary"),
 )
 def cmd_tokenize(args) -> None:

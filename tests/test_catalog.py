@@ -99,3 +99,7 @@ def test_counts():
     assert parse_count("20K") == 20_000 and parse_count("") is None and parse_count("0") is None
     with pytest.raises(ValueError, match="'lots' is not a count"):
         parse_count("lots")
+    # not finite: the same line (inf raised OverflowError from int(), nan "cannot convert float NaN to integer")
+    for endless in ("inf", "1e400", "nan", "-nan"):
+        with pytest.raises(ValueError, match=f"'{endless}' is not a count"):
+            parse_count(endless)

@@ -92,6 +92,18 @@ def test_jsonl_documents_are_separated_by_eot_and_split_per_document(tmp_path, d
     )
 
 
+def test_a_json_file_is_read_as_json_lines(tmp_path, docs, bpe_file):
+    """The Hub's .json datasets are JSON lines: read as plain text, their keys and escapes were tokenized and
+    --text-column ignored. An array is refused at its first line."""
+    src = write_jsonl(tmp_path / "a.json", docs, field="story")
+    prepare([src], tmp_path / "out", tokenizer_from=bpe_file, text_column="story", verbose=False)
+    got = decoded_documents(tmp_path / "out")
+    assert sorted(got["train"] + got["val"]) == sorted(docs)
+    (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in docs[:3]]))
+    with pytest.raises(PrepareError, match=r"array\.json:1"):
+        prepare([tmp_path / "array.json"], tmp_path / "out2", **BPE)
+
+
 def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):
     src = write_parquet(tmp_path / "a.parquet", docs, column="code", row_group_size=97)
     meta = prepare(
@@ -307,6 +319,44 @@ def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe
     prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True, verbose=False)
     assert read_meta(out).tokenizer["kind"] == "char"
     assert not any(p.name.startswith("prepare_state") for p in out.iterdir())
+
+
+def test_overwrite_makes_a_damaged_dataset_again_and_a_refused_setting_deletes_nothing(
+    tmp_path, docs, bpe_file, monkeypatch
+):
+    """'pass --overwrite to start again' (and staging's 'tokenize again with --overwrite to repair it') did nothing
+    to a dataset of the same inputs and options: it was reused as it was, or its unfinished run refused again. And
+    --overwrite with a setting the tokenizer refuses deleted the dataset before refusing."""
+    from gptlib.data.tokenizer import TokenizerError
+
+    src = write_jsonl(tmp_path / "a.jsonl", docs)
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # several shards per split
+    out = tmp_path / "out"
+    clean = prepare([src], out, **opts)
+    shard = out / clean.splits["train"]["shards"][0]["file"]
+    shard.write_bytes(bytes(shard.stat().st_size))  # zeros in place: the same size, other tokens
+    damaged = files_of(out)
+    prepare([src], out, **opts)  # the same inputs and options: reused as it is
+    assert files_of(out) == damaged
+    prepare([src], out, overwrite=True, **opts)
+    assert verified_meta(out).splits == clean.splits  # every shard's bytes hashed again
+    made = files_of(out)
+    with pytest.raises(TokenizerError, match="vocab_size=100 is too small"):
+        prepare([src], out, tokenizer="bpe", vocab_size=100, overwrite=True, verbose=False)
+    assert files_of(out) == made
+    # an unfinished run whose shard was damaged since: refused, then started again with --overwrite
+    real_encode = BPETokenizer.encode_batch_ids
+    kill_at_encode_call(monkeypatch, 12)
+    with pytest.raises(Killed):
+        prepare([src], tmp_path / "half", **opts)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real_encode)
+    state = json.loads((tmp_path / "half" / PREPARE_STATE_FILE).read_text())
+    (tmp_path / "half" / state["shards"]["train"][0]["file"]).write_bytes(b"")
+    with pytest.raises(PrepareError, match="missing or damaged; pass --overwrite to start again"):
+        prepare([src], tmp_path / "half", **opts)
+    prepare([src], tmp_path / "half", overwrite=True, **opts)
+    assert verified_meta(tmp_path / "half").splits == clean.splits
 
 
 @pytest.mark.parametrize("kill_at", ["after_shard_before_state", "mid_batch"])

@@ -222,3 +222,19 @@ def test_train_reads_the_local_copy(drive_data, tmp_path, capsys):
         assert f"(from {drive_data}/meta.json)" in capsys.readouterr().out
     finally:
         torch.set_num_threads(n)
+
+
+def test_a_hung_meta_json_is_said_at_its_time_limit_not_read_again(drive_data, monkeypatch):
+    """meta.json on a hung Drive: the watchdogged read gives up after STALL_S, and the error says so. Its fallback
+    (read_meta, for a missing or unreadable file's own message) read the same hung file again with no time limit."""
+    from gptlib.errors import HungIOError
+
+    def hung(path, timeout):
+        raise HungIOError(110, f"reading {path} made no progress for {timeout:g} s (hung mount?)")
+
+    read_again = []
+    monkeypatch.setattr(staging, "read_bytes_with_timeout", hung)
+    monkeypatch.setattr(staging, "read_meta", read_again.append)
+    with pytest.raises(HungIOError, match="meta.json made no progress"):
+        staging.stage_for_training(drive_data, log=lambda s: None)
+    assert read_again == []

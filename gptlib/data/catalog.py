@@ -4,6 +4,7 @@ github-code) is an afternoon."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -68,6 +69,8 @@ def parse_count(s: str | int | float | None) -> int | None:
         raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)") from None
     if n < 0:
         raise ValueError(f"{s!r} must not be negative")
+    if not math.isfinite(n):  # inf, nan, 1e400
+        raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)")
     return int(round(n)) or None
 
 

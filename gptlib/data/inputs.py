@@ -87,7 +87,8 @@ def source(f: Path | Found) -> Source:
     kind = "text"
     if name.endswith((".parquet", ".pq")):
         kind = "parquet"
-    elif name.endswith((".jsonl", ".ndjson")):
+    # .json too: the Hub's .json datasets are JSON lines (an array or one object is refused at its first line)
+    elif name.endswith((".jsonl", ".ndjson", ".json")):
         kind = "jsonl"
     if isinstance(f, Found) and f.sha256 is not None:
         sha = "sha256:" + f.sha256

@@ -62,7 +62,8 @@ def prepare(
 ) -> DatasetMeta:
     """Tokenize a corpus into out_dir (token shards, tokenizer.json, meta.json); the options are the CLI's
     (docs/cli.md). A re-run with the same inputs and options returns the finished dataset or resumes an unfinished
-    one; a different dataset in out_dir is refused unless overwrite=True. format "auto": chat when the records have
+    one; a different dataset in out_dir is refused unless overwrite=True, which also makes a finished one again (and
+    starts again an unfinished one that fails its checks). format "auto": chat when the records have
     a messages/conversations field and no text field, else text; tokenizer None: bpe for chat, char for text."""
     fmt, t0, out_dir = format, time.time(), Path(out_dir)
     tok_file = _check_options(
@@ -93,7 +94,13 @@ def prepare(
         reused = load_tokenizer(tok_file) if tok_file else None
         # made on a fresh start only: a resume loads the one it saved
         new_tokenizer = partial(_new_tokenizer, reused, spec, sources, column, pre_skipped, verbose)
-        tok, progress = _start(out_dir, state, pre_skipped, verbose, new_tokenizer)
+        try:
+            tok, progress = _start(out_dir, state, pre_skipped, verbose, new_tokenizer)
+        except PrepareError:
+            if not overwrite or state is None:
+                raise
+            # an unfinished run that fails its checks (a damaged shard): --overwrite starts it again
+            tok, progress = _start(out_dir, None, pre_skipped, verbose, new_tokenizer)
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
         encoding = Pass(out_dir, spec, tok, identity, sources, progress)
         encoding.run(column, verbose)
@@ -259,7 +266,8 @@ def _previous_run(
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
     if meta_path.is_file():
         old = _json(meta_path) or {}
-        if old.get("prepare_spec") == spec:
+        # the same dataset is reused; --overwrite makes it again (one damaged since, say)
+        if old.get("prepare_spec") == spec and not overwrite:
             if state_path.is_file():  # killed between meta.json and removing the state file
                 state_path.unlink()
             elif verbose:
@@ -292,10 +300,11 @@ def _start(
     out_dir.mkdir(parents=True, exist_ok=True)
     clean_temp_files(out_dir)
     if state is None or not (out_dir / TOKENIZER_FILE).is_file():
+        # first: a setting it refuses (a vocab_size too small) leaves the dataset there as it was
+        tok = new_tokenizer()
         # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
         for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
             p.unlink()
-        tok = new_tokenizer()
         tok.save(out_dir)
         return tok, {
             "resume": {"file": 0, "doc": 0, "byte": 0, "char": 0},

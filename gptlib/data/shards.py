@@ -41,7 +41,8 @@ def merge_spans(spans: np.ndarray) -> np.ndarray:
 
 
 class ShardWriter:
-    """Shards of exactly shard_tokens tokens (but the last), each written atomically when full; memory is one shard.
+    """Shards of at most shard_tokens tokens, each written atomically when full or cut early (the other split's
+    shard filled: tokenize's resume point is then between shards of both); memory is one shard.
     A resumed run passes `shards`, the records of those on disk, and `skip`, the tokens they already hold. Chat data
     (with_spans): write(ids, spans) takes the assistant spans of `ids` too."""
 

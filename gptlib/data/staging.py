@@ -15,7 +15,7 @@ from filelock import FileLock  # a dependency of torch and huggingface_hub
 
 import gptlib.colab as colab
 from gptlib.data.shards import META_FILE, read_meta
-from gptlib.errors import loud
+from gptlib.errors import HungIOError, loud
 from gptlib.fsutil import (
     Progress,
     atomic_write_json,
@@ -51,6 +51,9 @@ def stage_for_training(
     dst = colab.COLAB_LOCAL_ROOT / "data" / src.name
     try:
         meta_bytes = read_bytes_with_timeout(src / META_FILE, STALL_S)
+    # a hung Drive, said as it is: read_meta would read it again, with no time limit
+    except HungIOError:
+        raise
     except OSError:
         read_meta(src)  # missing or unreadable: its own clear error
         raise

@@ -124,9 +124,18 @@ class Playground:
     """Stop sets a flag the stream callback checks per token. A widget callback holds back every other message (the
     Stop click too) until it returns, so in a kernel Generate runs on a thread; generate() from a cell cannot stop."""
 
+    latest: Playground | None = (
+        None  # the one made last: an earlier one (its cell re-run) frees its model
+    )
+
     def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:"):
         import ipywidgets as W
 
+        # ipywidgets keeps every widget, and through its callbacks the object, until the kernel ends: a cell re-run
+        # would keep one more model (on the GPU) each time. The earlier one loads its model again if used.
+        if Playground.latest is not None:
+            Playground.latest._engine = None
+        Playground.latest = self
         self.run_dir, self.device = Path(run_dir), device
         self._engine: Engine | None = None  # the last checkpoint loaded
         self.prompt = W.Textarea(
@@ -335,6 +344,10 @@ def colab_drawn(make: Callable[[], MessageBox]) -> tuple[MessageBox, dict]:
 class ChatBox:
     """The transcript shows every turn; the model sees those that fit its context (the status says so)."""
 
+    latest: ChatBox | None = (
+        None  # the one made last: an earlier one frees its model (as Playground's)
+    )
+
     def __init__(
         self,
         run_dir: str | Path,
@@ -344,6 +357,9 @@ class ChatBox:
     ):
         import ipywidgets as W
 
+        if ChatBox.latest is not None:
+            ChatBox.latest._session = None
+        ChatBox.latest = self
         self.run_dir, self.checkpoint, self.device = run_dir, checkpoint, device
         self._session: ChatSession | None = None
         self.turns: list[tuple[str, str]] = []  # the whole transcript, as shown

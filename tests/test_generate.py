@@ -153,7 +153,9 @@ def test_past_the_context_the_cache_is_refilled_once_per_half_window(model, monk
 
 def test_batch_of_prompts_of_different_lengths_equals_one_by_one(model):
     eng = Engine(model)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9], [4, 4, 4]]
+    # the first longer than the context (16): beside a short one it was read token by token through the shifting
+    # cache, and its first new token saw 3 of its tokens, where alone it saw its last 16
+    prompts = [[(7 * i) % 50 for i in range(40)], [1, 2, 3, 4, 5, 6, 7], [9], [4, 4, 4]]
     greedy = SamplingConfig(max_new_tokens=20, temperature=0, repetition_penalty=1.3)
     batch, _ = eng.generate_ids(prompts, greedy)
     for p, out in zip(prompts, batch):

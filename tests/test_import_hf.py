@@ -121,6 +121,31 @@ def test_a_model_that_is_not_gpt2_shaped_is_refused(
     assert not (tmp_path / "run").exists()
 
 
+def test_an_import_cut_off_leaves_no_run_behind_and_the_next_one_completes(
+    hf_folder, tmp_path, monkeypatch
+):
+    """Notebook 05 imports GPT-2 into a run on Drive once, and skips the import when the run has checkpoints/. An
+    import cut off (a disconnect) after its checkpoint, before its tokenizer, left checkpoints/: the re-run skipped
+    it and failed at the next cell ('tokenizer.json does not exist'), and import_hf refused the folder ('holds
+    checkpoints'). The run appears whole or not at all; the next import removes what the cut-off one left."""
+    from gptlib.inference import hf_import
+
+    out, write = tmp_path / "runs" / "hf-gpt2", hf_import.atomic_write_bytes
+
+    def killed(path, data):
+        raise KeyboardInterrupt  # the VM went away: nothing after this line ran
+
+    monkeypatch.setattr(hf_import, "atomic_write_bytes", killed)
+    with pytest.raises(KeyboardInterrupt):
+        import_hf(hf_folder, out, log=quiet)
+    assert not out.exists() and [p.name[:15] for p in out.parent.iterdir()] == ["hf-gpt2.partial"]
+    monkeypatch.setattr(hf_import, "atomic_write_bytes", write)
+    assert import_hf(hf_folder, out, log=quiet) == out
+    assert [p.name for p in out.parent.iterdir()] == ["hf-gpt2"]
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_0000000"]
+
+
 def test_import_never_writes_into_a_folder_holding_something(hf_folder, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()

@@ -76,6 +76,29 @@ def test_stop_ends_generation_at_the_next_token_and_keeps_the_text(char_run):
     assert len(res.token_ids) == 500 and "stopped by length" in pg.status.value
 
 
+def test_a_re_run_cell_frees_the_earlier_playgrounds_and_chat_boxes_model(char_run, chat_run):  # noqa: F811
+    """ipywidgets keeps every widget (and through its callbacks the object) until the kernel ends: each re-run of
+    notebook 04's Playground cell or 05's chat cell kept one more model, on the GPU in Colab."""
+    import gc
+    import weakref
+
+    first = playground(char_run)
+    first.generate()
+    model = weakref.ref(first._engine.model)
+    second = playground(char_run)
+    gc.collect()
+    assert model() is None and first._engine is None
+    # used again all the same, it loads its model again
+    assert first.generate().text and second.generate().text
+    box = chatbox(chat_run)
+    box.max_tokens.value = 4
+    box.send("Hi")
+    model = weakref.ref(box._session.engine.model)
+    chatbox(chat_run)
+    gc.collect()
+    assert model() is None
+
+
 def test_generate_from_a_cell_does_not_offer_stop(char_run):
     """A cell that calls generate() holds the kernel: a Stop click could not arrive before it ends, so Stop is not
     offered, and the status says what ends it."""

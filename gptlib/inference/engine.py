@@ -172,6 +172,9 @@ class Engine:
         if generator is None and cfg.temperature > 0:
             seed = secrets.randbits(63) if cfg.seed is None else cfg.seed
             generator = torch.Generator(dev).manual_seed(seed)
+        # A prompt past the context: its last block_size tokens, all the model reads of it. A batch then prefills
+        # every row's window (a longer row read token by token beside a short one would shift the cache on the way).
+        whole, prompts = prompts, [list(p)[-bs:] for p in prompts]
         lens = [len(p) for p in prompts]
         min_len, max_len, total = min(lens), max(lens), max(lens) + max_new
         buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
@@ -183,6 +186,8 @@ class Engine:
         if cfg.repetition_penalty != 1.0:
             seen = torch.zeros(B, self.model.config.vocab_size, dtype=torch.bool, device=dev)
             seen.scatter_(1, buf[:, :min_len], True)
+            for b, p in enumerate(whole):  # a long prompt's tokens before its window count too
+                seen[b, torch.as_tensor(list(p)[:-bs], dtype=torch.long, device=dev)] = True
         stop_t = torch.tensor(list(stop_ids), dtype=torch.long, device=dev) if stop_ids else None
         # finished rows: their further tokens are dropped
         done = torch.zeros(B, dtype=torch.bool, device=dev)

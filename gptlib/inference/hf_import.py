@@ -4,18 +4,20 @@ weights-only checkpoint (step 0); any other model is refused, naming what differ
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from gptlib.checkpoint.format import TrainState, load_weights_into, save_checkpoint
+from gptlib.checkpoint.format import TrainState, load_weights_into, remove_tree, save_checkpoint
 from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import ExportError
 from gptlib.fsutil import atomic_write_bytes, atomic_write_json
 from gptlib.inference.export import check_export_target, is_conv1d, weight_map
-from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE, checkpoints_dir
+from gptlib.layout import CONFIG_FILE, PARTIAL_MARKER, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT, model_size
 
 # What gptlib's GPT-2 computes (the usual value first); a config saying otherwise describes another model.
@@ -186,12 +188,19 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     state = TrainState(
         config=run_cfg.to_dict(), tokenizer=identity, init_from={"model": str(name_or_dir)}
     )
+    # built beside `out`, renamed into place when whole: an import cut off (a Colab disconnect) leaves no half-made
+    # run that a re-run would take for an imported one; what an earlier cut-off import left goes first (Drive: emptied)
+    for left in out.parent.glob(f"{out.name}{PARTIAL_MARKER}*"):
+        remove_tree(left, truncate=True)
+    work = out.with_name(f"{out.name}{PARTIAL_MARKER}{uuid.uuid4().hex[:8]}")
+    work.mkdir(parents=True)
     # weights only: a run started from it (--init-from) trains with a fresh optimizer
     save_checkpoint(
-        checkpoints_dir(out), {"model": model.state_dict(), "progress": state.state_dict()}
+        checkpoints_dir(work), {"model": model.state_dict(), "progress": state.state_dict()}
     )
-    atomic_write_json(out / CONFIG_FILE, run_cfg.to_dict())
-    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_json_bytes())
+    atomic_write_json(work / CONFIG_FILE, run_cfg.to_dict())
+    atomic_write_bytes(work / TOKENIZER_FILE, tok.to_json_bytes())
+    os.replace(work, out)  # onto nothing, or an empty folder (check_export_target)
     log(
         f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
         f"wide, context {cfg.block_size}, vocab {cfg.vocab_size}, {tok.kind} tokenizer) -> {out}"

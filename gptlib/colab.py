@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptlib.errors import GptlibError
+from gptlib.fsutil import call_with_timeout
 
 DRIVE_MOUNT = Path("/content/drive")
 COLAB_LOCAL_ROOT = Path("/content/gptlib_local")
@@ -20,12 +21,17 @@ def in_colab() -> bool:
     return "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ
 
 
+DRIVE_CHECK_S = 30.0  # a mount that has not answered by then is hung: remounted
+
+
 def _drive_usable() -> bool:
-    """Mounted and answering: a dead FUSE mount raises ENOTCONN (or EIO) on any access."""
+    """Mounted and answering: a dead FUSE mount raises ENOTCONN (or EIO) on any access, a hung one never returns
+    (HungIOError, ETIMEDOUT: the setup cell waited forever)."""
+    my_drive = DRIVE_MOUNT / "MyDrive"
     try:
-        return (DRIVE_MOUNT / "MyDrive").is_dir()
+        return call_with_timeout(my_drive.is_dir, DRIVE_CHECK_S, what=f"looking at {my_drive}")
     except OSError as e:
-        if e.errno in (errno.ENOTCONN, errno.EIO):
+        if e.errno in (errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT):
             return False
         raise
 

@@ -94,6 +94,33 @@ def test_colab_stale_mount_is_forced(fake_colab, tmp_path):
     assert fake_colab.calls[-1]["force_remount"] is True
 
 
+def test_colab_hung_mount_is_remounted_not_waited_on_forever(fake_colab, tmp_path, monkeypatch):
+    """A hung Drive mount (a FUSE call that never returns): the set-up cell's look at MyDrive waited forever. It
+    gives up after DRIVE_CHECK_S and remounts, as for a dead mount."""
+    import threading
+    from pathlib import Path
+
+    my_drive, is_dir, released = (
+        tmp_path / "content" / "drive" / "MyDrive",
+        Path.is_dir,
+        threading.Event(),
+    )
+    my_drive.mkdir(parents=True)
+
+    def hung_until_remounted(path):
+        if path == my_drive and not fake_colab.calls:
+            released.wait(30)  # the hung mount: answers only long after
+        return is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", hung_until_remounted)
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.2)
+    try:
+        assert colab.mount_drive() == tmp_path / "content" / "drive"
+        assert [c["force_remount"] for c in fake_colab.calls] == [True]
+    finally:
+        released.set()
+
+
 def test_colab_mount_timeout_has_clear_message(fake_colab):
     fake_colab.fail = TimeoutError("Timed out waiting for authorization")
     with pytest.raises(GptlibError) as ei:

@@ -4,7 +4,6 @@ weights-only checkpoint (step 0); any other model is refused, naming what differ
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from gptlib.checkpoint.format import TrainState, load_weights_into, remove_tree,
 from gptlib.config import ModelConfig, RunConfig, get_preset
 from gptlib.data.tokenizer import BPETokenizer, CharTokenizer
 from gptlib.errors import ExportError
-from gptlib.fsutil import atomic_write_bytes, atomic_write_json
+from gptlib.fsutil import atomic_write_bytes, atomic_write_json, replace
 from gptlib.inference.export import check_export_target, is_conv1d, weight_map
 from gptlib.layout import CONFIG_FILE, PARTIAL_MARKER, TOKENIZER_FILE, checkpoints_dir
 from gptlib.model import GPT, model_size
@@ -200,7 +199,7 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     )
     atomic_write_json(work / CONFIG_FILE, run_cfg.to_dict())
     atomic_write_bytes(work / TOKENIZER_FILE, tok.to_json_bytes())
-    os.replace(work, out)  # onto nothing, or an empty folder (check_export_target)
+    replace(work, out)  # onto nothing, or an empty folder (check_export_target)
     log(
         f"imported {name_or_dir} ({model_size(cfg).params / 1e6:.1f}M parameters, {cfg.n_layer} layers, {cfg.n_embd} "
         f"wide, context {cfg.block_size}, vocab {cfg.vocab_size}, {tok.kind} tokenizer) -> {out}"

@@ -57,11 +57,8 @@ def oom_advice(cfg, world_size: int = 1) -> str:
     # the largest divisor of micro up to its half: the tokens per step stay exactly the same
     half = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
     smaller = override(f"batch_size={half}", f"grad_accum_steps={accum * (micro // half)}")
-    auto = (
-        ""
-        if cfg.train.auto_batch
-        else f", or {override('auto_batch=true')} to find the largest that fits"
-    )
+    auto = f", or {override('auto_batch=true')} to find the largest that fits"
+    auto = "" if cfg.train.auto_batch else auto
     return (
         f"out of GPU memory at micro-batch {micro} x {block} tokens. Next setting to try: {smaller} (same "
         f"{cfg.tokens_per_step * world_size:,} tokens per step){auto}. The last checkpoint is intact: re-run to "

@@ -34,6 +34,8 @@
 #
 # A step runs under `timeout`: at its budget every process of the step gets SIGABRT, on which Python dumps every
 # thread's stack (PYTHONFAULTHANDLER) into the log (the tests' children: into the .children.log), then KILL 15 s later.
+# The dump reads other threads' frames unlocked, so a thread running Python code at that moment can cut it short:
+# the tests' own waits block rather than poll (tests/test_gpu.py's _run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)

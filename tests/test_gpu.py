@@ -27,6 +27,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -312,14 +313,16 @@ def _run(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
             stdout=f,
             stderr=subprocess.STDOUT,
         )
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-            timed_out = True
-        else:
-            timed_out = False
+        # A blocking wait, killed by a timer, not Popen.wait(timeout): that one polls, and a thread running Python code
+        # at the GPU check's SIGABRT can crash the stack dump of this process (faulthandler reads every thread's
+        # frames unlocked), losing the stacks the dump is for. Seen in CI, 1 in ~35 tries here with a poll loop.
+        killed = []
+        killer = threading.Timer(timeout, lambda: (killed.append(True), proc.kill()))
+        killer.daemon = True
+        killer.start()
+        rc = proc.wait()
+        killer.cancel()
+        timed_out = bool(killed)
     with open(log, "rb") as f:
         f.seek(start)
         out = f.read().decode(errors="replace")

@@ -540,6 +540,26 @@ def test_text_stream_waits_for_whole_utf8_characters():
     assert "".join(pieces) == st.text == "héllo ☃ wörld" and st.stopped
 
 
+def test_text_stream_finds_a_stop_string_in_the_tokens_held_at_the_end():
+    """Generation ending while a token with a split character is held back: the stop string that token completes
+    still ends the text (the end used to be appended unsearched)."""
+    from gptlib.inference.engine import _TextStream
+
+    class ChunkTok:
+        chunks = {0: b"ab\n", 1: b"\n\xe2", 2: b"cd"}
+
+        def decode(self, ids):
+            return b"".join(self.chunks[i] for i in ids).decode("utf-8", errors="replace")
+
+    st = _TextStream(ChunkTok(), stop=["\n\n"])
+    shown = [st.push(0), st.push(1), st.flush()]
+    assert "".join(shown) == st.text == "ab" and st.stopped, shown
+    # without a stop string in it, the end is shown as it decodes
+    st = _TextStream(ChunkTok(), stop=["\n\n"])
+    shown = [st.push(2), st.push(1), st.flush()]
+    assert "".join(shown) == st.text == "cd\n\ufffd" and not st.stopped, shown
+
+
 def test_bpe_text_generation_with_end_of_text(small_text):
     from gptlib.data.tokenizer import BPETokenizer
 

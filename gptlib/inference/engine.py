@@ -310,6 +310,11 @@ class _TextStream:
         if piece.endswith("\ufffd") and len(self._pending) < 4:
             return ""  # an incomplete character: wait for the next token
         self._pending = []
+        return self._add(piece, hold=True)
+
+    def _add(self, piece: str, hold: bool) -> str:
+        """Append `piece`; cut the text at a stop string it completes -> the text that may be shown now (hold: not
+        the end that could still grow into a stop string)."""
         self.text += piece
         look = max(0, len(self.text) - len(piece) - max(map(len, self.stop), default=0) + 1)
         if hits := [i for i in (self.text.find(s, look) for s in self.stop) if i >= 0]:
@@ -317,7 +322,7 @@ class _TextStream:
             return self._take(len(self.text))
         # held back: the longest end of the text that is a proper prefix of a stop string
         held = 0
-        for s in self.stop:
+        for s in self.stop if hold else ():
             for n in range(1, min(len(s) - 1, len(self.text)) + 1):
                 if self.text.endswith(s[:n]):
                     held = max(held, n)
@@ -327,11 +332,11 @@ class _TextStream:
         piece, self.emitted = self.text[self.emitted : upto], max(self.emitted, upto)
         return piece
 
-    def flush(self) -> str:  # at the end: the held-back text that never became a stop string
-        if self._pending:
-            self.text += self.tok.decode(self._pending)
-            self._pending = []
-        return self._take(len(self.text))
+    def flush(self) -> str:
+        """At the end: the held-back text and the tokens of an unfinished character (as U+FFFD), up to a stop string
+        they make."""
+        piece, self._pending = self.tok.decode(self._pending) if self._pending else "", []
+        return self._add(piece, hold=False)
 
 
 FEW_ROWS = 64  # up to this many rows (a decoding step's batch); a prefill's longer inputs stay on MKL's gemm

@@ -268,14 +268,14 @@ def test_malformed_conversations_are_counted_shown_and_skipped(
     )
     assert meta.raw["malformed_conversations"] == 4 and meta.raw["documents"] == 116
     assert [(e["record"], e["reason"]) for e in meta.raw["malformed_examples"]] == [
-        (3, "message 0: unknown role 'robot' (known: system, user, assistant)"),
-        (10, "a str, not a list of messages"),
-        (20, "field 'messages' is missing (fields: other)"),
-        (30, "no assistant turn"),
+        (4, "message 0: unknown role 'robot' (known: system, user, assistant)"),
+        (11, "a str, not a list of messages"),
+        (21, "field 'messages' is missing (fields: other)"),
+        (31, "no assistant turn"),
     ]
     out = capsys.readouterr().out
     assert "warning: 4 malformed conversations skipped; the first ones:" in out
-    assert f"{tmp_path / 'c.jsonl'} record 3: message 0: unknown role 'robot'" in out
+    assert f"{tmp_path / 'c.jsonl'} record 4: message 0: unknown role 'robot'" in out
     with pytest.raises(
         PrepareError, match=r"x.jsonl:1 has no field 'messages' or 'conversations' \(fields: x\)"
     ):
@@ -607,3 +607,14 @@ def test_first_prompts_take_each_conversations_first_question():
     ]
     # ids that stop short: no partial prompt
     assert first_prompts(ids[:15], spans, EOT, k=2, max_len=100)[1:] == []
+
+
+def test_auto_chat_names_the_file_it_read_not_an_empty_one(tmp_path, paragraphs, capsys):
+    """format "auto" is told by the first records it can read: an empty .jsonl before them is not the file named."""
+    (tmp_path / "a.jsonl").write_text("")
+    src = write_jsonl(
+        tmp_path / "b.jsonl", [{"messages": c} for c in conversations(paragraphs, 40)]
+    )
+    with pytest.raises(PrepareError) as e:
+        prepare([tmp_path / "a.jsonl", src], tmp_path / "out", tokenizer="char")
+    assert str(e.value).startswith(f"{src} holds conversations ('messages')"), e.value

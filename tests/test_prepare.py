@@ -21,6 +21,7 @@ import gptlib.data.sources as sources
 from gptlib.data.prepare import PrepareError, prepare, prepare_text
 from gptlib.data.shards import PREPARE_STATE_FILE, DataFormatError, read_meta
 from gptlib.data.tokenizer import EOT, BPETokenizer, load_tokenizer
+from gptlib.errors import GptlibError
 from tests.tokenize_kit import (
     SLOW_PRELUDE,
     Killed,
@@ -102,6 +103,31 @@ def test_a_json_file_is_read_as_json_lines(tmp_path, docs, bpe_file):
     (tmp_path / "array.json").write_text(json.dumps([{"text": d} for d in docs[:3]]))
     with pytest.raises(PrepareError, match=r"array\.json:1"):
         prepare([tmp_path / "array.json"], tmp_path / "out2", **BPE)
+
+
+def test_a_text_column_for_plain_text_files_is_said_to_be_unused(tmp_path, docs, capsys):
+    """Plain text files are read whole: a text column given for them says it is not used (it was silently ignored)."""
+    src = tmp_path / "a.txt"
+    src.write_text("\n".join(docs))
+    prepare([src], tmp_path / "out", tokenizer="char", text_column="story")
+    assert (
+        "note: text column 'story' is not used: plain text files are read whole"
+        in capsys.readouterr().out
+    )
+
+
+def test_a_character_the_char_tokenizer_lacks_names_its_file_and_record(tmp_path):
+    """A reused char tokenizer meeting a new character: the error names the input (and the jsonl line), not a
+    position within one of the 64K-character pieces a file is encoded in."""
+    (tmp_path / "a.txt").write_text("abc\n" * 100)
+    prepare([tmp_path / "a.txt"], tmp_path / "chars", tokenizer="char", verbose=False)
+    (tmp_path / "b.txt").write_text("abc\n" * 30_000 + "cab\u00e9\n")
+    src = write_jsonl(tmp_path / "c.jsonl", ["abc", "cba", "ab\u00e9"])
+    for path, where in [(tmp_path / "b.txt", "b.txt"), (src, "c.jsonl record 3")]:
+        with pytest.raises(
+            GptlibError, match=rf"'\u00e9' \(U\+00E9\) in \S*{where} is not in the char vocab"
+        ):
+            prepare([path], tmp_path / path.stem, tokenizer_from=tmp_path / "chars", verbose=False)
 
 
 def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):

@@ -190,10 +190,14 @@ class Pass:
             yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
 
     def encode(self, pieces: list[Piece]) -> list:
-        texts = [p.text for p in pieces]
         if isinstance(self.tok, BPETokenizer):
-            return self.tok.encode_batch_ids(texts)
-        return self.tok.encode_batch(texts)
+            return self.tok.encode_batch_ids([p.text for p in pieces])
+        # arrays: a batch of Python ints would be ~7x the memory; an unknown character's error names its file
+        return [self.tok.encode_array(p.text, f"in {self._where(p)}") for p in pieces]
+
+    def _where(self, p: Piece) -> str:
+        src = self.sources[p.pos["file"]]  # pos["file"] is the piece's own file
+        return str(src.path) if src.kind == "text" else f"{src.path} record {p.doc + 1}"
 
     def run_batch(self, batch: Batch, ids: list) -> None:
         parts: dict[str, list] = {"train": [], "val": []}
@@ -207,7 +211,8 @@ class Pass:
                 stats["malformed_conversations"] = stats.get("malformed_conversations", 0) + 1
                 if len(examples := stats.setdefault("malformed_examples", [])) < EXAMPLES_KEPT:
                     where = str(self.sources[p.pos["file"]].path)
-                    examples.append({"path": where, "record": p.doc, "reason": p.malformed})
+                    # counted from 1: a jsonl line number, as in tokenize's other messages
+                    examples.append({"path": where, "record": p.doc + 1, "reason": p.malformed})
                 continue
             # pos["file"] is the piece's own file
             s = p.split or self.doc_split(p.pos["file"], p.doc)

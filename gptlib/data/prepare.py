@@ -75,8 +75,14 @@ def prepare(
             inputs, out_dir, text_column, fmt, hf_config, hf_split
         )
         tokenizer = tokenizer or ("bpe" if fmt == "chat" else "char")
-        # what format "auto" found, in the first file of records
-        first = next((s.path for s in sources if s.kind != "text"), "")
+        if text_column and verbose and all(s.kind == "text" for s in sources):
+            print(f"note: text column {text_column!r} is not used: plain text files are read whole")
+        # what format "auto" found, in the first file of records it could read
+        unread = {s["path"] for s in pre_skipped}
+        first = next(
+            (s.path for s in sources if s.kind != "text" and s.size and str(s.path) not in unread),
+            "",
+        )
         holds = f"{first} holds conversations ({column!r})"
         if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
             raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")

@@ -56,24 +56,23 @@ class CharTokenizer(Tokenizer):
     def from_text(cls, text: Iterable[str]) -> "CharTokenizer":
         return cls(sorted(set(text)))
 
-    def encode_array(self, text: str) -> np.ndarray:
+    def encode_array(self, text: str, where: str = "") -> np.ndarray:
+        """-> the ids; an unknown character is an error that says `where` the text is from (else its position)."""
         ids = self._lut[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)]
         bad = np.flatnonzero(ids < 0)
         if bad.size:
             i = int(bad[0])
+            # a count within the text given: a file is encoded in pieces, so not for a file
+            more = f"; {bad.size} unknown in total" if not where else ""
             raise TokenizerError(
-                f"character {text[i]!r} (U+{ord(text[i]):04X}) at position {i} is not in the char vocabulary "
-                f"({len(self.chars)} characters from the training corpus); {bad.size} unknown in total: "
-                f"remove or replace it, or build the tokenizer from text that has it"
+                f"character {text[i]!r} (U+{ord(text[i]):04X}) {where or f'at position {i}'} is not in the char "
+                f"vocabulary ({len(self.chars)} characters from the training corpus){more}: remove or replace it, "
+                f"or build the tokenizer from text that has it"
             )
         return ids
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        # arrays: a batch of Python ints would be ~7x the memory
-        return [self.encode_array(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         n = len(self.chars)

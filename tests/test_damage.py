@@ -226,6 +226,54 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
     assert out.endswith(f"(interrupt) -> {run}; re-run the same command to continue\n"), out
 
 
+SLOW_SAVE_AND_DRIVE = SLOW_SAVE.replace(
+    "fmt.atomic_write_json = late\n",
+    """fmt.atomic_write_json = late
+import gptlib.checkpoint.mirror as mirror
+real_copy = mirror.mirror_checkpoint
+def slow_copy(*a, **k):
+    time.sleep(60)
+    return real_copy(*a, **k)
+mirror.mirror_checkpoint = slow_copy
+""",
+)
+
+
+def test_a_second_stop_press_during_the_last_save_does_not_wait_for_drive(char_data, tmp_path):
+    """The second press said "stopping when the save in progress ends", then the wait for Drive (up to 600 s) went on
+    after the save. Now the save ends, the wait for Drive is skipped and says so, and training returns."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-c", SLOW_SAVE_AND_DRIVE, "train", "--data", str(char_data)]
+    cmd += ["--run-dir", str(run), "--mirror-dir", str(tmp_path / "drive"), "--max-steps", "100000"]
+    cmd += ["--device", "cpu", "--quiet"]
+    for setting in TINY + ["eval_interval=100000", "save_every_steps=100000"]:
+        cmd += ["--set", setting]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while len(read_jsonl(run / "metrics.jsonl")) < 3:
+            assert time.time() < deadline and child.poll() is None, "training did not start"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        while not any(".partial-" in p.name for p in (run / "checkpoints").glob("*")):
+            assert time.time() < deadline and child.poll() is None, "no save seen"
+            time.sleep(0.01)
+        child.send_signal(signal.SIGINT)  # the save is in flight (its manifest 2 s away)
+        pressed = time.time()
+        # the Drive copy takes 60 s: not waited for
+        out, err = child.communicate(timeout=40)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err)
+    assert time.time() - pressed < 30, time.time() - pressed
+    assert "stopped waiting for Drive at the second stop press" in out + err, out + err
+    [ck] = list_checkpoints(run)
+    assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out
+
+
 def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
     from gptlib.__main__ import main
 

@@ -305,16 +305,18 @@ class Mirror:
             copying = self._busy is not None or self._has_work()
         return f"drive: {self._newest_on_drive()}" + (" (copying)" if copying else "")
 
-    def close(self, timeout: float) -> None:
-        """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting); say loudly what is not on Drive."""
+    def close(self, timeout: float, given_up: threading.Event | None = None) -> None:
+        """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting, as `given_up` set does: a second
+        stop press); say loudly what is not on Drive."""
         if self._thread is None or self.lost:
             return
         with self._cv:
             self._closing = True
             self._cv.notify_all()
         deadline, stopped_by = time.monotonic() + timeout, None
+        given_up = given_up or threading.Event()
         try:
-            while self._thread.is_alive() and time.monotonic() < deadline:
+            while self._thread.is_alive() and time.monotonic() < deadline and not given_up.is_set():
                 self._thread.join(min(MIRROR_WAIT_REPORT_S, max(0.0, deadline - time.monotonic())))
                 if self._thread.is_alive() and time.monotonic() < deadline:
                     loud(
@@ -324,6 +326,8 @@ class Mirror:
         except KeyboardInterrupt:
             # the copy goes on; is_alive() may say otherwise (CPython marks the thread of an interrupted join stopped)
             stopped_by = "at Ctrl-C"
+        if given_up.is_set() and self._thread.is_alive():
+            stopped_by = "at the second stop press"
         if self.lost:
             return
         if self._thread.is_alive():

@@ -163,14 +163,19 @@ class CheckpointWriter:
     def status_line(self) -> str:
         return self.mirror.status_line() if self.mirror else ""
 
-    def close(self, timeout: float | None = None, saving: ContextManager | None = None) -> dict:
+    def close(
+        self,
+        timeout: float | None = None,
+        saving: ContextManager | None = None,
+        given_up: threading.Event | None = None,
+    ) -> dict:
         """Wait for the local save (raising its error; `saving`: the context to wait in), then up to `timeout` for
-        the mirror's copy -> status()."""
+        the mirror's copy (not once `given_up` is set) -> status()."""
         try:
             with saving or contextlib.nullcontext():
                 self.wait()
         finally:
             self._host = []  # ~1.3 GB (gpt2-small) not held after training
         if self.mirror:
-            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout)
+            self.mirror.close(MIRROR_CLOSE_TIMEOUT_S if timeout is None else timeout, given_up)
         return self.status()

@@ -358,7 +358,7 @@ def _close(run: TrainingRun, metrics: MetricsLog, shown: RunProgress, stop: Grac
         finally:
             # local save errors raise; Drive problems are only reported
             if run.lease.lost is None:
-                run.writer.close(saving=stop.last_save())
+                run.writer.close(saving=stop.last_save(), given_up=stop.pressed_again)
         run.lease.check()
     finally:
         stop.restore()
@@ -420,6 +420,8 @@ class GracefulStop:
         self.cut = False  # an interrupt cut a deferred() block in two (deferred says when)
         # _interrupted: a second press arrived inside deferred(), raised when it ends
         self._deferring = self._interrupted = False
+        # a second press during the last save: it stops the wait for Drive that follows, too
+        self.pressed_again = threading.Event()
 
     def install(self) -> "GracefulStop":
         if threading.current_thread() is not threading.main_thread():
@@ -465,12 +467,14 @@ class GracefulStop:
 
     @contextlib.contextmanager
     def last_save(self):
-        """The run's last save: a stop press waits for it (its thread cannot be stopped mid-write). Then the handlers
-        are put back, so that Ctrl-C ends the wait for Drive that follows."""
+        """The run's last save: a stop press waits for it (its thread cannot be stopped mid-write), and sets
+        pressed_again. Then the handlers are put back, so that Ctrl-C ends the wait for Drive that follows."""
         self._deferring = True
         try:
             yield
         finally:
+            if self._interrupted:
+                self.pressed_again.set()
             self._deferring = self._interrupted = False
             self.restore()
 

@@ -49,7 +49,11 @@ def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_
         got += [tok.decode(p[:-1].tolist()) for p in np.split(ids, ends + 1)[:-1]]
     assert sorted(got) == sorted(docs[:k])  # the first k documents, each whole
     out = capsys.readouterr()
-    assert f"stopped at --max-tokens {n:,}: after document {k - 1:,}" in out.out
+    assert (
+        f"stopped at --max-tokens {n:,}: after document {k - 1:,} of {src}, {total:,} tokens in all"
+        in out.out
+    )
+    assert "note: max_tokens" not in out.out
     # the bar counts tokens towards max_tokens, with tqdm's percentage and ETA ([elapsed<remaining]), and ends
     # complete at the true count
     assert re.search(r"tokenize: +\d+%\|.*\| [\d.]+k?/20\.0k \[", out.err), out.err
@@ -195,3 +199,21 @@ def test_a_notebooks_bar_ends_complete_whatever_ended_the_pass(
     counted = meta.tokens("train") + meta.tokens("val") if budget else src.stat().st_size
     assert bar.n == bar.total == counted
     assert bar.container.children[1].bar_style == "success"
+
+
+def test_a_plain_text_file_is_one_document_and_says_so(tmp_path, docs, capsys):
+    """A plain text file is read whole, whatever max_tokens says (documents are never cut): tokenize says so before it
+    reads, and its last line gives the tokens it wrote (it said only "stopped at --max-tokens N")."""
+    src = tmp_path / "a.txt"
+    src.write_text("\n\n".join(docs[:200]))
+    meta = prepare([src], tmp_path / "d", tokenizer="char", max_tokens=1000)
+    total = meta.tokens("train") + meta.tokens("val")
+    assert total > 10 * 1000
+    out = capsys.readouterr().out
+    assert (
+        "note: max_tokens stops at the end of a document, and a plain text file is one document"
+        in out
+    )
+    assert (
+        f"stopped at --max-tokens 1,000: after document 0 of {src}, {total:,} tokens in all" in out
+    )

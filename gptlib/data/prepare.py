@@ -96,6 +96,11 @@ def prepare(
             return finished
         if fmt == "chat" and format == "auto" and verbose:
             print(f"format: chat, as {holds}")
+        if max_tokens is not None and split == "tail" and verbose:
+            print(
+                "note: max_tokens stops at the end of a document, and a plain text file is one document: each file "
+                "is read whole (split a large file into smaller ones to stop sooner)"
+            )
         # as given, before the chat tokens are added
         reused = load_tokenizer(tok_file) if tok_file else None
         # made on a fresh start only: a resume loads the one it saved

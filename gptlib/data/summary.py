@@ -24,7 +24,7 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
     if m.get("stop_reason") == "max_tokens":
         print(
             f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
-            f"{m['stopped_at']['file']}"
+            f"{m['stopped_at']['file']}, {n:,} tokens in all (a document is never cut)"
         )
     report_problems(m)
 

@@ -438,3 +438,38 @@ def eval_cell(capsys, **params) -> list[dict]:
     }
     exec(cell.source, scope)
     return scope["eval_rows"]
+
+
+def test_bpb_of_a_run_trained_with_a_relative_data_dir_from_another_folder(
+    tmp_path, char_data, monkeypatch, capsys
+):
+    """`train --data data` (relative, as the docs' examples) then `eval --task bpb` from another folder: the run
+    records the data's absolute path (it recorded "data", and eval said the directory did not exist). An older run's
+    relative record says so and asks for --data."""
+    import shutil
+
+    from gptlib.training.loop import train
+
+    shutil.copytree(char_data, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    train("data", "run", overrides=TINY, max_steps=3, progress=False, log=lambda s: None)
+    monkeypatch.chdir(tmp_path.parent)
+    args = ["eval", "--run-dir", str(tmp_path / "run"), "--task", "bpb", "--limit", "2", "--quiet"]
+    assert main(args) == 0, capsys.readouterr().err
+    [ck] = (tmp_path / "run" / "checkpoints").iterdir()
+    state = json.loads((ck / "state.json").read_text())
+    assert state["data_dir"] == str(tmp_path / "data")
+    # an older run's record, re-hashed in its manifest
+    data = json.dumps({**state, "data_dir": "data"}).encode()
+    (ck / "state.json").write_bytes(data)
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "records its data directory as 'data', relative to where training ran; pass --data" in (
+        capsys.readouterr().err
+    )

@@ -145,8 +145,8 @@ def train(
         run = build_run(cfg, measure, start, ddp, dev, lease, verbose=progress, log=log, say=say)
     # the loaded checkpoint is dropped: its state is in the run's parts now (gpt2-small's: ~1.3 GB of host RAM)
     del start
-    # checkpoints name the data's lasting place, not the VM's copy
-    run.state.data_dir = str(Path(data_dir))
+    # checkpoints name the data's lasting place, not the VM's copy; absolute, for eval run from another folder
+    run.state.data_dir = str(Path(data_dir).absolute())
     if run.state.step >= run.cfg.train.max_steps:
         return _finished(run)
     return _loop(run, progress, log, on_log)

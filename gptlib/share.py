@@ -24,7 +24,7 @@ TOKEN_HELP = (
 def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, hardware: str) -> Path:
     """The commit's files in out_dir (new or empty), written into a temporary sibling renamed at the end."""
     # here (torch): `python -m gptlib tokenize` never imports it
-    from gptlib.inference.export import export_model, gguf_arch, write_gguf
+    from gptlib.inference.export import export_model, gguf_arch, remove_leftovers, write_gguf
     from gptlib.inference.loading import load_run
 
     out, run_dir = Path(out_dir), Path(run_dir)
@@ -36,6 +36,7 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
     if gguf:
         # a run llama.cpp cannot run: refused before anything is written
         gguf_arch(ld.model.config, ld.tokenizer)
+    remove_leftovers(out)
     tmp = out.parent / f".{out.name}.staging-{os.getpid()}"
     try:
         export_model(ld.model, tmp, ld.tokenizer)

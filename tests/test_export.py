@@ -183,3 +183,15 @@ def test_cli_export_hf(run_dir, tmp_path, capsys):
     assert rc == 2 and "--overwrite" in capsys.readouterr().err
     rc = main(["export-hf", "--run-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "x")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_what_a_killed_export_left_is_removed_by_the_next(run_dir, tmp_path):
+    """kill -9 (a Colab disconnect) mid-export leaves a hidden full-size copy beside the target; the next export, under
+    another temporary name, left it there, one more copy per disconnect on Drive. Now the next one removes it, and
+    nothing else (tests/test_gguf.py: the same for a GGUF file)."""
+    (tmp_path / ".hf.export-k1ll3d").mkdir()
+    (tmp_path / ".hf.export-k1ll3d" / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / ".hf.old-123").mkdir()
+    (tmp_path / ".hfx.export-other").mkdir()  # another target's: not this one's to remove
+    export_hf(run_dir, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hfx.export-other", "hf"]

@@ -211,6 +211,12 @@ def test_a_failed_write_leaves_no_file_and_keeps_the_old_one(runs, tmp_path, mon
     assert out.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
 
+def test_what_a_killed_gguf_export_left_is_removed_by_the_next(runs, tmp_path):
+    (tmp_path / ".m.gguf.partial-4242").write_bytes(b"x" * 1000)  # a kill -9 mid-write
+    export_gguf(runs["gpt2"], tmp_path / "m.gguf")
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
 def test_cli_export_gguf(runs, tmp_path, capsys):
     from gptlib.__main__ import main
 

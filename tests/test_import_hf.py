@@ -153,6 +153,14 @@ def test_import_never_writes_into_a_folder_holding_something(hf_folder, tmp_path
     with pytest.raises(ExportError, match="not empty"):
         import_hf(hf_folder, out, log=quiet)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    # a previous export there: import has no --overwrite to offer (it said "pass --overwrite")
+    (out / "notes.txt").unlink()
+    (out / "README.md").write_text("# gptlib GPT-2 export\n")
+    with pytest.raises(ExportError) as e:
+        import_hf(hf_folder, out, log=quiet)
+    assert "overwrite" not in str(e.value) and "choose an empty or new folder" in str(e.value), (
+        e.value
+    )
 
 
 def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, small_text):

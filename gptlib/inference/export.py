@@ -193,6 +193,7 @@ def export_model(
     # a part no native architecture has: refused before anything is written
     arch = native_arch(model.config)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
         config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
@@ -213,8 +214,20 @@ def export_model(
     return out
 
 
-def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
-    """Refuse the run itself, a run or data directory, or a non-empty folder that overwrite may not replace."""
+def remove_leftovers(out: Path) -> None:
+    """What an export, a GGUF or a push's staging left beside `out` when cut off (kill -9, a Colab disconnect): removed
+    before the next one, as each is a full-size copy (on Drive, one more on the quota)."""
+    names = tuple(f".{out.name}.{kind}-" for kind in ("export", "old", "partial", "staging"))
+    for left in out.parent.iterdir() if out.parent.is_dir() else ():
+        if left.name.startswith(names):
+            shutil.rmtree(left, ignore_errors=True) if left.is_dir() else left.unlink(
+                missing_ok=True
+            )
+
+
+def check_export_target(out: Path, overwrite: bool | None, run_dir: Path | None = None) -> None:
+    """Refuse the run itself, a run or data directory, or a non-empty folder that overwrite may not replace (None: the
+    command has no --overwrite)."""
     target, run = out.resolve(), run_dir and run_dir.resolve()
     if run and (target == run or run in target.parents or target in run.parents):
         raise ExportError(
@@ -233,6 +246,8 @@ def check_export_target(out: Path, overwrite: bool, run_dir: Path | None = None)
         )
     if not any(out.iterdir()):
         return
+    if overwrite is None:
+        raise ExportError(f"--out {out} is not empty; choose an empty or new folder")
     readme = out / "README.md"  # its first line is the model card's title in a previous export
     first = readme.read_text(errors="replace").partition("\n")[0] if readme.is_file() else ""
     if first not in [f"# gptlib {name} export" for name in NAMES.values()]:
@@ -368,6 +383,7 @@ def write_gguf(
     check_gguf_target(out, overwrite, dtype)
     arch = gguf_arch(model.config, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     try:
         w, cfg = gguf.GGUFWriter(tmp, arch), model.config

@@ -137,7 +137,7 @@ def gptlib_state_dict(
 def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
     out = Path(out)
     # the same rule: never into a run, data or other folder
-    check_export_target(out, overwrite=False)
+    check_export_target(out, overwrite=None)
     folder = Path(name_or_dir)
     if not folder.is_dir():  # a Hub id, downloaded once into the Hugging Face cache
         try:

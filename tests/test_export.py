@@ -195,3 +195,35 @@ def test_what_a_killed_export_left_is_removed_by_the_next(run_dir, tmp_path):
     (tmp_path / ".hfx.export-other").mkdir()  # another target's: not this one's to remove
     export_hf(run_dir, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hfx.export-other", "hf"]
+
+
+def test_a_chat_models_export_chats_in_transformers(tmp_path, small_text):
+    """A chat fine-tune's export (what push uploads): transformers' apply_chat_template gives gptlib's ids for the same
+    conversation, and generate() stops at <|end|>. It had no chat template (apply_chat_template raised), split the role
+    markers into ordinary tokens, and stopped only at <|endoftext|>."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from gptlib.data.conversations import CHAT_TOKENS, END, ChatTemplate
+
+    tok = BPETokenizer.train([small_text.read_text()], vocab_size=300, extra_special=CHAT_TOKENS)
+    model = GPT(
+        ModelConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32)
+    ).eval()
+    out = export_model(model, tmp_path / "hf", tok)
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    ours = ChatTemplate(tok).render(chat, require_assistant=False, generation_prompt=True)[0]
+    theirs = hf_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    theirs = theirs["input_ids"] if isinstance(theirs, dict) or hasattr(theirs, "keys") else theirs
+    # the template (llama.cpp's too) also writes the newline that follows every role marker, which gptlib's prompt
+    # leaves to the model
+    assert list(theirs) == ours.tolist() + tok.encode("\n")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == [tok.token_id(END), tok.eot_id]
+    # a plain BPE model keeps literal special tokens as text, and one end
+    plain = BPETokenizer.train([small_text.read_text()], vocab_size=300)
+    out = export_model(model.__class__(model.config), tmp_path / "plain", plain)
+    assert AutoTokenizer.from_pretrained(out).chat_template is None
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == plain.eot_id

@@ -176,6 +176,9 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, block_size: int) -> None:
         "split_special_tokens": bool(special),
         **special,
     }
+    # a chat model: apply_chat_template renders the role markers as text, which must become their ids
+    if chat_end_id(tok) is not None:
+        tcfg.update(chat_template=CHAT_TEMPLATE, split_special_tokens=False)
     text = json.dumps(tcfg, indent=2, ensure_ascii=False) + "\n"
     (out / "tokenizer_config.json").write_text(text)
 
@@ -197,6 +200,8 @@ def export_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
         config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
+        if tokenizer is not None and (end := chat_end_id(tokenizer)) is not None:
+            config["eos_token_id"] = [end, tokenizer.eot_id]  # generate() stops at the end of the turn
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         # transformers takes the special tokens from here, generation's from config.json
@@ -362,12 +367,17 @@ def _add_tokenizer(w, tok: BPETokenizer, n: int) -> None:
     w.add_bos_token_id(tok.eot_id)
     w.add_eos_token_id(tok.eot_id)
     w.add_add_bos_token(False)  # gptlib never puts <|endoftext|> before a prompt
+    if (end := chat_end_id(tok)) is not None:
+        w.add_eot_token_id(end)
+        w.add_chat_template(CHAT_TEMPLATE)
+
+
+def chat_end_id(tok: Tokenizer) -> int | None:
+    """A chat tokenizer's end-of-turn id (<|end|>); None for another tokenizer."""
     try:
-        ChatTemplate(tok)
+        return ChatTemplate(tok).end_id
     except ChatError:
-        return  # not a chat tokenizer
-    w.add_eot_token_id(tok.token_id(END))
-    w.add_chat_template(CHAT_TEMPLATE)
+        return None
 
 
 def write_gguf(

@@ -406,6 +406,9 @@ class ChatBox:
             self._session = ChatSession.from_run(
                 self.run_dir, self.checkpoint, device=self.device, log=self._notices.append
             )
+            # loaded again (a newer ChatBox freed the model): the model sees the exchanges shown, not a blank history
+            # (user and assistant alternate; a message being sent is not one yet)
+            self._session.history = self.turns[: len(self.turns) // 2 * 2]
         cap = self._session.reply_cap
         if self.max_tokens.value > cap:
             size = self._session.block_size

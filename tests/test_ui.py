@@ -97,6 +97,9 @@ def test_a_re_run_cell_frees_the_earlier_playgrounds_and_chat_boxes_model(char_r
     chatbox(chat_run)
     gc.collect()
     assert model() is None
+    # used again, it loads its model again, and the model sees the conversation the box shows (it saw none)
+    box.send("And then?")
+    assert box._session.history[:2] == box.turns[:2] and len(box.turns) == 4
 
 
 def test_generate_from_a_cell_does_not_offer_stop(char_run):

@@ -100,6 +100,7 @@ def data_dir(name: str, roots: Roots | None = None) -> Path:
 
 
 def _checked(name: str) -> str:
+    name = name.strip()  # pasted into a notebook's form with a space or a newline
     if not name or "/" in name or "\\" in name or name in (".", ".."):
         raise ValueError(f"name {name!r}: use a plain directory name like 'shakespeare-char'")
     return name

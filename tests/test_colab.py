@@ -143,6 +143,20 @@ def test_bad_run_name():
         colab.run_paths("../escape", colab.Roots(persistent=colab.Path("."), local=colab.Path(".")))
 
 
+def test_a_name_or_folder_pasted_with_spaces_is_the_same_run(tmp_path, char_data):
+    """A name or folder pasted into a notebook's form with a trailing space or newline: the same run, not a new run
+    "phase1 " (02, 03) or "no complete checkpoint in .../phase1 " (04, 05)."""
+    from gptlib.inference.loading import find_run
+    from gptlib.training.loop import train
+
+    char_run = tmp_path / "run"
+    train(char_data, char_run, overrides=TINY, max_steps=2, progress=False, log=lambda s: None)
+    roots = colab.Roots(persistent=tmp_path / "drive", local=tmp_path / "local")
+    assert colab.run_paths(" phase1\n", roots) == colab.run_paths("phase1", roots)
+    assert colab.data_dir("shakespeare ", roots) == colab.data_dir("shakespeare", roots)
+    assert find_run(run_dir=f"{char_run}  \n") == char_run
+
+
 def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, capsys):
     """Train on 'Colab', lose the VM's local disk, re-run the same cell: it resumes from Drive."""
     n = torch.get_num_threads()

@@ -201,7 +201,10 @@ def export_model(
     try:
         config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
         if tokenizer is not None and (end := chat_end_id(tokenizer)) is not None:
-            config["eos_token_id"] = [end, tokenizer.eot_id]  # generate() stops at the end of the turn
+            config["eos_token_id"] = [
+                end,
+                tokenizer.eot_id,
+            ]  # generate() stops at the end of the turn
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         # transformers takes the special tokens from here, generation's from config.json

@@ -197,7 +197,8 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
     """Notebooks 04 and 05: RUN_DIR if given, else run NAME's copy with the newest complete checkpoint."""
     from gptlib import colab
 
-    if str(run_dir).strip():
+    # a name or folder pasted into a notebook's form brings spaces or a newline along
+    if run_dir := str(run_dir).strip():
         return pick_run_dir([run_dir])
     paths = colab.run_paths(name, roots)
     return pick_run_dir([paths.run_dir, paths.mirror_dir])
@@ -280,7 +281,7 @@ def pick_run_dir(candidates, log=loud) -> Path:
             best, best_step = Path(c), table[0]["step"]
     if best is None:
         raise CheckpointError(
-            f"no complete checkpoint in {' or '.join(looked) or 'no directory'}; train first "
-            f"(notebook 02 or 03) or point RUN_DIR at a run directory"
+            f"no complete checkpoint in {' or '.join(looked) or 'no directory'}; train first, or check the "
+            f"run's name or folder"
         )
     return best

@@ -4,6 +4,7 @@ headless), with widgets and calls that ipywidgets 7.7.1 (Colab's) and 8 both hav
 from __future__ import annotations
 
 import html
+import re
 import sys
 import threading
 import time
@@ -230,7 +231,13 @@ class Playground:
             self._run(stoppable=True)
 
     def generate(self) -> Completion | None:
+        """One sample with the current settings, from code; None on an error (status_text says it)."""
         return self._run(stoppable=False)
+
+    @property
+    def status_text(self) -> str:
+        """The status line without its markup: what a cell prints."""
+        return html.unescape(re.sub(r"<[^>]+>", "", self.status.value))
 
     # stoppable: by the button, so a Stop click can arrive
     def _run(self, stoppable: bool) -> Completion | None:

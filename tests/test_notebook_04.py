@@ -161,6 +161,8 @@ def test_playground_headless(tmp_path, char_data):
     assert "step 5" in pg.status.value
     pg.prompt.value = "\u2603"  # not in the char vocabulary: shown as an error, not raised
     assert pg.generate() is None and "not in the char vocabulary" in pg.status.value
+    # what the notebook's cell prints: the words, not the markup (it printed <span style=...>...&#x27;)
+    assert pg.status_text.startswith("GenerationError: prompt 0 ('\u2603')"), pg.status_text
     # advice the Playground can follow
     assert "unknown='map'" not in pg.status.value and "prompt" in pg.status.value
     # the previous text does not stay below the error looking like its result

@@ -312,7 +312,12 @@ def test_a_run_without_chat_tokens_is_one_clear_line(tmp_path, char_data, kind, 
     err = r.stderr.decode()
     assert r.returncode == 2 and r.stdout == b"" and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("error: ") and "has no chat tokens" in err
-    assert "--format chat" in err and "--init-from" in err
+    if (
+        kind == "char"
+    ):  # the advice for a BPE run cannot work (tokenize --format chat refuses a char tokenizer)
+        assert "a char-level model cannot learn to chat" in err and "--format chat" not in err
+    else:
+        assert "--format chat" in err and "--init-from" in err
 
 
 # --------------------------------------------------------------------------------------- the notebook widget

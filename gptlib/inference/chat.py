@@ -25,13 +25,19 @@ class ChatSession:
         try:
             self.template = ChatTemplate(tok)
         except ChatError:
-            raise ChatError(
-                f"{where}: its {getattr(tok, 'kind', '')} tokenizer has no chat tokens "
-                f"({', '.join(CHAT_TOKENS)}), so it was never fine-tuned on conversations; fine-tune "
-                f"it on conversations first: python -m gptlib tokenize --input chats.jsonl --format chat "
-                f"--tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train --data DATA_DIR "
-                f"--init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR"
-            ) from None
+            kind = getattr(tok, "kind", "")
+            never = f"{where}: its {kind} tokenizer has no chat tokens ({', '.join(CHAT_TOKENS)}), so it was never "
+            if (
+                kind == "char"
+            ):  # no chat tokens can be added to it (tokenize --format chat refuses it)
+                fix = "a char-level model cannot learn to chat: fine-tune a BPE run or GPT-2 (notebook 05)"
+            else:
+                fix = (
+                    "fine-tune it on conversations first (notebook 05, or: python -m gptlib tokenize --input "
+                    "chats.jsonl --format chat --tokenizer-from RUN_DIR --out DATA_DIR, then python -m gptlib train "
+                    "--data DATA_DIR --init-from RUN_DIR --preset finetune --run-dir CHAT_RUN_DIR)"
+                )
+            raise ChatError(f"{never}fine-tuned on conversations; {fix}") from None
         template = self.template
         self.stop_ids = sorted({template.end_id, template.eot_id, *template.role_ids.values()})
         self.engine, self.system, self.log = engine, system or None, log

@@ -595,3 +595,12 @@ def test_unknown_character_advice_names_what_the_user_can_do(run_dir):
         and "remove or replace it" in msg
         and "unknown=" not in msg
     )
+
+
+def test_a_checkpoint_label_gives_the_step_as_checkpoints_takes_it():
+    """Notebook 04 lists checkpoints with checkpoint_label; a step copied from there into CHECKPOINTS (comma-separated)
+    read "12,000" as steps 12 and 0."""
+    from gptlib.inference.loading import checkpoint_label
+
+    label = checkpoint_label({"step": 12000, "val_loss": 1.5, "val_batches": 1000, "is_best": True})
+    assert label == "step 12000 · val 1.500 (training's validation: 1,000 batches) · best", label

@@ -75,10 +75,11 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 
 def checkpoint_label(row: dict) -> str:
-    """A checkpoint_table row as "step 1,000 · val 1.523 (training's validation: 20 batches) · best": the loss training
+    """A checkpoint_table row as "step 1000 · val 1.523 (training's validation: 20 batches) · best": the loss training
     measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
     batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
-    label = f"step {row['step']:,}"
+    # no thousands separator: the step as CHECKPOINTS takes it, where a comma separates steps
+    label = f"step {row['step']}"
     if row.get("val_loss") is not None:
         label += f" · val {row['val_loss']:.3f} (training's validation{batches})"
     return label + (" · best" if row.get("is_best") else "")

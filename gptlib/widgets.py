@@ -210,12 +210,17 @@ class Playground:
         self.refresh()
 
     def refresh(self) -> None:  # training may have saved new checkpoints
-        rows, keep = checkpoint_table(self.run_dir), self.checkpoint.value
+        skipped: list[str] = []  # the checkpoints passed over, and why (a hung Drive, say)
+        rows, keep = checkpoint_table(self.run_dir, skipped), self.checkpoint.value
         self.checkpoint.options = [(checkpoint_label(r), r["step"]) for r in rows]
         if rows:
             self.checkpoint.value = keep if keep in [r["step"] for r in rows] else rows[0]["step"]
+            self.status.value = status_html(f"{len(rows)} checkpoint{'s' * (len(rows) > 1)} found")
         else:
-            self.status.value = status_html(f"no complete checkpoint in {self.run_dir}", error=True)
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            self.status.value = status_html(
+                f"no complete checkpoint in {self.run_dir}{why}", error=True
+            )
 
     def _show_text(self, prompt: str, text: str) -> None:
         self.output.value = (

@@ -477,3 +477,19 @@ def test_the_default_seed_gives_each_message_its_own_reply(tmp_path, chat_tok, m
     seen = spy_replies(monkeypatch, box.session().engine)
     box.send("Hi there")
     assert seen[0][0] is None  # -1 is random: left so
+
+
+def test_refresh_finds_the_first_checkpoint_and_clears_the_error(char_run, tmp_path):
+    """The Playground opened on a run with no checkpoint yet says so in red; once training saved one, ↻ lists it and
+    the red "no complete checkpoint" goes (it stayed beside the filled dropdown)."""
+    import shutil
+
+    run = tmp_path / "later"
+    run.mkdir()
+    pg = playground(run)
+    assert "no complete checkpoint" in pg.status.value and "#b00020" in pg.status.value
+    shutil.rmtree(run)
+    shutil.copytree(char_run, run)  # training saved its first checkpoint
+    pg.refresh_button.click()
+    assert [v for _, v in pg.checkpoint.options] == [0]
+    assert "1 checkpoint found" in pg.status.value and "#b00020" not in pg.status.value

@@ -13,7 +13,7 @@ from gptlib.data.hub import http_status
 from gptlib.data.shards import META_FILE
 from gptlib.errors import ExportError
 from gptlib.fsutil import read_jsonl
-from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE
+from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE, STATE_FILE
 
 TOKEN_HELP = (
     "use a token with write access (https://huggingface.co/settings/tokens): set HF_TOKEN=hf_..., add it "
@@ -62,7 +62,13 @@ def run_facts(ld, run_dir: Path) -> dict:
     datasets = sorted(
         {m[1] for s in sources if (m := re.match(r"hf://datasets/([^/@]+/[^/@]+)", s))}
     )
-    evals = {r["task"]: r for r in read_jsonl(run_dir / EVAL_FILE) if r.get("step") == ld.step}
+    # per task, this step's fullest evaluation: canonical data first, then the most items or windows (a quick --limit
+    # run after a full one must not stand for it); the newest among equals
+    evals: dict[str, dict] = {}
+    for r in (r for r in read_jsonl(run_dir / EVAL_FILE) if r.get("step") == ld.step):
+        old = evals.get(r["task"])
+        if old is None or _fullest(r) >= _fullest(old):
+            evals[r["task"]] = r
     samples = [r for r in read_jsonl(run_dir / SAMPLES_FILE) if r.get("step", 0) <= ld.step]
     steps = sorted({r["step"] for r in samples})
     # the first, middle and last
@@ -74,6 +80,10 @@ def run_facts(ld, run_dir: Path) -> dict:
         "evals": evals,
         "samples": [r for r in samples if r["step"] in shown],
     }
+
+
+def _fullest(row: dict) -> tuple[bool, int]:
+    return row.get("canonical", True), row.get("n", 0)
 
 
 def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: str):
@@ -98,7 +108,8 @@ def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: st
         )
         if v is not None
     ]
-    if hs:
+    # the model-index says "HellaSwag validation": only a score on the canonical file is that
+    if hs and hs.get("canonical") is True:
         results.append(
             EvalResult(
                 task_type="text-generation",
@@ -110,6 +121,7 @@ def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: st
             )
         )
     return ModelCardData(
+        base_model=origin(st)[1],
         license=license,
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -118,6 +130,24 @@ def card_metadata(ld, f: dict, name: str, arch: str, license: str, gguf_file: st
         model_name=name,
         eval_results=results or None,
     )
+
+
+def origin(st) -> tuple[str, str | None]:
+    """How the weights began: "trained from scratch", or what they were fine-tuned or imported from (following the
+    runs' records back while their checkpoints are here), and the Hub model at the start of that chain (base_model)."""
+    init, said, hub = st.init_from, [], None
+    while init and len(said) < 10:
+        if "model" in init:  # import-hf: a Hub id or a local folder
+            hub = init["model"] if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", init["model"]) else None
+            said.append(f"imported from {init['model']}")
+            break
+        said.append(f"fine-tuned from the run {Path(init['run']).name} (step {init['step']:,})")
+        base = Path(init["path"]) / STATE_FILE
+        try:
+            init = json.loads(base.read_text()).get("init_from")
+        except (OSError, ValueError):
+            break
+    return ", ".join(said) or "trained from scratch", hub
 
 
 def _score(row: dict, field: str) -> str:
@@ -146,13 +176,19 @@ def model_card(
     hours = (
         f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
     )
-    bits = _score(bpb, "bpb") if bpb else "not run (python -m gptlib eval --task bpb)"
+    bits = (
+        f"{_score(bpb, 'bpb')} over {bpb['windows']:,} windows"
+        if bpb
+        else "not run (python -m gptlib eval --task bpb)"
+    )
     acc = f"{_score(hs, 'acc_norm')} on {hs['n']:,} items" if hs else "not run"
+    if hs and hs.get("canonical") is not True:
+        acc += f" of {Path(hs.get('data', '')).name or 'a local file'}, not the canonical validation set"
     gguf_use = f"llama.cpp: `llama-cli -hf {repo}`; Ollama: `ollama run hf.co/{repo}:F16`; LM Studio: search {repo}"
     lines = [
         f"# {name}",
         "",
-        f"A {model_size(m).params / 1e6:.1f}M-parameter GPT trained from scratch with "
+        f"A {model_size(m).params / 1e6:.1f}M-parameter GPT {origin(st)[0]} with "
         f"[gptlib](https://github.com/gptlib/gptlib), exported as a native `{CLASSES[arch]}`.",
         "",
         "## Model",

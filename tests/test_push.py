@@ -163,16 +163,18 @@ def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(
         load_run(run, "best").state.val_loss, 4
     )
     assert found["bpb", "data (validation split)"] == round(evals["bpb"]["bpb"], 4)
-    assert found["acc_norm", "HellaSwag"] == round(evals["hellaswag"]["acc_norm"], 4)
+    # a score on a local HellaSwag-shaped file is not "HellaSwag validation" in the model-index: the text says what
+    assert ("acc_norm", "HellaSwag") not in found and not evals["hellaswag"]["canonical"]
     text = card.text
+    assert "GPT trained from scratch with" in text
     for part in (
         "2 layers, 2 heads, 64 wide",
         "recipe: gpt2",
         "4,096 tokens seen",
         "2-core CPU",
-        f"bits per byte: {evals['bpb']['bpb']:.4f} ± {evals['bpb']['bpb_se']:.4f} (standard error)",
+        f"bits per byte: {evals['bpb']['bpb']:.4f} ± {evals['bpb']['bpb_se']:.4f} (standard error) over 4 windows",
         f"acc_norm: {evals['hellaswag']['acc_norm']:.4f} ± {evals['hellaswag']['acc_norm_se']:.4f} (standard "
-        "error) on 8 items",
+        "error) on 8 items of hs.jsonl, not the canonical validation set",
         "![loss curve](loss.png)",
         "step 4:",
         "AutoModelForCausalLM.from_pretrained",
@@ -180,6 +182,42 @@ def test_push_is_one_commit_of_the_dry_run_files_with_a_card_the_hub_parses(
         "gptlib import-hf --model alice/tiny-gpt",
     ):
         assert part in text, part
+
+
+def test_the_card_gives_the_fullest_scores_and_where_the_weights_came_from(
+    run, tmp_path, monkeypatch
+):
+    """A quick `eval --limit` after a full one: the card keeps the full one (it took the last row). The canonical
+    HellaSwag file's score is in the model-index as HellaSwag validation. A fine-tune of an imported model says so,
+    with the Hub model as base_model (it said "trained from scratch")."""
+    import json
+    import shutil
+
+    from gptlib.inference.loading import load_run
+    from gptlib.share import model_card
+
+    r = tmp_path / "run"
+    shutil.copytree(run, r)
+    rows = [json.loads(x) for x in (r / "eval.jsonl").read_text().splitlines()]
+    full = {x["task"]: x for x in rows}
+    quick = [{**full["bpb"], "bpb": 9.0, "n": 1, "windows": 1}]
+    canonical = [{**full["hellaswag"], "canonical": True, "n": 10042, "acc_norm": 0.31}]
+    lines = rows + canonical + quick + [{**canonical[0], "n": 20, "acc_norm": 0.5}]
+    (r / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ld = load_run(r)
+    base = tmp_path / "base_state"
+    base.mkdir()
+    (base / "state.json").write_text(json.dumps({"init_from": {"model": "openai-community/gpt2"}}))
+    ld.state.init_from = {"run": "/content/runs/gpt2-base", "path": str(base), "step": 0}
+    card = hub.ModelCard(model_card(ld, r, "alice/chat", "mit", "", "", False))
+    found = {(e.metric_type, e.dataset_name): e.metric_value for e in card.data.eval_results}
+    assert found["bpb", "data (validation split)"] == round(full["bpb"]["bpb"], 4)
+    assert found["acc_norm", "HellaSwag"] == 0.31 and "on 10,042 items (GPT-2" in card.text
+    assert card.data.base_model == "openai-community/gpt2"
+    assert (
+        "GPT fine-tuned from the run gpt2-base (step 0), imported from openai-community/gpt2 with"
+        in card.text
+    )
 
 
 def test_the_token_comes_from_a_saved_login(run, recording, tmp_path, monkeypatch, capsys):

@@ -201,3 +201,22 @@ def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, cap
         assert verify_checkpoint(rp2.mirror_dir / "checkpoints" / "step_0000015").step == 15
     finally:
         torch.set_num_threads(n)
+
+
+def test_a_data_dir_on_drive_mounts_drive_before_it_is_looked_at(fake_colab, tmp_path, char_data):
+    """Notebook 03 on a fresh VM with DATA_DIR = a dataset on Drive: Drive is mounted first (it was mounted only for
+    DATASET_NAME, so the dataset "did not exist"); a DATA_DIR pasted with a space is the same folder."""
+    import shutil
+
+    from gptlib.data.shards import find_dataset
+
+    store = tmp_path / "drive_store"  # Drive's files, seen only once mounted
+    shutil.copytree(char_data, store / "MyDrive" / "mydata")
+
+    def mount(mountpoint, **kw):
+        fake_colab.calls.append({"mountpoint": mountpoint})
+        shutil.copytree(store, mountpoint, dirs_exist_ok=True)
+
+    fake_colab.mount = mount
+    d = colab.DRIVE_MOUNT / "MyDrive" / "mydata"
+    assert find_dataset(data_dir=f"{d} ") == d and len(fake_colab.calls) == 1

@@ -103,3 +103,8 @@ def test_counts():
     for endless in ("inf", "1e400", "nan", "-nan"):
         with pytest.raises(ValueError, match=f"'{endless}' is not a count"):
             parse_count(endless)
+    # a decimal comma is refused, not read as ten times the budget ("2,8B" was 28B); thousands separators stay
+    assert parse_count("2,800,000,000") == parse_count("2,800M") == 2_800_000_000
+    for decimal in ("2,8B", "0,5B", "1,5M", "12,34"):
+        with pytest.raises(ValueError, match="write decimals with a dot"):
+            parse_count(decimal)

@@ -5,6 +5,7 @@ github-code) is an afternoon."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 
@@ -59,9 +60,15 @@ SOURCES: dict[str, KnownSource] = {
 
 def parse_count(s: str | int | float | None) -> int | None:
     """2800000000, 2.8e9, "2.8B", "500M", "20K"; None, "" or 0 mean no limit."""
-    t = str(s if s is not None else "").strip().upper().replace("_", "").replace(",", "")
+    t = str(s if s is not None else "").strip().upper().replace("_", "")
     if not t:
         return None
+    # commas only between groups of thousands (2,800,000,000): "2,8B" is a decimal comma, read as 28B before
+    if "," in t and not re.fullmatch(r"\d{1,3}(,\d{3})+", t.rstrip("KMBGT")):
+        raise ValueError(
+            f"{s!r}: a comma only separates thousands here; write decimals with a dot (2.8B)"
+        )
+    t = t.replace(",", "")
     mult = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1)
     try:
         n = float(t[:-1] if mult != 1 else t) * mult

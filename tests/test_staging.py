@@ -209,6 +209,11 @@ def test_train_reads_the_local_copy(drive_data, tmp_path, capsys):
         r = train(drive_data, run, "phase1", TINY, max_steps=5, device="cpu", progress=False)
         out = capsys.readouterr().out
         assert r.resumed_from == 3 and "using the verified local copy" in out, out
+        # a fresh VM re-running a finished run: said at once, without copying the data first (gpt2-small's: 5.6 GB)
+        shutil.rmtree(dst)
+        r = train(drive_data, run, "phase1", TINY, max_steps=5, device="cpu", progress=False)
+        out = capsys.readouterr().out
+        assert r.stopped_by == "finished" and "copied" not in out and not dst.exists(), out
         train(
             drive_data,
             tmp_path / "run2",

@@ -9,20 +9,19 @@ import functools
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from gptlib import colab
 from gptlib.batches import BatchSampler
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice, loud
 from gptlib.evaluation.evaluate import make_row
 from gptlib.evaluation.hellaswag import metrics_fields
-from gptlib.fsutil import append_jsonl, check_dir
+from gptlib.fsutil import append_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT
 from gptlib.lease import claimed
 from gptlib.runtime import resolve_device, resolve_dtype
@@ -124,19 +123,19 @@ def train(
     # the device (no recipe changes it); bf16 on a GPU without it is refused before anything changes
     dev = ddp.device(resolve_device(asked.train.device))
     resolve_dtype(asked.train.dtype, dev)
-    # data on the Drive mount is read from a verified copy on the VM's disk
-    stage = check_dir(data_dir, "data directory") and stage_data
-    on_drive = stage and Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
-    data = stage_for_training(data_dir, True, log) if on_drive else Path(data_dir)
     options, run_dir = options or StartOptions(), Path(run_dir)
     mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
     # the lease first: a set-up refused inside leaves no lease and no directory it created behind
     with claimed(run_dir, mirror_dir, ddp.is_main, options.take_over, log) as lease:
         # where the run starts from: its newest checkpoint that loads, an --init-from base, or nothing
-        start = find_start(data, run_dir, mirror_dir, options, log)
+        start = find_start(Path(data_dir), run_dir, mirror_dir, options, log)
         # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
         finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
         say = (lambda msg: None) if finished else log
+        # data on the Drive mount is read from a verified copy on the VM's disk; a finished run reads none
+        if not finished:
+            staged = stage_for_training(data_dir, stage_data, log)
+            start.meta = replace(start.meta, data_dir=staged)
         # the config it trains with, decided once: recipe, data, base, what a resume keeps, checks
         config_for = functools.partial(build_config, preset, overrides, **explicit)
         fixed = recipe if isinstance(preset, str) else preset.recipe  # None: the run's own

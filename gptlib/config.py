@@ -336,6 +336,11 @@ _BOOLS = {
 def _parse_value(name: str, value: Any, current: Any) -> Any:
     """A `--set` string as the type of the field's current value; a value that is not a string is taken as is."""
     if not isinstance(value, str) or isinstance(current, str):
+        # from code: an integer field takes a whole float (a budget / tokens per step), not 25.5 (a run never done)
+        if isinstance(current, int) and not isinstance(current, bool) and isinstance(value, float):
+            if not value.is_integer():
+                raise ConfigError(f"{name}={value!r}: {name} takes an integer")
+            return int(value)
         return value
     v = value.strip()
     try:
@@ -375,6 +380,8 @@ _RULES = {
     "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
     "cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
     "keep_last": (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2),
+    # the samplers' generators take seeds in [0, 2**64), validation's is seed + 10,000
+    "seed": ("in [0, 2**63)", lambda v: 0 <= v < 2**63),
 }
 _CHOICES = {
     "positions": ("learned", "rope"),

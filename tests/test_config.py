@@ -66,6 +66,21 @@ def test_updated_parses_types_and_rejects_unknown_fields():
         cfg.updated({"optim.lr": 1})
 
 
+def test_integer_fields_from_code_take_whole_numbers_only():
+    """train(max_steps=budget / tokens_per_step) with 25.5 trained 26 steps and never finished (step == max_steps never
+    held); batch_size=8.0 failed in the sampler with a bare TypeError; a seed of 2**64 - 1 crashed at the first
+    validation (its seed + 10,000 overflowed)."""
+    from gptlib.config import build_config
+
+    with pytest.raises(ConfigError, match=r"max_steps=25\.5: max_steps takes an integer"):
+        build_config("phase1", {"max_steps": 25.5})
+    cfg = build_config("phase1", {"batch_size": 8.0}, max_steps=30.0)
+    assert (cfg.train.batch_size, cfg.train.max_steps) == (8, 30)
+    assert type(cfg.train.batch_size) is int and type(cfg.train.max_steps) is int
+    with pytest.raises(ConfigError, match=r"seed=18446744073709551615 must be in \[0, 2\*\*63\)"):
+        build_config("phase1", seed=2**64 - 1)
+
+
 def test_a_config_is_frozen():
     """Decided once, then only read (torchtitan's habit): an assignment anywhere is an error, not a silent change."""
     import dataclasses

@@ -322,9 +322,19 @@ def test_a_run_keeps_its_recipe(char_data, modern_reference, tmp_path):
         p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "lease.json"
     }
     with pytest.raises(
-        ConfigError, match="trained with --recipe modern but this call asks for --recipe gpt2"
+        ConfigError,
+        match="trained with recipe modern but this call asks for gpt2; .*: drop --recipe to go on with modern",
     ):
         run(char_data, run_dir, recipe="gpt2", max_steps=MAX_STEPS + 5)
+    # in a notebook (03 reopened, its RECIPE dropdown back at gpt2): the advice is the notebook's own setting
+    import gptlib.training.start as start
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(start, "in_notebook", lambda: True)
+        with pytest.raises(
+            ConfigError, match='its layers differ\\): set RECIPE = "modern", or use a new'
+        ):
+            run(char_data, run_dir, recipe="gpt2", max_steps=MAX_STEPS + 5)
     after = {
         p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "lease.json"
     }
@@ -374,8 +384,7 @@ def test_wsd_run_extends_exactly_from_its_stable_phase(char_data, tmp_path):
 def test_init_from_takes_the_base_recipe_and_refuses_another(char_data, modern_reference, tmp_path):
     with pytest.raises(
         ConfigError,
-        match="--init-from base was trained with --recipe modern but this call asks "
-        "for --recipe gpt2",
+        match="--init-from base was trained with recipe modern but this call asks for gpt2",
     ):
         run(
             char_data,

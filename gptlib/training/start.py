@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from gptlib.config import RunConfig, TrainConfig
-from gptlib.errors import ConfigError, override
+from gptlib.errors import ConfigError, in_notebook, override
 from gptlib.model import model_size
 from gptlib.training import memory
 from gptlib.training.resume import Start, check_same_data
@@ -81,10 +81,15 @@ def decide_recipe(default: str, asked: str | None, start: Start) -> str:
     held = start.held
     if held is None or held.recipe == (asked or held.recipe):
         return held.recipe if held is not None else default
+    # where the user is: notebooks 02 and 03 pass their RECIPE dropdown
+    keep = (
+        f'set RECIPE = "{held.recipe}"'
+        if in_notebook()
+        else f"drop --recipe to go on with {held.recipe}"
+    )
     raise ConfigError(
-        f"{start.run_dir}: the {start.whose} was trained with --recipe {held.recipe} but this call asks for "
-        f"--recipe {asked}; a model keeps its recipe (its layers differ): drop --recipe to go on with "
-        f"{held.recipe}, or use a new run directory"
+        f"{start.run_dir}: the {start.whose} was trained with recipe {held.recipe} but this call asks for "
+        f"{asked}; a model keeps its recipe (its layers differ): {keep}, or use a new run directory"
     )
 
 

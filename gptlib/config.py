@@ -93,7 +93,8 @@ class TrainConfig:
     save_every_minutes: float = 10.0
     keep_last: int = 2  # checkpoints kept besides the best-validation one (never fewer than 2)
     keep_every: int = 0  # keep for good the checkpoints at multiples of this step (notebook 04 compares them); 0 = none
-    # score a HellaSwag subset every this many steps, all of it at the end; 0 = off
+    # score a HellaSwag subset at the first validation at or after each multiple of this many steps (so at most
+    # once per eval_interval: a multiple of it keeps an even cadence), all of it at the end; 0 = off
     hellaswag_every: int = 0
     # that subset, evenly spaced (1,000 items: +-1.4 points standard error); 0 = all
     hellaswag_items: int = 1000

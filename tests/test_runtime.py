@@ -541,6 +541,25 @@ def test_a_long_gpu_preset_run_on_cpu_still_gets_the_advice(monkeypatch):
     assert len(logs) == 1 and "Change runtime type" not in logs[0], logs
 
 
+def test_a_session_time_boxed_by_max_minutes_is_not_refused():
+    """phase2 for 2 minutes on a CPU (max_minutes): the session ends then, so it is not refused as a 200-hour run;
+    the log says both (it was refused with "shorten the run (--set max_steps=N)")."""
+    cfg = get_preset("phase2").updated({"max_minutes": 2.0})
+    logs = []
+    measure.check_cpu_run(cfg, torch.device("cpu"), "auto", 0, logs.append)
+    assert (
+        len(logs) == 1
+        and "hours" in logs[0]
+        and "this session stops after 2m00s (max_minutes)" in logs[0]
+    ), logs
+    with pytest.raises(
+        ConfigError
+    ):  # a budget that is itself longer than an hour: refused as before
+        measure.check_cpu_run(
+            cfg.updated({"max_minutes": 120.0}), torch.device("cpu"), "auto", 0, print
+        )
+
+
 def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
     cfg = get_preset("phase2")
     logs = []

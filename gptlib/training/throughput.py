@@ -380,7 +380,10 @@ def check_cpu_run(cfg, device: torch.device, requested: str, start_step: int, lo
         f"take about {took} on {where}"
     )
     advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
-    if secs <= CPU_REFUSE_S:
+    # a session time-boxed by max_minutes ends then, however long the run is in all: not refused
+    if budget := 60 * cfg.train.max_minutes:
+        msg += f"; this session stops after {fmt_duration(budget)} (max_minutes)"
+    if secs <= CPU_REFUSE_S or 0 < budget <= CPU_REFUSE_S:
         log(f"{msg}. {advice}")
     elif requested == "auto":
         raise ConfigError(

@@ -470,3 +470,22 @@ def test_an_optimizer_state_of_the_wrong_shape_is_skipped_as_damaged(
     [line] = [m for m in logs if m.startswith("skipping checkpoint")]
     assert "step_0000020" in line and f"{moment} of parameter 0 has shape" in line, line
     assert set_aside(run) == ["step_0000020"]
+
+
+def test_the_ram_check_counts_fp32_activations_and_runs_with_auto_batch(
+    char_data, tmp_path, monkeypatch
+):
+    """On a CPU (fp32, no memory probe): a batch whose bf16-sized estimate fits this RAM but whose fp32 training does
+    not is refused, with auto_batch on too (it was passed, then swapped or OOM-killed; auto_batch skipped the check)."""
+    import psutil
+
+    from gptlib.config import build_config
+    from gptlib.training import start
+
+    cfg = build_config("phase1", TINY + ["batch_size=4096", "auto_batch=true"])
+    bf16 = start.estimate_train_bytes(cfg.model, 4096)
+    fp32 = start.estimate_train_bytes(cfg.model, 4096, activation_bytes=4)
+    ram = type("RAM", (), {"total": (bf16 + fp32) // 2})
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
+    with pytest.raises(ConfigError, match="batch_size=4,096 x block_size=32 needs about"):
+        start.check_fits(cfg, torch.device("cpu"))

@@ -176,10 +176,11 @@ def check_fits(cfg, device: torch.device) -> str:
     """-> why the micro-batch must be measured although auto_batch is off ("": it need not be): on a GPU, one estimated
     above TIGHT_SHARE of its memory. ConfigError, before anything is written, for one that needs more than all of
     this machine's RAM (no GPU)."""
-    if cfg.train.auto_batch:
-        return ""
-    need, micro = estimate_train_bytes(cfg.model, cfg.train.batch_size), cfg.train.batch_size
+    micro = cfg.train.batch_size
     if device.type == "cuda":
+        if cfg.train.auto_batch:  # measured anyway
+            return ""
+        need = estimate_train_bytes(cfg.model, micro)
         have = memory.device_memory(device)
         if need <= TIGHT_SHARE * have:
             return ""
@@ -189,6 +190,8 @@ def check_fits(cfg, device: torch.device) -> str:
         )
     import psutil
 
+    # no memory probe here (auto_batch or not); a CPU trains in fp32: activations of 4 bytes, not 2
+    need = estimate_train_bytes(cfg.model, micro, activation_bytes=4)
     if need > (have := psutil.virtual_memory().total):
         raise ConfigError(
             f"batch_size={micro:,} x block_size={cfg.model.block_size:,} needs about {need / 2**30:,.1f} "
@@ -198,14 +201,14 @@ def check_fits(cfg, device: torch.device) -> str:
     return ""
 
 
-def estimate_train_bytes(model_cfg, micro_batch: int) -> int:
-    """Rough GPU memory of training: weights + grads + AdamW moments (16 B/param in fp32; an untied head is
-    parameters too), bf16 activations (~34 B per token per layer per channel) and the logits: eager cross-entropy
-    holds 14 B per logit (bf16 logits 2, their fp32 copy 4, log-softmax 4, its gradient 4)."""
+def estimate_train_bytes(model_cfg, micro_batch: int, activation_bytes: int = 2) -> int:
+    """Rough memory of training: weights + grads + AdamW moments (16 B/param in fp32; an untied head is parameters
+    too), activations (~17 values per token per layer per channel: 34 B in bf16, 68 in fp32) and the logits: eager
+    cross-entropy holds 14 B per logit (bf16 logits 2, their fp32 copy 4, log-softmax 4, its gradient 4)."""
     c = model_cfg
     tokens = micro_batch * c.block_size
     return int(
         16 * model_size(c).params
-        + 34 * tokens * c.n_layer * c.n_embd
+        + 17 * activation_bytes * tokens * c.n_layer * c.n_embd
         + 14 * tokens * c.padded_vocab_size
     )

@@ -124,12 +124,13 @@ def test_a_dropped_drive_met_anywhere_is_one_line_saying_what_to_do(
     import os
 
     from gptlib.__main__ import main
-    from gptlib.training import loop
+    from gptlib.data import shards
 
     def dropped(path, what):
         raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(path))
 
-    monkeypatch.setattr(loop, "check_dir", dropped)
+    # the data directory's first look (read_meta, from find_start)
+    monkeypatch.setattr(shards, "check_dir", dropped)
     rc = main(["train", "--data", str(char_data), "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     said = (

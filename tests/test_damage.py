@@ -165,38 +165,26 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_data, tmp_path):
-    """Ctrl-C, then Ctrl-C again while the stop's checkpoint is being written: the process died in the wait for the
-    save (a KeyboardInterrupt traceback, exit -2, or torch's abort, -6, as its thread was killed mid-write). Now the
-    save finishes, `done` is printed, and the exit status is 130 (the shell's for Ctrl-C), as after one press."""
-    run = tmp_path / "run"
+def stop_twice_during_the_last_save(script: str, char_data, run, *args: str, timeout: float = 120):
+    """`script train` on a tiny run (the stop's save its only one), Ctrl-C once training runs, again while that save is
+    in flight -> (the process, stdout, stderr, seconds from the second press to its end)."""
     cmd = [
         sys.executable,
         "-c",
-        SLOW_SAVE,
+        script,
         "train",
         "--data",
         str(char_data),
         "--run-dir",
         str(run),
-        "--max-steps",
-        "100000",
-        "--device",
-        "cpu",
-        "--quiet",
+        *args,
     ]
-    # the stop's save is the only one
-    for setting in TINY + [
-        "eval_interval=100000",
-        "save_every_steps=100000",
-    ]:
+    cmd += ["--max-steps", "100000", "--device", "cpu", "--quiet"]
+    for setting in TINY + ["eval_interval=100000", "save_every_steps=100000"]:
         cmd += ["--set", setting]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
-        cmd,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.time() + 120
@@ -208,9 +196,19 @@ def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_da
             assert time.time() < deadline and child.poll() is None, "no save seen"
             time.sleep(0.01)
         child.send_signal(signal.SIGINT)  # the save is in flight (its manifest 2 s away)
-        out, err = child.communicate(timeout=120)
+        pressed = time.time()
+        out, err = child.communicate(timeout=timeout)
     finally:
         child.kill()
+    return child, out, err, time.time() - pressed
+
+
+def test_a_second_ctrl_c_during_the_last_save_waits_for_it_and_exits_130(char_data, tmp_path):
+    """Ctrl-C, then Ctrl-C again while the stop's checkpoint is being written: the process died in the wait for the
+    save (a KeyboardInterrupt traceback, exit -2, or torch's abort, -6, as its thread was killed mid-write). Now the
+    save finishes, `done` is printed, and the exit status is 130 (the shell's for Ctrl-C), as after one press."""
+    run = tmp_path / "run"
+    child, out, err, _ = stop_twice_during_the_last_save(SLOW_SAVE, char_data, run)
     assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err)
     assert "done: step" in out and "(interrupt)" in out, out
     [ck] = list_checkpoints(run)
@@ -242,33 +240,13 @@ mirror.mirror_checkpoint = slow_copy
 def test_a_second_stop_press_during_the_last_save_does_not_wait_for_drive(char_data, tmp_path):
     """The second press said "stopping when the save in progress ends", then the wait for Drive (up to 600 s) went on
     after the save. Now the save ends, the wait for Drive is skipped and says so, and training returns."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-c", SLOW_SAVE_AND_DRIVE, "train", "--data", str(char_data)]
-    cmd += ["--run-dir", str(run), "--mirror-dir", str(tmp_path / "drive"), "--max-steps", "100000"]
-    cmd += ["--device", "cpu", "--quiet"]
-    for setting in TINY + ["eval_interval=100000", "save_every_steps=100000"]:
-        cmd += ["--set", setting]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    run, drive = tmp_path / "run", tmp_path / "drive"
+    # the Drive copy takes 60 s: not waited for
+    child, out, err, took = stop_twice_during_the_last_save(
+        SLOW_SAVE_AND_DRIVE, char_data, run, "--mirror-dir", str(drive), timeout=40
     )
-    try:
-        deadline = time.time() + 120
-        while len(read_jsonl(run / "metrics.jsonl")) < 3:
-            assert time.time() < deadline and child.poll() is None, "training did not start"
-            time.sleep(0.05)
-        child.send_signal(signal.SIGINT)
-        while not any(".partial-" in p.name for p in (run / "checkpoints").glob("*")):
-            assert time.time() < deadline and child.poll() is None, "no save seen"
-            time.sleep(0.01)
-        child.send_signal(signal.SIGINT)  # the save is in flight (its manifest 2 s away)
-        pressed = time.time()
-        # the Drive copy takes 60 s: not waited for
-        out, err = child.communicate(timeout=40)
-    finally:
-        child.kill()
     assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err)
-    assert time.time() - pressed < 30, time.time() - pressed
+    assert took < 30, took
     assert "stopped waiting for Drive at the second stop press" in out + err, out + err
     [ck] = list_checkpoints(run)
     assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out

@@ -30,7 +30,10 @@ from gptlib.fsutil import (
     check_dir,
     read_bytes_with_timeout,
 )
-from gptlib.layout import LEASE_FILE, checkpoints_dir
+from gptlib.layout import LEASE_FILE, META_FILE, PREPARE_STATE_FILE, checkpoints_dir
+
+# what a data directory (tokenize) or an export (export-hf, push --dry-run) holds and a run never does
+NOT_A_RUN = (META_FILE, PREPARE_STATE_FILE, "model.safetensors")
 
 HEARTBEAT_S = 30.0  # the holder rewrites its lease this often
 STALE_S = 180.0  # a heartbeat older than this (by our clock) is a holder that is gone: its lease is taken over
@@ -288,8 +291,14 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
 
 
 def _looked_at(d: Path, what: str) -> bool:
-    """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save."""
+    """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save; a dataset
+    or an export there is refused (training would write its config.json and tokenizer.json over theirs)."""
     exists = check_dir(d, what)
     if exists:
         check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
+        if held := [n for n in NOT_A_RUN if (d / n).exists()]:
+            raise RunDirError(
+                f"{what} {d} holds {held[0]}: it is a gptlib dataset or exported model, not a run; choose another "
+                f"folder for the run"
+            )
     return exists

@@ -489,3 +489,32 @@ def test_the_ram_check_counts_fp32_activations_and_runs_with_auto_batch(
     monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
     with pytest.raises(ConfigError, match="batch_size=4,096 x block_size=32 needs about"):
         start.check_fits(cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("into", ["run_dir", "mirror_dir"])
+def test_a_dataset_is_never_taken_for_a_run_directory(char_data, tmp_path, into):
+    """train --run-dir (or --mirror-dir) naming a dataset: refused, the dataset unchanged (the run wrote its
+    config.json and tokenizer.json over the dataset's, and the dataset then failed its tokenizer check)."""
+    import hashlib
+    import shutil
+
+    from gptlib.data.shards import read_meta
+
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in data.iterdir()}
+    dirs = {"run_dir": tmp_path / "run", "mirror_dir": None, into: data}
+    what = {"run_dir": "run directory", "mirror_dir": "mirror directory"}
+    with pytest.raises(RunDirError, match=rf"{what[into]} {data} holds meta.json: it is a gptlib"):
+        train(
+            char_data,
+            dirs["run_dir"],
+            "phase1",
+            TINY,
+            max_steps=2,
+            progress=False,
+            log=quiet,
+            mirror_dir=dirs["mirror_dir"],
+        )
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in data.iterdir()} == before
+    read_meta(data)

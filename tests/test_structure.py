@@ -281,8 +281,10 @@ _OWNED_NAMES = {
         "train_state.pt",
         "state.json",
         "manifest.json",
+        # a data directory's: named here so that the lease can refuse one as a run directory
+        "meta.json",
+        "prepare_state.json",
     ),
-    "data/shards.py": ("meta.json", "prepare_state.json"),
 }
 
 

@@ -14,12 +14,18 @@ import numpy as np
 
 from gptlib.errors import DataFormatError
 from gptlib.fsutil import atomic_write, atomic_write_json, check_dir, sha256_file
-from gptlib.layout import CONFIG_FILE, STATE_FILE, TOKENIZER_FILE, checkpoints_dir
+
+# META_FILE and PREPARE_STATE_FILE: imported from here by the data pipeline
+from gptlib.layout import (  # noqa: F401
+    CONFIG_FILE,
+    META_FILE,
+    PREPARE_STATE_FILE,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    checkpoints_dir,
+)
 
 FORMAT_VERSION = 1
-META_FILE = "meta.json"
-# present only while a tokenize run is unfinished (encode.py)
-PREPARE_STATE_FILE = "prepare_state.json"
 SPAN_DTYPE = np.dtype("<i8")
 
 

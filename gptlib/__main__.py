@@ -45,6 +45,7 @@ INPUTS = (
     arg(
         "--input",
         nargs="+",
+        action="extend",  # --input a --input b: both (it kept only b)
         metavar="URL_OR_PATH",
         help="text/jsonl/parquet files, folders, globs or URLs",
     ),
@@ -58,11 +59,7 @@ INPUTS = (
         metavar="C",
         help="the config of --hf-dataset (default: default, or the only one)",
     ),
-    arg(
-        "--hf-split",
-        metavar="S",
-        help="the split of --hf-dataset (default: train, or the only one)",
-    ),
+    arg("--hf-split", metavar="S", help="--hf-dataset's split (default: train, or the only one)"),
 )
 
 

@@ -184,3 +184,18 @@ def test_a_run_directory_given_as_data_is_named_with_the_data_to_pass(tmp_path, 
     assert {
         p: hashlib.sha256(p.read_bytes()).hexdigest() for p in run.rglob("*") if p.is_file()
     } == before
+
+
+def test_input_given_twice_reads_both(tmp_path, capsys):
+    """`--input a --input b` (as --set and --prompt repeat): both files (only the last was read, silently)."""
+    import json
+
+    from gptlib.__main__ import main
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(f"text of file {name}\n" * 200)
+    args = ["tokenize", "--tokenizer", "char", "--out", str(tmp_path / "d"), "--quiet"]
+    args += ["--input", str(tmp_path / "a.txt"), "--input", str(tmp_path / "b.txt")]
+    assert main(args) == 0, capsys.readouterr().err
+    sources = json.loads((tmp_path / "d" / "meta.json").read_text())["sources"]
+    assert [s["path"] for s in sources] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]

@@ -193,7 +193,16 @@ def test_refusals_are_one_line_and_change_nothing(runs, tmp_path, char_data):
     with pytest.raises(ExportError, match="exists; choose another --out or pass --overwrite"):
         export_gguf(runs["gpt2"], out)
     assert out.read_bytes() == b"someone's file"
-    export_gguf(runs["gpt2"], out, overwrite=True)
+    # --overwrite replaces a previous GGUF only: a run's model.pt or a dataset's meta.json were written over
+    for theirs in (out, next((runs["gpt2"] / "checkpoints").iterdir()) / "model.pt"):
+        with pytest.raises(
+            ExportError, match="is not a GGUF file; --overwrite replaces only a previous export"
+        ):
+            export_gguf(runs["gpt2"], theirs, overwrite=True)
+    assert out.read_bytes() == b"someone's file"
+    out.unlink()
+    export_gguf(runs["gpt2"], out)
+    export_gguf(runs["gpt2"], out, dtype="f32", overwrite=True)
     assert fields(out)["general.architecture"] == "gpt2"
     assert {r: tree_digest(r) for r in before} == before
 

@@ -3,7 +3,6 @@ transformers), or as one GGUF file for llama.cpp, Ollama, LM Studio (tensors nam
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -444,11 +443,12 @@ def check_gguf_target(out: Path, overwrite: bool, dtype: str) -> None:
     if out.exists() and not overwrite:
         raise ExportError(f"{out} exists; choose another --out or pass --overwrite to replace it")
     # as export-hf's folders: --overwrite replaces a previous export only (not a checkpoint's model.pt, a meta.json)
-    with out.open("rb") if out.exists() else contextlib.nullcontext(None) as f:
-        if f is not None and f.read(4) != b"GGUF":
-            raise ExportError(
-                f"{out} is not a GGUF file; --overwrite replaces only a previous export"
-            )
+    if out.exists():
+        with out.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ExportError(
+                    f"{out} is not a GGUF file; --overwrite replaces only a previous export"
+                )
 
 
 def export_gguf(

@@ -473,3 +473,20 @@ def test_bpb_of_a_run_trained_with_a_relative_data_dir_from_another_folder(
     assert "records its data directory as 'data', relative to where training ran; pass --data" in (
         capsys.readouterr().err
     )
+
+
+def test_out_appends_to_eval_rows_only(run_dir, char_data, tmp_path, capsys):
+    """--out naming a dataset's meta.json (or a corpus, or metrics.jsonl): refused, unchanged (the row was appended
+    and the dataset no longer loaded); a file of eval rows, or a new one, takes the rows."""
+    meta = tmp_path / "meta.json"
+    meta.write_bytes((char_data / "meta.json").read_bytes())
+    before = meta.read_bytes()
+    args = ["eval", "--run-dir", str(run_dir), "--task", "bpb", "--limit", "2", "--quiet", "--out"]
+    assert main(args + [str(meta)]) == 2
+    assert (
+        "holds something else than eval rows" in capsys.readouterr().err
+        and meta.read_bytes() == before
+    )
+    rows = tmp_path / "rows.jsonl"
+    assert main(args + [str(rows)]) == 0 and main(args + [str(rows)]) == 0
+    assert len(read_jsonl(rows)) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -182,6 +183,14 @@ def evaluate_run(
         raise EvalError(
             f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}"
         )
+    # rows go after eval rows only: appended to a meta.json, a corpus or metrics.jsonl, they broke it
+    if out is not None and target.is_file() and target.stat().st_size:
+        with open(target, "rb") as f:
+            first = f.readline(1 << 16).decode(errors="replace")
+        if not re.match(r'\{"task": "', first):
+            raise EvalError(
+                f"--out {out} holds something else than eval rows; give a new file or an eval.jsonl"
+            )
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
     # fp32 weights under this autocast, as training's validation loss

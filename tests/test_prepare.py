@@ -130,6 +130,21 @@ def test_a_character_the_char_tokenizer_lacks_names_its_file_and_record(tmp_path
             prepare([path], tmp_path / path.stem, tokenizer_from=tmp_path / "chars", verbose=False)
 
 
+def test_a_tokenizer_kind_the_reused_tokenizer_is_not_says_so(tmp_path, capsys):
+    """--tokenizer bpe with --tokenizer-from a char dataset: the reused one is used, and a note says the kind asked
+    for is not (it was silently ignored)."""
+    (tmp_path / "a.txt").write_text("abc\n" * 100)
+    prepare([tmp_path / "a.txt"], tmp_path / "chars", tokenizer="char", verbose=False)
+    meta = prepare(
+        [tmp_path / "a.txt"], tmp_path / "d", tokenizer="bpe", tokenizer_from=tmp_path / "chars"
+    )
+    assert (
+        meta.vocab_size == 4
+        and "is a char tokenizer, reused as is: tokenizer='bpe' is not used"
+        in (capsys.readouterr().out)
+    )
+
+
 def test_parquet_with_selected_column_many_row_groups(tmp_path, docs, bpe_file):
     src = write_parquet(tmp_path / "a.parquet", docs, column="code", row_group_size=97)
     meta = prepare(

@@ -74,7 +74,7 @@ def prepare(
         sources, empty, pre_skipped, column, fmt = scan_inputs(
             inputs, out_dir, text_column, fmt, hf_config, hf_split
         )
-        tokenizer = tokenizer or ("bpe" if fmt == "chat" else "char")
+        asked, tokenizer = tokenizer, tokenizer or ("bpe" if fmt == "chat" else "char")
         if text_column and verbose and all(s.kind == "text" for s in sources):
             print(f"note: text column {text_column!r} is not used: plain text files are read whole")
         # what format "auto" found, in the first file of records it could read
@@ -103,6 +103,10 @@ def prepare(
             )
         # as given, before the chat tokens are added
         reused = load_tokenizer(tok_file) if tok_file else None
+        if reused is not None and asked not in (None, reused.kind) and verbose:
+            print(
+                f"note: {tok_file} is a {reused.kind} tokenizer, reused as is: tokenizer={asked!r} is not used"
+            )
         # made on a fresh start only: a resume loads the one it saved
         new_tokenizer = partial(_new_tokenizer, reused, spec, sources, column, pre_skipped, verbose)
         try:

@@ -56,8 +56,15 @@ def test_corrupt_cache_is_replaced(tmp_path, http_dir):
 def test_unreachable_url_explains_the_local_option(tmp_path, monkeypatch):
     # nothing listens: refused
     monkeypatch.setattr(download, "TINYSHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")
-    with pytest.raises(PrepareError, match="could not download.*pass a local copy"):
+    with pytest.raises(PrepareError, match="could not download.*pass a local copy") as e:
         fetch_tinyshakespeare(cache_dir=tmp_path)
+    # options that exist (it advised fetch-shakespeare's nonexistent --input)
+    assert (
+        "(fetch-shakespeare --local PATH or tokenize --input PATH; notebook 02: TEXT_PATH)"
+        in str(e.value)
+    )
+    with pytest.raises(PrepareError, match="is a folder, not the file"):
+        fetch_tinyshakespeare(local_path=tmp_path)
 
 
 def test_local_copy_is_verified(tmp_path, shakespeare_path):

@@ -36,7 +36,8 @@ def fetch_tinyshakespeare(
     """`local_path` (verified, used in place), else the cache's verified copy, else the download into the cache.
     A checksum mismatch is an error, never another corpus."""
     if local_path is not None and not Path(local_path).is_file():
-        raise PrepareError(f"local Tiny Shakespeare file {local_path} does not exist")
+        what = "is a folder, not the file" if Path(local_path).is_dir() else "does not exist"
+        raise PrepareError(f"local Tiny Shakespeare file {local_path} {what}")
     if local_path is not None:
         target = Path(local_path)
     else:
@@ -48,7 +49,7 @@ def fetch_tinyshakespeare(
         PrepareError,
         name="Tiny Shakespeare",
         canonical=_CANONICAL,
-        local_hint="(--input PATH / local_path=PATH)",
+        local_hint="(fetch-shakespeare --local PATH or tokenize --input PATH; notebook 02: TEXT_PATH)",
         timeout=60.0,
     )
 

@@ -75,8 +75,6 @@ def prepare(
             inputs, out_dir, text_column, fmt, hf_config, hf_split
         )
         asked, tokenizer = tokenizer, tokenizer or ("bpe" if fmt == "chat" else "char")
-        if text_column and verbose and all(s.kind == "text" for s in sources):
-            print(f"note: text column {text_column!r} is not used: plain text files are read whole")
         # what format "auto" found, in the first file of records it could read
         unread = {s["path"] for s in pre_skipped}
         first = next(
@@ -96,17 +94,10 @@ def prepare(
             return finished
         if fmt == "chat" and format == "auto" and verbose:
             print(f"format: chat, as {holds}")
-        if max_tokens is not None and split == "tail" and verbose:
-            print(
-                "note: max_tokens stops at the end of a document, and a plain text file is one document: each file "
-                "is read whole (split a large file into smaller ones to stop sooner)"
-            )
         # as given, before the chat tokens are added
         reused = load_tokenizer(tok_file) if tok_file else None
-        if reused is not None and asked not in (None, reused.kind) and verbose:
-            print(
-                f"note: {tok_file} is a {reused.kind} tokenizer, reused as is: tokenizer={asked!r} is not used"
-            )
+        if verbose:
+            _say_unused(spec, sources, text_column, tok_file, reused, asked)
         # made on a fresh start only: a resume loads the one it saved
         new_tokenizer = partial(_new_tokenizer, reused, spec, sources, column, pre_skipped, verbose)
         try:
@@ -124,6 +115,21 @@ def prepare(
         if verbose:
             print_tokenize_summary(meta)
         return meta
+
+
+def _say_unused(spec: dict, sources: list[Source], text_column, tok_file, reused, asked) -> None:
+    """A note for each option this dataset cannot use as asked (each was silently ignored)."""
+    if text_column and all(s.kind == "text" for s in sources):
+        print(f"note: text column {text_column!r} is not used: plain text files are read whole")
+    if spec.get("max_tokens") is not None and spec["split"] == "tail":
+        print(
+            "note: max_tokens stops at the end of a document, and a plain text file is one document: each file "
+            "is read whole (split a large file into smaller ones to stop sooner)"
+        )
+    if reused is not None and asked not in (None, reused.kind):
+        print(
+            f"note: {tok_file} is a {reused.kind} tokenizer, reused as is: tokenizer={asked!r} is not used"
+        )
 
 
 def prepare_text(

@@ -247,9 +247,11 @@ def test_a_second_stop_press_during_the_last_save_does_not_wait_for_drive(char_d
     )
     assert child.returncode == 130 and "Traceback" not in err, (child.returncode, err)
     assert took < 30, took
+    # the press may land inside the last save's wait or just before it (the bar and logs closing, on a busy CPU): the
+    # wait for Drive is skipped either way, and the checkpoint is whole
     assert "stopped waiting for Drive at the second stop press" in out + err, out + err
     [ck] = list_checkpoints(run)
-    assert f"stopped (interrupt) at step {verify_checkpoint(ck).step}" in out, out
+    verify_checkpoint(ck)
 
 
 def test_rerunning_a_finished_run_says_so(char_data, tmp_path, capsys):
@@ -997,3 +999,15 @@ def test_set_aside_checkpoints_are_pruned_by_the_time_recorded_never_this_starts
     assert r.resumed_from == 35, logs
     assert [p.name for p in (run / "checkpoints").glob("*.damaged-*")] == [newest.name], logs
     assert any(m.startswith(f"removed {renamed.name} ") for m in logs), logs
+
+
+def test_a_second_press_before_the_last_saves_wait_gives_up_drive_too():
+    """The second press can land after the stop's save began but before its wait (the bar and logs closing): it stops
+    at once, and the wait for Drive that the closing run does is skipped as well (a CI run waited out a 60 s copy)."""
+    from gptlib.training.loop import GracefulStop
+
+    stop = GracefulStop(log=lambda m: None)
+    stop._handle(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        stop._handle(signal.SIGINT, None)
+    assert stop.pressed_again.is_set()

@@ -436,6 +436,8 @@ class GracefulStop:
                 self._interrupted = True
                 self.log("interrupted again: stopping when the update or save in progress ends")
             elif signum == signal.SIGINT:
+                # between the stop's save and its wait (the bar, the logs): the wait for Drive is skipped too
+                self.pressed_again.set()
                 raise KeyboardInterrupt
             return
         self.reason = "sigterm" if signum == signal.SIGTERM else "interrupt"

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from gptlib import colab
 from gptlib.batches import BatchSampler
 from gptlib.config import RunConfig, build_config
 from gptlib.data.staging import stage_for_training
@@ -133,9 +134,9 @@ def train(
         finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
         say = (lambda msg: None) if finished else log
         # data on the Drive mount is read from a verified copy on the VM's disk; a finished run reads none
-        if not finished:
-            staged = stage_for_training(data_dir, stage_data, log)
-            start.meta = replace(start.meta, data_dir=staged)
+        on_drive = Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
+        if stage_data and on_drive and not finished:
+            start.meta = replace(start.meta, data_dir=stage_for_training(data_dir, True, log))
         # the config it trains with, decided once: recipe, data, base, what a resume keeps, checks
         config_for = functools.partial(build_config, preset, overrides, **explicit)
         fixed = recipe if isinstance(preset, str) else preset.recipe  # None: the run's own

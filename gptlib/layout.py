@@ -14,9 +14,8 @@ LOSS_PLOT = "loss.png"
 EVAL_FILE = "eval.jsonl"  # rows appended by `python -m gptlib eval` (and the end-of-run HellaSwag); not mirrored
 # A data directory's (gptlib/data/shards.py): a run directory never holds them (gptlib.lease refuses one that does)
 META_FILE = "meta.json"
-PREPARE_STATE_FILE = (
-    "prepare_state.json"  # present only while a tokenize run is unfinished (encode.py)
-)
+# present only while a tokenize run is unfinished (encode.py)
+PREPARE_STATE_FILE = "prepare_state.json"
 # who trains this run now (gptlib.lease): one writer per run, local and on Drive
 LEASE_FILE = "lease.json"
 CHECKPOINTS_DIR = "checkpoints"

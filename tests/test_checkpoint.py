@@ -687,3 +687,67 @@ def test_the_host_copy_is_reused_across_saves_and_saves_each_tensor_once(tmp_pat
     assert torch.equal(load_checkpoint(tmp_path / "checkpoints" / "step_0000001")["model"]["a"], a0)
     w.close()
     assert w._host == []  # not held after training
+
+
+def test_a_save_runs_two_threads_besides_the_loops(tmp_path, monkeypatch):
+    """The writer's thread and the mirror's; the mirror's Drive calls run in its own thread, watched by the loop
+    (Mirror.watch), not in a watchdog thread each."""
+    import threading
+
+    started, real_start = [], threading.Thread.start
+
+    def start(thread):
+        real_start(thread)
+        alive = [
+            t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()
+        ]
+        started.append((thread.name, len(alive)))
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    before = {t.name for t in threading.enumerate()}
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    for step in (1, 2, 3):
+        w.save(ckpt(step, sd(step), {}, best=None))
+    st = w.close(timeout=20)
+    assert st["mirror_step"] == 3 and verify_checkpoint(
+        tmp_path / "drive" / "checkpoints" / "step_0000003"
+    )
+    names = {n for n, _ in started}
+    assert names == {"gptlib-checkpoint", "gptlib-mirror"}, started
+    assert max(n for _, n in started) <= 2 + len(before - {threading.main_thread().name}), started
+
+
+def test_a_hung_drive_copy_is_given_up_by_watch_and_retried_in_a_new_thread(
+    tmp_path, monkeypatch, capsys
+):
+    import threading
+
+    monkeypatch.setattr(mirror, "MIRROR_STALL_TIMEOUT_S", 0.3)
+    release, real, calls = threading.Event(), mirror.copy_file_verified, []
+
+    def hangs_once(*a, **k):
+        calls.append(threading.current_thread())
+        if len(calls) == 1:
+            release.wait(20)  # a FUSE call that does not come back
+        return real(*a, **k)
+
+    monkeypatch.setattr(mirror, "copy_file_verified", hangs_once)
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(ckpt(7, sd(), {}, best=None))
+    w.wait()
+    deadline = time.monotonic() + 10
+    while w.mirror.last_step is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        w.watch()  # as the training loop does at its log steps
+    hung_thread = calls[0]
+    st = w.close(timeout=20)
+    release.set()
+    err = capsys.readouterr().err
+    assert st["mirror_step"] == 7 and st["mirror_missing"] is None, (st, err)
+    assert (
+        "(attempt 1/6)" in err and "made no progress for 0.3 s" in err and "retrying now" in err
+    ), err
+    assert calls[1] is not hung_thread  # the retry ran in a new thread
+    hung_thread.join(5)
+    # the abandoned thread, released late, changed nothing: one copy there, no partial folder
+    assert [p.name for p in (tmp_path / "drive" / "checkpoints").iterdir()] == ["step_0000007"]

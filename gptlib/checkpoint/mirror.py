@@ -1,10 +1,12 @@
 """The Drive mirror: each local checkpoint copied to Google Drive in a background thread (its bytes checked against
-its manifest as they are read), so the run survives the VM. Drive errors (Errno 107, Errno 5, hangs) are retried and
-reported loudly, never raised into training; if copies fall behind, only the newest checkpoint is copied, then every
-milestone."""
+its manifest as they are read), so the run survives the VM. Drive errors (Errno 107, Errno 5) are retried and reported
+loudly, never raised into training; a call that hangs is given up by watch(), which the training loop calls at its log
+steps (the thread is left in the mount, a new one retries). If copies fall behind, only the newest checkpoint is
+copied, then every milestone."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -12,6 +14,7 @@ import uuid
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 from gptlib.checkpoint.format import (
     check_file,
@@ -23,7 +26,7 @@ from gptlib.checkpoint.format import (
     rotate,
     verify_checkpoint,
 )
-from gptlib.errors import CheckpointError, LeaseLost, loud
+from gptlib.errors import CheckpointError, HungIOError, LeaseLost, loud
 from gptlib.fsutil import (
     Progress,
     atomic_write_bytes,
@@ -50,6 +53,7 @@ MIRROR_CLOSE_TIMEOUT_S = 600.0
 # rotating the mirror and copying the run's logs there: give up after this
 MIRROR_TIDY_TIMEOUT_S = 60.0
 MIRROR_WAIT_REPORT_S = 30.0  # while waiting at the end, say how far the copy got this often
+MIRROR_WATCH_S = 1.0  # while waiting at the end, look for a hung Drive call this often
 NO_MIRROR_STATUS = dict(mirror_step=None, mirror_error=None, mirror_failures=0, mirror_missing=None)
 
 
@@ -92,6 +96,19 @@ def mirror_checkpoint(
     return final
 
 
+class _Call(NamedTuple):
+    """A Drive call in flight in the mirror's thread, for watch() to give up."""
+
+    path: Path  # the checkpoint copied (or, attempt None, cleaned up after)
+    progress: Progress  # ticked as the call goes; cancelled when given up
+    limit: float  # given up after this many seconds without a tick
+    attempt: int | None  # the copy's attempt (1, 2, ...); None: the clean-up after a copy
+
+
+class _Abandoned(BaseException):
+    """The mirror thread's Drive call was given up by watch(): the thread ends, changing nothing."""
+
+
 class Mirror:
     def __init__(
         self,
@@ -121,6 +138,8 @@ class Mirror:
         self._closing = False
         # the copy attempt now: its checkpoint, progress and size in MB (None: none started yet)
         self._attempt: tuple[Path, Progress, float] | None = None
+        self._call: _Call | None = None  # the Drive call in flight, watched by watch()
+        self._next_attempt: dict[Path, int] = {}  # a checkpoint whose copy hung: its next attempt
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
@@ -167,30 +186,39 @@ class Mirror:
                 else:
                     return
                 self._busy = path
-            outcome = self._copy_with_retries(path)  # never raises
+            try:
+                outcome = self._copy_with_retries(path)
+            except _Abandoned:
+                return  # watch() gave this thread up as hung, did its bookkeeping and started another
             if outcome == "lost":
                 return
-            with self._cv:
-                if outcome == "copied":
-                    self._milestones = [m for m in self._milestones if m != path]
-                # Drive is failing: milestones wait for the next save, not a loop
-                elif outcome == "failed":
-                    self._milestones_paused = True
-                self._busy = None
-                self._cv.notify_all()
+            self._done(path, outcome)
+
+    def _done(self, path: Path, outcome: str) -> None:
+        with self._cv:
+            if outcome == "copied":
+                self._milestones = [m for m in self._milestones if m != path]
+            # Drive is failing: milestones wait for the next save, not a loop
+            elif outcome == "failed":
+                self._milestones_paused = True
+            self._busy = None
+            self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:
         """-> "copied", "failed" (gave up), "superseded" (a newer checkpoint arrived during a retry wait) or "lost"
-        (the lease: another process owns the mirror now, never written over; training stops with LeaseLost)."""
+        (the lease: another process owns the mirror now, never written over; training stops with LeaseLost). Raises
+        _Abandoned once watch() has given a Drive call up as hung."""
         step = step_of(path)
-        attempts = len(MIRROR_RETRY_DELAYS_S) + 1
-        for attempt in range(1, attempts + 1):
-            progress = Progress()  # per attempt: an abandoned one stays cancelled
+        with self._cv:  # a retry after a hung attempt goes on counting
+            first = self._next_attempt.pop(path, 1)
+        for attempt in range(first, len(MIRROR_RETRY_DELAYS_S) + 2):
             try:
                 total = sum(r["size"] for r in read_manifest(path)["files"].values()) / 1e6
-                self._attempt = (path, progress, total)
-                copy = partial(mirror_checkpoint, path, self.mirror_dir, progress)
-                call_with_timeout(copy, MIRROR_STALL_TIMEOUT_S, progress)
+                call = _Call(path, Progress(), MIRROR_STALL_TIMEOUT_S, attempt)
+                self._attempt = (path, call.progress, total)
+                self._watched(
+                    partial(mirror_checkpoint, path, self.mirror_dir, call.progress), call
+                )
                 if self.error is not None:
                     loud(f"Drive copy OK again: {path.name} verified in {self.mirror_dir}")
                 self.error = None
@@ -202,27 +230,78 @@ class Mirror:
                 if isinstance(e, LeaseLost) or self._taken():
                     self.lost = True
                     return "lost"
-                self.failures += 1
-                self.error = f"{type(e).__name__}: {e}"
-                if attempt == attempts:
-                    loud(
-                        f"!! DRIVE COPY FAILED for {path.name} after {attempts} attempts: {self.error}. "
-                        f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
-                        f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again."
-                    )
+                if not self._failed(path, attempt, e, MIRROR_RETRY_DELAYS_S[attempt - 1 :][:1]):
                     return "failed"
-                delay = MIRROR_RETRY_DELAYS_S[attempt - 1]
-                loud(
-                    f"!! Drive copy of {path.name} failed (attempt {attempt}/{attempts}): {self.error}; "
-                    f"retrying in {delay:g} s (local checkpoint is safe in {path.parent})"
-                )
                 # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
                 with self._cv:
                     if self._cv.wait_for(
                         lambda: self._pending is not None and step_of(self._pending) > step,
-                        timeout=delay,
+                        timeout=MIRROR_RETRY_DELAYS_S[attempt - 1],
                     ):
                         return "superseded"
+        return "failed"
+
+    def _failed(self, path: Path, attempt: int, e: BaseException, delay: tuple[float, ...]) -> bool:
+        """Count and report a failed attempt -> whether another follows (after `delay`, if given)."""
+        attempts = len(MIRROR_RETRY_DELAYS_S) + 1
+        self.failures += 1
+        self.error = f"{type(e).__name__}: {e}"
+        if attempt >= attempts:
+            loud(
+                f"!! DRIVE COPY FAILED for {path.name} after {attempts} attempts: {self.error}. "
+                f"Training goes on and checkpoints keep being saved locally in {self.run_dir}; the newest on "
+                f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again."
+            )
+            return False
+        when = f"in {delay[0]:g} s" if delay else "now"
+        loud(
+            f"!! Drive copy of {path.name} failed (attempt {attempt}/{attempts}): {self.error}; "
+            f"retrying {when} (local checkpoint is safe in {path.parent})"
+        )
+        return True
+
+    def _watched(self, fn: Callable[[], Any], call: _Call) -> Any:
+        """fn(), a Drive call, in this thread, with watch() as its watchdog (it reads call.progress)."""
+        with self._cv:
+            self._call = call
+        try:
+            return fn()
+        finally:
+            with self._cv:
+                # watch() gave this call up (it may have ended just after): what it did is not counted
+                if call.progress.cancel.is_set():
+                    raise _Abandoned
+                self._call = None
+
+    def watch(self) -> None:
+        """Give up the Drive call in flight once it has made no progress for its limit (a hung mount). A call into
+        the mount cannot be interrupted: its thread is left behind (it stops at its next tick, should the call ever
+        return) and a new thread goes on with the work. Called by the training loop at its log steps and by close()
+        as it waits, so that a save runs no watchdog thread of its own."""
+        with self._cv:
+            call = self._call
+            if call is None or time.monotonic() - call.progress.t < call.limit:
+                return
+            call.progress.cancel.set()
+            self._call, self._thread = None, None
+        hung = HungIOError(
+            errno.ETIMEDOUT, f"Drive made no progress for {call.limit:g} s (hung mount?)"
+        )
+        if call.attempt is None:  # the clean-up after a copy that is done
+            self._tidy_failed(call.path, hung)
+            outcome = "copied"
+        elif self._failed(call.path, call.attempt, hung, ()):
+            outcome = "retry"
+            with self._cv:  # the newest again, unless a newer one came; a milestone is still listed
+                if self._pending is None and call.path not in self._milestones:
+                    self._pending = call.path
+                if call.path in (self._pending, *self._milestones):
+                    self._next_attempt[call.path] = call.attempt + 1
+        else:
+            outcome = "failed"
+        self._done(call.path, outcome)
+        with self._cv:
+            self._wake()
 
     def _taken(self) -> bool:
         try:
@@ -245,16 +324,20 @@ class Mirror:
 
     def _tidy(self, path: Path) -> None:
         """Rotate the mirror and copy the run-level files, under a time limit of their own (the copy stands)."""
-        what = f"Drive clean-up in {self.mirror_dir}"
         try:
-            call_with_timeout(self._rotate_and_copy_logs, MIRROR_TIDY_TIMEOUT_S, what=what)
+            self._watched(
+                self._rotate_and_copy_logs, _Call(path, Progress(), MIRROR_TIDY_TIMEOUT_S, None)
+            )
         except LeaseLost:
             raise
         except Exception as e:  # noqa: BLE001 - the checkpoint is on Drive; this is housekeeping
-            loud(
-                f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint "
-                f"itself is on Drive and verified; old checkpoints there may stay until the next copy"
-            )
+            self._tidy_failed(path, e)
+
+    def _tidy_failed(self, path: Path, e: BaseException) -> None:
+        loud(
+            f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint itself "
+            f"is on Drive and verified; old checkpoints there may stay until the next copy"
+        )
 
     def _rotate_and_copy_logs(self) -> None:
         # the newest best_step: a milestone copied late must not drop today's best
@@ -305,6 +388,9 @@ class Mirror:
             copying = self._busy is not None or self._has_work()
         return f"drive: {self._newest_on_drive()}" + (" (copying)" if copying else "")
 
+    def _working(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self, timeout: float, given_up: threading.Event | None = None) -> None:
         """Wait up to `timeout` for the copies in flight (Ctrl-C stops waiting, as `given_up` set does: a second
         stop press); say loudly what is not on Drive."""
@@ -314,11 +400,17 @@ class Mirror:
             self._closing = True
             self._cv.notify_all()
         deadline, stopped_by = time.monotonic() + timeout, None
+        report_at = time.monotonic() + MIRROR_WAIT_REPORT_S
         given_up = given_up or threading.Event()
         try:
-            while self._thread.is_alive() and time.monotonic() < deadline and not given_up.is_set():
-                self._thread.join(min(MIRROR_WAIT_REPORT_S, max(0.0, deadline - time.monotonic())))
-                if self._thread.is_alive() and time.monotonic() < deadline:
+            while self._working() and time.monotonic() < deadline and not given_up.is_set():
+                poll = min(
+                    MIRROR_WATCH_S, MIRROR_WAIT_REPORT_S, max(0.0, deadline - time.monotonic())
+                )
+                self._thread.join(poll)
+                self.watch()  # a hung call is given up here, as at the training loop's log steps
+                if self._working() and report_at <= time.monotonic() < deadline:
+                    report_at += MIRROR_WAIT_REPORT_S
                     loud(
                         f"waiting for the Drive copy: {self._copying()}; {deadline - time.monotonic():.0f} s "
                         f"left (Ctrl-C stops waiting; the checkpoint is safe on the local disk, {self.run_dir})"
@@ -326,11 +418,11 @@ class Mirror:
         except KeyboardInterrupt:
             # the copy goes on; is_alive() may say otherwise (CPython marks the thread of an interrupted join stopped)
             stopped_by = "at Ctrl-C"
-        if given_up.is_set() and self._thread.is_alive():
+        if given_up.is_set() and self._working():
             stopped_by = "at the second stop press"
         if self.lost:
             return
-        if self._thread.is_alive():
+        if self._working():
             stopped_by = stopped_by or f"after {timeout:g} s"
         elif not stopped_by:
             self._thread = None

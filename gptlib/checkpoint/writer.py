@@ -150,6 +150,11 @@ class CheckpointWriter:
             f"{failed}: the disk is full (no space left on its device); {fix}"
         ) from e
 
+    def watch(self) -> None:
+        """Give up a Drive copy that hangs (Mirror.watch): the training loop calls this at its log steps."""
+        if self.mirror:
+            self.mirror.watch()
+
     def mirror_existing(self, path: Path, best_step: int | None = None) -> None:
         if self.mirror:
             self.mirror.queue_existing(path, best_step)

@@ -247,6 +247,8 @@ def _after_step(
     if state.step % tc.log_interval == 0 or saving:
         # another process took the run over (this one was frozen, say): stop before writing anything more
         run.lease.check()
+        # a Drive copy that hangs is given up here: a save runs no watchdog thread of its own
+        run.writer.watch()
         # log the losses: the host sync, once per log_interval and before a checkpoint (on a log boundary)
         metrics.flush(validating, shown.measure())
         shown.show(metrics.train_loss)

@@ -97,6 +97,12 @@ def _run(args) -> int:
     # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
     except KeyboardInterrupt:
         return 130
+    # the reader of the output has gone (`... | head -1`): a quiet end, with the status SIGPIPE's would give; the
+    # output still buffered goes nowhere, so the interpreter's last flush does not fail again
+    except BrokenPipeError:
+        with suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1011,3 +1011,20 @@ def test_a_second_press_before_the_last_saves_wait_gives_up_drive_too():
     with pytest.raises(KeyboardInterrupt):
         stop._handle(signal.SIGINT, None)
     assert stop.pressed_again.is_set()
+
+
+def test_a_second_press_after_the_stops_save_was_handed_over_waits_for_it():
+    """Once the stop's checkpoint is with the writer, a second press, wherever it lands before the wait (the bar and
+    logs closing), waits for that save and gives up the wait for Drive: the run still ends with its summary (a
+    press landing there used to end the process with 130 and no `done:` line)."""
+    from gptlib.training.loop import GracefulStop
+
+    said = []
+    stop = GracefulStop(log=said.append)
+    stop._handle(signal.SIGINT, None)
+    stop.saving_last = True  # as _after_step sets it before the stop's save
+    stop._handle(signal.SIGINT, None)  # not raised
+    assert not stop.pressed_again.is_set() and "interrupted again" in said[-1], said
+    with stop.last_save():
+        pass  # the wait for the local save
+    assert stop.pressed_again.is_set()  # the Drive wait that follows is given up

@@ -201,7 +201,9 @@ class Mirror:
             # Drive is failing: milestones wait for the next save, not a loop
             elif outcome == "failed":
                 self._milestones_paused = True
-            self._busy = None
+            # (watch() may come after a new thread took other work)
+            if self._busy == path:
+                self._busy = None
             self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:

@@ -257,6 +257,8 @@ def _after_step(
         with shown.paused():
             val_loss = _validate(run, metrics, shown, is_last, log) if validating else None
             if saving:
+                # a stop's save is the run's last: a second press from here on waits for it, as in last_save()
+                stop.saving_last = stop_now
                 _save(run, val_loss, shown.elapsed())
     shown.bar.update(1)
     if not (over_time or stop_now) or is_last:
@@ -412,8 +414,9 @@ def _raise_oom_advice(run: TrainingRun) -> None:
 class GracefulStop:
     """The first signal only sets `reason`: the loop finishes its step, saves and returns. A second SIGINT raises
     KeyboardInterrupt at once (a loop stuck in validation, say), except inside deferred(), which it waits for, so no
-    half update is saved. Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual.
-    What a press does is said through `log` (the user's own press: the normal output); a SIGTERM, loudly."""
+    half update is saved, and once the stop's save is handed to the writer (saving_last), which it waits for too.
+    Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual. What a press does is said
+    through `log` (the user's own press: the normal output); a SIGTERM, loudly."""
 
     def __init__(self, log=print):
         self.log = log
@@ -424,6 +427,9 @@ class GracefulStop:
         self._deferring = self._interrupted = False
         # a second press during the last save: it stops the wait for Drive that follows, too
         self.pressed_again = threading.Event()
+        self.saving_last = (
+            False  # the stop's save was handed to the writer: a second press waits for it
+        )
 
     def install(self) -> "GracefulStop":
         if threading.current_thread() is not threading.main_thread():
@@ -435,7 +441,7 @@ class GracefulStop:
 
     def _handle(self, signum, frame) -> None:
         if self.reason is not None:
-            if signum == signal.SIGINT and self._deferring:
+            if signum == signal.SIGINT and (self._deferring or self.saving_last):
                 self._interrupted = True
                 self.log("interrupted again: stopping when the update or save in progress ends")
             elif signum == signal.SIGINT:

@@ -220,3 +220,51 @@ def test_a_data_dir_on_drive_mounts_drive_before_it_is_looked_at(fake_colab, tmp
     fake_colab.mount = mount
     d = colab.DRIVE_MOUNT / "MyDrive" / "mydata"
     assert find_dataset(data_dir=f"{d} ") == d and len(fake_colab.calls) == 1
+
+
+def test_notebook_02s_results_cells_on_a_fresh_vm_read_the_run_on_drive(
+    fake_colab, tmp_path, char_data, capsys
+):
+    """A fresh VM, notebook 02 opened to look at a run trained earlier: its set-up cells, then the loss curve, the
+    samples and the generation cells, without the train cell (the VM's disk is empty). They read the run's copy on
+    Drive; they used to fail on the VM's missing run dir."""
+    import json
+
+    from tests.nbrun import NOTEBOOKS
+
+    rp = colab.run_paths("tiny", colab.setup())
+    settings = TINY + ["eval_interval=5", "save_every_steps=5"]
+    train(
+        char_data,
+        rp.run_dir,
+        "phase1",
+        settings,
+        max_steps=10,
+        device="cpu",
+        progress=False,
+        mirror_dir=rp.mirror_dir,
+        log=lambda s: None,
+    )
+    shutil.rmtree(colab.setup().local)  # a new VM, same Drive
+    cells = json.loads((NOTEBOOKS / "02_phase1_shakespeare.ipynb").read_text())["cells"]
+    code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    after_train = code[code.index(next(c for c in code if "result = train(" in c)) + 1 :]
+    shown = []
+    ipython_display = pytest.importorskip("IPython.display")
+    capsys.readouterr()
+    scope = {"RUN_NAME": "tiny", "SEED": 1, "paths": colab.run_paths("tiny", colab.setup())}
+    real = ipython_display.display
+    ipython_display.display = shown.append
+    try:
+        for source in after_train:
+            exec(source, scope)
+    finally:
+        ipython_display.display = real
+    image, table = shown[:2]
+    assert image.data[:8] == b"\x89PNG\r\n\x1a\n"  # loss.png, from Drive
+    assert (
+        scope["run_dir"] == rp.mirror_dir
+        and "step" in table.data
+        and "no samples yet" not in table.data
+    )
+    assert capsys.readouterr().out.startswith("ROMEO:")

@@ -254,16 +254,22 @@ def find_runs(
     return found
 
 
+def run_log(run_dir: Path, name: str) -> Path | None:
+    """A run's log (metrics.jsonl, samples.jsonl): its own, or on the Drive mirror, which keeps the logs in each
+    checkpoint, the newest checkpoint's."""
+    if (run_dir / name).is_file():
+        return run_dir / name
+    return next((c / name for c in list_checkpoints(run_dir) if (c / name).is_file()), None)
+
+
 def run_history(run_dir: str | Path) -> tuple[list[dict], dict]:
     """A run's metrics rows and config.json, local or on the Drive mirror (which keeps the rows in each checkpoint:
     the newest's are read), within a time limit: a hung Drive raises HungIOError, an OSError."""
     run_dir = Path(run_dir)
 
     def read() -> tuple[list[dict], dict]:
-        dirs = [run_dir, *list_checkpoints(run_dir)]
-        where = [d / METRICS_FILE for d in dirs if (d / METRICS_FILE).is_file()]
-        config = run_dir / CONFIG_FILE
-        rows = read_jsonl(where[0]) if where else []
+        metrics, config = run_log(run_dir, METRICS_FILE), run_dir / CONFIG_FILE
+        rows = read_jsonl(metrics) if metrics else []
         return rows, json.loads(config.read_text()) if config.is_file() else {}
 
     return call_with_timeout(read, DRIVE_READ_STALL_S, what=f"reading {run_dir / METRICS_FILE}")

@@ -25,7 +25,7 @@ from gptlib.fsutil import (
     read_jsonl,
 )
 from gptlib.inference.engine import Engine, SamplingConfig
-from gptlib.inference.loading import run_history
+from gptlib.inference.loading import run_history, run_log
 from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import fmt_tokens, speed_text
@@ -50,8 +50,8 @@ def logs_up_to(run_dir: Path, step: int, saved: dict[str, bytes]) -> list[dict]:
     return kept[METRICS_FILE]
 
 
-def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
-    rows = read_jsonl(run_dir / SAMPLES_FILE)
+def _samples_grid(samples: Path) -> tuple[list[str], list[int], dict[tuple[int, str], str]]:
+    rows = read_jsonl(samples)
     prompts = list(dict.fromkeys(r["prompt"] for r in rows))
     steps = sorted({r["step"] for r in rows})
     return prompts, steps, {(r["step"], r["prompt"]): r["text"] for r in rows}
@@ -59,7 +59,7 @@ def _samples_grid(run_dir: Path) -> tuple[list[str], list[int], dict[tuple[int, 
 
 def write_samples_table(run_dir: Path) -> None:
     """samples.md: a row per validation step, a column per fixed prompt."""
-    prompts, steps, cell = _samples_grid(run_dir)
+    prompts, steps, cell = _samples_grid(run_dir / SAMPLES_FILE)
 
     def esc(t: str) -> str:
         return t.replace("|", "\\|").replace("\n", "<br>")
@@ -73,8 +73,9 @@ def write_samples_table(run_dir: Path) -> None:
 
 
 def samples_html(run_dir: str | Path) -> str:
-    """samples.md as an HTML table: a row per validation step, a column per fixed prompt."""
-    prompts, steps, cell = _samples_grid(Path(run_dir))
+    """samples.md as an HTML table: a row per validation step, a column per fixed prompt (a Drive mirror's: from its
+    newest checkpoint)."""
+    prompts, steps, cell = _samples_grid(run_log(Path(run_dir), SAMPLES_FILE) or Path(os.devnull))
     if not steps:
         return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
     return html_table(

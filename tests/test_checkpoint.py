@@ -751,3 +751,104 @@ def test_a_hung_drive_copy_is_given_up_by_watch_and_retried_in_a_new_thread(
     hung_thread.join(5)
     # the abandoned thread, released late, changed nothing: one copy there, no partial folder
     assert [p.name for p in (tmp_path / "drive" / "checkpoints").iterdir()] == ["step_0000007"]
+
+
+def _hang_the_first_copy_of(step_name: str, monkeypatch, also=None):
+    """copy_file_verified hangs on the first copy of step_name (until the returned Event is set); `also(src)` first."""
+    import threading
+
+    release, real, seen = threading.Event(), mirror.copy_file_verified, []
+    monkeypatch.setattr(mirror, "MIRROR_STALL_TIMEOUT_S", 0.3)
+
+    def copy(src, dst, *a, **k):
+        if also is not None:
+            also(src)
+        if src.parent.name == step_name and step_name not in seen:
+            seen.append(step_name)
+            release.wait(30)
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(mirror, "copy_file_verified", copy)
+    return release
+
+
+def _given_up(w: CheckpointWriter) -> None:
+    """The loop's watch() at its log steps, until the hung call is given up."""
+    deadline = time.monotonic() + 10
+    while w.mirror._call is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.4)  # past MIRROR_STALL_TIMEOUT_S
+    w.watch()
+
+
+def test_a_hung_newest_milestone_is_retried_before_older_milestones(tmp_path, monkeypatch):
+    """keep_every=2: step 2 (a milestone) cannot be copied; step 4, the newest and a milestone too, hangs once. It is
+    retried first and reaches Drive (a review found it left behind the failing step 2, then never retried)."""
+
+    def drive_fails_step_2(src):
+        if src.parent.name == "step_0000002":
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(mirror, "MIRROR_RETRY_DELAYS_S", (0.01,) * 5)
+    release = _hang_the_first_copy_of("step_0000004", monkeypatch, also=drive_fails_step_2)
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive", keep_every=2)
+    w.save(ckpt(2, sd(), {}, best=None))
+    deadline = time.monotonic() + 10
+    while not w.mirror._milestones_paused and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.save(ckpt(4, sd(4.0), {}, best=None))
+    _given_up(w)
+    st = w.close(timeout=20)
+    release.set()
+    assert st["mirror_step"] == 4 and st["mirror_missing"] is None, st
+
+
+def test_a_save_landing_while_a_hung_copy_is_reported_is_the_one_copied(
+    tmp_path, monkeypatch, capsys
+):
+    """The thread taking over from a hung copy of step 1 reports it; the save of step 2 lands meanwhile: step 2 is
+    copied, step 1 is not copied again after it (a review found step 1 re-queued over step 2)."""
+    release = _hang_the_first_copy_of("step_0000001", monkeypatch)
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    real_loud = mirror.loud
+
+    def loud(msg):
+        real_loud(msg)
+        if "step_0000001 failed" in msg:  # the save of step 2 lands while the hang is reported
+            w.save(ckpt(2, sd(2.0), {}, best=None))
+            w.wait()
+
+    monkeypatch.setattr(mirror, "loud", loud)
+    w.save(ckpt(1, sd(), {}, best=None))
+    _given_up(w)
+    st = w.close(timeout=20)
+    release.set()
+    assert st["mirror_step"] == 2 and st["mirror_missing"] is None, (st, capsys.readouterr().err)
+    on_drive = sorted(p.name for p in (tmp_path / "drive" / "checkpoints").iterdir())
+    assert on_drive == ["step_0000002"], on_drive
+
+
+def test_a_mirror_taken_over_during_a_hung_copy_says_nothing_more(tmp_path, monkeypatch, capsys):
+    """Another process takes the mirror while a copy hangs: the copy given up is not reported as a Drive failure
+    and not retried (as when the taker's clean-up breaks a copy)."""
+    from gptlib.errors import LeaseLost
+
+    taken = []
+    real_check = mirror.check_writable
+
+    def check_writable(p):
+        if taken:
+            raise LeaseLost("another process holds the run")
+        return real_check(p)
+
+    monkeypatch.setattr(mirror, "check_writable", check_writable)
+    release = _hang_the_first_copy_of("step_0000001", monkeypatch, also=lambda src: taken.append(1))
+    w = CheckpointWriter(tmp_path / "local", mirror_dir=tmp_path / "drive")
+    w.save(ckpt(1, sd(), {}, best=None))
+    _given_up(w)
+    deadline = time.monotonic() + 10
+    while not w.mirror.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    release.set()
+    err = capsys.readouterr().err
+    assert w.mirror.lost and w.mirror.failures == 0 and "failed" not in err, err

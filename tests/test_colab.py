@@ -157,23 +157,29 @@ def test_a_name_or_folder_pasted_with_spaces_is_the_same_run(tmp_path, char_data
     assert find_run(run_dir=f"{char_run}  \n") == char_run
 
 
+def train_tiny_on_colab(char_data, settings: list[str]):
+    """10 steps of run "tiny" on 'Colab': its local run dir, checkpoints mirrored to Drive -> (its paths, result)."""
+    rp = colab.run_paths("tiny", colab.setup())
+    r = train(
+        char_data,
+        rp.run_dir,
+        "phase1",
+        settings,
+        max_steps=10,
+        device="cpu",
+        progress=False,
+        mirror_dir=rp.mirror_dir,
+    )
+    return rp, r
+
+
 def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, capsys):
     """Train on 'Colab', lose the VM's local disk, re-run the same cell: it resumes from Drive."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         settings = TINY + ["save_every_steps=5"]
-        rp = colab.run_paths("tiny", colab.setup())
-        r = train(
-            char_data,
-            rp.run_dir,
-            "phase1",
-            settings,
-            max_steps=10,
-            device="cpu",
-            progress=False,
-            mirror_dir=rp.mirror_dir,
-        )
+        rp, r = train_tiny_on_colab(char_data, settings)
         assert r.step == 10
         assert verify_checkpoint(rp.mirror_dir / "checkpoints" / "step_0000010").step == 10
         for name in ("config.json", "tokenizer.json", "loss.png"):
@@ -232,19 +238,7 @@ def test_notebook_02s_results_cells_on_a_fresh_vm_read_the_run_on_drive(
 
     from tests.nbrun import NOTEBOOKS
 
-    rp = colab.run_paths("tiny", colab.setup())
-    settings = TINY + ["eval_interval=5", "save_every_steps=5"]
-    train(
-        char_data,
-        rp.run_dir,
-        "phase1",
-        settings,
-        max_steps=10,
-        device="cpu",
-        progress=False,
-        mirror_dir=rp.mirror_dir,
-        log=lambda s: None,
-    )
+    rp, _ = train_tiny_on_colab(char_data, TINY + ["eval_interval=5", "save_every_steps=5"])
     shutil.rmtree(colab.setup().local)  # a new VM, same Drive
     cells = json.loads((NOTEBOOKS / "02_phase1_shakespeare.ipynb").read_text())["cells"]
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]

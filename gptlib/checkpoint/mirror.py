@@ -140,6 +140,7 @@ class Mirror:
         self._attempt: tuple[Path, Progress, float] | None = None
         self._call: _Call | None = None  # the Drive call in flight, watched by watch()
         self._next_attempt: dict[Path, int] = {}  # a checkpoint whose copy hung: its next attempt
+        self._hung: _Call | None = None  # the call watch() gave up, for the thread that takes over
         self._thread: threading.Thread | None = None
 
     def submit(self, path: Path, best_step: int | None, milestone: bool) -> set[Path]:
@@ -178,6 +179,10 @@ class Mirror:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                hung, self._hung = self._hung, None
+            if hung is not None and self._after_hang(hung) == "lost":
+                return
+            with self._cv:
                 self._cv.wait_for(lambda: self._has_work() or self._closing)
                 if self._pending is not None:  # the newest first, then the milestones
                     path, self._pending = self._pending, None
@@ -189,7 +194,7 @@ class Mirror:
             try:
                 outcome = self._copy_with_retries(path)
             except _Abandoned:
-                return  # watch() gave this thread up as hung, did its bookkeeping and started another
+                return  # watch() gave this thread up as hung and started another, which goes on
             if outcome == "lost":
                 return
             self._done(path, outcome)
@@ -201,9 +206,7 @@ class Mirror:
             # Drive is failing: milestones wait for the next save, not a loop
             elif outcome == "failed":
                 self._milestones_paused = True
-            # (watch() may come after a new thread took other work)
-            if self._busy == path:
-                self._busy = None
+            self._busy = None
             self._cv.notify_all()
 
     def _copy_with_retries(self, path: Path) -> str:
@@ -232,7 +235,10 @@ class Mirror:
                 if isinstance(e, LeaseLost) or self._taken():
                     self.lost = True
                     return "lost"
-                if not self._failed(path, attempt, e, MIRROR_RETRY_DELAYS_S[attempt - 1 :][:1]):
+                delay = MIRROR_RETRY_DELAYS_S[attempt - 1 :][:1]
+                if not self._failed(
+                    path, attempt, e, f"retrying in {delay[0]:g} s" if delay else ""
+                ):
                     return "failed"
                 # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
                 with self._cv:
@@ -243,8 +249,8 @@ class Mirror:
                         return "superseded"
         return "failed"
 
-    def _failed(self, path: Path, attempt: int, e: BaseException, delay: tuple[float, ...]) -> bool:
-        """Count and report a failed attempt -> whether another follows (after `delay`, if given)."""
+    def _failed(self, path: Path, attempt: int, e: BaseException, then: str) -> bool:
+        """Count and report a failed attempt -> whether another follows (`then` says when)."""
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         self.failures += 1
         self.error = f"{type(e).__name__}: {e}"
@@ -255,10 +261,9 @@ class Mirror:
                 f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again."
             )
             return False
-        when = f"in {delay[0]:g} s" if delay else "now"
         loud(
-            f"!! Drive copy of {path.name} failed (attempt {attempt}/{attempts}): {self.error}; "
-            f"retrying {when} (local checkpoint is safe in {path.parent})"
+            f"!! Drive copy of {path.name} failed (attempt {attempt}/{attempts}): {self.error}; {then} (local "
+            f"checkpoint is safe in {path.parent})"
         )
         return True
 
@@ -278,32 +283,44 @@ class Mirror:
     def watch(self) -> None:
         """Give up the Drive call in flight once it has made no progress for its limit (a hung mount). A call into
         the mount cannot be interrupted: its thread is left behind (it stops at its next tick, should the call ever
-        return) and a new thread goes on with the work. Called by the training loop at its log steps and by close()
-        as it waits, so that a save runs no watchdog thread of its own."""
+        return) and a new thread takes over (_after_hang). Called by the training loop at its log steps and by
+        close() as it waits, so that a save runs no watchdog thread of its own; it never waits on Drive itself."""
         with self._cv:
             call = self._call
             if call is None or time.monotonic() - call.progress.t < call.limit:
                 return
             call.progress.cancel.set()
-            self._call, self._thread = None, None
+            self._call, self._thread, self._hung = None, None, call
+            self._wake()
+
+    def _after_hang(self, call: _Call) -> str:
+        """In the thread that took over: what a call given up by watch() comes to, as _copy_with_retries would
+        have it -> "lost" (another process took the mirror over) or "handled". A hung copy is reported and retried
+        at once while it is the newest checkpoint (a milestone after the newest); a hung clean-up leaves its copy
+        standing."""
         hung = HungIOError(
             errno.ETIMEDOUT, f"Drive made no progress for {call.limit:g} s (hung mount?)"
         )
-        if call.attempt is None:  # the clean-up after a copy that is done
+        if call.attempt is None:
             self._tidy_failed(call.path, hung)
-            outcome = "copied"
-        elif self._failed(call.path, call.attempt, hung, ()):
-            outcome = "retry"
-            with self._cv:  # the newest again, unless a newer one came; a milestone is still listed
-                if self._pending is None and call.path not in self._milestones:
-                    self._pending = call.path
-                if call.path in (self._pending, *self._milestones):
-                    self._next_attempt[call.path] = call.attempt + 1
-        else:
-            outcome = "failed"
-        self._done(call.path, outcome)
+            self._done(call.path, "copied")
+            return "handled"
+        if self._taken():
+            self.lost = True
+            return "lost"
+        # queued again in one look (a save may hand over a newer checkpoint meanwhile), then said
         with self._cv:
-            self._wake()
+            newest = self._pending is None and step_of(call.path) >= (self._newest or 0)
+            milestone = call.path in self._milestones
+            retry = call.attempt <= len(MIRROR_RETRY_DELAYS_S)
+            if retry and newest:
+                self._pending = call.path
+            if retry and (newest or milestone):
+                self._next_attempt[call.path] = call.attempt + 1
+        later = f"copying the newer checkpoint {'first' if milestone else 'instead'}"
+        self._failed(call.path, call.attempt, hung, "retrying now" if newest else later)
+        self._done(call.path, "retry" if retry else "failed")
+        return "handled"
 
     def _taken(self) -> bool:
         try:

@@ -533,11 +533,11 @@ def test_a_long_gpu_preset_run_on_cpu_still_gets_the_advice(monkeypatch):
     monkeypatch.setattr(measure, "CPU_ADVISE_S", secs / 2)
     for requested in ("auto", "cpu"):
         logs = []
-        measure.check_cpu_run(cfg, torch.device("cpu"), requested, 0, logs.append)
+        measure.check_cpu_run(cfg, requested, 0, logs.append)
         assert len(logs) == 1 and "Runtime > Change runtime type > A100 GPU" in logs[0], logs
     monkeypatch.setattr(measure, "CPU_ADVISE_S", secs * 2)
     logs = []
-    measure.check_cpu_run(cfg, torch.device("cpu"), "auto", 0, logs.append)
+    measure.check_cpu_run(cfg, "auto", 0, logs.append)
     assert len(logs) == 1 and "Change runtime type" not in logs[0], logs
 
 
@@ -546,7 +546,7 @@ def test_a_session_time_boxed_by_max_minutes_is_not_refused():
     the log says both (it was refused with "shorten the run (--set max_steps=N)")."""
     cfg = get_preset("phase2").updated({"max_minutes": 2.0})
     logs = []
-    measure.check_cpu_run(cfg, torch.device("cpu"), "auto", 0, logs.append)
+    measure.check_cpu_run(cfg, "auto", 0, logs.append)
     assert (
         len(logs) == 1
         and "hours" in logs[0]
@@ -555,16 +555,14 @@ def test_a_session_time_boxed_by_max_minutes_is_not_refused():
     with pytest.raises(
         ConfigError
     ):  # a budget that is itself longer than an hour: refused as before
-        measure.check_cpu_run(
-            cfg.updated({"max_minutes": 120.0}), torch.device("cpu"), "auto", 0, print
-        )
+        measure.check_cpu_run(cfg.updated({"max_minutes": 120.0}), "auto", 0, print)
 
 
 def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
     cfg = get_preset("phase2")
     logs = []
     # asked for: a warning, not an error
-    measure.check_cpu_run(cfg, torch.device("cpu"), "cpu", 0, logs.append)
+    measure.check_cpu_run(cfg, "cpu", 0, logs.append)
     err = capsys.readouterr().err
     assert "phase2" in err and "hours" in err and "Change runtime type" in err, err
 

@@ -128,9 +128,11 @@ class CheckpointWriter:
         """Wait for the local save in flight (not the mirror's copy); raise its error if it failed."""
         if self._thread is not None:
             self._thread.join()
-        if self._error is None:
-            return
-        e, self._error = self._error, None
+        if self._error is not None:
+            e, self._error = self._error, None
+            self._raise_save_error(e)
+
+    def _raise_save_error(self, e: BaseException) -> None:
         if isinstance(e, GptlibError):  # e.g. the lease was lost: its own message says it all
             raise e
         # a save broken by another process taking the run over (its start removed the partial files) is that

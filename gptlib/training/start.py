@@ -18,7 +18,7 @@ from gptlib.model import model_size
 from gptlib.training import memory
 from gptlib.training.resume import Start, check_same_data
 from gptlib.training.step import lr_at
-from gptlib.training.throughput import check_cpu_run
+from gptlib.training.throughput import GPU_PRESETS, check_cpu_run
 
 
 def decide_config(
@@ -69,7 +69,9 @@ def decide_config(
             f"warmup_steps={tc.warmup_steps} is not below max_steps={tc.max_steps}: the learning rate never reaches "
             f"its peak ({tc.learning_rate:g}) nor decays; for a short run set it lower ({override('warmup_steps=N')})"
         )
-    check_cpu_run(cfg, device, cfg.train.device, step, log)
+    # a GPU preset on a CPU: its time is said, or it is refused when that would be days
+    if device.type == "cpu" and cfg.preset in GPU_PRESETS:
+        check_cpu_run(cfg, cfg.train.device, step, log)
     if tight := check_fits(cfg, device):
         log(f"auto micro-batch: {tight}")
     return cfg, bool(cfg.train.auto_batch or tight)

@@ -229,7 +229,9 @@ def find_resume(
         time.sleep(min(DRIVE_RESUME_RETRY_S, left))
         resume, passed = search_checkpoints(run_dir, mirror_dir, log, deadline)
         looks += 1
-    _say_resume_point(resume, passed, run_dir, skip_unreadable, looks, local_before, log)
+    # what the search passed over: a newer checkpoint unreadable, or damaged ones before starting from scratch
+    if passed.unreadable or (resume is None and passed.damaged):
+        _say_resume_point(resume, passed, run_dir, skip_unreadable, looks, local_before, log)
     return resume, passed
 
 

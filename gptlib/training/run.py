@@ -414,7 +414,8 @@ def open_writer(run: TrainingRun, start: Start, log) -> CheckpointWriter:
     """Rank 0's writer, after what earlier sessions left: damaged checkpoints set aside (a new one must never take
     a damaged one's name), a save killed mid-way removed. A checkpoint resumed from the local disk goes to Drive too."""
     since = time.time()
-    set_aside_damaged(start.passed, start.resume, log)
+    if start.passed.damaged:
+        set_aside_damaged(start.passed, start.resume, log)
     for where in (start.run_dir, start.mirror_dir):
         if where is not None:
             _prune_damaged(where, where == start.mirror_dir, since if start.resume else None, log)

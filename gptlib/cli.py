@@ -93,15 +93,22 @@ def run(argv: list[str], detach: bool = False) -> int:
 
 def _run(args) -> int:
     try:
-        return args.func(args) or 0
+        status = args.func(args) or 0
+        sys.stdout.flush()  # a reader of the output that has gone is met here, not at the interpreter's exit
+        return status
     # Ctrl-C (tokenize said what it keeps): the status of a process stopped by SIGINT
     except KeyboardInterrupt:
         return 130
-    # the reader of the output has gone (`... | head -1`): a quiet end, with the status SIGPIPE's would give; the
-    # output still buffered goes nowhere, so the interpreter's last flush does not fail again
+    # the reader of the output has gone (`... | head -1`): a quiet end, with the status SIGPIPE's would give
     except BrokenPipeError:
-        with suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            # what is still buffered for the reader that has gone goes nowhere: the last flush must not fail again
+            except OSError:
+                # (a stream with no file behind it, as a notebook's, is left as it is)
+                with suppress(OSError, ValueError):
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         return 128 + signal.SIGPIPE
     except GptlibError as e:  # the user's to fix (gptlib.errors): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -70,7 +71,10 @@ def test_tokenize_train_sample_end_to_end(tmp_path, small_text):
     assert again.stdout == r.stdout  # greedy is deterministic
     # `gptlib sample ... | head -1`: the reader is gone before the output is written; a quiet end, as SIGPIPE's
     cmd = [sys.executable, "-m", "gptlib", "sample", "--run-dir", str(run), "--num-samples", "3"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"
+    }  # buffered, as by default
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     p.stdout.close()
     err = p.stderr.read()
     assert p.wait(timeout=300) == 141 and "Broken pipe" not in err and "Traceback" not in err, err
@@ -205,3 +209,26 @@ def test_input_given_twice_reads_both(tmp_path, capsys):
     assert main(args) == 0, capsys.readouterr().err
     sources = json.loads((tmp_path / "d" / "meta.json").read_text())["sources"]
     assert [s["path"] for s in sources] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+
+
+def test_a_closed_stderr_pipe_keeps_what_stdout_wrote_to_a_file(tmp_path):
+    """stdout to a file, stderr to a reader that has gone: the command's output stays in the file and it ends as
+    a pipe's would (141); only the broken stream's buffered output goes nowhere."""
+    code = (
+        "import sys, types\n"
+        "from gptlib.cli import _run\n"
+        "def f(args):\n"
+        "    print('the result, redirected to a file')\n"
+        "    print('a notice', file=sys.stderr, flush=True)\n"
+        "sys.exit(_run(types.SimpleNamespace(func=f)))\n"
+    )
+    out = tmp_path / "out.txt"
+    # stdout buffered, as a file's is by default
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with open(out, "w") as f:
+        p = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=f, stderr=subprocess.PIPE, env=env
+        )
+        p.stderr.close()
+        status = p.wait(timeout=120)
+    assert status == 141 and out.read_text() == "the result, redirected to a file\n"

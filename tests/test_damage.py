@@ -1028,3 +1028,46 @@ def test_a_second_press_after_the_stops_save_was_handed_over_waits_for_it():
     with stop.last_save():
         pass  # the wait for the local save
     assert stop.pressed_again.is_set()  # the Drive wait that follows is given up
+
+
+def test_a_stop_pressed_in_the_last_validation_then_again_while_closing_ends_with_the_summary(
+    char_data, tmp_path, monkeypatch
+):
+    """The first press lands during the last step's validation, the second as the bar closes: the run still ends
+    with its summary, its last step saved once (the second press escaped train() as a KeyboardInterrupt: no `done:`
+    line, exit 130; a review found it)."""
+    from gptlib.training.throughput import RunProgress
+
+    saves, pressed, real_save, real_close = [], [], gtrain._save, RunProgress.close
+
+    def save(run, *a, **k):
+        saves.append(run.state.step)
+        real_save(run, *a, **k)
+
+    def close(self, *a, **k):
+        if pressed and len(pressed) == 1:
+            pressed.append(2)
+            os.kill(os.getpid(), signal.SIGINT)  # the second press, as the bar closes
+        return real_close(self, *a, **k)
+
+    def on_log(row):
+        if row.get("step") == 20 and not pressed:
+            pressed.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # the first press, during the last validation
+
+    monkeypatch.setattr(gtrain, "_save", save)
+    monkeypatch.setattr(RunProgress, "close", close)
+    settings = TINY + ["eval_interval=10", "log_interval=1", "save_every_minutes=0"]
+    r = train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        settings,
+        max_steps=20,
+        device="cpu",
+        compile="off",
+        progress=False,
+        log=lambda s: None,
+        on_log=on_log,
+    )
+    assert pressed == [1, 2] and r.step == 20 and saves == [10, 20], (pressed, saves)

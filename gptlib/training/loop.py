@@ -257,8 +257,8 @@ def _after_step(
         with shown.paused():
             val_loss = _validate(run, metrics, shown, is_last, log) if validating else None
             if saving:
-                # a stop's save is the run's last: a second press from here on waits for it, as in last_save()
-                stop.saving_last = stop_now
+                # the run's last save (a stop's, the last step's, max_minutes'): a second press waits for it
+                stop.saving_last = stop_now or is_last or over_time
                 _save(run, val_loss, shown.elapsed())
     shown.bar.update(1)
     if not (over_time or stop_now) or is_last:

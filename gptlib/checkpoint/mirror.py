@@ -235,10 +235,7 @@ class Mirror:
                 if isinstance(e, LeaseLost) or self._taken():
                     self.lost = True
                     return "lost"
-                delay = MIRROR_RETRY_DELAYS_S[attempt - 1 :][:1]
-                if not self._failed(
-                    path, attempt, e, f"retrying in {delay[0]:g} s" if delay else ""
-                ):
+                if not self._failed(path, attempt, e):
                     return "failed"
                 # a newer checkpoint arriving meanwhile replaces this one: copy only the newest
                 with self._cv:
@@ -249,8 +246,9 @@ class Mirror:
                         return "superseded"
         return "failed"
 
-    def _failed(self, path: Path, attempt: int, e: BaseException, then: str) -> bool:
-        """Count and report a failed attempt -> whether another follows (`then` says when)."""
+    def _failed(self, path: Path, attempt: int, e: BaseException, then: str = "") -> bool:
+        """Count and report a failed attempt -> whether another follows (`then` says when; by default after its
+        retry delay)."""
         attempts = len(MIRROR_RETRY_DELAYS_S) + 1
         self.failures += 1
         self.error = f"{type(e).__name__}: {e}"
@@ -261,6 +259,7 @@ class Mirror:
                 f"Drive is {self._newest_on_drive()}. The next checkpoint will be tried again."
             )
             return False
+        then = then or f"retrying in {MIRROR_RETRY_DELAYS_S[attempt - 1]:g} s"
         loud(
             f"!! Drive copy of {path.name} failed (attempt {attempt}/{attempts}): {self.error}; {then} (local "
             f"checkpoint is safe in {path.parent})"

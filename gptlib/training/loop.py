@@ -414,7 +414,7 @@ def _raise_oom_advice(run: TrainingRun) -> None:
 class GracefulStop:
     """The first signal only sets `reason`: the loop finishes its step, saves and returns. A second SIGINT raises
     KeyboardInterrupt at once (a loop stuck in validation, say), except inside deferred(), which it waits for, so no
-    half update is saved, and once the stop's save is handed to the writer (saving_last), which it waits for too.
+    half update is saved, and once the run's last save is handed to the writer (saving_last), which it waits for too.
     Handlers install from the main thread only; elsewhere KeyboardInterrupt is as usual. What a press does is said
     through `log` (the user's own press: the normal output); a SIGTERM, loudly."""
 
@@ -427,9 +427,8 @@ class GracefulStop:
         self._deferring = self._interrupted = False
         # a second press during the last save: it stops the wait for Drive that follows, too
         self.pressed_again = threading.Event()
-        self.saving_last = (
-            False  # the stop's save was handed to the writer: a second press waits for it
-        )
+        # the run's last save was handed to the writer: a second press waits for it
+        self.saving_last = False
 
     def install(self) -> "GracefulStop":
         if threading.current_thread() is not threading.main_thread():

@@ -841,3 +841,37 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     said.clear()
     assert find_runs("", runs / "a", log=said.append) == [runs / "a"]
     assert said == [f"compare: only this run; no other run in {tmp_path / 'alone' / 'runs'}"], said
+
+
+def test_notebook_02s_loss_plot_and_samples_give_up_a_hung_drive(tmp_path, monkeypatch):
+    """Notebook 02's loss curve and samples cells read the run's copy on Drive on a fresh VM: a Drive that stops
+    answering ended neither (Image(filename=...) and the samples read had no time limit); each now raises
+    HungIOError, naming the file, after Drive's time limit. loss.png is a FIFO with no writer, whose reader blocks as
+    on a hung mount; the samples' read blocks until the test ends."""
+    import os
+    import threading
+
+    import gptlib.training.logs as logs
+    from gptlib.fsutil import HungIOError, read_jsonl
+
+    monkeypatch.setattr(logs, "DRIVE_READ_STALL_S", 0.5)
+    os.mkfifo(tmp_path / "loss.png")
+    (tmp_path / "samples.jsonl").write_text('{"step": 1, "prompt": "a", "text": "b"}\n')
+    answers = threading.Event()
+    monkeypatch.setattr(logs, "read_jsonl", lambda path: answers.wait() and read_jsonl(path))
+    try:
+        with pytest.raises(HungIOError, match="loss.png made no progress for 0.5 s"):
+            logs.loss_png(tmp_path)
+        with pytest.raises(HungIOError, match="samples.jsonl made no progress for 0.5 s"):
+            logs.samples_html(tmp_path)
+    finally:
+        # the abandoned readers end
+        answers.set()
+        threading.Thread(
+            target=lambda: open(tmp_path / "loss.png", "wb").close(), daemon=True
+        ).start()
+    assert "<td" in logs.samples_html(tmp_path)
+    png = tmp_path / "plot" / "loss.png"
+    png.parent.mkdir()
+    logs.plot_losses([{"step": 1, "train_loss": 2.0}], png)
+    assert logs.loss_png(png.parent) == png.read_bytes()

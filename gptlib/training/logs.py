@@ -15,18 +15,21 @@ from typing import Callable, Sequence
 
 import torch
 
+from gptlib.checkpoint.format import DRIVE_READ_STALL_S
 from gptlib.evaluation.hellaswag import GPT2_124M
 from gptlib.fsutil import (
     append_jsonl,
     atomic_write,
     atomic_write_bytes,
+    call_with_timeout,
     check_writable,
     parse_jsonl,
+    read_bytes_with_timeout,
     read_jsonl,
 )
 from gptlib.inference.engine import Engine, SamplingConfig
 from gptlib.inference.loading import run_history, run_log
-from gptlib.layout import METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
+from gptlib.layout import LOSS_PLOT, METRICS_FILE, SAMPLES_FILE, SAMPLES_TABLE
 from gptlib.training.step import lr_at
 from gptlib.training.throughput import fmt_tokens, speed_text
 
@@ -74,8 +77,14 @@ def write_samples_table(run_dir: Path) -> None:
 
 def samples_html(run_dir: str | Path) -> str:
     """samples.md as an HTML table: a row per validation step, a column per fixed prompt (a Drive mirror's: from its
-    newest checkpoint)."""
-    prompts, steps, cell = _samples_grid(run_log(Path(run_dir), SAMPLES_FILE) or Path(os.devnull))
+    newest checkpoint), read within Drive's time limit: a hung Drive raises HungIOError."""
+    run_dir = Path(run_dir)
+
+    def grid():
+        return _samples_grid(run_log(run_dir, SAMPLES_FILE) or Path(os.devnull))
+
+    what = f"reading {run_dir / SAMPLES_FILE}"
+    prompts, steps, cell = call_with_timeout(grid, DRIVE_READ_STALL_S, what=what)
     if not steps:
         return "<p>no samples yet: the fixed prompts are sampled at each validation</p>"
     return html_table(
@@ -239,6 +248,12 @@ def loss_figure(rows: list[dict], title: str = "", figsize=(7, 4), dpi: int = 10
 
 def plot_losses(rows: list[dict], path: Path, title: str = "") -> None:
     atomic_write(path, lambda f: loss_figure(rows, title).savefig(f, format="png"))
+
+
+def loss_png(run_dir: str | Path) -> bytes:
+    """The run's loss.png (notebook 02 shows a Drive mirror's on a fresh VM), read within Drive's time limit: a hung
+    Drive raises HungIOError."""
+    return read_bytes_with_timeout(Path(run_dir) / LOSS_PLOT, DRIVE_READ_STALL_S)
 
 
 def run_title(preset: str, run_name: str, sep: str = ": ") -> str:

@@ -7,13 +7,12 @@ import os
 from pathlib import Path
 
 from gptlib.errors import PrepareError
-from gptlib.fsutil import atomic_write_bytes
+from gptlib.fsutil import atomic_write_bytes, sha256_file
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-_CANONICAL = "the canonical Tiny Shakespeare, 1,115,394 characters"
 
 
 def default_cache_dir() -> Path:  # $GPTLIB_CACHE: the user's choice of cache (also HellaSwag's)
@@ -23,11 +22,9 @@ def default_cache_dir() -> Path:  # $GPTLIB_CACHE: the user's choice of cache (a
 def cached_tinyshakespeare(cache_dir: str | Path | None = None) -> Path | None:
     """The cache's copy if it is the verified file (then fetch_tinyshakespeare downloads nothing), else None."""
     target = Path(cache_dir or default_cache_dir()) / "tinyshakespeare.txt"
-    verified = (
-        target.is_file()
-        and hashlib.sha256(target.read_bytes()).hexdigest() == TINYSHAKESPEARE_SHA256
-    )
-    return target if verified else None
+    if target.is_file() and sha256_file(target) == TINYSHAKESPEARE_SHA256:
+        return target
+    return None
 
 
 def fetch_tinyshakespeare(
@@ -35,22 +32,22 @@ def fetch_tinyshakespeare(
 ) -> Path:
     """`local_path` (verified, used in place), else the cache's verified copy, else the download into the cache.
     A checksum mismatch is an error, never another corpus."""
-    if local_path is not None and not Path(local_path).is_file():
-        what = "is a folder, not the file" if Path(local_path).is_dir() else "does not exist"
-        raise PrepareError(f"local Tiny Shakespeare file {local_path} {what}")
     if local_path is not None:
-        target = Path(local_path)
+        url, target = None, Path(local_path)
+        if not target.is_file():
+            what = "is a folder, not the file" if target.is_dir() else "does not exist"
+            raise PrepareError(f"local Tiny Shakespeare file {local_path} {what}")
     else:
+        url = TINYSHAKESPEARE_URL
         target = Path(cache_dir or default_cache_dir()) / "tinyshakespeare.txt"
     return fetch_verified(
-        None if local_path is not None else TINYSHAKESPEARE_URL,
+        url,
         target,
         TINYSHAKESPEARE_SHA256,
         PrepareError,
         name="Tiny Shakespeare",
-        canonical=_CANONICAL,
+        canonical="the canonical Tiny Shakespeare, 1,115,394 characters",
         local_hint="(fetch-shakespeare --local PATH or tokenize --input PATH; notebook 02: TEXT_PATH)",
-        timeout=60.0,
     )
 
 
@@ -63,7 +60,6 @@ def fetch_verified(
     name: str,
     canonical: str,
     local_hint: str,
-    timeout: float,
 ) -> Path:
     """`target` if it holds the file with this sha256, else `url` downloaded, checked and written there atomically
     (url None: target is the user's own copy, only checked)."""
@@ -76,7 +72,7 @@ def fetch_verified(
         import urllib.request  # here, not at module level: ~70 ms of http/email/ssl imports few callers need
 
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as r:
+            with urllib.request.urlopen(url, timeout=60) as r:
                 data = r.read()
         except (OSError, ValueError) as e:  # URLError is an OSError; a malformed URL a ValueError
             raise error_cls(

@@ -262,8 +262,6 @@ class Pass:
 def our_files(out_dir: Path) -> list[Path]:
     """The only files tokenize deletes as old (not the lock file: another tokenize may be waiting on it; the
     holder removes it as it ends, one_writer)."""
-    if not out_dir.is_dir():
-        return []
     names = {META_FILE, PREPARE_STATE_FILE, TOKENIZER_FILE}
     ours = []
     for p in out_dir.iterdir():

@@ -73,11 +73,10 @@ class Source:
         return full.split(":", 1)[1][:16]
 
     def open(self) -> io.BufferedReader:
-        raw = (
-            open(self.path, "rb", buffering=0)
-            if self.fs is None
-            else self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
-        )
+        if self.fs is None:
+            raw = open(self.path, "rb", buffering=0)
+        else:
+            raw = self.fs.open(self.fspath, "rb", block_size=BLOCK_SIZE)
         return io.BufferedReader(raw, READ_BUFFER)
 
 

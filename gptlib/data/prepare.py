@@ -148,27 +148,22 @@ def _check_options(
     tokenizer_from,
 ) -> Path | None:
     """-> the tokenizer file to reuse, if any."""
-    checks = (
-        (
-            not 0.0 < val_fraction < 1.0,
-            f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)",
-        ),
-        (
-            split not in ("auto", "document", "tail"),
-            f"split={split!r}: choose 'auto', 'document' or 'tail'",
-        ),
-        (int(shard_tokens) < 1, f"shard_tokens={shard_tokens} must be >= 1"),
-        (fmt not in ("auto", "text", "chat"), f"format={fmt!r}: choose 'auto', 'text' or 'chat'"),
-        (max_tokens is not None and int(max_tokens) < 1, f"max_tokens={max_tokens} must be >= 1"),
-        (
-            tokenizer not in ("char", "bpe", None),
-            f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass tokenizer_from",
-        ),
-        (fmt == "chat" and tokenizer == "char" and tokenizer_from is None, _CHAR_CHAT),
-    )
-    for bad, why in checks:
-        if bad:
-            raise PrepareError(why)
+    if not 0.0 < val_fraction < 1.0:
+        raise PrepareError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
+    if split not in ("auto", "document", "tail"):
+        raise PrepareError(f"split={split!r}: choose 'auto', 'document' or 'tail'")
+    if int(shard_tokens) < 1:
+        raise PrepareError(f"shard_tokens={shard_tokens} must be >= 1")
+    if fmt not in ("auto", "text", "chat"):
+        raise PrepareError(f"format={fmt!r}: choose 'auto', 'text' or 'chat'")
+    if max_tokens is not None and int(max_tokens) < 1:
+        raise PrepareError(f"max_tokens={max_tokens} must be >= 1")
+    if tokenizer not in ("char", "bpe", None):
+        raise PrepareError(
+            f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass tokenizer_from"
+        )
+    if fmt == "chat" and tokenizer == "char" and tokenizer_from is None:
+        raise PrepareError(_CHAR_CHAT)
     if tokenizer_from is None:
         return None
     p = Path(tokenizer_from)
@@ -241,9 +236,9 @@ def _new_tokenizer(
     """The tokenizer spec["tokenizer"] asks for: the reused one (with the chat tokens, for chat), a char vocabulary
     of the corpus, or a BPE trained on it."""
     fmt, tokenizer = spec.get("format", "text"), spec["tokenizer"]
-    if reused is not None and fmt != "chat":
-        return reused
     if reused is not None:
+        if fmt != "chat":
+            return reused
         if not isinstance(reused, BPETokenizer):
             raise PrepareError(_CHAR_CHAT)
         try:

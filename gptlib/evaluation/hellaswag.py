@@ -44,7 +44,6 @@ def fetch_hellaswag(file_option: str = "--data FILE") -> Path:
         name="HellaSwag",
         local_hint=f"of {HELLASWAG_FILE} ({file_option})",
         canonical=f"the canonical HellaSwag validation file, {HELLASWAG_BYTES:,} bytes",
-        timeout=60,
     )
 
 

@@ -245,9 +245,10 @@ def scan_inputs(
     fmt: str,
     hf_config: str | None,
     hf_split: str | None,
-) -> tuple[list[Source], list[str], list[dict], str, str]:
+) -> tuple[list[Source], list[str], list[dict], str, str, Path | str]:
     """(Sources, empty files, unopenable parquet files (skipped), the column to read (for chat: the field found), the
-    format: fmt, or for "auto" what the first record says (plain text files are text))."""
+    format: fmt, or for "auto" what the first record says (plain text files are text), the file of that record ("":
+    none))."""
     files = resolve_inputs(inputs, out_dir, hf_config, hf_split)
     names = [f.url if isinstance(f, Found) else str(f) for f in files]
     compressed = [n for n in names if n.lower().endswith(COMPRESSED_EXT)]
@@ -273,7 +274,7 @@ def scan_inputs(
     skipped: list[dict] = []
     for s in (s for s in sources if s.size and s.kind != "text"):
         try:
-            return sources, empty, skipped, *_check_column(s, text_column, fmt)
+            return sources, empty, skipped, *_check_column(s, text_column, fmt), s.path
         except PrepareError:
             raise
         except Exception as e:  # noqa: BLE001 - a filesystem library's error
@@ -283,4 +284,4 @@ def scan_inputs(
             # no footer: the next file
             skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
     fmt = _detect(text_column, (), fmt)
-    return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0], fmt
+    return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0], fmt, ""

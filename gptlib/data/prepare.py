@@ -71,16 +71,11 @@ def prepare(
     )
     check_output_dir(out_dir)
     with one_writer(out_dir):  # before anything in out_dir is read or changed
-        sources, empty, pre_skipped, column, fmt = scan_inputs(
+        sources, empty, pre_skipped, column, fmt, first = scan_inputs(
             inputs, out_dir, text_column, fmt, hf_config, hf_split
         )
         asked, tokenizer = tokenizer, tokenizer or ("bpe" if fmt == "chat" else "char")
         # what format "auto" found, in the first file of records it could read
-        unread = {s["path"] for s in pre_skipped}
-        first = next(
-            (s.path for s in sources if s.kind != "text" and s.size and str(s.path) not in unread),
-            "",
-        )
         holds = f"{first} holds conversations ({column!r})"
         if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
             raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")

@@ -228,20 +228,18 @@ class Rendered:  # items as scoring rows: row r belongs to ending ending_of[r] (
         return len(self.labels)
 
 
-def _encode(tok: Tokenizer, text: str) -> list[int] | None:
-    try:
-        return tok.encode(text)
-    except TokenizerError:  # a character the char vocabulary lacks
-        return None
-
-
 def render(items: Sequence[Item], tok: Tokenizer, block_size: int) -> Rendered:
     # as build-nanogpt
     texts = [t for it in items for t in (it.ctx, *(" " + e for e in it.endings))]
     if hasattr(tok, "encode_batch_ids"):
         ids = tok.encode_batch_ids(texts)
     else:
-        ids = [_encode(tok, t) for t in texts]
+        ids = []
+        for t in texts:
+            try:
+                ids.append(tok.encode(t))
+            except TokenizerError:  # a character the char vocabulary lacks
+                ids.append(None)
     r = Rendered()
     for i, it in enumerate(items):
         ctx, ends = ids[5 * i], ids[5 * i + 1 : 5 * i + 5]

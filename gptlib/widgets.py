@@ -15,6 +15,7 @@ from typing import Callable
 import anywidget
 import traitlets
 
+from gptlib.errors import in_notebook
 from gptlib.inference.chat import ChatSession
 from gptlib.inference.engine import Completion, Engine, SamplingConfig
 from gptlib.inference.loading import checkpoint_label, checkpoint_table
@@ -44,14 +45,6 @@ def enable_colab_widgets() -> bool:
 def parse_list(text: str) -> list[str]:
     r"""A Colab form string -> items: "ROMEO:|JULIET:|\n" -> ["ROMEO:", "JULIET:", "\n"] (\n means newline)."""
     return [s.replace("\\n", "\n") for s in text.split("|") if s != ""]
-
-
-def _in_kernel() -> bool:  # then a button can be clicked while we work
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return getattr(get_ipython(), "kernel", None) is not None
 
 
 def status_html(msg: str, error: bool = False) -> str:
@@ -125,9 +118,8 @@ class Playground:
     """Stop sets a flag the stream callback checks per token. A widget callback holds back every other message (the
     Stop click too) until it returns, so in a kernel Generate runs on a thread; generate() from a cell cannot stop."""
 
-    latest: Playground | None = (
-        None  # the one made last: an earlier one (its cell re-run) frees its model
-    )
+    # the one made last: an earlier one (its cell re-run) frees its model
+    latest: Playground | None = None
 
     def __init__(self, run_dir: str | Path, device: str = "cpu", prompt: str = "ROMEO:"):
         import ipywidgets as W
@@ -228,9 +220,9 @@ class Playground:
             f"<b>{html.escape(prompt)}</b>{html.escape(text)}</pre>"
         )
 
-    # in a kernel on the Playground's thread (see the class docstring)
+    # in a kernel on the Playground's thread (see the class docstring), so a Stop click can arrive
     def _generate_clicked(self) -> None:
-        if _in_kernel():
+        if in_notebook():
             self._job = self._worker.submit(self._run, stoppable=True)
         else:
             self._run(stoppable=True)
@@ -356,9 +348,8 @@ def colab_drawn(make: Callable[[], MessageBox]) -> tuple[MessageBox, dict]:
 class ChatBox:
     """The transcript shows every turn; the model sees those that fit its context (the status says so)."""
 
-    latest: ChatBox | None = (
-        None  # the one made last: an earlier one frees its model (as Playground's)
-    )
+    # the one made last: an earlier one frees its model (as Playground's)
+    latest: ChatBox | None = None
 
     def __init__(
         self,

@@ -173,7 +173,7 @@ def test_in_a_kernel_generate_runs_off_the_main_thread_so_a_stop_click_can_arriv
     returns: in a kernel the Generate button hands the work to a thread and returns at once."""
     import gptlib.widgets as widgets
 
-    monkeypatch.setattr(widgets, "_in_kernel", lambda: True)
+    monkeypatch.setattr(widgets, "in_notebook", lambda: True)
     pg = playground(char_run)
     pg.max_tokens.value = 2000
     pg.button.click()

@@ -31,17 +31,15 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
 
 def report_problems(m: dict) -> None:
     """What tokenize replaced or skipped (also recorded in meta.json)."""
-    replaced, empty = m.get("replaced_invalid_utf8"), m.get("empty_files")
-    if replaced:
+    if replaced := m.get("replaced_invalid_utf8"):
         print(f"warning: {replaced:,} invalid UTF-8 sequences were replaced by U+FFFD")
-    if empty:
+    if empty := m.get("empty_files"):
         print(f"warning: {len(empty)} empty file(s) skipped: {', '.join(empty[:5])}")
     if m.get("empty_documents"):
         print(f"note: {m['empty_documents']:,} empty documents skipped")
     for s in m.get("skipped_files", []):
         print(f"warning: skipped {s['path']}: {s['error']}")
-    malformed = m.get("malformed_conversations")
-    if malformed:
+    if malformed := m.get("malformed_conversations"):
         print(f"warning: {malformed:,} malformed conversations skipped; the first ones:")
         for ex in m.get("malformed_examples", []):
             print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")

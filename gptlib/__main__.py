@@ -19,7 +19,8 @@ def _count(s: str) -> int:
         n = parse_count(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if n is None or n < 1:
+    # parse_count reads 0 as no limit (None), and refuses negatives itself
+    if n is None:
         raise argparse.ArgumentTypeError(f"{s!r} must be at least 1")
     return n
 
@@ -40,7 +41,7 @@ def cmd_fetch(args) -> None:
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, local_path=args.local))
 
 
-# What tokenize reads: files or URLs, or a Hub dataset by name (_inputs makes them prepare's inputs)
+# What tokenize reads: files or URLs, or a Hub dataset by name (cmd_tokenize makes them prepare's inputs)
 INPUTS = (
     arg(
         "--input",
@@ -61,21 +62,6 @@ INPUTS = (
     ),
     arg("--hf-split", metavar="S", help="--hf-dataset's split (default: train, or the only one)"),
 )
-
-
-def _inputs(args) -> list[str]:
-    """--input's files, folders, globs and URLs, then --hf-dataset as an hf://datasets/ URL."""
-    inputs = list(args.input or [])
-    if args.hf_dataset:
-        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
-    if not inputs:
-        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
-    if (args.hf_config or args.hf_split) and not any(str(i).startswith("hf://") for i in inputs):
-        raise PrepareError(
-            "--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
-            "or an hf://datasets/ input"
-        )
-    return inputs
 
 
 @command(
@@ -138,8 +124,19 @@ def cmd_tokenize(args) -> None:
     """The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
     from gptlib.data.prepare import prepare
 
+    # --input's files, folders, globs and URLs, then --hf-dataset as an hf://datasets/ URL
+    inputs = list(args.input or [])
+    if args.hf_dataset:
+        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
+    if not inputs:
+        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
+    if (args.hf_config or args.hf_split) and not any(i.startswith("hf://") for i in inputs):
+        raise PrepareError(
+            "--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
+            "or an hf://datasets/ input"
+        )
     prepare(
-        _inputs(args),
+        inputs,
         args.out,
         # None: prepare's choice once the format is known, char for text and bpe for chat
         tokenizer=args.tokenizer,
@@ -159,7 +156,8 @@ def cmd_tokenize(args) -> None:
     )
 
 
-STARTING = (  # how a training call starts: gptlib.StartOptions
+# how a training call starts: gptlib.StartOptions
+STARTING = (
     arg("--init-from", metavar="RUN_DIR[:latest|best|STEP]", help="a new run from these weights"),
     arg(
         "--take-over",
@@ -245,7 +243,8 @@ def cmd_train(args) -> int:
     return 1 if r.not_on_drive is not None else 0
 
 
-GENERATION = (  # the arguments sample and chat share: how to sample
+# the arguments sample and chat share: how to sample
+GENERATION = (
     arg(
         "--max-new-tokens",
         type=int,

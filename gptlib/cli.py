@@ -71,10 +71,8 @@ def run(argv: list[str], detach: bool = False) -> int:
     gptlib`): a reader of a run's checkpoints (sample, eval, export-hf, ...) runs in a child process (`detached`)."""
     named = [a.split("=")[0] for a in argv[:1] + [a for a in argv if a.startswith("--")]]
     if gone := next((a for a in named if a in REMOVED), None):
-        print(
-            f"error: {gone} is not in gptlib {__version__}: use {REMOVED[gone]} (CHANGELOG.md)",
-            file=sys.stderr,
-        )
+        msg = f"error: {gone} is not in gptlib {__version__}: use {REMOVED[gone]} (CHANGELOG.md)"
+        print(msg, file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(
         prog="python -m gptlib", description="Train GPT-style models from scratch."

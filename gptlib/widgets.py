@@ -100,9 +100,8 @@ def sampling_config(view, **more) -> SamplingConfig:  # seed -1 is random
     ).validate()
 
 
-# raised by the Playground's stream callback after Stop: ends the generation there
 class _Stopped(Exception):
-    pass
+    """Raised by the Playground's stream callback after Stop: ends the generation there."""
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -210,9 +209,8 @@ class Playground:
             self.status.value = status_html(f"{len(rows)} checkpoint{'s' * (len(rows) > 1)} found")
         else:
             why = f" ({'; '.join(skipped)})" if skipped else ""
-            self.status.value = status_html(
-                f"no complete checkpoint in {self.run_dir}{why}", error=True
-            )
+            msg = f"no complete checkpoint in {self.run_dir}{why}"
+            self.status.value = status_html(msg, error=True)
 
     def _show_text(self, prompt: str, text: str) -> None:
         self.output.value = (

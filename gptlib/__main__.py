@@ -41,7 +41,7 @@ def cmd_fetch(args) -> None:
     print(fetch_tinyshakespeare(cache_dir=args.cache_dir, local_path=args.local))
 
 
-# What tokenize reads: files or URLs, or a Hub dataset by name (cmd_tokenize makes them prepare's inputs)
+# What tokenize reads: files or URLs, or a Hub dataset by name (_inputs makes them prepare's inputs)
 INPUTS = (
     arg(
         "--input",
@@ -62,6 +62,21 @@ INPUTS = (
     ),
     arg("--hf-split", metavar="S", help="--hf-dataset's split (default: train, or the only one)"),
 )
+
+
+def _inputs(args) -> list[str]:
+    """--input's files, folders, globs and URLs, then --hf-dataset as an hf://datasets/ URL."""
+    inputs = list(args.input or [])
+    if args.hf_dataset:
+        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
+    if not inputs:
+        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
+    if (args.hf_config or args.hf_split) and not any(i.startswith("hf://") for i in inputs):
+        raise PrepareError(
+            "--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
+            "or an hf://datasets/ input"
+        )
+    return inputs
 
 
 @command(
@@ -124,19 +139,8 @@ def cmd_tokenize(args) -> None:
     """The same command resumes an interrupted run; Ctrl-C keeps the completed shards."""
     from gptlib.data.prepare import prepare
 
-    # --input's files, folders, globs and URLs, then --hf-dataset as an hf://datasets/ URL
-    inputs = list(args.input or [])
-    if args.hf_dataset:
-        inputs.append(f"hf://datasets/{args.hf_dataset.strip().strip('/')}")
-    if not inputs:
-        raise PrepareError("tokenize needs --input URL_OR_PATH... or --hf-dataset OWNER/NAME")
-    if (args.hf_config or args.hf_split) and not any(i.startswith("hf://") for i in inputs):
-        raise PrepareError(
-            "--hf-config / --hf-split choose among a Hub dataset's files: give --hf-dataset OWNER/NAME "
-            "or an hf://datasets/ input"
-        )
     prepare(
-        inputs,
+        _inputs(args),
         args.out,
         # None: prepare's choice once the format is known, char for text and bpe for chat
         tokenizer=args.tokenizer,

@@ -19,8 +19,7 @@ def _count(s: str) -> int:
         n = parse_count(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    # parse_count reads 0 as no limit (None), and refuses negatives itself
-    if n is None:
+    if n is None or n < 1:
         raise argparse.ArgumentTypeError(f"{s!r} must be at least 1")
     return n
 

@@ -27,9 +27,8 @@ class ChatSession:
         except ChatError:
             kind = getattr(tok, "kind", "")
             never = f"{where}: its {kind} tokenizer has no chat tokens ({', '.join(CHAT_TOKENS)}), so it was never "
-            if (
-                kind == "char"
-            ):  # no chat tokens can be added to it (tokenize --format chat refuses it)
+            # no chat tokens can be added to it (tokenize --format chat refuses it)
+            if kind == "char":
                 fix = "a char-level model cannot learn to chat: fine-tune a BPE run or GPT-2 (notebook 05)"
             else:
                 fix = (

@@ -201,10 +201,8 @@ def export_model(
     try:
         config = hf_config(model.config, getattr(tokenizer, "eot_id", None))
         if tokenizer is not None and (end := chat_end_id(tokenizer)) is not None:
-            config["eos_token_id"] = [
-                end,
-                tokenizer.eot_id,
-            ]  # generate() stops at the end of the turn
+            # generate() stops at the end of the turn
+            config["eos_token_id"] = [end, tokenizer.eot_id]
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         # transformers takes the special tokens from here, generation's from config.json
@@ -228,9 +226,10 @@ def remove_leftovers(out: Path) -> None:
     names = tuple(f".{out.name}.{kind}-" for kind in ("export", "old", "partial", "staging"))
     for left in out.parent.iterdir() if out.parent.is_dir() else ():
         if left.name.startswith(names):
-            shutil.rmtree(left, ignore_errors=True) if left.is_dir() else left.unlink(
-                missing_ok=True
-            )
+            if left.is_dir():
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink(missing_ok=True)
 
 
 def check_export_target(out: Path, overwrite: bool | None, run_dir: Path | None = None) -> None:
@@ -364,9 +363,8 @@ def _add_tokenizer(w, tok: BPETokenizer, n: int) -> None:
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n)])
     w.add_token_types([int(kinds.get(i, gguf.TokenType.UNUSED)) for i in range(n)])
-    w.add_token_merges(
-        [m if isinstance(m, str) else " ".join(m) for m in obj["model"].get("merges", [])]
-    )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in obj["model"].get("merges", [])]
+    w.add_token_merges(merges)
     w.add_bos_token_id(tok.eot_id)
     w.add_eos_token_id(tok.eot_id)
     w.add_add_bos_token(False)  # gptlib never puts <|endoftext|> before a prompt

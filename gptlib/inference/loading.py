@@ -52,9 +52,8 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
     def row(p: Path) -> dict:
         info, state = verify_checkpoint(p), json.loads((p / STATE_FILE).read_text())
         train = state.get("config", {}).get("train", {})
-        return {"step": info.step, "val_batches": train.get("eval_batches"), "info": info} | {
-            k: state.get(k) for k in ("val_loss", "best_step")
-        }
+        fields = {"step": info.step, "val_batches": train.get("eval_batches"), "info": info}
+        return fields | {"val_loss": state.get("val_loss"), "best_step": state.get("best_step")}
 
     paths = call_with_timeout(
         lambda: list_checkpoints(run_dir), DRIVE_LIST_TIMEOUT_S, what=f"listing {run_dir}"
@@ -91,9 +90,6 @@ def resolve_checkpoint(
     """ "latest", "best" or a step number; newer incomplete checkpoints passed over are named through `log`."""
     run_dir, skipped = Path(run_dir), []
     table = checkpoint_table(run_dir, skipped)
-    newest = table[0]["step"] if table else -1
-    if table and (newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > newest]):
-        log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")
     if not table:  # the listing answered, so a stat will too; a file, a link loop or a broken link is said as such
         if skipped:  # checkpoints were listed, so the run directory is one
             why = f": {'; '.join(skipped)}"
@@ -102,6 +98,8 @@ def resolve_checkpoint(
         else:
             why = ": the run directory does not exist"
         raise CheckpointError(f"no valid checkpoint in {run_dir}{why}")
+    if newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > table[0]["step"]]:
+        log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")
     steps = [r["step"] for r in table]
     which_s = str(which).strip().lower()
     if which_s == "latest":
@@ -133,10 +131,10 @@ def select_steps(
     """Steps of checkpoints, each once: "all" (oldest first), or latest/best/STEP, a list or "1000, best"."""
     joined = ",".join(map(str, [which] if isinstance(which, (str, int)) else which))
     specs = [s.strip() for s in joined.split(",") if s.strip()] or ["latest"]
-    if [s.lower() for s in specs] == ["all"]:  # none: resolve_checkpoint's message
-        return sorted(r["step"] for r in checkpoint_table(run_dir)) or [
-            resolve_checkpoint(run_dir).step
-        ]
+    if [s.lower() for s in specs] == ["all"]:
+        steps = sorted(r["step"] for r in checkpoint_table(run_dir))
+        # none: resolve_checkpoint raises its message
+        return steps or [resolve_checkpoint(run_dir).step]
     return list(dict.fromkeys(resolve_checkpoint(run_dir, s).step for s in specs))
 
 

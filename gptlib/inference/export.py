@@ -438,15 +438,15 @@ def check_gguf_target(out: Path, overwrite: bool, dtype: str) -> None:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(FILE_TYPES)}")
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.gguf'}")
-    if out.exists() and not overwrite:
+    if not out.exists():
+        return
+    if not overwrite:
         raise ExportError(f"{out} exists; choose another --out or pass --overwrite to replace it")
     # as export-hf's folders: --overwrite replaces a previous export only (not a checkpoint's model.pt, a meta.json)
-    if out.exists():
-        with out.open("rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ExportError(
-                    f"{out} is not a GGUF file; --overwrite replaces only a previous export"
-                )
+    with out.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ExportError(f"{out} is not a GGUF file; --overwrite replaces only a previous export")
 
 
 def export_gguf(

@@ -176,11 +176,9 @@ def model_card(
     hours = (
         f"{st.elapsed_s / 3600:.1f} h" if st.elapsed_s >= 3600 else f"{st.elapsed_s / 60:.1f} min"
     )
-    bits = (
-        f"{_score(bpb, 'bpb')} over {bpb['windows']:,} windows"
-        if bpb
-        else "not run (python -m gptlib eval --task bpb)"
-    )
+    bits = "not run (python -m gptlib eval --task bpb)"
+    if bpb:
+        bits = f"{_score(bpb, 'bpb')} over {bpb['windows']:,} windows"
     acc = f"{_score(hs, 'acc_norm')} on {hs['n']:,} items" if hs else "not run"
     if hs and hs.get("canonical") is not True:
         acc += f" of {Path(hs.get('data', '')).name or 'a local file'}, not the canonical validation set"
@@ -277,16 +275,13 @@ def push(
         raise ExportError(
             f"{repo} belongs to someone else: the token is {me['name']}'s; push to {me['name']}/{name}"
         )
+    message = f"gptlib push: {Path(run_dir).name} checkpoint {checkpoint}"
     with tempfile.TemporaryDirectory(prefix="gptlib-push-") as tmp:
         folder = stage(run_dir, Path(tmp) / "repo", repo, checkpoint, gguf, license, hardware)
         ops = [hub.CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]
         try:
             url = api.create_repo(repo, private=private, exist_ok=True)
-            api.create_commit(
-                repo,
-                ops,
-                commit_message=f"gptlib push: {Path(run_dir).name} checkpoint {checkpoint}",
-            )
+            api.create_commit(repo, ops, commit_message=message)
         except Exception as e:  # noqa: BLE001
             raise hub_error(e, repo) from None
     return str(url)

@@ -243,3 +243,35 @@ def test_weights_that_do_not_fit_the_config_are_one_line(hf_folder, tmp_path, ca
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert str(folder) in err and "shape (" in err and "64" in err and "32" in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "file, edit, message",
+    [
+        (
+            "config.json",
+            lambda c: {k: v for k, v in c.items() if k != "n_embd"},
+            "n_embd is missing",
+        ),
+        ("config.json", lambda c: [c], "not a JSON object"),
+        ("tokenizer.json", None, "is not a valid tokenizers file"),
+    ],
+)
+def test_a_broken_config_or_tokenizer_is_one_line(hf_folder, tmp_path, capsys, file, edit, message):
+    """config.json without a GPT-2 size field or not an object, a tokenizer.json that is not JSON: each was a bare
+    KeyError, AttributeError or JSONDecodeError traceback; now one line naming the file and what is wrong."""
+    import shutil
+
+    from gptlib.__main__ import main
+
+    folder = tmp_path / "broken"
+    shutil.copytree(hf_folder, folder)
+    if edit is None:
+        (folder / file).write_text('{"model": {"type": "BPE", ')  # cut off mid-write
+    else:
+        (folder / file).write_text(json.dumps(edit(json.loads((folder / file).read_text()))))
+    assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert str(folder / file) in err and message in err, err
+    assert not (tmp_path / "run").exists()

@@ -36,6 +36,8 @@ def model_config(folder: Path) -> ModelConfig:
         c = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ExportError(f"{path}: cannot be read ({e})") from None
+    if not isinstance(c, dict):
+        raise ExportError(f"{path}: not a JSON object (a model's config.json is one)")
     kind = c.get("model_type")
     if kind in ("qwen3", "llama"):
         return _llama_config(c, str(path))
@@ -44,6 +46,7 @@ def model_config(folder: Path) -> ModelConfig:
             f"{path}: model_type is {kind!r} (architectures {c.get('architectures')}), not 'gpt2', "
             f"'qwen3' or 'llama': gptlib's GPT is GPT-2's architecture or the modern recipe's"
         )
+    _numbers(c, str(path), "vocab_size", "n_layer", "n_head", "n_embd")
     shape = {k: (c.get(k, allowed[0]), *allowed) for k, allowed in GPT2_SHAPE.items()}
     _refuse_unless(path, {"n_inner": (c.get("n_inner"), 4 * c["n_embd"], None), **shape})
     return ModelConfig(
@@ -57,17 +60,16 @@ def model_config(folder: Path) -> ModelConfig:
     )
 
 
-def _llama_config(c: dict, where: str) -> ModelConfig:
-    """Refused by name: grouped-query attention, rope scaling, biases, another activation or head size."""
-    for key in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    ):
+def _numbers(c: dict, where: str, *keys: str) -> None:
+    for key in keys:
         if not isinstance(c.get(key), int):
             raise ExportError(f"{where}: {key} is missing or not a number ({c.get(key)!r})")
+
+
+def _llama_config(c: dict, where: str) -> ModelConfig:
+    """Refused by name: grouped-query attention, rope scaling, biases, another activation or head size."""
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    _numbers(c, where, *sizes, "num_attention_heads")
     heads, rope = c["num_attention_heads"], c.get("rope_parameters") or {}
     _refuse_unless(
         where,
@@ -157,8 +159,13 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
             f"{folder}: no tokenizer.json (save a fast tokenizer with transformers' save_pretrained)"
         )
     raw = tj.read_bytes()
-    spec = json.loads(raw).get("model", {})  # a gptlib char export's comes back as a CharTokenizer
-    if spec.get("type") == "WordLevel" and all(len(t) == 1 for t in spec.get("vocab", {})):
+    # a gptlib char export's comes back as a CharTokenizer; a file that is not JSON is from_json_bytes' to refuse
+    try:
+        spec = json.loads(raw)["model"]
+        chars = spec["type"] == "WordLevel" and all(len(t) == 1 for t in spec["vocab"])
+    except (ValueError, KeyError, TypeError):
+        chars = False
+    if chars:
         tok = CharTokenizer([c for c, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1])])
     else:
         tok = BPETokenizer.from_json_bytes(raw, where=str(tj))

@@ -275,3 +275,31 @@ def test_a_broken_config_or_tokenizer_is_one_line(hf_folder, tmp_path, capsys, f
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert str(folder / file) in err and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:1000],  # a copy or download cut off
+        lambda data: b"",
+        lambda data: b"weights go here\n",
+    ],
+)
+def test_a_damaged_safetensors_file_is_one_line(hf_folder, tmp_path, capsys, damage):
+    """A model.safetensors cut off, empty or not safetensors at all was a SafetensorError traceback ('invalid header
+    length'); now one line naming the file and the fix, and no run directory."""
+    import shutil
+
+    from gptlib.__main__ import main
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(hf_folder, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"{weights} is not a readable safetensors file" in err and "download it again" in err, (
+        err
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"]

@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from gptlib.checkpoint.format import TrainState, load_weights_into, remove_tree, save_checkpoint
@@ -174,17 +175,21 @@ def import_hf(name_or_dir: str | Path, out: str | Path, log=print) -> Path:
             f"{folder}: the tokenizer has {tok.vocab_size} tokens but config.json says vocab_size="
             f"{cfg.vocab_size}"
         )
-    model = GPT(cfg)
-    if not (folder / "model.safetensors").is_file():
+    model, weights = GPT(cfg), folder / "model.safetensors"
+    if not weights.is_file():
         raise ExportError(
             f"{folder}: no model.safetensors (save the model with transformers' save_pretrained)"
         )
+    # a file cut off (a download or Drive copy), empty or not safetensors: the library's reason, in one line
+    try:
+        loaded = load_file(str(weights))
+    except SafetensorError as e:
+        raise ExportError(
+            f"{weights} is not a readable safetensors file ({e}): copy or download it again"
+        ) from None
     # fp32; GPT2Model's files (as OpenAI's on the Hub) lack GPT2LMHeadModel's "transformer." prefix: it is added
     own = ("transformer.", "model.", "lm_head.")
-    hf = {
-        (k if k.startswith(own) else "transformer." + k): v.float()
-        for k, v in load_file(str(folder / "model.safetensors")).items()
-    }
+    hf = {(k if k.startswith(own) else "transformer." + k): v.float() for k, v in loaded.items()}
     load_weights_into(model, gptlib_state_dict(hf, cfg, str(folder)), folder)
     recipe = "gpt2" if cfg.positions == "learned" else "modern"
     run_cfg = RunConfig(

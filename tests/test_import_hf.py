@@ -303,3 +303,21 @@ def test_a_damaged_safetensors_file_is_one_line(hf_folder, tmp_path, capsys, dam
         err
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"]
+
+
+def test_weights_of_more_layers_than_config_json_says_are_refused(hf_folder, tmp_path, capsys):
+    """config.json saying n_layer=1 over two layers' weights imported a 1-layer model and dropped layer 1 unseen
+    (exit 0); now one line naming an unused weight and config.json's n_layer, as fewer weights than layers is."""
+    import shutil
+
+    from gptlib.__main__ import main
+
+    folder = tmp_path / "edited"
+    shutil.copytree(hf_folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "n_layer": 1}))
+    assert main(["import-hf", "--model", str(folder), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "'transformer.h.1." in err and "n_layer=1" in err and "2 layers" in err, err
+    assert not (tmp_path / "run").exists()

@@ -4,6 +4,7 @@ weights-only checkpoint (step 0); any other model is refused, naming what differ
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -119,6 +120,16 @@ def gptlib_state_dict(
 ) -> dict[str, torch.Tensor]:
     """export.weight_map the other way, the embeddings padded."""
     V, sd = cfg.vocab_size, {}
+    # a config.json with fewer layers than the weights hold (hand-edited) would leave the rest out unseen
+    layer_of = {
+        k: int(m[1]) for k in hf if (m := re.match(r"(?:transformer\.h|model\.layers)\.(\d+)\.", k))
+    }
+    if unused := [k for k, i in layer_of.items() if i >= cfg.n_layer]:
+        key = "n_layer" if cfg.positions == "learned" else "num_hidden_layers"
+        raise ExportError(
+            f"{where}: weight {unused[0]!r} and {len(unused) - 1} more are unused: config.json says "
+            f"{key}={cfg.n_layer}, the weights hold {max(layer_of.values()) + 1} layers"
+        )
     for ours, theirs in weight_map(cfg):
         if missing := [t for t in theirs if t not in hf]:
             raise ExportError(f"{where}: weight {missing[0]!r} is missing")

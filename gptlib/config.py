@@ -363,6 +363,8 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
         raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None
 
 
+# torch's generators take seeds in [0, 2**64), validation's is seed + 10,000; sample and chat take train's rule
+SEED_RULE = ("in [0, 2**63)", lambda v: 0 <= v < 2**63)
 # What a field must be: a number (not a bool) that passes a test, or one of a few names.
 _RULES = {
     **dict.fromkeys(
@@ -381,8 +383,7 @@ _RULES = {
     "min_lr_ratio": ("in [0, 1]", lambda v: 0 <= v <= 1),
     "cooldown_frac": ("in (0, 1]", lambda v: 0 < v <= 1),
     "keep_last": (">= 2, so that one checkpoint always survives a bad save", lambda v: v >= 2),
-    # the samplers' generators take seeds in [0, 2**64), validation's is seed + 10,000
-    "seed": ("in [0, 2**63)", lambda v: 0 <= v < 2**63),
+    "seed": SEED_RULE,
 }
 _CHOICES = {
     "positions": ("learned", "rope"),

@@ -524,6 +524,17 @@ def test_cli_sample(run_dir, capsys):
     assert rc == 2 and "available steps" in capsys.readouterr().err
 
 
+def test_a_seed_out_of_range_is_one_line(run_dir, capsys):
+    """sample --seed 2**64 was torch's 'Overflow when unpacking long long' traceback from manual_seed; now one line
+    naming the seed and the range train's seed takes."""
+    from gptlib.__main__ import main
+
+    rc = main(["sample", "--run-dir", str(run_dir), "--seed", str(2**64), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in "\n".join(err), err
+    assert err[-1] == f"error: seed={2**64} must be in [0, 2**63) (or None for random)", err
+
+
 def test_text_stream_waits_for_whole_utf8_characters():
     """Byte-level tokens can split a character: the stream holds bytes until they decode cleanly."""
     from gptlib.inference.engine import _TextStream

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from gptlib.config import SEED_RULE
 from gptlib.errors import GenerationError
 from gptlib.inference.loading import load_run
 from gptlib.model import GPT, KVCache
@@ -54,6 +55,9 @@ class SamplingConfig:
             self.stop = [self.stop]
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise GenerationError(f"stop={self.stop!r}: stop strings must be non-empty strings")
+        # torch's manual_seed fails past 2**64 with an overflow traceback; train's rule, one line
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RULE[1](self.seed)):
+            raise GenerationError(f"seed={self.seed!r} must be {SEED_RULE[0]} (or None for random)")
         return self
 
 

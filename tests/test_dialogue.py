@@ -301,6 +301,24 @@ def test_the_interactive_chat_reads_stdin_resets_and_ends_at_eof(chat_run):
     assert "history cleared" in r.stderr.decode()
 
 
+@pytest.mark.parametrize("command", ["sample --prompt", "chat --message", "chat (stdin)"])
+def test_text_that_is_not_utf8_is_one_line(chat_run, command):
+    """A prompt or message with bytes that are not UTF-8 (a Latin-1 terminal's é) was a tokenizers TypeError
+    traceback on a BPE run (a UnicodeDecodeError at the chat's prompt); now one line, and the chat asks again."""
+    latin1 = "caf\udce9"  # how Python holds argv's byte 0xe9; the subprocess gets the byte back
+    if command == "chat (stdin)":
+        r = gptlib_cli("chat", "--run-dir", chat_run, "--max-new-tokens", 2, stdin=b"caf\xe9\nhi\n")
+    else:
+        name, flag = command.split()
+        r = gptlib_cli(name, "--run-dir", chat_run, flag, latin1, "--max-new-tokens", 2)
+    err = r.stderr.decode()
+    assert "Traceback" not in err and "(U+DCE9) at position 3 is not valid Unicode" in err, err
+    if command == "chat (stdin)":  # the error, then the next message is answered
+        assert r.returncode == 0 and r.stdout.decode().count("you> assistant> ") == 2, r.stdout
+    else:
+        assert r.returncode == 2 and err.strip().splitlines()[-1].startswith("error: "), err
+
+
 @pytest.mark.parametrize("kind", ["char", "bpe without chat tokens"])
 def test_a_run_without_chat_tokens_is_one_clear_line(tmp_path, char_data, kind, small_text):
     if kind == "char":

@@ -95,6 +95,14 @@ def test_bpe_bad_inputs(tmp_path):
         load_tokenizer(bad)
 
 
+def test_bpe_text_that_is_not_valid_unicode_is_a_clear_error(bpe):
+    """A lone surrogate (bytes that are not UTF-8, as Python decodes argv and some stdins) was the tokenizers
+    library's 'TextInputSequence must be str' TypeError; now a TokenizerError naming the character and position."""
+    with pytest.raises(TokenizerError) as e:
+        bpe.encode("caf\udce9 au lait")
+    assert "(U+DCE9) at position 3 is not valid Unicode" in str(e.value), e.value
+
+
 def test_bad_char_tokenizer_file_names_the_file(tmp_path):
     f = tmp_path / "tokenizer.json"
     f.write_text('{"kind": "char"}')

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -167,7 +168,18 @@ class BPETokenizer(Tokenizer):
         return None
 
     def encode(self, text: str) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tk.encode(text, add_special_tokens=False).ids
+        # the library refuses a lone surrogate: bytes that were not UTF-8, as Python decodes them from argv or stdin
+        except TypeError:
+            # the first lone surrogate; anything else (not a str) stays the library's TypeError
+            if not isinstance(text, str) or not (lone := re.search("[\ud800-\udfff]", text)):
+                raise
+            i = lone.start()
+            raise TokenizerError(
+                f"character {text[i]!r} (U+{ord(text[i]):04X}) at position {i} is not valid Unicode (a byte "
+                f"that is not UTF-8, as a Latin-1 'é' is): give the text as UTF-8"
+            ) from None
 
     def encode_batch_ids(self, texts: Sequence[str]) -> list[list[int]]:  # on all cores
         return [e.ids for e in self._tk.encode_batch_fast(list(texts), add_special_tokens=False)]

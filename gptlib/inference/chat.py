@@ -72,6 +72,8 @@ class ChatSession:
         """stream(piece) receives the reply's text as it is generated."""
         if not isinstance(text, str):
             raise ChatError(f"a message must be a string, not a {type(text).__name__}")
+        # text that is not valid Unicode: the tokenizer's error at a position in the message, not in the template
+        self.engine.tokenizer.encode(text)
         # a copy: the cap must not leak out
         cfg = dataclasses.replace(sampling or SamplingConfig()).validate()
         if cfg.max_new_tokens > self.reply_cap and not self._capped_said:
@@ -157,6 +159,9 @@ def chat_loop(session: ChatSession, cfg: SamplingConfig) -> int:
     if sys.stdin.isatty():
         with contextlib.suppress(ImportError):  # not on every platform (Windows)
             import readline  # noqa: F401 - line editing and history for input() at a terminal
+    # bytes that are not UTF-8 reach the tokenizer's one-line error and the next prompt, not a decode error's exit
+    with contextlib.suppress(AttributeError):  # a stdin replaced by one without reconfigure
+        sys.stdin.reconfigure(errors="surrogateescape")
     note(f"# chatting with {session.engine.source} (step {session.engine.step}); {HELP}")
     try:
         while True:

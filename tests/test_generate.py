@@ -535,6 +535,17 @@ def test_a_seed_out_of_range_is_one_line(run_dir, capsys):
     assert err[-1] == f"error: seed={2**64} must be in [0, 2**63) (or None for random)", err
 
 
+def test_more_new_tokens_than_memory_holds_is_one_line(run_dir, capsys):
+    """sample --max-new-tokens 10**10 was the allocator's RuntimeError traceback for the token buffer; now one line
+    naming max_new_tokens (10**15: more than any machine's address space, so it fails everywhere)."""
+    from gptlib.__main__ import main
+
+    rc = main(["sample", "--run-dir", str(run_dir), "--max-new-tokens", str(10**15)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in "\n".join(err), err
+    assert err[-1].startswith(f"error: max_new_tokens={10**15}: ") and "fewer" in err[-1], err
+
+
 def test_text_stream_waits_for_whole_utf8_characters():
     """Byte-level tokens can split a character: the stream holds bytes until they decode cleanly."""
     from gptlib.inference.engine import _TextStream

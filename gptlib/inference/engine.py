@@ -181,7 +181,12 @@ class Engine:
         whole, prompts = prompts, [list(p)[-bs:] for p in prompts]
         lens = [len(p) for p in prompts]
         min_len, max_len, total = min(lens), max(lens), max(lens) + max_new
-        buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
+        # more tokens than memory holds (10**10): one line naming max_new_tokens, not the allocator's traceback
+        try:
+            buf = torch.zeros(B, total, dtype=torch.long, device=dev)  # buf[b, t]: row b's token t
+        except RuntimeError:  # a GPU's torch.OutOfMemoryError is one too
+            msg = f"max_new_tokens={max_new}: a buffer of {B} x {total:,} tokens does not fit in {dev} memory"
+            raise GenerationError(f"{msg}; ask for fewer new tokens") from None
         for b, p in enumerate(prompts):
             buf[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         lens_t = torch.tensor(lens, device=dev)

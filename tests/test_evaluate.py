@@ -190,6 +190,12 @@ def test_parse_errors_name_line_field_and_value(tmp_path):
             "line 2: field 'endings' is ['a', 'b'], expected a list of 4",
         ),
         (json.dumps({**good, "ctx": ""}), "line 2: field 'ctx' is '', expected a non-empty string"),
+        # a cut emoji: an escaped surrogate without its pair, which no tokenizer can take
+        (
+            json.dumps({**good, "ctx": "The \ud83d man"}),
+            "line 2: field 'ctx' holds '\\ud83d', half",
+        ),
+        (json.dumps({**good, "endings": ["a", "b\udc00", "c", "d"]}), "field 'endings' holds"),
     ]
     for bad, msg in cases:
         p = tmp_path / "hs.jsonl"

@@ -266,6 +266,30 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, bpe_file, capsys):
     assert "invalid UTF-8 sequences were replaced" in capsys.readouterr().out
 
 
+def test_lone_surrogate_escapes_are_replaced_and_counted(tmp_path, capsys):
+    """A cut emoji's "\\ud83d" in JSON is a lone surrogate, which UTF-8 cannot encode: replaced by U+FFFD and counted
+    as invalid UTF-8 is (char, BPE and chat alike). An escaped pair is the emoji; an escaped backslash is text."""
+    from gptlib.__main__ import main
+
+    lines = ['{"text": "a\\ud83d b \\uDE00 c"}', '{"text": "\\ud83d\\ude00 \\\\ud83d"}']
+    src = tmp_path / "sur.jsonl"
+    src.write_text("\n".join(lines + ['{"text": "hello there friend"}'] * 30) + "\n")
+    assert main(["tokenize", "--input", str(src), "--out", str(tmp_path / "char")]) == 0
+    assert "2 invalid UTF-8 sequences were replaced" in capsys.readouterr().out
+    meta = prepare([src], tmp_path / "bpe", **BPE)
+    assert meta.raw["replaced_invalid_utf8"] == 2
+    for out in ("char", "bpe"):
+        meta, tok = read_meta(tmp_path / out), load_tokenizer(tmp_path / out)
+        text = "".join(tok.decode(split_tokens(meta, s).tolist()) for s in ("train", "val"))
+        assert "a\ufffd b \ufffd c" in text and "\U0001f600 \\ud83d" in text
+    chat = tmp_path / "chat.jsonl"
+    turn = (
+        '{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "b"}]}'
+    )
+    chat.write_text("\n".join([turn % "hi \\udc00"] + [turn % "hello"] * 30) + "\n")
+    assert prepare([chat], tmp_path / "c", **BPE).raw["replaced_invalid_utf8"] == 1
+
+
 def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
     (tmp_path / "empty.txt").write_text("")
     write_jsonl(tmp_path / "a.jsonl", docs[:300] + [""])

@@ -8,6 +8,7 @@ import glob
 import hashlib
 import io
 import json
+import re
 import types
 from dataclasses import dataclass
 from functools import cached_property
@@ -29,6 +30,9 @@ CHAT_FIELDS = ("messages", "conversations")  # the chat field looked for when no
 # codec error handler: invalid UTF-8 replaced by U+FFFD and counted
 _ERRORS = "gptlib.count_replace"
 invalid_utf8 = types.SimpleNamespace(count=0)  # replaced so far (the pass saves it with each batch)
+# the JSON escape of a surrogate ("\\ud83d": half of an emoji), and a surrogate left without its pair
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _count_replace(exc: UnicodeDecodeError):
@@ -221,6 +225,13 @@ def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
     except json.JSONDecodeError as e:
         why = f"not valid JSON ({e.msg} at column {e.colno})"
         raise PrepareError(f"{path}:{lineno}: {why}") from None
+    # a surrogate without its pair (a cut emoji) cannot be encoded as UTF-8: replaced and counted as invalid UTF-8
+    # is. Only a line with a surrogate escape (a whole pair is one character by now) is written out again to look.
+    if _SURROGATE_ESCAPE.search(line):
+        fixed, n = _SURROGATE.subn("\ufffd", json.dumps(obj, ensure_ascii=False))
+        if n:
+            invalid_utf8.count += n
+            obj = json.loads(fixed)
     if not isinstance(obj, dict):
         raise PrepareError(
             f"{path}:{lineno}: a JSON {type(obj).__name__}, expected an object with a {field!r} field"

@@ -166,6 +166,16 @@ def parse_items(text: str, where: str) -> list[Item]:
             )
         if type(label) is not int or not 0 <= label <= 3:  # not a bool, not 1.0
             raise EvalError(f"{at}: field 'label' is {label!r}, expected 0, 1, 2 or 3")
+        # an escape "\\ud83d" without its pair (a cut emoji) is no text: refused as invalid UTF-8 is (load_items)
+        for key, value in (("ctx", ctx), ("endings", "".join(endings))):
+            try:
+                value.encode()
+            except UnicodeEncodeError as e:
+                half = value[e.start]
+                raise EvalError(
+                    f"{at}: field {key!r} holds {half!r}, half of a surrogate pair (a cut emoji?), which "
+                    f"is not text: remove it from the line"
+                ) from None
         items.append(Item(ctx=ctx, endings=endings, label=label))
     if not items:
         raise EvalError(f"{where}: no items (an empty file?)")

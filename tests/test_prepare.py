@@ -340,6 +340,26 @@ def test_truncated_parquet_is_skipped_with_a_report(tmp_path, docs, bpe_file):
     )
 
 
+def test_unopenable_inputs_are_named_and_said_even_when_quiet(tmp_path, docs, capsys):
+    """Nothing but unopenable inputs: the error names each and why (it said the corpus had no text). A skipped input
+    loses data: --quiet (no progress bar or summary) still says it, on stderr."""
+    from gptlib.__main__ import main
+
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("not parquet\n")
+    assert main(["tokenize", "--input", str(fake), "--out", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {fake} cannot be opened: Parquet magic bytes not found")
+    assert err.rstrip().endswith("; nothing else to tokenize") and len(err.splitlines()) == 1
+    good = write_jsonl(tmp_path / "a.jsonl", docs[:300])
+    args = ["tokenize", "--input", str(fake), str(good), "--out", str(tmp_path / "o2"), "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    [skipped] = read_meta(tmp_path / "o2").raw["skipped_files"]
+    assert skipped["error"].startswith("cannot be opened: Parquet magic bytes not found")
+    assert out.out == "" and out.err == f"warning: skipped {fake}: {skipped['error']}\n"
+
+
 def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
     docs = [f"document number {i} " * 20 for i in range(2000)]
     src = write_parquet(tmp_path / "a.parquet", docs, row_group_size=500)

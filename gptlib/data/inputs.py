@@ -294,5 +294,9 @@ def scan_inputs(
                 raise PrepareError(f"input {s.path} cannot be read: {why}") from None
             # no footer: the next file
             skipped.append({"path": str(s.path), "error": f"cannot be opened: {e}"})
+    # no input left: name the skipped ones, not the empty corpus that follows
+    if skipped and not any(s.size and s.kind == "text" for s in sources):
+        named = "; ".join(f"{s['path']} {s['error'].rstrip('.')}" for s in skipped)
+        raise PrepareError(f"{named}; nothing else to tokenize")
     fmt = _detect(text_column, (), fmt)
     return sources, empty, skipped, _pick_column(text_column, (), fmt) or CHAT_FIELDS[0], fmt, ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -21,7 +22,7 @@ from gptlib.data.shards import (
     write_meta,
 )
 from gptlib.data.sources import train_texts
-from gptlib.data.summary import print_tokenize_summary
+from gptlib.data.summary import print_tokenize_summary, report_skipped
 from gptlib.data.tokenizer import (
     TOKENIZER_FILE,
     BPETokenizer,
@@ -109,6 +110,8 @@ def prepare(
         meta = _write_meta(encoding, reused, empty, column, t0)
         if verbose:
             print_tokenize_summary(meta)
+        else:
+            report_skipped(meta.raw, sys.stderr)
         return meta
 
 

@@ -37,12 +37,17 @@ def report_problems(m: dict) -> None:
         print(f"warning: {len(empty)} empty file(s) skipped: {', '.join(empty[:5])}")
     if m.get("empty_documents"):
         print(f"note: {m['empty_documents']:,} empty documents skipped")
-    for s in m.get("skipped_files", []):
-        print(f"warning: skipped {s['path']}: {s['error']}")
+    report_skipped(m)
     if malformed := m.get("malformed_conversations"):
         print(f"warning: {malformed:,} malformed conversations skipped; the first ones:")
         for ex in m.get("malformed_examples", []):
             print(f"  {ex['path']} record {ex['record']}: {ex['reason']}")
+
+
+def report_skipped(m: dict, file=None) -> None:
+    """The inputs (or parts) tokenize skipped: data lost, said even when quiet (on stderr then)."""
+    for s in m.get("skipped_files", []):
+        print(f"warning: skipped {s['path']}: {s['error']}", file=file)
 
 
 def print_summary(data_dir: str | Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -518,3 +519,49 @@ def test_a_dataset_is_never_taken_for_a_run_directory(char_data, tmp_path, into)
         )
     assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in data.iterdir()} == before
     read_meta(data)
+
+
+@pytest.mark.parametrize("other", ["fewer characters", "other characters"])
+def test_a_mirror_holding_another_run_is_refused_and_left_as_it_was(
+    run, char_data, small_text, tmp_path, other
+):
+    """train --mirror-dir naming another run's folder (another dataset, its Drive copy): refused with both values,
+    whether this run or that folder is ahead; that run left as it was (this run wrote its config.json, tokenizer.json
+    and logs over that run's, and keep_last deleted its checkpoints). Same vocabulary size, other characters: its
+    tokenizer tells it apart."""
+    text = small_text.read_text()
+    text = text.lower() if other == "fewer characters" else text.replace("z", "#")
+    (tmp_path / "other.txt").write_text(text)
+    prepare([tmp_path / "other.txt"], tmp_path / "other_data", tokenizer="char", verbose=False)
+    theirs = tmp_path / "drive" / "other"
+    args = dict(progress=False, log=quiet, mirror_dir=theirs)
+    train(
+        tmp_path / "other_data", theirs, "phase1", SETTINGS, max_steps=10, progress=False, log=quiet
+    )
+    before = {
+        p: p.read_bytes() for p in theirs.rglob("*") if p.is_file() and p.name != "lease.json"
+    }
+    # this run ahead (step 30): it would write and rotate there
+    with pytest.raises(ConfigError) as e:
+        train(char_data, run, "phase1", SETTINGS, max_steps=32, **args)
+    field = (
+        r"its config\.json has vocab_size=37, this run's has 61"
+        if other == "fewer characters"
+        else r"its tokenizer\.json is char, 61 tokens \(\w{12}\), this run's is char, 61 tokens \(\w{12}\)"
+    )
+    assert re.fullmatch(
+        rf"--mirror-dir {theirs} holds another run: {field}; choose another folder.*", str(e.value)
+    ), e.value
+    assert list_checkpoints(run)[0].name == "step_0000030"
+    # that run ahead (a new local folder): a resume from it, refused naming that folder, not the new one
+    new = tmp_path / "new"
+    what = (
+        "holds a run with vocab_size=37"
+        if other == "fewer characters"
+        else "was trained on other data"
+    )
+    with pytest.raises(ConfigError, match=rf"^{theirs}\S* {what}"):
+        train(char_data, new, "phase1", SETTINGS, max_steps=12, **args)
+    assert {
+        p: p.read_bytes() for p in theirs.rglob("*") if p.is_file() and p.name != "lease.json"
+    } == before

@@ -435,7 +435,7 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
     if not changed:
         return {}
     what = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items())
-    where = f"{resume.info.path} was trained on other data than {meta.data_dir} ({what})"
+    where = f"{resume.origin} was trained on other data than {meta.data_dir} ({what})"
     if any(k not in TOKEN_FIELDS for k in changed):
         raise ConfigError(f"{where}; resume with the same data or use a new run directory")
     if not allow_change:

@@ -7,13 +7,18 @@ asked (auto_batch) or where the estimate is near the GPU's size."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
 import torch
 
+from gptlib.checkpoint.format import DRIVE_LIST_TIMEOUT_S
 from gptlib.config import RunConfig, TrainConfig
+from gptlib.data.tokenizer import load_tokenizer
 from gptlib.errors import ConfigError, in_notebook, override
+from gptlib.fsutil import call_with_timeout
+from gptlib.layout import CONFIG_FILE, TOKENIZER_FILE
 from gptlib.model import model_size
 from gptlib.training import memory
 from gptlib.training.resume import Start, check_same_data
@@ -55,12 +60,16 @@ def decide_config(
     )
     step = start.resume.state.step if start.resume is not None else 0
     if start.resume is not None:
-        check_same_model(held, cfg, step, start.run_dir, log)
+        # named where the checkpoint was found: a resume from the Drive mirror is that folder's run
+        where = start.mirror_dir if start.resume.from_mirror else start.run_dir
+        check_same_model(held, cfg, step, where, log)
         # the same data, or a change asked for (recorded in state.json)
         options = start.options
         start.resume.data_change = check_same_data(
             start.resume, start.meta, options.allow_data_change, log
         )
+    # from here on the run writes into its Drive mirror: it must hold this run, or nothing yet
+    check_mirror_run(cfg, start)
     cfg.validate()
     tc = cfg.train
     # allowed (a smoke test of a few steps), but a short run's schedule is then not the one its preset means
@@ -120,13 +129,12 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
             f"resume: trained by gptlib {saved.gptlib_version or '0.1.0 or earlier'} so far, by gptlib "
             f"{asked.gptlib_version} from step {step:,} on"
         )
-    for section, name in [("model", n) for n in ("vocab_size", *SHAPE)] + [("train", "optimizer")]:
-        a, b = getattr(getattr(saved, section), name), getattr(getattr(asked, section), name)
-        if a != b:
-            raise ConfigError(
-                f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
-                f"use a new run directory, or drop the change to resume"
-            )
+    if changed := shape_change(saved, asked):
+        name, a, b = changed
+        raise ConfigError(
+            f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
+            f"use a new run directory, or drop the change to resume"
+        )
     for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
         for f in dataclasses.fields(old):
             if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE + SCHEDULE:
@@ -135,6 +143,48 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
                 )
     if note := schedule_change(saved.train, asked.train, step):
         log(f"resume: {note}")
+
+
+def shape_change(saved: RunConfig, asked: RunConfig) -> tuple[str, object, object] | None:
+    """The first field of the model's make (shape, vocabulary, optimizer) that differs: (name, saved's, asked's)."""
+    for section, name in [("model", n) for n in ("vocab_size", *SHAPE)] + [("train", "optimizer")]:
+        a, b = getattr(getattr(saved, section), name), getattr(getattr(asked, section), name)
+        if a != b:
+            return name, a, b
+    return None
+
+
+def check_mirror_run(cfg: RunConfig, start: Start) -> None:
+    """ConfigError if the Drive mirror holds another run: this one would write its config.json, tokenizer.json and
+    logs over that run's, and keep_last would delete its checkpoints. Its config.json is compared as a resumed
+    checkpoint's config is (shape_change), then its tokenizer.json (two runs may share a vocabulary size)."""
+    if start.mirror_dir is None:
+        return
+    config, tokenizer = start.mirror_dir / CONFIG_FILE, start.mirror_dir / TOKENIZER_FILE
+
+    def read() -> tuple[RunConfig | None, dict | None]:
+        saved = theirs = None
+        if config.is_file():
+            saved = RunConfig.from_dict(json.loads(config.read_text()), str(config))
+        if tokenizer.is_file():
+            theirs = load_tokenizer(tokenizer).identity()
+        return saved, theirs
+
+    # Drive may hang
+    saved, theirs = call_with_timeout(read, DRIVE_LIST_TIMEOUT_S, what=f"reading {config}")
+    ours, another = start.tokenizer.identity(), f"--mirror-dir {start.mirror_dir} holds another run"
+    if saved is not None and (changed := shape_change(saved, cfg)):
+        name, a, b = changed
+        found = f"its {CONFIG_FILE} has {name}={a!r}, this run's has {b!r}"
+    elif theirs is not None and theirs["hash"] != ours["hash"]:
+        found = f"its {TOKENIZER_FILE} is {_tokenizer(theirs)}, this run's is {_tokenizer(ours)}"
+    else:
+        return
+    raise ConfigError(f"{another}: {found}; choose another folder for this run's copy")
+
+
+def _tokenizer(identity: dict) -> str:
+    return f"{identity['kind']}, {identity['vocab_size']:,} tokens ({identity['hash'][:12]})"
 
 
 # lr_at's

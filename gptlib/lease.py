@@ -30,7 +30,7 @@ from gptlib.fsutil import (
     check_dir,
     read_bytes_with_timeout,
 )
-from gptlib.layout import LEASE_FILE, META_FILE, PREPARE_STATE_FILE, checkpoints_dir
+from gptlib.layout import CONFIG_FILE, LEASE_FILE, META_FILE, PREPARE_STATE_FILE, checkpoints_dir
 
 # what a data directory (tokenize) or an export (export-hf, push --dry-run) holds and a run never does
 NOT_A_RUN = (META_FILE, PREPARE_STATE_FILE, "model.safetensors")
@@ -292,7 +292,8 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
 
 def _looked_at(d: Path, what: str) -> bool:
     """Whether d exists; a file or a symlink loop there is one line now, not a traceback at the first save; a dataset
-    or an export there is refused (training would write its config.json and tokenizer.json over theirs)."""
+    or an export there is refused, and a config.json that is not a run's (training would write its config.json and
+    tokenizer.json over theirs)."""
     exists = check_dir(d, what)
     if exists:
         check_dir(checkpoints_dir(d), f"{what}'s checkpoints folder")
@@ -301,4 +302,23 @@ def _looked_at(d: Path, what: str) -> bool:
                 f"{what} {d} holds {held[0]}: it is a gptlib dataset or exported model, not a run; choose another "
                 f"folder for the run"
             )
+        if not _a_run_config(d / CONFIG_FILE):
+            raise RunDirError(
+                f"{what} {d} holds {CONFIG_FILE}, which is not a gptlib run's (no model and train sections): "
+                f"training would write its own over it; move it, or choose another folder"
+            )
     return exists
+
+
+def _a_run_config(path: Path) -> bool:
+    """Whether a run may write its config.json there: none yet, or a run's (RunConfig.to_dict: a JSON object with model
+    and train sections in every gptlib version; which fields they hold changed)."""
+    try:
+        config = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return True
+    except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
+        return False
+    return isinstance(config, dict) and all(
+        isinstance(config.get(k), dict) for k in ("model", "train")
+    )

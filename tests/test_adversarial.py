@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -565,3 +566,38 @@ def test_a_mirror_holding_another_run_is_refused_and_left_as_it_was(
     assert {
         p: p.read_bytes() for p in theirs.rglob("*") if p.is_file() and p.name != "lease.json"
     } == before
+
+
+@pytest.mark.parametrize("into", ["--run-dir", "--mirror-dir"])
+def test_a_folder_holding_a_config_json_of_the_users_is_never_taken_for_a_run(
+    char_data, tmp_path, capsys, into
+):
+    """train --run-dir (or --mirror-dir) naming a folder with a config.json that is not a run's: refused in one line
+    naming it, nothing written there (training wrote its own config.json over it). Other files of the user's are
+    not refused, nor a config.json of an older gptlib (model and train sections, no gptlib_version)."""
+    from gptlib.__main__ import main
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    dirs = {"--run-dir": tmp_path / "run", into: mine}
+    argv = ["train", "--data", str(char_data), "--device", "cpu", "--quiet", "--max-steps", "2"]
+    argv += [str(a) for d in dirs.items() for a in d] + [a for s in TINY for a in ("--set", s)]
+    what = {"--run-dir": "run directory", "--mirror-dir": "mirror directory"}[into]
+    for mine_json in ('{"my": "settings"}', "[1, 2]", "my settings"):
+        (mine / "config.json").write_text(mine_json)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"error: {what} {mine} holds config.json, which is not a gptlib run's (no model and train "
+            f"sections): training would write its own over it; move it, or choose another folder\n"
+        ), err
+        assert (mine / "config.json").read_text() == mine_json
+        assert sorted(p.name for p in mine.iterdir()) == ["config.json", "notes.txt"]
+    # the config.json of a run made by gptlib ce01044 (tests/test_old_checkpoints.py), on this data
+    with tarfile.open(REPO / "tests" / "fixtures" / "run_ce01044.tar.gz") as tar:
+        old = json.load(tar.extractfile("run/config.json"))
+    assert "gptlib_version" not in old
+    (mine / "config.json").write_text(json.dumps(old))
+    assert main(argv) == 0
+    assert json.loads((mine / "config.json").read_text())["gptlib_version"]

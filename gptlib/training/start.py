@@ -160,18 +160,12 @@ def check_mirror_run(cfg: RunConfig, start: Start) -> None:
     checkpoint's config is (shape_change), then its tokenizer.json (two runs may share a vocabulary size)."""
     if start.mirror_dir is None:
         return
-    config, tokenizer = start.mirror_dir / CONFIG_FILE, start.mirror_dir / TOKENIZER_FILE
-
-    def read() -> tuple[RunConfig | None, dict | None]:
-        saved = theirs = None
-        if config.is_file():
-            saved = RunConfig.from_dict(json.loads(config.read_text()), str(config))
-        if tokenizer.is_file():
-            theirs = load_tokenizer(tokenizer).identity()
-        return saved, theirs
-
     # Drive may hang
-    saved, theirs = call_with_timeout(read, DRIVE_LIST_TIMEOUT_S, what=f"reading {config}")
+    saved, theirs = call_with_timeout(
+        lambda: _mirror_run(start.mirror_dir),
+        DRIVE_LIST_TIMEOUT_S,
+        what=f"reading {start.mirror_dir}",
+    )
     ours, another = start.tokenizer.identity(), f"--mirror-dir {start.mirror_dir} holds another run"
     if saved is not None and (changed := shape_change(saved, cfg)):
         name, a, b = changed
@@ -181,6 +175,17 @@ def check_mirror_run(cfg: RunConfig, start: Start) -> None:
     else:
         return
     raise ConfigError(f"{another}: {found}; choose another folder for this run's copy")
+
+
+def _mirror_run(mirror_dir: Path) -> tuple[RunConfig | None, dict | None]:
+    """The run in the mirror: its config.json and its tokenizer's identity (None: not there yet)."""
+    config, tokenizer = mirror_dir / CONFIG_FILE, mirror_dir / TOKENIZER_FILE
+    saved = theirs = None
+    if config.is_file():
+        saved = RunConfig.from_dict(json.loads(config.read_text()), str(config))
+    if tokenizer.is_file():
+        theirs = load_tokenizer(tokenizer).identity()
+    return saved, theirs
 
 
 def _tokenizer(identity: dict) -> str:

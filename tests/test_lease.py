@@ -163,6 +163,7 @@ def test_a_lease_deleted_under_its_holder_is_told_apart_from_a_take_over(
     (run / "lease.json").unlink()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, out + err
+    assert len(err.strip().splitlines()) == 1, err
     [line] = err.strip().splitlines()
     assert line == (
         f"error: {run / 'lease.json'} was deleted while this process held the run (by someone tidying Drive?), "
@@ -472,6 +473,8 @@ def test_a_holder_frozen_through_a_take_over_writes_nothing_when_it_wakes(
     assert contents(watched, visible=not released) == before
     assert vm_a.returncode == 2, out + err
     assert "Traceback" not in err and "No such file" not in err
+    # one line; a failure shows all that the woken holder said
+    assert len(err.strip().splitlines()) == 1, err
     [line] = err.strip().splitlines()
     assert line.startswith(f"error: {watched} was taken over by another process (host vmB"), line
     assert line.endswith("this process stopped without writing to it"), line

@@ -193,6 +193,9 @@ def test_train_init_from_starts_a_new_run_from_the_weights(hf_folder, tmp_path, 
         options=StartOptions(init_from=f"{base}:latest"),
     )
     assert r.step == 2 and any("init-from: the weights of" in m for m in logs)
+    # the block_size asked for is not silently dropped: the line names the base's and the one asked
+    [kept] = [m for m in logs if m.startswith("init-from: the model keeps its base's shape")]
+    assert "block_size 64 (not 32)" in kept and "n_layer 2 (not 12)" in kept, kept
     tuned = load_run(tmp_path / "ft")
     # the base's shape, not the preset's
     assert tuned.config.model.n_layer == 2 and tuned.config.model.n_embd == 32

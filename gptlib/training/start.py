@@ -42,9 +42,16 @@ def decide_config(
             f"{start.meta.data_dir}/meta.json)"
         )
         model["vocab_size"] = start.meta.vocab_size
-    # the vocabulary stays the data's (a base's may grow)
+    # the vocabulary stays the data's (a base's may grow); the shape is the base's weights', and one asked for
+    # otherwise (the preset's, OVERRIDES') is said, not dropped silently
     if held is not None and start.options.init_from:
-        model.update({n: getattr(held.model, n) for n in SHAPE})
+        base = {n: getattr(held.model, n) for n in SHAPE}
+        wanted = {n: getattr(asked.model, n) for n in SHAPE}
+        if other := [f"{n} {v} (not {wanted[n]})" for n, v in base.items() if v != wanted[n]]:
+            log(
+                f"init-from: the model keeps its base's shape, {', '.join(other)}: its weights fix it"
+            )
+        model.update(base)
     if start.resume is not None and held.train.seed != asked.train.seed:
         # the batches go on from the checkpoint's sampler state and the dropout RNG from its own: a seed would only
         # change the validation batches (the curve's val loss would jump), so the run keeps its own

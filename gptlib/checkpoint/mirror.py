@@ -303,7 +303,7 @@ class Mirror:
         if call.attempt is None:
             self._tidy_failed(call.path, hung)
             self._done(call.path, "copied")
-            return "handled"
+            return "lost" if self.lost else "handled"
         if self._taken():
             self.lost = True
             return "lost"
@@ -352,6 +352,10 @@ class Mirror:
             self._tidy_failed(path, e)
 
     def _tidy_failed(self, path: Path, e: BaseException) -> None:
+        # broken by another process's take-over (its rotation, its lease): the loop's LeaseLost says it, once
+        if self._taken():
+            self.lost = True
+            return
         loud(
             f"!! Drive clean-up after copying {path.name} failed ({type(e).__name__}: {e}); the checkpoint itself "
             f"is on Drive and verified; old checkpoints there may stay until the next copy"

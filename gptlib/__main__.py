@@ -130,7 +130,7 @@ def _inputs(args) -> list[str]:
     arg(
         "--overwrite",
         action="store_true",
-        help="replace the dataset already in --out (a different one, or this one made again)",
+        help="replace the dataset in --out (deleted once the tokenizer is trained, before encoding)",
     ),
     arg("--quiet", action="store_true", help="no progress bar or summary"),
 )

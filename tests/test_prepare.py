@@ -390,7 +390,7 @@ def test_bad_options(tmp_path, small_text):
 # ------------------------------------------------------------------------------ refusal and resume
 
 
-def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file):
+def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file, capsys):
     out = tmp_path / "out"
     prepare([write_jsonl(tmp_path / "a.jsonl", docs)], out, tokenizer_from=bpe_file, verbose=False)
     before = files_of(out)
@@ -401,9 +401,11 @@ def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe
     # same: reused
     again = prepare([tmp_path / "a.jsonl"], out, tokenizer_from=bpe_file, verbose=False)
     assert files_of(out) == before and again.tokens("train") > 0
-    prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True, verbose=False)
+    prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True)
     assert read_meta(out).tokenizer["kind"] == "char"
     assert not any(p.name.startswith("prepare_state") for p in out.iterdir())
+    # the old dataset is deleted before the new one is encoded: said as it happens
+    assert f"overwrite: deleting the dataset in {out}, then encoding" in capsys.readouterr().out
 
 
 def test_overwrite_makes_a_damaged_dataset_again_and_a_refused_setting_deletes_nothing(

@@ -316,6 +316,9 @@ def _start(
     if state is None or not (out_dir / TOKENIZER_FILE).is_file():
         # first: a setting it refuses (a vocab_size too small) leaves the dataset there as it was
         tok = new_tokenizer()
+        # the disk holds one dataset at a time: a new one that fails (a bad record late on) leaves neither
+        if verbose and (out_dir / META_FILE).is_file():
+            print(f"overwrite: deleting the dataset in {out_dir}, then encoding the new one")
         # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
         for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
             p.unlink()

@@ -76,13 +76,20 @@ class RunPaths:
     mirror_dir: Path | None
 
 
+def mount_for(path: str | Path, timeout_s: float = 120.0) -> None:
+    """On Colab, mount Drive if `path` is on it (by its name: looking at the path would hang on a hung mount)."""
+    if in_colab() and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(DRIVE_MOUNT)):
+        mount_drive(timeout_s)
+
+
 def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
-    env_root = os.environ.get("GPTLIB_ROOT")
-    if not in_colab():
-        roots = Roots(Path(env_root or "."), Path(env_root or "."))
-    else:
-        persistent = mount_drive(timeout_s) / "MyDrive/gptlib" if use_drive else COLAB_LOCAL_ROOT
-        roots = Roots(Path(env_root) if env_root else persistent, COLAB_LOCAL_ROOT)
+    env_root, on_colab = os.environ.get("GPTLIB_ROOT"), in_colab()
+    local = COLAB_LOCAL_ROOT if on_colab else Path(env_root or ".")
+    default = DRIVE_MOUNT / "MyDrive/gptlib" if on_colab and use_drive else local
+    roots = Roots(Path(env_root or default), local)
+    # only a root on Drive needs it mounted: a GPTLIB_ROOT on the VM's disk gets no Drive prompt and no wait
+    if use_drive:
+        mount_for(roots.persistent, timeout_s)
     for d in {roots.persistent, roots.local}:
         d.mkdir(parents=True, exist_ok=True)
     return roots

@@ -138,6 +138,38 @@ def test_colab_without_drive_keeps_everything_local(fake_colab, tmp_path):
     )
 
 
+def test_colab_gptlib_root_off_drive_does_not_mount(fake_colab, tmp_path, monkeypatch):
+    """GPTLIB_ROOT set to a folder on the VM to stay off Drive: no Drive prompt, no wait for a mount (it mounted
+    Drive all the same); a GPTLIB_ROOT on Drive mounts it first, as the default root does."""
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "content" / "mine"))
+    roots = colab.setup()
+    assert not fake_colab.calls and roots.persistent == tmp_path / "content" / "mine"
+    monkeypatch.setenv(
+        "GPTLIB_ROOT", f"{colab.DRIVE_MOUNT}/../mine2"
+    )  # beside the mount point, not in it
+    assert colab.setup().persistent.is_dir() and not fake_colab.calls
+    on_drive = colab.DRIVE_MOUNT / "MyDrive" / "elsewhere"
+    monkeypatch.setenv("GPTLIB_ROOT", str(on_drive))
+    assert colab.setup().persistent == on_drive and len(fake_colab.calls) == 1
+
+
+def test_a_data_dir_on_drive_mounts_drive_with_gptlib_root_off_drive(
+    fake_colab, tmp_path, char_data, monkeypatch
+):
+    """Notebook 03 with GPTLIB_ROOT on the VM and DATA_DIR on Drive: Drive is mounted for the data only."""
+    from gptlib.data.shards import find_dataset
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "content" / "mine"))
+
+    def mount(mountpoint, **kw):
+        fake_colab.calls.append({"mountpoint": mountpoint})
+        shutil.copytree(char_data, f"{mountpoint}/MyDrive/mydata")
+
+    fake_colab.mount = mount
+    d = colab.DRIVE_MOUNT / "MyDrive" / "mydata"
+    assert find_dataset(data_dir=d) == d and len(fake_colab.calls) == 1
+
+
 def test_bad_run_name():
     with pytest.raises(ValueError, match="plain directory name"):
         colab.run_paths("../escape", colab.Roots(persistent=colab.Path("."), local=colab.Path(".")))

@@ -318,9 +318,10 @@ def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:
     """Notebooks 03 and 05: DATA_DIR, else gptlib's data folder for NAME (on Drive on Colab)."""
     from gptlib import colab
 
-    # first: on Colab this mounts Drive, where a DATA_DIR usually is (a fresh VM has it not mounted yet)
     roots = roots or colab.setup()
     d = Path(str(data_dir).strip()) if str(data_dir).strip() else colab.data_dir(name, roots)
+    # a DATA_DIR on Drive, mounted before it is looked at (a fresh VM, or a GPTLIB_ROOT off Drive: not yet)
+    colab.mount_for(d)
     if not (d / META_FILE).is_file():
         found = sorted(p.parent.name for p in d.parent.glob(f"*/{META_FILE}"))
         raise DataFormatError(

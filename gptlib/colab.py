@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptlib.errors import GptlibError
+from gptlib.errors import ConfigError, GptlibError
 from gptlib.fsutil import call_with_timeout
 
 DRIVE_MOUNT = Path("/content/drive")
@@ -109,5 +109,5 @@ def data_dir(name: str, roots: Roots | None = None) -> Path:
 def _checked(name: str) -> str:
     name = name.strip()  # pasted into a notebook's form with a space or a newline
     if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise ValueError(f"name {name!r}: use a plain directory name like 'shakespeare-char'")
+        raise ConfigError(f"name {name!r}: use a plain directory name like 'shakespeare-char'")
     return name

@@ -35,7 +35,7 @@ class GptlibError(Exception):
 
 
 class ConfigError(GptlibError, ValueError):
-    """config: a configuration value or key."""
+    """config, colab: a configuration value or key, a run or dataset name."""
 
 
 class DataFormatError(GptlibError, ValueError):

@@ -175,6 +175,18 @@ def test_bad_run_name():
         colab.run_paths("../escape", colab.Roots(persistent=colab.Path("."), local=colab.Path(".")))
 
 
+@pytest.mark.parametrize("name", ["a/b", "", " ", "..", "a\\b"])
+def test_a_bad_run_or_data_name_is_a_gptlib_error(name, tmp_path):
+    """A bad RUN_NAME or DATASET_NAME is the user's to fix, as every other bad input: a ConfigError (a GptlibError,
+    still a ValueError), not a plain ValueError."""
+    from gptlib.errors import ConfigError
+
+    roots = colab.Roots(persistent=tmp_path, local=tmp_path)
+    for call in (colab.run_paths, colab.data_dir):
+        with pytest.raises(ConfigError, match=r"name .*: use a plain directory name"):
+            call(name, roots)
+
+
 def test_a_name_or_folder_pasted_with_spaces_is_the_same_run(tmp_path, char_data):
     """A name or folder pasted into a notebook's form with a trailing space or newline: the same run, not a new run
     "phase1 " (02, 03) or "no complete checkpoint in .../phase1 " (04, 05)."""

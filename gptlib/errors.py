@@ -30,6 +30,11 @@ def override(*settings: str) -> str:
 class GptlibError(Exception):
     """A problem the user can fix; the message says what and how."""
 
+    # IPython's hook for an exception that renders itself: a notebook shows the one line the command line prints,
+    # not a traceback through gptlib that says nothing more
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
 
 # One class per kind of problem, for a caller to catch the kind it handles; each says which modules raise it.
 

@@ -493,3 +493,26 @@ def test_refresh_finds_the_first_checkpoint_and_clears_the_error(char_run, tmp_p
     pg.refresh_button.click()
     assert [v for _, v in pg.checkpoint.options] == [0]
     assert "1 checkpoint found" in pg.status.value and "#b00020" not in pg.status.value
+
+
+def test_a_gptlib_error_in_a_notebook_cell_is_one_line(tmp_path, capsys):
+    """A user's mistake met in a notebook (here notebook 03's TRAIN cell given a data folder that holds no dataset)
+    shows the one line the command line prints, not a traceback through gptlib; the cell still fails."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    from gptlib.errors import DataFormatError
+
+    config = Config()
+    config.HistoryManager.enabled = False
+    shell = InteractiveShell.instance(config=config)
+    try:
+        shell.user_ns["data"] = str(tmp_path / "no-dataset")
+        shell.user_ns["run"] = str(tmp_path / "run")
+        result = shell.run_cell("from gptlib import train\ntrain(data, run, 'phase1')")
+    finally:
+        InteractiveShell.clear_instance()
+    assert isinstance(result.error_in_exec, DataFormatError)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert lines == [f"DataFormatError: {result.error_in_exec}"], lines
+    assert str(tmp_path / "no-dataset") in lines[0]

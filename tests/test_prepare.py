@@ -290,6 +290,37 @@ def test_lone_surrogate_escapes_are_replaced_and_counted(tmp_path, capsys):
     assert prepare([chat], tmp_path / "c", **BPE).raw["replaced_invalid_utf8"] == 1
 
 
+def test_a_utf8_bom_before_a_jsonl_file_is_dropped(tmp_path, docs, capsys):
+    """Windows tools (Notepad, Excel) start a saved file with a UTF-8 BOM: its first line was refused as not JSON.
+    The BOM is dropped as utf-8-sig drops it (format detection too): the tokenizer and the documents are those of
+    the file without it, for text and chat records alike. (Which documents are held out is seeded by the file's
+    bytes, BOM included, as for any other change to the file.)"""
+    from gptlib.__main__ import main
+
+    turn = (
+        '{"messages": [{"role": "user", "content": "%s"}, {"role": "assistant", "content": "ok"}]}'
+    )
+    records = {
+        "text": [json.dumps({"text": d}) for d in docs[:40]],
+        "chat": [turn % d.replace("\n", " ").replace('"', "'") for d in docs[:40]],
+    }
+    for kind, lines in records.items():
+        body = ("\n".join(lines) + "\n").encode()
+        outs = []
+        for name, data in ((f"{kind}.jsonl", body), (f"{kind}_bom.jsonl", b"\xef\xbb\xbf" + body)):
+            (tmp_path / name).write_bytes(data)
+            outs.append(tmp_path / f"out_{name}")
+            argv = ["tokenize", "--input", str(tmp_path / name), "--out", str(outs[-1])]
+            assert main(argv + ["--vocab-size", "300", "--quiet"]) == 0, capsys.readouterr().err
+        assert read_meta(outs[1]).format == kind
+        assert (outs[0] / "tokenizer.json").read_bytes() == (
+            outs[1] / "tokenizer.json"
+        ).read_bytes()
+        plain, bom = (decoded_documents(out) for out in outs)
+        assert sorted(bom["train"] + bom["val"]) == sorted(plain["train"] + plain["val"])
+        assert "\ufeff" not in "".join(bom["train"] + bom["val"])
+
+
 def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
     (tmp_path / "empty.txt").write_text("")
     write_jsonl(tmp_path / "a.jsonl", docs[:300] + [""])

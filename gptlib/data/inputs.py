@@ -220,6 +220,9 @@ def _check_column(src: Source, column: str | None, fmt: str) -> tuple[str, str]:
 
 
 def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
+    # a file saved by a Windows tool (Notepad, Excel) starts with a UTF-8 BOM: dropped, as utf-8-sig drops it
+    if lineno == 1:
+        line = line.removeprefix(codecs.BOM_UTF8)
     try:
         obj = json.loads(line.decode("utf-8", _ERRORS))
     except json.JSONDecodeError as e:

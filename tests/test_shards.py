@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pytest
@@ -129,10 +130,44 @@ def test_rerun_is_a_noop_and_a_different_dataset_is_refused(tmp_path, small_text
     assert {p.name: p.read_bytes() for p in dataset.iterdir()} == before
 
 
-def test_meta_with_a_field_of_the_wrong_shape_is_a_clear_error(dataset):
-    _edit_meta(dataset, lambda m: m.update(tokenizer="char"))
-    with pytest.raises(DataFormatError, match="meta.json: malformed metadata"):
+def _first_train_shard(m) -> dict:
+    return m["splits"]["train"]["shards"][0]
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda m: m.update(tokenizer="char"), "tokenizer is 'char', expected an object"),
+        (lambda m: m["tokenizer"].update(file=3), "tokenizer.file is 3, expected a string"),
+        (lambda m: m.update(splits="x"), "splits is 'x', expected an object"),
+        (lambda m: m["splits"].update(val=[]), r"splits.val is \[\], expected an object"),
+        (
+            lambda m: m["splits"]["train"].update(shards="x"),
+            "splits.train.shards is 'x', expected a list",
+        ),
+        (
+            lambda m: m["splits"]["val"].update(shards=[5]),
+            r"splits.val.shards\[0\] is 5, expected an object",
+        ),
+        (
+            lambda m: _first_train_shard(m).update(file=7),
+            r"splits.train.shards\[0\].file is 7, expected a string",
+        ),
+        (lambda m: m["tokenizer"].update(hash=5), "tokenizer.hash is 5, expected a string"),
+        (lambda m: m.update(vocab_size="abc"), "vocab_size is 'abc', expected a whole number"),
+    ],
+)
+def test_meta_with_a_field_of_the_wrong_shape_names_it(dataset, tmp_path, capsys, edit, said):
+    """A hand-edited meta.json with a field of the wrong shape: one line naming the field and what it holds (it was
+    'malformed metadata (TypeError: string indices must be integers ...)', naming nothing)."""
+    from gptlib.__main__ import main
+
+    _edit_meta(dataset, edit)
+    with pytest.raises(DataFormatError, match=f"^{re.escape(str(dataset / 'meta.json'))}: {said}"):
         read_meta(dataset)
+    assert main(["train", "--data", str(dataset), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(said, err)
 
 
 def test_find_dataset_names_the_datasets_that_are_there(char_data, tmp_path, monkeypatch):

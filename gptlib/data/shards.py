@@ -234,33 +234,45 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
             raise DataFormatError(msg)
         return value
 
+    def shaped(value, kind: type, field: str):  # a hand edit may leave a string where a list goes
+        if not isinstance(value, kind):
+            expected = {dict: "an object", list: "a list", str: "a string"}[kind]
+            raise DataFormatError(f"{meta_path}: {field} is {value!r:.80}, expected {expected}")
+        return value
+
     if m["format_version"] != FORMAT_VERSION:
         raise DataFormatError(
             f"{meta_path}: format_version is {m['format_version']}, this gptlib reads {FORMAT_VERSION}"
         )
     vocab_size = count(m["vocab_size"], "vocab_size")
-    dtype, tokenizer, splits = dtype_for_vocab(vocab_size), m["tokenizer"], m["splits"]
+    dtype = dtype_for_vocab(vocab_size)
+    tokenizer = shaped(m["tokenizer"], dict, "tokenizer")
+    splits = shaped(m["splits"], dict, "splits")
     if m["dtype"] != dtype.name:
         raise DataFormatError(
             f"{meta_path}: dtype is {m['dtype']!r} but vocab_size={vocab_size} needs {dtype.name!r}"
         )
     for split in ("train", "val"):
-        info = splits[split]
+        info, where = shaped(splits[split], dict, f"splits.{split}"), f"splits.{split}.shards"
+        for i, s in enumerate(shaped(info["shards"], list, where)):
+            shaped(s, dict, f"{where}[{i}]")
+            shaped(s["file"], str, f"{where}[{i}].file")
         counted = sum(
-            count(s["tokens"], f"{split} shard {s.get('file')!r} tokens") for s in info["shards"]
+            count(s["tokens"], f"{split} shard {s['file']!r} tokens") for s in info["shards"]
         )
         if counted != count(info["tokens"], f"{split}.tokens"):
             msg = f"{meta_path}: {split} tokens is {info['tokens']} but its shards hold {counted}"
             raise DataFormatError(msg)
         for s in info["shards"]:
             check_shard(data_dir, s, dtype, m.get("format") == "chat")
-    tok_file = data_dir / tokenizer.get("file", TOKENIZER_FILE)
+    tok_file = data_dir / shaped(tokenizer.get("file", TOKENIZER_FILE), str, "tokenizer.file")
     if not tok_file.is_file():
         raise DataFormatError(f"tokenizer file {tok_file} named in {meta_path} does not exist")
-    if tokenizer.get("hash") and (got := sha256_file(tok_file)) != tokenizer["hash"]:
+    want = shaped(tokenizer.get("hash") or "", str, "tokenizer.hash")
+    if want and (got := sha256_file(tok_file)) != want:
         raise DataFormatError(
             f"{tok_file}: sha256 {got[:16]}... differs from meta.json tokenizer.hash "
-            f"{tokenizer['hash'][:16]}...: the tokenizer was replaced after tokenizing"
+            f"{want[:16]}...: the tokenizer was replaced after tokenizing"
         )
     return DatasetMeta(data_dir, vocab_size, dtype, tokenizer, splits, raw=m)
 

@@ -84,6 +84,21 @@ def test_truncated_shard_names_file_and_both_sizes(dataset):
         read_meta(dataset)
 
 
+def test_a_shard_that_is_a_folder_is_said_to_be_one(dataset, tmp_path, capsys):
+    """A folder at a shard's name (a copy gone wrong): said to be a folder, where it said the shard does not exist."""
+    from gptlib.__main__ import main
+
+    shard = dataset / "train_000000.bin"
+    shard.unlink()
+    shard.mkdir()
+    said = f"shard {shard} listed in {dataset / 'meta.json'} is a folder, not a file"
+    with pytest.raises(DataFormatError, match=f"^{re.escape(said)}"):
+        read_meta(dataset)
+    assert main(["train", "--data", str(dataset), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and said in err
+
+
 def test_dtype_that_disagrees_with_vocab(dataset):
     _edit_meta(dataset, lambda m: m.update(dtype="uint32"))
     with pytest.raises(DataFormatError, match="dtype is 'uint32' but vocab_size=.* needs 'uint16'"):

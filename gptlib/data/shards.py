@@ -280,7 +280,9 @@ def _checked_meta(data_dir: Path, meta_path: Path, m: dict) -> DatasetMeta:
 def _check_size(data_dir: Path, file: str, n: int, itemsize: int, what: str) -> Path:
     p = data_dir / file
     if not p.is_file():
-        raise DataFormatError(f"{what} {p} listed in {data_dir / META_FILE} does not exist")
+        # a folder at the name (a copy gone wrong) is not a missing file
+        found = "is a folder, not a file" if p.is_dir() else "does not exist"
+        raise DataFormatError(f"{what} {p} listed in {data_dir / META_FILE} {found}")
     size, expected = p.stat().st_size, int(n) * itemsize
     if size != expected:
         raise DataFormatError(

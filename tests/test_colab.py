@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import types
@@ -121,12 +122,17 @@ def test_colab_hung_mount_is_remounted_not_waited_on_forever(fake_colab, tmp_pat
         released.set()
 
 
-def test_colab_mount_timeout_has_clear_message(fake_colab):
+def test_colab_mount_timeout_has_clear_message(fake_colab, monkeypatch):
     fake_colab.fail = TimeoutError("Timed out waiting for authorization")
     with pytest.raises(GptlibError) as ei:
         colab.setup(timeout_s=5)
     msg = str(ei.value)
-    assert "did not mount" in msg and "authorization" in msg and "use_drive=False" in msg
+    assert "did not mount" in msg and "authorization" in msg
+    # its advice works from every cell (each calls setup()): the VM's disk only, no mount, no mirror
+    [advice] = re.findall(r"os\.environ\['GPTLIB_ROOT'\] = '([^']+)'", msg)
+    monkeypatch.setenv("GPTLIB_ROOT", advice)
+    fake_colab.fail = None
+    assert colab.run_paths("mine").mirror_dir is None and len(fake_colab.calls) == 1
 
 
 def test_colab_without_drive_keeps_everything_local(fake_colab, tmp_path):
@@ -306,3 +312,20 @@ def test_notebook_02s_results_cells_on_a_fresh_vm_read_the_run_on_drive(
         and "no samples yet" not in table.data
     )
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+def test_a_run_dir_on_drive_is_mounted_before_it_is_looked_at(fake_colab, tmp_path, char_data):
+    """Notebook 04 on a fresh VM with RUN_DIR on Drive: Drive is mounted, then the run is found (it said there was no
+    complete checkpoint there: train first)."""
+    from gptlib.inference.loading import find_run
+
+    made = tmp_path / "made"
+    train(char_data, made, overrides=TINY, max_steps=2, progress=False, log=lambda s: None)
+
+    def mount(mountpoint, **kw):
+        fake_colab.calls.append({"mountpoint": mountpoint})
+        shutil.copytree(made, f"{mountpoint}/MyDrive/runs/mine")
+
+    fake_colab.mount = mount
+    d = colab.DRIVE_MOUNT / "MyDrive" / "runs" / "mine"
+    assert find_run(run_dir=f" {d}\n") == d and len(fake_colab.calls) == 1

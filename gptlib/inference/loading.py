@@ -198,6 +198,8 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
 
     # a name or folder pasted into a notebook's form brings spaces or a newline along
     if run_dir := str(run_dir).strip():
+        # a RUN_DIR on Drive, on a fresh VM: mounted before it is looked at, not "no checkpoint there"
+        colab.mount_for(run_dir)
         return pick_run_dir([run_dir])
     paths = colab.run_paths(name, roots)
     return pick_run_dir([paths.run_dir, paths.mirror_dir])

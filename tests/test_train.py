@@ -875,3 +875,54 @@ def test_notebook_02s_loss_plot_and_samples_give_up_a_hung_drive(tmp_path, monke
     png.parent.mkdir()
     logs.plot_losses([{"step": 1, "train_loss": 2.0}], png)
     assert logs.loss_png(png.parent) == png.read_bytes()
+
+
+def test_a_value_edited_in_config_json_is_said_at_a_resume_not_lost_silently(
+    tmp_path, char_data, capsys
+):
+    """config.json records the run and a resume does not read it: a value a learner edited there (learning_rate,
+    max_steps, a shape field) was overwritten without a word. Now one line names each, with the value the run uses,
+    and how to ask for it; training goes on as before (the same curve as a resume of the unedited run)."""
+    from gptlib.__main__ import main
+
+    sets = [a for s in TINY + ["eval_interval=5"] for a in ("--set", s)]
+    for run in ("plain", "edited"):
+        args = ["train", "--data", str(char_data), "--run-dir", str(tmp_path / run), *sets]
+        assert main([*args, "--max-steps", "10"]) == 0
+    path = tmp_path / "edited" / "config.json"
+    config = json.loads(path.read_text())
+    config["train"].update(learning_rate=0.005, max_steps=40)
+    config["model"]["n_layer"] = 3
+    path.write_text(json.dumps(config))
+    capsys.readouterr()
+    for run in ("plain", "edited"):
+        args = ["train", "--data", str(char_data), "--run-dir", str(tmp_path / run), *sets]
+        assert main([*args, "--max-steps", "20"]) == 0
+    out = capsys.readouterr().out
+    said = [m for m in out.splitlines() if "config.json" in m]
+    assert said == [
+        f"{path} has n_layer 3 (this run: 2), max_steps 40 (this run: 20), learning_rate 0.005 (this run: 0.01): "
+        f"config.json records the run (written again now), a resume does not read it; to use them, "
+        f"--max-steps 40 --set learning_rate=0.005; n_layer cannot change in a run (a new run directory)"
+    ], out
+    curve = {
+        run: [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(tmp_path / run)]
+        for run in ("plain", "edited")
+    }
+    assert curve["edited"] == curve["plain"] and curve["plain"][-1][0] == 20
+    # written again with what the run used: the next resume has nothing to say
+    args = ["train", "--data", str(char_data), "--run-dir", str(tmp_path / "edited"), *sets]
+    assert json.loads(path.read_text())["train"]["max_steps"] == 20
+    assert main([*args, "--max-steps", "20"]) == 0
+    assert "config.json" not in capsys.readouterr().out
+    # a run already finished says it too: a longer max_steps there was the edit most often lost
+    config = json.loads(path.read_text())
+    config["train"]["max_steps"] = 40
+    path.write_text(json.dumps(config))
+    assert main([*args, "--max-steps", "20"]) == 0
+    out = capsys.readouterr().out
+    assert f"{path} has max_steps 40 (this run: 20): config.json" in out, out
+    assert (
+        "resume does not read it; to use them, --max-steps 40\n" in out
+        and read_metrics(tmp_path / "edited")[-1]["step"] == 20
+    )

@@ -30,7 +30,7 @@ from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.resume import StartOptions, find_start
 from gptlib.training.run import TrainingRun, build_run, setup_ddp
-from gptlib.training.start import decide_config
+from gptlib.training.start import decide_config, say_config_edits
 from gptlib.training.step import StepTimer, lr_at, train_step, validation_loss
 from gptlib.training.throughput import RunProgress
 
@@ -141,6 +141,9 @@ def train(
         config_for = functools.partial(build_config, preset, overrides, **explicit)
         fixed = recipe if isinstance(preset, str) else preset.recipe  # None: the run's own
         cfg, measure = decide_config(asked, config_for, fixed, start, dev, say)
+        # config.json is written again below: a value edited there is said, also to a run already finished
+        if start.resume is not None:
+            say_config_edits(start, cfg, log)
         # its parts: model, data, optimizer, scaler, sampler, the checkpoint loaded, compile, DDP
         run = build_run(cfg, measure, start, ddp, dev, lease, verbose=progress, log=log, say=say)
     # the loaded checkpoint is dropped: its state is in the run's parts now (gpt2-small's: ~1.3 GB of host RAM)

@@ -161,6 +161,42 @@ def shape_change(saved: RunConfig, asked: RunConfig) -> tuple[str, object, objec
     return None
 
 
+def say_config_edits(start: Start, cfg: RunConfig, log) -> None:
+    """A value in a resumed run's config.json that is neither its checkpoint's nor this call's (edited by hand) is
+    said in one line, with how to ask for it: config.json records the run, a resume reads its checkpoint instead."""
+    # the config.json beside the checkpoint resumed (Drive may hang); none there (deleted by hand): nothing to say
+    path = (start.mirror_dir if start.resume.from_mirror else start.run_dir) / CONFIG_FILE
+    config = call_with_timeout(
+        lambda: json.loads(path.read_bytes()) if path.is_file() else {},
+        DRIVE_LIST_TIMEOUT_S,
+        what=f"reading {path}",
+    )
+    held, ours = (vars(c.model) | vars(c.train) for c in (start.held, cfg))
+    # the checkpoint's value is the last session's record, not an edit (a change this call asks for is said already)
+    edits = {
+        n: v
+        for n, v in (config.get("model", {}) | config.get("train", {})).items()
+        if n in ours and v not in (held[n], ours[n])
+    }
+    if not edits:
+        return
+    said = ", ".join(f"{n} {_value(v)} (this run: {_value(ours[n])})" for n, v in edits.items())
+    parts = [
+        f"{path} has {said}: {CONFIG_FILE} records the run (written again now), a resume does not read it"
+    ]
+    fixed = [n for n in edits if n in (*SHAPE, "vocab_size", "optimizer", "seed")]
+    # on the command line --max-steps and --max-minutes win over --set: those are asked by their flags
+    flags = () if in_notebook() else ("max_steps", "max_minutes")
+    asks = [f"--{n.replace('_', '-')} {v}" for n, v in edits.items() if n in flags]
+    if sets := [f"{n}={v}" for n, v in edits.items() if n not in (*fixed, *flags)]:
+        asks.append(override(*sets))
+    if asks:
+        parts.append(f"to use them, {' '.join(asks)}")
+    if fixed:
+        parts.append(f"{', '.join(fixed)} cannot change in a run (a new run directory)")
+    log("; ".join(parts))
+
+
 def check_mirror_run(cfg: RunConfig, start: Start) -> None:
     """ConfigError if the Drive mirror holds another run: this one would write its config.json, tokenizer.json and
     logs over that run's, and keep_last would delete its checkpoints. Its config.json is compared as a resumed

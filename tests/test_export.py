@@ -227,3 +227,22 @@ def test_a_chat_models_export_chats_in_transformers(tmp_path, small_text):
     out = export_model(model.__class__(model.config), tmp_path / "plain", plain)
     assert AutoTokenizer.from_pretrained(out).chat_template is None
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == plain.eot_id
+
+
+def test_train_init_from_an_export_says_to_import_it_first(run_dir, char_data, tmp_path, capsys):
+    """train --init-from a folder export-hf made (model.safetensors, no checkpoints) said only 'no valid checkpoint
+    in HF/checkpoints (has training saved one yet?)'. Now it names the folder as a Hugging Face model and the
+    import-hf command that makes it a run; nothing is left behind."""
+    from gptlib.__main__ import main
+
+    hf, new = tmp_path / "hf", tmp_path / "new"
+    assert main(["export-hf", "--run-dir", str(run_dir), "--out", str(hf)]) == 0
+    capsys.readouterr()
+    rc = main(["train", "--data", str(char_data), "--run-dir", str(new), "--init-from", str(hf)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err == (
+        f"error: no valid checkpoint in {hf}: it holds a Hugging Face model (model.safetensors), not a gptlib run; "
+        f"make it a run with python -m gptlib import-hf --model {hf} --out RUN_DIR, then use RUN_DIR\n"
+    )
+    assert not new.exists()

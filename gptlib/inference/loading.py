@@ -26,7 +26,7 @@ from gptlib.checkpoint.format import (
 )
 from gptlib.config import RunConfig
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
-from gptlib.errors import CheckpointError, TokenizerError, loud
+from gptlib.errors import CheckpointError, TokenizerError, in_notebook, loud
 from gptlib.fsutil import call_with_timeout, check_dir, in_background, read_jsonl
 from gptlib.layout import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE, step_of
 from gptlib.model import GPT
@@ -93,10 +93,21 @@ def resolve_checkpoint(
     if not table:  # the listing answered, so a stat will too; a file, a link loop or a broken link is said as such
         if skipped:  # checkpoints were listed, so the run directory is one
             why = f": {'; '.join(skipped)}"
-        elif check_dir(run_dir, "the run directory"):
-            why = "/checkpoints (has training saved one yet?)"
-        else:
+        elif not check_dir(run_dir, "the run directory"):
             why = ": the run directory does not exist"
+        # a folder export-hf made (or one from the Hub) holds weights, no checkpoints: import-hf makes it a run
+        elif (run_dir / "model.safetensors").is_file():
+            how = (
+                f'import_hf("{run_dir}", "RUN_DIR")'
+                if in_notebook()
+                else f"python -m gptlib import-hf --model {run_dir} --out RUN_DIR"
+            )
+            why = (
+                f": it holds a Hugging Face model (model.safetensors), not a gptlib run; make it a run with "
+                f"{how}, then use RUN_DIR"
+            )
+        else:
+            why = "/checkpoints (has training saved one yet?)"
         raise CheckpointError(f"no valid checkpoint in {run_dir}{why}")
     if newer := [s for s in skipped if step_of(Path(s.split(":")[0])) > table[0]["step"]]:
         log(f"newer checkpoints in {run_dir} were passed over: {'; '.join(newer)}")

@@ -53,8 +53,8 @@ def mount_drive(timeout_s: float = 120.0) -> Path:
         raise GptlibError(
             f"Google Drive did not mount at {DRIVE_MOUNT} ({type(e).__name__}: {e}). Re-run this cell and complete "
             f"the authorization prompt within {timeout_s:.0f} s; if it keeps failing, use Runtime > Restart "
-            f"session, or set os.environ['GPTLIB_ROOT'] = '{COLAB_LOCAL_ROOT}' in the first cell to work on the "
-            f"VM's disk only (lost at a disconnect)."
+            f"session, or, to work on the VM's disk only (lost at a disconnect), set os.environ['GPTLIB_ROOT'] = "
+            f"'{COLAB_LOCAL_ROOT}' in the first cell and give no folder on Drive."
         ) from None
     if not _drive_usable():
         raise GptlibError(

@@ -329,3 +329,18 @@ def test_a_run_dir_on_drive_is_mounted_before_it_is_looked_at(fake_colab, tmp_pa
     fake_colab.mount = mount
     d = colab.DRIVE_MOUNT / "MyDrive" / "runs" / "mine"
     assert find_run(run_dir=f" {d}\n") == d and len(fake_colab.calls) == 1
+
+
+def test_an_export_to_drive_mounts_drive_with_gptlib_root_off_drive(
+    fake_colab, tmp_path, char_data, monkeypatch
+):
+    """Notebook 04's EXPORT_DIR on Drive with GPTLIB_ROOT on the VM: Drive is mounted before the export is written
+    (it was written under the unmounted mount point, on the VM's disk: lost at a disconnect)."""
+    from gptlib.inference.export import export_hf
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "content" / "mine"))
+    run = tmp_path / "run"
+    train(char_data, run, overrides=TINY, max_steps=2, progress=False, log=lambda s: None)
+    out = colab.DRIVE_MOUNT / "MyDrive" / "exports" / "mine"
+    export_hf(run, out)
+    assert len(fake_colab.calls) == 1 and (out / "config.json").is_file()

@@ -882,7 +882,7 @@ def test_a_value_edited_in_config_json_is_said_at_a_resume_not_lost_silently(
 ):
     """config.json records the run and a resume does not read it: a value a learner edited there (learning_rate,
     max_steps, a shape field) was overwritten without a word. Now one line names each, with the value the run uses,
-    and how to ask for it; training goes on as before (the same curve as a resume of the unedited run)."""
+    and where to ask for it; training goes on as before (the same curve as a resume of the unedited run)."""
     from gptlib.__main__ import main
 
     sets = [a for s in TINY + ["eval_interval=5"] for a in ("--set", s)]
@@ -892,7 +892,7 @@ def test_a_value_edited_in_config_json_is_said_at_a_resume_not_lost_silently(
     path = tmp_path / "edited" / "config.json"
     config = json.loads(path.read_text())
     config["train"].update(learning_rate=0.005, max_steps=40)
-    config["model"]["n_layer"] = 3
+    config["model"].update(n_layer=3, bias=True)
     path.write_text(json.dumps(config))
     capsys.readouterr()
     for run in ("plain", "edited"):
@@ -901,9 +901,10 @@ def test_a_value_edited_in_config_json_is_said_at_a_resume_not_lost_silently(
     out = capsys.readouterr().out
     said = [m for m in out.splitlines() if "config.json" in m]
     assert said == [
-        f"{path} has n_layer 3 (this run: 2), max_steps 40 (this run: 20), learning_rate 0.005 (this run: 0.01): "
-        f"config.json records the run (written again now), a resume does not read it; to use them, "
-        f"--max-steps 40 --set learning_rate=0.005; n_layer cannot change in a run (a new run directory)"
+        f"{path} has n_layer 3 (this run: 2), bias True (this run: False), max_steps 40 (this run: 20), "
+        f"learning_rate 0.005 (this run: 0.01), which this run does not use: a resume takes its config from the "
+        f"call and the checkpoint, not config.json; ask for a value where the run is started (its flags and "
+        f"--set FIELD=VALUE); a shape field needs a new run"
     ], out
     curve = {
         run: [(r["step"], r["train_loss"], r.get("val_loss")) for r in read_metrics(tmp_path / run)]
@@ -921,8 +922,5 @@ def test_a_value_edited_in_config_json_is_said_at_a_resume_not_lost_silently(
     path.write_text(json.dumps(config))
     assert main([*args, "--max-steps", "20"]) == 0
     out = capsys.readouterr().out
-    assert f"{path} has max_steps 40 (this run: 20): config.json" in out, out
-    assert (
-        "resume does not read it; to use them, --max-steps 40\n" in out
-        and read_metrics(tmp_path / "edited")[-1]["step"] == 20
-    )
+    assert f"{path} has max_steps 40 (this run: 20), which this run does not use" in out, out
+    assert read_metrics(tmp_path / "edited")[-1]["step"] == 20

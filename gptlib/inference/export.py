@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from gptlib.colab import mount_for
 from gptlib.config import ModelConfig
 from gptlib.data.conversations import END, ROLE_TOKENS, ChatTemplate
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE
@@ -235,6 +236,8 @@ def remove_leftovers(out: Path) -> None:
 def check_export_target(out: Path, overwrite: bool | None, run_dir: Path | None = None) -> None:
     """Refuse the run itself, a run or data directory, or a non-empty folder that overwrite may not replace (None: the
     command has no --overwrite)."""
+    # an --out on Drive with GPTLIB_ROOT off it (Drive not mounted yet): written to Drive, not under the mount point
+    mount_for(out)
     target, run = out.resolve(), run_dir and run_dir.resolve()
     if run and (target == run or run in target.parents or target in run.parents):
         raise ExportError(
@@ -436,6 +439,7 @@ def gguf_arch(cfg, tokenizer: Tokenizer) -> str:
 def check_gguf_target(out: Path, overwrite: bool, dtype: str) -> None:
     if dtype not in FILE_TYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(FILE_TYPES)}")
+    mount_for(out)  # as check_export_target
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; give a file name, e.g. {out / 'model.gguf'}")
     if not out.exists():

@@ -141,9 +141,9 @@ def train(
         config_for = functools.partial(build_config, preset, overrides, **explicit)
         fixed = recipe if isinstance(preset, str) else preset.recipe  # None: the run's own
         cfg, measure = decide_config(asked, config_for, fixed, start, dev, say)
-        # config.json is written again below: a value edited there is said, also to a run already finished
+        # config.json is written again below: a value there this run does not use is said, even for a finished run
         if start.resume is not None:
-            say_config_edits(start, cfg, log)
+            say_config_edits(start, cfg, measure, log)
         # its parts: model, data, optimizer, scaler, sampler, the checkpoint loaded, compile, DDP
         run = build_run(cfg, measure, start, ddp, dev, lease, verbose=progress, log=log, say=say)
     # the loaded checkpoint is dropped: its state is in the run's parts now (gpt2-small's: ~1.3 GB of host RAM)

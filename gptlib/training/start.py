@@ -161,9 +161,9 @@ def shape_change(saved: RunConfig, asked: RunConfig) -> tuple[str, object, objec
     return None
 
 
-def say_config_edits(start: Start, cfg: RunConfig, log) -> None:
-    """A value in a resumed run's config.json that is neither its checkpoint's nor this call's (edited by hand) is
-    said in one line, with how to ask for it: config.json records the run, a resume reads its checkpoint instead."""
+def say_config_edits(start: Start, cfg: RunConfig, measured: bool, log) -> None:
+    """Values in a resumed run's config.json that this run does not use (edited by hand, or written by a session that
+    stopped before it saved) are said in one line: a resume takes its config from the call and the checkpoint."""
     # the config.json beside the checkpoint resumed (Drive may hang); none there (deleted by hand): nothing to say
     path = (start.mirror_dir if start.resume.from_mirror else start.run_dir) / CONFIG_FILE
     config = call_with_timeout(
@@ -172,29 +172,20 @@ def say_config_edits(start: Start, cfg: RunConfig, log) -> None:
         what=f"reading {path}",
     )
     held, ours = (vars(c.model) | vars(c.train) for c in (start.held, cfg))
-    # the checkpoint's value is the last session's record, not an edit (a change this call asks for is said already)
-    edits = {
-        n: v
+    # the checkpoint's value is the run's record; a micro-batch to be measured is not known yet
+    later = ("batch_size", "grad_accum_steps") if measured else ()
+    unused = [
+        f"{n} {_value(v)} (this run: {_value(ours[n])})"
         for n, v in (config.get("model", {}) | config.get("train", {})).items()
-        if n in ours and v not in (held[n], ours[n])
-    }
-    if not edits:
-        return
-    said = ", ".join(f"{n} {_value(v)} (this run: {_value(ours[n])})" for n, v in edits.items())
-    parts = [
-        f"{path} has {said}: {CONFIG_FILE} records the run (written again now), a resume does not read it"
+        if n in ours and n not in later and v not in (held[n], ours[n])
     ]
-    fixed = [n for n in edits if n in (*SHAPE, "vocab_size", "optimizer", "seed")]
-    # on the command line --max-steps and --max-minutes win over --set: those are asked by their flags
-    flags = () if in_notebook() else ("max_steps", "max_minutes")
-    asks = [f"--{n.replace('_', '-')} {v}" for n, v in edits.items() if n in flags]
-    if sets := [f"{n}={v}" for n, v in edits.items() if n not in (*fixed, *flags)]:
-        asks.append(override(*sets))
-    if asks:
-        parts.append(f"to use them, {' '.join(asks)}")
-    if fixed:
-        parts.append(f"{', '.join(fixed)} cannot change in a run (a new run directory)")
-    log("; ".join(parts))
+    if unused:
+        how = "its parameters and OVERRIDES" if in_notebook() else "its flags and --set FIELD=VALUE"
+        log(
+            f"{path} has {', '.join(unused)}, which this run does not use: a resume takes its config from the "
+            f"call and the checkpoint, not {CONFIG_FILE}; ask for a value where the run is started ({how}); "
+            f"a shape field needs a new run"
+        )
 
 
 def check_mirror_run(cfg: RunConfig, start: Start) -> None:
@@ -263,6 +254,8 @@ def schedule_change(old: TrainConfig, new: TrainConfig, step: int) -> str | None
 
 
 def _value(v) -> str:
+    if isinstance(v, bool):  # an int too: not 1 or 0
+        return str(v)
     return f"{v:,}" if isinstance(v, int) else f"{v:g}" if isinstance(v, float) else str(v)
 
 

@@ -331,7 +331,9 @@ def test_a_tiny_model_learns_the_qa_set_and_answers_held_out_questions(qa, tmp_p
 # --------------------------------------------------------------------------------------- exact resume
 
 
-def run_cli(qa: dict, run_dir: Path, steps: int, fault: str | None) -> subprocess.CompletedProcess:
+def run_cli(
+    qa: dict, run_dir: Path, steps: int, fault: str | None, init_from: bool = True
+) -> subprocess.CompletedProcess:
     cmd = faulty.gptlib_cmd(
         fault,
         "train",
@@ -341,8 +343,7 @@ def run_cli(qa: dict, run_dir: Path, steps: int, fault: str | None) -> subproces
         run_dir,
         "--preset",
         "finetune",
-        "--init-from",
-        qa["base"],
+        *(("--init-from", qa["base"]) if init_from else ()),
         "--max-steps",
         steps,
         "--device",
@@ -382,6 +383,11 @@ def test_an_sft_run_killed_mid_step_resumes_exactly(qa, tmp_path):
     wa = load_model_weights(newest_checkpoint(ref).path)
     wb = load_model_weights(newest_checkpoint(run).path)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # resumed again without --init-from (the base is in its checkpoint): it was refused, the preset's shape compared
+    # with the base's ("holds a run with block_size=... but this call asks for ...")
+    p = run_cli(qa, run, 25, None, init_from=False)
+    assert p.returncode == 0 and "resumed from step 20" in p.stdout + p.stderr, p.stdout + p.stderr
+    assert read_metrics(run)[-1]["step"] == 25
 
 
 def test_chat_loss_all_trains_on_every_token(qa, tmp_path):

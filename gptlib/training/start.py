@@ -42,9 +42,10 @@ def decide_config(
             f"{start.meta.data_dir}/meta.json)"
         )
         model["vocab_size"] = start.meta.vocab_size
-    # the vocabulary stays the data's (a base's may grow); the shape is the base's weights', and one asked for
-    # otherwise (the preset's, OVERRIDES') is said, not dropped silently
-    if held is not None and start.options.init_from:
+    # the vocabulary stays the data's (a base's may grow); the shape is the base's weights' (an --init-from start, or a
+    # resume of a run started so), and one asked for otherwise (the preset's, OVERRIDES') is said, not dropped silently
+    from_base = start.options.init_from or start.resume is not None and start.resume.state.init_from
+    if held is not None and from_base:
         base = {n: getattr(held.model, n) for n in SHAPE}
         wanted = {n: getattr(asked.model, n) for n in SHAPE}
         if other := [f"{n} {v} (not {wanted[n]})" for n, v in base.items() if v != wanted[n]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -319,6 +320,38 @@ def test_a_utf8_bom_before_a_jsonl_file_is_dropped(tmp_path, docs, capsys):
         plain, bom = (decoded_documents(out) for out in outs)
         assert sorted(bom["train"] + bom["val"]) == sorted(plain["train"] + plain["val"])
         assert "\ufeff" not in "".join(bom["train"] + bom["val"])
+
+
+def test_utf16_or_binary_text_input_is_refused_naming_it(tmp_path, docs):
+    """A .txt file saved as UTF-16 (Notepad's 'Unicode', Windows PowerShell's `>`, Excel's 'Unicode Text') or a
+    binary file in an input folder (an image, a PDF) was tokenized as UTF-8 text: a NUL between every letter, or
+    garbage, said only as a count of replaced bytes (a UTF-16 .jsonl: 'not valid JSON'). Now one line names the file
+    and says why, and an existing dataset stays."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("\n".join(docs[:200]))
+    out = tmp_path / "out"
+    before = prepare([corpus], out, "char", verbose=False)
+    shards = {p.name: p.read_bytes() for p in out.iterdir()}
+    records = "".join(json.dumps({"text": d}) + "\n" for d in docs[200:400])
+    bad = {  # -> where the message says it is
+        "b.txt": ("\n".join(docs[200:400]).encode("utf-16"), "input file {} is"),
+        "cover.png": (
+            b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4,
+            "input file {} is",
+        ),
+        "c.jsonl": (records.encode("utf-16"), "{}:1:"),
+    }
+    for name, (data, where) in bad.items():
+        (corpus / name).write_bytes(data)
+        for tok in ("char", "bpe"):
+            said = where.format(corpus / name) + " not UTF-8 text: it holds NUL bytes (UTF-16"
+            with pytest.raises(PrepareError, match=re.escape(said)):
+                opts = BPE if tok == "bpe" else {"verbose": False}
+                prepare([corpus], out, **{"tokenizer": tok, **opts, "overwrite": True})
+        (corpus / name).unlink()
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == shards
+    assert read_meta(out).raw["documents"] == before.raw["documents"]
 
 
 def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):

@@ -14,6 +14,7 @@ from gptlib.data.conversations import Malformed, normalize
 from gptlib.data.hub import describe, http_status
 from gptlib.data.inputs import (
     _ERRORS,
+    NOT_TEXT,
     Source,
     _jsonl_object,
     _jsonl_text,
@@ -98,6 +99,9 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
             block = f.read(min(PIECE_CHARS, tail_cut - off) if split == "train" else PIECE_CHARS)
             if not block:
                 break  # the file shrank while reading
+            # UTF-16 (Notepad's 'Unicode', Windows PowerShell's >) or a binary file, as git tells one: a NUL early on
+            if off == 0 and b"\0" in block[:8000]:
+                raise PrepareError(f"input file {src.path} is {NOT_TEXT}")
             end = off + len(block)
             k = _cut_bytes(block, end >= src.size or end == tail_cut)
             if k < len(block):

@@ -354,6 +354,25 @@ def test_utf16_or_binary_text_input_is_refused_naming_it(tmp_path, docs):
     assert read_meta(out).raw["documents"] == before.raw["documents"]
 
 
+def test_a_dataset_inside_an_input_folder_is_not_read_as_text(tmp_path, docs):
+    """--out inside the corpus folder, then a second dataset of it (another vocab, a new --out beside the first):
+    the first dataset's files were inputs, and tokenize failed on 'corpus/data/meta.json:1: not valid JSON', as if
+    that dataset were damaged. A folder holding a tokenizer.json (a dataset or a run) inside an input folder is
+    skipped, as --out itself is: the second dataset is made of the corpus alone."""
+    corpus = tmp_path / "corpus"
+    (corpus / "more").mkdir(parents=True)
+    (corpus / "a.txt").write_text("\n".join(docs[:300]))
+    write_jsonl(corpus / "more" / "b.jsonl", docs[300:600])
+    first = prepare([corpus], corpus / "data", **BPE)
+    second = prepare([corpus], corpus / "data_bpe", **{**BPE, "vocab_size": 320})
+    for meta in (first, second):
+        assert [s["path"] for s in meta.raw["sources"]] == [
+            str(corpus / "a.txt"),
+            str(corpus / "more" / "b.jsonl"),
+        ]
+    assert second.raw["documents"] == first.raw["documents"]
+
+
 def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):
     (tmp_path / "empty.txt").write_text("")
     write_jsonl(tmp_path / "a.jsonl", docs[:300] + [""])

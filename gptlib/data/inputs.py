@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from gptlib.data.hub import Found, describe, has_glob, is_url, resolve_url
 from gptlib.errors import PrepareError
+from gptlib.layout import TOKENIZER_FILE
 
 # files above this get a sampled hash (head, middle, tail), not a full read
 FULL_HASH_LIMIT = 256 << 20
@@ -125,8 +126,12 @@ def resolve_inputs(
         if is_url(s):
             files.extend(resolve_url(s, hf_config, hf_split))
         elif p.is_dir():
-            for x in sorted(p.rglob("*")):
-                if x.is_file() and not any(part.startswith(".") for part in x.relative_to(p).parts):
+            found = sorted(x for x in p.rglob("*") if x.is_file())
+            # a dataset or run in the folder (an earlier --out there: its tokenizer.json) is not text
+            made = {x.parent for x in found if x.name == TOKENIZER_FILE and x.parent != p}
+            for x in found:
+                hidden = any(part.startswith(".") for part in x.relative_to(p).parts)
+                if not hidden and made.isdisjoint(x.parents):
                     files.append(x)
         elif p.is_file():
             files.append(p)

@@ -108,3 +108,18 @@ def test_counts():
     for decimal in ("2,8B", "0,5B", "1,5M", "12,34"):
         with pytest.raises(ValueError, match="write decimals with a dot"):
             parse_count(decimal)
+
+
+def test_a_bad_notebook_source_or_budget_is_one_line():
+    """Notebooks 01 and 05: 'my files on Drive' with INPUT left empty, or MAX_TOKENS '2,8B' (a decimal comma) or
+    'lots', raised a plain ValueError: a traceback through gptlib/data/catalog.py in the cell. A ConfigError (a
+    GptlibError, still a ValueError) shows as its one line, as every other bad input does."""
+    from gptlib.errors import GptlibError
+
+    calls = [(MY_FILES,), (MY_FILES, "x.txt", "", "2,8B"), (MY_FILES, "x.txt", "", "lots")]
+    for args in calls + [("Wikipedia",)]:
+        with pytest.raises(GptlibError) as ei:
+            source_inputs(*args)
+        assert isinstance(ei.value, ValueError)
+        (line,) = ei.value._render_traceback_()
+        assert line.startswith("ConfigError: ") and str(ei.value) in line

@@ -8,6 +8,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from gptlib.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class KnownSource:
@@ -65,7 +67,7 @@ def parse_count(s: str | int | float | None) -> int | None:
         return None
     # commas only between groups of thousands (2,800,000,000): "2,8B" is a decimal comma, read as 28B before
     if "," in t and not re.fullmatch(r"\d{1,3}(,\d{3})+", t.rstrip("KMBGT")):
-        raise ValueError(
+        raise ConfigError(
             f"{s!r}: a comma only separates thousands here; write decimals with a dot (2.8B)"
         )
     t = t.replace(",", "")
@@ -73,11 +75,11 @@ def parse_count(s: str | int | float | None) -> int | None:
     try:
         n = float(t[:-1] if mult != 1 else t) * mult
     except ValueError:
-        raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)") from None
+        raise ConfigError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)") from None
     if n < 0:
-        raise ValueError(f"{s!r} must not be negative")
+        raise ConfigError(f"{s!r} must not be negative")
     if not math.isfinite(n):  # inf, nan, 1e400
-        raise ValueError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)")
+        raise ConfigError(f"{s!r} is not a count (e.g. 2800000000, 2.8e9, 2.8B, 500M)")
     return int(round(n)) or None
 
 
@@ -94,10 +96,10 @@ def source_inputs(
     from gptlib.data.download import cached_tinyshakespeare, fetch_tinyshakespeare
 
     if label not in SOURCES:
-        raise ValueError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
+        raise ConfigError(f"unknown source {label!r}; choose one of: {', '.join(SOURCES)}")
     inputs = [s.strip() for s in user_input.split(",") if s.strip()]
     if not inputs and label == MY_FILES:
-        raise ValueError(
+        raise ConfigError(
             f"source {MY_FILES!r}: put the files, folders or globs in INPUT (comma-separated)"
         )
     # auto: conversations read as chat

@@ -626,3 +626,19 @@ def test_a_checkpoint_label_gives_the_step_as_checkpoints_takes_it():
 
     label = checkpoint_label({"step": 12000, "val_loss": 1.5, "val_batches": 1000, "is_best": True})
     assert label == "step 12000 · val 1.500 (training's validation: 1,000 batches) · best", label
+
+
+def test_a_checkpoint_folder_given_as_the_run_dir_names_the_run_to_give(run_dir, capsys):
+    """A checkpoint's folder (or the checkpoints folder) given as the run, as a file browser shows it (notebook 04's
+    RUN_DIR, --run-dir, --init-from) said 'no valid checkpoint in RUN/checkpoints/step_0000010/checkpoints (has
+    training saved one yet?)', and notebook 04 'no complete checkpoint in ...; train first': it names the run."""
+    from gptlib.__main__ import main
+    from gptlib.inference.loading import find_run
+
+    for inside in (run_dir / "checkpoints" / "step_0000010", run_dir / "checkpoints"):
+        said = f"no valid checkpoint in {inside}: it is inside the run directory {run_dir}; give that instead"
+        with pytest.raises(CheckpointError) as e:
+            find_run(run_dir=str(inside))
+        assert str(e.value) == said
+        assert main(["sample", "--run-dir", str(inside)]) == 2
+        assert capsys.readouterr().err == f"error: {said}\n"

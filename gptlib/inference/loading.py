@@ -106,6 +106,11 @@ def resolve_checkpoint(
                 f": it holds a Hugging Face model (model.safetensors), not a gptlib run; make it a run with "
                 f"{how}, then use RUN_DIR"
             )
+        # a checkpoint's folder, or the checkpoints folder, copied from a file browser
+        elif run := next(
+            (d for d in (run_dir.parent, run_dir.parent.parent) if list_checkpoints(d)), None
+        ):
+            why = f": it is inside the run directory {run}; give that instead"
         else:
             why = "/checkpoints (has training saved one yet?)"
         raise CheckpointError(f"no valid checkpoint in {run_dir}{why}")
@@ -211,7 +216,9 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
     if run_dir := str(run_dir).strip():
         # a RUN_DIR on Drive, on a fresh VM: mounted before it is looked at, not "no checkpoint there"
         colab.mount_for(run_dir)
-        return pick_run_dir([run_dir])
+        # none there: why, as `sample` says it (no such folder, a folder inside a run, an export)
+        resolve_checkpoint(run_dir)
+        return Path(run_dir)
     paths = colab.run_paths(name, roots)
     return pick_run_dir([paths.run_dir, paths.mirror_dir])
 

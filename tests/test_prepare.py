@@ -473,6 +473,21 @@ def test_bad_options(tmp_path, small_text):
 # ------------------------------------------------------------------------------ refusal and resume
 
 
+def test_a_refused_dataset_names_what_differs(tmp_path, docs, bpe_file):
+    """Notebook 05 run again with another base (its tokenizer), or an input file edited in place: the refusal listed
+    the same sources and 'tokenizer bpe' as the call gave, and did not say what was different. It names it."""
+    from tests.tokenize_kit import small_bpe
+
+    out, src = tmp_path / "out", write_jsonl(tmp_path / "a.jsonl", docs)
+    prepare([src], out, tokenizer_from=bpe_file, verbose=False)
+    other_base = small_bpe(docs[::-1][:300], tmp_path / "other")
+    with pytest.raises(PrepareError, match=r"; it differs in: tokenizer\)"):
+        prepare([src], out, tokenizer_from=other_base, verbose=False)
+    write_jsonl(src, docs[:-1])  # edited, same path
+    with pytest.raises(PrepareError, match=r"; it differs in: sources\)"):
+        prepare([src], out, tokenizer_from=bpe_file, verbose=False)
+
+
 def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file, capsys):
     out = tmp_path / "out"
     prepare([write_jsonl(tmp_path / "a.jsonl", docs)], out, tokenizer_from=bpe_file, verbose=False)

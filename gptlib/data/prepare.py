@@ -288,10 +288,13 @@ def _previous_run(
                 print(f"{out_dir} already holds this dataset; reusing it")
             return read_meta(out_dir), None
         if not overwrite:
+            # the same paths with other bytes (an edited file), another base's tokenizer: named, as they look the same
+            was = old.get("prepare_spec") or {}
+            differ = ", ".join(k for k in {**was, **spec} if was.get(k) != spec.get(k))
             raise PrepareError(
                 f"{out_dir} already holds a different dataset (sources "
                 f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
-                f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}); "
+                f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}; it differs in: {differ}); "
                 f"choose another output directory or pass --overwrite / overwrite=True"
             )
         return None, None

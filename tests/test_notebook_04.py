@@ -248,3 +248,40 @@ def test_notebook_04_gguf_and_share_cells_on_a_bpe_run(tmp_path, monkeypatch, sm
     # the bpb the notebook just ran
     assert "bits per byte" in {r.metric_name for r in card.data.eval_results}
     assert {k: v for k, v in tree_digest(run).items() if k != "eval.jsonl"} == before
+
+
+def test_compare_cell_with_seed_minus_one_samples_at_random(tmp_path, char_data, monkeypatch):
+    """SEED = -1, which the playground above takes as random ('Seed (-1 random)'), failed the compare cell with
+    'seed=-1 must be in [0, 2**63) (or None for random)', a None its integer form cannot hold: now one random seed
+    serves every checkpoint, as the playground does."""
+    import IPython.display
+    import nbformat
+
+    from gptlib import checkpoint_label, checkpoint_table
+    from gptlib.training.loop import train
+    from tests.nbrun import NOTEBOOKS
+
+    run = tmp_path / "run"
+    train(
+        char_data,
+        run,
+        overrides=TINY + ["eval_interval=5"],
+        max_steps=10,
+        progress=False,
+        log=print,
+    )
+    shown = []
+    handle = type("Handle", (), {"update": lambda self, h: shown.append(h.data)})()
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: handle)
+    nb = nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "Engine.from_run(" in c.source)
+    params = {"MAX_NEW_TOKENS": 8, "TEMPERATURE": 0.8, "TOP_K": 0, "TOP_P": 0.95, "SEED": -1}
+    scope = {**params, "PROMPTS": "ROMEO:", "run_dir": run, "device": "cpu"}
+    scope |= {
+        "checkpoint_table": checkpoint_table,
+        "checkpoint_label": checkpoint_label,
+    }  # notebook's cell 3
+    exec(cell.source, scope)
+    assert len(scope["rows"]) == 2 and all(len(s[0]) > len("ROMEO:") for _, s in scope["rows"]), (
+        shown
+    )

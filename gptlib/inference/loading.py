@@ -216,8 +216,9 @@ def find_run(name: str = "", run_dir: str | Path = "", roots=None) -> Path:
     if run_dir := str(run_dir).strip():
         # a RUN_DIR on Drive, on a fresh VM: mounted before it is looked at, not "no checkpoint there"
         colab.mount_for(run_dir)
-        # none there: why, as `sample` says it (no such folder, a folder inside a run, an export)
-        resolve_checkpoint(run_dir)
+        # none there: why, as `sample` says it (no such folder, a folder inside a run, an export); a newer damaged
+        # checkpoint is said where the run is loaded
+        resolve_checkpoint(run_dir, log=lambda line: None)
         return Path(run_dir)
     paths = colab.run_paths(name, roots)
     return pick_run_dir([paths.run_dir, paths.mirror_dir])

@@ -1,5 +1,6 @@
 import json
 import re
+import shutil
 import signal
 import time
 
@@ -836,6 +837,16 @@ def test_runs_figure_draws_several_runs_val_loss_against_tokens_seen(
     ]
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         find_runs("new", runs / "a")
+    # named with another vocabulary: drawn as asked, and said (they were drawn on one axis without a word)
+    shutil.copytree(runs / "a", runs / "c")
+    config = json.loads((runs / "c" / "config.json").read_text())
+    config["model"]["vocab_size"] = 32768
+    (runs / "c" / "config.json").write_text(json.dumps(config))
+    said.clear()
+    assert find_runs("b, c", runs / "a", log=said.append) == [runs / "a", runs / "b", runs / "c"]
+    assert said == [f"compare: c has vocabulary 32768, not a's {chars}: losses do not compare"], (
+        said
+    )
     # no other run at all
     monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "alone"))
     said.clear()

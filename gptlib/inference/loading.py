@@ -233,17 +233,24 @@ def find_runs(
     The runs left out, and why, are said in one line through `log`, as is a comparison of this run alone."""
     from gptlib import colab
 
-    roots, found = roots or colab.setup(), [Path(current)] if current else []
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-        found.append(find_run("" if "/" in name else name, name if "/" in name else "", roots))
-    if names.strip() or not found:
-        return list(dict.fromkeys(found))  # this run named again: drawn once
-
     # config.json is beside the checkpoints on the Drive mirror too
     def vocab(run_dir: Path) -> int | None:
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             return json.loads((run_dir / CONFIG_FILE).read_text())["model"]["vocab_size"]
         return None
+
+    roots, found = roots or colab.setup(), [Path(current)] if current else []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        found.append(find_run("" if "/" in name else name, name if "/" in name else "", roots))
+    if names.strip() or not found:
+        found = list(dict.fromkeys(found))  # this run named again: drawn once
+        # drawn as named, but a loss per character is not one per token
+        for d in [d for d in found[1:] if vocab(d) != vocab(found[0])]:
+            log(
+                f"compare: {d.name} has vocabulary {vocab(d)}, not {found[0].name}'s {vocab(found[0])}: losses do "
+                f"not compare"
+            )
+        return found
 
     folders = list(dict.fromkeys([roots.local / "runs", roots.persistent / "runs"]))
 

@@ -35,7 +35,7 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
     gguf_file = f"{repo.split('/')[1]}-F16.gguf" if gguf else ""
     if gguf:
         # a run llama.cpp cannot run: refused before anything is written
-        gguf_arch(ld.model.config, ld.tokenizer)
+        gguf_arch(ld.model.config, ld.tokenizer, "push without --gguf (notebook 04: HUB_GGUF off)")
     remove_leftovers(out)
     tmp = out.parent / f".{out.name}.staging-{os.getpid()}"
     try:

@@ -271,7 +271,12 @@ def test_bad_input_is_one_line_and_changes_nothing(
             "nothing was committed (a Hub commit is all or nothing): run the same command again",
         ),
         (("push", "--run-dir", no_ckpt, "--repo", "alice/tiny"), {}, "no-checkpoint"),
-        (("push", "--run-dir", char_run, "--repo", "alice/tiny", "--gguf"), {}, "char tokenizer"),
+        (  # notebook 04's HUB_GGUF is on by default, and notebook 02's run is a char run
+            ("push", "--run-dir", char_run, "--repo", "alice/tiny", "--gguf"),
+            {},
+            "char tokenizer; llama.cpp's tokenizers are subword ones: push without --gguf "
+            "(notebook 04: HUB_GGUF off)",
+        ),
         (
             ("push", "--run-dir", run, "--repo", "alice/tiny", "--dry-run", taken),
             {},

@@ -427,11 +427,11 @@ def write_gguf(
     return out
 
 
-def gguf_arch(cfg, tokenizer: Tokenizer) -> str:
+def gguf_arch(cfg, tokenizer: Tokenizer, instead: str = "") -> str:
     if not isinstance(tokenizer, BPETokenizer):
         raise ExportError(
             f"this run has a {tokenizer.kind} tokenizer; llama.cpp's tokenizers are subword ones: "
-            f"export a byte-level BPE run (tokenize --tokenizer bpe), or use export-hf for this one"
+            f"{instead or 'export a byte-level BPE run (tokenize --tokenizer bpe), or use export-hf for this one'}"
         )
     return native_arch(cfg, target="llama.cpp")
 

@@ -475,6 +475,25 @@ def test_bpb_of_a_run_trained_with_a_relative_data_dir_from_another_folder(
     )
 
 
+def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys):
+    """Notebook 02 tokenizes into its run dir on the VM's disk; on a fresh VM notebook 04 evaluates the Drive mirror,
+    whose checkpoints record that data directory, gone. bpb said `data directory ... does not exist (run python -m
+    gptlib tokenize first)`: not which checkpoint recorded it, nor --data. Now the line says both."""
+    import shutil
+
+    from gptlib.training.loop import train
+
+    shutil.copytree(char_data, tmp_path / "vm-data")
+    train(tmp_path / "vm-data", tmp_path / "run", overrides=TINY, max_steps=3, progress=False)
+    shutil.rmtree(tmp_path / "vm-data")
+    args = ["eval", "--run-dir", str(tmp_path / "run"), "--task", "bpb", "--limit", "2", "--quiet"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "step_0000003 records its data directory as" in err, err
+    assert "vm-data', which is gone" in err and "pass --data DATA_DIR" in err, err
+    assert main([*args, "--data", str(char_data)]) == 0
+
+
 def test_out_appends_to_eval_rows_only(run_dir, char_data, tmp_path, capsys):
     """--out naming a dataset's meta.json (or a corpus, or metrics.jsonl): refused, unchanged (the row was appended
     and the dataset no longer loaded); a file of eval rows, or a new one, takes the rows."""

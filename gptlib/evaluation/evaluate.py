@@ -147,9 +147,11 @@ def _prepare(
         raise EvalError(msg)
     if not (data or state.data_dir):
         raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
-    # an older run's record: relative to the folder training ran in
-    if not data and not Path(state.data_dir).is_absolute() and not Path(state.data_dir).is_dir():
-        msg = f"{info.path} records its data directory as {state.data_dir!r}, relative to where training ran"
+    # an older run's record: relative to the folder training ran in; else gone (a reset Colab VM's disk, notebook 02's)
+    if not data and not Path(state.data_dir).is_dir():
+        gone = Path(state.data_dir).is_absolute()
+        why = "which is gone" if gone else "relative to where training ran"
+        msg = f"{info.path} records its data directory as {state.data_dir!r}, {why}"
         raise EvalError(f"{msg}; pass --data DATA_DIR")
     meta = read_meta(data or state.data_dir)
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"

@@ -348,7 +348,7 @@ def cmd_chat(args) -> int | None:
     "export-hf",
     "export a checkpoint as a Hugging Face model folder (GPT-2; Qwen3/Llama for --recipe modern)",
     arg("--out", required=True, metavar="DIR", help="output folder"),
-    arg("--overwrite", action="store_true", help="replace a non-empty output folder"),
+    arg("--overwrite", action="store_true", help="replace a previous export there"),
     checkpoint="latest",
 )
 def cmd_export(args) -> None:

@@ -141,6 +141,24 @@ def test_export_never_overwrites_by_accident(run_dir, tmp_path):
     )
 
 
+def test_overwrite_keeps_what_the_user_put_beside_a_previous_export(run_dir, tmp_path):
+    """FILE.gguf and a Modelfile (docs/cli.md's Ollama steps), or a folder, kept in the export folder: re-running
+    export-hf --overwrite (notebook 04's export cell always overwrites) deleted them with the previous export. Now
+    the export's own files are replaced and the rest stays."""
+    out = tmp_path / "hf"
+    export_hf(run_dir, out, checkpoint=10)
+    (out / "model.gguf").write_bytes(b"GGUF mine")
+    (out / "Modelfile").write_text("FROM ./model.gguf\n")
+    (out / "notes").mkdir()
+    (out / "notes" / "a.txt").write_text("mine")
+    export_hf(run_dir, out, checkpoint=5, overwrite=True)
+    assert "- step: 5" in (out / "README.md").read_text()
+    assert (out / "model.gguf").read_bytes() == b"GGUF mine"
+    assert (out / "Modelfile").read_text() == "FROM ./model.gguf\n"
+    assert (out / "notes" / "a.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no leftovers beside it"
+
+
 @pytest.mark.parametrize("where", ["run", "run/checkpoints", "parent"])
 def test_export_refuses_the_run_itself_as_output(run_dir, tmp_path, where):
     """export-hf --out R --overwrite once replaced the whole run with the export."""

@@ -150,9 +150,13 @@ def _prepare(
     # an older run's record: relative to the folder training ran in; else gone (a reset Colab VM's disk, notebook 02's)
     if not data and not Path(state.data_dir).is_dir():
         gone = Path(state.data_dir).is_absolute()
-        why = "which is gone" if gone else "relative to where training ran"
+        why = (
+            "which is gone: tokenize it there again, or"
+            if gone
+            else "relative to where training ran;"
+        )
         msg = f"{info.path} records its data directory as {state.data_dir!r}, {why}"
-        raise EvalError(f"{msg}; pass --data DATA_DIR")
+        raise EvalError(f"{msg} pass --data DATA_DIR")
     meta = read_meta(data or state.data_dir)
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"
     check_identity(tok, meta.tokenizer, needs)

@@ -475,7 +475,7 @@ def test_bpb_of_a_run_trained_with_a_relative_data_dir_from_another_folder(
     )
 
 
-def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys):
+def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys, monkeypatch):
     """Notebook 02 tokenizes into its run dir on the VM's disk; on a fresh VM notebook 04 evaluates the Drive mirror,
     whose checkpoints record that data directory, gone. bpb said `data directory ... does not exist (run python -m
     gptlib tokenize first)`: not which checkpoint recorded it, nor --data. Now the line says both."""
@@ -492,6 +492,15 @@ def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys):
     assert err.count("\n") == 1 and "step_0000003 records its data directory as" in err, err
     assert "vm-data', which is gone" in err and "pass --data DATA_DIR" in err, err
     assert main([*args, "--data", str(char_data)]) == 0
+    # notebook 04's evaluate cell, which has no data setting: it said 'or pass --data DATA_DIR' there too
+    import IPython
+
+    from gptlib.errors import EvalError
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
+    with pytest.raises(EvalError) as e:
+        evaluate_run(tmp_path / "run", "bpb", limit=2, progress=False)
+    assert str(e.value).endswith("vm-data', which is gone: tokenize it there again"), e.value
 
 
 def test_out_appends_to_eval_rows_only(run_dir, char_data, tmp_path, capsys):

@@ -14,7 +14,7 @@ import torch
 from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
-from gptlib.errors import EvalError, loud
+from gptlib.errors import EvalError, in_notebook, loud
 from gptlib.evaluation import hellaswag as hs
 from gptlib.fsutil import append_jsonl
 from gptlib.inference.loading import (
@@ -150,13 +150,10 @@ def _prepare(
     # an older run's record: relative to the folder training ran in; else gone (a reset Colab VM's disk, notebook 02's)
     if not data and not Path(state.data_dir).is_dir():
         gone = Path(state.data_dir).is_absolute()
-        why = (
-            "which is gone: tokenize it there again, or"
-            if gone
-            else "relative to where training ran;"
-        )
-        msg = f"{info.path} records its data directory as {state.data_dir!r}, {why}"
-        raise EvalError(f"{msg} pass --data DATA_DIR")
+        why = "which is gone: tokenize it there again" if gone else "relative to where training ran"
+        # notebook 04's evaluate cell has no data setting: --data is the command line's way out only
+        how = "" if gone and in_notebook() else f"{', or' if gone else ';'} pass --data DATA_DIR"
+        raise EvalError(f"{info.path} records its data directory as {state.data_dir!r}, {why}{how}")
     meta = read_meta(data or state.data_dir)
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"
     check_identity(tok, meta.tokenizer, needs)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -156,6 +159,15 @@ def test_overwrite_keeps_what_the_user_put_beside_a_previous_export(run_dir, tmp
     assert (out / "model.gguf").read_bytes() == b"GGUF mine"
     assert (out / "Modelfile").read_text() == "FROM ./model.gguf\n"
     assert (out / "notes" / "a.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no leftovers beside it"
+    # cut off between its two renames (the previous export moved aside, the new one not yet in place): the next
+    # export removed both leftovers, and what the user kept with them
+    os.replace(out, tmp_path / ".hf.old-123")
+    shutil.copytree(tmp_path / ".hf.old-123", tmp_path / ".hf.export-abc")
+    export_hf(run_dir, out, checkpoint=10, overwrite=True)
+    assert (out / "model.gguf").read_bytes() == b"GGUF mine" and "- step: 10" in (
+        out / "README.md"
+    ).read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no leftovers beside it"
 
 

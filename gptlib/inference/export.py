@@ -243,6 +243,9 @@ def check_export_target(out: Path, overwrite: bool | None, run_dir: Path | None 
     command has no --overwrite)."""
     # an --out on Drive with GPTLIB_ROOT off it (Drive not mounted yet): written to Drive, not under the mount point
     mount_for(out)
+    # an export cut off between its two renames (export_model): the previous one, with what the user kept in it, back
+    if not out.exists() and (old := next(out.parent.glob(f".{out.name}.old-*"), None)):
+        os.replace(old, out)
     target, run = out.resolve(), run_dir and run_dir.resolve()
     if run and (target == run or run in target.parents or target in run.parents):
         raise ExportError(

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv and install gptlib with its test extras. Idempotent: a second run only checks.
-# torch is pinned to the tested version here (pip's default build: on Linux PyPI's, with CUDA's
-# libraries); on Colab
-# this script is never used and Colab's own torch is never reinstalled.
+# torch is pinned to the tested version here (pip's default build: on Linux PyPI's, with CUDA's libraries);
+# on Colab this script is never used and Colab's own torch is never reinstalled.
 # GPTLIB_VENV_CACHE=1 (set by .ci/run): a missing .venv is a hard-linked copy of one built per week and
 # per pyproject.toml's requirements in ~/.cache/gptlib-main (scripts/venv_cache.sh), checked, with gptlib
 # installed into it from this clone.

@@ -244,17 +244,21 @@ class RunLease:
         """Mark the leases still ours released (never another holder's, nor any once one was lost); the file stays,
         for a holder frozen before this one took over to read."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            # a beat being written now must not follow the release (one abandoned on a hung Drive may still land:
-            # that lease then goes stale in STALE_S)
-            self._thread.join(IO_TIMEOUT_S)
-        for d in self._held if self.lost is None else []:
-            with suppress(OSError, LeaseLost):  # a hung Drive: the lease goes stale on its own
-                self._write(d / LEASE_FILE, released=True)
-        for d in self._held:
-            GUARDS.pop(str(d), None)
-        self._held = []
-        _LIVE.discard(self.session)
+        # a stop press while Drive is slow to answer: this process's training is over all the same (its lease left
+        # unreleased is taken over by the next call here, not named as one still running in this kernel)
+        try:
+            if self._thread is not None and self._thread is not threading.current_thread():
+                # a beat being written now must not follow the release (one abandoned on a hung Drive may still land:
+                # that lease then goes stale in STALE_S)
+                self._thread.join(IO_TIMEOUT_S)
+            for d in self._held if self.lost is None else []:
+                with suppress(OSError, LeaseLost):  # a hung Drive: the lease goes stale on its own
+                    self._write(d / LEASE_FILE, released=True)
+        finally:
+            for d in self._held:
+                GUARDS.pop(str(d), None)
+            self._held = []
+            _LIVE.discard(self.session)
 
 
 @contextmanager

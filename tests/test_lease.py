@@ -380,6 +380,35 @@ def test_a_start_whose_mirror_lease_write_hangs_holds_nothing(char_data, tmp_pat
     assert train(char_data, tmp_path / "run", "phase1", TINY, max_steps=4, **args).step == 4
 
 
+def test_a_stop_press_while_the_lease_is_released_leaves_the_kernel_able_to_train(
+    char_data, tmp_path, monkeypatch
+):
+    """The stop button pressed while a finished training marks its Drive lease released (a slow Drive: the cell
+    has not ended yet). The next run of the cell in the same kernel resumed nothing: every call said 'in use by this
+    notebook's own training, still running in this kernel' until a restart (the interrupted release kept the
+    lease among this process's live ones)."""
+    drive, write = tmp_path / "drive", L.atomic_write_json
+    args = dict(progress=False, log=quiet, mirror_dir=drive)
+
+    def pressed_on_drive(path, body):
+        if path.parent == drive and body["released"]:
+            raise KeyboardInterrupt  # the press, arriving while the cell waits for Drive's answer
+        write(path, body)
+
+    monkeypatch.setattr(L, "atomic_write_json", pressed_on_drive)
+    with pytest.raises(KeyboardInterrupt):
+        train(char_data, tmp_path / "run", "phase1", TINY, max_steps=2, **args)
+    monkeypatch.setattr(L, "atomic_write_json", write)
+    logs = []
+    r = train(
+        char_data, tmp_path / "run", "phase1", TINY, max_steps=4, **{**args, "log": logs.append}
+    )
+    assert r.resumed_from == 2 and r.step == 4
+    assert any(
+        "was left by an earlier training of this process, which has ended" in m for m in logs
+    ), logs
+
+
 # --- a holder frozen (SIGSTOP: a paused VM, a process stuck on a hung Drive) while another host takes its run over
 # (issue 44). Two "machines" by the hostname knob; a lease stale after 2 s. Before the fix the woken holder wrote the
 # lease again ("was deleted ... writing it again") and its checkpoints, config, plot and samples over the new

@@ -177,7 +177,10 @@ class RunConfig:
 
     def updated(self, overrides: dict[str, Any] | list[str] | None) -> "RunConfig":
         """A copy, not validated, with fields set by name (`n_layer` or `model.n_layer`) from a dict or FIELD=VALUE."""
-        if isinstance(overrides, list):
+        # a notebook's OVERRIDES = "n_layer=6": one setting (a string has no .items(); list() splits it into letters)
+        if isinstance(overrides, str):
+            overrides = [overrides]
+        if isinstance(overrides, (list, tuple)):
             if bad := [item for item in overrides if "=" not in item]:
                 raise ConfigError(f"override {bad[0]!r} is not FIELD=VALUE")
             overrides = dict(item.split("=", 1) for item in overrides)

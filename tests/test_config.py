@@ -66,6 +66,29 @@ def test_updated_parses_types_and_rejects_unknown_fields():
         cfg.updated({"optim.lr": 1})
 
 
+def test_overrides_given_as_one_string_or_a_tuple():
+    """A notebook's OVERRIDES = "n_layer=6" (one setting, not a list of them) or a tuple: notebook 02's train cell
+    raised AttributeError: 'str' object has no attribute 'items' (a tuple: 'tuple' object ...); notebook 03's plan
+    cell split the string into characters: "override 'n' is not FIELD=VALUE"."""
+    import nbformat
+
+    from tests.nbrun import NOTEBOOKS
+
+    preset = get_preset("phase1")
+    assert preset.updated("n_layer=6").model.n_layer == 6
+    assert preset.updated(("n_layer=6", "dropout=0.1")).model.dropout == 0.1
+    with pytest.raises(ConfigError, match=r"n_layer='6, dropout=0.1': n_layer takes an integer"):
+        preset.updated("n_layer=6, dropout=0.1")  # two settings in one string: named, not guessed
+    cell = next(
+        c
+        for c in nbformat.read(NOTEBOOKS / "03_phase3_train.ipynb", as_version=4).cells
+        if c.cell_type == "code" and "plan_run(" in c.source
+    )
+    scope = dict(PRESET="phase1", RECIPE="gpt2", TOKEN_BUDGET_M=0.0, DEVICE="cpu", AUTO_BATCH=True)
+    exec(cell.source, {**scope, "OVERRIDES": "n_layer=6"}, scope)
+    assert scope["overrides"][:2] == ["n_layer=6", "auto_batch=true"], scope["overrides"]
+
+
 def test_integer_fields_from_code_take_whole_numbers_only():
     """train(max_steps=budget / tokens_per_step) with 25.5 trained 26 steps and never finished (step == max_steps never
     held); batch_size=8.0 failed in the sampler with a bare TypeError; a seed of 2**64 - 1 crashed at the first

@@ -3,8 +3,8 @@ Field names are unique across the two, so `--set n_layer=6` needs no prefix; con
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -358,9 +358,9 @@ def _parse_value(name: str, value: Any, current: Any) -> Any:
             return int(number)
         if isinstance(current, float):
             return float(v)
-        # the one list field: strings
-        return [str(x) for x in json.loads(v)] if v.startswith("[") else [value]
-    except (ValueError, KeyError):
+        # the one list field: strings, in JSON or as Python writes them (['ROMEO:'] in a notebook's OVERRIDES)
+        return [str(x) for x in ast.literal_eval(v)] if v.startswith("[") else [value]
+    except (ValueError, KeyError, SyntaxError):
         kinds = {bool: "true or false", int: "an integer", float: "a number"}
         kind = kinds.get(type(current), "a list of strings")
         raise ConfigError(f"{name}={value!r}: {name} takes {kind}") from None

@@ -89,6 +89,20 @@ def test_overrides_given_as_one_string_or_a_tuple():
     assert scope["overrides"][:2] == ["n_layer=6", "auto_batch=true"], scope["overrides"]
 
 
+def test_sample_prompts_as_python_writes_a_list():
+    """A notebook's OVERRIDES = ["sample_prompts=['ROMEO:', 'JULIET:']"] (a list as Python writes it, in a string in
+    double quotes) was refused as "sample_prompts takes a list of strings": only JSON's double quotes were read."""
+    preset = get_preset("phase1")
+    got = preset.updated(["sample_prompts=['ROMEO:', 'JULIET:']"]).train.sample_prompts
+    assert got == ["ROMEO:", "JULIET:"]
+    assert preset.updated(['sample_prompts=["a", "\\u00e9"]']).train.sample_prompts == [
+        "a",
+        "\u00e9",
+    ]
+    with pytest.raises(ConfigError, match="sample_prompts takes a list of strings"):
+        preset.updated(["sample_prompts=['ROMEO:'"])
+
+
 def test_integer_fields_from_code_take_whole_numbers_only():
     """train(max_steps=budget / tokens_per_step) with 25.5 trained 26 steps and never finished (step == max_steps never
     held); batch_size=8.0 failed in the sampler with a bare TypeError; a seed of 2**64 - 1 crashed at the first

@@ -213,11 +213,9 @@ def export_model(
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         # a previous export (check_export_target): replaced only once the new one is complete; what the user keeps
         # beside it (a GGUF file, a Modelfile) comes along, copied, so that a kill before the swap leaves it in place
-        for kept in (
-            [p for p in out.iterdir() if not (tmp / p.name).exists()] if out.exists() else []
-        ):
-            (shutil.copytree if kept.is_dir() else shutil.copy2)(kept, tmp / kept.name)
         if out.exists():
+            for kept in [p for p in out.iterdir() if not (tmp / p.name).exists()]:
+                (shutil.copytree if kept.is_dir() else shutil.copy2)(kept, tmp / kept.name)
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)

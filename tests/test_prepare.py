@@ -634,6 +634,36 @@ def test_unfinished_run_of_other_inputs_is_refused(tmp_path, docs, bpe_file, mon
     assert files_of(tmp_path / "out") == before
 
 
+def test_a_different_dataset_in_a_notebook_names_the_notebooks_settings(
+    tmp_path, docs, bpe_file, monkeypatch
+):
+    """Notebook 05 tokenizing into a DATASET_NAME that holds another dataset (another base, MAX_TOKENS or source)
+    was told 'pass --overwrite / overwrite=True': it has no such setting. In a notebook: DATASET_NAME, notebook 01's
+    OVERWRITE, or deleting the folder; an unfinished one's refusal too. Nothing in the folder changes."""
+    from types import SimpleNamespace
+
+    src, out = write_jsonl(tmp_path / "a.jsonl", docs), tmp_path / "chat"
+    prepare([src], out, tokenizer_from=bpe_file, verbose=False)
+    before = files_of(out)
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(PrepareError, match="already holds a different dataset") as e:
+        prepare([src], out, tokenizer_from=bpe_file, val_fraction=0.2, verbose=False)
+    said = str(e.value)
+    assert "choose another DATASET_NAME" in said and "OVERWRITE = True" in said, said
+    assert (
+        "delete the folder" in said and "--overwrite" not in said and "overwrite=True" not in said
+    )
+    assert files_of(out) == before
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    kill_at_encode_call(monkeypatch, 2)
+    with pytest.raises(Killed):
+        prepare([src], tmp_path / "half", tokenizer_from=bpe_file, verbose=False)
+    with pytest.raises(PrepareError, match="holds an unfinished tokenize run") as e:
+        prepare([src], tmp_path / "half", tokenizer_from=bpe_file, val_fraction=0.2, verbose=False)
+    assert "choose another DATASET_NAME" in str(e.value) and "--overwrite" not in str(e.value)
+
+
 # --------------------------------------------------------------------------------------- memory
 
 # VmHWM: the peak RSS of the child's own address space (ru_maxrss would include pytest's at fork time).

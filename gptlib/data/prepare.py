@@ -31,7 +31,7 @@ from gptlib.data.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
-from gptlib.errors import DataFormatError, PrepareError
+from gptlib.errors import DataFormatError, PrepareError, in_notebook
 from gptlib.fsutil import clean_temp_files, sha256_file
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
@@ -295,7 +295,7 @@ def _previous_run(
                 f"{out_dir} already holds a different dataset (sources "
                 f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "
                 f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}; it differs in: {differ}); "
-                f"choose another output directory or pass --overwrite / overwrite=True"
+                f"{_elsewhere()}"
             )
         return None, None
     # a state file is written atomically; an unreadable one is not ours to trust
@@ -304,10 +304,17 @@ def _previous_run(
         return None, state
     if not overwrite:
         raise PrepareError(
-            f"{out_dir} holds an unfinished tokenize run of different inputs or options; run the same "
-            f"command as before to finish it, choose another output directory, or pass --overwrite"
+            f"{out_dir} holds an unfinished tokenize run of different inputs or options; finish it "
+            f"with the ones it had, or {_elsewhere()}"
         )
     return None, None
+
+
+def _elsewhere() -> str:
+    # notebook 05 has no OVERWRITE (01 has): both name the folder by DATASET_NAME
+    if in_notebook():
+        return "choose another DATASET_NAME, or replace it: OVERWRITE = True in notebook 01, or delete the folder"
+    return "choose another output directory or pass --overwrite / overwrite=True"
 
 
 def _start(

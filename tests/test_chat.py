@@ -349,7 +349,9 @@ def test_tokenizer_from_a_run_adds_the_chat_tokens_after_its_vocabulary(
     assert again.splits == meta.splits
 
 
-def test_chat_with_a_char_tokenizer_is_refused(tmp_path, run_dir, paragraphs, small_text):
+def test_chat_with_a_char_tokenizer_is_refused(
+    tmp_path, run_dir, paragraphs, small_text, monkeypatch
+):
     src = write_jsonl(
         tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs, 20)]
     )
@@ -381,6 +383,16 @@ def test_chat_with_a_char_tokenizer_is_refused(tmp_path, run_dir, paragraphs, sm
     )
     assert r.returncode == 2 and "use --tokenizer bpe, or --tokenizer-from a BPE run" in r.stderr
     assert not (tmp_path / "e" / "meta.json").exists()
+    # notebook 05 on a char base (FORMAT "": the records tell) was told '--format chat ... use --tokenizer bpe, or
+    # --tokenizer-from a BPE run', the command line's words: in a notebook, its settings
+    from types import SimpleNamespace
+
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(PrepareError) as e:
+        prepare([src], tmp_path / "f", tokenizer_from=tmp_path / "chardata", verbose=False)
+    assert str(e.value).startswith("chat data needs a BPE tokenizer: the char tokenizer"), e.value
+    assert 'BASE = "OpenAI GPT-2 from the Hub"' in str(e.value) and "--" not in str(e.value)
 
 
 def test_conversations_without_a_format_are_read_as_chat(tmp_path, run_dir, paragraphs, capsys):

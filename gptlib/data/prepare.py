@@ -37,9 +37,18 @@ from gptlib.fsutil import clean_temp_files, sha256_file
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
 _NEEDS_BPE = (
     "needs a BPE tokenizer: the char tokenizer has no special tokens, so role markers could not be told "
-    "apart from text a message contains; use --tokenizer bpe, or --tokenizer-from a BPE run"
+    "apart from text a message contains; use "
 )
-_CHAR_CHAT = "--format chat " + _NEEDS_BPE
+
+
+def _needs_bpe(what: str = "") -> str:
+    # where the user is: notebook 05 tokenizes with its base's tokenizer, notebook 01 with TOKENIZER's
+    if in_notebook():
+        return (
+            f'{what and "chat data "}{_NEEDS_BPE}a BPE base (notebook 05: BASE = "OpenAI GPT-2 from the Hub", '
+            'or BASE_RUN_NAME a BPE run), or TOKENIZER = "bpe" (notebook 01)'
+        )
+    return f"{what}{_NEEDS_BPE}--tokenizer bpe, or --tokenizer-from a BPE run"
 
 
 def prepare(
@@ -79,7 +88,7 @@ def prepare(
         # what format "auto" found, in the first file of records it could read
         holds = f"{first} holds conversations ({column!r})"
         if fmt == "chat" and format == "auto" and tokenizer == "char" and tok_file is None:
-            raise PrepareError(f"{holds}, read as chat, which {_NEEDS_BPE}")
+            raise PrepareError(f"{holds}, read as chat, which {_needs_bpe()}")
         split = _choose_split(split, sources, fmt)
         tok_spec = _tokenizer_spec(tok_file, tokenizer, vocab_size, train_max_bytes)
         spec = _spec(
@@ -161,7 +170,7 @@ def _check_options(
             f"tokenizer {tokenizer!r}: choose 'char' or 'bpe', or pass tokenizer_from"
         )
     if fmt == "chat" and tokenizer == "char" and tokenizer_from is None:
-        raise PrepareError(_CHAR_CHAT)
+        raise PrepareError(_needs_bpe("--format chat "))
     if tokenizer_from is None:
         return None
     p = Path(tokenizer_from)
@@ -238,7 +247,7 @@ def _new_tokenizer(
         if fmt != "chat":
             return reused
         if not isinstance(reused, BPETokenizer):
-            raise PrepareError(_CHAR_CHAT)
+            raise PrepareError(_needs_bpe("--format chat "))
         try:
             return reused.with_special_tokens(CHAT_TOKENS)
         except TokenizerError as e:

@@ -285,3 +285,40 @@ def test_compare_cell_with_seed_minus_one_samples_at_random(tmp_path, char_data,
     assert len(scope["rows"]) == 2 and all(len(s[0]) > len("ROMEO:") for _, s in scope["rows"]), (
         shown
     )
+
+
+def test_compare_cell_passes_over_a_checkpoint_training_deleted(
+    tmp_path, char_data, monkeypatch, capsys
+):
+    """The compare cell on a run still training: keep_last deleting the oldest checkpoint between the cell's listing
+    and its load stopped the cell with 'no complete checkpoint for step 5'. It is passed over in one line; the
+    others are drawn."""
+    import IPython.display
+    import nbformat
+
+    from gptlib import checkpoint_label, checkpoint_table
+    from gptlib.checkpoint.format import remove_tree
+    from gptlib.training.loop import train
+    from tests.nbrun import NOTEBOOKS
+
+    run = tmp_path / "run"
+    train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False)
+    capsys.readouterr()
+
+    def listed_then_rotated(run_dir):
+        rows = checkpoint_table(run_dir)
+        remove_tree(rows[-1]["info"].path)  # the oldest, as keep_last's rotation deletes it
+        return rows
+
+    handle = type("Handle", (), {"update": lambda self, h: None})()
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: handle)
+    nb = nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "Engine.from_run(" in c.source)
+    params = {"MAX_NEW_TOKENS": 8, "TEMPERATURE": 0.8, "TOP_K": 0, "TOP_P": 0.95, "SEED": 1}
+    scope = {**params, "PROMPTS": "ROMEO:", "run_dir": run, "device": "cpu"}
+    scope |= {"checkpoint_table": listed_then_rotated, "checkpoint_label": checkpoint_label}
+    exec(cell.source, scope)
+    assert [label.split(" ·")[0] for label, _ in scope["rows"]] == ["step 10"], scope["rows"]
+    assert len(scope["rows"][0][1][0]) > len("ROMEO:")
+    said = capsys.readouterr().out.splitlines()
+    assert said == ["step 5: deleted by training since it was listed; passed over"], said

@@ -322,3 +322,26 @@ def test_compare_cell_passes_over_a_checkpoint_training_deleted(
     assert len(scope["rows"][0][1][0]) > len("ROMEO:")
     said = capsys.readouterr().out.splitlines()
     assert said == ["step 5: deleted by training since it was listed; passed over"], said
+
+
+def test_playground_cell_takes_the_parameters_as_given(tmp_path, char_data, monkeypatch):
+    """MAX_NEW_TOKENS = 3000 (or TOP_K 600, TEMPERATURE 2.5) went into the compare cell as given but the playground's
+    sliders clamped them to their ranges (2,000, 500, 2.0) without a word: the ranges now hold the values given."""
+    import IPython.display
+    import nbformat
+
+    from gptlib.training.loop import train
+    from gptlib.widgets import sampling_config
+    from tests.nbrun import NOTEBOOKS
+
+    run = tmp_path / "run"
+    train(char_data, run, overrides=TINY, max_steps=2, progress=False, log=lambda s: None)
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: None)
+    nb = nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "Playground(" in c.source)
+    params = {"MAX_NEW_TOKENS": 3000, "TEMPERATURE": 2.5, "TOP_K": 600, "TOP_P": 0.01, "SEED": 7}
+    scope = {**params, "run_dir": run, "device": "cpu"}
+    exec(cell.source, scope)
+    cfg = sampling_config(scope["pg"], top_p=scope["pg"].top_p.value)
+    got = (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    assert got == (3000, 2.5, 600, 0.01, 7), got

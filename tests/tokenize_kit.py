@@ -100,19 +100,21 @@ os.fsync = slow_fsync
 """
 
 
-def wait_for_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:
-    """Return once the tokenize state in `out` lists n train shards (proc still running)."""
+def wait_for_shards(
+    proc: subprocess.Popen, out: Path, n: int, timeout: float = 60, split: str = "train"
+) -> None:
+    """Return once the tokenize state in `out` lists n shards of split (proc still running)."""
     state = out / PREPARE_STATE_FILE
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if len(json.loads(state.read_text())["shards"]["train"]) >= n:
+            if len(json.loads(state.read_text())["shards"][split]) >= n:
                 return
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         assert proc.poll() is None, "the child finished before it listed the shards"
         time.sleep(0.02)
-    raise AssertionError(f"{state} did not list {n} train shards within {timeout} s")
+    raise AssertionError(f"{state} did not list {n} {split} shards within {timeout} s")
 
 
 def sigkill_after_shards(proc: subprocess.Popen, out: Path, n: int, timeout: float = 60) -> None:

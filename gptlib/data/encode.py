@@ -318,12 +318,13 @@ def one_writer(out_dir: Path) -> Iterator[None]:
         # a write cut right after creating its temp file; while the lock is held, all ours
         clean_temp_files(out_dir)
         try:
-            done = len(json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]["train"])
+            shards = json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]
+            done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
         except (OSError, ValueError, KeyError, TypeError):
-            done = 0
+            done = ""
         msg = "tokenize stopped before its first shard was written; run the same command again to start over"
         if done:
-            kept = f"{done} train shard(s) of {out_dir} are kept"
+            kept = f"{done} shard(s) of {out_dir} are kept"
             msg = f"tokenize stopped: {kept}; run the same command again to continue from there"
         loud(msg)
         raise

@@ -267,6 +267,27 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, bpe_file, capsys):
     assert "invalid UTF-8 sequences were replaced" in capsys.readouterr().out
 
 
+def test_the_invalid_utf8_warning_names_the_files(tmp_path, shakespeare_path, monkeypatch, capsys):
+    """Latin-1 / Windows-1252 files (each accented letter one invalid byte) among UTF-8 ones: the warning names them,
+    the first five and how many, so that the user knows which to save as UTF-8 (it gave only the count)."""
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # batches across the files
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    good = shakespeare_path.read_text()[:50_000]
+    (corpus / "a_good.txt").write_text(good)
+    latin = [corpus / f"b_latin{i}.txt" for i in range(7)]
+    for f in latin:
+        f.write_bytes("Café crème brûlée, naïve.\n".encode("cp1252") + good[:30_000].encode())
+    (corpus / "c_good.txt").write_text(good)
+    meta = prepare([corpus], tmp_path / "out", tokenizer="char", verbose=True)
+    assert meta.raw["invalid_utf8_files"] == [str(f) for f in latin]
+    warning = [ln for ln in capsys.readouterr().out.splitlines() if "U+FFFD" in ln]
+    assert warning == [
+        f"warning: {5 * 7} invalid UTF-8 sequences were replaced by U+FFFD in 7 file(s) (save them as "
+        f"UTF-8): {', '.join(map(str, latin[:5]))}"
+    ]
+
+
 def test_lone_surrogate_escapes_are_replaced_and_counted(tmp_path, capsys):
     """A cut emoji's "\\ud83d" in JSON is a lone surrogate, which UTF-8 cannot encode: replaced by U+FFFD and counted
     as invalid UTF-8 is (char, BPE and chat alike). An escaped pair is the emoji; an escaped backslash is text."""

@@ -42,6 +42,7 @@ class Batch(NamedTuple):  # with the reader's counters as they stood right after
     pieces: list[Piece]
     invalid_utf8: int
     skipped_files: list
+    invalid_utf8_files: list
 
 
 class Pass:
@@ -179,15 +180,19 @@ class Pass:
         return bool(self.stopped)
 
     def batches(self, pieces_iter) -> Iterator[Batch]:
-        pieces, n_chars = [], 0
+        pieces, n_chars, seen = [], 0, invalid_utf8.count
+        # the files read with invalid UTF-8 (as keys, in order): the warning names them, to be saved as UTF-8
+        bad = dict.fromkeys(self.stats.get("invalid_utf8_files", []))
         for piece in pieces_iter:
+            if invalid_utf8.count > seen:  # the count grew as this piece was read: its file's
+                bad[str(self.sources[piece.pos["file"]].path)] = seen = invalid_utf8.count
             pieces.append(piece)
             n_chars += len(piece.text)
             if n_chars >= BATCH_CHARS:
-                yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
+                yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]), [*bad])
                 pieces, n_chars = [], 0
         if pieces:
-            yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]))
+            yield Batch(pieces, invalid_utf8.count, list(self.stats["skipped_files"]), [*bad])
 
     def encode(self, pieces: list[Piece]) -> list:
         if isinstance(self.tok, BPETokenizer):
@@ -244,6 +249,7 @@ class Pass:
         self.tokens_run += sum(count.values())
         stats["bytes"] += nbytes
         stats["replaced_invalid_utf8"] = batch.invalid_utf8
+        stats["invalid_utf8_files"] = batch.invalid_utf8_files
         # float per-row shares may overshoot
         advance = sum(count.values()) if self.max_tokens else nbytes
         self.bar.update(max(0.0, min(advance, self.bar.total - self.bar.n)))

@@ -411,6 +411,7 @@ def _write_meta(p: Pass, reused: Tokenizer | None, empty: list, column: str | No
         "format": fmt,
         **{k: stats[k] for k in kept},
         "empty_files": empty,
+        "invalid_utf8_files": stats.get("invalid_utf8_files", []),
         "split": spec["split"],
         "val_fraction": spec["val_fraction"],
         "text_column": column if fmt == "chat" else spec["text_column"],

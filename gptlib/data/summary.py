@@ -32,7 +32,9 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
 def report_problems(m: dict) -> None:
     """What tokenize replaced or skipped (also recorded in meta.json)."""
     if replaced := m.get("replaced_invalid_utf8"):
-        print(f"warning: {replaced:,} invalid UTF-8 sequences were replaced by U+FFFD")
+        bad = m.get("invalid_utf8_files", [])  # an older gptlib's meta.json lists none
+        where = f" in {len(bad)} file(s) (save them as UTF-8): {', '.join(bad[:5])}" if bad else ""
+        print(f"warning: {replaced:,} invalid UTF-8 sequences were replaced by U+FFFD{where}")
     if empty := m.get("empty_files"):
         print(f"warning: {len(empty)} empty file(s) skipped: {', '.join(empty[:5])}")
     if m.get("empty_documents"):

@@ -392,6 +392,18 @@ def test_a_dataset_inside_an_input_folder_is_not_read_as_text(tmp_path, docs):
             str(corpus / "more" / "b.jsonl"),
         ]
     assert second.raw["documents"] == first.raw["documents"]
+    # the same for a recursive glob and a file:// folder (they read the datasets' files: 'data/meta.json:1: not
+    # valid JSON'); a dataset folder named on its own is read as asked
+    for i, given in enumerate(
+        [f"{corpus}/**", f"{corpus}/**/*.json*", f"file://{corpus}", f"file://{corpus}/**"]
+    ):
+        meta = prepare([given], tmp_path / f"other{i}", **BPE)
+        assert [s["path"].removeprefix("file://") for s in meta.raw["sources"]] == [
+            str(corpus / "a.txt"),
+            str(corpus / "more" / "b.jsonl"),
+        ][given.endswith("*.json*") :], given
+    with pytest.raises(PrepareError, match="meta.json:1: not valid JSON"):
+        prepare([corpus / "data" / "**"], tmp_path / "asked", **BPE)
 
 
 def test_empty_files_are_skipped_and_reported(tmp_path, docs, bpe_file):

@@ -124,35 +124,47 @@ def resolve_inputs(
     for item in [inputs] if isinstance(inputs, (str, Path)) else inputs:
         s, p = str(item), Path(item)
         if is_url(s):
-            files.extend(resolve_url(s, hf_config, hf_split))
+            got = resolve_url(s, hf_config, hf_split)
         elif p.is_dir():
             found = sorted(x for x in p.rglob("*") if x.is_file())
-            # a dataset or run in the folder (an earlier --out there: its tokenizer.json) is not text
-            made = {x.parent for x in found if x.name == TOKENIZER_FILE and x.parent != p}
-            for x in found:
-                hidden = any(part.startswith(".") for part in x.relative_to(p).parts)
-                if not hidden and made.isdisjoint(x.parents):
-                    files.append(x)
+            got = [x for x in found if not any(d.startswith(".") for d in x.relative_to(p).parts)]
         elif p.is_file():
-            files.append(p)
+            got = [p]
         elif has_glob(s):
-            matched = sorted(Path(x) for x in glob.glob(s, recursive=True) if Path(x).is_file())
-            if not matched:
+            got = sorted(Path(x) for x in glob.glob(s, recursive=True) if Path(x).is_file())
+            if not got:
                 raise PrepareError(f"input pattern {s!r} matches no files")
-            files.extend(matched)
         else:
             raise PrepareError(f"input file {p} does not exist")
+        files.extend(_outside_datasets(got, s))
     unique: dict = {}
     ex = exclude.resolve()  # never read our own output (an --out inside an input directory)
     for f in files:
-        local = f if isinstance(f, Path) else None
-        if isinstance(f, Found) and f.fs.protocol in ("file", ("file", "local")):
-            local = Path(f.path)
+        local = _local(f)
         if local is None or ex not in local.resolve().parents:
             unique.setdefault(f.url if isinstance(f, Found) else f.resolve(), f)
     if not unique:
         raise PrepareError("no input files given")
     return list(unique.values())
+
+
+def _local(f: Path | Found) -> Path | None:
+    """Where a file is on this machine's disk (a file:// URL's too); None: remote."""
+    if isinstance(f, Found):
+        return Path(f.path) if f.fs.protocol in ("file", ("file", "local")) else None
+    return f
+
+
+def _outside_datasets(got: list[Path | Found], item: str) -> list[Path | Found]:
+    """got less the files in a folder below the one listed (item up to its first glob) that holds a tokenizer.json:
+    a dataset or run there (an earlier --out) is not text. Remote files are kept."""
+    root = Path(item.removeprefix("file://"))
+    while has_glob(str(root)):
+        root = root.parent
+    local = [_local(f) for f in got]
+    below = {d for x in local if x is not None for d in x.parents if root in d.parents}
+    made = {d for d in below if (d / TOKENIZER_FILE).is_file()}
+    return [f for f, x in zip(got, local) if x is None or made.isdisjoint(x.parents)]
 
 
 def _pick_column(column: str | None, names, fmt: str) -> str | None:

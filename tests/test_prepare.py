@@ -375,6 +375,21 @@ def test_utf16_or_binary_text_input_is_refused_naming_it(tmp_path, docs):
     assert read_meta(out).raw["documents"] == before.raw["documents"]
 
 
+def test_the_nul_byte_refusal_names_notebook_01s_input_in_a_notebook(tmp_path, monkeypatch):
+    """In notebook 01 (or 05) the line said 'leave it out of --input', a flag a notebook does not have: it names the
+    notebook's INPUT, for a .txt and a .jsonl file alike."""
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
+    for name, text in (("b.txt", "to be or not\n" * 3), ("c.jsonl", '{"text": "to be"}\n' * 3)):
+        (tmp_path / name).write_bytes(text.encode("utf-16"))
+        with pytest.raises(PrepareError) as e:
+            prepare([tmp_path / name], tmp_path / "out", tokenizer="char", verbose=False)
+        assert str(e.value).endswith(
+            "save it as UTF-8, or leave it out of INPUT (e.g. a glob: DIR/*.txt)"
+        )
+
+
 def test_a_dataset_inside_an_input_folder_is_not_read_as_text(tmp_path, docs):
     """--out inside the corpus folder, then a second dataset of it (another vocab, a new --out beside the first):
     the first dataset's files were inputs, and tokenize failed on 'corpus/data/meta.json:1: not valid JSON', as if

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gptlib.data.hub import Found, describe, has_glob, is_url, resolve_url
-from gptlib.errors import PrepareError
+from gptlib.errors import PrepareError, in_notebook
 from gptlib.layout import TOKENIZER_FILE
 
 # files above this get a sampled hash (head, middle, tail), not a full read
@@ -34,10 +34,15 @@ invalid_utf8 = types.SimpleNamespace(count=0)  # replaced so far (the pass saves
 # the JSON escape of a surrogate ("\\ud83d": half of an emoji), and a surrogate left without its pair
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-NOT_TEXT = (
-    "not UTF-8 text: it holds NUL bytes (UTF-16, as Notepad's 'Unicode' or Windows PowerShell saves text, or a "
-    "binary file: an image, a PDF); save it as UTF-8, or leave it out of --input (e.g. a glob: DIR/*.txt)"
-)
+
+
+def not_text() -> str:
+    """Why a file with NUL bytes is refused, naming where the user lists inputs (notebooks 01 and 05: INPUT)."""
+    return (
+        "not UTF-8 text: it holds NUL bytes (UTF-16, as Notepad's 'Unicode' or Windows PowerShell saves text, or a "
+        "binary file: an image, a PDF); save it as UTF-8, or leave it out of "
+        f"{'INPUT' if in_notebook() else '--input'} (e.g. a glob: DIR/*.txt)"
+    )
 
 
 def _count_replace(exc: UnicodeDecodeError):
@@ -247,7 +252,7 @@ def _jsonl_object(line: bytes, path, lineno: int, field: str) -> dict:
     try:
         obj = json.loads(line.decode("utf-8", _ERRORS))
     except json.JSONDecodeError as e:
-        why = NOT_TEXT if b"\0" in line else f"not valid JSON ({e.msg} at column {e.colno})"
+        why = not_text() if b"\0" in line else f"not valid JSON ({e.msg} at column {e.colno})"
         raise PrepareError(f"{path}:{lineno}: {why}") from None
     # a surrogate without its pair (a cut emoji) cannot be encoded as UTF-8: replaced and counted as invalid UTF-8
     # is. Only a line with a surrogate escape (a whole pair is one character by now) is written out again to look.

@@ -14,13 +14,13 @@ from gptlib.data.conversations import Malformed, normalize
 from gptlib.data.hub import describe, http_status
 from gptlib.data.inputs import (
     _ERRORS,
-    NOT_TEXT,
     Source,
     _jsonl_object,
     _jsonl_text,
     _open_parquet,
     _parquet_column,
     corrupt,
+    not_text,
 )
 from gptlib.errors import PrepareError
 
@@ -101,7 +101,7 @@ def iter_text_file(src: Source, fi: int, pos: dict | None, tail_cut: int | None)
                 break  # the file shrank while reading
             # UTF-16 (Notepad's 'Unicode', Windows PowerShell's >) or a binary file, as git tells one: a NUL early on
             if off == 0 and b"\0" in block[:8000]:
-                raise PrepareError(f"input file {src.path} is {NOT_TEXT}")
+                raise PrepareError(f"input file {src.path} is {not_text()}")
             end = off + len(block)
             k = _cut_bytes(block, end >= src.size or end == tail_cut)
             if k < len(block):

@@ -50,7 +50,7 @@ def test_stops_at_the_first_document_end_at_or_after_n(tmp_path, src, docs, bpe_
     assert sorted(got) == sorted(docs[:k])  # the first k documents, each whole
     out = capsys.readouterr()
     assert (
-        f"stopped at --max-tokens {n:,}: after document {k - 1:,} of {src}, {total:,} tokens in all"
+        f"stopped at --max-tokens {n:,}: after document {k:,} of {src}, {total:,} tokens in all"
         in out.out
     )
     assert "note: max_tokens" not in out.out
@@ -215,5 +215,5 @@ def test_a_plain_text_file_is_one_document_and_says_so(tmp_path, docs, capsys):
         in out
     )
     assert (
-        f"stopped at --max-tokens 1,000: after document 0 of {src}, {total:,} tokens in all" in out
+        f"stopped at --max-tokens 1,000: after document 1 of {src}, {total:,} tokens in all" in out
     )

@@ -22,8 +22,9 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
         f"{m['elapsed_s']:.1f}s -> {meta.data_dir}"
     )
     if m.get("stop_reason") == "max_tokens":
+        # stopped_at counts from 0; said from 1, as the documents above and a jsonl line number are
         print(
-            f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document']:,} of "
+            f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document'] + 1:,} of "
             f"{m['stopped_at']['file']}, {n:,} tokens in all (a document is never cut)"
         )
     report_problems(m)

@@ -217,3 +217,25 @@ def test_a_plain_text_file_is_one_document_and_says_so(tmp_path, docs, capsys):
     assert (
         f"stopped at --max-tokens 1,000: after document 1 of {src}, {total:,} tokens in all" in out
     )
+
+
+def test_a_plain_text_files_bar_counts_bytes(tmp_path, docs, monkeypatch):
+    """A plain text file is read whole whatever max_tokens says: a bar of tokens towards it stood at
+    '100% | 1.00k/1.00k' from the first batch on while the rest of the file was read (minutes for a large file, a
+    notebook's bar drawn finished). It counts the file's bytes, as without max_tokens."""
+    import tqdm.auto
+
+    states = []
+
+    class Recorded(tqdm.auto.tqdm):
+        def update(self, n=1):
+            super().update(n)
+            states.append((self.n, self.total))
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 1)  # a batch per piece (64K characters)
+    src = tmp_path / "a.txt"
+    src.write_text("\n\n".join(docs))
+    prepare([src], tmp_path / "d", tokenizer="char", max_tokens=1000)
+    assert len(states) > 2 and all(n < total for n, total in states[:-1]), states
+    assert states[-1] == (src.stat().st_size, src.stat().st_size)

@@ -65,6 +65,8 @@ class Pass:
         self.emitted = progress["emitted"]
         self.stats = progress["stats"]
         self.max_tokens = spec.get("max_tokens")
+        # plain text (split "tail") is read whole whatever the budget: a bar of tokens stood at 100% through it
+        self.bar_tokens = None if spec["split"] == "tail" else self.max_tokens
         self.stopped: dict | None = None
         self.threshold = int(spec["val_fraction"] * 2**64)
         invalid_utf8.count = int(self.stats["replaced_invalid_utf8"])
@@ -138,9 +140,9 @@ class Pass:
         self.tokens_run, self.t_run = 0, time.time()
         with (
             tqdm(
-                total=self.max_tokens or sum(s.size for s in self.sources),
+                total=self.bar_tokens or sum(s.size for s in self.sources),
                 initial=self.counted(),
-                unit="tok" if self.max_tokens else "B",
+                unit="tok" if self.bar_tokens else "B",
                 unit_scale=True,
                 unit_divisor=1000,
                 desc="tokenize",
@@ -168,7 +170,7 @@ class Pass:
 
     def counted(self) -> int:
         """What the bar counts: tokens towards max_tokens (so that tqdm's ETA is the one that matters), else bytes."""
-        return sum(self.emitted.values()) if self.max_tokens else int(self.stats["bytes"])
+        return sum(self.emitted.values()) if self.bar_tokens else int(self.stats["bytes"])
 
     def store(self, batch: Batch, ids) -> bool:
         """-> whether max_tokens stopped the pass in this batch; if so the reader's counters go back to where they stood
@@ -251,9 +253,9 @@ class Pass:
         stats["replaced_invalid_utf8"] = batch.invalid_utf8
         stats["invalid_utf8_files"] = batch.invalid_utf8_files
         # float per-row shares may overshoot
-        advance = sum(count.values()) if self.max_tokens else nbytes
+        advance = sum(count.values()) if self.bar_tokens else nbytes
         self.bar.update(max(0.0, min(advance, self.bar.total - self.bar.n)))
-        if not self.max_tokens:  # a bar of bytes: the tokens too
+        if not self.bar_tokens:  # a bar of bytes: the tokens too
             rate = self.tokens_run / max(1e-9, time.time() - self.t_run)
             tokens = f"{sum(self.emitted.values()) / 1e6:,.1f}M tokens, {rate / 1e3:,.0f}K tok/s"
             self.bar.set_postfix_str(tokens, refresh=False)

@@ -276,7 +276,8 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
                         partial(_looked_at, d, what), IO_TIMEOUT_S, what=f"looking at {d}"
                     ):
                         created.append(d)
-                lease = RunLease([run_dir, mirror_dir], take_over, log).acquire()
+                lease = RunLease([run_dir, mirror_dir], take_over, log)
+                lease.acquire()
             except HungIOError as e:  # Drive did not answer: its lease may be another process's
                 raise HungIOError(
                     e.errno,
@@ -285,7 +286,8 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
         yield lease
     except BaseException:
         lease.release()
-        for d in created:  # no other process had a lease here: this call's released one goes too
+        # lost (at acquire too): the lease there is another's, left in place (it made the folder too, or took over)
+        for d in created if lease.lost is None else []:
             with suppress(OSError):
                 (d / LEASE_FILE).unlink()
             for empty in (checkpoints_dir(d), d):

@@ -15,8 +15,10 @@ import pytest
 
 from gptlib import lease as L
 from gptlib.checkpoint.format import ORPHAN_MARKERS, list_checkpoints
+from gptlib.errors import ConfigError
 from gptlib.fsutil import sha256_file
 from gptlib.layout import step_of
+from gptlib.training import loop
 from gptlib.training.loop import train
 from gptlib.training.resume import StartOptions
 from tests import faulty
@@ -515,3 +517,39 @@ def test_a_holder_frozen_through_a_take_over_writes_nothing_when_it_wakes(
         out_b, err_b = vm_b.communicate(timeout=180)
         assert vm_b.returncode == 0, out_b + err_b
     assert step_of(list_checkpoints(watched)[0]) == (20 if released else 30)
+
+
+@pytest.mark.parametrize("when", ["together", "stale", "set-up"])
+def test_a_refused_start_leaves_another_processs_lease(char_data, tmp_path, monkeypatch, when):
+    """Two Colab tabs with one RUN_NAME: vmA's lease on the shared mirror lands just after this start wrote its own
+    (both started a new run at once; vmA's heartbeat, stale on a slow Drive, landing as this start took over), or
+    vmA takes the run over (--take-over) during this start's set-up, which is then refused (a micro-batch bigger than
+    RAM). The refused start deleted vmA's lease in a folder both created: vmA stopped at its next beat ('was deleted
+    ... by someone tidying Drive?'), and a third start took the run over without a word. (stale: a folder this start
+    did not create; its lease was left in place already, never marked released by this start.)"""
+    drive, write, real_find_start = tmp_path / "drive", L.atomic_write_json, loop.find_start
+    settings = TINY + (["batch_size=100000000"] if when == "set-up" else [])
+    if when == "stale":
+        write_lease(drive / "lease.json", host="vmA", heartbeat_age=L.STALE_S + 5, session="a" * 12)
+
+    def vm_a_lands_next(path, body):
+        write(path, body)
+        if path.parent == drive and not body["released"] and when != "set-up":
+            write_lease(path, host="vmA", session="a" * 12)
+
+    def vm_a_takes_over(*a, **k):
+        write_lease(drive / "lease.json", host="vmA", session="a" * 12)
+        return real_find_start(*a, **k)
+
+    monkeypatch.setattr(L, "atomic_write_json", vm_a_lands_next)
+    if when == "set-up":
+        monkeypatch.setattr(loop, "find_start", vm_a_takes_over)
+    args = dict(progress=False, log=quiet, mirror_dir=drive)
+    refused = "needs about .* GiB to train" if when == "set-up" else r"taken over .* \(host vmA"
+    with pytest.raises(ConfigError if when == "set-up" else L.RunDirError, match=refused):
+        train(char_data, tmp_path / "run", "phase1", settings, max_steps=2, device="cpu", **args)
+    monkeypatch.undo()
+    lease = json.loads((drive / "lease.json").read_text())
+    assert lease["session"] == "a" * 12 and not lease.get("released"), lease
+    with pytest.raises(L.RunDirError, match=r"in use \(host vmA"):
+        train(char_data, tmp_path / "c", "phase1", TINY, max_steps=2, **args)

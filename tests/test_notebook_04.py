@@ -345,3 +345,42 @@ def test_playground_cell_takes_the_parameters_as_given(tmp_path, char_data, monk
     cfg = sampling_config(scope["pg"], top_p=scope["pg"].top_p.value)
     got = (cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
     assert got == (3000, 2.5, 600, 0.01, 7), got
+
+
+def test_evaluate_cell_passes_over_a_checkpoint_training_deleted(
+    tmp_path, char_data, monkeypatch, capsys
+):
+    """Evaluate with CHECKPOINTS = "all" on a run still training: keep_last deleting the oldest checkpoint between the
+    listing and its evaluation failed the whole task ('bpb: not evaluated: ... no complete checkpoint for step 5').
+    It is passed over in one line; the others are scored."""
+    import nbformat
+    import torch
+
+    import gptlib.evaluation.evaluate as ev
+    from gptlib.checkpoint.format import remove_tree
+    from gptlib.inference.loading import checkpoint_table, select_steps
+    from gptlib.training.loop import train
+    from tests.nbrun import NOTEBOOKS
+
+    run = tmp_path / "run"
+    train(char_data, run, overrides=TINY + ["eval_interval=5"], max_steps=10, progress=False)
+    capsys.readouterr()
+
+    def listed_then_rotated(run_dir, which):
+        steps = select_steps(run_dir, which)
+        remove_tree(
+            checkpoint_table(run_dir)[-1]["info"].path
+        )  # the oldest, as keep_last's rotation deletes it
+        return steps
+
+    monkeypatch.setattr(ev, "select_steps", listed_then_rotated)
+    nb = nbformat.read(NOTEBOOKS / "04_generate.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "evaluate_run(" in c.source)
+    params = {"EVAL_TASKS": "bpb", "CHECKPOINTS": "all", "BPB_WINDOWS": 20, "EVAL_LIMIT": -1}
+    scope = {**params, "HELLASWAG_FILE": "", "run_dir": run, "device": torch.device("cpu")}
+    exec(cell.source, scope)
+    assert [r["step"] for r in scope["eval_rows"]] == [10], capsys.readouterr()
+    said = [
+        line for line in capsys.readouterr().err.splitlines() if "step" in line
+    ]  # not bpb's progress bar
+    assert said == ["step 5: deleted by training since it was listed; passed over"], said

@@ -14,7 +14,7 @@ import torch
 from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
-from gptlib.errors import EvalError, in_notebook, loud
+from gptlib.errors import EvalError, GptlibError, in_notebook, loud
 from gptlib.evaluation import hellaswag as hs
 from gptlib.fsutil import append_jsonl
 from gptlib.inference.loading import (
@@ -23,7 +23,7 @@ from gptlib.inference.loading import (
     resolve_checkpoint,
     select_steps,
 )
-from gptlib.layout import EVAL_FILE
+from gptlib.layout import EVAL_FILE, checkpoint_name, checkpoints_dir
 from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
 
 TASKS = ("hellaswag", "bpb")
@@ -200,7 +200,14 @@ def evaluate_run(
     dt = resolve_dtype("auto", dev)
     prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], limit, file_option), [], 0
     for step in steps:
-        lm = load_run(run_dir, step, device=dev)
+        try:
+            lm = load_run(run_dir, step, device=dev)
+        except (GptlibError, OSError):
+            # not one a run still training deleted (keep_last) since the listing: the others are scored all the same
+            if (checkpoints_dir(run_dir) / checkpoint_name(step)).exists():
+                raise
+            warn(f"step {step}: deleted by training since it was listed; passed over")
+            continue
         t0 = time.perf_counter()
         if task == "hellaswag":
             desc = f"hellaswag step {step}"

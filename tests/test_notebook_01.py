@@ -70,3 +70,27 @@ def test_notebook_01_reads_a_url_source_with_a_budget(tmp_path, monkeypatch, sha
         and 20_000 <= meta.tokens("train") + meta.tokens("val") < 21_000
     )
     assert "stopped at --max-tokens 20,000" in outputs_text(nb)
+
+
+def test_a_tokenizer_file_that_is_not_there_names_the_notebooks_setting(
+    tmp_path, monkeypatch, shakespeare_path
+):
+    """Notebook 01 with TOKENIZER_FILE a run's name (not its directory) was told '--tokenizer-from takes a run
+    directory, ...', a flag the notebook has no cell for; it names TOKENIZER_FILE. Nothing is written."""
+    import pytest
+    from nbclient.exceptions import CellExecutionError
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(shakespeare_path, cache / "tinyshakespeare.txt")
+    monkeypatch.setenv("GPTLIB_CACHE", str(cache))
+    params = {"VOCAB_SIZE": 512, "TRAIN_MB": 0, "TOKENIZER_FILE": "gpt2-small"}
+    with pytest.raises(CellExecutionError) as e:
+        run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
+    said = next(line for line in str(e.value).splitlines() if "PrepareError: " in line)
+    assert said.endswith(
+        "tokenizer file gpt2-small does not exist (TOKENIZER_FILE (notebook 01) takes a run "
+        "directory, a data directory, or a tokenizer.json)"
+    ), said
+    assert not (tmp_path / "root" / "data" / "bpe").exists()

@@ -177,9 +177,11 @@ def _check_options(
     if p.is_dir():
         p = p / TOKENIZER_FILE
     if not p.is_file():
+        # in a notebook, notebook 01's TOKENIZER_FILE (notebook 05's base run holds one: training writes it)
+        flag = "TOKENIZER_FILE (notebook 01)" if in_notebook() else "--tokenizer-from"
         raise PrepareError(
-            f"tokenizer file {p} does not exist (--tokenizer-from takes a run directory, a data "
-            f"directory, or a tokenizer.json)"
+            f"tokenizer file {p} does not exist ({flag} takes a run directory, a data directory, or a "
+            f"tokenizer.json)"
         )
     return p
 

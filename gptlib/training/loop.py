@@ -447,7 +447,7 @@ class GracefulStop:
                 self._interrupted = True
                 self.log("interrupted again: stopping when the update or save in progress ends")
             elif signum == signal.SIGINT:
-                # between the stop's save and its wait (the bar, the logs): the wait for Drive is skipped too
+                # before the stop's save (a validation, say): _interrupted saves; the wait for Drive is skipped too
                 self.pressed_again.set()
                 raise KeyboardInterrupt
             return

@@ -55,7 +55,7 @@ from gptlib.layout import (
 TRAIN_PARTS = ("optimizer", "scaler", "sampler", "rng")
 # rotation always keeps this many, so one survives a bad save (TrainConfig.keep_last's floor)
 MIN_KEEP_LAST = 2
-# listing a mirror at resume; a hung Drive falls back to the other location(s)
+# one Drive listing or small read is given up after this (resume lists again until DRIVE_RESUME_WAIT_S)
 DRIVE_LIST_TIMEOUT_S = 60.0
 DRIVE_READ_STALL_S = 60.0  # a read from Drive that makes no progress for this long is abandoned
 ORPHAN_MARKERS = (PARTIAL_MARKER, OLD_MARKER, DELETING_MARKER, TMP_MARKER)

@@ -196,7 +196,7 @@ class BatchSampler:
         """Back where it was saved. `ranks`: every rank's state (a DDP run's checkpoint), `state`: rank 0's. Without
         this rank's own state (a one-process checkpoint, an interrupt's under DDP: saved without the gather) a rank
         other than 0, and with another number of processes' states every rank, goes on with a stream derived from its
-        own seed and the batches drawn, not a replay -> a note when the number of processes changed."""
+        own seed and the batches drawn, not a replay -> a note when `ranks` are another number of processes'."""
         same = ranks is not None and len(ranks) == self.world_size
         state = ranks[self.rank] if same else state
         # an earlier gptlib's chunked-sampler fields (chunk_*) are ignored: its RNG stream goes on as before

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import psutil
 import torch
 
 from gptlib.data.shards import DataFormatError, DatasetMeta, read_spans
@@ -225,8 +226,6 @@ def _fmt(nbytes: float) -> str:
 
 
 def available_ram() -> int:
-    import psutil
-
     return int(psutil.virtual_memory().available)
 
 

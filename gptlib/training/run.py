@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlib.batches import BatchSampler, LossMask, head_ids, loss_masks, place_dataset
 from gptlib.checkpoint.format import (
@@ -160,8 +161,6 @@ class Dist:
     def wrap(self, model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
         if not self.enabled:
             return model
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:

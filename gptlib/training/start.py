@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+import psutil
 import torch
 
 from gptlib.checkpoint.format import DRIVE_LIST_TIMEOUT_S
@@ -282,7 +283,6 @@ def check_fits(cfg, device: torch.device) -> str:
             f"batch_size={micro:,} x block_size={cfg.model.block_size:,} is estimated at {need / 2**30:,.1f} GiB "
             f"of the GPU's {have / 2**30:,.1f} GiB: measuring the largest micro-batch that fits instead"
         )
-    import psutil
 
     # no memory probe here (auto_batch or not); a CPU trains in fp32: activations of 4 bytes, not 2
     need = estimate_train_bytes(cfg.model, micro, activation_bytes=4)

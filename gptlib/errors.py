@@ -27,6 +27,11 @@ def override(*settings: str) -> str:
     return " ".join(f"--set {s}" for s in settings)
 
 
+def again() -> str:
+    """How to go on where the user is: a notebook's stop button or error ends a cell, not a command."""
+    return "run this cell again" if in_notebook() else "run the same command again"
+
+
 class GptlibError(Exception):
     """A problem the user can fix; the message says what and how."""
 

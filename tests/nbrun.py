@@ -16,9 +16,15 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def run_notebook(
-    name: str, params: dict, cwd: Path, timeout: int = 600, code: str = ""
+    name: str,
+    params: dict,
+    cwd: Path,
+    timeout: int = 600,
+    code: str = "",
+    allow_errors: bool = False,
 ) -> nbformat.NotebookNode:
-    """code: run after the parameters (e.g. tests.faulty.install(...): a fault in the kernel's gptlib)."""
+    """code: run after the parameters (e.g. tests.faulty.install(...): a fault in the kernel's gptlib).
+    allow_errors: a cell that raises (the stop button's KeyboardInterrupt) is kept with its output, the rest run."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and "# @param" in cell.source:
@@ -28,11 +34,18 @@ def run_notebook(
     else:
         raise AssertionError(f"{name}: no parameters cell (a code cell with '# @param')")
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(cwd)}},
+        allow_errors=allow_errors,
     )
     # Run on Colab itself (the GPU check), the kernel would see Colab's COLAB_RELEASE_TAG and mount Drive, putting
     # the runs under /content: a test's kernel runs as on a machine of its own.
-    client.execute(env={k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"})
+    env = {k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"}
+    # the kernel imports this checkout's gptlib (a worktree's), not the one the venv was installed from
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NOTEBOOKS.parent), env.get("PYTHONPATH")]))
+    client.execute(env=env)
     return nb
 
 

@@ -2,6 +2,7 @@
 
 import shutil
 
+from tests.conftest import REPO
 from tests.nbrun import outputs_text, run_notebook
 from tests.tokenize_kit import verified_meta
 
@@ -94,3 +95,52 @@ def test_a_tokenizer_file_that_is_not_there_names_the_notebooks_setting(
         "directory, a data directory, or a tokenizer.json)"
     ), said
     assert not (tmp_path / "root" / "data" / "bpe").exists()
+
+
+def test_notebook_01_stopped_mid_tokenize_says_to_run_the_cell_again(
+    tmp_path, monkeypatch, shakespeare_path
+):
+    """The stop button during the tokenize cell: its line said "run the same command again", a command a notebook
+    user never typed; it says to run the cell again, which resumes."""
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(shakespeare_path, cache / "tinyshakespeare.txt")
+    monkeypatch.setenv("GPTLIB_CACHE", str(cache))
+    params = {"VOCAB_SIZE": 512, "TRAIN_MB": 0}
+    # the stop button (SIGINT to the kernel) once the corpus is being encoded
+    stop = (
+        "import os, signal, time\nfrom gptlib.data.tokenizer import BPETokenizer\n"
+        "def _stop(self, texts):\n    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
+        "BPETokenizer.encode_batch_ids = _stop\n"
+    )
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path, code=stop, allow_errors=True)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "meta = prepare(" in c.source)
+    said = "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stderr")
+    assert "tokenize stopped" in said and "run this cell again" in said, said
+    assert "command" not in said, said
+    # and so it does: the dataset is finished
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path)
+    assert "resuming the unfinished run" in outputs_text(nb)
+    verified_meta(tmp_path / "root" / "data" / "bpe")
+
+
+def test_notebook_01_a_network_that_stays_down_says_to_run_the_cell_again(
+    tmp_path, monkeypatch, shakespeare_path, bpe_file
+):
+    """INPUT read over a network that stays down: the cell's one line said "run the same command again to resume"."""
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    src = tmp_path / "corpus.txt"
+    src.write_text(shakespeare_path.read_text()[:50_000])
+    params = {"INPUT": f"faulty://{src}", "TOKENIZER_FILE": str(bpe_file), "DATASET_NAME": "net"}
+    # from the 4th 8 KB read on, every read fails (tests/fakes.py's "faulty" filesystem), retried without the real
+    # backoff
+    down = (
+        f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom tests.fakes import FAULTS\n"
+        "FAULTS.reset(all_from=4)\nfrom gptlib.data import inputs, sources\n"
+        "inputs.READ_BUFFER, sources.RETRY_DELAYS = 8192, (0.0,) * 8\n"
+    )
+    nb = run_notebook("01_tokenize.ipynb", params, cwd=tmp_path, code=down, allow_errors=True)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "meta = prepare(" in c.source)
+    [error] = [o for o in cell.outputs if o.get("output_type") == "error"]
+    assert error["evalue"].endswith("run this cell again to resume"), error["evalue"]

@@ -20,7 +20,7 @@ from gptlib.data.inputs import Source, invalid_utf8
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
-from gptlib.errors import PrepareError, RunDirError, loud
+from gptlib.errors import PrepareError, RunDirError, again, loud
 from gptlib.fsutil import TMP_MARKER, atomic_write_json, cannot_write, check_dir, clean_temp_files
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 
@@ -330,10 +330,10 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
         except (OSError, ValueError, KeyError, TypeError):
             done = ""
-        msg = "tokenize stopped before its first shard was written; run the same command again to start over"
+        msg = f"tokenize stopped before its first shard was written; {again()} to start over"
         if done:
             kept = f"{done} shard(s) of {out_dir} are kept"
-            msg = f"tokenize stopped: {kept}; run the same command again to continue from there"
+            msg = f"tokenize stopped: {kept}; {again()} to continue from there"
         loud(msg)
         raise
     finally:

@@ -22,7 +22,7 @@ from gptlib.data.inputs import (
     corrupt,
     not_text,
 )
-from gptlib.errors import PrepareError
+from gptlib.errors import PrepareError, again
 
 PIECE_CHARS = 1 << 16  # longest text handed to the encoder as one item (long documents are cut)
 ROW_BATCH_BYTES = 2 << 20  # parquet rows are read about this much column data at a time
@@ -330,7 +330,7 @@ def retrying(
                 tries = "" if fatal else f" after {attempt + 1} attempts"
                 raise PrepareError(
                     f"reading {where} failed{tries}: {describe(e, where)}. Everything up to the last "
-                    f"completed shard is kept: run the same command again to resume"
+                    f"completed shard is kept: {again()} to resume"
                 ) from None
             print(
                 f"warning: reading {where} failed ({describe(e, where)}); retrying in {RETRY_DELAYS[attempt]}s",

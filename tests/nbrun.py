@@ -44,7 +44,9 @@ def run_notebook(
     # the runs under /content: a test's kernel runs as on a machine of its own.
     env = {k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"}
     # the kernel imports this checkout's gptlib (a worktree's), not the one the venv was installed from
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NOTEBOOKS.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(NOTEBOOKS.parent), env.get("PYTHONPATH")])
+    )
     client.execute(env=env)
     return nb
 

@@ -213,3 +213,24 @@ def test_a_data_dir_that_is_a_file_says_so(tmp_path):
         read_meta(tmp_path / "meta.json")
     with pytest.raises(DataFormatError, match=r"data directory .*nope does not exist"):
         read_meta(tmp_path / "nope")
+
+
+def test_find_dataset_says_a_tokenize_that_did_not_finish(tmp_path, monkeypatch, docs, bpe_file):
+    """Notebook 03 opened while notebook 01 still tokenizes (or after a disconnect stopped it): 'run notebook 01
+    first' told a user who had; the line says the dataset is unfinished and that notebook 01 run again finishes it."""
+    from gptlib.data.prepare import prepare
+    from gptlib.data.shards import PREPARE_STATE_FILE, find_dataset
+    from tests.tokenize_kit import Killed, kill_at_encode_call
+
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path))
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n\n".join(docs))
+    out = tmp_path / "data" / "web"
+    kill_at_encode_call(monkeypatch, 1)
+    with pytest.raises(Killed):
+        prepare([src], out, tokenizer_from=bpe_file, verbose=False)
+    assert (out / PREPARE_STATE_FILE).is_file() and not (out / "meta.json").exists()
+    with pytest.raises(DataFormatError) as e:
+        find_dataset("web")
+    assert "(unfinished: run notebook 01 again)" in str(e.value), e.value
+    assert "run notebook 01 first" not in str(e.value)

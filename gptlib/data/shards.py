@@ -338,8 +338,10 @@ def find_dataset(name: str = "", data_dir: str | Path = "", roots=None) -> Path:
     colab.mount_for(d)
     if not (d / META_FILE).is_file():
         found = sorted(p.parent.name for p in d.parent.glob(f"*/{META_FILE}"))
+        # notebook 01 stopped (a disconnect) or still running in another tab: it resumes
+        unfinished = (d / PREPARE_STATE_FILE).is_file()
+        why = "unfinished: run notebook 01 again" if unfinished else "run notebook 01 first"
         raise DataFormatError(
-            f"no tokenized dataset at {d} (run notebook 01 first); datasets in {d.parent}: "
-            f"{', '.join(found) or 'none'}"
+            f"no tokenized dataset at {d} ({why}); datasets in {d.parent}: {', '.join(found) or 'none'}"
         )
     return d

@@ -155,3 +155,32 @@ def test_what_notebook_03_shows():
         run_title("phase1", "phase1") == "phase1"
         and run_title("gpt2-small", "run2", " · ") == "gpt2-small · run2"
     )
+
+
+def test_notebook_03_with_another_preset_on_a_run_names_the_preset(
+    tmp_path, monkeypatch, char_data
+):
+    """A run trained with one PRESET, the notebook run again with another and the same RUN_NAME: the refusal named
+    vocab_multiple, a field the user never set ('drop the change to resume'); it names the presets and PRESET."""
+    monkeypatch.setenv("GPTLIB_ROOT", str(tmp_path / "root"))
+    shutil.copytree(char_data, tmp_path / "root" / "data" / "chars")
+    params = {
+        "DATASET_NAME": "chars",
+        "RUN_NAME": "nb3",
+        "PRESET": "phase1",
+        "TOKEN_BUDGET_M": 0.00256,
+        "DEVICE": "cpu",
+        "OVERRIDES": TINY,
+    }
+    run_notebook("03_phase3_train.ipynb", params, cwd=tmp_path)
+    nb = run_notebook(
+        "03_phase3_train.ipynb", {**params, "PRESET": "phase2"}, cwd=tmp_path, allow_errors=True
+    )
+    train_cell = next(
+        c for c in nb.cells if c.cell_type == "code" and "result = train(" in c.source
+    )
+    [error] = [o for o in train_cell.outputs if o.get("output_type") == "error"]
+    assert (
+        "was made with preset phase1, this call asks for phase2: "
+        'set PRESET = "phase1" to resume it' in error["evalue"]
+    ), error["evalue"]

@@ -356,6 +356,11 @@ def test_resume_with_a_different_model_is_refused_and_leaves_the_run_intact(tmp_
     assert {
         p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "lease.json"
     } == before
+    # another preset (its vocab_multiple differs): named, as the setting the user changed
+    with pytest.raises(
+        ConfigError, match="was made with preset phase1, this call asks for phase2: --preset phase1"
+    ):
+        train(char_data, run, "phase2", TINY, max_steps=10, progress=False, log=quiet)
 
 
 def test_text_shorter_than_one_block_is_a_clear_error(tmp_path):

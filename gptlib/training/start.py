@@ -140,9 +140,14 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
         )
     if changed := shape_change(saved, asked):
         name, a, b = changed
+        how = "drop the change to resume"
+        # a shape field the user never set: another preset's (notebook 03's PRESET) is named, as what changed
+        if saved.preset not in (None, asked.preset):
+            keep = f'set PRESET = "{saved.preset}"' if in_notebook() else f"--preset {saved.preset}"
+            how = f"it was made with preset {saved.preset}, this call asks for {asked.preset}: {keep} to resume it"
         raise ConfigError(
-            f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; "
-            f"use a new run directory, or drop the change to resume"
+            f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; {how}, or use a "
+            f"new run directory"
         )
     for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
         for f in dataclasses.fields(old):

@@ -145,6 +145,10 @@ _WRITE_FIXES = {
     errno.EROFS: "choose a writable directory",
 }
 _WRITE_FIXES |= {errno.EDQUOT: _WRITE_FIXES[errno.ENOSPC], errno.EPERM: _WRITE_FIXES[errno.EACCES]}
+# Google Drive's mount dropped (Errno 107), failed a write, or hung (HungIOError)
+_WRITE_FIXES |= dict.fromkeys(
+    (errno.ENOTCONN, errno.EIO, errno.ETIMEDOUT), f"is Google Drive answering? {DRIVE_ADVICE}"
+)
 
 
 def cannot_write(directory: str | Path, e: OSError) -> RunDirError:

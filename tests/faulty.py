@@ -16,6 +16,8 @@ ACTION happens when execution reaches it (at checkpoint or training step STEP; w
             rotate_mid    the deletion: the first file of a checkpoint being deleted (rotation) is gone
             mirror_mid    the copy: checkpoint.mirror.copy_file_verified copied the first file to Drive
             plot_mid      the plot: training.logs draws loss.png (its temp file open, not renamed yet)
+            shard_mid     the shard: tokenize has written shard STEP's bytes (train_STEP.bin or val_STEP.bin, and
+                          a chat shard's spans file) to its temp file, not yet fsynced or renamed
 
 An item "MODULE.NAME=NUMBER" sets a module constant of gptlib first, e.g. "lease.HEARTBEAT_S=0.2"; "hostname=NAME"
 makes this process's host NAME (the lease's: two "machines" on one); "backend=NAME" compiles with torch.compile's
@@ -73,6 +75,7 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
     """(owner, attribute, wrapper) that make execution reaching POINT call fire(step)."""
     from gptlib.checkpoint import format as ck
     from gptlib.checkpoint import mirror
+    from gptlib.data import shards
     from gptlib.layout import DELETING_MARKER, STATE_FILE, step_of
     from gptlib.training import logs, loop
 
@@ -126,8 +129,20 @@ def _patches(point: str, fire: Callable[[int | None], None]) -> list[tuple[objec
             return real(rows, *a, **k)
 
         return [(logs, "loss_figure", loss_figure)]
+    if point == "shard_mid":
+
+        def atomic_write(path, write, real=shards.atomic_write):
+            def then_fire(f):
+                write(f)
+                f.flush()
+                fire(int(pathlib.Path(path).name.split("_")[1][:6]))  # train_000003.bin: 3
+
+            return real(path, then_fire)
+
+        return [(shards, "atomic_write", atomic_write)]
     raise ValueError(
-        f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid, plot_mid"
+        f"fault point {point!r}: one of mid_step, save_mid, after_rename, rotate_mid, mirror_mid, plot_mid, "
+        f"shard_mid"
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,3 +174,36 @@ def test_a_finished_dataset_on_a_read_only_disk_is_still_reused(
     ):
         prep.prepare([src], tmp_path / "new", **opts)
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "fault, says",
+    [
+        ("enospc", "No space left on device; free space there"),  # the free 15 GB of Drive used up
+        (
+            "enotconn",
+            "Transport endpoint is not connected; is Google Drive answering? Wait a few minutes",
+        ),
+    ],
+)
+def test_a_shard_write_that_fails_is_one_line_naming_the_folder_and_the_rerun_resumes(
+    tmp_path, corpus, bpe_file, monkeypatch, fault, says
+):
+    from gptlib.errors import RunDirError
+    from tests import faulty
+
+    src, clean = corpus
+    out = tmp_path / "out"
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    undo = faulty.install(f"{fault}:shard_mid@3")
+    try:
+        with pytest.raises(RunDirError, match="^" + re.escape(f"cannot write to {out}: {says}")):
+            prep.prepare([src], out, **opts)
+    finally:
+        undo()
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
+    kept = json.loads((out / PREPARE_STATE_FILE).read_text())["shards"]["train"]
+    assert len(kept) == 3
+    prep.prepare([src], out, **opts)
+    assert data_files(out) == data_files(clean)

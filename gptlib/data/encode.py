@@ -336,6 +336,11 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             msg = f"tokenize stopped: {kept}; {again()} to continue from there"
         loud(msg)
         raise
+    # a write or rename in out_dir (Drive full or dropped), not one naming another file (an input)
+    except OSError as e:
+        if e.filename and out_dir not in Path(e.filename).parents:
+            raise
+        raise cannot_write(out_dir, e) from None
     finally:
         if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
             (out_dir / LOCK_FILE).unlink(missing_ok=True)

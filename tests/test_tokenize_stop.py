@@ -207,3 +207,38 @@ def test_a_shard_write_that_fails_is_one_line_naming_the_folder_and_the_rerun_re
     assert len(kept) == 3
     prep.prepare([src], out, **opts)
     assert data_files(out) == data_files(clean)
+
+
+def test_a_shard_write_that_hangs_is_one_line_in_time_and_the_rerun_resumes(
+    tmp_path, corpus, bpe_file
+):
+    """Drive stops answering while a shard is written: tokenize gives up on it after its time limit (here 1 s),
+    saying so, where the progress bar stood still for good."""
+    from tests import faulty
+
+    src, clean = corpus
+    out = tmp_path / "out"
+    spec = "hang:shard_mid@2,data.shards.WRITE_TIMEOUT_S=1,data.encode.BATCH_CHARS=20000"
+    r = subprocess.run(
+        faulty.gptlib_cmd(spec, *tokenize_args(src, out, bpe_file)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(
+        f"error: cannot write to {out}: writing {out / 'train_000002.bin'} made no progress for 1 s "
+        f"(hung mount?); is Google Drive answering?"
+    ), line
+    r = subprocess.run(
+        [sys.executable, "-c", UNSLOWED, *tokenize_args(src, out, bpe_file)[:-1]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"resuming the unfinished run in {out}: 2 train" in r.stdout
+    assert data_files(out) == data_files(clean)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from gptlib.errors import DataFormatError
-from gptlib.fsutil import atomic_write, atomic_write_json, check_dir, sha256_file
+from gptlib.fsutil import atomic_write, atomic_write_json, call_with_timeout, check_dir, sha256_file
 
 # META_FILE and PREPARE_STATE_FILE: imported from here by the data pipeline
 from gptlib.layout import (  # noqa: F401
@@ -27,6 +27,7 @@ from gptlib.layout import (  # noqa: F401
 
 FORMAT_VERSION = 1
 SPAN_DTYPE = np.dtype("<i8")
+WRITE_TIMEOUT_S = 300.0  # a shard of 100M tokens is 200 MB (400 MB with a vocabulary over 65,536)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -44,6 +45,11 @@ def merge_spans(spans: np.ndarray) -> np.ndarray:
         return spans
     first = np.r_[True, spans[1:, 0] != spans[:-1, 1]]  # each merged span's first and last parts
     return np.stack([spans[first, 0], spans[np.r_[first[1:], True], 1]], axis=1)
+
+
+def write_timed(path: Path, write) -> None:
+    # a hung Drive: given up (HungIOError) and said, where the progress bar stood still for good
+    call_with_timeout(lambda: atomic_write(path, write), WRITE_TIMEOUT_S, what=f"writing {path}")
 
 
 class ShardWriter:
@@ -105,14 +111,14 @@ class ShardWriter:
             sp = merge_spans(np.concatenate([np.zeros((0, 2), np.int64), *self.spans]))
             sp = np.ascontiguousarray(sp, dtype=SPAN_DTYPE)
             sname = f"{self.split}_{len(self.shards):06d}.spans.bin"
-            atomic_write(self.out_dir / sname, sp.tofile)
+            write_timed(self.out_dir / sname, sp.tofile)
             record["spans"] = {
                 "file": sname,
                 "count": int(len(sp)),
                 "sha256": hashlib.sha256(sp).hexdigest(),
             }
             self.spans = []
-        atomic_write(self.out_dir / name, data.tofile)  # the rename made durable too
+        write_timed(self.out_dir / name, data.tofile)  # the rename made durable too
         self.shards.append(record)
         self.filled = 0
 

@@ -242,3 +242,33 @@ def test_a_shard_write_that_hangs_is_one_line_in_time_and_the_rerun_resumes(
     assert r.returncode == 0, r.stderr
     assert f"resuming the unfinished run in {out}: 2 train" in r.stdout
     assert data_files(out) == data_files(clean)
+
+
+def test_a_shard_drive_has_not_synced_yet_at_resume_says_to_wait_and_the_rerun_resumes(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """A new VM's Drive may show a shard the state lists before its bytes (lag): the resume refuses, as the
+    shard may be damaged, but says that waiting may be all it takes, not only to start again (hours lost)."""
+    from gptlib.errors import PrepareError, RunDirError
+    from tests import faulty
+
+    src, clean = corpus
+    out = tmp_path / "out"
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    undo = faulty.install("enotconn:shard_mid@3")
+    try:
+        with pytest.raises(RunDirError):
+            prep.prepare([src], out, **opts)
+    finally:
+        undo()
+    shard = out / "train_000001.bin"
+    synced = shard.read_bytes()
+    shard.write_bytes(b"")  # its size not yet visible
+    with pytest.raises(
+        PrepareError, match=f"shard {shard} .* not be synced yet: Wait a few minutes"
+    ):
+        prep.prepare([src], out, **opts)
+    shard.write_bytes(synced)
+    prep.prepare([src], out, **opts)
+    assert data_files(out) == data_files(clean)

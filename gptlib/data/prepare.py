@@ -32,7 +32,7 @@ from gptlib.data.tokenizer import (
     load_tokenizer,
 )
 from gptlib.errors import DataFormatError, PrepareError, in_notebook
-from gptlib.fsutil import clean_temp_files, sha256_file
+from gptlib.fsutil import DRIVE_ADVICE, clean_temp_files, sha256_file
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
 _NEEDS_BPE = (
@@ -373,9 +373,10 @@ def _start(
         try:
             check_shard(out_dir, s, dtype_for_vocab(tok.vocab_size))
         except DataFormatError:
+            # a new VM's Drive may show a shard before its bytes: starting again would lose hours for nothing
             raise PrepareError(
-                f"shard {out_dir / s['file']} of the unfinished run is missing or damaged; pass "
-                f"--overwrite to start again"
+                f"shard {out_dir / s['file']} of the unfinished run is missing or damaged, or on Google Drive may "
+                f"not be synced yet: {DRIVE_ADVICE}; else {_elsewhere()}"
             ) from None
     if verbose:
         print(

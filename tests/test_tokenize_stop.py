@@ -17,6 +17,7 @@ import pytest
 import gptlib.data.encode as genc
 import gptlib.data.prepare as prep
 from gptlib.data.shards import PREPARE_STATE_FILE, read_meta
+from gptlib.data.tokenizer import BPETokenizer
 from tests.tokenize_kit import SLOW_FSYNC, SLOW_TOKENIZE, verified_meta, wait_for_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,6 +208,24 @@ def test_a_shard_write_that_fails_is_one_line_naming_the_folder_and_the_rerun_re
     assert len(kept) == 3
     prep.prepare([src], out, **opts)
     assert data_files(out) == data_files(clean)
+
+
+def test_an_error_without_errno_while_reading_is_not_called_a_write_failure(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """An OSError with no errno and no file (pyarrow's, a dropped connection's) comes from reading, not from the
+    data directory: it is not reported as 'cannot write to DIR'."""
+    from gptlib.errors import RunDirError
+
+    src, _ = corpus
+
+    def dropped(self, texts):
+        raise OSError("connection reset by peer")
+
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", dropped)
+    with pytest.raises(OSError, match="connection reset") as e:
+        prep.prepare([src], tmp_path / "out", tokenizer_from=bpe_file, verbose=False)
+    assert not isinstance(e.value, RunDirError)
 
 
 def test_a_shard_write_that_hangs_is_one_line_in_time_and_the_rerun_resumes(

@@ -336,9 +336,10 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             msg = f"tokenize stopped: {kept}; {again()} to continue from there"
         loud(msg)
         raise
-    # a write or rename in out_dir (Drive full or dropped), not one naming another file (an input)
+    # a write or rename in out_dir (Drive full or dropped), not one naming another file (an input) or with no errno
+    # (pyarrow's, a network drop's)
     except OSError as e:
-        if e.filename and out_dir not in Path(e.filename).parents:
+        if e.errno is None or e.filename and out_dir not in Path(e.filename).parents:
             raise
         raise cannot_write(out_dir, e) from None
     finally:

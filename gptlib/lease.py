@@ -286,10 +286,12 @@ def claimed(run_dir: Path, mirror_dir: Path | None, is_main: bool, take_over: bo
         yield lease
     except BaseException:
         lease.release()
-        # lost (at acquire too): the lease there is another's, left in place (it made the folder too, or took over)
-        for d in created if lease.lost is None else []:
+        # only this call's own lease goes: another's may be there (it made the folder too, after the look or at
+        # once, or took over)
+        for d in created:
             with suppress(OSError):
-                (d / LEASE_FILE).unlink()
+                if getattr(_read(d / LEASE_FILE, IO_TIMEOUT_S), "session", None) == lease.session:
+                    (d / LEASE_FILE).unlink()
             for empty in (checkpoints_dir(d), d):
                 with suppress(OSError):
                     empty.rmdir()

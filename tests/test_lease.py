@@ -553,3 +553,29 @@ def test_a_refused_start_leaves_another_processs_lease(char_data, tmp_path, monk
     assert lease["session"] == "a" * 12 and not lease.get("released"), lease
     with pytest.raises(L.RunDirError, match=r"in use \(host vmA"):
         train(char_data, tmp_path / "c", "phase1", TINY, max_steps=2, **args)
+
+
+def test_a_start_refused_by_a_lease_that_appeared_after_it_looked_leaves_it(
+    char_data, tmp_path, monkeypatch
+):
+    """Two tabs start a new run with one RUN_NAME: vmA creates the mirror folder and writes its lease after this
+    start looked (no folder yet) and before it read the lease there. This start is refused ('in use'), and its
+    clean-up of 'its' new folder deleted vmA's live lease: vmA then stopped ('was deleted ...'), a third start
+    took the run over without a word."""
+    drive, real = tmp_path / "drive", L._looked_at
+
+    def vm_a_lands_after_the_look(d, what):
+        found = real(d, what)
+        if d == drive:
+            write_lease(drive / "lease.json", host="vmA", session="a" * 12)
+        return found
+
+    monkeypatch.setattr(L, "_looked_at", vm_a_lands_after_the_look)
+    args = dict(progress=False, log=quiet, mirror_dir=drive)
+    with pytest.raises(L.RunDirError, match=r"in use \(host vmA"):
+        train(char_data, tmp_path / "run", "phase1", TINY, max_steps=2, device="cpu", **args)
+    monkeypatch.undo()
+    assert (drive / "lease.json").is_file(), "vmA's live lease was deleted"
+    assert json.loads((drive / "lease.json").read_text())["session"] == "a" * 12
+    with pytest.raises(L.RunDirError, match=r"in use \(host vmA"):
+        train(char_data, tmp_path / "c", "phase1", TINY, max_steps=2, **args)

@@ -1,11 +1,12 @@
 """A FUSE mount whose checkpoint reads hang, as Google Drive's do when it stops answering (tests only).
 
-    python tests/hangfs.py SOURCE MOUNTPOINT STALL_FLAG
+    python tests/hangfs.py SOURCE MOUNTPOINT STALL_FLAG [WRITE_BYTES_PER_S]
 
 SOURCE is served at MOUNTPOINT (a loopback through the kernel's FUSE, with mfusepy). While the file STALL_FLAG
 exists, opening a file under checkpoints/ for reading blocks in the kernel, as on a dead Drive mount: the reader
 waits until the flag is removed, then reads the real bytes (until then its process cannot even exit, as on Drive).
-Everything else (listing, writes, the lease file) answers. Unmount with `fusermount -u -z MOUNTPOINT`.
+Everything else (listing, writes, the lease file) answers; given WRITE_BYTES_PER_S, writes go at that rate (a slow
+Drive that keeps going). Unmount with `fusermount -u -z MOUNTPOINT`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from mfusepy import FUSE, Operations  # over libfuse 3 or 2
 class StallingLoopback(Operations):
     use_ns = True  # utimens gets nanoseconds
 
-    def __init__(self, root: str, flag: str):
-        self.root, self.flag = os.path.realpath(root), flag
+    def __init__(self, root: str, flag: str, write_bps: float = 0.0):
+        self.root, self.flag, self.write_bps = os.path.realpath(root), flag, write_bps
 
     def real(self, path: str) -> str:  # a path in the mount -> the same path under SOURCE
         return self.root + path
@@ -49,6 +50,8 @@ class StallingLoopback(Operations):
         return os.pread(fh, size, offset)
 
     def write(self, path, data, offset, fh):
+        if self.write_bps:
+            time.sleep(len(data) / self.write_bps)
         return os.pwrite(fh, data, offset)
 
     def truncate(self, path, length, fh=None):
@@ -101,5 +104,6 @@ class StallingLoopback(Operations):
 
 
 if __name__ == "__main__":
-    source, mountpoint, flag = sys.argv[1:4]
-    FUSE(StallingLoopback(source, flag), mountpoint, foreground=True, nothreads=False)
+    source, mountpoint, flag, *write_bps = sys.argv[1:]
+    loopback = StallingLoopback(source, flag, float(write_bps[0]) if write_bps else 0.0)
+    FUSE(loopback, mountpoint, foreground=True, nothreads=False)

@@ -297,7 +297,7 @@ class AllFifos:
 class HangingMount:
     """The mirror served through a FUSE mount (tests/hangfs.py) whose checkpoint reads block until back()."""
 
-    def __init__(self, source, tmp_path):
+    def __init__(self, source, tmp_path, write_bps=0.0):
         try:
             import mfusepy  # noqa: F401 (needs libfuse 3 or 2)
         except (ImportError, OSError) as e:
@@ -314,6 +314,7 @@ class HangingMount:
                 str(source),
                 str(self.mirror),
                 str(self.flag),
+                str(write_bps),
             ],
             stderr=subprocess.PIPE,
             text=True,

@@ -234,3 +234,27 @@ def test_find_dataset_says_a_tokenize_that_did_not_finish(tmp_path, monkeypatch,
         find_dataset("web")
     assert "(unfinished: run notebook 01 again)" in str(e.value), e.value
     assert "run notebook 01 first" not in str(e.value)
+
+
+def test_a_slow_shard_write_that_makes_progress_is_waited_for(tmp_path, monkeypatch):
+    """A large shard (--shard-tokens) written to a slow Drive takes longer than WRITE_TIMEOUT_S while its bytes keep
+    going out: it was given up as hung ('made no progress for 300 s') on every re-run, so tokenize never finished.
+    Here a 6 MB shard goes out through a FUSE mount writing ~3 MB/s (tests/hangfs.py), with a limit of 1 s."""
+    import time
+
+    from gptlib.data import shards
+    from tests.test_drive_resume import HangingMount
+
+    (tmp_path / "drive").mkdir()
+    mount = HangingMount(tmp_path / "drive", tmp_path, write_bps=3e6)
+    try:
+        mount.back()  # no stalled reads: only slow writes
+        monkeypatch.setattr(shards, "WRITE_TIMEOUT_S", 1.0)
+        ids = np.random.default_rng(0).integers(0, 50_000, 3_000_000).astype(np.uint16)
+        w = ShardWriter(mount.mirror / "d", "train", np.dtype(np.uint16), shard_tokens=3_000_000)
+        t0 = time.monotonic()
+        w.write(ids)
+        assert time.monotonic() - t0 > 1.5  # slower than the limit, all the way
+    finally:
+        mount.close()
+    assert (tmp_path / "drive" / "d" / "train_000000.bin").read_bytes() == ids.tobytes()

@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 
 from gptlib.errors import DataFormatError
-from gptlib.fsutil import atomic_write, atomic_write_json, call_with_timeout, check_dir, sha256_file
+from gptlib.fsutil import (
+    Progress,
+    atomic_write,
+    atomic_write_json,
+    call_with_timeout,
+    check_dir,
+    sha256_file,
+)
 
 # META_FILE and PREPARE_STATE_FILE: imported from here by the data pipeline
 from gptlib.layout import (  # noqa: F401
@@ -27,7 +34,8 @@ from gptlib.layout import (  # noqa: F401
 
 FORMAT_VERSION = 1
 SPAN_DTYPE = np.dtype("<i8")
-WRITE_TIMEOUT_S = 300.0  # a shard of 100M tokens is 200 MB (400 MB with a vocabulary over 65,536)
+# a shard write with no MB written for this long: hung (a shard of 100M tokens is 200 or 400 MB)
+WRITE_TIMEOUT_S = 300.0
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -47,9 +55,18 @@ def merge_spans(spans: np.ndarray) -> np.ndarray:
     return np.stack([spans[first, 0], spans[np.r_[first[1:], True], 1]], axis=1)
 
 
-def write_timed(path: Path, write) -> None:
-    # a hung Drive: given up (HungIOError) and said, where the progress bar stood still for good
-    call_with_timeout(lambda: atomic_write(path, write), WRITE_TIMEOUT_S, what=f"writing {path}")
+def write_timed(path: Path, data: np.ndarray) -> None:
+    # a hung Drive: given up (HungIOError) and said, where the progress bar stood still for good. A MB at a time, so
+    # that a slow Drive (a large shard) is waited for while it moves, and a write given up stops at its next MB
+    progress, raw = Progress(), data.reshape(-1).view(np.uint8)
+
+    def write(f):
+        for i in range(0, len(raw), 1 << 20):
+            progress.tick(f.write(raw[i : i + (1 << 20)]))
+
+    call_with_timeout(
+        lambda: atomic_write(path, write), WRITE_TIMEOUT_S, progress, f"writing {path}"
+    )
 
 
 class ShardWriter:
@@ -111,14 +128,14 @@ class ShardWriter:
             sp = merge_spans(np.concatenate([np.zeros((0, 2), np.int64), *self.spans]))
             sp = np.ascontiguousarray(sp, dtype=SPAN_DTYPE)
             sname = f"{self.split}_{len(self.shards):06d}.spans.bin"
-            write_timed(self.out_dir / sname, sp.tofile)
+            write_timed(self.out_dir / sname, sp)
             record["spans"] = {
                 "file": sname,
                 "count": int(len(sp)),
                 "sha256": hashlib.sha256(sp).hexdigest(),
             }
             self.spans = []
-        write_timed(self.out_dir / name, data.tofile)  # the rename made durable too
+        write_timed(self.out_dir / name, data)  # the rename made durable too
         self.shards.append(record)
         self.filled = 0
 

@@ -291,3 +291,30 @@ def test_a_shard_drive_has_not_synced_yet_at_resume_says_to_wait_and_the_rerun_r
     shard.write_bytes(synced)
     prep.prepare([src], out, **opts)
     assert data_files(out) == data_files(clean)
+
+
+def test_a_failed_rename_in_a_relative_out_dir_is_one_line_naming_the_folder(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """`tokenize --out data/x` (relative) on a Drive that drops as a shard is renamed into place: os.replace names the
+    temp file by its absolute path, which was not seen as out_dir's, and the OSError went out bare, not as 'cannot
+    write to data/x: ...'."""
+    import errno
+
+    from gptlib import fsutil
+    from gptlib.errors import RunDirError
+
+    src, _ = corpus
+    real = fsutil.replace
+
+    def dropped(tmp, dst):
+        if str(dst).endswith(".bin"):
+            raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(tmp), None, str(dst))
+        real(tmp, dst)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fsutil, "replace", dropped)
+    with pytest.raises(
+        RunDirError, match="^cannot write to out: Transport endpoint is not connected; is Google"
+    ):
+        prep.prepare([src], "out", tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)

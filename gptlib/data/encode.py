@@ -7,6 +7,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -339,7 +340,9 @@ def one_writer(out_dir: Path) -> Iterator[None]:
     # a write or rename in out_dir (Drive full or dropped), not one naming another file (an input) or with no errno
     # (pyarrow's, a network drop's)
     except OSError as e:
-        if e.errno is None or e.filename and out_dir not in Path(e.filename).parents:
+        # by absolute paths: a rename names its temp file so (tempfile's), whatever --out was given
+        named = e.filename and Path(os.path.abspath(e.filename)).parents
+        if e.errno is None or named and Path(os.path.abspath(out_dir)) not in named:
             raise
         raise cannot_write(out_dir, e) from None
     finally:

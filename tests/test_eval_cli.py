@@ -413,9 +413,9 @@ def test_cli_eval_on_a_read_only_run_dir_prints_the_score_then_says_where_to_sav
     assert (
         (run_dir / EVAL_FILE).read_bytes() if (run_dir / EVAL_FILE).exists() else None
     ) == log_before
-    # the same from Python
+    # the same from Python: the row saved there is reused, not scored and appended again
     rows = evaluate_run(run_dir, "bpb", limit=20, device="cpu", progress=False, out=out)
-    assert rows[0]["bpb"] == row["bpb"] and len(out.read_text().splitlines()) == 2
+    assert rows == [row] and len(out.read_text().splitlines()) == 1
 
 
 def eval_cell(capsys, **params) -> list[dict]:
@@ -516,5 +516,76 @@ def test_out_appends_to_eval_rows_only(run_dir, char_data, tmp_path, capsys):
         and meta.read_bytes() == before
     )
     rows = tmp_path / "rows.jsonl"
-    assert main(args + [str(rows)]) == 0 and main(args + [str(rows)]) == 0
+    assert main(args + [str(rows)]) == 0 and main(args + [str(rows), "--checkpoint", "5"]) == 0
     assert len(read_jsonl(rows)) == 2
+
+
+def test_a_rerun_reuses_what_eval_jsonl_records_for_the_same_checkpoint_and_settings(
+    run_dir, hs_file, tmp_path, char_data, capsys
+):
+    """Notebook 04's Run all (after each disconnect) scored every checkpoint again, minutes of a paid GPU each for
+    HellaSwag, and appended duplicate rows: a row recorded for the same checkpoint (its model.pt's sha256) and
+    settings is now reused, said in one line; other settings, or another checkpoint at the same step, are scored."""
+    import shutil
+
+    from gptlib.layout import checkpoint_name, checkpoints_dir
+    from gptlib.training.loop import train
+
+    rd = tmp_path / "run"
+    shutil.copytree(run_dir, rd, ignore=shutil.ignore_patterns(EVAL_FILE))
+    said = []
+    kw = dict(device="cpu", progress=False, warn=said.append)
+    first = evaluate_run(rd, "hellaswag", "all", data=hs_file, limit=20, **kw)
+    first += evaluate_run(rd, "bpb", "all", limit=20, **kw)
+    recorded = (rd / EVAL_FILE).read_text()
+    assert len(recorded.splitlines()) == 4 and not said
+    again = evaluate_run(rd, "hellaswag", "all", data=hs_file, limit=20, **kw)
+    again += evaluate_run(rd, "bpb", "all", limit=20, **kw)
+    assert again == first and (rd / EVAL_FILE).read_text() == recorded
+    assert said == [
+        f"{t}: reused the rows {rd / EVAL_FILE} records for steps 5, 10 (the same checkpoint and settings); "
+        f"0 scored now; delete a row to score it again"
+        for t in ("hellaswag", "bpb")
+    ]
+    # other settings (more items, more windows): scored afresh
+    (h,) = evaluate_run(rd, "hellaswag", "10", data=hs_file, limit=25, **kw)
+    (b,) = evaluate_run(rd, "bpb", "10", limit=30, **kw)
+    assert h["n"] == 25 - h["skipped"] and b["windows"] == 30
+    assert len((rd / EVAL_FILE).read_text().splitlines()) == 6
+    # step 10 trained again from scratch (another seed): the same step, other weights: scored; step 5 reused
+    other = tmp_path / "other"
+    train(
+        char_data,
+        other,
+        overrides=TINY + ["eval_interval=5", "seed=7"],
+        max_steps=10,
+        progress=False,
+        log=print,
+    )
+    shutil.rmtree(checkpoints_dir(rd) / checkpoint_name(10))
+    shutil.copytree(
+        checkpoints_dir(other) / checkpoint_name(10), checkpoints_dir(rd) / checkpoint_name(10)
+    )
+    capsys.readouterr()
+    argv = [
+        "eval",
+        "--run-dir",
+        str(rd),
+        "--task",
+        "hellaswag",
+        "--data",
+        str(hs_file),
+        "--limit",
+        "20",
+    ]
+    assert main(argv + ["--checkpoint", "all", "--device", "cpu", "--quiet"]) == 0
+    rows = read_jsonl(rd / EVAL_FILE)
+    assert (
+        len(rows) == 7
+        and rows[-1]["step"] == 10
+        and rows[-1]["model_sha256"] != first[1]["model_sha256"]
+    )
+    assert capsys.readouterr().err == (
+        f"hellaswag: reused the rows {rd / EVAL_FILE} records for step 5 (the same checkpoint and settings); "
+        f"1 scored now; delete a row to score it again\n"
+    )

@@ -135,6 +135,14 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
         cfg["architectures"] == ["GPT2LMHeadModel"]
         and (tmp_path / "hf" / "tokenizer.json").is_file()
     )
+    # Run all again (Colab, after a disconnect): each score eval.jsonl records is reused, none scored or appended
+    recorded = (run / "eval.jsonl").read_bytes()
+    nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
+    eval_cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
+    again = "".join(o.get("text", "") for o in eval_cell.outputs)
+    assert (run / "eval.jsonl").read_bytes() == recorded and again.endswith(table), again
+    for task in ("bpb", "hellaswag"):
+        assert f"{task}: reused the rows {run / 'eval.jsonl'} records for steps 5, 10 " in again
 
 
 def test_playground_headless(tmp_path, char_data):

@@ -12,18 +12,19 @@ import numpy as np
 import torch
 
 from gptlib.batches import MemmapSplit, _to_ids
+from gptlib.checkpoint.format import read_manifest
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, in_notebook, loud
 from gptlib.evaluation import hellaswag as hs
-from gptlib.fsutil import append_jsonl
+from gptlib.fsutil import append_jsonl, read_jsonl
 from gptlib.inference.loading import (
     load_run,
     read_state_and_tokenizer,
     resolve_checkpoint,
     select_steps,
 )
-from gptlib.layout import EVAL_FILE, checkpoint_name, checkpoints_dir
+from gptlib.layout import EVAL_FILE, MODEL_FILE, checkpoint_name, checkpoints_dir
 from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
 
 TASKS = ("hellaswag", "bpb")
@@ -141,7 +142,9 @@ def _prepare(
         items, file = hs.load_items(data, file_option=file_option)
         chosen = [items[i] for i in hs.select(len(items), limit)]
         # a run keeps its model config
-        return {"file": file, "rendered": hs.render(chosen, tok, cfg.model.block_size)}
+        r = hs.render(chosen, tok, cfg.model.block_size)
+        same = dict(data_sha256=file["sha256"], n=r.n, skipped=r.skipped)
+        return {"file": file, "rendered": r, "same": same}
     if data is not None and Path(data).is_file():
         msg = f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
         raise EvalError(msg)
@@ -157,7 +160,27 @@ def _prepare(
     meta = read_meta(data or state.data_dir)
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"
     check_identity(tok, meta.tokenizer, needs)
-    return {"meta": meta, "val": MemmapSplit(meta, "val")}
+    val, block = MemmapSplit(meta, "val"), cfg.model.block_size
+    same = dict(data=str(meta.data_dir), windows=len(window_starts(len(val), block, limit)))
+    return {"meta": meta, "val": val, "same": same}
+
+
+def _rows_file(run_dir: Path, out) -> Path:
+    """RUN_DIR/eval.jsonl, else `out`: a new file or one of eval rows."""
+    target = Path(out) if out is not None else run_dir / EVAL_FILE
+    if out is not None and target.is_dir():
+        raise EvalError(
+            f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}"
+        )
+    # rows go after eval rows only: appended to a meta.json, a corpus or metrics.jsonl, they broke it
+    if out is not None and target.is_file() and target.stat().st_size:
+        with open(target, "rb") as f:
+            first = f.readline(1 << 16).decode(errors="replace")
+        if not re.match(r'\{"task": "', first):
+            raise EvalError(
+                f"--out {out} holds something else than eval rows; give a new file or an eval.jsonl"
+            )
+    return target
 
 
 def evaluate_run(
@@ -174,37 +197,34 @@ def evaluate_run(
     warn=loud,
     file_option: str = "--data FILE",
 ) -> list[dict]:
-    """-> the rows, each appended to `out` (default RUN_DIR/eval.jsonl) as computed; one that cannot be (read-only)
-    costs no score: warn() names the file and the fix. file_option: how messages name the HellaSwag file."""
+    """-> the rows, each reused from `out` (default RUN_DIR/eval.jsonl), else appended to it as computed; one that
+    cannot be (read-only) costs no score: warn() names the file and the fix. file_option: how messages name the
+    HellaSwag file."""
     run_dir, task = Path(run_dir), str(task).strip().lower()
     if task not in TASKS:
         raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
     if limit is not None and limit < 0:
         raise EvalError(f"--limit {limit} must be >= 0 (0 = everything)")
-    target = Path(out) if out is not None else run_dir / EVAL_FILE
-    if out is not None and target.is_dir():
-        raise EvalError(
-            f"--out {out} is a directory; give a file to append the rows to, e.g. {target / EVAL_FILE}"
-        )
-    # rows go after eval rows only: appended to a meta.json, a corpus or metrics.jsonl, they broke it
-    if out is not None and target.is_file() and target.stat().st_size:
-        with open(target, "rb") as f:
-            first = f.readline(1 << 16).decode(errors="replace")
-        if not re.match(r'\{"task": "', first):
-            raise EvalError(
-                f"--out {out} holds something else than eval rows; give a new file or an eval.jsonl"
-            )
+    target = _rows_file(run_dir, out)
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
     # fp32 weights under this autocast, as training's validation loss
     dt = resolve_dtype("auto", dev)
     prep, rows, unsaved = _prepare(run_dir, task, data, steps[-1], limit, file_option), [], 0
+    # a re-run (notebook 04's Run all) reuses a row recorded for the same weights (not just step) and settings
+    recorded, reused, dtype = read_jsonl(target), [], str(dt).replace("torch.", "")
     for step in steps:
+        path = checkpoints_dir(run_dir) / checkpoint_name(step)
         try:
+            sha = read_manifest(path)["files"][MODEL_FILE]["sha256"]
+            same = dict(task=task, step=step, model_sha256=sha, dtype=dtype, **prep["same"])
+            if old := next((r for r in reversed(recorded) if same.items() <= r.items()), None):
+                rows, reused = rows + [old], reused + [step]
+                continue
             lm = load_run(run_dir, step, device=dev)
         except (GptlibError, OSError):
             # not one a run still training deleted (keep_last) since the listing: the others are scored all the same
-            if (checkpoints_dir(run_dir) / checkpoint_name(step)).exists():
+            if path.exists():
                 raise
             warn(f"step {step}: deleted by training since it was listed; passed over")
             continue
@@ -220,7 +240,7 @@ def evaluate_run(
                 lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress
             )
             result.update(n=result["windows"], data=str(prep["meta"].data_dir))
-        where = dict(checkpoint=str(lm.path), device=str(dev), dtype=str(dt).replace("torch.", ""))
+        where = dict(checkpoint=str(lm.path), device=str(dev), dtype=dtype, model_sha256=sha)
         seconds = round(time.perf_counter() - t0, 3)
         rows.append(make_row(task, step, lm.state.tokens_seen, result, **where, seconds=seconds))
         del lm  # before the next checkpoint loads
@@ -229,6 +249,11 @@ def evaluate_run(
         # the score is computed: keep going, say it once at the end (the rows are returned)
         except OSError as e:
             unsaved, error = unsaved + 1, e
+    if reused:
+        warn(
+            f"{task}: reused the rows {target} records for step{'s' * (len(reused) > 1)} {', '.join(map(str, reused))} "
+            f"(the same checkpoint and settings); {len(rows) - len(reused)} scored now; delete a row to score it again"
+        )
     if unsaved:
         warn(
             f"warning: {unsaved} row{'s' if unsaved > 1 else ''} not saved: cannot append to {target}: "

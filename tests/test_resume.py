@@ -458,3 +458,54 @@ def test_a_resume_builds_the_model_once(char_data, tmp_path, monkeypatch):
     assert result.resumed_from == 4 and result.step == 6, result
     assert any("auto micro-batch" in m for m in logs), logs
     assert len(built) == 1, f"a resume built {len(built)} models"
+
+
+def test_a_resume_on_a_smaller_gpu_keeps_the_batches_and_the_validation(
+    char_data, tmp_path, monkeypatch
+):
+    """Colab gives another GPU each session (an A100 on day 1, a T4 on day 2): auto_batch measures a smaller
+    micro-batch and more accumulation. The same sequences make each step, and the validation measures the same
+    sequences too, so the curve and the best checkpoint go on comparably (it took eval_batches micro-batches of the
+    new size: a quarter of the sequences here, and the val loss jumped). Fake GPU memories (tests/test_runtime.py's
+    FakeGpuMemory: 8 sequences fit the large one, 2 the small); a constant LR, so that the run may stop at step 10."""
+    from gptlib.training import memory
+    from tests.test_runtime import GIB, FakeGpuMemory
+
+    over = TINY + [
+        "auto_batch=true",
+        "batch_size=4",
+        "grad_accum_steps=2",
+        "eval_interval=5",
+        "eval_batches=4",
+    ]
+    over += [
+        "learning_rate=1e-2",
+        "warmup_steps=0",
+        "min_lr_ratio=1.0",
+        "save_every_steps=5",
+        "sample_tokens=0",
+    ]
+
+    def day(run_dir, gib, steps):
+        monkeypatch.setitem(
+            memory.MEMORY_PROBES, "cpu", lambda d: FakeGpuMemory(gib * GIB, GIB, 10 * GIB)
+        )
+        train(
+            char_data,
+            run_dir,
+            "phase1",
+            over,
+            max_steps=steps,
+            device="cpu",
+            progress=False,
+            log=lambda m: None,
+        )
+        return {r["step"]: r for r in read_metrics(run_dir)}
+
+    one_gpu = day(tmp_path / "a", 100, 20)
+    day(tmp_path / "b", 100, 10)
+    switched = day(tmp_path / "b", 30, 20)
+    assert sorted(switched) == sorted(one_gpu)
+    for s, row in one_gpu.items():  # the same math in another order: float rounding apart
+        assert switched[s]["train_loss"] == pytest.approx(row["train_loss"], abs=1e-4), s
+        assert switched[s].get("val_loss") == pytest.approx(row.get("val_loss"), abs=1e-4), s

@@ -112,8 +112,11 @@ def fit_micro_batch(cfg, model: GPT, device: torch.device, ddp, log) -> tuple[ob
         torch.cuda.set_rng_state(cuda_rng, device)
     micro = ddp.min_int(micro)
     accum = tc.batch_size * tc.grad_accum_steps // micro
+    # the validation's sequences kept too (rounded up): a session on another GPU validates on the same ones
+    evals = -(-tc.eval_batches * tc.batch_size // micro)
     return dataclasses.replace(
-        cfg, train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=accum)
+        cfg,
+        train=dataclasses.replace(tc, batch_size=micro, grad_accum_steps=accum, eval_batches=evals),
     ), peak
 
 

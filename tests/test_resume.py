@@ -509,3 +509,33 @@ def test_a_resume_on_a_smaller_gpu_keeps_the_batches_and_the_validation(
     for s, row in one_gpu.items():  # the same math in another order: float rounding apart
         assert switched[s]["train_loss"] == pytest.approx(row["train_loss"], abs=1e-4), s
         assert switched[s].get("val_loss") == pytest.approx(row.get("val_loss"), abs=1e-4), s
+
+
+def test_an_auto_batch_resume_says_no_change_it_did_not_make(char_data, tmp_path, monkeypatch):
+    """Every session of notebook 03 (AUTO_BATCH on) asks for the preset's sizes, which the probe measures again: a
+    resume said `resume: batch_size changed 8 -> 4`, `grad_accum_steps changed 1 -> 2` (and eval_batches) although
+    nothing changed and the probe then took 8 again. A change of the tokens per step is still said."""
+    from gptlib.training import memory
+    from tests.test_runtime import GIB, FakeGpuMemory
+
+    monkeypatch.setitem(
+        memory.MEMORY_PROBES, "cpu", lambda d: FakeGpuMemory(100 * GIB, GIB, 10 * GIB)
+    )
+    over = TINY + ["auto_batch=true", "batch_size=4", "grad_accum_steps=2", "sample_tokens=0"]
+
+    def day(steps, *more):
+        logs = []
+        train(
+            char_data,
+            tmp_path,
+            "phase1",
+            over + list(more),
+            max_steps=steps,
+            progress=False,
+            log=logs.append,
+        )
+        return [m for m in logs if m.startswith("resume:") and " changed " in m]
+
+    day(2)
+    assert day(4) == []
+    assert "resume: grad_accum_steps changed 1 -> 4" in day(6, "grad_accum_steps=4")

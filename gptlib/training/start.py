@@ -149,9 +149,15 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
             f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; {how}, or use a "
             f"new run directory"
         )
+    # auto_batch measures the micro-batch again (its line says the sizes): only other sequences are a change
+    n = [
+        (t.batch_size * t.grad_accum_steps, t.batch_size * t.eval_batches)
+        for t in (saved.train, asked.train)
+    ]
+    quiet = SHAPE + SCHEDULE + (PROBED if asked.train.auto_batch and n[0] == n[1] else ())
     for old, new in ((saved.model, asked.model), (saved.train, asked.train)):
         for f in dataclasses.fields(old):
-            if getattr(old, f.name) != getattr(new, f.name) and f.name not in SHAPE + SCHEDULE:
+            if getattr(old, f.name) != getattr(new, f.name) and f.name not in quiet:
                 log(
                     f"resume: {f.name} changed {getattr(old, f.name)!r} -> {getattr(new, f.name)!r}"
                 )
@@ -233,6 +239,8 @@ def _tokenizer(identity: dict) -> str:
     return f"{identity['kind']}, {identity['vocab_size']:,} tokens ({identity['hash'][:12]})"
 
 
+# what fit_micro_batch sets, keeping the sequences of a step and of a validation
+PROBED = ("batch_size", "grad_accum_steps", "eval_batches")
 # lr_at's
 SCHEDULE = (
     "learning_rate",

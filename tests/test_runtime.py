@@ -319,6 +319,31 @@ def test_the_probe_keeps_a_margin_for_compiled_training(char_data, monkeypatch):
     assert memory.PROBE_HEADROOM == 0.92
 
 
+def test_oom_advice_under_auto_batch_names_a_size_the_probe_keeps(monkeypatch):
+    """An OOM in training with auto_batch on (notebook 03's AUTO_BATCH, say on day 2's T4): the advice named
+    batch_size=4 alone, which the probe overruled at the next start (it starts from the largest size that it measures
+    as fitting): the same size again, the same OOM at every re-run. The advice turns the probe off; in notebook 03,
+    where the AUTO_BATCH checkbox sets it after OVERRIDES, by naming the checkbox."""
+    import IPython
+
+    from gptlib.model import GPT
+
+    cfg = build_config("phase1", TINY + ["auto_batch=true", "batch_size=8", "grad_accum_steps=2"])
+    advised = cfg.updated(re.findall(r"--set (\S+)", memory.oom_advice(cfg)))
+    # the probe measures 8 sequences as fitting, as it did before the OOM
+    mem = FakeGpuMemory(total=100 * GIB, fixed=GIB, per_seq=GIB)
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
+    if advised.train.auto_batch:
+        cpu = torch.device("cpu")
+        advised, _ = memory.fit_micro_batch(advised, GPT(advised.model), cpu, Dist(), quiet)
+    assert (advised.train.batch_size, advised.train.grad_accum_steps) == (4, 4)
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
+    assert (
+        'AUTO_BATCH = False, OVERRIDES = ["batch_size=4", "grad_accum_steps=4"]'
+        in memory.oom_advice(cfg)
+    )
+
+
 def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, monkeypatch):
     """What auto_batch measured is kept free beside the data, not only the estimate (issue 26: gpt2-small's estimate
     said 21.2 GiB where the probe had measured an eager peak of 26.6 GiB, and data filled the difference)."""

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from gptlib.errors import OutOfMemoryAdvice, override
+from gptlib.errors import OutOfMemoryAdvice, in_notebook, override
 from gptlib.model import GPT
 from gptlib.runtime import autocast_for, resolve_dtype
 
@@ -57,6 +57,9 @@ def oom_advice(cfg, world_size: int = 1) -> str:
     # the largest divisor of micro up to its half: the tokens per step stay exactly the same
     half = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
     smaller = override(f"batch_size={half}", f"grad_accum_steps={accum * (micro // half)}")
+    # else the probe takes the largest size it measures as fitting again (notebook 03 sets it after OVERRIDES)
+    if cfg.train.auto_batch:
+        smaller = ("AUTO_BATCH = False, " if in_notebook() else "--set auto_batch=false ") + smaller
     auto = f", or {override('auto_batch=true')} to find the largest that fits"
     auto = "" if cfg.train.auto_batch else auto
     return (

@@ -8,7 +8,7 @@ import re
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gptlib.errors import ConfigError
+from gptlib.errors import ConfigError, override
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,7 +60,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ConfigError(
             f"dtype=bfloat16 but this GPU, {torch.cuda.get_device_name(device)} (compute capability "
             f"{p.major}.{p.minor}), has no bf16 hardware (it needs 8.0+: A100, L4, H100): use "
-            f"--set dtype=float16 (trained with a GradScaler) or dtype=auto, which picks float16 here"
+            f"{override('dtype=float16')} (trained with a GradScaler) or dtype=auto, which picks float16 here"
         )
     return DTYPES[name]
 

@@ -114,6 +114,19 @@ def test_bf16_asked_on_a_t4_names_the_gpu_and_the_alternative(monkeypatch):
     assert rt.resolve_dtype("float16", CUDA) == torch.float16  # what the message proposes works
 
 
+def test_bf16_asked_on_a_t4_in_a_notebook_names_overrides(monkeypatch):
+    """Notebook 03 on day 2's T4 with OVERRIDES = ["dtype=bfloat16"] kept from an A100: the refusal said `use --set
+    dtype=float16`, a command-line flag the notebook does not have."""
+    import IPython
+
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
+    with pytest.raises(
+        ConfigError, match=r'use OVERRIDES = \["dtype=float16"\] \(trained with a GradScaler\)'
+    ):
+        rt.resolve_dtype("bfloat16", CUDA)
+
+
 def test_a_cuda_index_past_the_gpus_is_refused_naming_the_count(monkeypatch):
     fake_gpu(monkeypatch, count=2)
     with pytest.raises(ConfigError, match=r"cuda:2.*2 GPUs.*cuda:0.*cuda:1"):

@@ -539,3 +539,34 @@ def test_an_auto_batch_resume_says_no_change_it_did_not_make(char_data, tmp_path
     day(2)
     assert day(4) == []
     assert "resume: grad_accum_steps changed 1 -> 4" in day(6, "grad_accum_steps=4")
+
+
+def test_config_json_of_a_session_on_another_gpu_that_never_saved_is_not_an_edit(
+    char_data, tmp_path, monkeypatch
+):
+    """A session on a smaller GPU writes config.json with the sizes its probe measured, then Colab disconnects before
+    its first checkpoint. The next session must not say that config.json has values "this run does not use" as if
+    the learner had edited them: batch_size and grad_accum_steps were left out of that line, eval_batches (which the
+    probe sets too) was not."""
+    import json
+
+    from gptlib.training import memory
+    from tests.test_runtime import GIB, FakeGpuMemory
+
+    over = TINY + ["auto_batch=true", "batch_size=4", "grad_accum_steps=2", "sample_tokens=0"]
+
+    def day(gib, steps):
+        monkeypatch.setitem(
+            memory.MEMORY_PROBES, "cpu", lambda d: FakeGpuMemory(gib * GIB, GIB, 10 * GIB)
+        )
+        logs = []
+        train(char_data, tmp_path, "phase1", over, max_steps=steps, progress=False, log=logs.append)
+        return logs
+
+    day(100, 2)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # what the small GPU's session wrote before it was cut off: its probe's sizes
+    config["train"].update(batch_size=2, grad_accum_steps=4, eval_batches=4)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert not [m for m in day(30, 4) if "does not use" in m]
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["eval_batches"] == 4

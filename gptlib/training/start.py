@@ -186,7 +186,7 @@ def say_config_edits(start: Start, cfg: RunConfig, measured: bool, log) -> None:
     )
     held, ours = (vars(c.model) | vars(c.train) for c in (start.held, cfg))
     # the checkpoint's value is the run's record; a micro-batch to be measured is not known yet
-    later = ("batch_size", "grad_accum_steps") if measured else ()
+    later = PROBED if measured else ()
     unused = [
         f"{n} {_value(v)} (this run: {_value(ours[n])})"
         for n, v in (config.get("model", {}) | config.get("train", {})).items()

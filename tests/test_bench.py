@@ -253,7 +253,10 @@ def test_oom_advice_keeps_tokens_per_step():
         model=ModelConfig(block_size=64), train=TrainConfig(batch_size=15, grad_accum_steps=2)
     )
     msg = memory.oom_advice(odd)
-    assert "--set batch_size=5 --set grad_accum_steps=6 (same 1,920 tokens per step)" in msg, msg
+    assert (
+        "--set batch_size=5 --set grad_accum_steps=6 --set eval_batches=60 (same 1,920 tokens"
+        in msg
+    ), msg
     # auto_batch already on: not suggested again (turned off: tests/test_runtime.py)
     assert "auto_batch=true" not in memory.oom_advice(odd.updated({"auto_batch": True})), msg
 

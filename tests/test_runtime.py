@@ -352,9 +352,19 @@ def test_oom_advice_under_auto_batch_names_a_size_the_probe_keeps(monkeypatch):
     assert (advised.train.batch_size, advised.train.grad_accum_steps) == (4, 4)
     monkeypatch.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
     assert (
-        'AUTO_BATCH = False, OVERRIDES = ["batch_size=4", "grad_accum_steps=4"]'
+        'AUTO_BATCH = False, OVERRIDES = ["batch_size=4", "grad_accum_steps=4", "eval_batches=4"]'
         in memory.oom_advice(cfg)
     )
+
+
+def test_following_the_oom_advice_keeps_the_validations_sequences():
+    """The OOM advice halves the micro-batch and doubles the accumulation: the same tokens per step. It left
+    eval_batches alone, so the run validated on half the sequences from then on (the curve and the best checkpoint
+    compared over other ones), which the probe avoids (tests/test_resume.py)."""
+    for extra in ([], ["auto_batch=true"]):
+        cfg = build_config("phase1", TINY + ["batch_size=8", "grad_accum_steps=2", *extra])
+        advised = cfg.updated(re.findall(r"--set (\S+)", memory.oom_advice(cfg))).train
+        assert (advised.batch_size, advised.batch_size * advised.eval_batches) == (4, 8 * 2)
 
 
 def test_data_that_fits_only_by_the_estimate_stays_in_ram(tmp_path, char_data, monkeypatch):

@@ -54,9 +54,12 @@ def oom_advice(cfg, world_size: int = 1) -> str:
             f"(a new run dir with --set block_size={max(1, block // 2)}), bf16 on a GPU that has it "
             f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory."
         )
-    # the largest divisor of micro up to its half: the tokens per step stay exactly the same
+    # the largest divisor of micro up to its half: the tokens per step and per validation stay exactly the same
     half = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
-    smaller = override(f"batch_size={half}", f"grad_accum_steps={accum * (micro // half)}")
+    k, evals = micro // half, cfg.train.eval_batches
+    smaller = override(
+        f"batch_size={half}", f"grad_accum_steps={accum * k}", f"eval_batches={evals * k}"
+    )
     # else the probe takes the largest size it measures as fitting again (notebook 03 sets it after OVERRIDES)
     if cfg.train.auto_batch:
         smaller = ("AUTO_BATCH = False, " if in_notebook() else "--set auto_batch=false ") + smaller

@@ -314,6 +314,59 @@ def test_notebook_02s_results_cells_on_a_fresh_vm_read_the_run_on_drive(
     assert capsys.readouterr().out.startswith("ROMEO:")
 
 
+def test_notebook_02_on_a_fresh_vm_with_another_text_is_refused_naming_it_and_leaves_a_run_notebook_04_reads(
+    fake_colab, tmp_path, small_text, monkeypatch
+):
+    """Notebook 02 trained on Drive, then on a fresh VM TEXT_PATH changed to another text, same RUN_NAME: refused
+    naming TEXT_PATH and RUN_NAME (it named vocab_size, a field the user never set, and said 'drop the change'); the
+    checkpoint it copied from Drive to the VM's run folder came without the run's tokenizer.json, and notebook 04,
+    which prefers that copy, failed with 'tokenizer mismatch' (it read the new text's). The old TEXT_PATH, as said,
+    resumes."""
+    import json
+
+    from gptlib.data.prepare import prepare_text
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.inference.loading import find_run
+    from gptlib.training import resume
+
+    def notebook_02(text, steps):  # its data and train cells
+        paths = colab.run_paths("tiny", colab.setup())
+        prepare_text([text], paths.run_dir / "data", tokenizer="char", verbose=False)
+        return train(
+            paths.run_dir / "data",
+            paths.run_dir,
+            "phase1",
+            TINY,
+            max_steps=steps,
+            device="cpu",
+            progress=False,
+            log=lambda s: None,
+            mirror_dir=paths.mirror_dir,
+        )
+
+    notebook_02(small_text, 10)
+    shutil.rmtree(colab.setup().local)  # a new VM, same Drive
+    other = tmp_path / "other.txt"
+    other.write_text(small_text.read_text().lower())  # fewer characters: another vocabulary
+    monkeypatch.setattr(resume, "in_notebook", lambda: True)
+    with pytest.raises(GptlibError) as e:
+        notebook_02(other, 15)
+    msg, data = str(e.value), colab.run_paths("tiny", colab.setup()).run_dir / "data"
+    assert "vocab_size=" not in msg and "drop the change" not in msg, msg
+    assert f"set TEXT_PATH back to the text it was trained on (and delete {data})" in msg, msg
+    assert "or choose a new RUN_NAME" in msg, msg
+    # notebook 04: the run's copy it picks loads, for HellaSwag as for bpb
+    items = tmp_path / "hs.jsonl"
+    items.write_text(
+        json.dumps({"ctx": "ROMEO", "endings": ["a", "b", "c", "d"], "label": 1}) + "\n"
+    )
+    [row] = evaluate_run(find_run("tiny"), "hellaswag", "latest", device="cpu", data=str(items))
+    assert row["step"] == 10 and row["n"] == 1
+    # as the message says: the old text (its data folder made again), and the run goes on
+    shutil.rmtree(data)
+    assert notebook_02(small_text, 15).resumed_from == 10
+
+
 def test_a_run_dir_on_drive_is_mounted_before_it_is_looked_at(fake_colab, tmp_path, char_data):
     """Notebook 04 on a fresh VM with RUN_DIR on Drive: Drive is mounted, then the run is found (it said there was no
     complete checkpoint there: train first)."""

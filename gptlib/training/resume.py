@@ -31,10 +31,11 @@ from gptlib.checkpoint.mirror import mirror_checkpoint
 from gptlib.config import RunConfig
 from gptlib.data.shards import META_FILE, DatasetMeta, read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity, load_tokenizer
-from gptlib.errors import CheckpointError, ConfigError, DataFormatError, loud
+from gptlib.errors import CheckpointError, ConfigError, DataFormatError, in_notebook, loud
 from gptlib.fsutil import (
     DRIVE_ADVICE,
     Progress,
+    atomic_write_bytes,
     atomic_write_json,
     call_with_timeout,
     fsync_dir,
@@ -43,6 +44,7 @@ from gptlib.fsutil import (
 )
 from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import (
+    CONFIG_FILE,
     DAMAGED_MARKER,
     MANIFEST_FILE,
     SET_ASIDE_FILE,
@@ -232,6 +234,12 @@ def find_resume(
     # what the search passed over: a newer checkpoint unreadable, or damaged ones before starting from scratch
     if passed.unreadable or (resume is None and passed.damaged):
         _say_resume_point(resume, passed, run_dir, skip_unreadable, looks, local_before, log)
+    # the run's own beside a copy from Drive: a start refused after (another TEXT_PATH) leaves it, and notebook 04,
+    # which prefers it, read the data's tokenizer (a mismatch); none there or Drive slow: write_run_files's at a start
+    for name in (CONFIG_FILE, TOKENIZER_FILE) if resume is not None and resume.from_mirror else ():
+        with contextlib.suppress(OSError):
+            copy = read_bytes_with_timeout(mirror_dir / name, DRIVE_LIST_TIMEOUT_S)
+            atomic_write_bytes(run_dir / name, copy)
     return resume, passed
 
 
@@ -436,11 +444,17 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
         return {}
     what = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items())
     where = f"{resume.origin} was trained on other data than {meta.data_dir} ({what})"
+    how = "resume with the same data, or use a new run directory"
+    # where the user is: notebook 02 makes its data from TEXT_PATH in the run's folder, 03 and 05 name a dataset
+    if in_notebook():
+        nb02 = meta.data_dir.parent == resume.info.path.parents[1]
+        back = f"TEXT_PATH back to the text it was trained on (and delete {meta.data_dir})"
+        how = f"set {back if nb02 else 'DATASET_NAME or DATA_DIR back to its data'}, or choose a new RUN_NAME"
     if any(k not in TOKEN_FIELDS for k in changed):
-        raise ConfigError(f"{where}; resume with the same data or use a new run directory")
+        raise ConfigError(f"{where}; {how}")
     if not allow_change:
         raise ConfigError(
-            f"{where}; resume with the same data, use a new run directory, or pass --allow-data-change "
+            f"{where}; {how}, or pass --allow-data-change "
             f"(train(..., options=StartOptions(allow_data_change=True))) to go on with this data (recorded in "
             f"the run's state)"
         )

@@ -71,12 +71,13 @@ def decide_config(
     if start.resume is not None:
         # named where the checkpoint was found: a resume from the Drive mirror is that folder's run
         where = start.mirror_dir if start.resume.from_mirror else start.run_dir
-        check_same_model(held, cfg, step, where, log)
-        # the same data, or a change asked for (recorded in state.json)
+        # the same data, or a change asked for (recorded in state.json); first, as the data's vocabulary is the
+        # model's: another text is named as the user changed it, not as a vocab_size they never set
         options = start.options
         start.resume.data_change = check_same_data(
             start.resume, start.meta, options.allow_data_change, log
         )
+        check_same_model(held, cfg, step, where, log)
     # from here on the run writes into its Drive mirror: it must hold this run, or nothing yet
     check_mirror_run(cfg, start)
     cfg.validate()

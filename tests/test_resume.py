@@ -570,3 +570,32 @@ def test_config_json_of_a_session_on_another_gpu_that_never_saved_is_not_an_edit
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert not [m for m in day(30, 4) if "does not use" in m]
     assert json.loads((tmp_path / "config.json").read_text())["train"]["eval_batches"] == 4
+
+
+def test_a_fine_tune_resumed_on_other_data_in_a_notebook_names_notebook_05s_settings(
+    char_data, small_text, tmp_path, monkeypatch
+):
+    """Notebook 05 (a fine-tune: init_from its base) resumed with DATASET_NAME set to another dataset: the refusal
+    named 'DATASET_NAME or DATA_DIR', and notebook 05 has no DATA_DIR (notebook 03 has both)."""
+    from gptlib.data.prepare import prepare_text
+    from gptlib.errors import GptlibError
+    from gptlib.training.resume import StartOptions
+
+    other = tmp_path / "other.txt"  # the same characters (the same tokenizer), other tokens
+    other.write_text("\n".join(reversed(small_text.read_text().splitlines())))
+    prepare_text([other], tmp_path / "other", tokenizer="char", verbose=False)
+    kw = dict(device="cpu", progress=False, log=lambda m: None)
+    train(char_data, tmp_path / "base", "phase1", TINY, max_steps=2, **kw)
+    options = StartOptions(init_from=str(tmp_path / "base"))
+    train(char_data, tmp_path / "ft", "phase1", TINY, max_steps=2, options=options, **kw)
+    monkeypatch.setattr(gresume, "in_notebook", lambda: True)
+    with pytest.raises(GptlibError) as e:
+        train(
+            tmp_path / "other", tmp_path / "ft", "phase1", TINY, max_steps=4, options=options, **kw
+        )
+    assert "set DATASET_NAME back to its data, or choose a new RUN_NAME" in str(e.value), e.value
+    # notebook 03's run (no base) names both
+    train(char_data, tmp_path / "run", "phase1", TINY, max_steps=2, **kw)
+    with pytest.raises(GptlibError) as e:
+        train(tmp_path / "other", tmp_path / "run", "phase1", TINY, max_steps=4, **kw)
+    assert "set DATASET_NAME or DATA_DIR back to its data, or choose" in str(e.value), e.value

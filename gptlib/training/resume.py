@@ -445,11 +445,13 @@ def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) 
     what = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items())
     where = f"{resume.origin} was trained on other data than {meta.data_dir} ({what})"
     how = "resume with the same data, or use a new run directory"
-    # where the user is: notebook 02 makes its data from TEXT_PATH in the run's folder, 03 and 05 name a dataset
+    # where the user is: notebook 02 makes its data from TEXT_PATH in the run's folder, 03 and 05 name a dataset (05,
+    # a fine-tune of a base, has no DATA_DIR)
     if in_notebook():
         nb02 = meta.data_dir.parent == resume.info.path.parents[1]
         back = f"TEXT_PATH back to the text it was trained on (and delete {meta.data_dir})"
-        how = f"set {back if nb02 else 'DATASET_NAME or DATA_DIR back to its data'}, or choose a new RUN_NAME"
+        named = "DATASET_NAME" if resume.state.init_from else "DATASET_NAME or DATA_DIR"
+        how = f"set {back if nb02 else named + ' back to its data'}, or choose a new RUN_NAME"
     if any(k not in TOKEN_FIELDS for k in changed):
         raise ConfigError(f"{where}; {how}")
     if not allow_change:

@@ -589,3 +589,23 @@ def test_a_rerun_reuses_what_eval_jsonl_records_for_the_same_checkpoint_and_sett
         f"hellaswag: reused the rows {rd / EVAL_FILE} records for step 5 (the same checkpoint and settings); "
         f"1 scored now; delete a row to score it again\n"
     )
+
+
+def test_bpb_on_a_data_dir_tokenized_again_is_scored_not_reused(run_dir, small_text, tmp_path):
+    """The same data folder tokenized again with other text (notebook 01 re-run into one DATASET_NAME, the same
+    tokenizer): eval reused the row of the old tokens (the same folder, the same number of windows: BPB_WINDOWS), so
+    one table mixed bpb over two validation sets; the data's tokens are part of the settings a row is reused for."""
+    import shutil
+
+    from gptlib.data.prepare import prepare_text
+
+    data, other, out = tmp_path / "data", tmp_path / "other.txt", tmp_path / "rows.jsonl"
+    prepare_text([small_text], data, tokenizer="char", verbose=False)
+    kw = dict(device="cpu", progress=False, out=out, data=data, limit=20, warn=lambda m: None)
+    (first,) = evaluate_run(run_dir, "bpb", "10", **kw)
+    shutil.rmtree(data)
+    other.write_text("\n".join(reversed(small_text.read_text().splitlines())))
+    prepare_text([other], data, tokenizer="char", verbose=False)
+    (again,) = evaluate_run(run_dir, "bpb", "10", **kw)
+    assert again["bpb"] != first["bpb"] and len(read_jsonl(out)) == 2
+    assert evaluate_run(run_dir, "bpb", "10", **kw) == [again]  # and reused for those tokens

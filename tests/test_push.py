@@ -312,3 +312,46 @@ def test_bad_input_is_one_line_and_changes_nothing(
     assert cli(capsys, *push, "alice/tiny")[0] == 0 and [c["repo"] for c in recording.commits] == [
         "alice/tiny"
     ]
+
+
+def test_the_card_gives_only_the_pushed_checkpoints_scores(run, tmp_path):
+    """The same run directory trained again from scratch (notebook 03 with the same RUN_NAME after deleting its
+    checkpoints) keeps eval.jsonl: the first model's rows at the same step are not the pushed model's scores (the card
+    showed them). A row without model_sha256 (training's end-of-run HellaSwag, gptlib before 0.3.0) counts only where
+    no row at that step names another checkpoint."""
+    import json
+
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.fsutil import read_jsonl
+    from gptlib.inference.loading import load_run
+    from gptlib.share import model_card
+
+    def card(r):
+        return hub.ModelCard(model_card(load_run(r), r, "alice/again", "mit", "", "", False))
+
+    r = tmp_path / "run"
+    shutil.copytree(run, r)
+    first = {x["task"]: x for x in read_jsonl(r / "eval.jsonl")}
+    # as training writes it (no hash); the retrained model's own end-of-run row could be such a row too
+    unhashed = {**first["hellaswag"], "acc_norm": 0.9, "acc_norm_se": 0.01, "n": 99}
+    del unhashed["model_sha256"]
+    with (r / "eval.jsonl").open("a") as f:
+        f.write(json.dumps(unhashed) + "\n")
+    shutil.rmtree(r / "checkpoints")
+    bpe_run(run.parent / "data", r, extra=["seed=7"])
+    again = card(r)
+    said = again.text.split("## Evaluation")[1].split("##")[0]
+    assert "- bits per byte: not run" in said and "- HellaSwag acc_norm: not run" in said, said
+    assert [e.metric_type for e in again.data.eval_results] == ["loss"]
+
+    (now,) = evaluate_run(r, "bpb", limit=4, device="cpu", progress=False)
+    assert now["model_sha256"] != first["bpb"]["model_sha256"] and now["bpb"] != first["bpb"]["bpb"]
+    found = {e.metric_type: e.metric_value for e in card(r).data.eval_results}
+    assert found["bpb"] == round(now["bpb"], 4)
+
+    # rows of gptlib before 0.3.0, none naming a checkpoint: the card keeps using them
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    rows = [{k: v for k, v in x.items() if k != "model_sha256"} for x in first.values()]
+    (old / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    assert f"bits per byte: {first['bpb']['bpb']:.4f} ±" in card(old).text

@@ -336,7 +336,9 @@ def test_oom_advice_under_auto_batch_names_a_size_the_probe_keeps(monkeypatch):
     """An OOM in training with auto_batch on (notebook 03's AUTO_BATCH, say on day 2's T4): the advice named
     batch_size=4 alone, which the probe overruled at the next start (it starts from the largest size that it measures
     as fitting): the same size again, the same OOM at every re-run. The advice turns the probe off; in notebook 03,
-    where the AUTO_BATCH checkbox sets it after OVERRIDES, by naming the checkbox."""
+    where the AUTO_BATCH checkbox sets it after OVERRIDES, by naming the checkbox too. Notebooks 02 and 05 have no
+    AUTO_BATCH (auto_batch=true is one of their OVERRIDES): the advice named it alone there, a setting that does not
+    exist; auto_batch=false inside OVERRIDES turns it off."""
     import IPython
 
     from gptlib.model import GPT
@@ -352,8 +354,8 @@ def test_oom_advice_under_auto_batch_names_a_size_the_probe_keeps(monkeypatch):
     assert (advised.train.batch_size, advised.train.grad_accum_steps) == (4, 4)
     monkeypatch.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
     assert (
-        'AUTO_BATCH = False, OVERRIDES = ["batch_size=4", "grad_accum_steps=4", "eval_batches=4"]'
-        in memory.oom_advice(cfg)
+        'OVERRIDES = ["auto_batch=false", "batch_size=4", "grad_accum_steps=4", "eval_batches=4"] (in notebook '
+        "03: AUTO_BATCH = False too)" in memory.oom_advice(cfg)
     )
 
 

@@ -57,12 +57,14 @@ def oom_advice(cfg, world_size: int = 1) -> str:
     # the largest divisor of micro up to its half: the tokens per step and per validation stay exactly the same
     half = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
     k, evals = micro // half, cfg.train.eval_batches
+    # else the probe takes the largest size it measures as fitting again
+    off = ["auto_batch=false"] if cfg.train.auto_batch else []
     smaller = override(
-        f"batch_size={half}", f"grad_accum_steps={accum * k}", f"eval_batches={evals * k}"
+        *off, f"batch_size={half}", f"grad_accum_steps={accum * k}", f"eval_batches={evals * k}"
     )
-    # else the probe takes the largest size it measures as fitting again (notebook 03 sets it after OVERRIDES)
-    if cfg.train.auto_batch:
-        smaller = ("AUTO_BATCH = False, " if in_notebook() else "--set auto_batch=false ") + smaller
+    # notebook 03's AUTO_BATCH checkbox sets it after OVERRIDES (02 and 05 have none: it is one of their OVERRIDES)
+    if off and in_notebook():
+        smaller += " (in notebook 03: AUTO_BATCH = False too)"
     auto = f", or {override('auto_batch=true')} to find the largest that fits"
     auto = "" if cfg.train.auto_batch else auto
     return (

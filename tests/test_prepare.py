@@ -712,6 +712,31 @@ def test_a_different_dataset_in_a_notebook_names_the_notebooks_settings(
     assert "choose another DATASET_NAME" in str(e.value) and "--overwrite" not in str(e.value)
 
 
+def test_notebook_02s_data_cell_on_another_text_names_its_settings(tmp_path, monkeypatch):
+    """Notebook 02 run again with TEXT_PATH on another text, same RUN_NAME: its data cell (prepare_text into RUN/data)
+    was refused with notebook 01's words ('choose another DATASET_NAME ... OVERWRITE = True in notebook 01'), settings
+    notebook 02 does not have. It names TEXT_PATH and RUN_NAME; the folder is unchanged; the command line as before."""
+    from types import SimpleNamespace
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("to be or not to be\n" * 200)
+    b.write_text("the quick brown fox\n" * 200)
+    out = tmp_path / "runs" / "phase1" / "data"
+    prepare_text([a], out, verbose=False)
+    before = files_of(out)
+    with pytest.raises(PrepareError, match="--overwrite"):
+        prepare_text([b], out, verbose=False)
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(PrepareError, match="already holds a different dataset") as e:
+        prepare_text([b], out, verbose=False)
+    said = str(e.value)
+    assert "set TEXT_PATH back to the text it was made from" in said and "new RUN_NAME" in said, (
+        said
+    )
+    assert "DATASET_NAME" not in said and "OVERWRITE" not in said and files_of(out) == before, said
+
+
 # --------------------------------------------------------------------------------------- memory
 
 # VmHWM: the peak RSS of the child's own address space (ru_maxrss would include pytest's at fork time).

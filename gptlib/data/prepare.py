@@ -142,7 +142,12 @@ def _say_unused(spec: dict, sources: list[Source], text_column, tok_file, reused
 def prepare_text(
     inputs: Sequence[str | Path], out_dir: str | Path, tokenizer: str = "char", **options
 ) -> DatasetMeta:
-    return prepare(inputs, out_dir, tokenizer, **options)
+    try:
+        return prepare(inputs, out_dir, tokenizer, **options)
+    except PrepareError as e:
+        # notebook 02's data cell: RUN_NAME's folder, made from TEXT_PATH (no DATASET_NAME, no OVERWRITE there)
+        nb02 = "set TEXT_PATH back to the text it was made from (or delete the folder), or choose a new RUN_NAME"
+        raise PrepareError(str(e).replace(_elsewhere(), nb02)) if in_notebook() else e from None
 
 
 def _check_options(

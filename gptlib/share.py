@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gptlib.data.hub import http_status
 from gptlib.data.shards import META_FILE
-from gptlib.errors import ExportError
+from gptlib.errors import ExportError, again
 from gptlib.fsutil import read_jsonl
 from gptlib.layout import EVAL_FILE, LOSS_PLOT, MODEL_FILE, SAMPLES_FILE, STATE_FILE
 
@@ -242,7 +242,7 @@ def hub_error(e: Exception, repo: str) -> ExportError:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         msg = (
             f"pushing {repo} failed ({type(e).__name__}: {first}); nothing was committed (a Hub commit is "
-            f"all or nothing): run the same command again to finish it"
+            f"all or nothing): {again()} to finish it"
         )
     return ExportError(msg)
 

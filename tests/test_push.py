@@ -355,3 +355,19 @@ def test_the_card_gives_only_the_pushed_checkpoints_scores(run, tmp_path):
     rows = [{k: v for k, v in x.items() if k != "model_sha256"} for x in first.values()]
     (old / "eval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     assert f"bits per byte: {first['bpb']['bpb']:.4f} ±" in card(old).text
+
+
+def test_a_failed_upload_in_notebook_04_says_to_run_the_cell_again(run, recording, monkeypatch):
+    """Notebook 04's push cell, the connection dropped mid-commit: the error said 'run the same command again', a
+    command the notebook user never ran. In a notebook it says to run the cell again; nothing was committed."""
+    from types import SimpleNamespace
+
+    from gptlib import push
+    from gptlib.errors import ExportError
+
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(__import__("sys").modules, "IPython", kernel)
+    recording.fail = {"create_commit": ConnectionResetError("Connection reset by peer")}
+    with pytest.raises(ExportError, match="all or nothing\\): run this cell again to finish it"):
+        push(run, "alice/tiny", gguf=False)
+    assert recording.commits == []

@@ -318,3 +318,25 @@ def test_a_failed_rename_in_a_relative_out_dir_is_one_line_naming_the_folder(
         RunDirError, match="^cannot write to out: Transport endpoint is not connected; is Google"
     ):
         prep.prepare([src], "out", tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+
+
+def test_a_held_data_dir_in_a_notebook_says_to_run_the_cell_again(tmp_path, monkeypatch):
+    """A tokenize cell (notebook 01 or 05) whose data folder another tokenize holds (a terminal's, or the cell run
+    twice at once): the refusal said 'the same command then continues its work'. In a notebook: this cell."""
+    from types import SimpleNamespace
+
+    from filelock import FileLock
+
+    from gptlib.errors import RunDirError
+
+    src, out = tmp_path / "a.txt", tmp_path / "data"
+    src.write_text("to be or not to be\n" * 100)
+    out.mkdir()
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with FileLock(out / genc.LOCK_FILE):
+        with pytest.raises(
+            RunDirError, match="stop it, then run this cell again \\(it continues its work\\)"
+        ):
+            prep.prepare([src], out, tokenizer="char", verbose=False)
+    assert sorted(p.name for p in out.iterdir()) == [genc.LOCK_FILE]

@@ -315,8 +315,8 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             lock.acquire(timeout=0)
         except Timeout:
             raise RunDirError(
-                f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it "
-                f"(the same command then continues its work)"
+                f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it, then "
+                f"{again()} (it continues its work)"
             ) from None
         except OSError as e:
             if not (out_dir / META_FILE).is_file():

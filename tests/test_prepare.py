@@ -523,7 +523,8 @@ def test_bad_options(tmp_path, small_text):
 
 def test_a_refused_dataset_names_what_differs(tmp_path, docs, bpe_file):
     """Notebook 05 run again with another base (its tokenizer), or an input file edited in place: the refusal listed
-    the same sources and 'tokenizer bpe' as the call gave, and did not say what was different. It names it."""
+    the same sources and 'tokenizer bpe' as the call gave, and did not say what was different. It names it; a BPE's
+    own settings (notebook 01's VOCAB_SIZE) with both values."""
     from tests.tokenize_kit import small_bpe
 
     out, src = tmp_path / "out", write_jsonl(tmp_path / "a.jsonl", docs)
@@ -534,6 +535,10 @@ def test_a_refused_dataset_names_what_differs(tmp_path, docs, bpe_file):
     write_jsonl(src, docs[:-1])  # edited, same path
     with pytest.raises(PrepareError, match=r"; it differs in: sources\)"):
         prepare([src], out, tokenizer_from=bpe_file, verbose=False)
+    # notebook 01 run again with only VOCAB_SIZE changed: 'it differs in: tokenizer' named neither size
+    prepare([src], tmp_path / "bpe", **BPE)
+    with pytest.raises(PrepareError, match=r"; it differs in: vocab_size 300 -> 280\)"):
+        prepare([src], tmp_path / "bpe", **{**BPE, "vocab_size": 280})
 
 
 def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe_file, capsys):

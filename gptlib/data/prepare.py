@@ -307,6 +307,11 @@ def _previous_run(
             # the same paths with other bytes (an edited file), another base's tokenizer: named, as they look the same
             was = old.get("prepare_spec") or {}
             differ = ", ".join(k for k in {**was, **spec} if was.get(k) != spec.get(k))
+            a, b = was.get("tokenizer") or {}, spec["tokenizer"]
+            # two BPEs (notebook 01's VOCAB_SIZE or TRAIN_MB changed): their settings with both values
+            if a.get("kind") == b.get("kind") == "bpe":
+                bpe = (f"{k} {a.get(k)} -> {v}" for k, v in b.items() if a.get(k) != v)
+                differ = differ.replace("tokenizer", ", ".join(bpe))
             raise PrepareError(
                 f"{out_dir} already holds a different dataset (sources "
                 f"{[s.get('path') for s in old.get('sources', [])][:5]}, tokenizer "

@@ -163,6 +163,28 @@ def test_init_from_the_runs_own_directory_is_said_or_refused(tmp_path, char_data
         assert not any("only starts a new run)" in m for m in logs), logs
 
 
+def test_a_fine_tune_resumed_from_drive_on_a_fresh_vm_names_drives_copy(tmp_path, char_data):
+    """Notebook 05 on a fresh VM: the fine-tune resumes from its Drive mirror, but the line said 'init-from: <the
+    VM's run dir> already has checkpoints', a folder that is empty there. It names the copy it resumes from."""
+    import shutil
+
+    base, run, mirror = tmp_path / "base", tmp_path / "run", tmp_path / "drive" / "run"
+    train(char_data, base, "phase1", TINY, max_steps=10, progress=False, log=quiet)
+    opts = StartOptions(init_from=str(base))
+    kw = dict(progress=False, options=opts, mirror_dir=mirror)
+    train(char_data, run, "phase1", TINY, max_steps=10, log=quiet, **kw)
+    shutil.rmtree(run)  # a new VM: only Drive's copy
+    logs = []
+    assert (
+        train(char_data, run, "phase1", TINY, max_steps=12, log=logs.append, **kw).resumed_from
+        == 10
+    )
+    said = (
+        f"init-from: {mirror} already has checkpoints; resuming it ({base} only starts a new run)"
+    )
+    assert said in logs, "\n".join(logs)
+
+
 def test_a_new_seed_or_learning_rate_on_resume_is_said_with_what_it_does(tmp_path, char_data):
     """The batches go on from the checkpoint, so a resumed run keeps its seed (validation's batches with it: the
     val loss stays comparable), saying so; a new learning rate is said with the LR it gives at the resumed step."""

@@ -386,9 +386,10 @@ def resume_into(run: TrainingRun, start: Start, log) -> None:
             f"init-from: {base} is this run's own directory: resuming it (--init-from only starts a new run, "
             f"from another run's weights)"
         )
-    elif base:  # a resumed run keeps its weights
+    elif base:  # a resumed run keeps its weights; on a new VM, from the Drive mirror's checkpoints
+        held = start.mirror_dir if resume.from_mirror else run.run_dir
         log(
-            f"init-from: {run.run_dir} already has checkpoints; resuming it ({base} only starts a new run)"
+            f"init-from: {held} already has checkpoints; resuming it ({base} only starts a new run)"
         )
     log(
         f"resumed from step {run.state.step:,} (saved {resume.info.saved_at}, {run.state.tokens_seen:,} tokens seen) "

@@ -35,7 +35,9 @@
 # A step runs under `timeout`: at its budget every process of the step gets SIGABRT, on which Python dumps every
 # thread's stack (PYTHONFAULTHANDLER) into the log (the tests' children: into the .children.log), then KILL 15 s later.
 # The dump reads other threads' frames unlocked, so a thread running Python code at that moment can cut it short:
-# the tests' own waits block rather than poll (tests/test_gpu.py's _run).
+# the tests' own waits block rather than poll (tests/test_gpu.py's _run). And a second SIGABRT mid-dump kills the
+# process at once (faulthandler puts the default action back before it writes): `timeout` signals its own child and
+# then its process group, so a step's Python must not be that child (see the trap below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -371,7 +373,10 @@ for i in "${!S_NAME[@]}"; do
   echo -e "\n=== ${S_NAME[$i]} (budget $budget s): ${S_CMD[$i]//\"\$PY\"/$PY}" | tee -a "$LOG"
   t0=$SECONDS
   : > "$STEP_OUT"
-  timeout --signal=ABRT --kill-after=15 "$budget" bash -c "ulimit -c 0; ${S_CMD[$i]}" < /dev/null 2>&1 \
+  # The trap keeps bash from exec-ing the command (bash execs a -c string's last command when nothing is trapped), so
+  # bash is the child `timeout` signals twice and the step's Python gets the group's one SIGABRT.
+  timeout --signal=ABRT --kill-after=15 "$budget" bash -c "trap 'exit 134' ABRT; ulimit -c 0; ${S_CMD[$i]}" \
+    < /dev/null 2>&1 \
     | tee -a "$LOG" "$STEP_OUT"
   rc=${PIPESTATUS[0]}
   case $rc in 0) s=ok ;; 124|137) s=TIMEOUT ;; *) s="FAIL(rc=$rc)" ;; esac

@@ -375,6 +375,37 @@ def test_utf16_or_binary_text_input_is_refused_naming_it(tmp_path, docs):
     assert read_meta(out).raw["documents"] == before.raw["documents"]
 
 
+def test_os_junk_files_in_an_input_folder_are_skipped(tmp_path, docs):
+    """A Drive folder synced from a desktop holds Thumbs.db and desktop.ini (Windows) and .DS_Store (macOS): tokenize
+    of the folder stopped at the first with the NUL-byte refusal, files the user never put there. A folder listing
+    (local or a URL) skips them as it skips hidden files; one named on its own is still refused."""
+    import fsspec
+
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("\n".join(docs[:200]))
+    junk = {
+        "Thumbs.db": b"\xd0\xcf\x11\xe0\x00\x00",
+        "sub/desktop.ini": "[.ShellClassInfo]".encode("utf-16"),
+    }
+    for name, data in {**junk, "sub/.DS_Store": b"\x00\x00\x00\x01Bud1"}.items():
+        (corpus / name).write_bytes(data)
+    mem = fsspec.filesystem("memory")
+    for p in (p for p in corpus.rglob("*") if p.is_file()):
+        mem.pipe("/junktest/" + p.relative_to(corpus).as_posix(), p.read_bytes())
+    try:
+        for i, given in enumerate((corpus, "memory://junktest")):
+            meta = prepare([given], tmp_path / f"out{i}", "char", verbose=False)
+            assert [Path(s["path"]).name for s in meta.raw["sources"]] == ["a.txt"]
+    finally:
+        mem.rm("/junktest", recursive=True)
+    for name in junk:
+        with pytest.raises(
+            PrepareError, match=re.escape(f"input file {corpus / name} is not UTF-8 text")
+        ):
+            prepare([corpus / name], tmp_path / "one", "char", verbose=False)
+
+
 def test_the_nul_byte_refusal_names_notebook_01s_input_in_a_notebook(tmp_path, monkeypatch):
     """In notebook 01 (or 05) the line said 'leave it out of --input', a flag a notebook does not have: it names the
     notebook's INPUT, for a .txt and a .jsonl file alike."""

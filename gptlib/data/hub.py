@@ -31,6 +31,11 @@ def has_glob(s: str) -> bool:
     return any(ch in s for ch in "*?[")
 
 
+# what a folder listing leaves out: hidden files (macOS's .DS_Store) and those Windows puts in synced folders
+def unlisted(part: str) -> bool:
+    return part.startswith(".") or part.lower() in ("thumbs.db", "desktop.ini")
+
+
 @dataclass
 class Found:
     url: str  # what meta.json records and messages name
@@ -42,7 +47,7 @@ class Found:
 
 
 def list_files(fs, path: str, url: str) -> list[Found]:
-    """A file, a directory (hidden files skipped) or a glob, in the order of the same local paths: the same shards."""
+    """A file, a directory (unlisted files skipped) or a glob, in the order of the same local paths: the same shards."""
     root = None
     try:
         if has_glob(path):
@@ -64,7 +69,7 @@ def list_files(fs, path: str, url: str) -> list[Found]:
         p: PurePosixPath(p[len(root) :].lstrip("/") if root is not None else p).parts for p in found
     }
     keep = sorted(
-        (p for p in found if root is None or not any(s.startswith(".") for s in parts[p])),
+        (p for p in found if root is None or not any(map(unlisted, parts[p]))),
         key=parts.get,
     )
     return [

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gptlib.data.hub import Found, describe, has_glob, is_url, resolve_url
+from gptlib.data.hub import Found, describe, has_glob, is_url, resolve_url, unlisted
 from gptlib.errors import PrepareError, in_notebook
 from gptlib.layout import TOKENIZER_FILE
 
@@ -124,7 +124,7 @@ def resolve_inputs(
     hf_config: str | None,
     hf_split: str | None,
 ) -> list[Path | Found]:
-    """Files, directories (recursively, sorted, hidden files skipped), globs and URLs -> the files."""
+    """Files, directories (recursively, sorted, unlisted files skipped), globs and URLs -> the files."""
     files: list[Path | Found] = []
     for item in [inputs] if isinstance(inputs, (str, Path)) else inputs:
         s, p = str(item), Path(item)
@@ -132,7 +132,7 @@ def resolve_inputs(
             got = resolve_url(s, hf_config, hf_split)
         elif p.is_dir():
             found = sorted(x for x in p.rglob("*") if x.is_file())
-            got = [x for x in found if not any(d.startswith(".") for d in x.relative_to(p).parts)]
+            got = [x for x in found if not any(map(unlisted, x.relative_to(p).parts))]
         elif p.is_file():
             got = [p]
         elif has_glob(s):

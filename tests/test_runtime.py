@@ -461,6 +461,41 @@ def test_a_tight_estimate_runs_the_probe_in_training(tmp_path, char_data, monkey
     assert "auto micro-batch: estimated near the GPU's memory" in logs, logs
 
 
+@pytest.mark.parametrize("auto", [[], ["auto_batch=true"]])
+def test_after_an_oom_a_tight_estimates_probe_keeps_the_advised_size(
+    tmp_path, char_data, monkeypatch, auto
+):
+    """A model near the GPU's size (its estimate over 80% of the GPU at any micro-batch: check_fits measures it):
+    the probe took 4 of the step's 8 sequences (an eager peak within 92%) and training ran out of memory at 4
+    (compile's own memory). The advice said batch_size=2, grad_accum_steps=4 (and auto_batch=false); the re-run's
+    probe started again from 8 and took 4: the same OOM at every re-run. A probe with auto_batch off tries no
+    micro-batch above the one asked for."""
+    from gptlib.training.loop import train
+
+    advice = memory.oom_advice(
+        build_config("phase1", TINY + auto + ["batch_size=4", "grad_accum_steps=2"])
+    )
+    # 8 sequences: 74 GiB; 4: 42 GiB, within 92% of the GPU, as the probe measured before the OOM
+    mem = FakeGpuMemory(total=50 * GIB, fixed=10 * GIB, per_seq=8 * GIB)
+    # the real probe; only the memory is a fake
+    monkeypatch.setitem(memory.MEMORY_PROBES, "cpu", lambda device: mem)
+    monkeypatch.setattr(start, "check_fits", lambda cfg, device: "estimated near the GPU's memory")
+    # the setting to try, not the alternative after it (auto_batch=true)
+    settings = TINY + auto + re.findall(r"--set (\S+)", advice.split("(same")[0])
+    train(
+        char_data,
+        tmp_path / "run",
+        "phase1",
+        settings,
+        max_steps=1,
+        device="cpu",
+        progress=False,
+        log=quiet,
+    )
+    tc = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert (tc["batch_size"], tc["grad_accum_steps"], tc["auto_batch"]) == (2, 4, False)
+
+
 def test_the_estimate_counts_an_untied_head_and_eager_cross_entropy():
     """An untied head is weights, grads and two AdamW moments more (16 B per parameter); eager cross-entropy holds
     14 B per logit: the bf16 logits (2), their fp32 copy (4), log-softmax (4) and its gradient (4)."""

@@ -139,6 +139,8 @@ def probe_micro_batch(
     PROBE_HEADROOM of the GPU. -> (micro_batch, grad_accum_steps, its peak bytes; 0 without a memory probe)."""
     device, block = torch.device(device), cfg.model.block_size
     per_step = cfg.train.batch_size * cfg.train.grad_accum_steps
+    # auto_batch off (check_fits' tight estimate): none above the size asked, which an OOM's advice may have lowered
+    top = per_step if cfg.train.auto_batch else cfg.train.batch_size
     memory = MEMORY_PROBES[device.type](device) if device.type in MEMORY_PROBES else None
     n_params = sum(p.numel() for p in model.parameters())
     # AdamW's two moments
@@ -146,7 +148,7 @@ def probe_micro_batch(
     was_training = model.training
     model.train()
     try:
-        for b in (b for b in range(per_step, 0, -1) if per_step % b == 0):
+        for b in (b for b in range(top, 0, -1) if per_step % b == 0):
             why, peak = _try_micro_batch(model, b, block, device, dtype, memory)
             if not why:
                 log(

@@ -406,6 +406,23 @@ def test_os_junk_files_in_an_input_folder_are_skipped(tmp_path, docs):
             prepare([corpus / name], tmp_path / "one", "char", verbose=False)
 
 
+def test_os_junk_files_in_a_dataset_folder_do_not_stop_a_re_run(tmp_path, docs):
+    """A dataset on Drive opened in Finder or Explorer (Drive for desktop) gains .DS_Store, Thumbs.db or desktop.ini:
+    notebook 01 re-run was refused, '--out ... holds files tokenize did not write (.DS_Store)'. They are not the
+    user's files: the finished dataset is found, and made again with OVERWRITE; another file is still refused."""
+    (tmp_path / "a.txt").write_text("\n".join(docs[:200]))
+    out = tmp_path / "out"
+    first = prepare([tmp_path / "a.txt"], out, "char", verbose=False)
+    for name in (".DS_Store", "Thumbs.db", "desktop.ini"):
+        (out / name).write_bytes(b"\x00\x00\x00\x01")
+    assert prepare([tmp_path / "a.txt"], out, "char", verbose=False).raw == first.raw
+    again = prepare([tmp_path / "a.txt"], out, "char", verbose=False, overwrite=True)
+    assert again.splits == first.splits and (out / "Thumbs.db").is_file()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(PrepareError, match=re.escape("did not write (notes.txt)")):
+        prepare([tmp_path / "a.txt"], out, "char", verbose=False)
+
+
 def test_the_nul_byte_refusal_names_notebook_01s_input_in_a_notebook(tmp_path, monkeypatch):
     """In notebook 01 (or 05) the line said 'leave it out of --input', a flag a notebook does not have: it names the
     notebook's INPUT, for a .txt and a .jsonl file alike."""

@@ -17,6 +17,7 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 from gptlib.data.conversations import EXAMPLES_KEPT, ChatTemplate
+from gptlib.data.hub import unlisted
 from gptlib.data.inputs import Source, invalid_utf8
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from gptlib.data.sources import Piece, iter_corpus
@@ -292,10 +293,9 @@ def check_output_dir(out_dir: Path) -> None:
             f"e.g. {out_dir / 'data'}"
         )
     ours = set(our_files(out_dir))
-    # lease.json: an older gptlib's tokenize held one
-    foreign = sorted(
-        p.name for p in out_dir.iterdir() if p not in ours and p.name not in (LOCK_FILE, LEASE_FILE)
-    )
+    # lease.json: an older gptlib's tokenize held one; .DS_Store, Thumbs.db: the desktop's, where Drive syncs it
+    skip = {*ours, *(out_dir / n for n in (LOCK_FILE, LEASE_FILE))}
+    foreign = sorted(p.name for p in out_dir.iterdir() if p not in skip and not unlisted(p.name))
     if foreign:
         raise PrepareError(
             f"--out {out_dir} holds files tokenize did not write ({', '.join(foreign[:5])}"

@@ -488,3 +488,32 @@ def test_save_bench_runs_and_counts_a_saves_threads(tmp_path):
     threads = next(line for line in p.stdout.splitlines() if "threads besides the loop's" in line)
     assert "gptlib-checkpoint x1," in threads and "gptlib-mirror x1)" in threads, threads
     assert list(tmp_path.iterdir()) == []  # its run dirs removed
+
+
+def test_nothing_fits_in_notebook_03_names_its_settings_and_only_advice_that_helps(monkeypatch):
+    """Notebook 03, nothing fits even at micro-batch 1: the advice said '--set block_size=...', '--compile' and
+    'bf16 (--set dtype=bfloat16)', flags a notebook has none of; bf16 takes no less memory than a T4's fp16 (what
+    dtype=auto picks), and the probe that found nothing fitting runs eagerly, compiled or not. In a notebook it
+    names RUN_NAME and OVERRIDES, and half precision only for a run in fp32."""
+    from types import SimpleNamespace
+
+    model = _tiny_model()
+
+    def oom(idx, targets=None, cache=None):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(model, "forward", oom)
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    for dtype, half in (("auto", None), ("float32", 'OVERRIDES = ["dtype=auto"]')):
+        cfg = _per_step(4).updated({"dtype": dtype})
+        with pytest.raises(OutOfMemoryAdvice) as err:
+            memory.probe_micro_batch(model, cfg, "cpu", log=lambda s: None)
+        msg = str(err.value)
+        assert 'a new RUN_NAME with OVERRIDES = ["block_size=16"]' in msg, msg
+        assert (
+            "--" not in msg and "bf16" not in msg and "bfloat16" not in msg and "compile" not in msg
+        ), msg
+        assert (half in msg) if half else ("dtype" not in msg), msg
+    monkeypatch.delitem(sys.modules, "IPython")
+    assert "--set dtype=auto" in memory.oom_advice(cfg.updated({"batch_size": 1}))

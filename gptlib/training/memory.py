@@ -49,10 +49,12 @@ def oom_advice(cfg, world_size: int = 1) -> str:
     """The next setting to try after an out-of-memory error, keeping the tokens per step."""
     micro, accum, block = cfg.train.batch_size, cfg.train.grad_accum_steps, cfg.model.block_size
     if micro == 1:
+        # fp32 alone is bigger than dtype=auto's bf16 (a T4's fp16: the same); the probe is eager, compiled or not
+        amp = f"half precision ({override('dtype=auto')}), " if cfg.train.dtype == "float32" else ""
         return (
-            f"out of GPU memory even at micro-batch 1 x {block} tokens: use a smaller model or context "
-            f"(a new run dir with --set block_size={max(1, block // 2)}), bf16 on a GPU that has it "
-            f"(--set dtype=bfloat16), compile (--compile), or a GPU with more memory."
+            f"out of GPU memory even at micro-batch 1 x {block} tokens: use a smaller model or context (a new "
+            f"{'RUN_NAME' if in_notebook() else 'run dir'} with {override(f'block_size={max(1, block // 2)}')}), "
+            f"{amp}or a GPU with more memory."
         )
     # the largest divisor of micro up to its half: the tokens per step and per validation stay exactly the same
     half = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)

@@ -901,3 +901,32 @@ def test_an_out_that_cannot_be_a_directory_is_one_line(tmp_path, small_text):
             r.stderr
         )
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_an_unfinished_runs_other_tokenizer_in_a_notebook_names_overwrite(
+    tmp_path, docs, bpe_file, monkeypatch
+):
+    """Notebook 01 re-run on an unfinished tokenize whose tokenizer.json is another one (another tokenize's, copied
+    in): the refusal said 'pass --overwrite to start again', a flag the notebook has not. It names OVERWRITE, and
+    OVERWRITE = True does start again."""
+    from types import SimpleNamespace
+
+    from tests.tokenize_kit import small_bpe
+
+    src, out = write_jsonl(tmp_path / "a.jsonl", docs), tmp_path / "out"
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    real_encode = kill_at_encode_call(monkeypatch, 12)
+    with pytest.raises(Killed):
+        prepare([src], out, **opts)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real_encode)
+    small_bpe(docs[:300], out)  # another tokenizer in its place
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(
+        PrepareError, match="unfinished run in .*; .*OVERWRITE = True in notebook 01"
+    ) as err:
+        prepare([src], out, **opts)
+    assert "--" not in str(err.value).replace(str(tmp_path), "")
+    prepare([src], out, overwrite=True, **opts)
+    assert verified_meta(out).splits == prepare([src], tmp_path / "clean", **opts).splits

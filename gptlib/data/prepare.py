@@ -371,7 +371,7 @@ def _start(
     if tok.identity()["hash"] != state["tokenizer"]["hash"]:
         raise PrepareError(
             f"{out_dir / TOKENIZER_FILE} differs from the tokenizer of the unfinished run in {out_dir}; "
-            f"pass --overwrite to start again"
+            f"{_elsewhere()}"
         )
     shards = state["shards"]
     done = shards["train"] + shards["val"]

@@ -9,6 +9,7 @@ import numpy as np
 
 from gptlib.data.shards import DatasetMeta, read_meta
 from gptlib.data.tokenizer import TOKENIZER_FILE, load_tokenizer
+from gptlib.errors import in_notebook
 
 
 def print_tokenize_summary(meta: DatasetMeta) -> None:
@@ -24,8 +25,9 @@ def print_tokenize_summary(meta: DatasetMeta) -> None:
     if m.get("stop_reason") == "max_tokens":
         # stopped_at counts from 0; said from 1, as the documents above and a jsonl line number are
         print(
-            f"stopped at --max-tokens {m['max_tokens']:,}: after document {m['stopped_at']['document'] + 1:,} of "
-            f"{m['stopped_at']['file']}, {n:,} tokens in all (a document is never cut)"
+            f"stopped at {'MAX_TOKENS' if in_notebook() else '--max-tokens'} {m['max_tokens']:,}: after document "
+            f"{m['stopped_at']['document'] + 1:,} of {m['stopped_at']['file']}, {n:,} tokens in all (a document is "
+            f"never cut)"
         )
     report_problems(m)
 

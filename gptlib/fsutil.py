@@ -151,11 +151,11 @@ _WRITE_FIXES |= dict.fromkeys(
 )
 
 
-def cannot_write(directory: str | Path, e: OSError) -> RunDirError:
+def cannot_write(directory: str | Path, e: OSError, then: str = "") -> RunDirError:
     fix = _WRITE_FIXES.get(
         e.errno, "(read-only, full or not allowed?) choose a writable directory with free space"
     )
-    return RunDirError(f"cannot write to {directory}: {e.strerror or e}; {fix}")
+    return RunDirError(f"cannot write to {directory}: {e.strerror or e}; {fix}{then}")
 
 
 def check_dir(path: str | Path, what: str) -> bool:

@@ -199,10 +199,16 @@ def test_a_shard_write_that_fails_is_one_line_naming_the_folder_and_the_rerun_re
     opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     undo = faulty.install(f"{fault}:shard_mid@3")
     try:
-        with pytest.raises(RunDirError, match="^" + re.escape(f"cannot write to {out}: {says}")):
+        with pytest.raises(
+            RunDirError, match="^" + re.escape(f"cannot write to {out}: {says}")
+        ) as e:
             prep.prepare([src], out, **opts)
     finally:
         undo()
+    # it did not say that the shards written are kept, nor that the same command resumes (Drive full: hours of
+    # tokenizing seemed lost, and choosing another directory started over)
+    said = f"; 3 train and 1 val shard(s) of {out} are kept; run the same command again to continue from there"
+    assert str(e.value).endswith(said), e.value
     assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
     kept = json.loads((out / PREPARE_STATE_FILE).read_text())["shards"]["train"]
     assert len(kept) == 3

@@ -303,6 +303,16 @@ def check_output_dir(out_dir: Path) -> None:
         )
 
 
+def _kept(out_dir: Path) -> str:
+    """What an unfinished run in out_dir keeps, and how to go on; "" before its first shard or unreadable."""
+    try:
+        shards = json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]
+        done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return done and f"{done} shard(s) of {out_dir} are kept; {again()} to continue from there"
+
+
 @contextlib.contextmanager
 def one_writer(out_dir: Path) -> Iterator[None]:
     """A second tokenize in out_dir raises RunDirError. The OS frees the lock of a process that ends, killed or not:
@@ -326,16 +336,8 @@ def one_writer(out_dir: Path) -> Iterator[None]:
     except KeyboardInterrupt:
         # a write cut right after creating its temp file; while the lock is held, all ours
         clean_temp_files(out_dir)
-        try:
-            shards = json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]
-            done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
-        except (OSError, ValueError, KeyError, TypeError):
-            done = ""
-        msg = f"tokenize stopped before its first shard was written; {again()} to start over"
-        if done:
-            kept = f"{done} shard(s) of {out_dir} are kept"
-            msg = f"tokenize stopped: {kept}; {again()} to continue from there"
-        loud(msg)
+        first = f"tokenize stopped before its first shard was written; {again()} to start over"
+        loud(f"tokenize stopped: {kept}" if (kept := _kept(out_dir)) else first)
         raise
     # a write or rename in out_dir (Drive full or dropped), not one naming another file (an input) or with no errno
     # (pyarrow's, a network drop's)
@@ -344,7 +346,7 @@ def one_writer(out_dir: Path) -> Iterator[None]:
         named = e.filename and Path(os.path.abspath(e.filename)).parents
         if e.errno is None or named and Path(os.path.abspath(out_dir)) not in named:
             raise
-        raise cannot_write(out_dir, e) from None
+        raise cannot_write(out_dir, e, (kept := _kept(out_dir)) and f"; {kept}") from None
     finally:
         if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
             (out_dir / LOCK_FILE).unlink(missing_ok=True)

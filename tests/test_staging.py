@@ -243,3 +243,24 @@ def test_a_hung_meta_json_is_said_at_its_time_limit_not_read_again(drive_data, m
     with pytest.raises(HungIOError, match="meta.json made no progress"):
         staging.stage_for_training(drive_data, log=lambda s: None)
     assert read_again == []
+
+
+def test_a_damaged_shard_on_drive_in_a_notebook_names_overwrite(drive_data, monkeypatch, capsys):
+    """Notebook 03 training on a dataset whose shard on Drive was damaged: the line said 'tokenize again with
+    --overwrite to repair it', a flag no notebook has. It names notebook 01's OVERWRITE."""
+    import sys
+    from types import SimpleNamespace
+
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    shard = read_meta(drive_data).shard_paths("train")[0]
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1  # the same size: only the sha256 sees it
+    shard.write_bytes(bytes(data))
+    assert staging.stage_for_training(drive_data, log=lambda m: None) == drive_data.resolve()
+    err = capsys.readouterr().err
+    assert (
+        f"{shard.name} does not match meta.json" in err
+        and "again with OVERWRITE = True (notebook 01) to repair" in err
+    ), err
+    assert "--" not in err.replace(str(drive_data.parents[4]), ""), err

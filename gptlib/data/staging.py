@@ -15,7 +15,7 @@ from filelock import FileLock  # a dependency of torch and huggingface_hub
 
 import gptlib.colab as colab
 from gptlib.data.shards import META_FILE, read_meta
-from gptlib.errors import HungIOError, loud
+from gptlib.errors import HungIOError, in_notebook, loud
 from gptlib.fsutil import (
     Progress,
     atomic_write_json,
@@ -144,8 +144,8 @@ def _copy_verified(src: Path, dst: Path, sha: str | None) -> None:
         lambda: copy_hashing(src, dst, progress), STALL_S, progress, what=f"reading {src}"
     )
     if sha is not None and got != sha:
+        how = "OVERWRITE = True (notebook 01)" if in_notebook() else "--overwrite"
         raise StagingFailed(
             f"{src} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... expected (the "
-            f"file on Drive is damaged or was changed after tokenizing; tokenize again with "
-            f"--overwrite to repair it)"
+            f"file on Drive is damaged or was changed after tokenizing; tokenize again with {how} to repair it)"
         )

@@ -79,10 +79,12 @@ tests tests 400 test_gpt2_small_trains_compiled_in_bf16 test_gpt2_small_resumes_
   test_sampling_and_a_hellaswag_batch_on_the_gpu
 
 part 2 "a Colab T4's path from the CLI: gpt2-small's defaults, compiled, on this GPU made a T4 (15.8 GB, fp16 +
-GradScaler, neither flash nor cuDNN attention)"
+GradScaler, neither flash nor cuDNN attention); a run begun here in bf16 resumed on it (the third day)"
 step setup 40 setup_deps setup_deps
-# data 10-20 s; the run 100-180 s (the probe at a T4's room, the fp16 compile, 3 steps of 524,288 tokens)
-tests tests 260 test_gpt2_small_from_the_cli_on_an_emulated_t4
+# data 10-20 s; the run 100-180 s (the probe at a T4's room, the fp16 compile, 3 steps of 524,288 tokens); the third
+# day 90-200 s (a 4 x 256 model at context 1024: 10 steps in bf16 compiled here, its probe and compile 40-70 s; resumed
+# in a new process on the "T4": import, its probe's three tries, the fp16 compile 40-70 s, 5 steps): 200-400 s
+tests tests 460 test_gpt2_small_from_the_cli_on_an_emulated_t4 test_a_bf16_run_resumes_on_an_emulated_t4_the_third_day
 
 part 3 "both recipes: checkpoints made on a CPU resumed on the GPU, the modern recipe at full size (MFU) and in fp16
 compiled; the auto micro-batch and a forced OOM"

@@ -632,6 +632,152 @@ def test_gpt2_small_from_the_cli_on_an_emulated_t4(gpt2_data, tmp_path):
     assert re.search(r"^t4: attention (efficient_attention|math)$", out, re.M), _tail(p)
 
 
+# The third day: a run begun on a bf16 GPU (an A100 or H100: bf16 autocast, compiled, the auto micro-batch), resumed on
+# a T4 days later by the same command in the same run directory. A small model at gpt2-small's context and 32K
+# vocabulary, 64 sequences per step: its eager logits need ~30 GiB for all 64 (one micro-batch on an H100), ~7.7 for
+# 16 (a T4's 15.8 GB). On a CPU the first run's probe measures a fake GPU on which all 8 sequences fit, and the resume
+# has no probe (the asked 4 x 2): the micro-batch changes there too. A constant LR after the warmup: day 1 may stop at
+# step 10 as a disconnect stops it, and day 3 asks for more steps without changing the schedule.
+THIRD_DAY_STEPS, THIRD_DAY_MORE = 10, 5
+THIRD_DAY = [
+    "n_layer=4",
+    "n_head=4",
+    "n_embd=256",
+    "batch_size=64",
+    "grad_accum_steps=1",
+    "auto_batch=true",
+    "learning_rate=1e-3",
+    "warmup_steps=5",
+    "min_lr_ratio=1.0",
+    "eval_interval=5",
+    "eval_batches=2",
+    "save_every_steps=5",
+    "sample_tokens=0",
+    "hellaswag_every=0",
+    "keep_every=0",
+    "log_interval=1",
+    "save_every_minutes=0",
+] + SMALL
+
+
+def _session(ck) -> dict:
+    """What a checkpoint says of the session that wrote it: its micro-batch, accumulation, validation batches and
+    sequences, and its GradScaler's state ({} when it trained without one)."""
+    saved = load_checkpoint(ck.path)
+    tc = saved["state"].config["train"]
+    return {
+        "step": ck.step,
+        "dtype": tc["dtype"],
+        "micro": tc["batch_size"],
+        "accum": tc["grad_accum_steps"],
+        "eval_batches": tc["eval_batches"],
+        "val_seqs": tc["batch_size"] * tc["eval_batches"],
+        "scaler": saved.get("scaler") or {},
+    }
+
+
+@gpu
+def test_a_bf16_run_resumes_on_an_emulated_t4_the_third_day(gpt2_data, tmp_path):
+    """The third day on another GPU: a run trained here in bf16, compiled, with the auto micro-batch (the GPU's own
+    dtype: none asked), resumed in a new process by the same settings under benchmarks/t4_emulate.py (fp16 +
+    GradScaler, a T4's 15.8 GB). It says it resumed; no grad_scale error, no OOM; the T4 trains in float16 with a
+    fresh GradScaler (a bf16 checkpoint has no scaler state: scale <= 65,536); its probe's smaller micro-batch
+    validates on as many sequences as the first day (eval_batches x the asked batch_size); its first loss is near the
+    last one before. On a CPU bf16 then fp16 are asked (a CPU's auto dtype is fp32)."""
+    day1 = [] if CUDA else ["dtype=bfloat16"]
+    day3 = [] if CUDA else ["dtype=float16"]
+    run = tmp_path / "run"
+    t0 = time.perf_counter()
+    with memory_probe_on_cpu(100 * GIB, GIB, 10 * GIB):
+        r, logs = _train(
+            gpt2_data,
+            run,
+            "gpt2-small",
+            THIRD_DAY + day1,
+            max_steps=THIRD_DAY_STEPS,
+            compile="on",
+        )
+    first_s = time.perf_counter() - t0
+    line = _model_line(logs)
+    assert r.step == THIRD_DAY_STEPS and r.stopped_by == "max_steps", r.summary()
+    assert _on_device(line, "bfloat16") and "compile on" in line, line
+    before = _session(newest_checkpoint(run))
+    del r
+    # what this process holds of the GPU goes back before the "T4" takes its share (dynamo's caches hold the model)
+    torch._dynamo.reset()
+    free_memory()
+    held = _gpu_memory(
+        "GPU memory reserved by the test's process before the resume", torch.cuda.memory_reserved
+    )
+    cmd = gptlib_cmd(
+        REPO / "benchmarks" / "t4_emulate.py",
+        "train",
+        "--data",
+        gpt2_data,
+        "--run-dir",
+        run,
+        "--preset",
+        "gpt2-small",
+        "--max-steps",
+        THIRD_DAY_STEPS + THIRD_DAY_MORE,
+        "--device",
+        DEVICE,
+        "--compile",
+        "--quiet",
+        *[a for s in THIRD_DAY + day3 for a in ("--set", s)],
+    )
+    t1 = time.perf_counter()
+    p = _run(cmd, _env(), 300)
+    resume_s, out = time.perf_counter() - t1, p.stdout
+    after = _session(newest_checkpoint(run))
+    curve = loss_curve(run)
+    rows = read_metrics(run)
+    val = {row["step"]: row["val_loss"] for row in rows if row.get("val_loss") is not None}
+    last, first_new = curve.get(THIRD_DAY_STEPS), curve.get(THIRD_DAY_STEPS + 1)
+    # a resumed run's first loss is the saved weights' on the next batch: within a few of the first run's own last
+    # steps' changes (a model that lost its weights is back at ln(vocab), NaN is an fp16 overflow let through)
+    tail = [curve[s] for s in range(THIRD_DAY_STEPS - 3, THIRD_DAY_STEPS + 1) if s in curve]
+    limit = max(3 * max((abs(b - a) for a, b in zip(tail, tail[1:])), default=0.0), 0.25)
+    record(
+        "third_day_bf16_then_t4",
+        [
+            f"day 1: {line}; {first_s:.0f} s",
+            *[m for m in logs if m.startswith("auto micro-batch") and "fits" in m],
+            f"day 1's checkpoint: {before}",
+            held,
+            f"day 3: {' '.join(map(str, cmd[1:]))} -> exit {p.returncode} in {resume_s:.0f} s",
+            *[
+                m
+                for m in out.splitlines()
+                if re.match(
+                    r"(model:|auto micro-batch|resum|done:|error:|t4:|.*out of GPU memory)", m
+                )
+            ],
+            f"day 3's checkpoint: {after}",
+            "losses: " + ", ".join(f"{s}: {curve[s]:.4f}" for s in sorted(curve)),
+            "val losses: " + ", ".join(f"{s}: {v:.4f}" for s, v in sorted(val.items())),
+            f"first resumed loss {first_new} against the last before {last}: limit {limit:.3f}; "
+            f"a fresh model's loss {curve.get(1)}",
+        ],
+    )
+    assert "Expected grad_scale" not in out and "out of GPU memory" not in out, _tail(p)
+    assert p.returncode == 0 and f"resumed from step {THIRD_DAY_STEPS}" in out, _tail(p)
+    assert re.search(rf"device {DEVICE}(:\d+)?, float16\b", out) and "compile on" in out, _tail(p)
+    assert after["step"] == THIRD_DAY_STEPS + THIRD_DAY_MORE, after
+    # bf16 trains without a scaler; the T4's starts fresh at 65,536 (and only halves on an overflow in 5 steps)
+    assert before["scaler"] == {} and 0 < after["scaler"].get("scale", 0) <= 65536.0, (
+        before,
+        after,
+    )
+    # the same validation sequences, whatever micro-batch each day's probe took
+    assert before["val_seqs"] == after["val_seqs"] == 2 * (64 if CUDA else 4), (before, after)
+    assert before["micro"] > after["micro"], (before, after)
+    assert any(THIRD_DAY_STEPS < s <= THIRD_DAY_STEPS + THIRD_DAY_MORE for s in val), val
+    assert sorted(curve) == list(range(1, THIRD_DAY_STEPS + THIRD_DAY_MORE + 1)), sorted(curve)
+    assert all(math.isfinite(v) for v in curve.values()), curve
+    assert abs(first_new - last) <= limit, (first_new, last, limit)
+
+
 @gpu
 def test_sampling_and_a_hellaswag_batch_on_the_gpu(first_run, tmp_path):
     """The first run's checkpoint sampled at temperature 0.8 (the same seed the same text, another seed other text),

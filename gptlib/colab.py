@@ -102,6 +102,15 @@ def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
     return RunPaths(roots.local / "runs" / name, mirror)
 
 
+def drive_copy(run_dir: str | Path) -> Path | None:
+    """On Colab, the Drive mirror of a run on the VM's disk (where notebooks 02/03 train it) if Drive is mounted."""
+    local = Path(os.path.abspath(run_dir))
+    if not in_colab() or local.parent != Path(os.path.abspath(COLAB_LOCAL_ROOT)) / "runs":
+        return None
+    mirror = run_paths(local.name).mirror_dir if _drive_usable() else None
+    return mirror if mirror is not None and mirror.is_dir() else None
+
+
 def data_dir(name: str, roots: Roots | None = None) -> Path:
     """Data lives on the persistent root (Drive on Colab), so tokenizing is done once."""
     return (roots or setup()).persistent / "data" / _checked(name)

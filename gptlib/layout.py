@@ -11,7 +11,7 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 SAMPLES_TABLE = "samples.md"
 LOSS_PLOT = "loss.png"
-EVAL_FILE = "eval.jsonl"  # rows appended by `python -m gptlib eval` (and the end-of-run HellaSwag); not mirrored
+EVAL_FILE = "eval.jsonl"  # rows appended by `python -m gptlib eval` (and the end-of-run HellaSwag)
 # A data directory's (gptlib/data/shards.py): a run directory never holds them (gptlib.lease refuses one that does)
 META_FILE = "meta.json"
 # present only while a tokenize run is unfinished (encode.py)
@@ -32,7 +32,7 @@ CHECKPOINT_FILES = (MODEL_FILE, TRAIN_STATE_FILE, STATE_FILE)  # what every chec
 # in each checkpoint: a resumed run continues them from its step
 LOG_FILES = (METRICS_FILE, SAMPLES_FILE)
 # Copied beside the checkpoints on the Drive mirror, for its readers (sampling, export, notebook 04 on a fresh VM).
-MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT)
+MIRRORED_FILES = (CONFIG_FILE, TOKENIZER_FILE, SAMPLES_TABLE, LOSS_PLOT, EVAL_FILE)
 
 # Checkpoint directory names: step_0001000 when complete; the markers name work in progress.
 PARTIAL_MARKER = ".partial-"  # a checkpoint being written (or copied to the mirror)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -397,3 +398,57 @@ def test_an_export_to_drive_mounts_drive_with_gptlib_root_off_drive(
     out = colab.DRIVE_MOUNT / "MyDrive" / "exports" / "mine"
     export_hf(run, out)
     assert len(fake_colab.calls) == 1 and (out / "config.json").is_file()
+
+
+def test_eval_rows_survive_a_vm_reset(fake_colab, tmp_path, char_data):
+    """eval.jsonl lived on the VM's disk only: after a VM reset notebook 04 (reading the run's Drive copy) scored every
+    checkpoint again (GPU time) and the model card lost its eval rows. The rows reach the Drive copy (training's
+    end-of-run row with the checkpoint, Evaluate's as it appends them), a run resumed from Drive keeps them, and
+    Evaluate on the Drive copy reuses them."""
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.fsutil import read_jsonl
+    from gptlib.inference.loading import find_run
+    from gptlib.layout import EVAL_FILE
+
+    items = [
+        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
+    ]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    hs = ["hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"]
+    rp, _ = train_tiny_on_colab(char_data, TINY + ["save_every_steps=5", *hs])
+    assert [r["source"] for r in read_jsonl(rp.mirror_dir / EVAL_FILE)] == ["training"]
+    said = []
+    kw = dict(device="cpu", progress=False, warn=said.append, limit=4)
+    # notebook 04 on the same VM: the VM's copy of the run (as new as Drive's)
+    assert find_run("tiny") == rp.run_dir
+    first = evaluate_run(rp.run_dir, "bpb", "all", **kw)
+    assert read_jsonl(rp.mirror_dir / EVAL_FILE) == read_jsonl(rp.run_dir / EVAL_FILE)
+    shutil.rmtree(
+        colab.setup().local
+    )  # the VM is gone: notebook 04 on a new one reads Drive's copy
+    assert find_run("tiny") == rp.mirror_dir
+    assert evaluate_run(rp.mirror_dir, "bpb", "all", **kw) == first
+    assert said == [
+        f"bpb: reused the rows {rp.mirror_dir / EVAL_FILE} records for steps 5, 10 (the same checkpoint and "
+        f"settings); 0 scored now; delete a row to score it again"
+    ]
+    # training resumed from Drive on the new VM: its copy of eval.jsonl keeps the rows, and Drive's with it
+    r = train(
+        char_data,
+        rp.run_dir,
+        "phase1",
+        TINY + ["save_every_steps=5", *hs],
+        max_steps=15,
+        device="cpu",
+        progress=False,
+        mirror_dir=rp.mirror_dir,
+    )
+    assert r.resumed_from == 10
+    rows = read_jsonl(rp.mirror_dir / EVAL_FILE)
+    assert [(x["task"], x["step"]) for x in rows] == [
+        ("hellaswag", 10),
+        ("bpb", 5),
+        ("bpb", 10),
+        ("hellaswag", 15),
+    ]

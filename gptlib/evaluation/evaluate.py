@@ -6,18 +6,20 @@ import math
 import re
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gptlib import colab
 from gptlib.batches import MemmapSplit, _to_ids
 from gptlib.checkpoint.format import read_manifest
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, in_notebook, loud
 from gptlib.evaluation import hellaswag as hs
-from gptlib.fsutil import append_jsonl, read_jsonl
+from gptlib.fsutil import append_jsonl, atomic_write_bytes, call_with_timeout, read_jsonl
 from gptlib.inference.loading import (
     load_run,
     read_state_and_tokenizer,
@@ -167,8 +169,9 @@ def _prepare(
     return {"meta": meta, "val": val, "same": same}
 
 
-def _rows_file(run_dir: Path, out) -> Path:
-    """RUN_DIR/eval.jsonl, else `out`: a new file or one of eval rows."""
+def _rows_file(run_dir: Path, out) -> tuple[Path, Path | None]:
+    """RUN_DIR/eval.jsonl, else `out`: a new file or one of eval rows; and the Drive mirror to copy it to, as
+    training's mirror does: a run on Colab's VM disk goes with the VM."""
     target = Path(out) if out is not None else run_dir / EVAL_FILE
     if out is not None and target.is_dir():
         raise EvalError(
@@ -182,7 +185,19 @@ def _rows_file(run_dir: Path, out) -> Path:
             raise EvalError(
                 f"--out {out} holds something else than eval rows; give a new file or an eval.jsonl"
             )
-    return target
+    return target, colab.drive_copy(run_dir) if out is None else None
+
+
+def _to_drive(target: Path, drive: Path | None, warn) -> Path | None:
+    """eval.jsonl copied over the Drive mirror's -> the mirror, else (none, or Drive failing: said once) None."""
+    try:
+        if drive is not None:
+            rows = partial(atomic_write_bytes, drive / EVAL_FILE, target.read_bytes())
+            call_with_timeout(rows, colab.DRIVE_CHECK_S, what=f"copying it to {drive}")
+        return drive
+    except OSError as e:  # the rows stand on this VM's disk
+        warn(f"!! {target} not copied to the run's Drive copy {drive} ({e}): lost with this VM")
+        return None
 
 
 def evaluate_run(
@@ -207,7 +222,7 @@ def evaluate_run(
         raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
     if limit is not None and limit < 0:
         raise EvalError(f"--limit {limit} must be >= 0 (0 = everything)")
-    target = _rows_file(run_dir, out)
+    target, drive = _rows_file(run_dir, out)
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
     # fp32 weights under this autocast, as training's validation loss
@@ -251,6 +266,7 @@ def evaluate_run(
         # the score is computed: keep going, say it once at the end (the rows are returned)
         except OSError as e:
             unsaved, error = unsaved + 1, e
+        drive = _to_drive(target, drive, warn)
     if reused:
         warn(
             f"{task}: reused the rows {target} records for step{'s' * (len(reused) > 1)} {', '.join(map(str, reused))} "

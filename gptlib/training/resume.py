@@ -46,6 +46,7 @@ from gptlib.inference.loading import LoadedModel, load_run
 from gptlib.layout import (
     CONFIG_FILE,
     DAMAGED_MARKER,
+    EVAL_FILE,
     MANIFEST_FILE,
     SET_ASIDE_FILE,
     STATE_FILE,
@@ -235,8 +236,9 @@ def find_resume(
     if passed.unreadable or (resume is None and passed.damaged):
         _say_resume_point(resume, passed, run_dir, skip_unreadable, looks, local_before, log)
     # the run's own beside a copy from Drive: a start refused after (another TEXT_PATH) leaves it, and notebook 04,
-    # which prefers it, read the data's tokenizer (a mismatch); none there or Drive slow: write_run_files's at a start
-    for name in (CONFIG_FILE, TOKENIZER_FILE) if resume is not None and resume.from_mirror else ():
+    # which prefers it, read the data's tokenizer (a mismatch); none there or Drive slow: write_run_files's at a start.
+    # eval.jsonl: the mirror copies this one over Drive's, so it starts with Drive's rows
+    for name in (CONFIG_FILE, TOKENIZER_FILE, EVAL_FILE) if resume and resume.from_mirror else ():
         with contextlib.suppress(OSError):
             copy = read_bytes_with_timeout(mirror_dir / name, DRIVE_LIST_TIMEOUT_S)
             atomic_write_bytes(run_dir / name, copy)

@@ -13,7 +13,7 @@ from gptlib.data.hub import http_status
 from gptlib.data.shards import META_FILE
 from gptlib.errors import ExportError, again
 from gptlib.fsutil import read_jsonl
-from gptlib.layout import EVAL_FILE, LOSS_PLOT, MODEL_FILE, SAMPLES_FILE, STATE_FILE
+from gptlib.layout import EVAL_FILE, LOSS_PLOT, SAMPLES_FILE, STATE_FILE
 
 TOKEN_HELP = (
     "use a token with write access (https://huggingface.co/settings/tokens): set HF_TOKEN=hf_..., add it "
@@ -55,7 +55,7 @@ def stage(run_dir, out_dir, repo: str, checkpoint, gguf: bool, license: str, har
 
 def run_facts(ld, run_dir: Path) -> dict:
     """What the run's files say about a loaded checkpoint: its data sources, its evaluations, three samples."""
-    from gptlib.checkpoint.format import read_manifest
+    from gptlib.checkpoint.format import model_sha256
 
     meta_path = Path(ld.state.data_dir) / META_FILE if ld.state.data_dir else None
     meta = json.loads(meta_path.read_text()) if meta_path and meta_path.is_file() else {}
@@ -68,8 +68,8 @@ def run_facts(ld, run_dir: Path) -> dict:
     # run after a full one must not stand for it); the newest among equals
     evals: dict[str, dict] = {}
     # only this checkpoint's rows: eval.jsonl outlives a run trained again in its directory. A row without model_sha256
-    # (training's end-of-run HellaSwag, gptlib before 0.3.0) counts only while no row at the step names another model
-    sha = read_manifest(ld.path)["files"][MODEL_FILE]["sha256"]
+    # (gptlib 0.2's, training's end-of-run HellaSwag too) counts only while no row at the step names another model
+    sha = model_sha256(ld.path)
     rows = [r for r in read_jsonl(run_dir / EVAL_FILE) if r.get("step") == ld.step]
     ours = {sha} if any(r.get("model_sha256") not in (None, sha) for r in rows) else {sha, None}
     for r in (r for r in rows if r.get("model_sha256") in ours):

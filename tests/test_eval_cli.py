@@ -609,3 +609,34 @@ def test_bpb_on_a_data_dir_tokenized_again_is_scored_not_reused(run_dir, small_t
     (again,) = evaluate_run(run_dir, "bpb", "10", **kw)
     assert again["bpb"] != first["bpb"] and len(read_jsonl(out)) == 2
     assert evaluate_run(run_dir, "bpb", "10", **kw) == [again]  # and reused for those tokens
+
+
+def test_trainings_end_of_run_hellaswag_row_is_reused(tmp_path, char_data):
+    """Training's end-of-run HellaSwag row (every item) named no checkpoint: it was written before its checkpoint, so
+    it had no model_sha256, and notebook 04's Evaluate scored the final checkpoint again. The row is written once the
+    checkpoint is, with its model.pt's sha256 and the dtype: Evaluate reuses it."""
+    from gptlib.checkpoint.format import read_manifest
+    from gptlib.layout import checkpoint_name, checkpoints_dir
+    from gptlib.training.loop import train
+
+    items = [
+        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
+    ]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    run, hs = (
+        tmp_path / "run",
+        ["hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"],
+    )
+    train(char_data, run, "phase1", TINY + hs, max_steps=10, progress=False, log=lambda s: None)
+    said = []
+    kw = dict(data=hs_file, limit=0, device="cpu", progress=False, warn=said.append)
+    (row,) = evaluate_run(run, "hellaswag", "latest", **kw)
+    manifest = read_manifest(checkpoints_dir(run) / checkpoint_name(10))
+    assert row["source"] == "training" and row["n"] == 8
+    assert row["model_sha256"] == manifest["files"]["model.pt"]["sha256"]
+    assert said == [
+        f"hellaswag: reused the rows {run / EVAL_FILE} records for step 10 (the same checkpoint and settings); "
+        f"0 scored now; delete a row to score it again"
+    ]
+    assert read_jsonl(run / EVAL_FILE) == [row]

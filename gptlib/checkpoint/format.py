@@ -301,6 +301,11 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
 
 
+def model_sha256(path: Path) -> str:
+    """The weights' identity: the sha256 the manifest records for model.pt (eval.jsonl's model_sha256)."""
+    return read_manifest(path)["files"][MODEL_FILE]["sha256"]
+
+
 def verify_checkpoint(path: Path) -> CheckpointInfo:
     """The cheap check (after every save, by rotation): the manifest and every file's size; CheckpointError if not."""
     manifest, mpath = read_manifest(path), path / MANIFEST_FILE

@@ -15,14 +15,15 @@ from gptlib.checkpoint.format import (
     MIN_KEEP_LAST,
     is_milestone,
     list_checkpoints,
+    model_sha256,
     rotate,
     save_checkpoint,
     verify_checkpoint,
 )
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
 from gptlib.errors import CheckpointError, GptlibError, override
-from gptlib.fsutil import check_writable
-from gptlib.layout import LOG_FILES, checkpoints_dir, step_of
+from gptlib.fsutil import append_jsonl, check_writable
+from gptlib.layout import EVAL_FILE, LOG_FILES, checkpoints_dir, step_of
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -68,6 +69,8 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         # the host copy of the state, reused by every save (see _snapshot)
         self._host: list[torch.Tensor] = []
+        # training's end-of-run HellaSwag row: appended to eval.jsonl once its weights are saved, with their sha256
+        self.eval_row: dict | None = None
 
     def _snapshot(self, obj: Any) -> Any:
         """Tensors copied into the host buffers of the previous save (allocating and page-faulting ~1.3 GB is most of a
@@ -96,12 +99,13 @@ class CheckpointWriter:
         # the logs' byte counts now (the loop flushed them): the thread copies exactly this prefix
         logs = [self.run_dir / name for name in LOG_FILES]
         sizes = {f.name: f.stat().st_size for f in logs if f.is_file()}
+        row, self.eval_row = self.eval_row, None
         self._thread = threading.Thread(
-            target=self._write, args=(host, sizes), daemon=True, name="gptlib-checkpoint"
+            target=self._write, args=(host, sizes, row), daemon=True, name="gptlib-checkpoint"
         )
         self._thread.start()
 
-    def _write(self, ckpt: dict, sizes: dict[str, int]) -> None:
+    def _write(self, ckpt: dict, sizes: dict[str, int], eval_row: dict | None) -> None:
         try:
             check_writable(self.run_dir)  # another process took the run over: write nothing
             logs = {name: (self.run_dir / name).read_bytes()[:n] for name, n in sizes.items()}
@@ -110,6 +114,9 @@ class CheckpointWriter:
                 # kept for good, even if keep_every changes later
                 ckpt["progress"]["milestone"] = True
             self.last_saved = save_checkpoint(checkpoints_dir(self.run_dir), ckpt, logs)
+            if eval_row:  # before the mirror's copy, which copies eval.jsonl after it
+                row = {**eval_row, "model_sha256": model_sha256(self.last_saved)}
+                append_jsonl(self.run_dir / EVAL_FILE, row)
             protect = (
                 self.mirror.submit(self.last_saved, best_step, milestone) if self.mirror else set()
             )

@@ -14,7 +14,7 @@ import torch
 
 from gptlib import colab
 from gptlib.batches import MemmapSplit, _to_ids
-from gptlib.checkpoint.format import read_manifest
+from gptlib.checkpoint.format import model_sha256
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, in_notebook, loud
@@ -26,7 +26,7 @@ from gptlib.inference.loading import (
     resolve_checkpoint,
     select_steps,
 )
-from gptlib.layout import EVAL_FILE, MODEL_FILE, checkpoint_name, checkpoints_dir
+from gptlib.layout import EVAL_FILE, checkpoint_name, checkpoints_dir
 from gptlib.runtime import resolve_device, resolve_dtype, unwrap_model
 
 TASKS = ("hellaswag", "bpb")
@@ -233,7 +233,7 @@ def evaluate_run(
     for step in steps:
         path = checkpoints_dir(run_dir) / checkpoint_name(step)
         try:
-            sha = read_manifest(path)["files"][MODEL_FILE]["sha256"]
+            sha = model_sha256(path)
             same = dict(task=task, step=step, model_sha256=sha, dtype=dtype, **prep["same"])
             if old := next((r for r in reversed(recorded) if same.items() <= r.items()), None):
                 rows, reused = rows + [old], reused + [step]

@@ -22,10 +22,9 @@ from gptlib.data.staging import stage_for_training
 from gptlib.errors import OutOfMemoryAdvice, loud
 from gptlib.evaluation.evaluate import make_row
 from gptlib.evaluation.hellaswag import metrics_fields
-from gptlib.fsutil import append_jsonl
-from gptlib.layout import EVAL_FILE, LOSS_PLOT
+from gptlib.layout import LOSS_PLOT
 from gptlib.lease import claimed
-from gptlib.runtime import resolve_device, resolve_dtype
+from gptlib.runtime import dtype_name, resolve_device, resolve_dtype
 from gptlib.training.logs import MetricsLog, log_samples, plot_losses, run_title
 from gptlib.training.memory import free_memory, is_oom, oom_advice
 from gptlib.training.resume import StartOptions, find_start
@@ -331,10 +330,9 @@ def _hellaswag(run: TrainingRun, metrics: MetricsLog, is_last: bool) -> dict:
         return {}
     res = probe.score(run.model, run.device, run.dtype, full=is_last)
     if res is not None and is_last:
-        append_jsonl(
-            run.run_dir / EVAL_FILE,
-            make_row("hellaswag", st.step, st.tokens_seen, res, source="training"),
-        )
+        # the save that follows appends it to eval.jsonl with the weights' sha256 (notebook 04 reuses it)
+        extra = dict(source="training", dtype=dtype_name(run.dtype))
+        run.writer.eval_row = make_row("hellaswag", st.step, st.tokens_seen, res, **extra)
     return metrics_fields(res)
 
 

@@ -300,7 +300,7 @@ def test_compare_cell_passes_over_a_checkpoint_training_deleted(
 ):
     """The compare cell on a run still training: keep_last deleting the oldest checkpoint between the cell's listing
     and its load stopped the cell with 'no complete checkpoint for step 5'. It is passed over in one line; the
-    others are drawn."""
+    others are drawn. The line said 'deleted by training', also of one deleted by hand: it says that it is gone."""
     import IPython.display
     import nbformat
 
@@ -329,7 +329,9 @@ def test_compare_cell_passes_over_a_checkpoint_training_deleted(
     assert [label.split(" ·")[0] for label, _ in scope["rows"]] == ["step 10"], scope["rows"]
     assert len(scope["rows"][0][1][0]) > len("ROMEO:")
     said = capsys.readouterr().out.splitlines()
-    assert said == ["step 5: deleted by training since it was listed; passed over"], said
+    assert said == ["step 5: gone since it was listed (training rotates old ones); passed over"], (
+        said
+    )
 
 
 def test_playground_cell_takes_the_parameters_as_given(tmp_path, char_data, monkeypatch):
@@ -360,7 +362,8 @@ def test_evaluate_cell_passes_over_a_checkpoint_training_deleted(
 ):
     """Evaluate with CHECKPOINTS = "all" on a run still training: keep_last deleting the oldest checkpoint between the
     listing and its evaluation failed the whole task ('bpb: not evaluated: ... no complete checkpoint for step 5').
-    It is passed over in one line; the others are scored."""
+    It is passed over in one line; the others are scored. The line said 'deleted by training', also of a checkpoint
+    its user deleted by hand: it says what is known, that it is gone."""
     import nbformat
     import torch
 
@@ -391,4 +394,6 @@ def test_evaluate_cell_passes_over_a_checkpoint_training_deleted(
     said = [
         line for line in capsys.readouterr().err.splitlines() if "step" in line
     ]  # not bpb's progress bar
-    assert said == ["step 5: deleted by training since it was listed; passed over"], said
+    assert said == ["step 5: gone since it was listed (training rotates old ones); passed over"], (
+        said
+    )

@@ -243,7 +243,7 @@ def evaluate_run(
             # not one a run still training deleted (keep_last) since the listing: the others are scored all the same
             if path.exists():
                 raise
-            warn(f"step {step}: deleted by training since it was listed; passed over")
+            warn(f"step {step}: gone since it was listed (training rotates old ones); passed over")
             continue
         t0 = time.perf_counter()
         if task == "hellaswag":

@@ -192,6 +192,25 @@ def test_split_is_deterministic_and_by_document(tmp_path, docs, bpe_file):
     assert min(val_positions) < len(docs) // 2
 
 
+def test_an_empty_validation_split_names_only_remedies_that_work(tmp_path):
+    """Three documents at val_fraction 0.01 leave the validation split empty. The message advised split='tail'
+    also for jsonl, which split='tail' then refuses; it advises it only where it is allowed."""
+    three = ["To be or not to be.", "All the world's a stage.", "Now is the winter."]
+    src = write_jsonl(tmp_path / "a.jsonl", three)
+    with pytest.raises(PrepareError, match="no document fell into the validation split") as e:
+        prepare_text([src], tmp_path / "o1", val_fraction=0.01, verbose=False)
+    assert "tail" not in str(e.value)
+    with pytest.raises(PrepareError, match="plain text files only"):
+        prepare_text([src], tmp_path / "o2", val_fraction=0.01, split="tail", verbose=False)
+    txts = [tmp_path / f"{i}.txt" for i in range(3)]
+    for f, d in zip(txts, three):
+        f.write_text(d)
+    with pytest.raises(PrepareError, match="or split='tail'"):
+        prepare_text(txts, tmp_path / "o3", val_fraction=0.01, split="document", verbose=False)
+    meta = prepare_text(txts, tmp_path / "o4", val_fraction=0.01, split="tail", verbose=False)
+    assert meta.tokens("val") > 0
+
+
 def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
     d = tmp_path / "corpus"
     (d / "sub").mkdir(parents=True)

@@ -115,7 +115,9 @@ def prepare(
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
         encoding = Pass(out_dir, spec, tok, identity, sources, progress)
         encoding.run(column, verbose)
-        _check_result(progress, val_fraction)
+        # split='tail' is a remedy only where it is allowed: plain text now split by document
+        tail_ok = split == "document" and fmt == "text" and all(s.kind == "text" for s in sources)
+        _check_result(progress, val_fraction, tail_ok)
         meta = _write_meta(encoding, reused, empty, column, t0)
         if verbose:
             print_tokenize_summary(meta)
@@ -396,7 +398,7 @@ def _start(
     return tok, {k: state[k] for k in ("resume", "emitted", "stats", "shards")}
 
 
-def _check_result(progress: dict, val_fraction: float) -> None:
+def _check_result(progress: dict, val_fraction: float, tail_ok: bool) -> None:
     stats, emitted = progress["stats"], progress["emitted"]
     if emitted["train"] == 0:
         why = "".join(f"; skipped {s['path']}: {s['error']}" for s in stats["skipped_files"][:3])
@@ -410,7 +412,8 @@ def _check_result(progress: dict, val_fraction: float) -> None:
     if emitted["val"] == 0:
         raise PrepareError(
             f"no document fell into the validation split ({stats['documents']:,} documents, "
-            f"val_fraction={val_fraction}); use more documents, a larger val_fraction, or split='tail'"
+            f"val_fraction={val_fraction}); use more documents or a larger val_fraction"
+            + (", or split='tail'" if tail_ok else "")
         )
 
 

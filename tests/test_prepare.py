@@ -397,7 +397,8 @@ def test_utf16_or_binary_text_input_is_refused_naming_it(tmp_path, docs):
 def test_os_junk_files_in_an_input_folder_are_skipped(tmp_path, docs):
     """A Drive folder synced from a desktop holds Thumbs.db and desktop.ini (Windows) and .DS_Store (macOS): tokenize
     of the folder stopped at the first with the NUL-byte refusal, files the user never put there. A folder listing
-    (local or a URL) skips them as it skips hidden files; one named on its own is still refused."""
+    (local or a URL) skips them as it skips hidden files, and so does a wildcard (DIR/**), as Python's glob skips hidden
+    files; one named on its own is still refused."""
     import fsspec
 
     corpus = tmp_path / "corpus"
@@ -413,7 +414,8 @@ def test_os_junk_files_in_an_input_folder_are_skipped(tmp_path, docs):
     for p in (p for p in corpus.rglob("*") if p.is_file()):
         mem.pipe("/junktest/" + p.relative_to(corpus).as_posix(), p.read_bytes())
     try:
-        for i, given in enumerate((corpus, "memory://junktest")):
+        given_as = (corpus, "memory://junktest", f"{corpus}/**", "memory://junktest/**")
+        for i, given in enumerate(given_as):
             meta = prepare([given], tmp_path / f"out{i}", "char", verbose=False)
             assert [Path(s["path"]).name for s in meta.raw["sources"]] == ["a.txt"]
     finally:

@@ -68,10 +68,11 @@ def list_files(fs, path: str, url: str) -> list[Found]:
     parts = {
         p: PurePosixPath(p[len(root) :].lstrip("/") if root is not None else p).parts for p in found
     }
-    keep = sorted(
-        (p for p in found if root is None or not any(map(unlisted, parts[p]))),
-        key=parts.get,
-    )
+    # a folder leaves out unlisted files and folders, a wildcard unlisted files (as Python's glob does hidden ones)
+    hide = {
+        p: parts[p] if root is not None else parts[p][-1:] if has_glob(path) else () for p in found
+    }
+    keep = sorted((p for p in found if not any(map(unlisted, hide[p]))), key=parts.get)
     return [
         Found(fs.unstrip_protocol(p), fs, p, int(found[p].get("size") or 0), _lfs_sha256(found[p]))
         for p in keep

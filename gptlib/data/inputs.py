@@ -136,7 +136,8 @@ def resolve_inputs(
         elif p.is_file():
             got = [p]
         elif has_glob(s):
-            got = sorted(Path(x) for x in glob.glob(s, recursive=True) if Path(x).is_file())
+            # a wildcard leaves unlisted files out, as Python's glob leaves out hidden ones
+            got = sorted(Path(x) for x in glob.glob(s, recursive=True) if _wanted(Path(x)))
             if not got:
                 raise PrepareError(f"input pattern {s!r} matches no files")
         else:
@@ -151,6 +152,10 @@ def resolve_inputs(
     if not unique:
         raise PrepareError("no input files given")
     return list(unique.values())
+
+
+def _wanted(p: Path) -> bool:
+    return p.is_file() and not unlisted(p.name)
 
 
 def _local(f: Path | Found) -> Path | None:

@@ -87,6 +87,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
+def copy_rows(src: str | Path, dst: str | Path) -> None:
+    """dst's JSON lines, then src's that dst has not, written over dst: each copy may have gained rows of its own (eval
+    rows appended on another VM), which a plain copy would lose."""
+    have = Path(dst).read_bytes().splitlines() if Path(dst).is_file() else []
+    new = [line for line in Path(src).read_bytes().splitlines() if line not in have]
+    atomic_write_bytes(dst, b"".join(line + b"\n" for line in have + new))
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 

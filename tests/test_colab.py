@@ -452,3 +452,41 @@ def test_eval_rows_survive_a_vm_reset(fake_colab, tmp_path, char_data):
         ("bpb", 10),
         ("hellaswag", 15),
     ]
+
+
+def test_eval_rows_from_another_vm_survive_training_going_on(fake_colab, tmp_path, char_data):
+    """Notebook 04 runs on its own VM: it evaluates the run's Drive copy, appending to Drive's eval.jsonl, while the
+    training VM still holds the run. Training going on there (or Evaluate of its local copy) copied the VM's
+    eval.jsonl over Drive's, and notebook 04's rows were gone. Drive's rows are kept, the VM's added after them."""
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.fsutil import read_jsonl
+    from gptlib.layout import EVAL_FILE
+
+    items = [
+        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
+    ]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    settings = TINY + ["save_every_steps=5", "hellaswag_every=10", "hellaswag_items=4"]
+    settings.append(f"hellaswag_file={hs_file}")
+    rp, _ = train_tiny_on_colab(char_data, settings)
+    kw = dict(device="cpu", progress=False, warn=lambda s: None, limit=4)
+    # notebook 04 on another VM: the run's Drive copy
+    evaluate_run(rp.mirror_dir, "bpb", "all", **kw)
+    # training goes on on its VM (its local copy as new as Drive's): the mirror copies its eval.jsonl
+    train(
+        char_data,
+        rp.run_dir,
+        "phase1",
+        settings,
+        max_steps=15,
+        device="cpu",
+        progress=False,
+        mirror_dir=rp.mirror_dir,
+    )
+    rows = [(r["task"], r["step"]) for r in read_jsonl(rp.mirror_dir / EVAL_FILE)]
+    assert rows == [("hellaswag", 10), ("bpb", 5), ("bpb", 10), ("hellaswag", 15)]
+    # and Evaluate of the training VM's copy adds its rows after Drive's
+    evaluate_run(rp.run_dir, "bpb", "15", **kw)
+    rows = [(r["task"], r["step"]) for r in read_jsonl(rp.mirror_dir / EVAL_FILE)]
+    assert rows == [("hellaswag", 10), ("bpb", 5), ("bpb", 10), ("hellaswag", 15), ("bpb", 15)]

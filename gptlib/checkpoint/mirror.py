@@ -34,9 +34,11 @@ from gptlib.fsutil import (
     check_writable,
     clean_temp_files,
     copy_hashing,
+    copy_rows,
     fsync_dir,
 )
 from gptlib.layout import (
+    EVAL_FILE,
     MANIFEST_FILE,
     MIRRORED_FILES,
     PARTIAL_MARKER,
@@ -378,7 +380,10 @@ class Mirror:
         if any(step_of(p) > self.last_step for p in list_checkpoints(self.mirror_dir)):
             return  # the mirror holds newer checkpoints (unreadable at resume): its plot goes with them
         for name in MIRRORED_FILES:  # written atomically: a kill leaves a temp file
-            if (self.run_dir / name).is_file():
+            # eval.jsonl: the rows notebook 04 appended on Drive (from another VM) stay
+            if (self.run_dir / name).is_file() and name == EVAL_FILE:
+                copy_rows(self.run_dir / name, self.mirror_dir / name)
+            elif (self.run_dir / name).is_file():
                 atomic_write_bytes(self.mirror_dir / name, (self.run_dir / name).read_bytes())
 
     def _copying(self) -> str:

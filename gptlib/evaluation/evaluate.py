@@ -19,7 +19,7 @@ from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, in_notebook, loud
 from gptlib.evaluation import hellaswag as hs
-from gptlib.fsutil import append_jsonl, atomic_write_bytes, call_with_timeout, read_jsonl
+from gptlib.fsutil import append_jsonl, call_with_timeout, copy_rows, read_jsonl
 from gptlib.inference.loading import (
     load_run,
     read_state_and_tokenizer,
@@ -189,10 +189,11 @@ def _rows_file(run_dir: Path, out) -> tuple[Path, Path | None]:
 
 
 def _to_drive(target: Path, drive: Path | None, warn) -> Path | None:
-    """eval.jsonl copied over the Drive mirror's -> the mirror, else (none, or Drive failing: said once) None."""
+    """eval.jsonl's rows copied to the Drive mirror's -> the mirror, else (none, or Drive failing: said once) None."""
     try:
         if drive is not None:
-            rows = partial(atomic_write_bytes, drive / EVAL_FILE, target.read_bytes())
+            # Drive's may hold rows of its own (notebook 04 on another VM): they stay
+            rows = partial(copy_rows, target, drive / EVAL_FILE)
             call_with_timeout(rows, colab.DRIVE_CHECK_S, what=f"copying it to {drive}")
         return drive
     except OSError as e:  # the rows stand on this VM's disk

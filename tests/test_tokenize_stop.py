@@ -346,3 +346,23 @@ def test_a_held_data_dir_in_a_notebook_says_to_run_the_cell_again(tmp_path, monk
         ):
             prep.prepare([src], out, tokenizer="char", verbose=False)
     assert sorted(p.name for p in out.iterdir()) == [genc.LOCK_FILE]
+
+
+def test_what_a_stopped_tokenize_keeps_is_not_read_from_a_hung_drive(tmp_path, monkeypatch):
+    """A shard write given up on a hung Drive (and Ctrl-C) says what is kept by reading tokenize's progress file on that
+    same Drive: a read that cannot answer is given up too, and the line is said without it (was: a hang, after the
+    write's own time limit, with nothing said)."""
+    from concurrent.futures import wait
+
+    import gptlib.colab as colab
+    from gptlib.fsutil import in_background
+
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
+    fifo = tmp_path / PREPARE_STATE_FILE
+    os.mkfifo(fifo)  # opening it blocks, as a file on a hung mount does
+    kept = in_background(lambda: genc._kept(tmp_path))
+    try:
+        wait([kept], 10)
+        assert kept.done() and kept.result() == ""
+    finally:  # the blocked open returns (and reads nothing)
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))

@@ -16,6 +16,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 from filelock import FileLock, Timeout
 
+import gptlib.colab as colab
 from gptlib.data.conversations import EXAMPLES_KEPT, ChatTemplate
 from gptlib.data.hub import unlisted
 from gptlib.data.inputs import Source, invalid_utf8
@@ -23,7 +24,14 @@ from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype
 from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunDirError, again, loud
-from gptlib.fsutil import TMP_MARKER, atomic_write_json, cannot_write, check_dir, clean_temp_files
+from gptlib.fsutil import (
+    TMP_MARKER,
+    atomic_write_json,
+    cannot_write,
+    check_dir,
+    clean_temp_files,
+    read_bytes_with_timeout,
+)
 from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
@@ -305,8 +313,9 @@ def check_output_dir(out_dir: Path) -> None:
 
 def _kept(out_dir: Path) -> str:
     """What an unfinished run in out_dir keeps, and how to go on; "" before its first shard or unreadable."""
-    try:
-        shards = json.loads((out_dir / PREPARE_STATE_FILE).read_text())["shards"]
+    try:  # on the Drive a write just gave up on as hung, maybe: the same limit as a mount check
+        state = read_bytes_with_timeout(out_dir / PREPARE_STATE_FILE, colab.DRIVE_CHECK_S)
+        shards = json.loads(state)["shards"]
         done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
     except (OSError, ValueError, KeyError, TypeError):
         return ""

@@ -366,3 +366,43 @@ def test_what_a_stopped_tokenize_keeps_is_not_read_from_a_hung_drive(tmp_path, m
         assert kept.done() and kept.result() == ""
     finally:  # the blocked open returns (and reads nothing)
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_hung_shard_writes_line_is_not_held_up_by_the_clean_up_on_the_same_drive(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """On a hung mount every call there blocks: after the shard write is given up, the lock's clean-up in the data
+    directory (its unlink, its close) is given up the same way, so the one line still comes (was: a hang in the
+    clean-up, after the write's time limit, with nothing said)."""
+    import threading
+    from concurrent.futures import wait
+
+    import gptlib.colab as colab
+    from gptlib.errors import RunDirError
+    from gptlib.fsutil import in_background
+    from tests import faulty
+
+    src, _ = corpus
+    faulty.install(
+        "hang:shard_mid@2,data.shards.WRITE_TIMEOUT_S=1,data.encode.BATCH_CHARS=20000",
+        monkeypatch.setattr,
+    )
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
+    answer, real_unlink = threading.Event(), Path.unlink
+
+    def unlink(self, *a, **k):  # the lock file's: Drive does not answer
+        if self.name == genc.LOCK_FILE:
+            answer.wait(60)
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    out = tmp_path / "out"
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    run = in_background(lambda: prep.prepare([src], out, **opts))
+    try:
+        wait([run], 20)
+        assert run.done()
+        with pytest.raises(RunDirError, match=f"cannot write to {re.escape(str(out))}: writing"):
+            run.result()
+    finally:
+        answer.set()

@@ -23,10 +23,11 @@ from gptlib.data.inputs import Source, invalid_utf8
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
-from gptlib.errors import PrepareError, RunDirError, again, loud
+from gptlib.errors import HungIOError, PrepareError, RunDirError, again, loud
 from gptlib.fsutil import (
     TMP_MARKER,
     atomic_write_json,
+    call_with_timeout,
     cannot_write,
     check_dir,
     clean_temp_files,
@@ -327,7 +328,8 @@ def one_writer(out_dir: Path) -> Iterator[None]:
     """A second tokenize in out_dir raises RunDirError. The OS frees the lock of a process that ends, killed or not:
     nothing to take over or check while it runs. Ctrl-C: one line saying what is kept."""
     created = not out_dir.exists()
-    lock = FileLock(out_dir / LOCK_FILE)
+    # not thread-local: released by the clean-up's thread below
+    lock = FileLock(out_dir / LOCK_FILE, thread_local=False)
     try:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -357,9 +359,15 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             raise
         raise cannot_write(out_dir, e, (kept := _kept(out_dir)) and f"; {kept}") from None
     finally:
-        if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
-            (out_dir / LOCK_FILE).unlink(missing_ok=True)
-        lock.release()
-        if created:  # refused before writing anything: no empty directory is left
-            with contextlib.suppress(OSError):
-                out_dir.rmdir()
+        # on a hung Drive (a write given up) the clean-up there would hang too: given up the same way
+        with contextlib.suppress(HungIOError):
+            call_with_timeout(lambda: _unlock(lock, out_dir, created), colab.DRIVE_CHECK_S)
+
+
+def _unlock(lock: FileLock, out_dir: Path, created: bool) -> None:
+    if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
+        (out_dir / LOCK_FILE).unlink(missing_ok=True)
+    lock.release()
+    if created:  # refused before writing anything: no empty directory is left
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()

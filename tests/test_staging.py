@@ -247,7 +247,8 @@ def test_a_hung_meta_json_is_said_at_its_time_limit_not_read_again(drive_data, m
 
 def test_a_damaged_shard_on_drive_in_a_notebook_names_overwrite(drive_data, monkeypatch, capsys):
     """Notebook 03 training on a dataset whose shard on Drive was damaged: the line said 'tokenize again with
-    --overwrite to repair it', a flag no notebook has. It names notebook 01's OVERWRITE."""
+    --overwrite to repair it', a flag no notebook has. It names notebook 01's OVERWRITE, and for notebook 05, which
+    has none and tokenizes its own data, deleting the folder."""
     import sys
     from types import SimpleNamespace
 
@@ -261,6 +262,8 @@ def test_a_damaged_shard_on_drive_in_a_notebook_names_overwrite(drive_data, monk
     err = capsys.readouterr().err
     assert (
         f"{shard.name} does not match meta.json" in err
-        and "again with OVERWRITE = True (notebook 01) to repair" in err
+        and "tokenize again to repair it: OVERWRITE = True in notebook 01 (notebook 05's data: delete the "
+        "folder, then run notebook 05 again)"
+        in err
     ), err
     assert "--" not in err.replace(str(drive_data.parents[4]), ""), err

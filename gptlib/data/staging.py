@@ -144,8 +144,10 @@ def _copy_verified(src: Path, dst: Path, sha: str | None) -> None:
         lambda: copy_hashing(src, dst, progress), STALL_S, progress, what=f"reading {src}"
     )
     if sha is not None and got != sha:
-        how = "OVERWRITE = True (notebook 01)" if in_notebook() else "--overwrite"
+        how = "--overwrite"
+        if in_notebook():
+            how = "OVERWRITE = True in notebook 01 (notebook 05's data: delete the folder, then run notebook 05 again)"
         raise StagingFailed(
             f"{src} does not match meta.json: sha256 {got[:16]}... read, {sha[:16]}... expected (the "
-            f"file on Drive is damaged or was changed after tokenizing; tokenize again with {how} to repair it)"
+            f"file on Drive is damaged or was changed after tokenizing; tokenize again to repair it: {how})"
         )

@@ -205,10 +205,55 @@ def test_an_empty_validation_split_names_only_remedies_that_work(tmp_path):
     txts = [tmp_path / f"{i}.txt" for i in range(3)]
     for f, d in zip(txts, three):
         f.write_text(d)
-    with pytest.raises(PrepareError, match="or split='tail'"):
+    with pytest.raises(PrepareError, match="or --split tail"):
         prepare_text(txts, tmp_path / "o3", val_fraction=0.01, split="document", verbose=False)
     meta = prepare_text(txts, tmp_path / "o4", val_fraction=0.01, split="tail", verbose=False)
     assert meta.tokens("val") > 0
+
+
+def test_the_advice_of_an_empty_split_works_as_given(tmp_path, monkeypatch, bpe_file):
+    """tokenize's empty validation split said 'a larger val_fraction, or split='tail'' (Python names) on the command
+    line; following it in the same --out was refused as 'an unfinished tokenize run of different inputs or options;
+    finish it with the ones it had', which can only fail again. The same for no training tokens and 'check ... the
+    text column'. It names the flags (notebook 01's VAL_FRACTION in a notebook, which has no split setting), and a
+    re-run with the remedy starts over."""
+    from types import SimpleNamespace
+
+    three = ["To be or not to be.", "All the world's a stage.", "Now is the winter."]
+    txts = [tmp_path / f"{i}.txt" for i in range(3)]
+    for f, d in zip(txts, three):
+        f.write_text(d)
+    out = tmp_path / "o"
+    with pytest.raises(PrepareError) as e:
+        prepare_text(txts, out, val_fraction=0.01, split="document", verbose=False)
+    assert str(e.value) == (
+        "no document fell into the validation split (3 documents, --val-fraction 0.01); use more documents or a "
+        "larger --val-fraction, or --split tail"
+    )
+    assert (
+        prepare_text(txts, out, val_fraction=0.5, split="document", verbose=False).tokens("val") > 0
+    )
+    with pytest.raises(PrepareError):
+        prepare_text(txts, tmp_path / "o2", val_fraction=0.01, split="document", verbose=False)
+    assert prepare_text(txts, tmp_path / "o2", split="tail", verbose=False).tokens("val") > 0
+    # records whose text field is empty: no training tokens; the right column, in the same --out, is read
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": "", "body": d}) + "\n" for d in three * 20))
+    with pytest.raises(PrepareError, match="produced no training tokens"):
+        prepare([src], tmp_path / "o3", tokenizer_from=bpe_file, verbose=False)
+    meta = prepare(
+        [src], tmp_path / "o3", tokenizer_from=bpe_file, text_column="body", verbose=False
+    )
+    assert meta.tokens("train") > 0
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(PrepareError) as e:
+        prepare(txts, tmp_path / "o4", "char", val_fraction=0.001, split="document", verbose=False)
+    assert str(e.value).endswith(
+        "(3 documents, VAL_FRACTION 0.001); use more documents or a larger VAL_FRACTION (notebook 01)"
+    )
+    with pytest.raises(PrepareError, match="^VAL_FRACTION 0 must be between 0 and 1"):
+        prepare_text(txts, tmp_path / "o5", val_fraction=0)
 
 
 def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
@@ -579,11 +624,11 @@ def test_corrupt_row_group_is_skipped_and_the_rest_kept(tmp_path, bpe_file):
 
 
 def test_bad_options(tmp_path, small_text):
-    with pytest.raises(PrepareError, match="val_fraction=0 must be between 0 and 1"):
+    with pytest.raises(PrepareError, match="^--val-fraction 0 must be between 0 and 1"):
         prepare_text([small_text], tmp_path / "o", val_fraction=0)
     with pytest.raises(PrepareError, match="input pattern .*nomatch.* matches no files"):
         prepare([str(tmp_path / "nomatch*.txt")], tmp_path / "o", **BPE)
-    with pytest.raises(PrepareError, match="split='tail' works on plain text files only"):
+    with pytest.raises(PrepareError, match="^--split tail works on plain text files only"):
         prepare([write_jsonl(tmp_path / "a.jsonl", ["x"])], tmp_path / "o", split="tail", **BPE)
 
 

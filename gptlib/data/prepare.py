@@ -117,7 +117,7 @@ def prepare(
         encoding.run(column, verbose)
         # split='tail' is a remedy only where it is allowed: plain text now split by document
         tail_ok = split == "document" and fmt == "text" and all(s.kind == "text" for s in sources)
-        _check_result(progress, val_fraction, tail_ok)
+        _check_result(out_dir, progress, val_fraction, tail_ok)
         meta = _write_meta(encoding, reused, empty, column, t0)
         if verbose:
             print_tokenize_summary(meta)
@@ -162,8 +162,9 @@ def _check_options(
     tokenizer_from,
 ) -> Path | None:
     """-> the tokenizer file to reuse, if any."""
+    vf = "VAL_FRACTION" if in_notebook() else "--val-fraction"
     if not 0.0 < val_fraction < 1.0:
-        raise PrepareError(f"val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
+        raise PrepareError(f"{vf} {val_fraction} must be between 0 and 1 (exclusive)")
     if split not in ("auto", "document", "tail"):
         raise PrepareError(f"split={split!r}: choose 'auto', 'document' or 'tail'")
     if int(shard_tokens) < 1:
@@ -199,8 +200,8 @@ def _choose_split(split: str, sources: list[Source], fmt: str = "text") -> str:
         split = "tail" if plain_text and len(sources) < TAIL_SPLIT_MAX_FILES else "document"
     if split == "tail" and not plain_text:
         raise PrepareError(
-            "split='tail' works on plain text files only; jsonl/parquet documents and conversations "
-            "are split per document (split='document')"
+            "--split tail works on plain text files only; jsonl/parquet documents and conversations "
+            "are split per document (--split document)"
         )
     return split
 
@@ -398,8 +399,12 @@ def _start(
     return tok, {k: state[k] for k in ("resume", "emitted", "stats", "shards")}
 
 
-def _check_result(progress: dict, val_fraction: float, tail_ok: bool) -> None:
+def _check_result(out_dir: Path, progress: dict, val_fraction: float, tail_ok: bool) -> None:
     stats, emitted = progress["stats"], progress["emitted"]
+    if emitted["train"] and emitted["val"]:
+        return
+    # nothing to resume: a re-run with the remedy (other inputs or options) starts over, not refused as another run's
+    (out_dir / PREPARE_STATE_FILE).unlink(missing_ok=True)
     if emitted["train"] == 0:
         why = "".join(f"; skipped {s['path']}: {s['error']}" for s in stats["skipped_files"][:3])
         bad = stats.get("malformed_conversations", 0)
@@ -410,10 +415,12 @@ def _check_result(progress: dict, val_fraction: float, tail_ok: bool) -> None:
             f"check the inputs and the text column{why}"
         )
     if emitted["val"] == 0:
+        vf = "VAL_FRACTION" if in_notebook() else "--val-fraction"
+        # notebook 01 has no split setting (auto: tail for under 100 plain text files)
         raise PrepareError(
             f"no document fell into the validation split ({stats['documents']:,} documents, "
-            f"val_fraction={val_fraction}); use more documents or a larger val_fraction"
-            + (", or split='tail'" if tail_ok else "")
+            f"{vf} {val_fraction}); use more documents or a larger {vf}"
+            + (" (notebook 01)" if in_notebook() else ", or --split tail" if tail_ok else "")
         )
 
 

@@ -256,6 +256,20 @@ def test_the_advice_of_an_empty_split_works_as_given(tmp_path, monkeypatch, bpe_
         prepare_text(txts, tmp_path / "o5", val_fraction=0)
 
 
+def test_a_missing_text_column_names_notebook_01s_setting(tmp_path, monkeypatch, docs):
+    """Notebook 01 on records without the text field was told 'choose one with --text-column / text_column=', a flag
+    and a keyword it has no place for: it names TEXT_COLUMN; the command line is as before (test_cli_...)."""
+    from types import SimpleNamespace
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"title": "t", "body": d}) + "\n" for d in docs[:5]))
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(PrepareError) as e:
+        prepare([src], tmp_path / "o", "char", verbose=False)
+    assert str(e.value).endswith("(fields: title, body); choose one with TEXT_COLUMN (notebook 01)")
+
+
 def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):
     d = tmp_path / "corpus"
     (d / "sub").mkdir(parents=True)

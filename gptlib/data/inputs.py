@@ -195,7 +195,8 @@ def _detect(column: str | None, names, fmt: str) -> str:
 
 def _missing(word: str, col: str | None, names) -> str:
     want = repr(col) if col else " or ".join(map(repr, CHAT_FIELDS))
-    return f"has no {word} {want} ({word}s: {', '.join(map(str, names))}); choose one with --text-column / text_column="
+    how = "TEXT_COLUMN (notebook 01)" if in_notebook() else "--text-column / text_column="
+    return f"has no {word} {want} ({word}s: {', '.join(map(str, names))}); choose one with {how}"
 
 
 def _parquet_column(pf, path, column: str | None, fmt: str) -> str:

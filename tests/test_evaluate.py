@@ -8,8 +8,10 @@ import json
 import math
 import random
 import re
+import sys
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -392,7 +394,7 @@ def test_probe_without_network_stays_off(tmp_path, monkeypatch, small_text):
     probe = hs.HellaSwagProbe(tok, 32, None, log=logs.append)
     assert probe.reason is not None and len(logs) == 1 and "could not download HellaSwag" in logs[0]
     # training's setting, not eval's flag
-    assert "(hellaswag_file=FILE)" in logs[0] and "--data" not in logs[0]
+    assert "(--set hellaswag_file=FILE)" in logs[0] and "--data" not in logs[0]
     assert probe.score(tiny_gpt(vocab=tok.vocab_size, block=32), "cpu") is None and len(logs) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
@@ -402,6 +404,11 @@ def test_probe_without_network_stays_off(tmp_path, monkeypatch, small_text):
         tmp_path / "snow.jsonl", [{"ctx": "\u2603", "endings": ["a"] * 4, "label": 0}]
     )
     assert hs.HellaSwagProbe(tok, 32, unencodable, log=logs.append).reason is not None
+    # a notebook's training run: its OVERRIDES (notebooks 02, 03 and 05 pass them to train)
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    hs.HellaSwagProbe(tok, 32, None, log=logs.append)
+    assert logs[-1].endswith('(OVERRIDES = ["hellaswag_file=FILE"]))'), logs[-1]
 
 
 def test_config_fields_and_preset():

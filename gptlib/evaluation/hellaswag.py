@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from gptlib.data.download import default_cache_dir, fetch_verified
 from gptlib.data.tokenizer import Tokenizer, TokenizerError
-from gptlib.errors import EvalError
+from gptlib.errors import EvalError, override
 from gptlib.runtime import autocast_for, resolve_dtype, unwrap_model
 
 # sha256 and size as TensorFlow Datasets records them (tensorflow_datasets/url_checksums/hellaswag.txt)
@@ -323,7 +323,7 @@ class HellaSwagProbe:
         self.reason: str | None = None  # why the probe is off
         self._full: Rendered | None = None
         try:
-            self.items, self.file = load_items(source, file_option="hellaswag_file=FILE")
+            self.items, self.file = load_items(source, file_option=override("hellaswag_file=FILE"))
             self._subset = render(
                 [self.items[i] for i in select(len(self.items), limit)], tokenizer, block_size
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -624,8 +625,26 @@ def test_a_checkpoint_label_gives_the_step_as_checkpoints_takes_it():
     read "12,000" as steps 12 and 0."""
     from gptlib.inference.loading import checkpoint_label
 
-    label = checkpoint_label({"step": 12000, "val_loss": 1.5, "val_batches": 1000, "is_best": True})
-    assert label == "step 12000 · val 1.500 (training's validation: 1,000 batches) · best", label
+    label = checkpoint_label(
+        {"step": 12000, "val_loss": 1.5, "val_sequences": 1000, "is_best": True}
+    )
+    assert label == "step 12000 · val 1.500 (training's validation: 1,000 sequences) · best", label
+
+
+def test_a_checkpoint_label_counts_the_validation_in_sequences(run_dir):
+    """Notebook 04 labelled a checkpoint 'training's validation: 20 batches', the config's eval_batches; auto_batch
+    changes the micro-batch and eval_batches with it (same sequences), so the same validation read as another number
+    of batches from one session to the next. It counts sequences: batch_size x eval_batches of the checkpoint."""
+    from gptlib.inference.loading import checkpoint_label, checkpoint_table
+
+    train = json.loads((run_dir / "config.json").read_text())["train"]
+    n = train["batch_size"] * train["eval_batches"]
+    assert train["batch_size"] > 1 and train["eval_batches"] > 1
+    labels = [checkpoint_label(r) for r in checkpoint_table(run_dir)]
+    assert [re.sub(r"val \d\.\d{3}", "val X", x) for x in labels] == [
+        f"step 10 · val X (training's validation: {n} sequences) · best",
+        f"step 5 · val X (training's validation: {n} sequences)",
+    ], labels
 
 
 def test_a_checkpoint_folder_given_as_the_run_dir_names_the_run_to_give(run_dir, capsys):

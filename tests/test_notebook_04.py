@@ -60,11 +60,13 @@ def test_notebook_04_playground_compare_export(tmp_path, monkeypatch, char_data)
     }
     nb = run_notebook("04_generate.ipynb", params, cwd=tmp_path)
     text = outputs_text(nb)
-    # the checkpoint list; its "val" says it is training's validation (eval_batches=2), not the eval table's windows
+    # the checkpoint list: its "val" is training's validation (batch_size 8 x eval_batches 2), not eval's windows
     assert re.search(
-        r"step 10 · val \d\.\d{3} \(training's validation: 2 batches\) · best\n", text
+        r"step 10 · val \d\.\d{3} \(training's validation: 16 sequences\) · best\n", text
     ), text
-    assert re.search(r"step 5 · val \d\.\d{3} \(training's validation: 2 batches\)\n", text), text
+    assert re.search(r"step 5 · val \d\.\d{3} \(training's validation: 16 sequences\)\n", text), (
+        text
+    )
     # The playground is displayed as a widget ...
     assert any(
         "application/vnd.jupyter.widget-view+json" in o.get("data", {})

@@ -52,7 +52,9 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
     def row(p: Path) -> dict:
         info, state = verify_checkpoint(p), json.loads((p / STATE_FILE).read_text())
         train = state.get("config", {}).get("train", {})
-        fields = {"step": info.step, "val_batches": train.get("eval_batches"), "info": info}
+        # auto_batch changes batch_size and eval_batches together, keeping the validation's sequences
+        n = train.get("eval_batches", 0) * train.get("batch_size", 0)
+        fields = {"step": info.step, "val_sequences": n, "info": info}
         return fields | {"val_loss": state.get("val_loss"), "best_step": state.get("best_step")}
 
     paths = call_with_timeout(
@@ -74,9 +76,9 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 
 
 def checkpoint_label(row: dict) -> str:
-    """A checkpoint_table row as "step 1000 · val 1.523 (training's validation: 20 batches) · best": the loss training
-    measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
-    batches = f": {row['val_batches']:,} batches" if row.get("val_batches") else ""
+    """A checkpoint_table row as "step 1000 · val 1.523 (training's validation: 640 sequences) · best": the loss
+    training measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
+    batches = f": {row['val_sequences']:,} sequences" if row.get("val_sequences") else ""
     # no thousands separator: the step as CHECKPOINTS takes it, where a comma separates steps
     label = f"step {row['step']}"
     if row.get("val_loss") is not None:

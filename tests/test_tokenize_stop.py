@@ -326,6 +326,40 @@ def test_a_failed_rename_in_a_relative_out_dir_is_one_line_naming_the_folder(
         prep.prepare([src], "out", tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
 
 
+def test_a_dropped_drives_line_is_not_replaced_by_the_lock_clean_ups_error(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """A Drive that drops fails every call there, the lock file's unlink in the clean-up too: its OSError replaced the
+    one line 'cannot write to ...; is Google Drive ...' with a traceback, and the lock stayed held by this process, so
+    the cell run again (the Drive back) was refused as 'in use by another tokenize process'."""
+    import errno
+
+    from gptlib import fsutil
+    from gptlib.errors import RunDirError
+
+    src, clean = corpus
+    real_replace, real_unlink, dropped = fsutil.replace, Path.unlink, [True]
+
+    def replace(tmp, dst):
+        if dropped[0] and str(dst).endswith(".bin"):
+            raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(tmp), None, str(dst))
+        real_replace(tmp, dst)
+
+    def unlink(self, *a, **k):
+        if dropped[0] and self.name == genc.LOCK_FILE:
+            raise OSError(errno.ENOTCONN, os.strerror(errno.ENOTCONN), str(self))
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(fsutil, "replace", replace)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    out, opts = tmp_path / "out", dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    with pytest.raises(RunDirError, match="Transport endpoint is not connected; is Google"):
+        prep.prepare([src], out, **opts)
+    dropped[0] = False  # the Drive back: the same process goes on
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    assert prep.prepare([src], out, **opts).splits == read_meta(clean).splits
+
+
 def test_a_held_data_dir_in_a_notebook_says_to_run_the_cell_again(tmp_path, monkeypatch):
     """A tokenize cell (notebook 01 or 05) whose data folder another tokenize holds (a terminal's, or the cell run
     twice at once): the refusal said 'the same command then continues its work'. In a notebook: this cell."""

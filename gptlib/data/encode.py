@@ -23,7 +23,7 @@ from gptlib.data.inputs import Source, invalid_utf8
 from gptlib.data.shards import META_FILE, PREPARE_STATE_FILE, ShardWriter, dtype_for_vocab
 from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
-from gptlib.errors import HungIOError, PrepareError, RunDirError, again, loud
+from gptlib.errors import PrepareError, RunDirError, again, loud
 from gptlib.fsutil import (
     TMP_MARKER,
     atomic_write_json,
@@ -359,14 +359,18 @@ def one_writer(out_dir: Path) -> Iterator[None]:
             raise
         raise cannot_write(out_dir, e, (kept := _kept(out_dir)) and f"; {kept}") from None
     finally:
-        # on a hung Drive (a write given up) the clean-up there would hang too: given up the same way
-        with contextlib.suppress(HungIOError):
+        # on a hung Drive (a write given up) the clean-up there would hang too: given up the same way; on a dropped
+        # one it fails as the write did: neither replaces the outcome
+        with contextlib.suppress(OSError):
             call_with_timeout(lambda: _unlock(lock, out_dir, created), colab.DRIVE_CHECK_S)
 
 
 def _unlock(lock: FileLock, out_dir: Path, created: bool) -> None:
-    if lock.is_locked:  # removed while held, so that a data directory holds only its dataset
-        (out_dir / LOCK_FILE).unlink(missing_ok=True)
+    # removed while held, so that a data directory holds only its dataset; released even if that fails (a re-run in
+    # this process, the Drive back, would be refused as another tokenize's)
+    with contextlib.suppress(OSError):
+        if lock.is_locked:
+            (out_dir / LOCK_FILE).unlink(missing_ok=True)
     lock.release()
     if created:  # refused before writing anything: no empty directory is left
         with contextlib.suppress(OSError):

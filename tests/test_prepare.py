@@ -250,7 +250,8 @@ def test_the_advice_of_an_empty_split_works_as_given(tmp_path, monkeypatch, bpe_
     with pytest.raises(PrepareError) as e:
         prepare(txts, tmp_path / "o4", "char", val_fraction=0.001, split="document", verbose=False)
     assert str(e.value).endswith(
-        "(3 documents, VAL_FRACTION 0.001); use more documents or a larger VAL_FRACTION (notebook 01)"
+        "(3 documents, VAL_FRACTION 0.001); use more documents or a larger VAL_FRACTION in notebook 01 (notebook "
+        "05 has none: more documents)"
     )
     with pytest.raises(PrepareError, match="^VAL_FRACTION 0 must be between 0 and 1"):
         prepare_text(txts, tmp_path / "o5", val_fraction=0)
@@ -267,7 +268,11 @@ def test_a_missing_text_column_names_notebook_01s_setting(tmp_path, monkeypatch,
     monkeypatch.setitem(sys.modules, "IPython", kernel)
     with pytest.raises(PrepareError) as e:
         prepare([src], tmp_path / "o", "char", verbose=False)
-    assert str(e.value).endswith("(fields: title, body); choose one with TEXT_COLUMN (notebook 01)")
+    # notebook 05 has no TEXT_COLUMN: going to notebook 01 would tokenize 01's dataset, not 05's
+    assert str(e.value).endswith(
+        "(fields: title, body); choose one with TEXT_COLUMN in notebook 01 (notebook 05 has none: a 'text' field "
+        "or conversations)"
+    )
 
 
 def test_txt_directory_glob_and_mixed_formats(tmp_path, docs, bpe_file):

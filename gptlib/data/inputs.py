@@ -195,7 +195,9 @@ def _detect(column: str | None, names, fmt: str) -> str:
 
 def _missing(word: str, col: str | None, names) -> str:
     want = repr(col) if col else " or ".join(map(repr, CHAT_FIELDS))
-    how = "TEXT_COLUMN (notebook 01)" if in_notebook() else "--text-column / text_column="
+    # notebook 05 has no TEXT_COLUMN: notebook 01 would tokenize its own dataset, not 05's
+    how = "TEXT_COLUMN in notebook 01 (notebook 05 has none: a 'text' field or conversations)"
+    how = how if in_notebook() else "--text-column / text_column="
     return f"has no {word} {want} ({word}s: {', '.join(map(str, names))}); choose one with {how}"
 
 

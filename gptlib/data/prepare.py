@@ -415,12 +415,13 @@ def _check_result(out_dir: Path, progress: dict, val_fraction: float, tail_ok: b
             f"check the inputs and the text column{why}"
         )
     if emitted["val"] == 0:
-        vf = "VAL_FRACTION" if in_notebook() else "--val-fraction"
-        # notebook 01 has no split setting (auto: tail for under 100 plain text files)
+        vf, more = "--val-fraction", ", or --split tail" if tail_ok else ""
+        # notebook 01 has no split setting (auto: tail for under 100 plain text files), notebook 05 no VAL_FRACTION
+        if in_notebook():
+            vf, more = "VAL_FRACTION", " in notebook 01 (notebook 05 has none: more documents)"
         raise PrepareError(
             f"no document fell into the validation split ({stats['documents']:,} documents, "
-            f"{vf} {val_fraction}); use more documents or a larger {vf}"
-            + (" (notebook 01)" if in_notebook() else ", or --split tail" if tail_ok else "")
+            f"{vf} {val_fraction}); use more documents or a larger {vf}{more}"
         )
 
 

@@ -643,6 +643,45 @@ def test_a_session_time_boxed_by_max_minutes_is_not_refused():
         measure.check_cpu_run(cfg.updated({"max_minutes": 120.0}), "auto", 0, print)
 
 
+def test_a_gpu_preset_refused_on_a_cpu_in_a_notebook_names_its_settings(monkeypatch):
+    """Notebook 03 opened on a CPU runtime: the refusal said 'ask for it with --device cpu (device='cpu'), or shorten
+    the run (--set max_steps=N)', flags a notebook has none of (03's length is TOKEN_BUDGET_M, through its plan);
+    and for gpt2-small, whose one step takes hours here, no length is short enough. In a notebook it names DEVICE and
+    03's TOKEN_BUDGET_M (05's MAX_STEPS), shortening only where a step fits; following it, the run is not refused."""
+    monkeypatch.setattr(measure, "cpu_train_flops", lambda seconds=0.2: 1e11)
+    kernel = types.SimpleNamespace(get_ipython=lambda: types.SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    for preset, length in (
+        ("gpt2-small", None),
+        ("phase2", "TOKEN_BUDGET_M"),
+        ("finetune", "MAX_STEPS"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            measure.check_cpu_run(get_preset(preset), "auto", 0, print)
+        msg = str(err.value)
+        assert 'set DEVICE = "cpu"' in msg and "--" not in msg and "max_steps" not in msg, msg
+        assert (
+            (f"shorten the run (a smaller {length})" in msg) if length else ("shorten" not in msg)
+        ), msg
+    # notebook 03's plan for a TOKEN_BUDGET_M of one phase2 step: trained here, with the estimate said
+    plan = measure.plan_run("phase2", tokens=0.06e6, device="cpu")
+    logs = []
+    measure.check_cpu_run(
+        get_preset("phase2").updated({"max_steps": plan.max_steps}), "auto", 0, logs.append
+    )
+    assert plan.max_steps == 1 and len(logs) == 1 and "Change runtime type" in logs[0], logs
+    # a session time-boxed in the notebook says its setting
+    with pytest.raises(ConfigError, match=r"this session stops after 2h00m \(TIME_BUDGET_MIN\)"):
+        measure.check_cpu_run(
+            get_preset("phase2").updated({"max_minutes": 120.0}), "auto", 0, print
+        )
+    monkeypatch.delitem(sys.modules, "IPython")
+    with pytest.raises(ConfigError, match=r"--device cpu \(device='cpu'\)\.?$"):
+        measure.check_cpu_run(get_preset("gpt2-small"), "auto", 0, print)
+    with pytest.raises(ConfigError, match=r"shorten the run \(--set max_steps=N\)$"):
+        measure.check_cpu_run(get_preset("phase2"), "auto", 0, print)
+
+
 def test_explicit_cpu_runs_a_long_gpu_preset_with_a_warning(capsys):
     cfg = get_preset("phase2")
     logs = []

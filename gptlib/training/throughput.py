@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from gptlib.colab import in_colab
-from gptlib.errors import ConfigError, loud
+from gptlib.errors import ConfigError, in_notebook, loud
 from gptlib.model import model_size
 from gptlib.training.step import lr_at
 
@@ -380,16 +380,20 @@ def check_cpu_run(cfg, requested: str, start_step: int, log) -> None:
         f"take about {took} on {where}"
     )
     advice = "On Colab: Runtime > Change runtime type > A100 GPU, then run the notebook again"
+    # in notebooks 03 and 05 (the GPU presets'), their settings: 03's length is TOKEN_BUDGET_M, through its plan
+    nb = in_notebook()
     # a session time-boxed by max_minutes ends then, however long the run is in all: not refused
     if budget := 60 * cfg.train.max_minutes:
-        msg += f"; this session stops after {fmt_duration(budget)} (max_minutes)"
+        msg += f"; this session stops after {fmt_duration(budget)} ({'TIME_BUDGET_MIN' if nb else 'max_minutes'})"
     if secs <= CPU_REFUSE_S or 0 < budget <= CPU_REFUSE_S:
         log(f"{msg}. {advice}")
     elif requested == "auto":
-        raise ConfigError(
-            f"{msg}. {advice}; to train on this CPU anyway, ask for it with --device cpu "
-            f"(device='cpu'), or shorten the run (--set max_steps=N)"
-        )
+        cpu = 'set DEVICE = "cpu"' if nb else "ask for it with --device cpu (device='cpu')"
+        setting = "MAX_STEPS" if cfg.preset == "finetune" else "TOKEN_BUDGET_M"
+        length = f"a smaller {setting}" if nb else "--set max_steps=N"
+        # a run whose one step is over the limit (gpt2-small's) cannot be shortened enough
+        shorten = f", or shorten the run ({length})" if secs / steps <= CPU_REFUSE_S else ""
+        raise ConfigError(f"{msg}. {advice}; to train on this CPU anyway, {cpu}{shorten}")
     else:
         loud(f"warning: {msg}. {advice}")
 

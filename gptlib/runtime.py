@@ -8,7 +8,7 @@ import re
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from gptlib.errors import ConfigError, override
+from gptlib.errors import ConfigError, in_notebook, override
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +33,10 @@ def resolve_device(name: str) -> torch.device:
     kind, index = m.groups()
     if not {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps}[kind]:
         what = "CUDA" if kind == "cuda" else "MPS (Apple-silicon GPU)"
-        raise ConfigError(f"device={name!r} but {what} is not available here (use --device cpu)")
+        # a notebook's DEVICE: on Colab, it is the runtime that lacks the GPU
+        how = 'on Colab: Runtime > Change runtime type > a GPU; or set DEVICE = "cpu"'
+        how = how if in_notebook() else "use --device cpu"
+        raise ConfigError(f"device={name!r} but {what} is not available here ({how})")
     if kind == "cuda" and index is not None:
         if int(index[1:]) >= (count := torch.cuda.device_count()):
             raise ConfigError(

@@ -147,6 +147,24 @@ def test_mps_where_there_is_none_is_a_config_error(monkeypatch):
         rt.resolve_device("mps")
 
 
+def test_cuda_asked_on_a_cpu_runtime_in_a_notebook_names_the_runtime_and_device(monkeypatch):
+    """DEVICE = "cuda" in notebook 02, 03 or 05 on a Colab runtime without a GPU: the refusal said '(use --device
+    cpu)', a flag the notebook has not, and not that the runtime is what lacks the GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kernel = types.SimpleNamespace(get_ipython=lambda: types.SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    with pytest.raises(ConfigError) as err:
+        rt.resolve_device("cuda")
+    msg = str(err.value)
+    assert "Runtime > Change runtime type" in msg and 'DEVICE = "cpu"' in msg and "--" not in msg, (
+        msg
+    )
+    assert rt.resolve_device("cpu").type == "cpu"  # what it proposes works
+    monkeypatch.delitem(sys.modules, "IPython")
+    with pytest.raises(ConfigError, match=r"not available here \(use --device cpu\)$"):
+        rt.resolve_device("cuda")
+
+
 def test_cli_device_tpu_is_one_line_and_exit_2(tmp_path, char_data):
     run_dir = tmp_path / "run"
     p = subprocess.run(

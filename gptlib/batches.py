@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from gptlib.data.shards import DataFormatError, DatasetMeta, read_spans
+from gptlib.errors import in_notebook, override
 
 GiB = 1 << 30
 # preload into RAM only if the data and RAM_RESERVE together fit in this share of available RAM
@@ -160,9 +161,11 @@ class BatchSampler:
         world_size: int = 1,
     ):
         if len(data) < block_size + 1:
-            fix = "use more text or a smaller block_size (--set block_size=N)"
-            if data.name == "val":  # a larger val_fraction helps the val split only
-                fix = "use more text, a smaller block_size (--set block_size=N), or a larger val_fraction"
+            fix = f"use more text or a smaller block_size ({override('block_size=N')})"
+            # a larger val_fraction helps the val split only (in a notebook, notebook 01's data)
+            if data.name == "val":
+                vf = "VAL_FRACTION in notebook 01" if in_notebook() else "val_fraction"
+                fix = f"use more text, a smaller block_size ({override('block_size=N')}), or a larger {vf}"
             raise DataFormatError(
                 f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
                 f"+ 1 = {block_size + 1}; {fix}"

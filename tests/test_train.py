@@ -399,6 +399,35 @@ def test_text_shorter_than_one_block_is_a_clear_error(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_text_shorter_than_one_block_in_a_notebook_names_overrides(tmp_path, monkeypatch):
+    """Notebook 02 on a short TEXT_PATH (or 03 on a small dataset of notebook 01): the refusal said 'a smaller
+    block_size (--set block_size=N), or a larger val_fraction', a flag and a name no notebook has. In a notebook it
+    names OVERRIDES, and VAL_FRACTION where it is (notebook 01); following it, the run trains."""
+    import sys
+    from types import SimpleNamespace
+
+    from gptlib.data.prepare import prepare_text
+    from gptlib.data.shards import DataFormatError
+
+    f = tmp_path / "short.txt"
+    f.write_text("To be, or not to be: that is the question.\n" * 3)
+    prepare_text([f], tmp_path / "d", verbose=False)
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    args = dict(max_steps=2, progress=False, log=quiet)
+    with pytest.raises(DataFormatError) as err:
+        train(tmp_path / "d", tmp_path / "run", "phase1", TINY, **args)
+    msg = str(err.value)
+    assert 'a smaller block_size (OVERRIDES = ["block_size=N"])' in msg and "--" not in msg, msg
+    assert "val_fraction" not in msg and "a larger VAL_FRACTION in notebook 01" in msg, msg
+    monkeypatch.delitem(
+        sys.modules, "IPython"
+    )  # the fake has none of what a real run's display asks
+    assert (
+        train(tmp_path / "d", tmp_path / "run", "phase1", TINY + ["block_size=8"], **args).step == 2
+    )
+
+
 def test_no_earlier_micro_batchs_logits_are_alive_at_a_forward():
     """A step's micro-batches, and validation's batches, each drop their logits (B x T x vocab: 1 GiB in bf16 for
     gpt2-small at micro-batch 16) before the next forward. Was `_, loss = model(x, y)`: the logits lived on through

@@ -164,7 +164,7 @@ class BatchSampler:
             fix = f"use more text or a smaller block_size ({override('block_size=N')})"
             # a larger val_fraction helps the val split only (in a notebook, notebook 01's data)
             if data.name == "val":
-                vf = "VAL_FRACTION in notebook 01" if in_notebook() else "val_fraction"
+                vf = "VAL_FRACTION (a dataset of notebook 01)" if in_notebook() else "val_fraction"
                 fix = f"use more text, a smaller block_size ({override('block_size=N')}), or a larger {vf}"
             raise DataFormatError(
                 f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "

@@ -108,7 +108,11 @@ def drive_copy(run_dir: str | Path) -> Path | None:
     if not in_colab() or local.parent != Path(os.path.abspath(COLAB_LOCAL_ROOT)) / "runs":
         return None
     mirror = run_paths(local.name).mirror_dir if _drive_usable() else None
-    return mirror if mirror is not None and mirror.is_dir() else None
+    # on Drive too: a mount hung (or dropped) since the check above gives none, as one not mounted does
+    try:
+        return mirror if mirror and call_with_timeout(mirror.is_dir, DRIVE_CHECK_S) else None
+    except OSError:
+        return None
 
 
 def data_dir(name: str, roots: Roots | None = None) -> Path:

@@ -490,3 +490,34 @@ def test_eval_rows_from_another_vm_survive_training_going_on(fake_colab, tmp_pat
     evaluate_run(rp.run_dir, "bpb", "15", **kw)
     rows = [(r["task"], r["step"]) for r in read_jsonl(rp.mirror_dir / EVAL_FILE)]
     assert rows == [("hellaswag", 10), ("bpb", 5), ("bpb", 10), ("hellaswag", 15), ("bpb", 15)]
+
+
+def test_evaluates_look_at_the_runs_drive_copy_does_not_hang_on_a_hung_mount(
+    fake_colab, monkeypatch
+):
+    """Notebook 04's Evaluate of a run on the VM's disk looks for its Drive copy (colab.drive_copy) before scoring:
+    after the timed look at MyDrive, the look at the run's folder on Drive had no limit, so a mount hung since then
+    held Evaluate before it scored anything. It is under DRIVE_CHECK_S: hung, no Drive copy (as Drive not mounted)."""
+    import threading
+    import time
+    from pathlib import Path
+
+    rp = colab.run_paths("tiny", colab.setup())
+    rp.run_dir.mkdir(parents=True)
+    rp.mirror_dir.mkdir(parents=True)
+    assert colab.drive_copy(rp.run_dir) == rp.mirror_dir
+    is_dir, released = Path.is_dir, threading.Event()
+
+    def hung(path):
+        if path == rp.mirror_dir:
+            released.wait(30)  # the hung mount: answers only long after
+        return is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", hung)
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.2)
+    try:
+        t0 = time.monotonic()
+        assert colab.drive_copy(rp.run_dir) is None
+        assert time.monotonic() - t0 < 5
+    finally:
+        released.set()

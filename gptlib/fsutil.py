@@ -87,11 +87,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def copy_rows(src: str | Path, dst: str | Path) -> None:
-    """dst's JSON lines, then src's that dst has not, written over dst: each copy may have gained rows of its own (eval
-    rows appended on another VM), which a plain copy would lose."""
+def copy_rows(src: str | Path | bytes, dst: str | Path) -> None:
+    """dst's JSON lines, then src's (a file, or its bytes) that dst has not, written over dst: each copy may have gained
+    rows of its own (eval rows appended on another VM), which a plain copy would lose."""
     have = Path(dst).read_bytes().splitlines() if Path(dst).is_file() else []
-    new = [line for line in Path(src).read_bytes().splitlines() if line not in have]
+    src = src if isinstance(src, bytes) else Path(src).read_bytes()
+    new = [line for line in src.splitlines() if line not in have]
     atomic_write_bytes(dst, b"".join(line + b"\n" for line in have + new))
 
 

@@ -521,3 +521,37 @@ def test_evaluates_look_at_the_runs_drive_copy_does_not_hang_on_a_hung_mount(
         assert time.monotonic() - t0 < 5
     finally:
         released.set()
+
+
+def test_eval_rows_that_never_reached_drive_survive_a_resume_from_drive(
+    fake_colab, tmp_path, char_data, monkeypatch
+):
+    """Evaluate on the training VM while Drive was failing: its rows stood on the VM's disk only. When that VM later
+    resumed from a newer checkpoint on Drive (training went on on another VM), Drive's eval.jsonl replaced the VM's and
+    those rows were lost. The VM's rows are kept, Drive's added, and the mirror takes them all to Drive."""
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.fsutil import read_jsonl
+    from gptlib.layout import EVAL_FILE
+
+    items = [
+        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
+    ]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    settings = TINY + ["save_every_steps=5", "hellaswag_every=10", "hellaswag_items=4"]
+    settings.append(f"hellaswag_file={hs_file}")
+    rp, _ = train_tiny_on_colab(char_data, settings)
+    kw = dict(device="cpu", progress=False, warn=lambda s: None, limit=4)
+    with monkeypatch.context() as m:  # Drive dropped while Evaluate ran on this VM
+        m.setattr(colab, "_drive_usable", lambda: False)
+        evaluate_run(rp.run_dir, "bpb", "all", **kw)
+    assert [r["task"] for r in read_jsonl(rp.mirror_dir / EVAL_FILE)] == ["hellaswag"]
+    # training goes on on another VM from Drive's copy, then on this one (Drive's checkpoint the newer)
+    kw = dict(device="cpu", progress=False, mirror_dir=rp.mirror_dir)
+    train(char_data, tmp_path / "other_vm" / "tiny", "phase1", settings, max_steps=15, **kw)
+    r = train(char_data, rp.run_dir, "phase1", settings, max_steps=20, **kw)
+    assert r.resumed_from == 15
+    want = {("hellaswag", 10), ("bpb", 5), ("bpb", 10), ("hellaswag", 15), ("hellaswag", 20)}
+    for copy in (rp.run_dir, rp.mirror_dir):
+        rows = [(x["task"], x["step"]) for x in read_jsonl(copy / EVAL_FILE)]
+        assert sorted(rows) == sorted(want), copy

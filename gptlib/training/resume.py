@@ -38,6 +38,7 @@ from gptlib.fsutil import (
     atomic_write_bytes,
     atomic_write_json,
     call_with_timeout,
+    copy_rows,
     fsync_dir,
     read_bytes_with_timeout,
     replace,
@@ -237,11 +238,14 @@ def find_resume(
         _say_resume_point(resume, passed, run_dir, skip_unreadable, looks, local_before, log)
     # the run's own beside a copy from Drive: a start refused after (another TEXT_PATH) leaves it, and notebook 04,
     # which prefers it, read the data's tokenizer (a mismatch); none there or Drive slow: write_run_files's at a start.
-    # eval.jsonl: the mirror copies this one over Drive's, so it starts with Drive's rows
+    # eval.jsonl: Drive's rows added to this one's, which may hold rows that never reached Drive (Drive failing)
     for name in (CONFIG_FILE, TOKENIZER_FILE, EVAL_FILE) if resume and resume.from_mirror else ():
         with contextlib.suppress(OSError):
             copy = read_bytes_with_timeout(mirror_dir / name, DRIVE_LIST_TIMEOUT_S)
-            atomic_write_bytes(run_dir / name, copy)
+            if name == EVAL_FILE:
+                copy_rows(copy, run_dir / name)
+            else:
+                atomic_write_bytes(run_dir / name, copy)
     return resume, passed
 
 

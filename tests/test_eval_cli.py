@@ -640,3 +640,39 @@ def test_trainings_end_of_run_hellaswag_row_is_reused(tmp_path, char_data):
         f"0 scored now; delete a row to score it again"
     ]
     assert read_jsonl(run / EVAL_FILE) == [row]
+
+
+def test_an_end_of_run_row_that_cannot_be_written_does_not_stop_the_checkpoints_drive_copy(
+    tmp_path, char_data, monkeypatch, capsys
+):
+    """Training's end-of-run HellaSwag row is appended once the final checkpoint is saved: when that failed (the disk
+    full just after the save), the checkpoint was neither copied to Drive nor rotated, and training stopped with
+    'saving a checkpoint ... failed', the checkpoint saved. The row's failure is said in one line; the rest goes on."""
+    import errno
+
+    from gptlib.checkpoint import writer
+    from gptlib.checkpoint.format import list_checkpoints, verify_checkpoint
+    from gptlib.layout import checkpoints_dir, step_of
+    from gptlib.training.loop import train
+
+    items = [
+        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
+    ]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    hs = ["hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"]
+
+    def disk_full(path, *rows):  # a full disk cannot be made here (os.write's error names no file)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "append_jsonl", disk_full)
+    run, drive = tmp_path / "run", tmp_path / "drive"
+    settings = TINY + hs + ["save_every_steps=3"]
+    kw = dict(max_steps=10, progress=False, log=lambda s: None, mirror_dir=drive)
+    assert train(char_data, run, "phase1", settings, **kw).step == 10
+    assert verify_checkpoint(checkpoints_dir(drive) / "step_0000010").step == 10
+    assert [step_of(p) for p in list_checkpoints(run)] == [10, 9]  # rotated: keep_last 2
+    said = [line for line in capsys.readouterr().err.splitlines() if "eval.jsonl" in line]
+    assert said == [
+        "!! step 10's HellaSwag row not written to eval.jsonl: [Errno 28] No space left on device"
+    ]

@@ -21,7 +21,7 @@ from gptlib.checkpoint.format import (
     verify_checkpoint,
 )
 from gptlib.checkpoint.mirror import MIRROR_CLOSE_TIMEOUT_S, NO_MIRROR_STATUS, Mirror
-from gptlib.errors import CheckpointError, GptlibError, override
+from gptlib.errors import CheckpointError, GptlibError, loud, override
 from gptlib.fsutil import append_jsonl, check_writable
 from gptlib.layout import EVAL_FILE, LOG_FILES, checkpoints_dir, step_of
 
@@ -116,7 +116,11 @@ class CheckpointWriter:
             self.last_saved = save_checkpoint(checkpoints_dir(self.run_dir), ckpt, logs)
             if eval_row:  # before the mirror's copy, which copies eval.jsonl after it
                 row = {**eval_row, "model_sha256": model_sha256(self.last_saved)}
-                append_jsonl(self.run_dir / EVAL_FILE, row)
+                # a row lost costs notebook 04 a scoring, not the checkpoint its Drive copy and rotation
+                try:
+                    append_jsonl(self.run_dir / EVAL_FILE, row)
+                except OSError as e:
+                    loud(f"!! step {step}'s HellaSwag row not written to {EVAL_FILE}: {e}")
             protect = (
                 self.mirror.submit(self.last_saved, best_step, milestone) if self.mirror else set()
             )

@@ -10,6 +10,8 @@
   code asks fsspec for it, as it does for the real Hub.
 - FaultyFS (protocol "faulty"): the local filesystem, whose files raise ConnectionResetError on the
   reads listed in `FAULTS` (numbered across all files) and log every read's offset.
+- colab_vm: code for a notebook's kernel (tests/nbrun.py's `code`) that makes it a Colab VM: `google.colab`, whose
+  drive.mount maps a folder (Drive: the same for every VM), and a VM disk of its own.
 """
 
 from __future__ import annotations
@@ -259,3 +261,23 @@ sys.exit(main(sys.argv[1:]))
 def fake_hub_child(root: Path) -> str:
     """A `python -c` program: `python -m gptlib ARGS` with the fake Hub over root."""
     return FAKE_HUB_CHILD.format(tests=str(Path(__file__).parent), root=str(root))
+
+
+COLAB_VM = """
+import os, sys, types
+from pathlib import Path
+from gptlib import colab
+class _Drive:
+    def mount(self, mountpoint, force_remount=False, timeout_ms=120000, readonly=False):
+        Path(mountpoint, "MyDrive").mkdir(parents=True, exist_ok=True)
+sys.modules.setdefault("google", types.ModuleType("google"))
+sys.modules["google.colab"] = sys.modules["google"].colab = types.ModuleType("google.colab")
+sys.modules["google.colab"].drive = _Drive()
+colab.DRIVE_MOUNT, colab.COLAB_LOCAL_ROOT = Path({drive!r}), Path({vm!r})
+os.environ.pop("GPTLIB_ROOT", None)
+"""
+
+
+def colab_vm(drive: Path, vm: Path) -> str:
+    """run_notebook's `code`: the kernel is a Colab VM whose disk is `vm`, with Google Drive mounted from `drive`."""
+    return COLAB_VM.format(drive=str(drive), vm=str(vm))

@@ -399,3 +399,72 @@ def test_evaluate_cell_passes_over_a_checkpoint_training_deleted(
     assert said == ["step 5: gone since it was listed (training rotates old ones); passed over"], (
         said
     )
+
+
+def test_evaluates_rows_reach_drive_and_outlive_the_vm_and_training_going_on(
+    tmp_path, monkeypatch, small_text
+):
+    """The journey through the notebooks on Colab, each on its own VM: notebook 02 trains (mirrored to Drive, its
+    end-of-run HellaSwag row in eval.jsonl); notebook 04 on another VM evaluates the run's Drive copy; that VM resets,
+    and notebook 04 on a new one reuses every row (scores nothing) and its table and model card show them; notebook
+    02 trains on: notebook 04's rows stay on Drive."""
+    import os
+    import shutil
+
+    from tests.fakes import colab_vm
+
+    monkeypatch.delenv("GPTLIB_ROOT", raising=False)
+    drive, mirror = tmp_path / "drive", tmp_path / "drive" / "MyDrive" / "gptlib" / "runs" / "tiny"
+    rows_file = mirror / "eval.jsonl"
+    hs_file = tmp_path / "hs.jsonl"
+    ending = {"ctx": "KING RICHARD", "endings": ["my lord", "the crown", "a horse", "to bed"]}
+    hs_file.write_text("".join(json.dumps({**ending, "label": i % 4}) + "\n" for i in range(6)))
+
+    def on_vm(nb, vm, **params):
+        return run_notebook(nb, params, cwd=tmp_path, code=colab_vm(drive, tmp_path / vm))
+
+    def evaluate_cell(nb) -> str:
+        cell = next(c for c in nb.cells if c.cell_type == "code" and "format_table(" in c.source)
+        return "".join(o.get("text", "") for o in cell.outputs)
+
+    hs = ["eval_interval=5", "hellaswag_every=5", f"hellaswag_file={hs_file}"]
+    p02 = dict(RUN_NAME="tiny", TEXT_PATH=str(small_text), MAX_STEPS=10, OVERRIDES=TINY + hs)
+    on_vm("02_phase1_shakespeare.ipynb", "vm_a", **p02)
+    assert [
+        (r["step"], r["source"]) for r in map(json.loads, rows_file.read_text().splitlines())
+    ] == [(10, "training")]
+    os.rename(tmp_path / "vm_a", tmp_path / "vm_a.away")  # another VM: VM A's disk is not there
+    p04 = dict(
+        RUN_NAME="tiny", DEVICE="cpu", PROMPTS="ROMEO:", MAX_NEW_TOKENS=4, EVAL_TASKS="hellaswag"
+    )
+    p04 |= dict(HELLASWAG_FILE=str(hs_file), EXPORT_CHECKPOINT="5", HUB_GGUF=False)
+    first = evaluate_cell(on_vm("04_generate.ipynb", "vm_b", **p04))
+    assert (
+        f"reused the rows {rows_file} records for step 10 (the same checkpoint and settings); 1 scored"
+        in first
+    )
+    recorded = rows_file.read_bytes()
+    assert [json.loads(r)["step"] for r in recorded.splitlines()] == [10, 5]
+    shutil.rmtree(tmp_path / "vm_b")  # VM B reset: notebook 04 on a new VM
+    push = tmp_path / "push"
+    nb = on_vm("04_generate.ipynb", "vm_c", **p04, HUB_REPO="alice/tiny", HUB_DRY_RUN=str(push))
+    again = evaluate_cell(nb)
+    assert (
+        f"{rows_file} records for steps 5, 10 (the same checkpoint and settings); 0 scored now"
+        in again
+    ), again
+    assert rows_file.read_bytes() == recorded and again.endswith(first.split("\n", 1)[1]), again
+    scored = next(json.loads(r) for r in recorded.splitlines() if json.loads(r)["step"] == 5)
+    card = (push / "README.md").read_text()
+    assert f"HellaSwag acc_norm: {scored['acc_norm']:.4f} ± {scored['acc_norm_se']:.4f}" in card, (
+        card
+    )
+    # notebook 02 trains on, on VM A: its mirror adds its rows to Drive's, notebook 04's stay
+    os.rename(tmp_path / "vm_a.away", tmp_path / "vm_a")
+    on_vm("02_phase1_shakespeare.ipynb", "vm_a", **{**p02, "MAX_STEPS": 20})
+    after = rows_file.read_bytes()
+    assert after.startswith(recorded) and [json.loads(r)["step"] for r in after.splitlines()] == [
+        10,
+        5,
+        20,
+    ]

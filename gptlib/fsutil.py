@@ -93,7 +93,9 @@ def copy_rows(src: str | Path | bytes, dst: str | Path) -> None:
     have = Path(dst).read_bytes().splitlines() if Path(dst).is_file() else []
     src = src if isinstance(src, bytes) else Path(src).read_bytes()
     new = [line for line in src.splitlines() if line not in have]
-    atomic_write_bytes(dst, b"".join(line + b"\n" for line in have + new))
+    # none: dst left alone, not rewritten at each mirror copy (a row appended to it meanwhile went with the old file)
+    if new:
+        atomic_write_bytes(dst, b"".join(line + b"\n" for line in have + new))
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

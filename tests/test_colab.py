@@ -492,6 +492,46 @@ def test_eval_rows_from_another_vm_survive_training_going_on(fake_colab, tmp_pat
     assert rows == [("hellaswag", 10), ("bpb", 5), ("bpb", 10), ("hellaswag", 15), ("bpb", 15)]
 
 
+def test_a_row_notebook_04_appends_while_training_copies_its_logs_stays(
+    fake_colab, tmp_path, char_data, monkeypatch
+):
+    """Notebook 04 on its own VM appends a row to Drive's eval.jsonl while notebook 03 trains on (its VM's eval.jsonl
+    holding no row Drive lacks): the mirror rewrote Drive's file at every checkpoint copy all the same, and a row
+    appended meanwhile went into the replaced file: lost. With nothing new it leaves Drive's file alone."""
+    import gptlib.checkpoint.mirror as mirror
+    from gptlib.fsutil import read_jsonl
+    from gptlib.layout import EVAL_FILE
+
+    hs_file = tmp_path / "hs.jsonl"
+    item = {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": 1}
+    hs_file.write_text(json.dumps(item) + "\n")
+    settings = TINY + ["save_every_steps=5", "hellaswag_every=10", f"hellaswag_file={hs_file}"]
+    rp, _ = train_tiny_on_colab(char_data, settings)  # its end-of-run row: on Drive
+    copy_rows, raced = mirror.copy_rows, []
+
+    def with_an_append_under_way(
+        src, dst
+    ):  # notebook 04's append_jsonl: the file opened, then written
+        with open(dst, "ab") as f:
+            copy_rows(src, dst)
+            if not raced:
+                raced.append(f.write(json.dumps({"task": "bpb", "step": 5}).encode() + b"\n"))
+
+    monkeypatch.setattr(mirror, "copy_rows", with_an_append_under_way)
+    train(
+        char_data,
+        rp.run_dir,
+        "phase1",
+        settings,
+        max_steps=20,
+        device="cpu",
+        progress=False,
+        mirror_dir=rp.mirror_dir,
+    )
+    rows = [(r["task"], r["step"]) for r in read_jsonl(rp.mirror_dir / EVAL_FILE)]
+    assert raced and rows == [("hellaswag", 10), ("bpb", 5), ("hellaswag", 20)], rows
+
+
 def test_evaluates_look_at_the_runs_drive_copy_does_not_hang_on_a_hung_mount(
     fake_colab, monkeypatch
 ):

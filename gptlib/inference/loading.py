@@ -78,11 +78,11 @@ def checkpoint_table(run_dir: str | Path, skipped: list[str] | None = None) -> l
 def checkpoint_label(row: dict) -> str:
     """A checkpoint_table row as "step 1000 · val 1.523 (training's validation: 640 sequences) · best": the loss
     training measured, on its own fixed batches, not on the windows `eval` scores (the two differ a little)."""
-    batches = f": {row['val_sequences']:,} sequences" if row.get("val_sequences") else ""
+    sequences = f": {row['val_sequences']:,} sequences" if row.get("val_sequences") else ""
     # no thousands separator: the step as CHECKPOINTS takes it, where a comma separates steps
     label = f"step {row['step']}"
     if row.get("val_loss") is not None:
-        label += f" · val {row['val_loss']:.3f} (training's validation{batches})"
+        label += f" · val {row['val_loss']:.3f} (training's validation{sequences})"
     return label + (" · best" if row.get("is_best") else "")
 
 

@@ -81,6 +81,35 @@ def _read(path: Path, timeout: float | None) -> Holder | str | None:
         return f"malformed ({type(e).__name__}: {e})"
 
 
+def _held_by_this_process(path: Path, found: Holder) -> RunDirError:
+    started = time.strftime("%H:%M:%S", time.localtime(found.started))
+    if in_notebook():
+        return RunDirError(
+            f"{path.parent} is in use by this notebook's own training, still running in this kernel (started "
+            f"{started}): let it finish, or stop it, then run this cell again"
+        )
+    return RunDirError(
+        f"{path.parent} is in use by a training still running in this process (started {started}): let it "
+        f"finish, or stop it, first"
+    )
+
+
+def _held_by_another(
+    path: Path, found: Holder | str, now: float, stale_in: float | None = None
+) -> RunDirError:
+    what = _describe(found, now)
+    how = (
+        "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
+        "process first"
+    )
+    if stale_in is None:
+        return RunDirError(f"{path.parent} is in use by another training process ({what}); {how}")
+    return RunDirError(
+        f"{path.parent} is in use ({what}); if that VM is gone, re-run in {stale_in:.0f} s and the lease is taken "
+        f"over, or {how}"
+    )
+
+
 class RunLease:
     def __init__(self, dirs: list[Path | None], take_over: bool = False, log=print):
         # absolute: fsutil.check_writable hands check() the directory so
@@ -136,31 +165,20 @@ class RunLease:
         if found is None or isinstance(found, Holder) and found.released:
             return generation
         now = time.time()
-        what = _describe(found, now)
-        how = (
-            "pass --take-over (train(..., options=StartOptions(take_over=True))) to take it anyway, or stop that "
-            "process first"
-        )
-        if isinstance(found, Holder) and found.host == self.host and found.pid == os.getpid():
-            started = time.strftime("%H:%M:%S", time.localtime(found.started))
-            # a training of this very process: a notebook cell run while one trains (--take-over too: its writes
-            # and this one's would pass the same check, gptlib.fsutil.GUARDS)
+        here = isinstance(found, Holder) and found.host == self.host
+        # a training of this very process: a notebook cell run while one trains (--take-over too: its writes and
+        # this one's would pass the same check, gptlib.fsutil.GUARDS)
+        if here and found.pid == os.getpid():
             if found.session in _LIVE:
-                raise RunDirError(
-                    f"{path.parent} is in use by this notebook's own training, still running in this kernel "
-                    f"(started {started}): let it finish, or stop it, then run this cell again"
-                    if in_notebook()
-                    else f"{path.parent} is in use by a training still running in this process (started {started}): "
-                    f"let it finish, or stop it, first"
-                )
+                raise _held_by_this_process(path, found)
             self.log(
                 f"lease: {path} was left by an earlier training of this process, which has ended; taking over"
             )
             return generation
         if self.take_over:
-            self.log(f"lease: taking over {path} ({what})")
+            self.log(f"lease: taking over {path} ({_describe(found, now)})")
             return generation
-        if isinstance(found, Holder) and found.host == self.host:
+        if here:
             try:
                 os.kill(found.pid, 0)
             except ProcessLookupError:
@@ -170,23 +188,18 @@ class RunLease:
                 return generation
             except PermissionError:  # alive, another user's
                 pass
-            raise RunDirError(
-                f"{path.parent} is in use by another training process ({what}); {how}"
-            )
+            raise _held_by_another(path, found, now)
         if isinstance(found, Holder):
             beat = found.heartbeat
         else:
             beat = call_with_timeout(
                 lambda: path.stat().st_mtime, IO_TIMEOUT_S, what=f"reading {path}"
             )
-        age = now - beat
-        if age < STALE_S:
-            raise RunDirError(
-                f"{path.parent} is in use ({what}); if that VM is gone, re-run in "
-                f"{STALE_S - max(age, 0.0):.0f} s and the lease is taken over, or {how}"
-            )
+        if (age := now - beat) < STALE_S:
+            raise _held_by_another(path, found, now, stale_in=STALE_S - max(age, 0.0))
         self.log(
-            f"lease: {path} is stale ({what}; over {STALE_S:.0f} s old: its holder is gone); taking it over"
+            f"lease: {path} is stale ({_describe(found, now)}; over {STALE_S:.0f} s old: its holder is gone); "
+            f"taking it over"
         )
         return generation
 

@@ -442,37 +442,37 @@ TOKEN_FIELDS = ("train_tokens", "val_tokens", "tokens_sha256")
 def check_same_data(resume: Resume, meta: DatasetMeta, allow_change: bool, log) -> dict:
     """ConfigError naming what changed; with allow_change (tokens only) -> the change for state.json ({}: none).
     Fields an older checkpoint did not record are not compared."""
-    was = resume.state.data
-    changed = {
-        k: (was[k], now) for k, now in meta.identity().items() if was.get(k) not in (None, now)
-    }
+    was, now = resume.state.data, meta.identity()
+    changed = {k: (was[k], v) for k, v in now.items() if was.get(k) not in (None, v)}
     if not changed:
         return {}
-    what = ", ".join(f"{k} {old!r} -> {now!r}" for k, (old, now) in changed.items())
+    what = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+    tokens_only = all(k in TOKEN_FIELDS for k in changed)
+    if not (tokens_only and allow_change):
+        raise _trained_on_other_data(resume, meta, what, tokens_only)
+    log(
+        f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "
+        f"state.json's data_changes)"
+    )
+    return {"step": resume.state.step, "data_dir": str(meta.data_dir), "was": was, "now": now}
+
+
+def _trained_on_other_data(
+    resume: Resume, meta: DatasetMeta, what: str, tokens_only: bool
+) -> ConfigError:
+    """The refusal, with how to go on where the user is; tokens_only (the same tokenizer): --allow-data-change."""
     where = f"{resume.origin} was trained on other data than {meta.data_dir} ({what})"
     how = "resume with the same data, or use a new run directory"
-    # where the user is: notebook 02 makes its data from TEXT_PATH in the run's folder, 03 and 05 name a dataset (05,
-    # a fine-tune of a base, has no DATA_DIR)
+    # notebook 02 makes its data from TEXT_PATH in the run's folder, 03 and 05 name a dataset (05, a fine-tune of a
+    # base, has no DATA_DIR)
     if in_notebook():
         nb02 = meta.data_dir.parent == resume.info.path.parents[1]
         back = f"TEXT_PATH back to the text it was trained on (and delete {meta.data_dir})"
         named = "DATASET_NAME" if resume.state.init_from else "DATASET_NAME or DATA_DIR"
         how = f"set {back if nb02 else named + ' back to its data'}, or choose a new RUN_NAME"
-    if any(k not in TOKEN_FIELDS for k in changed):
-        raise ConfigError(f"{where}; {how}")
-    if not allow_change:
-        raise ConfigError(
-            f"{where}; {how}, or pass --allow-data-change "
-            f"(train(..., options=StartOptions(allow_data_change=True))) to go on with this data (recorded in "
-            f"the run's state)"
-        )
-    log(
-        f"resume: data changed ({what}); going on with {meta.data_dir} as asked (--allow-data-change, recorded in "
-        f"state.json's data_changes)"
+    if not tokens_only:
+        return ConfigError(f"{where}; {how}")
+    return ConfigError(
+        f"{where}; {how}, or pass --allow-data-change (train(..., options=StartOptions(allow_data_change=True))) "
+        f"to go on with this data (recorded in the run's state)"
     )
-    return {
-        "step": resume.state.step,
-        "data_dir": str(meta.data_dir),
-        "was": was,
-        "now": meta.identity(),
-    }

@@ -102,15 +102,16 @@ def decide_recipe(default: str, asked: str | None, start: Start) -> str:
     held = start.held
     if held is None or held.recipe == (asked or held.recipe):
         return held.recipe if held is not None else default
+    raise _other_recipe(start, asked)
+
+
+def _other_recipe(start: Start, asked: str) -> ConfigError:
+    held = start.held.recipe
     # where the user is: notebooks 02 and 03 pass their RECIPE dropdown
-    keep = (
-        f'set RECIPE = "{held.recipe}"'
-        if in_notebook()
-        else f"drop --recipe to go on with {held.recipe}"
-    )
-    raise ConfigError(
-        f"{start.run_dir}: the {start.whose} was trained with recipe {held.recipe} but this call asks for "
-        f"{asked}; a model keeps its recipe (its layers differ): {keep}, or use a new run directory"
+    keep = f'set RECIPE = "{held}"' if in_notebook() else f"drop --recipe to go on with {held}"
+    return ConfigError(
+        f"{start.run_dir}: the {start.whose} was trained with recipe {held} but this call asks for {asked}; a "
+        f"model keeps its recipe (its layers differ): {keep}, or use a new run directory"
     )
 
 
@@ -140,16 +141,7 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
             f"{asked.gptlib_version} from step {step:,} on"
         )
     if changed := shape_change(saved, asked):
-        name, a, b = changed
-        how = "drop the change to resume"
-        # a shape field the user never set: another preset's (notebook 03's PRESET) is named, as what changed
-        if saved.preset not in (None, asked.preset):
-            keep = f'set PRESET = "{saved.preset}"' if in_notebook() else f"--preset {saved.preset}"
-            how = f"it was made with preset {saved.preset}, this call asks for {asked.preset}: {keep} to resume it"
-        raise ConfigError(
-            f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; {how}, or use a "
-            f"new run directory"
-        )
+        raise _other_model(saved, asked, where, *changed)
     # auto_batch measures the micro-batch again (its line says the sizes): only other sequences are a change
     n = [
         (t.batch_size * t.grad_accum_steps, t.batch_size * t.eval_batches)
@@ -164,6 +156,18 @@ def check_same_model(saved: RunConfig, asked: RunConfig, step: int, where: Path,
                 )
     if note := schedule_change(saved.train, asked.train, step):
         log(f"resume: {note}")
+
+
+def _other_model(saved: RunConfig, asked: RunConfig, where: Path, name: str, a, b) -> ConfigError:
+    how = "drop the change to resume"
+    # a shape field the user never set: another preset's (notebook 03's PRESET) is named, as what changed
+    if saved.preset not in (None, asked.preset):
+        keep = f'set PRESET = "{saved.preset}"' if in_notebook() else f"--preset {saved.preset}"
+        how = f"it was made with preset {saved.preset}, this call asks for {asked.preset}: {keep} to resume it"
+    return ConfigError(
+        f"{where} holds a run with {name}={a!r} but this call asks for {name}={b!r}; {how}, or use a new run "
+        f"directory"
+    )
 
 
 def shape_change(saved: RunConfig, asked: RunConfig) -> tuple[str, object, object] | None:

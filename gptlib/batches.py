@@ -145,6 +145,18 @@ def head_ids(data: "SplitData | MemmapSplit", n: int) -> np.ndarray:
     return _to_ids(raw).cpu().numpy()
 
 
+def _shorter_than_a_block(data: SplitData | MemmapSplit, block_size: int) -> DataFormatError:
+    fix = f"use more text or a smaller block_size ({override('block_size=N')})"
+    # a larger val_fraction helps the val split only (in a notebook, notebook 01's data)
+    if data.name == "val":
+        vf = "VAL_FRACTION (a dataset of notebook 01)" if in_notebook() else "val_fraction"
+        fix = f"use more text, a smaller block_size ({override('block_size=N')}), or a larger {vf}"
+    return DataFormatError(
+        f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size + 1 = "
+        f"{block_size + 1}; {fix}"
+    )
+
+
 class BatchSampler:
     """Random windows of a split, from a generator of its own: its state_dict() is where the batches stand. Under
     DDP each rank (of world_size) samples its own stream, seeded seed + rank."""
@@ -161,15 +173,7 @@ class BatchSampler:
         world_size: int = 1,
     ):
         if len(data) < block_size + 1:
-            fix = f"use more text or a smaller block_size ({override('block_size=N')})"
-            # a larger val_fraction helps the val split only (in a notebook, notebook 01's data)
-            if data.name == "val":
-                vf = "VAL_FRACTION (a dataset of notebook 01)" if in_notebook() else "val_fraction"
-                fix = f"use more text, a smaller block_size ({override('block_size=N')}), or a larger {vf}"
-            raise DataFormatError(
-                f"the {data.name} split has {len(data):,} tokens, fewer than one block of block_size "
-                f"+ 1 = {block_size + 1}; {fix}"
-            )
+            raise _shorter_than_a_block(data, block_size)
         self.data, self.batch_size, self.block_size = data, batch_size, block_size
         self.device = torch.device(device)
         self.loss_mask = loss_mask  # chat data: targets outside the assistants' answers become -1

@@ -19,12 +19,7 @@ from gptlib.config import ModelConfig
 class KVCache:  # every layer's keys and values so far, preallocated: a prompt is read once, then a token a step
     def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype: torch.dtype):
         # (B, H, block_size, D)
-        shape = (
-            batch_size,
-            cfg.n_head,
-            cfg.block_size,
-            cfg.n_embd // cfg.n_head,
-        )
+        shape = (batch_size, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.pos = 0  # tokens cached: the position of the next one

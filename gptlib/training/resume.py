@@ -95,11 +95,7 @@ class Start:
 
 
 def find_start(
-    data_dir: Path,
-    run_dir: Path,
-    mirror_dir: Path | None,
-    options: StartOptions,
-    log,
+    data_dir: Path, run_dir: Path, mirror_dir: Path | None, options: StartOptions, log
 ) -> Start:
     """The data (meta.json read once here, its tokenizer checked), then the newest checkpoint that loads, else an
     --init-from base, else nothing; held: the config the model already has."""
@@ -212,10 +208,7 @@ class Passed:  # what a resume passed over: the damaged checkpoints are set asid
 
 
 def find_resume(
-    run_dir: Path,
-    mirror_dir: Path | None,
-    log,
-    skip_unreadable: bool = False,
+    run_dir: Path, mirror_dir: Path | None, log, skip_unreadable: bool = False
 ) -> tuple[Resume | None, Passed]:
     """-> (None: a new run). The newest checkpoint that loads (its files' sizes and hashes right, its pickles safe)
     and whose optimizer state fits its own config's optimizer; a damaged one is passed over. A newer one that could

@@ -24,12 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gptlib.batches import BatchSampler, LossMask, head_ids, loss_masks, place_dataset
-from gptlib.checkpoint.format import (
-    RNG,
-    TrainState,
-    clean_orphans,
-    load_weights_into,
-)
+from gptlib.checkpoint.format import RNG, TrainState, clean_orphans, load_weights_into
 from gptlib.checkpoint.writer import CheckpointWriter
 from gptlib.config import RunConfig
 from gptlib.data.conversations import ChatTemplate, first_prompts

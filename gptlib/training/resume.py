@@ -111,16 +111,19 @@ def find_start(
     resume, passed = find_resume(run_dir, mirror_dir, log, options.skip_unreadable)
     init_from = options.init_from
     if resume is None and init_from and names_this_run(init_from, run_dir, mirror_dir):
-        raise ConfigError(
-            f"--init-from {init_from} is this run's own directory, which has no checkpoint yet: "
-            f"--init-from starts a new run from another run's weights; drop it to train this one from "
-            f"scratch"
-        )
+        raise _init_from_itself(init_from)
     base = load_base(init_from, meta, log) if init_from and resume is None else None
     held = base and base.config
     if resume is not None:
         held = resume.state.run_config(str(resume.info.path / STATE_FILE))
     return Start(run_dir, mirror_dir, options, meta, tokenizer, resume, passed, base, held)
+
+
+def _init_from_itself(spec: str) -> ConfigError:
+    return ConfigError(
+        f"--init-from {spec} is this run's own directory, which has no checkpoint yet: --init-from starts a new run "
+        f"from another run's weights; drop it to train this one from scratch"
+    )
 
 
 def split_init_from(spec: str) -> tuple[str, str]:

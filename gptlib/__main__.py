@@ -130,7 +130,7 @@ def _inputs(args) -> list[str]:
     arg(
         "--overwrite",
         action="store_true",
-        help="replace the dataset in --out (deleted once the tokenizer is trained, before encoding)",
+        help="replace the dataset in --out (kept whole until the new one is complete)",
     ),
     arg("--quiet", action="store_true", help="no progress bar or summary"),
 )

@@ -16,6 +16,8 @@ EVAL_FILE = "eval.jsonl"  # rows appended by `python -m gptlib eval` (and the en
 META_FILE = "meta.json"
 # present only while a tokenize run is unfinished (encode.py)
 PREPARE_STATE_FILE = "prepare_state.json"
+# tokenize --overwrite makes the new dataset in this folder of the old one's, which stays whole until then
+OVERWRITE_DIR = ".overwrite"
 # who trains this run now (gptlib.lease): one writer per run, local and on Drive
 LEASE_FILE = "lease.json"
 CHECKPOINTS_DIR = "checkpoints"

@@ -552,6 +552,28 @@ def test_a_killed_chat_run_resumes_to_the_same_shards_and_spans(
     assert any(".spans.bin" in n for n in files_of(tmp_path / "out"))
 
 
+def test_an_overwrite_of_chat_data_killed_keeps_the_old_spans_and_the_rerun_puts_the_new_in_place(
+    tmp_path, run_dir, paragraphs, monkeypatch
+):
+    """--overwrite of a finished chat dataset, killed mid-way: its shards and spans files were deleted before the new
+    ones were encoded. They stay whole; the re-run's shards and spans take their place, none of the old ones left."""
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs)])
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)
+    opts = dict(tokenizer_from=run_dir, format="chat", shard_tokens=3000, verbose=False)
+    clean = prepare([src], tmp_path / "clean", **opts)
+    out = tmp_path / "out"
+    old = prepare([src], out, **{**opts, "shard_tokens": 2000})  # more shards and spans files
+    real = kill_at_encode_call(monkeypatch, 4)
+    with pytest.raises(Killed):
+        prepare([src], out, overwrite=True, **opts)
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", real)
+    assert verified_meta(out).splits == old.splits  # every shard's and spans file's sha256
+    assert prepare([src], out, overwrite=True, **opts).splits == clean.splits
+    assert files_of(out) == files_of(tmp_path / "clean")
+    assert any(".spans.bin" in n for n in files_of(out))
+    verified_meta(out)
+
+
 def test_sigkill_of_a_chat_tokenize_then_resume_is_byte_identical(tmp_path, run_dir, paragraphs):
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations(paragraphs)])
 

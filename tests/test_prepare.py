@@ -688,8 +688,9 @@ def test_different_dataset_is_refused_and_nothing_is_damaged(tmp_path, docs, bpe
     prepare([tmp_path / "a.jsonl"], out, tokenizer="char", overwrite=True)
     assert read_meta(out).tokenizer["kind"] == "char"
     assert not any(p.name.startswith("prepare_state") for p in out.iterdir())
-    # the old dataset is deleted before the new one is encoded: said as it happens
-    assert f"overwrite: deleting the dataset in {out}, then encoding" in capsys.readouterr().out
+    # the old dataset stays until the new one is complete: said as it starts
+    said = capsys.readouterr().out
+    assert f"overwrite: the dataset in {out} stays as it is until the new one is complete" in said
 
 
 def test_overwrite_makes_a_damaged_dataset_again_and_a_refused_setting_deletes_nothing(

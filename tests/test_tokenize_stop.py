@@ -42,7 +42,7 @@ def tokenize_args(src: Path, out: Path, bpe_file: Path) -> list[str]:
 
 def data_files(d: Path) -> dict[str, bytes]:
     """Every file of a data directory, meta.json without its elapsed_s (the one field a run's speed changes)."""
-    files = {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    files = {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
     meta = json.loads(files.pop("meta.json"))
     meta.pop("elapsed_s")
     return {**files, "meta.json": json.dumps(meta, sort_keys=True).encode()}
@@ -440,3 +440,122 @@ def test_a_hung_shard_writes_line_is_not_held_up_by_the_clean_up_on_the_same_dri
             run.result()
     finally:
         answer.set()
+
+
+@pytest.mark.parametrize("fault", ["kill", "enospc"])
+def test_an_overwrite_that_dies_late_leaves_the_old_dataset_whole_and_the_rerun_resumes(
+    tmp_path, corpus, bpe_file, fault
+):
+    """Notebook 01's OVERWRITE = True on a finished dataset, killed (Colab gone) or failing (Drive full) after three
+    shards of the new one: the old dataset was deleted before encoding, so the user had neither. The old one stays
+    whole (every shard's sha256, as training reads it) until the new one is complete, and the same command resumes
+    the new one."""
+    from tests import faulty
+
+    src, clean = corpus
+    out = tmp_path / "out"
+    old = prep.prepare([src], out, tokenizer_from=bpe_file, val_fraction=0.2, verbose=False)
+    old_files = data_files(out)
+    r = subprocess.run(
+        faulty.gptlib_cmd(
+            f"{fault}:shard_mid@3,data.encode.BATCH_CHARS=20000",
+            *tokenize_args(src, out, bpe_file),
+            "--overwrite",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == {"kill": -9, "enospc": 2}[fault], r.stderr
+    assert verified_meta(out).splits == old.splits
+    # the lock file a kill leaves is not the dataset's
+    assert {k: v for k, v in data_files(out).items() if k != genc.LOCK_FILE} == old_files
+    if fault == "enospc":
+        (line,) = r.stderr.strip().splitlines()
+        assert line.startswith(f"error: cannot write to {out}: No space left on device"), line
+        assert line.endswith(
+            f"3 train and 1 val shard(s) of {out / genc.OVERWRITE_DIR} are kept and the dataset in {out} is "
+            f"unchanged; run the same command again to continue from there"
+        ), line
+    r = subprocess.run(
+        [sys.executable, "-c", UNSLOWED, *tokenize_args(src, out, bpe_file)[:-1], "--overwrite"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "resuming the unfinished run in" in r.stdout and ": 3 train" in r.stdout, r.stdout
+    assert data_files(out) == data_files(clean) and not (out / genc.OVERWRITE_DIR).exists()
+    verified_meta(out)
+
+
+def test_an_overwrite_killed_as_it_replaces_the_dataset_leaves_one_whole_and_the_rerun_ends_it(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """The new dataset complete, a kill at each deletion or rename in the data directory as it takes the old one's
+    place: a meta.json there always names a whole dataset (the old or the new), and the same command ends the
+    replacement without encoding anything again."""
+    import shutil
+
+    from gptlib.data.shards import META_FILE
+    from tests.tokenize_kit import Killed
+
+    src, clean = corpus
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    # more shards than the new one: the old ones past its last go too
+    old = prep.prepare([src], tmp_path / "old", **{**opts, "shard_tokens": 4000})
+    new = read_meta(clean)
+    real_unlink, real_replace = Path.unlink, os.replace
+
+    def overwrite_killed_at(k: int, out: Path) -> bool:
+        """-> whether the k-th deletion or rename of a file of `out` (not the lock) killed the overwrite."""
+        ops = [0]
+
+        def op(path):
+            if Path(path).parent == out and Path(path).name != genc.LOCK_FILE:
+                ops[0] += 1
+                if ops[0] == k:
+                    raise Killed()
+
+        def unlink(self, *a, **kw):
+            op(self)
+            return real_unlink(self, *a, **kw)
+
+        def replace(src_, dst, *a, **kw):
+            op(dst)
+            return real_replace(src_, dst, *a, **kw)
+
+        monkeypatch.setattr(Path, "unlink", unlink)
+        monkeypatch.setattr(os, "replace", replace)
+        try:
+            prep.prepare([src], out, overwrite=True, **opts)
+            return False
+        except Killed:
+            return True
+        finally:
+            monkeypatch.setattr(Path, "unlink", real_unlink)
+            monkeypatch.setattr(os, "replace", real_replace)
+
+    def no_encoding(self, texts):
+        raise AssertionError("the new dataset encoded again")
+
+    # the new dataset complete beside the old one, killed at the first step of the replacement
+    pending = tmp_path / "pending"
+    shutil.copytree(tmp_path / "old", pending)
+    assert overwrite_killed_at(1, pending) and verified_meta(pending).splits == old.splits
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", no_encoding)
+    for k in range(1, 1000):
+        out = tmp_path / f"kill_{k}"
+        shutil.copytree(pending, out)
+        if not overwrite_killed_at(k, out):
+            break
+        if (out / META_FILE).exists():
+            assert verified_meta(out).splits in (old.splits, new.splits), k
+        prep.prepare([src], out, overwrite=True, **opts)
+        assert data_files(out) == data_files(clean), k
+        assert not (out / genc.OVERWRITE_DIR).exists(), k
+    # a kill at each of them (the old meta.json, the old shards past the new last, the new files), and then at none
+    assert k > len(old.splits["train"]["shards"]) and data_files(out) == data_files(clean), k

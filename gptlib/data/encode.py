@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +34,7 @@ from gptlib.fsutil import (
     clean_temp_files,
     read_bytes_with_timeout,
 )
-from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
+from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE, OVERWRITE_DIR
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
 LOCK_FILE = ".tokenize.lock"  # held by the tokenize writing the directory
@@ -290,6 +291,25 @@ def our_files(out_dir: Path) -> list[Path]:
     return ours
 
 
+def replace_dataset(out_dir: Path) -> dict:
+    """--overwrite's new dataset, complete in OVERWRITE_DIR, takes the old one's place -> its meta.json. The old
+    meta.json goes first and the new one comes last, so that a meta.json there names a whole dataset; a kill half-way
+    is ended by the next tokenize in out_dir (each step may be done again)."""
+    new = out_dir / OVERWRITE_DIR
+    m = json.loads((new / META_FILE).read_text())
+    shards = [s for split in m["splits"].values() for s in split["shards"]]
+    names = [TOKENIZER_FILE, *(r["file"] for s in shards for r in (s, s.get("spans")) if r)]
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    for p in our_files(out_dir):
+        if p.name not in names:  # the old shards past the new one's last
+            p.unlink()
+    for name in [*names, META_FILE]:
+        if (new / name).is_file():  # not moved before a kill
+            os.replace(new / name, out_dir / name)
+    shutil.rmtree(new, ignore_errors=True)
+    return m
+
+
 def check_output_dir(out_dir: Path) -> None:
     """Refuse a file, a training run, or a directory holding files tokenize did not write (even with overwrite)."""
     if not check_dir(out_dir, "--out"):
@@ -314,13 +334,18 @@ def check_output_dir(out_dir: Path) -> None:
 
 def _kept(out_dir: Path) -> str:
     """What an unfinished run in out_dir keeps, and how to go on; "" before its first shard or unreadable."""
-    try:  # on the Drive a write just gave up on as hung, maybe: the same limit as a mount check
-        state = read_bytes_with_timeout(out_dir / PREPARE_STATE_FILE, colab.DRIVE_CHECK_S)
-        shards = json.loads(state)["shards"]
-        done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    return done and f"{done} shard(s) of {out_dir} are kept; {again()} to continue from there"
+    for d in (out_dir / OVERWRITE_DIR, out_dir):  # an --overwrite's run is in OVERWRITE_DIR
+        try:  # on the Drive a write just gave up on as hung, maybe: the same limit as a mount check
+            state = read_bytes_with_timeout(d / PREPARE_STATE_FILE, colab.DRIVE_CHECK_S)
+            shards = json.loads(state)["shards"]
+            done = " and ".join(f"{len(shards[s])} {s}" for s in ("train", "val") if shards[s])
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+        old = f" and the dataset in {out_dir} is unchanged" if d != out_dir else ""
+        return done and f"{done} shard(s) of {d} are kept{old}; {again()} to continue from there"
+    return ""
 
 
 @contextlib.contextmanager
@@ -346,7 +371,8 @@ def one_writer(out_dir: Path) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         # a write cut right after creating its temp file; while the lock is held, all ours
-        clean_temp_files(out_dir)
+        for d in (out_dir, out_dir / OVERWRITE_DIR):
+            clean_temp_files(d)
         first = f"tokenize stopped before its first shard was written; {again()} to start over"
         loud(f"tokenize stopped: {kept}" if (kept := _kept(out_dir)) else first)
         raise

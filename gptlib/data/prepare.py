@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gptlib.data.conversations import CHAT_TOKENS, ChatTemplate
-from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files
+from gptlib.data.encode import Pass, check_output_dir, one_writer, our_files, replace_dataset
 from gptlib.data.inputs import Source, scan_inputs
 from gptlib.data.shards import (
     META_FILE,
@@ -33,6 +33,7 @@ from gptlib.data.tokenizer import (
 )
 from gptlib.errors import DataFormatError, PrepareError, in_notebook
 from gptlib.fsutil import DRIVE_ADVICE, clean_temp_files, sha256_file
+from gptlib.layout import OVERWRITE_DIR
 
 TAIL_SPLIT_MAX_FILES = 100  # split="auto": fewer plain text files than this -> tail split
 _NEEDS_BPE = (
@@ -97,6 +98,8 @@ def prepare(
         finished, state = _previous_run(out_dir, spec, overwrite, verbose)
         if finished is not None:
             return finished
+        # --overwrite of a finished dataset: the new one is made in OVERWRITE_DIR, the old one kept whole until then
+        work = out_dir / OVERWRITE_DIR if (out_dir / META_FILE).is_file() else out_dir
         if fmt == "chat" and format == "auto" and verbose:
             print(f"format: chat, as {holds}")
         # as given, before the chat tokens are added
@@ -106,19 +109,22 @@ def prepare(
         # made on a fresh start only: a resume loads the one it saved
         new_tokenizer = partial(_new_tokenizer, reused, spec, sources, column, pre_skipped, verbose)
         try:
-            tok, progress = _start(out_dir, state, pre_skipped, verbose, new_tokenizer)
+            tok, progress = _start(work, state, pre_skipped, verbose, new_tokenizer)
         except PrepareError:
             if not overwrite or state is None:
                 raise
             # an unfinished run that fails its checks (a damaged shard): --overwrite starts it again
-            tok, progress = _start(out_dir, None, pre_skipped, verbose, new_tokenizer)
+            tok, progress = _start(work, None, pre_skipped, verbose, new_tokenizer)
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
-        encoding = Pass(out_dir, spec, tok, identity, sources, progress)
+        encoding = Pass(work, spec, tok, identity, sources, progress)
         encoding.run(column, verbose)
         # split='tail' is a remedy only where it is allowed: plain text now split by document
         tail_ok = split == "document" and fmt == "text" and all(s.kind == "text" for s in sources)
-        _check_result(out_dir, progress, val_fraction, tail_ok)
+        _check_result(work, progress, val_fraction, tail_ok)
         meta = _write_meta(encoding, reused, empty, column, t0)
+        if work != out_dir:
+            replace_dataset(out_dir)
+            meta = read_meta(out_dir)
         if verbose:
             print_tokenize_summary(meta)
         else:
@@ -296,6 +302,9 @@ def _previous_run(
     out_dir: Path, spec: dict, overwrite: bool, verbose: bool
 ) -> tuple[DatasetMeta | None, dict | None]:
     """(this spec's finished dataset, None), (None, the state of its unfinished run), or (None, None) to start."""
+    if (out_dir / OVERWRITE_DIR / META_FILE).is_file():
+        # an --overwrite stopped as its new dataset took the old one's place: ended now, and run again, done
+        overwrite = overwrite and replace_dataset(out_dir).get("prepare_spec") != spec
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
     if meta_path.is_file():
         old = _json(meta_path) or {}
@@ -321,7 +330,7 @@ def _previous_run(
                 f"{old.get('tokenizer', {}).get('kind')}, vocab {old.get('vocab_size')}; it differs in: {differ}); "
                 f"{_elsewhere()}"
             )
-        return None, None
+        state_path = out_dir / OVERWRITE_DIR / PREPARE_STATE_FILE  # an --overwrite's unfinished run
     # a state file is written atomically; an unreadable one is not ours to trust
     state = _json(state_path) if state_path.is_file() else None
     if state is None or state.get("spec") == spec:
@@ -345,16 +354,16 @@ def _start(
     out_dir: Path, state: dict | None, pre_skipped: list, verbose: bool, new_tokenizer
 ) -> tuple[Tokenizer, dict]:
     """A resume checks the tokenizer and the completed shards; shards written after the last state save are redone."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     clean_temp_files(out_dir)
     if state is None or not (out_dir / TOKENIZER_FILE).is_file():
-        # first: a setting it refuses (a vocab_size too small) leaves the dataset there as it was
+        # first: a setting it refuses (a vocab_size too small) leaves nothing made (no OVERWRITE_DIR)
         tok = new_tokenizer()
-        # the disk holds one dataset at a time: a new one that fails (a bad record late on) leaves neither
-        if verbose and (out_dir / META_FILE).is_file():
-            print(f"overwrite: deleting the dataset in {out_dir}, then encoding the new one")
-        # meta.json goes first: a kill half-way through never leaves a meta.json naming deleted shards
-        for p in sorted(our_files(out_dir), key=lambda p: p.name != META_FILE):
+        out_dir.mkdir(exist_ok=True)
+        if verbose and out_dir.name == OVERWRITE_DIR:
+            print(
+                f"overwrite: the dataset in {out_dir.parent} stays as it is until the new one is complete"
+            )
+        for p in our_files(out_dir):  # an earlier run's, unfinished
             p.unlink()
         tok.save(out_dir)
         return tok, {

@@ -8,10 +8,11 @@ import errno
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from gptlib.errors import ConfigError, GptlibError
-from gptlib.fsutil import call_with_timeout
+from gptlib.errors import ConfigError, GptlibError, HungIOError
+from gptlib.fsutil import DRIVE_ADVICE, call_with_timeout
 
 DRIVE_MOUNT = Path("/content/drive")
 COLAB_LOCAL_ROOT = Path("/content/gptlib_local")
@@ -91,8 +92,12 @@ def setup(use_drive: bool = True, timeout_s: float = 120.0) -> Roots:
     # only a root on Drive needs it mounted: a GPTLIB_ROOT on the VM's disk gets no Drive prompt and no wait
     if use_drive:
         mount_for(roots.persistent, timeout_s)
-    for d in {roots.persistent, roots.local}:
-        d.mkdir(parents=True, exist_ok=True)
+    try:  # a Drive hung since the look at MyDrive: given up as that look is
+        for d in {roots.persistent, roots.local}:
+            mkdir = partial(d.mkdir, parents=True, exist_ok=True)
+            call_with_timeout(mkdir, DRIVE_CHECK_S, what=f"creating {d}")
+    except HungIOError as e:
+        raise HungIOError(e.errno, f"{e.strerror}: {DRIVE_ADVICE}") from None
     return roots
 
 

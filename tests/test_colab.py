@@ -123,6 +123,43 @@ def test_colab_hung_mount_is_remounted_not_waited_on_forever(fake_colab, tmp_pat
         released.set()
 
 
+def test_setups_folders_on_a_hung_drive_are_given_up_in_time_with_one_line(
+    fake_colab, tmp_path, monkeypatch
+):
+    """Every notebook's set-up cell: after the timed look at MyDrive, colab.setup() made gptlib's folder on Drive with
+    no time limit, so a mount hung since then held the cell with nothing said. It is given up after DRIVE_CHECK_S as
+    the look is: one line naming the folder and what to do."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from gptlib.errors import HungIOError
+
+    roots = colab.setup()  # mounted
+    mkdir, released = Path.mkdir, threading.Event()
+
+    def hung(path, *a, **k):
+        if path == roots.persistent:
+            released.wait(10)  # the hung mount: answers only long after
+        return mkdir(path, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", hung)
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HungIOError) as e:
+            colab.setup()
+        assert time.monotonic() - t0 < 5
+    finally:
+        released.set()
+    said = e.value._render_traceback_()
+    assert said == [
+        f"HungIOError: [Errno 110] creating {roots.persistent} made no progress for 0.2 s (hung mount?): Wait a "
+        f"few minutes and re-run, or remount Drive (Colab: drive.mount('/content/drive', force_remount=True)) and "
+        f"re-run"
+    ], said
+
+
 def test_colab_mount_timeout_has_clear_message(fake_colab, monkeypatch):
     fake_colab.fail = TimeoutError("Timed out waiting for authorization")
     with pytest.raises(GptlibError) as ei:

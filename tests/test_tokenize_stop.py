@@ -559,3 +559,61 @@ def test_an_overwrite_killed_as_it_replaces_the_dataset_leaves_one_whole_and_the
         assert not (out / genc.OVERWRITE_DIR).exists(), k
     # a kill at each of them (the old meta.json, the old shards past the new last, the new files), and then at none
     assert k > len(old.splits["train"]["shards"]) and data_files(out) == data_files(clean), k
+
+
+def test_a_rerun_in_the_same_kernel_while_the_last_clean_up_is_stuck_on_drive_says_so(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """The tokenize cell run again in the same kernel after a shard write given up on a hung Drive, while that run's
+    clean-up (its lock file's unlink, given up too) still hangs there holding the lock: refused as 'in use by another
+    tokenize process', which sends the user looking for one. It says the last run in this process is stuck on Drive,
+    and once Drive answers the cell run again resumes."""
+    import threading
+    import time
+    from concurrent.futures import wait
+
+    import gptlib.colab as colab
+    from gptlib.errors import RunDirError
+    from gptlib.fsutil import in_background
+    from tests import faulty
+
+    src, clean = corpus
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
+    undo = faulty.install("hang:shard_mid@2,data.shards.WRITE_TIMEOUT_S=1")
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
+    answer, real_unlink = threading.Event(), Path.unlink
+
+    def unlink(self, *a, **k):  # the lock file's: Drive does not answer
+        if self.name == genc.LOCK_FILE:
+            answer.wait(60)
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    out = tmp_path / "out"
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    try:
+        run = in_background(lambda: prep.prepare([src], out, **opts))
+        wait([run], 20)
+        with pytest.raises(RunDirError, match="cannot write to .*: writing"):
+            run.result()
+        undo()
+        for _ in range(2):  # and run again: the same
+            with pytest.raises(RunDirError) as e:
+                prep.prepare([src], out, **opts)
+            assert str(e.value) == (
+                f"{out} is still held by the last tokenize in this process (a notebook's kernel), its clean-up "
+                f"stuck on a Google Drive that does not answer: Wait a few minutes and re-run, or remount Drive "
+                f"(Colab: drive.mount('/content/drive', force_remount=True)) and re-run"
+            ), e.value
+    finally:
+        undo()
+        answer.set()
+    deadline = time.monotonic() + 10
+    while True:  # the clean-up ends as Drive answers
+        try:
+            assert prep.prepare([src], out, **opts).splits == read_meta(clean).splits
+            break
+        except RunDirError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert data_files(out) == data_files(clean)

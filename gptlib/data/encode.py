@@ -26,6 +26,7 @@ from gptlib.data.sources import Piece, iter_corpus
 from gptlib.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer
 from gptlib.errors import PrepareError, RunDirError, again, loud
 from gptlib.fsutil import (
+    DRIVE_ADVICE,
     TMP_MARKER,
     atomic_write_json,
     call_with_timeout,
@@ -38,6 +39,8 @@ from gptlib.layout import CHECKPOINTS_DIR, CONFIG_FILE, LEASE_FILE, METRICS_FILE
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call: big enough for all cores, small in memory
 LOCK_FILE = ".tokenize.lock"  # held by the tokenize writing the directory
+# data directories whose lock this process holds (one_writer's; after a run, its clean-up stuck on a hung Drive)
+_HELD: set[str] = set()
 
 
 def to_array(parts: list, dtype: np.dtype) -> np.ndarray:
@@ -359,7 +362,13 @@ def one_writer(out_dir: Path) -> Iterator[None]:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             lock.acquire(timeout=0)
+            _HELD.add(os.path.abspath(out_dir))
         except Timeout:
+            if os.path.abspath(out_dir) in _HELD:  # a notebook's re-run: not another process
+                raise RunDirError(
+                    f"{out_dir} is still held by the last tokenize in this process (a notebook's kernel), its "
+                    f"clean-up stuck on a Google Drive that does not answer: {DRIVE_ADVICE}"
+                ) from None
             raise RunDirError(
                 f"{out_dir} is in use by another tokenize process; wait for it to finish or stop it, then "
                 f"{again()} (it continues its work)"
@@ -394,10 +403,11 @@ def one_writer(out_dir: Path) -> Iterator[None]:
 def _unlock(lock: FileLock, out_dir: Path, created: bool) -> None:
     # removed while held, so that a data directory holds only its dataset; released even if that fails (a re-run in
     # this process, the Drive back, would be refused as another tokenize's)
-    with contextlib.suppress(OSError):
-        if lock.is_locked:
+    if lock.is_locked:  # not a run refused as the lock was held (by this process, too)
+        with contextlib.suppress(OSError):
             (out_dir / LOCK_FILE).unlink(missing_ok=True)
-    lock.release()
+        lock.release()
+        _HELD.discard(os.path.abspath(out_dir))  # not if the release failed: still held
     if created:  # refused before writing anything: no empty directory is left
         with contextlib.suppress(OSError):
             out_dir.rmdir()

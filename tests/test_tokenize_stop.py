@@ -617,3 +617,41 @@ def test_a_rerun_in_the_same_kernel_while_the_last_clean_up_is_stuck_on_drive_sa
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert data_files(out) == data_files(clean)
+
+
+def test_an_overwrite_killed_as_it_replaces_the_dataset_is_ended_by_a_rerun_without_overwrite(
+    tmp_path, corpus, bpe_file, monkeypatch
+):
+    """Killed mid-way as the new dataset took the old one's place (the old meta.json gone): the next tokenize without
+    --overwrite (OVERWRITE set back to False, notebook 03's 'no dataset' sending the user back to notebook 01)
+    encoded it all again into OUT beside the complete one left in OUT/.overwrite, which a later --overwrite then
+    moved over it: a meta.json naming the other dataset's shards. The replacement is ended, nothing encoded again."""
+    from gptlib.data.shards import META_FILE
+    from tests.tokenize_kit import Killed
+
+    src, clean = corpus
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    out = tmp_path / "out"
+    prep.prepare([src], out, **{**opts, "shard_tokens": 4000})
+    real_replace, moved = os.replace, []
+
+    def replace(src_, dst, *a, **kw):  # killed after the tokenizer and a shard were moved into OUT
+        if Path(dst).parent == out:
+            moved.append(dst)
+            if len(moved) == 3:
+                raise Killed()
+        return real_replace(src_, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Killed):
+        prep.prepare([src], out, overwrite=True, **opts)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not (out / META_FILE).exists() and (out / genc.OVERWRITE_DIR / META_FILE).is_file()
+
+    def no_encoding(self, texts):
+        raise AssertionError("the new dataset encoded again")
+
+    monkeypatch.setattr(BPETokenizer, "encode_batch_ids", no_encoding)
+    assert prep.prepare([src], out, **opts).splits == read_meta(clean).splits
+    assert data_files(out) == data_files(clean) and not (out / genc.OVERWRITE_DIR).exists()

@@ -303,8 +303,9 @@ def _previous_run(
 ) -> tuple[DatasetMeta | None, dict | None]:
     """(this spec's finished dataset, None), (None, the state of its unfinished run), or (None, None) to start."""
     if (out_dir / OVERWRITE_DIR / META_FILE).is_file():
-        # an --overwrite stopped as its new dataset took the old one's place: ended now, and run again, done
-        overwrite = overwrite and replace_dataset(out_dir).get("prepare_spec") != spec
+        # an --overwrite stopped as its new dataset took the old one's place: ended now (with --overwrite or not:
+        # the old one is part gone), and run again, done
+        overwrite = replace_dataset(out_dir).get("prepare_spec") != spec and overwrite
     meta_path, state_path = out_dir / META_FILE, out_dir / PREPARE_STATE_FILE
     if meta_path.is_file():
         old = _json(meta_path) or {}

@@ -655,3 +655,43 @@ def test_an_overwrite_killed_as_it_replaces_the_dataset_is_ended_by_a_rerun_with
     monkeypatch.setattr(BPETokenizer, "encode_batch_ids", no_encoding)
     assert prep.prepare([src], out, **opts).splits == read_meta(clean).splits
     assert data_files(out) == data_files(clean) and not (out / genc.OVERWRITE_DIR).exists()
+
+
+def test_a_stopped_overwrite_whose_shard_drive_has_not_synced_yet_says_to_wait_not_starts_over(
+    tmp_path, corpus, bpe_file, monkeypatch, capsys
+):
+    """A stopped --overwrite resumes only with --overwrite (the old dataset is there): on a new VM whose Drive shows
+    a shard of OUT/.overwrite before its bytes, --overwrite's 'start again an unfinished run that fails its checks'
+    deleted every shard made so far and encoded them all again (hours, for a lag). It says to wait, as a resume
+    without --overwrite does, deletes nothing, and the re-run resumes."""
+    from gptlib.errors import PrepareError, RunDirError
+    from tests import faulty
+
+    src, clean = corpus
+    out = tmp_path / "out"
+    monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
+    opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
+    old = prep.prepare([src], out, **{**opts, "shard_tokens": 4000})
+    undo = faulty.install("enotconn:shard_mid@3")
+    try:
+        with pytest.raises(RunDirError):
+            prep.prepare([src], out, overwrite=True, **opts)
+    finally:
+        undo()
+    shard = out / genc.OVERWRITE_DIR / "train_000001.bin"
+    synced = shard.read_bytes()
+    shard.write_bytes(b"")  # its size not yet visible
+    with pytest.raises(PrepareError, match=f"shard {shard} .* not be synced yet: Wait") as e:
+        prep.prepare([src], out, overwrite=True, **opts)
+    # --overwrite (OVERWRITE = True) is what the user already gave
+    assert str(e.value).endswith(f"; else delete {out / genc.OVERWRITE_DIR} to start it over"), (
+        e.value
+    )
+    assert verified_meta(out).splits == old.splits
+    shard.write_bytes(synced)
+    prep.prepare([src], out, overwrite=True, **{**opts, "verbose": True})
+    assert (
+        f"resuming the unfinished run in {out / genc.OVERWRITE_DIR}: 3 train"
+        in capsys.readouterr().out
+    )
+    assert data_files(out) == data_files(clean) and not (out / genc.OVERWRITE_DIR).exists()

@@ -111,9 +111,10 @@ def prepare(
         try:
             tok, progress = _start(work, state, pre_skipped, verbose, new_tokenizer)
         except PrepareError:
-            if not overwrite or state is None:
+            # an unfinished run that fails its checks (a damaged shard): --overwrite starts it again; not a stopped
+            # --overwrite's, resumed with --overwrite (a shard a new VM's Drive has not synced yet: hours lost)
+            if not overwrite or state is None or work != out_dir:
                 raise
-            # an unfinished run that fails its checks (a damaged shard): --overwrite starts it again
             tok, progress = _start(work, None, pre_skipped, verbose, new_tokenizer)
         identity = dict(tok.identity(), file=TOKENIZER_FILE)
         encoding = Pass(work, spec, tok, identity, sources, progress)
@@ -381,10 +382,10 @@ def _start(
             "shards": {"train": [], "val": []},
         }
     tok = load_tokenizer(out_dir / TOKENIZER_FILE)
+    fix = f"delete {out_dir} to start it over" if out_dir.name == OVERWRITE_DIR else _elsewhere()
     if tok.identity()["hash"] != state["tokenizer"]["hash"]:
         raise PrepareError(
-            f"{out_dir / TOKENIZER_FILE} differs from the tokenizer of the unfinished run in {out_dir}; "
-            f"{_elsewhere()}"
+            f"{out_dir / TOKENIZER_FILE} differs from the tokenizer of the unfinished run in {out_dir}; {fix}"
         )
     shards = state["shards"]
     done = shards["train"] + shards["val"]
@@ -399,7 +400,7 @@ def _start(
             # a new VM's Drive may show a shard before its bytes: starting again would lose hours for nothing
             raise PrepareError(
                 f"shard {out_dir / s['file']} of the unfinished run is missing or damaged, or on Google Drive may "
-                f"not be synced yet: {DRIVE_ADVICE}; else {_elsewhere()}"
+                f"not be synced yet: {DRIVE_ADVICE}; else {fix}"
             ) from None
     if verbose:
         print(

@@ -297,6 +297,31 @@ def test_colab_disconnect_resume_from_drive(fake_colab, tmp_path, char_data, cap
         torch.set_num_threads(n)
 
 
+def test_a_resume_refused_for_other_data_names_drives_dataset_and_copies_nothing(
+    fake_colab, tmp_path, small_text, monkeypatch
+):
+    """Notebook 03 on a fresh VM, its DATASET_NAME tokenized again with other text: the resume was refused after the
+    dataset was copied to the VM's disk (gpt2-small's: gigabytes, minutes), and the line named that copy, not the
+    dataset on Drive. The checks come first: the refusal names the folder on Drive, and nothing is copied."""
+    from gptlib.data.prepare import prepare_text
+
+    data = colab.data_dir("chars", colab.setup())
+    prepare_text([small_text], data, tokenizer="char", verbose=False)
+    train_tiny_on_colab(data, TINY)
+    shutil.rmtree(colab.setup().local)  # a new VM, same Drive
+    shutil.rmtree(data)
+    other = tmp_path / "other.txt"  # the same characters, other text
+    other.write_text("\n".join(reversed(small_text.read_text().splitlines())))
+    prepare_text([other], data, tokenizer="char", verbose=False)
+    rp = colab.run_paths("tiny", colab.setup())
+    with pytest.raises(GptlibError) as e:  # the run trained on
+        train(
+            data, rp.run_dir, "phase1", TINY, max_steps=15, device="cpu", mirror_dir=rp.mirror_dir
+        )
+    assert f"trained on other data than {data} (tokens_sha256 " in str(e.value), e.value
+    assert not (colab.COLAB_LOCAL_ROOT / "data").exists()
+
+
 def test_a_data_dir_on_drive_mounts_drive_before_it_is_looked_at(fake_colab, tmp_path, char_data):
     """Notebook 03 on a fresh VM with DATA_DIR = a dataset on Drive: Drive is mounted first (it was mounted only for
     DATASET_NAME, so the dataset "did not exist"); a DATA_DIR pasted with a space is the same folder."""

@@ -195,11 +195,12 @@ def test_train_reads_the_local_copy(drive_data, tmp_path, capsys):
     torch.set_num_threads(1)
     try:
         run = tmp_path / "run"
-        train(drive_data, run, "phase1", TINY, max_steps=3, device="cpu", progress=False)
+        train(drive_data, run, "phase1", TINY, max_steps=3, device="cpu")
         out = capsys.readouterr().out
         dst = local_root(tmp_path) / "data" / "chars"
-        # the data loaded from the VM's copy
-        assert "copied" in out and f"(from {dst}/meta.json)" in out, out
+        # the data loaded from the VM's copy (the checks before it name Drive's)
+        assert "copied" in out and f"\ndata: {dst} (" in out, out
+        assert f"(from {drive_data}/meta.json)" in out, out
         state = json.loads(
             (
                 verify_checkpoint(run / "checkpoints" / "step_0000003").path / "state.json"

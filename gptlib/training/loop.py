@@ -132,10 +132,6 @@ def train(
         # a run already at max_steps says only that (its summary): set-up lines would read as if it trained again
         finished = start.resume is not None and start.resume.state.step >= asked.train.max_steps
         say = (lambda msg: None) if finished else log
-        # data on the Drive mount is read from a verified copy on the VM's disk; a finished run reads none
-        on_drive = Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
-        if stage_data and on_drive and not finished:
-            start.meta = replace(start.meta, data_dir=stage_for_training(data_dir, True, log))
         # the config it trains with, decided once: recipe, data, base, what a resume keeps, checks
         config_for = functools.partial(build_config, preset, overrides, **explicit)
         fixed = recipe if isinstance(preset, str) else preset.recipe  # None: the run's own
@@ -143,6 +139,10 @@ def train(
         # config.json is written again below: a value there this run does not use is said, even for a finished run
         if start.resume is not None:
             say_config_edits(start, cfg, measure, log)
+        # data on Drive is read from a verified copy on the VM's disk, made after the checks; a finished run reads none
+        on_drive = Path(data_dir).resolve().is_relative_to(colab.DRIVE_MOUNT.resolve())
+        if stage_data and on_drive and not finished:
+            start.meta = replace(start.meta, data_dir=stage_for_training(data_dir, True, log))
         # its parts: model, data, optimizer, scaler, sampler, the checkpoint loaded, compile, DDP
         run = build_run(cfg, measure, start, ddp, dev, lease, verbose=progress, log=log, say=say)
     # the loaded checkpoint is dropped: its state is in the run's parts now (gpt2-small's: ~1.3 GB of host RAM)

@@ -380,23 +380,27 @@ def test_notebook_02s_results_cells_on_a_fresh_vm_read_the_run_on_drive(
 def test_notebook_02_on_a_fresh_vm_with_another_text_is_refused_naming_it_and_leaves_a_run_notebook_04_reads(
     fake_colab, tmp_path, small_text, monkeypatch
 ):
-    """Notebook 02 trained on Drive, then on a fresh VM TEXT_PATH changed to another text, same RUN_NAME: refused
+    """Notebook 02 trained on Drive, then on a fresh VM TEXT_PATH changed to another text, same RUN_NAME: its data
+    cell is refused (the dataset RUN_NAME on Drive holds the old text's); that folder deleted, training is refused
     naming TEXT_PATH and RUN_NAME (it named vocab_size, a field the user never set, and said 'drop the change'); the
     checkpoint it copied from Drive to the VM's run folder came without the run's tokenizer.json, and notebook 04,
     which prefers that copy, failed with 'tokenizer mismatch' (it read the new text's). The old TEXT_PATH, as said,
     resumes."""
     import json
 
+    from gptlib.data import prepare
     from gptlib.data.prepare import prepare_text
     from gptlib.evaluation.evaluate import evaluate_run
     from gptlib.inference.loading import find_run
     from gptlib.training import resume
 
+    data = colab.data_dir("tiny", colab.setup())
+
     def notebook_02(text, steps):  # its data and train cells
         paths = colab.run_paths("tiny", colab.setup())
-        prepare_text([text], paths.run_dir / "data", tokenizer="char", verbose=False)
+        prepare_text([text], data, tokenizer="char", verbose=False)
         return train(
-            paths.run_dir / "data",
+            data,
             paths.run_dir,
             "phase1",
             TINY,
@@ -412,9 +416,15 @@ def test_notebook_02_on_a_fresh_vm_with_another_text_is_refused_naming_it_and_le
     other = tmp_path / "other.txt"
     other.write_text(small_text.read_text().lower())  # fewer characters: another vocabulary
     monkeypatch.setattr(resume, "in_notebook", lambda: True)
+    monkeypatch.setattr(prepare, "in_notebook", lambda: True)
     with pytest.raises(GptlibError) as e:
         notebook_02(other, 15)
-    msg, data = str(e.value), colab.run_paths("tiny", colab.setup()).run_dir / "data"
+    assert f"{data} already holds a different dataset" in str(e.value), e.value
+    assert "set TEXT_PATH back to the text it was made from (or delete the folder)" in str(e.value)
+    shutil.rmtree(data)  # deleted, as said: the other text tokenized there, training refused
+    with pytest.raises(GptlibError) as e:
+        notebook_02(other, 15)
+    msg = str(e.value)
     assert "vocab_size=" not in msg and "drop the change" not in msg, msg
     assert f"set TEXT_PATH back to the text it was trained on (and delete {data})" in msg, msg
     assert "or choose a new RUN_NAME" in msg, msg

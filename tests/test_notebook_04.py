@@ -405,9 +405,10 @@ def test_evaluates_rows_reach_drive_and_outlive_the_vm_and_training_going_on(
     tmp_path, monkeypatch, small_text
 ):
     """The journey through the notebooks on Colab, each on its own VM: notebook 02 trains (mirrored to Drive, its
-    end-of-run HellaSwag row in eval.jsonl); notebook 04 on another VM evaluates the run's Drive copy; that VM resets,
-    and notebook 04 on a new one reuses every row (scores nothing) and its table and model card show them; notebook
-    02 trains on: notebook 04's rows stay on Drive."""
+    end-of-run HellaSwag row in eval.jsonl); notebook 04 on another VM evaluates the run's Drive copy, bits per byte
+    too (notebook 02 tokenized onto its own VM's disk: 'bpb: not evaluated: ... which is gone'); that VM resets, and
+    notebook 04 on a new one reuses every row (scores nothing) and its table and model card show them; notebook 02
+    trains on: notebook 04's rows stay on Drive."""
     import os
     import shutil
 
@@ -434,37 +435,38 @@ def test_evaluates_rows_reach_drive_and_outlive_the_vm_and_training_going_on(
         (r["step"], r["source"]) for r in map(json.loads, rows_file.read_text().splitlines())
     ] == [(10, "training")]
     os.rename(tmp_path / "vm_a", tmp_path / "vm_a.away")  # another VM: VM A's disk is not there
-    p04 = dict(
-        RUN_NAME="tiny", DEVICE="cpu", PROMPTS="ROMEO:", MAX_NEW_TOKENS=4, EVAL_TASKS="hellaswag"
-    )
-    p04 |= dict(HELLASWAG_FILE=str(hs_file), EXPORT_CHECKPOINT="5", HUB_GGUF=False)
+    p04 = dict(RUN_NAME="tiny", DEVICE="cpu", PROMPTS="ROMEO:", MAX_NEW_TOKENS=4)
+    p04 |= dict(EVAL_TASKS="bpb, hellaswag", BPB_WINDOWS=20, HELLASWAG_FILE=str(hs_file))
+    p04 |= dict(EXPORT_CHECKPOINT="5", HUB_GGUF=False)
     first = evaluate_cell(on_vm("04_generate.ipynb", "vm_b", **p04))
+    assert "not evaluated" not in first, first
     assert (
         f"reused the rows {rows_file} records for step 10 (the same checkpoint and settings); 1 scored"
         in first
     )
     recorded = rows_file.read_bytes()
-    assert [json.loads(r)["step"] for r in recorded.splitlines()] == [10, 5]
+    tasks = [(json.loads(r)["task"], json.loads(r)["step"]) for r in recorded.splitlines()]
+    assert tasks == [("hellaswag", 10), ("bpb", 5), ("bpb", 10), ("hellaswag", 5)], tasks
     shutil.rmtree(tmp_path / "vm_b")  # VM B reset: notebook 04 on a new VM
     push = tmp_path / "push"
     nb = on_vm("04_generate.ipynb", "vm_c", **p04, HUB_REPO="alice/tiny", HUB_DRY_RUN=str(push))
     again = evaluate_cell(nb)
-    assert (
-        f"{rows_file} records for steps 5, 10 (the same checkpoint and settings); 0 scored now"
-        in again
-    ), again
+    for task in ("bpb", "hellaswag"):
+        assert (
+            f"{task}: reused the rows {rows_file} records for steps 5, 10 (the same checkpoint and "
+            f"settings); 0 scored now" in again
+        ), again
     assert rows_file.read_bytes() == recorded and again.endswith(first.split("\n", 1)[1]), again
-    scored = next(json.loads(r) for r in recorded.splitlines() if json.loads(r)["step"] == 5)
+    scored = {(r["task"], r["step"]): r for r in map(json.loads, recorded.splitlines())}
+    hs5, bpb5 = scored["hellaswag", 5], scored["bpb", 5]
     card = (push / "README.md").read_text()
-    assert f"HellaSwag acc_norm: {scored['acc_norm']:.4f} ± {scored['acc_norm_se']:.4f}" in card, (
-        card
+    assert f"HellaSwag acc_norm: {hs5['acc_norm']:.4f} ± {hs5['acc_norm_se']:.4f}" in card, card
+    assert (
+        f"bits per byte: {bpb5['bpb']:.4f} ± {bpb5['bpb_se']:.4f} (standard error) over 20" in card
     )
     # notebook 02 trains on, on VM A: its mirror adds its rows to Drive's, notebook 04's stay
     os.rename(tmp_path / "vm_a.away", tmp_path / "vm_a")
     on_vm("02_phase1_shakespeare.ipynb", "vm_a", **{**p02, "MAX_STEPS": 20})
     after = rows_file.read_bytes()
-    assert after.startswith(recorded) and [json.loads(r)["step"] for r in after.splitlines()] == [
-        10,
-        5,
-        20,
-    ]
+    assert after.startswith(recorded) and len(after.splitlines()) == 5
+    assert json.loads(after.splitlines()[-1])["step"] == 20

@@ -459,10 +459,11 @@ def _trained_on_other_data(
     """The refusal, with how to go on where the user is; tokens_only (the same tokenizer): --allow-data-change."""
     where = f"{resume.origin} was trained on other data than {meta.data_dir} ({what})"
     how = "resume with the same data, or use a new run directory"
-    # notebook 02 makes its data from TEXT_PATH in the run's folder, 03 and 05 name a dataset (05, a fine-tune of a
-    # base, has no DATA_DIR)
+    # where the user is: notebook 02 makes its char data from TEXT_PATH into the dataset named as its run, 03 and 05
+    # name a dataset (05, a fine-tune of a base, has no DATA_DIR)
     if in_notebook():
-        nb02 = meta.data_dir.parent == resume.info.path.parents[1]
+        run, kind = resume.info.path.parents[1], meta.tokenizer.get("kind")
+        nb02 = meta.data_dir.name == run.name and kind == "char"
         back = f"TEXT_PATH back to the text it was trained on (and delete {meta.data_dir})"
         named = "DATASET_NAME" if resume.state.init_from else "DATASET_NAME or DATA_DIR"
         how = f"set {back if nb02 else named + ' back to its data'}, or choose a new RUN_NAME"

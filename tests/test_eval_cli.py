@@ -611,6 +611,25 @@ def test_bpb_on_a_data_dir_tokenized_again_is_scored_not_reused(run_dir, small_t
     assert evaluate_run(run_dir, "bpb", "10", **kw) == [again]  # and reused for those tokens
 
 
+def test_a_bpb_row_is_reused_for_the_same_tokens_at_another_path(run_dir, char_data, tmp_path):
+    """A bpb row was reused only for the data folder's path it recorded: the same tokens at another path (Drive's
+    dataset and the VM's copy of it, a run's data on another VM or machine, a folder moved) were scored again, rows
+    added. The row is reused for the same tokens (tokens_sha256) wherever they are; a row recording another path,
+    as every row did, is reused so too."""
+    import shutil
+
+    copy, out, said = tmp_path / "moved", tmp_path / "rows.jsonl", []
+    shutil.copytree(char_data, copy)
+    kw = dict(device="cpu", progress=False, out=out, limit=20, warn=said.append)
+    (first,) = evaluate_run(run_dir, "bpb", "10", data=char_data, **kw)
+    assert first["data"] == str(char_data)
+    assert evaluate_run(run_dir, "bpb", "10", data=copy, **kw) == [first]
+    assert len(read_jsonl(out)) == 1 and said == [
+        f"bpb: reused the rows {out} records for step 10 (the same checkpoint and settings); 0 scored now; "
+        f"delete a row to score it again"
+    ]
+
+
 def test_trainings_end_of_run_hellaswag_row_is_reused(tmp_path, char_data):
     """Training's end-of-run HellaSwag row (every item) named no checkpoint: it was written before its checkpoint, so
     it had no model_sha256, and notebook 04's Evaluate scored the final checkpoint again. The row is written once the

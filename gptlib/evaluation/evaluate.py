@@ -163,8 +163,8 @@ def _prepare(
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"
     check_identity(tok, meta.tokenizer, needs)
     val, block = MemmapSplit(meta, "val"), cfg.model.block_size
-    # the folder's tokens too: one tokenized again holds other ones (at BPB_WINDOWS, as many windows)
-    same = dict(data=str(meta.data_dir), tokens_sha256=meta.identity()["tokens_sha256"])
+    # its tokens, not the folder's path (Drive's, a VM's copy): one tokenized again holds others (BPB_WINDOWS: as many)
+    same = dict(tokens_sha256=meta.identity()["tokens_sha256"])
     same["windows"] = len(window_starts(len(val), block, limit))
     return {"meta": meta, "val": val, "same": same}
 
@@ -257,7 +257,7 @@ def evaluate_run(
             result = evaluate_bpb(
                 lm.model, lm.tokenizer, prep["val"], dev, dt, limit, batch_tokens, progress
             )
-            result.update(n=result["windows"], **prep["same"])  # data, its tokens, windows
+            result.update(n=result["windows"], data=str(prep["meta"].data_dir), **prep["same"])
         where = dict(checkpoint=str(lm.path), device=str(dev), dtype=dtype, model_sha256=sha)
         seconds = round(time.perf_counter() - t0, 3)
         rows.append(make_row(task, step, lm.state.tokens_seen, result, **where, seconds=seconds))

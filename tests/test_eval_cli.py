@@ -630,6 +630,40 @@ def test_a_bpb_row_is_reused_for_the_same_tokens_at_another_path(run_dir, char_d
     ]
 
 
+def test_bpb_on_a_hung_drive_says_so_instead_of_hanging(run_dir, monkeypatch):
+    """bpb reads the run's dataset, on Drive for the notebooks' runs: its meta.json and tokenizer, then each batch's
+    windows, were read with no time limit (the checkpoint's read has one), so a Drive hung since held notebook 04's
+    Evaluate cell for good. Each read is under colab.DRIVE_CHECK_S: a hung mount ends the task in one line."""
+    import threading
+    import time
+
+    from gptlib import colab
+    from gptlib.batches import MemmapSplit
+    from gptlib.errors import HungIOError
+    from gptlib.evaluation import evaluate
+
+    released, read_meta, gather = threading.Event(), evaluate.read_meta, MemmapSplit.gather_raw
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
+    kw = dict(device="cpu", progress=False, limit=2, out=run_dir.parent / "hung.jsonl")
+    try:
+        for name, real in [("read_meta", read_meta), ("gather_raw", gather)]:
+
+            def hung(*args, real=real):  # Drive answers only long after
+                released.wait(20)
+                return real(*args)
+
+            with monkeypatch.context() as m:
+                m.setattr(evaluate if name == "read_meta" else MemmapSplit, name, hung)
+                t0 = time.monotonic()
+                with pytest.raises(
+                    HungIOError, match=r"made no progress for 0\.5 s \(hung mount\?\)"
+                ):
+                    evaluate_run(run_dir, "bpb", "10", **kw)
+                assert time.monotonic() - t0 < 5, name
+    finally:
+        released.set()
+
+
 def test_trainings_end_of_run_hellaswag_row_is_reused(tmp_path, char_data):
     """Training's end-of-run HellaSwag row (every item) named no checkpoint: it was written before its checkpoint, so
     it had no model_sha256, and notebook 04's Evaluate scored the final checkpoint again. The row is written once the

@@ -91,8 +91,11 @@ def evaluate_bpb(
     with hs.scoring(model, progress, total=len(starts), desc="bpb", unit="window") as (m, bar):
         for i, chunk in zip(range(0, len(starts), per_batch), starts.split(per_batch)):
             # (B, T + 1): each window and the token after it, read from disk or from memory
+            # on Drive: each read within its time limit (a hung mount held the cell for good)
             if memmap:
-                rows = _to_ids(val_tokens.gather_raw(chunk, block + 1)).to(device)
+                read = partial(val_tokens.gather_raw, chunk, block + 1)
+                raw = call_with_timeout(read, colab.DRIVE_CHECK_S, what="reading the val split")
+                rows = _to_ids(raw).to(device)
             else:
                 rows = ids[chunk[:, None] + torch.arange(block + 1)].to(device)
             y = rows[:, 1:]  # (B, T)
@@ -147,22 +150,24 @@ def _prepare(
         r = hs.render(chosen, tok, cfg.model.block_size)
         same = dict(data_sha256=file["sha256"], n=r.n, skipped=r.skipped)
         return {"file": file, "rendered": r, "same": same}
-    if data is not None and Path(data).is_file():
+    if not (where := data or state.data_dir):
+        raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
+    # on Drive (the notebooks' datasets): each look and read within its time limit, as the checkpoint's
+    timed = partial(call_with_timeout, timeout=colab.DRIVE_CHECK_S, what=f"reading {where}")
+    if data is not None and timed(Path(data).is_file):
         msg = f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
         raise EvalError(msg)
-    if not (data or state.data_dir):
-        raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
     # an older run's record: relative to the folder training ran in; else gone (a reset Colab VM's disk, notebook 02's)
-    if not data and not Path(state.data_dir).is_dir():
+    if not data and not timed(Path(state.data_dir).is_dir):
         gone = Path(state.data_dir).is_absolute()
         why = "which is gone: tokenize it there again" if gone else "relative to where training ran"
         # notebook 04's evaluate cell has no data setting: --data is the command line's way out only
         how = "" if gone and in_notebook() else f"{', or' if gone else ';'} pass --data DATA_DIR"
         raise EvalError(f"{info.path} records its data directory as {state.data_dir!r}, {why}{how}")
-    meta = read_meta(data or state.data_dir)
+    meta = timed(partial(read_meta, where))
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"
     check_identity(tok, meta.tokenizer, needs)
-    val, block = MemmapSplit(meta, "val"), cfg.model.block_size
+    val, block = timed(partial(MemmapSplit, meta, "val")), cfg.model.block_size
     # its tokens, not the folder's path (Drive's, a VM's copy): one tokenized again holds others (BPB_WINDOWS: as many)
     same = dict(tokens_sha256=meta.identity()["tokens_sha256"])
     same["windows"] = len(window_starts(len(val), block, limit))

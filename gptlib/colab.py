@@ -108,16 +108,16 @@ def run_paths(name: str, roots: Roots | None = None) -> RunPaths:
 
 
 def drive_copy(run_dir: str | Path) -> Path | None:
-    """On Colab, the Drive mirror of a run on the VM's disk (where notebooks 02/03 train it) if Drive is mounted."""
+    """On Colab, the Drive mirror of a run on the VM's disk (where notebooks 02/03 train it) if Drive is mounted; an
+    OSError where Drive does not answer (hung: HungIOError; dropped), for the caller to say its rows stay on the VM."""
     local = Path(os.path.abspath(run_dir))
     if not in_colab() or local.parent != Path(os.path.abspath(COLAB_LOCAL_ROOT)) / "runs":
         return None
-    mirror = run_paths(local.name).mirror_dir if _drive_usable() else None
-    # on Drive too: a mount hung (or dropped) since the check above gives none, as one not mounted does
-    try:
-        return mirror if mirror and call_with_timeout(mirror.is_dir, DRIVE_CHECK_S) else None
-    except OSError:
+    # each look within the time limit: Drive not mounted gives none (no mount prompt)
+    if not call_with_timeout((DRIVE_MOUNT / "MyDrive").is_dir, DRIVE_CHECK_S):
         return None
+    mirror = run_paths(local.name).mirror_dir
+    return mirror if mirror and call_with_timeout(mirror.is_dir, DRIVE_CHECK_S) else None
 
 
 def data_dir(name: str, roots: Roots | None = None) -> Path:

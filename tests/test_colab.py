@@ -609,7 +609,8 @@ def test_evaluates_look_at_the_runs_drive_copy_does_not_hang_on_a_hung_mount(
 ):
     """Notebook 04's Evaluate of a run on the VM's disk looks for its Drive copy (colab.drive_copy) before scoring:
     after the timed look at MyDrive, the look at the run's folder on Drive had no limit, so a mount hung since then
-    held Evaluate before it scored anything. It is under DRIVE_CHECK_S: hung, no Drive copy (as Drive not mounted)."""
+    held Evaluate before it scored anything. It is under DRIVE_CHECK_S: hung, an OSError within the limit (Evaluate
+    says the rows stay on the VM's disk)."""
     import threading
     import time
     from pathlib import Path
@@ -629,10 +630,53 @@ def test_evaluates_look_at_the_runs_drive_copy_does_not_hang_on_a_hung_mount(
     monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.2)
     try:
         t0 = time.monotonic()
-        assert colab.drive_copy(rp.run_dir) is None
+        with pytest.raises(OSError, match="made no progress"):
+            colab.drive_copy(rp.run_dir)
         assert time.monotonic() - t0 < 5
     finally:
         released.set()
+
+
+def test_evaluate_says_once_that_a_hung_drive_keeps_its_rows_on_the_vm(
+    fake_colab, char_data, monkeypatch
+):
+    """Evaluate of a run on the VM's disk whose Drive copy could not be looked at (Drive hung, or dropped): no Drive
+    copy, as for a run with none, and not a word: its rows stayed on the VM, lost with it, unsaid (a failed copy of
+    them is said). It is said once, before scoring; the rows are scored and stand on the VM's disk."""
+    import threading
+    from pathlib import Path
+
+    from gptlib.evaluation.evaluate import evaluate_run
+    from gptlib.fsutil import read_jsonl
+    from gptlib.layout import EVAL_FILE
+
+    rp, _ = train_tiny_on_colab(char_data, TINY + ["eval_interval=5"])
+    is_dir, released, said = Path.is_dir, threading.Event(), []
+
+    def hung(path):
+        if path == rp.mirror_dir:
+            released.wait(20)  # the hung mount: answers only long after
+        return is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", hung)
+    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.3)
+    try:
+        rows = evaluate_run(
+            rp.run_dir, "bpb", "all", device="cpu", progress=False, limit=2, warn=said.append
+        )
+    finally:
+        released.set()
+    assert (
+        [r["step"] for r in rows]
+        == [5, 10]
+        == [r["step"] for r in read_jsonl(rp.run_dir / EVAL_FILE)]
+    )
+    assert not (rp.mirror_dir / EVAL_FILE).exists()
+    [line] = said
+    assert line == (
+        f"!! {rp.run_dir / EVAL_FILE} stays on this VM, lost with it: its Drive copy was not found "
+        f"([Errno 110] Drive made no progress for 0.3 s (hung mount?))"
+    ), line
 
 
 def test_eval_rows_that_never_reached_drive_survive_a_resume_from_drive(
@@ -654,8 +698,12 @@ def test_eval_rows_that_never_reached_drive_survive_a_resume_from_drive(
     settings.append(f"hellaswag_file={hs_file}")
     rp, _ = train_tiny_on_colab(char_data, settings)
     kw = dict(device="cpu", progress=False, warn=lambda s: None, limit=4)
-    with monkeypatch.context() as m:  # Drive dropped while Evaluate ran on this VM
-        m.setattr(colab, "_drive_usable", lambda: False)
+
+    def dropped(run_dir):  # Drive dropped while Evaluate ran on this VM
+        raise OSError(107, "Transport endpoint is not connected")
+
+    with monkeypatch.context() as m:
+        m.setattr(colab, "drive_copy", dropped)
         evaluate_run(rp.run_dir, "bpb", "all", **kw)
     assert [r["task"] for r in read_jsonl(rp.mirror_dir / EVAL_FILE)] == ["hellaswag"]
     # training goes on on another VM from Drive's copy, then on this one (Drive's checkpoint the newer)

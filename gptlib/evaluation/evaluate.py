@@ -174,7 +174,7 @@ def _prepare(
     return {"meta": meta, "val": val, "same": same}
 
 
-def _rows_file(run_dir: Path, out) -> tuple[Path, Path | None]:
+def _rows_file(run_dir: Path, out, warn) -> tuple[Path, Path | None]:
     """RUN_DIR/eval.jsonl, else `out`: a new file or one of eval rows; and the Drive mirror to copy it to, as
     training's mirror does: a run on Colab's VM disk goes with the VM."""
     target = Path(out) if out is not None else run_dir / EVAL_FILE
@@ -190,7 +190,11 @@ def _rows_file(run_dir: Path, out) -> tuple[Path, Path | None]:
             raise EvalError(
                 f"--out {out} holds something else than eval rows; give a new file or an eval.jsonl"
             )
-    return target, colab.drive_copy(run_dir) if out is None else None
+    try:
+        return target, colab.drive_copy(run_dir) if out is None else None
+    except OSError as e:  # Drive hung or dropped: said once, as a failed copy is (_to_drive)
+        warn(f"!! {target} stays on this VM, lost with it: its Drive copy was not found ({e})")
+        return target, None
 
 
 def _to_drive(target: Path, drive: Path | None, warn) -> Path | None:
@@ -228,7 +232,7 @@ def evaluate_run(
         raise EvalError(f"unknown task {task!r}: choose one of {', '.join(TASKS)}")
     if limit is not None and limit < 0:
         raise EvalError(f"--limit {limit} must be >= 0 (0 = everything)")
-    target, drive = _rows_file(run_dir, out)
+    target, drive = _rows_file(run_dir, out, warn)
     steps = select_steps(run_dir, checkpoint)
     dev = resolve_device(device)
     # fp32 weights under this autocast, as training's validation loss

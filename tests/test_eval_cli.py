@@ -476,8 +476,8 @@ def test_bpb_of_a_run_trained_with_a_relative_data_dir_from_another_folder(
 
 
 def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys, monkeypatch):
-    """Notebook 02 tokenizes into its run dir on the VM's disk; on a fresh VM notebook 04 evaluates the Drive mirror,
-    whose checkpoints record that data directory, gone. bpb said `data directory ... does not exist (run python -m
+    """A data directory on a VM's disk (notebook 02's before 0.3.0); on a fresh VM notebook 04 evaluates the Drive
+    mirror, whose checkpoints record that data directory, gone. bpb said `data directory ... does not exist (run python -m
     gptlib tokenize first)`: not which checkpoint recorded it, nor --data. Now the line says both."""
     import shutil
 
@@ -501,6 +501,39 @@ def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys, monkeyp
     with pytest.raises(EvalError) as e:
         evaluate_run(tmp_path / "run", "bpb", limit=2, progress=False)
     assert str(e.value).endswith("vm-data', which is gone: tokenize it there again"), e.value
+
+
+def test_bpb_of_a_notebook_02_run_from_before_0_3_0_names_what_brings_its_data_back(
+    tmp_path, small_text, monkeypatch
+):
+    """Notebook 02 before 0.3.0 tokenized into its run's folder (on Colab the VM's disk): notebook 04 on another VM
+    said 'which is gone: tokenize it there again', which no notebook does (02 makes the dataset RUN_NAME now). It
+    names what does: notebook 02 training the run on; done so, bpb is scored, on the newest checkpoint's data."""
+    import shutil
+
+    import IPython
+
+    from gptlib.data.prepare import prepare_text
+    from gptlib.errors import EvalError
+    from gptlib.training.loop import train
+
+    run, quiet = tmp_path / "runs" / "tiny", dict(progress=False, log=lambda s: None)
+    prepare_text([small_text], run / "data", tokenizer="char", verbose=False)
+    train(run / "data", run, overrides=TINY, max_steps=3, **quiet)
+    shutil.rmtree(run / "data")  # the VM's disk
+    with monkeypatch.context() as m:  # notebook 04's Evaluate cell
+        m.setattr(IPython, "get_ipython", lambda: type("Kernel", (), {"kernel": 1})())
+        with pytest.raises(EvalError) as e:
+            evaluate_run(run, "bpb", limit=2, progress=False)
+    assert str(e.value).endswith(
+        "data', which is gone (notebook 02 before gptlib 0.3.0 kept it in the run, on Colab on the VM's disk): "
+        "train the run on in notebook 02 (a larger MAX_STEPS), which keeps its data on Drive now, then evaluate again"
+    ), e.value
+    # as said: notebook 02 now (its text as the dataset RUN_NAME), a larger MAX_STEPS
+    prepare_text([small_text], tmp_path / "data" / "tiny", tokenizer="char", verbose=False)
+    train(tmp_path / "data" / "tiny", run, overrides=TINY, max_steps=6, **quiet)
+    rows = evaluate_run(run, "bpb", "all", device="cpu", limit=2, progress=False)
+    assert [r["step"] for r in rows] == [3, 6]
 
 
 def test_out_appends_to_eval_rows_only(run_dir, char_data, tmp_path, capsys):

@@ -157,12 +157,17 @@ def _prepare(
     if data is not None and timed(Path(data).is_file):
         msg = f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
         raise EvalError(msg)
-    # an older run's record: relative to the folder training ran in; else gone (a reset Colab VM's disk, notebook 02's)
-    if not data and not timed(Path(state.data_dir).is_dir):
-        gone = Path(state.data_dir).is_absolute()
+    # an older run's record: relative to the folder training ran in; else gone (deleted, a reset Colab VM's disk)
+    if not data and not timed((d := Path(state.data_dir)).is_dir):
+        gone, nb = d.is_absolute(), in_notebook()
         why = "which is gone: tokenize it there again" if gone else "relative to where training ran"
+        # RUN/data, notebook 02's before 0.3.0: no notebook makes it again (02 makes the dataset RUN_NAME now)
+        if gone and nb and d.name == "data" and d.parent.parent.name == "runs":
+            why = "which is gone (notebook 02 before gptlib 0.3.0 kept it in the run, on Colab on the VM's disk): "
+            why += "train the run on in notebook 02 (a larger MAX_STEPS), which keeps its data on Drive now, then "
+            why += "evaluate again"
         # notebook 04's evaluate cell has no data setting: --data is the command line's way out only
-        how = "" if gone and in_notebook() else f"{', or' if gone else ';'} pass --data DATA_DIR"
+        how = "" if gone and nb else f"{', or' if gone else ';'} pass --data DATA_DIR"
         raise EvalError(f"{info.path} records its data directory as {state.data_dir!r}, {why}{how}")
     meta = timed(partial(read_meta, where))
     needs = f"{meta.data_dir} (bits per byte needs {info.path}'s own validation data)"

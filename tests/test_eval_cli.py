@@ -477,8 +477,8 @@ def test_bpb_of_a_run_trained_with_a_relative_data_dir_from_another_folder(
 
 def test_bpb_when_the_recorded_data_is_gone(tmp_path, char_data, capsys, monkeypatch):
     """A data directory on a VM's disk (notebook 02's before 0.3.0); on a fresh VM notebook 04 evaluates the Drive
-    mirror, whose checkpoints record that data directory, gone. bpb said `data directory ... does not exist (run python -m
-    gptlib tokenize first)`: not which checkpoint recorded it, nor --data. Now the line says both."""
+    mirror, whose checkpoints record that data directory, gone. bpb said `data directory ... does not exist (run
+    python -m gptlib tokenize first)`: not which checkpoint recorded it, nor --data. Now the line says both."""
     import shutil
 
     from gptlib.training.loop import train

@@ -852,15 +852,16 @@ def test_a_different_dataset_in_a_notebook_names_the_notebooks_settings(
 
 
 def test_notebook_02s_data_cell_on_another_text_names_its_settings(tmp_path, monkeypatch):
-    """Notebook 02 run again with TEXT_PATH on another text, same RUN_NAME: its data cell (prepare_text into RUN/data)
-    was refused with notebook 01's words ('choose another DATASET_NAME ... OVERWRITE = True in notebook 01'), settings
-    notebook 02 does not have. It names TEXT_PATH and RUN_NAME; the folder is unchanged; the command line as before."""
+    """Notebook 02 run again with TEXT_PATH on another text, same RUN_NAME: its data cell (prepare_text into the
+    dataset RUN_NAME) was refused with notebook 01's words ('choose another DATASET_NAME ... OVERWRITE = True in
+    notebook 01'), settings notebook 02 does not have. It names TEXT_PATH and RUN_NAME; the folder is unchanged; the
+    command line as before."""
     from types import SimpleNamespace
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("to be or not to be\n" * 200)
     b.write_text("the quick brown fox\n" * 200)
-    out = tmp_path / "runs" / "phase1" / "data"
+    out = tmp_path / "data" / "phase1"
     prepare_text([a], out, verbose=False)
     before = files_of(out)
     with pytest.raises(PrepareError, match="--overwrite"):

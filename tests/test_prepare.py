@@ -877,6 +877,34 @@ def test_notebook_02s_data_cell_on_another_text_names_its_settings(tmp_path, mon
     assert "DATASET_NAME" not in said and "OVERWRITE" not in said and files_of(out) == before, said
 
 
+def test_notebook_02_named_as_a_bpe_dataset_keeps_it(tmp_path, bpe_file, monkeypatch):
+    """Notebook 02 tokenizes into the dataset RUN_NAME beside notebook 01's: a RUN_NAME that names a BPE dataset
+    (notebook 01's demo Tiny Shakespeare as DATASET_NAME "shakespeare", then 02's run "shakespeare") was refused
+    with 'set TEXT_PATH back to the text it was made from (or delete the folder)': TEXT_PATH is that text, and the
+    folder is notebook 01's dataset. It says to choose a new RUN_NAME, naming whose folder it is; finished or not,
+    the folder is unchanged."""
+    from types import SimpleNamespace
+
+    text, out = tmp_path / "a.txt", tmp_path / "data" / "shakespeare"
+    text.write_text("to be or not to be\n" * 200)
+    prepare([text], out, tokenizer_from=bpe_file, verbose=False)
+    monkeypatch.setattr(genc, "BATCH_CHARS", 200)
+    kill_at_encode_call(monkeypatch, 2)
+    with pytest.raises(Killed):  # notebook 01 stopped mid-way on another dataset
+        prepare([text], tmp_path / "data" / "half", tokenizer_from=bpe_file, verbose=False)
+    kernel = SimpleNamespace(get_ipython=lambda: SimpleNamespace(kernel=object()))
+    monkeypatch.setitem(sys.modules, "IPython", kernel)
+    for folder in (out, tmp_path / "data" / "half"):
+        before = files_of(folder)
+        with pytest.raises(PrepareError) as e:
+            prepare_text([text], folder, verbose=False)
+        said = str(e.value)
+        assert said.endswith(
+            "choose a new RUN_NAME (this folder holds a BPE dataset: notebook 01's or 05's)"
+        ), said
+        assert "delete" not in said and "TEXT_PATH" not in said and files_of(folder) == before
+
+
 # --------------------------------------------------------------------------------------- memory
 
 # VmHWM: the peak RSS of the child's own address space (ru_maxrss would include pytest's at fork time).

@@ -156,6 +156,10 @@ def prepare_text(
     except PrepareError as e:
         # notebook 02's data cell: RUN_NAME's folder, made from TEXT_PATH (no DATASET_NAME, no OVERWRITE there)
         nb02 = "set TEXT_PATH back to the text it was made from (or delete the folder), or choose a new RUN_NAME"
+        # a BPE dataset named as the run (notebook 01's or 05's, finished or not): never to delete for notebook 02
+        tok = Path(out_dir) / TOKENIZER_FILE
+        if tok.is_file() and (_json(tok) or {}).get("kind") != "char":
+            nb02 = "choose a new RUN_NAME (this folder holds a BPE dataset: notebook 01's or 05's)"
         raise PrepareError(str(e).replace(_elsewhere(), nb02)) if in_notebook() else e from None
 
 

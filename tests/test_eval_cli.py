@@ -666,17 +666,17 @@ def test_a_bpb_row_is_reused_for_the_same_tokens_at_another_path(run_dir, char_d
 def test_bpb_on_a_hung_drive_says_so_instead_of_hanging(run_dir, monkeypatch):
     """bpb reads the run's dataset, on Drive for the notebooks' runs: its meta.json and tokenizer, then each batch's
     windows, were read with no time limit (the checkpoint's read has one), so a Drive hung since held notebook 04's
-    Evaluate cell for good. Each read is under colab.DRIVE_CHECK_S: a hung mount ends the task in one line."""
+    Evaluate cell for good. Each read is under DRIVE_READ_STALL_S, as the checkpoint's: a hung mount ends the task in
+    one line."""
     import threading
     import time
 
-    from gptlib import colab
     from gptlib.batches import MemmapSplit
     from gptlib.errors import HungIOError
     from gptlib.evaluation import evaluate
 
     released, read_meta, gather = threading.Event(), evaluate.read_meta, MemmapSplit.gather_raw
-    monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
+    monkeypatch.setattr(evaluate, "DRIVE_READ_STALL_S", 0.5)
     kw = dict(device="cpu", progress=False, limit=2, out=run_dir.parent / "hung.jsonl")
     try:
         for name, real in [("read_meta", read_meta), ("gather_raw", gather)]:

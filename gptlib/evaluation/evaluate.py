@@ -14,7 +14,7 @@ import torch
 
 from gptlib import colab
 from gptlib.batches import MemmapSplit, _to_ids
-from gptlib.checkpoint.format import model_sha256
+from gptlib.checkpoint.format import DRIVE_READ_STALL_S, model_sha256
 from gptlib.data.shards import read_meta
 from gptlib.data.tokenizer import Tokenizer, check_identity
 from gptlib.errors import EvalError, GptlibError, in_notebook, loud
@@ -94,7 +94,7 @@ def evaluate_bpb(
             # on Drive: each read within its time limit (a hung mount held the cell for good)
             if memmap:
                 read = partial(val_tokens.gather_raw, chunk, block + 1)
-                raw = call_with_timeout(read, colab.DRIVE_CHECK_S, what="reading the val split")
+                raw = call_with_timeout(read, DRIVE_READ_STALL_S, what="reading the val split")
                 rows = _to_ids(raw).to(device)
             else:
                 rows = ids[chunk[:, None] + torch.arange(block + 1)].to(device)
@@ -153,7 +153,7 @@ def _prepare(
     if not (where := data or state.data_dir):
         raise EvalError(f"{info.path} records no data directory; pass --data DATA_DIR")
     # on Drive (the notebooks' datasets): each look and read within its time limit, as the checkpoint's
-    timed = partial(call_with_timeout, timeout=colab.DRIVE_CHECK_S, what=f"reading {where}")
+    timed = partial(call_with_timeout, timeout=DRIVE_READ_STALL_S, what=f"reading {where}")
     if data is not None and timed(Path(data).is_file):
         msg = f"--data {data} is a file; for bpb give the data directory (from `tokenize`)"
         raise EvalError(msg)

@@ -88,20 +88,23 @@ fi
 pip_local() { "$VPY" -m pip install -q --no-index --find-links "$WH" "$@"; }
 
 # 1. Colab's packages. Every pin has a wheel in the wheelhouse after the first run; only missing ones are
-#    downloaded. --no-deps: the env holds exactly the pins, as Colab's image holds exactly its list.
+#    downloaded. --no-deps: the env holds exactly the pins, as Colab's image holds exactly its list. Compiled to
+#    bytecode as pip does by default (Colab's image has it): this sandbox sets PYTHONDONTWRITEBYTECODE, so without
+#    it every kernel, subprocess and worker compiled torch's and the rest's sources again on import (~6 s of CPU for
+#    `import torch` against ~2.5 s; test_notebook_03.py 200 s against 79 s, 2026-11-29).
 install_pins() {
     if ! pip_local "pip==$(sed -n 's/^pip==//p' "$PINS")" 2>/dev/null \
-       || ! pip_local --no-deps --no-compile -r "$PINS" 2>/dev/null; then
+       || ! pip_local --no-deps -r "$PINS" 2>/dev/null; then
         say "filling the wheelhouse from the package index (first run on this machine: a few minutes)"
         "$VPY" -m pip download -q --no-deps --only-binary=:all: -d "$WH" -r "$PINS"
         pip_local "pip==$(sed -n 's/^pip==//p' "$PINS")"
-        pip_local --no-deps --no-compile -r "$PINS"
+        pip_local --no-deps -r "$PINS"
     fi
 }
 if [ -n "${GPTLIB_VENV_CACHE:-}" ]; then
     # .ci/run: a hard-linked copy of the pins' venv, built once per pins file and Python (scripts/venv_cache.sh)
     . scripts/venv_cache.sh
-    venv_from_cache "$PY" "$VENV" "$CACHE" "$(venv_key "$PINS" "$("$PY" -VV)")" install_pins
+    venv_from_cache "$PY" "$VENV" "$CACHE" "$(venv_key "$PINS" "$("$PY" -VV)" compiled)" install_pins
 else
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"

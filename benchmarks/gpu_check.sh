@@ -56,17 +56,19 @@ export TORCH_CUDNN_SDPA_DEPRIORITIZED=1
 # part N "what it runs"; then its steps: step NAME BUDGET_S COMMAND, or tests NAME BUDGET_S TEST... (tests of
 # tests/test_gpu.py, in one pytest process: they share its data and compiled runs). Budgets are estimates for an H100
 # (docs/benchmarks.md gives each one's parts) until a part has run; its row in gpu_summary.txt gives the seconds.
-P_TITLE=() S_PART=() S_NAME=() S_BUDGET=() S_CMD=() S_DRY=()
+P_TITLE=() S_PART=() S_NAME=() S_BUDGET=() S_CMD=() S_DRY=() S_IDS=()
 part() { P_TITLE[$1]=$2; }
 step() {  # step NAME BUDGET COMMAND [DRY_COMMAND]
   S_PART+=("$((${#P_TITLE[@]}))") S_NAME+=("$1") S_BUDGET+=("$2") S_CMD+=("$3") S_DRY+=("${4:-$3 --help}")
 }
+COLLECT_ARGS="-m gpu -p no:cacheprovider -p no:logging -o addopts="
 tests() {  # tests NAME BUDGET TEST...
   local name=$1 budget=$2 ids="" t
   shift 2
   for t in "$@"; do ids+=" tests/test_gpu.py::$t"; done
-  local run="\"\$PY\" -m pytest$ids -m gpu -p no:cacheprovider -p no:logging -o addopts="
+  local run="\"\$PY\" -m pytest$ids $COLLECT_ARGS"
   step "$name" "$budget" "$run -v -rA" "$run --collect-only -qq"
+  S_IDS[${#S_NAME[@]} - 1]=$ids  # --dry collects every part's at once
 }
 
 # Set-up: a fresh site of the carried wheels (~5 s), five imports and the requirement check (~10 s).
@@ -257,7 +259,8 @@ fi
 
 # --- the plan, checked on a CPU ---------------------------------------------------------------------------------------
 PY=${PYTHON:-}
-if [[ -z $PY ]]; then
+# --which needs no Python (the probe imports torch: seconds)
+if [[ -z $PY && $MODE != which ]]; then
   for c in .venv/bin/python python3; do command -v "$c" >/dev/null && "$c" -c "import torch" 2>/dev/null && { PY=$c; break; }; done
 fi
 [[ -n $PY || $MODE == which ]] || die "no Python with torch here (run scripts/setup.sh, or set PYTHON)"
@@ -266,12 +269,31 @@ export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ $MODE == dry ]]; then
   failed=0
+  # Every part's tests in one collection (each pytest process imports torch, gptlib and tests/test_gpu.py: ~4 s),
+  # counted per step below; where it fails, each step collects on its own (its dry command), naming the part. A dry
+  # command that ran already is not run again (parts 5 and 6 share `bench.py train --help`).
+  # shellcheck disable=SC2086
+  all_tests=$("$PY" -m pytest $(tr ' ' '\n' <<< "${S_IDS[*]}" | sort -u) $COLLECT_ARGS --collect-only -q 2>&1) \
+    || all_tests=""
+  declare -A dry_out=() dry_rc=()
   for ((n = 1; n <= N_PARTS; n++)); do
     budget=$(part_budget "$n")
     if ((budget > PART_MAX_S)); then echo "part $n: its budgets add to $budget s, over $PART_MAX_S s"; failed=1; fi
     for i in "${!S_NAME[@]}"; do
       [[ ${S_PART[$i]} == "$n" && ${S_NAME[$i]} != setup ]] || continue
-      if out=$(eval "${S_DRY[$i]}" 2>&1); then
+      count=0
+      if [[ -n ${S_IDS[$i]:-} && -n $all_tests ]]; then
+        count=$(grep -cE "^($(sed 's/^ //; s/ /|/g' <<< "${S_IDS[$i]}"))(\[[^]]*\])?\$" <<< "$all_tests")
+      fi
+      if ((count > 0)); then
+        out="tests/test_gpu.py: $count" rc=0
+      elif [[ -n ${dry_rc[${S_DRY[$i]}]:-} ]]; then
+        out=${dry_out[${S_DRY[$i]}]} rc=${dry_rc[${S_DRY[$i]}]}
+      else
+        out=$(eval "${S_DRY[$i]}" 2>&1) && rc=0 || rc=$?
+        dry_out[${S_DRY[$i]}]=$out dry_rc[${S_DRY[$i]}]=$rc
+      fi
+      if ((rc == 0)); then
         tests=$(grep -oE '^tests/test_gpu.py: [0-9]+' <<< "$out" | grep -oE '[0-9]+$' || true)
         if [[ -n $tests ]]; then what="collects $tests tests"; else what="runs (--help)"; fi
         echo "part $n ($budget s): ${S_NAME[$i]} $what"

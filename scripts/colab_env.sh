@@ -58,7 +58,9 @@ PINS=ci/colab-pins.txt
 VENV=.venv-colab  # git-ignored; rebuilt on every run (from the wheelhouse: no network when warm; in CI a copy)
 CACHE="${GPTLIB_COLAB_CACHE:-$HOME/.cache/gptlib-colab}"
 # What Colab's versions can change (see the header for what is left out and why); the glob takes in every
-# notebook's test, present and future.
+# notebook's test, present and future. The notebooks' files first: the two workers take files in this order
+# (--no-loadscope-reorder below), so the run does not end on a notebook (25-70 s a file here) with the other worker
+# idle, as pytest-xdist's own order, the files with most tests first, had it.
 CI_SUBSET="tests/test_notebook_*.py tests/test_train.py tests/test_checkpoint.py tests/test_model.py
 tests/test_generate.py tests/test_dialogue.py tests/test_ui.py tests/test_export.py tests/test_import_hf.py tests/test_hub.py
 tests/test_push.py tests/test_gguf.py
@@ -176,7 +178,7 @@ EOF
 say "tests: $(echo $TESTS)"
 set +e
 # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
-"$VPY" -m pytest -n 2 --dist loadfile -p no:cacheprovider --durations=10 $TESTS
+"$VPY" -m pytest -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider --durations=10 $TESTS
 rc=$?
 set -e
 say "done (pytest exit $rc)"

@@ -505,6 +505,29 @@ def test_table_shows_standard_errors_and_says_when_a_difference_is_within_noise(
     assert re.search(r"step 1,000 +10,000 +1\.9800 ", table), table
 
 
+def test_notebook_04s_eval_cell_says_a_dropped_drive_in_one_line_and_goes_on(monkeypatch, capsys):
+    """Drive dropped while a task read the run or its data (ENOTCONN, not a hang: a plain OSError, no GptlibError):
+    the Evaluate cell showed a traceback and the next task did not run. It is one line, as a task that cannot run."""
+    import errno
+
+    import torch
+
+    from gptlib.evaluation import evaluate as ev
+    from tests.test_eval_cli import eval_cell
+
+    def fake_run(run_dir, task, checkpoints, device, data, limit, file_option):
+        if task == "bpb":
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+        return [{"task": task}]
+
+    monkeypatch.setattr(ev, "evaluate_run", fake_run)
+    monkeypatch.setattr(ev, "format_table", lambda rows: "")
+    rows = eval_cell(capsys, run_dir="r", EVAL_TASKS="bpb, hellaswag", device=torch.device("cpu"))
+    assert rows == [{"task": "hellaswag"}]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "bpb: not evaluated: [Errno 107] Transport endpoint is not connected", out
+
+
 def test_notebook_04s_eval_cell_sizes_hellaswag_by_device_and_reports_a_task_that_cannot_run(
     monkeypatch, capsys
 ):

@@ -245,6 +245,17 @@ def test_a_name_or_folder_pasted_with_spaces_is_the_same_run(tmp_path, char_data
     assert find_run(run_dir=f"{char_run}  \n") == char_run
 
 
+def hellaswag_settings(tmp_path) -> list[str]:
+    """TINY, saving every 5 steps, with HellaSwag at step 10 on 4 of 8 made-up items (tmp_path/hs.jsonl)."""
+    items = [
+        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
+    ]
+    hs_file = tmp_path / "hs.jsonl"
+    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
+    hs = ["hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"]
+    return TINY + ["save_every_steps=5", *hs]
+
+
 def train_tiny_on_colab(char_data, settings: list[str]):
     """10 steps of run "tiny" on 'Colab': its local run dir, checkpoints mirrored to Drive -> (its paths, result)."""
     rp = colab.run_paths("tiny", colab.setup())
@@ -482,13 +493,8 @@ def test_eval_rows_survive_a_vm_reset(fake_colab, tmp_path, char_data):
     from gptlib.inference.loading import find_run
     from gptlib.layout import EVAL_FILE
 
-    items = [
-        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
-    ]
-    hs_file = tmp_path / "hs.jsonl"
-    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
-    hs = ["hellaswag_every=10", "hellaswag_items=4", f"hellaswag_file={hs_file}"]
-    rp, _ = train_tiny_on_colab(char_data, TINY + ["save_every_steps=5", *hs])
+    settings = hellaswag_settings(tmp_path)
+    rp, _ = train_tiny_on_colab(char_data, settings)
     assert [r["source"] for r in read_jsonl(rp.mirror_dir / EVAL_FILE)] == ["training"]
     said = []
     kw = dict(device="cpu", progress=False, warn=said.append, limit=4)
@@ -510,7 +516,7 @@ def test_eval_rows_survive_a_vm_reset(fake_colab, tmp_path, char_data):
         char_data,
         rp.run_dir,
         "phase1",
-        TINY + ["save_every_steps=5", *hs],
+        settings,
         max_steps=15,
         device="cpu",
         progress=False,
@@ -534,13 +540,7 @@ def test_eval_rows_from_another_vm_survive_training_going_on(fake_colab, tmp_pat
     from gptlib.fsutil import read_jsonl
     from gptlib.layout import EVAL_FILE
 
-    items = [
-        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
-    ]
-    hs_file = tmp_path / "hs.jsonl"
-    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
-    settings = TINY + ["save_every_steps=5", "hellaswag_every=10", "hellaswag_items=4"]
-    settings.append(f"hellaswag_file={hs_file}")
+    settings = hellaswag_settings(tmp_path)
     rp, _ = train_tiny_on_colab(char_data, settings)
     kw = dict(device="cpu", progress=False, warn=lambda s: None, limit=4)
     # notebook 04 on another VM: the run's Drive copy
@@ -689,13 +689,7 @@ def test_eval_rows_that_never_reached_drive_survive_a_resume_from_drive(
     from gptlib.fsutil import read_jsonl
     from gptlib.layout import EVAL_FILE
 
-    items = [
-        {"ctx": "ROMEO:", "endings": [" a", " b", " c", " d"], "label": i % 4} for i in range(8)
-    ]
-    hs_file = tmp_path / "hs.jsonl"
-    hs_file.write_text("".join(json.dumps(it) + "\n" for it in items))
-    settings = TINY + ["save_every_steps=5", "hellaswag_every=10", "hellaswag_items=4"]
-    settings.append(f"hellaswag_file={hs_file}")
+    settings = hellaswag_settings(tmp_path)
     rp, _ = train_tiny_on_colab(char_data, settings)
     kw = dict(device="cpu", progress=False, warn=lambda s: None, limit=4)
 

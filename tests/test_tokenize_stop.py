@@ -402,13 +402,27 @@ def test_what_a_stopped_tokenize_keeps_is_not_read_from_a_hung_drive(tmp_path, m
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def lock_unlink_hangs(monkeypatch):
+    """The data folder's lock file cannot be deleted (a hung Drive) until the returned event is set."""
+    import threading
+
+    answer, real_unlink = threading.Event(), Path.unlink
+
+    def unlink(self, *a, **k):  # the lock file's: Drive does not answer
+        if self.name == genc.LOCK_FILE:
+            answer.wait(60)
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    return answer
+
+
 def test_a_hung_shard_writes_line_is_not_held_up_by_the_clean_up_on_the_same_drive(
     tmp_path, corpus, bpe_file, monkeypatch
 ):
     """On a hung mount every call there blocks: after the shard write is given up, the lock's clean-up in the data
     directory (its unlink, its close) is given up the same way, so the one line still comes (was: a hang in the
     clean-up, after the write's time limit, with nothing said)."""
-    import threading
     from concurrent.futures import wait
 
     import gptlib.colab as colab
@@ -422,14 +436,7 @@ def test_a_hung_shard_writes_line_is_not_held_up_by_the_clean_up_on_the_same_dri
         monkeypatch.setattr,
     )
     monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
-    answer, real_unlink = threading.Event(), Path.unlink
-
-    def unlink(self, *a, **k):  # the lock file's: Drive does not answer
-        if self.name == genc.LOCK_FILE:
-            answer.wait(60)
-        return real_unlink(self, *a, **k)
-
-    monkeypatch.setattr(Path, "unlink", unlink)
+    answer = lock_unlink_hangs(monkeypatch)
     out = tmp_path / "out"
     opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     run = in_background(lambda: prep.prepare([src], out, **opts))
@@ -568,7 +575,6 @@ def test_a_rerun_in_the_same_kernel_while_the_last_clean_up_is_stuck_on_drive_sa
     clean-up (its lock file's unlink, given up too) still hangs there holding the lock: refused as 'in use by another
     tokenize process', which sends the user looking for one. It says the last run in this process is stuck on Drive,
     and once Drive answers the cell run again resumes."""
-    import threading
     import time
     from concurrent.futures import wait
 
@@ -581,14 +587,7 @@ def test_a_rerun_in_the_same_kernel_while_the_last_clean_up_is_stuck_on_drive_sa
     monkeypatch.setattr(genc, "BATCH_CHARS", 20_000)  # the corpus dataset's shard cuts
     undo = faulty.install("hang:shard_mid@2,data.shards.WRITE_TIMEOUT_S=1")
     monkeypatch.setattr(colab, "DRIVE_CHECK_S", 0.5)
-    answer, real_unlink = threading.Event(), Path.unlink
-
-    def unlink(self, *a, **k):  # the lock file's: Drive does not answer
-        if self.name == genc.LOCK_FILE:
-            answer.wait(60)
-        return real_unlink(self, *a, **k)
-
-    monkeypatch.setattr(Path, "unlink", unlink)
+    answer = lock_unlink_hangs(monkeypatch)
     out = tmp_path / "out"
     opts = dict(tokenizer_from=bpe_file, shard_tokens=5000, verbose=False)
     try:
